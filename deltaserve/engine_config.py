@@ -1,0 +1,39 @@
+"""EngineConfig: how the engine runs a model (device, dtype, memory, batching limits), as one frozen dataclass.
+
+The CLI flags of `deltaserve serve` / `generate` map one-to-one onto these fields (vLLM's names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    load_format: str = "auto"  # auto (safetensors) or dummy (seeded random weights of the right shapes)
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped by memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len) on GPU, 2048 on CPU
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 * 1024**2  # explicit budget for KV blocks + state slots on the CPU
+    num_state_slots: int | None = None  # None: sized from memory (at least max_num_seqs)
+    seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
+    generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: built-in defaults
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

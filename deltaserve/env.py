@@ -1,0 +1,55 @@
+"""Every environment variable deltaserve reads, typed, in one place.
+
+Nothing else in the package calls os.environ for a DELTASERVE_* setting; read them through these
+functions so a test can set a variable and see the change without re-importing modules.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def fuse_attn_preamble() -> bool:
+    """DELTASERVE_FUSE_ATTN_PREAMBLE (default 1): one fused launch for q/k norm + RoPE + gate split.
+
+    0 selects the four-op path (gate split, RMSNorm q, RMSNorm k, 1-D RoPE), which refuses MRoPE positions.
+    """
+    return _flag("DELTASERVE_FUSE_ATTN_PREAMBLE", True)
+
+
+def use_triton() -> bool:
+    """DELTASERVE_USE_TRITON (default: 1 on CUDA): route kernel ops to Triton instead of the torch twins.
+
+    Under TRITON_INTERPRET=1 on the CPU, tests call the Triton kernels directly; the engine keeps the
+    torch twins on the CPU unless this is set explicitly.
+    """
+    return _flag("DELTASERVE_USE_TRITON", True)
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET: Triton's own switch for running kernels on the CPU with numpy."""
+    return _flag("TRITON_INTERPRET", False)
+
+
+def cuda_graphs() -> bool:
+    """DELTASERVE_CUDA_GRAPHS (default 1): capture decode steps as CUDA graphs on the GPU."""
+    return _flag("DELTASERVE_CUDA_GRAPHS", True)
+
+
+def cache_dir() -> Path:
+    """DELTASERVE_CACHE_DIR (default ~/.cache/deltaserve): where the built-in tiny checkpoint is generated."""
+    value = os.environ.get("DELTASERVE_CACHE_DIR")
+    return Path(value) if value else Path.home() / ".cache" / "deltaserve"
+
+
+def log_level() -> str:
+    """DELTASERVE_LOG_LEVEL (default INFO)."""
+    return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,59 @@
+"""Public kernel ops: each routes to its Triton kernel on CUDA and to its plain-torch `*_ref` twin elsewhere.
+
+Every op lives in its own module with three names: `<op>_ref` (plain torch, fp32 inside, the CPU execution
+path and the test oracle), `<op>_triton` (the Triton launcher) and `<op>` (the dispatcher the model calls).
+Model files import ops from here only, so kernels drop in without touching the model.
+"""
+
+from deltaserve.kernels.attention import paged_attention, paged_attention_ref, store_kv, store_kv_ref
+from deltaserve.kernels.conv import (
+    causal_conv1d_prefill,
+    causal_conv1d_prefill_ref,
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+)
+from deltaserve.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+from deltaserve.kernels.moe import fused_moe, fused_moe_ref, moe_route, moe_route_ref
+from deltaserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
+from deltaserve.kernels.preamble import (
+    attn_preamble,
+    attn_preamble_ref,
+    attn_preamble_unfused,
+    rope_cos_sin_cache,
+    rope_cos_sin_for_positions,
+    rotary_embedding,
+    rotary_embedding_ref,
+)
+from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+__all__ = [
+    "attn_preamble",
+    "attn_preamble_ref",
+    "attn_preamble_unfused",
+    "causal_conv1d_prefill",
+    "causal_conv1d_prefill_ref",
+    "causal_conv1d_update",
+    "causal_conv1d_update_ref",
+    "fused_moe",
+    "fused_moe_ref",
+    "gated_rms_norm",
+    "gated_rms_norm_ref",
+    "gdn_decode",
+    "gdn_decode_ref",
+    "gdn_prefill",
+    "gdn_prefill_ref",
+    "moe_route",
+    "moe_route_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope_cos_sin_cache",
+    "rope_cos_sin_for_positions",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "store_kv",
+    "store_kv_ref",
+]

@@ -1,0 +1,89 @@
+"""Paged KV cache store and paged causal GQA attention over it (prefill chunks and decodes alike).
+
+Cache layout: k_cache, v_cache [num_blocks, block_size, nkv, d]; a token's slot is block·block_size + offset.
+A batch is varlen: sequence b owns queries query_start_loc[b]:query_start_loc[b+1], which are the LAST
+q_len tokens of its seq_lens[b] tokens of context (already stored in the cache), so chunked prefill reads
+earlier chunks from the cache and a decode is the case q_len = 1. Query head h reads KV head h // (nq/nkv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels._dispatch import use_triton
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes k, v [T, nkv, d] into their cache slots; slots < 0 (CUDA-graph padding) are skipped."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    is_valid = slot_mapping >= 0
+    slots = slot_mapping[is_valid].long()
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[is_valid].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[is_valid].to(v_cache.dtype)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if use_triton(k):
+        from deltaserve.kernels.attention_triton import store_kv_triton
+
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, nq, d] -> o [T, nq, d]; causal within each sequence, fp32 softmax, one rounding."""
+    block_size = k_cache.shape[1]
+    num_q_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    for b, seq_len in enumerate(lengths):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        positions = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[b, positions // block_size].long()
+        slots = blocks * block_size + positions % block_size
+        keys = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])[slots].float()  # [L, nkv, d]
+        values = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])[slots].float()  # [L, nkv, d]
+        keys = keys.repeat_interleave(group, dim=1)  # [L, nq, d]
+        values = values.repeat_interleave(group, dim=1)  # [L, nq, d]
+        qb = q[q_start:q_end].float()  # [q_len, nq, d]
+        scores = torch.einsum("qhd,khd->hqk", qb, keys) * scale  # [nq, q_len, L]
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        is_masked = positions[None, :] > query_pos[:, None]  # [q_len, L]
+        scores = scores.masked_fill(is_masked[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    if use_triton(q):
+        from deltaserve.kernels.attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)

@@ -1,0 +1,177 @@
+"""Gated DeltaNet core: gates, q/k L2 norm and the delta-rule recurrence over fp32 state slots.
+
+ssm_states [num_slots, HV, dk, dv] fp32 (S in the architecture doc's orientation, §5.1). Value head h reads
+q/k head h // (HV/HK). Per token: S ← exp(g)·S; u = β(v − Sᵀk̂); S ← S + k̂uᵀ; o = Sᵀq̂, with
+g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-0.5, k̂ = l2norm(k).
+
+- `gdn_prefill`: varlen sequences by query_start_loc, the chunked (WY) form with chunks of 64; reads each
+  sequence's initial state from its slot (zeros when has_initial_state is False) and writes the final state
+  back. As vLLM's prefill, the L2-normed q/k are rounded to the input dtype before the core.
+- `gdn_decode`: one token per sequence, the recurrent form in place on the slots, all fp32 (q/k not
+  rounded), as vLLM's packed decode kernel. Slots < 0 (CUDA-graph padding) are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels._dispatch import use_triton
+
+CHUNK_SIZE = 64
+
+
+def _gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())  # [T, HV]
+    beta = torch.sigmoid(b.float())  # [T, HV]
+    return g, beta
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
+
+
+def _chunked_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, fp32: q, k [L, HV, dk] (normed, q scaled), v [L, HV, dv], g, beta [L, HV], state [HV, dk, dv]."""
+    length = q.shape[0]
+    pad = (CHUNK_SIZE - length % CHUNK_SIZE) % CHUNK_SIZE
+    # Padded steps carry k = 0, β = 0, g = 0: they leave the state unchanged.
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))  # [HV, Lp, *]
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))  # [HV, Lp]
+    num_heads = q.shape[0]
+    num_chunks = q.shape[1] // CHUNK_SIZE
+    q, k, v = (x.reshape(num_heads, num_chunks, CHUNK_SIZE, -1) for x in (q, k, v))  # [HV, N, C, *]
+    g, beta = (x.reshape(num_heads, num_chunks, CHUNK_SIZE) for x in (g, beta))  # [HV, N, C]
+    cum_g = g.cumsum(-1)  # [HV, N, C]
+    is_causal = torch.ones(CHUNK_SIZE, CHUNK_SIZE, dtype=torch.bool, device=q.device).tril()
+    decay = (cum_g[..., :, None] - cum_g[..., None, :]).masked_fill(~is_causal, float("-inf")).exp()  # [HV, N, C, C]
+    k_beta = k * beta[..., None]
+    strict_lower = (k_beta @ k.transpose(-1, -2)) * decay
+    strict_lower = strict_lower.tril(-1)  # A_ij = β_i k_i·k_j e^{Γi−Γj}, j < i
+    eye = torch.eye(CHUNK_SIZE, device=q.device, dtype=q.dtype)
+    system = eye + strict_lower  # (I + A): unit lower triangular
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)  # [HV, N, C, dv]
+    w = torch.linalg.solve_triangular(
+        system, k_beta * cum_g.exp()[..., None], upper=False, unitriangular=True
+    )  # [HV, N, C, dk]
+    out = torch.empty_like(u)
+    for i in range(num_chunks):
+        v_new = u[:, i] - w[:, i] @ state  # [HV, C, dv]
+        intra = (q[:, i] @ k[:, i].transpose(-1, -2)) * decay[:, i]  # [HV, C, C]
+        out[:, i] = (q[:, i] * cum_g[:, i, :, None].exp()) @ state + intra @ v_new
+        last = cum_g[:, i, -1]  # [HV]
+        state = state * last.exp()[:, None, None] + (k[:, i] * (last[:, None] - cum_g[:, i]).exp()[..., None]).transpose(
+            -1, -2
+        ) @ v_new
+    out = out.reshape(num_heads, -1, out.shape[-1])[:, :length].transpose(0, 1)  # [L, HV, dv]
+    return out, state
+
+
+def gdn_prefill_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv]; updates ssm_states in place."""
+    num_v_heads, head_k_dim = v.shape[1], q.shape[2]
+    group = num_v_heads // q.shape[1]
+    g, beta = _gates(a, b, A_log, dt_bias)
+    # vLLM's prefill rounds the normed q/k to the activation dtype before the core.
+    q_hat = _l2norm(q).to(q.dtype).float().repeat_interleave(group, dim=1) * head_k_dim**-0.5
+    k_hat = _l2norm(k).to(k.dtype).float().repeat_interleave(group, dim=1)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    starts = query_start_loc.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        if bool(has_initial_state[i]):
+            state = ssm_states[slot].float()
+        else:
+            state = torch.zeros(ssm_states.shape[1:], dtype=torch.float32, device=v.device)
+        o, state = _chunked_delta_rule(
+            q_hat[start:end], k_hat[start:end], v[start:end].float(), g[start:end], beta[start:end], state
+        )
+        out[start:end] = o.to(v.dtype)
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    return out
+
+
+def gdn_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    if use_triton(q):
+        from deltaserve.kernels.gdn_triton import gdn_prefill_triton
+
+        return gdn_prefill_triton(
+            q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state
+        )
+    return gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state)
+
+
+def gdn_decode_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One token per sequence: q, k [B, HK, dk]; v [B, HV, dv]; a, b [B, HV] -> o [B, HV, dv]; states in place."""
+    num_v_heads, head_k_dim = v.shape[1], q.shape[2]
+    group = num_v_heads // q.shape[1]
+    g, beta = _gates(a, b, A_log, dt_bias)
+    q_hat = _l2norm(q).repeat_interleave(group, dim=1) * head_k_dim**-0.5  # [B, HV, dk]
+    k_hat = _l2norm(k).repeat_interleave(group, dim=1)  # [B, HV, dk]
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    for i, slot in enumerate(state_indices.tolist()):
+        if slot < 0:
+            continue
+        state = ssm_states[slot].float() * g[i].exp()[:, None, None]  # [HV, dk, dv]
+        u = beta[i][:, None] * (v[i].float() - torch.einsum("hkv,hk->hv", state, k_hat[i]))  # [HV, dv]
+        state = state + k_hat[i][:, :, None] * u[:, None, :]
+        out[i] = torch.einsum("hkv,hk->hv", state, q_hat[i]).to(v.dtype)
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    return out
+
+
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    if use_triton(q):
+        from deltaserve.kernels.gdn_triton import gdn_decode_triton
+
+        return gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices)
+    return gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices)

@@ -1,0 +1,52 @@
+"""RMSNorms of the decoder: zero-centred (1+w) with an optional fused residual add, and the GDN gated norm.
+
+Rounding follows vLLM (architecture doc §3.1, §7, §8.3): the residual sum is taken in fp32, stored rounded,
+and the norm reads the unrounded fp32 sum; every norm does fp32 math and rounds once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels._dispatch import use_triton
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = x̂·(1 + w) over the last dim. With `residual`: s = x + residual; returns (norm(s), s rounded)."""
+    xf = x.float()
+    residual_out = None
+    if residual is not None:
+        xf = xf + residual.float()
+        residual_out = xf.to(x.dtype)
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * inv_rms * (1.0 + weight.float())
+    return y.to(x.dtype), residual_out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if use_triton(x):
+        from deltaserve.kernels.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: RMSNorm(x)·w ⊙ SiLU(z) over the last dim, plain weight, all fp32, one rounding."""
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * inv_rms * weight.float() * F.silu(z.float())
+    return y.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        from deltaserve.kernels.norm_triton import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(x, z, weight, eps)
+    return gated_rms_norm_ref(x, z, weight, eps)
