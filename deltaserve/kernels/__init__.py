@@ -5,6 +5,7 @@ path and the test oracle), `<op>_triton` (the Triton launcher) and `<op>` (the d
 Model files import ops from here only, so kernels drop in without touching the model.
 """
 
+from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from deltaserve.kernels.attention import paged_attention, paged_attention_ref, store_kv, store_kv_ref
 from deltaserve.kernels.conv import (
     causal_conv1d_prefill,
@@ -24,7 +25,6 @@ from deltaserve.kernels.preamble import (
     rotary_embedding,
     rotary_embedding_ref,
 )
-from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 __all__ = [
     "attn_preamble",

@@ -42,8 +42,14 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """q [T, nq, d] -> o [T, nq, d]; causal within each sequence, fp32 softmax, one rounding."""
+    """q [T, nq, d] -> o [T, nq, d]; causal within each sequence, fp32 softmax, one rounding.
+
+    max_query_len / max_seq_len are host-side hints (the runner knows them without a device sync); a kernel
+    may use them to size its grid, e.g. max_query_len == 1 for an all-decode batch under a CUDA graph.
+    """
     block_size = k_cache.shape[1]
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -81,9 +87,15 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     if use_triton(q):
         from deltaserve.kernels.attention_triton import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+        return paged_attention_triton(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
+        )
+    return paged_attention_ref(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
+    )

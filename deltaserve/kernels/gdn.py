@@ -21,7 +21,9 @@ from deltaserve.kernels._dispatch import use_triton
 CHUNK_SIZE = 64
 
 
-def _gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())  # [T, HV]
     beta = torch.sigmoid(b.float())  # [T, HV]
     return g, beta
@@ -63,9 +65,10 @@ def _chunked_delta_rule(
         intra = (q[:, i] @ k[:, i].transpose(-1, -2)) * decay[:, i]  # [HV, C, C]
         out[:, i] = (q[:, i] * cum_g[:, i, :, None].exp()) @ state + intra @ v_new
         last = cum_g[:, i, -1]  # [HV]
-        state = state * last.exp()[:, None, None] + (k[:, i] * (last[:, None] - cum_g[:, i]).exp()[..., None]).transpose(
-            -1, -2
-        ) @ v_new
+        state = (
+            state * last.exp()[:, None, None]
+            + (k[:, i] * (last[:, None] - cum_g[:, i]).exp()[..., None]).transpose(-1, -2) @ v_new
+        )
     out = out.reshape(num_heads, -1, out.shape[-1])[:, :length].transpose(0, 1)  # [L, HV, dv]
     return out, state
 

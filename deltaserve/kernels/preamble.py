@@ -30,7 +30,9 @@ def rope_cos_sin_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)  # [P, r]
 
 
-def mrope_axis_per_frequency(num_frequencies: int, mrope_section: list[int] | None, device: torch.device | str) -> torch.Tensor:
+def mrope_axis_per_frequency(
+    num_frequencies: int, mrope_section: list[int] | None, device: torch.device | str
+) -> torch.Tensor:
     """Which position row (0=T, 1=H, 2=W) each rotary frequency reads, interleaved as Qwen3.5 does (§4)."""
     axis = torch.zeros(num_frequencies, dtype=torch.int64, device=device)
     if mrope_section is None:
@@ -187,6 +189,14 @@ def attn_preamble_unfused(
     k = qkv[:, k_start : k_start + num_kv_heads * head_dim].reshape(num_tokens, num_kv_heads, head_dim)
     q_normed = rms_norm(q_gate[..., :head_dim], q_norm_weight, eps)[0]  # op 2
     k_normed = rms_norm(k, k_norm_weight, eps)[0]  # op 3
-    return (*rotary_embedding(  # op 4
-        positions_1d, q_normed.reshape(num_tokens, -1), k_normed.reshape(num_tokens, -1), cos_sin_cache, head_dim, rotary_dim
-    ), gate)
+    return (
+        *rotary_embedding(  # op 4
+            positions_1d,
+            q_normed.reshape(num_tokens, -1),
+            k_normed.reshape(num_tokens, -1),
+            cos_sin_cache,
+            head_dim,
+            rotary_dim,
+        ),
+        gate,
+    )
