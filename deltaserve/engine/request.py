@@ -78,7 +78,7 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
