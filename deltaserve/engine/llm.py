@@ -1,0 +1,72 @@
+"""LLM: the offline API, shaped like vLLM's: LLM(model_dir, dtype=...).generate(prompts, SamplingParams(...)).
+
+A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}). All prompts are submitted to the
+engine at once and run with continuous batching; results come back in input order.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.request import RequestOutput, SamplingParams
+from deltaserve.engine_config import EngineConfig
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | Path, dtype: str = "auto", **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, **engine_kwargs))
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._to_token_ids(prompt["prompt"])
+        raise TypeError(f"a prompt is a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams(**self.engine.default_sampling)
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        request_ids = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._to_token_ids(prompt)
+            request_id = uuid.uuid4().hex
+            self.engine.add_request(request_id, token_ids, params, prompt=text)
+            request_ids.append(request_id)
+        states = {rid: self.engine.requests[rid] for rid in request_ids}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as progress:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.finished:
+                        progress.update(1)
+        return [states[rid].final_output() for rid in request_ids]
+
+    def score(self, token_ids: list[int], num_prefill_tokens: int | None = None) -> torch.Tensor:
+        """Logits [L, V] (fp32) of every position: one prefill of num_prefill_tokens, then decode steps."""
+        return self.engine.score(token_ids, num_prefill_tokens)

@@ -1,0 +1,1 @@
+"""The decoder's building blocks: gated full attention, Gated DeltaNet, dense SwiGLU and MoE."""

@@ -1,0 +1,87 @@
+"""Gated full attention (architecture doc §3.2): fused qkv GEMM, the attention preamble (q/k RMSNorm,
+partial NeoX RoPE or interleaved MRoPE, gate split), paged GQA attention, sigmoid output gate, o_proj.
+
+The preamble is one fused op by default; DELTASERVE_FUSE_ATTN_PREAMBLE=0 selects the four-op path, which
+refuses true MRoPE positions. KV caches are bound by the runner as `k_cache` / `v_cache`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve import env
+from deltaserve.config import ModelConfig
+from deltaserve.kernels import attn_preamble, attn_preamble_unfused, paged_attention, store_kv
+from deltaserve.model.layers.common import empty_param
+from deltaserve.runner.context import get_forward_context
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        q_width = 2 * self.num_q_heads * self.head_dim  # per head [query | gate]
+        kv_width = self.num_kv_heads * self.head_dim
+        # q_proj, k_proj and v_proj fused at load time: [q/gate | k | v] rows
+        self.qkv_proj = empty_param(q_width + 2 * kv_width, config.hidden_size, dtype=dtype, device=device)
+        self.o_proj = empty_param(config.hidden_size, self.num_q_heads * self.head_dim, dtype=dtype, device=device)
+        self.q_norm = empty_param(self.head_dim, dtype=dtype, device=device)
+        self.k_norm = empty_param(self.head_dim, dtype=dtype, device=device)
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, nkv, d], bound by the runner
+        self.v_cache: torch.Tensor | None = None
+        self.cos_sin_cache: torch.Tensor | None = None  # [max_pos, r], shared, set by the model
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj)  # [T, nq·2d + 2·nkv·d]
+        if env.fuse_attn_preamble():
+            q, k, gate = attn_preamble(
+                qkv,
+                self.q_norm,
+                self.k_norm,
+                ctx.cos_sin,
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.rotary_dim,
+                self.eps,
+            )
+        else:
+            q, k, gate = attn_preamble_unfused(
+                qkv,
+                self.q_norm,
+                self.k_norm,
+                positions,
+                self.cos_sin_cache,
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.rotary_dim,
+                self.eps,
+            )
+        v_start = self.num_q_heads * 2 * self.head_dim + self.num_kv_heads * self.head_dim
+        v = qkv[:, v_start:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        store_kv(k, v.contiguous(), self.k_cache, self.v_cache, ctx.slot_mapping)
+        o = paged_attention(
+            q.reshape(num_tokens, self.num_q_heads, self.head_dim),
+            self.k_cache,
+            self.v_cache,
+            ctx.query_start_loc,
+            ctx.seq_lens,
+            ctx.block_tables,
+            self.scale,
+            ctx.max_query_len,
+            ctx.max_seq_len,
+        )
+        # sigmoid(gate)·o in fp32 with one rounding, as vLLM's compiled graph fuses it
+        gated = (o.reshape(num_tokens, -1).float() * torch.sigmoid(gate.float())).to(x.dtype)
+        return F.linear(gated, self.o_proj)

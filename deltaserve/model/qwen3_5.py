@@ -1,0 +1,98 @@
+"""The Qwen3.5 / Qwen3.6 / Qwen3-Next text decoder (architecture doc §3.1): embedding, layers chosen by
+`layer_types` (Gated DeltaNet or gated full attention) each followed by a dense SwiGLU or an MoE block,
+zero-centred RMSNorms with fused residual adds, final norm and lm_head.
+
+forward(input_ids [T], positions [3, T]) -> hidden [T, H]; the per-step metadata comes from the runner's
+ForwardContext. Positions are always 3-D (MRoPE rows T, H, W); for text the rows are equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.kernels import rms_norm, rope_cos_sin_cache, rope_cos_sin_for_positions
+from deltaserve.kernels.preamble import mrope_axis_per_frequency
+from deltaserve.model.layers.attention import GatedAttention
+from deltaserve.model.layers.common import empty_param
+from deltaserve.model.layers.gdn import GatedDeltaNet
+from deltaserve.model.layers.mlp import DenseMLP, MoEBlock
+from deltaserve.runner.context import get_forward_context
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.is_full_attention = config.layer_types[index] == "full_attention"
+        self.input_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
+        self.post_attention_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(config, dtype, device)
+        else:
+            self.linear_attn = GatedDeltaNet(config, dtype, device)
+        if config.moe_layers and config.moe_layers[index]:
+            self.mlp: nn.Module = MoEBlock(config, dtype, device)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, device)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.is_full_attention else self.linear_attn
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            x, _ = rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        x = self.mixer(x, positions)
+        x, residual = rms_norm(x, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(x), residual
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = config.rms_norm_eps
+        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = empty_param(config.hidden_size, dtype=dtype, device=device)
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        # cos/sin table [max_pos, r] in the model dtype (vLLM's precomputed fp32 -> dtype cache, §4)
+        self.register_buffer(
+            "cos_sin_cache",
+            rope_cos_sin_cache(config.rotary_dim, config.max_position_embeddings, config.rope_theta, dtype, device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "axis_per_frequency",
+            mrope_axis_per_frequency(config.rotary_dim // 2, list(config.mrope_section or []) or None, device),
+            persistent=False,
+        )
+        for layer in self.layers:
+            if layer.is_full_attention:
+                layer.self_attn.cos_sin_cache = self.cos_sin_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], positions [3, T] -> final-normed hidden states [T, H]."""
+        ctx = get_forward_context()
+        ctx.cos_sin = rope_cos_sin_for_positions(self.cos_sin_cache, positions, self.axis_per_frequency)  # [T, r]
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, positions)
+        hidden, _ = rms_norm(hidden, self.norm, self.eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast)."""
+        return F.linear(hidden, self.lm_head).float()

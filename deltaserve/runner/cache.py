@@ -1,0 +1,102 @@
+"""KV cache and GDN state pool: size them from memory, allocate, and bind per-layer views to the model.
+
+One KV block holds block_size tokens of K and V for every full-attention layer; one state slot holds the
+conv state (model dtype) and the fp32 recurrent state of every linear-attention layer. On a GPU the budget
+is gpu_memory_utilization x total minus what the weights and a warm-up forward at the largest batch
+measured; on the CPU it is the explicit EngineConfig.cpu_kv_cache_bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.qwen3_5 import Qwen35Model
+
+
+def ssm_dtype(config: ModelConfig) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        config.ssm_state_dtype, torch.float32
+    )
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * element
+    return per_layer * len(config.full_attention_layers)
+
+
+def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    state_element = torch.tensor([], dtype=ssm_dtype(config)).element_size()
+    conv = (config.linear_conv_kernel_dim - 1) * config.conv_dim * element
+    ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_element
+    return (conv + ssm) * len(config.linear_attention_layers)
+
+
+@dataclass
+class CacheLayout:
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    bytes_per_block: int
+    bytes_per_slot: int
+
+
+def plan_cache(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    budget_bytes: int,
+    num_slots: int,
+    max_model_len: int,
+) -> CacheLayout:
+    """Slots first (one per running sequence), the rest of the budget as KV blocks."""
+    block_bytes = bytes_per_block(config, block_size, dtype)
+    slot_bytes = bytes_per_slot(config, dtype)
+    slots_total = num_slots * slot_bytes
+    if slots_total >= budget_bytes:
+        affordable = budget_bytes // max(slot_bytes, 1)
+        raise ValueError(
+            f"the cache budget ({budget_bytes / 2**20:.1f} MiB) cannot hold {num_slots} GDN state slots of "
+            f"{slot_bytes / 2**20:.2f} MiB each (it fits {affordable}); lower max_num_seqs or raise the budget"
+        )
+    num_blocks = (budget_bytes - slots_total) // max(block_bytes, 1)
+    min_blocks = -(-max_model_len // block_size)
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"the KV cache fits {num_blocks} blocks of {block_size} tokens, fewer than one max_model_len "
+            f"({max_model_len}) sequence needs ({min_blocks}); lower max_model_len or max_num_seqs"
+        )
+    return CacheLayout(num_blocks, block_size, num_slots, block_bytes, slot_bytes)
+
+
+def allocate_and_bind(
+    model: Qwen35Model, config: ModelConfig, layout: CacheLayout, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Allocates one cache tensor per layer kind and binds per-layer views."""
+    num_attn = len(config.full_attention_layers)
+    num_gdn = len(config.linear_attention_layers)
+    kv = torch.zeros(
+        num_attn, 2, layout.num_blocks, layout.block_size, config.num_key_value_heads, config.head_dim,
+        dtype=dtype, device=device,
+    )  # fmt: skip
+    conv = torch.zeros(
+        num_gdn, layout.num_slots, config.linear_conv_kernel_dim - 1, config.conv_dim, dtype=dtype, device=device
+    )
+    ssm = torch.zeros(
+        num_gdn, layout.num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
+        config.linear_value_head_dim, dtype=ssm_dtype(config), device=device,
+    )  # fmt: skip
+    attn_index = gdn_index = 0
+    for layer in model.layers:
+        if layer.is_full_attention:
+            layer.self_attn.k_cache = kv[attn_index, 0]
+            layer.self_attn.v_cache = kv[attn_index, 1]
+            attn_index += 1
+        else:
+            layer.linear_attn.conv_states = conv[gdn_index]
+            layer.linear_attn.ssm_states = ssm[gdn_index]
+            gdn_index += 1

@@ -1,0 +1,65 @@
+"""ForwardContext: the per-step batch metadata the model's layers read, set by the runner around a forward.
+
+The model's forward takes only (input_ids, positions); everything else a layer needs for this step (where
+to store KV, which blocks to read, which state slots to update) is here. Token order within a step is:
+all decode tokens first (one per decoding sequence), then the prefill chunks, so layers can run decode and
+prefill kernels on two contiguous slices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    num_decode_tokens: int  # == number of decoding sequences (the first rows of the batch)
+    num_prefill_tokens: int
+    # full attention (all sequences, decodes first)
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    max_query_len: int
+    max_seq_len: int
+    # Gated DeltaNet (all sequences, decodes first)
+    state_indices: torch.Tensor  # [B] int32, -1 for padding
+    has_initial_state: torch.Tensor  # [B] bool
+    # RoPE table for this step's tokens, built once from the 3-D positions and shared by all attention layers
+    cos_sin: torch.Tensor | None = None  # [T, r]
+    has_mrope_positions: bool = False  # some row of positions differs from the others (true MRoPE)
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills+1] int32, offsets within the prefill slice
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_decode_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Makes ctx the current context for the duration of one forward; nesting is a bug."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context entered while another forward is in progress")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: the model's forward must run inside runner.forward_context()")
+    return _current
