@@ -53,3 +53,10 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """DELTASERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()
+
+
+def cpu_threads() -> int | None:
+    """DELTASERVE_CPU_THREADS: torch intra-op threads for CPU execution (default: torch's own choice, except
+    1 for tiny models, whose matmuls are far too small to pay for thread hand-offs)."""
+    value = os.environ.get("DELTASERVE_CPU_THREADS")
+    return int(value) if value else None

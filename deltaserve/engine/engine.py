@@ -59,10 +59,11 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(self.model_config, config, self.max_model_len)
+        on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        max_batched = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        self.runner = ModelRunner(self.model_config, config, self.max_model_len, max_batched)
         layout = self.runner.layout
         self.max_model_len = min(self.max_model_len, layout.num_blocks * layout.block_size)
-        max_batched = config.max_num_batched_tokens or (2048 if self.runner.device.type == "cpu" else 8192)
         self.scheduler = Scheduler(
             BlockManager(layout.num_blocks, layout.block_size),
             StateSlotPool(layout.num_slots),

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
+from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind, plan_cache
 from deltaserve.runner.context import ForwardContext, forward_context
+from deltaserve.runner.cuda_graph import DecodeGraphs
 from deltaserve.scheduler.batch import ScheduledBatch, ScheduledSequence
 
 logger = logging.getLogger(__name__)
@@ -100,13 +102,19 @@ def build_forward_context(
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, max_model_len: int) -> None:
+    def __init__(
+        self, model_config: ModelConfig, engine_config: EngineConfig, max_model_len: int, max_num_batched_tokens: int
+    ) -> None:
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = resolve_device(engine_config.device)
         self.dtype = resolve_dtype(engine_config.dtype, self.device)
         self.block_size = engine_config.block_size
         torch.manual_seed(engine_config.seed)
+        if self.device.type == "cpu":
+            threads = env.cpu_threads() or (1 if model_config.hidden_size < 512 else None)
+            if threads:
+                torch.set_num_threads(threads)
         self.model = Qwen35Model(model_config, self.dtype, self.device)
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model, engine_config.seed)
@@ -114,38 +122,70 @@ class ModelRunner:
         else:
             self.load_report = load_checkpoint(self.model, model_config, Path(engine_config.model))
         self.model.eval()
-        num_slots = engine_config.num_state_slots or engine_config.max_num_seqs
-        self.layout: CacheLayout = plan_cache(
-            model_config, self.dtype, self.block_size, self._cache_budget(), num_slots, max_model_len
-        )
-        allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         from deltaserve.sampler.sampler import Sampler
 
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        num_slots = engine_config.num_state_slots or engine_config.max_num_seqs
+        budget = self._cache_budget(max_num_batched_tokens, max_model_len)
+        self.layout: CacheLayout = plan_cache(
+            model_config, self.dtype, self.block_size, budget, num_slots, max_model_len
+        )
+        allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
+        if self.device.type == "cuda" and env.cuda_graphs() and not engine_config.enforce_eager:
+            max_blocks = -(-max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(self.model, engine_config.max_num_seqs, max_blocks, self.block_size, self.device)
+            self.graphs.capture()
 
-    def _cache_budget(self) -> int:
+    def _profile_peak_bytes(self, num_tokens: int) -> int:
+        """Runs one warm-up prefill of num_tokens on a throw-away cache; returns the activation peak in bytes."""
+        layout = CacheLayout(-(-num_tokens // self.block_size) + 1, self.block_size, 1, 0, 0)
+        allocate_and_bind(self.model, self.model_config, layout, self.dtype, self.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        row = list(range(num_tokens))
+        blocks = list(range(layout.num_blocks))
+        warmup = ScheduledSequence("warmup", [0] * num_tokens, [row, row, row], 0, blocks, 0, needs_sample=False)
+        self.execute(ScheduledBatch([warmup]))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        for layer in self.model.layers:  # drop the throw-away cache before the real one is allocated
+            mixer = layer.mixer
+            mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def _cache_budget(self, max_num_batched_tokens: int, max_model_len: int) -> int:
         if self.device.type != "cuda":
             return self.engine_config.cpu_kv_cache_bytes
-        torch.cuda.synchronize()
+        peak = self._profile_peak_bytes(min(max_num_batched_tokens, max_model_len))
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        # activations of the largest step, measured by the warm-up in the engine, leave headroom here
-        headroom = int(0.05 * total)
-        return (
-            int(total * self.engine_config.gpu_memory_utilization)
-            - torch.cuda.memory_allocated(self.device)
-            - used_by_others
-            - headroom
-        )
+        weights = torch.cuda.memory_allocated(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        graph_headroom = 512 * 2**20  # decode graphs' private pool and library workspaces
+        utilization = self.engine_config.gpu_memory_utilization
+        budget = int(total * utilization) - weights - peak - used_by_others - graph_headroom
+        logger.info(
+            "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, cache budget %.2f GiB",
+            total / 2**30, weights / 2**30, peak / 2**30, budget / 2**30,
+        )  # fmt: skip
+        return budget
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, return_all_logits: bool = False) -> StepOutput:
         input_ids, positions, ctx = build_forward_context(batch, self.block_size, self.device)
-        with forward_context(ctx):
-            hidden = self.model(input_ids, positions)  # [T, H]
         out = StepOutput()
-        if return_all_logits:
-            out.all_logits = self.model.compute_logits(hidden)
+        graph_logits = None
+        is_all_decode = ctx.num_prefill_tokens == 0 and not return_all_logits
+        num_blocks = ctx.block_tables.shape[1]
+        if self.graphs is not None and is_all_decode and self.graphs.can_run(len(batch.sequences), num_blocks):
+            graph_logits = self.graphs.replay(input_ids, positions, ctx)  # [B, V]: every decode row samples
+        else:
+            with forward_context(ctx):
+                hidden = self.model(input_ids, positions)  # [T, H]
+            if return_all_logits:
+                out.all_logits = self.model.compute_logits(hidden)
         rows: list[int] = []
         sampled_seqs: list[ScheduledSequence] = []
         end = 0
@@ -156,7 +196,9 @@ class ModelRunner:
                 sampled_seqs.append(seq)
         if not rows:
             return out
-        if out.all_logits is not None:
+        if graph_logits is not None:
+            logits = graph_logits
+        elif out.all_logits is not None:
             logits = out.all_logits[rows]
         else:
             logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32

@@ -1,0 +1,149 @@
+"""Engine tests on the tiny models (CPU, fp32): batching invariance, chunking, preemption, aborts, sampling."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from deltaserve.engine.llm import LLM
+from deltaserve.engine.request import SamplingParams
+
+
+def make_prompts(num: int, seed: int, max_len: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 900) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
+
+
+def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tiny_dense: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """16 mixed-length requests generated one at a time (the unbatched reference)."""
+    llm = LLM(tiny_dense, dtype="float32", max_num_seqs=1)
+    prompts = make_prompts(16, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return prompts, [generate_ids(llm, [p], params)[0] for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("max_num_batched_tokens", "block_size"), [(2048, 16), (37, 16), (64, 4), (7, 32)]
+)  # fmt: skip
+def test_batched_equals_unbatched(
+    tiny_dense: Path, reference_outputs: tuple[list[list[int]], list[list[int]]], max_num_batched_tokens: int,
+    block_size: int,
+) -> None:  # fmt: skip
+    prompts, expected = reference_outputs
+    llm = LLM(tiny_dense, dtype="float32", max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+              block_size=block_size)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert generate_ids(llm, prompts, params) == expected
+
+
+def test_soak_with_aborts_and_preemptions(tiny_dense: Path) -> None:
+    """500 random requests, random aborts, forced preemptions: everything frees, survivors match unbatched."""
+    rng = random.Random(7)
+    llm = LLM(tiny_dense, dtype="float32", max_num_seqs=12, max_num_batched_tokens=48, block_size=4,
+              cpu_kv_cache_bytes=600_000, max_model_len=64)  # fmt: skip
+    engine = llm.engine
+    prompts = make_prompts(500, seed=3, max_len=24)
+    lengths = [rng.randint(1, 8) for _ in prompts]
+    aborted: set[str] = set()
+    results: dict[str, list[int]] = {}
+    collected: dict[str, list[int]] = {}
+    pending = list(range(len(prompts)))
+    num_forced_preemptions = 0
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randint(0, 6)):
+            if pending:
+                i = pending.pop(0)
+                params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+                engine.add_request(str(i), prompts[i], params)
+        if engine.requests and rng.random() < 0.08:
+            victim = rng.choice(sorted(engine.requests))
+            engine.abort_request(victim)
+            aborted.add(victim)
+        if rng.random() < 0.05:
+            num_forced_preemptions += engine.scheduler.preempt_all()
+        for output in engine.step():
+            collected.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+            if output.finished:
+                results[output.request_id] = collected[output.request_id]
+    stats = engine.stats()
+    assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
+    assert stats.num_free_state_slots == stats.num_total_state_slots
+    assert num_forced_preemptions > 0 and engine.scheduler.num_preemptions_total >= num_forced_preemptions
+    survivors = [i for i in range(len(prompts)) if str(i) not in aborted]
+    assert set(results) == {str(i) for i in survivors}
+    single = LLM(tiny_dense, dtype="float32", max_num_seqs=1)
+    for i in survivors[::5]:  # every 5th survivor against its unbatched output (keeps CI time bounded)
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+        assert results[str(i)] == generate_ids(single, [prompts[i]], params)[0], f"request {i}"
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dense: Path) -> None:
+    llm = LLM(tiny_dense, dtype="float32", max_num_seqs=8)
+    prompt = make_prompts(1, seed=11)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = generate_ids(llm, [prompt], params)[0]
+    others = make_prompts(5, seed=12)
+    mixed = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 5
+    outputs = llm.generate([{"prompt_token_ids": p} for p in others + [prompt]], mixed + [params], use_tqdm=False)
+    assert outputs[-1].outputs[0].token_ids == alone
+    other_seed = generate_ids(llm, [prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True))
+    assert other_seed[0] != alone
+
+
+def test_n_sequences_and_logprobs(tiny_dense: Path) -> None:
+    llm = LLM(tiny_dense, dtype="float32")
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, logprobs=2, ignore_eos=True)
+    (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    for completion in output.outputs:
+        assert len(completion.logprobs) == 6
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            assert token in entry and 2 <= len(entry) <= 3
+            assert entry[token].logprob <= 0.0
+
+
+def test_stop_string_split_across_tokens(tiny_dense: Path) -> None:
+    llm = LLM(tiny_dense, dtype="float32")
+    prompt = make_prompts(1, seed=21)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (full,) = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    pieces = [tokenizer.decode(full.outputs[0].token_ids[: i + 1]) for i in range(24)]
+    text = full.outputs[0].text
+    # a stop string that straddles a token boundary: the last char of one token and the first of the next
+    boundary = next(
+        i
+        for i in range(3, 23)
+        if len(pieces[i]) > len(pieces[i - 1]) > 0
+        and text.count(text[len(pieces[i - 1]) - 1 : len(pieces[i - 1]) + 1]) == 1
+    )
+    stop = text[len(pieces[boundary - 1]) - 1 : len(pieces[boundary - 1]) + 1]
+    (out,) = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )  # fmt: skip
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.outputs[0].text == text[: text.index(stop)]
+    (kept,) = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_prompt_too_long_is_rejected(tiny_dense: Path) -> None:
+    llm = LLM(tiny_dense, dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="maximum"):
+        llm.generate([{"prompt_token_ids": [1] * 64}], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([{"prompt_token_ids": [1] * 10}], SamplingParams(max_tokens=60), use_tqdm=False)
