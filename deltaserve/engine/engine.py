@@ -119,7 +119,7 @@ class LLMEngine:
                 params=params,
                 prompt_token_ids=seq.prompt_token_ids,
                 output_token_ids=seq.output_token_ids,  # shared list: the sampler sees every appended token
-                eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+                eos_token_ids=self.eos_token_ids,  # masked during min_tokens even with ignore_eos (vLLM)
                 generator=None if seed is None else make_generator(seed, self.runner.device),
             )
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params)

@@ -68,10 +68,11 @@ class RequestState:
             progress.finish_reason = FinishReason.STOP.value
         elif may_stop and token_id in params.stop_token_ids:
             progress.finish_reason, progress.stop_reason = FinishReason.STOP.value, token_id
-        if progress.finish_reason is None or params.include_stop_str_in_output:
-            stop_string = progress.detokenizer.add_tokens([token_id])
-            if stop_string is not None and may_stop and progress.finish_reason is None:
-                progress.finish_reason, progress.stop_reason = FinishReason.STOP.value, stop_string
+        # A sequence ending on eos / a stop token id drops that token's text unless include_stop_str_in_output.
+        is_stop_token = progress.finish_reason is not None
+        stop_string = progress.detokenizer.add_tokens([token_id], is_stop_terminated=is_stop_token)
+        if stop_string is not None and not is_stop_token:
+            progress.finish_reason, progress.stop_reason = FinishReason.STOP.value, stop_string
         if progress.finish_reason is None and (num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             progress.finish_reason = FinishReason.LENGTH.value
 
