@@ -19,6 +19,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "serve"): ("deltaserve.bench.serve_cli", "online load generator with vLLM's metric definitions"),
     ("bench", "grid"): ("deltaserve.bench.grid", "arms x concurrencies x lengths, with a committed record"),
     ("bench", "report"): ("deltaserve.bench.report", "regenerate docs/BENCHMARKS.md from the records"),
+    ("bench", "oracle-cmd"): (
+        "deltaserve.bench.registry",
+        "print a peer's production launch command from the registry",
+    ),
     ("bench", "kernels"): ("deltaserve.bench.kernels", "time every kernel at the 27B and 35B-A3B shapes"),
     ("check", "oracle-flags"): ("deltaserve.gates.oracle_flags", "static gate: every oracle launch is honest"),
     ("check", "all"): ("deltaserve.gates.all", "run every gate"),

@@ -1,0 +1,275 @@
+"""The oracle registry: the one module that says how each peer engine runs in its production configuration.
+
+Every harness path builds peer server commands here (the grid calls `oracle_launch`; shell scripts call
+`python -m deltaserve.bench.registry --model DIR --input-len N -- EXTRA`), and the static gate
+`deltaserve check oracle-flags` checks hand-written launches against `REQUIRED_FLAGS` / `FORBIDDEN_FLAGS`,
+so no two harnesses can disagree about the denominator.
+
+vLLM on a multimodal Qwen3.5/3.6 checkpoint served as a text model (serving-and-benchmarks.md §3, the
+vllm-oracle README):
+- `--language-model-only`: no vision tower, and it unlocks the fused QK-norm + RoPE + gate attention path.
+- never `--enforce-eager` (compile and CUDA graphs on), async scheduling left at its default (on).
+- `--mamba-ssm-cache-dtype` as the checkpoint says (float32 for Qwen3.5's text_config.mamba_ssm_dtype).
+- `--max-num-batched-tokens` at least 2 x ISL (and 8192 for the MoE shape, as measured on the H200).
+- `--no-enable-prefix-caching` for random data (it shares no prefix; caching would only add overhead).
+- `--gdn-prefill-backend triton` on the offline H200 (FlashInfer is not in the bundle).
+A launch may leave out a required flag only with an exemption that carries its reason (a text-only
+checkpoint, where --language-model-only decides nothing, is exempted here automatically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VLLM = "vllm"
+ORACLES = (VLLM,)
+
+# Flags every hand-written vLLM launch must spell out (the static gate checks these textually).
+REQUIRED_FLAGS: tuple[str, ...] = ("--language-model-only",)
+# Flags no production launch may carry, with the reason the gate prints.
+FORBIDDEN_FLAGS: dict[str, str] = {
+    "--enforce-eager": "turns off torch.compile and CUDA graphs: not vLLM's production configuration",
+    "--no-async-scheduling": "turns off async scheduling, which is on by default in production",
+}
+TEXT_ONLY_EXEMPTION = "text-only checkpoint: --language-model-only decides nothing"
+DEFAULT_MAMBA_SSM_DTYPE = "float32"  # vLLM hardcodes float32 for Qwen3.5 when the config is silent
+MIN_BATCHED_TOKENS_MOE = 8192
+
+# Where the oracle runs: extra serve flags and the environment its process needs.
+SITES: dict[str, dict[str, Any]] = {
+    "h200-offline": {
+        "flags": ["--gdn-prefill-backend", "triton"],
+        "env": {
+            "PYTHONPATH": "/tmp/vllm_site",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        },
+    },
+    "online": {"flags": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
+}
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What the production configuration depends on, read from a checkpoint's config.json."""
+
+    is_multimodal: bool
+    is_moe: bool
+    mamba_ssm_dtype: str
+    has_weights: bool
+
+
+@dataclass
+class OracleLaunch:
+    """A peer server launch: argv, environment, and why it looks the way it does."""
+
+    oracle: str
+    argv: list[str]
+    env: dict[str, str]
+    exemption: str | None = None
+    reasons: list[str] = field(default_factory=list)
+    version_probe: list[str] = field(default_factory=list)
+
+    @property
+    def command_line(self) -> str:
+        return shlex.join(self.argv)
+
+
+def inspect_checkpoint(model_dir: str | Path) -> CheckpointFacts:
+    """Read config.json: multimodal (vision_config or *ForConditionalGeneration), MoE, SSM dtype, weights."""
+    path = Path(model_dir)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config") or config
+    architectures = config.get("architectures") or []
+    is_multimodal = "vision_config" in config or any(a.endswith("ForConditionalGeneration") for a in architectures)
+    is_moe = int(text.get("num_experts") or 0) > 0
+    dtype = text.get("mamba_ssm_dtype") or config.get("mamba_ssm_dtype") or DEFAULT_MAMBA_SSM_DTYPE
+    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    return CheckpointFacts(is_multimodal, is_moe, str(dtype), has_weights)
+
+
+def min_batched_tokens(input_len: int, is_moe: bool) -> int:
+    """At least 2 x ISL, so one step can prefill two whole prompts; 8192 floor for the MoE shape."""
+    floor = MIN_BATCHED_TOKENS_MOE if is_moe else 0
+    return max(2 * input_len, floor)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in argv (`--f v` or `--f=v`); the last one wins, as in argparse."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(word == flag or word.startswith(flag + "=") for word in argv)
+
+
+def vllm_launch(
+    model: str,
+    input_len: int,
+    port: int = 8000,
+    site: str = "h200-offline",
+    is_random_data: bool = True,
+    python: str = "python3",
+    extra_args: list[str] | tuple[str, ...] = (),
+    drop_flags: list[str] | tuple[str, ...] = (),
+    exemption: str | None = None,
+    facts: CheckpointFacts | None = None,
+) -> OracleLaunch:
+    """vLLM's production server command for `model` at input length `input_len`.
+
+    `drop_flags` removes required flags and needs `exemption` (the reason); `extra_args` may add flags but
+    not forbidden ones, and may not weaken a required one (checked by `check_vllm_argv`).
+    """
+    if site not in SITES:
+        raise ValueError(f"unknown site {site!r}; known: {', '.join(SITES)}")
+    facts = facts or inspect_checkpoint(model)
+    dtype = facts.mamba_ssm_dtype
+    num_batched = min_batched_tokens(input_len, facts.is_moe)
+    # oracle-registry: the one spelled-out vLLM launch; every harness builds its peer command from here.
+    argv = [
+        python, "-m", "vllm.entrypoints.cli.main", "serve", model,
+        "--language-model-only",
+        "--mamba-ssm-cache-dtype", dtype,
+        "--max-num-batched-tokens", str(num_batched),
+        "--no-enable-prefix-caching",
+        "--port", str(port),
+    ]  # fmt: skip
+    reasons = [
+        "--language-model-only: text serving of a multimodal checkpoint; enables the fused attention preamble",
+        f"--mamba-ssm-cache-dtype {dtype}: the checkpoint's SSM state dtype",
+        f"--max-num-batched-tokens {num_batched}: at least 2 x ISL ({input_len})",
+        "--no-enable-prefix-caching: random prompts share no prefix",
+        "compile and CUDA graphs on (no --enforce-eager), async scheduling at its default",
+    ]
+    if not facts.is_multimodal:
+        drop_flags = [*drop_flags, "--language-model-only"]
+        exemption = exemption or TEXT_ONLY_EXEMPTION
+    if not is_random_data:
+        argv.remove("--no-enable-prefix-caching")
+        reasons.remove("--no-enable-prefix-caching: random prompts share no prefix")
+    if not facts.has_weights:
+        argv += ["--load-format", "dummy"]
+        reasons.append("--load-format dummy: config-only checkpoint")
+    argv += list(SITES[site]["flags"])
+    if SITES[site]["flags"]:
+        reasons.append(f"{' '.join(SITES[site]['flags'])}: site {site}")
+    for flag in drop_flags:
+        if flag not in REQUIRED_FLAGS:
+            raise ValueError(f"{flag} is not a required flag; nothing to drop")
+        if not exemption:
+            raise ValueError(f"dropping {flag} needs an exemption reason")
+        if flag in argv:
+            argv.remove(flag)
+    argv += list(extra_args)
+    launch = OracleLaunch(
+        oracle=VLLM,
+        argv=argv,
+        env=dict(SITES[site]["env"]),
+        exemption=exemption if drop_flags else None,
+        reasons=reasons,
+        version_probe=[python, "-c", "import vllm; print(vllm.__version__)"],
+    )
+    problems = check_vllm_argv(argv, input_len=input_len, is_random_data=is_random_data, facts=facts)
+    if launch.exemption:
+        problems = [p for p in problems if not any(f in p for f in drop_flags)]
+    if problems:
+        raise ValueError("not vLLM's production configuration: " + "; ".join(problems))
+    return launch
+
+
+def check_vllm_argv(
+    argv: list[str],
+    input_len: int | None = None,
+    is_random_data: bool | None = None,
+    facts: CheckpointFacts | None = None,
+) -> list[str]:
+    """Every way `argv` departs from the production configuration (empty list: it is the real thing)."""
+    problems = [f"missing {flag}" for flag in REQUIRED_FLAGS if not _has_flag(argv, flag)]
+    problems += [f"{flag}: {why}" for flag, why in FORBIDDEN_FLAGS.items() if _has_flag(argv, flag)]
+    if input_len is not None:
+        value = _flag_value(argv, "--max-num-batched-tokens")
+        floor = min_batched_tokens(input_len, facts.is_moe if facts else False)
+        if value is None or not value.isdigit() or int(value) < floor:
+            problems.append(f"--max-num-batched-tokens must be at least {floor} for ISL {input_len}, got {value}")
+    if is_random_data:
+        # argparse's last-one-wins: the final prefix-caching flag decides.
+        last = [w for w in argv if w in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
+        if not last or last[-1] != "--no-enable-prefix-caching":
+            problems.append("random data needs --no-enable-prefix-caching")
+    if facts is not None:
+        value = _flag_value(argv, "--mamba-ssm-cache-dtype")
+        if value is not None and value != facts.mamba_ssm_dtype:
+            problems.append(f"--mamba-ssm-cache-dtype {value} differs from the checkpoint's {facts.mamba_ssm_dtype}")
+    return problems
+
+
+def oracle_launch(oracle: str, model: str, input_len: int, **kwargs: Any) -> OracleLaunch:
+    """Dispatch by oracle name (only vLLM today)."""
+    if oracle == VLLM:
+        return vllm_launch(model, input_len, **kwargs)
+    raise ValueError(f"unknown oracle {oracle!r}; known: {', '.join(ORACLES)}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """CLI: print the production command for a checkpoint (for shell harnesses)."""
+    parser.add_argument("--model", required=True, help="checkpoint folder (config.json is read)")
+    parser.add_argument("--oracle", default=VLLM, choices=ORACLES)
+    parser.add_argument("--input-len", type=int, required=True, help="the benchmark's ISL")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--site", default="h200-offline", choices=sorted(SITES))
+    parser.add_argument("--python", default="python3", help="the interpreter that has vLLM")
+    parser.add_argument("--not-random-data", action="store_true", help="leave prefix caching at vLLM's default")
+    parser.add_argument("--drop-flag", action="append", default=[], help="required flag to leave out")
+    parser.add_argument("--exempt", default=None, help="the reason for --drop-flag")
+    parser.add_argument("--format", default="shell", choices=["shell", "json", "env"])
+    parser.add_argument("extra", nargs="*", help="after --: extra serve flags (checked, not trusted)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the launch as a shell line, as JSON, or as `export` lines for its environment."""
+    extra = list(args.extra)
+    try:
+        launch = oracle_launch(
+            args.oracle,
+            args.model,
+            args.input_len,
+            port=args.port,
+            site=args.site,
+            is_random_data=not args.not_random_data,
+            python=args.python,
+            extra_args=extra,
+            drop_flags=args.drop_flag,
+            exemption=args.exempt,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"registry: {exc}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(launch.__dict__ | {"command_line": launch.command_line}, indent=2))
+    elif args.format == "env":
+        print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in launch.env.items()))
+    else:
+        print(launch.command_line)
+    return 0
+
+
+if __name__ == "__main__":
+    main_parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.registry", description=__doc__)
+    add_arguments(main_parser)
+    sys.exit(run(main_parser.parse_args()))

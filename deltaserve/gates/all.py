@@ -1,0 +1,131 @@
+"""`deltaserve check all`: run every gate and print one summary line per gate.
+
+Gates: the static oracle-flags gate on the repository's harness sources, and the token-exactness gate
+(`deltaserve.gates.tokens.run_gate`, greedy tokens against transformers) on the three tiny checkpoints
+(dense, moe, next), generated into a temporary folder with `deltaserve.tiny.make_tiny`. Exit 0 when every
+gate passes; 1 when any gate fails (or cannot run); otherwise 2 when some gate found nothing to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+TINY_VARIANTS = ("dense", "moe", "next")
+STRICT_RE = re.compile(r"STRICT\s+(\d+)\s*/\s*(\d+)")
+
+
+@dataclass
+class GateResult:
+    name: str
+    code: int
+    detail: str
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the real stream and keeps a copy, so a gate's output is shown and also parsed."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.copy = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        return self.copy.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _run_captured(fn: Callable[[], int]) -> tuple[int, str]:
+    """Call a gate, echoing and capturing its stdout; an exception becomes exit 1 with its traceback."""
+    tee = _Tee(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(tee):
+            code = int(fn() or 0)
+    except Exception:
+        traceback.print_exc()
+        return 1, tee.copy.getvalue() + "\n" + traceback.format_exc().strip().splitlines()[-1]
+    return code, tee.copy.getvalue()
+
+
+def oracle_flags_gate() -> GateResult:
+    from deltaserve.gates import oracle_flags
+
+    args = argparse.Namespace(paths=[], json=False)
+    code, output = _run_captured(lambda: oracle_flags.run(args))
+    summary = next((line for line in reversed(output.splitlines()) if line.startswith("oracle-flags:")), output.strip())
+    return GateResult("oracle-flags", code, summary.removeprefix("oracle-flags: "))
+
+
+def token_gates(num_prompts: int, max_tokens: int, variants: tuple[str, ...] = TINY_VARIANTS) -> list[GateResult]:
+    """The token gate on each tiny checkpoint; an import failure fails every variant with the reason."""
+    try:
+        from deltaserve.gates.tokens import run_gate
+        from deltaserve.tiny import make_tiny
+    except Exception as exc:
+        return [GateResult(f"tokens[{v}]", 1, f"cannot import the gate: {exc}") for v in variants]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="deltaserve-check-") as tmp:
+        for variant in variants:
+            name = f"tokens[{variant}]"
+            try:
+                model_dir = Path(make_tiny(Path(tmp) / variant, variant))
+            except Exception as exc:
+                results.append(GateResult(name, 1, f"make_tiny failed: {exc}"))
+                continue
+            code, output = _run_captured(
+                lambda d=model_dir: run_gate(
+                    d, reference="transformers", num_prompts=num_prompts, max_tokens=max_tokens
+                )
+            )
+            matches = STRICT_RE.findall(output)
+            detail = f"STRICT {matches[-1][0]}/{matches[-1][1]}" if matches else "no STRICT line printed"
+            # The gate may fail on checks beyond STRICT (logits, prefill-then-decode): name the first one.
+            failures = [line.strip() for line in output.splitlines() if line.rstrip().endswith("FAIL")]
+            if code not in (0, 2) and failures:
+                detail += f"; {failures[0]}"
+            if matches and int(matches[-1][1]) == 0 and code == 0:
+                code = 2
+            results.append(GateResult(name, code, detail))
+    return results
+
+
+def overall_code(results: list[GateResult]) -> int:
+    """1 if any gate failed, else 2 if any found nothing to check, else 0."""
+    if any(r.code not in (0, 2) for r in results):
+        return 1
+    if any(r.code == 2 for r in results):
+        return 2
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--skip", action="append", default=[], choices=["oracle-flags", "tokens"])
+    parser.add_argument("--num-prompts", type=int, default=32, help="token gate prompts per tiny model")
+    parser.add_argument("--max-tokens", type=int, default=32, help="token gate tokens per prompt")
+
+
+def run(args: argparse.Namespace) -> int:
+    results: list[GateResult] = []
+    if "oracle-flags" not in args.skip:
+        results.append(oracle_flags_gate())
+    if "tokens" not in args.skip:
+        results += token_gates(args.num_prompts, args.max_tokens)
+    print()
+    for result in results:
+        verdict = {0: "PASS", 2: "NOTHING TO CHECK"}.get(result.code, f"FAIL (exit {result.code})")
+        print(f"{result.name:<16} {verdict:<18} {result.detail}")
+    code = overall_code(results)
+    num_failed = sum(1 for r in results if r.code not in (0, 2))
+    print(f"check all: {'PASS' if code == 0 else 'FAIL'} ({len(results)} gates, {num_failed} failed)")
+    return code

@@ -1,0 +1,112 @@
+"""A stand-in OpenAI-compatible server with vLLM's surface, for testing the benchmark client and the grid.
+
+It serves /health, /version, /v1/models (with `root`), /tokenize, /detokenize and streaming /v1/completions
+(one SSE event per token after `--ttft-ms`, `--itl-ms` apart, then a usage-only event and [DONE]), using the
+`tokenizers` library on the checkpoint's tokenizer.json. Run as a script it is a grid arm:
+`python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from tokenizers import Tokenizer
+
+
+def make_word_tokenizer(model_dir: Path, vocab_size: int = 1000) -> Path:
+    """A word-level tokenizer (ids round-trip exactly, like the dummy H200 checkpoints') in `model_dir`."""
+    from tokenizers import models, pre_tokenizers
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    words = {f"t{i}": i for i in range(vocab_size)}
+    del words[f"t{vocab_size - 1}"]
+    words["<|endoftext|>"] = vocab_size - 1
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 4096}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def build_app(
+    model_dir: Path, ttft_ms: float = 5.0, itl_ms: float = 1.0, tokens_per_event: int = 1, has_tokenize: bool = True
+) -> web.Application:
+    """The aiohttp application; `tokens_per_event` > 1 mimics --stream-interval / multi-token chunks."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    model_id = str(model_dir)
+    routes = web.RouteTableDef()
+
+    @routes.get("/health")
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    @routes.get("/version")
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "fake-0.0.1"})
+
+    @routes.get("/v1/models")
+    async def models(request: web.Request) -> web.Response:
+        card = {"id": model_id, "object": "model", "owned_by": "vllm", "root": model_id, "max_model_len": 4096}
+        return web.json_response({"object": "list", "data": [card]})
+
+    if has_tokenize:
+
+        @routes.post("/tokenize")
+        async def tokenize(request: web.Request) -> web.Response:
+            body = await request.json()
+            ids = tokenizer.encode(body["prompt"], add_special_tokens=False).ids
+            return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 4096})
+
+        @routes.post("/detokenize")
+        async def detokenize(request: web.Request) -> web.Response:
+            body = await request.json()
+            return web.json_response({"prompt": tokenizer.decode(body["tokens"], skip_special_tokens=False)})
+
+    @routes.post("/v1/completions")
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = await request.json()
+        num_prompt = len(tokenizer.encode(body["prompt"], add_special_tokens=False).ids)
+        num_tokens = int(body.get("max_tokens", 16))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b": ping\n\n")
+        await asyncio.sleep(ttft_ms / 1000)
+        num_sent = 0
+        while num_sent < num_tokens:
+            num_chunk = min(tokens_per_event, num_tokens - num_sent)
+            text = "".join(f" t{(num_sent + k) % 100}" for k in range(num_chunk))
+            num_sent += num_chunk
+            finish = "length" if num_sent == num_tokens else None
+            event = {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            if num_sent < num_tokens:
+                await asyncio.sleep(itl_ms / 1000)
+        usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens, "total_tokens": num_prompt + num_tokens}
+        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.add_routes(routes)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--ttft-ms", type=float, default=5.0)
+    parser.add_argument("--itl-ms", type=float, default=1.0)
+    args = parser.parse_args()
+    web.run_app(build_app(Path(args.model), args.ttft_ms, args.itl_ms), host="127.0.0.1", port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""`deltaserve check all`: one summary line per gate and the combined exit code (token gate faked here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from deltaserve.gates import all as check_all
+from deltaserve.gates import oracle_flags
+
+
+def fake_token_gate(monkeypatch: pytest.MonkeyPatch, codes: dict[str, int], totals: dict[str, int]) -> list[str]:
+    """Replace deltaserve.gates.tokens and make_tiny; returns the variants the gate was called on."""
+    calls: list[str] = []
+
+    def run_gate(model_dir: Path, reference: str = "transformers", num_prompts: int = 32, max_tokens: int = 32) -> int:
+        variant = Path(model_dir).name
+        calls.append(variant)
+        total = totals.get(variant, num_prompts)
+        print(f"STRICT {total if codes[variant] == 0 else total - 1}/{total}")
+        return codes[variant]
+
+    def make_tiny(out_dir: Path, variant: str) -> Path:
+        Path(out_dir).mkdir(parents=True)
+        return Path(out_dir)
+
+    monkeypatch.setitem(sys.modules, "deltaserve.gates.tokens", types.SimpleNamespace(run_gate=run_gate))
+    monkeypatch.setattr("deltaserve.tiny.make_tiny", make_tiny, raising=False)
+    return calls
+
+
+def args(**overrides: object) -> argparse.Namespace:
+    return argparse.Namespace(**{"skip": [], "num_prompts": 4, "max_tokens": 4, **overrides})
+
+
+def test_all_gates_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    calls = fake_token_gate(monkeypatch, {"dense": 0, "moe": 0, "next": 0}, {})
+    assert check_all.run(args()) == 0
+    out = capsys.readouterr().out
+    assert calls == ["dense", "moe", "next"]
+    assert "oracle-flags     PASS" in out and "tokens[next]     PASS               STRICT 4/4" in out
+    assert "check all: PASS (4 gates, 0 failed)" in out
+
+
+def test_a_failing_gate_fails_the_whole(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    fake_token_gate(monkeypatch, {"dense": 0, "moe": 1, "next": 0}, {})
+    assert check_all.run(args(skip=["oracle-flags"])) == 1
+    out = capsys.readouterr().out
+    assert "tokens[moe]      FAIL (exit 1)      STRICT 3/4" in out and "1 failed" in out
+
+
+def test_nothing_to_check_is_2_unless_something_failed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake_token_gate(monkeypatch, {"dense": 0, "moe": 0, "next": 0}, {"next": 0})
+    assert check_all.run(args(skip=["oracle-flags"])) == 2
+    monkeypatch.setattr(oracle_flags, "DEFAULT_PATHS", ())
+    monkeypatch.setattr(oracle_flags, "default_paths", lambda: [tmp_path])
+    assert check_all.run(args(skip=["tokens"])) == 2
+    fake_token_gate(monkeypatch, {"dense": 1, "moe": 0, "next": 0}, {})
+    assert check_all.run(args()) == 1
+
+
+def test_a_gate_that_raises_is_a_failure(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def broken(model_dir: Path, **kwargs: object) -> int:
+        raise RuntimeError("engine exploded")
+
+    fake_token_gate(monkeypatch, {"dense": 0, "moe": 0, "next": 0}, {})
+    monkeypatch.setitem(sys.modules, "deltaserve.gates.tokens", types.SimpleNamespace(run_gate=broken))
+    assert check_all.run(args(skip=["oracle-flags"])) == 1
+    assert "no STRICT line printed" in capsys.readouterr().out
+
+
+def test_failures_beyond_strict_are_named(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def run_gate(model_dir: Path, **kwargs: object) -> int:
+        print("STRICT 4/4\nlogits vs reference: ok\nprefill-then-decode vs full forward: 3e-4 (tolerance 1e-5) FAIL")
+        return 1
+
+    fake_token_gate(monkeypatch, {"dense": 0, "moe": 0, "next": 0}, {})
+    monkeypatch.setitem(sys.modules, "deltaserve.gates.tokens", types.SimpleNamespace(run_gate=run_gate))
+    assert check_all.run(args(skip=["oracle-flags"])) == 1
+    assert "STRICT 4/4; prefill-then-decode vs full forward: 3e-4 (tolerance 1e-5) FAIL" in capsys.readouterr().out

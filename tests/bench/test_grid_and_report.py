@@ -1,0 +1,240 @@
+"""The grid (config, registry-built arms, launch/health/client/stop, schedules, record) and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from bench_helpers import WordTokenizer, free_port
+
+from deltaserve.bench import grid as grid_module
+from deltaserve.bench import report
+from deltaserve.bench.grid import Grid, compute_ratios, load_config, resolve
+
+FAKE_SERVER = Path(__file__).parent / "fake_server.py"
+
+
+def fake_grid_toml(path: Path, model: Path, port: int, is_restart_cheap: bool) -> Path:
+    text = f"""
+    [grid]
+    name = "fake"
+    title = "fake servers"
+    concurrencies = [1, 2]
+    lengths = [[16, 4]]
+    prompts_per_concurrency = 2
+    min_prompts = 3
+    num_warmups = 1
+    port = {port}
+    is_restart_cheap = {str(is_restart_cheap).lower()}
+    drift_concurrency = 2
+    client_args = ["--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+
+    [[models]]
+    name = "word"
+    path = "{model}"
+
+    [[arms]]
+    name = "fast"
+    role = "subject"
+    command = ["{{python}}", "{FAKE_SERVER}", "{{model}}", "--port", "{{port}}", "--itl-ms", "1"]
+    startup_timeout_s = 30
+
+    [[arms]]
+    name = "slow"
+    role = "peer"
+    command = ["{{python}}", "{FAKE_SERVER}", "{{model}}", "--port", "{{port}}", "--itl-ms", "3"]
+    denominator_note = "repaired: now runs with the production flags"
+    startup_timeout_s = 30
+    """
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_config_validation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[models]]\nname="m"\npath="p"\n[[arms]]\nname="a"\noracle="vllm"\ncommand=["x"]\n')
+    with pytest.raises(ValueError, match="exactly one"):
+        load_config(bad)
+    bad.write_text('[[models]]\nname="m"\npath="p"\n[[arms]]\nname="a"\noracle="vllm"\ndrop_flags=["--x"]\n')
+    with pytest.raises(ValueError, match="exemption"):
+        load_config(bad)
+    bad.write_text('[grid]\ncolour="red"\n[[models]]\nname="m"\npath="p"\n[[arms]]\nname="a"\ncommand=["x"]\n')
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config(bad)
+
+
+def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, arch, experts in (("q35-35b-a3b", "Qwen3_5MoeForConditionalGeneration", 256),
+                                ("q35-27b", "Qwen3_5ForConditionalGeneration", 0)):  # fmt: skip
+        (tmp_path / name).mkdir()
+        text = {"num_experts": experts, "mamba_ssm_dtype": "float32"}
+        config = {"architectures": [arch], "text_config": text, "vision_config": {}}
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("DELTASERVE_MODELS", str(tmp_path))
+    config = load_config(grid_module.REPO_ROOT / "benchmarks/grids/h200_first.toml")
+    assert [a.name for a in config.arms] == ["deltaserve", "vllm", "vllm-no-lmo"]
+    assert config.num_prompts(1) == 10 and config.num_prompts(32) == 160
+    moe, dense = config.models
+    vllm = resolve(config.arms[1], moe, config)
+    assert "--language-model-only" in vllm.argv and vllm.exemption is None
+    assert vllm.argv[vllm.argv.index("--max-num-batched-tokens") + 1] == "8192"
+    assert vllm.env_overrides["PYTHONPATH"] == "/tmp/vllm_site"
+    dense_vllm = resolve(config.arms[1], dense, config)
+    assert dense_vllm.argv[dense_vllm.argv.index("--max-num-batched-tokens") + 1] == "2048"
+    no_lmo = resolve(config.arms[2], moe, config)
+    assert "--language-model-only" not in no_lmo.argv and "vision tower" in no_lmo.exemption
+    ours = resolve(config.arms[0], moe, config)
+    assert ours.argv[:4] == [sys.executable, "-m", "deltaserve.cli", "serve"]
+    assert ours.argv[4] == str(tmp_path / "q35-35b-a3b")
+    assert ours.env_overrides["PYTHONPATH"] == f"{grid_module.REPO_ROOT}:/tmp/vllm_site"
+
+
+def test_ratios_pair_subject_and_peer_points() -> None:
+    metrics = {"output_throughput": 200.0, "median_ttft_ms": 10.0, "p99_ttft_ms": 20.0, "median_tpot_ms": 2.0}
+    peer = {"output_throughput": 100.0, "median_ttft_ms": 20.0, "p99_ttft_ms": 20.0, "median_tpot_ms": 4.0}
+    record = {
+        "arms": {"ds": {"role": "subject"}, "v": {"role": "peer"}},
+        "runs": [
+            {
+                "arm": "ds",
+                "model": "m",
+                "isl": 8,
+                "osl": 2,
+                "concurrency": 1,
+                "is_drift_check": False,
+                "metrics": metrics,
+            },
+            {"arm": "v", "model": "m", "isl": 8, "osl": 2, "concurrency": 1, "is_drift_check": False, "metrics": peer},
+            {
+                "arm": "ds",
+                "model": "m",
+                "isl": 8,
+                "osl": 2,
+                "concurrency": 4,
+                "is_drift_check": False,
+                "metrics": metrics,
+            },
+        ],
+    }
+    (entry,) = compute_ratios(record)
+    assert entry["output_throughput"] == 2.0 and entry["median_ttft_ms"] == 0.5 and entry["p99_ttft_ms"] == 1.0
+    assert entry["median_tpot_ms"] == 0.5 and entry["peak_gpu_memory_gib"] is None
+
+
+@pytest.mark.parametrize("is_restart_cheap", [False, True])
+def test_grid_end_to_end_with_fake_servers_then_report(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer, is_restart_cheap: bool
+) -> None:
+    port = free_port()
+    config = load_config(fake_grid_toml(tmp_path / "fake.toml", word_model, port, is_restart_cheap))
+    results = tmp_path / "results"
+    record = Grid(config, results, record_name="fake-run").run()
+    path = results / "fake-run.json"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(record, default=str))
+    assert record["is_complete"] and record["schedule"] == ("alternating" if is_restart_cheap else "sequential+drift")
+    order = [(e["arm"], e["is_drift_check"]) for e in record["launches"]]
+    if is_restart_cheap:
+        assert order == [("fast", False), ("slow", False), ("fast", False), ("slow", False)]  # A B A B
+        assert record["drift"] == []
+    else:
+        assert order == [("fast", False), ("slow", False), ("fast", True)]
+        (drift,) = record["drift"]
+        assert drift["arm"] == "fast" and drift["concurrency"] == 2 and drift["output_throughput_change"] is not None
+    for launch in record["launches"]:
+        assert launch["error"] is None and launch["engine_version"] == "fake-0.0.1" and launch["is_port_freed"]
+        assert str(FAKE_SERVER) in launch["command_line"]
+    assert not _port_is_open(port)
+    runs = [r for r in record["runs"] if not r["is_drift_check"]]
+    assert {(r["arm"], r["concurrency"]) for r in runs} == {("fast", 1), ("fast", 2), ("slow", 1), ("slow", 2)}
+    assert all(r["metrics"]["completed"] == r["metrics"]["num_prompts"] for r in record["runs"])
+    assert all(r["metrics"]["num_prompts"] == max(3, 2 * r["concurrency"]) for r in runs)
+    assert len(record["ratios"]) == 2
+    for entry in record["ratios"]:
+        assert entry["subject"] == "fast" and entry["peer"] == "slow"
+        assert entry["median_tpot_ms"] < 0.9  # 1 ms vs 3 ms between tokens
+    assert record["arms"]["slow"]["denominator_note"].startswith("repaired")
+    assert (results / "raw/fake-run/fast-word-16x4-c1.json").exists()
+
+    docs = tmp_path / "docs"
+    args = report.argparse.Namespace(results_dir=results, output=docs / "BENCHMARKS.md", check=False)
+    assert report.run(args) == 0
+    text = (docs / "BENCHMARKS.md").read_text()
+    assert (docs / "bench-fake-run.png").stat().st_size > 1000
+    assert str(FAKE_SERVER) in text and "--itl-ms 3" in text  # every arm's exact command line
+    assert "repaired: now runs with the production flags" in text and "[1]" in text
+    assert "fast / slow *" in text and "![fake-run](bench-fake-run.png)" in text
+    assert "Ratio history" in text and "deltaserve bench serve --base-url" in text
+    args.check = True
+    assert report.run(args) == 0
+    (docs / "BENCHMARKS.md").write_text(text + "edit\n")
+    assert report.run(args) == 1
+
+
+def test_a_dead_arm_is_recorded_and_the_grid_goes_on(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    toml = tmp_path / "dead.toml"
+    toml.write_text(
+        f'[grid]\nname="dead"\nconcurrencies=[1]\nlengths=[[8,2]]\nport={free_port()}\n'
+        f'[[models]]\nname="w"\npath="{word_model}"\n'
+        f'[[arms]]\nname="dies"\nrole="subject"\ncommand=["{sys.executable}", "-c", "raise SystemExit(3)"]\n'
+    )
+    record = Grid(load_config(toml), tmp_path / "r", record_name="dead").run()
+    (launch,) = record["launches"]
+    assert "exited with 3" in launch["error"] and record["runs"] == [] and record["is_complete"]
+
+
+def test_report_without_records(tmp_path: Path) -> None:
+    args = report.argparse.Namespace(results_dir=tmp_path, output=tmp_path / "B.md", check=False)
+    assert report.run(args) == 0 and "No grid records yet" in (tmp_path / "B.md").read_text()
+
+
+def _port_is_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_deadline_skips_launches_that_would_not_finish(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    toml = tmp_path / "late.toml"
+    toml.write_text(
+        f'[grid]\nname="late"\nconcurrencies=[1, 2]\nlengths=[[8,2]]\nport={free_port()}\n'
+        f'[[models]]\nname="w"\npath="{word_model}"\n'
+        f'[[arms]]\nname="slow-start"\nrole="subject"\ncommand=["{sys.executable}", "-c", "pass"]\n'
+        "expected_startup_s = 50\nexpected_run_s = 30\n"
+    )
+    record = Grid(load_config(toml), tmp_path / "r", record_name="late", deadline_s=100).run()
+    assert record["launches"] == [] and record["skipped"] == [{"arm": "slow-start", "model": "w", "reason": "deadline"}]
+
+
+def test_sigterm_stops_the_server_and_keeps_the_record(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DELTASERVE_GRID_PIDFILE", str(tmp_path / "server.pgid"))
+    port = free_port()
+    toml = tmp_path / "long.toml"
+    toml.write_text(
+        f'[grid]\nname="long"\nconcurrencies=[1]\nlengths=[[8,200]]\nmin_prompts=50\nport={port}\n'
+        f'[[models]]\nname="w"\npath="{word_model}"\n'
+        f'[[arms]]\nname="slow"\nrole="subject"\n'
+        f'command=["{{python}}", "{FAKE_SERVER}", "{{model}}", "--port", "{{port}}", "--itl-ms", "20"]\n'
+    )
+    grid = Grid(load_config(toml), tmp_path / "r", record_name="long")
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    with pytest.raises(grid_module.GridInterrupted):
+        grid.run()
+    timer.cancel()
+    saved = json.loads((tmp_path / "r/long.json").read_text())
+    assert saved["interrupted"] == f"signal {int(signal.SIGTERM)}" and not saved["is_complete"]
+    assert saved["launches"][0]["is_port_freed"] and not _port_is_open(port)
+    assert not (tmp_path / "server.pgid").exists()
+    assert signal.getsignal(signal.SIGTERM) is not grid_module._interrupt  # handler restored

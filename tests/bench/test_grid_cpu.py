@@ -1,0 +1,89 @@
+"""The CI grid: two real `deltaserve serve` arms on the CPU (fused vs unfused attention preamble) through launch,
+health, the client, the record and the report, into a temporary folder.
+
+This is the harness's end-to-end test on the real server and real tokenizer path (transformers), so it is the
+slow one (two server starts on the CPU); every other tests/bench test uses stand-ins and stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from bench_helpers import free_port
+
+from deltaserve.bench import report
+from deltaserve.bench.grid import Grid, load_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_fused_vs_unfused_preamble_grid_on_the_cpu(tmp_path: Path) -> None:
+    if importlib.util.find_spec("deltaserve.api.cli") is None:
+        pytest.skip("deltaserve serve (deltaserve.api.cli) is not there yet")
+    from deltaserve.tiny import make_tiny
+
+    model = make_tiny(tmp_path / "tiny-dense", "dense")
+    config_path = tmp_path / "cpu.toml"
+    config_path.write_text(
+        textwrap.dedent(
+            f"""
+            [grid]
+            name = "cpu_preamble"
+            title = "deltaserve fused vs unfused attention preamble, tiny dense, CPU"
+            concurrencies = [1, 2]
+            lengths = [[32, 8]]
+            prompts_per_concurrency = 2
+            min_prompts = 3
+            num_warmups = 1
+            port = {free_port()}
+            is_restart_cheap = false
+            client_args = ["--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el"]
+
+            [[models]]
+            name = "tiny-dense"
+            path = "{model}"
+
+            [[arms]]
+            name = "fused"
+            role = "subject"
+            command = ["{{python}}", "-m", "deltaserve.cli", "serve", "{{model}}", "--port", "{{port}}"]
+            env = {{ DELTASERVE_FUSE_ATTN_PREAMBLE = "1" }}
+            startup_timeout_s = 120
+
+            [[arms]]
+            name = "unfused"
+            role = "peer"
+            command = ["{{python}}", "-m", "deltaserve.cli", "serve", "{{model}}", "--port", "{{port}}"]
+            env = {{ DELTASERVE_FUSE_ATTN_PREAMBLE = "0" }}
+            startup_timeout_s = 120
+            denominator_note = "the same engine with the four-op preamble"
+            """
+        )
+    )
+    results = tmp_path / "results"
+    record = Grid(load_config(config_path), results, record_name="cpu-run", is_drift_enabled=False).run()
+
+    assert record["is_complete"] and json.loads((results / "cpu-run.json").read_text())["is_complete"]
+    assert [(e["arm"], e["error"], e["is_port_freed"]) for e in record["launches"]] == [
+        ("fused", None, True),
+        ("unfused", None, True),
+    ]
+    assert [e["env"]["DELTASERVE_FUSE_ATTN_PREAMBLE"] for e in record["launches"]] == ["1", "0"]
+    assert all(e["engine_version"] for e in record["launches"])
+    for run in record["runs"]:
+        metrics = run["metrics"]
+        assert run["error"] is None and metrics["failed"] == 0, run
+        assert metrics["completed"] == max(3, 2 * run["concurrency"])
+        assert metrics["total_output_tokens"] == 8 * metrics["completed"]  # ignore_eos, usage from the server
+        assert metrics["is_server_tokenize_aligned"] and metrics["median_tpot_ms"] > 0
+    assert len(record["ratios"]) == 2 and all(r["output_throughput"] > 0 for r in record["ratios"])
+
+    output = tmp_path / "docs" / "BENCHMARKS.md"
+    assert report.run(report.argparse.Namespace(results_dir=results, output=output, check=False)) == 0
+    text = output.read_text()
+    assert "DELTASERVE_FUSE_ATTN_PREAMBLE=0" in text and "the same engine with the four-op preamble" in text
+    assert (output.parent / "bench-cpu-run.png").exists()
