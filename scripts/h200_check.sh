@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One H200 call for the GPU fast path (issue 5): GPU tests, the bf16 token gate on the tiny models, the kernel
+# benchmark, and an end-to-end smoke of the dummy 27B- / 35B-A3B-shaped models. Run from the repo root on the
+# device, with the wheels of .whl carried (fastapi/uvicorn/pydantic are not on the host). Writes under $OUT.
+# usage: bash scripts/h200_check.sh [tests] [gate] [kernels] [smoke]   (default: all four)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+steps=${*:-tests gate kernels smoke}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.csv"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+for step in $steps; do
+  echo "=== $step ($(date +%T))"
+  case $step in
+    tests)
+      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
+    gate)
+      for v in dense moe next; do
+        python3 -m deltaserve.cli make-tiny "/tmp/tiny/$v" --variant "$v" > /dev/null
+        timeout 200 python3 -m deltaserve.cli gate tokens --model "/tmp/tiny/$v" --dtype bfloat16 --device cuda 2>&1 \
+          | grep -v -i "warn\|loading weights\|falling back" | tee "$OUT/gate_bf16_$v.log"
+        timeout 200 python3 -m deltaserve.cli gate tokens --model "/tmp/tiny/$v" --dtype float32 --device cuda 2>&1 \
+          | grep -v -i "warn\|loading weights\|falling back" | tail -4 | tee "$OUT/gate_fp32_$v.log"
+      done ;;
+    kernels)
+      timeout 300 python3 -m deltaserve.cli bench kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
+    smoke)
+      [ -f /tmp/ds_models/q35-35b-a3b/config.json ] || python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
+      for m in q35-35b-a3b q35-27b; do
+        timeout 240 python3 scripts/smoke_serve.py "/tmp/ds_models/$m" --out "$OUT/smoke_$m.json" 2>&1 | tail -15
+      done ;;
+  esac
+done
