@@ -1,1 +1,1 @@
-"""Stage package: api."""
+"""deltaserve.api: the OpenAI-compatible HTTP server of `deltaserve serve`, with vLLM's API surface."""

@@ -186,25 +186,29 @@ class LLMEngine:
     # -- scoring (gates) ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], num_prefill_tokens: int | None = None) -> torch.Tensor:
-        """Logits [L, V] of every position of token_ids, computed as one prefill of the first
-        num_prefill_tokens (default: all) followed by one-token decode steps. Needs an idle engine."""
+    def score(self, token_ids: list[int], prefill_chunks: list[int] | None = None) -> torch.Tensor:
+        """Logits [L, V] of every position of token_ids: prefill chunks of the given sizes (default: one chunk
+        of everything), then the remaining tokens as one-token decode steps. Needs an idle engine."""
         if self.has_unfinished():
             raise RuntimeError("score() needs an idle engine")
-        num_prefill = num_prefill_tokens or len(token_ids)
+        chunks = list(prefill_chunks or [len(token_ids)])
+        if sum(chunks) > len(token_ids) or min(chunks) < 1:
+            raise ValueError(f"prefill chunks {chunks} do not fit {len(token_ids)} tokens")
+        chunks += [1] * (len(token_ids) - sum(chunks))
         blocks, slots = self.scheduler.blocks, self.scheduler.slots
         block_ids = blocks.allocate(blocks.blocks_needed(len(token_ids), 0))
         slot = slots.allocate()
         try:
             pieces = []
-            start, end = 0, num_prefill
-            while start < len(token_ids):
+            start = 0
+            for size in chunks:
+                end = start + size
                 row = list(range(start, end))
                 scheduled = ScheduledSequence(
                     "score", token_ids[start:end], [row, row, row], start, block_ids, slot, needs_sample=False
                 )
                 pieces.append(self.runner.execute(ScheduledBatch([scheduled]), return_all_logits=True).all_logits)
-                start, end = end, end + 1
+                start = end
             return torch.cat(pieces)
         finally:
             blocks.free(block_ids)

@@ -67,6 +67,6 @@ class LLM:
                         progress.update(1)
         return [states[rid].final_output() for rid in request_ids]
 
-    def score(self, token_ids: list[int], num_prefill_tokens: int | None = None) -> torch.Tensor:
-        """Logits [L, V] (fp32) of every position: one prefill of num_prefill_tokens, then decode steps."""
-        return self.engine.score(token_ids, num_prefill_tokens)
+    def score(self, token_ids: list[int], prefill_chunks: list[int] | None = None) -> torch.Tensor:
+        """Logits [L, V] (fp32) of every position: prefill chunks of the given sizes, then decode steps."""
+        return self.engine.score(token_ids, prefill_chunks)

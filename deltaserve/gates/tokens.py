@@ -6,9 +6,16 @@ bf16, whether that margin is a near-tie within a few bf16 ulps). It also checks,
 - logits: deltaserve's full forward against transformers' full forward, relative error
   ||ours - ref|| / ||ref|| over all positions <= 1e-4 in fp32 (both compute the same fp32 math in a
   different order; per-op differences are ~1e-7 and compound over the layers to ~1e-6..1e-5);
-- prefill-then-decode equals one full forward: deltaserve's logits from one prefill of the prompt followed
-  by one-token decode steps against one prefill of the whole sequence, <= 1e-5 in fp32 (chunked and
-  recurrent delta rule agree to ~1e-6 relative).
+- prefill-then-decode equals one full forward: deltaserve's logits from the prompt as two prefill chunks
+  (the second continuing the first's state) followed by one-token decode steps, against one prefill of the
+  whole sequence. The chunked and the recurrent delta
+  rule differ only by rounding, so the bound is the model's own rounding noise floor: the relative change of
+  the same logits when the embedding table is perturbed by one rounding's worth (1e-7 relative in fp32,
+  4e-3 in bf16), times 10, and never below 1e-5 (fp32). A state restarted from zero (the transformers bug of
+  architecture doc §8.1) moves the logits by O(1), far above it. The random tiny models amplify rounding
+  ~1000x, which is why a fixed 1e-5 would only measure their chaos.
+In bf16 the gate also reports the yardstick: transformers-bf16 and deltaserve-bf16 each against
+transformers-fp32, so mismatches can be read against the reference's own bf16 disagreement.
 Exit 0 only when every prompt matches and every check holds; 1 on any failure; 2 when nothing was checked.
 """
 
@@ -25,6 +32,8 @@ import torch
 
 LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 SPLIT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 1e-2}
+ROUNDING_PERTURBATION = {"float32": 1e-7, "bfloat16": 4e-3, "float16": 5e-4}
+NOISE_FLOOR_FACTOR = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +64,9 @@ class PromptResult:
     is_near_tie: bool = False
     logit_rel_error: float = 0.0
     split_rel_error: float = 0.0
+    noise_floor: float = 0.0
+    is_ref_dtype_exact: bool | None = None  # reference in this dtype vs reference in fp32 (bf16 yardstick)
+    is_ours_vs_fp32_exact: bool | None = None
 
 
 def make_prompts(tokenizer: object, num_prompts: int, max_len: int, seed: int) -> list[list[int]]:
@@ -95,6 +107,20 @@ def reference_greedy(
     return tokens, step_logits
 
 
+def noise_floor(llm: object, sequence: list[int], relative: float, seed: int) -> float:
+    """Relative change of the full-forward logits when the embedding table moves by `relative` (one rounding)."""
+    embed = llm.engine.runner.model.embed_tokens
+    saved = embed.data.clone()
+    generator = torch.Generator(device=embed.device).manual_seed(seed)
+    try:
+        base = llm.score(sequence)
+        noise = torch.randn(embed.shape, generator=generator, device=embed.device, dtype=torch.float32)
+        embed.data.copy_((saved.float() * (1 + relative * noise)).to(saved.dtype))
+        return rel_error(llm.score(sequence), base)
+    finally:
+        embed.data.copy_(saved)
+
+
 def load_reference(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -126,6 +152,7 @@ def run_gate(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ref_model = load_reference(model_dir, torch_dtype, run_device)
+    ref_fp32 = load_reference(model_dir, torch.float32, run_device) if dtype != "float32" else None
     results = []
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         ours = output.outputs[0].token_ids
@@ -137,21 +164,27 @@ def run_gate(
             result.first_divergence = pos
             result.ref_margin = float(top2[0] - top2[1])
             result.is_near_tie = result.ref_margin <= 4 * bf16_ulp(float(top2[0]))
+        if ref_fp32 is not None:
+            fp32_tokens, _ = reference_greedy(ref_fp32, prompt, max_tokens, run_device)
+            result.is_ref_dtype_exact = ref_tokens == fp32_tokens
+            result.is_ours_vs_fp32_exact = ours == fp32_tokens
         sequence = prompt + ref_tokens
         ref_logits = ref_model(input_ids=torch.tensor([sequence], device=run_device)).logits[0].float().cpu()
         full = llm.score(sequence).cpu()
-        split = llm.score(sequence, num_prefill_tokens=len(prompt)).cpu()
+        # the prompt as two prefill chunks (the second continues the first's state), then one-token decodes
+        first = (len(prompt) + 1) // 2
+        split = llm.score(sequence, [first, len(prompt) - first] if len(prompt) > 1 else [1]).cpu()
         result.logit_rel_error = rel_error(full, ref_logits)
         result.split_rel_error = rel_error(split, full)
+        result.noise_floor = noise_floor(llm, sequence, ROUNDING_PERTURBATION[dtype], seed + i)
         results.append(result)
     return report(results, dtype, model_dir)
 
 
 def report(results: list[PromptResult], dtype: str, model_dir: Path) -> int:
     num_exact = sum(r.is_exact for r in results)
-    logit_tol, split_tol = LOGIT_TOLERANCE[dtype], SPLIT_TOLERANCE[dtype]
+    logit_tol = LOGIT_TOLERANCE[dtype]
     worst_logit = max(r.logit_rel_error for r in results)
-    worst_split = max(r.split_rel_error for r in results)
     print(f"gate tokens: {model_dir} ({dtype}), {len(results)} prompts, lengths {min(r.prompt_len for r in results)}"
           f"..{max(r.prompt_len for r in results)}")  # fmt: skip
     for r in results:
@@ -162,13 +195,23 @@ def report(results: list[PromptResult], dtype: str, model_dir: Path) -> int:
     num_near_ties = sum(1 for r in results if not r.is_exact and r.is_near_tie)
     print(f"STRICT {num_exact}/{len(results)}" + (f" ({num_near_ties} of the mismatches are near-ties)" if
           num_exact < len(results) else ""))  # fmt: skip
+    if results[0].is_ref_dtype_exact is not None:
+        num_ref = sum(bool(r.is_ref_dtype_exact) for r in results)
+        num_ours = sum(bool(r.is_ours_vs_fp32_exact) for r in results)
+        print(f"yardstick against transformers-fp32: transformers-{dtype} STRICT {num_ref}/{len(results)}, "
+              f"deltaserve-{dtype} STRICT {num_ours}/{len(results)}")  # fmt: skip
     is_logit_ok = worst_logit <= logit_tol
-    is_split_ok = worst_split <= split_tol
     print(f"logits vs reference: max relative error {worst_logit:.3g} (tolerance {logit_tol:g}) "
           f"{'ok' if is_logit_ok else 'FAIL'}")  # fmt: skip
-    print(f"prefill-then-decode vs full forward: max relative error {worst_split:.3g} (tolerance {split_tol:g}) "
-          f"{'ok' if is_split_ok else 'FAIL'}")  # fmt: skip
-    return 0 if num_exact == len(results) and is_logit_ok and is_split_ok else 1
+    failing = [
+        r for r in results if r.split_rel_error > max(SPLIT_TOLERANCE[dtype], NOISE_FLOOR_FACTOR * r.noise_floor)
+    ]
+    worst = max(results, key=lambda r: r.split_rel_error / max(r.noise_floor, 1e-30))
+    print(f"prefill-then-decode vs full forward: max relative error {max(r.split_rel_error for r in results):.3g}; "
+          f"worst prompt {worst.index}: {worst.split_rel_error:.3g} against a rounding noise floor of "
+          f"{worst.noise_floor:.3g} (bound {NOISE_FLOOR_FACTOR:g}x floor, at least {SPLIT_TOLERANCE[dtype]:g}) "
+          f"{'ok' if not failing else f'FAIL on {len(failing)} prompts'}")  # fmt: skip
+    return 0 if num_exact == len(results) and is_logit_ok and not failing else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""Chat requests -> prompt text: message normalisation, the Jinja chat template, and chat_template_kwargs.
+
+The template comes from the request (`chat_template`), else `--chat-template`, else the checkpoint's tokenizer.
+Template kwargs are `--default-chat-template-kwargs` overridden by the request's `chat_template_kwargs`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deltaserve.api.errors import bad_request
+from deltaserve.api.protocol import ChatMessage, ToolDefinition
+from deltaserve.api.settings import ServerState
+
+# apply_chat_template's own arguments: a template kwarg of the same name would change how it runs, not the prompt.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+})  # fmt: skip
+
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def _content_text(message: ChatMessage, index: int) -> str | None:
+    """Content as text: parts are joined with newlines as vLLM's 'string' content format does."""
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type not in TEXT_PART_TYPES:
+            raise bad_request(
+                f"Content part type {part.type!r} is not supported: deltaserve serves the language model only.",
+                f"messages.{index}.content",
+            )
+        texts.append(part.text or "")
+    return "\n".join(texts)
+
+
+def _tool_call_dict(call: Any, index: int) -> dict[str, Any]:
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        # Qwen's template iterates arguments|items, so a JSON string is parsed into a mapping (as vLLM does).
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise bad_request(
+                f"tool_calls arguments must be a JSON object, got {arguments[:100]!r}.", f"messages.{index}.tool_calls"
+            ) from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments or {}}}
+
+
+def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    converted = []
+    for index, message in enumerate(messages):
+        item: dict[str, Any] = {**(message.model_extra or {}), "role": message.role}
+        content = _content_text(message, index)
+        item["content"] = content if content is not None or message.tool_calls else ""
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = [_tool_call_dict(call, index) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+        if reasoning is not None:
+            item["reasoning"] = item["reasoning_content"] = reasoning
+        converted.append(item)
+    return converted
+
+
+def template_kwargs(state: ServerState, request_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    merged = {**state.settings.default_chat_template_kwargs, **(request_kwargs or {})}
+    return {key: value for key, value in merged.items() if key not in RESERVED_TEMPLATE_KWARGS}
+
+
+def render_chat(
+    state: ServerState,
+    messages: list[ChatMessage],
+    *,
+    tools: list[ToolDefinition] | None,
+    chat_template: str | None,
+    kwargs: dict[str, Any],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    documents: list[dict[str, str]] | None = None,
+) -> str:
+    """The rendered prompt text; template errors (raise_exception, bad roles) surface as 400s."""
+    tokenizer = state.engine.tokenizer
+    template = chat_template or state.settings.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise bad_request("The model has no chat template; pass --chat-template or use /v1/completions.")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "continue_final_message"
+        )
+    if continue_final_message and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message.", "continue_final_message")
+    prompt = tokenizer.apply_chat_template(
+        to_template_messages(messages),
+        tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
+        documents=documents,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **kwargs,
+    )
+    if not isinstance(prompt, str):
+        raise bad_request("The chat template did not render to text.")
+    return prompt
+
+
+def encode_prompt(state: ServerState, prompt: str, add_special_tokens: bool) -> list[int]:
+    return list(state.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+
+def check_tool_choice(state: ServerState, tools: list[ToolDefinition] | None, tool_choice: Any) -> str | None:
+    """Validates tools/tool_choice as vLLM does; returns the effective choice (None: tools are not parsed)."""
+    settings = state.settings
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return None
+    if not tools:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if tool_choice == "auto":
+        if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice"
+            )
+        return "auto"
+    if tool_choice == "required":
+        return "required"
+    names = {tool.function.name for tool in tools}
+    if tool_choice.function.name not in names:
+        raise bad_request(
+            f"Tool choice names the function {tool_choice.function.name!r}, which is not in `tools`.", "tool_choice"
+        )
+    return tool_choice.function.name

@@ -1,0 +1,133 @@
+"""One chat choice's generated text -> OpenAI message deltas: reasoning, content and tool calls.
+
+A ChoiceProcessor chains the reasoning parser (whose content feeds the tool-call parser) and emits delta dicts;
+streaming sends them as they come, and non-streaming folds the same deltas into one message with
+MessageBuilder, so both paths give the same answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltaserve.api.reasoning import Qwen3ReasoningParser
+from deltaserve.api.tool_parser import Qwen3XMLToolParser
+
+
+def merge_tool_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Coalesces the fragments of one call within a chunk into one entry per index, as clients expect."""
+    merged: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        entry = merged.get(delta["index"])
+        if entry is None:
+            merged[delta["index"]] = {**delta, "function": dict(delta["function"])}
+        else:
+            entry["function"]["arguments"] = entry["function"].get("arguments", "") + delta["function"]["arguments"]
+    return list(merged.values())
+
+
+def merge_deltas(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(first)
+    for key in ("reasoning", "content"):
+        if key in second:
+            merged[key] = merged.get(key, "") + second[key]
+    if "tool_calls" in second:
+        merged["tool_calls"] = merge_tool_deltas(merged.get("tool_calls", []) + second["tool_calls"])
+    return merged
+
+
+class ChoiceProcessor:
+    def __init__(
+        self,
+        reasoning_parser: Qwen3ReasoningParser | None,
+        tool_parser: Qwen3XMLToolParser | None,
+        is_reasoning_included: bool = True,
+    ) -> None:
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
+        self.is_reasoning_included = is_reasoning_included
+        self.num_tokens = 0
+        self.has_sent_role = False
+        self.pending_logprobs: list[dict[str, Any]] = []  # logprobs of tokens whose text is still held back
+
+    @property
+    def is_plain(self) -> bool:
+        """No parser: every engine delta becomes a content chunk, even an empty one (as vLLM streams)."""
+        return self.reasoning_parser is None and self.tool_parser is None
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return self.tool_parser is not None and self.tool_parser.has_tool_calls
+
+    def _delta(self, reasoning: str, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if reasoning and self.is_reasoning_included:
+            delta["reasoning"] = reasoning
+        if content or (self.is_plain and not calls):
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = merge_tool_deltas(calls)
+        return delta
+
+    def _route(self, reasoning: str, content: str) -> dict[str, Any]:
+        calls: list[dict[str, Any]] = []
+        if self.tool_parser is not None and content:
+            content, calls = self.tool_parser.feed(content)
+        return self._delta(reasoning, content, calls)
+
+    def feed(self, text: str) -> dict[str, Any]:
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.feed(text)
+        else:
+            reasoning, content = "", text
+        return self._route(reasoning, content)
+
+    def finish(self) -> dict[str, Any]:
+        """Flushes both parsers at the end of the sequence."""
+        delta: dict[str, Any] = {}
+        if self.reasoning_parser is not None:
+            delta = self._route(*self.reasoning_parser.finish())
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.finish()
+            delta = merge_deltas(delta, self._delta("", content, calls))
+        return delta
+
+    def finish_reason(self, engine_reason: str) -> str:
+        # A completed tool call ends the turn with "tool_calls"; a call cut off by the length limit stays "length".
+        return "tool_calls" if engine_reason == "stop" and self.has_tool_calls else engine_reason
+
+
+class MessageBuilder:
+    """Folds a choice's deltas into the non-streaming message."""
+
+    def __init__(self, processor: ChoiceProcessor) -> None:
+        self.processor = processor
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: list[dict[str, Any]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    def add(self, delta: dict[str, Any]) -> None:
+        if "reasoning" in delta:
+            self.reasoning.append(delta["reasoning"])
+        if "content" in delta:
+            self.content.append(delta["content"])
+        for call in delta.get("tool_calls", []):
+            entry = self.calls.setdefault(call["index"], {"id": None, "name": "", "arguments": ""})
+            entry["id"] = call.get("id") or entry["id"]
+            entry["name"] = call["function"].get("name") or entry["name"]
+            entry["arguments"] += call["function"].get("arguments", "")
+
+    def message(self) -> dict[str, Any]:
+        content = "".join(self.content)
+        is_parsed = not self.processor.is_plain
+        message: dict[str, Any] = {"role": "assistant", "content": None if is_parsed and not content else content}
+        if self.processor.reasoning_parser is not None:
+            message["reasoning"] = "".join(self.reasoning) or None
+        tool_calls = [
+            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+            for _, call in sorted(self.calls.items())
+        ]
+        message["tool_calls"] = tool_calls
+        return message

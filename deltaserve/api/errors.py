@@ -1,0 +1,119 @@
+"""vLLM's error envelope: `{"error": {"message", "type", "param", "code"}}`, and the exception handlers that emit it.
+
+Every failure a client can cause is a 400 BadRequestError (pydantic validation included, never FastAPI's 422);
+an unknown model is a 404 NotFoundError; a missing API key a 401; anything unexpected a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jinja2
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error with its HTTP status, vLLM error type and offending parameter."""
+
+    def __init__(
+        self, message: str, *, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+
+    def payload(self) -> dict[str, Any]:
+        return error_payload(self.message, self.err_type, self.status, self.param)
+
+
+def error_payload(message: str, err_type: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(message, param=param)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(f"The model `{name}` does not exist.", status=404, err_type="NotFoundError", param="model")
+
+
+def unauthorized() -> APIError:
+    return APIError("Unauthorized", status=401, err_type="AuthenticationError")
+
+
+# Pydantic names the union member that failed inside the location (prompt.str, prompt.list[int]); dropped.
+UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal"})
+
+
+def _location(loc: tuple[Any, ...], prefix: str | None) -> str | None:
+    parts = [prefix] if prefix else []
+    for part in loc:
+        text = str(part)
+        if "[" in text or "-" in text or text.lower() in UNION_TAGS:
+            continue
+        parts.append(text)
+    return ".".join(parts) or None
+
+
+def validation_error(exc: pydantic.ValidationError | RequestValidationError, prefix: str | None = "body") -> APIError:
+    """vLLM's message for request-model validation: 'N validation error(s): ...', param = first dotted location."""
+    errors = exc.errors()
+    num_errors = len(errors)
+    lines = []
+    for error in errors[:10]:
+        loc = _location(tuple(error.get("loc", ())), prefix)
+        message = str(error.get("msg", "invalid value"))
+        lines.append(f"{loc}: {message}" if loc else message)
+    noun = "error" if num_errors == 1 else "errors"
+    param = _location(tuple(errors[0].get("loc", ())), prefix) if errors else None
+    return APIError(f"{num_errors} validation {noun}: " + "; ".join(lines), param=param)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Maps an exception to the status vLLM gives it: user-caused errors are 400s, the rest 500s."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, pydantic.ValidationError):
+        return validation_error(exc)
+    if isinstance(exc, NotImplementedError):
+        return APIError(str(exc) or "Not implemented.", status=501, err_type="NotImplementedError")
+    if isinstance(exc, ValueError | TypeError | OverflowError | jinja2.TemplateError | RecursionError):
+        return bad_request(str(exc) or type(exc).__name__)
+    return APIError("Internal server error.", status=500, err_type="InternalServerError")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.payload(), status_code=err.status)
+
+
+async def _handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(to_api_error(exc))
+
+
+async def _handle_request_validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(exc, prefix=None))
+
+
+async def _handle_internal(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(to_api_error(exc))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Client errors are handled per class (no traceback logged); anything else is a logged 500."""
+    app.add_exception_handler(RequestValidationError, _handle_request_validation)
+    for cls in (APIError, pydantic.ValidationError, ValueError, TypeError, OverflowError, RecursionError):
+        app.add_exception_handler(cls, _handle_api_error)
+    app.add_exception_handler(jinja2.TemplateError, _handle_api_error)
+    app.add_exception_handler(NotImplementedError, _handle_api_error)
+    app.add_exception_handler(Exception, _handle_internal)

@@ -1,0 +1,89 @@
+"""The engine's per-token Logprob dicts in the two OpenAI shapes: completions' parallel lists and chat's entries.
+
+Each engine entry maps token id -> Logprob for the sampled token plus the top-N candidates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from deltaserve.engine.request import Logprob
+
+# vLLM clamps -inf so the JSON stays valid.
+MIN_LOGPROB = -9999.0
+
+
+def _clamp(value: float) -> float:
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
+
+
+class TokenNamer:
+    """How a token id is shown: its decoded text, or 'token_id:N' with return_tokens_as_token_ids."""
+
+    def __init__(self, tokenizer: Any, as_token_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
+
+    def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+def _top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0, -item[1].logprob))
+    return ranked[:num_top]
+
+
+class CompletionLogprobs:
+    """Accumulates completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, namer: TokenNamer, num_top: int, initial_offset: int = 0) -> None:
+        self.namer = namer
+        self.num_top = num_top
+        self.offset = initial_offset
+
+    def build(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        entries = entries or []
+        for position, token_id in enumerate(token_ids):
+            entry = entries[position] if position < len(entries) else {}
+            sampled = entry.get(token_id)
+            token = self.namer(token_id, sampled)
+            tokens.append(token)
+            token_logprobs.append(_clamp(sampled.logprob) if sampled is not None else None)
+            top = {self.namer(tid, lp): _clamp(lp.logprob) for tid, lp in _top_entries(entry, self.num_top)}
+            if sampled is not None:
+                top.setdefault(token, _clamp(sampled.logprob))
+            top_logprobs.append(top)
+            text_offset.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}  # fmt: skip
+
+
+def _chat_item(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(
+    namer: TokenNamer, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int
+) -> list[dict[str, Any]]:
+    """Chat's logprobs.content items: token, logprob, bytes and the top_logprobs list."""
+    items = []
+    entries = entries or []
+    for position, token_id in enumerate(token_ids):
+        entry = entries[position] if position < len(entries) else {}
+        sampled = entry.get(token_id)
+        item = _chat_item(namer(token_id, sampled), _clamp(sampled.logprob) if sampled is not None else MIN_LOGPROB)
+        item["top_logprobs"] = [
+            _chat_item(namer(tid, lp), _clamp(lp.logprob)) for tid, lp in _top_entries(entry, num_top)
+        ]
+        items.append(item)
+    return items

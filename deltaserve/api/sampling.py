@@ -1,0 +1,114 @@
+"""Request fields -> the engine's SamplingParams, with vLLM's defaulting rules and 400s that name the field.
+
+A sampling field the request leaves unset takes the model's generation_config default (engine.default_sampling,
+empty under --generation-config vllm), then SamplingParams' own default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltaserve.api.errors import bad_request
+from deltaserve.api.protocol import UNSUPPORTED_STRUCTURED_FIELDS, SamplingRequest
+from deltaserve.api.serving_common import check_context
+from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
+from deltaserve.engine.request import SamplingParams
+
+# Fields that fall back to generation_config.json defaults when the request leaves them unset.
+DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty")  # fmt: skip
+
+
+def check_unsupported(request: SamplingRequest) -> None:
+    """Features that would change the output if silently ignored are refused instead."""
+    extra = request.model_extra or {}
+    for name in UNSUPPORTED_STRUCTURED_FIELDS:
+        if extra.get(name) is not None:
+            raise bad_request(f"{name} needs structured outputs, which deltaserve does not support.", name)
+    if extra.get("prompt_logprobs") is not None:
+        raise bad_request("prompt_logprobs is not supported: the engine does not compute prompt logprobs.")
+    if request.use_beam_search:
+        raise bad_request("Beam search is not supported.", "use_beam_search")
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported.", "logit_bias")
+    if not 1 <= request.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}.", "n")
+
+
+def check_logprobs(num_logprobs: int | None, param: str) -> None:
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}.", param)
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def build_sampling_params(
+    state: ServerState, request: SamplingRequest, *, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """SamplingParams for one prompt; a ValueError from its validation becomes a 400 naming the field."""
+    defaults: dict[str, Any] = state.engine.default_sampling or {}
+    values: dict[str, Any] = {}
+    for name in DEFAULTABLE_FIELDS:
+        value = getattr(request, name)
+        if value is None:
+            value = defaults.get(name)
+        if value is not None:
+            values[name] = value
+    vocab_size = state.vocab_size
+    if values.get("top_k", 0) > vocab_size:
+        values["top_k"] = vocab_size  # same distribution; keeps the sampler's top-k within the vocabulary
+    stop_token_ids = list(request.stop_token_ids or [])
+    for token_id in stop_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"stop_token_ids contains {token_id}, outside the vocabulary.", "stop_token_ids")
+    try:
+        return SamplingParams(
+            n=request.n,
+            seed=request.seed,
+            stop=_stop_strings(request.stop),
+            stop_token_ids=stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            **values,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        param = field if field in SamplingParams.__dataclass_fields__ else None
+        raise bad_request(message, param) from None
+
+
+def resolve_max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: int) -> int:
+    """vLLM's rule: the smallest of the request's max_tokens, the rest of the context and a generation_config
+    max_new_tokens (which caps even an explicit request)."""
+    remaining = state.engine.max_model_len - num_prompt_tokens
+    value = remaining if requested is None else requested
+    cap = (state.engine.default_sampling or {}).get("max_tokens")
+    return min(value, cap) if isinstance(cap, int) and cap > 0 else value
+
+
+def params_for_prompt(
+    state: ServerState,
+    request: SamplingRequest,
+    *,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+) -> SamplingParams:
+    """Checks the prompt against the context, then builds its SamplingParams and checks prompt + max_tokens."""
+    check_context(state, num_prompt_tokens, None, prompt_param)
+    params = build_sampling_params(
+        state, request, max_tokens=resolve_max_tokens(state, max_tokens, num_prompt_tokens), logprobs=logprobs
+    )
+    check_context(state, num_prompt_tokens, params.max_tokens, prompt_param)
+    return params

@@ -1,0 +1,269 @@
+"""Plumbing shared by the generation endpoints: body parsing, request checks, engine streams, SSE and disconnects.
+
+Two rules hold everything together. Every engine stream is consumed through `engine_stream`, whose cleanup
+(close the engine iterator, abort the request if unfinished) runs shielded from cancellation, so a client that
+goes away always frees its KV blocks and state slot. And a response never holds an engine request open longer than
+its client: streams are closed by `SSEResponse`, non-streaming handlers are raced against the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import pydantic
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from deltaserve.api.errors import bad_request, model_not_found, to_api_error, validation_error
+from deltaserve.api.settings import ServerState
+from deltaserve.engine.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+T = TypeVar("T")
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"The request body is not valid UTF-8: {exc.reason}.") from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc.msg} (char {exc.pos}).") from None
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return data
+
+
+def parse_body(model: type[ModelT], data: dict[str, Any]) -> ModelT:
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc) from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.") from None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """vLLM accepts a missing or empty model and any served name; anything else is a 404."""
+    if model and model not in state.settings.served_model_names:
+        raise model_not_found(model)
+
+
+def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
+    vocab_size = state.vocab_size
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"Token id {token_id} is out of vocabulary (vocab size {vocab_size}).", param)
+
+
+def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
+    """vLLM's context checks: the prompt must leave room for one token, prompt + max_tokens must fit."""
+    max_model_len = state.engine.max_model_len
+    if num_prompt_tokens == 0:
+        raise bad_request("The prompt cannot be empty.", prompt_param)
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.",
+            prompt_param,
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise bad_request(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {num_prompt_tokens}).",
+            "max_tokens",
+        )
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k tokens (k = -1 means max_model_len)."""
+    if truncate_prompt_tokens is None:
+        return token_ids
+    if truncate_prompt_tokens == -1:
+        truncate_prompt_tokens = max_model_len
+    if truncate_prompt_tokens < 1 or truncate_prompt_tokens > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {truncate_prompt_tokens}.",
+            "truncate_prompt_tokens",
+        )
+    return token_ids[-truncate_prompt_tokens:]
+
+
+def request_ids(request: Request, body_request_id: str | None, prefix: str) -> str:
+    """The response id: prefix + X-Request-Id (or the body's request_id, or a fresh uuid), as vLLM builds it."""
+    base = request.headers.get("x-request-id") or body_request_id or uuid.uuid4().hex
+    return f"{prefix}-{base}"
+
+
+def engine_request_id(response_id: str, prompt_index: int) -> str:
+    # Unique even when clients reuse an X-Request-Id: the engine rejects duplicate ids.
+    return f"{response_id}-{prompt_index}-{uuid.uuid4().hex[:8]}"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    # Compact, as vLLM serialises its chunks: streams of thousands of events per second add up.
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def stream_usage_flags(stream_options: Any) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); only a given stream_options object turns either on."""
+    if stream_options is None:
+        return False, False
+    return bool(stream_options.include_usage), bool(stream_options.continuous_usage_stats)
+
+
+async def engine_stream(
+    state: ServerState, prompt_token_ids: list[int], params: SamplingParams, request_id: str, arrival: float
+) -> AsyncGenerator[RequestOutput, None]:
+    """engine.generate with metrics, and a cleanup that always aborts an unfinished request."""
+    max_tokens = params.max_tokens or state.engine.max_model_len - len(prompt_token_ids)
+    tracker = state.metrics.track(len(prompt_token_ids), params.n, max_tokens, arrival)
+    iterator = state.engine.generate(prompt_token_ids, params, request_id)
+    is_finished = False
+    try:
+        async for output in iterator:
+            tracker.on_output(output)
+            is_finished = output.finished
+            yield output
+            if is_finished:
+                break
+    finally:
+        # Shielded: under a cancelled anyio scope every unshielded await would be cancelled again.
+        with anyio.CancelScope(shield=True):
+            if not is_finished:
+                tracker.on_abort()
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+            if not is_finished:
+                with contextlib.suppress(Exception):
+                    await state.engine.abort(request_id)
+
+
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleaves several engine streams (a batched completion prompt) as (stream index, item).
+
+    Consume it under contextlib.aclosing: a generator abandoned mid-iteration is otherwise closed only by the
+    garbage collector, and its engine requests would run on until then."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item, None))
+        except Exception as exc:
+            queue.put_nowait((index, None, exc))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            queue.put_nowait((index, end, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                num_open -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its body generator and then runs `on_close`.
+
+    Starlette cancels the body when the client disconnects; closing the generator here as well makes the engine
+    cleanup deterministic instead of waiting for garbage collection.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type=self.media_type, headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+            self.on_close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
+    """Runs a non-streaming handler; if the client disconnects first, cancels it (which aborts its requests)."""
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(handler, return_exceptions=True)
+    if handler.cancelled():
+        logger.info("client disconnected; request cancelled")
+        return Response(status_code=499)
+    return handler.result()
+
+
+def stream_error_event(exc: BaseException) -> str:
+    """A mid-stream failure as a data event carrying vLLM's error envelope."""
+    err = to_api_error(exc)
+    if err.status >= 500:
+        logger.error("stream failed: %r", exc, exc_info=exc)
+    return sse(err.payload())

@@ -1,0 +1,231 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), echo, logprobs, n, streamed or not.
+
+A batch of P prompts with n sequences each yields choices indexed prompt * n + sequence, as vLLM numbers them.
+Every prompt is its own engine request; their streams are interleaved as outputs arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deltaserve.api.errors import bad_request
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
+from deltaserve.api.protocol import CompletionRequest
+from deltaserve.api.sampling import check_logprobs, check_unsupported, params_for_prompt
+from deltaserve.api.serving_common import (
+    DONE_EVENT,
+    SSEResponse,
+    check_model,
+    check_token_ids,
+    engine_request_id,
+    engine_stream,
+    merge_streams,
+    parse_body,
+    read_json,
+    request_ids,
+    run_until_disconnect,
+    sse,
+    stream_error_event,
+    stream_usage_flags,
+    truncate_prompt,
+    usage,
+)
+from deltaserve.api.settings import ServerState
+from deltaserve.engine.request import CompletionOutput, RequestOutput
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # None for token-id prompts until echo needs it
+
+
+@dataclass
+class ChoiceState:
+    """One output choice: what was sent so far, for echo, logprobs offsets and usage."""
+
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    has_echoed: bool = False
+    logprobs: CompletionLogprobs | None = None
+    logprob_parts: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
+    """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request."""
+    prompt = request.prompt
+    if prompt is None:
+        raise bad_request("Either prompt or prompt_embeds must be provided; deltaserve accepts prompt.", "prompt")
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items: list[Any] = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("The prompt cannot be empty.", "prompt")
+    tokenizer = state.engine.tokenizer
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            token_ids = list(tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
+            prompts.append(Prompt(token_ids, item))
+        else:
+            check_token_ids(state, item, "prompt")
+            prompts.append(Prompt(list(item), None))
+    max_model_len = state.engine.max_model_len
+    for prompt_ in prompts:
+        prompt_.token_ids = truncate_prompt(prompt_.token_ids, request.truncate_prompt_tokens, max_model_len)
+    return prompts
+
+
+@dataclass
+class CompletionJob:
+    state: ServerState
+    request: CompletionRequest
+    response_id: str
+    created: int
+    prompts: list[Prompt]
+    streams: list[AsyncGenerator[RequestOutput, None]]
+    namer: TokenNamer
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+
+    def choice(self, prompt_index: int, seq: CompletionOutput) -> tuple[int, ChoiceState]:
+        index = prompt_index * self.request.n + seq.index
+        state = self.choices.get(index)
+        if state is None:
+            state = self.choices[index] = ChoiceState(prompt_index)
+            if self.request.logprobs is not None:
+                state.logprobs = CompletionLogprobs(self.namer, self.request.logprobs)
+        return index, state
+
+    def advance(self, choice: ChoiceState, seq: CompletionOutput) -> tuple[str, dict[str, Any] | None]:
+        """Records a sequence delta; returns its text (with the echoed prompt first) and its logprobs."""
+        text = seq.text
+        if self.request.echo and not choice.has_echoed:
+            prompt = self.prompts[choice.prompt_index]
+            if prompt.text is None:
+                prompt.text = self.state.engine.tokenizer.decode(prompt.token_ids)
+            text = prompt.text + text
+            if choice.logprobs is not None:
+                choice.logprobs.offset += len(prompt.text)
+        choice.has_echoed = True
+        choice.text.append(text)
+        choice.num_tokens += len(seq.token_ids)
+        if seq.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = seq.finish_reason, seq.stop_reason
+        logprobs = choice.logprobs.build(seq.token_ids, seq.logprobs) if choice.logprobs is not None else None
+        return text, logprobs
+
+    def usage(self) -> dict[str, int]:
+        num_prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prompts)
+        return usage(num_prompt_tokens, sum(choice.num_tokens for choice in self.choices.values()))
+
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.state.settings.model_name, "choices": choices}  # fmt: skip
+
+
+async def create_completion(state: ServerState, raw_request: Request) -> Response:
+    arrival = time.perf_counter()
+    request = parse_body(CompletionRequest, await read_json(raw_request))
+    check_model(state, request.model)
+    check_unsupported(request)
+    if request.suffix is not None:
+        raise bad_request("suffix is not currently supported", "suffix")
+    check_logprobs(request.logprobs, "logprobs")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which deltaserve does not compute.", "echo")
+    prompts = resolve_prompts(state, request)
+    # Per prompt: an unset max_tokens means the rest of that prompt's context.
+    params = [
+        params_for_prompt(
+            state,
+            request,
+            num_prompt_tokens=len(prompt.token_ids),
+            max_tokens=request.max_tokens,
+            logprobs=request.logprobs,
+            prompt_param="prompt",
+        )
+        for prompt in prompts
+    ]
+    response_id = request_ids(raw_request, request.request_id, "cmpl")
+    streams = [
+        engine_stream(state, prompt.token_ids, params[i], engine_request_id(response_id, i), arrival)
+        for i, prompt in enumerate(prompts)
+    ]
+    namer = TokenNamer(state.engine.tokenizer, bool(request.return_tokens_as_token_ids))
+    job = CompletionJob(state, request, response_id, int(time.time()), prompts, streams, namer)
+    state.num_inflight += 1
+    if request.stream:
+        return SSEResponse(stream_completion(job), on_close=lambda: _release(state))
+    try:
+        return await run_until_disconnect(raw_request, full_completion(job))
+    finally:
+        _release(state)
+
+
+def _release(state: ServerState) -> None:
+    state.num_inflight -= 1
+
+
+async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
+    include_usage, is_continuous = stream_usage_flags(job.request.stream_options)
+    try:
+        async with contextlib.aclosing(merge_streams(job.streams)) as merged:
+            async for prompt_index, output in merged:
+                for seq in output.outputs:
+                    index, choice = job.choice(prompt_index, seq)
+                    text, logprobs = job.advance(choice, seq)
+                    item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": seq.finish_reason,
+                            "stop_reason": seq.stop_reason}  # fmt: skip
+                    chunk = job.envelope([item])
+                    if is_continuous:
+                        chunk["usage"] = job.usage()
+                    yield sse(chunk)
+        if include_usage:
+            chunk = job.envelope([])
+            chunk["usage"] = job.usage()
+            yield sse(chunk)
+    except Exception as exc:
+        yield stream_error_event(exc)
+    yield DONE_EVENT
+
+
+def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for part in parts:
+        for key, values in merged.items():
+            values.extend(part[key])
+    return merged
+
+
+async def full_completion(job: CompletionJob) -> JSONResponse:
+    async with contextlib.aclosing(merge_streams(job.streams)) as merged:
+        async for prompt_index, output in merged:
+            for seq in output.outputs:
+                _, choice = job.choice(prompt_index, seq)
+                _, logprobs = job.advance(choice, seq)
+                if logprobs is not None:
+                    choice.logprob_parts.append(logprobs)
+    choices = [
+        {
+            "index": index,
+            "text": "".join(choice.text),
+            "logprobs": _merge_logprobs(choice.logprob_parts) if choice.logprobs is not None else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+        for index, choice in sorted(job.choices.items())
+    ]
+    body = job.envelope(choices)
+    body["usage"] = job.usage()
+    return JSONResponse(body)

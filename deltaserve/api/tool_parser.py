@@ -1,0 +1,245 @@
+"""The `qwen3_coder` tool-call parser (alias `qwen3_xml`): Qwen3.5's XML calls -> OpenAI tool_calls.
+
+    <tool_call>
+    <function=NAME>
+    <parameter=ARG>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+Text before the first call stays content (less the whitespace that separates it from the call, which
+the template adds back); text after it is dropped (the template tells the model to add no
+suffix, and vLLM's parser drops it too). A value is converted with the tool's JSON-schema type (integer, number,
+boolean, object, array, null) and is a string otherwise. The parser is incremental: a call's id and name go out
+as soon as `<function=NAME>` is complete, then one arguments fragment per finished parameter, then the closing
+brace; the fragments concatenate to json.dumps of the arguments. finish() completes a call cut off by the
+length limit.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import uuid
+from typing import Any
+
+from deltaserve.api.reasoning import partial_tag_length
+
+CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
+FUNCTION_PREFIX = "<function="
+FUNCTION_END = "</function>"
+PARAMETER_PREFIX = "<parameter="
+PARAMETER_END = "</parameter>"
+
+STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
+INTEGER_TYPES = {"integer", "int"}
+NUMBER_TYPES = {"number", "float", "num", "double"}
+BOOLEAN_TYPES = {"boolean", "bool", "binary"}
+JSON_TYPES = {"object", "array", "dict", "list"}
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _schema_types(schema: dict[str, Any] | None) -> set[str]:
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    types = (
+        {kind}
+        if isinstance(kind, str)
+        else {t for t in kind if isinstance(t, str)}
+        if isinstance(kind, list)
+        else set()
+    )
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or []:
+            types |= _schema_types(sub)
+    return {t.lower() for t in types}
+
+
+def convert_value(raw: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's text -> a JSON value, by the schema's type; anything that does not parse stays a string."""
+    types = _schema_types(schema)
+    if raw.strip().lower() == "null" and (not types or "null" in types or not types & STRING_TYPES):
+        return None
+    if not types or types & STRING_TYPES and not types & (INTEGER_TYPES | NUMBER_TYPES | BOOLEAN_TYPES | JSON_TYPES):
+        return raw
+    text = raw.strip()
+    if types & INTEGER_TYPES:
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    if types & NUMBER_TYPES:
+        try:
+            number = float(text)
+            return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+        except (ValueError, OverflowError):
+            pass
+    if types & BOOLEAN_TYPES and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if types & JSON_TYPES or not types & STRING_TYPES:
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            try:
+                return ast.literal_eval(text)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                pass
+    return raw
+
+
+def _strip_one_newline(value: str) -> str:
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+class Qwen3XMLToolParser:
+    """States: 'content' (before any call), 'name' (reading <function=NAME>), 'body' (reading parameters),
+    'between' (after a call: only further calls matter)."""
+
+    def __init__(self, tools: list[dict[str, Any]] | None) -> None:
+        self.schemas: dict[str, dict[str, Any]] = {}
+        for tool in tools or []:
+            function = tool.get("function") or {}
+            parameters = function.get("parameters") or {}
+            self.schemas[function.get("name", "")] = parameters.get("properties") or {}
+        self.mode = "content"
+        self.pending = ""
+        self.num_calls = 0
+        self.function_name = ""
+        self.num_args = 0
+        self.opener = ""  # the <tool_call> consumed before <function=, given back if no call follows
+
+    def _not_a_call(self, content: list[str]) -> None:
+        """<tool_call> not followed by <function=...>: before any call it was content, after one it is dropped."""
+        if self.has_tool_calls:
+            self.mode = "between"
+        else:
+            content.append(self.opener)
+            self.mode = "content"
+        self.opener = ""
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return self.num_calls > 0
+
+    def _open_call(self, name: str) -> dict[str, Any]:
+        self.function_name, self.num_args = name, 0
+        self.num_calls += 1
+        return {"index": self.num_calls - 1, "id": new_tool_call_id(), "type": "function",
+                "function": {"name": name, "arguments": ""}}  # fmt: skip
+
+    def _argument(self, key: str, raw: str) -> dict[str, Any]:
+        schema = self.schemas.get(self.function_name, {}).get(key)
+        value = convert_value(_strip_one_newline(raw), schema)
+        fragment = ("{" if self.num_args == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+        self.num_args += 1
+        return self._args_delta(fragment + json.dumps(value, ensure_ascii=False))
+
+    def _close_call(self) -> dict[str, Any]:
+        self.mode = "between"
+        return self._args_delta("{}" if self.num_args == 0 else "}")
+
+    def _args_delta(self, fragment: str) -> dict[str, Any]:
+        return {"index": self.num_calls - 1, "function": {"arguments": fragment}}
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """Returns (content delta, tool-call deltas)."""
+        self.pending += text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while self.pending and self._step(content, calls):
+            pass
+        return "".join(content), calls
+
+    def _step(self, content: list[str], calls: list[dict[str, Any]]) -> bool:
+        """Consumes what it can of self.pending; False when it must wait for more text."""
+        text = self.pending
+        if self.mode in ("content", "between"):
+            starts = [i for i in (text.find(CALL_START), text.find(FUNCTION_PREFIX)) if i != -1]
+            if not starts:
+                # Held back: a possible tag start, and the whitespace before it (dropped if a call follows).
+                sendable = text[: len(text) - partial_tag_length(text, (CALL_START, FUNCTION_PREFIX))].rstrip()
+                if self.mode == "content":
+                    content.append(sendable)
+                self.pending = text[len(sendable) :]
+                return False
+            start = min(starts)
+            if self.mode == "content":
+                content.append(text[:start].rstrip())
+            self.opener = CALL_START if text.startswith(CALL_START, start) else ""
+            self.pending = text[start + len(self.opener) :]
+            self.mode = "name"
+            return True
+        if self.mode == "name":
+            stripped = text.lstrip()
+            if not stripped.startswith(FUNCTION_PREFIX):
+                if FUNCTION_PREFIX.startswith(stripped):
+                    return False  # maybe the start of <function=: wait for more text
+                self._not_a_call(content)
+                return True
+            close = stripped.find(">")
+            if close == -1:
+                return False
+            calls.append(self._open_call(stripped[len(FUNCTION_PREFIX) : close].strip()))
+            self.pending, self.mode = stripped[close + 1 :], "body"
+            return True
+        return self._step_body(calls)
+
+    def _step_body(self, calls: list[dict[str, Any]]) -> bool:
+        text = self.pending
+        begin = text.find(PARAMETER_PREFIX)
+        function_end = text.find(FUNCTION_END)
+        if function_end != -1 and (begin == -1 or function_end < begin):
+            calls.append(self._close_call())
+            rest = text[function_end + len(FUNCTION_END) :]
+            stripped = rest.lstrip()
+            self.pending = stripped[len(CALL_END) :] if stripped.startswith(CALL_END) else rest
+            return True
+        if begin == -1:
+            return False
+        name_end = text.find(">", begin)
+        if name_end == -1:
+            return False
+        key = text[begin + len(PARAMETER_PREFIX) : name_end].strip()
+        value_start = name_end + 1
+        # A value ends at </parameter>, or where the next parameter or the function's end begins.
+        ends = [
+            i for i in (text.find(t, value_start) for t in (PARAMETER_END, PARAMETER_PREFIX, FUNCTION_END)) if i != -1
+        ]
+        if not ends:
+            return False
+        value_end = min(ends)
+        calls.append(self._argument(key, text[value_start:value_end]))
+        after = value_end + len(PARAMETER_END) if text.startswith(PARAMETER_END, value_end) else value_end
+        self.pending = text[after:]
+        return True
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """Flushes at the end of generation: completes a call that was cut off, or returns held text as content."""
+        text, self.pending = self.pending, ""
+        calls: list[dict[str, Any]] = []
+        if self.mode == "content":
+            return text, calls
+        if self.mode == "name":
+            if not self.has_tool_calls:
+                return self.opener + text, calls  # an opened call without a complete name stays text
+            return "", calls
+        if self.mode == "body":
+            begin = text.find(PARAMETER_PREFIX)
+            name_end = text.find(">", begin) if begin != -1 else -1
+            if name_end != -1:
+                key = text[begin + len(PARAMETER_PREFIX) : name_end].strip()
+                value = text[name_end + 1 :]
+                value = value[: len(value) - partial_tag_length(value, (PARAMETER_END, FUNCTION_END))]
+                calls.append(self._argument(key, value))
+            calls.append(self._close_call())
+        return "", calls

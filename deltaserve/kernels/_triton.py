@@ -1,0 +1,125 @@
+"""Shared Triton plumbing for the kernels in this package: the one autotune entry point and small helpers.
+
+Every `@triton.autotune` in deltaserve goes through `autotune` here. Triton's autotuner benchmarks its
+configs on a GPU driver, which does not exist under TRITON_INTERPRET=1 (it raises "0 active drivers"), so
+when interpreting, or when no CUDA device is present, only the first config is kept; that first config must
+therefore be valid for every shape the launcher accepts. On the GPU it never benchmarks inside CUDA-graph
+capture (see `_CaptureSafeAutotuner`). Kernels that update state in place (conv states, GDN states, the
+KV cache) are not autotuned at all: benchmarking would apply their updates many times.
+
+Under the interpreter, Triton 3.6 turns a runtime scalar into a Python int with `int(array_of_shape_1)`,
+which numpy ≥ 2.3 refuses, so `for i in range(lo, hi, BLOCK)` with loaded bounds fails. `_interpreter_shim`
+swaps that one conversion for `.item()`; it is installed only when interpreting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.autotuner import Autotuner
+
+from deltaserve import env
+
+
+def is_interpreting() -> bool:
+    """True when Triton runs kernels with numpy on the CPU (TRITON_INTERPRET=1)."""
+    return env.triton_interpret()
+
+
+def _interpreter_shim() -> None:
+    """Make interpreted tensors index via `.item()` (see the module docstring); idempotent."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "deltaserve_shim", False):
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.deltaserve_shim = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if is_interpreting():
+    _interpreter_shim()
+
+
+def can_benchmark() -> bool:
+    """True when configs can be timed: a real CUDA device and not the interpreter."""
+    return torch.cuda.is_available() and not is_interpreting()
+
+
+class _CaptureSafeAutotuner(Autotuner):
+    """An Autotuner that never benchmarks inside CUDA-graph capture: a key first seen while capturing runs
+    configs[0] uncached (so the first eager call with that key still tunes); keys tuned before capture
+    replay their tuned config."""
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        # Triton 3.6's key: the named key args, then the dtype of every tensor argument.
+        named = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+        named = {k: v for k, v in named.items() if k in self.arg_names}
+        key = [named[k] for k in self.keys if k in named]
+        key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+        return tuple(key)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        capturing = len(self.configs) > 1 and torch.cuda.is_current_stream_capturing()
+        if capturing and self._key(args, kwargs) not in self.cache:
+            configs, self.configs = self.configs, self.configs[:1]
+            try:
+                return super().run(*args, **kwargs)
+            finally:
+                self.configs = configs
+        return super().run(*args, **kwargs)
+
+
+def autotune(configs: Sequence[triton.Config], key: list[str]) -> Callable[[Any], Any]:
+    """`triton.autotune` that keeps only `configs[0]` when it cannot benchmark (interpreter or no GPU) and
+    never benchmarks inside CUDA-graph capture (warm each shape up eagerly first to get tuned configs)."""
+    kept = list(configs) if can_benchmark() else list(configs[:1])
+
+    def decorator(fn: Any) -> Autotuner:
+        return _CaptureSafeAutotuner(fn, fn.arg_names, kept, key, reset_to_zero=None, restore_value=None)
+
+    return decorator
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands get exact fp32 dots ("ieee") so fp32 tests are tight on GPU; bf16/fp16 use tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+
+
+@triton.jit
+def i64(x):
+    """Widen an index to int64 before it meets a stride: caches and long batches pass 2**31 elements."""
+    return tl.cast(x, tl.int64)
+
+
+@triton.jit
+def silu_f32(x):
+    """SiLU on an fp32 block: x·sigmoid(x)."""
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def softplus_f32(x):
+    """torch's softplus (beta 1, threshold 20): x where x > 20, else log1p(e^x)."""
+    e = tl.exp(tl.minimum(x, 20.0))
+    # log(1 + e) loses e entirely once e < 2^-24; the series keeps it (log1p is not in every backend).
+    log1p_e = tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e))
+    return tl.where(x > 20.0, x, log1p_e)

@@ -1,0 +1,625 @@
+"""Triton kernels for the Gated DeltaNet core: the in-place recurrent decode and the varlen prefill.
+
+Both run the delta rule in fp32 on the state slots ssm_states [num_slots, HV, dk, dv] (S in the ref's
+orientation): S ← e^g·S; u = β(v − Sᵀk̂); S ← S + k̂uᵀ; o = Sᵀq̂, with the gates and the q/k L2 norms
+computed in-kernel in fp32 (g = −e^A_log·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-0.5).
+Value head h reads q/k head h // (HV/HK). A program that updates S owns one (sequence, value head,
+BV-column block): its [dk, BV] slice of S lives in registers and no other program touches it, so the
+in-place updates need no synchronisation.
+
+- `gdn_decode_triton`: one token per sequence, q̂/k̂ not rounded (vLLM's packed decode). Slots < 0 are
+  CUDA-graph padding: their output row is zeros and no state is read or written. Grid from shapes only.
+- `gdn_prefill_triton`: varlen by query_start_loc; the state starts from the slot (zeros when
+  has_initial_state is False, or when the slot is < 0) and the final state is written back. As the ref
+  (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. Default: the chunked WY form
+  (chunks of 64, two launches: a parallel per-chunk prepare, then a sequential scan over chunks with dot
+  operands in the input dtype, bf16 tensor cores on the GPU); `chunked=False` runs the recurrent kernel
+  (one token per step, all fp32). Both match the chunked fp32 ref to ~1e-6 at fp32. Derivation: README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, softplus_f32
+
+# Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
+CHUNK = 64
+CHUNK_BV = 32
+CHUNK_SCAN_WARPS = 8
+
+
+@triton.jit
+def _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, i_h):
+    """(e^g, β) for one (token, value head): a_ptr/b_ptr already point at the token's row."""
+    b_a = tl.load(a_ptr + i_h).to(tl.float32)
+    b_b = tl.load(b_ptr + i_h).to(tl.float32)
+    b_g = -tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32)) * softplus_f32(
+        b_a + tl.load(dt_bias_ptr + i_h).to(tl.float32)
+    )
+    return tl.exp(b_g), 1.0 / (1.0 + tl.exp(-b_b))
+
+
+@triton.jit
+def _l2norm(b_x):
+    return b_x / tl.sqrt(tl.sum(b_x * b_x, axis=0) + 1e-6)
+
+
+@triton.jit
+def _l2norm_rows(b_x):
+    """Each row of a [rows, dk] fp32 block over its own L2 norm (ε inside the root, as the ref)."""
+    return b_x / tl.sqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
+    ssm_states_ptr,
+    state_indices_ptr,
+    out_ptr,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_a_t,
+    stride_b_t,
+    stride_s_slot,
+    stride_s_head,
+    stride_s_k,
+    scale,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_b = i64(tl.program_id(0))
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    o_v = i_v * BV + tl.arange(0, BV)  # [BV]
+    m_v = o_v < DV
+    p_out = out_ptr + (i_b * HV + i_h) * DV + o_v
+    i_slot = i64(tl.load(state_indices_ptr + i_b))
+    if i_slot < 0:
+        tl.store(p_out, tl.zeros([BV], dtype=tl.float32), mask=m_v)
+        return
+    i_hk = i_h // GROUP
+    o_k = tl.arange(0, BK)  # [BK]
+    m_k = o_k < DK
+    b_q = tl.load(q_ptr + i_b * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + i_b * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_q = _l2norm(b_q) * scale
+    b_k = _l2norm(b_k)
+    b_v = tl.load(v_ptr + i_b * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_decay, b_beta = _gates(a_ptr + i_b * stride_a_t, b_ptr + i_b * stride_b_t, A_log_ptr, dt_bias_ptr, i_h)
+
+    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32) * b_decay  # [BK, BV]
+    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
+    b_s += b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
+    tl.store(p_s, b_s, mask=m_s)
+    tl.store(p_out, b_o, mask=m_v)
+
+
+def _check_states(ssm_states: torch.Tensor, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> None:
+    assert ssm_states.shape[1:] == (num_v_heads, head_k_dim, head_v_dim), f"ssm_states {tuple(ssm_states.shape)}"
+    assert ssm_states.stride(-1) == 1, "ssm_states: the dv dim must be contiguous"
+
+
+def _block_v(head_v_dim: int) -> int:
+    # [dk, BV] fp32 state tile in registers: 128 × 32 over 4 warps is 32 registers a thread.
+    return min(32, next_pow2(head_v_dim))
+
+
+def gdn_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """q, k [B, HK, dk]; v [B, HV, dv]; a, b [B, HV] -> o [B, HV, dv] (zeros where slot < 0); states in place."""
+    batch, num_k_heads, head_k_dim = q.shape
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    out = torch.empty(batch, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    if batch == 0:
+        return out
+    block_v = _block_v(head_v_dim)
+    _gdn_decode_kernel[(batch, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        ssm_states,
+        state_indices,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        a.stride(0),
+        b.stride(0),
+        ssm_states.stride(0),
+        ssm_states.stride(1),
+        ssm_states.stride(2),
+        head_k_dim**-0.5,
+        HV=num_v_heads,
+        GROUP=num_v_heads // num_k_heads,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BK=next_pow2(head_k_dim),
+        BV=block_v,
+        num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _gdn_prefill_recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
+    ssm_states_ptr,
+    query_start_loc_ptr,
+    state_indices_ptr,
+    has_initial_state_ptr,
+    out_ptr,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_a_t,
+    stride_b_t,
+    stride_s_slot,
+    stride_s_head,
+    stride_s_k,
+    scale,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    start = tl.load(query_start_loc_ptr + i_b)
+    end = tl.load(query_start_loc_ptr + i_b + 1)
+    if end == start:
+        return
+    i_slot = i64(tl.load(state_indices_ptr + i_b))
+    has_init = (tl.load(has_initial_state_ptr + i_b) != 0) & (i_slot >= 0)
+    i_hk = i_h // GROUP
+    o_k = tl.arange(0, BK)  # [BK]
+    m_k = o_k < DK
+    o_v = i_v * BV + tl.arange(0, BV)  # [BV]
+    m_v = o_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s & has_init, other=0.0).to(tl.float32)  # [BK, BV]
+
+    for i_t in range(start, end):
+        i_t64 = i64(i_t)
+        b_q = tl.load(q_ptr + i_t64 * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + i_t64 * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+        # vLLM's prefill stores the normed q/k in the activation dtype before the core.
+        b_q = _l2norm(b_q).to(q_ptr.dtype.element_ty).to(tl.float32) * scale
+        b_k = _l2norm(b_k).to(k_ptr.dtype.element_ty).to(tl.float32)
+        b_v = tl.load(v_ptr + i_t64 * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_decay, b_beta = _gates(a_ptr + i_t64 * stride_a_t, b_ptr + i_t64 * stride_b_t, A_log_ptr, dt_bias_ptr, i_h)
+        b_s = b_s * b_decay
+        b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
+        b_s += b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
+        tl.store(out_ptr + (i_t64 * HV + i_h) * DV + o_v, b_o, mask=m_v)
+    tl.store(p_s, b_s, mask=m_s & (i_slot >= 0))
+
+
+@triton.jit
+def _gdn_chunk_prepare_kernel(
+    q_ptr,
+    k_ptr,
+    a_ptr,
+    b_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
+    query_start_loc_ptr,
+    chunk_offsets_ptr,
+    qn_ptr,
+    kn_ptr,
+    gcum_ptr,
+    xw_ptr,
+    xu_ptr,
+    aqk_ptr,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_a_t,
+    stride_b_t,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    NUM_SEARCH_STEPS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (chunk, value head), everything that does not depend on the running state: q̂, k̂ (rounded, stored
+    once per q/k head), Γ = cumsum(g), X = (I + A)^-1 with A_ij = β_i k̂_i·k̂_j e^(Γi−Γj) (j < i), stored as
+    Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    # The sequence owning global chunk i_c: the last b with chunk_offsets[b] <= i_c.
+    i_lo = 0
+    i_hi = num_seqs
+    for _ in tl.static_range(NUM_SEARCH_STEPS):
+        i_mid = (i_lo + i_hi) // 2
+        is_at_or_before = tl.load(chunk_offsets_ptr + i_mid) <= i_c
+        i_lo = tl.where(is_at_or_before, i_mid, i_lo)
+        i_hi = tl.where(is_at_or_before, i_hi, i_mid)
+    start = tl.load(query_start_loc_ptr + i_lo) + (i_c - tl.load(chunk_offsets_ptr + i_lo)) * BT
+    end = tl.load(query_start_loc_ptr + i_lo + 1)
+    o_t = start + tl.arange(0, BT)  # [BT]
+    m_t = o_t < end
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    i_hk = i_h // GROUP
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_k = tl.load(k_ptr + i64(o_t)[:, None] * stride_k_t + i_hk * stride_k_h + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = _l2norm_rows(b_k.to(tl.float32)).to(k_ptr.dtype.element_ty)  # [BT, BK] rounded, as the ref
+    b_q = tl.load(q_ptr + i64(o_t)[:, None] * stride_q_t + i_hk * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
+    b_q = _l2norm_rows(b_q.to(tl.float32)).to(q_ptr.dtype.element_ty)
+    if i_h % GROUP == 0:
+        o_n = (i64(o_t)[:, None] * HK + i_hk) * DK + o_k[None, :]
+        tl.store(qn_ptr + o_n, b_q, mask=m_tk)
+        tl.store(kn_ptr + o_n, b_k, mask=m_tk)
+
+    b_a = tl.load(a_ptr + i64(o_t) * stride_a_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(b_ptr + i64(o_t) * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_dt = tl.load(dt_bias_ptr + i_h).to(tl.float32)
+    # Padded rows past the sequence end carry g = 0 and β = 0 (k̂ = 0): they change nothing.
+    b_g = tl.where(m_t, -tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32)) * softplus_f32(b_a + b_dt), 0.0)
+    b_beta = tl.where(m_t, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
+    b_gcum = tl.cumsum(b_g, axis=0)  # [BT]
+    tl.store(gcum_ptr + i64(o_t) * HV + i_h, b_gcum, mask=m_t)
+
+    o_i = tl.arange(0, BT)
+    is_lower = o_i[:, None] > o_i[None, :]
+    b_decay = tl.exp(tl.where(is_lower, b_gcum[:, None] - b_gcum[None, :], 0.0))
+    b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_beta[:, None] * b_decay
+    b_A = tl.where(is_lower, b_A, 0.0)  # [BT, BT] strictly lower
+    # Forward substitution, one row at a time: X_i = e_i − Σ_{j<i} A_ij X_j (rows j < i are final).
+    b_X = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        b_a_i = tl.sum(tl.where(o_i[:, None] == i, b_A, 0.0), axis=0)  # [BT] row i of A, over j
+        b_x_i = tl.where(o_i == i, 1.0, 0.0) - tl.sum(b_a_i[:, None] * b_X, axis=0)  # [BT]
+        b_X = tl.where(o_i[:, None] == i, b_x_i[None, :], b_X)
+    o_x = (i64(i_c) * HV + i_h) * BT * BT + o_i[:, None] * BT + o_i[None, :]
+    tl.store(xw_ptr + o_x, b_X * (b_beta * tl.exp(b_gcum))[None, :])
+    tl.store(xu_ptr + o_x, b_X * b_beta[None, :])
+    # exp(−inf) = 0 masks j > i without overflowing e^(Γi−Γj) there.
+    b_decay = tl.exp(tl.where(o_i[:, None] >= o_i[None, :], b_gcum[:, None] - b_gcum[None, :], float("-inf")))
+    b_aqk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * b_decay
+    tl.store(aqk_ptr + o_x, b_aqk)
+
+
+@triton.jit
+def _gdn_chunk_scan_kernel(
+    qn_ptr,
+    kn_ptr,
+    v_ptr,
+    gcum_ptr,
+    xw_ptr,
+    xu_ptr,
+    aqk_ptr,
+    ssm_states_ptr,
+    query_start_loc_ptr,
+    state_indices_ptr,
+    has_initial_state_ptr,
+    chunk_offsets_ptr,
+    out_ptr,
+    stride_v_t,
+    stride_v_h,
+    stride_s_slot,
+    stride_s_head,
+    stride_s_k,
+    scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BKH: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (sequence, value head, BV columns): walks the chunks in order with S [dk, BV] fp32 in registers.
+    Per chunk: w = Xw·k̂, u = Xu·v, v' = u − wS, o = (e^Γ q̂)S + Aqk·v',
+    S ← e^Γlast S + (k̂ e^(Γlast−Γ))ᵀv'. Dot operands in the input dtype, fp32 accumulation.
+    dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers."""
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    start = tl.load(query_start_loc_ptr + i_b)
+    end = tl.load(query_start_loc_ptr + i_b + 1)
+    if end == start:
+        return
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    TWO_K: tl.constexpr = DK > BKH
+    i_slot = i64(tl.load(state_indices_ptr + i_b))
+    has_init = (tl.load(has_initial_state_ptr + i_b) != 0) & (i_slot >= 0)
+    o_k = tl.arange(0, BKH)
+    m_lo = o_k < DK
+    m_hi = (o_k + BKH) < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
+    p_s_hi = p_s + BKH * stride_s_k
+    b_s = tl.load(p_s, mask=m_lo[:, None] & m_v[None, :] & has_init, other=0.0).to(tl.float32)  # [BKH, BV]
+    b_s_hi = tl.load(p_s_hi, mask=m_hi[:, None] & m_v[None, :] & has_init & TWO_K, other=0.0).to(tl.float32)
+    i_hk = i_h // GROUP
+    i_chunk = tl.load(chunk_offsets_ptr + i_b)
+    o_i = tl.arange(0, BT)
+    # Per-chunk addresses: int64 scalar bases plus small int32 offset tiles (int64 tiles cost registers).
+    o_n = o_i[:, None] * (HK * DK) + o_k[None, :]  # [BT, BKH] into q̂/k̂ rows
+    o_vt = o_i[:, None] * stride_v_t + o_v[None, :]  # [BT, BV] into v rows
+    o_ot = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into o rows
+    o_xx = o_i[:, None] * BT + o_i[None, :]  # [BT, BT] into one Xw/Xu block
+    p_qn = qn_ptr + i64(start) * (HK * DK) + i_hk * DK
+    p_kn = kn_ptr + i64(start) * (HK * DK) + i_hk * DK
+    p_v = v_ptr + i64(start) * stride_v_t + i_h * stride_v_h
+    p_o = out_ptr + i64(start) * (HV * DV) + i_h * DV
+    p_g = gcum_ptr + i64(start) * HV + i_h
+    p_xw = xw_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
+    p_xu = xu_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
+    p_aqk = aqk_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
+    for chunk_start in range(start, end, BT):
+        m_t = (chunk_start + o_i) < end  # [BT]
+        b_q = tl.load(p_qn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # q̂ unscaled, input dtype
+        b_k = tl.load(p_kn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # k̂
+        b_v = tl.load(p_v + o_vt, mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV]
+        g_last = tl.load(p_g + (tl.minimum(chunk_start + BT, end) - 1 - chunk_start) * HV)
+        # Rows past the end continue Γ flat (g = 0), as the prepare kernel's cumsum does.
+        b_gcum = tl.where(m_t, tl.load(p_g + o_i * HV, mask=m_t, other=0.0), g_last)  # [BT]
+        b_xw = tl.load(p_xw + o_xx)  # [BT, BT]
+        b_xu = tl.load(p_xu + o_xx)
+
+        # v' = Xu·v − (Xw·k̂)·S, one dk half at a time.
+        b_vnew = tl.dot(b_xu, b_v, input_precision=DOT_PRECISION)  # [BT, BV] fp32
+        b_w = tl.dot(b_xw, b_k, input_precision=DOT_PRECISION).to(DT)  # [BT, BKH]
+        b_vnew -= tl.dot(b_w, b_s.to(DT), input_precision=DOT_PRECISION)
+        b_o = tl.dot((b_q * tl.exp(b_gcum)[:, None]).to(DT), b_s.to(DT), input_precision=DOT_PRECISION)
+        if TWO_K:
+            b_q_hi = tl.load(p_qn + BKH + o_n, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+            b_k_hi = tl.load(p_kn + BKH + o_n, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+            b_w_hi = tl.dot(b_xw, b_k_hi, input_precision=DOT_PRECISION).to(DT)
+            b_vnew -= tl.dot(b_w_hi, b_s_hi.to(DT), input_precision=DOT_PRECISION)
+            b_q_hi = (b_q_hi * tl.exp(b_gcum)[:, None]).to(DT)
+            b_o = tl.dot(b_q_hi, b_s_hi.to(DT), b_o, input_precision=DOT_PRECISION)
+        b_vnew = b_vnew.to(DT)
+        b_o = tl.dot(tl.load(p_aqk + o_xx), b_vnew, b_o, input_precision=DOT_PRECISION) * scale  # [BT, BV]
+        tl.store(p_o + o_ot, b_o, mask=m_t[:, None] & m_v[None, :])
+        b_kdecay = tl.exp(g_last - b_gcum)[:, None]  # [BT, 1]
+        b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans((b_k * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION)
+        if TWO_K:
+            b_s_hi = b_s_hi * tl.exp(g_last) + tl.dot(
+                tl.trans((b_k_hi * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION
+            )
+        p_qn += BT * HK * DK
+        p_kn += BT * HK * DK
+        p_v += BT * stride_v_t
+        p_o += BT * HV * DV
+        p_g += BT * HV
+        p_xw += HV * BT * BT
+        p_xu += HV * BT * BT
+        p_aqk += HV * BT * BT
+    tl.store(p_s, b_s, mask=m_lo[:, None] & m_v[None, :] & (i_slot >= 0))
+    if TWO_K:
+        tl.store(p_s_hi, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & (i_slot >= 0))
+
+
+def _gdn_prefill_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    num_tokens, num_k_heads, head_k_dim = q.shape
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    num_seqs = state_indices.shape[0]
+    group = num_v_heads // num_k_heads
+    device = q.device
+    # Chunk bookkeeping on the device (no host sync): chunks never straddle sequences.
+    lengths = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
+    chunk_offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
+    chunk_offsets[1:] = torch.cumsum((lengths + CHUNK - 1) // CHUNK, 0)
+    max_chunks = triton.cdiv(num_tokens, CHUNK) + num_seqs
+    qn = torch.empty(num_tokens, num_k_heads, head_k_dim, dtype=q.dtype, device=device)
+    kn = torch.empty(num_tokens, num_k_heads, head_k_dim, dtype=k.dtype, device=device)
+    gcum = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=device)
+    xw = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
+    xu = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
+    aqk = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
+    precision = dot_precision(q.dtype)
+    _gdn_chunk_prepare_kernel[(max_chunks, num_v_heads)](
+        q,
+        k,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        query_start_loc,
+        chunk_offsets,
+        qn,
+        kn,
+        gcum,
+        xw,
+        xu,
+        aqk,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        a.stride(0),
+        b.stride(0),
+        HK=num_k_heads,
+        HV=num_v_heads,
+        GROUP=group,
+        DK=head_k_dim,
+        BT=CHUNK,
+        BK=next_pow2(head_k_dim),
+        NUM_SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()),
+        DOT_PRECISION=precision,
+        num_warps=8,
+    )
+    assert head_k_dim <= 128, "the chunked scan holds dk as at most two 64-wide halves"
+    block_v = min(CHUNK_BV, next_pow2(head_v_dim))
+    _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+        qn,
+        kn,
+        v,
+        gcum,
+        xw,
+        xu,
+        aqk,
+        ssm_states,
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        chunk_offsets,
+        out,
+        v.stride(0),
+        v.stride(1),
+        ssm_states.stride(0),
+        ssm_states.stride(1),
+        ssm_states.stride(2),
+        head_k_dim**-0.5,
+        HK=num_k_heads,
+        HV=num_v_heads,
+        GROUP=group,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BT=CHUNK,
+        BKH=min(64, next_pow2(head_k_dim)),
+        BV=block_v,
+        DOT_PRECISION=precision,
+        num_warps=CHUNK_SCAN_WARPS,
+        num_stages=2,
+    )
+
+
+def gdn_prefill_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunked: bool = True,
+) -> torch.Tensor:
+    """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv]; final states written to the slots.
+
+    chunked=False runs the recurrent kernel instead (one token per step; the bench compares the two).
+    """
+    num_tokens, num_k_heads, head_k_dim = q.shape
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    out = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    num_seqs = state_indices.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if chunked:
+        _gdn_prefill_chunked(
+            q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out
+        )
+        return out
+    block_v = _block_v(head_v_dim)
+    _gdn_prefill_recurrent_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        ssm_states,
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        a.stride(0),
+        b.stride(0),
+        ssm_states.stride(0),
+        ssm_states.stride(1),
+        ssm_states.stride(2),
+        head_k_dim**-0.5,
+        HV=num_v_heads,
+        GROUP=num_v_heads // num_k_heads,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BK=next_pow2(head_k_dim),
+        BV=block_v,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out

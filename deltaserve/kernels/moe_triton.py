@@ -1,0 +1,228 @@
+"""Triton fused MoE: routed-expert SwiGLU over tokens sorted by expert, as grouped GEMMs.
+
+Three steps, all sized from shapes (no host sync: the decode path is CUDA-graph safe):
+1. Align (torch ops): the T·k (token, choice) entries are sorted stably by expert and each expert's run is
+   padded to a multiple of BLOCK_M, so every BLOCK_M-row block of `sorted_ids` belongs to one expert
+   (`block_expert`, -1 past the end). The block count is bounded by cdiv(T·k, BLOCK_M) + min(E, T·k).
+2. GEMM 1 + SiLU-and-mul: each block gathers its tokens' rows of x and multiplies them by the expert's gate
+   and up rows of w13 (two fp32 accumulators); the epilogue rounds both (the ref's bf16 GEMM output),
+   takes SiLU(gate)·up in fp32 and stores one rounded row per entry: act [T·k, I].
+3. GEMM 2: act rows times the expert's w2, rounded to the input dtype per entry: y [T·k, H]. A last small
+   kernel sums each token's k rows scaled by its fp32 routing weights, in fp32, and rounds once.
+Routing weights stay fp32 and multiply the rounded expert output, as the ref. Prefill-sized calls are
+autotuned (BLOCK_N, BLOCK_K, warps, stages); small (decode) calls use one fixed config, so a first call under
+CUDA-graph capture never tries to benchmark.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels._triton import autotune, dot_precision, i64, next_pow2, silu_f32
+
+# Token chunk per pass: bounds the act / y scratch (35B-A3B at 8192 tokens: y is 256 MiB in bf16).
+CHUNK_TOKENS = 8192
+# At most this many (token, choice) entries take the fixed decode config.
+SMALL_ENTRIES = 512
+_GEMM_CONFIGS = [
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+]
+_SMALL_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+
+
+def block_m_for(num_entries: int, num_experts: int) -> int:
+    """Rows per block: about the mean rows per expert, 16 (tl.dot's minimum) to 64."""
+    return int(min(64, max(16, next_pow2(num_entries // max(num_experts, 1)))))
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids [num_blocks·BLOCK_M] entry ids, T·k = padding; block_expert [num_blocks])."""
+    flat = topk_ids.reshape(-1).long()  # [N]
+    num_entries = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)  # [N] entries by expert, in entry order within an expert
+    expert_of_sorted = flat[order]
+    rank = torch.arange(num_entries, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    dest = (padded_end - padded)[expert_of_sorted] + rank
+    num_blocks = triton.cdiv(num_entries, block_m) + min(num_experts, num_entries)
+    sorted_ids = torch.full((num_blocks * block_m,), num_entries, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.int()
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_start < padded_end[-1], block_expert, -1).int()
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _moe_gemm1_kernel(
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_entries,
+    stride_x,
+    stride_w_e,
+    stride_w_n,
+    M_BUCKET,
+    TOP_K: tl.constexpr,
+    I: tl.constexpr,
+    H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_e = i64(tl.load(block_expert_ptr + i_m))
+    if i_e < 0:
+        return
+    b_entry = tl.load(sorted_ids_ptr + i_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    m_m = b_entry < num_entries
+    b_token = i64(b_entry // TOP_K)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the gate half; up rows are I further
+    m_n = o_n < I
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + b_token[:, None] * stride_x + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_wg = w13_ptr + i_e * stride_w_e + i64(o_n)[None, :] * stride_w_n + o_k[:, None]  # [BLOCK_K, BLOCK_N]
+    p_wu = p_wg + I * stride_w_n
+    b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        m_k = (k0 + o_k) < H
+        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_wg = tl.load(p_wg, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_wu = tl.load(p_wu, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_gate = tl.dot(b_x, b_wg, b_gate, input_precision=DOT_PRECISION)
+        b_up = tl.dot(b_x, b_wu, b_up, input_precision=DOT_PRECISION)
+        p_x += BLOCK_K
+        p_wg += BLOCK_K
+        p_wu += BLOCK_K
+    # The ref rounds the GEMM output, then takes SiLU-and-mul in fp32 and rounds again.
+    b_gate = b_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    b_up = b_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    b_act = silu_f32(b_gate) * b_up
+    p_act = act_ptr + i64(b_entry)[:, None] * I + o_n[None, :]
+    tl.store(p_act, b_act, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_gemm2_kernel(
+    act_ptr,
+    w2_ptr,
+    y_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_entries,
+    stride_w_e,
+    stride_w_n,
+    M_BUCKET,
+    I: tl.constexpr,
+    H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_e = i64(tl.load(block_expert_ptr + i_m))
+    if i_e < 0:
+        return
+    b_entry = i64(tl.load(sorted_ids_ptr + i_m * BLOCK_M + tl.arange(0, BLOCK_M)))  # [BLOCK_M]
+    m_m = b_entry < num_entries
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns (hidden)
+    m_n = o_n < H
+    o_k = tl.arange(0, BLOCK_K)
+    p_a = act_ptr + b_entry[:, None] * I + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_w = w2_ptr + i_e * stride_w_e + i64(o_n)[None, :] * stride_w_n + o_k[:, None]  # [BLOCK_K, BLOCK_N]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        m_k = (k0 + o_k) < I
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+        p_a += BLOCK_K
+        p_w += BLOCK_K
+    tl.store(y_ptr + b_entry[:, None] * H + o_n[None, :], b_acc, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr, topk_weights_ptr, out_ptr, stride_w, stride_o, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    i_t = i64(tl.program_id(0))
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        b_w = tl.load(topk_weights_ptr + i_t * stride_w + j).to(tl.float32)
+        b_y = tl.load(y_ptr + (i_t * TOP_K + j) * H + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_sum += b_w * b_y
+    tl.store(out_ptr + i_t * stride_o + o_h, b_sum, mask=m_h)
+
+
+_moe_gemm1_tuned = autotune(_GEMM_CONFIGS, key=["I", "H", "M_BUCKET"])(_moe_gemm1_kernel)
+_moe_gemm2_tuned = autotune(_GEMM_CONFIGS, key=["I", "H", "M_BUCKET"])(_moe_gemm2_kernel)
+
+
+def _fused_moe_chunk(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_entries = num_tokens * top_k
+    block_m = block_m_for(num_entries, num_experts)
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)
+    precision = dot_precision(x.dtype)
+    bucket = next_pow2(num_entries)
+    args1 = (x, w13, act, sorted_ids, block_expert, num_entries, x.stride(0), w13.stride(0), w13.stride(1), bucket)
+    kwargs1 = {"TOP_K": top_k, "I": inter, "H": hidden, "DOT_PRECISION": precision, "BLOCK_M": block_m}
+    args2 = (act, w2, y, sorted_ids, block_expert, num_entries, w2.stride(0), w2.stride(1), bucket)
+    kwargs2 = {"I": inter, "H": hidden, "DOT_PRECISION": precision, "BLOCK_M": block_m}
+    if num_entries <= SMALL_ENTRIES:
+        block_n = _SMALL_CONFIG["BLOCK_N"]
+        _moe_gemm1_kernel[(num_blocks, triton.cdiv(inter, block_n))](*args1, **kwargs1, **_SMALL_CONFIG)
+        _moe_gemm2_kernel[(num_blocks, triton.cdiv(hidden, block_n))](*args2, **kwargs2, **_SMALL_CONFIG)
+    else:
+        _moe_gemm1_tuned[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](*args1, **kwargs1)
+        _moe_gemm2_tuned[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](*args2, **kwargs2)
+    block_h = min(1024, next_pow2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y, topk_weights, out, topk_weights.stride(0), out.stride(0), TOP_K=top_k, H=hidden, BLOCK_H=block_h
+    )
+
+
+def fused_moe_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, H]."""
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    assert w13.dtype == x.dtype and w2.dtype == x.dtype
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for start in range(0, x.shape[0], CHUNK_TOKENS):
+        end = min(start + CHUNK_TOKENS, x.shape[0])
+        _fused_moe_chunk(x[start:end], w13, w2, topk_weights[start:end], topk_ids[start:end], out[start:end])
+    return out

@@ -1,0 +1,198 @@
+"""FakeEngine: AsyncEngine's interface over scripted outputs, for fast and deterministic API tests.
+
+It uses a real tokenizer (the tiny checkpoints' byte-level BPE and Qwen3.5-style chat template), emits one token
+per step as delta RequestOutputs, applies the stop rules the API relies on (eos, stop strings, stop_token_ids,
+max_tokens, ignore_eos) and books KV blocks and state slots per sequence, so a test can see through /metrics that
+an aborted or disconnected request gave its resources back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+
+FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny checkpoints' tokenizer and chat template, without building a model."""
+    from deltaserve.tiny.tokenizer import build_tokenizer as build_tiny_tokenizer
+    from deltaserve.tiny.tokenizer import chat_template
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=build_tiny_tokenizer("Qwen3_5Tokenizer"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = chat_template()
+    return tokenizer
+
+
+@dataclass
+class FakeStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    num_free_state_slots: int
+    num_total_state_slots: int
+    num_preemptions_total: int
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        *,
+        max_model_len: int = 2048,
+        num_kv_blocks: int = 512,
+        num_state_slots: int = 256,
+        block_size: int = 16,
+        step_delay: float = 0.0005,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.default_sampling: dict[str, Any] = {}
+        self.block_size = block_size
+        self.num_total_kv_blocks = num_kv_blocks
+        self.num_total_state_slots = num_state_slots
+        self.num_used_blocks = 0
+        self.num_used_slots = 0
+        self.step_delay = step_delay
+        # Each request pops one script: one text per sequence index (cycled), then eos. Without a script a
+        # request generates the filler text until max_tokens, as a random-weight model would.
+        self.scripts: deque[list[str]] = deque()
+        self.fail_after_tokens: int | None = None  # raise mid-stream after this many tokens (error-event tests)
+        self.is_dead = False
+        self.running: dict[str, SamplingParams] = {}
+        self.last_params: SamplingParams | None = None
+        self.last_prompt_ids: list[int] | None = None
+        self.num_aborted = 0
+        self.num_started = 0
+
+    async def start(self) -> None:
+        self.num_started += 1
+
+    async def stop(self) -> None:
+        pass
+
+    async def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def stats(self) -> FakeStats:
+        return FakeStats(
+            num_running=len(self.running),
+            num_waiting=0,
+            kv_cache_usage=self.num_used_blocks / self.num_total_kv_blocks,
+            num_free_kv_blocks=self.num_total_kv_blocks - self.num_used_blocks,
+            num_total_kv_blocks=self.num_total_kv_blocks,
+            num_free_state_slots=self.num_total_state_slots - self.num_used_slots,
+            num_total_state_slots=self.num_total_state_slots,
+            num_preemptions_total=0,
+        )
+
+    def _script_ids(self, texts: list[str] | None, index: int) -> list[int] | None:
+        return None if texts is None else self.tokenizer.encode(texts[index % len(texts)], add_special_tokens=False)
+
+    def _logprobs(self, token_id: int, num_top: int) -> dict[int, Logprob]:
+        entry = {token_id: Logprob(-0.25, 1, self.tokenizer.decode([token_id]))}
+        for rank, other in enumerate(range(num_top), start=2):
+            other_id = (token_id + 1 + other) % len(self.tokenizer)
+            entry.setdefault(other_id, Logprob(-1.0 * rank, rank, self.tokenizer.decode([other_id])))
+        return entry
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        if self.is_dead:
+            raise RuntimeError("the engine loop is not running")
+        if request_id in self.running:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.last_params, self.last_prompt_ids = params, list(prompt_token_ids)
+        texts = self.scripts.popleft() if self.scripts else None
+        seqs = [_Seq(i, self._script_ids(texts, i)) for i in range(params.n)]
+        filler = self.tokenizer.encode(FILLER_TEXT, add_special_tokens=False)
+        eos = self.tokenizer.eos_token_id
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        self.running[request_id] = params
+        num_prompt = len(prompt_token_ids)
+        held_blocks = 0
+        self.num_used_slots += params.n
+        is_finished = False
+        try:
+            step = 0
+            while True:
+                await asyncio.sleep(self.step_delay)
+                if request_id not in self.running:  # aborted through abort()
+                    break
+                if self.fail_after_tokens is not None and step >= self.fail_after_tokens:
+                    raise RuntimeError("scripted engine failure")
+                outputs = []
+                for seq in seqs:
+                    if seq.finish_reason is None:
+                        outputs.append(seq.advance(self, params, filler, eos, max_tokens))
+                needed = sum(math.ceil((num_prompt + len(s.token_ids)) / self.block_size) for s in seqs)
+                self.num_used_blocks += needed - held_blocks
+                held_blocks = needed
+                step += 1
+                is_finished = all(seq.finish_reason is not None for seq in seqs)
+                yield RequestOutput(request_id, None, list(prompt_token_ids), outputs, is_finished)
+                if is_finished:
+                    return
+        finally:
+            # Runs on finish, on aclose() and on cancellation alike: the resources always come back.
+            self.num_used_blocks -= held_blocks
+            self.num_used_slots -= params.n
+            self.running.pop(request_id, None)
+            if not is_finished:
+                self.num_aborted += 1
+
+
+class _Seq:
+    def __init__(self, index: int, script: list[int] | None) -> None:
+        self.index = index
+        self.is_scripted = script is not None
+        self.script = script or []
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def advance(
+        self, engine: FakeEngine, params: SamplingParams, filler: list[int], eos: int, max_tokens: int
+    ) -> CompletionOutput:
+        """One token: the script, then eos (unless ignore_eos), then filler; stop rules as vLLM applies them."""
+        position = len(self.token_ids)
+        if position < len(self.script):
+            token = self.script[position]
+        elif self.is_scripted and not params.ignore_eos and position >= params.min_tokens:
+            token = eos
+        else:
+            token = filler[(position - len(self.script)) % len(filler)]
+        self.token_ids.append(token)
+        stop_reason: str | int | None = None
+        decoded = engine.tokenizer.decode(self.token_ids, skip_special_tokens=params.skip_special_tokens)
+        new_text = decoded[len(self.text) :]
+        if token == eos and not params.ignore_eos:
+            self.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            self.finish_reason, stop_reason = "stop", token
+        else:
+            for stop in params.stop:
+                at = decoded.find(stop, max(0, len(self.text) - len(stop) + 1))
+                if at != -1:
+                    end = at + len(stop) if params.include_stop_str_in_output else at
+                    new_text = decoded[len(self.text) : end]
+                    self.finish_reason, stop_reason = "stop", stop
+                    break
+        if self.finish_reason is None and len(self.token_ids) >= max_tokens:
+            self.finish_reason = "length"
+        self.text += new_text
+        logprobs = [engine._logprobs(token, params.logprobs)] if params.logprobs is not None else None
+        return CompletionOutput(self.index, new_text, [token], None, logprobs, self.finish_reason, stop_reason)

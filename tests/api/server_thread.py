@@ -1,0 +1,55 @@
+"""A real uvicorn server for tests, on a random free port of 127.0.0.1, in a background thread.
+
+The socket is bound before uvicorn starts, so there is no race for the port; start() returns once the server
+answers /health.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+
+class ServerThread:
+    def __init__(self, app: FastAPI) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.server.started:
+                try:
+                    if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+            if not self.thread.is_alive():
+                raise RuntimeError("the test server exited during startup")
+            time.sleep(0.02)
+        raise TimeoutError("the test server did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of the first sample named `name` (labels ignored) in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

@@ -1,0 +1,191 @@
+"""/v1/chat/completions against the FakeEngine: template, reasoning, tool calls, streaming order, logprobs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+
+from .conftest import MODEL_NAME
+from .fake_engine import FakeEngine
+from .test_api_completions import sse_events
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_OUTPUT = (
+    "The user wants weather.</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_chat_reasoning_and_usage_counts_template_tokens(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["Simple.</think>\n\nIt is sunny."])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER)
+    assert completion.object == "chat.completion" and completion.id.startswith("chatcmpl-")
+    message = completion.choices[0].message
+    assert message.role == "assistant" and message.content == "\n\nIt is sunny."
+    assert message.model_extra["reasoning"] == "Simple."
+    assert completion.choices[0].finish_reason == "stop"
+    prompt = fake_engine.tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    assert (
+        completion.usage.prompt_tokens == len(fake_engine.tokenizer.encode(prompt)) == len(fake_engine.last_prompt_ids)
+    )
+
+
+def test_thinking_disabled_means_no_reasoning(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["Just the answer."])
+    completion = client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    message = completion.choices[0].message
+    assert message.content == "Just the answer." and message.model_extra["reasoning"] is None
+    prompt = fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+
+
+def test_truncated_thinking_is_all_reasoning(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["Still thinking about this"])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_completion_tokens=3)
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "length"
+    assert message.content is None and message.model_extra["reasoning"]
+
+
+def test_max_tokens_default_is_rest_of_context(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["ok"])
+    client.chat.completions.create(model=MODEL_NAME, messages=USER)
+    assert fake_engine.last_params.max_tokens == fake_engine.max_model_len - len(fake_engine.last_prompt_ids)
+    client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=7)
+    assert fake_engine.last_params.max_tokens == 7
+
+
+def test_tool_call_non_streaming(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append([TOOL_OUTPUT])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert "<tools>" in fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
+
+
+def test_tool_call_streaming_first_name_then_arguments(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["Checking.</think>\n\nLet me look.\n\n" + TOOL_OUTPUT.split("</think>\n\n")[1]])
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, stream=True)
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning += delta.model_extra.get("reasoning") or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert reasoning == "Checking." and content == "\n\nLet me look." and finish == "tool_calls"
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == ""
+    assert all(call.id is None and call.function.name is None for call in calls[1:]) and len(calls) > 2
+    arguments = "".join(call.function.arguments for call in calls)
+    assert json.loads(arguments) == {"city": "Paris", "days": 2}
+
+
+def test_tool_choice_none_and_validation(client: openai.OpenAI, fake_engine: FakeEngine, http: httpx.Client) -> None:
+    fake_engine.scripts.append([TOOL_OUTPUT])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice="none")
+    assert completion.choices[0].message.tool_calls == [] and "<tool_call>" in completion.choices[0].message.content
+    fake_engine.scripts.append([TOOL_OUTPUT])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice=named)
+    assert completion.choices[0].message.tool_calls[0].function.name == "get_weather"
+    bad = {"type": "function", "function": {"name": "nope"}}
+    response = http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": bad})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    response = http.post("/v1/chat/completions", json={"messages": USER, "tool_choice": "required"})
+    assert response.status_code == 400
+
+
+def test_assistant_history_with_tool_calls_renders(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+    ]
+    fake_engine.scripts.append(["done</think>It is 22C."])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS)
+    assert completion.choices[0].message.content == "It is 22C."
+    prompt = fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
+    assert "<parameter=city>\nParis\n</parameter>" in prompt and "<tool_response>\n22C\n</tool_response>" in prompt
+
+
+def test_stream_role_chunk_comes_with_first_token(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["Hmm.</think>\n\nHi!"])
+    body = {"messages": USER, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = [json.loads(event) for event in sse_events(http.post("/v1/chat/completions", json=body))[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[1]["choices"][0]["delta"] == {"reasoning": "H"}, "the first token follows the role chunk"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 0
+
+
+def test_chat_logprobs_and_n(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["a</think>first", "b</think>second"])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, n=2, logprobs=True, top_logprobs=2)
+    assert [choice.message.content for choice in completion.choices] == ["first", "second"]
+    content = completion.choices[0].logprobs.content
+    assert len(content) == completion.usage.completion_tokens // 2 or len(content) > 3
+    assert content[0].logprob == -0.25 and len(content[0].top_logprobs) == 2
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+def test_continue_final_message(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    messages = [*USER, {"role": "assistant", "content": "The weather is"}]
+    fake_engine.scripts.append([" sunny."])
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, extra_body={"continue_final_message": True, "add_generation_prompt": False}
+    )
+    assert fake_engine.tokenizer.decode(fake_engine.last_prompt_ids).endswith("The weather is")
+
+
+def test_default_chat_template_kwargs_and_request_template(fake_engine: FakeEngine, http: httpx.Client) -> None:
+    body = {"messages": USER, "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}", "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert fake_engine.tokenizer.decode(fake_engine.last_prompt_ids) == "[What is the weather in Paris?]"
+
+
+def test_include_reasoning_false_drops_reasoning(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["secret plan</think>Answer."])
+    completion = client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, extra_body={"include_reasoning": False}
+    )
+    assert completion.choices[0].message.content == "Answer."
+    assert not completion.choices[0].message.model_extra.get("reasoning")
+
+
+def test_stream_n_sends_a_role_chunk_per_choice(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    fake_engine.scripts.append(["a</think>x", "b</think>y"])
+    body = {"messages": USER, "n": 2, "stream": True}
+    chunks = [json.loads(event) for event in sse_events(http.post("/v1/chat/completions", json=body))[:-1]]
+    roles = [chunk["choices"][0]["index"] for chunk in chunks if "role" in chunk["choices"][0]["delta"]]
+    assert sorted(roles) == [0, 1]
+    content = {0: "", 1: ""}
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        content[choice["index"]] += choice["delta"].get("content", "")
+    assert content == {0: "x", 1: "y"}

@@ -1,0 +1,132 @@
+"""`deltaserve serve`: vLLM's flags parse into EngineConfig and ServerSettings, and the real command serves."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from deltaserve.api import cli
+from deltaserve.api.compat import check_compat
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="deltaserve serve")
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults() -> None:
+    args = parse("some/model")
+    assert (args.host, args.port, args.max_num_seqs, args.block_size, args.seed) == ("127.0.0.1", 8000, 256, 16, 0)
+    config = cli.build_engine_config(args, *cli.resolve_model(args))
+    assert config.model == "some/model" and config.device == "auto" and config.generation_config == "auto"
+    settings = cli.build_settings(args, "some/model")
+    assert settings.served_model_names == ["some/model"] and settings.api_key is None
+
+
+def test_qwen35_recipe_command_line_parses() -> None:
+    args = parse(
+        "Qwen/Qwen3.5-27B-FP8", "--language-model-only", "--reasoning-parser", "qwen3", "--enable-prefix-caching",
+        "--max-model-len", "32k", "--max-num-batched-tokens", "16384", "--tool-call-parser", "qwen3_coder",
+        "--enable-auto-tool-choice", "--trust-remote-code", "--async-scheduling", "--mamba-ssm-cache-dtype",
+        "bfloat16", "-tp", "1", "--gpu-memory-utilization", "0.85", "--served-model-name", "qwen", "q",
+        "--api-key", "k", "--generation-config", "vllm", "--dtype", "bfloat16", "--enforce-eager",
+        "--default-chat-template-kwargs", '{"enable_thinking": false}', "--uvicorn-log-level", "warning",
+    )  # fmt: skip
+    check_compat(args)
+    config = cli.build_engine_config(args, *cli.resolve_model(args))
+    assert (config.max_model_len, config.max_num_batched_tokens, config.gpu_memory_utilization) == (32000, 16384, 0.85)
+    assert (config.dtype, config.enforce_eager, config.generation_config) == ("bfloat16", True, "vllm")
+    settings = cli.build_settings(args, config.model)
+    assert settings.served_model_names == ["qwen", "q"] and settings.model_root == "Qwen/Qwen3.5-27B-FP8"
+    assert settings.default_chat_template_kwargs == {"enable_thinking": False}
+    assert (settings.reasoning_parser, settings.tool_call_parser, settings.enable_auto_tool_choice) == (
+        "qwen3",
+        "qwen3_coder",
+        True,
+    )
+
+
+def test_refusals_and_bad_values() -> None:
+    with pytest.raises(ValueError, match="one GPU"):
+        check_compat(parse("m", "--tensor-parallel-size", "2"))
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        cli.build_settings(parse("m", "--enable-auto-tool-choice"), "m")
+    for argv in (["--default-chat-template-kwargs", "[1]"], ["--tool-call-parser", "hermes"], ["--port", "x"]):
+        with pytest.raises(SystemExit):
+            parse("m", *argv)
+    assert cli.run(parse("m", "-dp", "4")) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1M", 2**20), ("auto", None), ("-1", None)]
+)
+def test_human_int(text: str, value: int | None) -> None:
+    assert cli.human_int(text) == value
+
+
+def test_chat_template_file_or_inline(tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert cli.read_chat_template(str(path)) == "{{ messages[0].content }}"
+    assert cli.read_chat_template("{% for m in messages %}{% endfor %}").startswith("{%")
+    with pytest.raises(ValueError, match="no such file"):
+        cli.read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_no_model_serves_the_tiny_checkpoint_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
+    model, device = cli.resolve_model(parse())
+    assert device == "cpu" and Path(model).is_dir() and Path(model).is_relative_to(tmp_path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_deltaserve_serve_command(tiny_dense: Path) -> None:
+    """The real command: starts, logs the ready line, answers the openai client, stops cleanly on SIGINT."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_dense), "--port", str(port), "--device", "cpu",
+        "--max-model-len", "512", "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
+        "--tool-call-parser", "qwen3_xml", "--enable-auto-tool-choice", "--language-model-only",
+        "--enable-prefix-caching", "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    is_ready = threading.Event()
+
+    def read_log() -> None:
+        for line in process.stderr:
+            lines.append(line)
+            if "deltaserve ready" in line:
+                is_ready.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not is_ready.wait(0.2):
+            assert process.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "no ready line:\n" + "".join(lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].id == "tiny"
+        completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+        assert completion.usage.completion_tokens == 3
+    finally:
+        process.send_signal(signal.SIGINT)
+        exit_code = process.wait(timeout=30)
+    assert exit_code == 0, "".join(lines)

@@ -1,0 +1,69 @@
+"""A client that goes away aborts its request: the FakeEngine's KV blocks and state slots come back (via /metrics)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from .fake_engine import FakeEngine
+from .server_thread import metric_value
+
+
+def wait_until_freed(http: httpx.Client, timeout: float = 10.0) -> str:
+    """Polls /metrics until every KV block and state slot is free and nothing runs; returns the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = http.get("/metrics").text
+        is_free = metric_value(text, "deltaserve:num_free_kv_blocks") == metric_value(
+            text, "deltaserve:num_total_kv_blocks"
+        ) and metric_value(text, "deltaserve:num_free_state_slots") == metric_value(
+            text, "deltaserve:num_total_state_slots"
+        )
+        if is_free and metric_value(text, "vllm:num_requests_running") == 0:
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError("resources were not freed:\n" + text)
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1500, "ignore_eos": True, "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "stream": True}),
+    ],
+    ids=["completion", "batched-completion", "chat"],
+)
+def test_stream_disconnect_frees_resources(
+    http: httpx.Client, fake_engine: FakeEngine, path: str, body: dict[str, object]
+) -> None:
+    fake_engine.step_delay = 0.005
+    num_aborted = fake_engine.num_aborted
+    with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        # next() rather than a for/break: abandoning the iterator would already drop the connection.
+        lines = response.iter_lines()
+        num_chunks = 0
+        while num_chunks < 3:
+            num_chunks += next(lines).startswith("data: ")
+        busy = metric_value(http.get("/metrics").text, "deltaserve:num_free_state_slots")
+        assert busy < fake_engine.num_total_state_slots, "the request holds a state slot while streaming"
+        # Leaving the block closes the connection mid-stream.
+    text = wait_until_freed(http)
+    assert fake_engine.num_aborted > num_aborted
+    assert 'finished_reason="abort"' in text
+    assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_non_streaming_disconnect_frees_resources(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    fake_engine.step_delay = 0.005
+    num_aborted = fake_engine.num_aborted
+    body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(str(http.base_url) + "/v1/completions", json=body, timeout=0.5)
+    wait_until_freed(http)
+    assert fake_engine.num_aborted == num_aborted + 1
+    assert http.get("/load").json() == {"server_load": 0}

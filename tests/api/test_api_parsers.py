@@ -1,0 +1,150 @@
+"""The qwen3 reasoning parser and the Qwen3.5 XML tool-call parser on crafted outputs, whole and split anywhere."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder
+from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
+from deltaserve.api.tool_parser import Qwen3XMLToolParser, convert_value
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "ratio": {"type": "number"},
+                    "tags": {"type": "array"},
+                    "extra": {"type": "object"},
+                    "note": {"type": ["string", "null"]},
+                },
+            },
+        },
+    }
+]
+
+CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+    '<parameter=metric>\ntrue\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n</function>\n</tool_call>'
+)
+CALL_ARGS = {"city": "New York", "days": 3, "metric": True, "tags": ["a", "b"]}
+
+
+def run(text: str, pieces: list[int] | None, *, thinking: bool = True, disabled: bool = False) -> dict[str, Any]:
+    """Feeds text in pieces (split at the given offsets) through a full choice processor; returns the message."""
+    processor = ChoiceProcessor(
+        Qwen3ReasoningParser(is_prompt_thinking=thinking, is_thinking_disabled=disabled), Qwen3XMLToolParser(TOOLS)
+    )
+    builder = MessageBuilder(processor)
+    bounds = [0, *(pieces or []), len(text)]
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        builder.add(processor.feed(text[start:end]))
+    builder.add(processor.finish())
+    return builder.message()
+
+
+def every_split(text: str) -> list[list[int]]:
+    return [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]
+
+
+def test_prompt_opens_thinking() -> None:
+    assert prompt_opens_thinking("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_thinking("<|im_start|>user\n<think>\n<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "thinking", "disabled", "reasoning", "content"),
+    [
+        ("I think.</think>\n\nAnswer.", True, False, "I think.", "\n\nAnswer."),
+        ("<think>I think.</think>Answer.", False, False, "I think.", "Answer."),
+        ("  <think>I think.</think>Answer.", False, False, "I think.", "Answer."),
+        ("never closed", True, False, "never closed", None),  # vLLM: no </think> while thinking -> all reasoning
+        ("plain answer", False, False, None, "plain answer"),
+        ("a</think>b", True, True, None, "a</think>b"),  # enable_thinking false: no reasoning at all
+        ("<think>a<think>b</think>c", True, False, "ab", "c"),
+    ],
+)
+def test_reasoning_split_agrees_whole_and_streamed(
+    text: str, thinking: bool, disabled: bool, reasoning: str | None, content: str | None
+) -> None:
+    for pieces in [None, *every_split(text)]:
+        message = run(text, pieces, thinking=thinking, disabled=disabled)
+        assert (message["reasoning"], message["content"]) == (reasoning, content), pieces
+
+
+def test_tool_call_whole_and_streamed() -> None:
+    text = "Thinking about it.</think>\n\nLet me check.\n\n" + CALL
+    for pieces in [None, *every_split(text)[:: max(1, len(text) // 60)]]:
+        message = run(text, pieces)
+        assert message["reasoning"] == "Thinking about it."
+        assert message["content"] == "\n\nLet me check."
+        (call,) = message["tool_calls"]
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == CALL_ARGS
+        assert call["function"]["arguments"] == json.dumps(CALL_ARGS)
+
+
+def test_tool_call_deltas_come_incrementally() -> None:
+    parser = Qwen3XMLToolParser(TOOLS)
+    assert parser.feed("<tool_call>\n<function=get_wea") == ("", [])
+    _, calls = parser.feed("ther>\n<parameter=city>\nPar")
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["index"] == 0
+    _, calls = parser.feed("is\n</parameter>\n")
+    assert calls == [{"index": 0, "function": {"arguments": '{"city": "Paris"'}}]
+    _, calls = parser.feed("</function>\n</tool_call>")
+    assert calls == [{"index": 0, "function": {"arguments": "}"}}]
+
+
+def test_two_calls_and_no_arguments() -> None:
+    text = "<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"  # noqa: E501
+    message = run(text, None, thinking=False)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["a", "b"]
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ["{}", '{"x": "1"}']
+    assert message["content"] is None
+
+
+def test_call_cut_off_by_length_is_completed() -> None:
+    message = run("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", None, thinking=False)
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Par"}
+
+
+def test_function_without_tool_call_wrapper_and_non_call_text() -> None:
+    message = run("<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>", None, thinking=False)
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"days": 2}
+    message = run('<tool_call>{"name": "x"}</tool_call>', None, thinking=False)
+    assert message["tool_calls"] == [] and message["content"] == '<tool_call>{"name": "x"}</tool_call>'
+    message = run("a < b and <tool", None, thinking=False)
+    assert message["content"] == "a < b and <tool"
+
+
+@pytest.mark.parametrize(
+    ("raw", "schema", "value"),
+    [
+        ("42", {"type": "integer"}, 42),
+        ("4.5", {"type": "number"}, 4.5),
+        ("4", {"type": "number"}, 4),
+        ("True", {"type": "boolean"}, True),
+        ("false", {"type": "boolean"}, False),
+        ('{"a": 1}', {"type": "object"}, {"a": 1}),
+        ("[1, 2]", {"type": "array"}, [1, 2]),
+        ("['x']", {"type": "array"}, ["x"]),
+        ("null", {"type": ["string", "null"]}, None),
+        ("007", {"type": "string"}, "007"),
+        ("abc", {"type": "integer"}, "abc"),
+        ("12", None, "12"),
+        ("5", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 5),
+    ],
+)
+def test_convert_value_by_schema(raw: str, schema: dict[str, Any] | None, value: Any) -> None:
+    assert convert_value(raw, schema) == value

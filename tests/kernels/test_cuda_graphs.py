@@ -1,0 +1,125 @@
+"""GPU only: the decode-path launchers capture into a CUDA graph (no host sync) and replay to eager results.
+
+Each op runs once eagerly on a copy of its state, then is captured on the original state and replayed;
+outputs and in-place states must match the eager run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from deltaserve.kernels import moe_triton
+from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
+from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
+from deltaserve.kernels.gdn_triton import gdn_decode_triton
+from deltaserve.kernels.moe import moe_route_ref
+from deltaserve.kernels.moe_triton import fused_moe_triton
+from deltaserve.kernels.norm_triton import gated_rms_norm_triton, rms_norm_triton
+from deltaserve.kernels.preamble_triton import attn_preamble_triton
+
+from ._util import DEVICE, randn, varlen_starts
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _capture_matches_eager(fn: Callable[[], object], states: list[torch.Tensor]) -> None:
+    """fn() reads/writes `states` in place and returns a tensor or tuple of tensors."""
+    saved = [s.clone() for s in states]
+    eager = fn()
+    eager_states = [s.clone() for s in states]
+    for s, c in zip(states, saved, strict=True):
+        s.copy_(c)
+    fn()  # warm-up on a side stream is not needed for Triton kernels; this also primes autotuning
+    for s, c in zip(states, saved, strict=True):
+        s.copy_(c)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    for s, c in zip(states, saved, strict=True):
+        s.copy_(c)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_t = eager if isinstance(eager, tuple) else (eager,)
+    captured_t = captured if isinstance(captured, tuple) else (captured,)
+    for e, c in zip(eager_t, captured_t, strict=True):
+        if e is not None:
+            assert torch.equal(e, c)
+    for e, s in zip(eager_states, states, strict=True):
+        assert torch.equal(e, s)
+
+
+def test_graph_preamble_and_norms() -> None:
+    qkv = randn(8, 4 * 2 * 64 + 2 * 2 * 64, dtype=BF16)
+    cos_sin = randn(8, 32, dtype=BF16)
+    w = randn(64, dtype=BF16)
+    _capture_matches_eager(lambda: attn_preamble_triton(qkv, w, w, cos_sin, 4, 2, 64, 32, 1e-6), [])
+    x, r, hw = randn(8, 512, dtype=BF16), randn(8, 512, dtype=BF16), randn(512, dtype=BF16)
+    _capture_matches_eager(lambda: rms_norm_triton(x, hw, 1e-6, r), [])
+    o, z = randn(8, 4, 128, dtype=BF16), randn(8, 4, 128, dtype=BF16)
+    _capture_matches_eager(lambda: gated_rms_norm_triton(o, z, w.new_ones(128), 1e-6), [])
+
+
+def test_graph_store_kv_and_decode_attention() -> None:
+    batch, nq, nkv, d, page, width = 5, 6, 2, 128, 16, 8
+    k_cache = randn(batch * width, page, nkv, d, dtype=BF16)
+    v_cache = randn(batch * width, page, nkv, d, dtype=BF16)
+    block_tables = torch.arange(batch * width, device=DEVICE, dtype=torch.int32).view(batch, width)
+    seq_lens = torch.tensor([1, 17, 100, 128, 0], device=DEVICE, dtype=torch.int32)
+    qsl = varlen_starts([1] * batch)
+    q = randn(batch, nq, d, dtype=BF16)
+    k, v = randn(batch, nkv, d, dtype=BF16), randn(batch, nkv, d, dtype=BF16)
+    slots = torch.tensor([0, 20, 40, -1, -1], device=DEVICE)
+    _capture_matches_eager(lambda: store_kv_triton(k, v, k_cache, v_cache, slots), [k_cache, v_cache])
+    _capture_matches_eager(
+        lambda: paged_attention_triton(q, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, 1, 128), []
+    )
+
+
+def test_graph_conv_and_gdn_decode() -> None:
+    batch, channels, hk, hv, dk, dv = 6, 512, 2, 4, 128, 128
+    x = randn(batch, channels, dtype=BF16)
+    conv_states = randn(batch + 2, 3, channels, dtype=BF16)
+    weight = randn(channels, 4, dtype=BF16)
+    slots = torch.tensor([3, 0, -1, 5, 7, -1], device=DEVICE, dtype=torch.int32)
+    _capture_matches_eager(lambda: causal_conv1d_update_triton(x, weight, conv_states, slots), [conv_states])
+    q, k = randn(batch, hk, dk, dtype=BF16), randn(batch, hk, dk, dtype=BF16)
+    v, a, b = randn(batch, hv, dv, dtype=BF16), randn(batch, hv, dtype=BF16), randn(batch, hv, dtype=BF16)
+    A_log, dt_bias = randn(hv), randn(hv)
+    ssm = randn(batch + 2, hv, dk, dv, scale=0.1)
+    _capture_matches_eager(lambda: gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm, slots), [ssm])
+
+
+@pytest.mark.parametrize("num_tokens", [4, 200])
+def test_graph_fused_moe(num_tokens: int) -> None:
+    """4 tokens take the fixed decode config; 200 x top-8 the autotuned kernels (tuned by the eager call)."""
+    experts, top_k, hidden, inter = 32, 8, 256, 128
+    x = randn(num_tokens, hidden, dtype=BF16)
+    w13 = randn(experts, 2 * inter, hidden, dtype=BF16, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, dtype=BF16, scale=inter**-0.5)
+    weights, ids = moe_route_ref(randn(num_tokens, experts), top_k, True)
+    _capture_matches_eager(lambda: fused_moe_triton(x, w13, w2, weights, ids), [])
+
+
+def test_graph_autotune_never_benchmarks_in_capture() -> None:
+    """A key first seen inside capture runs configs[0] instead of benchmarking (which would break capture)."""
+    experts, top_k, hidden, inter, num_tokens = 16, 8, 192, 96, 300
+    x = randn(num_tokens, hidden, dtype=BF16)
+    w13 = randn(experts, 2 * inter, hidden, dtype=BF16, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, dtype=BF16, scale=inter**-0.5)
+    weights, ids = moe_route_ref(randn(num_tokens, experts), top_k, True)
+    eager = fused_moe_triton(x, w13, w2, weights, ids)  # compiles every config while tuning
+    for kernel in (moe_triton._moe_gemm1_tuned, moe_triton._moe_gemm2_tuned):
+        kernel.cache.clear()  # forget the tuned choice: the capture below sees a fresh key
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, w13, w2, weights, ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not moe_triton._moe_gemm1_tuned.cache, "capture must not cache an untuned choice"
+    assert (out.float() - eager.float()).abs().max().item() <= 2e-2 * eager.float().abs().max().item()
