@@ -17,7 +17,8 @@ for step in $steps; do
   echo "=== $step ($(date +%T))"
   case $step in
     tests)
-      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
+      timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+      echo "pytest rc $?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_gpu.log" | tail -25 ;;
     gate)
       for v in dense moe next; do
         python3 -m deltaserve.cli make-tiny "/tmp/tiny/$v" --variant "$v" > /dev/null
@@ -27,7 +28,13 @@ for step in $steps; do
           | grep -v -i "warn\|loading weights\|falling back" | tail -4 | tee "$OUT/gate_fp32_$v.log"
       done ;;
     kernels)
-      timeout 300 python3 -m deltaserve.cli bench kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
+      ops=preamble_fused,preamble_fused_w1,preamble_fused_w2,preamble_unfused,rotary_embedding,rms_norm_residual
+      ops=$ops,gated_rms_norm,silu_and_mul,store_kv,paged_attention,causal_conv1d,gdn,fused_moe
+      for m in 35b-a3b 27b; do
+        timeout 240 python3 -m deltaserve.cli bench kernels --models "$m" --ops "$ops" --tokens 1,8,64,512,2048,8192 \
+          --out "$OUT/kernels-$m.json" > "$OUT/kernels-$m.log" 2>&1
+        echo "kernels $m: rc $?"; grep -E "preamble_(fused|unfused) " "$OUT/kernels-$m.log" | awk '{print $2, $4, $5}' | paste - - | head -8
+      done ;;
     smoke)
       [ -f /tmp/ds_models/q35-35b-a3b/config.json ] || python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
       for m in q35-35b-a3b q35-27b; do
