@@ -20,6 +20,7 @@ from deltaserve.engine_config import EngineConfig
 
 logger = logging.getLogger("deltaserve.serve")
 
+BUILTIN_MODEL_NAME = "deltaserve-tiny"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -179,12 +180,19 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
     )
 
 
+def default_served_names(args: argparse.Namespace, model: str) -> list[str]:
+    """MODEL as given (vLLM's default); the built-in tiny checkpoint answers to `deltaserve-tiny` (and its path)."""
+    if args.model or args.model_flag:
+        return [model]
+    return [BUILTIN_MODEL_NAME, model]
+
+
 def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return ServerSettings(
         model_root=model,
-        served_model_names=args.served_model_name or [model],
+        served_model_names=args.served_model_name or default_served_names(args, model),
         api_key=args.api_key,
         chat_template=read_chat_template(args.chat_template),
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},

@@ -1,0 +1,78 @@
+"""The README's server snippets work: `deltaserve serve` with no MODEL (the built-in tiny checkpoint, generated
+into a fresh cache folder), then the README's own curl and openai-client code, run as written (only the port
+is changed to a free one)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    env = dict(os.environ, DELTASERVE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert process.poll() is None, "deltaserve serve exited before it was healthy"
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "deltaserve serve did not become healthy"
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_quick_start_serves_without_a_model(readme_server: str) -> None:
+    with urllib.request.urlopen(readme_server + "/v1/models") as reply:
+        body = reply.read().decode()
+    assert '"id":"deltaserve-tiny"' in body.replace(" ", "")
+
+
+def test_readme_curl_works(readme_server: str) -> None:
+    curl = next(block for block in code_blocks("bash") if block.startswith("curl"))
+    if shutil.which("curl") is None:
+        pytest.fail("curl is not installed, so the README's curl example cannot be checked")
+    command = curl.replace("http://127.0.0.1:8000", readme_server).replace("\\\n", " ")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, check=True)
+    assert '"object":"text_completion"' in result.stdout.replace(" ", "")
+
+
+def test_readme_openai_client_works(readme_server: str) -> None:
+    code = next(block for block in code_blocks("python") if "from openai import OpenAI" in block)
+    code = code.replace("http://127.0.0.1:8000", readme_server)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
