@@ -80,7 +80,7 @@ def test_soak_with_aborts_and_preemptions(tiny_dense: Path) -> None:
     survivors = [i for i in range(len(prompts)) if str(i) not in aborted]
     assert set(results) == {str(i) for i in survivors}
     single = LLM(tiny_dense, dtype="float32", max_num_seqs=1)
-    for i in survivors[::5]:  # every 5th survivor against its unbatched output (keeps CI time bounded)
+    for i in survivors:
         params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
         assert results[str(i)] == generate_ids(single, [prompts[i]], params)[0], f"request {i}"
 
