@@ -21,38 +21,23 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
 import tomllib
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from deltaserve.bench import registry
-from deltaserve.bench.nvml import sample_used_gib_once
-from deltaserve.bench.provenance import NO_PROXY, host_facts, probe_version, server_version
+from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
+from deltaserve.bench.provenance import host_facts, probe_version, server_version
+from deltaserve.bench.server_process import Server
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results"
 RECORD_SCHEMA = "deltaserve-grid-record/1"
 RATIO_FIELDS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
 DROPPED_RESULT_FIELDS = ("latencies", "input_lens", "output_lens", "start_times", "ttfts", "itls", "errors")
-GPU_IDLE_GIB = 2.0  # below this much used device memory, the previous server has let go of the GPU
-PLACEHOLDER_RE = re.compile(r"\{(model|model_name|port|python|repo|max_isl)\}")
-
-
-def pidfile() -> Path:
-    """Where the running server's process group id is kept, so a grid killed without cleanup (SIGKILL) leaves
-    a note that the next run of the harness script uses to stop that server (DELTASERVE_GRID_PIDFILE)."""
-    return Path(os.environ.get("DELTASERVE_GRID_PIDFILE", "/tmp/deltaserve-grid-server.pgid"))
 
 
 class GridInterrupted(BaseException):
@@ -61,249 +46,6 @@ class GridInterrupted(BaseException):
 
 def _interrupt(signum: int, frame: object) -> None:
     raise GridInterrupted(f"signal {signum}")
-
-
-@dataclass
-class Arm:
-    """One server launch recipe (templates are expanded per model)."""
-
-    name: str
-    role: str = "peer"  # "subject" (deltaserve) or "peer" (the denominator)
-    command: list[str] = field(default_factory=list)
-    oracle: str | None = None
-    site: str = "h200-offline"
-    python: str = "{python}"
-    extra_args: list[str] = field(default_factory=list)
-    drop_flags: list[str] = field(default_factory=list)
-    exemption: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    health_url: str = "http://127.0.0.1:{port}/health"
-    startup_timeout_s: float = 600.0
-    version_probe: list[str] = field(default_factory=list)
-    denominator_note: str | None = None
-    # Estimates for --deadline-s: a launch starts only if startup + points x run would end before the deadline.
-    expected_startup_s: float = 0.0
-    expected_run_s: float = 0.0
-
-
-@dataclass
-class Model:
-    name: str
-    path: str
-
-
-@dataclass
-class GridConfig:
-    """A parsed grid TOML file."""
-
-    name: str
-    title: str
-    description: str
-    models: list[Model]
-    arms: list[Arm]
-    concurrencies: list[int]
-    lengths: list[tuple[int, int]]
-    prompts_per_concurrency: int = 10
-    min_prompts: int = 10
-    num_warmups: int = 2
-    seed: int = 0
-    port: int = 8000
-    is_restart_cheap: bool = False
-    drift_concurrency: int | None = None
-    client_args: list[str] = field(default_factory=list)
-    stop_timeout_s: float = 30.0
-    run_timeout_s: float | None = None  # one client run longer than this is recorded as failed
-    source_path: str = ""
-
-    def num_prompts(self, concurrency: int) -> int:
-        return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
-
-
-def load_config(path: Path) -> GridConfig:
-    """Parse and validate a grid TOML file."""
-    raw = tomllib.loads(path.read_text())
-    grid = raw.get("grid", {})
-    arms = []
-    for item in raw.get("arms", []):
-        arm = Arm(**{k: v for k, v in item.items() if k in Arm.__dataclass_fields__})
-        unknown = set(item) - set(Arm.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"arm {arm.name!r}: unknown keys {sorted(unknown)}")
-        if bool(arm.command) == bool(arm.oracle):
-            raise ValueError(f"arm {arm.name!r}: give exactly one of `command` or `oracle`")
-        if arm.role not in ("subject", "peer"):
-            raise ValueError(f"arm {arm.name!r}: role must be subject or peer")
-        if arm.drop_flags and not arm.exemption:
-            raise ValueError(f"arm {arm.name!r}: drop_flags needs an `exemption` reason")
-        arms.append(arm)
-    names = [arm.name for arm in arms]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate arm names in {path}")
-    models = [Model(str(m["name"]), str(m["path"])) for m in raw.get("models", [])]
-    if not arms or not models:
-        raise ValueError(f"{path}: needs at least one [[arms]] and one [[models]]")
-    known = set(GridConfig.__dataclass_fields__) - {"name", "title", "description", "models", "arms", "source_path"}
-    unknown = set(grid) - known - {"name", "title", "description"}
-    if unknown:
-        raise ValueError(f"[grid]: unknown keys {sorted(unknown)}")
-    options = {k: v for k, v in grid.items() if k in known}
-    options["lengths"] = [tuple(pair) for pair in grid.get("lengths", [[1024, 128]])]
-    options.setdefault("concurrencies", [1])
-    return GridConfig(
-        name=str(grid.get("name", path.stem)),
-        title=str(grid.get("title", path.stem)),
-        description=str(grid.get("description", "")),
-        models=models,
-        arms=arms,
-        source_path=str(path),
-        **options,
-    )
-
-
-def expand(text: str, context: dict[str, str]) -> str:
-    """$VARS from the environment, then the grid's own {placeholders} (unknown braces stay as they are)."""
-    text = os.path.expandvars(text)
-    return PLACEHOLDER_RE.sub(lambda m: context[m.group(1)], text)
-
-
-@dataclass
-class Launch:
-    """An arm resolved for one model: what will be run."""
-
-    arm: Arm
-    model: Model
-    argv: list[str]
-    env_overrides: dict[str, str]
-    health_url: str
-    base_url: str
-    version_probe: list[str]
-    exemption: str | None
-    reasons: list[str]
-
-
-def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
-    """Expand templates; for an oracle arm, ask the registry for the production command."""
-    max_isl = max(isl for isl, _ in config.lengths)
-    context = {
-        "model": expand(model.path, {}),
-        "model_name": model.name,
-        "port": str(config.port),
-        "python": sys.executable,
-        "repo": str(REPO_ROOT),
-        "max_isl": str(max_isl),
-    }
-    env = {k: expand(str(v), context) for k, v in arm.env.items()}
-    exemption = None
-    reasons: list[str] = []
-    if arm.oracle:
-        oracle = registry.oracle_launch(
-            arm.oracle,
-            context["model"],
-            max_isl,
-            port=config.port,
-            site=arm.site,
-            python=expand(arm.python, context),
-            extra_args=[expand(a, context) for a in arm.extra_args],
-            drop_flags=arm.drop_flags,
-            exemption=arm.exemption,
-        )
-        argv = oracle.argv
-        env = {**oracle.env, **env}
-        probe = oracle.version_probe
-        exemption = oracle.exemption
-        reasons = oracle.reasons
-    else:
-        argv = [expand(a, context) for a in arm.command]
-        probe = [expand(a, context) for a in arm.version_probe] or [
-            sys.executable,
-            "-c",
-            "import deltaserve; print(deltaserve.__version__)",
-        ]
-    health_url = expand(arm.health_url, context)
-    match = re.match(r"(https?://[^/]+)", health_url)
-    base_url = match.group(1) if match else f"http://127.0.0.1:{config.port}"
-    return Launch(arm, model, argv, env, health_url, base_url, probe, exemption, reasons)
-
-
-def _is_port_open(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
-
-
-class Server:
-    """A server process in its own process group, so stopping it stops every child (engine cores, workers)."""
-
-    def __init__(self, launch: Launch, log_path: Path) -> None:
-        self.launch = launch
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-        port = re.search(r":(\d+)$", launch.base_url)
-        self.port = int(port.group(1)) if port else 80
-
-    def start(self) -> None:
-        if _is_port_open(self.port):
-            raise RuntimeError(f"port {self.port} is already in use; refusing to start {self.launch.arm.name}")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
-        env = {**os.environ, **self.launch.env_overrides}
-        self.process = subprocess.Popen(
-            self.launch.argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
-        pidfile().write_text(f"{self.process.pid}\n")
-
-    def wait_healthy(self, timeout_s: float) -> float:
-        """Seconds until the health URL answered 200; raises if the process died or time ran out."""
-        assert self.process is not None
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.launch.arm.name} exited with {self.process.returncode} before healthy")
-            try:
-                with NO_PROXY.open(self.launch.health_url, timeout=2) as response:
-                    if response.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.launch.arm.name} not healthy after {timeout_s:.0f} s")
-
-    def stop(self, timeout_s: float = 30.0) -> bool:
-        """SIGTERM the process group, SIGKILL after `timeout_s`; wait for the port (and the GPU) to be free.
-
-        Returns True when the port was freed.
-        """
-        if self.process is None:
-            return True
-        pgid = self.process.pid
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=timeout_s)
-                # The leader is gone; make sure no child of the group survives it.
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-            break
-        self.process = None
-        pidfile().unlink(missing_ok=True)
-        t0 = time.monotonic()
-        while _is_port_open(self.port) and time.monotonic() - t0 < timeout_s:
-            time.sleep(0.25)
-        is_port_free = not _is_port_open(self.port)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 60:
-            used = sample_used_gib_once()
-            if used is None or used < GPU_IDLE_GIB:
-                break
-            time.sleep(1.0)
-        return is_port_free
 
 
 def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurrency: int, raw_name: str) -> list[str]:

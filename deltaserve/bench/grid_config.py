@@ -1,0 +1,180 @@
+"""Grid configuration: the TOML file of `deltaserve bench grid` parsed into arms, models and lengths, and each
+(arm, model) pair resolved into an exact launch: a command line with its placeholders filled, or, for a peer
+arm (`oracle = "vllm"`), the production command the oracle registry builds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltaserve.bench import registry
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PLACEHOLDER_RE = re.compile(r"\{(model|model_name|port|python|repo|max_isl)\}")
+
+
+@dataclass
+class Arm:
+    """One server launch recipe (templates are expanded per model)."""
+
+    name: str
+    role: str = "peer"  # "subject" (deltaserve) or "peer" (the denominator)
+    command: list[str] = field(default_factory=list)
+    oracle: str | None = None
+    site: str = "h200-offline"
+    python: str = "{python}"
+    extra_args: list[str] = field(default_factory=list)
+    drop_flags: list[str] = field(default_factory=list)
+    exemption: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    health_url: str = "http://127.0.0.1:{port}/health"
+    startup_timeout_s: float = 600.0
+    version_probe: list[str] = field(default_factory=list)
+    denominator_note: str | None = None
+    # Estimates for --deadline-s: a launch starts only if startup + points x run would end before the deadline.
+    expected_startup_s: float = 0.0
+    expected_run_s: float = 0.0
+
+
+@dataclass
+class Model:
+    name: str
+    path: str
+
+
+@dataclass
+class GridConfig:
+    """A parsed grid TOML file."""
+
+    name: str
+    title: str
+    description: str
+    models: list[Model]
+    arms: list[Arm]
+    concurrencies: list[int]
+    lengths: list[tuple[int, int]]
+    prompts_per_concurrency: int = 10
+    min_prompts: int = 10
+    num_warmups: int = 2
+    seed: int = 0
+    port: int = 8000
+    is_restart_cheap: bool = False
+    drift_concurrency: int | None = None
+    client_args: list[str] = field(default_factory=list)
+    stop_timeout_s: float = 30.0
+    run_timeout_s: float | None = None  # one client run longer than this is recorded as failed
+    source_path: str = ""
+
+    def num_prompts(self, concurrency: int) -> int:
+        return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
+
+
+def load_config(path: Path) -> GridConfig:
+    """Parse and validate a grid TOML file."""
+    raw = tomllib.loads(path.read_text())
+    grid = raw.get("grid", {})
+    arms = []
+    for item in raw.get("arms", []):
+        arm = Arm(**{k: v for k, v in item.items() if k in Arm.__dataclass_fields__})
+        unknown = set(item) - set(Arm.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"arm {arm.name!r}: unknown keys {sorted(unknown)}")
+        if bool(arm.command) == bool(arm.oracle):
+            raise ValueError(f"arm {arm.name!r}: give exactly one of `command` or `oracle`")
+        if arm.role not in ("subject", "peer"):
+            raise ValueError(f"arm {arm.name!r}: role must be subject or peer")
+        if arm.drop_flags and not arm.exemption:
+            raise ValueError(f"arm {arm.name!r}: drop_flags needs an `exemption` reason")
+        arms.append(arm)
+    names = [arm.name for arm in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate arm names in {path}")
+    models = [Model(str(m["name"]), str(m["path"])) for m in raw.get("models", [])]
+    if not arms or not models:
+        raise ValueError(f"{path}: needs at least one [[arms]] and one [[models]]")
+    known = set(GridConfig.__dataclass_fields__) - {"name", "title", "description", "models", "arms", "source_path"}
+    unknown = set(grid) - known - {"name", "title", "description"}
+    if unknown:
+        raise ValueError(f"[grid]: unknown keys {sorted(unknown)}")
+    options = {k: v for k, v in grid.items() if k in known}
+    options["lengths"] = [tuple(pair) for pair in grid.get("lengths", [[1024, 128]])]
+    options.setdefault("concurrencies", [1])
+    return GridConfig(
+        name=str(grid.get("name", path.stem)),
+        title=str(grid.get("title", path.stem)),
+        description=str(grid.get("description", "")),
+        models=models,
+        arms=arms,
+        source_path=str(path),
+        **options,
+    )
+
+
+def expand(text: str, context: dict[str, str]) -> str:
+    """$VARS from the environment, then the grid's own {placeholders} (unknown braces stay as they are)."""
+    text = os.path.expandvars(text)
+    return PLACEHOLDER_RE.sub(lambda m: context[m.group(1)], text)
+
+
+@dataclass
+class Launch:
+    """An arm resolved for one model: what will be run."""
+
+    arm: Arm
+    model: Model
+    argv: list[str]
+    env_overrides: dict[str, str]
+    health_url: str
+    base_url: str
+    version_probe: list[str]
+    exemption: str | None
+    reasons: list[str]
+
+
+def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
+    """Expand templates; for an oracle arm, ask the registry for the production command."""
+    max_isl = max(isl for isl, _ in config.lengths)
+    context = {
+        "model": expand(model.path, {}),
+        "model_name": model.name,
+        "port": str(config.port),
+        "python": sys.executable,
+        "repo": str(REPO_ROOT),
+        "max_isl": str(max_isl),
+    }
+    env = {k: expand(str(v), context) for k, v in arm.env.items()}
+    exemption = None
+    reasons: list[str] = []
+    if arm.oracle:
+        oracle = registry.oracle_launch(
+            arm.oracle,
+            context["model"],
+            max_isl,
+            port=config.port,
+            site=arm.site,
+            python=expand(arm.python, context),
+            extra_args=[expand(a, context) for a in arm.extra_args],
+            drop_flags=arm.drop_flags,
+            exemption=arm.exemption,
+        )
+        argv = oracle.argv
+        env = {**oracle.env, **env}
+        probe = oracle.version_probe
+        exemption = oracle.exemption
+        reasons = oracle.reasons
+    else:
+        argv = [expand(a, context) for a in arm.command]
+        probe = [expand(a, context) for a in arm.version_probe] or [
+            sys.executable,
+            "-c",
+            "import deltaserve; print(deltaserve.__version__)",
+        ]
+    health_url = expand(arm.health_url, context)
+    match = re.match(r"(https?://[^/]+)", health_url)
+    base_url = match.group(1) if match else f"http://127.0.0.1:{config.port}"
+    return Launch(arm, model, argv, env, health_url, base_url, probe, exemption, reasons)
