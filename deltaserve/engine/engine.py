@@ -7,6 +7,7 @@ vLLM does) that are scheduled independently and reported under the one request i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from deltaserve.engine.generation_config import load_eos_token_ids, load_generat
 from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.request import RequestOutput, SamplingParams
 from deltaserve.engine_config import EngineConfig
+from deltaserve.model.hub import resolve_model_dir
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.sampler.sampler import SequenceSamplingState, make_generator
 from deltaserve.scheduler.batch import ScheduledBatch, ScheduledSequence
@@ -45,9 +47,12 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_dir = Path(config.model)
+        self.model_dir = resolve_model_dir(config.model)
+        if str(self.model_dir) != config.model:
+            config = dataclasses.replace(config, model=str(self.model_dir))
+            self.config = config
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)  # fmt: skip
         if config.generation_config == "vllm":
