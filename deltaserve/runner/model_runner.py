@@ -8,6 +8,7 @@ step; the model reads them through the ForwardContext.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,17 +139,24 @@ class ModelRunner:
             self.graphs.capture()
 
     def _profile_peak_bytes(self, num_tokens: int) -> int:
-        """Runs one warm-up prefill of num_tokens on a throw-away cache; returns the activation peak in bytes."""
+        """Warm-up prefills on a throw-away cache: num_tokens (the largest step, whose activation peak in bytes is
+        returned) and every power of two below it, so Triton compiles and autotunes the prefill shapes (the MoE
+        and attention kernels key their configs on power-of-two size buckets) before serving, not during it."""
         layout = CacheLayout(-(-num_tokens // self.block_size) + 1, self.block_size, 1, 0, 0)
         allocate_and_bind(self.model, self.model_config, layout, self.dtype, self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        row = list(range(num_tokens))
         blocks = list(range(layout.num_blocks))
-        warmup = ScheduledSequence("warmup", [0] * num_tokens, [row, row, row], 0, blocks, 0, needs_sample=False)
-        self.execute(ScheduledBatch([warmup]))
+        sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
+        started = time.perf_counter()
+        for size in sizes:
+            row = list(range(size))
+            warmup = ScheduledSequence("warmup", [0] * size, [row, row, row], 0, blocks, 0, needs_sample=False)
+            self.execute(ScheduledBatch([warmup]))
         torch.cuda.synchronize()
+        logger.info("warm-up: %d prefill shapes up to %d tokens in %.1f s", len(sizes), num_tokens,
+                    time.perf_counter() - started)  # fmt: skip
         peak = torch.cuda.max_memory_allocated(self.device) - before
         for layer in self.model.layers:  # drop the throw-away cache before the real one is allocated
             mixer = layer.mixer
