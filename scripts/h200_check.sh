@@ -2,6 +2,10 @@
 # One H200 call for the GPU fast path (issue 5): GPU tests, the bf16 token gate on the tiny models, the kernel
 # benchmark, and an end-to-end smoke of the dummy 27B- / 35B-A3B-shaped models. Run from the repo root on the
 # device, with the wheels of .whl carried (fastapi/uvicorn/pydantic are not on the host). Writes under $OUT.
+# Wheels used on 2026-11-29 (py3.12, manylinux; see the device README for the pip download line): fastapi 0.165.0,
+# starlette 1.10.0, pydantic 2.14.4, pydantic_core 2.50.5, annotated-types 0.8.0, typing-inspection 0.4.5,
+# uvicorn 0.54.0 and opentelemetry-api 1.45.2 (fastapi 0.165 imports it). `pytest -m gpu` there needs
+# --ignore=tests/api --ignore=tests/bench (they import openai, which the host lacks; they hold no GPU tests).
 # usage: bash scripts/h200_check.sh [tests] [gate] [kernels] [smoke]   (default: all four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +21,8 @@ for step in $steps; do
   echo "=== $step ($(date +%T))"
   case $step in
     tests)
-      timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+      timeout 170 python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider --import-mode=importlib tests \
+        --ignore=tests/api --ignore=tests/bench > "$OUT/pytest_gpu.log" 2>&1
       echo "pytest rc $?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest_gpu.log" | tail -25 ;;
     gate)
       for v in dense moe next; do
