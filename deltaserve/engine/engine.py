@@ -156,7 +156,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         result = self.runner.execute(batch)
-        self.scheduler.advance(batch, {sid: state.sequences[i].seq for sid, (state, i) in self.sequences.items()})
+        self.scheduler.advance(batch)
         touched: dict[str, RequestState] = {}
         for scheduled in batch.sequences:
             token = result.sampled.get(scheduled.seq_id)

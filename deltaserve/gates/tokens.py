@@ -107,16 +107,16 @@ def reference_greedy(
     return tokens, step_logits
 
 
-def noise_floor(llm: object, sequence: list[int], relative: float, seed: int) -> float:
-    """Relative change of the full-forward logits when the embedding table moves by `relative` (one rounding)."""
+def noise_floor(llm: object, sequence: list[int], base: torch.Tensor, relative: float, seed: int) -> float:
+    """Relative change of the full-forward logits `base` when the embedding table moves by `relative` (one
+    rounding)."""
     embed = llm.engine.runner.model.embed_tokens
     saved = embed.data.clone()
     generator = torch.Generator(device=embed.device).manual_seed(seed)
     try:
-        base = llm.score(sequence)
         noise = torch.randn(embed.shape, generator=generator, device=embed.device, dtype=torch.float32)
         embed.data.copy_((saved.float() * (1 + relative * noise)).to(saved.dtype))
-        return rel_error(llm.score(sequence), base)
+        return rel_error(llm.score(sequence).cpu(), base)
     finally:
         embed.data.copy_(saved)
 
@@ -176,7 +176,7 @@ def run_gate(
         split = llm.score(sequence, [first, len(prompt) - first] if len(prompt) > 1 else [1]).cpu()
         result.logit_rel_error = rel_error(full, ref_logits)
         result.split_rel_error = rel_error(split, full)
-        result.noise_floor = noise_floor(llm, sequence, ROUNDING_PERTURBATION[dtype], seed + i)
+        result.noise_floor = noise_floor(llm, sequence, full, ROUNDING_PERTURBATION[dtype], seed + i)
         results.append(result)
     return report(results, dtype, model_dir)
 

@@ -71,6 +71,19 @@ def _rotate_neox_fp32(x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -
     return out
 
 
+def split_q_k_gate(
+    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views q [T, nq, d] and k [T, nkv, d] of the fused projection (per q head [query | gate]), and the gate
+    copied out contiguous [T, nq·d]."""
+    num_tokens = qkv.shape[0]
+    q_gate = qkv[:, : num_q_heads * 2 * head_dim].reshape(num_tokens, num_q_heads, 2 * head_dim)
+    gate = q_gate[..., head_dim:].reshape(num_tokens, num_q_heads * head_dim).contiguous()
+    k_start = num_q_heads * 2 * head_dim
+    k = qkv[:, k_start : k_start + num_kv_heads * head_dim].reshape(num_tokens, num_kv_heads, head_dim)
+    return q_gate[..., :head_dim], k, gate
+
+
 def attn_preamble_ref(
     qkv: torch.Tensor,
     q_norm_weight: torch.Tensor,
@@ -84,11 +97,7 @@ def attn_preamble_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns contiguous q [T, nq·d], k [T, nkv·d] (normed, rotated) and gate [T, nq·d] (raw)."""
     num_tokens = qkv.shape[0]
-    q_gate = qkv[:, : num_q_heads * 2 * head_dim].reshape(num_tokens, num_q_heads, 2 * head_dim)
-    q = q_gate[..., :head_dim]
-    gate = q_gate[..., head_dim:].reshape(num_tokens, num_q_heads * head_dim).contiguous()
-    k_start = num_q_heads * 2 * head_dim
-    k = qkv[:, k_start : k_start + num_kv_heads * head_dim].reshape(num_tokens, num_kv_heads, head_dim)
+    q, k, gate = split_q_k_gate(qkv, num_q_heads, num_kv_heads, head_dim)
     # vLLM's rounding point: the normed values are rounded to the model dtype before the rotation.
     q_normed = rms_norm(q, q_norm_weight, eps)[0].float()
     k_normed = rms_norm(k, k_norm_weight, eps)[0].float()
@@ -183,11 +192,8 @@ def attn_preamble_unfused(
     """The four-op path: split the gate, RMSNorm q, RMSNorm k, 1-D RoPE. Same outputs as attn_preamble."""
     positions_1d = check_positions_are_1d(positions)
     num_tokens = qkv.shape[0]
-    q_gate = qkv[:, : num_q_heads * 2 * head_dim].reshape(num_tokens, num_q_heads, 2 * head_dim)
-    gate = q_gate[..., head_dim:].reshape(num_tokens, -1).contiguous()  # op 1: gate split
-    k_start = num_q_heads * 2 * head_dim
-    k = qkv[:, k_start : k_start + num_kv_heads * head_dim].reshape(num_tokens, num_kv_heads, head_dim)
-    q_normed = rms_norm(q_gate[..., :head_dim], q_norm_weight, eps)[0]  # op 2
+    q, k, gate = split_q_k_gate(qkv, num_q_heads, num_kv_heads, head_dim)  # op 1: gate split
+    q_normed = rms_norm(q, q_norm_weight, eps)[0]  # op 2
     k_normed = rms_norm(k, k_norm_weight, eps)[0]  # op 3
     return (
         *rotary_embedding(  # op 4

@@ -106,11 +106,12 @@ class Scheduler:
             sampling=seq.sampling,
         )
 
-    def advance(self, batch: ScheduledBatch, sequences: dict[str, Sequence]) -> None:
+    def advance(self, batch: ScheduledBatch) -> None:
         """Marks this step's tokens as computed (call after the runner ran the batch)."""
+        running = {seq.seq_id: seq for seq in self.running}
         for scheduled in batch.sequences:
-            seq = sequences.get(scheduled.seq_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING:
+            seq = running.get(scheduled.seq_id)
+            if seq is not None:
                 seq.num_computed_tokens = scheduled.start + len(scheduled.token_ids)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -19,7 +19,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, num_slots: int = 8
 def fake_step(scheduler: Scheduler, seqs: dict[str, Sequence], next_token: int = 7) -> list[str]:
     """Runs one step with a fake runner: every sequence whose chunk reached its end 'samples' next_token."""
     batch = scheduler.schedule()
-    scheduler.advance(batch, seqs)
+    scheduler.advance(batch)
     finished = []
     for s in batch.sequences:
         if s.needs_sample:
@@ -44,7 +44,7 @@ def test_chunked_prefill_respects_budget_and_mixes_decodes() -> None:
     batch = scheduler.schedule()
     assert [(s.seq_id, len(s.token_ids)) for s in batch.sequences] == [("a", 3), ("b", 7)]
     assert batch.sequences[0].needs_sample and not batch.sequences[1].needs_sample
-    scheduler.advance(batch, seqs)
+    scheduler.advance(batch)
     seqs["a"].output_token_ids.append(1)
     batch = scheduler.schedule()
     # the decode of a comes first, then b's next chunk, within the budget of 10
