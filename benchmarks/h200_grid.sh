@@ -12,12 +12,17 @@
 #        GRID                   grid file (default benchmarks/grids/h200_first.toml)
 #        GRID_TIMEOUT_S         SIGTERM the grid after this long (default 570), so it stops its server and
 #                               saves its record before the device tool's own 600 s limit
+#        GRID_STORE             where records and raw files live between calls (default /tmp/ds_grid: /tmp
+#                               persists on a live host, so a later call can `--resume $GRID_STORE/NAME.json`)
+# $OUT gets back every record, raw.tgz (per-run client JSON and server logs) and nvidia-smi.csv: the device
+# returns at most 8 files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output folder}"
 export DELTASERVE_MODELS=${DELTASERVE_MODELS:-/tmp/ds_models}
 GRID=${GRID:-benchmarks/grids/h200_first.toml}
-mkdir -p "$OUT"
+GRID_STORE=${GRID_STORE:-/tmp/ds_grid}
+mkdir -p "$OUT" "$GRID_STORE/raw"
 
 # A grid killed outright (SIGKILL) on a previous call leaves its server running; its process group id is noted
 # here by the grid itself, so stop exactly that group before starting.
@@ -60,9 +65,10 @@ done
 
 status=0
 timeout --signal=TERM --kill-after=20 "${GRID_TIMEOUT_S:-570}" \
-  python3 -m deltaserve.cli bench grid "$GRID" --result-dir "$OUT" --raw-dir "$OUT/raw" "$@" || status=$?
+  python3 -m deltaserve.cli bench grid "$GRID" --result-dir "$GRID_STORE" --raw-dir "$GRID_STORE/raw" "$@" \
+  || status=$?
 
-# The report needs matplotlib, which the host may lack; the lead can regenerate it locally from the record.
-python3 -m deltaserve.cli bench report --results-dir "$OUT" --output "$OUT/docs/BENCHMARKS.md" \
-  > "$OUT/report.log" 2>&1 || echo "report not generated here (see report.log)"
+# The report is regenerated locally from the committed records (`deltaserve bench report`).
+cp "$GRID_STORE"/*.json "$OUT"/ 2>/dev/null || true
+tar -czf "$OUT/raw.tgz" -C "$GRID_STORE" raw
 exit $status

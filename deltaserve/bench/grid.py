@@ -13,6 +13,10 @@ The record (JSON, rewritten after every run so a killed grid still leaves one) h
 exact command line, environment overrides, engine version, startup time; host, GPU, driver, date and git
 commit; the metrics of every run; the subject/peer ratios (output throughput, TTFT median and p99, TPOT
 median, peak GPU memory); the drift check; and each arm's optional `denominator_note`.
+
+`--resume RECORD` continues a record in a later call on the same machine (one device call cannot hold three
+cold server starts): points the record already measured are not run again, the drift re-run still comes last,
+and the record lists every call's host facts under `resumed`.
 """
 
 from __future__ import annotations
@@ -83,15 +87,21 @@ class Grid:
         record_name: str | None = None,
         deadline_s: float | None = None,
         is_drift_enabled: bool = True,
+        resume_path: Path | None = None,
     ) -> None:
         self.config = config
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.record_path = result_dir / f"{record_name or config.name + '-' + stamp}.json"
-        self.raw_dir = raw_dir or result_dir / "raw" / self.record_path.stem
+        self.record_path = resume_path or result_dir / f"{record_name or config.name + '-' + stamp}.json"
+        self.raw_dir = raw_dir or self.record_path.parent / "raw" / self.record_path.stem
         self.deadline_s = deadline_s
         self.is_drift_enabled = is_drift_enabled
         self.t0 = time.monotonic()
-        self.record: dict[str, Any] = {
+        self.previous_wall_s = 0.0
+        self.record: dict[str, Any] = self._new_record() if resume_path is None else self._resumed_record(resume_path)
+
+    def _new_record(self) -> dict[str, Any]:
+        config = self.config
+        return {
             "schema": RECORD_SCHEMA,
             "grid": config.name,
             "title": config.title,
@@ -118,6 +128,41 @@ class Grid:
             "drift": [],
             "skipped": [],
         }
+
+    def _resumed_record(self, path: Path) -> dict[str, Any]:
+        """The record at `path`, checked to be this grid's, with this call's arms and host facts added."""
+        record = json.loads(path.read_text())
+        if record.get("schema") != RECORD_SCHEMA or record.get("grid") != self.config.name:
+            raise ValueError(f"{path} is not a {RECORD_SCHEMA} record of grid {self.config.name!r}")
+        for arm in self.config.arms:
+            record["arms"].setdefault(
+                arm.name,
+                {
+                    "role": arm.role,
+                    "oracle": arm.oracle,
+                    "denominator_note": arm.denominator_note,
+                    "exemption": arm.exemption,
+                },
+            )
+        record["resumed"] = [*record.get("resumed", []), host_facts(REPO_ROOT)]
+        record["is_complete"] = False
+        # A resumed call re-runs only unmeasured points, so earlier skips are no longer current.
+        record["skipped"] = []
+        self.previous_wall_s = float(record.get("wall_s") or 0.0)
+        return record
+
+    def _measured_points(self, arm: Arm, model: Model, points: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+        """The record's successful first-pass runs of `arm` on `model` at `points` (from an earlier call)."""
+        wanted = set(points)
+        return [
+            run
+            for run in self.record["runs"]
+            if run["arm"] == arm.name
+            and run["model"] == model.name
+            and not run["is_drift_check"]
+            and run["metrics"] is not None
+            and (run["isl"], run["osl"], run["concurrency"]) in wanted
+        ]
 
     # -- bookkeeping ------------------------------------------------------------------------------------
 
@@ -248,18 +293,26 @@ class Grid:
             if config.is_restart_cheap:
                 for point in points:
                     for arm in config.arms:
-                        self._run_points(arm, model, [point])
+                        if not self._measured_points(arm, model, [point]):
+                            self._run_points(arm, model, [point])
             else:
                 first_runs: list[dict[str, Any]] = []
                 for i, arm in enumerate(config.arms):
-                    runs = self._run_points(arm, model, points)
+                    done = self._measured_points(arm, model, points)
+                    todo = [p for p in points if p not in {(r["isl"], r["osl"], r["concurrency"]) for r in done}]
+                    if not todo:
+                        print(f"[grid] {arm.name} on {model.name}: measured in an earlier call", flush=True)
+                    runs = done + (self._run_points(arm, model, todo) if todo else [])
                     if i == 0:
                         first_runs = runs
-                if self.is_drift_enabled and len(config.arms) > 1 and config.drift_concurrency:
+                is_drift_done = any(
+                    d["arm"] == config.arms[0].name and d["model"] == model.name for d in self.record["drift"]
+                )
+                if self.is_drift_enabled and len(config.arms) > 1 and config.drift_concurrency and not is_drift_done:
                     self._drift(config.arms[0], model, first_runs)
         self.record["ratios"] = compute_ratios(self.record)
         self.record["is_complete"] = True
-        self.record["wall_s"] = round(time.monotonic() - self.t0, 1)
+        self.record["wall_s"] = round(self.previous_wall_s + time.monotonic() - self.t0, 1)
         self.save()
         return self.record
 
@@ -334,6 +387,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw-dir", type=Path, default=None, help="per-run JSON and server logs")
     parser.add_argument("--record-name", default=None, help="record file stem (default GRID-DATE)")
     parser.add_argument(
+        "--resume", type=Path, default=None, help="continue this record: run only the points it lacks, then the drift"
+    )
+    parser.add_argument(
         "--deadline-s", type=float, default=None, help="start no launch that would end (arm expected_s) after this"
     )
     parser.add_argument("--run-timeout-s", type=float, default=None, help="fail a client run that takes longer")
@@ -355,7 +411,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(config)
     result_dir = args.result_dir or DEFAULT_RESULT_DIR
-    grid = Grid(config, result_dir, args.raw_dir, args.record_name, args.deadline_s, not args.no_drift)
+    try:
+        grid = Grid(config, result_dir, args.raw_dir, args.record_name, args.deadline_s, not args.no_drift, args.resume)
+    except (OSError, ValueError) as exc:
+        print(f"bench grid: cannot resume: {exc}", file=sys.stderr)
+        return 2
     try:
         record = grid.run()
     except GridInterrupted as exc:

@@ -238,3 +238,30 @@ def test_sigterm_stops_the_server_and_keeps_the_record(
     assert saved["launches"][0]["is_port_freed"] and not _port_is_open(port)
     assert not (tmp_path / "server.pgid").exists()
     assert signal.getsignal(signal.SIGTERM) is not grid_module._interrupt  # handler restored
+
+
+def test_resume_runs_only_what_the_record_lacks_then_the_drift(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), is_restart_cheap=False)
+    first_call = load_config(toml)
+    first_call.arms = first_call.arms[:1]  # as `--arms fast`
+    results = tmp_path / "results"
+    first = Grid(first_call, results, record_name="split", is_drift_enabled=False).run()
+    assert [e["arm"] for e in first["launches"]] == ["fast"] and first["ratios"] == [] and "resumed" not in first
+
+    second = Grid(load_config(toml), results, resume_path=results / "split.json").run()
+    order = [(e["arm"], e["is_drift_check"]) for e in second["launches"]]
+    assert order == [("fast", False), ("slow", False), ("fast", True)]  # fast is not launched again
+    assert len(second["resumed"]) == 1 and second["is_complete"] and set(second["arms"]) == {"fast", "slow"}
+    assert len(second["ratios"]) == 2 and len(second["drift"]) == 1
+    assert second["drift"][0]["first"]["output_throughput"] is not None  # compared with the first call's run
+    assert json.loads((results / "split.json").read_text())["launches"] == second["launches"]
+
+    third = Grid(load_config(toml), results, resume_path=results / "split.json").run()
+    assert len(third["launches"]) == 3 and len(third["resumed"]) == 2  # nothing left to run
+
+    other = tmp_path / "other.toml"
+    other.write_text(toml.read_text().replace('name = "fake"', 'name = "other"'))
+    with pytest.raises(ValueError, match="not a deltaserve-grid-record/1 record of grid 'other'"):
+        Grid(load_config(other), results, resume_path=results / "split.json")
