@@ -60,3 +60,15 @@ def cpu_threads() -> int | None:
     1 for tiny models, whose matmuls are far too small to pay for thread hand-offs)."""
     value = os.environ.get("DELTASERVE_CPU_THREADS")
     return int(value) if value else None
+
+
+def git_commit() -> str | None:
+    """DELTASERVE_GIT_COMMIT: the project commit a benchmark record states, when it wins over `git rev-parse`
+    (the device machine's copy of the tree carries no trustworthy .git)."""
+    return os.environ.get("DELTASERVE_GIT_COMMIT") or None
+
+
+def grid_pidfile() -> Path:
+    """DELTASERVE_GRID_PIDFILE (default /tmp/deltaserve-grid-server.pgid): where `bench grid` notes its running
+    server's process group, so a later call can stop a server that a killed grid left behind."""
+    return Path(os.environ.get("DELTASERVE_GRID_PIDFILE", "/tmp/deltaserve-grid-server.pgid"))

@@ -148,6 +148,7 @@ class Grid:
         record["is_complete"] = False
         # A resumed call re-runs only unmeasured points, so earlier skips are no longer current.
         record["skipped"] = []
+        record["drift"] = [d for d in record["drift"] if (d.get("rerun") or {}).get("output_throughput") is not None]
         self.previous_wall_s = float(record.get("wall_s") or 0.0)
         return record
 

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from deltaserve.bench.provenance import git_state
 
 EPS = 1e-6
 ROPE_POSITIONS = 65536
@@ -392,21 +393,6 @@ def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
-def _git_commit() -> str | None:
-    from_env = os.environ.get("DELTASERVE_GIT_COMMIT")
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return from_env
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else from_env
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -487,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
+        "git_commit": git_state(Path(__file__).resolve().parents[2])["commit"],
         "command": shlex.join(["deltaserve", *sys.argv[1:]]) if sys.argv else "deltaserve bench kernels",
         "dtype": args.dtype,
         "copy_bandwidth_gbps": copy_gbps,

@@ -1,14 +1,14 @@
 """Where and on what a benchmark ran: project commit, host, GPU and driver, engine versions.
 
 Every probe degrades to None (or "unknown") instead of failing: a record with a missing field is still a
-record, and the report prints what is missing. The device machine gets a copy of the working tree without
-.git, so the commit can also come from the environment variable DELTASERVE_GIT_COMMIT.
+record, and the report prints what is missing. The device machine gets a copy of the working tree whose .git,
+if any, is not the one the code came from (seen on the H200: a stale commit from an earlier session), so the
+environment variable DELTASERVE_GIT_COMMIT, when set, wins over git.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from deltaserve import env
 from deltaserve.bench.nvml import gpu_info
 
 # The servers under test are local: never route their probes through a proxy from the environment.
@@ -34,7 +35,10 @@ def _run(argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = 
 
 
 def git_state(repo: Path) -> dict[str, Any]:
-    """{"commit": sha or None, "is_dirty": bool or None, "source": "git" | "env" | None} (read-only git calls)."""
+    """{"commit": sha or None, "is_dirty": bool or None, "source": "env" | "git" | None} (read-only git calls)."""
+    from_env = env.git_commit()
+    if from_env:
+        return {"commit": from_env, "is_dirty": None, "source": "env"}
     commit = _run(["git", "-C", str(repo), "rev-parse", "HEAD"])
     if commit:
         status = subprocess.run(
@@ -44,9 +48,6 @@ def git_state(repo: Path) -> dict[str, Any]:
             check=False,
         )
         return {"commit": commit, "is_dirty": bool(status.stdout.strip()), "source": "git"}
-    from_env = os.environ.get("DELTASERVE_GIT_COMMIT")
-    if from_env:
-        return {"commit": from_env, "is_dirty": None, "source": "env"}
     return {"commit": None, "is_dirty": None, "source": None}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,8 @@ def plot_record(stem: str, record: dict[str, Any], out_dir: Path) -> Path | None
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-        axes[0][column].set_title(model)
-    fig.suptitle(f"{record.get('title', stem)}\n{stem}", fontsize=10)
+    title = textwrap.fill(record.get("title", stem), width=60)  # the figure is narrow: wrap, never clip
+    fig.suptitle(f"{title}\n{stem}", fontsize=10)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench-{stem}.png"
@@ -125,7 +126,7 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines.append("")
     header = ["grid", "model", "ISL/OSL", "conc", "peer", *stems]
     body = []
-    for (grid, model, isl, osl, concurrency, peer), cells in sorted(rows.items(), key=lambda kv: str(kv[0])):
+    for (grid, model, isl, osl, concurrency, peer), cells in sorted(rows.items(), key=lambda kv: kv[0]):
         body.append([grid, model, f"{isl}/{osl}", str(concurrency), peer, *[cells.get(s, "–") for s in stems]])
     lines += _table(header, body)
     if notes:
@@ -152,9 +153,13 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         f"- schedule: {record.get('schedule')}; complete: {record.get('is_complete')}; "
         f"config: `{record.get('config_path')}`",
     ]
-    for key in ("error", "interrupted"):
+    for facts in record.get("resumed") or []:
+        later = (facts.get("git") or {}).get("commit") or "unknown"
+        later_dirty = " (uncommitted changes)" if (facts.get("git") or {}).get("is_dirty") else ""
+        lines.append(f"- continued (`--resume`) on {facts.get('date', '–')}, commit `{later}`{later_dirty}")
+    for key in ("error", "interrupted", "provenance_note"):
         if record.get(key):
-            lines.append(f"- {key}: {record[key]}")
+            lines.append(f"- {key.replace('_', ' ')}: {record[key]}")
     if record.get("skipped"):
         skipped = ", ".join(f"{s['arm']} on {s['model']} ({s['reason']})" for s in record["skipped"])
         lines.append(f"- skipped: {skipped}")

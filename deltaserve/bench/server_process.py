@@ -13,6 +13,7 @@ import time
 import urllib.error
 from pathlib import Path
 
+from deltaserve import env
 from deltaserve.bench.grid_config import REPO_ROOT, Launch
 from deltaserve.bench.nvml import sample_used_gib_once
 from deltaserve.bench.provenance import NO_PROXY
@@ -23,7 +24,7 @@ GPU_IDLE_GIB = 2.0  # below this much used device memory, the previous server ha
 def pidfile() -> Path:
     """Where the running server's process group id is kept, so a grid killed without cleanup (SIGKILL) leaves
     a note that the next run of the harness script uses to stop that server (DELTASERVE_GRID_PIDFILE)."""
-    return Path(os.environ.get("DELTASERVE_GRID_PIDFILE", "/tmp/deltaserve-grid-server.pgid"))
+    return env.grid_pidfile()
 
 
 def _is_port_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -265,3 +265,28 @@ def test_resume_runs_only_what_the_record_lacks_then_the_drift(
     other.write_text(toml.read_text().replace('name = "fake"', 'name = "other"'))
     with pytest.raises(ValueError, match="not a deltaserve-grid-record/1 record of grid 'other'"):
         Grid(load_config(other), results, resume_path=results / "split.json")
+
+
+def test_resume_redoes_a_drift_rerun_the_deadline_skipped(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), is_restart_cheap=False)
+    results = tmp_path / "results"
+    first_call = load_config(toml)
+    for arm in first_call.arms:
+        arm.expected_startup_s, arm.expected_run_s = 0.0, 0.0
+    grid = Grid(first_call, results, record_name="late-drift", deadline_s=3600)
+    original_drift = grid._drift
+
+    def drift_past_the_deadline(arm, model, first_runs):  # type: ignore[no-untyped-def]
+        grid.deadline_s = 0.0  # what a slow first call looks like by the time the drift re-run comes up
+        original_drift(arm, model, first_runs)
+
+    grid._drift = drift_past_the_deadline  # type: ignore[method-assign]
+    record = grid.run()
+    assert record["drift"][0]["rerun"]["output_throughput"] is None and record["skipped"][0]["reason"] == "deadline"
+
+    resumed = Grid(load_config(toml), results, resume_path=results / "late-drift.json").run()
+    (drift,) = resumed["drift"]
+    assert drift["rerun"]["output_throughput"] is not None and resumed["skipped"] == []
+    assert [(e["arm"], e["is_drift_check"]) for e in resumed["launches"]][-1] == ("fast", True)
