@@ -18,14 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
+import sys
 import time
 from collections import defaultdict
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 
+from deltaserve.bench.provenance import git_state
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.request import SamplingParams
 from deltaserve.engine_config import EngineConfig
@@ -172,9 +176,13 @@ def main() -> None:
     triton.knobs.runtime.jit_cache_hook = _jit_hook
     rng = random.Random(0)
     result: dict[str, Any] = {
+        "command": "python3 " + shlex.join(sys.argv),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": git_state(Path(__file__).resolve().parents[1])["commit"],
         "model": args.model,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
+        "triton": triton.__version__,
     }
     t = time.monotonic()
     config = EngineConfig(model=args.model, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.85)

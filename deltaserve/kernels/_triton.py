@@ -7,6 +7,12 @@ therefore be valid for every shape the launcher accepts. On the GPU it never ben
 capture (see `_CaptureSafeAutotuner`). Kernels that update state in place (conv states, GDN states, the
 KV cache) are not autotuned at all: benchmarking would apply their updates many times.
 
+Batch-dependent integer arguments (token, row, sequence and entry counts, block-table widths, size buckets)
+are listed in each kernel's `do_not_specialize`: Triton otherwise compiles a variant per value class
+(== 1, divisible by 16, other), and a variant first met while serving stalls that step for a compile. The
+start-up warm-up cannot cover every such class; tests/runner/test_runtime_compiles.py checks on the GPU that
+serving-like traffic compiles nothing new.
+
 Under the interpreter, Triton 3.6 turns a runtime scalar into a Python int with `int(array_of_shape_1)`,
 which numpy ≥ 2.3 refuses, so `for i in range(lo, hi, BLOCK)` with loaded bounds fails. `_interpreter_shim`
 swaps that one conversion for `.item()`; it is installed only when interpreting.
@@ -85,9 +91,28 @@ def autotune(configs: Sequence[triton.Config], key: list[str]) -> Callable[[Any]
     kept = list(configs) if can_benchmark() else list(configs[:1])
 
     def decorator(fn: Any) -> Autotuner:
-        return _CaptureSafeAutotuner(fn, fn.arg_names, kept, key, reset_to_zero=None, restore_value=None)
+        tuner = _CaptureSafeAutotuner(fn, fn.arg_names, kept, key, reset_to_zero=None, restore_value=None)
+        AUTOTUNERS.append(tuner)
+        return tuner
 
     return decorator
+
+
+# Every autotuner made here: a test reads their caches to see whether a step tuned a new key (a stall of
+# hundreds of ms while serving, even when no kernel has to compile).
+AUTOTUNERS: list[Autotuner] = []
+
+
+def num_tuned_keys() -> dict[str, int]:
+    """Kernel name -> how many autotune keys it has tuned in this process."""
+    return {tuner.base_fn.__name__: len(tuner.cache) for tuner in AUTOTUNERS}
+
+
+def search_steps(num_seqs: int) -> int:
+    """Steps of an in-kernel binary search over a batch's sequences: 8 (256 sequences, the default
+    max_num_seqs) unless the batch holds more. It is a constexpr, so deriving it from each batch's sequence
+    count compiled a new kernel for every new power of two while serving; steps past convergence are no-ops."""
+    return max(8, (num_seqs - 1).bit_length())
 
 
 def next_pow2(n: int) -> int:

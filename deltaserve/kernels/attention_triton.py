@@ -156,7 +156,7 @@ _PREFILL_CONFIGS = [
 
 
 @autotune(configs=_PREFILL_CONFIGS, key=["GROUP", "D", "ROWS_BUCKET"])
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "ROWS_BUCKET"])
 def _paged_attn_kernel(
     q_ptr,
     k_cache_ptr,
@@ -239,7 +239,7 @@ def _paged_attn_kernel(
     tl.store(out_ptr + o_row_o[:, None] + o_d[None, :], b_o, mask=m_m[:, None] & m_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attn_decode_kernel(
     q_ptr,
     k_cache_ptr,

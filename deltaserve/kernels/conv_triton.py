@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguous, silu_f32
+from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguous, search_steps, silu_f32
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def sequence_of_tokens(query_start_loc_ptr, o_t, num_seqs, NUM_SEARCH_STEPS: tl.
     return b_lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
 def _causal_conv1d_prefill_kernel(
     x_ptr,
     weight_ptr,
@@ -175,7 +175,7 @@ def causal_conv1d_prefill_triton(
         conv_states.stride(1),
         C=channels,
         K=kernel_size,
-        NUM_SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()),
+        NUM_SEARCH_STEPS=search_steps(num_seqs),
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         num_warps=4,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import dot_precision, i64, next_pow2, softplus_f32
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, search_steps, softplus_f32
 
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
@@ -247,7 +247,7 @@ def _gdn_prefill_recurrent_kernel(
     tl.store(p_s, b_s, mask=m_s & (i_slot >= 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _gdn_chunk_prepare_kernel(
     q_ptr,
     k_ptr,
@@ -515,7 +515,7 @@ def _gdn_prefill_chunked(
         DK=head_k_dim,
         BT=CHUNK,
         BK=next_pow2(head_k_dim),
-        NUM_SEARCH_STEPS=max(1, (num_seqs - 1).bit_length()),
+        NUM_SEARCH_STEPS=search_steps(num_seqs),
         DOT_PRECISION=precision,
         num_warps=8,
     )

@@ -39,8 +39,10 @@ _SMALL_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 
 def block_m_for(num_entries: int, num_experts: int) -> int:
-    """Rows per block: about the mean rows per expert, 16 (tl.dot's minimum) to 64."""
-    return int(min(64, max(16, next_pow2(num_entries // max(num_experts, 1)))))
+    """Rows per block: about the mean rows per expert, 16 (tl.dot's minimum) to 64. Taken from the entry count's
+    power-of-two bucket, the autotune key, so a bucket tuned at start-up never meets a new BLOCK_M (a compile
+    in the middle of serving) for a batch of another size in the same bucket."""
+    return int(min(64, max(16, next_pow2(num_entries) // max(num_experts, 1))))
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +67,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, block_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "M_BUCKET"])
 def _moe_gemm1_kernel(
     x_ptr,
     w13_ptr,
@@ -119,7 +121,7 @@ def _moe_gemm1_kernel(
     tl.store(p_act, b_act, mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "M_BUCKET"])
 def _moe_gemm2_kernel(
     act_ptr,
     w2_ptr,

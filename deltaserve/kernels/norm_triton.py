@@ -36,7 +36,7 @@ def _tile(dim: int) -> tuple[int, int, int]:
     return block_d, block_rows, num_warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -115,7 +115,7 @@ def rms_norm_triton(
     return out, residual_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(
     x_ptr,
     z_ptr,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class ForwardContext:
     cos_sin: torch.Tensor | None = None  # [T, r]
     has_mrope_positions: bool = False  # some row of positions differs from the others (true MRoPE)
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills+1] int32, offsets within the prefill slice
+    # prefill_slots()'s copies, made once per step
+    _prefill_slots: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_decodes(self) -> int:
@@ -41,6 +43,16 @@ class ForwardContext:
     @property
     def num_tokens(self) -> int:
         return self.num_decode_tokens + self.num_prefill_tokens
+
+    def prefill_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state_indices, has_initial_state) of the prefill sequences, copied once per step (the first GDN layer
+        asks) into tensors of their own: a slice at an offset of num_decodes elements moves the pointer off the
+        16-byte alignment Triton specializes on, and each new alignment compiled a kernel variant in the middle
+        of serving. The full tensors stay the one source: the copies are taken when first needed."""
+        if self._prefill_slots is None:
+            start = self.num_decode_tokens
+            self._prefill_slots = (self.state_indices[start:].clone(), self.has_initial_state[start:].clone())
+        return self._prefill_slots
 
 
 _current: ForwardContext | None = None

@@ -42,7 +42,7 @@ def test_causal_conv1d_prefill(lengths: list[int], has_init: list[bool], channel
 @pytest.mark.parametrize("channels", [64, 300])
 def test_causal_conv1d_update(channels: int, dtype: torch.dtype) -> None:
     batch, num_slots = 6, 9
-    x = randn(batch, channels, dtype=dtype)
+    x = randn(batch, channels + 24, dtype=dtype)[:, :channels]  # the layer passes its projection's column slice
     weight = randn(channels, KERNEL_SIZE, scale=0.5)
     states = randn(num_slots, KERNEL_SIZE - 1, channels, dtype=dtype)
     slots = torch.randperm(num_slots, device=DEVICE)[:batch].int()

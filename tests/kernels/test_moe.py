@@ -54,3 +54,15 @@ def test_moe_align() -> None:
     assert (sorted_ids[len(expected) :] == pad).all()
     assert block_expert.tolist()[:5] == [0, 1, 2, 3, 3]
     assert (block_expert[5:] == -1).all()
+
+
+def test_block_m_follows_the_autotune_bucket() -> None:
+    """BLOCK_M is a constexpr: if it varied within one power-of-two bucket (the autotune key), a batch of a new
+    size would compile a kernel in the middle of serving although its bucket was tuned at start-up."""
+    from deltaserve.kernels._triton import next_pow2
+    from deltaserve.kernels.moe_triton import block_m_for
+
+    for num_experts in (8, 60, 256):
+        for num_entries in range(1, 40000, 37):
+            assert block_m_for(num_entries, num_experts) == block_m_for(next_pow2(num_entries), num_experts)
+            assert 16 <= block_m_for(num_entries, num_experts) <= 64
