@@ -1,9 +1,10 @@
 """Triton fused MoE: routed-expert SwiGLU over tokens sorted by expert, as grouped GEMMs.
 
 Three steps, all sized from shapes (no host sync: the decode path is CUDA-graph safe):
-1. Align (torch ops): the T·k (token, choice) entries are sorted stably by expert and each expert's run is
-   padded to a multiple of BLOCK_M, so every BLOCK_M-row block of `sorted_ids` belongs to one expert
-   (`block_expert`, -1 past the end). The block count is bounded by cdiv(T·k, BLOCK_M) + min(E, T·k).
+1. Align (torch ops; one Triton launch for decode-sized batches, see moe_routing_triton): the T·k
+   (token, choice) entries are sorted stably by expert and each expert's run is padded to a multiple of
+   BLOCK_M, so every BLOCK_M-row block of `sorted_ids` belongs to one expert (`block_expert`, -1 past the end).
+   The block count is bounded by cdiv(T·k, BLOCK_M) + min(E, T·k).
 2. GEMM 1 + SiLU-and-mul: each block gathers its tokens' rows of x and multiplies them by the expert's gate
    and up rows of w13 (two fp32 accumulators); the epilogue rounds both (the ref's bf16 GEMM output),
    takes SiLU(gate)·up in fp32 and stores one rounded row per entry: act [T·k, I].
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import autotune, dot_precision, i64, next_pow2, silu_f32
+from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
 
 # Token chunk per pass: bounds the act / y scratch (35B-A3B at 8192 tokens: y is 256 MiB in bf16).
 CHUNK_TOKENS = 8192
@@ -164,7 +166,19 @@ def _moe_gemm2_kernel(
 
 @triton.jit
 def _moe_sum_kernel(
-    y_ptr, topk_weights_ptr, out_ptr, stride_w, stride_o, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr
+    y_ptr,
+    topk_weights_ptr,
+    shared_ptr,
+    gate_ptr,
+    out_ptr,
+    stride_w,
+    stride_sh,
+    stride_g,
+    stride_o,
+    TOP_K: tl.constexpr,
+    H: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     i_t = i64(tl.program_id(0))
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -174,6 +188,14 @@ def _moe_sum_kernel(
         b_w = tl.load(topk_weights_ptr + i_t * stride_w + j).to(tl.float32)
         b_y = tl.load(y_ptr + (i_t * TOP_K + j) * H + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_sum += b_w * b_y
+    if HAS_SHARED:
+        # The block's epilogue, as the ref: routed output rounded, then routed + sigmoid(gate)·shared in fp32,
+        # rounded once (launched without FMA contraction, so the product is rounded before the add, as torch).
+        b_routed = b_sum.to(out_ptr.dtype.element_ty).to(tl.float32)
+        b_gate = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
+        b_sig = 1.0 / (1.0 + tl.exp(-b_gate))
+        b_shared = tl.load(shared_ptr + i_t * stride_sh + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_sum = b_routed + b_sig * b_shared
     tl.store(out_ptr + i_t * stride_o + o_h, b_sum, mask=m_h)
 
 
@@ -188,13 +210,18 @@ def _fused_moe_chunk(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     out: torch.Tensor,
+    shared: torch.Tensor | None,
+    shared_gate_logits: torch.Tensor | None,
 ) -> None:
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_entries = num_tokens * top_k
     block_m = block_m_for(num_entries, num_experts)
-    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
+    if num_entries <= ALIGN_MAX_ENTRIES:  # decode-sized: one launch instead of about fifteen torch ops
+        sorted_ids, block_expert = moe_align_triton(topk_ids, num_experts, block_m)
+    else:
+        sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)
@@ -212,19 +239,53 @@ def _fused_moe_chunk(
         _moe_gemm1_tuned[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](*args1, **kwargs1)
         _moe_gemm2_tuned[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](*args2, **kwargs2)
     block_h = min(1024, next_pow2(hidden))
+    has_shared = shared is not None and shared_gate_logits is not None
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y, topk_weights, out, topk_weights.stride(0), out.stride(0), TOP_K=top_k, H=hidden, BLOCK_H=block_h
+        y,
+        topk_weights,
+        shared if has_shared else out,
+        shared_gate_logits if has_shared else out,
+        out,
+        topk_weights.stride(0),
+        shared.stride(0) if has_shared else 0,
+        shared_gate_logits.stride(0) if has_shared else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        H=hidden,
+        HAS_SHARED=has_shared,
+        BLOCK_H=block_h,
+        enable_fp_fusion=False,
     )
 
 
 def fused_moe_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, H]."""
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, H]. With the
+    shared expert's output [T, H] and its gate logits [T, 1], the sigmoid-gated sum of both, as fused_moe_ref."""
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     assert w13.dtype == x.dtype and w2.dtype == x.dtype
+    assert (shared is None) == (shared_gate_logits is None), "the shared expert needs both its output and its gate"
+    if shared is not None:
+        assert shared.shape == x.shape and shared.stride(-1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     for start in range(0, x.shape[0], CHUNK_TOKENS):
         end = min(start + CHUNK_TOKENS, x.shape[0])
-        _fused_moe_chunk(x[start:end], w13, w2, topk_weights[start:end], topk_ids[start:end], out[start:end])
+        rows = slice(start, end)
+        _fused_moe_chunk(
+            x[rows],
+            w13,
+            w2,
+            topk_weights[rows],
+            topk_ids[rows],
+            out[rows],
+            None if shared is None else shared[rows],
+            None if shared_gate_logits is None else shared_gate_logits[rows],
+        )
     return out

@@ -16,6 +16,7 @@ from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
 from deltaserve.kernels.moe import moe_route_ref
+from deltaserve.kernels.moe_routing_triton import moe_align_triton, moe_route_triton
 from deltaserve.kernels.moe_triton import fused_moe_triton
 from deltaserve.kernels.norm_triton import gated_rms_norm_triton, rms_norm_triton
 from deltaserve.kernels.preamble_triton import attn_preamble_triton
@@ -103,6 +104,31 @@ def test_graph_fused_moe(num_tokens: int) -> None:
     w2 = randn(experts, hidden, inter, dtype=BF16, scale=inter**-0.5)
     weights, ids = moe_route_ref(randn(num_tokens, experts), top_k, True)
     _capture_matches_eager(lambda: fused_moe_triton(x, w13, w2, weights, ids), [])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_graph_moe_routing_align_and_shared_epilogue(num_tokens: int) -> None:
+    """The decode MoE path as the model runs it: Triton routing, the one-program align (up to 512 entries),
+    the grouped GEMMs and the shared-expert epilogue, captured and replayed."""
+    experts, top_k, hidden, inter = 256, 8, 256, 64
+    x = randn(num_tokens, hidden, dtype=BF16)
+    w13 = randn(experts, 2 * inter, hidden, dtype=BF16, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, dtype=BF16, scale=inter**-0.5)
+    logits = randn(num_tokens, experts, dtype=BF16)
+    shared, gate_logits = randn(num_tokens, hidden, dtype=BF16), randn(num_tokens, 1, dtype=BF16)
+
+    def step() -> torch.Tensor:
+        weights, ids = moe_route_triton(logits, top_k, True)
+        return fused_moe_triton(x, w13, w2, weights, ids, shared, gate_logits)
+
+    _capture_matches_eager(step, [])
+    weights, ids = moe_route_triton(logits, top_k, True)
+    ref_weights, _ = moe_route_ref(logits, top_k, True)
+    # bf16 logits tie: the two may order tied experts differently, the weights agree as sets
+    assert torch.allclose(weights.sort(dim=1).values, ref_weights.sort(dim=1).values, atol=1e-6)
+    sorted_ids, block_expert = moe_align_triton(ids, experts, 16)
+    ref_sorted, ref_blocks = moe_triton.moe_align(ids, experts, 16)
+    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
 
 
 def test_graph_autotune_never_benchmarks_in_capture() -> None:

@@ -66,3 +66,75 @@ def test_block_m_follows_the_autotune_bucket() -> None:
         for num_entries in range(1, 40000, 37):
             assert block_m_for(num_entries, num_experts) == block_m_for(next_pow2(num_entries), num_experts)
             assert 16 <= block_m_for(num_entries, num_experts) <= 64
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(1, 256, 8, 16), (3, 8, 2, 16), (8, 256, 8, 16), (17, 60, 4, 32), (64, 256, 8, 16), (100, 16, 5, 64)],
+)
+def test_moe_align_triton_equals_the_torch_align(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
+    """Entry for entry: the one-program kernel reproduces the stable sort, the padding and the block experts."""
+    from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
+
+    generator = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+    # top-k ids are distinct per token; skewed so some experts get many entries and most get none
+    scores = torch.rand(num_tokens, num_experts, device=DEVICE, generator=generator) ** 4
+    ids = torch.topk(scores, top_k, dim=-1).indices  # [T, k] int64
+    assert ids.numel() <= ALIGN_MAX_ENTRIES
+    ref_sorted, ref_blocks = moe_align(ids, num_experts, block_m)
+    with poisoned_empty():
+        sorted_ids, block_expert = moe_align_triton(ids, num_experts, block_m)
+    assert torch.equal(sorted_ids, ref_sorted)
+    assert torch.equal(block_expert, ref_blocks)
+
+
+def test_moe_align_triton_refuses_a_prefill_sized_batch() -> None:
+    from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
+
+    ids = torch.zeros(ALIGN_MAX_ENTRIES + 1, 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 512 entries"):
+        moe_align_triton(ids, 8, 16)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 256, 8), (5, 60, 4), (9, 8, 2)])
+def test_moe_route_triton(num_tokens: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    from deltaserve.kernels.moe_routing_triton import moe_route_triton
+
+    logits = randn(num_tokens, num_experts, scale=2.0)  # fp32: no ties, so torch.topk's order is the only one
+    ref_weights, ref_ids = moe_route_ref(logits, top_k, renormalize)
+    weights, ids = moe_route_triton(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)  # descending, as torch.topk
+    assert_close("weights", ref_weights, weights, 1e-6)
+
+
+def test_moe_route_triton_breaks_ties_to_the_lowest_expert() -> None:
+    """bf16 router logits tie often; torch.topk leaves the order of ties unspecified, the kernel takes the lowest
+    expert id first (as vLLM's topk_softmax does), so a tie never makes routing depend on the batch."""
+    from deltaserve.kernels.moe_routing_triton import moe_route_triton
+
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, 2.0]], device=DEVICE)
+    weights, ids = moe_route_triton(logits, 4, renormalize=False)
+    assert ids.tolist() == [[1, 3, 5, 2]]
+    probs = torch.softmax(logits, dim=-1)[0]
+    assert_close("weights", probs[[1, 3, 5, 2]][None], weights, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_fused_moe_with_the_shared_expert(num_tokens: int, dtype: torch.dtype) -> None:
+    """The sigmoid-gated shared expert folded into the routed sum's epilogue equals the ref's combination."""
+    num_experts, top_k, hidden, inter = 8, 2, 64, 32
+    x = randn(num_tokens, hidden, dtype=dtype)
+    w13 = randn(num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    weights, ids = moe_route_ref(randn(num_tokens, num_experts), top_k, renormalize=True)
+    shared = randn(num_tokens, hidden + 8, dtype=dtype)[:, :hidden]  # a strided view is accepted
+    gate_logits = randn(num_tokens, 1, dtype=dtype, scale=2.0)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, shared, gate_logits)
+    routed_only = fused_moe_ref(x, w13, w2, weights, ids)
+    assert not torch.allclose(ref, routed_only)  # the shared expert changes the output
+    with poisoned_empty():
+        out = fused_moe_triton(x, w13, w2, weights, ids, shared, gate_logits)
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))

@@ -38,9 +38,9 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
         topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
-        routed = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         if not self.has_shared_expert:
-            return routed
-        shared = self.shared_expert(x)
-        shared_gate = torch.sigmoid(F.linear(x, self.shared_expert_gate).float())  # [T, 1]
-        return (routed.float() + shared_gate * shared.float()).to(x.dtype)
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        shared = self.shared_expert(x)  # [T, H]
+        shared_gate_logits = F.linear(x, self.shared_expert_gate)  # [T, 1]
+        # (routed + sigmoid(gate)·shared) in fp32, rounded once: fused into the routed experts' last kernel
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared, shared_gate_logits)
