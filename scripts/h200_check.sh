@@ -6,7 +6,9 @@
 # starlette 1.10.0, pydantic 2.14.4, pydantic_core 2.50.5, annotated-types 0.8.0, typing-inspection 0.4.5,
 # uvicorn 0.54.0 and opentelemetry-api 1.45.2 (fastapi 0.165 imports it). `pytest -m gpu` there needs
 # --ignore=tests/api --ignore=tests/bench (they import openai, which the host lacks; they hold no GPU tests).
-# usage: bash scripts/h200_check.sh [tests] [gate] [kernels] [smoke]   (default: all four)
+# `profile` runs benchmarks/profile_decode.py on the dummy 35B-A3B shape (decode step vs graph time, kernels
+# per step, Triton compiles met after start-up); compare with benchmarks/results/profile-decode-*.json.
+# usage: bash scripts/h200_check.sh [tests] [gate] [kernels] [smoke] [profile]   (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -40,6 +42,10 @@ for step in $steps; do
           --out "$OUT/kernels-$m.json" > "$OUT/kernels-$m.log" 2>&1
         echo "kernels $m: rc $?"; grep -E "preamble_(fused|unfused) " "$OUT/kernels-$m.log" | awk '{print $2, $4, $5}' | paste - - | head -8
       done ;;
+    profile)
+      [ -f /tmp/ds_models/q35-35b-a3b/config.json ] || python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
+      timeout 270 python3 benchmarks/profile_decode.py --model /tmp/ds_models/q35-35b-a3b \
+        --out "$OUT/profile-decode-35b-a3b.json" 2>&1 | grep -v "USDT\|UserWarning\|_warn_once" | tail -30 ;;
     smoke)
       [ -f /tmp/ds_models/q35-35b-a3b/config.json ] || python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
       for m in q35-35b-a3b q35-27b; do
