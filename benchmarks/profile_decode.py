@@ -5,6 +5,8 @@ Run on the H200 from the repo root (no server: the engine in-process, dummy weig
 
 For each batch size B it prefills B random 1024-token prompts, then measures
 - `step_ms`: wall time of `LLMEngine.step()` for decode steps (what TPOT sees, minus the HTTP server);
+- `step_phase_ms`: the same steps with a device sync around schedule, input building, graph replay, sampling
+  and advance (`other`: the engine's stop rules, detokenisation and outputs);
 - `graph_ms`: GPU time of the captured decode graph alone (CUDA events around `replay`, inputs already on
   the device), so `step_ms - graph_ms` is the host-side cost per step (input building, copies, sampling);
 - `kernels`: a torch.profiler table of one eager decode forward (same batch), CUDA time per kernel name.
@@ -66,6 +68,51 @@ def _decode_batch_ctx(engine: LLMEngine) -> tuple[Any, torch.Tensor, torch.Tenso
     return batch, ids, pos, ctx
 
 
+def _step_phases(engine: LLMEngine, num_steps: int) -> dict[str, float]:
+    """Decode steps again with a device sync around each phase: where a step's time goes (the syncs add a
+    little; `other` is the engine's own bookkeeping: stop rules, detokenisation, outputs)."""
+    from deltaserve.runner import model_runner
+
+    totals: dict[str, float] = defaultdict(float)
+    runner, scheduler = engine.runner, engine.scheduler
+    originals = {
+        "schedule": (scheduler, "schedule", scheduler.schedule),
+        "advance": (scheduler, "advance", scheduler.advance),
+        "sampler": (runner, "sampler", runner.sampler),
+        "build_forward_context": (model_runner, "build_forward_context", model_runner.build_forward_context),
+    }
+    if runner.graphs is not None:
+        originals["graph_replay"] = (runner.graphs, "replay", runner.graphs.replay)
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _sync()
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            _sync()
+            totals[name] += time.perf_counter() - start
+            return result
+
+        return wrapper
+
+    for name, (owner, attr, fn) in originals.items():
+        setattr(owner, attr, timed(name, fn))
+    try:
+        _sync()
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        _sync()
+        total = time.perf_counter() - start
+    finally:
+        for owner, attr, fn in originals.values():
+            setattr(owner, attr, fn)
+    phases = {name: round(seconds / num_steps * 1e3, 3) for name, seconds in totals.items()}
+    phases["step_with_syncs"] = round(total / num_steps * 1e3, 3)
+    phases["other"] = round((total - sum(totals.values())) / num_steps * 1e3, 3)
+    return phases
+
+
 def measure_batch(
     engine: LLMEngine, batch_size: int, input_len: int, num_steps: int, rng: random.Random
 ) -> dict[str, Any]:
@@ -82,6 +129,7 @@ def measure_batch(
         engine.step()
     _sync()
     step_ms = (time.perf_counter() - t) / num_steps * 1e3
+    phase_ms = _step_phases(engine, num_steps)
 
     # The decode graph alone: the scheduler's next batch, replayed with its inputs already on the device.
     batch, ids, pos, ctx = _decode_batch_ctx(engine)
@@ -131,6 +179,7 @@ def measure_batch(
         "step_ms": round(step_ms, 3),
         "graph_ms": None if graph_ms is None else round(graph_ms, 3),
         "host_ms": {k: round(v, 3) for k, v in host_ms.items()},
+        "step_phase_ms": phase_ms,
         "eager_kernel_us_total": round(sum(k["us_per_step"] for k in kernels), 1),
         "eager_num_kernels": round(sum(k["calls_per_step"] for k in kernels)),
         "kernels": kernels[:40],
