@@ -68,9 +68,9 @@ class GatedAttention(nn.Module):
                 self.eps,
             )
         v_start = self.num_q_heads * 2 * self.head_dim + self.num_kv_heads * self.head_dim
-        v = qkv[:, v_start:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, v_start:].view(num_tokens, self.num_kv_heads, self.head_dim)  # strided view: store_kv takes strides
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        store_kv(k, v.contiguous(), self.k_cache, self.v_cache, ctx.slot_mapping)
+        store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = paged_attention(
             q.reshape(num_tokens, self.num_q_heads, self.head_dim),
             self.k_cache,
