@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import autotune, dot_precision, i64, next_pow2, silu_f32
+from deltaserve.kernels.moe import moe_align_ref
 from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
 
 # Token chunk per pass: bounds the act / y scratch (35B-A3B at 8192 tokens: y is 256 MiB in bf16).
@@ -45,28 +46,6 @@ def block_m_for(num_entries: int, num_experts: int) -> int:
     power-of-two bucket, the autotune key, so a bucket tuned at start-up never meets a new BLOCK_M (a compile
     in the middle of serving) for a batch of another size in the same bucket."""
     return int(min(64, max(16, next_pow2(num_entries) // max(num_experts, 1))))
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] -> (sorted_ids [num_blocks·BLOCK_M] entry ids, T·k = padding; block_expert [num_blocks])."""
-    flat = topk_ids.reshape(-1).long()  # [N]
-    num_entries = flat.numel()
-    device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)  # [N] entries by expert, in entry order within an expert
-    expert_of_sorted = flat[order]
-    rank = torch.arange(num_entries, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
-    dest = (padded_end - padded)[expert_of_sorted] + rank
-    num_blocks = triton.cdiv(num_entries, block_m) + min(num_experts, num_entries)
-    sorted_ids = torch.full((num_blocks * block_m,), num_entries, dtype=torch.int32, device=device)
-    sorted_ids[dest] = order.int()
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_start < padded_end[-1], block_expert, -1).int()
-    return sorted_ids, block_expert
 
 
 @triton.jit(do_not_specialize=["num_entries", "M_BUCKET"])
@@ -221,7 +200,7 @@ def _fused_moe_chunk(
     if num_entries <= ALIGN_MAX_ENTRIES:  # decode-sized: one launch instead of about fifteen torch ops
         sorted_ids, block_expert = moe_align_triton(topk_ids, num_experts, block_m)
     else:
-        sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
+        sorted_ids, block_expert = moe_align_ref(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)

@@ -15,7 +15,7 @@ from deltaserve.kernels import moe_triton
 from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
-from deltaserve.kernels.moe import moe_route_ref
+from deltaserve.kernels.moe import moe_align_ref, moe_route_ref
 from deltaserve.kernels.moe_routing_triton import moe_align_triton, moe_route_triton
 from deltaserve.kernels.moe_triton import fused_moe_triton
 from deltaserve.kernels.norm_triton import gated_rms_norm_triton, rms_norm_triton
@@ -127,7 +127,7 @@ def test_graph_moe_routing_align_and_shared_epilogue(num_tokens: int) -> None:
     # bf16 logits tie: the two may order tied experts differently, the weights agree as sets
     assert torch.allclose(weights.sort(dim=1).values, ref_weights.sort(dim=1).values, atol=1e-6)
     sorted_ids, block_expert = moe_align_triton(ids, experts, 16)
-    ref_sorted, ref_blocks = moe_triton.moe_align(ids, experts, 16)
+    ref_sorted, ref_blocks = moe_align_ref(ids, experts, 16)
     assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
 
 

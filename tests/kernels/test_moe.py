@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deltaserve.kernels import moe_triton
-from deltaserve.kernels.moe import fused_moe_ref, moe_route_ref
-from deltaserve.kernels.moe_triton import fused_moe_triton, moe_align
+from deltaserve.kernels.moe import fused_moe_ref, moe_align_ref, moe_route_ref
+from deltaserve.kernels.moe_triton import fused_moe_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
 
@@ -46,7 +46,7 @@ def test_fused_moe_tuned_and_chunked(dtype: torch.dtype, monkeypatch: pytest.Mon
 
 def test_moe_align() -> None:
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3]], device=DEVICE)
-    sorted_ids, block_expert = moe_align(ids, num_experts=5, block_m=2)
+    sorted_ids, block_expert = moe_align_ref(ids, num_experts=5, block_m=2)
     pad = ids.numel()
     # expert 0: entries 1, 4; expert 1: entry 3 (+pad); expert 2: entry 6 (+pad); expert 3: entries 0, 2, 5, 7
     expected = [1, 4, 3, pad, 6, pad, 0, 2, 5, 7]
@@ -81,7 +81,7 @@ def test_moe_align_triton_equals_the_torch_align(num_tokens: int, num_experts: i
     scores = torch.rand(num_tokens, num_experts, device=DEVICE, generator=generator) ** 4
     ids = torch.topk(scores, top_k, dim=-1).indices  # [T, k] int64
     assert ids.numel() <= ALIGN_MAX_ENTRIES
-    ref_sorted, ref_blocks = moe_align(ids, num_experts, block_m)
+    ref_sorted, ref_blocks = moe_align_ref(ids, num_experts, block_m)
     with poisoned_empty():
         sorted_ids, block_expert = moe_align_triton(ids, num_experts, block_m)
     assert torch.equal(sorted_ids, ref_sorted)
