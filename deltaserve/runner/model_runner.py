@@ -102,6 +102,23 @@ def build_forward_context(
     return ids, pos, ctx
 
 
+def warmup_sequences(num_tokens: int, max_seq_len: int, block_size: int) -> list[ScheduledSequence]:
+    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on disjoint blocks and
+    state slots 0, 1, ... of a throw-away cache."""
+    sequences = []
+    next_block = 0
+    for index, start in enumerate(range(0, num_tokens, max_seq_len)):
+        length = min(max_seq_len, num_tokens - start)
+        num_blocks = -(-length // block_size)
+        blocks = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        row = list(range(length))
+        sequences.append(
+            ScheduledSequence(f"warmup-{index}", [0] * length, [row, row, row], 0, blocks, index, needs_sample=False)
+        )
+    return sequences
+
+
 class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, engine_config: EngineConfig, max_model_len: int, max_num_batched_tokens: int
@@ -138,22 +155,22 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, engine_config.max_num_seqs, max_blocks, self.block_size, self.device)
             self.graphs.capture()
 
-    def _profile_peak_bytes(self, num_tokens: int) -> int:
+    def _profile_peak_bytes(self, num_tokens: int, max_seq_len: int) -> int:
         """Warm-up prefills on a throw-away cache: num_tokens (the largest step, whose activation peak in bytes is
         returned) and every power of two below it, so Triton compiles and autotunes the prefill shapes (the MoE
-        and attention kernels key their configs on power-of-two size buckets) before serving, not during it."""
-        layout = CacheLayout(-(-num_tokens // self.block_size) + 1, self.block_size, 1, 0, 0)
+        and attention kernels key their configs on power-of-two size buckets) before serving, not during it.
+        A step may hold more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above
+        max_seq_len runs as several sequences, as the scheduler would batch them."""
+        max_seqs = -(-num_tokens // max_seq_len)
+        layout = CacheLayout(-(-num_tokens // self.block_size) + max_seqs, self.block_size, max_seqs, 0, 0)
         allocate_and_bind(self.model, self.model_config, layout, self.dtype, self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        blocks = list(range(layout.num_blocks))
         sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
         started = time.perf_counter()
         for size in sizes:
-            row = list(range(size))
-            warmup = ScheduledSequence("warmup", [0] * size, [row, row, row], 0, blocks, 0, needs_sample=False)
-            self.execute(ScheduledBatch([warmup]))
+            self.execute(ScheduledBatch(warmup_sequences(size, max_seq_len, self.block_size)))
         torch.cuda.synchronize()
         logger.info("warm-up: %d prefill shapes up to %d tokens in %.1f s", len(sizes), num_tokens,
                     time.perf_counter() - started)  # fmt: skip
@@ -167,7 +184,7 @@ class ModelRunner:
     def _cache_budget(self, max_num_batched_tokens: int, max_model_len: int) -> int:
         if self.device.type != "cuda":
             return self.engine_config.cpu_kv_cache_bytes
-        peak = self._profile_peak_bytes(min(max_num_batched_tokens, max_model_len))
+        peak = self._profile_peak_bytes(max_num_batched_tokens, max_model_len)
         free, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)

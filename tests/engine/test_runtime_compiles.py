@@ -3,9 +3,11 @@
 The first H200 grid (benchmarks/results/h200_first-35b-a3b-20261129.json) showed p99 TTFT of 11 s and a +82 %
 drift re-run: kernels compiled (and MoE configs were re-picked) in the middle of serving, for specializations
 the start-up warm-up never met — a sequence-count constexpr, batch-dependent integers Triton specializes on
-(== 1, divisible by 16), and slices whose pointers lost 16-byte alignment. Here requests of random lengths
-arrive while others decode (mixed decode + prefill steps, chunked prompts, 1 to 8 sequences), and Triton's
-jit_cache_hook records every specialization first met in this process after start-up: there must be none.
+(== 1, divisible by 16), slices whose pointers lost 16-byte alignment, and a warm-up that stopped at
+max_model_len although a step may hold max_num_batched_tokens. Here requests of random lengths arrive while
+others decode (mixed decode + prefill steps, chunked prompts, 1 to 8 sequences, steps longer than any one
+sequence), and Triton's jit_cache_hook records every specialization first met in this process after
+start-up: there must be none.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _staggered_traffic(engine: LLMEngine, num_requests: int, max_concurrency: in
     next_id = num_active = num_finished = num_steps = 0
     while num_finished < num_requests:
         while num_active < rng.randint(1, max_concurrency) and next_id < num_requests:
-            prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(1, 300))]
+            prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(1, 170))]
             params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True, temperature=0.0)
             engine.add_request(f"r{next_id}", prompt, params)
             next_id += 1
@@ -54,8 +56,8 @@ def test_serving_traffic_compiles_nothing_after_start_up(
     config = EngineConfig(
         model=str(tiny_dirs[variant]),
         dtype="bfloat16",
-        max_model_len=1024,
-        max_num_batched_tokens=256,  # prompts up to 300 tokens arrive in chunks
+        max_model_len=200,
+        max_num_batched_tokens=256,  # above max_model_len: the warm-up must reach it with several sequences
         max_num_seqs=8,
         gpu_memory_utilization=0.3,
     )
