@@ -110,7 +110,8 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
     for stem, record in records:
         arms = record.get("arms", {})
         for entry in record.get("ratios", []):
-            key = (record["grid"], entry["model"], entry["isl"], entry["osl"], entry["concurrency"], entry["peer"])
+            pair = f"{entry['subject']} / {entry['peer']}"  # a grid may hold several subjects (configurations)
+            key = (record["grid"], entry["model"], entry["isl"], entry["osl"], entry["concurrency"], pair)
             cell = _ratio(entry.get("output_throughput"))
             note = arms.get(entry["peer"], {}).get("denominator_note")
             if note:
@@ -124,10 +125,10 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = ["## Ratio history: output throughput, subject / peer", ""]
     lines.append("Above 1: deltaserve is faster. `[n]`: the peer arm of that record carries a denominator note.")
     lines.append("")
-    header = ["grid", "model", "ISL/OSL", "conc", "peer", *stems]
+    header = ["grid", "model", "ISL/OSL", "conc", "subject / peer", *stems]
     body = []
-    for (grid, model, isl, osl, concurrency, peer), cells in sorted(rows.items(), key=lambda kv: kv[0]):
-        body.append([grid, model, f"{isl}/{osl}", str(concurrency), peer, *[cells.get(s, "–") for s in stems]])
+    for (grid, model, isl, osl, concurrency, pair), cells in sorted(rows.items(), key=lambda kv: kv[0]):
+        body.append([grid, model, f"{isl}/{osl}", str(concurrency), pair, *[cells.get(s, "–") for s in stems]])
     lines += _table(header, body)
     if notes:
         lines.append("")

@@ -290,3 +290,14 @@ def test_resume_redoes_a_drift_rerun_the_deadline_skipped(
     (drift,) = resumed["drift"]
     assert drift["rerun"]["output_throughput"] is not None and resumed["skipped"] == []
     assert [(e["arm"], e["is_drift_check"]) for e in resumed["launches"]][-1] == ("fast", True)
+
+
+def test_ratio_history_keeps_every_subject_apart() -> None:
+    """A grid may hold two configurations of deltaserve against one peer: neither row may hide the other."""
+    ratios = [
+        {"subject": s, "peer": "vllm", "model": "m", "isl": 8, "osl": 2, "concurrency": 1, "output_throughput": r}
+        for s, r in (("deltaserve", 0.5), ("deltaserve-2048", 0.75))
+    ]
+    record = {"grid": "g", "arms": {}, "ratios": ratios}
+    text = "\n".join(report._history([("rec", record)]))
+    assert "| deltaserve / vllm | 0.500 |" in text and "| deltaserve-2048 / vllm | 0.750 |" in text
