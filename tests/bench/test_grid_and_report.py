@@ -79,7 +79,7 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("DELTASERVE_MODELS", str(tmp_path))
     config = load_config(grid_module.REPO_ROOT / "benchmarks/grids/h200_first.toml")
-    assert [a.name for a in config.arms] == ["deltaserve", "vllm", "vllm-no-lmo"]
+    assert [a.name for a in config.arms] == ["deltaserve", "vllm", "vllm-no-lmo", "deltaserve-2048"]
     assert config.num_prompts(1) == 10 and config.num_prompts(32) == 160
     moe, dense = config.models
     vllm = resolve(config.arms[1], moe, config)
@@ -94,6 +94,8 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
     assert ours.argv[:4] == [sys.executable, "-m", "deltaserve.cli", "serve"]
     assert ours.argv[4] == str(tmp_path / "q35-35b-a3b")
     assert ours.env_overrides["PYTHONPATH"] == f"{grid_module.REPO_ROOT}:/tmp/vllm_site"
+    budget = resolve(config.arms[3], dense, config)
+    assert config.arms[3].role == "subject" and budget.argv[-2:] == ["--max-num-batched-tokens", "2048"]
 
 
 def test_ratios_pair_subject_and_peer_points() -> None:
