@@ -12,11 +12,11 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
+from deltaserve.engine.engine import EngineStats
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
@@ -32,18 +32,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = chat_template()
     return tokenizer
-
-
-@dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_kv_blocks: int
-    num_total_kv_blocks: int
-    num_free_state_slots: int
-    num_total_state_slots: int
-    num_preemptions_total: int
 
 
 class FakeEngine:
@@ -86,8 +74,8 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)
 
-    def stats(self) -> FakeStats:
-        return FakeStats(
+    def stats(self) -> EngineStats:
+        return EngineStats(
             num_running=len(self.running),
             num_waiting=0,
             kv_cache_usage=self.num_used_blocks / self.num_total_kv_blocks,
