@@ -93,6 +93,7 @@ def plot_record(stem: str, record: dict[str, Any], out_dir: Path) -> Path | None
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
+        axes[0][column].set_title(model)
     title = textwrap.fill(record.get("title", stem), width=60)  # the figure is narrow: wrap, never clip
     fig.suptitle(f"{title}\n{stem}", fontsize=10)
     fig.tight_layout()
