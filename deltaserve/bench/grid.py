@@ -70,6 +70,16 @@ def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurre
     ]  # fmt: skip
 
 
+def _arm_entry(arm: Arm) -> dict[str, Any]:
+    """What a record states about an arm besides its launches."""
+    return {
+        "role": arm.role,
+        "oracle": arm.oracle,
+        "denominator_note": arm.denominator_note,
+        "exemption": arm.exemption,
+    }
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
         return None
@@ -113,15 +123,7 @@ class Grid:
             "lengths": [list(pair) for pair in config.lengths],
             "concurrencies": config.concurrencies,
             "models": [{"name": m.name, "path": expand(m.path, {})} for m in config.models],
-            "arms": {
-                arm.name: {
-                    "role": arm.role,
-                    "oracle": arm.oracle,
-                    "denominator_note": arm.denominator_note,
-                    "exemption": arm.exemption,
-                }
-                for arm in config.arms
-            },
+            "arms": {arm.name: _arm_entry(arm) for arm in config.arms},
             "launches": [],
             "runs": [],
             "ratios": [],
@@ -135,15 +137,7 @@ class Grid:
         if record.get("schema") != RECORD_SCHEMA or record.get("grid") != self.config.name:
             raise ValueError(f"{path} is not a {RECORD_SCHEMA} record of grid {self.config.name!r}")
         for arm in self.config.arms:
-            record["arms"].setdefault(
-                arm.name,
-                {
-                    "role": arm.role,
-                    "oracle": arm.oracle,
-                    "denominator_note": arm.denominator_note,
-                    "exemption": arm.exemption,
-                },
-            )
+            record["arms"].setdefault(arm.name, _arm_entry(arm))
         record["resumed"] = [*record.get("resumed", []), host_facts(REPO_ROOT)]
         record["is_complete"] = False
         # A resumed call re-runs only unmeasured points, so earlier skips are no longer current.
@@ -300,7 +294,8 @@ class Grid:
                 first_runs: list[dict[str, Any]] = []
                 for i, arm in enumerate(config.arms):
                     done = self._measured_points(arm, model, points)
-                    todo = [p for p in points if p not in {(r["isl"], r["osl"], r["concurrency"]) for r in done}]
+                    measured = {(r["isl"], r["osl"], r["concurrency"]) for r in done}
+                    todo = [point for point in points if point not in measured]
                     if not todo:
                         print(f"[grid] {arm.name} on {model.name}: measured in an earlier call", flush=True)
                     runs = done + (self._run_points(arm, model, todo) if todo else [])
