@@ -144,12 +144,6 @@ def measure_batch(
         end.record()
         _sync()
         graph_ms = start.elapsed_time(end) / num_steps
-    host_ms = {}
-    t = time.perf_counter()
-    for _ in range(num_steps):
-        build_forward_context(batch, engine.runner.block_size, engine.runner.device)
-    _sync()
-    host_ms["build_forward_context"] = (time.perf_counter() - t) / num_steps * 1e3
 
     # One eager forward of the same batch under the profiler: CUDA time per kernel.
     model = engine.runner.model
@@ -178,7 +172,6 @@ def measure_batch(
         "batch_size": batch_size,
         "step_ms": round(step_ms, 3),
         "graph_ms": None if graph_ms is None else round(graph_ms, 3),
-        "host_ms": {k: round(v, 3) for k, v in host_ms.items()},
         "step_phase_ms": phase_ms,
         "eager_kernel_us_total": round(sum(k["us_per_step"] for k in kernels), 1),
         "eager_num_kernels": round(sum(k["calls_per_step"] for k in kernels)),

@@ -10,7 +10,7 @@ KV cache) are not autotuned at all: benchmarking would apply their updates many 
 Batch-dependent integer arguments (token, row, sequence and entry counts, block-table widths, size buckets)
 are listed in each kernel's `do_not_specialize`: Triton otherwise compiles a variant per value class
 (== 1, divisible by 16, other), and a variant first met while serving stalls that step for a compile. The
-start-up warm-up cannot cover every such class; tests/runner/test_runtime_compiles.py checks on the GPU that
+start-up warm-up cannot cover every such class; tests/engine/test_runtime_compiles.py checks on the GPU that
 serving-like traffic compiles nothing new.
 
 Under the interpreter, Triton 3.6 turns a runtime scalar into a Python int with `int(array_of_shape_1)`,
