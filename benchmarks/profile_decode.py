@@ -33,10 +33,10 @@ import triton
 
 from deltaserve.bench.provenance import git_state
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.request import SamplingParams
 from deltaserve.engine_config import EngineConfig
-from deltaserve.runner.context import forward_context
+from deltaserve.model.context import forward_context
 from deltaserve.runner.model_runner import build_forward_context
+from deltaserve.sampling_params import SamplingParams
 
 PHASE = {"name": "startup"}
 COMPILES: list[dict[str, Any]] = []

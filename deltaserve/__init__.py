@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from deltaserve.engine.request import CompletionOutput, RequestOutput
+from deltaserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

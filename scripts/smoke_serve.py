@@ -15,7 +15,7 @@ import time
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.engine.request import SamplingParams
+from deltaserve.sampling_params import SamplingParams
 
 
 def main() -> None:

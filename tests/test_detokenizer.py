@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from deltaserve.engine import detokenizer as detokenizer_module
 from deltaserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from deltaserve.engine.request import SamplingParams
+from deltaserve.sampling_params import SamplingParams
 
 CORPUS = [
     "héllo wörld 你好 🙂",

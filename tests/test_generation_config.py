@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from deltaserve.engine.generation_config import apply_defaults, load_eos_token_ids, load_generation_defaults
-from deltaserve.engine.request import SamplingParams
+from deltaserve.sampling_params import SamplingParams
 
 
 def _write(folder: Path, name: str, data: object) -> None:

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from deltaserve.engine.request import SamplingParams
 from deltaserve.sampler import Sampler, SequenceSamplingState, make_generator
 from deltaserve.sampler.penalties import apply_penalties, mask_min_tokens
+from deltaserve.sampling_params import SamplingParams
 
 
 def _state(

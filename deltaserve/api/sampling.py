@@ -12,7 +12,7 @@ from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import UNSUPPORTED_STRUCTURED_FIELDS, SamplingRequest
 from deltaserve.api.serving_common import check_context
 from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
-from deltaserve.engine.request import SamplingParams
+from deltaserve.sampling_params import SamplingParams
 
 # Fields that fall back to generation_config.json defaults when the request leaves them unset.
 DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",

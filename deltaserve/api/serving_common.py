@@ -24,7 +24,8 @@ from starlette.types import Receive, Scope, Send
 
 from deltaserve.api.errors import bad_request, model_not_found, to_api_error, validation_error
 from deltaserve.api.settings import ServerState
-from deltaserve.engine.request import RequestOutput, SamplingParams
+from deltaserve.engine.request import RequestOutput
+from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from deltaserve.engine.request import RequestOutput, SamplingParams
+from deltaserve.engine.request import RequestOutput
+from deltaserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from deltaserve.api.metrics import ServerMetrics

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.engine.engine import EngineStats, LLMEngine
-from deltaserve.engine.request import RequestOutput, SamplingParams
+from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
+from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from deltaserve.engine.request import SamplingParams
+from deltaserve.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

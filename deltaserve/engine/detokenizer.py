@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-from deltaserve.engine.request import SamplingParams
+from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.generation_config import load_eos_token_ids, load_generation_defaults
 from deltaserve.engine.output import RequestState, SequenceProgress
-from deltaserve.engine.request import RequestOutput, SamplingParams
+from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.sampler.sampler import SequenceSamplingState, make_generator
+from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.batch import ScheduledBatch, ScheduledSequence
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler

@@ -16,8 +16,9 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.request import RequestOutput, SamplingParams
+from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
+from deltaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
 

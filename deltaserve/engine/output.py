@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deltaserve.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput, SamplingParams
+from deltaserve.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
+from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.sequence import Sequence
 
 

@@ -140,7 +140,7 @@ def run_gate(
     max_prompt_len: int = 160,
 ) -> int:
     from deltaserve.engine.llm import LLM
-    from deltaserve.engine.request import SamplingParams
+    from deltaserve.sampling_params import SamplingParams
 
     if num_prompts < 1 or max_tokens < 1:
         print("gate tokens: nothing to check (num_prompts and max_tokens must be positive)")

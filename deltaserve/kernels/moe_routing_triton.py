@@ -6,7 +6,7 @@ about 22 launches per MoE layer (benchmarks/results/profile-decode-35b-a3b-h200-
 
 - `moe_route_triton` (twin: `moe.moe_route_ref`): one program per token; softmax in fp32, top-k by repeated
   argmax (descending, lowest expert id first on ties), optional renormalisation, weights fp32.
-- `moe_align_triton` (twin: `moe.moe_align_ref`, equal output): one program for the whole batch; per
+- `moe_align_triton` (twin: `moe_align.moe_align_ref`, equal output): one program for the whole batch; per
   expert counts, block-padded offsets (cumsum), each entry's rank among earlier entries of its expert (so the
   order is the stable sort's), the scatter into `sorted_ids`, and each block's expert by searchsorted. Sized
   for at most ALIGN_MAX_ENTRIES (token, choice) entries; larger (prefill) batches keep the torch path, where
@@ -133,7 +133,7 @@ def _moe_align_kernel(
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [num_blocks·BLOCK_M] entry ids, T·k = padding; block_expert [num_blocks]),
-    equal to moe.moe_align_ref. At most ALIGN_MAX_ENTRIES entries."""
+    equal to moe_align.moe_align_ref. At most ALIGN_MAX_ENTRIES entries."""
     flat = topk_ids.reshape(-1)  # [N] int64 (int32 also accepted)
     num_entries = flat.numel()
     if num_entries > ALIGN_MAX_ENTRIES:

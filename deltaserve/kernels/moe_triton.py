@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import autotune, dot_precision, i64, next_pow2, silu_f32
-from deltaserve.kernels.moe import moe_align_ref
+from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
 
 # Token chunk per pass: bounds the act / y scratch (35B-A3B at 8192 tokens: y is 256 MiB in bf16).

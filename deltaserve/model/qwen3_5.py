@@ -15,11 +15,11 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.kernels import rms_norm, rope_cos_sin_cache, rope_cos_sin_for_positions
 from deltaserve.kernels.preamble import mrope_axis_per_frequency
+from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import DenseMLP, MoEBlock
-from deltaserve.runner.context import get_forward_context
 
 
 class DecoderLayer(nn.Module):

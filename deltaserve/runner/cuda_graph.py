@@ -12,8 +12,8 @@ import logging
 
 import torch
 
+from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.context import ForwardContext, forward_context
 
 logger = logging.getLogger(__name__)
 

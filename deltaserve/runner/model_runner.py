@@ -17,10 +17,10 @@ import torch
 from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
+from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind, plan_cache
-from deltaserve.runner.context import ForwardContext, forward_context
 from deltaserve.runner.cuda_graph import DecodeGraphs
 from deltaserve.scheduler.batch import ScheduledBatch, ScheduledSequence
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deltaserve.engine.request import SamplingParams
 from deltaserve.sampler.penalties import apply_penalties, has_penalties, mask_min_tokens
 from deltaserve.sampler.topk_topp import (
     MAX_TOPK_ONLY,
@@ -26,6 +25,7 @@ from deltaserve.sampler.topk_topp import (
     random_sample,
 )
 from deltaserve.sampler.transfer import to_device
+from deltaserve.sampling_params import SamplingParams
 
 # vLLM's _SAMPLING_EPS: below this temperature a request is greedy.
 SAMPLING_EPS = 1e-5

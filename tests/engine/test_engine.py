@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.engine.llm import LLM
-from deltaserve.engine.request import SamplingParams
+from deltaserve.sampling_params import SamplingParams
 
 
 def make_prompts(num: int, seed: int, max_len: int = 90) -> list[list[int]]:

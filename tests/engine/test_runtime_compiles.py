@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.request import SamplingParams
 from deltaserve.engine_config import EngineConfig
 from deltaserve.kernels._triton import num_tuned_keys
+from deltaserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,8 @@ from deltaserve.kernels import moe_triton
 from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
-from deltaserve.kernels.moe import moe_align_ref, moe_route_ref
+from deltaserve.kernels.moe import moe_route_ref
+from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_routing_triton import moe_align_triton, moe_route_triton
 from deltaserve.kernels.moe_triton import fused_moe_triton
 from deltaserve.kernels.norm_triton import gated_rms_norm_triton, rms_norm_triton

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deltaserve.kernels import moe_triton
-from deltaserve.kernels.moe import fused_moe_ref, moe_align_ref, moe_route_ref
+from deltaserve.kernels.moe import fused_moe_ref, moe_route_ref
+from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_triton import fused_moe_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance

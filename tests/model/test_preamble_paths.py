@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.engine.request import SamplingParams
 from deltaserve.kernels import attn_preamble_ref, attn_preamble_unfused, rope_cos_sin_cache, rope_cos_sin_for_positions
 from deltaserve.kernels.preamble import MRopeUnsupportedError, mrope_axis_per_frequency
+from deltaserve.sampling_params import SamplingParams
 
 NUM_Q, NUM_KV, HEAD_DIM, ROTARY = 4, 2, 32, 8
 

@@ -14,8 +14,8 @@ from torch import nn
 from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.kernels import attn_preamble, attn_preamble_unfused, paged_attention, store_kv
+from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.common import empty_param
-from deltaserve.runner.context import get_forward_context
 
 
 class GatedAttention(nn.Module):

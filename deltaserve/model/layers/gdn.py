@@ -20,8 +20,8 @@ from deltaserve.kernels import (
     gdn_decode,
     gdn_prefill,
 )
+from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.common import empty_param
-from deltaserve.runner.context import get_forward_context
 
 
 class GatedDeltaNet(nn.Module):
