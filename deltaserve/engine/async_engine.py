@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from deltaserve.engine.engine import EngineStats, LLMEngine
+from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.request import RequestOutput
+from deltaserve.engine.stats import EngineStats
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
 

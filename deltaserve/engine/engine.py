@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.generation_config import load_eos_token_ids, load_generation_defaults
 from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.request import RequestOutput
+from deltaserve.engine.stats import EngineStats
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.runner.model_runner import ModelRunner
@@ -31,18 +31,6 @@ from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_kv_blocks: int
-    num_total_kv_blocks: int
-    num_free_state_slots: int
-    num_total_state_slots: int
-    num_preemptions_total: int
 
 
 class LLMEngine:

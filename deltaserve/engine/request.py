@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from deltaserve.engine.stats import RequestMetrics
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"
@@ -52,3 +54,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # engine-side timestamps; set on the outputs the engine reports

@@ -16,8 +16,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from deltaserve.engine.engine import EngineStats
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
+from deltaserve.engine.stats import EngineStats
 from deltaserve.sampling_params import SamplingParams
 
 FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
