@@ -71,13 +71,26 @@ def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurre
 
 
 def _arm_entry(arm: Arm) -> dict[str, Any]:
-    """What a record states about an arm besides its launches."""
-    return {
+    """What a record states about an arm besides its launches (the registry's deviations join at launch)."""
+    entry = {
         "role": arm.role,
         "oracle": arm.oracle,
         "denominator_note": arm.denominator_note,
         "exemption": arm.exemption,
     }
+    if arm.baseline:
+        entry["baseline"] = arm.baseline
+    return entry
+
+
+def _note_deviations(entry: dict[str, Any], launch: Launch) -> None:
+    """Add the registry's deviations of `launch` and their denominator note to the record's arm entry."""
+    if not launch.deviations:
+        return
+    entry["deviations"] = sorted({*entry.get("deviations", []), *launch.deviations})
+    note = launch.denominator_note
+    if note and note not in (entry.get("denominator_note") or ""):
+        entry["denominator_note"] = f"{entry['denominator_note']} {note}" if entry.get("denominator_note") else note
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -185,6 +198,7 @@ class Grid:
             self.save()
             return []
         launch = resolve(arm, model, self.config)
+        _note_deviations(self.record["arms"][arm.name], launch)
         index = len(self.record["launches"])
         log_path = self.raw_dir / f"server-{index:02d}-{arm.name}-{model.name}.log"
         entry: dict[str, Any] = {
@@ -195,6 +209,7 @@ class Grid:
             "env": launch.env_overrides,
             "exemption": launch.exemption,
             "registry_reasons": launch.reasons,
+            "deviations": launch.deviations,
             "is_drift_check": is_drift_check,
             "log": os.path.relpath(log_path, self.record_path.parent),
             "engine_version": None,
@@ -332,7 +347,7 @@ class Grid:
 
 
 def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """subject / peer for every peer arm and every point both measured (drift re-runs excluded)."""
+    """subject / peer for every peer arm, and arm / baseline, at every point both measured (drift re-runs excluded)."""
     roles = {name: arm["role"] for name, arm in record["arms"].items()}
     subjects = [name for name, role in roles.items() if role == "subject"]
     peers = [name for name, role in roles.items() if role == "peer"]
@@ -341,20 +356,22 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
         if run["metrics"] is None or run["is_drift_check"]:
             continue
         measured[(run["arm"], run["model"], run["isl"], run["osl"], run["concurrency"])] = run["metrics"]
+    pairs = [(subject, peer) for subject in subjects for peer in peers]
+    # An arm with a baseline is also compared with it (e.g. vLLM at a forced backend / vLLM at its own choice).
+    pairs += [(name, arm["baseline"]) for name, arm in record["arms"].items() if arm.get("baseline")]
     ratios = []
-    for subject in subjects:
-        for peer in peers:
-            for (arm, model, isl, osl, concurrency), metrics in measured.items():
-                if arm != subject:
-                    continue
-                peer_metrics = measured.get((peer, model, isl, osl, concurrency))
-                if peer_metrics is None:
-                    continue
-                entry: dict[str, Any] = {"subject": subject, "peer": peer, "model": model, "isl": isl, "osl": osl}
-                entry["concurrency"] = concurrency
-                for name in RATIO_FIELDS:
-                    entry[name] = ratio(metrics.get(name), peer_metrics.get(name))
-                ratios.append(entry)
+    for subject, peer in pairs:
+        for (arm, model, isl, osl, concurrency), metrics in measured.items():
+            if arm != subject:
+                continue
+            peer_metrics = measured.get((peer, model, isl, osl, concurrency))
+            if peer_metrics is None:
+                continue
+            entry: dict[str, Any] = {"subject": subject, "peer": peer, "model": model, "isl": isl, "osl": osl}
+            entry["concurrency"] = concurrency
+            for name in RATIO_FIELDS:
+                entry[name] = ratio(metrics.get(name), peer_metrics.get(name))
+            ratios.append(entry)
     return ratios
 
 

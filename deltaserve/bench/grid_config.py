@@ -36,6 +36,9 @@ class Arm:
     startup_timeout_s: float = 600.0
     version_probe: list[str] = field(default_factory=list)
     denominator_note: str | None = None
+    # Another arm of the grid this one is also compared with (arm / baseline ratios), e.g. vLLM at a forced backend
+    # against vLLM at its own choice.
+    baseline: str | None = None
     # Estimates for --deadline-s: a launch starts only if startup + points x run would end before the deadline.
     expected_startup_s: float = 0.0
     expected_run_s: float = 0.0
@@ -94,6 +97,9 @@ def load_config(path: Path) -> GridConfig:
     names = [arm.name for arm in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate arm names in {path}")
+    for arm in arms:
+        if arm.baseline is not None and (arm.baseline not in names or arm.baseline == arm.name):
+            raise ValueError(f"arm {arm.name!r}: baseline {arm.baseline!r} is not another arm of the grid")
     models = [Model(str(m["name"]), str(m["path"])) for m in raw.get("models", [])]
     if not arms or not models:
         raise ValueError(f"{path}: needs at least one [[arms]] and one [[models]]")
@@ -134,6 +140,8 @@ class Launch:
     version_probe: list[str]
     exemption: str | None
     reasons: list[str]
+    deviations: list[str] = field(default_factory=list)  # registry deviation names the launch carries
+    denominator_note: str | None = None  # the registry's note for them, if any can move a metric
 
 
 def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
@@ -150,6 +158,8 @@ def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
     env = {k: expand(str(v), context) for k, v in arm.env.items()}
     exemption = None
     reasons: list[str] = []
+    deviations: list[str] = []
+    note = None
     if arm.oracle:
         oracle = registry.oracle_launch(
             arm.oracle,
@@ -167,6 +177,8 @@ def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
         probe = oracle.version_probe
         exemption = oracle.exemption
         reasons = oracle.reasons
+        deviations = oracle.deviations
+        note = oracle.denominator_note
     else:
         argv = [expand(a, context) for a in arm.command]
         probe = [expand(a, context) for a in arm.version_probe] or [
@@ -177,4 +189,4 @@ def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
     health_url = expand(arm.health_url, context)
     match = re.match(r"(https?://[^/]+)", health_url)
     base_url = match.group(1) if match else f"http://127.0.0.1:{config.port}"
-    return Launch(arm, model, argv, env, health_url, base_url, probe, exemption, reasons)
+    return Launch(arm, model, argv, env, health_url, base_url, probe, exemption, reasons, deviations, note)

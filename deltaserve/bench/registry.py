@@ -1,9 +1,11 @@
 """The oracle registry: the one module that says how each peer engine runs in its production configuration.
 
 Every harness path builds peer server commands here (the grid calls `oracle_launch`; shell scripts call
-`python -m deltaserve.bench.registry --model DIR --input-len N -- EXTRA`), and the static gate
-`deltaserve check oracle-flags` checks hand-written launches against `REQUIRED_FLAGS` / `FORBIDDEN_FLAGS`,
-so no two harnesses can disagree about the denominator.
+`python -m deltaserve.bench.registry --model DIR --input-len N -- EXTRA`), every in-process oracle is built
+here (`vllm_engine` + `build_vllm_llm`, used by `deltaserve gate tokens --reference vllm`), and the static gate
+`deltaserve check oracle-flags` checks hand-written launches against `REQUIRED_FLAGS` / `FORBIDDEN_FLAGS` /
+`BACKEND_FLAGS` and in-process constructions against the registry, so no two harnesses can disagree about the
+denominator.
 
 vLLM on a multimodal Qwen3.5/3.6 checkpoint served as a text model (serving-and-benchmarks.md §3, the
 vllm-oracle README):
@@ -12,15 +14,19 @@ vllm-oracle README):
 - `--mamba-ssm-cache-dtype` as the checkpoint says (float32 for Qwen3.5's text_config.mamba_ssm_dtype).
 - `--max-num-batched-tokens` at least 2 x ISL (and 8192 for the MoE shape, as measured on the H200).
 - `--no-enable-prefix-caching` for random data (it shares no prefix; caching would only add overhead).
-- `--gdn-prefill-backend triton` on the offline H200 (FlashInfer is not in the bundle).
-A launch may leave out a required flag only with an exemption that carries its reason (a text-only
-checkpoint, where --language-model-only decides nothing, is exempted here automatically).
+- every kernel backend at vLLM's own choice. A site that cannot run the default backend forces another one only
+  as a named `Deviation` with its reason, direction and magnitude (the offline H200 runs GDN prefill on Triton:
+  FlashInfer, vLLM's SM90 default, is not in the bundle); every record of such a launch carries the
+  deviation as its denominator note, and `bench report` marks the ratios it can move.
+A launch may leave out a required flag, or override a backend, only with an exemption that carries its reason
+(a text-only checkpoint, where --language-model-only decides nothing, is exempted here automatically).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -37,26 +43,162 @@ FORBIDDEN_FLAGS: dict[str, str] = {
     "--enforce-eager": "turns off torch.compile and CUDA graphs: not vLLM's production configuration",
     "--no-async-scheduling": "turns off async scheduling, which is on by default in production",
 }
+# Serve flags that pick a kernel backend vLLM would otherwise choose itself (vLLM 0.26 `EngineArgs`); a launch that
+# sets one overrides production and needs a registry deviation or an exemption with its reason.
+BACKEND_FLAGS: tuple[str, ...] = (
+    "--attention-backend",
+    "--gdn-prefill-backend",
+    "--mamba-backend",
+    "--moe-backend",
+    "--linear-backend",
+    "--mm-encoder-attn-backend",
+)
+# Environment variables with the same effect (read by vLLM's envs.py).
+BACKEND_ENV: tuple[str, ...] = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ATTENTION_BACKEND")
 TEXT_ONLY_EXEMPTION = "text-only checkpoint: --language-model-only decides nothing"
 DEFAULT_MAMBA_SSM_DTYPE = "float32"  # vLLM hardcodes float32 for Qwen3.5 when the config is silent
 MIN_BATCHED_TOKENS_MOE = 8192
+# The metrics a prefill-side deviation can move (record metric names, as in the grid's ratios).
+PREFILL_METRICS = ("median_ttft_ms", "p99_ttft_ms", "output_throughput")
 
-# Where the oracle runs: extra serve flags and the environment its process needs.
+
+@dataclass(frozen=True)
+class Deviation:
+    """A named, reasoned departure from vLLM's production configuration that a site forces."""
+
+    name: str
+    reason: str
+    direction: str
+    magnitude: str
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    engine_kwargs: tuple[tuple[str, Any], ...] = ()  # the same setting for an in-process vllm.LLM
+    affects: tuple[str, ...] = ()  # record metrics it can move; empty: none
+
+    @property
+    def note(self) -> str:
+        """The denominator note every record of a launch with this deviation carries."""
+        return f"{self.name}: {self.reason}. Direction: {self.direction}. Magnitude: {self.magnitude}."
+
+
+DEVIATIONS: dict[str, Deviation] = {
+    "gdn-prefill-triton": Deviation(
+        name="gdn-prefill-triton",
+        reason=(
+            "--gdn-prefill-backend triton: on SM90 vLLM 0.26 picks FlashInfer's GDN prefill kernel by default "
+            "(qwen_gdn_linear_attn._resolve_gdn_prefill_backend), but FlashInfer is not in the offline bundle "
+            "(its SM90 kernel is a CuTe-DSL kernel of flashinfer-python 0.6.14 that needs nvidia-cutlass-dsl 4.6.0 "
+            "with its cu13 libraries; benchmarks/oracle/flashinfer.md), and with `auto` vLLM would select it "
+            "anyway and fail at the first prefill"
+        ),
+        direction="favours deltaserve on TTFT (and on throughput at high concurrency, where prefill shares the steps)",
+        magnitude=(
+            "unmeasured (benchmarks/grids/h200_gdn_backend.toml and benchmarks/oracle/gdn_prefill_kernels.py "
+            "measure it once FlashInfer runs on the H200)"
+        ),
+        flags=("--gdn-prefill-backend", "triton"),
+        engine_kwargs=(("gdn_prefill_backend", "triton"),),
+        affects=PREFILL_METRICS,
+    ),
+    "flashinfer-sampler-off": Deviation(
+        name="flashinfer-sampler-off",
+        reason=(
+            "VLLM_USE_FLASHINFER_SAMPLER=0: FlashInfer's top-k/top-p sampler is not in the offline bundle; "
+            "vLLM falls back to its own"
+        ),
+        direction="none for greedy runs: all-greedy batches never reach the top-k/top-p sampler (v1 Sampler.sample)",
+        magnitude="none at temperature 0 (every harness run); unmeasured for sampled runs",
+        env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"),),
+    ),
+}
+
+# Where the oracle runs: the environment its process needs and the deviations the site forces.
 SITES: dict[str, dict[str, Any]] = {
     "h200-offline": {
-        "flags": ["--gdn-prefill-backend", "triton"],
+        "deviations": ["gdn-prefill-triton", "flashinfer-sampler-off"],
         "env": {
             "PYTHONPATH": "/tmp/vllm_site",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_USE_FLASHINFER_SAMPLER": "0",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1",
         },
     },
-    "online": {"flags": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
+    # The H200 with FlashInfer carried beside the bundle (benchmarks/oracle/build_flashinfer_bundle.sh, unpack.sh
+    # flashinfer): vLLM's own GDN prefill choice, for the arm that measures what gdn-prefill-triton costs. The
+    # second PYTHONPATH entry stands for nvidia-cutlass-dsl's .pth file, which a PYTHONPATH folder does not read.
+    # The sampler stays off FlashInfer (no effect at temperature 0; its C++ JIT would need nvcc at start-up), so
+    # the two H200 sites differ in the GDN prefill kernel alone.
+    "h200-offline-flashinfer": {
+        "deviations": ["flashinfer-sampler-off"],
+        "env": {
+            "PYTHONPATH": "/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        },
+    },
+    "online": {"deviations": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
 }
+
+
+def site_deviations(site: str) -> list[Deviation]:
+    """The deviations a site forces, in order."""
+    if site not in SITES:
+        raise ValueError(f"unknown site {site!r}; known: {', '.join(SITES)}")
+    return [DEVIATIONS[name] for name in SITES[site]["deviations"]]
+
+
+def site_flags(site: str) -> list[str]:
+    return [flag for deviation in site_deviations(site) for flag in deviation.flags]
+
+
+def site_env(site: str) -> dict[str, str]:
+    env = dict(SITES[site]["env"]) if site in SITES else {}
+    for deviation in site_deviations(site):
+        env.update(dict(deviation.env))
+    return env
+
+
+def _split_equals(argv: list[str]) -> list[str]:
+    """argv with every `--flag=value` word split into `--flag value`."""
+    words: list[str] = []
+    for word in argv:
+        words += word.split("=", 1) if word.startswith("--") and "=" in word else [word]
+    return words
+
+
+def deviations_in(argv: list[str], env: dict[str, str] | None = None) -> list[Deviation]:
+    """The registry deviations a recorded launch carries, recognised from its argv and environment."""
+    words = _split_equals(argv)
+    env = env or {}
+    found = []
+    for deviation in DEVIATIONS.values():
+        size = len(deviation.flags)
+        has_flags = size > 0 and any(words[i : i + size] == list(deviation.flags) for i in range(len(words)))
+        has_env = bool(deviation.env) and all(env.get(k) == v for k, v in deviation.env)
+        if has_flags or has_env:
+            found.append(deviation)
+    return found
+
+
+def backend_overrides(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The backend flags and variables of a launch (each overrides a choice vLLM's defaults would make)."""
+    words = _split_equals(argv)
+    found = [
+        f"{w} {words[i + 1] if i + 1 < len(words) else ''}".strip() for i, w in enumerate(words) if w in BACKEND_FLAGS
+    ]
+    found += [f"{k}={v}" for k, v in (env or {}).items() if k in BACKEND_ENV]
+    return found
+
+
+def denominator_note(deviations: list[Deviation]) -> str | None:
+    """One note for every deviation of a launch that can move a metric (None when there is none)."""
+    notes = [d.note for d in deviations if d.affects]
+    return " ".join(notes) or None
 
 
 @dataclass(frozen=True)
@@ -79,6 +221,8 @@ class OracleLaunch:
     exemption: str | None = None
     reasons: list[str] = field(default_factory=list)
     version_probe: list[str] = field(default_factory=list)
+    deviations: list[str] = field(default_factory=list)  # names in DEVIATIONS
+    denominator_note: str | None = None
 
     @property
     def command_line(self) -> str:
@@ -141,6 +285,10 @@ def vllm_launch(
     facts = facts or inspect_checkpoint(model)
     dtype = facts.mamba_ssm_dtype
     num_batched = min_batched_tokens(input_len, facts.is_moe)
+    # A backend override needs the caller's own reason (the automatic text-only exemption does not cover it).
+    overrides = backend_overrides(list(extra_args))
+    if overrides and not exemption:
+        raise ValueError(f"{', '.join(overrides)} overrides a backend vLLM would choose itself: needs an exemption")
     # oracle-registry: the one spelled-out vLLM launch; every harness builds its peer command from here.
     argv = [
         python, "-m", "vllm.entrypoints.cli.main", "serve", model,
@@ -166,9 +314,9 @@ def vllm_launch(
     if not facts.has_weights:
         argv += ["--load-format", "dummy"]
         reasons.append("--load-format dummy: config-only checkpoint")
-    argv += list(SITES[site]["flags"])
-    if SITES[site]["flags"]:
-        reasons.append(f"{' '.join(SITES[site]['flags'])}: site {site}")
+    deviations = site_deviations(site)
+    argv += site_flags(site)
+    reasons += [f"deviation {d.name} (site {site}): {d.reason}" for d in deviations]
     for flag in drop_flags:
         if flag not in REQUIRED_FLAGS:
             raise ValueError(f"{flag} is not a required flag; nothing to drop")
@@ -180,9 +328,11 @@ def vllm_launch(
     launch = OracleLaunch(
         oracle=VLLM,
         argv=argv,
-        env=dict(SITES[site]["env"]),
-        exemption=exemption if drop_flags else None,
+        env=site_env(site),
+        exemption=exemption if drop_flags or overrides else None,
         reasons=reasons,
+        deviations=[d.name for d in deviations],
+        denominator_note=denominator_note(deviations),
         version_probe=[python, "-c", "import vllm; print(vllm.__version__)"],
     )
     problems = check_vllm_argv(argv, input_len=input_len, is_random_data=is_random_data, facts=facts)
@@ -224,6 +374,105 @@ def oracle_launch(oracle: str, model: str, input_len: int, **kwargs: Any) -> Ora
     if oracle == VLLM:
         return vllm_launch(model, input_len, **kwargs)
     raise ValueError(f"unknown oracle {oracle!r}; known: {', '.join(ORACLES)}")
+
+
+# Engine arguments that change what an in-process oracle reports, never what it computes.
+HARNESS_ENGINE_KWARGS: dict[str, tuple[Any, str]] = {
+    "logprobs_mode": ("raw_logits", "per-step logits come back as raw logits (bf16 values), not logprobs"),
+}
+# Environment an in-process oracle needs besides the site's.
+IN_PROCESS_ENV: dict[str, tuple[str, str]] = {
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": (
+        "1",
+        "LLM.apply_model pickles the gate's inspection function into the engine process; changes no computation",
+    ),
+}
+
+
+@dataclass
+class OracleEngine:
+    """An in-process oracle: the `vllm.LLM` keyword arguments, the environment, and why they look so."""
+
+    oracle: str
+    kwargs: dict[str, Any]
+    env: dict[str, str]
+    reasons: list[str] = field(default_factory=list)
+    deviations: list[str] = field(default_factory=list)
+    denominator_note: str | None = None
+
+
+def vllm_engine(
+    model: str,
+    max_prompt_len: int,
+    dtype: str = "auto",
+    site: str = "h200-offline",
+    seed: int = 0,
+    facts: CheckpointFacts | None = None,
+) -> OracleEngine:
+    """vLLM's production configuration as `vllm.LLM(**kwargs)` for `model` (the in-process twin of vllm_launch).
+
+    Nothing here is a knob: a harness that needs another configuration adds a named Deviation.
+    """
+    facts = facts or inspect_checkpoint(model)
+    num_batched = min_batched_tokens(max_prompt_len, facts.is_moe)
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": dtype,
+        "seed": seed,
+        # A multimodal checkpoint served as text: no vision tower, and vLLM's fused QK-norm + RoPE + gate path.
+        "language_model_only": facts.is_multimodal,
+        "mamba_ssm_cache_dtype": facts.mamba_ssm_dtype,
+        "max_num_batched_tokens": num_batched,
+        "enable_prefix_caching": False,
+        "enforce_eager": False,
+    }
+    reasons = [
+        f"language_model_only={facts.is_multimodal}: "
+        + ("text serving of a multimodal checkpoint" if facts.is_multimodal else "text-only checkpoint"),
+        f"mamba_ssm_cache_dtype={facts.mamba_ssm_dtype}: the checkpoint's SSM state dtype",
+        f"max_num_batched_tokens={num_batched}: at least 2 x the longest prompt ({max_prompt_len})",
+        "enable_prefix_caching=False: the gate's prompts share no prefix",
+        "enforce_eager=False: compile and CUDA graphs on; async scheduling at its default",
+    ]
+    if not facts.has_weights:
+        kwargs["load_format"] = "dummy"
+        reasons.append("load_format=dummy: config-only checkpoint")
+    for name, (value, why) in HARNESS_ENGINE_KWARGS.items():
+        kwargs[name] = value
+        reasons.append(f"{name}={value}: {why}")
+    deviations = site_deviations(site)
+    for deviation in deviations:
+        kwargs.update(dict(deviation.engine_kwargs))
+        reasons.append(f"deviation {deviation.name} (site {site}): {deviation.reason}")
+    env = site_env(site)
+    for name, (value, why) in IN_PROCESS_ENV.items():
+        env[name] = value
+        reasons.append(f"{name}={value}: {why}")
+    return OracleEngine(VLLM, kwargs, env, reasons, [d.name for d in deviations], denominator_note(deviations))
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Make this process fit for an in-process oracle: PYTHONPATH entries go on sys.path, the rest into
+    os.environ (before vLLM is first imported; a value already set differently is an error)."""
+    for name, value in env.items():
+        if name == "PYTHONPATH":
+            for entry in reversed(value.split(":")):
+                if entry and entry not in sys.path:
+                    sys.path.insert(0, entry)
+            continue
+        current = os.environ.get(name)
+        if current is not None and current != value:
+            raise ValueError(f"{name}={current} in the environment, but the oracle registry needs {name}={value}")
+        os.environ[name] = value
+
+
+def build_vllm_llm(engine: OracleEngine) -> Any:
+    """The in-process vLLM oracle; the only `vllm.LLM(...)` construction in the repository."""
+    apply_environment(engine.env)
+    import vllm
+
+    # oracle-registry: in-process construction; every harness builds its vllm.LLM here.
+    return vllm.LLM(**engine.kwargs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

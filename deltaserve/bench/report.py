@@ -4,7 +4,9 @@ Input: every `*.json` grid record in benchmarks/results/ (schema deltaserve-grid
 Output: for each record its provenance (date, commit, GPU, driver, schedule), every launch's exact command
 line, the per-run metrics, the subject/peer ratios, the drift check and a plot; above them a ratio history
 across records in which every ratio whose denominator arm carries a `denominator_note` is marked and the
-note printed, so a ratio that moved because the denominator was repaired never reads as a regression.
+note printed, so a ratio that moved because the denominator was repaired never reads as a regression. A ratio
+that a registry deviation of its peer can move (a backend production would not pick, e.g. vLLM's GDN prefill on
+Triton; recognised from the record's arm entry or its launch argv) carries a dagger and the deviation's note.
 The output is deterministic (no generation timestamp), so `--check` can tell whether the docs are stale.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.grid import RECORD_SCHEMA, REPO_ROOT
+from deltaserve.bench.registry import DEVIATIONS, Deviation, deviations_in
 
 DEFAULT_RESULTS = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "BENCHMARKS.md"
@@ -53,6 +56,21 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     return lines
+
+
+def arm_deviations(record: dict[str, Any], arm: str) -> list[Deviation]:
+    """The registry deviations an arm ran with: named in the record, or recognised in its recorded launches
+    (a record written before the registry named them still gets marked)."""
+    names = list((record.get("arms", {}).get(arm) or {}).get("deviations") or [])
+    for entry in record.get("launches", []):
+        if entry.get("arm") == arm:
+            names += [d.name for d in deviations_in(entry.get("argv") or [], entry.get("env") or {})]
+    return [DEVIATIONS[name] for name in dict.fromkeys(names) if name in DEVIATIONS]
+
+
+def _marked(record: dict[str, Any], peer: str, metric: str, text: str) -> str:
+    """A ratio cell, with a dagger when a deviation of the peer arm can move that metric."""
+    return text + " †" if any(metric in d.affects for d in arm_deviations(record, peer)) else text
 
 
 def _has_plot(record: dict[str, Any]) -> bool:
@@ -113,7 +131,7 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
         for entry in record.get("ratios", []):
             pair = f"{entry['subject']} / {entry['peer']}"  # a grid may hold several subjects (configurations)
             key = (record["grid"], entry["model"], entry["isl"], entry["osl"], entry["concurrency"], pair)
-            cell = _ratio(entry.get("output_throughput"))
+            cell = _marked(record, entry["peer"], "output_throughput", _ratio(entry.get("output_throughput")))
             note = arms.get(entry["peer"], {}).get("denominator_note")
             if note:
                 note_key = f"{stem}/{entry['peer']}"
@@ -124,7 +142,10 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
         return []
     stems = [stem for stem, _ in records if any(stem in cells for cells in rows.values())]
     lines = ["## Ratio history: output throughput, subject / peer", ""]
-    lines.append("Above 1: deltaserve is faster. `[n]`: the peer arm of that record carries a denominator note.")
+    lines.append(
+        "Above 1: deltaserve is faster. `[n]`: the peer arm of that record carries a denominator note; `†`: a "
+        "registry deviation of the peer (a backend its production defaults would not pick) can move this ratio."
+    )
     lines.append("")
     header = ["grid", "model", "ISL/OSL", "conc", "subject / peer", *stems]
     body = []
@@ -240,19 +261,17 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         ]
         rows = []
         arms = record.get("arms", {})
+        fields = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
         for e in record["ratios"]:
             note = arms.get(e["peer"], {}).get("denominator_note")
+            cells = [_marked(record, e["peer"], name, _ratio(e.get(name))) for name in fields]
             rows.append(
                 [
                     f"{e['subject']} / {e['peer']}" + (" *" if note else ""),
                     e["model"],
                     f"{e['isl']}/{e['osl']}",
                     str(e["concurrency"]),
-                    _ratio(e.get("output_throughput")),
-                    _ratio(e.get("median_ttft_ms")),
-                    _ratio(e.get("p99_ttft_ms")),
-                    _ratio(e.get("median_tpot_ms")),
-                    _ratio(e.get("peak_gpu_memory_gib")),
+                    *cells,
                 ]
             )
         header = ["ratio", "model", "ISL/OSL", "conc", "out tok/s", "TTFT med", "TTFT p99", "TPOT med", "peak mem"]
@@ -261,6 +280,14 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         for peer in sorted(noted):
             lines.append("")
             lines.append(f"\\* denominator note for `{peer}`: {arms[peer]['denominator_note']}")
+        for peer in sorted({e["peer"] for e in record["ratios"]}):
+            for deviation in arm_deviations(record, peer):
+                if not deviation.affects:
+                    continue
+                is_noted = deviation.note in (arms.get(peer, {}).get("denominator_note") or "")
+                missing = "" if is_noted else " (the record itself lacks this note)"
+                lines.append("")
+                lines.append(f"† `{peer}` ran with registry deviation {deviation.note}{missing}")
         lines.append("")
 
     if record.get("drift"):

@@ -303,3 +303,80 @@ def test_ratio_history_keeps_every_subject_apart() -> None:
     record = {"grid": "g", "arms": {}, "ratios": ratios}
     text = "\n".join(report._history([("rec", record)]))
     assert "| deltaserve / vllm | 0.500 |" in text and "| deltaserve-2048 / vllm | 0.750 |" in text
+
+
+def _run(arm: str, concurrency: int, metrics: dict) -> dict:
+    return {"arm": arm, "model": "m", "isl": 8, "osl": 2, "concurrency": concurrency, "is_drift_check": False,
+            "metrics": metrics}  # fmt: skip
+
+
+def test_baseline_arm_gets_its_own_ratio() -> None:
+    """vLLM at a forced backend against vLLM at its own choice: the handicap itself, beside subject / peer."""
+    fast = {"output_throughput": 100.0, "median_ttft_ms": 10.0}
+    slow = {"output_throughput": 90.0, "median_ttft_ms": 15.0}
+    record = {
+        "arms": {
+            "ds": {"role": "subject"},
+            "vllm": {"role": "peer", "baseline": "vllm-default"},
+            "vllm-default": {"role": "peer"},
+        },
+        "runs": [_run("ds", 1, fast), _run("vllm", 1, slow), _run("vllm-default", 1, fast)],
+    }
+    pairs = {(e["subject"], e["peer"]): e for e in compute_ratios(record)}
+    assert set(pairs) == {("ds", "vllm"), ("ds", "vllm-default"), ("vllm", "vllm-default")}
+    assert pairs[("vllm", "vllm-default")]["median_ttft_ms"] == 1.5
+
+
+def test_gdn_backend_grid_resolves_both_oracle_sites(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, experts in (("q35-35b-a3b", 256), ("q35-27b", 0)):
+        (tmp_path / name).mkdir()
+        text = {"num_experts": experts, "mamba_ssm_dtype": "float32"}
+        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text, "vision_config": {}}
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("DELTASERVE_MODELS", str(tmp_path))
+    config = load_config(grid_module.REPO_ROOT / "benchmarks/grids/h200_gdn_backend.toml")
+    arms = {arm.name: arm for arm in config.arms}
+    assert config.concurrencies == [1, 8, 32, 64] and arms["vllm"].baseline == "vllm-gdn-default"
+    forced = resolve(arms["vllm"], config.models[0], config)
+    default = resolve(arms["vllm-gdn-default"], config.models[0], config)
+    assert "--gdn-prefill-backend" in forced.argv and "--gdn-prefill-backend" not in default.argv
+    assert forced.denominator_note and default.denominator_note is None
+    assert forced.argv[: forced.argv.index("--gdn-prefill-backend")] == default.argv[: len(default.argv) - 4]
+    entry = {"denominator_note": None}
+    grid_module._note_deviations(entry, forced)
+    assert entry["deviations"] == ["flashinfer-sampler-off", "gdn-prefill-triton"]
+    assert entry["denominator_note"] == forced.denominator_note
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[models]]\nname="m"\npath="p"\n[[arms]]\nname="a"\ncommand=["x"]\nbaseline="nope"\n')
+    with pytest.raises(ValueError, match="baseline"):
+        load_config(bad)
+
+
+def test_report_marks_ratios_a_peer_deviation_can_move() -> None:
+    """A record whose peer ran with --gdn-prefill-backend triton gets daggers on TTFT and throughput ratios (read
+    from the launch argv even when the record predates the registry's deviations), with the note."""
+    ratio = {"subject": "ds", "peer": "vllm", "model": "m", "isl": 8, "osl": 2, "concurrency": 1,
+             "output_throughput": 0.5, "median_ttft_ms": 0.8, "p99_ttft_ms": 0.9, "median_tpot_ms": 1.2,
+             "peak_gpu_memory_gib": 1.0}  # fmt: skip
+    launch = {"arm": "vllm", "model": "m", "argv": ["vllm", "serve", "m", "--gdn-prefill-backend", "triton"],
+              "env": {}, "command_line": "vllm serve m --gdn-prefill-backend triton"}  # fmt: skip
+    record = {"grid": "g", "arms": {"ds": {"role": "subject"}, "vllm": {"role": "peer"}}, "launches": [launch],
+              "runs": [], "ratios": [ratio]}  # fmt: skip
+    text = "\n".join(report.render_record("rec", record, None))
+    assert "| ds / vllm | m | 8/2 | 1 | 0.500 † | 0.800 † | 0.900 † | 1.200 | 1.000 |" in text
+    assert "gdn-prefill-triton" in text and "(the record itself lacks this note)" in text
+    history = "\n".join(report._history([("rec", record)]))
+    assert "0.500 †" in history
+    clean = dict(record, launches=[dict(launch, argv=["vllm", "serve", "m"])])
+    assert "†" not in "\n".join(report.render_record("rec", clean, None))
+
+
+def test_committed_records_carry_the_gdn_deviation_note() -> None:
+    for path in sorted((grid_module.REPO_ROOT / "benchmarks/results").glob("h200_first-*.json")):
+        record = json.loads(path.read_text())
+        for name, arm in record["arms"].items():
+            if arm.get("oracle") != "vllm":
+                continue
+            assert "gdn-prefill-triton" in arm["deviations"], (path.name, name)
+            assert "favours deltaserve on TTFT" in arm["denominator_note"]
+        assert "added on 2026-12-01 (issue 17)" in record["provenance_note"]

@@ -109,3 +109,74 @@ def test_cli_prints_the_same_command_the_grid_uses(tmp_path: Path) -> None:
         text=True,
     )
     assert refused.returncode == 1 and "enforce-eager" in refused.stderr
+
+
+def test_site_deviations_are_named_with_reasons_and_a_denominator_note(tmp_path: Path) -> None:
+    model = str(write_config(tmp_path / "m"))
+    launch = registry.vllm_launch(model, 1024)
+    assert launch.deviations == ["gdn-prefill-triton", "flashinfer-sampler-off"]
+    assert launch.argv[-2:] == ["--gdn-prefill-backend", "triton"] and launch.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    note = launch.denominator_note
+    assert note and "gdn-prefill-triton" in note and "favours deltaserve on TTFT" in note and "unmeasured" in note
+    # the sampler deviation moves nothing at temperature 0, so it is named but not in the denominator note
+    assert "flashinfer-sampler-off" not in note
+    assert any(reason.startswith("deviation gdn-prefill-triton") for reason in launch.reasons)
+    for deviation in registry.DEVIATIONS.values():
+        assert deviation.reason and deviation.direction and deviation.magnitude
+    repaired = registry.vllm_launch(model, 1024, site="h200-offline-flashinfer")
+    assert "--gdn-prefill-backend" not in repaired.argv and repaired.denominator_note is None
+    assert "/tmp/flashinfer_site" in repaired.env["PYTHONPATH"]
+    assert registry.vllm_launch(model, 1024, site="online").deviations == []
+
+
+def test_recorded_launches_are_recognised_and_backend_overrides_need_a_reason(tmp_path: Path) -> None:
+    argv = ["vllm", "serve", "m", "--gdn-prefill-backend=triton"]
+    assert [d.name for d in registry.deviations_in(argv, {})] == ["gdn-prefill-triton"]
+    assert [d.name for d in registry.deviations_in(["vllm"], {"VLLM_USE_FLASHINFER_SAMPLER": "0"})] == [
+        "flashinfer-sampler-off"
+    ]
+    assert registry.deviations_in(["vllm", "serve", "m", "--gdn-prefill-backend", "flashinfer"]) == []
+    assert registry.backend_overrides(["--moe-backend", "triton"], {"VLLM_ATTENTION_BACKEND": "X"}) == [
+        "--moe-backend triton",
+        "VLLM_ATTENTION_BACKEND=X",
+    ]
+    model = str(write_config(tmp_path / "m"))
+    with pytest.raises(ValueError, match="overrides a backend"):
+        registry.vllm_launch(model, 1024, site="online", extra_args=["--attention-backend", "FLASHINFER"])
+    text_only = str(write_config(tmp_path / "text", is_multimodal=False))
+    with pytest.raises(ValueError, match="overrides a backend"):
+        # the automatic text-only exemption does not cover a backend override
+        registry.vllm_launch(text_only, 1024, site="online", extra_args=["--moe-backend", "triton"])
+    launch = registry.vllm_launch(model, 1024, site="online", extra_args=["--moe-backend", "triton"], exemption="why")
+    assert launch.exemption == "why"
+
+
+def test_in_process_engine_follows_the_production_configuration(tmp_path: Path) -> None:
+    moe = write_config(tmp_path / "moe", num_experts=8)
+    engine = registry.vllm_engine(str(moe), 160, dtype="bfloat16", seed=3)
+    kwargs = engine.kwargs
+    assert kwargs["language_model_only"] is True and kwargs["enforce_eager"] is False
+    assert kwargs["mamba_ssm_cache_dtype"] == "float32" and kwargs["max_num_batched_tokens"] == 8192
+    assert kwargs["enable_prefix_caching"] is False and kwargs["dtype"] == "bfloat16" and kwargs["seed"] == 3
+    assert kwargs["gdn_prefill_backend"] == "triton" and kwargs["load_format"] == "dummy"
+    assert kwargs["logprobs_mode"] == "raw_logits"
+    assert engine.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and engine.env["PYTHONPATH"] == "/tmp/vllm_site"
+    assert engine.deviations == ["gdn-prefill-triton", "flashinfer-sampler-off"]
+    text_only = write_config(tmp_path / "text", is_multimodal=False, dtype="bfloat16")
+    kwargs = registry.vllm_engine(str(text_only), 100, site="online").kwargs
+    assert kwargs["language_model_only"] is False and kwargs["mamba_ssm_cache_dtype"] == "bfloat16"
+    assert kwargs["max_num_batched_tokens"] == 200 and "gdn_prefill_backend" not in kwargs
+
+
+def test_apply_environment_refuses_a_conflicting_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_FLASHINFER_SAMPLER=1"):
+        registry.apply_environment({"VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("DELTASERVE_TEST_ORACLE_VAR", raising=False)
+    registry.apply_environment({"PYTHONPATH": "/tmp/a:/tmp/b", "DELTASERVE_TEST_ORACLE_VAR": "x"})
+    assert sys.path[:2] == ["/tmp/a", "/tmp/b"]
+    import os
+
+    assert os.environ["DELTASERVE_TEST_ORACLE_VAR"] == "x"
+    monkeypatch.delenv("DELTASERVE_TEST_ORACLE_VAR")
