@@ -9,9 +9,17 @@ lists, tuples, list concatenations and strings, and TOML/YAML arrays and strings
 spelling) is a client, not a launch. Grid-config arms built by the oracle registry (`oracle = "vllm"`) count
 as launches too and are checked by their `drop_flags` / `extra_args`.
 
-Each launch must carry the registry's REQUIRED_FLAGS and none of its FORBIDDEN_FLAGS, or be exempted by a
-comment `oracle-exempt: <reason>` on the launch line or in the comment block right above it. Exit 0 when
-every discovered launch passes, 1 naming file:line of each violation, 2 when no launch was found at all.
+Each launch must carry the registry's REQUIRED_FLAGS, none of its FORBIDDEN_FLAGS and no BACKEND_FLAGS (a
+backend flag, or a BACKEND_ENV variable set for the launch or exported in its file, overrides a choice vLLM's
+production defaults would make), or be exempted by a comment `oracle-exempt: <reason>` on the launch line or in
+the comment block right above it (a registry grid arm by its `exemption` key). The registry's own site
+deviations are named `Deviation`s with a reason, checked in registry.py itself.
+
+In-process constructions of vLLM (`vllm.LLM(...)`, `AsyncLLMEngine`, `EngineArgs(...)`, ... in .py files,
+shell heredocs and `python -c` strings; oracle_inprocess.py) are launches too: outside the registry each one
+is a violation (it bypasses the registry), and so is setting `language_model_only` or a backend keyword there.
+
+Exit 0 when every discovered launch passes, 1 naming file:line of each violation, 2 when no launch was found.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import tomllib
 from dataclasses import asdict
 from pathlib import Path
 
-from deltaserve.bench.registry import FORBIDDEN_FLAGS, REQUIRED_FLAGS
+from deltaserve.bench.registry import BACKEND_ENV, BACKEND_FLAGS, FORBIDDEN_FLAGS, REQUIRED_FLAGS
+from deltaserve.gates.oracle_inprocess import find_inprocess
 from deltaserve.gates.oracle_scan import (
     CONFIG_SUFFIXES,
     EXEMPT_RE,
@@ -39,7 +48,7 @@ from deltaserve.gates.oracle_scan import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PATHS = ("benchmarks", "deltaserve/bench", ".ci", "scripts")
+DEFAULT_PATHS = ("benchmarks", "deltaserve/bench", "deltaserve/gates", ".ci", "scripts")
 
 
 def _exemption(source: Source, lines: list[int]) -> str | None:
@@ -56,8 +65,8 @@ def _exemption(source: Source, lines: list[int]) -> str | None:
     return None
 
 
-def judge(flags: list[str]) -> list[str]:
-    """Problems of a launch's flag words against the registry's static rules."""
+def judge(flags: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """Problems of a launch's flag words (and the backend variables set for it) against the registry's rules."""
     problems = []
     for flag in REQUIRED_FLAGS:
         if not any(w == flag or w.startswith(flag + "=") for w in flags):
@@ -65,7 +74,36 @@ def judge(flags: list[str]) -> list[str]:
     for flag, why in FORBIDDEN_FLAGS.items():
         if any(w == flag or w.startswith(flag + "=") for w in flags):
             problems.append(f"{flag} ({why})")
+    for i, word in enumerate(flags):
+        flag = word.split("=", 1)[0]
+        if flag in BACKEND_FLAGS:
+            value = word.split("=", 1)[1] if "=" in word else (flags[i + 1] if i + 1 < len(flags) else "")
+            problems.append(f"{flag} {value} overrides a backend vLLM's production defaults would pick")
+    for name, value in (env or {}).items():
+        if name in BACKEND_ENV:
+            problems.append(f"{name}={value} overrides a backend vLLM's production defaults would pick")
     return problems
+
+
+def _assignments(words: list) -> dict[str, str]:
+    """NAME=VALUE words (`export X=1`, or a command's `X=1 cmd` prefix)."""
+    found = {}
+    for word in words:
+        name, sep, value = word.text.partition("=")
+        if sep and name.isidentifier() and not name.startswith("-"):
+            found[name] = value
+    return found
+
+
+def _file_exports(units: list[list]) -> dict[str, str]:
+    """Variables a shell file sets for everything after it (`export X=1`, or a bare `X=1` statement)."""
+    exported: dict[str, str] = {}
+    for words in units:
+        if words and words[0].text == "export":
+            exported.update(_assignments(words[1:]))
+        elif words and all("=" in w.text and w.text.split("=", 1)[0].isidentifier() for w in words):
+            exported.update(_assignments(words))
+    return exported
 
 
 def _verdict(launch: Launch, reason: str | None) -> Launch:
@@ -101,12 +139,14 @@ def _registry_arms(path: Path, text: str) -> list[Launch]:
         line = arm_lines[index] if index < len(arm_lines) else 1
         drop = [str(f) for f in arm.get("drop_flags", [])]
         extra = [str(f) for f in arm.get("extra_args", [])]
+        env = {str(k): str(v) for k, v in (arm.get("env") or {}).items()}
         flags = [f for f in REQUIRED_FLAGS if f not in drop] + extra
         launch = Launch(str(path), line, f"registry:{arm['oracle']} ({arm.get('name', '?')})", "registry", flags)
-        launch.problems = judge(flags)
+        launch.problems = judge(flags, env)
+        # A dropped flag or a backend override is allowed with the arm's `exemption` reason.
         reason = None
-        if drop:
-            reason = str(arm.get("exemption", "")).strip()
+        if launch.problems and "exemption" in arm:
+            reason = str(arm["exemption"]).strip()
         launches.append(_verdict(launch, reason))
     return launches
 
@@ -126,16 +166,28 @@ def scan_file(path: Path) -> list[Launch]:
     else:
         scan_shell(text, source)
     launches = []
+    exported = _file_exports(source.units) if suffix not in CONFIG_SUFFIXES and suffix != ".py" else {}
     for words in source.units:
         for start, anchor, flags_start in find_launches(words):
             launch_words = words[start:flags_start]
             flags = [w.text for w in words[flags_start:]]
+            env = {**exported, **_assignments(words[:start])}
             spelling = " ".join(w.text for w in launch_words)
-            launch = Launch(str(path), words[anchor].line, spelling, "text", flags, judge(flags))
+            launch = Launch(str(path), words[anchor].line, spelling, "text", flags, judge(flags, env))
             lines = sorted({words[0].line, *(w.line for w in launch_words)})
             launches.append(_verdict(launch, _exemption(source, lines)))
     if suffix == ".toml":
         launches += _registry_arms(path, text)
+    snippets = [(text, 1, True)] if suffix == ".py" else []
+    snippets += [(code, first_line, False) for code, first_line in source.python_snippets]
+    for code, first_line, is_whole_file in snippets:
+        for launch in find_inprocess(code, str(path), first_line, is_whole_file):
+            if launch.status == "violation" and suffix != ".py":
+                # Python inside a shell or config file may carry its exemption in the host file's comments.
+                reason = _exemption(source, [launch.line])
+                if reason:
+                    launch.status, launch.exemption = "exempt", reason
+            launches.append(launch)
     return launches
 
 

@@ -54,6 +54,13 @@ class Source:
     units: list[list[Word]] = field(default_factory=list)
     comments: dict[int, str] = field(default_factory=dict)
     comment_only_lines: set[int] = field(default_factory=set)
+    # Python code embedded in the file (shell heredocs, `python -c CODE`), with its first line, for the
+    # in-process checks (oracle_inprocess.py).
+    python_snippets: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _is_python_word(text: str) -> bool:
+    return os.path.basename(text.strip("\"'")).startswith("python") or text == EXPANSION
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,6 +125,9 @@ def scan_shell(text: str, source: Source, first_line: int = 1, depth: int = 0) -
         end_word()
         if words:
             source.units.append(words)
+            for i in range(1, len(words) - 1):
+                if words[i].text == "-c" and _is_python_word(words[i - 1].text):
+                    source.python_snippets.append((words[i + 1].text, words[i + 1].line))
             heredoc = HEREDOC_RE.search(" ".join(w.text for w in words))
             if heredoc and not pending_heredocs:
                 is_python = any("python" in w.text for w in words)
@@ -163,6 +173,7 @@ def scan_shell(text: str, source: Source, first_line: int = 1, depth: int = 0) -
                     body_lines.append(body_line)
                 body = "\n".join(body_lines)
                 if is_python:
+                    source.python_snippets.append((body, body_start))
                     scan_python(body, source, body_start)
                 else:
                     scan_shell(body, source, body_start, depth + 1)
@@ -243,10 +254,13 @@ def scan_shell(text: str, source: Source, first_line: int = 1, depth: int = 0) -
         source.comment_only_lines.add(line)
 
 
-def _words_from_string(text: str, line: int) -> list[Word]:
-    """Split one string value into shell words (quotes inside it respected), keeping its line."""
+def _words_from_string(text: str, line: int, sink: Source | None = None) -> list[Word]:
+    """Split one string value into shell words (quotes inside it respected), keeping its line; Python code found
+    in it (`python -c ...`) goes to `sink`."""
     inner = Source()
     scan_shell(text, inner, line)
+    if sink is not None:
+        sink.python_snippets.extend(inner.python_snippets)
     words = [w for unit in inner.units for w in unit]
     for w in words:
         if w.text.startswith("{") and w.text.endswith("}"):
@@ -282,14 +296,14 @@ def _fstring_text(node: ast.JoinedStr) -> str:
     return "".join(parts)
 
 
-def _element_words(node: ast.expr, line_offset: int) -> list[Word]:
+def _element_words(node: ast.expr, line_offset: int, sink: Source | None = None) -> list[Word]:
     line = node.lineno + line_offset - 1
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        words = _words_from_string(node.value, line)
+        words = _words_from_string(node.value, line, sink)
         # A lone element is one argv word even if it is empty or all spaces.
         return words or [Word(node.value, line)]
     if isinstance(node, ast.JoinedStr):
-        return _words_from_string(_fstring_text(node), line)
+        return _words_from_string(_fstring_text(node), line, sink)
     return [Word(EXPANSION, line, is_expansion=True)]
 
 
@@ -336,10 +350,14 @@ def scan_python(text: str, source: Source, first_line: int = 1) -> None:
         for operand in operands:
             consumed.add(id(operand))
             elements = operand.elts if isinstance(operand, ast.List | ast.Tuple) else [operand]
+            for flag, code in zip(elements, elements[1:], strict=False):
+                is_flag = isinstance(flag, ast.Constant) and flag.value == "-c"
+                if is_flag and isinstance(code, ast.Constant) and isinstance(code.value, str):
+                    source.python_snippets.append((code.value, code.lineno + offset - 1))
             for element in elements:
                 if isinstance(element, ast.Constant | ast.JoinedStr):
                     consumed.add(id(element))
-                words += _element_words(element, offset)
+                words += _element_words(element, offset, source)
         source.units.append(words)
     for node in ast.walk(tree):
         if id(node) in consumed or id(node) in docstrings:
@@ -347,9 +365,9 @@ def scan_python(text: str, source: Source, first_line: int = 1) -> None:
         if isinstance(node, ast.JoinedStr):
             for value in node.values:
                 consumed.add(id(value))
-            source.units.append(_words_from_string(_fstring_text(node), node.lineno + offset - 1))
+            source.units.append(_words_from_string(_fstring_text(node), node.lineno + offset - 1, source))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            source.units.append(_words_from_string(node.value, node.lineno + offset - 1))
+            source.units.append(_words_from_string(node.value, node.lineno + offset - 1, source))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -449,9 +467,10 @@ def scan_config(text: str, source: Source) -> None:
                 inner = Source()
                 scan_shell(content, inner, line)
                 source.units.extend(inner.units)
+                source.python_snippets.extend(inner.python_snippets)
                 continue
             content = match.group(3) if match.group(3) is not None else match.group(4)
-            words += _words_from_string(content, line)
+            words += _words_from_string(content, line, source)
         words += _bare_words(body[position:], first_number + body.count("\n", 0, position))
         if words:
             source.units.append(words)
