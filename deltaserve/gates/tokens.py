@@ -1,57 +1,86 @@
-"""`deltaserve gate tokens`: greedy token-exactness of deltaserve against transformers, plus logit checks.
+"""`deltaserve gate tokens`: greedy token-exactness of deltaserve against a reference, with margins.
 
-For N seeded prompts of varied length it generates greedily in both engines and prints `STRICT n/N`; for
-each failing prompt, the first divergent position and the reference's top-2 logit margin there (and, in
-bf16, whether that margin is a near-tie within a few bf16 ulps). It also checks, per prompt:
-- logits: deltaserve's full forward against transformers' full forward, relative error
-  ||ours - ref|| / ||ref|| over all positions <= 1e-4 in fp32 (both compute the same fp32 math in a
-  different order; per-op differences are ~1e-7 and compound over the layers to ~1e-6..1e-5);
-- prefill-then-decode equals one full forward: deltaserve's logits from the prompt as two prefill chunks
-  (the second continuing the first's state) followed by one-token decode steps, against one prefill of the
-  whole sequence. The chunked and the recurrent delta
-  rule differ only by rounding, so the bound is the model's own rounding noise floor: the relative change of
-  the same logits when the embedding table is perturbed by one rounding's worth (1e-7 relative in fp32,
-  4e-3 in bf16), times 10, and never below 1e-5 (fp32). A state restarted from zero (the transformers bug of
-  architecture doc §8.1) moves the logits by O(1), far above it. The random tiny models amplify rounding
-  ~1000x, which is why a fixed 1e-5 would only measure their chaos.
-In bf16 the gate also reports the yardstick: transformers-bf16 and deltaserve-bf16 each against
-transformers-fp32, so mismatches can be read against the reference's own bf16 disagreement.
-Exit 0 only when every prompt matches and every check holds; 1 on any failure; 2 when nothing was checked.
+For N seeded prompts of varied length (random ordinary tokens, or spans of the corpus' held-out text) both
+engines generate greedily and the verdict starts with `STRICT n/N`. Then, for every mismatch: the output
+position, both tokens, and the reference's logit margin between them, measured in the reference's own dtype
+(fp32 margins for an fp32 reference, bf16 for bf16); a mismatch whose margin is within the stated near-tie
+margin (TIE_ULPS ulps of the reference dtype at its top logit) is reported as a tie, and still counts against
+STRICT. References (references.py, vllm_reference.py):
+- transformers: `config.architectures[0]` (the composite class for a composite checkpoint), refused when it
+  reports missing, mismatched or unexpected weights;
+- vllm (on the H200): `vllm.LLM` built by the oracle registry in its production configuration; the record
+  states the configuration vLLM reports, the fused attention preamble included.
+Checks besides STRICT, per prompt:
+- logits: deltaserve's full forward against the reference's, relative error over all positions <= 1e-4 in
+  fp32 (against vLLM: over the top-20 logits it returns per step);
+- prefill-then-decode equals one full forward: deltaserve's logits from the prompt as two prefill chunks then
+  one-token decodes, against one prefill of the whole sequence, within 10x the model's rounding noise floor
+  (the relative change of a transformers model's logits when its embedding table moves by one rounding's worth:
+  1e-7 in fp32, 4e-3 in bf16), never below 1e-5 in fp32. A GDN state restarted from zero moves them by O(1).
+In bf16 the gate also prints the yardstick: each engine against transformers-fp32, so a mismatch can be read
+against the reference's own bf16 disagreement. deltaserve is driven only through its offline API (`LLM`,
+`LLM.score`). `--record PATH` writes the whole verdict as JSON. Exit 0 only when every prompt matches and
+every check holds; 1 on any failure or refused reference; 2 when nothing was checked.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+from deltaserve import env
+from deltaserve.gates.references import ReferenceError, ReferenceRun, StepScores, TransformersReference, ulp
 
 LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 SPLIT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 1e-2}
 ROUNDING_PERTURBATION = {"float32": 1e-7, "bfloat16": 4e-3, "float16": 5e-4}
 NOISE_FLOOR_FACTOR = 10.0
+TIE_ULPS = 4.0
+RECORD_SCHEMA = "deltaserve-gate-tokens/1"
+PROMPT_SOURCES = ("random", "text")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint folder")
-    parser.add_argument("--reference", default="transformers", choices=["transformers"])
+    parser.add_argument("--reference", default="transformers", choices=["transformers", "vllm"])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-len", type=int, default=160)
+    parser.add_argument("--prompts", default="random", choices=PROMPT_SOURCES, help="random tokens or corpus text")
+    parser.add_argument("--site", default="h200-offline", help="where the vLLM reference runs (registry SITES)")
+    parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device, args.seed,
-        args.max_prompt_len,
+        args.max_prompt_len, prompts=args.prompts, site=args.site, record_path=args.record,
     )  # fmt: skip
+
+
+@dataclass
+class Mismatch:
+    """The first divergent step of one prompt, judged by the reference's own logits there."""
+
+    position: int
+    ref_token: int
+    our_token: int
+    margin: float  # reference logit of its token minus reference logit of ours, in the reference's dtype
+    is_margin_exact: bool  # False: our token is outside the reference's top-k, so `margin` is a lower bound
+    tie_margin: float  # TIE_ULPS ulps of the reference dtype at the reference's top logit
+    is_near_tie: bool
+    ref_token_text: str = ""
+    our_token_text: str = ""
 
 
 @dataclass
@@ -59,73 +88,85 @@ class PromptResult:
     index: int
     prompt_len: int
     is_exact: bool
-    first_divergence: int | None = None
-    ref_margin: float | None = None
-    is_near_tie: bool = False
+    mismatch: Mismatch | None = None
     logit_rel_error: float = 0.0
     split_rel_error: float = 0.0
     noise_floor: float = 0.0
-    is_ref_dtype_exact: bool | None = None  # reference in this dtype vs reference in fp32 (bf16 yardstick)
+    is_ref_dtype_exact: bool | None = None  # reference in this dtype vs transformers in fp32 (bf16 yardstick)
     is_ours_vs_fp32_exact: bool | None = None
 
 
-def make_prompts(tokenizer: object, num_prompts: int, max_len: int, seed: int) -> list[list[int]]:
+@dataclass
+class GateReport:
+    lines: list[str] = field(default_factory=list)
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def make_prompts(tokenizer: Any, num_prompts: int, max_len: int, seed: int) -> list[list[int]]:
     """Seeded prompts of ordinary (non-special) token ids, lengths spread over 1..max_len."""
     rng = np.random.default_rng(seed)
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     ordinary = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
-    lengths = [1, 2, 63, 64, 65, 100, 129, max_len]
+    return [rng.choice(ordinary, size=n).tolist() for n in prompt_lengths(num_prompts, max_len, rng)]
+
+
+def prompt_lengths(num_prompts: int, max_len: int, rng: np.random.Generator) -> list[int]:
+    """The chunk-boundary lengths (1, 2, 63, 64, 65, ...) first, then seeded random ones."""
+    lengths = [n for n in (1, 2, 63, 64, 65, 100, 129, max_len) if n <= max_len]
     while len(lengths) < num_prompts:
         lengths.append(int(rng.integers(1, max_len + 1)))
-    return [rng.choice(ordinary, size=n).tolist() for n in lengths[:num_prompts]]
+    return lengths[:num_prompts]
 
 
-def bf16_ulp(value: float) -> float:
-    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - 7)
+def make_text_prompts(tokenizer: Any, num_prompts: int, max_len: int, seed: int) -> list[list[int]]:
+    """Seeded spans of the shipped corpus' held-out paragraphs (text no trained checkpoint saw)."""
+    from deltaserve.tiny.mtp import corpus_split
+
+    ids = tokenizer.encode(corpus_split()[1], add_special_tokens=False)
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for n in prompt_lengths(num_prompts, max_len, rng):
+        start = int(rng.integers(0, max(len(ids) - n, 1)))
+        prompts.append(ids[start : start + n])
+    return prompts
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
-def reference_greedy(
-    model: torch.nn.Module, prompt: list[int], max_tokens: int, device: str
-) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' own prefill + cached decode loop; returns tokens and the logits each step chose from."""
-    ids = torch.tensor([prompt], device=device)
-    out = model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
-    tokens, step_logits = [], []
-    logits = out.logits[0, -1].float()
-    for _ in range(max_tokens):
-        step_logits.append(logits.cpu())
-        token = int(torch.argmax(logits))
-        tokens.append(token)
-        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits = out.logits[0, -1].float()
-    return tokens, step_logits
+def judge_mismatch(ours: list[int], ref: list[int], scores: list[StepScores], dtype: str) -> Mismatch | None:
+    """The first divergence and the reference's margin there (None when the tokens agree)."""
+    position = next((j for j, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
+    if position is None:
+        if len(ours) == len(ref):
+            return None
+        position = min(len(ours), len(ref))
+    step = scores[position]
+    ref_token = ref[position] if position < len(ref) else max(step.values, key=step.values.get)
+    our_token = ours[position] if position < len(ours) else -1
+    margin, is_exact = step.margin(ref_token, our_token)
+    tie_margin = TIE_ULPS * ulp(step.values[ref_token], dtype)
+    return Mismatch(position, ref_token, our_token, margin, is_exact, tie_margin, is_exact and margin <= tie_margin)
 
 
-def noise_floor(llm: object, sequence: list[int], base: torch.Tensor, relative: float, seed: int) -> float:
-    """Relative change of the full-forward logits `base` when the embedding table moves by `relative` (one
-    rounding)."""
-    embed = llm.engine.runner.model.embed_tokens
-    saved = embed.data.clone()
-    generator = torch.Generator(device=embed.device).manual_seed(seed)
-    try:
-        noise = torch.randn(embed.shape, generator=generator, device=embed.device, dtype=torch.float32)
-        embed.data.copy_((saved.float() * (1 + relative * noise)).to(saved.dtype))
-        return rel_error(llm.score(sequence).cpu(), base)
-    finally:
-        embed.data.copy_(saved)
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_reference(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def _reference(kind: str, model_dir: Path, dtype: str, device: str, max_prompt_len: int, seed: int, site: str) -> Any:
+    if kind == "transformers":
+        return TransformersReference(model_dir, dtype, device)
+    if kind == "vllm":
+        from deltaserve.gates.vllm_reference import VllmReference
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(device).eval()
+        return VllmReference(model_dir, dtype, max_prompt_len, seed, site)
+    raise ValueError(f"unknown reference {kind!r}")
 
 
 @torch.inference_mode()
@@ -138,80 +179,196 @@ def run_gate(
     device: str = "auto",
     seed: int = 0,
     max_prompt_len: int = 160,
+    prompts: str = "random",
+    site: str = "h200-offline",
+    record_path: Path | None = None,
 ) -> int:
-    from deltaserve.engine.llm import LLM
-    from deltaserve.sampling_params import SamplingParams
+    from transformers import AutoTokenizer
 
     if num_prompts < 1 or max_tokens < 1:
         print("gate tokens: nothing to check (num_prompts and max_tokens must be positive)")
         return 2
-    torch_dtype = getattr(torch, dtype)
-    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(num_prompts, 64), seed=seed)
-    run_device = str(llm.engine.runner.device)
-    prompts = make_prompts(llm.get_tokenizer(), num_prompts, max_prompt_len, seed)
+    model_dir = Path(model_dir)
+    run_device = _device(device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    maker = make_text_prompts if prompts == "text" else make_prompts
+    prompt_ids = maker(tokenizer, num_prompts, max_prompt_len, seed)
+    try:
+        # The reference first: a refused (partly random) reference stops the gate before deltaserve runs, and
+        # vLLM must give the GPU back before deltaserve takes it.
+        ref = _reference(reference, model_dir, dtype, run_device, max_prompt_len, seed, site)
+        ref_run = ref.run(prompt_ids, max_tokens)
+        # transformers at the run dtype measures the noise floor (and is the reference itself in that mode).
+        rounding = (
+            ref if isinstance(ref, TransformersReference) else TransformersReference(model_dir, dtype, run_device)
+        )
+        fp32_run = None
+        if dtype != "float32":
+            fp32_ref = TransformersReference(model_dir, "float32", run_device)
+            fp32_run = fp32_ref.run(prompt_ids, max_tokens)
+            del fp32_ref
+    except ReferenceError as exc:
+        print(f"gate tokens: REFUSED: {exc}")
+        return 1
+    results = _compare(model_dir, dtype, run_device, seed, prompt_ids, max_tokens, ref, ref_run, rounding, fp32_run)
+    report = GateReport()
+    code = _report(report, results, dtype, model_dir, reference, ref_run, prompts, tokenizer)
+    if record_path is not None:
+        _write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run, prompts, seed)
+    return code
+
+
+def _compare(
+    model_dir: Path,
+    dtype: str,
+    device: str,
+    seed: int,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    ref: Any,
+    ref_run: ReferenceRun,
+    rounding: TransformersReference,
+    fp32_run: ReferenceRun | None,
+) -> list[PromptResult]:
+    from deltaserve import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(len(prompt_ids), 64), seed=seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    ref_model = load_reference(model_dir, torch_dtype, run_device)
-    ref_fp32 = load_reference(model_dir, torch.float32, run_device) if dtype != "float32" else None
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     results = []
-    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        ours = output.outputs[0].token_ids
-        ref_tokens, ref_step_logits = reference_greedy(ref_model, prompt, max_tokens, run_device)
+    for i, (prompt, output) in enumerate(zip(prompt_ids, outputs, strict=True)):
+        ours = list(output.outputs[0].token_ids)
+        ref_tokens, ref_scores = ref_run.tokens[i], ref_run.scores[i]
         result = PromptResult(i, len(prompt), ours == ref_tokens)
-        if not result.is_exact:
-            pos = next(j for j, (a, b) in enumerate(zip(ours, ref_tokens, strict=False)) if a != b)
-            top2 = torch.topk(ref_step_logits[pos], 2).values
-            result.first_divergence = pos
-            result.ref_margin = float(top2[0] - top2[1])
-            result.is_near_tie = result.ref_margin <= 4 * bf16_ulp(float(top2[0]))
-        if ref_fp32 is not None:
-            fp32_tokens, _ = reference_greedy(ref_fp32, prompt, max_tokens, run_device)
-            result.is_ref_dtype_exact = ref_tokens == fp32_tokens
-            result.is_ours_vs_fp32_exact = ours == fp32_tokens
+        result.mismatch = judge_mismatch(ours, ref_tokens, ref_scores, dtype)
+        if fp32_run is not None:
+            result.is_ref_dtype_exact = ref_tokens == fp32_run.tokens[i]
+            result.is_ours_vs_fp32_exact = ours == fp32_run.tokens[i]
         sequence = prompt + ref_tokens
-        ref_logits = ref_model(input_ids=torch.tensor([sequence], device=run_device)).logits[0].float().cpu()
         full = llm.score(sequence).cpu()
+        if isinstance(ref, TransformersReference):
+            result.logit_rel_error = rel_error(full, ref.full_logits(sequence))
+        else:
+            result.logit_rel_error = _top_k_error(full, len(prompt), ref_scores)
         # the prompt as two prefill chunks (the second continues the first's state), then one-token decodes
         first = (len(prompt) + 1) // 2
         split = llm.score(sequence, [first, len(prompt) - first] if len(prompt) > 1 else [1]).cpu()
-        result.logit_rel_error = rel_error(full, ref_logits)
         result.split_rel_error = rel_error(split, full)
-        result.noise_floor = noise_floor(llm, sequence, full, ROUNDING_PERTURBATION[dtype], seed + i)
+        result.noise_floor = rounding.noise_floor(sequence, ROUNDING_PERTURBATION[dtype], seed + i)
         results.append(result)
-    return report(results, dtype, model_dir)
+    return results
 
 
-def report(results: list[PromptResult], dtype: str, model_dir: Path) -> int:
+def _top_k_error(full: torch.Tensor, prompt_len: int, scores: list[StepScores]) -> float:
+    """Relative error of our logits at the reference's top-k entries of every step (vLLM returns only those)."""
+    ours, theirs = [], []
+    for step, row in enumerate(scores):
+        for token, value in row.values.items():
+            ours.append(float(full[prompt_len - 1 + step, token]))
+            theirs.append(value)
+    return rel_error(torch.tensor(ours), torch.tensor(theirs))
+
+
+def _summary(config: dict[str, Any]) -> dict[str, Any]:
+    """The reference's configuration without the registry's long reasons (those go to the record)."""
+    return {k: v for k, v in config.items() if k != "registry"}
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return repr(tokenizer.decode([token])) if token >= 0 else "(none)"
+
+
+def _report(
+    report: GateReport,
+    results: list[PromptResult],
+    dtype: str,
+    model_dir: Path,
+    reference: str,
+    ref_run: ReferenceRun,
+    prompts: str,
+    tokenizer: Any,
+) -> int:
     num_exact = sum(r.is_exact for r in results)
-    logit_tol = LOGIT_TOLERANCE[dtype]
-    worst_logit = max(r.logit_rel_error for r in results)
-    print(f"gate tokens: {model_dir} ({dtype}), {len(results)} prompts, lengths {min(r.prompt_len for r in results)}"
-          f"..{max(r.prompt_len for r in results)}")  # fmt: skip
-    for r in results:
-        if not r.is_exact:
-            tie = " (near-tie: within 4 bf16 ulps)" if r.is_near_tie else ""
-            print(f"  prompt {r.index} (len {r.prompt_len}): first divergence at output position "
-                  f"{r.first_divergence}, reference top-2 margin {r.ref_margin:.6g}{tie}")  # fmt: skip
-    num_near_ties = sum(1 for r in results if not r.is_exact and r.is_near_tie)
-    print(f"STRICT {num_exact}/{len(results)}" + (f" ({num_near_ties} of the mismatches are near-ties)" if
-          num_exact < len(results) else ""))  # fmt: skip
+    mismatches = [r for r in results if r.mismatch is not None]
+    num_ties = sum(1 for r in mismatches if r.mismatch.is_near_tie)
+    ref_name = f"{reference} {ref_run.config.get('class') or ref_run.config.get('version') or ''}".strip()
+    tail = f": {len(mismatches)} mismatches, {num_ties} of them near-ties" if mismatches else ""
+    report.say(f"STRICT {num_exact}/{len(results)} against {ref_name} ({dtype}){tail}")
+    for r in mismatches:
+        m = r.mismatch
+        m.ref_token_text, m.our_token_text = _token_text(tokenizer, m.ref_token), _token_text(tokenizer, m.our_token)
+        bound = "" if m.is_margin_exact else "> "
+        verdict = "near-tie" if m.is_near_tie else "beyond the near-tie margin"
+        report.say(
+            f"  prompt {r.index} (len {r.prompt_len}), output position {m.position}: reference {m.ref_token} "
+            f"{m.ref_token_text} vs deltaserve {m.our_token} {m.our_token_text}; reference margin {bound}{m.margin:.6g}"
+            f" ({dtype}; near-tie margin {m.tie_margin:.3g} = {TIE_ULPS:g} ulps at its top logit): {verdict}"
+        )
+    lengths = [r.prompt_len for r in results]
+    report.say(
+        f"gate tokens: {model_dir} ({dtype}), {len(results)} {prompts} prompts of lengths "
+        f"{min(lengths)}..{max(lengths)}; reference {reference}: {json.dumps(_summary(ref_run.config))}"
+    )
     if results[0].is_ref_dtype_exact is not None:
         num_ref = sum(bool(r.is_ref_dtype_exact) for r in results)
         num_ours = sum(bool(r.is_ours_vs_fp32_exact) for r in results)
-        print(f"yardstick against transformers-fp32: transformers-{dtype} STRICT {num_ref}/{len(results)}, "
-              f"deltaserve-{dtype} STRICT {num_ours}/{len(results)}")  # fmt: skip
+        report.say(
+            f"yardstick against transformers-float32: {reference}-{dtype} STRICT {num_ref}/{len(results)}, "
+            f"deltaserve-{dtype} STRICT {num_ours}/{len(results)}"
+        )
+    logit_tol = LOGIT_TOLERANCE[dtype]
+    worst_logit = max(r.logit_rel_error for r in results)
     is_logit_ok = worst_logit <= logit_tol
-    print(f"logits vs reference: max relative error {worst_logit:.3g} (tolerance {logit_tol:g}) "
-          f"{'ok' if is_logit_ok else 'FAIL'}")  # fmt: skip
+    scope = "over all positions" if reference == "transformers" else "over vLLM's top-20 logits per step"
+    report.say(
+        f"logits vs reference ({scope}): max relative error {worst_logit:.3g} (tolerance {logit_tol:g}) "
+        f"{'ok' if is_logit_ok else 'FAIL'}"
+    )
     failing = [
         r for r in results if r.split_rel_error > max(SPLIT_TOLERANCE[dtype], NOISE_FLOOR_FACTOR * r.noise_floor)
     ]
     worst = max(results, key=lambda r: r.split_rel_error / max(r.noise_floor, 1e-30))
-    print(f"prefill-then-decode vs full forward: max relative error {max(r.split_rel_error for r in results):.3g}; "
-          f"worst prompt {worst.index}: {worst.split_rel_error:.3g} against a rounding noise floor of "
-          f"{worst.noise_floor:.3g} (bound {NOISE_FLOOR_FACTOR:g}x floor, at least {SPLIT_TOLERANCE[dtype]:g}) "
-          f"{'ok' if not failing else f'FAIL on {len(failing)} prompts'}")  # fmt: skip
+    report.say(
+        f"prefill-then-decode vs full forward: max relative error {max(r.split_rel_error for r in results):.3g}; "
+        f"worst prompt {worst.index}: {worst.split_rel_error:.3g} against a rounding noise floor of "
+        f"{worst.noise_floor:.3g} (bound {NOISE_FLOOR_FACTOR:g}x floor, at least {SPLIT_TOLERANCE[dtype]:g}) "
+        f"{'ok' if not failing else f'FAIL on {len(failing)} prompts'}"
+    )
     return 0 if num_exact == len(results) and is_logit_ok and not failing else 1
+
+
+def _write_record(
+    path: Path,
+    report: GateReport,
+    results: list[PromptResult],
+    code: int,
+    model_dir: Path,
+    dtype: str,
+    reference: str,
+    ref_run: ReferenceRun,
+    prompts: str,
+    seed: int,
+) -> None:
+    from deltaserve.bench.provenance import host_facts
+
+    record = {
+        "schema": RECORD_SCHEMA,
+        "kind": "gate-tokens",
+        "model": str(model_dir),
+        "dtype": dtype,
+        "reference": reference,
+        "reference_config": ref_run.config,
+        "deltaserve": {"fuse_attn_preamble": env.fuse_attn_preamble(), "use_triton": env.use_triton()},
+        "prompts": {"source": prompts, "seed": seed, "lengths": [r.prompt_len for r in results]},
+        "strict": {"num_exact": sum(r.is_exact for r in results), "num_prompts": len(results)},
+        "near_tie_margin": f"{TIE_ULPS:g} ulps of {dtype} at the reference's top logit",
+        "results": [asdict(r) for r in results],
+        "exit_code": code,
+        "output": report.lines,
+        "host": host_facts(Path(__file__).resolve().parents[2]),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":
