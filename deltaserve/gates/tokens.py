@@ -275,7 +275,13 @@ def _summary(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _token_text(tokenizer: Any, token: int) -> str:
-    return repr(tokenizer.decode([token])) if token >= 0 else "(none)"
+    if token < 0:
+        return "(none)"
+    try:
+        return repr(tokenizer.decode([token]))
+    except Exception:
+        # an id past the tokenizer (a padding row) has no text
+        return "(no text)"
 
 
 def _report(
