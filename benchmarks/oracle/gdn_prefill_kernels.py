@@ -1,0 +1,130 @@
+"""GDN prefill kernel time of vLLM 0.26.0's two backends, in isolation, on the H200 (issue 17, the magnitude).
+
+vLLM's production configuration on SM90 runs FlashInfer's chunk_gated_delta_rule; the offline oracle runs
+vLLM's Triton/FLA one (`--gdn-prefill-backend triton`, registry deviation gdn-prefill-triton). This script times
+both of vLLM's own entry points (qwen_gdn_linear_attn.fi_chunk_gated_delta_rule and fla_chunk_gated_delta_rule)
+on the inputs vLLM gives them (l2-normalised bf16 q/k, bf16 v, fp32 log-decay g and beta, an fp32 state
+[N, HV, dv, dk], in-kernel l2norm off), per layer, for the Qwen3.5-35B-A3B (HK 16, HV 32, 30 GDN layers) and
+27B (HK 16, HV 48, 48 GDN layers) shapes, at ISL 1024 and 3072 as one sequence and as a batch of 8 x 1024 (one
+8192-token step). It prints per-layer milliseconds (median of --iters after warm-up, CUDA events), the
+whole-model GDN prefill estimate (x layers) and the Triton/FlashInfer ratio, and writes JSON to --out.
+
+    PYTHONPATH=/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site \\
+        python3 benchmarks/oracle/gdn_prefill_kernels.py --out $OUT/gdn-prefill-kernels.json
+
+With --backends triton it runs without FlashInfer (the Triton half alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+# (name, HK, HV, number of GDN layers): the two benchmark shapes (benchmarks/oracle/make_dummy_models.py).
+SHAPES = (("35b-a3b", 16, 32, 30), ("27b", 16, 48, 48))
+HEAD_DIM = 128
+# (label, sequence lengths): one prompt at each ISL, and one 8192-token step of 8 prompts.
+CASES = (("isl1024", (1024,)), ("isl3072", (3072,)), ("8x1024", (1024,) * 8))
+
+
+def make_inputs(
+    num_tokens: int, num_seqs: int, num_k_heads: int, num_v_heads: int, head_dim: int, seed: int
+) -> dict[str, Any]:
+    """vLLM-shaped inputs for `num_seqs` sequences of `num_tokens` each, packed as one varlen batch."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    total = num_tokens * num_seqs
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.float32)
+
+    q = torch.nn.functional.normalize(randn(1, total, num_k_heads, head_dim), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(randn(1, total, num_k_heads, head_dim), dim=-1).to(torch.bfloat16)
+    v = randn(1, total, num_v_heads, head_dim).to(torch.bfloat16)
+    # log decay in (-0.5, 0): the range softplus(a + dt_bias) * -exp(A_log) takes for the releases
+    g = -0.5 * torch.rand(1, total, num_v_heads, generator=generator, device="cuda")
+    beta = torch.sigmoid(randn(1, total, num_v_heads))
+    state = 0.01 * randn(num_seqs, num_v_heads, head_dim, head_dim)
+    cu_seqlens = torch.arange(0, total + 1, num_tokens, device="cuda", dtype=torch.int32)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": state, "cu_seqlens": cu_seqlens}
+
+
+def time_kernel(fn: Any, inputs: dict[str, Any], iters: int) -> list[float]:
+    """Milliseconds per call (CUDA events), after three warm-up calls (the first compiles)."""
+    import torch
+
+    for _ in range(3):
+        fn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=False)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=False)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="triton,flashinfer")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    import torch
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    kernels = {"triton": gdn.fla_chunk_gated_delta_rule, "flashinfer": gdn.fi_chunk_gated_delta_rule}
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - set(kernels)
+    if unknown or not backends:
+        print(f"unknown backends {sorted(unknown)}; choose from {sorted(kernels)}")
+        return 2
+    rows = []
+    for shape, num_k_heads, num_v_heads, num_layers in SHAPES:
+        for case, lengths in CASES:
+            inputs = make_inputs(lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM, seed=0)
+            row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
+            row["num_gdn_layers"] = num_layers
+            for backend in backends:
+                try:
+                    times = time_kernel(kernels[backend], inputs, args.iters)
+                    row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
+                    row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
+                except Exception as exc:  # one backend failing must not hide the other's numbers
+                    row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
+            if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
+                row["triton_over_flashinfer"] = round(row["triton_ms_per_layer"] / row["flashinfer_ms_per_layer"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+    record = {
+        "kind": "gdn-prefill-kernels",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "vllm": __import__("vllm").__version__,
+        "head_dim": HEAD_DIM,
+        "iters": args.iters,
+        "rows": rows,
+    }
+    try:
+        record["flashinfer"] = __import__("flashinfer").__version__
+    except Exception as exc:
+        record["flashinfer"] = f"not importable: {exc}"
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    failed = [r for r in rows if any(k.endswith("_error") for k in r)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
