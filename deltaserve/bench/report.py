@@ -19,8 +19,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from deltaserve.bench.deviations import DEVIATIONS, Deviation, deviations_in
 from deltaserve.bench.grid import RECORD_SCHEMA, REPO_ROOT
-from deltaserve.bench.registry import DEVIATIONS, Deviation, deviations_in
 
 DEFAULT_RESULTS = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "BENCHMARKS.md"

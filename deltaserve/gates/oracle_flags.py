@@ -32,7 +32,8 @@ import tomllib
 from dataclasses import asdict
 from pathlib import Path
 
-from deltaserve.bench.registry import BACKEND_ENV, BACKEND_FLAGS, FORBIDDEN_FLAGS, REQUIRED_FLAGS
+from deltaserve.bench.deviations import BACKEND_ENV, BACKEND_FLAGS
+from deltaserve.bench.registry import FORBIDDEN_FLAGS, REQUIRED_FLAGS
 from deltaserve.gates.oracle_inprocess import find_inprocess
 from deltaserve.gates.oracle_scan import (
     CONFIG_SUFFIXES,

@@ -9,8 +9,8 @@ a `python -c` string), never running it. Names are resolved through the file's i
 Rules (the registry is deltaserve/bench/registry.py, found by path):
 - outside the registry every construction is a violation: it bypasses the registry's production configuration;
 - inside it, a construction may pass only `**kwargs` (built by `vllm_engine`), and those kwargs must set
-  `language_model_only` from the checkpoint (a dict entry whose value is not a constant); each `Deviation(...)`
-  must state a non-empty reason, direction and magnitude;
+  `language_model_only` from the checkpoint (a dict entry whose value is not a constant);
+- every `Deviation(...)` (deltaserve/bench/deviations.py) must state a non-empty reason, direction and magnitude;
 - outside the registry, setting `language_model_only` at all (keyword, dict key, item or attribute store, or
   `setattr`), a backend setting (`gdn_prefill_backend=...`, or such a key added to spread kwargs), or building an
   `OracleEngine` by hand is a violation: the registry decides them.
@@ -24,7 +24,7 @@ import io
 import tokenize
 from dataclasses import dataclass, field
 
-from deltaserve.bench.registry import BACKEND_FLAGS
+from deltaserve.bench.deviations import BACKEND_FLAGS
 from deltaserve.gates.oracle_scan import EXEMPT_RE, Launch
 
 CONSTRUCTORS = frozenset({"LLM", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "EngineArgs", "AsyncEngineArgs"})
@@ -189,6 +189,12 @@ def _registry_problems(tree: ast.AST) -> list[tuple[int, str]]:
     for key, value in lmo_entries:
         if isinstance(value, ast.Constant):
             problems.append((key.lineno, f"{LMO_KEY} is the constant {value.value!r}: it must follow the checkpoint"))
+    return problems
+
+
+def _deviation_problems(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, problem) for every `Deviation(...)` that lacks its reason, direction or magnitude."""
+    problems = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Deviation"):
             continue
@@ -250,11 +256,13 @@ def find_inprocess(text: str, path: str, first_line: int = 1, is_whole_file: boo
             if keyword.arg == LMO_KEY:
                 problems.append(f"sets {LMO_KEY}={ast.unparse(keyword.value)}: the registry decides it")
         judge(node, target, problems)
-    if is_registry:
-        for line, problem in _registry_problems(tree):
+    rules = (_registry_problems(tree) if is_registry else []) + (_deviation_problems(tree) if is_whole_file else [])
+    if rules:
+        for line, problem in rules:
             launch = Launch(path, line + offset, "registry (in-process rules)", "in-process", problems=[problem])
             launch.status = "violation"
             found.append(launch)
+    if is_registry:
         return found
     for node in ast.walk(tree):
         if id(node) in judged:

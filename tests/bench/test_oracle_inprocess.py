@@ -164,12 +164,14 @@ def test_registry_mutation_passing_explicit_kwargs_is_caught(tmp_path: Path) -> 
 
 
 def test_registry_mutation_blanking_a_deviation_reason_is_caught(tmp_path: Path) -> None:
-    source = (REPO / REGISTRY).read_text()
+    deviations = "deltaserve/bench/deviations.py"
+    write(tmp_path, REGISTRY, (REPO / REGISTRY).read_text())
+    source = (REPO / deviations).read_text()
     start = source.index('"gdn-prefill-triton": Deviation(')
     reason_start = source.index("reason=(", start)
     reason_end = source.index("),\n", reason_start) + 3
     mutant = source[:reason_start] + 'reason="",\n' + source[reason_end:]
-    write(tmp_path, REGISTRY, mutant)
+    write(tmp_path, deviations, mutant)
     code, launches, _ = check([tmp_path])
     violations = [launch for launch in launches if launch.status == "violation"]
     assert code == 1 and len(violations) == 1 and "without its reason" in violations[0].problems[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.bench import registry
+from deltaserve.bench import deviations, registry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,7 +121,7 @@ def test_site_deviations_are_named_with_reasons_and_a_denominator_note(tmp_path:
     # the sampler deviation moves nothing at temperature 0, so it is named but not in the denominator note
     assert "flashinfer-sampler-off" not in note
     assert any(reason.startswith("deviation gdn-prefill-triton") for reason in launch.reasons)
-    for deviation in registry.DEVIATIONS.values():
+    for deviation in deviations.DEVIATIONS.values():
         assert deviation.reason and deviation.direction and deviation.magnitude
     repaired = registry.vllm_launch(model, 1024, site="h200-offline-flashinfer")
     assert "--gdn-prefill-backend" not in repaired.argv and repaired.denominator_note is None
@@ -131,11 +131,11 @@ def test_site_deviations_are_named_with_reasons_and_a_denominator_note(tmp_path:
 
 def test_recorded_launches_are_recognised_and_backend_overrides_need_a_reason(tmp_path: Path) -> None:
     argv = ["vllm", "serve", "m", "--gdn-prefill-backend=triton"]
-    assert [d.name for d in registry.deviations_in(argv, {})] == ["gdn-prefill-triton"]
-    assert [d.name for d in registry.deviations_in(["vllm"], {"VLLM_USE_FLASHINFER_SAMPLER": "0"})] == [
+    assert [d.name for d in deviations.deviations_in(argv, {})] == ["gdn-prefill-triton"]
+    assert [d.name for d in deviations.deviations_in(["vllm"], {"VLLM_USE_FLASHINFER_SAMPLER": "0"})] == [
         "flashinfer-sampler-off"
     ]
-    assert registry.deviations_in(["vllm", "serve", "m", "--gdn-prefill-backend", "flashinfer"]) == []
+    assert deviations.deviations_in(["vllm", "serve", "m", "--gdn-prefill-backend", "flashinfer"]) == []
     assert registry.backend_overrides(["--moe-backend", "triton"], {"VLLM_ATTENTION_BACKEND": "X"}) == [
         "--moe-backend triton",
         "VLLM_ATTENTION_BACKEND=X",

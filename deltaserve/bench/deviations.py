@@ -1,0 +1,168 @@
+"""Sites and deviations: where the oracle runs, and every way a site forces it off its production configuration.
+
+A `Deviation` is named, with the reason it is forced, the direction it moves the ratios and its magnitude; the
+oracle registry (registry.py) adds a site's deviations to every launch it builds, records carry their names, a
+deviation that can move a metric becomes the arm's denominator note, and `bench report` marks the ratios it can
+move. A record's launch is recognised by its argv and environment too (`deviations_in`), so records written
+before a deviation was named are still marked. `deltaserve check oracle-flags` refuses a `Deviation(...)`
+without its reason, direction or magnitude.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Serve flags that pick a kernel backend vLLM would otherwise choose itself (vLLM 0.26 `EngineArgs`); a launch that
+# sets one overrides production and needs a registry deviation or an exemption with its reason.
+BACKEND_FLAGS: tuple[str, ...] = (
+    "--attention-backend",
+    "--gdn-prefill-backend",
+    "--mamba-backend",
+    "--moe-backend",
+    "--linear-backend",
+    "--mm-encoder-attn-backend",
+)
+# Environment variables with the same effect (read by vLLM's envs.py).
+BACKEND_ENV: tuple[str, ...] = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ATTENTION_BACKEND")
+# The metrics a prefill-side deviation can move (record metric names, as in the grid's ratios).
+PREFILL_METRICS = ("median_ttft_ms", "p99_ttft_ms", "output_throughput")
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """A named, reasoned departure from vLLM's production configuration that a site forces."""
+
+    name: str
+    reason: str
+    direction: str
+    magnitude: str
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    engine_kwargs: tuple[tuple[str, Any], ...] = ()  # the same setting for an in-process vllm.LLM
+    affects: tuple[str, ...] = ()  # record metrics it can move; empty: none
+
+    @property
+    def note(self) -> str:
+        """The denominator note every record of a launch with this deviation carries."""
+        return f"{self.name}: {self.reason}. Direction: {self.direction}. Magnitude: {self.magnitude}."
+
+
+DEVIATIONS: dict[str, Deviation] = {
+    "gdn-prefill-triton": Deviation(
+        name="gdn-prefill-triton",
+        reason=(
+            "--gdn-prefill-backend triton: on SM90 vLLM 0.26 picks FlashInfer's GDN prefill kernel by default "
+            "(qwen_gdn_linear_attn._resolve_gdn_prefill_backend), but FlashInfer is not in the offline bundle "
+            "(its SM90 kernel is a CuTe-DSL kernel of flashinfer-python 0.6.14 that needs nvidia-cutlass-dsl 4.6.0 "
+            "with its cu13 libraries; benchmarks/oracle/flashinfer.md), and with `auto` vLLM would select it "
+            "anyway and fail at the first prefill"
+        ),
+        direction="favours deltaserve on TTFT (and on throughput at high concurrency, where prefill shares the steps)",
+        magnitude=(
+            "unmeasured (benchmarks/grids/h200_gdn_backend.toml and benchmarks/oracle/gdn_prefill_kernels.py "
+            "measure it once FlashInfer runs on the H200)"
+        ),
+        flags=("--gdn-prefill-backend", "triton"),
+        engine_kwargs=(("gdn_prefill_backend", "triton"),),
+        affects=PREFILL_METRICS,
+    ),
+    "flashinfer-sampler-off": Deviation(
+        name="flashinfer-sampler-off",
+        reason=(
+            "VLLM_USE_FLASHINFER_SAMPLER=0: FlashInfer's top-k/top-p sampler is not in the offline bundle; "
+            "vLLM falls back to its own"
+        ),
+        direction="none for greedy runs: all-greedy batches never reach the top-k/top-p sampler (v1 Sampler.sample)",
+        magnitude="none at temperature 0 (every harness run); unmeasured for sampled runs",
+        env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"),),
+    ),
+}
+
+# Where the oracle runs: the environment its process needs and the deviations the site forces.
+SITES: dict[str, dict[str, Any]] = {
+    "h200-offline": {
+        "deviations": ["gdn-prefill-triton", "flashinfer-sampler-off"],
+        "env": {
+            "PYTHONPATH": "/tmp/vllm_site",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        },
+    },
+    # The H200 with FlashInfer carried beside the bundle (benchmarks/oracle/build_flashinfer_bundle.sh, unpack.sh
+    # flashinfer): vLLM's own GDN prefill choice, for the arm that measures what gdn-prefill-triton costs. The
+    # second PYTHONPATH entry stands for nvidia-cutlass-dsl's .pth file, which a PYTHONPATH folder does not read.
+    # The sampler stays off FlashInfer (no effect at temperature 0; its C++ JIT would need nvcc at start-up), so
+    # the two H200 sites differ in the GDN prefill kernel alone.
+    "h200-offline-flashinfer": {
+        "deviations": ["flashinfer-sampler-off"],
+        "env": {
+            "PYTHONPATH": "/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        },
+    },
+    "online": {"deviations": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
+}
+
+
+def site_deviations(site: str) -> list[Deviation]:
+    """The deviations a site forces, in order."""
+    if site not in SITES:
+        raise ValueError(f"unknown site {site!r}; known: {', '.join(SITES)}")
+    return [DEVIATIONS[name] for name in SITES[site]["deviations"]]
+
+
+def site_flags(site: str) -> list[str]:
+    return [flag for deviation in site_deviations(site) for flag in deviation.flags]
+
+
+def site_env(site: str) -> dict[str, str]:
+    env = dict(SITES[site]["env"]) if site in SITES else {}
+    for deviation in site_deviations(site):
+        env.update(dict(deviation.env))
+    return env
+
+
+def _split_equals(argv: list[str]) -> list[str]:
+    """argv with every `--flag=value` word split into `--flag value`."""
+    words: list[str] = []
+    for word in argv:
+        words += word.split("=", 1) if word.startswith("--") and "=" in word else [word]
+    return words
+
+
+def deviations_in(argv: list[str], env: dict[str, str] | None = None) -> list[Deviation]:
+    """The registry deviations a recorded launch carries, recognised from its argv and environment."""
+    words = _split_equals(argv)
+    env = env or {}
+    found = []
+    for deviation in DEVIATIONS.values():
+        size = len(deviation.flags)
+        has_flags = size > 0 and any(words[i : i + size] == list(deviation.flags) for i in range(len(words)))
+        has_env = bool(deviation.env) and all(env.get(k) == v for k, v in deviation.env)
+        if has_flags or has_env:
+            found.append(deviation)
+    return found
+
+
+def backend_overrides(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The backend flags and variables of a launch (each overrides a choice vLLM's defaults would make)."""
+    words = _split_equals(argv)
+    found = [
+        f"{w} {words[i + 1] if i + 1 < len(words) else ''}".strip() for i, w in enumerate(words) if w in BACKEND_FLAGS
+    ]
+    found += [f"{k}={v}" for k, v in (env or {}).items() if k in BACKEND_ENV]
+    return found
+
+
+def denominator_note(deviations: list[Deviation]) -> str | None:
+    """One note for every deviation of a launch that can move a metric (None when there is none)."""
+    notes = [d.note for d in deviations if d.affects]
+    return " ".join(notes) or None
