@@ -59,12 +59,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="random", choices=PROMPT_SOURCES, help="random tokens or corpus text")
     parser.add_argument("--site", default="h200-offline", help="where the vLLM reference runs (registry SITES)")
     parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
+    parser.add_argument(
+        "--reference-cache",
+        type=Path,
+        default=None,
+        help="reuse the reference's run from this file when it was made for the same checkpoint, dtype, reference "
+        "and prompts (else run it and save it here): one vLLM start serves several deltaserve configurations",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device, args.seed,
         args.max_prompt_len, prompts=args.prompts, site=args.site, record_path=args.record,
+        reference_cache=args.reference_cache,
     )  # fmt: skip
 
 
@@ -182,6 +190,7 @@ def run_gate(
     prompts: str = "random",
     site: str = "h200-offline",
     record_path: Path | None = None,
+    reference_cache: Path | None = None,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -197,7 +206,12 @@ def run_gate(
         # The reference first: a refused (partly random) reference stops the gate before deltaserve runs, and
         # vLLM must give the GPU back before deltaserve takes it.
         ref = _reference(reference, model_dir, dtype, run_device, max_prompt_len, seed, site)
-        ref_run = ref.run(prompt_ids, max_tokens)
+        key = {"model": str(model_dir.resolve()), "dtype": dtype, "reference": reference, "site": site,
+               "max_tokens": max_tokens, "prompts": prompt_ids}  # fmt: skip
+        ref_run = _cached_run(reference_cache, key)
+        if ref_run is None:
+            ref_run = ref.run(prompt_ids, max_tokens)
+            _save_run(reference_cache, key, ref_run)
         # transformers at the run dtype measures the noise floor (and is the reference itself in that mode).
         rounding = (
             ref if isinstance(ref, TransformersReference) else TransformersReference(model_dir, dtype, run_device)
@@ -216,6 +230,28 @@ def run_gate(
     if record_path is not None:
         _write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run, prompts, seed)
     return code
+
+
+def _cached_run(path: Path | None, key: dict[str, Any]) -> ReferenceRun | None:
+    """The saved reference run at `path` if it was made for exactly `key`, else None (and say why)."""
+    if path is None or not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if saved.get("key") != key:
+        print(f"gate tokens: {path} was made for another checkpoint, dtype, reference or prompt set; running anew")
+        return None
+    scores = [[StepScores({int(t): v for t, v in step["values"].items()}, step["is_complete"]) for step in row]
+              for row in saved["scores"]]  # fmt: skip
+    print(f"gate tokens: the {key['reference']} reference's run comes from {path}")
+    return ReferenceRun(saved["tokens"], scores, saved["config"] | {"from_cache": str(path)})
+
+
+def _save_run(path: Path | None, key: dict[str, Any], run: ReferenceRun) -> None:
+    if path is None:
+        return
+    scores = [[{"values": step.values, "is_complete": step.is_complete} for step in row] for row in run.scores]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "tokens": run.tokens, "scores": scores, "config": run.config}, default=str))
 
 
 def _compare(

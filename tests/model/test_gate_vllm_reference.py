@@ -147,3 +147,19 @@ def test_without_vllm_the_gate_refuses_clearly(
     assert run_gate(tiny_dense, reference="vllm", num_prompts=2, max_tokens=2) == 1
     out = capsys.readouterr().out
     assert "REFUSED" in out and "vLLM is not importable" in out and "unpack.sh" in out
+
+
+def test_one_vllm_run_serves_several_deltaserve_configurations(
+    tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built: list[dict[str, Any]] = []
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm(tiny_dense, built, True))
+    monkeypatch.setattr(registry, "apply_environment", lambda env: None)
+    cache = tmp_path / "vllm-run.json"
+    assert run_gate(tiny_dense, reference="vllm", num_prompts=2, max_tokens=3, reference_cache=cache) == 0
+    assert run_gate(tiny_dense, reference="vllm", num_prompts=2, max_tokens=3, reference_cache=cache) == 0
+    assert len([b for b in built if "model" in b]) == 1
+    assert "reference's run comes from" in capsys.readouterr().out
+    # another prompt set does not reuse it
+    assert run_gate(tiny_dense, reference="vllm", num_prompts=2, max_tokens=3, seed=1, reference_cache=cache) == 0
+    assert len([b for b in built if "model" in b]) == 2
