@@ -1,9 +1,13 @@
 """`deltaserve check all`: run every gate and print one summary line per gate.
 
-Gates: the static oracle-flags gate on the repository's harness sources, and the token-exactness gate
-(`deltaserve.gates.tokens.run_gate`, greedy tokens against transformers) on the three tiny checkpoints
-(dense, moe, next), generated into a temporary folder with `deltaserve.tiny.make_tiny`. Exit 0 when every
-gate passes; 1 when any gate fails (or cannot run); otherwise 2 when some gate found nothing to check.
+Gates: the static oracle-flags gate on the repository's harness sources; the token-exactness gate
+(`deltaserve.gates.tokens.run_gate`, greedy tokens against transformers in fp32) on the three trained tiny
+checkpoints shipped with the package (dense, moe, next; deltaserve/tiny/trained.py), or with `--checkpoints
+random` on make_tiny's random ones; the conditioning check on the trained ones (transformers-bf16 against
+transformers-fp32 >= 30 of 32, deltaserve/gates/conditioning.py), which shows a bf16 claim on them means
+something; and the MTP check (the trained MTP head's top-1 agreement with the trunk's next-next token on held-out
+text, at least MIN_MTP_AGREEMENT, deltaserve/tiny/mtp.py). Exit 0 when every gate passes; 1 when any gate fails
+(or cannot run); otherwise 2 when some gate found nothing to check.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import TextIO
 
 TINY_VARIANTS = ("dense", "moe", "next")
 STRICT_RE = re.compile(r"STRICT\s+(\d+)\s*/\s*(\d+)")
+# A random MTP head agrees with the trunk on about 1 token in 1300; a trained one on a good share of them.
+MIN_MTP_AGREEMENT = 0.3
 
 
 @dataclass
@@ -67,11 +73,23 @@ def oracle_flags_gate() -> GateResult:
     return GateResult("oracle-flags", code, summary.removeprefix("oracle-flags: "))
 
 
-def token_gates(num_prompts: int, max_tokens: int, variants: tuple[str, ...] = TINY_VARIANTS) -> list[GateResult]:
+def _checkpoint(tmp: str, variant: str, checkpoints: str) -> Path:
+    """The trained checkpoint shipped for `variant`, or a fresh random make_tiny one."""
+    if checkpoints == "trained":
+        from deltaserve.tiny.trained import trained_model_dir
+
+        return trained_model_dir(variant)
+    from deltaserve.tiny import make_tiny
+
+    return Path(make_tiny(Path(tmp) / variant, variant))
+
+
+def token_gates(
+    num_prompts: int, max_tokens: int, variants: tuple[str, ...] = TINY_VARIANTS, checkpoints: str = "trained"
+) -> list[GateResult]:
     """The token gate on each tiny checkpoint; an import failure fails every variant with the reason."""
     try:
         from deltaserve.gates.tokens import run_gate
-        from deltaserve.tiny import make_tiny
     except Exception as exc:
         return [GateResult(f"tokens[{v}]", 1, f"cannot import the gate: {exc}") for v in variants]
     results = []
@@ -79,9 +97,9 @@ def token_gates(num_prompts: int, max_tokens: int, variants: tuple[str, ...] = T
         for variant in variants:
             name = f"tokens[{variant}]"
             try:
-                model_dir = Path(make_tiny(Path(tmp) / variant, variant))
+                model_dir = _checkpoint(tmp, variant, checkpoints)
             except Exception as exc:
-                results.append(GateResult(name, 1, f"make_tiny failed: {exc}"))
+                results.append(GateResult(name, 1, f"no {checkpoints} checkpoint: {exc}"))
                 continue
             code, output = _run_captured(
                 lambda d=model_dir: run_gate(
@@ -100,6 +118,46 @@ def token_gates(num_prompts: int, max_tokens: int, variants: tuple[str, ...] = T
     return results
 
 
+def conditioning_gates(
+    num_prompts: int, max_tokens: int, variants: tuple[str, ...] = TINY_VARIANTS
+) -> list[GateResult]:
+    """transformers-bf16 against transformers-fp32 on each trained checkpoint (must agree on >= 30 of 32)."""
+    from deltaserve.gates.conditioning import check_conditioning
+
+    results = []
+    for variant in variants:
+        name = f"conditioning[{variant}]"
+        try:
+            model_dir = _checkpoint("", variant, "trained")
+        except Exception as exc:
+            results.append(GateResult(name, 1, f"no trained checkpoint: {exc}"))
+            continue
+        code, output = _run_captured(lambda d=model_dir: check_conditioning(d, num_prompts, max_tokens))
+        matches = STRICT_RE.findall(output)
+        detail = f"bf16 vs fp32 STRICT {matches[-1][0]}/{matches[-1][1]}" if matches else "no STRICT line printed"
+        results.append(GateResult(name, code, detail))
+    return results
+
+
+def mtp_gates(variants: tuple[str, ...] = TINY_VARIANTS) -> list[GateResult]:
+    """The trained MTP head's agreement with the trunk's next-next token on held-out text."""
+    results = []
+    for variant in variants:
+        name = f"mtp[{variant}]"
+        try:
+            from deltaserve.tiny.mtp import check_mtp
+
+            found = check_mtp(_checkpoint("", variant, "trained"))
+        except Exception as exc:
+            results.append(GateResult(name, 1, f"cannot measure: {type(exc).__name__}: {exc}"))
+            continue
+        detail = f"agreement {found.num_agree}/{found.num_positions} = {found.rate:.3f} (need >= {MIN_MTP_AGREEMENT:g})"
+        print(f"mtp check: {variant}: MTP top-1 agreement with the trunk's next-next token on held-out text: {detail}")
+        code = 2 if found.num_positions == 0 else (0 if found.rate >= MIN_MTP_AGREEMENT else 1)
+        results.append(GateResult(name, code, detail))
+    return results
+
+
 def overall_code(results: list[GateResult]) -> int:
     """1 if any gate failed, else 2 if any found nothing to check, else 0."""
     if any(r.code not in (0, 2) for r in results):
@@ -110,9 +168,17 @@ def overall_code(results: list[GateResult]) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--skip", action="append", default=[], choices=["oracle-flags", "tokens"])
+    parser.add_argument(
+        "--skip", action="append", default=[], choices=["oracle-flags", "tokens", "conditioning", "mtp"]
+    )
     parser.add_argument("--num-prompts", type=int, default=32, help="token gate prompts per tiny model")
     parser.add_argument("--max-tokens", type=int, default=32, help="token gate tokens per prompt")
+    parser.add_argument(
+        "--checkpoints",
+        default="trained",
+        choices=["trained", "random"],
+        help="the token gate's tiny checkpoints: the shipped trained ones (default) or fresh random make_tiny ones",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,11 +186,15 @@ def run(args: argparse.Namespace) -> int:
     if "oracle-flags" not in args.skip:
         results.append(oracle_flags_gate())
     if "tokens" not in args.skip:
-        results += token_gates(args.num_prompts, args.max_tokens)
+        results += token_gates(args.num_prompts, args.max_tokens, checkpoints=getattr(args, "checkpoints", "trained"))
+    if "conditioning" not in args.skip:
+        results += conditioning_gates(args.num_prompts, args.max_tokens)
+    if "mtp" not in args.skip:
+        results += mtp_gates()
     print()
     for result in results:
         verdict = {0: "PASS", 2: "NOTHING TO CHECK"}.get(result.code, f"FAIL (exit {result.code})")
-        print(f"{result.name:<16} {verdict:<18} {result.detail}")
+        print(f"{result.name:<20} {verdict:<18} {result.detail}")
     code = overall_code(results)
     num_failed = sum(1 for r in results if r.code not in (0, 2))
     print(f"check all: {'PASS' if code == 0 else 'FAIL'} ({len(results)} gates, {num_failed} failed)")

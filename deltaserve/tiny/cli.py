@@ -1,4 +1,8 @@
-"""`deltaserve make-tiny DIR`: write a tiny random checkpoint (dense, moe or next) and print where and how big."""
+"""`deltaserve make-tiny DIR`: write a tiny random checkpoint (dense, moe or next) and print where and how big.
+
+`--trained` copies the shipped trained checkpoint of the variant instead (deltaserve/tiny/trained.py); the
+recipe that made it is `python -m deltaserve.tiny.train DIR --variant V`.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="routed-expert tensors (default: fused for moe, per_expert for next; ignored for dense)",
     )
     parser.add_argument("--num-shards", type=int, default=2, help="safetensors shards (default: 2; 1 = no index)")
+    parser.add_argument(
+        "--trained",
+        action="store_true",
+        help="copy the shipped trained (well-conditioned) checkpoint of the variant instead of random weights",
+    )
 
 
 def _folder_size_bytes(folder: Path) -> int:
@@ -32,6 +41,12 @@ def _folder_size_bytes(folder: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trained:
+        from deltaserve.tiny.trained import copy_trained
+
+        folder = copy_trained(args.dir, args.variant)
+        print(f"{folder.resolve()}  ({args.variant}, trained, {_folder_size_bytes(folder) / 2**20:.1f} MiB)")
+        return 0
     # Imported here so that `--help` does not pay for torch.
     from deltaserve.tiny.generate import make_tiny
 

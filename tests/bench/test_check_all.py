@@ -14,7 +14,8 @@ from deltaserve.gates import oracle_flags
 
 
 def fake_token_gate(monkeypatch: pytest.MonkeyPatch, codes: dict[str, int], totals: dict[str, int]) -> list[str]:
-    """Replace deltaserve.gates.tokens and make_tiny; returns the variants the gate was called on."""
+    """Replace the token gate, the conditioning and MTP checks and the checkpoint lookup; returns the variants the
+    token gate was called on."""
     calls: list[str] = []
 
     def run_gate(model_dir: Path, reference: str = "transformers", num_prompts: int = 32, max_tokens: int = 32) -> int:
@@ -24,17 +25,24 @@ def fake_token_gate(monkeypatch: pytest.MonkeyPatch, codes: dict[str, int], tota
         print(f"STRICT {total if codes[variant] == 0 else total - 1}/{total}")
         return codes[variant]
 
-    def make_tiny(out_dir: Path, variant: str) -> Path:
-        Path(out_dir).mkdir(parents=True)
-        return Path(out_dir)
+    def check_conditioning(model_dir: Path, num_prompts: int = 32, max_tokens: int = 32) -> int:
+        print(f"conditioning: transformers-bfloat16 vs transformers-float32 STRICT {num_prompts}/{num_prompts}")
+        return 0
+
+    def check_mtp(model_dir: Path) -> object:
+        return types.SimpleNamespace(num_agree=60, num_positions=100, rate=0.6)
 
     monkeypatch.setitem(sys.modules, "deltaserve.gates.tokens", types.SimpleNamespace(run_gate=run_gate))
-    monkeypatch.setattr("deltaserve.tiny.make_tiny", make_tiny, raising=False)
+    monkeypatch.setitem(
+        sys.modules, "deltaserve.gates.conditioning", types.SimpleNamespace(check_conditioning=check_conditioning)
+    )
+    monkeypatch.setitem(sys.modules, "deltaserve.tiny.mtp", types.SimpleNamespace(check_mtp=check_mtp))
+    monkeypatch.setattr(check_all, "_checkpoint", lambda tmp, variant, checkpoints: Path("/nowhere") / variant)
     return calls
 
 
 def args(**overrides: object) -> argparse.Namespace:
-    return argparse.Namespace(**{"skip": [], "num_prompts": 4, "max_tokens": 4, **overrides})
+    return argparse.Namespace(**{"skip": [], "num_prompts": 4, "max_tokens": 4, "checkpoints": "trained", **overrides})
 
 
 def test_all_gates_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -42,15 +50,17 @@ def test_all_gates_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     assert check_all.run(args()) == 0
     out = capsys.readouterr().out
     assert calls == ["dense", "moe", "next"]
-    assert "oracle-flags     PASS" in out and "tokens[next]     PASS               STRICT 4/4" in out
-    assert "check all: PASS (4 gates, 0 failed)" in out
+    assert "oracle-flags         PASS" in out and "tokens[next]         PASS               STRICT 4/4" in out
+    assert "conditioning[moe]    PASS               bf16 vs fp32 STRICT 4/4" in out
+    assert "mtp[dense]           PASS               agreement 60/100 = 0.600" in out
+    assert "check all: PASS (10 gates, 0 failed)" in out
 
 
 def test_a_failing_gate_fails_the_whole(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     fake_token_gate(monkeypatch, {"dense": 0, "moe": 1, "next": 0}, {})
     assert check_all.run(args(skip=["oracle-flags"])) == 1
     out = capsys.readouterr().out
-    assert "tokens[moe]      FAIL (exit 1)      STRICT 3/4" in out and "1 failed" in out
+    assert "tokens[moe]          FAIL (exit 1)      STRICT 3/4" in out and "1 failed" in out
 
 
 def test_nothing_to_check_is_2_unless_something_failed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -58,7 +68,7 @@ def test_nothing_to_check_is_2_unless_something_failed(monkeypatch: pytest.Monke
     assert check_all.run(args(skip=["oracle-flags"])) == 2
     monkeypatch.setattr(oracle_flags, "DEFAULT_PATHS", ())
     monkeypatch.setattr(oracle_flags, "default_paths", lambda: [tmp_path])
-    assert check_all.run(args(skip=["tokens"])) == 2
+    assert check_all.run(args(skip=["tokens", "conditioning", "mtp"])) == 2
     fake_token_gate(monkeypatch, {"dense": 1, "moe": 0, "next": 0}, {})
     assert check_all.run(args()) == 1
 
@@ -82,3 +92,30 @@ def test_failures_beyond_strict_are_named(monkeypatch: pytest.MonkeyPatch, capsy
     monkeypatch.setitem(sys.modules, "deltaserve.gates.tokens", types.SimpleNamespace(run_gate=run_gate))
     assert check_all.run(args(skip=["oracle-flags"])) == 1
     assert "STRICT 4/4; prefill-then-decode vs full forward: 3e-4 (tolerance 1e-5) FAIL" in capsys.readouterr().out
+
+
+def test_conditioning_and_mtp_failures_fail_the_whole(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    fake_token_gate(monkeypatch, {"dense": 0, "moe": 0, "next": 0}, {})
+
+    def badly_conditioned(model_dir: Path, num_prompts: int = 32, max_tokens: int = 32) -> int:
+        print(f"conditioning: transformers-bfloat16 vs transformers-float32 STRICT 3/{num_prompts}")
+        return 1
+
+    monkeypatch.setitem(
+        sys.modules, "deltaserve.gates.conditioning", types.SimpleNamespace(check_conditioning=badly_conditioned)
+    )
+    untrained = types.SimpleNamespace(num_agree=1, num_positions=1000, rate=0.001)
+    monkeypatch.setitem(sys.modules, "deltaserve.tiny.mtp", types.SimpleNamespace(check_mtp=lambda d: untrained))
+    assert check_all.run(args(skip=["oracle-flags", "tokens"])) == 1
+    out = capsys.readouterr().out
+    assert "conditioning[dense]  FAIL (exit 1)      bf16 vs fp32 STRICT 3/4" in out
+    assert "mtp[next]            FAIL (exit 1)      agreement 1/1000 = 0.001" in out and "6 failed" in out
+
+
+def test_the_trained_checkpoints_are_found_as_package_data() -> None:
+    for variant in check_all.TINY_VARIANTS:
+        folder = check_all._checkpoint("", variant, "trained")
+        assert (folder / "config.json").is_file() and (folder / "training.json").is_file()
+        assert any(folder.glob("*.safetensors"))

@@ -1,0 +1,38 @@
+"""The trained tiny checkpoints shipped as package data (deltaserve/tiny/trained/<variant>/).
+
+They are `make_tiny`'s checkpoints trained on the shipped corpus by deltaserve/tiny/train.py (trunk and MTP
+head), so their logits are peaked and bf16 rounding rarely flips a greedy token: the checkpoints on which a bf16
+exactness claim means something (issue 13). `trained_model_dir` finds one; `copy_trained` copies one out (for
+`deltaserve make-tiny DIR --trained`). Each folder's training.json states the recipe that made it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TRAINED_ROOT = Path(__file__).with_name("trained")
+TRAINED_VARIANTS: tuple[str, ...] = ("dense", "moe", "next")
+
+
+def trained_model_dir(variant: str) -> Path:
+    """The shipped trained checkpoint of `variant` (read-only package data)."""
+    folder = TRAINED_ROOT / variant
+    if not (folder / "config.json").is_file():
+        shipped = sorted(p.parent.name for p in TRAINED_ROOT.glob("*/config.json"))
+        raise FileNotFoundError(
+            f"no trained tiny checkpoint for variant {variant!r} in {TRAINED_ROOT} "
+            f"(shipped: {', '.join(shipped) or 'none'}); make one with "
+            f"`python -m deltaserve.tiny.train DIR --variant {variant}`"
+        )
+    return folder
+
+
+def copy_trained(out_dir: Path | str, variant: str) -> Path:
+    """Copy the shipped trained checkpoint of `variant` into out_dir (replaced if it exists) and return it."""
+    source = trained_model_dir(variant)
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(source, out_dir)
+    return out_dir

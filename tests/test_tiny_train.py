@@ -1,0 +1,108 @@
+"""The trained-checkpoint recipe (deltaserve/tiny/train.py) and the MTP head (deltaserve/tiny/mtp.py): the writer
+keeps make_tiny's exact format, the noise rows teach an anchor, a few steps really train, the head's layout is
+the official one, and the shipped checkpoints are what their manifests say."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deltaserve.tiny import train as train_module
+from deltaserve.tiny.mtp import corpus_split, fuse_experts, load_mtp_head, unfuse_experts
+from deltaserve.tiny.trained import TRAINED_VARIANTS, trained_model_dir
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def test_corpus_split_holds_out_every_tenth_paragraph() -> None:
+    train, held = corpus_split("\n\n".join(f"p{i}" for i in range(25)))
+    assert held.split() == ["p5", "p15"] and "p5" not in train.split() and len(train.split()) == 23
+
+
+def test_fused_and_per_expert_layouts_round_trip() -> None:
+    gate_up = torch.randn(4, 6, 5)
+    down = torch.randn(4, 5, 3)
+    per_expert = unfuse_experts("m.layers.0.mlp.experts.gate_up_proj", gate_up)
+    per_expert |= unfuse_experts("m.layers.0.mlp.experts.down_proj", down)
+    assert torch.equal(per_expert["m.layers.0.mlp.experts.2.gate_proj.weight"], gate_up[2, :3])
+    assert torch.equal(per_expert["m.layers.0.mlp.experts.2.up_proj.weight"], gate_up[2, 3:])
+    fused = fuse_experts(per_expert, "m.layers.0.mlp.experts.", 4)
+    assert torch.equal(fused["m.layers.0.mlp.experts.gate_up_proj"], gate_up)
+    assert torch.equal(fused["m.layers.0.mlp.experts.down_proj"], down)
+
+
+def test_noise_rows_end_in_the_anchor_their_last_token_names(tiny_dense: Path) -> None:
+    recipe = train_module.recipe_for("dense", anchor_fraction=1.0, batch_size=6)
+    train_text, _ = corpus_split()
+    paragraphs = [train_module._tokenize(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
+    batches = train_module._Batches(paragraphs, train_module._num_ordinary(tiny_dense), recipe)
+    assert len(batches.anchors) == recipe.num_anchors
+    rows, is_target = batches.next()
+    assert rows.shape == is_target.shape == (6, recipe.seq_len)
+    for row, mask in zip(rows, is_target, strict=True):
+        num_noise = int((~mask).sum())
+        assert num_noise >= 1 and bool(mask[num_noise:].all()) and int(row[:num_noise].max()) < 1280
+        anchor = batches.anchors[int(row[num_noise - 1]) % recipe.num_anchors]
+        assert torch.equal(row[num_noise:], batches.ids[anchor : anchor + recipe.seq_len - num_noise])
+
+
+@pytest.mark.parametrize("variant", ["dense", "next"])
+def test_a_few_steps_train_and_keep_the_make_tiny_format(
+    variant: str, tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Fused dense weights and Qwen3-Next's per-expert experts come back in make_tiny's names, shapes, dtypes and
+    shards; the loss falls; transformers loads the result whole; the MTP head loads from its mtp.* tensors."""
+    recipe = train_module.recipe_for(variant, num_steps=6, batch_size=2, seq_len=48, num_warmup_steps=2)
+    tensors, report = train_module.train(tiny_dirs[variant], recipe, log_every=0)
+    template = tensors_of(tiny_dirs[variant])
+    assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
+    assert report.final_loss < report.first_loss
+    changed = [name for name in template if not torch.equal(tensors[name], template[name])]
+    assert any(name.startswith("mtp.") for name in changed) and any("layers.0." in name for name in changed)
+    out = tmp_path / variant
+    train_module._write(tiny_dirs[variant], out, tensors, report)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(
+        p.name for p in tiny_dirs[variant].glob("*.safetensors")
+    )
+    assert json.loads((out / "training.json").read_text())["recipe"]["num_steps"] == 6
+    from deltaserve.gates.references import load_transformers
+
+    trunk, _ = load_transformers(out, torch.float32, "cpu")
+    head = load_mtp_head(trunk, out)
+    assert torch.equal(head.fc.weight.to(torch.bfloat16), tensors["mtp.fc.weight"])
+    # padding rows past the tokenizer stay zero (never-trained padding, logits exactly 0)
+    embed = next(v for k, v in tensors.items() if k.endswith("embed_tokens.weight"))
+    assert not embed[1300:].any() and (out.stat().st_mode & 0o777) == 0o755
+
+
+def test_a_broken_expert_writer_is_caught_by_the_round_trip(tiny_next: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def swapped(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = unfuse_experts(name, tensor)
+        return {k.replace("gate_proj", "TMP").replace("up_proj", "gate_proj").replace("TMP", "up_proj"): v
+                for k, v in out.items()}  # fmt: skip
+
+    monkeypatch.setattr(train_module, "unfuse_experts", swapped)
+    with pytest.raises(RuntimeError, match="does not round-trip"):
+        train_module.train(tiny_next, train_module.recipe_for("next", num_steps=1, batch_size=1, seq_len=40), 0)
+
+
+@pytest.mark.parametrize("variant", TRAINED_VARIANTS)
+def test_shipped_trained_checkpoint_matches_its_manifest(variant: str, tiny_dirs: dict[str, Path]) -> None:
+    folder = trained_model_dir(variant)
+    manifest = json.loads((folder / "training.json").read_text())
+    tensors = tensors_of(folder)
+    assert {name: train_module._sha256(t) for name, t in tensors.items()} == manifest["tensor_sha256"]
+    template = tensors_of(tiny_dirs[variant])
+    assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
+    assert manifest["recipe"] == asdict(train_module.recipe_for(variant))
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 4 * 2**20
