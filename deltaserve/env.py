@@ -44,6 +44,12 @@ def cuda_graphs() -> bool:
     return _flag("DELTASERVE_CUDA_GRAPHS", True)
 
 
+def enable_multiprocessing() -> bool:
+    """DELTASERVE_ENABLE_MULTIPROCESSING (default 1): the server runs its engine core in a process of its own
+    (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); 0 keeps it on a thread of the API process."""
+    return _flag("DELTASERVE_ENABLE_MULTIPROCESSING", True)
+
+
 def cache_dir() -> Path:
     """DELTASERVE_CACHE_DIR (default ~/.cache/deltaserve): where the built-in tiny checkpoint is generated."""
     value = os.environ.get("DELTASERVE_CACHE_DIR")

@@ -76,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* routes")
     add("--tokenizer", default=None, help="tokenizer folder or id (default: MODEL)")
     add("--max-model-len", type=human_int, default=None, help="context length, e.g. 32768 or 32k (default: model)")
-    add("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences in one batch (default: vLLM's, 1024 on an H200, capped by the GDN state memory)",
+    )
     add("--max-num-batched-tokens", type=human_int, default=None, help="token budget of one engine step")
     add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + caches")
     add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
@@ -89,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--block-size", type=int, default=16, help="tokens per KV-cache block")
     add("--seed", type=int, default=0)
     add("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan the next engine step while the current one runs (default on, as in vLLM)",
+    )
     add(
         "--device",
         default=None,
@@ -175,6 +186,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
     )
@@ -240,8 +252,17 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     app.state.uvicorn_server = server  # the lifespan logs "ready" once the socket listens
+
+    def stop_on_core_death() -> None:
+        # called from the engine's output thread: uvicorn's main loop polls should_exit and shuts down gracefully
+        server.should_exit = True
+
+    engine.on_dead = stop_on_core_death
     # uvicorn re-raises Ctrl-C after its graceful shutdown, which has already happened by then.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+    if engine.is_dead:
+        logger.error("deltaserve stopped: the engine core died")
+        return 1
     logger.info("deltaserve stopped")
     return 0

@@ -31,7 +31,6 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("--no-enable-prefix-caching", "prefix caching is not configurable from serve"),
     ("--enable-chunked-prefill", "prefill chunking follows --max-num-batched-tokens"),
     ("--no-enable-chunked-prefill", "prefill chunking follows --max-num-batched-tokens"),
-    ("--async-scheduling", "the engine loop runs on its own thread"),
     ("--enable-expert-parallel", "one GPU: every expert is local"),
     ("--disable-log-requests", "requests are not logged"),
     ("--enable-log-requests", "requests are not logged"),

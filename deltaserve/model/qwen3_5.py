@@ -93,6 +93,10 @@ class Qwen35Model(nn.Module):
         hidden, _ = rms_norm(hidden, self.norm, self.eps, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast)."""
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast), written into
+        `out` [B, V] fp32 when given (the decode graphs share one such buffer)."""
+        logits = F.linear(hidden, self.lm_head)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
