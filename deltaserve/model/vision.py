@@ -144,6 +144,17 @@ class VisionTower(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.patch_weight.dtype
 
+    def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[S, C·Tp·P·P] -> [S, Hv]. The Conv3d and the GEMM are the same sum in a different order: the CPU
+        runs transformers' Conv3d (its reference here, bit for bit), CUDA the GEMM, as vLLM does (doc §4.3)."""
+        if pixels.is_cuda:
+            return F.linear(pixels, self.patch_weight, self.patch_bias)
+        config = self.config
+        kernel = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+        weight = self.patch_weight.view(-1, *kernel)
+        out = F.conv3d(pixels.view(-1, *kernel), weight, self.patch_bias, stride=kernel[1:])
+        return out.view(pixels.shape[0], -1)
+
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values [S, C·Tp·P·P] (any float dtype; cast to the tower's) -> [S/4, out_hidden]."""
         config = self.config
@@ -151,7 +162,7 @@ class VisionTower(nn.Module):
         device = self.patch_weight.device
         if pixel_values.shape[0] != sum(t * h * w for t, h, w in grids) or pixel_values.shape[1] != config.patch_dim:
             raise ValueError(f"pixel_values {list(pixel_values.shape)} do not match grids {grids}")
-        x = F.linear(pixel_values.to(device=device, dtype=self.dtype), self.patch_weight, self.patch_bias)  # [S, Hv]
+        x = self.embed_patches(pixel_values.to(device=device, dtype=self.dtype))  # [S, Hv]
         indices, weights = interpolation_taps(grids, config.num_grid_per_side, config.spatial_merge_size)
         pos = (self.pos_embed[indices.to(device)] * weights.to(device)[:, :, None]).sum(1)  # fp32 [S, Hv]
         x = x + pos.to(x.dtype)
