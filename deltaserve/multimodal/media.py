@@ -118,6 +118,8 @@ class MediaLoader:
         orientation, then RGB with any transparency composited onto the background colour."""
         try:
             image = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exc:
+            raise MediaSizeError(f"Image dimensions exceed the maximum: {exc}") from None
         except (UnidentifiedImageError, OSError) as exc:
             raise MediaDecodeError(f"Failed to load image: {exc}") from None
         width, height = image.size
@@ -132,14 +134,14 @@ class MediaLoader:
                 image = ImageOps.exif_transpose(image)
             image.load()
             image = self._to_rgb(image)
-            pixels = np.asarray(image, dtype=np.uint8)
+            pixels = np.array(image, dtype=np.uint8)
         except Image.DecompressionBombError as exc:
             raise MediaSizeError(f"Failed to load image: {exc}") from None
         except (OSError, SyntaxError, ValueError) as exc:
             raise MediaDecodeError(f"Failed to load image: {exc}") from None
         if pixels.ndim != 3 or pixels.shape[2] != 3 or 0 in pixels.shape:
             raise MediaDecodeError(f"Failed to load image: decoded to shape {list(pixels.shape)}")
-        return np.ascontiguousarray(pixels)
+        return pixels
 
     def _to_rgb(self, image: Image.Image) -> Image.Image:
         if image.mode == "RGB":

@@ -173,6 +173,14 @@ class MultimodalProcessor:
     ) -> tuple[list[int], MultimodalInput]:
         """Loads and preprocesses every item, expands the placeholders, computes the MRoPE positions."""
         self.check_limits(refs)
+        for modality, token in (("image", self.tokens.image), ("video", self.tokens.video)):
+            # checked before any media is fetched or decoded; expand_placeholders checks again
+            num_pads, num_items = prompt_token_ids.count(token), sum(ref.modality == modality for ref in refs)
+            if num_pads != num_items:
+                raise MediaRequestError(
+                    f"the prompt has {num_pads} {modality} placeholder(s) for {num_items} {modality}(s); the "
+                    "placeholder tokens come from the chat template and must not appear in the text"
+                )
         configs = self.configs.with_overrides(mm_processor_kwargs)
         loaded = [self.load(ref) for ref in refs]
         return self.process_loaded(prompt_token_ids, loaded, configs)
