@@ -92,7 +92,7 @@ def test_content_parts_limits_and_errors(tiny: tuple) -> None:
         processor.parse_messages(too_many)
     with pytest.raises(MediaRequestError, match=r"messages\[0\].content\[0\]: `image_url`"):
         processor.parse_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
-    with pytest.raises(MediaRequestError, match="placeholders"):
+    with pytest.raises(MediaRequestError, match=r"0 image placeholder\(s\) for 1 image"):
         processor.process([1, 2, 3], refs[:1])
     bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}]
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: .*text/plain"):
