@@ -96,7 +96,7 @@ def test_content_parts_limits_and_errors(tiny: tuple) -> None:
         processor.process([1, 2, 3], refs[:1])
     bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}]
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: .*text/plain"):
-        processor.process([IMAGE], processor.parse_messages(bad))
+        processor.process([processor.tokens.image], processor.parse_messages(bad))
 
 
 def test_limit_mm_per_prompt_json_forms() -> None:
