@@ -348,7 +348,7 @@ def parse_vision_config(data: dict[str, Any], path: Path, text_hidden_size: int)
         raise vision.fail("hidden_act", f"is {act!r}; the vision tower supports {', '.join(VISION_ACTIVATIONS)}")
     out_hidden = vision.positive("out_hidden_size", default=3584)
     if out_hidden != text_hidden_size:
-        raise vision.fail("out_hidden_size", f"({out_hidden}) must equal the decoder's hidden_size ({text_hidden_size})")
+        raise vision.fail("out_hidden_size", f"({out_hidden}) must equal the decoder's hidden_size {text_hidden_size}")
     deepstack = vision.get("deepstack_visual_indexes", list, default=[])
     if deepstack:
         # Qwen3.5/3.6 have no deepstack mergers (doc §4.7): a non-empty list names tensors these models lack.

@@ -21,7 +21,13 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from deltaserve.multimodal.errors import MediaDecodeError, MediaPathError, MediaRequestError, MediaSizeError, MediaTypeError
+from deltaserve.multimodal.errors import (
+    MediaDecodeError,
+    MediaPathError,
+    MediaRequestError,
+    MediaSizeError,
+    MediaTypeError,
+)
 from deltaserve.multimodal.video import VideoMetadata
 
 # vLLM's VLLM_MAX_IMAGE_PIXELS default (also Pillow's decompression-bomb error threshold): checked on the header,

@@ -174,7 +174,9 @@ class ProcessorConfigs:
     video: VideoProcessorConfig
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessorConfigs:
+    def from_model_dir(
+        cls, model_dir: str | Path, mm_processor_kwargs: dict[str, Any] | None = None
+    ) -> ProcessorConfigs:
         """Reads the two processor files (transformers' defaults for a missing one) and applies vLLM-style
         mm_processor_kwargs, which go to both processors (as vLLM forwards them to the HF processor call)."""
         model_dir = Path(model_dir)

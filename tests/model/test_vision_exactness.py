@@ -38,7 +38,6 @@ PROMPTS: dict[str, dict[str, Any]] = {
 }
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> object:
     """Tiny matmuls on a shared 2-core machine: one thread is several times faster (as the engine sets)."""
@@ -46,6 +45,7 @@ def _one_thread() -> object:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
 
 class Case:
     """One variant's checkpoint, deltaserve driver, transformers reference and processor, built once."""

@@ -18,7 +18,6 @@ from deltaserve.model.vision import VisionTower, interpolation_taps
 from tests.model.vision_driver import tiny_vision_checkpoint
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> object:
     """Tiny matmuls on a shared 2-core machine: one thread is several times faster (as the engine sets)."""
@@ -26,6 +25,7 @@ def _one_thread() -> object:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
 
 @pytest.fixture(scope="module")
 def dense_vl() -> Path:

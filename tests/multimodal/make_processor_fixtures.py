@@ -89,7 +89,8 @@ def main(tiny_dir: str) -> None:
     metadata = VideoMetadata(total_num_frames=video_spec["frames"], fps=video_spec["fps"],
                              frames_indices=list(range(video_spec["frames"])))  # fmt: skip
     text = processor.tokenizer.apply_chat_template(case["messages"], tokenize=False, add_generation_prompt=True)
-    result = processor(text=[text], images=[Image.fromarray(image) for image in images], videos=[video], return_tensors="pt",
+    pil_images = [Image.fromarray(image) for image in images]
+    result = processor(text=[text], images=pil_images, videos=[video], return_tensors="pt",
                        videos_kwargs={"video_metadata": [metadata], "do_sample_frames": False,
                                       "cap_pixels_per_frame": False})  # fmt: skip
     out["prompt"] = {

@@ -29,7 +29,12 @@ IMAGE_CASES: list[dict[str, Any]] = [
     {"name": "img-3x700-aspect", "height": 3, "width": 700},
     {"name": "img-2000x3000", "height": 2000, "width": 3000},
     {"name": "img-4000x5000-huge", "height": 4000, "width": 5000},
-    {"name": "img-480x640-min-max", "height": 480, "width": 640, "size": {"shortest_edge": 4096, "longest_edge": 65536}},
+    {
+        "name": "img-480x640-min-max",
+        "height": 480,
+        "width": 640,
+        "size": {"shortest_edge": 4096, "longest_edge": 65536},
+    },  # fmt: skip
     {"name": "img-1024-max", "height": 1024, "width": 1024, "size": {"shortest_edge": 65536, "longest_edge": 262144}},
     {"name": "img-47x33-small", "height": 47, "width": 33, "size": {"shortest_edge": 1024, "longest_edge": 4096}},
     {"name": "img-97x61-odd", "height": 97, "width": 61, "size": {"shortest_edge": 2048, "longest_edge": 8192}},
@@ -39,16 +44,44 @@ VIDEO_CASES: list[dict[str, Any]] = [
     {"name": "vid-9f-fps3", "frames": 9, "height": 64, "width": 96, "fps": 3.0, "sample": True},
     {"name": "vid-15f-fps30-min-frames", "frames": 15, "height": 48, "width": 80, "fps": 30.0, "sample": True},
     {"name": "vid-5f-presampled-odd", "frames": 5, "height": 64, "width": 64, "fps": 2.0, "sample": False},
-    {"name": "vid-7f-num-frames", "frames": 7, "height": 40, "width": 72, "fps": 24.0, "sample": True,
-     "kwargs": {"num_frames": 5, "fps": None}},  # fmt: skip
-    {"name": "vid-4f-720p-cap-on", "frames": 4, "height": 720, "width": 1280, "fps": 2.0, "sample": True,
-     "kwargs": {"cap_pixels_per_frame": True}},  # fmt: skip
-    {"name": "vid-4f-720p-cap-off", "frames": 4, "height": 720, "width": 1280, "fps": 2.0, "sample": True,
-     "kwargs": {"cap_pixels_per_frame": False}},  # fmt: skip
+    {
+        "name": "vid-7f-num-frames",
+        "frames": 7,
+        "height": 40,
+        "width": 72,
+        "fps": 24.0,
+        "sample": True,
+        "kwargs": {"num_frames": 5, "fps": None},
+    },  # fmt: skip
+    {
+        "name": "vid-4f-720p-cap-on",
+        "frames": 4,
+        "height": 720,
+        "width": 1280,
+        "fps": 2.0,
+        "sample": True,
+        "kwargs": {"cap_pixels_per_frame": True},
+    },  # fmt: skip
+    {
+        "name": "vid-4f-720p-cap-off",
+        "frames": 4,
+        "height": 720,
+        "width": 1280,
+        "fps": 2.0,
+        "sample": True,
+        "kwargs": {"cap_pixels_per_frame": False},
+    },  # fmt: skip
     {"name": "vid-6f-tiny-16x20", "frames": 6, "height": 16, "width": 20, "fps": 2.0, "sample": True},
     {"name": "vid-10f-fps7.5", "frames": 10, "height": 32, "width": 64, "fps": 7.5, "sample": True},
-    {"name": "vid-3f-presampled-budget", "frames": 3, "height": 200, "width": 300, "fps": 1.0, "sample": False,
-     "kwargs": {"size": {"shortest_edge": 4096, "longest_edge": 60000}}},  # fmt: skip
+    {
+        "name": "vid-3f-presampled-budget",
+        "frames": 3,
+        "height": 200,
+        "width": 300,
+        "fps": 1.0,
+        "sample": False,
+        "kwargs": {"size": {"shortest_edge": 4096, "longest_edge": 60000}},
+    },  # fmt: skip
 ]
 
 # One chat with text, two images and a video, through transformers' whole Qwen3VLProcessor (template rendering,

@@ -16,7 +16,9 @@ def synthetic_image(height: int, width: int, seed: int = 0) -> np.ndarray:
         v *= np.uint64(0x5BD1E995)
         v ^= v >> np.uint64(15)
         noise = (v & np.uint64(255)) >> np.uint64(1)
-        gradient = ((x * np.uint64(255)) // np.uint64(max(width - 1, 1)) + (y * np.uint64(97)) // np.uint64(max(height - 1, 1)) * np.uint64(c + 1)) >> np.uint64(1)  # fmt: skip
+        across = (x * np.uint64(255)) // np.uint64(max(width - 1, 1))
+        down = (y * np.uint64(97)) // np.uint64(max(height - 1, 1)) * np.uint64(c + 1)
+        gradient = (across + down) >> np.uint64(1)
         out[..., c] = ((noise + gradient) & np.uint64(255)).astype(np.uint8)
     return out
 

@@ -72,7 +72,8 @@ def test_chat_expansion_equals_transformers_processor(tiny: tuple) -> None:
     runs = [p for it in mm_input.items for first, n in it.embed_runs for p in range(first, first + n)]
     assert sorted(runs) == pads
     video_item = mm_input.items[1]
-    assert ids[video_item.offset - 1] == processor.tokens.vision_start and ids[video_item.end] == processor.tokens.vision_end
+    assert ids[video_item.offset - 1] == processor.tokens.vision_start
+    assert ids[video_item.end] == processor.tokens.vision_end
     assert len(video_item.embed_runs) == video_item.grid_thw[0]
 
 
@@ -80,8 +81,10 @@ def test_content_parts_limits_and_errors(tiny: tuple) -> None:
     _, _, processor = tiny
     messages = [
         {"role": "system", "content": "hi"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": png_url()}},
-                                     {"image_url": png_url(16, 16)}, {"type": "video", "video": [png_url(), png_url()]}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": png_url()}},
+            {"image_url": png_url(16, 16)}, {"type": "video", "video": [png_url(), png_url()]},
+        ]},
     ]  # fmt: skip
     refs = processor.parse_messages(messages)
     assert [(r.modality, r.location) for r in refs] == [

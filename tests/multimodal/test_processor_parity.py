@@ -63,7 +63,9 @@ def test_video_equals_transformers_torchvision(case: dict) -> None:
     assert digest(video.pixel_values) == expected["sha256"], "pixel_values_videos differ from transformers'"
 
 
-PIL_CASES = [c for c in IMAGE_CASES if c["height"] * c["width"] <= 1_000_000 and "error" not in FIXTURES["images"][c["name"]]]
+PIL_CASES = [
+    c for c in IMAGE_CASES if c["height"] * c["width"] <= 1_000_000 and "error" not in FIXTURES["images"][c["name"]]
+]
 
 
 @pytest.mark.parametrize("case", PIL_CASES, ids=[c["name"] for c in PIL_CASES])
