@@ -176,6 +176,18 @@ class MediaLoader:
             raise MediaTypeError(f"video_url data URL has MIME type {mime!r}; expected video/*")
         return self._decode_video_file(self._b64decode(payload, "video"))
 
+    def load_frame_urls(self, urls: list[str], fps: float | None = None) -> LoadedVideo:
+        """A video given as a list of image URLs (data: or file:), one per frame."""
+        frames = []
+        for url in urls:
+            mime, payload = self._read_url(url, "video frame")
+            if mime is not None:
+                if not mime.startswith("image/"):
+                    raise MediaTypeError(f"video frame data URL has MIME type {mime!r}; expected image/*")
+                payload = self._b64decode(payload, "video frame")
+            frames.append(payload)
+        return self.load_frames(frames, fps)
+
     def load_frames(self, frames: list[bytes], fps: float | None = None) -> LoadedVideo:
         """A pre-sampled list of encoded frames: all kept (no resampling), source indices 0..n-1."""
         if not frames:

@@ -156,11 +156,7 @@ class MultimodalProcessor:
             if ref.modality == "image":
                 return self.loader.load_image(ref.url or "")
             if ref.frame_urls:
-                frames = []
-                for url in ref.frame_urls:
-                    mime, payload = self.loader._read_url(url, "video frame")
-                    frames.append(self.loader._b64decode(payload, "video frame") if mime is not None else payload)
-                return self.loader.load_frames(frames, ref.fps)
+                return self.loader.load_frame_urls(list(ref.frame_urls), ref.fps)
             return self.loader.load_video(ref.url or "", ref.fps)
         except ValueError as exc:
             raise type(exc)(f"{ref.location}: {exc}") from None

@@ -143,3 +143,18 @@ def test_multimodal_input_is_plain_data(tiny: tuple) -> None:
     assert decode[:, 0].tolist() == mm_input.mrope_positions[:, -1].tolist()
     assert decode[:, 1].tolist() == [len(ids) + mm_input.mrope_delta] * 3
     assert decode[0, 1] == mm_input.mrope_positions.max() + 1
+
+
+def test_frame_list_video_end_to_end(tiny: tuple) -> None:
+    """A {"type": "video", "video": [frame URLs], "fps": 2} part: frames kept as sent, timestamps from their
+    indices and fps, one vision_start/pads/vision_end per temporal group inside the template's pair."""
+    _, tokenizer, processor = tiny
+    frames = [png_url(64, 64) for _ in range(3)]
+    refs = processor.parse_messages([{"role": "user", "content": [{"type": "video", "video": frames, "fps": 2}]}])
+    tokens = processor.tokens
+    ids, mm_input = processor.process([7, tokens.vision_start, tokens.video, tokens.vision_end, 8], refs)
+    (item,) = mm_input.items
+    assert item.modality == "video" and item.grid_thw == (2, 4, 4) and len(item.embed_runs) == 2
+    stamps = [tokenizer.encode(t, add_special_tokens=False) for t in ("<0.2 seconds>", "<1.0 seconds>")]
+    group = [tokens.vision_start] + [tokens.video] * 4 + [tokens.vision_end]
+    assert ids == [7, tokens.vision_start] + stamps[0] + group + stamps[1] + group + [tokens.vision_end, 8]
