@@ -14,6 +14,7 @@ import binascii
 import contextlib
 import hashlib
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -35,6 +36,10 @@ from deltaserve.multimodal.video import VideoMetadata
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970
 # vLLM's default fps for a list of frames without metadata (its jpeg_sequence loader)
 DEFAULT_FRAME_LIST_FPS = 1.0
+
+
+# (total_num_frames, source fps or None) -> the source frame indices to keep
+FrameSelector = Callable[[int, float | None], list[int]]
 
 
 @dataclass(frozen=True)
@@ -162,19 +167,23 @@ class MediaLoader:
         return background
 
     # ---- videos
-    def load_video(self, url: str, fps: float | None = None) -> LoadedVideo:
+    def load_video(self, url: str, fps: float | None = None, select: FrameSelector | None = None) -> LoadedVideo:
         """A video file (any container PyAV reads) or `data:video/jpeg;base64,` frames; fps overrides the
-        frame list's fps (vLLM's media_io_kwargs video.fps), the default being vLLM's 1.0."""
+        frame list's fps (vLLM's media_io_kwargs video.fps), the default being vLLM's 1.0.
+
+        select(total_num_frames, source_fps) -> source indices: when given, only those frames of a file are kept
+        while decoding (memory bounded by the sampled frames, not the video's length) and the result is marked
+        already sampled; without it every frame is returned and the processor samples."""
         mime, payload = self._read_url(url, "video")
         if mime is None:
-            return self._decode_video_file(payload)
+            return self._decode_video_file(payload, select)
         if mime == "video/jpeg":
             parts = [part for part in payload.split(",") if part]
             frames = [self._b64decode(part, "video frame") for part in parts]
             return self.load_frames(frames, fps)
         if not mime.startswith("video/"):
             raise MediaTypeError(f"video_url data URL has MIME type {mime!r}; expected video/*")
-        return self._decode_video_file(self._b64decode(payload, "video"))
+        return self._decode_video_file(self._b64decode(payload, "video"), select)
 
     def load_frame_urls(self, urls: list[str], fps: float | None = None) -> LoadedVideo:
         """A video given as a list of image URLs (data: or file:), one per frame."""
@@ -205,10 +214,9 @@ class MediaLoader:
         metadata = VideoMetadata(len(decoded), fps, tuple(range(len(decoded))))
         return LoadedVideo(np.stack(decoded), metadata, False, digest.hexdigest())
 
-    def _decode_video_file(self, data: bytes) -> LoadedVideo:
+    def _decode_video_file(self, data: bytes, select: FrameSelector | None = None) -> LoadedVideo:
         import av
 
-        frames: list[np.ndarray] = []
         try:
             with av.open(io.BytesIO(data), mode="r") as container:
                 if not container.streams.video:
@@ -220,15 +228,45 @@ class MediaLoader:
                         f"pixels) exceed the maximum of {self.max_image_pixels} pixels."
                     )
                 fps = float(stream.average_rate) if stream.average_rate else None
-                for frame in container.decode(stream):
-                    frames.append(frame.to_ndarray(format="rgb24"))
-        except MediaSizeError:
-            raise
-        except MediaDecodeError:
+                expected = stream.frames or None
+        except (MediaSizeError, MediaDecodeError):
             raise
         except (av.FFmpegError, OSError, ValueError, IndexError) as exc:
             raise MediaDecodeError(f"Failed to load video: {exc}") from None
+        if select is None:
+            frames, total = self._decode_frames(data, None)
+            indices = tuple(range(total))
+        else:
+            # the container's frame count can be absent or wrong: decode again with the true count if it was
+            total = expected if expected is not None else self._decode_frames(data, set())[1]
+            wanted = [int(i) for i in select(total, fps)]
+            frames, actual = self._decode_frames(data, set(wanted))
+            if actual != total:
+                total, wanted = actual, [int(i) for i in select(actual, fps)]
+                frames, _ = self._decode_frames(data, set(wanted))
+            # a sampler may repeat an index (num_frames above the frame count): keep its order and repeats
+            position = {index: n for n, index in enumerate(sorted(set(wanted)))}
+            frames = [frames[position[i]] for i in wanted]
+            indices = tuple(wanted)
         if not frames:
             raise MediaDecodeError("Failed to load video: no frame could be decoded")
-        metadata = VideoMetadata(len(frames), fps, tuple(range(len(frames))))
-        return LoadedVideo(np.stack(frames), metadata, True, hashlib.sha256(data).hexdigest())
+        metadata = VideoMetadata(total, fps, indices)
+        return LoadedVideo(np.stack(frames), metadata, select is None, hashlib.sha256(data).hexdigest())
+
+    @staticmethod
+    def _decode_frames(data: bytes, keep: set[int] | None) -> tuple[list[np.ndarray], int]:
+        """Decodes every frame in order; returns (rgb24 frames whose index is in keep, or all when keep is None;
+        the number of frames decoded)."""
+        import av
+
+        frames: list[np.ndarray] = []
+        count = 0
+        try:
+            with av.open(io.BytesIO(data), mode="r") as container:
+                for frame in container.decode(container.streams.video[0]):
+                    if keep is None or count in keep:
+                        frames.append(frame.to_ndarray(format="rgb24"))
+                    count += 1
+        except (av.FFmpegError, OSError, ValueError, IndexError) as exc:
+            raise MediaDecodeError(f"Failed to load video: {exc}") from None
+        return frames, count

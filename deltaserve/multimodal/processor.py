@@ -30,7 +30,7 @@ from deltaserve.multimodal.media import DEFAULT_MAX_IMAGE_PIXELS, LoadedImage, L
 from deltaserve.multimodal.positions import mrope_positions, token_types
 from deltaserve.multimodal.processor_config import ProcessorConfigs
 from deltaserve.multimodal.prompt import ExpansionItem, VisionTokenIds, expand_placeholders
-from deltaserve.multimodal.video import preprocess_video
+from deltaserve.multimodal.video import preprocess_video, sample_frame_indices
 
 MODALITIES = ("image", "video")
 # vLLM's default per-modality limit when --limit-mm-per-prompt does not name the modality
@@ -151,13 +151,22 @@ class MultimodalProcessor:
                 hint = " Set `--limit-mm-per-prompt` to increase this limit." if limit < DEFAULT_LIMIT else ""
                 raise MediaLimitError(f"At most {limit} {modality}(s) may be provided in one prompt.{hint}")
 
-    def load(self, ref: MediaRef) -> LoadedImage | LoadedVideo:
+    def load(self, ref: MediaRef, configs: ProcessorConfigs | None = None) -> LoadedImage | LoadedVideo:
+        """Fetches and decodes one item. A video file is sampled while it decodes (the processor's own frame
+        sampling, so only the sampled frames are ever held) unless the config turns sampling off."""
+        video = (configs or self.configs).video
+        select = None
+        if video.do_sample_frames:
+
+            def select(total: int, fps: float | None) -> list[int]:
+                return sample_frame_indices(total, fps, video).tolist()
+
         try:
             if ref.modality == "image":
                 return self.loader.load_image(ref.url or "")
             if ref.frame_urls:
                 return self.loader.load_frame_urls(list(ref.frame_urls), ref.fps)
-            return self.loader.load_video(ref.url or "", ref.fps)
+            return self.loader.load_video(ref.url or "", ref.fps, select)
         except ValueError as exc:
             raise type(exc)(f"{ref.location}: {exc}") from None
 
@@ -178,7 +187,7 @@ class MultimodalProcessor:
                     "placeholder tokens come from the chat template and must not appear in the text"
                 )
         configs = self.configs.with_overrides(mm_processor_kwargs)
-        loaded = [self.load(ref) for ref in refs]
+        loaded = [self.load(ref, configs) for ref in refs]
         return self.process_loaded(prompt_token_ids, loaded, configs)
 
     def process_loaded(
@@ -196,7 +205,9 @@ class MultimodalProcessor:
                 key = _identifier("image", media.digest, configs.image)
                 processed.append(("image", rows, grid, (), key))
             else:
-                video = preprocess_video(media.frames, media.metadata, configs.video, media.do_sample_frames)
+                # a pre-sampled item is never resampled; a whole video follows the config's do_sample_frames
+                sample = None if media.do_sample_frames else False
+                video = preprocess_video(media.frames, media.metadata, configs.video, sample)
                 key = _identifier("video", media.digest, configs.video)
                 processed.append(("video", video.pixel_values, video.grid_thw, video.timestamps, key))
         merge_size = configs.image.merge_size

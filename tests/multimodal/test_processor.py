@@ -158,3 +158,29 @@ def test_frame_list_video_end_to_end(tiny: tuple) -> None:
     stamps = [tokenizer.encode(t, add_special_tokens=False) for t in ("<0.2 seconds>", "<1.0 seconds>")]
     group = [tokens.vision_start] + [tokens.video] * 4 + [tokens.vision_end]
     assert ids == [7, tokens.vision_start] + stamps[0] + group + stamps[1] + group + [tokens.vision_end, 8]
+
+
+def test_video_file_sampled_while_decoding_equals_whole_decode(tiny: tuple, tmp_path: Path) -> None:
+    """A video file keeps only the processor's sampled frames while decoding; the result equals decoding every
+    frame and letting the processor sample (transformers' path), ids and pixels alike."""
+    from dataclasses import replace
+
+    from deltaserve.multimodal.media import MediaLoader
+    from tests.multimodal.test_media import write_video
+
+    _, _, processor = tiny
+    frames = synthetic_video(9, 32, 64, seed=11)
+    write_video(tmp_path / "clip.mkv", frames, fps=3)
+    local = replace(processor, loader=MediaLoader(tmp_path))
+    tokens = processor.tokens
+    prompt = [5, tokens.vision_start, tokens.video, tokens.vision_end]
+    part = {"type": "video_url", "video_url": {"url": f"file://{tmp_path}/clip.mkv"}}
+    refs = local.parse_messages([{"role": "user", "content": [part]}])
+    loaded = local.load(refs[0])
+    assert loaded.frames.shape[0] == 6 and loaded.metadata.frames_indices == (0, 2, 3, 5, 6, 8)
+    ids, mm_input = local.process(prompt, refs)
+    whole = LoadedVideo(frames, VideoMetadata(9, 3.0, tuple(range(9))), True, "w")
+    ids_whole, mm_whole = processor.process_loaded(prompt, [whole])
+    assert ids == ids_whole
+    np.testing.assert_array_equal(mm_input.items[0].pixel_values, mm_whole.items[0].pixel_values)
+    np.testing.assert_array_equal(mm_input.mrope_positions, mm_whole.mrope_positions)
