@@ -21,6 +21,19 @@ from deltaserve.config import VisionConfig
 from deltaserve.model.layers.common import empty_param
 
 
+def gather_mm_embeds(
+    pieces: list[tuple[int, torch.Tensor]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The model's mm_embeds for one step from (first row in the step's flattened token batch, encoder-output
+    rows [n, H]) pieces: (rows [M] int64, embeddings [M, H]), or None when the step has none (text-only steps
+    pay nothing)."""
+    pieces = [(row, rows) for row, rows in pieces if rows.shape[0]]
+    if not pieces:
+        return None
+    index = torch.cat([torch.arange(row, row + rows.shape[0]) for row, rows in pieces]).to(device)
+    return index, torch.cat([rows.to(device) for _, rows in pieces])
+
+
 def _linear_with_bias(
     num_out: int, num_in: int, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[nn.Parameter, nn.Parameter]:

@@ -20,6 +20,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.loader import load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.model.vision import gather_mm_embeds
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.positions import token_types
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind
@@ -81,11 +82,10 @@ class MultimodalModelDriver:
         else:
             positions = torch.arange(start, end).expand(3, -1)
             slices = []
-        mm_embeds = None
-        if slices:
-            rows = torch.cat([torch.arange(s.dst_start, s.dst_start + s.src_end - s.src_start) for s in slices])
-            embeds = torch.cat([encoder_outputs[s.item_index][s.src_start : s.src_end] for s in slices])
-            mm_embeds = (rows, embeds)
+        # one sequence in the step, so its tokens start at row 0 of the batch
+        mm_embeds = gather_mm_embeds(
+            [(s.dst_start, encoder_outputs[s.item_index][s.src_start : s.src_end]) for s in slices], "cpu"
+        )
         has_mrope = bool((positions != positions[0:1]).any())
         ctx = self._context(start, len(token_ids), is_decode, has_mrope)
         with forward_context(ctx):
