@@ -9,7 +9,9 @@ MultimodalInput, and tiny vision checkpoints once per test session.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -34,6 +36,7 @@ def tiny_vision_checkpoint(variant: str) -> Path:
     from deltaserve.tiny import make_tiny
 
     root = Path(tempfile.mkdtemp(prefix="deltaserve-vision-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     return make_tiny(root / variant, variant)
 
 
