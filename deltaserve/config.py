@@ -9,6 +9,7 @@ naming the field and the file (architecture doc §1).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,7 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = field(default=())
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # the vision tower's config, when the checkpoint has a vision_config
 
     @property
     def conv_dim(self) -> int:
@@ -234,6 +236,7 @@ class ModelConfig:
         eos = text.get("eos_token_id", (int, list), default=top.get("eos_token_id", (int, list), default=[]))
         ssm_dtype = text.get("mamba_ssm_dtype", str, default="float32")
         return cls(
+            vision=parse_vision_config(data, path, hidden) if isinstance(data.get("vision_config"), dict) else None,
             path=path.parent,
             family=family,
             architecture=architecture or family,
@@ -285,3 +288,91 @@ def _layer_types(text: _Fields, num_layers: int) -> tuple[str, ...]:
     if derived is not None and tuple(given) != derived:
         raise text.fail("layer_types", f"contradicts full_attention_interval ({interval})")
     return tuple(given)
+
+
+# ---- vision tower (multimodal doc §4.1); read only when the checkpoint has a vision_config ----
+
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    hidden_act: str
+    rope_theta: float
+    # placeholder and delimiter token ids (top level of config.json; transformers' defaults are Qwen3.5's)
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def num_grid_per_side(self) -> int:
+        return math.isqrt(self.num_position_embeddings)
+
+
+def parse_vision_config(data: dict[str, Any], path: Path, text_hidden_size: int) -> VisionConfig:
+    """VisionConfig from config.json's vision_config, with transformers' Qwen3_5VisionConfig defaults; a field
+    deltaserve cannot honour is refused by name."""
+    top = _Fields(data, path, "")
+    vision = _Fields(data["vision_config"], path, "vision_config.")
+    for key in ("patch_size", "temporal_patch_size"):
+        if isinstance(vision.data.get(key), list):
+            raise vision.fail(key, "is a list; only square patches with one size are supported")
+    hidden = vision.positive("hidden_size", default=1152)
+    num_heads = vision.positive("num_heads", default=16)
+    if hidden % num_heads or (hidden // num_heads) % 4:
+        raise vision.fail("num_heads", f"({num_heads}) must split hidden_size ({hidden}) into heads of a multiple of 4")
+    num_positions = vision.positive("num_position_embeddings", default=2304)
+    if math.isqrt(num_positions) ** 2 != num_positions:
+        raise vision.fail("num_position_embeddings", f"({num_positions}) must be a perfect square (a square grid)")
+    act = vision.get("hidden_act", str, default="gelu_pytorch_tanh")
+    if act not in VISION_ACTIVATIONS:
+        raise vision.fail("hidden_act", f"is {act!r}; the vision tower supports {', '.join(VISION_ACTIVATIONS)}")
+    out_hidden = vision.positive("out_hidden_size", default=3584)
+    if out_hidden != text_hidden_size:
+        raise vision.fail("out_hidden_size", f"({out_hidden}) must equal the decoder's hidden_size {text_hidden_size}")
+    deepstack = vision.get("deepstack_visual_indexes", list, default=[])
+    if deepstack:
+        # Qwen3.5/3.6 have no deepstack mergers (doc §4.7): a non-empty list names tensors these models lack.
+        raise vision.fail("deepstack_visual_indexes", f"is {deepstack}; Qwen3.5/3.6 vision towers have no deepstack")
+    rope = vision.get("rope_parameters", dict, default=None) or {}
+    rope_fields = _Fields(rope, path, "vision_config.rope_parameters.")
+    rope_type = rope_fields.get("rope_type", str, default="axial")
+    if rope_type not in ("axial", "default"):
+        raise rope_fields.fail("rope_type", f"is {rope_type!r}; the vision tower implements axial 2-D RoPE")
+    return VisionConfig(
+        depth=vision.positive("depth", default=27),
+        hidden_size=hidden,
+        intermediate_size=vision.positive("intermediate_size", default=4304),
+        num_heads=num_heads,
+        in_channels=vision.positive("in_channels", default=3),
+        patch_size=vision.positive("patch_size", default=16),
+        temporal_patch_size=vision.positive("temporal_patch_size", default=2),
+        spatial_merge_size=vision.positive("spatial_merge_size", default=2),
+        out_hidden_size=out_hidden,
+        num_position_embeddings=num_positions,
+        hidden_act=act,
+        rope_theta=rope_fields.get("rope_theta", float, default=10000.0),
+        image_token_id=top.get("image_token_id", int, default=248056),
+        video_token_id=top.get("video_token_id", int, default=248057),
+        vision_start_token_id=top.get("vision_start_token_id", int, default=248053),
+        vision_end_token_id=top.get("vision_end_token_id", int, default=248054),
+    )

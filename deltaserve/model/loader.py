@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.qwen3_5 import DecoderLayer, Qwen35Model
+from deltaserve.model.vision_loader import load_vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,9 @@ def load_checkpoint(model: Qwen35Model, config: ModelConfig, model_dir: Path) ->
         elif ckpt.has("lm_head.weight"):
             # A tied checkpoint may still carry a copy of the embedding; it must agree in shape.
             ckpt.get_shaped("lm_head.weight", (config.vocab_size, hidden))
+        if getattr(model, "visual", None) is not None:
+            # the vision tower was built: model.visual.* is consumed (else it stays a skipped prefix)
+            load_vision_tower(model.visual, config.vision, ckpt)
     report = LoadReport(num_tensors_loaded=len(ckpt.consumed))
     for name in sorted(set(ckpt.weight_map) - ckpt.consumed):
         (report.skipped if name.startswith(SKIPPED_PREFIXES) else report.unexpected).append(name)

@@ -20,6 +20,7 @@ from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import DenseMLP, MoEBlock
+from deltaserve.model.vision import VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -56,7 +57,9 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen35Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, build_vision: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.eps = config.rms_norm_eps
@@ -81,12 +84,22 @@ class Qwen35Model(nn.Module):
         for layer in self.layers:
             if layer.is_full_attention:
                 layer.self_attn.cos_sin_cache = self.cos_sin_cache
+        # The vision tower (model.visual.*), built only when asked and the checkpoint has one (multimodal doc §4).
+        self.visual = VisionTower(config.vision, dtype, device) if build_vision and config.vision else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [3, T] -> final-normed hidden states [T, H]."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [3, T] -> final-normed hidden states [T, H]. mm_embeds: (rows [M] int64 of
+        this step's tokens, vision embeddings [M, H]) replacing those rows' token embeddings (doc §5.1)."""
         ctx = get_forward_context()
         ctx.cos_sin = rope_cos_sin_for_positions(self.cos_sin_cache, positions, self.axis_per_frequency)  # [T, r]
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if mm_embeds is not None:
+            hidden = hidden.index_copy(0, mm_embeds[0], mm_embeds[1].to(hidden.dtype))
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions)

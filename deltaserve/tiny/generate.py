@@ -19,13 +19,13 @@ from safetensors.torch import save_file
 from deltaserve import env
 from deltaserve.tiny.spec import (
     EXPERT_LAYOUTS,
-    TinyShapes,
     VariantSpec,
     build_config,
     build_generation_config,
     variant_spec,
 )
 from deltaserve.tiny.tokenizer import ALL_ADDED_TOKENS, added_token_ids, build_tokenizer, build_tokenizer_config
+from deltaserve.tiny.vision import VISION_VARIANTS, preprocessor_config, shapes_for, video_preprocessor_config
 from deltaserve.tiny.weights import build_tensors
 
 DEFAULT_MODEL_NAME = "tiny-dense-v1"
@@ -106,7 +106,7 @@ def _write_checkpoint(
     expert_layout: str | None,
     num_shards: int,
 ) -> None:
-    shapes = TinyShapes()
+    shapes = shapes_for(spec.name)
     tokenizer = build_tokenizer(spec.tokenizer_class)
     token_ids = added_token_ids(tokenizer)
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -120,6 +120,9 @@ def _write_checkpoint(
     tokenizer.save(str(folder / "tokenizer.json"))
     tokenizer_config = build_tokenizer_config(spec.tokenizer_class, token_ids, shapes.max_position_embeddings)
     _write_json(folder / "tokenizer_config.json", tokenizer_config)
+    if spec.name in VISION_VARIANTS:
+        _write_json(folder / "preprocessor_config.json", preprocessor_config(shapes))
+        _write_json(folder / "video_preprocessor_config.json", video_preprocessor_config(shapes))
 
 
 def _is_replaceable(folder: Path) -> bool:

@@ -8,10 +8,10 @@ Qwen3-Next checkpoint. Everything is scaled down so that a checkpoint is a few M
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-VARIANTS: tuple[str, ...] = ("dense", "moe", "next")
+VARIANTS: tuple[str, ...] = ("dense", "moe", "next", "dense-vl", "moe-vl")
 EXPERT_LAYOUTS: tuple[str, ...] = ("fused", "per_expert")
 
 
@@ -137,6 +137,11 @@ VARIANT_SPECS: dict[str, VariantSpec] = {
         tokenizer_class="Qwen2Tokenizer",
     ),
 }
+
+
+# Vision variants (deltaserve/tiny/vision.py): the text variant's spec under the vision variant's name.
+VARIANT_SPECS["dense-vl"] = replace(VARIANT_SPECS["dense"], name="dense-vl")
+VARIANT_SPECS["moe-vl"] = replace(VARIANT_SPECS["moe"], name="moe-vl")
 
 
 def variant_spec(variant: str) -> VariantSpec:
