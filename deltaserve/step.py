@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ class NewRequest:
     # that decode positions add (architecture doc §4); None for text.
     mrope_positions: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
     mrope_delta: int = 0
+    # Images and videos of the prompt: pixel rows, grids, placeholder spans, and the MRoPE positions they imply
+    # (they win over mrope_positions); None for text.
+    mm_input: MultimodalInput | None = None
 
 
 @dataclass(frozen=True)

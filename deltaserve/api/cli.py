@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--language-model-only",
         action="store_true",
-        help="accepted as in vLLM; deltaserve never builds the vision tower, so it is always language-model-only",
+        help="serve a multimodal checkpoint as text only: no vision tower is built or loaded (as vLLM's flag)",
     )
     add("--chat-template", default=None, help="chat template: a file path or inline Jinja")
     add(
@@ -187,6 +187,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        language_model_only=args.language_model_only,
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
     )

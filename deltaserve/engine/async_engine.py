@@ -25,6 +25,7 @@ from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class AsyncEngine:
         self.tokenizer = frontend.tokenizer
         self.max_model_len = frontend.max_model_len
         self.default_sampling: dict[str, Any] = frontend.default_sampling
+        self.mm_processor = frontend.mm_processor  # None: text only
         self.info = client.info
         self.on_dead: Callable[[], None] | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -107,12 +109,16 @@ class AsyncEngine:
     # -- asyncio side ---------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        mm_input: MultimodalInput | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.is_dead:
             raise EngineDeadError("the engine core is not running")
         # raises RequestError (a ValueError: 400) before anything is queued
-        core_requests = self.frontend.new_request(request_id, list(prompt_token_ids), params)
+        core_requests = self.frontend.new_request(request_id, list(prompt_token_ids), params, mm_input=mm_input)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self.client.add(core_requests)

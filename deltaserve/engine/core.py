@@ -95,6 +95,7 @@ class EngineCore:
             sampling=request.sampling,
             eos_token_ids=request.eos_token_ids,
             arrival_time=request.arrival_time,
+            mm_input=request.mm_input,
         )
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)

@@ -20,6 +20,7 @@ from deltaserve.engine.output import RequestState
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.engine_config import EngineConfig
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.scheduler import Scheduler
@@ -73,9 +74,14 @@ class LLMEngine:
         self.frontend.validate(prompt_token_ids, params)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        mm_input: MultimodalInput | None = None,
     ) -> None:
-        for request in self.frontend.new_request(request_id, prompt_token_ids, params, prompt):
+        for request in self.frontend.new_request(request_id, prompt_token_ids, params, prompt, mm_input):
             self.core.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

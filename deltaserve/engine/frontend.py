@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.generation_config import load_eos_token_ids, load_generation_defaults
@@ -22,6 +23,9 @@ from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
+from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.multimodal.processor import MultimodalProcessor
+from deltaserve.multimodal.prompt import VisionTokenIds
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -134,6 +138,21 @@ class EngineFrontend:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.processor = OutputProcessor(self.tokenizer)
+        # images and videos: only when the vision tower is built (a multimodal checkpoint, not language-model-only)
+        self.mm_processor: MultimodalProcessor | None = None
+        vision = self.model_config.vision
+        if vision is not None and not config.language_model_only:
+            tokens = VisionTokenIds(vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
+                                    vision.vision_end_token_id)  # fmt: skip
+            tokenizer = self.tokenizer
+            self.mm_processor = MultimodalProcessor.from_model_dir(
+                model_dir,
+                tokens,
+                encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                allowed_local_media_path=config.allowed_local_media_path,
+                limit_mm_per_prompt=config.limit_mm_per_prompt,
+                mm_processor_kwargs=config.mm_processor_kwargs,
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -145,10 +164,27 @@ class EngineFrontend:
         params.validate()
 
     def new_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        mm_input: MultimodalInput | None = None,
     ) -> list[EngineCoreRequest]:
         """Validates a request, registers its state and returns its core requests (n of them)."""
         self.validate(prompt_token_ids, params)
+        if mm_input is not None:
+            if self.mm_processor is None:
+                raise RequestError("this model serves text only (no vision tower): images and videos are refused")
+            if not env.fuse_attn_preamble():
+                # the four-op preamble has no MRoPE spelling: it would fail the whole batch mid-step
+                raise RequestError(
+                    "images and videos need 3-D MRoPE positions, which only the fused attention preamble applies; "
+                    "unset DELTASERVE_FUSE_ATTN_PREAMBLE=0 to serve them"
+                )
+            if mm_input.prompt_len != len(prompt_token_ids):
+                raise RequestError(f"the multimodal input covers {mm_input.prompt_len} tokens, the prompt has "
+                                   f"{len(prompt_token_ids)}")  # fmt: skip
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         now = time.time()
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, [], arrival_time=now)
@@ -160,7 +196,9 @@ class EngineFrontend:
             detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
             state.sequences.append(SequenceProgress(core_id, detokenizer))
             core_requests.append(
-                EngineCoreRequest(core_id, tuple(prompt_token_ids), child, max_tokens, self.eos_token_ids, now)
+                EngineCoreRequest(
+                    core_id, tuple(prompt_token_ids), child, max_tokens, self.eos_token_ids, now, mm_input
+                )
             )
         self.processor.add(state)
         return core_requests

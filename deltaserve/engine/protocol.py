@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltaserve.engine.stats import EngineStats, RequestMetrics
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class EngineCoreRequest:
     max_tokens: int  # output-token cap, already bounded by max_model_len
     eos_token_ids: frozenset[int]
     arrival_time: float  # time.time()
+    mm_input: MultimodalInput | None = None  # the prompt's images and videos, processed (API side)
 
 
 @dataclass(frozen=True)

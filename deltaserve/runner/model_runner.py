@@ -23,6 +23,7 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.model.vision import gather_mm_embeds
 from deltaserve.runner.cache import (
     CacheLayout,
     affordable_slots,
@@ -32,7 +33,7 @@ from deltaserve.runner.cache import (
     plan_cache,
 )
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
-from deltaserve.runner.inputs import build_eager_inputs, layout_step
+from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.sampler import Sampler, SamplerOutput, build_sampling_batch, logprobs_to_host
 from deltaserve.sampling_params import SamplingParams
@@ -115,7 +116,9 @@ class ModelRunner:
             threads = env.cpu_threads() or (1 if model_config.hidden_size < 512 else None)
             if threads:
                 torch.set_num_threads(threads)
-        self.model = Qwen35Model(model_config, self.dtype, self.device)
+        # the vision tower is built for a multimodal checkpoint unless --language-model-only (as vLLM's flag)
+        self.has_vision = model_config.vision is not None and not engine_config.language_model_only
+        self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision)
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model, engine_config.seed)
             self.load_report = None
@@ -232,8 +235,9 @@ class ModelRunner:
             sample_rows_dev = self.graphs.rows[:num_seqs]
         else:
             inputs = build_eager_inputs(plan, layout, self.table, self.block_size, self.device)
+            mm_embeds = self._mm_embeds(plan, layout) if any(s.mm_spans for s in plan.seqs) else None
             with forward_context(inputs.ctx):
-                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, H]
+                hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
             if return_all_logits:
                 all_logits = self.model.compute_logits(hidden)
             sample_rows_dev = inputs.sample_rows_dev
@@ -257,6 +261,38 @@ class ModelRunner:
         self.table.record_sampled(rows, sample_rows_dev, out.token_ids)
         host, event = self._to_host(out)
         return StepHandle(plan, layout.sample_seqs, host, batch.num_logprobs, event, all_logits)
+
+    def _mm_embeds(self, plan: StepPlan, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's encoder embeddings: items a chunk's window needs are encoded whole (the ViT is bidirectional),
+        all of a step's missing items in one tower call, and kept per row until their last placeholder is
+        computed, so an image that straddles a chunk boundary is encoded once."""
+        if self.model.visual is None:
+            raise ValueError("a request carries images or videos, but the vision tower is not built "
+                             "(--language-model-only, or a text-only checkpoint)")  # fmt: skip
+        table = self.table
+        missing: list[tuple[int, int]] = []
+        for seq in plan.seqs:
+            outputs = table.encoder_outputs[seq.row]
+            missing += [(seq.row, span.item) for span in seq.mm_spans if span.item not in outputs]
+        if missing:
+            items = [table.mm[row].items[index] for row, index in missing]
+            encoded = self.model.visual.encode([(torch.from_numpy(it.pixel_values), it.grid_thw) for it in items])
+            for (row, index), rows in zip(missing, encoded, strict=True):
+                table.encoder_outputs[row][index] = rows
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for i, seq in enumerate(plan.seqs):
+            if not seq.mm_spans:
+                continue
+            mm, outputs = table.mm[seq.row], table.encoder_outputs[seq.row]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_new_tokens
+            base = int(layout.query_start_loc[i])
+            for piece in mm.embed_slices(start, end):
+                pieces.append((base + piece.dst_start, outputs[piece.item_index][piece.src_start : piece.src_end]))
+            for index in list(outputs):
+                last_run = mm.items[index].embed_runs[-1]
+                if last_run[0] + last_run[1] <= end:
+                    del outputs[index]  # every placeholder of the item is computed
+        return gather_mm_embeds(pieces, self.device)
 
     def _to_host(self, out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
         """Starts non-blocking copies of the sampler's outputs into pinned memory; the event marks their end."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampler.batch import has_penalty, host_flags, min_tokens_keys, params_row, seeded_generators
 from deltaserve.sampler.penalties import PenaltyInputs
 from deltaserve.sampler.sampler import NUM_PARAMS, SAMPLING_EPS, SamplingBatch
@@ -49,6 +50,9 @@ class RequestTable:
         self.stop_ids: list[tuple[int, ...]] = [()] * num
         self.mrope: list[np.ndarray | None] = [None] * num  # [3, num_prompt] where positions are not the index
         self.mrope_delta = np.zeros(num, dtype=np.int64)
+        self.mm: list[MultimodalInput | None] = [None] * num
+        # per row: encoder outputs [n_i, H] by item index, kept until the item's last placeholder is computed
+        self.encoder_outputs: list[dict[int, torch.Tensor]] = [{} for _ in range(num)]
         self.penalty_index = np.full(num, -1, dtype=np.int64)  # row -> row of the penalty tensors
         self.penalty_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)  # [capacity, V]
         self.penalty_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
@@ -99,6 +103,8 @@ class RequestTable:
         self.prompts[row] = _EMPTY
         self.num_prompt[row] = self.num_sampled[row] = self.num_blocks[row] = 0
         self.mrope[row] = None
+        self.mm[row] = None
+        self.encoder_outputs[row] = {}
         index = int(self.penalty_index[row])
         if index >= 0:
             self._free_penalty.append(index)
@@ -124,6 +130,10 @@ class RequestTable:
         self.stop_ids[row] = request.stop_token_ids
         self.mrope[row] = None if request.mrope_positions is None else np.asarray(request.mrope_positions, np.int64)
         self.mrope_delta[row] = request.mrope_delta
+        self.mm[row] = request.mm_input
+        if request.mm_input is not None:
+            self.mrope[row] = request.mm_input.mrope_positions
+            self.mrope_delta[row] = request.mm_input.mrope_delta
         if has_penalty(params):
             self._init_penalties(row, request)
 

@@ -18,7 +18,7 @@ from collections import deque
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
 from deltaserve.scheduler.stop import FINISH_ABORT, check_stop
-from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
+from deltaserve.step import MultimodalSpan, NewRequest, ScheduledSeq, StepPlan, StepResult
 
 Logprobs = tuple[tuple[int, float, int], ...]
 
@@ -141,6 +141,13 @@ class Scheduler:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             needs_sample = start + num_new == seq.num_planned_tokens
+            spans = ()
+            if seq.mm_input is not None:
+                items = seq.mm_input.items
+                spans = tuple(
+                    MultimodalSpan(items[i].offset, items[i].length, i)
+                    for i in seq.mm_input.items_in_window(start, start + num_new)
+                )
             item = ScheduledSeq(
                 row=seq.row,
                 num_computed_tokens=start,
@@ -149,6 +156,7 @@ class Scheduler:
                 read_slot=seq.state_slot if start > 0 else None,
                 new_block_ids=tuple(seq.block_ids[seq.num_blocks_sent :]),
                 needs_sample=needs_sample,
+                mm_spans=spans,
             )
             seq.num_blocks_sent = len(seq.block_ids)
             seq.num_inflight_tokens += num_new
@@ -177,6 +185,7 @@ class Scheduler:
             stop_token_ids=seq.stop_token_ids,
             mrope_positions=seq.mrope_positions,
             mrope_delta=seq.mrope_delta,
+            mm_input=seq.mm_input,
         )
 
     # -- results --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Sequence:
     # None means text: every axis is the token index.
     mrope_positions: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
     mrope_delta: int = 0
+    mm_input: MultimodalInput | None = None  # images / videos: their spans, pixels and MRoPE positions
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
