@@ -82,6 +82,13 @@ class Qwen35Model(nn.Module):
             if layer.is_full_attention:
                 layer.self_attn.cos_sin_cache = self.cos_sin_cache
 
+    def untie_lm_head(self) -> None:
+        """Gives lm_head its own storage (the loader found a checkpoint lm_head.weight that differs from the
+        embedding, which transformers uses untied)."""
+        self.lm_head = empty_param(
+            *self.embed_tokens.shape, dtype=self.embed_tokens.dtype, device=self.embed_tokens.device
+        )
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T], positions [3, T] -> final-normed hidden states [T, H]."""
         ctx = get_forward_context()
