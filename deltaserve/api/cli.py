@@ -218,13 +218,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    import uvicorn
+    from deltaserve.model.preflight import preflight, report_startup_error
 
-    from deltaserve.api.server import build_app
-    from deltaserve.engine.async_engine import AsyncEngine
+    # A bad checkpoint or start-up setting is one line naming the file and the field, exit 1; the traceback only
+    # when debugging. The torch-free checks run first, so such errors come before the heavy imports.
+    is_debug = env.log_level() == "DEBUG" or args.uvicorn_log_level in ("debug", "trace")
+    is_debug = is_debug or str(getattr(args, "log_level", "") or "").lower() == "debug"
+    try:
+        preflight(config.model, config.tokenizer, config.generation_config, config.max_model_len, config.load_format)
+        import uvicorn
 
-    logger.info("loading %s (device %s, dtype %s)", model, device, args.dtype)
-    engine = AsyncEngine.from_config(config)
+        from deltaserve.api.server import build_app
+        from deltaserve.engine.async_engine import AsyncEngine
+
+        logger.info("loading %s (device %s, dtype %s)", model, device, args.dtype)
+        engine = AsyncEngine.from_config(config)
+    except Exception as exc:  # start-up ends here whatever failed; only the form of the message differs
+        return report_startup_error(exc, is_debug, logger)
     if args.override_generation_config:
         engine.default_sampling = {**engine.default_sampling, **args.override_generation_config}
     if engine.default_sampling:
