@@ -310,6 +310,10 @@ class ModelConfig:
                 f"`{text.name('mamba_ssm_dtype')}` is {ssm_dtype!r}: the GDN recurrent state is kept in {ssm_dtype} "
                 "as vLLM does (transformers keeps it in float32)"
             )
+        vocab_size = text.positive("vocab_size")
+        max_positions = text.positive("max_position_embeddings")
+        key_head_dim, value_head_dim = text.positive("linear_key_head_dim"), text.positive("linear_value_head_dim")
+        conv_kernel = text.positive("linear_conv_kernel_dim")
         if defaulted:
             notes.insert(0, "absent from config.json, transformers' defaults used: " + ", ".join(defaulted))
         return cls(
@@ -320,10 +324,10 @@ class ModelConfig:
             hidden_size=hidden,
             num_hidden_layers=num_layers,
             layer_types=layer_types,
-            vocab_size=text.positive("vocab_size"),
+            vocab_size=vocab_size,
             rms_norm_eps=rms_norm_eps,
             tie_word_embeddings=tied,
-            max_position_embeddings=text.positive("max_position_embeddings"),
+            max_position_embeddings=max_positions,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
@@ -332,9 +336,9 @@ class ModelConfig:
             mrope_section=mrope_section,
             linear_num_key_heads=num_k_heads,
             linear_num_value_heads=num_v_heads,
-            linear_key_head_dim=text.positive("linear_key_head_dim"),
-            linear_value_head_dim=text.positive("linear_value_head_dim"),
-            linear_conv_kernel_dim=text.positive("linear_conv_kernel_dim"),
+            linear_key_head_dim=key_head_dim,
+            linear_value_head_dim=value_head_dim,
+            linear_conv_kernel_dim=conv_kernel,
             is_gdn_interleaved=family == "qwen3_next",
             ssm_state_dtype=ssm_dtype,
             intermediate_size=intermediate,
