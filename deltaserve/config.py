@@ -192,7 +192,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = field(default=())
-    attention_bias: bool = False  # q/k/v/o projection biases (transformers' attention_bias)
+    has_attention_bias: bool = False  # q/k/v/o projection biases (transformers' attention_bias)
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     model_max_length: int | None = None  # config.json's own model_max_length (vLLM lets it admit longer requests)
@@ -344,7 +344,7 @@ class ModelConfig:
             intermediate_size=intermediate,
             is_moe=any(moe_layers),
             moe_layers=moe_layers,
-            attention_bias=attention_bias,
+            has_attention_bias=attention_bias,
             dtype=_weight_dtype(top, text),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else eos),
             model_max_length=text.get("model_max_length", int, default=top.get("model_max_length", int, default=None)),

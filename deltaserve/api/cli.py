@@ -233,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
 
         logger.info("loading %s (device %s, dtype %s)", model, device, args.dtype)
         engine = AsyncEngine.from_config(config)
-    except Exception as exc:  # start-up ends here whatever failed; only the form of the message differs
+    except Exception as exc:
+        # start-up ends here whatever failed; only the form of the message differs
         return report_startup_error(exc, is_debug, logger)
     if args.override_generation_config:
         engine.default_sampling = {**engine.default_sampling, **args.override_generation_config}

@@ -24,7 +24,8 @@ DTYPE_SIZES = {
     "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8,
 }  # fmt: skip
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+# safetensors' own limit on the JSON header
+MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 class CheckpointError(ValueError):

@@ -57,7 +57,8 @@ class Checkpoint:
         self.files = CheckpointFiles(model_dir)
         self.model_dir = Path(model_dir)
         self.weight_map = self.files.weight_map
-        self.hint = hint  # appended to shape / missing-tensor errors: the config defaults that shaped expectations
+        # appended to shape / missing-tensor errors: the config defaults that shaped the expected shapes
+        self.hint = hint
         self._handles: dict[str, object] = {}
         self.consumed: set[str] = set()
 
@@ -108,7 +109,7 @@ def _load_attention(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: Model
     v = ckpt.get_shaped(p + "v_proj.weight", (nkv * d, hidden))
     _copy(attn.qkv_proj, torch.cat([q, k, v]), p + "q_proj/k_proj/v_proj")
     _copy(attn.o_proj, ckpt.get_shaped(p + "o_proj.weight", (hidden, nq * d)), p + "o_proj.weight")
-    if config.attention_bias:
+    if config.has_attention_bias:
         # transformers' attention_bias puts a bias on all four projections (Qwen3_5Attention, bias=attention_bias)
         q_b = ckpt.get_shaped(p + "q_proj.bias", (2 * nq * d,))
         k_b = ckpt.get_shaped(p + "k_proj.bias", (nkv * d,))
@@ -279,7 +280,9 @@ def load_checkpoint(
             "%d unexpected tensors ignored in %s: %s", len(report.unexpected), model_dir, report.unexpected[:20]
         )
     for note in config.notes:
-        logger.info("%s: %s", model_dir, note)
+        # transformers' defaults are routine; a field ignored or read as vLLM reads it deserves attention
+        level = logging.INFO if note.startswith("absent from config.json") else logging.WARNING
+        logger.log(level, "%s: %s", model_dir, note)
     return report
 
 

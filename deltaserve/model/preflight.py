@@ -79,7 +79,8 @@ def load_tokenizer(model_dir: Path, tokenizer: str | None) -> Any:
     source = tokenizer or str(model_dir)
     try:
         return AutoTokenizer.from_pretrained(source)
-    except Exception as exc:  # every failure of a third-party loader becomes one line naming the folder
+    except Exception as exc:
+        # every failure of a third-party loader becomes one line naming the folder
         raise StartupError(
             f"{source}: the tokenizer cannot be loaded ({type(exc).__name__}: {_one_line(exc)})"
         ) from exc

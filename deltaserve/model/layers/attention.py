@@ -35,9 +35,9 @@ class GatedAttention(nn.Module):
         self.o_proj = empty_param(config.hidden_size, self.num_q_heads * self.head_dim, dtype=dtype, device=device)
         # transformers' attention_bias: biases on q (with its gate), k, v and o; None when the config has none
         self.qkv_bias = (
-            empty_param(q_width + 2 * kv_width, dtype=dtype, device=device) if config.attention_bias else None
+            empty_param(q_width + 2 * kv_width, dtype=dtype, device=device) if config.has_attention_bias else None
         )
-        self.o_bias = empty_param(config.hidden_size, dtype=dtype, device=device) if config.attention_bias else None
+        self.o_bias = empty_param(config.hidden_size, dtype=dtype, device=device) if config.has_attention_bias else None
         self.q_norm = empty_param(self.head_dim, dtype=dtype, device=device)
         self.k_norm = empty_param(self.head_dim, dtype=dtype, device=device)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, nkv, d], bound by the runner
