@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # plan step N+1 while step N runs (vLLM's default); False: one step at a time
+    ignore_unexpected_tensors: bool = False  # load a checkpoint whose extra tensors no rule explains (listed)
     language_model_only: bool = False  # vLLM's flag: a multimodal checkpoint served as text (no vision tower)
     # images and videos (vLLM's flag names): local files may be read only under this folder; per-prompt item
     # limits in vLLM's JSON form ('{"image": 2, "video": 1}'); processor overrides (min_pixels, fps, ...)

@@ -61,6 +61,15 @@ def log_level() -> str:
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()
 
 
+def allow_long_max_model_len() -> bool:
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN or DELTASERVE_ALLOW_LONG_MAX_MODEL_LEN (default 0): admit a --max-model-len
+    above the model's max_position_embeddings with a warning instead of refusing it, as vLLM does ("1" or "true")."""
+    return any(
+        os.environ.get(name, "0").strip().lower() in ("1", "true")
+        for name in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "DELTASERVE_ALLOW_LONG_MAX_MODEL_LEN")
+    )
+
+
 def cpu_threads() -> int | None:
     """DELTASERVE_CPU_THREADS: torch intra-op threads for CPU execution (default: torch's own choice, except
     1 for tiny models, whose matmuls are far too small to pay for thread hand-offs)."""

@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0)
     add("--enforce-eager", action="store_true", help="no CUDA graphs")
     add(
+        "--ignore-unexpected-tensors",
+        action="store_true",
+        help="deltaserve only: load a checkpoint whose tensors include ones no parameter or skip rule explains "
+        "(they are listed in the log); without it such a checkpoint is refused",
+    )
+    add(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -188,6 +194,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         language_model_only=args.language_model_only,
+        ignore_unexpected_tensors=args.ignore_unexpected_tensors,
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
     )
@@ -231,13 +238,24 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    import uvicorn
+    from deltaserve.model.preflight import preflight, report_startup_error
 
-    from deltaserve.api.server import build_app
-    from deltaserve.engine.async_engine import AsyncEngine
+    # A bad checkpoint or start-up setting is one line naming the file and the field, exit 1; the traceback only
+    # when debugging. The torch-free checks run first, so such errors come before the heavy imports.
+    is_debug = env.log_level() == "DEBUG" or args.uvicorn_log_level in ("debug", "trace")
+    is_debug = is_debug or str(getattr(args, "log_level", "") or "").lower() == "debug"
+    try:
+        preflight(config.model, config.tokenizer, config.generation_config, config.max_model_len, config.load_format)
+        import uvicorn
 
-    logger.info("loading %s (device %s, dtype %s)", model, device, args.dtype)
-    engine = AsyncEngine.from_config(config)
+        from deltaserve.api.server import build_app
+        from deltaserve.engine.async_engine import AsyncEngine
+
+        logger.info("loading %s (device %s, dtype %s)", model, device, args.dtype)
+        engine = AsyncEngine.from_config(config)
+    except Exception as exc:
+        # start-up ends here whatever failed; only the form of the message differs
+        return report_startup_error(exc, is_debug, logger)
     if args.override_generation_config:
         engine.default_sampling = {**engine.default_sampling, **args.override_generation_config}
     if engine.default_sampling:

@@ -15,6 +15,7 @@ import bisect
 import dataclasses
 import logging
 from collections import deque
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineC
 from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, RequestMetrics
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
+from deltaserve.model.preflight import resolve_max_model_len
 from deltaserve.runner.model_runner import ModelRunner, StepHandle
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
@@ -42,14 +44,16 @@ class EngineCore:
             config = dataclasses.replace(config, model=str(model_dir))
         self.config = config
         self.model_dir = model_dir
-        self.model_config = ModelConfig.from_pretrained(model_dir)
-        max_position = self.model_config.max_position_embeddings
-        max_model_len = min(config.max_model_len or max_position, max_position)
+        model_config = ModelConfig.from_pretrained(model_dir)
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer and Path(config.tokenizer).is_dir() else model_dir
+        # vLLM's rule: a --max-model-len above the model's is refused (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)
+        max_model_len = resolve_max_model_len(model_config, config.max_model_len, tokenizer_dir)
+        self.model_config = model_config.with_max_model_len(max_model_len)
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
         self.runner = ModelRunner(self.model_config, config, max_model_len, self.max_num_batched_tokens)
         layout = self.runner.layout
-        self.max_model_len = min(max_model_len, layout.num_blocks * layout.block_size)
+        self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence
         self.scheduler = Scheduler(
             BlockManager(layout.num_blocks, layout.block_size),
             StateSlotPool(layout.num_slots),
@@ -62,6 +66,8 @@ class EngineCore:
         self._inflight: deque[tuple[StepPlan, StepHandle]] = deque()
         self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
+        if self.runner.load_report is not None:
+            logger.info("%s", self.runner.load_report.summary())
         logger.info(
             "engine core ready: %s on %s (%s), %d KV blocks x %d tokens, %d state slots, max_num_seqs %d, "
             "max_num_batched_tokens %d, max_model_len %d, async scheduling %s",

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from deltaserve import env
 from deltaserve.config import ModelConfig
@@ -23,6 +23,7 @@ from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
+from deltaserve.model.preflight import check_generation_config, load_tokenizer
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.processor import MultimodalProcessor
 from deltaserve.multimodal.prompt import VisionTokenIds
@@ -126,8 +127,9 @@ class EngineFrontend:
     def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(model_dir, config.tokenizer)
         self.max_model_len = max_model_len
+        check_generation_config(model_dir, config.generation_config)
         if config.generation_config == "vllm":
             self.default_sampling: dict[str, Any] = {}
         else:

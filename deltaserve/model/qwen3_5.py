@@ -87,6 +87,13 @@ class Qwen35Model(nn.Module):
         # The vision tower (model.visual.*), built only when asked and the checkpoint has one (multimodal doc §4).
         self.visual = VisionTower(config.vision, dtype, device) if build_vision and config.vision else None
 
+    def untie_lm_head(self) -> None:
+        """Gives lm_head its own storage (the loader found a checkpoint lm_head.weight that differs from the
+        embedding, which transformers uses untied)."""
+        self.lm_head = empty_param(
+            *self.embed_tokens.shape, dtype=self.embed_tokens.dtype, device=self.embed_tokens.device
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,

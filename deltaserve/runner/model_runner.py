@@ -20,6 +20,7 @@ import torch
 from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
+from deltaserve.model.checkpoint_files import MTP_RULE, SKIP_RULES
 from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
@@ -123,7 +124,12 @@ class ModelRunner:
             init_dummy_weights(self.model, engine_config.seed)
             self.load_report = None
         else:
-            self.load_report = load_checkpoint(self.model, model_config, Path(engine_config.model))
+            # a built vision tower consumes model.visual.* itself: only the MTP head stays a skipped prefix
+            rules = (MTP_RULE,) if self.has_vision else SKIP_RULES
+            self.load_report = load_checkpoint(
+                self.model, model_config, Path(engine_config.model),
+                ignore_unexpected=engine_config.ignore_unexpected_tensors, skip_rules=rules,
+            )  # fmt: skip
         self.model.eval()
         self.sampler = Sampler(engine_config.seed)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
