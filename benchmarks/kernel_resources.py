@@ -165,6 +165,15 @@ def decode_launches(shape: str, batch: int, context: int, moe_path: str = "") ->
         ),
         ("gated_rms_norm", lambda: gated_rms_norm_triton(e(b, hv, dv), e(b, hv, dv), e(dv), 1e-6)),
     ]
+    from deltaserve.kernels.linear_triton import linear_triton
+
+    projections = {"in_proj_qkvz": (m.conv_dim + hv * dv, h), "out_proj": (h, hv * dv), "o_proj": (h, nq * d),
+                   "qkv": (nq * 2 * d + 2 * nkv * d, h), "lm_head": (248320, h), "in_proj_ba": (2 * hv, h)}  # fmt: skip
+    if not m.num_experts:
+        projections.update({"gate_up": (2 * m.mlp_inter, h), "down": (h, m.mlp_inter)})
+    if batch <= 16:
+        for name, (n, kk) in projections.items():
+            launches.append((f"linear.{name}", lambda n=n, kk=kk: linear_triton(e(b, kk), e(n, kk))))
     if m.num_experts:
         ex, k, inter = m.num_experts, m.top_k, m.moe_inter
         ids = torch.stack([torch.randperm(ex)[:k] for _ in range(b)])

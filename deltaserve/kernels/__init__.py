@@ -14,6 +14,7 @@ from deltaserve.kernels.conv import (
     causal_conv1d_update_ref,
 )
 from deltaserve.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+from deltaserve.kernels.linear import linear, linear_ref
 from deltaserve.kernels.moe import (
     fused_moe,
     fused_moe_block,
@@ -51,6 +52,8 @@ __all__ = [
     "gdn_decode_ref",
     "gdn_prefill",
     "gdn_prefill_ref",
+    "linear",
+    "linear_ref",
     "moe_route",
     "moe_route_ref",
     "paged_attention",
