@@ -50,6 +50,9 @@ def test_dispatcher_sends_decode_rows_to_the_skinny_gemm(monkeypatch: pytest.Mon
         x = randn(rows, 32)
         assert_close("y", linear_ref(x, weight), linear_module.linear(x, weight), 1e-6)
     assert calls == [1, 16]
+    vocab = torch.zeros(linear_module.SKINNY_MAX_COLS, 4, device=DEVICE)  # an lm_head-sized weight stays on cuBLAS
+    linear_module.linear(randn(1, 4), vocab)
+    assert calls == [1, 16]
 
 
 def test_skinny_config_fills_the_h200() -> None:
