@@ -17,7 +17,9 @@ decode ForwardContext directly, and
 Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEBlock.forward for
 kernels.fused_moe_block (router + routed + shared experts as one op), `linear` the model's F.linear for
 kernels.linear (a Triton skinny GEMM up to 16 rows); `block+linear` both: the integrations this benchmark
-proposes, measured before the model is changed.
+proposes, measured before the model is changed. The default runs `block+linear` and `model`: the per-op rows
+separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in
+the step total.
 `--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
 `--baseline DIR` runs the same measurement in a subprocess against another deltaserve tree (PYTHONPATH=DIR,
 `model` variant only) and stores it as the `before` half of the record. Tables go to stdout (the last one is
