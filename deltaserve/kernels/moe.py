@@ -74,6 +74,13 @@ def fused_moe(
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared, shared_gate_logits)
 
 
+def router_logits_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None) -> torch.Tensor:
+    """x [T, H], W_r [E, H], w_g [1, H] or None -> [T, E (+1)] in x's dtype: the router logits and, as column E,
+    the shared-expert gate logit; the twin of moe_decode_triton.router_logits_triton."""
+    logits = F.linear(x, router_weight)
+    return logits if gate_weight is None else torch.cat([logits, F.linear(x, gate_weight)], dim=1)
+
+
 def fused_moe_block_ref(
     x: torch.Tensor,
     router_weight: torch.Tensor,

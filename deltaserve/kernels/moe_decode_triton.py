@@ -299,7 +299,7 @@ def router_logits_triton(
     x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None
 ) -> torch.Tensor:
     """x [T, H], W_r [E, H], w_g [1, H] or None -> logits [T, E (+1)] in x's dtype: the router logits and, as
-    column E, the shared-expert gate logit (both as F.linear would round them)."""
+    column E, the shared-expert gate logit (both as F.linear would round them). Twin: moe.router_logits_ref."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     has_gate = gate_weight is not None
