@@ -16,7 +16,7 @@ from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
 from deltaserve.kernels.linear_triton import linear_triton
-from deltaserve.kernels.moe import fused_moe_block_ref, moe_route_ref
+from deltaserve.kernels.moe import moe_route_ref
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
 from deltaserve.kernels.moe_decode_triton import moe_block_triton
@@ -148,7 +148,8 @@ def test_graph_moe_routing_align_and_shared_epilogue(num_tokens: int) -> None:
 @pytest.mark.parametrize(("num_tokens", "path"), [(1, "decode"), (8, "decode"), (24, "decode"), (64, "grouped")])
 def test_graph_moe_block(num_tokens: int, path: str) -> None:
     """The whole MoE block op (router kernel, routing, routed + shared experts) captured and replayed; 24 tokens
-    route in moe_route_triton's own launch. The replay must equal the eager call bit for bit."""
+    route in moe_route_triton's own launch. The replay must equal the eager call bit for bit (the numerics
+    against the ref are test_moe_decode.py's, on the kernel's own routing)."""
     experts, top_k, hidden, inter, inter_sh = 64, 8, 256, 128, 64
     x = randn(num_tokens, hidden, dtype=BF16)
     router = randn(experts, hidden, dtype=BF16, scale=hidden**-0.5)
@@ -158,10 +159,6 @@ def test_graph_moe_block(num_tokens: int, path: str) -> None:
     gate = randn(1, hidden, dtype=BF16)
     config = DECODE if path == "decode" else GROUPED
     _capture_matches_eager(lambda: moe_block_triton(x, router, w13, w2, top_k, True, s13, s2, gate, config=config), [])
-    ref = fused_moe_block_ref(x, router, w13, w2, top_k, True, s13, s2, gate)
-    out = moe_block_triton(x, router, w13, w2, top_k, True, s13, s2, gate, config=config)
-    # bf16: a router logit one ulp off can swap a near-tied expert, so compare in the RMSE sense
-    assert (out.float() - ref.float()).pow(2).mean().sqrt() <= 2e-2 * ref.float().pow(2).mean().sqrt()
 
 
 def test_graph_autotune_never_benchmarks_in_capture() -> None:
