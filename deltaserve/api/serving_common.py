@@ -1,5 +1,10 @@
 """Plumbing shared by the generation endpoints: body parsing, request checks, engine streams, SSE and disconnects.
 
+Bodies are read against --max-request-body-bytes (413) and must be `application/json` (vLLM's 400 otherwise). A
+large body is parsed and validated on a worker thread, through Python hooks (so the thread yields the GIL between
+elements) with the garbage collector paused, and a body with more than MAX_JSON_ELEMENTS elements is refused before
+parsing: building millions of Python objects would stall the event loop whatever thread did it.
+
 Two rules hold everything together. Every engine stream is consumed through `engine_stream`, whose cleanup
 (close the engine iterator, abort the request if unfinished) runs shielded from cancellation, so a client that
 goes away always frees its KV blocks and state slot. And a response never holds an engine request open longer than
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import uuid
@@ -19,10 +25,19 @@ from typing import Any, TypeVar
 import anyio
 import pydantic
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from deltaserve.api.errors import bad_request, model_not_found, to_api_error, validation_error
+from deltaserve.api.errors import (
+    APIError,
+    ClientGone,
+    bad_request,
+    model_not_found,
+    request_too_large,
+    to_api_error,
+    validation_error,
+)
 from deltaserve.api.settings import ServerState
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
@@ -35,20 +50,79 @@ T = TypeVar("T")
 DONE_EVENT = "data: [DONE]\n\n"
 
 
+JSON_MEDIA_TYPE = "application/json"
+# Bodies above this are parsed and validated on a worker thread.
+OFF_LOOP_BYTES = 64 * 1024
+# Commas, brackets and braces a body may hold (counted over the raw bytes, strings included): a 1,048,576-token
+# prompt fits; ten million tiny JSON values do not.
+MAX_JSON_ELEMENTS = 1 << 20
+# Chat messages above this are validated one by one (a single pydantic call over 100k messages holds the GIL).
+NUM_MESSAGES_VALIDATED_AT_ONCE = 256
+
+
+def check_content_type(request: Request) -> None:
+    """vLLM's validate_json_request: the media type must be application/json."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        raise APIError(
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed", err_type="Bad Request"
+        )
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, or 413 as soon as it passes max_bytes; a client that drops mid-upload is ClientGone."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise request_too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+def _py_int(text: str) -> int:
+    return int(text)
+
+
+def _py_float(text: str) -> float:
+    return float(text)
+
+
+def _py_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)
+
+
+def parse_json(raw: bytes, *, is_interruptible: bool = False) -> dict[str, Any]:
+    """The body as a JSON object; with is_interruptible, Python hooks let other threads run between values."""
+    num_elements = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if num_elements > MAX_JSON_ELEMENTS:
+        raise bad_request(f"The request body holds more than {MAX_JSON_ELEMENTS} JSON elements.")
+    hooks: dict[str, Any] = {}
+    if is_interruptible:
+        hooks = {"parse_int": _py_int, "parse_float": _py_float, "object_pairs_hook": _py_object}
+    is_gc_enabled = gc.isenabled()
+    if is_interruptible:
+        # A collection pass over millions of fresh containers would hold the GIL for seconds.
+        gc.disable()
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(raw, parse_constant=_reject_constant, **hooks)
     except UnicodeDecodeError as exc:
         raise bad_request(f"The request body is not valid UTF-8: {exc.reason}.") from None
     except json.JSONDecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc.msg} (char {exc.pos}).") from None
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}.") from None
+    finally:
+        if is_interruptible and is_gc_enabled:
+            gc.enable()
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
     return data
@@ -56,11 +130,34 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 def parse_body(model: type[ModelT], data: dict[str, Any]) -> ModelT:
     try:
+        messages = data.get("messages")
+        if isinstance(messages, list) and len(messages) > NUM_MESSAGES_VALIDATED_AT_ONCE:
+            message_model = model.model_fields["messages"].annotation.__args__[0]  # list[ChatMessage]
+            data = {**data, "messages": [message_model.model_validate(item) for item in messages]}
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
         raise validation_error(exc) from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
+
+
+async def read_json(state: ServerState, request: Request) -> tuple[dict[str, Any], bool]:
+    """(the body as a JSON object, whether it is large); large bodies are parsed on a worker thread."""
+    check_content_type(request)
+    raw = await read_body(request, state.settings.max_request_body_bytes)
+    if len(raw) <= OFF_LOOP_BYTES:
+        return parse_json(raw), False
+    return await state.tokens.run(parse_json, raw, is_interruptible=True), True
+
+
+async def parse_request(
+    state: ServerState, request: Request, model: type[ModelT], body: tuple[dict[str, Any], bool] | None = None
+) -> ModelT:
+    """The request model of a body (read here unless /invocations already read it); large ones off the loop."""
+    data, is_large = body if body is not None else await read_json(state, request)
+    if is_large:
+        return await state.tokens.run(parse_body, model, data)
+    return parse_body(model, data)
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -71,9 +168,9 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
     vocab_size = state.vocab_size
-    for token_id in token_ids:
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(f"Token id {token_id} is out of vocabulary (vocab size {vocab_size}).", param)
+    if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        outside = next(token_id for token_id in token_ids if not 0 <= token_id < vocab_size)
+        raise bad_request(f"Token id {outside} is out of vocabulary (vocab size {vocab_size}).", param)
 
 
 def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
@@ -96,18 +193,25 @@ def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | 
         )
 
 
-def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last k tokens (k = -1 means max_model_len)."""
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: k tokens kept, -1 meaning max_model_len; None: no truncation."""
     if truncate_prompt_tokens is None:
-        return token_ids
+        return None
     if truncate_prompt_tokens == -1:
-        truncate_prompt_tokens = max_model_len
+        return max_model_len
     if truncate_prompt_tokens < 1 or truncate_prompt_tokens > max_model_len:
         raise bad_request(
             f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {truncate_prompt_tokens}.",
             "truncate_prompt_tokens",
         )
-    return token_ids[-truncate_prompt_tokens:]
+    return truncate_prompt_tokens
+
+
+def truncate_ids(token_ids: list[int], keep: int | None, side: str | None) -> list[int]:
+    """Token-id prompts are truncated as text prompts are: the last `keep` tokens, or the first with side right."""
+    if keep is None or len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
 
 
 def request_ids(request: Request, body_request_id: str | None, prefix: str) -> str:
@@ -126,19 +230,42 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+    *,
+    num_cached_tokens: int | None = None,
+    num_reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
+    """vLLM's UsageInfo. num_cached_tokens is given only under --enable-prompt-tokens-details; reasoning tokens
+    only with a reasoning parser (vLLM reports completion_tokens_details then)."""
+    body: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "completion_tokens": num_completion_tokens,
+        "prompt_tokens_details": None if num_cached_tokens is None else {"cached_tokens": num_cached_tokens},
     }
+    if num_reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return body
 
 
-def stream_usage_flags(stream_options: Any) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats); only a given stream_options object turns either on."""
+def without_none(body: dict[str, Any]) -> dict[str, Any]:
+    """Streamed usage is serialised with None fields left out, as vLLM's final chunk is."""
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def stream_usage_flags(stream_options: Any, is_forced: bool = False) -> tuple[bool, bool]:
+    """vLLM's should_include_usage: (include_usage, continuous usage on every chunk).
+
+    Only a given stream_options turns usage on; continuous stats need include_usage too;
+    --enable-force-include-usage turns both on."""
+    if is_forced:
+        return True, True
     if stream_options is None:
         return False, False
-    return bool(stream_options.include_usage), bool(stream_options.continuous_usage_stats)
+    include = bool(stream_options.include_usage)
+    return include, include and bool(stream_options.continuous_usage_stats)
 
 
 async def engine_stream(

@@ -31,7 +31,7 @@ def test_defaults() -> None:
     config = cli.build_engine_config(args, *cli.resolve_model(args))
     assert config.model == "some/model" and config.device == "auto" and config.generation_config == "auto"
     settings = cli.build_settings(args, "some/model")
-    assert settings.served_model_names == ["some/model"] and settings.api_key is None
+    assert settings.served_model_names == ["some/model"] and settings.api_keys == []
 
 
 def test_qwen35_recipe_command_line_parses() -> None:
@@ -62,7 +62,7 @@ def test_refusals_and_bad_values() -> None:
         check_compat(parse("m", "--tensor-parallel-size", "2"))
     with pytest.raises(ValueError, match="tool-call-parser"):
         cli.build_settings(parse("m", "--enable-auto-tool-choice"), "m")
-    for argv in (["--default-chat-template-kwargs", "[1]"], ["--tool-call-parser", "hermes"], ["--port", "x"]):
+    for argv in (["--default-chat-template-kwargs", "[1]"], ["--tool-call-parser", "mistral"], ["--port", "x"]):
         with pytest.raises(SystemExit):
             parse("m", *argv)
     assert cli.run(parse("m", "-dp", "4")) == 2
