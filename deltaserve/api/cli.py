@@ -103,8 +103,35 @@ def config_file_args(path: str) -> list[str]:
     return argv
 
 
+def _dotted_to_json(argv: list[str]) -> list[str]:
+    """vLLM's dotted flags: `--compilation-config.cudagraph_mode=PIECEWISE` sets one key of a JSON flag."""
+    merged: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    at = 0
+    while at < len(argv):
+        arg = argv[at]
+        name, sep, value = arg.partition("=")
+        if arg.startswith("--") and "." in name:
+            flag, _, key = name.partition(".")
+            if not sep and at + 1 < len(argv):
+                at += 1
+                value = argv[at]
+            try:
+                parsed: Any = json.loads(value)
+            except ValueError:
+                parsed = value
+            if flag not in merged:
+                order.append(flag)
+            merged.setdefault(flag, {})[key] = parsed
+        else:
+            order.append(arg)
+        at += 1
+    return [item for arg in order for item in ((arg, json.dumps(merged[arg])) if arg in merged else (arg,))]
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
-    """vLLM's FlexibleArgumentParser rules: underscores in flag names, -O<level>, and --config FILE."""
+    """vLLM's FlexibleArgumentParser rules: underscores in flag names (before any '.'), -O<level>, dotted keys of
+    JSON flags, and --config FILE."""
     if "--config" in argv:
         at = argv.index("--config")
         if at + 1 >= len(argv):
@@ -117,12 +144,13 @@ def normalize_argv(argv: list[str]) -> list[str]:
     for arg in argv:
         if arg.startswith("--"):
             name, sep, value = arg.partition("=")
-            normalized.append(name.replace("_", "-") + sep + value)
+            flag, dot, key = name.partition(".")
+            normalized.append(flag.replace("_", "-") + dot + key + sep + value)
         elif arg.startswith("-O") and len(arg) > 2:
             normalized += ["-O", arg[3:] if arg[2] == "=" else arg[2:]]
         else:
             normalized.append(arg)
-    return normalized
+    return _dotted_to_json(normalized)
 
 
 def _add_engine_arguments(add: Any) -> None:
@@ -302,7 +330,8 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         model=model,
         dtype=args.dtype,
         device=device,
-        load_format=args.load_format,
+        # fastsafetensors is a faster reader of the same files.
+        load_format="safetensors" if args.load_format == "fastsafetensors" else args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

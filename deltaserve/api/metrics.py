@@ -39,6 +39,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -129,17 +130,27 @@ class ServerMetrics:
         self.label_values = (model_name, ENGINE_INDEX)
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
 
+        # Every series exists from the start at zero, as vLLM creates them per engine.
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, (*LABELS, *extra), registry=self.registry)
+            metric = Counter(name, doc, (*LABELS, *extra), registry=self.registry)
+            if not extra:
+                metric.labels(*self.label_values)
+            return metric
 
         def histogram(name: str, doc: str, buckets: Any) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+            metric = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+            metric.labels(*self.label_values)
+            return metric
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.prompt_tokens_by_source = counter("vllm:prompt_tokens_by_source", "Prompt tokens by source.", ("source",))
+        for source in PROMPT_SOURCES:
+            self.prompt_tokens_by_source.labels(*self.label_values, source)
         self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Cached prompt tokens (local + external).")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
+        for reason in FINISH_REASONS:
+            self.request_success.labels(*self.label_values, reason)
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         unused = (("vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens."),
@@ -147,7 +158,7 @@ class ServerMetrics:
                   ("vllm:mm_cache_queries", "Multi-modal cache queries, in items."),
                   ("vllm:mm_cache_hits", "Multi-modal cache hits, in items."))  # fmt: skip
         for name, doc in unused:
-            counter(name, doc).labels(*self.label_values)  # exported at zero
+            counter(name, doc)  # exported at zero
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
         self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Time per output token per request.",

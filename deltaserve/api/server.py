@@ -121,10 +121,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     docs: dict[str, Any] = {}
     if settings.disable_fastapi_docs:
         docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
-    app = FastAPI(
-        title="deltaserve", version=deltaserve.__version__, lifespan=lifespan, root_path=settings.root_path or "",
-        **docs,
-    )  # fmt: skip
+    app = FastAPI(title="deltaserve", version=deltaserve.__version__, lifespan=lifespan, **docs)
+    # As vLLM sets it: the prefix is reported to routing whether or not the proxy stripped it from the path.
+    app.root_path = settings.root_path or ""
     app.state.deltaserve = state
     install_error_handlers(app)
     _add_middleware(app, settings)
@@ -133,8 +132,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=503 if engine.is_dead else 200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping() -> Response:
+        return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
         return Response(status_code=503 if engine.is_dead else 200)
 
     @app.get("/metrics")

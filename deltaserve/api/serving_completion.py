@@ -43,6 +43,10 @@ from deltaserve.api.settings import ServerState
 from deltaserve.engine.request import CompletionOutput, RequestOutput
 
 
+# Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
+MAX_PROMPTS = 2048
+
+
 @dataclass
 class Prompt:
     token_ids: list[int]
@@ -74,6 +78,8 @@ async def resolve_prompts(state: ServerState, request: CompletionRequest) -> lis
         items = list(prompt)
     if not items:
         raise bad_request("The prompt cannot be empty.", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"A request may batch at most {MAX_PROMPTS} prompts, got {len(items)}.", "prompt")
     max_model_len = state.engine.max_model_len
     keep = truncation_length(request.truncate_prompt_tokens, max_model_len)
     prompts = []
@@ -156,6 +162,9 @@ async def create_completion(
     check_unsupported(request)
     if request.suffix is not None:
         raise bad_request("suffix is not currently supported", "suffix")
+    response_format = (request.model_extra or {}).get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+        raise bad_request("response_format needs structured outputs, which deltaserve lacks.", "response_format")
     check_logprobs(request.logprobs, "logprobs", state.settings.max_logprobs)
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which deltaserve does not compute.", "echo")

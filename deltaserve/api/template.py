@@ -35,6 +35,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # String methods whose integer arguments size their result.
 SIZING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "__mul__", "__rmul__"})
 SIZING_FILTERS = ("center", "indent", "wordwrap", "truncate")
+MAX_JSON_INDENT = 1024
 # A width or precision of 7+ digits in a %-format or str.format spec.
 WIDE_FORMAT = re.compile(r"\d{7,}")
 MAX_EXPONENT = 4096
@@ -100,11 +101,22 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         owner = getattr(__obj, "__self__", None)
-        if isinstance(owner, str | list | tuple) and getattr(__obj, "__name__", "") in SIZING_METHODS:
+        name = getattr(__obj, "__name__", "")
+        if isinstance(owner, str | list | tuple) and name in SIZING_METHODS:
             for value in (*args, *kwargs.values()):
                 if isinstance(value, int) and value > __self.limits.max_value_chars:
                     raise __self._refuse("asks for a string beyond the size bound")
+        if isinstance(owner, str) and name == "replace" and len(args) >= 2:
+            __self.check_replace(owner, args[0], args[1])
         return super().call(__context, __obj, *args, **kwargs)
+
+    def check_replace(self, text: Any, old: Any, new: Any) -> None:
+        """str.replace can multiply a string's length (an empty `old` inserts `new` between every character)."""
+        if not (isinstance(text, str) and isinstance(old, str) and isinstance(new, str)):
+            return
+        num_places = text.count(old) if old else len(text) + 1
+        if len(text) + num_places * max(len(new) - len(old), 0) > self.limits.max_value_chars:
+            raise self._refuse("replaces text beyond the size bound")
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         # Jinja sandboxes str.format at attribute access; a wide field is refused there, before it is called.
@@ -171,6 +183,8 @@ def _tojson(
     value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
     # No HTML escaping (unlike Jinja's own tojson), and the json.dumps options templates use.
+    if (isinstance(indent, int) and indent > MAX_JSON_INDENT) or (isinstance(indent, str) and len(indent) > 64):
+        raise RenderLimitError(f"the chat template asks tojson for an indent above {MAX_JSON_INDENT}")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -187,7 +201,23 @@ def _bounded_filter(environment: BoundedEnvironment, name: str) -> None:
                 raise environment._refuse(f"passes a width beyond the size bound to the {name} filter")
         return original(*args, **kwargs)
 
+    # Filters that take the environment or context declare it; the wrapper must declare the same.
+    if hasattr(original, "jinja_pass_arg"):
+        bounded.jinja_pass_arg = original.jinja_pass_arg  # type: ignore[attr-defined]
     environment.filters[name] = bounded
+
+
+def _bounded_replace_filter(environment: BoundedEnvironment) -> None:
+    original = environment.filters["replace"]
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        # do_replace(eval_ctx, s, old, new, count=None)
+        if len(args) >= 4:
+            environment.check_replace(args[1], args[2], args[3])
+        return original(*args, **kwargs)
+
+    bounded.jinja_pass_arg = original.jinja_pass_arg  # type: ignore[attr-defined]
+    environment.filters["replace"] = bounded
 
 
 def _bounded_format_filter(environment: BoundedEnvironment) -> None:
@@ -209,6 +239,9 @@ def build_environment(limits: RenderLimits) -> BoundedEnvironment:
     for name in SIZING_FILTERS:
         _bounded_filter(environment, name)
     _bounded_format_filter(environment)
+    _bounded_replace_filter(environment)
+    # lipsum(n) writes n paragraphs of filler; no chat template needs it.
+    environment.globals.pop("lipsum", None)
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     environment.globals["dict"] = TemplateDict()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -35,6 +36,8 @@ DEFAULT_NUM_WORKERS = 2
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_BYTES = 2 * 2**30
 SPAWN_TIMEOUT_S = 60.0
+# Messages sent per pickled frame: pickling 100k messages at once would hold the GIL for a quarter second.
+MESSAGES_PER_FRAME = 1024
 
 
 class TemplateRenderError(Exception):
@@ -68,7 +71,9 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     conn.send(("ready", ""))
     while True:
         try:
-            job = conn.recv()
+            job, num_messages = conn.recv()
+            while len(job.messages) < num_messages:
+                job.messages.extend(conn.recv())
         except (EOFError, OSError, KeyboardInterrupt):
             return
         try:
@@ -189,7 +194,10 @@ class TemplatePool:
         """Runs in a pool thread: one job on one worker, which always goes back to the pool (or a replacement)."""
         reply: tuple[str, str]
         try:
-            worker.conn.send(job)
+            messages = job.messages
+            worker.conn.send((dataclasses.replace(job, messages=[]), len(messages)))
+            for start in range(0, len(messages), MESSAGES_PER_FRAME):
+                worker.conn.send(messages[start : start + MESSAGES_PER_FRAME])
             if worker.conn.poll(self.timeout):
                 reply = worker.conn.recv()
             else:

@@ -97,7 +97,8 @@ def free_port() -> int:
 
 
 def test_deltaserve_serve_command(tiny_dense: Path) -> None:
-    """The real command: starts, logs the ready line, answers the openai client, stops cleanly on SIGINT."""
+    """The real command: starts, logs the ready line, answers the openai client (with the key VLLM_API_KEY set),
+    stops cleanly on SIGINT."""
     port = free_port()
     command = [
         sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_dense), "--port", str(port), "--device", "cpu",
@@ -105,7 +106,7 @@ def test_deltaserve_serve_command(tiny_dense: Path) -> None:
         "--tool-call-parser", "qwen3_xml", "--enable-auto-tool-choice", "--language-model-only",
         "--enable-prefix-caching", "--uvicorn-log-level", "warning",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": "sk-from-env"}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines: list[str] = []
     is_ready = threading.Event()
@@ -122,7 +123,9 @@ def test_deltaserve_serve_command(tiny_dense: Path) -> None:
         while not is_ready.wait(0.2):
             assert process.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "no ready line:\n" + "".join(lines)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-from-env", max_retries=0)
         assert client.models.list().data[0].id == "tiny"
         completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
         assert completion.usage.completion_tokens == 3
