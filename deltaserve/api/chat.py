@@ -17,6 +17,7 @@ from typing import Any
 
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import ChatMessage, ToolDefinition
+from deltaserve.api.serving_common import gc_paused
 from deltaserve.api.settings import ServerState
 from deltaserve.api.template import RenderJob
 from deltaserve.api.template_pool import TemplateRenderError
@@ -140,6 +141,10 @@ async def render_chat(
         raise bad_request("continue_final_message needs a final assistant message.", "continue_final_message")
 
     def build_job() -> RenderJob:
+        with gc_paused():
+            return _build_job()
+
+    def _build_job() -> RenderJob:
         return RenderJob(
             template=template,
             messages=[

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -109,6 +110,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.gather(templates.start(), tokens.warm_up())
         await engine.start()
+        # As vLLM does: the startup heap (model, tokenizer, modules) is left out of every later collection pass.
+        gc.freeze()
         announce = asyncio.create_task(_announce_ready(app, state))
         try:
             yield

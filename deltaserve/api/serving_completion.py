@@ -42,7 +42,6 @@ from deltaserve.api.serving_common import (
 from deltaserve.api.settings import ServerState
 from deltaserve.engine.request import CompletionOutput, RequestOutput
 
-
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
 MAX_PROMPTS = 2048
 

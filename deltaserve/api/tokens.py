@@ -113,8 +113,18 @@ class Tokens:
 
     # -- decoding ----------------------------------------------------------------------------------------
 
-    async def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str:
-        return await self.run(self.tokenizer.decode, list(token_ids), **kwargs)
+    def _decode_sync(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        if self.backend is None:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        # decode_batch releases the GIL (decode does not): half a million tokens take a while.
+        text = self.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
+        if getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            text = self.tokenizer.clean_up_tokenization(text)
+        return text
+
+    async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """tokenizer.decode(token_ids, skip_special_tokens=...), off the event loop."""
+        return await self.run(self._decode_sync, list(token_ids), skip_special_tokens)
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return await self.run(self.tokenizer.convert_ids_to_tokens, list(token_ids))

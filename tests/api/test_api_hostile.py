@@ -1,35 +1,41 @@
 """Hostile and careless input on every route: each gets its status in vLLM's error envelope, and /health keeps
 answering within 100 ms while the request is in flight (the server holds; nothing runs on its event loop).
 
-The server is a real uvicorn in a thread (ServerThread) over the FakeEngine, trusting request chat templates (so
-hostile templates are rendered, and must hit their bounds), with a 4 MiB body limit and a 1 s template bound.
-Each case is sent from a worker thread while the test thread probes /health on its own connection.
+The server is a real uvicorn over the FakeEngine in its own process (hostile_server.py), trusting request chat
+templates (so hostile templates are rendered, and must hit their bounds), with a 4 MiB body limit and a 1 s
+template bound. Each case is sent from a worker thread while the test thread probes /health on its own connection.
+A case holds if all its probes pass in one of ATTEMPTS runs: a request that stalls the server stalls it every
+time, while a machine shared with other work can delay a single probe now and then. The logging checks at the end
+run against the same settings in a thread of this process, to read its log.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from deltaserve.api.server import build_app
-from deltaserve.api.settings import ServerSettings
 
-from .conftest import MODEL_NAME
 from .fake_engine import FakeEngine
+from .hostile_server import BODY_LIMIT, MODEL_NAME, hostile_settings
 from .server_thread import ServerThread
 
 HEALTH_BUDGET_S = 0.1
-BODY_LIMIT = 4 * 2**20
-TEMPLATE_TIMEOUT_S = 1.0
+ATTEMPTS = 3
+ROOT = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "hi"}]
 ASSISTANT_LAST = [*USER, {"role": "assistant", "content": "Sure, "}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
@@ -71,7 +77,8 @@ def chunked(total: int, size: int = 65536) -> Any:
 
 LONG_WORDS = "word " * 5000  # over the fake's 2048-token context
 FAR_TOO_MANY_CHARS = "x" * 2_000_000  # over max_model_len * the longest token: refused before tokenising
-MANY_MESSAGES = [{"role": "user", "content": "hello there"}] * 60000
+MANY_MESSAGES = [{"role": "user", "content": "hello there"}] * 16000
+TOO_MANY_MESSAGES = [{"role": "user", "content": "hello there"}] * 60000
 
 CASES: list[Case] = [
     # -- the body itself (on /v1/completions) -----------------------------------------------------------------
@@ -215,7 +222,14 @@ CASES: list[Case] = [
         chat(messages=[{"role": "user", "content": FAR_TOO_MANY_CHARS}]),
         message="characters",
     ),  # fmt: skip
-    Case("60,000 messages", "/v1/chat/completions", chat(messages=MANY_MESSAGES)),
+    Case("16,000 messages", "/v1/chat/completions", chat(messages=MANY_MESSAGES)),
+    Case("60,000 messages", "/v1/chat/completions", chat(messages=TOO_MANY_MESSAGES), message="JSON objects"),
+    Case(
+        "20,000 objects in a small body",
+        "/v1/completions",
+        b'{"prompt": "x", "a": [' + b"{}," * 20000 + b"{}]}",
+        message="JSON objects",
+    ),  # fmt: skip
     Case("max_completion_tokens negative", "/v1/chat/completions", chat(max_completion_tokens=-3), param="max_tokens"),
     Case("chat max_tokens huge", "/v1/chat/completions", chat(max_tokens=10**9), param="max_tokens"),
     Case("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), param="top_logprobs"),
@@ -403,26 +417,52 @@ CASES: list[Case] = [
 ]
 
 
+@dataclass
+class RemoteServer:
+    base_url: str
+    port: int
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def hostile_server(fake_engine: FakeEngine) -> Iterator[ServerThread]:
-    settings = ServerSettings(
-        model_root="/models/fake-qwen",
-        served_model_names=[MODEL_NAME],
-        reasoning_parser="qwen3",
-        tool_call_parser="qwen3_coder",
-        enable_auto_tool_choice=True,
-        trust_request_chat_template=True,
-        max_request_body_bytes=BODY_LIMIT,
-        template_timeout_s=TEMPLATE_TIMEOUT_S,
-    )
-    server = ServerThread(build_app(fake_engine, settings)).start()
+def hostile_server() -> Iterator[RemoteServer]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "tests.api.hostile_server", str(port)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = RemoteServer(f"http://127.0.0.1:{port}", port)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            try:
+                if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the hostile server did not start"
+            time.sleep(0.1)
+        yield server
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def local_server(fake_engine: FakeEngine) -> Iterator[ServerThread]:
+    server = ServerThread(build_app(fake_engine, hostile_settings())).start()
     yield server
     server.stop()
 
 
-def send(base_url: str, case: Case) -> httpx.Response:
-    headers = {"content-type": "application/json", **case.headers}
-    headers = {key: value for key, value in headers.items() if value}
+def encode(case: Case) -> dict[str, Any]:
+    """The request's arguments, built before any probing (json.dumps of a big body holds this process's GIL)."""
+    headers = {key: value for key, value in {"content-type": "application/json", **case.headers}.items() if value}
     kwargs: dict[str, Any] = {"headers": headers}
     if isinstance(case.body, bytes):
         kwargs["content"] = case.body
@@ -430,9 +470,11 @@ def send(base_url: str, case: Case) -> httpx.Response:
         kwargs["content"] = case.body()
     elif case.body is not None:
         kwargs["content"] = json.dumps(case.body).encode()
+    return kwargs
+
+
+def send(base_url: str, case: Case, kwargs: dict[str, Any]) -> httpx.Response:
     with httpx.Client(base_url=base_url, timeout=60) as client:
-        if "content-type" in case.headers and not case.headers["content-type"]:
-            kwargs["headers"].pop("content-type", None)
         return client.request(case.method, case.path, **kwargs)
 
 
@@ -449,11 +491,12 @@ def probe_health_while(base_url: str, future: Any) -> list[float]:
             time.sleep(0.01)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_hostile_request(hostile_server: ServerThread, case: Case) -> None:
+def run_case(base_url: str, case: Case) -> float:
+    """Sends the case while probing /health; checks the answer; returns the slowest probe (seconds)."""
+    kwargs = encode(case)
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(send, hostile_server.base_url, case)
-        latencies = probe_health_while(hostile_server.base_url, future)
+        future = pool.submit(send, base_url, case, kwargs)
+        latencies = probe_health_while(base_url, future)
         response = future.result()
     assert response.status_code == case.status, response.text[:500]
     if case.status >= 400:
@@ -465,7 +508,15 @@ def test_hostile_request(hostile_server: ServerThread, case: Case) -> None:
             assert error["param"] == case.param, error
         if case.message is not None:
             assert case.message in error["message"], error
-    assert max(latencies) < HEALTH_BUDGET_S, f"/health took {max(latencies) * 1000:.0f} ms ({len(latencies)} probes)"
+    return max(latencies)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_hostile_request(hostile_server: RemoteServer, case: Case) -> None:
+    slowest = [run_case(hostile_server.base_url, case)]
+    while slowest[-1] >= HEALTH_BUDGET_S and len(slowest) < ATTEMPTS:
+        slowest.append(run_case(hostile_server.base_url, case))
+    assert slowest[-1] < HEALTH_BUDGET_S, f"/health took {[round(s * 1000) for s in slowest]} ms in {len(slowest)} runs"
 
 
 def test_suite_is_large_enough() -> None:
@@ -473,11 +524,11 @@ def test_suite_is_large_enough() -> None:
 
 
 def test_client_dropping_mid_upload_is_not_an_internal_error(
-    hostile_server: ServerThread, caplog: pytest.LogCaptureFixture
+    local_server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Content-Length promises 10,000 bytes, 10 arrive, the socket closes: one info line, no error, no traceback."""
     caplog.set_level("INFO")
-    with socket.create_connection(("127.0.0.1", hostile_server.port)) as sock:
+    with socket.create_connection(("127.0.0.1", local_server.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 10000\r\n\r\n" + b'{"prompt":')  # fmt: skip
     deadline = time.monotonic() + 5
@@ -485,22 +536,22 @@ def test_client_dropping_mid_upload_is_not_an_internal_error(
         assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
         time.sleep(0.02)
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
-    assert httpx.get(hostile_server.base_url + "/health").status_code == 200
+    assert httpx.get(local_server.base_url + "/health").status_code == 200
 
 
 def test_template_errors_log_one_line_without_traceback(
-    hostile_server: ServerThread, caplog: pytest.LogCaptureFixture
+    local_server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO")
     for source in ("{{ 1 // 0 }}", "{{ '%(a)s' % {} }}", "{{ x|nofilter }}", "{{ raise_exception('no') }}"):
         caplog.clear()
-        response = httpx.post(hostile_server.base_url + "/v1/chat/completions", json=template(source), timeout=30)
+        response = httpx.post(local_server.base_url + "/v1/chat/completions", json=template(source), timeout=30)
         assert response.status_code == 400
         lines = [r for r in caplog.records if r.name.startswith("deltaserve")]
         assert len(lines) == 1 and "chat template error" in lines[0].getMessage() and not lines[0].exc_info
 
 
-def test_killed_template_worker_is_replaced(hostile_server: ServerThread) -> None:
+def test_killed_template_worker_is_replaced(hostile_server: RemoteServer) -> None:
     """After renders that overran (and their workers were killed), ordinary chats still render."""
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     url = hostile_server.base_url + "/v1/chat/completions"
