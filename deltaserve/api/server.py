@@ -103,7 +103,11 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(engine, settings.model_name, engine.max_model_len)
     tokens = Tokens(engine.tokenizer)
-    templates = TemplatePool(num_workers=settings.num_template_workers, timeout=settings.template_timeout_s)
+    templates = TemplatePool(
+        num_workers=settings.num_template_workers,
+        timeout=settings.template_timeout_s,
+        memory_bytes=settings.template_memory_bytes,
+    )
     state = ServerState(engine=engine, settings=settings, metrics=metrics, tokens=tokens, templates=templates)
 
     @contextlib.asynccontextmanager

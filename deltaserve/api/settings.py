@@ -91,9 +91,10 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
-    # Chat templates render in worker processes: how many, and the time bound of one render.
+    # Chat templates render in worker processes: how many, the time bound of one render, a worker's address space.
     num_template_workers: int = 2
     template_timeout_s: float = 5.0
+    template_memory_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

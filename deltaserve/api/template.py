@@ -36,8 +36,8 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 SIZING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "__mul__", "__rmul__"})
 SIZING_FILTERS = ("center", "indent", "wordwrap", "truncate")
 MAX_JSON_INDENT = 1024
-# A width or precision of 7+ digits in a %-format or str.format spec.
-WIDE_FORMAT = re.compile(r"\d{7,}")
+# Numbers in a %-format or str.format string: a width or precision above the size bound is refused.
+FORMAT_NUMBER = re.compile(r"\d+")
 MAX_EXPONENT = 4096
 NUM_CACHED_TEMPLATES = 16
 
@@ -95,7 +95,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         elif operator == "**":
             if isinstance(right, int) and isinstance(left, int | float) and abs(right) > MAX_EXPONENT:
                 raise RenderLimitError(f"the chat template raises to a power above {MAX_EXPONENT}")
-        elif operator == "%" and isinstance(left, str) and WIDE_FORMAT.search(left):
+        elif operator == "%" and isinstance(left, str) and self.is_wide_format(left):
             raise self._refuse("formats with a width beyond the size bound")
         return super().call_binop(context, operator, left, right)
 
@@ -118,10 +118,15 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if len(text) + num_places * max(len(new) - len(old), 0) > self.limits.max_value_chars:
             raise self._refuse("replaces text beyond the size bound")
 
+    def is_wide_format(self, text: str) -> bool:
+        return any(
+            len(digits) > 9 or int(digits) > self.limits.max_value_chars for digits in FORMAT_NUMBER.findall(text)
+        )
+
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         # Jinja sandboxes str.format at attribute access; a wide field is refused there, before it is called.
         wrapped = super().wrap_str_format(value)
-        if wrapped is not None and WIDE_FORMAT.search(value.__self__):
+        if wrapped is not None and self.is_wide_format(value.__self__):
 
             def refuse(*args: Any, **kwargs: Any) -> str:
                 raise self._refuse("formats with a width beyond the size bound")
@@ -224,7 +229,7 @@ def _bounded_format_filter(environment: BoundedEnvironment) -> None:
     original = environment.filters["format"]
 
     def bounded(value: Any, *args: Any, **kwargs: Any) -> str:
-        if isinstance(value, str) and WIDE_FORMAT.search(value):
+        if isinstance(value, str) and environment.is_wide_format(value):
             raise environment._refuse("formats with a width beyond the size bound")
         return original(value, *args, **kwargs)
 

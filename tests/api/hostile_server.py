@@ -15,10 +15,12 @@ from .fake_engine import FakeEngine, build_tokenizer
 MODEL_NAME = "fake-qwen"
 BODY_LIMIT = 4 * 2**20
 TEMPLATE_TIMEOUT_S = 1.0
+TEMPLATE_MEMORY_BYTES = 256 * 2**20
 
 
 def hostile_settings() -> ServerSettings:
-    """Trusting request chat templates (so hostile ones are rendered), a 4 MiB body limit, a 1 s template bound."""
+    """Trusting request chat templates (so hostile ones are rendered), a 4 MiB body limit, a 1 s and 256 MiB
+    template bound."""
     return ServerSettings(
         model_root="/models/fake-qwen",
         served_model_names=[MODEL_NAME],
@@ -28,6 +30,7 @@ def hostile_settings() -> ServerSettings:
         trust_request_chat_template=True,
         max_request_body_bytes=BODY_LIMIT,
         template_timeout_s=TEMPLATE_TIMEOUT_S,
+        template_memory_bytes=TEMPLATE_MEMORY_BYTES,
     )
 
 

@@ -86,6 +86,8 @@ def test_prompt_tokens_details_only_with_the_flag(
     fake_engine.num_cached_tokens = 5
     plain = http.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 2}).json()["usage"]
     assert plain["prompt_tokens_details"] is None
+    chat = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()["usage"]
+    assert chat["prompt_tokens_details"] is None
     url = details_server.base_url
     usage = httpx.post(url + "/v1/completions", json={"prompt": "Hi there", "max_tokens": 2}).json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 5}

@@ -161,6 +161,13 @@ CASES: list[Case] = [
     Case("stop an int", "/v1/completions", completion(stop=5)),
     Case("stop empty string", "/v1/completions", completion(stop=[""]), param="stop"),
     Case("100,000 stop strings with n=8", "/v1/completions", completion(stop=["x"] * 100_000, n=8), param="stop"),
+    Case(
+        "129 one-character stop strings",
+        "/v1/completions",
+        completion(stop=["z"] * 129),
+        param="stop",
+        message="at most 128",
+    ),  # fmt: skip
     Case("stop string of 100k characters", "/v1/completions", completion(stop=["y" * 100_000]), param="stop"),
     Case("stop_token_ids out of vocab", "/v1/completions", completion(stop_token_ids=[10**9]), param="stop_token_ids"),
     Case("stop_token_ids negative", "/v1/completions", completion(stop_token_ids=[-3]), param="stop_token_ids"),
@@ -350,6 +357,15 @@ CASES: list[Case] = [
         ),
         message="size bound",
     ),  # fmt: skip
+    Case(
+        "template allocates 100 GB",
+        "/v1/chat/completions",
+        template(
+            "{% set ns = namespace(l=[]) %}{% for i in range(12500) %}{% set ns.l = ns.l + ['x' * 8000000] %}"
+            "{% endfor %}"
+        ),
+        message="MiB",
+    ),
     Case(
         "template writes 100 MB",
         "/v1/chat/completions",
