@@ -15,9 +15,9 @@ import json
 import logging
 from typing import Any
 
+from deltaserve.api.body import gc_paused
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import ChatMessage, ToolDefinition
-from deltaserve.api.serving_common import gc_paused
 from deltaserve.api.settings import ServerState
 from deltaserve.api.template import RenderJob
 from deltaserve.api.template_pool import TemplateRenderError

@@ -157,8 +157,9 @@ class ServerMetrics:
                   ("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens."),
                   ("vllm:mm_cache_queries", "Multi-modal cache queries, in items."),
                   ("vllm:mm_cache_hits", "Multi-modal cache hits, in items."))  # fmt: skip
+        # Exported at zero: the features behind them are absent.
         for name, doc in unused:
-            counter(name, doc)  # exported at zero
+            counter(name, doc)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
         self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Time per output token per request.",

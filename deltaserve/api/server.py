@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response
 
 import deltaserve
 from deltaserve.api import serving_chat, serving_completion, serving_tokenize
+from deltaserve.api.body import read_json
 from deltaserve.api.errors import APIError, install_error_handlers
 from deltaserve.api.metrics import ServerMetrics
 from deltaserve.api.middleware import APIKeyMiddleware, BodySizeMiddleware, RequestIdMiddleware
-from deltaserve.api.serving_common import read_json
 from deltaserve.api.settings import EngineClient, ServerSettings, ServerState
 from deltaserve.api.template_pool import TemplatePool
 from deltaserve.api.tokens import Tokens

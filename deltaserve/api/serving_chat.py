@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from deltaserve.api.body import parse_request
 from deltaserve.api.chat import check_request_template, check_tool_choice, content_text, render_chat, template_kwargs
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
 from deltaserve.api.errors import bad_request
@@ -33,7 +34,6 @@ from deltaserve.api.serving_common import (
     check_model,
     engine_request_id,
     engine_stream,
-    parse_request,
     request_ids,
     run_until_disconnect,
     sse,

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from deltaserve.api.body import parse_request
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
@@ -28,7 +29,6 @@ from deltaserve.api.serving_common import (
     engine_request_id,
     engine_stream,
     merge_streams,
-    parse_request,
     request_ids,
     run_until_disconnect,
     sse,

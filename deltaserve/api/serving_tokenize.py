@@ -15,9 +15,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from deltaserve.api.body import parse_body, read_json
 from deltaserve.api.chat import check_request_template, render_chat, template_kwargs
 from deltaserve.api.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from deltaserve.api.serving_common import check_model, check_token_ids, parse_body, read_json
+from deltaserve.api.serving_common import check_model, check_token_ids
 from deltaserve.api.settings import ServerState
 from deltaserve.api.tokens import SLICE_TOKENS, json_int_list
 

@@ -267,7 +267,8 @@ class TemplateCache:
             template = self.environment.from_string(source)
             if len(self.templates) >= NUM_CACHED_TEMPLATES:
                 self.templates.pop(next(iter(self.templates)))
-        self.templates[source] = template  # most recently used last
+        # Re-inserted, so the most recently used is last and the first is the one to evict.
+        self.templates[source] = template
         return template
 
 

@@ -187,7 +187,8 @@ class TemplatePool:
 
     def _release(self, worker: _Worker) -> None:
         assert self._loop is not None and self._idle is not None
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
+        # A closed loop means the server is shutting down: nobody needs the worker back.
+        with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._idle.put_nowait, worker)
 
     def _roundtrip(self, worker: _Worker, job: RenderJob) -> tuple[str, str]:
