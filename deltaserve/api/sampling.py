@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 64 * 1024
 NUM_LOGGED_FIELD_SETS = 256
+# Extra fields an endpoint reads itself (completions refuses a non-text response_format).
+HANDLED_EXTRA_FIELDS = frozenset({"response_format"})
 _logged_field_sets: OrderedDict[frozenset[str], None] = OrderedDict()
 
 # Fields that fall back to generation_config.json defaults when the request leaves them unset.
@@ -41,8 +43,8 @@ def _is_set(value: Any) -> bool:
 def log_ignored_fields(request: SamplingRequest) -> None:
     """vLLM's log line for fields it accepts and ignores: unknown ones, and known ones with no effect here."""
     extra = request.model_extra or {}
-    ignored = frozenset(name for name, value in extra.items() if name in IGNORED_FIELDS or name not in
-                        UNSUPPORTED_FIELDS or not _is_set(value))  # fmt: skip
+    ignored = frozenset(name for name, value in extra.items() if name not in HANDLED_EXTRA_FIELDS and (
+                        name in IGNORED_FIELDS or name not in UNSUPPORTED_FIELDS or not _is_set(value)))  # fmt: skip
     if not ignored or ignored in _logged_field_sets:
         return
     _logged_field_sets[ignored] = None

@@ -202,6 +202,15 @@ def _chunk(job: ChatJob, choices: list[dict[str, Any]]) -> dict[str, Any]:
             "model": job.state.settings.model_name, "choices": choices}  # fmt: skip
 
 
+def only_first_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's parallel_tool_calls=false: every tool call after the first is dropped."""
+    if "tool_calls" not in delta:
+        return delta
+    calls = [call for call in delta["tool_calls"] if call["index"] == 0]
+    trimmed = {key: value for key, value in delta.items() if key != "tool_calls"}
+    return {**trimmed, "tool_calls": calls} if calls else trimmed
+
+
 def _choice(index: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
             "finish_reason": None}  # fmt: skip
@@ -242,6 +251,10 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
                         choice["delta"] = merge_deltas(delta, processor.finish())
                         choice["finish_reason"] = processor.finish_reason(seq.finish_reason)
                         choice["stop_reason"] = seq.stop_reason
+                    if job.request.parallel_tool_calls is False:
+                        choice["delta"] = only_first_call(choice["delta"])
+                        if not choice["delta"] and seq.finish_reason is None:
+                            continue
                     yield event(choice)
         if include_usage:
             chunk = _chunk(job, [])
@@ -272,6 +285,8 @@ async def full_chat(job: ChatJob) -> JSONResponse:
     choices = []
     for index, builder in sorted(builders.items()):
         message = {**builder.message(), "role": job.role}
+        if job.request.parallel_tool_calls is False and message.get("tool_calls"):
+            message["tool_calls"] = message["tool_calls"][:1]
         if job.echo_text:
             message["content"] = job.echo_text + (message["content"] or "")
         choices.append({

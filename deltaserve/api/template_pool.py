@@ -58,6 +58,18 @@ def _set_memory_limit(num_bytes: int) -> None:
         pass
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker if the server dies, so an orphan cannot go on rendering."""
+    try:
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -65,6 +77,7 @@ def _describe(exc: BaseException) -> str:
 
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """A worker's whole life: read its limits, then receive RenderJobs and reply ("ok", text) or ("error", why)."""
+    _die_with_parent()
     limits, memory_bytes = conn.recv()
     _set_memory_limit(memory_bytes)
     cache = TemplateCache(limits)

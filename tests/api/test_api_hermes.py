@@ -106,6 +106,23 @@ def test_hermes_streaming(hermes_client: openai.OpenAI, fake_engine: FakeEngine)
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 2}
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(hermes_client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    two = "Two.</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Rome")
+    fake_engine.scripts.append([two])
+    reply = hermes_client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS)
+    assert len(reply.choices[0].message.tool_calls) == 2
+    fake_engine.scripts.append([two])
+    reply = hermes_client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS,
+                                                  parallel_tool_calls=False)  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["city"] == "Paris"
+    fake_engine.scripts.append([two])
+    stream = hermes_client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, stream=True,
+                                                   parallel_tool_calls=False)  # fmt: skip
+    indexes = {call.index for chunk in stream for call in chunk.choices[0].delta.tool_calls or []}
+    assert indexes == {0}
+
+
 def test_hermes_plain_answer(hermes_client: openai.OpenAI, fake_engine: FakeEngine) -> None:
     fake_engine.scripts.append(["Fine.</think>\n\nIt is sunny."])
     reply = hermes_client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS)
