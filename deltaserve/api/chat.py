@@ -37,22 +37,49 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })  # fmt: skip
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
+# image / video parts (OpenAI's image_url, vLLM's video_url) and what the chat template sees for each
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
 
 
-def content_text(message: ChatMessage, index: int) -> str | None:
-    """Content as text: parts are joined with newlines as vLLM's 'string' content format does."""
+def has_media(messages: list[ChatMessage]) -> bool:
+    return any(
+        isinstance(m.content, list) and any(part.type in MEDIA_PART_TYPES for part in m.content) for m in messages
+    )
+
+
+def content_text(message: ChatMessage, index: int, allow_media: bool = False) -> str | None:
+    """Content as text: parts are joined with newlines as vLLM's 'string' content format does. Media parts are
+    refused unless the engine serves images and videos (then the template gets content lists instead)."""
     content = message.content
     if content is None or isinstance(content, str):
         return content
     texts = []
     for part in content:
+        if part.type in MEDIA_PART_TYPES and allow_media:
+            continue
         if part.type not in TEXT_PART_TYPES:
+            reason = (
+                "this model is served as text only (no vision tower)"
+                if part.type in MEDIA_PART_TYPES
+                else "deltaserve reads text, image_url and video_url parts"
+            )
             raise bad_request(
-                f"Content part type {part.type!r} is not supported: deltaserve serves the language model only.",
-                f"messages.{index}.content",
+                f"Content part type {part.type!r} is not supported: {reason}.", f"messages.{index}.content"
             )
         texts.append(part.text or "")
     return "\n".join(texts)
+
+
+def _media_content(message: ChatMessage) -> list[dict[str, Any]]:
+    """A message's parts as the Qwen3.5 template renders them: text parts and {"type": "image" | "video"} markers
+    in their order (the template writes each marker's vision_start + pad + vision_end)."""
+    parts = []
+    for part in message.content:
+        if part.type in MEDIA_PART_TYPES:
+            parts.append({"type": MEDIA_PART_TYPES[part.type]})
+        else:
+            parts.append({"type": "text", "text": part.text or ""})
+    return parts
 
 
 def _tool_call_dict(call: Any, index: int) -> dict[str, Any]:
@@ -68,13 +95,22 @@ def _tool_call_dict(call: Any, index: int) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments or {}}}
 
 
-def to_template_messages(messages: list[ChatMessage], content_format: str = "auto") -> list[dict[str, Any]]:
-    """Messages as the template sees them; with content_format "openai" content is a list of text parts."""
+def to_template_messages(
+    messages: list[ChatMessage], content_format: str = "auto", allow_media: bool = False
+) -> list[dict[str, Any]]:
+    """Messages as the template sees them; with content_format "openai" content is a list of text parts, and a
+    message with image or video parts always keeps its parts as a list (the template places the media)."""
     converted = []
     for index, message in enumerate(messages):
         item: dict[str, Any] = {**(message.model_extra or {}), "role": message.role}
-        content: Any = content_text(message, index)
-        if content_format == "openai" and content is not None:
+        content: Any = content_text(message, index, allow_media)
+        if (
+            allow_media
+            and isinstance(message.content, list)
+            and any(part.type in MEDIA_PART_TYPES for part in message.content)
+        ):
+            content = _media_content(message)
+        elif content_format == "openai" and content is not None:
             parts = message.content if isinstance(message.content, list) else [message.content]
             content = [{"type": "text", "text": part if isinstance(part, str) else part.text or ""} for part in parts]
         item["content"] = content if content is not None or message.tool_calls else ""
@@ -149,7 +185,9 @@ async def render_chat(
             template=template,
             messages=[
                 _without_none(item)
-                for item in to_template_messages(messages, state.settings.chat_template_content_format)
+                for item in to_template_messages(
+                    messages, state.settings.chat_template_content_format, state.engine.mm_processor is not None
+                )
             ],
             tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
             documents=documents,

@@ -20,6 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from deltaserve.engine.core_client import EngineDeadError
+from deltaserve.engine.frontend import RequestError
+
 logger = logging.getLogger(__name__)
 
 
@@ -101,6 +104,11 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, pydantic.ValidationError):
         return validation_error(exc)
+    if isinstance(exc, EngineDeadError):
+        # the engine core died: every stream ends with this, /health fails and the server exits non-zero
+        return APIError(f"The engine is dead: {exc}", status=503, err_type="ServiceUnavailableError")
+    if isinstance(exc, RequestError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, NotImplementedError):
         return APIError(str(exc) or "Not implemented.", status=501, err_type="NotImplementedError")
     if isinstance(exc, ValueError | TypeError | OverflowError | jinja2.TemplateError | RecursionError):

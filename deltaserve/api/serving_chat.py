@@ -21,7 +21,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deltaserve.api.body import parse_request
-from deltaserve.api.chat import check_request_template, check_tool_choice, content_text, render_chat, template_kwargs
+from deltaserve.api.chat import (
+    check_request_template,
+    check_tool_choice,
+    content_text,
+    has_media,
+    render_chat,
+    template_kwargs,
+)
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs
@@ -159,6 +166,16 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         continue_final_message=request.continue_final_message,
         documents=request.documents,
     )
+    refs = None
+    if has_media(request.messages):
+        processor = state.engine.mm_processor
+        if processor is None:
+            raise bad_request("Image and video content parts are not supported: this model is served as text only.",
+                              "messages")  # fmt: skip
+        try:
+            refs = processor.parse_messages([m.model_dump(exclude_none=True) for m in request.messages])
+        except ValueError as exc:  # a MediaError: a bad URL, a path outside the allowed folder, over the limits
+            raise bad_request(str(exc), "messages") from None
     max_model_len = state.engine.max_model_len
     prompt_ids, _ = await state.tokens.encode(
         prompt_text,
@@ -168,6 +185,18 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         truncation_side=request.truncation_side,
         param="messages",
     )
+    mm_input = None
+    if refs is not None:
+        kwargs_mm = (request.model_extra or {}).get("mm_processor_kwargs")
+        if kwargs_mm is not None and not isinstance(kwargs_mm, dict):
+            raise bad_request("mm_processor_kwargs must be an object.", "mm_processor_kwargs")
+        try:
+            # fetch, decode and preprocess off the event loop (Pillow, PyAV and the resize are CPU-heavy)
+            prompt_ids, mm_input = await state.tokens.run(
+                lambda: state.engine.mm_processor.process(list(prompt_ids), refs, kwargs_mm)
+            )
+        except ValueError as exc:  # a MediaError: corrupt bytes, wrong type, too many pixels, placeholder mismatch
+            raise bad_request(str(exc), "messages") from None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     num_top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = params_for_prompt(
@@ -179,7 +208,7 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         prompt_param="messages",
     )
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
-    stream = engine_stream(state, prompt_ids, params, engine_request_id(response_id, 0), arrival)
+    stream = engine_stream(state, prompt_ids, params, engine_request_id(response_id, 0), arrival, mm_input)
     role = response_role(state, request)
     return ChatJob(
         state=state,

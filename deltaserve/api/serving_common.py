@@ -29,6 +29,7 @@ from deltaserve.api.errors import (
     to_api_error,
 )
 from deltaserve.api.settings import ServerState
+from deltaserve.engine.frontend import RequestError, check_lengths
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
@@ -54,23 +55,11 @@ def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> Non
 
 
 def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
-    """vLLM's context checks: the prompt must leave room for one token, prompt + max_tokens must fit."""
-    max_model_len = state.engine.max_model_len
-    if num_prompt_tokens == 0:
-        raise bad_request("The prompt cannot be empty.", prompt_param)
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.",
-            prompt_param,
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-            f"length is {max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
-            f"({max_tokens} > {max_model_len} - {num_prompt_tokens}).",
-            "max_tokens",
-        )
+    """vLLM's context checks, as the engine applies them (one place: engine/frontend.check_lengths), as 400s."""
+    try:
+        check_lengths(num_prompt_tokens, max_tokens, state.engine.max_model_len, prompt_param)
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
 def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
@@ -149,12 +138,21 @@ def stream_usage_flags(stream_options: Any, is_forced: bool = False) -> tuple[bo
 
 
 async def engine_stream(
-    state: ServerState, prompt_token_ids: list[int], params: SamplingParams, request_id: str, arrival: float
+    state: ServerState,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    arrival: float,
+    mm_input: Any = None,
 ) -> AsyncGenerator[RequestOutput, None]:
-    """engine.generate with metrics, and a cleanup that always aborts an unfinished request."""
+    """engine.generate with metrics, and a cleanup that always aborts an unfinished request. mm_input: the
+    prompt's processed images and videos (a deltaserve.multimodal MultimodalInput), None for text."""
     max_tokens = params.max_tokens or state.engine.max_model_len - len(prompt_token_ids)
     tracker = state.metrics.track(len(prompt_token_ids), params.n, max_tokens, arrival)
-    iterator = state.engine.generate(prompt_token_ids, params, request_id)
+    if mm_input is None:
+        iterator = state.engine.generate(prompt_token_ids, params, request_id)
+    else:
+        iterator = state.engine.generate(prompt_token_ids, params, request_id, mm_input=mm_input)
     is_finished = False
     try:
         async for output in iterator:

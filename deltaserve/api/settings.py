@@ -49,6 +49,10 @@ class EngineClient(Protocol):
     @property
     def is_dead(self) -> bool: ...
 
+    # the multimodal processor (deltaserve.multimodal.processor.MultimodalProcessor) when the engine serves images
+    # and videos, else None; generate() then takes the processed input as mm_input=
+    mm_processor: Any
+
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]: ...
