@@ -32,6 +32,14 @@ from .server_thread import ServerThread
 MAX_TOKENS = 6
 
 
+def part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def b64_url(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
 def png_data_url(pixels: np.ndarray) -> str:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
@@ -107,24 +115,24 @@ def _status(server: ServerThread, content: list[dict]) -> httpx.Response:
 
 
 @pytest.mark.parametrize(
-    ("case", "part"),
+    ("case", "bad"),
     [
-        ("corrupt bytes", {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}}),
-        ("wrong MIME", {"type": "image_url", "image_url": {"url": "data:text/plain;base64," + base64.b64encode(b"hello").decode()}}),
-        ("huge image", {"type": "image_url", "image_url": {"url": png_data_url(np.zeros((12000, 12000, 3), np.uint8))}}),
-        ("outside the allowed folder", {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}),
-        ("remote URL", {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}),
+        ("corrupt bytes", part(b64_url("image/png", b"not a png"))),
+        ("wrong MIME", part(b64_url("text/plain", b"hello"))),
+        ("huge image", part(png_data_url(np.zeros((12000, 12000, 3), np.uint8)))),
+        ("outside the allowed folder", part("file:///etc/passwd")),
+        ("remote URL", part("http://example.com/cat.png")),
         ("too many images", None),
     ],
 )  # fmt: skip
-def test_bad_media_is_a_400_and_the_server_stays_up(server: ServerThread, case: str, part: dict | None) -> None:
+def test_bad_media_is_a_400_and_the_server_stays_up(server: ServerThread, case: str, bad: dict | None) -> None:
     url = png_data_url(synthetic_image(32, 32))
-    content = [{"type": "image_url", "image_url": {"url": url}}] * 3 if part is None else [part]
+    content = [part(url)] * 3 if bad is None else [bad]
     response = _status(server, content)
     assert response.status_code == 400, (case, response.text)
     error = response.json()["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
-    if part is None:
+    if bad is None:
         assert "At most 2 image(s)" in error["message"]
     assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
 
