@@ -44,14 +44,15 @@ def fake_grid_toml(path: Path, model: Path, port: int, is_restart_cheap: bool) -
     name = "fast"
     role = "subject"
     command = ["{{python}}", "{FAKE_SERVER}", "{{model}}", "--port", "{{port}}", "--itl-ms", "1"]
-    startup_timeout_s = 30
+    # Generous: on a loaded 2-core CI machine the fake server's imports alone can take tens of seconds.
+    startup_timeout_s = 180
 
     [[arms]]
     name = "slow"
     role = "peer"
     command = ["{{python}}", "{FAKE_SERVER}", "{{model}}", "--port", "{{port}}", "--itl-ms", "3"]
     denominator_note = "repaired: now runs with the production flags"
-    startup_timeout_s = 30
+    startup_timeout_s = 180
     """
     path.write_text(textwrap.dedent(text))
     return path
