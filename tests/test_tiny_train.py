@@ -62,7 +62,10 @@ def test_a_few_steps_train_and_keep_the_make_tiny_format(
 ) -> None:
     """Fused dense weights and Qwen3-Next's per-expert experts come back in make_tiny's names, shapes, dtypes and
     shards; the loss falls; transformers loads the result whole; the MTP head loads from its mtp.* tensors."""
-    recipe = train_module.recipe_for(variant, num_steps=6, batch_size=2, seq_len=48, num_warmup_steps=2)
+    # Text rows only: with noise rows the first and last batches' losses are over different targets.
+    recipe = train_module.recipe_for(
+        variant, num_steps=6, batch_size=2, seq_len=48, num_warmup_steps=2, anchor_fraction=0.0
+    )
     tensors, report = train_module.train(tiny_dirs[variant], recipe, log_every=0)
     template = tensors_of(tiny_dirs[variant])
     assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
