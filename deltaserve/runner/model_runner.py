@@ -4,7 +4,10 @@ It owns the model, its weights, the KV cache, the state pool, the request table 
 applies the plan's diffs to the request table, builds the inputs, launches the forward and the sampler, and starts
 copying the sampled tokens to pinned host memory; it returns a StepHandle at once. collect() waits for that copy
 and returns the StepResult. Under async scheduling the engine plans and launches step N+1 before collecting step N,
-so the host work of a step overlaps the GPU work of the one before.
+so the host work of a step overlaps the GPU work of the one before. A step whose rows need a token bitmask that
+depends on the previous step's tokens (grammars) is launched with defer_sampling=True: only the forward runs, and
+the engine calls sample(handle, bitmask) once it has filled the mask. Prompt logprobs are computed here too, for the
+prefill chunks of rows that asked (runner/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.model.vision import gather_mm_embeds
+from deltaserve.runner import prompt_logprobs as plp
 from deltaserve.runner.cache import (
     CacheLayout,
     affordable_slots,
@@ -36,7 +40,8 @@ from deltaserve.runner.cache import (
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.sampler import Sampler, SamplerOutput, build_sampling_batch, logprobs_to_host
+from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
+from deltaserve.sampler.transfer import to_device
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
 
@@ -83,6 +88,10 @@ class StepHandle:
     num_logprobs: tuple[int, ...] | None
     event: torch.cuda.Event | None
     all_logits: torch.Tensor | None = None  # [T, V] fp32, only for scoring
+    # defer_sampling: (logits [S, V], table rows [S], their device copy, the batch) until sample() is called
+    pending: tuple[torch.Tensor, np.ndarray, torch.Tensor, SamplingBatch] | None = None
+    prompt_logprobs: plp.PromptLogprobsOutput | None = None  # host copies once prompt_event completes
+    prompt_event: torch.cuda.Event | None = None
 
 
 def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
@@ -229,8 +238,9 @@ class ModelRunner:
     # -- steps ----------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, return_all_logits: bool = False) -> StepHandle:
-        """Applies the plan and launches its forward and sampling; does not wait for the GPU."""
+    def execute(self, plan: StepPlan, return_all_logits: bool = False, defer_sampling: bool = False) -> StepHandle:
+        """Applies the plan and launches its forward and sampling (only the forward with defer_sampling: call
+        sample() next); does not wait for the GPU."""
         self.table.apply(plan)
         if plan.is_empty:
             return StepHandle(plan, np.zeros(0, dtype=np.int64), None, None, None)
@@ -245,6 +255,7 @@ class ModelRunner:
             and self.graphs.can_run(num_seqs, width)
         )
         all_logits = None
+        prompt_lp = None
         if is_graph_step:
             logits = self.graphs.run(layout, self.table, self.block_size)  # [B, V]: every decode row samples
             sample_rows_dev = self.graphs.rows[:num_seqs]
@@ -255,6 +266,12 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
             if return_all_logits:
                 all_logits = self.model.compute_logits(hidden)
+            work = plp.plan_prompt_logprobs(self.table, layout.rows, layout.starts, layout.num_new,
+                                            layout.query_start_loc)  # fmt: skip
+            if work is not None:
+                prompt_lp = plp.to_host(
+                    plp.compute_prompt_logprobs(work, hidden, self.model.compute_logits, self.vocab_size)
+                )
             sample_rows_dev = inputs.sample_rows_dev
             logits = None
             if len(layout.sample_seqs):
@@ -268,14 +285,41 @@ class ModelRunner:
                         else hidden.index_select(0, inputs.sample_token_index)
                     )
                     logits = self.model.compute_logits(rows)  # [S, V] fp32
+        prompt_event = None
+        if prompt_lp is not None and self.device.type == "cuda":
+            prompt_event = torch.cuda.Event()
+            prompt_event.record()
         if not len(layout.sample_seqs):
-            return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits)
+            return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits, None, prompt_lp, prompt_event)
         rows = layout.rows[layout.sample_seqs]
         batch = self.table.sampling_batch(rows, sample_rows_dev)
+        handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
+                            prompt_event)  # fmt: skip
+        if defer_sampling:
+            handle.pending = (logits, rows, sample_rows_dev, batch)
+        else:
+            self._sample(handle, logits, rows, sample_rows_dev, batch)
+        return handle
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, bitmask: np.ndarray | None, bitmask_rows: np.ndarray | None) -> None:
+        """Samples a step launched with defer_sampling. bitmask: int32 [C, ceil(V / 32)] for the positions
+        bitmask_rows [C] of the step's sampling order (None: no row is masked)."""
+        if handle.pending is None:
+            raise RuntimeError(f"step {handle.plan.step_id} has no deferred sampling")
+        logits, rows, rows_dev, batch = handle.pending
+        handle.pending = None
+        if bitmask is not None and len(bitmask_rows):
+            batch.token_bitmask = to_device(bitmask, torch.int32, self.device)
+            batch.bitmask_rows = to_device(bitmask_rows, torch.int64, self.device)
+        self._sample(handle, logits, rows, rows_dev, batch)
+
+    def _sample(
+        self, handle: StepHandle, logits: torch.Tensor, rows: np.ndarray, rows_dev: torch.Tensor, batch: SamplingBatch
+    ) -> None:
         out = self.sampler(logits, batch)
-        self.table.record_sampled(rows, sample_rows_dev, out.token_ids)
-        host, event = self._to_host(out)
-        return StepHandle(plan, layout.sample_seqs, host, batch.num_logprobs, event, all_logits)
+        self.table.record_sampled(rows, rows_dev, out.token_ids)
+        handle.sampled, handle.event = self._to_host(out)
 
     def _mm_embeds(self, plan: StepPlan, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's encoder embeddings: items a chunk's window needs are encoded whole (the ViT is bidirectional),
@@ -333,6 +377,13 @@ class ModelRunner:
         plan = handle.plan
         token_ids: list[tuple[int, ...]] = [()] * len(plan.seqs)
         logprobs: list = [None] * len(plan.seqs)
+        if handle.pending is not None:
+            raise RuntimeError(f"step {plan.step_id} was collected before its deferred sampling ran")
+        prompt_logprobs: tuple = ()
+        if handle.prompt_logprobs is not None:
+            if handle.prompt_event is not None:
+                handle.prompt_event.synchronize()
+            prompt_logprobs = tuple(plp.to_plain(handle.prompt_logprobs, len(plan.seqs)))
         if handle.sampled is not None:
             if handle.event is not None:
                 handle.event.synchronize()
@@ -345,7 +396,9 @@ class ModelRunner:
                 if per_row is not None and per_row[i] is not None:
                     logprobs[seq_index] = (per_row[i],)
         has_logprobs = any(entry is not None for entry in logprobs)
-        return StepResult(plan.step_id, tuple(token_ids), tuple(logprobs) if has_logprobs else ())
+        return StepResult(
+            plan.step_id, tuple(token_ids), tuple(logprobs) if has_logprobs else (), prompt_logprobs=prompt_logprobs
+        )
 
     def run(self, plan: StepPlan) -> StepResult:
         """execute + collect: one synchronous step."""
