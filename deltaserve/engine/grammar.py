@@ -26,8 +26,22 @@ BACKENDS = ("auto", "xgrammar")
 UNSUPPORTED_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
 # the string formats xgrammar's JSON-schema converter implements (vLLM's STRING_SUPPORTED_FORMATS)
 STRING_FORMATS = frozenset(
-    "email date time date-time duration ipv4 ipv6 hostname uuid uri uri-reference uri-template json-pointer "
-    "relative-json-pointer".split()
+    [
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    ]
 )
 
 
