@@ -427,6 +427,14 @@ MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_
                "_moe_decode_gemm1_kernel", "_moe_decode_gemm2_kernel")  # fmt: skip
 
 
+def moe_label(is_block: bool) -> str:
+    """The label unclaimed MoE kernels get: the block's when the block variant runs or the model itself calls
+    kernels.fused_moe_block (main since the 2026-12-01 decode-step record), else the routed experts' op."""
+    from deltaserve.model.layers import mlp
+
+    return "mlp.fused_moe_block" if is_block or hasattr(mlp, "fused_moe_block") else "mlp.fused_moe"
+
+
 def profile_ops(
     run: Callable[[], object], device: torch.device, moe_label: str = "mlp.fused_moe"
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
@@ -530,7 +538,7 @@ def measure_batch(
             run()
             row["eager_ms"] = (time.perf_counter() - started) * 1e3
         with labelled(model, config):
-            by_label, kernels = profile_ops(run, device, "mlp.fused_moe_block" if args.is_block else "mlp.fused_moe")
+            by_label, kernels = profile_ops(run, device, moe_label(args.is_block))
     costs = op_costs(config, batch, args.context)
     ops = []
     for label, measured in sorted(by_label.items(), key=lambda item: -item[1]["us"]):

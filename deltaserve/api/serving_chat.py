@@ -170,12 +170,13 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
     if has_media(request.messages):
         processor = state.engine.mm_processor
         if processor is None:
+            index = next(i for i, m in enumerate(request.messages) if has_media([m]))
             raise bad_request("Image and video content parts are not supported: this model is served as text only.",
-                              "messages")  # fmt: skip
+                              f"messages.{index}.content")  # fmt: skip
         try:
             refs = processor.parse_messages([m.model_dump(exclude_none=True) for m in request.messages])
         except ValueError as exc:  # a MediaError: a bad URL, a path outside the allowed folder, over the limits
-            raise bad_request(str(exc), "messages") from None
+            raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
     max_model_len = state.engine.max_model_len
     prompt_ids, _ = await state.tokens.encode(
         prompt_text,
@@ -196,7 +197,7 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
                 lambda: state.engine.mm_processor.process(list(prompt_ids), refs, kwargs_mm)
             )
         except ValueError as exc:  # a MediaError: corrupt bytes, wrong type, too many pixels, placeholder mismatch
-            raise bad_request(str(exc), "messages") from None
+            raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     num_top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = params_for_prompt(
