@@ -35,6 +35,8 @@ class EngineConfig:
     mm_processor_kwargs: dict | None = None
     generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: built-in defaults
     tokenizer: str | None = None
+    # vLLM's --structured-outputs-config JSON ({"backend": "xgrammar", "disable_any_whitespace": ...}); None: defaults
+    structured_outputs_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 MAX_SEED = 2**63 - 1
 
 
+class ParamError(ValueError):
+    """A sampling parameter vLLM refuses; `param` names the request field (the api's 400 carries it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class StructuredOutputsParams:
     """One constraint on the output, as vLLM's StructuredOutputsParams (exactly one of the constraint fields)."""
@@ -30,6 +38,8 @@ class StructuredOutputsParams:
     # deltaserve: the constraint starts after this token is generated (a reasoning model's </think> when the
     # prompt opens a thinking block), as vLLM leaves the reasoning section unconstrained
     start_after_token_id: int | None = None
+    # set once the constraint parsed (the api checks it off its event loop; the engine then does not again)
+    is_checked: bool = field(default=False, compare=False, repr=False)
 
     CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -136,6 +146,27 @@ class SamplingParams:
             raise ValueError("allowed_token_ids is not None and empty!")
         if any(not word for word in self.bad_words):
             raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """vLLM's token-id bounds of logit_bias, allowed_token_ids and the bad words' tokens (the model's
+        vocabulary, config vocab_size); ParamError names the field."""
+        if self.logit_bias:
+            invalid = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if invalid:
+                raise ParamError(
+                    f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                    f"{vocab_size}",
+                    "logit_bias",
+                )
+        if self.allowed_token_ids is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
+            raise ParamError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+        invalid = [t for ids in self.bad_words_token_ids or [] for t in ids if not 0 <= t < vocab_size]
+        if invalid:
+            raise ParamError(
+                f"The model vocabulary size is {vocab_size}, but the following tokens were specified as bad: "
+                f"{invalid}. All token id values should be integers satisfying: 0 <= token_id <= {vocab_size - 1}.",
+                "bad_words",
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -51,6 +51,7 @@ from deltaserve.api.serving_common import (
     without_none,
 )
 from deltaserve.api.settings import ServerState
+from deltaserve.api.structured import THINK_END, is_open_think, resolve_structured_outputs
 from deltaserve.api.tool_parser import Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
@@ -143,9 +144,7 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
     check_model(state, request.model)
     check_unsupported(request)
     check_request_template(state, request.chat_template, request.chat_template_kwargs)
-    response_format = (request.response_format or {}).get("type", "text")
-    if response_format != "text":
-        raise bad_request(f"response_format {response_format!r} needs structured outputs, which deltaserve lacks.")
+    structured = await resolve_structured_outputs(request, request.response_format)
     check_logprobs(request.top_logprobs, "top_logprobs", state.settings.max_logprobs)
     if request.top_logprobs and not request.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
@@ -200,6 +199,13 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
             raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     num_top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    is_thinking_disabled = kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+    if structured is not None and state.settings.reasoning_parser and is_open_think(prompt_text):
+        # vLLM leaves the reasoning section unconstrained: the constraint starts after </think>
+        structured.start_after_token_id = state.engine.tokenizer.convert_tokens_to_ids(THINK_END)
+    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     params = params_for_prompt(
         state,
         request,
@@ -207,6 +213,8 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         max_tokens=max_tokens,
         logprobs=num_top_logprobs,
         prompt_param="messages",
+        prompt_logprobs=request.prompt_logprobs,
+        structured_outputs=structured,
     )
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
     stream = engine_stream(state, prompt_ids, params, engine_request_id(response_id, 0), arrival, mm_input)
@@ -220,7 +228,7 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         num_prompt_tokens=len(prompt_ids),
         num_top_logprobs=num_top_logprobs,
         tools=[tool.model_dump() for tool in request.tools] if tool_choice and request.tools else None,
-        is_thinking_disabled=kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False,
+        is_thinking_disabled=is_thinking_disabled,
         role=role,
         echo_text=_echo_text(request, role),
         stream=stream,

@@ -40,6 +40,7 @@ from deltaserve.api.serving_common import (
     without_none,
 )
 from deltaserve.api.settings import ServerState
+from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.engine.request import CompletionOutput, RequestOutput
 
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
@@ -161,12 +162,15 @@ async def create_completion(
     check_unsupported(request)
     if request.suffix is not None:
         raise bad_request("suffix is not currently supported", "suffix")
-    response_format = (request.model_extra or {}).get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        raise bad_request("response_format needs structured outputs, which deltaserve lacks.", "response_format")
+    structured = await resolve_structured_outputs(request, (request.model_extra or {}).get("response_format"))
     check_logprobs(request.logprobs, "logprobs", state.settings.max_logprobs)
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which deltaserve does not compute.", "echo")
+    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    # vLLM: echo with logprobs reports the prompt's logprobs too (prompt_logprobs = logprobs unless set)
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo and request.logprobs is not None:
+        prompt_logprobs = request.logprobs
     prompts = await resolve_prompts(state, request)
     if request.echo:
         # The echoed prompt is the decoded tokens (token-id and truncated prompts have no text of their own).
@@ -182,6 +186,8 @@ async def create_completion(
             max_tokens=request.max_tokens,
             logprobs=request.logprobs,
             prompt_param="prompt",
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
         )
         for prompt in prompts
     ]

@@ -71,6 +71,8 @@ class StructuredOutputManager:
 
     def add(self, request_id: str, params: SamplingParams, stop_token_ids: frozenset[int]) -> bool:
         """Registers a request; True when it is ready now (no grammar, or one already compiled)."""
+        if not params.needs_history_mask:
+            return True  # nothing here: its steps are not deferred
         spec = params.structured_outputs
         state = ConstraintState(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if len(w) > 1])
         if spec is not None:
