@@ -31,7 +31,7 @@ from deltaserve.api.chat import (
 )
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
 from deltaserve.api.errors import bad_request
-from deltaserve.api.logprobs import TokenNamer, chat_logprobs
+from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
 from deltaserve.api.sampling import check_logprobs, check_unsupported, params_for_prompt
@@ -51,7 +51,7 @@ from deltaserve.api.serving_common import (
     without_none,
 )
 from deltaserve.api.settings import ServerState
-from deltaserve.api.structured import THINK_END, is_open_think, resolve_structured_outputs
+from deltaserve.api.structured import THINK_END, resolve_structured_outputs
 from deltaserve.api.tool_parser import Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
@@ -74,6 +74,7 @@ class ChatJob:
     echo_text: str  # prepended to each choice's content with `echo`
     stream: AsyncGenerator[RequestOutput, None]
     num_cached_tokens: int | None = field(default=None)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     def new_processor(self) -> ChoiceProcessor:
         settings = self.state.settings
@@ -200,7 +201,12 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     num_top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     is_thinking_disabled = kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
-    if structured is not None and state.settings.reasoning_parser and is_open_think(prompt_text):
+    if (
+        structured is not None
+        and state.settings.reasoning_parser
+        and not is_thinking_disabled
+        and (prompt_opens_thinking(prompt_text))
+    ):
         # vLLM leaves the reasoning section unconstrained: the constraint starts after </think>
         structured.start_after_token_id = state.engine.tokenizer.convert_tokens_to_ids(THINK_END)
     check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
@@ -232,6 +238,7 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         role=role,
         echo_text=_echo_text(request, role),
         stream=stream,
+        prompt_token_ids=list(prompt_ids),
     )
 
 
@@ -261,8 +268,8 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
     processors: dict[int, ChoiceProcessor] = {}
     has_logprobs = job.num_top_logprobs is not None
 
-    def event(choice: dict[str, Any]) -> str:
-        chunk = _chunk(job, [choice])
+    def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
+        chunk = _chunk(job, [choice]) | (extra or {})
         if is_continuous:
             chunk["usage"] = without_none(job.usage(list(processors.values())))
         return sse(chunk)
@@ -275,16 +282,21 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
                     processor = processors.get(seq.index)
                     if processor is None:
                         processor = processors[seq.index] = job.new_processor()
-                        yield event(_choice(seq.index, {"role": job.role, "content": ""}, None))
+                        extra = {"prompt_token_ids": job.prompt_token_ids} if job.request.return_token_ids else None
+                        yield event(_choice(seq.index, {"role": job.role, "content": ""}, None), extra)
                         if job.echo_text:
                             yield event(_choice(seq.index, {"content": job.echo_text}, None))
                     processor.count(seq.token_ids)
                     delta = processor.feed(seq.text)
+                    if job.request.return_token_ids:
+                        processor.pending_token_ids += seq.token_ids
                     processor.pending_logprobs += job.logprobs_of(seq)
                     if seq.finish_reason is None and not delta and not processor.is_plain:
                         continue  # everything is held back by a parser; its logprobs go with the next chunk
                     logprobs, processor.pending_logprobs = processor.pending_logprobs, []
                     choice = _choice(seq.index, delta, logprobs if has_logprobs else None)
+                    if job.request.return_token_ids:
+                        choice["token_ids"], processor.pending_token_ids = processor.pending_token_ids, []
                     if seq.finish_reason is not None:
                         choice["delta"] = merge_deltas(delta, processor.finish())
                         choice["finish_reason"] = processor.finish_reason(seq.finish_reason)
@@ -305,6 +317,7 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
 
 async def full_chat(job: ChatJob) -> JSONResponse:
     builders: dict[int, MessageBuilder] = {}
+    prompt_logprobs = None
     async with contextlib.aclosing(job.stream) as stream:
         async for output in stream:
             job.note_output(output)
@@ -316,6 +329,9 @@ async def full_chat(job: ChatJob) -> JSONResponse:
                 processor.count(seq.token_ids)
                 builder.add(processor.feed(seq.text))
                 builder.logprobs += job.logprobs_of(seq)
+                builder.token_ids += seq.token_ids
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs = output.prompt_logprobs
                 if seq.finish_reason is not None:
                     builder.add(processor.finish())
                     builder.finish_reason = processor.finish_reason(seq.finish_reason)
@@ -334,7 +350,13 @@ async def full_chat(job: ChatJob) -> JSONResponse:
             "finish_reason": builder.finish_reason,
             "stop_reason": builder.stop_reason,
         })  # fmt: skip
+        if job.request.return_token_ids:
+            choices[-1]["token_ids"] = builder.token_ids
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
             "model": job.state.settings.model_name, "choices": choices,
             "usage": job.usage([builder.processor for builder in builders.values()])}  # fmt: skip
+    if job.request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
+    if job.request.return_token_ids:
+        body["prompt_token_ids"] = job.prompt_token_ids
     return JSONResponse(body)

@@ -21,7 +21,7 @@ from deltaserve.sampling_params import StructuredOutputsParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 OPTION_FIELDS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
-THINK_START, THINK_END = "<think>", "</think>"
+THINK_END = "</think>"
 KNOWN_FIELDS = frozenset(StructuredOutputsParams.CONSTRAINTS + OPTION_FIELDS + ("disable_fallback", "backend"))
 
 
@@ -119,8 +119,3 @@ async def resolve_structured_outputs(
     if found is None:
         return None
     return await asyncio.to_thread(build_spec, *found)
-
-
-def is_open_think(prompt_text: str) -> bool:
-    """The rendered prompt leaves a thinking block open (the model reasons first, then answers)."""
-    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
