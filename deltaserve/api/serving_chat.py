@@ -51,7 +51,7 @@ from deltaserve.api.serving_common import (
     without_none,
 )
 from deltaserve.api.settings import ServerState
-from deltaserve.api.structured import THINK_END, resolve_structured_outputs
+from deltaserve.api.structured import THINK_END, resolve_structured_outputs, resolve_tool_call_constraint
 from deltaserve.api.tool_parser import Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
@@ -154,6 +154,14 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.", "tools"
         )
     tool_choice = check_tool_choice(state, request.tools, request.tool_choice)
+    if tool_choice not in (None, "auto"):
+        # "required" or a named function: the call is generated through a grammar of the tools' schemas
+        if structured is not None:
+            raise bad_request("You can only either use constraints for structured outputs or tools, not both.",
+                              "tool_choice")  # fmt: skip
+        structured = await resolve_tool_call_constraint(
+            request.tools, tool_choice, state.settings.tool_call_parser, request.parallel_tool_calls is not False
+        )
     kwargs = template_kwargs(state, request.chat_template_kwargs, request.reasoning_effort)
     hide_tools = state.settings.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
     prompt_text = await render_chat(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from deltaserve.api.errors import bad_request
@@ -119,3 +120,70 @@ async def resolve_structured_outputs(
     if found is None:
         return None
     return await asyncio.to_thread(build_spec, *found)
+
+
+# a bound on each whitespace run inside forced tool-call arguments: a real model writes one newline or an
+# indentation; a degenerate one cannot spend its whole budget on blanks
+MAX_TOOL_WHITESPACE = 16
+
+
+def _call_tag(name: str, schema: dict[str, Any], parser: str | None) -> dict[str, Any]:
+    """One call in the model's own format: hermes JSON in tags (Qwen3-Next), else qwen3_coder XML (Qwen3.5/3.6)."""
+    if parser == "hermes":
+        content = {"type": "json_schema", "json_schema": schema, "style": "json",
+                   "max_whitespace_cnt": MAX_TOOL_WHITESPACE}  # fmt: skip
+        return {"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
+                "content": content, "end": "}\n</tool_call>"}  # fmt: skip
+    # qwen3_coder XML, one parameter per required property in schema order, laid out exactly as the chat
+    # template shows the model (the parser strips one newline around a value and converts it by the schema type)
+    properties = schema.get("properties") or {}
+    elements: list[dict[str, Any]] = []
+    for key in schema.get("required") or []:
+        elements += [{"type": "const_string", "value": f"<parameter={key}>\n"},
+                     _xml_value(properties.get(key) or {}),
+                     {"type": "const_string", "value": "\n</parameter>\n"}]  # fmt: skip
+    content = {"type": "sequence", "elements": elements} if elements else {"type": "const_string", "value": ""}
+    return {"type": "tag", "begin": f"<tool_call>\n<function={name}>\n", "content": content,
+            "end": "</function>\n</tool_call>"}  # fmt: skip
+
+
+def _xml_value(schema: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's value: a string is raw text (an enum one of its values), anything else is JSON."""
+    enum = schema.get("enum")
+    is_string = schema.get("type") == "string" or (
+        "type" not in schema and enum is not None and all(isinstance(v, str) for v in enum)
+    )
+    if not is_string:
+        return {
+            "type": "json_schema",
+            "json_schema": schema,
+            "style": "json",
+            "max_whitespace_cnt": MAX_TOOL_WHITESPACE,
+        }
+    if enum is not None:
+        return {"type": "regex", "pattern": "|".join(f"({re.escape(value)})" for value in enum)}
+    # free text up to the closing tag (no '<', so '</parameter>' cannot appear inside it)
+    return {"type": "regex", "pattern": "[^<]*"}
+
+
+def forced_tool_call_fields(
+    tools: list[Any], tool_choice: str, parser: str | None, is_parallel: bool
+) -> dict[str, Any]:
+    """The structural tag of tool_choice "required" (one call or more of any tool; one when parallel_tool_calls
+    is false) or of a named function (exactly one call of it), with nothing before or after the calls."""
+    chosen = [tool for tool in tools if tool_choice == "required" or tool.function.name == tool_choice]
+    tags = []
+    for tool in chosen:
+        schema = tool.function.parameters or {"type": "object", "properties": {}}
+        tags.append(_call_tag(tool.function.name, schema, parser))
+    is_single = tool_choice != "required" or not is_parallel
+    tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                                                 "at_least_one": True, "stop_after_first": is_single}}  # fmt: skip
+    return {"structural_tag": json.dumps(tag)}
+
+
+async def resolve_tool_call_constraint(
+    tools: list[Any], tool_choice: str, parser: str | None, is_parallel: bool
+) -> StructuredOutputsParams:
+    fields = forced_tool_call_fields(tools, tool_choice, parser, is_parallel)
+    return await asyncio.to_thread(build_spec, fields, "tools")
