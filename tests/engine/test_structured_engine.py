@@ -76,9 +76,9 @@ def test_bad_words_ban_the_greedy_continuation(engines: dict[str, LLM]) -> None:
 
 def test_static_controls_steer_tokens(engines: dict[str, LLM]) -> None:
     llm = engines["sync"]
-    biased, allowed = texts(llm, [SamplingParams(temperature=0, max_tokens=6, logit_bias={300: 100.0}),
-                                  SamplingParams(temperature=1.0, seed=3, max_tokens=6, allowed_token_ids=[400, 401,
-                                                                                                          1300])])  # fmt: skip
+    biased_params = SamplingParams(temperature=0, max_tokens=6, logit_bias={300: 100.0})
+    allowed_params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, allowed_token_ids=[400, 401, 1300])
+    biased, allowed = texts(llm, [biased_params, allowed_params])
     assert set(biased[1]) == {300}
     assert set(allowed[1]) <= {400, 401, 1300}
     # ids past the tokenizer's length but inside config vocab_size are valid (the tiny model pads its vocabulary)
@@ -89,8 +89,8 @@ def test_prompt_logprobs_equal_full_forward(engines: dict[str, LLM]) -> None:
     llm = engines["async"]
     prompt_ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog, then the cat naps again.")
     assert len(prompt_ids) > 16  # more than one prefill chunk
-    (out,) = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=2,
-                                                                              prompt_logprobs=3), use_tqdm=False)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    (out,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
     reported = out.prompt_logprobs
     assert reported[0] is None and len(reported) == len(prompt_ids)
     # the same 16-token chunks the scheduler ran (max_num_batched_tokens), one forward pass of logits each
