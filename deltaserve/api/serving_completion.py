@@ -114,6 +114,10 @@ class CompletionJob:
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> prefix-cache hits
 
+    @property
+    def is_echo_only(self) -> bool:
+        return bool(self.request.echo) and self.request.max_tokens == 0
+
     def choice(self, prompt_index: int, seq: CompletionOutput) -> tuple[int, ChoiceState]:
         index = prompt_index * self.request.n + seq.index
         state = self.choices.get(index)
@@ -142,13 +146,19 @@ class CompletionJob:
                 echoed = choice.logprobs.build(prompt.token_ids, entries)
         if output.prompt_logprobs is not None and choice.prompt_logprobs is None:
             choice.prompt_logprobs = output.prompt_logprobs
+        if self.is_echo_only:
+            # echo with max_tokens 0 (scoring): the prompt alone; the one token the engine drew is not shown
+            text = text[: len(text) - len(seq.text)]
         choice.has_echoed = True
         choice.text.append(text)
-        choice.num_tokens += len(seq.token_ids)
-        choice.token_ids.extend(seq.token_ids)
+        if not self.is_echo_only:
+            choice.num_tokens += len(seq.token_ids)
+            choice.token_ids.extend(seq.token_ids)
         if seq.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = seq.finish_reason, seq.stop_reason
         logprobs = choice.logprobs.build(seq.token_ids, seq.logprobs) if choice.logprobs is not None else None
+        if self.is_echo_only:
+            return text, echoed
         if echoed is not None:
             logprobs = _merge_logprobs([echoed, logprobs])
         return text, logprobs
@@ -195,7 +205,8 @@ async def create_completion(
             state,
             request,
             num_prompt_tokens=len(prompt.token_ids),
-            max_tokens=request.max_tokens,
+            # vLLM's echo without generation: the engine draws one token, which is not reported
+            max_tokens=1 if request.echo and request.max_tokens == 0 else request.max_tokens,
             logprobs=request.logprobs,
             prompt_param="prompt",
             prompt_logprobs=prompt_logprobs,

@@ -200,3 +200,17 @@ def test_prompt_logprobs_echo_and_token_ids(client: openai.OpenAI, http: httpx.C
     assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
     ids = [t for chunk in chunks for choice in chunk["choices"] for t in choice.get("token_ids") or []]
     assert len(ids) == 4
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI, http: httpx.Client) -> None:
+    prompt = "The cat sat on the mat"
+    scored = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = scored.choices[0]
+    num_prompt = scored.usage.prompt_tokens
+    assert choice.text == prompt and len(choice.logprobs.tokens) == num_prompt
+    assert choice.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    reference = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    expected = [next(iter(entry.values()))["logprob"] for entry in reference["choices"][0]["prompt_logprobs"][1:]]
+    assert choice.logprobs.token_logprobs[1:] == expected
+    refused = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
