@@ -76,6 +76,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         mm_processor_kwargs=args.mm_processor_kwargs,
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
+        structured_outputs_config=args.structured_outputs_config,
     )
 
 

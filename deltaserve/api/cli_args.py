@@ -201,6 +201,12 @@ def _add_engine_arguments(add: Any) -> None:
     )
     add("--mm-processor-kwargs", type=json_object, default=None, help="image/video processor overrides (JSON)")
     add("--max-logprobs", type=int, default=MAX_LOGPROBS, help="most logprobs a request may ask for (vLLM: 20)")
+    add(
+        "--structured-outputs-config",
+        type=structured_outputs_config,
+        default=None,
+        help='structured outputs, vLLM\'s JSON: {"backend": "xgrammar" | "auto", "disable_any_whitespace": ...}',
+    )
 
 
 def _add_chat_arguments(add: Any) -> None:
@@ -286,6 +292,17 @@ def _add_http_arguments(add: Any) -> None:
     add("--disable-uvicorn-access-log", action=SWITCH, default=False)
     add("--disable-access-log-for-endpoints", default=None, help='paths left out of the access log, e.g. "/health"')
     add("--log-config-file", default=None, help="a logging dictConfig JSON for deltaserve and uvicorn")
+
+
+def structured_outputs_config(value: str) -> str:
+    """vLLM's --structured-outputs-config JSON, checked at parse time (an unsupported backend is refused by name)."""
+    from deltaserve.engine.grammar import StructuredOutputsConfig
+
+    try:
+        StructuredOutputsConfig.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -206,7 +206,6 @@ TABLE = """
 --speculative-config | value | log | speculative decoding is not configurable from serve
 --specialize-active-lora | switch | log | LoRA adapters are not supported
 --stream-interval | value | log | every engine step is streamed
---structured-outputs-config | value | log | requests asking for structured outputs are refused
 --swap-space | value | log | CPU swap space is not used
 --tokenizer-mode | value | refuse:auto,hf,fast,slow | only Hugging Face tokenizers
 --tokenizer-revision | value | log | the tokenizer is loaded from a local folder

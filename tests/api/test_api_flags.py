@@ -97,7 +97,8 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--allowed-methods": '["GET"]', "--allowed-headers": '["x"]', "--uvicorn-log-level": "info",
           "--chat-template-content-format": "string", "--max-logprobs": "5", "--ssl-cert-reqs": "0",
           "--h11-max-incomplete-event-size": "4096", "--mm-processor-kwargs": "{}",
-          "--limit-mm-per-prompt": "{\"image\": 1}"}  # fmt: skip
+          "--limit-mm-per-prompt": "{\"image\": 1}",
+          "--structured-outputs-config": "{\"backend\": \"xgrammar\"}"}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
