@@ -92,6 +92,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dummy: seeded random weights of the right shapes",
     )
     add("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N GPUs, one worker process each (several hosts: start every rank with torchrun)",
+    )
+    add(
+        "--distributed-executor-backend",
+        default=None,
+        metavar="BACKEND",
+        help="mp (the default and the only backend: worker processes, or ranks started by torchrun)",
+    )
+    add(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE: split the experts whole across the tensor-parallel ranks instead of each expert's width",
+    )
     add("--seed", type=int, default=0)
     add("--enforce-eager", action="store_true", help="no CUDA graphs")
     add(
@@ -197,6 +216,9 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         ignore_unexpected_tensors=args.ignore_unexpected_tensors,
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 
@@ -239,6 +261,13 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     from deltaserve.model.preflight import preflight, report_startup_error
+    from deltaserve.runner.distributed import is_external_worker
+
+    if is_external_worker(config.tensor_parallel_size):
+        # a rank > 0 that torchrun started: no HTTP server, only rank 0's plans
+        from deltaserve.runner.worker import run_external_worker
+
+        return run_external_worker(config)
 
     # A bad checkpoint or start-up setting is one line naming the file and the field, exit 1; the traceback only
     # when debugging. The torch-free checks run first, so such errors come before the heavy imports.

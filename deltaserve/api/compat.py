@@ -1,7 +1,8 @@
 """vLLM serve flags that deltaserve accepts only so that launch scripts keep working unchanged.
 
 Each is either harmless here (logged at startup as ignored) or, when it asks for something deltaserve cannot do
-(tensor/data parallelism over several GPUs), refused with a clear message instead of being silently dropped.
+(pipeline or data parallelism), refused with a clear message instead of being silently dropped. Tensor parallelism
+(--tensor-parallel-size, --distributed-executor-backend, --enable-expert-parallel) is a real flag of api/cli.py.
 """
 
 from __future__ import annotations
@@ -31,16 +32,14 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("--no-enable-prefix-caching", "prefix caching is not configurable from serve"),
     ("--enable-chunked-prefill", "prefill chunking follows --max-num-batched-tokens"),
     ("--no-enable-chunked-prefill", "prefill chunking follows --max-num-batched-tokens"),
-    ("--enable-expert-parallel", "one GPU: every expert is local"),
     ("--disable-log-requests", "requests are not logged"),
     ("--enable-log-requests", "requests are not logged"),
     ("--disable-log-stats", "stats are exported on /metrics"),
     ("--enable-prompt-tokens-details", "usage has no prompt_tokens_details"),
     ("--disable-fastapi-docs", "the docs routes stay"),
 )
-# Parallelism: deltaserve runs one engine on one device, so anything above 1 is refused.
+# Parallelism deltaserve does not have: anything above 1 is refused.
 PARALLEL_FLAGS: tuple[tuple[str, str], ...] = (
-    ("--tensor-parallel-size", "-tp"),
     ("--pipeline-parallel-size", "-pp"),
     ("--data-parallel-size", "-dp"),
 )
@@ -60,7 +59,7 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=_dest(flag), action="store_true", help=f"ignored: {help_text}")
     for flag, alias in PARALLEL_FLAGS:
         group.add_argument(
-            flag, alias, dest=_dest(flag), type=int, default=1, metavar="N", help="must be 1: one GPU per server"
+            flag, alias, dest=_dest(flag), type=int, default=1, metavar="N", help="must be 1 (tensor parallelism only)"
         )
 
 
@@ -68,7 +67,10 @@ def check_compat(args: argparse.Namespace) -> None:
     """Refuses parallelism deltaserve cannot honour (ValueError) and logs every ignored flag that was given."""
     for flag, _ in PARALLEL_FLAGS:
         if getattr(args, _dest(flag)) != 1:
-            raise ValueError(f"{flag} {getattr(args, _dest(flag))}: deltaserve runs one engine on one GPU per server")
+            raise ValueError(
+                f"{flag} {getattr(args, _dest(flag))}: deltaserve has tensor parallelism only "
+                "(--tensor-parallel-size); pipeline and data parallelism are not supported"
+            )
     for flag, _, help_text in VALUE_FLAGS:
         value = getattr(args, _dest(flag))
         if value is not None:
