@@ -29,6 +29,9 @@ from deltaserve.runner.distributed import BroadcastChannel
 from deltaserve.runner.executor import MultiprocExecutor, WorkerDiedError
 from deltaserve.sampling_params import SamplingParams
 from tests.model._hf_tiny import NUM_TOKENS, PROMPTS, build, load_reference, reference_tokens
+from tests.model.test_vision_exactness import MAX_TOKENS as VISION_MAX_TOKENS
+from tests.model.test_vision_exactness import PROMPTS as VISION_PROMPTS
+from tests.model.test_vision_exactness import case_for
 
 REPO = Path(__file__).resolve().parents[2]
 # lengths 1..100: the 100-token prompt is chunked by max_num_batched_tokens=64
@@ -102,6 +105,26 @@ def test_replicated_kv_head_biases_and_padded_vocab_match_transformers(tmp_path:
         assert float((ours - ref_logits).norm() / ref_logits.norm()) < 1e-4
     finally:
         llm.shutdown()
+
+
+def test_images_and_video_at_two_ranks_match_transformers() -> None:
+    """The vision tower is replicated on every rank (each encodes the plan's pixels itself); the embeddings replace
+    the placeholder rows after the vocab-parallel lookup. Chunks of 40 tokens cut images in two."""
+    case = case_for("moe-vl")
+    prompts = {name: case.prompt(name) for name in VISION_PROMPTS}
+    llm = LLM(case.model_dir, dtype="float32", max_num_batched_tokens=40, max_num_seqs=4, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=VISION_MAX_TOKENS, ignore_eos=True)
+        for name, (ids, mm) in prompts.items():
+            llm.engine.add_request(name, ids, params, mm_input=mm)
+        outputs: dict[str, list[int]] = {}
+        while llm.engine.has_unfinished():
+            for output in llm.engine.step():
+                outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+    finally:
+        llm.shutdown()
+    for name, (ids, mm) in prompts.items():
+        assert outputs[name] == case.reference_generate(ids, mm), name
 
 
 def test_token_gate_passes_at_two_ranks(tiny_dense: Path, capsys: pytest.CaptureFixture[str]) -> None:
