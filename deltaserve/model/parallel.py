@@ -10,7 +10,7 @@ Sharding follows vLLM's layout for these models (architecture doc §2):
 - KV heads are split when there are at least as many as ranks, else each rank holds one, replicated (vLLM's rule:
   the size must then be a multiple of num_key_value_heads);
 - vocab-parallel embedding (each rank looks up its rows, zeros elsewhere, all-reduced) and LM head (each rank's
-  logits gathered on rank 0, the only rank that samples);
+  logits all-gathered; rank 0, the only rank that samples, uses them);
 - replicated: norms, q/k norms, the router, the shared-expert gate, the vision tower.
 
 A size that does not divide a sharded dimension is refused naming the config field, as vLLM refuses it.
@@ -173,15 +173,16 @@ class TensorParallel:
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [B, N] on every rank -> [B, size·N] (rank-major columns) on rank 0, None on the others."""
+        """x [B, N] on every rank -> [B, size·N] (rank-major columns) on rank 0, None on the others. An all-gather
+        (one ring collective, as vLLM gathers its logits), not a gather: NCCL runs it as one captured kernel in the
+        decode graphs, where a gather would be point-to-point sends; at two ranks each link carries the same bytes."""
         if self.size == 1:
             return x
         x = x.contiguous()
-        if self.rank != 0:
-            dist.gather(x, None, dst=0, group=self.group)
-            return None
         parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)  # [size, B, N]
-        dist.gather(x, list(parts.unbind(0)), dst=0, group=self.group)
+        dist.all_gather_into_tensor(parts.view(-1, x.shape[1]), x, group=self.group)
+        if self.rank != 0:
+            return None
         return parts.permute(1, 0, 2).reshape(x.shape[0], -1)
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,10 @@ class _Workers:
         self.is_released = False
         self.is_group_joined = False
         self.is_graceful = True  # release() asks the workers to stop and waits for them; else kills them at once
+        # the rendezvous store and this rank's groups, dropped on release: their threads then stop while the
+        # interpreter is whole, not in the C++ teardown after it (where a live gloo thread aborts the process)
+        self.store: dist.TCPStore | None = None
+        self.tp: TensorParallel | None = None
 
     def spawn(self, launch: Launch, spec: WorkerSpec) -> None:
         context = torch.multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
@@ -157,6 +161,9 @@ class _Workers:
         if self.is_group_joined:
             with contextlib.suppress(Exception):
                 destroy_process_groups()
+        if self.tp is not None:
+            self.tp.group = self.tp.cpu_group = None
+        self.tp = self.store = None
 
 
 class MultiprocExecutor:
@@ -184,12 +191,14 @@ class MultiprocExecutor:
             store = None
             if not launch.is_external:
                 store, launch = open_store(launch)
+                self.workers.store = store
                 self.workers.spawn(launch, spec)
                 self.workers.wait_joined(store, launch)
             self.tp: TensorParallel = init_process_groups(
                 launch, device_type, engine_config.enable_expert_parallel, store
             )
             self.workers.is_group_joined = True
+            self.workers.tp = self.tp
             if launch.is_external:
                 dist.broadcast_object_list([spec], src=0, group=self.tp.cpu_group)
             self._start_monitor(device_type)

@@ -16,6 +16,7 @@ tokens.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,8 @@ class ModelRunner:
         torch.manual_seed(engine_config.seed)
         if self.device.type == "cpu":
             threads = env.cpu_threads() or (1 if model_config.hidden_size < 512 else None)
+            if threads is None and self.tp.is_parallel:
+                threads = max(1, (os.cpu_count() or 1) // self.tp.size)  # the ranks share the host's cores
             if threads:
                 torch.set_num_threads(threads)
         # the vision tower is built for a multimodal checkpoint unless --language-model-only (as vLLM's flag)

@@ -114,6 +114,8 @@ def spawned_worker_main(
         code = 1
     finally:
         destroy_process_groups()
+        tp.group = tp.cpu_group = None  # the groups' threads stop now, not in the C++ teardown after the interpreter
+        del store
     sys.exit(code)
 
 
@@ -138,4 +140,5 @@ def run_external_worker(engine_config: EngineConfig) -> int:
         return 1
     finally:
         destroy_process_groups()
+        tp.group = tp.cpu_group = None
     return 0
