@@ -10,7 +10,9 @@ For each batch size B it prefills B random 1024-token prompts, then, in steady d
   ahead and the GPU is the bottleneck; `host_ms = step_ms - wait_ms` is the host's own work per step;
 - `gpu_idle_pct`: the share of the measured span in which no kernel or copy runs on the GPU (torch.profiler's
   CUDA activity, intervals merged): the gap between consecutive decode steps that async scheduling must close;
-- `graph_ms`: GPU time of the captured decode graph alone (CUDA events around back-to-back replays).
+- `graph_ms`: GPU time of the captured decode graph alone (CUDA events around back-to-back replays), and
+  `inter_step_gap_pct = (step_ms - graph_ms) / step_ms`: the GPU's wait between consecutive decode steps (the
+  profiler's `gpu_idle_pct` also counts the launch gaps between kernels inside a graph).
 A jit_cache_hook records every Triton specialization first met in this process with the phase it appeared in; a
 kernel that first compiles in the `staggered` phase (requests arriving while others decode, as under `bench
 serve`) is one the start-up warm-up missed, and costs a compile (or an autotune) inside a request.
@@ -177,6 +179,8 @@ def measure_batch(
         "gpu_idle_pct": round(100 * idle, 2),
         "profiled_ms_per_step": round(span_ms / num_steps, 3) if span_ms else None,
         "graph_ms": None if graph_ms is None else round(graph_ms, 3),
+        # the gap between consecutive graph replays as a share of the step: what async scheduling must keep small
+        "inter_step_gap_pct": None if graph_ms is None else round(100 * (step_ms - graph_ms) / step_ms, 2),
         **shares,
     }
 

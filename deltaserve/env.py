@@ -56,6 +56,11 @@ def cache_dir() -> Path:
     return Path(value) if value else Path.home() / ".cache" / "deltaserve"
 
 
+def vllm_api_key() -> str | None:
+    """VLLM_API_KEY: the API key `deltaserve serve` requires when --api-key is not given (vLLM's variable)."""
+    return os.environ.get("VLLM_API_KEY") or None
+
+
 def log_level() -> str:
     """DELTASERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()

@@ -46,12 +46,17 @@ def check_request(
     prompt_param: str = "prompt",
 ) -> None:
     """vLLM's checks of a prompt and its length budget; the one place they live (the API calls it too)."""
-    if not prompt_token_ids:
+    if prompt_token_ids:
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"Token id {bad} is out of vocabulary (vocab size {vocab_size}).", prompt_param)
+    check_lengths(len(prompt_token_ids), max_tokens, max_model_len, prompt_param)
+
+
+def check_lengths(num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt") -> None:
+    """vLLM's length rules: a prompt leaves room for one token, prompt + max_tokens fits the context."""
+    if num_prompt == 0:
         raise RequestError("The prompt cannot be empty.", prompt_param)
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"Token id {bad} is out of vocabulary (vocab size {vocab_size}).", prompt_param)
-    num_prompt = len(prompt_token_ids)
     if num_prompt >= max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "

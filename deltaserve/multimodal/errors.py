@@ -5,7 +5,12 @@ from __future__ import annotations
 
 
 class MediaError(ValueError):
-    """Base class: a media item or a multimodal request that deltaserve refuses (API: 400)."""
+    """Base class: a media item or a multimodal request that deltaserve refuses (API: 400). `param` names the
+    request field at fault in the API's dotted form ("messages.0.content"), when one part is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class MediaDecodeError(MediaError):

@@ -69,12 +69,19 @@ class MediaRef:
     fps: float | None = None
 
 
+def location_param(location: str) -> str:
+    """ "messages[0].content[1]" -> "messages.0.content", the API's spelling of the field at fault."""
+    return location.split("]", 1)[0].replace("[", ".") + ".content" if location.startswith("messages[") else location
+
+
 def _part_url(part: dict[str, Any], key: str, location: str) -> str:
     value = part.get(key)
     if isinstance(value, dict):
         value = value.get("url")
     if not isinstance(value, str) or not value:
-        raise MediaRequestError(f"{location}: `{key}` must be a URL string or an object with a `url` string")
+        raise MediaRequestError(
+            f"{location}: `{key}` must be a URL string or an object with a `url` string", location_param(location)
+        )
     return value
 
 
@@ -100,10 +107,14 @@ def media_refs_from_messages(messages: list[dict[str, Any]]) -> list[MediaRef]:
                 frames = part.get("video")
                 fps = part.get("fps")
                 if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
-                    raise MediaRequestError(f"{location}: `fps` must be a positive number, got {fps!r}")
+                    raise MediaRequestError(
+                        f"{location}: `fps` must be a positive number, got {fps!r}", location_param(location)
+                    )
                 if isinstance(frames, list):
                     if not frames or not all(isinstance(f, str) and f for f in frames):
-                        raise MediaRequestError(f"{location}: `video` must be a non-empty list of frame URLs")
+                        raise MediaRequestError(
+                            f"{location}: `video` must be a non-empty list of frame URLs", location_param(location)
+                        )
                     refs.append(MediaRef("video", location, frame_urls=tuple(frames), fps=fps))
                 else:
                     refs.append(MediaRef("video", location, url=_part_url(part, "video", location), fps=fps))
@@ -168,7 +179,9 @@ class MultimodalProcessor:
                 return self.loader.load_frame_urls(list(ref.frame_urls), ref.fps)
             return self.loader.load_video(ref.url or "", ref.fps, select)
         except ValueError as exc:
-            raise type(exc)(f"{ref.location}: {exc}") from None
+            located = type(exc)(f"{ref.location}: {exc}")
+            located.param = location_param(ref.location)  # type: ignore[attr-defined]  # plain ValueErrors too
+            raise located from None
 
     def process(
         self,

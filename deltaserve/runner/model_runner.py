@@ -138,6 +138,15 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         # the vision tower is built for a multimodal checkpoint unless --language-model-only (as vLLM's flag)
         self.has_vision = model_config.vision is not None and not engine_config.language_model_only
+        # what the device holds before this engine allocates (other processes, other engines of this process):
+        # the budget is the utilization share of the device minus that, as vLLM snapshots it at start-up
+        self._used_before = 0
+        self._allocated_before = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._used_before = total - free
+            self._allocated_before = torch.cuda.memory_allocated(self.device)
         self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp)
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model, engine_config.seed)
@@ -153,6 +162,7 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.is_graphed = self.device.type == "cuda" and env.cuda_graphs() and not engine_config.enforce_eager
+        self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
         # rank's budget wins
@@ -174,7 +184,6 @@ class ModelRunner:
         )
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
-        self.graphs: DecodeGraphs | None = None
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
@@ -222,9 +231,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             return self.engine_config.cpu_kv_cache_bytes
         peak = self._profile_peak_bytes(max_num_batched_tokens, max_model_len, max_num_seqs)
-        free, total = torch.cuda.mem_get_info(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        weights = torch.cuda.memory_allocated(self.device) - self._allocated_before
+        used_by_others = self._used_before
         # decode graphs: the shared logits buffer and the largest bucket's lm_head output, plus a fixed headroom
         # for the graph pool's other activations and library workspaces
         graphs = static_bytes(max_num_seqs, self.vocab_size) if self.is_graphed else 0

@@ -3,6 +3,7 @@ last samples) gives the tokens of the synchronous path, and the shared logits bu
 
 from __future__ import annotations
 
+import gc
 import random
 from pathlib import Path
 
@@ -40,8 +41,14 @@ def test_async_graph_decode_matches_sync(tiny_dense: Path) -> None:
     assert sizes == [1, 2, 4, 8, 16]
     expected = _workload(synchronous)
     del synchronous
+    gc.collect()
     torch.cuda.empty_cache()
-    assert _workload(LLM(tiny_dense, async_scheduling=True, **config)) == expected
+    asynchronous = LLM(tiny_dense, async_scheduling=True, **config)
+    got = _workload(asynchronous)
+    del asynchronous
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert got == expected
 
 
 @pytest.mark.gpu
@@ -55,4 +62,7 @@ def test_graph_decode_matches_eager(tiny_dense: Path) -> None:
                   enforce_eager=eager)  # fmt: skip
         result = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outputs[eager] = [o.outputs[0].token_ids for o in result]
+        del llm, result
+        gc.collect()
+        torch.cuda.empty_cache()
     assert outputs[False] == outputs[True]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import fused_moe, moe_route, silu_and_mul
+from deltaserve.kernels import fused_moe, fused_moe_block, moe_route, silu_and_mul
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.parallel import TensorParallel
 
@@ -64,16 +64,28 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = empty_param(1, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.is_whole:
+            # router (model-dtype logits, fp32 routing), routed experts and the sigmoid-gated shared expert as one
+            # op: at decode sizes three launches, each expert's weights read once per step (kernels/moe.py; its ref
+            # twin is the plain composition: router GEMM, route, fused_moe, shared MLP, (routed + sigmoid(gate)·
+            # shared) in fp32). Under TP every expert's and the shared expert's widths are this rank's slice, so
+            # the op's output is this rank's partial sum (the gate is a per-token scalar: it distributes).
+            shared = ()
+            if self.has_shared_expert:
+                shared = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+            return self.tp.all_reduce(
+                fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
+            )
+        # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
+        # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref twin)
         router_logits = F.linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
-        topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
-        if not self.experts.is_whole:
-            topk_weights, topk_ids = self._local_routes(topk_weights, topk_ids)
+        topk_weights, topk_ids = self._local_routes(*moe_route(router_logits, self.top_k, self.renormalize))
         if not self.has_shared_expert:
             return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, topk_weights, topk_ids))
-        shared = self.shared_expert(x)  # [T, H], this rank's partial sum
+        shared_out = self.shared_expert(x)  # [T, H], this rank's partial sum
         shared_gate_logits = F.linear(x, self.shared_expert_gate)  # [T, 1]
         # (routed + sigmoid(gate)·shared) in fp32, rounded once: fused into the routed experts' last kernel
-        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared, shared_gate_logits)
+        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared_out, shared_gate_logits)
         return self.tp.all_reduce(out)
 
     def _local_routes(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
