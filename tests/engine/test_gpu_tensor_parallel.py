@@ -2,7 +2,8 @@
 
 TP=2 gives TP=1's greedy and seeded tokens in fp32 through the graphs (async scheduling, waves of requests, padded
 buckets), every rank captured its graphs, the workers run with NVLink multicast off, and eager TP=2 equals graphed
-TP=2. Skipped below two GPUs.
+TP=2. Skipped below two GPUs. On one GPU: TP=1 steps the ModelRunner itself (no worker, no process group), and the
+MoE block's fused op (with its TP all-reduce a no-op) gives eager's tokens through the graphs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from deltaserve import env
 from deltaserve.engine.llm import LLM
+from deltaserve.runner.model_runner import ModelRunner
 
 from .test_gpu_async import _workload
 
@@ -22,6 +24,24 @@ needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
 )
 CONFIG = {"dtype": "float32", "max_num_seqs": 16, "max_model_len": 256, "gpu_memory_utilization": 0.3}
+
+
+@pytest.mark.gpu
+def test_one_gpu_steps_the_runner_itself(tiny_moe: Path) -> None:
+    outputs = []
+    for eager in (False, True):
+        llm = LLM(tiny_moe, enforce_eager=eager, **CONFIG)
+        try:
+            runner = llm.engine.runner
+            # the executor interface costs nothing at TP=1: the engine core calls the runner in its own process
+            assert type(runner) is ModelRunner and runner.tp.size == 1 and not torch.distributed.is_initialized()
+            assert (runner.graphs is None) == eager and runner.device.type == "cuda"
+            outputs.append(_workload(llm))
+        finally:
+            llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.gpu
