@@ -45,12 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-len", type=int, default=160)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="deltaserve's ranks")
 
 
 def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device, args.seed,
-        args.max_prompt_len,
+        args.max_prompt_len, args.tensor_parallel_size,
     )  # fmt: skip
 
 
@@ -109,16 +110,13 @@ def reference_greedy(
 
 def noise_floor(llm: object, sequence: list[int], base: torch.Tensor, relative: float, seed: int) -> float:
     """Relative change of the full-forward logits `base` when the embedding table moves by `relative` (one
-    rounding)."""
-    embed = llm.engine.runner.model.embed_tokens
-    saved = embed.data.clone()
-    generator = torch.Generator(device=embed.device).manual_seed(seed)
+    rounding); on every tensor-parallel rank's rows alike."""
+    runner = llm.engine.runner
+    runner.run_on_all_ranks("perturb_embedding", relative, seed)
     try:
-        noise = torch.randn(embed.shape, generator=generator, device=embed.device, dtype=torch.float32)
-        embed.data.copy_((saved.float() * (1 + relative * noise)).to(saved.dtype))
         return rel_error(llm.score(sequence).cpu(), base)
     finally:
-        embed.data.copy_(saved)
+        runner.run_on_all_ranks("restore_embedding")
 
 
 def load_reference(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -138,6 +136,7 @@ def run_gate(
     device: str = "auto",
     seed: int = 0,
     max_prompt_len: int = 160,
+    tensor_parallel_size: int = 1,
 ) -> int:
     from deltaserve.engine.llm import LLM
     from deltaserve.sampling_params import SamplingParams
@@ -146,7 +145,10 @@ def run_gate(
         print("gate tokens: nothing to check (num_prompts and max_tokens must be positive)")
         return 2
     torch_dtype = getattr(torch, dtype)
-    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(num_prompts, 64), seed=seed)
+    llm = LLM(
+        model_dir, dtype=dtype, device=device, max_num_seqs=min(num_prompts, 64), seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
+    )  # fmt: skip
     run_device = str(llm.engine.runner.device)
     prompts = make_prompts(llm.get_tokenizer(), num_prompts, max_prompt_len, seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -178,15 +180,17 @@ def run_gate(
         result.split_rel_error = rel_error(split, full)
         result.noise_floor = noise_floor(llm, sequence, full, ROUNDING_PERTURBATION[dtype], seed + i)
         results.append(result)
-    return report(results, dtype, model_dir)
+    llm.shutdown()
+    return report(results, dtype, model_dir, tensor_parallel_size)
 
 
-def report(results: list[PromptResult], dtype: str, model_dir: Path) -> int:
+def report(results: list[PromptResult], dtype: str, model_dir: Path, tensor_parallel_size: int = 1) -> int:
     num_exact = sum(r.is_exact for r in results)
     logit_tol = LOGIT_TOLERANCE[dtype]
     worst_logit = max(r.logit_rel_error for r in results)
-    print(f"gate tokens: {model_dir} ({dtype}), {len(results)} prompts, lengths {min(r.prompt_len for r in results)}"
-          f"..{max(r.prompt_len for r in results)}")  # fmt: skip
+    tp = f", tensor parallel {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    print(f"gate tokens: {model_dir} ({dtype}{tp}), {len(results)} prompts, lengths "
+          f"{min(r.prompt_len for r in results)}..{max(r.prompt_len for r in results)}")  # fmt: skip
     for r in results:
         if not r.is_exact:
             tie = " (near-tie: within 4 bf16 ulps)" if r.is_near_tie else ""

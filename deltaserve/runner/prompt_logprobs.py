@@ -76,17 +76,21 @@ def plan_prompt_logprobs(
 def compute_prompt_logprobs(
     work: PromptLogprobsWork,
     hidden: torch.Tensor,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
     vocab_size: int,
-) -> PromptLogprobsOutput:
-    """Logprobs of the targets (and the top-N) from hidden [T, H], SLICE_ROWS rows of logits at a time."""
+) -> PromptLogprobsOutput | None:
+    """Logprobs of the targets (and the top-N) from hidden [T, H], SLICE_ROWS rows of logits at a time; None
+    where compute_logits returns None (tensor-parallel ranks other than 0)."""
     device = hidden.device
     index = torch.from_numpy(work.hidden_rows).to(device)
     targets = torch.from_numpy(work.targets).to(device)
     max_top = min(max(n if n >= 0 else vocab_size for n in work.num_top), vocab_size)
     target_lp, ranks, top_ids, top_lp = [], [], [], []
     for lo in range(0, len(work.hidden_rows), SLICE_ROWS):
-        logprobs = compute_logits(hidden.index_select(0, index[lo : lo + SLICE_ROWS])).log_softmax(dim=-1)  # [k, V]
+        logits = compute_logits(hidden.index_select(0, index[lo : lo + SLICE_ROWS]))  # [k, V]
+        if logits is None:
+            continue  # a tensor-parallel rank other than 0: the gather went to rank 0
+        logprobs = logits.log_softmax(dim=-1)  # [k, V]
         chosen = logprobs.gather(1, targets[lo : lo + SLICE_ROWS].unsqueeze(1))  # [k, 1]
         target_lp.append(chosen.squeeze(1))
         ranks.append((logprobs >= chosen).sum(dim=-1))
@@ -94,6 +98,8 @@ def compute_prompt_logprobs(
             values, ids = logprobs.topk(max_top, dim=-1)
             top_lp.append(values)
             top_ids.append(ids)
+    if not target_lp:
+        return None
     return PromptLogprobsOutput(
         work, torch.cat(target_lp), torch.cat(ranks),
         torch.cat(top_ids) if top_ids else None, torch.cat(top_lp) if top_lp else None,
