@@ -105,3 +105,21 @@ def test_prompt_logprobs_equal_full_forward(engines: dict[str, LLM]) -> None:
         top = torch.topk(expected, 3)
         for token_id, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
             assert abs(entry[token_id].logprob - value) < 1e-4
+
+
+def test_two_ranks_keep_constraints_and_prompt_logprobs(tiny_dense: Path, engines: dict[str, LLM]) -> None:
+    """Tensor parallelism: rank 0 samples the deferred steps and broadcasts the tokens; the prompt-logprob slices
+    run their logits gather on every rank. Same tokens and prompt logprobs as one rank."""
+    params = [*constrained_batch(), SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)]
+    one = engines["async"].generate([PROMPT] * len(params), params, use_tqdm=False)
+    llm = LLM(tiny_dense, device="cpu", max_model_len=256, max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        two = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    got, want = two[-1].prompt_logprobs, one[-1].prompt_logprobs
+    assert len(got) == len(want) and got[0] is None
+    for a, b in zip(got[1:], want[1:], strict=True):
+        # the row-parallel all-reduces sum in another order: fp32 logprobs agree to ~1e-4, not bit for bit
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a), (a, b)
