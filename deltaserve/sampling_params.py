@@ -2,6 +2,8 @@
 
 The api builds it, the engine validates it, the scheduler carries it into the step plan and the runner turns it
 into the sampler's tensors; it is a plain dataclass (no tensors, no callables), so it pickles across processes.
+StructuredOutputsParams is vLLM's constraint spec (json, regex, choice, grammar, json_object, structural_tag): the
+source text travels to the engine core, which compiles it (engine/structured.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,55 @@ from dataclasses import dataclass, field
 
 # vLLM accepts seeds in the signed 64-bit range.
 MAX_SEED = 2**63 - 1
+
+
+class ParamError(ValueError):
+    """A sampling parameter vLLM refuses; `param` names the request field (the api's 400 carries it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output, as vLLM's StructuredOutputsParams (exactly one of the constraint fields)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's GBNF dialect)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None  # xgrammar's structural-tag JSON (forced tool calls are built as one)
+    # deltaserve: the constraint starts after this token is generated (a reasoning model's </think> when the
+    # prompt opens a thinking block), as vLLM leaves the reasoning section unconstrained
+    start_after_token_id: int | None = None
+    # set once the constraint parsed (the api checks it off its event loop; the engine then does not again)
+    is_checked: bool = field(default=False, compare=False, repr=False)
+
+    CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        count = sum(getattr(self, name) is not None for name in self.CONSTRAINTS)
+        if count > 1:
+            raise ValueError(
+                "You can only use one kind of structured outputs constraint but multiple are specified: "
+                f"{self.constraint_dict()}"
+            )
+        if count < 1:
+            raise ValueError(
+                f"You must use one kind of structured outputs constraint but none are specified: {self.__dict__}"
+            )
+
+    def constraint_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.CONSTRAINTS if getattr(self, name) is not None}
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in self.CONSTRAINTS if getattr(self, name) is not None)
 
 
 @dataclass
@@ -32,12 +83,29 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-N per prompt token (the prompt token itself always comes first)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    # the token sequences of bad_words, filled by the engine front end from its tokenizer (vLLM's rule: each word
+    # as written and with a leading space); the last token of a sequence is banned when the others precede it
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.logit_bias:
+            # vLLM's from_optional: keys become ints, biases are clamped to [-100, 100]
+            try:
+                self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                invalid = [t for t in self.logit_bias if not _is_int_like(t)]
+                raise ValueError(
+                    f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}"
+                ) from None
         self.validate()
 
     def validate(self) -> None:
@@ -72,7 +140,48 @@ class SamplingParams:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
+            raise ValueError(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise ValueError("allowed_token_ids is not None and empty!")
+        if any(not word for word in self.bad_words):
+            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """vLLM's token-id bounds of logit_bias, allowed_token_ids and the bad words' tokens (the model's
+        vocabulary, config vocab_size); ParamError names the field."""
+        if self.logit_bias:
+            invalid = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if invalid:
+                raise ParamError(
+                    f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                    f"{vocab_size}",
+                    "logit_bias",
+                )
+        if self.allowed_token_ids is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
+            raise ParamError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+        invalid = [t for ids in self.bad_words_token_ids or [] for t in ids if not 0 <= t < vocab_size]
+        if invalid:
+            raise ParamError(
+                f"The model vocabulary size is {vocab_size}, but the following tokens were specified as bad: "
+                f"{invalid}. All token id values should be integers satisfying: 0 <= token_id <= {vocab_size - 1}.",
+                "bad_words",
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def needs_history_mask(self) -> bool:
+        """A constraint whose mask depends on the tokens already sampled: a grammar, or a bad word of more than
+        one token (the engine core fills these masks between steps)."""
+        return self.structured_outputs is not None or any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
+
+
+def _is_int_like(value: object) -> bool:
+    try:
+        int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -103,3 +103,6 @@ class StepResult:
     # Per sequence, per accepted token: ((token_id, logprob, rank), ...), the sampled token first, then the top-N
     # (N = the request's logprobs) with ranks 1..N; None where the request asked for none.
     logprobs: tuple[tuple[tuple[tuple[int, float, int], ...], ...] | None, ...] = field(default=())
+    # Per sequence: prompt logprobs of this step's chunk, (position of its first target token, per target
+    # ((token_id, logprob, rank), top-1, ..., top-N)); None where the chunk computed none; () when no sequence did.
+    prompt_logprobs: tuple[tuple[int, tuple[tuple[tuple[int, float, int], ...], ...]] | None, ...] = field(default=())

@@ -80,6 +80,7 @@ class ChoiceProcessor:
         self.num_tokens = 0
         self.has_sent_role = False
         self.pending_logprobs: list[dict[str, Any]] = []  # logprobs of tokens whose text is still held back
+        self.pending_token_ids: list[int] = []  # return_token_ids: ids whose chunk is not sent yet
 
     @property
     def is_plain(self) -> bool:
@@ -146,6 +147,7 @@ class MessageBuilder:
         self.content: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
         self.logprobs: list[dict[str, Any]] = []
+        self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 

@@ -155,6 +155,27 @@ def _add_engine_arguments(add: Any) -> None:
         help="dummy: seeded random weights of the right shapes (fastsafetensors reads as safetensors)",
     )
     add("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N GPUs, one worker process each (several hosts: start every rank with torchrun)",
+    )
+    add(
+        "--distributed-executor-backend",
+        default=None,
+        metavar="BACKEND",
+        help="mp (the default: worker processes, or ranks started by torchrun); uni at -tp 1; others are refused",
+    )
+    add(
+        "--enable-expert-parallel",
+        "-ep",
+        action=SWITCH,
+        default=False,
+        help="MoE: split the experts whole across the tensor-parallel ranks instead of each expert's width",
+    )
     add("--seed", type=int, default=0)
     add("--enforce-eager", action=SWITCH, default=False, help="no CUDA graphs")
     add(
@@ -201,6 +222,12 @@ def _add_engine_arguments(add: Any) -> None:
     )
     add("--mm-processor-kwargs", type=json_object, default=None, help="image/video processor overrides (JSON)")
     add("--max-logprobs", type=int, default=MAX_LOGPROBS, help="most logprobs a request may ask for (vLLM: 20)")
+    add(
+        "--structured-outputs-config",
+        type=structured_outputs_config,
+        default=None,
+        help='structured outputs, vLLM\'s JSON: {"backend": "xgrammar" | "auto", "disable_any_whitespace": ...}',
+    )
 
 
 def _add_chat_arguments(add: Any) -> None:
@@ -286,6 +313,17 @@ def _add_http_arguments(add: Any) -> None:
     add("--disable-uvicorn-access-log", action=SWITCH, default=False)
     add("--disable-access-log-for-endpoints", default=None, help='paths left out of the access log, e.g. "/health"')
     add("--log-config-file", default=None, help="a logging dictConfig JSON for deltaserve and uvicorn")
+
+
+def structured_outputs_config(value: str) -> str:
+    """vLLM's --structured-outputs-config JSON, checked at parse time (an unsupported backend is refused by name)."""
+    from deltaserve.engine.grammar import StructuredOutputsConfig
+
+    try:
+        StructuredOutputsConfig.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -87,3 +87,16 @@ def chat_logprobs(
         ]
         items.append(item)
     return items
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs field: per prompt token (None for the first) token id -> logprob, rank, text."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            str(tid): {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in entries
+    ]  # fmt: skip

@@ -60,6 +60,18 @@ class SamplingRequest(APIModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    # structured outputs: vLLM's object, and the older guided_* names (mapped onto it)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool | None = None
     stream: bool | None = False
@@ -187,18 +199,8 @@ class DetokenizeRequest(APIModel):
 # vLLM request fields that would change the tokens if they were dropped, and that the engine cannot honour:
 # refused by name (field -> what it needs), never silently ignored.
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "structured_outputs": "structured outputs",
-    "guided_json": "structured outputs",
-    "guided_regex": "structured outputs",
-    "guided_choice": "structured outputs",
-    "guided_grammar": "structured outputs",
-    "guided_decoding_backend": "structured outputs",
-    "guided_whitespace_pattern": "structured outputs",
     "structural_tag": "structured outputs",
-    "prompt_logprobs": "prompt logprobs, which the engine does not compute",
     "prompt_embeds": "prompt embeddings; send text or token ids",
-    "bad_words": "bad-words filtering",
-    "allowed_token_ids": "a token allow-list",
     "logprob_token_ids": "logprobs of chosen token ids",
     "thinking_token_budget": "a thinking-token budget",
     "repetition_detection": "repetition detection",

@@ -20,7 +20,8 @@ from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, SamplingRequest
 from deltaserve.api.serving_common import check_context
 from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.engine.frontend import bad_words_token_ids
+from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ def check_unsupported(request: SamplingRequest) -> None:
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
     if request.use_beam_search:
         raise bad_request("Beam search is not supported.", "use_beam_search")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported.", "logit_bias")
     if not 1 <= request.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}.", "n")
     check_stop(request.stop)
@@ -92,7 +91,13 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def build_sampling_params(
-    state: ServerState, request: SamplingRequest, *, max_tokens: int | None, logprobs: int | None
+    state: ServerState,
+    request: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams for one prompt; a ValueError from its validation becomes a 400 naming the field."""
     defaults: dict[str, Any] = state.engine.default_sampling or {}
@@ -111,7 +116,7 @@ def build_sampling_params(
         outside = next(t for t in stop_token_ids if not 0 <= t < vocab_size)
         raise bad_request(f"stop_token_ids contains {outside}, outside the vocabulary.", "stop_token_ids")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=request.n,
             seed=request.seed,
             stop=_stop_strings(request.stop),
@@ -123,13 +128,27 @@ def build_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
+            logit_bias=request.logit_bias,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=list(request.bad_words or []),
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
             **values,
         )
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.param) from None
     except ValueError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]
         param = field if field in SamplingParams.__dataclass_fields__ else None
         raise bad_request(message, param) from None
+    if params.bad_words:
+        params.bad_words_token_ids = bad_words_token_ids(state.engine.tokenizer, params.bad_words)
+    try:
+        params.validate_vocab(vocab_size)
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    return params
 
 
 def resolve_max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: int) -> int:
@@ -149,11 +168,18 @@ def params_for_prompt(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Checks the prompt against the context, then builds its SamplingParams and checks prompt + max_tokens."""
     check_context(state, num_prompt_tokens, None, prompt_param)
     params = build_sampling_params(
-        state, request, max_tokens=resolve_max_tokens(state, max_tokens, num_prompt_tokens), logprobs=logprobs
+        state,
+        request,
+        max_tokens=resolve_max_tokens(state, max_tokens, num_prompt_tokens),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs,
     )
     check_context(state, num_prompt_tokens, params.max_tokens, prompt_param)
     return params

@@ -31,7 +31,7 @@ from deltaserve.api.chat import (
 )
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
 from deltaserve.api.errors import bad_request
-from deltaserve.api.logprobs import TokenNamer, chat_logprobs
+from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
 from deltaserve.api.sampling import check_logprobs, check_unsupported, params_for_prompt
@@ -51,6 +51,7 @@ from deltaserve.api.serving_common import (
     without_none,
 )
 from deltaserve.api.settings import ServerState
+from deltaserve.api.structured import THINK_END, resolve_structured_outputs, resolve_tool_call_constraint
 from deltaserve.api.tool_parser import Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
@@ -73,6 +74,7 @@ class ChatJob:
     echo_text: str  # prepended to each choice's content with `echo`
     stream: AsyncGenerator[RequestOutput, None]
     num_cached_tokens: int | None = field(default=None)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     def new_processor(self) -> ChoiceProcessor:
         settings = self.state.settings
@@ -143,9 +145,7 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
     check_model(state, request.model)
     check_unsupported(request)
     check_request_template(state, request.chat_template, request.chat_template_kwargs)
-    response_format = (request.response_format or {}).get("type", "text")
-    if response_format != "text":
-        raise bad_request(f"response_format {response_format!r} needs structured outputs, which deltaserve lacks.")
+    structured = await resolve_structured_outputs(request, request.response_format)
     check_logprobs(request.top_logprobs, "top_logprobs", state.settings.max_logprobs)
     if request.top_logprobs and not request.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
@@ -154,6 +154,14 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.", "tools"
         )
     tool_choice = check_tool_choice(state, request.tools, request.tool_choice)
+    if tool_choice not in (None, "auto"):
+        # "required" or a named function: the call is generated through a grammar of the tools' schemas
+        if structured is not None:
+            raise bad_request("You can only either use constraints for structured outputs or tools, not both.",
+                              "tool_choice")  # fmt: skip
+        structured = await resolve_tool_call_constraint(
+            request.tools, tool_choice, state.settings.tool_call_parser, request.parallel_tool_calls is not False
+        )
     kwargs = template_kwargs(state, request.chat_template_kwargs, request.reasoning_effort)
     hide_tools = state.settings.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
     prompt_text = await render_chat(
@@ -200,6 +208,18 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
             raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     num_top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    is_thinking_disabled = kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+    if (
+        structured is not None
+        and state.settings.reasoning_parser
+        and not is_thinking_disabled
+        and (prompt_opens_thinking(prompt_text))
+    ):
+        # vLLM leaves the reasoning section unconstrained: the constraint starts after </think>
+        structured.start_after_token_id = state.engine.tokenizer.convert_tokens_to_ids(THINK_END)
+    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     params = params_for_prompt(
         state,
         request,
@@ -207,6 +227,8 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         max_tokens=max_tokens,
         logprobs=num_top_logprobs,
         prompt_param="messages",
+        prompt_logprobs=request.prompt_logprobs,
+        structured_outputs=structured,
     )
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
     stream = engine_stream(state, prompt_ids, params, engine_request_id(response_id, 0), arrival, mm_input)
@@ -220,10 +242,11 @@ async def prepare(state: ServerState, raw_request: Request, request: ChatComplet
         num_prompt_tokens=len(prompt_ids),
         num_top_logprobs=num_top_logprobs,
         tools=[tool.model_dump() for tool in request.tools] if tool_choice and request.tools else None,
-        is_thinking_disabled=kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False,
+        is_thinking_disabled=is_thinking_disabled,
         role=role,
         echo_text=_echo_text(request, role),
         stream=stream,
+        prompt_token_ids=list(prompt_ids),
     )
 
 
@@ -253,8 +276,8 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
     processors: dict[int, ChoiceProcessor] = {}
     has_logprobs = job.num_top_logprobs is not None
 
-    def event(choice: dict[str, Any]) -> str:
-        chunk = _chunk(job, [choice])
+    def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
+        chunk = _chunk(job, [choice]) | (extra or {})
         if is_continuous:
             chunk["usage"] = without_none(job.usage(list(processors.values())))
         return sse(chunk)
@@ -267,16 +290,21 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
                     processor = processors.get(seq.index)
                     if processor is None:
                         processor = processors[seq.index] = job.new_processor()
-                        yield event(_choice(seq.index, {"role": job.role, "content": ""}, None))
+                        extra = {"prompt_token_ids": job.prompt_token_ids} if job.request.return_token_ids else None
+                        yield event(_choice(seq.index, {"role": job.role, "content": ""}, None), extra)
                         if job.echo_text:
                             yield event(_choice(seq.index, {"content": job.echo_text}, None))
                     processor.count(seq.token_ids)
                     delta = processor.feed(seq.text)
+                    if job.request.return_token_ids:
+                        processor.pending_token_ids += seq.token_ids
                     processor.pending_logprobs += job.logprobs_of(seq)
                     if seq.finish_reason is None and not delta and not processor.is_plain:
                         continue  # everything is held back by a parser; its logprobs go with the next chunk
                     logprobs, processor.pending_logprobs = processor.pending_logprobs, []
                     choice = _choice(seq.index, delta, logprobs if has_logprobs else None)
+                    if job.request.return_token_ids:
+                        choice["token_ids"], processor.pending_token_ids = processor.pending_token_ids, []
                     if seq.finish_reason is not None:
                         choice["delta"] = merge_deltas(delta, processor.finish())
                         choice["finish_reason"] = processor.finish_reason(seq.finish_reason)
@@ -297,6 +325,7 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
 
 async def full_chat(job: ChatJob) -> JSONResponse:
     builders: dict[int, MessageBuilder] = {}
+    prompt_logprobs = None
     async with contextlib.aclosing(job.stream) as stream:
         async for output in stream:
             job.note_output(output)
@@ -308,6 +337,9 @@ async def full_chat(job: ChatJob) -> JSONResponse:
                 processor.count(seq.token_ids)
                 builder.add(processor.feed(seq.text))
                 builder.logprobs += job.logprobs_of(seq)
+                builder.token_ids += seq.token_ids
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs = output.prompt_logprobs
                 if seq.finish_reason is not None:
                     builder.add(processor.finish())
                     builder.finish_reason = processor.finish_reason(seq.finish_reason)
@@ -326,7 +358,13 @@ async def full_chat(job: ChatJob) -> JSONResponse:
             "finish_reason": builder.finish_reason,
             "stop_reason": builder.stop_reason,
         })  # fmt: skip
+        if job.request.return_token_ids:
+            choices[-1]["token_ids"] = builder.token_ids
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
             "model": job.state.settings.model_name, "choices": choices,
             "usage": job.usage([builder.processor for builder in builders.values()])}  # fmt: skip
+    if job.request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
+    if job.request.return_token_ids:
+        body["prompt_token_ids"] = job.prompt_token_ids
     return JSONResponse(body)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from deltaserve.api.body import parse_request
 from deltaserve.api.errors import bad_request
-from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs_json
 from deltaserve.api.protocol import CompletionRequest
 from deltaserve.api.sampling import check_logprobs, check_unsupported, params_for_prompt
 from deltaserve.api.serving_common import (
@@ -40,6 +40,7 @@ from deltaserve.api.serving_common import (
     without_none,
 )
 from deltaserve.api.settings import ServerState
+from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.engine.request import CompletionOutput, RequestOutput
 
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
@@ -64,6 +65,8 @@ class ChoiceState:
     logprob_parts: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 async def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
@@ -111,6 +114,10 @@ class CompletionJob:
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> prefix-cache hits
 
+    @property
+    def is_echo_only(self) -> bool:
+        return bool(self.request.echo) and self.request.max_tokens == 0
+
     def choice(self, prompt_index: int, seq: CompletionOutput) -> tuple[int, ChoiceState]:
         index = prompt_index * self.request.n + seq.index
         state = self.choices.get(index)
@@ -124,20 +131,36 @@ class CompletionJob:
         if self.state.settings.enable_prompt_tokens_details:
             self.num_cached_tokens.setdefault(prompt_index, output.num_cached_tokens)
 
-    def advance(self, choice: ChoiceState, seq: CompletionOutput) -> tuple[str, dict[str, Any] | None]:
-        """Records a sequence delta; returns its text (with the echoed prompt first) and its logprobs."""
+    def advance(
+        self, choice: ChoiceState, seq: CompletionOutput, output: RequestOutput
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Records a sequence delta; returns its text (with the echoed prompt first) and its logprobs (with the
+        prompt's first when echoed: vLLM reports None for the first prompt token)."""
         text = seq.text
+        echoed = None
         if self.request.echo and not choice.has_echoed:
             prompt = self.prompts[choice.prompt_index]
             text = (prompt.text or "") + text
             if choice.logprobs is not None:
-                choice.logprobs.offset += len(prompt.text)
+                entries = [entry or {} for entry in output.prompt_logprobs or []]
+                echoed = choice.logprobs.build(prompt.token_ids, entries)
+        if output.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = output.prompt_logprobs
+        if self.is_echo_only:
+            # echo with max_tokens 0 (scoring): the prompt alone; the one token the engine drew is not shown
+            text = text[: len(text) - len(seq.text)]
         choice.has_echoed = True
         choice.text.append(text)
-        choice.num_tokens += len(seq.token_ids)
+        if not self.is_echo_only:
+            choice.num_tokens += len(seq.token_ids)
+            choice.token_ids.extend(seq.token_ids)
         if seq.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = seq.finish_reason, seq.stop_reason
         logprobs = choice.logprobs.build(seq.token_ids, seq.logprobs) if choice.logprobs is not None else None
+        if self.is_echo_only:
+            return text, echoed
+        if echoed is not None:
+            logprobs = _merge_logprobs([echoed, logprobs])
         return text, logprobs
 
     def usage(self) -> dict[str, Any]:
@@ -161,12 +184,15 @@ async def create_completion(
     check_unsupported(request)
     if request.suffix is not None:
         raise bad_request("suffix is not currently supported", "suffix")
-    response_format = (request.model_extra or {}).get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        raise bad_request("response_format needs structured outputs, which deltaserve lacks.", "response_format")
+    structured = await resolve_structured_outputs(request, (request.model_extra or {}).get("response_format"))
     check_logprobs(request.logprobs, "logprobs", state.settings.max_logprobs)
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which deltaserve does not compute.", "echo")
+    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    # vLLM: echo with logprobs reports the prompt's logprobs too (prompt_logprobs = logprobs unless set)
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo and request.logprobs is not None:
+        prompt_logprobs = request.logprobs
     prompts = await resolve_prompts(state, request)
     if request.echo:
         # The echoed prompt is the decoded tokens (token-id and truncated prompts have no text of their own).
@@ -179,9 +205,12 @@ async def create_completion(
             state,
             request,
             num_prompt_tokens=len(prompt.token_ids),
-            max_tokens=request.max_tokens,
+            # vLLM's echo without generation: the engine draws one token, which is not reported
+            max_tokens=1 if request.echo and request.max_tokens == 0 else request.max_tokens,
             logprobs=request.logprobs,
             prompt_param="prompt",
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
         )
         for prompt in prompts
     ]
@@ -216,9 +245,14 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                 job.note_output(prompt_index, output)
                 for seq in output.outputs:
                     index, choice = job.choice(prompt_index, seq)
-                    text, logprobs = job.advance(choice, seq)
+                    is_first = not choice.has_echoed
+                    text, logprobs = job.advance(choice, seq, output)
                     item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": seq.finish_reason,
                             "stop_reason": seq.stop_reason}  # fmt: skip
+                    if job.request.return_token_ids:
+                        if is_first:
+                            item["prompt_token_ids"] = job.prompts[prompt_index].token_ids
+                        item["token_ids"] = list(seq.token_ids)
                     chunk = job.envelope([item])
                     if is_continuous:
                         chunk["usage"] = without_none(job.usage())
@@ -246,19 +280,24 @@ async def full_completion(job: CompletionJob) -> JSONResponse:
             job.note_output(prompt_index, output)
             for seq in output.outputs:
                 _, choice = job.choice(prompt_index, seq)
-                _, logprobs = job.advance(choice, seq)
+                _, logprobs = job.advance(choice, seq, output)
                 if logprobs is not None:
                     choice.logprob_parts.append(logprobs)
-    choices = [
-        {
+    choices = []
+    for index, choice in sorted(job.choices.items()):
+        item = {
             "index": index,
             "text": "".join(choice.text),
             "logprobs": _merge_logprobs(choice.logprob_parts) if choice.logprobs is not None else None,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
-        for index, choice in sorted(job.choices.items())
-    ]
+        if job.request.prompt_logprobs is not None or choice.prompt_logprobs is not None:
+            item["prompt_logprobs"] = prompt_logprobs_json(choice.prompt_logprobs)
+        if job.request.return_token_ids:
+            item["prompt_token_ids"] = job.prompts[choice.prompt_index].token_ids
+            item["token_ids"] = choice.token_ids
+        choices.append(item)
     body = job.envelope(choices)
     body["usage"] = job.usage()
     return JSONResponse(body)

@@ -128,4 +128,6 @@ class ServerState:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.engine.tokenizer)
+        """Token-id bounds: the model's vocabulary (config vocab_size, as vLLM bounds logit_bias), which pads past
+        the tokenizer's; an engine that does not say falls back to the tokenizer's length."""
+        return getattr(self.engine, "vocab_size", None) or len(self.engine.tokenizer)

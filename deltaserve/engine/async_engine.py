@@ -40,6 +40,7 @@ class AsyncEngine:
         self.model_dir: Path = frontend.model_dir
         self.tokenizer = frontend.tokenizer
         self.max_model_len = frontend.max_model_len
+        self.vocab_size = frontend.vocab_size  # token-id bounds of the api's checks
         self.default_sampling: dict[str, Any] = frontend.default_sampling
         self.mm_processor = frontend.mm_processor  # None: text only
         self.info = client.info

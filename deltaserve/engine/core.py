@@ -6,7 +6,9 @@ step N's tokens are collected, so the host's scheduling and input building overl
 learns step N's tokens (stop rules included) one step later. `async_scheduling=False` runs plan, launch, collect,
 update one step at a time. Greedy and seeded outputs are the same either way.
 
-The core runs in the server's engine-core process, or in the caller's process for the offline LLM and tests.
+The core runs in the server's engine-core process, or in the caller's process for the offline LLM and tests. It
+steps an executor (runner/executor.py): the ModelRunner itself at --tensor-parallel-size 1, else rank 0's runner
+plus one worker process per other rank; check_health() raises once a worker is gone, shutdown() stops them.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from pathlib import Path
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.engine.grammar import StructuredOutputsConfig
+from deltaserve.engine.output import slice_prompt_logprobs
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, RequestMetrics
+from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
-from deltaserve.runner.model_runner import ModelRunner, StepHandle
+from deltaserve.runner.executor import make_executor
+from deltaserve.runner.model_runner import StepHandle
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
@@ -51,7 +57,7 @@ class EngineCore:
         self.model_config = model_config.with_max_model_len(max_model_len)
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
-        self.runner = ModelRunner(self.model_config, config, max_model_len, self.max_num_batched_tokens)
+        self.runner = make_executor(self.model_config, config, max_model_len, self.max_num_batched_tokens)
         layout = self.runner.layout
         self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence
         self.scheduler = Scheduler(
@@ -63,15 +69,24 @@ class EngineCore:
         )
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
-        self._inflight: deque[tuple[StepPlan, StepHandle]] = deque()
+        self._inflight: deque[tuple[StepPlan, StepHandle, tuple[str | None, ...]]] = deque()
+        # history constraints (grammars, multi-token bad words): state beside the scheduler; requests whose grammar
+        # is still compiling are parked here, not in the scheduler
+        self.structured = StructuredOutputManager(
+            model_dir, config.tokenizer, self.model_config.vocab_size,
+            StructuredOutputsConfig.parse(config.structured_outputs_config),
+        )  # fmt: skip
+        self._parked: dict[str, Sequence] = {}
+        self._num_prompt_logprobs: dict[str, int] = {}  # request -> prompt positions reported (resumes recompute)
         self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
         if self.runner.load_report is not None:
             logger.info("%s", self.runner.load_report.summary())
         logger.info(
-            "engine core ready: %s on %s (%s), %d KV blocks x %d tokens, %d state slots, max_num_seqs %d, "
-            "max_num_batched_tokens %d, max_model_len %d, async scheduling %s",
-            model_dir, self.runner.device, self.runner.dtype, layout.num_blocks, layout.block_size, layout.num_slots,
+            "engine core ready: %s on %s (%s, tensor parallel %d), %d KV blocks x %d tokens, %d state slots, "
+            "max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d, async scheduling %s",
+            model_dir, self.runner.device, self.runner.dtype, config.tensor_parallel_size, layout.num_blocks,
+            layout.block_size, layout.num_slots,
             self.runner.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, "on" if self.is_async else "off",
         )  # fmt: skip
 
@@ -104,16 +119,49 @@ class EngineCore:
             mm_input=request.mm_input,
         )
         self.sequences[seq.seq_id] = seq
-        self.scheduler.add(seq)
+        if request.sampling.prompt_logprobs is not None:
+            self._num_prompt_logprobs[seq.seq_id] = 0
+        if self.structured.add(seq.seq_id, request.sampling, request.eos_token_ids):
+            self.scheduler.add(seq)
+        else:
+            self._parked[seq.seq_id] = seq  # until its grammar compiled (a worker thread)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             seq = self.sequences.pop(request_id, None)
-            if seq is not None:
+            self.structured.remove(request_id)
+            self._num_prompt_logprobs.pop(request_id, None)
+            if self._parked.pop(request_id, None) is None and seq is not None:
                 self.scheduler.finish(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences) or bool(self._inflight)
+
+    def check_health(self) -> None:
+        """Raises when the executor cannot step any more (a tensor-parallel worker died)."""
+        self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the executor's workers (nothing at --tensor-parallel-size 1)."""
+        self.runner.shutdown()
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Moves requests whose grammar compiled into the scheduler; those that failed finish (abort)."""
+        if not self._parked:
+            return []
+        if len(self._parked) == len(self.sequences) and not self._inflight:
+            self.structured.wait_any(timeout=0.05)  # only parked work: wait for a compile, do not spin
+        ready, failed = self.structured.take_ready()
+        for request_id in ready:
+            seq = self._parked.pop(request_id, None)
+            if seq is not None:
+                self.scheduler.add(seq)
+        outputs = []
+        for request_id, message in failed:
+            if self._parked.pop(request_id, None) is not None:
+                self.sequences.pop(request_id, None)
+                outputs.append(EngineCoreOutput(request_id, (), None, finish_reason="abort", stop_reason=message))
+        return outputs
 
     # -- stepping -------------------------------------------------------------------------------------
 
@@ -126,24 +174,40 @@ class EngineCore:
             return False
         self._iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, plan.num_tokens)] += 1
         self._iteration_tokens_sum += plan.num_tokens
-        self._inflight.append((plan, self.runner.execute(plan)))
+        owners = self.structured.observe(plan)
+        # a step holding a constrained row launches only its forward: its bitmask needs the previous step's tokens
+        is_deferred = self.structured.needs_mask(plan, owners)
+        self._inflight.append((plan, self.runner.execute(plan, defer_sampling=is_deferred), owners))
         return True
+
+    def _sample_oldest(self) -> None:
+        """Samples the oldest launched step if it was deferred: every step before it is collected, so each
+        grammar has seen the tokens this step's bitmask depends on."""
+        if self._inflight and self._inflight[0][1].pending is not None:
+            plan, handle, owners = self._inflight[0]
+            bitmask, positions = self.structured.fill(plan, owners)
+            self.runner.sample(handle, None if bitmask is None else bitmask.numpy(), positions)
 
     def step(self) -> list[EngineCoreOutput]:
         """Advances by one step; returns the outputs of the step it collected (none while only launching)."""
+        outputs = self._admit_compiled()
         depth = MAX_STEPS_IN_FLIGHT if self.is_async else 1
         is_launched = False
-        if len(self._inflight) < depth and self.sequences:
+        if len(self._inflight) < depth and len(self.sequences) > len(self._parked):
             is_launched = self._launch()
+        self._sample_oldest()
         if not self._inflight or (is_launched and len(self._inflight) < depth and self.is_async):
-            return []
-        plan, handle = self._inflight.popleft()
+            return outputs
+        plan, handle, owners = self._inflight.popleft()
         result = self.runner.collect(handle)
-        outputs = []
+        prompt_logprobs = self._prompt_logprobs(result.prompt_logprobs, owners)
         for seq, tokens, logprobs in self.scheduler.update(plan, result):
             is_finished = seq.is_finished
+            self.structured.accept(seq.seq_id, tokens)
             if is_finished:
                 self.sequences.pop(seq.seq_id, None)
+                self.structured.remove(seq.seq_id)
+                self._num_prompt_logprobs.pop(seq.seq_id, None)
             outputs.append(
                 EngineCoreOutput(
                     request_id=seq.seq_id,
@@ -152,14 +216,32 @@ class EngineCore:
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     metrics=self._metrics(seq) if is_finished else None,
+                    prompt_logprobs=prompt_logprobs.pop(seq.seq_id, None),
                 )
             )
+        # prompt logprobs of chunks that sampled nothing yet (a long prompt's early chunks)
+        outputs.extend(EngineCoreOutput(rid, (), None, prompt_logprobs=lp) for rid, lp in prompt_logprobs.items())
+        self._sample_oldest()
         return outputs
+
+    def _prompt_logprobs(self, per_seq: tuple, owners: tuple[str | None, ...]) -> dict[str, tuple]:
+        """request id -> this step's new prompt-logprob entries (a resumed prefill's repeats are dropped)."""
+        found = {}
+        for entry, owner in zip(per_seq, owners, strict=False):
+            if entry is None or owner is None or owner not in self._num_prompt_logprobs:
+                continue
+            first, entries = entry
+            new = slice_prompt_logprobs(first, entries, self._num_prompt_logprobs[owner])
+            if new:
+                self._num_prompt_logprobs[owner] += len(new)
+                found[owner] = new
+        return found
 
     def drain(self) -> None:
         """Collects every launched step and drops its results (shutdown, scoring on an idle engine)."""
         while self._inflight:
-            plan, handle = self._inflight.popleft()
+            self._sample_oldest()
+            plan, handle, _ = self._inflight.popleft()
             self.scheduler.update(plan, self.runner.collect(handle))
 
     @staticmethod
@@ -216,7 +298,7 @@ class EngineCore:
                     row, start, size, slot, slot if start else None, tuple(blocks) if index == 0 else (), False
                 )
                 plan = StepPlan(-1, (seq,), added if index == 0 else ())
-                pieces.append(self.runner.execute(plan, return_all_logits=True).all_logits)
+                pieces.append(self.runner.execute(plan, return_all_logits=True).all_logits)  # samples: not deferred
                 start += size
             return torch.cat(pieces)
         finally:

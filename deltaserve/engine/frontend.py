@@ -27,7 +27,7 @@ from deltaserve.model.preflight import check_generation_config, load_tokenizer
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.processor import MultimodalProcessor
 from deltaserve.multimodal.prompt import VisionTokenIds
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import ParamError, SamplingParams
 
 
 class RequestError(ValueError):
@@ -70,6 +70,19 @@ def check_lengths(num_prompt: int, max_tokens: int | None, max_model_len: int, p
             f"({max_tokens} > {max_model_len} - {num_prompt}).",
             "max_tokens",
         )
+
+
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word's tokens as written (stripped of leading spaces), and with one leading space when
+    that spelling starts with another token and has as many tokens (so a word is banned mid-text too)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        sequences.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return [ids for ids in sequences if ids]
 
 
 class OutputProcessor:
@@ -168,7 +181,21 @@ class EngineFrontend:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises RequestError (a 400 in the API) for prompts and limits the engine cannot serve."""
         check_request(prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
-        params.validate()
+        try:
+            params.validate()
+            if params.bad_words and params.bad_words_token_ids is None:
+                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params.validate_vocab(self.vocab_size)
+        except ParamError as exc:
+            raise RequestError(str(exc), exc.param) from None
+        spec = params.structured_outputs
+        if spec is not None and not spec.is_checked:
+            from deltaserve.engine.grammar import GrammarError, check_structured_outputs
+
+            try:
+                check_structured_outputs(spec)
+            except GrammarError as exc:
+                raise RequestError(str(exc), exc.param) from None
 
     def new_request(
         self,

@@ -19,6 +19,15 @@ from deltaserve.engine.stats import RequestMetrics
 from deltaserve.sampling_params import SamplingParams
 
 
+def slice_prompt_logprobs(first: int, entries: tuple, num_reported: int) -> tuple:
+    """The entries of targets first, first + 1, ... that come after the num_reported already reported (targets
+    1..num_reported): a resumed sequence recomputes its prompt and must not report it twice."""
+    skip = num_reported + 1 - first
+    if skip < 0:
+        raise ValueError(f"prompt logprobs start at position {first} but only {num_reported} were reported")
+    return tuple(entries[skip:])
+
+
 @dataclass
 class SequenceProgress:
     core_id: str  # the core request this sequence is
@@ -46,15 +55,31 @@ class RequestState:
     params: SamplingParams
     sequences: list[SequenceProgress]
     arrival_time: float = field(default_factory=time.time)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None] + one per prompt token when asked
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.sequences)
 
+    def _add_prompt_logprobs(self, progress: SequenceProgress, entries: tuple) -> None:
+        for targets in entries:
+            entry: dict[int, Logprob] = {}
+            for tok, logprob, rank in targets:
+                if tok not in entry:
+                    entry[tok] = Logprob(logprob, rank, progress.detokenizer.decode_token(tok))
+            self.prompt_logprobs.append(entry)
+
     def apply(self, index: int, output: EngineCoreOutput) -> bool:
         """Records a core output for sequence `index`. True when a stop string ended the sequence while the core
         still runs it (the caller aborts it there)."""
         progress = self.sequences[index]
+        if output.prompt_logprobs and index == 0 and self.prompt_logprobs is not None:
+            # the n sequences share the prompt: the first one's are reported
+            self._add_prompt_logprobs(progress, output.prompt_logprobs)
         if progress.is_finished:
             return False
         params = self.params
@@ -139,6 +164,7 @@ class RequestState:
             outputs=outputs,
             finished=self.is_finished,
             metrics=self._metrics(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def final_output(self) -> RequestOutput:
@@ -156,5 +182,6 @@ class RequestState:
             for index, progress in enumerate(self.sequences)
         ]
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished, metrics=self._metrics()
-        )
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished, metrics=self._metrics(),
+            prompt_logprobs=self.prompt_logprobs,
+        )  # fmt: skip

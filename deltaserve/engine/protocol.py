@@ -35,6 +35,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None  # set on the finishing output
+    # prompt logprobs computed since the last output, in prompt order from the first not yet reported (position 1
+    # first): per prompt token ((token_id, logprob, rank), top-1, ..., top-N)
+    prompt_logprobs: tuple[tuple[tuple[int, float, int], ...], ...] | None = None
 
 
 @dataclass(frozen=True)

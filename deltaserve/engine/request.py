@@ -55,3 +55,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # engine-side timestamps; set on the outputs the engine reports
+    # prompt_logprobs: per prompt token, None for the first (vLLM's shape), cumulative so far; None if not asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

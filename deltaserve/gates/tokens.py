@@ -66,13 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="reuse the reference's run from this file when it was made for the same checkpoint, dtype, reference "
         "and prompts (else run it and save it here): one vLLM start serves several deltaserve configurations",
     )
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="deltaserve's ranks")
 
 
 def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device, args.seed,
         args.max_prompt_len, prompts=args.prompts, site=args.site, record_path=args.record,
-        reference_cache=args.reference_cache,
+        reference_cache=args.reference_cache, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
 
 
@@ -191,6 +192,7 @@ def run_gate(
     site: str = "h200-offline",
     record_path: Path | None = None,
     reference_cache: Path | None = None,
+    tensor_parallel_size: int = 1,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -224,9 +226,12 @@ def run_gate(
     except ReferenceError as exc:
         print(f"gate tokens: REFUSED: {exc}")
         return 1
-    results = _compare(model_dir, dtype, run_device, seed, prompt_ids, max_tokens, ref, ref_run, rounding, fp32_run)
+    results = _compare(
+        model_dir, dtype, run_device, seed, prompt_ids, max_tokens, ref, ref_run, rounding, fp32_run,
+        tensor_parallel_size,
+    )  # fmt: skip
     report = GateReport()
-    code = _report(report, results, dtype, model_dir, reference, ref_run, prompts, tokenizer)
+    code = _report(report, results, dtype, model_dir, reference, ref_run, prompts, tokenizer, tensor_parallel_size)
     if record_path is not None:
         _write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run, prompts, seed)
     return code
@@ -265,10 +270,14 @@ def _compare(
     ref_run: ReferenceRun,
     rounding: TransformersReference,
     fp32_run: ReferenceRun | None,
+    tensor_parallel_size: int = 1,
 ) -> list[PromptResult]:
     from deltaserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(len(prompt_ids), 64), seed=seed)
+    llm = LLM(
+        model_dir, dtype=dtype, device=device, max_num_seqs=min(len(prompt_ids), 64), seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     results = []
@@ -292,6 +301,7 @@ def _compare(
         result.split_rel_error = rel_error(split, full)
         result.noise_floor = rounding.noise_floor(sequence, ROUNDING_PERTURBATION[dtype], seed + i)
         results.append(result)
+    llm.shutdown()
     return results
 
 
@@ -329,6 +339,7 @@ def _report(
     ref_run: ReferenceRun,
     prompts: str,
     tokenizer: Any,
+    tensor_parallel_size: int = 1,
 ) -> int:
     num_exact = sum(r.is_exact for r in results)
     mismatches = [r for r in results if r.mismatch is not None]
@@ -347,8 +358,9 @@ def _report(
             f" ({dtype}; near-tie margin {m.tie_margin:.3g} = {TIE_ULPS:g} ulps at its top logit): {verdict}"
         )
     lengths = [r.prompt_len for r in results]
+    tp = f", tensor parallel {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
     report.say(
-        f"gate tokens: {model_dir} ({dtype}), {len(results)} {prompts} prompts of lengths "
+        f"gate tokens: {model_dir} ({dtype}{tp}), {len(results)} {prompts} prompts of lengths "
         f"{min(lengths)}..{max(lengths)}; reference {reference}: {json.dumps(_summary(ref_run.config))}"
     )
     if results[0].is_ref_dtype_exact is not None:

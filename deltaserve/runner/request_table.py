@@ -4,8 +4,9 @@ A plan's `removed` rows are cleared, its `added` requests fill rows, and each sc
 appended to its row. What lives here, so that a step costs only the diffs:
 - host: each row's prompt tokens (resumed outputs included), block table, sampling parameters and counters;
 - device: the block table [rows, max_blocks], the per-row sampling parameters [rows, 7], the token each row sampled
-  last (the next decode's input under async scheduling, never copied through the host), and, for rows that use
-  penalties, output-token counts and a prompt mask [P, V] updated in place after every sample.
+  last (the next decode's input under async scheduling, never copied through the host), for rows that use
+  penalties, output-token counts and a prompt mask [P, V] updated in place after every sample, and for rows with
+  logit_bias / allowed_token_ids / single-token bad_words one static bias row [V] (set once at add).
 One extra row (`dummy_row`) stays empty: padded CUDA-graph rows read it.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampler.batch import has_penalty, host_flags, min_tokens_keys, params_row, seeded_generators
+from deltaserve.sampler.logits_processors import StaticBias, single_token_bad_words, static_bias_row
 from deltaserve.sampler.penalties import PenaltyInputs
 from deltaserve.sampler.sampler import NUM_PARAMS, SAMPLING_EPS, SamplingBatch
 from deltaserve.sampler.transfer import to_device
@@ -57,6 +59,13 @@ class RequestTable:
         self.penalty_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)  # [capacity, V]
         self.penalty_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self._free_penalty: list[int] = []
+        self.bias_index = np.full(num, -1, dtype=np.int64)  # row -> row of the static bias pool
+        self.bias_pool = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)  # [capacity, V]
+        self._free_bias: list[int] = []
+        # prompt logprobs: top-N asked (-1: none) and the original prompt's length (a resumed row's prompt holds
+        # its earlier outputs too, which get no prompt logprobs)
+        self.num_prompt_logprobs = np.full(num, -1, dtype=np.int64)
+        self.num_original_prompt = np.zeros(num, dtype=np.int64)
         self._dirty_params: list[int] = []
 
     @property
@@ -109,6 +118,11 @@ class RequestTable:
         if index >= 0:
             self._free_penalty.append(index)
             self.penalty_index[row] = -1
+        index = int(self.bias_index[row])
+        if index >= 0:
+            self._free_bias.append(index)
+            self.bias_index[row] = -1
+        self.num_prompt_logprobs[row] = -1
 
     def _add(self, request: NewRequest) -> None:
         row = request.row
@@ -136,6 +150,22 @@ class RequestTable:
             self.mrope_delta[row] = request.mm_input.mrope_delta
         if has_penalty(params):
             self._init_penalties(row, request)
+        self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        self.num_original_prompt[row] = len(request.prompt_token_ids) - len(request.output_token_ids)
+        bias = static_bias_row(self.vocab_size, params.logit_bias, params.allowed_token_ids,
+                               single_token_bad_words(params.bad_words_token_ids))  # fmt: skip
+        if bias is not None:
+            self._init_bias(row, bias)
+
+    def _init_bias(self, row: int, bias: np.ndarray) -> None:
+        if not self._free_bias:
+            old = self.bias_pool.shape[0]
+            new = max(8, 2 * old)
+            self.bias_pool = torch.cat([self.bias_pool, self.bias_pool.new_zeros(new - old, self.vocab_size)])
+            self._free_bias.extend(range(old, new))
+        index = self._free_bias.pop()
+        self.bias_index[row] = index
+        self.bias_pool[index].copy_(to_device(bias, torch.float32, self.device))
 
     def _init_penalties(self, row: int, request: NewRequest) -> None:
         if not self._free_penalty:
@@ -183,6 +213,14 @@ class RequestTable:
                 output_counts=self.penalty_counts.index_select(0, pool_rows),
                 prompt_mask=self.penalty_prompt.index_select(0, pool_rows),
             )
+        static_bias = None
+        index = self.bias_index[rows]
+        if (index >= 0).any():
+            positions = np.nonzero(index >= 0)[0]
+            pool_rows = to_device(index[positions], torch.int64, self.device)
+            static_bias = StaticBias(
+                rows=to_device(positions, torch.int64, self.device), values=self.bias_pool.index_select(0, pool_rows)
+            )
         is_under = self.num_sampled[rows] < self.min_tokens[rows]
         keys = None
         if is_under.any():
@@ -194,6 +232,7 @@ class RequestTable:
             penalties=penalties,
             min_tokens_keys=keys,
             num_logprobs=tuple(asked.tolist()) if (asked >= 0).any() else None,
+            static_bias=static_bias,
             **flags,
         )
 

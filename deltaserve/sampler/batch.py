@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from deltaserve.sampler.logits_processors import StaticBias, single_token_bad_words, static_bias_row
 from deltaserve.sampler.penalties import PenaltyInputs
 from deltaserve.sampler.sampler import NUM_PARAMS, SAMPLING_EPS, SamplingBatch, make_generator, row_seed
 from deltaserve.sampler.transfer import to_device
@@ -95,11 +96,24 @@ def build_sampling_batch(
         )  # fmt: skip
     is_under = [len(o) < p.min_tokens for p, o in zip(params, output_token_ids, strict=True)]
     asked = [p.logprobs if p.logprobs is not None else -1 for p in params]
+    bias_rows = [
+        (row, bias)
+        for row, p in enumerate(params)
+        if (bias := static_bias_row(vocab_size, p.logit_bias, p.allowed_token_ids,
+                                    single_token_bad_words(p.bad_words_token_ids))) is not None
+    ]  # fmt: skip
+    static_bias = None
+    if bias_rows:
+        static_bias = StaticBias(
+            rows=to_device([row for row, _ in bias_rows], torch.int64, device),
+            values=to_device(np.stack([bias for _, bias in bias_rows]), torch.float32, device),
+        )
     return SamplingBatch(
         params=to_device(values, torch.float32, device),
         generators=generators,
         penalties=penalties,
         min_tokens_keys=min_tokens_keys(stop_token_ids, is_under, vocab_size, device),
         num_logprobs=tuple(asked) if any(n >= 0 for n in asked) else None,
+        static_bias=static_bias,
         **flags,
     )

@@ -2,8 +2,10 @@
 the device, with no host sync (the runner copies the result to the host when it needs it).
 
 Semantics follow vLLM v1's `Sampler`:
-  1. logprobs come from the raw logits (fp32 log_softmax before any processing);
-  2. min_tokens masks eos + stop_token_ids, then repetition, frequency and presence penalties;
+  0. a token bitmask (grammars, multi-token bad words: vLLM applies it before the sampler) masks its rows;
+  1. logprobs come from those logits (fp32 log_softmax before any other processing);
+  2. the static bias (allowed_token_ids, single-token bad_words, logit_bias), min_tokens masks eos +
+     stop_token_ids, then repetition, frequency and presence penalties;
   3. greedy rows (temperature < 1e-5) take the argmax of the processed logits;
   4. other rows: divide by temperature, min_p, top-k, top-p, then draw argmax(p / q) with q ~ Exp(1).
 A seeded row draws q from a generator seeded by (its seed, the index of the token it samples), so its tokens do
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.sampler.logits_processors import StaticBias, apply_static_bias, apply_token_bitmask
 from deltaserve.sampler.penalties import PenaltyInputs, apply_penalties, mask_min_tokens
 from deltaserve.sampler.topk_topp import (
     MAX_TOPK_ONLY,
@@ -62,6 +65,10 @@ class SamplingBatch:
     penalties: PenaltyInputs | None = None
     min_tokens_keys: torch.Tensor | None = None  # [N] int64 flat row * V + token ids forced to -inf
     num_logprobs: tuple[int, ...] | None = None  # per row: logprobs asked for, -1 for none; None when no row asks
+    static_bias: StaticBias | None = None  # allowed_token_ids, single-token bad_words, logit_bias
+    # history constraints (grammars, multi-token bad words): packed int32 [C, ceil(V / 32)] for batch rows [C]
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -98,6 +105,10 @@ class Sampler:
         num_rows, vocab_size = logits.shape
         if batch.num_rows != num_rows:
             raise ValueError(f"got {num_rows} rows of logits for {batch.num_rows} sampling rows")
+        if batch.token_bitmask is not None:
+            # the caller's logits stay untouched (they may be a CUDA graph's buffer or a scorer's)
+            logits = logits.to(torch.float32, copy=True)
+            apply_token_bitmask(logits, batch.bitmask_rows, batch.token_bitmask)
         logprob_rows = tuple(r for r, n in enumerate(batch.num_logprobs or ()) if n >= 0)
         raw_logprobs = logprob_index = None
         if logprob_rows:
@@ -108,9 +119,12 @@ class Sampler:
             raw_logprobs = rows.log_softmax(dim=-1, dtype=torch.float32)  # [L, V]
 
         processed = logits
-        if batch.num_random or batch.min_tokens_keys is not None or batch.penalties is not None:
+        has_processing = batch.min_tokens_keys is not None or batch.penalties is not None
+        if batch.num_random or has_processing or batch.static_bias is not None:
             # our own fp32 copy: everything below edits in place and the caller's logits stay untouched
             processed = logits.to(torch.float32, copy=True)
+            if batch.static_bias is not None:
+                apply_static_bias(processed, batch.static_bias)
             if batch.min_tokens_keys is not None:
                 mask_min_tokens(processed, batch.min_tokens_keys)
             if batch.penalties is not None:

@@ -51,11 +51,17 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stop_token_ids out of vocab", "/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, 400, None),
     ("truncate_prompt_tokens zero", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400, None),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("echo with logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
-    ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (
+        "prompt_logprobs streamed",
+        "/v1/completions",
+        {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs",
+    ),  # fmt: skip
+    ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"9999999": 10}}, 400, "logit_bias"),
     ("beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, None),
-    ("prompt_logprobs", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, None),
-    ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 100}, 400, "prompt_logprobs"),
+    ("guided_json not JSON", "/v1/completions", {"prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("chat messages empty", "/v1/chat/completions", {"messages": []}, 400, "body.messages"),
     ("chat messages missing", "/v1/chat/completions", {"model": MODEL_NAME}, 400, "body.messages"),
@@ -100,11 +106,11 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "tool_choice",
     ),  # fmt: skip
     (
-        "chat response_format json",
+        "chat response_format json_schema without a schema",
         "/v1/chat/completions",
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         400,
-        None,
+        "response_format",
     ),  # fmt: skip
     (
         "chat template kwargs not a dict",

@@ -186,20 +186,47 @@ CASES: list[Case] = [
         "truncation_side middle", "/v1/completions", completion(truncation_side="middle"), param="body.truncation_side"
     ),  # fmt: skip
     Case("suffix", "/v1/completions", completion(suffix="y"), param="suffix"),
-    Case("echo with logprobs", "/v1/completions", completion(echo=True, logprobs=1), param="echo"),
-    Case("logit_bias", "/v1/completions", completion(logit_bias={"5": 10}), param="logit_bias"),
+    Case("allowed_token_ids empty", "/v1/completions", completion(allowed_token_ids=[]), param="allowed_token_ids"),
+    Case("logit_bias negative id", "/v1/completions", completion(logit_bias={"-1": 10}), param="logit_bias"),
+    Case("logit_bias not an id", "/v1/completions", completion(logit_bias={"five": 10}), param="logit_bias"),
     Case("beam search", "/v1/completions", completion(use_beam_search=True), param="use_beam_search"),
-    Case("prompt_logprobs", "/v1/completions", completion(prompt_logprobs=1), param="prompt_logprobs"),
-    Case("guided_json", "/v1/completions", completion(guided_json={"type": "object"}), param="guided_json"),
+    Case("prompt_logprobs negative", "/v1/completions", completion(prompt_logprobs=-5), param="prompt_logprobs"),
+    Case("guided_json unclosed", "/v1/completions", completion(guided_json="["), param="guided_json"),
     Case(
-        "structured_outputs", "/v1/completions", completion(structured_outputs={"json": {}}), param="structured_outputs"
-    ),  # fmt: skip
-    Case("bad_words", "/v1/completions", completion(bad_words=["x"]), param="bad_words"),
-    Case("allowed_token_ids", "/v1/completions", completion(allowed_token_ids=[1]), param="allowed_token_ids"),
-    Case(
-        "completion response_format json",
+        "structured_outputs bad regex",
         "/v1/completions",
-        completion(response_format={"type": "json_object"}),
+        completion(structured_outputs={"regex": "(unclosed"}),
+        param="structured_outputs.regex",
+    ),  # fmt: skip
+    Case(
+        "structured_outputs two constraints",
+        "/v1/completions",
+        completion(structured_outputs={"regex": "a", "choice": ["a"]}),
+        param="structured_outputs",
+    ),  # fmt: skip
+    Case(
+        "structured_outputs bad grammar",
+        "/v1/completions",
+        completion(structured_outputs={"grammar": "root ::= nothing_defined"}),
+        param="structured_outputs.grammar",
+    ),  # fmt: skip
+    Case(
+        "structured_outputs empty choice",
+        "/v1/completions",
+        completion(structured_outputs={"choice": []}),
+        param="structured_outputs.choice",
+    ),  # fmt: skip
+    Case("bad_words empty word", "/v1/completions", completion(bad_words=[""]), param="bad_words"),
+    Case(
+        "allowed_token_ids out of vocab",
+        "/v1/completions",
+        completion(allowed_token_ids=[10**7]),
+        param="allowed_token_ids",
+    ),  # fmt: skip
+    Case(
+        "completion response_format unknown type",
+        "/v1/completions",
+        completion(response_format={"type": "xml"}),
         param="response_format",
     ),  # fmt: skip
     Case("unknown model", "/v1/completions", completion(model="gpt-4"), 404, "model"),
@@ -250,7 +277,12 @@ CASES: list[Case] = [
         param="tool_choice",
     ),
     Case("tool_choice sometimes", "/v1/chat/completions", chat(tools=[TOOL], tool_choice="sometimes")),
-    Case("response_format json_object", "/v1/chat/completions", chat(response_format={"type": "json_object"})),
+    Case(
+        "response_format json_schema without a schema",
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_schema"}),
+        param="response_format",
+    ),  # fmt: skip
     Case("chat_template_kwargs a list", "/v1/chat/completions", chat(chat_template_kwargs=[1])),
     Case(
         "continue and generation prompt",

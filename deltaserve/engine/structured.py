@@ -1,0 +1,227 @@
+"""StructuredOutputManager: the engine core's owner of every constraint whose mask depends on the tokens already
+sampled (grammars, and bad words of more than one token), beside the scheduler.
+
+Compilation is asynchronous: a request with a grammar is parked here (not in the scheduler) while a worker thread
+compiles it, and admitted once ready, so the step loop never waits on a compile; compiled grammars are shared
+between requests with the same constraint (an LRU cache). Why the core compiles and not the front end: the compiled
+grammar carries a token-mask cache of the tokenizer's whole vocabulary (megabytes for a 248k vocabulary), which
+the front end would have to serialise, pipe and the core deserialise synchronously, on its critical path, for
+every request; compiling here costs the pipe nothing, shares one cache across requests, and the front end still
+refuses a malformed constraint up front by parsing it (engine/grammar.py), which needs no tokenizer.
+
+Each step: `needs_mask(plan)` tells the core to launch the step with deferred sampling; after the core collected
+the previous step and fed its tokens in (`accept`), `fill(plan, owners)` writes the bitmask rows of the step's
+constrained sampling rows, and the core hands them to runner.sample(). A constraint with `start_after_token_id`
+(a reasoning model's </think>) masks nothing until that token is generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltaserve.engine.grammar import GrammarMatcher, StructuredOutputsConfig, XGrammarBackend, cache_key
+from deltaserve.sampler.logits_processors import bitmask_width
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.step import StepPlan
+
+logger = logging.getLogger(__name__)
+
+NUM_CACHED_GRAMMARS = 256
+
+
+@dataclass
+class ConstraintState:
+    """One sequence's history constraints."""
+
+    params: SamplingParams
+    matcher: GrammarMatcher | None = None
+    is_active: bool = True  # False until start_after_token_id is generated
+    is_broken: bool = False  # a sampled token the grammar rejected: stop constraining (logged)
+    outputs: list[int] = field(default_factory=list)  # for multi-token bad words
+    bad_words: list[list[int]] = field(default_factory=list)
+
+
+class StructuredOutputManager:
+    def __init__(
+        self, model_dir: Path, tokenizer: str | None, vocab_size: int, config: StructuredOutputsConfig
+    ) -> None:
+        self.model_dir = model_dir
+        self.tokenizer_name = tokenizer
+        self.vocab_size = vocab_size
+        self.config = config
+        self.width = bitmask_width(vocab_size)
+        self._backend: XGrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._compiling: dict[str, Future] = {}  # request id -> its compile
+        self.states: dict[str, ConstraintState] = {}
+        self.row_owner: dict[int, str] = {}
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def add(self, request_id: str, params: SamplingParams, stop_token_ids: frozenset[int]) -> bool:
+        """Registers a request; True when it is ready now (no grammar, or one already compiled)."""
+        if not params.needs_history_mask:
+            return True  # nothing here: its steps are not deferred
+        spec = params.structured_outputs
+        state = ConstraintState(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if len(w) > 1])
+        if spec is not None:
+            state.is_active = spec.start_after_token_id is None
+        self.states[request_id] = state
+        if spec is None:
+            return True
+        key = cache_key(spec, self.config.disable_any_whitespace)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            state.matcher = self._get_backend(stop_token_ids).matcher(compiled)
+            return True
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self._compiling[request_id] = self._executor.submit(self._compile, key, params, stop_token_ids)
+        return False
+
+    def _get_backend(self, stop_token_ids: frozenset[int]) -> XGrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                from deltaserve.model.preflight import load_tokenizer
+
+                tokenizer = load_tokenizer(self.model_dir, self.tokenizer_name)
+                self._backend = XGrammarBackend(tokenizer, self.vocab_size, sorted(stop_token_ids), self.config)
+            return self._backend
+
+    def _compile(self, key: str, params: SamplingParams, stop_token_ids: frozenset[int]) -> Any:
+        backend = self._get_backend(stop_token_ids)
+        return backend.compile(params.structured_outputs)
+
+    def take_ready(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """(request ids whose grammar compiled, (request id, error) of those that failed), finished ones only."""
+        ready, failed = [], []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            state = self.states.get(request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            try:
+                compiled = future.result()
+            except Exception as exc:
+                logger.error("request %s: the grammar did not compile: %s", request_id, exc)
+                self.states.pop(request_id, None)
+                failed.append((request_id, f"the structured-output grammar did not compile: {exc}"))
+                continue
+            key = cache_key(state.params.structured_outputs, self.config.disable_any_whitespace)
+            self._cache[key] = compiled
+            if len(self._cache) > NUM_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            state.matcher = self._backend.matcher(compiled)
+            ready.append(request_id)
+        return ready, failed
+
+    def wait_any(self, timeout: float) -> None:
+        """Blocks until a compile finishes or the timeout passes (an idle core with only parked requests)."""
+        futures = list(self._compiling.values())
+        if futures:
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        future = self._compiling.pop(request_id, None)
+        if future is not None:
+            future.cancel()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- steps ----------------------------------------------------------------------------------------
+
+    def observe(self, plan: StepPlan) -> tuple[str | None, ...]:
+        """Tracks which request holds each row; returns the owners of the plan's sequences, in plan order."""
+        for row in plan.removed:
+            self.row_owner.pop(row, None)
+        for request in plan.added:
+            self.row_owner[request.row] = request.req_id
+        return tuple(self.row_owner.get(seq.row) for seq in plan.seqs)
+
+    def needs_mask(self, plan: StepPlan, owners: tuple[str | None, ...]) -> bool:
+        if not self.states:
+            return False
+        return any(seq.needs_sample and owner in self.states for seq, owner in zip(plan.seqs, owners, strict=True))
+
+    def accept(self, request_id: str, token_ids: list[int]) -> None:
+        """Feeds a sequence's newly accepted tokens to its constraints."""
+        state = self.states.get(request_id)
+        if state is None:
+            return
+        spec = state.params.structured_outputs
+        for token_id in token_ids:
+            state.outputs.append(token_id)
+            if state.matcher is None or state.is_broken:
+                continue
+            if not state.is_active:
+                state.is_active = token_id == spec.start_after_token_id
+                continue
+            if state.matcher.is_terminated:
+                continue
+            if not state.matcher.accept(token_id):
+                logger.error("request %s: the grammar rejected token %d; the constraint is dropped", request_id,
+                             token_id)  # fmt: skip
+                state.is_broken = True
+
+    def fill(self, plan: StepPlan, owners: tuple[str | None, ...]) -> tuple[torch.Tensor | None, np.ndarray]:
+        """(bitmask int32 [C, W], positions [C] in the step's sampling order) of the constrained sampling rows."""
+        positions: list[int] = []
+        states: list[ConstraintState] = []
+        position = 0
+        for seq, owner in zip(plan.seqs, owners, strict=True):
+            if not seq.needs_sample:
+                continue
+            state = self.states.get(owner) if owner is not None else None
+            if state is not None and self._has_mask(state):
+                positions.append(position)
+                states.append(state)
+            position += 1
+        if not states:
+            return None, np.zeros(0, dtype=np.int64)
+        bitmask = torch.full((len(states), self.width), -1, dtype=torch.int32)
+        for index, state in enumerate(states):
+            if (
+                state.matcher is not None
+                and state.is_active
+                and not state.is_broken
+                and not state.matcher.is_terminated
+            ):
+                state.matcher.fill(bitmask, index)
+            for word in state.bad_words:
+                prefix = word[:-1]
+                if len(state.outputs) >= len(prefix) and state.outputs[len(state.outputs) - len(prefix) :] == prefix:
+                    token = word[-1]
+                    if 0 <= token < self.vocab_size:
+                        word_index, bit = divmod(token, 32)
+                        value = int(bitmask[index, word_index]) & ~(1 << bit)
+                        # two's complement back into int32
+                        bitmask[index, word_index] = value - (1 << 32) if value >= 1 << 31 else value
+        return bitmask, np.asarray(positions, dtype=np.int64)
+
+    @staticmethod
+    def _has_mask(state: ConstraintState) -> bool:
+        has_grammar = state.matcher is not None and state.is_active and not state.is_broken
+        return has_grammar or bool(state.bad_words)

@@ -1,0 +1,145 @@
+"""Engine-level checks of the constraints: grammars under async and sync scheduling give the same tokens, an
+unconstrained request's greedy tokens do not change when constrained requests share its batch, the static
+controls steer tokens, and prompt logprobs equal the log-softmax of the full forward's logits (chunked prefill)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "boolean"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+PROMPT = "Hello there"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dense: Path) -> dict[str, LLM]:
+    # small batches force chunked prefill of the longer prompt below
+    kwargs = {"device": "cpu", "max_model_len": 256, "max_num_batched_tokens": 16}
+    return {"async": LLM(tiny_dense, async_scheduling=True, **kwargs),
+            "sync": LLM(tiny_dense, async_scheduling=False, **kwargs)}  # fmt: skip
+
+
+def constrained_batch() -> list[SamplingParams]:
+    def so(**kw: object) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**kw)
+
+    return [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=so(json=SCHEMA, disable_any_whitespace=True)),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=so(regex=r"[0-9]{3}-[a-z]{2}")),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12, structured_outputs=so(choice=["yes", "no", "maybe"])),
+        SamplingParams(temperature=0, max_tokens=12, bad_words=["the", "a b"]),
+    ]
+
+
+def texts(llm: LLM, params: list[SamplingParams]) -> list[tuple[str, tuple[int, ...]]]:
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    return [(o.outputs[0].text, tuple(o.outputs[0].token_ids)) for o in outs]
+
+
+def test_constraints_hold_and_async_equals_sync(engines: dict[str, LLM]) -> None:
+    results = {mode: texts(llm, constrained_batch()) for mode, llm in engines.items()}
+    assert results["async"] == results["sync"]
+    free, as_json, as_regex, as_choice, _ = (text for text, _ in results["async"])
+    value = json.loads(as_json)
+    assert set(value) == {"name", "n"} and isinstance(value["n"], bool) and len(value["name"]) <= 6
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", as_regex)
+    assert as_choice in ("yes", "no", "maybe")
+    # the unconstrained row's greedy tokens are the same alone as beside the constrained rows
+    alone = texts(engines["async"], [SamplingParams(temperature=0, max_tokens=12)])
+    assert alone[0] == results["async"][0]
+
+
+def test_bad_words_ban_the_greedy_continuation(engines: dict[str, LLM]) -> None:
+    llm = engines["async"]
+    tokenizer = llm.get_tokenizer()
+    ((text, ids),) = texts(llm, [SamplingParams(temperature=0, max_tokens=8)])
+    word = tokenizer.decode(ids[1:3])  # a two-token word the model writes unconstrained
+    ((banned_text, banned_ids),) = texts(llm, [SamplingParams(temperature=0, max_tokens=8, bad_words=[word])])
+    sequence = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    assert banned_ids[:1] == ids[:1]
+    windows = {tuple(banned_ids[i : i + len(sequence)]) for i in range(len(banned_ids))}
+    assert tuple(sequence) not in windows and banned_ids != ids
+
+
+def test_static_controls_steer_tokens(engines: dict[str, LLM]) -> None:
+    llm = engines["sync"]
+    biased_params = SamplingParams(temperature=0, max_tokens=6, logit_bias={300: 100.0})
+    allowed_params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, allowed_token_ids=[400, 401, 1300])
+    biased, allowed = texts(llm, [biased_params, allowed_params])
+    assert set(biased[1]) == {300}
+    assert set(allowed[1]) <= {400, 401, 1300}
+    # ids past the tokenizer's length but inside config vocab_size are valid (the tiny model pads its vocabulary)
+    assert len(llm.get_tokenizer()) <= 1300 < llm.engine.frontend.vocab_size
+
+
+def test_prompt_logprobs_equal_full_forward(engines: dict[str, LLM]) -> None:
+    llm = engines["async"]
+    prompt_ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog, then the cat naps again.")
+    assert len(prompt_ids) > 16  # more than one prefill chunk
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    (out,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+    reported = out.prompt_logprobs
+    assert reported[0] is None and len(reported) == len(prompt_ids)
+    # the same 16-token chunks the scheduler ran (max_num_batched_tokens), one forward pass of logits each
+    chunks = [16] * (len(prompt_ids) // 16) + ([len(prompt_ids) % 16] if len(prompt_ids) % 16 else [])
+    logprobs = llm.score(prompt_ids, prefill_chunks=chunks).float().log_softmax(dim=-1)  # [L, V]
+    for position in range(1, len(prompt_ids)):
+        entry = reported[position]
+        target = prompt_ids[position]
+        expected = logprobs[position - 1]
+        assert abs(entry[target].logprob - expected[target].item()) < 1e-4
+        assert entry[target].rank == int((expected >= expected[target]).sum())
+        top = torch.topk(expected, 3)
+        for token_id, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert abs(entry[token_id].logprob - value) < 1e-4
+
+
+def test_two_ranks_keep_constraints_and_prompt_logprobs(tiny_dense: Path, engines: dict[str, LLM]) -> None:
+    """Tensor parallelism: rank 0 samples the deferred steps and broadcasts the tokens; the prompt-logprob slices
+    run their logits gather on every rank. Same tokens and prompt logprobs as one rank."""
+    params = [*constrained_batch(), SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)]
+    one = engines["async"].generate([PROMPT] * len(params), params, use_tqdm=False)
+    llm = LLM(tiny_dense, device="cpu", max_model_len=256, max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        two = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    got, want = two[-1].prompt_logprobs, one[-1].prompt_logprobs
+    assert len(got) == len(want) and got[0] is None
+    for a, b in zip(got[1:], want[1:], strict=True):
+        # the row-parallel all-reduces sum in another order: fp32 logprobs agree to ~1e-4, not bit for bit
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a), (a, b)
+
+
+@pytest.mark.gpu
+def test_constraints_through_decode_graphs_async_equals_sync(tiny_dense: Path) -> None:
+    """On the GPU: constrained decodes run the CUDA graphs with deferred sampling (the bitmask applies outside the
+    graph, on its logits buffer); async and sync scheduling give the same tokens and the JSON parses."""
+    import gc
+
+    config = {"dtype": "float32", "max_num_seqs": 16, "max_model_len": 256, "gpu_memory_utilization": 0.3}
+    results = {}
+    for is_async in (False, True):
+        llm = LLM(tiny_dense, async_scheduling=is_async, **config)
+        assert llm.engine.runner.graphs is not None
+        results[is_async] = texts(llm, constrained_batch() * 3)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+    value = json.loads(results[True][1][0])
+    assert set(value) == {"name", "n"}
