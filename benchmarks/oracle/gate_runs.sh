@@ -5,13 +5,17 @@
 #   DELTASERVE_FUSE_ATTN_PREAMBLE=0 (one vLLM run serves both, --reference-cache), then
 #   deltaserve bf16 vs transformers bf16, both preamble settings.
 # Each run writes its record to $OUT/gate-bf16-<reference>-<variant>[-unfused].json and its log next to it.
-# usage: OUT=... bash benchmarks/oracle/gate_runs.sh [dense] [moe] [next]     (default: all three; one vLLM start
-#        per variant, about 2-3 min each on a warm machine, so one variant per call is the safe split)
+# usage: OUT=... [REFERENCES="vllm transformers"] [PREAMBLES="1 0"] bash benchmarks/oracle/gate_runs.sh [dense] [moe] [next]
+#        (default: all three variants, both references, both preamble settings; one vLLM start per variant, about
+#        2-3 min each on a warm machine, so one variant per call is the safe split). REFERENCES=transformers needs no
+#        vLLM bundle.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT}"
 variants=${*:-dense moe next}
-if [ ! -d /tmp/vllm_site/vllm ]; then
+references=${REFERENCES:-vllm transformers}
+preambles=${PREAMBLES:-1 0}
+if [[ " $references " == *" vllm "* ]] && [ ! -d /tmp/vllm_site/vllm ]; then
   echo "no /tmp/vllm_site/vllm: unpack the vLLM bundle first (benchmarks/oracle/unpack.sh vllm)"
   exit 3
 fi
@@ -20,8 +24,8 @@ mkdir -p "$OUT" /tmp/gate_cache
 status=0
 for v in $variants; do
   model=deltaserve/tiny/trained/$v
-  for reference in vllm transformers; do
-    for preamble in 1 0; do
+  for reference in $references; do
+    for preamble in $preambles; do
       name=gate-bf16-$reference-$v$([ "$preamble" = 0 ] && echo -unfused)
       echo "=== $name ($(date +%T))"
       cache=()
