@@ -42,7 +42,8 @@ def fake_token_gate(monkeypatch: pytest.MonkeyPatch, codes: dict[str, int], tota
 
 
 def args(**overrides: object) -> argparse.Namespace:
-    return argparse.Namespace(**{"skip": [], "num_prompts": 4, "max_tokens": 4, "checkpoints": "trained", **overrides})
+    defaults = {"skip": [], "num_prompts": 4, "max_tokens": 4, "checkpoints": "trained"}
+    return argparse.Namespace(**{**defaults, "with_": ["conditioning", "mtp"], **overrides})
 
 
 def test_all_gates_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
