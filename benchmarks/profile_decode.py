@@ -1,18 +1,21 @@
-"""Where a deltaserve decode step spends its time on the GPU, and which Triton kernels compile while serving.
+"""Where a deltaserve decode step spends its time, whether the GPU waits for the host between steps, and which
+Triton kernels compile while serving.
 
-Run on the H200 from the repo root (no server: the engine in-process, dummy weights):
+Run on the H200 from the repo root (no server: the engine in-process, dummy weights, async scheduling as served):
     python3 benchmarks/profile_decode.py --model /tmp/ds_models/q35-35b-a3b --out $OUT/profile.json
 
-For each batch size B it prefills B random 1024-token prompts, then measures
-- `step_ms`: wall time of `LLMEngine.step()` for decode steps (what TPOT sees, minus the HTTP server);
-- `step_phase_ms`: the same steps with a device sync around schedule, input building, graph replay, sampling
-  and advance (`other`: the engine's stop rules, detokenisation and outputs);
-- `graph_ms`: GPU time of the captured decode graph alone (CUDA events around `replay`, inputs already on
-  the device), so `step_ms - graph_ms` is the host-side cost per step (input building, copies, sampling);
-- `kernels`: a torch.profiler table of one eager decode forward (same batch), CUDA time per kernel name.
-A jit_cache_hook records every Triton specialization first met in this process with the phase it appeared
-in; a kernel that first compiles in the `staggered` phase (requests arriving while others decode, as under
-`bench serve`) is one the start-up warm-up missed, and costs a compile (or an autotune) inside a request.
+For each batch size B it prefills B random 1024-token prompts, then, in steady decode, measures
+- `step_ms`: wall time per `LLMEngine.step()` (what TPOT sees, minus the HTTP server and the API process);
+- `wait_ms`: of that, the time the host waits for the GPU (collecting a step's tokens): when it is > 0 the host is
+  ahead and the GPU is the bottleneck; `host_ms = step_ms - wait_ms` is the host's own work per step;
+- `gpu_idle_pct`: the share of the measured span in which no kernel or copy runs on the GPU (torch.profiler's
+  CUDA activity, intervals merged): the gap between consecutive decode steps that async scheduling must close;
+- `graph_ms`: GPU time of the captured decode graph alone (CUDA events around back-to-back replays), and
+  `inter_step_gap_pct = (step_ms - graph_ms) / step_ms`: the GPU's wait between consecutive decode steps (the
+  profiler's `gpu_idle_pct` also counts the launch gaps between kernels inside a graph).
+A jit_cache_hook records every Triton specialization first met in this process with the phase it appeared in; a
+kernel that first compiles in the `staggered` phase (requests arriving while others decode, as under `bench
+serve`) is one the start-up warm-up missed, and costs a compile (or an autotune) inside a request.
 """
 
 from __future__ import annotations
@@ -34,8 +37,6 @@ import triton
 from deltaserve.bench.provenance import git_state
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine_config import EngineConfig
-from deltaserve.model.context import forward_context
-from deltaserve.runner.model_runner import build_forward_context
 from deltaserve.sampling_params import SamplingParams
 
 PHASE = {"name": "startup"}
@@ -61,42 +62,41 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
 
-def _decode_batch_ctx(engine: LLMEngine) -> tuple[Any, torch.Tensor, torch.Tensor, Any]:
-    batch = engine.scheduler.schedule()
-    assert batch.num_decodes == len(batch.sequences), "expected an all-decode batch"
-    ids, pos, ctx = build_forward_context(batch, engine.runner.block_size, engine.runner.device)
-    return batch, ids, pos, ctx
+def _gpu_idle_share(prof: torch.profiler.profile) -> tuple[float, float]:
+    """(share of the span with no kernel or copy running, span in ms) from the profiler's CUDA events."""
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not intervals:
+        return 0.0, 0.0
+    busy, cur_start, cur_end = 0.0, intervals[0][0], intervals[0][1]
+    for lo, hi in intervals[1:]:
+        if lo > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = lo, hi
+        else:
+            cur_end = max(cur_end, hi)
+    busy += cur_end - cur_start
+    span = max(hi for _, hi in intervals) - intervals[0][0]
+    return 1.0 - busy / span, span / 1e3
 
 
-def _step_phases(engine: LLMEngine, num_steps: int) -> dict[str, float]:
-    """Decode steps again with a device sync around each phase: where a step's time goes (the syncs add a
-    little; `other` is the engine's own bookkeeping: stop rules, detokenisation, outputs)."""
-    from deltaserve.runner import model_runner
+def _timed_steps(engine: LLMEngine, num_steps: int) -> tuple[float, float]:
+    """(wall ms per step, ms per step the host spent waiting for the GPU in collect())."""
+    runner = engine.runner
+    collect = runner.collect
+    waited = [0.0]
 
-    totals: dict[str, float] = defaultdict(float)
-    runner, scheduler = engine.runner, engine.scheduler
-    originals = {
-        "schedule": (scheduler, "schedule", scheduler.schedule),
-        "advance": (scheduler, "advance", scheduler.advance),
-        "sampler": (runner, "sampler", runner.sampler),
-        "build_forward_context": (model_runner, "build_forward_context", model_runner.build_forward_context),
-    }
-    if runner.graphs is not None:
-        originals["graph_replay"] = (runner.graphs, "replay", runner.graphs.replay)
+    def timed_collect(handle: Any) -> Any:
+        start = time.perf_counter()
+        if handle.event is not None:
+            handle.event.synchronize()
+        waited[0] += time.perf_counter() - start
+        return collect(handle)
 
-    def timed(name: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            _sync()
-            start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            _sync()
-            totals[name] += time.perf_counter() - start
-            return result
-
-        return wrapper
-
-    for name, (owner, attr, fn) in originals.items():
-        setattr(owner, attr, timed(name, fn))
+    runner.collect = timed_collect
     try:
         _sync()
         start = time.perf_counter()
@@ -105,12 +105,8 @@ def _step_phases(engine: LLMEngine, num_steps: int) -> dict[str, float]:
         _sync()
         total = time.perf_counter() - start
     finally:
-        for owner, attr, fn in originals.values():
-            setattr(owner, attr, fn)
-    phases = {name: round(seconds / num_steps * 1e3, 3) for name, seconds in totals.items()}
-    phases["step_with_syncs"] = round(total / num_steps * 1e3, 3)
-    phases["other"] = round((total - sum(totals.values())) / num_steps * 1e3, 3)
-    return phases
+        runner.collect = collect
+    return total / num_steps * 1e3, waited[0] / num_steps * 1e3
 
 
 def measure_batch(
@@ -118,64 +114,49 @@ def measure_batch(
 ) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     for i, prompt in enumerate(_prompts(rng, batch_size, input_len, vocab)):
-        engine.add_request(f"b{batch_size}-{i}", prompt, _params(num_steps * 3 + 64))
-    while engine.scheduler.waiting or any(not seq.output_token_ids for seq in engine.scheduler.running):
+        engine.add_request(f"b{batch_size}-{i}", prompt, _params(num_steps * 4 + 64))
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(not seq.output_token_ids for seq in scheduler.running):
         engine.step()
-    for _ in range(3):
+    for _ in range(5):
         engine.step()
-    _sync()
-    t = time.perf_counter()
-    for _ in range(num_steps):
-        engine.step()
-    _sync()
-    step_ms = (time.perf_counter() - t) / num_steps * 1e3
-    phase_ms = _step_phases(engine, num_steps)
+    step_ms, wait_ms = _timed_steps(engine, num_steps)
+    activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    idle, span_ms = 0.0, 0.0
+    if activities:
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(num_steps):
+                engine.step()
+            _sync()
+        idle, span_ms = _gpu_idle_share(prof)
 
-    # The decode graph alone: the scheduler's next batch, replayed with its inputs already on the device.
-    batch, ids, pos, ctx = _decode_batch_ctx(engine)
+    # The decode graph alone: its bucket replayed back to back over the inputs of the last step.
     graphs = engine.runner.graphs
     graph_ms = None
-    if graphs is not None and graphs.can_run(len(batch.sequences), ctx.block_tables.shape[1]):
-        graphs.replay(ids, pos, ctx)
+    if graphs is not None and batch_size <= graphs.max_batch:
+        size = next(s for s in graphs.sizes if s >= batch_size)
+        graphs.graphs[size].replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(num_steps):
-            graphs.replay(ids, pos, ctx)
+            graphs.graphs[size].replay()
         end.record()
         _sync()
         graph_ms = start.elapsed_time(end) / num_steps
-
-    # One eager forward of the same batch under the profiler: CUDA time per kernel.
-    model = engine.runner.model
-    with torch.inference_mode(), forward_context(ctx):
-        model.compute_logits(model(ids, pos))
-        _sync()
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities = [torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(3):
-                model.compute_logits(model(ids, pos))
-            _sync()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name][0] += event.time_range.elapsed_us() / 3
-            totals[event.name][1] += 1 / 3
-    kernels = sorted(
-        ({"name": n[:160], "us_per_step": round(v[0], 1), "calls_per_step": round(v[1], 1)} for n, v in totals.items()),
-        key=lambda row: -row["us_per_step"],
-    )
     for request_id in [r for r in list(engine.requests) if r.startswith(f"b{batch_size}-")]:
         engine.abort_request(request_id)
+    while engine.core.has_unfinished():
+        engine.step()
     return {
         "batch_size": batch_size,
         "step_ms": round(step_ms, 3),
+        "wait_ms": round(wait_ms, 3),
+        "host_ms": round(step_ms - wait_ms, 3),
+        "gpu_idle_pct": round(100 * idle, 2),
+        "profiled_ms_per_step": round(span_ms / num_steps, 3) if span_ms else None,
         "graph_ms": None if graph_ms is None else round(graph_ms, 3),
-        "step_phase_ms": phase_ms,
-        "eager_kernel_us_total": round(sum(k["us_per_step"] for k in kernels), 1),
-        "eager_num_kernels": round(sum(k["calls_per_step"] for k in kernels)),
-        "kernels": kernels[:40],
+        # the gap between consecutive graph replays as a share of the step: what async scheduling must keep small
+        "inter_step_gap_pct": None if graph_ms is None else round(100 * (step_ms - graph_ms) / step_ms, 2),
     }
 
 
@@ -210,7 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staggered", default="8,32", help="concurrencies of the staggered-arrival phase")
@@ -227,7 +209,9 @@ def main() -> None:
         "triton": triton.__version__,
     }
     t = time.monotonic()
-    config = EngineConfig(model=args.model, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.85)
+    max_batch = max(int(b) for b in args.batches.split(","))
+    config = EngineConfig(model=args.model, load_format="dummy", max_model_len=args.max_model_len,
+                          gpu_memory_utilization=0.85, max_num_seqs=max_batch)  # fmt: skip
     engine = LLMEngine(config)
     result["startup_s"] = round(time.monotonic() - t, 1)
     result["batches"] = []
@@ -242,7 +226,7 @@ def main() -> None:
     PHASE["name"] = "fixed-batches"
     for batch_size in [int(b) for b in args.batches.split(",")]:
         result["batches"].append(measure_batch(engine, batch_size, args.input_len, args.steps, rng))
-        print(json.dumps({k: v for k, v in result["batches"][-1].items() if k != "kernels"}), flush=True)
+        print(json.dumps(result["batches"][-1]), flush=True)
         save()
     PHASE["name"] = "staggered"
     for concurrency in [int(c) for c in args.staggered.split(",") if c]:

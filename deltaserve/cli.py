@@ -48,7 +48,15 @@ def main(argv: list[str] | None = None) -> int:
             parser = argparse.ArgumentParser(prog="deltaserve " + " ".join(key), description=help_text)
             module = importlib.import_module(module_name)
             module.add_arguments(parser)
-            args = parser.parse_args(argv[length:])
+            rest = argv[length:]
+            # A command may rewrite its command line first (serve reads flags as vLLM's parser does).
+            normalize = getattr(module, "normalize_argv", None)
+            if normalize is not None:
+                try:
+                    rest = normalize(rest)
+                except ValueError as exc:
+                    parser.error(str(exc))
+            args = parser.parse_args(rest)
             return int(module.run(args) or 0)
     print(f"deltaserve: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
     return 2

@@ -15,19 +15,29 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     load_format: str = "auto"  # auto (safetensors) or dummy (seeded random weights of the right shapes)
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped by memory
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len) on GPU, 2048 on CPU
+    # None: vLLM's default (1024 on GPUs of >= 70 GiB but the A100, else 256), capped so the GDN state slots take
+    # at most half of the cache budget
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # None: 8192 on GPU, 2048 on CPU
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 256 * 1024**2  # explicit budget for KV blocks + state slots on the CPU
     num_state_slots: int | None = None  # None: sized from memory (at least max_num_seqs)
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # plan step N+1 while step N runs (vLLM's default); False: one step at a time
+    ignore_unexpected_tensors: bool = False  # load a checkpoint whose extra tensors no rule explains (listed)
+    language_model_only: bool = False  # vLLM's flag: a multimodal checkpoint served as text (no vision tower)
+    # images and videos (vLLM's flag names): local files may be read only under this folder; per-prompt item
+    # limits in vLLM's JSON form ('{"image": 2, "video": 1}'); processor overrides (min_pixels, fps, ...)
+    allowed_local_media_path: str | None = None
+    limit_mm_per_prompt: str | None = None
+    mm_processor_kwargs: dict | None = None
     generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: built-in defaults
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")

@@ -44,15 +44,35 @@ def cuda_graphs() -> bool:
     return _flag("DELTASERVE_CUDA_GRAPHS", True)
 
 
+def enable_multiprocessing() -> bool:
+    """DELTASERVE_ENABLE_MULTIPROCESSING (default 1): the server runs its engine core in a process of its own
+    (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); 0 keeps it on a thread of the API process."""
+    return _flag("DELTASERVE_ENABLE_MULTIPROCESSING", True)
+
+
 def cache_dir() -> Path:
     """DELTASERVE_CACHE_DIR (default ~/.cache/deltaserve): where the built-in tiny checkpoint is generated."""
     value = os.environ.get("DELTASERVE_CACHE_DIR")
     return Path(value) if value else Path.home() / ".cache" / "deltaserve"
 
 
+def vllm_api_key() -> str | None:
+    """VLLM_API_KEY: the API key `deltaserve serve` requires when --api-key is not given (vLLM's variable)."""
+    return os.environ.get("VLLM_API_KEY") or None
+
+
 def log_level() -> str:
     """DELTASERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()
+
+
+def allow_long_max_model_len() -> bool:
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN or DELTASERVE_ALLOW_LONG_MAX_MODEL_LEN (default 0): admit a --max-model-len
+    above the model's max_position_embeddings with a warning instead of refusing it, as vLLM does ("1" or "true")."""
+    return any(
+        os.environ.get(name, "0").strip().lower() in ("1", "true")
+        for name in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "DELTASERVE_ALLOW_LONG_MAX_MODEL_LEN")
+    )
 
 
 def cpu_threads() -> int | None:

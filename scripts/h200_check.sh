@@ -6,8 +6,8 @@
 # starlette 1.10.0, pydantic 2.14.4, pydantic_core 2.50.5, annotated-types 0.8.0, typing-inspection 0.4.5,
 # uvicorn 0.54.0 and opentelemetry-api 1.45.2 (fastapi 0.165 imports it). `pytest -m gpu` there needs
 # --ignore=tests/api --ignore=tests/bench (they import openai, which the host lacks; they hold no GPU tests).
-# `profile` runs benchmarks/profile_decode.py on the dummy 35B-A3B shape (decode step vs graph time, kernels
-# per step, Triton compiles met after start-up); compare with benchmarks/results/profile-decode-*.json.
+# `profile` runs benchmarks/profile_decode.py on the dummy 35B-A3B and 27B shapes (step time, host wait, GPU idle
+# between steps, graph time, Triton compiles met after start-up); compare with benchmarks/results/profile-decode-*.json.
 # usage: bash scripts/h200_check.sh [tests] [gate] [kernels] [smoke] [profile]   (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,9 +43,13 @@ for step in $steps; do
         echo "kernels $m: rc $?"; grep -E "preamble_(fused|unfused) " "$OUT/kernels-$m.log" | awk '{print $2, $4, $5}' | paste - - | head -8
       done ;;
     profile)
+      # PROFILE_MODELS (default both shapes) and PROFILE_BATCHES (default 1,8,32,64,128,256)
       [ -f /tmp/ds_models/q35-35b-a3b/config.json ] || python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
-      timeout 270 python3 benchmarks/profile_decode.py --model /tmp/ds_models/q35-35b-a3b \
-        --out "$OUT/profile-decode-35b-a3b.json" 2>&1 | grep -v "USDT\|UserWarning\|_warn_once" | tail -30 ;;
+      for m in ${PROFILE_MODELS:-35b-a3b 27b}; do
+        timeout "${PROFILE_TIMEOUT_S:-270}" python3 benchmarks/profile_decode.py --model "/tmp/ds_models/q35-$m" \
+          --batches "${PROFILE_BATCHES:-1,8,32,64,128,256}" --staggered 8,32 --steps 20 \
+          --out "$OUT/profile-decode-$m.json" 2>&1 | grep -v "USDT\|UserWarning\|_warn_once" | tail -12
+      done ;;
     smoke)
       [ -f /tmp/ds_models/q35-35b-a3b/config.json ] || python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
       for m in q35-35b-a3b q35-27b; do

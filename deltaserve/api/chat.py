@@ -1,17 +1,33 @@
 """Chat requests -> prompt text: message normalisation, the Jinja chat template, and chat_template_kwargs.
 
-The template comes from the request (`chat_template`), else `--chat-template`, else the checkpoint's tokenizer.
-Template kwargs are `--default-chat-template-kwargs` overridden by the request's `chat_template_kwargs`.
+The template comes from the request (`chat_template`, only under --trust-request-chat-template, as in vLLM), else
+`--chat-template`, else the checkpoint's tokenizer. Template kwargs are `--default-chat-template-kwargs`, overridden
+by the request's `chat_template_kwargs`, overridden by what vLLM derives from the request (`reasoning_effort`, and
+`enable_thinking = reasoning_effort != "none"` unless the request sets enable_thinking itself).
+
+Rendering happens in a template worker process (template_pool.py); the message conversion before it runs on a
+worker thread, so neither a hostile template nor a huge conversation touches the event loop.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
+from deltaserve.api.body import gc_paused
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import ChatMessage, ToolDefinition
 from deltaserve.api.settings import ServerState
+from deltaserve.api.template import RenderJob
+from deltaserve.api.template_pool import TemplateRenderError
+
+logger = logging.getLogger(__name__)
+
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
 
 # apply_chat_template's own arguments: a template kwarg of the same name would change how it runs, not the prompt.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -21,22 +37,49 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })  # fmt: skip
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
+# image / video parts (OpenAI's image_url, vLLM's video_url) and what the chat template sees for each
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
 
 
-def _content_text(message: ChatMessage, index: int) -> str | None:
-    """Content as text: parts are joined with newlines as vLLM's 'string' content format does."""
+def has_media(messages: list[ChatMessage]) -> bool:
+    return any(
+        isinstance(m.content, list) and any(part.type in MEDIA_PART_TYPES for part in m.content) for m in messages
+    )
+
+
+def content_text(message: ChatMessage, index: int, allow_media: bool = False) -> str | None:
+    """Content as text: parts are joined with newlines as vLLM's 'string' content format does. Media parts are
+    refused unless the engine serves images and videos (then the template gets content lists instead)."""
     content = message.content
     if content is None or isinstance(content, str):
         return content
     texts = []
     for part in content:
+        if part.type in MEDIA_PART_TYPES and allow_media:
+            continue
         if part.type not in TEXT_PART_TYPES:
+            reason = (
+                "this model is served as text only (no vision tower)"
+                if part.type in MEDIA_PART_TYPES
+                else "deltaserve reads text, image_url and video_url parts"
+            )
             raise bad_request(
-                f"Content part type {part.type!r} is not supported: deltaserve serves the language model only.",
-                f"messages.{index}.content",
+                f"Content part type {part.type!r} is not supported: {reason}.", f"messages.{index}.content"
             )
         texts.append(part.text or "")
     return "\n".join(texts)
+
+
+def _media_content(message: ChatMessage) -> list[dict[str, Any]]:
+    """A message's parts as the Qwen3.5 template renders them: text parts and {"type": "image" | "video"} markers
+    in their order (the template writes each marker's vision_start + pad + vision_end)."""
+    parts = []
+    for part in message.content:
+        if part.type in MEDIA_PART_TYPES:
+            parts.append({"type": MEDIA_PART_TYPES[part.type]})
+        else:
+            parts.append({"type": "text", "text": part.text or ""})
+    return parts
 
 
 def _tool_call_dict(call: Any, index: int) -> dict[str, Any]:
@@ -52,11 +95,24 @@ def _tool_call_dict(call: Any, index: int) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments or {}}}
 
 
-def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def to_template_messages(
+    messages: list[ChatMessage], content_format: str = "auto", allow_media: bool = False
+) -> list[dict[str, Any]]:
+    """Messages as the template sees them; with content_format "openai" content is a list of text parts, and a
+    message with image or video parts always keeps its parts as a list (the template places the media)."""
     converted = []
     for index, message in enumerate(messages):
         item: dict[str, Any] = {**(message.model_extra or {}), "role": message.role}
-        content = _content_text(message, index)
+        content: Any = content_text(message, index, allow_media)
+        if (
+            allow_media
+            and isinstance(message.content, list)
+            and any(part.type in MEDIA_PART_TYPES for part in message.content)
+        ):
+            content = _media_content(message)
+        elif content_format == "openai" and content is not None:
+            parts = message.content if isinstance(message.content, list) else [message.content]
+            content = [{"type": "text", "text": part if isinstance(part, str) else part.text or ""} for part in parts]
         item["content"] = content if content is not None or message.tool_calls else ""
         if message.name is not None:
             item["name"] = message.name
@@ -71,12 +127,33 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return converted
 
 
-def template_kwargs(state: ServerState, request_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def template_kwargs(
+    state: ServerState, request_kwargs: dict[str, Any] | None, reasoning_effort: str | None = None
+) -> dict[str, Any]:
+    """Server defaults < request chat_template_kwargs < what reasoning_effort implies (vLLM's merge order)."""
     merged = {**state.settings.default_chat_template_kwargs, **(request_kwargs or {})}
+    if reasoning_effort is not None:
+        merged["reasoning_effort"] = reasoning_effort
+        if "enable_thinking" not in (request_kwargs or {}):
+            merged["enable_thinking"] = reasoning_effort != "none"
     return {key: value for key, value in merged.items() if key not in RESERVED_TEMPLATE_KWARGS}
 
 
-def render_chat(
+def check_request_template(state: ServerState, chat_template: str | None, kwargs: dict[str, Any] | None) -> None:
+    """vLLM refuses a template sent with the request unless the server trusts them."""
+    if state.settings.trust_request_chat_template:
+        return
+    if chat_template is not None or (kwargs and kwargs.get("chat_template") is not None):
+        raise bad_request(UNTRUSTED_TEMPLATE_MESSAGE, "chat_template")
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    # transformers passes these (bos_token, eos_token, ...) to every template.
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {key: value for key, value in tokens.items() if isinstance(value, str | list)}
+
+
+async def render_chat(
     state: ServerState,
     messages: list[ChatMessage],
     *,
@@ -87,7 +164,7 @@ def render_chat(
     continue_final_message: bool,
     documents: list[dict[str, str]] | None = None,
 ) -> str:
-    """The rendered prompt text; template errors (raise_exception, bad roles) surface as 400s."""
+    """The rendered prompt text; template errors (raise_exception, bad roles, overruns) are 400s."""
     tokenizer = state.engine.tokenizer
     template = chat_template or state.settings.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -98,23 +175,39 @@ def render_chat(
         )
     if continue_final_message and messages[-1].role != "assistant":
         raise bad_request("continue_final_message needs a final assistant message.", "continue_final_message")
-    prompt = tokenizer.apply_chat_template(
-        to_template_messages(messages),
-        tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
-        documents=documents,
-        chat_template=template,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tokenize=False,
-        **kwargs,
-    )
-    if not isinstance(prompt, str):
-        raise bad_request("The chat template did not render to text.")
-    return prompt
+
+    def build_job() -> RenderJob:
+        with gc_paused():
+            return _build_job()
+
+    def _build_job() -> RenderJob:
+        return RenderJob(
+            template=template,
+            messages=[
+                _without_none(item)
+                for item in to_template_messages(
+                    messages, state.settings.chat_template_content_format, state.engine.mm_processor is not None
+                )
+            ],
+            tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            kwargs={**_special_tokens(tokenizer), **kwargs},
+        )
+
+    job = await state.tokens.run(build_job)
+    try:
+        return await state.templates.render(job)
+    except TemplateRenderError as exc:
+        message = str(exc)
+        logger.info("chat template error: %s", message)
+        raise bad_request(f"The chat template failed to render: {message}", "messages") from None
 
 
-def encode_prompt(state: ServerState, prompt: str, add_special_tokens: bool) -> list[int]:
-    return list(state.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+def _without_none(message: dict[str, Any]) -> dict[str, Any]:
+    # transformers drops None-valued keys: templates test for a key's presence, not for None.
+    return {key: value for key, value in message.items() if value is not None}
 
 
 def check_tool_choice(state: ServerState, tools: list[ToolDefinition] | None, tool_choice: Any) -> str | None:

@@ -2,15 +2,45 @@
 
 A ChoiceProcessor chains the reasoning parser (whose content feeds the tool-call parser) and emits delta dicts;
 streaming sends them as they come, and non-streaming folds the same deltas into one message with
-MessageBuilder, so both paths give the same answer.
+MessageBuilder, so both paths give the same answer. A message without tool calls carries no `tool_calls` key
+(vLLM drops the empty list). ReasoningTokenCounter counts the generated tokens inside <think> ... </think> by
+token id, for usage.completion_tokens_details.reasoning_tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from deltaserve.api.reasoning import Qwen3ReasoningParser
-from deltaserve.api.tool_parser import Qwen3XMLToolParser
+from deltaserve.api.reasoning import THINK_END, THINK_START, Qwen3ReasoningParser
+
+
+class ToolParser(Protocol):
+    @property
+    def has_tool_calls(self) -> bool: ...
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]: ...
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]: ...
+
+
+class ReasoningTokenCounter:
+    """Generated tokens between <think> and </think> (the prompt may open the block), the markers excluded."""
+
+    def __init__(self, tokenizer: Any, *, is_open: bool) -> None:
+        vocab = tokenizer.get_vocab()
+        self.start_id = vocab.get(THINK_START)
+        self.end_id = vocab.get(THINK_END)
+        self.is_open = is_open
+        self.num_tokens = 0
+
+    def add(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            if token_id == self.start_id:
+                self.is_open = True
+            elif token_id == self.end_id:
+                self.is_open = False
+            elif self.is_open:
+                self.num_tokens += 1
 
 
 def merge_tool_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -39,12 +69,14 @@ class ChoiceProcessor:
     def __init__(
         self,
         reasoning_parser: Qwen3ReasoningParser | None,
-        tool_parser: Qwen3XMLToolParser | None,
+        tool_parser: ToolParser | None,
         is_reasoning_included: bool = True,
+        reasoning_counter: ReasoningTokenCounter | None = None,
     ) -> None:
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
         self.is_reasoning_included = is_reasoning_included
+        self.reasoning_counter = reasoning_counter
         self.num_tokens = 0
         self.has_sent_role = False
         self.pending_logprobs: list[dict[str, Any]] = []  # logprobs of tokens whose text is still held back
@@ -73,6 +105,15 @@ class ChoiceProcessor:
         if self.tool_parser is not None and content:
             content, calls = self.tool_parser.feed(content)
         return self._delta(reasoning, content, calls)
+
+    def count(self, token_ids: list[int]) -> None:
+        self.num_tokens += len(token_ids)
+        if self.reasoning_counter is not None:
+            self.reasoning_counter.add(token_ids)
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.reasoning_counter.num_tokens if self.reasoning_counter is not None else 0
 
     def feed(self, text: str) -> dict[str, Any]:
         if self.reasoning_parser is not None:
@@ -129,5 +170,6 @@ class MessageBuilder:
             {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
             for _, call in sorted(self.calls.items())
         ]
-        message["tool_calls"] = tool_calls
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return message

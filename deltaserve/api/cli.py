@@ -1,143 +1,33 @@
 """`deltaserve serve [MODEL]`: vLLM's serve flags -> EngineConfig + ServerSettings -> AsyncEngine -> uvicorn.
 
-With no MODEL it serves the built-in tiny checkpoint on the CPU, so the server can be tried on any machine.
+With no MODEL it serves the built-in tiny checkpoint on the CPU, so the server can be tried on any machine (the
+first run generates it, and says so). The flags and vLLM's way of reading a command line are in cli_args.py
+(add_arguments and normalize_argv are this command's entry points for deltaserve/cli.py); the vLLM flags
+deltaserve accepts without implementing, or refuses, are in compat.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import inspect
 import json
 import logging
 import os
-import re
 from typing import Any
 
 from deltaserve import env
-from deltaserve.api.compat import add_compat_arguments, check_compat
-from deltaserve.api.settings import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerSettings
+from deltaserve.api.cli_args import add_arguments, human_int, json_list, json_object, normalize_argv
+from deltaserve.api.compat import check_compat
+from deltaserve.api.settings import ServerSettings
 from deltaserve.engine_config import EngineConfig
 
 logger = logging.getLogger("deltaserve.serve")
 
 BUILTIN_MODEL_NAME = "deltaserve-tiny"
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def human_int(value: str) -> int | None:
-    """vLLM's human-readable ints: 32768, 32k (x1000), 32K (x1024), 1m / 1M; -1 or auto: the model's own."""
-    if value.strip().lower() in ("-1", "auto"):
-        return None
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", value)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
-    number, suffix = float(match.group(1)), match.group(2)
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
-    return int(number * scale)
-
-
-def json_object(value: str) -> dict[str, Any]:
-    try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return parsed
-
-
-def json_list(value: str) -> list[str]:
-    try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
-        raise argparse.ArgumentTypeError("must be a JSON list of strings")
-    return parsed
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "model",
-        nargs="?",
-        default=None,
-        help="checkpoint folder; omit it to serve the built-in tiny checkpoint on the CPU",
-    )
-    add("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)  # vLLM's deprecated spelling
-    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)")
-    add("--port", type=int, default=8000)
-    add(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="names the API accepts in `model` (default: MODEL as given); the first is reported",
-    )
-    add("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* routes")
-    add("--tokenizer", default=None, help="tokenizer folder or id (default: MODEL)")
-    add("--max-model-len", type=human_int, default=None, help="context length, e.g. 32768 or 32k (default: model)")
-    add("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    add("--max-num-batched-tokens", type=human_int, default=None, help="token budget of one engine step")
-    add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + caches")
-    add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
-    add(
-        "--load-format",
-        default="auto",
-        choices=("auto", "safetensors", "dummy"),
-        help="dummy: seeded random weights of the right shapes",
-    )
-    add("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    add("--seed", type=int, default=0)
-    add("--enforce-eager", action="store_true", help="no CUDA graphs")
-    add(
-        "--device",
-        default=None,
-        choices=("auto", "cuda", "cpu"),
-        help="deltaserve only (default: cuda when available; cpu for the built-in tiny checkpoint)",
-    )
-    add(
-        "--generation-config",
-        default="auto",
-        help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; or a folder",
-    )
-    add(
-        "--override-generation-config",
-        type=json_object,
-        default=None,
-        help="JSON merged over the sampling defaults, e.g. '{\"temperature\": 0.6}'",
-    )
-    add(
-        "--language-model-only",
-        action="store_true",
-        help="accepted as in vLLM; deltaserve never builds the vision tower, so it is always language-model-only",
-    )
-    add("--chat-template", default=None, help="chat template: a file path or inline Jinja")
-    add(
-        "--default-chat-template-kwargs",
-        type=json_object,
-        default=None,
-        help="template kwargs for every chat request, e.g. '{\"enable_thinking\": false}'",
-    )
-    add(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="put <think> text in message.reasoning / delta.reasoning",
-    )
-    add(
-        "--tool-call-parser",
-        default=None,
-        choices=TOOL_CALL_PARSERS,
-        help="parse Qwen3.5 XML tool calls into tool_calls (qwen3_xml is an alias of qwen3_coder)",
-    )
-    add("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (needs --tool-call-parser)')
-    add("--allowed-origins", type=json_list, default=["*"], help='CORS origins as a JSON list (default ["*"])')
-    add("--allowed-methods", type=json_list, default=["*"], help="CORS methods as a JSON list")
-    add("--allowed-headers", type=json_list, default=["*"], help="CORS headers as a JSON list")
-    add("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
-    add("--disable-uvicorn-access-log", action="store_true")
-    add_compat_arguments(parser)
+# The command's entry points and helpers that tests reach through this module.
+__all__ = ["add_arguments", "human_int", "json_list", "json_object", "normalize_argv", "run"]
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -157,9 +47,11 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     model = args.model or args.model_flag
     if model is not None:
         return model, args.device or "auto"
-    from deltaserve.tiny import default_model_dir
+    from deltaserve.tiny import builtin_model_exists, default_model_dir
 
-    return str(default_model_dir()), args.device or "cpu"
+    if not builtin_model_exists():
+        logger.info("no MODEL given: generating the built-in tiny checkpoint (first run only, a few seconds)")
+    return str(default_model_dir(progress=logger.info)), args.device or "cpu"
 
 
 def build_engine_config(args: argparse.Namespace, model: str, device: str) -> EngineConfig:
@@ -167,7 +59,8 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         model=model,
         dtype=args.dtype,
         device=device,
-        load_format=args.load_format,
+        # fastsafetensors is a faster reader of the same files.
+        load_format="safetensors" if args.load_format == "fastsafetensors" else args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -175,6 +68,12 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
+        language_model_only=args.language_model_only,
+        ignore_unexpected_tensors=args.ignore_unexpected_tensors,
+        allowed_local_media_path=args.allowed_local_media_path,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_kwargs=args.mm_processor_kwargs,
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
     )
@@ -187,25 +86,126 @@ def default_served_names(args: argparse.Namespace, model: str) -> list[str]:
     return [BUILTIN_MODEL_NAME, model]
 
 
-def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key wins over VLLM_API_KEY, as in vLLM; empty keys are no keys."""
+    return [key for key in (args.api_key or [env.vllm_api_key()]) if key]
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs), ("--log-config-file", args.log_config_file)):  # fmt: skip
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file {path!r}")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
+    if args.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be at least 0, got {args.max_logprobs}")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
+    for path in args.middleware:
+        resolve_middleware(path)
+
+
+def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
+    check_server_flags(args)
     return ServerSettings(
         model_root=model,
         served_model_names=args.served_model_name or default_served_names(args, model),
-        api_key=args.api_key,
+        api_keys=api_keys(args),
         chat_template=read_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_request_id_headers=args.enable_request_id_headers,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        root_path=args.root_path,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_logprobs=args.max_logprobs,
         host=args.host,
         port=args.port,
+        is_https=bool(args.ssl_certfile),
         allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
     )
+
+
+def resolve_middleware(path: str) -> Any:
+    """vLLM's --middleware: `package.module.Name`, a class (ASGI middleware) or an `async def (request, call_next)`."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"--middleware {path}: cannot import it: {exc}") from None
+    if not (inspect.isclass(target) or inspect.iscoroutinefunction(target)):
+        raise ValueError(f"--middleware {path}: must be a class or an async function")
+    return target
+
+
+def add_user_middleware(app: Any, paths: list[str]) -> None:
+    for path in paths:
+        target = resolve_middleware(path)
+        if inspect.isclass(target):
+            app.add_middleware(target)
+        else:
+            app.middleware("http")(target)
+
+
+class AccessLogFilter(logging.Filter):
+    """--disable-access-log-for-endpoints: drops uvicorn access lines for these paths (query strings ignored)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3:
+            return str(args[2]).split("?", 1)[0] not in self.paths
+        return True
+
+
+def uvicorn_config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments from the serve flags (TLS, socket, logging, h11 limits)."""
+    options: dict[str, Any] = {
+        "log_level": args.uvicorn_log_level,
+        "access_log": not args.disable_uvicorn_access_log,
+    }
+    if args.uds:
+        options["uds"] = args.uds
+    else:
+        options.update(host=args.host, port=args.port)
+    if args.ssl_certfile:
+        options.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                       ssl_cert_reqs=args.ssl_cert_reqs)  # fmt: skip
+        if args.ssl_ciphers:
+            options["ssl_ciphers"] = args.ssl_ciphers
+    if args.h11_max_incomplete_event_size:
+        options["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
+    if args.log_config_file:
+        with open(args.log_config_file, encoding="utf-8") as handle:
+            options["log_config"] = json.load(handle)
+    return options
+
+
+def configure_access_log(args: argparse.Namespace) -> None:
+    if args.disable_access_log_for_endpoints:
+        paths = [path.strip() for path in args.disable_access_log_for_endpoints.split(",") if path.strip()]
+        logging.getLogger("uvicorn.access").addFilter(AccessLogFilter(paths))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,30 +218,44 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    import uvicorn
+    from deltaserve.model.preflight import preflight, report_startup_error
 
-    from deltaserve.api.server import build_app
-    from deltaserve.engine.async_engine import AsyncEngine
+    # A bad checkpoint or start-up setting is one line naming the file and the field, exit 1; the traceback only
+    # when debugging. The torch-free checks run first, so such errors come before the heavy imports.
+    is_debug = env.log_level() == "DEBUG" or args.uvicorn_log_level in ("debug", "trace")
+    is_debug = is_debug or str(getattr(args, "log_level", "") or "").lower() == "debug"
+    try:
+        preflight(config.model, config.tokenizer, config.generation_config, config.max_model_len, config.load_format)
+        import uvicorn
 
-    logger.info("loading %s (device %s, dtype %s)", model, device, args.dtype)
-    engine = AsyncEngine.from_config(config)
+        from deltaserve.api.server import build_app
+        from deltaserve.engine.async_engine import AsyncEngine
+
+        logger.info("loading %s (device %s, dtype %s)", model, device, args.dtype)
+        engine = AsyncEngine.from_config(config)
+    except Exception as exc:
+        # start-up ends here whatever failed; only the form of the message differs
+        return report_startup_error(exc, is_debug, logger)
     if args.override_generation_config:
         engine.default_sampling = {**engine.default_sampling, **args.override_generation_config}
     if engine.default_sampling:
         logger.info("sampling defaults from the generation config: %s", engine.default_sampling)
     app = build_app(engine, settings)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-        )
-    )
+    add_user_middleware(app, args.middleware)
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_config_options(args)))
+    configure_access_log(args)
     app.state.uvicorn_server = server  # the lifespan logs "ready" once the socket listens
+
+    def stop_on_core_death() -> None:
+        # called from the engine's output thread: uvicorn's main loop polls should_exit and shuts down gracefully
+        server.should_exit = True
+
+    engine.on_dead = stop_on_core_death
     # uvicorn re-raises Ctrl-C after its graceful shutdown, which has already happened by then.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+    if engine.is_dead:
+        logger.error("deltaserve stopped: the engine core died")
+        return 1
     logger.info("deltaserve stopped")
     return 0

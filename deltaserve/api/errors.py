@@ -1,19 +1,27 @@
 """vLLM's error envelope: `{"error": {"message", "type", "param", "code"}}`, and the exception handlers that emit it.
 
 Every failure a client can cause is a 400 BadRequestError (pydantic validation included, never FastAPI's 422);
-an unknown model is a 404 NotFoundError; a missing API key a 401; anything unexpected a 500.
+an unknown model is a 404 NotFoundError; a missing API key a 401; a body over the limit a 413; FastAPI's own 404
+and 405 answers use the envelope too (type: the HTTP status phrase, as vLLM's handler does). Anything unexpected is
+a logged 500; a client that drops mid-upload is logged as one info line, not as an error.
 """
 
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 import jinja2
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from deltaserve.engine.core_client import EngineDeadError
+from deltaserve.engine.frontend import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +58,18 @@ def unauthorized() -> APIError:
     return APIError("Unauthorized", status=401, err_type="AuthenticationError")
 
 
+def request_too_large(max_body_bytes: int) -> APIError:
+    return APIError(
+        f"The request body is larger than the server's limit of {max_body_bytes} bytes (--max-request-body-bytes).",
+        status=413,
+        err_type=HTTPStatus.REQUEST_ENTITY_TOO_LARGE.phrase,
+    )
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived in full."""
+
+
 # Pydantic names the union member that failed inside the location (prompt.str, prompt.list[int]); dropped.
 UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal"})
 
@@ -84,10 +104,18 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, pydantic.ValidationError):
         return validation_error(exc)
+    if isinstance(exc, EngineDeadError):
+        # the engine core died: every stream ends with this, /health fails and the server exits non-zero
+        return APIError(f"The engine is dead: {exc}", status=503, err_type="ServiceUnavailableError")
+    if isinstance(exc, RequestError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, NotImplementedError):
         return APIError(str(exc) or "Not implemented.", status=501, err_type="NotImplementedError")
     if isinstance(exc, ValueError | TypeError | OverflowError | jinja2.TemplateError | RecursionError):
         return bad_request(str(exc) or type(exc).__name__)
+    if isinstance(exc, StarletteHTTPException):
+        phrase = HTTPStatus(exc.status_code).phrase
+        return APIError(str(exc.detail or phrase), status=exc.status_code, err_type=phrase)
     return APIError("Internal server error.", status=500, err_type="InternalServerError")
 
 
@@ -109,8 +137,16 @@ async def _handle_internal(request: Request, exc: Exception) -> JSONResponse:
     return error_response(to_api_error(exc))
 
 
+async def _handle_client_gone(request: Request, exc: Exception) -> Response:
+    logger.info("client disconnected during the upload of %s %s", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Client errors are handled per class (no traceback logged); anything else is a logged 500."""
+    app.add_exception_handler(StarletteHTTPException, _handle_api_error)
+    app.add_exception_handler(ClientGone, _handle_client_gone)
+    app.add_exception_handler(ClientDisconnect, _handle_client_gone)
     app.add_exception_handler(RequestValidationError, _handle_request_validation)
     for cls in (APIError, pydantic.ValidationError, ValueError, TypeError, OverflowError, RecursionError):
         app.add_exception_handler(cls, _handle_api_error)

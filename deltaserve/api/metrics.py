@@ -1,8 +1,13 @@
-"""Prometheus metrics under vLLM's names (labels model_name and engine), in a registry owned by one app.
+"""Prometheus metrics under vLLM 0.26's names (labels model_name and engine), in a registry owned by one app.
 
-Gauges that mirror the engine (running/waiting requests, KV usage, free blocks and state slots, preemptions) are
-read from engine.stats() at scrape time by a collector; per-request counters and histograms (tokens, TTFT,
-inter-token latency, end-to-end latency) are recorded by a RequestTracker as the server streams the outputs.
+Engine-side state is read from engine.stats() at scrape time by a collector: running/waiting requests and
+waiting-by-reason, KV usage, free blocks and state slots, preemptions, the per-step token histogram
+(vllm:iteration_tokens_total), cache_config_info and the sleep state. Per-request series are recorded by a
+RequestTracker as the server streams each request: token counters and histograms, prefix-cache queries and hits
+(from RequestOutput.num_cached_tokens), TTFT, inter-token latency, end-to-end latency, time per output token, and
+the phase histograms (queue, prefill, decode, inference) and preemptions from RequestOutput.metrics, the engine's
+own timestamps; a request whose outputs carry no metrics observes no phase histogram. Counters vLLM exports for
+features deltaserve has not (external KV connector, multimodal cache) are exported at zero, as vLLM does when unused.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from deltaserve.engine.request import RequestOutput
+from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +36,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)  # fmt: skip
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -56,6 +66,27 @@ class EngineStatsCollector(Collector):
         family.add_metric(self.label_values, value)
         return family
 
+    def _iteration_tokens(self, stats: Any) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS
+        )
+        bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+        counts = tuple(stats.iteration_token_counts)
+        if len(counts) != len(bounds):
+            counts = (0,) * len(bounds)
+        family.add_metric(self.label_values, list(zip(bounds, counts, strict=True)), stats.iteration_tokens_sum)
+        return family
+
+    def _cache_config(self, stats: Any) -> GaugeMetricFamily:
+        info = {"block_size": str(stats.block_size), "gpu_memory_utilization": str(stats.gpu_memory_utilization),
+                "enable_prefix_caching": str(stats.enable_prefix_caching),
+                "num_gpu_blocks": str(stats.num_total_kv_blocks), "engine": ENGINE_INDEX}  # fmt: skip
+        family = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        family.add_metric(list(info.values()), 1)
+        return family
+
     def collect(self) -> Iterator[Metric]:
         try:
             stats = self.engine.stats()
@@ -64,6 +95,19 @@ class EngineStatsCollector(Collector):
             return
         yield self._gauge("vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
         yield self._gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by reason: capacity (KV blocks or state slots) or deferred.",
+            labels=(*LABELS, "reason"),
+        )
+        by_reason.add_metric([*self.label_values, "capacity"], stats.num_waiting_for_capacity)
+        by_reason.add_metric([*self.label_values, "deferred"], stats.num_waiting_deferred)
+        yield by_reason
+        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state (awake = 1: awake).",
+                                  labels=(*LABELS, "sleep_state"))  # fmt: skip
+        for state in SLEEP_STATES:
+            sleep.add_metric([*self.label_values, state], 1 if state == "awake" else 0)
+        yield sleep
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", stats.kv_cache_usage)
         yield self._gauge("deltaserve:num_free_kv_blocks", "Free KV-cache blocks.", stats.num_free_kv_blocks)
         yield self._gauge("deltaserve:num_total_kv_blocks", "KV-cache blocks in total.", stats.num_total_kv_blocks)
@@ -74,6 +118,8 @@ class EngineStatsCollector(Collector):
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions.", labels=LABELS)
         preemptions.add_metric(self.label_values, stats.num_preemptions_total)
         yield preemptions
+        yield self._iteration_tokens(stats)
+        yield self._cache_config(stats)
 
 
 class ServerMetrics:
@@ -82,40 +128,67 @@ class ServerMetrics:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.label_values = (model_name, ENGINE_INDEX)
-        registry, labels = self.registry, LABELS
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=registry)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Generation tokens processed.", labels, registry=registry
-        )
-        self.request_success = Counter(
-            "vllm:request_success", "Finished requests.", (*labels, "finished_reason"), registry=registry
-        )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=registry
-        )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Inter-token latency.", labels, buckets=ITL_BUCKETS, registry=registry
-        )
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end latency.", labels, buckets=E2E_BUCKETS, registry=registry
-        )
-        self.request_prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per request.", labels, buckets=token_buckets,
-            registry=registry,
+
+        # Every series exists from the start at zero, as vLLM creates them per engine.
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            metric = Counter(name, doc, (*LABELS, *extra), registry=self.registry)
+            if not extra:
+                metric.labels(*self.label_values)
+            return metric
+
+        def histogram(name: str, doc: str, buckets: Any) -> Histogram:
+            metric = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+            metric.labels(*self.label_values)
+            return metric
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.prompt_tokens_by_source = counter("vllm:prompt_tokens_by_source", "Prompt tokens by source.", ("source",))
+        for source in PROMPT_SOURCES:
+            self.prompt_tokens_by_source.labels(*self.label_values, source)
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Cached prompt tokens (local + external).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        self.request_success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
+        for reason in FINISH_REASONS:
+            self.request_success.labels(*self.label_values, reason)
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        unused = (("vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens."),
+                  ("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens."),
+                  ("vllm:mm_cache_queries", "Multi-modal cache queries, in items."),
+                  ("vllm:mm_cache_hits", "Multi-modal cache hits, in items."))  # fmt: skip
+        # Exported at zero: the features behind them are absent.
+        for name, doc in unused:
+            counter(name, doc)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Time per output token per request.",
+                              ITL_BUCKETS)  # fmt: skip
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency.", E2E_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time waiting before scheduling.",
+                                    E2E_BUCKETS)  # fmt: skip
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Time in prefill.", E2E_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "Time in decode.", E2E_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "Time running (prefill + decode).",
+                                        E2E_BUCKETS)  # fmt: skip
+        self.num_preemptions = histogram("vllm:request_num_preemptions", "Preemptions per finished request.",
+                                         PREEMPTION_BUCKETS)  # fmt: skip
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                               token_buckets)  # fmt: skip
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                                   token_buckets)  # fmt: skip
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "Most tokens generated by one sequence of a request.",
+            token_buckets,
         )  # fmt: skip
-        self.request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens", "Generated tokens per request.", labels, buckets=token_buckets,
-            registry=registry,
+        self.request_prefill_kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens", "New KV tokens computed in prefill (cached tokens excluded).",
+            token_buckets,
         )  # fmt: skip
-        self.request_params_n = Histogram(
-            "vllm:request_params_n", "The n request parameter.", labels, buckets=(1, 2, 5, 10, 20), registry=registry
-        )
-        self.request_params_max_tokens = Histogram(
-            "vllm:request_params_max_tokens", "The max_tokens request parameter.", labels, buckets=token_buckets,
-            registry=registry,
-        )  # fmt: skip
-        registry.register(EngineStatsCollector(engine, model_name))
+        self.request_params_n = histogram("vllm:request_params_n", "The n request parameter.", (1, 2, 5, 10, 20))
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens parameter.",
+                                                   token_buckets)  # fmt: skip
+        self.registry.register(EngineStatsCollector(engine, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -127,26 +200,51 @@ class ServerMetrics:
         return RequestTracker(self, num_prompt_tokens, arrival)
 
 
+def _elapsed(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None and end >= start else None
+
+
 class RequestTracker:
-    """One engine request's timeline: first token, gaps between outputs, finish reasons."""
+    """One engine request's timeline: first token, gaps between outputs, finish reasons, engine phase times."""
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, arrival: float) -> None:
         self.metrics = metrics
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival = arrival
+        self.first_output: float | None = None
         self.last_output: float | None = None
         self.num_generation_tokens = 0
+        self.seq_tokens: dict[int, int] = {}
+        self.engine_metrics: RequestMetrics | None = None
         self.is_done = False
+
+    def _on_first_output(self, output: RequestOutput) -> None:
+        metrics, labels = self.metrics, self.metrics.label_values
+        num_cached = min(max(int(output.num_cached_tokens or 0), 0), self.num_prompt_tokens)
+        metrics.prompt_tokens.labels(*labels).inc(self.num_prompt_tokens)
+        metrics.prompt_tokens_cached.labels(*labels).inc(num_cached)
+        metrics.prompt_tokens_by_source.labels(*labels, "local_compute").inc(self.num_prompt_tokens - num_cached)
+        metrics.prompt_tokens_by_source.labels(*labels, "local_cache_hit").inc(num_cached)
+        metrics.prompt_tokens_by_source.labels(*labels, "external_kv_transfer").inc(0)
+        metrics.prefix_cache_queries.labels(*labels).inc(self.num_prompt_tokens)
+        metrics.prefix_cache_hits.labels(*labels).inc(num_cached)
+        metrics.request_prefill_kv_computed.labels(*labels).observe(self.num_prompt_tokens - num_cached)
 
     def on_output(self, output: RequestOutput) -> None:
         metrics, labels, now = self.metrics, self.metrics.label_values, time.perf_counter()
         if self.last_output is None:
             metrics.ttft.labels(*labels).observe(now - self.arrival)
-            metrics.prompt_tokens.labels(*labels).inc(self.num_prompt_tokens)
+            self.first_output = now
+            self._on_first_output(output)
         else:
             metrics.itl.labels(*labels).observe(now - self.last_output)
         self.last_output = now
-        num_new = sum(len(seq.token_ids) for seq in output.outputs)
+        if output.metrics is not None:
+            self.engine_metrics = output.metrics
+        num_new = 0
+        for seq in output.outputs:
+            num_new += len(seq.token_ids)
+            self.seq_tokens[seq.index] = self.seq_tokens.get(seq.index, 0) + len(seq.token_ids)
         self.num_generation_tokens += num_new
         if num_new:
             metrics.generation_tokens.labels(*labels).inc(num_new)
@@ -154,17 +252,45 @@ class RequestTracker:
             if seq.finish_reason is not None:
                 metrics.request_success.labels(*labels, str(seq.finish_reason)).inc()
         if output.finished:
-            self._close()
+            self._close(is_finished=True)
 
     def on_abort(self) -> None:
         """The client went away (or the stream failed) before the engine finished the request."""
         if not self.is_done:
             self.metrics.request_success.labels(*self.metrics.label_values, "abort").inc()
-            self._close()
+            self._close(is_finished=False)
 
-    def _close(self) -> None:
+    def _observe_phases(self) -> None:
+        """vLLM's per-request phase histograms, from the engine's timestamps (nothing when it reported none)."""
+        stats, metrics, labels = self.engine_metrics, self.metrics, self.metrics.label_values
+        if stats is None:
+            return
+        phases = (
+            (metrics.queue_time, _elapsed(stats.arrival_time, stats.first_scheduled_time)),
+            (metrics.prefill_time, _elapsed(stats.first_scheduled_time, stats.first_token_time)),
+            (metrics.decode_time, _elapsed(stats.first_token_time, stats.last_token_time)),
+            (metrics.inference_time, _elapsed(stats.first_scheduled_time, stats.last_token_time)),
+        )
+        for histogram, value in phases:
+            if value is not None:
+                histogram.labels(*labels).observe(value)
+        metrics.num_preemptions.labels(*labels).observe(stats.num_preemptions)
+
+    def _close(self, *, is_finished: bool) -> None:
         metrics, labels = self.metrics, self.metrics.label_values
         self.is_done = True
         metrics.e2e.labels(*labels).observe(time.perf_counter() - self.arrival)
         metrics.request_prompt_tokens.labels(*labels).observe(self.num_prompt_tokens)
         metrics.request_generation_tokens.labels(*labels).observe(self.num_generation_tokens)
+        metrics.request_max_generation_tokens.labels(*labels).observe(max(self.seq_tokens.values(), default=0))
+        if not is_finished:
+            return
+        decode = None
+        if self.engine_metrics is not None:
+            decode = _elapsed(self.engine_metrics.first_token_time, self.engine_metrics.last_token_time)
+        if decode is None:
+            decode = _elapsed(self.first_output, self.last_output)
+        num_seq_tokens = max(self.seq_tokens.values(), default=0)
+        if decode is not None and num_seq_tokens > 1:
+            metrics.tpot.labels(*labels).observe(decode / (num_seq_tokens - 1))
+        self._observe_phases()

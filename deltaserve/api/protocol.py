@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API as pydantic models, with vLLM's field names and defaults.
 
-Unknown fields are accepted and ignored (vLLM's OpenAIBaseModel allows extras). Sampling fields default to None
-so that the server can tell "unset" (take the model's generation_config default) from an explicit value.
+Unknown fields are accepted, ignored and logged (vLLM's OpenAIBaseModel allows extras). Sampling fields default to
+None so that the server can tell "unset" (take the model's generation_config default) from an explicit value.
+`stream_options` without `stream` is refused as vLLM refuses it. A completion prompt is validated by its shape in
+Python rather than as a four-way pydantic union, which walks a million-token list several times.
 Responses are built as plain dicts by the serving modules.
 """
 
@@ -9,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+TOKEN_IDS = TypeAdapter(list[int])
+TOKEN_ID_LISTS = TypeAdapter(list[list[int]])
+TEXTS = TypeAdapter(list[str])
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 class APIModel(BaseModel):
@@ -24,6 +31,14 @@ class StreamOptions(APIModel):
 
 class SamplingRequest(APIModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extensions)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_need_stream(cls, data: Any) -> Any:
+        # vLLM's check, truthiness included: an empty stream_options object passes.
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return data
 
     model: str | None = None
     n: int = 1
@@ -42,7 +57,8 @@ class SamplingRequest(APIModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     logit_bias: dict[str, float] | None = None
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool | None = None
@@ -50,16 +66,31 @@ class SamplingRequest(APIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = None
-    priority: int = 0
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by _prompt_shape
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists")
+        if not value:
+            return value
+        first = value[0]
+        if isinstance(first, str):
+            return TEXTS.validate_python(value)
+        if isinstance(first, list):
+            return TOKEN_ID_LISTS.validate_python(value)
+        return TOKEN_IDS.validate_python(value)
 
 
 class FunctionDefinition(APIModel):
@@ -126,6 +157,7 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[dict[str, str]] | None = None
     include_reasoning: bool = True
     echo: bool = False
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class TokenizeCompletionRequest(APIModel):
@@ -152,12 +184,32 @@ class DetokenizeRequest(APIModel):
     tokens: list[int]
 
 
-# Structured-output fields that need constrained decoding, which the engine does not have: refused, not ignored.
-UNSUPPORTED_STRUCTURED_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-)
+# vLLM request fields that would change the tokens if they were dropped, and that the engine cannot honour:
+# refused by name (field -> what it needs), never silently ignored.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "structured_outputs": "structured outputs",
+    "guided_json": "structured outputs",
+    "guided_regex": "structured outputs",
+    "guided_choice": "structured outputs",
+    "guided_grammar": "structured outputs",
+    "guided_decoding_backend": "structured outputs",
+    "guided_whitespace_pattern": "structured outputs",
+    "structural_tag": "structured outputs",
+    "prompt_logprobs": "prompt logprobs, which the engine does not compute",
+    "prompt_embeds": "prompt embeddings; send text or token ids",
+    "bad_words": "bad-words filtering",
+    "allowed_token_ids": "a token allow-list",
+    "logprob_token_ids": "logprobs of chosen token ids",
+    "thinking_token_budget": "a thinking-token budget",
+    "repetition_detection": "repetition detection",
+    "logits_processors": "custom logits processors",
+    "min_tokens_per_step": "per-step token minimums",
+}
+# vLLM request fields that cannot change a token here (they steer scheduling, caching, transfer or extensions):
+# accepted, and logged as ignored in vLLM's words.
+IGNORED_FIELDS = frozenset({
+    "priority", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+    "media_io_kwargs", "return_prompt_text", "return_token_offsets", "return_assistant_tokens_mask",
+    "service_tier", "store", "metadata", "prediction", "modalities", "audio", "web_search_options",
+    "safety_identifier", "prompt_cache_key", "verbosity",
+})  # fmt: skip

@@ -1,43 +1,88 @@
 """Request fields -> the engine's SamplingParams, with vLLM's defaulting rules and 400s that name the field.
 
 A sampling field the request leaves unset takes the model's generation_config default (engine.default_sampling,
-empty under --generation-config vllm), then SamplingParams' own default.
+empty under --generation-config vllm), then SamplingParams' own default. Fields the engine cannot honour are refused
+by name; fields that cannot change a token here are accepted and logged in vLLM's words ("The following fields
+were present in the request but ignored: ..."), once per distinct set so a client cannot flood the log.
+
+Stop strings are bounded (MAX_STOP_STRINGS, MAX_STOP_CHARS): every generated token is matched against every stop
+string of every sequence, so 100,000 of them with n=8 would slow every other request. vLLM has no bound; OpenAI
+allows four.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from typing import Any
 
 from deltaserve.api.errors import bad_request
-from deltaserve.api.protocol import UNSUPPORTED_STRUCTURED_FIELDS, SamplingRequest
+from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, SamplingRequest
 from deltaserve.api.serving_common import check_context
 from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
 from deltaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 64 * 1024
+NUM_LOGGED_FIELD_SETS = 256
+# Extra fields an endpoint reads itself (completions refuses a non-text response_format).
+HANDLED_EXTRA_FIELDS = frozenset({"response_format"})
+_logged_field_sets: OrderedDict[frozenset[str], None] = OrderedDict()
 
 # Fields that fall back to generation_config.json defaults when the request leaves them unset.
 DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                       "frequency_penalty")  # fmt: skip
 
 
+def _is_set(value: Any) -> bool:
+    return value is not None and value is not False and value != [] and value != {}
+
+
+def log_ignored_fields(request: SamplingRequest) -> None:
+    """vLLM's log line for fields it accepts and ignores: unknown ones, and known ones with no effect here."""
+    extra = request.model_extra or {}
+    ignored = frozenset(name for name, value in extra.items() if name not in HANDLED_EXTRA_FIELDS and (
+                        name in IGNORED_FIELDS or name not in UNSUPPORTED_FIELDS or not _is_set(value)))  # fmt: skip
+    if not ignored or ignored in _logged_field_sets:
+        return
+    _logged_field_sets[ignored] = None
+    if len(_logged_field_sets) > NUM_LOGGED_FIELD_SETS:
+        _logged_field_sets.popitem(last=False)
+    names = "{" + ", ".join(repr(name) for name in sorted(ignored)) + "}"
+    logger.warning("The following fields were present in the request but ignored: %s", names)
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(strings)}.", "stop")
+    num_chars = sum(len(text) for text in strings)
+    if num_chars > MAX_STOP_CHARS:
+        raise bad_request(f"stop strings may total at most {MAX_STOP_CHARS} characters, got {num_chars}.", "stop")
+
+
 def check_unsupported(request: SamplingRequest) -> None:
     """Features that would change the output if silently ignored are refused instead."""
     extra = request.model_extra or {}
-    for name in UNSUPPORTED_STRUCTURED_FIELDS:
-        if extra.get(name) is not None:
-            raise bad_request(f"{name} needs structured outputs, which deltaserve does not support.", name)
-    if extra.get("prompt_logprobs") is not None:
-        raise bad_request("prompt_logprobs is not supported: the engine does not compute prompt logprobs.")
+    for name, needs in UNSUPPORTED_FIELDS.items():
+        if _is_set(extra.get(name)):
+            raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
     if request.use_beam_search:
         raise bad_request("Beam search is not supported.", "use_beam_search")
     if request.logit_bias:
         raise bad_request("logit_bias is not supported.", "logit_bias")
     if not 1 <= request.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}.", "n")
+    check_stop(request.stop)
+    log_ignored_fields(request)
 
 
-def check_logprobs(num_logprobs: int | None, param: str) -> None:
-    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}.", param)
+def check_logprobs(num_logprobs: int | None, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:
+    """vLLM's --max-logprobs bound (20 by default)."""
+    if num_logprobs is not None and not 0 <= num_logprobs <= max_logprobs:
+        raise bad_request(f"{param} must be between 0 and {max_logprobs}, got {num_logprobs}.", param)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -61,10 +106,10 @@ def build_sampling_params(
     vocab_size = state.vocab_size
     if values.get("top_k", 0) > vocab_size:
         values["top_k"] = vocab_size  # same distribution; keeps the sampler's top-k within the vocabulary
-    stop_token_ids = list(request.stop_token_ids or [])
-    for token_id in stop_token_ids:
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(f"stop_token_ids contains {token_id}, outside the vocabulary.", "stop_token_ids")
+    stop_token_ids = list(dict.fromkeys(request.stop_token_ids or []))
+    if stop_token_ids and not (min(stop_token_ids) >= 0 and max(stop_token_ids) < vocab_size):
+        outside = next(t for t in stop_token_ids if not 0 <= t < vocab_size)
+        raise bad_request(f"stop_token_ids contains {outside}, outside the vocabulary.", "stop_token_ids")
     try:
         return SamplingParams(
             n=request.n,

@@ -1,49 +1,39 @@
-"""The FastAPI app of `deltaserve serve`: vLLM's OpenAI-compatible routes around one AsyncEngine.
+"""The FastAPI app of `deltaserve serve`: vLLM's OpenAI-compatible routes around one engine.
 
-build_app(engine, settings) wires the routes, the error envelope, CORS, the optional API key (for /v1/* routes, as
-vLLM checks it) and a lifespan that starts the engine loop on the server's event loop and stops it on shutdown.
+build_app(engine, settings) wires the routes, the error envelope (FastAPI's own 404/405 included), the middleware
+(CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, the body-size limit),
+--root-path, and a lifespan that starts the engine, the chat-template workers and the tokenizer threads, and stops
+them on shutdown. Nothing CPU-heavy runs on the event loop: tokenisation and JSON parsing of large bodies run on
+threads, chat templates in worker processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import deltaserve
 from deltaserve.api import serving_chat, serving_completion, serving_tokenize
-from deltaserve.api.errors import APIError, error_response, install_error_handlers, unauthorized
+from deltaserve.api.body import read_json
+from deltaserve.api.errors import APIError, install_error_handlers
 from deltaserve.api.metrics import ServerMetrics
+from deltaserve.api.middleware import APIKeyMiddleware, BodySizeMiddleware, RequestIdMiddleware
 from deltaserve.api.settings import EngineClient, ServerSettings, ServerState
+from deltaserve.api.template_pool import TemplatePool
+from deltaserve.api.tokens import Tokens
 
 logger = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class APIKeyMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnect detection are untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
-            given = (Headers(scope=scope).get("authorization") or "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                await error_response(unauthorized())(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+INVOCATION_TYPES = "['ChatCompletionRequest', 'CompletionRequest']"
 
 
 def get_state(request: Request) -> ServerState:
@@ -61,9 +51,11 @@ async def _announce_ready(app: FastAPI, state: ServerState) -> None:
     while server is not None and not server.started:
         await asyncio.sleep(0.05)
     settings = state.settings
+    scheme = "https" if settings.is_https else "http"
     logger.info(
-        "deltaserve ready: serving %s as %r on http://%s:%d (max_model_len %d)",
-        settings.model_root, settings.model_name, settings.host, settings.port, state.engine.max_model_len,
+        "deltaserve ready: serving %s as %r on %s://%s:%d%s (max_model_len %d)",
+        settings.model_root, settings.model_name, scheme, settings.host, settings.port, settings.root_path or "",
+        state.engine.max_model_len,
     )  # fmt: skip
 
 
@@ -88,40 +80,71 @@ def model_cards(state: ServerState) -> dict[str, Any]:
     return {"object": "list", "data": cards}
 
 
+def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
+    # Added innermost first: the body limit runs after the key check, the request id wraps both, CORS wraps all
+    # (so preflights and 401s carry the CORS headers too).
+    app.add_middleware(BodySizeMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    if settings.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    if settings.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if settings.allowed_origins:
+        if "*" in settings.allowed_origins:
+            logger.warning("CORS allows every origin (--allowed-origins '[\"*\"]'): any web page can call this server")
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            allow_credentials=settings.allow_credentials,
+        )
+
+
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(engine, settings.model_name, engine.max_model_len)
-    state = ServerState(engine=engine, settings=settings, metrics=metrics)
+    tokens = Tokens(engine.tokenizer)
+    templates = TemplatePool(
+        num_workers=settings.num_template_workers,
+        timeout=settings.template_timeout_s,
+        memory_bytes=settings.template_memory_bytes,
+    )
+    state = ServerState(engine=engine, settings=settings, metrics=metrics, tokens=tokens, templates=templates)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.gather(templates.start(), tokens.warm_up())
         await engine.start()
+        # As vLLM does: the startup heap (model, tokenizer, modules) is left out of every later collection pass.
+        gc.freeze()
         announce = asyncio.create_task(_announce_ready(app, state))
         try:
             yield
         finally:
             announce.cancel()
             await engine.stop()
+            await templates.stop()
+            tokens.close()
 
-    app = FastAPI(title="deltaserve", version=deltaserve.__version__, lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if settings.disable_fastapi_docs:
+        docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="deltaserve", version=deltaserve.__version__, lifespan=lifespan, **docs)
+    # As vLLM sets it: the prefix is reported to routing whether or not the proxy stripped it from the path.
+    app.root_path = settings.root_path or ""
     app.state.deltaserve = state
     install_error_handlers(app)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    # Added last, so outermost: preflights and 401s carry the CORS headers too.
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=settings.allowed_origins,
-        allow_methods=settings.allowed_methods,
-        allow_headers=settings.allowed_headers,
-        allow_credentials=settings.allow_credentials,
-    )
+    _add_middleware(app, settings)
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=503 if engine.is_dead else 200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping() -> Response:
+        return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
         return Response(status_code=503 if engine.is_dead else 200)
 
     @app.get("/metrics")
@@ -141,12 +164,18 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return JSONResponse(model_cards(state))
 
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        return JSONResponse(await serving_tokenize.tokenize(state, request))
+    async def tokenize(request: Request) -> Response:
+        return await serving_tokenize.tokenize(state, request)
 
     @app.post("/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
-        return JSONResponse(await serving_tokenize.detokenize(state, request))
+    async def detokenize(request: Request) -> Response:
+        return await serving_tokenize.detokenize(state, request)
+
+    if settings.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> JSONResponse:
+            return JSONResponse(serving_tokenize.tokenizer_info(state))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -157,5 +186,16 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         _check_alive(state)
         return await serving_chat.create_chat_completion(state, request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's entry point: the body's shape picks chat (messages) or completions (prompt)."""
+        _check_alive(state)
+        body = await read_json(state, request)
+        if "messages" in body[0]:
+            return await serving_chat.create_chat_completion(state, request, body)
+        if "prompt" in body[0]:
+            return await serving_completion.create_completion(state, request, body)
+        raise APIError(f"Cannot find suitable handler for request. Expected one of: {INVOCATION_TYPES}")
 
     return app

@@ -1,8 +1,12 @@
 """POST /v1/chat/completions: template the messages, generate, parse reasoning and tool calls, stream or not.
 
 Streaming follows vLLM's chunk pattern: when a choice's first token exists, a role chunk
-(`{"role": "assistant", "content": ""}`) and then its first delta; never a chunk before the first token, so a
-client's TTFT is honest. With stream_options.include_usage a final chunk carries usage and `choices: []`.
+(`{"role": "assistant", "content": ""}`), with `echo` the continued message's text, and then its deltas; never a
+chunk before the first token, so a client's TTFT is honest. Usage goes in a final `choices: []` chunk only with
+stream_options.include_usage (on every chunk too with continuous_usage_stats), as vLLM's should_include_usage
+decides. `echo` prepends the final message's content when its role is the response's role (the assistant turn
+that continue_final_message continues); the response role is --response-role, or the final message's role when
+add_generation_prompt is false.
 """
 
 from __future__ import annotations
@@ -10,14 +14,22 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deltaserve.api.chat import check_tool_choice, encode_prompt, render_chat, template_kwargs
-from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, merge_deltas
+from deltaserve.api.body import parse_request
+from deltaserve.api.chat import (
+    check_request_template,
+    check_tool_choice,
+    content_text,
+    has_media,
+    render_chat,
+    template_kwargs,
+)
+from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs
 from deltaserve.api.protocol import ChatCompletionRequest
@@ -29,18 +41,18 @@ from deltaserve.api.serving_common import (
     check_model,
     engine_request_id,
     engine_stream,
-    parse_body,
-    read_json,
     request_ids,
     run_until_disconnect,
     sse,
     stream_error_event,
     stream_usage_flags,
-    truncate_prompt,
+    truncation_length,
     usage,
+    without_none,
 )
 from deltaserve.api.settings import ServerState
 from deltaserve.api.tool_parser import Qwen3XMLToolParser
+from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
 
 
@@ -57,30 +69,51 @@ class ChatJob:
     num_top_logprobs: int | None  # None: no logprobs
     tools: list[dict[str, Any]] | None  # set when tool calls are parsed
     is_thinking_disabled: bool
+    role: str
+    echo_text: str  # prepended to each choice's content with `echo`
     stream: AsyncGenerator[RequestOutput, None]
+    num_cached_tokens: int | None = field(default=None)
 
     def new_processor(self) -> ChoiceProcessor:
         settings = self.state.settings
-        reasoning = None
+        reasoning, counter = None, None
         if settings.reasoning_parser is not None:
-            reasoning = Qwen3ReasoningParser(
-                is_prompt_thinking=prompt_opens_thinking(self.prompt_text),
-                is_thinking_disabled=self.is_thinking_disabled,
-            )
-        tool_parser = Qwen3XMLToolParser(self.tools) if self.tools is not None else None
-        return ChoiceProcessor(reasoning, tool_parser, is_reasoning_included=self.request.include_reasoning)
+            is_open = prompt_opens_thinking(self.prompt_text) and not self.is_thinking_disabled
+            reasoning = Qwen3ReasoningParser(is_prompt_thinking=is_open, is_thinking_disabled=self.is_thinking_disabled)
+            counter = ReasoningTokenCounter(self.state.engine.tokenizer, is_open=is_open)
+        tool_parser: Any = None
+        if self.tools is not None:
+            is_hermes = settings.tool_call_parser == "hermes"
+            tool_parser = HermesToolParser(self.tools) if is_hermes else Qwen3XMLToolParser(self.tools)
+        return ChoiceProcessor(reasoning, tool_parser, self.request.include_reasoning, counter)
 
     def logprobs_of(self, seq: CompletionOutput) -> list[dict[str, Any]]:
         if self.num_top_logprobs is None:
             return []
-        namer = TokenNamer(self.state.engine.tokenizer, bool(self.request.return_tokens_as_token_ids))
+        as_ids = bool(self.request.return_tokens_as_token_ids or self.state.settings.return_tokens_as_token_ids)
+        namer = TokenNamer(self.state.engine.tokenizer, as_ids)
         return chat_logprobs(namer, seq.token_ids, seq.logprobs, self.num_top_logprobs)
 
+    def note_output(self, output: RequestOutput) -> None:
+        if self.num_cached_tokens is None and self.state.settings.enable_prompt_tokens_details:
+            self.num_cached_tokens = output.num_cached_tokens
 
-async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
+    def usage(self, processors: list[ChoiceProcessor]) -> dict[str, Any]:
+        has_reasoning = self.state.settings.reasoning_parser is not None
+        return usage(
+            self.num_prompt_tokens,
+            sum(p.num_tokens for p in processors),
+            num_cached_tokens=self.num_cached_tokens,
+            num_reasoning_tokens=sum(p.num_reasoning_tokens for p in processors) if has_reasoning else None,
+        )
+
+
+async def create_chat_completion(
+    state: ServerState, raw_request: Request, body: tuple[dict[str, Any], bool] | None = None
+) -> Response:
     arrival = time.perf_counter()
-    request = parse_body(ChatCompletionRequest, await read_json(raw_request))
-    job = prepare(state, raw_request, request, arrival)
+    request = await parse_request(state, raw_request, ChatCompletionRequest, body)
+    job = await prepare(state, raw_request, request, arrival)
     state.num_inflight += 1
     if request.stream:
         return SSEResponse(stream_chat(job), on_close=lambda: _release(state))
@@ -94,29 +127,77 @@ def _release(state: ServerState) -> None:
     state.num_inflight -= 1
 
 
-def prepare(state: ServerState, raw_request: Request, request: ChatCompletionRequest, arrival: float) -> ChatJob:
+def response_role(state: ServerState, request: ChatCompletionRequest) -> str:
+    """vLLM's get_chat_request_role."""
+    return state.settings.response_role if request.add_generation_prompt else request.messages[-1].role
+
+
+def _echo_text(request: ChatCompletionRequest, role: str) -> str:
+    last = request.messages[-1]
+    if not request.echo or last.role != role:
+        return ""
+    return content_text(last, len(request.messages) - 1) or ""
+
+
+async def prepare(state: ServerState, raw_request: Request, request: ChatCompletionRequest, arrival: float) -> ChatJob:
     check_model(state, request.model)
     check_unsupported(request)
+    check_request_template(state, request.chat_template, request.chat_template_kwargs)
     response_format = (request.response_format or {}).get("type", "text")
     if response_format != "text":
         raise bad_request(f"response_format {response_format!r} needs structured outputs, which deltaserve lacks.")
-    check_logprobs(request.top_logprobs, "top_logprobs")
+    check_logprobs(request.top_logprobs, "top_logprobs", state.settings.max_logprobs)
     if request.top_logprobs and not request.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    if request.tools == []:
+        raise bad_request(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.", "tools"
+        )
     tool_choice = check_tool_choice(state, request.tools, request.tool_choice)
-    kwargs = template_kwargs(state, request.chat_template_kwargs)
-    prompt_text = render_chat(
+    kwargs = template_kwargs(state, request.chat_template_kwargs, request.reasoning_effort)
+    hide_tools = state.settings.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
+    prompt_text = await render_chat(
         state,
         request.messages,
-        tools=request.tools,
+        tools=None if hide_tools else request.tools,
         chat_template=request.chat_template,
         kwargs=kwargs,
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
         documents=request.documents,
     )
-    prompt_ids = encode_prompt(state, prompt_text, request.add_special_tokens)
-    prompt_ids = truncate_prompt(prompt_ids, request.truncate_prompt_tokens, state.engine.max_model_len)
+    refs = None
+    if has_media(request.messages):
+        processor = state.engine.mm_processor
+        if processor is None:
+            index = next(i for i, m in enumerate(request.messages) if has_media([m]))
+            raise bad_request("Image and video content parts are not supported: this model is served as text only.",
+                              f"messages.{index}.content")  # fmt: skip
+        try:
+            refs = processor.parse_messages([m.model_dump(exclude_none=True) for m in request.messages])
+        except ValueError as exc:  # a MediaError: a bad URL, a path outside the allowed folder, over the limits
+            raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
+    max_model_len = state.engine.max_model_len
+    prompt_ids, _ = await state.tokens.encode(
+        prompt_text,
+        add_special_tokens=request.add_special_tokens,
+        max_input_tokens=max_model_len,
+        truncate=truncation_length(request.truncate_prompt_tokens, max_model_len),
+        truncation_side=request.truncation_side,
+        param="messages",
+    )
+    mm_input = None
+    if refs is not None:
+        kwargs_mm = (request.model_extra or {}).get("mm_processor_kwargs")
+        if kwargs_mm is not None and not isinstance(kwargs_mm, dict):
+            raise bad_request("mm_processor_kwargs must be an object.", "mm_processor_kwargs")
+        try:
+            # fetch, decode and preprocess off the event loop (Pillow, PyAV and the resize are CPU-heavy)
+            prompt_ids, mm_input = await state.tokens.run(
+                lambda: state.engine.mm_processor.process(list(prompt_ids), refs, kwargs_mm)
+            )
+        except ValueError as exc:  # a MediaError: corrupt bytes, wrong type, too many pixels, placeholder mismatch
+            raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     num_top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = params_for_prompt(
@@ -128,7 +209,8 @@ def prepare(state: ServerState, raw_request: Request, request: ChatCompletionReq
         prompt_param="messages",
     )
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
-    stream = engine_stream(state, prompt_ids, params, engine_request_id(response_id, 0), arrival)
+    stream = engine_stream(state, prompt_ids, params, engine_request_id(response_id, 0), arrival, mm_input)
+    role = response_role(state, request)
     return ChatJob(
         state=state,
         request=request,
@@ -139,6 +221,8 @@ def prepare(state: ServerState, raw_request: Request, request: ChatCompletionReq
         num_top_logprobs=num_top_logprobs,
         tools=[tool.model_dump() for tool in request.tools] if tool_choice and request.tools else None,
         is_thinking_disabled=kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False,
+        role=role,
+        echo_text=_echo_text(request, role),
         stream=stream,
     )
 
@@ -148,34 +232,45 @@ def _chunk(job: ChatJob, choices: list[dict[str, Any]]) -> dict[str, Any]:
             "model": job.state.settings.model_name, "choices": choices}  # fmt: skip
 
 
+def only_first_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's parallel_tool_calls=false: every tool call after the first is dropped."""
+    if "tool_calls" not in delta:
+        return delta
+    calls = [call for call in delta["tool_calls"] if call["index"] == 0]
+    trimmed = {key: value for key, value in delta.items() if key != "tool_calls"}
+    return {**trimmed, "tool_calls": calls} if calls else trimmed
+
+
 def _choice(index: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
             "finish_reason": None}  # fmt: skip
 
 
 async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
-    include_usage, is_continuous = stream_usage_flags(job.request.stream_options)
+    include_usage, is_continuous = stream_usage_flags(
+        job.request.stream_options, job.state.settings.enable_force_include_usage
+    )
     processors: dict[int, ChoiceProcessor] = {}
     has_logprobs = job.num_top_logprobs is not None
-
-    def running_usage() -> dict[str, int]:
-        return usage(job.num_prompt_tokens, sum(p.num_tokens for p in processors.values()))
 
     def event(choice: dict[str, Any]) -> str:
         chunk = _chunk(job, [choice])
         if is_continuous:
-            chunk["usage"] = running_usage()
+            chunk["usage"] = without_none(job.usage(list(processors.values())))
         return sse(chunk)
 
     try:
         async with contextlib.aclosing(job.stream) as stream:
             async for output in stream:
+                job.note_output(output)
                 for seq in output.outputs:
                     processor = processors.get(seq.index)
                     if processor is None:
                         processor = processors[seq.index] = job.new_processor()
-                        yield event(_choice(seq.index, {"role": "assistant", "content": ""}, None))
-                    processor.num_tokens += len(seq.token_ids)
+                        yield event(_choice(seq.index, {"role": job.role, "content": ""}, None))
+                        if job.echo_text:
+                            yield event(_choice(seq.index, {"content": job.echo_text}, None))
+                    processor.count(seq.token_ids)
                     delta = processor.feed(seq.text)
                     processor.pending_logprobs += job.logprobs_of(seq)
                     if seq.finish_reason is None and not delta and not processor.is_plain:
@@ -186,10 +281,14 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
                         choice["delta"] = merge_deltas(delta, processor.finish())
                         choice["finish_reason"] = processor.finish_reason(seq.finish_reason)
                         choice["stop_reason"] = seq.stop_reason
+                    if job.request.parallel_tool_calls is False:
+                        choice["delta"] = only_first_call(choice["delta"])
+                        if not choice["delta"] and seq.finish_reason is None:
+                            continue
                     yield event(choice)
         if include_usage:
             chunk = _chunk(job, [])
-            chunk["usage"] = running_usage()
+            chunk["usage"] = without_none(job.usage(list(processors.values())))
             yield sse(chunk)
     except Exception as exc:
         yield stream_error_event(exc)
@@ -200,30 +299,34 @@ async def full_chat(job: ChatJob) -> JSONResponse:
     builders: dict[int, MessageBuilder] = {}
     async with contextlib.aclosing(job.stream) as stream:
         async for output in stream:
+            job.note_output(output)
             for seq in output.outputs:
                 builder = builders.get(seq.index)
                 if builder is None:
                     builder = builders[seq.index] = MessageBuilder(job.new_processor())
                 processor = builder.processor
-                processor.num_tokens += len(seq.token_ids)
+                processor.count(seq.token_ids)
                 builder.add(processor.feed(seq.text))
                 builder.logprobs += job.logprobs_of(seq)
                 if seq.finish_reason is not None:
                     builder.add(processor.finish())
                     builder.finish_reason = processor.finish_reason(seq.finish_reason)
                     builder.stop_reason = seq.stop_reason
-    choices = [
-        {
+    choices = []
+    for index, builder in sorted(builders.items()):
+        message = {**builder.message(), "role": job.role}
+        if job.request.parallel_tool_calls is False and message.get("tool_calls"):
+            message["tool_calls"] = message["tool_calls"][:1]
+        if job.echo_text:
+            message["content"] = job.echo_text + (message["content"] or "")
+        choices.append({
             "index": index,
-            "message": builder.message(),
+            "message": message,
             "logprobs": {"content": builder.logprobs} if job.num_top_logprobs is not None else None,
             "finish_reason": builder.finish_reason,
             "stop_reason": builder.stop_reason,
-        }
-        for index, builder in sorted(builders.items())
-    ]
-    num_completion_tokens = sum(builder.processor.num_tokens for builder in builders.values())
+        })  # fmt: skip
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
             "model": job.state.settings.model_name, "choices": choices,
-            "usage": usage(job.num_prompt_tokens, num_completion_tokens)}  # fmt: skip
+            "usage": job.usage([builder.processor for builder in builders.values()])}  # fmt: skip
     return JSONResponse(body)

@@ -1,4 +1,5 @@
-"""Plumbing shared by the generation endpoints: body parsing, request checks, engine streams, SSE and disconnects.
+"""Plumbing shared by the generation endpoints: request checks, engine streams, usage, SSE and disconnects
+(request bodies are read and parsed by body.py).
 
 Two rules hold everything together. Every engine stream is consumed through `engine_stream`, whose cleanup
 (close the engine iterator, abort the request if unfinished) runs shielded from cancellation, so a client that
@@ -22,8 +23,13 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from deltaserve.api.errors import bad_request, model_not_found, to_api_error, validation_error
+from deltaserve.api.errors import (
+    bad_request,
+    model_not_found,
+    to_api_error,
+)
 from deltaserve.api.settings import ServerState
+from deltaserve.engine.frontend import RequestError, check_lengths
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
@@ -35,34 +41,6 @@ T = TypeVar("T")
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except UnicodeDecodeError as exc:
-        raise bad_request(f"The request body is not valid UTF-8: {exc.reason}.") from None
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc.msg} (char {exc.pos}).") from None
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}.") from None
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return data
-
-
-def parse_body(model: type[ModelT], data: dict[str, Any]) -> ModelT:
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise validation_error(exc) from None
-    except RecursionError:
-        raise bad_request("The request body is nested too deeply.") from None
-
-
 def check_model(state: ServerState, model: str | None) -> None:
     """vLLM accepts a missing or empty model and any served name; anything else is a 404."""
     if model and model not in state.settings.served_model_names:
@@ -71,43 +49,38 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> None:
     vocab_size = state.vocab_size
-    for token_id in token_ids:
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(f"Token id {token_id} is out of vocabulary (vocab size {vocab_size}).", param)
+    if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        outside = next(token_id for token_id in token_ids if not 0 <= token_id < vocab_size)
+        raise bad_request(f"Token id {outside} is out of vocabulary (vocab size {vocab_size}).", param)
 
 
 def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
-    """vLLM's context checks: the prompt must leave room for one token, prompt + max_tokens must fit."""
-    max_model_len = state.engine.max_model_len
-    if num_prompt_tokens == 0:
-        raise bad_request("The prompt cannot be empty.", prompt_param)
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.",
-            prompt_param,
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-            f"length is {max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
-            f"({max_tokens} > {max_model_len} - {num_prompt_tokens}).",
-            "max_tokens",
-        )
+    """vLLM's context checks, as the engine applies them (one place: engine/frontend.check_lengths), as 400s."""
+    try:
+        check_lengths(num_prompt_tokens, max_tokens, state.engine.max_model_len, prompt_param)
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
-def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last k tokens (k = -1 means max_model_len)."""
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: k tokens kept, -1 meaning max_model_len; None: no truncation."""
     if truncate_prompt_tokens is None:
-        return token_ids
+        return None
     if truncate_prompt_tokens == -1:
-        truncate_prompt_tokens = max_model_len
+        return max_model_len
     if truncate_prompt_tokens < 1 or truncate_prompt_tokens > max_model_len:
         raise bad_request(
             f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {truncate_prompt_tokens}.",
             "truncate_prompt_tokens",
         )
-    return token_ids[-truncate_prompt_tokens:]
+    return truncate_prompt_tokens
+
+
+def truncate_ids(token_ids: list[int], keep: int | None, side: str | None) -> list[int]:
+    """Token-id prompts are truncated as text prompts are: the last `keep` tokens, or the first with side right."""
+    if keep is None or len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
 
 
 def request_ids(request: Request, body_request_id: str | None, prefix: str) -> str:
@@ -126,28 +99,60 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+    *,
+    num_cached_tokens: int | None = None,
+    num_reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
+    """vLLM's UsageInfo. num_cached_tokens is given only under --enable-prompt-tokens-details; reasoning tokens
+    only with a reasoning parser (vLLM reports completion_tokens_details then)."""
+    body: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "completion_tokens": num_completion_tokens,
+        "prompt_tokens_details": None if num_cached_tokens is None else {"cached_tokens": num_cached_tokens},
     }
+    if num_reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return body
 
 
-def stream_usage_flags(stream_options: Any) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats); only a given stream_options object turns either on."""
+def without_none(body: dict[str, Any]) -> dict[str, Any]:
+    """Streamed usage is serialised with None fields left out, as vLLM's final chunk is."""
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def stream_usage_flags(stream_options: Any, is_forced: bool = False) -> tuple[bool, bool]:
+    """vLLM's should_include_usage: (include_usage, continuous usage on every chunk).
+
+    Only a given stream_options turns usage on; continuous stats need include_usage too;
+    --enable-force-include-usage turns both on."""
+    if is_forced:
+        return True, True
     if stream_options is None:
         return False, False
-    return bool(stream_options.include_usage), bool(stream_options.continuous_usage_stats)
+    include = bool(stream_options.include_usage)
+    return include, include and bool(stream_options.continuous_usage_stats)
 
 
 async def engine_stream(
-    state: ServerState, prompt_token_ids: list[int], params: SamplingParams, request_id: str, arrival: float
+    state: ServerState,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    arrival: float,
+    mm_input: Any = None,
 ) -> AsyncGenerator[RequestOutput, None]:
-    """engine.generate with metrics, and a cleanup that always aborts an unfinished request."""
+    """engine.generate with metrics, and a cleanup that always aborts an unfinished request. mm_input: the
+    prompt's processed images and videos (a deltaserve.multimodal MultimodalInput), None for text."""
     max_tokens = params.max_tokens or state.engine.max_model_len - len(prompt_token_ids)
     tracker = state.metrics.track(len(prompt_token_ids), params.n, max_tokens, arrival)
-    iterator = state.engine.generate(prompt_token_ids, params, request_id)
+    if mm_input is None:
+        iterator = state.engine.generate(prompt_token_ids, params, request_id)
+    else:
+        iterator = state.engine.generate(prompt_token_ids, params, request_id, mm_input=mm_input)
     is_finished = False
     try:
         async for output in iterator:

@@ -1,7 +1,8 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), echo, logprobs, n, streamed or not.
 
 A batch of P prompts with n sequences each yields choices indexed prompt * n + sequence, as vLLM numbers them.
-Every prompt is its own engine request; their streams are interleaved as outputs arrive.
+Every prompt is its own engine request; their streams are interleaved as outputs arrive. Text prompts are
+tokenised off the event loop (tokens.py), with truncate_prompt_tokens / truncation_side applied as vLLM applies them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from deltaserve.api.body import parse_request
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
@@ -27,18 +29,21 @@ from deltaserve.api.serving_common import (
     engine_request_id,
     engine_stream,
     merge_streams,
-    parse_body,
-    read_json,
     request_ids,
     run_until_disconnect,
     sse,
     stream_error_event,
     stream_usage_flags,
-    truncate_prompt,
+    truncate_ids,
+    truncation_length,
     usage,
+    without_none,
 )
 from deltaserve.api.settings import ServerState
 from deltaserve.engine.request import CompletionOutput, RequestOutput
+
+# Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
+MAX_PROMPTS = 2048
 
 
 @dataclass
@@ -61,7 +66,7 @@ class ChoiceState:
     stop_reason: str | int | None = None
 
 
-def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
+async def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
     """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request."""
     prompt = request.prompt
     if prompt is None:
@@ -72,18 +77,25 @@ def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prom
         items = list(prompt)
     if not items:
         raise bad_request("The prompt cannot be empty.", "prompt")
-    tokenizer = state.engine.tokenizer
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"A request may batch at most {MAX_PROMPTS} prompts, got {len(items)}.", "prompt")
+    max_model_len = state.engine.max_model_len
+    keep = truncation_length(request.truncate_prompt_tokens, max_model_len)
     prompts = []
     for item in items:
         if isinstance(item, str):
-            token_ids = list(tokenizer.encode(item, add_special_tokens=request.add_special_tokens))
-            prompts.append(Prompt(token_ids, item))
+            token_ids, count = await state.tokens.encode(
+                item,
+                add_special_tokens=request.add_special_tokens,
+                max_input_tokens=max_model_len,
+                truncate=keep,
+                truncation_side=request.truncation_side,
+            )
+            prompts.append(Prompt(token_ids, item if count == len(token_ids) else None))
         else:
             check_token_ids(state, item, "prompt")
-            prompts.append(Prompt(list(item), None))
-    max_model_len = state.engine.max_model_len
-    for prompt_ in prompts:
-        prompt_.token_ids = truncate_prompt(prompt_.token_ids, request.truncate_prompt_tokens, max_model_len)
+            token_ids = truncate_ids(list(item), keep, request.truncation_side)
+            prompts.append(Prompt(token_ids, None))
     return prompts
 
 
@@ -97,6 +109,7 @@ class CompletionJob:
     streams: list[AsyncGenerator[RequestOutput, None]]
     namer: TokenNamer
     choices: dict[int, ChoiceState] = field(default_factory=dict)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> prefix-cache hits
 
     def choice(self, prompt_index: int, seq: CompletionOutput) -> tuple[int, ChoiceState]:
         index = prompt_index * self.request.n + seq.index
@@ -107,14 +120,16 @@ class CompletionJob:
                 state.logprobs = CompletionLogprobs(self.namer, self.request.logprobs)
         return index, state
 
+    def note_output(self, prompt_index: int, output: RequestOutput) -> None:
+        if self.state.settings.enable_prompt_tokens_details:
+            self.num_cached_tokens.setdefault(prompt_index, output.num_cached_tokens)
+
     def advance(self, choice: ChoiceState, seq: CompletionOutput) -> tuple[str, dict[str, Any] | None]:
         """Records a sequence delta; returns its text (with the echoed prompt first) and its logprobs."""
         text = seq.text
         if self.request.echo and not choice.has_echoed:
             prompt = self.prompts[choice.prompt_index]
-            if prompt.text is None:
-                prompt.text = self.state.engine.tokenizer.decode(prompt.token_ids)
-            text = prompt.text + text
+            text = (prompt.text or "") + text
             if choice.logprobs is not None:
                 choice.logprobs.offset += len(prompt.text)
         choice.has_echoed = True
@@ -125,26 +140,39 @@ class CompletionJob:
         logprobs = choice.logprobs.build(seq.token_ids, seq.logprobs) if choice.logprobs is not None else None
         return text, logprobs
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         num_prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prompts)
-        return usage(num_prompt_tokens, sum(choice.num_tokens for choice in self.choices.values()))
+        num_cached = sum(self.num_cached_tokens.values()) if self.state.settings.enable_prompt_tokens_details else None
+        return usage(
+            num_prompt_tokens, sum(choice.num_tokens for choice in self.choices.values()), num_cached_tokens=num_cached
+        )
 
     def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.state.settings.model_name, "choices": choices}  # fmt: skip
 
 
-async def create_completion(state: ServerState, raw_request: Request) -> Response:
+async def create_completion(
+    state: ServerState, raw_request: Request, body: tuple[dict[str, Any], bool] | None = None
+) -> Response:
     arrival = time.perf_counter()
-    request = parse_body(CompletionRequest, await read_json(raw_request))
+    request = await parse_request(state, raw_request, CompletionRequest, body)
     check_model(state, request.model)
     check_unsupported(request)
     if request.suffix is not None:
         raise bad_request("suffix is not currently supported", "suffix")
-    check_logprobs(request.logprobs, "logprobs")
+    response_format = (request.model_extra or {}).get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+        raise bad_request("response_format needs structured outputs, which deltaserve lacks.", "response_format")
+    check_logprobs(request.logprobs, "logprobs", state.settings.max_logprobs)
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which deltaserve does not compute.", "echo")
-    prompts = resolve_prompts(state, request)
+    prompts = await resolve_prompts(state, request)
+    if request.echo:
+        # The echoed prompt is the decoded tokens (token-id and truncated prompts have no text of their own).
+        for prompt in prompts:
+            if prompt.text is None:
+                prompt.text = await state.tokens.decode(prompt.token_ids)
     # Per prompt: an unset max_tokens means the rest of that prompt's context.
     params = [
         params_for_prompt(
@@ -162,7 +190,8 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
         engine_stream(state, prompt.token_ids, params[i], engine_request_id(response_id, i), arrival)
         for i, prompt in enumerate(prompts)
     ]
-    namer = TokenNamer(state.engine.tokenizer, bool(request.return_tokens_as_token_ids))
+    as_ids = bool(request.return_tokens_as_token_ids or state.settings.return_tokens_as_token_ids)
+    namer = TokenNamer(state.engine.tokenizer, as_ids)
     job = CompletionJob(state, request, response_id, int(time.time()), prompts, streams, namer)
     state.num_inflight += 1
     if request.stream:
@@ -178,10 +207,13 @@ def _release(state: ServerState) -> None:
 
 
 async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
-    include_usage, is_continuous = stream_usage_flags(job.request.stream_options)
+    include_usage, is_continuous = stream_usage_flags(
+        job.request.stream_options, job.state.settings.enable_force_include_usage
+    )
     try:
         async with contextlib.aclosing(merge_streams(job.streams)) as merged:
             async for prompt_index, output in merged:
+                job.note_output(prompt_index, output)
                 for seq in output.outputs:
                     index, choice = job.choice(prompt_index, seq)
                     text, logprobs = job.advance(choice, seq)
@@ -189,11 +221,11 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                             "stop_reason": seq.stop_reason}  # fmt: skip
                     chunk = job.envelope([item])
                     if is_continuous:
-                        chunk["usage"] = job.usage()
+                        chunk["usage"] = without_none(job.usage())
                     yield sse(chunk)
         if include_usage:
             chunk = job.envelope([])
-            chunk["usage"] = job.usage()
+            chunk["usage"] = without_none(job.usage())
             yield sse(chunk)
     except Exception as exc:
         yield stream_error_event(exc)
@@ -211,6 +243,7 @@ def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
 async def full_completion(job: CompletionJob) -> JSONResponse:
     async with contextlib.aclosing(merge_streams(job.streams)) as merged:
         async for prompt_index, output in merged:
+            job.note_output(prompt_index, output)
             for seq in output.outputs:
                 _, choice = job.choice(prompt_index, seq)
                 _, logprobs = job.advance(choice, seq)

@@ -1,7 +1,7 @@
 """What the HTTP server knows besides the engine: its settings, the engine interface it codes against, its state.
 
 `EngineClient` is the structural interface of deltaserve.engine.async_engine.AsyncEngine; tests substitute a
-scripted fake with the same shape.
+scripted fake with the same shape (tests/api/fake_engine.py).
 """
 
 from __future__ import annotations
@@ -16,17 +16,28 @@ from deltaserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from deltaserve.api.metrics import ServerMetrics
+    from deltaserve.api.template_pool import TemplatePool
+    from deltaserve.api.tokens import Tokens
 
 # vLLM has no cap on n; one keeps a single request from claiming every state slot and KV block.
 MAX_N = 128
 # vLLM's default --max-logprobs.
 MAX_LOGPROBS = 20
+# The largest request body accepted (--max-request-body-bytes); vLLM has no limit. A 262,144-token prompt is
+# about 1 MiB of text or 2 MiB of token ids, so this leaves room for batched prompts and long chats.
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 REASONING_PARSERS = ("qwen3",)
-TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml")
+TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml", "hermes")
 
 
 class EngineClient(Protocol):
+    """What the server needs from the engine.
+
+    generate() yields delta RequestOutputs; RequestOutput.num_cached_tokens (prefix-cache hits) and .metrics
+    (engine-side timestamps, may be None) feed usage details and /metrics. stats() returns an EngineStats.
+    """
+
     tokenizer: Any
     max_model_len: int
     default_sampling: dict[str, Any]
@@ -37,6 +48,10 @@ class EngineClient(Protocol):
 
     @property
     def is_dead(self) -> bool: ...
+
+    # the multimodal processor (deltaserve.multimodal.processor.MultimodalProcessor) when the engine serves images
+    # and videos, else None; generate() then takes the processed input as mm_input=
+    mm_processor: Any
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -53,19 +68,37 @@ class ServerSettings:
 
     model_root: str  # the model as given on the command line: vLLM's ModelCard.root
     served_model_names: list[str]
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # --api-key (any of them), else VLLM_API_KEY
     chat_template: str | None = None  # --chat-template, already read from its file
+    chat_template_content_format: str = "auto"  # "openai": content parts reach the template as a list
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    trust_request_chat_template: bool = False
+    response_role: str = "assistant"
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_request_id_headers: bool = False
+    disable_fastapi_docs: bool = False
+    root_path: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_logprobs: int = MAX_LOGPROBS
     host: str = "127.0.0.1"
     port: int = 8000
-    # CORS, with vLLM's defaults (everything allowed), so browser clients work unchanged.
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    is_https: bool = False
+    # CORS: no origin is allowed unless --allowed-origins names it (vLLM 0.26 still defaults to "*").
+    allowed_origins: list[str] = field(default_factory=list)
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # Chat templates render in worker processes: how many, the time bound of one render, a worker's address space.
+    num_template_workers: int = 2
+    template_timeout_s: float = 5.0
+    template_memory_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -74,6 +107,8 @@ class ServerSettings:
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose from {REASONING_PARSERS}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose from {TOOL_CALL_PARSERS}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
 
     @property
     def model_name(self) -> str:
@@ -86,6 +121,8 @@ class ServerState:
     engine: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
+    tokens: Tokens
+    templates: TemplatePool
     created: int = field(default_factory=lambda: int(time.time()))
     num_inflight: int = 0  # generation requests being served: GET /load's server_load
 

@@ -8,7 +8,10 @@ with a large device-to-device copy (bytes read + written). Token counts up to --
 decode forms (paged attention over --context cached tokens per sequence, conv update, GDN decode, one
 sequence per token); larger counts run the prefill forms on one sequence. Two sweep rows help settle
 defaults: `preamble_fused_w1/_w2` (the fused preamble at 1 and 2 warps against the default 4) and
-`gdn_recurrent` (the recurrent prefill kernel against the default chunked one).
+`gdn_recurrent` (the recurrent prefill kernel against the default chunked one); `moe_block` times the whole MoE
+block op (router, routing, routed and shared experts) beside `fused_moe`, and `linear` kernels.linear on the
+GDN input projection (the Triton skinny GEMM up to 16 rows). The decode step as a whole, per batch size, is
+benchmarks/decode_step.py.
 
 Timing: the op's inputs are replicated until the sets together exceed three times the L2 cache and used in
 rotation, so no call finds its inputs in L2. The primary number is GPU time per call from replaying a CUDA
@@ -96,6 +99,8 @@ OPS = (
     "gdn",
     "gdn_recurrent",
     "fused_moe",
+    "moe_block",
+    "linear",
 )
 
 
@@ -303,11 +308,17 @@ def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool)
 def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     if not m.num_experts:
         return []
-    from deltaserve.kernels import fused_moe, moe_route
+    from deltaserve.kernels import fused_moe, fused_moe_block, moe_route
 
     hidden, inter, experts = m.hidden, m.moe_inter, m.num_experts
     w13 = _randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
     w2 = _randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    router = _randn(experts, hidden, dtype=dtype, scale=hidden**-0.5)
+    shared = (
+        _randn(2 * m.mlp_inter, hidden, dtype=dtype, scale=hidden**-0.5),
+        _randn(hidden, m.mlp_inter, dtype=dtype, scale=m.mlp_inter**-0.5),
+        _randn(1, hidden, dtype=dtype, scale=hidden**-0.5),
+    )
 
     def make() -> tuple[Any, ...]:
         weights, ids = moe_route(_randn(tokens, experts, dtype=dtype), m.top_k, True)
@@ -319,7 +330,31 @@ def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     moved = active * 3 * inter * hidden * size + 2 * tokens * hidden * size
     flops = 2 * tokens * m.top_k * 3 * inter * hidden
     note = f"{active}/{experts} experts hit, top-{m.top_k}"
-    return [Case("fused_moe", "-", make, lambda s: fused_moe(s[0], w13, w2, s[1], s[2]), moved, flops, note)]
+    # The whole block: router + routing + routed experts + the sigmoid-gated shared expert (one op).
+    block_moved = moved + (3 * m.mlp_inter + experts + 1) * hidden * size
+    block_flops = flops + 2 * tokens * (3 * m.mlp_inter + experts + 1) * hidden
+
+    def block(s: tuple[Any, ...]) -> object:
+        return fused_moe_block(s[0], router, w13, w2, m.top_k, True, *shared)
+
+    return [
+        Case("fused_moe", "-", make, lambda s: fused_moe(s[0], w13, w2, s[1], s[2]), moved, flops, note),
+        Case("moe_block", "-", make, block, block_moved, block_flops, f"{note}, with router and shared expert"),
+    ]
+
+
+def _linear_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
+    """kernels.linear on the GDN input projection's shape (the skinny GEMM up to 16 rows, cuBLAS beyond)."""
+    from deltaserve.kernels import linear
+
+    out_features, in_features = m.conv_dim + m.num_v_heads * m.head_v_dim, m.hidden
+    weight = _randn(out_features, in_features, dtype=dtype, scale=in_features**-0.5)
+    size = dtype.itemsize
+    moved = (out_features * in_features + tokens * (in_features + out_features)) * size
+    flops = 2 * tokens * out_features * in_features
+    note = f"[{out_features} x {in_features}] (in_proj_qkvz)"
+    make = lambda: (_randn(tokens, in_features, dtype=dtype),)  # noqa: E731
+    return [Case("linear", "-", make, lambda s: linear(s[0], weight), moved, flops, note)]
 
 
 def build_cases(m: ModelShapes, tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> list[Case]:
@@ -330,6 +365,7 @@ def build_cases(m: ModelShapes, tokens: int, args: argparse.Namespace, dtype: to
         *_attention_cases(m, tokens, dtype, is_decode, args.context, args.page_size),
         *_gdn_cases(m, tokens, dtype, is_decode),
         *_moe_cases(m, tokens, dtype),
+        *_linear_cases(m, tokens, dtype),
     ]
     return [c for c in cases if c.op in args.ops]
 

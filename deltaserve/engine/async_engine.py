@@ -1,72 +1,83 @@
-"""AsyncEngine: the engine loop on its own thread, bridged to asyncio for the HTTP server.
+"""AsyncEngine: the server's engine. The front end (tokenizer, detokenisation, stop strings) in this process, the core
+in a process of its own (or, with DELTASERVE_ENABLE_MULTIPROCESSING=0, on a thread here), bridged to asyncio.
 
-The event loop never runs the model: generate() posts the request to the engine thread through a command
-queue and awaits deltas on a per-request asyncio.Queue that the thread feeds with call_soon_threadsafe.
-If the consumer stops iterating (client disconnect, task cancellation) the request is aborted, which frees
-its KV blocks and state slot. If the loop dies, every stream gets the error and is_dead turns True.
+The event loop never runs the model nor detokenises: generate() validates and registers the request, hands its core
+requests to the client and awaits deltas on a per-request asyncio.Queue; the client's output thread turns core
+outputs into RequestOutputs and feeds the queues with call_soon_threadsafe. If the consumer stops iterating (client
+disconnect, task cancellation) the request is aborted in the core, which frees its KV blocks, state slot and row.
+If the core dies, every stream gets EngineDeadError, is_dead turns True and `on_dead` is called (the server exits
+non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from deltaserve.engine.engine import LLMEngine
+from deltaserve import env
+from deltaserve.engine.core_client import EngineDeadError, ProcessCoreClient, ThreadCoreClient
+from deltaserve.engine.frontend import EngineFrontend, RequestError
+from deltaserve.engine.protocol import EngineCoreOutputs
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.engine_config import EngineConfig
+from deltaserve.model.hub import resolve_model_dir
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.config = engine.config
-        self.model_dir: Path = engine.model_dir
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.default_sampling: dict[str, Any] = engine.default_sampling
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+    def __init__(self, frontend: EngineFrontend, client: ProcessCoreClient | ThreadCoreClient) -> None:
+        self.frontend = frontend
+        self.client = client
+        self.model_dir: Path = frontend.model_dir
+        self.tokenizer = frontend.tokenizer
+        self.max_model_len = frontend.max_model_len
+        self.default_sampling: dict[str, Any] = frontend.default_sampling
+        self.mm_processor = frontend.mm_processor  # None: text only
+        self.info = client.info
+        self.on_dead: Callable[[], None] | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
         self._error: BaseException | None = None
-        self._stats = engine.stats()
+        self._is_started = False
+        info = client.info
+        self._stats = EngineStats(0, 0, 0.0, info.num_blocks, info.num_blocks, info.num_slots, info.num_slots, 0,
+                                  block_size=info.block_size)  # fmt: skip
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, multiprocess: bool | None = None) -> AsyncEngine:
+        is_multiprocess = env.enable_multiprocessing() if multiprocess is None else multiprocess
+        client = ProcessCoreClient(config) if is_multiprocess else ThreadCoreClient(config)
+        try:
+            frontend = EngineFrontend(config, resolve_model_dir(config.model), client.info.max_model_len)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(frontend, client)
 
     @property
     def is_dead(self) -> bool:
-        return self._error is not None or (self._thread is not None and not self._thread.is_alive())
+        return self._error is not None
 
     async def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
-            self._thread.start()
+        if not self._is_started:
+            self._is_started = True
+            self.client.start(self._on_outputs, self._on_dead)
 
     async def stop(self) -> None:
-        self._stopping.set()
-        self._commands.put(("wake", None))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self.client.shutdown)
 
     def stats(self) -> EngineStats:
         return self._stats
 
-    # -- engine thread --------------------------------------------------------------------------------
+    # -- the client's output thread ---------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(request_id)
@@ -74,51 +85,43 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
-    def _handle(self, command: str, payload: Any) -> None:
-        if command == "add":
-            request_id, token_ids, params = payload
-            try:
-                self.engine.add_request(request_id, token_ids, params)
-            except Exception as exc:  # a bad request fails alone, the loop goes on
-                self._deliver(request_id, exc)
-        elif command == "abort":
-            output = self.engine.abort_request(payload)
-            if output is not None:
-                self._deliver(payload, output)
+    def _on_outputs(self, batch: EngineCoreOutputs) -> None:
+        self._stats = batch.stats
+        processor = self.frontend.processor
+        results, to_abort = processor.process(list(batch.outputs))
+        self.client.abort(to_abort)
+        for output in results:
+            self._deliver(output.request_id, output)
+        for core_id, message in batch.errors:
+            request_id = core_id.split("#", 1)[0]
+            _, core_ids = processor.abort(request_id)
+            self.client.abort(core_ids)
+            self._deliver(request_id, RequestError(message))
 
-    def _run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                block = not self.engine.has_unfinished()
-                try:
-                    command, payload = self._commands.get(block=block, timeout=0.5 if block else None)
-                    self._handle(command, payload)
-                    while True:
-                        command, payload = self._commands.get_nowait()
-                        self._handle(command, payload)
-                except queue.Empty:
-                    pass
-                if self.engine.has_unfinished():
-                    for output in self.engine.step():
-                        self._deliver(output.request_id, output)
-                self._stats = self.engine.stats()
-        except BaseException as exc:
-            logger.exception("the engine loop died")
-            self._error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"the engine loop died: {exc!r}"))
+    def _on_dead(self, error: BaseException) -> None:
+        logger.error("%s", error)
+        self._error = error
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(str(error)))
+        if self.on_dead is not None:
+            self.on_dead()
 
     # -- asyncio side ---------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        mm_input: MultimodalInput | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.is_dead:
-            raise EngineDeadError("the engine loop is not running")
-        self.engine.validate(prompt_token_ids, params)  # raises ValueError before anything is queued
+            raise EngineDeadError("the engine core is not running")
+        # raises RequestError (a ValueError: 400) before anything is queued
+        core_requests = self.frontend.new_request(request_id, list(prompt_token_ids), params, mm_input=mm_input)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(("add", (request_id, list(prompt_token_ids), params)))
+        self.client.add(core_requests)
         is_finished = False
         try:
             while True:
@@ -132,7 +135,8 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not is_finished:
-                self._commands.put(("abort", request_id))
+                await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        _, core_ids = self.frontend.processor.abort(request_id)
+        self.client.abort(core_ids)

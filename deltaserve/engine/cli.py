@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
+from deltaserve import env
+from deltaserve.model.preflight import report_startup_error
 from deltaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("deltaserve.generate")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
         from deltaserve.tiny import default_model_dir
 
         model = default_model_dir()
-    llm = LLM(model, dtype=args.dtype, load_format=args.load_format)
+    try:
+        llm = LLM(model, dtype=args.dtype, load_format=args.load_format)
+    except Exception as exc:  # a start-up error is one line naming the file (the traceback only when debugging)
+        return report_startup_error(exc, env.log_level() == "DEBUG", logger)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
     )

@@ -1,7 +1,8 @@
 """LLM: the offline API, shaped like vLLM's: LLM(model_dir, dtype=...).generate(prompts, SamplingParams(...)).
 
-A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}). All prompts are submitted to the
-engine at once and run with continuous batching; results come back in input order.
+A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}), optionally with vLLM's
+"multi_modal_data" ({"image": ..., "video": ...}; the prompt holds the chat template's placeholders). All prompts
+are submitted to the engine at once and run with continuous batching; results come back in input order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
+from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.multimodal.offline import loaded_media
 from deltaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -39,6 +42,18 @@ class LLM:
             return self._to_token_ids(prompt["prompt"])
         raise TypeError(f"a prompt is a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
 
+    def _multimodal(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], MultimodalInput | None]:
+        """(expanded token ids, the processed images and videos) for a prompt with multi_modal_data."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return token_ids, None
+        processor = self.engine.frontend.mm_processor
+        if processor is None:
+            raise ValueError("this model serves text only (no vision tower): multi_modal_data is refused")
+        media = loaded_media(data, processor.configs.video.fps or 2.0)
+        expanded, mm_input = processor.process_loaded(token_ids, media)
+        return expanded, mm_input
+
     def generate(
         self,
         prompts: PromptType | SequenceABC[PromptType],
@@ -57,8 +72,9 @@ class LLM:
         request_ids = []
         for prompt, params in zip(prompts, params_list, strict=True):
             text, token_ids = self._to_token_ids(prompt)
+            token_ids, mm_input = self._multimodal(prompt, token_ids)
             request_id = uuid.uuid4().hex
-            self.engine.add_request(request_id, token_ids, params, prompt=text)
+            self.engine.add_request(request_id, token_ids, params, prompt=text, mm_input=mm_input)
             request_ids.append(request_id)
         states = {rid: self.engine.requests[rid] for rid in request_ids}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as progress:

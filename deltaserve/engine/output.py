@@ -1,8 +1,10 @@
-"""RequestState: one request's n sequences as the engine tracks them, and the outputs it reports.
+"""The front end's view of each request: its n sequences' text, logprobs and finish, turned into RequestOutputs.
 
-It turns sampled tokens into text (incremental detokenizer per sequence), applies vLLM's stop rules
-(eos, stop_token_ids, stop strings, max_tokens, max_model_len, min_tokens) and produces RequestOutputs:
-deltas (only what is new since the last report) for streams, cumulative ones for LLM.generate.
+The core applies the token rules (eos, stop_token_ids, max_tokens, max_model_len) and reports new tokens; here they
+become text (an incremental detokenizer per sequence), stop strings are found (the core is then told to abort the
+sequence, as vLLM's output processor does), and RequestOutputs are produced: deltas (only what is new since the
+last report) for streams, cumulative ones for LLM.generate. This runs in the API process (or the caller's), never
+on the server's event loop.
 """
 
 from __future__ import annotations
@@ -10,15 +12,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.protocol import EngineCoreOutput
 from deltaserve.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
+from deltaserve.engine.stats import RequestMetrics
 from deltaserve.sampling_params import SamplingParams
-from deltaserve.scheduler.sequence import Sequence
 
 
 @dataclass
 class SequenceProgress:
-    seq: Sequence
-    detokenizer: object  # IncrementalDetokenizer
+    core_id: str  # the core request this sequence is
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cumulative_logprob: float = 0.0
@@ -26,6 +31,7 @@ class SequenceProgress:
     has_reported_finish: bool = False
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     text: str = ""  # cumulative text handed out so far
+    metrics: RequestMetrics | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -38,49 +44,68 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_ids: frozenset[int]
-    max_model_len: int
     sequences: list[SequenceProgress]
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
+    arrival_time: float = field(default_factory=time.time)
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.sequences)
 
-    def append_token(self, index: int, token_id: int, logprobs: list[tuple[int, float, int]] | None) -> None:
-        """Records one sampled token for sequence `index` and decides whether that sequence stops."""
+    def apply(self, index: int, output: EngineCoreOutput) -> bool:
+        """Records a core output for sequence `index`. True when a stop string ended the sequence while the core
+        still runs it (the caller aborts it there)."""
         progress = self.sequences[index]
-        seq, params = progress.seq, self.params
-        seq.output_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
-        if logprobs:
-            progress.cumulative_logprob += logprobs[0][1]
-            if params.logprobs is not None:
-                entry: dict[int, Logprob] = {}
-                for tok, logprob, rank in logprobs:
-                    if tok not in entry:
-                        entry[tok] = Logprob(logprob, rank, progress.detokenizer.decode_token(tok))
-                progress.logprobs.append(entry)
-        num_out = len(seq.output_token_ids)
-        may_stop = num_out >= params.min_tokens
-        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
-            progress.finish_reason = FinishReason.STOP.value
-        elif may_stop and token_id in params.stop_token_ids:
-            progress.finish_reason, progress.stop_reason = FinishReason.STOP.value, token_id
-        # A sequence ending on eos / a stop token id drops that token's text unless include_stop_str_in_output.
-        is_stop_token = progress.finish_reason is not None
-        stop_string = progress.detokenizer.add_tokens([token_id], is_stop_terminated=is_stop_token)
-        if stop_string is not None and not is_stop_token:
-            progress.finish_reason, progress.stop_reason = FinishReason.STOP.value, stop_string
-        if progress.finish_reason is None and (num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
-            progress.finish_reason = FinishReason.LENGTH.value
+        if progress.is_finished:
+            return False
+        params = self.params
+        num_new = len(output.new_token_ids)
+        for i, token_id in enumerate(output.new_token_ids):
+            progress.token_ids.append(token_id)
+            logprobs = output.new_logprobs[i] if output.new_logprobs is not None else None
+            if logprobs:
+                progress.cumulative_logprob += logprobs[0][1]
+                if params.logprobs is not None:
+                    entry: dict[int, Logprob] = {}
+                    for tok, logprob, rank in logprobs:
+                        if tok not in entry:
+                            entry[tok] = Logprob(logprob, rank, progress.detokenizer.decode_token(tok))
+                    progress.logprobs.append(entry)
+            is_last = i == num_new - 1
+            # a sequence ending on eos / a stop token id drops that token's text unless include_stop_str_in_output
+            is_stop_token = is_last and output.finish_reason == FinishReason.STOP.value
+            stop_string = progress.detokenizer.add_tokens([token_id], is_stop_terminated=is_stop_token)
+            if stop_string is not None and not is_stop_token:
+                progress.finish_reason, progress.stop_reason = FinishReason.STOP.value, stop_string
+                progress.metrics = output.metrics
+                return output.finish_reason is None
+        if output.finish_reason is not None:
+            progress.finish_reason, progress.stop_reason = output.finish_reason, output.stop_reason
+            progress.metrics = output.metrics
+        return False
 
     def abort(self) -> None:
         for progress in self.sequences:
             if not progress.is_finished:
                 progress.finish_reason = FinishReason.ABORT.value
+
+    def _metrics(self) -> RequestMetrics | None:
+        """The request's engine timestamps once it finished: earliest schedule and token, latest token."""
+        parts = [s.metrics for s in self.sequences if s.metrics is not None]
+        if not self.is_finished or not parts:
+            return None
+
+        def first(values: list[float | None]) -> float | None:
+            known = [v for v in values if v is not None]
+            return min(known) if known else None
+
+        last_tokens = [p.last_token_time for p in parts if p.last_token_time is not None]
+        return RequestMetrics(
+            arrival_time=min(p.arrival_time for p in parts),
+            first_scheduled_time=first([p.first_scheduled_time for p in parts]),
+            first_token_time=first([p.first_token_time for p in parts]),
+            last_token_time=max(last_tokens) if last_tokens else None,
+            num_preemptions=sum(p.num_preemptions for p in parts),
+        )
 
     def delta_output(self) -> RequestOutput:
         """What is new since the last call, for the sequences that progressed or finished."""
@@ -88,7 +113,7 @@ class RequestState:
         for index, progress in enumerate(self.sequences):
             if progress.has_reported_finish:
                 continue
-            token_ids = progress.seq.output_token_ids
+            token_ids = progress.token_ids
             if len(token_ids) == progress.num_reported_tokens and not progress.is_finished:
                 continue
             text = progress.detokenizer.take_delta(progress.is_finished)
@@ -113,6 +138,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.is_finished,
+            metrics=self._metrics(),
         )
 
     def final_output(self) -> RequestOutput:
@@ -121,7 +147,7 @@ class RequestState:
             CompletionOutput(
                 index=index,
                 text=progress.text,
-                token_ids=list(progress.seq.output_token_ids),
+                token_ids=list(progress.token_ids),
                 cumulative_logprob=progress.cumulative_logprob,
                 logprobs=progress.logprobs if self.params.logprobs is not None else None,
                 finish_reason=progress.finish_reason,
@@ -129,4 +155,6 @@ class RequestState:
             )
             for index, progress in enumerate(self.sequences)
         ]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished, metrics=self._metrics()
+        )

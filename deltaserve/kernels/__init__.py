@@ -14,7 +14,15 @@ from deltaserve.kernels.conv import (
     causal_conv1d_update_ref,
 )
 from deltaserve.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
-from deltaserve.kernels.moe import fused_moe, fused_moe_ref, moe_route, moe_route_ref
+from deltaserve.kernels.linear import linear, linear_ref
+from deltaserve.kernels.moe import (
+    fused_moe,
+    fused_moe_block,
+    fused_moe_block_ref,
+    fused_moe_ref,
+    moe_route,
+    moe_route_ref,
+)
 from deltaserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
 from deltaserve.kernels.preamble import (
     attn_preamble,
@@ -35,6 +43,8 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_update_ref",
     "fused_moe",
+    "fused_moe_block",
+    "fused_moe_block_ref",
     "fused_moe_ref",
     "gated_rms_norm",
     "gated_rms_norm_ref",
@@ -42,6 +52,8 @@ __all__ = [
     "gdn_decode_ref",
     "gdn_prefill",
     "gdn_prefill_ref",
+    "linear",
+    "linear_ref",
     "moe_route",
     "moe_route_ref",
     "paged_attention",

@@ -1,15 +1,20 @@
-"""Mixture-of-experts: routing (softmax → top-k → renormalise, fp32) and the routed-expert SwiGLU sum.
+"""Mixture-of-experts: routing (softmax → top-k → renormalise, fp32), the routed-expert SwiGLU sum, and the
+whole MoE block of a layer (router, routed experts, sigmoid-gated shared expert) as one op.
 
 w13 [E, 2·I, H] holds per expert [gate (I rows) | up (I rows)]; w2 [E, H, I]. Routing weights stay fp32
 (vLLM); each expert's down projection is scaled by its weight and the top-k results are summed in fp32.
+`fused_moe_block` is the composition the model's MoE block runs today (bf16 router GEMM, routing, shared
+SwiGLU, gate GEMM, fused_moe); on CUDA it takes the tuning table's path, three launches at decode sizes
+(moe_decode_triton) instead of about ten.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.kernels._dispatch import use_triton
-from deltaserve.kernels.activation import silu_and_mul
+from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 
 def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,3 +72,53 @@ def fused_moe(
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, shared, shared_gate_logits)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared, shared_gate_logits)
+
+
+def router_logits_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None) -> torch.Tensor:
+    """x [T, H], W_r [E, H], w_g [1, H] or None -> [T, E (+1)] in x's dtype: the router logits and, as column E,
+    the shared-expert gate logit; the twin of moe_decode_triton.router_logits_triton."""
+    logits = F.linear(x, router_weight)
+    return logits if gate_weight is None else torch.cat([logits, F.linear(x, gate_weight)], dim=1)
+
+
+def fused_moe_block_ref(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H]; router W_r [E, H]; w13 [E, 2I, H]; w2 [E, H, I]; the shared expert's [gate | up] rows
+    [2·I_sh, H], down [H, I_sh] and gate row [1, H] (all three or none) -> [T, H]. Router and gate logits are
+    model-dtype GEMM outputs (vLLM and TF), the shared SwiGLU rounds as the dense MLP, the rest as fused_moe_ref."""
+    has_shared = shared_w13 is not None
+    if has_shared != (shared_w2 is not None) or has_shared != (shared_gate_weight is not None):
+        raise ValueError("fused_moe_block: the shared expert needs shared_w13, shared_w2 and shared_gate_weight")
+    weights, ids = moe_route_ref(F.linear(x, router_weight), top_k, renormalize)
+    if not has_shared:
+        return fused_moe_ref(x, w13, w2, weights, ids)
+    shared = F.linear(silu_and_mul_ref(F.linear(x, shared_w13)), shared_w2)  # [T, H]
+    return fused_moe_ref(x, w13, w2, weights, ids, shared, F.linear(x, shared_gate_weight))
+
+
+def fused_moe_block(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if use_triton(x):
+        from deltaserve.kernels.moe_decode_triton import moe_block_triton
+
+        shared = (shared_w13, shared_w2, shared_gate_weight)
+        return moe_block_triton(x, router_weight, w13, w2, top_k, renormalize, *shared)
+    return fused_moe_block_ref(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2, shared_gate_weight)

@@ -6,11 +6,14 @@ about 22 launches per MoE layer (benchmarks/results/profile-decode-35b-a3b-h200-
 
 - `moe_route_triton` (twin: `moe.moe_route_ref`): one program per token; softmax in fp32, top-k by repeated
   argmax (descending, lowest expert id first on ties), optional renormalisation, weights fp32.
-- `moe_align_triton` (twin: `moe_align.moe_align_ref`, equal output): one program for the whole batch; per
-  expert counts, block-padded offsets (cumsum), each entry's rank among earlier entries of its expert (so the
-  order is the stable sort's), the scatter into `sorted_ids`, and each block's expert by searchsorted. Sized
-  for at most ALIGN_MAX_ENTRIES (token, choice) entries; larger (prefill) batches keep the torch path, where
-  launch counts do not matter.
+- `moe_align_triton` (twin: `moe_align.moe_align_ref`, equal output): one program for the whole batch, in
+  TILE-entry steps so its registers do not grow with the batch: per expert counts, block-padded offsets
+  (cumsum), each block's expert (searchsorted as a count), then the scatter in entry order with a running
+  next-slot per expert and the rank within the step (so the order is the stable sort's). An earlier version
+  held [entries, 64] compare tiles in registers: at 257-512 entries (35B-A3B decode at B = 33-64) it spilled
+  3 KiB a thread to local memory (11,000 spill instructions; benchmarks/kernel_resources.py), the decode-step
+  cliff of issue 11. Sized for at most ALIGN_MAX_ENTRIES entries (every decode batch up to 512 tokens at
+  top-8); larger (prefill) batches keep the torch path, where launch counts do not matter.
 Both are CUDA-graph safe: grids from shapes, no host sync.
 """
 
@@ -22,8 +25,8 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2
 
-ALIGN_MAX_ENTRIES = 512  # the one-program align keeps [entries, 64] comparison tiles in registers
-_TILE = 64
+# One program walks the entries in steps: its time grows linearly, so prefill-sized batches use torch ops.
+ALIGN_MAX_ENTRIES = 4096
 
 
 @triton.jit
@@ -85,50 +88,52 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
 @triton.jit(do_not_specialize=["num_entries", "num_blocks"])
 def _moe_align_kernel(
     ids_ptr,
-    starts_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
     num_entries,
     num_blocks,
     E: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    o_n = tl.arange(0, BLOCK_N)
-    m_n = o_n < num_entries
-    b_ids = tl.load(ids_ptr + o_n, mask=m_n, other=BLOCK_E).to(tl.int32)  # [BLOCK_N]; padding matches no expert
     o_e = tl.arange(0, BLOCK_E)
-    # Per expert counts, then block-padded run ends (an inclusive cumsum) and starts.
+    o_i = tl.arange(0, TILE)
+    # Pass 1: per expert counts, TILE entries at a time ([BLOCK_E, TILE] compares: registers do not grow with N).
     b_counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    b_rank = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for m0 in tl.static_range(0, BLOCK_N, TILE):
-        o_m = m0 + tl.arange(0, TILE)
-        b_ids_m = tl.load(ids_ptr + o_m, mask=o_m < num_entries, other=BLOCK_E).to(tl.int32)  # [TILE]
-        b_counts += tl.sum((b_ids_m[None, :] == o_e[:, None]).to(tl.int32), axis=1)
-        # rank: how many earlier entries chose the same expert (the stable sort's order within an expert)
-        is_earlier_same = (b_ids_m[None, :] == b_ids[:, None]) & (o_m[None, :] < o_n[:, None])  # [BLOCK_N, TILE]
-        b_rank += tl.sum(is_earlier_same.to(tl.int32), axis=1)
+    for m0 in range(0, num_entries, TILE):
+        o_m = m0 + o_i
+        b_ids = tl.load(ids_ptr + o_m, mask=o_m < num_entries, other=BLOCK_E).to(tl.int32)  # padding: no expert
+        b_counts += tl.sum((b_ids[None, :] == o_e[:, None]).to(tl.int32), axis=1)
     b_padded = (b_counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    b_ends = tl.cumsum(b_padded, axis=0)  # [BLOCK_E]
+    b_ends = tl.cumsum(b_padded, axis=0)  # [BLOCK_E] block-padded run ends
     total = tl.sum(b_padded, axis=0)
-    tl.store(starts_ptr + o_e, b_ends - b_padded)
-    # Every slot starts as padding (num_entries); the entries are scattered over it below.
+    # Every slot starts as padding (num_entries); pass 2 scatters the entries over it.
     num_slots = num_blocks * BLOCK_M
-    b_pad = tl.zeros([BLOCK_N], dtype=tl.int32) + num_entries
-    for s0 in range(0, num_slots, BLOCK_N):
-        tl.store(sorted_ids_ptr + s0 + o_n, b_pad, mask=s0 + o_n < num_slots)
+    b_pad = tl.zeros([TILE], dtype=tl.int32) + num_entries
+    for s0 in range(0, num_slots, TILE):
+        tl.store(sorted_ids_ptr + s0 + o_i, b_pad, mask=s0 + o_i < num_slots)
     # Each block's expert: the number of run ends at or before its first row, -1 past the last run.
     for b0 in range(0, num_blocks, TILE):
-        o_b = b0 + tl.arange(0, TILE)
+        o_b = b0 + o_i
         b_start = o_b * BLOCK_M
         b_expert = tl.sum((b_ends[None, :] <= b_start[:, None]).to(tl.int32), axis=1)
         b_expert = tl.where(b_start < total, b_expert, -1)
         tl.store(block_expert_ptr + o_b, b_expert, mask=o_b < num_blocks)
-    tl.debug_barrier()  # the starts and the padding fill above are visible to every thread below
-    b_dest = tl.load(starts_ptr + b_ids, mask=m_n, other=0) + b_rank
-    tl.store(sorted_ids_ptr + b_dest, o_n, mask=m_n)
+    tl.debug_barrier()  # the padding fill is complete before any entry is scattered over it
+    # Pass 2, in entry order: each entry goes to its expert's next free slot (the running count starts at the
+    # run's start), then the rank among earlier entries of the same chunk; so the order is the stable sort's.
+    b_next = b_ends - b_padded  # [BLOCK_E]
+    for m0 in range(0, num_entries, TILE):
+        o_m = m0 + o_i
+        m_m = o_m < num_entries
+        b_ids = tl.load(ids_ptr + o_m, mask=m_m, other=BLOCK_E).to(tl.int32)  # [TILE]
+        is_mine = b_ids[:, None] == o_e[None, :]  # [TILE, BLOCK_E]
+        b_base = tl.sum(tl.where(is_mine, b_next[None, :], 0), axis=1)  # [TILE]
+        is_earlier_same = (b_ids[:, None] == b_ids[None, :]) & (o_i[None, :] < o_i[:, None])  # [TILE, TILE]
+        b_rank = tl.sum(is_earlier_same.to(tl.int32), axis=1)
+        tl.store(sorted_ids_ptr + b_base + b_rank, o_m, mask=m_m)
+        b_next += tl.sum(is_mine.to(tl.int32), axis=0)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,22 +147,25 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     num_blocks = triton.cdiv(num_entries, block_m) + min(num_experts, num_entries)
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    block_e = next_pow2(num_experts)
-    starts = torch.empty(block_e, dtype=torch.int32, device=device)
     if num_entries == 0:
         return sorted_ids, block_expert
+    block_e = next_pow2(num_experts)
     _moe_align_kernel[(1,)](
         flat,
-        starts,
         sorted_ids,
         block_expert,
         num_entries,
         num_blocks,
         E=num_experts,
         BLOCK_M=block_m,
-        BLOCK_N=max(_TILE, next_pow2(num_entries)),
         BLOCK_E=block_e,
-        TILE=_TILE,
+        TILE=align_tile(block_e),
         num_warps=8,
     )
     return sorted_ids, block_expert
+
+
+def align_tile(block_e: int) -> int:
+    """Entries per step of the align kernel: [BLOCK_E, TILE] compare tiles of at most 8K elements, 56-110
+    registers a thread at 8 warps and no spills for E = 64-512 on sm_90 (benchmarks/kernel_resources.py)."""
+    return max(16, min(64, 8192 // block_e))

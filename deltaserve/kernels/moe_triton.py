@@ -1,8 +1,11 @@
 """Triton fused MoE: routed-expert SwiGLU over tokens sorted by expert, as grouped GEMMs.
 
-Three steps, all sized from shapes (no host sync: the decode path is CUDA-graph safe):
-1. Align (torch ops; one Triton launch for decode-sized batches, see moe_routing_triton): the T·k
-   (token, choice) entries are sorted stably by expert and each expert's run is padded to a multiple of
+Each call takes its launch configuration from the committed tuning table (moe_configs: one config per
+power-of-two token bucket, picked on the device by benchmarks/tune_moe.py; never autotuned while serving).
+A bucket whose path is "decode" runs moe_decode_triton's gate/up and down+sum kernels on the given routing
+(two launches, no alignment). The "grouped" path, all sized from shapes (no host sync, CUDA-graph safe):
+1. Align (one Triton launch up to ALIGN_MAX_ENTRIES entries, torch ops beyond, see moe_routing_triton): the
+   T·k (token, choice) entries are sorted stably by expert and each expert's run is padded to a multiple of
    BLOCK_M, so every BLOCK_M-row block of `sorted_ids` belongs to one expert (`block_expert`, -1 past the end).
    The block count is bounded by cdiv(T·k, BLOCK_M) + min(E, T·k).
 2. GEMM 1 + SiLU-and-mul: each block gathers its tokens' rows of x and multiplies them by the expert's gate
@@ -10,9 +13,7 @@ Three steps, all sized from shapes (no host sync: the decode path is CUDA-graph 
    takes SiLU(gate)·up in fp32 and stores one rounded row per entry: act [T·k, I].
 3. GEMM 2: act rows times the expert's w2, rounded to the input dtype per entry: y [T·k, H]. A last small
    kernel sums each token's k rows scaled by its fp32 routing weights, in fp32, and rounds once.
-Routing weights stay fp32 and multiply the rounded expert output, as the ref. Prefill-sized calls are
-autotuned (BLOCK_N, BLOCK_K, warps, stages); small (decode) calls use one fixed config, so a first call under
-CUDA-graph capture never tries to benchmark.
+Routing weights stay fp32 and multiply the rounded expert output, as the ref.
 """
 
 from __future__ import annotations
@@ -21,34 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import autotune, dot_precision, i64, next_pow2, silu_f32
+from deltaserve.kernels import moe_configs
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
 from deltaserve.kernels.moe_align import moe_align_ref
+from deltaserve.kernels.moe_configs import MoEConfig
 from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
 
 # Token chunk per pass: bounds the act / y scratch (35B-A3B at 8192 tokens: y is 256 MiB in bf16).
 CHUNK_TOKENS = 8192
-# At most this many (token, choice) entries take the fixed decode config.
-SMALL_ENTRIES = 512
-_GEMM_CONFIGS = [
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-]
-_SMALL_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+# The bucket whose default config a grouped call falls back to when its own config is a decode one.
+DEFAULT_GROUPED_TOKENS = 128
 
 
-def block_m_for(num_entries: int, num_experts: int) -> int:
-    """Rows per block: about the mean rows per expert, 16 (tl.dot's minimum) to 64. Taken from the entry count's
-    power-of-two bucket, the autotune key, so a bucket tuned at start-up never meets a new BLOCK_M (a compile
-    in the middle of serving) for a batch of another size in the same bucket."""
-    return int(min(64, max(16, next_pow2(num_entries) // max(num_experts, 1))))
-
-
-@triton.jit(do_not_specialize=["num_entries", "M_BUCKET"])
+@triton.jit(do_not_specialize=["num_entries"])
 def _moe_gemm1_kernel(
     x_ptr,
     w13_ptr,
@@ -59,7 +45,6 @@ def _moe_gemm1_kernel(
     stride_x,
     stride_w_e,
     stride_w_n,
-    M_BUCKET,
     TOP_K: tl.constexpr,
     I: tl.constexpr,
     H: tl.constexpr,
@@ -102,7 +87,7 @@ def _moe_gemm1_kernel(
     tl.store(p_act, b_act, mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize=["num_entries", "M_BUCKET"])
+@triton.jit(do_not_specialize=["num_entries"])
 def _moe_gemm2_kernel(
     act_ptr,
     w2_ptr,
@@ -112,7 +97,6 @@ def _moe_gemm2_kernel(
     num_entries,
     stride_w_e,
     stride_w_n,
-    M_BUCKET,
     I: tl.constexpr,
     H: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -178,8 +162,9 @@ def _moe_sum_kernel(
     tl.store(out_ptr + i_t * stride_o + o_h, b_sum, mask=m_h)
 
 
-_moe_gemm1_tuned = autotune(_GEMM_CONFIGS, key=["I", "H", "M_BUCKET"])(_moe_gemm1_kernel)
-_moe_gemm2_tuned = autotune(_GEMM_CONFIGS, key=["I", "H", "M_BUCKET"])(_moe_gemm2_kernel)
+def grouped_block_m(num_entries: int, num_experts: int) -> int:
+    """The default grouped-path BLOCK_M (tables set their own): about the mean rows per expert, 16-64."""
+    return moe_configs.default_config(max(1, num_entries), num_experts, 1).block_m
 
 
 def _fused_moe_chunk(
@@ -191,13 +176,14 @@ def _fused_moe_chunk(
     out: torch.Tensor,
     shared: torch.Tensor | None,
     shared_gate_logits: torch.Tensor | None,
+    config: MoEConfig,
 ) -> None:
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_entries = num_tokens * top_k
-    block_m = block_m_for(num_entries, num_experts)
-    if num_entries <= ALIGN_MAX_ENTRIES:  # decode-sized: one launch instead of about fifteen torch ops
+    block_m = config.block_m
+    if num_entries <= ALIGN_MAX_ENTRIES:  # one launch instead of about fifteen torch ops
         sorted_ids, block_expert = moe_align_triton(topk_ids, num_experts, block_m)
     else:
         sorted_ids, block_expert = moe_align_ref(topk_ids, num_experts, block_m)
@@ -205,18 +191,15 @@ def _fused_moe_chunk(
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
-    bucket = next_pow2(num_entries)
-    args1 = (x, w13, act, sorted_ids, block_expert, num_entries, x.stride(0), w13.stride(0), w13.stride(1), bucket)
-    kwargs1 = {"TOP_K": top_k, "I": inter, "H": hidden, "DOT_PRECISION": precision, "BLOCK_M": block_m}
-    args2 = (act, w2, y, sorted_ids, block_expert, num_entries, w2.stride(0), w2.stride(1), bucket)
-    kwargs2 = {"I": inter, "H": hidden, "DOT_PRECISION": precision, "BLOCK_M": block_m}
-    if num_entries <= SMALL_ENTRIES:
-        block_n = _SMALL_CONFIG["BLOCK_N"]
-        _moe_gemm1_kernel[(num_blocks, triton.cdiv(inter, block_n))](*args1, **kwargs1, **_SMALL_CONFIG)
-        _moe_gemm2_kernel[(num_blocks, triton.cdiv(hidden, block_n))](*args2, **kwargs2, **_SMALL_CONFIG)
-    else:
-        _moe_gemm1_tuned[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](*args1, **kwargs1)
-        _moe_gemm2_tuned[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](*args2, **kwargs2)
+    g1, g2 = config.gemm1, config.gemm2
+    _moe_gemm1_kernel[(num_blocks, triton.cdiv(inter, g1.BLOCK_N))](
+        x, w13, act, sorted_ids, block_expert, num_entries, x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g1.launch(),
+    )  # fmt: skip
+    _moe_gemm2_kernel[(num_blocks, triton.cdiv(hidden, g2.BLOCK_N))](
+        act, w2, y, sorted_ids, block_expert, num_entries, w2.stride(0), w2.stride(1),
+        I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g2.launch(),
+    )  # fmt: skip
     block_h = min(1024, next_pow2(hidden))
     has_shared = shared is not None and shared_gate_logits is not None
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
@@ -245,17 +228,32 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     shared: torch.Tensor | None = None,
     shared_gate_logits: torch.Tensor | None = None,
+    config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, H]. With the
-    shared expert's output [T, H] and its gate logits [T, 1], the sigmoid-gated sum of both, as fused_moe_ref."""
+    shared expert's output [T, H] and its gate logits [T, 1], the sigmoid-gated sum of both, as fused_moe_ref.
+    `config` overrides the tuning table's choice (the tuner's candidates; tests)."""
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     assert w13.dtype == x.dtype and w2.dtype == x.dtype
     assert (shared is None) == (shared_gate_logits is None), "the shared expert needs both its output and its gate"
     if shared is not None:
         assert shared.shape == x.shape and shared.stride(-1) == 1
+    num_tokens, hidden = x.shape
+    num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    if config is None:
+        config = moe_configs.config_for(num_tokens, num_experts, inter, hidden, top_k, x.dtype, x.device)
+    if config.path == "decode" and 0 < num_tokens <= moe_configs.DECODE_MAX_TOKENS:
+        from deltaserve.kernels.moe_decode_triton import decode_gemms
+
+        return decode_gemms(
+            x, w13, w2, config.gemm1, config.gemm2, top_k=top_k, topk_weights=topk_weights, topk_ids=topk_ids,
+            shared_out=shared, shared_gate_logits=shared_gate_logits,
+        )  # fmt: skip
+    if config.path == "decode":  # a chunk past the decode path's limit (tests force tiny chunks)
+        config = moe_configs.default_config(DEFAULT_GROUPED_TOKENS, num_experts, top_k)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for start in range(0, x.shape[0], CHUNK_TOKENS):
-        end = min(start + CHUNK_TOKENS, x.shape[0])
+    for start in range(0, num_tokens, CHUNK_TOKENS):
+        end = min(start + CHUNK_TOKENS, num_tokens)
         rows = slice(start, end)
         _fused_moe_chunk(
             x[rows],
@@ -266,5 +264,6 @@ def fused_moe_triton(
             out[rows],
             None if shared is None else shared[rows],
             None if shared_gate_logits is None else shared_gate_logits[rows],
+            config,
         )
     return out

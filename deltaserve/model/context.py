@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,13 +28,15 @@ class ForwardContext:
     max_seq_len: int
     # Gated DeltaNet (all sequences, decodes first)
     state_indices: torch.Tensor  # [B] int32, -1 for padding
-    has_initial_state: torch.Tensor  # [B] bool
+    has_initial_state: torch.Tensor  # [B] bool or int32 (nonzero: start from the slot's state)
     # RoPE table for this step's tokens, built once from the 3-D positions and shared by all attention layers
     cos_sin: torch.Tensor | None = None  # [T, r]
     has_mrope_positions: bool = False  # some row of positions differs from the others (true MRoPE)
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills+1] int32, offsets within the prefill slice
-    # prefill_slots()'s copies, made once per step
-    _prefill_slots: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    # The prefill sequences' state_indices / has_initial_state in tensors of their own, 16-byte aligned; the runner
+    # packs them so, and prefill_slots() copies them out of the full tensors when it did not.
+    prefill_state_indices: torch.Tensor | None = None  # [num_prefills] int32
+    prefill_has_initial_state: torch.Tensor | None = None  # [num_prefills]
 
     @property
     def num_decodes(self) -> int:
@@ -45,14 +47,14 @@ class ForwardContext:
         return self.num_decode_tokens + self.num_prefill_tokens
 
     def prefill_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state_indices, has_initial_state) of the prefill sequences, copied once per step (the first GDN layer
-        asks) into tensors of their own: a slice at an offset of num_decodes elements moves the pointer off the
-        16-byte alignment Triton specializes on, and each new alignment compiled a kernel variant in the middle
-        of serving. The full tensors stay the one source: the copies are taken when first needed."""
-        if self._prefill_slots is None:
+        """(state_indices, has_initial_state) of the prefill sequences in tensors of their own: a slice at an offset
+        of num_decodes elements moves the pointer off the 16-byte alignment Triton specializes on, and each new
+        alignment compiled a kernel variant in the middle of serving."""
+        if self.prefill_state_indices is None or self.prefill_has_initial_state is None:
             start = self.num_decode_tokens
-            self._prefill_slots = (self.state_indices[start:].clone(), self.has_initial_state[start:].clone())
-        return self._prefill_slots
+            self.prefill_state_indices = self.state_indices[start:].clone()
+            self.prefill_has_initial_state = self.has_initial_state[start:].clone()
+        return self.prefill_state_indices, self.prefill_has_initial_state
 
 
 _current: ForwardContext | None = None

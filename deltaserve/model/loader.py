@@ -1,61 +1,65 @@
 """Checkpoint loading: sharded safetensors in Hugging Face layout -> the model's (fused) parameters.
 
 Handles the prefixes and layouts of architecture doc §2: `model.language_model.*` with a top-level
-`lm_head` (Qwen3.5/3.6) or `model.*` (Qwen3-Next and text-only forms); `mtp.*` and `model.visual.*` are
-recognised and skipped; q/k/v projections fused into one qkv weight; Qwen3.5's flat `in_proj_qkv/z/b/a`
-versus Qwen3-Next's group-interleaved `in_proj_qkvz/ba`; fused 3-D experts versus one tensor per expert;
-tied embeddings with or without an `lm_head.weight`; `A_log` kept in fp32. A missing or mis-shaped tensor
-raises CheckpointError naming it; tensors nobody consumed are reported. `load_format="dummy"` fills every
-parameter with seeded random values instead.
+`lm_head` (Qwen3.5/3.6) or `model.*` (Qwen3-Next and text-only forms); q/k/v projections fused into one qkv
+weight (and their biases when `attention_bias`); Qwen3.5's flat `in_proj_qkv/z/b/a` versus Qwen3-Next's
+group-interleaved `in_proj_qkvz/ba`; fused 3-D experts versus one tensor per expert; tied embeddings decided by the
+tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` kept in fp32.
+
+Every tensor of the checkpoint is consumed or skipped by a named SkipRule (`mtp.*`, `model.visual.*`); any other
+tensor is an error naming it and its file unless `ignore_unexpected` is set. A missing, mis-shaped or non-float
+tensor raises CheckpointError naming the tensor and its file. `load_format="dummy"` fills every parameter with
+seeded random values instead (init_dummy_weights).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from deltaserve.config import ModelConfig
+from deltaserve.model.checkpoint_files import SKIP_RULES, CheckpointError, CheckpointFiles, SkipRule, skip_rule_for
 from deltaserve.model.qwen3_5 import DecoderLayer, Qwen35Model
+from deltaserve.model.vision_loader import load_vision_tower
 
 logger = logging.getLogger(__name__)
 
-SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the config; the message names the tensor."""
+__all__ = ["CheckpointError", "LoadReport", "load_checkpoint", "init_dummy_weights"]
+IGNORE_UNEXPECTED_FLAG = "--ignore-unexpected-tensors"
 
 
 @dataclass
 class LoadReport:
     num_tensors_loaded: int = 0
     skipped: list[str] = field(default_factory=list)  # recognised and deliberately not loaded (mtp, vision)
-    unexpected: list[str] = field(default_factory=list)  # neither loaded nor recognised
+    skipped_by_rule: dict[str, int] = field(default_factory=dict)  # SkipRule.name -> number of tensors
+    unexpected: list[str] = field(default_factory=list)  # neither loaded nor skipped (only with ignore_unexpected)
+    notes: list[str] = field(default_factory=list)  # config and tie decisions (ModelConfig.notes + the loader's)
+
+    def summary(self) -> str:
+        """One line for the engine's start-up log."""
+        parts = [f"{self.num_tensors_loaded} tensors loaded"]
+        if self.skipped_by_rule:
+            parts.append("skipped " + ", ".join(f"{n} {rule}" for rule, n in sorted(self.skipped_by_rule.items())))
+        if self.unexpected:
+            parts.append(f"{len(self.unexpected)} unexpected ignored ({', '.join(self.unexpected[:3])})")
+        return "; ".join(parts + self.notes)
 
 
 class Checkpoint:
-    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+    """Lazy access to the tensors of a validated (possibly sharded) safetensors checkpoint."""
 
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        else:
-            shards = sorted(model_dir.glob("*.safetensors"))
-            if not shards:
-                raise CheckpointError(f"{model_dir}: no *.safetensors files and no model.safetensors.index.json")
-            weight_map = {}
-            for shard in shards:
-                with safe_open(shard, framework="pt") as f:
-                    weight_map.update(dict.fromkeys(f.keys(), shard.name))  # noqa: SIM118
-        self.weight_map = weight_map
+    def __init__(self, model_dir: Path, hint: str = "") -> None:
+        self.files = CheckpointFiles(model_dir)
+        self.model_dir = Path(model_dir)
+        self.weight_map = self.files.weight_map
+        # appended to shape / missing-tensor errors: the config defaults that shaped the expected shapes
+        self.hint = hint
         self._handles: dict[str, object] = {}
         self.consumed: set[str] = set()
 
@@ -64,26 +68,28 @@ class Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
-            raise CheckpointError(f"{self.model_dir}: tensor `{name}` is missing from the checkpoint")
-        shard = self.weight_map[name]
-        if shard not in self._handles:
-            path = self.model_dir / shard
-            if not path.is_file():
-                raise CheckpointError(f"{self.model_dir}: shard {shard} (holding `{name}`) does not exist")
-            self._handles[shard] = safe_open(path, framework="pt")
+            raise CheckpointError(f"{self.files.where}: tensor `{name}` is missing from the checkpoint{self.hint}")
+        path = self.files.shard_path(name)
+        try:
+            if path.name not in self._handles:
+                self._handles[path.name] = safe_open(path, framework="pt")
+            tensor = self._handles[path.name].get_tensor(name)  # type: ignore[attr-defined]
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: cannot read tensor `{name}` ({' '.join(str(exc).split())})") from exc
         self.consumed.add(name)
-        return self._handles[shard].get_tensor(name)  # type: ignore[attr-defined]
-
-    def get_shaped(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.get(name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.model_dir}: tensor `{name}` has shape {list(tensor.shape)}, expected {list(shape)}"
-            )
         return tensor
 
+    def get_shaped(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        info = self.files.tensors.get(name)
+        if info is not None and tuple(info.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.files.shard_path(name)}: tensor `{name}` has shape {list(info.shape)}, "
+                f"expected {list(shape)}{self.hint}"
+            )
+        return self.get(name)
 
-def _decoder_prefix(config: ModelConfig, ckpt: Checkpoint) -> str:
+
+def _decoder_prefix(ckpt: Checkpoint) -> str:
     if any(name.startswith("model.language_model.") for name in ckpt.weight_map):
         return "model.language_model."
     return "model."
@@ -104,6 +110,13 @@ def _load_attention(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: Model
     v = ckpt.get_shaped(p + "v_proj.weight", (nkv * d, hidden))
     _copy(attn.qkv_proj, torch.cat([q, k, v]), p + "q_proj/k_proj/v_proj")
     _copy(attn.o_proj, ckpt.get_shaped(p + "o_proj.weight", (hidden, nq * d)), p + "o_proj.weight")
+    if config.has_attention_bias:
+        # transformers' attention_bias puts a bias on all four projections (Qwen3_5Attention, bias=attention_bias)
+        q_b = ckpt.get_shaped(p + "q_proj.bias", (2 * nq * d,))
+        k_b = ckpt.get_shaped(p + "k_proj.bias", (nkv * d,))
+        v_b = ckpt.get_shaped(p + "v_proj.bias", (nkv * d,))
+        _copy(attn.qkv_bias, torch.cat([q_b, k_b, v_b]), p + "q_proj/k_proj/v_proj.bias")
+        _copy(attn.o_bias, ckpt.get_shaped(p + "o_proj.bias", (hidden,)), p + "o_proj.bias")
     _copy(attn.q_norm, ckpt.get_shaped(p + "q_norm.weight", (d,)), p + "q_norm.weight")
     _copy(attn.k_norm, ckpt.get_shaped(p + "k_norm.weight", (d,)), p + "k_norm.weight")
 
@@ -162,20 +175,75 @@ def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
             up = ckpt.get_shaped(ep + "up_proj.weight", (width, hidden))
             _copy(moe.w13[e], torch.cat([gate, up]), ep + "gate_proj/up_proj")
             _copy(moe.w2[e], ckpt.get_shaped(ep + "down_proj.weight", (hidden, width)), ep + "down_proj.weight")
+    shared_width = config.shared_expert_intermediate_size
     if moe.has_shared_expert:
-        shared_width = config.shared_expert_intermediate_size
         _load_dense_mlp(moe.shared_expert, ckpt, p + "shared_expert.", hidden, shared_width)
         gate_w = ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
         _copy(moe.shared_expert_gate, gate_w, p + "shared_expert_gate.weight")
+    else:
+        # Width 0: transformers' zero-width shared expert adds exactly 0, so its (empty) tensors and its gate are
+        # read for their shapes and not used.
+        for name, shape in (("gate_proj.weight", (0, hidden)), ("up_proj.weight", (0, hidden)),
+                            ("down_proj.weight", (hidden, 0))):  # fmt: skip
+            if ckpt.has(p + "shared_expert." + name):
+                ckpt.get_shaped(p + "shared_expert." + name, shape)
+        if ckpt.has(p + "shared_expert_gate.weight"):
+            ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
 
 
-def load_checkpoint(model: Qwen35Model, config: ModelConfig, model_dir: Path) -> LoadReport:
-    ckpt = Checkpoint(model_dir)
-    prefix = _decoder_prefix(config, ckpt)
+def _load_head(model: Qwen35Model, ckpt: Checkpoint, config: ModelConfig, embed: torch.Tensor | None) -> list[str]:
+    """lm_head as transformers ties it (PreTrainedModel.tie_weights): a distinct lm_head.weight is used even when a
+    tie flag is set (transformers warns and does not tie); without one, the head is the embedding if any tie flag
+    says so. Returns the notes for the load report."""
+    shape = (config.vocab_size, config.hidden_size)
+    said_tied = [name for name, value in config.tie_flags if value]
+    if ckpt.has("lm_head.weight"):
+        head = ckpt.get_shaped("lm_head.weight", shape)
+        if said_tied and embed is not None and torch.equal(head, embed):
+            return []
+        if model.lm_head is model.embed_tokens:
+            model.untie_lm_head()
+        _copy(model.lm_head, head, "lm_head.weight")
+        if not said_tied:
+            return []
+        note = (f"`{said_tied[0]}` is true but lm_head.weight differs from the embedding: lm_head.weight is used, as "
+                "transformers does (it warns and leaves the two untied)")  # fmt: skip
+        logger.warning("%s: %s", ckpt.model_dir, note)
+        return [note]
+    if not said_tied:
+        flags = ", ".join(f"`{name}` is false" for name, _ in config.tie_flags)
+        raise CheckpointError(f"{ckpt.files.where}: tensor `lm_head.weight` is missing and {flags}{ckpt.hint}")
+    if config.tie_flags[0][1] is False:
+        # composite checkpoint: transformers reads the top-level flag (false) and would leave lm_head random
+        return [f"lm_head tied to the embedding as `{said_tied[0]}` says (vLLM's reading; transformers reads "
+                f"`{config.tie_flags[0][0]}`, which is false)"]  # fmt: skip
+    return []
+
+
+def load_checkpoint(
+    model: Qwen35Model,
+    config: ModelConfig,
+    model_dir: Path,
+    ignore_unexpected: bool = False,
+    skip_rules: tuple[SkipRule, ...] = SKIP_RULES,
+) -> LoadReport:
+    """Fills model from the checkpoint in model_dir. Tensors that nothing consumed and no skip rule names are an
+    error (the first is named with its file) unless ignore_unexpected, which lists them in the report instead."""
+    defaults = [note for note in config.notes if note.startswith("absent from config.json")]
+    hint = f" ({defaults[0]})" if defaults else ""
+    ckpt = Checkpoint(model_dir, hint)
+    ckpt.files.check_dtypes(skip_rules)
+    prefix = _decoder_prefix(ckpt)
     hidden = config.hidden_size
     with torch.no_grad():
-        embed = ckpt.get_shaped(prefix + "embed_tokens.weight", (config.vocab_size, hidden))
-        _copy(model.embed_tokens, embed, prefix + "embed_tokens.weight")
+        embed_name = prefix + "embed_tokens.weight"
+        embed = None
+        if ckpt.has(embed_name) or not (config.tie_word_embeddings and ckpt.has("lm_head.weight")):
+            embed = ckpt.get_shaped(embed_name, (config.vocab_size, hidden))
+        else:
+            # tied with only lm_head.weight stored: transformers swaps source and target and ties to it
+            embed = ckpt.get_shaped("lm_head.weight", (config.vocab_size, hidden))
+        _copy(model.embed_tokens, embed, embed_name)
         for i, layer in enumerate(model.layers):
             p = f"{prefix}layers.{i}."
             _copy(
@@ -192,17 +260,33 @@ def load_checkpoint(model: Qwen35Model, config: ModelConfig, model_dir: Path) ->
             else:
                 _load_dense_mlp(layer.mlp, ckpt, p + "mlp.", hidden, config.intermediate_size)
         _copy(model.norm, ckpt.get_shaped(prefix + "norm.weight", (hidden,)), prefix + "norm.weight")
-        if not config.tie_word_embeddings:
-            head = ckpt.get_shaped("lm_head.weight", (config.vocab_size, hidden))
-            _copy(model.lm_head, head, "lm_head.weight")
-        elif ckpt.has("lm_head.weight"):
-            # A tied checkpoint may still carry a copy of the embedding; it must agree in shape.
-            ckpt.get_shaped("lm_head.weight", (config.vocab_size, hidden))
-    report = LoadReport(num_tensors_loaded=len(ckpt.consumed))
+        head_notes = _load_head(model, ckpt, config, embed)
+        if getattr(model, "visual", None) is not None:
+            # the vision tower was built: model.visual.* is consumed (else it stays a skipped prefix)
+            load_vision_tower(model.visual, config.vision, ckpt)
+    report = LoadReport(num_tensors_loaded=len(ckpt.consumed), notes=[*config.notes, *head_notes])
     for name in sorted(set(ckpt.weight_map) - ckpt.consumed):
-        (report.skipped if name.startswith(SKIPPED_PREFIXES) else report.unexpected).append(name)
+        rule = skip_rule_for(name, skip_rules)
+        if rule is None:
+            report.unexpected.append(name)
+        else:
+            report.skipped.append(name)
+            report.skipped_by_rule[rule.name] = report.skipped_by_rule.get(rule.name, 0) + 1
+    if report.unexpected and not ignore_unexpected:
+        first = report.unexpected[0]
+        more = f" (and {len(report.unexpected) - 1} more)" if len(report.unexpected) > 1 else ""
+        raise CheckpointError(
+            f"{ckpt.files.shard_path(first)}: unexpected tensor `{first}`{more}: the {config.architecture} model "
+            f"has no parameter for it; {IGNORE_UNEXPECTED_FLAG} loads the checkpoint without it"
+        )
     if report.unexpected:
-        logger.warning("%d unexpected tensors in %s: %s", len(report.unexpected), model_dir, report.unexpected[:20])
+        logger.warning(
+            "%d unexpected tensors ignored in %s: %s", len(report.unexpected), model_dir, report.unexpected[:20]
+        )
+    for note in config.notes:
+        # transformers' defaults are routine; a field ignored or read as vLLM reads it deserves attention
+        level = logging.INFO if note.startswith("absent from config.json") else logging.WARNING
+        logger.log(level, "%s: %s", model_dir, note)
     return report
 
 
@@ -220,6 +304,6 @@ def init_dummy_weights(model: Qwen35Model, seed: int) -> None:
             elif leaf == "norm" and ".linear_attn." in name:
                 param.fill_(1.0)  # the GDN gated norm has a plain weight
             elif param.dim() == 1:
-                param.zero_()  # zero-centred norms: applied as (1 + w)
+                param.zero_()  # zero-centred norms: applied as (1 + w); projection biases start at 0
             else:
                 param.normal_(0.0, 0.02, generator=generator)

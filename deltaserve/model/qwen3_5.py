@@ -20,6 +20,7 @@ from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import DenseMLP, MoEBlock
+from deltaserve.model.vision import VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -56,7 +57,9 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen35Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, build_vision: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.eps = config.rms_norm_eps
@@ -81,18 +84,39 @@ class Qwen35Model(nn.Module):
         for layer in self.layers:
             if layer.is_full_attention:
                 layer.self_attn.cos_sin_cache = self.cos_sin_cache
+        # The vision tower (model.visual.*), built only when asked and the checkpoint has one (multimodal doc §4).
+        self.visual = VisionTower(config.vision, dtype, device) if build_vision and config.vision else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [3, T] -> final-normed hidden states [T, H]."""
+    def untie_lm_head(self) -> None:
+        """Gives lm_head its own storage (the loader found a checkpoint lm_head.weight that differs from the
+        embedding, which transformers uses untied)."""
+        self.lm_head = empty_param(
+            *self.embed_tokens.shape, dtype=self.embed_tokens.dtype, device=self.embed_tokens.device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [3, T] -> final-normed hidden states [T, H]. mm_embeds: (rows [M] int64 of
+        this step's tokens, vision embeddings [M, H]) replacing those rows' token embeddings (doc §5.1)."""
         ctx = get_forward_context()
         ctx.cos_sin = rope_cos_sin_for_positions(self.cos_sin_cache, positions, self.axis_per_frequency)  # [T, r]
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if mm_embeds is not None:
+            hidden = hidden.index_copy(0, mm_embeds[0], mm_embeds[1].to(hidden.dtype))
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions)
         hidden, _ = rms_norm(hidden, self.norm, self.eps, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast)."""
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast), written into
+        `out` [B, V] fp32 when given (the decode graphs share one such buffer)."""
+        logits = F.linear(hidden, self.lm_head)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)

@@ -45,6 +45,11 @@ class CacheLayout:
     bytes_per_slot: int
 
 
+def affordable_slots(budget_bytes: int, slot_bytes: int, share: float = 0.5) -> int:
+    """How many GDN state slots fit in `share` of the cache budget (the rest stays KV blocks)."""
+    return max(1, int(budget_bytes * share) // max(slot_bytes, 1))
+
+
 def plan_cache(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -100,3 +105,18 @@ def allocate_and_bind(
             layer.linear_attn.conv_states = conv[gdn_index]
             layer.linear_attn.ssm_states = ssm[gdn_index]
             gdn_index += 1
+
+
+def copy_state_slots(model: Qwen35Model, pairs: list[tuple[int, int]]) -> None:
+    """Copies every GDN layer's conv and recurrent state from slot src to slot dst, for (src, dst) pairs: a step that
+    reads one slot and writes another (a restored prefix-cache checkpoint) starts from a copy."""
+    if not pairs:
+        return
+    device = next(iter(model.parameters())).device
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+    for layer in model.layers:
+        if not layer.is_full_attention:
+            mixer = layer.linear_attn
+            mixer.conv_states.index_copy_(0, dst, mixer.conv_states.index_select(0, src))
+            mixer.ssm_states.index_copy_(0, dst, mixer.ssm_states.index_select(0, src))

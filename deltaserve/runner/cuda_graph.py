@@ -1,51 +1,81 @@
-"""Decode CUDA graphs: one captured forward per batch-size bucket, replayed with static input buffers.
+"""Decode CUDA graphs: one captured forward per batch-size bucket, replayed over static input buffers.
 
-Only all-decode batches (one token per sequence) are captured, as in nano-vllm and vLLM: their shapes are
-fixed by the bucket, and every kernel on the decode path is graph-safe (no host syncs, grids from shapes).
-A batch of B sequences replays the smallest bucket >= B; padded rows store no KV (slot -1), touch no state
-slot (slot -1) and read one token of block 0, so they never disturb real sequences. Sampling stays outside.
+Only all-decode steps whose input tokens are the rows' last samples are captured, as in nano-vllm and vLLM: their
+shapes are fixed by the bucket and every kernel on the decode path is graph-safe (no host syncs, grids from shapes).
+The buckets are vLLM 0.26's default capture sizes (1, 2, 4, then every 8 up to 256, every 16 up to 512), capped at
+the engine's max_num_seqs. A step of B sequences replays the smallest bucket >= B; padded rows store no KV (slot
+-1), touch no state slot (slot -1), read the request table's empty dummy row and one token of block 0, so they never
+disturb real sequences. Every bucket writes its logits into ONE shared fp32 buffer [max_batch, V] (a buffer per
+bucket cost 2.09 GiB at 256 sequences with the 248,320-token vocabulary); sampling stays outside the graph.
+
+Per step the host fills two pinned buffers laid out like the static device buffers (positions, slots, table rows;
+context lengths, state slots) and copies each in one non-blocking transfer; the input tokens and block tables are
+gathered on the device from the request table.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner.inputs import StepLayout
+from deltaserve.runner.request_table import RequestTable
 
 logger = logging.getLogger(__name__)
 
 
-def bucket_sizes(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
+def capture_sizes(max_batch: int) -> list[int]:
+    """vLLM 0.26's cudagraph_capture_sizes (as its server log lists them on an H200), up to max_batch."""
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
     return [s for s in sizes if s < max_batch] + [max_batch]
+
+
+def static_bytes(max_batch: int, vocab_size: int) -> int:
+    """Device memory of the static buffers the graphs keep beyond the cache: the shared fp32 logits buffer and the
+    bf16 lm_head output of the largest bucket, which the graph pool holds."""
+    return max_batch * vocab_size * (4 + 2)
 
 
 class DecodeGraphs:
     def __init__(
-        self, model: Qwen35Model, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+        self,
+        model: Qwen35Model,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        vocab_size: int,
+        device: torch.device,
     ) -> None:
         self.model = model
-        self.max_seq_len = max_blocks_per_seq * block_size
+        self.max_seq_len = max_seq_len
         self.device = device
-        self.sizes = bucket_sizes(max_batch)
+        self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.state_indices = torch.full((n,), -1, dtype=torch.int32, device=device)
-        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
-        self.logits: dict[int, torch.Tensor] = {}
+        self.capacity = cap = -(-self.max_batch // 8) * 8  # each field's region stays 16-byte aligned
+        # int64 regions: positions [3, cap] | slot_mapping [cap] | table rows [cap]; int32: seq_lens | state slots
+        self.long = torch.zeros(5 * cap, dtype=torch.int64, device=device)
+        self.short = torch.zeros(2 * cap, dtype=torch.int32, device=device)
+        self.positions = self.long[: 3 * cap].view(3, cap)
+        self.slot_mapping = self.long[3 * cap : 4 * cap]
+        self.rows = self.long[4 * cap :]
+        self.seq_lens = self.short[:cap]
+        self.state_indices = self.short[cap:]
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.state_indices.fill_(-1)
+        self.input_ids = torch.zeros(cap, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(cap, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(cap + 1, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(cap, dtype=torch.int32, device=device)
+        self.logits = torch.empty(cap, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
-    def _context(self, size: int, max_seq_len: int) -> ForwardContext:
+    def _context(self, size: int) -> ForwardContext:
         return ForwardContext(
             num_decode_tokens=size,
             num_prefill_tokens=0,
@@ -54,46 +84,56 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size],
             slot_mapping=self.slot_mapping[:size],
             max_query_len=1,
-            max_seq_len=max_seq_len,
+            max_seq_len=self.max_seq_len,
             state_indices=self.state_indices[:size],
             has_initial_state=self.has_initial_state[:size],
             prefill_query_start_loc=self.query_start_loc[:1],
         )
 
+    def _forward(self, size: int) -> None:
+        with forward_context(self._context(size)):
+            hidden = self.model(self.input_ids[:size], self.positions[:, :size])
+        self.model.compute_logits(hidden, out=self.logits[:size])
+
     @torch.inference_mode()
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first, sharing one memory pool
-            ctx = self._context(size, self.max_seq_len)
-            with forward_context(ctx):  # warm-up run outside the graph (Triton compiles, allocator settles)
-                self.model.compute_logits(self.model(self.input_ids[:size], self.positions[:, :size]))
+            self._forward(size)  # warm-up outside the graph (Triton compiles, allocator settles)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with forward_context(ctx), torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.model(self.input_ids[:size], self.positions[:, :size])
-                self.logits[size] = self.model.compute_logits(hidden)
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)
 
-    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
-        return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[1]
+    def can_run(self, num_seqs: int, num_blocks: int) -> bool:
+        return num_seqs <= self.max_batch and num_blocks <= self.block_tables.shape[1]
 
-    def replay(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Copies this step's decode inputs into the static buffers and replays; returns logits [B, V]."""
-        num_seqs = ids.shape[0]
+    def run(self, layout: StepLayout, table: RequestTable, block_size: int) -> torch.Tensor:
+        """Fills the static buffers for this all-decode step and replays its bucket; returns logits [B, V]."""
+        num_seqs = len(layout.rows)
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.input_ids[:num_seqs].copy_(ids)
-        self.positions[:, :num_seqs].copy_(pos)
-        self.seq_lens[:num_seqs].copy_(ctx.seq_lens)
-        self.seq_lens[num_seqs:size].fill_(1)
-        num_blocks = ctx.block_tables.shape[1]
-        self.block_tables[:num_seqs, :num_blocks].copy_(ctx.block_tables)
-        self.block_tables[num_seqs:size].zero_()
-        self.slot_mapping[:num_seqs].copy_(ctx.slot_mapping)
-        self.slot_mapping[num_seqs:size].fill_(-1)
-        self.state_indices[:num_seqs].copy_(ctx.state_indices)
-        self.state_indices[num_seqs:size].fill_(-1)
+        cap = self.capacity
+        long = np.zeros(5 * cap, dtype=np.int64)
+        long[: 3 * cap].reshape(3, cap)[:, :num_seqs] = layout.positions
+        long[3 * cap : 3 * cap + num_seqs] = layout.slot_mapping
+        long[3 * cap + num_seqs : 4 * cap] = -1
+        long[4 * cap : 4 * cap + num_seqs] = layout.rows
+        long[4 * cap + num_seqs :] = table.dummy_row
+        seq_lens = layout.starts + 1
+        short = np.empty(2 * cap, dtype=np.int32)
+        short[:num_seqs] = seq_lens
+        short[num_seqs:cap] = 1
+        short[cap : cap + num_seqs] = layout.state_slots
+        short[cap + num_seqs :] = -1
+        self.long.copy_(torch.from_numpy(long).pin_memory(), non_blocking=True)
+        self.short.copy_(torch.from_numpy(short).pin_memory(), non_blocking=True)
+        rows = self.rows[:size]
+        torch.index_select(table.last_sampled, 0, rows, out=self.input_ids[:size])
+        width = int(-(-seq_lens.max() // block_size))
+        self.block_tables[:size, :width] = table.block_table[:, :width].index_select(0, rows)
         self.graphs[size].replay()
-        return self.logits[size][:num_seqs]
+        return self.logits[:num_seqs]

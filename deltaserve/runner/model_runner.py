@@ -1,28 +1,44 @@
-"""ModelRunner: ScheduledBatch -> device inputs -> model forward -> sampler -> StepOutput.
+"""ModelRunner: StepPlan -> device inputs -> model forward -> sampler -> StepResult, without waiting on the GPU.
 
-It owns the model, its weights, the KV cache and the state pool. Inputs are built on the host from the
-batch (token ids, 3-D positions, slot mapping, block tables, state slots) and copied to the device once per
-step; the model reads them through the ForwardContext.
+It owns the model, its weights, the KV cache, the state pool, the request table and the decode graphs. execute()
+applies the plan's diffs to the request table, builds the inputs, launches the forward and the sampler, and starts
+copying the sampled tokens to pinned host memory; it returns a StepHandle at once. collect() waits for that copy
+and returns the StepResult. Under async scheduling the engine plans and launches step N+1 before collecting step N,
+so the host work of a step overlaps the GPU work of the one before.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
-from deltaserve.model.context import ForwardContext, forward_context
+from deltaserve.model.checkpoint_files import MTP_RULE, SKIP_RULES
+from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.cache import CacheLayout, allocate_and_bind, plan_cache
-from deltaserve.runner.cuda_graph import DecodeGraphs
-from deltaserve.scheduler.batch import ScheduledBatch, ScheduledSequence
+from deltaserve.model.vision import gather_mm_embeds
+from deltaserve.runner.cache import (
+    CacheLayout,
+    affordable_slots,
+    allocate_and_bind,
+    bytes_per_slot,
+    copy_state_slots,
+    plan_cache,
+)
+from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
+from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
+from deltaserve.runner.request_table import RequestTable
+from deltaserve.sampler import Sampler, SamplerOutput, build_sampling_batch, logprobs_to_host
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +49,7 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+GIB = 2**30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,76 +64,41 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def default_max_num_seqs(device: torch.device) -> int:
+    """vLLM 0.26's default for its API server: 1024 on GPUs of >= 70 GiB other than the A100, else 256."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if props.total_memory >= 70 * GIB and "a100" not in props.name.lower():
+            return 1024
+    return 256
+
+
 @dataclass
-class StepOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # seq_id -> next token
-    logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)  # sampled first, then top-N
-    all_logits: torch.Tensor | None = None  # [T, V] fp32, only when asked for
+class StepHandle:
+    """A launched step: what collect() needs to turn it into a StepResult."""
+
+    plan: StepPlan
+    sample_seqs: np.ndarray  # [S] indices into plan.seqs
+    sampled: SamplerOutput | None  # host copies (pinned) of the sampler's outputs, once the event completes
+    num_logprobs: tuple[int, ...] | None
+    event: torch.cuda.Event | None
+    all_logits: torch.Tensor | None = None  # [T, V] fp32, only for scoring
 
 
-def build_forward_context(
-    batch: ScheduledBatch, block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-    """Host lists -> (input_ids [T], positions [3, T], ForwardContext) on the device."""
-    input_ids: list[int] = []
-    positions: list[list[int]] = [[], [], []]
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    slot_mapping: list[int] = []
-    state_indices: list[int] = []
-    has_initial_state: list[bool] = []
-    max_blocks = max(len(s.block_ids) for s in batch.sequences)
-    block_tables: list[list[int]] = []
-    has_mrope = False
-    for seq in batch.sequences:
-        num_new = len(seq.token_ids)
-        input_ids.extend(seq.token_ids)
-        for axis in range(3):
-            positions[axis].extend(seq.positions[axis])
-        has_mrope = has_mrope or seq.positions[1] != seq.positions[0] or seq.positions[2] != seq.positions[0]
-        query_start_loc.append(query_start_loc[-1] + num_new)
-        seq_lens.append(seq.start + num_new)
-        for pos in range(seq.start, seq.start + num_new):
-            slot_mapping.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-        state_indices.append(seq.state_slot)
-        has_initial_state.append(seq.has_initial_state)
-        block_tables.append(seq.block_ids + [0] * (max_blocks - len(seq.block_ids)))
-    num_decodes = batch.num_decodes
-    qsl = torch.tensor(query_start_loc, dtype=torch.int32)
-    ctx = ForwardContext(
-        num_decode_tokens=num_decodes,
-        num_prefill_tokens=len(input_ids) - num_decodes,
-        query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-        max_query_len=max(len(s.token_ids) for s in batch.sequences),
-        max_seq_len=max(seq_lens),
-        state_indices=torch.tensor(state_indices, dtype=torch.int32, device=device),
-        has_initial_state=torch.tensor(has_initial_state, dtype=torch.bool, device=device),
-        has_mrope_positions=has_mrope,
-        prefill_query_start_loc=(qsl[num_decodes:] - num_decodes).to(device),
-    )
-    ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-    pos = torch.tensor(positions, dtype=torch.int64, device=device)
-    return ids, pos, ctx
-
-
-def warmup_sequences(num_tokens: int, max_seq_len: int, block_size: int) -> list[ScheduledSequence]:
-    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on disjoint blocks and
-    state slots 0, 1, ... of a throw-away cache."""
-    sequences = []
+def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
+    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on rows 0, 1, ..., disjoint
+    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing."""
+    added, seqs = [], []
     next_block = 0
     for index, start in enumerate(range(0, num_tokens, max_seq_len)):
         length = min(max_seq_len, num_tokens - start)
         num_blocks = -(-length // block_size)
-        blocks = list(range(next_block, next_block + num_blocks))
+        tokens = tuple((7 * i + index) % vocab_size for i in range(length))
+        added.append(NewRequest(index, f"warmup-{index}", tokens, (), SamplingParams(temperature=0.0), ()))
+        blocks = tuple(range(next_block, next_block + num_blocks))
+        seqs.append(ScheduledSeq(index, 0, length, index, None, blocks, needs_sample=False))
         next_block += num_blocks
-        row = list(range(length))
-        sequences.append(
-            ScheduledSequence(f"warmup-{index}", [0] * length, [row, row, row], 0, blocks, index, needs_sample=False)
-        )
-    return sequences
+    return StepPlan(step_id, tuple(seqs), tuple(added), removed=tuple(range(len(added))))
 
 
 class ModelRunner:
@@ -128,108 +110,243 @@ class ModelRunner:
         self.device = resolve_device(engine_config.device)
         self.dtype = resolve_dtype(engine_config.dtype, self.device)
         self.block_size = engine_config.block_size
+        self.max_model_len = max_model_len
+        self.vocab_size = model_config.vocab_size
         torch.manual_seed(engine_config.seed)
         if self.device.type == "cpu":
             threads = env.cpu_threads() or (1 if model_config.hidden_size < 512 else None)
             if threads:
                 torch.set_num_threads(threads)
-        self.model = Qwen35Model(model_config, self.dtype, self.device)
+        # the vision tower is built for a multimodal checkpoint unless --language-model-only (as vLLM's flag)
+        self.has_vision = model_config.vision is not None and not engine_config.language_model_only
+        # what the device holds before this engine allocates (other processes, other engines of this process):
+        # the budget is the utilization share of the device minus that, as vLLM snapshots it at start-up
+        self._used_before = 0
+        self._allocated_before = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._used_before = total - free
+            self._allocated_before = torch.cuda.memory_allocated(self.device)
+        self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision)
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model, engine_config.seed)
             self.load_report = None
         else:
-            self.load_report = load_checkpoint(self.model, model_config, Path(engine_config.model))
+            # a built vision tower consumes model.visual.* itself: only the MTP head stays a skipped prefix
+            rules = (MTP_RULE,) if self.has_vision else SKIP_RULES
+            self.load_report = load_checkpoint(
+                self.model, model_config, Path(engine_config.model),
+                ignore_unexpected=engine_config.ignore_unexpected_tensors, skip_rules=rules,
+            )  # fmt: skip
         self.model.eval()
-        from deltaserve.sampler.sampler import Sampler
-
-        self.sampler = Sampler()
-        self.graphs: DecodeGraphs | None = None
-        num_slots = engine_config.num_state_slots or engine_config.max_num_seqs
-        budget = self._cache_budget(max_num_batched_tokens, max_model_len)
+        self.sampler = Sampler(engine_config.seed)
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.is_graphed = self.device.type == "cuda" and env.cuda_graphs() and not engine_config.enforce_eager
+        self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
+        upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
+        budget = self._cache_budget(max_num_batched_tokens, max_model_len, upper)
+        slot_bytes = bytes_per_slot(model_config, self.dtype)
+        self.max_num_seqs = upper
+        if engine_config.max_num_seqs is None:
+            # vLLM's default count, sized to memory: the state pool takes at most half of the cache budget
+            self.max_num_seqs = min(upper, affordable_slots(budget, slot_bytes))
+            if self.max_num_seqs < upper:
+                logger.info(
+                    "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB would take %.1f GiB "
+                    "of the %.1f GiB cache budget)", self.max_num_seqs, upper, upper, slot_bytes / 2**20,
+                    upper * slot_bytes / GIB, budget / GIB,
+                )  # fmt: skip
+        num_slots = engine_config.num_state_slots or self.max_num_seqs
         self.layout: CacheLayout = plan_cache(
             model_config, self.dtype, self.block_size, budget, num_slots, max_model_len
         )
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
-        if self.device.type == "cuda" and env.cuda_graphs() and not engine_config.enforce_eager:
-            max_blocks = -(-max_model_len // self.block_size)
-            self.graphs = DecodeGraphs(self.model, engine_config.max_num_seqs, max_blocks, self.block_size, self.device)
+        self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
+        if self.is_graphed:
+            self.graphs = DecodeGraphs(
+                self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
+            )
             self.graphs.capture()
 
-    def _profile_peak_bytes(self, num_tokens: int, max_seq_len: int) -> int:
-        """Warm-up prefills on a throw-away cache: num_tokens (the largest step, whose activation peak in bytes is
-        returned) and every power of two below it, so Triton compiles and autotunes the prefill shapes (the MoE
-        and attention kernels key their configs on power-of-two size buckets) before serving, not during it.
-        A step may hold more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above
-        max_seq_len runs as several sequences, as the scheduler would batch them."""
+    # -- memory ---------------------------------------------------------------------------------------
+
+    def _profile_peak_bytes(self, num_tokens: int, max_seq_len: int, max_num_seqs: int) -> int:
+        """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
+        it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
+        power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
+        top-k/top-p (its sort is the largest sampling buffer). Returns the activation peak in bytes. A step may hold
+        more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above max_seq_len runs as
+        several sequences, as the scheduler would batch them."""
         max_seqs = -(-num_tokens // max_seq_len)
         layout = CacheLayout(-(-num_tokens // self.block_size) + max_seqs, self.block_size, max_seqs, 0, 0)
         allocate_and_bind(self.model, self.model_config, layout, self.dtype, self.device)
+        saved = getattr(self, "table", None)
+        self.table = RequestTable(max_seqs, -(-max_seq_len // self.block_size), self.vocab_size, self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
         started = time.perf_counter()
-        for size in sizes:
-            self.execute(ScheduledBatch(warmup_sequences(size, max_seq_len, self.block_size)))
+        for step_id, size in enumerate(sizes):
+            self.execute(warmup_plan(step_id, size, max_seq_len, self.block_size, self.vocab_size))
+            self.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
+        batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
+                                     self.vocab_size, self.device)  # fmt: skip
+        self.sampler(torch.randn(max_num_seqs, self.vocab_size, device=self.device), batch)
         torch.cuda.synchronize()
-        logger.info("warm-up: %d prefill shapes up to %d tokens in %.1f s", len(sizes), num_tokens,
-                    time.perf_counter() - started)  # fmt: skip
+        logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows in %.1f s", len(sizes),
+                    num_tokens, max_num_seqs, time.perf_counter() - started)  # fmt: skip
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.table = saved
         for layer in self.model.layers:  # drop the throw-away cache before the real one is allocated
             mixer = layer.mixer
             mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
         torch.cuda.empty_cache()
         return peak
 
-    def _cache_budget(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+    def _cache_budget(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
         if self.device.type != "cuda":
             return self.engine_config.cpu_kv_cache_bytes
-        peak = self._profile_peak_bytes(max_num_batched_tokens, max_model_len)
-        free, total = torch.cuda.mem_get_info(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        graph_headroom = 512 * 2**20  # decode graphs' private pool and library workspaces
-        utilization = self.engine_config.gpu_memory_utilization
-        budget = int(total * utilization) - weights - peak - used_by_others - graph_headroom
+        peak = self._profile_peak_bytes(max_num_batched_tokens, max_model_len, max_num_seqs)
+        _, total = torch.cuda.mem_get_info(self.device)
+        weights = torch.cuda.memory_allocated(self.device) - self._allocated_before
+        used_by_others = self._used_before
+        # decode graphs: the shared logits buffer and the largest bucket's lm_head output, plus a fixed headroom
+        # for the graph pool's other activations and library workspaces
+        graphs = static_bytes(max_num_seqs, self.vocab_size) if self.is_graphed else 0
+        headroom = 512 * 2**20
+        budget = int(total * self.engine_config.gpu_memory_utilization) - weights - peak - used_by_others - graphs
+        budget -= headroom
         logger.info(
-            "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, cache budget %.2f GiB",
-            total / 2**30, weights / 2**30, peak / 2**30, budget / 2**30,
+            "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, decode graphs %.2f GiB + %.2f GiB "
+            "headroom, cache budget %.2f GiB", total / GIB, weights / GIB, peak / GIB, graphs / GIB, headroom / GIB,
+            budget / GIB,
         )  # fmt: skip
         return budget
 
+    # -- steps ----------------------------------------------------------------------------------------
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, return_all_logits: bool = False) -> StepOutput:
-        input_ids, positions, ctx = build_forward_context(batch, self.block_size, self.device)
-        out = StepOutput()
-        graph_logits = None
-        is_all_decode = ctx.num_prefill_tokens == 0 and not return_all_logits
-        num_blocks = ctx.block_tables.shape[1]
-        if self.graphs is not None and is_all_decode and self.graphs.can_run(len(batch.sequences), num_blocks):
-            graph_logits = self.graphs.replay(input_ids, positions, ctx)  # [B, V]: every decode row samples
+    def execute(self, plan: StepPlan, return_all_logits: bool = False) -> StepHandle:
+        """Applies the plan and launches its forward and sampling; does not wait for the GPU."""
+        self.table.apply(plan)
+        if plan.is_empty:
+            return StepHandle(plan, np.zeros(0, dtype=np.int64), None, None, None)
+        layout = layout_step(plan, self.table, self.block_size)
+        copy_state_slots(self.model, layout.state_copies)
+        num_seqs = len(plan.seqs)
+        width = int(-(-(layout.starts + layout.num_new).max() // self.block_size))
+        is_graph_step = (
+            self.graphs is not None
+            and not return_all_logits
+            and layout.num_tokens == num_seqs == len(layout.device_token_index) == len(layout.sample_seqs)
+            and self.graphs.can_run(num_seqs, width)
+        )
+        all_logits = None
+        if is_graph_step:
+            logits = self.graphs.run(layout, self.table, self.block_size)  # [B, V]: every decode row samples
+            sample_rows_dev = self.graphs.rows[:num_seqs]
         else:
-            with forward_context(ctx):
-                hidden = self.model(input_ids, positions)  # [T, H]
+            inputs = build_eager_inputs(plan, layout, self.table, self.block_size, self.device)
+            mm_embeds = self._mm_embeds(plan, layout) if any(s.mm_spans for s in plan.seqs) else None
+            with forward_context(inputs.ctx):
+                hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
             if return_all_logits:
-                out.all_logits = self.model.compute_logits(hidden)
-        rows: list[int] = []
-        sampled_seqs: list[ScheduledSequence] = []
-        end = 0
-        for seq in batch.sequences:
-            end += len(seq.token_ids)
-            if seq.needs_sample:
-                rows.append(end - 1)
-                sampled_seqs.append(seq)
-        if not rows:
-            return out
-        if graph_logits is not None:
-            logits = graph_logits
-        elif out.all_logits is not None:
-            logits = out.all_logits[rows]
-        else:
-            logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
-        result = self.sampler(logits, [s.sampling for s in sampled_seqs])
-        for i, seq in enumerate(sampled_seqs):
-            out.sampled[seq.seq_id] = result.token_ids[i]
-            if result.logprobs is not None and result.logprobs[i] is not None:
-                out.logprobs[seq.seq_id] = result.logprobs[i]
-        return out
+                all_logits = self.model.compute_logits(hidden)
+            sample_rows_dev = inputs.sample_rows_dev
+            logits = None
+            if len(layout.sample_seqs):
+                if all_logits is not None:
+                    index = inputs.sample_token_index
+                    logits = all_logits if index is None else all_logits.index_select(0, index)
+                else:
+                    rows = (
+                        hidden
+                        if inputs.sample_token_index is None
+                        else hidden.index_select(0, inputs.sample_token_index)
+                    )
+                    logits = self.model.compute_logits(rows)  # [S, V] fp32
+        if not len(layout.sample_seqs):
+            return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits)
+        rows = layout.rows[layout.sample_seqs]
+        batch = self.table.sampling_batch(rows, sample_rows_dev)
+        out = self.sampler(logits, batch)
+        self.table.record_sampled(rows, sample_rows_dev, out.token_ids)
+        host, event = self._to_host(out)
+        return StepHandle(plan, layout.sample_seqs, host, batch.num_logprobs, event, all_logits)
+
+    def _mm_embeds(self, plan: StepPlan, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's encoder embeddings: items a chunk's window needs are encoded whole (the ViT is bidirectional),
+        all of a step's missing items in one tower call, and kept per row until their last placeholder is
+        computed, so an image that straddles a chunk boundary is encoded once."""
+        if self.model.visual is None:
+            raise ValueError("a request carries images or videos, but the vision tower is not built "
+                             "(--language-model-only, or a text-only checkpoint)")  # fmt: skip
+        table = self.table
+        missing: list[tuple[int, int]] = []
+        for seq in plan.seqs:
+            outputs = table.encoder_outputs[seq.row]
+            missing += [(seq.row, span.item) for span in seq.mm_spans if span.item not in outputs]
+        if missing:
+            items = [table.mm[row].items[index] for row, index in missing]
+            encoded = self.model.visual.encode([(torch.from_numpy(it.pixel_values), it.grid_thw) for it in items])
+            for (row, index), rows in zip(missing, encoded, strict=True):
+                table.encoder_outputs[row][index] = rows
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for i, seq in enumerate(plan.seqs):
+            if not seq.mm_spans:
+                continue
+            mm, outputs = table.mm[seq.row], table.encoder_outputs[seq.row]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_new_tokens
+            base = int(layout.query_start_loc[i])
+            for piece in mm.embed_slices(start, end):
+                pieces.append((base + piece.dst_start, outputs[piece.item_index][piece.src_start : piece.src_end]))
+            for index in list(outputs):
+                last_run = mm.items[index].embed_runs[-1]
+                if last_run[0] + last_run[1] <= end:
+                    del outputs[index]  # every placeholder of the item is computed
+        return gather_mm_embeds(pieces, self.device)
+
+    def _to_host(self, out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+        """Starts non-blocking copies of the sampler's outputs into pinned memory; the event marks their end."""
+        if self.device.type != "cuda":
+            return out, None
+
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        host = SamplerOutput(
+            token_ids=copy(out.token_ids), logprob_rows=out.logprob_rows, sampled_logprobs=copy(out.sampled_logprobs),
+            sampled_ranks=copy(out.sampled_ranks), top_ids=copy(out.top_ids), top_logprobs=copy(out.top_logprobs),
+        )  # fmt: skip
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def collect(self, handle: StepHandle) -> StepResult:
+        """Waits for a launched step's tokens and returns them in the plan's sequence order."""
+        plan = handle.plan
+        token_ids: list[tuple[int, ...]] = [()] * len(plan.seqs)
+        logprobs: list = [None] * len(plan.seqs)
+        if handle.sampled is not None:
+            if handle.event is not None:
+                handle.event.synchronize()
+            sampled = handle.sampled.token_ids.tolist()
+            per_row = None
+            if handle.num_logprobs is not None:
+                per_row = logprobs_to_host(handle.sampled, sampled, handle.num_logprobs, self.vocab_size)
+            for i, seq_index in enumerate(handle.sample_seqs.tolist()):
+                token_ids[seq_index] = (sampled[i],)
+                if per_row is not None and per_row[i] is not None:
+                    logprobs[seq_index] = (per_row[i],)
+        has_logprobs = any(entry is not None for entry in logprobs)
+        return StepResult(plan.step_id, tuple(token_ids), tuple(logprobs) if has_logprobs else ())
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """execute + collect: one synchronous step."""
+        return self.collect(self.execute(plan))

@@ -21,8 +21,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
-    """Keep tokens >= the k-th largest logit. top_k: [R] int64 in [1, V]; max_top_k = top_k.max() known on host."""
-    kth_values = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))  # [R, 1]
+    """Keep tokens >= the k-th largest logit. top_k: [R] int64 in [1, V]; max_top_k: the largest k of the rows that
+    truncate, known on the host; rows whose k exceeds it (V: off) keep everything."""
+    index = top_k.clamp(max=max_top_k) - 1
+    kth_values = logits.topk(max_top_k, dim=-1).values.gather(1, index.unsqueeze(1))  # [R, 1]
+    kth_values.masked_fill_((top_k > max_top_k).unsqueeze(1), float("-inf"))
     logits.masked_fill_(logits < kth_values, float("-inf"))
 
 

@@ -1,4 +1,4 @@
-"""Paged KV blocks for the full-attention layers and the pool of GDN state slots.
+"""Paged KV blocks for the full-attention layers, the pool of GDN state slots, and id pools (request-table rows).
 
 Both are free lists of integer ids; the runner owns the tensors they index. A state slot is handed out
 "fresh": the sequence's first step runs with has_initial_state False, so whatever the slot held from an
@@ -41,19 +41,38 @@ class BlockManager:
         self._free.extend(block_ids)
 
 
-class StateSlotPool:
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"the GDN state pool has no slot (num_slots={num_slots})")
-        self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
+class IdPool:
+    """A free list of the integer ids 0..num_ids-1 (state slots, request-table rows)."""
+
+    def __init__(self, num_ids: int, what: str) -> None:
+        if num_ids < 1:
+            raise ValueError(f"the {what} pool is empty ({what}s: {num_ids})")
+        self.num_ids = num_ids
+        self._free: deque[int] = deque(range(num_ids))
 
     @property
-    def num_free_slots(self) -> int:
+    def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self) -> int | None:
         return self._free.popleft() if self._free else None
 
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
+    def free(self, index: int) -> None:
+        self._free.append(index)
+
+
+class StateSlotPool(IdPool):
+    """GDN state slots; each running sequence holds one."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the GDN state pool has no slot (num_slots={num_slots})")
+        super().__init__(num_slots, "state slot")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_ids
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.num_free

@@ -1,23 +1,36 @@
-"""Token-budget continuous batching, as vLLM v1 schedules: no prefill or decode phases.
+"""Token-budget continuous batching, as vLLM v1 schedules: no prefill or decode phases, plans in plain data.
 
-Each sequence carries num_computed_tokens; each step hands out up to max_num_batched_tokens tokens over at
-most max_num_seqs running sequences, running ones first (FCFS), then waiting ones. So chunked prefill and
-mixed prefill + decode batches need no special cases. When KV blocks run out, the latest-arrived running
-sequence is preempted by recompute: its blocks and state slot are freed and it restarts from zero later.
+schedule() hands out up to max_num_batched_tokens tokens over at most max_num_seqs running sequences, running ones
+first (FCFS), then waiting ones, and returns a StepPlan (deltaserve/step.py). update(plan, result) is the one place
+that advances computed counts and appends tokens. Between the two, a planned step is "in flight": under async
+scheduling the next step is planned from the in-flight counters before the previous result is back, so a decode
+whose input token is still on the device is planned like any other (the runner takes that token from its own
+record of what it sampled). When KV blocks run out, the latest-arrived running sequence is preempted by
+recompute: its blocks, state slot and row are freed, results of its in-flight steps are dropped, and it restarts
+from zero later with its outputs kept.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
-from deltaserve.scheduler.batch import ScheduledBatch, ScheduledSequence
-from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
+from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
+from deltaserve.scheduler.stop import FINISH_ABORT, check_stop
+from deltaserve.step import MultimodalSpan, NewRequest, ScheduledSeq, StepPlan, StepResult
+
+Logprobs = tuple[tuple[int, float, int], ...]
 
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, slot_pool: StateSlotPool, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        slot_pool: StateSlotPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
     ) -> None:
         if max_num_seqs > slot_pool.num_slots:
             raise ValueError(
@@ -26,12 +39,19 @@ class Scheduler:
             )
         self.blocks = block_manager
         self.slots = slot_pool
+        self.rows = IdPool(max_num_seqs, "request-table row")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
+        self.num_waiting_for_capacity = 0
         self._num_arrivals = 0
+        self._num_steps = 0
+        self._removed_rows: list[int] = []
+        # step_id -> (sequence, its epoch when planned, tokens planned, whether it samples), in plan order
+        self._inflight: dict[int, list[tuple[Sequence, int, int, bool]]] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -40,6 +60,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -50,7 +74,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    # -- planning -------------------------------------------------------------------------------------
+
+    def _num_to_plan(self, seq: Sequence, budget: int) -> int:
+        if seq.is_length_capped or seq.num_planned_tokens >= self.max_model_len:
+            return 0  # its last token is in flight; update() will finish it on the length rules
+        return min(seq.num_unplanned_tokens, budget)
+
+    def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         num_preempted = 0
@@ -59,10 +90,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._num_to_plan(seq, budget)
             if num_new == 0:
                 continue
-            needed = self.blocks.blocks_needed(seq.num_computed_tokens + num_new, len(seq.block_ids))
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
+            needed = self.blocks.blocks_needed(start + num_new, len(seq.block_ids))
             while not self.blocks.can_allocate(needed):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -75,49 +107,132 @@ class Scheduler:
             chosen.append((seq, num_new))
             budget -= num_new
         # Admit waiting sequences only when nothing had to be preempted this step.
+        is_blocked_by_capacity = False
         while not num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_unplanned_tokens, budget)
             needed = self.blocks.blocks_needed(num_new, 0)
-            if not self.blocks.can_allocate(needed) or self.slots.num_free_slots == 0:
+            if not self.blocks.can_allocate(needed) or self.slots.num_free_slots == 0 or self.rows.num_free == 0:
+                is_blocked_by_capacity = True
                 break
             self.waiting.popleft()
             seq.state_slot = self.slots.allocate()
+            seq.row = self.rows.allocate()
             seq.block_ids = self.blocks.allocate(needed)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen.append((seq, num_new))
             budget -= num_new
-        scheduled = [self._scheduled(seq, num_new) for seq, num_new in chosen]
-        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first, FCFS within each group
-        return ScheduledBatch(sequences=scheduled, num_preempted=num_preempted)
+        self.num_waiting_for_capacity = len(self.waiting) if is_blocked_by_capacity or num_preempted else 0
+        return self._plan(chosen)
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        start = seq.num_computed_tokens
-        end = start + num_new
-        return ScheduledSequence(
-            seq_id=seq.seq_id,
-            token_ids=seq.tokens(start, end),
-            positions=seq.positions(start, end),
-            start=start,
-            block_ids=list(seq.block_ids),
-            state_slot=seq.state_slot,
-            needs_sample=end == seq.num_tokens,
+    def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
+        now = time.time()
+        step_id = self._num_steps
+        self._num_steps += 1
+        added: list[NewRequest] = []
+        scheduled: list[tuple[ScheduledSeq, Sequence, bool]] = []
+        for seq, num_new in chosen:
+            if not seq.is_in_runner:
+                added.append(self._new_request(seq))
+                seq.is_in_runner = True
+                seq.num_blocks_sent = 0
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
+            needs_sample = start + num_new == seq.num_planned_tokens
+            spans = ()
+            if seq.mm_input is not None:
+                items = seq.mm_input.items
+                spans = tuple(
+                    MultimodalSpan(items[i].offset, items[i].length, i)
+                    for i in seq.mm_input.items_in_window(start, start + num_new)
+                )
+            item = ScheduledSeq(
+                row=seq.row,
+                num_computed_tokens=start,
+                num_new_tokens=num_new,
+                write_slot=seq.state_slot,
+                read_slot=seq.state_slot if start > 0 else None,
+                new_block_ids=tuple(seq.block_ids[seq.num_blocks_sent :]),
+                needs_sample=needs_sample,
+                mm_spans=spans,
+            )
+            seq.num_blocks_sent = len(seq.block_ids)
+            seq.num_inflight_tokens += num_new
+            seq.num_pending_outputs += int(needs_sample)
+            scheduled.append((item, seq, needs_sample))
+        scheduled.sort(key=lambda entry: not entry[0].is_decode)  # stable: decodes first, FCFS within each group
+        plan = StepPlan(
+            step_id=step_id,
+            seqs=tuple(item for item, _, _ in scheduled),
+            added=tuple(added),
+            removed=tuple(self._removed_rows),
+        )
+        self._removed_rows = []
+        if plan.seqs:
+            self._inflight[step_id] = [(seq, seq.epoch, item.num_new_tokens, sample) for item, seq, sample in scheduled]
+        return plan
+
+    @staticmethod
+    def _new_request(seq: Sequence) -> NewRequest:
+        return NewRequest(
+            row=seq.row,
+            req_id=seq.seq_id,
+            prompt_token_ids=tuple(seq.prompt_token_ids) + tuple(seq.output_token_ids),
+            output_token_ids=tuple(seq.output_token_ids),
             sampling=seq.sampling,
+            stop_token_ids=seq.stop_token_ids,
+            mrope_positions=seq.mrope_positions,
+            mrope_delta=seq.mrope_delta,
+            mm_input=seq.mm_input,
         )
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """Marks this step's tokens as computed (call after the runner ran the batch)."""
-        running = {seq.seq_id: seq for seq in self.running}
-        for scheduled in batch.sequences:
-            seq = running.get(scheduled.seq_id)
-            if seq is not None:
-                seq.num_computed_tokens = scheduled.start + len(scheduled.token_ids)
+    # -- results --------------------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Sequence, list[int], list[Logprobs | None]]]:
+        """Applies a step's result: computed counts advance, sampled tokens are appended and checked against the
+        stop rules (a stopped sequence is finished and freed). Returns (sequence, new tokens, their logprobs) for
+        every live sequence that gained tokens or finished."""
+        entries = self._inflight.pop(plan.step_id, [])
+        if len(result.token_ids) != len(entries):
+            raise ValueError(f"step {plan.step_id}: {len(result.token_ids)} results for {len(entries)} sequences")
+        logprobs = result.logprobs or (None,) * len(entries)
+        now = time.time()
+        touched = []
+        for (seq, epoch, num_new, needs_sample), tokens, token_logprobs in zip(
+            entries, result.token_ids, logprobs, strict=True
+        ):
+            if seq.epoch != epoch or seq.status is not SequenceStatus.RUNNING:
+                continue  # finished, aborted or preempted since this step was planned: its result is stale
+            seq.num_inflight_tokens -= num_new
+            seq.num_computed_tokens += num_new
+            seq.num_pending_outputs -= int(needs_sample)
+            new_tokens: list[int] = []
+            for token_id in tokens:
+                seq.output_token_ids.append(token_id)
+                new_tokens.append(token_id)
+                stop = check_stop(seq, token_id, self.max_model_len)
+                if stop is not None:
+                    self.finish(seq, *stop)
+                    break  # tokens accepted after a stop are dropped
+            if new_tokens:
+                seq.first_token_time = seq.first_token_time or now
+                seq.last_token_time = now
+                if token_logprobs is None:
+                    kept: list[Logprobs | None] = [None] * len(new_tokens)
+                else:
+                    kept = list(token_logprobs[: len(new_tokens)])
+                touched.append((seq, new_tokens, kept))
+        return touched
+
+    # -- leaving --------------------------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_outputs = 0
+        seq.epoch += 1
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -126,18 +241,28 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
+        seq.num_blocks_sent = 0
         if seq.state_slot is not None:
             self.slots.free(seq.state_slot)
             seq.state_slot = None
+        if seq.row is not None:
+            self.rows.free(seq.row)
+            if seq.is_in_runner:
+                self._removed_rows.append(seq.row)
+            seq.row = None
+        seq.is_in_runner = False
 
-    def finish(self, seq: Sequence) -> None:
-        """Removes a sequence (finished or aborted) wherever it is and frees its blocks and slot."""
+    def finish(self, seq: Sequence, reason: str = FINISH_ABORT, stop_reason: int | str | None = None) -> None:
+        """Removes a sequence (stopped or aborted) wherever it is and frees its blocks, slot and row."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     def preempt_all(self) -> int:
         """Forces every running sequence back to waiting (used by tests to exercise recompute)."""

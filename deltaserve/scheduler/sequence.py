@@ -1,14 +1,18 @@
-"""Sequence: one generating stream as the scheduler sees it (a request with n = 1, or one of n children).
+"""Sequence: one generating stream as the scheduler sees it (one engine-core request; n > 1 arrives as n of them).
 
-Pure Python and ints: the token ids so far, how many of them are computed (their KV / state written), the
-KV blocks and GDN state slot it holds, and its 3-D prompt positions for MRoPE.
+Pure Python and ints. The scheduler is the one owner of its token list and its computed count: only
+`Scheduler.update(plan, result)` appends tokens and advances `num_computed_tokens`. Under async scheduling a step
+is planned before the previous one's tokens are known, so two counters describe work in flight: tokens scheduled
+but not yet reported (`num_inflight_tokens`) and sampled tokens not yet seen (`num_pending_outputs`).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+
+from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -17,23 +21,37 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     seq_id: str
     prompt_token_ids: list[int]
     max_tokens: int  # output-token cap (already bounded by max_model_len)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: frozenset[int] = frozenset()
     arrival_index: int = 0  # FCFS order; preempted sequences keep theirs
+    arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
+    num_pending_outputs: int = 0
     block_ids: list[int] = field(default_factory=list)
+    num_blocks_sent: int = 0  # how many of block_ids the runner's table already holds
     state_slot: int | None = None
+    row: int | None = None  # the runner's request-table row while running
+    is_in_runner: bool = False  # the runner's row holds this sequence (else the next plan adds it)
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
-    # MRoPE: positions [3][prompt_len] for prompts with vision tokens, and the decode offset (architecture
-    # doc §4). None means text: every axis is the token index.
-    mrope_positions: list[list[int]] | None = None
+    epoch: int = 0  # bumped at each preemption: results of steps planned before it are stale
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # MRoPE: positions [3][prompt_len] for prompts with vision tokens, and the decode offset (architecture doc §4).
+    # None means text: every axis is the token index.
+    mrope_positions: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
     mrope_delta: int = 0
-    sampling: Any = None  # the engine's per-sequence sampling state; opaque to the scheduler
+    mm_input: MultimodalInput | None = None  # images / videos: their spans, pixels and MRoPE positions
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,30 +62,25 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+    def num_planned_tokens(self) -> int:
+        """Tokens known or in flight: the prompt, the outputs seen, and the sampled tokens not yet seen."""
+        return self.num_tokens + self.num_pending_outputs
 
-    def token_at(self, index: int) -> int:
-        num_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
+    @property
+    def num_unplanned_tokens(self) -> int:
+        """Tokens no step has been planned for yet."""
+        return self.num_planned_tokens - self.num_computed_tokens - self.num_inflight_tokens
 
-    def tokens(self, start: int, end: int) -> list[int]:
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+    @property
+    def is_length_capped(self) -> bool:
+        """Every token this sequence may still produce is already in flight: planning more would be wasted."""
+        return len(self.output_token_ids) + self.num_pending_outputs >= self.max_tokens
 
-    def positions(self, start: int, end: int) -> list[list[int]]:
-        """Positions [3][end - start] of tokens start..end-1."""
-        if self.mrope_positions is None:
-            row = list(range(start, end))
-            return [row, row, row]
-        num_prompt = len(self.prompt_token_ids)
-        rows: list[list[int]] = []
-        for axis in range(3):
-            prompt_part = self.mrope_positions[axis][start : min(end, num_prompt)]
-            decode_part = [i + self.mrope_delta for i in range(max(start, num_prompt), end)]
-            rows.append(prompt_part + decode_part)
-        return rows
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids masked while the sequence is under min_tokens: eos (even with ignore_eos, as vLLM) and stops."""
+        return tuple(sorted(self.eos_token_ids | set(self.sampling.stop_token_ids)))

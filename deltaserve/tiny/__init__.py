@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.tiny.spec import EXPERT_LAYOUTS, VARIANTS
+from deltaserve import env
+from deltaserve.tiny.spec import DEFAULT_MODEL_NAME, EXPERT_LAYOUTS, VARIANTS
 
 if TYPE_CHECKING:
     from deltaserve.tiny.generate import default_model_dir, make_tiny
 
-__all__ = ["EXPERT_LAYOUTS", "VARIANTS", "default_model_dir", "make_tiny"]
+__all__ = ["EXPERT_LAYOUTS", "VARIANTS", "builtin_model_exists", "default_model_dir", "make_tiny"]
+
+
+def builtin_model_exists() -> bool:
+    """Whether the built-in checkpoint is already generated (answered without importing torch)."""
+    return (env.cache_dir() / DEFAULT_MODEL_NAME / "config.json").is_file()
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +19,17 @@ from safetensors.torch import save_file
 
 from deltaserve import env
 from deltaserve.tiny.spec import (
+    DEFAULT_MODEL_NAME,
     EXPERT_LAYOUTS,
-    TinyShapes,
     VariantSpec,
     build_config,
     build_generation_config,
     variant_spec,
 )
 from deltaserve.tiny.tokenizer import ALL_ADDED_TOKENS, added_token_ids, build_tokenizer, build_tokenizer_config
+from deltaserve.tiny.vision import VISION_VARIANTS, preprocessor_config, shapes_for, video_preprocessor_config
 from deltaserve.tiny.weights import build_tensors
 
-DEFAULT_MODEL_NAME = "tiny-dense-v1"
 # The padded vocabulary is a multiple of this, as the releases pad theirs (248320 = 3880 * 64).
 VOCAB_PADDING_MULTIPLE = 64
 # Files a tiny checkpoint may hold; an existing folder with anything else in it is not ours to replace.
@@ -105,14 +106,19 @@ def _write_checkpoint(
     is_tied: bool,
     expert_layout: str | None,
     num_shards: int,
+    progress: Callable[[str], None] | None = None,
 ) -> None:
-    shapes = TinyShapes()
+    shapes = shapes_for(spec.name)
+    if progress is not None:
+        progress("tiny checkpoint 1/3: building the tokenizer")
     tokenizer = build_tokenizer(spec.tokenizer_class)
     token_ids = added_token_ids(tokenizer)
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     if num_tokens != max(token_ids.values()) + 1 or len(token_ids) != len(ALL_ADDED_TOKENS):
         raise RuntimeError("the tiny tokenizer's added tokens are not contiguous at the end of its vocabulary")
     vocab_size = _padded_vocab_size(num_tokens)
+    if progress is not None:
+        progress("tiny checkpoint 2/3: generating and writing the weights")
     tensors = build_tensors(spec, shapes, vocab_size, num_tokens, seed, is_tied, expert_layout)
     _write_weights(folder, tensors, num_shards)
     _write_json(folder / "config.json", build_config(spec, shapes, vocab_size, token_ids, is_tied))
@@ -120,6 +126,9 @@ def _write_checkpoint(
     tokenizer.save(str(folder / "tokenizer.json"))
     tokenizer_config = build_tokenizer_config(spec.tokenizer_class, token_ids, shapes.max_position_embeddings)
     _write_json(folder / "tokenizer_config.json", tokenizer_config)
+    if spec.name in VISION_VARIANTS:
+        _write_json(folder / "preprocessor_config.json", preprocessor_config(shapes))
+        _write_json(folder / "video_preprocessor_config.json", video_preprocessor_config(shapes))
 
 
 def _is_replaceable(folder: Path) -> bool:
@@ -162,6 +171,7 @@ def _generate(
     expert_layout: str | None,
     num_shards: int,
     is_replacing: bool,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     spec = variant_spec(variant)
     if num_shards < 1:
@@ -173,8 +183,10 @@ def _generate(
     staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        _write_checkpoint(staging, spec, seed, is_tied, layout, num_shards)
+        _write_checkpoint(staging, spec, seed, is_tied, layout, num_shards, progress)
         _install(staging, out_dir, is_replacing)
+        if progress is not None:
+            progress(f"tiny checkpoint 3/3: installed in {out_dir}")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
@@ -199,9 +211,11 @@ def make_tiny(
     return _generate(out_dir, variant, seed, tie_word_embeddings, expert_layout, num_shards, is_replacing=True)
 
 
-def default_model_dir() -> Path:
-    """The built-in model (`deltaserve serve` with no MODEL): the dense variant, generated once into the cache."""
+def default_model_dir(progress: Callable[[str], None] | None = None) -> Path:
+    """The built-in model (`deltaserve serve` with no MODEL): the dense variant, generated once into the cache.
+
+    progress, if given, is called with a line per generation step (nothing when the checkpoint exists)."""
     out_dir = env.cache_dir() / DEFAULT_MODEL_NAME
     if not (out_dir / "config.json").is_file():
-        _generate(out_dir, "dense", 0, None, None, 2, is_replacing=_is_replaceable(out_dir))
+        _generate(out_dir, "dense", 0, None, None, 2, is_replacing=_is_replaceable(out_dir), progress=progress)
     return out_dir

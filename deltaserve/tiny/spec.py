@@ -8,10 +8,12 @@ Qwen3-Next checkpoint. Everything is scaled down so that a checkpoint is a few M
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-VARIANTS: tuple[str, ...] = ("dense", "moe", "next")
+VARIANTS: tuple[str, ...] = ("dense", "moe", "next", "dense-vl", "moe-vl")
+# The built-in model's folder name under the cache directory (`deltaserve serve` with no MODEL).
+DEFAULT_MODEL_NAME = "tiny-dense-v1"
 EXPERT_LAYOUTS: tuple[str, ...] = ("fused", "per_expert")
 
 
@@ -137,6 +139,11 @@ VARIANT_SPECS: dict[str, VariantSpec] = {
         tokenizer_class="Qwen2Tokenizer",
     ),
 }
+
+
+# Vision variants (deltaserve/tiny/vision.py): the text variant's spec under the vision variant's name.
+VARIANT_SPECS["dense-vl"] = replace(VARIANT_SPECS["dense"], name="dense-vl")
+VARIANT_SPECS["moe-vl"] = replace(VARIANT_SPECS["moe"], name="moe-vl")
 
 
 def variant_spec(variant: str) -> VariantSpec:

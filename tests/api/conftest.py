@@ -54,6 +54,9 @@ def _reset_fake(request: pytest.FixtureRequest) -> None:
         engine.is_dead = False
         engine.default_sampling = {}
         engine.step_delay = 0.0005
+        engine.num_cached_tokens = 0
+        engine.is_reporting_metrics = False
+        engine.num_preemptions = 0
 
 
 @pytest.fixture(scope="module")

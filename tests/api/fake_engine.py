@@ -3,13 +3,16 @@
 It uses a real tokenizer (the tiny checkpoints' byte-level BPE and Qwen3.5-style chat template), emits one token
 per step as delta RequestOutputs, applies the stop rules the API relies on (eos, stop strings, stop_token_ids,
 max_tokens, ignore_eos) and books KV blocks and state slots per sequence, so a test can see through /metrics that
-an aborted or disconnected request gave its resources back.
+an aborted or disconnected request gave its resources back. It reports what the real engine reports after the
+rewrite: RequestOutput.num_cached_tokens (set `num_cached_tokens`), RequestOutput.metrics with engine timestamps
+(with `is_reporting_metrics`), and EngineStats' iteration-token histogram and waiting-by-reason counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,7 +20,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
-from deltaserve.engine.stats import EngineStats
+from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, RequestMetrics
 from deltaserve.sampling_params import SamplingParams
 
 FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
@@ -60,11 +63,16 @@ class FakeEngine:
         self.scripts: deque[list[str]] = deque()
         self.fail_after_tokens: int | None = None  # raise mid-stream after this many tokens (error-event tests)
         self.is_dead = False
+        self.mm_processor = None  # text only
         self.running: dict[str, SamplingParams] = {}
         self.last_params: SamplingParams | None = None
         self.last_prompt_ids: list[int] | None = None
         self.num_aborted = 0
         self.num_started = 0
+        self.num_cached_tokens = 0  # prefix-cache hits every request reports
+        self.is_reporting_metrics = False  # RequestOutput.metrics with engine timestamps
+        self.num_preemptions = 0  # reported in each request's metrics
+        self.iteration_tokens: list[int] = []  # tokens of each engine step, for vllm:iteration_tokens_total
 
     async def start(self) -> None:
         self.num_started += 1
@@ -75,8 +83,16 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)
 
+    def _iteration_counts(self) -> tuple[int, ...]:
+        bounds = (*ITERATION_TOKEN_BUCKETS, float("inf"))
+        return tuple(sum(1 for tokens in self.iteration_tokens if tokens <= bound) for bound in bounds)
+
     def stats(self) -> EngineStats:
         return EngineStats(
+            iteration_token_counts=self._iteration_counts(),
+            iteration_tokens_sum=sum(self.iteration_tokens),
+            num_waiting_for_capacity=1,
+            num_waiting_deferred=2,
             num_running=len(self.running),
             num_waiting=0,
             kv_cache_usage=self.num_used_blocks / self.num_total_kv_blocks,
@@ -115,6 +131,8 @@ class FakeEngine:
         held_blocks = 0
         self.num_used_slots += params.n
         is_finished = False
+        arrival = time.time()
+        first_token_time: float | None = None
         try:
             step = 0
             while True:
@@ -131,8 +149,15 @@ class FakeEngine:
                 self.num_used_blocks += needed - held_blocks
                 held_blocks = needed
                 step += 1
+                self.iteration_tokens.append(len(outputs) + (num_prompt if step == 1 else 0))
                 is_finished = all(seq.finish_reason is not None for seq in seqs)
-                yield RequestOutput(request_id, None, list(prompt_token_ids), outputs, is_finished)
+                now = time.time()
+                first_token_time = first_token_time or now
+                metrics = None
+                if self.is_reporting_metrics:
+                    metrics = RequestMetrics(arrival, arrival + 0.001, first_token_time, now, self.num_preemptions)
+                yield RequestOutput(request_id, None, list(prompt_token_ids), outputs, is_finished,
+                                    num_cached_tokens=self.num_cached_tokens, metrics=metrics)  # fmt: skip
                 if is_finished:
                     return
         finally:

@@ -7,8 +7,10 @@ answers /health.
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
+from typing import Any
 
 import httpx
 import uvicorn
@@ -16,13 +18,16 @@ from fastapi import FastAPI
 
 
 class ServerThread:
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, client_context: ssl.SSLContext | None = None, **options: Any) -> None:
+        """options: more uvicorn.Config arguments (ssl_certfile, ...); with TLS the base URL is https and the
+        health probe uses client_context (the server's certificate trusted, a client certificate if required)."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self.base_url = f"{'https' if options.get('ssl_certfile') else 'http'}://127.0.0.1:{self.port}"
+        self.verify: Any = client_context or True
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -32,7 +37,8 @@ class ServerThread:
         while time.monotonic() < deadline:
             if self.server.started:
                 try:
-                    if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    health = httpx.get(self.base_url + "/health", timeout=2, verify=self.verify)
+                    if health.status_code == 200:
                         return self
                 except httpx.HTTPError:
                     pass

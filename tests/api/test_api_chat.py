@@ -107,7 +107,7 @@ def test_tool_call_streaming_first_name_then_arguments(client: openai.OpenAI, fa
 def test_tool_choice_none_and_validation(client: openai.OpenAI, fake_engine: FakeEngine, http: httpx.Client) -> None:
     fake_engine.scripts.append([TOOL_OUTPUT])
     completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice="none")
-    assert completion.choices[0].message.tool_calls == [] and "<tool_call>" in completion.choices[0].message.content
+    assert completion.choices[0].message.tool_calls is None and "<tool_call>" in completion.choices[0].message.content
     fake_engine.scripts.append([TOOL_OUTPUT])
     named = {"type": "function", "function": {"name": "get_weather"}}
     completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice=named)
@@ -163,10 +163,12 @@ def test_continue_final_message(client: openai.OpenAI, fake_engine: FakeEngine) 
     assert fake_engine.tokenizer.decode(fake_engine.last_prompt_ids).endswith("The weather is")
 
 
-def test_default_chat_template_kwargs_and_request_template(fake_engine: FakeEngine, http: httpx.Client) -> None:
+def test_request_template_is_refused_without_trust(fake_engine: FakeEngine, http: httpx.Client) -> None:
     body = {"messages": USER, "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}", "max_tokens": 2}
-    assert http.post("/v1/chat/completions", json=body).status_code == 200
-    assert fake_engine.tokenizer.decode(fake_engine.last_prompt_ids) == "[What is the weather in Paris?]"
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "--trust-request-chat-template" in response.json()["error"]["message"]
+    body = {"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}, "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=body).status_code == 400
 
 
 def test_include_reasoning_false_drops_reasoning(client: openai.OpenAI, fake_engine: FakeEngine) -> None:

@@ -27,11 +27,13 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults() -> None:
     args = parse("some/model")
-    assert (args.host, args.port, args.max_num_seqs, args.block_size, args.seed) == ("127.0.0.1", 8000, 256, 16, 0)
+    # max_num_seqs None: vLLM's default for the GPU, sized to the state memory by the runner
+    assert (args.host, args.port, args.max_num_seqs, args.block_size, args.seed) == ("127.0.0.1", 8000, None, 16, 0)
+    assert args.async_scheduling is True and parse("m", "--no-async-scheduling").async_scheduling is False
     config = cli.build_engine_config(args, *cli.resolve_model(args))
     assert config.model == "some/model" and config.device == "auto" and config.generation_config == "auto"
     settings = cli.build_settings(args, "some/model")
-    assert settings.served_model_names == ["some/model"] and settings.api_key is None
+    assert settings.served_model_names == ["some/model"] and settings.api_keys == []
 
 
 def test_qwen35_recipe_command_line_parses() -> None:
@@ -62,7 +64,7 @@ def test_refusals_and_bad_values() -> None:
         check_compat(parse("m", "--tensor-parallel-size", "2"))
     with pytest.raises(ValueError, match="tool-call-parser"):
         cli.build_settings(parse("m", "--enable-auto-tool-choice"), "m")
-    for argv in (["--default-chat-template-kwargs", "[1]"], ["--tool-call-parser", "hermes"], ["--port", "x"]):
+    for argv in (["--default-chat-template-kwargs", "[1]"], ["--tool-call-parser", "mistral"], ["--port", "x"]):
         with pytest.raises(SystemExit):
             parse("m", *argv)
     assert cli.run(parse("m", "-dp", "4")) == 2
@@ -97,7 +99,8 @@ def free_port() -> int:
 
 
 def test_deltaserve_serve_command(tiny_dense: Path) -> None:
-    """The real command: starts, logs the ready line, answers the openai client, stops cleanly on SIGINT."""
+    """The real command: starts, logs the ready line, answers the openai client (with the key VLLM_API_KEY set),
+    stops cleanly on SIGINT."""
     port = free_port()
     command = [
         sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_dense), "--port", str(port), "--device", "cpu",
@@ -105,7 +108,7 @@ def test_deltaserve_serve_command(tiny_dense: Path) -> None:
         "--tool-call-parser", "qwen3_xml", "--enable-auto-tool-choice", "--language-model-only",
         "--enable-prefix-caching", "--uvicorn-log-level", "warning",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": "sk-from-env"}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines: list[str] = []
     is_ready = threading.Event()
@@ -122,7 +125,9 @@ def test_deltaserve_serve_command(tiny_dense: Path) -> None:
         while not is_ready.wait(0.2):
             assert process.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "no ready line:\n" + "".join(lines)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-from-env", max_retries=0)
         assert client.models.list().data[0].id == "tiny"
         completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
         assert completion.usage.completion_tokens == 3

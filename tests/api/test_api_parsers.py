@@ -123,7 +123,7 @@ def test_function_without_tool_call_wrapper_and_non_call_text() -> None:
     message = run("<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>", None, thinking=False)
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"days": 2}
     message = run('<tool_call>{"name": "x"}</tool_call>', None, thinking=False)
-    assert message["tool_calls"] == [] and message["content"] == '<tool_call>{"name": "x"}</tool_call>'
+    assert "tool_calls" not in message and message["content"] == '<tool_call>{"name": "x"}</tool_call>'
     message = run("a < b and <tool", None, thinking=False)
     assert message["content"] == "a < b and <tool"
 

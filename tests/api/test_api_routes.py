@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
-import pytest
 
 import deltaserve
-from deltaserve.api.server import build_app
-from deltaserve.api.settings import ServerSettings
 
-from .conftest import API_KEY, MODEL_NAME
+from .conftest import MODEL_NAME
 from .fake_engine import FakeEngine
-from .server_thread import ServerThread, metric_value
+from .server_thread import metric_value
 
 
 def test_models_card_has_root_and_max_model_len(client: openai.OpenAI, http: httpx.Client) -> None:
@@ -85,29 +80,3 @@ def test_metrics_names_and_counts(http: httpx.Client, fake_engine: FakeEngine) -
         metric_value(text, name)
     assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="fake-qwen"}' in text
     assert "_created" not in text
-
-
-@pytest.fixture(scope="module")
-def keyed_server(fake_engine: FakeEngine) -> Iterator[ServerThread]:
-    settings = ServerSettings(model_root="m", served_model_names=["m"], api_key=API_KEY)
-    server = ServerThread(build_app(fake_engine, settings)).start()
-    yield server
-    server.stop()
-
-
-def test_api_key_guards_v1_routes(keyed_server: ServerThread) -> None:
-    url = keyed_server.base_url
-    response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert response.status_code == 401 and response.json()["error"]["code"] == 401
-    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
-    keyed = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
-    assert keyed.completions.create(model="m", prompt="x", max_tokens=1).choices
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
-
-
-def test_cors_preflight_is_allowed(http: httpx.Client) -> None:
-    headers = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
-    response = http.options("/v1/chat/completions", headers=headers)
-    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "*"

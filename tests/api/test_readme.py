@@ -1,6 +1,7 @@
 """The README's server snippets work: `deltaserve serve` with no MODEL (the built-in tiny checkpoint, generated
-into a fresh cache folder), then the README's own curl and openai-client code, run as written (only the port
-is changed to a free one)."""
+into a fresh cache folder, saying so), then the README's own curl and openai-client code, run as written (only the
+port is changed to a free one). The quick start is two commands a new user can type, the second installs the test
+extra's packages without reinstalling deltaserve, and CI (.ci/run) runs them as written."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 
 
 def free_port() -> int:
@@ -30,14 +34,37 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def quick_start() -> list[str]:
+    section = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)]
+
+
+def test_quick_start_is_two_commands_ci_runs() -> None:
+    serve, test = quick_start()
+    assert "\n" not in serve and "\n" not in test
+    assert serve.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install ")
+    assert serve.endswith(" && deltaserve serve")
+    install = serve.removeprefix("python3 -m venv .venv && . .venv/bin/activate && ").removesuffix(
+        " && deltaserve serve"
+    )
+    assert "[test]" not in install and install.endswith("-e .")
+    # The test command adds exactly the `test` extra's packages (no reinstall of deltaserve) and runs pytest.
+    packages = test.split("pip install ", 1)[1].split(" && ", 1)[0].split()
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert sorted(packages) == sorted(extra) and "-e" not in test
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test in ci and install.replace("pip install ", "pip install -q ") in ci
+
+
 @pytest.fixture(scope="module")
 def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     env = dict(os.environ, DELTASERVE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), PYTHONUNBUFFERED="1")
     process = subprocess.Popen(
         [sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    threading.Thread(target=lambda: LOG.extend(process.stderr), daemon=True).start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:
@@ -56,10 +83,17 @@ def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.wait(timeout=30)
 
 
+LOG: list[str] = []
+
+
 def test_quick_start_serves_without_a_model(readme_server: str) -> None:
     with urllib.request.urlopen(readme_server + "/v1/models") as reply:
         body = reply.read().decode()
     assert '"id":"deltaserve-tiny"' in body.replace(" ", "")
+    # The first run says it generates the built-in checkpoint, step by step, instead of a silent wait.
+    log = "".join(LOG)
+    assert "generating the built-in tiny checkpoint" in log
+    assert "tiny checkpoint 1/3" in log and "tiny checkpoint 3/3: installed" in log
 
 
 def test_readme_curl_works(readme_server: str) -> None:

@@ -147,3 +147,73 @@ def test_prompt_too_long_is_rejected(tiny_dense: Path) -> None:
         llm.generate([{"prompt_token_ids": [1] * 64}], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="context length"):
         llm.generate([{"prompt_token_ids": [1] * 10}], SamplingParams(max_tokens=60), use_tqdm=False)
+
+
+def _mixed_workload(llm: LLM, seed: int) -> list[list[list[int]]]:
+    """Greedy and seeded requests of every kind (n > 1, penalties, logprobs, min_tokens, stop strings, eos), added
+    in waves between steps while the cache is too small for all of them, with forced preemptions: token ids of every
+    sequence of every request, in request order."""
+    rng = random.Random(seed)
+    engine = llm.engine
+    prompts = make_prompts(40, seed=seed, max_len=30)
+    kinds = [
+        {"temperature": 0.0},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 11},
+        {"temperature": 1.0, "top_k": 20, "seed": 12, "n": 2},
+        {"temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.2},
+        {"temperature": 0.7, "seed": 13, "min_p": 0.05, "logprobs": 2},
+        {"temperature": 0.0, "min_tokens": 4, "stop": ["e "]},
+        {"temperature": 0.9, "seed": 14, "min_tokens": 3},
+    ]
+    collected: dict[str, dict[int, list[int]]] = {}
+    pending = list(range(len(prompts)))
+    step = 0
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randint(0, 4)):
+            if pending:
+                i = pending.pop(0)
+                params = SamplingParams(max_tokens=rng.randint(5, 14), **kinds[i % len(kinds)])
+                engine.add_request(str(i), prompts[i], params)
+        step += 1
+        if step % 9 == 0:
+            engine.scheduler.preempt_all()
+        for output in engine.step():
+            for completion in output.outputs:
+                collected.setdefault(output.request_id, {}).setdefault(completion.index, []).extend(
+                    completion.token_ids
+                )
+    assert engine.scheduler.num_preemptions_total > 0
+    stats = engine.stats()
+    assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
+    assert stats.num_free_state_slots == stats.num_total_state_slots
+    return [[collected[str(i)][k] for k in sorted(collected[str(i)])] for i in range(len(prompts))]
+
+
+def test_async_scheduling_matches_the_synchronous_path(tiny_dense: Path) -> None:
+    """Planning step N+1 before step N's tokens are known changes nothing a request sees: greedy and seeded tokens
+    are identical to the synchronous path over a mixed, preempting workload."""
+    config = {"dtype": "float32", "max_num_seqs": 6, "max_num_batched_tokens": 40, "block_size": 4,
+              "cpu_kv_cache_bytes": 500_000, "max_model_len": 64}  # fmt: skip
+    synchronous = _mixed_workload(LLM(tiny_dense, async_scheduling=False, **config), seed=5)
+    asynchronous = _mixed_workload(LLM(tiny_dense, async_scheduling=True, **config), seed=5)
+    assert asynchronous == synchronous
+    assert sum(len(s) for request in synchronous for s in request) > 200
+
+
+def test_engine_seed_seeds_unseeded_sampling(tiny_dense: Path) -> None:
+    """--seed (the engine seed) drives the generator that unseeded requests share, as vLLM's does."""
+    prompt = make_prompts(1, seed=31)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    first = generate_ids(LLM(tiny_dense, dtype="float32", seed=1), [prompt], params)
+    again = generate_ids(LLM(tiny_dense, dtype="float32", seed=1), [prompt], params)
+    other = generate_ids(LLM(tiny_dense, dtype="float32", seed=2), [prompt], params)
+    assert first == again and first != other
+
+
+def test_default_max_num_seqs_is_vllms_capped_by_state_memory(tiny_dense: Path) -> None:
+    roomy = LLM(tiny_dense, dtype="float32").engine.runner
+    assert roomy.max_num_seqs == 256  # vLLM's default off large GPUs; the tiny state pool fits it
+    slot_bytes = roomy.layout.bytes_per_slot
+    tight = LLM(tiny_dense, dtype="float32", cpu_kv_cache_bytes=40 * slot_bytes, max_model_len=64).engine.runner
+    assert tight.max_num_seqs == 20  # half of the budget for state slots
+    assert tight.layout.num_slots == 20 and tight.layout.num_blocks * tight.layout.bytes_per_block <= 20 * slot_bytes

@@ -11,12 +11,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from deltaserve.kernels import moe_triton
+from deltaserve.kernels import attention_triton
 from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
+from deltaserve.kernels.linear_triton import linear_triton
 from deltaserve.kernels.moe import moe_route_ref
 from deltaserve.kernels.moe_align import moe_align_ref
+from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
+from deltaserve.kernels.moe_decode_triton import moe_block_triton
 from deltaserve.kernels.moe_routing_triton import moe_align_triton, moe_route_triton
 from deltaserve.kernels.moe_triton import fused_moe_triton
 from deltaserve.kernels.norm_triton import gated_rms_norm_triton, rms_norm_triton
@@ -26,6 +29,8 @@ from ._util import DEVICE, randn, varlen_starts
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
+DECODE = MoEConfig("decode", GemmConfig(32, 128, 4, 4), GemmConfig(16, 128, 4, 1))
+GROUPED = MoEConfig("grouped", GemmConfig(32, 128, 4, 4), GemmConfig(32, 128, 4, 4), block_m=16)
 
 
 def _capture_matches_eager(fn: Callable[[], object], states: list[torch.Tensor]) -> None:
@@ -66,6 +71,14 @@ def test_graph_preamble_and_norms() -> None:
     _capture_matches_eager(lambda: gated_rms_norm_triton(o, z, w.new_ones(128), 1e-6), [])
 
 
+@pytest.mark.parametrize("num_rows", [1, 16])
+def test_graph_skinny_linear(num_rows: int) -> None:
+    x, weight = randn(num_rows, 2048, dtype=BF16), randn(5120, 2048, dtype=BF16)
+    _capture_matches_eager(lambda: linear_triton(x, weight), [])
+    ref = torch.nn.functional.linear(x, weight)
+    assert (linear_triton(x, weight).float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+
+
 def test_graph_store_kv_and_decode_attention() -> None:
     batch, nq, nkv, d, page, width = 5, 6, 2, 128, 16, 8
     k_cache = randn(batch * width, page, nkv, d, dtype=BF16)
@@ -98,7 +111,7 @@ def test_graph_conv_and_gdn_decode() -> None:
 
 @pytest.mark.parametrize("num_tokens", [4, 200])
 def test_graph_fused_moe(num_tokens: int) -> None:
-    """4 tokens take the fixed decode config; 200 x top-8 the autotuned kernels (tuned by the eager call)."""
+    """4 tokens take the decode path (default config), 200 x top-8 the grouped path's prefill config."""
     experts, top_k, hidden, inter = 32, 8, 256, 128
     x = randn(num_tokens, hidden, dtype=BF16)
     w13 = randn(experts, 2 * inter, hidden, dtype=BF16, scale=hidden**-0.5)
@@ -109,8 +122,8 @@ def test_graph_fused_moe(num_tokens: int) -> None:
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_graph_moe_routing_align_and_shared_epilogue(num_tokens: int) -> None:
-    """The decode MoE path as the model runs it: Triton routing, the one-program align (up to 512 entries),
-    the grouped GEMMs and the shared-expert epilogue, captured and replayed."""
+    """The decode MoE path as the model runs it today: Triton routing, the one-program align, the grouped GEMMs
+    (forced: the default sends 1 and 8 tokens down the decode path) and the shared-expert epilogue."""
     experts, top_k, hidden, inter = 256, 8, 256, 64
     x = randn(num_tokens, hidden, dtype=BF16)
     w13 = randn(experts, 2 * inter, hidden, dtype=BF16, scale=hidden**-0.5)
@@ -120,7 +133,7 @@ def test_graph_moe_routing_align_and_shared_epilogue(num_tokens: int) -> None:
 
     def step() -> torch.Tensor:
         weights, ids = moe_route_triton(logits, top_k, True)
-        return fused_moe_triton(x, w13, w2, weights, ids, shared, gate_logits)
+        return fused_moe_triton(x, w13, w2, weights, ids, shared, gate_logits, config=GROUPED)
 
     _capture_matches_eager(step, [])
     weights, ids = moe_route_triton(logits, top_k, True)
@@ -132,21 +145,40 @@ def test_graph_moe_routing_align_and_shared_epilogue(num_tokens: int) -> None:
     assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
 
 
-def test_graph_autotune_never_benchmarks_in_capture() -> None:
-    """A key first seen inside capture runs configs[0] instead of benchmarking (which would break capture)."""
-    experts, top_k, hidden, inter, num_tokens = 16, 8, 192, 96, 300
+@pytest.mark.parametrize(("num_tokens", "path"), [(1, "decode"), (8, "decode"), (24, "decode"), (64, "grouped")])
+def test_graph_moe_block(num_tokens: int, path: str) -> None:
+    """The whole MoE block op (router kernel, routing, routed + shared experts) captured and replayed; 24 tokens
+    route in moe_route_triton's own launch. The replay must equal the eager call bit for bit (the numerics
+    against the ref are test_moe_decode.py's, on the kernel's own routing)."""
+    experts, top_k, hidden, inter, inter_sh = 64, 8, 256, 128, 64
     x = randn(num_tokens, hidden, dtype=BF16)
+    router = randn(experts, hidden, dtype=BF16, scale=hidden**-0.5)
     w13 = randn(experts, 2 * inter, hidden, dtype=BF16, scale=hidden**-0.5)
     w2 = randn(experts, hidden, inter, dtype=BF16, scale=inter**-0.5)
-    weights, ids = moe_route_ref(randn(num_tokens, experts), top_k, True)
-    eager = fused_moe_triton(x, w13, w2, weights, ids)  # compiles every config while tuning
-    for kernel in (moe_triton._moe_gemm1_tuned, moe_triton._moe_gemm2_tuned):
-        kernel.cache.clear()  # forget the tuned choice: the capture below sees a fresh key
+    s13, s2 = randn(2 * inter_sh, hidden, dtype=BF16), randn(hidden, inter_sh, dtype=BF16)
+    gate = randn(1, hidden, dtype=BF16)
+    config = DECODE if path == "decode" else GROUPED
+    _capture_matches_eager(lambda: moe_block_triton(x, router, w13, w2, top_k, True, s13, s2, gate, config=config), [])
+
+
+def test_graph_autotune_never_benchmarks_in_capture() -> None:
+    """A key first seen inside capture runs configs[0] instead of benchmarking (which would break capture):
+    the prefill attention, the one autotuned kernel left (the MoE kernels read the committed tables)."""
+    batch, nq, nkv, d, page, width, q_len = 2, 4, 2, 128, 16, 8, 40
+    k_cache = randn(batch * width, page, nkv, d, dtype=BF16)
+    v_cache = randn(batch * width, page, nkv, d, dtype=BF16)
+    block_tables = torch.arange(batch * width, device=DEVICE, dtype=torch.int32).view(batch, width)
+    seq_lens = torch.tensor([q_len, q_len], device=DEVICE, dtype=torch.int32)
+    qsl = varlen_starts([q_len, q_len])
+    q = randn(batch * q_len, nq, d, dtype=BF16)
+    eager = paged_attention_triton(q, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, q_len, q_len)
+    tuner = attention_triton._paged_attn_kernel
+    tuner.cache.clear()  # forget the tuned choice: the capture below sees a fresh key
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_triton(x, w13, w2, weights, ids)
+        out = paged_attention_triton(q, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, q_len, q_len)
     graph.replay()
     torch.cuda.synchronize()
-    assert not moe_triton._moe_gemm1_tuned.cache, "capture must not cache an untuned choice"
+    assert not tuner.cache, "capture must not cache an untuned choice"
     assert (out.float() - eager.float()).abs().max().item() <= 2e-2 * eager.float().abs().max().item()

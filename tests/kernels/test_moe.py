@@ -8,6 +8,7 @@ import torch
 from deltaserve.kernels import moe_triton
 from deltaserve.kernels.moe import fused_moe_ref, moe_route_ref
 from deltaserve.kernels.moe_align import moe_align_ref
+from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
 from deltaserve.kernels.moe_triton import fused_moe_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
@@ -30,18 +31,19 @@ def test_fused_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, i
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_moe_tuned_and_chunked(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The autotuned (prefill) kernels and the token chunking, forced at a tiny size."""
-    monkeypatch.setattr(moe_triton, "SMALL_ENTRIES", 0)
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_fused_moe_grouped_path_and_chunking(block_m: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped path at a prefill-style config (BLOCK_M 16 and 64) and the token chunking, at a tiny size."""
     monkeypatch.setattr(moe_triton, "CHUNK_TOKENS", 24)
     num_tokens, num_experts, top_k, hidden, inter = 50, 4, 2, 64, 32
     x = randn(num_tokens, hidden, dtype=dtype)
     w13 = randn(num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
     w2 = randn(num_experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
     weights, ids = moe_route_ref(randn(num_tokens, num_experts), top_k, renormalize=True)
+    config = MoEConfig("grouped", GemmConfig(32, 32, 4, 2), GemmConfig(64, 16, 4, 2), block_m=block_m)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     with poisoned_empty():
-        out = fused_moe_triton(x, w13, w2, weights, ids)
+        out = fused_moe_triton(x, w13, w2, weights, ids, config=config)
     assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
 
 
@@ -57,21 +59,19 @@ def test_moe_align() -> None:
     assert (block_expert[5:] == -1).all()
 
 
-def test_block_m_follows_the_autotune_bucket() -> None:
-    """BLOCK_M is a constexpr: if it varied within one power-of-two bucket (the autotune key), a batch of a new
-    size would compile a kernel in the middle of serving although its bucket was tuned at start-up."""
-    from deltaserve.kernels._triton import next_pow2
-    from deltaserve.kernels.moe_triton import block_m_for
-
-    for num_experts in (8, 60, 256):
-        for num_entries in range(1, 40000, 37):
-            assert block_m_for(num_entries, num_experts) == block_m_for(next_pow2(num_entries), num_experts)
-            assert 16 <= block_m_for(num_entries, num_experts) <= 64
-
-
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "block_m"),
-    [(1, 256, 8, 16), (3, 8, 2, 16), (8, 256, 8, 16), (17, 60, 4, 32), (64, 256, 8, 16), (100, 16, 5, 64)],
+    [
+        (1, 256, 8, 16),
+        (3, 8, 2, 16),
+        (8, 256, 8, 16),
+        (17, 60, 4, 32),
+        (64, 256, 8, 16),  # 512 entries: the size whose [entries, 64] tiles spilled (the B = 48-64 cliff)
+        (65, 256, 8, 16),  # past the old 512-entry limit of the one-program align
+        (100, 16, 5, 64),
+        (40, 512, 10, 16),  # Qwen3-Next's 512 experts, top-10
+        (256, 256, 8, 16),  # 2048 entries: the largest decode graph at top-8
+    ],
 )
 def test_moe_align_triton_equals_the_torch_align(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
     """Entry for entry: the one-program kernel reproduces the stable sort, the padding and the block experts."""
@@ -93,7 +93,7 @@ def test_moe_align_triton_refuses_a_prefill_sized_batch() -> None:
     from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
 
     ids = torch.zeros(ALIGN_MAX_ENTRIES + 1, 1, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 512 entries"):
+    with pytest.raises(ValueError, match="at most 4096 entries"):
         moe_align_triton(ids, 8, 16)
 
 

@@ -1,5 +1,5 @@
-"""Checkpoint loading: transformers' own save_pretrained output (both expert layouts, tied and untied), and
-broken checkpoints that must fail with errors naming the tensor or field."""
+"""Checkpoint loading: transformers' own save_pretrained output (both expert layouts, tied and untied), broken
+checkpoints that must fail with errors naming the tensor or field, and the rules for tensors nothing loads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.engine.llm import LLM
-from deltaserve.model.loader import CheckpointError
+from deltaserve.model.checkpoint_files import MTP_RULE
+from deltaserve.model.loader import CheckpointError, load_checkpoint
+from deltaserve.model.qwen3_5 import Qwen35Model
 
 
 def save_with_transformers(src: Path, dst: Path, tie: bool, how: str) -> torch.nn.Module:
@@ -100,21 +102,48 @@ def test_wrong_shape_is_named(tiny_next: Path, tmp_path: Path) -> None:
         LLM(ckpt, dtype="float32")
 
 
-def test_unexpected_tensors_are_listed(tiny_moe: Path, tmp_path: Path) -> None:
-    ckpt = copy_checkpoint(tiny_moe, tmp_path / "ckpt")
+def add_tensor(ckpt: Path, name: str, value: torch.Tensor) -> Path:
+    """Puts one more tensor into the first shard and the index; returns that shard."""
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
-    name = "model.language_model.layers.0.mlp.extra_bias"
     shard = next(iter(index["weight_map"].values()))
     tensors = load_file(ckpt / shard)
-    tensors[name] = torch.zeros(3)
+    tensors[name] = value
     save_file(tensors, ckpt / shard, metadata={"format": "pt"})
     index["weight_map"][name] = shard
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    report = LLM(ckpt, dtype="float32").engine.runner.load_report
+    return ckpt / shard
+
+
+def test_unexpected_tensor_is_an_error_naming_it_and_its_file(tiny_moe: Path, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny_moe, tmp_path / "ckpt")
+    name = "model.language_model.layers.0.mlp.extra_bias"
+    shard = add_tensor(ckpt, name, torch.zeros(3))
+    with pytest.raises(CheckpointError) as info:
+        LLM(ckpt, dtype="float32")
+    assert f"{shard}: unexpected tensor `{name}`" in str(info.value)
+    assert "--ignore-unexpected-tensors" in str(info.value)
+
+
+def test_ignore_unexpected_lists_them_and_skip_rules_count_theirs(tiny_moe: Path, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny_moe, tmp_path / "ckpt")
+    name = "model.language_model.layers.0.mlp.extra_bias"
+    add_tensor(ckpt, name, torch.zeros(3))
+    config = ModelConfig.from_pretrained(ckpt)
+    model = Qwen35Model(config, torch.float32, "cpu")
+    report = load_checkpoint(model, config, ckpt, ignore_unexpected=True)
     assert report.unexpected == [name]
-    assert any(n.startswith("mtp.") for n in report.skipped) and any(
-        n.startswith("model.visual.") for n in report.skipped
-    )
+    assert set(report.skipped_by_rule) == {"mtp", "vision"}
+    assert sum(report.skipped_by_rule.values()) == len(report.skipped)
+    assert all(n.startswith(("mtp.", "model.visual.")) for n in report.skipped)
+    assert "1 unexpected ignored" in report.summary()
+
+
+def test_a_skip_rule_removed_makes_its_tensors_unexpected(tiny_dense: Path) -> None:
+    """The vision rule is one named entry: a loader that builds the tower passes the rules without it."""
+    config = ModelConfig.from_pretrained(tiny_dense)
+    model = Qwen35Model(config, torch.float32, "cpu")
+    with pytest.raises(CheckpointError, match=r"unexpected tensor `model\.visual\."):
+        load_checkpoint(model, config, tiny_dense, skip_rules=(MTP_RULE,))
 
 
 def edit_config(src: Path, dst: Path, edit: callable) -> Path:
@@ -130,12 +159,13 @@ def edit_config(src: Path, dst: Path, edit: callable) -> Path:
     [
         (lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
         (lambda c: c.update(model_type="llama", architectures=[]), "model_type"),
-        (lambda c: c["text_config"].pop("linear_num_value_heads"), "text_config.linear_num_value_heads"),
+        (lambda c: c["text_config"].update(linear_num_value_heads="4"), "text_config.linear_num_value_heads"),
         (lambda c: c["text_config"].update(layer_types=["linear_attention"] * 3), "text_config.layer_types"),
         (lambda c: c["text_config"].update(linear_num_value_heads=3), "text_config.linear_num_value_heads"),
         (lambda c: c["text_config"].update(num_key_value_heads=3), "text_config.num_key_value_heads"),
-        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[1, 1, 1]),
+        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[1, 1]),
          "text_config.rope_parameters.mrope_section"),
+        (lambda c: c["text_config"].update(hidden_act="gelu"), "text_config.hidden_act"),
     ],
 )  # fmt: skip
 def test_bad_config_names_field_and_file(tiny_dense: Path, tmp_path: Path, edit: callable, field: str) -> None:

@@ -69,8 +69,8 @@ def test_engine_unfused_refuses_mrope_and_fused_accepts(tiny_dense: Path, monkey
 
     def add_mrope_request(request_id: str) -> None:
         engine.add_request(request_id, prompt, params)
-        seq = engine.requests[request_id].sequences[0].seq
-        seq.mrope_positions, seq.mrope_delta = mrope, 0
+        seq = engine.core.sequences[request_id]
+        seq.mrope_positions, seq.mrope_delta = tuple(tuple(row) for row in mrope), 0
 
     add_mrope_request("fused")
     while engine.has_unfinished():

@@ -29,14 +29,15 @@ def test_gate_catches_a_state_restart(
     tiny_dense: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Continuing sequences that restart their GDN state from zero (transformers' old bug, §8.1) must fail."""
-    build = model_runner.build_forward_context
+    build = model_runner.build_eager_inputs
 
     def forgetful(*args: object) -> object:
-        ids, positions, ctx = build(*args)
-        ctx.has_initial_state.zero_()
-        return ids, positions, ctx
+        inputs = build(*args)
+        inputs.ctx.has_initial_state.zero_()
+        inputs.ctx.prefill_has_initial_state.zero_()
+        return inputs
 
-    monkeypatch.setattr(model_runner, "build_forward_context", forgetful)
+    monkeypatch.setattr(model_runner, "build_eager_inputs", forgetful)
     assert run_gate(tiny_dense, num_prompts=6, max_tokens=8) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out

@@ -1,5 +1,6 @@
 """Gated full attention (architecture doc §3.2): fused qkv GEMM, the attention preamble (q/k RMSNorm,
-partial NeoX RoPE or interleaved MRoPE, gate split), paged GQA attention, sigmoid output gate, o_proj.
+partial NeoX RoPE or interleaved MRoPE, gate split), paged GQA attention, sigmoid output gate, o_proj; with
+`attention_bias` the qkv and o projections carry transformers' biases.
 
 The preamble is one fused op by default; DELTASERVE_FUSE_ATTN_PREAMBLE=0 selects the four-op path, which
 refuses true MRoPE positions. KV caches are bound by the runner as `k_cache` / `v_cache`.
@@ -32,6 +33,11 @@ class GatedAttention(nn.Module):
         # q_proj, k_proj and v_proj fused at load time: [q/gate | k | v] rows
         self.qkv_proj = empty_param(q_width + 2 * kv_width, config.hidden_size, dtype=dtype, device=device)
         self.o_proj = empty_param(config.hidden_size, self.num_q_heads * self.head_dim, dtype=dtype, device=device)
+        # transformers' attention_bias: biases on q (with its gate), k, v and o; None when the config has none
+        self.qkv_bias = (
+            empty_param(q_width + 2 * kv_width, dtype=dtype, device=device) if config.has_attention_bias else None
+        )
+        self.o_bias = empty_param(config.hidden_size, dtype=dtype, device=device) if config.has_attention_bias else None
         self.q_norm = empty_param(self.head_dim, dtype=dtype, device=device)
         self.k_norm = empty_param(self.head_dim, dtype=dtype, device=device)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, nkv, d], bound by the runner
@@ -41,7 +47,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj)  # [T, nq·2d + 2·nkv·d]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, nq·2d + 2·nkv·d]
         if env.fuse_attn_preamble():
             q, k, gate = attn_preamble(
                 qkv,
@@ -84,4 +90,4 @@ class GatedAttention(nn.Module):
         )
         # sigmoid(gate)·o in fp32 with one rounding, as vLLM's compiled graph fuses it
         gated = (o.reshape(num_tokens, -1).float() * torch.sigmoid(gate.float())).to(x.dtype)
-        return F.linear(gated, self.o_proj)
+        return F.linear(gated, self.o_proj, self.o_bias)

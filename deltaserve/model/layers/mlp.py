@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import fused_moe, moe_route, silu_and_mul
+from deltaserve.kernels import fused_moe_block, silu_and_mul
 from deltaserve.model.layers.common import empty_param
 
 
@@ -36,11 +36,10 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = empty_param(1, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
-        topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
-        if not self.has_shared_expert:
-            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
-        shared = self.shared_expert(x)  # [T, H]
-        shared_gate_logits = F.linear(x, self.shared_expert_gate)  # [T, 1]
-        # (routed + sigmoid(gate)·shared) in fp32, rounded once: fused into the routed experts' last kernel
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared, shared_gate_logits)
+        # router (model-dtype logits, fp32 routing), routed experts and the sigmoid-gated shared expert as one op:
+        # at decode sizes three launches, each expert's weights read once per step (kernels/moe.py; its ref twin is
+        # the plain composition: router GEMM, route, fused_moe, shared MLP, (routed + sigmoid(gate)·shared) in fp32)
+        shared = ()
+        if self.has_shared_expert:
+            shared = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+        return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)

@@ -1,0 +1,776 @@
+"""Decode-step benchmark: GPU time of one captured decode step per batch size, and every kernel in it against the
+bandwidth and matrix-rate ceilings measured in the same run (issue 11).
+
+    python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
+    python3 benchmarks/decode_step.py --models /tmp/ds_models --tune --out $OUT/decode-step.json
+
+For each shape (q35-35b-a3b, q35-27b: the real Qwen35Model with dummy weights, init_dummy_weights) and each
+batch size B it binds its own KV cache and GDN state slots (B sequences of --context cached tokens), builds a
+decode ForwardContext directly, and
+- captures the decode forward + lm_head as a CUDA graph and times replays with CUDA events (median, p10, p90
+  of --replays): `graph_ms`, the number to compare across B (no launch overhead, inputs on the device);
+- runs one eager forward under torch.profiler with a label around every op the model calls (each projection
+  by its weight, each kernel op, the leftover torch elementwise ops per layer kind): per label the kernels'
+  GPU time, the bytes the op must move at least and the FLOPs it must do (counted here from the shapes, see
+  `op_costs`), and the achieved GB/s and TFLOP/s against the device-to-device copy bandwidth and the bf16
+  GEMM rate measured at start.
+Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEBlock.forward for
+kernels.fused_moe_block (router + routed + shared experts as one op), `linear` the model's F.linear for
+kernels.linear (a Triton skinny GEMM up to 16 rows); `block+linear` both: the integrations this benchmark
+proposes, measured before the model is changed. The default runs `block+linear` and `model`: the per-op rows
+separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in
+the step total.
+`--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
+`--baseline DIR` runs the same measurement in a subprocess against another deltaserve tree (PYTHONPATH=DIR,
+`model` variant only) and stores it as the `before` half of the record. Tables go to stdout (the last one is
+the per-B summary), the JSON record to --out after every batch size. Exits 2 without CUDA (unless --device
+cpu, the plumbing check the CPU test runs), 1 if a measurement failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"35b-a3b": "q35-35b-a3b", "27b": "q35-27b"}
+DEFAULT_BATCHES = "1,2,4,8,16,24,32,48,64,96,128,192,256"
+LABEL = "ds:"  # prefix of this benchmark's profiler ranges
+CLIFF_TOLERANCE = 0.05  # a larger batch may be at most this much faster than a smaller one
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ceilings
+
+
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _copy_gbps(num_bytes: int = 2 << 30) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return 2 * num_bytes / (_median_ms(lambda: dst.copy_(src), 20) * 1e-3) / 1e9
+
+
+def _gemm_tflops(n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, device="cuda").to(torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        torch.matmul(a, b)
+    return 2 * n**3 / (_median_ms(lambda: torch.matmul(a, b), 20) * 1e-3) / 1e12
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy bandwidth (bytes read + written by a 2 GiB device-to-device copy) and the bf16 GEMM rate (8192³
+    through torch.matmul on random data), medians of 20."""
+    ceilings = {"copy_gbps": _copy_gbps(), "bf16_tflops": _gemm_tflops()}
+    torch.cuda.empty_cache()
+    return ceilings
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model, cache and context
+
+
+def build_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    from deltaserve.config import ModelConfig
+    from deltaserve.model.loader import init_dummy_weights
+    from deltaserve.model.qwen3_5 import Qwen35Model
+
+    config = ModelConfig.from_pretrained(model_dir)
+    model = Qwen35Model(config, dtype, device)
+    init_dummy_weights(model, seed=0)
+    model.eval()
+    return config, model
+
+
+@dataclasses.dataclass
+class Cache:
+    block_size: int
+    blocks_per_seq: int
+    block_tables: torch.Tensor  # [max_batch, max_blocks] int32, sequence b owns blocks_per_seq scattered blocks
+
+
+def bind_cache(model: Any, config: Any, max_batch: int, context: int, max_model_len: int, block_size: int) -> Cache:
+    """KV blocks for max_batch sequences of context + 1 tokens (scattered, as a long-running cache is) and one
+    GDN state slot per sequence, allocated here and bound to the layers as the runner binds them."""
+    device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+    blocks_per_seq = -(-(context + 1) // block_size)
+    num_blocks = max_batch * blocks_per_seq + 1
+    attn = [layer.self_attn for layer in model.layers if layer.is_full_attention]
+    gdn = [layer.linear_attn for layer in model.layers if not layer.is_full_attention]
+    kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    for mixer in attn:
+        mixer.k_cache = torch.randn(kv_shape, device=device).to(dtype)
+        mixer.v_cache = torch.randn(kv_shape, device=device).to(dtype)
+    ssm_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.ssm_state_dtype, torch.float32)
+    conv_shape = (max_batch, config.linear_conv_kernel_dim - 1, config.conv_dim)
+    ssm_shape = (max_batch, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    for mixer in gdn:
+        mixer.conv_states = torch.randn(conv_shape, device=device).to(dtype)
+        mixer.ssm_states = (torch.randn(ssm_shape, device=device) * 0.05).to(ssm_dtype)
+    max_blocks = -(-max_model_len // block_size)
+    tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+    order = torch.randperm(num_blocks - 1, device=device).int() + 1
+    tables[:, :blocks_per_seq] = order[: max_batch * blocks_per_seq].view(max_batch, blocks_per_seq)
+    return Cache(block_size, blocks_per_seq, tables)
+
+
+def decode_context(
+    cache: Cache, batch: int, context: int, vocab_size: int, device: torch.device
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(ForwardContext, input_ids [B], positions [3, B]) of one all-decode step: every sequence holds `context`
+    tokens and decodes token `context` (stored at its slot, attention over context + 1 keys)."""
+    from deltaserve.model.context import ForwardContext
+
+    tables = cache.block_tables[:batch]
+    block = tables[:, context // cache.block_size].long()
+    slot_mapping = block * cache.block_size + context % cache.block_size
+    values = {
+        "num_decode_tokens": batch,
+        "num_prefill_tokens": 0,
+        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
+        "seq_lens": torch.full((batch,), context + 1, dtype=torch.int32, device=device),
+        "block_tables": tables,
+        "slot_mapping": slot_mapping,
+        "max_query_len": 1,
+        "max_seq_len": tables.shape[1] * cache.block_size,
+        "state_indices": torch.arange(batch, dtype=torch.int32, device=device),
+        "has_initial_state": torch.ones(batch, dtype=torch.bool, device=device),
+        "prefill_query_start_loc": torch.zeros(1, dtype=torch.int32, device=device),
+    }
+    fields = {f.name: f for f in dataclasses.fields(ForwardContext) if f.init}
+    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    if missing:
+        raise RuntimeError(f"ForwardContext gained required fields this benchmark does not fill: {missing}")
+    ctx = ForwardContext(**{n: v for n, v in values.items() if n in fields})
+    generator = torch.Generator(device="cpu").manual_seed(batch)
+    ids = torch.randint(vocab_size // 8, vocab_size * 7 // 8, (batch,), generator=generator).to(device)
+    positions = torch.full((3, batch), context, dtype=torch.int64, device=device)
+    return ctx, ids, positions
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Labels: a profiler range around every op the model calls
+
+
+class _Labelled:
+    """Stands in for a module's `F` (torch.nn.functional, or the linear variant's): F.linear gets a range named
+    after the weight, F.embedding one of its own; everything else passes through to `inner`."""
+
+    def __init__(self, kind: str, names: dict[tuple[int, int], str], inner: Any) -> None:
+        self._kind, self._names, self._inner = kind, names, inner
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+        name = self._names.get(tuple(weight.shape), f"linear[{weight.shape[0]}x{weight.shape[1]}]")
+        with torch.profiler.record_function(f"{LABEL}{self._kind}.{name}"):
+            return self._inner.linear(x, weight, *args)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+        with torch.profiler.record_function(f"{LABEL}{self._kind}.embed"):
+            return self._inner.embedding(ids, weight, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _SkinnyLinear:
+    """The `linear` variant's `F`: F.linear through kernels.linear (the Triton skinny GEMM up to 16 rows)."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+        from deltaserve.kernels import linear
+
+        return linear(x, weight) if not args else torch.nn.functional.linear(x, weight, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn.functional, name)
+
+
+MODEL_MODULES = ("deltaserve.model.layers.gdn", "deltaserve.model.layers.attention", "deltaserve.model.layers.mlp",
+                 "deltaserve.model.qwen3_5")  # fmt: skip
+
+
+@contextlib.contextmanager
+def linear_variant(enabled: bool) -> Iterator[None]:
+    """Every F.linear of the model through kernels.linear while enabled (the proposed integration)."""
+    if not enabled:
+        yield
+        return
+    import importlib
+
+    modules = [importlib.import_module(name) for name in MODEL_MODULES]
+    originals = [module.F for module in modules]
+    for module in modules:
+        module.F = _SkinnyLinear()
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            module.F = original
+
+
+def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(LABEL + label):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def linear_names(config: Any) -> dict[str, dict[tuple[int, int], str]]:
+    h = config.hidden_size
+    nq, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    names = {
+        "gdn": {
+            (config.conv_dim + config.value_dim, h): "in_proj_qkvz",
+            (2 * config.linear_num_value_heads, h): "in_proj_ba",
+            (h, config.value_dim): "out_proj",
+        },  # fmt: skip
+        "attn": {(2 * nq * d + 2 * nkv * d, h): "qkv_proj", (h, nq * d): "o_proj"},
+        "mlp": {(2 * config.intermediate_size, h): "gate_up", (h, config.intermediate_size): "down"},
+        "lm": {(config.vocab_size, h): "lm_head"},
+    }
+    if config.num_experts:
+        ish = config.shared_expert_intermediate_size
+        names["mlp"].update({(config.num_experts, h): "moe_router", (2 * ish, h): "shared_gate_up",
+                             (h, ish): "shared_down", (1, h): "shared_gate"})  # fmt: skip
+    return names
+
+
+@contextlib.contextmanager
+def labelled(model: Any, config: Any) -> Iterator[None]:
+    """Profiler ranges around the model's ops, by patching the names its modules call; undone on exit."""
+    from deltaserve.model import qwen3_5
+    from deltaserve.model.layers import attention, gdn, mlp
+
+    names = linear_names(config)
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, attr: str, value: Any) -> None:
+        patches.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    for module, kind in ((gdn, "gdn"), (attention, "attn"), (mlp, "mlp"), (qwen3_5, "lm")):
+        patch(module, "F", _Labelled(kind, names[kind], module.F))
+    for module, kind in ((gdn, "gdn"), (attention, "attn"), (mlp, "mlp"), (qwen3_5, "layer")):
+        for attr in dir(module):
+            value = getattr(module, attr)
+            if callable(value) and getattr(value, "__module__", "").startswith("deltaserve.kernels"):
+                patch(module, attr, _wrap(value, f"{kind}.{attr}"))
+    # leftover torch ops (the attention's sigmoid gate, the logits' upcast) get their module's label
+    for cls, kind in ((attention.GatedAttention, "attn"), (gdn.GatedDeltaNet, "gdn"), (mlp.MoEBlock, "mlp"),
+                      (mlp.DenseMLP, "mlp")):  # fmt: skip
+        patch(cls, "forward", _wrap(cls.forward, f"{kind}.other"))
+    patch(type(model), "compute_logits", _wrap(type(model).compute_logits, "lm.other"))
+    try:
+        yield
+    finally:
+        for owner, attr, value in reversed(patches):
+            setattr(owner, attr, value)
+
+
+@contextlib.contextmanager
+def moe_block_variant(enabled: bool) -> Iterator[None]:
+    """MoEBlock.forward through kernels.fused_moe_block (the proposed integration) while enabled."""
+    if not enabled:
+        yield
+        return
+    from deltaserve.kernels import fused_moe_block
+    from deltaserve.model.layers import mlp
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        extra = ()
+        if self.has_shared_expert:
+            extra = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+        with torch.profiler.record_function(LABEL + "mlp.fused_moe_block"):
+            return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *extra)
+
+    original = mlp.MoEBlock.forward
+    mlp.MoEBlock.forward = forward
+    try:
+        yield
+    finally:
+        mlp.MoEBlock.forward = original
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes and FLOPs each op must move / do (compulsory: inputs read once, outputs written once)
+
+
+def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch of independently routed tokens hits: E·(1 − (1 − k/E)^B)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dict[str, tuple[float, float]]:
+    """Label (without the prefix) -> (bytes, FLOPs) per step, summed over the layers that run it."""
+    b, h, s = batch, config.hidden_size, dtype_bytes
+    nq, nkv, d, r = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rotary_dim
+    hv, hk, dk, dv = (config.linear_num_value_heads, config.linear_num_key_heads, config.linear_key_head_dim,
+                      config.linear_value_head_dim)  # fmt: skip
+    num_attn, num_gdn = len(config.full_attention_layers), len(config.linear_attention_layers)
+    num_layers = config.num_hidden_layers
+    num_moe = sum(1 for x in config.moe_layers if x) if config.num_experts else 0
+    num_dense = num_layers - num_moe
+    state_bytes = 4 if config.ssm_state_dtype == "float32" else 2
+    costs: dict[str, tuple[float, float]] = {}
+
+    def add(label: str, num_bytes: float, flops: float = 0.0, times: int = 1) -> None:
+        old = costs.get(label, (0.0, 0.0))
+        costs[label] = (old[0] + times * num_bytes, old[1] + times * flops)
+
+    def linear(label: str, n: int, k: int, times: int) -> None:
+        add(label, (n * k + b * k + b * n) * s, 2.0 * b * n * k, times)
+
+    names = linear_names(config)
+    for kind, times in (("gdn", num_gdn), ("attn", num_attn), ("lm", 1)):
+        for (n, k), name in names[kind].items():
+            linear(f"{kind}.{name}", n, k, times)
+    add("lm.embed", 2 * b * h * s)
+    add("layer.rms_norm", 4 * b * h * s, 0, 2 * num_layers)  # residual add + norm, twice a layer, and the final
+    add("layer.rms_norm", 4 * b * h * s, 0, 1)
+    add("layer.rope_cos_sin_for_positions", b * r * s, 0, 1)
+    # attention
+    add("attn.attn_preamble", b * ((2 * nq * d + nkv * d) * 2 + r) * s, 0, num_attn)
+    add("attn.store_kv", 4 * b * nkv * d * s, 0, num_attn)
+    add("attn.paged_attention", (2 * b * (context + 1) * nkv * d + 2 * b * nq * d) * s,
+        4.0 * b * (context + 1) * nq * d, num_attn)  # fmt: skip
+    add("attn.other", 3 * b * nq * d * s, 0, num_attn)  # sigmoid(gate)·o
+    # Gated DeltaNet
+    conv = config.conv_dim
+    kc = config.linear_conv_kernel_dim
+    add("gdn.causal_conv1d_update", (2 * b * conv + 2 * b * (kc - 1) * conv + conv * kc) * s, 2.0 * b * conv * kc,
+        num_gdn)  # fmt: skip
+    add("gdn.gdn_decode", 2 * b * hv * dk * dv * state_bytes + b * (2 * hk * dk + 2 * hv * dv + 2 * hv) * s,
+        8.0 * b * hv * dk * dv, num_gdn)  # fmt: skip
+    add("gdn.gated_rms_norm", 3 * b * hv * dv * s, 0, num_gdn)
+    # MLP / MoE
+    if num_dense:
+        for (n, k), name in names["mlp"].items():
+            if name in ("gate_up", "down"):
+                linear(f"mlp.{name}", n, k, num_dense)
+        add("mlp.silu_and_mul", 3 * b * config.intermediate_size * s, 0, num_dense)
+    if num_moe:
+        e, k, i = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+        ish = config.shared_expert_intermediate_size
+        experts = expected_experts(e, k, b) * 3 * i * h * s
+        shared = 3 * ish * h * s
+        flops = 2.0 * b * k * 3 * i * h
+        add("mlp.fused_moe", experts + (b * h + b * k * 4) * s, flops, num_moe)
+        add("mlp.moe_route", b * e * s, 0, num_moe)
+        add("mlp.silu_and_mul", 3 * b * ish * s, 0, num_moe)
+        for (n, kk), name in names["mlp"].items():
+            if name.startswith(("moe_router", "shared")):
+                linear(f"mlp.{name}", n, kk, num_moe)
+        add("mlp.fused_moe_block", experts + shared + (e + 1) * h * s + 2 * b * h * s,
+            flops + 2.0 * b * (3 * ish + e + 1) * h, num_moe)  # fmt: skip
+    add("lm.other", b * config.vocab_size * (s + 4), 0, 1)  # the logits' fp32 upcast
+    return costs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One batch size
+
+
+def _label_of(event: Any) -> str | None:
+    node = event
+    while node is not None:
+        if node.name.startswith(LABEL):
+            return node.name[len(LABEL) :]
+        node = node.cpu_parent
+    return None
+
+
+# Where a Triton kernel belongs when the profiler did not link it to a labelled range (a fallback: kineto links
+# each kernel to the innermost op or range active at its launch, so this should stay unused).
+TRITON_LABELS = {
+    "_attn_preamble_kernel": "attn.attn_preamble",
+    "_store_kv_kernel": "attn.store_kv",
+    "_paged_attn_decode_kernel": "attn.paged_attention",
+    "_paged_attn_combine_kernel": "attn.paged_attention",
+    "_causal_conv1d_update_kernel": "gdn.causal_conv1d_update",
+    "_gdn_decode_kernel": "gdn.gdn_decode",
+    "_gated_rms_norm_kernel": "gdn.gated_rms_norm",
+    "_rms_norm_kernel": "layer.rms_norm",
+    "_silu_and_mul_kernel": "mlp.silu_and_mul",
+    "_moe_route_kernel": "mlp.moe_route",
+}
+MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel", "_moe_router_kernel",
+               "_moe_decode_gemm1_kernel", "_moe_decode_gemm2_kernel")  # fmt: skip
+
+
+def moe_label(is_block: bool) -> str:
+    """The label unclaimed MoE kernels get: the block's when the block variant runs or the model itself calls
+    kernels.fused_moe_block (main since the 2026-12-01 decode-step record), else the routed experts' op."""
+    from deltaserve.model.layers import mlp
+
+    return "mlp.fused_moe_block" if is_block or hasattr(mlp, "fused_moe_block") else "mlp.fused_moe"
+
+
+def profile_ops(
+    run: Callable[[], object], device: torch.device, moe_label: str = "mlp.fused_moe"
+) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """One forward under the profiler: per label {us, kernels} (the device kernels launched inside the label's
+    innermost range; on the CPU, where no kernels exist, the ranges' CPU time) and the kernel totals: per kernel
+    name {us, calls}, all kernels' time, and what no range claimed (attributed by kernel name where known)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    by_label: dict[str, dict[str, float]] = defaultdict(lambda: {"us": 0.0, "kernels": 0})
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    claimed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_kernel[event.name][0] += event.time_range.elapsed_us()
+            by_kernel[event.name][1] += 1
+        elif device.type == "cuda" and event.kernels:
+            label = _label_of(event) or "unlabelled"
+            for kernel in event.kernels:
+                by_label[label]["us"] += kernel.duration
+                by_label[label]["kernels"] += 1
+                claimed[kernel.name][0] += kernel.duration
+                claimed[kernel.name][1] += 1
+        elif device.type != "cuda" and event.name.startswith(LABEL):
+            by_label[event.name[len(LABEL) :]]["us"] += event.cpu_time_total
+            by_label[event.name[len(LABEL) :]]["kernels"] += 1
+    unclaimed_us = 0.0
+    if device.type == "cuda":
+        for name, (us, calls) in by_kernel.items():
+            left_us, left_calls = us - claimed[name][0], calls - claimed[name][1]
+            if left_calls <= 0:
+                continue
+            unclaimed_us += left_us
+            label = moe_label if name in MOE_KERNELS else TRITON_LABELS.get(name, "unlabelled")
+            by_label[label]["us"] += left_us
+            by_label[label]["kernels"] += left_calls
+    kernels = {
+        "total_us": round(sum(v[0] for v in by_kernel.values()), 1),
+        "unclaimed_us": round(unclaimed_us, 1),
+        "top": sorted(({"name": n[:120], "us": round(v[0], 2), "calls": v[1]} for n, v in by_kernel.items()),
+                      key=lambda row: -row["us"])[:40],
+    }  # fmt: skip
+    return dict(by_label), kernels
+
+
+def graph_times(run: Callable[[], object], replays: int) -> dict[str, float]:
+    """Capture run() (a decode forward + logits) as a CUDA graph; replay; median/p10/p90 ms by CUDA events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # allocator warm-up off the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    times.sort()
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return {"graph_ms": times[len(times) // 2], "graph_ms_p10": pick(0.1), "graph_ms_p90": pick(0.9)}
+
+
+def measure_batch(
+    model: Any, config: Any, cache: Cache, batch: int, args: argparse.Namespace, ceilings: dict[str, float]
+) -> dict[str, Any]:
+    from deltaserve.model.context import forward_context
+
+    device = model.embed_tokens.device
+    ctx, ids, positions = decode_context(cache, batch, args.context, config.vocab_size, device)
+
+    def run() -> torch.Tensor:
+        with forward_context(ctx):
+            return model.compute_logits(model(ids, positions))
+
+    row: dict[str, Any] = {"batch": batch}
+    with torch.inference_mode():
+        started = time.perf_counter()
+        run()  # compiles the kernels this batch size first meets
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row["first_forward_s"] = round(time.perf_counter() - started, 2)
+        if device.type == "cuda":
+            row.update(graph_times(run, args.replays))
+        else:
+            started = time.perf_counter()
+            run()
+            row["eager_ms"] = (time.perf_counter() - started) * 1e3
+        with labelled(model, config):
+            by_label, kernels = profile_ops(run, device, moe_label(args.is_block))
+    costs = op_costs(config, batch, args.context)
+    ops = []
+    for label, measured in sorted(by_label.items(), key=lambda item: -item[1]["us"]):
+        num_bytes, flops = costs.get(label, (None, None))
+        us = measured["us"]
+        op: dict[str, Any] = {"op": label, "us": round(us, 2), "kernels": int(measured["kernels"])}
+        if num_bytes is not None and us > 0:
+            op.update(bytes=int(num_bytes), flops=int(flops), gbps=round(num_bytes / (us * 1e-6) / 1e9, 1),
+                      floor_us=round(num_bytes / (ceilings["copy_gbps"] * 1e9) * 1e6, 2))  # fmt: skip
+            op["copy_share"] = round(op["gbps"] / ceilings["copy_gbps"], 3)
+            if flops:
+                op["tflops"] = round(flops / (us * 1e-6) / 1e12, 2)
+                op["gemm_share"] = round(op["tflops"] / ceilings["bf16_tflops"], 3)
+        ops.append(op)
+    row["ops"] = ops
+    row["kernels"] = kernels
+    row["kernels_us"] = round(sum(op["us"] for op in ops), 1)
+    row["num_kernels"] = int(sum(op["kernels"] for op in ops))
+    floor_bytes = sum(c[0] for label, c in costs.items() if label in {o["op"] for o in ops})
+    row["floor_ms"] = round(floor_bytes / (ceilings["copy_gbps"] * 1e9) * 1e3, 3)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runs, tables, record
+
+
+def _print_ops(shape: str, variant: str, row: dict[str, Any]) -> None:
+    timing = f"graph {row['graph_ms']:.3f} ms" if "graph_ms" in row else f"eager {row.get('eager_ms', 0):.1f} ms"
+    print(f"\n{shape} [{variant}] B={row['batch']}: {timing}, "
+          f"{row['num_kernels']} kernels, {row['kernels_us'] / 1e3:.3f} ms of kernel time (eager profile), "
+          f"floor {row['floor_ms']:.3f} ms")  # fmt: skip
+    print(
+        f"  {'op':<30} {'n':>4} {'us':>9} {'floor_us':>9} {'MB':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'%mm':>5}"
+    )
+    for op in row["ops"]:
+        mb = op.get("bytes", 0) / 1e6
+        print(f"  {op['op']:<30} {op['kernels']:>4} {op['us']:>9.1f} {op.get('floor_us', 0):>9.1f} {mb:>9.2f} "
+              f"{op.get('gbps', 0):>7.0f} {100 * op.get('copy_share', 0):>5.0f}% {op.get('tflops', 0):>8.2f} "
+              f"{100 * op.get('gemm_share', 0):>4.0f}%")  # fmt: skip
+
+
+def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
+    """Batch sizes whose step is more than CLIFF_TOLERANCE faster than a smaller batch's (time must not fall)."""
+    found = []
+    for i, row in enumerate(rows):
+        for earlier in rows[:i]:
+            if key in row and key in earlier and row[key] < earlier[key] * (1 - CLIFF_TOLERANCE):
+                found.append(f"B={earlier['batch']} {earlier[key]:.2f} ms > B={row['batch']} {row[key]:.2f} ms")
+    return found
+
+
+def run_shape(
+    shape: str, variants: list[str], args: argparse.Namespace, ceilings: dict[str, float], save: Callable[[], None],
+    record: dict[str, Any],
+) -> None:  # fmt: skip
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    model_dir = args.models / SHAPES.get(shape, shape)
+    started = time.perf_counter()
+    config, model = build_model(model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cache = bind_cache(model, config, max(batches), args.context, args.max_model_len, args.block_size)
+    print(f"{shape}: model and cache ready in {time.perf_counter() - started:.1f} s", flush=True)
+    done: set[str] = set()
+    for variant in variants:
+        features = set(variant.split("+")) - {"model"}
+        if not config.num_experts:
+            features.discard("block")  # the dense shape has no MoE block to swap
+        variant = "+".join(sorted(features)) or "model"
+        if variant in done:
+            continue
+        done.add(variant)
+        rows: list[dict[str, Any]] = []
+        entry = {"shape": shape, "variant": variant, "rows": rows}
+        record["runs"].append(entry)
+        args.is_block = "block" in features
+        with moe_block_variant(args.is_block), linear_variant("linear" in features):
+            for batch in batches:
+                try:
+                    row = measure_batch(model, config, cache, batch, args, ceilings)
+                except Exception as exc:  # one failed batch size is a finding; the rest still run
+                    row = {"batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                    record["errors"].append(f"{shape} {variant} B={batch}: {row['error']}")
+                    print(f"{shape} [{variant}] B={batch}: FAILED {row['error']}", flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                else:
+                    _print_ops(shape, variant, row)
+                rows.append(row)
+                save()
+        entry["cliffs"] = cliffs(
+            [r for r in rows if "error" not in r], "graph_ms" if device.type == "cuda" else "eager_ms"
+        )
+    del model, cache
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def summary(record: dict[str, Any]) -> str:
+    key = "graph_ms" if record.get("device") == "cuda" else "eager_ms"
+    lines = []
+    runs = [("after", r) for r in record["runs"]] + [("before", r) for r in record.get("before", {}).get("runs", [])]
+    batches = sorted({row["batch"] for _, run in runs for row in run["rows"]})
+    header = f"{'shape':<10} {'run':<7} {'variant':<12} " + " ".join(f"{b:>7}" for b in batches)
+    lines.append(f"decode step {key} by batch size (context {record['context']} tokens per sequence)")
+    lines.append(header)
+    for half, run in runs:
+        by_batch = {row["batch"]: row for row in run["rows"]}
+        cells = []
+        for b in batches:
+            row = by_batch.get(b, {})
+            cells.append(f"{row[key]:>7.2f}" if key in row else f"{'err' if 'error' in row else '-':>7}")
+        lines.append(f"{run['shape']:<10} {half:<7} {run['variant']:<12} " + " ".join(cells))
+    for half, run in runs:
+        if run.get("cliffs"):
+            lines.append(f"CLIFF {run['shape']} {half} {run['variant']}: " + "; ".join(run["cliffs"][:6]))
+    current = [run for half, run in runs if half == "after"]
+    measured = [row for run in current for row in run["rows"] if key in row]
+    if not measured:
+        lines.append("no batch size was measured in the current runs: nothing to check for cliffs")
+    else:
+        ok = not any(run.get("cliffs") for run in current)
+        lines.append(f"no cliffs (time non-decreasing in B within {CLIFF_TOLERANCE:.0%}) in the current runs: "
+                     f"{'yes' if ok else 'NO'} ({len(measured)} batch sizes measured)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """This script against another deltaserve tree (PYTHONPATH=DIR), `model` variant, no tuning."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "before.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--models", str(args.models), "--shapes", args.shapes,
+                   "--batches", args.batches, "--context", str(args.context), "--replays", str(args.replays),
+                   "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size),
+                   "--variants", "model", "--out", str(out), "--label", "before", "--device", args.device]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(Path(args.baseline).resolve())}
+        print(f"baseline: {shlex.join(command)} (PYTHONPATH={env['PYTHONPATH']})", flush=True)
+        done = subprocess.run(command, env=env, timeout=args.baseline_timeout_s)
+        if not out.is_file():
+            return {"error": f"the baseline run wrote no record (exit {done.returncode})", "runs": []}
+        before = json.loads(out.read_text())
+        before["exit_code"] = done.returncode
+        return before
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=Path("/tmp/ds_models"), help="make_dummy_models.py's folder")
+    parser.add_argument("--shapes", default="35b-a3b,27b", help=f"comma list of {', '.join(SHAPES)} or folder names")
+    parser.add_argument("--batches", default=DEFAULT_BATCHES)
+    parser.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="block-table width (as the engine's)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument(
+        "--variants",
+        default="block+linear,block,model",
+        help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
+        "linear (F.linear through kernels.linear), block+linear; block is dropped on dense shapes",
+    )
+    parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
+    parser.add_argument("--tune-budget-s", type=float, default=150.0)
+    parser.add_argument("--moe-table", type=Path, default=None, help="install this MoE table (a tune_moe.py output)")
+    parser.add_argument("--baseline", type=Path, default=None, help="another deltaserve tree: the `before` run")
+    parser.add_argument("--baseline-timeout-s", type=float, default=420.0)
+    parser.add_argument("--no-current", action="store_true", help="only the baseline run")
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if args.device == "cuda" and (not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        print("decode_step: no CUDA device: nothing to measure (--device cpu checks the plumbing)", file=sys.stderr)
+        return 2
+    from deltaserve.bench.provenance import git_state
+
+    git = git_state(ROOT)
+    record: dict[str, Any] = {
+        "kind": "decode_step", "label": args.label, "command": "python3 " + shlex.join(sys.argv),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": git.get("commit"),
+        "deltaserve": str(Path(sys.modules["deltaserve"].__file__).parent), "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__,
+        "context": args.context, "max_model_len": args.max_model_len, "block_size": args.block_size,
+        "runs": [], "errors": [],
+    }  # fmt: skip
+    try:
+        import triton
+
+        record["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+    if args.device == "cuda":
+        record["ceilings"] = measure_ceilings()
+        print(f"ceilings: copy {record['ceilings']['copy_gbps']:.0f} GB/s, bf16 GEMM "
+              f"{record['ceilings']['bf16_tflops']:.0f} TFLOP/s", flush=True)  # fmt: skip
+    else:
+        record["ceilings"] = {"copy_gbps": 100.0, "bf16_tflops": 1.0}  # placeholders: the CPU run checks plumbing
+    save()
+    if not args.no_current:
+        if args.tune:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            import tune_moe
+
+            started = time.perf_counter()
+            table = tune_moe.tune("35b-a3b", tune_moe.DEFAULT_BUCKETS, args.tune_budget_s, 10, print)
+            path = args.out.parent / "moe-table.json"
+            path.write_text(json.dumps(table, indent=2) + "\n")
+            record["tuning"] = {"table": str(path), "file": table["file"], "s": round(time.perf_counter() - started, 1)}
+            args.moe_table = path
+            save()
+        if args.moe_table is not None:
+            from deltaserve.kernels import moe_configs
+
+            moe_configs.install_table(json.loads(args.moe_table.read_text()), str(args.moe_table))
+            record["moe_table"] = str(args.moe_table)
+        variants = [v for v in args.variants.split(",") if v]
+        for shape in [s for s in args.shapes.split(",") if s]:
+            run_shape(shape, variants, args, record["ceilings"], save, record)
+    if args.baseline is not None:
+        record["before"] = run_baseline(args)
+        save()
+    text = summary(record)
+    record["summary"] = text
+    save()
+    print("\n" + text)
+    return 1 if record["errors"] or record.get("before", {}).get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Registers, spills and load widths of the decode-path Triton kernels on sm_90, compiled on a CPU-only machine.
+
+No GPU and no device time: every Triton launch that the kernel launchers make on CPU tensors is intercepted,
+specialised exactly as Triton's JIT would on the H200 (the same binder: pointer alignment, integers divisible
+by 16 or equal to 1, `do_not_specialize`), compiled for sm_90 with the ptxas that ships in Triton's wheel,
+and summarised from `cuobjdump`: registers, stack frame and local-memory traffic (spills), shared memory,
+and the instruction mix that matters for memory-bound kernels (LDG widths, cp.async, HMMA/HGMMA).
+
+    python benchmarks/kernel_resources.py --shape 35b-a3b --batches 1,32,64
+
+A kernel with LOCAL traffic (LDL/STL) in its decode configuration is the first suspect of a cliff: the
+one-program MoE alignment spilled 3 KiB a thread at 257-512 entries, the 35B-A3B decode cliff at B = 48-64.
+Must run WITHOUT TRITON_INTERPRET (the interpreter replaces the JIT); exits 2 when it is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SM90 = ("cuda", 90, 32)
+
+
+@dataclass
+class Compiled:
+    """One compiled specialisation and its resource summary."""
+
+    kernel: str
+    label: str
+    regs: int
+    stack: int
+    shared: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def spills(self) -> int:
+        return self.counts.get("LDL", 0) + self.counts.get("STL", 0)
+
+
+def _tools_dir() -> Path:
+    import triton.backends.nvidia as nvidia
+
+    return Path(nvidia.__file__).parent / "bin"
+
+
+def _summarise(kernel: Any, name: str, label: str, work: Path) -> Compiled:
+    path = work / f"{name}.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    tools = _tools_dir()
+    res = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:\d+", res)
+    counts: dict[str, int] = {}
+    for op in re.findall(r"\b(LDGSTS|LDG\.E(?:\.(?:64|128|U16|S16|U8))?|HGMMA|HMMA|LDL|STL|STG\.E(?:\.\d+)?)", sass):
+        counts[op] = counts.get(op, 0) + 1
+    regs, stack = (int(usage.group(1)), int(usage.group(2))) if usage else (-1, -1)
+    return Compiled(name, label, regs, stack, int(kernel.metadata.shared), counts)
+
+
+class Interceptor:
+    """Replaces JITFunction.run: each launch is specialised and compiled for sm_90 instead of run."""
+
+    def __init__(self, work: Path) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        self.target = GPUTarget(*SM90)
+        self.backend = make_backend(self.target)
+        self.work = work
+        self.label = ""
+        self.results: list[Compiled] = []
+        self._seen: dict[tuple[str, str], Compiled] = {}
+
+    def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        import triton
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import create_function_from_signature
+
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound_args, specialization, options)
+        key = (fn.__name__, repr((signature, sorted(constexprs.items()), sorted(attrs.items()), options)))
+        if key in self._seen:
+            self.results.append(Compiled(**{**self._seen[key].__dict__, "label": self.label}))
+            return
+        source = ASTSource(fn, signature, constexprs, attrs)
+        kernel = triton.compile(source, target=self.target, options=options.__dict__)
+        summary = _summarise(kernel, fn.__name__, self.label, self.work)
+        self._seen[key] = summary
+        self.results.append(summary)
+
+    def install(self) -> Callable[[], None]:
+        from triton.runtime.jit import JITFunction
+
+        original = JITFunction.run
+        interceptor = self
+
+        def run(self: Any, *args: Any, grid: Any = None, warmup: bool = False, **kwargs: Any) -> None:
+            interceptor.run(self, args, kwargs)
+
+        JITFunction.run = run  # type: ignore[method-assign]
+
+        def restore() -> None:
+            JITFunction.run = original  # type: ignore[method-assign]
+
+        return restore
+
+
+def decode_launches(shape: str, batch: int, context: int, moe_path: str = "") -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per decode-path op at one batch size, on CPU tensors of the real shapes (bf16)."""
+    from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels import moe_configs, moe_decode_triton, moe_triton
+    from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
+    from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
+    from deltaserve.kernels.gdn_triton import gdn_decode_triton
+    from deltaserve.kernels.moe_routing_triton import moe_align_triton, moe_route_triton
+    from deltaserve.kernels.norm_triton import gated_rms_norm_triton, rms_norm_triton
+    from deltaserve.kernels.preamble_triton import attn_preamble_triton
+
+    m = MODELS[shape]
+    bf16 = torch.bfloat16
+    b, h = batch, m.hidden
+    nq, nkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
+    page = 64
+    pages = -(-context // page)
+    e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)  # noqa: E731
+    qkv = e(b, nq * 2 * d + 2 * nkv * d)
+    cache = e(b * pages, page, nkv, d)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    seq_lens = torch.full((b,), context, dtype=torch.int32)
+    tables = torch.zeros(b, pages, dtype=torch.int32)
+    slots = torch.arange(b, dtype=torch.int32)
+    mixed = e(b, m.conv_dim)
+    hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    qk = mixed[:, : 2 * hk * dk]
+    launches: list[tuple[str, Callable[[], object]]] = [
+        ("rms_norm", lambda: rms_norm_triton(e(b, h), e(h), 1e-6, e(b, h))),
+        ("attn_preamble", lambda: attn_preamble_triton(qkv, e(d), e(d), e(b, m.rotary_dim), nq, nkv, d, 64, 1e-6)),
+        ("store_kv", lambda: store_kv_triton(e(b, nkv, d), e(b, nkv, d), cache, cache, slots.long())),
+        ("paged_attention", lambda: paged_attention_triton(e(b, nq, d), cache, cache, qsl, seq_lens, tables, 0.06, 1)),
+        ("conv_update", lambda: causal_conv1d_update_triton(mixed, e(m.conv_dim, 4), e(b, 3, m.conv_dim), slots)),
+        (
+            "gdn_decode",
+            lambda: gdn_decode_triton(
+                qk[:, : hk * dk].view(b, hk, dk),
+                qk[:, hk * dk :].view(b, hk, dk),
+                mixed[:, 2 * hk * dk :].view(b, hv, dv),
+                e(b, hv),
+                e(b, hv),
+                e(hv, dtype=torch.float32),
+                e(hv),
+                e(b, hv, dk, dv, dtype=torch.float32),
+                slots,
+            ),
+        ),
+        ("gated_rms_norm", lambda: gated_rms_norm_triton(e(b, hv, dv), e(b, hv, dv), e(dv), 1e-6)),
+    ]
+    from deltaserve.kernels.linear_triton import linear_triton
+
+    projections = {"in_proj_qkvz": (m.conv_dim + hv * dv, h), "out_proj": (h, hv * dv), "o_proj": (h, nq * d),
+                   "qkv": (nq * 2 * d + 2 * nkv * d, h), "lm_head": (248320, h), "in_proj_ba": (2 * hv, h)}  # fmt: skip
+    if not m.num_experts:
+        projections.update({"gate_up": (2 * m.mlp_inter, h), "down": (h, m.mlp_inter)})
+    if batch <= 16:
+        for name, (n, kk) in projections.items():
+            launches.append((f"linear.{name}", lambda n=n, kk=kk: linear_triton(e(b, kk), e(n, kk))))
+    if m.num_experts:
+        ex, k, inter = m.num_experts, m.top_k, m.moe_inter
+        ids = torch.stack([torch.randperm(ex)[:k] for _ in range(b)])
+        weights = torch.full((b, k), 1.0 / k)
+        w13, w2 = e(ex, 2 * inter, h), e(ex, h, inter)
+        config = moe_configs.default_config(batch, ex, k)
+        if moe_path:
+            config = moe_configs.MoEConfig(moe_path, config.gemm1, config.gemm2, config.block_m)
+        launches += [
+            ("moe_route", lambda: moe_route_triton(e(b, ex), k, True)),
+            ("moe_align", lambda: moe_align_triton(ids, ex, moe_triton.grouped_block_m(b * k, ex))),
+            (
+                "fused_moe",
+                lambda: moe_triton.fused_moe_triton(e(b, h), w13, w2, weights, ids, e(b, h), e(b, 1), config=config),
+            ),
+            (
+                "moe_block",
+                lambda: moe_decode_triton.moe_block_triton(
+                    e(b, h), e(ex, h), w13, w2, k, True, e(2 * m.mlp_inter, h), e(h, m.mlp_inter), e(1, h), config
+                ),
+            ),
+        ]
+    return launches
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="35b-a3b", choices=("35b-a3b", "27b"))
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--only", default="", help="comma list of op labels to compile (default: all)")
+    parser.add_argument("--moe-path", default="", choices=("", "decode", "grouped"), help="force the MoE path")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("kernel_resources: TRITON_INTERPRET is set; the interpreter bypasses the compiler. Unset it.")
+        return 2
+    from deltaserve.kernels import attention_triton
+
+    # The launchers size split counts from the SM count; the H200 has 132.
+    attention_triton._num_sms = lambda device_index: 132
+    args.work.mkdir(parents=True, exist_ok=True)
+    interceptor = Interceptor(args.work)
+    restore = interceptor.install()
+    only = {o for o in args.only.split(",") if o}
+    try:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for label, thunk in decode_launches(args.shape, batch, args.context, args.moe_path):
+                if only and label not in only:
+                    continue
+                interceptor.label = f"B={batch} {label}"
+                thunk()
+    finally:
+        restore()
+    print(f"{'launch':<26} {'kernel':<34} {'regs':>4} {'stack':>5} {'smem':>6} {'spill ops':>9}  instruction mix")
+    for r in interceptor.results:
+        mix = " ".join(f"{k}:{v}" for k, v in sorted(r.counts.items()) if k not in ("LDL", "STL"))
+        print(f"{r.label:<26} {r.kernel:<34} {r.regs:>4} {r.stack:>5} {r.shared:>6} {r.spills:>9}  {mix}")
+    spilling = [r for r in interceptor.results if r.spills]
+    print(f"{len(interceptor.results)} launches compiled for sm_90; {len(spilling)} with local-memory spills")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The `deltaserve serve` command line: every flag it defines, and vLLM's rules for reading a command line.
+
+normalize_argv reads argv as vLLM's FlexibleArgumentParser does: `--max_model_len` is `--max-model-len` (underscores
+before any '.'), `-O3` is `-O 3`, `--compilation-config.cudagraph_mode=X` sets one key of that JSON flag, and
+`--config file.yaml` inserts the YAML's keys as flags (the command line wins). Boolean flags have vLLM's --X / --no-X
+pair. The flags vLLM has and deltaserve does not implement are added from compat.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+from deltaserve.api.compat import add_compat_arguments
+from deltaserve.api.settings import DEFAULT_MAX_BODY_BYTES, MAX_LOGPROBS, REASONING_PARSERS, TOOL_CALL_PARSERS
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SWITCH = argparse.BooleanOptionalAction
+
+
+def human_int(value: str) -> int | None:
+    """vLLM's human-readable ints: 32768, 32k (x1000), 32K (x1024), 1m / 1M; -1 or auto: the model's own."""
+    if value.strip().lower() in ("-1", "auto"):
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
+    number, suffix = float(match.group(1)), match.group(2)
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    return int(number * scale)
+
+
+def byte_count(value: str) -> int:
+    number = human_int(value)
+    if number is None or number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive size in bytes, got {value!r}")
+    return number
+
+
+def json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
+
+
+def json_list(value: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings")
+    return parsed
+
+
+def config_file_args(path: str) -> list[str]:
+    """vLLM's --config: a YAML mapping of flag names to values, as command-line arguments."""
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"--config {path}: the config file must be YAML (.yaml or .yml)")
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: cannot read it: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: must hold a mapping of flag names to values")
+    argv: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _dotted_to_json(argv: list[str]) -> list[str]:
+    """vLLM's dotted flags: `--compilation-config.cudagraph_mode=PIECEWISE` sets one key of a JSON flag."""
+    merged: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    at = 0
+    while at < len(argv):
+        arg = argv[at]
+        name, sep, value = arg.partition("=")
+        if arg.startswith("--") and "." in name:
+            flag, _, key = name.partition(".")
+            if not sep and at + 1 < len(argv):
+                at += 1
+                value = argv[at]
+            try:
+                parsed: Any = json.loads(value)
+            except ValueError:
+                parsed = value
+            if flag not in merged:
+                order.append(flag)
+            merged.setdefault(flag, {})[key] = parsed
+        else:
+            order.append(arg)
+        at += 1
+    return [item for arg in order for item in ((arg, json.dumps(merged[arg])) if arg in merged else (arg,))]
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """vLLM's FlexibleArgumentParser rules: underscores in flag names (before any '.'), -O<level>, dotted keys of
+    JSON flags, and --config FILE."""
+    if "--config" in argv:
+        at = argv.index("--config")
+        if at + 1 >= len(argv):
+            raise ValueError("--config needs a YAML file")
+        head, tail = argv[:at], argv[at + 2 :]
+        # The config's flags come first, so the command line overrides them (the positional model stays first).
+        lead = head[:1] if head and not head[0].startswith("-") else []
+        argv = lead + config_file_args(argv[at + 1]) + head[len(lead) :] + tail
+    normalized = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, sep, value = arg.partition("=")
+            flag, dot, key = name.partition(".")
+            normalized.append(flag.replace("_", "-") + dot + key + sep + value)
+        elif arg.startswith("-O") and len(arg) > 2:
+            normalized += ["-O", arg[3:] if arg[2] == "=" else arg[2:]]
+        else:
+            normalized.append(arg)
+    return _dotted_to_json(normalized)
+
+
+def _add_engine_arguments(add: Any) -> None:
+    add("--tokenizer", default=None, help="tokenizer folder or id (default: MODEL)")
+    add("--max-model-len", type=human_int, default=None, help="context length, e.g. 32768 or 32k (default: model)")
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences in one batch (default: vLLM's, 1024 on an H200, capped by the GDN state memory)",
+    )
+    add("--max-num-batched-tokens", type=human_int, default=None, help="token budget of one engine step")
+    add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + caches")
+    add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
+    add(
+        "--load-format",
+        default="auto",
+        choices=("auto", "safetensors", "fastsafetensors", "dummy"),
+        help="dummy: seeded random weights of the right shapes (fastsafetensors reads as safetensors)",
+    )
+    add("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    add("--seed", type=int, default=0)
+    add("--enforce-eager", action=SWITCH, default=False, help="no CUDA graphs")
+    add(
+        "--async-scheduling",
+        action=SWITCH,
+        default=True,
+        help="plan the next engine step while the current one runs (default on, as in vLLM)",
+    )
+    add(
+        "--ignore-unexpected-tensors",
+        action=SWITCH,
+        default=False,
+        help="deltaserve only: load a checkpoint whose tensors include ones no parameter or skip rule explains "
+        "(they are listed in the log); without it such a checkpoint is refused",
+    )
+    add(
+        "--device",
+        default=None,
+        choices=("auto", "cuda", "cpu"),
+        help="deltaserve only (default: cuda when available; cpu for the built-in tiny checkpoint)",
+    )
+    add(
+        "--generation-config",
+        default="auto",
+        help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: none; or a folder",
+    )
+    add(
+        "--override-generation-config",
+        type=json_object,
+        default=None,
+        help="JSON merged over the sampling defaults, e.g. '{\"temperature\": 0.6}'",
+    )
+    add(
+        "--language-model-only",
+        action=SWITCH,
+        default=False,
+        help="serve a multimodal checkpoint as text only: no vision tower is built or loaded (as vLLM's flag)",
+    )
+    add("--allowed-local-media-path", default=None, help="images and videos may be read from files under this folder")
+    add(
+        "--limit-mm-per-prompt",
+        default=None,
+        help='most images / videos per prompt, vLLM\'s JSON form, e.g. \'{"image": 2, "video": 1}\'',
+    )
+    add("--mm-processor-kwargs", type=json_object, default=None, help="image/video processor overrides (JSON)")
+    add("--max-logprobs", type=int, default=MAX_LOGPROBS, help="most logprobs a request may ask for (vLLM: 20)")
+
+
+def _add_chat_arguments(add: Any) -> None:
+    add("--chat-template", default=None, help="chat template: a file path or inline Jinja")
+    add(
+        "--chat-template-content-format",
+        default="auto",
+        choices=("auto", "string", "openai"),
+        help="message content as a string (auto, string) or as a list of {type, text} parts (openai)",
+    )
+    add(
+        "--trust-request-chat-template",
+        action=SWITCH,
+        default=False,
+        help="accept a chat_template sent with a request (refused by default, as in vLLM)",
+    )
+    add(
+        "--default-chat-template-kwargs",
+        type=json_object,
+        default=None,
+        help="template kwargs for every chat request, e.g. '{\"enable_thinking\": false}'",
+    )
+    add("--response-role", default="assistant", help="the role of generated messages (with add_generation_prompt)")
+    add(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="put <think> text in message.reasoning / delta.reasoning",
+    )
+    add(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="qwen3_coder / qwen3_xml: Qwen3.5's XML tool calls; hermes: Qwen3-Next's JSON in <tool_call> tags",
+    )
+    add("--enable-auto-tool-choice", action=SWITCH, default=False, help='allow tool_choice "auto"')
+    add(
+        "--exclude-tools-when-tool-choice-none",
+        action=SWITCH,
+        default=False,
+        help='leave the tools out of the prompt when tool_choice is "none"',
+    )
+    add("--return-tokens-as-token-ids", action=SWITCH, default=False, help="logprob tokens as 'token_id:N'")
+    add(
+        "--enable-prompt-tokens-details", action=SWITCH, default=False, help="usage.prompt_tokens_details.cached_tokens"
+    )
+    add("--enable-force-include-usage", action=SWITCH, default=False, help="usage on every streamed response")
+
+
+def _add_http_arguments(add: Any) -> None:
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)")
+    add("--port", type=int, default=8000)
+    add("--uds", default=None, help="serve on this Unix domain socket instead of host:port")
+    add(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="require `Authorization: Bearer KEY` (any of the keys) on every route but /health, /ping, /version "
+        "and /metrics; default: the VLLM_API_KEY environment variable",
+    )
+    add("--root-path", default=None, help="the path prefix of a proxy in front of the server")
+    add("--ssl-keyfile", default=None, help="serve HTTPS with this private key ...")
+    add("--ssl-certfile", default=None, help="... and this certificate")
+    add("--ssl-ca-certs", default=None, help="CA certificates for client certificates")
+    add("--ssl-cert-reqs", type=int, default=0, help="client certificates: 0 none, 1 optional, 2 required")
+    add("--ssl-ciphers", default=None, help="TLS 1.2 cipher suites")
+    add("--allowed-origins", type=json_list, default=[], help='CORS origins as a JSON list (default none; ["*"]: any)')
+    add("--allowed-methods", type=json_list, default=["*"], help="CORS methods as a JSON list")
+    add("--allowed-headers", type=json_list, default=["*"], help="CORS headers as a JSON list")
+    add("--allow-credentials", action=SWITCH, default=False, help="CORS: allow credentials")
+    add("--enable-request-id-headers", action=SWITCH, default=False, help="X-Request-Id on every response")
+    add("--enable-tokenizer-info-endpoint", action=SWITCH, default=False, help="serve GET /tokenizer_info")
+    add("--disable-fastapi-docs", action=SWITCH, default=False, help="no /docs, /redoc or /openapi.json")
+    add("--middleware", action="append", default=[], help="an ASGI middleware class or http function, by import path")
+    add(
+        "--max-request-body-bytes",
+        type=byte_count,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"deltaserve only: larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20}M)",
+    )
+    add("--h11-max-incomplete-event-size", type=int, default=None, help="largest incomplete HTTP event (bytes)")
+    add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    add("--disable-uvicorn-access-log", action=SWITCH, default=False)
+    add("--disable-access-log-for-endpoints", default=None, help='paths left out of the access log, e.g. "/health"')
+    add("--log-config-file", default=None, help="a logging dictConfig JSON for deltaserve and uvicorn")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "model",
+        nargs="?",
+        default=None,
+        help="checkpoint folder; omit it to serve the built-in tiny checkpoint on the CPU",
+    )
+    add("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)  # vLLM's deprecated spelling
+    add(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the API accepts in `model` (default: MODEL as given); the first is reported",
+    )
+    _add_engine_arguments(add)
+    _add_chat_arguments(add)
+    _add_http_arguments(add)
+    add_compat_arguments(parser)

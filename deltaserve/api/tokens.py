@@ -1,0 +1,147 @@
+"""Tokenisation and detokenisation for the API, off the event loop and bounded as vLLM bounds them.
+
+Every encode and decode runs on a small thread pool. A fast tokenizer is driven through `encode_batch_fast`, which
+releases the GIL while Rust works; its result is converted to Python ints in slices (`Encoding.truncate` splits it
+in Rust), so no single step holds the GIL for long and the event loop keeps answering /health.
+
+vLLM's bounds apply before any work: a prompt longer than max_input_tokens * max_chars_per_token characters (the
+longest token's length, so it cannot fit) is refused without tokenising, and with truncation the text is pre-cut
+to that many characters from the truncated side. Truncation keeps the last tokens by default (vLLM loads
+generation tokenizers with truncation_side "left"); `truncation_side: "right"` keeps the first ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from deltaserve.api.errors import bad_request
+
+T = TypeVar("T")
+
+NUM_THREADS = 4
+# Tokens converted to Python ints (or to JSON) per GIL-holding step.
+SLICE_TOKENS = 1 << 16
+DEFAULT_TRUNCATION_SIDE = "left"
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """vLLM's max_chars_per_token: the longest vocabulary entry, an upper bound on characters per token."""
+    vocab = tokenizer.get_vocab()
+    return max((len(token) for token in vocab), default=1) or 1
+
+
+class Tokens:
+    """The server's tokenizer front: async encode/decode on worker threads, with the prompt bounds."""
+
+    def __init__(self, tokenizer: Any, num_threads: int = NUM_THREADS) -> None:
+        self.tokenizer = tokenizer
+        self.executor = ThreadPoolExecutor(num_threads, thread_name_prefix="deltaserve-tokenize")
+        self._max_chars_per_token: int | None = None
+        backend = getattr(tokenizer, "_tokenizer", None)
+        # The Rust backend directly, unless the wrapper changes how special tokens are split.
+        self.backend = (
+            backend
+            if hasattr(backend, "encode_batch_fast") and not getattr(tokenizer, "split_special_tokens", False)
+            else None
+        )
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def max_chars_per_token(self) -> int:
+        if self._max_chars_per_token is None:
+            self._max_chars_per_token = longest_token_chars(self.tokenizer)
+        return self._max_chars_per_token
+
+    async def warm_up(self) -> None:
+        """Computes the vocabulary bound once, before the first request needs it."""
+        await self.run(lambda: self.max_chars_per_token)
+
+    # -- encoding ----------------------------------------------------------------------------------------
+
+    def _encode_sync(self, text: str, add_special_tokens: bool, keep: int | None, side: str) -> tuple[list[int], int]:
+        """(token ids, untruncated count); with keep, only `keep` tokens from the kept side are converted."""
+        if self.backend is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            count = len(ids)
+            if keep is not None and count > keep:
+                ids = ids[-keep:] if side == "left" else ids[:keep]
+            return ids, count
+        encoding = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        count = len(encoding)
+        if keep is not None and count > keep:
+            encoding.truncate(keep, 0, side)
+        return sliced_ids(encoding), count
+
+    async def encode(
+        self,
+        text: str,
+        *,
+        add_special_tokens: bool,
+        max_input_tokens: int | None = None,
+        truncate: int | None = None,
+        truncation_side: str | None = None,
+        param: str = "prompt",
+    ) -> tuple[list[int], int]:
+        """Token ids of a prompt (truncated to `truncate` if given) and its full token count.
+
+        max_input_tokens is the most a prompt may have: text that cannot fit is refused before tokenising.
+        """
+        side = truncation_side or DEFAULT_TRUNCATION_SIDE
+        if max_input_tokens is not None:
+            max_chars = max_input_tokens * self.max_chars_per_token
+            if len(text) > max_chars:
+                if truncate is None:
+                    raise bad_request(
+                        f"This model's maximum context length is {max_input_tokens} tokens. However, your prompt "
+                        f"contains {len(text)} characters (more than {max_chars} characters, which is the upper "
+                        f"bound for {max_input_tokens} input tokens). Please reduce the length of the input.",
+                        param,
+                    )
+                # Cut from the truncated side; what is left still holds at least `truncate` tokens' worth.
+                text = text[-max_chars:] if side == "left" else text[:max_chars]
+        return await self.run(self._encode_sync, text, add_special_tokens, truncate, side)
+
+    # -- decoding ----------------------------------------------------------------------------------------
+
+    def _decode_sync(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        if self.backend is None:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        # decode_batch releases the GIL (decode does not): half a million tokens take a while.
+        text = self.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
+        if getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            text = self.tokenizer.clean_up_tokenization(text)
+        return text
+
+    async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """tokenizer.decode(token_ids, skip_special_tokens=...), off the event loop."""
+        return await self.run(self._decode_sync, list(token_ids), skip_special_tokens)
+
+    async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return await self.run(self.tokenizer.convert_ids_to_tokens, list(token_ids))
+
+
+def sliced_ids(encoding: Any) -> list[int]:
+    """encoding.ids, converted SLICE_TOKENS at a time so that no one conversion holds the GIL for long."""
+    if len(encoding) <= SLICE_TOKENS:
+        return list(encoding.ids)
+    encoding.truncate(SLICE_TOKENS, 0, "right")
+    ids = list(encoding.ids)
+    for part in encoding.overflowing:
+        ids.extend(part.ids)
+    return ids
+
+
+def json_int_list(values: Sequence[int]) -> str:
+    """A JSON array of ints, built slice by slice (json.dumps of millions of ints holds the GIL throughout)."""
+    parts = [",".join(map(str, values[i : i + SLICE_TOKENS])) for i in range(0, len(values), SLICE_TOKENS)]
+    return "[" + ",".join(parts) + "]"

@@ -1,0 +1,226 @@
+"""EngineCore: the scheduler and the runner, stepping plain-data requests into plain-data outputs.
+
+step() plans a step, launches it on the runner, and reports what the oldest launched step produced. With async
+scheduling (the default, as in vLLM 0.26) up to two steps are in flight: step N+1 is planned and launched before
+step N's tokens are collected, so the host's scheduling and input building overlap the GPU's work, and the host
+learns step N's tokens (stop rules included) one step later. `async_scheduling=False` runs plan, launch, collect,
+update one step at a time. Greedy and seeded outputs are the same either way.
+
+The core runs in the server's engine-core process, or in the caller's process for the offline LLM and tests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, RequestMetrics
+from deltaserve.engine_config import EngineConfig
+from deltaserve.model.hub import resolve_model_dir
+from deltaserve.model.preflight import resolve_max_model_len
+from deltaserve.runner.model_runner import ModelRunner, StepHandle
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
+from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.scheduler.sequence import Sequence
+from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
+
+logger = logging.getLogger(__name__)
+
+MAX_STEPS_IN_FLIGHT = 2  # async scheduling: one step running on the GPU, the next one queued behind it
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        model_dir = resolve_model_dir(config.model)
+        if str(model_dir) != config.model:
+            config = dataclasses.replace(config, model=str(model_dir))
+        self.config = config
+        self.model_dir = model_dir
+        model_config = ModelConfig.from_pretrained(model_dir)
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer and Path(config.tokenizer).is_dir() else model_dir
+        # vLLM's rule: a --max-model-len above the model's is refused (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)
+        max_model_len = resolve_max_model_len(model_config, config.max_model_len, tokenizer_dir)
+        self.model_config = model_config.with_max_model_len(max_model_len)
+        on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        self.runner = ModelRunner(self.model_config, config, max_model_len, self.max_num_batched_tokens)
+        layout = self.runner.layout
+        self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence
+        self.scheduler = Scheduler(
+            BlockManager(layout.num_blocks, layout.block_size),
+            StateSlotPool(layout.num_slots),
+            self.runner.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+        )
+        self.is_async = config.async_scheduling
+        self.sequences: dict[str, Sequence] = {}
+        self._inflight: deque[tuple[StepPlan, StepHandle]] = deque()
+        self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
+        if self.runner.load_report is not None:
+            logger.info("%s", self.runner.load_report.summary())
+        logger.info(
+            "engine core ready: %s on %s (%s), %d KV blocks x %d tokens, %d state slots, max_num_seqs %d, "
+            "max_num_batched_tokens %d, max_model_len %d, async scheduling %s",
+            model_dir, self.runner.device, self.runner.dtype, layout.num_blocks, layout.block_size, layout.num_slots,
+            self.runner.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, "on" if self.is_async else "off",
+        )  # fmt: skip
+
+    def info(self) -> EngineCoreInfo:
+        layout = self.runner.layout
+        return EngineCoreInfo(
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.runner.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_blocks=layout.num_blocks,
+            block_size=layout.block_size,
+            num_slots=layout.num_slots,
+            device=str(self.runner.device),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            is_async_scheduling=self.is_async,
+        )
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.sequences:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        seq = Sequence(
+            request.request_id,
+            list(request.prompt_token_ids),
+            request.max_tokens,
+            sampling=request.sampling,
+            eos_token_ids=request.eos_token_ids,
+            arrival_time=request.arrival_time,
+            mm_input=request.mm_input,
+        )
+        self.sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            seq = self.sequences.pop(request_id, None)
+            if seq is not None:
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences) or bool(self._inflight)
+
+    # -- stepping -------------------------------------------------------------------------------------
+
+    def _launch(self) -> bool:
+        """Plans a step and launches it; True when it holds work."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if plan.removed:
+                self.runner.execute(plan)  # only the table's diffs
+            return False
+        self._iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, plan.num_tokens)] += 1
+        self._iteration_tokens_sum += plan.num_tokens
+        self._inflight.append((plan, self.runner.execute(plan)))
+        return True
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Advances by one step; returns the outputs of the step it collected (none while only launching)."""
+        depth = MAX_STEPS_IN_FLIGHT if self.is_async else 1
+        is_launched = False
+        if len(self._inflight) < depth and self.sequences:
+            is_launched = self._launch()
+        if not self._inflight or (is_launched and len(self._inflight) < depth and self.is_async):
+            return []
+        plan, handle = self._inflight.popleft()
+        result = self.runner.collect(handle)
+        outputs = []
+        for seq, tokens, logprobs in self.scheduler.update(plan, result):
+            is_finished = seq.is_finished
+            if is_finished:
+                self.sequences.pop(seq.seq_id, None)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=seq.seq_id,
+                    new_token_ids=tuple(tokens),
+                    new_logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    metrics=self._metrics(seq) if is_finished else None,
+                )
+            )
+        return outputs
+
+    def drain(self) -> None:
+        """Collects every launched step and drops its results (shutdown, scoring on an idle engine)."""
+        while self._inflight:
+            plan, handle = self._inflight.popleft()
+            self.scheduler.update(plan, self.runner.collect(handle))
+
+    @staticmethod
+    def _metrics(seq: Sequence) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            last_token_time=seq.last_token_time,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def stats(self) -> EngineStats:
+        blocks, slots, scheduler = self.scheduler.blocks, self.scheduler.slots, self.scheduler
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=blocks.usage,
+            num_free_kv_blocks=blocks.num_free_blocks,
+            num_total_kv_blocks=blocks.num_blocks,
+            num_free_state_slots=slots.num_free_slots,
+            num_total_state_slots=slots.num_slots,
+            num_preemptions_total=scheduler.num_preemptions_total,
+            num_waiting_for_capacity=scheduler.num_waiting_for_capacity,
+            num_waiting_deferred=scheduler.num_waiting - scheduler.num_waiting_for_capacity,
+            iteration_token_counts=tuple(self._iteration_token_counts),
+            iteration_tokens_sum=self._iteration_tokens_sum,
+            block_size=blocks.block_size,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            enable_prefix_caching=False,
+        )
+
+    # -- scoring (gates) ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], prefill_chunks: list[int] | None = None) -> torch.Tensor:
+        """Logits [L, V] of every position of token_ids: prefill chunks of the given sizes (default: one chunk
+        of everything), then the remaining tokens as one-token steps. Needs an idle engine."""
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine")
+        chunks = list(prefill_chunks or [len(token_ids)])
+        if sum(chunks) > len(token_ids) or min(chunks) < 1:
+            raise ValueError(f"prefill chunks {chunks} do not fit {len(token_ids)} tokens")
+        chunks += [1] * (len(token_ids) - sum(chunks))
+        scheduler = self.scheduler
+        blocks = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(token_ids), 0))
+        slot, row = scheduler.slots.allocate(), scheduler.rows.allocate()
+        added = (NewRequest(row, "score", tuple(token_ids), (), SamplingParams(temperature=0.0, max_tokens=1), ()),)
+        try:
+            pieces = []
+            start = 0
+            for index, size in enumerate(chunks):
+                seq = ScheduledSeq(
+                    row, start, size, slot, slot if start else None, tuple(blocks) if index == 0 else (), False
+                )
+                plan = StepPlan(-1, (seq,), added if index == 0 else ())
+                pieces.append(self.runner.execute(plan, return_all_logits=True).all_logits)
+                start += size
+            return torch.cat(pieces)
+        finally:
+            self.runner.execute(StepPlan(-1, (), removed=(row,)))
+            scheduler.blocks.free(blocks)
+            scheduler.slots.free(slot)
+            scheduler.rows.free(row)

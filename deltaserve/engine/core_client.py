@@ -1,0 +1,232 @@
+"""Clients of an EngineCore: in a process of its own (the server's default) or on a thread of this process.
+
+Both run the same loop (`serve_core`): take commands (add, abort, shutdown), step the core, emit EngineCoreOutputs.
+The process client talks through two one-way multiprocessing pipes (pickled plain dataclasses; a well-kept
+standard-library transport, no protocol of our own), so the core has its own interpreter and its own GIL: HTTP,
+JSON, SSE and detokenisation in the API process no longer delay the next step. The core process ignores Ctrl-C
+(the API process stops it), exits when the API process goes away, and sends its start-up failure back as the
+exception itself, so the caller reports it as if the model had loaded in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from deltaserve import env
+from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
+from deltaserve.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long an idle core blocks on its command queue before looking again
+Command = tuple[str, Any]  # ("add", [EngineCoreRequest]) | ("abort", [core ids]) | ("shutdown", None)
+OnOutputs = Callable[[EngineCoreOutputs], None]
+OnDead = Callable[[BaseException], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core has stopped; no request can be served."""
+
+
+def serve_core(core: Any, get_commands: Callable[[bool], list[Command]], emit: OnOutputs) -> None:
+    """The core's loop until a shutdown command. A failing add fails only its own request."""
+    while True:
+        commands = get_commands(not core.has_unfinished())
+        errors: list[tuple[str, str]] = []
+        for kind, payload in commands:
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                for request in payload:
+                    try:
+                        core.add_request(request)
+                    except Exception as exc:  # one bad request fails alone; the loop goes on
+                        errors.append((request.request_id, str(exc)))
+            elif kind == "abort":
+                core.abort_requests(payload)
+        outputs = core.step() if core.has_unfinished() else []
+        if outputs or commands:
+            emit(EngineCoreOutputs(tuple(outputs), core.stats(), tuple(errors)))
+
+
+# -- in a process of its own ------------------------------------------------------------------------------
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def engine_core_main(config: EngineConfig, commands: Connection, outputs: Connection, log_level: str) -> None:
+    """The engine-core process: build the core, report ready (or the start-up error), serve until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process stops us
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    from deltaserve.engine.core import EngineCore
+
+    try:
+        core = EngineCore(config)
+    except BaseException as exc:
+        logger.debug("the engine core failed to start", exc_info=True)
+        with contextlib.suppress(OSError):
+            outputs.send(("error", _picklable(exc)))
+        sys.exit(1)
+    outputs.send(("ready", core.info()))
+
+    def get_commands(block: bool) -> list[Command]:
+        items: list[Command] = []
+        try:
+            if block and not commands.poll(IDLE_WAIT_S):
+                return items
+            while commands.poll(0):
+                items.append(commands.recv())
+        except (EOFError, OSError):
+            items.append(("shutdown", None))  # the API process is gone
+        return items
+
+    with contextlib.suppress(BrokenPipeError, EOFError):  # the API process is gone
+        serve_core(core, get_commands, lambda batch: outputs.send(("outputs", batch)))
+    core.drain()
+
+
+class ProcessCoreClient:
+    """Starts the engine-core process and relays commands to it and outputs from it, on two threads."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        command_recv, self._command_send = context.Pipe(duplex=False)
+        self._output_recv, output_send = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=engine_core_main,
+            args=(config, command_recv, output_send, env.log_level()),
+            name="deltaserve-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        command_recv.close()
+        output_send.close()
+        try:
+            kind, payload = self._output_recv.recv()
+        except EOFError:
+            self.process.join(10)
+            raise EngineDeadError(
+                f"the engine core process exited during start-up (exit code {self.process.exitcode})"
+            ) from None
+        if kind == "error":
+            self.process.join(10)
+            raise payload
+        self.info: EngineCoreInfo = payload
+        self._commands: queue.Queue[Command | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._is_stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def start(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
+        def receive() -> None:
+            while True:
+                try:
+                    kind, payload = self._output_recv.recv()
+                except (EOFError, OSError):
+                    self.process.join(5)
+                    if not self._is_stopping:
+                        code = self.process.exitcode
+                        on_dead(EngineDeadError(f"the engine core process exited (exit code {code})"))
+                    return
+                if kind == "outputs":
+                    on_outputs(payload)
+
+        def send() -> None:
+            while (command := self._commands.get()) is not None:
+                try:
+                    self._command_send.send(command)
+                except (BrokenPipeError, OSError):
+                    return
+
+        for target, name in ((receive, "deltaserve-core-outputs"), (send, "deltaserve-core-commands")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def add(self, requests: list[EngineCoreRequest]) -> None:
+        self._commands.put(("add", requests))
+
+    def abort(self, core_ids: list[str]) -> None:
+        if core_ids:
+            self._commands.put(("abort", core_ids))
+
+    def shutdown(self) -> None:
+        self._is_stopping = True
+        self._commands.put(("shutdown", None))
+        self._commands.put(None)
+        self.process.join(15)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+# -- on a thread of this process ----------------------------------------------------------------------------
+
+
+class ThreadCoreClient:
+    """The core built here (start-up errors raise directly) and stepped on one thread of this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from deltaserve.engine.core import EngineCore
+
+        self.core = EngineCore(config)
+        self.info: EngineCoreInfo = self.core.info()
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    pid = None
+
+    def _get_commands(self, block: bool) -> list[Command]:
+        items: list[Command] = []
+        try:
+            items.append(self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait())
+            while True:
+                items.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    def start(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
+        def run() -> None:
+            try:
+                serve_core(self.core, self._get_commands, on_outputs)
+            except BaseException as exc:
+                logger.exception("the engine loop died")
+                on_dead(EngineDeadError(f"the engine loop died: {exc!r}"))
+
+        self._thread = threading.Thread(target=run, name="deltaserve-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, requests: list[EngineCoreRequest]) -> None:
+        self._commands.put(("add", requests))
+
+    def abort(self, core_ids: list[str]) -> None:
+        if core_ids:
+            self._commands.put(("abort", core_ids))
+
+    def shutdown(self) -> None:
+        self._commands.put(("shutdown", None))
+        if self._thread is not None:
+            self._thread.join(10)

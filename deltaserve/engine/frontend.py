@@ -1,0 +1,211 @@
+"""The engine front end: what runs beside the tokenizer, wherever the engine core runs.
+
+It checks a request (lengths, token ids, sampling parameters) in one place, fans a request with n > 1 out into n
+core requests, and turns the core's outputs into RequestOutputs (OutputProcessor). LLMEngine uses it next to an
+in-process core; the server's AsyncEngine uses it in the API process, next to a core in its own process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from deltaserve import env
+from deltaserve.config import ModelConfig
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.generation_config import load_eos_token_ids, load_generation_defaults
+from deltaserve.engine.output import RequestState, SequenceProgress
+from deltaserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from deltaserve.engine.request import RequestOutput
+from deltaserve.engine_config import EngineConfig
+from deltaserve.model.preflight import check_generation_config, load_tokenizer
+from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.multimodal.processor import MultimodalProcessor
+from deltaserve.multimodal.prompt import VisionTokenIds
+from deltaserve.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (a 400 in the API); `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_request(
+    prompt_token_ids: list[int],
+    max_tokens: int | None,
+    max_model_len: int,
+    vocab_size: int,
+    prompt_param: str = "prompt",
+) -> None:
+    """vLLM's checks of a prompt and its length budget; the one place they live (the API calls it too)."""
+    if prompt_token_ids:
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"Token id {bad} is out of vocabulary (vocab size {vocab_size}).", prompt_param)
+    check_lengths(len(prompt_token_ids), max_tokens, max_model_len, prompt_param)
+
+
+def check_lengths(num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt") -> None:
+    """vLLM's length rules: a prompt leaves room for one token, prompt + max_tokens fits the context."""
+    if num_prompt == 0:
+        raise RequestError("The prompt cannot be empty.", prompt_param)
+    if num_prompt >= max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt} input tokens. Please reduce the length of the input.",
+            prompt_param,
+        )
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise RequestError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {num_prompt} input tokens "
+            f"({max_tokens} > {max_model_len} - {num_prompt}).",
+            "max_tokens",
+        )
+
+
+class OutputProcessor:
+    """Request states by id; turns core outputs into RequestOutputs. Thread-safe: one lock guards the states."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._by_core_id: dict[str, tuple[RequestState, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, state: RequestState) -> None:
+        with self._lock:
+            if state.request_id in self.requests:
+                raise RequestError(f"request id {state.request_id!r} is already in use")
+            self.requests[state.request_id] = state
+            for index, progress in enumerate(state.sequences):
+                self._by_core_id[progress.core_id] = (state, index)
+
+    def _drop(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for progress in state.sequences:
+            self._by_core_id.pop(progress.core_id, None)
+
+    def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """(the request's final delta, its unfinished core ids) or (None, []) when it is unknown."""
+        with self._lock:
+            state = self.requests.get(request_id)
+            if state is None:
+                return None, []
+            core_ids = [p.core_id for p in state.sequences if not p.is_finished]
+            state.abort()
+            self._drop(state)
+            return state.delta_output(), core_ids
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(RequestOutputs of the requests that progressed, core ids to abort because a stop string ended them)."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        with self._lock:
+            for output in outputs:
+                entry = self._by_core_id.get(output.request_id)
+                if entry is None:
+                    continue  # aborted meanwhile
+                state, index = entry
+                if state.apply(index, output):
+                    to_abort.append(output.request_id)
+                touched[state.request_id] = state
+            results = []
+            for state in touched.values():
+                results.append(state.delta_output())
+                if state.is_finished:
+                    self._drop(state)
+        return results, to_abort
+
+
+class EngineFrontend:
+    """Tokenizer, sampling defaults, eos ids and the output processor of one served model."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(model_dir, config.tokenizer)
+        self.max_model_len = max_model_len
+        check_generation_config(model_dir, config.generation_config)
+        if config.generation_config == "vllm":
+            self.default_sampling: dict[str, Any] = {}
+        else:
+            source = model_dir if config.generation_config == "auto" else Path(config.generation_config)
+            self.default_sampling = load_generation_defaults(source)
+        eos = set(load_eos_token_ids(model_dir)) | set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.processor = OutputProcessor(self.tokenizer)
+        # images and videos: only when the vision tower is built (a multimodal checkpoint, not language-model-only)
+        self.mm_processor: MultimodalProcessor | None = None
+        vision = self.model_config.vision
+        if vision is not None and not config.language_model_only:
+            tokens = VisionTokenIds(vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
+                                    vision.vision_end_token_id)  # fmt: skip
+            tokenizer = self.tokenizer
+            self.mm_processor = MultimodalProcessor.from_model_dir(
+                model_dir,
+                tokens,
+                encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                allowed_local_media_path=config.allowed_local_media_path,
+                limit_mm_per_prompt=config.limit_mm_per_prompt,
+                mm_processor_kwargs=config.mm_processor_kwargs,
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError (a 400 in the API) for prompts and limits the engine cannot serve."""
+        check_request(prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
+        params.validate()
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        mm_input: MultimodalInput | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Validates a request, registers its state and returns its core requests (n of them)."""
+        self.validate(prompt_token_ids, params)
+        if mm_input is not None:
+            if self.mm_processor is None:
+                raise RequestError("this model serves text only (no vision tower): images and videos are refused")
+            if not env.fuse_attn_preamble():
+                # the four-op preamble has no MRoPE spelling: it would fail the whole batch mid-step
+                raise RequestError(
+                    "images and videos need 3-D MRoPE positions, which only the fused attention preamble applies; "
+                    "unset DELTASERVE_FUSE_ATTN_PREAMBLE=0 to serve them"
+                )
+            if mm_input.prompt_len != len(prompt_token_ids):
+                raise RequestError(f"the multimodal input covers {mm_input.prompt_len} tokens, the prompt has "
+                                   f"{len(prompt_token_ids)}")  # fmt: skip
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        now = time.time()
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, [], arrival_time=now)
+        core_requests = []
+        for index in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            seed = None if params.seed is None else params.seed + index
+            child = dataclasses.replace(params, n=1, seed=seed)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
+            state.sequences.append(SequenceProgress(core_id, detokenizer))
+            core_requests.append(
+                EngineCoreRequest(
+                    core_id, tuple(prompt_token_ids), child, max_tokens, self.eos_token_ids, now, mm_input
+                )
+            )
+        self.processor.add(state)
+        return core_requests

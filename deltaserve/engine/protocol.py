@@ -1,0 +1,59 @@
+"""What crosses between the engine front end (tokenizer, detokeniser, streams) and the engine core (scheduler and
+runner), possibly between two processes: plain frozen dataclasses, picklable, with no tensors.
+
+A request with n > 1 reaches the core as n requests (child seeds seed + i, as vLLM does); the front end merges
+their outputs under the one request id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltaserve.engine.stats import EngineStats, RequestMetrics
+from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineCoreRequest:
+    request_id: str  # unique in the core: the request id, or "{id}#{i}" for the i-th of n sequences
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams  # n is 1 here; seed is the child's
+    max_tokens: int  # output-token cap, already bounded by max_model_len
+    eos_token_ids: frozenset[int]
+    arrival_time: float  # time.time()
+    mm_input: MultimodalInput | None = None  # the prompt's images and videos, processed (API side)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """New tokens of one core request since its last output, and how it finished (token rules only)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[tuple[tuple[int, float, int], ...] | None, ...] | None  # per token, as StepResult's
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None  # set on the finishing output
+
+
+@dataclass(frozen=True)
+class EngineCoreInfo:
+    """What the core decided at start-up that the front end must know."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    device: str
+    dtype: str
+    is_async_scheduling: bool
+
+
+@dataclass(frozen=True)
+class EngineCoreOutputs:
+    outputs: tuple[EngineCoreOutput, ...]
+    stats: EngineStats
+    errors: tuple[tuple[str, str], ...] = ()  # (core request id, message) of requests the core refused

@@ -1,0 +1,497 @@
+"""Triton MoE block for small batches: router, routed experts and shared expert of one layer in three launches.
+
+For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no sort and no [T·k, H] buffer:
+
+1. Router (`_moe_router_kernel`): logits = x·W_rᵀ [T, E] and the shared-expert gate logit x·w_gᵀ [T, 1] in
+   one pass over the router rows, fp32 accumulation, stored in the model dtype (the bf16 F.linear outputs the
+   ref rounds to). Grid (router row blocks, token blocks).
+2. Gate/up (`_moe_decode_gemm1_kernel`): one program per (entry, column block), an entry being a (token,
+   choice) pair or the shared expert. Each program first routes every token of the batch from the logits
+   (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
+   moe_route_triton); program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
+   [tokens, E] tile no longer fits in registers, and moe_route_triton routes in a launch of its own, four
+   launches in all). An entry whose expert an earlier entry
+   already chose exits; the first one (the "leader") gathers every token that chose the expert as the rows of
+   one tile, so each expert's w13 rows are read once per step whatever the batch. Epilogue as moe_triton:
+   gate and up rounded, SiLU(gate)·up in fp32, rounded: act [T·k + T, I] (routed rows, then shared rows).
+3. Down + sum (`_moe_decode_gemm2_kernel`): one program per (token, column block): for each of the token's
+   k entries y = round(act·W2_eᵀ), acc += w·y in fp32 in choice order; routed = round(acc); with the shared
+   expert out = round(routed + sigmoid(gate)·round(act_sh·W2_shᵀ)), else routed. No FMA contraction, so each
+   product rounds before its add as in the ref. The token's k weight slices are read by its program; a slice
+   two tokens share is read twice (from L2 in practice), which is why the tuning table moves larger batches
+   to the grouped path.
+
+Parallelism at small batches comes from narrow column blocks (split-N): at T = 1 on the 35B-A3B shape,
+9 experts × 512/16 columns = 288 programs for gate/up and 2048/8 = 256 for down, two per SM on 132 SMs,
+with the whole reduction in each program, so no split-K partials or second pass are needed.
+Numerics equal fused_moe_ref's rounding points; the fp32 sums run in a different order (fp32-level noise).
+All grids come from shapes (no host sync): CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
+from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoEConfig
+
+# Router launch: rows of W_r per program, reduction step, token rows per program (tl.dot needs 16).
+ROUTER_BLOCK_R = 16
+ROUTER_BLOCK_K = 256
+ROUTER_BLOCK_T = 16
+# Gate/up programs route the whole batch in registers ([tokens, E] fp32) up to this many tokens; at 32 tokens
+# and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
+# decode batches route in moe_route_triton's own launch first.
+ROUTE_IN_GEMM1_MAX_TOKENS = 16
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_router_kernel(
+    x_ptr,
+    w_ptr,
+    gate_w_ptr,
+    logits_ptr,
+    num_tokens,
+    stride_x,
+    stride_w,
+    stride_l,
+    E: tl.constexpr,
+    H: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_tb = tl.program_id(1)
+    o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    m_t = o_t < num_tokens
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] router rows (experts)
+    m_r = o_r < E
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + i64(o_t)[:, None] * stride_x + o_k[None, :]  # [BLOCK_T, BLOCK_K]
+    p_w = w_ptr + i64(o_r)[None, :] * stride_w + o_k[:, None]  # [BLOCK_K, BLOCK_R]
+    b_acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+    b_gate = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        m_k = (k0 + o_k) < H
+        b_x = tl.load(p_x, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_r[None, :], other=0.0)
+        b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PRECISION)
+        if HAS_GATE:
+            # Every row block computes the gate logit (a 4 KiB L2-resident row); row block 0 stores it.
+            b_g = tl.load(gate_w_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+            b_gate += tl.sum(b_x.to(tl.float32) * b_g[None, :], axis=1)
+        p_x += BLOCK_K
+        p_w += BLOCK_K
+    p_l = logits_ptr + i64(o_t)[:, None] * stride_l + o_r[None, :]
+    tl.store(p_l, b_acc, mask=m_t[:, None] & m_r[None, :])
+    if HAS_GATE:
+        tl.store(logits_ptr + i64(o_t) * stride_l + E, b_gate, mask=m_t & (i_r == 0))
+
+
+@triton.jit
+def _route_tile(
+    logits_ptr,
+    stride_l,
+    o_t,
+    m_t,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_KK: tl.constexpr,
+):
+    """Routing of a tile of tokens: (ids [BLOCK_T, BLOCK_KK] int32, weights fp32), as moe_route_triton."""
+    o_e = tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    o_j = tl.arange(0, BLOCK_KK)
+    p_l = logits_ptr + i64(o_t)[:, None] * stride_l + o_e[None, :]
+    b_l = tl.load(p_l, mask=m_t[:, None] & m_e[None, :], other=-float("inf")).to(tl.float32)  # [BLOCK_T, BLOCK_E]
+    b_max = tl.max(b_l, axis=1)
+    b_max = tl.where(b_max == -float("inf"), 0.0, b_max)  # rows past the batch: all -inf
+    b_p = tl.exp(b_l - b_max[:, None])
+    b_sum = tl.sum(b_p, axis=1)
+    b_p = b_p / tl.where(b_sum == 0.0, 1.0, b_sum)[:, None]
+    b_p = tl.where(m_e[None, :], b_p, -1.0)  # padding experts never win
+    b_ids = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.int32)
+    b_w = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p_max = tl.max(b_p, axis=1)  # [BLOCK_T]
+        i_max = tl.min(tl.where(b_p == p_max[:, None], o_e[None, :], BLOCK_E), axis=1)  # lowest id among ties
+        b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
+        b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
+        b_p = tl.where(o_e[None, :] == i_max[:, None], -1.0, b_p)
+    if RENORMALIZE:
+        b_norm = tl.sum(tl.where(o_j[None, :] < TOP_K, b_w, 0.0), axis=1)
+        b_w = b_w / tl.where(b_norm == 0.0, 1.0, b_norm)[:, None]
+    return b_ids, b_w
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_decode_gemm1_kernel(
+    x_ptr,
+    w13_ptr,
+    shared_w13_ptr,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    act_ptr,
+    num_tokens,
+    stride_x,
+    stride_w_e,
+    stride_w_n,
+    stride_sw_n,
+    stride_l,
+    stride_ids,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    I: tl.constexpr,
+    I_SH: tl.constexpr,
+    I_MAX: tl.constexpr,
+    H: tl.constexpr,
+    ROUTE: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_KK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
+    i_n = tl.program_id(1)
+    num_entries = num_tokens * TOP_K
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < num_tokens
+    o_j = tl.arange(0, BLOCK_KK)
+    m_tj = m_t[:, None] & (o_j < TOP_K)[None, :]  # [BLOCK_T, BLOCK_KK]
+    if ROUTE:
+        b_ids, b_w = _route_tile(logits_ptr, stride_l, o_t, m_t, E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_KK)
+        if (i_p == 0) & (i_n == 0):
+            p_route = o_t[:, None] * stride_ids + o_j[None, :]
+            tl.store(ids_ptr + p_route, b_ids, mask=m_tj)
+            tl.store(weights_ptr + p_route, b_w, mask=m_tj)
+    else:
+        b_ids = tl.load(ids_ptr + o_t[:, None] * stride_ids + o_j[None, :], mask=m_tj, other=-1).to(tl.int32)
+    is_shared = i_p >= num_entries
+    i_tok = i_p // TOP_K
+    i_choice = i_p % TOP_K
+    i_e = tl.sum(tl.sum(tl.where((o_t[:, None] == i_tok) & (o_j[None, :] == i_choice), b_ids, 0), axis=1), axis=0)
+    b_hit = (b_ids == i_e) & m_tj  # [BLOCK_T, BLOCK_KK]: which tokens chose this entry's expert, at which choice
+    b_flat = o_t[:, None] * TOP_K + o_j[None, :]
+    num_earlier = tl.sum(tl.sum((b_hit & (b_flat < i_p)).to(tl.int32), axis=1), axis=0)
+    n_limit = tl.where(is_shared, I_SH, I)
+    # Only the first entry of each expert (and the shared program) computes; column blocks past its width exit.
+    if ((num_earlier > 0) & (i_p < num_entries)) | (i_n * BLOCK_N >= n_limit):
+        return
+    if is_shared:
+        p_w_base = shared_w13_ptr
+        stride_n = stride_sw_n
+    else:
+        p_w_base = w13_ptr + i64(i_e) * stride_w_e
+        stride_n = stride_w_n
+    m_row = tl.where(is_shared, m_t, tl.max(b_hit.to(tl.int32), axis=1) > 0)  # [BLOCK_T]
+    b_choice = tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_T]
+    o_row = tl.where(is_shared, num_entries + o_t, o_t * TOP_K + b_choice)  # act row of each token
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; the up rows are n_limit further
+    m_n = o_n < n_limit
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + i64(o_t)[:, None] * stride_x + o_k[None, :]  # [BLOCK_T, BLOCK_K]
+    p_wg = p_w_base + i64(o_n)[None, :] * stride_n + o_k[:, None]  # [BLOCK_K, BLOCK_N]
+    p_wu = p_wg + i64(n_limit) * stride_n
+    b_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    b_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        m_k = (k0 + o_k) < H
+        b_x = tl.load(p_x, mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_wg = tl.load(p_wg, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_wu = tl.load(p_wu, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_gate = tl.dot(b_x, b_wg, b_gate, input_precision=DOT_PRECISION)
+        b_up = tl.dot(b_x, b_wu, b_up, input_precision=DOT_PRECISION)
+        p_x += BLOCK_K
+        p_wg += BLOCK_K
+        p_wu += BLOCK_K
+    # As the grouped GEMM's epilogue (the ref): the GEMM outputs rounded, SiLU-and-mul in fp32, rounded again.
+    b_gate = b_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    b_up = b_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    b_act = silu_f32(b_gate) * b_up
+    p_act = act_ptr + i64(o_row)[:, None] * I_MAX + o_n[None, :]
+    tl.store(p_act, b_act, mask=m_row[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _gemv(a_ptr, w_ptr, o_n, m_n, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Σ_k a[k]·w[n, k] for the BLOCK_N rows o_n of w: [BLOCK_N] fp32 (one activation row, no tensor cores)."""
+    b_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_a = tl.load(a_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+        b_w = tl.load(w_ptr + i64(o_n)[:, None] * stride_n + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_acc += b_w.to(tl.float32) * b_a[None, :]
+    return tl.sum(b_acc, axis=1)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_decode_gemm2_kernel(
+    act_ptr,
+    w2_ptr,
+    shared_w2_ptr,
+    ids_ptr,
+    weights_ptr,
+    shared_ptr,
+    gate_ptr,
+    out_ptr,
+    num_tokens,
+    stride_w_e,
+    stride_w_n,
+    stride_sw_n,
+    stride_ids,
+    stride_wt,
+    stride_sh,
+    stride_g,
+    stride_o,
+    TOP_K: tl.constexpr,
+    I: tl.constexpr,
+    I_SH: tl.constexpr,
+    I_MAX: tl.constexpr,
+    H: tl.constexpr,
+    SHARED_MODE: tl.constexpr,  # 0: none; 1: shared output given [T, H]; 2: shared act rows in act, W2_sh given
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_t = i64(tl.program_id(0))
+    i_n = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns (hidden)
+    m_n = o_n < H
+    out_ty = out_ptr.dtype.element_ty
+    b_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        i_e = i64(tl.load(ids_ptr + i_t * stride_ids + j))
+        b_wt = tl.load(weights_ptr + i_t * stride_wt + j).to(tl.float32)
+        p_a = act_ptr + (i_t * TOP_K + j) * I_MAX
+        b_y = _gemv(p_a, w2_ptr + i_e * stride_w_e, o_n, m_n, stride_w_n, I, BLOCK_N, BLOCK_K)
+        b_acc += b_wt * b_y.to(out_ty).to(tl.float32)
+    if SHARED_MODE != 0:
+        b_routed = b_acc.to(out_ty).to(tl.float32)
+        if SHARED_MODE == 1:
+            b_shared = tl.load(shared_ptr + i_t * stride_sh + o_n, mask=m_n, other=0.0).to(tl.float32)
+        else:
+            p_a = act_ptr + (num_tokens * TOP_K + i_t) * I_MAX
+            b_shared = _gemv(p_a, shared_w2_ptr, o_n, m_n, stride_sw_n, I_SH, BLOCK_N, BLOCK_K)
+            b_shared = b_shared.to(out_ty).to(tl.float32)
+        b_gate = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
+        b_acc = b_routed + b_shared / (1.0 + tl.exp(-b_gate))
+    tl.store(out_ptr + i_t * stride_o + o_n, b_acc, mask=m_n)
+
+
+def _block_t(num_tokens: int) -> int:
+    """Token rows of the gate/up tile: the power-of-two bucket, at least 16 (tl.dot's minimum)."""
+    return max(16, next_pow2(num_tokens))
+
+
+def router_logits_triton(
+    x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None
+) -> torch.Tensor:
+    """x [T, H], W_r [E, H], w_g [1, H] or None -> logits [T, E (+1)] in x's dtype: the router logits and, as
+    column E, the shared-expert gate logit (both as F.linear would round them). Twin: moe.router_logits_ref."""
+    num_tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    has_gate = gate_weight is not None
+    logits = torch.empty(num_tokens, num_experts + int(has_gate), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return logits
+    grid = (triton.cdiv(num_experts, ROUTER_BLOCK_R), triton.cdiv(num_tokens, ROUTER_BLOCK_T))
+    _moe_router_kernel[grid](
+        x,
+        router_weight,
+        gate_weight if has_gate else router_weight,
+        logits,
+        num_tokens,
+        x.stride(0),
+        router_weight.stride(0),
+        logits.stride(0),
+        E=num_experts,
+        H=hidden,
+        HAS_GATE=has_gate,
+        DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_T=ROUTER_BLOCK_T,
+        BLOCK_R=ROUTER_BLOCK_R,
+        BLOCK_K=min(ROUTER_BLOCK_K, next_pow2(hidden)),
+        num_warps=4,
+        num_stages=3,
+    )
+    return logits
+
+
+def decode_gemms(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    gemm1: GemmConfig,
+    gemm2: GemmConfig,
+    *,
+    logits: torch.Tensor | None = None,
+    top_k: int,
+    renormalize: bool = True,
+    topk_weights: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_out: torch.Tensor | None = None,
+    shared_gate_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Steps 2 and 3 of the module docstring. Routing from `logits` [T, ≥E] (routed in-kernel) or from given
+    topk_weights / topk_ids [T, k]; the shared expert from its weights (gate logit: logits[:, E] or
+    shared_gate_logits) or from its given output shared_out [T, H]. Returns [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if num_tokens > DECODE_MAX_TOKENS:
+        raise ValueError(f"the MoE decode path holds at most {DECODE_MAX_TOKENS} tokens, got {num_tokens}")
+    route = logits is not None
+    shared_mode = 2 if shared_w13 is not None else (1 if shared_out is not None else 0)
+    inter_sh = shared_w13.shape[0] // 2 if shared_mode == 2 else inter
+    inter_max = max(inter, inter_sh)
+    num_entries = num_tokens * top_k
+    device = x.device
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
+    if num_tokens == 0:
+        return out
+    num_rows = num_entries + (num_tokens if shared_mode == 2 else 0)
+    act = torch.empty(num_rows, inter_max, dtype=x.dtype, device=device)
+    if route:
+        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    else:
+        assert topk_ids is not None and topk_weights is not None
+        ids, weights = topk_ids, topk_weights
+    precision = dot_precision(x.dtype)
+    grid1 = (num_entries + int(shared_mode == 2), triton.cdiv(inter_max, gemm1.BLOCK_N))
+    _moe_decode_gemm1_kernel[grid1](
+        x,
+        w13,
+        shared_w13 if shared_mode == 2 else w13,
+        logits if route else x,
+        ids,
+        weights,
+        act,
+        num_tokens,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        shared_w13.stride(0) if shared_mode == 2 else 0,
+        logits.stride(0) if route else 0,
+        ids.stride(0),
+        E=num_experts,
+        TOP_K=top_k,
+        I=inter,
+        I_SH=inter_sh,
+        I_MAX=inter_max,
+        H=hidden,
+        ROUTE=route,
+        RENORMALIZE=renormalize,
+        DOT_PRECISION=precision,
+        BLOCK_T=_block_t(num_tokens),
+        BLOCK_KK=next_pow2(top_k),
+        BLOCK_E=next_pow2(num_experts),
+        **gemm1.launch(),
+    )
+    if shared_mode == 2:
+        gate = logits[:, num_experts:] if route and shared_gate_logits is None else shared_gate_logits
+    else:
+        gate = shared_gate_logits
+    has_gate = shared_mode != 0
+    assert not has_gate or gate is not None, "the shared expert needs its gate logits"
+    _moe_decode_gemm2_kernel[(num_tokens, triton.cdiv(hidden, gemm2.BLOCK_N))](
+        act,
+        w2,
+        shared_w2 if shared_mode == 2 else w2,
+        ids,
+        weights,
+        shared_out if shared_mode == 1 else out,
+        gate if has_gate else out,
+        out,
+        num_tokens,
+        w2.stride(0),
+        w2.stride(1),
+        shared_w2.stride(0) if shared_mode == 2 else 0,
+        ids.stride(0),
+        weights.stride(0),
+        shared_out.stride(0) if shared_mode == 1 else 0,
+        gate.stride(0) if has_gate else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        I=inter,
+        I_SH=inter_sh,
+        I_MAX=inter_max,
+        H=hidden,
+        SHARED_MODE=shared_mode,
+        BLOCK_N=gemm2.BLOCK_N,
+        BLOCK_K=gemm2.BLOCK_K,
+        num_warps=gemm2.num_warps,
+        num_stages=gemm2.num_stages,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def moe_block_triton(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """The MoE block of one layer, as moe.fused_moe_block_ref: x [T, H] -> [T, H]. The path and launch configs
+    come from the tuning table (moe_configs) unless `config` is given (the tuner's candidates)."""
+    from deltaserve.kernels import moe_configs
+
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1 and router_weight.is_contiguous()
+    has_shared = shared_w13 is not None
+    assert has_shared == (shared_w2 is not None) == (shared_gate_weight is not None), "shared expert: all three"
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if config is None:
+        config = moe_configs.config_for(num_tokens, num_experts, inter, hidden, top_k, x.dtype, x.device)
+    if config.path == "decode" and num_tokens <= DECODE_MAX_TOKENS:
+        logits = router_logits_triton(x, router_weight, shared_gate_weight)
+        shared = {"shared_w13": shared_w13, "shared_w2": shared_w2}
+        if num_tokens <= ROUTE_IN_GEMM1_MAX_TOKENS:
+            return decode_gemms(
+                x, w13, w2, config.gemm1, config.gemm2, logits=logits, top_k=top_k, renormalize=renormalize, **shared
+            )
+        from deltaserve.kernels.moe_routing_triton import moe_route_triton
+
+        weights, ids = moe_route_triton(logits[:, :num_experts], top_k, renormalize)
+        gate = logits[:, num_experts:] if has_shared else None
+        return decode_gemms(
+            x, w13, w2, config.gemm1, config.gemm2, top_k=top_k, topk_weights=weights, topk_ids=ids,
+            shared_gate_logits=gate, **shared,
+        )  # fmt: skip
+    # Grouped path: the router and gate logits in one launch at decode sizes, the shared MLP through cuBLAS and
+    # the fused SiLU-and-mul, the routed experts (with the shared sum in their epilogue) through moe_triton.
+    from deltaserve.kernels.activation_triton import silu_and_mul_triton
+    from deltaserve.kernels.moe_routing_triton import moe_route_triton
+    from deltaserve.kernels.moe_triton import fused_moe_triton
+
+    if num_tokens <= 256:
+        logits = router_logits_triton(x, router_weight, shared_gate_weight)
+        router, gate = logits[:, :num_experts], (logits[:, num_experts:] if has_shared else None)
+    else:
+        router = torch.nn.functional.linear(x, router_weight)
+        gate = torch.nn.functional.linear(x, shared_gate_weight) if has_shared else None
+    weights, ids = moe_route_triton(router, top_k, renormalize)
+    if not has_shared:
+        return fused_moe_triton(x, w13, w2, weights, ids, config=config)
+    shared = torch.nn.functional.linear(silu_and_mul_triton(torch.nn.functional.linear(x, shared_w13)), shared_w2)
+    return fused_moe_triton(x, w13, w2, weights, ids, shared, gate, config=config)

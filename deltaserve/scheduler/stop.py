@@ -1,0 +1,28 @@
+"""The token-level stop rules, applied by the scheduler as each sampled token is appended (vLLM's check_stop).
+
+eos (unless ignore_eos) and stop_token_ids end a sequence with "stop" once it has min_tokens outputs; max_tokens and
+max_model_len end it with "length". Stop strings need text, so the output processor (detokenisation) applies them
+and aborts the sequence in the core.
+"""
+
+from __future__ import annotations
+
+from deltaserve.scheduler.sequence import Sequence
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+def check_stop(seq: Sequence, token_id: int, max_model_len: int) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) if appending token_id (already appended) ends the sequence, else None."""
+    params = seq.sampling
+    num_outputs = len(seq.output_token_ids)
+    if num_outputs >= params.min_tokens:
+        if not params.ignore_eos and token_id in seq.eos_token_ids:
+            return FINISH_STOP, None
+        if token_id in params.stop_token_ids:
+            return FINISH_STOP, token_id
+    if num_outputs >= seq.max_tokens or seq.num_tokens >= max_model_len:
+        return FINISH_LENGTH, None
+    return None

@@ -1,0 +1,62 @@
+"""The vision variants of the tiny checkpoints (`dense-vl`, `moe-vl`): the text variants' decoder, unchanged, with
+a vision tower sized for exactness tests (two blocks, head_dim 32, the release's 48x48 position table) and the
+image / video processor configs of the Qwen3.5 releases (multimodal doc §1.1, §2.1).
+
+The text variants (`dense`, `moe`, `next`) keep their own bytes: nothing here is read when they are written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from deltaserve.tiny.spec import TinyShapes
+
+VISION_VARIANTS: dict[str, str] = {"dense-vl": "dense", "moe-vl": "moe"}  # vision variant -> its text variant
+
+VISION_SHAPES = replace(
+    TinyShapes(),
+    vision_depth=2,
+    vision_hidden_size=64,
+    vision_intermediate_size=128,
+    vision_num_heads=2,
+    vision_num_position_embeddings=2304,
+)
+
+# Shipped by Qwen3.5-2B-Base and Qwen3.6-35B-A3B (multimodal doc §1.1): areas, not edges.
+IMAGE_MIN_PIXELS = 65536
+IMAGE_MAX_PIXELS = 16777216
+# video_preprocessor_config.json of the releases (doc §2.1): budgets over t·h·w of all sampled frames
+VIDEO_MIN_PIXELS = 4096
+VIDEO_MAX_PIXELS = 25165824
+
+
+def shapes_for(variant: str) -> TinyShapes:
+    return VISION_SHAPES if variant in VISION_VARIANTS else TinyShapes()
+
+
+def preprocessor_config(shapes: TinyShapes) -> dict[str, Any]:
+    """preprocessor_config.json as the releases ship it (the legacy class name that transformers 5 maps)."""
+    return {
+        "size": {"longest_edge": IMAGE_MAX_PIXELS, "shortest_edge": IMAGE_MIN_PIXELS},
+        "patch_size": shapes.vision_patch_size,
+        "temporal_patch_size": shapes.vision_temporal_patch_size,
+        "merge_size": shapes.vision_spatial_merge_size,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+    }
+
+
+def video_preprocessor_config(shapes: TinyShapes) -> dict[str, Any]:
+    return {
+        "size": {"longest_edge": VIDEO_MAX_PIXELS, "shortest_edge": VIDEO_MIN_PIXELS},
+        "patch_size": shapes.vision_patch_size,
+        "temporal_patch_size": shapes.vision_temporal_patch_size,
+        "merge_size": shapes.vision_spatial_merge_size,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor",
+        "video_processor_type": "Qwen3VLVideoProcessor",
+    }

@@ -1,0 +1,581 @@
+"""Hostile and careless input on every route: each gets its status in vLLM's error envelope, and /health keeps
+answering within 100 ms while the request is in flight (the server holds; nothing runs on its event loop).
+
+The server is a real uvicorn over the FakeEngine in its own process (hostile_server.py), trusting request chat
+templates (so hostile templates are rendered, and must hit their bounds), with a 4 MiB body limit and a 1 s
+template bound. Each case is sent from a worker thread while the test thread probes /health on its own connection.
+A case holds if all its probes pass in one of ATTEMPTS runs: a request that stalls the server stalls it every
+time, while a machine shared with other work can delay a single probe now and then. The logging checks at the end
+run against the same settings in a thread of this process, to read its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from deltaserve.api.server import build_app
+
+from .fake_engine import FakeEngine
+from .hostile_server import BODY_LIMIT, MODEL_NAME, hostile_settings
+from .server_thread import ServerThread
+
+HEALTH_BUDGET_S = 0.1
+ATTEMPTS = 3
+ROOT = Path(__file__).resolve().parents[2]
+USER = [{"role": "user", "content": "hi"}]
+ASSISTANT_LAST = [*USER, {"role": "assistant", "content": "Sure, "}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@dataclass
+class Case:
+    name: str
+    path: str
+    body: Any = None  # dict: JSON; bytes: raw; callable: a content iterator (chunked)
+    status: int = 400
+    param: str | None = None
+    message: str | None = None  # a substring the error message must hold
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def template(source: str) -> dict[str, Any]:
+    return chat(chat_template=source)
+
+
+def chunked(total: int, size: int = 65536) -> Any:
+    def body() -> Iterator[bytes]:
+        sent = 0
+        while sent < total:
+            yield b" " * size
+            sent += size
+
+    return body
+
+
+LONG_WORDS = "word " * 5000  # over the fake's 2048-token context
+FAR_TOO_MANY_CHARS = "x" * 2_000_000  # over max_model_len * the longest token: refused before tokenising
+MANY_MESSAGES = [{"role": "user", "content": "hello there"}] * 16000
+TOO_MANY_MESSAGES = [{"role": "user", "content": "hello there"}] * 60000
+
+CASES: list[Case] = [
+    # -- the body itself (on /v1/completions) -----------------------------------------------------------------
+    Case("broken json", "/v1/completions", b'{"prompt": "x",'),
+    Case("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}'),
+    Case("json array body", "/v1/completions", b"[1, 2]"),
+    Case("json string body", "/v1/completions", b'"prompt"'),
+    Case("empty body", "/v1/completions", b""),
+    Case("NaN literal", "/v1/completions", b'{"prompt": "x", "temperature": NaN}'),
+    Case("Infinity literal", "/v1/completions", b'{"prompt": "x", "top_p": Infinity}'),
+    Case("nested arrays 100k deep", "/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"),
+    Case("nested objects 100k deep", "/v1/completions", b'{"a": ' + b'{"a": ' * 100000 + b"1" + b"}" * 100001),
+    Case(
+        "more JSON elements than allowed",
+        "/v1/completions",
+        b'{"prompt": [' + b"0," * 1_100_000 + b"0]}",
+        message="JSON elements",
+    ),  # fmt: skip
+    Case("body over the limit (content-length)", "/v1/completions", b" " * (BODY_LIMIT + 1), 413),
+    Case("body over the limit (chunked)", "/v1/completions", chunked(BODY_LIMIT + 65536), 413),
+    Case("64 MB body", "/v1/completions", b" " * (64 * 2**20), 413),
+    Case(
+        "text/plain content type",
+        "/v1/completions",
+        b'{"prompt": "x"}',
+        headers={"content-type": "text/plain"},
+        message="Only 'application/json' is allowed",
+    ),  # fmt: skip
+    Case(
+        "form content type",
+        "/v1/completions",
+        b"prompt=x",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    ),  # fmt: skip
+    Case("no content type", "/v1/completions", b'{"prompt": "x"}', headers={"content-type": ""}),
+    # -- completion fields --------------------------------------------------------------------------------------
+    Case("prompt an int", "/v1/completions", completion(prompt=5), param="body.prompt"),
+    Case("prompt an object", "/v1/completions", completion(prompt={"a": 1}), param="body.prompt"),
+    Case("prompt mixed list", "/v1/completions", completion(prompt=[1, "a"])),
+    Case("prompt nested mixed", "/v1/completions", completion(prompt=[[1, "a"]])),
+    Case("prompt missing", "/v1/completions", {"max_tokens": 3}, param="prompt"),
+    Case("prompt null", "/v1/completions", completion(prompt=None), param="prompt"),
+    Case("prompt empty string", "/v1/completions", completion(prompt=""), param="prompt"),
+    Case("prompt empty list", "/v1/completions", completion(prompt=[]), param="prompt"),
+    Case("prompt empty token list", "/v1/completions", completion(prompt=[[]]), param="prompt"),
+    Case("token id out of vocab", "/v1/completions", completion(prompt=[10**9]), param="prompt"),
+    Case("negative token id", "/v1/completions", completion(prompt=[-1]), param="prompt"),
+    Case("token id beyond int64", "/v1/completions", completion(prompt=[2**70]), param="prompt"),
+    Case("2049 prompts", "/v1/completions", completion(prompt=["a"] * 2049), param="prompt"),
+    Case("prompt over the context", "/v1/completions", completion(prompt=LONG_WORDS), param="prompt"),
+    Case(
+        "prompt far over the context",
+        "/v1/completions",
+        completion(prompt=FAR_TOO_MANY_CHARS),
+        param="prompt",
+        message="characters",
+    ),  # fmt: skip
+    Case("500k token ids", "/v1/completions", completion(prompt=[1] * 500_000), param="prompt"),
+    Case("max_tokens negative", "/v1/completions", completion(max_tokens=-1), param="max_tokens"),
+    Case("max_tokens zero", "/v1/completions", completion(max_tokens=0), param="max_tokens"),
+    Case("max_tokens huge", "/v1/completions", completion(max_tokens=10**12), param="max_tokens"),
+    Case("max_tokens a string", "/v1/completions", completion(max_tokens="abc"), param="body.max_tokens"),
+    Case("max_tokens a float", "/v1/completions", completion(max_tokens=1.5), param="body.max_tokens"),
+    Case("n zero", "/v1/completions", completion(n=0), param="n"),
+    Case("n a million", "/v1/completions", completion(n=10**6), param="n"),
+    Case("n a string", "/v1/completions", completion(n="many"), param="body.n"),
+    Case("temperature negative", "/v1/completions", completion(temperature=-1), param="temperature"),
+    Case("temperature a string", "/v1/completions", completion(temperature="hot"), param="body.temperature"),
+    Case("top_p zero", "/v1/completions", completion(top_p=0), param="top_p"),
+    Case("top_p above one", "/v1/completions", completion(top_p=2), param="top_p"),
+    Case("top_k below -1", "/v1/completions", completion(top_k=-5), param="top_k"),
+    Case("min_p above one", "/v1/completions", completion(min_p=2), param="min_p"),
+    Case("repetition_penalty zero", "/v1/completions", completion(repetition_penalty=0), param="repetition_penalty"),
+    Case("presence_penalty 5", "/v1/completions", completion(presence_penalty=5), param="presence_penalty"),
+    Case("frequency_penalty -5", "/v1/completions", completion(frequency_penalty=-5), param="frequency_penalty"),
+    Case("seed beyond int64", "/v1/completions", completion(seed=2**70), param="seed"),
+    Case("seed a string", "/v1/completions", completion(seed="x"), param="body.seed"),
+    Case("logprobs 100", "/v1/completions", completion(logprobs=100), param="logprobs"),
+    Case("logprobs negative", "/v1/completions", completion(logprobs=-1), param="logprobs"),
+    Case("stop an int", "/v1/completions", completion(stop=5)),
+    Case("stop empty string", "/v1/completions", completion(stop=[""]), param="stop"),
+    Case("100,000 stop strings with n=8", "/v1/completions", completion(stop=["x"] * 100_000, n=8), param="stop"),
+    Case(
+        "129 one-character stop strings",
+        "/v1/completions",
+        completion(stop=["z"] * 129),
+        param="stop",
+        message="at most 128",
+    ),  # fmt: skip
+    Case("stop string of 100k characters", "/v1/completions", completion(stop=["y" * 100_000]), param="stop"),
+    Case("stop_token_ids out of vocab", "/v1/completions", completion(stop_token_ids=[10**9]), param="stop_token_ids"),
+    Case("stop_token_ids negative", "/v1/completions", completion(stop_token_ids=[-3]), param="stop_token_ids"),
+    Case(
+        "min_tokens above max_tokens", "/v1/completions", completion(max_tokens=2, min_tokens=5), param="min_tokens"
+    ),  # fmt: skip
+    Case("truncate_prompt_tokens zero", "/v1/completions", completion(truncate_prompt_tokens=0)),
+    Case("truncate_prompt_tokens -5", "/v1/completions", completion(truncate_prompt_tokens=-5)),
+    Case(
+        "truncate_prompt_tokens above context",
+        "/v1/completions",
+        completion(truncate_prompt_tokens=10**6),
+        param="truncate_prompt_tokens",
+    ),  # fmt: skip
+    Case(
+        "truncation_side middle", "/v1/completions", completion(truncation_side="middle"), param="body.truncation_side"
+    ),  # fmt: skip
+    Case("suffix", "/v1/completions", completion(suffix="y"), param="suffix"),
+    Case("echo with logprobs", "/v1/completions", completion(echo=True, logprobs=1), param="echo"),
+    Case("logit_bias", "/v1/completions", completion(logit_bias={"5": 10}), param="logit_bias"),
+    Case("beam search", "/v1/completions", completion(use_beam_search=True), param="use_beam_search"),
+    Case("prompt_logprobs", "/v1/completions", completion(prompt_logprobs=1), param="prompt_logprobs"),
+    Case("guided_json", "/v1/completions", completion(guided_json={"type": "object"}), param="guided_json"),
+    Case(
+        "structured_outputs", "/v1/completions", completion(structured_outputs={"json": {}}), param="structured_outputs"
+    ),  # fmt: skip
+    Case("bad_words", "/v1/completions", completion(bad_words=["x"]), param="bad_words"),
+    Case("allowed_token_ids", "/v1/completions", completion(allowed_token_ids=[1]), param="allowed_token_ids"),
+    Case(
+        "completion response_format json",
+        "/v1/completions",
+        completion(response_format={"type": "json_object"}),
+        param="response_format",
+    ),  # fmt: skip
+    Case("unknown model", "/v1/completions", completion(model="gpt-4"), 404, "model"),
+    Case(
+        "stream_options without stream",
+        "/v1/completions",
+        completion(stream_options={"include_usage": True}),
+        message="Stream options can only be defined when `stream=True`.",
+    ),  # fmt: skip
+    Case("stream_options not an object", "/v1/completions", completion(stream=True, stream_options="yes")),
+    # -- chat fields --------------------------------------------------------------------------------------------
+    Case("messages empty", "/v1/chat/completions", chat(messages=[]), param="body.messages"),
+    Case("messages missing", "/v1/chat/completions", {"model": MODEL_NAME}, param="body.messages"),
+    Case("messages a string", "/v1/chat/completions", chat(messages="hi"), param="body.messages"),
+    Case("message without a role", "/v1/chat/completions", chat(messages=[{"content": "hi"}])),
+    Case("content an int", "/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}])),
+    Case(
+        "image content part",
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+        param="messages.0.content",
+    ),  # fmt: skip
+    Case("chat over the context", "/v1/chat/completions", chat(messages=[{"role": "user", "content": LONG_WORDS}])),
+    Case(
+        "chat far over the context",
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": FAR_TOO_MANY_CHARS}]),
+        message="characters",
+    ),  # fmt: skip
+    Case("16,000 messages", "/v1/chat/completions", chat(messages=MANY_MESSAGES)),
+    Case("60,000 messages", "/v1/chat/completions", chat(messages=TOO_MANY_MESSAGES), message="JSON objects"),
+    Case(
+        "20,000 objects in a small body",
+        "/v1/completions",
+        b'{"prompt": "x", "a": [' + b"{}," * 20000 + b"{}]}",
+        message="JSON objects",
+    ),  # fmt: skip
+    Case("max_completion_tokens negative", "/v1/chat/completions", chat(max_completion_tokens=-3), param="max_tokens"),
+    Case("chat max_tokens huge", "/v1/chat/completions", chat(max_tokens=10**9), param="max_tokens"),
+    Case("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), param="top_logprobs"),
+    Case("top_logprobs 50", "/v1/chat/completions", chat(logprobs=True, top_logprobs=50), param="top_logprobs"),
+    Case("tool_choice without tools", "/v1/chat/completions", chat(tool_choice="auto"), param="tool_choice"),
+    Case("tools an empty list", "/v1/chat/completions", chat(tools=[]), param="tools"),
+    Case(
+        "tool_choice names an unknown function",
+        "/v1/chat/completions",
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        param="tool_choice",
+    ),
+    Case("tool_choice sometimes", "/v1/chat/completions", chat(tools=[TOOL], tool_choice="sometimes")),
+    Case("response_format json_object", "/v1/chat/completions", chat(response_format={"type": "json_object"})),
+    Case("chat_template_kwargs a list", "/v1/chat/completions", chat(chat_template_kwargs=[1])),
+    Case(
+        "continue and generation prompt",
+        "/v1/chat/completions",
+        chat(messages=ASSISTANT_LAST, continue_final_message=True),
+        param="continue_final_message",
+    ),  # fmt: skip
+    Case(
+        "continue a user message",
+        "/v1/chat/completions",
+        chat(continue_final_message=True, add_generation_prompt=False),
+        param="continue_final_message",
+    ),
+    Case(
+        "reasoning_effort extreme",
+        "/v1/chat/completions",
+        chat(reasoning_effort="extreme"),
+        param="body.reasoning_effort",
+    ),  # fmt: skip
+    Case(
+        "tool call arguments not JSON",
+        "/v1/chat/completions",
+        chat(
+            messages=[
+                *USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+                },
+            ]
+        ),
+        param="messages.1.tool_calls",
+    ),  # fmt: skip
+    Case("chat n a million", "/v1/chat/completions", chat(n=10**6), param="n"),
+    Case("chat 100,000 stop strings with n=8", "/v1/chat/completions", chat(stop=["x"] * 100_000, n=8), param="stop"),
+    Case(
+        "thinking_token_budget", "/v1/chat/completions", chat(thinking_token_budget=10), param="thinking_token_budget"
+    ),  # fmt: skip
+    Case("chat unknown model", "/v1/chat/completions", chat(model="nope"), 404, "model"),
+    Case(
+        "chat stream_options without stream",
+        "/v1/chat/completions",
+        chat(stream_options={"include_usage": True}),
+        message="Stream options",
+    ),  # fmt: skip
+    # -- chat templates sent with the request (rendered: this server trusts them) -----------------------------------
+    Case(
+        "template repeats a string 3M times",
+        "/v1/chat/completions",
+        template("{{ 'ab ' * 3000000 }}"),
+        message="size bound",
+    ),  # fmt: skip
+    Case("template divides by zero", "/v1/chat/completions", template("{{ 1 // 0 }}"), message="ZeroDivisionError"),
+    Case("template formats a missing key", "/v1/chat/completions", template("{{ '%(a)s' % {} }}"), message="KeyError"),
+    Case("template uses an unknown filter", "/v1/chat/completions", template("{{ x|nofilter }}")),
+    Case("template raises", "/v1/chat/completions", template("{{ raise_exception('no') }}"), message="no"),
+    Case("template syntax error", "/v1/chat/completions", template("{% for %}")),
+    Case("template reads an undefined attribute", "/v1/chat/completions", template("{{ foo.bar.baz }}")),
+    Case(
+        "template loops 10^10 times",
+        "/v1/chat/completions",
+        template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
+        message="took longer",
+    ),  # fmt: skip
+    Case(
+        "template loops over strings",
+        "/v1/chat/completions",
+        template("{% for a in 'x' * 100000 %}{% for b in 'y' * 100000 %}{% endfor %}{% endfor %}"),
+        message="took longer",
+    ),  # fmt: skip
+    Case(
+        "template recurses",
+        "/v1/chat/completions",
+        template("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"),
+        message="recursed",
+    ),  # fmt: skip
+    Case(
+        "template %-format width 10^9",
+        "/v1/chat/completions",
+        template("{{ '%0999999999d' % 1 }}"),
+        message="size bound",
+    ),  # fmt: skip
+    Case(
+        "template str.format width 10^9",
+        "/v1/chat/completions",
+        template("{{ '{:>999999999}'.format(1) }}"),
+        message="size bound",
+    ),  # fmt: skip
+    Case("template center(10^9)", "/v1/chat/completions", template("{{ 'a'.center(10**9) }}"), message="size bound"),
+    Case(
+        "template center filter 10^9", "/v1/chat/completions", template("{{ 'a'|center(10**9) }}"), message="size bound"
+    ),  # fmt: skip
+    Case(
+        "template indent filter 10^9",
+        "/v1/chat/completions",
+        template("{{ 'a\nb'|indent(10**9) }}"),
+        message="size bound",
+    ),  # fmt: skip
+    Case(
+        "template doubles a string 40 times",
+        "/v1/chat/completions",
+        template(
+            "{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}{% endfor %}{{ ns.x }}"
+        ),
+        message="size bound",
+    ),  # fmt: skip
+    Case(
+        "template allocates 100 GB",
+        "/v1/chat/completions",
+        template(
+            "{% set ns = namespace(l=[]) %}{% for i in range(12500) %}{% set ns.l = ns.l + ['x' * 8000000] %}"
+            "{% endfor %}"
+        ),
+        message="MiB",
+    ),
+    Case(
+        "template writes 100 MB",
+        "/v1/chat/completions",
+        template("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"),
+        message="longer than",
+    ),  # fmt: skip
+    Case(
+        "template replaces the empty string",
+        "/v1/chat/completions",
+        template("{{ ('a' * 100000)|replace('', 'b' * 1000) }}"),
+        message="size bound",
+    ),  # fmt: skip
+    Case(
+        "template tojson indent 10^9",
+        "/v1/chat/completions",
+        template("{{ messages|tojson(indent=10**9) }}"),
+        message="indent",
+    ),  # fmt: skip
+    Case("template power 10^9", "/v1/chat/completions", template("{{ 2 ** 1000000000 }}"), message="power"),
+    Case("template range 10^9", "/v1/chat/completions", template("{{ range(10**9)|list|length }}")),
+    Case("template lipsum", "/v1/chat/completions", template("{{ lipsum(10**6) }}")),
+    Case("template sandbox escape", "/v1/chat/completions", template("{{ ''.__class__.__mro__[1].__subclasses__() }}")),
+    Case("template namespace dunder", "/v1/chat/completions", template("{% set ns = namespace(__x=1) %}{{ 1 }}")),
+    Case("template int of 5000 digits", "/v1/chat/completions", template("{{ (10 ** 4096) * (10 ** 900) }}")),
+    Case("template renders nothing", "/v1/chat/completions", template("{# nothing #}"), param="messages"),
+    # -- /tokenize, /detokenize, /invocations ---------------------------------------------------------------------
+    Case("tokenize without a body", "/tokenize", b""),
+    Case("tokenize without prompt", "/tokenize", {"model": MODEL_NAME}, param="body.prompt"),
+    Case("tokenize prompt an int", "/tokenize", {"prompt": 5}, param="body.prompt"),
+    Case("tokenize unknown model", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+    Case("tokenize 4e6 characters", "/tokenize", {"prompt": "hello world " * 333_334}, 200),
+    Case(
+        "tokenize hostile template",
+        "/tokenize",
+        {
+            "messages": USER,
+            "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        },
+        message="took longer",
+    ),  # fmt: skip
+    Case("tokenize messages empty", "/tokenize", {"messages": []}, param="body.messages"),
+    Case("tokenize text/plain", "/tokenize", b'{"prompt": "x"}', headers={"content-type": "text/plain"}),
+    Case("detokenize without tokens", "/detokenize", {"model": MODEL_NAME}, param="body.tokens"),
+    Case("detokenize out of vocab", "/detokenize", {"tokens": [10**9]}, param="tokens"),
+    Case("detokenize negative", "/detokenize", {"tokens": [-1]}, param="tokens"),
+    Case("detokenize strings", "/detokenize", {"tokens": "abc"}, param="body.tokens"),
+    Case("detokenize 500k tokens", "/detokenize", {"tokens": [100] * 500_000}, 200),
+    Case(
+        "invocations neither chat nor completion",
+        "/invocations",
+        {"model": MODEL_NAME},
+        message="Cannot find suitable handler",
+    ),  # fmt: skip
+    Case("invocations empty messages", "/invocations", {"messages": []}, param="body.messages"),
+    Case("invocations bad prompt", "/invocations", {"prompt": 5}, param="body.prompt"),
+    Case("invocations text/plain", "/invocations", b'{"prompt": "x"}', headers={"content-type": "text/plain"}),
+    # -- routes and methods -----------------------------------------------------------------------------------------
+    Case("GET a POST route", "/v1/completions", method="GET", status=405),
+    Case("POST /v1/models", "/v1/models", {}, 405),
+    Case("DELETE /health", "/health", method="DELETE", status=405),
+    Case("unknown route", "/v1/nothing", {}, 404),
+    Case("path traversal", "/../../etc/passwd", method="GET", status=404),
+    Case("8 KB path", "/" + "a" * 8192, method="GET", status=404),
+    Case("tokenizer_info when not enabled", "/tokenizer_info", method="GET", status=404),
+]
+
+
+@dataclass
+class RemoteServer:
+    base_url: str
+    port: int
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hostile_server() -> Iterator[RemoteServer]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "tests.api.hostile_server", str(port)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = RemoteServer(f"http://127.0.0.1:{port}", port)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            try:
+                if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the hostile server did not start"
+            time.sleep(0.1)
+        yield server
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def local_server(fake_engine: FakeEngine) -> Iterator[ServerThread]:
+    server = ServerThread(build_app(fake_engine, hostile_settings())).start()
+    yield server
+    server.stop()
+
+
+def encode(case: Case) -> dict[str, Any]:
+    """The request's arguments, built before any probing (json.dumps of a big body holds this process's GIL)."""
+    headers = {key: value for key, value in {"content-type": "application/json", **case.headers}.items() if value}
+    kwargs: dict[str, Any] = {"headers": headers}
+    if isinstance(case.body, bytes):
+        kwargs["content"] = case.body
+    elif callable(case.body):
+        kwargs["content"] = case.body()
+    elif case.body is not None:
+        kwargs["content"] = json.dumps(case.body).encode()
+    return kwargs
+
+
+def send(base_url: str, case: Case, kwargs: dict[str, Any]) -> httpx.Response:
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        return client.request(case.method, case.path, **kwargs)
+
+
+def probe_health_while(base_url: str, future: Any) -> list[float]:
+    """/health latencies measured until the hostile request is answered (at least one probe)."""
+    latencies = []
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        while True:
+            start = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            if future.done():
+                return latencies
+            time.sleep(0.01)
+
+
+def run_case(base_url: str, case: Case) -> float:
+    """Sends the case while probing /health; checks the answer; returns the slowest probe (seconds)."""
+    kwargs = encode(case)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(send, base_url, case, kwargs)
+        latencies = probe_health_while(base_url, future)
+        response = future.result()
+    assert response.status_code == case.status, response.text[:500]
+    if case.status >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert error["code"] == case.status and isinstance(error["message"], str) and error["message"]
+        assert isinstance(error["type"], str) and error["type"]
+        if case.param is not None:
+            assert error["param"] == case.param, error
+        if case.message is not None:
+            assert case.message in error["message"], error
+    return max(latencies)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_hostile_request(hostile_server: RemoteServer, case: Case) -> None:
+    slowest = [run_case(hostile_server.base_url, case)]
+    while slowest[-1] >= HEALTH_BUDGET_S and len(slowest) < ATTEMPTS:
+        slowest.append(run_case(hostile_server.base_url, case))
+    assert slowest[-1] < HEALTH_BUDGET_S, f"/health took {[round(s * 1000) for s in slowest]} ms in {len(slowest)} runs"
+
+
+def test_suite_is_large_enough() -> None:
+    assert len(CASES) >= 100 and len({case.name for case in CASES}) == len(CASES)
+
+
+def test_client_dropping_mid_upload_is_not_an_internal_error(
+    local_server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Content-Length promises 10,000 bytes, 10 arrive, the socket closes: one info line, no error, no traceback."""
+    caplog.set_level("INFO")
+    with socket.create_connection(("127.0.0.1", local_server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10000\r\n\r\n" + b'{"prompt":')  # fmt: skip
+    deadline = time.monotonic() + 5
+    while not any("disconnected during the upload" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.02)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+    assert httpx.get(local_server.base_url + "/health").status_code == 200
+
+
+def test_template_errors_log_one_line_without_traceback(
+    local_server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    for source in ("{{ 1 // 0 }}", "{{ '%(a)s' % {} }}", "{{ x|nofilter }}", "{{ raise_exception('no') }}"):
+        caplog.clear()
+        response = httpx.post(local_server.base_url + "/v1/chat/completions", json=template(source), timeout=30)
+        assert response.status_code == 400
+        lines = [r for r in caplog.records if r.name.startswith("deltaserve")]
+        assert len(lines) == 1 and "chat template error" in lines[0].getMessage() and not lines[0].exc_info
+
+
+def test_killed_template_worker_is_replaced(hostile_server: RemoteServer) -> None:
+    """After renders that overran (and their workers were killed), ordinary chats still render."""
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    url = hostile_server.base_url + "/v1/chat/completions"
+    threads = [threading.Thread(target=httpx.post, args=(url,), kwargs={"json": template(loop), "timeout": 30})
+               for _ in range(3)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    response = httpx.post(url, json=chat(), timeout=30)
+    assert response.status_code == 200, response.text

@@ -1,0 +1,80 @@
+"""The chat-template worker pool: an overrunning render is killed and its worker replaced, errors come back as
+TemplateRenderError, and a worker dies with its server (no orphan keeps rendering)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from deltaserve.api.template import RenderJob
+from deltaserve.api.template_pool import TemplatePool, TemplateRenderError
+
+ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+USER = [{"role": "user", "content": "hi"}]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_overrun_is_killed_and_the_worker_replaced() -> None:
+    async def scenario() -> None:
+        pool = TemplatePool(num_workers=1, timeout=0.5)
+        await pool.start()
+        try:
+            with pytest.raises(TemplateRenderError, match="took longer than 0.5 s"):
+                await pool.render(RenderJob(ENDLESS, USER))
+            assert pool.num_killed == 1
+            assert await pool.render(RenderJob("[{{ messages[0].content }}]", USER)) == "[hi]"
+            with pytest.raises(TemplateRenderError, match="ZeroDivisionError"):
+                await pool.render(RenderJob("{{ 1 // 0 }}", USER))
+            results = await asyncio.gather(*(pool.render(RenderJob(f"{i}", USER)) for i in range(8)))
+            assert results == [str(i) for i in range(8)]
+        finally:
+            await pool.stop()
+
+    asyncio.run(scenario())
+
+
+def is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_worker_dies_with_its_server(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    code = textwrap.dedent(f"""
+        import asyncio
+        from deltaserve.api.template import RenderJob
+        from deltaserve.api.template_pool import TemplatePool
+
+        async def main():
+            pool = TemplatePool(num_workers=1, timeout=600)
+            await pool.start()
+            open({str(pids)!r}, "w").write(" ".join(str(w.process.pid) for w in pool._workers))
+            await pool.render(RenderJob({ENDLESS!r}, [{{"role": "user", "content": "x"}}]))
+
+        asyncio.run(main())
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    server = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 60
+    while not pids.exists() or not pids.read_text():
+        assert time.monotonic() < deadline and server.poll() is None
+        time.sleep(0.05)
+    (worker,) = map(int, pids.read_text().split())
+    time.sleep(0.5)  # the worker is rendering the endless template now
+    server.kill()
+    server.wait()
+    deadline = time.monotonic() + 10
+    while is_running(worker):
+        assert time.monotonic() < deadline, "the worker outlived its server"
+        time.sleep(0.05)

@@ -1,0 +1,79 @@
+"""benchmarks/decode_step.py on the CPU: the plumbing (model, cache, context, labels, byte counts, record) on the
+tiny checkpoints, the cliff check, and the byte model against hand counts. The GPU numbers need the H200."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load() -> object:
+    spec = importlib.util.spec_from_file_location("decode_step", ROOT / "benchmarks" / "decode_step.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules["decode_step"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+decode_step = _load()
+
+
+def test_cpu_run_writes_a_record_with_every_op_labelled(
+    tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "record.json"
+    argv = ["decode_step.py", "--device", "cpu", "--models", str(tiny_moe.parent), "--shapes", tiny_moe.name,
+            "--batches", "1,3", "--context", "20", "--max-model-len", "64", "--variants", "block+linear,model",
+            "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert decode_step.main() == 0
+    record = json.loads(out.read_text())
+    assert not record["errors"]
+    variants = {run["variant"]: run for run in record["runs"]}
+    assert set(variants) == {"block+linear", "model"}
+    for run in variants.values():
+        assert [row["batch"] for row in run["rows"]] == [1, 3]
+        for row in run["rows"]:
+            labels = {op["op"] for op in row["ops"]}
+            assert {"gdn.in_proj_qkvz", "gdn.gdn_decode", "attn.paged_attention", "lm.lm_head"} <= labels, labels
+            assert "unlabelled" not in labels
+            assert row["floor_ms"] > 0 and row["eager_ms"] > 0
+    assert "mlp.fused_moe_block" in {op["op"] for op in variants["block+linear"]["rows"][0]["ops"]}
+    # the committed model runs MoEBlock through fused_moe_block too (since the H200 decode-step record)
+    assert "mlp.fused_moe_block" in {op["op"] for op in variants["model"]["rows"][0]["ops"]}
+    assert "decode step eager_ms by batch size" in record["summary"]
+    # the model's functions are restored after the run
+    from deltaserve.model.layers import mlp
+
+    assert mlp.MoEBlock.forward.__module__ == "deltaserve.model.layers.mlp"
+    assert mlp.F.__name__ == "torch.nn.functional"
+
+
+def test_cliffs_report_a_larger_batch_that_is_faster() -> None:
+    rows = [{"batch": 1, "t": 4.5}, {"batch": 32, "t": 15.5}, {"batch": 48, "t": 33.2}, {"batch": 128, "t": 28.3}]
+    found = decode_step.cliffs(rows, "t")
+    assert found == ["B=48 33.20 ms > B=128 28.30 ms"]
+    assert decode_step.cliffs([{"batch": 1, "t": 1.0}, {"batch": 2, "t": 0.97}], "t") == []  # within 5 %
+
+
+def test_byte_model_counts_the_weights_a_decode_token_reads(tiny_moe: Path) -> None:
+    from deltaserve.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(tiny_moe)
+    costs = decode_step.op_costs(config, batch=1, context=20)
+    h, v = config.hidden_size, config.vocab_size
+    assert costs["lm.lm_head"][0] == (v * h + h + v) * 2
+    assert costs["lm.lm_head"][1] == 2 * v * h
+    e, k, i = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    assert decode_step.expected_experts(e, k, 1) == pytest.approx(k)
+    num_moe = sum(config.moe_layers)
+    experts_bytes = k * 3 * i * h * 2 * num_moe
+    assert costs["mlp.fused_moe"][0] == pytest.approx(experts_bytes + (h + 4 * k) * 2 * num_moe)
+    assert decode_step.expected_experts(256, 8, 10**6) == pytest.approx(256)

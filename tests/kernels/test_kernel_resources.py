@@ -1,0 +1,38 @@
+"""The decode-path MoE kernels compiled for sm_90 (on the CPU, with Triton's own ptxas) use no local memory.
+
+The 35B-A3B decode cliff of issue 11 (B = 48-64 slower than B = 128) was the one-program MoE alignment
+spilling 3 KiB a thread at 257-512 entries; this guards that kernel and the decode MoE block against spills
+at the batch sizes that hurt, without a GPU. It runs benchmarks/kernel_resources.py in a subprocess because
+the test session runs Triton's interpreter, which replaces the compiler.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").is_file():
+        pytest.skip("Triton's wheel carries no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--shape", "35b-a3b"]
+    command += ["--batches", "8,64", "--only", "moe_align,moe_block"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    summary = re.search(r"(\d+) launches compiled for sm_90; (\d+) with local-memory spills", done.stdout)
+    assert summary, done.stdout[-2000:]
+    num_launches, num_spilling = int(summary.group(1)), int(summary.group(2))
+    assert num_launches >= 4, done.stdout
+    assert "_moe_align_kernel" in done.stdout and "_moe_decode_gemm1_kernel" in done.stdout, done.stdout
+    assert num_spilling == 0, done.stdout

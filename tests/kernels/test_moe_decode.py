@@ -1,0 +1,171 @@
+"""The small-batch MoE block (moe_decode_triton) against fused_moe_block_ref / fused_moe_ref.
+
+Under the interpreter at fp32 (bf16 cases on the GPU): the whole block (router GEMV, in-kernel routing,
+leader-gathered gate/up, per-token down + weighted sum + sigmoid-gated shared expert), the variant that
+routes in its own launch, the fused_moe op's decode path on given routing, and the grouped path behind
+the block op. Outputs come from NaN-poisoned torch.empty, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.kernels import moe_decode_triton
+from deltaserve.kernels.moe import fused_moe_block_ref, fused_moe_ref, moe_route_ref, router_logits_ref
+from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
+from deltaserve.kernels.moe_decode_triton import moe_block_triton, router_logits_triton
+from deltaserve.kernels.moe_triton import fused_moe_triton
+
+from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
+
+DECODE = MoEConfig("decode", GemmConfig(16, 32, 4, 2), GemmConfig(16, 32, 4, 1))
+GROUPED = MoEConfig("grouped", GemmConfig(16, 32, 4, 2), GemmConfig(32, 32, 4, 2), block_m=16)
+
+
+def _weights(num_experts: int, hidden: int, inter: int, inter_sh: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {
+        "router_weight": randn(num_experts, hidden, dtype=dtype, scale=2 * hidden**-0.5),
+        "w13": randn(num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5),
+        "w2": randn(num_experts, hidden, inter, dtype=dtype, scale=inter**-0.5),
+        "shared_w13": randn(2 * inter_sh, hidden, dtype=dtype, scale=hidden**-0.5),
+        "shared_w2": randn(hidden, inter_sh, dtype=dtype, scale=inter_sh**-0.5),
+        "shared_gate_weight": randn(1, hidden, dtype=dtype, scale=hidden**-0.5),
+    }
+
+
+def _call(
+    fn: object, x: torch.Tensor, w: dict[str, torch.Tensor], top_k: int, shared: bool, **kw: object
+) -> torch.Tensor:
+    extra = (w["shared_w13"], w["shared_w2"], w["shared_gate_weight"]) if shared else ()
+    return fn(x, w["router_weight"], w["w13"], w["w2"], top_k, True, *extra, **kw)  # type: ignore[operator]
+
+
+def _ref(x: torch.Tensor, w: dict[str, torch.Tensor], top_k: int, shared: bool) -> torch.Tensor:
+    """fused_moe_block_ref at fp32. In bf16 a router logit one ulp off (cuBLAS's sum order against the
+    kernel's) swaps near-tied experts, so the bf16 ref routes on the kernel's own logits (checked against
+    F.linear on their own below), with moe_route_triton's lowest-id tie rule."""
+    if x.dtype == torch.float32:
+        return _call(fused_moe_block_ref, x, w, top_k, shared)
+    from deltaserve.kernels.activation import silu_and_mul_ref
+    from deltaserve.kernels.moe_routing_triton import moe_route_triton
+
+    num_experts = w["router_weight"].shape[0]
+    logits = router_logits_triton(x, w["router_weight"], w["shared_gate_weight"] if shared else None)
+    weights, ids = moe_route_triton(logits[:, :num_experts], top_k, True)
+    if not shared:
+        return fused_moe_ref(x, w["w13"], w["w2"], weights, ids)
+    shared_out = torch.nn.functional.linear(silu_and_mul_ref(x @ w["shared_w13"].T), w["shared_w2"])
+    return fused_moe_ref(x, w["w13"], w["w2"], weights, ids, shared_out, logits[:, num_experts:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "inter", "inter_sh", "shared"),
+    [
+        (1, 8, 2, 64, 32, 32, True),
+        (3, 16, 4, 64, 32, 48, True),  # a shared expert wider than the routed ones
+        (2, 8, 2, 96, 48, 16, True),  # narrower, and H not a multiple of BLOCK_K·2
+        (3, 8, 3, 64, 32, 32, False),  # top-3: a choice count that is not a power of two
+    ],
+)
+def test_moe_block_decode_path(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    inter_sh: int,
+    shared: bool,
+    dtype: torch.dtype,
+) -> None:
+    x = randn(num_tokens, hidden, dtype=dtype)
+    w = _weights(num_experts, hidden, inter, inter_sh, dtype)
+    ref = _ref(x, w, top_k, shared)
+    with poisoned_empty():
+        out = _call(moe_block_triton, x, w, top_k, shared, config=DECODE)
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_block_routes_in_its_own_launch_above_the_register_limit(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches above ROUTE_IN_GEMM1_MAX_TOKENS route with moe_route_triton first; forced here at 3 tokens."""
+    monkeypatch.setattr(moe_decode_triton, "ROUTE_IN_GEMM1_MAX_TOKENS", 1)
+    x = randn(3, 64, dtype=dtype)
+    w = _weights(8, 64, 32, 32, dtype)
+    ref = _ref(x, w, 2, True)
+    with poisoned_empty():
+        out = _call(moe_block_triton, x, w, 2, True, config=DECODE)
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [True, False])
+def test_moe_block_grouped_path(shared: bool, dtype: torch.dtype) -> None:
+    """The block op's grouped path: router logits kernel, moe_route_triton, shared MLP, fused_moe_triton."""
+    x = randn(5, 64, dtype=dtype)
+    w = _weights(8, 64, 32, 32, dtype)
+    ref = _ref(x, w, 2, shared)
+    with poisoned_empty():
+        out = _call(moe_block_triton, x, w, 2, shared, config=GROUPED)
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_moe_decode_path_on_given_routing(shared: bool, dtype: torch.dtype) -> None:
+    """fused_moe's decode path (the model's call today): given weights and ids, given shared output and gate."""
+    num_tokens, num_experts, top_k, hidden, inter = 4, 8, 3, 64, 32
+    x = randn(num_tokens, hidden, dtype=dtype)
+    w13 = randn(num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    weights, ids = moe_route_ref(randn(num_tokens, num_experts), top_k, renormalize=True)
+    extra = (randn(num_tokens, hidden, dtype=dtype), randn(num_tokens, 1, dtype=dtype, scale=2.0)) if shared else ()
+    ref = fused_moe_ref(x, w13, w2, weights, ids, *extra)
+    with poisoned_empty():
+        out = fused_moe_triton(x, w13, w2, weights, ids, *extra, config=DECODE)
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [3, 20])
+def test_router_logits_kernel_holds_the_gate_logit_in_its_last_column(num_tokens: int, dtype: torch.dtype) -> None:
+    """The router GEMV equals F.linear (to an ulp in bf16); the gate logit is column E. 20 tokens: two tiles."""
+    x = randn(num_tokens, 96, dtype=dtype)
+    router, gate = randn(20, 96, dtype=dtype), randn(1, 96, dtype=dtype)
+    with poisoned_empty():
+        logits = router_logits_triton(x, router, gate)
+    assert logits.shape == (num_tokens, 21) and logits.dtype == dtype
+    ref = router_logits_ref(x, router, gate)
+    assert_close("router", ref[:, :20], logits[:, :20], tolerance(dtype, 1e-6, 4e-3))
+    assert_close("gate", ref[:, 20:], logits[:, 20:], tolerance(dtype, 1e-6, 4e-3))
+    assert torch.equal(router_logits_ref(x, router, None), ref[:, :20])
+
+
+def test_in_kernel_routing_breaks_ties_to_the_lowest_expert() -> None:
+    """Experts 1, 3 and 5 have equal router rows (equal logits): the in-kernel top-k takes them lowest id first,
+    as moe_route_triton (and vLLM's topk_softmax), so the block equals fused_moe_ref on that routing."""
+    from deltaserve.kernels.moe_routing_triton import moe_route_triton
+
+    x = randn(2, 64).abs()
+    w = _weights(8, 64, 32, 32, torch.float32)
+    w["router_weight"][[1, 3, 5]] = w["router_weight"][1].abs() + 0.5  # one row three times: tied, and the largest
+    logits = router_logits_triton(x, w["router_weight"], None)
+    assert torch.equal(logits[:, 1], logits[:, 3]) and torch.equal(logits[:, 1], logits[:, 5])
+    weights, ids = moe_route_triton(logits, 2, True)
+    assert ids[:, :2].tolist() == [[1, 3], [1, 3]]
+    ref = fused_moe_ref(x, w["w13"], w["w2"], weights, ids)
+    out = _call(moe_block_triton, x, w, 2, False, config=DECODE)
+    assert_close("out", ref, out, 1e-5)
+
+
+def test_decode_path_refuses_a_batch_past_its_tile() -> None:
+    from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS
+    from deltaserve.kernels.moe_decode_triton import decode_gemms
+
+    x = torch.zeros(DECODE_MAX_TOKENS + 1, 16, device=DEVICE)
+    w13, w2 = torch.zeros(4, 32, 16, device=DEVICE), torch.zeros(4, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        decode_gemms(x, w13, w2, DECODE.gemm1, DECODE.gemm2, logits=torch.zeros(65, 4, device=DEVICE), top_k=2)

@@ -1,0 +1,167 @@
+"""Model-level exactness of images and video, fp32 on the CPU: deltaserve's model (vision tower, embedding
+replacement, 3-D MRoPE positions through the fused preamble, paged KV cache and GDN state) against transformers'
+Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration `generate`, on both tiny vision variants:
+STRICT 32/32 greedy tokens per prompt, full-sequence logits within 1e-4 relative, the MRoPE table and delta
+equal to transformers' get_rope_index, and a prompt whose image straddles a prefill chunk boundary (the encoder
+output consumed across two chunks) giving the same logits as one prefill. The four-op preamble refuses the
+same prompts with an error naming DELTASERVE_FUSE_ATTN_PREAMBLE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from deltaserve.kernels.preamble import MRopeUnsupportedError
+from deltaserve.multimodal.media import LoadedImage, LoadedVideo
+from deltaserve.multimodal.processor import MultimodalProcessor
+from deltaserve.multimodal.prompt import VisionTokenIds
+from deltaserve.multimodal.video import VideoMetadata
+from tests.model.vision_driver import MultimodalModelDriver, reference_inputs, tiny_vision_checkpoint
+from tests.multimodal.synthetic import synthetic_image, synthetic_video
+
+MAX_TOKENS = 32
+LOGIT_TOLERANCE = 1e-4
+# Two prefill chunks move GDN's chunk boundaries: a rounding-level change that these random tiny models amplify
+# to ~2e-5; a chunk that misses or misplaces its encoder rows moves the logits by > 1e-2 (checked below).
+SPLIT_TOLERANCE = 1e-4
+
+PROMPTS: dict[str, dict[str, Any]] = {
+    "image": {"text": ["What is in this picture?", "image"], "images": [(96, 128, 1)]},
+    "multi-image": {"text": ["Compare", "image", "with", "image", "please."], "images": [(64, 64, 2), (300, 200, 3)]},
+    "video": {"text": ["Watch:", "video", "What happens?"], "videos": [(6, 96, 128, 4, 3.0)]},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> object:
+    """Tiny matmuls on a shared 2-core machine: one thread is several times faster (as the engine sets)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Case:
+    """One variant's checkpoint, deltaserve driver, transformers reference and processor, built once."""
+
+    def __init__(self, variant: str) -> None:
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+        self.model_dir: Path = tiny_vision_checkpoint(variant)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.driver = MultimodalModelDriver(self.model_dir)
+        self.reference = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        vision = self.driver.config.vision
+        tokens = VisionTokenIds(vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
+                                vision.vision_end_token_id)  # fmt: skip
+        self.processor = MultimodalProcessor.from_model_dir(
+            self.model_dir, tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        )
+
+    def prompt(self, name: str) -> tuple[list[int], Any]:
+        spec = PROMPTS[name]
+        parts, loaded = [], []
+        images, videos = iter(spec.get("images", [])), iter(spec.get("videos", []))
+        for piece in spec["text"]:
+            if piece == "image":
+                height, width, seed = next(images)
+                parts.append({"type": "image_url", "image_url": {"url": "unused"}})
+                loaded.append(LoadedImage(synthetic_image(height, width, seed), f"image-{seed}"))
+            elif piece == "video":
+                num_frames, height, width, seed, fps = next(videos)
+                parts.append({"type": "video_url", "video_url": {"url": "unused"}})
+                metadata = VideoMetadata(num_frames, fps, tuple(range(num_frames)))
+                loaded.append(LoadedVideo(synthetic_video(num_frames, height, width, seed), metadata, True, "v"))
+            else:
+                parts.append({"type": "text", "text": piece})
+        messages = [{"role": "user", "content": parts}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.processor.process_loaded(ids, loaded)
+
+    @torch.inference_mode()
+    def reference_generate(self, ids: list[int], mm_input: Any) -> list[int]:
+        kwargs = reference_inputs(ids, mm_input, self.driver.config)
+        out = self.reference.generate(**kwargs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+        return out[0, len(ids) :].tolist()
+
+    @torch.inference_mode()
+    def reference_logits(self, ids: list[int], generated: list[int], mm_input: Any) -> torch.Tensor:
+        kwargs = reference_inputs(ids + generated, mm_input, self.driver.config)
+        return self.reference(**kwargs).logits[0].float()
+
+
+_CASES: dict[str, Case] = {}
+
+
+def case_for(variant: str) -> Case:
+    if variant not in _CASES:
+        _CASES[variant] = Case(variant)
+    return _CASES[variant]
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("variant", ["dense-vl", "moe-vl"])
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_strict_greedy_and_logits_against_transformers(variant: str, name: str) -> None:
+    case = case_for(variant)
+    ids, mm_input = case.prompt(name)
+    ours, _ = case.driver.generate(ids, mm_input, MAX_TOKENS)
+    reference = case.reference_generate(ids, mm_input)
+    assert len(reference) == MAX_TOKENS
+    num_exact = next((i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b), MAX_TOKENS)
+    assert ours == reference, f"STRICT {num_exact}/{MAX_TOKENS}: first divergence at output position {num_exact}"
+    # one prefill of prompt + generated tokens, against transformers' forward of the same sequence
+    full = ids + reference
+    _, logits = case.driver.generate(full, mm_input, 1)
+    assert rel_error(logits, case.reference_logits(ids, reference, mm_input)) <= LOGIT_TOLERANCE
+    # the positions are transformers' own get_rope_index, exactly
+    kwargs = reference_inputs(ids, mm_input, case.driver.config)
+    positions, delta = case.reference.model.get_rope_index(
+        kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw")
+    )
+    np.testing.assert_array_equal(mm_input.mrope_positions, positions[:, 0].numpy())
+    assert mm_input.mrope_delta == int(delta)
+    assert (mm_input.mrope_positions[1] != mm_input.mrope_positions[0]).any(), "the prompt must exercise MRoPE"
+
+
+@pytest.mark.parametrize("variant", ["dense-vl", "moe-vl"])
+def test_image_straddling_a_prefill_chunk_boundary(variant: str) -> None:
+    case = case_for(variant)
+    ids, mm_input = case.prompt("multi-image")
+    first, count = mm_input.items[1].embed_runs[0]
+    boundary = first + count // 3  # inside the second image's pad run
+    assert mm_input.items_in_window(0, boundary) == [0, 1] and mm_input.items_in_window(boundary, len(ids)) == [1]
+    chunks = [boundary, len(ids) - boundary]
+    tokens_one, logits_one = case.driver.generate(ids, mm_input, 8)
+    tokens_two, logits_two = case.driver.generate(ids, mm_input, 8, chunks=chunks)
+    assert tokens_one == tokens_two
+    assert rel_error(logits_two, logits_one) <= SPLIT_TOLERANCE
+    # negative control: the second chunk taking the item's rows from the start again (as if it re-sliced the
+    # encoder output per chunk) is far outside the tolerance
+    original = mm_input.embed_slices
+
+    def restarted(start: int, end: int) -> list:
+        return [replace(s, src_start=0, src_end=s.src_end - s.src_start) if start else s for s in original(start, end)]
+
+    object.__setattr__(mm_input, "embed_slices", restarted)
+    _, logits_bad = case.driver.generate(ids, mm_input, 8, chunks=chunks)
+    assert rel_error(logits_bad, logits_one) > 100 * SPLIT_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["image", "video"])
+def test_four_op_preamble_refuses_multimodal_positions(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = case_for("dense-vl")
+    ids, mm_input = case.prompt(name)
+    monkeypatch.setenv("DELTASERVE_FUSE_ATTN_PREAMBLE", "0")
+    with pytest.raises(MRopeUnsupportedError, match="DELTASERVE_FUSE_ATTN_PREAMBLE"):
+        case.driver.generate(ids, mm_input, 1)
