@@ -7,6 +7,8 @@ functions so a test can set a variable and see the change without re-importing m
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -92,3 +94,19 @@ def grid_pidfile() -> Path:
     """DELTASERVE_GRID_PIDFILE (default /tmp/deltaserve-grid-server.pgid): where `bench grid` notes its running
     server's process group, so a later call can stop a server that a killed grid left behind."""
     return Path(os.environ.get("DELTASERVE_GRID_PIDFILE", "/tmp/deltaserve-grid-server.pgid"))
+
+
+@contextmanager
+def overridden(name: str, value: str) -> Iterator[None]:
+    """Sets a DELTASERVE_* variable for the block and restores it after (the media gate's four-op check)."""
+    if not name.startswith("DELTASERVE_"):
+        raise ValueError(f"{name} is not a deltaserve setting")
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved

@@ -1,7 +1,8 @@
 """`deltaserve gate tokens`: greedy token-exactness of deltaserve against a reference, with margins.
 
-For N seeded prompts of varied length (random ordinary tokens, or spans of the corpus' held-out text) both
-engines generate greedily and the verdict starts with `STRICT n/N`. Then, for every mismatch: the output
+For N seeded prompts of varied length (random ordinary tokens, or spans of the corpus' held-out text; with
+`--media KIND`, image and video prompts: media.py) both engines generate greedily and the verdict starts with
+`STRICT n/N`. Then, for every mismatch: the output
 position, both tokens, and the reference's logit margin between them, measured in the reference's own dtype
 (fp32 margins for an fp32 reference, bf16 for bf16); a mismatch whose margin is within the stated near-tie
 margin (TIE_ULPS ulps of the reference dtype at its top logit) is reported as a tie, and still counts against
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from deltaserve import env
+from deltaserve.gates.media_prompts import media_argument
 from deltaserve.gates.references import ReferenceError, ReferenceRun, StepScores, TransformersReference, ulp
 
 LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
@@ -57,6 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-len", type=int, default=160)
     parser.add_argument("--prompts", default="random", choices=PROMPT_SOURCES, help="random tokens or corpus text")
+    parser.add_argument(
+        "--media",
+        default=None,
+        type=media_argument,
+        metavar="{image,multi-image,video,all}",
+        help="image and video prompts instead of text (gates/media.py): --num-prompts fixed synthetic prompts per "
+        "kind (image: one image; multi-image: two or three; video: one or two videos, some beside an image; all: "
+        "the three sets; or a comma-separated list, e.g. image,video), given to deltaserve as vLLM's "
+        "multi_modal_data; adds the check that the four-op preamble (DELTASERVE_FUSE_ATTN_PREAMBLE=0) refuses "
+        "them. --prompts and --max-prompt-len do not apply",
+    )
     parser.add_argument("--site", default="h200-offline", help="where the vLLM reference runs (registry SITES)")
     parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
     parser.add_argument(
@@ -69,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.media:
+        from deltaserve.gates.media import run_media_gate
+
+        return run_media_gate(
+            Path(args.model), args.media, args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device,
+            args.seed, site=args.site, record_path=args.record, reference_cache=args.reference_cache,
+        )  # fmt: skip
     return run_gate(
         Path(args.model), args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device, args.seed,
         args.max_prompt_len, prompts=args.prompts, site=args.site, record_path=args.record,
