@@ -21,6 +21,7 @@ a checkpoint without a vision tower).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,12 @@ def run_media_gate(
         llm = LLM(model_dir, dtype=dtype, device=run_device, seed=seed)
         is_ok, line = four_op_refusal(llm, processed[0], expected=None)
         print(line)
+        if record_path is not None:
+            record = {"schema": tokens.RECORD_SCHEMA, "kind": "gate-tokens-four-op-refusal", "model": str(model_dir),
+                      "dtype": dtype, "media": list(kinds), "deltaserve": {"fuse_attn_preamble": False},
+                      "output": [line], "exit_code": 0 if is_ok else 1}  # fmt: skip
+            record_path.parent.mkdir(parents=True, exist_ok=True)
+            record_path.write_text(json.dumps(record, indent=2) + "\n")
         return 0 if is_ok else 1
     try:
         ref, ref_run = _reference_run(model_dir, reference, dtype, run_device, seed, site, processed, max_tokens,
@@ -312,10 +319,16 @@ def _names_variable(exc: BaseException) -> bool:
     return FOUR_OP_VARIABLE in str(exc)
 
 
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:160]}"
+
+
 def four_op_refusal(llm: Any, item: ProcessedPrompt, expected: list[int] | None) -> tuple[bool, str]:
     """With the four-op preamble selected, LLM.generate (the engine's up-front check) and LLM.score (the model's
-    own check in the preamble) must refuse a media prompt naming the variable; afterwards, with the fused preamble
-    back, the engine must serve the same prompt (to `expected`, its earlier tokens, when given)."""
+    own check in the preamble) must refuse a media prompt with a ValueError naming the variable, leaving nothing
+    in the engine; afterwards, with the fused preamble back, the engine must serve the same prompt (to
+    `expected`, its earlier tokens, when given)."""
     from deltaserve import SamplingParams
 
     head = f"four-op preamble ({FOUR_OP_VARIABLE}=0) on prompt 0 ({item.prompt.kind}):"
@@ -323,27 +336,30 @@ def four_op_refusal(llm: Any, item: ProcessedPrompt, expected: list[int] | None)
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     problems, seen = [], []
     with env.overridden(FOUR_OP_VARIABLE, "0"):
-        try:
-            llm.generate([item.prompt.vllm_prompt()], params, use_tqdm=False)
-            problems.append("LLM.generate served it")
-        except ValueError as exc:
-            seen.append(f"LLM.generate refused it ({type(exc).__name__})")
-            if not _names_variable(exc):
-                problems.append(f"LLM.generate's error does not name {FOUR_OP_VARIABLE}: {exc}")
-        if llm.engine.has_unfinished():
-            problems.append("a refused request stayed in the engine")
-        try:
-            llm.score(item.ids, mm_input=item.mm_input)
-            problems.append("the model computed it (LLM.score) with 1-D RoPE")
-        except ValueError as exc:
-            seen.append(f"the model refused it ({type(exc).__name__})")
-            if not _names_variable(exc):
-                problems.append(f"the model's error does not name {FOUR_OP_VARIABLE}: {exc}")
-    with env.overridden(FOUR_OP_VARIABLE, "1"):
-        (again,) = llm.generate([item.prompt.vllm_prompt()], params, use_tqdm=False)
-    served = list(again.outputs[0].token_ids)
-    if expected is not None and served != expected:
-        problems.append("the engine served the prompt differently after the refusals")
-    seen.append(f"then served it again with the fused preamble ({len(served)} tokens)")
+        for name, call in (
+            ("LLM.generate", lambda: llm.generate([item.prompt.vllm_prompt()], params, use_tqdm=False)),
+            ("the model (LLM.score)", lambda: llm.score(item.ids, mm_input=item.mm_input)),
+        ):
+            try:
+                call()
+                problems.append(f"{name} served it (1-D RoPE on 3-D positions)")
+            except ValueError as exc:
+                seen.append(f"{name} refused it ({type(exc).__name__})")
+                if not _names_variable(exc):
+                    problems.append(f"{name}'s error does not name {FOUR_OP_VARIABLE}: {_short(exc)}")
+            except Exception as exc:
+                problems.append(f"{name} failed instead of refusing: {_short(exc)}")
+            if llm.engine.has_unfinished():
+                problems.append(f"a request refused by {name} stayed in the engine")
+                break
+    try:
+        with env.overridden(FOUR_OP_VARIABLE, "1"):
+            (again,) = llm.generate([item.prompt.vllm_prompt()], params, use_tqdm=False)
+        served = list(again.outputs[0].token_ids)
+        seen.append(f"then served it again with the fused preamble ({len(served)} tokens)")
+        if expected is not None and served != expected:
+            problems.append("the engine served the prompt differently after the refusals")
+    except Exception as exc:
+        problems.append(f"the engine could not serve the prompt after the refusals: {_short(exc)}")
     verdict = "ok" if not problems else "FAIL: " + "; ".join(problems)
     return not problems, f"{head} {', '.join(seen)} {verdict}"
