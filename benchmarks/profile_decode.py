@@ -16,6 +16,11 @@ For each batch size B it prefills B random 1024-token prompts, then, in steady d
 A jit_cache_hook records every Triton specialization first met in this process with the phase it appeared in; a
 kernel that first compiles in the `staggered` phase (requests arriving while others decode, as under `bench
 serve`) is one the start-up warm-up missed, and costs a compile (or an autotune) inside a request.
+
+With --tensor-parallel-size N (N GPUs; rank 0 is profiled) each batch also reports `nccl_pct` and `allreduce_pct`:
+the share of rank 0's GPU kernel time spent in NCCL kernels (all-reduces, the logits gather, the token broadcast)
+and in the all-reduces alone. `graph_ms` is left out there (a graph replayed on rank 0 alone would wait on the
+other ranks' collectives forever).
 """
 
 from __future__ import annotations
@@ -83,6 +88,19 @@ def _gpu_idle_share(prof: torch.profiler.profile) -> tuple[float, float]:
     return 1.0 - busy / span, span / 1e3
 
 
+def _kernel_share(prof: torch.profiler.profile, *needles: str) -> float:
+    """Share of the CUDA kernel time in kernels whose name contains every needle (lower case)."""
+    total = matched = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        duration = e.time_range.end - e.time_range.start
+        total += duration
+        if all(needle in e.name.lower() for needle in needles):
+            matched += duration
+    return matched / total if total else 0.0
+
+
 def _timed_steps(engine: LLMEngine, num_steps: int) -> tuple[float, float]:
     """(wall ms per step, ms per step the host spent waiting for the GPU in collect())."""
     runner = engine.runner
@@ -123,17 +141,23 @@ def measure_batch(
     step_ms, wait_ms = _timed_steps(engine, num_steps)
     activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     idle, span_ms = 0.0, 0.0
+    shares: dict[str, float] = {}
     if activities:
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(num_steps):
                 engine.step()
             _sync()
         idle, span_ms = _gpu_idle_share(prof)
+        if engine.config.tensor_parallel_size > 1:
+            shares = {
+                "nccl_pct": round(100 * _kernel_share(prof, "nccl"), 2),
+                "allreduce_pct": round(100 * _kernel_share(prof, "nccl", "allreduce"), 2),
+            }
 
     # The decode graph alone: its bucket replayed back to back over the inputs of the last step.
     graphs = engine.runner.graphs
     graph_ms = None
-    if graphs is not None and batch_size <= graphs.max_batch:
+    if graphs is not None and batch_size <= graphs.max_batch and engine.config.tensor_parallel_size == 1:
         size = next(s for s in graphs.sizes if s >= batch_size)
         graphs.graphs[size].replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -157,6 +181,7 @@ def measure_batch(
         "graph_ms": None if graph_ms is None else round(graph_ms, 3),
         # the gap between consecutive graph replays as a share of the step: what async scheduling must keep small
         "inter_step_gap_pct": None if graph_ms is None else round(100 * (step_ms - graph_ms) / step_ms, 2),
+        **shares,
     }
 
 
@@ -196,6 +221,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staggered", default="8,32", help="concurrencies of the staggered-arrival phase")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     args = parser.parse_args()
     triton.knobs.runtime.jit_cache_hook = _jit_hook
     rng = random.Random(0)
@@ -207,11 +233,13 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     t = time.monotonic()
     max_batch = max(int(b) for b in args.batches.split(","))
     config = EngineConfig(model=args.model, load_format="dummy", max_model_len=args.max_model_len,
-                          gpu_memory_utilization=0.85, max_num_seqs=max_batch)  # fmt: skip
+                          gpu_memory_utilization=0.85, max_num_seqs=max_batch,
+                          tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     engine = LLMEngine(config)
     result["startup_s"] = round(time.monotonic() - t, 1)
     result["batches"] = []
@@ -241,6 +269,7 @@ def main() -> None:
         if entry["phase"] != "startup":
             print(entry["phase"], entry["t_s"], entry["kernel"][:300], flush=True)
     save()
+    engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ class EngineConfig:
     mm_processor_kwargs: dict | None = None
     generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: built-in defaults
     tokenizer: str | None = None
+    # tensor parallelism (vLLM's flags): one worker process per rank; "mp" (multiprocessing, or one process per rank
+    # started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) is the only multi-process backend
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: mp; "uni" (vLLM's one-process backend) at TP=1 only
+    enable_expert_parallel: bool = False  # MoE experts split whole across the ranks instead of each one's width
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -47,3 +52,16 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one process: it needs tensor_parallel_size 1 (-tp 1), got "
+                f"{self.tensor_parallel_size}; 'mp' runs one worker process per rank"
+            )
+        if self.distributed_executor_backend not in (None, "mp", "uni"):
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported: deltaserve "
+                "runs tensor parallelism with 'mp' only (worker processes it starts itself, or one process per rank "
+                "started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)"
+            )

@@ -96,6 +96,60 @@ def grid_pidfile() -> Path:
     return Path(os.environ.get("DELTASERVE_GRID_PIDFILE", "/tmp/deltaserve-grid-server.pgid"))
 
 
+# -- tensor parallelism (torch.distributed) -------------------------------------------------------------------
+
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _int_or_none(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def dist_world_size() -> int | None:
+    """WORLD_SIZE (torchrun's): the number of ranks when an outside launcher started one process per rank."""
+    return _int_or_none("WORLD_SIZE")
+
+
+def dist_rank() -> int | None:
+    """RANK (torchrun's): this process's global rank under an outside launcher."""
+    return _int_or_none("RANK")
+
+
+def dist_local_rank() -> int | None:
+    """LOCAL_RANK (torchrun's): this process's rank on its host, which picks its GPU."""
+    return _int_or_none("LOCAL_RANK")
+
+
+def master_addr() -> str | None:
+    """MASTER_ADDR: the host of rank 0's rendezvous store (default for spawned workers: 127.0.0.1)."""
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def master_port() -> int | None:
+    """MASTER_PORT: the port of rank 0's rendezvous store (default for spawned workers: a free port)."""
+    return _int_or_none("MASTER_PORT")
+
+
+def dist_timeout_s() -> float:
+    """DELTASERVE_DIST_TIMEOUT_S (default 600): how long a collective inside a step, and the workers' start-up
+    rendezvous, may wait for a rank before failing."""
+    value = os.environ.get("DELTASERVE_DIST_TIMEOUT_S", "").strip()
+    return float(value) if value else 600.0
+
+
+def disable_nvlink_multicast() -> None:
+    """Sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 in this process (and so
+    in every process it starts): NVLink multicast can put a shared host's GPUs out of service, so tensor
+    parallelism on CUDA never uses it, whatever the caller's environment says."""
+    os.environ.update(NVLINK_MULTICAST_OFF)
+
+
 @contextmanager
 def overridden(name: str, value: str) -> Iterator[None]:
     """Sets a DELTASERVE_* variable for the block and restores it after (the media gate's four-op check)."""

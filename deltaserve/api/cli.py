@@ -76,6 +76,9 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         mm_processor_kwargs=args.mm_processor_kwargs,
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 
@@ -219,6 +222,13 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     from deltaserve.model.preflight import preflight, report_startup_error
+    from deltaserve.runner.distributed import is_external_worker
+
+    if is_external_worker(config.tensor_parallel_size):
+        # a rank > 0 that torchrun started: no HTTP server, only rank 0's plans
+        from deltaserve.runner.worker import run_external_worker
+
+        return run_external_worker(config)
 
     # A bad checkpoint or start-up setting is one line naming the file and the field, exit 1; the traceback only
     # when debugging. The torch-free checks run first, so such errors come before the heavy imports.

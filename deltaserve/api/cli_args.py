@@ -155,6 +155,27 @@ def _add_engine_arguments(add: Any) -> None:
         help="dummy: seeded random weights of the right shapes (fastsafetensors reads as safetensors)",
     )
     add("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N GPUs, one worker process each (several hosts: start every rank with torchrun)",
+    )
+    add(
+        "--distributed-executor-backend",
+        default=None,
+        metavar="BACKEND",
+        help="mp (the default: worker processes, or ranks started by torchrun); uni at -tp 1; others are refused",
+    )
+    add(
+        "--enable-expert-parallel",
+        "-ep",
+        action=SWITCH,
+        default=False,
+        help="MoE: split the experts whole across the tensor-parallel ranks instead of each expert's width",
+    )
     add("--seed", type=int, default=0)
     add("--enforce-eager", action=SWITCH, default=False, help="no CUDA graphs")
     add(

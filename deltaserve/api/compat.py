@@ -1,7 +1,8 @@
 """Every `vllm serve` flag of vLLM 0.26 that deltaserve does not implement itself, with what happens when it is given.
 
-cli.py implements the flags that shape serving; this table covers the rest of `vllm serve --help`, so that a vLLM
-launch script parses unchanged, and nothing is dropped in silence:
+cli_args.py implements the flags that shape serving (tensor parallelism among them: --tensor-parallel-size,
+--distributed-executor-backend, --enable-expert-parallel); this table covers the rest of `vllm serve --help`, so that
+a vLLM launch script parses unchanged, and nothing is dropped in silence:
 - log:    accepted and logged at startup; it cannot change a token here (caching, scheduling, kernels, logging,
           distribution, multimodal inputs this text-only server never loads).
 - warn:   accepted and logged as a warning: a precision or performance setting the engine does not honour yet
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 TABLE = """
 --additional-config | value | log | platform-specific engine configuration
 --aggregate-engine-logging | switch | log | one engine: its logs are already aggregated
---all2all-backend | value | log | expert-parallel communication; one GPU
+--all2all-backend | value | log | expert parallelism sums the ranks with one all-reduce (no all-to-all)
 --allow-deprecated-quantization | switch | log | no quantization methods are loaded
 --allowed-media-domains | list | log | multimodal inputs are refused (text-only server)
 --attention-backend | value | log | deltaserve picks its own attention kernels
@@ -60,12 +61,11 @@ TABLE = """
 --diffusion-config | value | refuse | only autoregressive text generation is served
 --disable-cascade-attn | switch | log | no cascade attention
 --disable-chunked-mm-input | switch | log | multimodal inputs are refused (text-only server)
---disable-custom-all-reduce | switch | log | one GPU: no all-reduce
+--disable-custom-all-reduce | switch | log | all-reduces are NCCL's (no custom all-reduce)
 --disable-hybrid-kv-cache-manager | switch | log | deltaserve has one KV/state manager for hybrid models
 --disable-log-stats | switch | log | stats are exported on /metrics and not logged
 --disable-nccl-for-dp-synchronization | switch | log | data parallelism is not used
 --disable-sliding-window | switch | log | the served models have no sliding-window attention
---distributed-executor-backend | value | log | one process, one GPU
 --distributed-timeout-seconds | value | log | one process group
 --download-dir | value | log | models are loaded from a local folder, nothing is downloaded
 --ec-transfer-config | value | log | no encoder-cache transfer (text-only server)
@@ -76,7 +76,6 @@ TABLE = """
 --enable-elastic-ep | switch | log | expert parallelism is not used
 --enable-ep-weight-filter | switch | log | expert parallelism is not used
 --enable-eplb | switch | log | expert parallelism is not used
---enable-expert-parallel,-ep | switch | log | one GPU: every expert is local
 --enable-flashinfer-autotune | switch | log | FlashInfer is not used
 --enable-layerwise-nvtx-tracing | switch | log | no NVTX ranges per layer
 --enable-log-requests | switch | log | requests are not logged one by one
@@ -133,8 +132,8 @@ TABLE = """
 --mamba-cache-mode | value | log | recurrent-state caching is not configurable from serve
 --mamba-cache-philox-rounds | value | log | no stochastic rounding of the recurrent state
 --mamba-ssm-cache-dtype | value | warn:auto,float32 | the recurrent state is stored in float32
---master-addr | value | log | one node
---master-port | value | log | one node
+--master-addr | value | log | ranks on several hosts read MASTER_ADDR from the environment (torchrun)
+--master-port | value | log | ranks on several hosts read MASTER_PORT from the environment (torchrun)
 --max-cudagraph-capture-size | value | log | deltaserve picks its own CUDA-graph batch sizes
 --max-long-partial-prefills | value | log | prefill chunking follows --max-num-batched-tokens
 --max-num-partial-prefills | value | log | prefill chunking follows --max-num-batched-tokens
@@ -157,8 +156,8 @@ TABLE = """
 --model-impl | value | refuse:auto,vllm | deltaserve implements the architectures itself
 --model-loader-extra-config | value | log | the safetensors loader takes no options
 --moe-backend | value | log | deltaserve picks its own MoE kernels
---nnodes,-n | value | refuse:1 | one node per server
---node-rank,-r | value | refuse:0 | one node per server
+--nnodes,-n | value | refuse:1 | several hosts: start every rank with torchrun
+--node-rank,-r | value | refuse:0 | several hosts: start every rank with torchrun
 --num-gpu-blocks-override | value | warn | the KV cache is sized by --gpu-memory-utilization
 --numa-bind | switch | log | no NUMA binding
 --numa-bind-cpus | value | log | no NUMA binding
@@ -171,12 +170,11 @@ TABLE = """
 --otlp-traces-endpoint | value | log | no OpenTelemetry tracing
 --override-attention-dtype | value | warn | attention runs in the model dtype
 --performance-mode | value | log | deltaserve has one tuning
---pipeline-parallel-size,-pp | value | refuse:1 | one engine on one GPU per server
+--pipeline-parallel-size,-pp | value | refuse:1 | tensor parallelism is the only parallelism
 --pooler-config | value | log | only text generation is served
---prefill-context-parallel-size,-pcp | value | refuse:1 | one engine on one GPU per server
---decode-context-parallel-size,-dcp | value | refuse:1 | one engine on one GPU per server
---tensor-parallel-size,-tp | value | refuse:1 | one engine on one GPU per server
---data-parallel-size,-dp | value | refuse:1 | one engine on one GPU per server
+--prefill-context-parallel-size,-pcp | value | refuse:1 | tensor parallelism is the only parallelism
+--decode-context-parallel-size,-dcp | value | refuse:1 | tensor parallelism is the only parallelism
+--data-parallel-size,-dp | value | refuse:1 | tensor parallelism is the only parallelism
 --prefill-schedule-interval | value | log | the scheduler's own policy
 --prefix-caching-hash-algo | value | log | the engine's own block hashing
 --prefix-match-unit | value | log | the engine's own block hashing

@@ -18,11 +18,17 @@ rotation, so no call finds its inputs in L2. The primary number is GPU time per 
 graph of one pass over the sets (no launch overhead); `eager_us` is triton.testing.do_bench's median of
 plain calls, which includes Python launch overhead where an op is launch-bound (the four-op preamble).
 A table goes to stdout, then one JSON line last. On a machine without CUDA it exits 2: nothing to measure.
+
+`--tp N` times the shapes one rank of an N-way tensor-parallel engine runs (model/parallel.py's split: query, KV,
+GDN key and value heads, the dense / shared-expert width and each expert's width divided by N; KV heads replicated
+below N; with --expert-parallel whole experts divided instead), so the fused preamble and every kernel are covered
+at their per-rank shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -37,6 +43,7 @@ from typing import Any
 import torch
 
 from deltaserve.bench.provenance import git_state
+from deltaserve.model.parallel import kv_head_shard, split_evenly
 
 EPS = 1e-6
 ROPE_POSITIONS = 65536
@@ -68,6 +75,35 @@ class ModelShapes:
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+def per_rank(m: ModelShapes, tp: int, expert_parallel: bool = False) -> ModelShapes:
+    """The kernel shapes of one rank of a tp-way tensor-parallel engine (every rank's are the same); refuses a
+    size that does not divide a sharded dimension, as the engine does."""
+    if tp == 1:
+        return m
+    num_q_heads = split_evenly(m.num_q_heads, tp, 0, "num_attention_heads").size
+    num_kv_heads = kv_head_shard(m.num_kv_heads, tp, 0).size
+    num_k_heads = split_evenly(m.num_k_heads, tp, 0, "linear_num_key_heads").size
+    num_v_heads = split_evenly(m.num_v_heads, tp, 0, "linear_num_value_heads").size
+    inter_field = "shared_expert_intermediate_size" if m.num_experts else "intermediate_size"
+    mlp_inter = split_evenly(m.mlp_inter, tp, 0, inter_field).size
+    experts, moe_inter = m.num_experts, m.moe_inter
+    if m.num_experts and expert_parallel:
+        experts = split_evenly(m.num_experts, tp, 0, "num_experts").size
+    elif m.num_experts:
+        moe_inter = split_evenly(m.moe_inter, tp, 0, "moe_intermediate_size").size
+    return dataclasses.replace(
+        m,
+        name=f"{m.name}/tp{tp}" + ("-ep" if expert_parallel and m.num_experts else ""),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        num_k_heads=num_k_heads,
+        num_v_heads=num_v_heads,
+        mlp_inter=mlp_inter,
+        num_experts=experts,
+        moe_inter=moe_inter,
+    )
 
 
 MODELS: dict[str, ModelShapes] = {
@@ -443,6 +479,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--replays", type=int, default=10, help="CUDA-graph replays per measurement (median)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON record here")
+    parser.add_argument("--tp", type=int, default=1, help="time one rank's shapes of an N-way tensor-parallel engine")
+    parser.add_argument("--expert-parallel", action="store_true", help="with --tp: whole experts per rank")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -455,7 +493,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import triton
 
-    models = [MODELS[name.strip().lower()] for name in args.models.split(",") if name.strip()]
+    if args.tp < 1:
+        print(f"deltaserve bench kernels: --tp must be at least 1, got {args.tp}", file=sys.stderr)
+        return 2
+    try:
+        models = [
+            per_rank(MODELS[name.strip().lower()], args.tp, args.expert_parallel)
+            for name in args.models.split(",")
+            if name.strip()
+        ]
+    except ValueError as exc:
+        print(f"deltaserve bench kernels: {exc}", file=sys.stderr)
+        return 2
     token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
     args.ops = {op.strip() for op in args.ops.split(",") if op.strip()}
     unknown = args.ops - set(OPS)
@@ -512,6 +561,8 @@ def run(args: argparse.Namespace) -> int:
         "git_commit": git_state(Path(__file__).resolve().parents[2])["commit"],
         "command": shlex.join(["deltaserve", *sys.argv[1:]]) if sys.argv else "deltaserve bench kernels",
         "dtype": args.dtype,
+        "tensor_parallel_size": args.tp,
+        "expert_parallel": args.expert_parallel,
         "copy_bandwidth_gbps": copy_gbps,
         "l2_bytes": l2_bytes,
         "results": results,

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks to shard the model over")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
         model = default_model_dir()
     try:
-        llm = LLM(model, dtype=args.dtype, load_format=args.load_format)
+        llm = LLM(model, dtype=args.dtype, load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size)
     except Exception as exc:  # a start-up error is one line naming the file (the traceback only when debugging)
         return report_startup_error(exc, env.log_level() == "DEBUG", logger)
     params = SamplingParams(

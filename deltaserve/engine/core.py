@@ -6,7 +6,9 @@ step N's tokens are collected, so the host's scheduling and input building overl
 learns step N's tokens (stop rules included) one step later. `async_scheduling=False` runs plan, launch, collect,
 update one step at a time. Greedy and seeded outputs are the same either way.
 
-The core runs in the server's engine-core process, or in the caller's process for the offline LLM and tests.
+The core runs in the server's engine-core process, or in the caller's process for the offline LLM and tests. It
+steps an executor (runner/executor.py): the ModelRunner itself at --tensor-parallel-size 1, else rank 0's runner
+plus one worker process per other rank; check_health() raises once a worker is gone, shutdown() stops them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
 from deltaserve.multimodal.inputs import MultimodalInput
-from deltaserve.runner.model_runner import ModelRunner, StepHandle
+from deltaserve.runner.executor import make_executor
+from deltaserve.runner.model_runner import StepHandle
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
@@ -52,7 +55,7 @@ class EngineCore:
         self.model_config = model_config.with_max_model_len(max_model_len)
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
-        self.runner = ModelRunner(self.model_config, config, max_model_len, self.max_num_batched_tokens)
+        self.runner = make_executor(self.model_config, config, max_model_len, self.max_num_batched_tokens)
         layout = self.runner.layout
         self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence
         self.scheduler = Scheduler(
@@ -70,9 +73,10 @@ class EngineCore:
         if self.runner.load_report is not None:
             logger.info("%s", self.runner.load_report.summary())
         logger.info(
-            "engine core ready: %s on %s (%s), %d KV blocks x %d tokens, %d state slots, max_num_seqs %d, "
-            "max_num_batched_tokens %d, max_model_len %d, async scheduling %s",
-            model_dir, self.runner.device, self.runner.dtype, layout.num_blocks, layout.block_size, layout.num_slots,
+            "engine core ready: %s on %s (%s, tensor parallel %d), %d KV blocks x %d tokens, %d state slots, "
+            "max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d, async scheduling %s",
+            model_dir, self.runner.device, self.runner.dtype, config.tensor_parallel_size, layout.num_blocks,
+            layout.block_size, layout.num_slots,
             self.runner.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, "on" if self.is_async else "off",
         )  # fmt: skip
 
@@ -115,6 +119,14 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences) or bool(self._inflight)
+
+    def check_health(self) -> None:
+        """Raises when the executor cannot step any more (a tensor-parallel worker died)."""
+        self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the executor's workers (nothing at --tensor-parallel-size 1)."""
+        self.runner.shutdown()
 
     # -- stepping -------------------------------------------------------------------------------------
 

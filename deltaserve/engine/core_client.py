@@ -39,8 +39,10 @@ class EngineDeadError(RuntimeError):
 
 
 def serve_core(core: Any, get_commands: Callable[[bool], list[Command]], emit: OnOutputs) -> None:
-    """The core's loop until a shutdown command. A failing add fails only its own request."""
+    """The core's loop until a shutdown command. A failing add fails only its own request; a dead executor (a
+    tensor-parallel worker gone, even while idle) ends the loop with its error."""
     while True:
+        core.check_health()
         commands = get_commands(not core.has_unfinished())
         errors: list[tuple[str, str]] = []
         for kind, payload in commands:
@@ -84,6 +86,7 @@ def engine_core_main(config: EngineConfig, commands: Connection, outputs: Connec
             outputs.send(("error", _picklable(exc)))
         sys.exit(1)
     outputs.send(("ready", core.info()))
+    code = 0
 
     def get_commands(block: bool) -> list[Command]:
         items: list[Command] = []
@@ -96,9 +99,18 @@ def engine_core_main(config: EngineConfig, commands: Connection, outputs: Connec
             items.append(("shutdown", None))  # the API process is gone
         return items
 
-    with contextlib.suppress(BrokenPipeError, EOFError):  # the API process is gone
-        serve_core(core, get_commands, lambda batch: outputs.send(("outputs", batch)))
-    core.drain()
+    try:
+        with contextlib.suppress(BrokenPipeError, EOFError):  # the API process is gone
+            serve_core(core, get_commands, lambda batch: outputs.send(("outputs", batch)))
+        core.drain()
+    except Exception as exc:
+        # the API process sees the exit: an error on every open stream, and the server stops non-zero
+        logger.error("the engine core stopped: %s", exc)
+        logger.debug("", exc_info=True)
+        code = 1
+    finally:
+        core.shutdown()
+    sys.exit(code)
 
 
 class ProcessCoreClient:
@@ -112,7 +124,9 @@ class ProcessCoreClient:
             target=engine_core_main,
             args=(config, command_recv, output_send, env.log_level()),
             name="deltaserve-engine-core",
-            daemon=True,
+            # a daemonic process may not start processes: a tensor-parallel core starts its workers (it still exits
+            # when the API process goes away, as its command pipe closes)
+            daemon=config.tensor_parallel_size == 1,
         )
         self.process.start()
         command_recv.close()
@@ -230,3 +244,4 @@ class ThreadCoreClient:
         self._commands.put(("shutdown", None))
         if self._thread is not None:
             self._thread.join(10)
+        self.core.shutdown()

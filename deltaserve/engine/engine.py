@@ -21,6 +21,7 @@ from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.runner.executor import MultiprocExecutor
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.scheduler import Scheduler
@@ -57,7 +58,7 @@ class LLMEngine:
         return self.frontend.eos_token_ids
 
     @property
-    def runner(self) -> ModelRunner:
+    def runner(self) -> ModelRunner | MultiprocExecutor:
         return self.core.runner
 
     @property
@@ -99,6 +100,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        self.core.shutdown()
 
     def score(
         self, token_ids: list[int], prefill_chunks: list[int] | None = None, mm_input: MultimodalInput | None = None

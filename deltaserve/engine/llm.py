@@ -84,6 +84,11 @@ class LLM:
                         progress.update(1)
         return [states[rid].final_output() for rid in request_ids]
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (tensor_parallel_size > 1); a no-op otherwise. They stop by
+        themselves when the LLM is garbage-collected or the interpreter exits."""
+        self.engine.shutdown()
+
     def score(
         self, token_ids: list[int], prefill_chunks: list[int] | None = None, mm_input: MultimodalInput | None = None
     ) -> torch.Tensor:

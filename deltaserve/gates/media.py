@@ -226,6 +226,7 @@ def run_media_gate(
     )
     is_refusal_ok, line = four_op_refusal(llm, processed[0], expected=first)
     report.say(line)
+    llm.shutdown()
     code = code if is_expansion_ok and is_refusal_ok else 1
     if record_path is not None:
         tokens._write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run,

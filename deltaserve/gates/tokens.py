@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-len", type=int, default=160)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="deltaserve's ranks")
     parser.add_argument("--prompts", default="random", choices=PROMPT_SOURCES, help="random tokens or corpus text")
     parser.add_argument(
         "--media",
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device, args.seed,
         args.max_prompt_len, prompts=args.prompts, site=args.site, record_path=args.record,
-        reference_cache=args.reference_cache,
+        reference_cache=args.reference_cache, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
 
 
@@ -211,6 +212,7 @@ def run_gate(
     site: str = "h200-offline",
     record_path: Path | None = None,
     reference_cache: Path | None = None,
+    tensor_parallel_size: int = 1,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -244,7 +246,8 @@ def run_gate(
     except ReferenceError as exc:
         print(f"gate tokens: REFUSED: {exc}")
         return 1
-    results = _compare(model_dir, dtype, run_device, seed, prompt_ids, max_tokens, ref, ref_run, rounding, fp32_run)
+    results = _compare(model_dir, dtype, run_device, seed, prompt_ids, max_tokens, ref, ref_run, rounding, fp32_run,
+                       tensor_parallel_size)  # fmt: skip
     report = GateReport()
     code = _report(report, results, dtype, model_dir, reference, ref_run, prompts, tokenizer)
     if record_path is not None:
@@ -285,10 +288,12 @@ def _compare(
     ref_run: ReferenceRun,
     rounding: TransformersReference,
     fp32_run: ReferenceRun | None,
+    tensor_parallel_size: int = 1,
 ) -> list[PromptResult]:
     from deltaserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(len(prompt_ids), 64), seed=seed)
+    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(len(prompt_ids), 64), seed=seed,
+              tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     results = []
@@ -312,6 +317,7 @@ def _compare(
         result.split_rel_error = rel_error(split, full)
         result.noise_floor = rounding.noise_floor(sequence, ROUNDING_PERTURBATION[dtype], seed + i)
         results.append(result)
+    llm.shutdown()
     return results
 
 

@@ -10,6 +10,10 @@ Every tensor of the checkpoint is consumed or skipped by a named SkipRule (`mtp.
 tensor is an error naming it and its file unless `ignore_unexpected` is set. A missing, mis-shaped or non-float
 tensor raises CheckpointError naming the tensor and its file. `load_format="dummy"` fills every parameter with
 seeded random values instead (init_dummy_weights).
+
+Under tensor parallelism the loader shards while it reads: each rank reads only its slices of every sharded tensor
+(safetensors slicing, model/parallel.py says which), so no rank holds the whole checkpoint. A tensor a rank needs
+none of (o_proj's bias off rank 0, another rank's experts) is checked for its shape and counted as consumed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.checkpoint_files import SKIP_RULES, CheckpointError, CheckpointFiles, SkipRule, skip_rule_for
+from deltaserve.model.parallel import LocalShapes, Shard
 from deltaserve.model.qwen3_5 import DecoderLayer, Qwen35Model
 from deltaserve.model.vision_loader import load_vision_tower
 
@@ -66,27 +71,51 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor, or only its slice `index` (read from the file without the rest)."""
         if name not in self.weight_map:
             raise CheckpointError(f"{self.files.where}: tensor `{name}` is missing from the checkpoint{self.hint}")
         path = self.files.shard_path(name)
         try:
             if path.name not in self._handles:
                 self._handles[path.name] = safe_open(path, framework="pt")
-            tensor = self._handles[path.name].get_tensor(name)  # type: ignore[attr-defined]
+            handle = self._handles[path.name]
+            if index is None:
+                tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+            else:
+                tensor = handle.get_slice(name)[index]  # type: ignore[attr-defined]
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor `{name}` ({' '.join(str(exc).split())})") from exc
         self.consumed.add(name)
         return tensor
 
-    def get_shaped(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         info = self.files.tensors.get(name)
         if info is not None and tuple(info.shape) != tuple(shape):
             raise CheckpointError(
                 f"{self.files.shard_path(name)}: tensor `{name}` has shape {list(info.shape)}, "
                 f"expected {list(shape)}{self.hint}"
             )
-        return self.get(name)
+
+    def get_shaped(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor (or its slice `index`) after checking that the whole tensor has `shape`."""
+        self.check_shape(name, shape)
+        return self.get(name, index)
+
+    def touch(self, name: str, shape: tuple[int, ...]) -> None:
+        """A tensor this rank needs none of: its presence and shape are checked and it counts as consumed."""
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.files.where}: tensor `{name}` is missing from the checkpoint{self.hint}")
+        self.check_shape(name, shape)
+        self.consumed.add(name)
+
+
+def _rows(shard: Shard, unit: int, offset: int = 0) -> slice:
+    """The rows (or columns) of a shard of heads / channels that are `unit` wide, after `offset` leading ones."""
+    return slice(offset + shard.start * unit, offset + shard.stop * unit)
+
+
+ALL = slice(None)
 
 
 def _decoder_prefix(ckpt: Checkpoint) -> str:
@@ -101,83 +130,117 @@ def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
     param.data.copy_(value.to(dtype=param.dtype))
 
 
-def _load_attention(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig) -> None:
+def _load_attention(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig, shapes: LocalShapes) -> None:
     attn = layer.self_attn
     hidden, d = config.hidden_size, config.head_dim
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
-    q = ckpt.get_shaped(p + "q_proj.weight", (2 * nq * d, hidden))
-    k = ckpt.get_shaped(p + "k_proj.weight", (nkv * d, hidden))
-    v = ckpt.get_shaped(p + "v_proj.weight", (nkv * d, hidden))
+    # this rank's heads: 2·d rows each in q_proj (per head [query | gate]), d rows in k/v_proj, d columns in o_proj
+    q_rows, kv_rows = _rows(shapes.q_heads, 2 * d), _rows(shapes.kv_heads, d)
+    q = ckpt.get_shaped(p + "q_proj.weight", (2 * nq * d, hidden), (q_rows,))
+    k = ckpt.get_shaped(p + "k_proj.weight", (nkv * d, hidden), (kv_rows,))
+    v = ckpt.get_shaped(p + "v_proj.weight", (nkv * d, hidden), (kv_rows,))
     _copy(attn.qkv_proj, torch.cat([q, k, v]), p + "q_proj/k_proj/v_proj")
-    _copy(attn.o_proj, ckpt.get_shaped(p + "o_proj.weight", (hidden, nq * d)), p + "o_proj.weight")
+    o = ckpt.get_shaped(p + "o_proj.weight", (hidden, nq * d), (ALL, _rows(shapes.q_heads, d)))
+    _copy(attn.o_proj, o, p + "o_proj.weight")
     if config.has_attention_bias:
         # transformers' attention_bias puts a bias on all four projections (Qwen3_5Attention, bias=attention_bias)
-        q_b = ckpt.get_shaped(p + "q_proj.bias", (2 * nq * d,))
-        k_b = ckpt.get_shaped(p + "k_proj.bias", (nkv * d,))
-        v_b = ckpt.get_shaped(p + "v_proj.bias", (nkv * d,))
+        q_b = ckpt.get_shaped(p + "q_proj.bias", (2 * nq * d,), (q_rows,))
+        k_b = ckpt.get_shaped(p + "k_proj.bias", (nkv * d,), (kv_rows,))
+        v_b = ckpt.get_shaped(p + "v_proj.bias", (nkv * d,), (kv_rows,))
         _copy(attn.qkv_bias, torch.cat([q_b, k_b, v_b]), p + "q_proj/k_proj/v_proj.bias")
-        _copy(attn.o_bias, ckpt.get_shaped(p + "o_proj.bias", (hidden,)), p + "o_proj.bias")
+        if attn.o_bias is None:
+            ckpt.touch(p + "o_proj.bias", (hidden,))  # row-parallel: only rank 0 adds it
+        else:
+            _copy(attn.o_bias, ckpt.get_shaped(p + "o_proj.bias", (hidden,)), p + "o_proj.bias")
     _copy(attn.q_norm, ckpt.get_shaped(p + "q_norm.weight", (d,)), p + "q_norm.weight")
     _copy(attn.k_norm, ckpt.get_shaped(p + "k_norm.weight", (d,)), p + "k_norm.weight")
 
 
-def _load_gdn(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig) -> None:
+def _load_gdn(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig, shapes: LocalShapes) -> None:
     gdn = layer.linear_attn
     hidden = config.hidden_size
     num_k, num_v = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    key_dim = num_k * dk
     ratio = num_v // num_k
+    heads_k, heads_v = shapes.k_heads, shapes.v_heads  # this rank's key heads and their value heads
+    # the flat [q | k | v] channels of this rank's heads (in_proj_qkv rows and conv1d channels)
+    qkv_parts = (_rows(heads_k, dk), _rows(heads_k, dk, key_dim), _rows(heads_v, dv, 2 * key_dim))
     if config.is_gdn_interleaved:
-        # Per key head g: [q_g (dk) | k_g (dk) | v of its ρ value heads (ρ·dv) | z of the same (ρ·dv)] (§2.2).
+        # Per key head g: [q_g (dk) | k_g (dk) | v of its ρ value heads (ρ·dv) | z of the same (ρ·dv)] (§2.2); a
+        # rank's key heads are consecutive groups of rows.
         group = 2 * dk + 2 * ratio * dv
-        w = ckpt.get_shaped(p + "in_proj_qkvz.weight", (num_k * group, hidden)).reshape(num_k, group, hidden)
+        w = ckpt.get_shaped(p + "in_proj_qkvz.weight", (num_k * group, hidden), (_rows(heads_k, group),))
+        w = w.reshape(heads_k.size, group, hidden)
         q, k = w[:, :dk], w[:, dk : 2 * dk]
         v, z = w[:, 2 * dk : 2 * dk + ratio * dv], w[:, 2 * dk + ratio * dv :]
         flat = [t.reshape(-1, hidden) for t in (q, k, v, z)]
         _copy(gdn.in_proj_qkvz, torch.cat(flat), p + "in_proj_qkvz.weight")
-        ba = ckpt.get_shaped(p + "in_proj_ba.weight", (2 * num_v, hidden)).reshape(num_k, 2 * ratio, hidden)
-        b, a = ba[:, :ratio].reshape(num_v, hidden), ba[:, ratio:].reshape(num_v, hidden)
+        ba = ckpt.get_shaped(p + "in_proj_ba.weight", (2 * num_v, hidden), (_rows(heads_k, 2 * ratio),))
+        ba = ba.reshape(heads_k.size, 2 * ratio, hidden)
+        b, a = ba[:, :ratio].reshape(heads_v.size, hidden), ba[:, ratio:].reshape(heads_v.size, hidden)
         _copy(gdn.in_proj_ba, torch.cat([b, a]), p + "in_proj_ba.weight")
     else:
-        qkv = ckpt.get_shaped(p + "in_proj_qkv.weight", (config.conv_dim, hidden))
-        z = ckpt.get_shaped(p + "in_proj_z.weight", (config.value_dim, hidden))
-        _copy(gdn.in_proj_qkvz, torch.cat([qkv, z]), p + "in_proj_qkv/in_proj_z")
-        b = ckpt.get_shaped(p + "in_proj_b.weight", (num_v, hidden))
-        a = ckpt.get_shaped(p + "in_proj_a.weight", (num_v, hidden))
+        name = p + "in_proj_qkv.weight"
+        qkv = [ckpt.get_shaped(name, (config.conv_dim, hidden), (rows,)) for rows in qkv_parts]
+        z = ckpt.get_shaped(p + "in_proj_z.weight", (config.value_dim, hidden), (_rows(heads_v, dv),))
+        _copy(gdn.in_proj_qkvz, torch.cat([*qkv, z]), p + "in_proj_qkv/in_proj_z")
+        b = ckpt.get_shaped(p + "in_proj_b.weight", (num_v, hidden), (_rows(heads_v, 1),))
+        a = ckpt.get_shaped(p + "in_proj_a.weight", (num_v, hidden), (_rows(heads_v, 1),))
         _copy(gdn.in_proj_ba, torch.cat([b, a]), p + "in_proj_b/in_proj_a")
-    conv = ckpt.get_shaped(p + "conv1d.weight", (config.conv_dim, 1, config.linear_conv_kernel_dim))
+    conv_shape = (config.conv_dim, 1, config.linear_conv_kernel_dim)
+    conv = torch.cat([ckpt.get_shaped(p + "conv1d.weight", conv_shape, (rows,)) for rows in qkv_parts])
     _copy(gdn.conv1d, conv[:, 0], p + "conv1d.weight")
-    _copy(gdn.A_log, ckpt.get_shaped(p + "A_log", (num_v,)).float(), p + "A_log")
-    _copy(gdn.dt_bias, ckpt.get_shaped(p + "dt_bias", (num_v,)), p + "dt_bias")
+    heads = (_rows(heads_v, 1),)
+    _copy(gdn.A_log, ckpt.get_shaped(p + "A_log", (num_v,), heads).float(), p + "A_log")
+    _copy(gdn.dt_bias, ckpt.get_shaped(p + "dt_bias", (num_v,), heads), p + "dt_bias")
     _copy(gdn.norm, ckpt.get_shaped(p + "norm.weight", (dv,)), p + "norm.weight")
-    _copy(gdn.out_proj, ckpt.get_shaped(p + "out_proj.weight", (hidden, config.value_dim)), p + "out_proj.weight")
+    out = ckpt.get_shaped(p + "out_proj.weight", (hidden, config.value_dim), (ALL, _rows(heads_v, dv)))
+    _copy(gdn.out_proj, out, p + "out_proj.weight")
 
 
-def _load_dense_mlp(mlp: torch.nn.Module, ckpt: Checkpoint, p: str, hidden: int, width: int) -> None:
-    gate = ckpt.get_shaped(p + "gate_proj.weight", (width, hidden))
-    up = ckpt.get_shaped(p + "up_proj.weight", (width, hidden))
+def _load_dense_mlp(mlp: torch.nn.Module, ckpt: Checkpoint, p: str, hidden: int, width: Shard) -> None:
+    """width: this rank's slice of the intermediate width (column-parallel gate/up rows, row-parallel down)."""
+    rows = (_rows(width, 1),)
+    gate = ckpt.get_shaped(p + "gate_proj.weight", (width.total, hidden), rows)
+    up = ckpt.get_shaped(p + "up_proj.weight", (width.total, hidden), rows)
     _copy(mlp.gate_up_proj, torch.cat([gate, up]), p + "gate_proj/up_proj")
-    _copy(mlp.down_proj, ckpt.get_shaped(p + "down_proj.weight", (hidden, width)), p + "down_proj.weight")
+    down = ckpt.get_shaped(p + "down_proj.weight", (hidden, width.total), (ALL, _rows(width, 1)))
+    _copy(mlp.down_proj, down, p + "down_proj.weight")
 
 
-def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig) -> None:
+def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig, shapes: LocalShapes) -> None:
     moe = layer.mlp
     hidden, num_experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    # this rank's experts (all but under expert parallelism) and its slice of each one's width (all under it)
+    experts, inter = shapes.experts, shapes.moe_intermediate
     _copy(moe.gate, ckpt.get_shaped(p + "gate.weight", (num_experts, hidden)), p + "gate.weight")
     if ckpt.has(p + "experts.gate_up_proj"):
-        w13 = ckpt.get_shaped(p + "experts.gate_up_proj", (num_experts, 2 * width, hidden))
-        _copy(moe.w13, w13, p + "experts.gate_up_proj")
-        _copy(moe.w2, ckpt.get_shaped(p + "experts.down_proj", (num_experts, hidden, width)), p + "experts.down_proj")
+        name = p + "experts.gate_up_proj"
+        shape = (num_experts, 2 * width, hidden)
+        gate = ckpt.get_shaped(name, shape, (_rows(experts, 1), _rows(inter, 1)))
+        up = ckpt.get_shaped(name, shape, (_rows(experts, 1), _rows(inter, 1, width)))
+        _copy(moe.w13, torch.cat([gate, up], dim=1), name)
+        down_index = (_rows(experts, 1), ALL, _rows(inter, 1))
+        down = ckpt.get_shaped(p + "experts.down_proj", (num_experts, hidden, width), down_index)
+        _copy(moe.w2, down, p + "experts.down_proj")
     else:
         for e in range(num_experts):
             ep = f"{p}experts.{e}."
-            gate = ckpt.get_shaped(ep + "gate_proj.weight", (width, hidden))
-            up = ckpt.get_shaped(ep + "up_proj.weight", (width, hidden))
-            _copy(moe.w13[e], torch.cat([gate, up]), ep + "gate_proj/up_proj")
-            _copy(moe.w2[e], ckpt.get_shaped(ep + "down_proj.weight", (hidden, width)), ep + "down_proj.weight")
-    shared_width = config.shared_expert_intermediate_size
+            if not experts.start <= e < experts.stop:
+                for leaf, shape in (("gate_proj", (width, hidden)), ("up_proj", (width, hidden)),
+                                    ("down_proj", (hidden, width))):  # fmt: skip
+                    ckpt.touch(f"{ep}{leaf}.weight", shape)  # held by another rank
+                continue
+            rows = (_rows(inter, 1),)
+            gate = ckpt.get_shaped(ep + "gate_proj.weight", (width, hidden), rows)
+            up = ckpt.get_shaped(ep + "up_proj.weight", (width, hidden), rows)
+            local = e - experts.start
+            _copy(moe.w13[local], torch.cat([gate, up]), ep + "gate_proj/up_proj")
+            down = ckpt.get_shaped(ep + "down_proj.weight", (hidden, width), (ALL, _rows(inter, 1)))
+            _copy(moe.w2[local], down, ep + "down_proj.weight")
     if moe.has_shared_expert:
-        _load_dense_mlp(moe.shared_expert, ckpt, p + "shared_expert.", hidden, shared_width)
+        _load_dense_mlp(moe.shared_expert, ckpt, p + "shared_expert.", hidden, shapes.shared_intermediate)
         gate_w = ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
         _copy(moe.shared_expert_gate, gate_w, p + "shared_expert_gate.weight")
     else:
@@ -191,14 +254,29 @@ def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
             ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
 
 
+def _vocab_rows(ckpt: Checkpoint, name: str, config: ModelConfig, vocab: Shard) -> torch.Tensor:
+    """This rank's rows [vocab.size, H] of an embedding-shaped tensor; rows past vocab_size (the last rank's
+    padding) are zeros."""
+    shape = (config.vocab_size, config.hidden_size)
+    if vocab.is_whole:
+        return ckpt.get_shaped(name, shape)
+    stop = min(vocab.stop, config.vocab_size)
+    rows = ckpt.get_shaped(name, shape, (slice(vocab.start, stop),))
+    if stop - vocab.start == vocab.size:
+        return rows
+    padded = rows.new_zeros(vocab.size, config.hidden_size)
+    padded[: stop - vocab.start] = rows
+    return padded
+
+
 def _load_head(model: Qwen35Model, ckpt: Checkpoint, config: ModelConfig, embed: torch.Tensor | None) -> list[str]:
     """lm_head as transformers ties it (PreTrainedModel.tie_weights): a distinct lm_head.weight is used even when a
     tie flag is set (transformers warns and does not tie); without one, the head is the embedding if any tie flag
-    says so. Returns the notes for the load report."""
-    shape = (config.vocab_size, config.hidden_size)
+    says so. Returns the notes for the load report. Under tensor parallelism `embed` and the head are this rank's
+    vocabulary rows."""
     said_tied = [name for name, value in config.tie_flags if value]
     if ckpt.has("lm_head.weight"):
-        head = ckpt.get_shaped("lm_head.weight", shape)
+        head = _vocab_rows(ckpt, "lm_head.weight", config, model.shapes.vocab)
         if said_tied and embed is not None and torch.equal(head, embed):
             return []
         if model.lm_head is model.embed_tokens:
@@ -235,14 +313,15 @@ def load_checkpoint(
     ckpt.files.check_dtypes(skip_rules)
     prefix = _decoder_prefix(ckpt)
     hidden = config.hidden_size
+    shapes = model.shapes  # this rank's slices (everything on one rank)
     with torch.no_grad():
         embed_name = prefix + "embed_tokens.weight"
         embed = None
         if ckpt.has(embed_name) or not (config.tie_word_embeddings and ckpt.has("lm_head.weight")):
-            embed = ckpt.get_shaped(embed_name, (config.vocab_size, hidden))
+            embed = _vocab_rows(ckpt, embed_name, config, shapes.vocab)
         else:
             # tied with only lm_head.weight stored: transformers swaps source and target and ties to it
-            embed = ckpt.get_shaped("lm_head.weight", (config.vocab_size, hidden))
+            embed = _vocab_rows(ckpt, "lm_head.weight", config, shapes.vocab)
         _copy(model.embed_tokens, embed, embed_name)
         for i, layer in enumerate(model.layers):
             p = f"{prefix}layers.{i}."
@@ -252,13 +331,13 @@ def load_checkpoint(
             post = ckpt.get_shaped(p + "post_attention_layernorm.weight", (hidden,))
             _copy(layer.post_attention_layernorm, post, p + "post_attention_layernorm.weight")
             if layer.is_full_attention:
-                _load_attention(layer, ckpt, p + "self_attn.", config)
+                _load_attention(layer, ckpt, p + "self_attn.", config, shapes)
             else:
-                _load_gdn(layer, ckpt, p + "linear_attn.", config)
+                _load_gdn(layer, ckpt, p + "linear_attn.", config, shapes)
             if config.moe_layers and config.moe_layers[i]:
-                _load_moe(layer, ckpt, p + "mlp.", config)
+                _load_moe(layer, ckpt, p + "mlp.", config, shapes)
             else:
-                _load_dense_mlp(layer.mlp, ckpt, p + "mlp.", hidden, config.intermediate_size)
+                _load_dense_mlp(layer.mlp, ckpt, p + "mlp.", hidden, shapes.intermediate)
         _copy(model.norm, ckpt.get_shaped(prefix + "norm.weight", (hidden,)), prefix + "norm.weight")
         head_notes = _load_head(model, ckpt, config, embed)
         if getattr(model, "visual", None) is not None:
@@ -291,7 +370,9 @@ def load_checkpoint(
 
 
 def init_dummy_weights(model: Qwen35Model, seed: int) -> None:
-    """Seeded random weights of the right shapes, for benchmarks on real dimensions without weights."""
+    """Seeded random weights of the right shapes, for benchmarks on real dimensions without weights. Every
+    tensor-parallel rank draws the same sequence for its (equally shaped) shards, so replicated parameters (the
+    router above all) agree across ranks."""
     device = model.embed_tokens.device
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

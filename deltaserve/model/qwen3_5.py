@@ -4,6 +4,10 @@ zero-centred RMSNorms with fused residual adds, final norm and lm_head.
 
 forward(input_ids [T], positions [3, T]) -> hidden [T, H]; the per-step metadata comes from the runner's
 ForwardContext. Positions are always 3-D (MRoPE rows T, H, W); for text the rows are equal.
+
+Under tensor parallelism (model/parallel.py) every layer holds its rank's shard, the embedding and lm_head hold the
+rank's vocabulary rows (the lookup is summed over the ranks, the logits gathered on rank 0: compute_logits returns
+None on the other ranks), and the vision tower is replicated.
 """
 
 from __future__ import annotations
@@ -20,24 +24,34 @@ from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import DenseMLP, MoEBlock
+from deltaserve.model.parallel import TensorParallel
 from deltaserve.model.vision import VisionTower
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
+        tp = tp or TensorParallel.single()
         self.eps = config.rms_norm_eps
         self.is_full_attention = config.layer_types[index] == "full_attention"
         self.input_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, dtype, device)
+            self.self_attn = GatedAttention(config, dtype, device, tp)
         else:
-            self.linear_attn = GatedDeltaNet(config, dtype, device)
+            self.linear_attn = GatedDeltaNet(config, dtype, device, tp)
         if config.moe_layers and config.moe_layers[index]:
-            self.mlp: nn.Module = MoEBlock(config, dtype, device)
+            self.mlp: nn.Module = MoEBlock(config, dtype, device, tp)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, device)
+            width = tp.shapes(config).intermediate.size
+            self.mlp = DenseMLP(config.hidden_size, width, dtype, device, tp)
 
     @property
     def mixer(self) -> nn.Module:
@@ -58,18 +72,28 @@ class DecoderLayer(nn.Module):
 
 class Qwen35Model(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, build_vision: bool = False
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        build_vision: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.eps = config.rms_norm_eps
-        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.tp = tp or TensorParallel.single()
+        self.shapes = self.tp.shapes(config)  # refuses, by field, a size that does not divide a sharded dimension
+        vocab_rows = self.shapes.vocab.size  # this rank's rows (all of them on one rank)
+        self.embed_tokens = empty_param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device, self.tp) for i in range(config.num_hidden_layers)
+        )
         self.norm = empty_param(config.hidden_size, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.lm_head = empty_param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         # cos/sin table [max_pos, r] in the model dtype (vLLM's precomputed fp32 -> dtype cache, §4)
         self.register_buffer(
             "cos_sin_cache",
@@ -104,7 +128,7 @@ class Qwen35Model(nn.Module):
         this step's tokens, vision embeddings [M, H]) replacing those rows' token embeddings (doc §5.1)."""
         ctx = get_forward_context()
         ctx.cos_sin = rope_cos_sin_for_positions(self.cos_sin_cache, positions, self.axis_per_frequency)  # [T, r]
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         if mm_embeds is not None:
             hidden = hidden.index_copy(0, mm_embeds[0], mm_embeds[1].to(hidden.dtype))
         residual = None
@@ -113,10 +137,26 @@ class Qwen35Model(nn.Module):
         hidden, _ = rms_norm(hidden, self.norm, self.eps, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, H]. Vocab-parallel: each rank looks up the ids in its rows (zeros for the others'),
+        and the sum over the ranks (one nonzero term per token, so exact) is every token's row."""
+        if not self.tp.is_parallel:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.shapes.vocab.start
+        is_elsewhere = (local < 0) | (local >= self.shapes.vocab.size)
+        rows = F.embedding(local.masked_fill(is_elsewhere, 0), self.embed_tokens)
+        return self.tp.all_reduce(rows.masked_fill(is_elsewhere.unsqueeze(-1), 0))
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast), written into
-        `out` [B, V] fp32 when given (the decode graphs share one such buffer)."""
+        `out` [B, V] fp32 when given (the decode graphs share one such buffer). Vocab-parallel: each rank's
+        [B, V/size] is gathered on rank 0; the other ranks return None."""
         logits = F.linear(hidden, self.lm_head)
+        if self.tp.is_parallel:
+            logits = self.tp.gather_columns(logits)  # [B, size·rows] on rank 0, None elsewhere
+            if logits is None:
+                return None
+            logits = logits[:, : self.config.vocab_size]
         if out is None:
             return logits.float()
         return out.copy_(logits)

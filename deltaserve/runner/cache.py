@@ -3,7 +3,8 @@
 One KV block holds block_size tokens of K and V for every full-attention layer; one state slot holds the
 conv state (model dtype) and the fp32 recurrent state of every linear-attention layer. On a GPU the budget
 is gpu_memory_utilization x total minus what the weights and a warm-up forward at the largest batch
-measured; on the CPU it is the explicit EngineConfig.cpu_kv_cache_bytes.
+measured; on the CPU it is the explicit EngineConfig.cpu_kv_cache_bytes. Under tensor parallelism every count
+is per rank: a block holds the rank's KV heads and a slot the rank's GDN heads (`shapes`, model/parallel.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.model.parallel import LocalShapes
 from deltaserve.model.qwen3_5 import Qwen35Model
 
 
@@ -22,17 +24,26 @@ def ssm_dtype(config: ModelConfig) -> torch.dtype:
     )
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def _local(config: ModelConfig, shapes: LocalShapes | None) -> LocalShapes:
+    return shapes if shapes is not None else LocalShapes.of(config)
+
+
+def _conv_dim(config: ModelConfig, shapes: LocalShapes) -> int:
+    return (2 * shapes.k_heads.size * config.linear_key_head_dim) + shapes.v_heads.size * config.linear_value_head_dim
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shapes: LocalShapes | None = None) -> int:
     element = torch.tensor([], dtype=dtype).element_size()
-    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * element
+    per_layer = 2 * block_size * _local(config, shapes).kv_heads.size * config.head_dim * element
     return per_layer * len(config.full_attention_layers)
 
 
-def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None) -> int:
+    shapes = _local(config, shapes)
     element = torch.tensor([], dtype=dtype).element_size()
     state_element = torch.tensor([], dtype=ssm_dtype(config)).element_size()
-    conv = (config.linear_conv_kernel_dim - 1) * config.conv_dim * element
-    ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_element
+    conv = (config.linear_conv_kernel_dim - 1) * _conv_dim(config, shapes) * element
+    ssm = shapes.v_heads.size * config.linear_key_head_dim * config.linear_value_head_dim * state_element
     return (conv + ssm) * len(config.linear_attention_layers)
 
 
@@ -57,10 +68,11 @@ def plan_cache(
     budget_bytes: int,
     num_slots: int,
     max_model_len: int,
+    shapes: LocalShapes | None = None,
 ) -> CacheLayout:
-    """Slots first (one per running sequence), the rest of the budget as KV blocks."""
-    block_bytes = bytes_per_block(config, block_size, dtype)
-    slot_bytes = bytes_per_slot(config, dtype)
+    """Slots first (one per running sequence), the rest of the budget as KV blocks (per rank: `shapes`)."""
+    block_bytes = bytes_per_block(config, block_size, dtype, shapes)
+    slot_bytes = bytes_per_slot(config, dtype, shapes)
     slots_total = num_slots * slot_bytes
     if slots_total >= budget_bytes:
         affordable = budget_bytes // max(slot_bytes, 1)
@@ -81,18 +93,20 @@ def plan_cache(
 def allocate_and_bind(
     model: Qwen35Model, config: ModelConfig, layout: CacheLayout, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Allocates one cache tensor per layer kind and binds per-layer views."""
+    """Allocates one cache tensor per layer kind and binds per-layer views (the model's own per-rank heads)."""
+    shapes = model.shapes
     num_attn = len(config.full_attention_layers)
     num_gdn = len(config.linear_attention_layers)
     kv = torch.zeros(
-        num_attn, 2, layout.num_blocks, layout.block_size, config.num_key_value_heads, config.head_dim,
+        num_attn, 2, layout.num_blocks, layout.block_size, shapes.kv_heads.size, config.head_dim,
         dtype=dtype, device=device,
     )  # fmt: skip
+    conv_dim = _conv_dim(config, shapes)
     conv = torch.zeros(
-        num_gdn, layout.num_slots, config.linear_conv_kernel_dim - 1, config.conv_dim, dtype=dtype, device=device
+        num_gdn, layout.num_slots, config.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device
     )
     ssm = torch.zeros(
-        num_gdn, layout.num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
+        num_gdn, layout.num_slots, shapes.v_heads.size, config.linear_key_head_dim,
         config.linear_value_head_dim, dtype=ssm_dtype(config), device=device,
     )  # fmt: skip
     attn_index = gdn_index = 0

@@ -5,11 +5,18 @@ applies the plan's diffs to the request table, builds the inputs, launches the f
 copying the sampled tokens to pinned host memory; it returns a StepHandle at once. collect() waits for that copy
 and returns the StepResult. Under async scheduling the engine plans and launches step N+1 before collecting step N,
 so the host work of a step overlaps the GPU work of the one before.
+
+Under tensor parallelism one ModelRunner runs per rank (runner/executor.py starts them) with the rank's shard of
+the model and of the caches: every rank applies the same plan to its own request table and runs the same forward
+(its collectives meet the other ranks'), rank 0 alone samples, and the sampled tokens are broadcast over the device
+group so every rank's table keeps the same last_sampled (the next decode's input). Only rank 0's StepHandle holds
+tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,7 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.model.checkpoint_files import MTP_RULE, SKIP_RULES
 from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
+from deltaserve.model.parallel import TensorParallel
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.model.vision import gather_mm_embeds
 from deltaserve.runner.cache import (
@@ -103,11 +111,20 @@ def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, engine_config: EngineConfig, max_model_len: int, max_num_batched_tokens: int
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.model_config = model_config
         self.engine_config = engine_config
+        self.tp = tp or TensorParallel.single()
         self.device = resolve_device(engine_config.device)
+        if self.device.type == "cuda" and self.tp.is_parallel:
+            self.device = torch.device("cuda", self.tp.local_rank)  # one GPU per rank of this host
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(engine_config.dtype, self.device)
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
@@ -115,6 +132,8 @@ class ModelRunner:
         torch.manual_seed(engine_config.seed)
         if self.device.type == "cpu":
             threads = env.cpu_threads() or (1 if model_config.hidden_size < 512 else None)
+            if threads is None and self.tp.is_parallel:
+                threads = max(1, (os.cpu_count() or 1) // self.tp.size)  # the ranks share the host's cores
             if threads:
                 torch.set_num_threads(threads)
         # the vision tower is built for a multimodal checkpoint unless --language-model-only (as vLLM's flag)
@@ -128,7 +147,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             self._used_before = total - free
             self._allocated_before = torch.cuda.memory_allocated(self.device)
-        self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision)
+        self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp)
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model, engine_config.seed)
             self.load_report = None
@@ -145,8 +164,10 @@ class ModelRunner:
         self.is_graphed = self.device.type == "cuda" and env.cuda_graphs() and not engine_config.enforce_eager
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
-        budget = self._cache_budget(max_num_batched_tokens, max_model_len, upper)
-        slot_bytes = bytes_per_slot(model_config, self.dtype)
+        # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
+        # rank's budget wins
+        budget = self.tp.min_over_ranks(self._cache_budget(max_num_batched_tokens, max_model_len, upper))
+        slot_bytes = bytes_per_slot(model_config, self.dtype, self.model.shapes)
         self.max_num_seqs = upper
         if engine_config.max_num_seqs is None:
             # vLLM's default count, sized to memory: the state pool takes at most half of the cache budget
@@ -159,7 +180,7 @@ class ModelRunner:
                 )  # fmt: skip
         num_slots = engine_config.num_state_slots or self.max_num_seqs
         self.layout: CacheLayout = plan_cache(
-            model_config, self.dtype, self.block_size, budget, num_slots, max_model_len
+            model_config, self.dtype, self.block_size, budget, num_slots, max_model_len, self.model.shapes
         )
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
@@ -258,9 +279,10 @@ class ModelRunner:
             sample_rows_dev = inputs.sample_rows_dev
             logits = None
             if len(layout.sample_seqs):
-                if all_logits is not None:
+                if return_all_logits:
+                    # (None off rank 0 under tensor parallelism, like every logits tensor there)
                     index = inputs.sample_token_index
-                    logits = all_logits if index is None else all_logits.index_select(0, index)
+                    logits = all_logits if index is None or all_logits is None else all_logits.index_select(0, index)
                 else:
                     rows = (
                         hidden
@@ -271,8 +293,14 @@ class ModelRunner:
         if not len(layout.sample_seqs):
             return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits)
         rows = layout.rows[layout.sample_seqs]
+        if not self.tp.is_first:
+            # rank 0 samples (it alone has the gathered logits); this rank learns the tokens, its next inputs
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            self.table.record_sampled(rows, sample_rows_dev, self.tp.broadcast_from_first(tokens))
+            return StepHandle(plan, layout.sample_seqs, None, None, None)
         batch = self.table.sampling_batch(rows, sample_rows_dev)
         out = self.sampler(logits, batch)
+        self.tp.broadcast_from_first(out.token_ids)
         self.table.record_sampled(rows, sample_rows_dev, out.token_ids)
         host, event = self._to_host(out)
         return StepHandle(plan, layout.sample_seqs, host, batch.num_logprobs, event, all_logits)
@@ -350,3 +378,37 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepResult:
         """execute + collect: one synchronous step."""
         return self.collect(self.execute(plan))
+
+    # -- the executor interface (runner/executor.py): one process, one rank, nothing to coordinate ----------------
+
+    def check_health(self) -> None:
+        """Raises when the runner cannot step any more (never, in-process)."""
+
+    def shutdown(self) -> None:
+        """Releases nothing: the runner's memory goes with it."""
+
+    def run_on_all_ranks(self, method: str, *args: object) -> object:
+        """Calls one of this runner's methods on every rank (here, the one) and returns rank 0's result."""
+        return getattr(self, method)(*args)
+
+    # -- the token gate's noise floor -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def perturb_embedding(self, relative: float, seed: int) -> None:
+        """Scales every embedding row by (1 + relative·noise), noise ~ N(0, 1) drawn for the whole [V, H] table
+        from `seed` (each rank applies its rows' share), until restore_embedding()."""
+        embed = self.model.embed_tokens
+        self._saved_embedding = embed.data.clone()
+        generator = torch.Generator(device=embed.device).manual_seed(seed)
+        shape = (self.model_config.vocab_size, embed.shape[1])
+        noise = torch.randn(shape, generator=generator, device=embed.device, dtype=torch.float32)
+        vocab = self.model.shapes.vocab
+        rows = noise[vocab.start : vocab.stop]  # [<= vocab.size, H]; the last rank's padding rows stay zero
+        scale = torch.ones(embed.shape, dtype=torch.float32, device=embed.device)
+        scale[: rows.shape[0]] += relative * rows
+        embed.data.copy_((self._saved_embedding.float() * scale).to(embed.dtype))
+
+    @torch.no_grad()
+    def restore_embedding(self) -> None:
+        self.model.embed_tokens.data.copy_(self._saved_embedding)
+        del self._saved_embedding

@@ -60,8 +60,8 @@ def test_qwen35_recipe_command_line_parses() -> None:
 
 
 def test_refusals_and_bad_values() -> None:
-    with pytest.raises(ValueError, match="one GPU"):
-        check_compat(parse("m", "--tensor-parallel-size", "2"))
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2: .*tensor parallelism is the only"):
+        check_compat(parse("m", "--pipeline-parallel-size", "2"))
     with pytest.raises(ValueError, match="tool-call-parser"):
         cli.build_settings(parse("m", "--enable-auto-tool-choice"), "m")
     for argv in (["--default-chat-template-kwargs", "[1]"], ["--tool-call-parser", "mistral"], ["--port", "x"]):

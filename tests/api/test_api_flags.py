@@ -144,7 +144,7 @@ def test_switches_have_the_no_form() -> None:
 
 
 def test_refused_flags_name_themselves() -> None:
-    cases = {("-tp", "2"): "--tensor-parallel-size 2", ("--quantization", "fp8"): "--quantization fp8",
+    cases = {("-pp", "2"): "--pipeline-parallel-size 2", ("--quantization", "fp8"): "--quantization fp8",
              ("--enable-lora",): "--enable-lora", ("--hf-overrides", "{}"): "--hf-overrides",
              ("--kv-transfer-config", "{}"): "--kv-transfer-config",
              ("--logprobs-mode", "processed_logits"): "--logprobs-mode processed_logits",
@@ -154,6 +154,33 @@ def test_refused_flags_name_themselves() -> None:
             check_compat(parse("m", *argv))
     for argv in (["-tp", "1"], ["-q", "None"], ["--logprobs-mode", "raw_logprobs"], ["--no-enable-lora"]):
         check_compat(parse("m", *argv))
+
+
+def test_tensor_parallel_flags_are_implemented() -> None:
+    # vLLM's parallelism flags that deltaserve honours are its own flags, not accepted-and-ignored table entries
+    table_flags = {flag for entry in COMPAT_FLAGS for flag in entry.flags}
+    implemented = ("--tensor-parallel-size", "-tp", "--distributed-executor-backend", "--enable-expert-parallel", "-ep")
+    assert table_flags.isdisjoint(implemented)
+    args = parse("m", "-tp", "2", "--distributed-executor-backend", "mp", "-ep")
+    check_compat(args)
+    config = cli.build_engine_config(args, "m", "cpu")
+    assert (config.tensor_parallel_size, config.distributed_executor_backend, config.enable_expert_parallel) == (
+        2, "mp", True,
+    )  # fmt: skip
+    config = cli.build_engine_config(
+        parse("m", "--tensor-parallel-size", "4", "--no-enable-expert-parallel"), "m", "cpu"
+    )
+    assert (config.tensor_parallel_size, config.enable_expert_parallel) == (4, False)
+    assert (
+        cli.build_engine_config(parse("m", "--distributed-executor-backend", "uni"), "m", "cpu").tensor_parallel_size
+        == 1
+    )
+    for argv, name in ((["-tp", "2", "--distributed-executor-backend", "ray"], "'ray' is not supported"),
+                       (["-tp", "2", "--distributed-executor-backend", "uni"], r"'uni' .*\(-tp 1\)"),
+                       (["-tp", "0"], "tensor_parallel_size must be at least 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            cli.build_engine_config(parse("m", *argv), "m", "cpu")
+        assert cli.run(parse("m", *argv)) == 2
 
 
 def test_accepted_flags_are_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -2,6 +2,10 @@
 partial NeoX RoPE or interleaved MRoPE, gate split), paged GQA attention, sigmoid output gate, o_proj; with
 `attention_bias` the qkv and o projections carry transformers' biases.
 
+Under tensor parallelism (model/parallel.py) a rank holds its query heads and their KV heads (one replicated KV
+head when there are fewer than ranks): qkv_proj is column-parallel by head, o_proj row-parallel, and the output is
+all-reduced (o_proj's bias is added on rank 0 only, before the sum). Every kernel sees the rank's head counts.
+
 The preamble is one fused op by default; DELTASERVE_FUSE_ATTN_PREAMBLE=0 selects the four-op path, which
 refuses true MRoPE positions. KV caches are bound by the runner as `k_cache` / `v_cache`.
 """
@@ -17,13 +21,18 @@ from deltaserve.config import ModelConfig
 from deltaserve.kernels import attn_preamble, attn_preamble_unfused, paged_attention, store_kv
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.common import empty_param
+from deltaserve.model.parallel import TensorParallel
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.num_q_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp or TensorParallel.single()
+        shapes = self.tp.shapes(config)
+        self.num_q_heads = shapes.q_heads.size  # this rank's heads
+        self.num_kv_heads = shapes.kv_heads.size
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.eps = config.rms_norm_eps
@@ -37,7 +46,9 @@ class GatedAttention(nn.Module):
         self.qkv_bias = (
             empty_param(q_width + 2 * kv_width, dtype=dtype, device=device) if config.has_attention_bias else None
         )
-        self.o_bias = empty_param(config.hidden_size, dtype=dtype, device=device) if config.has_attention_bias else None
+        # row-parallel: the bias joins the sum once, on rank 0
+        has_o_bias = config.has_attention_bias and self.tp.is_first
+        self.o_bias = empty_param(config.hidden_size, dtype=dtype, device=device) if has_o_bias else None
         self.q_norm = empty_param(self.head_dim, dtype=dtype, device=device)
         self.k_norm = empty_param(self.head_dim, dtype=dtype, device=device)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, nkv, d], bound by the runner
@@ -90,4 +101,4 @@ class GatedAttention(nn.Module):
         )
         # sigmoid(gate)·o in fp32 with one rounding, as vLLM's compiled graph fuses it
         gated = (o.reshape(num_tokens, -1).float() * torch.sigmoid(gate.float())).to(x.dtype)
-        return F.linear(gated, self.o_proj, self.o_bias)
+        return self.tp.all_reduce(F.linear(gated, self.o_proj, self.o_bias))

@@ -4,6 +4,10 @@ delta-rule core over fp32 state slots, the gated RMSNorm and out_proj.
 Decode tokens (the first ctx.num_decode_tokens rows, one per sequence) take the recurrent kernels that update
 their slots in place; prefill chunks take the varlen conv and the chunked core. Conv and SSM states are
 bound by the runner as `conv_states` [slots, K-1, conv_dim] and `ssm_states` [slots, HV, dk, dv] (fp32).
+
+Under tensor parallelism (model/parallel.py) a rank holds its key heads and their value heads: the projections,
+conv channels, A_log / dt_bias and its state slots hold only those heads (conv_dim and HV above are the rank's),
+out_proj is row-parallel and the output is all-reduced.
 """
 
 from __future__ import annotations
@@ -22,18 +26,23 @@ from deltaserve.kernels import (
 )
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.common import empty_param
+from deltaserve.model.parallel import TensorParallel
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        self.tp = tp or TensorParallel.single()
+        shapes = self.tp.shapes(config)
+        self.num_k_heads = shapes.k_heads.size  # this rank's heads
+        self.num_v_heads = shapes.v_heads.size
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = config.value_dim
-        self.conv_dim = config.conv_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
         self.eps = config.rms_norm_eps
         hidden = config.hidden_size
         # flat [q | k | v | z] rows (Qwen3-Next's group-interleaved layout is undone at load time)
@@ -66,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         else:
             core = self._mixed_step(mixed, a, b, num_decodes)
         y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
-        return F.linear(y.reshape(num_tokens, self.value_dim), self.out_proj)
+        return self.tp.all_reduce(F.linear(y.reshape(num_tokens, self.value_dim), self.out_proj))
 
     def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv_out [T, conv_dim] -> views q, k [T, HK, dk] and v [T, HV, dv]."""

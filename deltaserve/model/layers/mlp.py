@@ -1,4 +1,11 @@
-"""Feed-forward blocks: the dense SwiGLU MLP and the MoE block (routed experts + sigmoid-gated shared expert)."""
+"""Feed-forward blocks: the dense SwiGLU MLP and the MoE block (routed experts + sigmoid-gated shared expert).
+
+Under tensor parallelism (model/parallel.py) the dense MLP holds its slice of the intermediate width
+(column-parallel [gate|up], row-parallel down) and all-reduces its output; the MoE block holds every expert's slice
+of the intermediate width, or with expert parallelism whole experts (a token's weight for another rank's expert is
+0 here), plus its slice of the shared expert, and all-reduces once after the fused sum. The router and the shared
+expert's gate are replicated, so every rank routes alike.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +14,84 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import fused_moe_block, silu_and_mul
+from deltaserve.kernels import fused_moe, fused_moe_block, moe_route, silu_and_mul
 from deltaserve.model.layers.common import empty_param
+from deltaserve.model.parallel import TensorParallel
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel | None = None,
+        is_reduced: bool = True,
+    ) -> None:
+        """intermediate: this rank's width. is_reduced=False leaves the rank's partial sum to the caller (the
+        shared expert, summed with the routed experts before the MoE block's one all-reduce)."""
         super().__init__()
+        self.tp = tp or TensorParallel.single()
+        self.is_reduced = is_reduced
         self.gate_up_proj = empty_param(2 * intermediate, hidden, dtype=dtype, device=device)  # [gate | up]
         self.down_proj = empty_param(hidden, intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        out = F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return self.tp.all_reduce(out) if self.is_reduced else out
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        hidden, num_experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.tp = tp or TensorParallel.single()
+        shapes = self.tp.shapes(config)
+        self.experts = shapes.experts
+        hidden, num_experts, width = config.hidden_size, shapes.experts.size, shapes.moe_intermediate.size
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.gate = empty_param(num_experts, hidden, dtype=dtype, device=device)  # router
+        self.gate = empty_param(config.num_experts, hidden, dtype=dtype, device=device)  # router, every expert
         self.w13 = empty_param(num_experts, 2 * width, hidden, dtype=dtype, device=device)  # per expert [gate | up]
         self.w2 = empty_param(num_experts, hidden, width, dtype=dtype, device=device)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
-            self.shared_expert = DenseMLP(hidden, config.shared_expert_intermediate_size, dtype, device)
+            self.shared_expert = DenseMLP(
+                hidden, shapes.shared_intermediate.size, dtype, device, self.tp, is_reduced=False
+            )
             self.shared_expert_gate = empty_param(1, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # router (model-dtype logits, fp32 routing), routed experts and the sigmoid-gated shared expert as one op:
-        # at decode sizes three launches, each expert's weights read once per step (kernels/moe.py; its ref twin is
-        # the plain composition: router GEMM, route, fused_moe, shared MLP, (routed + sigmoid(gate)·shared) in fp32)
-        shared = ()
-        if self.has_shared_expert:
-            shared = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
-        return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
+        if self.experts.is_whole:
+            # router (model-dtype logits, fp32 routing), routed experts and the sigmoid-gated shared expert as one
+            # op: at decode sizes three launches, each expert's weights read once per step (kernels/moe.py; its ref
+            # twin is the plain composition: router GEMM, route, fused_moe, shared MLP, (routed + sigmoid(gate)·
+            # shared) in fp32). Under TP every expert's and the shared expert's widths are this rank's slice, so
+            # the op's output is this rank's partial sum (the gate is a per-token scalar: it distributes).
+            shared = ()
+            if self.has_shared_expert:
+                shared = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+            return self.tp.all_reduce(
+                fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
+            )
+        # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
+        # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref twin)
+        router_logits = F.linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
+        topk_weights, topk_ids = self._local_routes(*moe_route(router_logits, self.top_k, self.renormalize))
+        if not self.has_shared_expert:
+            return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, topk_weights, topk_ids))
+        shared_out = self.shared_expert(x)  # [T, H], this rank's partial sum
+        shared_gate_logits = F.linear(x, self.shared_expert_gate)  # [T, 1]
+        # (routed + sigmoid(gate)·shared) in fp32, rounded once: fused into the routed experts' last kernel
+        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared_out, shared_gate_logits)
+        return self.tp.all_reduce(out)
+
+    def _local_routes(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: global expert ids [T, k] -> this rank's local ids, with weight 0 for experts held
+        elsewhere (mapped to local expert 0, whose output that weight cancels exactly). The fused MoE kernels have
+        no skip id, so such slots cost compute; the sum stays exact."""
+        local = topk_ids - self.experts.start
+        is_here = (local >= 0) & (local < self.experts.size)
+        return torch.where(is_here, topk_weights, 0.0), torch.where(is_here, local, 0)
