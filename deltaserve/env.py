@@ -7,6 +7,8 @@ functions so a test can set a variable and see the change without re-importing m
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -146,3 +148,19 @@ def disable_nvlink_multicast() -> None:
     in every process it starts): NVLink multicast can put a shared host's GPUs out of service, so tensor
     parallelism on CUDA never uses it, whatever the caller's environment says."""
     os.environ.update(NVLINK_MULTICAST_OFF)
+
+
+@contextmanager
+def overridden(name: str, value: str) -> Iterator[None]:
+    """Sets a DELTASERVE_* variable for the block and restores it after (the media gate's four-op check)."""
+    if not name.startswith("DELTASERVE_"):
+        raise ValueError(f"{name} is not a deltaserve setting")
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved

@@ -31,6 +31,14 @@ class MultimodalSpan:
     item: int  # index of the image / video item of the request whose encoder output fills it
 
 
+def window_spans(mm_input: MultimodalInput | None, start: int, end: int) -> tuple[MultimodalSpan, ...]:
+    """The spans of the items whose encoder rows a chunk over tokens [start, end) consumes."""
+    if mm_input is None:
+        return ()
+    items = mm_input.items
+    return tuple(MultimodalSpan(items[i].offset, items[i].length, i) for i in mm_input.items_in_window(start, end))
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """A request the runner's table gains this step (new, or resumed after a preemption)."""

@@ -265,27 +265,35 @@ def vllm_engine(
     site: str = "h200-offline",
     seed: int = 0,
     facts: CheckpointFacts | None = None,
+    serves_media: bool = False,
 ) -> OracleEngine:
     """vLLM's production configuration as `vllm.LLM(**kwargs)` for `model` (the in-process twin of vllm_launch).
 
-    Nothing here is a knob: a harness that needs another configuration adds a named Deviation.
+    Nothing here is a knob: a harness that needs another configuration adds a named Deviation. `serves_media`
+    names the traffic, not a setting: image and video prompts need the vision tower, so vLLM's production
+    configuration for them keeps it (no language_model_only, hence no fused QK-norm + RoPE + gate path).
     """
     facts = facts or inspect_checkpoint(model)
+    if serves_media and not facts.is_multimodal:
+        raise ValueError(f"{model} has no vision tower (no vision_config): it cannot serve image or video prompts")
+    is_text_only = facts.is_multimodal and not serves_media
     num_batched = min_batched_tokens(max_prompt_len, facts.is_moe)
     kwargs: dict[str, Any] = {
         "model": model,
         "dtype": dtype,
         "seed": seed,
         # A multimodal checkpoint served as text: no vision tower, and vLLM's fused QK-norm + RoPE + gate path.
-        "language_model_only": facts.is_multimodal,
+        "language_model_only": is_text_only,
         "mamba_ssm_cache_dtype": facts.mamba_ssm_dtype,
         "max_num_batched_tokens": num_batched,
         "enable_prefix_caching": False,
         "enforce_eager": False,
     }
+    lmo_reason = "text serving of a multimodal checkpoint" if facts.is_multimodal else "text-only checkpoint"
+    if serves_media:
+        lmo_reason = "image and video prompts: the production configuration keeps the vision tower"
     reasons = [
-        f"language_model_only={facts.is_multimodal}: "
-        + ("text serving of a multimodal checkpoint" if facts.is_multimodal else "text-only checkpoint"),
+        f"language_model_only={is_text_only}: {lmo_reason}",
         f"mamba_ssm_cache_dtype={facts.mamba_ssm_dtype}: the checkpoint's SSM state dtype",
         f"max_num_batched_tokens={num_batched}: at least 2 x the longest prompt ({max_prompt_len})",
         "enable_prefix_caching=False: the gate's prompts share no prefix",

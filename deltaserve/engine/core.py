@@ -30,13 +30,14 @@ from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
+from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.runner.executor import make_executor
 from deltaserve.runner.model_runner import StepHandle
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
-from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
+from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, window_spans
 
 logger = logging.getLogger(__name__)
 
@@ -277,9 +278,12 @@ class EngineCore:
     # -- scoring (gates) ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], prefill_chunks: list[int] | None = None) -> torch.Tensor:
+    def score(
+        self, token_ids: list[int], prefill_chunks: list[int] | None = None, mm_input: MultimodalInput | None = None
+    ) -> torch.Tensor:
         """Logits [L, V] of every position of token_ids: prefill chunks of the given sizes (default: one chunk
-        of everything), then the remaining tokens as one-token steps. Needs an idle engine."""
+        of everything), then the remaining tokens as one-token steps. Needs an idle engine. `mm_input` (the
+        processor's output for the prompt at the head of token_ids) brings its images, videos and MRoPE table."""
         if self.has_unfinished():
             raise RuntimeError("score() needs an idle engine")
         chunks = list(prefill_chunks or [len(token_ids)])
@@ -289,14 +293,17 @@ class EngineCore:
         scheduler = self.scheduler
         blocks = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(token_ids), 0))
         slot, row = scheduler.slots.allocate(), scheduler.rows.allocate()
-        added = (NewRequest(row, "score", tuple(token_ids), (), SamplingParams(temperature=0.0, max_tokens=1), ()),)
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        added = (NewRequest(row, "score", tuple(token_ids), (), params, (), mm_input=mm_input),)
         try:
             pieces = []
             start = 0
             for index, size in enumerate(chunks):
+                spans = window_spans(mm_input, start, start + size)
                 seq = ScheduledSeq(
-                    row, start, size, slot, slot if start else None, tuple(blocks) if index == 0 else (), False
-                )
+                    row, start, size, slot, slot if start else None, tuple(blocks) if index == 0 else (), False,
+                    mm_spans=spans,
+                )  # fmt: skip
                 plan = StepPlan(-1, (seq,), added if index == 0 else ())
                 pieces.append(self.runner.execute(plan, return_all_logits=True).all_logits)  # samples: not deferred
                 start += size

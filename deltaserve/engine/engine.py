@@ -105,9 +105,11 @@ class LLMEngine:
         """Stops the tensor-parallel workers, if any; the engine cannot step afterwards."""
         self.core.shutdown()
 
-    def score(self, token_ids: list[int], prefill_chunks: list[int] | None = None) -> torch.Tensor:
+    def score(
+        self, token_ids: list[int], prefill_chunks: list[int] | None = None, mm_input: MultimodalInput | None = None
+    ) -> torch.Tensor:
         """Logits [L, V] (fp32) of every position: prefill chunks of the given sizes, then one-token steps."""
         if self.requests:
             raise RuntimeError("score() needs an idle engine")
         self.core.drain()
-        return self.core.score(token_ids, prefill_chunks)
+        return self.core.score(token_ids, prefill_chunks, mm_input)

@@ -161,6 +161,31 @@ class TransformersReference:
         return self.model(input_ids=ids).logits[0].float().cpu()
 
     @torch.inference_mode()
+    def weight_floor(self, sequence: list[int], relative: float, seeds: tuple[int, ...] = (0, 1, 2)) -> float:
+        """The largest relative change of this model's logits over `sequence` when EVERY weight matrix moves by
+        `relative` (one rounding's worth, a fresh draw per seed): what the reference itself does under one
+        rounding anywhere. On a checkpoint whose routers or activations sit near ties (random tiny MoE models) this
+        is orders above `noise_floor`, which moves only the embedding table; the gate measures it only for the
+        prompts whose errors pass the fixed bounds, so a well-conditioned run never pays for it."""
+        params = [p for p in self.model.parameters() if p.dim() >= 2]
+        saved = [p.data.clone() for p in params]
+        base = self.full_logits(sequence)
+        worst = 0.0
+        try:
+            for seed in seeds:
+                generator = torch.Generator(device="cpu").manual_seed(seed)
+                for param, original in zip(params, saved, strict=True):
+                    noise = torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.device)
+                    param.data.copy_((original.float() * (1 + relative * noise)).to(original.dtype))
+                moved = self.full_logits(sequence)
+                change = (moved.double() - base.double()).norm() / base.double().norm().clamp_min(1e-30)
+                worst = max(worst, float(change))
+        finally:
+            for param, original in zip(params, saved, strict=True):
+                param.data.copy_(original)
+        return worst
+
+    @torch.inference_mode()
     def noise_floor(self, sequence: list[int], relative: float, seed: int) -> float:
         """Relative change of this model's full-forward logits when its embedding table moves by `relative`
         (one rounding's worth): how much the checkpoint amplifies rounding, measured on the reference."""

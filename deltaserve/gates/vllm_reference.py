@@ -131,11 +131,16 @@ class VllmReference:
 
     kind = "vllm"
 
-    def __init__(self, model_dir: Path, dtype: str, max_prompt_len: int, seed: int, site: str) -> None:
-        self.engine = registry.vllm_engine(str(model_dir), max_prompt_len, dtype=dtype, site=site, seed=seed)
+    def __init__(
+        self, model_dir: Path, dtype: str, max_prompt_len: int, seed: int, site: str, serves_media: bool = False
+    ) -> None:
+        self.engine = registry.vllm_engine(
+            str(model_dir), max_prompt_len, dtype=dtype, site=site, seed=seed, serves_media=serves_media
+        )
         self.dtype = dtype
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> ReferenceRun:
+    def run(self, prompts: list[list[int]] | list[dict[str, Any]], max_tokens: int) -> ReferenceRun:
+        """Token-id prompts, or vLLM prompt dicts ({"prompt": ..., "multi_modal_data": ...}) as they are."""
         engine = self.engine
         try:
             from vllm import SamplingParams
@@ -147,7 +152,8 @@ class VllmReference:
         try:
             config = effective_config(llm)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROBS_TOP_K)
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
+            outputs = llm.generate(inputs, params, use_tqdm=False)
         finally:
             _shutdown(llm)
         tokens, scores = [], []

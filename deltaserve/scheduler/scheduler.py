@@ -18,7 +18,7 @@ from collections import deque
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
 from deltaserve.scheduler.stop import FINISH_ABORT, check_stop
-from deltaserve.step import MultimodalSpan, NewRequest, ScheduledSeq, StepPlan, StepResult
+from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult, window_spans
 
 Logprobs = tuple[tuple[int, float, int], ...]
 
@@ -141,13 +141,7 @@ class Scheduler:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             needs_sample = start + num_new == seq.num_planned_tokens
-            spans = ()
-            if seq.mm_input is not None:
-                items = seq.mm_input.items
-                spans = tuple(
-                    MultimodalSpan(items[i].offset, items[i].length, i)
-                    for i in seq.mm_input.items_in_window(start, start + num_new)
-                )
+            spans = window_spans(seq.mm_input, start, start + num_new)
             item = ScheduledSeq(
                 row=seq.row,
                 num_computed_tokens=start,

@@ -15,16 +15,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.gates.media_prompts import reference_inputs as media_reference_inputs
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.loader import load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.model.vision import gather_mm_embeds
 from deltaserve.multimodal.inputs import MultimodalInput
-from deltaserve.multimodal.positions import token_types
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind
 
 BLOCK_SIZE = 16
@@ -117,17 +116,5 @@ class MultimodalModelDriver:
 
 
 def reference_inputs(ids: list[int], mm_input: MultimodalInput, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' forward/generate kwargs for the same prompt and items."""
-    vision = config.vision
-    kwargs: dict[str, torch.Tensor] = {
-        "input_ids": torch.tensor([ids]),
-        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-        "mm_token_type_ids": torch.from_numpy(token_types(ids, vision.image_token_id, vision.video_token_id))[None],
-    }
-    for modality, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                          ("video", "pixel_values_videos", "video_grid_thw")):  # fmt: skip
-        items = [it for it in mm_input.items if it.modality == modality]
-        if items:
-            kwargs[pixel_key] = torch.from_numpy(np.concatenate([it.pixel_values for it in items]))
-            kwargs[grid_key] = torch.tensor([list(it.grid_thw) for it in items])
-    return kwargs
+    """transformers' forward/generate kwargs for the same prompt and items (the media gate's, from the package)."""
+    return media_reference_inputs(ids, mm_input, config.vision.image_token_id, config.vision.video_token_id)

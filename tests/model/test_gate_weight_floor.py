@@ -1,0 +1,56 @@
+"""The token gate's verdict on a prompt whose logit or split error passes the fixed bounds: within 10x of the
+reference's own change under one rounding of every weight it is listed as ill-conditioned and the check holds;
+beyond that, or with no floor measured, the check fails. Built from hand-made PromptResults (no model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deltaserve.gates import tokens
+from deltaserve.gates.references import ReferenceRun
+
+
+def _verdict(results: list[tokens.PromptResult]) -> tuple[int, list[str]]:
+    report = tokens.GateReport()
+    run = ReferenceRun([[1]] * len(results), [[]] * len(results), {"class": "X"})
+    code = tokens._report(report, results, "float32", Path("m"), "transformers", run, "random", None)
+    return code, report.lines
+
+
+def _result(index: int, logit: float = 1e-6, split: float = 1e-7, floor: float | None = None) -> tokens.PromptResult:
+    result = tokens.PromptResult(index, 10, True, logit_rel_error=logit, split_rel_error=split, noise_floor=1e-6)
+    result.weight_floor = floor
+    return result
+
+
+def test_well_conditioned_prompts_pass_without_any_listing() -> None:
+    code, lines = _verdict([_result(0), _result(1)])
+    assert code == 0 and not any("ill-conditioned" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("logit", "split", "floor", "expected"),
+    [
+        (5e-3, 1e-7, 1e-3, 0),  # logit error within 10x the reference's own change: ill-conditioned, listed
+        (5e-2, 1e-7, 1e-3, 1),  # 50x: a defect
+        (5e-3, 1e-7, None, 1),  # above the tolerance with nothing measured: fails
+        (1e-6, 5e-3, 1e-3, 0),  # the split check the same way
+        (1e-6, 5e-2, 1e-3, 1),
+    ],
+)
+def test_errors_above_the_bounds_are_judged_against_the_weight_floor(
+    logit: float, split: float, floor: float | None, expected: int
+) -> None:
+    code, lines = _verdict([_result(0), _result(1, logit, split, floor)])
+    assert code == expected
+    listed = [line for line in lines if line.startswith("  prompt 1:")]
+    assert len(listed) == 1 and listed[0].endswith("ill-conditioned" if expected == 0 else "FAIL"), lines
+
+
+def test_floors_are_measured_only_for_prompts_above_the_bounds() -> None:
+    results = [_result(0), _result(1, logit=1e-3), _result(2, split=1e-3)]
+    asked: list[int] = []
+    tokens.measure_weight_floors(results, "float32", lambda i: asked.append(i) or 1.0)
+    assert asked == [1, 2] and results[0].weight_floor is None and results[1].weight_floor == 1.0
