@@ -173,6 +173,8 @@ class EngineFrontend:
                 limit_mm_per_prompt=config.limit_mm_per_prompt,
                 mm_processor_kwargs=config.mm_processor_kwargs,
             )
+            self.mm_processor.check_vision_geometry(vision.patch_size, vision.temporal_patch_size,
+                                                    vision.spatial_merge_size)  # fmt: skip
 
     @property
     def vocab_size(self) -> int:

@@ -53,6 +53,10 @@ class ProcessedPrompt:
     mm_input: MultimodalInput
 
 
+class MediaRefusedError(ValueError):
+    """The checkpoint's media are refused as the engine refuses them (its processor and tower disagree)."""
+
+
 def process_prompts(model_dir: Path, tokenizer: Any, prompts: list[MediaPrompt]) -> list[ProcessedPrompt]:
     """Each prompt through deltaserve's processor, tokenised as LLM.generate tokenises a text prompt."""
     from deltaserve.config import ModelConfig
@@ -66,6 +70,9 @@ def process_prompts(model_dir: Path, tokenizer: Any, prompts: list[MediaPrompt])
     processor = MultimodalProcessor.from_model_dir(
         model_dir, ids, lambda text: tokenizer.encode(text, add_special_tokens=False)
     )
+    processor.check_vision_geometry(vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+    if processor.refusal is not None:
+        raise MediaRefusedError(processor.refusal)
     processed = []
     for prompt in prompts:
         media = loaded_media(prompt.multi_modal_data(), processor.configs.video.fps or 2.0)
@@ -192,7 +199,11 @@ def run_media_gate(
             torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [p for kind in kinds for p in make_media_prompts(tokenizer, kind, num_prompts, seed)]
-    processed = process_prompts(model_dir, tokenizer, prompts)
+    try:
+        processed = process_prompts(model_dir, tokenizer, prompts)
+    except MediaRefusedError as exc:
+        print(f"gate tokens: nothing to check: deltaserve refuses {label} prompts on {model_dir}: {exc}")
+        return 2
     if not env.fuse_attn_preamble():
         print(f"gate tokens: {FOUR_OP_VARIABLE}=0 selects the four-op preamble, which must refuse {label} "
               "prompts: checking that refusal only")  # fmt: skip

