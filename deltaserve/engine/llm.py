@@ -78,10 +78,18 @@ class LLM:
             request_ids.append(request_id)
         states = {rid: self.engine.requests[rid] for rid in request_ids}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as progress:
-            while self.engine.has_unfinished():
-                for output in self.engine.step():
-                    if output.finished:
-                        progress.update(1)
+            try:
+                while self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        if output.finished:
+                            progress.update(1)
+            except BaseException:
+                # a step that raised (a model error, Ctrl-C) leaves its requests scheduled with no step in flight:
+                # abort them so they free their blocks and slots and the next call does not wait on them forever
+                for request_id in request_ids:
+                    if request_id in self.engine.requests:
+                        self.engine.abort_request(request_id)
+                raise
         return [states[rid].final_output() for rid in request_ids]
 
     def shutdown(self) -> None:

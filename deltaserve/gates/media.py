@@ -357,6 +357,7 @@ def four_op_refusal(llm: Any, item: ProcessedPrompt, expected: list[int] | None)
     in the engine; afterwards, with the fused preamble back, the engine must serve the same prompt (to
     `expected`, its earlier tokens, when given)."""
     from deltaserve import SamplingParams
+    from deltaserve.engine.frontend import RequestError
 
     head = f"four-op preamble ({FOUR_OP_VARIABLE}=0) on prompt 0 ({item.prompt.kind}):"
     num_tokens = len(expected) if expected else 2
@@ -372,6 +373,9 @@ def four_op_refusal(llm: Any, item: ProcessedPrompt, expected: list[int] | None)
                 problems.append(f"{name} served it (1-D RoPE on 3-D positions)")
             except ValueError as exc:
                 seen.append(f"{name} refused it ({type(exc).__name__})")
+                if name == "LLM.generate" and not isinstance(exc, RequestError):
+                    # raised from inside a step: a server would lose its engine core, not answer a 400
+                    problems.append(f"{name} raised it from a step, not the front end's up-front refusal")
                 if not _names_variable(exc):
                     problems.append(f"{name}'s error does not name {FOUR_OP_VARIABLE}: {_short(exc)}")
             except Exception as exc:

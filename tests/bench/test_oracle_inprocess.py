@@ -144,14 +144,12 @@ def mutate_registry(tmp_path: Path, old: str, new: str) -> list:
 
 
 def test_registry_mutation_dropping_language_model_only_is_caught(tmp_path: Path) -> None:
-    (violation,) = mutate_registry(tmp_path, '"language_model_only": facts.is_multimodal,', "")
+    (violation,) = mutate_registry(tmp_path, '"language_model_only": is_text_only,', "")
     assert "do not set language_model_only" in violation.problems[0]
 
 
 def test_registry_mutation_hard_coding_language_model_only_is_caught(tmp_path: Path) -> None:
-    (violation,) = mutate_registry(
-        tmp_path, '"language_model_only": facts.is_multimodal,', '"language_model_only": False,'
-    )
+    (violation,) = mutate_registry(tmp_path, '"language_model_only": is_text_only,', '"language_model_only": False,')
     assert "constant False" in violation.problems[0]
 
 

@@ -217,3 +217,28 @@ def test_default_max_num_seqs_is_vllms_capped_by_state_memory(tiny_dense: Path) 
     tight = LLM(tiny_dense, dtype="float32", cpu_kv_cache_bytes=40 * slot_bytes, max_model_len=64).engine.runner
     assert tight.max_num_seqs == 20  # half of the budget for state slots
     assert tight.layout.num_slots == 20 and tight.layout.num_blocks * tight.layout.bytes_per_block <= 20 * slot_bytes
+
+
+def test_a_step_that_raises_leaves_no_request_behind(tiny_dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model error mid-step reaches the caller; its requests are aborted (blocks and slots freed), so the next
+    generate call serves instead of waiting forever on a request no step will ever advance."""
+    llm = LLM(tiny_dense, dtype="float32", max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    (before,) = llm.generate(["Hello there"], params, use_tqdm=False)
+    runner = llm.engine.core.runner
+    execute = runner.execute
+    calls = {"n": 0}
+
+    def failing(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step: one has launched, one is in flight when it fails
+            raise RuntimeError("injected model error")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(["Hello there", "Another prompt"], params, use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.core.sequences  # aborted (a launched step may still drain)
+    monkeypatch.setattr(runner, "execute", execute)
+    (after,) = llm.generate(["Hello there"], params, use_tqdm=False)
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids

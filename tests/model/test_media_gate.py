@@ -160,16 +160,14 @@ class _AlwaysFused:
         return (lambda: True) if name == "fuse_attn_preamble" else getattr(env, name)
 
 
-# ("no-engine-refusal", the front end's refusal removed, is not run here: the model then raises mid-step and the
-# offline LLM's next generate call spins on the failed request; see the 2026-12-01 closing note)
-@pytest.mark.parametrize("mutation", ["one-d-rope"])
+@pytest.mark.parametrize("mutation", ["no-engine-refusal", "one-d-rope"])
 def test_four_op_check_goes_red(
     mutation: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if mutation == "no-engine-refusal":
         # the request reaches the model, which raises mid-step and leaves it in the engine
         monkeypatch.setattr(frontend, "env", _AlwaysFused())
-        expected = "stayed in the engine"
+        expected = "from a step, not the front end's up-front refusal"
     else:
         # the four-op preamble silently applies the T row as 1-D RoPE
         monkeypatch.setattr(preamble, "check_positions_are_1d", lambda positions: positions[0])
