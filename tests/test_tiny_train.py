@@ -47,13 +47,35 @@ def test_noise_rows_end_in_the_anchor_their_last_token_names(tiny_dense: Path) -
     paragraphs = [train_module._tokenize(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
     batches = train_module._Batches(paragraphs, train_module._num_ordinary(tiny_dense), recipe)
     assert len(batches.anchors) == recipe.num_anchors
-    rows, is_target = batches.next()
+    rows, is_target, labels = batches.next()
+    assert torch.equal(labels, rows)  # noise positions are not supervised by default
     assert rows.shape == is_target.shape == (6, recipe.seq_len)
     for row, mask in zip(rows, is_target, strict=True):
         num_noise = int((~mask).sum())
         assert num_noise >= 1 and bool(mask[num_noise:].all()) and int(row[:num_noise].max()) < 1280
         anchor = batches.anchors[int(row[num_noise - 1]) % recipe.num_anchors]
         assert torch.equal(row[num_noise:], batches.ids[anchor : anchor + recipe.seq_len - num_noise])
+
+
+def test_supervised_noise_positions_predict_the_anchor_they_name(tiny_dense: Path) -> None:
+    train_text, _ = corpus_split()
+    paragraphs = [train_module._tokenize(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
+
+    def batch(is_supervised: bool) -> tuple[torch.Tensor, ...]:
+        recipe = train_module.recipe_for("dense", anchor_fraction=1.0, batch_size=4, num_anchors=3,
+                                         is_noise_supervised=is_supervised)  # fmt: skip
+        batches = train_module._Batches(paragraphs, train_module._num_ordinary(tiny_dense), recipe)
+        return (*batches.next(), batches)
+
+    rows, plain_mask, _, _ = batch(False)
+    same_rows, is_target, labels, batches = batch(True)
+    assert torch.equal(rows, same_rows)
+    for row, plain, mask, label in zip(rows, plain_mask, is_target, labels, strict=True):
+        num_noise = int((~plain).sum())
+        assert num_noise >= 1 and bool(mask[1:].all())
+        for t in range(num_noise - 1):
+            assert int(label[t + 1]) == int(batches.ids[batches.anchors[int(row[t]) % 3]])
+        assert torch.equal(label[num_noise:], row[num_noise:])
 
 
 @pytest.mark.parametrize("variant", ["dense", "next"])

@@ -78,6 +78,7 @@ class EngineCore:
             StructuredOutputsConfig.parse(config.structured_outputs_config),
         )  # fmt: skip
         self._parked: dict[str, Sequence] = {}
+        self._errors: list[tuple[str, str]] = []  # (core request id, message): see take_errors
         self._num_prompt_logprobs: dict[str, int] = {}  # request -> prompt positions reported (resumes recompute)
         self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
@@ -157,12 +158,17 @@ class EngineCore:
             seq = self._parked.pop(request_id, None)
             if seq is not None:
                 self.scheduler.add(seq)
-        outputs = []
         for request_id, message in failed:
             if self._parked.pop(request_id, None) is not None:
                 self.sequences.pop(request_id, None)
-                outputs.append(EngineCoreOutput(request_id, (), None, finish_reason="abort", stop_reason=message))
-        return outputs
+                self._errors.append((request_id, message))
+        return []
+
+    def take_errors(self) -> list[tuple[str, str]]:
+        """(core request id, message) of requests the core ended with an error since the last call (a grammar
+        that did not compile, a constraint no token can satisfy); the front end fails them, never finishes them."""
+        errors, self._errors = self._errors, []
+        return errors
 
     # -- stepping -------------------------------------------------------------------------------------
 
@@ -202,9 +208,21 @@ class EngineCore:
         plan, handle, owners = self._inflight.popleft()
         result = self.runner.collect(handle)
         prompt_logprobs = self._prompt_logprobs(result.prompt_logprobs, owners)
+        failed: list[str] = []
         for seq, tokens, logprobs in self.scheduler.update(plan, result):
             is_finished = seq.is_finished
-            self.structured.accept(seq.seq_id, tokens)
+            error = self.structured.accept(seq.seq_id, tokens)
+            if error is not None:
+                # the token breaks the constraint: the request fails (its output would not follow it)
+                self._errors.append((seq.seq_id, error))
+                prompt_logprobs.pop(seq.seq_id, None)
+                if is_finished:  # the scheduler already freed it
+                    self.sequences.pop(seq.seq_id, None)
+                    self.structured.remove(seq.seq_id)
+                    self._num_prompt_logprobs.pop(seq.seq_id, None)
+                else:
+                    failed.append(seq.seq_id)
+                continue
             if is_finished:
                 self.sequences.pop(seq.seq_id, None)
                 self.structured.remove(seq.seq_id)
@@ -220,6 +238,7 @@ class EngineCore:
                     prompt_logprobs=prompt_logprobs.pop(seq.seq_id, None),
                 )
             )
+        self.abort_requests(failed)
         # prompt logprobs of chunks that sampled nothing yet (a long prompt's early chunks)
         outputs.extend(EngineCoreOutput(rid, (), None, prompt_logprobs=lp) for rid, lp in prompt_logprobs.items())
         self._sample_oldest()

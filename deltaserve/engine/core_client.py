@@ -57,7 +57,8 @@ def serve_core(core: Any, get_commands: Callable[[bool], list[Command]], emit: O
             elif kind == "abort":
                 core.abort_requests(payload)
         outputs = core.step() if core.has_unfinished() else []
-        if outputs or commands:
+        errors.extend(core.take_errors())
+        if outputs or commands or errors:
             emit(EngineCoreOutputs(tuple(outputs), core.stats(), tuple(errors)))
 
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine.core import EngineCore
-from deltaserve.engine.frontend import EngineFrontend
+from deltaserve.engine.frontend import EngineFrontend, RequestError
 from deltaserve.engine.output import RequestState
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import EngineStats
@@ -94,8 +94,17 @@ class LLMEngine:
         return bool(self.requests) or self.core.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One core step's outputs; raises RequestError naming the request when the core failed one (after
+        aborting all of that request's sequences)."""
         outputs, to_abort = self.frontend.processor.process(self.core.step())
         self.core.abort_requests(to_abort)
+        errors = self.core.take_errors()
+        if errors:
+            core_id, message = errors[0]
+            for failed_id, _ in errors:
+                _, core_ids = self.frontend.processor.abort(failed_id.split("#", 1)[0])
+                self.core.abort_requests(core_ids)
+            raise RequestError(f"request {core_id.split('#', 1)[0]}: {message}")
         return outputs
 
     def stats(self) -> EngineStats:

@@ -45,7 +45,7 @@ class ConstraintState:
     params: SamplingParams
     matcher: GrammarMatcher | None = None
     is_active: bool = True  # False until start_after_token_id is generated
-    is_broken: bool = False  # a sampled token the grammar rejected: stop constraining (logged)
+    is_mask_empty: bool = False  # the last mask filled admitted no token of the vocabulary
     outputs: list[int] = field(default_factory=list)  # for multi-token bad words
     bad_words: list[list[int]] = field(default_factory=list)
 
@@ -166,15 +166,16 @@ class StructuredOutputManager:
             return False
         return any(seq.needs_sample and owner in self.states for seq, owner in zip(plan.seqs, owners, strict=True))
 
-    def accept(self, request_id: str, token_ids: list[int]) -> None:
-        """Feeds a sequence's newly accepted tokens to its constraints."""
+    def accept(self, request_id: str, token_ids: list[int]) -> str | None:
+        """Feeds a sequence's newly accepted tokens to its constraints; returns why the request must fail when its
+        grammar rejects one (never dropped silently: the output would no longer follow the constraint)."""
         state = self.states.get(request_id)
         if state is None:
-            return
+            return None
         spec = state.params.structured_outputs
         for token_id in token_ids:
             state.outputs.append(token_id)
-            if state.matcher is None or state.is_broken:
+            if state.matcher is None:
                 continue
             if not state.is_active:
                 state.is_active = token_id == spec.start_after_token_id
@@ -182,9 +183,22 @@ class StructuredOutputManager:
             if state.matcher.is_terminated:
                 continue
             if not state.matcher.accept(token_id):
-                logger.error("request %s: the grammar rejected token %d; the constraint is dropped", request_id,
-                             token_id)  # fmt: skip
-                state.is_broken = True
+                position = len(state.outputs) - 1
+                if state.is_mask_empty:
+                    message = (
+                        f"the structured-output constraint admits no token of this model's vocabulary at output "
+                        f"position {position}: the tokenizer cannot spell what the grammar requires next"
+                        + (" (or the request's bad_words exclude it)" if state.bad_words else "")
+                    )
+                else:
+                    message = (
+                        f"the structured-output grammar rejected sampled token {token_id} at output position "
+                        f"{position} (the request's allowed_token_ids or logit_bias may exclude every token the "
+                        f"grammar allows)"
+                    )
+                logger.error("request %s: %s", request_id, message)
+                return message
+        return None
 
     def fill(self, plan: StepPlan, owners: tuple[str | None, ...]) -> tuple[torch.Tensor | None, np.ndarray]:
         """(bitmask int32 [C, W], positions [C] in the step's sampling order) of the constrained sampling rows."""
@@ -203,13 +217,9 @@ class StructuredOutputManager:
             return None, np.zeros(0, dtype=np.int64)
         bitmask = torch.full((len(states), self.width), -1, dtype=torch.int32)
         for index, state in enumerate(states):
-            if (
-                state.matcher is not None
-                and state.is_active
-                and not state.is_broken
-                and not state.matcher.is_terminated
-            ):
+            if state.matcher is not None and state.is_active and not state.matcher.is_terminated:
                 state.matcher.fill(bitmask, index)
+                state.is_mask_empty = not bool(bitmask[index].any())
             for word in state.bad_words:
                 prefix = word[:-1]
                 if len(state.outputs) >= len(prefix) and state.outputs[len(state.outputs) - len(prefix) :] == prefix:
@@ -223,5 +233,5 @@ class StructuredOutputManager:
 
     @staticmethod
     def _has_mask(state: ConstraintState) -> bool:
-        has_grammar = state.matcher is not None and state.is_active and not state.is_broken
+        has_grammar = state.matcher is not None and state.is_active
         return has_grammar or bool(state.bad_words)

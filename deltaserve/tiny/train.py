@@ -66,6 +66,13 @@ class Recipe:
     # Share of batch rows that are random ordinary tokens followed by an anchor paragraph (see _Batches).
     anchor_fraction: float = 0.5
     num_anchors: int = 1
+    # Relative std of the Gaussian noise multiplied into the input of every nn.Linear while training (0: none).
+    # bf16 rounds each activation by up to 2^-9 relative; a model trained under noise a few times that size learns
+    # margins the rounding cannot cross (see _activation_noise).
+    activation_noise: float = 0.0
+    # Noise rows also teach every noise position to predict the first token of the anchor its own token names,
+    # not only the last one: a random prompt's first greedy token is then as confident as the text after it.
+    is_noise_supervised: bool = False
     num_threads: int = 1
     # Where the steps run: "cpu" (one thread, deterministic) or "cuda" (about 50x faster per step on an H200;
     # deterministic where torch has deterministic CUDA kernels, warned where not). The weights differ by device.
@@ -175,7 +182,11 @@ def _learning_rate(recipe: Recipe, step: int) -> float:
 
 
 def _losses(
-    trunk: torch.nn.Module, head: MtpHead, batch: torch.Tensor, is_target: torch.Tensor | None = None
+    trunk: torch.nn.Module,
+    head: MtpHead,
+    batch: torch.Tensor,
+    is_target: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(trunk next-token loss, MTP next-next-token loss) on batch [B, T]; is_target [B, T] marks the tokens that
     count as targets (None: all)."""
@@ -185,7 +196,8 @@ def _losses(
     logits = trunk.lm_head(hidden)  # [B, T, V]
     vocab = logits.shape[-1]
     ignore = -100
-    targets = batch if is_target is None else batch.masked_fill(~is_target, ignore)
+    labels = batch if labels is None else labels
+    targets = labels if is_target is None else labels.masked_fill(~is_target, ignore)
     trunk_loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), targets[:, 1:].reshape(-1), ignore_index=ignore)
     # The head at t reads h_t and x_{t+1} and predicts x_{t+2}.
     mtp_logits = head(trunk, batch[:, 1:-1], hidden[:, :-2], positions[:, :-2])  # [B, T-2, V]
@@ -214,24 +226,33 @@ class _Batches:
         self.num_ordinary = num_ordinary
         self.generator = torch.Generator().manual_seed(recipe.seed)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(batch [B, T], is_target [B, T])."""
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(batch [B, T], is_target [B, T], labels [B, T]): labels are the batch but where noise positions are
+        supervised (recipe.is_noise_supervised)."""
         recipe, generator = self.recipe, self.generator
         size = recipe.seq_len
-        rows, masks = [], []
+        rows, masks, labels = [], [], []
         offsets = torch.randint(0, len(self.ids) - size, (recipe.batch_size,), generator=generator).tolist()
         is_noise = (torch.rand(recipe.batch_size, generator=generator) < recipe.anchor_fraction).tolist()
         for offset, noisy in zip(offsets, is_noise, strict=True):
             if not noisy:
                 rows.append(self.ids[offset : offset + size])
                 masks.append(torch.ones(size, dtype=torch.bool))
+                labels.append(rows[-1])
                 continue
             num_noise = int(torch.randint(1, size - 31, (1,), generator=generator))
             noise = torch.randint(0, self.num_ordinary, (num_noise,), generator=generator)
             anchor = self.anchors[int(noise[-1]) % len(self.anchors)]
             rows.append(torch.cat([noise, self.ids[anchor : anchor + size - num_noise]]))
             masks.append(torch.arange(size) >= num_noise)
-        return torch.stack(rows), torch.stack(masks)
+            labels.append(rows[-1])
+            if recipe.is_noise_supervised and num_noise > 1:
+                # position t predicts label t+1: the first token of the anchor that noise token t names
+                named = torch.tensor(self.anchors)[noise[:-1] % len(self.anchors)]
+                labels[-1] = rows[-1].clone()
+                labels[-1][1:num_noise] = self.ids[named]
+                masks[-1] = masks[-1] | (torch.arange(size) >= 1)
+        return torch.stack(rows), torch.stack(masks), torch.stack(labels)
 
 
 def _padding_rows(trunk: torch.nn.Module, num_tokenizer_tokens: int) -> list[torch.Tensor]:
@@ -239,6 +260,27 @@ def _padding_rows(trunk: torch.nn.Module, num_tokenizer_tokens: int) -> list[tor
     tables = [text_model_of(trunk).embed_tokens.weight, trunk.lm_head.weight]
     unique = {id(t): t for t in tables}
     return [t for t in unique.values() if t.shape[0] > num_tokenizer_tokens]
+
+
+def _activation_noise(modules: list[torch.nn.Module], scale: float, seed: int) -> list:
+    """Forward pre-hooks that multiply every nn.Linear input by (1 + scale * N(0, 1)) in training mode, drawn from
+    a seeded generator on the input's device; returns the handles (removed after training). No hooks at scale 0."""
+    if scale <= 0:
+        return []
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def perturb(module: torch.nn.Module, args: tuple) -> tuple | None:
+        if not module.training:
+            return None
+        (x, *rest) = args
+        generator = generators.get(x.device)
+        if generator is None:
+            generator = generators[x.device] = torch.Generator(device=x.device).manual_seed(seed + 1)
+        noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+        return (x * (1 + scale * noise), *rest)
+
+    linears = {id(m): m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    return [m.register_forward_pre_hook(perturb) for m in linears.values()]
 
 
 @dataclass
@@ -306,6 +348,7 @@ def _train(
     )
     trunk.train()
     head.train()
+    noise_hooks = _activation_noise([trunk, head], recipe.activation_noise, recipe.seed)
     start = time.monotonic()
     first_loss = final_loss = final_mtp = float("nan")
     num_paced = min(10, recipe.num_warmup_steps)
@@ -319,11 +362,10 @@ def _train(
                 print(
                     f"train[{recipe.variant}]: time budget {time_budget_s:.0f} s: {recipe.num_steps} steps", flush=True
                 )
-        batch, is_target = batches.next()
-        batch, is_target = batch.to(device), is_target.to(device)
+        batch, is_target, labels = (t.to(device) for t in batches.next())
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(recipe, step)
-        trunk_loss, mtp_loss = _losses(trunk, head, batch, is_target)
+        trunk_loss, mtp_loss = _losses(trunk, head, batch, is_target, labels)
         loss = trunk_loss + recipe.mtp_loss_weight * mtp_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -343,6 +385,8 @@ def _train(
             )
         step += 1
     seconds = time.monotonic() - start
+    for hook in noise_hooks:
+        hook.remove()
     # Everything after training (writer, held-out loss, MTP agreement) runs on the CPU, as the CPU recipe does.
     trunk.cpu()
     head.cpu()
@@ -435,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=None, help="override the recipe's warm-up steps")
     parser.add_argument("--time-budget-s", type=float, default=None, help="cut the step count to fit this long")
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--activation-noise", type=float, default=None, help="override the recipe's noise scale")
+    parser.add_argument("--noise-supervised", action="store_true", default=None, help="supervise noise positions")
     args = parser.parse_args(argv)
     recipe = recipe_for(
         args.variant,
@@ -444,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         batch_size=args.batch_size,
         num_warmup_steps=args.warmup_steps,
+        activation_noise=args.activation_noise,
+        is_noise_supervised=args.noise_supervised,
     )
     train_tiny(args.out_dir, args.variant, recipe, args.log_every, args.time_budget_s)
     return 0

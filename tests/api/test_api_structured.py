@@ -175,6 +175,23 @@ def test_logit_bias_and_allowed_token_ids_steer(client: openai.OpenAI) -> None:
     assert set(token_ids(allowed_token_ids=[400, 401, 1300])) <= {400, 401, 1300}
 
 
+def test_a_constraint_no_allowed_token_satisfies_fails_the_request(client: openai.OpenAI, http: httpx.Client) -> None:
+    """choice ["yes"] with allowed_token_ids holding none of its tokens: the grammar cannot be followed, so the
+    request fails with vLLM's error envelope (never a 200 whose text ignores the constraint), streamed and not,
+    and the next request is served."""
+    tokenizer_ids = http.post("/tokenize", json={"prompt": "no", "add_special_tokens": False}).json()["tokens"]
+    body = {"structured_outputs": {"choice": ["yes"]}, "allowed_token_ids": tokenizer_ids}
+    with pytest.raises(openai.BadRequestError, match="grammar rejected sampled token"):
+        client.completions.create(model=NAME, prompt="Say it", max_tokens=4, temperature=0, extra_body=body)
+    stream = client.completions.create(model=NAME, prompt="Say it", max_tokens=4, temperature=0, stream=True,
+                                       extra_body=body)  # fmt: skip
+    with pytest.raises(openai.APIError, match="grammar rejected sampled token"):
+        list(stream)
+    after = client.completions.create(model=NAME, prompt="Say it", max_tokens=4, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": ["yes"]}})  # fmt: skip
+    assert after.choices[0].text == "yes"
+
+
 def test_prompt_logprobs_echo_and_token_ids(client: openai.OpenAI, http: httpx.Client) -> None:
     body = {"prompt": "The cat sat on the mat", "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2,
             "return_token_ids": True}  # fmt: skip

@@ -143,3 +143,40 @@ def test_constraints_through_decode_graphs_async_equals_sync(tiny_dense: Path) -
     assert results[True] == results[False]
     value = json.loads(results[True][1][0])
     assert set(value) == {"name", "n"}
+
+
+def test_offline_request_whose_constraint_cannot_be_followed_raises(engines: dict[str, LLM]) -> None:
+    """choice ["yes"] with allowed_token_ids holding none of its tokens: generate raises naming the grammar (the
+    constraint is never dropped silently), leaves nothing scheduled, and the next call is served."""
+    from deltaserve.engine.frontend import RequestError
+
+    llm = engines["sync"]
+    no = llm.get_tokenizer().encode("no", add_special_tokens=False)
+    choice = StructuredOutputsParams(choice=["yes"])
+    with pytest.raises(RequestError, match="grammar rejected sampled token"):
+        llm.generate(["Say it"], SamplingParams(temperature=0, max_tokens=4, structured_outputs=choice,
+                                                allowed_token_ids=no), use_tqdm=False)  # fmt: skip
+    assert not llm.engine.has_unfinished()
+    (ok,) = llm.generate(["Say it"], SamplingParams(temperature=0, max_tokens=4, structured_outputs=choice),
+                         use_tqdm=False)  # fmt: skip
+    assert ok.outputs[0].text == "yes"
+
+
+def test_a_mask_that_admits_no_token_is_named(tmp_path: Path) -> None:
+    """When the last mask filled admitted no token (a tokenizer that cannot spell the grammar: e.g. a word-level
+    tokenizer against a JSON schema), the failure says so rather than blaming the sampled token."""
+    from deltaserve.engine.grammar import StructuredOutputsConfig
+    from deltaserve.engine.structured import ConstraintState, StructuredOutputManager
+
+    class Rejecting:
+        is_terminated = False
+
+        def accept(self, token_id: int) -> bool:
+            return False
+
+    manager = StructuredOutputManager(tmp_path, None, 64, StructuredOutputsConfig.parse(None))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    manager.states["r"] = ConstraintState(params, matcher=Rejecting(), is_mask_empty=True)
+    assert "admits no token of this model's vocabulary at output position 0" in manager.accept("r", [0])
+    manager.states["r"] = ConstraintState(params, matcher=Rejecting())
+    assert "rejected sampled token 5 at output position 0" in manager.accept("r", [5])
