@@ -67,16 +67,22 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+NUM_CHAR_TOKENS = 94  # ids 0..93: the printable ASCII characters "!".."~", one each
+
+
 def write_tokenizer(path: str, vocab: int) -> None:
-    """Word-level tokenizer: id i is the word "t{i}" except the three Qwen special tokens."""
+    """Word-level tokenizer: id i < 94 is the single character chr(33 + i), every other id i the word "t{i}",
+    except the three Qwen special tokens. The single characters let a grammar be spelled (a JSON schema needs
+    "[", "{", '"', ...: with words alone no token can start a JSON value and both engines' structured-output
+    masks admit nothing); no whitespace character is a token, so decode-then-encode still returns the ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = {f"t{i}": i for i in range(vocab)}
+    words = {(chr(33 + i) if i < NUM_CHAR_TOKENS else f"t{i}"): i for i in range(vocab)}
     specials = {248044: "<|endoftext|>", 248045: "<|im_start|>", 248046: "<|im_end|>"}
     for i, name in specials.items():
         del words[f"t{i}"]
         words[name] = i
-    tokenizer = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token=f"t{NUM_CHAR_TOKENS}"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
