@@ -16,7 +16,12 @@ special, as released) in the word-level tokenizer, and a chat template that rend
 vLLM (without --language-model-only) and deltaserve serve image requests from it with --load-format dummy.
 `write_multimodal(path, scaled=True)` writes a scaled-down copy (same files, small dimensions) for CPU tests.
 
-usage: python3 benchmarks/oracle/make_dummy_models.py DIR [--only NAME[,NAME...]]
+`--check` (after writing) loads q35-35b-a3b-mm as the servers will, with this machine's transformers: AutoConfig,
+AutoTokenizer (a chat prompt with one image must encode its text word for word and carry one <|image_pad|> between
+the vision delimiters), deltaserve's ModelConfig and MultimodalProcessor (its processor files must match the vision
+tower's patch geometry); it prints each check and exits 1 when one fails.
+
+usage: python3 benchmarks/oracle/make_dummy_models.py DIR [--only NAME[,NAME...]] [--check]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +273,48 @@ def write_multimodal(path: str, scaled: bool = False) -> None:
     write_processor(path, is_released=True)
 
 
+def check_multimodal(path: str) -> list[str]:
+    """Load the image-traffic folder as vLLM and deltaserve will; returns the failed checks (printing each)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from deltaserve.config import ModelConfig
+    from deltaserve.multimodal import MultimodalProcessor, VisionTokenIds
+
+    failures: list[str] = []
+
+    def check(name: str, is_ok: bool, detail: str) -> None:
+        print(f"check {name}: {'ok' if is_ok else 'FAIL'} ({detail})", flush=True)
+        if not is_ok:
+            failures.append(f"{name}: {detail}")
+
+    config = AutoConfig.from_pretrained(path)
+    vision = config.vision_config
+    check("AutoConfig", vision.depth == 27 and vision.out_hidden_size == config.text_config.hidden_size,
+          f"{type(config).__name__}, vision depth {vision.depth}, out_hidden_size {vision.out_hidden_size}")  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    words = "t5 t6 t7"
+    messages = [{"role": "user", "content": [{"type": "text", "text": words}, {"type": "image"}]}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    vision_ids = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
+    has_image = any(ids[i : i + 3] == vision_ids for i in range(len(ids)))
+    check("AutoTokenizer", tokenizer.encode(words, add_special_tokens=False) == [5, 6, 7] and has_image
+          and ids.count(config.image_token_id) == 1,
+          f"{type(tokenizer).__name__}: {words!r} -> {tokenizer.encode(words, add_special_tokens=False)}, "
+          f"chat prompt ids {ids}")  # fmt: skip
+    model = ModelConfig.from_pretrained(path)
+    check("deltaserve ModelConfig", model.vision is not None and model.vision.depth == vision.depth,
+          f"vision {model.vision}")  # fmt: skip
+    if model.vision is not None:
+        tokens = VisionTokenIds(model.vision.image_token_id, model.vision.video_token_id,
+                                model.vision.vision_start_token_id, model.vision.vision_end_token_id)  # fmt: skip
+        processor = MultimodalProcessor.from_model_dir(path, tokens, encode=lambda text: [])
+        processor.check_vision_geometry(model.vision.patch_size, model.vision.temporal_patch_size,
+                                        model.vision.spatial_merge_size)  # fmt: skip
+        check("deltaserve MultimodalProcessor", processor.refusal is None, processor.refusal or "media accepted")
+    return failures
+
+
 def main(root: str, names: list[str] | None = None) -> None:
     import transformers
 
@@ -292,9 +340,14 @@ if __name__ == "__main__":
     parser.add_argument("root", nargs="?", default=".models")
     known = [*SHAPES, MULTIMODAL_NAME]
     parser.add_argument("--only", default=None, help=f"comma-separated folders to write, of {', '.join(known)}")
+    parser.add_argument("--check", action="store_true", help=f"then load {MULTIMODAL_NAME} as the servers will")
     args = parser.parse_args()
     only = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(only or []) - set(known))
     if unknown:
         parser.error(f"unknown folders {unknown}; known: {', '.join(known)}")
     main(args.root, only)
+    if args.check:
+        problems = check_multimodal(os.path.join(args.root, MULTIMODAL_NAME))
+        print(f"{MULTIMODAL_NAME}: {len(problems)} failed checks" + "".join(f"\n  {p}" for p in problems))
+        sys.exit(1 if problems else 0)
