@@ -289,8 +289,8 @@ def check_multimodal(path: str) -> list[str]:
 
     config = AutoConfig.from_pretrained(path)
     vision = config.vision_config
-    check("AutoConfig", vision.depth == 27 and vision.out_hidden_size == config.text_config.hidden_size,
-          f"{type(config).__name__}, vision depth {vision.depth}, out_hidden_size {vision.out_hidden_size}")  # fmt: skip
+    detail = f"{type(config).__name__}, vision depth {vision.depth}, out_hidden_size {vision.out_hidden_size}"
+    check("AutoConfig", vision.depth == 27 and vision.out_hidden_size == config.text_config.hidden_size, detail)
     tokenizer = AutoTokenizer.from_pretrained(path)
     words = "t5 t6 t7"
     messages = [{"role": "user", "content": [{"type": "text", "text": words}, {"type": "image"}]}]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import contextlib
 import io
 import json
 import math
@@ -78,10 +79,8 @@ def parse_bucket_config(value: str | dict[Any, Any]) -> dict[Bucket, float]:
     for key, probability in value.items():
         parsed = key
         if isinstance(parsed, str):
-            try:
+            with contextlib.suppress(ValueError, SyntaxError):
                 parsed = ast.literal_eval(parsed)
-            except (ValueError, SyntaxError):
-                pass
         if not (isinstance(parsed, tuple) and len(parsed) == 3 and all(isinstance(x, int) for x in parsed)):
             raise ValueError(f"--random-mm-bucket-config: invalid bucket key {key!r}; expected (height, width, frames)")
         buckets[(int(parsed[0]), int(parsed[1]), int(parsed[2]))] = float(probability)

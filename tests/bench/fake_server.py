@@ -4,8 +4,8 @@ It serves /health, /version, /v1/models (with `root`), /tokenize, /detokenize an
 (one SSE event per token after `--ttft-ms`, `--itl-ms` apart, then a usage-only event and [DONE]), using the
 `tokenizers` library on the checkpoint's tokenizer.json. Streaming /v1/chat/completions answers the same way
 (a role chunk with the first token, then content deltas) and counts each image_url part (a base64 data URL that
-Pillow must open) as FAKE_IMAGE_TOKENS prompt tokens; its request bodies are kept in app[CHAT_BODIES]. Run as a script it is a grid arm:
-`python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
+Pillow must open) as FAKE_IMAGE_TOKENS prompt tokens; its request bodies are kept in app[CHAT_BODIES]. Run as a
+script it is a grid arm: `python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
 """
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def build_app(
         for i in range(num_tokens):
             delta = {"role": "assistant", "content": ""} if i == 0 else {"content": f" t{i % 100}"}
             finish = "length" if i == num_tokens - 1 else None
-            event = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            event = {
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await asyncio.sleep(itl_ms / 1000)
         usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens, "total_tokens": num_prompt + num_tokens}

@@ -30,7 +30,9 @@ IMAGE_TOKENS = 64  # a 64x64 image: smart_resize up to 256x256 (min_pixels 65536
 
 
 def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("make_dummy_models", REPO_ROOT / "benchmarks/oracle/make_dummy_models.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_dummy_models", REPO_ROOT / "benchmarks/oracle/make_dummy_models.py"
+    )
     assert spec is not None and spec.loader is not None
     dummy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dummy)
@@ -58,10 +60,6 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         ("deltaserve", None, True),
         ("vllm", None, True),
     ]
-    vllm_argv = record["launches"][1]["argv"]
-    assert vllm_argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and "--language-model-only" not in vllm_argv
-    assert record["arms"]["vllm"]["denominator_note"] == registry.MEDIA_TRAFFIC_NOTE
-    assert record["launches"][1]["engine_version"]
 
     from transformers import AutoTokenizer
 
@@ -89,6 +87,10 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         assert metrics["total_input_tokens"] > metrics["total_text_prompt_tokens"] + num * IMAGE_TOKENS
         by_point.setdefault(run["concurrency"], set()).add(metrics["total_input_tokens"])
     assert all(len(totals) == 1 for totals in by_point.values())  # both arms got the same requests
+    vllm_argv = record["launches"][1]["argv"]
+    assert vllm_argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and "--language-model-only" not in vllm_argv
+    assert record["arms"]["vllm"]["denominator_note"] == registry.MEDIA_TRAFFIC_NOTE
+    assert record["launches"][1]["engine_version"]
     assert {(r["subject"], r["peer"], r["concurrency"]) for r in record["ratios"]} == {
         ("deltaserve", "vllm", 1),
         ("deltaserve", "vllm", 2),
