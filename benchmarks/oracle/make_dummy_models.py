@@ -12,9 +12,11 @@ Qwen3.5/3.6-35B-A3B publishes (every field spelled out: depth 27, hidden 1152, i
 and video_preprocessor_config.json, Qwen's 26 added tokens at their released ids (endoftext 248044, im_start /
 im_end 248045-6, vision_start / vision_end 248053-4, image_pad / video_pad 248056-7, think 248068-9; the first 14
 special, as released) in the word-level tokenizer, and a chat template that renders an image part as
-<|vision_start|><|image_pad|><|vision_end|> (deltaserve/tiny/chat_template.jinja, Qwen3.5's prompt format). Both
-vLLM (without --language-model-only) and deltaserve serve image requests from it with --load-format dummy.
-`write_multimodal(path, scaled=True)` writes a scaled-down copy (same files, small dimensions) for CPU tests.
+<|vision_start|><|image_pad|><|vision_end|> (deltaserve/tiny/chat_template.jinja, Qwen3.5's prompt format; vLLM 0.26
+detects it as the "openai" content format, so both engines render the same parts in the same order). It is meant
+for vLLM (without --language-model-only) and deltaserve, both with --load-format dummy; on the CPU, --check and the
+scaled-down copy that `write_multimodal(path, scaled=True)` writes (same files, small dimensions; served end to end
+by tests/bench/test_image_grid_cpu.py) stand in until the H200 run serves it with vLLM.
 
 `--check` (after writing) loads q35-35b-a3b-mm as the servers will, with this machine's transformers: AutoConfig,
 AutoTokenizer (a chat prompt with one image must encode its text word for word and carry one <|image_pad|> between
@@ -166,9 +168,10 @@ MULTIMODAL_NAME = "q35-35b-a3b-mm"
 MULTIMODAL_BASE = "q35-35b-a3b"  # its text_config is this folder's, unchanged
 # The scaled-down copy for CPU tests: the same config fields and files at small dimensions. Its tokenizer is the
 # tiny checkpoints' byte-level BPE (deltaserve/tiny/tokenizer.py, Qwen's pipeline and added tokens, 1,300 ids):
-# transformers from 5.2x loads every qwen3_5_moe folder's tokenizer as Qwen3_5Tokenizer, which rebuilds a byte-level
-# BPE pipeline and reads the word-level tokenizer as nothing (it encodes "t5 t6" to []), while 5.17 (the H200's)
-# keeps the declared PreTrainedTokenizerFast; the BPE tokenizer loads the same under both.
+# transformers 5.24 (this repository's venv; qwen3_5_moe joined its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) loads
+# every qwen3_5_moe folder's tokenizer as Qwen3_5Tokenizer, which rebuilds a byte-level BPE pipeline and reads a
+# word-level tokenizer as nothing (it encodes "t5 t6" to []), while 5.17 (the H200's) keeps the declared
+# PreTrainedTokenizerFast; the BPE tokenizer loads the same under both.
 SCALED_TEXT: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 4,

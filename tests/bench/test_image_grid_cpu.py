@@ -6,7 +6,8 @@ the argv to deltaserve, so a --language-model-only left in the image-traffic lau
 
 Checked: both launches serve every request; the images were sent and counted (each request's server-side prompt
 tokens are its chat template, text and 64 image tokens per 64x64 image, resized up to transformers' 256x256 floor);
-the record carries the dataset, the peer's launch without --language-model-only and its denominator note.
+the record carries the dataset, the peer's launch without --language-model-only and its denominator note, and the
+report shows both.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from bench_helpers import free_port
 
-from deltaserve.bench import registry
+from deltaserve.bench import registry, report
 from deltaserve.bench.dataset_mm import parse_bucket_config
 from deltaserve.bench.grid import REPO_ROOT, Grid, load_config
 from deltaserve.bench.grid_config import Model
@@ -95,3 +96,6 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         ("deltaserve", "vllm", 1),
         ("deltaserve", "vllm", 2),
     }
+    text = "\n".join(report.render_record("image-cpu", record, None))
+    assert "- dataset: random-mm (" in text and "bucket_config={(64, 64, 1): 1.0}" in text
+    assert "vision-tower-kept" in text
