@@ -88,6 +88,20 @@ def test_a_few_steps_train_and_keep_the_make_tiny_format(
     assert not embed[1300:].any() and (out.stat().st_mode & 0o777) == 0o755
 
 
+def test_a_time_budget_cuts_the_step_count_inside_the_warm_up(tiny_dirs: dict[str, Path]) -> None:
+    """--time-budget-s: after the paced steps the count is cut to what fits (never below the warm-up plus one), and
+    the report's recipe states the count that ran, so `--steps N` rebuilds the run."""
+    recipe = train_module.recipe_for("dense", num_steps=500, batch_size=1, seq_len=40, num_warmup_steps=3)
+    _, report = train_module.train(tiny_dirs["dense"], recipe, log_every=0, time_budget_s=1e-6)
+    assert report.recipe["num_steps"] == 4 and report.recipe["device"] == "cpu"
+    _, uncut = train_module.train(
+        tiny_dirs["dense"],
+        train_module.recipe_for("dense", num_steps=4, batch_size=1, seq_len=40, num_warmup_steps=3),
+        0,
+    )
+    assert uncut.tensor_sha256 == report.tensor_sha256
+
+
 def test_a_broken_expert_writer_is_caught_by_the_round_trip(tiny_next: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def swapped(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         out = unfuse_experts(name, tensor)

@@ -5,6 +5,7 @@
 #   DELTASERVE_FUSE_ATTN_PREAMBLE=0 (one vLLM run serves both, --reference-cache), then
 #   deltaserve bf16 vs transformers bf16, both preamble settings.
 # Each run writes its record to $OUT/gate-bf16-<reference>-<variant>[-unfused].json and its log next to it.
+# TRAINED_DIR (default deltaserve/tiny/trained) holds the checkpoints, e.g. freshly trained ones on the device.
 # usage: OUT=... [REFERENCES="vllm transformers"] [PREAMBLES="1 0"] bash benchmarks/oracle/gate_runs.sh [dense] [moe] [next]
 #        (default: all three variants, both references, both preamble settings; one vLLM start per variant, about
 #        2-3 min each on a warm machine, so one variant per call is the safe split). REFERENCES=transformers needs no
@@ -23,7 +24,7 @@ export PYTHONPATH="$PWD:/tmp/vllm_site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRAN
 mkdir -p "$OUT" /tmp/gate_cache
 status=0
 for v in $variants; do
-  model=deltaserve/tiny/trained/$v
+  model=${TRAINED_DIR:-deltaserve/tiny/trained}/$v
   for reference in $references; do
     for preamble in $preambles; do
       name=gate-bf16-$reference-$v$([ "$preamble" = 0 ] && echo -unfused)

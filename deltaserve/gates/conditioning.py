@@ -25,7 +25,12 @@ def required(num_prompts: int) -> int:
 
 
 def check_conditioning(
-    model_dir: Path, num_prompts: int = 32, max_tokens: int = 32, seed: int = 0, max_prompt_len: int = 160
+    model_dir: Path,
+    num_prompts: int = 32,
+    max_tokens: int = 32,
+    seed: int = 0,
+    max_prompt_len: int = 160,
+    device: str = "cpu",
 ) -> int:
     """Exit code 0 when well conditioned, 1 when not (or the reference is refused), 2 with nothing to check."""
     from transformers import AutoTokenizer
@@ -39,7 +44,7 @@ def check_conditioning(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = make_prompts(tokenizer, num_prompts, max_prompt_len, seed)
     try:
-        runs = {dtype: TransformersReference(model_dir, dtype, "cpu").run(prompts, max_tokens) for dtype in
+        runs = {dtype: TransformersReference(model_dir, dtype, device).run(prompts, max_tokens) for dtype in
                 ("bfloat16", "float32")}  # fmt: skip
     except ReferenceError as exc:
         print(f"conditioning: REFUSED: {exc}")
@@ -49,7 +54,7 @@ def check_conditioning(
     verdict = "well conditioned" if num_agree >= need else "NOT well conditioned"
     print(
         f"conditioning: {model_dir}: transformers-bfloat16 vs transformers-float32 STRICT {num_agree}/{num_prompts} "
-        f"({max_tokens} greedy tokens each; need >= {need}): {verdict}"
+        f"({max_tokens} greedy tokens each, on {device}; need >= {need}): {verdict}"
     )
     return 0 if num_agree >= need else 1
 
@@ -60,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where transformers runs (the CI check runs on the CPU)")
     args = parser.parse_args(argv)
-    return check_conditioning(args.model_dir, args.num_prompts, args.max_tokens, args.seed)
+    return check_conditioning(args.model_dir, args.num_prompts, args.max_tokens, args.seed, device=args.device)
 
 
 if __name__ == "__main__":

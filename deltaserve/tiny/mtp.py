@@ -79,7 +79,12 @@ class MtpHead(nn.Module):
         text_model = text_model_of(trunk)
         embedded = text_model.embed_tokens(next_ids)
         fused = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        position_embeddings = text_model.rotary_emb(fused, positions)
+        rope_positions = positions
+        if hasattr(text_model.rotary_emb, "mrope_section"):
+            # Qwen3.5's MRoPE rotary takes [3, B, T] (text: three equal rows); transformers 5.17 does not expand
+            # a [B, T] tensor itself (later versions do).
+            rope_positions = positions.unsqueeze(0).expand(3, -1, -1)
+        position_embeddings = text_model.rotary_emb(fused, rope_positions)
         for layer in self.layers:
             # No mask: transformers' SDPA path is causal when the mask is None and the query is longer than 1.
             fused = layer(fused, position_embeddings=position_embeddings, attention_mask=None, position_ids=positions)
