@@ -24,6 +24,7 @@ does this client.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import base64
 import contextlib
@@ -239,3 +240,41 @@ def sample_random_mm(
             )
         )
     return requests
+
+
+def add_mm_arguments(group: argparse._ArgumentGroup) -> None:
+    """`vllm bench serve`'s random-mm flags, with its defaults."""
+    group.add_argument(
+        "--random-mm-base-items-per-request",
+        type=int,
+        default=DEFAULT_BASE_ITEMS_PER_REQUEST,
+        help="random-mm: base number of images per request",
+    )
+    group.add_argument(
+        "--random-mm-num-mm-items-range-ratio",
+        type=float,
+        default=DEFAULT_NUM_MM_ITEMS_RANGE_RATIO,
+        help="random-mm: r in [0, 1]; the count is uniform in [floor(n(1-r)), ceil(n(1+r))]",
+    )
+    group.add_argument(
+        "--random-mm-limit-mm-per-prompt",
+        type=parse_limit_mm_per_prompt,
+        default=dict(DEFAULT_LIMIT_MM_PER_PROMPT),
+        help='random-mm: per-modality caps, JSON, e.g. \'{"image": 1, "video": 0}\'',
+    )
+    group.add_argument(
+        "--random-mm-bucket-config",
+        type=parse_bucket_config,
+        default=dict(DEFAULT_BUCKET_CONFIG),
+        help='random-mm: {(height, width, num_frames): probability}, e.g. "{(512, 512, 1): 1.0}" (images only)',
+    )
+
+
+def mm_options(args: argparse.Namespace) -> MmOptions:
+    """MmOptions from parsed add_mm_arguments flags."""
+    return MmOptions(
+        base_items_per_request=args.random_mm_base_items_per_request,
+        num_mm_items_range_ratio=args.random_mm_num_mm_items_range_ratio,
+        limit_mm_per_prompt=dict(args.random_mm_limit_mm_per_prompt),
+        bucket_config=dict(args.random_mm_bucket_config),
+    )

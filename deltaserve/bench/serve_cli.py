@@ -30,16 +30,7 @@ import aiohttp
 
 from deltaserve.bench.client import LoadOptions, SamplingOptions, run_load
 from deltaserve.bench.dataset import align_with_server, sample_random
-from deltaserve.bench.dataset_mm import (
-    DEFAULT_BASE_ITEMS_PER_REQUEST,
-    DEFAULT_BUCKET_CONFIG,
-    DEFAULT_LIMIT_MM_PER_PROMPT,
-    DEFAULT_NUM_MM_ITEMS_RANGE_RATIO,
-    MmOptions,
-    parse_bucket_config,
-    parse_limit_mm_per_prompt,
-    sample_random_mm,
-)
+from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
 from deltaserve.bench.metrics import compute_metrics, parse_goodput, parse_metric_names, parse_percentiles
 from deltaserve.bench.nvml import MemorySampler
 
@@ -79,30 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--random-prefix-len", type=int, default=0)
     data.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
     data.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
-    data.add_argument(
-        "--random-mm-base-items-per-request",
-        type=int,
-        default=DEFAULT_BASE_ITEMS_PER_REQUEST,
-        help="random-mm: base number of images per request",
-    )
-    data.add_argument(
-        "--random-mm-num-mm-items-range-ratio",
-        type=float,
-        default=DEFAULT_NUM_MM_ITEMS_RANGE_RATIO,
-        help="random-mm: r in [0, 1]; the count is uniform in [floor(n(1-r)), ceil(n(1+r))]",
-    )
-    data.add_argument(
-        "--random-mm-limit-mm-per-prompt",
-        type=parse_limit_mm_per_prompt,
-        default=dict(DEFAULT_LIMIT_MM_PER_PROMPT),
-        help='random-mm: per-modality caps, JSON, e.g. \'{"image": 1, "video": 0}\'',
-    )
-    data.add_argument(
-        "--random-mm-bucket-config",
-        type=parse_bucket_config,
-        default=dict(DEFAULT_BUCKET_CONFIG),
-        help='random-mm: {(height, width, num_frames): probability}, e.g. "{(512, 512, 1): 1.0}" (images only)',
-    )
+    add_mm_arguments(data)
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
 
@@ -189,15 +157,6 @@ def check_endpoint(args: argparse.Namespace) -> bool:
     if is_chat and not args.endpoint.rstrip("/").endswith("chat/completions"):
         raise ValueError(f"OpenAI Chat Completions API URL must end with chat/completions, got {args.endpoint}")
     return is_chat
-
-
-def mm_options(args: argparse.Namespace) -> MmOptions:
-    return MmOptions(
-        base_items_per_request=args.random_mm_base_items_per_request,
-        num_mm_items_range_ratio=args.random_mm_num_mm_items_range_ratio,
-        limit_mm_per_prompt=dict(args.random_mm_limit_mm_per_prompt),
-        bucket_config=dict(args.random_mm_bucket_config),
-    )
 
 
 async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[str, Any]:
