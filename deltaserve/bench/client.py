@@ -1,10 +1,18 @@
-"""The load generator: streaming /v1/completions requests over aiohttp, timed as `vllm bench serve` times them.
+"""The load generator: streaming /v1/completions or /v1/chat/completions requests over aiohttp, timed as `vllm bench
+serve` times them.
 
 One request = one POST with `stream: true` and `stream_options.include_usage`; the start time is taken after
 the concurrency semaphore is acquired (so client queueing is excluded, as in vLLM). The SSE stream is split
 on blank lines; `:` comment lines are pings; `data: [DONE]` ends it. The first event whose `choices` is
 non-empty sets TTFT (its text may be empty); every later choice-bearing event adds one ITL gap; the last one
-sets E2EL. A usage-only event sets the output token count and does not move any timestamp.
+sets E2EL. A usage-only event sets the output token count.
+
+Chat (the `openai-chat` backend, vLLM's async_request_openai_chat_completions): one user message whose content is
+[{"type": "text", "text": PROMPT}, *the request's media parts], `max_completion_tokens` for the output length, the
+text read from `choices[0].delta.content`; as in vLLM's chat function, every data event (a usage-only one too)
+moves the "last event" time, so the E2EL of a chat request ends at its usage event. One departure, kept on purpose:
+vLLM counts a chat response with HTTP 200 but no choice-bearing event as a success with TTFT 0; here it fails
+("Never received a valid chunk"), as vLLM's completions function does, so no untimed request enters the metrics.
 """
 
 from __future__ import annotations
@@ -71,6 +79,22 @@ def completion_payload(model: str, prompt: str, max_tokens: int, sampling: Sampl
     return payload
 
 
+def chat_payload(
+    model: str, prompt: str, mm_content: tuple[dict[str, Any], ...], max_tokens: int, sampling: SamplingOptions
+) -> dict[str, Any]:
+    """The JSON body vLLM's chat request function sends: the text part first, the media parts after it."""
+    content: list[dict[str, Any]] = [{"type": "text", "text": prompt}, *mm_content]
+    payload: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_completion_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    payload.update(sampling.body_fields())
+    return payload
+
+
 class SSEBuffer:
     """Reassembles SSE events from arbitrary byte chunks; yields each event's data payloads."""
 
@@ -105,10 +129,11 @@ class SSEBuffer:
 class TimedStream:
     """Applies vLLM's timing rules to the data payloads of one response, in arrival order."""
 
-    def __init__(self, result: RequestResult, start: float) -> None:
+    def __init__(self, result: RequestResult, start: float, is_chat: bool = False) -> None:
         self.result = result
         self.start = start
         self.last = start
+        self.is_chat = is_chat
         self.is_first_received = False
         self.texts: list[str] = []
         self.is_done = False
@@ -129,13 +154,19 @@ class TimedStream:
             else:
                 self.result.itl.append(now - self.last)
             self.last = now
-            self.texts.append(choices[0].get("text") or "")
+            if self.is_chat:
+                self.texts.append((choices[0].get("delta") or {}).get("content") or "")
+            else:
+                self.texts.append(choices[0].get("text") or "")
         usage = data.get("usage")
         if usage:
             if usage.get("completion_tokens") is not None:
                 self.result.output_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 self.result.prompt_len = int(usage["prompt_tokens"])
+        if self.is_chat:
+            # vLLM's chat function: any data event, with choices or without, is the latest event
+            self.last = now
 
     def finish(self) -> None:
         self.result.generated_text = "".join(self.texts)
@@ -155,13 +186,18 @@ def _headers(request_id: str) -> dict[str, str]:
 
 
 async def send_request(
-    session: aiohttp.ClientSession, api_url: str, payload: dict[str, Any], prompt_len: int, request_id: str
+    session: aiohttp.ClientSession,
+    api_url: str,
+    payload: dict[str, Any],
+    prompt_len: int,
+    request_id: str,
+    is_chat: bool = False,
 ) -> RequestResult:
     """POST one streaming completion and time it; never raises (failures are recorded in the result)."""
     result = RequestResult(prompt_len=prompt_len)
     start = time.perf_counter()
     result.start_time = start
-    stream = TimedStream(result, start)
+    stream = TimedStream(result, start, is_chat)
     try:
         async with session.post(api_url, json=payload, headers=_headers(request_id)) as response:
             if response.status != 200:
@@ -195,6 +231,15 @@ class LoadOptions:
     seed: int = 0
     request_id_prefix: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:8]}-")
     is_tqdm_disabled: bool = False
+    is_chat: bool = False  # the openai-chat backend: chat payloads on /v1/chat/completions
+
+    def payload(self, request: SampleRequest, sampling: SamplingOptions) -> dict[str, Any]:
+        """The request body for `request` on this endpoint."""
+        if self.is_chat:
+            return chat_payload(self.model, request.prompt, request.mm_content, request.expected_output_len, sampling)
+        if request.mm_content:
+            raise ValueError("media content parts need the openai-chat backend (/v1/chat/completions)")
+        return completion_payload(self.model, request.prompt, request.expected_output_len, sampling)
 
 
 async def run_load(
@@ -217,14 +262,14 @@ async def run_load(
 
         async def limited(payload: dict[str, Any], prompt_len: int, request_id: str, bar: Any) -> RequestResult:
             async with semaphore if semaphore is not None else contextlib.nullcontext():
-                result = await send_request(session, load.api_url, payload, prompt_len, request_id)
+                result = await send_request(session, load.api_url, payload, prompt_len, request_id, load.is_chat)
             if bar is not None:
                 bar.update(1)
             return result
 
         if load.num_warmups > 0 and requests:
             first = requests[0]
-            payload = completion_payload(load.model, first.prompt, first.expected_output_len, sampling)
+            payload = load.payload(first, sampling)
             warmups = [
                 limited(payload, first.prompt_len, f"{load.request_id_prefix}warmup-{i}", None)
                 for i in range(load.num_warmups)
@@ -246,7 +291,7 @@ async def run_load(
             delay = offset - (time.perf_counter() - t_start)
             if offset > 0 and delay > 0:
                 await asyncio.sleep(delay)
-            payload = completion_payload(load.model, request.prompt, request.expected_output_len, sampling)
+            payload = load.payload(request, sampling)
             request_id = load.request_id_prefix + request.request_id
             tasks.append(asyncio.create_task(limited(payload, request.prompt_len, request_id, bar)))
         results = await asyncio.gather(*tasks)

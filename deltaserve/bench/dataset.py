@@ -54,6 +54,8 @@ class SampleRequest:
     target_len: int
     request_id: str
     token_mismatch: int = 0  # final length minus target after the decode/encode retries
+    # chat content parts sent after the text (random-mm: image_url parts with base64 data URLs); empty for text
+    mm_content: tuple[dict[str, Any], ...] = ()
 
 
 def length_bounds(length: int, range_ratio: float, floor_at: int = 0) -> tuple[int, int]:

@@ -57,7 +57,7 @@ def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurre
     return [
         "--base-url", launch.base_url,
         "--tokenizer", expand(launch.model.path, {}),
-        "--dataset-name", "random",
+        *config.dataset.client_flags(),
         "--random-input-len", str(isl),
         "--random-output-len", str(osl),
         "--num-prompts", str(config.num_prompts(concurrency)),
@@ -84,10 +84,10 @@ def _arm_entry(arm: Arm) -> dict[str, Any]:
 
 
 def _note_deviations(entry: dict[str, Any], launch: Launch) -> None:
-    """Add the registry's deviations of `launch` and their denominator note to the record's arm entry."""
-    if not launch.deviations:
-        return
-    entry["deviations"] = sorted({*entry.get("deviations", []), *launch.deviations})
+    """Add the registry's deviations of `launch` and its denominator note (the deviations' and the traffic's) to
+    the record's arm entry."""
+    if launch.deviations:
+        entry["deviations"] = sorted({*entry.get("deviations", []), *launch.deviations})
     note = launch.denominator_note
     if note and note not in (entry.get("denominator_note") or ""):
         entry["denominator_note"] = f"{entry['denominator_note']} {note}" if entry.get("denominator_note") else note
@@ -134,6 +134,7 @@ class Grid:
             "is_complete": False,
             "host": host_facts(REPO_ROOT),
             "lengths": [list(pair) for pair in config.lengths],
+            "dataset": {"name": config.dataset.name, **config.dataset.mm},
             "concurrencies": config.concurrencies,
             "models": [{"name": m.name, "path": expand(m.path, {})} for m in config.models],
             "arms": {arm.name: _arm_entry(arm) for arm in config.arms},

@@ -1,10 +1,18 @@
-"""Grid configuration: the TOML file of `deltaserve bench grid` parsed into arms, models and lengths, and each
-(arm, model) pair resolved into an exact launch: a command line with its placeholders filled, or, for a peer
-arm (`oracle = "vllm"`), the production command the oracle registry builds.
+"""Grid configuration: the TOML file of `deltaserve bench grid` parsed into arms, models, lengths and the dataset,
+and each (arm, model) pair resolved into an exact launch: a command line with its placeholders filled, or, for a
+peer arm (`oracle = "vllm"`), the production command the oracle registry builds.
+
+The optional `[dataset]` table picks the client's dataset: `name = "random"` (the default: text prompts on
+/v1/completions) or `name = "random-mm"` (random text plus synthetic images on /v1/chat/completions, the client's
+`--backend openai-chat`) with vLLM's random-mm settings as keys (`random_mm_base_items_per_request`,
+`random_mm_num_mm_items_range_ratio`, `random_mm_limit_mm_per_prompt` as a table, `random_mm_bucket_config` as
+vLLM's CLI literal, e.g. "{(512, 512, 1): 1.0}"). Image traffic makes the registry build the peer with its vision
+tower (registry.py, `serves_media`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -13,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltaserve.bench import registry
+from deltaserve.bench.dataset_mm import format_bucket_config, parse_bucket_config, parse_limit_mm_per_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDER_RE = re.compile(r"\{(model|model_name|port|python|repo|max_isl)\}")
@@ -44,6 +53,63 @@ class Arm:
     expected_run_s: float = 0.0
 
 
+DATASETS = ("random", "random-mm")
+MM_KEYS = (
+    "random_mm_base_items_per_request",
+    "random_mm_num_mm_items_range_ratio",
+    "random_mm_limit_mm_per_prompt",
+    "random_mm_bucket_config",
+)
+
+
+@dataclass
+class DatasetConfig:
+    """The grid's `[dataset]` table: which client dataset every run uses, and its random-mm settings."""
+
+    name: str = "random"
+    mm: dict[str, object] = field(default_factory=dict)  # random-mm keys given in the TOML (client defaults else)
+
+    @property
+    def serves_media(self) -> bool:
+        return self.name == "random-mm"
+
+    def client_flags(self) -> list[str]:
+        """The `deltaserve bench serve` flags that pick this dataset (and, for images, the chat endpoint)."""
+        if not self.serves_media:
+            return ["--dataset-name", self.name]
+        flags = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", self.name]
+        for key in MM_KEYS:
+            if key not in self.mm:
+                continue
+            value = self.mm[key]
+            if key == "random_mm_limit_mm_per_prompt":
+                text = json.dumps(value)
+            elif key == "random_mm_bucket_config":
+                text = format_bucket_config(parse_bucket_config(str(value)))
+            else:
+                text = str(value)
+            flags += ["--" + key.replace("_", "-"), text]
+        return flags
+
+
+def parse_dataset(raw: dict[str, object]) -> DatasetConfig:
+    """Validate a `[dataset]` table (unknown keys and bad random-mm values are refused by name)."""
+    name = str(raw.get("name", "random"))
+    if name not in DATASETS:
+        raise ValueError(f"[dataset]: name must be one of {', '.join(DATASETS)}, got {name!r}")
+    unknown = set(raw) - {"name", *MM_KEYS}
+    if unknown:
+        raise ValueError(f"[dataset]: unknown keys {sorted(unknown)}")
+    mm = {k: v for k, v in raw.items() if k in MM_KEYS}
+    if mm and name != "random-mm":
+        raise ValueError(f"[dataset]: {sorted(mm)} apply to random-mm only, not {name!r}")
+    if "random_mm_bucket_config" in mm:
+        parse_bucket_config(str(mm["random_mm_bucket_config"]))
+    if "random_mm_limit_mm_per_prompt" in mm:
+        parse_limit_mm_per_prompt(mm["random_mm_limit_mm_per_prompt"])  # type: ignore[arg-type]
+    return DatasetConfig(name, mm)
+
+
 @dataclass
 class Model:
     name: str
@@ -72,6 +138,7 @@ class GridConfig:
     stop_timeout_s: float = 30.0
     run_timeout_s: float | None = None  # one client run longer than this is recorded as failed
     source_path: str = ""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
     def num_prompts(self, concurrency: int) -> int:
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
@@ -103,7 +170,9 @@ def load_config(path: Path) -> GridConfig:
     models = [Model(str(m["name"]), str(m["path"])) for m in raw.get("models", [])]
     if not arms or not models:
         raise ValueError(f"{path}: needs at least one [[arms]] and one [[models]]")
-    known = set(GridConfig.__dataclass_fields__) - {"name", "title", "description", "models", "arms", "source_path"}
+    known = set(GridConfig.__dataclass_fields__) - {
+        "name", "title", "description", "models", "arms", "source_path", "dataset",
+    }  # fmt: skip
     unknown = set(grid) - known - {"name", "title", "description"}
     if unknown:
         raise ValueError(f"[grid]: unknown keys {sorted(unknown)}")
@@ -117,6 +186,7 @@ def load_config(path: Path) -> GridConfig:
         models=models,
         arms=arms,
         source_path=str(path),
+        dataset=parse_dataset(raw.get("dataset", {})),
         **options,
     )
 
@@ -171,6 +241,7 @@ def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
             extra_args=[expand(a, context) for a in arm.extra_args],
             drop_flags=arm.drop_flags,
             exemption=arm.exemption,
+            serves_media=config.dataset.serves_media,
         )
         argv = oracle.argv
         env = {**oracle.env, **env}

@@ -176,6 +176,11 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         f"- schedule: {record.get('schedule')}; complete: {record.get('is_complete')}; "
         f"config: `{record.get('config_path')}`",
     ]
+    dataset = record.get("dataset")
+    if dataset and dataset.get("name") != "random":
+        # the lengths column counts text tokens only: say what else every prompt carried
+        settings = ", ".join(f"{k.removeprefix('random_mm_')}={v}" for k, v in dataset.items() if k != "name")
+        lines.append(f"- dataset: {dataset['name']}" + (f" ({settings})" if settings else ""))
     for facts in record.get("resumed") or []:
         later = (facts.get("git") or {}).get("commit") or "unknown"
         later_dirty = " (uncommitted changes)" if (facts.get("git") or {}).get("is_dirty") else ""

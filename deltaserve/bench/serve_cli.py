@@ -5,6 +5,11 @@ aligns every prompt to its exact length with the server's /tokenize and /detoken
 requests under --max-concurrency / --request-rate / --burstiness, and prints and optionally saves vLLM's
 result fields plus `peak_gpu_memory_gib` (NVML, sampled during the run; null without NVML).
 
+`--dataset-name random-mm` (dataset_mm.py) adds synthetic images to every random prompt and, as vLLM requires,
+runs only with `--backend openai-chat --endpoint /v1/chat/completions`; its prompts are not aligned with the
+server (vLLM aligns only `random`). Its input token counts are the server's usage.prompt_tokens, so they include
+the chat template and every image's placeholder tokens.
+
 The grid calls `run_bench(parse_bench_args(argv))` with the same argv a person would type, so both engines
 of a comparison are measured by this one client with one set of flags.
 """
@@ -25,17 +30,24 @@ import aiohttp
 
 from deltaserve.bench.client import LoadOptions, SamplingOptions, run_load
 from deltaserve.bench.dataset import align_with_server, sample_random
+from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
 from deltaserve.bench.metrics import compute_metrics, parse_goodput, parse_metric_names, parse_percentiles
 from deltaserve.bench.nvml import MemorySampler
 
 # Per-request arrays kept in the JSON only with --save-detailed, as in vLLM.
 DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
+CHAT_BACKENDS = ("openai-chat",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's flag names for everything this client supports."""
     server = parser.add_argument_group("server")
-    server.add_argument("--backend", default="vllm", choices=["vllm", "openai"], help="both use /v1/completions")
+    server.add_argument(
+        "--backend",
+        default="vllm",
+        choices=["vllm", "openai", "openai-chat"],
+        help="vllm/openai: /v1/completions; openai-chat: chat payloads (pass --endpoint /v1/chat/completions)",
+    )
     server.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
@@ -51,13 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random"])
+    data.add_argument("--dataset-name", default="random", choices=["random", "random-mm"])
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument("--random-range-ratio", type=float, default=0.0)
     data.add_argument("--random-prefix-len", type=int, default=0)
     data.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
     data.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
+    add_mm_arguments(data)
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
 
@@ -135,7 +148,19 @@ def _resolve_lengths(args: argparse.Namespace) -> tuple[int, int]:
     return input_len, output_len
 
 
+def check_endpoint(args: argparse.Namespace) -> bool:
+    """vLLM's pairing rules: random-mm needs openai-chat, whose URL must end in chat/completions (a chat payload
+    sent to /v1/completions would fail every request). Returns whether the run is a chat run; raises ValueError."""
+    is_chat = args.backend in CHAT_BACKENDS
+    if args.dataset_name == "random-mm" and not is_chat:
+        raise ValueError("Multi-modal content (images) is only supported on 'openai-chat' backend.")
+    if is_chat and not args.endpoint.rstrip("/").endswith("chat/completions"):
+        raise ValueError(f"OpenAI Chat Completions API URL must end with chat/completions, got {args.endpoint}")
+    return is_chat
+
+
 async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[str, Any]:
+    is_chat = check_endpoint(args)
     base_url = _base_url(args)
     model_id = args.model
     tokenizer_id = args.tokenizer
@@ -163,21 +188,36 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         num_warmups=args.num_warmups,
         seed=args.seed,
         is_tqdm_disabled=args.disable_tqdm,
+        is_chat=is_chat,
     )
     if request_id_prefix is not None:
         load.request_id_prefix = request_id_prefix
 
-    requests = sample_random(
-        tokenizer,
-        args.num_prompts,
-        input_len=input_len,
-        output_len=output_len,
-        range_ratio=args.random_range_ratio,
-        prefix_len=args.random_prefix_len,
-        seed=args.seed,
-    )
+    is_mm = args.dataset_name == "random-mm"
+    if is_mm:
+        requests = sample_random_mm(
+            tokenizer,
+            args.num_prompts,
+            mm_options(args),
+            input_len=input_len,
+            output_len=output_len,
+            range_ratio=args.random_range_ratio,
+            prefix_len=args.random_prefix_len,
+            seed=args.seed,
+        )
+    else:
+        requests = sample_random(
+            tokenizer,
+            args.num_prompts,
+            input_len=input_len,
+            output_len=output_len,
+            range_ratio=args.random_range_ratio,
+            prefix_len=args.random_prefix_len,
+            seed=args.seed,
+        )
     is_server_aligned = False
-    if not args.no_server_tokenize:
+    # vLLM aligns only the text-only random dataset with the server's tokenizer
+    if not args.no_server_tokenize and not is_mm:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             requests, is_server_aligned = await align_with_server(
                 session, base_url, request_model, requests, tokenizer, args.seed
@@ -239,6 +279,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             "errors": [r.error for r in results],
             # Our own provenance fields, next to vLLM's:
             "dataset_name": args.dataset_name,
+            "endpoint": args.endpoint,
             "random_input_len": input_len,
             "random_output_len": output_len,
             "random_range_ratio": args.random_range_ratio,
@@ -251,6 +292,14 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             "goodput_slos_ms": goodput or None,
         }
     )
+    if is_mm:
+        urls = [part["image_url"]["url"] for request in requests for part in request.mm_content]
+        record.update(mm_options(args).as_record())
+        # what was sent, per measured request (warm-ups excluded): items and base64 JPEG bytes
+        record["mm_items_per_request"] = [len(request.mm_content) for request in requests]
+        record["total_mm_items"] = len(urls)
+        record["total_mm_data_url_bytes"] = sum(len(url) for url in urls)
+        record["total_text_prompt_tokens"] = sum(request.prompt_len for request in requests)
     if not args.save_detailed:
         for name in DETAILED_FIELDS:
             record.pop(name, None)

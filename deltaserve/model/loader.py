@@ -369,6 +369,10 @@ def load_checkpoint(
     return report
 
 
+# the vision tower's plain LayerNorm weights (model/vision.py names): blocks' norm1 / norm2 and the merger's norm
+VISION_LAYER_NORM_WEIGHTS = ("norm1_weight", "norm2_weight", "merger_norm_weight")
+
+
 def init_dummy_weights(model: Qwen35Model, seed: int) -> None:
     """Seeded random weights of the right shapes, for benchmarks on real dimensions without weights. Every
     tensor-parallel rank draws the same sequence for its (equally shaped) shards, so replicated parameters (the
@@ -384,6 +388,9 @@ def init_dummy_weights(model: Qwen35Model, seed: int) -> None:
                 param.zero_()
             elif leaf == "norm" and ".linear_attn." in name:
                 param.fill_(1.0)  # the GDN gated norm has a plain weight
+            elif name.startswith("visual.") and leaf in VISION_LAYER_NORM_WEIGHTS:
+                # the vision tower's LayerNorms are plain (x * w + b): a zero weight would zero every image embedding
+                param.fill_(1.0)
             elif param.dim() == 1:
                 param.zero_()  # zero-centred norms: applied as (1 + w); projection biases start at 0
             else:

@@ -2,8 +2,10 @@
 
 It serves /health, /version, /v1/models (with `root`), /tokenize, /detokenize and streaming /v1/completions
 (one SSE event per token after `--ttft-ms`, `--itl-ms` apart, then a usage-only event and [DONE]), using the
-`tokenizers` library on the checkpoint's tokenizer.json. Run as a script it is a grid arm:
-`python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
+`tokenizers` library on the checkpoint's tokenizer.json. Streaming /v1/chat/completions answers the same way
+(a role chunk with the first token, then content deltas) and counts each image_url part (a base64 data URL that
+Pillow must open) as FAKE_IMAGE_TOKENS prompt tokens; its request bodies are kept in app[CHAT_BODIES]. Run as a
+script it is a grid arm: `python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any
 
 from aiohttp import web
 from tokenizers import Tokenizer
+
+FAKE_IMAGE_TOKENS = 64
+CHAT_BODIES = web.AppKey("chat_bodies", list)
 
 
 def make_word_tokenizer(model_dir: Path, vocab_size: int = 1000) -> Path:
@@ -93,7 +98,48 @@ def build_app(
         await response.write_eof()
         return response
 
+    chat_bodies: list[dict[str, Any]] = []
+
+    @routes.post("/v1/chat/completions")
+    async def chat(request: web.Request) -> web.StreamResponse:
+        import base64
+        import io
+
+        from PIL import Image
+
+        body: dict[str, Any] = await request.json()
+        chat_bodies.append(body)
+        num_prompt = 0
+        for part in body["messages"][0]["content"]:
+            if part["type"] == "text":
+                num_prompt += len(tokenizer.encode(part["text"], add_special_tokens=False).ids)
+            elif part["type"] == "image_url":
+                header, data = part["image_url"]["url"].split(",", 1)
+                if header != "data:image/jpeg;base64":
+                    return web.json_response({"error": {"message": header}}, status=400)
+                Image.open(io.BytesIO(base64.b64decode(data))).load()
+                num_prompt += FAKE_IMAGE_TOKENS
+        num_tokens = int(body["max_completion_tokens"])
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(ttft_ms / 1000)
+        for i in range(num_tokens):
+            delta = {"role": "assistant", "content": ""} if i == 0 else {"content": f" t{i % 100}"}
+            finish = "length" if i == num_tokens - 1 else None
+            event = {
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            await asyncio.sleep(itl_ms / 1000)
+        usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens, "total_tokens": num_prompt + num_tokens}
+        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
     app = web.Application()
+    app[CHAT_BODIES] = chat_bodies
     app.add_routes(routes)
     return app
 
