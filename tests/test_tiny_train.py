@@ -42,13 +42,13 @@ def test_fused_and_per_expert_layouts_round_trip() -> None:
 
 
 def test_noise_rows_end_in_the_anchor_their_last_token_names(tiny_dense: Path) -> None:
-    recipe = train_module.recipe_for("dense", anchor_fraction=1.0, batch_size=6)
+    recipe = train_module.recipe_for("dense", anchor_fraction=1.0, batch_size=6, is_noise_supervised=False)
     train_text, _ = corpus_split()
     paragraphs = [train_module._tokenize(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
     batches = train_module._Batches(paragraphs, train_module._num_ordinary(tiny_dense), recipe)
     assert len(batches.anchors) == recipe.num_anchors
     rows, is_target, labels = batches.next()
-    assert torch.equal(labels, rows)  # noise positions are not supervised by default
+    assert torch.equal(labels, rows)  # noise positions unsupervised: the labels are the rows
     assert rows.shape == is_target.shape == (6, recipe.seq_len)
     for row, mask in zip(rows, is_target, strict=True):
         num_noise = int((~mask).sum())

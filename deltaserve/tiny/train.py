@@ -79,16 +79,20 @@ class Recipe:
     device: str = "cpu"
 
 
+# The shipped checkpoints' recipe: the base one under bf16-sized activation noise with every noise position
+# supervised. The base recipe alone left transformers' bf16 run agreeing with its fp32 run on 13/32 greedy
+# prompts (dense); a 611-step x 64-row GPU run that memorised the corpus, on 7/32 (next); this one, 32/32.
+SHIPPED = {"activation_noise": 0.01, "is_noise_supervised": True}
 RECIPES: dict[str, Recipe] = {
-    "dense": Recipe("dense"),
-    "moe": Recipe("moe"),
-    "next": Recipe("next"),
+    "dense": Recipe("dense", **SHIPPED),
+    "moe": Recipe("moe", **SHIPPED),
+    "next": Recipe("next", **SHIPPED),
 }
 
 
 def recipe_for(variant: str, **overrides: object) -> Recipe:
-    """The default recipe of a variant (a new variant, e.g. a vision one, trains with the base recipe)."""
-    base = RECIPES.get(variant, Recipe(variant))
+    """The default recipe of a variant (a new variant, e.g. a vision one, trains with the shipped recipe)."""
+    base = RECIPES.get(variant, Recipe(variant, **SHIPPED))
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -208,9 +212,10 @@ def _losses(
 class _Batches:
     """Seeded training rows: windows of the training text, and `anchor_fraction` of rows made of random ordinary
     tokens (the gate's default prompts are such tokens) followed by the start of anchor paragraph
-    `last random token % num_anchors`, with only the anchor tokens as targets. A model trained on the text alone
-    meets a random prompt with a flat first prediction, which bf16 rounding flips; these rows teach it a
-    deterministic, confident answer to noise, after which it is back in text it knows."""
+    `last random token % num_anchors`, with only the anchor tokens as targets (with `is_noise_supervised`, every
+    noise position too: it predicts the first token of the anchor its own token names). A model trained on the
+    text alone meets a random prompt with a flat first prediction, which bf16 rounding flips; these rows teach it
+    a deterministic, confident answer to noise, after which it is back in text it knows."""
 
     def __init__(self, paragraphs: list[list[int]], num_ordinary: int, recipe: Recipe) -> None:
         self.recipe = recipe

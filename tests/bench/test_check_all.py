@@ -120,3 +120,15 @@ def test_the_trained_checkpoints_are_found_as_package_data() -> None:
         folder = check_all._checkpoint("", variant, "trained")
         assert (folder / "config.json").is_file() and (folder / "training.json").is_file()
         assert any(folder.glob("*.safetensors"))
+
+
+def test_conditioning_and_mtp_run_by_default_on_trained_checkpoints_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    fake_token_gate(monkeypatch, {"dense": 0, "moe": 0, "next": 0}, {})
+    assert check_all.run(args(with_=[], skip=["oracle-flags"])) == 0
+    out = capsys.readouterr().out
+    assert "conditioning[moe]" in out and "mtp[next]" in out and "(9 gates, 0 failed)" in out
+    assert check_all.run(args(with_=[], skip=["oracle-flags"], checkpoints="random")) == 0
+    out = capsys.readouterr().out
+    assert "conditioning[" not in out and "mtp[" not in out and "(3 gates, 0 failed)" in out
