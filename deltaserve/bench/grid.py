@@ -130,7 +130,9 @@ class Grid:
             "title": config.title,
             "description": config.description,
             "config_path": os.path.relpath(config.source_path, REPO_ROOT),
-            "schedule": "alternating" if config.is_restart_cheap else "sequential+drift",
+            "schedule": "alternating"
+            if config.is_restart_cheap
+            else ("sequential+drift" if self.is_drift_enabled else "sequential (no drift re-run: --no-drift)"),
             "is_complete": False,
             "host": host_facts(REPO_ROOT),
             "lengths": [list(pair) for pair in config.lengths],

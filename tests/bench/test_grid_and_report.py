@@ -131,6 +131,13 @@ def test_ratios_pair_subject_and_peer_points() -> None:
     assert entry["median_tpot_ms"] == 0.5 and entry["peak_gpu_memory_gib"] is None
 
 
+def test_a_grid_without_its_drift_re_run_says_so_in_its_schedule(tmp_path: Path, word_model: Path) -> None:
+    config = load_config(fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), False))
+    assert Grid(config, tmp_path, record_name="a").record["schedule"] == "sequential+drift"
+    no_drift = Grid(config, tmp_path, record_name="b", is_drift_enabled=False).record
+    assert no_drift["schedule"] == "sequential (no drift re-run: --no-drift)"
+
+
 @pytest.mark.parametrize("is_restart_cheap", [False, True])
 def test_grid_end_to_end_with_fake_servers_then_report(
     tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer, is_restart_cheap: bool
