@@ -147,10 +147,10 @@ class EngineCore:
         """Stops the executor's workers (nothing at --tensor-parallel-size 1)."""
         self.runner.shutdown()
 
-    def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Moves requests whose grammar compiled into the scheduler; those that failed finish (abort)."""
+    def _admit_compiled(self) -> None:
+        """Moves requests whose grammar compiled into the scheduler; those that failed end with an error."""
         if not self._parked:
-            return []
+            return
         if len(self._parked) == len(self.sequences) and not self._inflight:
             self.structured.wait_any(timeout=0.05)  # only parked work: wait for a compile, do not spin
         ready, failed = self.structured.take_ready()
@@ -162,7 +162,6 @@ class EngineCore:
             if self._parked.pop(request_id, None) is not None:
                 self.sequences.pop(request_id, None)
                 self._errors.append((request_id, message))
-        return []
 
     def take_errors(self) -> list[tuple[str, str]]:
         """(core request id, message) of requests the core ended with an error since the last call (a grammar
@@ -197,7 +196,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Advances by one step; returns the outputs of the step it collected (none while only launching)."""
-        outputs = self._admit_compiled()
+        self._admit_compiled()
+        outputs: list[EngineCoreOutput] = []
         depth = MAX_STEPS_IN_FLIGHT if self.is_async else 1
         is_launched = False
         if len(self._inflight) < depth and len(self.sequences) > len(self._parked):
@@ -212,21 +212,17 @@ class EngineCore:
         for seq, tokens, logprobs in self.scheduler.update(plan, result):
             is_finished = seq.is_finished
             error = self.structured.accept(seq.seq_id, tokens)
+            if is_finished:  # the scheduler already freed it
+                self.sequences.pop(seq.seq_id, None)
+                self.structured.remove(seq.seq_id)
+                self._num_prompt_logprobs.pop(seq.seq_id, None)
             if error is not None:
                 # the token breaks the constraint: the request fails (its output would not follow it)
                 self._errors.append((seq.seq_id, error))
                 prompt_logprobs.pop(seq.seq_id, None)
-                if is_finished:  # the scheduler already freed it
-                    self.sequences.pop(seq.seq_id, None)
-                    self.structured.remove(seq.seq_id)
-                    self._num_prompt_logprobs.pop(seq.seq_id, None)
-                else:
+                if not is_finished:
                     failed.append(seq.seq_id)
                 continue
-            if is_finished:
-                self.sequences.pop(seq.seq_id, None)
-                self.structured.remove(seq.seq_id)
-                self._num_prompt_logprobs.pop(seq.seq_id, None)
             outputs.append(
                 EngineCoreOutput(
                     request_id=seq.seq_id,

@@ -45,7 +45,7 @@ class ConstraintState:
     params: SamplingParams
     matcher: GrammarMatcher | None = None
     is_active: bool = True  # False until start_after_token_id is generated
-    is_mask_empty: bool = False  # the last mask filled admitted no token of the vocabulary
+    last_mask: torch.Tensor | None = None  # int32 [W]: the row of the last bitmask filled (read on a rejection)
     outputs: list[int] = field(default_factory=list)  # for multi-token bad words
     bad_words: list[list[int]] = field(default_factory=list)
 
@@ -184,7 +184,7 @@ class StructuredOutputManager:
                 continue
             if not state.matcher.accept(token_id):
                 position = len(state.outputs) - 1
-                if state.is_mask_empty:
+                if state.last_mask is not None and not bool(state.last_mask.any()):
                     message = (
                         f"the structured-output constraint admits no token of this model's vocabulary at output "
                         f"position {position}: the tokenizer cannot spell what the grammar requires next"
@@ -219,7 +219,8 @@ class StructuredOutputManager:
         for index, state in enumerate(states):
             if state.matcher is not None and state.is_active and not state.matcher.is_terminated:
                 state.matcher.fill(bitmask, index)
-                state.is_mask_empty = not bool(bitmask[index].any())
+                # a view: the bad words below clear their bits in it too; looked at only when a token is rejected
+                state.last_mask = bitmask[index]
             for word in state.bad_words:
                 prefix = word[:-1]
                 if len(state.outputs) >= len(prefix) and state.outputs[len(state.outputs) - len(prefix) :] == prefix:

@@ -176,7 +176,7 @@ def test_a_mask_that_admits_no_token_is_named(tmp_path: Path) -> None:
 
     manager = StructuredOutputManager(tmp_path, None, 64, StructuredOutputsConfig.parse(None))
     params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes"]))
-    manager.states["r"] = ConstraintState(params, matcher=Rejecting(), is_mask_empty=True)
+    manager.states["r"] = ConstraintState(params, matcher=Rejecting(), last_mask=torch.zeros(2, dtype=torch.int32))
     assert "admits no token of this model's vocabulary at output position 0" in manager.accept("r", [0])
     manager.states["r"] = ConstraintState(params, matcher=Rejecting())
     assert "rejected sampled token 5 at output position 0" in manager.accept("r", [5])
