@@ -279,6 +279,18 @@ def oracle_launch(oracle: str, model: str, input_len: int, **kwargs: Any) -> Ora
 HARNESS_ENGINE_KWARGS: dict[str, tuple[Any, str]] = {
     "logprobs_mode": ("raw_logits", "per-step logits come back as raw logits (bf16 values), not logprobs"),
 }
+# An in-process oracle that shares its GPU with other gates (`gate tokens --share-gpu`): cache sizes only. A fixed
+# KV cache makes vLLM skip its start-up memory profiling (gpu_worker.determine_available_memory), whose assertion
+# fails when another process frees memory meanwhile; the small utilization only passes request_memory's start-up
+# check (free >= utilization x total) beside the other gates.
+SHARED_GPU_ENGINE_KWARGS: dict[str, tuple[Any, str]] = {
+    "gpu_memory_utilization": (0.05, "shares the GPU with other token gates; start-up check only"),
+    "kv_cache_memory_bytes": (
+        2**30,
+        "a fixed 1 GiB KV cache (the gate's 32 prompts of <= 200 tokens need a few MB): no memory profiling beside "
+        "other processes; no preemption either way, so no computation changes",
+    ),
+}
 # Environment an in-process oracle needs besides the site's.
 IN_PROCESS_ENV: dict[str, tuple[str, str]] = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": (
@@ -308,12 +320,14 @@ def vllm_engine(
     seed: int = 0,
     facts: CheckpointFacts | None = None,
     serves_media: bool = False,
+    shares_gpu: bool = False,
 ) -> OracleEngine:
     """vLLM's production configuration as `vllm.LLM(**kwargs)` for `model` (the in-process twin of vllm_launch).
 
     Nothing here is a knob: a harness that needs another configuration adds a named Deviation. `serves_media`
     names the traffic, not a setting: image and video prompts need the vision tower, so vLLM's production
     configuration for them keeps it (no language_model_only, hence no fused QK-norm + RoPE + gate path).
+    `shares_gpu` (gates run side by side on one GPU) adds SHARED_GPU_ENGINE_KWARGS, each with its reason.
     """
     facts = facts or inspect_checkpoint(model)
     if serves_media and not facts.is_multimodal:
@@ -344,7 +358,7 @@ def vllm_engine(
     if not facts.has_weights:
         kwargs["load_format"] = "dummy"
         reasons.append("load_format=dummy: config-only checkpoint")
-    for name, (value, why) in HARNESS_ENGINE_KWARGS.items():
+    for name, (value, why) in (HARNESS_ENGINE_KWARGS | (SHARED_GPU_ENGINE_KWARGS if shares_gpu else {})).items():
         kwargs[name] = value
         reasons.append(f"{name}={value}: {why}")
     deviations = site_deviations(site)

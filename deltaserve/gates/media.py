@@ -175,6 +175,8 @@ def run_media_gate(
     record_path: Path | None = None,
     reference_cache: Path | None = None,
     tensor_parallel_size: int = 1,
+    share_gpu: bool = False,
+    is_reference_only: bool = False,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -209,7 +211,8 @@ def run_media_gate(
               "prompts: checking that refusal only")  # fmt: skip
         from deltaserve import LLM
 
-        llm = LLM(model_dir, dtype=dtype, device=run_device, seed=seed, tensor_parallel_size=tensor_parallel_size)
+        llm = LLM(model_dir, dtype=dtype, device=run_device, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                  **tokens.engine_memory(share_gpu))  # fmt: skip
         is_ok, line = four_op_refusal(llm, processed[0], expected=None)
         print(line)
         if record_path is not None:
@@ -221,7 +224,9 @@ def run_media_gate(
         return 0 if is_ok else 1
     try:
         ref, ref_run = _reference_run(model_dir, reference, dtype, run_device, seed, site, processed, max_tokens,
-                                      kinds, reference_cache)  # fmt: skip
+                                      kinds, reference_cache, share_gpu)  # fmt: skip
+        if is_reference_only:
+            return tokens.reference_saved(reference, model_dir, reference_cache, len(processed))
         rounding = ref if isinstance(ref, MediaTransformersReference) else MediaTransformersReference(
             model_dir, dtype, run_device
         )  # fmt: skip
@@ -232,7 +237,8 @@ def run_media_gate(
         print(f"gate tokens: REFUSED: {exc}")
         return 1
     llm, results, num_expanded, first = _compare(model_dir, dtype, run_device, seed, processed, max_tokens, ref,
-                                                 ref_run, rounding, fp32_run, tensor_parallel_size)  # fmt: skip
+                                                 ref_run, rounding, fp32_run, tensor_parallel_size,
+                                                 share_gpu)  # fmt: skip
     report = tokens.GateReport()
     code = tokens._report(report, results, dtype, model_dir, reference, ref_run, label, tokenizer,
                           tensor_parallel_size)  # fmt: skip
@@ -266,6 +272,7 @@ def _reference_run(
     max_tokens: int,
     kinds: tuple[str, ...],
     reference_cache: Path | None,
+    share_gpu: bool = False,
 ) -> tuple[Any, ReferenceRun]:
     """The reference first (a refused one stops the gate before deltaserve runs; vLLM frees the GPU after)."""
     if reference == "transformers":
@@ -274,7 +281,7 @@ def _reference_run(
         from deltaserve.gates.vllm_reference import VllmReference
 
         max_len = max(len(p.ids) for p in processed)
-        ref = VllmReference(model_dir, dtype, max_len, seed, site, serves_media=True)
+        ref = VllmReference(model_dir, dtype, max_len, seed, site, serves_media=True, shares_gpu=share_gpu)
     else:
         raise ValueError(f"unknown reference {reference!r}")
     # the prompts' identity: expanded ids and every item's content hash (pixels and processing settings)
@@ -303,12 +310,13 @@ def _compare(
     rounding: MediaTransformersReference,
     fp32_run: ReferenceRun | None,
     tensor_parallel_size: int = 1,
+    share_gpu: bool = False,
 ) -> tuple[Any, list[tokens.PromptResult], int, list[int]]:
     """deltaserve through its offline API: LLM.generate with multi_modal_data, LLM.score with the media."""
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(len(processed), 64), seed=seed,
-              tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+              tensor_parallel_size=tensor_parallel_size, **tokens.engine_memory(share_gpu))  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([p.prompt.vllm_prompt() for p in processed], params, use_tqdm=False)
     results, num_expanded = [], 0

@@ -47,6 +47,8 @@ ROUNDING_PERTURBATION = {"float32": 1e-7, "bfloat16": 4e-3, "float16": 5e-4}
 NOISE_FLOOR_FACTOR = 10.0
 TIE_ULPS = 4.0
 RECORD_SCHEMA = "deltaserve-gate-tokens/1"
+# deltaserve's share of the GPU under --share-gpu: ten tiny-model gates fit one H200 side by side
+SHARED_GPU_UTILIZATION = 0.05
 PROMPT_SOURCES = ("random", "text")
 
 
@@ -81,21 +83,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and prompts (else run it and save it here): one vLLM start serves several deltaserve configurations",
     )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="deltaserve's ranks")
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help=f"run beside other gates on one GPU: deltaserve's engine at gpu_memory_utilization "
+        f"{SHARED_GPU_UTILIZATION} and the vLLM oracle with the registry's shared-GPU settings (a fixed KV cache); "
+        "cache sizes only, no computation changes",
+    )
+    parser.add_argument(
+        "--reference-only",
+        action="store_true",
+        help="run the reference and save its run to --reference-cache, then stop (no verdict): the vLLM starts of "
+        "several gates can then run at once with --share-gpu, and each gate later reads its cache",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reference_only and args.reference_cache is None:
+        print("gate tokens: --reference-only needs --reference-cache (where the reference's run is saved)")
+        return 2
+    options = {"share_gpu": args.share_gpu, "is_reference_only": args.reference_only}
     if args.media:
         from deltaserve.gates.media import run_media_gate
 
         return run_media_gate(
             Path(args.model), args.media, args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device,
             args.seed, site=args.site, record_path=args.record, reference_cache=args.reference_cache,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size, **options,
         )  # fmt: skip
     return run_gate(
         Path(args.model), args.reference, args.num_prompts, args.max_tokens, args.dtype, args.device, args.seed,
         args.max_prompt_len, prompts=args.prompts, site=args.site, record_path=args.record,
-        reference_cache=args.reference_cache, tensor_parallel_size=args.tensor_parallel_size,
+        reference_cache=args.reference_cache, tensor_parallel_size=args.tensor_parallel_size, **options,
     )  # fmt: skip
 
 
@@ -193,13 +212,16 @@ def _device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _reference(kind: str, model_dir: Path, dtype: str, device: str, max_prompt_len: int, seed: int, site: str) -> Any:
+def _reference(
+    kind: str, model_dir: Path, dtype: str, device: str, max_prompt_len: int, seed: int, site: str,
+    share_gpu: bool = False,
+) -> Any:  # fmt: skip
     if kind == "transformers":
         return TransformersReference(model_dir, dtype, device)
     if kind == "vllm":
         from deltaserve.gates.vllm_reference import VllmReference
 
-        return VllmReference(model_dir, dtype, max_prompt_len, seed, site)
+        return VllmReference(model_dir, dtype, max_prompt_len, seed, site, shares_gpu=share_gpu)
     raise ValueError(f"unknown reference {kind!r}")
 
 
@@ -218,6 +240,8 @@ def run_gate(
     record_path: Path | None = None,
     reference_cache: Path | None = None,
     tensor_parallel_size: int = 1,
+    share_gpu: bool = False,
+    is_reference_only: bool = False,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -232,13 +256,15 @@ def run_gate(
     try:
         # The reference first: a refused (partly random) reference stops the gate before deltaserve runs, and
         # vLLM must give the GPU back before deltaserve takes it.
-        ref = _reference(reference, model_dir, dtype, run_device, max_prompt_len, seed, site)
+        ref = _reference(reference, model_dir, dtype, run_device, max_prompt_len, seed, site, share_gpu)
         key = {"model": str(model_dir.resolve()), "dtype": dtype, "reference": reference, "site": site,
                "max_tokens": max_tokens, "prompts": prompt_ids}  # fmt: skip
         ref_run = _cached_run(reference_cache, key)
         if ref_run is None:
             ref_run = ref.run(prompt_ids, max_tokens)
             _save_run(reference_cache, key, ref_run)
+        if is_reference_only:
+            return reference_saved(reference, model_dir, reference_cache, len(prompt_ids))
         # transformers at the run dtype measures the noise floor (and is the reference itself in that mode).
         rounding = (
             ref if isinstance(ref, TransformersReference) else TransformersReference(model_dir, dtype, run_device)
@@ -253,13 +279,25 @@ def run_gate(
         return 1
     results = _compare(
         model_dir, dtype, run_device, seed, prompt_ids, max_tokens, ref, ref_run, rounding, fp32_run,
-        tensor_parallel_size,
+        tensor_parallel_size, share_gpu,
     )  # fmt: skip
     report = GateReport()
     code = _report(report, results, dtype, model_dir, reference, ref_run, prompts, tokenizer, tensor_parallel_size)
     if record_path is not None:
         _write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run, prompts, seed)
     return code
+
+
+def reference_saved(reference: str, model_dir: Path, path: Path | None, num_prompts: int) -> int:
+    """--reference-only: say where the run went; no verdict (the gate that reads the cache gives it)."""
+    print(f"gate tokens: --reference-only: the {reference} reference's run on {model_dir} ({num_prompts} prompts) is "
+          f"in {path}; no verdict yet: run the gate again with --reference-cache {path}")  # fmt: skip
+    return 0
+
+
+def engine_memory(share_gpu: bool) -> dict[str, float]:
+    """deltaserve's LLM(...) memory setting in the gate: its default, or the shared-GPU share."""
+    return {"gpu_memory_utilization": SHARED_GPU_UTILIZATION} if share_gpu else {}
 
 
 def _cached_run(path: Path | None, key: dict[str, Any]) -> ReferenceRun | None:
@@ -296,12 +334,13 @@ def _compare(
     rounding: TransformersReference,
     fp32_run: ReferenceRun | None,
     tensor_parallel_size: int = 1,
+    share_gpu: bool = False,
 ) -> list[PromptResult]:
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(
         model_dir, dtype=dtype, device=device, max_num_seqs=min(len(prompt_ids), 64), seed=seed,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size, **engine_memory(share_gpu),
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)

@@ -132,11 +132,19 @@ class VllmReference:
     kind = "vllm"
 
     def __init__(
-        self, model_dir: Path, dtype: str, max_prompt_len: int, seed: int, site: str, serves_media: bool = False
+        self,
+        model_dir: Path,
+        dtype: str,
+        max_prompt_len: int,
+        seed: int,
+        site: str,
+        serves_media: bool = False,
+        shares_gpu: bool = False,
     ) -> None:
         self.engine = registry.vllm_engine(
-            str(model_dir), max_prompt_len, dtype=dtype, site=site, seed=seed, serves_media=serves_media
-        )
+            str(model_dir), max_prompt_len, dtype=dtype, site=site, seed=seed, serves_media=serves_media,
+            shares_gpu=shares_gpu,
+        )  # fmt: skip
         self.dtype = dtype
 
     def run(self, prompts: list[list[int]] | list[dict[str, Any]], max_tokens: int) -> ReferenceRun:

@@ -2,13 +2,16 @@
 
 One KV block holds block_size tokens of K and V for every full-attention layer; one state slot holds the
 conv state (model dtype) and the fp32 recurrent state of every linear-attention layer. On a GPU the budget
-is gpu_memory_utilization x total minus what the weights and a warm-up forward at the largest batch
-measured; on the CPU it is the explicit EngineConfig.cpu_kv_cache_bytes. Under tensor parallelism every count
-is per rank: a block holds the rank's KV heads and a slot the rank's GDN heads (`shapes`, model/parallel.py).
+is gpu_memory_utilization x total (per instance, as vLLM 0.26 counts it: other processes' memory is not
+subtracted, but must leave that much free at start-up) minus what this engine's weights, a warm-up forward at
+the largest batch and its decode graphs take; on the CPU it is the explicit EngineConfig.cpu_kv_cache_bytes.
+Under tensor parallelism every count is per rank: a block holds the rank's KV heads and a slot the rank's GDN
+heads (`shapes`, model/parallel.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +57,20 @@ class CacheLayout:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
+
+
+def requested_bytes(total_bytes: int, free_bytes: int, utilization: float) -> int:
+    """What one engine instance may hold on its device, as vLLM 0.26 counts it (v1/worker/utils.request_memory):
+    `utilization` x the device's total, per instance (two engines at 0.45 share one GPU), refused at start-up when
+    the device's free memory is already less than that."""
+    requested = math.ceil(total_bytes * utilization)
+    if free_bytes < requested:
+        raise ValueError(
+            f"Free memory on device ({free_bytes / 2**30:.2f}/{total_bytes / 2**30:.2f} GiB) on startup is less "
+            f"than desired GPU memory utilization ({utilization}, {requested / 2**30:.2f} GiB). Decrease GPU memory "
+            "utilization or reduce GPU memory used by other processes."
+        )
+    return requested
 
 
 def affordable_slots(budget_bytes: int, slot_bytes: int, share: float = 0.5) -> int:

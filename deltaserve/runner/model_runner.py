@@ -44,6 +44,7 @@ from deltaserve.runner.cache import (
     bytes_per_slot,
     copy_state_slots,
     plan_cache,
+    requested_bytes,
 )
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
@@ -147,14 +148,15 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         # the vision tower is built for a multimodal checkpoint unless --language-model-only (as vLLM's flag)
         self.has_vision = model_config.vision is not None and not engine_config.language_model_only
-        # what the device holds before this engine allocates (other processes, other engines of this process):
-        # the budget is the utilization share of the device minus that, as vLLM snapshots it at start-up
-        self._used_before = 0
+        # vLLM 0.26's per-instance share: utilization x total is this engine's, and must be free at start-up (what
+        # other processes hold is not subtracted from it, so two engines at 0.45 share one GPU as under vLLM)
+        self._requested_bytes = 0
         self._allocated_before = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # this process's cached but unused blocks are free for this engine
             free, total = torch.cuda.mem_get_info(self.device)
-            self._used_before = total - free
+            self._requested_bytes = requested_bytes(total, free, engine_config.gpu_memory_utilization)
             self._allocated_before = torch.cuda.memory_allocated(self.device)
         self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp)
         if engine_config.load_format == "dummy":
@@ -242,12 +244,11 @@ class ModelRunner:
         peak = self._profile_peak_bytes(max_num_batched_tokens, max_model_len, max_num_seqs)
         _, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device) - self._allocated_before
-        used_by_others = self._used_before
         # decode graphs: the shared logits buffer and the largest bucket's lm_head output, plus a fixed headroom
         # for the graph pool's other activations and library workspaces
         graphs = static_bytes(max_num_seqs, self.vocab_size) if self.is_graphed else 0
         headroom = 512 * 2**20
-        budget = int(total * self.engine_config.gpu_memory_utilization) - weights - peak - used_by_others - graphs
+        budget = self._requested_bytes - weights - peak - graphs
         budget -= headroom
         logger.info(
             "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, decode graphs %.2f GiB + %.2f GiB "

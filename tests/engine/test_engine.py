@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -217,6 +218,19 @@ def test_default_max_num_seqs_is_vllms_capped_by_state_memory(tiny_dense: Path) 
     tight = LLM(tiny_dense, dtype="float32", cpu_kv_cache_bytes=40 * slot_bytes, max_model_len=64).engine.runner
     assert tight.max_num_seqs == 20  # half of the budget for state slots
     assert tight.layout.num_slots == 20 and tight.layout.num_blocks * tight.layout.bytes_per_block <= 20 * slot_bytes
+
+
+def test_gpu_memory_utilization_is_a_per_instance_share_as_in_vllm() -> None:
+    """vLLM 0.26 (request_memory): utilization x total belongs to the instance whatever other processes hold, and a
+    device with less than that free is refused at start-up with vLLM's message."""
+    from deltaserve.runner.cache import requested_bytes
+
+    total = 100 * 2**30
+    # another engine already holds 45 %: a second one at 0.45 still gets its whole 45 % (the old rule left ~0)
+    assert requested_bytes(total, 55 * 2**30, 0.45) == math.ceil(total * 0.45)
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization") as excinfo:
+        requested_bytes(total, 55 * 2**30, 0.9)
+    assert "(0.9, 90.00 GiB)" in str(excinfo.value) and "55.00/100.00 GiB" in str(excinfo.value)
 
 
 def test_a_step_that_raises_leaves_no_request_behind(tiny_dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:

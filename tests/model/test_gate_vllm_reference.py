@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deltaserve.bench import registry
+from deltaserve.gates import tokens
 from deltaserve.gates.references import load_transformers
 from deltaserve.gates.tokens import run_gate
 
@@ -163,3 +164,37 @@ def test_one_vllm_run_serves_several_deltaserve_configurations(
     # another prompt set does not reuse it
     assert run_gate(tiny_dense, reference="vllm", num_prompts=2, max_tokens=3, seed=1, reference_cache=cache) == 0
     assert len([b for b in built if "model" in b]) == 2
+
+
+def test_reference_only_runs_share_the_gpu_then_the_gate_reads_the_cache(
+    tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deltaserve.engine import llm as llm_module
+
+    built: list[dict[str, Any]] = []
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm(tiny_dense, built, True))
+    monkeypatch.setattr(registry, "apply_environment", lambda env: None)
+    engines: list[dict[str, Any]] = []
+    init = llm_module.LLM.__init__
+
+    def recording_init(self: object, *args: object, **kwargs: Any) -> None:
+        engines.append(kwargs)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", recording_init)
+    cache = tmp_path / "vllm-run.json"
+    options = {"num_prompts": 2, "max_tokens": 3, "reference_cache": cache, "share_gpu": True}
+    assert run_gate(tiny_dense, reference="vllm", is_reference_only=True, **options) == 0
+    assert cache.is_file() and engines == []  # the reference ran alone: no deltaserve engine, no verdict
+    out = capsys.readouterr().out
+    assert "--reference-only" in out and "no verdict" in out and "STRICT" not in out
+    kwargs = next(b for b in built if "model" in b)
+    assert kwargs["gpu_memory_utilization"] == registry.SHARED_GPU_ENGINE_KWARGS["gpu_memory_utilization"][0]
+    assert kwargs["kv_cache_memory_bytes"] == 2**30 and kwargs["enforce_eager"] is False
+    assert run_gate(tiny_dense, reference="vllm", **options) == 0  # the gate proper: from the cache
+    assert len([b for b in built if "model" in b]) == 1
+    assert engines[0]["gpu_memory_utilization"] == tokens.SHARED_GPU_UTILIZATION
+    out = capsys.readouterr().out
+    assert "reference's run comes from" in out and "STRICT 2/2 against vllm" in out
+    # without --share-gpu the oracle is the production configuration: no cache-size settings
+    assert "kv_cache_memory_bytes" not in registry.vllm_engine(str(tiny_dense), 160).kwargs
