@@ -27,7 +27,7 @@ if [ "$stage" != transformers ] && [ ! -d /tmp/vllm_site/vllm ]; then
   echo "no /tmp/vllm_site/vllm: unpack the vLLM bundle first (benchmarks/oracle/unpack.sh vllm)"
   exit 3
 fi
-for v in dense-vl moe-vl; do
+for v in ${MEDIA_VARIANTS-dense-vl moe-vl}; do
   [ -f "$media_models/$v/config.json" ] || python3 -m deltaserve.cli make-tiny "$media_models/$v" --variant "$v" \
     > /dev/null
 done
@@ -60,7 +60,7 @@ for v in dense moe next; do
     *) echo "unknown STAGE $stage"; exit 2 ;;
   esac
 done
-for v in dense-vl moe-vl; do
+for v in ${MEDIA_VARIANTS-dense-vl moe-vl}; do
   model=$media_models/$v
   case $stage in
     transformers)
