@@ -372,8 +372,14 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             entry: dict[str, Any] = {"subject": subject, "peer": peer, "model": model, "isl": isl, "osl": osl}
             entry["concurrency"] = concurrency
+            # a point where either side failed requests compares different work (the failed ones' time counts, their
+            # tokens do not): no ratio, and the record says why
+            failures = [f"{name} failed {m['failed']} of {m['failed'] + m.get('completed', 0)} requests"
+                        for name, m in ((subject, metrics), (peer, peer_metrics)) if m.get("failed")]  # fmt: skip
             for name in RATIO_FIELDS:
-                entry[name] = ratio(metrics.get(name), peer_metrics.get(name))
+                entry[name] = None if failures else ratio(metrics.get(name), peer_metrics.get(name))
+            if failures:
+                entry["excluded"] = "; ".join(failures)
             ratios.append(entry)
     return ratios
 
@@ -439,6 +445,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"[grid] record: {grid.record_path}")
     for entry in record["ratios"]:
+        if entry.get("excluded"):
+            print(f"[grid] {entry['subject']}/{entry['peer']} {entry['model']} c{entry['concurrency']}: no ratio "
+                  f"({entry['excluded']})")  # fmt: skip
+            continue
         print(
             f"[grid] {entry['subject']}/{entry['peer']} {entry['model']} c{entry['concurrency']}: "
             f"output tok/s x{_fmt(entry['output_throughput'])}, TTFT med x{_fmt(entry['median_ttft_ms'])}, "

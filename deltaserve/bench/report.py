@@ -132,6 +132,8 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
             pair = f"{entry['subject']} / {entry['peer']}"  # a grid may hold several subjects (configurations)
             key = (record["grid"], entry["model"], entry["isl"], entry["osl"], entry["concurrency"], pair)
             cell = _marked(record, entry["peer"], "output_throughput", _ratio(entry.get("output_throughput")))
+            if entry.get("excluded"):
+                cell = "– (failed requests)"
             note = arms.get(entry["peer"], {}).get("denominator_note")
             if note:
                 note_key = f"{stem}/{entry['peer']}"
@@ -270,6 +272,8 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         for e in record["ratios"]:
             note = arms.get(e["peer"], {}).get("denominator_note")
             cells = [_marked(record, e["peer"], name, _ratio(e.get(name))) for name in fields]
+            if e.get("excluded"):
+                cells = [f"no ratio: {e['excluded']}", *["–"] * (len(fields) - 1)]
             rows.append(
                 [
                     f"{e['subject']} / {e['peer']}" + (" *" if note else ""),

@@ -388,3 +388,22 @@ def test_committed_records_carry_the_gdn_deviation_note() -> None:
             assert "gdn-prefill-triton" in arm["deviations"], (path.name, name)
             assert "favours deltaserve on TTFT" in arm["denominator_note"]
         assert "added on 2026-12-01 (issue 17)" in record["provenance_note"]
+
+
+def test_a_point_with_failed_requests_gets_no_ratio() -> None:
+    """h200_structured-35b-a3b-20261201-s4: vLLM failed 73 of 160 requests at c32; its throughput counts their time
+    and not their tokens, so subject / peer there compares different work."""
+    ours = {"output_throughput": 1491.5, "median_tpot_ms": 18.15, "completed": 160, "failed": 0}
+    peer = {"output_throughput": 1056.5, "median_tpot_ms": 20.70, "completed": 87, "failed": 73}
+    run = {"model": "m", "isl": 1024, "osl": 128, "concurrency": 32, "is_drift_check": False}
+    record = {
+        "arms": {"ds": {"role": "subject"}, "v": {"role": "peer"}},
+        "runs": [run | {"arm": "ds", "metrics": ours}, run | {"arm": "v", "metrics": peer}],
+    }
+    (entry,) = compute_ratios(record)
+    assert entry["output_throughput"] is None and entry["median_tpot_ms"] is None
+    assert entry["excluded"] == "v failed 73 of 160 requests"
+    peer_ok = peer | {"completed": 160, "failed": 0}
+    record["runs"][1]["metrics"] = peer_ok
+    (entry,) = compute_ratios(record)
+    assert abs(entry["output_throughput"] - 1491.5 / 1056.5) < 1e-9 and "excluded" not in entry
