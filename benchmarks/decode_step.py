@@ -107,6 +107,8 @@ def build_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tu
     config = ModelConfig.from_pretrained(model_dir)
     model = Qwen35Model(config, dtype, device)
     init_dummy_weights(model, seed=0)
+    if hasattr(model, "fuse_projections"):  # as the runner does (a --baseline tree may predate it)
+        model.fuse_projections()
     model.eval()
     return config, model
 
@@ -252,6 +254,8 @@ def linear_names(config: Any) -> dict[str, dict[tuple[int, int], str]]:
         "gdn": {
             (config.conv_dim + config.value_dim, h): "in_proj_qkvz",
             (2 * config.linear_num_value_heads, h): "in_proj_ba",
+            # the serving path's fused weight (GatedDeltaNet.fuse_in_proj): both projections in one GEMM
+            (config.conv_dim + config.value_dim + 2 * config.linear_num_value_heads, h): "in_proj_qkvzba",
             (h, config.value_dim): "out_proj",
         },  # fmt: skip
         "attn": {(2 * nq * d + 2 * nkv * d, h): "qkv_proj", (h, nq * d): "o_proj"},

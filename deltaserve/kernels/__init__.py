@@ -5,7 +5,7 @@ path and the test oracle), `<op>_triton` (the Triton launcher) and `<op>` (the d
 Model files import ops from here only, so kernels drop in without touching the model.
 """
 
-from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from deltaserve.kernels.activation import sigmoid_gate_mul, sigmoid_gate_mul_ref, silu_and_mul, silu_and_mul_ref
 from deltaserve.kernels.attention import paged_attention, paged_attention_ref, store_kv, store_kv_ref
 from deltaserve.kernels.conv import (
     causal_conv1d_prefill,
@@ -64,6 +64,8 @@ __all__ = [
     "rope_cos_sin_for_positions",
     "rotary_embedding",
     "rotary_embedding_ref",
+    "sigmoid_gate_mul",
+    "sigmoid_gate_mul_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

@@ -1,4 +1,5 @@
-"""SiLU-and-mul for the SwiGLU MLPs: out = SiLU(x[:, :I]) * x[:, I:], fp32 inside, one rounding."""
+"""Gated activations, fp32 inside and one rounding: SiLU-and-mul for the SwiGLU MLPs (out = SiLU(x[:, :I]) * x[:, I:])
+and the gated attention's output gate (out = o * sigmoid(gate), architecture doc §2.2)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o, gate [T, N] (rows may be strided) -> o * sigmoid(gate) [T, N] contiguous, in fp32 with one rounding, as
+    vLLM's compiled graph fuses it."""
+    return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    if use_triton(o):
+        from deltaserve.kernels.activation_triton import sigmoid_gate_mul_triton
+
+        return sigmoid_gate_mul_triton(o, gate)
+    return sigmoid_gate_mul_ref(o, gate)

@@ -1,7 +1,9 @@
-"""Triton SiLU-and-mul for the SwiGLU MLPs: out = SiLU(x[..., :I]) ⊙ x[..., I:], fp32 inside, one rounding.
+"""Triton gated activations, fp32 inside, one rounding: SiLU-and-mul for the SwiGLU MLPs (out = SiLU(x[..., :I]) ⊙
+x[..., I:]) and the attention output gate (out = o ⊙ sigmoid(gate): one launch where the torch twin takes five,
+two upcasts, sigmoid, mul, downcast).
 
-Grid (row, column block): rows are tokens (they may be strided), BLOCK_I columns of the gate half and the
-matching columns of the up half per program, so both loads are coalesced runs of the same row.
+Grid (row, column block): rows are tokens (they may be strided), BLOCK_I columns per program, so every load is a
+coalesced run of one row.
 """
 
 from __future__ import annotations
@@ -36,5 +38,32 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block_i = min(1024, next_pow2(half))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(half, block_i))](
         x2, out, x2.stride(0), I=half, BLOCK_I=block_i, num_warps=max(1, min(4, block_i // 256))
+    )
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_mul_kernel(o_ptr, gate_ptr, out_ptr, stride_o, stride_g, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    i_t = i64(tl.program_id(0))
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_o = tl.load(o_ptr + i_t * stride_o + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_g = tl.load(gate_ptr + i_t * stride_g + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
+    tl.store(out_ptr + i_t * N + o_n, b_o * b_sig, mask=m_n)
+
+
+def sigmoid_gate_mul_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o, gate [T, N] -> o * sigmoid(gate) [T, N] (contiguous, o's dtype)."""
+    require_last_dim_contiguous("o", o)
+    require_last_dim_contiguous("gate", gate)
+    assert o.shape == gate.shape and o.dim() == 2, (o.shape, gate.shape)
+    num_rows, width = o.shape
+    out = torch.empty(num_rows, width, dtype=o.dtype, device=o.device)
+    if num_rows == 0 or width == 0:
+        return out
+    block_n = min(1024, next_pow2(width))
+    _sigmoid_gate_mul_kernel[(num_rows, triton.cdiv(width, block_n))](
+        o, gate, out, o.stride(0), gate.stride(0), N=width, BLOCK_N=block_n, num_warps=max(1, min(4, block_n // 256))
     )
     return out

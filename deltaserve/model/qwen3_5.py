@@ -111,6 +111,13 @@ class Qwen35Model(nn.Module):
         # The vision tower (model.visual.*), built only when asked and the checkpoint has one (multimodal doc §4).
         self.visual = VisionTower(config.vision, dtype, device) if build_vision and config.vision else None
 
+    def fuse_projections(self) -> None:
+        """After the weights are in: the load-time fusions the serving path runs with (GDN in_proj_qkvz + in_proj_ba
+        as one GEMM). The loader and the training code see the checkpoint's separate tensors."""
+        for layer in self.layers:
+            if not layer.is_full_attention:
+                layer.linear_attn.fuse_in_proj()
+
     def untie_lm_head(self) -> None:
         """Gives lm_head its own storage (the loader found a checkpoint lm_head.weight that differs from the
         embedding, which transformers uses untied)."""

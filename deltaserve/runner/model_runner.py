@@ -169,6 +169,7 @@ class ModelRunner:
                 self.model, model_config, Path(engine_config.model),
                 ignore_unexpected=engine_config.ignore_unexpected_tensors, skip_rules=rules,
             )  # fmt: skip
+        self.model.fuse_projections()
         self.model.eval()
         self.sampler = Sampler(engine_config.seed)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)

@@ -233,6 +233,22 @@ def test_gpu_memory_utilization_is_a_per_instance_share_as_in_vllm() -> None:
     assert "(0.9, 90.00 GiB)" in str(excinfo.value) and "55.00/100.00 GiB" in str(excinfo.value)
 
 
+def test_serving_model_runs_each_gdn_layers_input_projections_as_one_gemm(tiny_next: Path) -> None:
+    """GatedDeltaNet.fuse_in_proj (the runner calls it after loading): one [qkvz | ba] weight, the old names as views
+    of its rows; the gates' fp32 STRICT runs check the tokens through it."""
+    model = LLM(tiny_next, dtype="float32").engine.runner.model
+    names = {name for name, _ in model.named_parameters()}
+    layers = [layer.linear_attn for layer in model.layers if not layer.is_full_attention]
+    assert layers and not any("in_proj_qkvz" in n or "in_proj_ba" in n for n in names)
+    for gdn in layers:
+        fused, rows = gdn.in_proj, gdn.in_proj_qkvz.shape[0]
+        assert fused.shape[0] == rows + 2 * gdn.num_v_heads
+        assert gdn.in_proj_qkvz.data_ptr() == fused.data_ptr()
+        assert gdn.in_proj_ba.data_ptr() == fused[rows:].data_ptr()
+        gdn.fuse_in_proj()  # idempotent
+        assert gdn.in_proj is fused
+
+
 def test_a_step_that_raises_leaves_no_request_behind(tiny_dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model error mid-step reaches the caller; its requests are aborted (blocks and slots freed), so the next
     generate call serves instead of waiting forever on a request no step will ever advance."""

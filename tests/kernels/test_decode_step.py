@@ -42,7 +42,7 @@ def test_cpu_run_writes_a_record_with_every_op_labelled(
         assert [row["batch"] for row in run["rows"]] == [1, 3]
         for row in run["rows"]:
             labels = {op["op"] for op in row["ops"]}
-            assert {"gdn.in_proj_qkvz", "gdn.gdn_decode", "attn.paged_attention", "lm.lm_head"} <= labels, labels
+            assert {"gdn.in_proj_qkvzba", "gdn.gdn_decode", "attn.paged_attention", "lm.lm_head"} <= labels, labels
             assert "unlabelled" not in labels
             assert row["floor_ms"] > 0 and row["eager_ms"] > 0
     assert "mlp.fused_moe_block" in {op["op"] for op in variants["block+linear"]["rows"][0]["ops"]}
