@@ -13,6 +13,8 @@
 #   4                           issue 16: the structured grid on the ASCII dummy tokenizer, its unconstrained twin first
 #   5                           issue 14: the image-traffic grid (scripts/h200_image_grid.sh)
 # Each call's files come back in $OUT (at most 8): summary.txt and one tarball of logs and records.
+# As run (benchmarks/results/h200-session4-20261201.txt): call 1 as written; calls 2-5 as the inline commands
+# that record lists (call 2 shrank to the unpack, call 3 left out the image gates, call 4 was split in two).
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] bash scripts/h200_s4.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -21,7 +21,9 @@ Checks besides STRICT, per prompt:
 In bf16 the gate also prints the yardstick: each engine against transformers-fp32, so a mismatch can be read
 against the reference's own bf16 disagreement. deltaserve is driven only through its offline API (`LLM`,
 `LLM.score`). `--record PATH` writes the whole verdict as JSON. Exit 0 only when every prompt matches and
-every check holds; 1 on any failure or refused reference; 2 when nothing was checked.
+every check holds; 1 on any failure or refused reference; 2 when nothing was checked. `--reference-only` saves
+the reference's run to `--reference-cache` and stops (no verdict); `--share-gpu` sizes both engines' caches small
+so several gates run side by side on one GPU (benchmarks/oracle/gates_shared.sh).
 """
 
 from __future__ import annotations
