@@ -11,7 +11,8 @@
 #                       /tmp/gate_cache (needs /tmp/vllm_site: benchmarks/oracle/unpack.sh vllm)
 #   STAGE=vllm          deltaserve bf16 vs those saved vLLM runs (text: both preamble settings; image: fused)
 # Each gate writes $OUT/gates/<name>.json and <name>.log; the summary (STRICT lines, margins, yardsticks) goes to
-# stdout. Every gate has its own time limit (GATE_TIMEOUT_S, default 420).
+# stdout. Every gate has its own time limit (GATE_TIMEOUT_S, default 420). TEXT_VARIANTS (default "dense moe next")
+# and MEDIA_VARIANTS (default "dense-vl moe-vl") choose the checkpoints; an empty one leaves that kind out.
 # usage: OUT=... STAGE=transformers|vllm-refs|vllm bash benchmarks/oracle/gates_shared.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,7 +43,7 @@ launch() {
   names+=("$name") pids+=($!)
   sleep 1  # staggered starts: the CUDA contexts and first compiles do not all land at once
 }
-for v in dense moe next; do
+for v in ${TEXT_VARIANTS-dense moe next}; do
   model=$trained/$v
   case $stage in
     transformers)
