@@ -2,12 +2,13 @@
 # The next session's device calls (planned 2026-12-01 after session 4; 1800 device-seconds), one warm nvidia-h200,
 # each issued within 30 s of the last. Calls 1-3 carry the three vLLM bundle pieces (benchmarks/oracle/unpack.sh).
 #   1  carry .vllm_chunk .whl build/baseline   piece 1, the wheels; issue 11: decode_step.py before/after KERNEL_NOTES
-#                               C7 (fused GDN in_proj) and C8 (one-launch attention output gate) on both shapes.
+#                               C7 (fused GDN in_proj) and C8 (one-launch attention output gate) on both shapes at
+#                               B = 1, 8, 32, 128 (BATCHES; ~300 s).
 #                               build/baseline = deltaserve/ of 0463821 (before both):
 #                                 mkdir -p build/baseline && git archive 0463821 deltaserve | tar -x -C build/baseline
 #   2  carry .vllm_chunk2       piece 2; issue 14: the bf16 image gates against transformers, both vision variants
-#   3  carry .vllm_chunk3       piece 3 (SHA256 set); issue 14: the image gates against vLLM (refs side by side, then
-#                               the gates against the saved runs)
+#   3  carry .vllm_chunk3       piece 3 (SHA256 set); issues 13/14: vLLM's runs for all five checkpoints side by side,
+#                               then deltaserve's gates against them (the text ones again after C7/C8; ~420 s)
 #   4                           issue 16: the structured grid pair on the fixed schema (minItems 64)
 #   5                           issue 14: the image grid; only with >= 470 s of budget left (`status`), and DEADLINE_S /
 #                               GRID_TIMEOUT_S at least 40 s under it (session 4's call was killed by the budget)
@@ -36,8 +37,9 @@ case $call in
     [ -d build/baseline/deltaserve ] || { echo "no build/baseline/deltaserve: carry it (see the header)"; exit 3; }
     timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1
     mark "decode step, baseline 0463821 then this tree (model variant)"
-    PYTHONPATH=$PWD timeout "${DECODE_TIMEOUT_S:-480}" python3 benchmarks/decode_step.py --models /tmp/ds_models \
-      --variants model --baseline build/baseline --baseline-timeout-s "${BASELINE_TIMEOUT_S:-230}" \
+    PYTHONPATH=$PWD timeout "${DECODE_TIMEOUT_S:-320}" python3 benchmarks/decode_step.py --models /tmp/ds_models \
+      --variants model --batches "${BATCHES:-1,8,32,128}" --baseline build/baseline \
+      --baseline-timeout-s "${BASELINE_TIMEOUT_S:-150}" \
       --out "$W/decode-step.json" > "$W/decode-step.log" 2>&1
     echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
     tail -40 "$W/decode-step.log" | tee -a "$OUT/summary.txt"
@@ -57,11 +59,12 @@ case $call in
     grep -hE "^STRICT|^yardstick|^per kind|^four-op" "$W"/gate-bf16-image-*.log | tee -a "$OUT/summary.txt"
     ;;
   3)
-    mark "image refs against vLLM, then the gates"
-    OUT=$W STAGE=vllm-refs TEXT_VARIANTS="" GATE_TIMEOUT_S=260 bash benchmarks/oracle/gates_shared.sh > "$W/refs.txt" 2>&1
+    # all five checkpoints: the text gates again because C7/C8 (120ee41) came after session 4's text records
+    mark "vLLM refs side by side (text and image), then the gates against them"
+    OUT=$W STAGE=vllm-refs GATE_TIMEOUT_S=260 bash benchmarks/oracle/gates_shared.sh > "$W/refs.txt" 2>&1
     grep -E "^===|REFUSED|Error|no verdict" "$W/refs.txt" | tee -a "$OUT/summary.txt"
-    OUT=$W STAGE=vllm TEXT_VARIANTS="" GATE_TIMEOUT_S=$((560 - SECONDS)) bash benchmarks/oracle/gates_shared.sh \
-      > "$W/gates.txt" 2>&1
+    cp /tmp/gate_cache/*.json "$W/" 2>/dev/null  # the saved vLLM runs come back too
+    OUT=$W STAGE=vllm GATE_TIMEOUT_S=$((560 - SECONDS)) bash benchmarks/oracle/gates_shared.sh > "$W/gates.txt" 2>&1
     grep -E "^===|^STRICT|^yardstick|^per kind|^four-op|REFUSED|Error" "$W/gates.txt" | tee -a "$OUT/summary.txt"
     ;;
   4)
