@@ -29,6 +29,8 @@ mark "call $call, commit ${DELTASERVE_GIT_COMMIT:-unknown}, $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 case $call in
   1 | 2 | 3) bash benchmarks/oracle/unpack.sh vllm | tee -a "$OUT/summary.txt" ;;
+  # session 5: piece 3 rides with call 4 (UNPACK=1) so the structured pair runs in the call that completes vLLM
+  4) [ "${UNPACK:-0}" = 1 ] && bash benchmarks/oracle/unpack.sh vllm | tee -a "$OUT/summary.txt" ;;
 esac
 case $call in
   1)
@@ -75,9 +77,9 @@ case $call in
     grep "^\[grid\]" "$W/grid-free.log" | tail -6 | tee -a "$OUT/summary.txt"
     mark "structured grid: deltaserve then vLLM 0.26 with xgrammar"
     # the deadline counts from the grid's own start: what the call has left, less the stop margin
-    GRID=benchmarks/grids/h200_structured.toml GRID_TIMEOUT_S=$((575 - SECONDS)) GRID_STORE=/tmp/ds_grid_so OUT=$W/so \
+    GRID=benchmarks/grids/h200_structured.toml GRID_TIMEOUT_S=$((${CALL_BUDGET_S:-575} - SECONDS)) GRID_STORE=/tmp/ds_grid_so OUT=$W/so \
       bash benchmarks/h200_grid.sh --record-name "h200_structured-35b-a3b-${RECORD_DATE:-$(date +%Y%m%d)}" --no-drift \
-      --deadline-s $((560 - SECONDS)) > "$W/grid-so.log" 2>&1
+      --deadline-s $((${CALL_BUDGET_S:-575} - 15 - SECONDS)) > "$W/grid-so.log" 2>&1
     grep -E "^\[grid\]|rror" "$W/grid-so.log" | tail -16 | tee -a "$OUT/summary.txt"
     # vLLM's start spent 39 s in torch.compile and 87 s in its first profiling run (Triton JIT) in session 4: how
     # large are the caches a later session could carry to skip that (start time only, no measured figure moves)?
