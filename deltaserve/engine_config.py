@@ -13,7 +13,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto: cuda when available, else cpu
-    load_format: str = "auto"  # auto (safetensors) or dummy (seeded random weights of the right shapes)
+    load_format: str = "auto"  # auto (safetensors) or dummy (vLLM's dummy weights of the right shapes)
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped by memory
     # None: vLLM's default (1024 on GPUs of >= 70 GiB but the A100, else 256), capped so the GDN state slots take
     # at most half of the cache budget

@@ -349,6 +349,28 @@ class Grid:
         self.save()
 
 
+# Two arms whose shares of distinct outputs differ by more than this factor did visibly different work.
+UNEQUAL_OUTPUTS_FACTOR = 2.0
+
+
+def unequal_outputs(subject: str, metrics: dict[str, Any], peer: str, peer_metrics: dict[str, Any]) -> str | None:
+    """Why a point's two arms may not have done the same work, or None. On dummy weights a decode can collapse to
+    the same tokens in every sequence (vLLM's U(-1e-3, 1e-3) weights do on prompts with a common ending), and then
+    every decode row routes to the same experts: a MoE step then reads 8 experts per layer instead of up to 256.
+    The ratio stays in the record, flagged; records from before the count existed carry no flag."""
+    shares = []
+    for m in (metrics, peer_metrics):
+        distinct, completed = m.get("num_distinct_generated_texts"), m.get("completed")
+        if distinct is None or not completed:
+            return None
+        shares.append(max(distinct, 1) / completed)
+    if max(shares) <= UNEQUAL_OUTPUTS_FACTOR * min(shares):
+        return None
+    return (f"unequal outputs: {subject} {metrics['num_distinct_generated_texts']} distinct of {metrics['completed']}, "
+            f"{peer} {peer_metrics['num_distinct_generated_texts']} of {peer_metrics['completed']}: the arms may have "
+            f"done different expert work")  # fmt: skip
+
+
 def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
     """subject / peer for every peer arm, and arm / baseline, at every point both measured (drift re-runs excluded)."""
     roles = {name: arm["role"] for name, arm in record["arms"].items()}
@@ -380,6 +402,9 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
                 entry[name] = None if failures else ratio(metrics.get(name), peer_metrics.get(name))
             if failures:
                 entry["excluded"] = "; ".join(failures)
+            unequal = unequal_outputs(subject, metrics, peer, peer_metrics)
+            if unequal:
+                entry["unequal_outputs"] = unequal
             ratios.append(entry)
     return ratios
 

@@ -132,6 +132,8 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
             pair = f"{entry['subject']} / {entry['peer']}"  # a grid may hold several subjects (configurations)
             key = (record["grid"], entry["model"], entry["isl"], entry["osl"], entry["concurrency"], pair)
             cell = _marked(record, entry["peer"], "output_throughput", _ratio(entry.get("output_throughput")))
+            if entry.get("unequal_outputs"):
+                cell += " ‡"
             if entry.get("excluded"):
                 cell = "– (failed requests)"
             note = arms.get(entry["peer"], {}).get("denominator_note")
@@ -146,7 +148,9 @@ def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = ["## Ratio history: output throughput, subject / peer", ""]
     lines.append(
         "Above 1: deltaserve is faster. `[n]`: the peer arm of that record carries a denominator note; `†`: a "
-        "registry deviation of the peer (a backend its production defaults would not pick) can move this ratio."
+        "registry deviation of the peer (a backend its production defaults would not pick) can move this ratio; `‡`: "
+        "the two arms' outputs differ in how many are distinct (grid.unequal_outputs), so on dummy weights they may "
+        "have done different expert work."
     )
     lines.append("")
     header = ["grid", "model", "ISL/OSL", "conc", "subject / peer", *stems]
@@ -272,6 +276,8 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         for e in record["ratios"]:
             note = arms.get(e["peer"], {}).get("denominator_note")
             cells = [_marked(record, e["peer"], name, _ratio(e.get(name))) for name in fields]
+            if e.get("unequal_outputs"):
+                cells[0] += " ‡"
             if e.get("excluded"):
                 cells = [f"no ratio: {e['excluded']}", *["–"] * (len(fields) - 1)]
             rows.append(
@@ -297,6 +303,10 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
                 missing = "" if is_noted else " (the record itself lacks this note)"
                 lines.append("")
                 lines.append(f"† `{peer}` ran with registry deviation {deviation.note}{missing}")
+        for e in record["ratios"]:
+            if e.get("unequal_outputs"):
+                lines.append("")
+                lines.append(f"‡ {e['model']} c{e['concurrency']}: {e['unequal_outputs']}")
         lines.append("")
 
     if record.get("drift"):

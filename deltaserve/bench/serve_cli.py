@@ -290,6 +290,9 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             "ignore_eos": is_ignore_eos,
             "is_server_tokenize_aligned": is_server_aligned,
             "goodput_slos_ms": goodput or None,
+            # how alike the outputs are: on dummy weights, identical outputs route every decode row to the same
+            # experts, so two arms whose counts differ did different MoE work (grid.compute_ratios flags it)
+            "num_distinct_generated_texts": len({r.generated_text for r in results if r.is_success}),
         }
     )
     if is_mm:

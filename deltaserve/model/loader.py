@@ -9,7 +9,7 @@ tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` 
 Every tensor of the checkpoint is consumed or skipped by a named SkipRule (`mtp.*`, `model.visual.*`); any other
 tensor is an error naming it and its file unless `ignore_unexpected` is set. A missing, mis-shaped or non-float
 tensor raises CheckpointError naming the tensor and its file. `load_format="dummy"` fills every parameter with
-seeded random values instead (init_dummy_weights).
+vLLM's dummy values instead (init_dummy_weights: U(-1e-3, 1e-3), re-seeded per tensor).
 
 Under tensor parallelism the loader shards while it reads: each rank reads only its slices of every sharded tensor
 (safetensors slicing, model/parallel.py says which), so no rank holds the whole checkpoint. A tensor a rank needs
@@ -19,7 +19,6 @@ none of (o_proj's bias off rank 0, another rank's experts) is checked for its sh
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -369,29 +368,27 @@ def load_checkpoint(
     return report
 
 
-# the vision tower's plain LayerNorm weights (model/vision.py names): blocks' norm1 / norm2 and the merger's norm
-VISION_LAYER_NORM_WEIGHTS = ("norm1_weight", "norm2_weight", "merger_norm_weight")
+# vLLM's dummy-weight constants (initialize_dummy_weights' defaults: low=-1e-3, high=1e-3, seed=1234)
+DUMMY_WEIGHT_BOUND = 1e-3
+VLLM_DUMMY_SEED = 1234
 
 
-def init_dummy_weights(model: Qwen35Model, seed: int) -> None:
-    """Seeded random weights of the right shapes, for benchmarks on real dimensions without weights. Every
-    tensor-parallel rank draws the same sequence for its (equally shaped) shards, so replicated parameters (the
-    router above all) agree across ranks."""
-    device = model.embed_tokens.device
-    generator = torch.Generator(device=device).manual_seed(seed)
+def init_dummy_weights(model: Qwen35Model, seed: int = VLLM_DUMMY_SEED) -> None:
+    """vLLM's dummy weights (vllm/model_executor/model_loader/weight_utils.py, initialize_dummy_weights): every
+    floating-point parameter drawn from U(-1e-3, 1e-3) by a generator on its device re-seeded with `seed` (vLLM's
+    1234, whatever --seed says) for each tensor, so the values depend only on a tensor's shape and dtype.
+
+    Why vLLM's scheme and not a "realistic" one: a benchmark against vLLM's `--load-format dummy` must run the
+    same kind of model. Weights this small leave a greedy decode depending on little more than the current token,
+    so prompts with a common ending (every chat template's) decode identical tokens and route every batch row to
+    the same experts; under deltaserve's former N(0, 0.02) matrices the same prompts decoded diverse tokens and
+    touched 6.5x more experts per MoE decode step (64 experts, 16 sequences; more with 256 and 32;
+    benchmarks/dummy_routing.py and its CPU record benchmarks/results/dummy-routing-cpu-20261201.txt).
+    Tensor-parallel ranks get equal values for equally shaped shards, so replicated parameters (the router above
+    all) agree across ranks, as in vLLM."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log":
-                param.uniform_(math.log(1.0), math.log(16.0), generator=generator)
-            elif leaf == "dt_bias":
-                param.zero_()
-            elif leaf == "norm" and ".linear_attn." in name:
-                param.fill_(1.0)  # the GDN gated norm has a plain weight
-            elif name.startswith("visual.") and leaf in VISION_LAYER_NORM_WEIGHTS:
-                # the vision tower's LayerNorms are plain (x * w + b): a zero weight would zero every image embedding
-                param.fill_(1.0)
-            elif param.dim() == 1:
-                param.zero_()  # zero-centred norms: applied as (1 + w); projection biases start at 0
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+        for param in model.parameters():
+            if not torch.is_floating_point(param):
+                continue
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+            param.uniform_(-DUMMY_WEIGHT_BOUND, DUMMY_WEIGHT_BOUND, generator=generator)

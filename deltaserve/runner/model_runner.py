@@ -160,7 +160,7 @@ class ModelRunner:
             self._allocated_before = torch.cuda.memory_allocated(self.device)
         self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp)
         if engine_config.load_format == "dummy":
-            init_dummy_weights(self.model, engine_config.seed)
+            init_dummy_weights(self.model)  # vLLM's per-tensor seed, not --seed (as vLLM)
             self.load_report = None
         else:
             # a built vision tower consumes model.visual.* itself: only the MTP head stays a skipped prefix

@@ -98,6 +98,7 @@ def test_bench_serve_end_to_end_against_a_fake_server(
         for stat in ("mean", "median", "std", "p50", "p99"):
             assert f"{stat}_{metric}_ms" in record
     assert record["completed"] == 12 and record["failed"] == 0
+    assert record["num_distinct_generated_texts"] == 1  # the fake streams " t0 t1 ..." to every request
     assert record["model_id"] == str(word_model) and record["tokenizer_id"] == str(word_model)  # from /v1/models
     assert record["total_input_tokens"] == 12 * 24 and record["total_output_tokens"] == 12 * 6
     assert record["request_rate"] == "inf" and record["max_concurrency"] == 3

@@ -407,3 +407,28 @@ def test_a_point_with_failed_requests_gets_no_ratio() -> None:
     record["runs"][1]["metrics"] = peer_ok
     (entry,) = compute_ratios(record)
     assert abs(entry["output_throughput"] - 1491.5 / 1056.5) < 1e-9 and "excluded" not in entry
+
+
+def test_a_point_whose_arms_emit_unlike_outputs_is_flagged() -> None:
+    """vLLM's dummy weights decode one text for every chat prompt (benchmarks/dummy_routing.py): a point where one
+    arm's outputs are all alike and the other's all distinct keeps its ratio, flagged, and the report marks it."""
+    ours = {"output_throughput": 896.0, "completed": 160, "failed": 0, "num_distinct_generated_texts": 160}
+    peer = {"output_throughput": 2045.9, "completed": 160, "failed": 0, "num_distinct_generated_texts": 1}
+    run = {"model": "m", "isl": 1024, "osl": 128, "concurrency": 32, "is_drift_check": False}
+    record = {
+        "grid": "g",
+        "arms": {"ds": {"role": "subject"}, "v": {"role": "peer"}},
+        "runs": [run | {"arm": "ds", "metrics": ours}, run | {"arm": "v", "metrics": peer}],
+    }
+    (entry,) = compute_ratios(record)
+    assert abs(entry["output_throughput"] - 896.0 / 2045.9) < 1e-9
+    assert entry["unequal_outputs"] == (
+        "unequal outputs: ds 160 distinct of 160, v 1 of 160: the arms may have done different expert work"
+    )
+    record["ratios"] = [entry]
+    assert "‡" in "\n".join(report._history([("r", record)]))
+    # alike enough (within a factor 2), or a record from before the count: no flag
+    for distinct in (100, None):
+        record["runs"][1]["metrics"] = peer | {"num_distinct_generated_texts": distinct}
+        (entry,) = compute_ratios(record)
+        assert "unequal_outputs" not in entry
