@@ -428,6 +428,7 @@ TRITON_LABELS = {
     "_moe_route_kernel": "mlp.moe_route",
 }
 MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel", "_moe_router_kernel",
+               "_moe_router_gemv_kernel",
                "_moe_decode_gemm1_kernel", "_moe_decode_gemm2_kernel")  # fmt: skip
 
 

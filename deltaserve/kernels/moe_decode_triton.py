@@ -4,7 +4,10 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
 
 1. Router (`_moe_router_kernel`): logits = x·W_rᵀ [T, E] and the shared-expert gate logit x·w_gᵀ [T, 1] in
    one pass over the router rows, fp32 accumulation, stored in the model dtype (the bf16 F.linear outputs the
-   ref rounds to). Grid (router row blocks, token blocks).
+   ref rounds to). Grid (router row blocks, token blocks). Up to ROUTER_GEMV_MAX_TOKENS tokens the GEMV form
+   (`_moe_router_gemv_kernel`) runs instead: two rows (the gate row is row E) per program, one program per
+   (row pair, token), so the 1 MB router of the 35B-A3B shape streams through ~130 programs, not 16 (tl.dot's
+   16-row minimum left 16 programs at 14 µs for 1 MB at T = 1: KERNEL_NOTES C9).
 2. Gate/up (`_moe_decode_gemm1_kernel`): one program per (entry, column block), an entry being a (token,
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
@@ -41,6 +44,10 @@ from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoECon
 ROUTER_BLOCK_R = 16
 ROUTER_BLOCK_K = 256
 ROUTER_BLOCK_T = 16
+# The GEMV router (T <= ROUTER_GEMV_MAX_TOKENS): rows per program and reduction step.
+ROUTER_GEMV_MAX_TOKENS = 4
+ROUTER_GEMV_BLOCK_R = 2
+ROUTER_GEMV_BLOCK_K = 1024
 # Gate/up programs route the whole batch in registers ([tokens, E] fp32) up to this many tokens; at 32 tokens
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
@@ -91,6 +98,44 @@ def _moe_router_kernel(
     tl.store(p_l, b_acc, mask=m_t[:, None] & m_r[None, :])
     if HAS_GATE:
         tl.store(logits_ptr + i64(o_t) * stride_l + E, b_gate, mask=m_t & (i_r == 0))
+
+
+@triton.jit
+def _moe_router_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    gate_w_ptr,
+    logits_ptr,
+    stride_x,
+    stride_w,
+    stride_l,
+    E: tl.constexpr,
+    H: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One token's logits for BLOCK_R rows: rows < E of W_r, row E the shared-expert gate (HAS_GATE)."""
+    i_r = tl.program_id(0)
+    i_t = tl.program_id(1)
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] rows: experts, then the gate
+    m_w = o_r < E
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + i64(i_t) * stride_x + o_k  # [BLOCK_K]
+    p_w = w_ptr + i64(o_r)[:, None] * stride_w + o_k[None, :]  # [BLOCK_R, BLOCK_K]
+    b_acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        m_k = (k0 + o_k) < H
+        b_x = tl.load(p_x + k0, mask=m_k, other=0.0).to(tl.float32)
+        b_w = tl.load(p_w + k0, mask=m_w[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        if HAS_GATE:
+            # the gate row is a 4 KiB row beside W_r: loaded only by the lane whose row is E (others masked)
+            p_g = gate_w_ptr + k0 + o_k[None, :] + 0 * o_r[:, None]
+            b_w += tl.load(p_g, mask=(o_r == E)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_acc += b_w * b_x[None, :]
+    b_l = tl.sum(b_acc, axis=1)  # [BLOCK_R] fp32
+    num_rows = E + 1 if HAS_GATE else E
+    tl.store(logits_ptr + i64(i_t) * stride_l + o_r, b_l, mask=o_r < num_rows)
 
 
 @triton.jit
@@ -305,6 +350,24 @@ def router_logits_triton(
     has_gate = gate_weight is not None
     logits = torch.empty(num_tokens, num_experts + int(has_gate), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
+        return logits
+    if num_tokens <= ROUTER_GEMV_MAX_TOKENS:
+        grid = (triton.cdiv(num_experts + int(has_gate), ROUTER_GEMV_BLOCK_R), num_tokens)
+        _moe_router_gemv_kernel[grid](
+            x,
+            router_weight,
+            gate_weight if has_gate else router_weight,
+            logits,
+            x.stride(0),
+            router_weight.stride(0),
+            logits.stride(0),
+            E=num_experts,
+            H=hidden,
+            HAS_GATE=has_gate,
+            BLOCK_R=ROUTER_GEMV_BLOCK_R,
+            BLOCK_K=min(ROUTER_GEMV_BLOCK_K, next_pow2(hidden)),
+            num_warps=4,
+        )
         return logits
     grid = (triton.cdiv(num_experts, ROUTER_BLOCK_R), triton.cdiv(num_tokens, ROUTER_BLOCK_T))
     _moe_router_kernel[grid](

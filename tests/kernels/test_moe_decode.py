@@ -130,18 +130,35 @@ def test_fused_moe_decode_path_on_given_routing(shared: bool, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", [3, 20])
-def test_router_logits_kernel_holds_the_gate_logit_in_its_last_column(num_tokens: int, dtype: torch.dtype) -> None:
-    """The router GEMV equals F.linear (to an ulp in bf16); the gate logit is column E. 20 tokens: two tiles."""
-    x = randn(num_tokens, 96, dtype=dtype)
-    router, gate = randn(20, 96, dtype=dtype), randn(1, 96, dtype=dtype)
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "hidden"), [(1, 20, 96), (3, 21, 1100), (4, 20, 96), (5, 20, 96), (20, 20, 96)]
+)
+def test_router_logits_kernel_holds_the_gate_logit_in_its_last_column(
+    num_tokens: int, num_experts: int, hidden: int, dtype: torch.dtype
+) -> None:
+    """The router equals F.linear (to an ulp in bf16); the gate logit is column E. Up to 4 tokens the GEMV
+    kernel (an odd row count: the gate row shares a program with an expert row, or sits alone; H = 1100: two
+    reduction steps, the second partial), then the tl.dot kernel (20 tokens: two tiles); with and without the
+    gate."""
+    from deltaserve.kernels.moe_decode_triton import ROUTER_GEMV_MAX_TOKENS
+
+    assert ROUTER_GEMV_MAX_TOKENS == 4  # the parametrisation straddles it
+    x = randn(num_tokens, hidden, dtype=dtype)
+    router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
     with poisoned_empty():
         logits = router_logits_triton(x, router, gate)
-    assert logits.shape == (num_tokens, 21) and logits.dtype == dtype
+        plain = router_logits_triton(x, router, None)
+    assert (
+        logits.shape == (num_tokens, num_experts + 1)
+        and logits.dtype == dtype
+        and plain.shape == (num_tokens, num_experts)
+    )
     ref = router_logits_ref(x, router, gate)
-    assert_close("router", ref[:, :20], logits[:, :20], tolerance(dtype, 1e-6, 4e-3))
-    assert_close("gate", ref[:, 20:], logits[:, 20:], tolerance(dtype, 1e-6, 4e-3))
-    assert torch.equal(router_logits_ref(x, router, None), ref[:, :20])
+    e = num_experts
+    assert_close("router", ref[:, :e], logits[:, :e], tolerance(dtype, 1e-6, 4e-3))
+    assert_close("gate", ref[:, e:], logits[:, e:], tolerance(dtype, 1e-6, 4e-3))
+    assert_close("router without the gate", ref[:, :e], plain, tolerance(dtype, 1e-6, 4e-3))
+    assert torch.equal(router_logits_ref(x, router, None), ref[:, :e])
 
 
 def test_in_kernel_routing_breaks_ties_to_the_lowest_expert() -> None:
