@@ -7,8 +7,11 @@ random` on make_tiny's random ones; the conditioning check on the trained ones (
 transformers-fp32 >= 30 of 32, deltaserve/gates/conditioning.py), which shows a bf16 claim on them means
 something; and the MTP check (the trained MTP head's top-1 agreement with the trunk's next-next token on held-out
 text, at least MIN_MTP_AGREEMENT, deltaserve/tiny/mtp.py); those two on the trained checkpoints only (about 2.5
-minutes together on a 2-core CPU; `--skip conditioning --skip mtp` drops them). Exit 0 when every gate passes;
-1 when any gate fails (or cannot run); otherwise 2 when some gate found nothing to check.
+minutes together on a 2-core CPU; `--skip conditioning --skip mtp` drops them). The gates run on worker
+subprocesses, one per CPU with that share of torch's threads (`--jobs`; `--jobs 1` runs them here, one after
+another), and each gate's output is printed whole, in the order above, whatever order they end in
+(deltaserve/gates/parallel.py). Exit 0 when every gate passes; 1 when any gate fails (or cannot run); otherwise 2
+when some gate found nothing to check.
 """
 
 from __future__ import annotations
