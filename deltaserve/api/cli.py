@@ -223,13 +223,17 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     from deltaserve.model.preflight import preflight, report_startup_error
-    from deltaserve.runner.distributed import is_external_worker
 
-    if is_external_worker(config.tensor_parallel_size):
-        # a rank > 0 that torchrun started: no HTTP server, only rank 0's plans
-        from deltaserve.runner.worker import run_external_worker
+    # Only a tensor-parallel start can be a rank > 0, and asking imports torch: a one-rank start asks nothing, so
+    # its checkpoint errors below come before any heavy import (a second, not ten, on a busy 2-core machine).
+    if config.tensor_parallel_size > 1:
+        from deltaserve.runner.distributed import is_external_worker
 
-        return run_external_worker(config)
+        if is_external_worker(config.tensor_parallel_size):
+            # a rank > 0 that torchrun started: no HTTP server, only rank 0's plans
+            from deltaserve.runner.worker import run_external_worker
+
+            return run_external_worker(config)
 
     # A bad checkpoint or start-up setting is one line naming the file and the field, exit 1; the traceback only
     # when debugging. The torch-free checks run first, so such errors come before the heavy imports.

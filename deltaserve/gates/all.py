@@ -7,8 +7,11 @@ random` on make_tiny's random ones; the conditioning check on the trained ones (
 transformers-fp32 >= 30 of 32, deltaserve/gates/conditioning.py), which shows a bf16 claim on them means
 something; and the MTP check (the trained MTP head's top-1 agreement with the trunk's next-next token on held-out
 text, at least MIN_MTP_AGREEMENT, deltaserve/tiny/mtp.py); those two on the trained checkpoints only (about 2.5
-minutes together on a 2-core CPU; `--skip conditioning --skip mtp` drops them). Exit 0 when every gate passes;
-1 when any gate fails (or cannot run); otherwise 2 when some gate found nothing to check.
+minutes together on a 2-core CPU; `--skip conditioning --skip mtp` drops them). The gates run on worker
+subprocesses, one per CPU with that share of torch's threads (`--jobs`; `--jobs 1` runs them here, one after
+another), and each gate's output is printed whole, in the order above, whatever order they end in
+(deltaserve/gates/parallel.py). Exit 0 when every gate passes; 1 when any gate fails (or cannot run); otherwise 2
+when some gate found nothing to check.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 TINY_VARIANTS = ("dense", "moe", "next")
 STRICT_RE = re.compile(r"STRICT\s+(\d+)\s*/\s*(\d+)")
@@ -186,20 +189,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["trained", "random"],
         help="the token gate's tiny checkpoints: the shipped trained ones (default) or fresh random make_tiny ones",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="gates run at once, each in a worker subprocess with its share of the CPUs (default 0: one per CPU); "
+        "1 runs them one after another in this process. The output is the same, in the same order, either way",
+    )
+
+
+def gate_jobs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """Every gate `args` selects, as (summary name, job for run_job), in the order of the summary."""
+    checkpoints = getattr(args, "checkpoints", "trained")
+    sizes = {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens}
+    jobs: list[tuple[str, dict[str, Any]]] = []
+    if "oracle-flags" not in args.skip:
+        jobs.append(("oracle-flags", {"gate": "oracle-flags"}))
+    if "tokens" not in args.skip:
+        jobs += [(f"tokens[{v}]", {"gate": "tokens", "variant": v, "checkpoints": checkpoints, **sizes})
+                 for v in TINY_VARIANTS]  # fmt: skip
+    # a random make_tiny checkpoint is ill-conditioned and has an untrained MTP head by construction
+    is_trained = checkpoints == "trained"
+    if is_trained and "conditioning" not in args.skip:
+        jobs += [(f"conditioning[{v}]", {"gate": "conditioning", "variant": v, **sizes}) for v in TINY_VARIANTS]
+    if is_trained and "mtp" not in args.skip:
+        jobs += [(f"mtp[{v}]", {"gate": "mtp", "variant": v}) for v in TINY_VARIANTS]
+    return jobs
+
+
+def run_job(job: dict[str, Any]) -> GateResult:
+    """One gate of the list gate_jobs makes (the in-process path and the workers of parallel.py both call this)."""
+    gate = job["gate"]
+    if gate == "oracle-flags":
+        return oracle_flags_gate()
+    if gate == "tokens":
+        variants = (job["variant"],)
+        return token_gates(job["num_prompts"], job["max_tokens"], variants, job["checkpoints"])[0]
+    if gate == "conditioning":
+        return conditioning_gates(job["num_prompts"], job["max_tokens"], (job["variant"],))[0]
+    if gate == "mtp":
+        return mtp_gates((job["variant"],))[0]
+    raise ValueError(f"unknown gate {gate!r}")
+
+
+def _run_in_workers(jobs: list[tuple[str, dict[str, Any]]], num_workers: int) -> list[GateResult]:
+    """The jobs on worker subprocesses; each job's output is printed as the in-process path prints it, in order."""
+    from deltaserve.gates import parallel
+
+    def show(outcome: parallel.JobOutcome) -> None:
+        sys.stdout.write(outcome.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(outcome.stderr)
+        sys.stderr.flush()
+
+    num_threads = max(1, parallel.available_cpus() // num_workers)
+    outcomes = parallel.run_jobs(jobs, num_workers, show, num_threads)
+    return [GateResult(o.name, o.code, o.detail) for o in outcomes]
+
+
+def worker_count(jobs: int, num_gates: int) -> int:
+    """--jobs: 0 means one worker per CPU (at most one per gate); 1 runs every gate in this process."""
+    from deltaserve.gates.parallel import available_cpus
+
+    wanted = available_cpus() if jobs <= 0 else jobs
+    return max(1, min(wanted, num_gates))
 
 
 def run(args: argparse.Namespace) -> int:
-    results: list[GateResult] = []
-    if "oracle-flags" not in args.skip:
-        results.append(oracle_flags_gate())
-    if "tokens" not in args.skip:
-        results += token_gates(args.num_prompts, args.max_tokens, checkpoints=getattr(args, "checkpoints", "trained"))
-    # a random make_tiny checkpoint is ill-conditioned and has an untrained MTP head by construction
-    is_trained = getattr(args, "checkpoints", "trained") == "trained"
-    if is_trained and "conditioning" not in args.skip:
-        results += conditioning_gates(args.num_prompts, args.max_tokens)
-    if is_trained and "mtp" not in args.skip:
-        results += mtp_gates()
+    jobs = gate_jobs(args)
+    workers = worker_count(getattr(args, "jobs", 1), len(jobs))
+    if workers == 1:
+        results = [run_job(job) for _, job in jobs]
+    else:
+        results = _run_in_workers(jobs, workers)
     print()
     for result in results:
         verdict = {0: "PASS", 2: "NOTHING TO CHECK"}.get(result.code, f"FAIL (exit {result.code})")

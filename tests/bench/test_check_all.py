@@ -1,4 +1,5 @@
-"""`deltaserve check all`: one summary line per gate and the combined exit code (token gate faked here)."""
+"""`deltaserve check all`: one summary line per gate and the combined exit code (token gate faked here), in one
+process (--jobs 1) and on worker subprocesses (the default)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import argparse
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
+import check_all_fakes
 import pytest
 
 from deltaserve.gates import all as check_all
-from deltaserve.gates import oracle_flags
+from deltaserve.gates import oracle_flags, parallel
 
 
 def fake_token_gate(monkeypatch: pytest.MonkeyPatch, codes: dict[str, int], totals: dict[str, int]) -> list[str]:
@@ -132,3 +135,56 @@ def test_conditioning_and_mtp_run_by_default_on_trained_checkpoints_only(
     assert check_all.run(args(with_=[], skip=["oracle-flags"], checkpoints="random")) == 0
     out = capsys.readouterr().out
     assert "conditioning[" not in out and "mtp[" not in out and "(3 gates, 0 failed)" in out
+
+
+# The workers' path: each gate in a worker subprocess (gates/parallel.py) with the fakes of check_all_fakes.py.
+def in_workers(monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any], **overrides: object) -> int:
+    monkeypatch.setattr(parallel, "worker_command", check_all_fakes.worker_command(spec))
+    return check_all.run(args(jobs=2, **overrides))
+
+
+def test_workers_print_what_one_process_prints(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    # the first gate ends last, so the order of the output is the order of the gates, not of their ends
+    spec = {"sleep": {"dense": 1.5}}
+    with monkeypatch.context() as patch:
+        for name in ("deltaserve.gates.tokens", "deltaserve.gates.conditioning", "deltaserve.tiny.mtp"):
+            patch.setitem(sys.modules, name, sys.modules.get(name, types.ModuleType(name)))
+        patch.setattr(check_all, "_checkpoint", check_all._checkpoint)
+        check_all_fakes.install(spec)
+        assert check_all.run(args()) == 0
+    alone = capsys.readouterr()
+    assert in_workers(monkeypatch, spec) == 0
+    together = capsys.readouterr()
+    assert together.out == alone.out
+    assert together.err.count("fake token gate warning on") == 3
+    assert together.err.index("on dense") < together.err.index("on moe") < together.err.index("on next")
+    assert "fake token gate on dense\nSTRICT 4/4" in together.out
+    assert "check all: PASS (10 gates, 0 failed)" in together.out
+
+
+def test_failures_in_workers_fail_the_whole(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    assert in_workers(monkeypatch, {"codes": {"moe": 1}, "agree": 3, "rate": 0.01}, skip=["oracle-flags"]) == 1
+    out = capsys.readouterr().out
+    assert "tokens[moe]          FAIL (exit 1)      STRICT 3/4" in out
+    assert "conditioning[next]   FAIL (exit 1)      bf16 vs fp32 STRICT 3/4" in out
+    assert "mtp[dense]           FAIL (exit 1)      agreement 1/100 = 0.010" in out
+    assert "check all: FAIL (9 gates, 7 failed)" in out
+    assert in_workers(monkeypatch, {"totals": {"next": 0}}, skip=["oracle-flags"]) == 2
+    assert "tokens[next]         NOTHING TO CHECK" in capsys.readouterr().out
+
+
+def test_a_worker_that_dies_fails_its_gate_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    assert in_workers(monkeypatch, {"die": {"moe": 7}}, skip=["oracle-flags", "conditioning"]) == 1
+    captured = capsys.readouterr()
+    assert "tokens[moe]          FAIL (exit 1)      the gate's worker process died (exit 7)" in captured.out
+    assert "fake gate: dying on purpose" in captured.out and "about to die" in captured.out
+    assert "tokens[next]         PASS" in captured.out and "mtp[next]            PASS" in captured.out
+    assert "check all: FAIL (6 gates, 1 failed)" in captured.out
+
+
+def test_the_command_runs_the_gates_on_workers_by_default() -> None:
+    parser = argparse.ArgumentParser()
+    check_all.add_arguments(parser)
+    jobs = parser.parse_args([]).jobs
+    assert check_all.worker_count(jobs, 10) == min(parallel.available_cpus(), 10)
+    assert check_all.worker_count(1, 10) == 1 and check_all.worker_count(4, 3) == 3

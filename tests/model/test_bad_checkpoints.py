@@ -4,17 +4,24 @@ field or tensor, and no traceback at the default log level (the traceback only w
 --uvicorn-log-level debug).
 
 All servers are started at once by a module fixture and reaped with a timeout (a case that wrongly starts serving
-is killed and fails), so the suite costs about one engine import, not one per case.
+is killed and fails). A bad checkpoint found before the engine is built costs its process about a second (no torch
+import); of the cases found only when the weights are read, one runs as that subprocess (the engine core's error
+crosses its process boundary and the CLI makes it the one line) and the others run the same command in this
+process (`deltaserve.api.cli.run` on the same parsed flags, the engine core on a thread), which reaches the same
+loader error for a fraction of a second instead of two torch imports each.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +42,7 @@ class Case:
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     is_debug: bool = False
+    is_in_process: bool = False  # `deltaserve serve`'s run() here, not in a subprocess (see the module docstring)
 
 
 def _weight_map(ckpt: Path) -> dict[str, str]:
@@ -171,11 +179,13 @@ CASES = [
         "mis-shaped tensor",
         lambda c: _rewrite(c, K_PROJ, lambda t, n: t.update({n: torch.zeros(7, 64)})),
         lambda c: [str(_a_tensor(c, K_PROJ)[1]), f"`{_a_tensor(c, K_PROJ)[0]}`", "[7, 64]"],
+        is_in_process=True,
     ),  # fmt: skip
     Case(
         "missing tensor",
         lambda c: _rewrite(c, "layers.2.linear_attn.in_proj_z", lambda t, n: t.pop(n)),
         lambda c: [str(c / INDEX), "`model.language_model.layers.2.linear_attn.in_proj_z.weight`", "missing"],
+        is_in_process=True,
     ),
     Case(
         "unexpected tensor",
@@ -206,19 +216,32 @@ CASES = [
 ]
 
 
+def _broken_copy(root: Path, number: int, case: Case, tiny_dense: Path) -> tuple[Path, list[str]]:
+    """The case's broken copy of the checkpoint and the substrings its error must name."""
+    folder = root / f"case{number:02d}"
+    shutil.copytree(tiny_dense, folder)
+    expected = case.names(folder)  # before breaking: some cases name a tensor the break removes
+    case.breaks(folder)
+    return folder, expected
+
+
+def _serve_argv(folder: Path, case: Case) -> list[str]:
+    return [str(folder), "--port", "0", *case.args]
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory, tiny_dense: Path) -> dict[str, tuple[Path, int, str]]:
-    """case id -> (its broken folder, exit code, stderr), every server started at once."""
+def outcomes(tmp_path_factory: pytest.TempPathFactory, tiny_dense: Path) -> dict[str, tuple[list[str], int, str]]:
+    """case id -> (what the error must name, exit code, stderr) of each subprocess case, every server started at
+    once."""
     root = tmp_path_factory.mktemp("bad")
     env = {k: v for k, v in os.environ.items() if k not in ("DELTASERVE_LOG_LEVEL", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     started = {}
     for number, case in enumerate(CASES):
-        folder = root / f"case{number:02d}"
-        shutil.copytree(tiny_dense, folder)
-        expected = case.names(folder)  # before breaking: some cases name a tensor the break removes
-        case.breaks(folder)
-        command = [sys.executable, "-m", "deltaserve.cli", "serve", str(folder), "--port", "0", *case.args]
+        if case.is_in_process:
+            continue
+        folder, expected = _broken_copy(root, number, case, tiny_dense)
+        command = [sys.executable, "-m", "deltaserve.cli", "serve", *_serve_argv(folder, case)]
         process = subprocess.Popen(
             command, env={**env, **case.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,
@@ -236,10 +259,48 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory, tiny_dense: Path) -> dict
     return results
 
 
+def _serve_in_process(
+    case: Case, folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> tuple[int, str]:
+    """(exit code, the log as the subprocess's stderr would show it) of `deltaserve serve` run here."""
+    from deltaserve.api import cli as serve_cli
+
+    for name in ("DELTASERVE_LOG_LEVEL", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"DELTASERVE_ENABLE_MULTIPROCESSING": "0", **case.env}.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser(prog="deltaserve serve")
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(serve_cli.normalize_argv(_serve_argv(folder, case)))
+    with caplog.at_level(logging.INFO):
+        returncode = serve_cli.run(args)
+    lines = []
+    for record in caplog.records:
+        lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+        if record.exc_info:
+            lines.append("".join(traceback.format_exception(*record.exc_info)))
+    return returncode, "\n".join(lines)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_checkpoint_is_one_line_naming_the_file(case: Case, outcomes: dict) -> None:
-    expected, returncode, stderr = outcomes[case.id]
-    errors = [line for line in stderr.splitlines() if " ERROR " in line]
+def test_bad_checkpoint_is_one_line_naming_the_file(
+    case: Case,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    tiny_dense: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture,
+) -> None:
+    if case.is_in_process:
+        folder, expected = _broken_copy(tmp_path, 0, case, tiny_dense)
+        returncode, log = _serve_in_process(case, folder, monkeypatch, caplog)
+        errors = [line for line in log.splitlines() if line.startswith("ERROR ")]
+        # anything printed past the logging (a traceback) counts too
+        stderr = log + "\n" + capfd.readouterr().err
+    else:
+        expected, returncode, stderr = request.getfixturevalue("outcomes")[case.id]
+        errors = [line for line in stderr.splitlines() if " ERROR " in line]
     assert returncode == 1, stderr
     assert len(errors) == 1, stderr
     for part in expected:
