@@ -277,8 +277,9 @@ def _train(
             for table in padding:
                 table[num_tokenizer_tokens:] = 0
         num_media_rows += num_media
-        step_losses = {"text": float(text_sum.detach()) / max(num_text_targets, 1) if texts else math.nan,
-                       "media": float(media_sum.detach()) / max(num_media_targets, 1) if rows else math.nan}  # fmt: skip
+        text_mean = float(text_sum.detach()) / max(num_text_targets, 1) if texts else math.nan
+        media_mean = float(media_sum.detach()) / max(num_media_targets, 1) if rows else math.nan
+        step_losses = {"text": text_mean, "media": media_mean}
         for key, value in step_losses.items():
             if not math.isnan(value):
                 first[key] = value if math.isnan(first[key]) else first[key]
