@@ -73,20 +73,40 @@ def check_media_conditioning(
 ) -> int:
     """The media gate's prompts of each kind in `media` through transformers in bf16 and fp32: 0 when every kind
     agrees on >= required(N) prompts, 1 when one does not (or is refused), 2 with nothing to check."""
-    from transformers import AutoTokenizer
+    import torch
 
+    from deltaserve import env
     from deltaserve.config import ModelConfig
-    from deltaserve.gates.media import MediaRefusedError, MediaTransformersReference, process_prompts
-    from deltaserve.gates.media_prompts import make_media_prompts, media_kinds
-    from deltaserve.gates.references import ReferenceError
+    from deltaserve.gates.media_prompts import media_kinds
 
     kinds = media_kinds(media)
     if num_prompts < 1 or max_tokens < 1:
         print("conditioning: nothing to check")
         return 2
-    if ModelConfig.from_pretrained(model_dir).vision is None:
+    config = ModelConfig.from_pretrained(model_dir)
+    if config.vision is None:
         print(f"conditioning: nothing to check: {model_dir} has no vision tower, so it has no {media} prompts")
         return 2
+    saved_threads = torch.get_num_threads()
+    if device == "cpu":
+        # the media gate's CPU rule (the engine's): one thread for a tiny model unless the environment names a count
+        threads = env.cpu_threads() or (1 if config.hidden_size < 512 else None)
+        torch.set_num_threads(threads or saved_threads)
+    try:
+        return _media_verdicts(model_dir, kinds, media, num_prompts, max_tokens, seed, device)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _media_verdicts(
+    model_dir: Path, kinds: tuple[str, ...], media: str, num_prompts: int, max_tokens: int, seed: int, device: str
+) -> int:
+    from transformers import AutoTokenizer
+
+    from deltaserve.gates.media import MediaRefusedError, MediaTransformersReference, process_prompts
+    from deltaserve.gates.media_prompts import make_media_prompts
+    from deltaserve.gates.references import ReferenceError
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         processed = {

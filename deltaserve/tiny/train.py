@@ -13,6 +13,9 @@ deterministic algorithms. Bitwise equality across CPUs and torch builds is not p
 differ); the manifest (`training.json`) records the recipe, losses and a sha256 per tensor.
 
     python -m deltaserve.tiny.train OUT_DIR --variant dense [--steps N]
+
+The vision variants (dense-vl, moe-vl) train by deltaserve/tiny/train_vision.py's recipe (the same command): the
+text variant's shipped decoder grafted in, then text rows and media chats through transformers' composite class.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class VisionRecipe(text_train.Recipe):
     media_seed_base: int = 1000
     # Tokens of the answer paragraph after each media chat (the gate reads 32 greedy tokens).
     answer_len: int = 40
-    # Steps of gradient on media rows only count towards the mean over all target tokens of the step.
+    # Weight of the media rows' summed loss in the step's loss (the mean over all of the step's target tokens).
     media_loss_weight: float = 1.0
 
 
