@@ -166,8 +166,8 @@ def test_shipped_vision_checkpoints_match_their_manifests_and_a_random_one_is_no
         manifest = json.loads((folder / "training.json").read_text())
         tensors = tensors_of(folder)
         assert {name: train_module._sha256(t) for name, t in tensors.items()} == manifest["tensor_sha256"]
-        template = tensors_of(template_dir)
-        assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
+        layout = {k: (v.shape, v.dtype) for k, v in tensors_of(template_dir).items()}
+        assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == layout
         files = sorted(p.name for p in template_dir.iterdir())
         assert sorted(p.name for p in folder.iterdir()) == sorted([*files, "training.json"])
         for name in files:
