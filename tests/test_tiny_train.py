@@ -1,6 +1,6 @@
 """The trained-checkpoint recipe (deltaserve/tiny/train.py) and the MTP head (deltaserve/tiny/mtp.py): the writer
 keeps make_tiny's exact format, the noise rows teach an anchor, a few steps really train, the head's layout is
-the official one, and the shipped checkpoints are what their manifests say."""
+the official one, and the shipped checkpoints (text and vision) are what their manifests say."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from safetensors.torch import load_file
 from deltaserve.tiny import train as train_module
 from deltaserve.tiny.mtp import corpus_split, fuse_experts, load_mtp_head, unfuse_experts
 from deltaserve.tiny.trained import TRAINED_VARIANTS, trained_model_dir
+from deltaserve.tiny.vision import VISION_VARIANTS
+
+TEXT_TRAINED = tuple(v for v in TRAINED_VARIANTS if v not in VISION_VARIANTS)
 
 
 def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
@@ -135,7 +138,7 @@ def test_a_broken_expert_writer_is_caught_by_the_round_trip(tiny_next: Path, mon
         train_module.train(tiny_next, train_module.recipe_for("next", num_steps=1, batch_size=1, seq_len=40), 0)
 
 
-@pytest.mark.parametrize("variant", TRAINED_VARIANTS)
+@pytest.mark.parametrize("variant", TEXT_TRAINED)
 def test_shipped_trained_checkpoint_matches_its_manifest(variant: str, tiny_dirs: dict[str, Path]) -> None:
     folder = trained_model_dir(variant)
     manifest = json.loads((folder / "training.json").read_text())
@@ -145,3 +148,37 @@ def test_shipped_trained_checkpoint_matches_its_manifest(variant: str, tiny_dirs
     assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
     assert manifest["recipe"] == asdict(train_module.recipe_for(variant))
     assert sum(p.stat().st_size for p in folder.iterdir()) < 4 * 2**20
+
+
+def test_shipped_vision_checkpoints_match_their_manifests_and_a_random_one_is_not_conditioned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """dense-vl and moe-vl (deltaserve/tiny/train_vision.py): the tensors their manifests hash, make_tiny's names,
+    shapes, dtypes, shards and side files byte for byte, the recipe the code states; and the media conditioning
+    check (a few image prompts and tokens) passes on the trained dense-vl and fails on the random template."""
+    from deltaserve.gates.conditioning import check_media_conditioning
+    from deltaserve.tiny import make_tiny
+
+    assert set(VISION_VARIANTS) <= set(TRAINED_VARIANTS)
+    for variant in VISION_VARIANTS:
+        folder = trained_model_dir(variant)
+        template_dir = make_tiny(tmp_path / variant, variant)
+        manifest = json.loads((folder / "training.json").read_text())
+        tensors = tensors_of(folder)
+        assert {name: train_module._sha256(t) for name, t in tensors.items()} == manifest["tensor_sha256"]
+        layout = {k: (v.shape, v.dtype) for k, v in tensors_of(template_dir).items()}
+        assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == layout
+        files = sorted(p.name for p in template_dir.iterdir())
+        assert sorted(p.name for p in folder.iterdir()) == sorted([*files, "training.json"])
+        for name in files:
+            if not name.endswith(".safetensors"):
+                assert (folder / name).read_bytes() == (template_dir / name).read_bytes(), name
+        assert manifest["recipe"] == asdict(train_module.recipe_for(variant))
+        assert manifest["recipe"]["text_variant"] == VISION_VARIANTS[variant]
+        assert sum(p.stat().st_size for p in folder.iterdir()) < 3 * 2**20
+    capsys.readouterr()
+    assert check_media_conditioning(trained_model_dir("dense-vl"), "image", num_prompts=3, max_tokens=8) == 0
+    assert check_media_conditioning(tmp_path / "dense-vl", "image", num_prompts=3, max_tokens=8) == 1
+    out = capsys.readouterr().out
+    assert "image prompts: transformers-bfloat16 vs transformers-float32 STRICT 3/3" in out
+    assert "NOT well conditioned" in out.splitlines()[-1]

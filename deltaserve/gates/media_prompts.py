@@ -185,15 +185,20 @@ BUILDERS = {"image": _image_prompt, "multi-image": _multi_image_prompt, "video":
 
 def make_media_prompts(tokenizer: Any, kind: str, num_prompts: int, seed: int = 0) -> list[MediaPrompt]:
     """The fixed prompt set of one kind (prompt i depends only on kind, i and seed)."""
+    words = _corpus_words()
+    return [make_media_prompt(tokenizer, kind, index, seed, words) for index in range(num_prompts)]
+
+
+def make_media_prompt(
+    tokenizer: Any, kind: str, index: int, seed: int = 0, words: list[str] | None = None
+) -> MediaPrompt:
+    """Prompt `index` of the set (kind, seed): also what the vision training recipe draws its rows from, at seeds
+    the gate does not use (deltaserve/tiny/train_vision.py)."""
     if kind not in BUILDERS:
         raise ValueError(f"unknown media kind {kind!r}; known: {', '.join(MEDIA_KINDS)}")
-    words = _corpus_words()
-    prompts = []
-    for index in range(num_prompts):
-        builder = _Builder(kind, index, seed, words)
-        BUILDERS[kind](builder, index)
-        prompts.append(builder.finish(tokenizer))
-    return prompts
+    builder = _Builder(kind, index, seed, _corpus_words() if words is None else words)
+    BUILDERS[kind](builder, index)
+    return builder.finish(tokenizer)
 
 
 def media_kinds(choice: str) -> tuple[str, ...]:

@@ -13,6 +13,9 @@ deterministic algorithms. Bitwise equality across CPUs and torch builds is not p
 differ); the manifest (`training.json`) records the recipe, losses and a sha256 per tensor.
 
     python -m deltaserve.tiny.train OUT_DIR --variant dense [--steps N]
+
+The vision variants (dense-vl, moe-vl) train by deltaserve/tiny/train_vision.py's recipe (the same command): the
+text variant's shipped decoder grafted in, then text rows and media chats through transformers' composite class.
 """
 
 from __future__ import annotations
@@ -91,7 +94,14 @@ RECIPES: dict[str, Recipe] = {
 
 
 def recipe_for(variant: str, **overrides: object) -> Recipe:
-    """The default recipe of a variant (a new variant, e.g. a vision one, trains with the shipped recipe)."""
+    """The default recipe of a variant (a vision variant's is train_vision's; a new text variant trains with the
+    shipped recipe)."""
+    from deltaserve.tiny.vision import VISION_VARIANTS
+
+    if variant in VISION_VARIANTS:
+        from deltaserve.tiny.train_vision import vision_recipe_for
+
+        return vision_recipe_for(variant, **overrides)
     base = RECIPES.get(variant, Recipe(variant, **SHIPPED))
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -267,9 +277,12 @@ def _padding_rows(trunk: torch.nn.Module, num_tokenizer_tokens: int) -> list[tor
     return [t for t in unique.values() if t.shape[0] > num_tokenizer_tokens]
 
 
-def _activation_noise(modules: list[torch.nn.Module], scale: float, seed: int) -> list:
-    """Forward pre-hooks that multiply every nn.Linear input by (1 + scale * N(0, 1)) in training mode, drawn from
-    a seeded generator on the input's device; returns the handles (removed after training). No hooks at scale 0."""
+def _activation_noise(
+    modules: list[torch.nn.Module], scale: float, seed: int, types: tuple[type, ...] = (torch.nn.Linear,)
+) -> list:
+    """Forward pre-hooks that multiply every nn.Linear input (every `types` module's) by (1 + scale * N(0, 1)) in
+    training mode, drawn from a seeded generator on the input's device; returns the handles (removed after
+    training). No hooks at scale 0."""
     if scale <= 0:
         return []
     generators: dict[torch.device, torch.Generator] = {}
@@ -284,7 +297,7 @@ def _activation_noise(modules: list[torch.nn.Module], scale: float, seed: int) -
         noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
         return (x * (1 + scale * noise), *rest)
 
-    linears = {id(m): m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    linears = {id(m): m for module in modules for m in module.modules() if isinstance(m, types)}
     return [m.register_forward_pre_hook(perturb) for m in linears.values()]
 
 
@@ -456,13 +469,20 @@ def train_tiny(
 ) -> Path:
     """Write a trained checkpoint of `variant` into out_dir (replaced whole) and return its path."""
     from deltaserve.tiny.generate import make_tiny
+    from deltaserve.tiny.vision import VISION_VARIANTS
 
     recipe = recipe or recipe_for(variant)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="deltaserve-train-") as tmp:
         template_dir = make_tiny(Path(tmp) / variant, variant, recipe.seed)
-        tensors, report = train(template_dir, recipe, log_every, time_budget_s)
+        if variant in VISION_VARIANTS:
+            from deltaserve.tiny.train_vision import train_vision
+
+            # the vision recipe writes from its grafted template (the same files, the text decoder's tensors)
+            template_dir, tensors, report = train_vision(template_dir, recipe, log_every, time_budget_s)
+        else:
+            tensors, report = train(template_dir, recipe, log_every, time_budget_s)
         _write(template_dir, out_dir, tensors, report)
     print(
         f"train[{variant}]: {report.recipe['num_steps']} steps in {report.seconds:.0f} s; loss {report.first_loss:.2f}"

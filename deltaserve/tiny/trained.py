@@ -2,7 +2,8 @@
 
 They are `make_tiny`'s checkpoints trained on the shipped corpus by deltaserve/tiny/train.py (trunk and MTP
 head), so their logits are peaked and bf16 rounding rarely flips a greedy token: the checkpoints on which a bf16
-exactness claim means something (issue 13). `trained_model_dir` finds one; `copy_trained` copies one out (for
+exactness claim means something (issue 13); the vision variants' also on image, multi-image and video prompts
+(deltaserve/tiny/train_vision.py, issue 14). `trained_model_dir` finds one; `copy_trained` copies one out (for
 `deltaserve make-tiny DIR --trained`). Each folder's training.json states the recipe that made it.
 """
 
@@ -12,7 +13,8 @@ import shutil
 from pathlib import Path
 
 TRAINED_ROOT = Path(__file__).with_name("trained")
-TRAINED_VARIANTS: tuple[str, ...] = ("dense", "moe", "next")
+# the vision variants are trained by deltaserve/tiny/train_vision.py (issue 14)
+TRAINED_VARIANTS: tuple[str, ...] = ("dense", "moe", "next", "dense-vl", "moe-vl")
 
 
 def trained_model_dir(variant: str) -> Path:
