@@ -96,7 +96,18 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
     if mrope_seqs:
         positions = positions.copy()
         has_mrope = True
-        for i in mrope_seqs:
+        seqs_mm = np.asarray(mrope_seqs)
+        table_lens = np.fromiter((table.mrope[rows[i]].shape[1] for i in mrope_seqs), np.int64, len(mrope_seqs))
+        is_past = starts[seqs_mm] >= table_lens
+        if is_past.any():
+            # spans wholly past their prompt's table (every decode row): the text position plus the row's delta,
+            # all such sequences at once (one at a time cost ~15 us each per step: 0.5 ms at 32 image requests)
+            past = seqs_mm[is_past]
+            counts = num_new[past]
+            first = np.repeat(query_start_loc[past] - (np.cumsum(counts) - counts), counts)
+            tokens = first + np.arange(int(counts.sum()))
+            positions[:, tokens] = token_pos[tokens] + np.repeat(table.mrope_delta[rows[past]], counts)
+        for i in seqs_mm[~is_past].tolist():
             row, base, lo, n = rows[i], int(query_start_loc[i]), int(starts[i]), int(num_new[i])
             prompt_positions = table.mrope[row]  # [3, P]
             span = np.arange(lo, lo + n)
