@@ -84,6 +84,16 @@ def cpu_threads() -> int | None:
     return int(value) if value else None
 
 
+# below this hidden size a model counts as tiny for cpu_threads_for
+TINY_HIDDEN_SIZE = 512
+
+
+def cpu_threads_for(hidden_size: int) -> int | None:
+    """The CPU thread rule of the engine and of the gates' references alike: DELTASERVE_CPU_THREADS, else 1 for a
+    tiny model, else None (torch's own choice)."""
+    return cpu_threads() or (1 if hidden_size < TINY_HIDDEN_SIZE else None)
+
+
 def git_commit() -> str | None:
     """DELTASERVE_GIT_COMMIT: the project commit a benchmark record states, when it wins over `git rev-parse`
     (the device machine's copy of the tree carries no trustworthy .git)."""

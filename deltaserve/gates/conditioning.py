@@ -90,7 +90,7 @@ def check_media_conditioning(
     saved_threads = torch.get_num_threads()
     if device == "cpu":
         # the media gate's CPU rule (the engine's): one thread for a tiny model unless the environment names a count
-        threads = env.cpu_threads() or (1 if config.hidden_size < 512 else None)
+        threads = env.cpu_threads_for(config.hidden_size)
         torch.set_num_threads(threads or saved_threads)
     try:
         return _media_verdicts(model_dir, kinds, media, num_prompts, max_tokens, seed, device)

@@ -196,7 +196,7 @@ def run_media_gate(
     run_device = tokens._device(device)
     if run_device == "cpu":
         # the engine's own CPU rule (model_runner), applied before the reference runs: one thread for a tiny model
-        threads = env.cpu_threads() or (1 if model_config.hidden_size < 512 else None)
+        threads = env.cpu_threads_for(model_config.hidden_size)
         if threads:
             torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -141,7 +141,7 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         torch.manual_seed(engine_config.seed)
         if self.device.type == "cpu":
-            threads = env.cpu_threads() or (1 if model_config.hidden_size < 512 else None)
+            threads = env.cpu_threads_for(model_config.hidden_size)
             if threads is None and self.tp.is_parallel:
                 threads = max(1, (os.cpu_count() or 1) // self.tp.size)  # the ranks share the host's cores
             if threads:
