@@ -338,17 +338,46 @@ def train(
         torch.set_rng_state(saved[2])
 
 
-def _train(
-    template_dir: Path, recipe: Recipe, log_every: int, time_budget_s: float | None
-) -> tuple[dict[str, torch.Tensor], TrainReport]:
+def _load_checked(template_dir: Path) -> tuple[dict[str, torch.Tensor], torch.nn.Module, MtpHead]:
+    """The template's tensors, transformers' trunk and the MTP head, once the writer has reproduced the untrained
+    template exactly (it must before it may write a trained one)."""
     template = _load_template(template_dir)
     trunk = _load_trunk(template_dir)
     head = _template_head(trunk, template)
-    # The writer must reproduce the untrained template exactly before it may write a trained one.
     round_trip = checkpoint_tensors(trunk, head, template)
     bad = [name for name, t in template.items() if not torch.equal(round_trip[name], t)]
     if bad:
         raise RuntimeError(f"the checkpoint writer does not round-trip the template: {bad[:8]}")
+    return template, trunk, head
+
+
+def _paced(recipe: Recipe, step: int, num_paced: int, start: float, time_budget_s: float | None) -> Recipe:
+    """The recipe with its step count cut to what the time budget affords, judged once at step num_paced."""
+    if time_budget_s and step == num_paced:
+        # Cut only inside the warm-up, where the learning rate does not depend on the step count.
+        affordable = int(time_budget_s * num_paced / max(time.monotonic() - start, 1e-6))
+        if affordable < recipe.num_steps:
+            recipe = replace(recipe, num_steps=max(affordable, recipe.num_warmup_steps + 1))
+            print(f"train[{recipe.variant}]: time budget {time_budget_s:.0f} s: {recipe.num_steps} steps", flush=True)
+    return recipe
+
+
+def _evaluate(
+    trunk: torch.nn.Module, head: MtpHead, template: dict[str, torch.Tensor], held_ids: list[int]
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """After training (on the CPU): the checkpoint tensors, the held-out loss and the MTP head's agreement."""
+    trunk.eval()
+    head.eval()
+    tensors = checkpoint_tensors(trunk, head, template)
+    with torch.no_grad():
+        held_loss = float(_losses(trunk, head, torch.tensor([held_ids]))[0])
+    return tensors, held_loss, mtp_agreement(trunk, head, held_ids).rate
+
+
+def _train(
+    template_dir: Path, recipe: Recipe, log_every: int, time_budget_s: float | None
+) -> tuple[dict[str, torch.Tensor], TrainReport]:
+    template, trunk, head = _load_checked(template_dir)
 
     train_text, held_text = corpus_split()
     paragraphs = [_tokenize(template_dir, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
@@ -372,14 +401,7 @@ def _train(
     num_paced = min(10, recipe.num_warmup_steps)
     step = 0
     while step < recipe.num_steps:
-        if time_budget_s and step == num_paced:
-            # Cut only inside the warm-up, where the learning rate does not depend on the step count.
-            affordable = int(time_budget_s * num_paced / max(time.monotonic() - start, 1e-6))
-            if affordable < recipe.num_steps:
-                recipe = replace(recipe, num_steps=max(affordable, recipe.num_warmup_steps + 1))
-                print(
-                    f"train[{recipe.variant}]: time budget {time_budget_s:.0f} s: {recipe.num_steps} steps", flush=True
-                )
+        recipe = _paced(recipe, step, num_paced, start, time_budget_s)
         batch, is_target, labels = (t.to(device) for t in batches.next())
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(recipe, step)
@@ -408,13 +430,7 @@ def _train(
     # Everything after training (writer, held-out loss, MTP agreement) runs on the CPU, as the CPU recipe does.
     trunk.cpu()
     head.cpu()
-    trunk.eval()
-    head.eval()
-    tensors = checkpoint_tensors(trunk, head, template)
-    with torch.no_grad():
-        ids = torch.tensor([held_ids])
-        held_loss = float(_losses(trunk, head, ids)[0])
-    agreement = mtp_agreement(trunk, head, held_ids)
+    tensors, held_loss, agreement = _evaluate(trunk, head, template, held_ids)
     report = TrainReport(
         recipe=asdict(recipe),
         num_train_tokens=len(batches.ids),
@@ -424,7 +440,7 @@ def _train(
         final_loss=round(final_loss, 4),
         final_mtp_loss=round(final_mtp, 4),
         held_out_loss=round(held_loss, 4),
-        mtp_agreement=round(agreement.rate, 4),
+        mtp_agreement=round(agreement, 4),
         tensor_sha256={name: _sha256(t) for name, t in tensors.items()},
     )
     return tensors, report

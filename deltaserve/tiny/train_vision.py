@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.tiny import train as text_train
-from deltaserve.tiny.mtp import corpus_split, mtp_agreement
+from deltaserve.tiny.mtp import corpus_split
 from deltaserve.tiny.vision import VISION_VARIANTS
 
 IGNORE = -100
@@ -211,13 +211,7 @@ def _train(
 ) -> tuple[dict[str, torch.Tensor], VisionTrainReport]:
     if recipe.device != "cpu":
         raise ValueError("the vision recipe runs on the CPU only (its determinism is the CPU's)")
-    template = text_train._load_template(template_dir)
-    model = text_train._load_trunk(template_dir)
-    head = text_train._template_head(model, template)
-    round_trip = text_train.checkpoint_tensors(model, head, template)
-    bad = [name for name, t in template.items() if not torch.equal(round_trip[name], t)]
-    if bad:
-        raise RuntimeError(f"the checkpoint writer does not round-trip the template: {bad[:8]}")
+    template, model, head = text_train._load_checked(template_dir)
 
     train_text, held_text = corpus_split()
     paragraphs = [text_train._tokenize(template_dir, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
@@ -247,11 +241,7 @@ def _train(
     num_paced = min(10, recipe.num_warmup_steps)
     step = 0
     while step < recipe.num_steps:
-        if time_budget_s and step == num_paced:
-            affordable = int(time_budget_s * num_paced / max(time.monotonic() - start, 1e-6))
-            if affordable < recipe.num_steps:
-                recipe = replace(recipe, num_steps=max(affordable, recipe.num_warmup_steps + 1))
-                print(f"train[{recipe.variant}]: time budget {time_budget_s:.0f} s: {recipe.num_steps} steps")
+        recipe = text_train._paced(recipe, step, num_paced, start, time_budget_s)
         is_media = (torch.rand(recipe.batch_size, generator=is_media_draws) < recipe.media_fraction).tolist()
         num_media = sum(is_media)
         rows = [media_rows.next() for _ in range(num_media)]
@@ -296,12 +286,7 @@ def _train(
     seconds = time.monotonic() - start
     for hook in noise_hooks:
         hook.remove()
-    model.eval()
-    head.eval()
-    tensors = text_train.checkpoint_tensors(model, head, template)
-    with torch.no_grad():
-        held_loss = float(text_train._losses(model, head, torch.tensor([held_ids]))[0])
-    agreement = mtp_agreement(model, head, held_ids)
+    tensors, held_loss, agreement = text_train._evaluate(model, head, template, held_ids)
     report = VisionTrainReport(
         recipe=asdict(recipe),
         num_train_tokens=len(text_rows.ids),
@@ -311,7 +296,7 @@ def _train(
         final_loss=round(last["text"], 4),
         final_mtp_loss=round(last["mtp"], 4),
         held_out_loss=round(held_loss, 4),
-        mtp_agreement=round(agreement.rate, 4),
+        mtp_agreement=round(agreement, 4),
         tensor_sha256={name: text_train._sha256(t) for name, t in tensors.items()},
         text_source=text_source,
         num_media_rows=num_media_rows,
