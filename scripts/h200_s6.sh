@@ -2,13 +2,13 @@
 # The next session's device calls (planned 2026-12-01 after session 5; 1800 device-seconds), one warm nvidia-h200,
 # each issued within 30 s of the last. Calls 1-3 carry the three vLLM bundle pieces (benchmarks/oracle/unpack.sh);
 # call 3 needs SHA256=f1072cf22d5e5197df0192a8c4c7b9d43df6d029ab0fd8ec607f0bf36423d077.
-#   1  carry .vllm_chunk .whl   issue 11: the decode step after C9 (router GEMV) on both shapes at 13 batch sizes
+#   1  carry .vllm_chunk        issue 11: the decode step after C9 (router GEMV) on both shapes at 13 batch sizes
 #                               (~70 s; "before" = decode-step-h200-20261201-s5.json), then the mixed-step profile
 #                               (benchmarks/mixed_step.py, item 4: prefill chunks + decodes against their parts)
 #   2  carry .vllm_chunk2       issue 14: the bf16 image gates against transformers on the trained vision checkpoints
 #                               (deltaserve/tiny/trained/{dense-vl,moe-vl}; two at once, ~200 s), beside
 #                               pytest -m gpu tests/kernels
-#   3  carry .vllm_chunk3       issue 11: h200_core2 on the 35B-A3B shape at c1/8/32/64 (~460 s: vLLM cold ~295 s)
+#   3  carry .vllm_chunk3 .whl  issue 11: h200_core2 on the 35B-A3B shape at c1/8/32/64 (~460 s: vLLM cold ~295 s)
 #   4                           issue 11: h200_core2 on the 27B shape at c1/8/32/64 (~560 s)
 #   5                           issue 11: deltaserve's token budget on the 27B shape (benchmarks/grids/h200_budget.toml,
 #                               ARMS=deltaserve-b4096 or both), whatever the budget leaves
@@ -43,10 +43,14 @@ grid() {  # grid file, record name, extra flags...
   grep -E "^\[grid\]|rror" "$W/$name.log" | tail -16 | tee -a "$OUT/summary.txt"
 }
 day=${RECORD_DATE:-$(date +%Y%m%d)}
+# deltaserve's own pins for the grids (xgrammar 0.2.9 and its needs): .whl rides with piece 3 (pieces 1 and 2 with
+# the tree fill the 64 MiB a call carries)
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds_site \
+    .whl/*.whl > "$W/pip.log" 2>&1 || echo "wheel install failed: $(tail -2 "$W/pip.log")" | tee -a "$OUT/summary.txt"
+fi
 case $call in
   1)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds_site \
-      .whl/*.whl > "$W/pip.log" 2>&1 || echo "wheel install failed: $(tail -2 "$W/pip.log")" | tee -a "$OUT/summary.txt"
     timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1
     mark "decode step after C9 (model variant, both shapes)"
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/decode_step.py --models /tmp/ds_models --variants model \
