@@ -100,8 +100,13 @@ def step_inputs(case: Case, cache: ds.Cache, context: int, vocab_size: int, devi
         has_initial_state=torch.tensor([1] * b + [0] * len(lengths), dtype=torch.bool, device=device),
         prefill_query_start_loc=prefill_loc[: len(lengths) + 1].to(device),
     )
-    generator = torch.Generator(device="cpu").manual_seed(len(positions))
-    ids = torch.randint(vocab_size // 8, vocab_size * 7 // 8, (len(positions),), generator=generator).to(device)
+    # token ids from (index among the decodes or among the prompts, position): a sequence reads the same tokens in
+    # every case, and prompt i's tokens continue as decode i's (the CPU test checks a decode against a prefill)
+    index = [*range(b), *range(len(lengths))]
+    keys = torch.cat(
+        [i * 7_919 + torch.arange(s, s + n) * 104_729 for i, s, n in zip(index, starts, news, strict=True)]
+    )
+    ids = (vocab_size // 8 + keys % (vocab_size * 3 // 4)).to(device)
     sample_rows = (query_start_loc[1:] - 1).long()  # each decode row, each prompt's last token
     return ctx, ids, positions.unsqueeze(0).expand(3, -1).contiguous(), sample_rows
 
@@ -171,6 +176,7 @@ def measure_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: arg
     row["ops_us"] = {label: round(v["us"], 1) for label, v in sorted(by_label.items(), key=lambda kv: -kv[1]["us"])}
     row["top_kernels"] = kernels["top"][:15]
     flops = matmul_flops(config, model, case, args.context)
+    row["flops"] = flops
     row["tflops"] = round(flops / (median * 1e-3) / 1e12, 1)
     row["gemm_share"] = round(row["tflops"] / ceilings["bf16_tflops"], 3) if ceilings.get("bf16_tflops") else None
     return row
