@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_step as ds  # noqa: E402  (same folder: build_model, bind_cache, labels, profiler, ceilings)
 
-DEFAULT_CASES = ("2048@0,0@8,0@32,2048@8,2048@32,2x1024@0,2x1024@32,8x1024@0,8x1024@32,4x1024@0,4x1024@32,"
-                 "1024@0,1024@32")  # fmt: skip
+# a comma list, as --cases takes it (a tuple of one string once went through ",".join character by character)
+DEFAULT_CASES = "2048@0,0@8,0@32,2048@8,2048@32,2x1024@0,2x1024@32,8x1024@0,8x1024@32,4x1024@0,4x1024@32,1024@0,1024@32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,25 +211,33 @@ def table(shape: str, rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=Path("/tmp/ds_models"), help="make_dummy_models.py's folder")
     parser.add_argument("--shapes", default="27b,35b-a3b", help=f"comma list of {', '.join(ds.SHAPES)} or folders")
-    parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    parser.add_argument("--cases", default=DEFAULT_CASES)
     parser.add_argument("--context", type=int, default=1024, help="cached tokens per decoding sequence")
     parser.add_argument("--max-model-len", type=int, default=16384, help="block-table width")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser
+
+
+def parse_cases(text: str) -> list[Case]:
+    return [parse_case(part) for part in text.split(",") if part.strip()]
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured (use --device cpu for the plumbing check)")
         return 2
     from deltaserve.bench.provenance import git_state
 
-    cases = [parse_case(text) for text in args.cases.split(",") if text.strip()]
+    cases = parse_cases(args.cases)
     record: dict[str, Any] = {
         "kind": "mixed_step", "command": " ".join(["python3", *sys.argv]), "date": datetime.now(UTC).isoformat(),
         "commit": git_state(ds.ROOT).get("commit"), "device": device.type,

@@ -33,6 +33,8 @@ def test_parse_case() -> None:
     assert case.name == "2x1024+512@32"
     assert mixed_step.parse_case("0@8").prompts == ()
     assert mixed_step.parse_case("2048@0").name == "2048@0"
+    defaults = mixed_step.parse_cases(mixed_step.build_parser().parse_args(["--out", "x.json"]).cases)
+    assert len(defaults) == 13 and mixed_step.Case((2048,), 32) in defaults
     for bad in ("0@0", "1024", "x@3", "1024@-1"):
         with pytest.raises(ValueError):
             mixed_step.parse_case(bad)
