@@ -18,7 +18,8 @@ class EngineConfig:
     # None: vLLM's default (1024 on GPUs of >= 70 GiB but the A100, else 256), capped so the GDN state slots take
     # at most half of the cache budget
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None  # None: 8192 on GPU, 2048 on CPU
+    # None: on a GPU 2048-8192 from the weights one token reads (engine/budget.py), 2048 on the CPU
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 256 * 1024**2  # explicit budget for KV blocks + state slots on the CPU

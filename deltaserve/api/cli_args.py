@@ -145,7 +145,13 @@ def _add_engine_arguments(add: Any) -> None:
         default=None,
         help="most sequences in one batch (default: vLLM's, 1024 on an H200, capped by the GDN state memory)",
     )
-    add("--max-num-batched-tokens", type=human_int, default=None, help="token budget of one engine step")
+    add(
+        "--max-num-batched-tokens",
+        type=human_int,
+        default=None,
+        help="token budget of one engine step (default: on a GPU 2048-8192 by the model's active parameters per token, "
+        "2048 for the 27B shape and 8192 for 35B-A3B; 2048 on the CPU)",
+    )
     add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + caches")
     add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
     add(

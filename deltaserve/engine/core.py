@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.engine.budget import default_max_num_batched_tokens
 from deltaserve.engine.grammar import StructuredOutputsConfig
 from deltaserve.engine.output import slice_prompt_logprobs
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
@@ -57,7 +58,10 @@ class EngineCore:
         max_model_len = resolve_max_model_len(model_config, config.max_model_len, tokenizer_dir)
         self.model_config = model_config.with_max_model_len(max_model_len)
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        # not given: from the weights a token reads (engine/budget.py: 2048 for the 27B shape, 8192 for 35B-A3B)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
+            self.model_config, on_gpu
+        )
         self.runner = make_executor(self.model_config, config, max_model_len, self.max_num_batched_tokens)
         layout = self.runner.layout
         self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence
