@@ -164,7 +164,9 @@ def mtp_gates(variants: tuple[str, ...] = TINY_VARIANTS) -> list[GateResult]:
 
 
 def overall_code(results: list[GateResult]) -> int:
-    """1 if any gate failed, else 2 if any found nothing to check, else 0."""
+    """1 if any gate failed, else 2 if any found nothing to check (or no gate ran at all), else 0."""
+    if not results:
+        return 2
     if any(r.code not in (0, 2) for r in results):
         return 1
     if any(r.code == 2 for r in results):
@@ -268,5 +270,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{result.name:<20} {verdict:<18} {result.detail}")
     code = overall_code(results)
     num_failed = sum(1 for r in results if r.code not in (0, 2))
-    print(f"check all: {'PASS' if code == 0 else 'FAIL'} ({len(results)} gates, {num_failed} failed)")
+    verdict = {0: "PASS", 2: "NOTHING TO CHECK"}.get(code, "FAIL")
+    print(f"check all: {verdict} ({len(results)} gates, {num_failed} failed)")
     return code

@@ -188,3 +188,10 @@ def test_the_command_runs_the_gates_on_workers_by_default() -> None:
     jobs = parser.parse_args([]).jobs
     assert check_all.worker_count(jobs, 10) == min(parallel.available_cpus(), 10)
     assert check_all.worker_count(1, 10) == 1 and check_all.worker_count(4, 3) == 3
+
+
+def test_every_gate_skipped_is_nothing_to_check(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    fake_token_gate(monkeypatch, {"dense": 0, "moe": 0, "next": 0}, {})
+    skipped = args(skip=["oracle-flags", "tokens", "conditioning", "mtp"], jobs=1)
+    assert check_all.run(skipped) == 2
+    assert "check all: NOTHING TO CHECK (0 gates, 0 failed)" in capsys.readouterr().out
