@@ -74,9 +74,6 @@ SM90_SHARED_RESERVED = 1024
 SM90_MAX_BLOCKS = 32
 SM90_MAX_WARPS = 64
 
-# Kernels whose launcher sizes its grid from a residency assumption: kernel name -> num_warps it launches with.
-RESIDENCY_CHECKED = {"_paged_attn_decode_kernel": 4}
-
 
 def programs_per_sm(compiled: Compiled, num_warps: int) -> int:
     """How many programs of this compiled kernel one sm_90 SM holds at once (registers, shared memory, warps)."""
@@ -256,9 +253,11 @@ def main() -> int:
     for r in interceptor.results:
         mix = " ".join(f"{k}:{v}" for k, v in sorted(r.counts.items()) if k not in ("LDL", "STL"))
         print(f"{r.label:<26} {r.kernel:<34} {r.regs:>4} {r.stack:>5} {r.shared:>6} {r.spills:>9}  {mix}")
+    # Kernels whose launcher sizes its grid from a residency assumption: name -> the num_warps it launches with.
+    residency_checked = {"_paged_attn_decode_kernel": attention_triton.DECODE_NUM_WARPS}
     for r in interceptor.results:
-        if r.kernel in RESIDENCY_CHECKED:
-            print(f"{r.label}: {r.kernel} fits {programs_per_sm(r, RESIDENCY_CHECKED[r.kernel])} programs per SM")
+        if r.kernel in residency_checked:
+            print(f"{r.label}: {r.kernel} fits {programs_per_sm(r, residency_checked[r.kernel])} programs per SM")
     spilling = [r for r in interceptor.results if r.spills]
     print(f"{len(interceptor.results)} launches compiled for sm_90; {len(spilling)} with local-memory spills")
     return 0
