@@ -66,6 +66,23 @@ def _summarise(kernel: Any, name: str, label: str, work: Path) -> Compiled:
     return Compiled(name, label, regs, stack, int(kernel.metadata.shared), counts)
 
 
+# sm_90 per-SM limits: 64 K 32-bit registers, 228 KB of shared memory (1 KB of it reserved per block), 32 blocks,
+# 64 warps. Registers are allocated per warp in units of 256.
+SM90_REGISTERS = 65536
+SM90_SHARED = 233472
+SM90_SHARED_RESERVED = 1024
+SM90_MAX_BLOCKS = 32
+SM90_MAX_WARPS = 64
+
+
+def programs_per_sm(compiled: Compiled, num_warps: int) -> int:
+    """How many programs of this compiled kernel one sm_90 SM holds at once (registers, shared memory, warps)."""
+    regs_per_warp = -(-max(compiled.regs, 1) * 32 // 256) * 256
+    by_regs = SM90_REGISTERS // (regs_per_warp * num_warps)
+    by_shared = SM90_SHARED // (compiled.shared + SM90_SHARED_RESERVED)
+    return min(by_regs, by_shared, SM90_MAX_BLOCKS, SM90_MAX_WARPS // num_warps)
+
+
 class Interceptor:
     """Replaces JITFunction.run: each launch is specialised and compiled for sm_90 instead of run."""
 
@@ -116,8 +133,11 @@ class Interceptor:
         return restore
 
 
-def decode_launches(shape: str, batch: int, context: int, moe_path: str = "") -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per decode-path op at one batch size, on CPU tensors of the real shapes (bf16)."""
+def decode_launches(
+    shape: str, batch: int, context: int, moe_path: str = "", page: int = 16
+) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per decode-path op at one batch size, on CPU tensors of the real shapes (bf16); `page` is
+    the KV-cache block size (the engine's default 16), `context` the block table's capacity in tokens."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels import moe_configs, moe_decode_triton, moe_triton
     from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
@@ -131,7 +151,6 @@ def decode_launches(shape: str, batch: int, context: int, moe_path: str = "") ->
     bf16 = torch.bfloat16
     b, h = batch, m.hidden
     nq, nkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
-    page = 64
     pages = -(-context // page)
     e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)  # noqa: E731
     qkv = e(b, nq * 2 * d + 2 * nkv * d)
@@ -204,6 +223,7 @@ def main() -> int:
     parser.add_argument("--shape", default="35b-a3b", choices=("35b-a3b", "27b"))
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--page", type=int, default=16, help="KV-cache block size (the engine's --block-size)")
     parser.add_argument("--only", default="", help="comma list of op labels to compile (default: all)")
     parser.add_argument("--moe-path", default="", choices=("", "decode", "grouped"), help="force the MoE path")
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
@@ -213,15 +233,16 @@ def main() -> int:
         return 2
     from deltaserve.kernels import attention_triton
 
-    # The launchers size split counts from the SM count; the H200 has 132.
+    # The launchers size split counts from the SM count; the H200 has 132 (the tensors here are on the CPU).
     attention_triton._num_sms = lambda device_index: 132
+    attention_triton._sm_count = lambda device: 132
     args.work.mkdir(parents=True, exist_ok=True)
     interceptor = Interceptor(args.work)
     restore = interceptor.install()
     only = {o for o in args.only.split(",") if o}
     try:
         for batch in [int(b) for b in args.batches.split(",")]:
-            for label, thunk in decode_launches(args.shape, batch, args.context, args.moe_path):
+            for label, thunk in decode_launches(args.shape, batch, args.context, args.moe_path, args.page):
                 if only and label not in only:
                     continue
                 interceptor.label = f"B={batch} {label}"
@@ -232,6 +253,11 @@ def main() -> int:
     for r in interceptor.results:
         mix = " ".join(f"{k}:{v}" for k, v in sorted(r.counts.items()) if k not in ("LDL", "STL"))
         print(f"{r.label:<26} {r.kernel:<34} {r.regs:>4} {r.stack:>5} {r.shared:>6} {r.spills:>9}  {mix}")
+    # Kernels whose launcher sizes its grid from a residency assumption: name -> the num_warps it launches with.
+    residency_checked = {"_paged_attn_decode_kernel": attention_triton.DECODE_NUM_WARPS}
+    for r in interceptor.results:
+        if r.kernel in residency_checked:
+            print(f"{r.label}: {r.kernel} fits {programs_per_sm(r, residency_checked[r.kernel])} programs per SM")
     spilling = [r for r in interceptor.results if r.spills]
     print(f"{len(interceptor.results)} launches compiled for sm_90; {len(spilling)} with local-memory spills")
     return 0

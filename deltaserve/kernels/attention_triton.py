@@ -13,7 +13,10 @@ block·block_size + offset; sequence b's queries are the last q_len of its seq_l
 - decode (max_query_len == 1): split-K flash-decoding, grid (sequence, KV head, split) and a combine
   kernel, both sized from tensor shapes only (the split count depends on the batch size, the cache's
   block-table width and the SM count), so the path never syncs and is safe under CUDA-graph capture.
-  Rows are the group's query heads padded to 16 for tl.dot.
+  Rows are the group's query heads padded to 16 for tl.dot, so each K/V tile is read once for the group.
+  The next tile's page indices are loaded one tile ahead (carried in registers): the cp.async of a tile
+  then never waits on a dependent index load, and with 3 stages the pipeliner keeps two K/V buffers, the
+  next tile in flight while this one is computed (benchmarks/KERNEL_NOTES.md, C12).
 fp32 inputs use "ieee" dots so the fp32 tests are exact-ish on GPU; the interpreter runs them as numpy.
 """
 
@@ -128,6 +131,28 @@ def _attend_block(
     """One BLOCK_N step of online softmax over keys o_n (m_n: in range); m_valid [BLOCK_M, BLOCK_N] masks."""
     i_page = i64(tl.load(block_tables_ptr + o_n // PAGE, mask=m_n, other=0))
     o_slot = i_page * stride_c_block + (o_n % PAGE) * stride_c_slot + i_kvh * stride_c_head  # [BLOCK_N]
+    return _attend_tile(
+        b_q, b_acc, b_m, b_l, k_cache_ptr, v_cache_ptr, o_slot, m_n, m_valid, o_d, m_d, scale_log2, DOT_PRECISION
+    )
+
+
+@triton.jit
+def _attend_tile(
+    b_q,
+    b_acc,
+    b_m,
+    b_l,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_slot,
+    m_n,
+    m_valid,
+    o_d,
+    m_d,
+    scale_log2,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax step of `_attend_block` on keys whose cache row offsets o_slot [BLOCK_N] are known."""
     m_kv = m_n[:, None] & m_d[None, :]
     b_k = tl.load(k_cache_ptr + o_slot[:, None] + o_d[None, :], mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
@@ -277,10 +302,11 @@ def _paged_attn_decode_kernel(
     if q_len == 0:
         return
     seq_len = tl.load(seq_lens_ptr + i_b)
-    # Each split takes a whole number of BLOCK_N steps; trailing splits of a short sequence come out empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = i_s * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    # The sequence's BLOCK_N tiles spread evenly over the splits (their counts differ by at most one); a split
+    # comes out empty only when the sequence has fewer tiles than splits.
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    lo = (i_s * num_tiles // NUM_SPLITS) * BLOCK_N
+    hi = tl.minimum(((i_s + 1) * num_tiles // NUM_SPLITS) * BLOCK_N, seq_len)
 
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < GROUP
@@ -294,29 +320,30 @@ def _paged_attn_decode_kernel(
     b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     p_bt = block_tables_ptr + i64(i_b) * stride_bt
+    o_tile = tl.arange(0, BLOCK_N)
+    o_head = i_kvh * stride_c_head
+    # Page indices one tile ahead: the loop carries the next tile's, so its K/V copies never wait on them.
+    b_page = tl.load(p_bt + (lo + o_tile) // PAGE, mask=lo + o_tile < hi, other=0)  # [BLOCK_N]
     for start_n in range(lo, hi, BLOCK_N):
-        o_n = start_n + tl.arange(0, BLOCK_N)
+        o_n = start_n + o_tile
         m_n = o_n < hi
+        o_slot = i64(b_page) * stride_c_block + (o_n % PAGE) * stride_c_slot + o_head  # [BLOCK_N]
+        o_next = o_n + BLOCK_N
+        b_page = tl.load(p_bt + o_next // PAGE, mask=o_next < hi, other=0)
         m_valid = m_g[:, None] & m_n[None, :]
-        b_acc, b_m, b_l = _attend_block(
+        b_acc, b_m, b_l = _attend_tile(
             b_q,
             b_acc,
             b_m,
             b_l,
             k_cache_ptr,
             v_cache_ptr,
-            p_bt,
-            o_n,
+            o_slot,
             m_n,
             m_valid,
-            i_kvh,
             o_d,
             m_d,
             scale_log2,
-            stride_c_block,
-            stride_c_slot,
-            stride_c_head,
-            PAGE,
             DOT_PRECISION,
         )
     if NUM_SPLITS == 1:
@@ -375,10 +402,27 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _sm_count(device: torch.device) -> int:
+    """SMs the decode grid is sized for: the device's on CUDA, 4 elsewhere (the interpreter tests).
+    benchmarks/kernel_resources.py replaces this to size CPU compiles as on the H200."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else 0)
+
+
+# Decode programs resident on one SM at once (sm_90, d = 256, 4 warps, 3 stages: 168 registers a thread and
+# 73 KB of shared memory, so 3 fit); tests/kernels/test_kernel_resources.py compiles the kernel and checks it.
+DECODE_PROGRAMS_PER_SM = 3
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head) for the decode path: enough programs for ~2 waves, from shapes only."""
-    sms = _num_sms(device.index if device.index is not None else 0) if device.type == "cuda" else 4
-    want = triton.cdiv(2 * sms, max(batch * num_kv_heads, 1))
+    """Splits per (sequence, KV head) for the decode path, from shapes only: as many as keep the whole grid
+    resident in one wave (DECODE_PROGRAMS_PER_SM a SM), at least 1, at most 64 and one per 256 keys of the
+    block table's capacity. Each program is latency-bound on its own, so the SMs' full residency is what
+    saturates DRAM at mid batch sizes; past one wave a single split already does, without the combine."""
+    want = DECODE_PROGRAMS_PER_SM * _sm_count(device) // max(batch * num_kv_heads, 1)
     return int(max(1, min(64, want, triton.cdiv(max_context, 256))))
 
 
@@ -430,8 +474,8 @@ def _paged_attention_decode(
         BLOCK_N=64 if head_dim <= 128 else 32,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         _paged_attn_combine_kernel[(batch, num_q_heads)](

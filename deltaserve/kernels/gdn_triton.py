@@ -8,7 +8,10 @@ BV-column block): its [dk, BV] slice of S lives in registers and no other progra
 in-place updates need no synchronisation.
 
 - `gdn_decode_triton`: one token per sequence, q̂/k̂ not rounded (vLLM's packed decode). Slots < 0 are
-  CUDA-graph padding: their output row is zeros and no state is read or written. Grid from shapes only.
+  CUDA-graph padding: their output row is zeros and no state is read or written. Grid from shapes only,
+  the value-column block fastest (dv/BV × HV × B), so the programs of one head's contiguous state run
+  side by side; every load that does not need the slot is issued with the slot load and the state load
+  right behind it, before any reduction (benchmarks/KERNEL_NOTES.md, C13).
 - `gdn_prefill_triton`: varlen by query_start_loc; the state starts from the slot (zeros when
   has_initial_state is False, or when the slot is < 0) and the final state is written back. As the ref
   (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. Default: the chunked WY form
@@ -29,17 +32,21 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, search_ste
 CHUNK = 64
 CHUNK_BV = 32
 CHUNK_SCAN_WARPS = 8
+# CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
+MAX_GRID_YZ = 65535
 
 
 @triton.jit
 def _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, i_h):
     """(e^g, β) for one (token, value head): a_ptr/b_ptr already point at the token's row."""
-    b_a = tl.load(a_ptr + i_h).to(tl.float32)
-    b_b = tl.load(b_ptr + i_h).to(tl.float32)
-    b_g = -tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32)) * softplus_f32(
-        b_a + tl.load(dt_bias_ptr + i_h).to(tl.float32)
-    )
-    return tl.exp(b_g), 1.0 / (1.0 + tl.exp(-b_b))
+    return _gates_of(tl.load(a_ptr + i_h), tl.load(b_ptr + i_h), tl.load(A_log_ptr + i_h), tl.load(dt_bias_ptr + i_h))
+
+
+@triton.jit
+def _gates_of(b_a, b_b, b_A_log, b_dt_bias):
+    """(e^g, β) from the loaded a, b, A_log, dt_bias scalars, in fp32."""
+    b_g = -tl.exp(b_A_log.to(tl.float32)) * softplus_f32(b_a.to(tl.float32) + b_dt_bias.to(tl.float32))
+    return tl.exp(b_g), 1.0 / (1.0 + tl.exp(-b_b.to(tl.float32)))
 
 
 @triton.jit
@@ -84,34 +91,39 @@ def _gdn_decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    i_b = i64(tl.program_id(0))
+    i_v = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    o_v = i_v * BV + tl.arange(0, BV)  # [BV]
-    m_v = o_v < DV
-    p_out = out_ptr + (i_b * HV + i_h) * DV + o_v
-    i_slot = i64(tl.load(state_indices_ptr + i_b))
-    if i_slot < 0:
-        tl.store(p_out, tl.zeros([BV], dtype=tl.float32), mask=m_v)
-        return
+    i_b = i64(tl.program_id(2))
     i_hk = i_h // GROUP
     o_k = tl.arange(0, BK)  # [BK]
     m_k = o_k < DK
-    b_q = tl.load(q_ptr + i_b * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k_ptr + i_b * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_q = _l2norm(b_q) * scale
-    b_k = _l2norm(b_k)
-    b_v = tl.load(v_ptr + i_b * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_decay, b_beta = _gates(a_ptr + i_b * stride_a_t, b_ptr + i_b * stride_b_t, A_log_ptr, dt_bias_ptr, i_h)
-
+    o_v = i_v * BV + tl.arange(0, BV)  # [BV]
+    m_v = o_v < DV
+    # Nothing but the state needs the slot: these loads go out together with it, and the state load follows the
+    # slot directly (the reductions below hold barriers, which would otherwise delay the state stream).
+    i_slot = i64(tl.load(state_indices_ptr + i_b))
+    b_q = tl.load(q_ptr + i_b * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0)
+    b_k = tl.load(k_ptr + i_b * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0)
+    b_v = tl.load(v_ptr + i_b * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0)
+    b_a = tl.load(a_ptr + i_b * stride_a_t + i_h)
+    b_b = tl.load(b_ptr + i_b * stride_b_t + i_h)
+    b_A_log = tl.load(A_log_ptr + i_h)
+    b_dt_bias = tl.load(dt_bias_ptr + i_h)
+    # Padded rows of a CUDA-graph batch carry slot -1: masks, not a branch, so no load waits on the slot's value.
+    is_live = i_slot >= 0
     p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32) * b_decay  # [BK, BV]
-    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
+    m_s = m_k[:, None] & m_v[None, :] & is_live
+    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]
+
+    b_q = _l2norm(b_q.to(tl.float32)) * scale
+    b_k = _l2norm(b_k.to(tl.float32))
+    b_decay, b_beta = _gates_of(b_a, b_b, b_A_log, b_dt_bias)
+    b_s = b_s * b_decay
+    b_u = b_beta * (b_v.to(tl.float32) - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
     b_s += b_k[:, None] * b_u[None, :]
     b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
     tl.store(p_s, b_s, mask=m_s)
-    tl.store(p_out, b_o, mask=m_v)
+    tl.store(out_ptr + (i_b * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v)
 
 
 def _check_states(ssm_states: torch.Tensor, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> None:
@@ -145,7 +157,9 @@ def gdn_decode_triton(
     if batch == 0:
         return out
     block_v = _block_v(head_v_dim)
-    _gdn_decode_kernel[(batch, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+    if batch > MAX_GRID_YZ or num_v_heads > MAX_GRID_YZ:
+        raise ValueError(f"gdn_decode: {batch} sequences x {num_v_heads} value heads exceed the grid ({MAX_GRID_YZ})")
+    _gdn_decode_kernel[(triton.cdiv(head_v_dim, block_v), num_v_heads, batch)](
         q,
         k,
         v,

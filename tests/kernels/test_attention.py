@@ -5,18 +5,31 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaserve.kernels import attention_triton
 from deltaserve.kernels.attention import paged_attention_ref, store_kv_ref
-from deltaserve.kernels.attention_triton import _paged_attention_decode, paged_attention_triton, store_kv_triton
+from deltaserve.kernels.attention_triton import (
+    _paged_attention_decode,
+    decode_num_splits,
+    paged_attention_triton,
+    store_kv_triton,
+)
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance, varlen_starts
 
 
 def _paged_cache(
-    seq_lens: list[int], page: int, nkv: int, d: int, dtype: torch.dtype, spare_blocks: int = 3
+    seq_lens: list[int],
+    page: int,
+    nkv: int,
+    d: int,
+    dtype: torch.dtype,
+    spare_blocks: int = 3,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random k/v caches and a block table whose pages are shuffled across the pool."""
+    """Random k/v caches and a block table whose pages are shuffled across the pool; `width` pages per row
+    (default: the longest sequence's plus one) sets the capacity the decode split count is bounded by."""
     pages_per_seq = [max(1, -(-n // page)) for n in seq_lens]
-    width = max(pages_per_seq) + 1
+    width = width or max(pages_per_seq) + 1
     num_blocks = sum(pages_per_seq) + spare_blocks
     k_cache = randn(num_blocks, page, nkv, d, dtype=dtype)
     v_cache = randn(num_blocks, page, nkv, d, dtype=dtype)
@@ -89,3 +102,82 @@ def test_paged_attention_decode(num_splits: int, dtype: torch.dtype) -> None:
     with poisoned_empty():
         out = paged_attention_triton(q, k_cache, v_cache, qsl, seq, block_tables, scale, 1, max(seq_lens))
     assert_close("o (launcher)", ref, out, tolerance(dtype, fp32=2e-6))
+
+
+# Decode lengths (d = 32: BLOCK_N 64; pages of 8): several tiles per split (300, 200), fewer tiles than splits
+# (1, 63), a tile boundary exactly (128), a page boundary off the tile grid (65), and a CUDA-graph padding row
+# (seq_len 0: its output must be zeros).
+DECODE_SEQ_LENS = [300, 1, 63, 128, 0, 65, 200]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("nq", "nkv"), [(2, 2), (12, 2), (8, 1)], ids=["group1", "group6", "group8"])
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_paged_attention_decode_splits(nq: int, nkv: int, num_splits: int, dtype: torch.dtype) -> None:
+    seq_lens, d, page = DECODE_SEQ_LENS, 32, 8
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, page, nkv, d, dtype)
+    q = randn(len(seq_lens), nq, d, dtype=dtype)
+    qsl = varlen_starts([1] * len(seq_lens))
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
+    with poisoned_empty():
+        out = torch.empty_like(q)
+        _paged_attention_decode(q, k_cache, v_cache, out, qsl, seq, block_tables, d**-0.5, num_splits)
+    assert_close("o", ref, out, tolerance(dtype, fp32=2e-6))
+    assert torch.equal(out[4], torch.zeros_like(out[4])), "a padding row (seq_len 0) must come out zero"
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 7])
+def test_paged_attention_decode_launcher_across_split_counts(batch: int) -> None:
+    """The launcher's own split count (12 resident programs on the interpreter's 4 SMs, nkv 2: 6, 3, 2, 1, 1
+    splits at B = 1, 2, 3, 4, 7) against the ref; a wide block table so the capacity bound does not cap it."""
+    nq, nkv, d, page = 6, 2, 32, 8
+    seq_lens = [(37 * i + 290) % 311 + 1 for i in range(batch)]
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, page, nkv, d, torch.float32, width=384)
+    splits = decode_num_splits(batch, nkv, block_tables.shape[1] * page, DEVICE)
+    if DEVICE.type == "cpu":
+        assert splits == {1: 6, 2: 3, 3: 2, 4: 1, 7: 1}[batch]
+    q = randn(batch, nq, d)
+    qsl = varlen_starts([1] * batch)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
+    with poisoned_empty():
+        out = paged_attention_triton(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5, 1, max(seq_lens))
+    assert_close(f"o (B={batch}, {splits} splits)", ref, out, 2e-6)
+
+
+# Splits the decode path picks per CUDA-graph bucket on the H200 (132 SMs, 3 resident programs each: 396) at
+# max_model_len 4096 (at most 16 splits), for the two served shapes' KV heads. benchmarks/KERNEL_NOTES.md C12.
+H200_DECODE_SPLITS = {
+    4: {1: 16, 2: 16, 4: 16, 8: 12, 16: 6, 24: 4, 32: 3, 48: 2, 64: 1, 96: 1, 128: 1, 256: 1},  # 27B
+    2: {1: 16, 2: 16, 4: 16, 8: 16, 16: 12, 24: 8, 32: 6, 48: 4, 64: 3, 96: 2, 128: 1, 256: 1},  # 35B-A3B
+}
+
+
+def test_decode_num_splits_per_bucket_on_h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    for nkv, table in H200_DECODE_SPLITS.items():
+        got = {b: decode_num_splits(b, nkv, 4096, cuda) for b in table}
+        assert got == table, f"nkv {nkv}: {got}"
+    # The capacity bound: one split per 256 keys of the block table.
+    assert decode_num_splits(1, 4, 1024, cuda) == 4
+    assert decode_num_splits(1, 4, 100, cuda) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("nq", "nkv"), [(24, 4), (16, 2)], ids=["27b", "35b-a3b"])
+@pytest.mark.parametrize("batch", [1, 16, 32, 64, 128])
+def test_paged_attention_decode_served_shapes(nq: int, nkv: int, batch: int) -> None:
+    """bf16 at the served shapes (d 256, pages of 16, a 4096-token block table), 1025 and odd lengths, on
+    either side of every split count the H200 picks for these buckets."""
+    d, page = 256, 16
+    seq_lens = [1025 - 7 * (i % 5) for i in range(batch)]
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, page, nkv, d, torch.bfloat16, width=256)
+    q = randn(batch, nq, d, dtype=torch.bfloat16)
+    qsl = varlen_starts([1] * batch)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
+    with poisoned_empty():
+        out = paged_attention_triton(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5, 1, 4096)
+    assert_close("o", ref, out, 1e-2)

@@ -56,13 +56,17 @@ def test_gdn_prefill(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 2, 32, 32), (2, 6, 64, 48)])
+@pytest.mark.parametrize(
+    ("hk", "hv", "dk", "dv"),
+    [(2, 2, 32, 32), (2, 6, 64, 48), (1, 3, 128, 128)],
+    ids=["small", "dv48", "head128-group3"],  # dv 48: a partial value block; 128 x 128: the served heads
+)
 def test_gdn_decode(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> None:
     batch, num_slots = 5, 8
     q, k, v, a, b, A_log, dt_bias = _inputs(batch, hk, hv, dk, dv, dtype)
     states = randn(num_slots, hv, dk, dv, scale=0.1)
     slots = torch.randperm(num_slots, device=DEVICE)[:batch].int()
-    slots[1] = slots[4] = -1  # CUDA-graph padding rows
+    slots[1] = slots[4] = -1  # CUDA-graph padding rows, one of them the last
     ref_states = states.clone()
     ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ref_states, slots)
     with poisoned_empty():
@@ -71,7 +75,27 @@ def test_gdn_decode(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> N
     assert_close("states", ref_states, states, tolerance(dtype, fp32=3e-6, low=1e-2))
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     assert torch.equal(states[untouched], ref_states[untouched]), "padded rows must leave the other slots alone"
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("hk", "hv"), [(16, 48), (16, 32)], ids=["27b", "35b-a3b"])
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_gdn_decode_served_shapes(hk: int, hv: int, batch: int) -> None:
+    """bf16 activations, fp32 states at the served head shapes (128 x 128), scattered slots and padding rows."""
+    dk = dv = 128
+    num_slots = batch + 8
+    q, k, v, a, b, A_log, dt_bias = _inputs(batch, hk, hv, dk, dv, torch.bfloat16)
+    states = randn(num_slots, hv, dk, dv, scale=0.05)
+    slots = torch.randperm(num_slots, device=DEVICE)[:batch].int()
+    slots[::7] = -1
+    ref_states = states.clone()
+    ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ref_states, slots)
+    with poisoned_empty():
+        out = gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, states, slots)
+    assert_close("o", ref, out, 1e-2)
+    assert_close("states", ref_states, states, 1e-5)
+    assert torch.equal(out[::7], torch.zeros_like(out[::7]))
 
 
 def test_gdn_decode_continues_prefill() -> None:
