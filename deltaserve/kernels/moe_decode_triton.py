@@ -2,12 +2,14 @@
 
 For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no sort and no [T·k, H] buffer:
 
-1. Router (`_moe_router_kernel`): logits = x·W_rᵀ [T, E] and the shared-expert gate logit x·w_gᵀ [T, 1] in
-   one pass over the router rows, fp32 accumulation, stored in the model dtype (the bf16 F.linear outputs the
-   ref rounds to). Grid (router row blocks, token blocks). Up to ROUTER_GEMV_MAX_TOKENS tokens the GEMV form
-   (`_moe_router_gemv_kernel`) runs instead: two rows (the gate row is row E) per program, one program per
-   (row pair, token), so the 1 MB router of the 35B-A3B shape streams through ~130 programs, not 16 (tl.dot's
-   16-row minimum left 16 programs at 14 µs for 1 MB at T = 1: KERNEL_NOTES C9).
+1. Router: logits = x·W_rᵀ [T, E] and the shared-expert gate logit x·w_gᵀ [T, 1] in one pass over the
+   router rows (the gate row is row E), fp32 sums, stored in the model dtype (the bf16 F.linear outputs the
+   ref rounds to). Up to ROUTER_GEMV_MAX_TOKENS tokens the GEMV kernel (`_moe_router_gemv_kernel`, no tensor
+   cores): up to 4 tokens one program per (row pair, token) (KERNEL_NOTES C9); above, 8 tokens per program
+   and 2-8 rows, so the 1 MB router of the 35B-A3B shape streams through ≥ 128 programs at every T, each
+   weight tile loaded once per program and multiplied by all its tokens (C11). Above, `_moe_router_kernel`
+   (tl.dot tiles of 16 rows × 16 tokens; its 16-row minimum left 16-64 programs at ≤ 64 tokens, 14 µs for
+   1 MB). The switch points and block shapes are the ROUTER_* module constants (router_gemv_config).
 2. Gate/up (`_moe_decode_gemm1_kernel`): one program per (entry, column block), an entry being a (token,
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
@@ -388,12 +390,24 @@ def router_logits_triton(
 ) -> torch.Tensor:
     """x [T, H], W_r [E, H], w_g [1, H] or None -> logits [T, E (+1)] in x's dtype: the router logits and, as
     column E, the shared-expert gate logit (both as F.linear would round them). Twin: moe.router_logits_ref."""
+    num_experts = router_weight.shape[0]
+    logits = torch.empty(x.shape[0], num_experts + int(gate_weight is not None), dtype=x.dtype, device=x.device)
+    router_logits_into(x, router_weight, gate_weight, logits)
+    return logits
+
+
+def router_logits_into(
+    x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None, logits: torch.Tensor
+) -> None:
+    """router_logits_triton's launches into a given logits [T, E (+1)] (row stride free, last dim contiguous):
+    the GEMV kernel up to ROUTER_GEMV_MAX_TOKENS tokens, the tl.dot kernel above."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     has_gate = gate_weight is not None
-    logits = torch.empty(num_tokens, num_experts + int(has_gate), dtype=x.dtype, device=x.device)
+    assert logits.shape == (num_tokens, num_experts + int(has_gate)) and logits.stride(-1) == 1
+    assert x.stride(-1) == 1 and router_weight.stride(-1) == 1 and (gate_weight is None or gate_weight.stride(-1) == 1)
     if num_tokens == 0:
-        return logits
+        return
     if num_tokens <= ROUTER_GEMV_MAX_TOKENS:
         config = router_gemv_config(num_tokens, num_experts + int(has_gate), hidden)
         grid = (triton.cdiv(num_experts + int(has_gate), config["BLOCK_R"]), triton.cdiv(num_tokens, config["BLOCK_T"]))
@@ -412,7 +426,7 @@ def router_logits_triton(
             **config,
             num_warps=ROUTER_GEMV_WARPS,
         )
-        return logits
+        return
     grid = (triton.cdiv(num_experts, ROUTER_BLOCK_R), triton.cdiv(num_tokens, ROUTER_BLOCK_T))
     _moe_router_kernel[grid](
         x,
@@ -433,7 +447,6 @@ def router_logits_triton(
         num_warps=4,
         num_stages=3,
     )
-    return logits
 
 
 def decode_gemms(

@@ -97,6 +97,7 @@ def _moe_align_kernel(
     block_expert_ptr,
     num_entries,
     num_blocks,
+    stride_ids,
     E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -108,7 +109,7 @@ def _moe_align_kernel(
     # All entries at once (padding past num_entries, and any id outside [0, E), is no expert's).
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < num_entries
-    b_ids = tl.load(ids_ptr + o_n, mask=m_n, other=-1).to(tl.int32)  # [BLOCK_N]
+    b_ids = tl.load(ids_ptr + o_n * stride_ids, mask=m_n, other=-1).to(tl.int32)  # [BLOCK_N]
     m_n = m_n & (b_ids >= 0) & (b_ids < E)
     b_ids = tl.where(m_n, b_ids, BLOCK_E)  # padding keys sort after every real one
     b_counts = tl.histogram(b_ids, BLOCK_E, mask=m_n)  # [BLOCK_E] entries per expert
@@ -144,7 +145,7 @@ def _moe_align_kernel(
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [num_blocks·BLOCK_M] entry ids, T·k = padding; block_expert [num_blocks]),
     equal to moe_align.moe_align_ref. At most ALIGN_MAX_ENTRIES entries."""
-    flat = topk_ids.reshape(-1)  # [N] int64 (int32 also accepted)
+    flat = topk_ids.reshape(-1)  # [N] int64 (int32 also accepted); a view may keep a stride
     num_entries = flat.numel()
     if num_entries > ALIGN_MAX_ENTRIES:
         raise ValueError(f"moe_align_triton takes at most {ALIGN_MAX_ENTRIES} entries, got {num_entries}")
@@ -155,7 +156,13 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     if num_entries == 0:
         return sorted_ids, block_expert
     _moe_align_kernel[(1,)](
-        flat, sorted_ids, block_expert, num_entries, num_blocks, **align_launch(num_entries, num_experts, block_m)
+        flat,
+        sorted_ids,
+        block_expert,
+        num_entries,
+        num_blocks,
+        flat.stride(0),
+        **align_launch(num_entries, num_experts, block_m),
     )
     return sorted_ids, block_expert
 
