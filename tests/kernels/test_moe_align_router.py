@@ -219,6 +219,8 @@ def test_router_at_every_switch_point(
     experts (+ the gate: 21 rows, so the last row block is partial for 2, 4 and 8 rows a program) and H = 1100
     (the last reduction step partial); min_programs = 8 makes these small shapes take the 4- and 8-row
     programs the 35B-A3B shape takes at 9-64 tokens."""
+    for switch in (ROUTER_GEMV_SINGLE_MAX_TOKENS, ROUTER_GEMV_BLOCK_T - 1, ROUTER_GEMV_BLOCK_T, ROUTER_GEMV_MAX_TOKENS):
+        assert {switch, switch + 1} <= set(ROUTER_TOKENS), "the parametrisation must straddle every switch"
     monkeypatch.setattr(moe_decode_triton, "ROUTER_GEMV_MIN_PROGRAMS", min_programs)
     calls: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
     for name in ("_moe_router_gemv_kernel", "_moe_router_kernel"):
@@ -231,9 +233,10 @@ def test_router_at_every_switch_point(
         plain = router_logits_triton(x, router, None)
     assert logits.shape == (num_tokens, num_experts + 1) and plain.shape == (num_tokens, num_experts)
     ref = router_logits_ref(x, router, gate)
-    assert_close("router", ref[:, :num_experts], logits[:, :num_experts], tolerance(dtype, 1e-6, 4e-3))
-    assert_close("gate", ref[:, num_experts:], logits[:, num_experts:], tolerance(dtype, 1e-6, 4e-3))
-    assert_close("router without the gate", ref[:, :num_experts], plain, tolerance(dtype, 1e-6, 4e-3))
+    # fp32 at 1e-5: the sum orders differ by ~1e-5 absolute over H = 1100, and one token's gate logit can be small
+    assert_close("router", ref[:, :num_experts], logits[:, :num_experts], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("gate", ref[:, num_experts:], logits[:, num_experts:], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("router without the gate", ref[:, :num_experts], plain, tolerance(dtype, 1e-5, 4e-3))
     # which kernel ran, with which blocks
     name, grid, kwargs = calls[0]
     if num_tokens > ROUTER_GEMV_MAX_TOKENS:
@@ -263,7 +266,7 @@ def test_router_writes_only_its_tokens_rows(num_tokens: int, dtype: torch.dtype)
         router_logits_into(x_all[:num_tokens], router, gate_weight, out[:num_tokens])
         assert torch.equal(out[num_tokens:], torch.full_like(out[num_tokens:], 7.0)), "a row past T was written"
         ref = router_logits_ref(x_all[:num_tokens], router, gate_weight)
-        assert_close("logits", ref, out[:num_tokens], tolerance(dtype, 1e-6, 4e-3))
+        assert_close("logits", ref, out[:num_tokens], tolerance(dtype, 1e-5, 4e-3))
 
 
 def test_router_gemv_config_fills_the_device_and_follows_the_bucket() -> None:

@@ -156,9 +156,11 @@ def test_router_logits_kernel_holds_the_gate_logit_in_its_last_column(
     )
     ref = router_logits_ref(x, router, gate)
     e = num_experts
-    assert_close("router", ref[:, :e], logits[:, :e], tolerance(dtype, 1e-6, 4e-3))
-    assert_close("gate", ref[:, e:], logits[:, e:], tolerance(dtype, 1e-6, 4e-3))
-    assert_close("router without the gate", ref[:, :e], plain, tolerance(dtype, 1e-6, 4e-3))
+    # fp32: 1e-5, not 1e-6: over H = 1100 products the two sum orders differ by ~1e-5 absolute, and the gate
+    # column of a few tokens can sum to a small value (relative RMSE 1.2e-6 seen at 8.97 against 1.05e-5)
+    assert_close("router", ref[:, :e], logits[:, :e], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("gate", ref[:, e:], logits[:, e:], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("router without the gate", ref[:, :e], plain, tolerance(dtype, 1e-5, 4e-3))
     assert torch.equal(router_logits_ref(x, router, None), ref[:, :e])
 
 
