@@ -7,10 +7,18 @@ and summarised from `cuobjdump`: registers, stack frame and local-memory traffic
 and the instruction mix that matters for memory-bound kernels (LDG widths, cp.async, HMMA/HGMMA).
 
     python benchmarks/kernel_resources.py --shape 35b-a3b --batches 1,32,64
+    python benchmarks/kernel_resources.py --batches "" --align-entries 8,256,512,4096 --align-experts 64,256,512 \
+        --router-tokens 1,5,9,17,33,64
 
 A kernel with LOCAL traffic (LDL/STL) in its decode configuration is the first suspect of a cliff: the
 one-program MoE alignment spilled 3 KiB a thread at 257-512 entries, the 35B-A3B decode cliff at B = 48-64.
-Must run WITHOUT TRITON_INTERPRET (the interpreter replaces the JIT); exits 2 when it is set.
+`--align-entries` / `--align-experts` / `--align-block-m` sweep the alignment kernel alone over entry counts,
+expert counts and BLOCK_M; `--router-tokens` the router logits launch (GEMV up to 64 tokens, tl.dot above) on
+the shape's router. Besides registers and spills each row gives the SASS instruction count (`sass`) and the
+barriers (BAR) and shuffles (SHFL) in it: for kernels without loops (the align kernel's sort is unrolled) the
+count is what every thread executes, so `sass` × warps per scheduler (warps / 4) bounds the issue cycles of a
+one-program launch from below. Must run WITHOUT TRITON_INTERPRET (the interpreter replaces the JIT); exits 2
+when it is set, and 2 when the options select nothing to compile.
 """
 
 from __future__ import annotations
@@ -62,6 +70,11 @@ def _summarise(kernel: Any, name: str, label: str, work: Path) -> Compiled:
     counts: dict[str, int] = {}
     for op in re.findall(r"\b(LDGSTS|LDG\.E(?:\.(?:64|128|U16|S16|U8))?|HGMMA|HMMA|LDL|STL|STG\.E(?:\.\d+)?)", sass):
         counts[op] = counts.get(op, 0) + 1
+    # every instruction (address comment, optional predicate, opcode), and the synchronising ones among them
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    counts["sass"] = len(opcodes)
+    for op in ("BAR", "SHFL"):
+        counts[op] = sum(1 for o in opcodes if o == op)
     regs, stack = (int(usage.group(1)), int(usage.group(2))) if usage else (-1, -1)
     return Compiled(name, label, regs, stack, int(kernel.metadata.shared), counts)
 
@@ -218,6 +231,43 @@ def decode_launches(
     return launches
 
 
+def align_launches(
+    entries: list[int], experts: list[int], block_ms: list[int]
+) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per alignment-kernel configuration (KERNEL_NOTES C10): N entries over E experts."""
+    from deltaserve.kernels.moe_routing_triton import moe_align_triton
+
+    launches: list[tuple[str, Callable[[], object]]] = []
+    for n in entries:
+        for ex in experts:
+            for bm in block_ms:
+                ids = torch.zeros(n, 1, dtype=torch.int64)
+                launches.append(
+                    (f"align N={n} E={ex} M={bm}", lambda ids=ids, ex=ex, bm=bm: moe_align_triton(ids, ex, bm))
+                )
+    return launches
+
+
+def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per router logits launch (KERNEL_NOTES C9, C11) on the shape's router and shared gate."""
+    from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.moe_decode_triton import router_logits_triton
+
+    m = MODELS[shape]
+    if not m.num_experts:
+        return []
+    bf16 = torch.bfloat16
+    router, gate = torch.empty(m.num_experts, m.hidden, dtype=bf16), torch.empty(1, m.hidden, dtype=bf16)
+    return [
+        (f"router T={t}", lambda t=t: router_logits_triton(torch.empty(t, m.hidden, dtype=bf16), router, gate))
+        for t in tokens
+    ]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="35b-a3b", choices=("35b-a3b", "27b"))
@@ -226,6 +276,10 @@ def main() -> int:
     parser.add_argument("--page", type=int, default=16, help="KV-cache block size (the engine's --block-size)")
     parser.add_argument("--only", default="", help="comma list of op labels to compile (default: all)")
     parser.add_argument("--moe-path", default="", choices=("", "decode", "grouped"), help="force the MoE path")
+    parser.add_argument("--align-entries", default="", help="comma list of entry counts for the align sweep")
+    parser.add_argument("--align-experts", default="256", help="comma list of expert counts for the align sweep")
+    parser.add_argument("--align-block-m", default="16", help="comma list of BLOCK_M for the align sweep")
+    parser.add_argument("--router-tokens", default="", help="comma list of token counts for the router sweep")
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -240,19 +294,29 @@ def main() -> int:
     interceptor = Interceptor(args.work)
     restore = interceptor.install()
     only = {o for o in args.only.split(",") if o}
+    sweeps = align_launches(_ints(args.align_entries), _ints(args.align_experts), _ints(args.align_block_m))
+    sweeps += router_launches(args.shape, _ints(args.router_tokens))
     try:
-        for batch in [int(b) for b in args.batches.split(",")]:
+        for batch in _ints(args.batches):
             for label, thunk in decode_launches(args.shape, batch, args.context, args.moe_path, args.page):
                 if only and label not in only:
                     continue
                 interceptor.label = f"B={batch} {label}"
                 thunk()
+        for label, thunk in sweeps:
+            interceptor.label = label
+            thunk()
     finally:
         restore()
-    print(f"{'launch':<26} {'kernel':<34} {'regs':>4} {'stack':>5} {'smem':>6} {'spill ops':>9}  instruction mix")
+    if not interceptor.results:
+        print("kernel_resources: nothing selected to compile (check --batches / --only / the sweeps)")
+        return 2
+    head = f"{'launch':<26} {'kernel':<34} {'regs':>4} {'stack':>5} {'smem':>6} {'spill ops':>9} {'sass':>6}"
+    print(f"{head}  instruction mix")
     for r in interceptor.results:
-        mix = " ".join(f"{k}:{v}" for k, v in sorted(r.counts.items()) if k not in ("LDL", "STL"))
-        print(f"{r.label:<26} {r.kernel:<34} {r.regs:>4} {r.stack:>5} {r.shared:>6} {r.spills:>9}  {mix}")
+        mix = " ".join(f"{k}:{v}" for k, v in sorted(r.counts.items()) if k not in ("LDL", "STL", "sass"))
+        row = f"{r.label:<26} {r.kernel:<34} {r.regs:>4} {r.stack:>5} {r.shared:>6} {r.spills:>9} {r.counts['sass']:>6}"
+        print(f"{row}  {mix}")
     # Kernels whose launcher sizes its grid from a residency assumption: name -> the num_warps it launches with.
     residency_checked = {"_paged_attn_decode_kernel": attention_triton.DECODE_NUM_WARPS}
     for r in interceptor.results:

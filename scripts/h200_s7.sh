@@ -55,7 +55,7 @@ case $call in
     echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
     tail -8 "$W/decode-step.log" | tee -a "$OUT/summary.txt"
     mark "align / router alone (C10, C11)"
-    PYTHONPATH=$PWD timeout 90 python3 benchmarks/align_router_bench.py --out "$W/align-router.json" \
+    PYTHONPATH=$PWD timeout 240 python3 benchmarks/align_router_bench.py --out "$W/align-router.json" \
       > "$W/align-router.log" 2>&1
     echo "align_router_bench rc $?" | tee -a "$OUT/summary.txt"
     tail -30 "$W/align-router.log" | tee -a "$OUT/summary.txt"

@@ -2,12 +2,14 @@
 
 For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no sort and no [T·k, H] buffer:
 
-1. Router (`_moe_router_kernel`): logits = x·W_rᵀ [T, E] and the shared-expert gate logit x·w_gᵀ [T, 1] in
-   one pass over the router rows, fp32 accumulation, stored in the model dtype (the bf16 F.linear outputs the
-   ref rounds to). Grid (router row blocks, token blocks). Up to ROUTER_GEMV_MAX_TOKENS tokens the GEMV form
-   (`_moe_router_gemv_kernel`) runs instead: two rows (the gate row is row E) per program, one program per
-   (row pair, token), so the 1 MB router of the 35B-A3B shape streams through ~130 programs, not 16 (tl.dot's
-   16-row minimum left 16 programs at 14 µs for 1 MB at T = 1: KERNEL_NOTES C9).
+1. Router: logits = x·W_rᵀ [T, E] and the shared-expert gate logit x·w_gᵀ [T, 1] in one pass over the
+   router rows (the gate row is row E), fp32 sums, stored in the model dtype (the bf16 F.linear outputs the
+   ref rounds to). Up to ROUTER_GEMV_MAX_TOKENS tokens the GEMV kernel (`_moe_router_gemv_kernel`, no tensor
+   cores): up to 4 tokens one program per (row pair, token) (KERNEL_NOTES C9); above, 8 tokens per program
+   and 2-8 rows, so the 1 MB router of the 35B-A3B shape streams through ≥ 128 programs at every T, each
+   weight tile loaded once per program and multiplied by all its tokens (C11). Above, `_moe_router_kernel`
+   (tl.dot tiles of 16 rows × 16 tokens; its 16-row minimum left 16-64 programs at ≤ 64 tokens, 14 µs for
+   1 MB). The switch points and block shapes are the ROUTER_* module constants (router_gemv_config).
 2. Gate/up (`_moe_decode_gemm1_kernel`): one program per (entry, column block), an entry being a (token,
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
@@ -44,10 +46,19 @@ from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoECon
 ROUTER_BLOCK_R = 16
 ROUTER_BLOCK_K = 256
 ROUTER_BLOCK_T = 16
-# The GEMV router (T <= ROUTER_GEMV_MAX_TOKENS): rows per program and reduction step.
-ROUTER_GEMV_MAX_TOKENS = 4
+# The GEMV router (T <= ROUTER_GEMV_MAX_TOKENS; KERNEL_NOTES C9, C11): up to ROUTER_GEMV_SINGLE_MAX_TOKENS
+# tokens one program per (row pair, token) (C9); above, ROUTER_GEMV_BLOCK_T tokens per program, the rows per
+# program the largest power of two up to ROUTER_GEMV_MAX_BLOCK_R that still launches ROUTER_GEMV_MIN_PROGRAMS
+# programs at the smallest token count of the power-of-two bucket (so the variant follows the bucket alone).
+# Above ROUTER_GEMV_MAX_TOKENS the tl.dot kernel (its 16-row tiles reach 128 programs from ~113 tokens on).
+ROUTER_GEMV_MAX_TOKENS = 64
+ROUTER_GEMV_SINGLE_MAX_TOKENS = 4
+ROUTER_GEMV_BLOCK_T = 8
 ROUTER_GEMV_BLOCK_R = 2
-ROUTER_GEMV_BLOCK_K = 1024
+ROUTER_GEMV_MAX_BLOCK_R = 8
+ROUTER_GEMV_MIN_PROGRAMS = 128
+ROUTER_GEMV_VEC = 8
+ROUTER_GEMV_WARPS = 4
 # Gate/up programs route the whole batch in registers ([tokens, E] fp32) up to this many tokens; at 32 tokens
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
@@ -100,42 +111,56 @@ def _moe_router_kernel(
         tl.store(logits_ptr + i64(o_t) * stride_l + E, b_gate, mask=m_t & (i_r == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _moe_router_gemv_kernel(
     x_ptr,
     w_ptr,
     gate_w_ptr,
     logits_ptr,
+    num_tokens,
     stride_x,
     stride_w,
     stride_l,
     E: tl.constexpr,
     H: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    """One token's logits for BLOCK_R rows: rows < E of W_r, row E the shared-expert gate (HAS_GATE)."""
+    """BLOCK_T tokens' logits for BLOCK_R rows: rows < E of W_r, row E the shared-expert gate (HAS_GATE). Each
+    weight tile is loaded once and multiplied by every token of the block (x rows come from L2).
+
+    x and W tiles are loaded as [BLOCK_T, 1, BLOCK_K] and [1, BLOCK_R, BLOCK_K] with BLOCK_K = VEC lanes per
+    thread times every thread, so both land in the same layout (no shared-memory conversion) and each thread
+    multiplies its own VEC columns of every (token, row) pair; the VEC products are summed in the thread, the
+    partial sums across threads once at the end."""
     i_r = tl.program_id(0)
-    i_t = tl.program_id(1)
+    i_tb = tl.program_id(1)
+    o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
+    m_t = o_t < num_tokens
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] rows: experts, then the gate
     m_w = o_r < E
-    o_k = tl.arange(0, BLOCK_K)
-    p_x = x_ptr + i64(i_t) * stride_x + o_k  # [BLOCK_K]
-    p_w = w_ptr + i64(o_r)[:, None] * stride_w + o_k[None, :]  # [BLOCK_R, BLOCK_K]
-    b_acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    o_k = tl.arange(0, BLOCK_K)[None, None, :]  # [1, 1, BLOCK_K]
+    p_x = x_ptr + i64(o_t)[:, None, None] * stride_x + o_k  # [BLOCK_T, 1, BLOCK_K]
+    p_w = w_ptr + i64(o_r)[None, :, None] * stride_w + o_k  # [1, BLOCK_R, BLOCK_K]
+    b_acc = tl.zeros([BLOCK_T, BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
+    # Unrolled so that the loads of later steps are issued before the products of earlier ones.
+    for k0 in tl.static_range(0, H, BLOCK_K):
         m_k = (k0 + o_k) < H
-        b_x = tl.load(p_x + k0, mask=m_k, other=0.0).to(tl.float32)
-        b_w = tl.load(p_w + k0, mask=m_w[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_w = tl.load(p_w + k0, mask=m_w[None, :, None] & m_k, other=0.0).to(tl.float32)
         if HAS_GATE:
             # the gate row is a 4 KiB row beside W_r: loaded only by the lane whose row is E (others masked)
-            p_g = gate_w_ptr + k0 + o_k[None, :] + 0 * o_r[:, None]
-            b_w += tl.load(p_g, mask=(o_r == E)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_acc += b_w * b_x[None, :]
-    b_l = tl.sum(b_acc, axis=1)  # [BLOCK_R] fp32
+            p_g = gate_w_ptr + k0 + o_k + 0 * o_r[None, :, None]
+            b_w += tl.load(p_g, mask=(o_r == E)[None, :, None] & m_k, other=0.0).to(tl.float32)
+        b_x = tl.load(p_x + k0, mask=m_t[:, None, None] & m_k, other=0.0).to(tl.float32)
+        b_prod = tl.reshape(b_x * b_w, [BLOCK_T, BLOCK_R, BLOCK_K // VEC, VEC])
+        b_acc += tl.sum(b_prod, axis=3)
+    b_l = tl.sum(b_acc, axis=2)  # [BLOCK_T, BLOCK_R] fp32
     num_rows = E + 1 if HAS_GATE else E
-    tl.store(logits_ptr + i64(i_t) * stride_l + o_r, b_l, mask=o_r < num_rows)
+    p_l = logits_ptr + i64(o_t)[:, None] * stride_l + o_r[None, :]
+    tl.store(p_l, b_l, mask=m_t[:, None] & (o_r < num_rows)[None, :])
 
 
 @triton.jit
@@ -340,35 +365,68 @@ def _block_t(num_tokens: int) -> int:
     return max(16, next_pow2(num_tokens))
 
 
+def router_gemv_config(num_tokens: int, num_rows: int, hidden: int) -> dict[str, int]:
+    """BLOCK_T / BLOCK_R / BLOCK_K of the GEMV router for num_tokens ≤ ROUTER_GEMV_MAX_TOKENS tokens and num_rows
+    rows (E, plus the gate row): a function of the token count's power-of-two bucket only (module constants)."""
+    if num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS:
+        block_t, block_r = 1, ROUTER_GEMV_BLOCK_R
+    else:
+        block_t = ROUTER_GEMV_BLOCK_T
+        # the fewest token blocks any count of this bucket launches
+        min_blocks = triton.cdiv(next_pow2(num_tokens) // 2 + 1, block_t)
+        block_r = ROUTER_GEMV_BLOCK_R
+        while (
+            block_r < ROUTER_GEMV_MAX_BLOCK_R
+            and triton.cdiv(num_rows, 2 * block_r) * min_blocks >= ROUTER_GEMV_MIN_PROGRAMS
+        ):
+            block_r *= 2
+    # VEC 16-byte columns a thread, every thread of the program along the reduction
+    block_k = min(ROUTER_GEMV_VEC * 32 * ROUTER_GEMV_WARPS, next_pow2(hidden))
+    return {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_K": block_k, "VEC": min(ROUTER_GEMV_VEC, block_k)}
+
+
 def router_logits_triton(
     x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None
 ) -> torch.Tensor:
     """x [T, H], W_r [E, H], w_g [1, H] or None -> logits [T, E (+1)] in x's dtype: the router logits and, as
     column E, the shared-expert gate logit (both as F.linear would round them). Twin: moe.router_logits_ref."""
+    num_experts = router_weight.shape[0]
+    logits = torch.empty(x.shape[0], num_experts + int(gate_weight is not None), dtype=x.dtype, device=x.device)
+    router_logits_into(x, router_weight, gate_weight, logits)
+    return logits
+
+
+def router_logits_into(
+    x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None, logits: torch.Tensor
+) -> None:
+    """router_logits_triton's launches into a given logits [T, E (+1)] (row stride free, last dim contiguous):
+    the GEMV kernel up to ROUTER_GEMV_MAX_TOKENS tokens, the tl.dot kernel above."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     has_gate = gate_weight is not None
-    logits = torch.empty(num_tokens, num_experts + int(has_gate), dtype=x.dtype, device=x.device)
+    assert logits.shape == (num_tokens, num_experts + int(has_gate)) and logits.stride(-1) == 1
+    assert x.stride(-1) == 1 and router_weight.stride(-1) == 1 and (gate_weight is None or gate_weight.stride(-1) == 1)
     if num_tokens == 0:
-        return logits
+        return
     if num_tokens <= ROUTER_GEMV_MAX_TOKENS:
-        grid = (triton.cdiv(num_experts + int(has_gate), ROUTER_GEMV_BLOCK_R), num_tokens)
+        config = router_gemv_config(num_tokens, num_experts + int(has_gate), hidden)
+        grid = (triton.cdiv(num_experts + int(has_gate), config["BLOCK_R"]), triton.cdiv(num_tokens, config["BLOCK_T"]))
         _moe_router_gemv_kernel[grid](
             x,
             router_weight,
             gate_weight if has_gate else router_weight,
             logits,
+            num_tokens,
             x.stride(0),
             router_weight.stride(0),
             logits.stride(0),
             E=num_experts,
             H=hidden,
             HAS_GATE=has_gate,
-            BLOCK_R=ROUTER_GEMV_BLOCK_R,
-            BLOCK_K=min(ROUTER_GEMV_BLOCK_K, next_pow2(hidden)),
-            num_warps=4,
+            **config,
+            num_warps=ROUTER_GEMV_WARPS,
         )
-        return logits
+        return
     grid = (triton.cdiv(num_experts, ROUTER_BLOCK_R), triton.cdiv(num_tokens, ROUTER_BLOCK_T))
     _moe_router_kernel[grid](
         x,
@@ -389,7 +447,6 @@ def router_logits_triton(
         num_warps=4,
         num_stages=3,
     )
-    return logits
 
 
 def decode_gemms(

@@ -7,13 +7,18 @@ about 22 launches per MoE layer (benchmarks/results/profile-decode-35b-a3b-h200-
 - `moe_route_triton` (twin: `moe.moe_route_ref`): one program per token; softmax in fp32, top-k by repeated
   argmax (descending, lowest expert id first on ties), optional renormalisation, weights fp32.
 - `moe_align_triton` (twin: `moe_align.moe_align_ref`, equal output): one program for the whole batch, in
-  TILE-entry steps so its registers do not grow with the batch: per expert counts, block-padded offsets
-  (cumsum), each block's expert (searchsorted as a count), then the scatter in entry order with a running
-  next-slot per expert and the rank within the step (so the order is the stable sort's). An earlier version
-  held [entries, 64] compare tiles in registers: at 257-512 entries (35B-A3B decode at B = 33-64) it spilled
-  3 KiB a thread to local memory (11,000 spill instructions; benchmarks/kernel_resources.py), the decode-step
-  cliff of issue 11. Sized for at most ALIGN_MAX_ENTRIES entries (every decode batch up to 512 tokens at
-  top-8); larger (prefill) batches keep the torch path, where launch counts do not matter.
+  O(log N) parallel steps (KERNEL_NOTES C10). All N entries are loaded at once (a power-of-two block NP);
+  per-expert counts by `tl.histogram`; block-padded run ends by `tl.cumsum`; each block's expert
+  (searchsorted, right) as the cumsum of a histogram of the runs' end blocks; and the stable order from ONE
+  bitonic `tl.sort` of the keys expert·NP + entry: an entry's rank within its expert is its sorted position
+  minus the expert's unpadded start, so its slot is that position plus the expert's (padded − unpadded) start,
+  fetched from the [E] register vector by `tl.gather`. The padding fill is stored first; a barrier orders it
+  before the entries are stored over it. Earlier versions held [entries, 64] compare tiles (spilling 3 KiB a
+  thread at 257-512 entries: the B = 48-64 cliff of issue 11), then walked 32-entry tiles (C1: ~26 serial
+  steps of cross-warp reductions at 256 entries, 28 µs a layer at B = 32 and 144 µs at B = 256). Registers
+  stay ≤ 125 with no spills for N ≤ 8192, E ≤ 512, any BLOCK_M (benchmarks/kernel_resources.py --align);
+  the sort is O(N log² N / threads) work, so beyond ALIGN_MAX_ENTRIES (1024 tokens at top-8) the torch
+  path runs.
 Both are CUDA-graph safe: grids from shapes, no host sync.
 """
 
@@ -25,8 +30,8 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2
 
-# One program walks the entries in steps: its time grows linearly, so prefill-sized batches use torch ops.
-ALIGN_MAX_ENTRIES = 4096
+# One program sorts every entry (O(N log² N) over at most 16 warps): larger, prefill-sized batches use torch ops.
+ALIGN_MAX_ENTRIES = 8192
 
 
 @triton.jit
@@ -92,54 +97,55 @@ def _moe_align_kernel(
     block_expert_ptr,
     num_entries,
     num_blocks,
+    stride_ids,
     E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOG_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    o_e = tl.arange(0, BLOCK_E)
-    o_i = tl.arange(0, TILE)
-    # Pass 1: per expert counts, TILE entries at a time ([BLOCK_E, TILE] compares: registers do not grow with N).
-    b_counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for m0 in range(0, num_entries, TILE):
-        o_m = m0 + o_i
-        b_ids = tl.load(ids_ptr + o_m, mask=o_m < num_entries, other=BLOCK_E).to(tl.int32)  # padding: no expert
-        b_counts += tl.sum((b_ids[None, :] == o_e[:, None]).to(tl.int32), axis=1)
+    # All entries at once (padding past num_entries, and any id outside [0, E), is no expert's).
+    o_n = tl.arange(0, BLOCK_N)
+    m_n = o_n < num_entries
+    b_ids = tl.load(ids_ptr + o_n * stride_ids, mask=m_n, other=-1).to(tl.int32)  # [BLOCK_N]
+    m_n = m_n & (b_ids >= 0) & (b_ids < E)
+    b_ids = tl.where(m_n, b_ids, BLOCK_E)  # padding keys sort after every real one
+    b_counts = tl.histogram(b_ids, BLOCK_E, mask=m_n)  # [BLOCK_E] entries per expert
     b_padded = (b_counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_ends = tl.cumsum(b_padded, axis=0)  # [BLOCK_E] block-padded run ends
     total = tl.sum(b_padded, axis=0)
-    # Every slot starts as padding (num_entries); pass 2 scatters the entries over it.
+    # Padded run start minus unpadded run start: added to an entry's sorted position it gives its slot.
+    b_shift = (b_ends - b_padded) - (tl.cumsum(b_counts, axis=0) - b_counts)  # [BLOCK_E]
+    # Every slot starts as padding (num_entries); the entries are scattered over it after the barrier.
     num_slots = num_blocks * BLOCK_M
-    b_pad = tl.zeros([TILE], dtype=tl.int32) + num_entries
-    for s0 in range(0, num_slots, TILE):
-        tl.store(sorted_ids_ptr + s0 + o_i, b_pad, mask=s0 + o_i < num_slots)
-    # Each block's expert: the number of run ends at or before its first row, -1 past the last run.
-    for b0 in range(0, num_blocks, TILE):
-        o_b = b0 + o_i
-        b_start = o_b * BLOCK_M
-        b_expert = tl.sum((b_ends[None, :] <= b_start[:, None]).to(tl.int32), axis=1)
-        b_expert = tl.where(b_start < total, b_expert, -1)
-        tl.store(block_expert_ptr + o_b, b_expert, mask=o_b < num_blocks)
-    tl.debug_barrier()  # the padding fill is complete before any entry is scattered over it
-    # Pass 2, in entry order: each entry goes to its expert's next free slot (the running count starts at the
-    # run's start), then the rank among earlier entries of the same chunk; so the order is the stable sort's.
-    b_next = b_ends - b_padded  # [BLOCK_E]
-    for m0 in range(0, num_entries, TILE):
-        o_m = m0 + o_i
-        m_m = o_m < num_entries
-        b_ids = tl.load(ids_ptr + o_m, mask=m_m, other=BLOCK_E).to(tl.int32)  # [TILE]
-        is_mine = b_ids[:, None] == o_e[None, :]  # [TILE, BLOCK_E]
-        b_base = tl.sum(tl.where(is_mine, b_next[None, :], 0), axis=1)  # [TILE]
-        is_earlier_same = (b_ids[:, None] == b_ids[None, :]) & (o_i[None, :] < o_i[:, None])  # [TILE, TILE]
-        b_rank = tl.sum(is_earlier_same.to(tl.int32), axis=1)
-        tl.store(sorted_ids_ptr + b_base + b_rank, o_m, mask=m_m)
-        b_next += tl.sum(is_mine.to(tl.int32), axis=0)
+    o_s = tl.arange(0, BLOCK_S)
+    b_pad = tl.zeros([BLOCK_S], dtype=tl.int32) + num_entries
+    for s0 in range(0, num_slots, BLOCK_S):
+        tl.store(sorted_ids_ptr + s0 + o_s, b_pad, mask=s0 + o_s < num_slots)
+    # Each block's expert = the number of runs ending at or before its first row (searchsorted, right), as a
+    # histogram of the runs' end blocks and its cumsum; -1 past the last run.
+    o_e = tl.arange(0, BLOCK_E)
+    b_end_block = b_ends // BLOCK_M
+    b_ended = tl.cumsum(tl.histogram(b_end_block, BLOCK_B, mask=(o_e < E) & (b_end_block < BLOCK_B)), axis=0)
+    o_b = tl.arange(0, BLOCK_B)
+    b_expert = tl.where(o_b * BLOCK_M < total, b_ended, -1)  # [BLOCK_B]
+    tl.store(block_expert_ptr + o_b, b_expert, mask=o_b < num_blocks)
+    # The stable order: one sort of (expert, entry) keys; the rank of an entry within its expert is its sorted
+    # position minus the expert's unpadded start, so its slot is the position plus the expert's shift.
+    b_keys = tl.sort((b_ids << LOG_N) | o_n)  # [BLOCK_N]
+    b_expert_of = b_keys >> LOG_N
+    m_sorted = b_expert_of < E
+    b_slot = o_n + tl.gather(b_shift, tl.where(m_sorted, b_expert_of, 0), 0)
+    tl.debug_barrier()  # the padding fill is complete before any entry is stored over it
+    tl.store(sorted_ids_ptr + b_slot, b_keys & (BLOCK_N - 1), mask=m_sorted)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [num_blocks·BLOCK_M] entry ids, T·k = padding; block_expert [num_blocks]),
     equal to moe_align.moe_align_ref. At most ALIGN_MAX_ENTRIES entries."""
-    flat = topk_ids.reshape(-1)  # [N] int64 (int32 also accepted)
+    flat = topk_ids.reshape(-1)  # [N] int64 (int32 also accepted); a view may keep a stride
     num_entries = flat.numel()
     if num_entries > ALIGN_MAX_ENTRIES:
         raise ValueError(f"moe_align_triton takes at most {ALIGN_MAX_ENTRIES} entries, got {num_entries}")
@@ -149,23 +155,40 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     if num_entries == 0:
         return sorted_ids, block_expert
-    block_e = next_pow2(num_experts)
     _moe_align_kernel[(1,)](
         flat,
         sorted_ids,
         block_expert,
         num_entries,
         num_blocks,
-        E=num_experts,
-        BLOCK_M=block_m,
-        BLOCK_E=block_e,
-        TILE=align_tile(block_e),
-        num_warps=8,
+        flat.stride(0),
+        **align_launch(num_entries, num_experts, block_m),
     )
     return sorted_ids, block_expert
 
 
-def align_tile(block_e: int) -> int:
-    """Entries per step of the align kernel: [BLOCK_E, TILE] compare tiles of at most 8K elements, 56-110
-    registers a thread at 8 warps and no spills for E = 64-512 on sm_90 (benchmarks/kernel_resources.py)."""
-    return max(16, min(64, 8192 // block_e))
+def align_launch(num_entries: int, num_experts: int, block_m: int) -> dict[str, int]:
+    """Constexprs and warps of the align kernel, functions of N's power of two (one compiled variant each).
+
+    The entry and expert blocks hold at least one element per thread: Triton's histogram lowering counts each
+    thread's elements with warp ballots, and a tensor smaller than the program would be replicated across
+    threads and only corrected by a division afterwards; not relying on that costs nothing at these sizes."""
+    block_n = next_pow2(num_entries)
+    num_warps = 4 if block_n <= 512 else (8 if block_n <= 4096 else 16)
+    num_threads = 32 * num_warps
+    block_n = max(block_n, num_threads)
+    block_e = max(next_pow2(num_experts), num_threads)
+    # the largest block count any N of this power of two needs (bins of the block-expert histogram)
+    block_b = max(32, next_pow2(triton.cdiv(block_n, block_m) + min(num_experts, block_n)))
+    if 2 * block_e * block_n >= 2**31:
+        raise ValueError(f"moe_align_triton: {num_experts} experts x {num_entries} entries overflow its int32 keys")
+    return {
+        "E": num_experts,
+        "BLOCK_M": block_m,
+        "BLOCK_E": block_e,
+        "BLOCK_N": block_n,
+        "LOG_N": block_n.bit_length() - 1,
+        "BLOCK_B": block_b,
+        "BLOCK_S": min(4096, block_b * block_m),
+        "num_warps": num_warps,
+    }

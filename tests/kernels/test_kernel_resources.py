@@ -28,11 +28,19 @@ def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
     env["PYTHONPATH"] = str(ROOT)
     command = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--shape", "35b-a3b"]
     command += ["--batches", "8,64", "--only", "moe_align,moe_block"]
+    # the O(log N) align kernel (C10) at the smallest, a decode and the largest entry counts it serves, and the
+    # router's GEMV (C9, C11) and tl.dot launches on both sides of each switch
+    command += ["--align-entries", "8,512,8192", "--align-experts", "256,512", "--router-tokens", "4,5,33,64,65"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     summary = re.search(r"(\d+) launches compiled for sm_90; (\d+) with local-memory spills", done.stdout)
     assert summary, done.stdout[-2000:]
     num_launches, num_spilling = int(summary.group(1)), int(summary.group(2))
-    assert num_launches >= 4, done.stdout
+    assert num_launches >= 4 + 6 + 5, done.stdout
     assert "_moe_align_kernel" in done.stdout and "_moe_decode_gemm1_kernel" in done.stdout, done.stdout
+    for label in ("align N=8192 E=512 M=16", "router T=64", "router T=65"):
+        assert label in done.stdout, done.stdout
+    assert "_moe_router_gemv_kernel" in done.stdout and "_moe_router_kernel" in done.stdout, done.stdout
     assert num_spilling == 0, done.stdout
+    stacks = [int(m.group(1)) for m in re.finditer(r"_moe_align_kernel\s+\d+\s+(\d+)", done.stdout)]
+    assert len(stacks) >= 8 and max(stacks) == 0, done.stdout  # no local-memory frame either
