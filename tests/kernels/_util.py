@@ -36,14 +36,17 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) 
 
 
 @contextlib.contextmanager
-def poisoned_empty() -> Iterator[None]:
-    """Inside the block torch.empty / torch.empty_like return NaN-filled float tensors, so a kernel output
-    element that is never written shows up as NaN (fla's test discipline)."""
+def poisoned_empty(int_poison: int | None = None) -> Iterator[None]:
+    """Inside the block torch.empty / torch.empty_like return NaN-filled float tensors (and, given int_poison,
+    integer tensors filled with it), so a kernel output element that is never written shows up (fla's test
+    discipline)."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def _poison(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
             t.fill_(float("nan"))
+        elif int_poison is not None and t.dtype != torch.bool:
+            t.fill_(int_poison)
         return t
 
     def empty(*args: object, **kwargs: object) -> torch.Tensor:

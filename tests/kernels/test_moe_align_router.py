@@ -11,7 +11,7 @@ router_gemv_config. The GPU tests also capture both launchers into CUDA graphs (
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,35 +31,15 @@ from deltaserve.kernels.moe_decode_triton import (
 )
 from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, align_launch, moe_align_triton
 
-from ._util import DEVICE, DTYPES, assert_close, randn, tolerance
+from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
 
 # Written into every int tensor torch.empty returns inside `poisoned`: no alignment output can hold it.
 POISON = -1_234_567
 
 
-@contextlib.contextmanager
-def poisoned() -> Iterator[None]:
+def poisoned() -> contextlib.AbstractContextManager[None]:
     """torch.empty / torch.empty_like return NaN-filled floats and POISON-filled integer tensors."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def _poison(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool:
-            t.fill_(POISON)
-        return t
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return _poison(real_empty(*args, **kwargs))
-
-    def empty_like(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return _poison(real_empty_like(*args, **kwargs))
-
-    torch.empty, torch.empty_like = empty, empty_like
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = real_empty, real_empty_like
+    return poisoned_empty(POISON)
 
 
 # ------------------------------------------------------------------------------------------------------------
