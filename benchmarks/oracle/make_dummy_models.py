@@ -324,18 +324,24 @@ def check_multimodal(path: str) -> list[str]:
     return failures
 
 
-def main(root: str, names: list[str] | None = None) -> None:
+def write_config(path: str, name: str) -> None:
+    """config.json of the SHAPES entry `name` into path (transformers' own config class writes it)."""
     import transformers
 
-    for name, (class_name, architecture, text) in SHAPES.items():
+    class_name, architecture, text = SHAPES[name]
+    config_class = getattr(transformers, class_name)
+    config = config_class(text_config={**COMMON, **text}, vision_config={"out_hidden_size": text["hidden_size"]})
+    config.architectures = [architecture]
+    config.save_pretrained(path)
+
+
+def main(root: str, names: list[str] | None = None) -> None:
+    for name in SHAPES:
         if names is not None and name not in names:
             continue
         path = os.path.join(root, name)
         os.makedirs(path, exist_ok=True)
-        config_class = getattr(transformers, class_name)
-        config = config_class(text_config={**COMMON, **text}, vision_config={"out_hidden_size": text["hidden_size"]})
-        config.architectures = [architecture]
-        config.save_pretrained(path)
+        write_config(path, name)
         write_tokenizer(path, COMMON["vocab_size"])
         write_processor(path)
         print(name, "written")
