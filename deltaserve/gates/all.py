@@ -163,6 +163,9 @@ def mtp_gates(variants: tuple[str, ...] = TINY_VARIANTS) -> list[GateResult]:
     return results
 
 
+VERDICTS = {0: "PASS", 2: "NOTHING TO CHECK"}  # exit code -> summary word; anything else is a failure
+
+
 def overall_code(results: list[GateResult]) -> int:
     """1 if any gate failed, else 2 if any found nothing to check (or no gate ran at all), else 0."""
     if not results:
@@ -266,10 +269,10 @@ def run(args: argparse.Namespace) -> int:
         results = _run_in_workers(jobs, workers)
     print()
     for result in results:
-        verdict = {0: "PASS", 2: "NOTHING TO CHECK"}.get(result.code, f"FAIL (exit {result.code})")
+        verdict = VERDICTS.get(result.code, f"FAIL (exit {result.code})")
         print(f"{result.name:<20} {verdict:<18} {result.detail}")
     code = overall_code(results)
     num_failed = sum(1 for r in results if r.code not in (0, 2))
-    verdict = {0: "PASS", 2: "NOTHING TO CHECK"}.get(code, "FAIL")
+    verdict = VERDICTS.get(code, "FAIL")
     print(f"check all: {verdict} ({len(results)} gates, {num_failed} failed)")
     return code
