@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The next session's device calls (planned 2026-12-02 after session 6; 1800 device-seconds), one warm nvidia-h200,
 # each issued within 30 s of the last. Calls 1-3 carry the three vLLM bundle pieces (benchmarks/oracle/unpack.sh);
-# call 3 needs SHA256=f1072cf22d5e5197df0192a8c4c7b9d43df6d029ab0fd8ec607f0bf36423d077 and carries .whl too (pieces
-# 1 and 2 with the tree fill a call's 64 MiB).
+# call 3 needs SHA256 of the bundle (session 7 rebuilt it: 200fca33a2d2e97b9f29be95c3d7c36b7b134dc8bb051ebf089525d492cee0af)
+# and carries .whl too (pieces 1 and 2 with the tree fill a call's 64 MiB).
 #   1  carry .vllm_chunk        issue 11: the decode step on both shapes at 13 batch sizes ("before" =
 #                               decode-step-h200-20261202-s6.json; C10 align, C11 router, C12 attention, C13 GDN
 #                               decode), the align/router bench (C10/C11 alone), the mixed-step profile (item 4)
@@ -50,20 +50,20 @@ case $call in
   1)
     timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1
     mark "decode step (model variant, both shapes)"
-    PYTHONPATH=$PWD timeout 200 python3 benchmarks/decode_step.py --models /tmp/ds_models --variants model \
+    PYTHONPATH=$PWD timeout 150 python3 benchmarks/decode_step.py --models /tmp/ds_models --variants model \
       --batches 1,2,4,8,16,24,32,48,64,96,128,192,256 --out "$W/decode-step.json" > "$W/decode-step.log" 2>&1
     echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
     tail -8 "$W/decode-step.log" | tee -a "$OUT/summary.txt"
-    mark "align / router alone (C10, C11)"
-    PYTHONPATH=$PWD timeout 240 python3 benchmarks/align_router_bench.py --out "$W/align-router.json" \
-      > "$W/align-router.log" 2>&1
-    echo "align_router_bench rc $?" | tee -a "$OUT/summary.txt"
-    tail -30 "$W/align-router.log" | tee -a "$OUT/summary.txt"
     mark "mixed-step profile (27B, 35B-A3B)"
-    PYTHONPATH=$PWD timeout 240 python3 benchmarks/mixed_step.py --models /tmp/ds_models --shapes 27b,35b-a3b \
+    PYTHONPATH=$PWD timeout 180 python3 benchmarks/mixed_step.py --models /tmp/ds_models --shapes 27b,35b-a3b \
       --reps 5 --out "$W/mixed-step.json" > "$W/mixed-step.log" 2>&1
     echo "mixed_step rc $?" | tee -a "$OUT/summary.txt"
     grep -E "^  |FAILED" "$W/mixed-step.log" | tee -a "$OUT/summary.txt"
+    mark "align / router alone (C10, C11)"
+    PYTHONPATH=$PWD timeout $((budget - 10 - SECONDS)) python3 benchmarks/align_router_bench.py --out "$W/align-router.json" \
+      > "$W/align-router.log" 2>&1
+    echo "align_router_bench rc $?" | tee -a "$OUT/summary.txt"
+    tail -30 "$W/align-router.log" | tee -a "$OUT/summary.txt"
     ;;
   2)
     mark "pytest -m gpu tests/kernels"
