@@ -421,8 +421,15 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     """Splits per (sequence, KV head) for the decode path, from shapes only: as many as keep the whole grid
     resident in one wave (DECODE_PROGRAMS_PER_SM a SM), at least 1, at most 64 and one per 256 keys of the
     block table's capacity. Each program is latency-bound on its own, so the SMs' full residency is what
-    saturates DRAM at mid batch sizes; past one wave a single split already does, without the combine."""
-    want = DECODE_PROGRAMS_PER_SM * _sm_count(device) // max(batch * num_kv_heads, 1)
+    saturates DRAM at mid batch sizes; past one wave a single split already does, without the combine, unless
+    the second wave is less than half full: then two splits (H200, session 7: 512 programs over 396 slots, a
+    second wave 29 % full, ran at 3.3 TB/s, 164 µs a 27B layer at B = 128, where 768 and 1024 programs, 1.94
+    and 2.59 waves, ran at 4.05-4.1 TB/s; KERNEL_NOTES C12b)."""
+    num_programs = max(batch * num_kv_heads, 1)
+    resident = DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    want = resident // num_programs
+    if resident < num_programs <= resident * 3 // 2:
+        want = 2
     return int(max(1, min(64, want, triton.cdiv(max_context, 256))))
 
 

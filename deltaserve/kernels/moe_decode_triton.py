@@ -598,13 +598,15 @@ def moe_block_triton(
             x, w13, w2, config.gemm1, config.gemm2, top_k=top_k, topk_weights=weights, topk_ids=ids,
             shared_gate_logits=gate, **shared,
         )  # fmt: skip
-    # Grouped path: the router and gate logits in one launch at decode sizes, the shared MLP through cuBLAS and
-    # the fused SiLU-and-mul, the routed experts (with the shared sum in their epilogue) through moe_triton.
+    # Grouped path: the router and gate logits in one GEMV launch up to ROUTER_GEMV_MAX_TOKENS tokens, cuBLAS
+    # above (the H200 measured the tl.dot router kernel at 14-24 µs a call for 65-256 tokens against 9-12 µs for
+    # the two F.linear calls: align-router-h200-20261202-s7.json), the shared MLP through cuBLAS and the fused
+    # SiLU-and-mul, the routed experts (with the shared sum in their epilogue) through moe_triton.
     from deltaserve.kernels.activation_triton import silu_and_mul_triton
     from deltaserve.kernels.moe_routing_triton import moe_route_triton
     from deltaserve.kernels.moe_triton import fused_moe_triton
 
-    if num_tokens <= 256:
+    if num_tokens <= ROUTER_GEMV_MAX_TOKENS:
         logits = router_logits_triton(x, router_weight, shared_gate_weight)
         router, gate = logits[:, :num_experts], (logits[:, num_experts:] if has_shared else None)
     else:

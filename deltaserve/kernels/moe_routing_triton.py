@@ -17,8 +17,8 @@ about 22 launches per MoE layer (benchmarks/results/profile-decode-35b-a3b-h200-
   thread at 257-512 entries: the B = 48-64 cliff of issue 11), then walked 32-entry tiles (C1: ~26 serial
   steps of cross-warp reductions at 256 entries, 28 µs a layer at B = 32 and 144 µs at B = 256). Registers
   stay ≤ 125 with no spills for N ≤ 8192, E ≤ 512, any BLOCK_M (benchmarks/kernel_resources.py --align);
-  the sort is O(N log² N / threads) work, so beyond ALIGN_MAX_ENTRIES (1024 tokens at top-8) the torch
-  path runs.
+  the sort is O(N log² N / threads) work, so the fused MoE calls it up to ALIGN_DISPATCH_MAX_ENTRIES (512
+  tokens at top-8; the H200 measured the torch path faster at 8192 entries) and runs the torch ops beyond.
 Both are CUDA-graph safe: grids from shapes, no host sync.
 """
 
@@ -32,6 +32,11 @@ from deltaserve.kernels._triton import i64, next_pow2
 
 # One program sorts every entry (O(N log² N) over at most 16 warps): larger, prefill-sized batches use torch ops.
 ALIGN_MAX_ENTRIES = 8192
+# Where the fused MoE calls this launch rather than the torch ops: measured on the H200 (session 7,
+# align-router-h200-20261202-s7.json, graph µs a call at E = 256): 2048 entries 23 µs against torch's 83, 4096
+# 68 against 88, 8192 221 against 130 (the sort's N log² N work shows). So the kernel serves up to 4096 entries
+# (512 tokens at top-8); it still takes up to ALIGN_MAX_ENTRIES (the tests and the bench reach that far).
+ALIGN_DISPATCH_MAX_ENTRIES = 4096
 
 
 @triton.jit

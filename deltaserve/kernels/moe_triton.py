@@ -4,7 +4,7 @@ Each call takes its launch configuration from the committed tuning table (moe_co
 power-of-two token bucket, picked on the device by benchmarks/tune_moe.py; never autotuned while serving).
 A bucket whose path is "decode" runs moe_decode_triton's gate/up and down+sum kernels on the given routing
 (two launches, no alignment). The "grouped" path, all sized from shapes (no host sync, CUDA-graph safe):
-1. Align (one Triton launch up to ALIGN_MAX_ENTRIES entries, torch ops beyond, see moe_routing_triton): the
+1. Align (one Triton launch up to ALIGN_DISPATCH_MAX_ENTRIES entries, torch ops beyond, see moe_routing_triton): the
    T·k (token, choice) entries are sorted stably by expert and each expert's run is padded to a multiple of
    BLOCK_M, so every BLOCK_M-row block of `sorted_ids` belongs to one expert (`block_expert`, -1 past the end).
    The block count is bounded by cdiv(T·k, BLOCK_M) + min(E, T·k).
@@ -26,7 +26,7 @@ from deltaserve.kernels import moe_configs
 from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import MoEConfig
-from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
+from deltaserve.kernels.moe_routing_triton import ALIGN_DISPATCH_MAX_ENTRIES, moe_align_triton
 
 # Token chunk per pass: bounds the act / y scratch (35B-A3B at 8192 tokens: y is 256 MiB in bf16).
 CHUNK_TOKENS = 8192
@@ -183,7 +183,7 @@ def _fused_moe_chunk(
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_entries = num_tokens * top_k
     block_m = config.block_m
-    if num_entries <= ALIGN_MAX_ENTRIES:  # one launch instead of about fifteen torch ops
+    if num_entries <= ALIGN_DISPATCH_MAX_ENTRIES:  # one launch instead of about fifteen torch ops
         sorted_ids, block_expert = moe_align_triton(topk_ids, num_experts, block_m)
     else:
         sorted_ids, block_expert = moe_align_ref(topk_ids, num_experts, block_m)
