@@ -10,7 +10,9 @@ Every case runs eagerly, as the engine runs a step that holds a prefill (only al
 median GPU ms over --reps by CUDA events, then one forward under torch.profiler with decode_step.py's labels (kernel
 time per op). For a case with both halves the record holds `parts_ms` (its prefill-only case + its decode-only
 case, both measured here) and `lost_ms` = mixed - parts, and per op the same difference, largest first: what a
-mixed step pays that its parts do not. `tflops` is the step's matmul rate from a FLOP count (2 x active
+mixed step pays that its parts do not. `host_ms` is the host's time to issue the step (close to `ms`: the step
+is host-bound, the GPU waiting on launches) and `host_top` one run's functions by own host time under cProfile.
+`tflops` is the step's matmul rate from a FLOP count (2 x active
 parameters x tokens, plus attention's QK and PV over the causal prefix), against the bf16 GEMM rate measured at
 start (`ceilings`). Exits 2 without CUDA (unless --device cpu: the plumbing check), 1 if a case failed.
 """
@@ -33,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_step as ds  # noqa: E402  (same folder: build_model, bind_cache, labels, profiler, ceilings)
 
 # a comma list, as --cases takes it (a tuple of one string once went through ",".join character by character)
+# functions kept from the host profile of each case (by own time)
+HOST_PROFILE_TOP = 25
 DEFAULT_CASES = "2048@0,0@8,0@32,2048@8,2048@32,2x1024@0,2x1024@32,8x1024@0,8x1024@32,4x1024@0,4x1024@32,1024@0,1024@32"
 
 
@@ -149,6 +153,47 @@ def gpu_ms(run: Any, reps: int, device: torch.device) -> tuple[float, float, flo
     return times[len(times) // 2], pick(0.1), pick(0.9)
 
 
+def host_ms(run: Any, reps: int, device: torch.device) -> float:
+    """Median ms the host spends issuing run() (perf_counter from a synchronised start to run()'s return, before
+    the closing sync). Where it is close to the CUDA-event time the step is host-bound: the GPU waited on
+    launches. A hidden host sync inside run() shows here too (the host then waits on the GPU)."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - started) * 1e3)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def host_profile(run: Any, device: torch.device, top: int = HOST_PROFILE_TOP) -> list[dict[str, Any]]:
+    """One run() under cProfile: the functions with the most own (tottime) host time, to find where an eager
+    step's launch work goes (Triton's launcher, torch ops, our own Python). cProfile slows every call, so read
+    the shares, not the absolute ms."""
+    import cProfile
+    import pstats
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (prim calls, calls, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {"function": f"{Path(file).name}:{line}({name})", "calls": calls, "tottime_ms": round(tottime * 1e3, 3),
+         "cumtime_ms": round(cumtime * 1e3, 3)}
+        for (file, line, name), (_, calls, tottime, cumtime, _) in rows
+    ]  # fmt: skip
+
+
 def measure_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: argparse.Namespace,
                  ceilings: dict[str, float]) -> dict[str, Any]:  # fmt: skip
     from deltaserve.model.context import forward_context
@@ -171,6 +216,8 @@ def measure_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: arg
         row["first_forward_s"] = round(time.perf_counter() - started, 2)
         median, p10, p90 = gpu_ms(run, args.reps, device)
         row.update(ms=round(median, 3), ms_p10=round(p10, 3), ms_p90=round(p90, 3))
+        row["host_ms"] = round(host_ms(run, args.reps, device), 3)
+        row["host_top"] = host_profile(run, device)
         with ds.labelled(model, config):
             by_label, kernels = ds.profile_ops(run, device, ds.moe_label(False))
     row["ops_us"] = {label: round(v["us"], 1) for label, v in sorted(by_label.items(), key=lambda kv: -kv[1]["us"])}
@@ -200,13 +247,14 @@ def compare(rows: dict[str, dict[str, Any]]) -> None:
 
 
 def table(shape: str, rows: dict[str, dict[str, Any]]) -> str:
-    lines = [f"{shape}: case, GPU ms (eager), TFLOP/s (share of bf16 GEMM), parts ms, lost ms, top lost ops (us)"]
+    lines = [f"{shape}: case, GPU ms (eager), host ms, TFLOP/s (share of bf16 GEMM), parts ms, lost ms, top lost ops"]
     for name, row in rows.items():
         if "error" in row:
             lines.append(f"  {name:<14} FAILED {row['error']}")
             continue
         lost = ", ".join(f"{k} {v:+.0f}" for k, v in list(row.get("lost_us_by_op", {}).items())[:5])
-        lines.append(f"  {name:<14} {row['ms']:>9.2f} {row['tflops']:>7.1f} ({row['gemm_share'] or 0:.0%})"
+        lines.append(f"  {name:<14} {row['ms']:>9.2f} {row.get('host_ms', 0):>9.2f} {row['tflops']:>7.1f}"
+                     f" ({row['gemm_share'] or 0:.0%})"
                      f"  {row.get('parts_ms', ''):>9} {row.get('lost_ms', ''):>8}  {lost}")  # fmt: skip
     return "\n".join(lines)
 

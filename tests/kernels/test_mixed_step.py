@@ -122,3 +122,9 @@ def test_cpu_run_records_parts_and_lost(tiny_moe: Path, tmp_path: Path, monkeypa
     assert mixed["lost_us_by_op"] and "gdn.gdn_prefill" in mixed["ops_us"] and "gdn.gdn_decode" in mixed["ops_us"]
     assert "parts_ms" not in rows["24@0"] and "parts_ms" not in rows["0@3"]
     assert rows["24@0"]["flops"] > rows["0@2"]["flops"] > 0
+    # the host side: issue time per case (on the CPU the step runs on the host, so it is the step's own time) and
+    # one run's functions by own time, largest first
+    for row in rows.values():
+        assert row["host_ms"] > 0 and 0 < len(row["host_top"]) <= mixed_step.HOST_PROFILE_TOP
+        own = [entry["tottime_ms"] for entry in row["host_top"]]
+        assert own == sorted(own, reverse=True) and own[0] > 0
