@@ -24,7 +24,12 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
    expert out = round(routed + sigmoid(gate)·round(act_sh·W2_shᵀ)), else routed. No FMA contraction, so each
    product rounds before its add as in the ref. The token's k weight slices are read by its program; a slice
    two tokens share is read twice (from L2 in practice), which is why the tuning table moves larger batches
-   to the grouped path.
+   to the grouped path. With gemm2.CHOICES_PER_PROGRAM = c > 0 (KERNEL_NOTES C16) step 3 is two launches
+   instead: `_moe_decode_gemm2_split_kernel`, one program per (token, group of c choices or the shared
+   expert, column block), writes each y_j (rounded, as above) to a [T, k (+1), H] scratch, so a program's
+   serial chain is c GEMVs instead of k + 1; `_moe_decode_combine_kernel` then sums w·y in fp32 in choice
+   order and adds the gated shared expert exactly as above: the same operations in the same order, so the
+   same bits as the one-program kernel at the same BLOCK_N / BLOCK_K / num_warps.
 
 Parallelism at small batches comes from narrow column blocks (split-N): at T = 1 on the 35B-A3B shape,
 9 experts × 512/16 columns = 288 programs for gate/up and 2048/8 = 256 for down, two per SM on 132 SMs,
@@ -63,6 +68,10 @@ ROUTER_GEMV_WARPS = 4
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
 ROUTE_IN_GEMM1_MAX_TOKENS = 16
+# The C16 combine launch (gemm2 with CHOICES_PER_PROGRAM): output columns per program and warps. It moves
+# T·(k+1)·H·2 + T·H·2 bytes (45 KB at T = 1), so its cost is the launch; 128 columns give 16 programs a token.
+COMBINE_BLOCK_N = 128
+COMBINE_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -360,6 +369,96 @@ def _moe_decode_gemm2_kernel(
     tl.store(out_ptr + i_t * stride_o + o_n, b_acc, mask=m_n)
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_decode_gemm2_split_kernel(
+    act_ptr,
+    w2_ptr,
+    shared_w2_ptr,
+    ids_ptr,
+    y_ptr,
+    num_tokens,
+    stride_w_e,
+    stride_w_n,
+    stride_sw_n,
+    stride_ids,
+    TOP_K: tl.constexpr,
+    I: tl.constexpr,
+    I_SH: tl.constexpr,
+    I_MAX: tl.constexpr,
+    H: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,  # y rows per token: TOP_K, plus the shared expert's when it is computed here
+    CHOICES_PER_PROGRAM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """C16, the down GEMM split over the choices: program (token, group, column block) writes y_j =
+    round(act_j·W2_eᵀ) [BLOCK_N] for the CHOICES_PER_PROGRAM choices of its group into y [T, NUM_SLOTS, H]; the
+    group past the last routed one (launched when NUM_SLOTS > TOP_K) writes round(act_sh·W2_shᵀ) into slot
+    TOP_K. The same GEMV (same blocks, no FMA) as _moe_decode_gemm2_kernel, so y_j is bit-for-bit its b_y."""
+    i_t = i64(tl.program_id(0))
+    i_g = tl.program_id(1)
+    i_n = tl.program_id(2)
+    num_groups: tl.constexpr = (TOP_K + CHOICES_PER_PROGRAM - 1) // CHOICES_PER_PROGRAM
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns (hidden)
+    m_n = o_n < H
+    y_ty = y_ptr.dtype.element_ty
+    p_y = y_ptr + i_t * NUM_SLOTS * H + o_n  # [BLOCK_N] slot 0 of the token
+    if i_g < num_groups:
+        for jj in tl.static_range(CHOICES_PER_PROGRAM):
+            j = i_g * CHOICES_PER_PROGRAM + jj
+            if j < TOP_K:  # the last group of a k that CHOICES_PER_PROGRAM does not divide is partial
+                i_e = i64(tl.load(ids_ptr + i_t * stride_ids + j))
+                p_a = act_ptr + (i_t * TOP_K + j) * I_MAX
+                b_y = _gemv(p_a, w2_ptr + i_e * stride_w_e, o_n, m_n, stride_w_n, I, BLOCK_N, BLOCK_K)
+                tl.store(p_y + j * H, b_y.to(y_ty), mask=m_n)
+    else:
+        p_a = act_ptr + (num_tokens * TOP_K + i_t) * I_MAX
+        b_sh = _gemv(p_a, shared_w2_ptr, o_n, m_n, stride_sw_n, I_SH, BLOCK_N, BLOCK_K)
+        tl.store(p_y + TOP_K * H, b_sh.to(y_ty), mask=m_n)
+
+
+@triton.jit
+def _moe_decode_combine_kernel(
+    y_ptr,
+    weights_ptr,
+    shared_ptr,
+    gate_ptr,
+    out_ptr,
+    stride_wt,
+    stride_sh,
+    stride_g,
+    stride_o,
+    TOP_K: tl.constexpr,
+    H: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    SHARED_MODE: tl.constexpr,  # as _moe_decode_gemm2_kernel's; mode 2 reads the shared output from slot TOP_K
+    BLOCK_N: tl.constexpr,
+):
+    """C16's second launch, _moe_decode_gemm2_kernel's epilogue on the split kernel's y [T, NUM_SLOTS, H]:
+    acc += w_j·y_j in fp32 in choice order (y_j already rounded), routed = round(acc), out = round(routed +
+    sigmoid(gate)·shared) — the same operations in the same order, so the same bits."""
+    i_t = i64(tl.program_id(0))
+    i_n = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < H
+    out_ty = out_ptr.dtype.element_ty
+    p_y = y_ptr + i_t * NUM_SLOTS * H + o_n
+    b_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        b_wt = tl.load(weights_ptr + i_t * stride_wt + j).to(tl.float32)
+        b_y = tl.load(p_y + j * H, mask=m_n, other=0.0).to(tl.float32)
+        b_acc += b_wt * b_y
+    if SHARED_MODE != 0:
+        b_routed = b_acc.to(out_ty).to(tl.float32)
+        if SHARED_MODE == 1:
+            b_shared = tl.load(shared_ptr + i_t * stride_sh + o_n, mask=m_n, other=0.0).to(tl.float32)
+        else:
+            b_shared = tl.load(p_y + TOP_K * H, mask=m_n, other=0.0).to(tl.float32)
+        b_gate = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
+        b_acc = b_routed + b_shared / (1.0 + tl.exp(-b_gate))
+    tl.store(out_ptr + i_t * stride_o + o_n, b_acc, mask=m_n)
+
+
 def _block_t(num_tokens: int) -> int:
     """Token rows of the gate/up tile: the power-of-two bucket, at least 16 (tl.dot's minimum)."""
     return max(16, next_pow2(num_tokens))
@@ -449,6 +548,75 @@ def router_logits_into(
     )
 
 
+def _down_split(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    shared_w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    shared_out: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    out: torch.Tensor,
+    gemm2: GemmConfig,
+    *,
+    top_k: int,
+    inter: int,
+    inter_sh: int,
+    shared_mode: int,
+) -> None:
+    """Step 3 as two launches (C16): the choice-split down GEMVs into y [T, k (+1 shared), H] in out's dtype
+    (each y_j is rounded there in the one-program kernel too), then the combine into out [T, H]."""
+    num_tokens, hidden = out.shape
+    num_slots = top_k + int(shared_mode == 2)
+    num_groups = triton.cdiv(top_k, gemm2.CHOICES_PER_PROGRAM)
+    y = torch.empty(num_tokens, num_slots, hidden, dtype=out.dtype, device=out.device)
+    grid = (num_tokens, num_groups + int(shared_mode == 2), triton.cdiv(hidden, gemm2.BLOCK_N))
+    _moe_decode_gemm2_split_kernel[grid](
+        act,
+        w2,
+        shared_w2,
+        ids,
+        y,
+        num_tokens,
+        w2.stride(0),
+        w2.stride(1),
+        shared_w2.stride(0) if shared_mode == 2 else 0,
+        ids.stride(0),
+        TOP_K=top_k,
+        I=inter,
+        I_SH=inter_sh,
+        I_MAX=act.shape[1],
+        H=hidden,
+        NUM_SLOTS=num_slots,
+        CHOICES_PER_PROGRAM=gemm2.CHOICES_PER_PROGRAM,
+        BLOCK_N=gemm2.BLOCK_N,
+        BLOCK_K=gemm2.BLOCK_K,
+        num_warps=gemm2.num_warps,
+        num_stages=gemm2.num_stages,
+        enable_fp_fusion=False,
+    )
+    block_n = min(COMBINE_BLOCK_N, next_pow2(hidden))
+    has_gate = shared_mode != 0
+    _moe_decode_combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        y,
+        weights,
+        shared_out if shared_mode == 1 else out,
+        gate if has_gate else out,
+        out,
+        weights.stride(0),
+        shared_out.stride(0) if shared_mode == 1 else 0,
+        gate.stride(0) if has_gate else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        H=hidden,
+        NUM_SLOTS=num_slots,
+        SHARED_MODE=shared_mode,
+        BLOCK_N=block_n,
+        num_warps=COMBINE_WARPS,
+        enable_fp_fusion=False,
+    )
+
+
 def decode_gemms(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -527,6 +695,10 @@ def decode_gemms(
         gate = shared_gate_logits
     has_gate = shared_mode != 0
     assert not has_gate or gate is not None, "the shared expert needs its gate logits"
+    if gemm2.CHOICES_PER_PROGRAM:
+        _down_split(act, w2, shared_w2 if shared_mode == 2 else w2, ids, weights, shared_out, gate, out, gemm2,
+                    top_k=top_k, inter=inter, inter_sh=inter_sh, shared_mode=shared_mode)  # fmt: skip
+        return out
     _moe_decode_gemm2_kernel[(num_tokens, triton.cdiv(hidden, gemm2.BLOCK_N))](
         act,
         w2,
