@@ -147,10 +147,12 @@ class Interceptor:
 
 
 def decode_launches(
-    shape: str, batch: int, context: int, moe_path: str = "", page: int = 16
+    shape: str, batch: int, context: int, moe_path: str = "", page: int = 16, moe_gemm2s: tuple[Any, ...] = ()
 ) -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) per decode-path op at one batch size, on CPU tensors of the real shapes (bf16); `page` is
-    the KV-cache block size (the engine's default 16), `context` the block table's capacity in tokens."""
+    the KV-cache block size (the engine's default 16), `context` the block table's capacity in tokens;
+    each GemmConfig of `moe_gemm2s` adds a decode-path moe_block launch with that down config, labelled
+    moe_block[BLOCK_N/BLOCK_K/warps/stages/cCHOICES_PER_PROGRAM]."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels import moe_configs, moe_decode_triton, moe_triton
     from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
@@ -228,6 +230,14 @@ def decode_launches(
                 ),
             ),
         ]
+        for g2 in moe_gemm2s:
+            variant = moe_configs.MoEConfig("decode", config.gemm1, g2)
+            name = f"moe_block[{g2.BLOCK_N}/{g2.BLOCK_K}/{g2.num_warps}/{g2.num_stages}/c{g2.CHOICES_PER_PROGRAM}]"
+            shared = e(2 * m.mlp_inter, h), e(h, m.mlp_inter), e(1, h)
+            block = lambda v=variant, s=shared: moe_decode_triton.moe_block_triton(  # noqa: E731
+                e(b, h), e(ex, h), w13, w2, k, True, *s, v
+            )
+            launches.append((name, block))
     return launches
 
 
@@ -280,6 +290,12 @@ def main() -> int:
     parser.add_argument("--align-experts", default="256", help="comma list of expert counts for the align sweep")
     parser.add_argument("--align-block-m", default="16", help="comma list of BLOCK_M for the align sweep")
     parser.add_argument("--router-tokens", default="", help="comma list of token counts for the router sweep")
+    parser.add_argument(
+        "--moe-gemm2",
+        default="",
+        help="semicolon list of decode down configs BLOCK_N,BLOCK_K,warps,stages[,CHOICES_PER_PROGRAM], each an "
+        "extra moe_block[...] launch per batch (KERNEL_NOTES C16); --only moe_block selects them too",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -296,10 +312,13 @@ def main() -> int:
     only = {o for o in args.only.split(",") if o}
     sweeps = align_launches(_ints(args.align_entries), _ints(args.align_experts), _ints(args.align_block_m))
     sweeps += router_launches(args.shape, _ints(args.router_tokens))
+    from deltaserve.kernels.moe_configs import GemmConfig
+
+    gemm2s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm2.split(";") if spec.strip())
     try:
         for batch in _ints(args.batches):
-            for label, thunk in decode_launches(args.shape, batch, args.context, args.moe_path, args.page):
-                if only and label not in only:
+            for label, thunk in decode_launches(args.shape, batch, args.context, args.moe_path, args.page, gemm2s):
+                if only and label.split("[")[0] not in only:
                     continue
                 interceptor.label = f"B={batch} {label}"
                 thunk()
