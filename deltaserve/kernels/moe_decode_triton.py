@@ -13,7 +13,9 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
 2. Gate/up (`_moe_decode_gemm1_kernel`): one program per (entry, column block), an entry being a (token,
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
-   moe_route_triton); program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
+   moe_route_triton; on max(gemm1.ROUTE_ROWS, next_pow2(T)) token rows, at most the dot tile's, mapped onto
+   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both, KERNEL_NOTES C17);
+   program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
    [tokens, E] tile no longer fits in registers, and moe_route_triton routes in a launch of its own, four
    launches in all). An entry whose expert an earlier entry
    already chose exits; the first one (the "leader") gathers every token that chose the expert as the rows of
@@ -237,6 +239,7 @@ def _moe_decode_gemm1_kernel(
     RENORMALIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_TR: tl.constexpr,
     BLOCK_KK: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -245,24 +248,26 @@ def _moe_decode_gemm1_kernel(
     i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
     i_n = tl.program_id(1)
     num_entries = num_tokens * TOP_K
-    o_t = tl.arange(0, BLOCK_T)
-    m_t = o_t < num_tokens
+    # The routing runs on BLOCK_TR token rows, the dot tile has BLOCK_T ≥ 16 (tl.dot's minimum): at T = 1 a
+    # 16-row routing tile did 16 times the softmax and top-k work the batch needs (C17).
+    o_r = tl.arange(0, BLOCK_TR)  # [BLOCK_TR]
+    m_r = o_r < num_tokens
     o_j = tl.arange(0, BLOCK_KK)
-    m_tj = m_t[:, None] & (o_j < TOP_K)[None, :]  # [BLOCK_T, BLOCK_KK]
+    m_rj = m_r[:, None] & (o_j < TOP_K)[None, :]  # [BLOCK_TR, BLOCK_KK]
     if ROUTE:
-        b_ids, b_w = _route_tile(logits_ptr, stride_l, o_t, m_t, E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_KK)
+        b_ids, b_w = _route_tile(logits_ptr, stride_l, o_r, m_r, E, TOP_K, RENORMALIZE, BLOCK_TR, BLOCK_E, BLOCK_KK)
         if (i_p == 0) & (i_n == 0):
-            p_route = o_t[:, None] * stride_ids + o_j[None, :]
-            tl.store(ids_ptr + p_route, b_ids, mask=m_tj)
-            tl.store(weights_ptr + p_route, b_w, mask=m_tj)
+            p_route = o_r[:, None] * stride_ids + o_j[None, :]
+            tl.store(ids_ptr + p_route, b_ids, mask=m_rj)
+            tl.store(weights_ptr + p_route, b_w, mask=m_rj)
     else:
-        b_ids = tl.load(ids_ptr + o_t[:, None] * stride_ids + o_j[None, :], mask=m_tj, other=-1).to(tl.int32)
+        b_ids = tl.load(ids_ptr + o_r[:, None] * stride_ids + o_j[None, :], mask=m_rj, other=-1).to(tl.int32)
     is_shared = i_p >= num_entries
     i_tok = i_p // TOP_K
     i_choice = i_p % TOP_K
-    i_e = tl.sum(tl.sum(tl.where((o_t[:, None] == i_tok) & (o_j[None, :] == i_choice), b_ids, 0), axis=1), axis=0)
-    b_hit = (b_ids == i_e) & m_tj  # [BLOCK_T, BLOCK_KK]: which tokens chose this entry's expert, at which choice
-    b_flat = o_t[:, None] * TOP_K + o_j[None, :]
+    i_e = tl.sum(tl.sum(tl.where((o_r[:, None] == i_tok) & (o_j[None, :] == i_choice), b_ids, 0), axis=1), axis=0)
+    b_hit = (b_ids == i_e) & m_rj  # [BLOCK_TR, BLOCK_KK]: which tokens chose this entry's expert, at which choice
+    b_flat = o_r[:, None] * TOP_K + o_j[None, :]
     num_earlier = tl.sum(tl.sum((b_hit & (b_flat < i_p)).to(tl.int32), axis=1), axis=0)
     n_limit = tl.where(is_shared, I_SH, I)
     # Only the first entry of each expert (and the shared program) computes; column blocks past its width exit.
@@ -274,9 +279,19 @@ def _moe_decode_gemm1_kernel(
     else:
         p_w_base = w13_ptr + i64(i_e) * stride_w_e
         stride_n = stride_w_n
-    m_row = tl.where(is_shared, m_t, tl.max(b_hit.to(tl.int32), axis=1) > 0)  # [BLOCK_T]
-    b_choice = tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_T]
-    o_row = tl.where(is_shared, num_entries + o_t, o_t * TOP_K + b_choice)  # act row of each token
+    b_used = tl.max(b_hit.to(tl.int32), axis=1)  # [BLOCK_TR] 1 where the token chose the expert
+    o_row_r = o_r * TOP_K + tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_TR] its act row
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < num_tokens
+    if BLOCK_TR == BLOCK_T:
+        m_used = b_used > 0
+        o_row_t = o_row_r
+    else:  # the routing rows onto the dot tile's (rows past BLOCK_TR are past the batch)
+        b_sel = o_t[:, None] == o_r[None, :]  # [BLOCK_T, BLOCK_TR]
+        m_used = tl.max(tl.where(b_sel, b_used[None, :], 0), axis=1) > 0
+        o_row_t = tl.sum(tl.where(b_sel, o_row_r[None, :], 0), axis=1)
+    m_row = tl.where(is_shared, m_t, m_used)  # [BLOCK_T]
+    o_row = tl.where(is_shared, num_entries + o_t, o_row_t)  # act row of each token
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; the up rows are n_limit further
     m_n = o_n < n_limit
     o_k = tl.arange(0, BLOCK_K)
@@ -685,6 +700,7 @@ def decode_gemms(
         RENORMALIZE=renormalize,
         DOT_PRECISION=precision,
         BLOCK_T=_block_t(num_tokens),
+        BLOCK_TR=min(_block_t(num_tokens), max(gemm1.ROUTE_ROWS, next_pow2(num_tokens))),
         BLOCK_KK=next_pow2(top_k),
         BLOCK_E=next_pow2(num_experts),
         **gemm1.launch(),

@@ -128,6 +128,28 @@ def test_moe_block_decode_path_with_the_down_gemm_split_over_the_choices(
     assert torch.equal(out, one), f"split down GEMM differs from the one-program kernel: {(out - one).abs().max()}"
 
 
+def _route_rows(config: MoEConfig, route_rows: int) -> MoEConfig:
+    """config with its gate/up kernel routing on max(route_rows, next_pow2(T)) token rows (C17)."""
+    g1 = config.gemm1
+    gemm1 = GemmConfig(g1.BLOCK_N, g1.BLOCK_K, g1.num_warps, g1.num_stages, ROUTE_ROWS=route_rows)
+    return MoEConfig(config.path, gemm1, config.gemm2, config.block_m)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "route_rows"), [(1, 1), (3, 1), (8, 4), (12, 1)])
+def test_moe_block_decode_path_routing_on_fewer_rows_than_the_dot_tile(
+    num_tokens: int, route_rows: int, dtype: torch.dtype
+) -> None:
+    """C17: the in-kernel routing on a [next_pow2(T), E] tile (1, 4, 8, 16 rows) under the 16-row dot tile;
+    the routing rows are mapped onto the dot rows for the leader's gather. Equals the ref."""
+    x = randn(num_tokens, 64, dtype=dtype)
+    w = _weights(16, 64, 32, 48, dtype)
+    ref = _ref(x, w, 4, True)
+    with poisoned_empty():
+        out = _call(moe_block_triton, x, w, 4, True, config=_route_rows(DECODE, route_rows))
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_block_routes_in_its_own_launch_above_the_register_limit(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -167,7 +189,10 @@ def test_fused_moe_decode_path_on_given_routing(shared: bool, choices_per_progra
     extra = (randn(num_tokens, hidden, dtype=dtype), randn(num_tokens, 1, dtype=dtype, scale=2.0)) if shared else ()
     ref = fused_moe_ref(x, w13, w2, weights, ids, *extra)
     with poisoned_empty():
-        out = fused_moe_triton(x, w13, w2, weights, ids, *extra, config=_split(DECODE, choices_per_program))
+        # the split case also loads the given routing on a 4-row tile (C17's ROUTE_ROWS, the non-routing path)
+        config = _split(DECODE, choices_per_program)
+        config = _route_rows(config, 1) if choices_per_program else config
+        out = fused_moe_triton(x, w13, w2, weights, ids, *extra, config=config)
     assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
 
 
@@ -252,3 +277,18 @@ def test_split_down_gemm_is_bitwise_the_one_program_kernel_at_the_served_shape(n
                                                                        choices_per_program))  # fmt: skip
             diff = (out.float() - one.float()).abs().max().item()
             assert torch.equal(out, one), f"{gemm2}, {choices_per_program} choices a program: max diff {diff}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8])
+def test_routing_on_fewer_rows_matches_the_16_row_tile_at_the_served_shape(num_tokens: int) -> None:
+    """C17 on the H200 in bf16 at the 35B-A3B shape: the routing on next_pow2(T) rows picks the same experts
+    (an expert swap would move the output by whole values); weights may differ by fp32 sum order only."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = randn(num_tokens, 2048, dtype=torch.bfloat16)
+    w = _weights(256, 2048, 512, 512, torch.bfloat16)
+    base = MoEConfig("decode", GemmConfig(32, 256, 4, 3), GemmConfig(32, 256, 8, 1))
+    ref = _call(moe_block_triton, x, w, 8, True, config=base)
+    out = _call(moe_block_triton, x, w, 8, True, config=_route_rows(base, 1))
+    assert_close("out", ref, out, 1e-3)
