@@ -429,7 +429,8 @@ TRITON_LABELS = {
 }
 MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel", "_moe_router_kernel",
                "_moe_router_gemv_kernel",
-               "_moe_decode_gemm1_kernel", "_moe_decode_gemm2_kernel")  # fmt: skip
+               "_moe_decode_gemm1_kernel", "_moe_decode_gemm2_kernel", "_moe_decode_gemm2_split_kernel",
+               "_moe_decode_combine_kernel")  # fmt: skip
 
 
 def moe_label(is_block: bool) -> str:

@@ -147,10 +147,19 @@ class Interceptor:
 
 
 def decode_launches(
-    shape: str, batch: int, context: int, moe_path: str = "", page: int = 16
+    shape: str,
+    batch: int,
+    context: int,
+    moe_path: str = "",
+    page: int = 16,
+    moe_gemm1s: tuple[Any, ...] = (),
+    moe_gemm2s: tuple[Any, ...] = (),
 ) -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) per decode-path op at one batch size, on CPU tensors of the real shapes (bf16); `page` is
-    the KV-cache block size (the engine's default 16), `context` the block table's capacity in tokens."""
+    the KV-cache block size (the engine's default 16), `context` the block table's capacity in tokens;
+    each GemmConfig of `moe_gemm1s` / `moe_gemm2s` adds a decode-path moe_block launch with that gate/up or
+    down config (the other at the default), labelled moe_block[g1 or g2 BLOCK_N/BLOCK_K/warps/stages/
+    cCHOICES_PER_PROGRAM/rROUTE_ROWS]."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels import moe_configs, moe_decode_triton, moe_triton
     from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
@@ -228,6 +237,17 @@ def decode_launches(
                 ),
             ),
         ]
+        variants = [("g1", moe_configs.MoEConfig("decode", g1, config.gemm2)) for g1 in moe_gemm1s]
+        variants += [("g2", moe_configs.MoEConfig("decode", config.gemm1, g2)) for g2 in moe_gemm2s]
+        for which, variant in variants:
+            g = variant.gemm1 if which == "g1" else variant.gemm2
+            spec = f"{g.BLOCK_N}/{g.BLOCK_K}/{g.num_warps}/{g.num_stages}/c{g.CHOICES_PER_PROGRAM}/r{g.ROUTE_ROWS}"
+            name = f"moe_block[{which} {spec}]"
+            shared = e(2 * m.mlp_inter, h), e(h, m.mlp_inter), e(1, h)
+            block = lambda v=variant, s=shared: moe_decode_triton.moe_block_triton(  # noqa: E731
+                e(b, h), e(ex, h), w13, w2, k, True, *s, v
+            )
+            launches.append((name, block))
     return launches
 
 
@@ -280,6 +300,18 @@ def main() -> int:
     parser.add_argument("--align-experts", default="256", help="comma list of expert counts for the align sweep")
     parser.add_argument("--align-block-m", default="16", help="comma list of BLOCK_M for the align sweep")
     parser.add_argument("--router-tokens", default="", help="comma list of token counts for the router sweep")
+    parser.add_argument(
+        "--moe-gemm1",
+        default="",
+        help="semicolon list of decode gate/up configs BLOCK_N,BLOCK_K,warps,stages[,0,ROUTE_ROWS], each an "
+        "extra moe_block[...] launch per batch (KERNEL_NOTES C17)",
+    )
+    parser.add_argument(
+        "--moe-gemm2",
+        default="",
+        help="semicolon list of decode down configs BLOCK_N,BLOCK_K,warps,stages[,CHOICES_PER_PROGRAM], each an "
+        "extra moe_block[...] launch per batch (KERNEL_NOTES C16); --only moe_block selects them too",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -296,10 +328,16 @@ def main() -> int:
     only = {o for o in args.only.split(",") if o}
     sweeps = align_launches(_ints(args.align_entries), _ints(args.align_experts), _ints(args.align_block_m))
     sweeps += router_launches(args.shape, _ints(args.router_tokens))
+    from deltaserve.kernels.moe_configs import GemmConfig
+
+    gemm1s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm1.split(";") if spec.strip())
+    gemm2s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm2.split(";") if spec.strip())
     try:
         for batch in _ints(args.batches):
-            for label, thunk in decode_launches(args.shape, batch, args.context, args.moe_path, args.page):
-                if only and label not in only:
+            for label, thunk in decode_launches(
+                args.shape, batch, args.context, args.moe_path, args.page, gemm1s, gemm2s
+            ):
+                if only and label.split("[")[0] not in only:
                     continue
                 interceptor.label = f"B={batch} {label}"
                 thunk()

@@ -7,7 +7,10 @@ For each bucket T (default 1, 2, 4, ..., 8192 tokens) it times the whole MoE blo
 runs) for candidate configs, on random bf16 weights of the real shape (two weight sets used alternately, 3.2
 GiB, so no call finds its experts in L2) and fresh activations per call:
 - the decode path (T ≤ 64): the gate/up kernel's candidates with the down kernel at its default, then the
-  down kernel's candidates with the best gate/up (the two are separate launches, their times add);
+  down kernel's candidates with the best gate/up (the two are separate launches, their times add); the down
+  candidates with a fifth field split the choices over programs (CHOICES_PER_PROGRAM, KERNEL_NOTES C16) and
+  are timed with their combine launch; gate/up candidates with a sixth field (ROUTE_ROWS) route on fewer
+  token rows than the dot tile's 16 (C17);
 - the grouped path: the same coordinate search for each BLOCK_M near the mean rows per expert;
 then keeps the faster path. Buckets up to 256 tokens are timed as CUDA-graph replays of 8 calls (median of
 --replays), larger ones with events around eager calls. Every candidate kernel is compiled before timing, in
@@ -36,8 +39,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BUCKETS = [2**i for i in range(14)]  # 1 .. 8192
-DECODE_G1 = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (16, 256, 4, 3), (32, 256, 4, 3)]
-DECODE_G2 = [(8, 128, 4, 1), (16, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 1), (8, 256, 2, 1), (32, 256, 8, 1)]
+DECODE_G1 = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (16, 256, 4, 3), (32, 256, 4, 3),
+             # C17: deeper pipelines / smaller BLOCK_K (at B <= 4 a gate/up program is alone on its SM, so its
+             # stages are all the bytes in flight there, and a smaller first stage lands sooner after the routing)
+             (32, 128, 4, 6), (32, 64, 4, 8),
+             # C17: the in-kernel routing on next_pow2(T) rows (6th field ROUTE_ROWS = 1) instead of 16: a third of
+             # the B = 1 prologue's instructions on sm_90 (kernel_resources), which every program runs first
+             (32, 256, 4, 3, 0, 1), (16, 256, 4, 3, 0, 1), (32, 128, 4, 6, 0, 1), (16, 128, 4, 6, 0, 1),
+             (32, 64, 4, 8, 0, 1)]  # fmt: skip
+DECODE_G2 = [(8, 128, 4, 1), (16, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 1), (8, 256, 2, 1), (32, 256, 8, 1),
+             # C16: the down GEMM split over the choices (5th field CHOICES_PER_PROGRAM) plus the combine launch;
+             # chosen so that the B = 1 grid is resident in one wave on 132 SMs (registers from kernel_resources)
+             (16, 128, 4, 1, 1), (32, 128, 4, 1, 1), (8, 128, 2, 1, 1), (16, 128, 4, 1, 2), (32, 256, 8, 1, 2),
+             (16, 128, 4, 1, 4)]  # fmt: skip
 GROUPED = [(32, 128, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 2),
            (256, 64, 8, 3)]  # fmt: skip
 CALLS = 8  # calls per timed graph (fresh activations and alternating weight sets)
@@ -117,6 +131,8 @@ def precompile(problem: Problem, num_tokens: int, configs: list[Any]) -> str:
     gemms = {
         moe_decode_triton._moe_decode_gemm1_kernel,
         moe_decode_triton._moe_decode_gemm2_kernel,
+        moe_decode_triton._moe_decode_gemm2_split_kernel,
+        moe_decode_triton._moe_decode_combine_kernel,
         moe_triton._moe_gemm1_kernel,
         moe_triton._moe_gemm2_kernel,
     }

@@ -6,7 +6,12 @@ device it names) maps each power-of-two token bucket to one configuration:
 - `path`: "decode" (moe_decode_triton: the router, the routed and the shared experts of a layer in three
   launches, no alignment; for small batches) or "grouped" (moe_triton: tokens sorted by expert, grouped GEMMs).
 - `block_m`: rows per expert block of the grouped path.
-- `gemm1` / `gemm2`: BLOCK_N, BLOCK_K, num_warps, num_stages of the two GEMM kernels of that path.
+- `gemm1` / `gemm2`: BLOCK_N, BLOCK_K, num_warps, num_stages of the two GEMM kernels of that path; the decode
+  path's gemm2 also reads CHOICES_PER_PROGRAM (0, the default and what a table without the field means: each
+  program runs all k choices of its token; 1, 2, 4: the choices split over programs and summed by a combine
+  launch, KERNEL_NOTES C16); its gemm1 reads ROUTE_ROWS (16, the default: the in-kernel routing runs on the
+  dot tile's max(16, next_pow2(T)) rows; 1: on next_pow2(T) rows, C17). Written to the JSON only when not at
+  their defaults.
 
 A batch of T tokens takes the bucket next_pow2(T) (the engine's start-up warm-up runs every power of two up to
 its largest step, and the decode graphs capture each of their sizes, so no bucket first compiles while
@@ -35,16 +40,35 @@ DECODE_MAX_TOKENS = 64
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One GEMM launch: output columns and reduction step per program, warps and pipeline stages."""
+    """One GEMM launch: output columns and reduction step per program, warps and pipeline stages; for the
+    decode path's down GEMM, how many of a token's choices one program runs (0: all, in one program); for its
+    gate/up GEMM, the fewest token rows of the in-kernel routing tile (16: the dot tile's)."""
 
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int = 4
     num_stages: int = 3
+    CHOICES_PER_PROGRAM: int = 0
+    ROUTE_ROWS: int = 16
+
+    def __post_init__(self) -> None:
+        if self.CHOICES_PER_PROGRAM < 0:
+            raise ValueError(f"GemmConfig CHOICES_PER_PROGRAM must be >= 0, got {self.CHOICES_PER_PROGRAM}")
+        if self.ROUTE_ROWS < 1 or self.ROUTE_ROWS & (self.ROUTE_ROWS - 1):
+            raise ValueError(f"GemmConfig ROUTE_ROWS must be a power of two, got {self.ROUTE_ROWS}")
 
     def launch(self) -> dict[str, int]:
         return {"BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}  # fmt: skip
+
+    def to_json(self) -> dict[str, int]:
+        """The JSON form; the decode-path variant fields only when not at their defaults, so tables without
+        the variants stay as they were."""
+        data = asdict(self)
+        for name, default in (("CHOICES_PER_PROGRAM", 0), ("ROUTE_ROWS", 16)):
+            if data[name] == default:
+                del data[name]
+        return data
 
 
 @dataclass(frozen=True)
@@ -63,7 +87,8 @@ class MoEConfig:
             raise ValueError(f"MoE config block_m must be 16, 32, 64 or 128, got {self.block_m}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+        return {"path": self.path, "block_m": self.block_m, "gemm1": self.gemm1.to_json(),
+                "gemm2": self.gemm2.to_json()}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MoEConfig:

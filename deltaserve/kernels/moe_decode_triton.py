@@ -13,7 +13,9 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
 2. Gate/up (`_moe_decode_gemm1_kernel`): one program per (entry, column block), an entry being a (token,
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
-   moe_route_triton); program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
+   moe_route_triton; on max(gemm1.ROUTE_ROWS, next_pow2(T)) token rows, at most the dot tile's, mapped onto
+   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both, KERNEL_NOTES C17);
+   program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
    [tokens, E] tile no longer fits in registers, and moe_route_triton routes in a launch of its own, four
    launches in all). An entry whose expert an earlier entry
    already chose exits; the first one (the "leader") gathers every token that chose the expert as the rows of
@@ -24,7 +26,12 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
    expert out = round(routed + sigmoid(gate)·round(act_sh·W2_shᵀ)), else routed. No FMA contraction, so each
    product rounds before its add as in the ref. The token's k weight slices are read by its program; a slice
    two tokens share is read twice (from L2 in practice), which is why the tuning table moves larger batches
-   to the grouped path.
+   to the grouped path. With gemm2.CHOICES_PER_PROGRAM = c > 0 (KERNEL_NOTES C16) step 3 is two launches
+   instead: `_moe_decode_gemm2_split_kernel`, one program per (token, group of c choices or the shared
+   expert, column block), writes each y_j (rounded, as above) to a [T, k (+1), H] scratch, so a program's
+   serial chain is c GEMVs instead of k + 1; `_moe_decode_combine_kernel` then sums w·y in fp32 in choice
+   order and adds the gated shared expert exactly as above: the same operations in the same order, so the
+   same bits as the one-program kernel at the same BLOCK_N / BLOCK_K / num_warps.
 
 Parallelism at small batches comes from narrow column blocks (split-N): at T = 1 on the 35B-A3B shape,
 9 experts × 512/16 columns = 288 programs for gate/up and 2048/8 = 256 for down, two per SM on 132 SMs,
@@ -63,6 +70,10 @@ ROUTER_GEMV_WARPS = 4
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
 ROUTE_IN_GEMM1_MAX_TOKENS = 16
+# The C16 combine launch (gemm2 with CHOICES_PER_PROGRAM): output columns per program and warps. It moves
+# T·(k+1)·H·2 + T·H·2 bytes (45 KB at T = 1), so its cost is the launch; 128 columns give 16 programs a token.
+COMBINE_BLOCK_N = 128
+COMBINE_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -228,6 +239,7 @@ def _moe_decode_gemm1_kernel(
     RENORMALIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_TR: tl.constexpr,
     BLOCK_KK: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -236,24 +248,26 @@ def _moe_decode_gemm1_kernel(
     i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
     i_n = tl.program_id(1)
     num_entries = num_tokens * TOP_K
-    o_t = tl.arange(0, BLOCK_T)
-    m_t = o_t < num_tokens
+    # The routing runs on BLOCK_TR token rows, the dot tile has BLOCK_T ≥ 16 (tl.dot's minimum): at T = 1 a
+    # 16-row routing tile did 16 times the softmax and top-k work the batch needs (C17).
+    o_r = tl.arange(0, BLOCK_TR)  # [BLOCK_TR]
+    m_r = o_r < num_tokens
     o_j = tl.arange(0, BLOCK_KK)
-    m_tj = m_t[:, None] & (o_j < TOP_K)[None, :]  # [BLOCK_T, BLOCK_KK]
+    m_rj = m_r[:, None] & (o_j < TOP_K)[None, :]  # [BLOCK_TR, BLOCK_KK]
     if ROUTE:
-        b_ids, b_w = _route_tile(logits_ptr, stride_l, o_t, m_t, E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_KK)
+        b_ids, b_w = _route_tile(logits_ptr, stride_l, o_r, m_r, E, TOP_K, RENORMALIZE, BLOCK_TR, BLOCK_E, BLOCK_KK)
         if (i_p == 0) & (i_n == 0):
-            p_route = o_t[:, None] * stride_ids + o_j[None, :]
-            tl.store(ids_ptr + p_route, b_ids, mask=m_tj)
-            tl.store(weights_ptr + p_route, b_w, mask=m_tj)
+            p_route = o_r[:, None] * stride_ids + o_j[None, :]
+            tl.store(ids_ptr + p_route, b_ids, mask=m_rj)
+            tl.store(weights_ptr + p_route, b_w, mask=m_rj)
     else:
-        b_ids = tl.load(ids_ptr + o_t[:, None] * stride_ids + o_j[None, :], mask=m_tj, other=-1).to(tl.int32)
+        b_ids = tl.load(ids_ptr + o_r[:, None] * stride_ids + o_j[None, :], mask=m_rj, other=-1).to(tl.int32)
     is_shared = i_p >= num_entries
     i_tok = i_p // TOP_K
     i_choice = i_p % TOP_K
-    i_e = tl.sum(tl.sum(tl.where((o_t[:, None] == i_tok) & (o_j[None, :] == i_choice), b_ids, 0), axis=1), axis=0)
-    b_hit = (b_ids == i_e) & m_tj  # [BLOCK_T, BLOCK_KK]: which tokens chose this entry's expert, at which choice
-    b_flat = o_t[:, None] * TOP_K + o_j[None, :]
+    i_e = tl.sum(tl.sum(tl.where((o_r[:, None] == i_tok) & (o_j[None, :] == i_choice), b_ids, 0), axis=1), axis=0)
+    b_hit = (b_ids == i_e) & m_rj  # [BLOCK_TR, BLOCK_KK]: which tokens chose this entry's expert, at which choice
+    b_flat = o_r[:, None] * TOP_K + o_j[None, :]
     num_earlier = tl.sum(tl.sum((b_hit & (b_flat < i_p)).to(tl.int32), axis=1), axis=0)
     n_limit = tl.where(is_shared, I_SH, I)
     # Only the first entry of each expert (and the shared program) computes; column blocks past its width exit.
@@ -265,9 +279,19 @@ def _moe_decode_gemm1_kernel(
     else:
         p_w_base = w13_ptr + i64(i_e) * stride_w_e
         stride_n = stride_w_n
-    m_row = tl.where(is_shared, m_t, tl.max(b_hit.to(tl.int32), axis=1) > 0)  # [BLOCK_T]
-    b_choice = tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_T]
-    o_row = tl.where(is_shared, num_entries + o_t, o_t * TOP_K + b_choice)  # act row of each token
+    b_used = tl.max(b_hit.to(tl.int32), axis=1)  # [BLOCK_TR] 1 where the token chose the expert
+    o_row_r = o_r * TOP_K + tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_TR] its act row
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < num_tokens
+    if BLOCK_TR == BLOCK_T:
+        m_used = b_used > 0
+        o_row_t = o_row_r
+    else:  # the routing rows onto the dot tile's (rows past BLOCK_TR are past the batch)
+        b_sel = o_t[:, None] == o_r[None, :]  # [BLOCK_T, BLOCK_TR]
+        m_used = tl.max(tl.where(b_sel, b_used[None, :], 0), axis=1) > 0
+        o_row_t = tl.sum(tl.where(b_sel, o_row_r[None, :], 0), axis=1)
+    m_row = tl.where(is_shared, m_t, m_used)  # [BLOCK_T]
+    o_row = tl.where(is_shared, num_entries + o_t, o_row_t)  # act row of each token
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; the up rows are n_limit further
     m_n = o_n < n_limit
     o_k = tl.arange(0, BLOCK_K)
@@ -355,6 +379,96 @@ def _moe_decode_gemm2_kernel(
             p_a = act_ptr + (num_tokens * TOP_K + i_t) * I_MAX
             b_shared = _gemv(p_a, shared_w2_ptr, o_n, m_n, stride_sw_n, I_SH, BLOCK_N, BLOCK_K)
             b_shared = b_shared.to(out_ty).to(tl.float32)
+        b_gate = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
+        b_acc = b_routed + b_shared / (1.0 + tl.exp(-b_gate))
+    tl.store(out_ptr + i_t * stride_o + o_n, b_acc, mask=m_n)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_decode_gemm2_split_kernel(
+    act_ptr,
+    w2_ptr,
+    shared_w2_ptr,
+    ids_ptr,
+    y_ptr,
+    num_tokens,
+    stride_w_e,
+    stride_w_n,
+    stride_sw_n,
+    stride_ids,
+    TOP_K: tl.constexpr,
+    I: tl.constexpr,
+    I_SH: tl.constexpr,
+    I_MAX: tl.constexpr,
+    H: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,  # y rows per token: TOP_K, plus the shared expert's when it is computed here
+    CHOICES_PER_PROGRAM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """C16, the down GEMM split over the choices: program (token, group, column block) writes y_j =
+    round(act_j·W2_eᵀ) [BLOCK_N] for the CHOICES_PER_PROGRAM choices of its group into y [T, NUM_SLOTS, H]; the
+    group past the last routed one (launched when NUM_SLOTS > TOP_K) writes round(act_sh·W2_shᵀ) into slot
+    TOP_K. The same GEMV (same blocks, no FMA) as _moe_decode_gemm2_kernel, so y_j is bit-for-bit its b_y."""
+    i_t = i64(tl.program_id(0))
+    i_g = tl.program_id(1)
+    i_n = tl.program_id(2)
+    num_groups: tl.constexpr = (TOP_K + CHOICES_PER_PROGRAM - 1) // CHOICES_PER_PROGRAM
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns (hidden)
+    m_n = o_n < H
+    y_ty = y_ptr.dtype.element_ty
+    p_y = y_ptr + i_t * NUM_SLOTS * H + o_n  # [BLOCK_N] slot 0 of the token
+    if i_g < num_groups:
+        for jj in tl.static_range(CHOICES_PER_PROGRAM):
+            j = i_g * CHOICES_PER_PROGRAM + jj
+            if j < TOP_K:  # the last group of a k that CHOICES_PER_PROGRAM does not divide is partial
+                i_e = i64(tl.load(ids_ptr + i_t * stride_ids + j))
+                p_a = act_ptr + (i_t * TOP_K + j) * I_MAX
+                b_y = _gemv(p_a, w2_ptr + i_e * stride_w_e, o_n, m_n, stride_w_n, I, BLOCK_N, BLOCK_K)
+                tl.store(p_y + j * H, b_y.to(y_ty), mask=m_n)
+    else:
+        p_a = act_ptr + (num_tokens * TOP_K + i_t) * I_MAX
+        b_sh = _gemv(p_a, shared_w2_ptr, o_n, m_n, stride_sw_n, I_SH, BLOCK_N, BLOCK_K)
+        tl.store(p_y + TOP_K * H, b_sh.to(y_ty), mask=m_n)
+
+
+@triton.jit
+def _moe_decode_combine_kernel(
+    y_ptr,
+    weights_ptr,
+    shared_ptr,
+    gate_ptr,
+    out_ptr,
+    stride_wt,
+    stride_sh,
+    stride_g,
+    stride_o,
+    TOP_K: tl.constexpr,
+    H: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    SHARED_MODE: tl.constexpr,  # as _moe_decode_gemm2_kernel's; mode 2 reads the shared output from slot TOP_K
+    BLOCK_N: tl.constexpr,
+):
+    """C16's second launch, _moe_decode_gemm2_kernel's epilogue on the split kernel's y [T, NUM_SLOTS, H]:
+    acc += w_j·y_j in fp32 in choice order (y_j already rounded), routed = round(acc), out = round(routed +
+    sigmoid(gate)·shared) — the same operations in the same order, so the same bits."""
+    i_t = i64(tl.program_id(0))
+    i_n = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < H
+    out_ty = out_ptr.dtype.element_ty
+    p_y = y_ptr + i_t * NUM_SLOTS * H + o_n
+    b_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        b_wt = tl.load(weights_ptr + i_t * stride_wt + j).to(tl.float32)
+        b_y = tl.load(p_y + j * H, mask=m_n, other=0.0).to(tl.float32)
+        b_acc += b_wt * b_y
+    if SHARED_MODE != 0:
+        b_routed = b_acc.to(out_ty).to(tl.float32)
+        if SHARED_MODE == 1:
+            b_shared = tl.load(shared_ptr + i_t * stride_sh + o_n, mask=m_n, other=0.0).to(tl.float32)
+        else:
+            b_shared = tl.load(p_y + TOP_K * H, mask=m_n, other=0.0).to(tl.float32)
         b_gate = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
         b_acc = b_routed + b_shared / (1.0 + tl.exp(-b_gate))
     tl.store(out_ptr + i_t * stride_o + o_n, b_acc, mask=m_n)
@@ -449,6 +563,75 @@ def router_logits_into(
     )
 
 
+def _down_split(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    shared_w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    shared_out: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    out: torch.Tensor,
+    gemm2: GemmConfig,
+    *,
+    top_k: int,
+    inter: int,
+    inter_sh: int,
+    shared_mode: int,
+) -> None:
+    """Step 3 as two launches (C16): the choice-split down GEMVs into y [T, k (+1 shared), H] in out's dtype
+    (each y_j is rounded there in the one-program kernel too), then the combine into out [T, H]."""
+    num_tokens, hidden = out.shape
+    num_slots = top_k + int(shared_mode == 2)
+    num_groups = triton.cdiv(top_k, gemm2.CHOICES_PER_PROGRAM)
+    y = torch.empty(num_tokens, num_slots, hidden, dtype=out.dtype, device=out.device)
+    grid = (num_tokens, num_groups + int(shared_mode == 2), triton.cdiv(hidden, gemm2.BLOCK_N))
+    _moe_decode_gemm2_split_kernel[grid](
+        act,
+        w2,
+        shared_w2,
+        ids,
+        y,
+        num_tokens,
+        w2.stride(0),
+        w2.stride(1),
+        shared_w2.stride(0) if shared_mode == 2 else 0,
+        ids.stride(0),
+        TOP_K=top_k,
+        I=inter,
+        I_SH=inter_sh,
+        I_MAX=act.shape[1],
+        H=hidden,
+        NUM_SLOTS=num_slots,
+        CHOICES_PER_PROGRAM=gemm2.CHOICES_PER_PROGRAM,
+        BLOCK_N=gemm2.BLOCK_N,
+        BLOCK_K=gemm2.BLOCK_K,
+        num_warps=gemm2.num_warps,
+        num_stages=gemm2.num_stages,
+        enable_fp_fusion=False,
+    )
+    block_n = min(COMBINE_BLOCK_N, next_pow2(hidden))
+    has_gate = shared_mode != 0
+    _moe_decode_combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        y,
+        weights,
+        shared_out if shared_mode == 1 else out,
+        gate if has_gate else out,
+        out,
+        weights.stride(0),
+        shared_out.stride(0) if shared_mode == 1 else 0,
+        gate.stride(0) if has_gate else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        H=hidden,
+        NUM_SLOTS=num_slots,
+        SHARED_MODE=shared_mode,
+        BLOCK_N=block_n,
+        num_warps=COMBINE_WARPS,
+        enable_fp_fusion=False,
+    )
+
+
 def decode_gemms(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -517,6 +700,7 @@ def decode_gemms(
         RENORMALIZE=renormalize,
         DOT_PRECISION=precision,
         BLOCK_T=_block_t(num_tokens),
+        BLOCK_TR=min(_block_t(num_tokens), max(gemm1.ROUTE_ROWS, next_pow2(num_tokens))),
         BLOCK_KK=next_pow2(top_k),
         BLOCK_E=next_pow2(num_experts),
         **gemm1.launch(),
@@ -527,6 +711,10 @@ def decode_gemms(
         gate = shared_gate_logits
     has_gate = shared_mode != 0
     assert not has_gate or gate is not None, "the shared expert needs its gate logits"
+    if gemm2.CHOICES_PER_PROGRAM:
+        _down_split(act, w2, shared_w2 if shared_mode == 2 else w2, ids, weights, shared_out, gate, out, gemm2,
+                    top_k=top_k, inter=inter, inter_sh=inter_sh, shared_mode=shared_mode)  # fmt: skip
+        return out
     _moe_decode_gemm2_kernel[(num_tokens, triton.cdiv(hidden, gemm2.BLOCK_N))](
         act,
         w2,

@@ -31,6 +31,11 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 DECODE = MoEConfig("decode", GemmConfig(32, 128, 4, 4), GemmConfig(16, 128, 4, 1))
 GROUPED = MoEConfig("grouped", GemmConfig(32, 128, 4, 4), GemmConfig(32, 128, 4, 4), block_m=16)
+# KERNEL_NOTES C16 / C17: the down GEMM split over the choices (its scratch and combine launch in the graph) and
+# the routing on next_pow2(T) rows
+DECODE_VARIANTS = MoEConfig(
+    "decode", GemmConfig(32, 128, 4, 4, ROUTE_ROWS=1), GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=2)
+)
 
 
 def _capture_matches_eager(fn: Callable[[], object], states: list[torch.Tensor]) -> None:
@@ -145,7 +150,10 @@ def test_graph_moe_routing_align_and_shared_epilogue(num_tokens: int) -> None:
     assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
 
 
-@pytest.mark.parametrize(("num_tokens", "path"), [(1, "decode"), (8, "decode"), (24, "decode"), (64, "grouped")])
+@pytest.mark.parametrize(
+    ("num_tokens", "path"),
+    [(1, "decode"), (8, "decode"), (24, "decode"), (64, "grouped"), (1, "decode-variants"), (8, "decode-variants")],
+)
 def test_graph_moe_block(num_tokens: int, path: str) -> None:
     """The whole MoE block op (router kernel, routing, routed + shared experts) captured and replayed; 24 tokens
     route in moe_route_triton's own launch. The replay must equal the eager call bit for bit (the numerics
@@ -157,7 +165,7 @@ def test_graph_moe_block(num_tokens: int, path: str) -> None:
     w2 = randn(experts, hidden, inter, dtype=BF16, scale=inter**-0.5)
     s13, s2 = randn(2 * inter_sh, hidden, dtype=BF16), randn(hidden, inter_sh, dtype=BF16)
     gate = randn(1, hidden, dtype=BF16)
-    config = DECODE if path == "decode" else GROUPED
+    config = {"decode": DECODE, "grouped": GROUPED, "decode-variants": DECODE_VARIANTS}[path]
     _capture_matches_eager(lambda: moe_block_triton(x, router, w13, w2, top_k, True, s13, s2, gate, config=config), [])
 
 

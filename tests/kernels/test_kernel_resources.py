@@ -28,6 +28,8 @@ def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
     env["PYTHONPATH"] = str(ROOT)
     command = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--shape", "35b-a3b"]
     command += ["--batches", "8,64", "--only", "moe_align,moe_block"]
+    # the C16 split down kernel and its combine, the C17 routing on next_pow2(T) rows
+    command += ["--moe-gemm2", "16,128,4,1,1;32,256,8,1,2", "--moe-gemm1", "32,256,4,3,0,1"]
     # the O(log N) align kernel (C10) at the smallest, a decode and the largest entry counts it serves, and the
     # router's GEMV (C9, C11) and tl.dot launches on both sides of each switch
     command += ["--align-entries", "8,512,8192", "--align-experts", "256,512", "--router-tokens", "4,5,33,64,65"]
@@ -38,6 +40,7 @@ def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
     num_launches, num_spilling = int(summary.group(1)), int(summary.group(2))
     assert num_launches >= 4 + 6 + 5, done.stdout
     assert "_moe_align_kernel" in done.stdout and "_moe_decode_gemm1_kernel" in done.stdout, done.stdout
+    assert "_moe_decode_gemm2_split_kernel" in done.stdout and "_moe_decode_combine_kernel" in done.stdout
     for label in ("align N=8192 E=512 M=16", "router T=64", "router T=65"):
         assert label in done.stdout, done.stdout
     assert "_moe_router_gemv_kernel" in done.stdout and "_moe_router_kernel" in done.stdout, done.stdout

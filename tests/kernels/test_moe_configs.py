@@ -86,6 +86,20 @@ def test_default_block_m_is_constant_within_a_bucket() -> None:
             assert 16 <= config.block_m <= 64
 
 
+def test_decode_variant_fields_round_trip_and_default_when_absent() -> None:
+    """C16 / C17: CHOICES_PER_PROGRAM and ROUTE_ROWS survive the JSON form, are left out of it at their
+    defaults (so a table without them reads as the kernels before the variants), and bad values are refused."""
+    plain = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1}
+    variant = MoEConfig("decode", GemmConfig(32, 256, 4, 3, ROUTE_ROWS=1), GemmConfig(16, 128, 4, 1, 2))
+    assert MoEConfig.from_json(variant.to_json()) == variant
+    old = MoEConfig.from_json({"path": "decode", "gemm1": plain, "gemm2": plain})
+    assert (old.gemm2.CHOICES_PER_PROGRAM, old.gemm1.ROUTE_ROWS) == (0, 16)
+    assert old.to_json()["gemm2"] == plain and old.to_json()["gemm1"] == plain
+    for bad in ({"CHOICES_PER_PROGRAM": -1}, {"ROUTE_ROWS": 3}, {"ROUTE_ROWS": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            GemmConfig(32, 256, **bad)
+
+
 @pytest.mark.parametrize(
     ("buckets", "message"),
     [

@@ -2,7 +2,8 @@
 
 Under the interpreter at fp32 (bf16 cases on the GPU): the whole block (router GEMV, in-kernel routing,
 leader-gathered gate/up, per-token down + weighted sum + sigmoid-gated shared expert), the variant that
-routes in its own launch, the fused_moe op's decode path on given routing, and the grouped path behind
+routes in its own launch, the down GEMM split over the choices with its combine launch (C16: the ref's values
+and the one-program kernel's bits), the fused_moe op's decode path on given routing, and the grouped path behind
 the block op. Outputs come from NaN-poisoned torch.empty, so an unwritten element fails.
 """
 
@@ -87,6 +88,68 @@ def test_moe_block_decode_path(
     assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
 
 
+def _split(config: MoEConfig, choices_per_program: int) -> MoEConfig:
+    """config with its down GEMM split over the choices (C16), every other launch parameter the same."""
+    g2 = config.gemm2
+    gemm2 = GemmConfig(g2.BLOCK_N, g2.BLOCK_K, g2.num_warps, g2.num_stages, choices_per_program)
+    return MoEConfig(config.path, config.gemm1, gemm2, config.block_m)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "inter_sh", "shared", "choices_per_program"),
+    [
+        (1, 8, 2, 32, True, 1),
+        (3, 16, 4, 48, True, 2),  # a shared expert wider than the routed ones
+        (3, 8, 3, 32, False, 2),  # k = 3 in groups of 2: the last group partial
+        (8, 16, 4, 32, True, 4),  # one group a token
+        (3, 16, 8, 32, True, 4),  # top-8 in two groups of 4 (the served k)
+        (8, 16, 3, 32, False, 1),
+    ],
+)
+def test_moe_block_decode_path_with_the_down_gemm_split_over_the_choices(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    inter_sh: int,
+    shared: bool,
+    choices_per_program: int,
+    dtype: torch.dtype,
+) -> None:
+    """C16: the split down GEMM + combine equals the ref, and bit for bit the one-program down kernel (same
+    GEMV blocks, same rounding points, the same fp32 sums in choice order)."""
+    x = randn(num_tokens, 64, dtype=dtype)
+    w = _weights(num_experts, 64, 32, inter_sh, dtype)
+    ref = _ref(x, w, top_k, shared)
+    with poisoned_empty():
+        one = _call(moe_block_triton, x, w, top_k, shared, config=DECODE)
+        out = _call(moe_block_triton, x, w, top_k, shared, config=_split(DECODE, choices_per_program))
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+    assert torch.equal(out, one), f"split down GEMM differs from the one-program kernel: {(out - one).abs().max()}"
+
+
+def _route_rows(config: MoEConfig, route_rows: int) -> MoEConfig:
+    """config with its gate/up kernel routing on max(route_rows, next_pow2(T)) token rows (C17)."""
+    g1 = config.gemm1
+    gemm1 = GemmConfig(g1.BLOCK_N, g1.BLOCK_K, g1.num_warps, g1.num_stages, ROUTE_ROWS=route_rows)
+    return MoEConfig(config.path, gemm1, config.gemm2, config.block_m)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "route_rows"), [(1, 1), (3, 1), (8, 4), (12, 1)])
+def test_moe_block_decode_path_routing_on_fewer_rows_than_the_dot_tile(
+    num_tokens: int, route_rows: int, dtype: torch.dtype
+) -> None:
+    """C17: the in-kernel routing on a [next_pow2(T), E] tile (1, 4, 8, 16 rows) under the 16-row dot tile;
+    the routing rows are mapped onto the dot rows for the leader's gather. Equals the ref."""
+    x = randn(num_tokens, 64, dtype=dtype)
+    w = _weights(16, 64, 32, 48, dtype)
+    ref = _ref(x, w, 4, True)
+    with poisoned_empty():
+        out = _call(moe_block_triton, x, w, 4, True, config=_route_rows(DECODE, route_rows))
+    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_block_routes_in_its_own_launch_above_the_register_limit(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -114,9 +177,10 @@ def test_moe_block_grouped_path(shared: bool, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shared", [True, False])
-def test_fused_moe_decode_path_on_given_routing(shared: bool, dtype: torch.dtype) -> None:
-    """fused_moe's decode path (the model's call today): given weights and ids, given shared output and gate."""
+@pytest.mark.parametrize(("shared", "choices_per_program"), [(True, 0), (False, 0), (True, 2)])
+def test_fused_moe_decode_path_on_given_routing(shared: bool, choices_per_program: int, dtype: torch.dtype) -> None:
+    """fused_moe's decode path (the model's call today): given weights and ids, given shared output and gate;
+    also with the down GEMM split over the choices (C16; the combine reads the given shared output)."""
     num_tokens, num_experts, top_k, hidden, inter = 4, 8, 3, 64, 32
     x = randn(num_tokens, hidden, dtype=dtype)
     w13 = randn(num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
@@ -125,7 +189,10 @@ def test_fused_moe_decode_path_on_given_routing(shared: bool, dtype: torch.dtype
     extra = (randn(num_tokens, hidden, dtype=dtype), randn(num_tokens, 1, dtype=dtype, scale=2.0)) if shared else ()
     ref = fused_moe_ref(x, w13, w2, weights, ids, *extra)
     with poisoned_empty():
-        out = fused_moe_triton(x, w13, w2, weights, ids, *extra, config=DECODE)
+        # the split case also loads the given routing on a 4-row tile (C17's ROUTE_ROWS, the non-routing path)
+        config = _split(DECODE, choices_per_program)
+        config = _route_rows(config, 1) if choices_per_program else config
+        out = fused_moe_triton(x, w13, w2, weights, ids, *extra, config=config)
     assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
 
 
@@ -189,3 +256,39 @@ def test_decode_path_refuses_a_batch_past_its_tile() -> None:
     w13, w2 = torch.zeros(4, 32, 16, device=DEVICE), torch.zeros(4, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="at most 64 tokens"):
         decode_gemms(x, w13, w2, DECODE.gemm1, DECODE.gemm2, logits=torch.zeros(65, 4, device=DEVICE), top_k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8])
+def test_split_down_gemm_is_bitwise_the_one_program_kernel_at_the_served_shape(num_tokens: int) -> None:
+    """C16 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048, shared I 512): for the
+    committed table's down configs and each choices-per-program the tuner may pick, the block's output equals
+    the one-program down kernel's bit for bit (gate/up and routing are the same launches)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dtype = torch.bfloat16
+    x = randn(num_tokens, 2048, dtype=dtype)
+    w = _weights(256, 2048, 512, 512, dtype)
+    gemm1 = GemmConfig(32, 256, 4, 3)
+    for gemm2 in (GemmConfig(32, 256, 8, 1), GemmConfig(16, 128, 4, 1), GemmConfig(8, 128, 4, 1)):
+        one = _call(moe_block_triton, x, w, 8, True, config=MoEConfig("decode", gemm1, gemm2))
+        for choices_per_program in (1, 2, 4):
+            out = _call(moe_block_triton, x, w, 8, True, config=_split(MoEConfig("decode", gemm1, gemm2),
+                                                                       choices_per_program))  # fmt: skip
+            diff = (out.float() - one.float()).abs().max().item()
+            assert torch.equal(out, one), f"{gemm2}, {choices_per_program} choices a program: max diff {diff}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8])
+def test_routing_on_fewer_rows_matches_the_16_row_tile_at_the_served_shape(num_tokens: int) -> None:
+    """C17 on the H200 in bf16 at the 35B-A3B shape: the routing on next_pow2(T) rows picks the same experts
+    (an expert swap would move the output by whole values); weights may differ by fp32 sum order only."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = randn(num_tokens, 2048, dtype=torch.bfloat16)
+    w = _weights(256, 2048, 512, 512, torch.bfloat16)
+    base = MoEConfig("decode", GemmConfig(32, 256, 4, 3), GemmConfig(32, 256, 8, 1))
+    ref = _call(moe_block_triton, x, w, 8, True, config=base)
+    out = _call(moe_block_triton, x, w, 8, True, config=_route_rows(base, 1))
+    assert_close("out", ref, out, 1e-3)
