@@ -32,6 +32,8 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, search_ste
 CHUNK = 64
 CHUNK_BV = 32
 CHUNK_SCAN_WARPS = 8
+# Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
+CHUNK_PREPARE_WARPS = 4
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
 MAX_GRID_YZ = 65535
 
@@ -261,6 +263,106 @@ def _gdn_prefill_recurrent_kernel(
     tl.store(p_s, b_s, mask=m_s & (i_slot >= 0))
 
 
+# Side of one diagonal block of the blocked (I + A)^-1: a chunk is four BLK x BLK blocks on each side.
+BLK = tl.constexpr(16)
+
+
+@triton.jit
+def _inv_diag4(b_at0, b_at1, b_at2, b_at3):
+    """(I + A_m)^-1 of the four diagonal blocks (given transposed, [BLK, BLK] fp32) by forward substitution, the
+    four in lockstep so their reductions overlap: X_i = e_i − Σ_{j<i} A_ij X_j, rows j < i already final.
+    A transposed: row i of A_m is a column of the tile, reduced along axis 1 into the layout that weighs X's
+    rows (no layout conversion per step)."""
+    o_r = tl.arange(0, BLK)
+    b_x0 = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_x1 = b_x0
+    b_x2 = b_x0
+    b_x3 = b_x0
+    for i in range(1, BLK):
+        is_row = o_r[:, None] == i  # [BLK, 1]
+        is_col = o_r[None, :] == i  # [1, BLK]
+        b_e = tl.where(o_r == i, 1.0, 0.0)  # [BLK]
+        b_a0 = tl.sum(tl.where(is_col, b_at0, 0.0), axis=1)  # [BLK] row i of A_0, over j
+        b_a1 = tl.sum(tl.where(is_col, b_at1, 0.0), axis=1)
+        b_a2 = tl.sum(tl.where(is_col, b_at2, 0.0), axis=1)
+        b_a3 = tl.sum(tl.where(is_col, b_at3, 0.0), axis=1)
+        b_x0 = tl.where(is_row, (b_e - tl.sum(b_a0[:, None] * b_x0, axis=0))[None, :], b_x0)
+        b_x1 = tl.where(is_row, (b_e - tl.sum(b_a1[:, None] * b_x1, axis=0))[None, :], b_x1)
+        b_x2 = tl.where(is_row, (b_e - tl.sum(b_a2[:, None] * b_x2, axis=0))[None, :], b_x2)
+        b_x3 = tl.where(is_row, (b_e - tl.sum(b_a3[:, None] * b_x3, axis=0))[None, :], b_x3)
+    return b_x0, b_x1, b_x2, b_x3
+
+
+@triton.jit
+def _mm(b_x, b_y):
+    """b_x @ b_y on [BLK, BLK] fp32 tiles with exact fp32 products and sums (X stays fp32 until its store)."""
+    return tl.dot(b_x, b_y, input_precision="ieee")
+
+
+@triton.jit
+def _mm_acc(b_x, b_y, b_acc):
+    """b_acc + b_x @ b_y on [BLK, BLK] fp32 tiles, exact fp32 as _mm."""
+    return tl.dot(b_x, b_y, b_acc, input_precision="ieee")
+
+
+@triton.jit
+def _blocked_inverse(p_a, BT: tl.constexpr):
+    """X = (I + A)^-1 for the strictly lower [BT, BT] fp32 A at p_a (row-major, BT = 4·BLK), written over it.
+
+    I + A is block lower triangular with diagonal blocks D_m = I + A_mm: X_mm = D_m^-1 (_inv_diag4), then
+    X_ij = −X_ii Σ_{j≤m<i} A_im X_mj for i > j by fp32 dots, by distance from the diagonal. The blocks above
+    the diagonal stay the zeros A has there. The caller puts a barrier between A's store and this call."""
+    o_r = tl.arange(0, BLK)
+    o_b = o_r[:, None] * BT + o_r[None, :]  # [BLK, BLK] one block
+    o_bt = o_r[None, :] * BT + o_r[:, None]  # [BLK, BLK] one block, transposed
+    b_x00, b_x11, b_x22, b_x33 = _inv_diag4(
+        tl.load(p_a + o_bt),
+        tl.load(p_a + (BLK * BT + BLK) + o_bt),
+        tl.load(p_a + 2 * (BLK * BT + BLK) + o_bt),
+        tl.load(p_a + 3 * (BLK * BT + BLK) + o_bt),
+    )
+    b_a10 = tl.load(p_a + BLK * BT + o_b)
+    b_a20 = tl.load(p_a + 2 * BLK * BT + o_b)
+    b_a21 = tl.load(p_a + 2 * BLK * BT + BLK + o_b)
+    b_a30 = tl.load(p_a + 3 * BLK * BT + o_b)
+    b_a31 = tl.load(p_a + 3 * BLK * BT + BLK + o_b)
+    b_a32 = tl.load(p_a + 3 * BLK * BT + 2 * BLK + o_b)
+    b_x10 = -_mm(b_x11, _mm(b_a10, b_x00))
+    b_x21 = -_mm(b_x22, _mm(b_a21, b_x11))
+    b_x32 = -_mm(b_x33, _mm(b_a32, b_x22))
+    b_x20 = -_mm(b_x22, _mm_acc(b_a21, b_x10, _mm(b_a20, b_x00)))
+    b_x31 = -_mm(b_x33, _mm_acc(b_a32, b_x21, _mm(b_a31, b_x11)))
+    b_x30 = -_mm(b_x33, _mm_acc(b_a32, b_x20, _mm_acc(b_a31, b_x10, _mm(b_a30, b_x00))))
+    # Every thread's reads of A are done before any X block lands on them.
+    tl.debug_barrier()
+    tl.store(p_a + o_b, b_x00)
+    tl.store(p_a + BLK * BT + o_b, b_x10)
+    tl.store(p_a + BLK * BT + BLK + o_b, b_x11)
+    tl.store(p_a + 2 * BLK * BT + o_b, b_x20)
+    tl.store(p_a + 2 * BLK * BT + BLK + o_b, b_x21)
+    tl.store(p_a + 2 * BLK * BT + 2 * BLK + o_b, b_x22)
+    tl.store(p_a + 3 * BLK * BT + o_b, b_x30)
+    tl.store(p_a + 3 * BLK * BT + BLK + o_b, b_x31)
+    tl.store(p_a + 3 * BLK * BT + 2 * BLK + o_b, b_x32)
+    tl.store(p_a + 3 * BLK * BT + 3 * BLK + o_b, b_x33)
+
+
+@triton.jit
+def _chunk_inverse_kernel(x_ptr, BT: tl.constexpr):
+    """One [BT, BT] tile per program: the strictly lower A at x_ptr replaced by (I + A)^-1 (_blocked_inverse)."""
+    _blocked_inverse(x_ptr + i64(tl.program_id(0)) * BT * BT, BT)
+
+
+def chunk_inverse_triton(strict_lower: torch.Tensor) -> torch.Tensor:
+    """strict_lower [N, CHUNK, CHUNK] fp32 (zeros on and above the diagonal) -> (I + A)^-1 [N, CHUNK, CHUNK]: the
+    prepare kernel's blocked inverse on its own, for the tests."""
+    assert strict_lower.shape[1:] == (CHUNK, CHUNK) and strict_lower.dtype == torch.float32
+    out = strict_lower.contiguous().clone()
+    if out.shape[0]:
+        _chunk_inverse_kernel[(out.shape[0],)](out, BT=CHUNK, num_warps=CHUNK_PREPARE_WARPS)
+    return out
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _gdn_chunk_prepare_kernel(
     q_ptr,
@@ -277,6 +379,7 @@ def _gdn_chunk_prepare_kernel(
     xw_ptr,
     xu_ptr,
     aqk_ptr,
+    scratch_ptr,
     num_seqs,
     stride_q_t,
     stride_q_h,
@@ -295,7 +398,8 @@ def _gdn_chunk_prepare_kernel(
 ):
     """Per (chunk, value head), everything that does not depend on the running state: q̂, k̂ (rounded, stored
     once per q/k head), Γ = cumsum(g), X = (I + A)^-1 with A_ij = β_i k̂_i·k̂_j e^(Γi−Γj) (j < i), stored as
-    Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i)."""
+    Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i).
+    X by the blocked inverse (_blocked_inverse) through scratch_ptr [chunks, HV, BT, BT] fp32."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
@@ -335,23 +439,25 @@ def _gdn_chunk_prepare_kernel(
     tl.store(gcum_ptr + i64(o_t) * HV + i_h, b_gcum, mask=m_t)
 
     o_i = tl.arange(0, BT)
-    is_lower = o_i[:, None] > o_i[None, :]
-    b_decay = tl.exp(tl.where(is_lower, b_gcum[:, None] - b_gcum[None, :], 0.0))
-    b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_beta[:, None] * b_decay
-    b_A = tl.where(is_lower, b_A, 0.0)  # [BT, BT] strictly lower
-    # Forward substitution, one row at a time: X_i = e_i − Σ_{j<i} A_ij X_j (rows j < i are final).
-    b_X = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        b_a_i = tl.sum(tl.where(o_i[:, None] == i, b_A, 0.0), axis=0)  # [BT] row i of A, over j
-        b_x_i = tl.where(o_i == i, 1.0, 0.0) - tl.sum(b_a_i[:, None] * b_X, axis=0)  # [BT]
-        b_X = tl.where(o_i[:, None] == i, b_x_i[None, :], b_X)
-    o_x = (i64(i_c) * HV + i_h) * BT * BT + o_i[:, None] * BT + o_i[None, :]
-    tl.store(xw_ptr + o_x, b_X * (b_beta * tl.exp(b_gcum))[None, :])
-    tl.store(xu_ptr + o_x, b_X * b_beta[None, :])
+    o_x = (i64(i_c) * HV + i_h) * BT * BT + o_i[:, None] * BT + o_i[None, :]  # [BT, BT] this chunk's tiles
     # exp(−inf) = 0 masks j > i without overflowing e^(Γi−Γj) there.
     b_decay = tl.exp(tl.where(o_i[:, None] >= o_i[None, :], b_gcum[:, None] - b_gcum[None, :], float("-inf")))
     b_aqk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * b_decay
     tl.store(aqk_ptr + o_x, b_aqk)
+    is_lower = o_i[:, None] > o_i[None, :]
+    b_decay = tl.exp(tl.where(is_lower, b_gcum[:, None] - b_gcum[None, :], 0.0))
+    b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_beta[:, None] * b_decay
+    b_A = tl.where(is_lower, b_A, 0.0)  # [BT, BT] strictly lower
+    # X = (I + A)^-1 blocked on [BLK, BLK] tiles (Triton cannot slice a register tile: A goes through an fp32
+    # scratch tile that this program alone reads and writes, L1/L2-resident; barriers order the round trips).
+    p_scratch = scratch_ptr + o_x
+    tl.store(p_scratch, b_A)
+    tl.debug_barrier()
+    _blocked_inverse(scratch_ptr + (i64(i_c) * HV + i_h) * BT * BT, BT)
+    tl.debug_barrier()
+    b_X = tl.load(p_scratch)  # [BT, BT] fp32
+    tl.store(xw_ptr + o_x, b_X * (b_beta * tl.exp(b_gcum))[None, :])
+    tl.store(xu_ptr + o_x, b_X * b_beta[None, :])
 
 
 @triton.jit
@@ -500,6 +606,8 @@ def _gdn_prefill_chunked(
     xw = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
     xu = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
     aqk = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
+    # A, then X, in fp32 for the prepare kernel's blocked inverse (each program its own tile).
+    a_scratch = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=torch.float32, device=device)
     precision = dot_precision(q.dtype)
     _gdn_chunk_prepare_kernel[(max_chunks, num_v_heads)](
         q,
@@ -516,6 +624,7 @@ def _gdn_prefill_chunked(
         xw,
         xu,
         aqk,
+        a_scratch,
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -531,7 +640,7 @@ def _gdn_prefill_chunked(
         BK=next_pow2(head_k_dim),
         NUM_SEARCH_STEPS=search_steps(num_seqs),
         DOT_PRECISION=precision,
-        num_warps=8,
+        num_warps=CHUNK_PREPARE_WARPS,
     )
     assert head_k_dim <= 128, "the chunked scan holds dk as at most two 64-wide halves"
     block_v = min(CHUNK_BV, next_pow2(head_v_dim))
