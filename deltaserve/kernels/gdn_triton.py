@@ -15,9 +15,11 @@ in-place updates need no synchronisation.
 - `gdn_prefill_triton`: varlen by query_start_loc; the state starts from the slot (zeros when
   has_initial_state is False, or when the slot is < 0) and the final state is written back. As the ref
   (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. Default: the chunked WY form
-  (chunks of 64, two launches: a parallel per-chunk prepare, then a sequential scan over chunks with dot
-  operands in the input dtype, bf16 tensor cores on the GPU); `chunked=False` runs the recurrent kernel
-  (one token per step, all fp32). Both match the chunked fp32 ref to ~1e-6 at fp32. Derivation: README.md.
+  (chunks of 64, four launches: a parallel per-chunk prepare with a blocked (I + A)^-1, a parallel w/u
+  kernel, a sequential scan over chunks that does only the state-dependent dots, and a parallel output
+  kernel; dot operands in the input dtype, bf16 tensor cores on the GPU); `chunked=False` runs the recurrent
+  kernel (one token per step, all fp32). Both match the chunked fp32 ref to ~1e-6 at fp32. Derivation:
+  README.md. `chunk_inverse_triton` runs the prepare's blocked inverse alone (tests).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ CHUNK_BV = 32
 CHUNK_SCAN_WARPS = 8
 # Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
 CHUNK_PREPARE_WARPS = 4
+# The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles.
+CHUNK_WU_WARPS = 4
+CHUNK_OUT_WARPS = 4
+CHUNK_OUT_BV = 64
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
 MAX_GRID_YZ = 65535
 
@@ -404,16 +410,7 @@ def _gdn_chunk_prepare_kernel(
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
         return
-    # The sequence owning global chunk i_c: the last b with chunk_offsets[b] <= i_c.
-    i_lo = 0
-    i_hi = num_seqs
-    for _ in tl.static_range(NUM_SEARCH_STEPS):
-        i_mid = (i_lo + i_hi) // 2
-        is_at_or_before = tl.load(chunk_offsets_ptr + i_mid) <= i_c
-        i_lo = tl.where(is_at_or_before, i_mid, i_lo)
-        i_hi = tl.where(is_at_or_before, i_hi, i_mid)
-    start = tl.load(query_start_loc_ptr + i_lo) + (i_c - tl.load(chunk_offsets_ptr + i_lo)) * BT
-    end = tl.load(query_start_loc_ptr + i_lo + 1)
+    start, end = _chunk_bounds(query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT, NUM_SEARCH_STEPS)
     o_t = start + tl.arange(0, BT)  # [BT]
     m_t = o_t < end
     o_k = tl.arange(0, BK)
@@ -461,26 +458,95 @@ def _gdn_chunk_prepare_kernel(
 
 
 @triton.jit
-def _gdn_chunk_scan_kernel(
-    qn_ptr,
+def _chunk_bounds(
+    query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT: tl.constexpr, NUM_SEARCH_STEPS: tl.constexpr
+):
+    """(start, end): the first token row of global chunk i_c and the end of its sequence. The owning sequence
+    is the last b with chunk_offsets[b] <= i_c (binary search); the caller has checked i_c < the chunk total."""
+    i_lo = 0
+    i_hi = num_seqs
+    for _ in tl.static_range(NUM_SEARCH_STEPS):
+        i_mid = (i_lo + i_hi) // 2
+        is_at_or_before = tl.load(chunk_offsets_ptr + i_mid) <= i_c
+        i_lo = tl.where(is_at_or_before, i_mid, i_lo)
+        i_hi = tl.where(is_at_or_before, i_hi, i_mid)
+    start = tl.load(query_start_loc_ptr + i_lo) + (i_c - tl.load(chunk_offsets_ptr + i_lo)) * BT
+    return start, tl.load(query_start_loc_ptr + i_lo + 1)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _gdn_chunk_wu_kernel(
     kn_ptr,
     v_ptr,
-    gcum_ptr,
     xw_ptr,
     xu_ptr,
-    aqk_ptr,
+    query_start_loc_ptr,
+    chunk_offsets_ptr,
+    w_ptr,
+    u_ptr,
+    num_seqs,
+    stride_v_t,
+    stride_v_h,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    NUM_SEARCH_STEPS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (chunk, value head), the scan inputs that need no state: w = Xw·k̂ rounded to the input dtype
+    [T, HV, dk] and u = Xu·v in fp32 [T, HV, dv] (the rounding points of the old in-scan dots). Rows past the
+    sequence end are not stored (the scan loads them as zeros, as they were)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_bounds(query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT, NUM_SEARCH_STEPS)
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    o_i = tl.arange(0, BT)
+    m_t = (start + o_i) < end
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    o_x = o_i[:, None] * BT + o_i[None, :]  # [BT, BT]
+    p_x = (i64(i_c) * HV + i_h) * (BT * BT)
+    m_tk = m_t[:, None] & (o_k < DK)[None, :]
+    b_k = tl.load(
+        kn_ptr + i64(start) * (HK * DK) + (i_h // GROUP) * DK + o_i[:, None] * (HK * DK) + o_k[None, :],
+        mask=m_tk,
+        other=0.0,
+    )
+    b_w = tl.dot(tl.load(xw_ptr + p_x + o_x), b_k, input_precision=DOT_PRECISION).to(DT)  # [BT, BK]
+    tl.store(w_ptr + i64(start) * (HV * DK) + i_h * DK + o_i[:, None] * (HV * DK) + o_k[None, :], b_w, mask=m_tk)
+    m_tv = m_t[:, None] & (o_v < DV)[None, :]
+    b_v = tl.load(
+        v_ptr + i64(start) * stride_v_t + i_h * stride_v_h + o_i[:, None] * stride_v_t + o_v[None, :],
+        mask=m_tv,
+        other=0.0,
+    )
+    b_u = tl.dot(tl.load(xu_ptr + p_x + o_x), b_v, input_precision=DOT_PRECISION)  # [BT, BV] fp32
+    tl.store(u_ptr + i64(start) * (HV * DV) + i_h * DV + o_i[:, None] * (HV * DV) + o_v[None, :], b_u, mask=m_tv)
+
+
+@triton.jit
+def _gdn_chunk_scan_kernel(
+    kn_ptr,
+    w_ptr,
+    u_ptr,
+    gcum_ptr,
     ssm_states_ptr,
     query_start_loc_ptr,
     state_indices_ptr,
     has_initial_state_ptr,
     chunk_offsets_ptr,
-    out_ptr,
-    stride_v_t,
-    stride_v_h,
+    hs_ptr,
+    vnew_ptr,
     stride_s_slot,
     stride_s_head,
     stride_s_k,
-    scale,
     HK: tl.constexpr,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -491,9 +557,9 @@ def _gdn_chunk_scan_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Per (sequence, value head, BV columns): walks the chunks in order with S [dk, BV] fp32 in registers.
-    Per chunk: w = Xw·k̂, u = Xu·v, v' = u − wS, o = (e^Γ q̂)S + Aqk·v',
-    S ← e^Γlast S + (k̂ e^(Γlast−Γ))ᵀv'. Dot operands in the input dtype, fp32 accumulation.
+    """Per (sequence, value head, BV columns): walks the chunks in order with S [dk, BV] fp32 in registers and
+    does only what needs S: stores S_c = round(S) (the chunk's start state, as the output dots read it),
+    v' = round(u − w·S_c) [T, HV, dv], and S ← e^Γlast S + (k̂ e^(Γlast−Γ))ᵀv'. w, u from _gdn_chunk_wu_kernel.
     dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers."""
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -502,7 +568,7 @@ def _gdn_chunk_scan_kernel(
     end = tl.load(query_start_loc_ptr + i_b + 1)
     if end == start:
         return
-    DT: tl.constexpr = v_ptr.dtype.element_ty
+    DT: tl.constexpr = w_ptr.dtype.element_ty
     TWO_K: tl.constexpr = DK > BKH
     i_slot = i64(tl.load(state_indices_ptr + i_b))
     has_init = (tl.load(has_initial_state_ptr + i_b) != 0) & (i_slot >= 0)
@@ -519,61 +585,111 @@ def _gdn_chunk_scan_kernel(
     i_chunk = tl.load(chunk_offsets_ptr + i_b)
     o_i = tl.arange(0, BT)
     # Per-chunk addresses: int64 scalar bases plus small int32 offset tiles (int64 tiles cost registers).
-    o_n = o_i[:, None] * (HK * DK) + o_k[None, :]  # [BT, BKH] into q̂/k̂ rows
-    o_vt = o_i[:, None] * stride_v_t + o_v[None, :]  # [BT, BV] into v rows
-    o_ot = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into o rows
-    o_xx = o_i[:, None] * BT + o_i[None, :]  # [BT, BT] into one Xw/Xu block
-    p_qn = qn_ptr + i64(start) * (HK * DK) + i_hk * DK
+    o_n = o_i[:, None] * (HK * DK) + o_k[None, :]  # [BT, BKH] into k̂ rows
+    o_w = o_i[:, None] * (HV * DK) + o_k[None, :]  # [BT, BKH] into w rows
+    o_u = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into u / v' rows
+    o_hs = o_k[:, None] * DV + o_v[None, :]  # [BKH, BV] into one S_c
     p_kn = kn_ptr + i64(start) * (HK * DK) + i_hk * DK
-    p_v = v_ptr + i64(start) * stride_v_t + i_h * stride_v_h
-    p_o = out_ptr + i64(start) * (HV * DV) + i_h * DV
+    p_w = w_ptr + i64(start) * (HV * DK) + i_h * DK
+    p_u = u_ptr + i64(start) * (HV * DV) + i_h * DV
+    p_vn = vnew_ptr + i64(start) * (HV * DV) + i_h * DV
     p_g = gcum_ptr + i64(start) * HV + i_h
-    p_xw = xw_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
-    p_xu = xu_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
-    p_aqk = aqk_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
+    p_hs = hs_ptr + (i64(i_chunk) * HV + i_h) * (DK * DV)
     for chunk_start in range(start, end, BT):
         m_t = (chunk_start + o_i) < end  # [BT]
-        b_q = tl.load(p_qn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # q̂ unscaled, input dtype
-        b_k = tl.load(p_kn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # k̂
-        b_v = tl.load(p_v + o_vt, mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_k = tl.load(p_kn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # k̂, input dtype
+        b_w = tl.load(p_w + o_w, mask=m_t[:, None] & m_lo[None, :], other=0.0)
         g_last = tl.load(p_g + (tl.minimum(chunk_start + BT, end) - 1 - chunk_start) * HV)
         # Rows past the end continue Γ flat (g = 0), as the prepare kernel's cumsum does.
         b_gcum = tl.where(m_t, tl.load(p_g + o_i * HV, mask=m_t, other=0.0), g_last)  # [BT]
-        b_xw = tl.load(p_xw + o_xx)  # [BT, BT]
-        b_xu = tl.load(p_xu + o_xx)
-
-        # v' = Xu·v − (Xw·k̂)·S, one dk half at a time.
-        b_vnew = tl.dot(b_xu, b_v, input_precision=DOT_PRECISION)  # [BT, BV] fp32
-        b_w = tl.dot(b_xw, b_k, input_precision=DOT_PRECISION).to(DT)  # [BT, BKH]
-        b_vnew -= tl.dot(b_w, b_s.to(DT), input_precision=DOT_PRECISION)
-        b_o = tl.dot((b_q * tl.exp(b_gcum)[:, None]).to(DT), b_s.to(DT), input_precision=DOT_PRECISION)
+        b_s_dt = b_s.to(DT)
+        tl.store(p_hs + o_hs, b_s_dt, mask=m_lo[:, None] & m_v[None, :])
+        b_vnew = tl.load(p_u + o_u, mask=m_tv, other=0.0)  # [BT, BV] fp32
+        b_vnew -= tl.dot(b_w, b_s_dt, input_precision=DOT_PRECISION)
         if TWO_K:
-            b_q_hi = tl.load(p_qn + BKH + o_n, mask=m_t[:, None] & m_hi[None, :], other=0.0)
             b_k_hi = tl.load(p_kn + BKH + o_n, mask=m_t[:, None] & m_hi[None, :], other=0.0)
-            b_w_hi = tl.dot(b_xw, b_k_hi, input_precision=DOT_PRECISION).to(DT)
-            b_vnew -= tl.dot(b_w_hi, b_s_hi.to(DT), input_precision=DOT_PRECISION)
-            b_q_hi = (b_q_hi * tl.exp(b_gcum)[:, None]).to(DT)
-            b_o = tl.dot(b_q_hi, b_s_hi.to(DT), b_o, input_precision=DOT_PRECISION)
+            b_w_hi = tl.load(p_w + BKH + o_w, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+            b_s_hi_dt = b_s_hi.to(DT)
+            tl.store(p_hs + BKH * DV + o_hs, b_s_hi_dt, mask=m_hi[:, None] & m_v[None, :])
+            b_vnew -= tl.dot(b_w_hi, b_s_hi_dt, input_precision=DOT_PRECISION)
         b_vnew = b_vnew.to(DT)
-        b_o = tl.dot(tl.load(p_aqk + o_xx), b_vnew, b_o, input_precision=DOT_PRECISION) * scale  # [BT, BV]
-        tl.store(p_o + o_ot, b_o, mask=m_t[:, None] & m_v[None, :])
+        tl.store(p_vn + o_u, b_vnew, mask=m_tv)
         b_kdecay = tl.exp(g_last - b_gcum)[:, None]  # [BT, 1]
         b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans((b_k * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION)
         if TWO_K:
             b_s_hi = b_s_hi * tl.exp(g_last) + tl.dot(
                 tl.trans((b_k_hi * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION
             )
-        p_qn += BT * HK * DK
         p_kn += BT * HK * DK
-        p_v += BT * stride_v_t
-        p_o += BT * HV * DV
+        p_w += BT * HV * DK
+        p_u += BT * HV * DV
+        p_vn += BT * HV * DV
         p_g += BT * HV
-        p_xw += HV * BT * BT
-        p_xu += HV * BT * BT
-        p_aqk += HV * BT * BT
+        p_hs += HV * DK * DV
     tl.store(p_s, b_s, mask=m_lo[:, None] & m_v[None, :] & (i_slot >= 0))
     if TWO_K:
         tl.store(p_s_hi, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & (i_slot >= 0))
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _gdn_chunk_out_kernel(
+    qn_ptr,
+    gcum_ptr,
+    aqk_ptr,
+    hs_ptr,
+    vnew_ptr,
+    query_start_loc_ptr,
+    chunk_offsets_ptr,
+    out_ptr,
+    num_seqs,
+    scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BKH: tl.constexpr,
+    BV: tl.constexpr,
+    NUM_SEARCH_STEPS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (chunk, value head, BV columns), in parallel: o = ((e^Γ q̂)·S_c + Aqk·v')·scale, the old scan's dot
+    order (the dk halves first, Aqk·v' accumulated last), S_c and v' from _gdn_chunk_scan_kernel."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_bounds(query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT, NUM_SEARCH_STEPS)
+    DT: tl.constexpr = vnew_ptr.dtype.element_ty
+    TWO_K: tl.constexpr = DK > BKH
+    o_i = tl.arange(0, BT)
+    m_t = (start + o_i) < end
+    o_k = tl.arange(0, BKH)
+    m_lo = o_k < DK
+    m_hi = (o_k + BKH) < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    p_qn = qn_ptr + i64(start) * (HK * DK) + (i_h // GROUP) * DK + o_i[:, None] * (HK * DK) + o_k[None, :]
+    p_g = gcum_ptr + i64(start) * HV + i_h
+    p_hs = hs_ptr + (i64(i_c) * HV + i_h) * (DK * DV) + o_k[:, None] * DV + o_v[None, :]
+    g_last = tl.load(p_g + (tl.minimum(start + BT, end) - 1 - start) * HV)
+    b_gcum = tl.where(m_t, tl.load(p_g + o_i * HV, mask=m_t, other=0.0), g_last)  # [BT]
+    b_q = tl.load(p_qn, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # q̂ unscaled, input dtype
+    b_s = tl.load(p_hs, mask=m_lo[:, None] & m_v[None, :], other=0.0)  # [BKH, BV] S_c, input dtype
+    b_o = tl.dot((b_q * tl.exp(b_gcum)[:, None]).to(DT), b_s, input_precision=DOT_PRECISION)  # [BT, BV]
+    if TWO_K:
+        b_q_hi = tl.load(p_qn + BKH, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+        b_s_hi = tl.load(p_hs + BKH * DV, mask=m_hi[:, None] & m_v[None, :], other=0.0)
+        b_o = tl.dot((b_q_hi * tl.exp(b_gcum)[:, None]).to(DT), b_s_hi, b_o, input_precision=DOT_PRECISION)
+    o_tv = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into v' / o rows
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_vnew = tl.load(vnew_ptr + i64(start) * (HV * DV) + i_h * DV + o_tv, mask=m_tv, other=0.0)
+    b_aqk = tl.load(aqk_ptr + (i64(i_c) * HV + i_h) * (BT * BT) + o_i[:, None] * BT + o_i[None, :])
+    b_o = tl.dot(b_aqk, b_vnew, b_o, input_precision=DOT_PRECISION) * scale
+    tl.store(out_ptr + i64(start) * (HV * DV) + i_h * DV + o_tv, b_o, mask=m_tv)
 
 
 def _gdn_prefill_chunked(
@@ -643,26 +759,76 @@ def _gdn_prefill_chunked(
         num_warps=CHUNK_PREPARE_WARPS,
     )
     assert head_k_dim <= 128, "the chunked scan holds dk as at most two 64-wide halves"
-    block_v = min(CHUNK_BV, next_pow2(head_v_dim))
-    _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
-        qn,
+    # The state-free halves of the old scan, in parallel over chunks: w (input dtype), u (fp32).
+    w = torch.empty(num_tokens, num_v_heads, head_k_dim, dtype=v.dtype, device=device)
+    u = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
+    _gdn_chunk_wu_kernel[(max_chunks, num_v_heads)](
         kn,
         v,
-        gcum,
         xw,
         xu,
-        aqk,
+        query_start_loc,
+        chunk_offsets,
+        w,
+        u,
+        num_seqs,
+        v.stride(0),
+        v.stride(1),
+        HK=num_k_heads,
+        HV=num_v_heads,
+        GROUP=group,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BT=CHUNK,
+        BK=next_pow2(head_k_dim),
+        BV=next_pow2(head_v_dim),
+        NUM_SEARCH_STEPS=search_steps(num_seqs),
+        DOT_PRECISION=precision,
+        num_warps=CHUNK_WU_WARPS,
+    )
+    # Each chunk's start state (input dtype, as the output dots read it) and v' (input dtype).
+    hs = torch.empty(max_chunks, num_v_heads, head_k_dim, head_v_dim, dtype=v.dtype, device=device)
+    vnew = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
+    block_v = min(CHUNK_BV, next_pow2(head_v_dim))
+    block_kh = min(64, next_pow2(head_k_dim))
+    _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+        kn,
+        w,
+        u,
+        gcum,
         ssm_states,
         query_start_loc,
         state_indices,
         has_initial_state,
         chunk_offsets,
-        out,
-        v.stride(0),
-        v.stride(1),
+        hs,
+        vnew,
         ssm_states.stride(0),
         ssm_states.stride(1),
         ssm_states.stride(2),
+        HK=num_k_heads,
+        HV=num_v_heads,
+        GROUP=group,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BT=CHUNK,
+        BKH=block_kh,
+        BV=block_v,
+        DOT_PRECISION=precision,
+        num_warps=CHUNK_SCAN_WARPS,
+        num_stages=2,
+    )
+    block_v_out = min(CHUNK_OUT_BV, next_pow2(head_v_dim))
+    _gdn_chunk_out_kernel[(max_chunks, num_v_heads, triton.cdiv(head_v_dim, block_v_out))](
+        qn,
+        gcum,
+        aqk,
+        hs,
+        vnew,
+        query_start_loc,
+        chunk_offsets,
+        out,
+        num_seqs,
         head_k_dim**-0.5,
         HK=num_k_heads,
         HV=num_v_heads,
@@ -670,11 +836,11 @@ def _gdn_prefill_chunked(
         DK=head_k_dim,
         DV=head_v_dim,
         BT=CHUNK,
-        BKH=min(64, next_pow2(head_k_dim)),
-        BV=block_v,
+        BKH=block_kh,
+        BV=block_v_out,
+        NUM_SEARCH_STEPS=search_steps(num_seqs),
         DOT_PRECISION=precision,
-        num_warps=CHUNK_SCAN_WARPS,
-        num_stages=2,
+        num_warps=CHUNK_OUT_WARPS,
     )
 
 
