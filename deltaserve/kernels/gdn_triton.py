@@ -33,7 +33,9 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, search_ste
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
 CHUNK_BV = 32
-CHUNK_SCAN_WARPS = 8
+# Scan: 4 warps at 216 registers fit 2 programs an SM (8 warps: 137 registers, 1 program; the MMAs are M = 64,
+# one warpgroup's tile, so the second warpgroup adds little); KERNEL_NOTES C15.
+CHUNK_SCAN_WARPS = 4
 # Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
 CHUNK_PREPARE_WARPS = 4
 # The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles.
