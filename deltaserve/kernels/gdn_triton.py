@@ -371,6 +371,23 @@ def chunk_inverse_triton(strict_lower: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _chunk_bounds(
+    query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT: tl.constexpr, NUM_SEARCH_STEPS: tl.constexpr
+):
+    """(start, end): the first token row of global chunk i_c and the end of its sequence. The owning sequence
+    is the last b with chunk_offsets[b] <= i_c (binary search); the caller has checked i_c < the chunk total."""
+    i_lo = 0
+    i_hi = num_seqs
+    for _ in tl.static_range(NUM_SEARCH_STEPS):
+        i_mid = (i_lo + i_hi) // 2
+        is_at_or_before = tl.load(chunk_offsets_ptr + i_mid) <= i_c
+        i_lo = tl.where(is_at_or_before, i_mid, i_lo)
+        i_hi = tl.where(is_at_or_before, i_hi, i_mid)
+    start = tl.load(query_start_loc_ptr + i_lo) + (i_c - tl.load(chunk_offsets_ptr + i_lo)) * BT
+    return start, tl.load(query_start_loc_ptr + i_lo + 1)
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _gdn_chunk_prepare_kernel(
     q_ptr,
@@ -457,23 +474,6 @@ def _gdn_chunk_prepare_kernel(
     b_X = tl.load(p_scratch)  # [BT, BT] fp32
     tl.store(xw_ptr + o_x, b_X * (b_beta * tl.exp(b_gcum))[None, :])
     tl.store(xu_ptr + o_x, b_X * b_beta[None, :])
-
-
-@triton.jit
-def _chunk_bounds(
-    query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT: tl.constexpr, NUM_SEARCH_STEPS: tl.constexpr
-):
-    """(start, end): the first token row of global chunk i_c and the end of its sequence. The owning sequence
-    is the last b with chunk_offsets[b] <= i_c (binary search); the caller has checked i_c < the chunk total."""
-    i_lo = 0
-    i_hi = num_seqs
-    for _ in tl.static_range(NUM_SEARCH_STEPS):
-        i_mid = (i_lo + i_hi) // 2
-        is_at_or_before = tl.load(chunk_offsets_ptr + i_mid) <= i_c
-        i_lo = tl.where(is_at_or_before, i_mid, i_lo)
-        i_hi = tl.where(is_at_or_before, i_hi, i_mid)
-    start = tl.load(query_start_loc_ptr + i_lo) + (i_c - tl.load(chunk_offsets_ptr + i_lo)) * BT
-    return start, tl.load(query_start_loc_ptr + i_lo + 1)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])

@@ -84,12 +84,14 @@ def test_gdn_prefill_chunk_edges() -> None:
 
 def test_chunk_inverse() -> None:
     """The blocked (I + A)^-1 equals the triangular solve on A of the prefill's form and scale: k̂ sharing a
-    common direction (k̂_i·k̂_j ≈ 0.6, so X grows well past 1), β near 1, slow decay; plus a chunk whose
-    second half is padding (k̂ = 0, β = 0), as at a sequence's end."""
+    common direction (k̂_i·k̂_j ≈ 0.6, so A is dense and X far from I off the diagonal blocks), β ≈ 0.85, slow
+    decay; the third chunk's second half is padding (k̂ = 0, β = 0), as at a sequence's end."""
     num_tiles, dk = 3, 64
     common = randn(1, dk)
     k_hat = _l2norm(randn(num_tiles, CHUNK, dk, scale=0.8) + common)  # [N, C, dk]
-    g, beta = _gates(randn(num_tiles, CHUNK), randn(num_tiles, CHUNK) + 2.0, torch.zeros(1), randn(1) - 3.0)
+    g, beta = _gates(
+        randn(num_tiles, CHUNK), randn(num_tiles, CHUNK) + 2.0, torch.zeros(1, device=DEVICE), randn(1) - 3.0
+    )
     k_hat[2, CHUNK // 2 :] = 0.0
     beta[2, CHUNK // 2 :] = 0.0
     cum_g = g.cumsum(-1)  # [N, C]
