@@ -14,7 +14,8 @@ A kernel with LOCAL traffic (LDL/STL) in its decode configuration is the first s
 one-program MoE alignment spilled 3 KiB a thread at 257-512 entries, the 35B-A3B decode cliff at B = 48-64.
 `--align-entries` / `--align-experts` / `--align-block-m` sweep the alignment kernel alone over entry counts,
 expert counts and BLOCK_M; `--router-tokens` the router logits launch (GEMV up to 64 tokens, tl.dot above) on
-the shape's router. Besides registers and spills each row gives the SASS instruction count (`sass`) and the
+the shape's router; `--prefill 1x2048,8x1024` the GDN chunked prefill launches (N prompts of L tokens).
+Besides registers and spills each row gives the SASS instruction count (`sass`) and the
 barriers (BAR) and shuffles (SHFL) in it: for kernels without loops (the align kernel's sort is unrolled) the
 count is what every thread executes, so `sass` × warps per scheduler (warps / 4) bounds the issue cycles of a
 one-program launch from below. Must run WITHOUT TRITON_INTERPRET (the interpreter replaces the JIT); exits 2
@@ -284,6 +285,43 @@ def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[
     ]
 
 
+def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per GDN chunked prefill (KERNEL_NOTES C14, C15) for cases "NxL" (N prompts of L tokens)."""
+    from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.gdn_triton import gdn_prefill_triton
+
+    m = MODELS[shape]
+    hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    bf16 = torch.bfloat16
+    launches: list[tuple[str, Callable[[], object]]] = []
+    for case in cases:
+        num_seqs, length = (int(x) for x in case.split("x"))
+        t = num_seqs * length
+        mixed = torch.empty(t, m.conv_dim, dtype=bf16)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32) * length
+        slots = torch.arange(num_seqs, dtype=torch.int32)
+
+        def thunk(
+            t: int = t, mixed: torch.Tensor = mixed, qsl: torch.Tensor = qsl, slots: torch.Tensor = slots
+        ) -> object:
+            return gdn_prefill_triton(
+                mixed[:, : hk * dk].view(t, hk, dk),
+                mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk),
+                mixed[:, 2 * hk * dk :].view(t, hv, dv),
+                torch.zeros(t, hv, dtype=bf16),
+                torch.zeros(t, hv, dtype=bf16),
+                torch.zeros(hv),
+                torch.zeros(hv, dtype=bf16),
+                torch.zeros(len(slots), hv, dk, dv),
+                qsl,
+                slots,
+                torch.ones(len(slots), dtype=torch.bool),
+            )
+
+        launches.append((f"gdn_prefill {case}", thunk))
+    return launches
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -312,6 +350,7 @@ def main() -> int:
         help="semicolon list of decode down configs BLOCK_N,BLOCK_K,warps,stages[,CHOICES_PER_PROGRAM], each an "
         "extra moe_block[...] launch per batch (KERNEL_NOTES C16); --only moe_block selects them too",
     )
+    parser.add_argument("--prefill", default="", help='comma list of GDN prefill cases "NxL" (N prompts of L tokens)')
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -332,6 +371,7 @@ def main() -> int:
 
     gemm1s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm1.split(";") if spec.strip())
     gemm2s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm2.split(";") if spec.strip())
+    sweeps += prefill_launches(args.shape, [c for c in args.prefill.split(",") if c])
     try:
         for batch in _ints(args.batches):
             for label, thunk in decode_launches(

@@ -6,7 +6,9 @@ g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-
 
 - `gdn_prefill`: varlen sequences by query_start_loc, the chunked (WY) form with chunks of 64; reads each
   sequence's initial state from its slot (zeros when has_initial_state is False) and writes the final state
-  back. As vLLM's prefill, the L2-normed q/k are rounded to the input dtype before the core.
+  back (a slot < 0 starts from zeros and is not written). As vLLM's prefill, the L2-normed q/k are rounded to
+  the input dtype before the core. `chunk_inverse_ref`: (I + A)^-1 of strictly lower chunk tiles, the twin of
+  the chunked prefill's blocked inverse.
 - `gdn_decode`: one token per sequence, the recurrent form in place on the slots, all fp32 (q/k not
   rounded), as vLLM's packed decode kernel. Slots < 0 (CUDA-graph padding) are skipped.
 """
@@ -73,6 +75,13 @@ def _chunked_delta_rule(
     return out, state
 
 
+def chunk_inverse_ref(strict_lower: torch.Tensor) -> torch.Tensor:
+    """strict_lower [N, C, C] fp32, strictly lower -> (I + A)^-1 [N, C, C] by triangular solve (fp32)."""
+    eye = torch.eye(strict_lower.shape[-1], dtype=strict_lower.dtype, device=strict_lower.device)
+    system = eye + strict_lower
+    return torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
+
+
 def gdn_prefill_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,7 +108,8 @@ def gdn_prefill_ref(
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        if bool(has_initial_state[i]):
+        # slot < 0 (CUDA-graph padding): start from zeros and write nothing back.
+        if bool(has_initial_state[i]) and slot >= 0:
             state = ssm_states[slot].float()
         else:
             state = torch.zeros(ssm_states.shape[1:], dtype=torch.float32, device=v.device)
@@ -107,7 +117,8 @@ def gdn_prefill_ref(
             q_hat[start:end], k_hat[start:end], v[start:end].float(), g[start:end], beta[start:end], state
         )
         out[start:end] = o.to(v.dtype)
-        ssm_states[slot] = state.to(ssm_states.dtype)
+        if slot >= 0:
+            ssm_states[slot] = state.to(ssm_states.dtype)
     return out
 
 

@@ -15,9 +15,11 @@ in-place updates need no synchronisation.
 - `gdn_prefill_triton`: varlen by query_start_loc; the state starts from the slot (zeros when
   has_initial_state is False, or when the slot is < 0) and the final state is written back. As the ref
   (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. Default: the chunked WY form
-  (chunks of 64, two launches: a parallel per-chunk prepare, then a sequential scan over chunks with dot
-  operands in the input dtype, bf16 tensor cores on the GPU); `chunked=False` runs the recurrent kernel
-  (one token per step, all fp32). Both match the chunked fp32 ref to ~1e-6 at fp32. Derivation: README.md.
+  (chunks of 64, four launches: a parallel per-chunk prepare with a blocked (I + A)^-1, a parallel w/u
+  kernel, a sequential scan over chunks that does only the state-dependent dots, and a parallel output
+  kernel; dot operands in the input dtype, bf16 tensor cores on the GPU); `chunked=False` runs the recurrent
+  kernel (one token per step, all fp32). Both match the chunked fp32 ref to ~1e-6 at fp32. Derivation:
+  README.md. `chunk_inverse_triton` runs the prepare's blocked inverse alone (tests).
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, search_ste
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
 CHUNK_BV = 32
-CHUNK_SCAN_WARPS = 8
+# Scan: 4 warps at 216 registers fit 2 programs an SM (8 warps: 137 registers, 1 program; the MMAs are M = 64,
+# one warpgroup's tile, so the second warpgroup adds little); KERNEL_NOTES C15.
+CHUNK_SCAN_WARPS = 4
+# Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
+CHUNK_PREPARE_WARPS = 4
+# The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles.
+CHUNK_WU_WARPS = 4
+CHUNK_OUT_WARPS = 4
+CHUNK_OUT_BV = 64
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
 MAX_GRID_YZ = 65535
 
@@ -261,6 +271,123 @@ def _gdn_prefill_recurrent_kernel(
     tl.store(p_s, b_s, mask=m_s & (i_slot >= 0))
 
 
+# Side of one diagonal block of the blocked (I + A)^-1: a chunk is four BLK x BLK blocks on each side.
+BLK = tl.constexpr(16)
+
+
+@triton.jit
+def _inv_diag4(b_at0, b_at1, b_at2, b_at3):
+    """(I + A_m)^-1 of the four diagonal blocks (given transposed, [BLK, BLK] fp32) by forward substitution, the
+    four in lockstep so their reductions overlap: X_i = e_i − Σ_{j<i} A_ij X_j, rows j < i already final.
+    A transposed: row i of A_m is a column of the tile, reduced along axis 1 into the layout that weighs X's
+    rows (no layout conversion per step)."""
+    o_r = tl.arange(0, BLK)
+    b_x0 = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_x1 = b_x0
+    b_x2 = b_x0
+    b_x3 = b_x0
+    for i in range(1, BLK):
+        is_row = o_r[:, None] == i  # [BLK, 1]
+        is_col = o_r[None, :] == i  # [1, BLK]
+        b_e = tl.where(o_r == i, 1.0, 0.0)  # [BLK]
+        b_a0 = tl.sum(tl.where(is_col, b_at0, 0.0), axis=1)  # [BLK] row i of A_0, over j
+        b_a1 = tl.sum(tl.where(is_col, b_at1, 0.0), axis=1)
+        b_a2 = tl.sum(tl.where(is_col, b_at2, 0.0), axis=1)
+        b_a3 = tl.sum(tl.where(is_col, b_at3, 0.0), axis=1)
+        b_x0 = tl.where(is_row, (b_e - tl.sum(b_a0[:, None] * b_x0, axis=0))[None, :], b_x0)
+        b_x1 = tl.where(is_row, (b_e - tl.sum(b_a1[:, None] * b_x1, axis=0))[None, :], b_x1)
+        b_x2 = tl.where(is_row, (b_e - tl.sum(b_a2[:, None] * b_x2, axis=0))[None, :], b_x2)
+        b_x3 = tl.where(is_row, (b_e - tl.sum(b_a3[:, None] * b_x3, axis=0))[None, :], b_x3)
+    return b_x0, b_x1, b_x2, b_x3
+
+
+@triton.jit
+def _mm(b_x, b_y):
+    """b_x @ b_y on [BLK, BLK] fp32 tiles with exact fp32 products and sums (X stays fp32 until its store)."""
+    return tl.dot(b_x, b_y, input_precision="ieee")
+
+
+@triton.jit
+def _mm_acc(b_x, b_y, b_acc):
+    """b_acc + b_x @ b_y on [BLK, BLK] fp32 tiles, exact fp32 as _mm."""
+    return tl.dot(b_x, b_y, b_acc, input_precision="ieee")
+
+
+@triton.jit
+def _blocked_inverse(p_a, BT: tl.constexpr):
+    """X = (I + A)^-1 for the strictly lower [BT, BT] fp32 A at p_a (row-major, BT = 4·BLK), written over it.
+
+    I + A is block lower triangular with diagonal blocks D_m = I + A_mm: X_mm = D_m^-1 (_inv_diag4), then
+    X_ij = −X_ii Σ_{j≤m<i} A_im X_mj for i > j by fp32 dots, by distance from the diagonal. The blocks above
+    the diagonal stay the zeros A has there. The caller puts a barrier between A's store and this call."""
+    o_r = tl.arange(0, BLK)
+    o_b = o_r[:, None] * BT + o_r[None, :]  # [BLK, BLK] one block
+    o_bt = o_r[None, :] * BT + o_r[:, None]  # [BLK, BLK] one block, transposed
+    b_x00, b_x11, b_x22, b_x33 = _inv_diag4(
+        tl.load(p_a + o_bt),
+        tl.load(p_a + (BLK * BT + BLK) + o_bt),
+        tl.load(p_a + 2 * (BLK * BT + BLK) + o_bt),
+        tl.load(p_a + 3 * (BLK * BT + BLK) + o_bt),
+    )
+    b_a10 = tl.load(p_a + BLK * BT + o_b)
+    b_a20 = tl.load(p_a + 2 * BLK * BT + o_b)
+    b_a21 = tl.load(p_a + 2 * BLK * BT + BLK + o_b)
+    b_a30 = tl.load(p_a + 3 * BLK * BT + o_b)
+    b_a31 = tl.load(p_a + 3 * BLK * BT + BLK + o_b)
+    b_a32 = tl.load(p_a + 3 * BLK * BT + 2 * BLK + o_b)
+    b_x10 = -_mm(b_x11, _mm(b_a10, b_x00))
+    b_x21 = -_mm(b_x22, _mm(b_a21, b_x11))
+    b_x32 = -_mm(b_x33, _mm(b_a32, b_x22))
+    b_x20 = -_mm(b_x22, _mm_acc(b_a21, b_x10, _mm(b_a20, b_x00)))
+    b_x31 = -_mm(b_x33, _mm_acc(b_a32, b_x21, _mm(b_a31, b_x11)))
+    b_x30 = -_mm(b_x33, _mm_acc(b_a32, b_x20, _mm_acc(b_a31, b_x10, _mm(b_a30, b_x00))))
+    # Every thread's reads of A are done before any X block lands on them.
+    tl.debug_barrier()
+    tl.store(p_a + o_b, b_x00)
+    tl.store(p_a + BLK * BT + o_b, b_x10)
+    tl.store(p_a + BLK * BT + BLK + o_b, b_x11)
+    tl.store(p_a + 2 * BLK * BT + o_b, b_x20)
+    tl.store(p_a + 2 * BLK * BT + BLK + o_b, b_x21)
+    tl.store(p_a + 2 * BLK * BT + 2 * BLK + o_b, b_x22)
+    tl.store(p_a + 3 * BLK * BT + o_b, b_x30)
+    tl.store(p_a + 3 * BLK * BT + BLK + o_b, b_x31)
+    tl.store(p_a + 3 * BLK * BT + 2 * BLK + o_b, b_x32)
+    tl.store(p_a + 3 * BLK * BT + 3 * BLK + o_b, b_x33)
+
+
+@triton.jit
+def _chunk_inverse_kernel(x_ptr, BT: tl.constexpr):
+    """One [BT, BT] tile per program: the strictly lower A at x_ptr replaced by (I + A)^-1 (_blocked_inverse)."""
+    _blocked_inverse(x_ptr + i64(tl.program_id(0)) * BT * BT, BT)
+
+
+def chunk_inverse_triton(strict_lower: torch.Tensor) -> torch.Tensor:
+    """strict_lower [N, CHUNK, CHUNK] fp32 (zeros on and above the diagonal) -> (I + A)^-1 [N, CHUNK, CHUNK]: the
+    prepare kernel's blocked inverse on its own, for the tests."""
+    assert strict_lower.shape[1:] == (CHUNK, CHUNK) and strict_lower.dtype == torch.float32
+    out = strict_lower.contiguous().clone()
+    if out.shape[0]:
+        _chunk_inverse_kernel[(out.shape[0],)](out, BT=CHUNK, num_warps=CHUNK_PREPARE_WARPS)
+    return out
+
+
+@triton.jit
+def _chunk_bounds(
+    query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT: tl.constexpr, NUM_SEARCH_STEPS: tl.constexpr
+):
+    """(start, end): the first token row of global chunk i_c and the end of its sequence. The owning sequence
+    is the last b with chunk_offsets[b] <= i_c (binary search); the caller has checked i_c < the chunk total."""
+    i_lo = 0
+    i_hi = num_seqs
+    for _ in tl.static_range(NUM_SEARCH_STEPS):
+        i_mid = (i_lo + i_hi) // 2
+        is_at_or_before = tl.load(chunk_offsets_ptr + i_mid) <= i_c
+        i_lo = tl.where(is_at_or_before, i_mid, i_lo)
+        i_hi = tl.where(is_at_or_before, i_hi, i_mid)
+    start = tl.load(query_start_loc_ptr + i_lo) + (i_c - tl.load(chunk_offsets_ptr + i_lo)) * BT
+    return start, tl.load(query_start_loc_ptr + i_lo + 1)
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _gdn_chunk_prepare_kernel(
     q_ptr,
@@ -277,6 +404,7 @@ def _gdn_chunk_prepare_kernel(
     xw_ptr,
     xu_ptr,
     aqk_ptr,
+    scratch_ptr,
     num_seqs,
     stride_q_t,
     stride_q_h,
@@ -295,21 +423,13 @@ def _gdn_chunk_prepare_kernel(
 ):
     """Per (chunk, value head), everything that does not depend on the running state: q̂, k̂ (rounded, stored
     once per q/k head), Γ = cumsum(g), X = (I + A)^-1 with A_ij = β_i k̂_i·k̂_j e^(Γi−Γj) (j < i), stored as
-    Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i)."""
+    Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i).
+    X by the blocked inverse (_blocked_inverse) through scratch_ptr [chunks, HV, BT, BT] fp32."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
         return
-    # The sequence owning global chunk i_c: the last b with chunk_offsets[b] <= i_c.
-    i_lo = 0
-    i_hi = num_seqs
-    for _ in tl.static_range(NUM_SEARCH_STEPS):
-        i_mid = (i_lo + i_hi) // 2
-        is_at_or_before = tl.load(chunk_offsets_ptr + i_mid) <= i_c
-        i_lo = tl.where(is_at_or_before, i_mid, i_lo)
-        i_hi = tl.where(is_at_or_before, i_hi, i_mid)
-    start = tl.load(query_start_loc_ptr + i_lo) + (i_c - tl.load(chunk_offsets_ptr + i_lo)) * BT
-    end = tl.load(query_start_loc_ptr + i_lo + 1)
+    start, end = _chunk_bounds(query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT, NUM_SEARCH_STEPS)
     o_t = start + tl.arange(0, BT)  # [BT]
     m_t = o_t < end
     o_k = tl.arange(0, BK)
@@ -335,46 +455,100 @@ def _gdn_chunk_prepare_kernel(
     tl.store(gcum_ptr + i64(o_t) * HV + i_h, b_gcum, mask=m_t)
 
     o_i = tl.arange(0, BT)
-    is_lower = o_i[:, None] > o_i[None, :]
-    b_decay = tl.exp(tl.where(is_lower, b_gcum[:, None] - b_gcum[None, :], 0.0))
-    b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_beta[:, None] * b_decay
-    b_A = tl.where(is_lower, b_A, 0.0)  # [BT, BT] strictly lower
-    # Forward substitution, one row at a time: X_i = e_i − Σ_{j<i} A_ij X_j (rows j < i are final).
-    b_X = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        b_a_i = tl.sum(tl.where(o_i[:, None] == i, b_A, 0.0), axis=0)  # [BT] row i of A, over j
-        b_x_i = tl.where(o_i == i, 1.0, 0.0) - tl.sum(b_a_i[:, None] * b_X, axis=0)  # [BT]
-        b_X = tl.where(o_i[:, None] == i, b_x_i[None, :], b_X)
-    o_x = (i64(i_c) * HV + i_h) * BT * BT + o_i[:, None] * BT + o_i[None, :]
-    tl.store(xw_ptr + o_x, b_X * (b_beta * tl.exp(b_gcum))[None, :])
-    tl.store(xu_ptr + o_x, b_X * b_beta[None, :])
+    o_x = (i64(i_c) * HV + i_h) * BT * BT + o_i[:, None] * BT + o_i[None, :]  # [BT, BT] this chunk's tiles
     # exp(−inf) = 0 masks j > i without overflowing e^(Γi−Γj) there.
     b_decay = tl.exp(tl.where(o_i[:, None] >= o_i[None, :], b_gcum[:, None] - b_gcum[None, :], float("-inf")))
     b_aqk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * b_decay
     tl.store(aqk_ptr + o_x, b_aqk)
+    is_lower = o_i[:, None] > o_i[None, :]
+    b_decay = tl.exp(tl.where(is_lower, b_gcum[:, None] - b_gcum[None, :], 0.0))
+    b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION) * b_beta[:, None] * b_decay
+    b_A = tl.where(is_lower, b_A, 0.0)  # [BT, BT] strictly lower
+    # X = (I + A)^-1 blocked on [BLK, BLK] tiles (Triton cannot slice a register tile: A goes through an fp32
+    # scratch tile that this program alone reads and writes, L1/L2-resident; barriers order the round trips).
+    p_scratch = scratch_ptr + o_x
+    tl.store(p_scratch, b_A)
+    tl.debug_barrier()
+    _blocked_inverse(scratch_ptr + (i64(i_c) * HV + i_h) * BT * BT, BT)
+    tl.debug_barrier()
+    b_X = tl.load(p_scratch)  # [BT, BT] fp32
+    tl.store(xw_ptr + o_x, b_X * (b_beta * tl.exp(b_gcum))[None, :])
+    tl.store(xu_ptr + o_x, b_X * b_beta[None, :])
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _gdn_chunk_wu_kernel(
+    kn_ptr,
+    v_ptr,
+    xw_ptr,
+    xu_ptr,
+    query_start_loc_ptr,
+    chunk_offsets_ptr,
+    w_ptr,
+    u_ptr,
+    num_seqs,
+    stride_v_t,
+    stride_v_h,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    NUM_SEARCH_STEPS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (chunk, value head), the scan inputs that need no state: w = Xw·k̂ rounded to the input dtype
+    [T, HV, dk] and u = Xu·v in fp32 [T, HV, dv] (the rounding points of the old in-scan dots). Rows past the
+    sequence end are not stored (the scan loads them as zeros, as they were)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_bounds(query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT, NUM_SEARCH_STEPS)
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    o_i = tl.arange(0, BT)
+    m_t = (start + o_i) < end
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    o_x = o_i[:, None] * BT + o_i[None, :]  # [BT, BT]
+    p_x = (i64(i_c) * HV + i_h) * (BT * BT)
+    m_tk = m_t[:, None] & (o_k < DK)[None, :]
+    b_k = tl.load(
+        kn_ptr + i64(start) * (HK * DK) + (i_h // GROUP) * DK + o_i[:, None] * (HK * DK) + o_k[None, :],
+        mask=m_tk,
+        other=0.0,
+    )
+    b_w = tl.dot(tl.load(xw_ptr + p_x + o_x), b_k, input_precision=DOT_PRECISION).to(DT)  # [BT, BK]
+    tl.store(w_ptr + i64(start) * (HV * DK) + i_h * DK + o_i[:, None] * (HV * DK) + o_k[None, :], b_w, mask=m_tk)
+    m_tv = m_t[:, None] & (o_v < DV)[None, :]
+    b_v = tl.load(
+        v_ptr + i64(start) * stride_v_t + i_h * stride_v_h + o_i[:, None] * stride_v_t + o_v[None, :],
+        mask=m_tv,
+        other=0.0,
+    )
+    b_u = tl.dot(tl.load(xu_ptr + p_x + o_x), b_v, input_precision=DOT_PRECISION)  # [BT, BV] fp32
+    tl.store(u_ptr + i64(start) * (HV * DV) + i_h * DV + o_i[:, None] * (HV * DV) + o_v[None, :], b_u, mask=m_tv)
 
 
 @triton.jit
 def _gdn_chunk_scan_kernel(
-    qn_ptr,
     kn_ptr,
-    v_ptr,
+    w_ptr,
+    u_ptr,
     gcum_ptr,
-    xw_ptr,
-    xu_ptr,
-    aqk_ptr,
     ssm_states_ptr,
     query_start_loc_ptr,
     state_indices_ptr,
     has_initial_state_ptr,
     chunk_offsets_ptr,
-    out_ptr,
-    stride_v_t,
-    stride_v_h,
+    hs_ptr,
+    vnew_ptr,
     stride_s_slot,
     stride_s_head,
     stride_s_k,
-    scale,
     HK: tl.constexpr,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -385,9 +559,9 @@ def _gdn_chunk_scan_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Per (sequence, value head, BV columns): walks the chunks in order with S [dk, BV] fp32 in registers.
-    Per chunk: w = Xw·k̂, u = Xu·v, v' = u − wS, o = (e^Γ q̂)S + Aqk·v',
-    S ← e^Γlast S + (k̂ e^(Γlast−Γ))ᵀv'. Dot operands in the input dtype, fp32 accumulation.
+    """Per (sequence, value head, BV columns): walks the chunks in order with S [dk, BV] fp32 in registers and
+    does only what needs S: stores S_c = round(S) (the chunk's start state, as the output dots read it),
+    v' = round(u − w·S_c) [T, HV, dv], and S ← e^Γlast S + (k̂ e^(Γlast−Γ))ᵀv'. w, u from _gdn_chunk_wu_kernel.
     dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers."""
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -396,7 +570,7 @@ def _gdn_chunk_scan_kernel(
     end = tl.load(query_start_loc_ptr + i_b + 1)
     if end == start:
         return
-    DT: tl.constexpr = v_ptr.dtype.element_ty
+    DT: tl.constexpr = w_ptr.dtype.element_ty
     TWO_K: tl.constexpr = DK > BKH
     i_slot = i64(tl.load(state_indices_ptr + i_b))
     has_init = (tl.load(has_initial_state_ptr + i_b) != 0) & (i_slot >= 0)
@@ -413,61 +587,111 @@ def _gdn_chunk_scan_kernel(
     i_chunk = tl.load(chunk_offsets_ptr + i_b)
     o_i = tl.arange(0, BT)
     # Per-chunk addresses: int64 scalar bases plus small int32 offset tiles (int64 tiles cost registers).
-    o_n = o_i[:, None] * (HK * DK) + o_k[None, :]  # [BT, BKH] into q̂/k̂ rows
-    o_vt = o_i[:, None] * stride_v_t + o_v[None, :]  # [BT, BV] into v rows
-    o_ot = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into o rows
-    o_xx = o_i[:, None] * BT + o_i[None, :]  # [BT, BT] into one Xw/Xu block
-    p_qn = qn_ptr + i64(start) * (HK * DK) + i_hk * DK
+    o_n = o_i[:, None] * (HK * DK) + o_k[None, :]  # [BT, BKH] into k̂ rows
+    o_w = o_i[:, None] * (HV * DK) + o_k[None, :]  # [BT, BKH] into w rows
+    o_u = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into u / v' rows
+    o_hs = o_k[:, None] * DV + o_v[None, :]  # [BKH, BV] into one S_c
     p_kn = kn_ptr + i64(start) * (HK * DK) + i_hk * DK
-    p_v = v_ptr + i64(start) * stride_v_t + i_h * stride_v_h
-    p_o = out_ptr + i64(start) * (HV * DV) + i_h * DV
+    p_w = w_ptr + i64(start) * (HV * DK) + i_h * DK
+    p_u = u_ptr + i64(start) * (HV * DV) + i_h * DV
+    p_vn = vnew_ptr + i64(start) * (HV * DV) + i_h * DV
     p_g = gcum_ptr + i64(start) * HV + i_h
-    p_xw = xw_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
-    p_xu = xu_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
-    p_aqk = aqk_ptr + (i64(i_chunk) * HV + i_h) * (BT * BT)
+    p_hs = hs_ptr + (i64(i_chunk) * HV + i_h) * (DK * DV)
     for chunk_start in range(start, end, BT):
         m_t = (chunk_start + o_i) < end  # [BT]
-        b_q = tl.load(p_qn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # q̂ unscaled, input dtype
-        b_k = tl.load(p_kn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # k̂
-        b_v = tl.load(p_v + o_vt, mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_k = tl.load(p_kn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # k̂, input dtype
+        b_w = tl.load(p_w + o_w, mask=m_t[:, None] & m_lo[None, :], other=0.0)
         g_last = tl.load(p_g + (tl.minimum(chunk_start + BT, end) - 1 - chunk_start) * HV)
         # Rows past the end continue Γ flat (g = 0), as the prepare kernel's cumsum does.
         b_gcum = tl.where(m_t, tl.load(p_g + o_i * HV, mask=m_t, other=0.0), g_last)  # [BT]
-        b_xw = tl.load(p_xw + o_xx)  # [BT, BT]
-        b_xu = tl.load(p_xu + o_xx)
-
-        # v' = Xu·v − (Xw·k̂)·S, one dk half at a time.
-        b_vnew = tl.dot(b_xu, b_v, input_precision=DOT_PRECISION)  # [BT, BV] fp32
-        b_w = tl.dot(b_xw, b_k, input_precision=DOT_PRECISION).to(DT)  # [BT, BKH]
-        b_vnew -= tl.dot(b_w, b_s.to(DT), input_precision=DOT_PRECISION)
-        b_o = tl.dot((b_q * tl.exp(b_gcum)[:, None]).to(DT), b_s.to(DT), input_precision=DOT_PRECISION)
+        b_s_dt = b_s.to(DT)
+        tl.store(p_hs + o_hs, b_s_dt, mask=m_lo[:, None] & m_v[None, :])
+        b_vnew = tl.load(p_u + o_u, mask=m_tv, other=0.0)  # [BT, BV] fp32
+        b_vnew -= tl.dot(b_w, b_s_dt, input_precision=DOT_PRECISION)
         if TWO_K:
-            b_q_hi = tl.load(p_qn + BKH + o_n, mask=m_t[:, None] & m_hi[None, :], other=0.0)
             b_k_hi = tl.load(p_kn + BKH + o_n, mask=m_t[:, None] & m_hi[None, :], other=0.0)
-            b_w_hi = tl.dot(b_xw, b_k_hi, input_precision=DOT_PRECISION).to(DT)
-            b_vnew -= tl.dot(b_w_hi, b_s_hi.to(DT), input_precision=DOT_PRECISION)
-            b_q_hi = (b_q_hi * tl.exp(b_gcum)[:, None]).to(DT)
-            b_o = tl.dot(b_q_hi, b_s_hi.to(DT), b_o, input_precision=DOT_PRECISION)
+            b_w_hi = tl.load(p_w + BKH + o_w, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+            b_s_hi_dt = b_s_hi.to(DT)
+            tl.store(p_hs + BKH * DV + o_hs, b_s_hi_dt, mask=m_hi[:, None] & m_v[None, :])
+            b_vnew -= tl.dot(b_w_hi, b_s_hi_dt, input_precision=DOT_PRECISION)
         b_vnew = b_vnew.to(DT)
-        b_o = tl.dot(tl.load(p_aqk + o_xx), b_vnew, b_o, input_precision=DOT_PRECISION) * scale  # [BT, BV]
-        tl.store(p_o + o_ot, b_o, mask=m_t[:, None] & m_v[None, :])
+        tl.store(p_vn + o_u, b_vnew, mask=m_tv)
         b_kdecay = tl.exp(g_last - b_gcum)[:, None]  # [BT, 1]
         b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans((b_k * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION)
         if TWO_K:
             b_s_hi = b_s_hi * tl.exp(g_last) + tl.dot(
                 tl.trans((b_k_hi * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION
             )
-        p_qn += BT * HK * DK
         p_kn += BT * HK * DK
-        p_v += BT * stride_v_t
-        p_o += BT * HV * DV
+        p_w += BT * HV * DK
+        p_u += BT * HV * DV
+        p_vn += BT * HV * DV
         p_g += BT * HV
-        p_xw += HV * BT * BT
-        p_xu += HV * BT * BT
-        p_aqk += HV * BT * BT
+        p_hs += HV * DK * DV
     tl.store(p_s, b_s, mask=m_lo[:, None] & m_v[None, :] & (i_slot >= 0))
     if TWO_K:
         tl.store(p_s_hi, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & (i_slot >= 0))
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _gdn_chunk_out_kernel(
+    qn_ptr,
+    gcum_ptr,
+    aqk_ptr,
+    hs_ptr,
+    vnew_ptr,
+    query_start_loc_ptr,
+    chunk_offsets_ptr,
+    out_ptr,
+    num_seqs,
+    scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BKH: tl.constexpr,
+    BV: tl.constexpr,
+    NUM_SEARCH_STEPS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Per (chunk, value head, BV columns), in parallel: o = ((e^Γ q̂)·S_c + Aqk·v')·scale, the old scan's dot
+    order (the dk halves first, Aqk·v' accumulated last), S_c and v' from _gdn_chunk_scan_kernel."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_bounds(query_start_loc_ptr, chunk_offsets_ptr, i_c, num_seqs, BT, NUM_SEARCH_STEPS)
+    DT: tl.constexpr = vnew_ptr.dtype.element_ty
+    TWO_K: tl.constexpr = DK > BKH
+    o_i = tl.arange(0, BT)
+    m_t = (start + o_i) < end
+    o_k = tl.arange(0, BKH)
+    m_lo = o_k < DK
+    m_hi = (o_k + BKH) < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    p_qn = qn_ptr + i64(start) * (HK * DK) + (i_h // GROUP) * DK + o_i[:, None] * (HK * DK) + o_k[None, :]
+    p_g = gcum_ptr + i64(start) * HV + i_h
+    p_hs = hs_ptr + (i64(i_c) * HV + i_h) * (DK * DV) + o_k[:, None] * DV + o_v[None, :]
+    g_last = tl.load(p_g + (tl.minimum(start + BT, end) - 1 - start) * HV)
+    b_gcum = tl.where(m_t, tl.load(p_g + o_i * HV, mask=m_t, other=0.0), g_last)  # [BT]
+    b_q = tl.load(p_qn, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # q̂ unscaled, input dtype
+    b_s = tl.load(p_hs, mask=m_lo[:, None] & m_v[None, :], other=0.0)  # [BKH, BV] S_c, input dtype
+    b_o = tl.dot((b_q * tl.exp(b_gcum)[:, None]).to(DT), b_s, input_precision=DOT_PRECISION)  # [BT, BV]
+    if TWO_K:
+        b_q_hi = tl.load(p_qn + BKH, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+        b_s_hi = tl.load(p_hs + BKH * DV, mask=m_hi[:, None] & m_v[None, :], other=0.0)
+        b_o = tl.dot((b_q_hi * tl.exp(b_gcum)[:, None]).to(DT), b_s_hi, b_o, input_precision=DOT_PRECISION)
+    o_tv = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into v' / o rows
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_vnew = tl.load(vnew_ptr + i64(start) * (HV * DV) + i_h * DV + o_tv, mask=m_tv, other=0.0)
+    b_aqk = tl.load(aqk_ptr + (i64(i_c) * HV + i_h) * (BT * BT) + o_i[:, None] * BT + o_i[None, :])
+    b_o = tl.dot(b_aqk, b_vnew, b_o, input_precision=DOT_PRECISION) * scale
+    tl.store(out_ptr + i64(start) * (HV * DV) + i_h * DV + o_tv, b_o, mask=m_tv)
 
 
 def _gdn_prefill_chunked(
@@ -500,6 +724,8 @@ def _gdn_prefill_chunked(
     xw = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
     xu = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
     aqk = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=v.dtype, device=device)
+    # A, then X, in fp32 for the prepare kernel's blocked inverse (each program its own tile).
+    a_scratch = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=torch.float32, device=device)
     precision = dot_precision(q.dtype)
     _gdn_chunk_prepare_kernel[(max_chunks, num_v_heads)](
         q,
@@ -516,6 +742,7 @@ def _gdn_prefill_chunked(
         xw,
         xu,
         aqk,
+        a_scratch,
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -531,29 +758,79 @@ def _gdn_prefill_chunked(
         BK=next_pow2(head_k_dim),
         NUM_SEARCH_STEPS=search_steps(num_seqs),
         DOT_PRECISION=precision,
-        num_warps=8,
+        num_warps=CHUNK_PREPARE_WARPS,
     )
     assert head_k_dim <= 128, "the chunked scan holds dk as at most two 64-wide halves"
-    block_v = min(CHUNK_BV, next_pow2(head_v_dim))
-    _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
-        qn,
+    # The state-free halves of the old scan, in parallel over chunks: w (input dtype), u (fp32).
+    w = torch.empty(num_tokens, num_v_heads, head_k_dim, dtype=v.dtype, device=device)
+    u = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
+    _gdn_chunk_wu_kernel[(max_chunks, num_v_heads)](
         kn,
         v,
-        gcum,
         xw,
         xu,
-        aqk,
+        query_start_loc,
+        chunk_offsets,
+        w,
+        u,
+        num_seqs,
+        v.stride(0),
+        v.stride(1),
+        HK=num_k_heads,
+        HV=num_v_heads,
+        GROUP=group,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BT=CHUNK,
+        BK=next_pow2(head_k_dim),
+        BV=next_pow2(head_v_dim),
+        NUM_SEARCH_STEPS=search_steps(num_seqs),
+        DOT_PRECISION=precision,
+        num_warps=CHUNK_WU_WARPS,
+    )
+    # Each chunk's start state (input dtype, as the output dots read it) and v' (input dtype).
+    hs = torch.empty(max_chunks, num_v_heads, head_k_dim, head_v_dim, dtype=v.dtype, device=device)
+    vnew = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
+    block_v = min(CHUNK_BV, next_pow2(head_v_dim))
+    block_kh = min(64, next_pow2(head_k_dim))
+    _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+        kn,
+        w,
+        u,
+        gcum,
         ssm_states,
         query_start_loc,
         state_indices,
         has_initial_state,
         chunk_offsets,
-        out,
-        v.stride(0),
-        v.stride(1),
+        hs,
+        vnew,
         ssm_states.stride(0),
         ssm_states.stride(1),
         ssm_states.stride(2),
+        HK=num_k_heads,
+        HV=num_v_heads,
+        GROUP=group,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BT=CHUNK,
+        BKH=block_kh,
+        BV=block_v,
+        DOT_PRECISION=precision,
+        num_warps=CHUNK_SCAN_WARPS,
+        num_stages=2,
+    )
+    block_v_out = min(CHUNK_OUT_BV, next_pow2(head_v_dim))
+    _gdn_chunk_out_kernel[(max_chunks, num_v_heads, triton.cdiv(head_v_dim, block_v_out))](
+        qn,
+        gcum,
+        aqk,
+        hs,
+        vnew,
+        query_start_loc,
+        chunk_offsets,
+        out,
+        num_seqs,
         head_k_dim**-0.5,
         HK=num_k_heads,
         HV=num_v_heads,
@@ -561,11 +838,11 @@ def _gdn_prefill_chunked(
         DK=head_k_dim,
         DV=head_v_dim,
         BT=CHUNK,
-        BKH=min(64, next_pow2(head_k_dim)),
-        BV=block_v,
+        BKH=block_kh,
+        BV=block_v_out,
+        NUM_SEARCH_STEPS=search_steps(num_seqs),
         DOT_PRECISION=precision,
-        num_warps=CHUNK_SCAN_WARPS,
-        num_stages=2,
+        num_warps=CHUNK_OUT_WARPS,
     )
 
 

@@ -1,4 +1,5 @@
-"""gdn_decode_triton and gdn_prefill_triton against the torch twins (recurrent decode, chunked prefill ref)."""
+"""gdn_decode_triton and gdn_prefill_triton against the torch twins (recurrent decode, chunked prefill ref), and the
+chunked prefill's blocked (I + A)^-1 (chunk_inverse_triton) against chunk_inverse_ref."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import math
 import pytest
 import torch
 
-from deltaserve.kernels.gdn import gdn_decode_ref, gdn_prefill_ref
-from deltaserve.kernels.gdn_triton import gdn_decode_triton, gdn_prefill_triton
+from deltaserve.kernels.gdn import _gates, _l2norm, chunk_inverse_ref, gdn_decode_ref, gdn_prefill_ref
+from deltaserve.kernels.gdn_triton import CHUNK, chunk_inverse_triton, gdn_decode_triton, gdn_prefill_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance, varlen_starts
 
@@ -53,6 +54,79 @@ def test_gdn_prefill(
         out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init, chunked=chunked)
     assert_close("o", ref, out, tolerance(dtype, fp32=2e-5, low=2e-2))
     assert_close("states", ref_states, states, tolerance(dtype, fp32=2e-5, low=2e-2))
+
+
+def test_gdn_prefill_chunk_edges() -> None:
+    """Chunked prefill at fp32 over the chunk-grid edges in one batch: lengths 1, 63, 64, 65, 130 (and an empty
+    one), dk 128 (the scan's two halves), has_initial_state mixed, one slot < 0 (starts from zeros, writes no
+    state); every kernel output NaN-poisoned."""
+    lengths = [65, 1, 130, 0, 64, 63]
+    has_init = [True, True, False, True, True, False]
+    hk, hv, dk, dv = 1, 2, 128, 32
+    num_slots = len(lengths) + 1
+    q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, torch.float32)
+    states = randn(num_slots, hv, dk, dv, scale=0.1)
+    # The last slot is nobody's: a slot −1 taken as a Python index would read and write it.
+    slots = torch.randperm(num_slots - 1, device=DEVICE)[: len(lengths)].int()
+    slots[4] = -1  # a full chunk on a padding slot, with has_initial_state set
+    qsl = varlen_starts(lengths)
+    init = torch.tensor(has_init, device=DEVICE)
+    ref_states = states.clone()
+    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ref_states, qsl, slots, init)
+    with poisoned_empty():
+        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init)
+    assert_close("o", ref, out, 2e-5)
+    assert_close("states", ref_states, states, 2e-5)
+    untouched = [s for s in range(num_slots) if s not in slots.tolist()]
+    assert num_slots - 1 in untouched
+    assert torch.equal(states[untouched], ref_states[untouched]), "slot −1 (or a free slot) was written"
+
+
+def test_chunk_inverse() -> None:
+    """The blocked (I + A)^-1 equals the triangular solve on A of the prefill's form and scale: k̂ sharing a
+    common direction (k̂_i·k̂_j ≈ 0.6, so A is dense and X far from I off the diagonal blocks), β ≈ 0.85, slow
+    decay; the third chunk's second half is padding (k̂ = 0, β = 0), as at a sequence's end."""
+    num_tiles, dk = 3, 64
+    common = randn(1, dk)
+    k_hat = _l2norm(randn(num_tiles, CHUNK, dk, scale=0.8) + common)  # [N, C, dk]
+    g, beta = _gates(
+        randn(num_tiles, CHUNK), randn(num_tiles, CHUNK) + 2.0, torch.zeros(1, device=DEVICE), randn(1) - 3.0
+    )
+    k_hat[2, CHUNK // 2 :] = 0.0
+    beta[2, CHUNK // 2 :] = 0.0
+    cum_g = g.cumsum(-1)  # [N, C]
+    strict = (k_hat @ k_hat.transpose(-1, -2)) * beta[..., None] * (cum_g[..., :, None] - cum_g[..., None, :]).exp()
+    strict = strict.tril(-1)  # [N, C, C]
+    ref = chunk_inverse_ref(strict)
+    assert ref[:, 16:32, :16].abs().max().item() > 0.1, "A too weak to exercise the off-diagonal blocks"
+    out = chunk_inverse_triton(strict)
+    assert_close("X", ref, out, 1e-5)
+    # Each block below the diagonal on its own (the far ones are small: X decays with distance from it).
+    for i in range(1, 4):
+        for j in range(i):
+            rows, cols = slice(16 * i, 16 * i + 16), slice(16 * j, 16 * j + 16)
+            assert_close(f"X block ({i}, {j})", ref[:, rows, cols], out[:, rows, cols], 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("lengths", "hk", "hv"), [([2048], 16, 48), ([1024] * 8, 16, 32)], ids=["27b-2048", "35b-a3b-8x1024"]
+)
+def test_gdn_prefill_served_shapes(lengths: list[int], hk: int, hv: int) -> None:
+    """bf16 activations at the served head shapes (128 x 128) against the ref (fp32 inside), initial states set."""
+    dk = dv = 128
+    num_slots = len(lengths) + 4
+    q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, torch.bfloat16)
+    states = randn(num_slots, hv, dk, dv, scale=0.05)
+    slots = torch.randperm(num_slots, device=DEVICE)[: len(lengths)].int()
+    qsl = varlen_starts(lengths)
+    init = torch.ones(len(lengths), dtype=torch.bool, device=DEVICE)
+    ref_states = states.clone()
+    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ref_states, qsl, slots, init)
+    with poisoned_empty():
+        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init)
+    assert_close("o", ref, out, 2e-2)
+    assert_close("states", ref_states, states, 2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
