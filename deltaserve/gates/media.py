@@ -320,6 +320,7 @@ def _compare(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([p.prompt.vllm_prompt() for p in processed], params, use_tqdm=False)
     results, num_expanded = [], 0
+    first_over: dict[int, int] = {}  # prompt -> its first position over the logit bound (transformers reference)
     for i, (item, output) in enumerate(zip(processed, outputs, strict=True)):
         num_expanded += list(output.prompt_token_ids) == item.ids
         ours = list(output.outputs[0].token_ids)
@@ -332,7 +333,10 @@ def _compare(
         sequence = item.ids + ref_tokens
         full = llm.score(sequence, mm_input=item.mm_input).cpu()
         if isinstance(ref, MediaTransformersReference):
-            result.logit_rel_error = tokens.rel_error(full, ref.full_logits(sequence, item.mm_input))
+            ref_full = ref.full_logits(sequence, item.mm_input)
+            result.logit_rel_error = tokens.rel_error(full, ref_full)
+            if result.logit_rel_error > tokens.LOGIT_TOLERANCE[dtype]:
+                first_over[i] = tokens.first_position_over(full, ref_full, tokens.LOGIT_TOLERANCE[dtype])
         else:
             result.logit_rel_error = tokens._top_k_error(full, len(item.ids), ref_scores)
         boundary = split_point(item)
@@ -347,6 +351,8 @@ def _compare(
     relative = tokens.ROUNDING_PERTURBATION[dtype]
     tokens.measure_weight_floors(results, dtype, lambda i: rounding.media_weight_floor(
         processed[i].mm_input, processed[i].ids + ref_run.tokens[i], relative))  # fmt: skip
+    tokens.measure_router_ties(results, dtype, first_over, lambda i: rounding.routing_margins(
+        **rounding.inputs(processed[i].ids, processed[i].mm_input)))  # fmt: skip
     return llm, results, num_expanded, list(outputs[0].outputs[0].token_ids)
 
 

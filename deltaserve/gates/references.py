@@ -161,6 +161,28 @@ class TransformersReference:
         return self.model(input_ids=ids).logits[0].float().cpu()
 
     @torch.inference_mode()
+    def routing_margins(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per position of one forward over `inputs`, the smallest relative top-k margin of the model's MoE
+        routing over its layers, (p_k − p_(k+1)) / p_k of each router's softmax, and the layer holding it:
+        ([L] fp32, [L] int64). None for a model without routers. A margin at the size of two implementations' own
+        fp32 differences makes that top-k choice, and every logit downstream of it, a coin toss."""
+        config = getattr(self.model.config, "text_config", None) or self.model.config
+        top_k, num_experts = getattr(config, "num_experts_per_tok", 0), getattr(config, "num_experts", 0)
+        if not top_k or top_k >= num_experts:
+            return None
+        out = self.model(**inputs, output_router_logits=True, use_cache=False)
+        layers = getattr(out, "router_logits", None)
+        if not layers:
+            return None
+        margins = []
+        for logits in layers:  # [L, E] each
+            probs = torch.softmax(logits.float().reshape(-1, num_experts), dim=-1)
+            top = torch.topk(probs, top_k + 1, dim=-1).values  # [L, k + 1]
+            margins.append((top[:, top_k - 1] - top[:, top_k]) / top[:, top_k - 1].clamp_min(1e-30))
+        value, layer = torch.stack(margins).min(dim=0)  # over layers: [L], [L]
+        return value.cpu(), layer.cpu()
+
+    @torch.inference_mode()
     def weight_floor(self, sequence: list[int], relative: float, seeds: tuple[int, ...] = (0, 1, 2)) -> float:
         """The largest relative change of this model's logits over `sequence` when EVERY weight matrix moves by
         `relative` (one rounding's worth, a fresh draw per seed): what the reference itself does under one

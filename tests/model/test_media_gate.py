@@ -92,7 +92,9 @@ def test_offline_api_takes_vllms_video_metadata_pairs() -> None:
 
 # moe-vl is ill-conditioned on a few of these prompts (random router weights near top-k ties): its logit and split
 # errors there sit within 10x of transformers' own change under one rounding of every weight, which the gate
-# measures for exactly those prompts and lists (tokens.measure_weight_floors); STRICT holds 64/64.
+# measures for exactly those prompts and lists (tokens.measure_weight_floors), or, where one rounding of the weights
+# does not flip the tie, at a position whose reference routing margin is a near-tie (tokens.measure_router_ties;
+# prompt 3 since 2026-12-02: margin 2.0e-4 relative at layer 6); STRICT holds 64/64.
 @pytest.mark.parametrize("variant", ["dense-vl", "moe-vl"])
 def test_strict_32_image_and_32_video_against_transformers(variant: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_media_gate(tiny_vision_checkpoint(variant), "image,video", num_prompts=32, max_tokens=4) == 0
