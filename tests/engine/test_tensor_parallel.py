@@ -175,9 +175,13 @@ def test_ranks_started_by_an_outside_launcher(tiny_next: Path, monkeypatch: pyte
         worker.wait(10)
 
 
+# Both peers leave as the engine's ranks do (runner/worker.py): destroy_process_groups, then no reference to a
+# group left; a rank whose gloo group object outlived the interpreter could abort in its threads at exit
+# ("terminate called without an active exception", rc -6: 3 of 18 runs on the 2-core machine before this).
 CHANNEL_PEER = """
 import sys
-from deltaserve.runner.distributed import BroadcastChannel, Launch, init_process_groups
+import torch.distributed as dist
+from deltaserve.runner.distributed import BroadcastChannel, Launch, destroy_process_groups, init_process_groups
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 tp = init_process_groups(Launch(2, rank, rank, "127.0.0.1", port, True), "cpu", False)
 channel = BroadcastChannel(tp.cpu_group)
@@ -189,6 +193,9 @@ else:
     while (message := channel.recv())[0] != "shutdown":
         assert message[1] == "x" * message[2][0]
         print(message[2][0], flush=True)
+dist.barrier(tp.cpu_group)
+destroy_process_groups()
+tp.group = tp.cpu_group = channel.group = None  # as the workers do: no group outlives the interpreter
 """
 
 
