@@ -1,11 +1,20 @@
 """Triton skinny GEMM: y = x·Wᵀ for at most 16 rows of x, streaming W [N, K] once at close to copy bandwidth.
 
-Grid: one program per BLOCK_N output columns; each walks the whole K (no split-K partials, no second pass, so
-the result does not depend on scheduling). W is read as [BLOCK_K, BLOCK_N] tiles whose K run is contiguous
-(16-byte vectors through cp.async, NUM_STAGES deep), x as [16, BLOCK_K] tiles (L2-resident), tl.dot with
-the rows padded to 16. BLOCK_N is chosen so the grid holds at least ~128 programs (one per SM on the H200):
-16 columns up to N = 4096, 32 up to 16384, 64 beyond; with NUM_STAGES stages of 16 rows x BLOCK_K, each
-program keeps 16-48 KiB of W in flight, what one SM needs to pull its share of 4.3 TB/s.
+Grid: (column blocks, SPLIT_K). Each program owns BLOCK_N output columns and one K_SPLIT-deep slice of K. W is
+read as [BLOCK_K, BLOCK_N] tiles whose K run is contiguous (16-byte vectors through cp.async, NUM_STAGES deep),
+x as [16, BLOCK_K] tiles (L2-resident), tl.dot with the rows padded to 16; sums in fp32.
+
+SPLIT_K = 1 (today's wide projections) walks the whole K and stores y directly. SPLIT_K > 1 (KERNEL_NOTES C18:
+the 2048-output projections, whose 128 column blocks alone leave the H200 at one program per SM) reduces in the
+same launch and deterministically: every program stores its fp32 partial [rows, BLOCK_N] into a workspace
+[SPLIT_K, rows, N], then bumps its column block's counter (acq_rel atomic); the program that sees SPLIT_K - 1
+(the last to arrive) sums the SPLIT_K partials in split order 0, 1, ... (a fixed order, so the same bits every
+run whatever the schedule), rounds once to y's dtype (F.linear's rounding point) and stores y, then puts the
+counter back to 0 so the next launch (or a CUDA-graph replay) starts clean. The counters are one persistent
+zero-initialised int32 buffer per device (`split_counters`), SPLITK_MAX_COL_BLOCKS long: `skinny_config` only
+splits a grid of at most SPLITK_MAX_PROGRAMS / 2 column blocks, so that bounds every split launch.
+The buffer is shared by all split launches on a device, so they must not overlap in time: one stream (the
+engine's decode stream) orders them. Grids come from shapes only (CUDA-graph safe, no host sync).
 """
 
 from __future__ import annotations
@@ -16,12 +25,26 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import dot_precision, i64
 
+# ~4 programs per SM on the H200's 132 SMs is the aim; K is split (doubling) while the doubled grid stays within
+# ~5 per SM: [2048, 4096] 128 -> 512; 386 column blocks ([12352, 2048]) stay whole, since 772 programs would run
+# as two waves at the 3 of 32 columns that fit an SM (72 KiB of shared memory each).
+SPLITK_TARGET_PROGRAMS = 4 * 132
+SPLITK_MAX_PROGRAMS = 5 * 132
+# A split keeps at least this much K (4 BLOCK_K = 256 tiles: with 4 stages, 3 of them in flight).
+SPLITK_MIN_DEPTH = 1024
+# Counters per device: a split launch has <= SPLITK_MAX_PROGRAMS / 2 column blocks (see skinny_config).
+SPLITK_MAX_COL_BLOCKS = 1024
+
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    partial_ptr,
+    counter_ptr,
     num_rows,
     stride_x,
     stride_w,
@@ -32,32 +55,79 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
 ):
-    i_n = tl.program_id(0)
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < num_rows
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < N
-    o_k = tl.arange(0, BLOCK_K)
+    k_start = i_s * K_SPLIT
+    o_k = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     p_x = x_ptr + i64(o_m)[:, None] * stride_x + o_k[None, :]  # [BLOCK_M, BLOCK_K]
     p_w = w_ptr + i64(o_n)[None, :] * stride_w + o_k[:, None]  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m_k = (k0 + o_k) < K
+    # a constant trip count (K_SPLIT is a constexpr multiple of BLOCK_K) lets the loads be pipelined
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        m_k = (o_k + k0) < K
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
         b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PRECISION)
         p_x += BLOCK_K
         p_w += BLOCK_K
-    p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]
-    tl.store(p_y, b_acc, mask=m_m[:, None] & m_n[None, :])
+    m_y = m_m[:, None] & m_n[None, :]
+    p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]  # [BLOCK_M, BLOCK_N]
+    if SPLIT_K == 1:
+        tl.store(p_y, b_acc, mask=m_y)
+    else:
+        # partials [SPLIT_K, num_rows, N] fp32, row-major
+        o_p = i64(o_m)[:, None] * N + o_n[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(partial_ptr + i64(i_s) * num_rows * N + o_p, b_acc, mask=m_y)
+        # every thread's partial stores precede the one release below (the barrier orders them, the atomic's
+        # release publishes them at GPU scope)
+        tl.debug_barrier()
+        count = tl.atomic_add(counter_ptr + i_n, 1, sem="acq_rel", scope="gpu")
+        if count == SPLIT_K - 1:
+            # the last arriver: the acquire above makes the other programs' partials visible; .cg reads them
+            # from L2, past this SM's L1. Summed in split order: the bits do not depend on who arrived last.
+            b_y = tl.load(partial_ptr + o_p, mask=m_y, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                p_s = partial_ptr + s * num_rows * N + o_p
+                b_y += tl.load(p_s, mask=m_y, other=0.0, cache_modifier=".cg")
+            tl.store(p_y, b_y, mask=m_y)  # the one rounding to y's dtype
+            tl.atomic_xchg(counter_ptr + i_n, 0, sem="relaxed", scope="gpu")
 
 
 def skinny_config(num_cols: int, depth: int) -> dict[str, int]:
-    """BLOCK_N / BLOCK_K / warps / stages for an [N, K] weight (see the module docstring)."""
+    """BLOCK_N / BLOCK_K / SPLIT_K / warps / stages for an [N, K] weight (see the module docstring).
+
+    BLOCK_N: 16 columns up to N = 4096, 32 up to 16384, 64 beyond. SPLIT_K doubles while the doubled grid holds
+    at most SPLITK_MAX_PROGRAMS programs and each split keeps >= SPLITK_MIN_DEPTH of K: [2048, 4096] -> 128 x 4,
+    [9216, 2048] -> 288 x 2, [5120, 6144] -> 160 x 4; [12352, 2048] (386 blocks) and wider stay at 1.
+    """
     block_n = 16 if num_cols <= 4096 else (32 if num_cols <= 16384 else 64)
     block_k = min(256, triton.next_power_of_2(depth))
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
+    num_col_blocks = triton.cdiv(num_cols, block_n)
+    split_k = 1
+    while num_col_blocks * split_k * 2 <= SPLITK_MAX_PROGRAMS and depth // (2 * split_k) >= SPLITK_MIN_DEPTH:
+        split_k *= 2
+    # 4 stages = 3 tiles in flight: 24 KiB of W a 16-column program (48 KiB of shared memory, 4 fit an SM)
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 4}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's persistent split-K counters [SPLITK_MAX_COL_BLOCKS] int32, all 0 between launches.
+
+    Allocated on first use, which must not be inside a CUDA-graph capture (the buffer would live in the
+    graph's private pool): the engine's eager warm-up, or any eager call, comes first."""
+    counters = _split_counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("linear_triton: call it once eagerly before capturing (split-K counters)")
+        counters = torch.zeros(SPLITK_MAX_COL_BLOCKS, dtype=torch.int32, device=device)
+        _split_counters[device] = counters
+    return counters
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -70,11 +140,23 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
-    config = skinny_config(num_cols, depth)
-    _skinny_gemm_kernel[(triton.cdiv(num_cols, config["BLOCK_N"]),)](
+    config = dict(skinny_config(num_cols, depth))
+    split_k = config["SPLIT_K"]
+    num_col_blocks = triton.cdiv(num_cols, config["BLOCK_N"])
+    # each split's K slice, a whole number of BLOCK_K tiles; the last slices may run past K (masked)
+    k_split = triton.cdiv(triton.cdiv(depth, split_k), config["BLOCK_K"]) * config["BLOCK_K"]
+    if split_k == 1:
+        partials, counters = y, y  # unused: the kernel stores y directly
+    else:
+        assert num_col_blocks <= SPLITK_MAX_COL_BLOCKS, (num_cols, config)
+        partials = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device)
+    _skinny_gemm_kernel[(num_col_blocks, split_k)](
         x,
         weight,
         y,
+        partials,
+        counters,
         num_rows,
         x.stride(0),
         weight.stride(0),
@@ -83,6 +165,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         K=depth,
         DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=16,
+        K_SPLIT=k_split,
         **config,
     )
     return y

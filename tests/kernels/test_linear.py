@@ -1,4 +1,5 @@
-"""The skinny GEMM (linear_triton) against F.linear, and the dispatcher's routing by row count."""
+"""The skinny GEMM (linear_triton) against F.linear, its split-K reduction (KERNEL_NOTES C18), and the dispatcher's
+routing by row count."""
 
 from __future__ import annotations
 
@@ -6,9 +7,16 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from deltaserve.kernels.linear import linear_ref
-from deltaserve.kernels.linear_triton import linear_triton, skinny_config
+from deltaserve.kernels.linear_triton import (
+    SPLITK_MAX_PROGRAMS,
+    SPLITK_TARGET_PROGRAMS,
+    linear_triton,
+    skinny_config,
+    split_counters,
+)
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
 
@@ -61,3 +69,84 @@ def test_skinny_config_fills_the_h200() -> None:
         config = skinny_config(num_cols, 2048)
         programs = -(-num_cols // config["BLOCK_N"])
         assert programs >= 128 or config["BLOCK_N"] == 16, (num_cols, config)
+
+
+def test_skinny_config_splits_the_2048_output_projections() -> None:
+    """The 2048-output projections reach ~4 programs per SM (C18); weights with >= ~3 per SM keep SPLIT_K = 1."""
+    assert skinny_config(2048, 4096)["SPLIT_K"] == 4  # out_proj / o_proj: 128 column blocks x 4
+    assert skinny_config(12352, 2048)["SPLIT_K"] == 1  # in_proj: 386 column blocks, ~3 per SM already
+    assert skinny_config(248320, 2048)["SPLIT_K"] == 1
+    assert skinny_config(2048, 512)["SPLIT_K"] == 1  # too shallow to split
+    for num_cols, depth in ((2048, 4096), (9216, 2048), (5120, 6144), (5120, 17408)):
+        config = skinny_config(num_cols, depth)
+        programs = -(-num_cols // config["BLOCK_N"]) * config["SPLIT_K"]
+        # ~4 per SM: 512 for [2048, 4096], 576 for [9216, 2048], 640 for the 27B shape's 5120-output weights
+        assert 0.9 * SPLITK_TARGET_PROGRAMS <= programs <= SPLITK_MAX_PROGRAMS, (num_cols, depth, config)
+
+
+def _force_config(monkeypatch: pytest.MonkeyPatch, split_k: int, block_k: int = 64) -> None:
+    """Small tiles, the given SPLIT_K, whatever the shape (the interpreter runs programs one after another)."""
+    import deltaserve.kernels.linear_triton as linear_triton_module
+
+    config = {"BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setattr(linear_triton_module, "skinny_config", lambda num_cols, depth: config)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+def test_linear_triton_split_k(monkeypatch: pytest.MonkeyPatch, split_k: int, num_rows: int) -> None:
+    """K = 300 is no multiple of SPLIT_K x BLOCK_K (at 4 the last split lies wholly past K); N = 40 leaves a
+    partial column block. Three calls in a row: equal bits (fixed split order) and the counters back at 0."""
+    _force_config(monkeypatch, split_k)
+    x = randn(num_rows, 300)
+    weight = randn(40, 300, scale=300**-0.5)
+    outs = []
+    for _ in range(3):
+        with poisoned_empty():  # the output and the partials workspace start as NaN
+            outs.append(linear_triton(x, weight))
+    assert_close("y", F.linear(x, weight), outs[0], 1e-6)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    assert not split_counters(x.device).any()
+
+
+def test_linear_triton_split_k_needs_clean_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A counter left non-zero makes a program of that column block reduce before all partials are in:
+    the test's guard against a missing reset (NaN-poisoned partials show up in y)."""
+    _force_config(monkeypatch, 2)
+    x, weight = randn(3, 256), randn(32, 256, scale=256**-0.5)
+    counters = split_counters(x.device)
+    counters[1] = 1
+    try:
+        with poisoned_empty():
+            out = linear_triton(x, weight)
+        with pytest.raises(AssertionError):
+            assert_close("y", F.linear(x, weight), out, 1e-6)
+    finally:
+        counters.zero_()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_cols", "depth"), [(2048, 4096), (12352, 2048)])
+@pytest.mark.parametrize("num_rows", [1, 4, 16])
+def test_linear_triton_split_k_served_shapes(num_rows: int, num_cols: int, depth: int) -> None:
+    """The 35B-A3B projections (bf16; SPLIT_K 4 for [2048, 4096], 1 for [12352, 2048]): F.linear's accuracy,
+    bitwise repeatable, and the same bits from a captured CUDA graph replayed twice (the counters reset inside
+    the graph)."""
+    assert skinny_config(num_cols, depth)["SPLIT_K"] == (4 if num_cols == 2048 else 1)
+    x = randn(num_rows, depth, dtype=torch.bfloat16)
+    weight = randn(num_cols, depth, dtype=torch.bfloat16, scale=depth**-0.5)
+    with poisoned_empty():
+        first = linear_triton(x, weight)
+    second = linear_triton(x, weight)
+    assert_close("y", F.linear(x, weight), first, 4e-3)
+    assert torch.equal(first, second)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear_triton(x, weight)
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)
+    assert not split_counters(x.device).any()
