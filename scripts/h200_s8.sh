@@ -6,14 +6,16 @@
 # and carries .whl too (xgrammar 0.2.9, apache-tvm-ffi 0.1.11). If a call's summary says "pieces stored: 1 of 3"
 # where 2 were expected, the machine changed between calls: send the missing piece in a short call of its own
 # (`bash benchmarks/oracle/unpack.sh vllm`), as session 7 did.
-#   1  carry .vllm_chunk        pytest -m gpu on the kernels changed in session 7 (C12b, C14-C17: test_gdn,
-#                               test_moe_decode, test_attention, test_cuda_graphs, test_moe_align_router); the
+#   1  carry .vllm_chunk        pytest -m gpu on the kernels changed in session 7 (C12b, C14-C18: test_gdn,
+#                               test_moe_decode, test_attention, test_cuda_graphs, test_moe_align_router,
+#                               test_linear); the
 #                               decode step on both shapes at 13 batch sizes ("before" = decode-step-h200-20261202-s7.json:
 #                               C10b, C11b, C12b; C16 / C17 are off in the committed table, so they need call 2);
 #                               the mixed-step profile with the host-side columns (C14 / C15, the 35B-A3B eager step)
 #   2  carry .vllm_chunk2       tune_moe for buckets 1-16 (C16 / C17 candidates), merged into the committed table
 #                               (/tmp/s8/moe-table.json, kept for calls 3-4), then the 35B-A3B decode step at
-#                               B = 1-16 with it (KERNEL_NOTES section 10's predictions)
+#                               B = 1-16 with it, the model and the `linear` variant (KERNEL_NOTES section 10's
+#                               and row C18's predictions; C18 is the split-K skinny GEMM, not used by the model)
 #   3  carry .vllm_chunk3 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64 with the merged table (~480 s)
 #   4                           h200_core2 on the 27B shape at c1/8/32/64 (~580 s)
 # Check every grid record's unequal_outputs before reading a MoE ratio. Afterwards commit the merged table
@@ -63,7 +65,7 @@ case $call in
     mark "pytest -m gpu on session 7's kernels"
     PYTHONPATH=$PWD:/tmp/ds_site timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA tests/kernels/test_gdn.py \
       tests/kernels/test_moe_decode.py tests/kernels/test_attention.py tests/kernels/test_cuda_graphs.py \
-      tests/kernels/test_moe_align_router.py > "$W/pytest-gpu-kernels.log" 2>&1
+      tests/kernels/test_moe_align_router.py tests/kernels/test_linear.py > "$W/pytest-gpu-kernels.log" 2>&1
     echo "pytest -m gpu: $(tail -1 "$W/pytest-gpu-kernels.log")" | tee -a "$OUT/summary.txt"
     mark "decode step (model variant, both shapes)"
     PYTHONPATH=$PWD timeout 150 python3 benchmarks/decode_step.py --models /tmp/ds_models --variants model \
@@ -96,9 +98,9 @@ json.dump(merged, open(sys.argv[3], "w"), indent=1)
 print("merged table: buckets", ",".join(tuned["buckets"]), "from the tune over", len(committed["buckets"]), "committed")
 PY
     cp /tmp/s8/moe-table.json "$W/moe-table.json" 2>/dev/null
-    mark "decode step 35B-A3B B = 1-16 with the merged table"
+    mark "decode step 35B-A3B B = 1-16 with the merged table, the model and the linear variant (C18)"
     PYTHONPATH=$PWD timeout $((budget - 10 - SECONDS)) python3 benchmarks/decode_step.py --models /tmp/ds_models \
-      --shapes 35b-a3b --variants model --batches 1,2,4,8,16 --moe-table /tmp/s8/moe-table.json \
+      --shapes 35b-a3b --variants model,linear --batches 1,2,4,8,16 --moe-table /tmp/s8/moe-table.json \
       --out "$W/decode-step-tuned.json" > "$W/decode-step-tuned.log" 2>&1
     echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
     tail -5 "$W/decode-step-tuned.log" | tee -a "$OUT/summary.txt"
