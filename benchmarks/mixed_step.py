@@ -132,15 +132,21 @@ def matmul_flops(config: Any, model: Any, case: Case, context: int) -> float:
     return total + num_attn * 4.0 * width * pairs
 
 
-def gpu_ms(run: Any, reps: int, device: torch.device) -> tuple[float, float, float]:
-    """(median, p10, p90) ms of run() by CUDA events (wall clock on the CPU), after one warm-up."""
+def gpu_ms(run: Any, reps: int, device: torch.device) -> tuple[float, float, float, float]:
+    """(median, p10, p90) ms of run() by CUDA events (wall clock on the CPU), after one warm-up, and the median ms
+    the host spent issuing it: perf_counter from a synchronised start to run()'s return, before the closing sync.
+    Where the two are close the step is host-bound (the GPU waited on launches); a hidden host sync inside run()
+    shows in the host time too (the host then waits on the GPU)."""
     run()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         if device.type == "cuda":
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            started = time.perf_counter()
             run()
+            host.append((time.perf_counter() - started) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -148,26 +154,11 @@ def gpu_ms(run: Any, reps: int, device: torch.device) -> tuple[float, float, flo
             started = time.perf_counter()
             run()
             times.append((time.perf_counter() - started) * 1e3)
+            host.append(times[-1])
     times.sort()
+    host.sort()
     pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
-    return times[len(times) // 2], pick(0.1), pick(0.9)
-
-
-def host_ms(run: Any, reps: int, device: torch.device) -> float:
-    """Median ms the host spends issuing run() (perf_counter from a synchronised start to run()'s return, before
-    the closing sync). Where it is close to the CUDA-event time the step is host-bound: the GPU waited on
-    launches. A hidden host sync inside run() shows here too (the host then waits on the GPU)."""
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - started) * 1e3)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    times.sort()
-    return times[len(times) // 2]
+    return times[len(times) // 2], pick(0.1), pick(0.9), host[len(host) // 2]
 
 
 def host_profile(run: Any, device: torch.device, top: int = HOST_PROFILE_TOP) -> list[dict[str, Any]]:
@@ -214,9 +205,8 @@ def measure_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: arg
         if device.type == "cuda":
             torch.cuda.synchronize()
         row["first_forward_s"] = round(time.perf_counter() - started, 2)
-        median, p10, p90 = gpu_ms(run, args.reps, device)
-        row.update(ms=round(median, 3), ms_p10=round(p10, 3), ms_p90=round(p90, 3))
-        row["host_ms"] = round(host_ms(run, args.reps, device), 3)
+        median, p10, p90, host = gpu_ms(run, args.reps, device)
+        row.update(ms=round(median, 3), ms_p10=round(p10, 3), ms_p90=round(p90, 3), host_ms=round(host, 3))
         row["host_top"] = host_profile(run, device)
         with ds.labelled(model, config):
             by_label, kernels = ds.profile_ops(run, device, ds.moe_label(False))
