@@ -25,41 +25,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
-call=${1:?which call: 1..4}
-W=/tmp/s8/call$call
-mkdir -p "$W" "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mark() { echo "=== $1 (${SECONDS}s)" | tee -a "$OUT/summary.txt"; }
-finish() { tar -czf "$OUT/call$call.tgz" -C "$W" . 2>/dev/null; }
-trap finish EXIT
-budget=${CALL_BUDGET_S:-570}
-mark "call $call, commit ${DELTASERVE_GIT_COMMIT:-unknown}, $(date -u +%FT%TZ)"
-nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
-case $call in
-  1 | 2 | 3) bash benchmarks/oracle/unpack.sh vllm | tee -a "$OUT/summary.txt" ;;
-esac
-grid() {  # grid file, record name, extra flags...
-  local file=$1 name=$2
-  shift 2
-  GRID=$file GRID_TIMEOUT_S=$((budget - SECONDS)) GRID_STORE=/tmp/ds_grid_s8 OUT=$W/$name \
-    bash benchmarks/h200_grid.sh --record-name "$name" --no-drift --deadline-s $((budget - 15 - SECONDS)) "$@" \
-    > "$W/$name.log" 2>&1
-  grep -E "^\[grid\]|rror" "$W/$name.log" | tail -16 | tee -a "$OUT/summary.txt"
-}
-day=${RECORD_DATE:-$(date +%Y%m%d)}
-# deltaserve's own pins for the grids (xgrammar 0.2.9 and its needs): .whl rides with piece 3 (pieces 1 and 2 with
-# the tree fill the 64 MiB a call carries)
-if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds_site \
-    .whl/*.whl > "$W/pip.log" 2>&1 || echo "wheel install failed: $(tail -2 "$W/pip.log")" | tee -a "$OUT/summary.txt"
-fi
+CALL=${1:?which call: 1..4}
+SESSION=s8
+BUNDLE_CALLS="1 2 3"
+source scripts/h200_call.sh
 TABLE=deltaserve/kernels/configs/moe_E256_I512_H2048_k8_bfloat16_NVIDIA_H200.json
 # calls 3 and 4 serve with the table call 2 tuned and merged (this call's checkout is a fresh copy of the tree)
-if [ "$call" -ge 3 ] && [ -f /tmp/s8/moe-table.json ]; then
+if [ "$CALL" -ge 3 ] && [ -f /tmp/s8/moe-table.json ]; then
   cp /tmp/s8/moe-table.json "$TABLE" && echo "serving with the merged table of call 2" | tee -a "$OUT/summary.txt"
 fi
-case $call in
+case $CALL in
   1)
     timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1
     mark "pytest -m gpu on session 7's kernels"
@@ -109,6 +84,6 @@ PY
      grid benchmarks/grids/h200_core2.toml "h200_core2-35b-a3b-$day" --models q35-35b-a3b --concurrencies 1,8,32,64 ;;
   4) mark "h200_core2, 27B, c1/8/32/64"
      grid benchmarks/grids/h200_core2.toml "h200_core2-27b-$day" --models q35-27b --concurrencies 1,8,32,64 ;;
-  *) echo "unknown call $call"; exit 2 ;;
+  *) echo "unknown call $CALL"; exit 2 ;;
 esac
 mark done
