@@ -140,7 +140,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
-    config = dict(skinny_config(num_cols, depth))
+    config = skinny_config(num_cols, depth)
     split_k = config["SPLIT_K"]
     num_col_blocks = triton.cdiv(num_cols, config["BLOCK_N"])
     # each split's K slice, a whole number of BLOCK_K tiles; the last slices may run past K (masked)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,10 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 PATHS = ("decode", "grouped")
 # The decode path keeps every token of the batch in one row tile (rows = tokens using an expert).
 DECODE_MAX_TOKENS = 64
+
+
+# GemmConfig's decode-path variant fields (KERNEL_NOTES C16, C17): written to a table only away from their defaults
+VARIANT_FIELDS = ("CHOICES_PER_PROGRAM", "ROUTE_ROWS")
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,9 @@ class GemmConfig:
         """The JSON form; the decode-path variant fields only when not at their defaults, so tables without
         the variants stay as they were."""
         data = asdict(self)
-        for name, default in (("CHOICES_PER_PROGRAM", 0), ("ROUTE_ROWS", 16)):
-            if data[name] == default:
-                del data[name]
+        for field in fields(self):
+            if field.name in VARIANT_FIELDS and data[field.name] == field.default:
+                del data[field.name]
         return data
 
 
