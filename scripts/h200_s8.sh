@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next session's device calls (planned 2026-12-02 after session 7; 1800 device-seconds), one warm nvidia-h200,
 # each issued within 30 s of the last. Calls 1-3 carry the three vLLM bundle pieces (benchmarks/oracle/unpack.sh);
-# call 3 needs SHA256 of the bundle (session 7's rebuild: 200fca33a2d2e97b9f29be95c3d7c36b7b134dc8bb051ebf089525d492cee0af;
+# call 3 needs SHA256 of the bundle (session 8's rebuild: e88e87446666ddee2baadc0a82df143139d3e2ebb6c4f97614a44c965604a33b;
 # a checkout without the pieces rebuilds them with /work/shared/tools/vllm-oracle/build_bundle.sh: check the new sum)
 # and carries .whl too (xgrammar 0.2.9, apache-tvm-ffi 0.1.11). If a call's summary says "pieces stored: 1 of 3"
 # where 2 were expected, the machine changed between calls: send the missing piece in a short call of its own
