@@ -21,7 +21,7 @@
 # Check every grid record's unequal_outputs before reading a MoE ratio. Afterwards commit the merged table
 # (call 2's moe-table.json) over deltaserve/kernels/configs/moe_E256_I512_H2048_k8_bfloat16_NVIDIA_H200.json
 # if the decode step measured it no slower than the committed one.
-# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] bash scripts/h200_s8.sh CALL
+# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] [TUNE_BUDGET_S=200] bash scripts/h200_s8.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -56,7 +56,8 @@ case $CALL in
     ;;
   2)
     mark "tune_moe 35B-A3B buckets 1-16 (C16 / C17 candidates)"
-    PYTHONPATH=$PWD timeout 260 python3 benchmarks/tune_moe.py --shape 35b-a3b --buckets 1,2,4,8,16 --budget-s 200 \
+    PYTHONPATH=$PWD timeout $((${TUNE_BUDGET_S:-200} + 60)) python3 benchmarks/tune_moe.py --shape 35b-a3b --buckets 1,2,4,8,16 \
+      --budget-s ${TUNE_BUDGET_S:-200} \
       --out "$W/moe-table-tuned.json" > "$W/tune-moe.log" 2>&1
     echo "tune_moe rc $?" | tee -a "$OUT/summary.txt"
     grep -E "^bucket" "$W/tune-moe.log" | tee -a "$OUT/summary.txt"
