@@ -77,7 +77,8 @@ VARIANTS = [
 
 if __name__ == "__main__":
     failures = 0
-    for dtype in (torch.float32, torch.bfloat16):
+    # bf16 on the H200 (fp32 passed there in session 8, 1e-6); fp32 under the interpreter on a CPU
+    for dtype in (torch.bfloat16,) if torch.cuda.is_available() else (torch.float32,):
         for lengths, has_init, hk, hv, dk, dv in VARIANTS:
             try:
                 print(case(lengths, has_init, hk, hv, dk, dv, dtype), flush=True)

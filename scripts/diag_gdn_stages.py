@@ -161,7 +161,35 @@ def sweep(t: int, hk: int, hv: int, dk: int, dv: int) -> None:
                 setattr(gt, name, old)
 
 
+def timing() -> None:
+    """The chunked prefill at the served head shapes with the w / u kernel at 4 and 8 warps (ms, do_bench)."""
+    import triton
+
+    for label, lengths, hk, hv in (("27b-2048", [2048], 16, 48), ("35b-a3b-8x1024", [1024] * 8, 16, 32)):
+        t = sum(lengths)
+        q, k, v, a, b, A_log, dt_bias, _ = inputs(t, hk, hv, 128, 128, DTYPE)
+        states = torch.randn(len(lengths) + 1, hv, 128, 128, device=DEV) * 0.05
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        qsl = torch.tensor(starts, dtype=torch.int32, device=DEV)
+        slots = torch.arange(len(lengths), dtype=torch.int32, device=DEV)
+        init = torch.ones(len(lengths), dtype=torch.bool, device=DEV)
+        old = gt.CHUNK_WU_WARPS
+        for warps in (4, 8):
+            gt.CHUNK_WU_WARPS = warps
+            call = (q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init)
+            ms = triton.testing.do_bench(lambda call=call: gt.gdn_prefill_triton(*call), rep=200)
+            print(f"  {label} wu warps {warps}: {ms:.3f} ms a layer's chunked prefill", flush=True)
+        gt.CHUNK_WU_WARPS = old
+
+
 if __name__ == "__main__":
+    import sys
+
+    if "--time" in sys.argv:
+        timing()
+        sys.exit(0)
     for shape in [(40, 2, 4, 64, 32), (40, 2, 4, 64, 64), (40, 2, 4, 32, 32), (40, 2, 4, 128, 128)]:
         try:
             stages(*shape)

@@ -38,8 +38,10 @@ CHUNK_BV = 32
 CHUNK_SCAN_WARPS = 4
 # Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
 CHUNK_PREPARE_WARPS = 4
-# The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles.
-CHUNK_WU_WARPS = 4
+# The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles. w / u at 8
+# warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative error 0.84, w
+# and every other stage right; 2 or 8 warps right; scripts/diag_gdn_stages.py, session 8's record).
+CHUNK_WU_WARPS = 8
 CHUNK_OUT_WARPS = 4
 CHUNK_OUT_BV = 64
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
