@@ -5,8 +5,9 @@
 For each size the op is captured REPS times into one CUDA graph (inputs on the device, no host work) and the
 replay timed with CUDA events; the per-call figure (median of --replays replays / REPS) is what a decode-step
 graph pays, launch gaps included. Alignment: moe_align_triton against moe_align_ref (the torch path the grouped
-MoE takes above ALIGN_MAX_ENTRIES) at N = 8 ... 16384 entries on the 35B-A3B routing (E = 256, top-8,
-BLOCK_M 16 and the table's 32 / 64); sizes above ALIGN_MAX_ENTRIES time the ref only. Router: router_logits_triton
+MoE took above ALIGN_DISPATCH_MAX_ENTRIES before C19) and, from 1024 entries, moe_align_chunked_triton (C19's
+three launches) at N = 8 ... 65536 entries on the 35B-A3B routing (E = 256, top-8, BLOCK_M 16 and the table's
+32 / 64); the one-program kernel runs up to ALIGN_MAX_ENTRIES. Router: router_logits_triton
 (GEMV up to ROUTER_GEMV_MAX_TOKENS, tl.dot above) against router_logits_ref (two cuBLAS GEMMs and a cat) at
 T = 1 ... 256 on W_r [256, 2048] plus the shared gate row, bf16. The record also carries the module constants
 (ALIGN_MAX_ENTRIES, ROUTER_*), so a later run with other switch points says which ones it measured.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ALIGN_ENTRIES = (8, 64, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192, 16384)
+ALIGN_ENTRIES = (8, 64, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 ROUTER_TOKENS = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65, 96, 128, 192, 256)
 
 
@@ -64,7 +65,7 @@ def graph_us(fn: Callable[[], object], reps: int, replays: int) -> float:
 
 def bench_align(reps: int, replays: int) -> list[dict[str, float | int]]:
     from deltaserve.kernels.moe_align import moe_align_ref
-    from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_triton
+    from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, moe_align_chunked_triton, moe_align_triton
 
     rows: list[dict[str, float | int]] = []
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -81,9 +82,16 @@ def bench_align(reps: int, replays: int) -> list[dict[str, float | int]]:
                 )
                 got, want = moe_align_triton(ids, 256, block_m), moe_align_ref(ids, 256, block_m)
                 row["equal"] = int(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))
+            if ids.numel() >= 1024:
+                row["chunked_us"] = round(
+                    graph_us(lambda i=ids, m=block_m: moe_align_chunked_triton(i, 256, m), reps, replays), 2
+                )
+                got, want = moe_align_chunked_triton(ids, 256, block_m), moe_align_ref(ids, 256, block_m)
+                row["chunked_equal"] = int(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))
             rows.append(row)
             print(f"align N={row['entries']:>6} M={block_m:>3}: triton {row.get('triton_us', '-'):>8} µs, "
-                  f"torch {row['ref_us']:>8} µs, equal {row.get('equal', '-')}", flush=True)  # fmt: skip
+                  f"chunked {row.get('chunked_us', '-'):>8} µs, torch {row['ref_us']:>8} µs, "
+                  f"equal {row.get('equal', '-')} / {row.get('chunked_equal', '-')}", flush=True)  # fmt: skip
     return rows
 
 
@@ -120,14 +128,15 @@ def main() -> int:
     from deltaserve.kernels import moe_decode_triton, moe_routing_triton
 
     constants = {k: v for k, v in vars(moe_decode_triton).items() if k.startswith("ROUTER_") and isinstance(v, int)}
-    constants["ALIGN_MAX_ENTRIES"] = moe_routing_triton.ALIGN_MAX_ENTRIES
+    for name in ("ALIGN_MAX_ENTRIES", "ALIGN_DISPATCH_MAX_ENTRIES", "ALIGN_CHUNK_MIN", "ALIGN_CHUNKED_MAX_ENTRIES"):
+        constants[name] = getattr(moe_routing_triton, name)
     record = {
         "kind": "align_router", "gpu": torch.cuda.get_device_name(), "constants": constants,
         "align": bench_align(args.reps, args.replays), "router": bench_router(args.reps, args.replays),
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
-    bad = [r for r in record["align"] if r.get("equal") == 0]
+    bad = [r for r in record["align"] if r.get("equal") == 0 or r.get("chunked_equal") == 0]
     return 1 if bad else 0
 
 

@@ -162,7 +162,8 @@ def sweep(t: int, hk: int, hv: int, dk: int, dv: int) -> None:
 
 
 def timing() -> None:
-    """The chunked prefill at the served head shapes with the w / u kernel at 4 and 8 warps (ms, do_bench)."""
+    """The chunked prefill at the served head shapes with the w / u kernel at 4 and 8 warps, and the prepare's
+    blocked inverse alone (ms, do_bench)."""
     import triton
 
     for label, lengths, hk, hv in (("27b-2048", [2048], 16, 48), ("35b-a3b-8x1024", [1024] * 8, 16, 32)):
@@ -182,6 +183,12 @@ def timing() -> None:
             ms = triton.testing.do_bench(lambda call=call: gt.gdn_prefill_triton(*call), rep=200)
             print(f"  {label} wu warps {warps}: {ms:.3f} ms a layer's chunked prefill", flush=True)
         gt.CHUNK_WU_WARPS = old
+    # The prepare kernel's blocked (I + A)^-1 alone over as many [64, 64] tiles as the prepare launch has
+    # programs (27B 2048: 32 chunks x 48 heads; 8x1024 on 32 heads: 4096): its share of the prepare's time.
+    for label, num_tiles in (("27b-2048", 32 * 48), ("35b-a3b-8x1024", 128 * 32)):
+        strict = (torch.randn(num_tiles, gt.CHUNK, gt.CHUNK, device=DEV) * 0.05).tril(-1)
+        ms = triton.testing.do_bench(lambda s=strict: gt.chunk_inverse_triton(s), rep=200)
+        print(f"  {label} blocked inverse alone ({num_tiles} tiles, incl. one clone): {ms:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

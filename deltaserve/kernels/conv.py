@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels._dispatch import output, use_triton
 
 
 def _conv_rows(rows: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -31,10 +31,12 @@ def causal_conv1d_prefill_ref(
     query_start_loc: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, C] varlen by query_start_loc [B+1]; weight [C, K]. Returns y [T, C]; updates conv_states in place."""
+    """x [T, C] varlen by query_start_loc [B+1]; weight [C, K]. Returns y [T, C] (into `out` when given); updates
+    conv_states in place."""
     kernel_size = weight.shape[1]
-    out = torch.empty_like(x)
+    out = output(out, tuple(x.shape), x)
     starts = query_start_loc.tolist()
     for b, slot in enumerate(state_indices.tolist()):
         start, end = starts[b], starts[b + 1]
@@ -57,22 +59,29 @@ def causal_conv1d_prefill(
     query_start_loc: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x):
         from deltaserve.kernels.conv_triton import causal_conv1d_prefill_triton
 
-        return causal_conv1d_prefill_triton(x, weight, conv_states, query_start_loc, state_indices, has_initial_state)
-    return causal_conv1d_prefill_ref(x, weight, conv_states, query_start_loc, state_indices, has_initial_state)
+        return causal_conv1d_prefill_triton(
+            x, weight, conv_states, query_start_loc, state_indices, has_initial_state, out
+        )
+    return causal_conv1d_prefill_ref(x, weight, conv_states, query_start_loc, state_indices, has_initial_state, out)
 
 
 def causal_conv1d_update_ref(
-    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence: x [B, C] -> y [B, C]; shifts each slot's state in place.
 
     Slots < 0 (CUDA-graph padding) are skipped and their outputs are left as zeros.
     """
-    out = torch.zeros_like(x)
+    out = output(out, tuple(x.shape), x).zero_()
     for b, slot in enumerate(state_indices.tolist()):
         if slot < 0:
             continue
@@ -83,10 +92,14 @@ def causal_conv1d_update_ref(
 
 
 def causal_conv1d_update(
-    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x):
         from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
 
-        return causal_conv1d_update_triton(x, weight, conv_states, state_indices)
-    return causal_conv1d_update_ref(x, weight, conv_states, state_indices)
+        return causal_conv1d_update_triton(x, weight, conv_states, state_indices, out)
+    return causal_conv1d_update_ref(x, weight, conv_states, state_indices, out)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels._dispatch import output
 from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguous, search_steps, silu_f32
 
 
@@ -144,8 +145,9 @@ def causal_conv1d_prefill_triton(
     query_start_loc: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, C] varlen; weight [C, K]; conv_states [S, K-1, C] updated in place -> y [T, C].
+    """x [T, C] varlen; weight [C, K]; conv_states [S, K-1, C] updated in place -> y [T, C] (into `out` if given).
 
     Two launches, both sized from shapes (no host sync): the conv over global token blocks, then the
     per-sequence history write-back, which stream order keeps after every read of the old history.
@@ -154,7 +156,7 @@ def causal_conv1d_prefill_triton(
     assert weight.is_contiguous() and conv_states.stride(-1) == 1
     num_tokens, channels = x.shape
     kernel_size = weight.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = output(out, tuple(x.shape), x)
     num_seqs = state_indices.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -242,14 +244,18 @@ def _causal_conv1d_update_kernel(
 
 
 def causal_conv1d_update_triton(
-    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per sequence: x [B, C] -> y [B, C] (zeros where slot < 0); conv_states shift in place."""
     require_last_dim_contiguous("x", x)
     assert weight.is_contiguous() and conv_states.stride(-1) == 1
     batch, channels = x.shape
     kernel_size = weight.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = output(out, tuple(x.shape), x)
     if batch == 0:
         return out
     block_c = min(256, next_pow2(channels))

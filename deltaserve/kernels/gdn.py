@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels._dispatch import output, use_triton
 
 CHUNK_SIZE = 64
 
@@ -94,15 +94,17 @@ def gdn_prefill_ref(
     query_start_loc: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv]; updates ssm_states in place."""
+    """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv] (into `out` when given); updates ssm_states
+    in place."""
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
     g, beta = _gates(a, b, A_log, dt_bias)
     # vLLM's prefill rounds the normed q/k to the activation dtype before the core.
     q_hat = _l2norm(q).to(q.dtype).float().repeat_interleave(group, dim=1) * head_k_dim**-0.5
     k_hat = _l2norm(k).to(k.dtype).float().repeat_interleave(group, dim=1)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    out = output(out, tuple(v.shape), v)
     starts = query_start_loc.tolist()
     for i, slot in enumerate(state_indices.tolist()):
         start, end = starts[i], starts[i + 1]
@@ -134,14 +136,14 @@ def gdn_prefill(
     query_start_loc: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    args = (q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state)
     if use_triton(q):
         from deltaserve.kernels.gdn_triton import gdn_prefill_triton
 
-        return gdn_prefill_triton(
-            q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state
-        )
-    return gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state)
+        return gdn_prefill_triton(*args, out=out)
+    return gdn_prefill_ref(*args, out=out)
 
 
 def gdn_decode_ref(
@@ -154,14 +156,16 @@ def gdn_decode_ref(
     dt_bias: torch.Tensor,
     ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per sequence: q, k [B, HK, dk]; v [B, HV, dv]; a, b [B, HV] -> o [B, HV, dv]; states in place."""
+    """One token per sequence: q, k [B, HK, dk]; v [B, HV, dv]; a, b [B, HV] -> o [B, HV, dv] (into `out` when
+    given; zeros where slot < 0); states in place."""
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
     g, beta = _gates(a, b, A_log, dt_bias)
     q_hat = _l2norm(q).repeat_interleave(group, dim=1) * head_k_dim**-0.5  # [B, HV, dk]
     k_hat = _l2norm(k).repeat_interleave(group, dim=1)  # [B, HV, dk]
-    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    out = output(out, tuple(v.shape), v).zero_()
     for i, slot in enumerate(state_indices.tolist()):
         if slot < 0:
             continue
@@ -183,9 +187,10 @@ def gdn_decode(
     dt_bias: torch.Tensor,
     ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(q):
         from deltaserve.kernels.gdn_triton import gdn_decode_triton
 
-        return gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices)
-    return gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices)
+        return gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, out)
+    return gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, out)

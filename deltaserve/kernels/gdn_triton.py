@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels._dispatch import output
 from deltaserve.kernels._triton import dot_precision, i64, next_pow2, search_steps, softplus_f32
 
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
@@ -160,14 +161,16 @@ def gdn_decode_triton(
     dt_bias: torch.Tensor,
     ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k [B, HK, dk]; v [B, HV, dv]; a, b [B, HV] -> o [B, HV, dv] (zeros where slot < 0); states in place."""
+    """q, k [B, HK, dk]; v [B, HV, dv]; a, b [B, HV] -> o [B, HV, dv] (into `out` when given; zeros where slot
+    < 0); states in place."""
     batch, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
-    out = torch.empty(batch, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    out = output(out, (batch, num_v_heads, head_v_dim), v)
     if batch == 0:
         return out
     block_v = _block_v(head_v_dim)
@@ -862,9 +865,11 @@ def gdn_prefill_triton(
     query_start_loc: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    out: torch.Tensor | None = None,
     chunked: bool = True,
 ) -> torch.Tensor:
-    """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv]; final states written to the slots.
+    """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv] (into `out` when given); final states
+    written to the slots.
 
     chunked=False runs the recurrent kernel instead (one token per step; the bench compares the two).
     """
@@ -873,7 +878,7 @@ def gdn_prefill_triton(
     _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
-    out = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    out = output(out, (num_tokens, num_v_heads, head_v_dim), v)
     num_seqs = state_indices.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -18,8 +18,16 @@ about 22 launches per MoE layer (benchmarks/results/profile-decode-35b-a3b-h200-
   steps of cross-warp reductions at 256 entries, 28 µs a layer at B = 32 and 144 µs at B = 256). Registers
   stay ≤ 125 with no spills for N ≤ 8192, E ≤ 512, any BLOCK_M (benchmarks/kernel_resources.py --align);
   the sort is O(N log² N / threads) work, so the fused MoE calls it up to ALIGN_DISPATCH_MAX_ENTRIES (512
-  tokens at top-8; the H200 measured the torch path faster at 8192 entries) and runs the torch ops beyond.
-Both are CUDA-graph safe: grids from shapes, no host sync.
+  tokens at top-8; the H200 measured the torch path faster at 8192 entries).
+- `moe_align_chunked_triton` (twin: `moe_align.moe_align_ref`, equal output; KERNEL_NOTES C19): the same
+  alignment for prefill-sized batches as a counting sort in three launches: per-chunk expert counts (and the
+  padding fill), one scan program (padded run ends; per chunk and expert the slot base = padded run start +
+  the expert's entries in earlier chunks − the chunk's entries of smaller experts), and the scatter (each
+  chunk's one sort of expert·CHUNK + entry keys gives an entry's position in the chunk's stable order, so its
+  slot is base + position; each program also resolves the experts of a share of the blocks). It replaced the
+  torch ops above ALIGN_DISPATCH_MAX_ENTRIES: on the 35B-A3B shape an eager prefill step is host-bound and
+  those ops cost ~15 launches and 13.5-16.5 ms of host a step (mixed-step-h200-20261202-s8.json).
+All are CUDA-graph safe: grids from shapes, no host sync.
 """
 
 from __future__ import annotations
@@ -197,3 +205,172 @@ def align_launch(num_entries: int, num_experts: int, block_m: int) -> dict[str, 
         "BLOCK_S": min(4096, block_b * block_m),
         "num_warps": num_warps,
     }
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The multi-program alignment for prefill-sized batches (KERNEL_NOTES C19): a counting sort in three launches.
+# Chunks of ALIGN_CHUNK_MIN entries or more, at most ALIGN_CHUNKED_MAX_PROGRAMS of them (the scan holds every
+# chunk's counts in one [programs, E] tile), each chunk at most ALIGN_MAX_ENTRIES (one program's sort).
+ALIGN_CHUNK_MIN = 1024
+ALIGN_CHUNKED_MAX_PROGRAMS = 64
+ALIGN_CHUNKED_MAX_ENTRIES = ALIGN_CHUNKED_MAX_PROGRAMS * ALIGN_MAX_ENTRIES  # 65536 tokens at top-8
+# The padding fill's store block (a loop over it covers a program's share of sorted_ids).
+ALIGN_FILL_BLOCK = 1024
+# Blocks whose expert one step of the scatter kernel resolves ([ALIGN_BLOCK_TILE, BLOCK_E] compares).
+ALIGN_BLOCK_TILE = 32
+
+
+@triton.jit(do_not_specialize=["num_entries", "num_slots", "slots_per_program"])
+def _moe_align_count_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ids_ptr,
+    num_entries,
+    num_slots,
+    slots_per_program,
+    stride_ids,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """Program p: the per-expert counts of entries [p·CHUNK, (p+1)·CHUNK) into counts [P, BLOCK_E], and its share
+    of the padding fill (every slot = num_entries; the scatter kernel, launched after, stores over it)."""
+    i_p = tl.program_id(0)
+    o_n = i_p * CHUNK + tl.arange(0, CHUNK)
+    m_n = o_n < num_entries
+    b_ids = tl.load(ids_ptr + i64(o_n) * stride_ids, mask=m_n, other=-1).to(tl.int32)  # [CHUNK]
+    m_n = m_n & (b_ids >= 0) & (b_ids < E)
+    b_counts = tl.histogram(tl.where(m_n, b_ids, 0), BLOCK_E, mask=m_n)  # [BLOCK_E]
+    tl.store(counts_ptr + i_p * BLOCK_E + tl.arange(0, BLOCK_E), b_counts)
+    o_f = tl.arange(0, BLOCK_F)
+    b_pad = tl.zeros([BLOCK_F], dtype=tl.int32) + num_entries
+    first = i64(i_p) * slots_per_program
+    for f0 in range(0, slots_per_program, BLOCK_F):
+        o_s = first + f0 + o_f
+        tl.store(sorted_ids_ptr + o_s, b_pad, mask=(f0 + o_f < slots_per_program) & (o_s < num_slots))
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _moe_align_scan_kernel(
+    counts_ptr,
+    base_ptr,
+    ends_ptr,
+    num_chunks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One program: from counts [P, E], each expert's block-padded run end (ends [BLOCK_E]) and, per (chunk,
+    expert), base = padded run start + the expert's entries in earlier chunks − the chunk's entries of smaller
+    experts, so that an entry's slot is base[its chunk, its expert] + its position in the chunk's sorted order."""
+    o_p = tl.arange(0, BLOCK_P)
+    o_e = tl.arange(0, BLOCK_E)
+    m_pe = (o_p < num_chunks)[:, None] & (o_e < BLOCK_E)[None, :]
+    o_pe = o_p[:, None] * BLOCK_E + o_e[None, :]  # [BLOCK_P, BLOCK_E]
+    b_counts = tl.load(counts_ptr + o_pe, mask=m_pe, other=0)
+    b_total = tl.sum(b_counts, axis=0)  # [BLOCK_E]
+    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    b_ends = tl.cumsum(b_padded, axis=0)
+    b_earlier = tl.cumsum(b_counts, axis=0) - b_counts  # same expert, earlier chunks
+    b_smaller = tl.cumsum(b_counts, axis=1) - b_counts  # same chunk, smaller experts
+    tl.store(base_ptr + o_pe, (b_ends - b_padded)[None, :] + b_earlier - b_smaller, mask=m_pe)
+    tl.store(ends_ptr + o_e, b_ends)
+
+
+@triton.jit(do_not_specialize=["num_entries", "num_blocks", "blocks_per_program"])
+def _moe_align_scatter_kernel(
+    ids_ptr,
+    base_ptr,
+    ends_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_entries,
+    num_blocks,
+    blocks_per_program,
+    stride_ids,
+    E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LOG_CHUNK: tl.constexpr,
+    BLOCK_BT: tl.constexpr,
+):
+    """Program p: its chunk's entries to their slots (one sort of the keys expert·CHUNK + entry gives each its
+    position in the chunk's stable expert order), and the experts of its share of the blocks (searchsorted,
+    right, over the run ends; −1 past the last run)."""
+    i_p = tl.program_id(0)
+    o_c = tl.arange(0, CHUNK)
+    o_n = i_p * CHUNK + o_c
+    m_n = o_n < num_entries
+    b_ids = tl.load(ids_ptr + i64(o_n) * stride_ids, mask=m_n, other=-1).to(tl.int32)  # [CHUNK]
+    m_n = m_n & (b_ids >= 0) & (b_ids < E)
+    b_keys = tl.sort((tl.where(m_n, b_ids, BLOCK_E) << LOG_CHUNK) | o_c)  # padding sorts last
+    b_expert_of = b_keys >> LOG_CHUNK
+    m_sorted = b_expert_of < E
+    b_slot = tl.load(base_ptr + i_p * BLOCK_E + b_expert_of, mask=m_sorted, other=0) + o_c
+    tl.store(sorted_ids_ptr + b_slot, i_p * CHUNK + (b_keys & (CHUNK - 1)), mask=m_sorted)
+    b_ends = tl.load(ends_ptr + tl.arange(0, BLOCK_E))  # [BLOCK_E]; experts ≥ E end at the total
+    total = tl.max(b_ends, axis=0)
+    o_bt = tl.arange(0, BLOCK_BT)
+    for b0 in range(0, blocks_per_program, BLOCK_BT):
+        o_b = i_p * blocks_per_program + b0 + o_bt
+        b_start = o_b * BLOCK_M
+        b_ended = tl.sum((b_ends[None, :] <= b_start[:, None]).to(tl.int32), axis=1)  # [BLOCK_BT]
+        tl.store(
+            block_expert_ptr + o_b,
+            tl.where(b_start < total, b_ended, -1),
+            mask=(b0 + o_bt < blocks_per_program) & (o_b < num_blocks),
+        )
+
+
+def align_chunked_launch(num_entries: int, num_experts: int) -> dict[str, int]:
+    """Chunk, programs and warps of the multi-program alignment: the chunk is the smallest power of two ≥
+    ALIGN_CHUNK_MIN that keeps the programs ≤ ALIGN_CHUNKED_MAX_PROGRAMS (a function of N's power of two)."""
+    chunk = max(ALIGN_CHUNK_MIN, next_pow2(triton.cdiv(max(num_entries, 1), ALIGN_CHUNKED_MAX_PROGRAMS)))
+    num_warps = 4 if chunk <= 512 else (8 if chunk <= 4096 else 16)
+    return {
+        "CHUNK": chunk,
+        "LOG_CHUNK": chunk.bit_length() - 1,
+        "BLOCK_E": max(next_pow2(num_experts), 32 * num_warps),
+        "num_programs": triton.cdiv(num_entries, chunk),
+        "num_warps": num_warps,
+    }
+
+
+def moe_align_chunked_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids, block_expert), equal to moe_align.moe_align_ref, for prefill-sized batches:
+    counts per chunk (parallel), one scan program, the scatter (parallel). At most ALIGN_CHUNKED_MAX_ENTRIES."""
+    flat = topk_ids.reshape(-1)  # [N]
+    num_entries = flat.numel()
+    if num_entries > ALIGN_CHUNKED_MAX_ENTRIES:
+        raise ValueError(
+            f"moe_align_chunked_triton takes at most {ALIGN_CHUNKED_MAX_ENTRIES} entries, got {num_entries}"
+        )
+    device = flat.device
+    num_blocks = triton.cdiv(num_entries, block_m) + min(num_experts, num_entries)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    if num_entries == 0:
+        return sorted_ids, block_expert
+    launch = align_chunked_launch(num_entries, num_experts)
+    num_programs, block_e = launch["num_programs"], launch["BLOCK_E"]
+    work = torch.empty((2 * num_programs + 1) * block_e, dtype=torch.int32, device=device)
+    counts, base, ends = work[: num_programs * block_e], work[num_programs * block_e : -block_e], work[-block_e:]
+    num_slots = num_blocks * block_m
+    common = {"E": num_experts, "BLOCK_E": block_e, "CHUNK": launch["CHUNK"], "num_warps": launch["num_warps"]}
+    _moe_align_count_kernel[(num_programs,)](
+        flat, counts, sorted_ids, num_entries, num_slots, triton.cdiv(num_slots, num_programs), flat.stride(0),
+        BLOCK_F=ALIGN_FILL_BLOCK, **common,
+    )  # fmt: skip
+    _moe_align_scan_kernel[(1,)](
+        counts, base, ends, num_programs, BLOCK_M=block_m, BLOCK_E=block_e,
+        BLOCK_P=max(2, next_pow2(num_programs)), num_warps=8,
+    )  # fmt: skip
+    _moe_align_scatter_kernel[(num_programs,)](
+        flat, base, ends, sorted_ids, block_expert, num_entries, num_blocks, triton.cdiv(num_blocks, num_programs),
+        flat.stride(0), BLOCK_M=block_m, LOG_CHUNK=launch["LOG_CHUNK"], BLOCK_BT=ALIGN_BLOCK_TILE, **common,
+    )  # fmt: skip
+    return sorted_ids, block_expert

@@ -4,10 +4,11 @@ Each call takes its launch configuration from the committed tuning table (moe_co
 power-of-two token bucket, picked on the device by benchmarks/tune_moe.py; never autotuned while serving).
 A bucket whose path is "decode" runs moe_decode_triton's gate/up and down+sum kernels on the given routing
 (two launches, no alignment). The "grouped" path, all sized from shapes (no host sync, CUDA-graph safe):
-1. Align (one Triton launch up to ALIGN_DISPATCH_MAX_ENTRIES entries, torch ops beyond, see moe_routing_triton): the
-   T·k (token, choice) entries are sorted stably by expert and each expert's run is padded to a multiple of
-   BLOCK_M, so every BLOCK_M-row block of `sorted_ids` belongs to one expert (`block_expert`, -1 past the end).
-   The block count is bounded by cdiv(T·k, BLOCK_M) + min(E, T·k).
+1. Align (`align_experts`: one Triton launch up to ALIGN_DISPATCH_MAX_ENTRIES entries, three up to
+   ALIGN_CHUNKED_MAX_ENTRIES, torch ops beyond; see moe_routing_triton): the T·k (token, choice) entries are
+   sorted stably by expert and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M-row
+   block of `sorted_ids` belongs to one expert (`block_expert`, -1 past the end). The block count is
+   bounded by cdiv(T·k, BLOCK_M) + min(E, T·k).
 2. GEMM 1 + SiLU-and-mul: each block gathers its tokens' rows of x and multiplies them by the expert's gate
    and up rows of w13 (two fp32 accumulators); the epilogue rounds both (the ref's bf16 GEMM output),
    takes SiLU(gate)·up in fp32 and stores one rounded row per entry: act [T·k, I].
@@ -26,7 +27,12 @@ from deltaserve.kernels import moe_configs
 from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import MoEConfig
-from deltaserve.kernels.moe_routing_triton import ALIGN_DISPATCH_MAX_ENTRIES, moe_align_triton
+from deltaserve.kernels.moe_routing_triton import (
+    ALIGN_CHUNKED_MAX_ENTRIES,
+    ALIGN_DISPATCH_MAX_ENTRIES,
+    moe_align_chunked_triton,
+    moe_align_triton,
+)
 
 # Token chunk per pass: bounds the act / y scratch (35B-A3B at 8192 tokens: y is 256 MiB in bf16).
 CHUNK_TOKENS = 8192
@@ -167,6 +173,19 @@ def grouped_block_m(num_entries: int, num_experts: int) -> int:
     return moe_configs.default_config(max(1, num_entries), num_experts, 1).block_m
 
 
+def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped path's alignment (all three equal moe_align_ref): one program up to ALIGN_DISPATCH_MAX_ENTRIES
+    (decode buckets, captured), the three-launch chunked kernels up to ALIGN_CHUNKED_MAX_ENTRIES (prefill steps,
+    eager and host-bound on the 35B-A3B shape: the torch ops cost ~15 launches and 0.4 ms of host a layer, C19),
+    the torch ops beyond."""
+    num_entries = topk_ids.numel()
+    if num_entries <= ALIGN_DISPATCH_MAX_ENTRIES:
+        return moe_align_triton(topk_ids, num_experts, block_m)
+    if num_entries <= ALIGN_CHUNKED_MAX_ENTRIES:
+        return moe_align_chunked_triton(topk_ids, num_experts, block_m)
+    return moe_align_ref(topk_ids, num_experts, block_m)
+
+
 def _fused_moe_chunk(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -183,10 +202,7 @@ def _fused_moe_chunk(
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_entries = num_tokens * top_k
     block_m = config.block_m
-    if num_entries <= ALIGN_DISPATCH_MAX_ENTRIES:  # one launch instead of about fifteen torch ops
-        sorted_ids, block_expert = moe_align_triton(topk_ids, num_experts, block_m)
-    else:
-        sorted_ids, block_expert = moe_align_ref(topk_ids, num_experts, block_m)
+    sorted_ids, block_expert = align_experts(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)

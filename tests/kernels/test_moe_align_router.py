@@ -1,4 +1,4 @@
-"""The O(log N) expert alignment (KERNEL_NOTES C10) and the token-block router GEMV (C11) against their twins.
+"""The expert alignments (one program, KERNEL_NOTES C10; chunked, C19) and the router GEMV (C11) against their twins.
 
 Under the interpreter at fp32 (the same bodies run natively on the GPU, with bf16 router cases and the sizes the
 interpreter is too slow for, marked gpu): every output starts poisoned (NaN floats, a sentinel in int tensors),
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from deltaserve.kernels import moe_decode_triton
+from deltaserve.kernels import moe_decode_triton, moe_routing_triton, moe_triton
 from deltaserve.kernels.moe import router_logits_ref
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_decode_triton import (
@@ -29,7 +29,14 @@ from deltaserve.kernels.moe_decode_triton import (
     router_logits_into,
     router_logits_triton,
 )
-from deltaserve.kernels.moe_routing_triton import ALIGN_MAX_ENTRIES, align_launch, moe_align_triton
+from deltaserve.kernels.moe_routing_triton import (
+    ALIGN_CHUNKED_MAX_ENTRIES,
+    ALIGN_MAX_ENTRIES,
+    align_chunked_launch,
+    align_launch,
+    moe_align_chunked_triton,
+    moe_align_triton,
+)
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
 
@@ -71,10 +78,12 @@ def _every_expert_ids(num_tokens: int, num_experts: int, top_k: int, seed: int) 
     return ids
 
 
-def _check_align(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+def _check_align(
+    ids: torch.Tensor, num_experts: int, block_m: int, align: Callable[..., Any] = moe_align_triton
+) -> None:
     ref_sorted, ref_blocks = moe_align_ref(ids, num_experts, block_m)
     with poisoned():
-        sorted_ids, block_expert = moe_align_triton(ids, num_experts, block_m)
+        sorted_ids, block_expert = align(ids, num_experts, block_m)
     assert sorted_ids.dtype == torch.int32 and block_expert.dtype == torch.int32
     assert not (sorted_ids == POISON).any(), "a slot of sorted_ids was never written"
     assert not (block_expert == POISON).any(), "a block's expert was never written"
@@ -164,6 +173,136 @@ def test_align_refuses_more_than_its_limit() -> None:
     ids = torch.zeros(ALIGN_MAX_ENTRIES + 1, 1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=f"at most {ALIGN_MAX_ENTRIES} entries"):
         moe_align_triton(ids, 8, 16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Chunked alignment (C19): on the CPU the chunk is shrunk to 128 entries (at most 4 programs, so the chunk grows
+# past 512 entries) to reach several programs at interpreter-sized N; the GPU cases run the served constants.
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(moe_routing_triton, "ALIGN_CHUNK_MIN", 128)
+        monkeypatch.setattr(moe_routing_triton, "ALIGN_CHUNKED_MAX_PROGRAMS", 4)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [
+        (1, 256, 8, 16),  # N = 8: one program, mostly padding
+        (16, 256, 8, 16),  # N = 128 = one whole chunk
+        (33, 256, 8, 16),  # N = 264: three programs, the last partial
+        (100, 60, 5, 32),  # E = 60, N = 500: four programs
+        (40, 512, 10, 16),  # Qwen3-Next: E = 512 (BLOCK_E 512), top-10
+        (90, 64, 8, 64),  # N = 720 > 4 · 128: the chunk grows to 256
+        (5, 8, 2, 128),  # runs far shorter than a block
+        pytest.param(513, 256, 8, 16, marks=pytest.mark.gpu),  # N = 4104: the first the fused MoE sends here
+        pytest.param(2048, 256, 8, 32, marks=pytest.mark.gpu),  # N = 16384: a 2048-token prefill step
+        pytest.param(8192, 256, 8, 64, marks=pytest.mark.gpu),  # N = 65536: 64 programs of 1024
+        pytest.param(8193, 256, 8, 16, marks=pytest.mark.gpu),  # N = 65544: chunks of 2048, 33 programs
+        pytest.param(2000, 512, 10, 16, marks=pytest.mark.gpu),  # Qwen3-Next, N = 20000
+    ],
+)
+def test_chunked_align_equals_the_ref(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int, small_chunks: None
+) -> None:
+    ids = _skewed_ids(num_tokens, num_experts, top_k, seed=num_tokens + 1)
+    _check_align(ids, num_experts, block_m, moe_align_chunked_triton)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(64, 64, 8, 16), (30, 60, 8, 32), pytest.param(4096, 256, 8, 16, marks=pytest.mark.gpu)],
+)
+def test_chunked_align_with_every_expert_hit(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int, small_chunks: None
+) -> None:
+    ids = _every_expert_ids(num_tokens, num_experts, top_k, seed=num_tokens)
+    _check_align(ids, num_experts, block_m, moe_align_chunked_triton)
+
+
+@pytest.mark.parametrize(
+    ("num_entries", "num_experts", "expert", "block_m"),
+    [
+        (300, 64, 7, 16),  # one run across three chunks
+        (260, 60, 59, 128),  # the last expert
+        (129, 512, 0, 32),  # the first expert, one entry in the second chunk
+        pytest.param(ALIGN_CHUNKED_MAX_ENTRIES, 256, 255, 64, marks=pytest.mark.gpu),  # the limit, one run
+    ],
+)
+def test_chunked_align_with_all_entries_on_one_expert(
+    num_entries: int, num_experts: int, expert: int, block_m: int, small_chunks: None
+) -> None:
+    """Across chunks the stable order is the whole answer: entries in entry order, then padding, -1 blocks."""
+    ids = torch.full((num_entries, 1), expert, dtype=torch.int64, device=DEVICE)
+    _check_align(ids, num_experts, block_m, moe_align_chunked_triton)
+    sorted_ids, _ = moe_align_chunked_triton(ids, num_experts, block_m)
+    assert torch.equal(sorted_ids[:num_entries].long(), torch.arange(num_entries, device=DEVICE))
+
+
+def test_chunked_align_takes_int32_ids_a_strided_view_and_bad_ids(small_chunks: None) -> None:
+    """int32 ids and a flattened view of stride 2 are read as given; an id outside [0, E) belongs to no expert
+    (the ref would fail on it): left out, exactly as the one-program kernel leaves it."""
+    ids = _skewed_ids(40, 64, 8, seed=5)
+    _check_align(ids.int(), 64, 16, moe_align_chunked_triton)
+    wide = torch.zeros(40, 16, dtype=torch.int64, device=DEVICE)
+    wide[:, ::2] = ids
+    _check_align(wide[:, ::2], 64, 16, moe_align_chunked_triton)
+    bad = ids.clone()
+    bad[3, 2] = 64
+    sorted_ids, block_expert = moe_align_chunked_triton(bad, 64, 16)
+    assert 3 * 8 + 2 not in sorted_ids.tolist()
+    assert int((sorted_ids < bad.numel()).sum()) == bad.numel() - 1
+    one_sorted, one_blocks = moe_align_triton(bad, 64, 16)
+    assert torch.equal(sorted_ids, one_sorted) and torch.equal(block_expert, one_blocks)
+
+
+def test_chunked_align_launch_follows_the_power_of_two_of_n() -> None:
+    """One compiled variant per power of two of N; programs ≤ the maximum; a chunk is one program's sort (≤
+    ALIGN_MAX_ENTRIES) up to the limit; every histogram input holds at least one element per thread."""
+    for low, high in [(4097, 8192), (8193, 16384), (32769, 65536), (65537, 131072), (262145, 524288)]:
+        for num_experts in (60, 256, 512):
+            launches = [align_chunked_launch(n, num_experts) for n in (low, (low + high) // 2, high)]
+            assert len({(c["CHUNK"], c["BLOCK_E"], c["num_warps"]) for c in launches}) == 1, (low, num_experts)
+            config = launches[-1]
+            assert config["num_programs"] <= moe_routing_triton.ALIGN_CHUNKED_MAX_PROGRAMS
+            assert config["num_programs"] * config["CHUNK"] >= high
+            assert config["CHUNK"] <= ALIGN_MAX_ENTRIES
+            threads = 32 * config["num_warps"]
+            assert config["CHUNK"] >= threads and config["BLOCK_E"] >= max(num_experts, threads)
+    assert ALIGN_CHUNKED_MAX_ENTRIES == moe_routing_triton.ALIGN_CHUNKED_MAX_PROGRAMS * ALIGN_MAX_ENTRIES
+
+
+def test_chunked_align_refuses_more_than_its_limit() -> None:
+    ids = torch.zeros(ALIGN_CHUNKED_MAX_ENTRIES + 1, 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=f"at most {ALIGN_CHUNKED_MAX_ENTRIES} entries"):
+        moe_align_chunked_triton(ids, 8, 16)
+
+
+def test_the_fused_moe_picks_the_alignment_by_entry_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """align_experts: one program up to ALIGN_DISPATCH_MAX_ENTRIES, chunked up to ALIGN_CHUNKED_MAX_ENTRIES, torch
+    beyond (the switch points, not the sizes: the counts are lowered so the interpreter reaches them)."""
+    calls: list[str] = []
+
+    def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(moe_triton, "ALIGN_DISPATCH_MAX_ENTRIES", 64)
+    monkeypatch.setattr(moe_triton, "ALIGN_CHUNKED_MAX_ENTRIES", 256)
+    monkeypatch.setattr(moe_triton, "moe_align_triton", spy("one", moe_align_triton))
+    monkeypatch.setattr(moe_triton, "moe_align_chunked_triton", spy("chunked", moe_align_chunked_triton))
+    monkeypatch.setattr(moe_triton, "moe_align_ref", spy("torch", moe_align_ref))
+    for num_tokens, want in [(8, "one"), (9, "chunked"), (32, "chunked"), (33, "torch")]:
+        ids = _skewed_ids(num_tokens, 64, 8, seed=num_tokens)
+        got = moe_triton.align_experts(ids, 64, 16)
+        ref = moe_align_ref(ids, 64, 16)
+        assert calls[-1] == want, (num_tokens, calls)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -291,6 +430,16 @@ def test_align_captures_into_a_cuda_graph(num_tokens: int) -> None:
     ids = _skewed_ids(num_tokens, 256, 8, seed=num_tokens)
     _replay_equals_eager(lambda: moe_align_triton(ids, 256, 16))
     sorted_ids, block_expert = moe_align_triton(ids, 256, 16)
+    ref_sorted, ref_blocks = moe_align_ref(ids, 256, 16)
+    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [513, 2048, 8192])
+def test_chunked_align_captures_into_a_cuda_graph(num_tokens: int) -> None:
+    ids = _skewed_ids(num_tokens, 256, 8, seed=num_tokens)
+    _replay_equals_eager(lambda: moe_align_chunked_triton(ids, 256, 16))
+    sorted_ids, block_expert = moe_align_chunked_triton(ids, 256, 16)
     ref_sorted, ref_blocks = moe_align_ref(ids, 256, 16)
     assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
 
