@@ -136,8 +136,8 @@ def sweep(t: int, hk: int, hv: int, dk: int, dv: int) -> None:
     for name, value in [
         (None, None),
         ("CHUNK_PREPARE_WARPS", 8),
-        ("CHUNK_WU_WARPS_OTHER_HEADS", 4),
-        ("CHUNK_WU_WARPS_OTHER_HEADS", 2),
+        ("CHUNK_WU_WARPS", 4),
+        ("CHUNK_WU_WARPS", 2),
         ("CHUNK_SCAN_WARPS", 8),
         ("CHUNK_SCAN_WARPS", 2),
         ("CHUNK_OUT_WARPS", 8),

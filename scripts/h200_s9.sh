@@ -14,13 +14,18 @@
 #   2  carry .vllm_chunk2       diag_gdn_prefill (the bf16 one-factor variants around dk 64 / dv 32)        (~60 s)
 #   3  carry .vllm_chunk3 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64                               (~490 s)
 #   4                           h200_core2 on the 27B shape at c1/8/32/64                                   (~520 s)
+# After call 1 the machine was lost (budget 1052 s left), so the rest ran as:
+#   5  carry .vllm_chunk        store the piece, nothing else                                               (~5 s)
+#   6  carry .vllm_chunk2       the GDN and alignment GPU tests with the w / u kernel at 8 warps everywhere and
+#                               the align switch at 1024 entries                                             (~120 s)
+#   7  carry .vllm_chunk3 .whl  h200_core2 on the 27B shape at c1/8/32/64                                   (~540 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] [RECORD_DATE=20261202-s9] bash scripts/h200_s9.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
-CALL=${1:?which call: 1..4}
+CALL=${1:?which call: 1..7}
 SESSION=s9
-BUNDLE_CALLS="1 2 3"
+BUNDLE_CALLS="1 2 3 5 6 7"
 source scripts/h200_call.sh
 export PYTHONPATH=$PWD
 case $CALL in
@@ -52,6 +57,15 @@ case $CALL in
     timeout 100 python3 scripts/diag_gdn_prefill.py > "$W/diag-gdn.txt" 2>&1
     grep -v Warn "$W/diag-gdn.txt" | tail -30 | tee -a "$OUT/summary.txt"
     ;;
+  5) ;;
+  6) mark "pytest -m gpu (GDN prefill, chunked alignment)"
+     timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA tests/kernels/test_gdn.py \
+       tests/kernels/test_moe_align_router.py tests/kernels/test_out_views.py -k "prefill or chunked or halves" \
+       > "$W/pytest-gpu.log" 2>&1
+     echo "pytest -m gpu: $(tail -1 "$W/pytest-gpu.log")" | tee -a "$OUT/summary.txt"
+     grep -E "^FAILED|^ERROR" "$W/pytest-gpu.log" | head -20 | tee -a "$OUT/summary.txt" ;;
+  7) mark "h200_core2, 27B, c1/8/32/64"
+     grid benchmarks/grids/h200_core2.toml "h200_core2-27b-$day" --models q35-27b --concurrencies 1,8,32,64 ;;
   3) mark "h200_core2, 35B-A3B, c1/8/32/64"
      grid benchmarks/grids/h200_core2.toml "h200_core2-35b-a3b-$day" --models q35-35b-a3b --concurrencies 1,8,32,64 ;;
   4) mark "h200_core2, 27B, c1/8/32/64"

@@ -40,11 +40,11 @@ CHUNK_SCAN_WARPS = 4
 # Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
 CHUNK_PREPARE_WARPS = 4
 # The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles. The w / u
-# kernel runs 4 warps at the served heads (dk = dv = 128: verified and timed on the H200) and 8 elsewhere: at 4,
-# Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative error 0.84, w and every other
-# stage right; 2 or 8 warps right; scripts/diag_gdn_stages.py, benchmarks/results/gdn-wu-diag-h200-20261202-s8.txt).
-CHUNK_WU_WARPS = 4
-CHUNK_WU_WARPS_OTHER_HEADS = 8
+# kernel runs 8 warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative
+# error 0.84; scripts/diag_gdn_stages.py, benchmarks/results/gdn-wu-diag-h200-20261202-s8.txt), and at the served
+# heads 8 warps are also faster (session 9: a 27B 2048-token layer's chunked prefill 0.645 -> 0.557 ms, 35B-A3B
+# 8x1024 0.921 -> 0.918; diag_gdn_stages --time).
+CHUNK_WU_WARPS = 8
 CHUNK_OUT_WARPS = 4
 CHUNK_OUT_BV = 64
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
@@ -793,7 +793,7 @@ def _gdn_prefill_chunked(
         BV=next_pow2(head_v_dim),
         NUM_SEARCH_STEPS=search_steps(num_seqs),
         DOT_PRECISION=precision,
-        num_warps=CHUNK_WU_WARPS if (head_k_dim, head_v_dim) == (128, 128) else CHUNK_WU_WARPS_OTHER_HEADS,
+        num_warps=CHUNK_WU_WARPS,
     )
     # Each chunk's start state (input dtype, as the output dots read it) and v' (input dtype).
     hs = torch.empty(max_chunks, num_v_heads, head_k_dim, head_v_dim, dtype=v.dtype, device=device)

@@ -17,16 +17,17 @@ about 22 launches per MoE layer (benchmarks/results/profile-decode-35b-a3b-h200-
   thread at 257-512 entries: the B = 48-64 cliff of issue 11), then walked 32-entry tiles (C1: ~26 serial
   steps of cross-warp reductions at 256 entries, 28 µs a layer at B = 32 and 144 µs at B = 256). Registers
   stay ≤ 125 with no spills for N ≤ 8192, E ≤ 512, any BLOCK_M (benchmarks/kernel_resources.py --align);
-  the sort is O(N log² N / threads) work, so the fused MoE calls it up to ALIGN_DISPATCH_MAX_ENTRIES (512
-  tokens at top-8; the H200 measured the torch path faster at 8192 entries).
+  the sort is O(N log² N / threads) work, so the fused MoE calls it up to ALIGN_DISPATCH_MAX_ENTRIES (128
+  tokens at top-8; the chunked kernels below measured faster from 2048 entries).
 - `moe_align_chunked_triton` (twin: `moe_align.moe_align_ref`, equal output; KERNEL_NOTES C19): the same
   alignment for prefill-sized batches as a counting sort in three launches: per-chunk expert counts (and the
   padding fill), one scan program (padded run ends; per chunk and expert the slot base = padded run start +
   the expert's entries in earlier chunks − the chunk's entries of smaller experts), and the scatter (each
   chunk's one sort of expert·CHUNK + entry keys gives an entry's position in the chunk's stable order, so its
-  slot is base + position; each program also resolves the experts of a share of the blocks). It replaced the
-  torch ops above ALIGN_DISPATCH_MAX_ENTRIES: on the 35B-A3B shape an eager prefill step is host-bound and
-  those ops cost ~15 launches and 13.5-16.5 ms of host a step (mixed-step-h200-20261202-s8.json).
+  slot is base + position; each program also resolves the experts of a share of the blocks). It serves above
+  ALIGN_DISPATCH_MAX_ENTRIES, where the torch ops ran before: 14-17 µs at 2048-32768 entries against their
+  83-131 (session 9's bench), and on the 35B-A3B shape an eager prefill step is host-bound and those ops cost
+  ~15 launches and 13.5-16.5 ms of host a step (mixed-step-h200-20261202-s8.json).
 All are CUDA-graph safe: grids from shapes, no host sync.
 """
 
@@ -40,11 +41,12 @@ from deltaserve.kernels._triton import i64, next_pow2
 
 # One program sorts every entry (O(N log² N) over at most 16 warps): larger, prefill-sized batches use torch ops.
 ALIGN_MAX_ENTRIES = 8192
-# Where the fused MoE calls this launch rather than the torch ops: measured on the H200 (session 7,
-# align-router-h200-20261202-s7.json, graph µs a call at E = 256): 2048 entries 23 µs against torch's 83, 4096
-# 68 against 88, 8192 221 against 130 (the sort's N log² N work shows). So the kernel serves up to 4096 entries
-# (512 tokens at top-8); it still takes up to ALIGN_MAX_ENTRIES (the tests and the bench reach that far).
-ALIGN_DISPATCH_MAX_ENTRIES = 4096
+# Where the fused MoE calls this launch rather than the chunked kernels below (C19): measured on the H200 in CUDA
+# graphs (session 9, align-router-h200-20261202-s9.json, µs a call at E = 256, BLOCK_M 16): 1024 entries 9.7
+# against the chunked 20.9, 2048 23.5 against 17.2, 4096 67.7 against 15.7 (session 7 had put the torch ops, 83-88
+# µs, beyond 4096). So one program serves up to 1024 entries (128 tokens at top-8); it still takes up to
+# ALIGN_MAX_ENTRIES (the tests and the bench reach that far).
+ALIGN_DISPATCH_MAX_ENTRIES = 1024
 
 
 @triton.jit
@@ -367,7 +369,7 @@ def moe_align_chunked_triton(
     )  # fmt: skip
     _moe_align_scan_kernel[(1,)](
         counts, base, ends, num_programs, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_P=max(2, next_pow2(num_programs)), num_warps=8,
+        BLOCK_P=max(2, next_pow2(ALIGN_CHUNKED_MAX_PROGRAMS)), num_warps=8,
     )  # fmt: skip
     _moe_align_scatter_kernel[(num_programs,)](
         flat, base, ends, sorted_ids, block_expert, num_entries, num_blocks, triton.cdiv(num_blocks, num_programs),
