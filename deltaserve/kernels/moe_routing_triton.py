@@ -157,6 +157,15 @@ def _moe_align_kernel(
     tl.store(sorted_ids_ptr + b_slot, b_keys & (BLOCK_N - 1), mask=m_sorted)
 
 
+def _align_outputs(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The alignment's outputs, sized from shapes: sorted_ids [num_blocks·BLOCK_M], block_expert [num_blocks] with
+    num_blocks = cdiv(N, BLOCK_M) + min(E, N) (every run padded to whole blocks), int32 on flat's device."""
+    num_entries = flat.numel()
+    num_blocks = triton.cdiv(num_entries, block_m) + min(num_experts, num_entries)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    return sorted_ids, torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+
+
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [num_blocks·BLOCK_M] entry ids, T·k = padding; block_expert [num_blocks]),
     equal to moe_align.moe_align_ref. At most ALIGN_MAX_ENTRIES entries."""
@@ -164,10 +173,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     num_entries = flat.numel()
     if num_entries > ALIGN_MAX_ENTRIES:
         raise ValueError(f"moe_align_triton takes at most {ALIGN_MAX_ENTRIES} entries, got {num_entries}")
-    device = flat.device
-    num_blocks = triton.cdiv(num_entries, block_m) + min(num_experts, num_entries)
-    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    sorted_ids, block_expert = _align_outputs(flat, num_experts, block_m)
     if num_entries == 0:
         return sorted_ids, block_expert
     _moe_align_kernel[(1,)](
@@ -175,7 +181,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
         sorted_ids,
         block_expert,
         num_entries,
-        num_blocks,
+        block_expert.shape[0],
         flat.stride(0),
         **align_launch(num_entries, num_experts, block_m),
     )
@@ -351,17 +357,14 @@ def moe_align_chunked_triton(
         raise ValueError(
             f"moe_align_chunked_triton takes at most {ALIGN_CHUNKED_MAX_ENTRIES} entries, got {num_entries}"
         )
-    device = flat.device
-    num_blocks = triton.cdiv(num_entries, block_m) + min(num_experts, num_entries)
-    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    sorted_ids, block_expert = _align_outputs(flat, num_experts, block_m)
     if num_entries == 0:
         return sorted_ids, block_expert
     launch = align_chunked_launch(num_entries, num_experts)
     num_programs, block_e = launch["num_programs"], launch["BLOCK_E"]
-    work = torch.empty((2 * num_programs + 1) * block_e, dtype=torch.int32, device=device)
+    work = torch.empty((2 * num_programs + 1) * block_e, dtype=torch.int32, device=flat.device)
     counts, base, ends = work[: num_programs * block_e], work[num_programs * block_e : -block_e], work[-block_e:]
-    num_slots = num_blocks * block_m
+    num_blocks, num_slots = block_expert.shape[0], sorted_ids.shape[0]
     common = {"E": num_experts, "BLOCK_E": block_e, "CHUNK": launch["CHUNK"], "num_warps": launch["num_warps"]}
     _moe_align_count_kernel[(num_programs,)](
         flat, counts, sorted_ids, num_entries, num_slots, triton.cdiv(num_slots, num_programs), flat.stride(0),
