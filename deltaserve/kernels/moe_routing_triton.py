@@ -39,10 +39,10 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2
 
-# One program sorts every entry (O(N log² N) over at most 16 warps): larger, prefill-sized batches use torch ops.
+# One program sorts every entry (O(N log² N) over at most 16 warps): larger batches take the chunked kernels below.
 ALIGN_MAX_ENTRIES = 8192
 # Where the fused MoE calls this launch rather than the chunked kernels below (C19): measured on the H200 in CUDA
-# graphs (session 9, align-router-h200-20261202-s9.json, µs a call at E = 256, BLOCK_M 16): 1024 entries 9.7
+# graphs (session 9, align-router-h200-20261202-s9.log, µs a call at E = 256, BLOCK_M 16): 1024 entries 9.7
 # against the chunked 20.9, 2048 23.5 against 17.2, 4096 67.7 against 15.7 (session 7 had put the torch ops, 83-88
 # µs, beyond 4096). So one program serves up to 1024 entries (128 tokens at top-8); it still takes up to
 # ALIGN_MAX_ENTRIES (the tests and the bench reach that far).

@@ -425,21 +425,16 @@ def _replay_equals_eager(fn: Callable[[], tuple[torch.Tensor, ...]]) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 32, 64, 256, 1024])
-def test_align_captures_into_a_cuda_graph(num_tokens: int) -> None:
+@pytest.mark.parametrize(
+    ("align", "num_tokens"),
+    [(moe_align_triton, n) for n in (1, 32, 64, 256, 1024)]
+    + [(moe_align_chunked_triton, n) for n in (513, 2048, 8192)],
+    ids=lambda v: getattr(v, "__name__", v),
+)
+def test_align_captures_into_a_cuda_graph(align: Callable[..., Any], num_tokens: int) -> None:
     ids = _skewed_ids(num_tokens, 256, 8, seed=num_tokens)
-    _replay_equals_eager(lambda: moe_align_triton(ids, 256, 16))
-    sorted_ids, block_expert = moe_align_triton(ids, 256, 16)
-    ref_sorted, ref_blocks = moe_align_ref(ids, 256, 16)
-    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [513, 2048, 8192])
-def test_chunked_align_captures_into_a_cuda_graph(num_tokens: int) -> None:
-    ids = _skewed_ids(num_tokens, 256, 8, seed=num_tokens)
-    _replay_equals_eager(lambda: moe_align_chunked_triton(ids, 256, 16))
-    sorted_ids, block_expert = moe_align_chunked_triton(ids, 256, 16)
+    _replay_equals_eager(lambda: align(ids, 256, 16))
+    sorted_ids, block_expert = align(ids, 256, 16)
     ref_sorted, ref_blocks = moe_align_ref(ids, 256, 16)
     assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
 
