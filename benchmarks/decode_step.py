@@ -17,9 +17,10 @@ decode ForwardContext directly, and
 Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEBlock.forward for
 kernels.fused_moe_block (router + routed + shared experts as one op), `linear` the model's F.linear for
 kernels.linear (a Triton skinny GEMM up to 16 rows); `block+linear` both: the integrations this benchmark
-proposes, measured before the model is changed. The default runs `block+linear` and `model`: the per-op rows
-separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in
-the step total.
+proposes, measured before the model is changed; `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of
+programmatic dependent launch, KERNEL_NOTES C21; combinable: `nopdl+linear`). The default runs `block+linear` and
+`model`: the per-op rows separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to
+see them apart in the step total.
 `--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
 `--baseline DIR` runs the same measurement in a subprocess against another deltaserve tree (PYTHONPATH=DIR,
 `model` variant only) and stores it as the `before` half of the record. Tables go to stdout (the last one is
@@ -601,6 +602,8 @@ def run_shape(
     shape: str, variants: list[str], args: argparse.Namespace, ceilings: dict[str, float], save: Callable[[], None],
     record: dict[str, Any],
 ) -> None:  # fmt: skip
+    from deltaserve import env
+
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",") if b]
     model_dir = args.models / SHAPES.get(shape, shape)
@@ -621,7 +624,12 @@ def run_shape(
         entry = {"shape": shape, "variant": variant, "rows": rows}
         record["runs"].append(entry)
         args.is_block = "block" in features
-        with moe_block_variant(args.is_block), linear_variant("linear" in features):
+        pdl = "0" if "nopdl" in features else "1"
+        with (
+            moe_block_variant(args.is_block),
+            linear_variant("linear" in features),
+            env.overridden("DELTASERVE_PDL", pdl),
+        ):
             for batch in batches:
                 try:
                     row = measure_batch(model, config, cache, batch, args, ceilings)
@@ -704,7 +712,8 @@ def main() -> int:
         "--variants",
         default="block+linear,block,model",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
-        "linear (F.linear through kernels.linear), block+linear; block is dropped on dense shapes",
+        "linear (F.linear through kernels.linear), nopdl (DELTASERVE_PDL=0), block+linear; block is dropped on dense "
+        "shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)

@@ -46,6 +46,13 @@ def cuda_graphs() -> bool:
     return _flag("DELTASERVE_CUDA_GRAPHS", True)
 
 
+def pdl() -> bool:
+    """DELTASERVE_PDL (default 1): launch the decode-path Triton kernels with programmatic dependent launch on
+    Hopper and newer (each waits on griddepcontrol before its first dependent access; KERNEL_NOTES C21); 0 launches
+    them plainly, fully serialised behind the previous kernel."""
+    return _flag("DELTASERVE_PDL", True)
+
+
 def enable_multiprocessing() -> bool:
     """DELTASERVE_ENABLE_MULTIPROCESSING (default 1): the server runs its engine core in a process of its own
     (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); 0 keeps it on a thread of the API process."""

@@ -12,14 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguous, silu_f32
+from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait, require_last_dim_contiguous, silu_f32
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK_I: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK_I: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     i_t = i64(tl.program_id(0))
     o_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     m_i = o_i < I
+    pdl_wait(USE_PDL)
     p_x = x_ptr + i_t * stride_x + o_i
     b_gate = tl.load(p_x, mask=m_i, other=0.0).to(tl.float32)
     b_up = tl.load(p_x + I, mask=m_i, other=0.0).to(tl.float32)
@@ -37,18 +40,23 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block_i = min(1024, next_pow2(half))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(half, block_i))](
-        x2, out, x2.stride(0), I=half, BLOCK_I=block_i, num_warps=max(1, min(4, block_i // 256))
+        x2, out, x2.stride(0), I=half, BLOCK_I=block_i, num_warps=max(1, min(4, block_i // 256)), **pdl_launch(x)
     )
     return out
 
 
 @triton.jit
-def _sigmoid_gate_mul_kernel(o_ptr, gate_ptr, out_ptr, stride_o, stride_g, N: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sigmoid_gate_mul_kernel(
+    o_ptr, gate_ptr, out_ptr, stride_o, stride_g, N: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     i_t = i64(tl.program_id(0))
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    b_o = tl.load(o_ptr + i_t * stride_o + o_n, mask=m_n, other=0.0).to(tl.float32)
+    # The gate half of the qkv projection, several launches back (the attention kernels write o): it may load
+    # before the wait (_triton.pdl_wait).
     b_g = tl.load(gate_ptr + i_t * stride_g + o_n, mask=m_n, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    b_o = tl.load(o_ptr + i_t * stride_o + o_n, mask=m_n, other=0.0).to(tl.float32)
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     tl.store(out_ptr + i_t * N + o_n, b_o * b_sig, mask=m_n)
 
@@ -64,6 +72,14 @@ def sigmoid_gate_mul_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor
         return out
     block_n = min(1024, next_pow2(width))
     _sigmoid_gate_mul_kernel[(num_rows, triton.cdiv(width, block_n))](
-        o, gate, out, o.stride(0), gate.stride(0), N=width, BLOCK_N=block_n, num_warps=max(1, min(4, block_n // 256))
+        o,
+        gate,
+        out,
+        o.stride(0),
+        gate.stride(0),
+        N=width,
+        BLOCK_N=block_n,
+        num_warps=max(1, min(4, block_n // 256)),
+        **pdl_launch(o),
     )
     return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import autotune, can_benchmark, dot_precision, i64, next_pow2
+from deltaserve.kernels._triton import autotune, can_benchmark, dot_precision, i64, next_pow2, pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
 
@@ -56,9 +56,11 @@ def _store_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     i_t = i64(tl.program_id(0))
-    i_slot = i64(tl.load(slot_mapping_ptr + i_t))
+    i_slot = i64(tl.load(slot_mapping_ptr + i_t))  # the step's metadata: may load before the wait
+    pdl_wait(USE_PDL)
     # Padded rows of a CUDA-graph batch carry slot -1: nothing to store.
     if i_slot < 0:
         return
@@ -103,6 +105,7 @@ def store_kv_triton(
         BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
         num_warps=4,
+        **pdl_launch(k),
     )
 
 
@@ -293,14 +296,15 @@ def _paged_attn_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kvh = tl.program_id(1)
     i_s = tl.program_id(2)
+    # Above the wait (_triton.pdl_wait): the step's metadata, the page indices and q (the preamble's output, two
+    # launches back); the K/V cache below holds this step's token, which store_kv, the launch before, writes.
     q_start = tl.load(query_start_loc_ptr + i_b)
     q_len = tl.load(query_start_loc_ptr + i_b + 1) - q_start
-    if q_len == 0:
-        return
     seq_len = tl.load(seq_lens_ptr + i_b)
     # The sequence's BLOCK_N tiles spread evenly over the splits (their counts differ by at most one); a split
     # comes out empty only when the sequence has fewer tiles than splits.
@@ -314,7 +318,8 @@ def _paged_attn_decode_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     o_row_q = i64(q_start) * stride_q_t + i64(i_qh) * stride_q_h
-    b_q = tl.load(q_ptr + o_row_q[:, None] + o_d[None, :], mask=m_g[:, None] & m_d[None, :], other=0.0)
+    m_q = m_g[:, None] & m_d[None, :] & (q_len > 0)
+    b_q = tl.load(q_ptr + o_row_q[:, None] + o_d[None, :], mask=m_q, other=0.0)
 
     b_m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -324,6 +329,9 @@ def _paged_attn_decode_kernel(
     o_head = i_kvh * stride_c_head
     # Page indices one tile ahead: the loop carries the next tile's, so its K/V copies never wait on them.
     b_page = tl.load(p_bt + (lo + o_tile) // PAGE, mask=lo + o_tile < hi, other=0)  # [BLOCK_N]
+    pdl_wait(USE_PDL)
+    if q_len == 0:
+        return
     for start_n in range(lo, hi, BLOCK_N):
         o_n = start_n + o_tile
         m_n = o_n < hi
@@ -371,11 +379,13 @@ def _paged_attn_combine_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + i_b)
+    q_start = tl.load(query_start_loc_ptr + i_b)  # the step's metadata: may load before the wait
     q_len = tl.load(query_start_loc_ptr + i_b + 1) - q_start
+    pdl_wait(USE_PDL)
     if q_len == 0:
         return
     o_s = tl.arange(0, BLOCK_S)
@@ -483,6 +493,7 @@ def _paged_attention_decode(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
+        **pdl_launch(q),
     )
     if num_splits > 1:
         _paged_attn_combine_kernel[(batch, num_q_heads)](
@@ -498,6 +509,7 @@ def _paged_attention_decode(
             BLOCK_S=next_pow2(num_splits),
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl_launch(out),
         )
 
 

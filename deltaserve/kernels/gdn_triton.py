@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._dispatch import output
-from deltaserve.kernels._triton import dot_precision, i64, next_pow2, search_steps, softplus_f32
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, search_steps, softplus_f32
 
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
@@ -105,6 +105,7 @@ def _gdn_decode_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -114,21 +115,22 @@ def _gdn_decode_kernel(
     m_k = o_k < DK
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
     m_v = o_v < DV
-    # Nothing but the state needs the slot: these loads go out together with it, and the state load follows the
-    # slot directly (the reductions below hold barriers, which would otherwise delay the state stream).
+    # The slot, the state (last written by this layer in an earlier step) and the weights go out before the wait
+    # (_triton.pdl_wait; KERNEL_NOTES C21): under PDL the state stream overlaps the conv kernel before this one.
+    # Padded rows of a CUDA-graph batch carry slot -1: masks, not a branch, so no load waits on the slot's value.
     i_slot = i64(tl.load(state_indices_ptr + i_b))
+    b_A_log = tl.load(A_log_ptr + i_h)
+    b_dt_bias = tl.load(dt_bias_ptr + i_h)
+    is_live = i_slot >= 0
+    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :] & is_live
+    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]
+    pdl_wait(USE_PDL)
     b_q = tl.load(q_ptr + i_b * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0)
     b_k = tl.load(k_ptr + i_b * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0)
     b_v = tl.load(v_ptr + i_b * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0)
     b_a = tl.load(a_ptr + i_b * stride_a_t + i_h)
     b_b = tl.load(b_ptr + i_b * stride_b_t + i_h)
-    b_A_log = tl.load(A_log_ptr + i_h)
-    b_dt_bias = tl.load(dt_bias_ptr + i_h)
-    # Padded rows of a CUDA-graph batch carry slot -1: masks, not a branch, so no load waits on the slot's value.
-    is_live = i_slot >= 0
-    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :] & is_live
-    b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]
 
     b_q = _l2norm(b_q.to(tl.float32)) * scale
     b_k = _l2norm(b_k.to(tl.float32))
@@ -206,6 +208,7 @@ def gdn_decode_triton(
         BK=next_pow2(head_k_dim),
         BV=block_v,
         num_warps=4,
+        **pdl_launch(q),
     )
     return out
 

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
 from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoEConfig
 
 # Router launch: rows of W_r per program, reduction step, token rows per program (tl.dot needs 16).
@@ -93,7 +93,9 @@ def _moe_router_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     i_r = tl.program_id(0)
     i_tb = tl.program_id(1)
     o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -139,6 +141,7 @@ def _moe_router_gemv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """BLOCK_T tokens' logits for BLOCK_R rows: rows < E of W_r, row E the shared-expert gate (HAS_GATE). Each
     weight tile is loaded once and multiplied by every token of the block (x rows come from L2).
@@ -147,6 +150,7 @@ def _moe_router_gemv_kernel(
     thread times every thread, so both land in the same layout (no shared-memory conversion) and each thread
     multiplies its own VEC columns of every (token, row) pair; the VEC products are summed in the thread, the
     partial sums across threads once at the end."""
+    pdl_wait(USE_PDL)
     i_r = tl.program_id(0)
     i_tb = tl.program_id(1)
     o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
@@ -244,7 +248,9 @@ def _moe_decode_gemm1_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
     i_n = tl.program_id(1)
     num_entries = num_tokens * TOP_K
@@ -358,7 +364,9 @@ def _moe_decode_gemm2_kernel(
     SHARED_MODE: tl.constexpr,  # 0: none; 1: shared output given [T, H]; 2: shared act rows in act, W2_sh given
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     i_t = i64(tl.program_id(0))
     i_n = tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns (hidden)
@@ -405,11 +413,13 @@ def _moe_decode_gemm2_split_kernel(
     CHOICES_PER_PROGRAM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """C16, the down GEMM split over the choices: program (token, group, column block) writes y_j =
     round(act_j·W2_eᵀ) [BLOCK_N] for the CHOICES_PER_PROGRAM choices of its group into y [T, NUM_SLOTS, H]; the
     group past the last routed one (launched when NUM_SLOTS > TOP_K) writes round(act_sh·W2_shᵀ) into slot
     TOP_K. The same GEMV (same blocks, no FMA) as _moe_decode_gemm2_kernel, so y_j is bit-for-bit its b_y."""
+    pdl_wait(USE_PDL)
     i_t = i64(tl.program_id(0))
     i_g = tl.program_id(1)
     i_n = tl.program_id(2)
@@ -448,10 +458,12 @@ def _moe_decode_combine_kernel(
     NUM_SLOTS: tl.constexpr,
     SHARED_MODE: tl.constexpr,  # as _moe_decode_gemm2_kernel's; mode 2 reads the shared output from slot TOP_K
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """C16's second launch, _moe_decode_gemm2_kernel's epilogue on the split kernel's y [T, NUM_SLOTS, H]:
     acc += w_j·y_j in fp32 in choice order (y_j already rounded), routed = round(acc), out = round(routed +
     sigmoid(gate)·shared) — the same operations in the same order, so the same bits."""
+    pdl_wait(USE_PDL)
     i_t = i64(tl.program_id(0))
     i_n = tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -539,6 +551,7 @@ def router_logits_into(
             HAS_GATE=has_gate,
             **config,
             num_warps=ROUTER_GEMV_WARPS,
+            **pdl_launch(x),
         )
         return
     grid = (triton.cdiv(num_experts, ROUTER_BLOCK_R), triton.cdiv(num_tokens, ROUTER_BLOCK_T))
@@ -560,6 +573,7 @@ def router_logits_into(
         BLOCK_K=min(ROUTER_BLOCK_K, next_pow2(hidden)),
         num_warps=4,
         num_stages=3,
+        **pdl_launch(x),
     )
 
 
@@ -609,6 +623,7 @@ def _down_split(
         num_warps=gemm2.num_warps,
         num_stages=gemm2.num_stages,
         enable_fp_fusion=False,
+        **pdl_launch(act),
     )
     block_n = min(COMBINE_BLOCK_N, next_pow2(hidden))
     has_gate = shared_mode != 0
@@ -629,6 +644,7 @@ def _down_split(
         BLOCK_N=block_n,
         num_warps=COMBINE_WARPS,
         enable_fp_fusion=False,
+        **pdl_launch(y),
     )
 
 
@@ -704,6 +720,7 @@ def decode_gemms(
         BLOCK_KK=next_pow2(top_k),
         BLOCK_E=next_pow2(num_experts),
         **gemm1.launch(),
+        **pdl_launch(x),
     )
     if shared_mode == 2:
         gate = logits[:, num_experts:] if route and shared_gate_logits is None else shared_gate_logits
@@ -744,6 +761,7 @@ def decode_gemms(
         num_warps=gemm2.num_warps,
         num_stages=gemm2.num_stages,
         enable_fp_fusion=False,
+        **pdl_launch(act),
     )
     return out
 

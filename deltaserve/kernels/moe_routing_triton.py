@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import i64, next_pow2
+from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait
 
 # One program sorts every entry (O(N log² N) over at most 16 warps): larger batches take the chunked kernels below.
 ALIGN_MAX_ENTRIES = 8192
@@ -60,7 +60,9 @@ def _moe_route_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     i_t = i64(tl.program_id(0))
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
@@ -101,6 +103,7 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
             BLOCK_E=next_pow2(num_experts),
             BLOCK_K=next_pow2(top_k),
             num_warps=4 if num_experts <= 512 else 8,
+            **pdl_launch(router_logits),
         )
     return weights, ids
 
@@ -120,7 +123,9 @@ def _moe_align_kernel(
     LOG_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     # All entries at once (padding past num_entries, and any id outside [0, E), is no expert's).
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < num_entries
@@ -184,6 +189,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
         block_expert.shape[0],
         flat.stride(0),
         **align_launch(num_entries, num_experts, block_m),
+        **pdl_launch(flat),
     )
     return sorted_ids, block_expert
 
@@ -241,9 +247,11 @@ def _moe_align_count_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program p: the per-expert counts of entries [p·CHUNK, (p+1)·CHUNK) into counts [P, BLOCK_E], and its share
     of the padding fill (every slot = num_entries; the scatter kernel, launched after, stores over it)."""
+    pdl_wait(USE_PDL)
     i_p = tl.program_id(0)
     o_n = i_p * CHUNK + tl.arange(0, CHUNK)
     m_n = o_n < num_entries
@@ -268,10 +276,12 @@ def _moe_align_scan_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One program: from counts [P, E], each expert's block-padded run end (ends [BLOCK_E]) and, per (chunk,
     expert), base = padded run start + the expert's entries in earlier chunks − the chunk's entries of smaller
     experts, so that an entry's slot is base[its chunk, its expert] + its position in the chunk's sorted order."""
+    pdl_wait(USE_PDL)
     o_p = tl.arange(0, BLOCK_P)
     o_e = tl.arange(0, BLOCK_E)
     m_pe = (o_p < num_chunks)[:, None] & (o_e < BLOCK_E)[None, :]
@@ -303,10 +313,12 @@ def _moe_align_scatter_kernel(
     CHUNK: tl.constexpr,
     LOG_CHUNK: tl.constexpr,
     BLOCK_BT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program p: its chunk's entries to their slots (one sort of the keys expert·CHUNK + entry gives each its
     position in the chunk's stable expert order), and the experts of its share of the blocks (searchsorted,
     right, over the run ends; −1 past the last run)."""
+    pdl_wait(USE_PDL)
     i_p = tl.program_id(0)
     o_c = tl.arange(0, CHUNK)
     o_n = i_p * CHUNK + o_c
@@ -369,13 +381,16 @@ def moe_align_chunked_triton(
     _moe_align_count_kernel[(num_programs,)](
         flat, counts, sorted_ids, num_entries, num_slots, triton.cdiv(num_slots, num_programs), flat.stride(0),
         BLOCK_F=ALIGN_FILL_BLOCK, **common,
+        **pdl_launch(flat),
     )  # fmt: skip
     _moe_align_scan_kernel[(1,)](
         counts, base, ends, num_programs, BLOCK_M=block_m, BLOCK_E=block_e,
         BLOCK_P=max(2, next_pow2(ALIGN_CHUNKED_MAX_PROGRAMS)), num_warps=8,
+        **pdl_launch(counts),
     )  # fmt: skip
     _moe_align_scatter_kernel[(num_programs,)](
         flat, base, ends, sorted_ids, block_expert, num_entries, num_blocks, triton.cdiv(num_blocks, num_programs),
         flat.stride(0), BLOCK_M=block_m, LOG_CHUNK=launch["LOG_CHUNK"], BLOCK_BT=ALIGN_BLOCK_TILE, **common,
+        **pdl_launch(flat),
     )  # fmt: skip
     return sorted_ids, block_expert

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels import moe_configs
-from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import MoEConfig
 from deltaserve.kernels.moe_routing_triton import (
@@ -58,7 +58,9 @@ def _moe_gemm1_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_e = i64(tl.load(block_expert_ptr + i_m))
@@ -109,7 +111,9 @@ def _moe_gemm2_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_e = i64(tl.load(block_expert_ptr + i_m))
@@ -148,7 +152,9 @@ def _moe_sum_kernel(
     H: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     i_t = i64(tl.program_id(0))
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -211,10 +217,12 @@ def _fused_moe_chunk(
     _moe_gemm1_kernel[(num_blocks, triton.cdiv(inter, g1.BLOCK_N))](
         x, w13, act, sorted_ids, block_expert, num_entries, x.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=top_k, I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g1.launch(),
+        **pdl_launch(x),
     )  # fmt: skip
     _moe_gemm2_kernel[(num_blocks, triton.cdiv(hidden, g2.BLOCK_N))](
         act, w2, y, sorted_ids, block_expert, num_entries, w2.stride(0), w2.stride(1),
         I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g2.launch(),
+        **pdl_launch(act),
     )  # fmt: skip
     block_h = min(1024, next_pow2(hidden))
     has_shared = shared is not None and shared_gate_logits is not None
@@ -233,6 +241,7 @@ def _fused_moe_chunk(
         HAS_SHARED=has_shared,
         BLOCK_H=block_h,
         enable_fp_fusion=False,
+        **pdl_launch(y),
     )
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguous, silu_f32
+from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait, require_last_dim_contiguous, silu_f32
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -54,6 +54,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     o_row = i64(tl.program_id(0)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     m_row = o_row < num_rows
@@ -61,6 +62,8 @@ def _rms_norm_kernel(
     i_head = o_row % num_heads
     o_d = tl.arange(0, BLOCK_D)
     m = m_row[:, None] & (o_d < D)[None, :]  # [BLOCK_ROWS, BLOCK_D]
+    b_w = tl.load(weight_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)  # a weight: may load before the wait
+    pdl_wait(USE_PDL)
 
     p_x = x_ptr + (i_outer * stride_x_outer + i_head * stride_x_head)[:, None] + o_d[None, :]
     b_x = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
@@ -71,7 +74,6 @@ def _rms_norm_kernel(
         # The residual stream is stored rounded; the norm below reads the unrounded fp32 sum.
         tl.store(residual_out_ptr + o_out, b_x, mask=m)
     inv_rms = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BLOCK_ROWS]
-    b_w = tl.load(weight_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)
     b_y = b_x * inv_rms[:, None] * (1.0 + b_w)[None, :]
     tl.store(out_ptr + o_out, b_y, mask=m)
 
@@ -111,6 +113,7 @@ def rms_norm_triton(
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        **pdl_launch(x),
     )
     return out, residual_out
 
@@ -131,6 +134,7 @@ def _gated_rms_norm_kernel(
     D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     o_row = i64(tl.program_id(0)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     m_row = o_row < num_rows
@@ -138,13 +142,14 @@ def _gated_rms_norm_kernel(
     i_head = o_row % num_heads
     o_d = tl.arange(0, BLOCK_D)
     m = m_row[:, None] & (o_d < D)[None, :]  # [BLOCK_ROWS, BLOCK_D]
+    b_w = tl.load(weight_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)  # a weight: may load before the wait
+    pdl_wait(USE_PDL)
 
     p_x = x_ptr + (i_outer * stride_x_outer + i_head * stride_x_head)[:, None] + o_d[None, :]
     p_z = z_ptr + (i_outer * stride_z_outer + i_head * stride_z_head)[:, None] + o_d[None, :]
     b_x = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
     b_z = tl.load(p_z, mask=m, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BLOCK_ROWS]
-    b_w = tl.load(weight_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)
     b_y = b_x * inv_rms[:, None] * b_w[None, :] * silu_f32(b_z)
     tl.store(out_ptr + o_row[:, None] * D + o_d[None, :], b_y, mask=m)
 
@@ -177,5 +182,6 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        **pdl_launch(x),
     )
     return out

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguous
+from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait, require_last_dim_contiguous
 
 
 def _num_warps(head_dim: int) -> int:
@@ -44,6 +44,7 @@ def _attn_preamble_kernel(
     ROT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     i_t = i64(tl.program_id(0))
     i_h = tl.program_id(1)
@@ -53,21 +54,32 @@ def _attn_preamble_kernel(
     o_r = tl.arange(0, BLOCK_HALF)
     m_r = o_r < HALF
 
+    # The norm weights and this step's cos/sin rows (computed at the start of the forward) may load before the
+    # wait (_triton.pdl_wait); qkv is the projection's output, the launch before.
+    if i_h < NQ:
+        p_w = q_weight_ptr
+    else:
+        p_w = k_weight_ptr
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+    b_w1 = tl.load(p_w + o_r, mask=m_r, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+    b_w2 = tl.load(p_w + HALF + o_r, mask=m_r, other=0.0).to(tl.float32)
+    p_cs = cos_sin_ptr + i_t * stride_cos_sin
+    b_cos = tl.load(p_cs + o_r, mask=m_r, other=0.0).to(tl.float32)
+    b_sin = tl.load(p_cs + HALF + o_r, mask=m_r, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+
     p_row = qkv_ptr + i_t * stride_qkv
     if i_h < NQ:
         p_x = p_row + i_h * (2 * D)
-        p_w = q_weight_ptr
         p_out = q_ptr + i_t * (NQ * D) + i_h * D
         # The gate half of the head's [query | gate] pair, copied raw (sigmoid happens after attention).
         b_gate = tl.load(p_x + D + o_d, mask=m_d)
         tl.store(gate_ptr + i_t * (NQ * D) + i_h * D + o_d, b_gate, mask=m_d)
     else:
         p_x = p_row + NQ * 2 * D + (i_h - NQ) * D
-        p_w = k_weight_ptr
         p_out = k_ptr + i_t * (NKV * D) + (i_h - NQ) * D
 
     b_x = tl.load(p_x + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
     inv_rms = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
     b_xn = (b_x * inv_rms * (1.0 + b_w)).to(q_ptr.dtype.element_ty)  # rounded normed head
     tl.store(p_out + o_d, b_xn, mask=m_d & (o_d >= ROT))
@@ -75,13 +87,8 @@ def _attn_preamble_kernel(
     # The rotary halves, normed and rounded exactly as above, then rotated in fp32.
     b_x1 = tl.load(p_x + o_r, mask=m_r, other=0.0).to(tl.float32)  # [BLOCK_HALF]
     b_x2 = tl.load(p_x + HALF + o_r, mask=m_r, other=0.0).to(tl.float32)
-    b_w1 = tl.load(p_w + o_r, mask=m_r, other=0.0).to(tl.float32)
-    b_w2 = tl.load(p_w + HALF + o_r, mask=m_r, other=0.0).to(tl.float32)
     b_x1 = (b_x1 * inv_rms * (1.0 + b_w1)).to(q_ptr.dtype.element_ty).to(tl.float32)
     b_x2 = (b_x2 * inv_rms * (1.0 + b_w2)).to(q_ptr.dtype.element_ty).to(tl.float32)
-    p_cs = cos_sin_ptr + i_t * stride_cos_sin
-    b_cos = tl.load(p_cs + o_r, mask=m_r, other=0.0).to(tl.float32)
-    b_sin = tl.load(p_cs + HALF + o_r, mask=m_r, other=0.0).to(tl.float32)
     tl.store(p_out + o_r, b_x1 * b_cos - b_x2 * b_sin, mask=m_r)
     tl.store(p_out + HALF + o_r, b_x2 * b_cos + b_x1 * b_sin, mask=m_r)
 
@@ -130,6 +137,7 @@ def attn_preamble_triton(
         BLOCK_D=next_pow2(head_dim),
         BLOCK_HALF=next_pow2(rotary_dim // 2),
         num_warps=num_warps or _num_warps(head_dim),
+        **pdl_launch(qkv),
     )
     return q, k, gate
 

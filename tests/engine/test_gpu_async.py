@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltaserve import env
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 
@@ -66,3 +67,25 @@ def test_graph_decode_matches_eager(tiny_dense: Path) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     assert outputs[False] == outputs[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["tiny_dense", "tiny_moe"])
+def test_pdl_decode_matches_plain_launches(variant: str, request: pytest.FixtureRequest) -> None:
+    """KERNEL_NOTES C21: the decode-path kernels launched with programmatic dependent launch (the default on a
+    Hopper GPU) give the tokens of plain launches, in bf16 through the decode graphs and the eager prefill steps
+    (tests/kernels/test_pdl.py checks on the source what each kernel touches before its wait)."""
+    checkpoint = request.getfixturevalue(variant)
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    config = {"dtype": "bfloat16", "max_num_seqs": 16, "max_model_len": 256, "gpu_memory_utilization": 0.3}
+    tokens = {}
+    for value in ("1", "0"):
+        with env.overridden("DELTASERVE_PDL", value):
+            llm = LLM(checkpoint, **config)
+            assert llm.engine.runner.graphs is not None
+            tokens[value] = _workload(llm)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert tokens["1"] == tokens["0"]

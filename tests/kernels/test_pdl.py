@@ -1,0 +1,148 @@
+"""Programmatic dependent launch (KERNEL_NOTES C21), checked on the source: every kernel that takes USE_PDL opens
+with `pdl_wait(USE_PDL)` at its top level, stores nothing and returns nowhere before it, loads above it only the
+pointers listed here (each with the reason it cannot be the previous launch's output), and every launch of it
+passes `**pdl_launch(...)`. The GPU half (the same tokens with DELTASERVE_PDL on and off, through the decode graphs)
+is tests/engine/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve import env
+from deltaserve.kernels._triton import pdl_launch
+
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "deltaserve" / "kernels"
+
+# Kernel -> the pointers it may load above pdl_wait. Under PDL a kernel starts while only its immediate
+# predecessor may still run, so these are weights, the step's metadata, the GDN state of an earlier step, or
+# outputs of a launch at least two back.
+PRE_WAIT_LOADS = {
+    "_rms_norm_kernel": {"weight_ptr"},
+    "_gated_rms_norm_kernel": {"weight_ptr"},
+    "_causal_conv1d_update_kernel": {"state_indices_ptr", "weight_ptr"},
+    # the state slot was last written by this layer in an earlier step; conv (the launch before) never touches it
+    "_gdn_decode_kernel": {"state_indices_ptr", "A_log_ptr", "dt_bias_ptr", "ssm_states_ptr"},
+    "_store_kv_kernel": {"slot_mapping_ptr"},
+    # q is the preamble's output, two launches back (store_kv is the launch before); the K/V cache is not
+    "_paged_attn_decode_kernel": {"query_start_loc_ptr", "seq_lens_ptr", "q_ptr", "block_tables_ptr"},
+    "_paged_attn_combine_kernel": {"query_start_loc_ptr"},
+    "_attn_preamble_kernel": {"q_weight_ptr", "k_weight_ptr", "cos_sin_ptr"},
+    # the gate half of the qkv projection, written by the preamble several launches back
+    "_sigmoid_gate_mul_kernel": {"gate_ptr"},
+    "_silu_and_mul_kernel": set(),
+    "_moe_router_kernel": set(),
+    "_moe_router_gemv_kernel": set(),
+    "_moe_decode_gemm1_kernel": set(),
+    "_moe_decode_gemm2_kernel": set(),
+    "_moe_decode_gemm2_split_kernel": set(),
+    "_moe_decode_combine_kernel": set(),
+    "_moe_route_kernel": set(),
+    "_moe_align_kernel": set(),
+    "_moe_align_count_kernel": set(),
+    "_moe_align_scan_kernel": set(),
+    "_moe_align_scatter_kernel": set(),
+    "_moe_gemm1_kernel": set(),
+    "_moe_gemm2_kernel": set(),
+    "_moe_sum_kernel": set(),
+}
+
+
+def _pdl_kernels() -> dict[str, tuple[ast.FunctionDef, ast.Module]]:
+    found = {}
+    for path in sorted(p for p in KERNELS_DIR.glob("*_triton.py") if p.name != "_triton.py"):
+        module = ast.parse(path.read_text())
+        for node in module.body:
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "USE_PDL" for a in node.args.args):
+                found[node.name] = (node, module)
+    return found
+
+
+def _is_call_to(node: ast.AST, attr: str) -> bool:
+    """node is a call of `tl.<attr>` (or `<attr>` imported bare)."""
+    if not isinstance(node, ast.Call):
+        return False
+    fn = node.func
+    return (isinstance(fn, ast.Attribute) and fn.attr == attr) or (isinstance(fn, ast.Name) and fn.id == attr)
+
+
+def _pointer_roots(expr: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
+
+
+def _names_assigned_from(statements: list[ast.stmt]) -> dict[str, set[str]]:
+    """name -> the *_ptr names its assignments above the wait were built from (p_s = ssm_states_ptr + ...)."""
+    roots: dict[str, set[str]] = {}
+    for stmt in statements:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Assign):
+                found = _pointer_roots(node.value)
+                for name in {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)} & roots.keys():
+                    found |= roots[name]
+                for target in node.targets:
+                    if isinstance(target, ast.Name) and found:
+                        roots[target.id] = roots.get(target.id, set()) | found
+    return roots
+
+
+def test_the_pdl_kernels_are_the_decode_path() -> None:
+    assert set(_pdl_kernels()) == set(PRE_WAIT_LOADS)
+
+
+@pytest.mark.parametrize("name", sorted(PRE_WAIT_LOADS))
+def test_kernel_waits_before_dependent_access(name: str) -> None:
+    kernel, _ = _pdl_kernels()[name]
+    body = kernel.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    waits = [i for i, s in enumerate(body) if isinstance(s, ast.Expr) and _is_call_to(s.value, "pdl_wait")]
+    assert len(waits) == 1, f"{name}: one pdl_wait(USE_PDL) at the top level of the body, found {len(waits)}"
+    above = body[: waits[0]]
+    for stmt in above:
+        for node in ast.walk(stmt):
+            assert not isinstance(node, ast.Return), f"{name}: a return above pdl_wait (line {node.lineno})"
+            for op in ("store", "atomic_add", "atomic_cas", "atomic_xchg"):
+                assert not _is_call_to(node, op), f"{name}: tl.{op} above pdl_wait (line {node.lineno})"
+    derived = _names_assigned_from(above)
+    loaded: set[str] = set()
+    for stmt in above:
+        for node in ast.walk(stmt):
+            if _is_call_to(node, "load"):
+                pointer = node.args[0]
+                loaded |= _pointer_roots(pointer)
+                for n in ast.walk(pointer):
+                    if isinstance(n, ast.Name) and n.id in derived:
+                        loaded |= derived[n.id]
+    assert loaded <= PRE_WAIT_LOADS[name], f"{name}: loads {sorted(loaded - PRE_WAIT_LOADS[name])} above pdl_wait"
+
+
+@pytest.mark.parametrize("name", sorted(PRE_WAIT_LOADS))
+def test_every_launch_passes_pdl_launch(name: str) -> None:
+    _, module = _pdl_kernels()[name]
+    launches = [
+        node
+        for node in ast.walk(module)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Subscript)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == name
+    ]
+    assert launches, f"{name} is never launched in its module"
+    for call in launches:
+        spread = [k.value for k in call.keywords if k.arg is None]
+        assert any(_is_call_to(v, "pdl_launch") for v in spread), (
+            f"{name} launched without **pdl_launch (line {call.lineno})"
+        )
+
+
+def test_pdl_setting_and_cpu_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DELTASERVE_PDL", raising=False)
+    assert env.pdl()  # on by default
+    monkeypatch.setenv("DELTASERVE_PDL", "0")
+    assert not env.pdl()
+    monkeypatch.setenv("DELTASERVE_PDL", "1")
+    assert pdl_launch(torch.zeros(1)) == {}  # a CPU tensor: a plain launch (the interpreter has no PDL)
