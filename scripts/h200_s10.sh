@@ -9,11 +9,13 @@
 #                               "before" of this session                                              (~300 s)
 #   2  carry .vllm_chunk2       the mixed-step profile, 35B-A3B, 2048@0 / 2048@32 / 8x1024@0               (~90 s)
 #   3  carry .vllm_chunk3 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64 (not run since session 7)      (~540 s)
+#   4  (fresh machine, no piece) C21: pytest -m gpu on the graph / MoE decode tests and the PDL on/off token test,
+#                               then the decode step with and without PDL, both shapes, 9 batch sizes  (~330 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] [RECORD_DATE=20261203-s10] bash scripts/h200_s10.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
-CALL=${1:?which call: 1..3}
+CALL=${1:?which call: 1..4}
 SESSION=s10
 BUNDLE_CALLS="1 2 3"
 source scripts/h200_call.sh
@@ -43,6 +45,20 @@ case $CALL in
     ;;
   3) mark "h200_core2, 35B-A3B, c1/8/32/64"
      grid benchmarks/grids/h200_core2.toml "h200_core2-35b-a3b-$day" --models q35-35b-a3b --concurrencies 1,8,32,64 ;;
+  4)
+    timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1 &
+    mark "pytest -m gpu: graphs, MoE decode, PDL on / off"
+    timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA tests/kernels/test_cuda_graphs.py \
+      tests/kernels/test_moe_decode.py tests/engine/test_gpu_async.py > "$W/pytest-gpu-pdl.log" 2>&1
+    echo "pytest -m gpu: $(tail -1 "$W/pytest-gpu-pdl.log")" | tee -a "$OUT/summary.txt"
+    grep -E "^FAILED|^ERROR" "$W/pytest-gpu-pdl.log" | head -20 | tee -a "$OUT/summary.txt"
+    wait
+    mark "decode step, both shapes, PDL on (model) and off (nopdl)"
+    timeout $((budget - 10 - SECONDS)) python3 benchmarks/decode_step.py --models /tmp/ds_models --variants model,nopdl \
+      --batches 1,2,4,8,16,32,64,128,256 --label after --out "$W/decode-step-pdl.json" > "$W/decode-step-pdl.log" 2>&1
+    echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
+    tail -8 "$W/decode-step-pdl.log" | tee -a "$OUT/summary.txt"
+    ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
 mark done
