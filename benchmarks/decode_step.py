@@ -18,7 +18,8 @@ Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEB
 kernels.fused_moe_block (router + routed + shared experts as one op), `linear` the model's F.linear for
 kernels.linear (a Triton skinny GEMM up to 16 rows); `block+linear` both: the integrations this benchmark
 proposes, measured before the model is changed; `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of
-programmatic dependent launch, KERNEL_NOTES C21; combinable: `nopdl+linear`). The default runs `block+linear` and
+programmatic dependent launch, KERNEL_NOTES C21; combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE
+GEMMs launched with PDL too (moe_triton.GROUPED_PDL). The default runs `block+linear` and
 `model`: the per-op rows separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to
 see them apart in the step total.
 `--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
@@ -603,6 +604,7 @@ def run_shape(
     record: dict[str, Any],
 ) -> None:  # fmt: skip
     from deltaserve import env
+    from deltaserve.kernels import moe_triton
 
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -625,6 +627,8 @@ def run_shape(
         record["runs"].append(entry)
         args.is_block = "block" in features
         pdl = "0" if "nopdl" in features else "1"
+        grouped_pdl = getattr(moe_triton, "GROUPED_PDL", False)
+        moe_triton.GROUPED_PDL = "pdlgrouped" in features  # a --baseline tree without it ignores the attribute
         with (
             moe_block_variant(args.is_block),
             linear_variant("linear" in features),
@@ -643,6 +647,7 @@ def run_shape(
                     _print_ops(shape, variant, row)
                 rows.append(row)
                 save()
+        moe_triton.GROUPED_PDL = grouped_pdl
         entry["cliffs"] = cliffs(
             [r for r in rows if "error" not in r], "graph_ms" if device.type == "cuda" else "eager_ms"
         )

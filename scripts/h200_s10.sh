@@ -11,11 +11,14 @@
 #   3  carry .vllm_chunk3 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64 (not run since session 7)      (~540 s)
 #   4  (fresh machine, no piece) C21: pytest -m gpu on the graph / MoE decode tests and the PDL on/off token test,
 #                               then the decode step with and without PDL, both shapes, 9 batch sizes  (~330 s)
+#   5  (fresh machine, carry .baseline = 4cee267's deltaserve/ without tiny/trained) C21b: the graph tests of conv /
+#                               MoE and the PDL token test, then the decode step: after (model) against the before
+#                               tree in one run, both shapes; nopdl / pdlgrouped on the 35B-A3B shape      (~300 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] [RECORD_DATE=20261203-s10] bash scripts/h200_s10.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
-CALL=${1:?which call: 1..4}
+CALL=${1:?which call: 1..5}
 SESSION=s10
 BUNDLE_CALLS="1 2 3"
 source scripts/h200_call.sh
@@ -58,6 +61,27 @@ case $CALL in
       --batches 1,2,4,8,16,32,64,128,256 --label after --out "$W/decode-step-pdl.json" > "$W/decode-step-pdl.log" 2>&1
     echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
     tail -8 "$W/decode-step-pdl.log" | tee -a "$OUT/summary.txt"
+    ;;
+  5)
+    timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1 &
+    mark "pytest -m gpu: graphs (conv, MoE), PDL on / off"
+    timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -rA tests/kernels/test_cuda_graphs.py \
+      tests/engine/test_gpu_async.py -k "conv or moe or pdl" > "$W/pytest-gpu-pdl2.log" 2>&1
+    echo "pytest -m gpu: $(tail -1 "$W/pytest-gpu-pdl2.log")" | tee -a "$OUT/summary.txt"
+    grep -E "^FAILED|^ERROR" "$W/pytest-gpu-pdl2.log" | head -20 | tee -a "$OUT/summary.txt"
+    wait
+    mark "decode step, before (4cee267) and after, both shapes"
+    timeout $((budget - 60 - SECONDS)) python3 benchmarks/decode_step.py --models /tmp/ds_models --variants model \
+      --baseline .baseline --batches 1,2,4,8,16,32,64,128,256 --label after --out "$W/decode-step-ab.json" \
+      > "$W/decode-step-ab.log" 2>&1
+    echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
+    tail -8 "$W/decode-step-ab.log" | tee -a "$OUT/summary.txt"
+    mark "decode step, 35B-A3B, nopdl / pdlgrouped"
+    timeout $((budget - 5 - SECONDS)) python3 benchmarks/decode_step.py --models /tmp/ds_models --shapes 35b-a3b \
+      --variants nopdl,pdlgrouped --batches 1,8,32,64,128 --label after --out "$W/decode-step-pdlvar.json" \
+      > "$W/decode-step-pdlvar.log" 2>&1
+    echo "decode_step rc $?" | tee -a "$OUT/summary.txt"
+    tail -6 "$W/decode-step-pdlvar.log" | tee -a "$OUT/summary.txt"
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac

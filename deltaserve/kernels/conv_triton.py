@@ -229,14 +229,14 @@ def _causal_conv1d_update_kernel(
     i_cb = tl.program_id(1)
     o_c = i_cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     m_c = o_c < C
-    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]: rows 0..K-2 are the state, row K-1 the new token
-    # The step's slots and the weights: may load before the wait (_triton.pdl_wait).
+    # The step's slot may load before the wait (_triton.pdl_wait). The weights stay below the branch: loaded above
+    # it they made this kernel 5-8x slower at every B, PDL or not (KERNEL_NOTES C21, session 10's first run).
     i_slot = i64(tl.load(state_indices_ptr + i_b))
-    b_w = tl.load(weight_ptr + o_c[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_c[None, :], other=0.0)
     pdl_wait(USE_PDL)
     if i_slot < 0:
         tl.store(out_ptr + i_b * stride_o + o_c, tl.zeros([BLOCK_C], dtype=tl.float32), mask=m_c)
         return
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]: rows 0..K-2 are the state, row K-1 the new token
     m_state = o_k < K - 1
     m_new = o_k == K - 1
     p_state = conv_states_ptr + i_slot * stride_s_slot
@@ -245,6 +245,7 @@ def _causal_conv1d_update_kernel(
     ).to(x_ptr.dtype.element_ty)
     b_x = tl.load(x_ptr + i_b * stride_x + o_c, mask=m_c, other=0.0)  # [BLOCK_C]
     b_rows = tl.where(m_new[:, None], b_x[None, :], b_rows)  # [BLOCK_K, BLOCK_C]
+    b_w = tl.load(weight_ptr + o_c[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_c[None, :], other=0.0)
     b_prod = (b_rows.to(tl.float32) * b_w.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
     b_y = silu_f32(tl.sum(b_prod, axis=0))
     tl.store(out_ptr + i_b * stride_o + o_c, b_y, mask=m_c)

@@ -40,6 +40,12 @@ CHUNK_TOKENS = 8192
 DEFAULT_GROUPED_TOKENS = 128
 
 
+# The grouped GEMMs and their sum launch plainly (KERNEL_NOTES C21): with programmatic dependent launch the 35B-A3B
+# decode steps that take this path (B = 32, 64) ran 1-1.3 % slower in session 10's first run, while the decode
+# path's kernels and the 27B shape gained. benchmarks/decode_step.py's `pdlgrouped` variant sets it for a rerun.
+GROUPED_PDL = False
+
+
 @triton.jit(do_not_specialize=["num_entries"])
 def _moe_gemm1_kernel(
     x_ptr,
@@ -217,12 +223,12 @@ def _fused_moe_chunk(
     _moe_gemm1_kernel[(num_blocks, triton.cdiv(inter, g1.BLOCK_N))](
         x, w13, act, sorted_ids, block_expert, num_entries, x.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=top_k, I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g1.launch(),
-        **pdl_launch(x),
+        **pdl_launch(x, GROUPED_PDL),
     )  # fmt: skip
     _moe_gemm2_kernel[(num_blocks, triton.cdiv(hidden, g2.BLOCK_N))](
         act, w2, y, sorted_ids, block_expert, num_entries, w2.stride(0), w2.stride(1),
         I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g2.launch(),
-        **pdl_launch(act),
+        **pdl_launch(act, GROUPED_PDL),
     )  # fmt: skip
     block_h = min(1024, next_pow2(hidden))
     has_shared = shared is not None and shared_gate_logits is not None
@@ -241,7 +247,7 @@ def _fused_moe_chunk(
         HAS_SHARED=has_shared,
         BLOCK_H=block_h,
         enable_fp_fusion=False,
-        **pdl_launch(y),
+        **pdl_launch(y, GROUPED_PDL),
     )
 
 

@@ -24,7 +24,7 @@ KERNELS_DIR = Path(__file__).resolve().parents[2] / "deltaserve" / "kernels"
 PRE_WAIT_LOADS = {
     "_rms_norm_kernel": {"weight_ptr"},
     "_gated_rms_norm_kernel": {"weight_ptr"},
-    "_causal_conv1d_update_kernel": {"state_indices_ptr", "weight_ptr"},
+    "_causal_conv1d_update_kernel": {"state_indices_ptr"},
     # the state slot was last written by this layer in an earlier step; conv (the launch before) never touches it
     "_gdn_decode_kernel": {"state_indices_ptr", "A_log_ptr", "dt_bias_ptr", "ssm_states_ptr"},
     "_store_kv_kernel": {"slot_mapping_ptr"},
