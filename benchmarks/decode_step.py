@@ -14,10 +14,12 @@ decode ForwardContext directly, and
   GPU time, the bytes the op must move at least and the FLOPs it must do (counted here from the shapes, see
   `op_costs`), and the achieved GB/s and TFLOP/s against the device-to-device copy bandwidth and the bf16
   GEMM rate measured at start.
-Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEBlock.forward for
-kernels.fused_moe_block (router + routed + shared experts as one op), `linear` the model's F.linear for
-kernels.linear (a Triton skinny GEMM up to 16 rows); `block+linear` both: the integrations this benchmark
-proposes, measured before the model is changed; `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of
+Variants (`--variants`): `model` runs the model as committed; `block` runs the MoE layers as before C22 (the
+post-attention add + RMSNorm in its own launch, then kernels.fused_moe_block: router + routed + shared experts
+as one op), `linear` the model's F.linear for kernels.linear (a Triton skinny GEMM up to 16 rows);
+`block+linear` both; `gdnsplit` runs the GDN decode core and its output norm as two launches (before C23;
+`block+gdnsplit`: the model before C22 and C23); `mv` one-row F.linear calls without bias as torch.mv
+(cuBLAS's matrix-vector path; only B = 1 differs); `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of
 programmatic dependent launch, KERNEL_NOTES C21; combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE
 GEMMs launched with PDL too (moe_triton.GROUPED_PDL). The default runs `block+linear` and
 `model`: the per-op rows separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to
@@ -218,14 +220,30 @@ class _SkinnyLinear:
         return getattr(torch.nn.functional, name)
 
 
+class _MvLinear:
+    """The `mv` variant's `F`: a one-row F.linear without bias as torch.mv (cuBLAS's matrix-vector path, which may
+    pick other kernels than the [1, K] GEMM: the 2048-output projections run a split-K GEMM and its reduce at
+    B = 1); every other call as F.linear."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+        has_bias = bool(args) and args[0] is not None
+        if x.dim() == 2 and x.shape[0] == 1 and not has_bias:
+            return torch.mv(weight, x[0]).unsqueeze(0)
+        return torch.nn.functional.linear(x, weight, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn.functional, name)
+
+
 MODEL_MODULES = ("deltaserve.model.layers.gdn", "deltaserve.model.layers.attention", "deltaserve.model.layers.mlp",
                  "deltaserve.model.qwen3_5")  # fmt: skip
 
 
 @contextlib.contextmanager
-def linear_variant(enabled: bool) -> Iterator[None]:
-    """Every F.linear of the model through kernels.linear while enabled (the proposed integration)."""
-    if not enabled:
+def linear_variant(kind: str | None) -> Iterator[None]:
+    """Every F.linear of the model through kernels.linear (kind "linear") or one-row ones through torch.mv ("mv")
+    while kind is set."""
+    if not kind:
         yield
         return
     import importlib
@@ -233,7 +251,7 @@ def linear_variant(enabled: bool) -> Iterator[None]:
     modules = [importlib.import_module(name) for name in MODEL_MODULES]
     originals = [module.F for module in modules]
     for module in modules:
-        module.F = _SkinnyLinear()
+        module.F = _SkinnyLinear() if kind == "linear" else _MvLinear()
     try:
         yield
     finally:
@@ -305,26 +323,31 @@ def labelled(model: Any, config: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def moe_block_variant(enabled: bool) -> Iterator[None]:
-    """MoEBlock.forward through kernels.fused_moe_block (the proposed integration) while enabled."""
+    """While enabled, MoEBlock.forward_add_norm as before C22: the add + RMSNorm in its own launch, then
+    kernels.fused_moe_block (so `--variants model,block` measures C22 in one run)."""
     if not enabled:
         yield
         return
-    from deltaserve.kernels import fused_moe_block
+    from deltaserve.kernels import fused_moe_block, rms_norm
     from deltaserve.model.layers import mlp
 
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward_add_norm(
+        self: Any, hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.profiler.record_function(LABEL + "layer.rms_norm"):
+            x, residual = rms_norm(hidden, norm_weight, eps, residual)
         extra = ()
         if self.has_shared_expert:
             extra = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
         with torch.profiler.record_function(LABEL + "mlp.fused_moe_block"):
-            return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *extra)
+            return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *extra), residual
 
-    original = mlp.MoEBlock.forward
-    mlp.MoEBlock.forward = forward
+    original = mlp.MoEBlock.forward_add_norm
+    mlp.MoEBlock.forward_add_norm = forward_add_norm
     try:
         yield
     finally:
-        mlp.MoEBlock.forward = original
+        mlp.MoEBlock.forward_add_norm = original
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -361,7 +384,9 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
         for (n, k), name in names[kind].items():
             linear(f"{kind}.{name}", n, k, times)
     add("lm.embed", 2 * b * h * s)
-    add("layer.rms_norm", 4 * b * h * s, 0, 2 * num_layers)  # residual add + norm, twice a layer, and the final
+    # residual add + norm, twice a layer (once on MoE layers since C22: the other is in the router's launch),
+    # and the final
+    add("layer.rms_norm", 4 * b * h * s, 0, 2 * num_layers - num_moe)
     add("layer.rms_norm", 4 * b * h * s, 0, 1)
     add("layer.rope_cos_sin_for_positions", b * r * s, 0, 1)
     # attention
@@ -378,6 +403,9 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
     add("gdn.gdn_decode", 2 * b * hv * dk * dv * state_bytes + b * (2 * hk * dk + 2 * hv * dv + 2 * hv) * s,
         8.0 * b * hv * dk * dv, num_gdn)  # fmt: skip
     add("gdn.gated_rms_norm", 3 * b * hv * dv * s, 0, num_gdn)
+    # C23: the core and the output norm in one launch (z and the weight read, one output written)
+    add("gdn.gdn_decode_gated_norm", 2 * b * hv * dk * dv * state_bytes + b * (2 * hk * dk + 3 * hv * dv + 2 * hv) * s
+        + dv * s, 8.0 * b * hv * dk * dv, num_gdn)  # fmt: skip
     # MLP / MoE
     if num_dense:
         for (n, k), name in names["mlp"].items():
@@ -398,8 +426,33 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
                 linear(f"mlp.{name}", n, kk, num_moe)
         add("mlp.fused_moe_block", experts + shared + (e + 1) * h * s + 2 * b * h * s,
             flops + 2.0 * b * (3 * ish + e + 1) * h, num_moe)  # fmt: skip
+        # C22: the post-attention add + RMSNorm in the router's launch (hidden and residual in, x and the
+        # residual stream out, the norm weight)
+        add("mlp.add_norm_moe_block", experts + shared + (e + 1) * h * s + 5 * b * h * s + h * s,
+            flops + 2.0 * b * (3 * ish + e + 1) * h, num_moe)  # fmt: skip
     add("lm.other", b * config.vocab_size * (s + 4), 0, 1)  # the logits' fp32 upcast
     return costs
+
+
+@contextlib.contextmanager
+def gdn_split_variant(enabled: bool) -> Iterator[None]:
+    """While enabled, the GDN layers' decode core and output norm as two launches, as before C23."""
+    if not enabled:
+        yield
+        return
+    from deltaserve.model.layers import gdn
+
+    def gdn_decode_gated_norm(*args: Any) -> torch.Tensor:
+        *core_args, z, norm_weight, eps = args
+        # through the module's names, so the profiler's labels (patched there) name each launch
+        return gdn.gated_rms_norm(gdn.gdn_decode(*core_args), z, norm_weight, eps)
+
+    original = gdn.gdn_decode_gated_norm
+    gdn.gdn_decode_gated_norm = gdn_decode_gated_norm
+    try:
+        yield
+    finally:
+        gdn.gdn_decode_gated_norm = original
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -631,7 +684,8 @@ def run_shape(
         moe_triton.GROUPED_PDL = "pdlgrouped" in features  # a --baseline tree without it ignores the attribute
         with (
             moe_block_variant(args.is_block),
-            linear_variant("linear" in features),
+            gdn_split_variant("gdnsplit" in features),
+            linear_variant("linear" if "linear" in features else ("mv" if "mv" in features else None)),
             env.overridden("DELTASERVE_PDL", pdl),
         ):
             for batch in batches:
@@ -716,9 +770,10 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         default="block+linear,block,model",
-        help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
-        "linear (F.linear through kernels.linear), nopdl (DELTASERVE_PDL=0), block+linear; block is dropped on dense "
-        "shapes",
+        help="comma list: model (as committed), block (the MoE layers' norm apart, then kernels.fused_moe_block: "
+        "before C22), gdnsplit (GDN decode core and output norm apart: before C23), linear (F.linear through "
+        "kernels.linear), mv (one-row F.linear as torch.mv), nopdl (DELTASERVE_PDL=0), pdlgrouped, and +-joined "
+        "combinations; block is dropped on dense shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)

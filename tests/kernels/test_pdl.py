@@ -26,7 +26,7 @@ PRE_WAIT_LOADS = {
     "_gated_rms_norm_kernel": {"weight_ptr"},
     "_causal_conv1d_update_kernel": {"state_indices_ptr"},
     # the state slot was last written by this layer in an earlier step; conv (the launch before) never touches it
-    "_gdn_decode_kernel": {"state_indices_ptr", "A_log_ptr", "dt_bias_ptr", "ssm_states_ptr"},
+    "_gdn_decode_kernel": {"state_indices_ptr", "A_log_ptr", "dt_bias_ptr", "ssm_states_ptr", "norm_weight_ptr"},
     "_store_kv_kernel": {"slot_mapping_ptr"},
     # q is the preamble's output, two launches back (store_kv is the launch before); the K/V cache is not
     "_paged_attn_decode_kernel": {"query_start_loc_ptr", "seq_lens_ptr", "q_ptr", "block_tables_ptr"},

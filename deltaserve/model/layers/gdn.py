@@ -22,6 +22,7 @@ from deltaserve.kernels import (
     causal_conv1d_update,
     gated_rms_norm,
     gdn_decode,
+    gdn_decode_gated_norm,
     gdn_prefill,
 )
 from deltaserve.model.context import get_forward_context
@@ -91,10 +92,12 @@ class GatedDeltaNet(nn.Module):
         if not ctx.num_prefill_tokens:  # decode-only (every CUDA-graph step): each kernel's output is used whole
             conv_out = causal_conv1d_update(mixed, self.conv1d, self.conv_states, ctx.state_indices)
             q, k, v = self._split_qkv(conv_out)
-            core = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices)
+            # the core and the output norm in one op (KERNEL_NOTES C23; the twin: gdn_decode, gated_rms_norm)
+            y = gdn_decode_gated_norm(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices,
+                                      z, self.norm, self.eps)  # fmt: skip
         else:
             core = self._mixed_step(mixed, a, b, num_decodes)
-        y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
+            y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
         return self.tp.all_reduce(F.linear(y.reshape(num_tokens, self.value_dim), self.out_proj))
 
     def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Session 11's device calls (written 2026-12-03 before the first of them; 1800 device-seconds, call 0 = session
+# 10's call 5, run at this session's start from scripts/h200_s10.sh). One warm nvidia-h200, each call issued within
+# 30 s of the last; calls 1-3 carry the three vLLM bundle pieces, call 3 needs SHA256 and carries .whl.
+#   1  carry .vllm_chunk        pytest -m gpu on C22 (the norm in the router's launch) and C23 (the GDN output
+#                               norm in the decode core's launch): kernels, graphs, the PDL token test; then the
+#                               decode step, 35B-A3B, model / block+gdnsplit (before both) / block (before C22) /
+#                               gdnsplit (before C23) at 9 batch sizes, and a second process with the order
+#                               reversed at B = 1-8 (does a variant's place in the process move it?) and
+#                               mv (one-row F.linear calls as torch.mv: cuBLAS's matrix-vector path)  (~360 s)
+#   2  carry .vllm_chunk2       the decode step, 27B, model / gdnsplit at 9 batch sizes; mv / model at B = 1, 2
+#                                                                                                      (~150 s)
+#   3  carry .vllm_chunk3 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64 on this code            (~540 s)
+# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] [RECORD_DATE=20261203-s11] bash scripts/h200_s11.sh CALL
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+CALL=${1:?which call: 1..3}
+SESSION=s11
+BUNDLE_CALLS="1 2 3"
+source scripts/h200_call.sh
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+BATCHES=1,2,4,8,16,32,64,128,256
+decode_step() {  # name, then decode_step.py flags
+  local name=$1
+  shift
+  timeout $((budget - 10 - SECONDS)) python3 benchmarks/decode_step.py --models /tmp/ds_models --label after \
+    --out "$W/$name.json" "$@" > "$W/$name.log" 2>&1
+  echo "decode_step $name rc $?" | tee -a "$OUT/summary.txt"
+  grep -A8 "graph_ms by batch size" "$W/$name.log" | tee -a "$OUT/summary.txt"
+}
+case $CALL in
+  1)
+    timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1 &
+    mark "pytest -m gpu: C22 / C23 kernels, graphs, PDL token test"
+    timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA tests/kernels/test_moe_decode.py \
+      tests/kernels/test_gdn.py tests/kernels/test_cuda_graphs.py tests/engine/test_gpu_async.py \
+      -k "norm or served or graph_moe or graph_add_norm or graph_conv or graph_decode or pdl" > "$W/pytest-gpu-fuse.log" 2>&1
+    echo "pytest -m gpu: $(tail -1 "$W/pytest-gpu-fuse.log")" | tee -a "$OUT/summary.txt"
+    grep -E "^FAILED|^ERROR" "$W/pytest-gpu-fuse.log" | head -20 | tee -a "$OUT/summary.txt"
+    wait
+    mark "decode step, 35B-A3B: model, block+gdnsplit, block, gdnsplit"
+    decode_step decode-step-fuse-35b --shapes 35b-a3b --variants model,block+gdnsplit,block,gdnsplit --batches $BATCHES
+    mark "decode step, 35B-A3B, order reversed: block+gdnsplit, model; mv (one-row F.linear as torch.mv)"
+    decode_step decode-step-fuse-35b-rev --shapes 35b-a3b --variants block+gdnsplit,model,mv --batches 1,2,4,8
+    ;;
+  2)
+    [ -d /tmp/ds_models ] || timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1
+    mark "decode step, 27B: model, gdnsplit"
+    decode_step decode-step-fuse-27b --shapes 27b --variants model,gdnsplit --batches $BATCHES
+    mark "decode step, 27B: mv (one-row F.linear as torch.mv), model"
+    decode_step decode-step-mv-27b --shapes 27b --variants mv,model --batches 1,2
+    ;;
+  3) mark "h200_core2, 35B-A3B, c1/8/32/64"
+     grid benchmarks/grids/h200_core2.toml "h200_core2-35b-a3b-$day" --models q35-35b-a3b --concurrencies 1,8,32,64 ;;
+  *) echo "unknown call $CALL"; exit 2 ;;
+esac
+mark done
