@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # Session 11's device calls (written 2026-12-03 before the first of them; 1800 device-seconds, call 0 = session
 # 10's call 5, run at this session's start from scripts/h200_s10.sh). One warm nvidia-h200, each call issued within
-# 30 s of the last; calls 1-3 carry the three vLLM bundle pieces, call 3 needs SHA256 and carries .whl.
+# 30 s of the last. The vLLM bundle goes in FOUR pieces this session (re-split from the same bytes, sha256
+# 22e9232e...40f6): with session 10's records the tree is ~20 MiB and a 44 MiB piece beside it was refused as over
+# the 64 MiB a call carries. Call 4 needs SHA256 and carries .whl.
 #   1  carry .vllm_chunk        pytest -m gpu on C22 (the norm in the router's launch) and C23 (the GDN output
 #                               norm in the decode core's launch): kernels, graphs, the PDL token test; then the
 #                               decode step, 35B-A3B, model / block+gdnsplit (before both) / block (before C22) /
 #                               gdnsplit (before C23) at 9 batch sizes, and a second process with the order
 #                               reversed at B = 1-8 (does a variant's place in the process move it?) and
 #                               mv (one-row F.linear calls as torch.mv: cuBLAS's matrix-vector path)  (~360 s)
-#   2  carry .vllm_chunk2       the decode step, 27B, model / gdnsplit at 9 batch sizes; mv / model at B = 1, 2
-#                                                                                                      (~150 s)
-#   3  carry .vllm_chunk3 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64 on this code            (~540 s)
+#   2  carry .vllm_chunk2       the decode step, 27B, model / gdnsplit at 9 batch sizes                (~110 s)
+#   3  carry .vllm_chunk3       the decode step, 27B, mv / model at B = 1, 2                           (~50 s)
+#   4  carry .vllm_chunk4 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64 on this code            (~540 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] [RECORD_DATE=20261203-s11] bash scripts/h200_s11.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
-CALL=${1:?which call: 1..3}
+CALL=${1:?which call: 1..4}
 SESSION=s11
-BUNDLE_CALLS="1 2 3"
+BUNDLE_CALLS="1 2 3 4"
 source scripts/h200_call.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 BATCHES=1,2,4,8,16,32,64,128,256
@@ -48,10 +50,13 @@ case $CALL in
     [ -d /tmp/ds_models ] || timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1
     mark "decode step, 27B: model, gdnsplit"
     decode_step decode-step-fuse-27b --shapes 27b --variants model,gdnsplit --batches $BATCHES
+    ;;
+  3)
+    [ -d /tmp/ds_models ] || timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1
     mark "decode step, 27B: mv (one-row F.linear as torch.mv), model"
     decode_step decode-step-mv-27b --shapes 27b --variants mv,model --batches 1,2
     ;;
-  3) mark "h200_core2, 35B-A3B, c1/8/32/64"
+  4) mark "h200_core2, 35B-A3B, c1/8/32/64"
      grid benchmarks/grids/h200_core2.toml "h200_core2-35b-a3b-$day" --models q35-35b-a3b --concurrencies 1,8,32,64 ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
