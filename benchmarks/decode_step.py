@@ -14,16 +14,16 @@ decode ForwardContext directly, and
   GPU time, the bytes the op must move at least and the FLOPs it must do (counted here from the shapes, see
   `op_costs`), and the achieved GB/s and TFLOP/s against the device-to-device copy bandwidth and the bf16
   GEMM rate measured at start.
-Variants (`--variants`): `model` runs the model as committed; `block` runs the MoE layers as before C22 (the
-post-attention add + RMSNorm in its own launch, then kernels.fused_moe_block: router + routed + shared experts
-as one op), `linear` the model's F.linear for kernels.linear (a Triton skinny GEMM up to 16 rows);
-`block+linear` both; `gdnsplit` runs the GDN decode core and its output norm as two launches (before C23;
-`block+gdnsplit`: the model before C22 and C23); `mv` one-row F.linear calls without bias as torch.mv
-(cuBLAS's matrix-vector path; only B = 1 differs); `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of
-programmatic dependent launch, KERNEL_NOTES C21; combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE
-GEMMs launched with PDL too (moe_triton.GROUPED_PDL). The default runs `block+linear` and
-`model`: the per-op rows separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to
-see them apart in the step total.
+Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEBlock.forward for
+kernels.fused_moe_block (router + routed + shared experts as one op), `linear` the model's F.linear for
+kernels.linear (a Triton skinny GEMM up to 16 rows), `linearout` only for the N < K weights (out_proj, o_proj,
+down); `block+linear` both: the integrations this benchmark proposes, measured before the model is changed;
+`nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of programmatic dependent launch, KERNEL_NOTES C21;
+combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE GEMMs launched with PDL too
+(moe_triton.GROUPED_PDL). The default runs `block+linear` and `model`: the per-op rows separate the two changes
+(MoE rows against GEMM rows), so `block` alone is only needed to see them apart in the step total. Every variant
+of every shape is timed before the process's first profile (run_shape says why), so variants compare fairly in
+one process.
 `--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
 `--baseline DIR` runs the same measurement in a subprocess against another deltaserve tree (PYTHONPATH=DIR,
 `model` variant only) and stores it as the `before` half of the record. Tables go to stdout (the last one is
@@ -209,27 +209,19 @@ class _Labelled:
 
 
 class _SkinnyLinear:
-    """The `linear` variant's `F`: F.linear through kernels.linear (the Triton skinny GEMM up to 16 rows)."""
+    """The `linear` variant's `F`: F.linear without bias (or with bias None: the attention's projections) through
+    kernels.linear (the Triton skinny GEMM up to 16 rows); `linearout` only for weights narrower than deep (N < K:
+    the out / o / down projections, whose cuBLAS kernels split K and reduce in a second launch)."""
+
+    def __init__(self, is_narrow_only: bool = False) -> None:
+        self._is_narrow_only = is_narrow_only
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
         from deltaserve.kernels import linear
 
-        return linear(x, weight) if not args else torch.nn.functional.linear(x, weight, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.nn.functional, name)
-
-
-class _MvLinear:
-    """The `mv` variant's `F`: a one-row F.linear without bias as torch.mv (cuBLAS's matrix-vector path, which may
-    pick other kernels than the [1, K] GEMM: the 2048-output projections run a split-K GEMM and its reduce at
-    B = 1); every other call as F.linear."""
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
         has_bias = bool(args) and args[0] is not None
-        if x.dim() == 2 and x.shape[0] == 1 and not has_bias:
-            return torch.mv(weight, x[0]).unsqueeze(0)
-        return torch.nn.functional.linear(x, weight, *args)
+        is_taken = not self._is_narrow_only or weight.shape[0] < weight.shape[1]
+        return linear(x, weight) if is_taken and not has_bias else torch.nn.functional.linear(x, weight, *args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.nn.functional, name)
@@ -241,8 +233,8 @@ MODEL_MODULES = ("deltaserve.model.layers.gdn", "deltaserve.model.layers.attenti
 
 @contextlib.contextmanager
 def linear_variant(kind: str | None) -> Iterator[None]:
-    """Every F.linear of the model through kernels.linear (kind "linear") or one-row ones through torch.mv ("mv")
-    while kind is set."""
+    """The model's F.linear through kernels.linear while kind is set: every call ("linear") or the N < K weights
+    ("linearout")."""
     if not kind:
         yield
         return
@@ -251,7 +243,7 @@ def linear_variant(kind: str | None) -> Iterator[None]:
     modules = [importlib.import_module(name) for name in MODEL_MODULES]
     originals = [module.F for module in modules]
     for module in modules:
-        module.F = _SkinnyLinear() if kind == "linear" else _MvLinear()
+        module.F = _SkinnyLinear(is_narrow_only=kind == "linearout")
     try:
         yield
     finally:
@@ -323,31 +315,26 @@ def labelled(model: Any, config: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def moe_block_variant(enabled: bool) -> Iterator[None]:
-    """While enabled, MoEBlock.forward_add_norm as before C22: the add + RMSNorm in its own launch, then
-    kernels.fused_moe_block (so `--variants model,block` measures C22 in one run)."""
+    """MoEBlock.forward through kernels.fused_moe_block (the proposed integration) while enabled."""
     if not enabled:
         yield
         return
-    from deltaserve.kernels import fused_moe_block, rms_norm
+    from deltaserve.kernels import fused_moe_block
     from deltaserve.model.layers import mlp
 
-    def forward_add_norm(
-        self: Any, hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.profiler.record_function(LABEL + "layer.rms_norm"):
-            x, residual = rms_norm(hidden, norm_weight, eps, residual)
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         extra = ()
         if self.has_shared_expert:
             extra = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
         with torch.profiler.record_function(LABEL + "mlp.fused_moe_block"):
-            return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *extra), residual
+            return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *extra)
 
-    original = mlp.MoEBlock.forward_add_norm
-    mlp.MoEBlock.forward_add_norm = forward_add_norm
+    original = mlp.MoEBlock.forward
+    mlp.MoEBlock.forward = forward
     try:
         yield
     finally:
-        mlp.MoEBlock.forward_add_norm = original
+        mlp.MoEBlock.forward = original
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -384,9 +371,7 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
         for (n, k), name in names[kind].items():
             linear(f"{kind}.{name}", n, k, times)
     add("lm.embed", 2 * b * h * s)
-    # residual add + norm, twice a layer (once on MoE layers since C22: the other is in the router's launch),
-    # and the final
-    add("layer.rms_norm", 4 * b * h * s, 0, 2 * num_layers - num_moe)
+    add("layer.rms_norm", 4 * b * h * s, 0, 2 * num_layers)  # residual add + norm, twice a layer, and the final
     add("layer.rms_norm", 4 * b * h * s, 0, 1)
     add("layer.rope_cos_sin_for_positions", b * r * s, 0, 1)
     # attention
@@ -403,9 +388,6 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
     add("gdn.gdn_decode", 2 * b * hv * dk * dv * state_bytes + b * (2 * hk * dk + 2 * hv * dv + 2 * hv) * s,
         8.0 * b * hv * dk * dv, num_gdn)  # fmt: skip
     add("gdn.gated_rms_norm", 3 * b * hv * dv * s, 0, num_gdn)
-    # C23: the core and the output norm in one launch (z and the weight read, one output written)
-    add("gdn.gdn_decode_gated_norm", 2 * b * hv * dk * dv * state_bytes + b * (2 * hk * dk + 3 * hv * dv + 2 * hv) * s
-        + dv * s, 8.0 * b * hv * dk * dv, num_gdn)  # fmt: skip
     # MLP / MoE
     if num_dense:
         for (n, k), name in names["mlp"].items():
@@ -426,33 +408,8 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
                 linear(f"mlp.{name}", n, kk, num_moe)
         add("mlp.fused_moe_block", experts + shared + (e + 1) * h * s + 2 * b * h * s,
             flops + 2.0 * b * (3 * ish + e + 1) * h, num_moe)  # fmt: skip
-        # C22: the post-attention add + RMSNorm in the router's launch (hidden and residual in, x and the
-        # residual stream out, the norm weight)
-        add("mlp.add_norm_moe_block", experts + shared + (e + 1) * h * s + 5 * b * h * s + h * s,
-            flops + 2.0 * b * (3 * ish + e + 1) * h, num_moe)  # fmt: skip
     add("lm.other", b * config.vocab_size * (s + 4), 0, 1)  # the logits' fp32 upcast
     return costs
-
-
-@contextlib.contextmanager
-def gdn_split_variant(enabled: bool) -> Iterator[None]:
-    """While enabled, the GDN layers' decode core and output norm as two launches, as before C23."""
-    if not enabled:
-        yield
-        return
-    from deltaserve.model.layers import gdn
-
-    def gdn_decode_gated_norm(*args: Any) -> torch.Tensor:
-        *core_args, z, norm_weight, eps = args
-        # through the module's names, so the profiler's labels (patched there) name each launch
-        return gdn.gated_rms_norm(gdn.gdn_decode(*core_args), z, norm_weight, eps)
-
-    original = gdn.gdn_decode_gated_norm
-    gdn.gdn_decode_gated_norm = gdn_decode_gated_norm
-    try:
-        yield
-    finally:
-        gdn.gdn_decode_gated_norm = original
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -573,9 +530,8 @@ def graph_times(run: Callable[[], object], replays: int) -> dict[str, float]:
     return {"graph_ms": times[len(times) // 2], "graph_ms_p10": pick(0.1), "graph_ms_p90": pick(0.9)}
 
 
-def measure_batch(
-    model: Any, config: Any, cache: Cache, batch: int, args: argparse.Namespace, ceilings: dict[str, float]
-) -> dict[str, Any]:
+def _decode_run(model: Any, config: Any, cache: Cache, batch: int, args: argparse.Namespace) -> Callable[[], Any]:
+    """One decode forward + logits of `batch` sequences at args.context cached tokens each."""
     from deltaserve.model.context import forward_context
 
     device = model.embed_tokens.device
@@ -585,6 +541,14 @@ def measure_batch(
         with forward_context(ctx):
             return model.compute_logits(model(ids, positions))
 
+    return run
+
+
+def time_batch(model: Any, config: Any, cache: Cache, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A batch size's first forward (its compiles) and its step time: the CUDA graph's replays on the GPU, one eager
+    forward on the CPU. Runs before any profiler session of the process (see run_shape)."""
+    device = model.embed_tokens.device
+    run = _decode_run(model, config, cache, batch, args)
     row: dict[str, Any] = {"batch": batch}
     with torch.inference_mode():
         started = time.perf_counter()
@@ -598,8 +562,19 @@ def measure_batch(
             started = time.perf_counter()
             run()
             row["eager_ms"] = (time.perf_counter() - started) * 1e3
-        with labelled(model, config):
-            by_label, kernels = profile_ops(run, device, moe_label(args.is_block))
+    return row
+
+
+def profile_batch(
+    model: Any, config: Any, cache: Cache, row: dict[str, Any], args: argparse.Namespace, ceilings: dict[str, float]
+) -> None:
+    """Adds to a timed row the per-op kernel times of one eager forward under the profiler, the op's bytes and
+    FLOPs, and the floor."""
+    batch = row["batch"]
+    device = model.embed_tokens.device
+    run = _decode_run(model, config, cache, batch, args)
+    with torch.inference_mode(), labelled(model, config):
+        by_label, kernels = profile_ops(run, device, moe_label(args.is_block))
     costs = op_costs(config, batch, args.context)
     ops = []
     for label, measured in sorted(by_label.items(), key=lambda item: -item[1]["us"]):
@@ -620,7 +595,6 @@ def measure_batch(
     row["num_kernels"] = int(sum(op["kernels"] for op in ops))
     floor_bytes = sum(c[0] for label, c in costs.items() if label in {o["op"] for o in ops})
     row["floor_ms"] = round(floor_bytes / (ceilings["copy_gbps"] * 1e9) * 1e3, 3)
-    return row
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -652,20 +626,42 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
     return found
 
 
-def run_shape(
-    shape: str, variants: list[str], args: argparse.Namespace, ceilings: dict[str, float], save: Callable[[], None],
-    record: dict[str, Any],
-) -> None:  # fmt: skip
+@contextlib.contextmanager
+def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[None]:
+    """The model as the variant's features make it, for the block (and args.is_block for the MoE label)."""
     from deltaserve import env
     from deltaserve.kernels import moe_triton
 
+    args.is_block = "block" in features
+    grouped_pdl = getattr(moe_triton, "GROUPED_PDL", False)
+    moe_triton.GROUPED_PDL = "pdlgrouped" in features  # a --baseline tree without it ignores the attribute
+    try:
+        with (
+            moe_block_variant(args.is_block),
+            linear_variant(next((k for k in ("linear", "linearout") if k in features), None)),
+            env.overridden("DELTASERVE_PDL", "0" if "nopdl" in features else "1"),
+        ):
+            yield
+    finally:
+        moe_triton.GROUPED_PDL = grouped_pdl
+
+
+def run_shape(
+    shape: str, variants: list[str], args: argparse.Namespace, ceilings: dict[str, float], save: Callable[[], None],
+    record: dict[str, Any], phase: str,
+) -> None:  # fmt: skip
+    """One shape's variants at every batch size: phase "time" adds a run entry per variant with the timed rows,
+    phase "profile" adds the per-op profile to those rows. main runs every shape's timing before any profile:
+    once torch.profiler has run, CUPTI stays attached for the life of the process (torch keeps CUPTI teardown off
+    with CUDA graphs) and every later graph replay paid ~0.2-0.3 ms a step more at B = 1 on both shapes (session
+    11: a variant timed after another's profile, 2.9-3.0 ms against 2.68-2.73 timed first)."""
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",") if b]
     model_dir = args.models / SHAPES.get(shape, shape)
     started = time.perf_counter()
     config, model = build_model(model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     cache = bind_cache(model, config, max(batches), args.context, args.max_model_len, args.block_size)
-    print(f"{shape}: model and cache ready in {time.perf_counter() - started:.1f} s", flush=True)
+    print(f"{shape}: model and cache ready in {time.perf_counter() - started:.1f} s ({phase})", flush=True)
     done: set[str] = set()
     for variant in variants:
         features = set(variant.split("+")) - {"model"}
@@ -675,36 +671,40 @@ def run_shape(
         if variant in done:
             continue
         done.add(variant)
-        rows: list[dict[str, Any]] = []
-        entry = {"shape": shape, "variant": variant, "rows": rows}
-        record["runs"].append(entry)
-        args.is_block = "block" in features
-        pdl = "0" if "nopdl" in features else "1"
-        grouped_pdl = getattr(moe_triton, "GROUPED_PDL", False)
-        moe_triton.GROUPED_PDL = "pdlgrouped" in features  # a --baseline tree without it ignores the attribute
-        with (
-            moe_block_variant(args.is_block),
-            gdn_split_variant("gdnsplit" in features),
-            linear_variant("linear" if "linear" in features else ("mv" if "mv" in features else None)),
-            env.overridden("DELTASERVE_PDL", pdl),
-        ):
-            for batch in batches:
+        if phase == "time":
+            entry: dict[str, Any] = {"shape": shape, "variant": variant, "rows": []}
+            record["runs"].append(entry)
+        else:
+            entry = next(r for r in record["runs"] if r["shape"] == shape and r["variant"] == variant)
+        with variant_context(features, args):
+            for index, batch in enumerate(batches):
                 try:
-                    row = measure_batch(model, config, cache, batch, args, ceilings)
+                    if phase == "time":
+                        entry["rows"].append(time_batch(model, config, cache, batch, args))
+                    elif "error" not in entry["rows"][index]:
+                        profile_batch(model, config, cache, entry["rows"][index], args, ceilings)
+                        _print_ops(shape, variant, entry["rows"][index])
                 except Exception as exc:  # one failed batch size is a finding; the rest still run
-                    row = {"batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]}
-                    record["errors"].append(f"{shape} {variant} B={batch}: {row['error']}")
-                    print(f"{shape} [{variant}] B={batch}: FAILED {row['error']}", flush=True)
+                    error = f"{type(exc).__name__}: {exc}"[:500]
+                    if phase == "time":
+                        entry["rows"].append({"batch": batch, "error": error})
+                    else:
+                        entry["rows"][index]["profile_error"] = error
+                    record["errors"].append(f"{shape} {variant} B={batch} ({phase}): {error}")
+                    print(f"{shape} [{variant}] B={batch}: FAILED ({phase}) {error}", flush=True)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
-                else:
-                    _print_ops(shape, variant, row)
-                rows.append(row)
                 save()
-        moe_triton.GROUPED_PDL = grouped_pdl
-        entry["cliffs"] = cliffs(
-            [r for r in rows if "error" not in r], "graph_ms" if device.type == "cuda" else "eager_ms"
-        )
+        if phase == "time":
+            entry["cliffs"] = cliffs(
+                [r for r in entry["rows"] if "error" not in r], "graph_ms" if device.type == "cuda" else "eager_ms"
+            )
+            timed = [
+                f"B={r['batch']} {r.get('graph_ms', r.get('eager_ms', 0)):.3f}"
+                for r in entry["rows"]
+                if "error" not in r
+            ]
+            print(f"{shape} [{variant}] timed: {', '.join(timed)}", flush=True)
     del model, cache
     gc.collect()
     if device.type == "cuda":
@@ -770,10 +770,10 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         default="block+linear,block,model",
-        help="comma list: model (as committed), block (the MoE layers' norm apart, then kernels.fused_moe_block: "
-        "before C22), gdnsplit (GDN decode core and output norm apart: before C23), linear (F.linear through "
-        "kernels.linear), mv (one-row F.linear as torch.mv), nopdl (DELTASERVE_PDL=0), pdlgrouped, and +-joined "
-        "combinations; block is dropped on dense shapes",
+        help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
+        "linear (F.linear through kernels.linear), linearout (only N < K weights), nopdl (DELTASERVE_PDL=0), "
+        "pdlgrouped, block+linear; block is dropped on dense "
+        "shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)
@@ -835,8 +835,10 @@ def main() -> int:
             moe_configs.install_table(json.loads(args.moe_table.read_text()), str(args.moe_table))
             record["moe_table"] = str(args.moe_table)
         variants = [v for v in args.variants.split(",") if v]
-        for shape in [s for s in args.shapes.split(",") if s]:
-            run_shape(shape, variants, args, record["ceilings"], save, record)
+        shapes = [s for s in args.shapes.split(",") if s]
+        for phase in ("time", "profile"):  # every graph timed before the process's first profiler session
+            for shape in shapes:
+                run_shape(shape, variants, args, record["ceilings"], save, record, phase)
     if args.baseline is not None:
         record["before"] = run_baseline(args)
         save()

@@ -8,9 +8,10 @@ A case is `P1xL1+P2xL2...@B`: P new prompts of L tokens each (no cached state: h
 from 0), plus B decoding sequences with --context cached tokens each, as the scheduler packs them (decodes first).
 Every case runs eagerly, as the engine runs a step that holds a prefill (only all-decode steps replay a CUDA graph):
 median GPU ms over --reps by CUDA events, then one forward under torch.profiler with decode_step.py's labels (kernel
-time per op). For a case with both halves the record holds `parts_ms` (its prefill-only case + its decode-only
-case, both measured here) and `lost_ms` = mixed - parts, and per op the same difference, largest first: what a
-mixed step pays that its parts do not. `host_ms` is the host's time to issue the step (close to `ms`: the step
+time per op; every case of every shape is timed before the process's first profile, as in decode_step.py). For a
+case with both halves the record holds `parts_ms` (its prefill-only case + its decode-only case, both measured
+here) and `lost_ms` = mixed - parts, and per op the same difference, largest first: what a mixed step pays that its
+parts do not. `host_ms` is the host's time to issue the step (close to `ms`: the step
 is host-bound, the GPU waiting on launches) and `host_top` one run's functions by own host time under cProfile.
 `tflops` is the step's matmul rate from a FLOP count (2 x active
 parameters x tokens, plus attention's QK and PV over the causal prefix), against the bf16 GEMM rate measured at
@@ -185,8 +186,8 @@ def host_profile(run: Any, device: torch.device, top: int = HOST_PROFILE_TOP) ->
     ]  # fmt: skip
 
 
-def measure_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: argparse.Namespace,
-                 ceilings: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def _case_run(model: Any, config: Any, cache: ds.Cache, case: Case, args: argparse.Namespace) -> Any:
+    """One forward of the case's step (decodes and prefill chunks) and the logits of its sampled rows."""
     from deltaserve.model.context import forward_context
 
     device = model.embed_tokens.device
@@ -198,6 +199,15 @@ def measure_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: arg
             hidden = model(ids, positions)
         return model.compute_logits(hidden.index_select(0, sample_rows))
 
+    return run
+
+
+def time_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: argparse.Namespace,
+              ceilings: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    """The case's first forward and its step time (GPU and host). Runs before any profiler session of the process
+    (decode_step.run_shape says why)."""
+    device = model.embed_tokens.device
+    run = _case_run(model, config, cache, case, args)
     row: dict[str, Any] = {"case": case.name, "prefill_tokens": sum(case.prompts), "num_decodes": case.num_decodes}
     with torch.inference_mode():
         started = time.perf_counter()
@@ -206,17 +216,25 @@ def measure_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: arg
             torch.cuda.synchronize()
         row["first_forward_s"] = round(time.perf_counter() - started, 2)
         median, p10, p90, host = gpu_ms(run, args.reps, device)
-        row.update(ms=round(median, 3), ms_p10=round(p10, 3), ms_p90=round(p90, 3), host_ms=round(host, 3))
-        row["host_top"] = host_profile(run, device)
-        with ds.labelled(model, config):
-            by_label, kernels = ds.profile_ops(run, device, ds.moe_label(False))
-    row["ops_us"] = {label: round(v["us"], 1) for label, v in sorted(by_label.items(), key=lambda kv: -kv[1]["us"])}
-    row["top_kernels"] = kernels["top"][:15]
+    row.update(ms=round(median, 3), ms_p10=round(p10, 3), ms_p90=round(p90, 3), host_ms=round(host, 3))
     flops = matmul_flops(config, model, case, args.context)
     row["flops"] = flops
     row["tflops"] = round(flops / (median * 1e-3) / 1e12, 1)
     row["gemm_share"] = round(row["tflops"] / ceilings["bf16_tflops"], 3) if ceilings.get("bf16_tflops") else None
     return row
+
+
+def profile_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: argparse.Namespace,
+                 row: dict[str, Any]) -> None:  # fmt: skip
+    """Adds to a timed row the host's top functions (cProfile) and the per-op kernel times (torch.profiler)."""
+    device = model.embed_tokens.device
+    run = _case_run(model, config, cache, case, args)
+    with torch.inference_mode():
+        row["host_top"] = host_profile(run, device)
+        with ds.labelled(model, config):
+            by_label, kernels = ds.profile_ops(run, device, ds.moe_label(False))
+    row["ops_us"] = {label: round(v["us"], 1) for label, v in sorted(by_label.items(), key=lambda kv: -kv[1]["us"])}
+    row["top_kernels"] = kernels["top"][:15]
 
 
 def compare(rows: dict[str, dict[str, Any]]) -> None:
@@ -230,6 +248,8 @@ def compare(rows: dict[str, dict[str, Any]]) -> None:
             continue
         row["parts_ms"] = round(prefill["ms"] + decode["ms"], 3)
         row["lost_ms"] = round(row["ms"] - row["parts_ms"], 3)
+        if any("ops_us" not in r for r in (row, prefill, decode)):
+            continue  # a profile failed: the times stand, the per-op difference does not
         labels = set(row["ops_us"]) | set(prefill["ops_us"]) | set(decode["ops_us"])
         lost = {lab: row["ops_us"].get(lab, 0.0) - prefill["ops_us"].get(lab, 0.0) - decode["ops_us"].get(lab, 0.0)
                 for lab in labels}  # fmt: skip
@@ -285,28 +305,39 @@ def main() -> int:
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for shape in [s for s in args.shapes.split(",") if s]:
-        started = time.perf_counter()
-        config, model = ds.build_model(args.models / ds.SHAPES.get(shape, shape), device, dtype)
-        num_seqs = max(c.num_decodes + len(c.prompts) for c in cases)
-        longest = max([args.context, *(n for c in cases for n in c.prompts)])
-        cache = ds.bind_cache(model, config, num_seqs, longest, args.max_model_len, args.block_size)
-        print(f"{shape}: model and cache ready in {time.perf_counter() - started:.1f} s", flush=True)
-        rows: dict[str, dict[str, Any]] = {}
-        record["shapes"][shape] = rows
-        for case in cases:
-            try:
-                rows[case.name] = measure_case(model, config, cache, case, args, record["ceilings"])
-            except Exception as exc:  # one failed case is a finding; the rest still run
-                rows[case.name] = {"case": case.name, "error": f"{type(exc).__name__}: {exc}"[:500]}
-                record["errors"].append(f"{shape} {case.name}: {rows[case.name]['error']}")
-            print(f"{shape} {case.name}: {rows[case.name].get('ms', 'FAILED')} ms", flush=True)
-            compare(rows)
-            args.out.write_text(json.dumps(record, indent=1))
-        print(table(shape, rows), flush=True)
-        del model, cache
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    shapes = [s for s in args.shapes.split(",") if s]
+    for phase in ("time", "profile"):  # every case timed before the process's first profiler session
+        for shape in shapes:
+            started = time.perf_counter()
+            config, model = ds.build_model(args.models / ds.SHAPES.get(shape, shape), device, dtype)
+            num_seqs = max(c.num_decodes + len(c.prompts) for c in cases)
+            longest = max([args.context, *(n for c in cases for n in c.prompts)])
+            cache = ds.bind_cache(model, config, num_seqs, longest, args.max_model_len, args.block_size)
+            print(f"{shape}: model and cache ready in {time.perf_counter() - started:.1f} s ({phase})", flush=True)
+            rows: dict[str, dict[str, Any]] = record["shapes"].setdefault(shape, {})
+            for case in cases:
+                try:
+                    if phase == "time":
+                        rows[case.name] = time_case(model, config, cache, case, args, record["ceilings"])
+                    elif "error" not in rows[case.name]:
+                        profile_case(model, config, cache, case, args, rows[case.name])
+                except Exception as exc:  # one failed case is a finding; the rest still run
+                    error = f"{type(exc).__name__}: {exc}"[:500]
+                    if phase == "time":
+                        rows[case.name] = {"case": case.name, "error": error}
+                    else:
+                        rows[case.name]["profile_error"] = error
+                    record["errors"].append(f"{shape} {case.name} ({phase}): {error}")
+                if phase == "time":
+                    print(f"{shape} {case.name}: {rows[case.name].get('ms', 'FAILED')} ms", flush=True)
+                args.out.write_text(json.dumps(record, indent=1))
+            if phase == "profile":
+                compare(rows)
+                print(table(shape, rows), flush=True)
+            del model, cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(record, indent=1))
     return 1 if record["errors"] else 0
 
 

@@ -13,11 +13,18 @@
 #   2  carry .vllm_chunk2       the decode step, 27B, model / gdnsplit at 9 batch sizes                (~110 s)
 #   3  carry .vllm_chunk3       the decode step, 27B, mv / model at B = 1, 2                           (~50 s)
 #   4  carry .vllm_chunk4 .whl  h200_core2 on the 35B-A3B shape at c1/8/32/64 on this code            (~540 s)
+# As run: calls 1-3; C22 and C23 measured no gain (C23 +15-22 % at B = 256) and were taken out, and call 1 showed
+# a variant timed after another's profile ~0.25 ms slower at B = 1 (CUPTI stays attached after torch.profiler), so
+# call 4 did not run the grid; two unscripted follow-ups on the warm machine timed C22 and mv one variant a process
+# (their commands are in decode-step-c22-separate / decode-step-mv-separate-h200-20261203-s11.json).
+#   5  (fresh machine, no piece) C24: the skinny GEMM's GPU tests with PDL (first W tile above the wait), then the
+#                               decode step with every variant timed before any profile: model / linear / linearout
+#                               at B = 1-16 on both shapes, and model alone at 9 batch sizes        (~420 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=570] [RECORD_DATE=20261203-s11] bash scripts/h200_s11.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
-CALL=${1:?which call: 1..4}
+CALL=${1:?which call: 1..5}
 SESSION=s11
 BUNDLE_CALLS="1 2 3 4"
 source scripts/h200_call.sh
@@ -58,6 +65,19 @@ case $CALL in
     ;;
   4) mark "h200_core2, 35B-A3B, c1/8/32/64"
      grid benchmarks/grids/h200_core2.toml "h200_core2-35b-a3b-$day" --models q35-35b-a3b --concurrencies 1,8,32,64 ;;
+  5)
+    timeout 120 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models > "$W/dummies.log" 2>&1 &
+    mark "pytest -m gpu: skinny GEMM with PDL, graphs"
+    timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -rA tests/kernels/test_linear.py \
+      tests/kernels/test_cuda_graphs.py -k "linear or skinny" > "$W/pytest-gpu-linear.log" 2>&1
+    echo "pytest -m gpu: $(tail -1 "$W/pytest-gpu-linear.log")" | tee -a "$OUT/summary.txt"
+    grep -E "^FAILED|^ERROR" "$W/pytest-gpu-linear.log" | head -20 | tee -a "$OUT/summary.txt"
+    wait
+    mark "decode step, both shapes: model, linear, linearout at B = 1-16"
+    decode_step decode-step-linear --variants model,linear,linearout --batches 1,2,4,8,16
+    mark "decode step, both shapes: model at 9 batch sizes"
+    decode_step decode-step --variants model --batches $BATCHES
+    ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
 mark done

@@ -13,18 +13,9 @@ from deltaserve.kernels.conv import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
 )
-from deltaserve.kernels.gdn import (
-    gdn_decode,
-    gdn_decode_gated_norm,
-    gdn_decode_gated_norm_ref,
-    gdn_decode_ref,
-    gdn_prefill,
-    gdn_prefill_ref,
-)
+from deltaserve.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
 from deltaserve.kernels.linear import linear, linear_ref
 from deltaserve.kernels.moe import (
-    add_norm_moe_block,
-    add_norm_moe_block_ref,
     fused_moe,
     fused_moe_block,
     fused_moe_block_ref,
@@ -44,8 +35,6 @@ from deltaserve.kernels.preamble import (
 )
 
 __all__ = [
-    "add_norm_moe_block",
-    "add_norm_moe_block_ref",
     "attn_preamble",
     "attn_preamble_ref",
     "attn_preamble_unfused",
@@ -60,8 +49,6 @@ __all__ = [
     "gated_rms_norm",
     "gated_rms_norm_ref",
     "gdn_decode",
-    "gdn_decode_gated_norm",
-    "gdn_decode_gated_norm_ref",
     "gdn_decode_ref",
     "gdn_prefill",
     "gdn_prefill_ref",

@@ -11,8 +11,6 @@ g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-
   the chunked prefill's blocked inverse.
 - `gdn_decode`: one token per sequence, the recurrent form in place on the slots, all fp32 (q/k not
   rounded), as vLLM's packed decode kernel. Slots < 0 (CUDA-graph padding) are skipped.
-- `gdn_decode_gated_norm`: gdn_decode, then the layer's output norm (gated_rms_norm with z) on its rounded
-  output; on CUDA one launch (KERNEL_NOTES C23).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels._dispatch import output, use_triton
-from deltaserve.kernels.norm import gated_rms_norm_ref
 
 CHUNK_SIZE = 64
 
@@ -197,45 +194,3 @@ def gdn_decode(
 
         return gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, out)
     return gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, out)
-
-
-def gdn_decode_gated_norm_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    z: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """gated_rms_norm_ref(gdn_decode_ref(...), z [B, HV, dv], norm_weight [dv], eps) -> [B, HV, dv]; states in
-    place."""
-    core = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices)
-    return gated_rms_norm_ref(core, z, norm_weight, eps)
-
-
-def gdn_decode_gated_norm(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    z: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    args = (q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, z, norm_weight, eps)
-    if use_triton(q):
-        from deltaserve.kernels.gdn_triton import gdn_decode_gated_norm_triton
-
-        return gdn_decode_gated_norm_triton(*args)
-    return gdn_decode_gated_norm_ref(*args)

@@ -29,16 +29,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._dispatch import output
-from deltaserve.kernels._triton import (
-    dot_precision,
-    i64,
-    next_pow2,
-    pdl_launch,
-    pdl_wait,
-    search_steps,
-    silu_f32,
-    softplus_f32,
-)
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, search_steps, softplus_f32
 
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
@@ -56,8 +47,6 @@ CHUNK_PREPARE_WARPS = 4
 CHUNK_WU_WARPS = 8
 CHUNK_OUT_WARPS = 4
 CHUNK_OUT_BV = 64
-# The decode kernel with the output norm (C23) holds a whole head's [dk, dv] state: 8 warps.
-GATED_NORM_WARPS = 8
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
 MAX_GRID_YZ = 65535
 
@@ -116,17 +105,8 @@ def _gdn_decode_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    z_ptr=None,
-    norm_weight_ptr=None,
-    stride_z_t=0,
-    stride_z_h=0,
-    eps=0.0,
-    NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    """NORM (one program a whole head, BV ≥ DV; KERNEL_NOTES C23): out holds the GDN output norm of o instead of
-    o, as gated_rms_norm_triton on the rounded core output: y = round(ô·rsqrt(mean(ô²) + eps)·w·SiLU(z)), ô = o
-    rounded to out's dtype (the core's own rounding point)."""
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = i64(tl.program_id(2))
@@ -145,8 +125,6 @@ def _gdn_decode_kernel(
     p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :] & is_live
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]
-    if NORM:
-        b_nw = tl.load(norm_weight_ptr + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV] a weight
     pdl_wait(USE_PDL)
     b_q = tl.load(q_ptr + i_b * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0)
     b_k = tl.load(k_ptr + i_b * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0)
@@ -162,11 +140,6 @@ def _gdn_decode_kernel(
     b_s += b_k[:, None] * b_u[None, :]
     b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
     tl.store(p_s, b_s, mask=m_s)
-    if NORM:
-        b_z = tl.load(z_ptr + i_b * stride_z_t + i_h * stride_z_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_o = b_o.to(out_ptr.dtype.element_ty).to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(b_o * b_o, axis=0) / DV + eps)
-        b_o = b_o * inv_rms * b_nw * silu_f32(b_z)
     tl.store(out_ptr + (i_b * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v)
 
 
@@ -191,11 +164,9 @@ def gdn_decode_triton(
     ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
     out: torch.Tensor | None = None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """q, k [B, HK, dk]; v [B, HV, dv]; a, b [B, HV] -> o [B, HV, dv] (into `out` when given; zeros where slot
-    < 0); states in place. With norm = (z [B, HV, dv], w [dv], eps): the gated norm of o instead, one program a
-    head (gdn_decode_gated_norm_triton)."""
+    < 0); states in place."""
     batch, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
@@ -205,14 +176,6 @@ def gdn_decode_triton(
     if batch == 0:
         return out
     block_v = _block_v(head_v_dim)
-    extra: dict[str, object] = {"num_warps": 4}
-    if norm is not None:
-        z, norm_weight, eps = norm
-        assert z.shape == (batch, num_v_heads, head_v_dim) and z.stride(-1) == 1 and norm_weight.shape == (head_v_dim,)
-        # the whole head in one program ([dk, dv] fp32: 128 × 128 over 8 warps is 64 registers a thread)
-        block_v = next_pow2(head_v_dim)
-        extra = {"z_ptr": z, "norm_weight_ptr": norm_weight, "stride_z_t": z.stride(0), "stride_z_h": z.stride(1),
-                 "eps": eps, "NORM": True, "num_warps": GATED_NORM_WARPS}  # fmt: skip
     if batch > MAX_GRID_YZ or num_v_heads > MAX_GRID_YZ:
         raise ValueError(f"gdn_decode: {batch} sequences x {num_v_heads} value heads exceed the grid ({MAX_GRID_YZ})")
     _gdn_decode_kernel[(triton.cdiv(head_v_dim, block_v), num_v_heads, batch)](
@@ -244,29 +207,10 @@ def gdn_decode_triton(
         DV=head_v_dim,
         BK=next_pow2(head_k_dim),
         BV=block_v,
-        **extra,
+        num_warps=4,
         **pdl_launch(q),
     )
     return out
-
-
-def gdn_decode_gated_norm_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    z: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """The decode core and the GDN output norm in one launch (KERNEL_NOTES C23): gated_rms_norm(gdn_decode(...),
-    z, norm_weight, eps) [B, HV, dv], states in place; zeros where slot < 0. Twin: gdn.gdn_decode_gated_norm_ref."""
-    return gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, norm=(z, norm_weight, eps))
 
 
 @triton.jit

@@ -15,6 +15,10 @@ zero-initialised int32 buffer per device (`split_counters`), SPLITK_MAX_COL_BLOC
 splits a grid of at most SPLITK_MAX_PROGRAMS / 2 column blocks, so that bounds every split launch.
 The buffer is shared by all split launches on a device, so they must not overlap in time: one stream (the
 engine's decode stream) orders them. Grids come from shapes only (CUDA-graph safe, no host sync).
+Under programmatic dependent launch (DELTASERVE_PDL, KERNEL_NOTES C21 / C24) each program loads its first W tile
+before it waits for the previous kernel: W does not depend on it, so that tile streams while the previous kernel
+finishes; x, the partials and the counters come after the wait (the counters' single-stream rule holds: a launch's
+programs reach them only once the launch before has completed).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import dot_precision, i64
+from deltaserve.kernels._triton import dot_precision, i64, pdl_launch, pdl_wait
 
 # ~4 programs per SM on the H200's 132 SMs is the aim; K is split (doubling) while the doubled grid stays within
 # ~5 per SM: [2048, 4096] 128 -> 512; 386 column blocks ([12352, 2048]) stay whole, since 772 programs would run
@@ -57,6 +61,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_m = tl.arange(0, BLOCK_M)
@@ -68,8 +73,17 @@ def _skinny_gemm_kernel(
     p_x = x_ptr + i64(o_m)[:, None] * stride_x + o_k[None, :]  # [BLOCK_M, BLOCK_K]
     p_w = w_ptr + i64(o_n)[None, :] * stride_w + o_k[:, None]  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # The first W tile does not depend on the previous kernel: under PDL it loads before the wait, while that kernel
+    # still runs (KERNEL_NOTES C24); x, the partials and the counters wait.
+    m_k = o_k < K
+    b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+    b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PRECISION)
+    p_x += BLOCK_K
+    p_w += BLOCK_K
     # a constant trip count (K_SPLIT is a constexpr multiple of BLOCK_K) lets the loads be pipelined
-    for k0 in range(0, K_SPLIT, BLOCK_K):
+    for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):
         m_k = (o_k + k0) < K
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
@@ -167,5 +181,6 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         BLOCK_M=16,
         K_SPLIT=k_split,
         **config,
+        **pdl_launch(x),
     )
     return y

@@ -5,8 +5,7 @@ w13 [E, 2·I, H] holds per expert [gate (I rows) | up (I rows)]; w2 [E, H, I]. R
 (vLLM); each expert's down projection is scaled by its weight and the top-k results are summed in fp32.
 `fused_moe_block` is the composition the model's MoE block runs today (bf16 router GEMM, routing, shared
 SwiGLU, gate GEMM, fused_moe); on CUDA it takes the tuning table's path, three launches at decode sizes
-(moe_decode_triton) instead of about ten. `add_norm_moe_block` puts the layer's post-attention add + RMSNorm in
-front of it: on CUDA up to 64 tokens inside the router's launch (KERNEL_NOTES C22).
+(moe_decode_triton) instead of about ten.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 
 from deltaserve.kernels._dispatch import use_triton
 from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from deltaserve.kernels.norm import rms_norm_ref
 
 
 def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,64 +122,3 @@ def fused_moe_block(
         shared = (shared_w13, shared_w2, shared_gate_weight)
         return moe_block_triton(x, router_weight, w13, w2, top_k, renormalize, *shared)
     return fused_moe_block_ref(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2, shared_gate_weight)
-
-
-def add_norm_router_logits_ref(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    gate_weight: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x = rms_norm(hidden + residual), the residual stream, router_logits_ref(x)): the twin of
-    moe_decode_triton.add_norm_router_logits_triton."""
-    x, residual_out = rms_norm_ref(hidden, norm_weight, eps, residual)
-    assert residual_out is not None
-    return x, residual_out, router_logits_ref(x, router_weight, gate_weight)
-
-
-def add_norm_moe_block_ref(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    shared_w13: torch.Tensor | None = None,
-    shared_w2: torch.Tensor | None = None,
-    shared_gate_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden, residual [T, H] -> (fused_moe_block_ref(rms_norm(hidden + residual)), hidden + residual rounded):
-    a decoder layer's post-attention norm and its MoE block."""
-    x, residual_out = rms_norm_ref(hidden, norm_weight, eps, residual)
-    assert residual_out is not None
-    shared = (shared_w13, shared_w2, shared_gate_weight)
-    return fused_moe_block_ref(x, router_weight, w13, w2, top_k, renormalize, *shared), residual_out
-
-
-def add_norm_moe_block(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    shared_w13: torch.Tensor | None = None,
-    shared_w2: torch.Tensor | None = None,
-    shared_gate_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    shared = (shared_w13, shared_w2, shared_gate_weight)
-    if use_triton(hidden):
-        from deltaserve.kernels.moe_decode_triton import add_norm_moe_block_triton
-
-        return add_norm_moe_block_triton(hidden, residual, norm_weight, eps, router_weight, w13, w2, top_k,
-                                         renormalize, *shared)  # fmt: skip
-    return add_norm_moe_block_ref(hidden, residual, norm_weight, eps, router_weight, w13, w2, top_k, renormalize,
-                                  *shared)  # fmt: skip

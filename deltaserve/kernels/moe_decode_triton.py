@@ -141,22 +141,10 @@ def _moe_router_gemv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,
-    residual_ptr=None,
-    norm_weight_ptr=None,
-    x_out_ptr=None,
-    residual_out_ptr=None,
-    stride_r=0,
-    eps=0.0,
-    NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     """BLOCK_T tokens' logits for BLOCK_R rows: rows < E of W_r, row E the shared-expert gate (HAS_GATE). Each
     weight tile is loaded once and multiplied by every token of the block (x rows come from L2).
-
-    NORM (KERNEL_NOTES C22): x_ptr holds the mixer's output h and the kernel first does the layer's
-    post-attention fused add + RMSNorm as rms_norm_triton: s = h + residual in fp32, x = round(s·rsqrt(mean(s²)
-    + eps)·(1 + w)); every program computes its tokens' x (two passes over the rows, from L2), the programs of
-    row block 0 store x and round(s) for the rest of the block and the next layer. One launch less a layer.
 
     x and W tiles are loaded as [BLOCK_T, 1, BLOCK_K] and [1, BLOCK_R, BLOCK_K] with BLOCK_K = VEC lanes per
     thread times every thread, so both land in the same layout (no shared-memory conversion) and each thread
@@ -173,17 +161,6 @@ def _moe_router_gemv_kernel(
     p_x = x_ptr + i64(o_t)[:, None, None] * stride_x + o_k  # [BLOCK_T, 1, BLOCK_K]
     p_w = w_ptr + i64(o_r)[None, :, None] * stride_w + o_k  # [1, BLOCK_R, BLOCK_K]
     b_acc = tl.zeros([BLOCK_T, BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    if NORM:
-        p_r = residual_ptr + i64(o_t)[:, None, None] * stride_r + o_k  # [BLOCK_T, 1, BLOCK_K]
-        p_out = i64(o_t)[:, None, None] * H + o_k  # [BLOCK_T, 1, BLOCK_K] into x_out / residual_out
-        is_writer = i_r == 0
-        b_ss = tl.zeros([BLOCK_T, 1, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_K):
-            m_xk = m_t[:, None, None] & ((k0 + o_k) < H)
-            b_s = tl.load(p_x + k0, mask=m_xk, other=0.0).to(tl.float32)
-            b_s += tl.load(p_r + k0, mask=m_xk, other=0.0).to(tl.float32)
-            b_ss += b_s * b_s
-        inv_rms = tl.rsqrt(tl.sum(b_ss, axis=2) / H + eps)[:, :, None]  # [BLOCK_T, 1, 1]
     # Unrolled so that the loads of later steps are issued before the products of earlier ones.
     for k0 in tl.static_range(0, H, BLOCK_K):
         m_k = (k0 + o_k) < H
@@ -192,18 +169,7 @@ def _moe_router_gemv_kernel(
             # the gate row is a 4 KiB row beside W_r: loaded only by the lane whose row is E (others masked)
             p_g = gate_w_ptr + k0 + o_k + 0 * o_r[None, :, None]
             b_w += tl.load(p_g, mask=(o_r == E)[None, :, None] & m_k, other=0.0).to(tl.float32)
-        if NORM:
-            # the norm's math, in its order: the unrounded fp32 sum normalised, one rounding of x
-            m_xk = m_t[:, None, None] & m_k
-            b_s = tl.load(p_x + k0, mask=m_xk, other=0.0).to(tl.float32)
-            b_s += tl.load(p_r + k0, mask=m_xk, other=0.0).to(tl.float32)
-            b_nw = tl.load(norm_weight_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [1, 1, BLOCK_K]
-            b_xr = (b_s * inv_rms * (1.0 + b_nw)).to(x_out_ptr.dtype.element_ty)
-            tl.store(x_out_ptr + p_out + k0, b_xr, mask=m_xk & is_writer)
-            tl.store(residual_out_ptr + p_out + k0, b_s, mask=m_xk & is_writer)  # the stream, rounded
-            b_x = b_xr.to(tl.float32)
-        else:
-            b_x = tl.load(p_x + k0, mask=m_t[:, None, None] & m_k, other=0.0).to(tl.float32)
+        b_x = tl.load(p_x + k0, mask=m_t[:, None, None] & m_k, other=0.0).to(tl.float32)
         b_prod = tl.reshape(b_x * b_w, [BLOCK_T, BLOCK_R, BLOCK_K // VEC, VEC])
         b_acc += tl.sum(b_prod, axis=3)
     b_l = tl.sum(b_acc, axis=2)  # [BLOCK_T, BLOCK_R] fp32
@@ -556,49 +522,16 @@ def router_logits_triton(
     return logits
 
 
-def add_norm_router_logits_triton(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    gate_weight: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The post-attention fused add + RMSNorm and the router in one launch (KERNEL_NOTES C22), for at most
-    ROUTER_GEMV_MAX_TOKENS tokens: hidden, residual [T, H] -> (x = norm(hidden + residual) [T, H], the residual
-    stream hidden + residual [T, H], logits [T, E (+1)]), as rms_norm_triton then router_logits_triton (the
-    sum of squares in another fp32 order). Twin: moe.add_norm_router_logits_ref."""
-    num_tokens, hidden_size = hidden.shape
-    if num_tokens > ROUTER_GEMV_MAX_TOKENS:
-        raise ValueError(f"the fused norm + router holds at most {ROUTER_GEMV_MAX_TOKENS} tokens, got {num_tokens}")
-    assert residual.shape == hidden.shape and residual.stride(-1) == 1 and norm_weight.shape == (hidden_size,)
-    x = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    residual_out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    num_experts = router_weight.shape[0]
-    num_cols = num_experts + int(gate_weight is not None)
-    logits = torch.empty(num_tokens, num_cols, dtype=hidden.dtype, device=hidden.device)
-    norm = {"residual_ptr": residual, "norm_weight_ptr": norm_weight, "x_out_ptr": x, "residual_out_ptr": residual_out,
-            "stride_r": residual.stride(0), "eps": eps, "NORM": True}  # fmt: skip
-    router_logits_into(hidden, router_weight, gate_weight, logits, norm)
-    return x, residual_out, logits
-
-
 def router_logits_into(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    gate_weight: torch.Tensor | None,
-    logits: torch.Tensor,
-    norm: dict[str, object] | None = None,
+    x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None, logits: torch.Tensor
 ) -> None:
     """router_logits_triton's launches into a given logits [T, E (+1)] (row stride free, last dim contiguous):
-    the GEMV kernel up to ROUTER_GEMV_MAX_TOKENS tokens, the tl.dot kernel above. `norm`: the GEMV kernel's
-    fused add + RMSNorm arguments (add_norm_router_logits_triton)."""
+    the GEMV kernel up to ROUTER_GEMV_MAX_TOKENS tokens, the tl.dot kernel above."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     has_gate = gate_weight is not None
     assert logits.shape == (num_tokens, num_experts + int(has_gate)) and logits.stride(-1) == 1
     assert x.stride(-1) == 1 and router_weight.stride(-1) == 1 and (gate_weight is None or gate_weight.stride(-1) == 1)
-    assert norm is None or num_tokens <= ROUTER_GEMV_MAX_TOKENS
     if num_tokens == 0:
         return
     if num_tokens <= ROUTER_GEMV_MAX_TOKENS:
@@ -617,7 +550,6 @@ def router_logits_into(
             H=hidden,
             HAS_GATE=has_gate,
             **config,
-            **(norm or {}),
             num_warps=ROUTER_GEMV_WARPS,
             **pdl_launch(x),
         )
@@ -848,56 +780,6 @@ def moe_block_triton(
 ) -> torch.Tensor:
     """The MoE block of one layer, as moe.fused_moe_block_ref: x [T, H] -> [T, H]. The path and launch configs
     come from the tuning table (moe_configs) unless `config` is given (the tuner's candidates)."""
-    shared = (shared_w13, shared_w2, shared_gate_weight)
-    return _moe_block(x, None, router_weight, w13, w2, top_k, renormalize, *shared, config=config)
-
-
-def add_norm_moe_block_triton(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    shared_w13: torch.Tensor | None = None,
-    shared_w2: torch.Tensor | None = None,
-    shared_gate_weight: torch.Tensor | None = None,
-    config: MoEConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's post-attention add + RMSNorm and its MoE block, as moe.add_norm_moe_block_ref: (hidden,
-    residual) -> (block output, residual stream). Up to ROUTER_GEMV_MAX_TOKENS tokens the norm runs inside the
-    router launch (C22), above it in rms_norm_triton's own."""
-    shared = (shared_w13, shared_w2, shared_gate_weight)
-    if hidden.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
-        x, residual_out, logits = add_norm_router_logits_triton(
-            hidden, residual, norm_weight, eps, router_weight, shared_gate_weight
-        )
-        return _moe_block(x, logits, router_weight, w13, w2, top_k, renormalize, *shared, config=config), residual_out
-    from deltaserve.kernels.norm_triton import rms_norm_triton
-
-    x, residual_out = rms_norm_triton(hidden, norm_weight, eps, residual)
-    assert residual_out is not None
-    return _moe_block(x, None, router_weight, w13, w2, top_k, renormalize, *shared, config=config), residual_out
-
-
-def _moe_block(
-    x: torch.Tensor,
-    logits: torch.Tensor | None,
-    router_weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    shared_w13: torch.Tensor | None,
-    shared_w2: torch.Tensor | None,
-    shared_gate_weight: torch.Tensor | None,
-    config: MoEConfig | None,
-) -> torch.Tensor:
-    """moe_block_triton on x, with the router and gate logits [T, E (+1)] already computed when given (by the
-    fused norm + router launch, so T ≤ ROUTER_GEMV_MAX_TOKENS)."""
     from deltaserve.kernels import moe_configs
 
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1 and router_weight.is_contiguous()
@@ -908,8 +790,7 @@ def _moe_block(
     if config is None:
         config = moe_configs.config_for(num_tokens, num_experts, inter, hidden, top_k, x.dtype, x.device)
     if config.path == "decode" and num_tokens <= DECODE_MAX_TOKENS:
-        if logits is None:
-            logits = router_logits_triton(x, router_weight, shared_gate_weight)
+        logits = router_logits_triton(x, router_weight, shared_gate_weight)
         shared = {"shared_w13": shared_w13, "shared_w2": shared_w2}
         if num_tokens <= ROUTE_IN_GEMM1_MAX_TOKENS:
             return decode_gemms(
@@ -932,8 +813,7 @@ def _moe_block(
     from deltaserve.kernels.moe_triton import fused_moe_triton
 
     if num_tokens <= ROUTER_GEMV_MAX_TOKENS:
-        if logits is None:
-            logits = router_logits_triton(x, router_weight, shared_gate_weight)
+        logits = router_logits_triton(x, router_weight, shared_gate_weight)
         router, gate = logits[:, :num_experts], (logits[:, num_experts:] if has_shared else None)
     else:
         router = torch.nn.functional.linear(x, router_weight)

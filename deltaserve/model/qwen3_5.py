@@ -66,8 +66,6 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
         x = self.mixer(x, positions)
-        if isinstance(self.mlp, MoEBlock):  # the norm goes with the block's router (KERNEL_NOTES C22)
-            return self.mlp.forward_add_norm(x, residual, self.post_attention_layernorm, self.eps)
         x, residual = rms_norm(x, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(x), residual
 

@@ -14,12 +14,12 @@ import torch
 from deltaserve.kernels import attention_triton
 from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
-from deltaserve.kernels.gdn_triton import gdn_decode_gated_norm_triton, gdn_decode_triton
+from deltaserve.kernels.gdn_triton import gdn_decode_triton
 from deltaserve.kernels.linear_triton import linear_triton
 from deltaserve.kernels.moe import moe_route_ref
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
-from deltaserve.kernels.moe_decode_triton import add_norm_moe_block_triton, moe_block_triton
+from deltaserve.kernels.moe_decode_triton import moe_block_triton
 from deltaserve.kernels.moe_routing_triton import moe_align_triton, moe_route_triton
 from deltaserve.kernels.moe_triton import fused_moe_triton
 from deltaserve.kernels.norm_triton import gated_rms_norm_triton, rms_norm_triton
@@ -112,12 +112,6 @@ def test_graph_conv_and_gdn_decode() -> None:
     A_log, dt_bias = randn(hv), randn(hv)
     ssm = randn(batch + 2, hv, dk, dv, scale=0.1)
     _capture_matches_eager(lambda: gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm, slots), [ssm])
-    # C23: the core with the output norm in its launch
-    z, norm_w = randn(batch, hv, dv, dtype=BF16), randn(dv, dtype=BF16)
-    norm_args = (z, norm_w, 1e-6)
-    _capture_matches_eager(
-        lambda: gdn_decode_gated_norm_triton(q, k, v, a, b, A_log, dt_bias, ssm, slots, *norm_args), [ssm]
-    )
 
 
 @pytest.mark.parametrize("num_tokens", [4, 200])
@@ -173,23 +167,6 @@ def test_graph_moe_block(num_tokens: int, path: str) -> None:
     gate = randn(1, hidden, dtype=BF16)
     config = {"decode": DECODE, "grouped": GROUPED, "decode-variants": DECODE_VARIANTS}[path]
     _capture_matches_eager(lambda: moe_block_triton(x, router, w13, w2, top_k, True, s13, s2, gate, config=config), [])
-
-
-@pytest.mark.parametrize(("num_tokens", "path"), [(1, "decode"), (8, "decode"), (24, "decode"), (64, "grouped")])
-def test_graph_add_norm_moe_block(num_tokens: int, path: str) -> None:
-    """C22: the post-attention add + RMSNorm in the router's launch, then the block, captured and replayed:
-    output and residual stream equal the eager call bit for bit."""
-    experts, top_k, hidden, inter, inter_sh = 64, 8, 256, 128, 64
-    h, residual = randn(num_tokens, hidden, dtype=BF16), randn(num_tokens, hidden, dtype=BF16)
-    norm_w = randn(hidden, dtype=BF16, scale=0.2)
-    router = randn(experts, hidden, dtype=BF16, scale=hidden**-0.5)
-    w13 = randn(experts, 2 * inter, hidden, dtype=BF16, scale=hidden**-0.5)
-    w2 = randn(experts, hidden, inter, dtype=BF16, scale=inter**-0.5)
-    s13, s2 = randn(2 * inter_sh, hidden, dtype=BF16), randn(hidden, inter_sh, dtype=BF16)
-    gate = randn(1, hidden, dtype=BF16)
-    config = {"decode": DECODE, "grouped": GROUPED}[path]
-    args = (router, w13, w2, top_k, True, s13, s2, gate)
-    _capture_matches_eager(lambda: add_norm_moe_block_triton(h, residual, norm_w, 1e-6, *args, config=config), [])
 
 
 def test_graph_autotune_never_benchmarks_in_capture() -> None:

@@ -4,8 +4,7 @@ Under the interpreter at fp32 (bf16 cases on the GPU): the whole block (router G
 leader-gathered gate/up, per-token down + weighted sum + sigmoid-gated shared expert), the variant that
 routes in its own launch, the down GEMM split over the choices with its combine launch (C16: the ref's values
 and the one-program kernel's bits), the fused_moe op's decode path on given routing, and the grouped path behind
-the block op, and the layer's post-attention add + RMSNorm inside the router's launch (C22). Outputs come from
-NaN-poisoned torch.empty, so an unwritten element fails.
+the block op. Outputs come from NaN-poisoned torch.empty, so an unwritten element fails.
 """
 
 from __future__ import annotations
@@ -14,23 +13,10 @@ import pytest
 import torch
 
 from deltaserve.kernels import moe_decode_triton
-from deltaserve.kernels.moe import (
-    add_norm_moe_block_ref,
-    add_norm_router_logits_ref,
-    fused_moe_block_ref,
-    fused_moe_ref,
-    moe_route_ref,
-    router_logits_ref,
-)
+from deltaserve.kernels.moe import fused_moe_block_ref, fused_moe_ref, moe_route_ref, router_logits_ref
 from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
-from deltaserve.kernels.moe_decode_triton import (
-    add_norm_moe_block_triton,
-    add_norm_router_logits_triton,
-    moe_block_triton,
-    router_logits_triton,
-)
+from deltaserve.kernels.moe_decode_triton import moe_block_triton, router_logits_triton
 from deltaserve.kernels.moe_triton import fused_moe_triton
-from deltaserve.kernels.norm_triton import rms_norm_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
 
@@ -243,67 +229,6 @@ def test_router_logits_kernel_holds_the_gate_logit_in_its_last_column(
     assert_close("gate", ref[:, e:], logits[:, e:], tolerance(dtype, 1e-5, 4e-3))
     assert_close("router without the gate", ref[:, :e], plain, tolerance(dtype, 1e-5, 4e-3))
     assert torch.equal(router_logits_ref(x, router, None), ref[:, :e])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("num_tokens", "num_experts", "hidden", "has_gate"),
-    [(1, 20, 96, True), (3, 21, 1100, True), (4, 20, 96, False), (5, 20, 96, True), (20, 21, 1100, True),
-     (64, 20, 96, False)],
-)  # fmt: skip
-def test_norm_in_the_router_launch_equals_the_norm_then_the_router(
-    num_tokens: int, num_experts: int, hidden: int, has_gate: bool, dtype: torch.dtype
-) -> None:
-    """C22: the fused add + RMSNorm + router launch returns the norm's x and residual stream (the stream bit for
-    bit: one fp32 add, one rounding; x to the fp32 order of the sum of squares) and the router logits of that x,
-    for both GEMV variants (one token a program up to 4, 8 a program up to 64; H = 1100: two reduction steps,
-    the second partial), with and without the gate row. Past 64 tokens it refuses (the caller norms apart)."""
-    hidden_in, residual = randn(num_tokens, hidden, dtype=dtype), randn(num_tokens, hidden, dtype=dtype)
-    norm_w = randn(hidden, dtype=dtype, scale=0.2)
-    router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
-    gate_w = gate if has_gate else None
-    with poisoned_empty():
-        x, stream, logits = add_norm_router_logits_triton(hidden_in, residual, norm_w, 1e-6, router, gate_w)
-    ref_x, ref_stream, ref_logits = add_norm_router_logits_ref(hidden_in, residual, norm_w, 1e-6, router, gate_w)
-    assert logits.shape == ref_logits.shape and x.dtype == stream.dtype == logits.dtype == dtype
-    assert torch.equal(stream, ref_stream)
-    assert_close("x", ref_x, x, tolerance(dtype, 1e-6, 4e-3))
-    # the logits of the kernel's own x (an ulp of x would otherwise show through the GEMV)
-    assert_close("logits", router_logits_ref(x, router, gate_w), logits, tolerance(dtype, 1e-5, 4e-3))
-    if DEVICE.type == "cuda":
-        norm_x, norm_stream = rms_norm_triton(hidden_in, norm_w, 1e-6, residual)
-        assert torch.equal(stream, norm_stream)
-        assert_close("x against rms_norm_triton", norm_x, x, tolerance(dtype, 1e-6, 4e-3))
-    with pytest.raises(ValueError, match="at most 64 tokens"):
-        add_norm_router_logits_triton(randn(65, hidden, dtype=dtype), randn(65, hidden, dtype=dtype), norm_w,
-                                      1e-6, router, gate_w)  # fmt: skip
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "config"), [(1, DECODE), (3, DECODE), (20, DECODE), (5, GROUPED),
-                                                    (70, GROUPED)])  # fmt: skip
-def test_add_norm_moe_block_equals_the_norm_then_the_block(
-    num_tokens: int, config: MoEConfig, dtype: torch.dtype
-) -> None:
-    """C22 at the block: (out, residual stream) as add_norm_moe_block_ref on the decode path (in-kernel routing
-    up to 16 tokens, its own routing launch above) and the grouped path, with the norm in the router's launch up
-    to 64 tokens and in rms_norm_triton's own past it (70). In bf16 the ref is the kernel's own x through
-    moe_block_triton (the block's own test covers that against the ref)."""
-    hidden = 64
-    hidden_in, residual = randn(num_tokens, hidden, dtype=dtype), randn(num_tokens, hidden, dtype=dtype)
-    norm_w = randn(hidden, dtype=dtype, scale=0.2)
-    w = _weights(16, hidden, 32, 48, dtype)
-    shared = (w["shared_w13"], w["shared_w2"], w["shared_gate_weight"])
-    args = (w["router_weight"], w["w13"], w["w2"], 4, True, *shared)
-    with poisoned_empty():
-        out, stream = add_norm_moe_block_triton(hidden_in, residual, norm_w, 1e-6, *args, config=config)
-    ref_out, ref_stream = add_norm_moe_block_ref(hidden_in, residual, norm_w, 1e-6, *args)
-    assert torch.equal(stream, ref_stream)
-    if dtype == torch.float32:
-        assert_close("out", ref_out, out, 1e-5)
-    else:
-        x, _ = rms_norm_triton(hidden_in, norm_w, 1e-6, residual)
-        assert_close("out", moe_block_triton(x, *args, config=config), out, 1e-2)
 
 
 def test_in_kernel_routing_breaks_ties_to_the_lowest_expert() -> None:

@@ -26,7 +26,7 @@ PRE_WAIT_LOADS = {
     "_gated_rms_norm_kernel": {"weight_ptr"},
     "_causal_conv1d_update_kernel": {"state_indices_ptr"},
     # the state slot was last written by this layer in an earlier step; conv (the launch before) never touches it
-    "_gdn_decode_kernel": {"state_indices_ptr", "A_log_ptr", "dt_bias_ptr", "ssm_states_ptr", "norm_weight_ptr"},
+    "_gdn_decode_kernel": {"state_indices_ptr", "A_log_ptr", "dt_bias_ptr", "ssm_states_ptr"},
     "_store_kv_kernel": {"slot_mapping_ptr"},
     # q is the preamble's output, two launches back (store_kv is the launch before); the K/V cache is not
     "_paged_attn_decode_kernel": {"query_start_loc_ptr", "seq_lens_ptr", "q_ptr", "block_tables_ptr"},
@@ -34,6 +34,8 @@ PRE_WAIT_LOADS = {
     "_attn_preamble_kernel": {"q_weight_ptr", "k_weight_ptr", "cos_sin_ptr"},
     # the gate half of the qkv projection, written by the preamble several launches back
     "_sigmoid_gate_mul_kernel": {"gate_ptr"},
+    # the first weight tile (C24); x comes from the launch before
+    "_skinny_gemm_kernel": {"w_ptr"},
     "_silu_and_mul_kernel": set(),
     "_moe_router_kernel": set(),
     "_moe_router_gemv_kernel": set(),

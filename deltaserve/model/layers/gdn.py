@@ -92,12 +92,9 @@ class GatedDeltaNet(nn.Module):
             conv_out = causal_conv1d_update(mixed, self.conv1d, self.conv_states, ctx.state_indices)
             q, k, v = self._split_qkv(conv_out)
             core = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices)
-            # (kernels.gdn_decode_gated_norm does both in one launch; not used: KERNEL_NOTES C23 measured it
-            # slower from B = 2 on, +15-22 % at B = 256)
-            y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
         else:
             core = self._mixed_step(mixed, a, b, num_decodes)
-            y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
+        y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
         return self.tp.all_reduce(F.linear(y.reshape(num_tokens, self.value_dim), self.out_proj))
 
     def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

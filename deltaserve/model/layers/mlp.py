@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import add_norm_moe_block, fused_moe, fused_moe_block, moe_route, rms_norm, silu_and_mul
+from deltaserve.kernels import fused_moe, fused_moe_block, moe_route, silu_and_mul
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.parallel import TensorParallel
 
@@ -62,25 +62,6 @@ class MoEBlock(nn.Module):
                 hidden, shapes.shared_intermediate.size, dtype, device, self.tp, is_reduced=False
             )
             self.shared_expert_gate = empty_param(1, hidden, dtype=dtype, device=device)
-
-    def forward_add_norm(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layer's post-attention add + RMSNorm, then this block: (block output, residual stream).
-        With every expert here one op (kernels.add_norm_moe_block: at decode sizes the norm runs inside the
-        router's launch, KERNEL_NOTES C22; its ref twin is rms_norm then fused_moe_block), else the norm, then
-        forward."""
-        if not self.experts.is_whole:
-            x, residual_out = rms_norm(hidden, norm_weight, eps, residual)
-            assert residual_out is not None
-            return self.forward(x), residual_out
-        shared = ()
-        if self.has_shared_expert:
-            shared = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
-        out, residual_out = add_norm_moe_block(
-            hidden, residual, norm_weight, eps, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared
-        )
-        return self.tp.all_reduce(out), residual_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.is_whole:
