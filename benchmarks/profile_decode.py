@@ -17,6 +17,12 @@ A jit_cache_hook records every Triton specialization first met in this process w
 kernel that first compiles in the `staggered` phase (requests arriving while others decode, as under `bench
 serve`) is one the start-up warm-up missed, and costs a compile (or an autotune) inside a request.
 
+Timings after a profiler session: once torch.profiler has run in a process CUPTI stays attached (torch keeps its
+teardown off when CUDA graphs are in use) and every later kernel pays for it, ~0.25 ms a 35B-A3B decode step at B = 1
+(benchmarks/KERNEL_NOTES.md section 14). Each batch's step_ms and graph_ms are taken before its own profile, but
+the second and later batch sizes and the staggered phase run after the first's: with the default --gpu-profile they
+carry that overhead; --no-gpu-profile (no gpu_idle_pct) keeps them clean.
+
 With --tensor-parallel-size N (N GPUs; rank 0 is profiled) each batch also reports `nccl_pct` and `allreduce_pct`:
 the share of rank 0's GPU kernel time spent in NCCL kernels (all-reduces, the logits gather, the token broadcast)
 and in the all-reduces alone. `graph_ms` is left out there (a graph replayed on rank 0 alone would wait on the
@@ -128,7 +134,7 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> tuple[float, float]:
 
 
 def measure_batch(
-    engine: LLMEngine, batch_size: int, input_len: int, num_steps: int, rng: random.Random
+    engine: LLMEngine, batch_size: int, input_len: int, num_steps: int, rng: random.Random, is_profiled: bool = True
 ) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     for i, prompt in enumerate(_prompts(rng, batch_size, input_len, vocab)):
@@ -139,7 +145,21 @@ def measure_batch(
     for _ in range(5):
         engine.step()
     step_ms, wait_ms = _timed_steps(engine, num_steps)
-    activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    # The decode graph alone: its bucket replayed back to back over the inputs of the last step (before this batch's
+    # profile: see the module docstring on timings after a profiler session).
+    graphs = engine.runner.graphs
+    graph_ms = None
+    if graphs is not None and batch_size <= graphs.max_batch and engine.config.tensor_parallel_size == 1:
+        size = next(s for s in graphs.sizes if s >= batch_size)
+        graphs.graphs[size].replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(num_steps):
+            graphs.graphs[size].replay()
+        end.record()
+        _sync()
+        graph_ms = start.elapsed_time(end) / num_steps
+    activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() and is_profiled else []
     idle, span_ms = 0.0, 0.0
     shares: dict[str, float] = {}
     if activities:
@@ -153,20 +173,6 @@ def measure_batch(
                 "nccl_pct": round(100 * _kernel_share(prof, "nccl"), 2),
                 "allreduce_pct": round(100 * _kernel_share(prof, "nccl", "allreduce"), 2),
             }
-
-    # The decode graph alone: its bucket replayed back to back over the inputs of the last step.
-    graphs = engine.runner.graphs
-    graph_ms = None
-    if graphs is not None and batch_size <= graphs.max_batch and engine.config.tensor_parallel_size == 1:
-        size = next(s for s in graphs.sizes if s >= batch_size)
-        graphs.graphs[size].replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(num_steps):
-            graphs.graphs[size].replay()
-        end.record()
-        _sync()
-        graph_ms = start.elapsed_time(end) / num_steps
     for request_id in [r for r in list(engine.requests) if r.startswith(f"b{batch_size}-")]:
         engine.abort_request(request_id)
     while engine.core.has_unfinished():
@@ -222,6 +228,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staggered", default="8,32", help="concurrencies of the staggered-arrival phase")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument(
+        "--gpu-profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile each batch for gpu_idle_pct (and the TP shares); --no-gpu-profile keeps every timing clean",
+    )
     args = parser.parse_args()
     triton.knobs.runtime.jit_cache_hook = _jit_hook
     rng = random.Random(0)
@@ -234,6 +246,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "gpu_profile": args.gpu_profile,
     }
     t = time.monotonic()
     max_batch = max(int(b) for b in args.batches.split(","))
@@ -253,7 +266,7 @@ def main() -> None:
     save()
     PHASE["name"] = "fixed-batches"
     for batch_size in [int(b) for b in args.batches.split(",")]:
-        result["batches"].append(measure_batch(engine, batch_size, args.input_len, args.steps, rng))
+        result["batches"].append(measure_batch(engine, batch_size, args.input_len, args.steps, rng, args.gpu_profile))
         print(json.dumps(result["batches"][-1]), flush=True)
         save()
     PHASE["name"] = "staggered"
