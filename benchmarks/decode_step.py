@@ -20,7 +20,8 @@ kernels.linear (a Triton skinny GEMM up to 16 rows), `linearout` only for the N 
 down); `block+linear` both: the integrations this benchmark proposes, measured before the model is changed;
 `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of programmatic dependent launch, KERNEL_NOTES C21;
 combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE GEMMs launched with PDL too
-(moe_triton.GROUPED_PDL). The default runs `block+linear` and `model`: the per-op rows separate the two changes
+(moe_triton.GROUPED_PDL), `packedroute` with gate/up's top-k on packed keys (moe_decode_triton.ROUTE_PACKED_KEYS,
+C25). The default runs `block+linear` and `model`: the per-op rows separate the two changes
 (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in the step total. Every variant
 of every shape is timed before the process's first profile (run_shape says why), so variants compare fairly in
 one process.
@@ -630,11 +631,14 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
 def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[None]:
     """The model as the variant's features make it, for the block (and args.is_block for the MoE label)."""
     from deltaserve import env
-    from deltaserve.kernels import moe_triton
+    from deltaserve.kernels import moe_decode_triton, moe_triton
 
     args.is_block = "block" in features
+    # module switches (a --baseline tree without one ignores the attribute set on it)
     grouped_pdl = getattr(moe_triton, "GROUPED_PDL", False)
-    moe_triton.GROUPED_PDL = "pdlgrouped" in features  # a --baseline tree without it ignores the attribute
+    moe_triton.GROUPED_PDL = "pdlgrouped" in features
+    packed_route = getattr(moe_decode_triton, "ROUTE_PACKED_KEYS", False)
+    moe_decode_triton.ROUTE_PACKED_KEYS = "packedroute" in features
     try:
         with (
             moe_block_variant(args.is_block),
@@ -644,6 +648,7 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
             yield
     finally:
         moe_triton.GROUPED_PDL = grouped_pdl
+        moe_decode_triton.ROUTE_PACKED_KEYS = packed_route
 
 
 def run_shape(
@@ -772,7 +777,7 @@ def main() -> int:
         default="block+linear,block,model",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
         "linear (F.linear through kernels.linear), linearout (only N < K weights), nopdl (DELTASERVE_PDL=0), "
-        "pdlgrouped, block+linear; block is dropped on dense "
+        "pdlgrouped, packedroute, block+linear; block is dropped on dense "
         "shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")

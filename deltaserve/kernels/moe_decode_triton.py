@@ -70,6 +70,9 @@ ROUTER_GEMV_WARPS = 4
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
 ROUTE_IN_GEMM1_MAX_TOKENS = 16
+# KERNEL_NOTES C25: gate/up's in-kernel top-k on packed int64 keys, one block reduction a step instead of two (the
+# same routing bit for bit). Off until measured on the H200 (benchmarks/decode_step.py's `packedroute` variant).
+ROUTE_PACKED_KEYS = False
 # The C16 combine launch (gemm2 with CHOICES_PER_PROGRAM): output columns per program and warps. It moves
 # T·(k+1)·H·2 + T·H·2 bytes (45 KB at T = 1), so its cost is the launch; 128 columns give 16 programs a token.
 COMBINE_BLOCK_N = 128
@@ -190,8 +193,13 @@ def _route_tile(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_KK: tl.constexpr,
+    PACKED: tl.constexpr = False,
 ):
-    """Routing of a tile of tokens: (ids [BLOCK_T, BLOCK_KK] int32, weights fp32), as moe_route_triton."""
+    """Routing of a tile of tokens: (ids [BLOCK_T, BLOCK_KK] int32, weights fp32), as moe_route_triton.
+
+    PACKED (KERNEL_NOTES C25; ROUTE_PACKED_KEYS): each top-k step is ONE block reduction instead of two. The key
+    (bits of p << 32) | (BLOCK_E - 1 - id) is an int64 whose order is p's (p ≥ 0, so its IEEE bits order as it
+    does), ties broken to the lowest id; taken and padding experts hold -1. The same picks and weights, bit for bit."""
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     o_j = tl.arange(0, BLOCK_KK)
@@ -205,12 +213,24 @@ def _route_tile(
     b_p = tl.where(m_e[None, :], b_p, -1.0)  # padding experts never win
     b_ids = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.int32)
     b_w = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        p_max = tl.max(b_p, axis=1)  # [BLOCK_T]
-        i_max = tl.min(tl.where(b_p == p_max[:, None], o_e[None, :], BLOCK_E), axis=1)  # lowest id among ties
-        b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
-        b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
-        b_p = tl.where(o_e[None, :] == i_max[:, None], -1.0, b_p)
+    if PACKED:
+        b_bits = tl.where(m_e[None, :], b_p, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        b_key = (b_bits << 32) | (BLOCK_E - 1 - o_e)[None, :].to(tl.int64)  # [BLOCK_T, BLOCK_E]
+        b_key = tl.where(m_e[None, :], b_key, -1)  # padding experts never win
+        for j in tl.static_range(TOP_K):
+            k_max = tl.max(b_key, axis=1)  # [BLOCK_T]: the largest p, the lowest id among its ties
+            i_max = (BLOCK_E - 1 - (k_max & 0xFFFFFFFF)).to(tl.int32)
+            p_max = (k_max >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
+            b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
+            b_key = tl.where(o_e[None, :] == i_max[:, None], -1, b_key)
+    else:
+        for j in tl.static_range(TOP_K):
+            p_max = tl.max(b_p, axis=1)  # [BLOCK_T]
+            i_max = tl.min(tl.where(b_p == p_max[:, None], o_e[None, :], BLOCK_E), axis=1)  # lowest id among ties
+            b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
+            b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
+            b_p = tl.where(o_e[None, :] == i_max[:, None], -1.0, b_p)
     if RENORMALIZE:
         b_norm = tl.sum(tl.where(o_j[None, :] < TOP_K, b_w, 0.0), axis=1)
         b_w = b_w / tl.where(b_norm == 0.0, 1.0, b_norm)[:, None]
@@ -248,6 +268,7 @@ def _moe_decode_gemm1_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROUTE_PACKED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -261,7 +282,9 @@ def _moe_decode_gemm1_kernel(
     o_j = tl.arange(0, BLOCK_KK)
     m_rj = m_r[:, None] & (o_j < TOP_K)[None, :]  # [BLOCK_TR, BLOCK_KK]
     if ROUTE:
-        b_ids, b_w = _route_tile(logits_ptr, stride_l, o_r, m_r, E, TOP_K, RENORMALIZE, BLOCK_TR, BLOCK_E, BLOCK_KK)
+        b_ids, b_w = _route_tile(
+            logits_ptr, stride_l, o_r, m_r, E, TOP_K, RENORMALIZE, BLOCK_TR, BLOCK_E, BLOCK_KK, ROUTE_PACKED
+        )
         if (i_p == 0) & (i_n == 0):
             p_route = o_r[:, None] * stride_ids + o_j[None, :]
             tl.store(ids_ptr + p_route, b_ids, mask=m_rj)
@@ -719,6 +742,7 @@ def decode_gemms(
         BLOCK_TR=min(_block_t(num_tokens), max(gemm1.ROUTE_ROWS, next_pow2(num_tokens))),
         BLOCK_KK=next_pow2(top_k),
         BLOCK_E=next_pow2(num_experts),
+        ROUTE_PACKED=route and ROUTE_PACKED_KEYS,
         **gemm1.launch(),
         **pdl_launch(x),
     )

@@ -101,7 +101,7 @@ def test_every_step_is_timed_before_the_first_profile(
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--models", str(tiny_moe.parent), "--shapes",
             f"{tiny_moe.name},{tiny_dense.name}", "--batches", "1,2", "--context", "20", "--max-model-len", "64",
-            "--variants", "model,nopdl", "--out", str(out)]  # fmt: skip
+            "--variants", "model,packedroute", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
     kinds = [kind for kind, _ in calls]
@@ -109,3 +109,6 @@ def test_every_step_is_timed_before_the_first_profile(
     record = json.loads(out.read_text())
     rows = [row for run in record["runs"] for row in run["rows"]]
     assert len(rows) == 8 and all("eager_ms" in row and row["ops"] for row in rows)
+    from deltaserve.kernels import moe_decode_triton
+
+    assert moe_decode_triton.ROUTE_PACKED_KEYS is False  # the variant's module switch is put back

@@ -248,6 +248,26 @@ def test_in_kernel_routing_breaks_ties_to_the_lowest_expert() -> None:
     assert_close("out", ref, out, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 8, 2), (3, 21, 4), (5, 16, 8), (16, 20, 3)])
+def test_packed_route_keys_route_bit_for_bit_as_the_two_reductions(
+    num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C25: the top-k on packed (p bits, id) keys picks the same experts with the same weights, so the block's
+    output is the same bits; E = 21: padding experts in the 32-wide tile."""
+    torch.manual_seed(num_tokens * 100 + num_experts)
+    x = randn(num_tokens, 64, dtype=dtype).abs()
+    w = _weights(num_experts, 64, 32, 32, dtype)
+    # three equal and largest logits a token (x ≥ 0): the first picks are a tie, broken to the lowest id
+    w["router_weight"][[1, 3, 5]] = w["router_weight"][1].abs() + 0.5
+    outs = []
+    for packed in (False, True):
+        monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
+        with poisoned_empty():
+            outs.append(_call(moe_block_triton, x, w, top_k, True, config=DECODE))
+    assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
+
+
 def test_decode_path_refuses_a_batch_past_its_tile() -> None:
     from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS
     from deltaserve.kernels.moe_decode_triton import decode_gemms
