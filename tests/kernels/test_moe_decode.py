@@ -268,6 +268,25 @@ def test_packed_route_keys_route_bit_for_bit_as_the_two_reductions(
     assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
+def test_packed_route_keys_are_bitwise_at_the_served_shape(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """C25 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048): the packed-key top-k gives the
+    block's output bit for bit (gate/up at the 35B-A3B table's 32 x 256 tile, whose routing prologue C25 changes)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(num_tokens)
+    x = randn(num_tokens, 2048, dtype=torch.bfloat16)
+    w = _weights(256, 2048, 512, 512, torch.bfloat16)
+    outs = []
+    for packed in (False, True):
+        monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
+        config = MoEConfig("decode", GemmConfig(32, 256, 4, 3), GemmConfig(32, 256, 8, 1))
+        outs.append(_call(moe_block_triton, x, w, 8, True, config=config))
+    diff = (outs[0].float() - outs[1].float()).abs().max().item()
+    assert torch.equal(outs[0], outs[1]), f"max diff {diff}"
+
+
 def test_decode_path_refuses_a_batch_past_its_tile() -> None:
     from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS
     from deltaserve.kernels.moe_decode_triton import decode_gemms
