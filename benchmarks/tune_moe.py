@@ -46,7 +46,10 @@ DECODE_G1 = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (
              # C17: the in-kernel routing on next_pow2(T) rows (6th field ROUTE_ROWS = 1) instead of 16: a third of
              # the B = 1 prologue's instructions on sm_90 (kernel_resources), which every program runs first
              (32, 256, 4, 3, 0, 1), (16, 256, 4, 3, 0, 1), (32, 128, 4, 6, 0, 1), (16, 128, 4, 6, 0, 1),
-             (32, 64, 4, 8, 0, 1)]  # fmt: skip
+             (32, 64, 4, 8, 0, 1),
+             # C26: one- and two-warp gate/up programs: the routing's reductions stay inside a warp (sm_90 compile
+             # of the B = 1 kernel: 11 barriers against 66 at 4 warps), at 3 programs an SM (70 KB of stages)
+             (32, 64, 1, 8, 0, 1), (16, 64, 1, 8, 0, 1), (32, 64, 2, 8, 0, 1), (16, 128, 1, 8, 0, 1)]  # fmt: skip
 DECODE_G2 = [(8, 128, 4, 1), (16, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 1), (8, 256, 2, 1), (32, 256, 8, 1),
              # C16: the down GEMM split over the choices (5th field CHOICES_PER_PROGRAM) plus the combine launch;
              # chosen so that the B = 1 grid is resident in one wave on 132 SMs (registers from kernel_resources)

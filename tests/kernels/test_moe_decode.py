@@ -272,19 +272,22 @@ def test_packed_route_keys_route_bit_for_bit_as_the_two_reductions(
 @pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
 def test_packed_route_keys_are_bitwise_at_the_served_shape(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """C25 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048): the packed-key top-k gives the
-    block's output bit for bit (gate/up at the 35B-A3B table's 32 x 256 tile, whose routing prologue C25 changes)."""
+    block's output bit for bit, with the committed table's B = 1 gate/up config (32/64/4 warps/8 stages, routing on
+    next_pow2(T) rows) and its one-warp candidate (C26)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(num_tokens)
     x = randn(num_tokens, 2048, dtype=torch.bfloat16)
     w = _weights(256, 2048, 512, 512, torch.bfloat16)
-    outs = []
-    for packed in (False, True):
-        monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
-        config = MoEConfig("decode", GemmConfig(32, 256, 4, 3), GemmConfig(32, 256, 8, 1))
-        outs.append(_call(moe_block_triton, x, w, 8, True, config=config))
-    diff = (outs[0].float() - outs[1].float()).abs().max().item()
-    assert torch.equal(outs[0], outs[1]), f"max diff {diff}"
+    for num_warps in (4, 1):
+        gemm1 = GemmConfig(32, 64, num_warps, 8, ROUTE_ROWS=1)
+        config = MoEConfig("decode", gemm1, GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1))
+        outs = []
+        for packed in (False, True):
+            monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
+            outs.append(_call(moe_block_triton, x, w, 8, True, config=config))
+        diff = (outs[0].float() - outs[1].float()).abs().max().item()
+        assert torch.equal(outs[0], outs[1]), f"{num_warps} warps: max diff {diff}"
 
 
 def test_decode_path_refuses_a_batch_past_its_tile() -> None:
@@ -316,6 +319,28 @@ def test_split_down_gemm_is_bitwise_the_one_program_kernel_at_the_served_shape(n
                                                                        choices_per_program))  # fmt: skip
             diff = (out.float() - one.float()).abs().max().item()
             assert torch.equal(out, one), f"{gemm2}, {choices_per_program} choices a program: max diff {diff}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8])
+def test_gate_up_with_one_and_two_warps_matches_four_at_the_served_shape(num_tokens: int) -> None:
+    """C26 on the H200 in bf16 at the 35B-A3B shape: the committed B = 1 gate/up config with 1 or 2 warps instead of
+    4 (the tuner's new candidates: a one-warp program routes with warp shuffles alone, no cross-warp barriers)
+    picks the same experts and computes the same GEMMs; warps split the tile, not the K order, so any difference is
+    the dot's fragment order (an expert swap would move the output by whole values)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(100 + num_tokens)
+    x = randn(num_tokens, 2048, dtype=torch.bfloat16)
+    w = _weights(256, 2048, 512, 512, torch.bfloat16)
+    gemm2 = GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1)
+    base = _call(
+        moe_block_triton, x, w, 8, True, config=MoEConfig("decode", GemmConfig(32, 64, 4, 8, ROUTE_ROWS=1), gemm2)
+    )
+    for num_warps, block_n in ((1, 32), (2, 32), (1, 16)):
+        gemm1 = GemmConfig(block_n, 64, num_warps, 8, ROUTE_ROWS=1)
+        out = _call(moe_block_triton, x, w, 8, True, config=MoEConfig("decode", gemm1, gemm2))
+        assert_close(f"{num_warps} warps, BLOCK_N {block_n}", base, out, 1e-3)
 
 
 @pytest.mark.gpu
