@@ -39,7 +39,10 @@ def test_search_keeps_the_fastest_gate_up_then_the_fastest_down() -> None:
 def test_candidates_are_valid_configs() -> None:
     for spec_ in tune_moe.DECODE_G1 + tune_moe.DECODE_G2 + tune_moe.GROUPED:
         config = tune_moe._gemm(spec_)
-        assert config.BLOCK_N >= 8 and config.BLOCK_K >= 16 and config.num_warps in (2, 4, 8)
+        assert config.BLOCK_N >= 8 and config.BLOCK_K >= 16 and config.num_warps in (1, 2, 4, 8)
+    # one-warp programs only for the decode gate/up (C26: its routing without cross-warp barriers)
+    assert 1 not in {tune_moe._gemm(s).num_warps for s in tune_moe.DECODE_G2 + tune_moe.GROUPED}
+    assert {tune_moe._gemm(s).num_warps for s in tune_moe.DECODE_G1} == {1, 2, 4}
     # the first down candidate is the one the gate/up search runs with: the one-program kernel; the C16 split
     # variants are among the rest
     assert tune_moe._gemm(tune_moe.DECODE_G2[0]).CHOICES_PER_PROGRAM == 0
