@@ -14,7 +14,8 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
    moe_route_triton; on max(gemm1.ROUTE_ROWS, next_pow2(T)) token rows, at most the dot tile's, mapped onto
-   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both, KERNEL_NOTES C17);
+   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both, KERNEL_NOTES C17; with
+   SHARED_GATE_UP_BEFORE_WAIT the shared expert's programs skip it and compute before the PDL wait, C27);
    program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
    [tokens, E] tile no longer fits in registers, and moe_route_triton routes in a launch of its own, four
    launches in all). An entry whose expert an earlier entry
@@ -73,6 +74,11 @@ ROUTE_IN_GEMM1_MAX_TOKENS = 16
 # KERNEL_NOTES C25: gate/up's in-kernel top-k on packed int64 keys, one block reduction a step instead of two (the
 # same routing bit for bit). Off until measured on the H200 (benchmarks/decode_step.py's `packedroute` variant).
 ROUTE_PACKED_KEYS = False
+# KERNEL_NOTES C27: with in-kernel routing, gate/up's shared-expert programs compute their whole tile above the PDL
+# wait (they need no routing; x is two launches back, the router between) while the router and the routed
+# programs' routing run, so its 4 MB (35B-A3B) stream in time the HBM otherwise idles. Off until measured on the
+# H200 (decode_step.py's `sharedearly` variant).
+SHARED_GATE_UP_BEFORE_WAIT = False
 # The C16 combine launch (gemm2 with CHOICES_PER_PROGRAM): output columns per program and warps. It moves
 # T·(k+1)·H·2 + T·H·2 bytes (45 KB at T = 1), so its cost is the launch; 128 columns give 16 programs a token.
 COMBINE_BLOCK_N = 128
@@ -237,6 +243,54 @@ def _route_tile(
     return b_ids, b_w
 
 
+@triton.jit
+def _gate_up_tile(
+    x_ptr,
+    p_w_base,
+    act_ptr,
+    stride_x,
+    stride_n,
+    n_limit,
+    i_n,
+    o_t,
+    m_row,
+    o_row,
+    I_MAX: tl.constexpr,
+    H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One gate/up program's GEMMs and epilogue: rows o_t [BLOCK_T] of x (m_row: those that take part) times the
+    BLOCK_N gate rows of column block i_n (and the up rows n_limit further) of the weights at p_w_base; act rows
+    o_row get SiLU(round(gate))·round(up), rounded."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; the up rows are n_limit further
+    m_n = o_n < n_limit
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + i64(o_t)[:, None] * stride_x + o_k[None, :]  # [BLOCK_T, BLOCK_K]
+    p_wg = p_w_base + i64(o_n)[None, :] * stride_n + o_k[:, None]  # [BLOCK_K, BLOCK_N]
+    p_wu = p_wg + i64(n_limit) * stride_n
+    b_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    b_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        m_k = (k0 + o_k) < H
+        b_x = tl.load(p_x, mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_wg = tl.load(p_wg, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_wu = tl.load(p_wu, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_gate = tl.dot(b_x, b_wg, b_gate, input_precision=DOT_PRECISION)
+        b_up = tl.dot(b_x, b_wu, b_up, input_precision=DOT_PRECISION)
+        p_x += BLOCK_K
+        p_wg += BLOCK_K
+        p_wu += BLOCK_K
+    # As the grouped GEMM's epilogue (the ref): the GEMM outputs rounded, SiLU-and-mul in fp32, rounded again.
+    b_gate = b_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    b_up = b_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    b_act = silu_f32(b_gate) * b_up
+    p_act = act_ptr + i64(o_row)[:, None] * I_MAX + o_n[None, :]
+    tl.store(p_act, b_act, mask=m_row[:, None] & m_n[None, :])
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _moe_decode_gemm1_kernel(
     x_ptr,
@@ -269,12 +323,26 @@ def _moe_decode_gemm1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROUTE_PACKED: tl.constexpr = False,
+    SHARED_EARLY: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
     i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
     i_n = tl.program_id(1)
     num_entries = num_tokens * TOP_K
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < num_tokens
+    # C27 (SHARED_EARLY, only with in-kernel routing from the router's logits): the shared expert's programs need
+    # no routing, only x, which the launch before the router wrote (complete once this kernel's programs run: the
+    # router signals its dependents after its own wait) and their own act rows, which no launch since the last
+    # layer's down GEMM has touched. So they compute before the wait, while the routed programs wait and route.
+    if SHARED_EARLY:  # noqa: SIM102 (a constexpr branch: compiled out when False)
+        if (i_p >= num_entries) & (i_n * BLOCK_N < I_SH):
+            _gate_up_tile(x_ptr, shared_w13_ptr, act_ptr, stride_x, stride_sw_n, I_SH, i_n, o_t, m_t,
+                          num_entries + o_t, I_MAX, H, DOT_PRECISION, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+    pdl_wait(USE_PDL)
+    if SHARED_EARLY:  # noqa: SIM102
+        if i_p >= num_entries:
+            return
     # The routing runs on BLOCK_TR token rows, the dot tile has BLOCK_T ≥ 16 (tl.dot's minimum): at T = 1 a
     # 16-row routing tile did 16 times the softmax and top-k work the batch needs (C17).
     o_r = tl.arange(0, BLOCK_TR)  # [BLOCK_TR]
@@ -310,8 +378,6 @@ def _moe_decode_gemm1_kernel(
         stride_n = stride_w_n
     b_used = tl.max(b_hit.to(tl.int32), axis=1)  # [BLOCK_TR] 1 where the token chose the expert
     o_row_r = o_r * TOP_K + tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_TR] its act row
-    o_t = tl.arange(0, BLOCK_T)
-    m_t = o_t < num_tokens
     if BLOCK_TR == BLOCK_T:
         m_used = b_used > 0
         o_row_t = o_row_r
@@ -321,30 +387,8 @@ def _moe_decode_gemm1_kernel(
         o_row_t = tl.sum(tl.where(b_sel, o_row_r[None, :], 0), axis=1)
     m_row = tl.where(is_shared, m_t, m_used)  # [BLOCK_T]
     o_row = tl.where(is_shared, num_entries + o_t, o_row_t)  # act row of each token
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; the up rows are n_limit further
-    m_n = o_n < n_limit
-    o_k = tl.arange(0, BLOCK_K)
-    p_x = x_ptr + i64(o_t)[:, None] * stride_x + o_k[None, :]  # [BLOCK_T, BLOCK_K]
-    p_wg = p_w_base + i64(o_n)[None, :] * stride_n + o_k[:, None]  # [BLOCK_K, BLOCK_N]
-    p_wu = p_wg + i64(n_limit) * stride_n
-    b_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    b_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        m_k = (k0 + o_k) < H
-        b_x = tl.load(p_x, mask=m_row[:, None] & m_k[None, :], other=0.0)
-        b_wg = tl.load(p_wg, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_wu = tl.load(p_wu, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_gate = tl.dot(b_x, b_wg, b_gate, input_precision=DOT_PRECISION)
-        b_up = tl.dot(b_x, b_wu, b_up, input_precision=DOT_PRECISION)
-        p_x += BLOCK_K
-        p_wg += BLOCK_K
-        p_wu += BLOCK_K
-    # As the grouped GEMM's epilogue (the ref): the GEMM outputs rounded, SiLU-and-mul in fp32, rounded again.
-    b_gate = b_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
-    b_up = b_up.to(act_ptr.dtype.element_ty).to(tl.float32)
-    b_act = silu_f32(b_gate) * b_up
-    p_act = act_ptr + i64(o_row)[:, None] * I_MAX + o_n[None, :]
-    tl.store(p_act, b_act, mask=m_row[:, None] & m_n[None, :])
+    _gate_up_tile(x_ptr, p_w_base, act_ptr, stride_x, stride_n, n_limit, i_n, o_t, m_row, o_row, I_MAX, H,
+                  DOT_PRECISION, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -690,7 +734,9 @@ def decode_gemms(
 ) -> torch.Tensor:
     """Steps 2 and 3 of the module docstring. Routing from `logits` [T, ≥E] (routed in-kernel) or from given
     topk_weights / topk_ids [T, k]; the shared expert from its weights (gate logit: logits[:, E] or
-    shared_gate_logits) or from its given output shared_out [T, H]. Returns [T, H] in x's dtype."""
+    shared_gate_logits) or from its given output shared_out [T, H]. Returns [T, H] in x's dtype. With `logits`
+    and SHARED_GATE_UP_BEFORE_WAIT (C27) the shared expert's gate/up programs read x before their PDL wait: x must
+    come from a launch before the one that wrote the logits (as it does in moe_block_triton: the router reads x)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if num_tokens > DECODE_MAX_TOKENS:
@@ -743,6 +789,7 @@ def decode_gemms(
         BLOCK_KK=next_pow2(top_k),
         BLOCK_E=next_pow2(num_experts),
         ROUTE_PACKED=route and ROUTE_PACKED_KEYS,
+        SHARED_EARLY=route and shared_mode == 2 and SHARED_GATE_UP_BEFORE_WAIT,
         **gemm1.launch(),
         **pdl_launch(x),
     )

@@ -268,12 +268,32 @@ def test_packed_route_keys_route_bit_for_bit_as_the_two_reductions(
     assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "inter_sh"), [(1, 32), (3, 48), (16, 16), (20, 32)])  # 20: routed apart
+def test_shared_programs_before_the_wait_are_bitwise_the_same(
+    num_tokens: int, inter_sh: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C27: the shared expert's gate/up programs computing ahead of the routing (SHARED_GATE_UP_BEFORE_WAIT) give the
+    block's output bit for bit, with a shared expert wider (48) and narrower (16) than the routed ones (32)."""
+    torch.manual_seed(num_tokens * 10 + inter_sh)
+    x = randn(num_tokens, 64, dtype=dtype)
+    w = _weights(16, 64, 32, inter_sh, dtype)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", early)
+        with poisoned_empty():
+            outs.append(_call(moe_block_triton, x, w, 4, True, config=DECODE))
+    assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
+    assert_close("out", _ref(x, w, 4, True), outs[1], tolerance(dtype, fp32=1e-5))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
 def test_packed_route_keys_are_bitwise_at_the_served_shape(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """C25 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048): the packed-key top-k gives the
-    block's output bit for bit, with the committed table's B = 1 gate/up config (32/64/4 warps/8 stages, routing on
-    next_pow2(T) rows) and its one-warp candidate (C26)."""
+    """C25 and C27 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048): the packed-key top-k, and
+    the shared expert's programs ahead of the wait (under PDL, as served), each give the block's output bit for
+    bit, with the committed table's B = 1 gate/up config (32/64/4 warps/8 stages, routing on next_pow2(T) rows)
+    and its one-warp candidate (C26)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(num_tokens)
@@ -283,11 +303,13 @@ def test_packed_route_keys_are_bitwise_at_the_served_shape(num_tokens: int, monk
         gemm1 = GemmConfig(32, 64, num_warps, 8, ROUTE_ROWS=1)
         config = MoEConfig("decode", gemm1, GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1))
         outs = []
-        for packed in (False, True):
+        for packed, early in ((False, False), (True, False), (False, True)):
             monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
+            monkeypatch.setattr(moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", early)
             outs.append(_call(moe_block_triton, x, w, 8, True, config=config))
-        diff = (outs[0].float() - outs[1].float()).abs().max().item()
-        assert torch.equal(outs[0], outs[1]), f"{num_warps} warps: max diff {diff}"
+        for which, out in zip(("packed keys (C25)", "shared before the wait (C27)"), outs[1:], strict=True):
+            diff = (outs[0].float() - out.float()).abs().max().item()
+            assert torch.equal(outs[0], out), f"{num_warps} warps, {which}: max diff {diff}"
 
 
 def test_decode_path_refuses_a_batch_past_its_tile() -> None:
