@@ -22,7 +22,8 @@ down); `block+linear` both: the integrations this benchmark proposes, measured b
 combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE GEMMs launched with PDL too
 (moe_triton.GROUPED_PDL), `packedroute` with gate/up's top-k on packed keys (moe_decode_triton.ROUTE_PACKED_KEYS,
 C25), `sharedearly` with gate/up's shared-expert programs computing before the PDL wait
-(moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT, C27). The default runs `block+linear` and `model`: the per-op rows
+(moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT, C27), `prefetchdown` with gate/up prefetching the down weights into
+L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28). The default runs `block+linear` and `model`: the per-op rows
 separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in the
 step total. Every variant of every shape is timed before the process's first profile (run_shape says why), so
 variants compare fairly in one process.
@@ -642,6 +643,8 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
     moe_decode_triton.ROUTE_PACKED_KEYS = "packedroute" in features
     shared_early = getattr(moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", False)
     moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT = "sharedearly" in features
+    prefetch_down = getattr(moe_decode_triton, "PREFETCH_DOWN_L2", False)
+    moe_decode_triton.PREFETCH_DOWN_L2 = "prefetchdown" in features
     try:
         with (
             moe_block_variant(args.is_block),
@@ -653,6 +656,7 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
         moe_triton.GROUPED_PDL = grouped_pdl
         moe_decode_triton.ROUTE_PACKED_KEYS = packed_route
         moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT = shared_early
+        moe_decode_triton.PREFETCH_DOWN_L2 = prefetch_down
 
 
 def run_shape(
@@ -781,7 +785,7 @@ def main() -> int:
         default="block+linear,block,model",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
         "linear (F.linear through kernels.linear), linearout (only N < K weights), nopdl (DELTASERVE_PDL=0), "
-        "pdlgrouped, packedroute, sharedearly, block+linear; block is dropped on dense "
+        "pdlgrouped, packedroute, sharedearly, prefetchdown, block+linear; block is dropped on dense "
         "shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")

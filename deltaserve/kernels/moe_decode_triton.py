@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
+from deltaserve.kernels._triton import dot_precision, i64, is_interpreting, next_pow2, pdl_launch, pdl_wait, silu_f32
 from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoEConfig
 
 # Router launch: rows of W_r per program, reduction step, token rows per program (tl.dot needs 16).
@@ -79,6 +79,12 @@ ROUTE_PACKED_KEYS = False
 # programs' routing run, so its 4 MB (35B-A3B) stream in time the HBM otherwise idles. Off until measured on the
 # H200 (decode_step.py's `sharedearly` variant).
 SHARED_GATE_UP_BEFORE_WAIT = False
+# KERNEL_NOTES C28: each gate/up program, once it knows its expert, asks L2 to fetch its share of that expert's down
+# weights (prefetch.global.L2::evict_last: a hint, no registers, no result), so the down launch reads them from L2
+# while gate/up streams at well under HBM's rate. CUDA only (inline PTX; the interpreter has none). Off until
+# measured on the H200 (decode_step.py's `prefetchdown` variant).
+PREFETCH_DOWN_L2 = False
+L2_LINE_BYTES = 128  # (_prefetch_rows_l2 spells it as a literal: a jit function reads no plain globals)
 # The C16 combine launch (gemm2 with CHOICES_PER_PROGRAM): output columns per program and warps. It moves
 # T·(k+1)·H·2 + T·H·2 bytes (45 KB at T = 1), so its cost is the launch; 128 columns give 16 programs a token.
 COMBINE_BLOCK_N = 128
@@ -291,6 +297,38 @@ def _gate_up_tile(
     tl.store(p_act, b_act, mask=m_row[:, None] & m_n[None, :])
 
 
+@triton.jit
+def _l2_line_offsets(stride_row, num_row_blocks, i_b, row_elems, LINE_ELEMS: tl.constexpr, H: tl.constexpr,
+                     LINES: tl.constexpr):  # fmt: skip
+    """Element offsets [LINES] of the 128-byte lines (LINE_ELEMS elements) of row block i_b of num_row_blocks over H
+    rows of row_elems elements, stride_row apart; lines past the block repeat its first (a prefetch twice is free)."""
+    lines_per_row = (row_elems + LINE_ELEMS - 1) // LINE_ELEMS
+    rows = (H + num_row_blocks - 1) // num_row_blocks
+    row0 = i_b * rows
+    o_l = tl.arange(0, LINES)
+    o_row = row0 + o_l // lines_per_row
+    m_l = (o_row < row0 + rows) & (o_row < H)
+    o_row = tl.where(m_l, o_row, row0)
+    o_col = tl.where(m_l, (o_l % lines_per_row) * LINE_ELEMS, 0)
+    return i64(o_row) * stride_row + o_col
+
+
+@triton.jit
+def _prefetch_rows_l2(p_base, stride_row, num_row_blocks, i_b, row_elems, H: tl.constexpr, LINES: tl.constexpr):
+    """One L2 prefetch (prefetch.global.L2::evict_last: a hint, no result) per 128-byte line (L2_LINE_BYTES) of row
+    block i_b of the H rows at p_base; LINES ≥ the lines of a block."""
+    line_elems: tl.constexpr = 128 // (p_base.dtype.element_ty.primitive_bitwidth // 8)
+    p_line = p_base + _l2_line_offsets(stride_row, num_row_blocks, i_b, row_elems, line_elems, H, LINES)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [p_line],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _moe_decode_gemm1_kernel(
     x_ptr,
@@ -300,6 +338,8 @@ def _moe_decode_gemm1_kernel(
     ids_ptr,
     weights_ptr,
     act_ptr,
+    w2_ptr,
+    shared_w2_ptr,
     num_tokens,
     stride_x,
     stride_w_e,
@@ -307,6 +347,9 @@ def _moe_decode_gemm1_kernel(
     stride_sw_n,
     stride_l,
     stride_ids,
+    stride_w2_e,
+    stride_w2_n,
+    stride_sw2_n,
     E: tl.constexpr,
     TOP_K: tl.constexpr,
     I: tl.constexpr,
@@ -324,6 +367,7 @@ def _moe_decode_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     ROUTE_PACKED: tl.constexpr = False,
     SHARED_EARLY: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
@@ -337,6 +381,9 @@ def _moe_decode_gemm1_kernel(
     # layer's down GEMM has touched. So they compute before the wait, while the routed programs wait and route.
     if SHARED_EARLY:  # noqa: SIM102 (a constexpr branch: compiled out when False)
         if (i_p >= num_entries) & (i_n * BLOCK_N < I_SH):
+            if PREFETCH_LINES > 0:  # C28: the shared down weights are constants
+                num_nb = (I_SH + BLOCK_N - 1) // BLOCK_N
+                _prefetch_rows_l2(shared_w2_ptr, stride_sw2_n, num_nb, i_n, I_SH, H, PREFETCH_LINES)
             _gate_up_tile(x_ptr, shared_w13_ptr, act_ptr, stride_x, stride_sw_n, I_SH, i_n, o_t, m_t,
                           num_entries + o_t, I_MAX, H, DOT_PRECISION, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
     pdl_wait(USE_PDL)
@@ -376,6 +423,12 @@ def _moe_decode_gemm1_kernel(
     else:
         p_w_base = w13_ptr + i64(i_e) * stride_w_e
         stride_n = stride_w_n
+    if PREFETCH_LINES > 0:  # C28: this program's share of its expert's down rows, into L2 for the down launch
+        num_nb = (n_limit + BLOCK_N - 1) // BLOCK_N
+        if is_shared:
+            _prefetch_rows_l2(shared_w2_ptr, stride_sw2_n, num_nb, i_n, I_SH, H, PREFETCH_LINES)
+        else:
+            _prefetch_rows_l2(w2_ptr + i64(i_e) * stride_w2_e, stride_w2_n, num_nb, i_n, I, H, PREFETCH_LINES)
     b_used = tl.max(b_hit.to(tl.int32), axis=1)  # [BLOCK_TR] 1 where the token chose the expert
     o_row_r = o_r * TOP_K + tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_TR] its act row
     if BLOCK_TR == BLOCK_T:
@@ -715,6 +768,30 @@ def _down_split(
     )
 
 
+def _emits_ptx(x: torch.Tensor) -> bool:
+    """Whether x's launches compile to PTX (inline asm allowed); benchmarks/kernel_resources.py, which compiles
+    CPU-tensor launches for sm_90, swaps this for `lambda x: True`."""
+    return x.is_cuda and not is_interpreting()
+
+
+def _prefetch_lines(x: torch.Tensor, w2: torch.Tensor, inter: int, inter_sh: int, block_n: int) -> int:
+    """C28's lines a gate/up program prefetches (a power of two covering its share of its expert's down rows), or 0:
+    off (PREFETCH_DOWN_L2), not on a CUDA device, or under the interpreter (inline PTX)."""
+    if not (PREFETCH_DOWN_L2 and _emits_ptx(x)):
+        return 0
+    return _prefetch_lines_for(w2.shape[1], w2.element_size(), inter, inter_sh, block_n)
+
+
+def _prefetch_lines_for(hidden: int, elem: int, inter: int, inter_sh: int, block_n: int) -> int:
+    """The most 128-byte lines of down rows one gate/up program prefetches (its expert's H rows split over its
+    ⌈width / BLOCK_N⌉ column-block programs), rounded up to a power of two."""
+    lines = 0
+    for width in (inter, inter_sh):
+        num_nb = triton.cdiv(width, block_n)
+        lines = max(lines, triton.cdiv(hidden, num_nb) * triton.cdiv(width * elem, L2_LINE_BYTES))
+    return next_pow2(lines)
+
+
 def decode_gemms(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -760,6 +837,7 @@ def decode_gemms(
         ids, weights = topk_ids, topk_weights
     precision = dot_precision(x.dtype)
     grid1 = (num_entries + int(shared_mode == 2), triton.cdiv(inter_max, gemm1.BLOCK_N))
+    sw2 = shared_w2 if shared_mode == 2 else w2
     _moe_decode_gemm1_kernel[grid1](
         x,
         w13,
@@ -768,6 +846,8 @@ def decode_gemms(
         ids,
         weights,
         act,
+        w2,
+        sw2,
         num_tokens,
         x.stride(0),
         w13.stride(0),
@@ -775,6 +855,9 @@ def decode_gemms(
         shared_w13.stride(0) if shared_mode == 2 else 0,
         logits.stride(0) if route else 0,
         ids.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        sw2.stride(0) if shared_mode == 2 else 0,
         E=num_experts,
         TOP_K=top_k,
         I=inter,
@@ -790,6 +873,7 @@ def decode_gemms(
         BLOCK_E=next_pow2(num_experts),
         ROUTE_PACKED=route and ROUTE_PACKED_KEYS,
         SHARED_EARLY=route and shared_mode == 2 and SHARED_GATE_UP_BEFORE_WAIT,
+        PREFETCH_LINES=_prefetch_lines(x, w2, inter, inter_sh, gemm1.BLOCK_N),
         **gemm1.launch(),
         **pdl_launch(x),
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from deltaserve.kernels import moe_decode_triton
 from deltaserve.kernels.moe import fused_moe_block_ref, fused_moe_ref, moe_route_ref, router_logits_ref
@@ -287,13 +289,45 @@ def test_shared_programs_before_the_wait_are_bitwise_the_same(
     assert_close("out", _ref(x, w, 4, True), outs[1], tolerance(dtype, fp32=1e-5))
 
 
+@triton.jit
+def _line_offsets_kernel(out_ptr, stride_row, num_row_blocks, row_elems, LINE_ELEMS: tl.constexpr, H: tl.constexpr,
+                         LINES: tl.constexpr):  # fmt: skip
+    i_b = tl.program_id(0)
+    offsets = moe_decode_triton._l2_line_offsets(stride_row, num_row_blocks, i_b, row_elems, LINE_ELEMS, H, LINES)
+    tl.store(out_ptr + i_b * LINES + tl.arange(0, LINES), offsets)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "inter_sh", "block_n", "stride_pad"),
+    [(2048, 512, 512, 32, 0), (2048, 512, 512, 16, 0), (96, 48, 16, 16, 8), (100, 40, 72, 32, 0)],
+)
+def test_down_prefetch_lines_cover_every_row_of_the_expert_once_split(
+    hidden: int, inter: int, inter_sh: int, block_n: int, stride_pad: int
+) -> None:
+    """C28: the gate/up programs of one expert (one per column block) prefetch 128-byte lines that together cover
+    every line of the expert's down rows [H, I] and nothing outside them; the 35B-A3B case is 1024 lines a program.
+    Shapes with rows not a multiple of a line, a padded row stride and H not divisible by the program count."""
+    line_elems = 64  # bf16
+    lines = moe_decode_triton._prefetch_lines_for(hidden, 2, inter, inter_sh, block_n)
+    if (hidden, inter, block_n) == (2048, 512, 32):
+        assert lines == 1024
+    for width in (inter, inter_sh):
+        num_nb = triton.cdiv(width, block_n)
+        stride = width + stride_pad
+        out = torch.full((num_nb, lines), -1, dtype=torch.int64)
+        _line_offsets_kernel[(num_nb,)](out, stride, num_nb, width, LINE_ELEMS=line_elems, H=hidden, LINES=lines)
+        want = {r * stride + c for r in range(hidden) for c in range(0, width, line_elems)}
+        got = set(out.flatten().tolist())
+        assert got == want, (len(got - want), len(want - got))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
-def test_packed_route_keys_are_bitwise_at_the_served_shape(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """C25 and C27 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048): the packed-key top-k, and
-    the shared expert's programs ahead of the wait (under PDL, as served), each give the block's output bit for
-    bit, with the committed table's B = 1 gate/up config (32/64/4 warps/8 stages, routing on next_pow2(T) rows)
-    and its one-warp candidate (C26)."""
+def test_routing_switches_are_bitwise_at_the_served_shape(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """C25, C27 and C28 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048): the packed-key
+    top-k, the shared expert's programs ahead of the wait (under PDL, as served) and the down weights' L2 prefetch
+    each give the block's output bit for bit, with the committed table's B = 1 gate/up config (32/64/4 warps/8
+    stages, routing on next_pow2(T) rows) and its one-warp candidate (C26)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(num_tokens)
@@ -303,11 +337,15 @@ def test_packed_route_keys_are_bitwise_at_the_served_shape(num_tokens: int, monk
         gemm1 = GemmConfig(32, 64, num_warps, 8, ROUTE_ROWS=1)
         config = MoEConfig("decode", gemm1, GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1))
         outs = []
-        for packed, early in ((False, False), (True, False), (False, True)):
+        switches = ((False, False, False), (True, False, False), (False, True, False), (False, False, True),
+                    (True, True, True))  # fmt: skip
+        for packed, early, prefetch in switches:
             monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
             monkeypatch.setattr(moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", early)
+            monkeypatch.setattr(moe_decode_triton, "PREFETCH_DOWN_L2", prefetch)
             outs.append(_call(moe_block_triton, x, w, 8, True, config=config))
-        for which, out in zip(("packed keys (C25)", "shared before the wait (C27)"), outs[1:], strict=True):
+        names = ("packed keys (C25)", "shared before the wait (C27)", "down prefetch (C28)", "all three")
+        for which, out in zip(names, outs[1:], strict=True):
             diff = (outs[0].float() - out.float()).abs().max().item()
             assert torch.equal(outs[0], out), f"{num_warps} warps, {which}: max diff {diff}"
 
