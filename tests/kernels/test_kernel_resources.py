@@ -47,3 +47,25 @@ def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
     assert num_spilling == 0, done.stdout
     stacks = [int(m.group(1)) for m in re.finditer(r"_moe_align_kernel\s+\d+\s+(\d+)", done.stdout)]
     assert len(stacks) >= 8 and max(stacks) == 0, done.stdout  # no local-memory frame either
+
+
+@pytest.mark.slow
+def test_the_decode_switches_compile_for_sm90_without_spills() -> None:
+    """C25 / C27 / C28 switched on together (packed-key routing, the shared programs before the PDL wait, the down
+    weights' L2 prefetch in inline PTX) compile for sm_90 at the served B = 1 gate/up config and its one-warp
+    candidate (C26) with no spills and the prefetches present (CCTL). (At B = 8 the three together spill 4 bytes
+    at 4 warps, each alone or in pairs none: KERNEL_NOTES section 15.)"""
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").is_file():
+        pytest.skip("Triton's wheel carries no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--shape", "35b-a3b"]
+    command += ["--batches", "1", "--only", "moe_block", "--moe-gemm1", "32,64,4,8,0,1;32,64,1,8,0,1"]
+    command += ["--moe-switches", "packedroute,sharedearly,prefetchdown"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    summary = re.search(r"(\d+) launches compiled for sm_90; (\d+) with local-memory spills", done.stdout)
+    assert summary and int(summary.group(2)) == 0, done.stdout
+    rows = [line for line in done.stdout.splitlines() if "_moe_decode_gemm1_kernel" in line and "[g1 " in line]
+    assert len(rows) == 2 and all("CCTL:" in row for row in rows), done.stdout
