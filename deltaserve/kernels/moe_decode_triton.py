@@ -420,15 +420,16 @@ def _moe_decode_gemm1_kernel(
     if is_shared:
         p_w_base = shared_w13_ptr
         stride_n = stride_sw_n
+        p_w2_base = shared_w2_ptr
+        stride_w2 = stride_sw2_n
     else:
         p_w_base = w13_ptr + i64(i_e) * stride_w_e
         stride_n = stride_w_n
-    if PREFETCH_LINES > 0:  # C28: this program's share of its expert's down rows, into L2 for the down launch
+        p_w2_base = w2_ptr + i64(i_e) * stride_w2_e
+        stride_w2 = stride_w2_n
+    if PREFETCH_LINES > 0:  # C28: this program's share of its expert's down rows (n_limit wide), into L2
         num_nb = (n_limit + BLOCK_N - 1) // BLOCK_N
-        if is_shared:
-            _prefetch_rows_l2(shared_w2_ptr, stride_sw2_n, num_nb, i_n, I_SH, H, PREFETCH_LINES)
-        else:
-            _prefetch_rows_l2(w2_ptr + i64(i_e) * stride_w2_e, stride_w2_n, num_nb, i_n, I, H, PREFETCH_LINES)
+        _prefetch_rows_l2(p_w2_base, stride_w2, num_nb, i_n, n_limit, H, PREFETCH_LINES)
     b_used = tl.max(b_hit.to(tl.int32), axis=1)  # [BLOCK_TR] 1 where the token chose the expert
     o_row_r = o_r * TOP_K + tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_TR] its act row
     if BLOCK_TR == BLOCK_T:
