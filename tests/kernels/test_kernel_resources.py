@@ -19,34 +19,40 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
+def _kernel_resources(flags: list[str]) -> tuple[str, int, int]:
+    """benchmarks/kernel_resources.py on the 35B-A3B shape with `flags`, outside the interpreter: its stdout, the
+    launches it compiled and those with spills (skips where Triton's wheel has no ptxas)."""
     nvidia = pytest.importorskip("triton.backends.nvidia")
     if not (Path(nvidia.__file__).parent / "bin" / "ptxas").is_file():
         pytest.skip("Triton's wheel carries no ptxas here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--shape", "35b-a3b"]
-    command += ["--batches", "8,64", "--only", "moe_align,moe_block"]
+    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--shape", "35b-a3b", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    summary = re.search(r"(\d+) launches compiled for sm_90; (\d+) with local-memory spills", done.stdout)
+    assert summary, done.stdout[-2000:]
+    return done.stdout, int(summary.group(1)), int(summary.group(2))
+
+
+@pytest.mark.slow
+def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
+    command = ["--batches", "8,64", "--only", "moe_align,moe_block"]
     # the C16 split down kernel and its combine, the C17 routing on next_pow2(T) rows
     command += ["--moe-gemm2", "16,128,4,1,1;32,256,8,1,2", "--moe-gemm1", "32,256,4,3,0,1"]
     # the O(log N) align kernel (C10) at the smallest, a decode and the largest entry counts it serves, and the
     # router's GEMV (C9, C11) and tl.dot launches on both sides of each switch
     command += ["--align-entries", "8,512,8192", "--align-experts", "256,512", "--router-tokens", "4,5,33,64,65"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    summary = re.search(r"(\d+) launches compiled for sm_90; (\d+) with local-memory spills", done.stdout)
-    assert summary, done.stdout[-2000:]
-    num_launches, num_spilling = int(summary.group(1)), int(summary.group(2))
-    assert num_launches >= 4 + 6 + 5, done.stdout
-    assert "_moe_align_kernel" in done.stdout and "_moe_decode_gemm1_kernel" in done.stdout, done.stdout
-    assert "_moe_decode_gemm2_split_kernel" in done.stdout and "_moe_decode_combine_kernel" in done.stdout
+    stdout, num_launches, num_spilling = _kernel_resources(command)
+    assert num_launches >= 4 + 6 + 5, stdout
+    assert "_moe_align_kernel" in stdout and "_moe_decode_gemm1_kernel" in stdout, stdout
+    assert "_moe_decode_gemm2_split_kernel" in stdout and "_moe_decode_combine_kernel" in stdout
     for label in ("align N=8192 E=512 M=16", "router T=64", "router T=65"):
-        assert label in done.stdout, done.stdout
-    assert "_moe_router_gemv_kernel" in done.stdout and "_moe_router_kernel" in done.stdout, done.stdout
-    assert num_spilling == 0, done.stdout
-    stacks = [int(m.group(1)) for m in re.finditer(r"_moe_align_kernel\s+\d+\s+(\d+)", done.stdout)]
-    assert len(stacks) >= 8 and max(stacks) == 0, done.stdout  # no local-memory frame either
+        assert label in stdout, stdout
+    assert "_moe_router_gemv_kernel" in stdout and "_moe_router_kernel" in stdout, stdout
+    assert num_spilling == 0, stdout
+    stacks = [int(m.group(1)) for m in re.finditer(r"_moe_align_kernel\s+\d+\s+(\d+)", stdout)]
+    assert len(stacks) >= 8 and max(stacks) == 0, stdout  # no local-memory frame either
 
 
 @pytest.mark.slow
@@ -55,17 +61,9 @@ def test_the_decode_switches_compile_for_sm90_without_spills() -> None:
     weights' L2 prefetch in inline PTX) compile for sm_90 at the served B = 1 gate/up config and its one-warp
     candidate (C26) with no spills and the prefetches present (CCTL). (At B = 8 the three together spill 4 bytes
     at 4 warps, each alone or in pairs none: KERNEL_NOTES section 15.)"""
-    nvidia = pytest.importorskip("triton.backends.nvidia")
-    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").is_file():
-        pytest.skip("Triton's wheel carries no ptxas here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--shape", "35b-a3b"]
-    command += ["--batches", "1", "--only", "moe_block", "--moe-gemm1", "32,64,4,8,0,1;32,64,1,8,0,1"]
+    command = ["--batches", "1", "--only", "moe_block", "--moe-gemm1", "32,64,4,8,0,1;32,64,1,8,0,1"]
     command += ["--moe-switches", "packedroute,sharedearly,prefetchdown"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    summary = re.search(r"(\d+) launches compiled for sm_90; (\d+) with local-memory spills", done.stdout)
-    assert summary and int(summary.group(2)) == 0, done.stdout
-    rows = [line for line in done.stdout.splitlines() if "_moe_decode_gemm1_kernel" in line and "[g1 " in line]
-    assert len(rows) == 2 and all("CCTL:" in row for row in rows), done.stdout
+    stdout, _, num_spilling = _kernel_resources(command)
+    assert num_spilling == 0, stdout
+    rows = [line for line in stdout.splitlines() if "_moe_decode_gemm1_kernel" in line and "[g1 " in line]
+    assert len(rows) == 2 and all("CCTL:" in row for row in rows), stdout
