@@ -2,7 +2,8 @@
 # What every device call of a session script shares (sourced from the repo root, from scripts/h200_s8.sh on; the
 # earlier session scripts are records of what ran and keep their own copy): the work folder /tmp/$SESSION/call$CALL,
 # the offline and NVLink-multicast-off environment, the summary's `mark`, the call's tarball on exit, the budget,
-# the header line, the vLLM bundle piece of the calls that carry one (BUNDLE_CALLS), `grid`, and the carried wheels.
+# the header line, the vLLM bundle piece of the calls that carry one (BUNDLE_CALLS), `grid`, `decode_step` (from
+# h200_s12.sh on; earlier scripts define their own), and the carried wheels.
 # Needs: OUT, SESSION (e.g. s8), CALL; optional BUNDLE_CALLS ("1 2 3"), CALL_BUDGET_S (570), RECORD_DATE.
 W=/tmp/$SESSION/call$CALL
 mkdir -p "$W" "$OUT"
@@ -24,6 +25,14 @@ grid() {  # grid file, record name, extra flags...
     bash benchmarks/h200_grid.sh --record-name "$name" --no-drift --deadline-s $((budget - 15 - SECONDS)) "$@" \
     > "$W/$name.log" 2>&1
   grep -E "^\[grid\]|rror" "$W/$name.log" | tail -16 | tee -a "$OUT/summary.txt"
+}
+decode_step() {  # record name, then benchmarks/decode_step.py flags: the record to $OUT, its log to $W
+  local name=$1
+  shift
+  timeout $((budget - 10 - SECONDS)) python3 benchmarks/decode_step.py --models /tmp/ds_models --label after \
+    --out "$OUT/$name.json" "$@" > "$W/$name.log" 2>&1
+  echo "decode_step $name rc $?" | tee -a "$OUT/summary.txt"
+  grep -A8 "graph_ms by batch size" "$W/$name.log" | tee -a "$OUT/summary.txt"
 }
 day=${RECORD_DATE:-$(date +%Y%m%d)}
 # deltaserve's own pins for the grids (xgrammar 0.2.9 and its needs): .whl rides with piece 3 (pieces 1 and 2 with

@@ -18,14 +18,6 @@ SESSION=s12
 BUNDLE_CALLS=""
 source scripts/h200_call.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-decode_step() {  # name, then decode_step.py flags
-  local name=$1
-  shift
-  timeout $((budget - 10 - SECONDS)) python3 benchmarks/decode_step.py --models /tmp/ds_models --label after \
-    --out "$OUT/$name.json" "$@" > "$W/$name.log" 2>&1
-  echo "decode_step $name rc $?" | tee -a "$OUT/summary.txt"
-  grep -A8 "graph_ms by batch size" "$W/$name.log" | tee -a "$OUT/summary.txt"
-}
 case $CALL in
   1)
     timeout 60 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models --only q35-35b-a3b > "$W/dummies.log" 2>&1
