@@ -8,6 +8,7 @@ is tests/engine/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,67 +84,55 @@ def _is_call_to(node: ast.AST, attr: str) -> bool:
     return (isinstance(fn, ast.Attribute) and fn.attr == attr) or (isinstance(fn, ast.Name) and fn.id == attr)
 
 
-def _pointer_roots(expr: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
+def _root_map(statements: list[ast.stmt], is_root: Callable[[str], bool]) -> Callable[[ast.AST], set[str]]:
+    """roots(expr): the root names (is_root) an expression is built from, directly or through the assignments in
+    `statements` (p_s = ssm_states_ptr + ...; p_x += BLOCK_K)."""
+    derived: dict[str, set[str]] = {}
 
+    def roots(expr: ast.AST) -> set[str]:
+        found: set[str] = set()
+        for n in ast.walk(expr):
+            if isinstance(n, ast.Name):
+                found |= ({n.id} if is_root(n.id) else set()) | derived.get(n.id, set())
+        return found
 
-def _names_assigned_from(statements: list[ast.stmt]) -> dict[str, set[str]]:
-    """name -> the *_ptr names its assignments above the wait were built from (p_s = ssm_states_ptr + ...)."""
-    roots: dict[str, set[str]] = {}
     for stmt in statements:
         for node in ast.walk(stmt):
-            if isinstance(node, ast.Assign):
-                found = _pointer_roots(node.value)
-                for name in {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)} & roots.keys():
-                    found |= roots[name]
-                for target in node.targets:
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                found = roots(node.value)
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                     if isinstance(target, ast.Name) and found:
-                        roots[target.id] = roots.get(target.id, set()) | found
+                        derived[target.id] = derived.get(target.id, set()) | found
     return roots
+
+
+def _accesses(statements: list[ast.stmt], roots: Callable[[ast.AST], set[str]]) -> tuple[set[str], set[str]]:
+    """The roots that the tl.load / tl.store (and atomic) calls in `statements` reach."""
+    loaded: set[str] = set()
+    stored: set[str] = set()
+    for stmt in statements:
+        for node in ast.walk(stmt):
+            if _is_call_to(node, "load"):
+                loaded |= roots(node.args[0])
+            if any(_is_call_to(node, op) for op in STORES):
+                stored |= roots(node.args[0])
+    return loaded, stored
 
 
 def _helper_params(helper: ast.FunctionDef) -> tuple[list[str], set[str], set[str]]:
     """A @triton.jit helper's parameters, and those its loads / stores reach (through its own assignments)."""
     params = [a.arg for a in helper.args.args]
-    roots: dict[str, set[str]] = {p: {p} for p in params}
-    for node in ast.walk(helper):
-        if isinstance(node, (ast.Assign, ast.AugAssign)):
-            found = set().union(*(roots.get(n.id, set()) for n in ast.walk(node.value) if isinstance(n, ast.Name)))
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for target in targets:
-                if isinstance(target, ast.Name) and found:
-                    roots[target.id] = roots.get(target.id, set()) | found
-    loaded: set[str] = set()
-    stored: set[str] = set()
-    for node in ast.walk(helper):
-        for op, into in [("load", loaded)] + [(op, stored) for op in STORES]:
-            if _is_call_to(node, op):
-                into |= set().union(
-                    *(roots.get(n.id, set()) for n in ast.walk(node.args[0]) if isinstance(n, ast.Name))
-                )
+    loaded, stored = _accesses(helper.body, _root_map(helper.body, lambda name: name in params))
     return params, loaded, stored
 
 
 def _pre_wait_access(above: list[ast.stmt], module: ast.Module) -> tuple[set[str], set[str]]:
     """The kernel pointers loaded and stored by the statements above the wait, directly or through a helper."""
     helpers = {n.name: n for n in module.body if isinstance(n, ast.FunctionDef)}
-    derived = _names_assigned_from(above)
-
-    def roots(expr: ast.AST) -> set[str]:
-        found = _pointer_roots(expr)
-        for n in ast.walk(expr):
-            if isinstance(n, ast.Name) and n.id in derived:
-                found |= derived[n.id]
-        return found
-
-    loaded: set[str] = set()
-    stored: set[str] = set()
+    roots = _root_map(above, lambda name: name.endswith("_ptr"))
+    loaded, stored = _accesses(above, roots)
     for stmt in above:
         for node in ast.walk(stmt):
-            if _is_call_to(node, "load"):
-                loaded |= roots(node.args[0])
-            if any(_is_call_to(node, op) for op in STORES):
-                stored |= roots(node.args[0])
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in helpers:
                 params, h_loaded, h_stored = _helper_params(helpers[node.func.id])
                 for param, arg in zip(params, node.args, strict=False):
