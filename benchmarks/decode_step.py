@@ -636,15 +636,16 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
     from deltaserve.kernels import moe_decode_triton, moe_triton
 
     args.is_block = "block" in features
-    # module switches (a --baseline tree without one ignores the attribute set on it)
-    grouped_pdl = getattr(moe_triton, "GROUPED_PDL", False)
-    moe_triton.GROUPED_PDL = "pdlgrouped" in features
-    packed_route = getattr(moe_decode_triton, "ROUTE_PACKED_KEYS", False)
-    moe_decode_triton.ROUTE_PACKED_KEYS = "packedroute" in features
-    shared_early = getattr(moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", False)
-    moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT = "sharedearly" in features
-    prefetch_down = getattr(moe_decode_triton, "PREFETCH_DOWN_L2", False)
-    moe_decode_triton.PREFETCH_DOWN_L2 = "prefetchdown" in features
+    # module switches, feature -> (module, attribute); a --baseline tree without one ignores the attribute set on it
+    switches = {
+        "pdlgrouped": (moe_triton, "GROUPED_PDL"),
+        "packedroute": (moe_decode_triton, "ROUTE_PACKED_KEYS"),
+        "sharedearly": (moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT"),
+        "prefetchdown": (moe_decode_triton, "PREFETCH_DOWN_L2"),
+    }
+    saved = {feature: getattr(module, name, False) for feature, (module, name) in switches.items()}
+    for feature, (module, name) in switches.items():
+        setattr(module, name, feature in features)
     try:
         with (
             moe_block_variant(args.is_block),
@@ -653,10 +654,8 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
         ):
             yield
     finally:
-        moe_triton.GROUPED_PDL = grouped_pdl
-        moe_decode_triton.ROUTE_PACKED_KEYS = packed_route
-        moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT = shared_early
-        moe_decode_triton.PREFETCH_DOWN_L2 = prefetch_down
+        for feature, (module, name) in switches.items():
+            setattr(module, name, saved[feature])
 
 
 def run_shape(
