@@ -23,8 +23,9 @@ combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE GEMMs launched wi
 (moe_triton.GROUPED_PDL), `packedroute` with gate/up's top-k on packed keys (moe_decode_triton.ROUTE_PACKED_KEYS,
 C25), `sharedearly` with gate/up's shared-expert programs computing before the PDL wait
 (moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT, C27), `prefetchdown` with gate/up prefetching the down weights into
-L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28). The default runs `block+linear` and `model`: the per-op rows
-separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in the
+L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28), `gemv` with kernels.linear's register GEMV up to 4 rows
+(linear_triton.USE_GEMV, C29; with `linear` or `linearout`). The default runs `block+linear` and `model`: the per-op
+rows separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in the
 step total. Every variant of every shape is timed before the process's first profile (run_shape says why), so
 variants compare fairly in one process.
 `--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
@@ -633,7 +634,7 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
 def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[None]:
     """The model as the variant's features make it, for the block (and args.is_block for the MoE label)."""
     from deltaserve import env
-    from deltaserve.kernels import moe_decode_triton, moe_triton
+    from deltaserve.kernels import linear_triton, moe_decode_triton, moe_triton
 
     args.is_block = "block" in features
     # module switches, feature -> (module, attribute); a --baseline tree without one ignores the attribute set on it
@@ -642,6 +643,7 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
         "packedroute": (moe_decode_triton, "ROUTE_PACKED_KEYS"),
         "sharedearly": (moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT"),
         "prefetchdown": (moe_decode_triton, "PREFETCH_DOWN_L2"),
+        "gemv": (linear_triton, "USE_GEMV"),
     }
     saved = {feature: getattr(module, name, False) for feature, (module, name) in switches.items()}
     for feature, (module, name) in switches.items():
@@ -784,7 +786,7 @@ def main() -> int:
         default="block+linear,block,model",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
         "linear (F.linear through kernels.linear), linearout (only N < K weights), nopdl (DELTASERVE_PDL=0), "
-        "pdlgrouped, packedroute, sharedearly, prefetchdown, block+linear; block is dropped on dense "
+        "pdlgrouped, packedroute, sharedearly, prefetchdown, gemv, block+linear; block is dropped on dense "
         "shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")

@@ -19,6 +19,9 @@ Under programmatic dependent launch (DELTASERVE_PDL, KERNEL_NOTES C21 / C24) eac
 before it waits for the previous kernel: W does not depend on it, so that tile streams while the previous kernel
 finishes; x, the partials and the counters come after the wait (the counters' single-stream rule holds: a launch's
 programs reach them only once the launch before has completed).
+
+With USE_GEMV (KERNEL_NOTES C29, off by default) up to GEMV_MAX_ROWS rows take `_gemv_kernel` instead: no tensor
+cores, each program holds BLOCK_N whole rows of W in registers, all loaded before the PDL wait.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import dot_precision, i64, pdl_launch, pdl_wait
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait
 
 # ~4 programs per SM on the H200's 132 SMs is the aim; K is split (doubling) while the doubled grid stays within
 # ~5 per SM: [2048, 4096] 128 -> 512; 386 column blocks ([12352, 2048]) stay whole, since 772 programs would run
@@ -40,6 +43,15 @@ SPLITK_MIN_DEPTH = 1024
 SPLITK_MAX_COL_BLOCKS = 1024
 
 _split_counters: dict[torch.device, torch.Tensor] = {}
+
+# The register GEMV (KERNEL_NOTES C29): up to GEMV_MAX_ROWS rows, weights of depth next_pow2(K) <= GEMV_MAX_DEPTH.
+# Off by default (USE_GEMV) until the H200 says it beats cuBLAS in the served step; decode_step's `gemv` variant.
+USE_GEMV = False
+GEMV_MAX_ROWS = 4
+GEMV_MAX_DEPTH = 8192
+# W elements a program holds in registers (32 KiB of bf16: 64 a thread at 8 warps, eight 16-byte loads)
+GEMV_TILE_ELEMS = 16384
+GEMV_NUM_WARPS = 8
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -113,6 +125,57 @@ def _skinny_gemm_kernel(
             tl.atomic_xchg(counter_ptr + i_n, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    num_rows,
+    stride_x,
+    stride_w,
+    stride_y,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """y[:num_rows, block] for BLOCK_N whole rows of W (BLOCK_K = next_pow2(K), masked past K), no tensor cores.
+
+    The program's whole W tile [BLOCK_N, BLOCK_K] is loaded in one go BEFORE the PDL wait: W never depends on the
+    launch before, so all of the program's weight bytes are in flight while that launch finishes (the skinny GEMM
+    can only hoist its first tile, C24). After the wait each of the BLOCK_M x rows (L2-resident) is multiplied with
+    the tile in fp32 and summed over K (in-thread, then across threads); one rounding to y's dtype."""
+    i_n = tl.program_id(0)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < N
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    m_k = o_k < K
+    p_w = w_ptr + i64(o_n)[None, :, None] * stride_w + o_k[None, None, :]  # [1, BLOCK_N, BLOCK_K]
+    b_w = tl.load(p_w, mask=m_n[None, :, None] & m_k[None, None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    # every row of x in one load, in W's layout (each thread its own K columns of every row), then one reduction
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < num_rows
+    p_x = x_ptr + i64(o_m)[:, None, None] * stride_x + o_k[None, None, :]  # [BLOCK_M, 1, BLOCK_K]
+    b_x = tl.load(p_x, mask=m_m[:, None, None] & m_k[None, None, :], other=0.0)
+    b_y = tl.sum(b_x.to(tl.float32) * b_w.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N] fp32
+    p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]  # [BLOCK_M, BLOCK_N]
+    tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])  # the one rounding to y's dtype
+
+
+def gemv_config(num_cols: int, depth: int) -> dict[str, int] | None:
+    """BLOCK_N / BLOCK_K / warps of the register GEMV for an [N, K] weight, or None where it does not apply (depth
+    past GEMV_MAX_DEPTH: the tile would no longer fit a program's registers). [2048, 4096] -> 4 rows a program, 512
+    programs; [12352, 2048] -> 8 rows, 1544 programs."""
+    block_k = triton.next_power_of_2(depth)
+    if block_k > GEMV_MAX_DEPTH:
+        return None
+    block_n = max(1, GEMV_TILE_ELEMS // block_k)
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": GEMV_NUM_WARPS, "num_stages": 1}
+
+
 def skinny_config(num_cols: int, depth: int) -> dict[str, int]:
     """BLOCK_N / BLOCK_K / SPLIT_K / warps / stages for an [N, K] weight (see the module docstring).
 
@@ -153,6 +216,23 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"linear_triton takes at most 16 rows, got {num_rows}")
     y = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
+        return y
+    gemv = gemv_config(num_cols, depth) if USE_GEMV and num_rows <= GEMV_MAX_ROWS else None
+    if gemv is not None:
+        _gemv_kernel[(triton.cdiv(num_cols, gemv["BLOCK_N"]),)](
+            x,
+            weight,
+            y,
+            num_rows,
+            x.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            N=num_cols,
+            K=depth,
+            BLOCK_M=next_pow2(num_rows),
+            **gemv,
+            **pdl_launch(x),
+        )
         return y
     config = skinny_config(num_cols, depth)
     split_k = config["SPLIT_K"]

@@ -150,3 +150,82 @@ def test_linear_triton_split_k_served_shapes(num_rows: int, num_cols: int, depth
         torch.cuda.synchronize()
         assert torch.equal(captured, first)
     assert not split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_rows", "num_cols", "depth"), [(1, 40, 64), (3, 17, 96), (4, 9, 300), (2, 5, 2048)])
+def test_gemv(monkeypatch: pytest.MonkeyPatch, num_rows: int, num_cols: int, depth: int, dtype: torch.dtype) -> None:
+    """C29's register GEMV (USE_GEMV) against F.linear: N not a multiple of BLOCK_N, K not a power of two (the
+    tile masked past K), a row-strided x, 1-4 rows; NaN-poisoned output, so an unwritten element fails."""
+    import deltaserve.kernels.linear_triton as linear_triton_module
+
+    monkeypatch.setattr(linear_triton_module, "USE_GEMV", True)
+    monkeypatch.setattr(linear_triton_module, "GEMV_TILE_ELEMS", 256)  # several programs even at these widths
+    calls = []
+    kernel = linear_triton_module._gemv_kernel
+    monkeypatch.setattr(linear_triton_module, "_gemv_kernel", _Recording(kernel, calls))
+    x = randn(num_rows, depth + 8, dtype=dtype)[:, :depth]
+    weight = randn(num_cols, depth, dtype=dtype, scale=depth**-0.5)
+    with poisoned_empty():
+        out = linear_triton(x, weight)
+    assert calls, "the GEMV kernel did not run"
+    assert out.shape == (num_rows, num_cols) and out.dtype == dtype
+    assert_close("y", linear_ref(x, weight), out, tolerance(dtype, fp32=1e-6, low=4e-3))
+
+
+class _Recording:
+    """Stands in for a @triton.jit kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel: object, calls: list) -> None:
+        self._kernel, self._calls = kernel, calls
+
+    def __getitem__(self, grid: tuple) -> object:
+        self._calls.append(grid)
+        return self._kernel[grid]  # type: ignore[index]
+
+
+def test_gemv_takes_only_its_rows_and_depths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to GEMV_MAX_ROWS rows and depths up to GEMV_MAX_DEPTH take the GEMV with USE_GEMV; more rows, deeper
+    weights, or USE_GEMV off take the skinny GEMM."""
+    import deltaserve.kernels.linear_triton as linear_triton_module
+
+    calls: list = []
+    monkeypatch.setattr(linear_triton_module, "_gemv_kernel", _Recording(linear_triton_module._gemv_kernel, calls))
+    weight = randn(8, 64)
+    for is_on, num_rows, depth, is_gemv in [(True, 4, 64, True), (True, 5, 64, False), (False, 1, 64, False),
+                                             (True, 1, linear_triton_module.GEMV_MAX_DEPTH + 1, False)]:  # fmt: skip
+        monkeypatch.setattr(linear_triton_module, "USE_GEMV", is_on)
+        calls.clear()
+        w = weight if depth == 64 else randn(8, depth)
+        linear_triton(randn(num_rows, depth), w)
+        assert bool(calls) == is_gemv, (is_on, num_rows, depth)
+    assert linear_triton_module.gemv_config(2048, 4096) == {"BLOCK_N": 4, "BLOCK_K": 4096, "num_warps": 8,
+                                                            "num_stages": 1}  # fmt: skip
+    assert linear_triton_module.gemv_config(12352, 2048)["BLOCK_N"] == 8
+    assert linear_triton_module.gemv_config(5120, 17408) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_cols", "depth"), [(2048, 4096), (12352, 2048), (9216, 2048), (2048, 512)])
+@pytest.mark.parametrize("num_rows", [1, 2, 4])
+def test_gemv_served_shapes(monkeypatch: pytest.MonkeyPatch, num_rows: int, num_cols: int, depth: int) -> None:
+    """C29 at the 35B-A3B projections in bf16 under PDL as served: F.linear's accuracy, bitwise repeatable, the same
+    bits from a CUDA graph replayed twice."""
+    import deltaserve.kernels.linear_triton as linear_triton_module
+
+    monkeypatch.setattr(linear_triton_module, "USE_GEMV", True)
+    x = randn(num_rows, depth, dtype=torch.bfloat16)
+    weight = randn(num_cols, depth, dtype=torch.bfloat16, scale=depth**-0.5)
+    with poisoned_empty():
+        first = linear_triton(x, weight)
+    assert_close("y", F.linear(x, weight), first, 4e-3)
+    assert torch.equal(first, linear_triton(x, weight))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear_triton(x, weight)
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)

@@ -314,7 +314,7 @@ def test_down_prefetch_lines_cover_every_row_of_the_expert_once_split(
     for width in (inter, inter_sh):
         num_nb = triton.cdiv(width, block_n)
         stride = width + stride_pad
-        out = torch.full((num_nb, lines), -1, dtype=torch.int64)
+        out = torch.full((num_nb, lines), -1, dtype=torch.int64, device=DEVICE)
         _line_offsets_kernel[(num_nb,)](out, stride, num_nb, width, LINE_ELEMS=line_elems, H=hidden, LINES=lines)
         want = {r * stride + c for r in range(hidden) for c in range(0, width, line_elems)}
         got = set(out.flatten().tolist())

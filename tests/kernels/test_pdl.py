@@ -37,6 +37,8 @@ PRE_WAIT_LOADS = {
     "_sigmoid_gate_mul_kernel": {"gate_ptr"},
     # the first weight tile (C24); x comes from the launch before
     "_skinny_gemm_kernel": {"w_ptr"},
+    # the whole weight tile (C29); x comes from the launch before
+    "_gemv_kernel": {"w_ptr"},
     "_silu_and_mul_kernel": set(),
     "_moe_router_kernel": set(),
     "_moe_router_gemv_kernel": set(),
