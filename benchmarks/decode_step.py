@@ -15,18 +15,17 @@ decode ForwardContext directly, and
   `op_costs`), and the achieved GB/s and TFLOP/s against the device-to-device copy bandwidth and the bf16
   GEMM rate measured at start.
 Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEBlock.forward for
-kernels.fused_moe_block (router + routed + shared experts as one op), `linear` the model's F.linear for
-kernels.linear (a Triton skinny GEMM up to 16 rows), `linearout` only for the N < K weights (out_proj, o_proj,
-down); `block+linear` both: the integrations this benchmark proposes, measured before the model is changed;
+kernels.fused_moe_block (router + routed + shared experts as one op); `nogemv` turns off kernels.linear's one-row
+register GEMV (linear_triton.USE_GEMV, KERNEL_NOTES C29: every projection on cuBLAS, the model before C29);
 `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of programmatic dependent launch, KERNEL_NOTES C21;
-combinable: `nopdl+linear`), `pdlgrouped` with the grouped MoE GEMMs launched with PDL too
+combinable: `nopdl+nogemv`), `pdlgrouped` with the grouped MoE GEMMs launched with PDL too
 (moe_triton.GROUPED_PDL), `packedroute` with gate/up's top-k on packed keys (moe_decode_triton.ROUTE_PACKED_KEYS,
 C25), `sharedearly` with gate/up's shared-expert programs computing before the PDL wait
 (moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT, C27), `prefetchdown` with gate/up prefetching the down weights into
-L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28), `gemv` with kernels.linear's register GEMV up to 4 rows
-(linear_triton.USE_GEMV, C29; with `linear` or `linearout`). The default runs `block+linear` and `model`: the per-op
-rows separate the two changes (MoE rows against GEMM rows), so `block` alone is only needed to see them apart in the
-step total. Every variant of every shape is timed before the process's first profile (run_shape says why), so
+L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28); C25, C27 and C28 measured slower on the H200 and stay off. The
+`linear` / `linearout` variants of sessions 7-13 (the tensor-core skinny GEMM, C5 / C18 / C24, slower than cuBLAS)
+are gone with C29: the model's projections call kernels.linear themselves. The default runs `model` and
+`nogemv`. Every variant of every shape is timed before the process's first profile (run_shape says why), so
 variants compare fairly in one process.
 `--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
 `--baseline DIR` runs the same measurement in a subprocess against another deltaserve tree (PYTHONPATH=DIR,
@@ -48,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -212,49 +212,6 @@ class _Labelled:
         return getattr(self._inner, name)
 
 
-class _SkinnyLinear:
-    """The `linear` variant's `F`: F.linear without bias (or with bias None: the attention's projections) through
-    kernels.linear (the Triton skinny GEMM up to 16 rows); `linearout` only for weights narrower than deep (N < K:
-    the out / o / down projections, whose cuBLAS kernels split K and reduce in a second launch)."""
-
-    def __init__(self, is_narrow_only: bool = False) -> None:
-        self._is_narrow_only = is_narrow_only
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-        from deltaserve.kernels import linear
-
-        has_bias = bool(args) and args[0] is not None
-        is_taken = not self._is_narrow_only or weight.shape[0] < weight.shape[1]
-        return linear(x, weight) if is_taken and not has_bias else torch.nn.functional.linear(x, weight, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.nn.functional, name)
-
-
-MODEL_MODULES = ("deltaserve.model.layers.gdn", "deltaserve.model.layers.attention", "deltaserve.model.layers.mlp",
-                 "deltaserve.model.qwen3_5")  # fmt: skip
-
-
-@contextlib.contextmanager
-def linear_variant(kind: str | None) -> Iterator[None]:
-    """The model's F.linear through kernels.linear while kind is set: every call ("linear") or the N < K weights
-    ("linearout")."""
-    if not kind:
-        yield
-        return
-    import importlib
-
-    modules = [importlib.import_module(name) for name in MODEL_MODULES]
-    originals = [module.F for module in modules]
-    for module in modules:
-        module.F = _SkinnyLinear(is_narrow_only=kind == "linearout")
-    try:
-        yield
-    finally:
-        for module, original in zip(modules, originals, strict=True):
-            module.F = original
-
-
 def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function(LABEL + label):
@@ -299,9 +256,14 @@ def labelled(model: Any, config: Any) -> Iterator[None]:
         setattr(owner, attr, value)
 
     for module, kind in ((gdn, "gdn"), (attention, "attn"), (mlp, "mlp"), (qwen3_5, "lm")):
-        patch(module, "F", _Labelled(kind, names[kind], module.F))
+        if hasattr(module, "F"):  # F.embedding (the lm module); F.linear where a module still calls it
+            patch(module, "F", _Labelled(kind, names[kind], module.F))
+        # kernels.linear (the projections since C29) is labelled by its weight, as F.linear
+        patch(module, "linear", _Labelled(kind, names[kind], types.SimpleNamespace(linear=module.linear)).linear)
     for module, kind in ((gdn, "gdn"), (attention, "attn"), (mlp, "mlp"), (qwen3_5, "layer")):
         for attr in dir(module):
+            if attr == "linear":
+                continue
             value = getattr(module, attr)
             if callable(value) and getattr(value, "__module__", "").startswith("deltaserve.kernels"):
                 patch(module, attr, _wrap(value, f"{kind}.{attr}"))
@@ -630,6 +592,11 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
     return found
 
 
+# every feature a variant may combine with + (variant_context's switches, block, nopdl, model)
+FEATURES = {"model", "block", "nopdl", "pdlgrouped", "packedroute", "sharedearly", "prefetchdown", "nogemv", "gemv8k",
+            "gemv32k"}  # fmt: skip
+
+
 @contextlib.contextmanager
 def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[None]:
     """The model as the variant's features make it, for the block (and args.is_block for the MoE label)."""
@@ -637,26 +604,30 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
     from deltaserve.kernels import linear_triton, moe_decode_triton, moe_triton
 
     args.is_block = "block" in features
-    # module switches, feature -> (module, attribute); a --baseline tree without one ignores the attribute set on it
+    # module switches, feature -> (module, attribute, its value with the feature); without the feature the
+    # attribute keeps the module's own; a --baseline tree without one ignores the attribute set on it
     switches = {
-        "pdlgrouped": (moe_triton, "GROUPED_PDL"),
-        "packedroute": (moe_decode_triton, "ROUTE_PACKED_KEYS"),
-        "sharedearly": (moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT"),
-        "prefetchdown": (moe_decode_triton, "PREFETCH_DOWN_L2"),
-        "gemv": (linear_triton, "USE_GEMV"),
+        "pdlgrouped": (moe_triton, "GROUPED_PDL", True),
+        "packedroute": (moe_decode_triton, "ROUTE_PACKED_KEYS", True),
+        "sharedearly": (moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", True),
+        "prefetchdown": (moe_decode_triton, "PREFETCH_DOWN_L2", True),
+        "nogemv": (linear_triton, "USE_GEMV", False),
+        # the GEMV's tile (C29): W elements a program holds, 16384 as committed
+        "gemv8k": (linear_triton, "GEMV_TILE_ELEMS", 8192),
+        "gemv32k": (linear_triton, "GEMV_TILE_ELEMS", 32768),
     }
-    saved = {feature: getattr(module, name, False) for feature, (module, name) in switches.items()}
-    for feature, (module, name) in switches.items():
-        setattr(module, name, feature in features)
+    saved = {feature: getattr(module, name, False) for feature, (module, name, _) in switches.items()}
+    for feature, (module, name, value) in switches.items():
+        if feature in features:  # two features may set one attribute (the GEMV's tile): only those present act
+            setattr(module, name, value)
     try:
         with (
             moe_block_variant(args.is_block),
-            linear_variant(next((k for k in ("linear", "linearout") if k in features), None)),
             env.overridden("DELTASERVE_PDL", "0" if "nopdl" in features else "1"),
         ):
             yield
     finally:
-        for feature, (module, name) in switches.items():
+        for feature, (module, name, _) in switches.items():
             setattr(module, name, saved[feature])
 
 
@@ -783,11 +754,10 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument(
         "--variants",
-        default="block+linear,block,model",
-        help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), "
-        "linear (F.linear through kernels.linear), linearout (only N < K weights), nopdl (DELTASERVE_PDL=0), "
-        "pdlgrouped, packedroute, sharedearly, prefetchdown, gemv, block+linear; block is dropped on dense "
-        "shapes",
+        default="model,nogemv",
+        help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), nogemv "
+        "(kernels.linear's one-row GEMV off), nopdl (DELTASERVE_PDL=0), pdlgrouped, packedroute, sharedearly, "
+        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), combined with +; block is dropped on dense shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)
@@ -799,6 +769,10 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    unknown = {f for v in args.variants.split(",") if v for f in v.split("+")} - FEATURES
+    if unknown:
+        print(f"decode_step: unknown variant features {sorted(unknown)}; known: {sorted(FEATURES)}")
+        return 2
     if args.device == "cuda" and (not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         print("decode_step: no CUDA device: nothing to measure (--device cpu checks the plumbing)", file=sys.stderr)
         return 2

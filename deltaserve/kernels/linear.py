@@ -1,12 +1,13 @@
-"""Linear layers without bias, y = x·Wᵀ: cuBLAS in general, a Triton skinny GEMM for decode-sized inputs.
+"""Linear layers, y = x·Wᵀ (+ b): cuBLAS in general, a Triton register GEMV for one row of x.
 
-At decode sizes (a few token rows) a projection only streams its weight: the 35B-A3B B = 1 step's cuBLAS
-GEMMs ran at about 42 % of the copy bandwidth in sum (benchmarks/results/profile-decode-35b-a3b-h200-20261129
-.json: 2.2 ms against a 0.9 ms floor), worst on the 2048-output projections. `linear` routes up to
-SKINNY_MAX_ROWS rows on CUDA to linear_triton (fp32 accumulation, one rounding to the input dtype: the rounding
-point of F.linear's bf16 output; the sum order differs, fp32-level noise) and everything else to F.linear,
-including weights of SKINNY_MAX_COLS outputs or more: cuBLAS streams the 1 GB lm_head at 98 % of the copy
-bandwidth already (242 µs in the same record).
+At decode sizes a projection only streams its weight. One row without bias (the B = 1 decode step's projections)
+goes to linear_triton's register GEMV where Triton runs (KERNEL_NOTES C29): each program loads its whole weight
+tile before the programmatic-dependent-launch wait, so the weight streams while the launch before finishes; on the
+H200 it took the 35B-A3B B = 1 decode step from 2.66 to 2.53 ms and the 27B one from 14.27 to 13.27 ms against
+cuBLAS. fp32 accumulation and one rounding to the input dtype: F.linear's rounding point (the sum order differs,
+fp32-level noise). Everything else takes F.linear: more rows (the GEMV lost at 2-4 rows; the tensor-core skinny
+GEMM of linear_triton lost to cuBLAS at 1-16 rows, C5 / C18 / C24), a bias, weights of SKINNY_MAX_COLS outputs
+or more (cuBLAS streams the 1 GB lm_head at 98-99 % of the copy bandwidth), or depths past the GEMV's tile.
 """
 
 from __future__ import annotations
@@ -14,23 +15,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels import linear_triton
 from deltaserve.kernels._dispatch import use_triton
 
-# Rows (tokens) up to which the skinny GEMM runs; one row tile of 16 covers them (tl.dot's minimum M).
-SKINNY_MAX_ROWS = 16
 # Vocabulary-sized projections stay on cuBLAS (see the module docstring).
 SKINNY_MAX_COLS = 65536
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K], weight [N, K] -> [..., N] in x's dtype (F.linear: fp32 accumulation on the GPU, one rounding)."""
-    return F.linear(x, weight)
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K], weight [N, K] (, bias [N]) -> [..., N] in x's dtype (F.linear: fp32 accumulation on the GPU, one
+    rounding)."""
+    return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    is_skinny = x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.shape[0] < SKINNY_MAX_COLS
-    if is_skinny and use_triton(x) and x.dtype == weight.dtype:
-        from deltaserve.kernels.linear_triton import linear_triton
-
-        return linear_triton(x, weight)
-    return linear_ref(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    is_gemv = (
+        bias is None
+        and linear_triton.USE_GEMV
+        and x.dim() == 2
+        and x.shape[0] <= linear_triton.GEMV_MAX_ROWS
+        and weight.shape[0] < SKINNY_MAX_COLS
+        and x.dtype == weight.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.stride(0) == weight.shape[1]
+        and use_triton(x)
+        and linear_triton.gemv_config(weight.shape[0], weight.shape[1]) is not None
+    )
+    if is_gemv:
+        return linear_triton.linear_triton(x, weight)
+    return linear_ref(x, weight, bias)

@@ -20,8 +20,8 @@ before it waits for the previous kernel: W does not depend on it, so that tile s
 finishes; x, the partials and the counters come after the wait (the counters' single-stream rule holds: a launch's
 programs reach them only once the launch before has completed).
 
-With USE_GEMV (KERNEL_NOTES C29, off by default) up to GEMV_MAX_ROWS rows take `_gemv_kernel` instead: no tensor
-cores, each program holds BLOCK_N whole rows of W in registers, all loaded before the PDL wait.
+With USE_GEMV (KERNEL_NOTES C29) up to GEMV_MAX_ROWS rows (one) take `_gemv_kernel` instead: no tensor cores,
+each program holds BLOCK_N whole rows of W in registers, all loaded before the PDL wait.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ SPLITK_MAX_COL_BLOCKS = 1024
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 # The register GEMV (KERNEL_NOTES C29): up to GEMV_MAX_ROWS rows, weights of depth next_pow2(K) <= GEMV_MAX_DEPTH.
-# Off by default (USE_GEMV) until the H200 says it beats cuBLAS in the served step; decode_step's `gemv` variant.
-USE_GEMV = False
-GEMV_MAX_ROWS = 4
+# On the H200 (session 13) one row beat cuBLAS in the served step (35B-A3B B = 1 2.66 -> 2.53 ms, 27B 14.27 -> 13.27)
+# and 2-4 rows lost (27B B = 2 14.49 -> 16.93), so one row only; decode_step's `nogemv` variant turns it off.
+USE_GEMV = True
+GEMV_MAX_ROWS = 1
 GEMV_MAX_DEPTH = 8192
 # W elements a program holds in registers (32 KiB of bf16: 64 a thread at 8 warps, eight 16-byte loads)
 GEMV_TILE_ELEMS = 16384

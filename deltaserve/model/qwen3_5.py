@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import rms_norm, rope_cos_sin_cache, rope_cos_sin_for_positions
+from deltaserve.kernels import linear, rms_norm, rope_cos_sin_cache, rope_cos_sin_for_positions
 from deltaserve.kernels.preamble import mrope_axis_per_frequency
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.attention import GatedAttention
@@ -158,7 +158,7 @@ class Qwen35Model(nn.Module):
         """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast), written into
         `out` [B, V] fp32 when given (the decode graphs share one such buffer). Vocab-parallel: each rank's
         [B, V/size] is gathered on rank 0; the other ranks return None."""
-        logits = F.linear(hidden, self.lm_head)
+        logits = linear(hidden, self.lm_head)
         if self.tp.is_parallel:
             logits = self.tp.gather_columns(logits)  # [B, size·rows] on rank 0, None elsewhere
             if logits is None:

@@ -30,14 +30,14 @@ def test_cpu_run_writes_a_record_with_every_op_labelled(
 ) -> None:
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--models", str(tiny_moe.parent), "--shapes", tiny_moe.name,
-            "--batches", "1,3", "--context", "20", "--max-model-len", "64", "--variants", "block+linear,model",
+            "--batches", "1,3", "--context", "20", "--max-model-len", "64", "--variants", "block+nogemv,model",
             "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
     record = json.loads(out.read_text())
     assert not record["errors"]
     variants = {run["variant"]: run for run in record["runs"]}
-    assert set(variants) == {"block+linear", "model"}
+    assert set(variants) == {"block+nogemv", "model"}
     for run in variants.values():
         assert [row["batch"] for row in run["rows"]] == [1, 3]
         for row in run["rows"]:
@@ -45,7 +45,7 @@ def test_cpu_run_writes_a_record_with_every_op_labelled(
             assert {"gdn.in_proj_qkvzba", "gdn.gdn_decode", "attn.paged_attention", "lm.lm_head"} <= labels, labels
             assert "unlabelled" not in labels
             assert row["floor_ms"] > 0 and row["eager_ms"] > 0
-    assert "mlp.fused_moe_block" in {op["op"] for op in variants["block+linear"]["rows"][0]["ops"]}
+    assert "mlp.fused_moe_block" in {op["op"] for op in variants["block+nogemv"]["rows"][0]["ops"]}
     # the committed model runs MoEBlock through fused_moe_block too (since the H200 decode-step record)
     assert "mlp.fused_moe_block" in {op["op"] for op in variants["model"]["rows"][0]["ops"]}
     assert "decode step eager_ms by batch size" in record["summary"]
@@ -53,7 +53,9 @@ def test_cpu_run_writes_a_record_with_every_op_labelled(
     from deltaserve.model.layers import mlp
 
     assert mlp.MoEBlock.forward.__module__ == "deltaserve.model.layers.mlp"
-    assert mlp.F.__name__ == "torch.nn.functional"
+    from deltaserve.kernels import linear
+
+    assert mlp.linear is linear
 
 
 def test_cliffs_report_a_larger_batch_that_is_faster() -> None:
@@ -112,3 +114,20 @@ def test_every_step_is_timed_before_the_first_profile(
     from deltaserve.kernels import moe_decode_triton
 
     assert moe_decode_triton.ROUTE_PACKED_KEYS is False  # the variant's module switch is put back
+
+
+def test_unknown_variant_feature_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A misspelt feature would otherwise time the committed model under the wrong name."""
+    argv = ["decode_step.py", "--device", "cpu", "--variants", "model,nogemv+gemv9k", "--out", str(tmp_path / "r.json")]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert decode_step.main() == 2
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_every_switch_is_a_known_feature() -> None:
+    """variant_context's switch table and FEATURES name the same switches."""
+    import inspect
+
+    source = inspect.getsource(decode_step.variant_context)
+    for feature in decode_step.FEATURES - {"model", "block", "nopdl"}:
+        assert f'"{feature}": (' in source, feature

@@ -24,9 +24,17 @@ from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, toleranc
 linear_module = importlib.import_module("deltaserve.kernels.linear")
 
 
+@pytest.fixture
+def skinny(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_triton without the one-row GEMV (C29), so one-row cases reach the tensor-core skinny GEMM."""
+    import deltaserve.kernels.linear_triton as linear_triton_module
+
+    monkeypatch.setattr(linear_triton_module, "USE_GEMV", False)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_rows", "num_cols", "depth"), [(1, 40, 64), (3, 17, 96), (16, 48, 300)])
-def test_linear_triton(num_rows: int, num_cols: int, depth: int, dtype: torch.dtype) -> None:
+def test_linear_triton(num_rows: int, num_cols: int, depth: int, dtype: torch.dtype, skinny: None) -> None:
     """Odd widths: N not a multiple of BLOCK_N, K not a multiple of BLOCK_K; up to the 16-row tile."""
     x = randn(num_rows, depth + 8, dtype=dtype)[:, :depth]  # a row-strided input is accepted
     weight = randn(num_cols, depth, dtype=dtype, scale=depth**-0.5)
@@ -41,8 +49,9 @@ def test_linear_triton_refuses_more_than_16_rows() -> None:
         linear_triton(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
 
 
-def test_dispatcher_sends_decode_rows_to_the_skinny_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to SKINNY_MAX_ROWS rows take linear_triton (where Triton runs); more rows take F.linear."""
+def test_dispatcher_sends_one_row_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row without bias takes linear_triton's GEMV (where Triton runs, USE_GEMV on); more rows, a bias, a
+    vocabulary-sized or too deep weight, a column-strided x, or USE_GEMV off take F.linear."""
     import deltaserve.kernels.linear_triton as linear_triton_module
 
     calls: list[int] = []
@@ -53,14 +62,23 @@ def test_dispatcher_sends_decode_rows_to_the_skinny_gemm(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(linear_module, "use_triton", lambda t: True)
     monkeypatch.setattr(linear_triton_module, "linear_triton", fake)
-    weight = randn(8, 32)
-    for rows in (1, 16, 17, 64):
+    assert linear_triton_module.USE_GEMV and linear_triton_module.GEMV_MAX_ROWS == 1
+    weight, bias = randn(8, 32), randn(8)
+    for rows in (1, 2, 16, 64):
         x = randn(rows, 32)
         assert_close("y", linear_ref(x, weight), linear_module.linear(x, weight), 1e-6)
-    assert calls == [1, 16]
+    assert calls == [1]
+    x = randn(1, 32)
+    assert_close("y", linear_ref(x, weight, bias), linear_module.linear(x, weight, bias), 1e-6)
+    linear_module.linear(randn(1, 64)[:, ::2], weight)  # a column-strided row
     vocab = torch.zeros(linear_module.SKINNY_MAX_COLS, 4, device=DEVICE)  # an lm_head-sized weight stays on cuBLAS
     linear_module.linear(randn(1, 4), vocab)
-    assert calls == [1, 16]
+    deep = linear_triton_module.GEMV_MAX_DEPTH + 1
+    linear_module.linear(randn(1, deep), torch.zeros(4, deep, device=DEVICE))
+    assert calls == [1]
+    monkeypatch.setattr(linear_triton_module, "USE_GEMV", False)
+    linear_module.linear(x, weight)
+    assert calls == [1]
 
 
 def test_skinny_config_fills_the_h200() -> None:
@@ -94,7 +112,7 @@ def _force_config(monkeypatch: pytest.MonkeyPatch, split_k: int, block_k: int = 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("num_rows", [1, 3, 16])
-def test_linear_triton_split_k(monkeypatch: pytest.MonkeyPatch, split_k: int, num_rows: int) -> None:
+def test_linear_triton_split_k(monkeypatch: pytest.MonkeyPatch, split_k: int, num_rows: int, skinny: None) -> None:
     """K = 300 is no multiple of SPLIT_K x BLOCK_K (at 4 the last split lies wholly past K); N = 40 leaves a
     partial column block. Three calls in a row: equal bits (fixed split order) and the counters back at 0."""
     _force_config(monkeypatch, split_k)
@@ -109,7 +127,7 @@ def test_linear_triton_split_k(monkeypatch: pytest.MonkeyPatch, split_k: int, nu
     assert not split_counters(x.device).any()
 
 
-def test_linear_triton_split_k_needs_clean_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_triton_split_k_needs_clean_counters(monkeypatch: pytest.MonkeyPatch, skinny: None) -> None:
     """A counter left non-zero makes a program of that column block reduce before all partials are in:
     the test's guard against a missing reset (NaN-poisoned partials show up in y)."""
     _force_config(monkeypatch, 2)
@@ -128,7 +146,7 @@ def test_linear_triton_split_k_needs_clean_counters(monkeypatch: pytest.MonkeyPa
 @pytest.mark.gpu
 @pytest.mark.parametrize(("num_cols", "depth"), [(2048, 4096), (12352, 2048)])
 @pytest.mark.parametrize("num_rows", [1, 4, 16])
-def test_linear_triton_split_k_served_shapes(num_rows: int, num_cols: int, depth: int) -> None:
+def test_linear_triton_split_k_served_shapes(num_rows: int, num_cols: int, depth: int, skinny: None) -> None:
     """The 35B-A3B projections (bf16; SPLIT_K 4 for [2048, 4096], 1 for [12352, 2048]): F.linear's accuracy,
     bitwise repeatable, and the same bits from a captured CUDA graph replayed twice (the counters reset inside
     the graph)."""
@@ -160,6 +178,7 @@ def test_gemv(monkeypatch: pytest.MonkeyPatch, num_rows: int, num_cols: int, dep
     import deltaserve.kernels.linear_triton as linear_triton_module
 
     monkeypatch.setattr(linear_triton_module, "USE_GEMV", True)
+    monkeypatch.setattr(linear_triton_module, "GEMV_MAX_ROWS", 4)  # served at one row; the kernel takes up to 4
     monkeypatch.setattr(linear_triton_module, "GEMV_TILE_ELEMS", 256)  # several programs even at these widths
     calls = []
     kernel = linear_triton_module._gemv_kernel
@@ -190,6 +209,7 @@ def test_gemv_takes_only_its_rows_and_depths(monkeypatch: pytest.MonkeyPatch) ->
     import deltaserve.kernels.linear_triton as linear_triton_module
 
     calls: list = []
+    monkeypatch.setattr(linear_triton_module, "GEMV_MAX_ROWS", 4)
     monkeypatch.setattr(linear_triton_module, "_gemv_kernel", _Recording(linear_triton_module._gemv_kernel, calls))
     weight = randn(8, 64)
     for is_on, num_rows, depth, is_gemv in [(True, 4, 64, True), (True, 5, 64, False), (False, 1, 64, False),
@@ -210,10 +230,11 @@ def test_gemv_takes_only_its_rows_and_depths(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("num_rows", [1, 2, 4])
 def test_gemv_served_shapes(monkeypatch: pytest.MonkeyPatch, num_rows: int, num_cols: int, depth: int) -> None:
     """C29 at the 35B-A3B projections in bf16 under PDL as served: F.linear's accuracy, bitwise repeatable, the same
-    bits from a CUDA graph replayed twice."""
+    bits from a CUDA graph replayed twice (served at one row; 2 and 4 rows as the kernel takes them)."""
     import deltaserve.kernels.linear_triton as linear_triton_module
 
     monkeypatch.setattr(linear_triton_module, "USE_GEMV", True)
+    monkeypatch.setattr(linear_triton_module, "GEMV_MAX_ROWS", 4)
     x = randn(num_rows, depth, dtype=torch.bfloat16)
     weight = randn(num_cols, depth, dtype=torch.bfloat16, scale=depth**-0.5)
     with poisoned_empty():

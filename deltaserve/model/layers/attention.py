@@ -13,12 +13,18 @@ refuses true MRoPE positions. KV caches are bound by the runner as `k_cache` / `
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve import env
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import attn_preamble, attn_preamble_unfused, paged_attention, sigmoid_gate_mul, store_kv
+from deltaserve.kernels import (
+    attn_preamble,
+    attn_preamble_unfused,
+    linear,
+    paged_attention,
+    sigmoid_gate_mul,
+    store_kv,
+)
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.parallel import TensorParallel
@@ -58,7 +64,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, nq·2d + 2·nkv·d]
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, nq·2d + 2·nkv·d]
         if env.fuse_attn_preamble():
             q, k, gate = attn_preamble(
                 qkv,
@@ -101,4 +107,4 @@ class GatedAttention(nn.Module):
         )
         # sigmoid(gate)·o in fp32 with one rounding, as vLLM's compiled graph fuses it: one launch on the GPU
         gated = sigmoid_gate_mul(o.reshape(num_tokens, -1), gate)  # [T, nq·d]
-        return self.tp.all_reduce(F.linear(gated, self.o_proj, self.o_bias))
+        return self.tp.all_reduce(linear(gated, self.o_proj, self.o_bias))

@@ -13,7 +13,6 @@ out_proj is row-parallel and the output is all-reduced.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
@@ -23,6 +22,7 @@ from deltaserve.kernels import (
     gated_rms_norm,
     gdn_decode,
     gdn_prefill,
+    linear,
 )
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.layers.common import empty_param
@@ -79,11 +79,11 @@ class GatedDeltaNet(nn.Module):
         # copies between kernels (a decode step of the 35B-A3B shape spent ~270 copy launches on them).
         qkvz_end = self.conv_dim + self.value_dim
         if self.in_proj is not None:  # fused: one GEMM, every output a column slice of it
-            proj = F.linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2·HV]
+            proj = linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2·HV]
             ba = proj[:, qkvz_end:]  # [T, 2·HV], row stride of proj
         else:
-            proj = F.linear(x, self.in_proj_qkvz)  # [T, conv_dim + value_dim]
-            ba = F.linear(x, self.in_proj_ba)  # [T, 2·HV]
+            proj = linear(x, self.in_proj_qkvz)  # [T, conv_dim + value_dim]
+            ba = linear(x, self.in_proj_ba)  # [T, 2·HV]
         mixed = proj[:, : self.conv_dim]  # [T, conv_dim], row stride of proj
         z = proj[:, self.conv_dim : qkvz_end].view(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, HV, dv]
         b = ba[:, : self.num_v_heads]  # [T, HV]
@@ -95,7 +95,7 @@ class GatedDeltaNet(nn.Module):
         else:
             core = self._mixed_step(mixed, a, b, num_decodes)
         y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
-        return self.tp.all_reduce(F.linear(y.reshape(num_tokens, self.value_dim), self.out_proj))
+        return self.tp.all_reduce(linear(y.reshape(num_tokens, self.value_dim), self.out_proj))
 
     def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv_out [T, conv_dim] -> views q, k [T, HK, dk] and v [T, HV, dv]."""

@@ -10,11 +10,10 @@ expert's gate are replicated, so every rank routes alike.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import fused_moe, fused_moe_block, moe_route, silu_and_mul
+from deltaserve.kernels import fused_moe, fused_moe_block, linear, moe_route, silu_and_mul
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.parallel import TensorParallel
 
@@ -38,7 +37,7 @@ class DenseMLP(nn.Module):
         self.down_proj = empty_param(hidden, intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        out = linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
         return self.tp.all_reduce(out) if self.is_reduced else out
 
 
@@ -78,12 +77,12 @@ class MoEBlock(nn.Module):
             )
         # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
         # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref twin)
-        router_logits = F.linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
+        router_logits = linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
         topk_weights, topk_ids = self._local_routes(*moe_route(router_logits, self.top_k, self.renormalize))
         if not self.has_shared_expert:
             return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, topk_weights, topk_ids))
         shared_out = self.shared_expert(x)  # [T, H], this rank's partial sum
-        shared_gate_logits = F.linear(x, self.shared_expert_gate)  # [T, 1]
+        shared_gate_logits = linear(x, self.shared_expert_gate)  # [T, 1]
         # (routed + sigmoid(gate)·shared) in fp32, rounded once: fused into the routed experts' last kernel
         out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared_out, shared_gate_logits)
         return self.tp.all_reduce(out)
