@@ -594,7 +594,7 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
 
 # every feature a variant may combine with + (variant_context's switches, block, nopdl, model)
 FEATURES = {"model", "block", "nopdl", "pdlgrouped", "packedroute", "sharedearly", "prefetchdown", "nogemv", "gemv8k",
-            "gemv32k"}  # fmt: skip
+            "gemv32k", "gemv4rows"}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -615,6 +615,8 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
         # the GEMV's tile (C29): W elements a program holds, 16384 as committed
         "gemv8k": (linear_triton, "GEMV_TILE_ELEMS", 8192),
         "gemv32k": (linear_triton, "GEMV_TILE_ELEMS", 32768),
+        # the GEMV up to 4 x rows (served at one), its tile shrunk in proportion to the rows
+        "gemv4rows": (linear_triton, "GEMV_MAX_ROWS", 4),
     }
     saved = {feature: getattr(module, name, False) for feature, (module, name, _) in switches.items()}
     for feature, (module, name, value) in switches.items():
@@ -757,7 +759,8 @@ def main() -> int:
         default="model,nogemv",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), nogemv "
         "(kernels.linear's one-row GEMV off), nopdl (DELTASERVE_PDL=0), pdlgrouped, packedroute, sharedearly, "
-        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), combined with +; block is dropped on dense shapes",
+        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), gemv4rows, combined with +; block is dropped on dense "
+        "shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)

@@ -12,7 +12,8 @@
 #      Call 2's pytest was cut by its 170 s timeout after 42 passes (no failure, no summary: which 42 is unknown)
 #   3  carry .whl: C29 as served: the bf16 / fp32 token gates on the tiny dense / moe / next models, the decode
 #      step on both shapes, model / nogemv / gemv8k / gemv32k at B = 1 (one process a shape) and model / nogemv at
-#      B = 2, 4, 8, then the GPU suite (pytest -m gpu -v, tests/api and tests/bench aside) in what is left (~570 s)
+#      B = 2, 4, 8 with gemv4rows (the GEMV at 2-4 rows, its tile shrunk per row), then the GPU suite
+#      (pytest -m gpu -v, tests/api and tests/bench aside) in what is left                               (~570 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [CALL_BUDGET_S=570] bash scripts/h200_s13.sh 2|3
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,11 +50,11 @@ case $CALL in
         echo "gate $v $dt rc $?: $(grep -E "STRICT" "$W/gate-$v-$dt.log" | head -1)" | tee -a "$OUT/summary.txt"
       done
     done
-    mark "decode step: model / nogemv / gemv8k / gemv32k at B = 1, model / nogemv at B = 2, 4, 8"
+    mark "decode step: model / nogemv / gemv8k / gemv32k at B = 1, model / nogemv / gemv4rows at B = 2, 4, 8"
     for shape in 35b-a3b 27b; do
       decode_step "decode-step-c29-$shape-b1" --shapes $shape --variants model,nogemv,gemv8k,gemv32k --batches 1
     done
-    decode_step decode-step-c29-b2-8 --shapes 35b-a3b,27b --variants model,nogemv --batches 2,4,8
+    decode_step decode-step-c29-b2-8 --shapes 35b-a3b,27b --variants model,nogemv,gemv4rows --batches 2,4,8
     mark "pytest -m gpu (C29 served), verbose so that a cut run still names what passed"
     timeout $((budget - 15 - SECONDS)) python3 -m pytest -v -m gpu -o addopts="" -p no:cacheprovider \
       --import-mode=importlib tests --ignore=tests/api --ignore=tests/bench > "$W/pytest-gpu-c29.log" 2>&1

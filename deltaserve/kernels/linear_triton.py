@@ -166,14 +166,15 @@ def _gemv_kernel(
     tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])  # the one rounding to y's dtype
 
 
-def gemv_config(num_cols: int, depth: int) -> dict[str, int] | None:
+def gemv_config(num_cols: int, depth: int, num_rows: int = 1) -> dict[str, int] | None:
     """BLOCK_N / BLOCK_K / warps of the register GEMV for an [N, K] weight, or None where it does not apply (depth
-    past GEMV_MAX_DEPTH: the tile would no longer fit a program's registers). [2048, 4096] -> 4 rows a program, 512
-    programs; [12352, 2048] -> 8 rows, 1544 programs."""
+    past GEMV_MAX_DEPTH: the tile would no longer fit a program's registers). One row: [2048, 4096] -> 4 weight rows
+    a program, 512 programs; [12352, 2048] -> 8 rows, 1544 programs. More x rows shrink the tile in proportion
+    (the fp32 products of every x row are live at once: at 4 rows and the one-row tile, 118 registers)."""
     block_k = triton.next_power_of_2(depth)
     if block_k > GEMV_MAX_DEPTH:
         return None
-    block_n = max(1, GEMV_TILE_ELEMS // block_k)
+    block_n = max(1, GEMV_TILE_ELEMS // (block_k * next_pow2(num_rows)))
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": GEMV_NUM_WARPS, "num_stages": 1}
 
 
@@ -218,7 +219,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
-    gemv = gemv_config(num_cols, depth) if USE_GEMV and num_rows <= GEMV_MAX_ROWS else None
+    gemv = gemv_config(num_cols, depth, num_rows) if USE_GEMV and num_rows <= GEMV_MAX_ROWS else None
     if gemv is not None:
         _gemv_kernel[(triton.cdiv(num_cols, gemv["BLOCK_N"]),)](
             x,

@@ -222,6 +222,7 @@ def test_gemv_takes_only_its_rows_and_depths(monkeypatch: pytest.MonkeyPatch) ->
     assert linear_triton_module.gemv_config(2048, 4096) == {"BLOCK_N": 4, "BLOCK_K": 4096, "num_warps": 8,
                                                             "num_stages": 1}  # fmt: skip
     assert linear_triton_module.gemv_config(12352, 2048)["BLOCK_N"] == 8
+    assert linear_triton_module.gemv_config(12352, 2048, num_rows=3)["BLOCK_N"] == 2  # the tile shrinks with rows
     assert linear_triton_module.gemv_config(5120, 17408) is None
 
 
