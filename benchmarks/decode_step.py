@@ -22,7 +22,9 @@ combinable: `nopdl+nogemv`), `pdlgrouped` with the grouped MoE GEMMs launched wi
 (moe_triton.GROUPED_PDL), `packedroute` with gate/up's top-k on packed keys (moe_decode_triton.ROUTE_PACKED_KEYS,
 C25), `sharedearly` with gate/up's shared-expert programs computing before the PDL wait
 (moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT, C27), `prefetchdown` with gate/up prefetching the down weights into
-L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28); C25, C27 and C28 measured slower on the H200 and stay off. The
+L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28); C25, C27 and C28 measured slower on the H200 and stay off;
+`routerearly` with the GEMV router's weights loaded before the PDL wait up to 4 tokens (ROUTER_W_BEFORE_WAIT, C30);
+`gemv8k` / `gemv32k` with the GEMV's tile at 8192 / 32768 weight elements, `gemv4rows` with the GEMV up to 4 rows. The
 `linear` / `linearout` variants of sessions 7-13 (the tensor-core skinny GEMM, C5 / C18 / C24, slower than cuBLAS)
 are gone with C29: the model's projections call kernels.linear themselves. The default runs `model` and
 `nogemv`. Every variant of every shape is timed before the process's first profile (run_shape says why), so
@@ -594,7 +596,7 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
 
 # every feature a variant may combine with + (variant_context's switches, block, nopdl, model)
 FEATURES = {"model", "block", "nopdl", "pdlgrouped", "packedroute", "sharedearly", "prefetchdown", "nogemv", "gemv8k",
-            "gemv32k", "gemv4rows"}  # fmt: skip
+            "gemv32k", "gemv4rows", "routerearly"}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -615,6 +617,7 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
         # the GEMV's tile (C29): W elements a program holds, 16384 as committed
         "gemv8k": (linear_triton, "GEMV_TILE_ELEMS", 8192),
         "gemv32k": (linear_triton, "GEMV_TILE_ELEMS", 32768),
+        "routerearly": (moe_decode_triton, "ROUTER_W_BEFORE_WAIT", True),
         # the GEMV up to 4 x rows (served at one), its tile shrunk in proportion to the rows
         "gemv4rows": (linear_triton, "GEMV_MAX_ROWS", 4),
     }
@@ -759,8 +762,8 @@ def main() -> int:
         default="model,nogemv",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), nogemv "
         "(kernels.linear's one-row GEMV off), nopdl (DELTASERVE_PDL=0), pdlgrouped, packedroute, sharedearly, "
-        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), gemv4rows, combined with +; block is dropped on dense "
-        "shapes",
+        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), gemv4rows, routerearly (C30), combined with +; block is "
+        "dropped on dense shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)

@@ -11,7 +11,8 @@
 #      for every projection (the model calls kernels.linear)
 #      Call 2's pytest was cut by its 170 s timeout after 42 passes (no failure, no summary: which 42 is unknown)
 #   3  carry .whl: C29 as served: the bf16 / fp32 token gates on the tiny dense / moe / next models, the decode
-#      step on both shapes, model / nogemv / gemv8k / gemv32k at B = 1 (one process a shape) and model / nogemv at
+#      step on both shapes, model / nogemv / gemv8k / gemv32k / routerearly (C30) at B = 1 (one process a shape) and
+#      model / nogemv / routerearly at
 #      B = 2, 4, 8 with gemv4rows (the GEMV at 2-4 rows, its tile shrunk per row), then the GPU suite
 #      (pytest -m gpu -v, tests/api and tests/bench aside) in what is left                               (~570 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [CALL_BUDGET_S=570] bash scripts/h200_s13.sh 2|3
@@ -52,9 +53,11 @@ case $CALL in
     done
     mark "decode step: model / nogemv / gemv8k / gemv32k at B = 1, model / nogemv / gemv4rows at B = 2, 4, 8"
     for shape in 35b-a3b 27b; do
-      decode_step "decode-step-c29-$shape-b1" --shapes $shape --variants model,nogemv,gemv8k,gemv32k --batches 1
+      decode_step "decode-step-c29-$shape-b1" --shapes $shape --variants model,nogemv,gemv8k,gemv32k,routerearly \
+        --batches 1
     done
-    decode_step decode-step-c29-b2-8 --shapes 35b-a3b,27b --variants model,nogemv,gemv4rows --batches 2,4,8
+    decode_step decode-step-c29-b2-8 --shapes 35b-a3b,27b --variants model,nogemv,gemv4rows,routerearly \
+      --batches 2,4,8
     mark "pytest -m gpu (C29 served), verbose so that a cut run still names what passed"
     timeout $((budget - 15 - SECONDS)) python3 -m pytest -v -m gpu -o addopts="" -p no:cacheprovider \
       --import-mode=importlib tests --ignore=tests/api --ignore=tests/bench > "$W/pytest-gpu-c29.log" 2>&1

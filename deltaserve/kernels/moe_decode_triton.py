@@ -67,6 +67,12 @@ ROUTER_GEMV_MAX_BLOCK_R = 8
 ROUTER_GEMV_MIN_PROGRAMS = 128
 ROUTER_GEMV_VEC = 8
 ROUTER_GEMV_WARPS = 4
+# KERNEL_NOTES C30: up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV router takes the whole hidden size in one
+# K step (VEC = H / threads) and loads its W rows (and the gate row) before the PDL wait, as C29's GEMV does: the
+# 1 MB router streams while the norm before it finishes. Off until measured (decode_step's `routerearly`).
+ROUTER_W_BEFORE_WAIT = False
+# the one-step tile's limit: 2048 (the 35B-A3B hidden) at 4 warps is 16 elements, two 16-byte loads, a thread
+ROUTER_W_BEFORE_WAIT_MAX_HIDDEN = 4096
 # Gate/up programs route the whole batch in registers ([tokens, E] fp32) up to this many tokens; at 32 tokens
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
@@ -157,33 +163,36 @@ def _moe_router_gemv_kernel(
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    W_BEFORE_WAIT: tl.constexpr = False,
 ):
     """BLOCK_T tokens' logits for BLOCK_R rows: rows < E of W_r, row E the shared-expert gate (HAS_GATE). Each
     weight tile is loaded once and multiplied by every token of the block (x rows come from L2).
+    W_BEFORE_WAIT (C30; the launcher sets it only when BLOCK_K covers H, one K step): the weight tile is loaded
+    before the PDL wait (weights never depend on the launch before), x after.
 
     x and W tiles are loaded as [BLOCK_T, 1, BLOCK_K] and [1, BLOCK_R, BLOCK_K] with BLOCK_K = VEC lanes per
     thread times every thread, so both land in the same layout (no shared-memory conversion) and each thread
     multiplies its own VEC columns of every (token, row) pair; the VEC products are summed in the thread, the
     partial sums across threads once at the end."""
-    pdl_wait(USE_PDL)
     i_r = tl.program_id(0)
     i_tb = tl.program_id(1)
     o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
     m_t = o_t < num_tokens
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] rows: experts, then the gate
-    m_w = o_r < E
     o_k = tl.arange(0, BLOCK_K)[None, None, :]  # [1, 1, BLOCK_K]
     p_x = x_ptr + i64(o_t)[:, None, None] * stride_x + o_k  # [BLOCK_T, 1, BLOCK_K]
     p_w = w_ptr + i64(o_r)[None, :, None] * stride_w + o_k  # [1, BLOCK_R, BLOCK_K]
+    if W_BEFORE_WAIT:  # one K step: the whole weight tile ahead of the wait
+        b_w0 = _router_w_tile(p_w, gate_w_ptr, o_r, o_k, 0, E, H, HAS_GATE)
+    pdl_wait(USE_PDL)
     b_acc = tl.zeros([BLOCK_T, BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     # Unrolled so that the loads of later steps are issued before the products of earlier ones.
     for k0 in tl.static_range(0, H, BLOCK_K):
         m_k = (k0 + o_k) < H
-        b_w = tl.load(p_w + k0, mask=m_w[None, :, None] & m_k, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            # the gate row is a 4 KiB row beside W_r: loaded only by the lane whose row is E (others masked)
-            p_g = gate_w_ptr + k0 + o_k + 0 * o_r[None, :, None]
-            b_w += tl.load(p_g, mask=(o_r == E)[None, :, None] & m_k, other=0.0).to(tl.float32)
+        if W_BEFORE_WAIT:
+            b_w = b_w0
+        else:
+            b_w = _router_w_tile(p_w, gate_w_ptr, o_r, o_k, k0, E, H, HAS_GATE)
         b_x = tl.load(p_x + k0, mask=m_t[:, None, None] & m_k, other=0.0).to(tl.float32)
         b_prod = tl.reshape(b_x * b_w, [BLOCK_T, BLOCK_R, BLOCK_K // VEC, VEC])
         b_acc += tl.sum(b_prod, axis=3)
@@ -191,6 +200,19 @@ def _moe_router_gemv_kernel(
     num_rows = E + 1 if HAS_GATE else E
     p_l = logits_ptr + i64(o_t)[:, None] * stride_l + o_r[None, :]
     tl.store(p_l, b_l, mask=m_t[:, None] & (o_r < num_rows)[None, :])
+
+
+@triton.jit
+def _router_w_tile(p_w, gate_w_ptr, o_r, o_k, k0, E: tl.constexpr, H: tl.constexpr, HAS_GATE: tl.constexpr):
+    """The router GEMV's [1, BLOCK_R, BLOCK_K] weight tile at K offset k0, fp32: rows < E of W_r and, with HAS_GATE,
+    the gate row as row E (a 4 KiB row beside W_r, loaded only by the lane whose row is E; others masked)."""
+    m_w = o_r < E
+    m_k = (k0 + o_k) < H
+    b_w = tl.load(p_w + k0, mask=m_w[None, :, None] & m_k, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        p_g = gate_w_ptr + k0 + o_k + 0 * o_r[None, :, None]
+        b_w += tl.load(p_g, mask=(o_r == E)[None, :, None] & m_k, other=0.0).to(tl.float32)
+    return b_w
 
 
 @triton.jit
@@ -627,9 +649,20 @@ def router_gemv_config(num_tokens: int, num_rows: int, hidden: int) -> dict[str,
             and triton.cdiv(num_rows, 2 * block_r) * min_blocks >= ROUTER_GEMV_MIN_PROGRAMS
         ):
             block_r *= 2
+    if router_w_before_wait(num_tokens, hidden):
+        # C30: one K step, VEC = the hidden size over the program's threads
+        block_k = next_pow2(hidden)
+        vec = max(1, block_k // (32 * ROUTER_GEMV_WARPS))
+        return {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_K": block_k, "VEC": vec, "W_BEFORE_WAIT": True}
     # VEC 16-byte columns a thread, every thread of the program along the reduction
     block_k = min(ROUTER_GEMV_VEC * 32 * ROUTER_GEMV_WARPS, next_pow2(hidden))
     return {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_K": block_k, "VEC": min(ROUTER_GEMV_VEC, block_k)}
+
+
+def router_w_before_wait(num_tokens: int, hidden: int) -> bool:
+    """C30 applies: the switch on, a one-token-a-program launch, and a hidden size the one-step tile holds."""
+    is_single = num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS
+    return ROUTER_W_BEFORE_WAIT and is_single and next_pow2(hidden) <= ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
 
 
 def router_logits_triton(

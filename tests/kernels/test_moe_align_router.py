@@ -370,6 +370,32 @@ def test_router_at_every_switch_point(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 5])
+def test_router_weights_before_the_wait(num_tokens: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """C30 (ROUTER_W_BEFORE_WAIT): up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV takes H in one step with its
+    weight tile loaded ahead of the wait; F.linear's values with and without the gate (H = 1100: the one-step tile
+    masked past H); from 5 tokens on the switch does not apply."""
+    monkeypatch.setattr(moe_decode_triton, "ROUTER_W_BEFORE_WAIT", True)
+    calls: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
+    kernel = moe_decode_triton._moe_router_gemv_kernel
+    monkeypatch.setattr(moe_decode_triton, "_moe_router_gemv_kernel", _Spy(kernel, calls, "gemv"))
+    num_experts, hidden = 20, 1100
+    x = randn(num_tokens, hidden, dtype=dtype)
+    router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
+    with poisoned():
+        logits = router_logits_triton(x, router, gate)
+        plain = router_logits_triton(x, router, None)
+    ref = router_logits_ref(x, router, gate)
+    assert_close("router", ref[:, :num_experts], logits[:, :num_experts], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("gate", ref[:, num_experts:], logits[:, num_experts:], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("router without the gate", ref[:, :num_experts], plain, tolerance(dtype, 1e-5, 4e-3))
+    is_early = num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS
+    for _, _, kwargs in calls:
+        assert kwargs.get("W_BEFORE_WAIT", False) == is_early
+        assert (kwargs["BLOCK_K"] == 2048) == is_early  # one step over next_pow2(1100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [3, 5, 9, 33, 64])
 def test_router_writes_only_its_tokens_rows(num_tokens: int, dtype: torch.dtype) -> None:
     """x and the logits are views into larger buffers: the logits rows past T (poison) must stay untouched, so a
@@ -440,9 +466,12 @@ def test_align_captures_into_a_cuda_graph(align: Callable[..., Any], num_tokens:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [4, 5, 8, 9, 33, 64, 65])
-def test_router_captures_into_a_cuda_graph(num_tokens: int) -> None:
-    """The 35B-A3B router shape in bf16; run twice eagerly it is also bitwise reproducible (no atomics)."""
+@pytest.mark.parametrize("is_w_early", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 4, 5, 8, 9, 33, 64, 65])
+def test_router_captures_into_a_cuda_graph(num_tokens: int, is_w_early: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 35B-A3B router shape in bf16, with C30 off and on (under PDL as served); run twice eagerly it is also
+    bitwise reproducible (no atomics)."""
+    monkeypatch.setattr(moe_decode_triton, "ROUTER_W_BEFORE_WAIT", is_w_early)
     bf16 = torch.bfloat16
     x = randn(num_tokens, 2048, dtype=bf16)
     router, gate = randn(256, 2048, dtype=bf16, scale=2048**-0.5), randn(1, 2048, dtype=bf16, scale=2048**-0.5)

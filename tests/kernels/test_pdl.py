@@ -41,7 +41,8 @@ PRE_WAIT_LOADS = {
     "_gemv_kernel": {"w_ptr"},
     "_silu_and_mul_kernel": set(),
     "_moe_router_kernel": set(),
-    "_moe_router_gemv_kernel": set(),
+    # C30 (ROUTER_W_BEFORE_WAIT): the weight rows and the gate row; x comes from the launch before
+    "_moe_router_gemv_kernel": {"w_ptr", "gate_w_ptr"},
     # C27 (SHARED_GATE_UP_BEFORE_WAIT): the shared expert's programs compute before the wait; x is the input of the
     # router (the launch before), so its producer is two launches back
     "_moe_decode_gemm1_kernel": {"x_ptr", "shared_w13_ptr"},
