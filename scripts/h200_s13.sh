@@ -15,7 +15,13 @@
 #      model / nogemv / routerearly at
 #      B = 2, 4, 8 with gemv4rows (the GEMV at 2-4 rows, its tile shrunk per row), then the GPU suite
 #      (pytest -m gpu -v, tests/api and tests/bench aside) in what is left                               (~570 s)
-# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [CALL_BUDGET_S=570] bash scripts/h200_s13.sh 2|3
+#      As run (9cb6213): the tiny models' gates took 483 s (transformers' torch fallbacks; moe bf16 cut at 90 s;
+#      bf16 STRICT 0/32 on these untrained models as on 2026-11-29, the same first divergences; fp32 32/32 all three);
+#      35B-A3B B = 1 model / nogemv / gemv8k / gemv32k / routerearly 2.48 / 2.67 / 2.49 / 2.66 / 2.41; 27B 13.06 /
+#      13.96 / 13.16 / 13.09 / 13.04; the B = 2-8 run and the GPU suite got no time (cut by the call's budget)
+#   4  (249 device-seconds left) the decode step at B = 2, 4 with C30 and without C29, then the GPU tests of C29 / C30
+#      and the engine's PDL token test                                                                    (~170 s)
+# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [CALL_BUDGET_S=570] bash scripts/h200_s13.sh 2|3|4
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -64,6 +70,18 @@ case $CALL in
     echo "pytest rc $?: $(grep -cE " PASSED" "$W/pytest-gpu-c29.log") passed, $(grep -E "passed|failed" \
       "$W/pytest-gpu-c29.log" | tail -1)" | tee -a "$OUT/summary.txt"
     grep -E "(FAILED|ERROR)" "$W/pytest-gpu-c29.log" | head -30 | tee -a "$OUT/summary.txt"
+    ;;
+  4)
+    timeout 60 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models --only q35-35b-a3b > "$W/dummies.log" 2>&1
+    mark "decode step, 35B-A3B: model / routerearly / nogemv at B = 2, 4"
+    decode_step decode-step-c30-b2-4 --shapes 35b-a3b --variants model,routerearly,nogemv --batches 2,4
+    mark "pytest -m gpu: C29 / C30 kernels, router graphs, the engine's PDL token test (verbose)"
+    timeout $((budget - 10 - SECONDS)) python3 -m pytest -v -m gpu -o addopts="" -p no:cacheprovider \
+      --import-mode=importlib tests/kernels/test_linear.py tests/kernels/test_moe_align_router.py \
+      tests/engine/test_gpu_async.py -k "gemv or captures or pdl" > "$W/pytest-gpu-c30.log" 2>&1
+    echo "pytest rc $?: $(grep -cE " PASSED" "$W/pytest-gpu-c30.log") passed, $(grep -E "passed|failed" \
+      "$W/pytest-gpu-c30.log" | tail -1)" | tee -a "$OUT/summary.txt"
+    grep -E "(FAILED|ERROR)" "$W/pytest-gpu-c30.log" | head -30 | tee -a "$OUT/summary.txt"
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
