@@ -194,6 +194,10 @@ def decode_context(
 # Labels: a profiler range around every op the model calls
 
 
+# the projection labels called during the current profile (profile_batch clears it): the GEMV's floor (C29)
+CALLED_PROJECTIONS: set[str] = set()
+
+
 class _Labelled:
     """Stands in for a module's `F` (torch.nn.functional, or the linear variant's): F.linear gets a range named
     after the weight, F.embedding one of its own; everything else passes through to `inner`."""
@@ -203,6 +207,7 @@ class _Labelled:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
         name = self._names.get(tuple(weight.shape), f"linear[{weight.shape[0]}x{weight.shape[1]}]")
+        CALLED_PROJECTIONS.add(f"{self._kind}.{name}")
         with torch.profiler.record_function(f"{LABEL}{self._kind}.{name}"):
             return self._inner.linear(x, weight, *args)
 
@@ -395,6 +400,7 @@ def _label_of(event: Any) -> str | None:
 
 # Where a Triton kernel belongs when the profiler did not link it to a labelled range (a fallback: kineto links
 # each kernel to the innermost op or range active at its launch, so this should stay unused).
+GEMV_LABEL = "layer.linear_gemv"
 TRITON_LABELS = {
     "_attn_preamble_kernel": "attn.attn_preamble",
     "_store_kv_kernel": "attn.store_kv",
@@ -406,6 +412,8 @@ TRITON_LABELS = {
     "_rms_norm_kernel": "layer.rms_norm",
     "_silu_and_mul_kernel": "mlp.silu_and_mul",
     "_moe_route_kernel": "mlp.moe_route",
+    # kernels.linear's one-row GEMV (C29): its launches escape the projections' ranges, so they are counted together
+    "_gemv_kernel": GEMV_LABEL,
 }
 MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel", "_moe_router_kernel",
                "_moe_router_gemv_kernel",
@@ -419,6 +427,13 @@ def moe_label(is_block: bool) -> str:
     from deltaserve.model.layers import mlp
 
     return "mlp.fused_moe_block" if is_block or hasattr(mlp, "fused_moe_block") else "mlp.fused_moe"
+
+
+def gemv_cost(by_label: dict[str, Any], costs: dict[str, tuple[float, float]], called: set[str]) -> tuple[float, float]:
+    """(bytes, FLOPs) of the GEMV's label: the projections called whose own labels claimed no kernel (their
+    launches went to the GEMV, counted by kernel name); a projection cuBLAS ran (lm_head) keeps its own label."""
+    missing = [label for label in called if label in costs and label not in by_label]
+    return sum(costs[label][0] for label in missing), sum(costs[label][1] for label in missing)
 
 
 def profile_ops(
@@ -541,9 +556,12 @@ def profile_batch(
     batch = row["batch"]
     device = model.embed_tokens.device
     run = _decode_run(model, config, cache, batch, args)
+    CALLED_PROJECTIONS.clear()
     with torch.inference_mode(), labelled(model, config):
         by_label, kernels = profile_ops(run, device, moe_label(args.is_block))
     costs = op_costs(config, batch, args.context)
+    if GEMV_LABEL in by_label:
+        costs[GEMV_LABEL] = gemv_cost(by_label, costs, CALLED_PROJECTIONS)
     ops = []
     for label, measured in sorted(by_label.items(), key=lambda item: -item[1]["us"]):
         num_bytes, flops = costs.get(label, (None, None))

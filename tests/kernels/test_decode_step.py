@@ -131,3 +131,13 @@ def test_every_switch_is_a_known_feature() -> None:
     source = inspect.getsource(decode_step.variant_context)
     for feature in decode_step.FEATURES - {"model", "block", "nopdl"}:
         assert f'"{feature}": (' in source, feature
+
+
+def test_gemv_label_costs_the_projections_it_ran() -> None:
+    """C29's launches escape the projections' ranges: the GEMV's label gets the bytes of the projections that were
+    called but claimed no kernel, not of those cuBLAS ran (lm_head) or that were not called (the unfused in_proj)."""
+    costs = {"gdn.in_proj_qkvzba": (50.0, 5.0), "gdn.in_proj_qkvz": (40.0, 4.0), "gdn.out_proj": (16.0, 1.0),
+             "lm.lm_head": (1000.0, 10.0), "layer.rms_norm": (1.0, 0.0)}  # fmt: skip
+    by_label = {"lm.lm_head": {}, decode_step.GEMV_LABEL: {}, "layer.rms_norm": {}}
+    called = {"gdn.in_proj_qkvzba", "gdn.out_proj", "lm.lm_head"}
+    assert decode_step.gemv_cost(by_label, costs, called) == (66.0, 6.0)
