@@ -158,6 +158,13 @@ def test_linear_triton_split_k_served_shapes(num_rows: int, num_cols: int, depth
     second = linear_triton(x, weight)
     assert_close("y", F.linear(x, weight), first, 4e-3)
     assert torch.equal(first, second)
+    _assert_graph_replays_equal(x, weight, first)
+    assert not split_counters(x.device).any()
+
+
+def _assert_graph_replays_equal(x: torch.Tensor, weight: torch.Tensor, eager: torch.Tensor) -> None:
+    """linear_triton captured into a CUDA graph and replayed twice (output NaN-filled before each) gives eager's
+    bits."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -166,8 +173,7 @@ def test_linear_triton_split_k_served_shapes(num_rows: int, num_cols: int, depth
         captured.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, first)
-    assert not split_counters(x.device).any()
+        assert torch.equal(captured, eager)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -242,12 +248,4 @@ def test_gemv_served_shapes(monkeypatch: pytest.MonkeyPatch, num_rows: int, num_
         first = linear_triton(x, weight)
     assert_close("y", F.linear(x, weight), first, 4e-3)
     assert torch.equal(first, linear_triton(x, weight))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = linear_triton(x, weight)
-    for _ in range(2):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, first)
+    _assert_graph_replays_equal(x, weight, first)

@@ -323,6 +323,23 @@ class _Spy:
         return launch
 
 
+def _assert_router_matches_f_linear(num_tokens: int, dtype: torch.dtype) -> None:
+    """router_logits_triton on 20 experts (+ the gate: 21 rows) at H = 1100 (the last reduction step partial),
+    NaN-poisoned outputs, with and without the gate: F.linear's values, the gate logit in column E."""
+    num_experts, hidden = 20, 1100
+    x = randn(num_tokens, hidden, dtype=dtype)
+    router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
+    with poisoned():
+        logits = router_logits_triton(x, router, gate)
+        plain = router_logits_triton(x, router, None)
+    assert logits.shape == (num_tokens, num_experts + 1) and plain.shape == (num_tokens, num_experts)
+    ref = router_logits_ref(x, router, gate)
+    # fp32 at 1e-5: the sum orders differ by ~1e-5 absolute over H = 1100, and one token's gate logit can be small
+    assert_close("router", ref[:, :num_experts], logits[:, :num_experts], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("gate", ref[:, num_experts:], logits[:, num_experts:], tolerance(dtype, 1e-5, 4e-3))
+    assert_close("router without the gate", ref[:, :num_experts], plain, tolerance(dtype, 1e-5, 4e-3))
+
+
 # T = 4 / 5: the single-token GEMV's last count and the block GEMV's first; 7, 8, 9: BLOCK_T ± 1; 16, 17, 33:
 # bucket edges where the rows per program change; 64 / 65: the GEMV's last count and the tl.dot kernel's first.
 ROUTER_TOKENS = [1, 4, 5, 7, 8, 9, 16, 17, 33, 64, 65]
@@ -344,18 +361,7 @@ def test_router_at_every_switch_point(
     calls: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
     for name in ("_moe_router_gemv_kernel", "_moe_router_kernel"):
         monkeypatch.setattr(moe_decode_triton, name, _Spy(getattr(moe_decode_triton, name), calls, name))
-    num_experts, hidden = 20, 1100
-    x = randn(num_tokens, hidden, dtype=dtype)
-    router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
-    with poisoned():
-        logits = router_logits_triton(x, router, gate)
-        plain = router_logits_triton(x, router, None)
-    assert logits.shape == (num_tokens, num_experts + 1) and plain.shape == (num_tokens, num_experts)
-    ref = router_logits_ref(x, router, gate)
-    # fp32 at 1e-5: the sum orders differ by ~1e-5 absolute over H = 1100, and one token's gate logit can be small
-    assert_close("router", ref[:, :num_experts], logits[:, :num_experts], tolerance(dtype, 1e-5, 4e-3))
-    assert_close("gate", ref[:, num_experts:], logits[:, num_experts:], tolerance(dtype, 1e-5, 4e-3))
-    assert_close("router without the gate", ref[:, :num_experts], plain, tolerance(dtype, 1e-5, 4e-3))
+    _assert_router_matches_f_linear(num_tokens, dtype)
     # which kernel ran, with which blocks
     name, grid, kwargs = calls[0]
     if num_tokens > ROUTER_GEMV_MAX_TOKENS:
@@ -364,7 +370,7 @@ def test_router_at_every_switch_point(
     assert name == "_moe_router_gemv_kernel"
     block_t = 1 if num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS else ROUTER_GEMV_BLOCK_T
     assert kwargs["BLOCK_T"] == block_t and grid[1] == -(-num_tokens // block_t)
-    assert grid[0] == -(-(num_experts + 1) // kwargs["BLOCK_R"])
+    assert grid[0] == -(-(20 + 1) // kwargs["BLOCK_R"])  # the helper's 20 experts and the gate row
     if min_programs == 8 and num_tokens > 8:
         assert kwargs["BLOCK_R"] > 2  # the wider programs really ran
 
@@ -379,16 +385,7 @@ def test_router_weights_before_the_wait(num_tokens: int, dtype: torch.dtype, mon
     calls: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
     kernel = moe_decode_triton._moe_router_gemv_kernel
     monkeypatch.setattr(moe_decode_triton, "_moe_router_gemv_kernel", _Spy(kernel, calls, "gemv"))
-    num_experts, hidden = 20, 1100
-    x = randn(num_tokens, hidden, dtype=dtype)
-    router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
-    with poisoned():
-        logits = router_logits_triton(x, router, gate)
-        plain = router_logits_triton(x, router, None)
-    ref = router_logits_ref(x, router, gate)
-    assert_close("router", ref[:, :num_experts], logits[:, :num_experts], tolerance(dtype, 1e-5, 4e-3))
-    assert_close("gate", ref[:, num_experts:], logits[:, num_experts:], tolerance(dtype, 1e-5, 4e-3))
-    assert_close("router without the gate", ref[:, :num_experts], plain, tolerance(dtype, 1e-5, 4e-3))
+    _assert_router_matches_f_linear(num_tokens, dtype)
     is_early = num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS
     for _, _, kwargs in calls:
         assert kwargs.get("W_BEFORE_WAIT", False) == is_early
