@@ -21,7 +21,10 @@
 #      13.96 / 13.16 / 13.09 / 13.04; the B = 2-8 run and the GPU suite got no time (cut by the call's budget)
 #   4  (249 device-seconds left) the decode step at B = 2, 4 with C30 and without C29, then the GPU tests of C29 / C30
 #      and the engine's PDL token test                                                                    (~170 s)
-# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [CALL_BUDGET_S=570] bash scripts/h200_s13.sh 2|3|4
+#      Refused (no device time left): it stands for the next session, with 5
+#   5  carry .whl: the whole GPU suite (pytest -m gpu -v, tests/api and tests/bench aside) on C29 as served; it did
+#      not run this session                                                                              (~500 s)
+# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [CALL_BUDGET_S=570] bash scripts/h200_s13.sh 2|3|4|5
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -82,6 +85,15 @@ case $CALL in
     echo "pytest rc $?: $(grep -cE " PASSED" "$W/pytest-gpu-c30.log") passed, $(grep -E "passed|failed" \
       "$W/pytest-gpu-c30.log" | tail -1)" | tee -a "$OUT/summary.txt"
     grep -E "(FAILED|ERROR)" "$W/pytest-gpu-c30.log" | head -30 | tee -a "$OUT/summary.txt"
+    ;;
+  5)
+    export PYTHONPATH=$PWD:/tmp/ds_site
+    mark "pytest -m gpu, the whole GPU suite on C29 as served (verbose)"
+    timeout $((budget - 10 - SECONDS)) python3 -m pytest -v -m gpu -o addopts="" -p no:cacheprovider \
+      --import-mode=importlib tests --ignore=tests/api --ignore=tests/bench > "$W/pytest-gpu-all.log" 2>&1
+    echo "pytest rc $?: $(grep -cE " PASSED" "$W/pytest-gpu-all.log") passed, $(grep -E "passed|failed" \
+      "$W/pytest-gpu-all.log" | tail -1)" | tee -a "$OUT/summary.txt"
+    grep -E "(FAILED|ERROR)" "$W/pytest-gpu-all.log" | head -40 | tee -a "$OUT/summary.txt"
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
