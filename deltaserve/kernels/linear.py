@@ -3,8 +3,9 @@
 At decode sizes a projection only streams its weight. One row without bias (the B = 1 decode step's projections)
 goes to linear_triton's register GEMV where Triton runs (KERNEL_NOTES C29): each program loads its whole weight
 tile before the programmatic-dependent-launch wait, so the weight streams while the launch before finishes; on the
-H200 it took the 35B-A3B B = 1 decode step from 2.66 to 2.53 ms and the 27B one from 14.27 to 13.27 ms against
-cuBLAS. fp32 accumulation and one rounding to the input dtype: F.linear's rounding point (the sum order differs,
+H200 it took the 35B-A3B B = 1 decode step from 2.67 to 2.48 ms and the 27B one from 13.96 to 13.06 ms against
+cuBLAS (benchmarks/results/decode-step-c29-*-b1-h200-20261203-s13.json; an earlier run: 2.66 -> 2.53, 14.27 ->
+13.27). fp32 accumulation and one rounding to the input dtype: F.linear's rounding point (the sum order differs,
 fp32-level noise). Everything else takes F.linear: more rows (the GEMV lost at 2-4 rows; the tensor-core skinny
 GEMM of linear_triton lost to cuBLAS at 1-16 rows, C5 / C18 / C24), a bias, weights of SKINNY_MAX_COLS outputs
 or more (cuBLAS streams the 1 GB lm_head at 98-99 % of the copy bandwidth), or depths past the GEMV's tile.

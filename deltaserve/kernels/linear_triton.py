@@ -45,7 +45,7 @@ SPLITK_MAX_COL_BLOCKS = 1024
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 # The register GEMV (KERNEL_NOTES C29): up to GEMV_MAX_ROWS rows, weights of depth next_pow2(K) <= GEMV_MAX_DEPTH.
-# On the H200 (session 13) one row beat cuBLAS in the served step (35B-A3B B = 1 2.66 -> 2.53 ms, 27B 14.27 -> 13.27)
+# On the H200 (session 13) one row beat cuBLAS in the served step (35B-A3B B = 1 2.67 -> 2.48 ms, 27B 13.96 -> 13.06)
 # and 2-4 rows lost (27B B = 2 14.49 -> 16.93), so one row only; decode_step's `nogemv` variant turns it off.
 USE_GEMV = True
 GEMV_MAX_ROWS = 1
