@@ -30,19 +30,18 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    is_gemv = (
+    is_plain = (
         bias is None
-        and linear_triton.USE_GEMV
         and x.dim() == 2
-        and x.shape[0] <= linear_triton.GEMV_MAX_ROWS
         and weight.shape[0] < SKINNY_MAX_COLS
         and x.dtype == weight.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and weight.stride(0) == weight.shape[1]
         and use_triton(x)
-        and linear_triton.gemv_config(weight.shape[0], weight.shape[1]) is not None
     )
-    if is_gemv:
-        return linear_triton.linear_triton(x, weight)
+    # the GEMV's own rule (switch, rows, depth) lives in linear_triton.gemv_config
+    config = linear_triton.gemv_config(weight.shape[0], weight.shape[1], x.shape[0]) if is_plain else None
+    if config is not None and x.shape[0] > 0:
+        return linear_triton.gemv_triton(x, weight, config)
     return linear_ref(x, weight, bias)

@@ -167,12 +167,14 @@ def _gemv_kernel(
 
 
 def gemv_config(num_cols: int, depth: int, num_rows: int = 1) -> dict[str, int] | None:
-    """BLOCK_N / BLOCK_K / warps of the register GEMV for an [N, K] weight, or None where it does not apply (depth
-    past GEMV_MAX_DEPTH: the tile would no longer fit a program's registers). One row: [2048, 4096] -> 4 weight rows
-    a program, 512 programs; [12352, 2048] -> 8 rows, 1544 programs. More x rows shrink the tile in proportion
-    (the fp32 products of every x row are live at once: at 4 rows and the one-row tile, 118 registers)."""
+    """BLOCK_N / BLOCK_K / warps of the register GEMV for num_rows rows of x and an [N, K] weight, or None where it
+    does not apply: USE_GEMV off, more than GEMV_MAX_ROWS rows, or a depth past GEMV_MAX_DEPTH (the tile would no
+    longer fit a program's registers). The one rule both kernels.linear and linear_triton follow. One row:
+    [2048, 4096] -> 4 weight rows a program, 512 programs; [12352, 2048] -> 8 rows, 1544 programs. More x rows
+    shrink the tile in proportion (the fp32 products of every x row are live at once: at 4 rows and the one-row
+    tile, 118 registers)."""
     block_k = triton.next_power_of_2(depth)
-    if block_k > GEMV_MAX_DEPTH:
+    if not USE_GEMV or num_rows > GEMV_MAX_ROWS or block_k > GEMV_MAX_DEPTH:
         return None
     block_n = max(1, GEMV_TILE_ELEMS // (block_k * next_pow2(num_rows)))
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": GEMV_NUM_WARPS, "num_stages": 1}
@@ -209,6 +211,29 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int]) -> torch.Tensor:
+    """x [M, K] (M >= 1, last dim contiguous), weight [N, K] (last dim contiguous) -> [M, N] in x's dtype, through
+    `_gemv_kernel` with config = gemv_config(N, K, M) (the caller has checked it applies)."""
+    num_rows, depth = x.shape
+    num_cols = weight.shape[0]
+    y = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(num_cols, config["BLOCK_N"]),)](
+        x,
+        weight,
+        y,
+        num_rows,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        N=num_cols,
+        K=depth,
+        BLOCK_M=next_pow2(num_rows),
+        **config,
+        **pdl_launch(x),
+    )
+    return y
+
+
 def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M ≤ 16, last dim contiguous), weight [N, K] contiguous -> [M, N] in x's dtype."""
     num_rows, depth = x.shape
@@ -219,23 +244,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
-    gemv = gemv_config(num_cols, depth, num_rows) if USE_GEMV and num_rows <= GEMV_MAX_ROWS else None
+    gemv = gemv_config(num_cols, depth, num_rows)
     if gemv is not None:
-        _gemv_kernel[(triton.cdiv(num_cols, gemv["BLOCK_N"]),)](
-            x,
-            weight,
-            y,
-            num_rows,
-            x.stride(0),
-            weight.stride(0),
-            y.stride(0),
-            N=num_cols,
-            K=depth,
-            BLOCK_M=next_pow2(num_rows),
-            **gemv,
-            **pdl_launch(x),
-        )
-        return y
+        return gemv_triton(x, weight, gemv)
     config = skinny_config(num_cols, depth)
     split_k = config["SPLIT_K"]
     num_col_blocks = triton.cdiv(num_cols, config["BLOCK_N"])

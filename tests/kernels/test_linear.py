@@ -56,12 +56,12 @@ def test_dispatcher_sends_one_row_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -
 
     calls: list[int] = []
 
-    def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def fake(x: torch.Tensor, w: torch.Tensor, config: dict[str, int]) -> torch.Tensor:
         calls.append(x.shape[0])
         return linear_ref(x, w)
 
     monkeypatch.setattr(linear_module, "use_triton", lambda t: True)
-    monkeypatch.setattr(linear_triton_module, "linear_triton", fake)
+    monkeypatch.setattr(linear_triton_module, "gemv_triton", fake)
     assert linear_triton_module.USE_GEMV and linear_triton_module.GEMV_MAX_ROWS == 1
     weight, bias = randn(8, 32), randn(8)
     for rows in (1, 2, 16, 64):
