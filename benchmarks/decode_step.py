@@ -612,33 +612,34 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
     return found
 
 
-# every feature a variant may combine with + (variant_context's switches, block, nopdl, model)
-FEATURES = {"model", "block", "nopdl", "pdlgrouped", "packedroute", "sharedearly", "prefetchdown", "nogemv", "gemv8k",
-            "gemv32k", "gemv4rows", "routerearly"}  # fmt: skip
+# Module switches a variant may turn on: feature -> (module, attribute, its value with the feature); without the
+# feature the attribute keeps the module's own; a --baseline tree without one ignores the attribute set on it.
+SWITCHES = {
+    "pdlgrouped": ("deltaserve.kernels.moe_triton", "GROUPED_PDL", True),
+    "packedroute": ("deltaserve.kernels.moe_decode_triton", "ROUTE_PACKED_KEYS", True),
+    "sharedearly": ("deltaserve.kernels.moe_decode_triton", "SHARED_GATE_UP_BEFORE_WAIT", True),
+    "prefetchdown": ("deltaserve.kernels.moe_decode_triton", "PREFETCH_DOWN_L2", True),
+    "nogemv": ("deltaserve.kernels.linear_triton", "USE_GEMV", False),
+    # the GEMV's tile (C29): W elements a program holds, 16384 as committed
+    "gemv8k": ("deltaserve.kernels.linear_triton", "GEMV_TILE_ELEMS", 8192),
+    "gemv32k": ("deltaserve.kernels.linear_triton", "GEMV_TILE_ELEMS", 32768),
+    "routerearly": ("deltaserve.kernels.moe_decode_triton", "ROUTER_W_BEFORE_WAIT", True),
+    # the GEMV up to 4 x rows (served at one), its tile shrunk in proportion to the rows
+    "gemv4rows": ("deltaserve.kernels.linear_triton", "GEMV_MAX_ROWS", 4),
+}
+# every feature a variant may combine with +
+FEATURES = {"model", "block", "nopdl", *SWITCHES}
 
 
 @contextlib.contextmanager
 def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[None]:
     """The model as the variant's features make it, for the block (and args.is_block for the MoE label)."""
+    import importlib
+
     from deltaserve import env
-    from deltaserve.kernels import linear_triton, moe_decode_triton, moe_triton
 
     args.is_block = "block" in features
-    # module switches, feature -> (module, attribute, its value with the feature); without the feature the
-    # attribute keeps the module's own; a --baseline tree without one ignores the attribute set on it
-    switches = {
-        "pdlgrouped": (moe_triton, "GROUPED_PDL", True),
-        "packedroute": (moe_decode_triton, "ROUTE_PACKED_KEYS", True),
-        "sharedearly": (moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", True),
-        "prefetchdown": (moe_decode_triton, "PREFETCH_DOWN_L2", True),
-        "nogemv": (linear_triton, "USE_GEMV", False),
-        # the GEMV's tile (C29): W elements a program holds, 16384 as committed
-        "gemv8k": (linear_triton, "GEMV_TILE_ELEMS", 8192),
-        "gemv32k": (linear_triton, "GEMV_TILE_ELEMS", 32768),
-        "routerearly": (moe_decode_triton, "ROUTER_W_BEFORE_WAIT", True),
-        # the GEMV up to 4 x rows (served at one), its tile shrunk in proportion to the rows
-        "gemv4rows": (linear_triton, "GEMV_MAX_ROWS", 4),
-    }
+    switches = {f: (importlib.import_module(m), name, value) for f, (m, name, value) in SWITCHES.items()}
     saved = {feature: getattr(module, name, False) for feature, (module, name, _) in switches.items()}
     for feature, (module, name, value) in switches.items():
         if feature in features:  # two features may set one attribute (the GEMV's tile): only those present act
