@@ -3,7 +3,7 @@
 # earlier session scripts are records of what ran and keep their own copy): the work folder /tmp/$SESSION/call$CALL,
 # the offline and NVLink-multicast-off environment, the summary's `mark`, the call's tarball on exit, the budget,
 # the header line, the vLLM bundle piece of the calls that carry one (BUNDLE_CALLS), `grid`, `decode_step` (from
-# h200_s12.sh on; earlier scripts define their own), and the carried wheels.
+# h200_s12.sh on; earlier scripts define their own), `gpu_pytest` (from h200_s13.sh's call 4), and the carried wheels.
 # Needs: OUT, SESSION (e.g. s8), CALL; optional BUNDLE_CALLS ("1 2 3"), CALL_BUDGET_S (570), RECORD_DATE.
 W=/tmp/$SESSION/call$CALL
 mkdir -p "$W" "$OUT"
@@ -33,6 +33,15 @@ decode_step() {  # record name, then benchmarks/decode_step.py flags: the record
     --out "$OUT/$name.json" "$@" > "$W/$name.log" 2>&1
   echo "decode_step $name rc $?" | tee -a "$OUT/summary.txt"
   grep -A8 "graph_ms by batch size" "$W/$name.log" | tee -a "$OUT/summary.txt"
+}
+gpu_pytest() {  # log name, then pytest arguments: -v -m gpu in what is left of the budget, so a cut run still
+  local name=$1  # names what passed; the summary gets the pass count, pytest's last line and every failure
+  shift
+  timeout $((budget - 10 - SECONDS)) python3 -m pytest -v -m gpu -o addopts="" -p no:cacheprovider \
+    --import-mode=importlib "$@" > "$W/$name.log" 2>&1
+  echo "pytest rc $?: $(grep -cE " PASSED" "$W/$name.log") passed, $(grep -E "passed|failed" "$W/$name.log" \
+    | tail -1)" | tee -a "$OUT/summary.txt"
+  grep -E "(FAILED|ERROR)" "$W/$name.log" | head -40 | tee -a "$OUT/summary.txt"
 }
 day=${RECORD_DATE:-$(date +%Y%m%d)}
 # deltaserve's own pins for the grids (xgrammar 0.2.9 and its needs): .whl rides with piece 3 (pieces 1 and 2 with

@@ -79,21 +79,13 @@ case $CALL in
     mark "decode step, 35B-A3B: model / routerearly / nogemv at B = 2, 4"
     decode_step decode-step-c30-b2-4 --shapes 35b-a3b --variants model,routerearly,nogemv --batches 2,4
     mark "pytest -m gpu: C29 / C30 kernels, router graphs, the engine's PDL token test (verbose)"
-    timeout $((budget - 10 - SECONDS)) python3 -m pytest -v -m gpu -o addopts="" -p no:cacheprovider \
-      --import-mode=importlib tests/kernels/test_linear.py tests/kernels/test_moe_align_router.py \
-      tests/engine/test_gpu_async.py -k "gemv or captures or pdl" > "$W/pytest-gpu-c30.log" 2>&1
-    echo "pytest rc $?: $(grep -cE " PASSED" "$W/pytest-gpu-c30.log") passed, $(grep -E "passed|failed" \
-      "$W/pytest-gpu-c30.log" | tail -1)" | tee -a "$OUT/summary.txt"
-    grep -E "(FAILED|ERROR)" "$W/pytest-gpu-c30.log" | head -30 | tee -a "$OUT/summary.txt"
+    gpu_pytest pytest-gpu-c30 tests/kernels/test_linear.py tests/kernels/test_moe_align_router.py \
+      tests/engine/test_gpu_async.py -k "gemv or captures or pdl"
     ;;
   5)
     export PYTHONPATH=$PWD:/tmp/ds_site
     mark "pytest -m gpu, the whole GPU suite on C29 as served (verbose)"
-    timeout $((budget - 10 - SECONDS)) python3 -m pytest -v -m gpu -o addopts="" -p no:cacheprovider \
-      --import-mode=importlib tests --ignore=tests/api --ignore=tests/bench > "$W/pytest-gpu-all.log" 2>&1
-    echo "pytest rc $?: $(grep -cE " PASSED" "$W/pytest-gpu-all.log") passed, $(grep -E "passed|failed" \
-      "$W/pytest-gpu-all.log" | tail -1)" | tee -a "$OUT/summary.txt"
-    grep -E "(FAILED|ERROR)" "$W/pytest-gpu-all.log" | head -40 | tee -a "$OUT/summary.txt"
+    gpu_pytest pytest-gpu-all tests --ignore=tests/api --ignore=tests/bench
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
