@@ -23,7 +23,8 @@ combinable: `nopdl+nogemv`), `pdlgrouped` with the grouped MoE GEMMs launched wi
 C25), `sharedearly` with gate/up's shared-expert programs computing before the PDL wait
 (moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT, C27), `prefetchdown` with gate/up prefetching the down weights into
 L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28); C25, C27 and C28 measured slower on the H200 and stay off;
-`routerearly` with the GEMV router's weights loaded before the PDL wait up to 4 tokens (ROUTER_W_BEFORE_WAIT, C30);
+`routerearly` / `routerlate` with the GEMV router's weights loaded before / after the PDL wait up to 4 tokens
+(ROUTER_W_BEFORE_WAIT, C30, served on from session 14);
 `gemv8k` / `gemv32k` with the GEMV's tile at 8192 / 32768 weight elements, `gemv4rows` with the GEMV up to 4 rows. The
 `linear` / `linearout` variants of sessions 7-13 (the tensor-core skinny GEMM, C5 / C18 / C24, slower than cuBLAS)
 are gone with C29: the model's projections call kernels.linear themselves. The default runs `model` and
@@ -624,6 +625,8 @@ SWITCHES = {
     "gemv8k": ("deltaserve.kernels.linear_triton", "GEMV_TILE_ELEMS", 8192),
     "gemv32k": ("deltaserve.kernels.linear_triton", "GEMV_TILE_ELEMS", 32768),
     "routerearly": ("deltaserve.kernels.moe_decode_triton", "ROUTER_W_BEFORE_WAIT", True),
+    # C30 off (served on from session 14): the router's weights loaded after the wait, two K steps
+    "routerlate": ("deltaserve.kernels.moe_decode_triton", "ROUTER_W_BEFORE_WAIT", False),
     # the GEMV up to 4 x rows (served at one), its tile shrunk in proportion to the rows
     "gemv4rows": ("deltaserve.kernels.linear_triton", "GEMV_MAX_ROWS", 4),
 }
@@ -781,8 +784,8 @@ def main() -> int:
         default="model,nogemv",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), nogemv "
         "(kernels.linear's one-row GEMV off), nopdl (DELTASERVE_PDL=0), pdlgrouped, packedroute, sharedearly, "
-        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), gemv4rows, routerearly (C30), combined with +; block is "
-        "dropped on dense shapes",
+        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), gemv4rows, routerearly / routerlate (C30 on / off), "
+        "combined with +; block is dropped on dense shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)

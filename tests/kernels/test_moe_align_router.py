@@ -411,10 +411,15 @@ def test_router_writes_only_its_tokens_rows(num_tokens: int, dtype: torch.dtype)
         assert_close("logits", ref, out[:num_tokens], tolerance(dtype, 1e-5, 4e-3))
 
 
-def test_router_gemv_config_fills_the_device_and_follows_the_bucket() -> None:
+@pytest.mark.parametrize("is_w_early", [True, False])
+def test_router_gemv_config_fills_the_device_and_follows_the_bucket(
+    is_w_early: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On the 35B-A3B (256 experts + gate) and Qwen3-Next (512 + gate) shapes every T up to the GEMV's limit
-    launches at least ROUTER_GEMV_MIN_PROGRAMS programs; T ≤ 4 keeps C9's one program per (row pair, token);
-    the blocks depend on next_pow2(T) alone (the start-up warm-up compiles every variant)."""
+    launches at least ROUTER_GEMV_MIN_PROGRAMS programs; T ≤ 4 keeps C9's one program per (row pair, token),
+    over H in one K step with C30 on (as served) and in 1024-column steps with it off; the blocks depend on
+    next_pow2(T) alone (the start-up warm-up compiles every variant)."""
+    monkeypatch.setattr(moe_decode_triton, "ROUTER_W_BEFORE_WAIT", is_w_early)
     for num_rows in (257, 513):
         for num_tokens in range(1, ROUTER_GEMV_MAX_TOKENS + 1):
             config = router_gemv_config(num_tokens, num_rows, 2048)
@@ -424,7 +429,9 @@ def test_router_gemv_config_fills_the_device_and_follows_the_bucket() -> None:
             bucket = 1 << (num_tokens - 1).bit_length()
             assert config == router_gemv_config(bucket, num_rows, 2048)
             if num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS:
-                assert (config["BLOCK_T"], config["BLOCK_R"], config["BLOCK_K"]) == (1, 2, 1024)
+                block_k = 2048 if is_w_early else 1024
+                assert (config["BLOCK_T"], config["BLOCK_R"], config["BLOCK_K"]) == (1, 2, block_k)
+                assert config.get("W_BEFORE_WAIT", False) == is_w_early
     # rows per program grow with T on the 35B-A3B shape: 2 (5-8 tokens), 4 (9-32), 8 (33-64)
     assert [router_gemv_config(t, 257, 2048)["BLOCK_R"] for t in (5, 8, 9, 32, 33, 64)] == [2, 2, 4, 4, 8, 8]
 
