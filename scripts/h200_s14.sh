@@ -19,6 +19,12 @@
 #   6  carry .vllm_chunk .whl  the failed test again, its text in full, then with the one-row GEMV off (in one
 #                              process: is C29 what moved it?); test_runtime_compiles; test_cuda_graphs (~150 s)
 #   then 2 (the piece alone: call 2's pytest skipped with SKIP_PYTEST=1), 3, 4, 5 as above
+# As run: 6 (138 s): the failure was the host's missing pydantic (xgrammar 0.2.9 needs it; the vLLM bundle brings
+# it), with and without the GEMV; graphs / runtime compiles 19 passed. 2, 3: the pieces. 4 (CALL_BUDGET_S=460): the
+# deltaserve arm only (the deadline skipped vLLM); the vLLM arm by --resume in the next call (h200_grid.sh directly).
+# Then 2 again with /tmp/vllm_site on PYTHONPATH (the rest of the suite: 103 passed, 5 skipped), the structured test
+# (1 passed), and decode_step C30 on / off in four process orders. Call 5 (the 27B grid) did not run: 230 s were
+# left, too few to start it. Every command and figure: benchmarks/results/h200-session14-20261203.txt.
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=585] [RECORD_DATE=20261203-s14] bash scripts/h200_s14.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +33,7 @@ CALL=${1:?which call: 1..5}
 SESSION=s14
 BUNDLE_CALLS="1 2 3 4"
 source scripts/h200_call.sh
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/ds_site
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/ds_site:/tmp/vllm_site  # the bundle last: pydantic for xgrammar (call 8)
 BATCHES=1,2,4,8,16,24,32,48,64,96,128,192,256
 # call 1's test files: the kernels C29 / C30 changed and the served paths through them; call 2 runs the rest
 FIRST="tests/kernels/test_linear.py tests/kernels/test_moe_align_router.py tests/kernels/test_moe_decode.py

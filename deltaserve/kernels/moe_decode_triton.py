@@ -69,8 +69,8 @@ ROUTER_GEMV_VEC = 8
 ROUTER_GEMV_WARPS = 4
 # KERNEL_NOTES C30: up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV router takes the whole hidden size in one
 # K step (VEC = H / threads) and loads its W rows (and the gate row) before the PDL wait, as C29's GEMV does: the
-# 1 MB router streams while the norm before it finishes. On from 2026-12-03 (session 14): 35B-A3B B = 1 2.48 -> 2.41 ms
-# (session 13's call 3); decode_step's `routerlate` times it off.
+# 1 MB router streams while the norm before it finishes. On from session 14: 35B-A3B B = 1 2.52 -> 2.41 ms on the H200
+# (KERNEL_NOTES section 17); decode_step's `routerlate` times it off.
 ROUTER_W_BEFORE_WAIT = True
 # the one-step tile's limit: 2048 (the 35B-A3B hidden) at 4 warps is 16 elements, two 16-byte loads, a thread
 ROUTER_W_BEFORE_WAIT_MAX_HIDDEN = 4096
