@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The next session's device calls (written 2026-12-03 in session 14, before any of them ran; one warm nvidia-h200,
+# each call issued within 30 s of the last). The vLLM bundle goes in four pieces (sha256 22e9232e...40f6); .whl
+# (xgrammar 0.2.9) rides with piece 1 into /tmp/ds_site; /tmp/vllm_site goes last on PYTHONPATH once unpacked.
+#   1  carry .vllm_chunk .whl  the decode step with decode_step's new warm-up pass (ae92e23): 35B-A3B model /
+#                              routerlate / nogemv at B = 1, 2, 4 (does `model` first now read ~2.41 ms, not 2.55?),
+#                              then `model` on both shapes at 13 batch sizes (the table without the first-slot
+#                              bias)                                                                    (~170 s)
+#   2  carry .vllm_chunk2      the piece alone                                                          (~2 s)
+#   3  carry .vllm_chunk3      the piece alone                                                          (~2 s)
+#   4  carry .vllm_chunk4      SHA256 set, CALL_BUDGET_S=585: h200_core2 on the 27B shape, c1/8/32/64   (~570 s)
+#   5  (warm)                  only if call 4's deadline skipped an arm: the same grid by --resume       (~350 s)
+# usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=585] [RECORD_DATE=20261204-s15] bash scripts/h200_s15.sh CALL
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+CALL=${1:?which call: 1..5}
+SESSION=s15
+BUNDLE_CALLS="1 2 3 4"
+source scripts/h200_call.sh
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/ds_site:/tmp/vllm_site  # the bundle last: pydantic for xgrammar
+BATCHES=1,2,4,8,16,24,32,48,64,96,128,192,256
+case $CALL in
+  1)
+    timeout 150 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models --only q35-35b-a3b,q35-27b \
+      > "$W/dummies.log" 2>&1
+    mark "decode step, 35B-A3B, with the warm-up pass: model / routerlate / nogemv at B = 1, 2, 4"
+    decode_step decode-step-warmup-35b-a3b --shapes 35b-a3b --variants model,routerlate,nogemv --batches 1,2,4
+    mark "decode step, both shapes: model at 13 batch sizes, with the warm-up pass"
+    decode_step decode-step --shapes 35b-a3b,27b --variants model --batches $BATCHES
+    ;;
+  2 | 3) mark "bundle piece $CALL" ;;
+  4) mark "h200_core2, 27B, c1/8/32/64"
+     grid benchmarks/grids/h200_core2.toml "h200_core2-27b-$day" --models q35-27b --concurrencies 1,8,32,64 ;;
+  5) mark "h200_core2, 27B, c1/8/32/64, resumed"
+     grid benchmarks/grids/h200_core2.toml "h200_core2-27b-$day" --models q35-27b --concurrencies 1,8,32,64 \
+       --resume "/tmp/ds_grid_$SESSION/h200_core2-27b-$day.json" ;;
+  *) echo "unknown call $CALL"; exit 2 ;;
+esac
+mark done
