@@ -19,15 +19,12 @@ kernels.fused_moe_block (router + routed + shared experts as one op); `nogemv` t
 register GEMV (linear_triton.USE_GEMV, KERNEL_NOTES C29: every projection on cuBLAS, the model before C29);
 `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of programmatic dependent launch, KERNEL_NOTES C21;
 combinable: `nopdl+nogemv`), `pdlgrouped` with the grouped MoE GEMMs launched with PDL too
-(moe_triton.GROUPED_PDL), `packedroute` with gate/up's top-k on packed keys (moe_decode_triton.ROUTE_PACKED_KEYS,
-C25), `sharedearly` with gate/up's shared-expert programs computing before the PDL wait
-(moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT, C27), `prefetchdown` with gate/up prefetching the down weights into
-L2 (moe_decode_triton.PREFETCH_DOWN_L2, C28); C25, C27 and C28 measured slower on the H200 and stay off;
-`routerearly` / `routerlate` with the GEMV router's weights loaded before / after the PDL wait up to 4 tokens
-(ROUTER_W_BEFORE_WAIT, C30, served on from session 14);
-`gemv8k` / `gemv32k` with the GEMV's tile at 8192 / 32768 weight elements, `gemv4rows` with the GEMV up to 4 rows. The
-`linear` / `linearout` variants of sessions 7-13 (the tensor-core skinny GEMM, C5 / C18 / C24, slower than cuBLAS)
-are gone with C29: the model's projections call kernels.linear themselves. The default runs `model` and
+(moe_triton.GROUPED_PDL); `routerearly` / `routerlate` with the GEMV router's weights loaded before / after the PDL
+wait up to 4 tokens (ROUTER_W_BEFORE_WAIT, C30, served on from session 14); `gemv8k` / `gemv32k` with the GEMV's
+tile at 8192 / 32768 weight elements, `gemv4rows` with the GEMV up to 4 rows. The `linear` / `linearout` variants
+of sessions 7-13 (the tensor-core skinny GEMM, C5 / C18 / C24, slower than cuBLAS) are gone with C29: the model's
+projections call kernels.linear themselves; so are `packedroute`, `sharedearly` and `prefetchdown` (C25 / C27 /
+C28, measured slower in session 13, retired from the kernels in session 14). The default runs `model` and
 `nogemv`. Every variant of every shape is timed before the process's first profile (run_shape says why), and on the
 GPU after an unrecorded timing pass of the first variant (`--no-warmup-pass` drops it, `--warmup-pass` asks for it
 on the CPU; session 14 found the first variant timed in a process up to 0.14 ms slower at B = 1), so variants
@@ -619,9 +616,6 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
 # feature the attribute keeps the module's own; a --baseline tree without one ignores the attribute set on it.
 SWITCHES = {
     "pdlgrouped": ("deltaserve.kernels.moe_triton", "GROUPED_PDL", True),
-    "packedroute": ("deltaserve.kernels.moe_decode_triton", "ROUTE_PACKED_KEYS", True),
-    "sharedearly": ("deltaserve.kernels.moe_decode_triton", "SHARED_GATE_UP_BEFORE_WAIT", True),
-    "prefetchdown": ("deltaserve.kernels.moe_decode_triton", "PREFETCH_DOWN_L2", True),
     "nogemv": ("deltaserve.kernels.linear_triton", "USE_GEMV", False),
     # the GEMV's tile (C29): W elements a program holds, 16384 as committed
     "gemv8k": ("deltaserve.kernels.linear_triton", "GEMV_TILE_ELEMS", 8192),
@@ -805,9 +799,8 @@ def main() -> int:
         "--variants",
         default="model,nogemv",
         help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), nogemv "
-        "(kernels.linear's one-row GEMV off), nopdl (DELTASERVE_PDL=0), pdlgrouped, packedroute, sharedearly, "
-        "prefetchdown, gemv8k, gemv32k (the GEMV's tile), gemv4rows, routerearly / routerlate (C30 on / off), "
-        "combined with +; block is dropped on dense shapes",
+        "(kernels.linear's one-row GEMV off), nopdl (DELTASERVE_PDL=0), pdlgrouped, gemv8k, gemv32k (the GEMV's "
+        "tile), gemv4rows, routerearly / routerlate (C30 on / off), combined with +; block is dropped on dense shapes",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)

@@ -76,7 +76,7 @@ def _summarise(kernel: Any, name: str, label: str, work: Path) -> Compiled:
     counts["sass"] = len(opcodes)
     for op in ("BAR", "SHFL"):
         counts[op] = sum(1 for o in opcodes if o == op)
-    num_cctl = sum(1 for o in opcodes if o == "CCTL")  # cache control: C28's L2 prefetches (CCTL.E.PML2)
+    num_cctl = sum(1 for o in opcodes if o == "CCTL")  # cache control (an L2 prefetch is CCTL.E.PML2)
     if num_cctl:
         counts["CCTL"] = num_cctl
     regs, stack = (int(usage.group(1)), int(usage.group(2))) if usage else (-1, -1)
@@ -354,12 +354,6 @@ def main() -> int:
         "extra moe_block[...] launch per batch (KERNEL_NOTES C16); --only moe_block selects them too",
     )
     parser.add_argument("--prefill", default="", help='comma list of GDN prefill cases "NxL" (N prompts of L tokens)')
-    parser.add_argument(
-        "--moe-switches",
-        default="",
-        help="comma list of moe_decode_triton switches to turn on for every launch: packedroute (ROUTE_PACKED_KEYS, "
-        "C25), sharedearly (SHARED_GATE_UP_BEFORE_WAIT, C27), prefetchdown (PREFETCH_DOWN_L2, C28)",
-    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -376,18 +370,8 @@ def main() -> int:
     only = {o for o in args.only.split(",") if o}
     sweeps = align_launches(_ints(args.align_entries), _ints(args.align_experts), _ints(args.align_block_m))
     sweeps += router_launches(args.shape, _ints(args.router_tokens))
-    from deltaserve.kernels import moe_decode_triton
     from deltaserve.kernels.moe_configs import GemmConfig
 
-    switches = {w for w in args.moe_switches.split(",") if w}
-    unknown = switches - {"packedroute", "sharedearly", "prefetchdown"}
-    if unknown:
-        print(f"kernel_resources: unknown --moe-switches {sorted(unknown)}")
-        return 2
-    moe_decode_triton.ROUTE_PACKED_KEYS = "packedroute" in switches
-    moe_decode_triton.SHARED_GATE_UP_BEFORE_WAIT = "sharedearly" in switches
-    moe_decode_triton.PREFETCH_DOWN_L2 = "prefetchdown" in switches
-    moe_decode_triton._emits_ptx = lambda x: True  # these CPU tensors' launches compile for sm_90 here
     gemm1s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm1.split(";") if spec.strip())
     gemm2s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm2.split(";") if spec.strip())
     sweeps += prefill_launches(args.shape, [c for c in args.prefill.split(",") if c])

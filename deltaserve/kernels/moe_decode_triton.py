@@ -14,8 +14,7 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
    moe_route_triton; on max(gemm1.ROUTE_ROWS, next_pow2(T)) token rows, at most the dot tile's, mapped onto
-   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both, KERNEL_NOTES C17; with
-   SHARED_GATE_UP_BEFORE_WAIT the shared expert's programs skip it and compute before the PDL wait, C27);
+   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both, KERNEL_NOTES C17);
    program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
    [tokens, E] tile no longer fits in registers, and moe_route_triton routes in a launch of its own, four
    launches in all). An entry whose expert an earlier entry
@@ -47,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import dot_precision, i64, is_interpreting, next_pow2, pdl_launch, pdl_wait, silu_f32
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
 from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoEConfig
 
 # Router launch: rows of W_r per program, reduction step, token rows per program (tl.dot needs 16).
@@ -78,20 +77,6 @@ ROUTER_W_BEFORE_WAIT_MAX_HIDDEN = 4096
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
 ROUTE_IN_GEMM1_MAX_TOKENS = 16
-# KERNEL_NOTES C25: gate/up's in-kernel top-k on packed int64 keys, one block reduction a step instead of two (the
-# same routing bit for bit). Off until measured on the H200 (benchmarks/decode_step.py's `packedroute` variant).
-ROUTE_PACKED_KEYS = False
-# KERNEL_NOTES C27: with in-kernel routing, gate/up's shared-expert programs compute their whole tile above the PDL
-# wait (they need no routing; x is two launches back, the router between) while the router and the routed
-# programs' routing run, so its 4 MB (35B-A3B) stream in time the HBM otherwise idles. Off until measured on the
-# H200 (decode_step.py's `sharedearly` variant).
-SHARED_GATE_UP_BEFORE_WAIT = False
-# KERNEL_NOTES C28: each gate/up program, once it knows its expert, asks L2 to fetch its share of that expert's down
-# weights (prefetch.global.L2::evict_last: a hint, no registers, no result), so the down launch reads them from L2
-# while gate/up streams at well under HBM's rate. CUDA only (inline PTX; the interpreter has none). Off until
-# measured on the H200 (decode_step.py's `prefetchdown` variant).
-PREFETCH_DOWN_L2 = False
-L2_LINE_BYTES = 128  # (_prefetch_rows_l2 spells it as a literal: a jit function reads no plain globals)
 # The C16 combine launch (gemm2 with CHOICES_PER_PROGRAM): output columns per program and warps. It moves
 # T·(k+1)·H·2 + T·H·2 bytes (45 KB at T = 1), so its cost is the launch; 128 columns give 16 programs a token.
 COMBINE_BLOCK_N = 128
@@ -228,13 +213,8 @@ def _route_tile(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_KK: tl.constexpr,
-    PACKED: tl.constexpr = False,
 ):
-    """Routing of a tile of tokens: (ids [BLOCK_T, BLOCK_KK] int32, weights fp32), as moe_route_triton.
-
-    PACKED (KERNEL_NOTES C25; ROUTE_PACKED_KEYS): each top-k step is ONE block reduction instead of two. The key
-    (bits of p << 32) | (BLOCK_E - 1 - id) is an int64 whose order is p's (p ≥ 0, so its IEEE bits order as it
-    does), ties broken to the lowest id; taken and padding experts hold -1. The same picks and weights, bit for bit."""
+    """Routing of a tile of tokens: (ids [BLOCK_T, BLOCK_KK] int32, weights fp32), as moe_route_triton."""
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     o_j = tl.arange(0, BLOCK_KK)
@@ -248,24 +228,12 @@ def _route_tile(
     b_p = tl.where(m_e[None, :], b_p, -1.0)  # padding experts never win
     b_ids = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.int32)
     b_w = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.float32)
-    if PACKED:
-        b_bits = tl.where(m_e[None, :], b_p, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-        b_key = (b_bits << 32) | (BLOCK_E - 1 - o_e)[None, :].to(tl.int64)  # [BLOCK_T, BLOCK_E]
-        b_key = tl.where(m_e[None, :], b_key, -1)  # padding experts never win
-        for j in tl.static_range(TOP_K):
-            k_max = tl.max(b_key, axis=1)  # [BLOCK_T]: the largest p, the lowest id among its ties
-            i_max = (BLOCK_E - 1 - (k_max & 0xFFFFFFFF)).to(tl.int32)
-            p_max = (k_max >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
-            b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
-            b_key = tl.where(o_e[None, :] == i_max[:, None], -1, b_key)
-    else:
-        for j in tl.static_range(TOP_K):
-            p_max = tl.max(b_p, axis=1)  # [BLOCK_T]
-            i_max = tl.min(tl.where(b_p == p_max[:, None], o_e[None, :], BLOCK_E), axis=1)  # lowest id among ties
-            b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
-            b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
-            b_p = tl.where(o_e[None, :] == i_max[:, None], -1.0, b_p)
+    for j in tl.static_range(TOP_K):
+        p_max = tl.max(b_p, axis=1)  # [BLOCK_T]
+        i_max = tl.min(tl.where(b_p == p_max[:, None], o_e[None, :], BLOCK_E), axis=1)  # lowest id among ties
+        b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
+        b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
+        b_p = tl.where(o_e[None, :] == i_max[:, None], -1.0, b_p)
     if RENORMALIZE:
         b_norm = tl.sum(tl.where(o_j[None, :] < TOP_K, b_w, 0.0), axis=1)
         b_w = b_w / tl.where(b_norm == 0.0, 1.0, b_norm)[:, None]
@@ -320,38 +288,6 @@ def _gate_up_tile(
     tl.store(p_act, b_act, mask=m_row[:, None] & m_n[None, :])
 
 
-@triton.jit
-def _l2_line_offsets(stride_row, num_row_blocks, i_b, row_elems, LINE_ELEMS: tl.constexpr, H: tl.constexpr,
-                     LINES: tl.constexpr):  # fmt: skip
-    """Element offsets [LINES] of the 128-byte lines (LINE_ELEMS elements) of row block i_b of num_row_blocks over H
-    rows of row_elems elements, stride_row apart; lines past the block repeat its first (a prefetch twice is free)."""
-    lines_per_row = (row_elems + LINE_ELEMS - 1) // LINE_ELEMS
-    rows = (H + num_row_blocks - 1) // num_row_blocks
-    row0 = i_b * rows
-    o_l = tl.arange(0, LINES)
-    o_row = row0 + o_l // lines_per_row
-    m_l = (o_row < row0 + rows) & (o_row < H)
-    o_row = tl.where(m_l, o_row, row0)
-    o_col = tl.where(m_l, (o_l % lines_per_row) * LINE_ELEMS, 0)
-    return i64(o_row) * stride_row + o_col
-
-
-@triton.jit
-def _prefetch_rows_l2(p_base, stride_row, num_row_blocks, i_b, row_elems, H: tl.constexpr, LINES: tl.constexpr):
-    """One L2 prefetch (prefetch.global.L2::evict_last: a hint, no result) per 128-byte line (L2_LINE_BYTES) of row
-    block i_b of the H rows at p_base; LINES ≥ the lines of a block."""
-    line_elems: tl.constexpr = 128 // (p_base.dtype.element_ty.primitive_bitwidth // 8)
-    p_line = p_base + _l2_line_offsets(stride_row, num_row_blocks, i_b, row_elems, line_elems, H, LINES)
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-        "=r,l",
-        [p_line],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _moe_decode_gemm1_kernel(
     x_ptr,
@@ -361,8 +297,6 @@ def _moe_decode_gemm1_kernel(
     ids_ptr,
     weights_ptr,
     act_ptr,
-    w2_ptr,
-    shared_w2_ptr,
     num_tokens,
     stride_x,
     stride_w_e,
@@ -370,9 +304,6 @@ def _moe_decode_gemm1_kernel(
     stride_sw_n,
     stride_l,
     stride_ids,
-    stride_w2_e,
-    stride_w2_n,
-    stride_sw2_n,
     E: tl.constexpr,
     TOP_K: tl.constexpr,
     I: tl.constexpr,
@@ -388,9 +319,6 @@ def _moe_decode_gemm1_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ROUTE_PACKED: tl.constexpr = False,
-    SHARED_EARLY: tl.constexpr = False,
-    PREFETCH_LINES: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
@@ -398,21 +326,7 @@ def _moe_decode_gemm1_kernel(
     num_entries = num_tokens * TOP_K
     o_t = tl.arange(0, BLOCK_T)
     m_t = o_t < num_tokens
-    # C27 (SHARED_EARLY, only with in-kernel routing from the router's logits): the shared expert's programs need
-    # no routing, only x, which the launch before the router wrote (complete once this kernel's programs run: the
-    # router signals its dependents after its own wait) and their own act rows, which no launch since the last
-    # layer's down GEMM has touched. So they compute before the wait, while the routed programs wait and route.
-    if SHARED_EARLY:  # noqa: SIM102 (a constexpr branch: compiled out when False)
-        if (i_p >= num_entries) & (i_n * BLOCK_N < I_SH):
-            if PREFETCH_LINES > 0:  # C28: the shared down weights are constants
-                num_nb = (I_SH + BLOCK_N - 1) // BLOCK_N
-                _prefetch_rows_l2(shared_w2_ptr, stride_sw2_n, num_nb, i_n, I_SH, H, PREFETCH_LINES)
-            _gate_up_tile(x_ptr, shared_w13_ptr, act_ptr, stride_x, stride_sw_n, I_SH, i_n, o_t, m_t,
-                          num_entries + o_t, I_MAX, H, DOT_PRECISION, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
     pdl_wait(USE_PDL)
-    if SHARED_EARLY:  # noqa: SIM102
-        if i_p >= num_entries:
-            return
     # The routing runs on BLOCK_TR token rows, the dot tile has BLOCK_T ≥ 16 (tl.dot's minimum): at T = 1 a
     # 16-row routing tile did 16 times the softmax and top-k work the batch needs (C17).
     o_r = tl.arange(0, BLOCK_TR)  # [BLOCK_TR]
@@ -420,9 +334,7 @@ def _moe_decode_gemm1_kernel(
     o_j = tl.arange(0, BLOCK_KK)
     m_rj = m_r[:, None] & (o_j < TOP_K)[None, :]  # [BLOCK_TR, BLOCK_KK]
     if ROUTE:
-        b_ids, b_w = _route_tile(
-            logits_ptr, stride_l, o_r, m_r, E, TOP_K, RENORMALIZE, BLOCK_TR, BLOCK_E, BLOCK_KK, ROUTE_PACKED
-        )
+        b_ids, b_w = _route_tile(logits_ptr, stride_l, o_r, m_r, E, TOP_K, RENORMALIZE, BLOCK_TR, BLOCK_E, BLOCK_KK)
         if (i_p == 0) & (i_n == 0):
             p_route = o_r[:, None] * stride_ids + o_j[None, :]
             tl.store(ids_ptr + p_route, b_ids, mask=m_rj)
@@ -443,16 +355,9 @@ def _moe_decode_gemm1_kernel(
     if is_shared:
         p_w_base = shared_w13_ptr
         stride_n = stride_sw_n
-        p_w2_base = shared_w2_ptr
-        stride_w2 = stride_sw2_n
     else:
         p_w_base = w13_ptr + i64(i_e) * stride_w_e
         stride_n = stride_w_n
-        p_w2_base = w2_ptr + i64(i_e) * stride_w2_e
-        stride_w2 = stride_w2_n
-    if PREFETCH_LINES > 0:  # C28: this program's share of its expert's down rows (n_limit wide), into L2
-        num_nb = (n_limit + BLOCK_N - 1) // BLOCK_N
-        _prefetch_rows_l2(p_w2_base, stride_w2, num_nb, i_n, n_limit, H, PREFETCH_LINES)
     b_used = tl.max(b_hit.to(tl.int32), axis=1)  # [BLOCK_TR] 1 where the token chose the expert
     o_row_r = o_r * TOP_K + tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_TR] its act row
     if BLOCK_TR == BLOCK_T:
@@ -803,30 +708,6 @@ def _down_split(
     )
 
 
-def _emits_ptx(x: torch.Tensor) -> bool:
-    """Whether x's launches compile to PTX (inline asm allowed); benchmarks/kernel_resources.py, which compiles
-    CPU-tensor launches for sm_90, swaps this for `lambda x: True`."""
-    return x.is_cuda and not is_interpreting()
-
-
-def _prefetch_lines(x: torch.Tensor, w2: torch.Tensor, inter: int, inter_sh: int, block_n: int) -> int:
-    """C28's lines a gate/up program prefetches (a power of two covering its share of its expert's down rows), or 0:
-    off (PREFETCH_DOWN_L2), not on a CUDA device, or under the interpreter (inline PTX)."""
-    if not (PREFETCH_DOWN_L2 and _emits_ptx(x)):
-        return 0
-    return _prefetch_lines_for(w2.shape[1], w2.element_size(), inter, inter_sh, block_n)
-
-
-def _prefetch_lines_for(hidden: int, elem: int, inter: int, inter_sh: int, block_n: int) -> int:
-    """The most 128-byte lines of down rows one gate/up program prefetches (its expert's H rows split over its
-    ⌈width / BLOCK_N⌉ column-block programs), rounded up to a power of two."""
-    lines = 0
-    for width in (inter, inter_sh):
-        num_nb = triton.cdiv(width, block_n)
-        lines = max(lines, triton.cdiv(hidden, num_nb) * triton.cdiv(width * elem, L2_LINE_BYTES))
-    return next_pow2(lines)
-
-
 def decode_gemms(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -846,9 +727,7 @@ def decode_gemms(
 ) -> torch.Tensor:
     """Steps 2 and 3 of the module docstring. Routing from `logits` [T, ≥E] (routed in-kernel) or from given
     topk_weights / topk_ids [T, k]; the shared expert from its weights (gate logit: logits[:, E] or
-    shared_gate_logits) or from its given output shared_out [T, H]. Returns [T, H] in x's dtype. With `logits`
-    and SHARED_GATE_UP_BEFORE_WAIT (C27) the shared expert's gate/up programs read x before their PDL wait: x must
-    come from a launch before the one that wrote the logits (as it does in moe_block_triton: the router reads x)."""
+    shared_gate_logits) or from its given output shared_out [T, H]. Returns [T, H] in x's dtype."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if num_tokens > DECODE_MAX_TOKENS:
@@ -872,7 +751,6 @@ def decode_gemms(
         ids, weights = topk_ids, topk_weights
     precision = dot_precision(x.dtype)
     grid1 = (num_entries + int(shared_mode == 2), triton.cdiv(inter_max, gemm1.BLOCK_N))
-    sw2 = shared_w2 if shared_mode == 2 else w2
     _moe_decode_gemm1_kernel[grid1](
         x,
         w13,
@@ -881,8 +759,6 @@ def decode_gemms(
         ids,
         weights,
         act,
-        w2,
-        sw2,
         num_tokens,
         x.stride(0),
         w13.stride(0),
@@ -890,9 +766,6 @@ def decode_gemms(
         shared_w13.stride(0) if shared_mode == 2 else 0,
         logits.stride(0) if route else 0,
         ids.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        sw2.stride(0) if shared_mode == 2 else 0,
         E=num_experts,
         TOP_K=top_k,
         I=inter,
@@ -906,9 +779,6 @@ def decode_gemms(
         BLOCK_TR=min(_block_t(num_tokens), max(gemm1.ROUTE_ROWS, next_pow2(num_tokens))),
         BLOCK_KK=next_pow2(top_k),
         BLOCK_E=next_pow2(num_experts),
-        ROUTE_PACKED=route and ROUTE_PACKED_KEYS,
-        SHARED_EARLY=route and shared_mode == 2 and SHARED_GATE_UP_BEFORE_WAIT,
-        PREFETCH_LINES=_prefetch_lines(x, w2, inter, inter_sh, gemm1.BLOCK_N),
         **gemm1.launch(),
         **pdl_launch(x),
     )

@@ -103,7 +103,7 @@ def test_every_step_is_timed_before_the_first_profile(
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--models", str(tiny_moe.parent), "--shapes",
             f"{tiny_moe.name},{tiny_dense.name}", "--batches", "1,2", "--context", "20", "--max-model-len", "64",
-            "--variants", "model,packedroute", "--out", str(out)]  # fmt: skip
+            "--variants", "model,routerlate", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
     kinds = [kind for kind, _ in calls]
@@ -113,7 +113,7 @@ def test_every_step_is_timed_before_the_first_profile(
     assert len(rows) == 8 and all("eager_ms" in row and row["ops"] for row in rows)
     from deltaserve.kernels import moe_decode_triton
 
-    assert moe_decode_triton.ROUTE_PACKED_KEYS is False  # the variant's module switch is put back
+    assert moe_decode_triton.ROUTER_W_BEFORE_WAIT is True  # the variant's module switch is put back
 
 
 def test_warmup_pass_times_the_first_variant_unrecorded(
@@ -128,21 +128,21 @@ def test_warmup_pass_times_the_first_variant_unrecorded(
     time_batch = decode_step.time_batch
 
     def timed(*args: object, **kwargs: object) -> dict:
-        calls.append((args[3], moe_decode_triton.ROUTE_PACKED_KEYS))
+        calls.append((args[3], moe_decode_triton.ROUTER_W_BEFORE_WAIT))
         return time_batch(*args, **kwargs)
 
     monkeypatch.setattr(decode_step, "time_batch", timed)
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--warmup-pass", "--models", str(tiny_moe.parent), "--shapes",
             tiny_moe.name, "--batches", "1,2", "--context", "20", "--max-model-len", "64",
-            "--variants", "packedroute,model", "--out", str(out)]  # fmt: skip
+            "--variants", "routerlate,model", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
-    # warm-up (packedroute's switch on), then packedroute, then model (the module's own value)
-    assert calls == [(1, True), (2, True), (1, True), (2, True), (1, False), (2, False)], calls
+    # warm-up (routerlate: C30 off), then routerlate, then model (the module's own value: on)
+    assert calls == [(1, False), (2, False), (1, False), (2, False), (1, True), (2, True)], calls
     record = json.loads(out.read_text())
     assert record["is_warmup_pass"] is True
-    assert [(run["variant"], len(run["rows"])) for run in record["runs"]] == [("packedroute", 2), ("model", 2)]
+    assert [(run["variant"], len(run["rows"])) for run in record["runs"]] == [("routerlate", 2), ("model", 2)]
 
 
 def test_unknown_variant_feature_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

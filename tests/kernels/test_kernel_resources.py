@@ -53,17 +53,3 @@ def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
     assert num_spilling == 0, stdout
     stacks = [int(m.group(1)) for m in re.finditer(r"_moe_align_kernel\s+\d+\s+(\d+)", stdout)]
     assert len(stacks) >= 8 and max(stacks) == 0, stdout  # no local-memory frame either
-
-
-@pytest.mark.slow
-def test_the_decode_switches_compile_for_sm90_without_spills() -> None:
-    """C25 / C27 / C28 switched on together (packed-key routing, the shared programs before the PDL wait, the down
-    weights' L2 prefetch in inline PTX) compile for sm_90 at the served B = 1 gate/up config and its one-warp
-    candidate (C26) with no spills and the prefetches present (CCTL). (At B = 8 the three together spill 4 bytes
-    at 4 warps, each alone or in pairs none: KERNEL_NOTES section 15.)"""
-    command = ["--batches", "1", "--only", "moe_block", "--moe-gemm1", "32,64,4,8,0,1;32,64,1,8,0,1"]
-    command += ["--moe-switches", "packedroute,sharedearly,prefetchdown"]
-    stdout, _, num_spilling = _kernel_resources(command)
-    assert num_spilling == 0, stdout
-    rows = [line for line in stdout.splitlines() if "_moe_decode_gemm1_kernel" in line and "[g1 " in line]
-    assert len(rows) == 2 and all("CCTL:" in row for row in rows), stdout

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from deltaserve.kernels import moe_decode_triton
 from deltaserve.kernels.moe import fused_moe_block_ref, fused_moe_ref, moe_route_ref, router_logits_ref
@@ -213,6 +211,7 @@ def test_router_logits_kernel_holds_the_gate_logit_in_its_last_column(
     from deltaserve.kernels.moe_decode_triton import ROUTER_GEMV_MAX_TOKENS, ROUTER_GEMV_SINGLE_MAX_TOKENS
 
     assert (ROUTER_GEMV_SINGLE_MAX_TOKENS, ROUTER_GEMV_MAX_TOKENS) == (4, 64)  # the parametrisation straddles both
+    torch.manual_seed(num_tokens * 7 + num_experts)
     x = randn(num_tokens, hidden, dtype=dtype)
     router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
     with poisoned_empty():
@@ -225,10 +224,10 @@ def test_router_logits_kernel_holds_the_gate_logit_in_its_last_column(
     )
     ref = router_logits_ref(x, router, gate)
     e = num_experts
-    # fp32: 1e-5, not 1e-6: over H = 1100 products the two sum orders differ by ~1e-5 absolute, and the gate
-    # column of a few tokens can sum to a small value (relative RMSE 1.2e-6 seen at 8.97 against 1.05e-5)
-    assert_close("router", ref[:, :e], logits[:, :e], tolerance(dtype, 1e-5, 4e-3))
-    assert_close("gate", ref[:, e:], logits[:, e:], tolerance(dtype, 1e-5, 4e-3))
+    # fp32: 1e-5, not 1e-6: over H = 1100 products the two sum orders differ by ~1e-5 absolute. The gate column is
+    # checked with the router rows, at their scale: alone, a few tokens' gate logits can sum to near 0 and their
+    # relative error be any size (relative RMSE 1.2e-6 seen at 8.97 against 1.05e-5)
+    assert_close("router and gate", ref, logits, tolerance(dtype, 1e-5, 4e-3))
     assert_close("router without the gate", ref[:, :e], plain, tolerance(dtype, 1e-5, 4e-3))
     assert torch.equal(router_logits_ref(x, router, None), ref[:, :e])
 
@@ -248,106 +247,6 @@ def test_in_kernel_routing_breaks_ties_to_the_lowest_expert() -> None:
     ref = fused_moe_ref(x, w["w13"], w["w2"], weights, ids)
     out = _call(moe_block_triton, x, w, 2, False, config=DECODE)
     assert_close("out", ref, out, 1e-5)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 8, 2), (3, 21, 4), (5, 16, 8), (16, 20, 3)])
-def test_packed_route_keys_route_bit_for_bit_as_the_two_reductions(
-    num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """C25: the top-k on packed (p bits, id) keys picks the same experts with the same weights, so the block's
-    output is the same bits; E = 21: padding experts in the 32-wide tile."""
-    torch.manual_seed(num_tokens * 100 + num_experts)
-    x = randn(num_tokens, 64, dtype=dtype).abs()
-    w = _weights(num_experts, 64, 32, 32, dtype)
-    # three equal and largest logits a token (x ≥ 0): the first picks are a tie, broken to the lowest id
-    w["router_weight"][[1, 3, 5]] = w["router_weight"][1].abs() + 0.5
-    outs = []
-    for packed in (False, True):
-        monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
-        with poisoned_empty():
-            outs.append(_call(moe_block_triton, x, w, top_k, True, config=DECODE))
-    assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "inter_sh"), [(1, 32), (3, 48), (16, 16), (20, 32)])  # 20: routed apart
-def test_shared_programs_before_the_wait_are_bitwise_the_same(
-    num_tokens: int, inter_sh: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """C27: the shared expert's gate/up programs computing ahead of the routing (SHARED_GATE_UP_BEFORE_WAIT) give the
-    block's output bit for bit, with a shared expert wider (48) and narrower (16) than the routed ones (32)."""
-    torch.manual_seed(num_tokens * 10 + inter_sh)
-    x = randn(num_tokens, 64, dtype=dtype)
-    w = _weights(16, 64, 32, inter_sh, dtype)
-    outs = []
-    for early in (False, True):
-        monkeypatch.setattr(moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", early)
-        with poisoned_empty():
-            outs.append(_call(moe_block_triton, x, w, 4, True, config=DECODE))
-    assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
-    assert_close("out", _ref(x, w, 4, True), outs[1], tolerance(dtype, fp32=1e-5))
-
-
-@triton.jit
-def _line_offsets_kernel(out_ptr, stride_row, num_row_blocks, row_elems, LINE_ELEMS: tl.constexpr, H: tl.constexpr,
-                         LINES: tl.constexpr):  # fmt: skip
-    i_b = tl.program_id(0)
-    offsets = moe_decode_triton._l2_line_offsets(stride_row, num_row_blocks, i_b, row_elems, LINE_ELEMS, H, LINES)
-    tl.store(out_ptr + i_b * LINES + tl.arange(0, LINES), offsets)
-
-
-@pytest.mark.parametrize(
-    ("hidden", "inter", "inter_sh", "block_n", "stride_pad"),
-    [(2048, 512, 512, 32, 0), (2048, 512, 512, 16, 0), (96, 48, 16, 16, 8), (100, 40, 72, 32, 0)],
-)
-def test_down_prefetch_lines_cover_every_row_of_the_expert_once_split(
-    hidden: int, inter: int, inter_sh: int, block_n: int, stride_pad: int
-) -> None:
-    """C28: the gate/up programs of one expert (one per column block) prefetch 128-byte lines that together cover
-    every line of the expert's down rows [H, I] and nothing outside them; the 35B-A3B case is 1024 lines a program.
-    Shapes with rows not a multiple of a line, a padded row stride and H not divisible by the program count."""
-    line_elems = 64  # bf16
-    lines = moe_decode_triton._prefetch_lines_for(hidden, 2, inter, inter_sh, block_n)
-    if (hidden, inter, block_n) == (2048, 512, 32):
-        assert lines == 1024
-    for width in (inter, inter_sh):
-        num_nb = triton.cdiv(width, block_n)
-        stride = width + stride_pad
-        out = torch.full((num_nb, lines), -1, dtype=torch.int64, device=DEVICE)
-        _line_offsets_kernel[(num_nb,)](out, stride, num_nb, width, LINE_ELEMS=line_elems, H=hidden, LINES=lines)
-        want = {r * stride + c for r in range(hidden) for c in range(0, width, line_elems)}
-        got = set(out.flatten().tolist())
-        assert got == want, (len(got - want), len(want - got))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
-def test_routing_switches_are_bitwise_at_the_served_shape(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """C25, C27 and C28 on the H200 in bf16 at the 35B-A3B shape (E 256, top-8, I 512, H 2048): the packed-key
-    top-k, the shared expert's programs ahead of the wait (under PDL, as served) and the down weights' L2 prefetch
-    each give the block's output bit for bit, with the committed table's B = 1 gate/up config (32/64/4 warps/8
-    stages, routing on next_pow2(T) rows) and its one-warp candidate (C26)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    torch.manual_seed(num_tokens)
-    x = randn(num_tokens, 2048, dtype=torch.bfloat16)
-    w = _weights(256, 2048, 512, 512, torch.bfloat16)
-    for num_warps in (4, 1):
-        gemm1 = GemmConfig(32, 64, num_warps, 8, ROUTE_ROWS=1)
-        config = MoEConfig("decode", gemm1, GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1))
-        outs = []
-        switches = ((False, False, False), (True, False, False), (False, True, False), (False, False, True),
-                    (True, True, True))  # fmt: skip
-        for packed, early, prefetch in switches:
-            monkeypatch.setattr(moe_decode_triton, "ROUTE_PACKED_KEYS", packed)
-            monkeypatch.setattr(moe_decode_triton, "SHARED_GATE_UP_BEFORE_WAIT", early)
-            monkeypatch.setattr(moe_decode_triton, "PREFETCH_DOWN_L2", prefetch)
-            outs.append(_call(moe_block_triton, x, w, 8, True, config=config))
-        names = ("packed keys (C25)", "shared before the wait (C27)", "down prefetch (C28)", "all three")
-        for which, out in zip(names, outs[1:], strict=True):
-            diff = (outs[0].float() - out.float()).abs().max().item()
-            assert torch.equal(outs[0], out), f"{num_warps} warps, {which}: max diff {diff}"
 
 
 def test_decode_path_refuses_a_batch_past_its_tile() -> None:
