@@ -2,10 +2,12 @@
 # The next session's device calls (written 2026-12-03 in session 14, before any of them ran; one warm nvidia-h200,
 # each call issued within 30 s of the last). The vLLM bundle goes in four pieces (sha256 22e9232e...40f6); .whl
 # (xgrammar 0.2.9) rides with piece 1 into /tmp/ds_site; /tmp/vllm_site goes last on PYTHONPATH once unpacked.
-#   1  carry .vllm_chunk .whl  the decode step with decode_step's new warm-up pass (ae92e23): 35B-A3B model /
+#   1  carry .vllm_chunk .whl  pytest -m gpu on the MoE decode kernels after C25 / C27 / C28's retirement (71d9415)
+#                              and the engine's PDL token test, capped at 150 s; then
+#                              the decode step with decode_step's new warm-up pass (ae92e23): 35B-A3B model /
 #                              routerlate / nogemv at B = 1, 2, 4 (does `model` first now read ~2.41 ms, not 2.55?),
 #                              then `model` on both shapes at 13 batch sizes (the table without the first-slot
-#                              bias)                                                                    (~170 s)
+#                              bias)                                                                    (~330 s)
 #   2  carry .vllm_chunk2      the piece alone                                                          (~2 s)
 #   3  carry .vllm_chunk3      the piece alone                                                          (~2 s)
 #   4  carry .vllm_chunk4      SHA256 set, CALL_BUDGET_S=585: h200_core2 on the 27B shape, c1/8/32/64   (~570 s)
@@ -24,6 +26,9 @@ case $CALL in
   1)
     timeout 150 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models --only q35-35b-a3b,q35-27b \
       > "$W/dummies.log" 2>&1
+    mark "pytest -m gpu: MoE decode kernels, PDL, the engine's PDL token test (verbose, capped at 150 s)"
+    budget=$((SECONDS + 160)) gpu_pytest pytest-gpu-moe tests/kernels/test_moe_decode.py tests/kernels/test_pdl.py \
+      tests/engine/test_gpu_async.py -k "not async_graph_decode_matches_sync and not graph_decode_matches_eager"
     mark "decode step, 35B-A3B, with the warm-up pass: model / routerlate / nogemv at B = 1, 2, 4"
     decode_step decode-step-warmup-35b-a3b --shapes 35b-a3b --variants model,routerlate,nogemv --batches 1,2,4
     mark "decode step, both shapes: model at 13 batch sizes, with the warm-up pass"
