@@ -654,6 +654,15 @@ def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[No
             setattr(module, name, saved[feature])
 
 
+def variant_features(variant: str, config: Any) -> set[str]:
+    """A variant's features as variant_context takes them: `model` adds none; the dense shape has no MoE block to
+    swap, so `block` is dropped there."""
+    features = set(variant.split("+")) - {"model"}
+    if not config.num_experts:
+        features.discard("block")
+    return features
+
+
 def run_shape(
     shape: str, variants: list[str], args: argparse.Namespace, ceilings: dict[str, float], save: Callable[[], None],
     record: dict[str, Any], phase: str,
@@ -675,8 +684,7 @@ def run_shape(
         # B = 1 than the same code timed later (cause unknown; it is not CUPTI, nothing has profiled yet). The
         # first variant's batches are timed once and dropped, so every recorded variant is timed in the position
         # call 11 of that session measured cleanly (after another full timing pass).
-        first = set(variants[0].split("+")) - {"model"}
-        with variant_context(first, args):
+        with variant_context(variant_features(variants[0], config), args):
             for batch in batches:
                 try:
                     time_batch(model, config, cache, batch, args)
@@ -685,9 +693,7 @@ def run_shape(
         print(f"{shape}: warm-up pass done (not recorded)", flush=True)
     done: set[str] = set()
     for variant in variants:
-        features = set(variant.split("+")) - {"model"}
-        if not config.num_experts:
-            features.discard("block")  # the dense shape has no MoE block to swap
+        features = variant_features(variant, config)
         variant = "+".join(sorted(features)) or "model"
         if variant in done:
             continue
