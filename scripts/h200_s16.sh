@@ -12,6 +12,10 @@
 #   3  carry .vllm_chunk3      the piece alone                                                          (~2 s)
 #   4  carry .vllm_chunk4      SHA256 set, CALL_BUDGET_S=585: h200_core2 on the 27B shape, c1/8/32/64   (~500 s)
 #   5  (warm)                  only if call 4's deadline skipped an arm: the same grid by --resume       (~350 s)
+# Added after call 4 (KERNEL_NOTES section 18, C31: the prefill conv's history branch, then its tile):
+#   6  carry .whl              pytest -m gpu on the conv and the engine's GPU token tests (<= 150 s); the conv tile
+#                              sweep (benchmarks/conv_prefill_sweep.py); the 27B mixed step 2048@0 / 2048@32 with
+#                              C31's branch at the committed tile                                       (~250 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=585] [RECORD_DATE=20261204-s16] bash scripts/h200_s16.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +49,29 @@ case $CALL in
   5) mark "h200_core2, 27B, c1/8/32/64, resumed"
      grid benchmarks/grids/h200_core2.toml "h200_core2-27b-$day" --models q35-27b --concurrencies 1,8,32,64 \
        --resume "/tmp/ds_grid_$SESSION/h200_core2-27b-$day.json" ;;
+  6)
+    timeout 150 python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models --only q35-27b > "$W/dummies.log" 2>&1
+    mark "pytest -m gpu: the conv, the engine's GPU token tests (capped at 150 s)"
+    budget=$((SECONDS + 160)) gpu_pytest pytest-gpu-conv tests/kernels/test_conv.py tests/kernels/test_gdn.py \
+      tests/engine/test_gpu_async.py
+    mark "conv tile sweep"
+    timeout 200 python3 benchmarks/conv_prefill_sweep.py --out "$OUT/conv-prefill-sweep.json" > "$W/conv-sweep.log" 2>&1
+    echo "conv_prefill_sweep rc $?" | tee -a "$OUT/summary.txt"
+    grep -v Warn "$W/conv-sweep.log" | tee -a "$OUT/summary.txt"
+    mark "mixed-step profile, 27B, C31's branch at the committed tile"
+    timeout $((budget - 10 - SECONDS)) python3 benchmarks/mixed_step.py --models /tmp/ds_models --shapes 27b \
+      --cases 2048@0,2048@32 --reps 5 --out "$OUT/mixed-step-27b-c31.json" > "$W/mixed-step-27b-c31.log" 2>&1
+    echo "mixed_step rc $?" | tee -a "$OUT/summary.txt"
+    grep -E "^  |FAILED|case,|conv" "$W/mixed-step-27b-c31.log" | tee -a "$OUT/summary.txt"
+    python3 - "$OUT/mixed-step-27b-c31.json" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for case, c in d["shapes"]["27b"].items():
+    for k in c.get("top_kernels", []):
+        if "conv" in k["name"] or "gdn" in k["name"]:
+            print(f"  {case} {k['name']}: {k['us']:.0f} us / {k['calls']}")
+PY
+    ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
 mark done

@@ -7,7 +7,8 @@ the input dtype, fp32 sum, fp32 SiLU, one rounding on store.
 - prefill: grid (global token block, channel block), sized from T alone (no host sync, no idle programs
   for short sequences). Each token binary-searches query_start_loc for its sequence; a [BLOCK_T, BLOCK_C]
   tile reads K shifted row tiles of x (L1/L2 hits after the first), and rows before a sequence's start
-  come from its slot's history when has_initial_state, else are zero. A second launch, grid (sequence,
+  come from its slot's history when has_initial_state, else are zero; a block holding no token within K-1 rows
+  of its sequence's start skips the history loads (a scalar branch). A second launch, grid (sequence,
   channel block), then writes each slot's new last K-1 pre-conv rows.
 - update (decode, in place): grid (sequence, channel block); a [BLOCK_K, BLOCK_C] tile holds the K-1 state
   rows plus the new token, the output is one weighted column sum, and the state shifts by one row. Slots
@@ -75,25 +76,40 @@ def _causal_conv1d_prefill_kernel(
     # Token blocks ignore sequence boundaries; each token finds its own sequence, start and slot.
     i_seq = sequence_of_tokens(query_start_loc_ptr, o_t, num_seqs, NUM_SEARCH_STEPS)  # [BLOCK_T]
     b_start = tl.load(query_start_loc_ptr + i_seq, mask=m_t, other=0)
-    b_slot = i64(tl.load(state_indices_ptr + i_seq, mask=m_t, other=-1))
-    b_has_init = (tl.load(has_initial_state_ptr + i_seq, mask=m_t, other=0) != 0) & (b_slot >= 0)
-    p_hist = conv_states_ptr + b_slot * stride_s_slot  # [BLOCK_T]
-
+    b_pos = o_t - b_start  # [BLOCK_T] position in its sequence
+    p_rows = x_ptr + i64(o_t) * stride_x  # [BLOCK_T]
     b_acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(K):
-        b_w = tl.load(weight_ptr + o_c * K + j, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_C]
-        o_src = o_t - (K - 1) + j  # [BLOCK_T] row this tap reads; before the start means history
-        m_from_x = m_t & (o_src >= b_start)
-        m_from_hist = m_t & (o_src < b_start) & b_has_init
-        b_in = tl.load(
-            x_ptr + i64(o_src)[:, None] * stride_x + o_c[None, :], mask=m_from_x[:, None] & m_c[None, :], other=0.0
-        ).to(tl.float32)
-        o_hist_row = i64(o_src - b_start + K - 1) * stride_s_row  # [BLOCK_T]
-        b_hist = tl.load(
-            (p_hist + o_hist_row)[:, None] + o_c[None, :], mask=m_from_hist[:, None] & m_c[None, :], other=0.0
-        )
-        b_in += b_hist.to(x_ptr.dtype.element_ty).to(tl.float32)
-        b_acc += (b_in * b_w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # Only tokens within K-1 rows of their sequence's start read history rows. Blocks without any (all but about
+    # one a sequence in a long prefill) take the x-only loop: the masked history loads and their address math
+    # were most of this kernel's instructions (KERNEL_NOTES section 18, C31). Both loops add the same rounded
+    # tap products in the same order, so the result does not depend on the branch.
+    if tl.min(tl.where(m_t, b_pos, K)) < K - 1:
+        b_slot = i64(tl.load(state_indices_ptr + i_seq, mask=m_t, other=-1))
+        b_has_init = (tl.load(has_initial_state_ptr + i_seq, mask=m_t, other=0) != 0) & (b_slot >= 0)
+        p_hist = conv_states_ptr + b_slot * stride_s_slot  # [BLOCK_T]
+        for j in tl.static_range(K):
+            b_w = tl.load(weight_ptr + o_c * K + j, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_C]
+            # this tap reads row t-(K-1)+j; before the start means history row pos+j of the slot
+            m_from_x = m_t & (b_pos >= K - 1 - j)
+            m_from_hist = m_t & (b_pos < K - 1 - j) & b_has_init
+            b_in = tl.load(
+                (p_rows - (K - 1 - j) * stride_x)[:, None] + o_c[None, :],
+                mask=m_from_x[:, None] & m_c[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            o_hist_row = i64(b_pos + j) * stride_s_row  # [BLOCK_T]
+            b_hist = tl.load(
+                (p_hist + o_hist_row)[:, None] + o_c[None, :], mask=m_from_hist[:, None] & m_c[None, :], other=0.0
+            )
+            b_in += b_hist.to(x_ptr.dtype.element_ty).to(tl.float32)
+            b_acc += (b_in * b_w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        for j in tl.static_range(K):
+            b_w = tl.load(weight_ptr + o_c * K + j, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_C]
+            b_in = tl.load(
+                (p_rows - (K - 1 - j) * stride_x)[:, None] + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0
+            ).to(tl.float32)
+            b_acc += (b_in * b_w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
     b_y = silu_f32(b_acc)
     tl.store(out_ptr + i64(o_t)[:, None] * stride_o + o_c[None, :], b_y, mask=m_t[:, None] & m_c[None, :])
 
@@ -146,6 +162,17 @@ def _conv_state_writeback_kernel(
     tl.store(p_hist + o_r[:, None] * stride_s_row + o_c[None, :], b_new, mask=m_r[:, None] & m_c[None, :])
 
 
+# The prefill conv's tile: tokens x channels and warps (benchmarks/conv_prefill_sweep.py chose them on the H200).
+PREFILL_BLOCK_T = 16
+PREFILL_BLOCK_C = 256
+PREFILL_WARPS = 4
+
+
+def prefill_blocks(channels: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, num_warps) of the prefill conv for `channels` channels."""
+    return PREFILL_BLOCK_T, min(PREFILL_BLOCK_C, next_pow2(channels)), PREFILL_WARPS
+
+
 def causal_conv1d_prefill_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -168,7 +195,7 @@ def causal_conv1d_prefill_triton(
     num_seqs = state_indices.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_t, block_c = 16, min(256, next_pow2(channels))
+    block_t, block_c, num_warps = prefill_blocks(channels)
     _causal_conv1d_prefill_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
         x,
         weight,
@@ -188,7 +215,7 @@ def causal_conv1d_prefill_triton(
         NUM_SEARCH_STEPS=search_steps(num_seqs),
         BLOCK_T=block_t,
         BLOCK_C=block_c,
-        num_warps=4,
+        num_warps=num_warps,
     )
     _conv_state_writeback_kernel[(num_seqs, triton.cdiv(channels, block_c))](
         x,
