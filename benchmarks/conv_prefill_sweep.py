@@ -8,11 +8,16 @@ bit-equal to the committed one, and reports microseconds and achieved bandwidth 
 measured in the run. Picks the configuration with the smallest sum over the cases.
 
     python3 benchmarks/conv_prefill_sweep.py --out $OUT/conv-prefill-sweep.json
+
+With --baseline FILE (an earlier conv_triton.py, e.g. `git show REV:deltaserve/kernels/conv_triton.py > FILE`)
+it also times that file's conv kernel at the committed tile, interleaved with the current one, and checks the two
+outputs are bit-equal: a before / after of a kernel change in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import statistics
@@ -58,11 +63,22 @@ def time_us(fn: Any, reps: int, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def launch_conv(case: dict[str, Any], out: torch.Tensor, block_t: int, block_c: int, num_warps: int) -> None:
-    """The conv launch alone (no history write-back), at the given tile."""
+def load_module(path: Path) -> Any:
+    """A kernel module from a file (the baseline of an A/B)."""
+    spec = importlib.util.spec_from_file_location("conv_triton_baseline", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def launch_conv(
+    case: dict[str, Any], out: torch.Tensor, block_t: int, block_c: int, num_warps: int, module: Any = conv_triton
+) -> None:
+    """The conv launch alone (no history write-back), at the given tile, of `module`'s kernel."""
     x, num_tokens, channels = case["x"], case["x"].shape[0], case["x"].shape[1]
     num_seqs = case["slots"].shape[0]
-    conv_triton._causal_conv1d_prefill_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
+    module._causal_conv1d_prefill_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
         x,
         case["weight"],
         case["states"],
@@ -107,11 +123,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--baseline", type=Path, help="an earlier conv_triton.py to time against, same tile")
+    parser.add_argument("--only-baseline", action="store_true", help="skip the tile sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("conv_prefill_sweep: needs a CUDA GPU")
         return 2
     committed = conv_triton.prefill_blocks
+    baseline = load_module(args.baseline) if args.baseline else None
     configs = list(itertools.product(BLOCK_TS, BLOCK_CS, WARPS))
     results: dict[str, Any] = {}
     num_mismatches = 0
@@ -128,20 +147,34 @@ def main() -> int:
             case["x"], case["weight"], case["states"], case["qsl"], case["slots"], case["init"], out=ref
         )
         case["states"].copy_(states)
-        committed_us = time_us(
-            lambda: conv_triton.causal_conv1d_prefill_triton(  # noqa: B023
-                case["x"],
-                case["weight"],
-                case["states"],
-                case["qsl"],
-                case["slots"],
-                case["init"],  # noqa: B023
-            ),
-            args.reps,
-        )
+        call_args = (case["x"], case["weight"], case["states"], case["qsl"], case["slots"], case["init"])
+        committed_us = time_us(lambda: conv_triton.causal_conv1d_prefill_triton(*call_args), args.reps)  # noqa: B023
         case["states"].copy_(states)  # the write-back above moved the histories on: the sweep reads the originals
+        ab: dict[str, Any] = {}
+        if baseline is not None:
+            tile = committed(channels)
+            out_new = torch.full_like(ref, float("nan"))
+            out_old = torch.full_like(ref, float("nan"))
+            launch_conv(case, out_new, *tile)
+            launch_conv(case, out_old, *tile, module=baseline)
+            is_equal = bool(torch.equal(out_new, ref)) and bool(torch.equal(out_old, ref))
+            num_mismatches += int(not is_equal)
+            new_us, old_us = [], []
+            for _ in range(3):  # interleaved, so clocks and L2 drift hit both alike
+                old_us.append(time_us(lambda: launch_conv(case, out_old, *tile, module=baseline), args.reps))  # noqa: B023
+                new_us.append(time_us(lambda: launch_conv(case, out_new, *tile), args.reps))  # noqa: B023
+            ab = {
+                "tile": list(tile),
+                "baseline_us": round(statistics.median(old_us), 2),
+                "current_us": round(statistics.median(new_us), 2),
+                "is_equal": is_equal,
+            }
+            print(
+                f"{label}: baseline {ab['baseline_us']:.2f} us, current {ab['current_us']:.2f} us at tile {tile}, "
+                f"bit-equal to the committed launch: {is_equal}"
+            )
         rows = []
-        for block_t, block_c, num_warps in configs:
+        for block_t, block_c, num_warps in [] if args.only_baseline else configs:
             out = torch.full_like(ref, float("nan"))
             launch_conv(case, out, block_t, block_c, num_warps)
             is_equal = bool(torch.equal(out, ref))
@@ -161,6 +194,7 @@ def main() -> int:
             "copy_gbps": round(ceiling_gbps, 1),
             "committed": list(committed(channels)),
             "committed_us_with_writeback": round(committed_us, 2),
+            "ab": ab,
             "sweep": rows,
         }
         print(
@@ -172,15 +206,17 @@ def main() -> int:
                   f"{r['gbps']:7.1f} GB/s equal {r['is_equal']}")  # fmt: skip
         here = [r for r in rows if (r["block_t"], r["block_c"], r["num_warps"]) == committed(channels)]
         print(f"  committed tile, conv alone: {here[0]['us']:.2f} us" if here else "  committed tile not in the sweep")
+    swept = [] if args.only_baseline else configs
     totals = {
         cfg: sum(next(r["us"] for r in res["sweep"] if (r["block_t"], r["block_c"], r["num_warps"]) == cfg)
                  for res in results.values())
-        for cfg in configs
+        for cfg in swept
     }  # fmt: skip
-    best = min(totals, key=totals.get)
-    print(f"best over the cases: BLOCK_T {best[0]} BLOCK_C {best[1]} warps {best[2]}: {totals[best]:.1f} us in all")
-    print(f"outputs bit-equal to the committed launch: {len(configs) * len(CASES) - num_mismatches}/"
-          f"{len(configs) * len(CASES)}")  # fmt: skip
+    best = min(totals, key=totals.get) if totals else None
+    if best is not None:
+        print(f"best over the cases: BLOCK_T {best[0]} BLOCK_C {best[1]} warps {best[2]}: {totals[best]:.1f} us in all")
+    num_checked = len(swept) * len(CASES) + (len(CASES) if baseline is not None else 0)
+    print(f"outputs bit-equal to the committed launch: {num_checked - num_mismatches}/{num_checked}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
         "kind": "conv-prefill-sweep",
@@ -191,7 +227,7 @@ def main() -> int:
         "triton": triton.__version__,
         "cases": results,
         "totals_us": {f"{t}x{c}x{w}": round(v, 2) for (t, c, w), v in totals.items()},
-        "best": list(best),
+        "best": list(best) if best is not None else None,
         "num_mismatches": num_mismatches,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

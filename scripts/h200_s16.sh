@@ -16,6 +16,9 @@
 #   6  carry .whl              pytest -m gpu on the conv and the engine's GPU token tests (<= 150 s); the conv tile
 #                              sweep (benchmarks/conv_prefill_sweep.py); the 27B mixed step 2048@0 / 2048@32 with
 #                              C31's branch at the committed tile                                       (~250 s)
+#   7  (no carry)              C31 before / after in one process: the conv kernel of 9d034a7 (the file
+#                              c31_baseline_conv_triton.py, from `git show 9d034a7:deltaserve/kernels/conv_triton.py`,
+#                              untracked, travels with the tree) against the current one at the committed tile (~60 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=585] [RECORD_DATE=20261204-s16] bash scripts/h200_s16.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,6 +74,13 @@ for case, c in d["shapes"]["27b"].items():
         if "conv" in k["name"] or "gdn" in k["name"]:
             print(f"  {case} {k['name']}: {k['us']:.0f} us / {k['calls']}")
 PY
+    ;;
+  7)
+    mark "conv before / after (C31), committed tile"
+    timeout 200 python3 benchmarks/conv_prefill_sweep.py --baseline c31_baseline_conv_triton.py --only-baseline \
+      --out "$OUT/conv-prefill-c31-ab.json" > "$W/conv-c31-ab.log" 2>&1
+    echo "conv_prefill_sweep rc $?" | tee -a "$OUT/summary.txt"
+    grep -v Warn "$W/conv-c31-ab.log" | tee -a "$OUT/summary.txt"
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
