@@ -19,6 +19,8 @@
 #   7  (no carry)              C31 before / after in one process: the conv kernel of 9d034a7 (the file
 #                              c31_baseline_conv_triton.py, from `git show 9d034a7:deltaserve/kernels/conv_triton.py`,
 #                              untracked, travels with the tree) against the current one at the committed tile (~60 s)
+#   8  carry .whl              the fp32 token gates on cuda, tiny dense / moe / next (make-tiny), on the final served
+#                              code (item 5: STRICT 32/32 each)                                          (~300 s)
 # usage: OUT=... DELTASERVE_GIT_COMMIT=<sha> [SHA256=...] [CALL_BUDGET_S=585] [RECORD_DATE=20261204-s16] bash scripts/h200_s16.sh CALL
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +83,17 @@ PY
       --out "$OUT/conv-prefill-c31-ab.json" > "$W/conv-c31-ab.log" 2>&1
     echo "conv_prefill_sweep rc $?" | tee -a "$OUT/summary.txt"
     grep -v Warn "$W/conv-c31-ab.log" | tee -a "$OUT/summary.txt"
+    ;;
+  8)
+    mark "token gates, tiny dense / moe / next, fp32 on cuda"
+    for v in dense moe next; do
+      python3 -m deltaserve.cli make-tiny "/tmp/tiny/$v" --variant "$v" > /dev/null 2>&1
+      timeout 100 python3 -m deltaserve.cli gate tokens --model "/tmp/tiny/$v" --dtype float32 --device cuda \
+        --record "$OUT/gate-$v-float32-tiny.json" \
+        > "$W/gate-$v-float32.log" 2>&1
+      echo "gate $v float32 rc $?: $(grep -E "STRICT" "$W/gate-$v-float32.log" | head -1)" | tee -a "$OUT/summary.txt"
+      cp "$W/gate-$v-float32.log" "$OUT/"
+    done
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
