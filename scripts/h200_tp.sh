@@ -21,9 +21,11 @@ shift || true
 # NVLink multicast stays off in every process started from here (the device notes' rule; the executor forces it too)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds_site .whl/*.whl
 fi
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# /tmp/ds_site: deltaserve's own pins (xgrammar 0.2.9), as h200_call.sh and the grids' deltaserve arms have them;
+# the vLLM bundle last, where unpacked (xgrammar 0.2.9 imports pydantic, which the host has only from the bundle)
+export PYTHONPATH="$PWD:/tmp/ds_site:/tmp/vllm_site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 dummy() { [ -f /tmp/ds_models/q35-35b-a3b/config.json ] || python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models; }
 echo "=== $step ($(date +%T))"
