@@ -17,6 +17,8 @@ the input dtype, fp32 sum, fp32 SiLU, one rounding on store.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -173,6 +175,46 @@ def prefill_blocks(channels: int) -> tuple[int, int, int]:
     return PREFILL_BLOCK_T, min(PREFILL_BLOCK_C, next_pow2(channels)), PREFILL_WARPS
 
 
+def launch_prefill_conv(
+    kernel: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor,
+    block_t: int,
+    block_c: int,
+    num_warps: int,
+) -> None:
+    """The conv launch alone (no history write-back) at one tile. `kernel` is `_causal_conv1d_prefill_kernel`, or
+    an earlier version of it with the same arguments (benchmarks/conv_prefill_sweep.py's before / after)."""
+    num_tokens, channels = x.shape
+    num_seqs = state_indices.shape[0]
+    kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
+        x,
+        weight,
+        conv_states,
+        out,
+        query_start_loc,
+        state_indices,
+        has_initial_state,
+        num_tokens,
+        num_seqs,
+        x.stride(0),
+        out.stride(0),
+        conv_states.stride(0),
+        conv_states.stride(1),
+        C=channels,
+        K=weight.shape[1],
+        NUM_SEARCH_STEPS=search_steps(num_seqs),
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=num_warps,
+    )
+
+
 def causal_conv1d_prefill_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -196,27 +238,10 @@ def causal_conv1d_prefill_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_t, block_c, num_warps = prefill_blocks(channels)
-    _causal_conv1d_prefill_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))](
-        x,
-        weight,
-        conv_states,
-        out,
-        query_start_loc,
-        state_indices,
-        has_initial_state,
-        num_tokens,
-        num_seqs,
-        x.stride(0),
-        out.stride(0),
-        conv_states.stride(0),
-        conv_states.stride(1),
-        C=channels,
-        K=kernel_size,
-        NUM_SEARCH_STEPS=search_steps(num_seqs),
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
-        num_warps=num_warps,
-    )
+    launch_prefill_conv(
+        _causal_conv1d_prefill_kernel, x, weight, conv_states, query_start_loc, state_indices, has_initial_state, out,
+        block_t, block_c, num_warps,
+    )  # fmt: skip
     _conv_state_writeback_kernel[(num_seqs, triton.cdiv(channels, block_c))](
         x,
         conv_states,
