@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from bench_helpers import WordTokenizer, serve_in_thread  # noqa: E402
-from fake_server import build_app, make_word_tokenizer  # noqa: E402
+from .bench_helpers import WordTokenizer, serve_in_thread
+from .fake_server import build_app, make_word_tokenizer
 
 
 @pytest.fixture(scope="session")
