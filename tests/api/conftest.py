@@ -13,9 +13,8 @@ from deltaserve.api.server import build_app
 from deltaserve.api.settings import ServerSettings
 
 from .fake_engine import FakeEngine, build_tokenizer
-from .server_thread import ServerThread
+from .server_thread import MODEL_NAME, ServerThread
 
-MODEL_NAME = "fake-qwen"
 API_KEY = "sk-test"
 
 

@@ -1,4 +1,5 @@
-"""A real uvicorn server for tests, on a random free port of 127.0.0.1, in a background thread.
+"""A real uvicorn server for tests, on a random free port of 127.0.0.1, in a background thread, and serve(), which
+puts an engine (the FakeEngine or a real AsyncEngine) behind deltaserve's app in one.
 
 The socket is bound before uvicorn starts, so there is no race for the port; start() returns once the server
 answers /health.
@@ -15,6 +16,11 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI
+
+from deltaserve.api.server import build_app
+from deltaserve.api.settings import EngineClient, ServerSettings
+
+MODEL_NAME = "fake-qwen"  # the name the API tests serve the FakeEngine under
 
 
 class ServerThread:
@@ -51,6 +57,20 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
+
+
+def serve(
+    engine: EngineClient,
+    client_context: ssl.SSLContext | None = None,
+    options: dict[str, Any] | None = None,
+    model_root: str = "m",
+    served_model_names: list[str] | None = None,
+    **fields: Any,
+) -> ServerThread:
+    """`engine` behind deltaserve's app in a started ServerThread, served as MODEL_NAME unless told otherwise; fields:
+    more ServerSettings fields; client_context and options: as ServerThread takes them."""
+    settings = ServerSettings(model_root=model_root, served_model_names=served_model_names or [MODEL_NAME], **fields)
+    return ServerThread(build_app(engine, settings), client_context=client_context, **(options or {})).start()
 
 
 def metric_value(text: str, name: str) -> float:

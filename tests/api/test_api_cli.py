@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import pytest
 
 from deltaserve.api import cli
 from deltaserve.api.compat import check_compat
+from tests.support.ports import free_port
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -90,12 +90,6 @@ def test_no_model_serves_the_tiny_checkpoint_on_cpu(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
     model, device = cli.resolve_model(parse())
     assert device == "cpu" and Path(model).is_dir() and Path(model).is_relative_to(tmp_path)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_deltaserve_serve_command(tiny_dense: Path) -> None:

@@ -12,12 +12,9 @@ import httpx
 import openai
 import pytest
 
-from deltaserve.api.server import build_app
-from deltaserve.api.settings import ServerSettings
-
 from .conftest import MODEL_NAME
 from .fake_engine import FakeEngine
-from .server_thread import ServerThread
+from .server_thread import ServerThread, serve
 from .test_api_completions import sse_events
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -65,11 +62,6 @@ def test_empty_stream_options_without_stream_is_allowed(http: httpx.Client) -> N
 def test_stream_options_without_stream_is_refused_by_the_client_library_path(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="Stream options can only be defined"):
         client.chat.completions.create(model=MODEL_NAME, messages=USER, stream_options={"include_usage": True})
-
-
-def serve(engine: FakeEngine, **fields: Any) -> ServerThread:
-    settings = ServerSettings(model_root="m", served_model_names=[MODEL_NAME], **fields)
-    return ServerThread(build_app(engine, settings)).start()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from deltaserve.api.settings import ServerSettings
 
 from .conftest import MODEL_NAME
 from .fake_engine import FakeEngine
-from .server_thread import ServerThread
+from .server_thread import ServerThread, serve
 
 DATA = Path(__file__).parent / "data"
 CERT, KEY = str(DATA / "test-cert.pem"), str(DATA / "test-key.pem")
@@ -261,12 +261,6 @@ def test_access_log_filter() -> None:
 
     assert not log_filter.filter(record("/health")) and not log_filter.filter(record("/metrics?x=1"))
     assert log_filter.filter(record("/v1/models"))
-
-
-def serve(engine: FakeEngine, client_context: ssl.SSLContext | None = None, options: dict[str, Any] | None = None,
-          **fields: Any) -> ServerThread:  # fmt: skip
-    settings = ServerSettings(model_root="m", served_model_names=[MODEL_NAME], **fields)
-    return ServerThread(build_app(engine, settings), client_context=client_context, **(options or {})).start()
 
 
 def test_root_path(fake_engine: FakeEngine) -> None:

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from deltaserve.api.server import build_app
+from tests.support.ports import free_port
 
 from .fake_engine import FakeEngine
 from .hostile_server import BODY_LIMIT, MODEL_NAME, hostile_settings
@@ -469,12 +470,6 @@ CASES: list[Case] = [
 class RemoteServer:
     base_url: str
     port: int
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,15 @@ import openai
 import pytest
 from PIL import Image
 
-from deltaserve.api.server import build_app
-from deltaserve.api.settings import ServerSettings
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.llm import LLM
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
-from tests.model.vision_driver import tiny_vision_checkpoint
 from tests.multimodal.synthetic import synthetic_image, synthetic_video
 from tests.multimodal.test_media import write_video
+from tests.support.vision import tiny_vision_checkpoint
 
-from .server_thread import ServerThread
+from .server_thread import ServerThread, serve
 
 MAX_TOKENS = 6
 
@@ -53,15 +51,14 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def serve(model: Path, **engine: object) -> ServerThread:
+def serve_model(model: Path, **engine: object) -> ServerThread:
     config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_model_len=1024, **engine)
-    app = build_app(AsyncEngine.from_config(config), ServerSettings(model_root=str(model), served_model_names=["vl"]))
-    return ServerThread(app).start()
+    return serve(AsyncEngine.from_config(config), model_root=str(model), served_model_names=["vl"])
 
 
 @pytest.fixture(scope="module")
 def server(media_dir: Path) -> Iterator[ServerThread]:
-    thread = serve(tiny_vision_checkpoint("dense-vl"), allowed_local_media_path=str(media_dir),
+    thread = serve_model(tiny_vision_checkpoint("dense-vl"), allowed_local_media_path=str(media_dir),
                    limit_mm_per_prompt='{"image": 2, "video": 1}')  # fmt: skip
     yield thread
     thread.stop()
@@ -138,7 +135,7 @@ def test_bad_media_is_a_400_and_the_server_stays_up(server: ServerThread, case: 
 
 
 def test_a_text_only_server_refuses_media_parts() -> None:
-    thread = serve(tiny_vision_checkpoint("dense-vl"), language_model_only=True)
+    thread = serve_model(tiny_vision_checkpoint("dense-vl"), language_model_only=True)
     try:
         response = _status(thread, [{"type": "image_url", "image_url": {"url": png_data_url(synthetic_image(32, 32))}}])
         assert response.status_code == 400 and "text only" in response.json()["error"]["message"]

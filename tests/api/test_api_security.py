@@ -12,12 +12,10 @@ import openai
 import pytest
 
 from deltaserve.api import cli
-from deltaserve.api.server import build_app
-from deltaserve.api.settings import ServerSettings
 
 from .conftest import MODEL_NAME
 from .fake_engine import FakeEngine
-from .server_thread import ServerThread
+from .server_thread import ServerThread, serve
 
 KEYS = ["sk-one", "sk-two"]
 OPEN_ROUTES = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"), ("GET", "/metrics")]
@@ -34,11 +32,6 @@ GUARDED_ROUTES = [
     ("GET", "/openapi.json"),
     ("GET", "/no/such/route"),
 ]
-
-
-def serve(engine: FakeEngine, **fields: object) -> ServerThread:
-    settings = ServerSettings(model_root="m", served_model_names=[MODEL_NAME], **fields)  # type: ignore[arg-type]
-    return ServerThread(build_app(engine, settings)).start()
 
 
 @pytest.fixture(scope="module")

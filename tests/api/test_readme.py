@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -20,14 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def code_blocks(language: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark-harness tests: a fast tokenizer adapter, free ports, an in-thread server.
+"""Helpers shared by the benchmark-harness tests: a fast tokenizer adapter and an in-thread server.
 
 The adapter wraps the `tokenizers` library with the four attributes the dataset needs, so most tests do not
 import transformers (seconds on a loaded machine); the CPU grid test covers the real transformers path.
@@ -7,13 +7,14 @@ import transformers (seconds on a loaded machine); the CPU grid test covers the 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from aiohttp import web
 from tokenizers import Tokenizer
+
+from tests.support.ports import free_port
 
 
 class WordTokenizer:
@@ -32,12 +33,6 @@ class WordTokenizer:
 
     def num_special_tokens_to_add(self) -> int:
         return 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_in_thread(app: web.Application) -> Iterator[str]:

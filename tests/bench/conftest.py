@@ -1,26 +1,32 @@
-"""Fixtures for the benchmark-harness tests: a word-level checkpoint, its fast tokenizer, a fake server."""
+"""Fixtures for the benchmark-harness tests: a word-level checkpoint, its fast tokenizer, a fake server.
+
+The helpers (aiohttp servers) are imported inside the fixtures, so a host without aiohttp can still run this
+folder's tests that use none of them, such as test_bench_kernels.py's GPU case.
+"""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from bench_helpers import WordTokenizer, serve_in_thread  # noqa: E402
-from fake_server import build_app, make_word_tokenizer  # noqa: E402
+if TYPE_CHECKING:
+    from .bench_helpers import WordTokenizer
 
 
 @pytest.fixture(scope="session")
 def word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from .fake_server import make_word_tokenizer
+
     return make_word_tokenizer(tmp_path_factory.mktemp("word") / "model")
 
 
 @pytest.fixture(scope="session")
 def word_tokenizer(word_model: Path) -> WordTokenizer:
+    from .bench_helpers import WordTokenizer
+
     return WordTokenizer(word_model)
 
 
@@ -35,4 +41,7 @@ def patch_tokenizer(monkeypatch: pytest.MonkeyPatch, word_tokenizer: WordTokeniz
 
 @pytest.fixture
 def fake_server(word_model: Path) -> Iterator[str]:
+    from .bench_helpers import serve_in_thread
+    from .fake_server import build_app
+
     yield from serve_in_thread(build_app(word_model, ttft_ms=3.0, itl_ms=1.0))

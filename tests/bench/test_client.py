@@ -10,13 +10,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from bench_helpers import WordTokenizer, serve_in_thread
-from fake_server import build_app
 
 from deltaserve.bench.client import SamplingOptions, SSEBuffer, TimedStream, completion_payload
 from deltaserve.bench.dataset import SampleRequest, align_with_server, sample_random
 from deltaserve.bench.metrics import RequestResult
 from deltaserve.bench.serve_cli import parse_bench_args, run_bench, summary
+
+from .bench_helpers import WordTokenizer, serve_in_thread
+from .fake_server import build_app
 
 VLLM_FIELDS = [
     "date",

@@ -12,11 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from bench_helpers import WordTokenizer, free_port
 
 from deltaserve.bench import grid as grid_module
 from deltaserve.bench import report
 from deltaserve.bench.grid import Grid, compute_ratios, load_config, resolve
+from tests.support.ports import free_port
+
+from .bench_helpers import WordTokenizer
 
 FAKE_SERVER = Path(__file__).parent / "fake_server.py"
 

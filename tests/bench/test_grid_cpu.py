@@ -13,10 +13,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from bench_helpers import free_port
 
 from deltaserve.bench import report
 from deltaserve.bench.grid import Grid, load_config
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 

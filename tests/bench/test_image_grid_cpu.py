@@ -17,12 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from bench_helpers import free_port
 
 from deltaserve.bench import registry, report
 from deltaserve.bench.dataset_mm import parse_bucket_config
 from deltaserve.bench.grid import REPO_ROOT, Grid, load_config
 from deltaserve.bench.grid_config import Model
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from bench_helpers import WordTokenizer, serve_in_thread
-from fake_server import CHAT_BODIES, FAKE_IMAGE_TOKENS, build_app
 from PIL import Image
 
 from deltaserve.bench import grid as grid_module
@@ -30,6 +28,9 @@ from deltaserve.bench.dataset_mm import (
 )
 from deltaserve.bench.grid import client_argv, load_config, resolve
 from deltaserve.bench.serve_cli import parse_bench_args, run_bench
+
+from .bench_helpers import WordTokenizer, serve_in_thread
+from .fake_server import CHAT_BODIES, FAKE_IMAGE_TOKENS, build_app
 
 REPO = grid_module.REPO_ROOT
 IMAGE_GRID = REPO / "benchmarks/grids/h200_image.toml"

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from deltaserve.config import ConfigError
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
+from tests.support.ports import free_port
 
 
 def test_an_abort_reaches_the_core_process(tiny_dense: Path) -> None:
@@ -62,12 +62,6 @@ def test_a_start_up_error_comes_back_as_itself(tmp_path: Path, tiny_dense: Path)
         AsyncEngine.from_config(EngineConfig(model=str(bad), device="cpu"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _core_pid(server_pid: int) -> int:
     """The engine-core child of the server process (not multiprocessing's resource tracker)."""
     children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
@@ -79,7 +73,7 @@ def _core_pid(server_pid: int) -> int:
 
 
 def test_killing_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_dense: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     server = subprocess.Popen(
         [sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_dense), "--device", "cpu", "--port", str(port),

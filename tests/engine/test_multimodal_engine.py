@@ -11,7 +11,7 @@ import pytest
 from deltaserve.engine.frontend import RequestError
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
-from tests.model.test_vision_exactness import MAX_TOKENS, PROMPTS, case_for
+from tests.support.vision import MAX_TOKENS, PROMPTS, case_for
 
 
 @pytest.mark.parametrize("variant", ["dense-vl", "moe-vl"])

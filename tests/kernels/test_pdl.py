@@ -2,7 +2,7 @@
 with `pdl_wait(USE_PDL)` at its top level, stores nothing and returns nowhere before it, loads above it only the
 pointers listed here (each with the reason it cannot be the previous launch's output), and every launch of it
 passes `**pdl_launch(...)`. The GPU half (the same tokens with DELTASERVE_PDL on and off, through the decode graphs)
-is tests/engine/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
+is tests/runner/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 from deltaserve.config import ModelConfig
 from deltaserve.model.loader import DUMMY_WEIGHT_BOUND, VLLM_DUMMY_SEED, init_dummy_weights
 from deltaserve.model.qwen3_5 import Qwen35Model
-from tests.model.vision_driver import tiny_vision_checkpoint
+from tests.support.vision import tiny_vision_checkpoint
 
 
 def test_dummy_weights_are_vllms_and_fill_the_vision_tower() -> None:

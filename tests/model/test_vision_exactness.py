@@ -10,32 +10,18 @@ same prompts with an error naming DELTASERVE_FUSE_ATTN_PREAMBLE.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from deltaserve.kernels.preamble import MRopeUnsupportedError
-from deltaserve.multimodal.media import LoadedImage, LoadedVideo
-from deltaserve.multimodal.processor import MultimodalProcessor
-from deltaserve.multimodal.prompt import VisionTokenIds
-from deltaserve.multimodal.video import VideoMetadata
-from tests.model.vision_driver import MultimodalModelDriver, reference_inputs, tiny_vision_checkpoint
-from tests.multimodal.synthetic import synthetic_image, synthetic_video
+from tests.support.vision import MAX_TOKENS, PROMPTS, case_for, reference_inputs
 
-MAX_TOKENS = 32
 LOGIT_TOLERANCE = 1e-4
 # Two prefill chunks move GDN's chunk boundaries: a rounding-level change that these random tiny models amplify
 # to ~2e-5; a chunk that misses or misplaces its encoder rows moves the logits by > 1e-2 (checked below).
 SPLIT_TOLERANCE = 1e-4
-
-PROMPTS: dict[str, dict[str, Any]] = {
-    "image": {"text": ["What is in this picture?", "image"], "images": [(96, 128, 1)]},
-    "multi-image": {"text": ["Compare", "image", "with", "image", "please."], "images": [(64, 64, 2), (300, 200, 3)]},
-    "video": {"text": ["Watch:", "video", "What happens?"], "videos": [(6, 96, 128, 4, 3.0)]},
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,65 +31,6 @@ def _one_thread() -> object:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class Case:
-    """One variant's checkpoint, deltaserve driver, transformers reference and processor, built once."""
-
-    def __init__(self, variant: str) -> None:
-        from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-        self.model_dir: Path = tiny_vision_checkpoint(variant)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.driver = MultimodalModelDriver(self.model_dir)
-        self.reference = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=torch.float32).eval()
-        vision = self.driver.config.vision
-        tokens = VisionTokenIds(vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
-                                vision.vision_end_token_id)  # fmt: skip
-        self.processor = MultimodalProcessor.from_model_dir(
-            self.model_dir, tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False)
-        )
-
-    def prompt(self, name: str) -> tuple[list[int], Any]:
-        spec = PROMPTS[name]
-        parts, loaded = [], []
-        images, videos = iter(spec.get("images", [])), iter(spec.get("videos", []))
-        for piece in spec["text"]:
-            if piece == "image":
-                height, width, seed = next(images)
-                parts.append({"type": "image_url", "image_url": {"url": "unused"}})
-                loaded.append(LoadedImage(synthetic_image(height, width, seed), f"image-{seed}"))
-            elif piece == "video":
-                num_frames, height, width, seed, fps = next(videos)
-                parts.append({"type": "video_url", "video_url": {"url": "unused"}})
-                metadata = VideoMetadata(num_frames, fps, tuple(range(num_frames)))
-                loaded.append(LoadedVideo(synthetic_video(num_frames, height, width, seed), metadata, True, "v"))
-            else:
-                parts.append({"type": "text", "text": piece})
-        messages = [{"role": "user", "content": parts}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.processor.process_loaded(ids, loaded)
-
-    @torch.inference_mode()
-    def reference_generate(self, ids: list[int], mm_input: Any) -> list[int]:
-        kwargs = reference_inputs(ids, mm_input, self.driver.config)
-        out = self.reference.generate(**kwargs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
-        return out[0, len(ids) :].tolist()
-
-    @torch.inference_mode()
-    def reference_logits(self, ids: list[int], generated: list[int], mm_input: Any) -> torch.Tensor:
-        kwargs = reference_inputs(ids + generated, mm_input, self.driver.config)
-        return self.reference(**kwargs).logits[0].float()
-
-
-_CASES: dict[str, Case] = {}
-
-
-def case_for(variant: str) -> Case:
-    if variant not in _CASES:
-        _CASES[variant] = Case(variant)
-    return _CASES[variant]
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

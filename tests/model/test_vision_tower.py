@@ -15,7 +15,7 @@ from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.model.loader import CheckpointError, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.model.vision import VisionTower, interpolation_taps
-from tests.model.vision_driver import tiny_vision_checkpoint
+from tests.support.vision import tiny_vision_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,9 +19,9 @@ from deltaserve.multimodal.media import LoadedImage, LoadedVideo
 from deltaserve.multimodal.positions import mrope_positions, token_types
 from deltaserve.multimodal.prompt import VisionTokenIds
 from deltaserve.multimodal.video import VideoMetadata
-from tests.model.vision_driver import tiny_vision_checkpoint
 from tests.multimodal.processor_cases import PROMPT_CASE
 from tests.multimodal.synthetic import synthetic_image, synthetic_video
+from tests.support.vision import tiny_vision_checkpoint
 
 FIXTURES = json.loads((Path(__file__).parent / "data" / "processor_fixtures.json").read_text())
 IMAGE, VIDEO, START, END = 90, 91, 80, 81

@@ -1,5 +1,5 @@
 """Fake gates for `deltaserve check all`, in process (install) or as a worker subprocess of gates/parallel.py
-(`python tests/bench/check_all_fakes.py SPEC_JSON --threads N`: installs the fakes, then runs the real worker loop).
+(`python tests/gates/check_all_fakes.py SPEC_JSON --threads N`: installs the fakes, then runs the real worker loop).
 
 SPEC keys: codes (variant -> token gate exit code), totals (variant -> prompts the token gate reports), agree
 (prompts conditioning reports agreeing, default all), rate (MTP agreement, default 0.6), sleep (variant -> seconds

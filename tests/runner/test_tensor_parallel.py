@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,9 +28,10 @@ from deltaserve.runner.distributed import BroadcastChannel
 from deltaserve.runner.executor import MultiprocExecutor, WorkerDiedError
 from deltaserve.sampling_params import SamplingParams
 from tests.model._hf_tiny import NUM_TOKENS, PROMPTS, build, load_reference, reference_tokens
-from tests.model.test_vision_exactness import MAX_TOKENS as VISION_MAX_TOKENS
-from tests.model.test_vision_exactness import PROMPTS as VISION_PROMPTS
-from tests.model.test_vision_exactness import case_for
+from tests.support.ports import free_port
+from tests.support.vision import MAX_TOKENS as VISION_MAX_TOKENS
+from tests.support.vision import PROMPTS as VISION_PROMPTS
+from tests.support.vision import case_for
 
 REPO = Path(__file__).resolve().parents[2]
 # lengths 1..100: the 100-token prompt is chunked by max_num_batched_tokens=64
@@ -142,17 +142,11 @@ def test_a_size_that_does_not_divide_is_refused_before_any_worker_starts(tiny_de
         LLM(tiny_dense, device="cpu", tensor_parallel_size=2, distributed_executor_backend="ray")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_ranks_started_by_an_outside_launcher(tiny_next: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's environment: rank 0 is this process's engine, rank 1 is `deltaserve serve` (it serves no HTTP,
     only rank 0's plans, and exits 0 when rank 0 shuts down); the plans travel by broadcast."""
     expected = _generate(tiny_next)
-    dist_env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    dist_env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     worker = subprocess.Popen(
         [sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_next), "--device", "cpu", "-tp", "2"],
         env={**os.environ, **dist_env, "RANK": "1", "LOCAL_RANK": "1", "PYTHONPATH": str(REPO)},
@@ -203,7 +197,7 @@ def test_the_broadcast_channel_carries_messages_of_any_size() -> None:
     """Inline in the 64 KiB buffer, exactly at its edge, and past it (a second broadcast)."""
     sizes = [0, 10, BroadcastChannel.CAPACITY - 100, BroadcastChannel.CAPACITY, 300_000, 5]
     code = CHANNEL_PEER.replace("SIZES", repr(sizes))
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     peers = [
         subprocess.Popen([sys.executable, "-c", code, str(rank), port], env=env, stdout=subprocess.PIPE, text=True)
@@ -264,7 +258,7 @@ def _spawned_child(pid: int) -> int:
 def test_a_killed_worker_ends_every_stream_and_the_server_exits_non_zero(tiny_dense: Path) -> None:
     """As tests/engine/test_core_process.py does for the core, one level down: the worker of rank 1 is the
     engine core's child."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_dense), "--device", "cpu", "--port", str(port),
          "--max-model-len", "4096", "--served-model-name", "tiny", "--uvicorn-log-level", "warning", "-tp", "2"],

@@ -4,7 +4,9 @@ replacement) and its slice of the 3-D MRoPE table, decode steps use index + mrop
 are bound as deltaserve/runner/cache.py binds them, and each step runs inside a ForwardContext.
 
 Also builds the matching transformers reference inputs (pixel_values, grids, mm_token_type_ids) from the same
-MultimodalInput, and tiny vision checkpoints once per test session.
+MultimodalInput, tiny vision checkpoints once per test session, and the vision set-up the model, engine and
+tensor-parallel tests share: one Case per variant (checkpoint, tokenizer, driver, transformers reference, processor)
+and the fixed image / multi-image / video PROMPTS it turns into token ids and a MultimodalInput.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,9 +27,21 @@ from deltaserve.model.loader import load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.model.vision import gather_mm_embeds
 from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.multimodal.media import LoadedImage, LoadedVideo
+from deltaserve.multimodal.processor import MultimodalProcessor
+from deltaserve.multimodal.prompt import VisionTokenIds
+from deltaserve.multimodal.video import VideoMetadata
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from tests.multimodal.synthetic import synthetic_image, synthetic_video
 
 BLOCK_SIZE = 16
+MAX_TOKENS = 32  # tokens generated per prompt, by deltaserve and by the reference alike
+
+PROMPTS: dict[str, dict[str, Any]] = {
+    "image": {"text": ["What is in this picture?", "image"], "images": [(96, 128, 1)]},
+    "multi-image": {"text": ["Compare", "image", "with", "image", "please."], "images": [(64, 64, 2), (300, 200, 3)]},
+    "video": {"text": ["Watch:", "video", "What happens?"], "videos": [(6, 96, 128, 4, 3.0)]},
+}
 
 
 @functools.cache
@@ -118,3 +133,62 @@ class MultimodalModelDriver:
 def reference_inputs(ids: list[int], mm_input: MultimodalInput, config: ModelConfig) -> dict[str, torch.Tensor]:
     """transformers' forward/generate kwargs for the same prompt and items (the media gate's, from the package)."""
     return media_reference_inputs(ids, mm_input, config.vision.image_token_id, config.vision.video_token_id)
+
+
+class Case:
+    """One variant's checkpoint, deltaserve driver, transformers reference and processor, built once."""
+
+    def __init__(self, variant: str) -> None:
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+        self.model_dir: Path = tiny_vision_checkpoint(variant)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.driver = MultimodalModelDriver(self.model_dir)
+        self.reference = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        vision = self.driver.config.vision
+        tokens = VisionTokenIds(vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
+                                vision.vision_end_token_id)  # fmt: skip
+        self.processor = MultimodalProcessor.from_model_dir(
+            self.model_dir, tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        )
+
+    def prompt(self, name: str) -> tuple[list[int], Any]:
+        spec = PROMPTS[name]
+        parts, loaded = [], []
+        images, videos = iter(spec.get("images", [])), iter(spec.get("videos", []))
+        for piece in spec["text"]:
+            if piece == "image":
+                height, width, seed = next(images)
+                parts.append({"type": "image_url", "image_url": {"url": "unused"}})
+                loaded.append(LoadedImage(synthetic_image(height, width, seed), f"image-{seed}"))
+            elif piece == "video":
+                num_frames, height, width, seed, fps = next(videos)
+                parts.append({"type": "video_url", "video_url": {"url": "unused"}})
+                metadata = VideoMetadata(num_frames, fps, tuple(range(num_frames)))
+                loaded.append(LoadedVideo(synthetic_video(num_frames, height, width, seed), metadata, True, "v"))
+            else:
+                parts.append({"type": "text", "text": piece})
+        messages = [{"role": "user", "content": parts}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.processor.process_loaded(ids, loaded)
+
+    @torch.inference_mode()
+    def reference_generate(self, ids: list[int], mm_input: Any) -> list[int]:
+        kwargs = reference_inputs(ids, mm_input, self.driver.config)
+        out = self.reference.generate(**kwargs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+        return out[0, len(ids) :].tolist()
+
+    @torch.inference_mode()
+    def reference_logits(self, ids: list[int], generated: list[int], mm_input: Any) -> torch.Tensor:
+        kwargs = reference_inputs(ids + generated, mm_input, self.driver.config)
+        return self.reference(**kwargs).logits[0].float()
+
+
+_CASES: dict[str, Case] = {}
+
+
+def case_for(variant: str) -> Case:
+    if variant not in _CASES:
+        _CASES[variant] = Case(variant)
+    return _CASES[variant]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from deltaserve.multimodal.processor_config import ProcessorConfigs
-from tests.model.vision_driver import tiny_vision_checkpoint
+from tests.support.vision import tiny_vision_checkpoint
 
 
 def _tensors(folder: object) -> dict[str, torch.Tensor]:

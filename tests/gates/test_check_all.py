@@ -9,11 +9,12 @@ import types
 from pathlib import Path
 from typing import Any
 
-import check_all_fakes
 import pytest
 
 from deltaserve.gates import all as check_all
 from deltaserve.gates import oracle_flags, parallel
+
+from . import check_all_fakes
 
 
 def fake_token_gate(monkeypatch: pytest.MonkeyPatch, codes: dict[str, int], totals: dict[str, int]) -> list[str]:

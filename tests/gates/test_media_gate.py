@@ -25,8 +25,8 @@ from deltaserve.gates.media_prompts import EDGE_IMAGE_SIZES, make_media_prompts,
 from deltaserve.model.vision import VisionTower
 from deltaserve.multimodal.errors import MediaRequestError
 from deltaserve.multimodal.offline import loaded_media
-from tests.model.test_gate_vllm_reference import fake_vllm
-from tests.model.vision_driver import tiny_vision_checkpoint
+from tests.gates.test_gate_vllm_reference import fake_vllm
+from tests.support.vision import tiny_vision_checkpoint
 
 CLASSES = {"dense-vl": "Qwen3_5ForConditionalGeneration", "moe-vl": "Qwen3_5MoeForConditionalGeneration"}
 

@@ -1,0 +1,1 @@
+"""Multimodal tests: media loading, the request-side processor and its parity with transformers' processors."""

@@ -1,0 +1,1 @@
+"""Runner tests: warm-up plans, tensor parallelism across processes, the decode CUDA graphs and async scheduling."""

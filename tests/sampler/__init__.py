@@ -1,0 +1,1 @@
+"""Sampler tests: each sampling rule against a hand computation in plain torch."""

@@ -1,0 +1,1 @@
+"""Scheduler tests: the real scheduler driven with plain-data plans and fake runner results."""
