@@ -178,11 +178,13 @@ def test_grid_end_to_end_with_fake_servers_then_report(
     args = report.argparse.Namespace(results_dir=results, output=docs / "BENCHMARKS.md", check=False)
     assert report.run(args) == 0
     text = (docs / "BENCHMARKS.md").read_text()
-    assert (docs / "bench-fake-run.png").stat().st_size > 1000
+    assert (docs / "plots/bench-fake-run.png").stat().st_size > 1000
     assert str(FAKE_SERVER) in text and "--itl-ms 10" in text  # every arm's exact command line
-    assert "repaired: now runs with the production flags" in text and "[1]" in text
-    assert "fast / slow *" in text and "![fake-run](bench-fake-run.png)" in text
-    assert "Ratio history" in text and "deltaserve bench serve --base-url" in text
+    # the denominator note is printed once, under its own heading, and every pair it concerns links to it
+    assert text.count("repaired: now runs with the production flags") == 1 and "### Note 1" in text
+    assert "fast / slow [*1](#note-1)" in text and "![fake-run](plots/bench-fake-run.png)" in text
+    assert text.index("## Current standing") < text.index("## Notes") < text.index("Ratio history")
+    assert "### fake: word" in text and "deltaserve bench serve --base-url" in text
     args.check = True
     assert report.run(args) == 0
     (docs / "BENCHMARKS.md").write_text(text + "edit\n")
@@ -372,17 +374,20 @@ def test_report_marks_ratios_a_peer_deviation_can_move() -> None:
               "env": {}, "command_line": "vllm serve m --gdn-prefill-backend triton"}  # fmt: skip
     record = {"grid": "g", "arms": {"ds": {"role": "subject"}, "vllm": {"role": "peer"}}, "launches": [launch],
               "runs": [], "ratios": [ratio]}  # fmt: skip
-    text = "\n".join(report.render_record("rec", record, None))
-    assert "| ds / vllm | m | 8/2 | 1 | 0.500 † | 0.800 † | 0.900 † | 1.200 | 1.000 |" in text
+    notes = report.Notes()
+    text = "\n".join(report.render_record("rec", record, None, notes) + notes.render())
+    dagger = "[†1](#note-1)"
+    assert f"| ds / vllm | m | 8/2 | 1 | 0.500 {dagger} | 0.800 {dagger} | 0.900 {dagger} | 1.200 | 1.000 |" in text
     assert "gdn-prefill-triton" in text and "(the record itself lacks this note)" in text
+    assert text.count("gdn-prefill-triton:") == 1  # the note once, however many cells it marks
     history = "\n".join(report._history([("rec", record)]))
-    assert "0.500 †" in history
+    assert f"0.500 {dagger}" in history
     clean = dict(record, launches=[dict(launch, argv=["vllm", "serve", "m"])])
     assert "†" not in "\n".join(report.render_record("rec", clean, None))
 
 
 def test_committed_records_carry_the_gdn_deviation_note() -> None:
-    for path in sorted((grid_module.REPO_ROOT / "benchmarks/results").glob("h200_first-*.json")):
+    for path in sorted((grid_module.REPO_ROOT / "benchmarks/results/grids").glob("h200_first-*.json")):
         record = json.loads(path.read_text())
         for name, arm in record["arms"].items():
             if arm.get("oracle") != "vllm":
@@ -393,8 +398,8 @@ def test_committed_records_carry_the_gdn_deviation_note() -> None:
 
 
 def test_a_point_with_failed_requests_gets_no_ratio() -> None:
-    """h200_structured-35b-a3b-20261201-s4: vLLM failed 73 of 160 requests at c32; its throughput counts their time
-    and not their tokens, so subject / peer there compares different work."""
+    """vLLM failed 73 of 160 requests at c32 (benchmarks/results/grids/h200_structured-35b-a3b-20261201-s4.json);
+    its throughput counts their time and not their tokens, so subject / peer there compares different work."""
     ours = {"output_throughput": 1491.5, "median_tpot_ms": 18.15, "completed": 160, "failed": 0}
     peer = {"output_throughput": 1056.5, "median_tpot_ms": 20.70, "completed": 87, "failed": 73}
     run = {"model": "m", "isl": 1024, "osl": 128, "concurrency": 32, "is_drift_check": False}
