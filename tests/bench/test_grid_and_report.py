@@ -439,3 +439,19 @@ def test_a_point_whose_arms_emit_unlike_outputs_is_flagged() -> None:
         record["runs"][1]["metrics"] = peer | {"num_distinct_generated_texts": distinct}
         (entry,) = compute_ratios(record)
         assert "unequal_outputs" not in entry
+
+
+def test_plots_without_matplotlib_name_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib is only in the `bench` extra: a report that must draw without it says how to install it."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    record = {
+        "grid": "g",
+        "title": "t",
+        "models": [{"name": "m"}],
+        "arms": {"ds": {}},
+        "launches": [],
+        "runs": [_run("ds", 1, {"output_throughput": 1.0}) | {"client_command_line": "deltaserve bench serve"}],
+    }
+    with pytest.raises(SystemExit, match=r"pip install deltaserve\[bench\]"):
+        report.plot_record("rec", record, tmp_path)
+    assert report.render([("rec", record)], {}).startswith("# Benchmarks")  # the Markdown itself needs no plots
