@@ -18,7 +18,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("gate", "tokens"): ("deltaserve.gates.tokens", "greedy token-exactness gate against transformers"),
     ("bench", "serve"): ("deltaserve.bench.serve_cli", "online load generator with vLLM's metric definitions"),
     ("bench", "grid"): ("deltaserve.bench.grid", "arms x concurrencies x lengths, with a committed record"),
-    ("bench", "report"): ("deltaserve.bench.report", "regenerate docs/BENCHMARKS.md from the records"),
+    ("bench", "report"): ("deltaserve.bench.report", "regenerate docs/BENCHMARKS.md and the records index"),
     ("bench", "oracle-cmd"): (
         "deltaserve.bench.registry",
         "print a peer's production launch command from the registry",

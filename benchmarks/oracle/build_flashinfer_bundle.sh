@@ -50,4 +50,4 @@ tar -cf - -C "$S" . | xz -6 -T0 > "$OUTDIR"/flashinfer_bundle.tar.xz
    && sha256sum flashinfer_bundle.tar.xz > flashinfer_bundle.sha256 && ls part.* | wc -l > parts.count \
    && ls -l part.* flashinfer_bundle.tar.xz && echo "pieces: $(cat parts.count)" && cat flashinfer_bundle.sha256)
 # Put piece k with a copy of parts.count into a git-ignored folder .fi_chunk<k> of the checkout (.fi_chunk,
-# .fi_chunk2, ...) and send them in consecutive device calls (benchmarks/oracle/unpack_flashinfer.sh).
+# .fi_chunk2, ...) and send them in consecutive device calls (`bash scripts/h200.sh setup` stores and unpacks them).

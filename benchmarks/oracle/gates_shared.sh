@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The bf16 token gates of issues 13 and 14 on the H200, side by side on one GPU (`gate tokens --share-gpu`: each
 # deltaserve engine at gpu_memory_utilization 0.05, each vLLM oracle with a fixed 1 GiB KV cache; cache sizes
-# only, no computation changes), so one vLLM start per checkpoint costs one start of wall time in all. From the repo
-# root; the same gates as gate_runs.sh and media_gate_runs.sh, which run them one after the other.
+# only, no computation changes), so one vLLM start per checkpoint costs one start of wall time in all. From the
+# repo root (`bash scripts/h200.sh gates bf16 STAGE` runs it); media_gate_runs.sh runs the media gates one by one.
 #   STAGE=transformers  deltaserve bf16 vs transformers bf16 on the trained dense / moe / next checkpoints (fused
 #                       preamble and DELTASERVE_FUSE_ATTN_PREAMBLE=0), and the image gate on the vision variants
 #                       (dense-vl / moe-vl: make-tiny checkpoints in /tmp/ds_media_models) vs transformers, plus

@@ -38,7 +38,7 @@ from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Mod
 from deltaserve.bench.provenance import host_facts, probe_version, server_version
 from deltaserve.bench.server_process import Server
 
-DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results"
+DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results" / "grids"  # the grid kind of benchmarks/results/
 RECORD_SCHEMA = "deltaserve-grid-record/1"
 RATIO_FIELDS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
 DROPPED_RESULT_FIELDS = ("latencies", "input_lens", "output_lens", "start_times", "ttfts", "itls", "errors")

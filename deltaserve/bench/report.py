@@ -1,12 +1,15 @@
-"""`deltaserve bench report`: regenerate docs/BENCHMARKS.md (and one PNG per grid record) from the records.
+"""`deltaserve bench report`: regenerate docs/BENCHMARKS.md (plots in docs/plots/) and benchmarks/results/INDEX.md.
 
-Input: every `*.json` grid record in benchmarks/results/ (schema deltaserve-grid-record/1), oldest first.
-Output: for each record its provenance (date, commit, GPU, driver, schedule), every launch's exact command
-line, the per-run metrics, the subject/peer ratios, the drift check and a plot; above them a ratio history
-across records in which every ratio whose denominator arm carries a `denominator_note` is marked and the
-note printed, so a ratio that moved because the denominator was repaired never reads as a regression. A ratio
-that a registry deviation of its peer can move (a backend production would not pick, e.g. vLLM's GDN prefill on
-Triton; recognised from the record's arm entry or its launch argv) carries a dagger and the deviation's note.
+Input: every `*.json` grid record in benchmarks/results/grids/ (schema deltaserve-grid-record/1), oldest first.
+The Markdown opens with the current standing: one table per grid and model from its NEWEST record (every
+subject/peer ratio of output throughput, median TTFT and median TPOT per concurrency, or each arm's own figures
+where the grid has no peer), with the record it comes from. A grid whose workload (the client's flags for that
+model) a newer grid with a peer has measured since is left to the history. Then the notes, each printed once and
+referenced by mark from every cell it concerns: a peer's denominator note, a registry deviation that can move
+the ratio (`†`: a backend production would not pick, e.g. vLLM's GDN prefill on Triton; recognised from the
+record's arm entry or its launch argv), outputs that differ between the arms (`‡`). Then the history: per grid
+and model the output-throughput ratio of every record, and every record in full (provenance, exact launches,
+metrics, ratios, drift check, plot), newest first.
 The output is deterministic (no generation timestamp), so `--check` can tell whether the docs are stale.
 """
 
@@ -14,19 +17,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from deltaserve.bench import records_index
 from deltaserve.bench.deviations import DEVIATIONS, Deviation, deviations_in
-from deltaserve.bench.grid import RECORD_SCHEMA, REPO_ROOT
+from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT
 
-DEFAULT_RESULTS = REPO_ROOT / "benchmarks" / "results"
+DEFAULT_RESULTS = DEFAULT_RESULT_DIR
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "BENCHMARKS.md"
+PLOT_DIR = "plots"  # next to the Markdown file
+# Client flags that differ between the runs of one workload (server, label, load level): not part of a workload.
+PER_RUN_FLAGS = ("--base-url", "--label", "--num-prompts", "--max-concurrency", "--tokenizer")
+Records = list[tuple[str, dict[str, Any]]]
 
 
-def load_records(results_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+def load_records(results_dir: Path) -> Records:
     """(stem, record) for every grid record in `results_dir`, ordered by record date then name."""
     records = []
     for path in sorted(results_dir.glob("*.json")):
@@ -58,6 +69,26 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+class Notes:
+    """Every note the document cites, numbered in order of first use and printed once under `## Notes`."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, int] = {}
+
+    def ref(self, text: str, mark: str = "") -> str:
+        """A link to the note's heading, e.g. `[†1](#note-1)`."""
+        number = self.texts.setdefault(text, len(self.texts) + 1)
+        return f"[{mark}{number}](#note-{number})"
+
+    def render(self) -> list[str]:
+        if not self.texts:
+            return []
+        lines = ["## Notes", ""]
+        for text, number in self.texts.items():
+            lines += [f"### Note {number}", "", text, ""]
+        return lines
+
+
 def arm_deviations(record: dict[str, Any], arm: str) -> list[Deviation]:
     """The registry deviations an arm ran with: named in the record, or recognised in its recorded launches
     (a record written before the registry named them still gets marked)."""
@@ -68,111 +99,211 @@ def arm_deviations(record: dict[str, Any], arm: str) -> list[Deviation]:
     return [DEVIATIONS[name] for name in dict.fromkeys(names) if name in DEVIATIONS]
 
 
-def _marked(record: dict[str, Any], peer: str, metric: str, text: str) -> str:
-    """A ratio cell, with a dagger when a deviation of the peer arm can move that metric."""
-    return text + " †" if any(metric in d.affects for d in arm_deviations(record, peer)) else text
+def _deviation_text(record: dict[str, Any], peer: str, deviation: Deviation) -> str:
+    note = (record.get("arms", {}).get(peer) or {}).get("denominator_note") or ""
+    return deviation.note if deviation.note in note else f"{deviation.note} (the record itself lacks this note)"
 
 
-def _has_plot(record: dict[str, Any]) -> bool:
-    return any(r.get("metrics") and not r.get("is_drift_check") for r in record.get("runs", []))
+def _own_note(record: dict[str, Any], arm: str) -> str:
+    """An arm's denominator note less the registry deviations' notes (those are marked on the cells they move)."""
+    note = (record.get("arms", {}).get(arm) or {}).get("denominator_note") or ""
+    for deviation in DEVIATIONS.values():
+        note = note.replace(deviation.note, "")
+    return note.strip()
 
 
-def plot_record(stem: str, record: dict[str, Any], out_dir: Path) -> Path | None:
-    """Output tok/s and median TPOT against concurrency, one column per model, one line per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not _has_plot(record):
-        return None
-    runs = [r for r in record.get("runs", []) if r.get("metrics") and not r.get("is_drift_check")]
-    models = [m["name"] for m in record.get("models", []) if any(r["model"] == m["name"] for r in runs)]
-    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7), squeeze=False)
-    for column, model in enumerate(models):
-        for arm in record.get("arms", {}):
-            for isl, osl in {(r["isl"], r["osl"]) for r in runs if r["model"] == model and r["arm"] == arm}:
-                points = sorted(
-                    (r["concurrency"], r["metrics"])
-                    for r in runs
-                    if r["model"] == model and r["arm"] == arm and r["isl"] == isl and r["osl"] == osl
-                )
-                xs = [c for c, _ in points]
-                label = f"{arm} ({isl}/{osl})"
-                axes[0][column].plot(xs, [m.get("output_throughput") for _, m in points], "o-", label=label)
-                axes[1][column].plot(xs, [m.get("median_tpot_ms") for _, m in points], "o-", label=label)
-        concurrencies = sorted({r["concurrency"] for r in runs if r["model"] == model})
-        for row, ylabel in enumerate(("output tok/s", "median TPOT (ms)")):
-            ax = axes[row][column]
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
-            ax.minorticks_off()
-            ax.set_xlabel("max concurrency")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-        axes[0][column].set_title(model)
-    title = textwrap.fill(record.get("title", stem), width=60)  # the figure is narrow: wrap, never clip
-    fig.suptitle(f"{title}\n{stem}", fontsize=10)
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench-{stem}.png"
-    fig.savefig(path, dpi=90, metadata={"Software": None})
-    plt.close(fig)
-    return path
+def _arm_marks(record: dict[str, Any], arm: str, notes: Notes, metric: str | None = None) -> list[str]:
+    """`*` for the arm's own denominator note, `†` per registry deviation of the arm that can move `metric` (any
+    metric when None)."""
+    own = _own_note(record, arm)
+    marks = [notes.ref(own, "*")] if own and metric is None else []
+    for deviation in arm_deviations(record, arm):
+        if (metric in deviation.affects) if metric else deviation.affects:
+            marks.append(notes.ref(_deviation_text(record, arm, deviation), "†"))
+    return marks
 
 
-def _history(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """One row per (grid, model, lengths, concurrency, subject/peer) with the ratio in every record."""
-    rows: dict[tuple[Any, ...], dict[str, str]] = {}
-    notes: dict[str, str] = {}
+def _pair(record: dict[str, Any], subject: str, peer: str, notes: Notes) -> str:
+    """`subject / peer`, marked with the peer's own denominator note."""
+    own = _own_note(record, peer)
+    return f"{subject} / {peer}" + (f" {notes.ref(own, '*')}" if own else "")
+
+
+def _ratio_cell(record: dict[str, Any], entry: dict[str, Any], metric: str, notes: Notes) -> str:
+    """A ratio with a `†` mark per peer deviation that can move this metric, and `‡` on output throughput when
+    the arms' outputs differ."""
+    if entry.get("excluded"):
+        return "– (failed requests)"
+    text = " ".join([_ratio(entry.get(metric)), *_arm_marks(record, entry["peer"], notes, metric)])
+    if metric == "output_throughput" and entry.get("unequal_outputs"):
+        text += " " + notes.ref(f"{entry['model']} c{entry['concurrency']}: {entry['unequal_outputs']}", "‡")
+    return text
+
+
+def _runs(record: dict[str, Any], model: str) -> list[dict[str, Any]]:
+    return [r for r in record.get("runs", []) if r["model"] == model and not r["is_drift_check"]]
+
+
+def _models(record: dict[str, Any]) -> list[str]:
+    return [m["name"] for m in record.get("models", []) if _runs(record, m["name"])]
+
+
+def workload(record: dict[str, Any], model: str) -> str:
+    """The client's flags for a model's runs, less those that differ per run: two records with the same
+    workload measured the same traffic."""
+    for run in _runs(record, model):
+        words = shlex.split(run.get("client_command_line") or "")
+        kept = [
+            w for i, w in enumerate(words) if w not in PER_RUN_FLAGS and (i == 0 or words[i - 1] not in PER_RUN_FLAGS)
+        ]
+        return " ".join(kept)
+    return ""
+
+
+def standing(records: Records) -> tuple[list[tuple[str, str, Records]], list[tuple[str, str, str]]]:
+    """([(grid, model, its records oldest first)] that stand, [(grid, model, the newer grid)] left to history).
+
+    A grid with a peer is left to history once a newer record of another grid with a peer measured the same
+    workload on the same model (e.g. a first grid that a later core grid repeats)."""
+    groups: dict[tuple[str, str], Records] = {}
     for stem, record in records:
-        arms = record.get("arms", {})
-        for entry in record.get("ratios", []):
-            pair = f"{entry['subject']} / {entry['peer']}"  # a grid may hold several subjects (configurations)
-            key = (record["grid"], entry["model"], entry["isl"], entry["osl"], entry["concurrency"], pair)
-            cell = _marked(record, entry["peer"], "output_throughput", _ratio(entry.get("output_throughput")))
-            if entry.get("unequal_outputs"):
-                cell += " ‡"
-            if entry.get("excluded"):
-                cell = "– (failed requests)"
-            note = arms.get(entry["peer"], {}).get("denominator_note")
-            if note:
-                note_key = f"{stem}/{entry['peer']}"
-                notes.setdefault(note_key, note)
-                cell += f" [{list(notes).index(note_key) + 1}]"
-            rows.setdefault(key, {})[stem] = cell
-    if not rows:
-        return []
-    stems = [stem for stem, _ in records if any(stem in cells for cells in rows.values())]
-    lines = ["## Ratio history: output throughput, subject / peer", ""]
-    lines.append(
-        "Above 1: deltaserve is faster. `[n]`: the peer arm of that record carries a denominator note; `†`: a "
-        "registry deviation of the peer (a backend its production defaults would not pick) can move this ratio; `‡`: "
-        "the two arms' outputs differ in how many are distinct (grid.unequal_outputs), so on dummy weights they may "
-        "have done different expert work."
-    )
-    lines.append("")
-    header = ["grid", "model", "ISL/OSL", "conc", "subject / peer", *stems]
-    body = []
-    for (grid, model, isl, osl, concurrency, pair), cells in sorted(rows.items(), key=lambda kv: kv[0]):
-        body.append([grid, model, f"{isl}/{osl}", str(concurrency), pair, *[cells.get(s, "–") for s in stems]])
-    lines += _table(header, body)
-    if notes:
-        lines.append("")
-        for index, (key, note) in enumerate(notes.items(), start=1):
-            lines.append(f"[{index}] `{key}`: {note}")
-    lines.append("")
+        for model in _models(record):
+            groups.setdefault((record["grid"], model), []).append((stem, record))
+    date = {key: members[-1][1].get("host", {}).get("date") or "" for key, members in groups.items()}
+    stands, superseded = [], []
+    for (grid, model), members in groups.items():
+        newest = members[-1][1]
+        newer = [
+            other
+            for other in groups
+            if other[1] == model
+            and other[0] != grid
+            and date[other] > date[(grid, model)]
+            and newest.get("ratios")
+            and groups[other][-1][1].get("ratios")
+            and workload(groups[other][-1][1], model) == workload(newest, model)
+        ]
+        if newer:
+            superseded.append((grid, model, min(newer)[0]))
+        else:
+            stands.append((grid, model, members))
+    # grids with a peer first, then by grid name; within a grid the larger model name first (35B-A3B before 27B)
+    stands.sort(key=lambda item: item[1], reverse=True)
+    stands.sort(key=lambda item: (not item[2][-1][1].get("ratios"), item[0]))
+    return stands, sorted(superseded)
+
+
+def _source(record: dict[str, Any]) -> str:
+    """date, commit and GPU of a record, as one phrase."""
+    host = record.get("host", {})
+    commit = (host.get("git") or {}).get("commit") or "unknown"
+    gpus = ", ".join(host.get("gpus") or []) or "no GPU"
+    return f"{(host.get('date') or '–')[:10]}, commit `{commit[:7]}`, {gpus}"
+
+
+def _metric(record: dict[str, Any], model: str, arm: str, isl: int, osl: int, concurrency: int, key: str) -> Any:
+    for run in _runs(record, model):
+        if (run["arm"], run["isl"], run["osl"], run["concurrency"]) == (arm, isl, osl, concurrency):
+            return (run.get("metrics") or {}).get(key)
+    return None
+
+
+def _standing_table(stem: str, record: dict[str, Any], model: str, notes: Notes) -> list[str]:
+    """Every ratio of one model in one record, or each arm's own figures where the grid has no peer."""
+    entries = [e for e in record.get("ratios", []) if e["model"] == model]
+    if entries:
+        rows = []
+        for e in sorted(entries, key=lambda e: (e["isl"], e["osl"], e["concurrency"], e["subject"], e["peer"])):
+            point = (model, e["isl"], e["osl"], e["concurrency"])
+            ours = _metric(record, point[0], e["subject"], *point[1:], "output_throughput")
+            theirs = _metric(record, point[0], e["peer"], *point[1:], "output_throughput")
+            rows.append(
+                [
+                    f"{e['isl']}/{e['osl']}",
+                    str(e["concurrency"]),
+                    _pair(record, e["subject"], e["peer"], notes),
+                    f"{_num(ours)} / {_num(theirs)}",
+                    *(
+                        _ratio_cell(record, e, m, notes)
+                        for m in ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+                    ),
+                ]
+            )
+        header = ["ISL/OSL", "conc", "subject / peer", "out tok/s (subject / peer)", "out tok/s ratio"]
+        return _table([*header, "TTFT med ratio", "TPOT med ratio"], rows)
+    rows = []
+    for r in sorted(_runs(record, model), key=lambda r: (r["isl"], r["osl"], r["concurrency"], r["arm"])):
+        m = r.get("metrics") or {}
+        cells = [_num(m.get("output_throughput")), _num(m.get("median_ttft_ms")), _num(m.get("median_tpot_ms"), 2)]
+        rows.append([f"{r['isl']}/{r['osl']}", str(r["concurrency"]), r["arm"], *cells])
+    return _table(["ISL/OSL", "conc", "arm (no peer)", "out tok/s", "TTFT med ms", "TPOT med ms"], rows)
+
+
+def _standing(records: Records, notes: Notes, cite: Callable[[str], str]) -> list[str]:
+    stands, superseded = standing(records)
+    lines = [
+        "## Current standing",
+        "",
+        "One table per grid and model, from its newest record. Ratios are subject / peer: above 1 favours the subject "
+        "for throughput, below 1 for TTFT and TPOT. Marks link to the notes below: `*` the peer's denominator note, "
+        "`†` a registry deviation of the peer (a backend its production defaults would not pick) that can move the "
+        "ratio, `‡` the arms' outputs differ in how many are distinct (on dummy weights they may have done different "
+        "expert work).",
+        "",
+    ]
+    for grid, model, members in stands:
+        stem, record = members[-1]
+        lines += [f"### {grid}: {model}", "", record.get("title", stem), ""]
+        older = f"; {len(members) - 1} older in the history" if len(members) > 1 else ""
+        details = f"[provenance, launches, metrics](#{stem.lower()})"
+        lines += [f"Newest record {cite(stem)} ({_source(record)}; {details}){older}.", ""]
+        lines += [*_standing_table(stem, record, model, notes), ""]
+    for grid, model, newer in superseded:
+        lines += [f"`{grid}` on {model}: the same workload as the newer `{newer}` records above; in the history.", ""]
     return lines
 
 
-def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> list[str]:
+def _history(records: Records, notes: Notes | None = None) -> list[str]:
+    """Per grid, model and lengths, the output-throughput ratio of every record (one row per subject / peer pair),
+    oldest first."""
+    notes = notes if notes is not None else Notes()
+    tables: dict[tuple[str, str, int, int], list[tuple[str, dict[str, Any], dict[str, Any]]]] = {}
+    for stem, record in records:
+        for entry in record.get("ratios", []):
+            key = (record["grid"], entry["model"], entry["isl"], entry["osl"])
+            tables.setdefault(key, []).append((stem, record, entry))
+    if not tables:
+        return []
+    lines = ["## Ratio history: output throughput, subject / peer", ""]
+    for (grid, model, isl, osl), points in sorted(tables.items()):
+        concurrencies = sorted({entry["concurrency"] for _, _, entry in points})
+        rows: dict[tuple[str, str, str], list[str]] = {}
+        for stem, record, entry in points:
+            pair = _pair(record, entry["subject"], entry["peer"], notes)  # a grid may hold several subjects
+            row = rows.setdefault(
+                (stem, entry["subject"], entry["peer"]),
+                [f"[{stem}](#{stem.lower()})", _source(record), pair, *["–"] * len(concurrencies)],
+            )
+            row[3 + concurrencies.index(entry["concurrency"])] = _ratio_cell(record, entry, "output_throughput", notes)
+        header = ["record", "date, commit, GPU", "subject / peer", *[f"c{c}" for c in concurrencies]]
+        lines += [f"### {grid}: {model}, {isl}/{osl}", "", *_table(header, list(rows.values())), ""]
+    return lines
+
+
+def render_record(
+    stem: str,
+    record: dict[str, Any],
+    plot_name: str | None,
+    notes: Notes | None = None,
+    cite: Callable[[str], str] | None = None,
+) -> list[str]:
     """The Markdown section of one grid record."""
+    notes = notes if notes is not None else Notes()
     host = record.get("host", {})
     git = host.get("git", {})
     commit = git.get("commit") or "unknown"
     dirty = " (uncommitted changes)" if git.get("is_dirty") else ""
-    lines = [f"## {record.get('title', stem)}", "", f"Record `benchmarks/results/{stem}.json`", ""]
+    lines = [f"### {stem}", "", f"**{record.get('title', stem)}**", "", f"Record {(cite or _plain)(stem)}", ""]
     if record.get("description"):
         lines += [record["description"], ""]
     lines += [
@@ -199,7 +330,7 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         lines.append(f"- skipped: {skipped}")
     lines.append("")
 
-    lines += ["### Arms", ""]
+    lines += ["#### Arms", ""]
     rows = []
     for name, arm in record.get("arms", {}).items():
         versions = sorted({e.get("engine_version") or "–" for e in record["launches"] if e["arm"] == name})
@@ -213,10 +344,10 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
                 arm.get("oracle") or "–",
                 ", ".join(versions) or "–",
                 exemption or arm.get("exemption") or "–",
-                arm.get("denominator_note") or "–",
+                " ".join(_arm_marks(record, name, notes)) or "–",
             ]
         )
-    lines += _table(["arm", "role", "oracle", "engine version", "exemption", "denominator note"], rows)
+    lines += _table(["arm", "role", "oracle", "engine version", "exemption", "denominator notes"], rows)
     lines += ["", "Exact launches (environment overrides, then the command line):", "", "```"]
     for entry in record.get("launches", []):
         env = " ".join(f"{k}={v}" for k, v in (entry.get("env") or {}).items())
@@ -234,7 +365,7 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
         model_runs = [r for r in runs if r["model"] == model]
         if not model_runs:
             continue
-        lines += [f"### Results: {model}", ""]
+        lines += [f"#### Results: {model}", ""]
         rows = []
         for r in sorted(model_runs, key=lambda r: (r["isl"], r["osl"], r["concurrency"], r["is_drift_check"])):
             m = r.get("metrics") or {}
@@ -265,54 +396,28 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
 
     if record.get("ratios"):
         lines += [
-            "### Ratios subject / peer",
+            "#### Ratios subject / peer",
             "",
             "Throughput above 1 and latency or memory below 1 favour the subject.",
             "",
         ]
         rows = []
-        arms = record.get("arms", {})
         fields = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
         for e in record["ratios"]:
-            note = arms.get(e["peer"], {}).get("denominator_note")
-            cells = [_marked(record, e["peer"], name, _ratio(e.get(name))) for name in fields]
-            if e.get("unequal_outputs"):
-                cells[0] += " ‡"
+            cells = [_ratio_cell(record, e, name, notes) for name in fields]
             if e.get("excluded"):
                 cells = [f"no ratio: {e['excluded']}", *["–"] * (len(fields) - 1)]
-            rows.append(
-                [
-                    f"{e['subject']} / {e['peer']}" + (" *" if note else ""),
-                    e["model"],
-                    f"{e['isl']}/{e['osl']}",
-                    str(e["concurrency"]),
-                    *cells,
-                ]
-            )
+            pair = _pair(record, e["subject"], e["peer"], notes)
+            rows.append([pair, e["model"], f"{e['isl']}/{e['osl']}", str(e["concurrency"]), *cells])
         header = ["ratio", "model", "ISL/OSL", "conc", "out tok/s", "TTFT med", "TTFT p99", "TPOT med", "peak mem"]
         lines += _table(header, rows)
-        noted = {e["peer"] for e in record["ratios"] if arms.get(e["peer"], {}).get("denominator_note")}
-        for peer in sorted(noted):
-            lines.append("")
-            lines.append(f"\\* denominator note for `{peer}`: {arms[peer]['denominator_note']}")
-        for peer in sorted({e["peer"] for e in record["ratios"]}):
-            for deviation in arm_deviations(record, peer):
-                if not deviation.affects:
-                    continue
-                is_noted = deviation.note in (arms.get(peer, {}).get("denominator_note") or "")
-                missing = "" if is_noted else " (the record itself lacks this note)"
-                lines.append("")
-                lines.append(f"† `{peer}` ran with registry deviation {deviation.note}{missing}")
-        for e in record["ratios"]:
-            if e.get("unequal_outputs"):
-                lines.append("")
-                lines.append(f"‡ {e['model']} c{e['concurrency']}: {e['unequal_outputs']}")
         lines.append("")
 
     if record.get("drift"):
-        lines += ["### Drift check (first arm launched again at the end)", ""]
+        lines += ["#### Drift check (first arm launched again at the end)", ""]
         rows = []
         for d in record["drift"]:
+            change = d.get("output_throughput_change")
             rows.append(
                 [
                     d["arm"],
@@ -320,9 +425,7 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
                     str(d["concurrency"]),
                     _num(d["first"].get("output_throughput")),
                     _num(d["rerun"].get("output_throughput")),
-                    "–"
-                    if d.get("output_throughput_change") is None
-                    else f"{100 * d['output_throughput_change']:+.1f} %",
+                    "–" if change is None else f"{100 * change:+.1f} %",
                 ]
             )
         lines += _table(["arm", "model", "conc", "first out tok/s", "re-run out tok/s", "change"], rows)
@@ -332,49 +435,136 @@ def render_record(stem: str, record: dict[str, Any], plot_name: str | None) -> l
     return lines
 
 
-def render(records: list[tuple[str, dict[str, Any]]], plot_names: dict[str, str]) -> str:
+def _plain(stem: str) -> str:
+    return f"`{stem}.json`"
+
+
+def render(records: Records, plot_names: dict[str, str], cite: Callable[[str], str] = _plain) -> str:
+    """The whole document: standing, notes, history, records newest first."""
     lines = [
         "# Benchmarks",
         "",
-        "Generated by `deltaserve bench report` from the grid records in `benchmarks/results/`; do not edit by hand.",
-        "Every speed claim is a ratio against a peer engine measured in the same grid, with the same client",
+        "Generated by `deltaserve bench report` from the grid records in `benchmarks/results/grids/`; do not edit by",
+        "hand. Every speed claim is a ratio against a peer engine measured in the same grid, with the same client",
         "(`deltaserve bench serve`, vLLM's metric definitions), the peer in its production configuration as",
-        "defined by `deltaserve/bench/registry.py` and checked by `deltaserve check oracle-flags`.",
+        "defined by `deltaserve/bench/registry.py` and checked by `deltaserve check oracle-flags`. How the records",
+        "are made and read: `benchmarks/README.md`; every record: `benchmarks/results/INDEX.md`.",
         "",
     ]
     if not records:
         lines += ["No grid records yet.", ""]
         return "\n".join(lines)
-    lines += _history(records)
+    notes = Notes()
+    body = _standing(records, notes, cite)
+    history = _history(records, notes)
+    sections = ["## Records, newest first", ""]
     for stem, record in reversed(records):
-        lines += render_record(stem, record, plot_names.get(stem))
+        sections += render_record(stem, record, plot_names.get(stem), notes, cite)
+    lines += body + notes.render() + history + sections
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _has_plot(record: dict[str, Any]) -> bool:
+    return any(r.get("metrics") and not r.get("is_drift_check") for r in record.get("runs", []))
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file backend, or a clear error naming the extra that installs it."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SystemExit(
+            "deltaserve bench report draws its plots with matplotlib: pip install deltaserve[bench]"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_record(stem: str, record: dict[str, Any], out_dir: Path) -> Path | None:
+    """Output tok/s and median TPOT against concurrency, one column per model, one line per arm."""
+    if not _has_plot(record):
+        return None
+    plt = _pyplot()
+    runs = [r for r in record.get("runs", []) if r.get("metrics") and not r.get("is_drift_check")]
+    models = [m["name"] for m in record.get("models", []) if any(r["model"] == m["name"] for r in runs)]
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7), squeeze=False)
+    for column, model in enumerate(models):
+        for arm in record.get("arms", {}):
+            for isl, osl in sorted({(r["isl"], r["osl"]) for r in runs if r["model"] == model and r["arm"] == arm}):
+                points = sorted(
+                    (r["concurrency"], r["metrics"])
+                    for r in runs
+                    if r["model"] == model and r["arm"] == arm and r["isl"] == isl and r["osl"] == osl
+                )
+                xs = [c for c, _ in points]
+                label = f"{arm} ({isl}/{osl})"
+                axes[0][column].plot(xs, [m.get("output_throughput") for _, m in points], "o-", label=label)
+                axes[1][column].plot(xs, [m.get("median_tpot_ms") for _, m in points], "o-", label=label)
+        concurrencies = sorted({r["concurrency"] for r in runs if r["model"] == model})
+        for row, ylabel in enumerate(("output tok/s", "median TPOT (ms)")):
+            ax = axes[row][column]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.minorticks_off()
+            ax.set_xlabel("max concurrency")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0][column].set_title(model)
+    title = textwrap.fill(record.get("title", stem), width=60)  # the figure is narrow: wrap, never clip
+    fig.suptitle(f"{title}\n{stem}", fontsize=10)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench-{stem}.png"
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="the Markdown file (plots go next to it)")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the Markdown is not up to date")
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, help="the grid records")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"the Markdown file (plots in {PLOT_DIR}/)")
+    parser.add_argument("--index", type=Path, default=records_index.DEFAULT_INDEX, help="the records index")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the Markdown (or the index) is not up to date")
+
+
+def _citer(results_dir: Path, output: Path) -> Callable[[str], str]:
+    """A record's citation: its path in the repository (or its file name), linked relative to the output."""
+
+    def cite(stem: str) -> str:
+        path = (results_dir / f"{stem}.json").resolve()
+        shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path.name
+        return f"[`{shown}`]({Path(os.path.relpath(path, output.resolve().parent)).as_posix()})"
+
+    return cite
 
 
 def run(args: argparse.Namespace) -> int:
     records = load_records(args.results_dir)
+    plot_dir = args.output.parent / PLOT_DIR
     plot_names: dict[str, str] = {}
     if not args.check:
         for stem, record in records:
-            path = plot_record(stem, record, args.output.parent)
+            path = plot_record(stem, record, plot_dir)
             if path is not None:
-                plot_names[stem] = path.name
+                plot_names[stem] = f"{PLOT_DIR}/{path.name}"
     else:
-        plot_names = {stem: f"bench-{stem}.png" for stem, record in records if _has_plot(record)}
-    text = render(records, plot_names)
+        plot_names = {stem: f"{PLOT_DIR}/bench-{stem}.png" for stem, record in records if _has_plot(record)}
+    text = render(records, plot_names, _citer(args.results_dir, args.output))
+    index = getattr(args, "index", None)  # None: a report of other records (a test's) leaves the index alone
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is stale: run `deltaserve bench report`", file=sys.stderr)
-            return 1
-        return 0
+        stale = [] if (args.output.read_text() if args.output.exists() else "") == text else [args.output]
+        if index is not None and not records_index.is_current(index):
+            stale.append(index)
+        for path in stale:
+            print(f"{path} is stale: run `deltaserve bench report`", file=sys.stderr)
+        return 1 if stale else 0
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     print(f"wrote {args.output} ({len(records)} records, {len(plot_names)} plots)")
+    if index is not None:
+        records_index.write(index)
+        print(f"wrote {index}")
     return 0

@@ -1,15 +1,16 @@
 """The default step token budget (--max-num-batched-tokens when not given): from the weights one token reads.
 
-A step's prefill tokens all finish together, so a larger budget delays the median first token of a burst of
-prompts, and a smaller one spreads prefill over more steps that each also carry the running decodes. Measured on the
-H200 (benchmarks/results/h200_budget-27b-20261202.json with h200_core2-27b-20261202.json, the 27B shape, 1024-token
-prompts, c8 / c32): output throughput equal within 1 % at budgets 8192, 4096 and 2048, TTFT median 731.6 / 1754.1 ms
-at 8192, 625.6 / 1074.2 at 4096, 419.5 / 620.3 at 2048 (vLLM 0.26 at its production 2048: 414.6 / 572.8); the 35B-A3B
-shape at 8192 has TTFT below vLLM's at c1-c32 (h200_core2-35b-a3b-20261202.json). What sets the cost of a prefill
-step is the matrix work per token, about twice the parameters each token reads (attention over the prompt is
-small at these lengths), so the budget keeps that work near the measured 27B point: STEP_PARAM_TOKENS parameter-
-tokens, rounded to a power of two in [MIN_TOKENS, MAX_TOKENS]. 27B (24.3 G parameters a token): 2048; 35B-A3B
-(2.44 G: top-8 of 256 experts plus the shared one): 8192. On the CPU, MIN_TOKENS.
+A step's prefill tokens all finish together, so a larger budget delays the median first token of a burst of prompts,
+and a smaller one spreads prefill over more steps that each also carry the running decodes. Measured on the H200
+(benchmarks/results/grids/h200_budget-27b-20261202.json with benchmarks/results/grids/h200_core2-27b-20261202.json,
+the 27B shape, 1024-token prompts, c8 / c32): output throughput equal within 1 % at budgets 8192, 4096 and 2048,
+TTFT median 731.6 / 1754.1 ms at 8192, 625.6 / 1074.2 at 4096, 419.5 / 620.3 at 2048 (vLLM 0.26 at its production
+2048: 414.6 / 572.8); the 35B-A3B shape at 8192 has TTFT below vLLM's at c1-c32
+(benchmarks/results/grids/h200_core2-35b-a3b-20261202.json). What sets the cost of a prefill step is the matrix work
+per token, about twice the parameters each token reads (attention over the prompt is small at these lengths), so the
+budget keeps that work near the measured 27B point: STEP_PARAM_TOKENS parameter-tokens, rounded to a power of two
+in [MIN_TOKENS, MAX_TOKENS]. 27B (24.3 G parameters a token): 2048; 35B-A3B (2.44 G: top-8 of 256 experts plus the
+shared one): 8192. On the CPU, MIN_TOKENS.
 """
 
 from __future__ import annotations

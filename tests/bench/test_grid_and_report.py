@@ -180,11 +180,13 @@ def test_grid_end_to_end_with_fake_servers_then_report(
     args = report.argparse.Namespace(results_dir=results, output=docs / "BENCHMARKS.md", check=False)
     assert report.run(args) == 0
     text = (docs / "BENCHMARKS.md").read_text()
-    assert (docs / "bench-fake-run.png").stat().st_size > 1000
+    assert (docs / "plots/bench-fake-run.png").stat().st_size > 1000
     assert str(FAKE_SERVER) in text and "--itl-ms 10" in text  # every arm's exact command line
-    assert "repaired: now runs with the production flags" in text and "[1]" in text
-    assert "fast / slow *" in text and "![fake-run](bench-fake-run.png)" in text
-    assert "Ratio history" in text and "deltaserve bench serve --base-url" in text
+    # the denominator note is printed once, under its own heading, and every pair it concerns links to it
+    assert text.count("repaired: now runs with the production flags") == 1 and "### Note 1" in text
+    assert "fast / slow [*1](#note-1)" in text and "![fake-run](plots/bench-fake-run.png)" in text
+    assert text.index("## Current standing") < text.index("## Notes") < text.index("Ratio history")
+    assert "### fake: word" in text and "deltaserve bench serve --base-url" in text
     args.check = True
     assert report.run(args) == 0
     (docs / "BENCHMARKS.md").write_text(text + "edit\n")
@@ -374,17 +376,20 @@ def test_report_marks_ratios_a_peer_deviation_can_move() -> None:
               "env": {}, "command_line": "vllm serve m --gdn-prefill-backend triton"}  # fmt: skip
     record = {"grid": "g", "arms": {"ds": {"role": "subject"}, "vllm": {"role": "peer"}}, "launches": [launch],
               "runs": [], "ratios": [ratio]}  # fmt: skip
-    text = "\n".join(report.render_record("rec", record, None))
-    assert "| ds / vllm | m | 8/2 | 1 | 0.500 † | 0.800 † | 0.900 † | 1.200 | 1.000 |" in text
+    notes = report.Notes()
+    text = "\n".join(report.render_record("rec", record, None, notes) + notes.render())
+    dagger = "[†1](#note-1)"
+    assert f"| ds / vllm | m | 8/2 | 1 | 0.500 {dagger} | 0.800 {dagger} | 0.900 {dagger} | 1.200 | 1.000 |" in text
     assert "gdn-prefill-triton" in text and "(the record itself lacks this note)" in text
+    assert text.count("gdn-prefill-triton:") == 1  # the note once, however many cells it marks
     history = "\n".join(report._history([("rec", record)]))
-    assert "0.500 †" in history
+    assert f"0.500 {dagger}" in history
     clean = dict(record, launches=[dict(launch, argv=["vllm", "serve", "m"])])
     assert "†" not in "\n".join(report.render_record("rec", clean, None))
 
 
 def test_committed_records_carry_the_gdn_deviation_note() -> None:
-    for path in sorted((grid_module.REPO_ROOT / "benchmarks/results").glob("h200_first-*.json")):
+    for path in sorted((grid_module.REPO_ROOT / "benchmarks/results/grids").glob("h200_first-*.json")):
         record = json.loads(path.read_text())
         for name, arm in record["arms"].items():
             if arm.get("oracle") != "vllm":
@@ -395,8 +400,8 @@ def test_committed_records_carry_the_gdn_deviation_note() -> None:
 
 
 def test_a_point_with_failed_requests_gets_no_ratio() -> None:
-    """h200_structured-35b-a3b-20261201-s4: vLLM failed 73 of 160 requests at c32; its throughput counts their time
-    and not their tokens, so subject / peer there compares different work."""
+    """vLLM failed 73 of 160 requests at c32 (benchmarks/results/grids/h200_structured-35b-a3b-20261201-s4.json);
+    its throughput counts their time and not their tokens, so subject / peer there compares different work."""
     ours = {"output_throughput": 1491.5, "median_tpot_ms": 18.15, "completed": 160, "failed": 0}
     peer = {"output_throughput": 1056.5, "median_tpot_ms": 20.70, "completed": 87, "failed": 73}
     run = {"model": "m", "isl": 1024, "osl": 128, "concurrency": 32, "is_drift_check": False}
@@ -436,3 +441,19 @@ def test_a_point_whose_arms_emit_unlike_outputs_is_flagged() -> None:
         record["runs"][1]["metrics"] = peer | {"num_distinct_generated_texts": distinct}
         (entry,) = compute_ratios(record)
         assert "unequal_outputs" not in entry
+
+
+def test_plots_without_matplotlib_name_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib is only in the `bench` extra: a report that must draw without it says how to install it."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    record = {
+        "grid": "g",
+        "title": "t",
+        "models": [{"name": "m"}],
+        "arms": {"ds": {}},
+        "launches": [],
+        "runs": [_run("ds", 1, {"output_throughput": 1.0}) | {"client_command_line": "deltaserve bench serve"}],
+    }
+    with pytest.raises(SystemExit, match=r"pip install deltaserve\[bench\]"):
+        report.plot_record("rec", record, tmp_path)
+    assert report.render([("rec", record)], {}).startswith("# Benchmarks")  # the Markdown itself needs no plots

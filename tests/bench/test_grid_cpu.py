@@ -86,4 +86,4 @@ def test_fused_vs_unfused_preamble_grid_on_the_cpu(tmp_path: Path) -> None:
     assert report.run(report.argparse.Namespace(results_dir=results, output=output, check=False)) == 0
     text = output.read_text()
     assert "DELTASERVE_FUSE_ATTN_PREAMBLE=0" in text and "the same engine with the four-op preamble" in text
-    assert (output.parent / "bench-cpu-run.png").exists()
+    assert (output.parent / "plots/bench-cpu-run.png").exists()

@@ -96,6 +96,7 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         ("deltaserve", "vllm", 1),
         ("deltaserve", "vllm", 2),
     }
-    text = "\n".join(report.render_record("image-cpu", record, None))
+    notes = report.Notes()  # the denominator note is printed once, under Notes, and marked on the vLLM arm
+    text = "\n".join(report.render_record("image-cpu", record, None, notes) + notes.render())
     assert "- dataset: random-mm (" in text and "bucket_config={(64, 64, 1): 1.0}" in text
-    assert "vision-tower-kept" in text
+    assert "vision-tower-kept" in text and "deltaserve / vllm [*1](#note-1)" in text

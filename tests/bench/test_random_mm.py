@@ -222,7 +222,7 @@ def test_image_grid_file_resolves_an_image_workload(tmp_path: Path, monkeypatch:
     assert args.random_mm_bucket_config == {(512, 512, 1): 1.0} and args.random_mm_limit_mm_per_prompt["image"] == 1
     assert args.random_mm_base_items_per_request == 1 and args.num_prompts == 40
     # the whole grid fits one device call: every launch's estimate, plus the drift re-run, under the deadline
-    # scripts/h200_image_grid.sh gives it (505 s), and a hung vLLM start is cut before it too
+    # a one-call image grid keeps to (505 s), and a hung vLLM start is cut before it too
     total = sum(a.expected_startup_s + len(config.concurrencies) * a.expected_run_s for a in config.arms)
     total += ours.expected_startup_s + ours.expected_run_s
     assert total <= 505 and peer.startup_timeout_s + ours.expected_startup_s + 3 * 20 + 3 * peer.expected_run_s <= 505

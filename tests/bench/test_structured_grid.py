@@ -1,6 +1,6 @@
 """The structured-output grid's premise: its JSON schema cannot close within the grid's output length on the dummy
 vocabulary, so every output token of both engines is masked (a closed grammar under ignore_eos fails vLLM 0.26's
-request and leaves deltaserve unconstrained: h200_structured-35b-a3b-20261201-s4)."""
+request and leaves deltaserve unconstrained: benchmarks/results/grids/h200_structured-35b-a3b-20261201-s4.json)."""
 
 from __future__ import annotations
 

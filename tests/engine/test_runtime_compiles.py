@@ -1,6 +1,6 @@
 """GPU only: once the engine has started, serving-like traffic compiles no Triton kernel.
 
-The first H200 grid (benchmarks/results/h200_first-35b-a3b-20261129.json) showed p99 TTFT of 11 s and a +82 %
+The first H200 grid (benchmarks/results/grids/h200_first-35b-a3b-20261129.json) showed p99 TTFT of 11 s and a +82 %
 drift re-run: kernels compiled (and MoE configs were re-picked) in the middle of serving, for specializations
 the start-up warm-up never met — a sequence-count constexpr, batch-dependent integers Triton specializes on
 (== 1, divisible by 16), slices whose pointers lost 16-byte alignment, and a warm-up that stopped at

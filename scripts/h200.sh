@@ -1,0 +1,361 @@
+#!/usr/bin/env bash
+# scripts/h200.sh: the one runner for the offline H200. One step per device call, each named by what it measures.
+#
+# usage: bash scripts/h200.sh STEP [ARGS...]          (from the repo root of the device's copy of the tree)
+#
+# A device call (the `run` tool; each call <= 600 s, its command <= 2000 characters):
+#   command: DELTASERVE_GIT_COMMIT=<sha> bash scripts/h200.sh decode-step --batches 1,32,128 --shapes 27b,35b-a3b
+#   carry:   [".whl"] (deltaserve's pins), plus one vLLM bundle piece (".vllm_chunk", ".vllm_chunk2", ...) per call
+#            until all are stored; the call that brings the last piece sets SHA256=<bundle sha256> too.
+# The machine keeps /tmp while warm (30 s after a call), never the checkout: bundle pieces, the unpacked bundle
+# (/tmp/vllm_site), the pins (/tmp/ds_site), the dummy checkpoints (/tmp/ds_models) and the grid store (/tmp/ds_grid)
+# carry over to the next call only on the same warm machine.
+#
+# steps (every step runs `setup` first; it costs nothing once done):
+#   setup                        store the vLLM / FlashInfer bundle pieces this call carried (.vllm_chunk*/,
+#                                .fi_chunk*/) and unpack a bundle once all its pieces are there and SHA256 is set
+#                                (benchmarks/oracle/unpack.sh); install .whl/*.whl into /tmp/ds_site; write the
+#                                dummy 35B-A3B and 27B checkpoints (benchmarks/oracle/make_dummy_models.py)
+#   tests [PYTEST ARGS]          pytest -v -m gpu (default: tests/ without tests/api and tests/bench, whose imports
+#                                the host lacks); the log comes back as pytest-gpu-TAG.log
+#   gates [fp32]                 the fp32 token gates on cuda: make-tiny dense / moe / next against transformers,
+#                                STRICT 32/32 each (gate-fp32-tiny-V-cuda-TAG.json)
+#   gates bf16 STAGE             the bf16 gates on the trained checkpoints, side by side on one GPU
+#                                (benchmarks/oracle/gates_shared.sh; STAGE: transformers, vllm-refs, then vllm)
+#   gates media [MEDIA]          the bf16 image / multi-image / video gates on the vision variants
+#                                (benchmarks/oracle/media_gate_runs.sh; MEDIA default image)
+#   decode-step [FLAGS]          benchmarks/decode_step.py (FLAGS are its own: --batches, --shapes, --variants, ...),
+#                                then graph_ms against the newest committed decode-step record
+#                                (scripts/decode_step_compare.py; `--against RECORD` names another)
+#   kernel-ab BASELINE [FLAGS]   a kernel against a baseline, timed in one call. BASELINE is an earlier kernel file
+#                                (`git show REV:deltaserve/kernels/X.py > ab/X.py`: an untracked file travels with the
+#                                tree) that replaces deltaserve's file of that name in a copy of the package, or a
+#                                whole baseline tree (a folder holding deltaserve/); decode_step.py --baseline times
+#                                both. A conv_triton.py goes to benchmarks/conv_prefill_sweep.py --baseline (the
+#                                prefill conv, both kernels interleaved in one process)
+#   mixed-step [FLAGS]           benchmarks/mixed_step.py (--shapes, --cases, --reps)
+#   profile-decode [SHAPE] [FLAGS]  benchmarks/profile_decode.py on the dummy q35-SHAPE (default 35b-a3b)
+#   kernels [FLAGS]              deltaserve bench kernels (--models, --ops, --tokens)
+#   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
+#                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
+#                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the
+#                                call's budget leaves. Returns the record, its console log and its -raw.tgz
+#   tp SUBSTEP [FLAGS]           the two-GPU plan (kind nvidia-h200-x2): probe (NCCL all-reduce), tests
+#                                (test_gpu_tensor_parallel), gate (scripts/tp_token_compare.py and the bf16 gate at
+#                                -tp 2), kernels (bench kernels --tp 2), profile1 / profile2 (profile_decode at TP=1 /
+#                                2), grid (benchmarks/grids/h200_tp2.toml, grid FLAGS after it)
+#
+# env:  OUT                    where records come back (the device tool sets it; at most 8 files come back, so
+#                              logs travel in one logs-STEP.tgz and many records in one archive)
+#       DELTASERVE_GIT_COMMIT  the commit records name (the device's copy of the tree has no .git)
+#       SHA256                 the vLLM bundle's sha256, in the call that carries its last piece
+#       CALL_BUDGET_S          seconds this call may use (default 570: the tool's 600 less saving and returning)
+#       RECORD_TAG             the suffix of record names (default h200-YYYYMMDD, UTC)
+#       DS_MODELS              the dummy checkpoints (default /tmp/ds_models)
+#       DS_WORK                where logs are written before they are tarred (default /tmp/ds_run)
+#       DRY_RUN=1              print each command instead of running it (a check of the arguments, on any machine)
+# Back in the repo: move the records into benchmarks/results/<kind>/ (benchmarks/results/INDEX.md says which
+# kind) and run `deltaserve bench report`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+step=${1:-}
+if [ -z "$step" ] || [ "$step" = -h ] || [ "$step" = --help ]; then
+  sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  [ -z "$step" ] && exit 2
+  exit 0
+fi
+shift
+: "${OUT:?set OUT: the folder whose files come back (the device tool sets it)}"
+PY=${PY:-python3}
+budget=${CALL_BUDGET_S:-570}
+models=${DS_MODELS:-/tmp/ds_models}
+tag=${RECORD_TAG:-h200-$(date -u +%Y%m%d)}
+W=${DS_WORK:-/tmp/ds_run}/$step-$(date -u +%H%M%S)  # logs, tarred into $OUT at exit
+mkdir -p "$W" "$OUT"
+touch "$W/.start"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# NVLink multicast stays off in every process started from here (it can take the host's shared GPUs down)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# deltaserve's own pins before the bundle; the bundle last (xgrammar 0.2.9 imports pydantic, which only it has)
+export PYTHONPATH=$PWD:/tmp/ds_site:/tmp/vllm_site
+
+say() { tee -a "$OUT/summary.txt"; }
+mark() { echo "=== $* (${SECONDS} s)" | say; }
+# seconds a command may take, keeping $1 (default 10) for what follows; never under 10
+left() {
+  local s=$((budget - SECONDS - ${1:-10}))
+  echo $((s < 10 ? 10 : s))
+}
+# run LOG CMD...: CMD with its output in LOG (or, under DRY_RUN, the command line printed)
+run() {
+  local log=$1
+  shift
+  if [ -n "${DRY_RUN:-}" ]; then
+    echo "+ $* > $log" | say
+    return 0
+  fi
+  "$@" > "$log" 2>&1
+}
+trap 'tar -czf "$OUT/logs-$step.tgz" -C "$W" . 2>/dev/null' EXIT
+
+setup() {
+  local bundle
+  for bundle in vllm fi; do
+    if compgen -G ".${bundle}_chunk*" > /dev/null; then
+      run "$W/unpack-$bundle.log" bash benchmarks/oracle/unpack.sh "$([ $bundle = fi ] && echo flashinfer || echo vllm)"
+      tail -3 "$W/unpack-$bundle.log" 2> /dev/null | say
+    fi
+  done
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    run "$W/pip.log" $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/ds_site .whl/*.whl || echo "wheel install failed: $(tail -2 "$W/pip.log")" | say
+  fi
+  if [ ! -f "$models/q35-35b-a3b/config.json" ] || [ ! -f "$models/q35-27b/config.json" ]; then
+    run "$W/dummies.log" timeout 150 $PY benchmarks/oracle/make_dummy_models.py "$models" --only q35-35b-a3b,q35-27b
+  fi
+  local vllm=none
+  [ -d /tmp/vllm_site/vllm ] && vllm=unpacked
+  [ -d /tmp/store-vllm ] && [ "$vllm" = none ] && vllm="$(ls /tmp/store-vllm/part.* 2> /dev/null | wc -l) pieces stored"
+  local gpus pins
+  gpus=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2> /dev/null | sort | uniq -c | xargs)
+  pins=$(ls /tmp/ds_site 2> /dev/null | wc -l)
+  echo "setup: commit ${DELTASERVE_GIT_COMMIT:-unset}, vLLM bundle $vllm, $pins pinned entries, dummies in $models," \
+    "GPUs: ${gpus:-none}" | say
+}
+
+# stop a server that a grid killed outright (SIGKILL) left running: the grid notes its process group here
+stop_leftover_server() {
+  local pidf=${DELTASERVE_GRID_PIDFILE:-/tmp/deltaserve-grid-server.pgid} pg
+  [ -f "$pidf" ] || return 0
+  pg=$(cat "$pidf")
+  echo "stopping the server a killed grid left behind (process group $pg)" | say
+  kill -TERM -- "-$pg" 2> /dev/null
+  sleep 10
+  kill -KILL -- "-$pg" 2> /dev/null
+  rm -f "$pidf"
+}
+
+grid() {  # GRID [bench grid flags]
+  local file=$1 store=${GRID_STORE:-/tmp/ds_grid} name="" has_deadline="" has_resume="" prev=""
+  shift
+  for candidate in "$file" "benchmarks/grids/$file.toml" "benchmarks/grids/h200_$file.toml"; do
+    [ -f "$candidate" ] && file=$candidate && break
+  done
+  [ -f "$file" ] || { echo "no grid file $file" | say; return 2; }
+  for word in "$@"; do
+    [ "$prev" = --record-name ] && name=$word
+    [ "$word" = --deadline-s ] && has_deadline=1
+    [ "$word" = --resume ] && has_resume=1
+    prev=$word
+  done
+  local extra=()
+  if [ -n "$name" ] && [ -z "$has_resume" ] && [ -f "$store/$name.json" ]; then
+    echo "resuming $store/$name.json (a cut call left it)" | say
+    extra+=(--resume "$store/$name.json")
+  fi
+  if [ ! -d /tmp/vllm_site/vllm ] && [ -z "${DRY_RUN:-}" ]; then
+    echo "no /tmp/vllm_site/vllm: carry the bundle pieces first (setup); the grid's servers need it" | say
+    return 3
+  fi
+  if grep -q "q35-35b-a3b-mm" "$file"; then  # image traffic: the image dummy, checked as both servers read it
+    run "$W/dummy-mm.log" timeout 120 $PY benchmarks/oracle/make_dummy_models.py "$models" --only q35-35b-a3b-mm \
+      --check || { echo "the image dummy failed its checks: $(tail -3 "$W/dummy-mm.log")" | say; return 3; }
+  fi
+  stop_leftover_server
+  mkdir -p "$store/raw"
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv \
+    > "$W/nvidia-smi.csv" 2>&1
+  [ -n "$has_deadline" ] || extra+=(--deadline-s "$(left 40)")  # no launch that would end after the budget
+  mark "grid $file $*"
+  # the grid process as the grids have always run it: this tree and the bundle (fastapi, uvicorn) on its path
+  PYTHONPATH=$PWD:/tmp/vllm_site DELTASERVE_MODELS=$models run "$W/grid.log" \
+    timeout --signal=TERM --kill-after=20 "$(left 25)" $PY -m deltaserve.cli bench grid "$file" \
+    --result-dir "$store" --raw-dir "$store/raw" "$@" "${extra[@]}"
+  local rc=$?
+  grep -E "^\[grid\]|rror" "$W/grid.log" 2> /dev/null | tail -16 | say
+  local record
+  for record in $(find "$store" -maxdepth 1 -name '*.json' -newer "$W/.start" 2> /dev/null); do
+    local stem
+    stem=$(basename "$record" .json)
+    cp "$record" "$OUT/"
+    cp "$W/grid.log" "$OUT/$stem.log"
+    [ -d "$store/raw/$stem" ] && tar -czf "$OUT/$stem-raw.tgz" -C "$store/raw" "$stem"
+  done
+  echo "grid rc $rc" | say
+  return $rc
+}
+
+decode_step() {  # RECORD [decode_step.py flags]: the run, its table in the summary
+  local out=$1
+  shift
+  run "$W/$(basename "$out" .json).log" timeout "$(left 20)" $PY benchmarks/decode_step.py --models "$models" \
+    --label after --out "$out" "$@"
+  local rc=$?
+  echo "decode_step rc $rc" | say
+  grep -A16 "graph_ms by batch size" "$W/$(basename "$out" .json).log" 2> /dev/null | say
+  return $rc
+}
+
+gpu_pytest() {  # LOG [pytest args]: verbose, so a run cut by the budget still names what passed
+  local log=$1
+  shift
+  run "$log" timeout "$(left)" $PY -m pytest -v -m gpu -o addopts="" -p no:cacheprovider --import-mode=importlib "$@"
+  local rc=$?
+  local last
+  last=$(grep -E "passed|failed|deselected|no tests ran" "$log" 2> /dev/null | tail -1)
+  echo "pytest rc $rc: $(grep -cE " PASSED" "$log" 2> /dev/null) passed; $last" | say
+  grep -E "(FAILED|ERROR)" "$log" 2> /dev/null | head -40 | say
+  return $rc
+}
+
+gate_fp32() {  # the fp32 token gates on cuda: STRICT n/N first in each log
+  local v rc status=0
+  for v in ${VARIANTS:-dense moe next}; do
+    run "$W/make-tiny-$v.log" $PY -m deltaserve.cli make-tiny "/tmp/tiny/$v" --variant "$v"
+    run "$W/gate-fp32-$v.log" timeout "$(left)" $PY -m deltaserve.cli gate tokens --model "/tmp/tiny/$v" \
+      --dtype float32 --device cuda --record "$OUT/gate-fp32-tiny-$v-cuda-$tag.json"
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    echo "gate fp32 $v rc $rc: $(grep -m1 STRICT "$W/gate-fp32-$v.log" 2> /dev/null)" | say
+  done
+  return $status
+}
+
+mark "$step $* (commit ${DELTASERVE_GIT_COMMIT:-unset}, $(date -u +%FT%TZ), budget ${budget} s)"
+setup
+status=0
+case $step in
+  setup) ;;
+  tests)
+    [ $# -gt 0 ] || set -- tests --ignore=tests/api --ignore=tests/bench
+    gpu_pytest "$OUT/pytest-gpu-$tag.log" "$@" || status=$? ;;
+  gates)
+    what=${1:-fp32}
+    shift || true
+    case $what in
+      fp32) gate_fp32 || status=$? ;;
+      bf16 | media)
+        script=benchmarks/oracle/gates_shared.sh
+        [ "$what" = media ] && script=benchmarks/oracle/media_gate_runs.sh
+        run "$W/$what.log" env OUT="$W/$what" STAGE="${1:-transformers}" MEDIA="${1:-image}" \
+          GATE_TIMEOUT_S="$(left 20)" timeout "$(left 10)" bash "$script" || status=$?
+        grep -E "^===|^STRICT|^rc|REFUSED|Error" "$W/$what.log" 2> /dev/null | say
+        tar -czf "$OUT/gates-$what-${1:-all}-$tag.tgz" -C "$W/$what" . 2> /dev/null ;;
+      *) echo "gates: fp32, bf16 STAGE or media MEDIA, not $what" | say; status=2 ;;
+    esac ;;
+  decode-step)
+    against=()
+    args=()
+    while [ $# -gt 0 ]; do
+      case $1 in
+        --against) against=(--against "$2"); shift 2 ;;
+        *) args+=("$1"); shift ;;
+      esac
+    done
+    decode_step "$OUT/decode-step-$tag.json" "${args[@]}" || status=$?
+    run "$W/compare.log" $PY scripts/decode_step_compare.py "$OUT/decode-step-$tag.json" "${against[@]}"
+    compare=$?
+    cat "$W/compare.log" 2> /dev/null | say
+    [ $status -eq 0 ] && status=$compare ;;
+  kernel-ab)
+    base=${1:?kernel-ab: name the baseline (an earlier kernel file, or a tree holding deltaserve/)}
+    shift
+    if [ ! -f "$base" ] && [ ! -d "$base/deltaserve" ]; then
+      echo "kernel-ab: $base is neither a kernel file nor a tree holding deltaserve/ (an ignored path needs carry)" \
+        | say
+      exit 2
+    fi
+    if [ "$(basename "$base")" = conv_triton.py ] && [ -f "$base" ]; then
+      run "$W/conv-ab.log" timeout "$(left)" $PY benchmarks/conv_prefill_sweep.py --baseline "$base" --only-baseline \
+        --out "$OUT/conv-prefill-ab-$tag.json" "$@" || status=$?
+      grep -v Warn "$W/conv-ab.log" 2> /dev/null | tail -20 | say
+    else
+      tree=$base
+      if [ -f "$base" ]; then
+        targets=$(find deltaserve -name "$(basename "$base")" -path '*.py' -not -path '*/__pycache__/*')
+        if [ "$(echo "$targets" | grep -c .)" -ne 1 ]; then
+          echo "kernel-ab: $(basename "$base") names $(echo "$targets" | grep -c .) files under deltaserve/" | say
+          exit 2
+        fi
+        tree=${DS_WORK:-/tmp/ds_run}/ab-$(basename "$base" .py)
+        rm -rf "$tree" && mkdir -p "$tree" && cp -r deltaserve "$tree/" && cp "$base" "$tree/$targets"
+        echo "kernel-ab: baseline tree $tree: this tree's deltaserve/ with $targets from $base" | say
+      fi
+      decode_step "$OUT/decode-step-ab-$tag.json" --baseline "$tree" "$@" || status=$?
+    fi ;;
+  mixed-step)
+    run "$W/mixed-step.log" timeout "$(left)" $PY benchmarks/mixed_step.py --models "$models" \
+      --out "$OUT/mixed-step-$tag.json" "$@" || status=$?
+    grep -E "^  |FAILED|case," "$W/mixed-step.log" 2> /dev/null | say ;;
+  profile-decode)
+    shape=35b-a3b
+    [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && shape=$1 && shift
+    run "$W/profile-decode.log" timeout "$(left)" $PY benchmarks/profile_decode.py --model "$models/q35-$shape" \
+      --out "$OUT/profile-decode-$shape-$tag.json" "$@" || status=$?
+    grep -v "USDT\|UserWarning\|_warn_once" "$W/profile-decode.log" 2> /dev/null | tail -12 | say ;;
+  kernels)
+    run "$W/kernels.log" timeout "$(left)" $PY -m deltaserve.cli bench kernels --out "$OUT/kernels-$tag.json" "$@" \
+      || status=$?
+    tail -30 "$W/kernels.log" 2> /dev/null | say ;;
+  grid)
+    grid "${1:?grid: name a grid file}" "${@:2}" || status=$? ;;
+  tp)
+    sub=${1:?tp: probe, tests, gate, kernels, profile1, profile2 or grid}
+    shift
+    case $sub in
+      probe)
+        run "$W/probe.log" timeout 120 $PY - << 'PY' || status=$?
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run(rank: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    t = torch.full((4,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    print("rank", rank, "all-reduce", t.tolist(), flush=True)
+    dist.destroy_process_group()
+
+
+print("cuda devices:", torch.cuda.device_count(), "torch", torch.__version__)
+if torch.cuda.device_count() >= 2:
+    mp.spawn(run, nprocs=2)
+PY
+        cat "$W/probe.log" 2> /dev/null | say ;;
+      tests) gpu_pytest "$OUT/pytest-gpu-tp2-$tag.log" tests/engine/test_gpu_tensor_parallel.py "$@" || status=$? ;;
+      gate)
+        for v in ${VARIANTS:-dense moe next}; do
+          run "$W/make-tiny-$v.log" $PY -m deltaserve.cli make-tiny "/tmp/tiny/$v" --variant "$v"
+          run "$W/tp-compare-$v.log" timeout 170 $PY scripts/tp_token_compare.py --model "/tmp/tiny/$v" --tp 2 \
+            --dtype bfloat16 --device cuda --out "$OUT/tp-compare-bf16-$v-$tag.json" || status=1
+          tail -4 "$W/tp-compare-$v.log" 2> /dev/null | say
+          run "$W/gate-tp2-$v.log" timeout 150 $PY -m deltaserve.cli gate tokens --model "/tmp/tiny/$v" \
+            --dtype bfloat16 --device cuda -tp 2 || status=1
+          echo "gate bf16 -tp 2 $v: $(grep -m1 STRICT "$W/gate-tp2-$v.log" 2> /dev/null)" | say
+        done ;;
+      kernels)
+        for m in 35b-a3b 27b; do
+          run "$W/kernels-tp2-$m.log" timeout 270 $PY -m deltaserve.cli bench kernels --tp 2 --models "$m" \
+            --out "$OUT/kernels-tp2-$m-$tag.json" "$@" || status=1
+          tail -12 "$W/kernels-tp2-$m.log" 2> /dev/null | say
+        done ;;
+      profile1 | profile2)
+        for m in ${PROFILE_SHAPES:-35b-a3b 27b}; do
+          run "$W/profile-tp${sub#profile}-$m.log" timeout 270 $PY benchmarks/profile_decode.py \
+            --model "$models/q35-$m" --batches "${PROFILE_BATCHES:-1,8,32,64}" --staggered 8 --steps 20 \
+            --tensor-parallel-size "${sub#profile}" --out "$OUT/profile-decode-tp${sub#profile}-$m-$tag.json" \
+            "$@" || status=1
+          tail -8 "$W/profile-tp${sub#profile}-$m.log" 2> /dev/null | say
+        done ;;
+      grid) grid benchmarks/grids/h200_tp2.toml "$@" || status=$? ;;
+      *) echo "tp: probe, tests, gate, kernels, profile1, profile2 or grid, not $sub" | say; status=2 ;;
+    esac ;;
+  *) echo "unknown step $step (bash scripts/h200.sh --help)" | say; status=2 ;;
+esac
+mark "done, status $status"
+exit $status

@@ -1,0 +1,70 @@
+"""scripts/h200.sh, the one H200 runner: it parses, documents every step it runs, builds each step's commands from
+its arguments (checked under DRY_RUN on the CPU), and no script is named for a run, a date or a session."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = ROOT / "scripts" / "h200.sh"
+
+
+def runner(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DS_WORK": str(tmp_path / "work"), "DRY_RUN": "1"}
+    env.update(DS_MODELS=str(tmp_path / "models"), RECORD_TAG="h200-test", PY="python3")
+    return subprocess.run(["bash", str(RUNNER), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_runner_parses_and_documents_every_step(tmp_path: Path) -> None:
+    assert subprocess.run(["bash", "-n", str(RUNNER)], capture_output=True).returncode == 0
+    text = RUNNER.read_text()
+    steps = re.findall(r"^  ([a-z][a-z0-9-]*)(?: \| [a-z-]+)*\)", text, flags=re.M)
+    assert {"setup", "tests", "gates", "decode-step", "kernel-ab", "grid", "tp"} <= set(steps)
+    usage = subprocess.run(["bash", str(RUNNER), "--help"], capture_output=True, text=True)
+    assert usage.returncode == 0
+    for step in steps:
+        assert re.search(rf"^  {step}\b", usage.stdout, flags=re.M), step
+    assert runner(tmp_path).returncode == 2 and runner(tmp_path, "bogus").returncode == 2
+
+
+def test_steps_build_their_commands(tmp_path: Path) -> None:
+    done = runner(tmp_path, "decode-step", "--batches", "1,32,128", "--shapes", "27b,35b-a3b")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    assert (
+        f"benchmarks/decode_step.py --models {tmp_path}/models --label after --out {out}/decode-step-h200-test.json "
+        "--batches 1,32,128 --shapes 27b,35b-a3b" in done.stdout
+    )
+    assert f"scripts/decode_step_compare.py {out}/decode-step-h200-test.json" in done.stdout
+    assert (out / "summary.txt").is_file() and (out / "logs-decode-step.tgz").is_file()
+
+    grid = runner(tmp_path, "grid", "core2", "--models", "q35-27b", "--record-name", "r1", "--no-drift").stdout
+    assert "bench grid benchmarks/grids/h200_core2.toml --result-dir /tmp/ds_grid" in grid
+    assert re.search(r"--record-name r1 --no-drift --deadline-s \d+ ", grid)
+    gates = runner(tmp_path, "gates").stdout
+    for variant in ("dense", "moe", "next"):
+        assert f"--dtype float32 --device cuda --record {out}/gate-fp32-tiny-{variant}-cuda-h200-test.json" in gates
+    assert "env OUT=" in runner(tmp_path, "gates", "bf16", "vllm").stdout
+
+
+def test_kernel_ab_builds_a_baseline_tree_from_one_kernel_file(tmp_path: Path) -> None:
+    baseline = tmp_path / "moe_decode_triton.py"
+    baseline.write_text("# an earlier kernel\n")
+    done = runner(tmp_path, "kernel-ab", str(baseline), "--batches", "1,2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "with deltaserve/kernels/moe_decode_triton.py from" in done.stdout
+    tree = re.search(r"baseline tree (\S+):", done.stdout).group(1)
+    assert (Path(tree) / "deltaserve/kernels/moe_decode_triton.py").read_text() == "# an earlier kernel\n"
+    assert (Path(tree) / "deltaserve/kernels/__init__.py").is_file()  # the rest is this tree's package
+    assert f"--baseline {tree} --batches 1,2" in done.stdout
+    assert runner(tmp_path, "kernel-ab", str(tmp_path / "missing.py")).returncode == 2
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").iterdir()), ids=lambda p: p.name)
+def test_no_script_is_named_for_a_run(path: Path) -> None:
+    assert not re.search(r"_s\d+|session|call\d|\d{6,}|short_", path.name), path.name
