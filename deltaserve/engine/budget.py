@@ -2,7 +2,7 @@
 
 A step's prefill tokens all finish together, so a larger budget delays the median first token of a burst of
 prompts, and a smaller one spreads prefill over more steps that each also carry the running decodes. Measured on the
-H200 (benchmarks/results/h200_budget-27b-20261202.json with h200_core2-27b-20261202.json, the 27B shape, 1024-token
+H200 (benchmarks/results/grids/h200_budget-27b-20261202.json and h200_core2-27b-20261202.json, 27B shape, 1024-token
 prompts, c8 / c32): output throughput equal within 1 % at budgets 8192, 4096 and 2048, TTFT median 731.6 / 1754.1 ms
 at 8192, 625.6 / 1074.2 at 4096, 419.5 / 620.3 at 2048 (vLLM 0.26 at its production 2048: 414.6 / 572.8); the 35B-A3B
 shape at 8192 has TTFT below vLLM's at c1-c32 (h200_core2-35b-a3b-20261202.json). What sets the cost of a prefill
