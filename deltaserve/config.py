@@ -2,7 +2,7 @@
 
 Supports Qwen3.5/3.6 dense (`qwen3_5`, decoder under `text_config`), MoE (`qwen3_5_moe`), their text-only
 forms (`qwen3_5_text`, `qwen3_5_moe_text`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) and Qwen3-Next
-(flat `qwen3_next`) (architecture doc §1).
+(flat `qwen3_next`) (docs/ARCHITECTURE.md#configs-and-checkpoint-layout).
 
 Every field that changes the computation is either honoured, with transformers' own default when it is absent
 (TEXT_DEFAULTS, read from transformers' configuration classes), or refused with a ConfigError naming the field,
@@ -439,7 +439,7 @@ def _layer_types(text: _Fields, num_layers: int, notes: list[str]) -> tuple[str,
     return tuple(given)
 
 
-# ---- vision tower (multimodal doc §4.1); read only when the checkpoint has a vision_config ----
+# ---- vision tower (docs/multimodal.md#the-vision-tower); read only when the checkpoint has a vision_config ----
 
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 # transformers' Qwen3_5VisionConfig defaults
@@ -513,7 +513,8 @@ def parse_vision_config(data: dict[str, Any], path: Path, text_hidden_size: int)
         raise vision.fail("out_hidden_size", f"({out_hidden}) must equal the decoder's hidden_size {text_hidden_size}")
     deepstack = vision.get("deepstack_visual_indexes", list, default=[])
     if deepstack:
-        # Qwen3.5/3.6 have no deepstack mergers (doc §4.7): a non-empty list names tensors these models lack.
+        # Qwen3.5/3.6 have no deepstack mergers (docs/multimodal.md#the-vision-tower): a non-empty list names tensors
+        # these models lack.
         raise vision.fail("deepstack_visual_indexes", f"is {deepstack}; Qwen3.5/3.6 vision towers have no deepstack")
     rope = vision.get("rope_parameters", dict, default=None) or {}
     rope_fields = _Fields(rope, path, "vision_config.rope_parameters.", {}, [])
@@ -582,8 +583,8 @@ def _rope(
     if rope_type in UNSUPPORTED_ROPE_TYPES or rope_type not in ("default", "mrope"):
         raise fields.fail("rope_type", f"is {rope_type!r}; deltaserve implements only default (unscaled) RoPE")
     if architecture in TEXT_ONLY_ARCHITECTURES or not is_multimodal:
-        # vLLM drops MRoPE for the text-only architectures (architecture doc §1.1); text positions are equal on all
-        # three axes, so transformers' MRoPE gives the same rotation there.
+        # vLLM drops MRoPE for the text-only architectures (docs/ARCHITECTURE.md#positions-and-mrope); text
+        # positions are equal on all three axes, so transformers' MRoPE gives the same rotation there.
         return rotary_dim, theta, None
     section = fields.get("mrope_section", list, default=list(DEFAULT_MROPE_SECTION))
     if len(section) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section):

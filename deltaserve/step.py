@@ -52,7 +52,7 @@ class NewRequest:
     sampling: SamplingParams
     stop_token_ids: tuple[int, ...]  # eos ids + the request's stop_token_ids: masked while under min_tokens
     # MRoPE positions of the prompt [3][len(prompt)] when they are not the token index (multimodal), and the offset
-    # that decode positions add (architecture doc §4); None for text.
+    # that decode positions add (docs/ARCHITECTURE.md#positions-and-mrope); None for text.
     mrope_positions: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
     mrope_delta: int = 0
     # Images and videos of the prompt: pixel rows, grids, placeholder spans, and the MRoPE positions they imply

@@ -1,12 +1,12 @@
 """The `random` dataset of `vllm bench serve`: fixed or ranged lengths, consecutive token ids, exact lengths.
 
-Per serving-and-benchmarks.md §1.4: lengths are uniform integers in [floor(L(1-r)), ceil(L(1+r))] (output
-floored at 1; r = 0 means fixed), where the input L excludes the tokenizer's special tokens. Allowed ids are
-the vocabulary minus the special ids; one random prefix of `prefix_len` allowed ids is shared by all requests,
-then request i gets the consecutive run of allowed ids starting at (offset_i + i) modulo the allowed count.
-The ids are decoded to text and re-encoded, padding with random ids or truncating, until the length matches
-(at most 10 retries). One `numpy.random.default_rng(seed)` drives it all, in vLLM's order: input lengths,
-output lengths, offsets, prefix, pads.
+As vLLM's vllm/benchmarks/datasets/random.py (with arg_utils.py) builds it: lengths are uniform integers in
+[floor(L(1-r)), ceil(L(1+r))] (output floored at 1; r = 0 means fixed), where the input L excludes the tokenizer's
+special tokens. Allowed ids are the vocabulary minus the special ids; one random prefix of `prefix_len` allowed ids is
+shared by all requests, then request i gets the consecutive run of allowed ids starting at (offset_i + i) modulo the
+allowed count. The ids are decoded to text and re-encoded, padding with random ids or truncating, until the length
+matches (at most 10 retries). One `numpy.random.default_rng(seed)` drives it all, in vLLM's order: input lengths, output
+lengths, offsets, prefix, pads.
 
 `align_with_server` then does what vLLM's client does against servers that expose POST /tokenize: it counts
 the prompt with the server's tokenizer and, on a mismatch, rewrites the prompt through POST /detokenize so

@@ -54,7 +54,7 @@ DEVICE = "cuda"
 
 @dataclass(frozen=True)
 class ModelShapes:
-    """Per-layer kernel shapes of one checkpoint (architecture doc §1.3)."""
+    """Per-layer kernel shapes of one checkpoint (docs/ARCHITECTURE.md#configs-and-checkpoint-layout)."""
 
     name: str
     hidden: int

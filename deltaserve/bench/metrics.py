@@ -2,7 +2,8 @@
 
 Nothing here touches the network or a clock: the client records one `RequestResult` per request, and
 `compute_metrics` turns the list plus the benchmark duration into the flat dict of vLLM's saved-JSON fields
-(`request_throughput`, `mean_ttft_ms`, `p99_itl_ms`, ...). Definitions (serving-and-benchmarks.md §1.2):
+(`request_throughput`, `mean_ttft_ms`, `p99_itl_ms`, ...). Definitions (vLLM's
+vllm/benchmarks/serve.py, calculate_metrics):
 
 - TTFT: first SSE event with non-empty `choices`, minus the request's start. E2EL: last such event minus start.
 - ITL: gaps between successive choice-bearing events, pooled over all requests.

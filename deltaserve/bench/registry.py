@@ -8,8 +8,8 @@ here (`vllm_engine` + `build_vllm_llm`, used by `deltaserve gate tokens --refere
 disagree about the denominator. Where the oracle runs (SITES) and what each site forces (DEVIATIONS) live in
 deviations.py.
 
-vLLM on a multimodal Qwen3.5/3.6 checkpoint served as a text model (serving-and-benchmarks.md §3, the
-vllm-oracle README):
+vLLM on a multimodal Qwen3.5/3.6 checkpoint served as a text model (vLLM's `--language-model-only`, vllm-project/vllm
+PR #34120; the vllm-project/recipes Qwen3.5 recipe; the vllm-oracle README):
 - `--language-model-only`: no vision tower, and it unlocks the fused QK-norm + RoPE + gate attention path.
 - never `--enforce-eager` (compile and CUDA graphs on), async scheduling left at its default (on).
 - `--mamba-ssm-cache-dtype` as the checkpoint says (float32 for Qwen3.5's text_config.mamba_ssm_dtype).

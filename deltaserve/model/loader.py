@@ -1,7 +1,7 @@
 """Checkpoint loading: sharded safetensors in Hugging Face layout -> the model's (fused) parameters.
 
-Handles the prefixes and layouts of architecture doc §2: `model.language_model.*` with a top-level
-`lm_head` (Qwen3.5/3.6) or `model.*` (Qwen3-Next and text-only forms); q/k/v projections fused into one qkv
+Handles the prefixes and layouts of docs/ARCHITECTURE.md#configs-and-checkpoint-layout: `model.language_model.*` with a
+top-level `lm_head` (Qwen3.5/3.6) or `model.*` (Qwen3-Next and text-only forms); q/k/v projections fused into one qkv
 weight (and their biases when `attention_bias`); Qwen3.5's flat `in_proj_qkv/z/b/a` versus Qwen3-Next's
 group-interleaved `in_proj_qkvz/ba`; fused 3-D experts versus one tensor per expert; tied embeddings decided by the
 tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` kept in fp32.
@@ -166,7 +166,8 @@ def _load_gdn(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
     # the flat [q | k | v] channels of this rank's heads (in_proj_qkv rows and conv1d channels)
     qkv_parts = (_rows(heads_k, dk), _rows(heads_k, dk, key_dim), _rows(heads_v, dv, 2 * key_dim))
     if config.is_gdn_interleaved:
-        # Per key head g: [q_g (dk) | k_g (dk) | v of its ρ value heads (ρ·dv) | z of the same (ρ·dv)] (§2.2); a
+        # Per key head g: [q_g (dk) | k_g (dk) | v of its ρ value heads (ρ·dv) | z of the same (ρ·dv)]
+        # (docs/ARCHITECTURE.md#configs-and-checkpoint-layout); a
         # rank's key heads are consecutive groups of rows.
         group = 2 * dk + 2 * ratio * dv
         w = ckpt.get_shaped(p + "in_proj_qkvz.weight", (num_k * group, hidden), (_rows(heads_k, group),))
@@ -383,7 +384,7 @@ def init_dummy_weights(model: Qwen35Model, seed: int = VLLM_DUMMY_SEED) -> None:
     so prompts with a common ending (every chat template's) decode identical tokens and route every batch row to
     the same experts; under deltaserve's former N(0, 0.02) matrices the same prompts decoded diverse tokens and
     touched 6.5x more experts per MoE decode step (64 experts, 16 sequences; more with 256 and 32;
-    benchmarks/dummy_routing.py and its CPU record benchmarks/results/dummy-routing-cpu-20261201.txt).
+    benchmarks/dummy_routing.py and its CPU record benchmarks/results/kernels/dummy-routing-cpu-20261201.txt).
     Tensor-parallel ranks get equal values for equally shaped shards, so replicated parameters (the router above
     all) agree across ranks, as in vLLM."""
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Tensor parallelism inside the model: which slice of every sharded dimension a rank holds, and the collectives
 the layers call.
 
-Sharding follows vLLM's layout for these models (architecture doc §2):
+Sharding follows vLLM's layout for these models (docs/ARCHITECTURE.md#tensor-parallel-sharding):
 - column-parallel: the fused attention [q|gate|k|v] and GDN [q|k|v|z] / [b|a] projections, split by head group
   (attention query heads, KV heads, GDN key heads with their value heads), the dense MLP's [gate|up] and each
   expert's [gate|up] rows (or, with expert parallelism, whole experts);

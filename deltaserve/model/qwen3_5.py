@@ -1,4 +1,4 @@
-"""The Qwen3.5 / Qwen3.6 / Qwen3-Next text decoder (architecture doc §3.1): embedding, layers chosen by
+"""The Qwen3.5 / Qwen3.6 / Qwen3-Next text decoder (docs/ARCHITECTURE.md#model-facts): embedding, layers chosen by
 `layer_types` (Gated DeltaNet or gated full attention) each followed by a dense SwiGLU or an MoE block,
 zero-centred RMSNorms with fused residual adds, final norm and lm_head.
 
@@ -94,7 +94,8 @@ class Qwen35Model(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = empty_param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
-        # cos/sin table [max_pos, r] in the model dtype (vLLM's precomputed fp32 -> dtype cache, §4)
+        # cos/sin table [max_pos, r] in the model dtype (vLLM's precomputed fp32 -> dtype cache,
+        # docs/ARCHITECTURE.md#positions-and-mrope)
         self.register_buffer(
             "cos_sin_cache",
             rope_cos_sin_cache(config.rotary_dim, config.max_position_embeddings, config.rope_theta, dtype, device),
@@ -108,7 +109,8 @@ class Qwen35Model(nn.Module):
         for layer in self.layers:
             if layer.is_full_attention:
                 layer.self_attn.cos_sin_cache = self.cos_sin_cache
-        # The vision tower (model.visual.*), built only when asked and the checkpoint has one (multimodal doc §4).
+        # The vision tower (model.visual.*), built only when asked and the checkpoint has one
+        # (docs/multimodal.md#the-vision-tower).
         self.visual = VisionTower(config.vision, dtype, device) if build_vision and config.vision else None
 
     def fuse_projections(self) -> None:
@@ -132,7 +134,8 @@ class Qwen35Model(nn.Module):
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids [T], positions [3, T] -> final-normed hidden states [T, H]. mm_embeds: (rows [M] int64 of
-        this step's tokens, vision embeddings [M, H]) replacing those rows' token embeddings (doc §5.1)."""
+        this step's tokens, vision embeddings [M, H]) replacing those rows' token embeddings
+        (docs/multimodal.md#placeholders-and-prompt-expansion)."""
         ctx = get_forward_context()
         ctx.cos_sin = rope_cos_sin_for_positions(self.cos_sin_cache, positions, self.axis_per_frequency)  # [T, r]
         hidden = self._embed(input_ids)

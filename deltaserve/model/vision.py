@@ -1,8 +1,7 @@
-"""The Qwen3.5 / Qwen3.6 vision tower in torch ops (multimodal doc §4): patch embedding (the Conv3d as one GEMM),
-the learned 48x48 position table bilinearly resampled to each grid, 2-D axial ViT RoPE, `depth` pre-norm blocks
-with full bidirectional attention inside each image / video frame group, and the 2x2 patch merger into the text
-hidden size. There is no deepstack in these models (doc §4.7): the config refuses a non-empty
-deepstack_visual_indexes.
+"""The Qwen3.5 / Qwen3.6 vision tower in torch ops (docs/multimodal.md#the-vision-tower): patch embedding (the Conv3d as
+one GEMM), the learned 48x48 position table bilinearly resampled to each grid, 2-D axial ViT RoPE, `depth` pre-norm
+blocks with full bidirectional attention inside each image / video frame group, and the 2x2 patch merger into the text
+hidden size. There is no deepstack in these models: the config refuses a non-empty deepstack_visual_indexes.
 
 Rounding follows transformers 5.x (the reference of the exactness tests): interpolation weights and their sum in
 fp32, one cast to the model dtype; RoPE cos/sin and the rotation in fp32; per-segment SDPA.
@@ -55,7 +54,8 @@ def patch_coordinates(grid_thw: list[tuple[int, int, int]], merge_size: int) -> 
 def interpolation_taps(
     grid_thw: list[tuple[int, int, int]], side: int, merge_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bilinear, align_corners=True resampling of the [side, side] table at each patch (doc §4.4): indices
+    """Bilinear, align_corners=True resampling of the [side, side] table at each patch
+    (docs/multimodal.md#the-vision-tower): indices
     [S, 4] into the flat table and fp32 weights [S, 4], as transformers 5.x computes them (source coordinate
     r·(side-1)/(n-1) in fp32, per-axis hat weights, outer product)."""
     rows, cols = patch_coordinates(grid_thw, merge_size)
@@ -80,7 +80,8 @@ def interpolation_taps(
 def vision_rope(
     grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float, merge_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, head_dim] fp32: [row freqs, col freqs, row freqs, col freqs] (NeoX halves, doc §4.5)."""
+    """cos, sin [S, head_dim] fp32: [row freqs, col freqs, row freqs, col freqs] (NeoX halves,
+    docs/multimodal.md#the-vision-tower)."""
     spatial = head_dim // 2
     inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))  # [head_dim/4]
     rows, cols = patch_coordinates(grid_thw, merge_size)
@@ -159,7 +160,8 @@ class VisionTower(nn.Module):
 
     def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         """[S, C·Tp·P·P] -> [S, Hv]. The Conv3d and the GEMM are the same sum in a different order: the CPU
-        runs transformers' Conv3d (its reference here, bit for bit), CUDA the GEMM, as vLLM does (doc §4.3)."""
+        runs transformers' Conv3d (its reference here, bit for bit), CUDA the GEMM, as vLLM does
+        (docs/multimodal.md#the-vision-tower)."""
         if pixels.is_cuda:
             return F.linear(pixels, self.patch_weight, self.patch_bias)
         config = self.config

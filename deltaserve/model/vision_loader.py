@@ -1,5 +1,5 @@
-"""Loads `model.visual.*` (multimodal doc §4.2; vLLM's `visual.*` also accepted) into a VisionTower: every tensor
-checked by name and shape, the Conv3d patch kernel flattened to the GEMM weight the tower uses."""
+"""Loads `model.visual.*` (docs/multimodal.md#the-vision-tower; vLLM's `visual.*` also accepted) into a VisionTower:
+every tensor checked by name and shape, the Conv3d patch kernel flattened to the GEMM weight the tower uses."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Request-side multimodal processing for Qwen3.5 / Qwen3.6: media loading, preprocessing equal to transformers'
 Qwen3-VL image and video processors, placeholder expansion and 3-D MRoPE positions, producing a plain-data
-MultimodalInput for the engine (multimodal doc §1-§3, §5). The vision tower itself is deltaserve/model/vision.py.
+MultimodalInput for the engine (docs/multimodal.md). The vision tower itself is deltaserve/model/vision.py.
 """
 
 from __future__ import annotations

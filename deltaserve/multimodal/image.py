@@ -1,6 +1,6 @@
 """Image preprocessing equal to transformers' Qwen2VLImageProcessor (the processor of Qwen3-VL, Qwen3.5 and
 Qwen3.6): smart_resize, the resize kernel, fused rescale + normalise, and the 2x2-block patch layout
-(multimodal doc §1.3-§1.6).
+(docs/multimodal.md#image-preprocessing).
 
 Two resize backends, as transformers has two: "torch" (its default torchvision backend, which on the CPU runs
 torch's native uint8 antialiased bicubic; what vLLM runs) and "pil" (its PIL backend, `backend="pil"`).
@@ -23,7 +23,8 @@ MAX_ASPECT_RATIO = 200
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Target (h, w) of an image, both multiples of factor, area steered into [min_pixels, max_pixels] (doc §1.3).
+    """Target (h, w) of an image, both multiples of factor, area steered into [min_pixels, max_pixels]
+    (docs/multimodal.md#image-preprocessing).
 
     Python doubles and round-half-to-even throughout; the rescale steps use the original size, not the rounded one.
     """
@@ -71,7 +72,8 @@ def rescale_and_normalize(
     std: tuple[float, ...],
     backend: str,
 ) -> np.ndarray:
-    """images [N, 3, H, W] uint8 -> float32, rounded as the chosen transformers backend rounds (doc §1.5).
+    """images [N, 3, H, W] uint8 -> float32, rounded as the chosen transformers backend rounds
+    (docs/multimodal.md#image-preprocessing).
 
     torch backend: rescale folded into mean/std (mean/rescale, std/rescale as fp32 tensors), then one fp32
     (x - mean') / std'. PIL backend: x·rescale in float64 cast to fp32, then (x - mean) / std in fp32.
@@ -102,7 +104,8 @@ def rescale_and_normalize(
 
 
 def patchify(frames: np.ndarray, patch_size: int, temporal_patch_size: int, merge_size: int) -> np.ndarray:
-    """frames [T, C, H, W] (T a multiple of Tp) -> rows [T/Tp · gh·gw, C·Tp·P·P] (doc §1.6, §2.5).
+    """frames [T, C, H, W] (T a multiple of Tp) -> rows [T/Tp · gh·gw, C·Tp·P·P]
+    (docs/multimodal.md#image-preprocessing, docs/multimodal.md#video-preprocessing).
 
     Rows: temporal group, then 2x2 merge blocks (block row, block col, in-row, in-col); features (c, t, y, x).
     """
@@ -134,7 +137,7 @@ def preprocess_image(image: np.ndarray, config: ImageProcessorConfig) -> tuple[n
         resized, config.do_rescale, config.rescale_factor, config.do_normalize, config.image_mean,
         config.image_std, config.resize_backend,
     )  # fmt: skip
-    # a still image fills both temporal slices with the same frame (doc §1.6)
+    # a still image fills both temporal slices with the same frame (docs/multimodal.md#image-preprocessing)
     frames = np.repeat(normed, config.temporal_patch_size, axis=0)  # [Tp, 3, h, w]
     rows = patchify(frames, config.patch_size, config.temporal_patch_size, config.merge_size)
     return rows, (1, new_h // config.patch_size, new_w // config.patch_size)

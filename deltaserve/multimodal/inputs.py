@@ -71,7 +71,8 @@ class MultimodalInput:
 
     def items_in_window(self, start: int, end: int) -> list[int]:
         """Indices of the items with a pad token in [start, end): the encoder outputs this window needs whole
-        (the ViT is bidirectional, so an item is always encoded in full, doc §6.3)."""
+        (the ViT is bidirectional, so an item is always encoded in full,
+        docs/multimodal.md#the-vision-tower)."""
         needed = []
         for index, item in enumerate(self.items):
             if any(first < end and first + count > start for first, count in item.embed_runs):

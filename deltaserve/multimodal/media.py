@@ -3,8 +3,8 @@
 
 URLs are vLLM's: `data:<mime>;base64,<payload>` and `file://` URLs under `--allowed-local-media-path`. There are
 no network fetches. Images decode with Pillow as vLLM's ImageMediaIO does (EXIF orientation applied, transparency
-composited onto white, multimodal doc §1.2); videos decode with PyAV (the first video stream, every frame in order,
-rgb24), and `data:video/jpeg;base64,<frame>,<frame>,...` is a list of JPEG frames, as in vLLM.
+composited onto white, docs/multimodal.md#image-preprocessing); videos decode with PyAV (the first video stream, every
+frame in order, rgb24), and `data:video/jpeg;base64,<frame>,<frame>,...` is a list of JPEG frames, as in vLLM.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""3-D MRoPE positions of a prompt, as transformers' Qwen3_5Model.get_rope_index computes them (multimodal doc
-§5.2, architecture doc §4), and the decode position delta.
+"""3-D MRoPE positions of a prompt, as transformers' Qwen3_5Model.get_rope_index computes them
+(docs/multimodal.md#multimodal-positions, docs/ARCHITECTURE.md#positions-and-mrope), and the decode position delta.
 
 Walk the token types (0 text, 1 image pad, 2 video pad) in maximal runs: text advances all three axes by one per
 token; a pad run takes the next grid (videos split into single temporal groups) and gives token (i, j) of its

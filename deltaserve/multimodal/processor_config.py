@@ -1,10 +1,12 @@
 """The image and video processor settings of a checkpoint: preprocessor_config.json and
-video_preprocessor_config.json, with transformers' class defaults where a field is absent (multimodal doc §1.1,
-§2.1) and vLLM's `--mm-processor-kwargs` overrides on top.
+video_preprocessor_config.json, with transformers' class defaults where a field is absent
+(docs/multimodal.md#image-preprocessing, docs/multimodal.md#video-preprocessing) and vLLM's `--mm-processor-kwargs`
+overrides on top.
 
-Pitfall (doc §1.1): the image processor's *class* defaults are Qwen2-VL's (patch 14, min 3136, max 1003520, CLIP
-mean/std), so a checkpoint folder without preprocessor_config.json gets those, exactly as transformers does.
-`size.shortest_edge` / `size.longest_edge` are pixel *areas* (min_pixels / max_pixels), not edge lengths.
+Pitfall (docs/multimodal.md#image-preprocessing): the image processor's *class* defaults are Qwen2-VL's (patch 14, min
+3136, max 1003520, CLIP mean/std), so a checkpoint folder without preprocessor_config.json gets those, exactly as
+transformers does. `size.shortest_edge` / `size.longest_edge` are pixel *areas* (min_pixels / max_pixels), not edge
+lengths.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class ImageProcessorConfig:
     do_convert_rgb: bool = True
     resample: int = BICUBIC
     # "torch": torchvision's CPU uint8 antialiased bicubic, the transformers default backend that vLLM runs;
-    # "pil": transformers' PIL backend (backend="pil"). Not a checkpoint field: a deltaserve switch (doc §7.3).
+    # "pil": transformers' PIL backend (backend="pil"). Not a checkpoint field: a deltaserve switch
+    # (docs/multimodal.md#image-preprocessing).
     resize_backend: str = "torch"
 
     @property
@@ -74,7 +77,8 @@ class VideoProcessorConfig:
     min_frames: int = 4
     max_frames: int = 768
     do_sample_frames: bool = True
-    # transformers 5.17-5.24 default: off (None warns and means off); doc §2.4 says the default may change.
+    # transformers 5.17-5.24 default: off (None warns and means off); the default may change
+    # (docs/multimodal.md#video-preprocessing).
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 768
     resize_backend: str = "torch"

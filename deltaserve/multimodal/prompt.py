@@ -1,6 +1,6 @@
-"""Placeholder expansion in token ids (multimodal doc §2.7, §3.2): the chat template leaves one `<|image_pad|>`
-per image and one `<|video_pad|>` per video between `<|vision_start|>` and `<|vision_end|>`; each becomes the
-item's tokens, consumed left to right per modality as transformers' Qwen3VLProcessor does.
+"""Placeholder expansion in token ids (docs/multimodal.md#placeholders-and-prompt-expansion): the chat template leaves
+one `<|image_pad|>` per image and one `<|video_pad|>` per video between `<|vision_start|>` and `<|vision_end|>`; each
+becomes the item's tokens, consumed left to right per modality as transformers' Qwen3VLProcessor does.
 
 Image: gh·gw/4 pads. Video (transformers >= 5.10, which keeps the template's outer start/end pair): per temporal
 group, the timestamp text `<T seconds>` tokenised on its own (as vLLM does; identical to tokenising the whole

@@ -1,6 +1,6 @@
-"""Video preprocessing equal to transformers' Qwen3VLVideoProcessor (multimodal doc §2): frame sampling, the
-video smart_resize over the t·h·w budget (with the optional per-frame cap), temporal padding of an odd frame
-count with the last frame, patchify, and the per-group timestamps the prompt carries.
+"""Video preprocessing equal to transformers' Qwen3VLVideoProcessor (docs/multimodal.md#video-preprocessing): frame
+sampling, the video smart_resize over the t·h·w budget (with the optional per-frame cap), temporal padding of an odd
+frame count with the last frame, patchify, and the per-group timestamps the prompt carries.
 
 Frames arrive decoded (uint8 RGB [N, H, W, 3]) with their metadata: the source fps and the source index of each
 frame. Sampling is the processor's own (`do_sample_frames`), or skipped when the caller sampled already.
@@ -17,7 +17,7 @@ from deltaserve.multimodal.errors import MediaRequestError, MediaSizeError
 from deltaserve.multimodal.image import MAX_ASPECT_RATIO, patchify, rescale_and_normalize, resize_uint8
 from deltaserve.multimodal.processor_config import VideoProcessorConfig
 
-# transformers assumes this source fps when a video has none, and warns (doc §2.3)
+# transformers assumes this source fps when a video has none, and warns (docs/multimodal.md#video-preprocessing)
 DEFAULT_SOURCE_FPS = 24.0
 
 
@@ -32,8 +32,9 @@ class VideoMetadata:
 
 
 def sample_frame_indices(total_num_frames: int, source_fps: float | None, config: VideoProcessorConfig) -> np.ndarray:
-    """Indices into the source frames (doc §2.3): n = int(N / fps_src · fps), clamped to [min_frames,
-    min(max_frames, N)], spread by numpy linspace rounded half-to-even; num_frames instead of fps if set."""
+    """Indices into the source frames (docs/multimodal.md#video-preprocessing): n = int(N / fps_src · fps), clamped to
+    [min_frames, min(max_frames, N)], spread by numpy linspace rounded half-to-even; num_frames instead of fps if
+    set."""
     num_frames = config.num_frames
     fps = config.fps
     if num_frames is not None and fps is not None:
@@ -50,7 +51,8 @@ def sample_frame_indices(total_num_frames: int, source_fps: float | None, config
 def video_smart_resize(
     num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
-    """Per-frame (h, w) of a video whose budget is over t·h·w (doc §2.4); β uses n, not the rounded t̄."""
+    """Per-frame (h, w) of a video whose budget is over t·h·w (docs/multimodal.md#video-preprocessing); β uses n, not
+    the rounded t̄."""
     if num_frames < temporal_factor:
         raise MediaSizeError(f"a video needs at least {temporal_factor} frames, got {num_frames}")
     if height < factor or width < factor:
@@ -91,7 +93,8 @@ def target_frame_size(num_frames: int, height: int, width: int, config: VideoPro
 
 def group_timestamps(frames_indices: list[int], source_fps: float | None, temporal_patch_size: int) -> list[float]:
     """Seconds of each temporal group: the mean of its first and last frame time, indices padded to a multiple
-    of the temporal patch by repeating the last (doc §2.6)."""
+    of the temporal patch by repeating the last
+    (docs/multimodal.md#video-preprocessing)."""
     fps = DEFAULT_SOURCE_FPS if source_fps is None else source_fps
     indices = list(frames_indices)
     if len(indices) % temporal_patch_size:
@@ -147,7 +150,7 @@ def preprocess_frames(frames: np.ndarray, source_indices: list[int], source_fps:
         config.image_std, "torch",
     )  # fmt: skip
     if pad := -num_frames % config.temporal_patch_size:
-        # an odd frame count is completed with copies of the last frame (doc §2.5)
+        # an odd frame count is completed with copies of the last frame (docs/multimodal.md#video-preprocessing)
         normed = np.concatenate([normed, np.repeat(normed[-1:], pad, axis=0)])
     rows = patchify(normed, config.patch_size, config.temporal_patch_size, config.merge_size)
     grid = (normed.shape[0] // config.temporal_patch_size, new_h // config.patch_size, new_w // config.patch_size)

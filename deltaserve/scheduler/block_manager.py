@@ -2,7 +2,7 @@
 
 Both are free lists of integer ids; the runner owns the tensors they index. A state slot is handed out
 "fresh": the sequence's first step runs with has_initial_state False, so whatever the slot held from an
-earlier owner is never read (architecture doc §5.3).
+earlier owner is never read (docs/ARCHITECTURE.md#gated-deltanet-and-its-state).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ class Sequence:
     epoch: int = 0  # bumped at each preemption: results of steps planned before it are stale
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    # MRoPE: positions [3][prompt_len] for prompts with vision tokens, and the decode offset (architecture doc §4).
+    # MRoPE: positions [3][prompt_len] for prompts with vision tokens, and the decode offset
+    # (docs/ARCHITECTURE.md#positions-and-mrope).
     # None means text: every axis is the token index.
     mrope_positions: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
     mrope_delta: int = 0

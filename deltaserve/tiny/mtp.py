@@ -1,7 +1,7 @@
 """The MTP (multi-token prediction) head of a tiny checkpoint, built from transformers' own layer classes.
 
-transformers ignores `mtp.*` (architecture doc §9: it has no MTP reference), so this module assembles the head
-from the trunk's classes, in the official layout and order of operations:
+transformers ignores `mtp.*` (docs/ARCHITECTURE.md#the-mtp-head: it has no MTP reference), so this module assembles the
+head from the trunk's classes, in the official layout and order of operations:
 u = mtp.fc(concat[mtp.pre_fc_norm_embedding(embed(x_{t+1})), mtp.pre_fc_norm_hidden(h_t)]), one full-attention
 decoder layer `mtp.layers.0`, `mtp.norm`, then the trunk's shared lm_head; h_t is the trunk's hidden state at
 position t after its final norm, and the head predicts token t+2. Training (deltaserve/tiny/train.py) and the

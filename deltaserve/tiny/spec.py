@@ -1,6 +1,7 @@
 """Shapes and config.json contents of the tiny checkpoints, one description per variant.
 
-The three variants mirror the three released checkpoint families (see docs/qwen35-architecture.md §1):
+The three variants mirror the three released checkpoint families (see
+docs/ARCHITECTURE.md#configs-and-checkpoint-layout):
 `dense` is a Qwen3.5 dense composite checkpoint, `moe` a Qwen3.5/3.6 MoE composite checkpoint and `next` a flat
 Qwen3-Next checkpoint. Everything is scaled down so that a checkpoint is a few MB, but every structural feature
 (hybrid layer pattern, GQA, partial MRoPE, HV > HK, shared experts, MTP, vision tower) is kept.

@@ -1,6 +1,7 @@
 """The vision variants of the tiny checkpoints (`dense-vl`, `moe-vl`): the text variants' decoder, unchanged, with
 a vision tower sized for exactness tests (two blocks, head_dim 32, the release's 48x48 position table) and the
-image / video processor configs of the Qwen3.5 releases (multimodal doc §1.1, §2.1).
+image / video processor configs of the Qwen3.5 releases (docs/multimodal.md#image-preprocessing,
+docs/multimodal.md#video-preprocessing).
 
 The text variants (`dense`, `moe`, `next`) keep their own bytes: nothing here is read when they are written.
 """
@@ -23,10 +24,11 @@ VISION_SHAPES = replace(
     vision_num_position_embeddings=2304,
 )
 
-# Shipped by Qwen3.5-2B-Base and Qwen3.6-35B-A3B (multimodal doc §1.1): areas, not edges.
+# Shipped by Qwen3.5-2B-Base and Qwen3.6-35B-A3B (docs/multimodal.md#image-preprocessing): areas, not edges.
 IMAGE_MIN_PIXELS = 65536
 IMAGE_MAX_PIXELS = 16777216
-# video_preprocessor_config.json of the releases (doc §2.1): budgets over t·h·w of all sampled frames
+# video_preprocessor_config.json of the releases (docs/multimodal.md#video-preprocessing): budgets over t·h·w of all
+# sampled frames
 VIDEO_MIN_PIXELS = 4096
 VIDEO_MAX_PIXELS = 25165824
 

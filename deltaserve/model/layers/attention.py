@@ -1,5 +1,5 @@
-"""Gated full attention (architecture doc §3.2): fused qkv GEMM, the attention preamble (q/k RMSNorm,
-partial NeoX RoPE or interleaved MRoPE, gate split), paged GQA attention, sigmoid output gate, o_proj; with
+"""Gated full attention (docs/ARCHITECTURE.md#gated-full-attention): fused qkv GEMM, the attention preamble (q/k
+RMSNorm, partial NeoX RoPE or interleaved MRoPE, gate split), paged GQA attention, sigmoid output gate, o_proj; with
 `attention_bias` the qkv and o projections carry transformers' biases.
 
 Under tensor parallelism (model/parallel.py) a rank holds its query heads and their KV heads (one replicated KV

@@ -1,5 +1,5 @@
-"""Gated DeltaNet mixer (architecture doc §5): fused input projections, causal conv1d + SiLU, the
-delta-rule core over fp32 state slots, the gated RMSNorm and out_proj.
+"""Gated DeltaNet mixer (docs/ARCHITECTURE.md#gated-deltanet-and-its-state): fused input projections, causal conv1d +
+SiLU, the delta-rule core over fp32 state slots, the gated RMSNorm and out_proj.
 
 Decode tokens (the first ctx.num_decode_tokens rows, one per sequence) take the recurrent kernels that update
 their slots in place; prefill chunks take the varlen conv and the chunked core. Conv and SSM states are
@@ -49,7 +49,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = empty_param(self.conv_dim + self.value_dim, hidden, dtype=dtype, device=device)
         self.in_proj_ba = empty_param(2 * self.num_v_heads, hidden, dtype=dtype, device=device)  # [b | a]
         self.conv1d = empty_param(self.conv_dim, config.linear_conv_kernel_dim, dtype=dtype, device=device)
-        self.A_log = empty_param(self.num_v_heads, dtype=torch.float32, device=device)  # kept fp32 (§8.5)
+        # kept fp32 (docs/ARCHITECTURE.md#gated-deltanet-and-its-state)
+        self.A_log = empty_param(self.num_v_heads, dtype=torch.float32, device=device)
         self.dt_bias = empty_param(self.num_v_heads, dtype=dtype, device=device)
         self.norm = empty_param(self.head_v_dim, dtype=dtype, device=device)
         self.out_proj = empty_param(hidden, self.value_dim, dtype=dtype, device=device)
