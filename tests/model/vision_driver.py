@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from deltaserve.config import ModelConfig
-from deltaserve.gates.media_prompts import reference_inputs as media_reference_inputs
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.loader import load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.model.vision import gather_mm_embeds
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.tiny.media_prompts import reference_inputs as media_reference_inputs
 
 BLOCK_SIZE = 16
 
