@@ -79,10 +79,11 @@ def _has_plot(record: dict[str, Any]) -> bool:
 
 def plot_record(stem: str, record: dict[str, Any], out_dir: Path) -> Path | None:
     """Output tok/s and median TPOT against concurrency, one column per model, one line per arm."""
-    import matplotlib
+    from deltaserve.bench._extra import require
 
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot")
 
     if not _has_plot(record):
         return None
