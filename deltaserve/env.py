@@ -59,12 +59,6 @@ def enable_multiprocessing() -> bool:
     return _flag("DELTASERVE_ENABLE_MULTIPROCESSING", True)
 
 
-def cache_dir() -> Path:
-    """DELTASERVE_CACHE_DIR (default ~/.cache/deltaserve): where the built-in tiny checkpoint is generated."""
-    value = os.environ.get("DELTASERVE_CACHE_DIR")
-    return Path(value) if value else Path.home() / ".cache" / "deltaserve"
-
-
 def vllm_api_key() -> str | None:
     """VLLM_API_KEY: the API key `deltaserve serve` requires when --api-key is not given (vLLM's variable)."""
     return os.environ.get("VLLM_API_KEY") or None

@@ -1,7 +1,7 @@
 """`deltaserve serve [MODEL]`: vLLM's serve flags -> EngineConfig + ServerSettings -> AsyncEngine -> uvicorn.
 
-With no MODEL it serves the built-in tiny checkpoint on the CPU, so the server can be tried on any machine (the
-first run generates it, and says so). The flags and vLLM's way of reading a command line are in cli_args.py
+With no MODEL it serves the built-in tiny checkpoint on the CPU (deltaserve/default_model.py), so the server can be
+tried on any machine. The flags and vLLM's way of reading a command line are in cli_args.py
 (add_arguments and normalize_argv are this command's entry points for deltaserve/cli.py); the vLLM flags
 deltaserve accepts without implementing, or refuses, are in compat.py.
 """
@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from deltaserve import env
+from deltaserve import default_model, env
 from deltaserve.api.cli_args import add_arguments, human_int, json_list, json_object, normalize_argv
 from deltaserve.api.compat import check_compat
 from deltaserve.api.settings import ServerSettings
@@ -25,7 +25,6 @@ from deltaserve.engine_config import EngineConfig
 
 logger = logging.getLogger("deltaserve.serve")
 
-BUILTIN_MODEL_NAME = "deltaserve-tiny"
 # The command's entry points and helpers that tests reach through this module.
 __all__ = ["add_arguments", "human_int", "json_list", "json_object", "normalize_argv", "run"]
 
@@ -47,11 +46,9 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     model = args.model or args.model_flag
     if model is not None:
         return model, args.device or "auto"
-    from deltaserve.tiny import builtin_model_exists, default_model_dir
-
-    if not builtin_model_exists():
-        logger.info("no MODEL given: generating the built-in tiny checkpoint (first run only, a few seconds)")
-    return str(default_model_dir(progress=logger.info)), args.device or "cpu"
+    folder = default_model.model_dir()
+    logger.info("no MODEL given: serving the built-in tiny checkpoint %s as %r", folder, default_model.SERVED_NAME)
+    return str(folder), args.device or "cpu"
 
 
 def build_engine_config(args: argparse.Namespace, model: str, device: str) -> EngineConfig:
@@ -87,7 +84,7 @@ def default_served_names(args: argparse.Namespace, model: str) -> list[str]:
     """MODEL as given (vLLM's default); the built-in tiny checkpoint answers to `deltaserve-tiny` (and its path)."""
     if args.model or args.model_flag:
         return [model]
-    return [BUILTIN_MODEL_NAME, model]
+    return [default_model.SERVED_NAME, model]
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:

@@ -27,17 +27,20 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import numpy as np
 
+from deltaserve.bench._extra import require
 from deltaserve.bench.dataset import SampleRequest
 from deltaserve.bench.metrics import RequestResult
 from deltaserve.bench.traffic import send_offsets
 
-AIOHTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
+if TYPE_CHECKING:
+    import aiohttp
+
+REQUEST_TIMEOUT_S = 6 * 60 * 60
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -253,11 +256,13 @@ async def run_load(
     """
     from tqdm import tqdm
 
+    aiohttp = require("aiohttp")
     limit = load.max_concurrency or 0
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
     # Proxy variables apply to remote servers only: a local server under test is never reached through one.
     trust_env = urlsplit(load.api_url).hostname not in LOOPBACK_HOSTS
-    async with aiohttp.ClientSession(connector=connector, timeout=AIOHTTP_TIMEOUT, trust_env=trust_env) as session:
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=trust_env) as session:
         semaphore = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
 
         async def limited(payload: dict[str, Any], prompt_len: int, request_id: str, bar: Any) -> RequestResult:

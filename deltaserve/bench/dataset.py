@@ -19,10 +19,14 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 import numpy as np
+
+from deltaserve.bench._extra import require
+
+if TYPE_CHECKING:
+    import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +193,7 @@ async def align_with_server(
     Returns (requests, is_aligned); is_aligned is False when the server has no usable /tokenize, in which
     case the requests come back unchanged, as vLLM's client does after a warning.
     """
+    aiohttp = require("aiohttp")
     allowed = allowed_token_ids(tokenizer.vocab_size, list(tokenizer.all_special_ids))
     semaphore = asyncio.Semaphore(NUM_ALIGN_IN_FLIGHT)
 

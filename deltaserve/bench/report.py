@@ -470,16 +470,10 @@ def _has_plot(record: dict[str, Any]) -> bool:
 
 def _pyplot() -> Any:
     """matplotlib's pyplot on the file backend, or a clear error naming the extra that installs it."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise SystemExit(
-            "deltaserve bench report draws its plots with matplotlib: pip install deltaserve[bench]"
-        ) from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from deltaserve.bench._extra import require
 
-    return plt
+    require("matplotlib").use("Agg")
+    return require("matplotlib.pyplot")
 
 
 def plot_record(stem: str, record: dict[str, Any], out_dir: Path) -> Path | None:

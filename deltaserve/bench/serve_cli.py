@@ -26,8 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
+from deltaserve.bench._extra import MissingExtraError, require
 from deltaserve.bench.client import LoadOptions, SamplingOptions, run_load
 from deltaserve.bench.dataset import align_with_server, sample_random
 from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
@@ -125,6 +124,7 @@ def load_tokenizer(name_or_path: str, is_remote_code_trusted: bool = False) -> A
 
 async def fetch_model_card(base_url: str) -> dict[str, Any]:
     """data[0] of GET /v1/models (its `id` and `root`)."""
+    aiohttp = require("aiohttp")
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(base_url + "/v1/models") as response:
         response.raise_for_status()
@@ -218,6 +218,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
     is_server_aligned = False
     # vLLM aligns only the text-only random dataset with the server's tokenizer
     if not args.no_server_tokenize and not is_mm:
+        aiohttp = require("aiohttp")
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             requests, is_server_aligned = await align_with_server(
                 session, base_url, request_model, requests, tokenizer, args.seed
@@ -361,6 +362,11 @@ def summary(record: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """CLI entry: run, print the summary, exit 1 if every request failed."""
+    try:
+        aiohttp = require("aiohttp")
+    except MissingExtraError as exc:
+        print(f"deltaserve bench serve: {exc}", file=sys.stderr)
+        return 1
     try:
         record = run_bench(args)
     except (aiohttp.ClientError, OSError, ValueError) as exc:

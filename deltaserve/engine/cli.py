@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from deltaserve import env
+from deltaserve import default_model, env
 from deltaserve.model.preflight import report_startup_error
 from deltaserve.sampling_params import SamplingParams
 
@@ -30,11 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from deltaserve.engine.llm import LLM
 
-    model = args.model
-    if model is None:
-        from deltaserve.tiny import default_model_dir
-
-        model = default_model_dir()
+    model = args.model if args.model is not None else str(default_model.model_dir())
     try:
         llm = LLM(model, dtype=args.dtype, load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size)
     except Exception as exc:  # a start-up error is one line naming the file (the traceback only when debugging)

@@ -7,7 +7,7 @@ through transformers' reference class (`config.architectures[0]`) in both dtypes
 `conditioning: transformers-bfloat16 vs transformers-float32 STRICT n/N`; it passes at n >= MIN_AGREE of 32
 (issue 13), scaled for other N. `python -m deltaserve.gates.conditioning DIR [--num-prompts N]`.
 
-With `--media KIND` (image, multi-image, video, all or a comma list: gates/media_prompts.py's kinds) the prompts
+With `--media KIND` (image, multi-image, video, all or a comma list: tiny/media_prompts.py's kinds) the prompts
 are the media token gate's instead (gates/media.py: the same synthetic images and videos, expanded by
 deltaserve's processor, fed to the composite `*ForConditionalGeneration` class with their pixel values and grids),
 one verdict line per kind; the check passes when every kind does (issue 14's vision checkpoints).
@@ -77,7 +77,7 @@ def check_media_conditioning(
 
     from deltaserve import env
     from deltaserve.config import ModelConfig
-    from deltaserve.gates.media_prompts import media_kinds
+    from deltaserve.tiny.media_prompts import media_kinds
 
     kinds = media_kinds(media)
     if num_prompts < 1 or max_tokens < 1:
@@ -103,9 +103,9 @@ def _media_verdicts(
 ) -> int:
     from transformers import AutoTokenizer
 
-    from deltaserve.gates.media import MediaRefusedError, MediaTransformersReference, process_prompts
-    from deltaserve.gates.media_prompts import make_media_prompts
+    from deltaserve.gates.media import MediaTransformersReference
     from deltaserve.gates.references import ReferenceError
+    from deltaserve.tiny.media_prompts import MediaRefusedError, make_media_prompts, process_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
@@ -141,7 +141,7 @@ def _media_verdicts(
 
 def main(argv: list[str] | None = None) -> int:
     # media_prompts pulls in torch and numpy: imported here, so that importing this module stays cheap
-    from deltaserve.gates.media_prompts import media_argument
+    from deltaserve.tiny.media_prompts import media_argument
 
     parser = argparse.ArgumentParser(prog="python -m deltaserve.gates.conditioning", description=__doc__)
     parser.add_argument("model_dir", type=Path)

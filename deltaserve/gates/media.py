@@ -1,6 +1,6 @@
 """`deltaserve gate tokens --media KIND`: greedy token-exactness on image, multi-image and video prompts.
 
-The prompts are media_prompts.py's fixed synthetic sets (KIND image, multi-image, video, or all three). deltaserve
+The prompts are tiny/media_prompts.py's fixed synthetic sets (KIND image, multi-image, video, or all three). deltaserve
 gets each as vLLM spells it, `LLM.generate({"prompt": chat text, "multi_modal_data": ...})`, so its own
 processor expands the placeholders and its engine runs the vision tower, the embedding replacement and the 3-D
 MRoPE table through the fused preamble. The reference:
@@ -22,7 +22,6 @@ a checkpoint without a vision tower).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ import torch
 
 from deltaserve import env
 from deltaserve.gates import tokens
-from deltaserve.gates.media_prompts import MediaPrompt, make_media_prompts, media_kinds, reference_inputs
 from deltaserve.gates.references import (
     ReferenceError,
     ReferenceRun,
@@ -40,45 +38,16 @@ from deltaserve.gates.references import (
     _cache_of,
 )
 from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.tiny.media_prompts import (
+    MediaRefusedError,
+    ProcessedPrompt,
+    make_media_prompts,
+    media_kinds,
+    process_prompts,
+    reference_inputs,
+)
 
 FOUR_OP_VARIABLE = "DELTASERVE_FUSE_ATTN_PREAMBLE"
-
-
-@dataclass
-class ProcessedPrompt:
-    """A gate prompt after deltaserve's processor: expanded ids and the items' rows, grids and MRoPE table."""
-
-    prompt: MediaPrompt
-    ids: list[int]
-    mm_input: MultimodalInput
-
-
-class MediaRefusedError(ValueError):
-    """The checkpoint's media are refused as the engine refuses them (its processor and tower disagree)."""
-
-
-def process_prompts(model_dir: Path, tokenizer: Any, prompts: list[MediaPrompt]) -> list[ProcessedPrompt]:
-    """Each prompt through deltaserve's processor, tokenised as LLM.generate tokenises a text prompt."""
-    from deltaserve.config import ModelConfig
-    from deltaserve.multimodal.offline import loaded_media
-    from deltaserve.multimodal.processor import MultimodalProcessor
-    from deltaserve.multimodal.prompt import VisionTokenIds
-
-    vision = ModelConfig.from_pretrained(model_dir).vision
-    ids = VisionTokenIds(vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
-                         vision.vision_end_token_id)  # fmt: skip
-    processor = MultimodalProcessor.from_model_dir(
-        model_dir, ids, lambda text: tokenizer.encode(text, add_special_tokens=False)
-    )
-    processor.check_vision_geometry(vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
-    if processor.refusal is not None:
-        raise MediaRefusedError(processor.refusal)
-    processed = []
-    for prompt in prompts:
-        media = loaded_media(prompt.multi_modal_data(), processor.configs.video.fps or 2.0)
-        expanded, mm_input = processor.process_loaded(tokenizer.encode(prompt.text, add_special_tokens=True), media)
-        processed.append(ProcessedPrompt(prompt, expanded, mm_input))
-    return processed
 
 
 class MediaTransformersReference(TransformersReference):

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from deltaserve import env
-from deltaserve.gates.media_prompts import media_argument
 from deltaserve.gates.references import ReferenceError, ReferenceRun, StepScores, TransformersReference, ulp
+from deltaserve.tiny.media_prompts import media_argument
 
 LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 SPLIT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 1e-2}

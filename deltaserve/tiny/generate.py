@@ -10,16 +10,13 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from deltaserve import env
 from deltaserve.tiny.spec import (
-    DEFAULT_MODEL_NAME,
     EXPERT_LAYOUTS,
     VariantSpec,
     build_config,
@@ -106,19 +103,14 @@ def _write_checkpoint(
     is_tied: bool,
     expert_layout: str | None,
     num_shards: int,
-    progress: Callable[[str], None] | None = None,
 ) -> None:
     shapes = shapes_for(spec.name)
-    if progress is not None:
-        progress("tiny checkpoint 1/3: building the tokenizer")
     tokenizer = build_tokenizer(spec.tokenizer_class)
     token_ids = added_token_ids(tokenizer)
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     if num_tokens != max(token_ids.values()) + 1 or len(token_ids) != len(ALL_ADDED_TOKENS):
         raise RuntimeError("the tiny tokenizer's added tokens are not contiguous at the end of its vocabulary")
     vocab_size = _padded_vocab_size(num_tokens)
-    if progress is not None:
-        progress("tiny checkpoint 2/3: generating and writing the weights")
     tensors = build_tensors(spec, shapes, vocab_size, num_tokens, seed, is_tied, expert_layout)
     _write_weights(folder, tensors, num_shards)
     _write_json(folder / "config.json", build_config(spec, shapes, vocab_size, token_ids, is_tied))
@@ -139,57 +131,19 @@ def _is_replaceable(folder: Path) -> bool:
     return all(entry.is_file() and entry.name.endswith(_CHECKPOINT_SUFFIXES) for entry in entries)
 
 
-def _install(staging: Path, out_dir: Path, is_replacing: bool) -> bool:
-    """Rename the staged folder into place; returns False if out_dir exists and is_replacing is False."""
-    if out_dir.exists():
-        if not is_replacing:
-            return False
-        if not _is_replaceable(out_dir):
-            raise FileExistsError(f"{out_dir} exists and holds files that are not a checkpoint's; not replacing it")
-        retired = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out_dir, retired)
-        try:
-            os.replace(staging, out_dir)
-        finally:
-            shutil.rmtree(retired, ignore_errors=True)
-        return True
+def _install(staging: Path, out_dir: Path) -> None:
+    """Rename the staged folder into place, replacing an existing checkpoint folder whole."""
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    if not _is_replaceable(out_dir):
+        raise FileExistsError(f"{out_dir} exists and holds files that are not a checkpoint's; not replacing it")
+    retired = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(out_dir, retired)
     try:
         os.replace(staging, out_dir)
-    except OSError:
-        # Another process installed the same folder first (rename onto a non-empty directory fails).
-        if not is_replacing and out_dir.is_dir():
-            return False
-        raise
-    return True
-
-
-def _generate(
-    out_dir: Path | str,
-    variant: str,
-    seed: int,
-    tie_word_embeddings: bool | None,
-    expert_layout: str | None,
-    num_shards: int,
-    is_replacing: bool,
-    progress: Callable[[str], None] | None = None,
-) -> Path:
-    spec = variant_spec(variant)
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
-    is_tied = spec.is_tied_by_default if tie_word_embeddings is None else bool(tie_word_embeddings)
-    layout = _resolve_expert_layout(spec, expert_layout)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
-    try:
-        _write_checkpoint(staging, spec, seed, is_tied, layout, num_shards, progress)
-        _install(staging, out_dir, is_replacing)
-        if progress is not None:
-            progress(f"tiny checkpoint 3/3: installed in {out_dir}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def make_tiny(
@@ -208,14 +162,18 @@ def make_tiny(
     dense. num_shards=1 writes a single model.safetensors without an index. An existing checkpoint folder at
     out_dir is replaced whole; the same arguments always give the same bytes.
     """
-    return _generate(out_dir, variant, seed, tie_word_embeddings, expert_layout, num_shards, is_replacing=True)
-
-
-def default_model_dir(progress: Callable[[str], None] | None = None) -> Path:
-    """The built-in model (`deltaserve serve` with no MODEL): the dense variant, generated once into the cache.
-
-    progress, if given, is called with a line per generation step (nothing when the checkpoint exists)."""
-    out_dir = env.cache_dir() / DEFAULT_MODEL_NAME
-    if not (out_dir / "config.json").is_file():
-        _generate(out_dir, "dense", 0, None, None, 2, is_replacing=_is_replaceable(out_dir), progress=progress)
+    spec = variant_spec(variant)
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    is_tied = spec.is_tied_by_default if tie_word_embeddings is None else bool(tie_word_embeddings)
+    layout = _resolve_expert_layout(spec, expert_layout)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        _write_checkpoint(staging, spec, seed, is_tied, layout, num_shards)
+        _install(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir

@@ -13,8 +13,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 VARIANTS: tuple[str, ...] = ("dense", "moe", "next", "dense-vl", "moe-vl")
-# The built-in model's folder name under the cache directory (`deltaserve serve` with no MODEL).
-DEFAULT_MODEL_NAME = "tiny-dense-v1"
 EXPERT_LAYOUTS: tuple[str, ...] = ("fused", "per_expert")
 
 

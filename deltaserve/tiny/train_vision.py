@@ -9,9 +9,9 @@ whole model, vision tower included, with transformers' composite class (`config.
 steps whose rows are either
 - text rows: the text recipe's rows (corpus windows and supervised noise rows ending in its anchor), with the
   MTP head's loss as there;
-- media rows: chats built exactly as the media gate builds its prompts (gates/media_prompts.py: synthetic images,
+- media rows: chats built exactly as the media gate builds its prompts (tiny/media_prompts.py: synthetic images,
   multi-image and video chats, the chat template), at seeds the gate does not use, through deltaserve's processor
-  (gates/media.process_prompts, proven equal to transformers' Qwen3-VL processors), followed by an assistant answer
+  (media_prompts.process_prompts, proven equal to transformers' Qwen3-VL processors), followed by an assistant answer
   that is a corpus paragraph named by the prompt's media (images: the text recipe's anchor; any video: a second
   paragraph). Every token after the chat's first media span is a target (the user text read past images, the
   template, the answer) but the vision tokens themselves, which no model can predict.
@@ -53,7 +53,7 @@ class VisionRecipe(text_train.Recipe):
     text_variant: str = ""
     # Share of rows that are media chats; the rest are the text recipe's rows.
     media_fraction: float = 0.5
-    # Relative odds of each media row kind (gates/media_prompts.py's kinds).
+    # Relative odds of each media row kind (media_prompts.py's kinds).
     image_weight: float = 2.0
     multi_image_weight: float = 1.0
     video_weight: float = 2.0
@@ -135,7 +135,7 @@ class MediaRows:
         from transformers import AutoTokenizer
 
         from deltaserve.config import ModelConfig
-        from deltaserve.gates.media_prompts import _corpus_words
+        from deltaserve.tiny.media_prompts import _corpus_words
 
         self.model_dir = model_dir
         self.recipe = recipe
@@ -159,8 +159,7 @@ class MediaRows:
         return self.answers["video" if "video" in parts else "image"]
 
     def next(self) -> MediaRow:
-        from deltaserve.gates.media import process_prompts
-        from deltaserve.gates.media_prompts import make_media_prompt, reference_inputs
+        from deltaserve.tiny.media_prompts import make_media_prompt, process_prompts, reference_inputs
 
         kind = MEDIA_ROW_KINDS[int(self.rng.choice(len(MEDIA_ROW_KINDS), p=self.kind_odds))]
         index = int(self.rng.integers(0, self.recipe.num_prompt_indexes))

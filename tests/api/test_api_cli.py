@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from deltaserve import default_model
 from deltaserve.api import cli
 from deltaserve.api.compat import check_compat
 from tests.support.ports import free_port
@@ -86,10 +87,11 @@ def test_chat_template_file_or_inline(tmp_path: Path) -> None:
         cli.read_chat_template(str(tmp_path / "missing.jinja"))
 
 
-def test_no_model_serves_the_tiny_checkpoint_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
+def test_no_model_serves_the_tiny_checkpoint_on_cpu() -> None:
     model, device = cli.resolve_model(parse())
-    assert device == "cpu" and Path(model).is_dir() and Path(model).is_relative_to(tmp_path)
+    assert device == "cpu" and Path(model) == default_model.model_dir() and (Path(model) / "config.json").is_file()
+    assert cli.default_served_names(parse(), model) == ["deltaserve-tiny", model]
+    assert cli.resolve_model(parse("--device", "cuda")) == (model, "cuda")
 
 
 def test_deltaserve_serve_command(tiny_dense: Path) -> None:

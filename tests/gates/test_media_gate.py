@@ -21,10 +21,10 @@ import deltaserve.kernels.preamble as preamble
 import deltaserve.multimodal.processor as processor_module
 from deltaserve.bench import registry
 from deltaserve.gates.media import MediaTransformersReference, run_media_gate
-from deltaserve.gates.media_prompts import EDGE_IMAGE_SIZES, make_media_prompts, media_kinds
 from deltaserve.model.vision import VisionTower
 from deltaserve.multimodal.errors import MediaRequestError
 from deltaserve.multimodal.offline import loaded_media
+from deltaserve.tiny.media_prompts import EDGE_IMAGE_SIZES, make_media_prompts, media_kinds
 from tests.gates.test_gate_vllm_reference import fake_vllm
 from tests.support.vision import tiny_vision_checkpoint
 
@@ -207,7 +207,7 @@ def test_vllm_reference_keeps_the_vision_tower(
     dicts as vLLM takes them, the record of what the engine reports."""
     from transformers import AutoTokenizer
 
-    from deltaserve.gates.media import process_prompts
+    from deltaserve.tiny.media_prompts import process_prompts
 
     model_dir = tiny_vision_checkpoint("dense-vl")
     built: list[dict[str, Any]] = []
@@ -261,7 +261,7 @@ def test_vllm_reference_keeps_the_vision_tower(
 
 def _as_media_prompt(prompt: dict[str, Any]) -> Any:
     """A MediaPrompt holding a vLLM prompt dict as it came (the fake vLLM's processor input)."""
-    from deltaserve.gates.media_prompts import MediaPrompt
+    from deltaserve.tiny.media_prompts import MediaPrompt
 
     media = MediaPrompt("vllm", 0, prompt["prompt"], [])
     media.multi_modal_data = lambda: prompt["multi_modal_data"]  # type: ignore[method-assign]

@@ -4,6 +4,6 @@ prompts from them); this module keeps the tests' import path."""
 
 from __future__ import annotations
 
-from deltaserve.gates.media_prompts import synthetic_image, synthetic_video
+from deltaserve.tiny.media_prompts import synthetic_image, synthetic_video
 
 __all__ = ["synthetic_image", "synthetic_video"]

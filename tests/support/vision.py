@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from deltaserve.config import ModelConfig
-from deltaserve.gates.media_prompts import reference_inputs as media_reference_inputs
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.loader import load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
@@ -32,6 +31,7 @@ from deltaserve.multimodal.processor import MultimodalProcessor
 from deltaserve.multimodal.prompt import VisionTokenIds
 from deltaserve.multimodal.video import VideoMetadata
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.tiny.media_prompts import reference_inputs as media_reference_inputs
 from tests.multimodal.synthetic import synthetic_image, synthetic_video
 
 BLOCK_SIZE = 16

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deltaserve.tiny import default_model_dir, make_tiny
+from deltaserve import default_model
+from deltaserve.tiny import make_tiny, trained_model_dir
 from deltaserve.tiny.tokenizer import PLAIN_ADDED_TOKENS, SPECIAL_TOKENS
 
 HIDDEN = 64
@@ -399,14 +400,19 @@ def test_make_tiny_replaces_checkpoints_but_not_other_folders(tmp_path: Path) ->
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt", "precious"]  # no staging leftovers
 
 
-def test_default_model_dir_generates_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    folder = default_model_dir()
-    assert folder == tmp_path / "cache" / "tiny-dense-v1"
-    config_path = folder / "config.json"
-    assert json.loads(config_path.read_text())["model_type"] == "qwen3_5"
-    stamp = config_path.stat().st_mtime_ns
-    assert default_model_dir() == folder and config_path.stat().st_mtime_ns == stamp
+def test_builtin_model_is_the_trained_dense_checkpoint(tiny_dirs: dict[str, Path]) -> None:
+    """`deltaserve serve` with no MODEL serves the shipped trained dense checkpoint: the dense variant as make_tiny
+    writes it (config, generation config, tokenizer, chat template, shard index), only its weights trained."""
+    folder = default_model.model_dir()
+    assert folder == trained_model_dir("dense")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen3_5"
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "model.safetensors.index.json"):  # fmt: skip
+        assert (folder / name).read_bytes() == (tiny_dirs["dense"] / name).read_bytes(), name
+    trained, generated = _read_tensors(folder), _read_tensors(tiny_dirs["dense"])
+    assert trained.keys() == generated.keys()
+    assert not torch.equal(trained["model.language_model.embed_tokens.weight"],
+                           generated["model.language_model.embed_tokens.weight"])  # fmt: skip
 
 
 def test_cli_writes_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,9 @@
-"""The media token gate's inputs: deterministic synthetic images and videos, the fixed prompt sets built from them,
-and transformers' reference kwargs for a processed prompt.
+"""Synthetic media prompts: deterministic images and videos, the fixed prompt sets built from them, each prompt
+through deltaserve's processor, and transformers' reference kwargs for a processed prompt.
+
+The media token gate (deltaserve/gates/media.py) checks deltaserve on these prompts, and the vision training recipe
+(train_vision.py) trains on prompts drawn from the same builders at seeds the gate does not use; they live here,
+beside the corpus their words come from, so that the tiny checkpoints' code needs nothing from the gates.
 
 Nothing is downloaded: pixels are integer arithmetic over numpy (bit-identical everywhere). Per kind, prompt i of
 seed s is always the same chat (one user message, text and media parts, the checkpoint's chat template):
@@ -138,7 +142,7 @@ class _Builder:
 
 def _corpus_words() -> list[str]:
     """The words of the corpus the package ships (deltaserve/tiny/corpus.txt)."""
-    return (Path(__file__).resolve().parents[1] / "tiny" / "corpus.txt").read_text().split()
+    return (Path(__file__).resolve().parent / "corpus.txt").read_text().split()
 
 
 def _image_prompt(b: _Builder, index: int) -> None:
@@ -238,3 +242,40 @@ def reference_inputs(
             kwargs[pixel_key] = torch.from_numpy(np.concatenate([it.pixel_values for it in items]))
             kwargs[grid_key] = torch.tensor([list(it.grid_thw) for it in items])
     return kwargs
+
+
+@dataclass
+class ProcessedPrompt:
+    """A gate prompt after deltaserve's processor: expanded ids and the items' rows, grids and MRoPE table."""
+
+    prompt: MediaPrompt
+    ids: list[int]
+    mm_input: MultimodalInput
+
+
+class MediaRefusedError(ValueError):
+    """The checkpoint's media are refused as the engine refuses them (its processor and tower disagree)."""
+
+
+def process_prompts(model_dir: Path, tokenizer: Any, prompts: list[MediaPrompt]) -> list[ProcessedPrompt]:
+    """Each prompt through deltaserve's processor, tokenised as LLM.generate tokenises a text prompt."""
+    from deltaserve.config import ModelConfig
+    from deltaserve.multimodal.offline import loaded_media
+    from deltaserve.multimodal.processor import MultimodalProcessor
+    from deltaserve.multimodal.prompt import VisionTokenIds
+
+    vision = ModelConfig.from_pretrained(model_dir).vision
+    ids = VisionTokenIds(vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
+                         vision.vision_end_token_id)  # fmt: skip
+    processor = MultimodalProcessor.from_model_dir(
+        model_dir, ids, lambda text: tokenizer.encode(text, add_special_tokens=False)
+    )
+    processor.check_vision_geometry(vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+    if processor.refusal is not None:
+        raise MediaRefusedError(processor.refusal)
+    processed = []
+    for prompt in prompts:
+        media = loaded_media(prompt.multi_modal_data(), processor.configs.video.fps or 2.0)
+        expanded, mm_input = processor.process_loaded(tokenizer.encode(prompt.text, add_special_tokens=True), media)
+        processed.append(ProcessedPrompt(prompt, expanded, mm_input))
+    return processed
