@@ -1,4 +1,5 @@
-"""The step contract between the scheduler and the runner: plain, frozen, picklable data (ints, tuples, strings).
+"""The step contract between the scheduler and the runner: plain, frozen, picklable data (ints, tuples, strings,
+bytes).
 
 The scheduler produces one StepPlan per engine step; the runner (in this process or, later, in tensor-parallel
 worker processes that receive a broadcast of it) executes it and answers with a StepResult. Nothing here holds a
@@ -74,6 +75,7 @@ class ScheduledSeq:
     num_draft_tokens: int = 0  # speculative draft tokens among num_new_tokens (0 until speculative decoding)
     checkpoint_slots: tuple[int, ...] = ()  # state slots to save intermediate states into (prefix caching; empty)
     mm_spans: tuple[MultimodalSpan, ...] = ()  # spans this chunk overlaps (empty until multimodal input)
+    return_logits: bool = False  # the runner returns the logits of every token of the chunk (a prefill-only request)
 
     @property
     def is_decode(self) -> bool:
@@ -114,3 +116,6 @@ class StepResult:
     # Per sequence: prompt logprobs of this step's chunk, (position of its first target token, per target
     # ((token_id, logprob, rank), top-1, ..., top-N)); None where the chunk computed none; () when no sequence did.
     prompt_logprobs: tuple[tuple[int, tuple[tuple[tuple[int, float, int], ...], ...]] | None, ...] = field(default=())
+    # Per sequence: the fp32 logits [num_new_tokens, V] of a chunk with return_logits, as row-major raw bytes (plain
+    # and cheap to send; torch.frombuffer reads them back); None for the others; () when no sequence asked.
+    logits: tuple[bytes | None, ...] = field(default=())

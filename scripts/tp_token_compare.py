@@ -63,7 +63,7 @@ def _mismatches(
         if a == b:
             continue
         pos = next(j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-        logits = llm.score(prompt + b[: pos + 1])[len(prompt) - 1 + pos]
+        logits = llm.prefill_logits(prompt + b[: pos + 1])[len(prompt) - 1 + pos]
         top2 = torch.topk(logits.float(), 2).values
         margin = float(top2[0] - top2[1])
         found.append({

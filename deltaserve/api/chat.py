@@ -1,4 +1,5 @@
-"""Chat requests -> prompt text: message normalisation, the Jinja chat template, and chat_template_kwargs.
+"""Chat requests -> the prompt: message normalisation, the Jinja chat template, chat_template_kwargs, the token ids
+and the processed images and videos (render_prompt), and the chat fields' checks (template trust, tools).
 
 The template comes from the request (`chat_template`, only under --trust-request-chat-template, as in vLLM), else
 `--chat-template`, else the checkpoint's tokenizer. Template kwargs are `--default-chat-template-kwargs`, overridden
@@ -13,14 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.api.body import gc_paused
 from deltaserve.api.errors import bad_request
-from deltaserve.api.protocol import ChatMessage, ToolDefinition
+from deltaserve.api.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from deltaserve.api.settings import ServerState
 from deltaserve.api.template import RenderJob
 from deltaserve.api.template_pool import TemplateRenderError
+from deltaserve.api.tokens import truncation_length
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +215,10 @@ def _without_none(message: dict[str, Any]) -> dict[str, Any]:
 
 def check_tool_choice(state: ServerState, tools: list[ToolDefinition] | None, tool_choice: Any) -> str | None:
     """Validates tools/tool_choice as vLLM does; returns the effective choice (None: tools are not parsed)."""
+    if tools == []:
+        raise bad_request(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.", "tools"
+        )
     settings = state.settings
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -233,3 +240,69 @@ def check_tool_choice(state: ServerState, tools: list[ToolDefinition] | None, to
             f"Tool choice names the function {tool_choice.function.name!r}, which is not in `tools`.", "tool_choice"
         )
     return tool_choice.function.name
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered chat prompt: its text, its token ids and, with images or videos, their processed input."""
+
+    text: str
+    token_ids: list[int]
+    mm_input: Any  # a deltaserve.multimodal MultimodalInput; None for text
+    is_thinking_disabled: bool  # the template kwargs turn thinking off
+
+
+async def render_prompt(state: ServerState, request: ChatCompletionRequest) -> ChatPrompt:
+    """The messages through the chat template, then tokenised (truncate_prompt_tokens applied); images and videos
+    are fetched, preprocessed and expanded into their placeholder tokens. Every failure is a 400."""
+    kwargs = template_kwargs(state, request.chat_template_kwargs, request.reasoning_effort)
+    hide_tools = state.settings.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
+    text = await render_chat(
+        state,
+        request.messages,
+        tools=None if hide_tools else request.tools,
+        chat_template=request.chat_template,
+        kwargs=kwargs,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        documents=request.documents,
+    )
+    refs = _media_refs(state, request.messages)
+    max_model_len = state.engine.max_model_len
+    token_ids, _ = await state.tokens.encode(
+        text,
+        add_special_tokens=request.add_special_tokens,
+        max_input_tokens=max_model_len,
+        truncate=truncation_length(request.truncate_prompt_tokens, max_model_len),
+        truncation_side=request.truncation_side,
+        param="messages",
+    )
+    mm_input = None
+    if refs is not None:
+        kwargs_mm = (request.model_extra or {}).get("mm_processor_kwargs")
+        if kwargs_mm is not None and not isinstance(kwargs_mm, dict):
+            raise bad_request("mm_processor_kwargs must be an object.", "mm_processor_kwargs")
+        try:
+            # fetch, decode and preprocess off the event loop (Pillow, PyAV and the resize are CPU-heavy)
+            token_ids, mm_input = await state.tokens.run(
+                lambda: state.engine.mm_processor.process(list(token_ids), refs, kwargs_mm)
+            )
+        except ValueError as exc:  # a MediaError: corrupt bytes, wrong type, too many pixels, placeholder mismatch
+            raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
+    is_thinking_disabled = kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+    return ChatPrompt(text, list(token_ids), mm_input, is_thinking_disabled)
+
+
+def _media_refs(state: ServerState, messages: list[ChatMessage]) -> Any:
+    """The messages' image and video references (None without any); 400 when the model is served as text only."""
+    if not has_media(messages):
+        return None
+    processor = state.engine.mm_processor
+    if processor is None:
+        index = next(i for i, m in enumerate(messages) if has_media([m]))
+        raise bad_request("Image and video content parts are not supported: this model is served as text only.",
+                          f"messages.{index}.content")  # fmt: skip
+    try:
+        return processor.parse_messages([m.model_dump(exclude_none=True) for m in messages])
+    except ValueError as exc:  # a MediaError: a bad URL, a path outside the allowed folder, over the limits
+        raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None

@@ -1,5 +1,9 @@
 """Request fields -> the engine's SamplingParams, with vLLM's defaulting rules and 400s that name the field.
 
+check_sampling_request runs with the other field checks, before any work; build_sampling_params runs once the prompt
+is tokenised, since max_tokens needs its length: it derives max_tokens and applies the length rules (the engine's
+resolve_max_tokens, once per prompt), then builds and checks the rest.
+
 A sampling field the request leaves unset takes the model's generation_config default (engine.default_sampling,
 empty under --generation-config vllm), then SamplingParams' own default. Fields the engine cannot honour are refused
 by name; fields that cannot change a token here are accepted and logged in vLLM's words ("The following fields
@@ -18,9 +22,8 @@ from typing import Any
 
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, SamplingRequest
-from deltaserve.api.serving_common import check_context
 from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
-from deltaserve.engine.frontend import bad_words_token_ids
+from deltaserve.engine.frontend import RequestError, bad_words_token_ids, resolve_max_tokens
 from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,18 @@ def check_logprobs(num_logprobs: int | None, param: str, max_logprobs: int = MAX
         raise bad_request(f"{param} must be between 0 and {max_logprobs}, got {num_logprobs}.", param)
 
 
+def check_sampling_request(
+    state: ServerState, request: SamplingRequest, num_logprobs: int | None, logprobs_param: str
+) -> None:
+    """The sampling fields both endpoints check before any work: refused features, n and stop, the logprobs
+    bounds, and prompt_logprobs (which a stream cannot carry)."""
+    check_unsupported(request)
+    check_logprobs(num_logprobs, logprobs_param, state.settings.max_logprobs)
+    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+
+
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -94,13 +109,24 @@ def build_sampling_params(
     state: ServerState,
     request: SamplingRequest,
     *,
+    num_prompt_tokens: int,
     max_tokens: int | None,
+    prompt_param: str,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """SamplingParams for one prompt; a ValueError from its validation becomes a 400 naming the field."""
+    """SamplingParams for one prompt of num_prompt_tokens tokens. max_tokens is the request's (None: unset); the
+    one derivation of the value the engine gets, and the one check of the context lengths, is resolve_max_tokens
+    (a generation_config max_new_tokens caps it, as vLLM's server does). A ValueError from the validation of any
+    field becomes a 400 naming the field."""
     defaults: dict[str, Any] = state.engine.default_sampling or {}
+    try:
+        max_tokens = resolve_max_tokens(
+            max_tokens, num_prompt_tokens, state.engine.max_model_len, defaults.get("max_tokens"), prompt_param
+        )
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
     values: dict[str, Any] = {}
     for name in DEFAULTABLE_FIELDS:
         value = getattr(request, name)
@@ -148,38 +174,4 @@ def build_sampling_params(
         params.validate_vocab(vocab_size)
     except ParamError as exc:
         raise bad_request(str(exc), exc.param) from None
-    return params
-
-
-def resolve_max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: int) -> int:
-    """vLLM's rule: the smallest of the request's max_tokens, the rest of the context and a generation_config
-    max_new_tokens (which caps even an explicit request)."""
-    remaining = state.engine.max_model_len - num_prompt_tokens
-    value = remaining if requested is None else requested
-    cap = (state.engine.default_sampling or {}).get("max_tokens")
-    return min(value, cap) if isinstance(cap, int) and cap > 0 else value
-
-
-def params_for_prompt(
-    state: ServerState,
-    request: SamplingRequest,
-    *,
-    num_prompt_tokens: int,
-    max_tokens: int | None,
-    logprobs: int | None,
-    prompt_param: str,
-    prompt_logprobs: int | None = None,
-    structured_outputs: StructuredOutputsParams | None = None,
-) -> SamplingParams:
-    """Checks the prompt against the context, then builds its SamplingParams and checks prompt + max_tokens."""
-    check_context(state, num_prompt_tokens, None, prompt_param)
-    params = build_sampling_params(
-        state,
-        request,
-        max_tokens=resolve_max_tokens(state, max_tokens, num_prompt_tokens),
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        structured_outputs=structured_outputs,
-    )
-    check_context(state, num_prompt_tokens, params.max_tokens, prompt_param)
     return params

@@ -1,5 +1,9 @@
 """POST /v1/chat/completions: template the messages, generate, parse reasoning and tool calls, stream or not.
 
+create_chat_completion reads top to bottom: parse (body.py), validate (every field check; the constraint parsed by
+structured.py), render (chat.render_prompt: template, tokens, media), SamplingParams (sampling.py: max_tokens and
+the length rules, once), submit (serving_common.engine_stream), respond (streamed or not).
+
 Streaming follows vLLM's chunk pattern: when a choice's first token exists, a role chunk
 (`{"role": "assistant", "content": ""}`), with `echo` the continued message's text, and then its deltas; never a
 chunk before the first token, so a client's TTFT is honest. Usage goes in a final `choices: []` chunk only with
@@ -21,40 +25,32 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deltaserve.api.body import parse_request
-from deltaserve.api.chat import (
-    check_request_template,
-    check_tool_choice,
-    content_text,
-    has_media,
-    render_chat,
-    template_kwargs,
-)
+from deltaserve.api.chat import ChatPrompt, check_request_template, check_tool_choice, content_text, render_prompt
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
-from deltaserve.api.sampling import check_logprobs, check_unsupported, params_for_prompt
+from deltaserve.api.sampling import build_sampling_params, check_sampling_request
 from deltaserve.api.serving_common import (
     DONE_EVENT,
-    SSEResponse,
     check_model,
     engine_request_id,
     engine_stream,
     request_ids,
-    run_until_disconnect,
+    respond,
     sse,
     stream_error_event,
     stream_usage_flags,
-    truncation_length,
     usage,
     without_none,
 )
 from deltaserve.api.settings import ServerState
-from deltaserve.api.structured import THINK_END, resolve_structured_outputs, resolve_tool_call_constraint
+from deltaserve.api.structured import THINK_END, resolve_chat_constraint
 from deltaserve.api.tool_parser import Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -113,20 +109,78 @@ class ChatJob:
 async def create_chat_completion(
     state: ServerState, raw_request: Request, body: tuple[dict[str, Any], bool] | None = None
 ) -> Response:
+    """One chat request, top to bottom: parse, validate, render, SamplingParams, submit, respond."""
     arrival = time.perf_counter()
     request = await parse_request(state, raw_request, ChatCompletionRequest, body)
-    job = await prepare(state, raw_request, request, arrival)
-    state.num_inflight += 1
-    if request.stream:
-        return SSEResponse(stream_chat(job), on_close=lambda: _release(state))
-    try:
-        return await run_until_disconnect(raw_request, full_chat(job))
-    finally:
-        _release(state)
+    constraint, tool_choice = await validate(state, request)
+    prompt = await render_prompt(state, request)
+    params = sampling_params(state, request, prompt, constraint)
+    response_id = request_ids(raw_request, request.request_id, "chatcmpl")
+    stream = engine_stream(
+        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input
+    )  # submitted on its first iteration
+    role = response_role(state, request)
+    job = ChatJob(
+        state=state,
+        request=request,
+        response_id=response_id,
+        created=int(time.time()),
+        prompt_text=prompt.text,
+        num_prompt_tokens=len(prompt.token_ids),
+        num_top_logprobs=params.logprobs,
+        tools=[tool.model_dump() for tool in request.tools] if tool_choice and request.tools else None,
+        is_thinking_disabled=prompt.is_thinking_disabled,
+        role=role,
+        echo_text=_echo_text(request, role),
+        stream=stream,
+        prompt_token_ids=prompt.token_ids,
+    )
+    return await respond(state, raw_request, bool(request.stream), lambda: stream_chat(job), lambda: full_chat(job))
 
 
-def _release(state: ServerState) -> None:
-    state.num_inflight -= 1
+async def validate(
+    state: ServerState, request: ChatCompletionRequest
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """Every check of the request's fields, before any work (each a 400 naming its field): the model, the
+    sampling fields, the template, the tools; then its constraint, parsed. Returns (the constraint, the effective
+    tool_choice: None when tool calls are not parsed)."""
+    check_model(state, request.model)
+    check_sampling_request(state, request, request.top_logprobs, "top_logprobs")
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    check_request_template(state, request.chat_template, request.chat_template_kwargs)
+    tool_choice = check_tool_choice(state, request.tools, request.tool_choice)
+    constraint = await resolve_chat_constraint(request, tool_choice, state.settings.tool_call_parser)
+    return constraint, tool_choice
+
+
+def sampling_params(
+    state: ServerState,
+    request: ChatCompletionRequest,
+    prompt: ChatPrompt,
+    constraint: StructuredOutputsParams | None,
+) -> SamplingParams:
+    """The request's SamplingParams for the rendered prompt (max_tokens from max_completion_tokens, else
+    max_tokens, else the rest of the context)."""
+    if (
+        constraint is not None
+        and state.settings.reasoning_parser
+        and not prompt.is_thinking_disabled
+        and prompt_opens_thinking(prompt.text)
+    ):
+        # vLLM leaves the reasoning section unconstrained: the constraint starts after </think>
+        constraint.start_after_token_id = state.engine.tokenizer.convert_tokens_to_ids(THINK_END)
+    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    return build_sampling_params(
+        state,
+        request,
+        num_prompt_tokens=len(prompt.token_ids),
+        max_tokens=requested,
+        prompt_param="messages",
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        prompt_logprobs=request.prompt_logprobs,
+        structured_outputs=constraint,
+    )
 
 
 def response_role(state: ServerState, request: ChatCompletionRequest) -> str:
@@ -139,115 +193,6 @@ def _echo_text(request: ChatCompletionRequest, role: str) -> str:
     if not request.echo or last.role != role:
         return ""
     return content_text(last, len(request.messages) - 1) or ""
-
-
-async def prepare(state: ServerState, raw_request: Request, request: ChatCompletionRequest, arrival: float) -> ChatJob:
-    check_model(state, request.model)
-    check_unsupported(request)
-    check_request_template(state, request.chat_template, request.chat_template_kwargs)
-    structured = await resolve_structured_outputs(request, request.response_format)
-    check_logprobs(request.top_logprobs, "top_logprobs", state.settings.max_logprobs)
-    if request.top_logprobs and not request.logprobs:
-        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    if request.tools == []:
-        raise bad_request(
-            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.", "tools"
-        )
-    tool_choice = check_tool_choice(state, request.tools, request.tool_choice)
-    if tool_choice not in (None, "auto"):
-        # "required" or a named function: the call is generated through a grammar of the tools' schemas
-        if structured is not None:
-            raise bad_request("You can only either use constraints for structured outputs or tools, not both.",
-                              "tool_choice")  # fmt: skip
-        structured = await resolve_tool_call_constraint(
-            request.tools, tool_choice, state.settings.tool_call_parser, request.parallel_tool_calls is not False
-        )
-    kwargs = template_kwargs(state, request.chat_template_kwargs, request.reasoning_effort)
-    hide_tools = state.settings.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
-    prompt_text = await render_chat(
-        state,
-        request.messages,
-        tools=None if hide_tools else request.tools,
-        chat_template=request.chat_template,
-        kwargs=kwargs,
-        add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message,
-        documents=request.documents,
-    )
-    refs = None
-    if has_media(request.messages):
-        processor = state.engine.mm_processor
-        if processor is None:
-            index = next(i for i, m in enumerate(request.messages) if has_media([m]))
-            raise bad_request("Image and video content parts are not supported: this model is served as text only.",
-                              f"messages.{index}.content")  # fmt: skip
-        try:
-            refs = processor.parse_messages([m.model_dump(exclude_none=True) for m in request.messages])
-        except ValueError as exc:  # a MediaError: a bad URL, a path outside the allowed folder, over the limits
-            raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
-    max_model_len = state.engine.max_model_len
-    prompt_ids, _ = await state.tokens.encode(
-        prompt_text,
-        add_special_tokens=request.add_special_tokens,
-        max_input_tokens=max_model_len,
-        truncate=truncation_length(request.truncate_prompt_tokens, max_model_len),
-        truncation_side=request.truncation_side,
-        param="messages",
-    )
-    mm_input = None
-    if refs is not None:
-        kwargs_mm = (request.model_extra or {}).get("mm_processor_kwargs")
-        if kwargs_mm is not None and not isinstance(kwargs_mm, dict):
-            raise bad_request("mm_processor_kwargs must be an object.", "mm_processor_kwargs")
-        try:
-            # fetch, decode and preprocess off the event loop (Pillow, PyAV and the resize are CPU-heavy)
-            prompt_ids, mm_input = await state.tokens.run(
-                lambda: state.engine.mm_processor.process(list(prompt_ids), refs, kwargs_mm)
-            )
-        except ValueError as exc:  # a MediaError: corrupt bytes, wrong type, too many pixels, placeholder mismatch
-            raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from None
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    num_top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    is_thinking_disabled = kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
-    if (
-        structured is not None
-        and state.settings.reasoning_parser
-        and not is_thinking_disabled
-        and (prompt_opens_thinking(prompt_text))
-    ):
-        # vLLM leaves the reasoning section unconstrained: the constraint starts after </think>
-        structured.start_after_token_id = state.engine.tokenizer.convert_tokens_to_ids(THINK_END)
-    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
-    if request.prompt_logprobs is not None and request.stream:
-        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    params = params_for_prompt(
-        state,
-        request,
-        num_prompt_tokens=len(prompt_ids),
-        max_tokens=max_tokens,
-        logprobs=num_top_logprobs,
-        prompt_param="messages",
-        prompt_logprobs=request.prompt_logprobs,
-        structured_outputs=structured,
-    )
-    response_id = request_ids(raw_request, request.request_id, "chatcmpl")
-    stream = engine_stream(state, prompt_ids, params, engine_request_id(response_id, 0), arrival, mm_input)
-    role = response_role(state, request)
-    return ChatJob(
-        state=state,
-        request=request,
-        response_id=response_id,
-        created=int(time.time()),
-        prompt_text=prompt_text,
-        num_prompt_tokens=len(prompt_ids),
-        num_top_logprobs=num_top_logprobs,
-        tools=[tool.model_dump() for tool in request.tools] if tool_choice and request.tools else None,
-        is_thinking_disabled=is_thinking_disabled,
-        role=role,
-        echo_text=_echo_text(request, role),
-        stream=stream,
-        prompt_token_ids=list(prompt_ids),
-    )
 
 
 def _chunk(job: ChatJob, choices: list[dict[str, Any]]) -> dict[str, Any]:

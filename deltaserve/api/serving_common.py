@@ -1,5 +1,5 @@
-"""Plumbing shared by the generation endpoints: request checks, engine streams, usage, SSE and disconnects
-(request bodies are read and parsed by body.py).
+"""Plumbing shared by the generation endpoints: the model check, submitting to the engine, responding (streamed or
+not), usage, SSE and disconnects (request bodies are read and parsed by body.py).
 
 Two rules hold everything together. Every engine stream is consumed through `engine_stream`, whose cleanup
 (close the engine iterator, abort the request if unfinished) runs shielded from cancellation, so a client that
@@ -23,13 +23,8 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from deltaserve.api.errors import (
-    bad_request,
-    model_not_found,
-    to_api_error,
-)
+from deltaserve.api.errors import bad_request, model_not_found, to_api_error
 from deltaserve.api.settings import ServerState
-from deltaserve.engine.frontend import RequestError, check_lengths
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
@@ -52,35 +47,6 @@ def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> Non
     if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):
         outside = next(token_id for token_id in token_ids if not 0 <= token_id < vocab_size)
         raise bad_request(f"Token id {outside} is out of vocabulary (vocab size {vocab_size}).", param)
-
-
-def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
-    """vLLM's context checks, as the engine applies them (one place: engine/frontend.check_lengths), as 400s."""
-    try:
-        check_lengths(num_prompt_tokens, max_tokens, state.engine.max_model_len, prompt_param)
-    except RequestError as exc:
-        raise bad_request(str(exc), exc.param) from None
-
-
-def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
-    """vLLM's truncate_prompt_tokens: k tokens kept, -1 meaning max_model_len; None: no truncation."""
-    if truncate_prompt_tokens is None:
-        return None
-    if truncate_prompt_tokens == -1:
-        return max_model_len
-    if truncate_prompt_tokens < 1 or truncate_prompt_tokens > max_model_len:
-        raise bad_request(
-            f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {truncate_prompt_tokens}.",
-            "truncate_prompt_tokens",
-        )
-    return truncate_prompt_tokens
-
-
-def truncate_ids(token_ids: list[int], keep: int | None, side: str | None) -> list[int]:
-    """Token-id prompts are truncated as text prompts are: the last `keep` tokens, or the first with side right."""
-    if keep is None or len(token_ids) <= keep:
-        return token_ids
-    return token_ids[:keep] if side == "right" else token_ids[-keep:]
 
 
 def request_ids(request: Request, body_request_id: str | None, prefix: str) -> str:
@@ -145,10 +111,10 @@ async def engine_stream(
     arrival: float,
     mm_input: Any = None,
 ) -> AsyncGenerator[RequestOutput, None]:
-    """engine.generate with metrics, and a cleanup that always aborts an unfinished request. mm_input: the
-    prompt's processed images and videos (a deltaserve.multimodal MultimodalInput), None for text."""
-    max_tokens = params.max_tokens or state.engine.max_model_len - len(prompt_token_ids)
-    tracker = state.metrics.track(len(prompt_token_ids), params.n, max_tokens, arrival)
+    """engine.generate with metrics, and a cleanup that always aborts an unfinished request. params.max_tokens is
+    bound (build_sampling_params resolved it). mm_input: the prompt's processed images and videos (a
+    deltaserve.multimodal MultimodalInput), None for text."""
+    tracker = state.metrics.track(len(prompt_token_ids), params.n, params.max_tokens, arrival)
     if mm_input is None:
         iterator = state.engine.generate(prompt_token_ids, params, request_id)
     else:
@@ -240,6 +206,28 @@ class SSEResponse(StreamingResponse):
                     with contextlib.suppress(Exception):
                         await aclose()
             self.on_close()
+
+
+async def respond(
+    state: ServerState,
+    raw_request: Request,
+    is_stream: bool,
+    stream: Callable[[], AsyncIterator[str]],
+    full: Callable[[], Awaitable[Response]],
+) -> Response:
+    """The response of a submitted request: its SSE stream, or its one body raced against the client's disconnect;
+    the request counts as in flight (state.num_inflight) until its response is done."""
+    state.num_inflight += 1
+
+    def release() -> None:
+        state.num_inflight -= 1
+
+    if is_stream:
+        return SSEResponse(stream(), on_close=release)
+    try:
+        return await run_until_disconnect(raw_request, full())
+    finally:
+        release()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

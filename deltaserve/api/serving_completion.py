@@ -1,5 +1,9 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), echo, logprobs, n, streamed or not.
 
+create_completion reads top to bottom: parse (body.py), validate (every field check; the constraint parsed by
+structured.py), tokenise (resolve_prompts), SamplingParams per prompt (sampling.py: max_tokens and the length rules,
+once each), submit (serving_common.engine_stream), respond (streamed or not).
+
 A batch of P prompts with n sequences each yields choices indexed prompt * n + sequence, as vLLM numbers them.
 Every prompt is its own engine request; their streams are interleaved as outputs arrive. Text prompts are
 tokenised off the event loop (tokens.py), with truncate_prompt_tokens / truncation_side applied as vLLM applies them.
@@ -20,28 +24,27 @@ from deltaserve.api.body import parse_request
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs_json
 from deltaserve.api.protocol import CompletionRequest
-from deltaserve.api.sampling import check_logprobs, check_unsupported, params_for_prompt
+from deltaserve.api.sampling import build_sampling_params, check_sampling_request
 from deltaserve.api.serving_common import (
     DONE_EVENT,
-    SSEResponse,
     check_model,
     check_token_ids,
     engine_request_id,
     engine_stream,
     merge_streams,
     request_ids,
-    run_until_disconnect,
+    respond,
     sse,
     stream_error_event,
     stream_usage_flags,
-    truncate_ids,
-    truncation_length,
     usage,
     without_none,
 )
 from deltaserve.api.settings import ServerState
 from deltaserve.api.structured import resolve_structured_outputs
+from deltaserve.api.tokens import truncate_ids, truncation_length
 from deltaserve.engine.request import CompletionOutput, RequestOutput
+from deltaserve.sampling_params import StructuredOutputsParams
 
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
 MAX_PROMPTS = 2048
@@ -70,7 +73,7 @@ class ChoiceState:
 
 
 async def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
-    """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request."""
+    """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request (with echo, its text)."""
     prompt = request.prompt
     if prompt is None:
         raise bad_request("Either prompt or prompt_embeds must be provided; deltaserve accepts prompt.", "prompt")
@@ -99,6 +102,11 @@ async def resolve_prompts(state: ServerState, request: CompletionRequest) -> lis
             check_token_ids(state, item, "prompt")
             token_ids = truncate_ids(list(item), keep, request.truncation_side)
             prompts.append(Prompt(token_ids, None))
+    if request.echo:
+        # The echoed prompt is the decoded tokens (token-id and truncated prompts have no text of their own).
+        for prompt in prompts:
+            if prompt.text is None:
+                prompt.text = await state.tokens.decode(prompt.token_ids)
     return prompts
 
 
@@ -178,39 +186,27 @@ class CompletionJob:
 async def create_completion(
     state: ServerState, raw_request: Request, body: tuple[dict[str, Any], bool] | None = None
 ) -> Response:
+    """One completion request, top to bottom: parse, validate, tokenise, SamplingParams, submit, respond."""
     arrival = time.perf_counter()
     request = await parse_request(state, raw_request, CompletionRequest, body)
-    check_model(state, request.model)
-    check_unsupported(request)
-    if request.suffix is not None:
-        raise bad_request("suffix is not currently supported", "suffix")
-    structured = await resolve_structured_outputs(request, (request.model_extra or {}).get("response_format"))
-    check_logprobs(request.logprobs, "logprobs", state.settings.max_logprobs)
-    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
-    if request.prompt_logprobs is not None and request.stream:
-        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    constraint = await validate(state, request)
+    prompts = await resolve_prompts(state, request)
     # vLLM: echo with logprobs reports the prompt's logprobs too (prompt_logprobs = logprobs unless set)
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is None and request.echo and request.logprobs is not None:
         prompt_logprobs = request.logprobs
-    prompts = await resolve_prompts(state, request)
-    if request.echo:
-        # The echoed prompt is the decoded tokens (token-id and truncated prompts have no text of their own).
-        for prompt in prompts:
-            if prompt.text is None:
-                prompt.text = await state.tokens.decode(prompt.token_ids)
-    # Per prompt: an unset max_tokens means the rest of that prompt's context.
+    # vLLM's echo without generation: the engine draws one token, which is not reported
+    requested = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
     params = [
-        params_for_prompt(
+        build_sampling_params(
             state,
             request,
             num_prompt_tokens=len(prompt.token_ids),
-            # vLLM's echo without generation: the engine draws one token, which is not reported
-            max_tokens=1 if request.echo and request.max_tokens == 0 else request.max_tokens,
-            logprobs=request.logprobs,
+            max_tokens=requested,  # unset: the rest of that prompt's context
             prompt_param="prompt",
+            logprobs=request.logprobs,
             prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured,
+            structured_outputs=constraint,
         )
         for prompt in prompts
     ]
@@ -218,21 +214,23 @@ async def create_completion(
     streams = [
         engine_stream(state, prompt.token_ids, params[i], engine_request_id(response_id, i), arrival)
         for i, prompt in enumerate(prompts)
-    ]
+    ]  # each submitted on its first iteration
     as_ids = bool(request.return_tokens_as_token_ids or state.settings.return_tokens_as_token_ids)
     namer = TokenNamer(state.engine.tokenizer, as_ids)
     job = CompletionJob(state, request, response_id, int(time.time()), prompts, streams, namer)
-    state.num_inflight += 1
-    if request.stream:
-        return SSEResponse(stream_completion(job), on_close=lambda: _release(state))
-    try:
-        return await run_until_disconnect(raw_request, full_completion(job))
-    finally:
-        _release(state)
+    return await respond(
+        state, raw_request, bool(request.stream), lambda: stream_completion(job), lambda: full_completion(job)
+    )
 
 
-def _release(state: ServerState) -> None:
-    state.num_inflight -= 1
+async def validate(state: ServerState, request: CompletionRequest) -> StructuredOutputsParams | None:
+    """Every check of the request's fields, before any work (each a 400 naming its field): the model, the
+    sampling fields, suffix; then its constraint, parsed (returned)."""
+    check_model(state, request.model)
+    check_sampling_request(state, request, request.logprobs, "logprobs")
+    if request.suffix is not None:
+        raise bad_request("suffix is not currently supported", "suffix")
+    return await resolve_structured_outputs(request, (request.model_extra or {}).get("response_format"))
 
 
 async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:

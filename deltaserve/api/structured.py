@@ -1,5 +1,8 @@
 """Request fields -> one StructuredOutputsParams, as vLLM 0.26 reads them, checked off the event loop.
 
+A chat request's constraint comes from resolve_chat_constraint: the structured-output fields, or, for tool_choice
+"required" or a named function, a structural tag of the tools' schemas (never both).
+
 Sources, in vLLM's order of precedence: `structured_outputs` (json, regex, choice, grammar, json_object,
 structural_tag and its options), the older `guided_*` names (mapped onto the same fields), then `response_format`
 (json_object, json_schema, structural_tag), which overrides the constraint as vLLM's
@@ -16,7 +19,7 @@ import re
 from typing import Any
 
 from deltaserve.api.errors import bad_request
-from deltaserve.api.protocol import SamplingRequest
+from deltaserve.api.protocol import ChatCompletionRequest, SamplingRequest
 from deltaserve.engine.grammar import BACKENDS, GrammarError, check_structured_outputs
 from deltaserve.sampling_params import StructuredOutputsParams
 
@@ -187,3 +190,20 @@ async def resolve_tool_call_constraint(
 ) -> StructuredOutputsParams:
     fields = forced_tool_call_fields(tools, tool_choice, parser, is_parallel)
     return await asyncio.to_thread(build_spec, fields, "tools")
+
+
+async def resolve_chat_constraint(
+    request: ChatCompletionRequest, tool_choice: str | None, parser: str | None
+) -> StructuredOutputsParams | None:
+    """A chat request's constraint: its structured-output fields, or the forced tool call of tool_choice
+    "required" or a named function (`tool_choice` as check_tool_choice returns it)."""
+    structured = await resolve_structured_outputs(request, request.response_format)
+    if tool_choice in (None, "auto"):
+        return structured
+    # "required" or a named function: the call is generated through a grammar of the tools' schemas
+    if structured is not None:
+        raise bad_request("You can only either use constraints for structured outputs or tools, not both.",
+                          "tool_choice")  # fmt: skip
+    return await resolve_tool_call_constraint(
+        request.tools or [], tool_choice, parser, request.parallel_tool_calls is not False
+    )

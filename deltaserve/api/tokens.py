@@ -28,6 +28,27 @@ SLICE_TOKENS = 1 << 16
 DEFAULT_TRUNCATION_SIDE = "left"
 
 
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: k tokens kept, -1 meaning max_model_len; None: no truncation."""
+    if truncate_prompt_tokens is None:
+        return None
+    if truncate_prompt_tokens == -1:
+        return max_model_len
+    if truncate_prompt_tokens < 1 or truncate_prompt_tokens > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {truncate_prompt_tokens}.",
+            "truncate_prompt_tokens",
+        )
+    return truncate_prompt_tokens
+
+
+def truncate_ids(token_ids: list[int], keep: int | None, side: str | None) -> list[int]:
+    """Token-id prompts are truncated as text prompts are: the last `keep` tokens, or the first with side right."""
+    if keep is None or len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
+
+
 def longest_token_chars(tokenizer: Any) -> int:
     """vLLM's max_chars_per_token: the longest vocabulary entry, an upper bound on characters per token."""
     vocab = tokenizer.get_vocab()

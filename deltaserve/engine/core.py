@@ -31,14 +31,12 @@ from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
-from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.runner.executor import make_executor
 from deltaserve.runner.model_runner import StepHandle
-from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
-from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, window_spans
+from deltaserve.step import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +121,7 @@ class EngineCore:
             eos_token_ids=request.eos_token_ids,
             arrival_time=request.arrival_time,
             mm_input=request.mm_input,
+            logits_chunks=request.logits_chunks,
         )
         self.sequences[seq.seq_id] = seq
         if request.sampling.prompt_logprobs is not None:
@@ -236,6 +235,7 @@ class EngineCore:
                     stop_reason=seq.stop_reason,
                     metrics=self._metrics(seq) if is_finished else None,
                     prompt_logprobs=prompt_logprobs.pop(seq.seq_id, None),
+                    logits=b"".join(seq.logits) if seq.is_prefill_only else None,
                 )
             )
         self.abort_requests(failed)
@@ -258,7 +258,7 @@ class EngineCore:
         return found
 
     def drain(self) -> None:
-        """Collects every launched step and drops its results (shutdown, scoring on an idle engine)."""
+        """Collects every launched step and drops its results (shutdown)."""
         while self._inflight:
             self._sample_oldest()
             plan, handle, _ = self._inflight.popleft()
@@ -293,42 +293,3 @@ class EngineCore:
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             enable_prefix_caching=False,
         )
-
-    # -- scoring (gates) ------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def score(
-        self, token_ids: list[int], prefill_chunks: list[int] | None = None, mm_input: MultimodalInput | None = None
-    ) -> torch.Tensor:
-        """Logits [L, V] of every position of token_ids: prefill chunks of the given sizes (default: one chunk
-        of everything), then the remaining tokens as one-token steps. Needs an idle engine. `mm_input` (the
-        processor's output for the prompt at the head of token_ids) brings its images, videos and MRoPE table."""
-        if self.has_unfinished():
-            raise RuntimeError("score() needs an idle engine")
-        chunks = list(prefill_chunks or [len(token_ids)])
-        if sum(chunks) > len(token_ids) or min(chunks) < 1:
-            raise ValueError(f"prefill chunks {chunks} do not fit {len(token_ids)} tokens")
-        chunks += [1] * (len(token_ids) - sum(chunks))
-        scheduler = self.scheduler
-        blocks = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(token_ids), 0))
-        slot, row = scheduler.slots.allocate(), scheduler.rows.allocate()
-        params = SamplingParams(temperature=0.0, max_tokens=1)
-        added = (NewRequest(row, "score", tuple(token_ids), (), params, (), mm_input=mm_input),)
-        try:
-            pieces = []
-            start = 0
-            for index, size in enumerate(chunks):
-                spans = window_spans(mm_input, start, start + size)
-                seq = ScheduledSeq(
-                    row, start, size, slot, slot if start else None, tuple(blocks) if index == 0 else (), False,
-                    mm_spans=spans,
-                )  # fmt: skip
-                plan = StepPlan(-1, (seq,), added if index == 0 else ())
-                pieces.append(self.runner.execute(plan, return_all_logits=True).all_logits)  # samples: not deferred
-                start += size
-            return torch.cat(pieces)
-        finally:
-            self.runner.execute(StepPlan(-1, (), removed=(row,)))
-            scheduler.blocks.free(blocks)
-            scheduler.slots.free(slot)
-            scheduler.rows.free(row)

@@ -2,12 +2,14 @@
 
 step() = core.step() (plan, launch, collect one step, token stop rules) -> front end (detokenisation, stop strings,
 delta RequestOutputs); sequences a stop string ended are aborted in the core at once. The server uses the same
-two halves with the core in a process of its own (engine/core_client.py).
+two halves with the core in a process of its own (engine/core_client.py). prefill_logits() runs one prefill-only
+request through the same core and returns the logits of every position (the token gates' logit checks).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 
 import torch
@@ -114,11 +116,28 @@ class LLMEngine:
         """Stops the tensor-parallel workers, if any; the engine cannot step afterwards."""
         self.core.shutdown()
 
-    def score(
+    def prefill_logits(
         self, token_ids: list[int], prefill_chunks: list[int] | None = None, mm_input: MultimodalInput | None = None
     ) -> torch.Tensor:
-        """Logits [L, V] (fp32) of every position: prefill chunks of the given sizes, then one-token steps."""
+        """Logits [L, V] (fp32, on the CPU) of every position of token_ids, from one prefill-only request that the
+        scheduler plans (its blocks, slot and row) and the runner computes: prefill chunks of the given sizes
+        (default: one chunk of everything), then the remaining tokens one at a time (decode-shaped steps).
+        `mm_input`: the processor's images and videos for the prompt at the head of token_ids. Needs an idle
+        engine: the steps it runs would take other requests' outputs."""
         if self.requests:
-            raise RuntimeError("score() needs an idle engine")
-        self.core.drain()
-        return self.core.score(token_ids, prefill_chunks, mm_input)
+            raise RuntimeError("prefill_logits() needs an idle engine")
+        request = self.frontend.prefill_request(f"prefill-{uuid.uuid4().hex}", token_ids, prefill_chunks, mm_input)
+        self.core.add_request(request)
+        logits = None
+        try:
+            while self.core.has_unfinished():
+                for output in self.core.step():
+                    if output.request_id == request.request_id and output.logits is not None:
+                        logits = output.logits
+        except BaseException:
+            # a step that raised (the model refusing the input) leaves the request scheduled: free it
+            self.core.abort_requests([request.request_id])
+            raise
+        if logits is None:
+            raise RuntimeError(f"prefill-only request {request.request_id} finished without its logits")
+        return torch.frombuffer(bytearray(logits), dtype=torch.float32).view(len(token_ids), -1)

@@ -1,8 +1,9 @@
 """The engine front end: what runs beside the tokenizer, wherever the engine core runs.
 
-It checks a request (lengths, token ids, sampling parameters) in one place, fans a request with n > 1 out into n
-core requests, and turns the core's outputs into RequestOutputs (OutputProcessor). LLMEngine uses it next to an
-in-process core; the server's AsyncEngine uses it in the API process, next to a core in its own process.
+It checks a request (token ids, sampling parameters, and the length rules with the max_tokens they imply:
+resolve_max_tokens, which the API applies too) in one place, fans a request with n > 1 out into n core requests, and
+turns the core's outputs into RequestOutputs (OutputProcessor). LLMEngine uses it next to an in-process core; the
+server's AsyncEngine uses it in the API process, next to a core in its own process.
 """
 
 from __future__ import annotations
@@ -38,38 +39,43 @@ class RequestError(ValueError):
         self.param = param
 
 
-def check_request(
-    prompt_token_ids: list[int],
-    max_tokens: int | None,
+def check_token_ids(prompt_token_ids: list[int], vocab_size: int, prompt_param: str = "prompt") -> None:
+    """Every prompt token id inside the model's vocabulary (config vocab_size)."""
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"Token id {bad} is out of vocabulary (vocab size {vocab_size}).", prompt_param)
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
     max_model_len: int,
-    vocab_size: int,
+    cap: int | None = None,
     prompt_param: str = "prompt",
-) -> None:
-    """vLLM's checks of a prompt and its length budget; the one place they live (the API calls it too)."""
-    if prompt_token_ids:
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"Token id {bad} is out of vocabulary (vocab size {vocab_size}).", prompt_param)
-    check_lengths(len(prompt_token_ids), max_tokens, max_model_len, prompt_param)
-
-
-def check_lengths(num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt") -> None:
-    """vLLM's length rules: a prompt leaves room for one token, prompt + max_tokens fits the context."""
-    if num_prompt == 0:
+) -> int:
+    """A request's max_tokens under vLLM's length rules, the one place both live: the prompt leaves room for one
+    token; an unset max_tokens is the rest of the context; `cap` (a generation_config max_new_tokens, which the API
+    applies as vLLM's server does) caps even an explicit value; prompt + max_tokens fits the context. Raises
+    RequestError (a 400 in the API) naming the field."""
+    if num_prompt_tokens == 0:
         raise RequestError("The prompt cannot be empty.", prompt_param)
-    if num_prompt >= max_model_len:
+    if num_prompt_tokens >= max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{num_prompt} input tokens. Please reduce the length of the input.",
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.",
             prompt_param,
         )
-    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+    max_tokens = max_model_len - num_prompt_tokens if requested is None else requested
+    if isinstance(cap, int) and cap > 0:
+        max_tokens = min(max_tokens, cap)
+    if num_prompt_tokens + max_tokens > max_model_len:
         raise RequestError(
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-            f"length is {max_model_len} tokens and your request has {num_prompt} input tokens "
-            f"({max_tokens} > {max_model_len} - {num_prompt}).",
+            f"length is {max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {num_prompt_tokens}).",
             "max_tokens",
         )
+    return max_tokens
 
 
 def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
@@ -180,9 +186,11 @@ class EngineFrontend:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestError (a 400 in the API) for prompts and limits the engine cannot serve."""
-        check_request(prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raises RequestError (a 400 in the API) for prompts and limits the engine cannot serve; returns the
+        request's max_tokens (the rest of the context where params leave it unset, as vLLM's engine does)."""
+        check_token_ids(prompt_token_ids, self.vocab_size)
+        max_tokens = resolve_max_tokens(params.max_tokens, len(prompt_token_ids), self.max_model_len)
         try:
             params.validate()
             if params.bad_words and params.bad_words_token_ids is None:
@@ -198,6 +206,7 @@ class EngineFrontend:
                 check_structured_outputs(spec)
             except GrammarError as exc:
                 raise RequestError(str(exc), exc.param) from None
+        return max_tokens
 
     def new_request(
         self,
@@ -208,7 +217,7 @@ class EngineFrontend:
         mm_input: MultimodalInput | None = None,
     ) -> list[EngineCoreRequest]:
         """Validates a request, registers its state and returns its core requests (n of them)."""
-        self.validate(prompt_token_ids, params)
+        max_tokens = self.validate(prompt_token_ids, params)
         if mm_input is not None:
             if self.mm_processor is None:
                 raise RequestError("this model serves text only (no vision tower): images and videos are refused")
@@ -221,7 +230,6 @@ class EngineFrontend:
             if mm_input.prompt_len != len(prompt_token_ids):
                 raise RequestError(f"the multimodal input covers {mm_input.prompt_len} tokens, the prompt has "
                                    f"{len(prompt_token_ids)}")  # fmt: skip
-        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         now = time.time()
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, [], arrival_time=now)
         core_requests = []
@@ -238,3 +246,26 @@ class EngineFrontend:
             )
         self.processor.add(state)
         return core_requests
+
+    def prefill_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        prefill_chunks: list[int] | None = None,
+        mm_input: MultimodalInput | None = None,
+    ) -> EngineCoreRequest:
+        """A prefill-only core request (LLMEngine.prefill_logits): token_ids in prefill chunks of the given sizes
+        (default: one chunk of everything), then the remaining tokens one at a time, nothing sampled. The media
+        refusals of new_request do not apply: with the four-op preamble the model's own check refuses 3-D
+        positions, and the media gate checks that it does."""
+        check_token_ids(token_ids, self.vocab_size)
+        if not token_ids or len(token_ids) > self.max_model_len:
+            raise RequestError(f"prefill_logits takes 1 to {self.max_model_len} tokens, got {len(token_ids)}")
+        chunks = list(prefill_chunks or [len(token_ids)])
+        if sum(chunks) > len(token_ids) or min(chunks) < 1:
+            raise RequestError(f"prefill chunks {chunks} do not fit {len(token_ids)} tokens")
+        chunks += [1] * (len(token_ids) - sum(chunks))
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        return EngineCoreRequest(
+            request_id, tuple(token_ids), params, 1, frozenset(), time.time(), mm_input, logits_chunks=tuple(chunks)
+        )

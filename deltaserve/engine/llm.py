@@ -97,10 +97,11 @@ class LLM:
         themselves when the LLM is garbage-collected or the interpreter exits."""
         self.engine.shutdown()
 
-    def score(
+    def prefill_logits(
         self, token_ids: list[int], prefill_chunks: list[int] | None = None, mm_input: MultimodalInput | None = None
     ) -> torch.Tensor:
-        """Logits [L, V] (fp32) of every position: prefill chunks of the given sizes, then decode steps.
-        `mm_input`: the processor's images and videos for the prompt at the head of token_ids (the runner encodes
-        them and applies their MRoPE table, as for a request)."""
-        return self.engine.score(token_ids, prefill_chunks, mm_input)
+        """Logits [L, V] (fp32, on the CPU) of every position of token_ids: prefill chunks of the given sizes
+        (default: one chunk of everything), then decode steps, as one prefill-only request through the scheduler
+        and the runner. `mm_input`: the processor's images and videos for the prompt at the head of token_ids
+        (the runner encodes them and applies their MRoPE table, as for a request). Needs an idle engine."""
+        return self.engine.prefill_logits(token_ids, prefill_chunks, mm_input)

@@ -23,6 +23,9 @@ class EngineCoreRequest:
     eos_token_ids: frozenset[int]
     arrival_time: float  # time.time()
     mm_input: MultimodalInput | None = None  # the prompt's images and videos, processed (API side)
+    # prefill only (LLMEngine.prefill_logits): the prompt runs in these chunk sizes, nothing is sampled and the
+    # logits of every prompt position come back; None for a generating request
+    logits_chunks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class EngineCoreOutput:
     # prompt logprobs computed since the last output, in prompt order from the first not yet reported (position 1
     # first): per prompt token ((token_id, logprob, rank), top-1, ..., top-N)
     prompt_logprobs: tuple[tuple[tuple[int, float, int], ...], ...] | None = None
+    # a prefill-only request's finishing output: the fp32 logits [prompt_len, V] of its prompt, row-major bytes
+    logits: bytes | None = None
 
 
 @dataclass(frozen=True)

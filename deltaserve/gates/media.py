@@ -281,7 +281,7 @@ def _compare(
     tensor_parallel_size: int = 1,
     share_gpu: bool = False,
 ) -> tuple[Any, list[tokens.PromptResult], int, list[int]]:
-    """deltaserve through its offline API: LLM.generate with multi_modal_data, LLM.score with the media."""
+    """deltaserve through its offline API: LLM.generate with multi_modal_data, LLM.prefill_logits with the media."""
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=min(len(processed), 64), seed=seed,
@@ -300,7 +300,7 @@ def _compare(
             result.is_ref_dtype_exact = ref_tokens == fp32_run.tokens[i]
             result.is_ours_vs_fp32_exact = ours == fp32_run.tokens[i]
         sequence = item.ids + ref_tokens
-        full = llm.score(sequence, mm_input=item.mm_input).cpu()
+        full = llm.prefill_logits(sequence, mm_input=item.mm_input).cpu()
         if isinstance(ref, MediaTransformersReference):
             ref_full = ref.full_logits(sequence, item.mm_input)
             result.logit_rel_error = tokens.rel_error(full, ref_full)
@@ -309,7 +309,7 @@ def _compare(
         else:
             result.logit_rel_error = tokens._top_k_error(full, len(item.ids), ref_scores)
         boundary = split_point(item)
-        split = llm.score(sequence, [boundary, len(item.ids) - boundary], mm_input=item.mm_input).cpu()
+        split = llm.prefill_logits(sequence, [boundary, len(item.ids) - boundary], mm_input=item.mm_input).cpu()
         result.split_rel_error = tokens.rel_error(split, full)
         # measured over the prompt (one prefill each way): the continuation's decode loop would double the
         # reference's work for a floor estimate
@@ -335,9 +335,9 @@ def _short(exc: BaseException) -> str:
 
 
 def four_op_refusal(llm: Any, item: ProcessedPrompt, expected: list[int] | None) -> tuple[bool, str]:
-    """With the four-op preamble selected, LLM.generate (the engine's up-front check) and LLM.score (the model's
-    own check in the preamble) must refuse a media prompt with a ValueError naming the variable, leaving nothing
-    in the engine; afterwards, with the fused preamble back, the engine must serve the same prompt (to
+    """With the four-op preamble selected, LLM.generate (the engine's up-front check) and LLM.prefill_logits (the
+    model's own check in the preamble) must refuse a media prompt with a ValueError naming the variable, leaving
+    nothing in the engine; afterwards, with the fused preamble back, the engine must serve the same prompt (to
     `expected`, its earlier tokens, when given)."""
     from deltaserve import SamplingParams
     from deltaserve.engine.frontend import RequestError
@@ -349,7 +349,7 @@ def four_op_refusal(llm: Any, item: ProcessedPrompt, expected: list[int] | None)
     with env.overridden(FOUR_OP_VARIABLE, "0"):
         for name, call in (
             ("LLM.generate", lambda: llm.generate([item.prompt.vllm_prompt()], params, use_tqdm=False)),
-            ("the model (LLM.score)", lambda: llm.score(item.ids, mm_input=item.mm_input)),
+            ("the model (LLM.prefill_logits)", lambda: llm.prefill_logits(item.ids, mm_input=item.mm_input)),
         ):
             try:
                 call()

@@ -20,7 +20,7 @@ Checks besides STRICT, per prompt:
   1e-7 in fp32, 4e-3 in bf16), never below 1e-5 in fp32. A GDN state restarted from zero moves them by O(1).
 In bf16 the gate also prints the yardstick: each engine against transformers-fp32, so a mismatch can be read
 against the reference's own bf16 disagreement. deltaserve is driven only through its offline API (`LLM`,
-`LLM.score`). `--record PATH` writes the whole verdict as JSON. Exit 0 only when every prompt matches and
+`LLM.prefill_logits`). `--record PATH` writes the whole verdict as JSON. Exit 0 only when every prompt matches and
 every check holds; 1 on any failure or refused reference; 2 when nothing was checked. `--reference-only` saves
 the reference's run to `--reference-cache` and stops (no verdict); `--share-gpu` sizes both engines' caches small
 so several gates run side by side on one GPU (benchmarks/oracle/gates_shared.sh).
@@ -364,14 +364,14 @@ def _compare(
             result.is_ref_dtype_exact = ref_tokens == fp32_run.tokens[i]
             result.is_ours_vs_fp32_exact = ours == fp32_run.tokens[i]
         sequence = prompt + ref_tokens
-        full = llm.score(sequence).cpu()
+        full = llm.prefill_logits(sequence).cpu()
         if isinstance(ref, TransformersReference):
             result.logit_rel_error = rel_error(full, ref.full_logits(sequence))
         else:
             result.logit_rel_error = _top_k_error(full, len(prompt), ref_scores)
         # the prompt as two prefill chunks (the second continues the first's state), then one-token decodes
         first = (len(prompt) + 1) // 2
-        split = llm.score(sequence, [first, len(prompt) - first] if len(prompt) > 1 else [1]).cpu()
+        split = llm.prefill_logits(sequence, [first, len(prompt) - first] if len(prompt) > 1 else [1]).cpu()
         result.split_rel_error = rel_error(split, full)
         result.noise_floor = rounding.noise_floor(sequence, ROUNDING_PERTURBATION[dtype], seed + i)
         results.append(result)

@@ -279,12 +279,12 @@ class MultiprocExecutor:
 
     # -- the ModelRunner interface -------------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan, return_all_logits: bool = False, defer_sampling: bool = False) -> StepHandle:
+    def execute(self, plan: StepPlan, defer_sampling: bool = False) -> StepHandle:
         self.check_health()
         try:
-            self.workers.channel.send(("execute", plan, return_all_logits))
+            self.workers.channel.send(("execute", plan))
             # the workers never sample: they wait for rank 0's tokens, which sample() broadcasts when deferred
-            return self.driver.execute(plan, return_all_logits, defer_sampling)
+            return self.driver.execute(plan, defer_sampling)
         except Exception as exc:
             self._raise_failure(exc)
             raise  # unreachable: _raise_failure raises

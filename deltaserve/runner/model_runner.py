@@ -96,7 +96,7 @@ class StepHandle:
     sampled: SamplerOutput | None  # host copies (pinned) of the sampler's outputs, once the event completes
     num_logprobs: tuple[int, ...] | None
     event: torch.cuda.Event | None
-    all_logits: torch.Tensor | None = None  # [T, V] fp32, only for scoring
+    all_logits: torch.Tensor | None = None  # [T, V] fp32, only when a chunk has return_logits
     # defer_sampling: (logits [S, V], table rows [S], their device copy, the batch) until sample() is called
     pending: tuple[torch.Tensor, np.ndarray, torch.Tensor, SamplingBatch] | None = None
     prompt_logprobs: plp.PromptLogprobsOutput | None = None  # host copies once prompt_event completes
@@ -261,7 +261,7 @@ class ModelRunner:
     # -- steps ----------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, return_all_logits: bool = False, defer_sampling: bool = False) -> StepHandle:
+    def execute(self, plan: StepPlan, defer_sampling: bool = False) -> StepHandle:
         """Applies the plan and launches its forward and sampling (only the forward with defer_sampling: call
         sample() next); does not wait for the GPU."""
         self.table.apply(plan)
@@ -271,9 +271,10 @@ class ModelRunner:
         copy_state_slots(self.model, layout.state_copies)
         num_seqs = len(plan.seqs)
         width = int(-(-(layout.starts + layout.num_new).max() // self.block_size))
+        returns_logits = any(seq.return_logits for seq in plan.seqs)
         is_graph_step = (
             self.graphs is not None
-            and not return_all_logits
+            and not returns_logits
             and layout.num_tokens == num_seqs == len(layout.device_token_index) == len(layout.sample_seqs)
             and self.graphs.can_run(num_seqs, width)
         )
@@ -287,8 +288,8 @@ class ModelRunner:
             mm_embeds = self._mm_embeds(plan, layout) if any(s.mm_spans for s in plan.seqs) else None
             with forward_context(inputs.ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
-            if return_all_logits:
-                all_logits = self.model.compute_logits(hidden)
+            if returns_logits:
+                all_logits = self.model.compute_logits(hidden)  # [T, V] fp32 (None off rank 0, like every logits)
             work = plp.plan_prompt_logprobs(self.table, layout.rows, layout.starts, layout.num_new,
                                             layout.query_start_loc)  # fmt: skip
             if work is not None:
@@ -298,17 +299,9 @@ class ModelRunner:
             sample_rows_dev = inputs.sample_rows_dev
             logits = None
             if len(layout.sample_seqs):
-                if return_all_logits:
-                    # (None off rank 0 under tensor parallelism, like every logits tensor there)
-                    index = inputs.sample_token_index
-                    logits = all_logits if index is None or all_logits is None else all_logits.index_select(0, index)
-                else:
-                    rows = (
-                        hidden
-                        if inputs.sample_token_index is None
-                        else hidden.index_select(0, inputs.sample_token_index)
-                    )
-                    logits = self.model.compute_logits(rows)  # [S, V] fp32
+                index = inputs.sample_token_index
+                rows = hidden if index is None else hidden.index_select(0, index)
+                logits = self.model.compute_logits(rows)  # [S, V] fp32
         prompt_event = None
         if prompt_lp is not None and self.device.type == "cuda":
             prompt_event = torch.cuda.Event()
@@ -427,8 +420,26 @@ class ModelRunner:
                     logprobs[seq_index] = (per_row[i],)
         has_logprobs = any(entry is not None for entry in logprobs)
         return StepResult(
-            plan.step_id, tuple(token_ids), tuple(logprobs) if has_logprobs else (), prompt_logprobs=prompt_logprobs
+            plan.step_id,
+            tuple(token_ids),
+            tuple(logprobs) if has_logprobs else (),
+            prompt_logprobs=prompt_logprobs,
+            logits=self._logits_to_host(plan, handle.all_logits),
         )
+
+    @staticmethod
+    def _logits_to_host(plan: StepPlan, all_logits: torch.Tensor | None) -> tuple[bytes | None, ...]:
+        """The logits of each chunk with return_logits, as StepResult carries them (raw fp32 bytes)."""
+        if all_logits is None:
+            return ()
+        host = all_logits.float().cpu().numpy()  # [T, V]
+        chunks: list[bytes | None] = []
+        start = 0
+        for seq in plan.seqs:
+            end = start + seq.num_new_tokens
+            chunks.append(host[start:end].tobytes() if seq.return_logits else None)
+            start = end
+        return tuple(chunks)
 
     def run(self, plan: StepPlan) -> StepResult:
         """execute + collect: one synchronous step."""

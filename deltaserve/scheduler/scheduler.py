@@ -8,6 +8,10 @@ whose input token is still on the device is planned like any other (the runner t
 record of what it sampled). When KV blocks run out, the latest-arrived running sequence is preempted by
 recompute: its blocks, state slot and row are freed, results of its in-flight steps are dropped, and it restarts
 from zero later with its outputs kept.
+
+A prefill-only request (Sequence.logits_chunks, LLMEngine.prefill_logits) goes the same way with three differences:
+its prompt is planned in exactly the chunks it asked for, none of its chunks samples (each returns its logits
+instead), and update() finishes it once its prompt is computed.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import deque
 
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
-from deltaserve.scheduler.stop import FINISH_ABORT, check_stop
+from deltaserve.scheduler.stop import FINISH_ABORT, FINISH_STOP, check_stop
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult, window_spans
 
 Logprobs = tuple[tuple[int, float, int], ...]
@@ -77,16 +81,24 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------------------------
 
     def _num_to_plan(self, seq: Sequence, budget: int) -> int:
+        if seq.is_prefill_only:
+            return self._prefill_only_chunk(seq, budget)
         if seq.is_length_capped or seq.num_planned_tokens >= self.max_model_len:
             return 0  # its last token is in flight; update() will finish it on the length rules
         return min(seq.num_unplanned_tokens, budget)
+
+    def _prefill_only_chunk(self, seq: Sequence, budget: int) -> int:
+        """A prefill-only request's next chunk, planned whole or not at all (its logits must come from the chunks it
+        asked for); a chunk larger than the step budget runs as the first work of a step."""
+        chunk = seq.next_chunk()
+        return chunk if chunk <= budget or budget == self.max_num_batched_tokens else 0
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         num_preempted = 0
         for seq in list(self.running):
-            if budget == 0:
+            if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -110,7 +122,11 @@ class Scheduler:
         is_blocked_by_capacity = False
         while not num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_unplanned_tokens, budget)
+            num_new = (
+                self._prefill_only_chunk(seq, budget) if seq.is_prefill_only else min(seq.num_unplanned_tokens, budget)
+            )
+            if num_new == 0:
+                break  # a prefill-only chunk that waits for a step with room for it whole
             needed = self.blocks.blocks_needed(num_new, 0)
             if not self.blocks.can_allocate(needed) or self.slots.num_free_slots == 0 or self.rows.num_free == 0:
                 is_blocked_by_capacity = True
@@ -140,7 +156,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            needs_sample = start + num_new == seq.num_planned_tokens
+            needs_sample = start + num_new == seq.num_planned_tokens and not seq.is_prefill_only
             spans = window_spans(seq.mm_input, start, start + num_new)
             item = ScheduledSeq(
                 row=seq.row,
@@ -151,6 +167,7 @@ class Scheduler:
                 new_block_ids=tuple(seq.block_ids[seq.num_blocks_sent :]),
                 needs_sample=needs_sample,
                 mm_spans=spans,
+                return_logits=seq.is_prefill_only,
             )
             seq.num_blocks_sent = len(seq.block_ids)
             seq.num_inflight_tokens += num_new
@@ -186,22 +203,31 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Sequence, list[int], list[Logprobs | None]]]:
         """Applies a step's result: computed counts advance, sampled tokens are appended and checked against the
-        stop rules (a stopped sequence is finished and freed). Returns (sequence, new tokens, their logprobs) for
-        every live sequence that gained tokens or finished."""
+        stop rules (a stopped sequence is finished and freed), a prefill-only request keeps its chunk's logits.
+        Returns (sequence, new tokens, their logprobs) for every live sequence that gained tokens or finished."""
         entries = self._inflight.pop(plan.step_id, [])
         if len(result.token_ids) != len(entries):
             raise ValueError(f"step {plan.step_id}: {len(result.token_ids)} results for {len(entries)} sequences")
         logprobs = result.logprobs or (None,) * len(entries)
+        chunk_logits = result.logits or (None,) * len(entries)
         now = time.time()
         touched = []
-        for (seq, epoch, num_new, needs_sample), tokens, token_logprobs in zip(
-            entries, result.token_ids, logprobs, strict=True
+        for (seq, epoch, num_new, needs_sample), tokens, token_logprobs, logits in zip(
+            entries, result.token_ids, logprobs, chunk_logits, strict=True
         ):
             if seq.epoch != epoch or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was planned: its result is stale
             seq.num_inflight_tokens -= num_new
             seq.num_computed_tokens += num_new
             seq.num_pending_outputs -= int(needs_sample)
+            if seq.is_prefill_only:
+                if logits is None:
+                    raise RuntimeError(f"step {plan.step_id}: no logits for prefill-only request {seq.seq_id}")
+                seq.logits.append(logits)
+                if seq.num_computed_tokens == seq.num_prompt_tokens:
+                    self.finish(seq, FINISH_STOP)
+                    touched.append((seq, [], []))
+                continue
             new_tokens: list[int] = []
             for token_id in tokens:
                 seq.output_token_ids.append(token_id)
@@ -226,6 +252,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_outputs = 0
+        seq.logits = []  # a prefill-only request recomputes every chunk
         seq.epoch += 1
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -50,6 +50,11 @@ class Sequence:
     mrope_positions: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
     mrope_delta: int = 0
     mm_input: MultimodalInput | None = None  # images / videos: their spans, pixels and MRoPE positions
+    # A prefill-only request (LLMEngine.prefill_logits): its prompt runs in exactly these chunk sizes, nothing is
+    # sampled, the runner returns every position's logits and it finishes once the prompt is computed. None: a
+    # generating request.
+    logits_chunks: tuple[int, ...] | None = None
+    logits: list[bytes] = field(default_factory=list)  # the prefill-only request's logits, one entry per chunk
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -76,6 +81,20 @@ class Sequence:
     def is_length_capped(self) -> bool:
         """Every token this sequence may still produce is already in flight: planning more would be wasted."""
         return len(self.output_token_ids) + self.num_pending_outputs >= self.max_tokens
+
+    @property
+    def is_prefill_only(self) -> bool:
+        return self.logits_chunks is not None
+
+    def next_chunk(self) -> int:
+        """A prefill-only request's next chunk size (0 once every chunk is planned)."""
+        start = self.num_computed_tokens + self.num_inflight_tokens
+        end = 0
+        for size in self.logits_chunks or ():
+            end += size
+            if end > start:
+                return end - start
+        return 0
 
     @property
     def is_finished(self) -> bool:

@@ -95,7 +95,7 @@ def test_prompt_logprobs_equal_full_forward(engines: dict[str, LLM]) -> None:
     assert reported[0] is None and len(reported) == len(prompt_ids)
     # the same 16-token chunks the scheduler ran (max_num_batched_tokens), one forward pass of logits each
     chunks = [16] * (len(prompt_ids) // 16) + ([len(prompt_ids) % 16] if len(prompt_ids) % 16 else [])
-    logprobs = llm.score(prompt_ids, prefill_chunks=chunks).float().log_softmax(dim=-1)  # [L, V]
+    logprobs = llm.prefill_logits(prompt_ids, prefill_chunks=chunks).float().log_softmax(dim=-1)  # [L, V]
     for position in range(1, len(prompt_ids)):
         entry = reported[position]
         target = prompt_ids[position]

@@ -173,7 +173,7 @@ def test_four_op_check_goes_red(
     else:
         # the four-op preamble silently applies the T row as 1-D RoPE
         monkeypatch.setattr(preamble, "check_positions_are_1d", lambda positions: positions[0])
-        expected = "the model (LLM.score) served it"
+        expected = "the model (LLM.prefill_logits) served it"
     assert run_media_gate(tiny_vision_checkpoint("dense-vl"), "video", num_prompts=2, max_tokens=2) == 1
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("four-op preamble"))
     assert "FAIL" in line and expected in line

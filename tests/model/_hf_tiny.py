@@ -139,7 +139,7 @@ def assert_strict(folder: Path, reference: torch.nn.Module | None = None) -> LLM
     ids = PROMPTS[1]
     with torch.no_grad():
         ref_logits = reference(torch.tensor([ids])).logits[0].float()
-    our_logits = llm.score(ids)
+    our_logits = llm.prefill_logits(ids)
     rel = float((our_logits - ref_logits).norm() / ref_logits.norm())
     assert rel < LOGIT_TOLERANCE, f"logits differ from transformers: relative error {rel:.2e}"
     return llm

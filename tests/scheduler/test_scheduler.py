@@ -193,3 +193,58 @@ def test_random_soak_ends_with_everything_free(num_in_flight: int) -> None:
         assert len(item.output_token_ids) <= item.max_tokens
         if item.finish_reason == "length":
             assert len(item.output_token_ids) == item.max_tokens
+
+
+def prefill_only(name: str, num_prompt: int, chunks: tuple[int, ...]) -> Sequence:
+    return Sequence(name, list(range(num_prompt)), 1, sampling=SamplingParams(temperature=0.0), logits_chunks=chunks)
+
+
+def logits_answer(plan: StepPlan) -> StepResult:
+    """A fake runner that also returns each return_logits chunk's 'logits': its positions as bytes."""
+    logits = tuple(
+        bytes(range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)) if s.return_logits else None
+        for s in plan.seqs
+    )
+    return StepResult(plan.step_id, tuple((7,) if s.needs_sample else () for s in plan.seqs), logits=logits)
+
+
+def test_prefill_only_runs_its_chunks_whole_samples_nothing_and_frees_everything() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=8)
+    scheduler.add(seq("gen", 3, 4))
+    scheduler.add(prefill_only("logits", 14, (6, 7, 1)))
+    plans, finished = [], []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        plans.append(plan)
+        finished += [s for s, tokens, _ in scheduler.update(plan, logits_answer(plan)) if s.is_finished and not tokens]
+    chunks = [(s.num_computed_tokens, s.num_new_tokens) for p in plans for s in p.seqs if s.return_logits]
+    assert chunks == [(0, 6), (6, 7), (13, 1)]  # whole chunks: the first waits a step ("gen" took 3 of the 8)
+    assert [len(p.seqs) for p in plans][:2] == [1, 2]
+    assert not any(s.needs_sample for p in plans for s in p.seqs if s.return_logits)
+    (done,) = finished
+    assert done.seq_id == "logits" and done.finish_reason == "stop" and done.output_token_ids == []
+    assert b"".join(done.logits) == bytes(range(14))
+    assert scheduler.blocks.num_free_blocks == 16 and scheduler.slots.num_free_slots == 8
+
+
+def test_prefill_only_chunk_above_the_budget_runs_first_in_a_step() -> None:
+    scheduler = make_scheduler(budget=8)
+    scheduler.add(prefill_only("logits", 20, (20,)))
+    plan = scheduler.schedule()
+    assert [(s.num_new_tokens, s.return_logits) for s in plan.seqs] == [(20, True)]
+    (entry,) = scheduler.update(plan, logits_answer(plan))
+    assert entry[0].is_finished and b"".join(entry[0].logits) == bytes(range(20))
+
+
+def test_preempted_prefill_only_recomputes_its_logits() -> None:
+    scheduler = make_scheduler(budget=8)
+    scheduler.add(prefill_only("logits", 12, (4, 4, 4)))
+    plan = scheduler.schedule()
+    scheduler.update(plan, logits_answer(plan))
+    assert scheduler.preempt_all() == 1
+    finished = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        finished += [s for s, _, _ in scheduler.update(plan, logits_answer(plan)) if s.is_finished]
+    (done,) = finished
+    assert done.num_preemptions == 1 and b"".join(done.logits) == bytes(range(12))
