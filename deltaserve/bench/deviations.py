@@ -41,11 +41,19 @@ class Deviation:
     env: tuple[tuple[str, str], ...] = ()
     engine_kwargs: tuple[tuple[str, Any], ...] = ()  # the same setting for an in-process vllm.LLM
     affects: tuple[str, ...] = ()  # record metrics it can move; empty: none
+    # The exact note texts earlier records carry for this deviation (its wording before a measurement updated it),
+    # so the report still recognises them and prints the current note in their place.
+    former_notes: tuple[str, ...] = ()
 
     @property
     def note(self) -> str:
         """The denominator note every record of a launch with this deviation carries."""
         return f"{self.name}: {self.reason}. Direction: {self.direction}. Magnitude: {self.magnitude}."
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Every wording of the note a record may carry, the current one first."""
+        return (self.note, *self.former_notes)
 
 
 DEVIATIONS: dict[str, Deviation] = {
@@ -53,19 +61,38 @@ DEVIATIONS: dict[str, Deviation] = {
         name="gdn-prefill-triton",
         reason=(
             "--gdn-prefill-backend triton: on SM90 vLLM 0.26 picks FlashInfer's GDN prefill kernel by default "
-            "(qwen_gdn_linear_attn._resolve_gdn_prefill_backend), but FlashInfer is not in the offline bundle "
-            "(its SM90 kernel is a CuTe-DSL kernel of flashinfer-python 0.6.14 that needs nvidia-cutlass-dsl 4.6.0 "
-            "with its cu13 libraries; benchmarks/oracle/flashinfer.md), and with `auto` vLLM would select it "
-            "anyway and fail at the first prefill"
+            "(qwen_gdn_linear_attn._resolve_gdn_prefill_backend, a CuTe-DSL kernel of flashinfer-python 0.6.14 "
+            "compiled in process by nvidia-cutlass-dsl 4.6.0); a site without the FlashInfer bundle "
+            "(benchmarks/oracle/flashinfer.md) must force vLLM's Triton/FLA kernel, since `auto` would select "
+            "FlashInfer anyway and fail at the first prefill"
         ),
-        direction="favours deltaserve on TTFT (and on throughput at high concurrency, where prefill shares the steps)",
+        direction=(
+            "favours deltaserve on TTFT and, with long prompts, on output throughput; none on TPOT (the decode "
+            "kernels are the same)"
+        ),
         magnitude=(
-            "unmeasured (benchmarks/grids/h200_gdn_backend.toml and benchmarks/oracle/gdn_prefill_kernels.py "
-            "measure it once FlashInfer runs on the H200)"
+            "measured once on the 35B-A3B shape (benchmarks/results/grids/h200_gdn_backend-35b-a3b-20261204.json, "
+            "vLLM Triton / vLLM FlashInfer in one grid): random 16384/128 TTFT median x1.181 / 1.121 / 1.320 and "
+            "output tok/s x0.938 / 0.926 / 0.906 at c1 / 8 / 32; random 1024/128 TTFT x0.971 at c1 (noise) and "
+            "x1.152 at c32, output x1.002 / 0.967 (c8 not comparable: the FlashInfer arm compiled kernels during "
+            "that run); TPOT within 2.5 % everywhere. The 27B shape is unmeasured"
         ),
         flags=("--gdn-prefill-backend", "triton"),
         engine_kwargs=(("gdn_prefill_backend", "triton"),),
         affects=PREFILL_METRICS,
+        former_notes=(
+            # the note every record carries from 2026-12-01 until the measurement of 2026-12-04
+            (
+                "gdn-prefill-triton: --gdn-prefill-backend triton: on SM90 vLLM 0.26 picks FlashInfer's GDN "
+                "prefill kernel by default (qwen_gdn_linear_attn._resolve_gdn_prefill_backend), but FlashInfer "
+                "is not in the offline bundle (its SM90 kernel is a CuTe-DSL kernel of flashinfer-python 0.6.14 "
+                "that needs nvidia-cutlass-dsl 4.6.0 with its cu13 libraries; benchmarks/oracle/flashinfer.md), "
+                "and with `auto` vLLM would select it anyway and fail at the first prefill. Direction: favours "
+                "deltaserve on TTFT (and on throughput at high concurrency, where prefill shares the steps). "
+                "Magnitude: unmeasured (benchmarks/grids/h200_gdn_backend.toml and "
+                "benchmarks/oracle/gdn_prefill_kernels.py measure it once FlashInfer runs on the H200)."
+            ),
+        ),
     ),
     "flashinfer-sampler-off": Deviation(
         name="flashinfer-sampler-off",
@@ -80,33 +107,27 @@ DEVIATIONS: dict[str, Deviation] = {
 }
 
 # Where the oracle runs: the environment its process needs and the deviations the site forces.
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 SITES: dict[str, dict[str, Any]] = {
+    # The offline H200 in production configuration: the vLLM bundle and the FlashInfer bundle (unpack.sh vllm,
+    # unpack.sh flashinfer), so vLLM picks its own GDN prefill (FlashInfer's CuTe-DSL kernel) and its CuTe-DSL
+    # router GEMM (quack-kernels). The second PYTHONPATH entry stands for nvidia-cutlass-dsl's .pth file, which a
+    # PYTHONPATH folder does not read. The sampler stays off FlashInfer (no effect at temperature 0; its C++ JIT
+    # would need nvcc at start-up).
     "h200-offline": {
-        "deviations": ["gdn-prefill-triton", "flashinfer-sampler-off"],
-        "env": {
-            "PYTHONPATH": "/tmp/vllm_site",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "PYTHONUNBUFFERED": "1",
-        },
-    },
-    # The H200 with FlashInfer carried beside the bundle (benchmarks/oracle/build_flashinfer_bundle.sh, unpack.sh
-    # flashinfer): vLLM's own GDN prefill choice, for the arm that measures what gdn-prefill-triton costs. The
-    # second PYTHONPATH entry stands for nvidia-cutlass-dsl's .pth file, which a PYTHONPATH folder does not read.
-    # The sampler stays off FlashInfer (no effect at temperature 0; its C++ JIT would need nvcc at start-up), so
-    # the two H200 sites differ in the GDN prefill kernel alone.
-    "h200-offline-flashinfer": {
         "deviations": ["flashinfer-sampler-off"],
         "env": {
             "PYTHONPATH": "/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
+            **_OFFLINE_ENV,
             "PYTHONUNBUFFERED": "1",
         },
+    },
+    # The offline H200 with the vLLM bundle alone (every record before 2026-12-04 ran here): the GDN prefill forced
+    # to Triton/FLA. The in-process exactness gates run here too: deltaserve's GDN prefill follows the rounding of
+    # vLLM's Triton/FLA kernel, and the gates' calls carry only the vLLM bundle.
+    "h200-offline-triton-gdn": {
+        "deviations": ["gdn-prefill-triton", "flashinfer-sampler-off"],
+        "env": {"PYTHONPATH": "/tmp/vllm_site", **_OFFLINE_ENV, "PYTHONUNBUFFERED": "1"},
     },
     "online": {"deviations": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
 }

@@ -101,14 +101,16 @@ def arm_deviations(record: dict[str, Any], arm: str) -> list[Deviation]:
 
 def _deviation_text(record: dict[str, Any], peer: str, deviation: Deviation) -> str:
     note = (record.get("arms", {}).get(peer) or {}).get("denominator_note") or ""
-    return deviation.note if deviation.note in note else f"{deviation.note} (the record itself lacks this note)"
+    is_carried = any(text in note for text in deviation.notes)  # a record may carry an earlier wording
+    return deviation.note if is_carried else f"{deviation.note} (the record itself lacks this note)"
 
 
 def _own_note(record: dict[str, Any], arm: str) -> str:
     """An arm's denominator note less the registry deviations' notes (those are marked on the cells they move)."""
     note = (record.get("arms", {}).get(arm) or {}).get("denominator_note") or ""
     for deviation in DEVIATIONS.values():
-        note = note.replace(deviation.note, "")
+        for text in deviation.notes:
+            note = note.replace(text, "")
     return note.strip()
 
 
