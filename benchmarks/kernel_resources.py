@@ -210,15 +210,20 @@ def decode_launches(
         ),
         ("gated_rms_norm", lambda: gated_rms_norm_triton(e(b, hv, dv), e(b, hv, dv), e(dv), 1e-6)),
     ]
-    from deltaserve.kernels.linear_triton import linear_triton
+    from deltaserve.kernels.linear_triton import gemv_config, gemv_triton
 
-    projections = {"in_proj_qkvz": (m.conv_dim + hv * dv, h), "out_proj": (h, hv * dv), "o_proj": (h, nq * d),
-                   "qkv": (nq * 2 * d + 2 * nkv * d, h), "lm_head": (248320, h), "in_proj_ba": (2 * hv, h)}  # fmt: skip
+    # kernels.linear's register GEMV takes one row (the fused GDN input projection, as served); every other batch
+    # size, and depths past the GEMV's tile, run on cuBLAS
+    projections = {"in_proj": (m.conv_dim + hv * dv + 2 * hv, h), "out_proj": (h, hv * dv), "o_proj": (h, nq * d),
+                   "qkv": (nq * 2 * d + 2 * nkv * d, h)}  # fmt: skip
     if not m.num_experts:
         projections.update({"gate_up": (2 * m.mlp_inter, h), "down": (h, m.mlp_inter)})
-    if batch <= 16:
+    if batch == 1:
         for name, (n, kk) in projections.items():
-            launches.append((f"linear.{name}", lambda n=n, kk=kk: linear_triton(e(b, kk), e(n, kk))))
+            config = gemv_config(kk)
+            if config is not None:
+                launch = lambda n=n, kk=kk, config=config: gemv_triton(e(b, kk), e(n, kk), config)  # noqa: E731
+                launches.append((f"linear.{name}", launch))
     if m.num_experts:
         ex, k, inter = m.num_experts, m.top_k, m.moe_inter
         ids = torch.stack([torch.randperm(ex)[:k] for _ in range(b)])

@@ -35,9 +35,7 @@ PRE_WAIT_LOADS = {
     "_attn_preamble_kernel": {"q_weight_ptr", "k_weight_ptr", "cos_sin_ptr"},
     # the gate half of the qkv projection, written by the preamble several launches back
     "_sigmoid_gate_mul_kernel": {"gate_ptr"},
-    # the first weight tile (C24); x comes from the launch before
-    "_skinny_gemm_kernel": {"w_ptr"},
-    # the whole weight tile (C29); x comes from the launch before
+    # the whole weight tile; x comes from the launch before
     "_gemv_kernel": {"w_ptr"},
     "_silu_and_mul_kernel": set(),
     "_moe_router_kernel": set(),
