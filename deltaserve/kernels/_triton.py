@@ -127,12 +127,11 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_launch(t: torch.Tensor, enabled: bool = True) -> dict[str, bool]:
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
     """Launch options for a kernel that opens with `pdl_wait(USE_PDL)`, for a launch on t's device: USE_PDL and
-    Triton's launch_pdl on a Hopper-or-newer GPU with DELTASERVE_PDL on (and `enabled`, the launcher's own switch),
-    else none (the kernel's USE_PDL default is False: a plain, fully ordered launch; always so under the
-    interpreter)."""
-    if not enabled or not t.is_cuda or is_interpreting() or not env.pdl():
+    Triton's launch_pdl on a Hopper-or-newer GPU with DELTASERVE_PDL on, else none (the kernel's USE_PDL default is
+    False: a plain, fully ordered launch; always so under the interpreter)."""
+    if not t.is_cuda or is_interpreting() or not env.pdl():
         return {}
     if not _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
         return {}

@@ -66,12 +66,11 @@ ROUTER_GEMV_MAX_BLOCK_R = 8
 ROUTER_GEMV_MIN_PROGRAMS = 128
 ROUTER_GEMV_VEC = 8
 ROUTER_GEMV_WARPS = 4
-# KERNEL_NOTES C30: up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV router takes the whole hidden size in one
-# K step (VEC = H / threads) and loads its W rows (and the gate row) before the PDL wait, as C29's GEMV does: the
-# 1 MB router streams while the norm before it finishes. On from session 14: 35B-A3B B = 1 2.52 -> 2.41 ms on the H200
-# (KERNEL_NOTES section 17); decode_step's `routerlate` times it off.
-ROUTER_W_BEFORE_WAIT = True
-# the one-step tile's limit: 2048 (the 35B-A3B hidden) at 4 warps is 16 elements, two 16-byte loads, a thread
+# Up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV router takes the whole hidden size in one K step (VEC = H /
+# threads) and loads its W rows (and the gate row) before the PDL wait, as kernels.linear's GEMV does: the 1 MB router
+# streams while the norm before it finishes (35B-A3B B = 1 2.52 -> 2.41 ms on the H200, docs/kernels.md#moe-decode).
+# The one-step tile's limit: 2048 (the 35B-A3B hidden) at 4 warps is 16 elements, two 16-byte loads, a thread;
+# deeper routers take 1024-column steps after the wait.
 ROUTER_W_BEFORE_WAIT_MAX_HIDDEN = 4096
 # Gate/up programs route the whole batch in registers ([tokens, E] fp32) up to this many tokens; at 32 tokens
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
@@ -566,9 +565,9 @@ def router_gemv_config(num_tokens: int, num_rows: int, hidden: int) -> dict[str,
 
 
 def router_w_before_wait(num_tokens: int, hidden: int) -> bool:
-    """C30 applies: the switch on, a one-token-a-program launch, and a hidden size the one-step tile holds."""
+    """The weights load before the wait: a one-token-a-program launch and a hidden size the one-step tile holds."""
     is_single = num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS
-    return ROUTER_W_BEFORE_WAIT and is_single and next_pow2(hidden) <= ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
+    return is_single and next_pow2(hidden) <= ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
 
 
 def router_logits_triton(
