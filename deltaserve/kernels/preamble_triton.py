@@ -103,12 +103,8 @@ def attn_preamble_triton(
     head_dim: int,
     rotary_dim: int,
     eps: float,
-    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [T, ≥ nq·2d + nkv·d] (rows may be strided), cos_sin [T, r] -> q [T, nq·d], k [T, nkv·d], gate [T, nq·d].
-
-    num_warps overrides the default (4 at d = 256) for the bench's sweep; the dispatcher never passes it.
-    """
+    """qkv [T, ≥ nq·2d + nkv·d] (rows may be strided), cos_sin [T, r] -> q [T, nq·d], k [T, nkv·d], gate [T, nq·d]."""
     require_last_dim_contiguous("qkv", qkv)
     require_last_dim_contiguous("cos_sin", cos_sin)
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
@@ -136,7 +132,7 @@ def attn_preamble_triton(
         ROT=rotary_dim,
         BLOCK_D=next_pow2(head_dim),
         BLOCK_HALF=next_pow2(rotary_dim // 2),
-        num_warps=num_warps or _num_warps(head_dim),
+        num_warps=_num_warps(head_dim),
         **pdl_launch(qkv),
     )
     return q, k, gate
