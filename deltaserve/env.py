@@ -41,11 +41,6 @@ def triton_interpret() -> bool:
     return _flag("TRITON_INTERPRET", False)
 
 
-def cuda_graphs() -> bool:
-    """DELTASERVE_CUDA_GRAPHS (default 1): capture decode steps as CUDA graphs on the GPU."""
-    return _flag("DELTASERVE_CUDA_GRAPHS", True)
-
-
 def pdl() -> bool:
     """DELTASERVE_PDL (default 1): launch the decode-path Triton kernels with programmatic dependent launch on
     Hopper and newer (each waits on griddepcontrol before its first dependent access; KERNEL_NOTES C21); 0 launches

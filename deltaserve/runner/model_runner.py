@@ -173,7 +173,7 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler(engine_config.seed)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.is_graphed = self.device.type == "cuda" and env.cuda_graphs() and not engine_config.enforce_eager
+        self.is_graphed = self.device.type == "cuda" and not engine_config.enforce_eager
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
