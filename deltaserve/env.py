@@ -41,6 +41,12 @@ def triton_interpret() -> bool:
     return _flag("TRITON_INTERPRET", False)
 
 
+def profile_labels() -> bool:
+    """DELTASERVE_PROFILE_LABELS (default 0): the model's torch.profiler ranges around every layer and op
+    (model/labels.py), read once at import; off, the model records nothing."""
+    return _flag("DELTASERVE_PROFILE_LABELS", False)
+
+
 def pdl() -> bool:
     """DELTASERVE_PDL (default 1): launch the decode-path Triton kernels with programmatic dependent launch on
     Hopper and newer (each waits on griddepcontrol before its first dependent access; KERNEL_NOTES C21); 0 launches
