@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -120,8 +121,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20, help="calls captured per graph")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON record (default: benchmarks/results/kernels/align-router-<UTC time>.json)",
+    )
     args = parser.parse_args()
+    if args.out is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = Path(__file__).resolve().parent / "results" / "kernels" / f"align-router-{stamp}.json"
     if not torch.cuda.is_available():
         print("align_router_bench: no CUDA device: nothing to measure", file=sys.stderr)
         return 2

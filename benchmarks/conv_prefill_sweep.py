@@ -23,6 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +103,18 @@ def make_case(channels: int, width: int, lengths: tuple[int, ...], seed: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON record (default: benchmarks/results/kernels/conv-prefill-<UTC time>.json)",
+    )
     parser.add_argument("--baseline", type=Path, help="an earlier conv_triton.py to time against, same tile")
     parser.add_argument("--only-baseline", action="store_true", help="skip the tile sweep")
     args = parser.parse_args()
+    if args.out is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = Path(__file__).resolve().parent / "results" / "kernels" / f"conv-prefill-{stamp}.json"
     if not torch.cuda.is_available():
         print("conv_prefill_sweep: needs a CUDA GPU")
         return 2

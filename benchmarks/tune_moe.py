@@ -267,8 +267,16 @@ def main() -> int:
     parser.add_argument("--buckets", default=",".join(str(b) for b in DEFAULT_BUCKETS))
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop tuning new buckets after this long")
     parser.add_argument("--replays", type=int, default=10)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON record (default: benchmarks/results/kernels/tune-moe-<UTC time>.json)",
+    )
     args = parser.parse_args()
+    if args.out is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = Path(__file__).resolve().parent / "results" / "kernels" / f"tune-moe-{stamp}.json"
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("tune_moe: no CUDA device (or TRITON_INTERPRET is set): nothing to tune", file=sys.stderr)
         return 2
