@@ -13,8 +13,8 @@ are listed in each kernel's `do_not_specialize`: Triton otherwise compiles a var
 start-up warm-up cannot cover every such class; tests/engine/test_runtime_compiles.py checks on the GPU that
 serving-like traffic compiles nothing new.
 
-Programmatic dependent launch (PDL, KERNEL_NOTES C21): a kernel that starts with `pdl_wait(USE_PDL)` may be launched
-with `**pdl_launch(tensor)`, which on a Hopper-or-newer GPU sets USE_PDL and Triton's `launch_pdl`. Such a kernel's
+Programmatic dependent launch (PDL, docs/kernels.md#programmatic-dependent-launch): a kernel that starts with
+`pdl_wait(USE_PDL)` may be launched with `**pdl_launch(tensor)`, which on a Hopper-or-newer GPU sets USE_PDL and Triton's `launch_pdl`. Such a kernel's
 programs are then scheduled while the previous kernel in the stream still runs (once every program of that kernel
 has passed its own `pdl_wait`), and block in `pdl_wait` until it has finished and its writes are visible. Because
 every PDL kernel signals its dependents only after its own wait, a PDL kernel that starts finds every kernel before

@@ -11,7 +11,7 @@ in-place updates need no synchronisation.
   CUDA-graph padding: their output row is zeros and no state is read or written. Grid from shapes only,
   the value-column block fastest (dv/BV × HV × B), so the programs of one head's contiguous state run
   side by side; every load that does not need the slot is issued with the slot load and the state load
-  right behind it, before any reduction (benchmarks/KERNEL_NOTES.md, C13).
+  right behind it, before any reduction (docs/kernels.md#gated-deltanet).
 - `gdn_prefill_triton`: varlen by query_start_loc; the state starts from the slot (zeros when
   has_initial_state is False, or when the slot is < 0) and the final state is written back. As the ref
   (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. The chunked WY form (chunks of 64,
@@ -33,16 +33,16 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
 CHUNK_BV = 32
+# Warps of the chunked prefill's launches (their sm_90 registers and H200 times: docs/kernels.md#gated-deltanet).
 # Scan: 4 warps at 216 registers fit 2 programs an SM (8 warps: 137 registers, 1 program; the MMAs are M = 64,
-# one warpgroup's tile, so the second warpgroup adds little); KERNEL_NOTES C15.
+# one warpgroup's tile, so the second warpgroup adds little).
 CHUNK_SCAN_WARPS = 4
-# Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
+# Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program).
 CHUNK_PREPARE_WARPS = 4
-# The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles. The w / u
-# kernel runs 8 warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative
-# error 0.84; scripts/diag_gdn_stages.py, benchmarks/results/gdn-wu-diag-h200-20261202-s8.txt), and at the served
-# heads 8 warps are also faster (session 9: a 27B 2048-token layer's chunked prefill 0.645 -> 0.557 ms, 35B-A3B
-# 8x1024 0.921 -> 0.918; diag_gdn_stages --time).
+# The state-free w / u kernel and the output kernel: parallel over chunks, [64, 128] tiles. The w / u kernel runs
+# 8 warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative error 0.84),
+# and at the served heads 8 warps are also faster (a 27B 2048-token layer's chunked prefill 0.645 -> 0.557 ms,
+# 35B-A3B 8x1024 0.921 -> 0.918).
 CHUNK_WU_WARPS = 8
 CHUNK_OUT_WARPS = 4
 CHUNK_OUT_BV = 64
@@ -109,7 +109,8 @@ def _gdn_decode_kernel(
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
     m_v = o_v < DV
     # The slot, the state (last written by this layer in an earlier step) and the weights go out before the wait
-    # (_triton.pdl_wait; KERNEL_NOTES C21): under PDL the state stream overlaps the conv kernel before this one.
+    # (_triton.pdl_wait, docs/kernels.md#programmatic-dependent-launch): under PDL the state stream overlaps the conv
+    # kernel before this one.
     # Padded rows of a CUDA-graph batch carry slot -1: masks, not a branch, so no load waits on the slot's value.
     i_slot = i64(tl.load(state_indices_ptr + i_b))
     b_A_log = tl.load(A_log_ptr + i_h)

@@ -179,7 +179,7 @@ def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     """The grouped path's alignment (all three equal moe_align_ref): one program up to ALIGN_DISPATCH_MAX_ENTRIES
     (decode buckets up to 128 tokens at top-8), the three-launch chunked kernels up to ALIGN_CHUNKED_MAX_ENTRIES
     (the larger decode buckets, and the prefill steps, eager and host-bound on the 35B-A3B shape, where the torch
-    ops cost ~15 launches and ~0.4 ms of host a layer; C19), the torch ops beyond."""
+    ops cost ~15 launches and ~0.4 ms of host a layer), the torch ops beyond."""
     num_entries = topk_ids.numel()
     if num_entries <= ALIGN_DISPATCH_MAX_ENTRIES:
         return moe_align_triton(topk_ids, num_experts, block_m)

@@ -3,7 +3,7 @@
 `attn_preamble_triton` is one launch over a (token, head) grid with nq + nkv programs per token. Program
 (t, h) reads one head straight out of the fused qkv row (query head h: [query d | gate d]; KV head h − nq:
 k), takes the zero-centred RMSNorm in fp32, rounds the normed head to the input dtype (vLLM's rounding
-point, architecture doc §3.3), rotates the first rotary_dim dims in fp32 with the token's cos/sin row and
+point, docs/ARCHITECTURE.md#gated-full-attention), rotates the first rotary_dim dims in fp32 with the token's cos/sin row and
 rounds once on store; the pass-through dims are stored from the rounded normed value and a query program
 also copies its gate half raw. A head is loaded whole for the norm and its two rotary halves are re-read
 (they hit L1) rather than shuffled between threads.

@@ -121,7 +121,7 @@ class GatedDeltaNet(nn.Module):
         num_tokens = mixed.shape[0]
         # The decode and prefill kernels write their halves of one buffer (`out` views), and q / k / v go to the
         # core as strided views: no copies (they were three [T, conv_dim]-or-larger copies a layer, ~4 ms of a
-        # 27B 2048-token step: mixed-step-h200-20261202-s8.json, gdn.other).
+        # 27B 2048-token step on the H200, docs/kernels.md#gated-deltanet).
         conv_out = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)  # [T, conv_dim]
         prefill_slots, prefill_has_initial_state = ctx.prefill_slots()
         d = slice(0, num_decodes)
