@@ -14,15 +14,15 @@ start-up warm-up cannot cover every such class; tests/engine/test_runtime_compil
 serving-like traffic compiles nothing new.
 
 Programmatic dependent launch (PDL, docs/kernels.md#programmatic-dependent-launch): a kernel that starts with
-`pdl_wait(USE_PDL)` may be launched with `**pdl_launch(tensor)`, which on a Hopper-or-newer GPU sets USE_PDL and Triton's `launch_pdl`. Such a kernel's
-programs are then scheduled while the previous kernel in the stream still runs (once every program of that kernel
-has passed its own `pdl_wait`), and block in `pdl_wait` until it has finished and its writes are visible. Because
-every PDL kernel signals its dependents only after its own wait, a PDL kernel that starts finds every kernel before
-its immediate predecessor complete: loads placed above `pdl_wait` may read only data that the predecessor neither
-writes nor reads-for-update (weights, this step's metadata, the GDN state slots of earlier steps); every other load,
-and every store, comes after it; and every program passes `pdl_wait`, also one with nothing to do (a kernel that
-could finish without waiting would let its successor start before its predecessor ends). A plain launch (torch,
-cuBLAS, USE_PDL False) keeps full stream order.
+`pdl_wait(USE_PDL)` may be launched with `**pdl_launch(tensor)`, which on a Hopper-or-newer GPU sets USE_PDL and
+Triton's `launch_pdl`. Such a kernel's programs are then scheduled while the previous kernel in the stream still runs
+(once every program of that kernel has passed its own `pdl_wait`), and block in `pdl_wait` until it has finished and its
+writes are visible. Because every PDL kernel signals its dependents only after its own wait, a PDL kernel that starts
+finds every kernel before its immediate predecessor complete: loads placed above `pdl_wait` may read only data that the
+predecessor neither writes nor reads-for-update (weights, this step's metadata, the GDN state slots of earlier steps);
+every other load, and every store, comes after it; and every program passes `pdl_wait`, also one with nothing to do (a
+kernel that could finish without waiting would let its successor start before its predecessor ends). A plain launch
+(torch, cuBLAS, USE_PDL False) keeps full stream order.
 
 Under the interpreter, Triton 3.6 turns a runtime scalar into a Python int with `int(array_of_shape_1)`,
 which numpy ≥ 2.3 refuses, so `for i in range(lo, hi, BLOCK)` with loaded bounds fails. `_interpreter_shim`

@@ -1,8 +1,8 @@
 """The gated-attention preamble: per-head RMSNorm of q and k, partial NeoX RoPE, and the q/gate split.
 
-Input is the fused projection output qkv [T, nq·2d + nkv·d + nkv·d] whose first nq·2d columns are per head
-[query (d) | gate (d)] (docs/ARCHITECTURE.md#configs-and-checkpoint-layout). RoPE reads a per-token cos/sin table [T, r] (cos in the first
-r/2 columns, sin in the last r/2) gathered from 3-D positions, so 1-D RoPE and interleaved MRoPE are one path.
+Input is the fused projection output qkv [T, nq·2d + nkv·d + nkv·d] whose first nq·2d columns are per head [query (d) |
+gate (d)] (docs/ARCHITECTURE.md#configs-and-checkpoint-layout). RoPE reads a per-token cos/sin table [T, r] (cos in the
+first r/2 columns, sin in the last r/2) gathered from 3-D positions, so 1-D RoPE and interleaved MRoPE are one path.
 
 Two spellings:
 - `attn_preamble`: one fused op (one Triton launch on CUDA). Rounding as vLLM's fused kernel: the normed
