@@ -48,7 +48,7 @@ from deltaserve.runner.cache import (
 )
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
-from deltaserve.runner.observer import StepObserver, StepTimings
+from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
 from deltaserve.sampler.transfer import to_device
@@ -265,23 +265,11 @@ class ModelRunner:
 
     # -- steps ----------------------------------------------------------------------------------------
 
-    def set_step_observer(self, observer: StepObserver | None) -> None:
-        """Registers the callable collect() calls with each step's plan, result and host timings (runner/observer.py);
-        None removes it."""
-        self._step_observer = observer
-
+    @timed_launch
+    @torch.inference_mode()
     def execute(self, plan: StepPlan, return_all_logits: bool = False, defer_sampling: bool = False) -> StepHandle:
         """Applies the plan and launches its forward and sampling (only the forward with defer_sampling: call
         sample() next); does not wait for the GPU."""
-        if self._step_observer is None:
-            return self._execute(plan, return_all_logits, defer_sampling)
-        started = time.perf_counter()
-        handle = self._execute(plan, return_all_logits, defer_sampling)
-        handle.launch_started, handle.launched_at = started, time.perf_counter()
-        return handle
-
-    @torch.inference_mode()
-    def _execute(self, plan: StepPlan, return_all_logits: bool, defer_sampling: bool) -> StepHandle:
         self.table.apply(plan)
         if plan.is_empty:
             return StepHandle(plan, np.zeros(0, dtype=np.int64), None, None, None)
@@ -476,6 +464,11 @@ class ModelRunner:
 
     def check_health(self) -> None:
         """Raises when the runner cannot step any more (never, in-process)."""
+
+    def set_step_observer(self, observer: StepObserver | None) -> None:
+        """Registers the callable collect() calls with each step's plan, result and host timings (runner/observer.py);
+        None removes it."""
+        self._step_observer = observer
 
     def shutdown(self) -> None:
         """Releases nothing: the runner's memory goes with it."""

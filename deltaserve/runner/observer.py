@@ -9,8 +9,11 @@ the step waiting (it runs before the engine learns the step's tokens).
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from deltaserve.step import StepPlan, StepResult
 
@@ -27,3 +30,19 @@ class StepTimings:
 
 
 StepObserver = Callable[[StepPlan, StepResult, StepTimings], None]
+
+
+def timed_launch(execute: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ModelRunner.execute: with an observer registered, stamps the handle it returns with the launch's start
+    and end (handle.launch_started, handle.launched_at); without one, calls it straight through."""
+
+    @functools.wraps(execute)
+    def wrapper(runner: Any, *args: Any, **kwargs: Any) -> Any:
+        if runner._step_observer is None:
+            return execute(runner, *args, **kwargs)
+        started = time.perf_counter()
+        handle = execute(runner, *args, **kwargs)
+        handle.launch_started, handle.launched_at = started, time.perf_counter()
+        return handle
+
+    return wrapper
