@@ -138,7 +138,7 @@ def main() -> int:
         case["states"].copy_(states)
         call_args = (case["x"], case["weight"], case["states"], case["qsl"], case["slots"], case["init"])
         # Both launches back to back from Python: at 2048 tokens this reads the host's launch time, not the GPU's
-        # (27B 82-90 us against 53 for the conv alone in session 16); the sweep's figures below are the kernel's.
+        # (27B 82-90 us against 53 for the conv alone on the H200); the sweep's figures below are the kernel's.
         committed_us = time_us(lambda: conv_triton.causal_conv1d_prefill_triton(*call_args), args.reps)  # noqa: B023
         case["states"].copy_(states)  # the write-back above moved the histories on: the sweep reads the originals
         ab: dict[str, Any] = {}

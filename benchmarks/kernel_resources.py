@@ -263,7 +263,7 @@ def decode_launches(
 def align_launches(
     entries: list[int], experts: list[int], block_ms: list[int]
 ) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per alignment-kernel configuration (KERNEL_NOTES C10): N entries over E experts."""
+    """(label, thunk) per alignment-kernel configuration: N entries over E experts."""
     from deltaserve.kernels.moe_routing_triton import moe_align_triton
 
     launches: list[tuple[str, Callable[[], object]]] = []
@@ -278,7 +278,7 @@ def align_launches(
 
 
 def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per router logits launch (KERNEL_NOTES C9, C11) on the shape's router and shared gate."""
+    """(label, thunk) per router logits launch on the shape's router and shared gate."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels.moe_decode_triton import router_logits_triton
 
@@ -294,7 +294,7 @@ def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[
 
 
 def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per GDN chunked prefill (KERNEL_NOTES C14, C15) for cases "NxL" (N prompts of L tokens)."""
+    """(label, thunk) per GDN chunked prefill for cases "NxL" (N prompts of L tokens)."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels.gdn_triton import gdn_prefill_triton
 
@@ -350,13 +350,13 @@ def main() -> int:
         "--moe-gemm1",
         default="",
         help="semicolon list of decode gate/up configs BLOCK_N,BLOCK_K,warps,stages[,0,ROUTE_ROWS], each an "
-        "extra moe_block[...] launch per batch (KERNEL_NOTES C17)",
+        "extra moe_block[...] launch per batch",
     )
     parser.add_argument(
         "--moe-gemm2",
         default="",
         help="semicolon list of decode down configs BLOCK_N,BLOCK_K,warps,stages[,CHOICES_PER_PROGRAM], each an "
-        "extra moe_block[...] launch per batch (KERNEL_NOTES C16); --only moe_block selects them too",
+        "extra moe_block[...] launch per batch; --only moe_block selects them too",
     )
     parser.add_argument("--prefill", default="", help='comma list of GDN prefill cases "NxL" (N prompts of L tokens)')
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))

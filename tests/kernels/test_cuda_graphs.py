@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 DECODE = MoEConfig("decode", GemmConfig(32, 128, 4, 4), GemmConfig(16, 128, 4, 1))
 GROUPED = MoEConfig("grouped", GemmConfig(32, 128, 4, 4), GemmConfig(32, 128, 4, 4), block_m=16)
-# KERNEL_NOTES C16 / C17: the down GEMM split over the choices (its scratch and combine launch in the graph) and
+# the tuned decode variants: the down GEMM split over the choices (its scratch and combine launch in the graph) and
 # the routing on next_pow2(T) rows
 DECODE_VARIANTS = MoEConfig(
     "decode", GemmConfig(32, 128, 4, 4, ROUTE_ROWS=1), GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=2)

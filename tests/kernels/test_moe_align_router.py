@@ -1,4 +1,4 @@
-"""The expert alignments (one program, KERNEL_NOTES C10; chunked, C19) and the router GEMV (C11) against their twins.
+"""The expert alignments (one program; chunked) and the router GEMV against their twins.
 
 Under the interpreter at fp32 (the same bodies run natively on the GPU, with bf16 router cases and the sizes the
 interpreter is too slow for, marked gpu): every output starts poisoned (NaN floats, a sentinel in int tensors),
@@ -25,6 +25,7 @@ from deltaserve.kernels.moe_decode_triton import (
     ROUTER_GEMV_MAX_TOKENS,
     ROUTER_GEMV_MIN_PROGRAMS,
     ROUTER_GEMV_SINGLE_MAX_TOKENS,
+    ROUTER_W_BEFORE_WAIT_MAX_HIDDEN,
     router_gemv_config,
     router_logits_into,
     router_logits_triton,
@@ -176,7 +177,7 @@ def test_align_refuses_more_than_its_limit() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Chunked alignment (C19): on the CPU the chunk is shrunk to 128 entries (at most 4 programs, so the chunk grows
+# Chunked alignment: on the CPU the chunk is shrunk to 128 entries (at most 4 programs, so the chunk grows
 # past 512 entries) to reach several programs at interpreter-sized N; the GPU cases run the served constants.
 
 
@@ -392,7 +393,9 @@ def test_router_weights_before_the_wait(
     kernel = moe_decode_triton._moe_router_gemv_kernel
     monkeypatch.setattr(moe_decode_triton, "_moe_router_gemv_kernel", _Spy(kernel, calls, "gemv"))
     _assert_router_matches_f_linear(num_tokens, dtype, hidden)
-    is_early = num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS and hidden <= moe_decode_triton.ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
+    is_early = (
+        num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS and hidden <= moe_decode_triton.ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
+    )
     assert calls
     for _, _, kwargs in calls:
         assert kwargs.get("W_BEFORE_WAIT", False) == is_early
@@ -425,7 +428,7 @@ def test_router_gemv_config_fills_the_device_and_follows_the_bucket(hidden: int)
     one K step with the weights ahead of the wait at H = 2048 (as served) and in 1024-column steps after it past
     ROUTER_W_BEFORE_WAIT_MAX_HIDDEN; the blocks depend on next_pow2(T) alone (the start-up warm-up compiles every
     variant)."""
-    is_w_early = hidden <= moe_decode_triton.ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
+    is_w_early = hidden <= ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
     for num_rows in (257, 513):
         for num_tokens in range(1, ROUTER_GEMV_MAX_TOKENS + 1):
             config = router_gemv_config(num_tokens, num_rows, hidden)

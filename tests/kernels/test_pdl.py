@@ -1,8 +1,8 @@
-"""Programmatic dependent launch (KERNEL_NOTES C21), checked on the source: every kernel that takes USE_PDL opens
-with `pdl_wait(USE_PDL)` at its top level, stores nothing and returns nowhere before it, loads above it only the
-pointers listed here (each with the reason it cannot be the previous launch's output), and every launch of it
-passes `**pdl_launch(...)`. The GPU half (the same tokens with DELTASERVE_PDL on and off, through the decode graphs)
-is tests/engine/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
+"""Programmatic dependent launch (docs/kernels.md#programmatic-dependent-launch), checked on the source: every kernel
+that takes USE_PDL opens with `pdl_wait(USE_PDL)` at its top level, stores nothing and returns nowhere before it,
+loads above it only the pointers listed here (each with the reason it cannot be the previous launch's output), and
+every launch of it passes `**pdl_launch(...)`. The GPU half (the same tokens with DELTASERVE_PDL on and off, through
+the decode graphs) is tests/engine/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ PRE_WAIT_LOADS = {
 # (the grouped MoE GEMMs and their sum, moe_triton, launch plainly: they take no USE_PDL)
 
 # Kernel -> the pointers it may store to above pdl_wait: memory that neither the launch before nor any launch still
-# running reads or writes. None since C27 (the gate/up's shared programs storing act before the wait) was retired.
+# running reads or writes. None since the gate/up's shared programs stopped storing act before the wait.
 PRE_WAIT_STORES: dict[str, set[str]] = {}
 STORES = ("store", "atomic_add", "atomic_cas", "atomic_xchg")
 
