@@ -1,16 +1,16 @@
-"""GPU time of the MoE expert alignment and the router logits launch alone, against their torch twins (C10, C11).
+"""GPU time of the MoE expert alignment and the router logits launch alone, against their torch twins.
 
-    python3 benchmarks/align_router_bench.py --out $OUT/align-router.json
+    python3 benchmarks/align_router_bench.py
 
-For each size the op is captured REPS times into one CUDA graph (inputs on the device, no host work) and the
-replay timed with CUDA events; the per-call figure (median of --replays replays / REPS) is what a decode-step
-graph pays, launch gaps included. Alignment: moe_align_triton against moe_align_ref (the torch path the grouped
-MoE took above ALIGN_DISPATCH_MAX_ENTRIES before C19) and, from 1024 entries, moe_align_chunked_triton (C19's
-three launches) at N = 8 ... 65536 entries on the 35B-A3B routing (E = 256, top-8, BLOCK_M 16 and the table's
-32 / 64); the one-program kernel runs up to ALIGN_MAX_ENTRIES. Router: router_logits_triton
-(GEMV up to ROUTER_GEMV_MAX_TOKENS, tl.dot above) against router_logits_ref (two cuBLAS GEMMs and a cat) at
-T = 1 ... 256 on W_r [256, 2048] plus the shared gate row, bf16. The record also carries the module constants
-(ALIGN_MAX_ENTRIES, ROUTER_*), so a later run with other switch points says which ones it measured.
+For each size the op is captured REPS times into one CUDA graph (inputs on the device, no host work) and the replay
+timed with CUDA events; the per-call figure (median of --replays replays / REPS) is what a decode-step graph pays,
+launch gaps included. Alignment: moe_align_triton against moe_align_ref (the torch path the grouped MoE took above
+ALIGN_DISPATCH_MAX_ENTRIES before the chunked kernels) and, from 1024 entries, moe_align_chunked_triton (three launches)
+at N = 8 ... 65536 entries on the 35B-A3B routing (E = 256, top-8, BLOCK_M 16 and the table's 32 / 64); the one-program
+kernel runs up to ALIGN_MAX_ENTRIES. Router: router_logits_triton (GEMV up to ROUTER_GEMV_MAX_TOKENS, tl.dot above)
+against router_logits_ref (two cuBLAS GEMMs and a cat) at T = 1 ... 256 on W_r [256, 2048] plus the shared gate row,
+bf16. The record also carries the module constants (ALIGN_MAX_ENTRIES, ROUTER_*), so a later run with other switch
+points says which ones it measured.
 Exits 2 without CUDA.
 """
 
@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -120,8 +121,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20, help="calls captured per graph")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON record (default: benchmarks/results/kernels/align-router-<UTC time>.json)",
+    )
     args = parser.parse_args()
+    if args.out is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = Path(__file__).resolve().parent / "results" / "kernels" / f"align-router-{stamp}.json"
     if not torch.cuda.is_available():
         print("align_router_bench: no CUDA device: nothing to measure", file=sys.stderr)
         return 2

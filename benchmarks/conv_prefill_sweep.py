@@ -23,6 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +103,18 @@ def make_case(channels: int, width: int, lengths: tuple[int, ...], seed: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON record (default: benchmarks/results/kernels/conv-prefill-<UTC time>.json)",
+    )
     parser.add_argument("--baseline", type=Path, help="an earlier conv_triton.py to time against, same tile")
     parser.add_argument("--only-baseline", action="store_true", help="skip the tile sweep")
     args = parser.parse_args()
+    if args.out is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = Path(__file__).resolve().parent / "results" / "kernels" / f"conv-prefill-{stamp}.json"
     if not torch.cuda.is_available():
         print("conv_prefill_sweep: needs a CUDA GPU")
         return 2
@@ -129,7 +138,7 @@ def main() -> int:
         case["states"].copy_(states)
         call_args = (case["x"], case["weight"], case["states"], case["qsl"], case["slots"], case["init"])
         # Both launches back to back from Python: at 2048 tokens this reads the host's launch time, not the GPU's
-        # (27B 82-90 us against 53 for the conv alone in session 16); the sweep's figures below are the kernel's.
+        # (27B 82-90 us against 53 for the conv alone on the H200); the sweep's figures below are the kernel's.
         committed_us = time_us(lambda: conv_triton.causal_conv1d_prefill_triton(*call_args), args.reps)  # noqa: B023
         case["states"].copy_(states)  # the write-back above moved the histories on: the sweep reads the originals
         ab: dict[str, Any] = {}

@@ -1,39 +1,31 @@
 """Decode-step benchmark: GPU time of one captured decode step per batch size, and every kernel in it against the
-bandwidth and matrix-rate ceilings measured in the same run (issue 11).
+bandwidth and matrix-rate ceilings measured in the same run.
 
     python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
-    python3 benchmarks/decode_step.py --models /tmp/ds_models --tune --out $OUT/decode-step.json
+    python3 benchmarks/decode_step.py --models /tmp/ds_models --tune
 
 For each shape (q35-35b-a3b, q35-27b: the real Qwen35Model with dummy weights, init_dummy_weights) and each
 batch size B it binds its own KV cache and GDN state slots (B sequences of --context cached tokens), builds a
 decode ForwardContext directly, and
 - captures the decode forward + lm_head as a CUDA graph and times replays with CUDA events (median, p10, p90
   of --replays): `graph_ms`, the number to compare across B (no launch overhead, inputs on the device);
-- runs one eager forward under torch.profiler with a label around every op the model calls (each projection
-  by its weight, each kernel op, the leftover torch elementwise ops per layer kind): per label the kernels'
-  GPU time, the bytes the op must move at least and the FLOPs it must do (counted here from the shapes, see
-  `op_costs`), and the achieved GB/s and TFLOP/s against the device-to-device copy bandwidth and the bf16
-  GEMM rate measured at start.
-Variants (`--variants`): `model` runs the model as committed; `block` swaps MoEBlock.forward for
-kernels.fused_moe_block (router + routed + shared experts as one op); `nogemv` turns off kernels.linear's one-row
-register GEMV (linear_triton.USE_GEMV, KERNEL_NOTES C29: every projection on cuBLAS, the model before C29);
-`nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of programmatic dependent launch, KERNEL_NOTES C21;
-combinable: `nopdl+nogemv`), `pdlgrouped` with the grouped MoE GEMMs launched with PDL too
-(moe_triton.GROUPED_PDL); `routerearly` / `routerlate` with the GEMV router's weights loaded before / after the PDL
-wait up to 4 tokens (ROUTER_W_BEFORE_WAIT, C30, served on from session 14); `gemv8k` / `gemv32k` with the GEMV's
-tile at 8192 / 32768 weight elements, `gemv4rows` with the GEMV up to 4 rows. The `linear` / `linearout` variants
-of sessions 7-13 (the tensor-core skinny GEMM, C5 / C18 / C24, slower than cuBLAS) are gone with C29: the model's
-projections call kernels.linear themselves; so are `packedroute`, `sharedearly` and `prefetchdown` (C25 / C27 /
-C28, measured slower in session 13, retired from the kernels in session 14). The default runs `model` and
-`nogemv`. Every variant of every shape is timed before the process's first profile (run_shape says why), and on the
-GPU after an unrecorded timing pass of the first variant (`--no-warmup-pass` drops it, `--warmup-pass` asks for it
-on the CPU; session 14 found the first variant timed in a process up to 0.14 ms slower at B = 1), so variants
-compare fairly in one process.
+- runs one eager forward under torch.profiler with the model's own labels on (deltaserve/model/labels.py: a range
+  around every layer and every op it calls): per op the kernels' GPU time, the bytes the op must move at least
+  and the FLOPs it must do (counted here from the shapes, see `op_costs`), and the achieved GB/s and TFLOP/s
+  against the device-to-device copy bandwidth and the bf16 GEMM rate measured at start. What a layer runs
+  outside its ops is `attn.other` / `gdn.other`.
+Variants (`--variants`, default `model`): `model` runs the model as committed; `nopdl` runs it with
+DELTASERVE_PDL=0 (plain launches instead of programmatic dependent launch,
+docs/kernels.md#programmatic-dependent-launch). Every variant of every shape is timed before the process's first
+profile (run_shape says why), and on the GPU after an unrecorded timing pass of the first variant
+(`--no-warmup-pass` drops it, `--warmup-pass` asks for it on the CPU: the first variant timed in a process read up
+to 0.14 ms slower at B = 1), so variants compare fairly in one process.
 `--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
 `--baseline DIR` runs the same measurement in a subprocess against another deltaserve tree (PYTHONPATH=DIR,
 `model` variant only) and stores it as the `before` half of the record. Tables go to stdout (the last one is
-the per-B summary), the JSON record to --out after every batch size. Exits 2 without CUDA (unless --device
-cpu, the plumbing check the CPU test runs), 1 if a measurement failed.
+the per-B summary), the JSON record to --out (default benchmarks/results/kernels/decode-step-<UTC time>.json)
+after every batch size. Exits 2 without CUDA (unless --device cpu, the plumbing check the CPU test runs), 1 if a
+measurement failed.
 """
 
 from __future__ import annotations
@@ -49,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -59,14 +50,20 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "kernels"  # where the kernel benchmarks' records are filed
 SHAPES = {"35b-a3b": "q35-35b-a3b", "27b": "q35-27b"}
 DEFAULT_BATCHES = "1,2,4,8,16,24,32,48,64,96,128,192,256"
-LABEL = "ds:"  # prefix of this benchmark's profiler ranges
+LABEL = "ds:"  # the model labels' prefix (deltaserve.model.labels.PREFIX; fixed here for a --baseline tree)
 CLIFF_TOLERANCE = 0.05  # a larger batch may be at most this much faster than a smaller one
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Ceilings
+
+
+def default_out(kind: str) -> Path:
+    """A new record's default path: RESULTS / `<kind>-<UTC date and time>.json`."""
+    return RESULTS / f"{kind}-{datetime.now(UTC):%Y%m%d-%H%M%S}.json"
 
 
 def _median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -191,43 +188,11 @@ def decode_context(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Labels: a profiler range around every op the model calls
-
-
-# the projection labels called during the current profile (profile_batch clears it): the GEMV's floor (C29)
-CALLED_PROJECTIONS: set[str] = set()
-
-
-class _Labelled:
-    """Stands in for a module's `F` (torch.nn.functional, or the linear variant's): F.linear gets a range named
-    after the weight, F.embedding one of its own; everything else passes through to `inner`."""
-
-    def __init__(self, kind: str, names: dict[tuple[int, int], str], inner: Any) -> None:
-        self._kind, self._names, self._inner = kind, names, inner
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-        name = self._names.get(tuple(weight.shape), f"linear[{weight.shape[0]}x{weight.shape[1]}]")
-        CALLED_PROJECTIONS.add(f"{self._kind}.{name}")
-        with torch.profiler.record_function(f"{LABEL}{self._kind}.{name}"):
-            return self._inner.linear(x, weight, *args)
-
-    def embedding(self, ids: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-        with torch.profiler.record_function(f"{LABEL}{self._kind}.embed"):
-            return self._inner.embedding(ids, weight, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(LABEL + label):
-            return fn(*args, **kwargs)
-
-    return wrapped
+# Labels: the model's own profiler ranges (deltaserve/model/labels.py), one around every layer and every op
 
 
 def linear_names(config: Any) -> dict[str, dict[tuple[int, int], str]]:
+    """The projections' op names by weight shape, per kind: what op_costs counts for each projection label."""
     h = config.hidden_size
     nq, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     names = {
@@ -250,64 +215,28 @@ def linear_names(config: Any) -> dict[str, dict[tuple[int, int], str]]:
 
 
 @contextlib.contextmanager
-def labelled(model: Any, config: Any) -> Iterator[None]:
-    """Profiler ranges around the model's ops, by patching the names its modules call; undone on exit."""
-    from deltaserve.model import qwen3_5
-    from deltaserve.model.layers import attention, gdn, mlp
-
-    names = linear_names(config)
-    patches: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: Any, attr: str, value: Any) -> None:
-        patches.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, value)
-
-    for module, kind in ((gdn, "gdn"), (attention, "attn"), (mlp, "mlp"), (qwen3_5, "lm")):
-        if hasattr(module, "F"):  # F.embedding (the lm module); F.linear where a module still calls it
-            patch(module, "F", _Labelled(kind, names[kind], module.F))
-        # kernels.linear (the projections since C29) is labelled by its weight, as F.linear
-        patch(module, "linear", _Labelled(kind, names[kind], types.SimpleNamespace(linear=module.linear)).linear)
-    for module, kind in ((gdn, "gdn"), (attention, "attn"), (mlp, "mlp"), (qwen3_5, "layer")):
-        for attr in dir(module):
-            if attr == "linear":
-                continue
-            value = getattr(module, attr)
-            if callable(value) and getattr(value, "__module__", "").startswith("deltaserve.kernels"):
-                patch(module, attr, _wrap(value, f"{kind}.{attr}"))
-    # leftover torch ops (the attention's sigmoid gate, the logits' upcast) get their module's label
-    for cls, kind in ((attention.GatedAttention, "attn"), (gdn.GatedDeltaNet, "gdn"), (mlp.MoEBlock, "mlp"),
-                      (mlp.DenseMLP, "mlp")):  # fmt: skip
-        patch(cls, "forward", _wrap(cls.forward, f"{kind}.other"))
-    patch(type(model), "compute_logits", _wrap(type(model).compute_logits, "lm.other"))
+def labelled() -> Iterator[None]:
+    """The model's labels on for the block. A --baseline tree older than them profiles without (its kernels are
+    then attributed by name, TRITON_LABELS)."""
     try:
-        yield
-    finally:
-        for owner, attr, value in reversed(patches):
-            setattr(owner, attr, value)
-
-
-@contextlib.contextmanager
-def moe_block_variant(enabled: bool) -> Iterator[None]:
-    """MoEBlock.forward through kernels.fused_moe_block (the proposed integration) while enabled."""
-    if not enabled:
+        from deltaserve.model import labels
+    except ImportError:
+        print("decode_step: this deltaserve tree has no model labels; kernels are attributed by name", flush=True)
         yield
         return
-    from deltaserve.kernels import fused_moe_block
-    from deltaserve.model.layers import mlp
-
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        extra = ()
-        if self.has_shared_expert:
-            extra = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
-        with torch.profiler.record_function(LABEL + "mlp.fused_moe_block"):
-            return fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *extra)
-
-    original = mlp.MoEBlock.forward
-    mlp.MoEBlock.forward = forward
-    try:
+    with labels.enabled():
         yield
-    finally:
-        mlp.MoEBlock.forward = original
+
+
+def op_of(name: str) -> str | None:
+    """The op a model label (its name without the prefix) stands for in the record: an op label is itself;
+    what a layer runs outside its ops is `attn.other` / `gdn.other` (by the layer's kind), what compute_logits
+    runs outside lm_head `lm.other`."""
+    if name.startswith("layer.") and name.count(".") == 2 and name.split(".")[1].isdigit():
+        return "attn.other" if name.endswith(".full_attention") else "gdn.other"
+    if "." not in name:
+        return f"{name}.other"
+    return name
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -352,7 +281,7 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
     add("attn.store_kv", 4 * b * nkv * d * s, 0, num_attn)
     add("attn.paged_attention", (2 * b * (context + 1) * nkv * d + 2 * b * nq * d) * s,
         4.0 * b * (context + 1) * nq * d, num_attn)  # fmt: skip
-    add("attn.other", 3 * b * nq * d * s, 0, num_attn)  # sigmoid(gate)·o
+    add("attn.sigmoid_gate_mul", 3 * b * nq * d * s, 0, num_attn)  # sigmoid(gate)·o
     # Gated DeltaNet
     conv = config.conv_dim
     kc = config.linear_conv_kernel_dim
@@ -390,10 +319,11 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
 
 
 def _label_of(event: Any) -> str | None:
+    """The op of the innermost model label around a profiler event (None outside every label)."""
     node = event
     while node is not None:
         if node.name.startswith(LABEL):
-            return node.name[len(LABEL) :]
+            return op_of(node.name[len(LABEL) :])
         node = node.cpu_parent
     return None
 
@@ -412,7 +342,7 @@ TRITON_LABELS = {
     "_rms_norm_kernel": "layer.rms_norm",
     "_silu_and_mul_kernel": "mlp.silu_and_mul",
     "_moe_route_kernel": "mlp.moe_route",
-    # kernels.linear's one-row GEMV (C29): its launches escape the projections' ranges, so they are counted together
+    # kernels.linear's one-row GEMV: its launches escape the projections' ranges, so they are counted together
     "_gemv_kernel": GEMV_LABEL,
 }
 MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel", "_moe_router_kernel",
@@ -421,12 +351,8 @@ MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_
                "_moe_decode_combine_kernel")  # fmt: skip
 
 
-def moe_label(is_block: bool) -> str:
-    """The label unclaimed MoE kernels get: the block's when the block variant runs or the model itself calls
-    kernels.fused_moe_block (main since the 2026-12-01 decode-step record), else the routed experts' op."""
-    from deltaserve.model.layers import mlp
-
-    return "mlp.fused_moe_block" if is_block or hasattr(mlp, "fused_moe_block") else "mlp.fused_moe"
+# the op unclaimed MoE kernels get: the model's one MoE op at whole experts (router, routed and shared experts)
+MOE_LABEL = "mlp.fused_moe_block"
 
 
 def gemv_cost(by_label: dict[str, Any], costs: dict[str, tuple[float, float]], called: set[str]) -> tuple[float, float]:
@@ -437,11 +363,12 @@ def gemv_cost(by_label: dict[str, Any], costs: dict[str, tuple[float, float]], c
 
 
 def profile_ops(
-    run: Callable[[], object], device: torch.device, moe_label: str = "mlp.fused_moe"
-) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-    """One forward under the profiler: per label {us, kernels} (the device kernels launched inside the label's
-    innermost range; on the CPU, where no kernels exist, the ranges' CPU time) and the kernel totals: per kernel
-    name {us, calls}, all kernels' time, and what no range claimed (attributed by kernel name where known)."""
+    run: Callable[[], object], device: torch.device
+) -> tuple[dict[str, dict[str, float]], dict[str, Any], set[str]]:
+    """One forward under the profiler: per op {us, kernels} (the device kernels launched inside the op's innermost
+    model label; on the CPU, where no kernels exist, the labels' CPU time), the kernel totals (per kernel name {us,
+    calls}, all kernels' time, and what no label claimed, attributed by kernel name where known), and the ops whose
+    labels ran (claimed a kernel or not)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -452,7 +379,10 @@ def profile_ops(
     by_label: dict[str, dict[str, float]] = defaultdict(lambda: {"us": 0.0, "kernels": 0})
     by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     claimed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    called: set[str] = set()
     for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA and event.name.startswith(LABEL):
+            called.add(op_of(event.name[len(LABEL) :]))
         if event.device_type == torch.autograd.DeviceType.CUDA:
             by_kernel[event.name][0] += event.time_range.elapsed_us()
             by_kernel[event.name][1] += 1
@@ -464,8 +394,9 @@ def profile_ops(
                 claimed[kernel.name][0] += kernel.duration
                 claimed[kernel.name][1] += 1
         elif device.type != "cuda" and event.name.startswith(LABEL):
-            by_label[event.name[len(LABEL) :]]["us"] += event.cpu_time_total
-            by_label[event.name[len(LABEL) :]]["kernels"] += 1
+            op = op_of(event.name[len(LABEL) :])
+            by_label[op]["us"] += event.cpu_time_total
+            by_label[op]["kernels"] += 1
     unclaimed_us = 0.0
     if device.type == "cuda":
         for name, (us, calls) in by_kernel.items():
@@ -473,7 +404,7 @@ def profile_ops(
             if left_calls <= 0:
                 continue
             unclaimed_us += left_us
-            label = moe_label if name in MOE_KERNELS else TRITON_LABELS.get(name, "unlabelled")
+            label = MOE_LABEL if name in MOE_KERNELS else TRITON_LABELS.get(name, "unlabelled")
             by_label[label]["us"] += left_us
             by_label[label]["kernels"] += left_calls
     kernels = {
@@ -482,7 +413,7 @@ def profile_ops(
         "top": sorted(({"name": n[:120], "us": round(v[0], 2), "calls": v[1]} for n, v in by_kernel.items()),
                       key=lambda row: -row["us"])[:40],
     }  # fmt: skip
-    return dict(by_label), kernels
+    return dict(by_label), kernels, called
 
 
 def graph_times(run: Callable[[], object], replays: int) -> dict[str, float]:
@@ -556,12 +487,11 @@ def profile_batch(
     batch = row["batch"]
     device = model.embed_tokens.device
     run = _decode_run(model, config, cache, batch, args)
-    CALLED_PROJECTIONS.clear()
-    with torch.inference_mode(), labelled(model, config):
-        by_label, kernels = profile_ops(run, device, moe_label(args.is_block))
+    with torch.inference_mode(), labelled():
+        by_label, kernels, called = profile_ops(run, device)
     costs = op_costs(config, batch, args.context)
     if GEMV_LABEL in by_label:
-        costs[GEMV_LABEL] = gemv_cost(by_label, costs, CALLED_PROJECTIONS)
+        costs[GEMV_LABEL] = gemv_cost(by_label, costs, called)
     ops = []
     for label, measured in sorted(by_label.items(), key=lambda item: -item[1]["us"]):
         num_bytes, flops = costs.get(label, (None, None))
@@ -612,55 +542,23 @@ def cliffs(rows: list[dict[str, Any]], key: str = "graph_ms") -> list[str]:
     return found
 
 
-# Module switches a variant may turn on: feature -> (module, attribute, its value with the feature); without the
-# feature the attribute keeps the module's own; a --baseline tree without one ignores the attribute set on it.
-SWITCHES = {
-    "pdlgrouped": ("deltaserve.kernels.moe_triton", "GROUPED_PDL", True),
-    "nogemv": ("deltaserve.kernels.linear_triton", "USE_GEMV", False),
-    # the GEMV's tile (C29): W elements a program holds, 16384 as committed
-    "gemv8k": ("deltaserve.kernels.linear_triton", "GEMV_TILE_ELEMS", 8192),
-    "gemv32k": ("deltaserve.kernels.linear_triton", "GEMV_TILE_ELEMS", 32768),
-    "routerearly": ("deltaserve.kernels.moe_decode_triton", "ROUTER_W_BEFORE_WAIT", True),
-    # C30 off (served on from session 14): the router's weights loaded after the wait, two K steps
-    "routerlate": ("deltaserve.kernels.moe_decode_triton", "ROUTER_W_BEFORE_WAIT", False),
-    # the GEMV up to 4 x rows (served at one), its tile shrunk in proportion to the rows
-    "gemv4rows": ("deltaserve.kernels.linear_triton", "GEMV_MAX_ROWS", 4),
-}
-# every feature a variant may combine with +
-FEATURES = {"model", "block", "nopdl", *SWITCHES}
+# Every feature a variant may combine with +: `nopdl` runs with DELTASERVE_PDL=0 (plain launches instead of
+# programmatic dependent launch). The engine's own settings only: nothing in the model is patched.
+FEATURES = {"model", "nopdl"}
 
 
 @contextlib.contextmanager
 def variant_context(features: set[str], args: argparse.Namespace) -> Iterator[None]:
-    """The model as the variant's features make it, for the block (and args.is_block for the MoE label)."""
-    import importlib
-
+    """The engine's settings as the variant's features make them, for the block."""
     from deltaserve import env
 
-    args.is_block = "block" in features
-    switches = {f: (importlib.import_module(m), name, value) for f, (m, name, value) in SWITCHES.items()}
-    saved = {feature: getattr(module, name, False) for feature, (module, name, _) in switches.items()}
-    for feature, (module, name, value) in switches.items():
-        if feature in features:  # two features may set one attribute (the GEMV's tile): only those present act
-            setattr(module, name, value)
-    try:
-        with (
-            moe_block_variant(args.is_block),
-            env.overridden("DELTASERVE_PDL", "0" if "nopdl" in features else "1"),
-        ):
-            yield
-    finally:
-        for feature, (module, name, _) in switches.items():
-            setattr(module, name, saved[feature])
+    with env.overridden("DELTASERVE_PDL", "0" if "nopdl" in features else "1"):
+        yield
 
 
 def variant_features(variant: str, config: Any) -> set[str]:
-    """A variant's features as variant_context takes them: `model` adds none; the dense shape has no MoE block to
-    swap, so `block` is dropped there."""
-    features = set(variant.split("+")) - {"model"}
-    if not config.num_experts:
-        features.discard("block")
-    return features
+    """A variant's features as variant_context takes them: `model` adds none."""
+    return set(variant.split("+")) - {"model"}
 
 
 def run_shape(
@@ -670,8 +568,8 @@ def run_shape(
     """One shape's variants at every batch size: phase "time" adds a run entry per variant with the timed rows,
     phase "profile" adds the per-op profile to those rows. main runs every shape's timing before any profile:
     once torch.profiler has run, CUPTI stays attached for the life of the process (torch keeps CUPTI teardown off
-    with CUDA graphs) and every later graph replay paid ~0.2-0.3 ms a step more at B = 1 on both shapes (session
-    11: a variant timed after another's profile, 2.9-3.0 ms against 2.68-2.73 timed first)."""
+    with CUDA graphs) and every later graph replay paid ~0.2-0.3 ms a step more at B = 1 on both shapes (a variant
+    timed after another's profile read 2.9-3.0 ms against 2.68-2.73 timed first; docs/kernels-log.md)."""
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",") if b]
     model_dir = args.models / SHAPES.get(shape, shape)
@@ -680,10 +578,9 @@ def run_shape(
     cache = bind_cache(model, config, max(batches), args.context, args.max_model_len, args.block_size)
     print(f"{shape}: model and cache ready in {time.perf_counter() - started:.1f} s ({phase})", flush=True)
     if phase == "time" and args.is_warmup_pass and variants:
-        # Session 14 (KERNEL_NOTES section 17): the variant timed first in a process read up to 0.14 ms slower at
-        # B = 1 than the same code timed later (cause unknown; it is not CUPTI, nothing has profiled yet). The
-        # first variant's batches are timed once and dropped, so every recorded variant is timed in the position
-        # call 11 of that session measured cleanly (after another full timing pass).
+        # The variant timed first in a process read up to 0.14 ms slower at B = 1 than the same code timed later
+        # (cause unknown; it is not CUPTI, nothing has profiled yet; docs/kernels-log.md). The first variant's
+        # batches are timed once and dropped, so every recorded variant is timed after a full timing pass.
         with variant_context(variant_features(variants[0], config), args):
             for batch in batches:
                 try:
@@ -803,10 +700,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--variants",
-        default="model,nogemv",
-        help="comma list: model (as committed), block (MoEBlock through kernels.fused_moe_block), nogemv "
-        "(kernels.linear's one-row GEMV off), nopdl (DELTASERVE_PDL=0), pdlgrouped, gemv8k, gemv32k (the GEMV's "
-        "tile), gemv4rows, routerearly / routerlate (C30 on / off), combined with +; block is dropped on dense shapes",
+        default="model",
+        help="comma list: model (as committed), nopdl (DELTASERVE_PDL=0: plain launches)",
     )
     parser.add_argument("--tune", action="store_true", help="tune the 35B-A3B MoE table first and install it")
     parser.add_argument("--tune-budget-s", type=float, default=150.0)
@@ -816,8 +711,9 @@ def main() -> int:
     parser.add_argument("--no-current", action="store_true", help="only the baseline run")
     parser.add_argument("--label", default="after")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="the JSON record (default: see the module docstring)")
     args = parser.parse_args()
+    args.out = args.out or default_out("decode-step")
     if args.is_warmup_pass is None:
         args.is_warmup_pass = args.device == "cuda"
     unknown = {f for v in args.variants.split(",") if v for f in v.split("+")} - FEATURES

@@ -210,15 +210,20 @@ def decode_launches(
         ),
         ("gated_rms_norm", lambda: gated_rms_norm_triton(e(b, hv, dv), e(b, hv, dv), e(dv), 1e-6)),
     ]
-    from deltaserve.kernels.linear_triton import linear_triton
+    from deltaserve.kernels.linear_triton import gemv_config, gemv_triton
 
-    projections = {"in_proj_qkvz": (m.conv_dim + hv * dv, h), "out_proj": (h, hv * dv), "o_proj": (h, nq * d),
-                   "qkv": (nq * 2 * d + 2 * nkv * d, h), "lm_head": (248320, h), "in_proj_ba": (2 * hv, h)}  # fmt: skip
+    # kernels.linear's register GEMV takes one row (the fused GDN input projection, as served); every other batch
+    # size, and depths past the GEMV's tile, run on cuBLAS
+    projections = {"in_proj": (m.conv_dim + hv * dv + 2 * hv, h), "out_proj": (h, hv * dv), "o_proj": (h, nq * d),
+                   "qkv": (nq * 2 * d + 2 * nkv * d, h)}  # fmt: skip
     if not m.num_experts:
         projections.update({"gate_up": (2 * m.mlp_inter, h), "down": (h, m.mlp_inter)})
-    if batch <= 16:
+    if batch == 1:
         for name, (n, kk) in projections.items():
-            launches.append((f"linear.{name}", lambda n=n, kk=kk: linear_triton(e(b, kk), e(n, kk))))
+            config = gemv_config(kk)
+            if config is not None:
+                launch = lambda n=n, kk=kk, config=config: gemv_triton(e(b, kk), e(n, kk), config)  # noqa: E731
+                launches.append((f"linear.{name}", launch))
     if m.num_experts:
         ex, k, inter = m.num_experts, m.top_k, m.moe_inter
         ids = torch.stack([torch.randperm(ex)[:k] for _ in range(b)])
@@ -258,7 +263,7 @@ def decode_launches(
 def align_launches(
     entries: list[int], experts: list[int], block_ms: list[int]
 ) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per alignment-kernel configuration (KERNEL_NOTES C10): N entries over E experts."""
+    """(label, thunk) per alignment-kernel configuration: N entries over E experts."""
     from deltaserve.kernels.moe_routing_triton import moe_align_triton
 
     launches: list[tuple[str, Callable[[], object]]] = []
@@ -273,7 +278,7 @@ def align_launches(
 
 
 def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per router logits launch (KERNEL_NOTES C9, C11) on the shape's router and shared gate."""
+    """(label, thunk) per router logits launch on the shape's router and shared gate."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels.moe_decode_triton import router_logits_triton
 
@@ -289,7 +294,7 @@ def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[
 
 
 def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per GDN chunked prefill (KERNEL_NOTES C14, C15) for cases "NxL" (N prompts of L tokens)."""
+    """(label, thunk) per GDN chunked prefill for cases "NxL" (N prompts of L tokens)."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels.gdn_triton import gdn_prefill_triton
 
@@ -345,13 +350,13 @@ def main() -> int:
         "--moe-gemm1",
         default="",
         help="semicolon list of decode gate/up configs BLOCK_N,BLOCK_K,warps,stages[,0,ROUTE_ROWS], each an "
-        "extra moe_block[...] launch per batch (KERNEL_NOTES C17)",
+        "extra moe_block[...] launch per batch",
     )
     parser.add_argument(
         "--moe-gemm2",
         default="",
         help="semicolon list of decode down configs BLOCK_N,BLOCK_K,warps,stages[,CHOICES_PER_PROGRAM], each an "
-        "extra moe_block[...] launch per batch (KERNEL_NOTES C16); --only moe_block selects them too",
+        "extra moe_block[...] launch per batch; --only moe_block selects them too",
     )
     parser.add_argument("--prefill", default="", help='comma list of GDN prefill cases "NxL" (N prompts of L tokens)')
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))

@@ -1,21 +1,23 @@
-"""Mixed-step benchmark (issue 11, item 4): GPU time of one engine step that carries prefill chunks and decodes,
-against the sum of its parts (the same prefills alone, the same decodes alone), per op, on the real model.
+"""Mixed-step benchmark: GPU time of one engine step that carries prefill chunks and decodes, against the sum of
+its parts (the same prefills alone, the same decodes alone), per op, on the real model.
 
     python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
-    python3 benchmarks/mixed_step.py --models /tmp/ds_models --shapes 27b --out $OUT/mixed-step.json
+    python3 benchmarks/mixed_step.py --models /tmp/ds_models --shapes 27b
 
 A case is `P1xL1+P2xL2...@B`: P new prompts of L tokens each (no cached state: has_initial_state false, positions
 from 0), plus B decoding sequences with --context cached tokens each, as the scheduler packs them (decodes first).
 Every case runs eagerly, as the engine runs a step that holds a prefill (only all-decode steps replay a CUDA graph):
-median GPU ms over --reps by CUDA events, then one forward under torch.profiler with decode_step.py's labels (kernel
-time per op; every case of every shape is timed before the process's first profile, as in decode_step.py). For a
+median GPU ms over --reps by CUDA events, then one forward under torch.profiler with the model's labels on (kernel
+time per op, deltaserve/model/labels.py; every case of every shape is timed before the process's first profile, as
+in decode_step.py). For a
 case with both halves the record holds `parts_ms` (its prefill-only case + its decode-only case, both measured
 here) and `lost_ms` = mixed - parts, and per op the same difference, largest first: what a mixed step pays that its
 parts do not. `host_ms` is the host's time to issue the step (close to `ms`: the step
 is host-bound, the GPU waiting on launches) and `host_top` one run's functions by own host time under cProfile.
 `tflops` is the step's matmul rate from a FLOP count (2 x active
 parameters x tokens, plus attention's QK and PV over the causal prefix), against the bf16 GEMM rate measured at
-start (`ceilings`). Exits 2 without CUDA (unless --device cpu: the plumbing check), 1 if a case failed.
+start (`ceilings`). The record goes to --out (default benchmarks/results/kernels/mixed-step-<UTC time>.json).
+Exits 2 without CUDA (unless --device cpu: the plumbing check), 1 if a case failed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_step as ds  # noqa: E402  (same folder: build_model, bind_cache, labels, profiler, ceilings)
+import decode_step as ds  # noqa: E402  (same folder: build_model, bind_cache, labels, profiler, ceilings, paths)
 
 # a comma list, as --cases takes it (a tuple of one string once went through ",".join character by character)
 # functions kept from the host profile of each case (by own time)
@@ -231,8 +233,8 @@ def profile_case(model: Any, config: Any, cache: ds.Cache, case: Case, args: arg
     run = _case_run(model, config, cache, case, args)
     with torch.inference_mode():
         row["host_top"] = host_profile(run, device)
-        with ds.labelled(model, config):
-            by_label, kernels = ds.profile_ops(run, device, ds.moe_label(False))
+        with ds.labelled():
+            by_label, kernels, _ = ds.profile_ops(run, device)
     row["ops_us"] = {label: round(v["us"], 1) for label, v in sorted(by_label.items(), key=lambda kv: -kv[1]["us"])}
     row["top_kernels"] = kernels["top"][:15]
 
@@ -279,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="the JSON record (default: see the module docstring)")
     return parser
 
 
@@ -289,6 +291,7 @@ def parse_cases(text: str) -> list[Case]:
 
 def main() -> int:
     args = build_parser().parse_args()
+    args.out = args.out or ds.default_out("mixed-step")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured (use --device cpu for the plumbing check)")

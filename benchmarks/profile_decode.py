@@ -2,12 +2,14 @@
 Triton kernels compile while serving.
 
 Run on the H200 from the repo root (no server: the engine in-process, dummy weights, async scheduling as served):
-    python3 benchmarks/profile_decode.py --model /tmp/ds_models/q35-35b-a3b --out $OUT/profile.json
+    python3 benchmarks/profile_decode.py --model /tmp/ds_models/q35-35b-a3b
+The record goes to --out (default benchmarks/results/kernels/profile-decode-<UTC time>.json).
 
 For each batch size B it prefills B random 1024-token prompts, then, in steady decode, measures
 - `step_ms`: wall time per `LLMEngine.step()` (what TPOT sees, minus the HTTP server and the API process);
-- `wait_ms`: of that, the time the host waits for the GPU (collecting a step's tokens): when it is > 0 the host is
-  ahead and the GPU is the bottleneck; `host_ms = step_ms - wait_ms` is the host's own work per step;
+- `wait_ms`: of that, the time the host waits for the GPU (collecting a step's tokens, as the runner's step
+  observer reports it): when it is > 0 the host is ahead and the GPU is the bottleneck; `host_ms = step_ms -
+  wait_ms` is the host's own work per step;
 - `gpu_idle_pct`: the share of the measured span in which no kernel or copy runs on the GPU (torch.profiler's
   CUDA activity, intervals merged): the gap between consecutive decode steps that async scheduling must close;
 - `graph_ms`: GPU time of the captured decode graph alone (CUDA events around back-to-back replays), and
@@ -19,7 +21,7 @@ serve`) is one the start-up warm-up missed, and costs a compile (or an autotune)
 
 Timings after a profiler session: once torch.profiler has run in a process CUPTI stays attached (torch keeps its
 teardown off when CUDA graphs are in use) and every later kernel pays for it, ~0.25 ms a 35B-A3B decode step at B = 1
-(benchmarks/KERNEL_NOTES.md section 14). Each batch's step_ms and graph_ms are taken before its own profile, but
+(docs/kernels-log.md). Each batch's step_ms and graph_ms are taken before its own profile, but
 the second and later batch sizes and the staggered phase run after the first's: with the default --gpu-profile they
 carry that overhead; --no-gpu-profile (no gpu_idle_pct) keeps them clean.
 
@@ -48,7 +50,9 @@ import triton
 from deltaserve.bench.provenance import git_state
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine_config import EngineConfig
+from deltaserve.runner.observer import StepTimings
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.step import StepPlan, StepResult
 
 PHASE = {"name": "startup"}
 COMPILES: list[dict[str, Any]] = []
@@ -108,19 +112,14 @@ def _kernel_share(prof: torch.profiler.profile, *needles: str) -> float:
 
 
 def _timed_steps(engine: LLMEngine, num_steps: int) -> tuple[float, float]:
-    """(wall ms per step, ms per step the host spent waiting for the GPU in collect())."""
-    runner = engine.runner
-    collect = runner.collect
+    """(wall ms per step, ms per step the host spent waiting for the GPU in collect(), from the runner's step
+    observer)."""
     waited = [0.0]
 
-    def timed_collect(handle: Any) -> Any:
-        start = time.perf_counter()
-        if handle.event is not None:
-            handle.event.synchronize()
-        waited[0] += time.perf_counter() - start
-        return collect(handle)
+    def observe(plan: StepPlan, result: StepResult, timings: StepTimings) -> None:
+        waited[0] += timings.wait_s
 
-    runner.collect = timed_collect
+    engine.runner.set_step_observer(observe)
     try:
         _sync()
         start = time.perf_counter()
@@ -129,7 +128,7 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> tuple[float, float]:
         _sync()
         total = time.perf_counter() - start
     finally:
-        runner.collect = collect
+        engine.runner.set_step_observer(None)
     return total / num_steps * 1e3, waited[0] / num_steps * 1e3
 
 
@@ -221,7 +220,7 @@ def staggered(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="the JSON record (default: see the module docstring)")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--input-len", type=int, default=1024)
@@ -235,6 +234,9 @@ def main() -> None:
         help="profile each batch for gpu_idle_pct (and the TP shares); --no-gpu-profile keeps every timing clean",
     )
     args = parser.parse_args()
+    if args.out is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = Path(__file__).resolve().parent / "results" / "kernels" / f"profile-decode-{stamp}.json"
     triton.knobs.runtime.jit_cache_hook = _jit_hook
     rng = random.Random(0)
     result: dict[str, Any] = {

@@ -8,9 +8,9 @@ runs) for candidate configs, on random bf16 weights of the real shape (two weigh
 GiB, so no call finds its experts in L2) and fresh activations per call:
 - the decode path (T ≤ 64): the gate/up kernel's candidates with the down kernel at its default, then the
   down kernel's candidates with the best gate/up (the two are separate launches, their times add); the down
-  candidates with a fifth field split the choices over programs (CHOICES_PER_PROGRAM, KERNEL_NOTES C16) and
+  candidates with a fifth field split the choices over programs (CHOICES_PER_PROGRAM) and
   are timed with their combine launch; gate/up candidates with a sixth field (ROUTE_ROWS) route on fewer
-  token rows than the dot tile's 16 (C17);
+  token rows than the dot tile's 16;
 - the grouped path: the same coordinate search for each BLOCK_M near the mean rows per expert;
 then keeps the faster path. Buckets up to 256 tokens are timed as CUDA-graph replays of 8 calls (median of
 --replays), larger ones with events around eager calls. Every candidate kernel is compiled before timing, in
@@ -40,18 +40,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BUCKETS = [2**i for i in range(14)]  # 1 .. 8192
 DECODE_G1 = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3), (16, 256, 4, 3), (32, 256, 4, 3),
-             # C17: deeper pipelines / smaller BLOCK_K (at B <= 4 a gate/up program is alone on its SM, so its
+             # deeper pipelines / smaller BLOCK_K (at B <= 4 a gate/up program is alone on its SM, so its
              # stages are all the bytes in flight there, and a smaller first stage lands sooner after the routing)
              (32, 128, 4, 6), (32, 64, 4, 8),
-             # C17: the in-kernel routing on next_pow2(T) rows (6th field ROUTE_ROWS = 1) instead of 16: a third of
+             # the in-kernel routing on next_pow2(T) rows (6th field ROUTE_ROWS = 1) instead of 16: a third of
              # the B = 1 prologue's instructions on sm_90 (kernel_resources), which every program runs first
              (32, 256, 4, 3, 0, 1), (16, 256, 4, 3, 0, 1), (32, 128, 4, 6, 0, 1), (16, 128, 4, 6, 0, 1),
              (32, 64, 4, 8, 0, 1),
-             # C26: one- and two-warp gate/up programs: the routing's reductions stay inside a warp (sm_90 compile
+             # one- and two-warp gate/up programs: the routing's reductions stay inside a warp (sm_90 compile
              # of the B = 1 kernel: 11 barriers against 66 at 4 warps), at 3 programs an SM (70 KB of stages)
              (32, 64, 1, 8, 0, 1), (16, 64, 1, 8, 0, 1), (32, 64, 2, 8, 0, 1), (16, 128, 1, 8, 0, 1)]  # fmt: skip
 DECODE_G2 = [(8, 128, 4, 1), (16, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 1), (8, 256, 2, 1), (32, 256, 8, 1),
-             # C16: the down GEMM split over the choices (5th field CHOICES_PER_PROGRAM) plus the combine launch;
+             # the down GEMM split over the choices (5th field CHOICES_PER_PROGRAM) plus the combine launch;
              # chosen so that the B = 1 grid is resident in one wave on 132 SMs (registers from kernel_resources)
              (16, 128, 4, 1, 1), (32, 128, 4, 1, 1), (8, 128, 2, 1, 1), (16, 128, 4, 1, 2), (32, 256, 8, 1, 2),
              (16, 128, 4, 1, 4)]  # fmt: skip
@@ -267,8 +267,16 @@ def main() -> int:
     parser.add_argument("--buckets", default=",".join(str(b) for b in DEFAULT_BUCKETS))
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop tuning new buckets after this long")
     parser.add_argument("--replays", type=int, default=10)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON record (default: benchmarks/results/kernels/tune-moe-<UTC time>.json)",
+    )
     args = parser.parse_args()
+    if args.out is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = Path(__file__).resolve().parent / "results" / "kernels" / f"tune-moe-{stamp}.json"
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("tune_moe: no CUDA device (or TRITON_INTERPRET is set): nothing to tune", file=sys.stderr)
         return 2

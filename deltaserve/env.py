@@ -41,9 +41,10 @@ def triton_interpret() -> bool:
     return _flag("TRITON_INTERPRET", False)
 
 
-def cuda_graphs() -> bool:
-    """DELTASERVE_CUDA_GRAPHS (default 1): capture decode steps as CUDA graphs on the GPU."""
-    return _flag("DELTASERVE_CUDA_GRAPHS", True)
+def profile_labels() -> bool:
+    """DELTASERVE_PROFILE_LABELS (default 0): the model's torch.profiler ranges around every layer and op
+    (model/labels.py), read once at import; off, the model records nothing."""
+    return _flag("DELTASERVE_PROFILE_LABELS", False)
 
 
 def pdl() -> bool:

@@ -6,11 +6,9 @@ must move at least (inputs read once, outputs written once; weights of the exper
 and reports the achieved bandwidth as a share of the device's copy bandwidth, measured in the same run
 with a large device-to-device copy (bytes read + written). Token counts up to --decode-up-to run the
 decode forms (paged attention over --context cached tokens per sequence, conv update, GDN decode, one
-sequence per token); larger counts run the prefill forms on one sequence. Two sweep rows help settle
-defaults: `preamble_fused_w1/_w2` (the fused preamble at 1 and 2 warps against the default 4) and
-`gdn_recurrent` (the recurrent prefill kernel against the default chunked one); `moe_block` times the whole MoE
+sequence per token); larger counts run the prefill forms on one sequence. `moe_block` times the whole MoE
 block op (router, routing, routed and shared experts) beside `fused_moe`, and `linear` kernels.linear on the
-GDN input projection (the Triton skinny GEMM up to 16 rows). The decode step as a whole, per batch size, is
+GDN input projection (the register GEMV at one row, cuBLAS beyond). The decode step as a whole, per batch size, is
 benchmarks/decode_step.py.
 
 Timing: the op's inputs are replicated until the sets together exceed three times the L2 cache and used in
@@ -122,8 +120,6 @@ MODELS: dict[str, ModelShapes] = {
 }
 OPS = (
     "preamble_fused",
-    "preamble_fused_w1",
-    "preamble_fused_w2",
     "preamble_unfused",
     "rotary_embedding",
     "rms_norm_residual",
@@ -133,7 +129,6 @@ OPS = (
     "paged_attention",
     "causal_conv1d",
     "gdn",
-    "gdn_recurrent",
     "fused_moe",
     "moe_block",
     "linear",
@@ -159,7 +154,6 @@ def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
 
 def _preamble_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     from deltaserve.kernels import attn_preamble, attn_preamble_unfused, rope_cos_sin_cache, rotary_embedding
-    from deltaserve.kernels.preamble_triton import attn_preamble_triton
 
     nq, nkv, d, r = m.num_q_heads, m.num_kv_heads, m.head_dim, m.rotary_dim
     width = nq * 2 * d + 2 * nkv * d
@@ -176,9 +170,6 @@ def _preamble_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Cas
     def fused(s: tuple[Any, ...]) -> object:
         return attn_preamble(s[0], q_w, k_w, s[2], nq, nkv, d, r, EPS)
 
-    def fused_warps(num_warps: int) -> Callable[[tuple[Any, ...]], object]:
-        return lambda s: attn_preamble_triton(s[0], q_w, k_w, s[2], nq, nkv, d, r, EPS, num_warps=num_warps)
-
     def unfused(s: tuple[Any, ...]) -> object:
         return attn_preamble_unfused(s[0], q_w, k_w, s[1], cache, nq, nkv, d, r, EPS)
 
@@ -192,8 +183,6 @@ def _preamble_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Cas
     rope_moved = tokens * (2 * (nq + nkv) * d + r) * size
     return [
         Case("preamble_fused", "-", make, fused, moved, note="1 launch"),
-        Case("preamble_fused_w1", "-", make, fused_warps(1), moved, note="1 launch, 1 warp (sweep)"),
-        Case("preamble_fused_w2", "-", make, fused_warps(2), moved, note="1 launch, 2 warps (sweep)"),
         Case("preamble_unfused", "-", make, unfused, moved, note="4 ops; bytes = fused's compulsory bytes"),
         Case("rotary_embedding", "-", make_rope, rope, rope_moved, note="out of place, as the ref"),
     ]
@@ -276,7 +265,6 @@ def _attention_cases(
 
 def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool) -> list[Case]:
     from deltaserve.kernels import causal_conv1d_prefill, causal_conv1d_update, gdn_decode, gdn_prefill
-    from deltaserve.kernels.gdn_triton import gdn_prefill_triton
 
     size = dtype.itemsize
     channels, width = m.conv_dim, m.conv_kernel
@@ -316,15 +304,11 @@ def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool)
             return gdn_decode(q, k, v, a, b, A_log, dt_bias, states, slots)
         return gdn_prefill(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, has_init)
 
-    def gdn_recurrent(s: tuple[Any, ...]) -> object:
-        q, k, v, a, b, states, slots, qsl, has_init = s
-        return gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, has_init, chunked=False)
-
     mode = "decode" if is_decode else "prefill"
     conv_bytes = 2 * tokens * channels * size + 2 * num_seqs * (width - 1) * channels * size
     gdn_bytes = tokens * (2 * hk * dk + 2 * hv * dv + 2 * hv) * size + 2 * state_bytes
     gdn_flops = 8 * tokens * hv * dk * dv  # decay, Sᵀk, rank-1 update, Sᵀq (recurrent form)
-    cases = [
+    return [
         Case("causal_conv1d", mode, make_conv, conv, conv_bytes),
         Case(
             "gdn",
@@ -336,9 +320,6 @@ def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool)
             f"{num_seqs} seq, fp32 state" + ", chunked" * (not is_decode),
         ),
     ]
-    if not is_decode:
-        cases.append(Case("gdn_recurrent", mode, make_gdn, gdn_recurrent, gdn_bytes, gdn_flops, "recurrent kernel"))
-    return cases
 
 
 def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
@@ -380,7 +361,7 @@ def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
 
 
 def _linear_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
-    """kernels.linear on the GDN input projection's shape (the skinny GEMM up to 16 rows, cuBLAS beyond)."""
+    """kernels.linear on the GDN input projection's shape (the register GEMV at one row, cuBLAS beyond)."""
     from deltaserve.kernels import linear
 
     out_features, in_features = m.conv_dim + m.num_v_heads * m.head_v_dim, m.hidden

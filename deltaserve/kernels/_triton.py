@@ -13,16 +13,16 @@ are listed in each kernel's `do_not_specialize`: Triton otherwise compiles a var
 start-up warm-up cannot cover every such class; tests/engine/test_runtime_compiles.py checks on the GPU that
 serving-like traffic compiles nothing new.
 
-Programmatic dependent launch (PDL, KERNEL_NOTES C21): a kernel that starts with `pdl_wait(USE_PDL)` may be launched
-with `**pdl_launch(tensor)`, which on a Hopper-or-newer GPU sets USE_PDL and Triton's `launch_pdl`. Such a kernel's
-programs are then scheduled while the previous kernel in the stream still runs (once every program of that kernel
-has passed its own `pdl_wait`), and block in `pdl_wait` until it has finished and its writes are visible. Because
-every PDL kernel signals its dependents only after its own wait, a PDL kernel that starts finds every kernel before
-its immediate predecessor complete: loads placed above `pdl_wait` may read only data that the predecessor neither
-writes nor reads-for-update (weights, this step's metadata, the GDN state slots of earlier steps); every other load,
-and every store, comes after it; and every program passes `pdl_wait`, also one with nothing to do (a kernel that
-could finish without waiting would let its successor start before its predecessor ends). A plain launch (torch,
-cuBLAS, USE_PDL False) keeps full stream order.
+Programmatic dependent launch (PDL, docs/kernels.md#programmatic-dependent-launch): a kernel that starts with
+`pdl_wait(USE_PDL)` may be launched with `**pdl_launch(tensor)`, which on a Hopper-or-newer GPU sets USE_PDL and
+Triton's `launch_pdl`. Such a kernel's programs are then scheduled while the previous kernel in the stream still runs
+(once every program of that kernel has passed its own `pdl_wait`), and block in `pdl_wait` until it has finished and its
+writes are visible. Because every PDL kernel signals its dependents only after its own wait, a PDL kernel that starts
+finds every kernel before its immediate predecessor complete: loads placed above `pdl_wait` may read only data that the
+predecessor neither writes nor reads-for-update (weights, this step's metadata, the GDN state slots of earlier steps);
+every other load, and every store, comes after it; and every program passes `pdl_wait`, also one with nothing to do (a
+kernel that could finish without waiting would let its successor start before its predecessor ends). A plain launch
+(torch, cuBLAS, USE_PDL False) keeps full stream order.
 
 Under the interpreter, Triton 3.6 turns a runtime scalar into a Python int with `int(array_of_shape_1)`,
 which numpy ≥ 2.3 refuses, so `for i in range(lo, hi, BLOCK)` with loaded bounds fails. `_interpreter_shim`
@@ -127,12 +127,11 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_launch(t: torch.Tensor, enabled: bool = True) -> dict[str, bool]:
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
     """Launch options for a kernel that opens with `pdl_wait(USE_PDL)`, for a launch on t's device: USE_PDL and
-    Triton's launch_pdl on a Hopper-or-newer GPU with DELTASERVE_PDL on (and `enabled`, the launcher's own switch),
-    else none (the kernel's USE_PDL default is False: a plain, fully ordered launch; always so under the
-    interpreter)."""
-    if not enabled or not t.is_cuda or is_interpreting() or not env.pdl():
+    Triton's launch_pdl on a Hopper-or-newer GPU with DELTASERVE_PDL on, else none (the kernel's USE_PDL default is
+    False: a plain, fully ordered launch; always so under the interpreter)."""
+    if not t.is_cuda or is_interpreting() or not env.pdl():
         return {}
     if not _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
         return {}

@@ -1,5 +1,5 @@
 """Gated activations, fp32 inside and one rounding: SiLU-and-mul for the SwiGLU MLPs (out = SiLU(x[:, :I]) * x[:, I:])
-and the gated attention's output gate (out = o * sigmoid(gate), architecture doc §2.2)."""
+and the gated attention's output gate (out = o * sigmoid(gate), docs/ARCHITECTURE.md#gated-full-attention)."""
 
 from __future__ import annotations
 

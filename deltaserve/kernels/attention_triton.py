@@ -16,7 +16,7 @@ block·block_size + offset; sequence b's queries are the last q_len of its seq_l
   Rows are the group's query heads padded to 16 for tl.dot, so each K/V tile is read once for the group.
   The next tile's page indices are loaded one tile ahead (carried in registers): the cp.async of a tile
   then never waits on a dependent index load, and with 3 stages the pipeliner keeps two K/V buffers, the
-  next tile in flight while this one is computed (benchmarks/KERNEL_NOTES.md, C12).
+  next tile in flight while this one is computed (docs/kernels.md#attention).
 fp32 inputs use "ieee" dots so the fp32 tests are exact-ish on GPU; the interpreter runs them as numpy.
 """
 
@@ -432,9 +432,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     resident in one wave (DECODE_PROGRAMS_PER_SM a SM), at least 1, at most 64 and one per 256 keys of the
     block table's capacity. Each program is latency-bound on its own, so the SMs' full residency is what
     saturates DRAM at mid batch sizes; past one wave a single split already does, without the combine, unless
-    the second wave is less than half full: then two splits (H200, session 7: 512 programs over 396 slots, a
-    second wave 29 % full, ran at 3.3 TB/s, 164 µs a 27B layer at B = 128, where 768 and 1024 programs, 1.94
-    and 2.59 waves, ran at 4.05-4.1 TB/s; KERNEL_NOTES C12b)."""
+    the second wave is less than half full: then two splits (on the H200 512 programs over 396 slots, a second
+    wave 29 % full, ran at 3.3 TB/s, 164 µs a 27B layer at B = 128, where 768 and 1024 programs, 1.94 and 2.59
+    waves, ran at 4.05-4.1 TB/s; docs/kernels.md#attention)."""
     num_programs = max(batch * num_kv_heads, 1)
     resident = DECODE_PROGRAMS_PER_SM * _sm_count(device)
     want = resident // num_programs

@@ -2,7 +2,8 @@
 
 conv_states [num_slots, K-1, C] holds, per slot, the last K-1 PRE-conv input rows of its sequence (the
 "SD" layout: one contiguous row of channels per step). Tap K-1 multiplies the current token. A sequence
-whose has_initial_state is False starts from zeros whatever its slot holds (architecture doc §5.3).
+whose has_initial_state is False starts from zeros whatever its slot holds
+(docs/ARCHITECTURE.md#gated-deltanet-and-its-state).
 Rounding as vLLM's Triton kernels: each tap product is rounded to the input dtype, the sum is fp32, SiLU
 in fp32, one rounding on store.
 """

@@ -83,7 +83,7 @@ def _causal_conv1d_prefill_kernel(
     b_acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     # Only tokens within K-1 rows of their sequence's start read history rows. Blocks without any (all but about
     # one a sequence in a long prefill) take the x-only loop: the masked history loads and their address math cost
-    # ~20 % of this kernel on the H200 (KERNEL_NOTES section 18, C31). Both loops add the same rounded tap products
+    # ~20 % of this kernel on the H200 (docs/kernels.md#causal-conv1d). Both loops add the same rounded tap products
     # in the same order, so the result does not depend on the branch.
     if tl.min(tl.where(m_t, b_pos, K)) < K - 1:
         b_slot = i64(tl.load(state_indices_ptr + i_seq, mask=m_t, other=-1))
@@ -282,7 +282,7 @@ def _causal_conv1d_update_kernel(
     o_c = i_cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     m_c = o_c < C
     # The step's slot may load before the wait (_triton.pdl_wait). The weights stay below the branch: loaded above
-    # it they made this kernel 5-8x slower at every B, PDL or not (KERNEL_NOTES C21, session 10's first run).
+    # it they made this kernel 5-8x slower at every B, PDL or not (docs/kernels.md#causal-conv1d).
     i_slot = i64(tl.load(state_indices_ptr + i_b))
     pdl_wait(USE_PDL)
     if i_slot < 0:

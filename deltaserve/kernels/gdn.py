@@ -1,7 +1,7 @@
 """Gated DeltaNet core: gates, q/k L2 norm and the delta-rule recurrence over fp32 state slots.
 
-ssm_states [num_slots, HV, dk, dv] fp32 (S in the architecture doc's orientation, §5.1). Value head h reads
-q/k head h // (HV/HK). Per token: S ← exp(g)·S; u = β(v − Sᵀk̂); S ← S + k̂uᵀ; o = Sᵀq̂, with
+ssm_states [num_slots, HV, dk, dv] fp32 (S in the orientation of docs/ARCHITECTURE.md#gated-deltanet-and-its-state).
+Value head h reads q/k head h // (HV/HK). Per token: S ← exp(g)·S; u = β(v − Sᵀk̂); S ← S + k̂uᵀ; o = Sᵀq̂, with
 g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-0.5, k̂ = l2norm(k).
 
 - `gdn_prefill`: varlen sequences by query_start_loc, the chunked (WY) form with chunks of 64; reads each

@@ -11,15 +11,14 @@ in-place updates need no synchronisation.
   CUDA-graph padding: their output row is zeros and no state is read or written. Grid from shapes only,
   the value-column block fastest (dv/BV × HV × B), so the programs of one head's contiguous state run
   side by side; every load that does not need the slot is issued with the slot load and the state load
-  right behind it, before any reduction (benchmarks/KERNEL_NOTES.md, C13).
+  right behind it, before any reduction (docs/kernels.md#gated-deltanet).
 - `gdn_prefill_triton`: varlen by query_start_loc; the state starts from the slot (zeros when
   has_initial_state is False, or when the slot is < 0) and the final state is written back. As the ref
-  (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. Default: the chunked WY form
-  (chunks of 64, four launches: a parallel per-chunk prepare with a blocked (I + A)^-1, a parallel w/u
-  kernel, a sequential scan over chunks that does only the state-dependent dots, and a parallel output
-  kernel; dot operands in the input dtype, bf16 tensor cores on the GPU); `chunked=False` runs the recurrent
-  kernel (one token per step, all fp32). Both match the chunked fp32 ref to ~1e-6 at fp32. Derivation:
-  README.md. `chunk_inverse_triton` runs the prepare's blocked inverse alone (tests).
+  (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. The chunked WY form (chunks of 64,
+  four launches: a parallel per-chunk prepare with a blocked (I + A)^-1, a parallel w/u kernel, a sequential
+  scan over chunks that does only the state-dependent dots, and a parallel output kernel; dot operands in the
+  input dtype, bf16 tensor cores on the GPU); it matches the chunked fp32 ref to ~1e-6 at fp32. Derivation:
+  docs/kernels.md#gated-deltanet. `chunk_inverse_triton` runs the prepare's blocked inverse alone (tests).
 """
 
 from __future__ import annotations
@@ -34,27 +33,21 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
 CHUNK_BV = 32
+# Warps of the chunked prefill's launches (their sm_90 registers and H200 times: docs/kernels.md#gated-deltanet).
 # Scan: 4 warps at 216 registers fit 2 programs an SM (8 warps: 137 registers, 1 program; the MMAs are M = 64,
-# one warpgroup's tile, so the second warpgroup adds little); KERNEL_NOTES C15.
+# one warpgroup's tile, so the second warpgroup adds little).
 CHUNK_SCAN_WARPS = 4
-# Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program); KERNEL_NOTES C14.
+# Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program).
 CHUNK_PREPARE_WARPS = 4
-# The state-free w / u kernel and the output kernel (C15): parallel over chunks, [64, 128] tiles. The w / u
-# kernel runs 8 warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative
-# error 0.84; scripts/diag_gdn_stages.py, benchmarks/results/gdn-wu-diag-h200-20261202-s8.txt), and at the served
-# heads 8 warps are also faster (session 9: a 27B 2048-token layer's chunked prefill 0.645 -> 0.557 ms, 35B-A3B
-# 8x1024 0.921 -> 0.918; diag_gdn_stages --time).
+# The state-free w / u kernel and the output kernel: parallel over chunks, [64, 128] tiles. The w / u kernel runs
+# 8 warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative error 0.84),
+# and at the served heads 8 warps are also faster (a 27B 2048-token layer's chunked prefill 0.645 -> 0.557 ms,
+# 35B-A3B 8x1024 0.921 -> 0.918).
 CHUNK_WU_WARPS = 8
 CHUNK_OUT_WARPS = 4
 CHUNK_OUT_BV = 64
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
 MAX_GRID_YZ = 65535
-
-
-@triton.jit
-def _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, i_h):
-    """(e^g, β) for one (token, value head): a_ptr/b_ptr already point at the token's row."""
-    return _gates_of(tl.load(a_ptr + i_h), tl.load(b_ptr + i_h), tl.load(A_log_ptr + i_h), tl.load(dt_bias_ptr + i_h))
 
 
 @triton.jit
@@ -116,7 +109,8 @@ def _gdn_decode_kernel(
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
     m_v = o_v < DV
     # The slot, the state (last written by this layer in an earlier step) and the weights go out before the wait
-    # (_triton.pdl_wait; KERNEL_NOTES C21): under PDL the state stream overlaps the conv kernel before this one.
+    # (_triton.pdl_wait, docs/kernels.md#programmatic-dependent-launch): under PDL the state stream overlaps the conv
+    # kernel before this one.
     # Padded rows of a CUDA-graph batch carry slot -1: masks, not a branch, so no load waits on the slot's value.
     i_slot = i64(tl.load(state_indices_ptr + i_b))
     b_A_log = tl.load(A_log_ptr + i_h)
@@ -211,74 +205,6 @@ def gdn_decode_triton(
         **pdl_launch(q),
     )
     return out
-
-
-@triton.jit
-def _gdn_prefill_recurrent_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    a_ptr,
-    b_ptr,
-    A_log_ptr,
-    dt_bias_ptr,
-    ssm_states_ptr,
-    query_start_loc_ptr,
-    state_indices_ptr,
-    has_initial_state_ptr,
-    out_ptr,
-    stride_q_t,
-    stride_q_h,
-    stride_k_t,
-    stride_k_h,
-    stride_v_t,
-    stride_v_h,
-    stride_a_t,
-    stride_b_t,
-    stride_s_slot,
-    stride_s_head,
-    stride_s_k,
-    scale,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-):
-    i_b = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    start = tl.load(query_start_loc_ptr + i_b)
-    end = tl.load(query_start_loc_ptr + i_b + 1)
-    if end == start:
-        return
-    i_slot = i64(tl.load(state_indices_ptr + i_b))
-    has_init = (tl.load(has_initial_state_ptr + i_b) != 0) & (i_slot >= 0)
-    i_hk = i_h // GROUP
-    o_k = tl.arange(0, BK)  # [BK]
-    m_k = o_k < DK
-    o_v = i_v * BV + tl.arange(0, BV)  # [BV]
-    m_v = o_v < DV
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_s & has_init, other=0.0).to(tl.float32)  # [BK, BV]
-
-    for i_t in range(start, end):
-        i_t64 = i64(i_t)
-        b_q = tl.load(q_ptr + i_t64 * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + i_t64 * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-        # vLLM's prefill stores the normed q/k in the activation dtype before the core.
-        b_q = _l2norm(b_q).to(q_ptr.dtype.element_ty).to(tl.float32) * scale
-        b_k = _l2norm(b_k).to(k_ptr.dtype.element_ty).to(tl.float32)
-        b_v = tl.load(v_ptr + i_t64 * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_decay, b_beta = _gates(a_ptr + i_t64 * stride_a_t, b_ptr + i_t64 * stride_b_t, A_log_ptr, dt_bias_ptr, i_h)
-        b_s = b_s * b_decay
-        b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
-        b_s += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
-        tl.store(out_ptr + (i_t64 * HV + i_h) * DV + o_v, b_o, mask=m_v)
-    tl.store(p_s, b_s, mask=m_s & (i_slot >= 0))
 
 
 # Side of one diagonal block of the blocked (I + A)^-1: a chunk is four BLK x BLK blocks on each side.
@@ -869,13 +795,9 @@ def gdn_prefill_triton(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     out: torch.Tensor | None = None,
-    chunked: bool = True,
 ) -> torch.Tensor:
     """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv] (into `out` when given); final states
-    written to the slots.
-
-    chunked=False runs the recurrent kernel instead (one token per step; the bench compares the two).
-    """
+    written to the slots."""
     num_tokens, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
@@ -885,44 +807,7 @@ def gdn_prefill_triton(
     num_seqs = state_indices.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if chunked:
-        _gdn_prefill_chunked(
-            q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out
-        )
-        return out
-    block_v = _block_v(head_v_dim)
-    _gdn_prefill_recurrent_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
-        q,
-        k,
-        v,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        ssm_states,
-        query_start_loc,
-        state_indices,
-        has_initial_state,
-        out,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        a.stride(0),
-        b.stride(0),
-        ssm_states.stride(0),
-        ssm_states.stride(1),
-        ssm_states.stride(2),
-        head_k_dim**-0.5,
-        HV=num_v_heads,
-        GROUP=num_v_heads // num_k_heads,
-        DK=head_k_dim,
-        DV=head_v_dim,
-        BK=next_pow2(head_k_dim),
-        BV=block_v,
-        num_warps=4,
-        num_stages=2,
+    _gdn_prefill_chunked(
+        q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out
     )
     return out

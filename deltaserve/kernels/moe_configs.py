@@ -9,9 +9,9 @@ device it names) maps each power-of-two token bucket to one configuration:
 - `gemm1` / `gemm2`: BLOCK_N, BLOCK_K, num_warps, num_stages of the two GEMM kernels of that path; the decode
   path's gemm2 also reads CHOICES_PER_PROGRAM (0, the default and what a table without the field means: each
   program runs all k choices of its token; 1, 2, 4: the choices split over programs and summed by a combine
-  launch, KERNEL_NOTES C16); its gemm1 reads ROUTE_ROWS (16, the default: the in-kernel routing runs on the
-  dot tile's max(16, next_pow2(T)) rows; 1: on next_pow2(T) rows, C17). Written to the JSON only when not at
-  their defaults.
+  launch); its gemm1 reads ROUTE_ROWS (16, the default: the in-kernel routing runs on the dot tile's max(16,
+  next_pow2(T)) rows; 1: on next_pow2(T) rows). Written to the JSON only when not at their defaults. How the
+  tables are tuned and what they chose: docs/kernels.md#tuned-configs.
 
 A batch of T tokens takes the bucket next_pow2(T) (the engine's start-up warm-up runs every power of two up to
 its largest step, and the decode graphs capture each of their sizes, so no bucket first compiles while
@@ -38,7 +38,7 @@ PATHS = ("decode", "grouped")
 DECODE_MAX_TOKENS = 64
 
 
-# GemmConfig's decode-path variant fields (KERNEL_NOTES C16, C17): written to a table only away from their defaults
+# GemmConfig's decode-path variant fields (tuned choices): written to a table only away from their defaults
 VARIANT_FIELDS = ("CHOICES_PER_PROGRAM", "ROUTE_ROWS")
 
 

@@ -5,16 +5,17 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
 1. Router: logits = x·W_rᵀ [T, E] and the shared-expert gate logit x·w_gᵀ [T, 1] in one pass over the
    router rows (the gate row is row E), fp32 sums, stored in the model dtype (the bf16 F.linear outputs the
    ref rounds to). Up to ROUTER_GEMV_MAX_TOKENS tokens the GEMV kernel (`_moe_router_gemv_kernel`, no tensor
-   cores): up to 4 tokens one program per (row pair, token) (KERNEL_NOTES C9); above, 8 tokens per program
+   cores): up to 4 tokens one program per (row pair, token); above, 8 tokens per program
    and 2-8 rows, so the 1 MB router of the 35B-A3B shape streams through ≥ 128 programs at every T, each
-   weight tile loaded once per program and multiplied by all its tokens (C11). Above, `_moe_router_kernel`
+   weight tile loaded once per program and multiplied by all its tokens. Above, `_moe_router_kernel`
    (tl.dot tiles of 16 rows × 16 tokens; its 16-row minimum left 16-64 programs at ≤ 64 tokens, 14 µs for
-   1 MB). The switch points and block shapes are the ROUTER_* module constants (router_gemv_config).
+   1 MB). The switch points and block shapes are the ROUTER_* module constants (router_gemv_config); their
+   measurements: docs/kernels.md#moe-decode.
 2. Gate/up (`_moe_decode_gemm1_kernel`): one program per (entry, column block), an entry being a (token,
    choice) pair or the shared expert. Each program first routes every token of the batch from the logits
    (softmax → top-k by repeated argmax, lowest expert id first on ties → renormalise, all fp32, as
    moe_route_triton; on max(gemm1.ROUTE_ROWS, next_pow2(T)) token rows, at most the dot tile's, mapped onto
-   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both, KERNEL_NOTES C17);
+   the dot tile's rows afterwards: ROUTE_ROWS 16, the default, is one tile for both);
    program 0 stores the routing for step 3 (above ROUTE_IN_GEMM1_MAX_TOKENS tokens the
    [tokens, E] tile no longer fits in registers, and moe_route_triton routes in a launch of its own, four
    launches in all). An entry whose expert an earlier entry
@@ -26,7 +27,7 @@ For T ≤ DECODE_MAX_TOKENS tokens (a decode step), with no expert alignment, no
    expert out = round(routed + sigmoid(gate)·round(act_sh·W2_shᵀ)), else routed. No FMA contraction, so each
    product rounds before its add as in the ref. The token's k weight slices are read by its program; a slice
    two tokens share is read twice (from L2 in practice), which is why the tuning table moves larger batches
-   to the grouped path. With gemm2.CHOICES_PER_PROGRAM = c > 0 (KERNEL_NOTES C16) step 3 is two launches
+   to the grouped path. With gemm2.CHOICES_PER_PROGRAM = c > 0 (a tuned choice) step 3 is two launches
    instead: `_moe_decode_gemm2_split_kernel`, one program per (token, group of c choices or the shared
    expert, column block), writes each y_j (rounded, as above) to a [T, k (+1), H] scratch, so a program's
    serial chain is c GEMVs instead of k + 1; `_moe_decode_combine_kernel` then sums w·y in fp32 in choice
@@ -53,8 +54,8 @@ from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoECon
 ROUTER_BLOCK_R = 16
 ROUTER_BLOCK_K = 256
 ROUTER_BLOCK_T = 16
-# The GEMV router (T <= ROUTER_GEMV_MAX_TOKENS; KERNEL_NOTES C9, C11): up to ROUTER_GEMV_SINGLE_MAX_TOKENS
-# tokens one program per (row pair, token) (C9); above, ROUTER_GEMV_BLOCK_T tokens per program, the rows per
+# The GEMV router (T <= ROUTER_GEMV_MAX_TOKENS; docs/kernels.md#moe-decode): up to ROUTER_GEMV_SINGLE_MAX_TOKENS
+# tokens one program per (row pair, token); above, ROUTER_GEMV_BLOCK_T tokens per program, the rows per
 # program the largest power of two up to ROUTER_GEMV_MAX_BLOCK_R that still launches ROUTER_GEMV_MIN_PROGRAMS
 # programs at the smallest token count of the power-of-two bucket (so the variant follows the bucket alone).
 # Above ROUTER_GEMV_MAX_TOKENS the tl.dot kernel (its 16-row tiles reach 128 programs from ~113 tokens on).
@@ -66,18 +67,18 @@ ROUTER_GEMV_MAX_BLOCK_R = 8
 ROUTER_GEMV_MIN_PROGRAMS = 128
 ROUTER_GEMV_VEC = 8
 ROUTER_GEMV_WARPS = 4
-# KERNEL_NOTES C30: up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV router takes the whole hidden size in one
-# K step (VEC = H / threads) and loads its W rows (and the gate row) before the PDL wait, as C29's GEMV does: the
-# 1 MB router streams while the norm before it finishes. On from session 14: 35B-A3B B = 1 2.52 -> 2.41 ms on the H200
-# (KERNEL_NOTES section 17); decode_step's `routerlate` times it off.
-ROUTER_W_BEFORE_WAIT = True
-# the one-step tile's limit: 2048 (the 35B-A3B hidden) at 4 warps is 16 elements, two 16-byte loads, a thread
+# Up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV router takes the whole hidden size in one K step (VEC = H /
+# threads) and loads its W rows (and the gate row) before the PDL wait, as kernels.linear's GEMV does: the 1 MB router
+# streams while the norm before it finishes (35B-A3B B = 1 2.52 -> 2.41 ms on the H200, docs/kernels.md#moe-decode).
+# The one-step tile's limit: 2048 (the 35B-A3B hidden) at 4 warps is 16 elements, two 16-byte loads, a thread;
+# deeper routers take 1024-column steps after the wait.
 ROUTER_W_BEFORE_WAIT_MAX_HIDDEN = 4096
 # Gate/up programs route the whole batch in registers ([tokens, E] fp32) up to this many tokens; at 32 tokens
 # and E = 256 that tile took every register (and spilled at 64, benchmarks/kernel_resources.py), so larger
 # decode batches route in moe_route_triton's own launch first.
 ROUTE_IN_GEMM1_MAX_TOKENS = 16
-# The C16 combine launch (gemm2 with CHOICES_PER_PROGRAM): output columns per program and warps. It moves
+# The combine launch of the choice-split down GEMM (gemm2 with CHOICES_PER_PROGRAM): output columns per program
+# and warps. It moves
 # T·(k+1)·H·2 + T·H·2 bytes (45 KB at T = 1), so its cost is the launch; 128 columns give 16 programs a token.
 COMBINE_BLOCK_N = 128
 COMBINE_WARPS = 4
@@ -153,7 +154,7 @@ def _moe_router_gemv_kernel(
 ):
     """BLOCK_T tokens' logits for BLOCK_R rows: rows < E of W_r, row E the shared-expert gate (HAS_GATE). Each
     weight tile is loaded once and multiplied by every token of the block (x rows come from L2).
-    W_BEFORE_WAIT (C30; the launcher sets it only when BLOCK_K covers H, one K step): the weight tile is loaded
+    W_BEFORE_WAIT (the launcher sets it only when BLOCK_K covers H, one K step): the weight tile is loaded
     before the PDL wait (weights never depend on the launch before), x after.
 
     x and W tiles are loaded as [BLOCK_T, 1, BLOCK_K] and [1, BLOCK_R, BLOCK_K] with BLOCK_K = VEC lanes per
@@ -328,7 +329,7 @@ def _moe_decode_gemm1_kernel(
     m_t = o_t < num_tokens
     pdl_wait(USE_PDL)
     # The routing runs on BLOCK_TR token rows, the dot tile has BLOCK_T ≥ 16 (tl.dot's minimum): at T = 1 a
-    # 16-row routing tile did 16 times the softmax and top-k work the batch needs (C17).
+    # 16-row routing tile did 16 times the softmax and top-k work the batch needs.
     o_r = tl.arange(0, BLOCK_TR)  # [BLOCK_TR]
     m_r = o_r < num_tokens
     o_j = tl.arange(0, BLOCK_KK)
@@ -464,7 +465,7 @@ def _moe_decode_gemm2_split_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """C16, the down GEMM split over the choices: program (token, group, column block) writes y_j =
+    """The down GEMM split over the choices: program (token, group, column block) writes y_j =
     round(act_j·W2_eᵀ) [BLOCK_N] for the CHOICES_PER_PROGRAM choices of its group into y [T, NUM_SLOTS, H]; the
     group past the last routed one (launched when NUM_SLOTS > TOP_K) writes round(act_sh·W2_shᵀ) into slot
     TOP_K. The same GEMV (same blocks, no FMA) as _moe_decode_gemm2_kernel, so y_j is bit-for-bit its b_y."""
@@ -509,7 +510,7 @@ def _moe_decode_combine_kernel(
     BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """C16's second launch, _moe_decode_gemm2_kernel's epilogue on the split kernel's y [T, NUM_SLOTS, H]:
+    """The choice split's second launch, _moe_decode_gemm2_kernel's epilogue on the split kernel's y [T, NUM_SLOTS, H]:
     acc += w_j·y_j in fp32 in choice order (y_j already rounded), routed = round(acc), out = round(routed +
     sigmoid(gate)·shared) — the same operations in the same order, so the same bits."""
     pdl_wait(USE_PDL)
@@ -556,7 +557,7 @@ def router_gemv_config(num_tokens: int, num_rows: int, hidden: int) -> dict[str,
         ):
             block_r *= 2
     if router_w_before_wait(num_tokens, hidden):
-        # C30: one K step, VEC = the hidden size over the program's threads
+        # one K step, VEC = the hidden size over the program's threads
         block_k = next_pow2(hidden)
         vec = max(1, block_k // (32 * ROUTER_GEMV_WARPS))
         return {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_K": block_k, "VEC": vec, "W_BEFORE_WAIT": True}
@@ -566,9 +567,9 @@ def router_gemv_config(num_tokens: int, num_rows: int, hidden: int) -> dict[str,
 
 
 def router_w_before_wait(num_tokens: int, hidden: int) -> bool:
-    """C30 applies: the switch on, a one-token-a-program launch, and a hidden size the one-step tile holds."""
+    """The weights load before the wait: a one-token-a-program launch and a hidden size the one-step tile holds."""
     is_single = num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS
-    return ROUTER_W_BEFORE_WAIT and is_single and next_pow2(hidden) <= ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
+    return is_single and next_pow2(hidden) <= ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
 
 
 def router_logits_triton(
@@ -653,7 +654,7 @@ def _down_split(
     inter_sh: int,
     shared_mode: int,
 ) -> None:
-    """Step 3 as two launches (C16): the choice-split down GEMVs into y [T, k (+1 shared), H] in out's dtype
+    """Step 3 as two launches: the choice-split down GEMVs into y [T, k (+1 shared), H] in out's dtype
     (each y_j is rounded there in the one-program kernel too), then the combine into out [T, H]."""
     num_tokens, hidden = out.shape
     num_slots = top_k + int(shared_mode == 2)
@@ -866,7 +867,7 @@ def moe_block_triton(
         )  # fmt: skip
     # Grouped path: the router and gate logits in one GEMV launch up to ROUTER_GEMV_MAX_TOKENS tokens, cuBLAS
     # above (the H200 measured the tl.dot router kernel at 14-24 µs a call for 65-256 tokens against 9-12 µs for
-    # the two F.linear calls: align-router-h200-20261202-s7.json), the shared MLP through cuBLAS and the fused
+    # the two F.linear calls, docs/kernels.md#moe-decode), the shared MLP through cuBLAS and the fused
     # SiLU-and-mul, the routed experts (with the shared sum in their epilogue) through moe_triton.
     from deltaserve.kernels.activation_triton import silu_and_mul_triton
     from deltaserve.kernels.moe_routing_triton import moe_route_triton

@@ -2,32 +2,32 @@
 
 On the 35B-A3B shape a decode step launched about 2,700 kernels, and routing plus alignment in torch ops
 (softmax, top-k sorts, renormalisation, then counts, scans, a radix sort, searchsorted, index puts) were
-about 22 launches per MoE layer (benchmarks/results/profile-decode-35b-a3b-h200-20261129.json). Here:
+about 22 launches per MoE layer (docs/kernels.md#moe-routing-and-alignment). Here:
 
 - `moe_route_triton` (twin: `moe.moe_route_ref`): one program per token; softmax in fp32, top-k by repeated
   argmax (descending, lowest expert id first on ties), optional renormalisation, weights fp32.
 - `moe_align_triton` (twin: `moe_align.moe_align_ref`, equal output): one program for the whole batch, in
-  O(log N) parallel steps (KERNEL_NOTES C10). All N entries are loaded at once (a power-of-two block NP);
+  O(log N) parallel steps. All N entries are loaded at once (a power-of-two block NP);
   per-expert counts by `tl.histogram`; block-padded run ends by `tl.cumsum`; each block's expert
   (searchsorted, right) as the cumsum of a histogram of the runs' end blocks; and the stable order from ONE
   bitonic `tl.sort` of the keys expert·NP + entry: an entry's rank within its expert is its sorted position
   minus the expert's unpadded start, so its slot is that position plus the expert's (padded − unpadded) start,
   fetched from the [E] register vector by `tl.gather`. The padding fill is stored first; a barrier orders it
   before the entries are stored over it. Earlier versions held [entries, 64] compare tiles (spilling 3 KiB a
-  thread at 257-512 entries: the B = 48-64 cliff of issue 11), then walked 32-entry tiles (C1: ~26 serial
+  thread at 257-512 entries: a decode-step cliff at B = 48-64), then walked 32-entry tiles (~26 serial
   steps of cross-warp reductions at 256 entries, 28 µs a layer at B = 32 and 144 µs at B = 256). Registers
   stay ≤ 125 with no spills for N ≤ 8192, E ≤ 512, any BLOCK_M (benchmarks/kernel_resources.py --align);
   the sort is O(N log² N / threads) work, so the fused MoE calls it up to ALIGN_DISPATCH_MAX_ENTRIES (128
   tokens at top-8; the chunked kernels below measured faster from 2048 entries).
-- `moe_align_chunked_triton` (twin: `moe_align.moe_align_ref`, equal output; KERNEL_NOTES C19): the same
+- `moe_align_chunked_triton` (twin: `moe_align.moe_align_ref`, equal output): the same
   alignment for prefill-sized batches as a counting sort in three launches: per-chunk expert counts (and the
   padding fill), one scan program (padded run ends; per chunk and expert the slot base = padded run start +
   the expert's entries in earlier chunks − the chunk's entries of smaller experts), and the scatter (each
   chunk's one sort of expert·CHUNK + entry keys gives an entry's position in the chunk's stable order, so its
   slot is base + position; each program also resolves the experts of a share of the blocks). It serves above
   ALIGN_DISPATCH_MAX_ENTRIES, where the torch ops ran before: 14-17 µs at 2048-32768 entries against their
-  83-131 (session 9's bench), and on the 35B-A3B shape an eager prefill step is host-bound and those ops cost
-  ~15 launches and 13.5-16.5 ms of host a step (mixed-step-h200-20261202-s8.json).
+  83-131, and on the 35B-A3B shape an eager prefill step is host-bound and those ops cost ~15 launches and
+  13.5-16.5 ms of host a step (docs/kernels.md#moe-routing-and-alignment).
 All are CUDA-graph safe: grids from shapes, no host sync.
 """
 
@@ -41,10 +41,10 @@ from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait
 
 # One program sorts every entry (O(N log² N) over at most 16 warps): larger batches take the chunked kernels below.
 ALIGN_MAX_ENTRIES = 8192
-# Where the fused MoE calls this launch rather than the chunked kernels below (C19): measured on the H200 in CUDA
-# graphs (session 9, align-router-h200-20261202-s9.log, µs a call at E = 256, BLOCK_M 16): 1024 entries 9.7
-# against the chunked 20.9, 2048 23.5 against 17.2, 4096 67.7 against 15.7 (session 7 had put the torch ops, 83-88
-# µs, beyond 4096). So one program serves up to 1024 entries (128 tokens at top-8); it still takes up to
+# Where the fused MoE calls this launch rather than the chunked kernels below: measured on the H200 in CUDA graphs
+# (µs a call at E = 256, BLOCK_M 16; docs/kernels.md#moe-routing-and-alignment): 1024 entries 9.7 against the
+# chunked 20.9, 2048 23.5 against 17.2, 4096 67.7 against 15.7 (the torch ops took 83-88 µs beyond 4096). So one
+# program serves up to 1024 entries (128 tokens at top-8); it still takes up to
 # ALIGN_MAX_ENTRIES (the tests and the bench reach that far).
 ALIGN_DISPATCH_MAX_ENTRIES = 1024
 
@@ -222,7 +222,7 @@ def align_launch(num_entries: int, num_experts: int, block_m: int) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The multi-program alignment for prefill-sized batches (KERNEL_NOTES C19): a counting sort in three launches.
+# The multi-program alignment for prefill-sized batches: a counting sort in three launches.
 # Chunks of ALIGN_CHUNK_MIN entries or more, at most ALIGN_CHUNKED_MAX_PROGRAMS of them (the scan holds every
 # chunk's counts in one [programs, E] tile), each chunk at most ALIGN_MAX_ENTRIES (one program's sort).
 ALIGN_CHUNK_MIN = 1024

@@ -14,7 +14,9 @@ A bucket whose path is "decode" runs moe_decode_triton's gate/up and down+sum ke
    takes SiLU(gate)·up in fp32 and stores one rounded row per entry: act [T·k, I].
 3. GEMM 2: act rows times the expert's w2, rounded to the input dtype per entry: y [T·k, H]. A last small
    kernel sums each token's k rows scaled by its fp32 routing weights, in fp32, and rounds once.
-Routing weights stay fp32 and multiply the rounded expert output, as the ref.
+Routing weights stay fp32 and multiply the rounded expert output, as the ref. The three launches are plain (no
+programmatic dependent launch): with it the 35B-A3B decode steps that take this path (B = 32, 64) ran 1-1.3 %
+slower, while the decode path's kernels gained (docs/kernels.md#programmatic-dependent-launch).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels import moe_configs
-from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
+from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import MoEConfig
 from deltaserve.kernels.moe_routing_triton import (
@@ -38,12 +40,6 @@ from deltaserve.kernels.moe_routing_triton import (
 CHUNK_TOKENS = 8192
 # The bucket whose default config a grouped call falls back to when its own config is a decode one.
 DEFAULT_GROUPED_TOKENS = 128
-
-
-# The grouped GEMMs and their sum launch plainly (KERNEL_NOTES C21): with programmatic dependent launch the 35B-A3B
-# decode steps that take this path (B = 32, 64) ran 1-1.3 % slower in session 10's first run, while the decode
-# path's kernels and the 27B shape gained. benchmarks/decode_step.py's `pdlgrouped` variant sets it for a rerun.
-GROUPED_PDL = False
 
 
 @triton.jit(do_not_specialize=["num_entries"])
@@ -64,9 +60,7 @@ def _moe_gemm1_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_e = i64(tl.load(block_expert_ptr + i_m))
@@ -117,9 +111,7 @@ def _moe_gemm2_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_e = i64(tl.load(block_expert_ptr + i_m))
@@ -158,9 +150,7 @@ def _moe_sum_kernel(
     H: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
     i_t = i64(tl.program_id(0))
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -189,7 +179,7 @@ def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     """The grouped path's alignment (all three equal moe_align_ref): one program up to ALIGN_DISPATCH_MAX_ENTRIES
     (decode buckets up to 128 tokens at top-8), the three-launch chunked kernels up to ALIGN_CHUNKED_MAX_ENTRIES
     (the larger decode buckets, and the prefill steps, eager and host-bound on the 35B-A3B shape, where the torch
-    ops cost ~15 launches and ~0.4 ms of host a layer; C19), the torch ops beyond."""
+    ops cost ~15 launches and ~0.4 ms of host a layer), the torch ops beyond."""
     num_entries = topk_ids.numel()
     if num_entries <= ALIGN_DISPATCH_MAX_ENTRIES:
         return moe_align_triton(topk_ids, num_experts, block_m)
@@ -223,12 +213,10 @@ def _fused_moe_chunk(
     _moe_gemm1_kernel[(num_blocks, triton.cdiv(inter, g1.BLOCK_N))](
         x, w13, act, sorted_ids, block_expert, num_entries, x.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=top_k, I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g1.launch(),
-        **pdl_launch(x, GROUPED_PDL),
     )  # fmt: skip
     _moe_gemm2_kernel[(num_blocks, triton.cdiv(hidden, g2.BLOCK_N))](
         act, w2, y, sorted_ids, block_expert, num_entries, w2.stride(0), w2.stride(1),
         I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g2.launch(),
-        **pdl_launch(act, GROUPED_PDL),
     )  # fmt: skip
     block_h = min(1024, next_pow2(hidden))
     has_shared = shared is not None and shared_gate_logits is not None
@@ -247,7 +235,6 @@ def _fused_moe_chunk(
         HAS_SHARED=has_shared,
         BLOCK_H=block_h,
         enable_fp_fusion=False,
-        **pdl_launch(y, GROUPED_PDL),
     )
 
 

@@ -1,7 +1,7 @@
 """RMSNorms of the decoder: zero-centred (1+w) with an optional fused residual add, and the GDN gated norm.
 
-Rounding follows vLLM (architecture doc §3.1, §7, §8.3): the residual sum is taken in fp32, stored rounded,
-and the norm reads the unrounded fp32 sum; every norm does fp32 math and rounds once.
+Rounding follows vLLM (docs/ARCHITECTURE.md#norms-and-rounding-points): the residual sum is taken in fp32, stored
+rounded, and the norm reads the unrounded fp32 sum; every norm does fp32 math and rounds once.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The gated-attention preamble: per-head RMSNorm of q and k, partial NeoX RoPE, and the q/gate split.
 
-Input is the fused projection output qkv [T, nq·2d + nkv·d + nkv·d] whose first nq·2d columns are per head
-[query (d) | gate (d)] (architecture doc §2.2). RoPE reads a per-token cos/sin table [T, r] (cos in the first
-r/2 columns, sin in the last r/2) gathered from 3-D positions, so 1-D RoPE and interleaved MRoPE are one path.
+Input is the fused projection output qkv [T, nq·2d + nkv·d + nkv·d] whose first nq·2d columns are per head [query (d) |
+gate (d)] (docs/ARCHITECTURE.md#configs-and-checkpoint-layout). RoPE reads a per-token cos/sin table [T, r] (cos in the
+first r/2 columns, sin in the last r/2) gathered from 3-D positions, so 1-D RoPE and interleaved MRoPE are one path.
 
 Two spellings:
 - `attn_preamble`: one fused op (one Triton launch on CUDA). Rounding as vLLM's fused kernel: the normed
@@ -33,7 +33,8 @@ def rope_cos_sin_cache(
 def mrope_axis_per_frequency(
     num_frequencies: int, mrope_section: list[int] | None, device: torch.device | str
 ) -> torch.Tensor:
-    """Which position row (0=T, 1=H, 2=W) each rotary frequency reads, interleaved as Qwen3.5 does (§4)."""
+    """Which position row (0=T, 1=H, 2=W) each rotary frequency reads, interleaved as Qwen3.5 does
+    (docs/ARCHITECTURE.md#positions-and-mrope)."""
     axis = torch.zeros(num_frequencies, dtype=torch.int64, device=device)
     if mrope_section is None:
         return axis

@@ -1,12 +1,12 @@
 """Triton kernels for the gated-attention preamble: the fused q/k norm + RoPE + gate split, and 1-D RoPE.
 
-`attn_preamble_triton` is one launch over a (token, head) grid with nq + nkv programs per token. Program
-(t, h) reads one head straight out of the fused qkv row (query head h: [query d | gate d]; KV head h − nq:
-k), takes the zero-centred RMSNorm in fp32, rounds the normed head to the input dtype (vLLM's rounding
-point, architecture doc §3.3), rotates the first rotary_dim dims in fp32 with the token's cos/sin row and
-rounds once on store; the pass-through dims are stored from the rounded normed value and a query program
-also copies its gate half raw. A head is loaded whole for the norm and its two rotary halves are re-read
-(they hit L1) rather than shuffled between threads.
+`attn_preamble_triton` is one launch over a (token, head) grid with nq + nkv programs per token. Program (t, h) reads
+one head straight out of the fused qkv row (query head h: [query d | gate d]; KV head h − nq: k), takes the zero-centred
+RMSNorm in fp32, rounds the normed head to the input dtype (vLLM's rounding point,
+docs/ARCHITECTURE.md#gated-full-attention), rotates the first rotary_dim dims in fp32 with the token's cos/sin row and
+rounds once on store; the pass-through dims are stored from the rounded normed value and a query program also copies its
+gate half raw. A head is loaded whole for the norm and its two rotary halves are re-read (they hit L1) rather than
+shuffled between threads.
 
 `rotary_embedding_triton` is the unfused path's fourth op: out-of-place NeoX RoPE over 1-D positions and
 the [max_pos, r] cache, fp32 rotation, one rounding (the ref returns new tensors, so this does too).
@@ -103,12 +103,8 @@ def attn_preamble_triton(
     head_dim: int,
     rotary_dim: int,
     eps: float,
-    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [T, ≥ nq·2d + nkv·d] (rows may be strided), cos_sin [T, r] -> q [T, nq·d], k [T, nkv·d], gate [T, nq·d].
-
-    num_warps overrides the default (4 at d = 256) for the bench's sweep; the dispatcher never passes it.
-    """
+    """qkv [T, ≥ nq·2d + nkv·d] (rows may be strided), cos_sin [T, r] -> q [T, nq·d], k [T, nkv·d], gate [T, nq·d]."""
     require_last_dim_contiguous("qkv", qkv)
     require_last_dim_contiguous("cos_sin", cos_sin)
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
@@ -136,7 +132,7 @@ def attn_preamble_triton(
         ROT=rotary_dim,
         BLOCK_D=next_pow2(head_dim),
         BLOCK_HALF=next_pow2(rotary_dim // 2),
-        num_warps=num_warps or _num_warps(head_dim),
+        num_warps=_num_warps(head_dim),
         **pdl_launch(qkv),
     )
     return q, k, gate

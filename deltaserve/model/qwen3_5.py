@@ -20,6 +20,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.kernels import linear, rms_norm, rope_cos_sin_cache, rope_cos_sin_for_positions
 from deltaserve.kernels.preamble import mrope_axis_per_frequency
 from deltaserve.model.context import get_forward_context
+from deltaserve.model.labels import label
 from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.layers.gdn import GatedDeltaNet
@@ -41,6 +42,7 @@ class DecoderLayer(nn.Module):
         tp = tp or TensorParallel.single()
         self.eps = config.rms_norm_eps
         self.is_full_attention = config.layer_types[index] == "full_attention"
+        self.label = f"layer.{index}.{config.layer_types[index]}"  # the profiler's range (model/labels.py)
         self.input_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         if self.is_full_attention:
@@ -60,14 +62,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            x, _ = rms_norm(hidden, self.input_layernorm, self.eps)
-        else:
-            x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        x = self.mixer(x, positions)
-        x, residual = rms_norm(x, self.post_attention_layernorm, self.eps, residual)
-        return self.mlp(x), residual
+        with label(self.label):
+            with label("layer.rms_norm"):
+                if residual is None:
+                    residual = hidden
+                    x, _ = rms_norm(hidden, self.input_layernorm, self.eps)
+                else:
+                    x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
+            x = self.mixer(x, positions)
+            with label("layer.rms_norm"):
+                x, residual = rms_norm(x, self.post_attention_layernorm, self.eps, residual)
+            return self.mlp(x), residual
 
 
 class Qwen35Model(nn.Module):
@@ -137,14 +142,17 @@ class Qwen35Model(nn.Module):
         this step's tokens, vision embeddings [M, H]) replacing those rows' token embeddings
         (docs/multimodal.md#placeholders-and-prompt-expansion)."""
         ctx = get_forward_context()
-        ctx.cos_sin = rope_cos_sin_for_positions(self.cos_sin_cache, positions, self.axis_per_frequency)  # [T, r]
-        hidden = self._embed(input_ids)
-        if mm_embeds is not None:
-            hidden = hidden.index_copy(0, mm_embeds[0], mm_embeds[1].to(hidden.dtype))
+        with label("layer.rope_cos_sin_for_positions"):
+            ctx.cos_sin = rope_cos_sin_for_positions(self.cos_sin_cache, positions, self.axis_per_frequency)  # [T, r]
+        with label("lm.embed"):
+            hidden = self._embed(input_ids)
+            if mm_embeds is not None:
+                hidden = hidden.index_copy(0, mm_embeds[0], mm_embeds[1].to(hidden.dtype))
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions)
-        hidden, _ = rms_norm(hidden, self.norm, self.eps, residual)
+        with label("layer.rms_norm"):
+            hidden, _ = rms_norm(hidden, self.norm, self.eps, residual)
         return hidden
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -161,12 +169,14 @@ class Qwen35Model(nn.Module):
         """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast), written into
         `out` [B, V] fp32 when given (the decode graphs share one such buffer). Vocab-parallel: each rank's
         [B, V/size] is gathered on rank 0; the other ranks return None."""
-        logits = linear(hidden, self.lm_head)
-        if self.tp.is_parallel:
-            logits = self.tp.gather_columns(logits)  # [B, size·rows] on rank 0, None elsewhere
-            if logits is None:
-                return None
-            logits = logits[:, : self.config.vocab_size]
-        if out is None:
-            return logits.float()
-        return out.copy_(logits)
+        with label("lm"):
+            with label("lm.lm_head"):
+                logits = linear(hidden, self.lm_head)
+            if self.tp.is_parallel:
+                logits = self.tp.gather_columns(logits)  # [B, size·rows] on rank 0, None elsewhere
+                if logits is None:
+                    return None
+                logits = logits[:, : self.config.vocab_size]
+            if out is None:
+                return logits.float()
+            return out.copy_(logits)

@@ -1,5 +1,5 @@
 """Executors: what the engine core steps, with the ModelRunner's interface (execute / sample / collect / layout /
-max_num_seqs / device / dtype / load_report / check_health / shutdown / run_on_all_ranks).
+max_num_seqs / device / dtype / load_report / check_health / shutdown / run_on_all_ranks / set_step_observer).
 
 --tensor-parallel-size 1 gets the ModelRunner itself: no wrapper, no process, nothing to pay. Above 1,
 MultiprocExecutor keeps rank 0's ModelRunner in this process (it samples) and one worker process per other rank
@@ -41,6 +41,7 @@ from deltaserve.runner.distributed import (
     resolve_launch,
 )
 from deltaserve.runner.model_runner import ModelRunner, StepHandle, resolve_device
+from deltaserve.runner.observer import StepObserver
 from deltaserve.runner.worker import WorkerSpec, run_external_worker, spawned_worker_main
 from deltaserve.step import StepPlan, StepResult
 
@@ -303,6 +304,10 @@ class MultiprocExecutor:
         except Exception as exc:
             self._raise_failure(exc)
             raise
+
+    def set_step_observer(self, observer: StepObserver | None) -> None:
+        """Rank 0's runner calls it with every collected step (runner/observer.py); the workers collect nothing."""
+        self.driver.set_step_observer(observer)
 
     def run_on_all_ranks(self, method: str, *args: object) -> object:
         """Calls a ModelRunner method on every rank; returns rank 0's result."""

@@ -48,6 +48,7 @@ from deltaserve.runner.cache import (
 )
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
+from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
 from deltaserve.sampler.transfer import to_device
@@ -101,6 +102,9 @@ class StepHandle:
     pending: tuple[torch.Tensor, np.ndarray, torch.Tensor, SamplingBatch] | None = None
     prompt_logprobs: plp.PromptLogprobsOutput | None = None  # host copies once prompt_event completes
     prompt_event: torch.cuda.Event | None = None
+    # host perf_counter() stamps of execute(), taken only while a step observer is registered
+    launch_started: float = 0.0
+    launched_at: float = 0.0
 
 
 def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
@@ -172,8 +176,9 @@ class ModelRunner:
         self.model.fuse_projections()
         self.model.eval()
         self.sampler = Sampler(engine_config.seed)
+        self._step_observer: StepObserver | None = None  # set_step_observer
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.is_graphed = self.device.type == "cuda" and env.cuda_graphs() and not engine_config.enforce_eager
+        self.is_graphed = self.device.type == "cuda" and not engine_config.enforce_eager
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
@@ -260,6 +265,7 @@ class ModelRunner:
 
     # -- steps ----------------------------------------------------------------------------------------
 
+    @timed_launch
     @torch.inference_mode()
     def execute(self, plan: StepPlan, defer_sampling: bool = False) -> StepHandle:
         """Applies the plan and launches its forward and sampling (only the forward with defer_sampling: call
@@ -397,6 +403,26 @@ class ModelRunner:
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Waits for a launched step's tokens and returns them in the plan's sequence order."""
+        observer = self._step_observer
+        if observer is None:
+            return self._collect(handle)
+        started = time.perf_counter()
+        if handle.pending is None:  # (a deferred step's error is _collect's to raise)
+            for event in (handle.prompt_event, handle.event):
+                if event is not None:
+                    event.synchronize()
+        waited = time.perf_counter()
+        result = self._collect(handle)  # its events are complete: it does not wait again
+        done = time.perf_counter()
+        if not handle.plan.is_empty and handle.launched_at:
+            timings = StepTimings(
+                launch_s=handle.launched_at - handle.launch_started, wait_s=waited - started,
+                collect_s=done - started, launched_at=handle.launched_at, collected_at=done,
+            )  # fmt: skip
+            observer(handle.plan, result, timings)
+        return result
+
+    def _collect(self, handle: StepHandle) -> StepResult:
         plan = handle.plan
         token_ids: list[tuple[int, ...]] = [()] * len(plan.seqs)
         logprobs: list = [None] * len(plan.seqs)
@@ -449,6 +475,11 @@ class ModelRunner:
 
     def check_health(self) -> None:
         """Raises when the runner cannot step any more (never, in-process)."""
+
+    def set_step_observer(self, observer: StepObserver | None) -> None:
+        """Registers the callable collect() calls with each step's plan, result and host timings (runner/observer.py);
+        None removes it."""
+        self._step_observer = observer
 
     def shutdown(self) -> None:
         """Releases nothing: the runner's memory goes with it."""

@@ -44,7 +44,7 @@ def test_case_builders(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     args = _args(["--decode-up-to", "4", "--context", "20", "--page-size", "8"])
     args.ops = set(bench.OPS)
-    # 2 tokens take the decode forms, 9 the prefill forms (and the recurrent GDN comparison).
+    # 2 tokens take the decode forms, 9 the prefill forms.
     cases = [*bench.build_cases(tiny, 2, args, torch.float32), *bench.build_cases(tiny, 9, args, torch.float32)]
     assert {c.op for c in cases} == set(bench.OPS)
     assert {c.mode for c in cases if c.op == "gdn"} == {"decode", "prefill"}

@@ -130,7 +130,7 @@ def test_paged_attention_decode_splits(nq: int, nkv: int, num_splits: int, dtype
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7])
 def test_paged_attention_decode_launcher_across_split_counts(batch: int) -> None:
     """The launcher's own split count (12 resident programs on the interpreter's 4 SMs, nkv 2: 6, 3, 2, 1, 2
-    splits at B = 1, 2, 3, 4, 7; at 7, 14 programs would leave a second wave under half full, C12b) against the
+    splits at B = 1, 2, 3, 4, 7; at 7, 14 programs would leave a second wave under half full) against the
     ref; a wide block table so the capacity bound does not cap it."""
     nq, nkv, d, page = 6, 2, 32, 8
     seq_lens = [(37 * i + 290) % 311 + 1 for i in range(batch)]
@@ -149,7 +149,7 @@ def test_paged_attention_decode_launcher_across_split_counts(batch: int) -> None
 
 # Splits the decode path picks per CUDA-graph bucket on the H200 (132 SMs, 3 resident programs each: 396) at
 # max_model_len 4096 (at most 16 splits), for the two served shapes' KV heads; two splits where one split's
-# grid would leave a second wave under half full (397-594 programs). benchmarks/KERNEL_NOTES.md C12, C12b.
+# grid would leave a second wave under half full (397-594 programs). docs/kernels.md#attention.
 H200_DECODE_SPLITS = {
     4: {1: 16, 2: 16, 4: 16, 8: 12, 16: 6, 24: 4, 32: 3, 48: 2, 64: 1, 96: 1, 128: 2, 192: 1, 256: 1},  # 27B
     2: {1: 16, 2: 16, 4: 16, 8: 16, 16: 12, 24: 8, 32: 6, 48: 4, 64: 3, 96: 2, 128: 1, 256: 2, 512: 1},  # 35B-A3B

@@ -15,7 +15,6 @@ from deltaserve.kernels import attention_triton
 from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
-from deltaserve.kernels.linear_triton import linear_triton
 from deltaserve.kernels.moe import moe_route_ref
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
@@ -31,7 +30,7 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 DECODE = MoEConfig("decode", GemmConfig(32, 128, 4, 4), GemmConfig(16, 128, 4, 1))
 GROUPED = MoEConfig("grouped", GemmConfig(32, 128, 4, 4), GemmConfig(32, 128, 4, 4), block_m=16)
-# KERNEL_NOTES C16 / C17: the down GEMM split over the choices (its scratch and combine launch in the graph) and
+# the tuned decode variants: the down GEMM split over the choices (its scratch and combine launch in the graph) and
 # the routing on next_pow2(T) rows
 DECODE_VARIANTS = MoEConfig(
     "decode", GemmConfig(32, 128, 4, 4, ROUTE_ROWS=1), GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=2)
@@ -74,14 +73,6 @@ def test_graph_preamble_and_norms() -> None:
     _capture_matches_eager(lambda: rms_norm_triton(x, hw, 1e-6, r), [])
     o, z = randn(8, 4, 128, dtype=BF16), randn(8, 4, 128, dtype=BF16)
     _capture_matches_eager(lambda: gated_rms_norm_triton(o, z, w.new_ones(128), 1e-6), [])
-
-
-@pytest.mark.parametrize("num_rows", [1, 16])
-def test_graph_skinny_linear(num_rows: int) -> None:
-    x, weight = randn(num_rows, 2048, dtype=BF16), randn(5120, 2048, dtype=BF16)
-    _capture_matches_eager(lambda: linear_triton(x, weight), [])
-    ref = torch.nn.functional.linear(x, weight)
-    assert (linear_triton(x, weight).float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
 
 
 def test_graph_store_kv_and_decode_attention() -> None:

@@ -1,10 +1,12 @@
-"""benchmarks/decode_step.py on the CPU: the plumbing (model, cache, context, labels, byte counts, record) on the
-tiny checkpoints, the cliff check, and the byte model against hand counts. The GPU numbers need the H200."""
+"""benchmarks/decode_step.py on the CPU: the plumbing (model, cache, context, the model's labels, byte counts,
+record) on the tiny checkpoints, the cliff check, and the byte model against hand counts. The GPU numbers need the
+H200."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,28 +32,31 @@ def test_cpu_run_writes_a_record_with_every_op_labelled(
 ) -> None:
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--models", str(tiny_moe.parent), "--shapes", tiny_moe.name,
-            "--batches", "1,3", "--context", "20", "--max-model-len", "64", "--variants", "block+nogemv,model",
+            "--batches", "1,3", "--context", "20", "--max-model-len", "64", "--variants", "nopdl,model",
             "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
     record = json.loads(out.read_text())
     assert not record["errors"]
     variants = {run["variant"]: run for run in record["runs"]}
-    assert set(variants) == {"block+nogemv", "model"}
+    assert set(variants) == {"nopdl", "model"}
     for run in variants.values():
         assert [row["batch"] for row in run["rows"]] == [1, 3]
         for row in run["rows"]:
             labels = {op["op"] for op in row["ops"]}
             assert {"gdn.in_proj_qkvzba", "gdn.gdn_decode", "attn.paged_attention", "lm.lm_head"} <= labels, labels
+            assert {"attn.attn_preamble", "attn.o_proj", "gdn.out_proj", "layer.rms_norm"} <= labels, labels
             assert "unlabelled" not in labels
+            assert not any(label.split(".")[1].isdigit() for label in labels)  # per-layer ranges fold into ops
             assert row["floor_ms"] > 0 and row["eager_ms"] > 0
-    assert "mlp.fused_moe_block" in {op["op"] for op in variants["block+nogemv"]["rows"][0]["ops"]}
-    # the committed model runs MoEBlock through fused_moe_block too (since the H200 decode-step record)
+    # the committed model runs its MoE block as one op, router and shared expert included
     assert "mlp.fused_moe_block" in {op["op"] for op in variants["model"]["rows"][0]["ops"]}
     assert "decode step eager_ms by batch size" in record["summary"]
-    # the model's functions are restored after the run
+    # the labels come from the model itself (nothing patched) and are off again after the run
+    from deltaserve.model import labels
     from deltaserve.model.layers import mlp
 
+    assert not labels.is_enabled()
     assert mlp.MoEBlock.forward.__module__ == "deltaserve.model.layers.mlp"
     from deltaserve.kernels import linear
 
@@ -84,8 +89,8 @@ def test_byte_model_counts_the_weights_a_decode_token_reads(tiny_moe: Path) -> N
 def test_every_step_is_timed_before_the_first_profile(
     tiny_moe: Path, tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Once torch.profiler has run, CUPTI stays attached and later CUDA-graph replays pay for it (session 11:
-    ~0.25 ms a step at B = 1), so every shape's and variant's timing must come before any profile."""
+    """Once torch.profiler has run, CUPTI stays attached and later CUDA-graph replays pay for it (~0.25 ms a step at
+    B = 1 on the H200), so every shape's and variant's timing must come before any profile."""
     assert tiny_moe.parent == tiny_dense.parent
     calls: list[tuple[str, int]] = []
     time_batch, profile_batch = decode_step.time_batch, decode_step.profile_batch
@@ -103,7 +108,8 @@ def test_every_step_is_timed_before_the_first_profile(
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--models", str(tiny_moe.parent), "--shapes",
             f"{tiny_moe.name},{tiny_dense.name}", "--batches", "1,2", "--context", "20", "--max-model-len", "64",
-            "--variants", "model,routerlate", "--out", str(out)]  # fmt: skip
+            "--variants", "model,nopdl", "--out", str(out)]  # fmt: skip
+    monkeypatch.delenv("DELTASERVE_PDL", raising=False)
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
     kinds = [kind for kind, _ in calls]
@@ -111,53 +117,68 @@ def test_every_step_is_timed_before_the_first_profile(
     record = json.loads(out.read_text())
     rows = [row for run in record["runs"] for row in run["rows"]]
     assert len(rows) == 8 and all("eager_ms" in row and row["ops"] for row in rows)
-    from deltaserve.kernels import moe_decode_triton
-
-    assert moe_decode_triton.ROUTER_W_BEFORE_WAIT is True  # the variant's module switch is put back
+    assert "DELTASERVE_PDL" not in os.environ  # the variant's setting is put back
 
 
 def test_warmup_pass_times_the_first_variant_unrecorded(
     tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Session 14: the first variant timed in a process read up to 0.14 ms slower at B = 1, so (on by default on the
-    GPU) the first variant's batches are timed once under its own switches before the recorded passes, and only the
-    recorded passes reach the record."""
-    from deltaserve.kernels import moe_decode_triton
+    """The first variant timed in a process read up to 0.14 ms slower at B = 1 on the H200, so (on by default on
+    the GPU) the first variant's batches are timed once under its own settings before the recorded passes, and only
+    the recorded passes reach the record."""
+    from deltaserve import env
 
     calls: list[tuple[int, bool]] = []
     time_batch = decode_step.time_batch
 
     def timed(*args: object, **kwargs: object) -> dict:
-        calls.append((args[3], moe_decode_triton.ROUTER_W_BEFORE_WAIT))
+        calls.append((args[3], env.pdl()))
         return time_batch(*args, **kwargs)
 
     monkeypatch.setattr(decode_step, "time_batch", timed)
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--warmup-pass", "--models", str(tiny_moe.parent), "--shapes",
             tiny_moe.name, "--batches", "1,2", "--context", "20", "--max-model-len", "64",
-            "--variants", "routerlate,model", "--out", str(out)]  # fmt: skip
+            "--variants", "nopdl,model", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
-    # warm-up (routerlate: C30 off), then routerlate, then model (the module's own value: on)
+    # warm-up (nopdl: PDL off), then nopdl, then model (PDL on)
     assert calls == [(1, False), (2, False), (1, False), (2, False), (1, True), (2, True)], calls
     record = json.loads(out.read_text())
     assert record["is_warmup_pass"] is True
-    assert [(run["variant"], len(run["rows"])) for run in record["runs"]] == [("routerlate", 2), ("model", 2)]
+    assert [(run["variant"], len(run["rows"])) for run in record["runs"]] == [("nopdl", 2), ("model", 2)]
 
 
 def test_unknown_variant_feature_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A misspelt feature would otherwise time the committed model under the wrong name."""
-    argv = ["decode_step.py", "--device", "cpu", "--variants", "model,nogemv+gemv9k", "--out", str(tmp_path / "r.json")]
+    argv = ["decode_step.py", "--device", "cpu", "--variants", "model,nopdl+nogemv", "--out", str(tmp_path / "r.json")]
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 2
     assert not (tmp_path / "r.json").exists()
 
 
 def test_gemv_label_costs_the_projections_it_ran() -> None:
-    """C29's launches escape the projections' ranges: the GEMV's label gets the bytes of the projections that were
-    called but claimed no kernel, not of those cuBLAS ran (lm_head) or that were not called (the unfused in_proj)."""
+    """The register GEMV's launches escape the projections' ranges: the GEMV's label gets the bytes of the projections
+    that were called but claimed no kernel, not of those cuBLAS ran (lm_head) or that were not called (the unfused
+    in_proj)."""
     costs = {"gdn.in_proj_qkvzba": (50.0, 5.0), "gdn.in_proj_qkvz": (40.0, 4.0), "gdn.out_proj": (16.0, 1.0),
              "lm.lm_head": (1000.0, 10.0), "layer.rms_norm": (1.0, 0.0)}  # fmt: skip
     by_label = {"lm.lm_head": {}, decode_step.GEMV_LABEL: {}, "layer.rms_norm": {}}
     called = {"gdn.in_proj_qkvzba", "gdn.out_proj", "lm.lm_head"}
     assert decode_step.gemv_cost(by_label, costs, called) == (66.0, 6.0)
+
+
+def test_model_labels_fold_into_ops() -> None:
+    """A layer's own range stands for what it runs outside its ops, by the layer's kind; compute_logits' for the
+    logits' upcast; an op label is itself."""
+    assert decode_step.op_of("layer.3.full_attention") == "attn.other"
+    assert decode_step.op_of("layer.12.linear_attention") == "gdn.other"
+    assert decode_step.op_of("lm") == "lm.other"
+    assert decode_step.op_of("attn.qkv_proj") == "attn.qkv_proj"
+    assert decode_step.op_of("layer.rms_norm") == "layer.rms_norm"
+
+
+def test_the_default_record_is_filed_with_the_kernel_records() -> None:
+    path = decode_step.default_out("decode-step")
+    assert path.parent == ROOT / "benchmarks" / "results" / "kernels"
+    assert path.name.startswith("decode-step-") and path.suffix == ".json"

@@ -29,7 +29,6 @@ def _inputs(num_tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "recurrent"])
 @pytest.mark.parametrize(
     ("lengths", "has_init", "hk", "hv", "dk", "dv"),
     [
@@ -40,7 +39,7 @@ def _inputs(num_tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dt
     ],
 )
 def test_gdn_prefill(
-    lengths: list[int], has_init: list[bool], hk: int, hv: int, dk: int, dv: int, chunked: bool, dtype: torch.dtype
+    lengths: list[int], has_init: list[bool], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype
 ) -> None:
     num_slots = len(lengths) + 2
     q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, dtype)
@@ -51,7 +50,7 @@ def test_gdn_prefill(
     ref_states = states.clone()
     ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ref_states, qsl, slots, init)
     with poisoned_empty():
-        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init, chunked=chunked)
+        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init)
     assert_close("o", ref, out, tolerance(dtype, fp32=2e-5, low=2e-2))
     assert_close("states", ref_states, states, tolerance(dtype, fp32=2e-5, low=2e-2))
 

@@ -38,10 +38,10 @@ def _kernel_resources(flags: list[str]) -> tuple[str, int, int]:
 @pytest.mark.slow
 def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
     command = ["--batches", "8,64", "--only", "moe_align,moe_block"]
-    # the C16 split down kernel and its combine, the C17 routing on next_pow2(T) rows
+    # the choice-split down kernel and its combine, the routing on next_pow2(T) rows
     command += ["--moe-gemm2", "16,128,4,1,1;32,256,8,1,2", "--moe-gemm1", "32,256,4,3,0,1"]
-    # the O(log N) align kernel (C10) at the smallest, a decode and the largest entry counts it serves, and the
-    # router's GEMV (C9, C11) and tl.dot launches on both sides of each switch
+    # the O(log N) align kernel at the smallest, a decode and the largest entry counts it serves, and the
+    # router's GEMV and tl.dot launches on both sides of each switch
     command += ["--align-entries", "8,512,8192", "--align-experts", "256,512", "--router-tokens", "4,5,33,64,65"]
     stdout, num_launches, num_spilling = _kernel_resources(command)
     assert num_launches >= 4 + 6 + 5, stdout

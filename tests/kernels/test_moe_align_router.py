@@ -1,4 +1,4 @@
-"""The expert alignments (one program, KERNEL_NOTES C10; chunked, C19) and the router GEMV (C11) against their twins.
+"""The expert alignments (one program; chunked) and the router GEMV against their twins.
 
 Under the interpreter at fp32 (the same bodies run natively on the GPU, with bf16 router cases and the sizes the
 interpreter is too slow for, marked gpu): every output starts poisoned (NaN floats, a sentinel in int tensors),
@@ -25,6 +25,7 @@ from deltaserve.kernels.moe_decode_triton import (
     ROUTER_GEMV_MAX_TOKENS,
     ROUTER_GEMV_MIN_PROGRAMS,
     ROUTER_GEMV_SINGLE_MAX_TOKENS,
+    ROUTER_W_BEFORE_WAIT_MAX_HIDDEN,
     router_gemv_config,
     router_logits_into,
     router_logits_triton,
@@ -176,7 +177,7 @@ def test_align_refuses_more_than_its_limit() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Chunked alignment (C19): on the CPU the chunk is shrunk to 128 entries (at most 4 programs, so the chunk grows
+# Chunked alignment: on the CPU the chunk is shrunk to 128 entries (at most 4 programs, so the chunk grows
 # past 512 entries) to reach several programs at interpreter-sized N; the GPU cases run the served constants.
 
 
@@ -323,10 +324,10 @@ class _Spy:
         return launch
 
 
-def _assert_router_matches_f_linear(num_tokens: int, dtype: torch.dtype) -> None:
+def _assert_router_matches_f_linear(num_tokens: int, dtype: torch.dtype, hidden: int = 1100) -> None:
     """router_logits_triton on 20 experts (+ the gate: 21 rows) at H = 1100 (the last reduction step partial),
     NaN-poisoned outputs, with and without the gate: F.linear's values, the gate logit in column E."""
-    num_experts, hidden = 20, 1100
+    num_experts = 20
     torch.manual_seed(num_tokens)
     x = randn(num_tokens, hidden, dtype=dtype)
     router, gate = randn(num_experts, hidden, dtype=dtype), randn(1, hidden, dtype=dtype)
@@ -379,20 +380,26 @@ def test_router_at_every_switch_point(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1100, 4100])
 @pytest.mark.parametrize("num_tokens", [1, 3, 4, 5])
-def test_router_weights_before_the_wait(num_tokens: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """C30 (ROUTER_W_BEFORE_WAIT): up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV takes H in one step with its
-    weight tile loaded ahead of the wait; F.linear's values with and without the gate (H = 1100: the one-step tile
-    masked past H); from 5 tokens on the switch does not apply."""
-    monkeypatch.setattr(moe_decode_triton, "ROUTER_W_BEFORE_WAIT", True)
+def test_router_weights_before_the_wait(
+    num_tokens: int, hidden: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to ROUTER_GEMV_SINGLE_MAX_TOKENS tokens the GEMV takes H in one step with its weight tile loaded ahead of
+    the wait; F.linear's values with and without the gate (H = 1100: the one-step tile masked past H). From 5
+    tokens on, or past ROUTER_W_BEFORE_WAIT_MAX_HIDDEN (H = 4100), the weights load after the wait in 1024-column
+    steps."""
     calls: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
     kernel = moe_decode_triton._moe_router_gemv_kernel
     monkeypatch.setattr(moe_decode_triton, "_moe_router_gemv_kernel", _Spy(kernel, calls, "gemv"))
-    _assert_router_matches_f_linear(num_tokens, dtype)
-    is_early = num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS
+    _assert_router_matches_f_linear(num_tokens, dtype, hidden)
+    is_early = (
+        num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS and hidden <= moe_decode_triton.ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
+    )
+    assert calls
     for _, _, kwargs in calls:
         assert kwargs.get("W_BEFORE_WAIT", False) == is_early
-        assert (kwargs["BLOCK_K"] == 2048) == is_early  # one step over next_pow2(1100)
+        assert kwargs["BLOCK_K"] == (2048 if is_early else 1024)  # one step over next_pow2(1100), or 1024 a step
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -414,23 +421,22 @@ def test_router_writes_only_its_tokens_rows(num_tokens: int, dtype: torch.dtype)
         assert_close("logits", ref, out[:num_tokens], tolerance(dtype, 1e-5, 4e-3))
 
 
-@pytest.mark.parametrize("is_w_early", [True, False])
-def test_router_gemv_config_fills_the_device_and_follows_the_bucket(
-    is_w_early: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("hidden", [2048, 5120])
+def test_router_gemv_config_fills_the_device_and_follows_the_bucket(hidden: int) -> None:
     """On the 35B-A3B (256 experts + gate) and Qwen3-Next (512 + gate) shapes every T up to the GEMV's limit
-    launches at least ROUTER_GEMV_MIN_PROGRAMS programs; T ≤ 4 keeps C9's one program per (row pair, token),
-    over H in one K step with C30 on (as served) and in 1024-column steps with it off; the blocks depend on
-    next_pow2(T) alone (the start-up warm-up compiles every variant)."""
-    monkeypatch.setattr(moe_decode_triton, "ROUTER_W_BEFORE_WAIT", is_w_early)
+    launches at least ROUTER_GEMV_MIN_PROGRAMS programs; T ≤ 4 keeps one program per (row pair, token), over H in
+    one K step with the weights ahead of the wait at H = 2048 (as served) and in 1024-column steps after it past
+    ROUTER_W_BEFORE_WAIT_MAX_HIDDEN; the blocks depend on next_pow2(T) alone (the start-up warm-up compiles every
+    variant)."""
+    is_w_early = hidden <= ROUTER_W_BEFORE_WAIT_MAX_HIDDEN
     for num_rows in (257, 513):
         for num_tokens in range(1, ROUTER_GEMV_MAX_TOKENS + 1):
-            config = router_gemv_config(num_tokens, num_rows, 2048)
+            config = router_gemv_config(num_tokens, num_rows, hidden)
             programs = -(-num_rows // config["BLOCK_R"]) * -(-num_tokens // config["BLOCK_T"])
             assert programs >= ROUTER_GEMV_MIN_PROGRAMS, (num_rows, num_tokens, config)
             assert config["BLOCK_T"] * config["BLOCK_R"] <= 64  # fp32 partial sums: 64 registers a thread
             bucket = 1 << (num_tokens - 1).bit_length()
-            assert config == router_gemv_config(bucket, num_rows, 2048)
+            assert config == router_gemv_config(bucket, num_rows, hidden)
             if num_tokens <= ROUTER_GEMV_SINGLE_MAX_TOKENS:
                 block_k = 2048 if is_w_early else 1024
                 assert (config["BLOCK_T"], config["BLOCK_R"], config["BLOCK_K"]) == (1, 2, block_k)
@@ -473,15 +479,15 @@ def test_align_captures_into_a_cuda_graph(align: Callable[..., Any], num_tokens:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("is_w_early", [False, True])
+@pytest.mark.parametrize("hidden", [2048, 5120])
 @pytest.mark.parametrize("num_tokens", [1, 4, 5, 8, 9, 33, 64, 65])
-def test_router_captures_into_a_cuda_graph(num_tokens: int, is_w_early: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 35B-A3B router shape in bf16, with C30 off and on (under PDL as served); run twice eagerly it is also
-    bitwise reproducible (no atomics)."""
-    monkeypatch.setattr(moe_decode_triton, "ROUTER_W_BEFORE_WAIT", is_w_early)
+def test_router_captures_into_a_cuda_graph(num_tokens: int, hidden: int) -> None:
+    """The 35B-A3B router shape in bf16 (and a deeper one, whose weights load after the wait at every T), under
+    PDL as served; run twice eagerly it is also bitwise reproducible (no atomics)."""
     bf16 = torch.bfloat16
-    x = randn(num_tokens, 2048, dtype=bf16)
-    router, gate = randn(256, 2048, dtype=bf16, scale=2048**-0.5), randn(1, 2048, dtype=bf16, scale=2048**-0.5)
+    x = randn(num_tokens, hidden, dtype=bf16)
+    scale = hidden**-0.5
+    router, gate = randn(256, hidden, dtype=bf16, scale=scale), randn(1, hidden, dtype=bf16, scale=scale)
     _replay_equals_eager(lambda: (router_logits_triton(x, router, gate),))
     assert torch.equal(router_logits_triton(x, router, gate), router_logits_triton(x, router, gate))
     assert_close("router", router_logits_ref(x, router, gate), router_logits_triton(x, router, gate), 4e-3)

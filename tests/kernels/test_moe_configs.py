@@ -87,7 +87,7 @@ def test_default_block_m_is_constant_within_a_bucket() -> None:
 
 
 def test_decode_variant_fields_round_trip_and_default_when_absent() -> None:
-    """C16 / C17: CHOICES_PER_PROGRAM and ROUTE_ROWS survive the JSON form, are left out of it at their
+    """The tuned decode variants: CHOICES_PER_PROGRAM and ROUTE_ROWS survive the JSON form, are left out of it at their
     defaults (so a table without them reads as the kernels before the variants), and bad values are refused."""
     plain = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1}
     variant = MoEConfig("decode", GemmConfig(32, 256, 4, 3, ROUTE_ROWS=1), GemmConfig(16, 128, 4, 1, 2))

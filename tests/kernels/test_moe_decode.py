@@ -2,7 +2,7 @@
 
 Under the interpreter at fp32 (bf16 cases on the GPU): the whole block (router GEMV, in-kernel routing,
 leader-gathered gate/up, per-token down + weighted sum + sigmoid-gated shared expert), the variant that
-routes in its own launch, the down GEMM split over the choices with its combine launch (C16: the ref's values
+routes in its own launch, the down GEMM split over the choices with its combine launch (the ref's values
 and the one-program kernel's bits), the fused_moe op's decode path on given routing, and the grouped path behind
 the block op. Outputs come from NaN-poisoned torch.empty, so an unwritten element fails.
 """
@@ -89,7 +89,7 @@ def test_moe_block_decode_path(
 
 
 def _split(config: MoEConfig, choices_per_program: int) -> MoEConfig:
-    """config with its down GEMM split over the choices (C16), every other launch parameter the same."""
+    """config with its down GEMM split over the choices, every other launch parameter the same."""
     g2 = config.gemm2
     gemm2 = GemmConfig(g2.BLOCK_N, g2.BLOCK_K, g2.num_warps, g2.num_stages, choices_per_program)
     return MoEConfig(config.path, config.gemm1, gemm2, config.block_m)
@@ -129,7 +129,7 @@ def test_moe_block_decode_path_with_the_down_gemm_split_over_the_choices(
 
 
 def _route_rows(config: MoEConfig, route_rows: int) -> MoEConfig:
-    """config with its gate/up kernel routing on max(route_rows, next_pow2(T)) token rows (C17)."""
+    """config with its gate/up kernel routing on max(route_rows, next_pow2(T)) token rows."""
     g1 = config.gemm1
     gemm1 = GemmConfig(g1.BLOCK_N, g1.BLOCK_K, g1.num_warps, g1.num_stages, ROUTE_ROWS=route_rows)
     return MoEConfig(config.path, gemm1, config.gemm2, config.block_m)
@@ -180,7 +180,7 @@ def test_moe_block_grouped_path(shared: bool, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(("shared", "choices_per_program"), [(True, 0), (False, 0), (True, 2)])
 def test_fused_moe_decode_path_on_given_routing(shared: bool, choices_per_program: int, dtype: torch.dtype) -> None:
     """fused_moe's decode path (the model's call today): given weights and ids, given shared output and gate;
-    also with the down GEMM split over the choices (C16; the combine reads the given shared output)."""
+    also with the down GEMM split over the choices (the combine reads the given shared output)."""
     num_tokens, num_experts, top_k, hidden, inter = 4, 8, 3, 64, 32
     x = randn(num_tokens, hidden, dtype=dtype)
     w13 = randn(num_experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)

@@ -1,8 +1,8 @@
-"""Programmatic dependent launch (KERNEL_NOTES C21), checked on the source: every kernel that takes USE_PDL opens
-with `pdl_wait(USE_PDL)` at its top level, stores nothing and returns nowhere before it, loads above it only the
-pointers listed here (each with the reason it cannot be the previous launch's output), and every launch of it
-passes `**pdl_launch(...)`. The GPU half (the same tokens with DELTASERVE_PDL on and off, through the decode graphs)
-is tests/runner/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
+"""Programmatic dependent launch (docs/kernels.md#programmatic-dependent-launch), checked on the source: every kernel
+that takes USE_PDL opens with `pdl_wait(USE_PDL)` at its top level, stores nothing and returns nowhere before it,
+loads above it only the pointers listed here (each with the reason it cannot be the previous launch's output), and
+every launch of it passes `**pdl_launch(...)`. The GPU half (the same tokens with DELTASERVE_PDL on and off, through
+the decode graphs) is tests/runner/test_gpu_async.py::test_pdl_decode_matches_plain_launches.
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ PRE_WAIT_LOADS = {
     "_attn_preamble_kernel": {"q_weight_ptr", "k_weight_ptr", "cos_sin_ptr"},
     # the gate half of the qkv projection, written by the preamble several launches back
     "_sigmoid_gate_mul_kernel": {"gate_ptr"},
-    # the first weight tile (C24); x comes from the launch before
-    "_skinny_gemm_kernel": {"w_ptr"},
-    # the whole weight tile (C29); x comes from the launch before
+    # the whole weight tile; x comes from the launch before
     "_gemv_kernel": {"w_ptr"},
     "_silu_and_mul_kernel": set(),
     "_moe_router_kernel": set(),
-    # C30 (ROUTER_W_BEFORE_WAIT): the weight rows and the gate row; x comes from the launch before
+    # up to 4 tokens (one K step): the weight rows and the gate row; x comes from the launch before
     "_moe_router_gemv_kernel": {"w_ptr", "gate_w_ptr"},
     "_moe_decode_gemm1_kernel": set(),
     "_moe_decode_gemm2_kernel": set(),
@@ -52,13 +50,11 @@ PRE_WAIT_LOADS = {
     "_moe_align_count_kernel": set(),
     "_moe_align_scan_kernel": set(),
     "_moe_align_scatter_kernel": set(),
-    "_moe_gemm1_kernel": set(),
-    "_moe_gemm2_kernel": set(),
-    "_moe_sum_kernel": set(),
 }
+# (the grouped MoE GEMMs and their sum, moe_triton, launch plainly: they take no USE_PDL)
 
 # Kernel -> the pointers it may store to above pdl_wait: memory that neither the launch before nor any launch still
-# running reads or writes. None since C27 (the gate/up's shared programs storing act before the wait) was retired.
+# running reads or writes. None since the gate/up's shared programs stopped storing act before the wait.
 PRE_WAIT_STORES: dict[str, set[str]] = {}
 STORES = ("store", "atomic_add", "atomic_cas", "atomic_xchg")
 
@@ -164,7 +160,7 @@ def test_kernel_waits_before_dependent_access(name: str) -> None:
 
 def test_the_checker_sees_through_helpers() -> None:
     """A load above the wait inside a @triton.jit helper counts as the kernel's own (mutation check of the checker:
-    the GEMV router's C30 branch reaches its weight rows and the gate row only through _router_w_tile)."""
+    the GEMV router's one-step branch reaches its weight rows and the gate row only through _router_w_tile)."""
     kernel, module = _pdl_kernels()["_moe_router_gemv_kernel"]
     waits = [i for i, s in enumerate(kernel.body) if isinstance(s, ast.Expr) and _is_call_to(s.value, "pdl_wait")]
     loaded, stored = _pre_wait_access(kernel.body[: waits[0]], module)

@@ -40,14 +40,14 @@ def test_candidates_are_valid_configs() -> None:
     for spec_ in tune_moe.DECODE_G1 + tune_moe.DECODE_G2 + tune_moe.GROUPED:
         config = tune_moe._gemm(spec_)
         assert config.BLOCK_N >= 8 and config.BLOCK_K >= 16 and config.num_warps in (1, 2, 4, 8)
-    # one-warp programs only for the decode gate/up (C26: its routing without cross-warp barriers)
+    # one-warp programs only for the decode gate/up (its routing without cross-warp barriers)
     assert 1 not in {tune_moe._gemm(s).num_warps for s in tune_moe.DECODE_G2 + tune_moe.GROUPED}
     assert {tune_moe._gemm(s).num_warps for s in tune_moe.DECODE_G1} == {1, 2, 4}
-    # the first down candidate is the one the gate/up search runs with: the one-program kernel; the C16 split
+    # the first down candidate is the one the gate/up search runs with: the one-program kernel; the choice split
     # variants are among the rest
     assert tune_moe._gemm(tune_moe.DECODE_G2[0]).CHOICES_PER_PROGRAM == 0
     assert {tune_moe._gemm(s).CHOICES_PER_PROGRAM for s in tune_moe.DECODE_G2} == {0, 1, 2, 4}
-    # ... and the gate/up list holds today's choice and the C17 routing variant of it
+    # ... and the gate/up list holds today's choice and the next_pow2(T)-row routing variant of it
     assert tune_moe._gemm(tune_moe.DECODE_G1[0]).ROUTE_ROWS == 16
     assert {tune_moe._gemm(s).ROUTE_ROWS for s in tune_moe.DECODE_G1} == {1, 16}
     for block_m in (16, 32, 64):

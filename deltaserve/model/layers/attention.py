@@ -26,6 +26,7 @@ from deltaserve.kernels import (
     store_kv,
 )
 from deltaserve.model.context import get_forward_context
+from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.parallel import TensorParallel
 
@@ -64,47 +65,55 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, nq·2d + 2·nkv·d]
+        with label("attn.qkv_proj"):
+            qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, nq·2d + 2·nkv·d]
         if env.fuse_attn_preamble():
-            q, k, gate = attn_preamble(
-                qkv,
-                self.q_norm,
-                self.k_norm,
-                ctx.cos_sin,
-                self.num_q_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.rotary_dim,
-                self.eps,
-            )
+            with label("attn.attn_preamble"):
+                q, k, gate = attn_preamble(
+                    qkv,
+                    self.q_norm,
+                    self.k_norm,
+                    ctx.cos_sin,
+                    self.num_q_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.rotary_dim,
+                    self.eps,
+                )
         else:
-            q, k, gate = attn_preamble_unfused(
-                qkv,
-                self.q_norm,
-                self.k_norm,
-                positions,
-                self.cos_sin_cache,
-                self.num_q_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.rotary_dim,
-                self.eps,
-            )
+            with label("attn.attn_preamble_unfused"):
+                q, k, gate = attn_preamble_unfused(
+                    qkv,
+                    self.q_norm,
+                    self.k_norm,
+                    positions,
+                    self.cos_sin_cache,
+                    self.num_q_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.rotary_dim,
+                    self.eps,
+                )
         v_start = self.num_q_heads * 2 * self.head_dim + self.num_kv_heads * self.head_dim
         v = qkv[:, v_start:].view(num_tokens, self.num_kv_heads, self.head_dim)  # strided view: store_kv takes strides
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        o = paged_attention(
-            q.reshape(num_tokens, self.num_q_heads, self.head_dim),
-            self.k_cache,
-            self.v_cache,
-            ctx.query_start_loc,
-            ctx.seq_lens,
-            ctx.block_tables,
-            self.scale,
-            ctx.max_query_len,
-            ctx.max_seq_len,
-        )
+        with label("attn.store_kv"):
+            store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        with label("attn.paged_attention"):
+            o = paged_attention(
+                q.reshape(num_tokens, self.num_q_heads, self.head_dim),
+                self.k_cache,
+                self.v_cache,
+                ctx.query_start_loc,
+                ctx.seq_lens,
+                ctx.block_tables,
+                self.scale,
+                ctx.max_query_len,
+                ctx.max_seq_len,
+            )
         # sigmoid(gate)·o in fp32 with one rounding, as vLLM's compiled graph fuses it: one launch on the GPU
-        gated = sigmoid_gate_mul(o.reshape(num_tokens, -1), gate)  # [T, nq·d]
-        return self.tp.all_reduce(linear(gated, self.o_proj, self.o_bias))
+        with label("attn.sigmoid_gate_mul"):
+            gated = sigmoid_gate_mul(o.reshape(num_tokens, -1), gate)  # [T, nq·d]
+        with label("attn.o_proj"):
+            out = linear(gated, self.o_proj, self.o_bias)
+        return self.tp.all_reduce(out)

@@ -25,6 +25,7 @@ from deltaserve.kernels import (
     linear,
 )
 from deltaserve.model.context import get_forward_context
+from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.parallel import TensorParallel
 
@@ -80,23 +81,31 @@ class GatedDeltaNet(nn.Module):
         # copies between kernels (a decode step of the 35B-A3B shape spent ~270 copy launches on them).
         qkvz_end = self.conv_dim + self.value_dim
         if self.in_proj is not None:  # fused: one GEMM, every output a column slice of it
-            proj = linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2·HV]
+            with label("gdn.in_proj_qkvzba"):
+                proj = linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2·HV]
             ba = proj[:, qkvz_end:]  # [T, 2·HV], row stride of proj
         else:
-            proj = linear(x, self.in_proj_qkvz)  # [T, conv_dim + value_dim]
-            ba = linear(x, self.in_proj_ba)  # [T, 2·HV]
+            with label("gdn.in_proj_qkvz"):
+                proj = linear(x, self.in_proj_qkvz)  # [T, conv_dim + value_dim]
+            with label("gdn.in_proj_ba"):
+                ba = linear(x, self.in_proj_ba)  # [T, 2·HV]
         mixed = proj[:, : self.conv_dim]  # [T, conv_dim], row stride of proj
         z = proj[:, self.conv_dim : qkvz_end].view(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, HV, dv]
         b = ba[:, : self.num_v_heads]  # [T, HV]
         a = ba[:, self.num_v_heads :]  # [T, HV]
         if not ctx.num_prefill_tokens:  # decode-only (every CUDA-graph step): each kernel's output is used whole
-            conv_out = causal_conv1d_update(mixed, self.conv1d, self.conv_states, ctx.state_indices)
+            with label("gdn.causal_conv1d_update"):
+                conv_out = causal_conv1d_update(mixed, self.conv1d, self.conv_states, ctx.state_indices)
             q, k, v = self._split_qkv(conv_out)
-            core = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices)
+            with label("gdn.gdn_decode"):
+                core = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices)
         else:
             core = self._mixed_step(mixed, a, b, num_decodes)
-        y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
-        return self.tp.all_reduce(linear(y.reshape(num_tokens, self.value_dim), self.out_proj))
+        with label("gdn.gated_rms_norm"):
+            y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
+        with label("gdn.out_proj"):
+            out = linear(y.reshape(num_tokens, self.value_dim), self.out_proj)
+        return self.tp.all_reduce(out)
 
     def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv_out [T, conv_dim] -> views q, k [T, HK, dk] and v [T, HV, dv]."""
@@ -113,41 +122,45 @@ class GatedDeltaNet(nn.Module):
         num_tokens = mixed.shape[0]
         # The decode and prefill kernels write their halves of one buffer (`out` views), and q / k / v go to the
         # core as strided views: no copies (they were three [T, conv_dim]-or-larger copies a layer, ~4 ms of a
-        # 27B 2048-token step: mixed-step-h200-20261202-s8.json, gdn.other).
+        # 27B 2048-token step on the H200, docs/kernels.md#gated-deltanet).
         conv_out = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)  # [T, conv_dim]
         prefill_slots, prefill_has_initial_state = ctx.prefill_slots()
         d = slice(0, num_decodes)
         p = slice(num_decodes, num_tokens)
         if num_decodes:
-            causal_conv1d_update(mixed[d], self.conv1d, self.conv_states, ctx.state_indices[d], out=conv_out[d])
-        causal_conv1d_prefill(
-            mixed[p],
-            self.conv1d,
-            self.conv_states,
-            ctx.prefill_query_start_loc,
-            prefill_slots,
-            prefill_has_initial_state,
-            out=conv_out[p],
-        )
+            with label("gdn.causal_conv1d_update"):
+                causal_conv1d_update(mixed[d], self.conv1d, self.conv_states, ctx.state_indices[d], out=conv_out[d])
+        with label("gdn.causal_conv1d_prefill"):
+            causal_conv1d_prefill(
+                mixed[p],
+                self.conv1d,
+                self.conv_states,
+                ctx.prefill_query_start_loc,
+                prefill_slots,
+                prefill_has_initial_state,
+                out=conv_out[p],
+            )
         q, k, v = self._split_qkv(conv_out)
         core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=mixed.dtype, device=mixed.device)
         if num_decodes:
-            gdn_decode(
-                q[d], k[d], v[d], a[d], b[d], self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices[d],
-                out=core[d],
-            )  # fmt: skip
-        gdn_prefill(
-            q[p],
-            k[p],
-            v[p],
-            a[p],
-            b[p],
-            self.A_log,
-            self.dt_bias,
-            self.ssm_states,
-            ctx.prefill_query_start_loc,
-            prefill_slots,
-            prefill_has_initial_state,
-            out=core[p],
-        )
+            with label("gdn.gdn_decode"):
+                gdn_decode(
+                    q[d], k[d], v[d], a[d], b[d], self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices[d],
+                    out=core[d],
+                )  # fmt: skip
+        with label("gdn.gdn_prefill"):
+            gdn_prefill(
+                q[p],
+                k[p],
+                v[p],
+                a[p],
+                b[p],
+                self.A_log,
+                self.dt_bias,
+                self.ssm_states,
+                ctx.prefill_query_start_loc,
+                prefill_slots,
+                prefill_has_initial_state,
+                out=core[p],
+            )
         return core

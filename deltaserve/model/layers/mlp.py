@@ -14,6 +14,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels import fused_moe, fused_moe_block, linear, moe_route, silu_and_mul
+from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.parallel import TensorParallel
 
@@ -27,17 +28,26 @@ class DenseMLP(nn.Module):
         device: torch.device | str,
         tp: TensorParallel | None = None,
         is_reduced: bool = True,
+        label_prefix: str = "mlp.",
     ) -> None:
         """intermediate: this rank's width. is_reduced=False leaves the rank's partial sum to the caller (the
-        shared expert, summed with the routed experts before the MoE block's one all-reduce)."""
+        shared expert, summed with the routed experts before the MoE block's one all-reduce). label_prefix starts
+        its projections' profiler labels (model/labels.py): mlp.gate_up, or mlp.shared_gate_up for the shared
+        expert."""
         super().__init__()
         self.tp = tp or TensorParallel.single()
         self.is_reduced = is_reduced
+        self.labels = (f"{label_prefix}gate_up", f"{label_prefix}down")
         self.gate_up_proj = empty_param(2 * intermediate, hidden, dtype=dtype, device=device)  # [gate | up]
         self.down_proj = empty_param(hidden, intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        with label(self.labels[0]):
+            gate_up = linear(x, self.gate_up_proj)
+        with label("mlp.silu_and_mul"):
+            act = silu_and_mul(gate_up)
+        with label(self.labels[1]):
+            out = linear(act, self.down_proj)
         return self.tp.all_reduce(out) if self.is_reduced else out
 
 
@@ -58,8 +68,9 @@ class MoEBlock(nn.Module):
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = DenseMLP(
-                hidden, shapes.shared_intermediate.size, dtype, device, self.tp, is_reduced=False
-            )
+                hidden, shapes.shared_intermediate.size, dtype, device, self.tp, is_reduced=False,
+                label_prefix="mlp.shared_",
+            )  # fmt: skip
             self.shared_expert_gate = empty_param(1, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,19 +83,25 @@ class MoEBlock(nn.Module):
             shared = ()
             if self.has_shared_expert:
                 shared = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
-            return self.tp.all_reduce(
-                fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
-            )
+            with label("mlp.fused_moe_block"):
+                out = fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
+            return self.tp.all_reduce(out)
         # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
         # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref twin)
-        router_logits = linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
-        topk_weights, topk_ids = self._local_routes(*moe_route(router_logits, self.top_k, self.renormalize))
+        with label("mlp.moe_router"):
+            router_logits = linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
+        with label("mlp.moe_route"):
+            topk_weights, topk_ids = self._local_routes(*moe_route(router_logits, self.top_k, self.renormalize))
         if not self.has_shared_expert:
-            return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, topk_weights, topk_ids))
+            with label("mlp.fused_moe"):
+                out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+            return self.tp.all_reduce(out)
         shared_out = self.shared_expert(x)  # [T, H], this rank's partial sum
-        shared_gate_logits = linear(x, self.shared_expert_gate)  # [T, 1]
+        with label("mlp.shared_gate"):
+            shared_gate_logits = linear(x, self.shared_expert_gate)  # [T, 1]
         # (routed + sigmoid(gate)·shared) in fp32, rounded once: fused into the routed experts' last kernel
-        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared_out, shared_gate_logits)
+        with label("mlp.fused_moe"):
+            out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared_out, shared_gate_logits)
         return self.tp.all_reduce(out)
 
     def _local_routes(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
