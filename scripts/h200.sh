@@ -49,6 +49,8 @@
 #                              logs travel in one logs-STEP.tgz and many records in one archive)
 #       DELTASERVE_GIT_COMMIT  the commit records name (the device's copy of the tree has no .git)
 #       SHA256                 the vLLM bundle's sha256, in the call that carries its last piece
+#       SHA256_FI              the FlashInfer bundle's sha256 (benchmarks/oracle/build_flashinfer_bundle.sh), likewise:
+#                              the registry's production site (h200-offline) needs both bundles unpacked
 #       CALL_BUDGET_S          seconds this call may use (default 570: the tool's 600 less saving and returning)
 #       RECORD_TAG             the suffix of record names (default h200-YYYYMMDD, UTC)
 #       DS_MODELS              the dummy checkpoints (default /tmp/ds_models)
@@ -102,7 +104,11 @@ setup() {
   local bundle
   for bundle in vllm fi; do
     if compgen -G ".${bundle}_chunk*" > /dev/null; then
-      run "$W/unpack-$bundle.log" bash benchmarks/oracle/unpack.sh "$([ $bundle = fi ] && echo flashinfer || echo vllm)"
+      if [ $bundle = fi ]; then  # each bundle its own sha256: a call may carry the last pieces of both
+        SHA256=${SHA256_FI:-} run "$W/unpack-$bundle.log" bash benchmarks/oracle/unpack.sh flashinfer
+      else
+        run "$W/unpack-$bundle.log" bash benchmarks/oracle/unpack.sh vllm
+      fi
       tail -3 "$W/unpack-$bundle.log" 2> /dev/null | say
     fi
   done
@@ -113,13 +119,14 @@ setup() {
   if [ ! -f "$models/q35-35b-a3b/config.json" ] || [ ! -f "$models/q35-27b/config.json" ]; then
     run "$W/dummies.log" timeout 150 $PY benchmarks/oracle/make_dummy_models.py "$models" --only q35-35b-a3b,q35-27b
   fi
-  local vllm=none
+  local vllm=none fi=none
   [ -d /tmp/vllm_site/vllm ] && vllm=unpacked
+  [ -d /tmp/flashinfer_site/flashinfer ] && fi=unpacked
   [ -d /tmp/store-vllm ] && [ "$vllm" = none ] && vllm="$(ls /tmp/store-vllm/part.* 2> /dev/null | wc -l) pieces stored"
   local gpus pins
   gpus=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2> /dev/null | sort | uniq -c | xargs)
   pins=$(ls /tmp/ds_site 2> /dev/null | wc -l)
-  echo "setup: commit ${DELTASERVE_GIT_COMMIT:-unset}, vLLM bundle $vllm, $pins pinned entries, dummies in $models," \
+  echo "setup: commit ${DELTASERVE_GIT_COMMIT:-unset}, vLLM bundle $vllm, FlashInfer bundle $fi, $pins pinned entries, dummies in $models," \
     "GPUs: ${gpus:-none}" | say
 }
 

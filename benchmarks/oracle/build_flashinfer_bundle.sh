@@ -12,13 +12,18 @@
 #   cuda-bindings, cuda-pathfinder, nvidia-cuda-nvdisasm, protobuf: the DSL's own requirements
 #   nvidia-ml-py, requests (+ urllib3, idna, certifi, charset-normalizer), einops, click, tabulate, cuda-tile:
 #                               imported by flashinfer's modules
+#   quack-kernels==0.6.0        vLLM's CuTe-DSL low-latency router GEMM (kernel_warmup._warmup_ll_bf16_router_gemm,
+#                               enabled once cutlass imports) imports quack.compile_utils: without it the engine core
+#                               fails at start-up (seen on the H200, 2026-12-04). vLLM asks quack-kernels>=0.4.0;
+#                               0.6.0 is the newest that accepts vLLM's nvidia-cutlass-dsl==4.6.0 pin (0.6.5 asks
+#                               >=4.7). torch-c-dlpack-ext is its own requirement.
 # apache-tvm-ffi==0.1.10 is already in the vLLM bundle. flashinfer-cubin 0.6.14 and flashinfer-jit-cache are not
 # on PyPI; neither is needed for the CuTe-DSL GDN kernel (their cubins/.so serve the C++ JIT kernels).
 #
-# usage: build_flashinfer_bundle.sh [OUTDIR]   (env CHUNK=44M)
+# usage: build_flashinfer_bundle.sh [OUTDIR]   (env CHUNK=34M)
 set -euo pipefail
 OUTDIR=${1:-./flashinfer_bundle}
-CHUNK=${CHUNK:-44M}
+CHUNK=${CHUNK:-34M}  # a piece plus the ~28 MB working tree must stay under a call's 64 MiB
 PY=${PY:-python3}
 W=$OUTDIR/wheels
 S=$OUTDIR/stage
@@ -35,7 +40,8 @@ TGT="--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
 PKGS="flashinfer-python==0.6.14 nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0
 nvidia-cutlass-dsl-libs-core==4.6.0 nvidia-cutlass-dsl-libs-cu13==4.6.0 cuda-bindings==13.0.3 cuda-pathfinder==1.9.1
 nvidia-cuda-nvdisasm==13.5.37 protobuf==6.33.6 nvidia-ml-py==13.615.71 requests==2.32.5 urllib3==2.5.0 idna==3.10
-certifi==2025.8.3 charset-normalizer==3.4.3 einops==0.8.1 click==8.5.1 tabulate==0.10.0 cuda-tile==1.7.0"
+certifi==2025.8.3 charset-normalizer==3.4.3 einops==0.8.1 click==8.5.1 tabulate==0.10.0 cuda-tile==1.7.0
+quack-kernels==0.6.0 torch-c-dlpack-ext==0.1.5"
 
 "$PY" -m pip download -q --no-deps --only-binary=:all: $TGT -d "$W" $PKGS
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$S" $TGT "$W"/*.whl

@@ -131,6 +131,11 @@ SITES: dict[str, dict[str, Any]] = {
     },
     "online": {"deviations": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
 }
+# Where servers run unless told otherwise (grids, `bench oracle-cmd`): production.
+DEFAULT_SITE = "h200-offline"
+# Where the in-process exactness gates run vLLM (vllm_engine, `gate tokens --reference vllm`): the Triton/FLA GDN
+# prefill whose rounding deltaserve follows, with only the vLLM bundle carried.
+GATE_SITE = "h200-offline-triton-gdn"
 
 
 def site_deviations(site: str) -> list[Deviation]:

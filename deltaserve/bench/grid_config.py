@@ -22,6 +22,7 @@ from pathlib import Path
 
 from deltaserve.bench import registry
 from deltaserve.bench.dataset_mm import format_bucket_config, parse_bucket_config, parse_limit_mm_per_prompt
+from deltaserve.bench.deviations import DEFAULT_SITE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDER_RE = re.compile(r"\{(model|model_name|port|python|repo|max_isl)\}")
@@ -35,7 +36,7 @@ class Arm:
     role: str = "peer"  # "subject" (deltaserve) or "peer" (the denominator)
     command: list[str] = field(default_factory=list)
     oracle: str | None = None
-    site: str = "h200-offline"
+    site: str = DEFAULT_SITE
     python: str = "{python}"
     extra_args: list[str] = field(default_factory=list)
     drop_flags: list[str] = field(default_factory=list)

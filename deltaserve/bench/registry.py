@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.deviations import (
+    DEFAULT_SITE,
+    GATE_SITE,
     SITES,
     backend_overrides,
     denominator_note,
@@ -146,7 +148,7 @@ def vllm_launch(
     model: str,
     input_len: int,
     port: int = 8000,
-    site: str = "h200-offline",
+    site: str = DEFAULT_SITE,
     is_random_data: bool = True,
     python: str = "python3",
     extra_args: list[str] | tuple[str, ...] = (),
@@ -316,7 +318,7 @@ def vllm_engine(
     model: str,
     max_prompt_len: int,
     dtype: str = "auto",
-    site: str = "h200-offline",
+    site: str = GATE_SITE,
     seed: int = 0,
     facts: CheckpointFacts | None = None,
     serves_media: bool = False,
@@ -402,7 +404,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", default=VLLM, choices=ORACLES)
     parser.add_argument("--input-len", type=int, required=True, help="the benchmark's ISL")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--site", default="h200-offline", choices=sorted(SITES))
+    parser.add_argument("--site", default=DEFAULT_SITE, choices=sorted(SITES))
     parser.add_argument("--python", default="python3", help="the interpreter that has vLLM")
     parser.add_argument("--not-random-data", action="store_true", help="leave prefix caching at vLLM's default")
     parser.add_argument("--serves-media", action="store_true", help="image traffic: keep the vision tower")

@@ -162,11 +162,16 @@ def workload(record: dict[str, Any], model: str) -> str:
     return ""
 
 
+def _subjects(record: dict[str, Any], model: str) -> set[str]:
+    return {e["subject"] for e in record.get("ratios", []) if e["model"] == model}
+
+
 def standing(records: Records) -> tuple[list[tuple[str, str, Records]], list[tuple[str, str, str]]]:
     """([(grid, model, its records oldest first)] that stand, [(grid, model, the newer grid)] left to history).
 
     A grid with a peer is left to history once a newer record of another grid with a peer measured the same
-    workload on the same model (e.g. a first grid that a later core grid repeats)."""
+    workload on the same model with one of the same subjects (e.g. a first grid that a later core grid repeats; not
+    a grid that compares two peers with each other)."""
     groups: dict[tuple[str, str], Records] = {}
     for stem, record in records:
         for model in _models(record):
@@ -184,6 +189,7 @@ def standing(records: Records) -> tuple[list[tuple[str, str, Records]], list[tup
             and newest.get("ratios")
             and groups[other][-1][1].get("ratios")
             and workload(groups[other][-1][1], model) == workload(newest, model)
+            and _subjects(groups[other][-1][1], model) & _subjects(newest, model)
         ]
         if newer:
             superseded.append((grid, model, min(newer)[0]))
@@ -472,10 +478,13 @@ def _has_plot(record: dict[str, Any]) -> bool:
 
 def _pyplot() -> Any:
     """matplotlib's pyplot on the file backend, or a clear error naming the extra that installs it."""
-    from deltaserve.bench._extra import require
+    from deltaserve.bench._extra import MissingExtraError, require
 
-    require("matplotlib").use("Agg")
-    return require("matplotlib.pyplot")
+    try:
+        require("matplotlib").use("Agg")
+        return require("matplotlib.pyplot")
+    except MissingExtraError as exc:  # the command line ends with the message, not a traceback
+        raise SystemExit(f"deltaserve bench report draws its plots with matplotlib: {exc}") from exc
 
 
 def plot_record(stem: str, record: dict[str, Any], out_dir: Path) -> Path | None:

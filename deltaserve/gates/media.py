@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from deltaserve import env
+from deltaserve.bench.deviations import GATE_SITE
 from deltaserve.gates import tokens
 from deltaserve.gates.references import (
     ReferenceError,
@@ -140,7 +141,7 @@ def run_media_gate(
     dtype: str = "float32",
     device: str = "auto",
     seed: int = 0,
-    site: str = "h200-offline",
+    site: str = GATE_SITE,
     record_path: Path | None = None,
     reference_cache: Path | None = None,
     tensor_parallel_size: int = 1,

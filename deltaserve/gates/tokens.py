@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from deltaserve import env
+from deltaserve.bench.deviations import GATE_SITE
 from deltaserve.gates.references import ReferenceError, ReferenceRun, StepScores, TransformersReference, ulp
 from deltaserve.tiny.media_prompts import media_argument
 
@@ -79,7 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "multi_modal_data; adds the check that the four-op preamble (DELTASERVE_FUSE_ATTN_PREAMBLE=0) refuses "
         "them. --prompts and --max-prompt-len do not apply",
     )
-    parser.add_argument("--site", default="h200-offline", help="where the vLLM reference runs (registry SITES)")
+    parser.add_argument(
+        "--site",
+        default=GATE_SITE,
+        help=f"where the vLLM reference runs (registry SITES; default {GATE_SITE})",
+    )
     parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
     parser.add_argument(
         "--reference-cache",
@@ -246,7 +251,7 @@ def run_gate(
     seed: int = 0,
     max_prompt_len: int = 160,
     prompts: str = "random",
-    site: str = "h200-offline",
+    site: str = GATE_SITE,
     record_path: Path | None = None,
     reference_cache: Path | None = None,
     tensor_parallel_size: int = 1,

@@ -88,7 +88,8 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
     vllm = resolve(config.arms[1], moe, config)
     assert "--language-model-only" in vllm.argv and vllm.exemption is None
     assert vllm.argv[vllm.argv.index("--max-num-batched-tokens") + 1] == "8192"
-    assert vllm.env_overrides["PYTHONPATH"] == "/tmp/vllm_site"
+    assert vllm.env_overrides["PYTHONPATH"].endswith(":/tmp/vllm_site")  # production: FlashInfer's bundle first
+    assert "/tmp/flashinfer_site" in vllm.env_overrides["PYTHONPATH"] and "--gdn-prefill-backend" not in vllm.argv
     dense_vllm = resolve(config.arms[1], dense, config)
     assert dense_vllm.argv[dense_vllm.argv.index("--max-num-batched-tokens") + 1] == "2048"
     no_lmo = resolve(config.arms[2], moe, config)
@@ -350,7 +351,9 @@ def test_gdn_backend_grid_resolves_both_oracle_sites(tmp_path: Path, monkeypatch
     monkeypatch.setenv("DELTASERVE_MODELS", str(tmp_path))
     config = load_config(grid_module.REPO_ROOT / "benchmarks/grids/h200_gdn_backend.toml")
     arms = {arm.name: arm for arm in config.arms}
-    assert config.concurrencies == [1, 8, 32, 64] and arms["vllm"].baseline == "vllm-gdn-default"
+    assert config.concurrencies == [1, 8, 32] and config.lengths == [(1024, 128), (16384, 128)]
+    assert arms["vllm"].baseline == "vllm-gdn-default"
+    assert (arms["vllm"].site, arms["vllm-gdn-default"].site) == ("h200-offline-triton-gdn", "h200-offline")
     forced = resolve(arms["vllm"], config.models[0], config)
     default = resolve(arms["vllm-gdn-default"], config.models[0], config)
     assert "--gdn-prefill-backend" in forced.argv and "--gdn-prefill-backend" not in default.argv
@@ -454,6 +457,24 @@ def test_plots_without_matplotlib_name_the_extra(tmp_path: Path, monkeypatch: py
         "launches": [],
         "runs": [_run("ds", 1, {"output_throughput": 1.0}) | {"client_command_line": "deltaserve bench serve"}],
     }
-    with pytest.raises(SystemExit, match=r"pip install deltaserve\[bench\]"):
+    with pytest.raises(SystemExit, match=r"pip install 'deltaserve\[bench\]'"):
         report.plot_record("rec", record, tmp_path)
     assert report.render([("rec", record)], {}).startswith("# Benchmarks")  # the Markdown itself needs no plots
+
+
+def test_a_newer_grid_of_other_subjects_leaves_the_standing_grid_standing() -> None:
+    """A grid that compares two peers (the GDN-backend handicap: vllm / vllm-gdn-default) on the same workload does
+    not push deltaserve's core grid into the history; a newer grid with the same subject does."""
+
+    def record(grid: str, date: str, subject: str, peer: str) -> dict:
+        ratio = {"subject": subject, "peer": peer, "model": "m", "isl": 8, "osl": 2, "concurrency": 1}
+        run = _run(subject, 1, {"output_throughput": 1.0}) | {"client_command_line": "bench serve --x"}
+        return {"grid": grid, "host": {"date": date}, "models": [{"name": "m"}], "runs": [run], "ratios": [ratio]}
+
+    core = ("core-1", record("core", "2026-12-03", "deltaserve", "vllm"))
+    handicap = ("handicap-1", record("handicap", "2026-12-04", "vllm", "vllm-gdn-default"))
+    stands, superseded = report.standing([core, handicap])
+    assert {grid for grid, _, _ in stands} == {"core", "handicap"} and superseded == []
+    rerun = ("core2-1", record("core2", "2026-12-05", "deltaserve", "vllm"))
+    stands, superseded = report.standing([core, handicap, rerun])
+    assert superseded == [("core", "m", "core2")]

@@ -37,9 +37,9 @@ def test_multimodal_moe_checkpoint_gets_the_production_flags(tmp_path: Path) -> 
     assert argv[argv.index("--mamba-ssm-cache-dtype") + 1] == "float32"
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192"  # MoE floor above 2 x 1024
     assert "--no-enable-prefix-caching" in argv
-    assert argv[argv.index("--gdn-prefill-backend") + 1] == "triton"
+    assert "--gdn-prefill-backend" not in argv  # production: vLLM picks FlashInfer's GDN prefill itself
     assert argv[argv.index("--load-format") + 1] == "dummy"  # no weight files in the folder
-    assert launch.env["PYTHONPATH"] == "/tmp/vllm_site" and launch.exemption is None
+    assert launch.env["PYTHONPATH"].split(":")[0] == "/tmp/flashinfer_site" and launch.exemption is None
     assert registry.check_vllm_argv(argv, input_len=1024, is_random_data=True) == []
 
 
@@ -113,19 +113,22 @@ def test_cli_prints_the_same_command_the_grid_uses(tmp_path: Path) -> None:
 
 def test_site_deviations_are_named_with_reasons_and_a_denominator_note(tmp_path: Path) -> None:
     model = str(write_config(tmp_path / "m"))
-    launch = registry.vllm_launch(model, 1024)
+    launch = registry.vllm_launch(model, 1024, site="h200-offline-triton-gdn")
     assert launch.deviations == ["gdn-prefill-triton", "flashinfer-sampler-off"]
     assert launch.argv[-2:] == ["--gdn-prefill-backend", "triton"] and launch.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     note = launch.denominator_note
-    assert note and "gdn-prefill-triton" in note and "favours deltaserve on TTFT" in note and "unmeasured" in note
+    assert note and "gdn-prefill-triton" in note and "favours deltaserve on TTFT" in note
+    # the measured size, with the record that measured it
+    assert "h200_gdn_backend-35b-a3b-20261204.json" in note and "unmeasured (" not in note
     # the sampler deviation moves nothing at temperature 0, so it is named but not in the denominator note
     assert "flashinfer-sampler-off" not in note
     assert any(reason.startswith("deviation gdn-prefill-triton") for reason in launch.reasons)
     for deviation in deviations.DEVIATIONS.values():
         assert deviation.reason and deviation.direction and deviation.magnitude
-    repaired = registry.vllm_launch(model, 1024, site="h200-offline-flashinfer")
-    assert "--gdn-prefill-backend" not in repaired.argv and repaired.denominator_note is None
-    assert "/tmp/flashinfer_site" in repaired.env["PYTHONPATH"]
+    production = registry.vllm_launch(model, 1024)  # the default site
+    assert production.deviations == ["flashinfer-sampler-off"]
+    assert "--gdn-prefill-backend" not in production.argv and production.denominator_note is None
+    assert "/tmp/flashinfer_site" in production.env["PYTHONPATH"]
     assert registry.vllm_launch(model, 1024, site="online").deviations == []
 
 
