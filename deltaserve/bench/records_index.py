@@ -33,8 +33,9 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
         + ("profile-decode*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*"),
     ),
     "gates": (
-        "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning",
-        ("gate-*", "ref-vllm-*", "pytest-gpu-*", "conditioning-media*", "train-gpu-*"),
+        "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "
+        "oracle probes",
+        ("gate-*", "ref-vllm-*", "pytest-gpu-*", "conditioning-media*", "train-gpu-*", "flashinfer-probe*"),
     ),
     "logs": ("what each device session ran, call by call", ("h200-session*.txt", "h200-short*.txt")),
 }
@@ -170,6 +171,9 @@ def _what_log(path: Path) -> str:
         return "vLLM's run for the token gate, saved for --reference-cache"
     if name.startswith("tune-moe"):
         return "tune_moe.py console log"
+    if name.startswith("flashinfer-probe"):
+        verdict = next((line for line in text.splitlines() if line.startswith("flashinfer probe:")), "no verdict")
+        return f"benchmarks/oracle/flashinfer_probe.py on the H200: {verdict}"
     if name.startswith("gate-"):
         verdict = next((line for line in text.splitlines() if line.startswith("STRICT")), "no STRICT line")
         return f"token gate console log: {verdict}"
