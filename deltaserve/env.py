@@ -49,8 +49,9 @@ def profile_labels() -> bool:
 
 def pdl() -> bool:
     """DELTASERVE_PDL (default 1): launch the decode-path Triton kernels with programmatic dependent launch on
-    Hopper and newer (each waits on griddepcontrol before its first dependent access; KERNEL_NOTES C21); 0 launches
-    them plainly, fully serialised behind the previous kernel."""
+    Hopper and newer (each waits on griddepcontrol before its first dependent access;
+    docs/kernels.md#programmatic-dependent-launch); 0 launches them plainly, fully serialised behind the previous
+    kernel."""
     return _flag("DELTASERVE_PDL", True)
 
 
