@@ -10,7 +10,8 @@ sampling extensions such as min_p, which vLLM's Responses endpoint ignores).
 Refused in vLLM's envelope, as vLLM 0.26 refuses them with its response store off (its default): a
 `previous_response_id` (404: nothing is stored), `background` (400), a `prompt` template (400),
 `enable_response_messages`. Refused where vLLM would silently drop them: built-in tools (no tool server),
-`conversation`, input items other than messages, reasoning and function calls, and file or audio parts.
+`conversation`, input items other than messages, reasoning, function calls and their outputs, and file or audio
+parts. input_image parts go to the chat path as image_url parts (served with a vision tower, refused without one).
 `store` is accepted and ignored, as vLLM does.
 """
 
