@@ -231,6 +231,23 @@ def test_refusal_raises_in_the_client_and_stored_responses_do_not_exist(client: 
 
 def test_mid_stream_failure_is_an_error_event(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
     fake_engine.fail_after_tokens = 2
-    stream = client.responses.create(model=MODEL_NAME, input=QUESTION, stream=True)
-    with pytest.raises(openai.APIError):
-        list(stream)
+    received = []
+    with pytest.raises(openai.APIError, match="Internal server error"):
+        for event in client.responses.create(model=MODEL_NAME, input=QUESTION, stream=True):
+            received.append(event.type)
+    assert received[:2] == ["response.created", "response.in_progress"] and "response.completed" not in received
+
+
+def test_parallel_tool_calls_false_and_text_format(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    second = TOOL_OUTPUT.split("</think>\n\n")[1].replace("Paris", "Rome")
+    fake_engine.scripts.append([TOOL_OUTPUT + "\n" + second])
+    both = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS)
+    assert [json.loads(item.arguments)["city"] for item in both.output[1:]] == ["Paris", "Rome"]
+    fake_engine.scripts.append([TOOL_OUTPUT + "\n" + second])
+    first = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS, parallel_tool_calls=False)
+    assert [json.loads(item.arguments)["city"] for item in first.output[1:]] == ["Paris"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fake_engine.scripts.append(['{"a": 1}'])
+    text = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
+    reply = client.responses.create(model=MODEL_NAME, input=QUESTION, reasoning={"effort": "none"}, text=text)
+    assert reply.output_text == '{"a": 1}' and fake_engine.last_params.structured_outputs.json == schema
