@@ -17,7 +17,6 @@ parts. input_image parts go to the chat path as image_url parts (served with a v
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Literal
 
 from pydantic import model_validator
@@ -25,8 +24,6 @@ from pydantic import model_validator
 from deltaserve.api.errors import APIError, bad_request
 from deltaserve.api.protocol import APIModel, ChatCompletionRequest, SamplingRequest
 from deltaserve.api.sampling import log_ignored_fields
-
-logger = logging.getLogger(__name__)
 
 INCLUDABLE = Literal[
     "code_interpreter_call.outputs",
@@ -40,8 +37,7 @@ INCLUDABLE = Literal[
 # place in a Response (n > 1, prompt logprobs, token ids) and are ignored like any unknown field.
 NOT_PASSED = frozenset({"n", "stream", "stream_options", "prompt_logprobs", "return_token_ids", "model", "request_id"})
 PASSED_SAMPLING_FIELDS = frozenset(SamplingRequest.model_fields) - NOT_PASSED
-CHAT_ONLY_FIELDS = frozenset(ChatCompletionRequest.model_fields) - frozenset(SamplingRequest.model_fields)
-# What the chat template sees for each input content part type; media parts are handled by the chat path.
+# Content parts read as text; input_image goes to the chat path as image_url, file and audio parts are refused.
 TEXT_PARTS = ("input_text", "output_text", "text")
 REFUSED_PARTS = {"input_file": "file", "input_audio": "audio"}
 
