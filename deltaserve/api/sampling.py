@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from deltaserve.api.errors import bad_request
-from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, SamplingRequest
+from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIModel, SamplingRequest
 from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
 from deltaserve.engine.frontend import RequestError, bad_words_token_ids, resolve_max_tokens
 from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
@@ -44,7 +44,7 @@ def _is_set(value: Any) -> bool:
     return value is not None and value is not False and value != [] and value != {}
 
 
-def log_ignored_fields(request: SamplingRequest) -> None:
+def log_ignored_fields(request: APIModel) -> None:
     """vLLM's log line for fields it accepts and ignores: unknown ones, and known ones with no effect here."""
     extra = request.model_extra or {}
     ignored = frozenset(name for name, value in extra.items() if name not in HANDLED_EXTRA_FIELDS and (

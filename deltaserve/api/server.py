@@ -21,7 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import deltaserve
-from deltaserve.api import serving_chat, serving_completion, serving_tokenize
+from deltaserve.api import serving_chat, serving_completion, serving_responses, serving_tokenize
 from deltaserve.api.body import read_json
 from deltaserve.api.errors import APIError, install_error_handlers
 from deltaserve.api.metrics import ServerMetrics
@@ -186,6 +186,19 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         _check_alive(state)
         return await serving_chat.create_chat_completion(state, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        _check_alive(state)
+        return await serving_responses.create_response(state, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        raise serving_responses.response_not_found(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        raise serving_responses.response_not_found(response_id)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

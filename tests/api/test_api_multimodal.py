@@ -1,8 +1,9 @@
 """Images and video over the API with the `openai` client: the real server (engine core in its own process) serving
 the tiny dense-vl checkpoint on the CPU. A base64 image and a video file answer with the same tokens as the offline
-engine gives for the same media, streamed and not; --limit-mm-per-prompt and bad media (corrupt bytes, a wrong MIME
-type, a huge image, a path outside --allowed-local-media-path, a remote URL) get a 400 in vLLM's envelope, and the
-server stays up; a text-only server (--language-model-only) refuses media parts with a 400."""
+engine gives for the same media, streamed and not, and an input_image through /v1/responses as through chat;
+--limit-mm-per-prompt and bad media (corrupt bytes, a wrong MIME type, a huge image, a path outside
+--allowed-local-media-path, a remote URL) get a 400 in vLLM's envelope, and the server stays up; a text-only server
+(--language-model-only) refuses media parts with a 400."""
 
 from __future__ import annotations
 
@@ -97,6 +98,17 @@ def test_a_base64_image_streamed_and_not_equals_the_offline_engine(server: Serve
     expected = offline_text(content, {"image": pixels})
     assert chat(server, content) == expected
     assert chat(server, content, stream=True) == expected
+
+
+def test_an_input_image_through_the_responses_api_answers_as_chat_does(server: ServerThread) -> None:
+    url = png_data_url(synthetic_image(80, 112, seed=3))
+    expected = chat(server, [{"type": "text", "text": "What is this?"}, part(url)])
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    items = [{"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": url}]
+    reply = client.responses.create(model="vl", input=[{"role": "user", "content": items}], temperature=0,
+                                    max_output_tokens=MAX_TOKENS, reasoning={"effort": "none"},
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert reply.output_text == expected and reply.usage.output_tokens == MAX_TOKENS
 
 
 def test_a_video_file_under_the_allowed_folder(server: ServerThread, media_dir: Path) -> None:

@@ -1,0 +1,180 @@
+"""POST /v1/responses: OpenAI's Responses API served through the chat path, as vLLM serves it for text models.
+
+create_response reads top to bottom: parse (ResponsesRequest), refuse what is not served (responses_protocol),
+translate into a chat request, then the chat path's own steps: validate, render, SamplingParams, submit. The
+generated text goes through the chat path's ChoiceProcessor (reasoning parser, tool-call parser) and
+responses_output.OutputItems turns its deltas into reasoning, message and function_call output items.
+
+Streamed, the events are vLLM's: `response.created` and `response.in_progress` (the response with status
+in_progress and no output) at once, then each item's events, then `response.completed` with the whole response;
+every event carries `sequence_number`, counting from 0, and goes out as `event: <type>` + `data: <json>` with no
+[DONE]. A response cut off by max_output_tokens has status "incomplete" (incomplete_details.reason
+"max_output_tokens"), in the completed event too, as in vLLM. GET /v1/responses/{id} and its /cancel answer 404:
+responses are never stored (vLLM's default, without VLLM_ENABLE_RESPONSES_API_STORE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deltaserve.api import serving_chat
+from deltaserve.api.body import parse_request
+from deltaserve.api.chat import render_prompt
+from deltaserve.api.chat_output import ChoiceProcessor
+from deltaserve.api.errors import APIError
+from deltaserve.api.responses_output import Event, OutputItems
+from deltaserve.api.responses_protocol import ResponsesRequest, check_unsupported, to_chat_request
+from deltaserve.api.serving_common import check_model, engine_request_id, engine_stream, respond, stream_error_event
+from deltaserve.api.settings import ServerState
+from deltaserve.engine.request import RequestOutput
+from deltaserve.sampling_params import SamplingParams
+
+
+def response_not_found(response_id: str) -> APIError:
+    """vLLM's answer for an id its store does not hold."""
+    return APIError(f"Response with id '{response_id}' not found.", status=404, err_type="invalid_request_error",
+                    param="response_id")  # fmt: skip
+
+
+async def create_response(state: ServerState, raw_request: Request) -> Response:
+    """One Responses request, top to bottom: parse, refuse, translate, the chat path's steps, respond."""
+    arrival = time.perf_counter()
+    request = await parse_request(state, raw_request, ResponsesRequest)
+    check_model(state, request.model)
+    check_unsupported(request)
+    chat_request = to_chat_request(request)
+    constraint, tool_choice = await serving_chat.validate(state, chat_request)
+    prompt = await render_prompt(state, chat_request)
+    params = serving_chat.sampling_params(state, chat_request, prompt, constraint)
+    response_id = request.request_id or f"resp_{raw_request.headers.get('x-request-id') or uuid.uuid4().hex}"
+    stream = engine_stream(
+        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input
+    )  # submitted on its first iteration
+    chat_job = serving_chat.ChatJob(
+        state=state,
+        request=chat_request,
+        response_id=response_id,
+        created=int(time.time()),
+        prompt_text=prompt.text,
+        num_prompt_tokens=len(prompt.token_ids),
+        num_top_logprobs=params.logprobs,
+        tools=[tool.model_dump() for tool in chat_request.tools] if tool_choice and chat_request.tools else None,
+        is_thinking_disabled=prompt.is_thinking_disabled,
+        role="assistant",
+        echo_text="",
+        stream=stream,
+        prompt_token_ids=prompt.token_ids,
+    )
+    job = ResponseJob(chat_job, request, params)
+    return await respond(state, raw_request, bool(request.stream), job.events, job.full)
+
+
+@dataclass
+class ResponseJob:
+    """A submitted Responses request: the chat job that runs it, and what the Response echoes back."""
+
+    chat: serving_chat.ChatJob
+    request: ResponsesRequest
+    params: SamplingParams
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    processor: ChoiceProcessor | None = None
+    items: OutputItems = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.items = OutputItems(with_logprobs=self.chat.num_top_logprobs is not None)
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        """vLLM's ResponsesResponse.from_request."""
+        request, params = self.request, self.params
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.chat.response_id, "created_at": self.chat.created, "incomplete_details": incomplete,
+            "instructions": request.instructions, "metadata": request.metadata,
+            "model": self.chat.state.settings.model_name, "object": "response", "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False, "temperature": params.temperature,
+            "tool_choice": request.tool_choice, "tools": request.tools, "top_p": params.top_p, "background": False,
+            "max_output_tokens": params.max_tokens, "max_tool_calls": request.max_tool_calls,
+            "previous_response_id": None, "prompt": None,
+            "reasoning": request.reasoning.model_dump() if request.reasoning else None,
+            "service_tier": request.service_tier, "status": status, "text": request.text,
+            "top_logprobs": params.logprobs, "truncation": request.truncation or "disabled", "usage": usage,
+            "user": request.user, "input_messages": None, "output_messages": None,
+        }  # fmt: skip
+
+    def usage(self) -> dict[str, Any]:
+        """vLLM's ResponseUsage for one turn."""
+        num_input = self.chat.num_prompt_tokens
+        num_output = self.processor.num_tokens if self.processor else 0
+        num_reasoning = self.processor.num_reasoning_tokens if self.processor else 0
+        return {
+            "input_tokens": num_input,
+            "input_tokens_details": {"cached_tokens": self.num_cached_tokens, "input_tokens_per_turn": [num_input],
+                                     "cached_tokens_per_turn": [self.num_cached_tokens]},
+            "output_tokens": num_output,
+            "output_tokens_details": {"reasoning_tokens": num_reasoning, "tool_output_tokens": 0,
+                                      "output_tokens_per_turn": [num_output], "tool_output_tokens_per_turn": [0]},
+            "total_tokens": num_input + num_output,
+        }  # fmt: skip
+
+    def final_body(self) -> dict[str, Any]:
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        return self.body(status, self.items.items, self.usage())
+
+    def consume(self, output: RequestOutput) -> list[Event]:
+        """One engine output -> the events of its deltas (the last one closes the open item)."""
+        if output.num_cached_tokens:
+            self.num_cached_tokens = output.num_cached_tokens
+        events: list[Event] = []
+        for seq in output.outputs:  # one sequence: a Responses request has no n
+            if self.processor is None:
+                self.processor = self.chat.new_processor()
+            self.processor.count(seq.token_ids)
+            events += self._feed(self.processor.feed(seq.text), self.chat.logprobs_of(seq))
+            if seq.finish_reason is not None:
+                self.finish_reason = seq.finish_reason
+                events += self._feed(self.processor.finish(), [])
+                events += self.items.close()
+        return events
+
+    def _feed(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[Event]:
+        if self.request.parallel_tool_calls is False:
+            delta = serving_chat.only_first_call(delta)
+        return self.items.feed(delta, logprobs)
+
+    async def full(self) -> JSONResponse:
+        async with contextlib.aclosing(self.chat.stream) as stream:
+            async for output in stream:
+                self.consume(output)
+        return JSONResponse(self.final_body())
+
+    async def events(self) -> AsyncIterator[str]:
+        sequence_number = 0
+
+        def sse(event: Event) -> str:
+            nonlocal sequence_number
+            event = {"type": event["type"], "sequence_number": sequence_number, **event}
+            sequence_number += 1
+            return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+        started = self.body("in_progress", [], None)
+        yield sse({"type": "response.created", "response": started})
+        yield sse({"type": "response.in_progress", "response": started})
+        try:
+            async with contextlib.aclosing(self.chat.stream) as stream:
+                async for output in stream:
+                    for event in self.consume(output):
+                        yield sse(event)
+            yield sse({"type": "response.completed", "response": self.final_body()})
+        except Exception as exc:
+            # vLLM's envelope as the data of an `error` event: the openai client raises it as an APIError
+            yield "event: error\n" + stream_error_event(exc)
