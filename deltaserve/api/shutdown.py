@@ -9,7 +9,8 @@ stuck upload), and it must not keep the server alive.
 
 uvicorn logs the end of that bound as an ERROR ("Cancel N running task(s)") and every request it cancels as an
 "Exception in ASGI application" traceback; ShutdownLogFilter turns both into WARNING lines without a traceback, so
-the cause (the signal, or the engine's one ERROR line) is what the log shows as an error.
+the cause (the signal, or the engine's one ERROR line) is what the log shows as an error. The bounds are listed in
+docs/ARCHITECTURE.md#lifecycle-timeouts-shutdown-and-health.
 """
 
 from __future__ import annotations
