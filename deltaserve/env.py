@@ -66,6 +66,12 @@ def vllm_api_key() -> str | None:
     return os.environ.get("VLLM_API_KEY") or None
 
 
+def vllm_http_timeout_keep_alive() -> float:
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE (vLLM's, default 5): seconds an idle keep-alive connection stays open."""
+    value = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "").strip()
+    return float(value) if value else 5.0
+
+
 def log_level() -> str:
     """DELTASERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()
@@ -154,6 +160,16 @@ def dist_timeout_s() -> float:
     rendezvous, may wait for a rank before failing."""
     value = os.environ.get("DELTASERVE_DIST_TIMEOUT_S", "").strip()
     return float(value) if value else 600.0
+
+
+def engine_heartbeat_timeout_s() -> float:
+    """DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S (default 10): /health fails once the engine-core process has sent
+    nothing, not even its heartbeat, for this long (a frozen or stopped core)."""
+    value = os.environ.get("DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S", "").strip()
+    timeout = float(value) if value else 10.0
+    if not timeout > 0:
+        raise ValueError(f"DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S must be positive, got {value!r}")
+    return timeout
 
 
 def disable_nvlink_multicast() -> None:

@@ -5,11 +5,13 @@ large body is parsed and validated on a worker thread, through Python hooks (so 
 elements) with the garbage collector paused. Two bounds keep the object graph of one request small, because
 building (and later collecting) millions of Python objects stalls the event loop whatever thread does it: at most
 MAX_JSON_ELEMENTS values (a 1,048,576-token prompt fits) and MAX_JSON_OBJECTS objects (16,384 chat messages; the
-garbage collector walks every container, token ids are not containers). vLLM has neither bound.
+garbage collector walks every container, token ids are not containers). vLLM has neither bound. A client that
+stops sending its body for --timeout-request-body seconds gets a 408 and the connection is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -71,18 +73,38 @@ def check_content_type(request: Request) -> None:
         )
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, or 413 as soon as it passes max_bytes; a client that drops mid-upload is ClientGone."""
+def body_timeout(timeout_s: float) -> APIError:
+    return APIError(
+        f"The request body was not received in time: nothing arrived for {timeout_s:g} s.",
+        status=408,
+        err_type="Request Timeout",
+    )
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, or 413 as soon as it passes max_bytes; 408 when no part of it arrives for timeout_s (None:
+    no bound); a client that drops mid-upload is ClientGone."""
     chunks: list[bytes] = []
     size = 0
+    stream = request.stream()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                # the bound is between two reads, so a slow but steady upload of a large body still gets through
+                async with asyncio.timeout(timeout_s):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise body_timeout(timeout_s or 0.0) from None
             size += len(chunk)
             if size > max_bytes:
                 raise request_too_large(max_bytes)
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None
+    finally:
+        await stream.aclose()
     return b"".join(chunks)
 
 
@@ -160,7 +182,7 @@ def parse_body(model: type[ModelT], data: dict[str, Any]) -> ModelT:
 async def read_json(state: ServerState, request: Request) -> tuple[dict[str, Any], bool]:
     """(the body as a JSON object, whether it is large); large bodies are parsed on a worker thread."""
     check_content_type(request)
-    raw = await read_body(request, state.settings.max_request_body_bytes)
+    raw = await read_body(request, state.settings.max_request_body_bytes, state.settings.body_read_timeout_s)
     if len(raw) <= OFF_LOOP_BYTES:
         return parse_json(raw), False
     return await state.tokens.run(parse_json, raw, is_interruptible=True), True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import inspect
 import json
@@ -20,7 +21,9 @@ from typing import Any
 from deltaserve import default_model, env
 from deltaserve.api.cli_args import add_arguments, human_int, json_list, json_object, normalize_argv
 from deltaserve.api.compat import check_compat
+from deltaserve.api.http_protocol import protocol_with_header_timeout
 from deltaserve.api.settings import ServerSettings
+from deltaserve.api.shutdown import install_shutdown_log_filter, stop_on_engine_death
 from deltaserve.engine_config import EngineConfig
 
 logger = logging.getLogger("deltaserve.serve")
@@ -134,6 +137,7 @@ def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         disable_fastapi_docs=args.disable_fastapi_docs,
         root_path=args.root_path,
         max_request_body_bytes=args.max_request_body_bytes,
+        body_read_timeout_s=args.timeout_request_body,
         max_logprobs=args.max_logprobs,
         host=args.host,
         port=args.port,
@@ -185,6 +189,10 @@ def uvicorn_config_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {
         "log_level": args.uvicorn_log_level,
         "access_log": not args.disable_uvicorn_access_log,
+        # slow or stuck clients: h11 with a request-head bound, the keep-alive bound, the shutdown drain's bound
+        "http": protocol_with_header_timeout(args.timeout_request_header),
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "timeout_graceful_shutdown": args.timeout_graceful_shutdown,
     }
     if args.uds:
         options["uds"] = args.uds
@@ -258,16 +266,15 @@ def run(args: argparse.Namespace) -> int:
     configure_access_log(args)
     app.state.uvicorn_server = server  # the lifespan logs "ready" once the socket listens
 
-    def stop_on_core_death() -> None:
-        # called from the engine's output thread: uvicorn's main loop polls should_exit and shuts down gracefully
-        server.should_exit = True
-
-    engine.on_dead = stop_on_core_death
+    install_shutdown_log_filter()
+    # shutdown.py: the bounds of a shutdown, after a signal or the engine core's death
+    engine.on_dead = functools.partial(stop_on_engine_death, server, args.timeout_graceful_shutdown)
     # uvicorn re-raises Ctrl-C after its graceful shutdown, which has already happened by then.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     if engine.is_dead:
-        logger.error("deltaserve stopped: the engine core died")
+        # the death itself is the one ERROR line, logged where it was detected
+        logger.info("deltaserve stopped (exit code 1): the engine core died")
         return 1
     logger.info("deltaserve stopped")
     return 0

@@ -13,8 +13,20 @@ import json
 import re
 from typing import Any
 
+from deltaserve import env
 from deltaserve.api.compat import add_compat_arguments
-from deltaserve.api.settings import DEFAULT_MAX_BODY_BYTES, MAX_LOGPROBS, REASONING_PARSERS, TOOL_CALL_PARSERS
+from deltaserve.api.settings import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    MAX_LOGPROBS,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+)
+
+# Seconds the server drains open requests after SIGTERM / Ctrl-C before it closes them (--timeout-graceful-shutdown).
+DEFAULT_GRACEFUL_SHUTDOWN_S = 30.0
+# Seconds a connection may take to send a whole request head (--timeout-request-header).
+DEFAULT_HEADER_TIMEOUT_S = 20.0
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SWITCH = argparse.BooleanOptionalAction
@@ -315,10 +327,52 @@ def _add_http_arguments(add: Any) -> None:
         help=f"deltaserve only: larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20}M)",
     )
     add("--h11-max-incomplete-event-size", type=int, default=None, help="largest incomplete HTTP event (bytes)")
+    _add_timeout_arguments(add)
     add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add("--disable-uvicorn-access-log", action=SWITCH, default=False)
     add("--disable-access-log-for-endpoints", default=None, help='paths left out of the access log, e.g. "/health"')
     add("--log-config-file", default=None, help="a logging dictConfig JSON for deltaserve and uvicorn")
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
+    return seconds
+
+
+def _add_timeout_arguments(add: Any) -> None:
+    """deltaserve's bounds on slow clients and on shutdown (vLLM sets only uvicorn's keep-alive, by environment)."""
+    add(
+        "--timeout-keep-alive",
+        type=positive_seconds,
+        default=env.vllm_http_timeout_keep_alive(),
+        help="seconds an idle keep-alive connection stays open (default: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else 5)",
+    )
+    add(
+        "--timeout-request-header",
+        type=positive_seconds,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="deltaserve only: a connection that has not sent a whole request head in this many seconds is closed "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    add(
+        "--timeout-request-body",
+        type=positive_seconds,
+        default=DEFAULT_BODY_READ_TIMEOUT_S,
+        help="deltaserve only: a request body that stalls this many seconds between two reads gets a 408 "
+        f"(default {DEFAULT_BODY_READ_TIMEOUT_S:g})",
+    )
+    add(
+        "--timeout-graceful-shutdown",
+        type=positive_seconds,
+        default=DEFAULT_GRACEFUL_SHUTDOWN_S,
+        help="deltaserve only: after SIGTERM or Ctrl-C, open requests may finish for this many seconds, then they "
+        f"are closed and the server exits (default {DEFAULT_GRACEFUL_SHUTDOWN_S:g})",
+    )
 
 
 def structured_outputs_config(value: str) -> str:

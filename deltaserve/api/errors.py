@@ -120,7 +120,11 @@ def to_api_error(exc: BaseException) -> APIError:
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.payload(), status_code=err.status)
+    response = JSONResponse(err.payload(), status_code=err.status)
+    if err.status == 408:
+        # the client stalled mid-body: the rest of it is never read, so the connection cannot serve another request
+        response.headers["Connection"] = "close"
+    return response
 
 
 async def _handle_api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -134,6 +138,12 @@ async def _handle_request_validation(request: Request, exc: Exception) -> JSONRe
 
 async def _handle_internal(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(to_api_error(exc))
+
+
+async def _handle_engine_dead(request: Request, exc: Exception) -> JSONResponse:
+    # The engine's death is logged once, as an ERROR, where it is detected: here one line per failed request.
+    logger.warning("%s %s failed: the engine is dead", request.method, request.url.path)
     return error_response(to_api_error(exc))
 
 
@@ -152,4 +162,5 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(cls, _handle_api_error)
     app.add_exception_handler(jinja2.TemplateError, _handle_api_error)
     app.add_exception_handler(NotImplementedError, _handle_api_error)
+    app.add_exception_handler(EngineDeadError, _handle_engine_dead)
     app.add_exception_handler(Exception, _handle_internal)

@@ -135,17 +135,21 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
     _add_middleware(app, settings)
 
+    def probe() -> Response:
+        # vLLM's 503 for a dead engine; a hung one (no heartbeat from the core) fails the same way
+        return Response(status_code=503 if engine.is_dead or engine.is_hung else 200)
+
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if engine.is_dead else 200)
+        return probe()
 
     @app.get("/ping")
     async def ping() -> Response:
-        return Response(status_code=503 if engine.is_dead else 200)
+        return probe()
 
     @app.post("/ping")
     async def ping_post() -> Response:
-        return Response(status_code=503 if engine.is_dead else 200)
+        return probe()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from deltaserve.api.errors import bad_request, model_not_found, to_api_error
 from deltaserve.api.settings import ServerState
+from deltaserve.engine.core_client import EngineDeadError
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
@@ -258,6 +259,9 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | Resp
 def stream_error_event(exc: BaseException) -> str:
     """A mid-stream failure as a data event carrying vLLM's error envelope."""
     err = to_api_error(exc)
-    if err.status >= 500:
+    if isinstance(exc, EngineDeadError):
+        # the death itself is one ERROR line where it is detected; each stream it ends is one line more
+        logger.warning("stream failed: the engine is dead")
+    elif err.status >= 500:
         logger.error("stream failed: %r", exc, exc_info=exc)
     return sse(err.payload())

@@ -26,6 +26,8 @@ MAX_LOGPROBS = 20
 # The largest request body accepted (--max-request-body-bytes); vLLM has no limit. A 262,144-token prompt is
 # about 1 MiB of text or 2 MiB of token ids, so this leaves room for batched prompts and long chats.
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# How long a request body may stall between two reads before the request gets a 408 (--timeout-request-body).
+DEFAULT_BODY_READ_TIMEOUT_S = 20.0
 
 REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml", "hermes")
@@ -48,6 +50,10 @@ class EngineClient(Protocol):
 
     @property
     def is_dead(self) -> bool: ...
+
+    # the core has sent nothing, not even a heartbeat, for its timeout: /health fails while this holds
+    @property
+    def is_hung(self) -> bool: ...
 
     # the multimodal processor (deltaserve.multimodal.processor.MultimodalProcessor) when the engine serves images
     # and videos, else None; generate() then takes the processed input as mm_input=
@@ -86,6 +92,7 @@ class ServerSettings:
     disable_fastapi_docs: bool = False
     root_path: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     max_logprobs: int = MAX_LOGPROBS
     host: str = "127.0.0.1"
     port: int = 8000
@@ -109,6 +116,8 @@ class ServerSettings:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose from {TOOL_CALL_PARSERS}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        if not self.body_read_timeout_s > 0:
+            raise ValueError(f"body_read_timeout_s must be positive, got {self.body_read_timeout_s}")
 
     @property
     def model_name(self) -> str:

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -78,6 +79,10 @@ def _describe(exc: BaseException) -> str:
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """A worker's whole life: read its limits, then receive RenderJobs and reply ("ok", text) or ("error", why)."""
     _die_with_parent()
+    # Ctrl-C and a group SIGTERM reach the workers too: renders of requests the server drains must still finish
+    # (the pool stops the workers, and the kernel kills them with the server)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     limits, memory_bytes = conn.recv()
     _set_memory_limit(memory_bytes)
     cache = TemplateCache(limits)

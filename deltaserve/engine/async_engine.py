@@ -6,7 +6,8 @@ requests to the client and awaits deltas on a per-request asyncio.Queue; the cli
 outputs into RequestOutputs and feeds the queues with call_soon_threadsafe. If the consumer stops iterating (client
 disconnect, task cancellation) the request is aborted in the core, which frees its KV blocks, state slot and row.
 If the core dies, every stream gets EngineDeadError, is_dead turns True and `on_dead` is called (the server exits
-non-zero).
+non-zero). If the core process sends nothing, not even its heartbeat, for heartbeat_timeout_s, is_hung is True (the
+server's /health fails) until it is heard again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve import env
-from deltaserve.engine.core_client import EngineDeadError, ProcessCoreClient, ThreadCoreClient
+from deltaserve.engine.core_client import HEARTBEAT_INTERVAL_S, EngineDeadError, ProcessCoreClient, ThreadCoreClient
 from deltaserve.engine.frontend import EngineFrontend, RequestError
 from deltaserve.engine.protocol import EngineCoreOutputs
 from deltaserve.engine.request import RequestOutput
@@ -44,6 +45,7 @@ class AsyncEngine:
         self.default_sampling: dict[str, Any] = frontend.default_sampling
         self.mm_processor = frontend.mm_processor  # None: text only
         self.info = client.info
+        self.heartbeat_timeout_s = env.engine_heartbeat_timeout_s()
         self.on_dead: Callable[[], None] | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._error: BaseException | None = None
@@ -55,7 +57,12 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, multiprocess: bool | None = None) -> AsyncEngine:
         is_multiprocess = env.enable_multiprocessing() if multiprocess is None else multiprocess
-        client = ProcessCoreClient(config) if is_multiprocess else ThreadCoreClient(config)
+        if is_multiprocess:
+            # a few beats per timeout, so one late beat is not a hung core
+            interval = min(HEARTBEAT_INTERVAL_S, env.engine_heartbeat_timeout_s() / 4)
+            client: ProcessCoreClient | ThreadCoreClient = ProcessCoreClient(config, heartbeat_interval_s=interval)
+        else:
+            client = ThreadCoreClient(config)
         try:
             frontend = EngineFrontend(config, resolve_model_dir(config.model), client.info.max_model_len)
         except BaseException:
@@ -66,6 +73,11 @@ class AsyncEngine:
     @property
     def is_dead(self) -> bool:
         return self._error is not None
+
+    @property
+    def is_hung(self) -> bool:
+        """The running core has sent nothing, not even a heartbeat, for heartbeat_timeout_s (frozen, or stopped)."""
+        return self._is_started and self.client.seconds_since_heard() > self.heartbeat_timeout_s
 
     async def start(self) -> None:
         if not self._is_started:

@@ -3,9 +3,12 @@
 Both run the same loop (`serve_core`): take commands (add, abort, shutdown), step the core, emit EngineCoreOutputs.
 The process client talks through two one-way multiprocessing pipes (pickled plain dataclasses; a well-kept
 standard-library transport, no protocol of our own), so the core has its own interpreter and its own GIL: HTTP,
-JSON, SSE and detokenisation in the API process no longer delay the next step. The core process ignores Ctrl-C
-(the API process stops it), exits when the API process goes away, and sends its start-up failure back as the
-exception itself, so the caller reports it as if the model had loaded in-process.
+JSON, SSE and detokenisation in the API process no longer delay the next step. The core process ignores Ctrl-C and
+SIGTERM (a signal to the whole process group, as systemd and `timeout` send it, must not cut the streams the API
+process is draining: the API process stops the core when it is done), exits when the API process goes away, and
+sends its start-up failure back as the exception itself, so the caller reports it as if the model had loaded
+in-process. Once ready, a thread of the core process sends a heartbeat every HEARTBEAT_INTERVAL_S whatever the loop
+is doing, so the API process can tell a frozen core (SIGSTOP, a hung host) from a busy one (`seconds_since_heard`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -29,6 +33,11 @@ from deltaserve.engine_config import EngineConfig
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle core blocks on its command queue before looking again
+# The core's heartbeat period: a thread sends it, so a long step does not delay it; a frozen process does.
+HEARTBEAT_INTERVAL_S = 0.5
+# How long shutdown() waits for the core to finish its in-flight steps and exit before it kills it (the core ignores
+# SIGTERM, so there is no gentler second try).
+SHUTDOWN_WAIT_S = 5.0
 Command = tuple[str, Any]  # ("add", [EngineCoreRequest]) | ("abort", [core ids]) | ("shutdown", None)
 OnOutputs = Callable[[EngineCoreOutputs], None]
 OnDead = Callable[[BaseException], None]
@@ -73,9 +82,27 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def engine_core_main(config: EngineConfig, commands: Connection, outputs: Connection, log_level: str) -> None:
+def _send_heartbeats(send: Callable[[Command], None], interval_s: float) -> None:
+    """The core process's heartbeat thread: ("heartbeat", None) every interval until the pipe closes."""
+    while True:
+        time.sleep(interval_s)
+        try:
+            send(("heartbeat", None))
+        except (OSError, ValueError):
+            return
+
+
+def engine_core_main(
+    config: EngineConfig,
+    commands: Connection,
+    outputs: Connection,
+    log_level: str,
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+) -> None:
     """The engine-core process: build the core, report ready (or the start-up error), serve until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process stops us
+    # Ctrl-C and a group SIGTERM reach us too: the API process drains its streams first, then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     from deltaserve.engine.core import EngineCore
 
@@ -88,6 +115,15 @@ def engine_core_main(config: EngineConfig, commands: Connection, outputs: Connec
         sys.exit(1)
     outputs.send(("ready", core.info()))
     code = 0
+    send_lock = threading.Lock()  # the loop and the heartbeat thread share the pipe
+
+    def send(message: Command) -> None:
+        with send_lock:
+            outputs.send(message)
+
+    threading.Thread(
+        target=_send_heartbeats, args=(send, heartbeat_interval_s), name="deltaserve-core-heartbeat", daemon=True
+    ).start()
 
     def get_commands(block: bool) -> list[Command]:
         items: list[Command] = []
@@ -102,7 +138,7 @@ def engine_core_main(config: EngineConfig, commands: Connection, outputs: Connec
 
     try:
         with contextlib.suppress(BrokenPipeError, EOFError):  # the API process is gone
-            serve_core(core, get_commands, lambda batch: outputs.send(("outputs", batch)))
+            serve_core(core, get_commands, lambda batch: send(("outputs", batch)))
         core.drain()
     except Exception as exc:
         # the API process sees the exit: an error on every open stream, and the server stops non-zero
@@ -117,13 +153,13 @@ def engine_core_main(config: EngineConfig, commands: Connection, outputs: Connec
 class ProcessCoreClient:
     """Starts the engine-core process and relays commands to it and outputs from it, on two threads."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         command_recv, self._command_send = context.Pipe(duplex=False)
         self._output_recv, output_send = context.Pipe(duplex=False)
         self.process = context.Process(
             target=engine_core_main,
-            args=(config, command_recv, output_send, env.log_level()),
+            args=(config, command_recv, output_send, env.log_level(), heartbeat_interval_s),
             name="deltaserve-engine-core",
             # a daemonic process may not start processes: a tensor-parallel core starts its workers (it still exits
             # when the API process goes away, as its command pipe closes)
@@ -146,12 +182,19 @@ class ProcessCoreClient:
         self._commands: queue.Queue[Command | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._is_stopping = False
+        self._last_heard = time.monotonic()
 
     @property
     def pid(self) -> int | None:
         return self.process.pid
 
+    def seconds_since_heard(self) -> float:
+        """Seconds since the core process last sent anything (outputs or a heartbeat)."""
+        return time.monotonic() - self._last_heard
+
     def start(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
+        self._last_heard = time.monotonic()  # beats sent before now wait in the pipe: heard as soon as read
+
         def receive() -> None:
             while True:
                 try:
@@ -162,6 +205,7 @@ class ProcessCoreClient:
                         code = self.process.exitcode
                         on_dead(EngineDeadError(f"the engine core process exited (exit code {code})"))
                     return
+                self._last_heard = time.monotonic()
                 if kind == "outputs":
                     on_outputs(payload)
 
@@ -188,11 +232,9 @@ class ProcessCoreClient:
         self._is_stopping = True
         self._commands.put(("shutdown", None))
         self._commands.put(None)
-        self.process.join(15)
+        self.process.join(SHUTDOWN_WAIT_S)
         if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
+            logger.warning("the engine core did not stop within %g s: killing it", SHUTDOWN_WAIT_S)
             self.process.kill()
             self.process.join(5)
 
@@ -213,6 +255,10 @@ class ThreadCoreClient:
 
     pid = None
 
+    def seconds_since_heard(self) -> float:
+        """0: the core runs on a thread of this process, which cannot be frozen apart from it."""
+        return 0.0
+
     def _get_commands(self, block: bool) -> list[Command]:
         items: list[Command] = []
         try:
@@ -228,7 +274,7 @@ class ThreadCoreClient:
             try:
                 serve_core(self.core, self._get_commands, on_outputs)
             except BaseException as exc:
-                logger.exception("the engine loop died")
+                logger.debug("the engine loop died", exc_info=True)  # on_dead logs the one ERROR line
                 on_dead(EngineDeadError(f"the engine loop died: {exc!r}"))
 
         self._thread = threading.Thread(target=run, name="deltaserve-engine", daemon=True)

@@ -88,7 +88,9 @@ def spawned_worker_main(
 ) -> None:
     """A worker rank 0 started: join its store and group, build the runner, report, serve."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
+    # Ctrl-C and a group SIGTERM reach us too: the API process drains its streams first, then rank 0 stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _configure_logging(launch.rank, log_level)
     config = spec.engine_config
     try:

@@ -63,6 +63,7 @@ class FakeEngine:
         self.scripts: deque[list[str]] = deque()
         self.fail_after_tokens: int | None = None  # raise mid-stream after this many tokens (error-event tests)
         self.is_dead = False
+        self.is_hung = False
         self.mm_processor = None  # text only
         self.running: dict[str, SamplingParams] = {}
         self.last_params: SamplingParams | None = None

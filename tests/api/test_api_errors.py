@@ -209,6 +209,18 @@ def test_dead_engine(http: httpx.Client, fake_engine: FakeEngine) -> None:
     assert http.get("/health").status_code == 200
 
 
+def test_hung_engine_fails_the_probes_only(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    """No heartbeat from the core: the probes fail (a balancer takes the server out); requests are still taken."""
+    fake_engine.is_hung = True
+    try:
+        assert http.get("/health").status_code == 503 and http.get("/ping").status_code == 503
+        assert http.post("/ping").status_code == 503
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    finally:
+        fake_engine.is_hung = False
+    assert http.get("/health").status_code == 200
+
+
 def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
     body = {"prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1}, "priority": 3, "user": "u"}
     assert http.post("/v1/completions", json=body).status_code == 200

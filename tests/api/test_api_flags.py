@@ -250,6 +250,16 @@ def test_uvicorn_options_from_flags(tmp_path: Path) -> None:
     assert options["ssl_certfile"] == CERT and options["ssl_cert_reqs"] == 2 and options["ssl_ciphers"]
     assert options["uds"] == "/tmp/x.sock" and "port" not in options
     assert options["h11_max_incomplete_event_size"] == 8192 and options["log_config"]["version"] == 1
+    assert options["timeout_keep_alive"] == 5 and options["timeout_graceful_shutdown"] == 30
+    assert options["http"].header_timeout_s == 20
+    timed = cli.uvicorn_config_options(parse(
+        "m", "--timeout-keep-alive", "7", "--timeout-graceful-shutdown", "3", "--timeout-request-header", "0.5",
+    ))  # fmt: skip
+    assert timed["timeout_keep_alive"] == 7 and timed["timeout_graceful_shutdown"] == 3
+    assert timed["http"].header_timeout_s == 0.5
+    assert cli.build_settings(parse("m", "--timeout-request-body", "2"), "m").body_read_timeout_s == 2
+    with pytest.raises(SystemExit):
+        parse("m", "--timeout-request-body", "0")
 
 
 def test_access_log_filter() -> None:

@@ -1,5 +1,5 @@
 """The engine core in its own process: aborts reach it, its start-up errors come back as themselves, and its death
-ends every open stream with an error and makes the server exit non-zero."""
+ends every open request with an error and makes the server exit non-zero in bounded time, whatever the clients do."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,11 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deltaserve.api.shutdown import DEAD_ENGINE_DRAIN_S
 from deltaserve.config import ConfigError
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
-from tests.support.ports import free_port
+from tests.support.serve_process import start_serve
 
 
 def test_an_abort_reaches_the_core_process(tiny_dense: Path) -> None:
@@ -62,36 +62,23 @@ def test_a_start_up_error_comes_back_as_itself(tmp_path: Path, tiny_dense: Path)
         AsyncEngine.from_config(EngineConfig(model=str(bad), device="cpu"))
 
 
-def _core_pid(server_pid: int) -> int:
-    """The engine-core child of the server process (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for child in children:
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            return int(child)
-    raise AssertionError(f"no engine-core child among {children}")
+def _stuck_upload(base: str) -> socket.socket:
+    """A connection that sends the head and the start of a completion's body, then nothing more."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
+    return sock
 
 
-def test_killing_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_dense: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_dense), "--device", "cpu", "--port", str(port),
-         "--max-model-len", "4096", "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+def test_killing_the_core_ends_every_request_and_the_server_exits_non_zero_in_bounded_time(tiny_dense: Path) -> None:
+    """Four streams and one plain request end with a 5xx, a stuck upload does not hold the server, which exits
+    non-zero within the dead-engine drain bound; the log has one ERROR line (the death) and no traceback."""
+    server = start_serve(tiny_dense)
+    base = server.base_url
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise AssertionError("the server did not start")
         events: list[list[str]] = [[] for _ in range(4)]
+        statuses: list[int] = []
 
         def stream(index: int) -> None:
             body = {"model": "tiny", "prompt": f"hello {index}", "max_tokens": 3000, "temperature": 0,
@@ -101,14 +88,21 @@ def test_killing_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_d
                     if line.startswith("data: "):
                         events[index].append(line[6:])
 
+        def plain() -> None:
+            body = {"model": "tiny", "prompt": "plain", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+            statuses.append(httpx.post(base + "/v1/completions", json=body, timeout=60).status_code)
+
         threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+        threads.append(threading.Thread(target=plain, daemon=True))
         for thread in threads:
             thread.start()
+        upload = _stuck_upload(base)
         deadline = time.monotonic() + 60
         while min(len(e) for e in events) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert min(len(e) for e in events) >= 3, "the streams did not start"
-        os.kill(_core_pid(server.pid), signal.SIGKILL)
+        killed_at = time.monotonic()
+        os.kill(server.core_pid(), signal.SIGKILL)
         for thread in threads:
             thread.join(30)
         for received in events:
@@ -116,11 +110,20 @@ def test_killing_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_d
             error = json.loads(received[-2])
             assert "error" in error and error["error"]["code"] >= 500
             assert all("error" not in json.loads(e) for e in received[:-2])  # only the last event is the error
-        assert server.wait(30) != 0
+        assert statuses == [503]
+        # the drain bound, then the lifespan's shutdown (the core is gone: nothing to wait for) and the exit
+        assert server.process.wait(DEAD_ENGINE_DRAIN_S + 8) != 0
+        assert time.monotonic() - killed_at < DEAD_ENGINE_DRAIN_S + 8
+        upload.close()
+        log = server.output()
+        assert "Traceback" not in log, log
+        errors = [line for line in log.splitlines() if " ERROR " in line or line.startswith("ERROR")]
+        assert len(errors) == 1 and "the engine core process exited" in errors[0], log
+        assert log.count("stream failed: the engine is dead") == 4, log
+        assert log.count("POST /v1/completions failed: the engine is dead") == 1, log
+        assert log.count("still open at the shutdown bound") == 1, log
     finally:
-        if server.poll() is None:
-            server.kill()
-        server.wait(10)
+        server.close()
 
 
 def test_a_dead_core_refuses_new_requests(tiny_dense: Path) -> None:

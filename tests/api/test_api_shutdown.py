@@ -1,0 +1,96 @@
+"""`deltaserve serve` as systemd and load balancers see it: a frozen engine core fails /health within the heartbeat
+bound (and passes again once it runs), and SIGTERM to the whole process group drains the open streams (they finish)
+before the server exits, as SIGTERM to the main process does, while a client stuck mid-upload holds it no longer than
+--timeout-graceful-shutdown. One server serves both, so the suite starts one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from deltaserve.engine.core_client import SHUTDOWN_WAIT_S
+from tests.support.serve_process import start_serve
+
+HEARTBEAT_TIMEOUT_S = 0.5
+# Long enough for the streams below to finish on a busy 2-core machine; the stuck upload is held this long.
+GRACEFUL_S = 6.0
+
+
+def _wait_for_health(base: str, status: int, within_s: float) -> float:
+    """Seconds until /health answers `status`; fails past within_s."""
+    started = time.monotonic()
+    while time.monotonic() - started < within_s:
+        if httpx.get(base + "/health", timeout=within_s).status_code == status:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"/health did not answer {status} within {within_s} s")
+
+
+def test_a_frozen_core_fails_health_and_a_group_sigterm_drains_open_streams(tiny_dense: Path) -> None:
+    server = start_serve(
+        tiny_dense, "--timeout-graceful-shutdown", str(GRACEFUL_S), "--timeout-request-body", "60", new_session=True,
+        env={"DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S)},
+    )  # fmt: skip
+    base = server.base_url
+    try:
+        core = server.core_pid()
+        os.kill(core, signal.SIGSTOP)
+        try:
+            # the bound: the heartbeat timeout, plus one beat period and a poll's slack
+            assert _wait_for_health(base, 503, HEARTBEAT_TIMEOUT_S + 2) < HEARTBEAT_TIMEOUT_S + 2
+        finally:
+            os.kill(core, signal.SIGCONT)
+        _wait_for_health(base, 200, 5)
+
+        events: list[list[dict]] = [[] for _ in range(3)]
+
+        def stream(index: int) -> None:
+            body = {"model": "tiny", "prompt": f"drain {index}", "max_tokens": 100, "temperature": 0,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events[index].append(json.loads(line[6:]))
+                    elif line == "data: [DONE]":
+                        events[index].append({"done": True})
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while min(len(e) for e in events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        host, port = base.removeprefix("http://").split(":")
+        upload = socket.create_connection((host, int(port)))  # the head and a part of the body, then nothing
+        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
+        time.sleep(0.2)  # the upload reaches the body read
+        # systemd's default (KillMode=control-group) and `timeout` signal the whole group: the core included
+        signalled_at = time.monotonic()
+        os.killpg(server.process.pid, signal.SIGTERM)
+        num_at_signal = [len(e) for e in events]
+        for thread in threads:
+            thread.join(60)
+        for received, num_before in zip(events, num_at_signal, strict=True):
+            assert all("error" not in event for event in received), received[-2:]
+            assert received[-1] == {"done": True}
+            assert received[-2]["choices"][0]["finish_reason"] == "length"
+            assert len(received) > num_before  # it was still streaming when the signal came
+        # the drain bound, the core's stop bound, and the process's teardown; uvicorn re-raises the signal it drained
+        # for once it is done, so a clean exit is 0 or "terminated"
+        bound = GRACEFUL_S + SHUTDOWN_WAIT_S + 5
+        assert server.process.wait(bound) in (0, -signal.SIGTERM)
+        assert time.monotonic() - signalled_at < bound
+        upload.close()
+        log = server.output()
+        assert "Traceback" not in log and not [line for line in log.splitlines() if "ERROR" in line], log
+        assert log.count("still open at the shutdown bound") == 1, log
+    finally:
+        server.close()
