@@ -7,7 +7,7 @@ request's prompt once with its first token, then every generated token: P + G pe
 that produced tokens); vllm:cache_config_info carries vLLM's labels. Then the request fields: best_of is ignored with
 vLLM's warning (vLLM removed it, PR #29090), continuous usage counts each chunk's own choice, a named tool_choice
 finishes with "stop", an echoed prompt's first top_logprobs entry is null; and the serve flags whose absence a user
-notices (speculative decoding among them) are logged as warnings.
+notices (speculative decoding among them) are logged as warnings, and --host binds every interface by default.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from deltaserve.api import cli
 from deltaserve.api.compat import check_compat
+from deltaserve.api.server import _listen_address
+from deltaserve.api.settings import ServerSettings
 from deltaserve.engine_config import EngineConfig
 
 from .conftest import MODEL_NAME
@@ -168,3 +171,13 @@ def test_speculative_decoding_and_visible_features_are_warned(caplog: pytest.Log
         (level,) = [level for message, level in levels.items() if f" {flag}" in message]
         assert level == "WARNING", (flag, levels)
     assert levels["ignoring --enable-dbo"] == "INFO"
+
+
+def test_host_defaults_to_every_interface_as_vllm() -> None:
+    assert parse("m").host is None  # vLLM's default: bind every interface
+    assert cli.uvicorn_config_options(parse("m"))["host"] == "0.0.0.0"
+    assert cli.build_settings(parse("m"), "m").host == "0.0.0.0"
+    assert cli.uvicorn_config_options(parse("m", "--host", "127.0.0.1"))["host"] == "127.0.0.1"
+    # the ready line's address when no uvicorn server was handed over; IPv6 in brackets, as vLLM writes it
+    settings = ServerSettings(model_root="m", served_model_names=["m"], host="::1", port=5)
+    assert _listen_address(None, settings) == "http://[::1]:5"
