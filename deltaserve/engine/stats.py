@@ -1,7 +1,8 @@
 """What the engine reports about itself and about each request, as plain frozen data (it crosses processes).
 
 EngineStats is polled by the server's /metrics collector; RequestMetrics rides on each RequestOutput so the server
-can observe vLLM's per-request histograms (queue, prefill, decode and inference time, preemptions).
+can observe vLLM's per-request histograms (queue, prefill, decode and inference time, preemptions). IterationTokens
+is the engine core's own accumulator behind EngineStats' vllm:iteration_tokens_total fields (it stays in the core).
 """
 
 from __future__ import annotations
