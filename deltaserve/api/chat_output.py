@@ -79,6 +79,7 @@ class ChoiceProcessor:
         self.reasoning_counter = reasoning_counter
         self.num_tokens = 0
         self.has_sent_role = False
+        self.is_tool_call_finish = True  # False under a named tool_choice: vLLM's finish_reason stays "stop"
         self.pending_logprobs: list[dict[str, Any]] = []  # logprobs of tokens whose text is still held back
         self.pending_token_ids: list[int] = []  # return_token_ids: ids whose chunk is not sent yet
 
@@ -135,7 +136,8 @@ class ChoiceProcessor:
 
     def finish_reason(self, engine_reason: str) -> str:
         # A completed tool call ends the turn with "tool_calls"; a call cut off by the length limit stays "length".
-        return "tool_calls" if engine_reason == "stop" and self.has_tool_calls else engine_reason
+        is_tool_calls = engine_reason == "stop" and self.has_tool_calls and self.is_tool_call_finish
+        return "tool_calls" if is_tool_calls else engine_reason
 
 
 class MessageBuilder:

@@ -27,6 +27,7 @@ from deltaserve.api.shutdown import install_shutdown_log_filter, stop_on_engine_
 from deltaserve.engine_config import EngineConfig
 
 logger = logging.getLogger("deltaserve.serve")
+ALL_INTERFACES = "0.0.0.0"  # --host's default, as vllm serve's (None: every interface)
 
 # The command's entry points and helpers that tests reach through this module.
 __all__ = ["add_arguments", "human_int", "json_list", "json_object", "normalize_argv", "run"]
@@ -114,6 +115,11 @@ def check_server_flags(args: argparse.Namespace) -> None:
         resolve_middleware(path)
 
 
+def bind_host(args: argparse.Namespace) -> str:
+    """The address to bind: --host, or every IPv4 interface when it is not given (vllm serve binds ("", port))."""
+    return args.host or ALL_INTERFACES
+
+
 def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
     check_server_flags(args)
     return ServerSettings(
@@ -139,7 +145,7 @@ def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         body_read_timeout_s=args.timeout_request_body,
         max_logprobs=args.max_logprobs,
-        host=args.host,
+        host=bind_host(args),
         port=args.port,
         is_https=bool(args.ssl_certfile),
         allowed_origins=args.allowed_origins,
@@ -197,7 +203,7 @@ def uvicorn_config_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.uds:
         options["uds"] = args.uds
     else:
-        options.update(host=args.host, port=args.port)
+        options.update(host=bind_host(args), port=args.port)
     if args.ssl_certfile:
         options.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                        ssl_cert_reqs=args.ssl_cert_reqs)  # fmt: skip
@@ -219,6 +225,7 @@ def configure_access_log(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=env.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.host = bind_host(args)  # resolved once: every later reader of --host sees the address that is bound
     try:
         check_compat(args)
         model, device = resolve_model(args)

@@ -296,7 +296,7 @@ def _add_chat_arguments(add: Any) -> None:
 
 
 def _add_http_arguments(add: Any) -> None:
-    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)")
+    add("--host", default=None, help="address to bind (default: every interface, as vllm serve)")
     add("--port", type=int, default=8000)
     add("--uds", default=None, help="serve on this Unix domain socket instead of host:port")
     add(

@@ -5,8 +5,9 @@ cli_args.py implements the flags that shape serving (tensor parallelism among th
 a vLLM launch script parses unchanged, and nothing is dropped in silence:
 - log:    accepted and logged at startup; it cannot change a token here (caching, scheduling, kernels, logging,
           distribution, multimodal inputs this text-only server never loads).
-- warn:   accepted and logged as a warning: a precision or performance setting the engine does not honour yet
-          (results can differ in the last bits from a vLLM run that honours it).
+- warn:   accepted and logged as a warning: a setting the engine does not honour yet whose absence a user can
+          notice: precision (results can differ in the last bits from a vLLM run that honours it), speed
+          (speculative decoding, prefix caching), or a route or response field the flag turns on in vLLM.
 - refuse: an error naming the flag, unless its value is one listed as allowed: honouring it would change the
           tokens (quantization, LoRA, logits processors, config overrides) or the deployment (multi-GPU/-node).
 Boolean flags take vLLM's --X / --no-X pair. Values are parsed as strings; a refused flag's allowed values are
@@ -87,10 +88,10 @@ TABLE = """
 --enable-mixed-moe-lora-format | switch | log | LoRA adapters are not supported
 --enable-mm-embeds | switch | log | multimodal inputs are refused (text-only server)
 --enable-moe-shared-loras | switch | log | LoRA adapters are not supported
---enable-prefix-caching | switch | log | prefix caching is not configurable from serve
---enable-prompt-embeds | switch | log | requests with prompt_embeds are refused
---enable-return-routed-experts | switch | log | responses carry no routed_experts
---enable-sleep-mode | switch | log | no sleep mode (no /sleep route)
+--enable-prefix-caching | switch | warn | there is no prefix cache yet: every prompt is computed in full
+--enable-prompt-embeds | switch | warn | requests with prompt_embeds are refused
+--enable-return-routed-experts | switch | warn | responses carry no routed_experts
+--enable-sleep-mode | switch | warn | no sleep mode (no /sleep or /wake_up route)
 --enable-tower-connector-lora | switch | log | LoRA adapters are not supported
 --eplb-config | value | log | expert parallelism is not used
 --expert-placement-strategy | value | log | expert parallelism is not used
@@ -183,7 +184,7 @@ TABLE = """
 --quantization,-q | value | refuse:none | quantization methods are not supported
 --quantization-config | value | refuse | quantization methods are not supported
 --ray-workers-use-nsight | switch | log | no Ray workers
---reasoning-config | value | log | no thinking-token budgets
+--reasoning-config | value | warn | no thinking-token budgets (thinking_token_budget is refused)
 --reasoning-parser-plugin | value | log | only the built-in qwen3 reasoning parser
 --renderer-num-workers | value | log | chat templates render in deltaserve's own worker processes
 --revision | value | log | models are loaded from a local folder
@@ -198,12 +199,12 @@ TABLE = """
 --shutdown-timeout | value | log | shutdown waits for the engine thread
 --skip-mm-profiling | switch | log | text-only server: nothing multimodal to profile
 --skip-tokenizer-init | switch | refuse | the API needs the tokenizer
---spec-method | value | log | speculative decoding is not configurable from serve
---spec-model | value | log | speculative decoding is not configurable from serve
---spec-tokens | value | log | speculative decoding is not configurable from serve
---speculative-config | value | log | speculative decoding is not configurable from serve
+--spec-method | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
+--spec-model | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
+--spec-tokens | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
+--speculative-config | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
 --specialize-active-lora | switch | log | LoRA adapters are not supported
---stream-interval | value | log | every engine step is streamed
+--stream-interval | value | warn | every engine step is streamed
 --swap-space | value | log | CPU swap space is not used
 --tokenizer-mode | value | refuse:auto,hf,fast,slow | only Hugging Face tokenizers
 --tokenizer-revision | value | log | the tokenizer is loaded from a local folder
@@ -220,14 +221,14 @@ TABLE = """
 --tool-parser-plugin | value | log | only the built-in tool parsers
 --tool-server | value | refuse | built-in tools are not supported
 --max-log-len | value | log | prompts are not logged
---enable-per-request-metrics | switch | log | responses carry no per-request metrics
+--enable-per-request-metrics | switch | warn | responses carry no per-request metrics
 --enable-server-load-tracking | switch | log | GET /load always reports the server load
 --enable-log-outputs | switch | log | outputs are not logged
 --enable-log-deltas | switch | log | outputs are not logged
 --log-error-stack | switch | log | tracebacks are logged for internal errors only
 --tokens-only | switch | refuse | the OpenAI routes are always served
---fingerprint-mode | value | log | responses carry no system_fingerprint
---fingerprint-value | value | log | responses carry no system_fingerprint
+--fingerprint-mode | value | warn | responses carry no system_fingerprint
+--fingerprint-value | value | warn | responses carry no system_fingerprint
 --data-parallel-supervisor-port | value | log | data parallelism is not used
 --dp-supervisor-probe-interval-s | value | log | data parallelism is not used
 --dp-supervisor-probe-timeout-s | value | log | data parallelism is not used

@@ -46,7 +46,9 @@ class CompletionLogprobs:
         self.num_top = num_top
         self.offset = initial_offset
 
-    def build(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> dict[str, Any]:
+    def build(self, token_ids: list[int], entries: list[dict[int, Logprob] | None] | None) -> dict[str, Any]:
+        """An entry of None (the echoed prompt's first token, which has no logprob) gives null logprob and null
+        top_logprobs, as vLLM; a position past the entries gives null logprob and empty top_logprobs."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top_logprobs: list[dict[str, float] | None] = []
@@ -54,6 +56,14 @@ class CompletionLogprobs:
         entries = entries or []
         for position, token_id in enumerate(token_ids):
             entry = entries[position] if position < len(entries) else {}
+            if entry is None:
+                token = self.namer(token_id)
+                tokens.append(token)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                text_offset.append(self.offset)
+                self.offset += len(token)
+                continue
             sampled = entry.get(token_id)
             token = self.namer(token_id, sampled)
             tokens.append(token)

@@ -71,16 +71,21 @@ class EngineStatsCollector(Collector):
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS
         )
         bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
-        counts = tuple(stats.iteration_token_counts)
+        counts = tuple(stats.iteration_token_counts)  # cumulative: observations <= each bound, then the total
         if len(counts) != len(bounds):
             counts = (0,) * len(bounds)
         family.add_metric(self.label_values, list(zip(bounds, counts, strict=True)), stats.iteration_tokens_sum)
         return family
 
     def _cache_config(self, stats: Any) -> GaugeMetricFamily:
-        info = {"block_size": str(stats.block_size), "gpu_memory_utilization": str(stats.gpu_memory_utilization),
+        # vLLM labels the gauge with its CacheConfig fields (CacheConfig.metrics_info) and the engine index; these
+        # are the ones deltaserve has values for. The KV cache is kept in the model dtype, which is vLLM's "auto",
+        # and no KV block lives on the CPU (vLLM's v1 engine reports 0 too).
+        info = {"block_size": str(stats.block_size), "cache_dtype": "auto",
+                "gpu_memory_utilization": str(stats.gpu_memory_utilization),
                 "enable_prefix_caching": str(stats.enable_prefix_caching),
-                "num_gpu_blocks": str(stats.num_total_kv_blocks), "engine": ENGINE_INDEX}  # fmt: skip
+                "num_gpu_blocks": str(stats.num_total_kv_blocks), "num_cpu_blocks": "0",
+                "engine": ENGINE_INDEX}  # fmt: skip
         family = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
         )

@@ -51,12 +51,26 @@ async def _announce_ready(app: FastAPI, state: ServerState) -> None:
     while server is not None and not server.started:
         await asyncio.sleep(0.05)
     settings = state.settings
-    scheme = "https" if settings.is_https else "http"
     logger.info(
-        "deltaserve ready: serving %s as %r on %s://%s:%d%s (max_model_len %d)",
-        settings.model_root, settings.model_name, scheme, settings.host, settings.port, settings.root_path or "",
+        "deltaserve ready: serving %s as %r on %s%s (max_model_len %d)",
+        settings.model_root, settings.model_name, _listen_address(server, settings), settings.root_path or "",
         state.engine.max_model_len,
     )  # fmt: skip
+
+
+def _listen_address(server: Any, settings: ServerSettings) -> str:
+    """Where the server listens, read from its socket as bound (0.0.0.0 when --host was not given, the port the
+    system chose for --port 0, a Unix socket's path), as vLLM's "Starting vLLM API server on ..." line names it;
+    the settings' host and port when no uvicorn server was handed over."""
+    host, port = settings.host, settings.port
+    sockets = [sock for listener in getattr(server, "servers", None) or [] for sock in listener.sockets or []]
+    if sockets:
+        name = sockets[0].getsockname()
+        if isinstance(name, str):
+            return f"unix:{name}"
+        host, port = name[0], name[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if settings.is_https else 'http'}://{shown}:{port}"
 
 
 def model_cards(state: ServerState) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class ChatJob:
     stream: AsyncGenerator[RequestOutput, None]
     num_cached_tokens: int | None = field(default=None)
     prompt_token_ids: list[int] = field(default_factory=list)
+    is_named_tool_choice: bool = False  # vLLM ends a named function's forced call with "stop", not "tool_calls"
 
     def new_processor(self) -> ChoiceProcessor:
         settings = self.state.settings
@@ -83,7 +84,9 @@ class ChatJob:
         if self.tools is not None:
             is_hermes = settings.tool_call_parser == "hermes"
             tool_parser = HermesToolParser(self.tools) if is_hermes else Qwen3XMLToolParser(self.tools)
-        return ChoiceProcessor(reasoning, tool_parser, self.request.include_reasoning, counter)
+        processor = ChoiceProcessor(reasoning, tool_parser, self.request.include_reasoning, counter)
+        processor.is_tool_call_finish = not self.is_named_tool_choice
+        return processor
 
     def logprobs_of(self, seq: CompletionOutput) -> list[dict[str, Any]]:
         if self.num_top_logprobs is None:
@@ -134,6 +137,7 @@ async def create_chat_completion(
         echo_text=_echo_text(request, role),
         stream=stream,
         prompt_token_ids=prompt.token_ids,
+        is_named_tool_choice=tool_choice not in (None, "auto", "required"),
     )
     return await respond(state, raw_request, bool(request.stream), lambda: stream_chat(job), lambda: full_chat(job))
 
@@ -223,8 +227,9 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
 
     def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
         chunk = _chunk(job, [choice]) | (extra or {})
-        if is_continuous:
-            chunk["usage"] = without_none(job.usage(list(processors.values())))
+        if is_continuous:  # vLLM counts the chunk's own choice, not all n
+            num_tokens = processors[choice["index"]].num_tokens
+            chunk["usage"] = without_none(usage(job.num_prompt_tokens, num_tokens))
         return sse(chunk)
 
     try:

@@ -150,7 +150,7 @@ class CompletionJob:
             prompt = self.prompts[choice.prompt_index]
             text = (prompt.text or "") + text
             if choice.logprobs is not None:
-                entries = [entry or {} for entry in output.prompt_logprobs or []]
+                entries = list(output.prompt_logprobs or [])  # the first is None: vLLM shows null for it
                 echoed = choice.logprobs.build(prompt.token_ids, entries)
         if output.prompt_logprobs is not None and choice.prompt_logprobs is None:
             choice.prompt_logprobs = output.prompt_logprobs
@@ -252,8 +252,9 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                             item["prompt_token_ids"] = job.prompts[prompt_index].token_ids
                         item["token_ids"] = list(seq.token_ids)
                     chunk = job.envelope([item])
-                    if is_continuous:
-                        chunk["usage"] = without_none(job.usage())
+                    if is_continuous:  # vLLM counts the chunk's own choice and its prompt, not every choice
+                        num_prompt = len(job.prompts[prompt_index].token_ids)
+                        chunk["usage"] = without_none(usage(num_prompt, choice.num_tokens))
                     yield sse(chunk)
         if include_usage:
             chunk = job.envelope([])

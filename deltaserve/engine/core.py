@@ -13,7 +13,6 @@ plus one worker process per other rank; check_health() raises once a worker is g
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 from collections import deque
@@ -26,7 +25,7 @@ from deltaserve.engine.budget import default_max_num_batched_tokens
 from deltaserve.engine.grammar import StructuredOutputsConfig
 from deltaserve.engine.output import slice_prompt_logprobs
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
-from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, RequestMetrics
+from deltaserve.engine.stats import EngineStats, IterationTokens, RequestMetrics
 from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
@@ -82,8 +81,7 @@ class EngineCore:
         self._parked: dict[str, Sequence] = {}
         self._errors: list[tuple[str, str]] = []  # (core request id, message): see take_errors
         self._num_prompt_logprobs: dict[str, int] = {}  # request -> prompt positions reported (resumes recompute)
-        self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
-        self._iteration_tokens_sum = 0
+        self._iteration_tokens = IterationTokens()
         if self.runner.load_report is not None:
             logger.info("%s", self.runner.load_report.summary())
         logger.info(
@@ -181,8 +179,6 @@ class EngineCore:
             if plan.removed:
                 self.runner.execute(plan)  # only the table's diffs
             return False
-        self._iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, plan.num_tokens)] += 1
-        self._iteration_tokens_sum += plan.num_tokens
         owners = self.structured.observe(plan)
         # a step holding a constrained row launches only its forward: its bitmask needs the previous step's tokens
         is_deferred = self.structured.needs_mask(plan, owners)
@@ -212,8 +208,12 @@ class EngineCore:
         result = self.runner.collect(handle)
         prompt_logprobs = self._prompt_logprobs(result.prompt_logprobs, owners)
         failed: list[str] = []
+        num_iteration_tokens = 0
         for seq, tokens, logprobs in self.scheduler.update(plan, result):
             is_finished = seq.is_finished
+            # vLLM's count: a request's prompt once, with its first token, then every generated token
+            is_first = len(seq.output_token_ids) == len(tokens) > 0
+            num_iteration_tokens += len(tokens) + (seq.num_prompt_tokens if is_first else 0)
             error = self.structured.accept(seq.seq_id, tokens)
             if is_finished:  # the scheduler already freed it
                 self.sequences.pop(seq.seq_id, None)
@@ -238,6 +238,8 @@ class EngineCore:
                     logits=b"".join(seq.logits) if seq.is_prefill_only else None,
                 )
             )
+        if num_iteration_tokens:
+            self._iteration_tokens.observe(num_iteration_tokens)
         self.abort_requests(failed)
         # prompt logprobs of chunks that sampled nothing yet (a long prompt's early chunks)
         outputs.extend(EngineCoreOutput(rid, (), None, prompt_logprobs=lp) for rid, lp in prompt_logprobs.items())
@@ -287,8 +289,8 @@ class EngineCore:
             num_preemptions_total=scheduler.num_preemptions_total,
             num_waiting_for_capacity=scheduler.num_waiting_for_capacity,
             num_waiting_deferred=scheduler.num_waiting - scheduler.num_waiting_for_capacity,
-            iteration_token_counts=tuple(self._iteration_token_counts),
-            iteration_tokens_sum=self._iteration_tokens_sum,
+            iteration_token_counts=self._iteration_tokens.cumulative_counts(),
+            iteration_tokens_sum=self._iteration_tokens.sum,
             block_size=blocks.block_size,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             enable_prefix_caching=False,

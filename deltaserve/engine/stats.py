@@ -1,15 +1,42 @@
 """What the engine reports about itself and about each request, as plain frozen data (it crosses processes).
 
 EngineStats is polled by the server's /metrics collector; RequestMetrics rides on each RequestOutput so the server
-can observe vLLM's per-request histograms (queue, prefill, decode and inference time, preemptions).
+can observe vLLM's per-request histograms (queue, prefill, decode and inference time, preemptions). IterationTokens
+is the engine core's own accumulator behind EngineStats' vllm:iteration_tokens_total fields (it stays in the core).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
-# vLLM's buckets for vllm:iteration_tokens_total (tokens scheduled in one engine step).
+# vLLM's buckets for vllm:iteration_tokens_total (tokens of one engine step's outputs).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class IterationTokens:
+    """vllm:iteration_tokens_total, kept by the engine core: one observation per step that produced outputs.
+
+    vLLM observes, per batch of engine outputs, the prompt length of every request whose first token is in it plus
+    every generated token (vllm/v1/metrics/stats.py IterationStats), not the tokens the step scheduled: a request
+    of P prompt and G output tokens adds P + G to the sum, where scheduled tokens add up to P + G - 1.
+    """
+
+    def __init__(self) -> None:
+        self._per_bucket = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # the last one is +Inf
+        self.sum = 0
+
+    def observe(self, num_tokens: int) -> None:
+        self._per_bucket[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.sum += num_tokens
+
+    def cumulative_counts(self) -> tuple[int, ...]:
+        """Observations <= each bound of ITERATION_TOKEN_BUCKETS, then the total (+Inf), as Prometheus buckets."""
+        counts, running = [], 0
+        for count in self._per_bucket:
+            running += count
+            counts.append(running)
+        return tuple(counts)
 
 
 @dataclass(frozen=True)

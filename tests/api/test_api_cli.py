@@ -29,7 +29,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_defaults() -> None:
     args = parse("some/model")
     # max_num_seqs None: vLLM's default for the GPU, sized to the state memory by the runner
-    assert (args.host, args.port, args.max_num_seqs, args.block_size, args.seed) == ("127.0.0.1", 8000, None, 16, 0)
+    assert (args.host, args.port, args.max_num_seqs, args.block_size, args.seed) == (None, 8000, None, 16, 0)
     assert args.async_scheduling is True and parse("m", "--no-async-scheduling").async_scheduling is False
     config = cli.build_engine_config(args, *cli.resolve_model(args))
     assert config.model == "some/model" and config.device == "auto" and config.generation_config == "auto"

@@ -1,7 +1,8 @@
-"""The README's server snippets work: `deltaserve serve` with no MODEL (the built-in tiny checkpoint, saying so),
-then the README's own curl and openai-client code, run as written (only the port is changed to a free one). The
-quick start is two commands a new user can type, the second installs the test extra's packages without
-reinstalling deltaserve, and CI (.ci/run) runs them as written."""
+"""The README's server snippets work: `deltaserve serve` with no MODEL (the built-in tiny checkpoint, saying so,
+bound to every interface as `vllm serve` is, and its ready line naming that address), then the README's own curl
+and openai-client code, run as written (only the port is changed to a free one). The quick start is two commands a
+new user can type: the first installs what the README's examples import, the second installs the test extra's
+packages without reinstalling deltaserve and says how long the tests take; CI (.ci/run) runs them as written."""
 
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ def test_quick_start_is_two_commands_ci_runs() -> None:
     assert sorted(packages) == sorted(extra) and "-e" not in test
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test in ci and install.replace("pip install ", "pip install -q ") in ci
+    section = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"the tests: about \d+ minutes on 2 CPU cores", " ".join(section.split())), section
+
+
+def test_first_command_installs_what_the_examples_import() -> None:
+    serve, _ = quick_start()
+    installed = serve.split("pip install ", 1)[1].split(" && ", 1)[0].split()
+    imported = {module for block in code_blocks("python")
+                for module in re.findall(r"^(?:from|import) (\w+)", block, flags=re.M)}  # fmt: skip
+    assert "openai" in imported and "deltaserve" in imported
+    missing = [module for module in imported if module not in installed and not (module == "deltaserve" and
+               "-e" in installed)]  # fmt: skip
+    assert not missing, f"the README's examples import {missing}, which its first command does not install"
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +93,15 @@ def readme_server() -> Iterator[str]:
 
 
 LOG: list[str] = []
+
+
+def test_quick_start_binds_every_interface_and_says_so(readme_server: str) -> None:
+    port = readme_server.rsplit(":", 1)[1]
+    line = f"on http://0.0.0.0:{port} "
+    deadline = time.monotonic() + 10  # /health can answer just before the ready line is read from the log
+    while not any("deltaserve ready" in entry and line in entry for entry in LOG):
+        assert time.monotonic() < deadline, "".join(LOG)
+        time.sleep(0.05)
 
 
 def test_quick_start_serves_without_a_model(readme_server: str) -> None:
