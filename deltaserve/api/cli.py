@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import os
+import socket
 from typing import Any
 
 from deltaserve import default_model, env
@@ -109,6 +110,21 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
     for path in args.middleware:
         resolve_middleware(path)
+
+
+def check_listen_address(args: argparse.Namespace) -> None:
+    """Binds --host:--port once and lets go, as uvicorn will bind it, so that a bad host or a taken port is one
+    error before the model loads instead of tracebacks after it (a socket taken in between still fails later)."""
+    if args.uds:
+        return
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((args.host, args.port))
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ValueError(f"--host {args.host} --port {args.port}: cannot listen there: {reason}") from None
 
 
 def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
@@ -216,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         model, device = resolve_model(args)
         config = build_engine_config(args, model, device)
         settings = build_settings(args, model)
+        check_listen_address(args)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
