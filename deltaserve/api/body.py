@@ -6,15 +6,21 @@ elements) with the garbage collector paused. Two bounds keep the object graph of
 building (and later collecting) millions of Python objects stalls the event loop whatever thread does it: at most
 MAX_JSON_ELEMENTS values (a 1,048,576-token prompt fits) and MAX_JSON_OBJECTS objects (16,384 chat messages; the
 garbage collector walks every container, token ids are not containers). vLLM has neither bound.
+
+An upload refused by its declared length (middleware.BodySizeMiddleware) is read to its end first (up to
+MAX_DRAIN_BYTES, for at most DRAIN_TIMEOUT_S): a server that closes a connection with unread bytes makes the kernel
+reset it, and the reset can throw the 413 away before the client, still uploading, reads it. (A chunked body refused
+mid-read needs nothing: uvicorn reads and drops the rest after the answer.) vLLM reads every body whole.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
 import pydantic
@@ -36,6 +42,9 @@ MAX_JSON_ELEMENTS = 1 << 20
 MAX_JSON_OBJECTS = 1 << 14
 # Chat messages above this are validated one by one (a single pydantic call over 100k messages holds the GIL).
 NUM_MESSAGES_VALIDATED_AT_ONCE = 256
+# How much of a refused upload is read and thrown away, and for how long, so that the client can read the 413.
+MAX_DRAIN_BYTES = 64 * 2**20
+DRAIN_TIMEOUT_S = 10.0
 
 
 _gc_lock = threading.Lock()
@@ -84,6 +93,20 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     except ClientDisconnect:
         raise ClientGone() from None
     return b"".join(chunks)
+
+
+async def drain(chunks: AsyncIterator[bytes]) -> bool:
+    """Reads and drops the rest of a refused body; True if it ended within the bounds (see the module docstring)."""
+    size = 0
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > MAX_DRAIN_BYTES:
+                    return False
+    except (TimeoutError, ClientDisconnect):
+        return False
+    return True
 
 
 def _reject_constant(name: str) -> Any:
