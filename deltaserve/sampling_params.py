@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 MAX_SEED = 2**63 - 1
 
 
+def child_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a seeded n > 1 request: seed + index, as vLLM's ParentRequest derives it.
+
+    vLLM hands seed + index to torch.Generator.manual_seed, which takes values up to 2**64 - 1, so a seed at the
+    int64 maximum is valid for every choice. Here it wraps into the signed 64-bit range that SamplingParams accepts;
+    the sampler reduces seeds modulo 2**64 (sampler.make_generator), so the wrapped seed draws the same tokens.
+    """
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 class ParamError(ValueError):
     """A sampling parameter vLLM refuses; `param` names the request field (the api's 400 carries it)."""
 

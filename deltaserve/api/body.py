@@ -5,8 +5,15 @@ large body is parsed and validated on a worker thread, through Python hooks (so 
 elements) with the garbage collector paused. Two bounds keep the object graph of one request small, because
 building (and later collecting) millions of Python objects stalls the event loop whatever thread does it: at most
 MAX_JSON_ELEMENTS values (a 1,048,576-token prompt fits) and MAX_JSON_OBJECTS objects (16,384 chat messages; the
-garbage collector walks every container, token ids are not containers). vLLM has neither bound. A client that
-stops sending its body for --timeout-request-body seconds gets a 408 and the connection is closed.
+garbage collector walks every container, token ids are not containers). vLLM has neither bound. A third,
+MAX_JSON_DEPTH, refuses deep nesting (a tool schema 450 levels deep) with a 400 naming the field, before recursive
+code downstream (pickling, schema compilation) fails on it.
+
+An upload refused by its declared length (middleware.BodySizeMiddleware) is read to its end first (up to
+MAX_DRAIN_BYTES, for at most DRAIN_TIMEOUT_S): a server that closes a connection with unread bytes makes the kernel
+reset it, and the reset can throw the 413 away before the client, still uploading, reads it. (A chunked body refused
+mid-read needs nothing: uvicorn reads and drops the rest after the answer.) vLLM reads every body whole. A client
+that stops sending its body for --timeout-request-body seconds gets a 408 and the connection is closed.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import contextlib
 import gc
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
 import pydantic
@@ -38,6 +45,13 @@ MAX_JSON_ELEMENTS = 1 << 20
 MAX_JSON_OBJECTS = 1 << 14
 # Chat messages above this are validated one by one (a single pydantic call over 100k messages holds the GIL).
 NUM_MESSAGES_VALIDATED_AT_ONCE = 256
+# Nesting levels a body may hold (the body itself is level 1). Deeper values reach recursive code downstream (pickling
+# a tool schema to the template worker, compiling a JSON schema) and fail there with a RecursionError at ~300-400
+# levels; a JSON schema spends two levels per level of its own, so 128 leaves a schema 60 levels deep.
+MAX_JSON_DEPTH = 128
+# How much of a refused upload is read and thrown away, and for how long, so that the client can read the 413.
+MAX_DRAIN_BYTES = 64 * 2**20
+DRAIN_TIMEOUT_S = 10.0
 
 
 _gc_lock = threading.Lock()
@@ -108,6 +122,20 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float | None = 
     return b"".join(chunks)
 
 
+async def drain(chunks: AsyncIterator[bytes]) -> bool:
+    """Reads and drops the rest of a refused body; True if it ended within the bounds (see the module docstring)."""
+    size = 0
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > MAX_DRAIN_BYTES:
+                    return False
+    except (TimeoutError, ClientDisconnect):
+        return False
+    return True
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -163,7 +191,30 @@ def parse_json(raw: bytes, *, is_interruptible: bool = False) -> dict[str, Any]:
         raise bad_request(f"The request body is not valid JSON: {exc}.") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
+    check_depth(data)
     return data
+
+
+def check_depth(data: dict[str, Any]) -> None:
+    """A 400 naming the field (its first four steps) where the body nests deeper than MAX_JSON_DEPTH levels."""
+    path = _first_too_deep(data)
+    if path is not None:
+        field = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in path[:4]).lstrip(".")
+        raise bad_request(f"`{field}` is nested more than {MAX_JSON_DEPTH} levels deep.", field)
+
+
+def _first_too_deep(data: dict[str, Any]) -> tuple[str | int, ...] | None:
+    # Iterative: a recursive walk would itself hit the recursion limit on the bodies it is there to refuse.
+    stack: list[tuple[dict[str, Any] | list[Any], tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            return path
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(item, dict | list):
+                stack.append((item, (*path, key)))
+    return None
 
 
 def parse_body(model: type[ModelT], data: dict[str, Any]) -> ModelT:

@@ -201,7 +201,7 @@ async def render_chat(
 
     job = await state.tokens.run(build_job)
     try:
-        return await state.templates.render(job)
+        return await state.templates.render(job, is_request_template=chat_template is not None)
     except TemplateRenderError as exc:
         message = str(exc)
         logger.info("chat template error: %s", message)

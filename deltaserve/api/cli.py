@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import os
+import socket
 from typing import Any
 
 from deltaserve import default_model, env
@@ -118,6 +119,22 @@ def check_server_flags(args: argparse.Namespace) -> None:
 def bind_host(args: argparse.Namespace) -> str:
     """The address to bind: --host, or every IPv4 interface when it is not given (vllm serve binds ("", port))."""
     return args.host or ALL_INTERFACES
+
+
+def check_listen_address(args: argparse.Namespace) -> None:
+    """Binds --host:--port once and lets go, as uvicorn will bind it, so that a bad host or a taken port is one
+    error before the model loads instead of tracebacks after it (a socket taken in between still fails later)."""
+    if args.uds:
+        return
+    host = bind_host(args)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, args.port))
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ValueError(f"--host {host} --port {args.port}: cannot listen there: {reason}") from None
 
 
 def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
@@ -231,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         model, device = resolve_model(args)
         config = build_engine_config(args, model, device)
         settings = build_settings(args, model)
+        check_listen_address(args)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2

@@ -44,6 +44,17 @@ def human_int(value: str) -> int | None:
     return int(number * scale)
 
 
+def port_number(value: str) -> int:
+    """A TCP port, 0-65535 (0: any free port), refused at parse time rather than by the bind after loading."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0-65535, got {port}")
+    return port
+
+
 def byte_count(value: str) -> int:
     number = human_int(value)
     if number is None or number < 1:
@@ -297,7 +308,7 @@ def _add_chat_arguments(add: Any) -> None:
 
 def _add_http_arguments(add: Any) -> None:
     add("--host", default=None, help="address to bind (default: every interface, as vllm serve)")
-    add("--port", type=int, default=8000)
+    add("--port", type=port_number, default=8000)
     add("--uds", default=None, help="serve on this Unix domain socket instead of host:port")
     add(
         "--api-key",

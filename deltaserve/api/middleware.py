@@ -3,8 +3,10 @@
 APIKeyMiddleware: with --api-key (or VLLM_API_KEY) every route needs `Authorization: Bearer KEY` except the probes
 vLLM's newest security guidance leaves open (/health, /ping, /version, /metrics) and CORS preflights.
 RequestIdMiddleware (--enable-request-id-headers): every response carries X-Request-Id, the client's or a new one.
-BodySizeMiddleware: a declared Content-Length above the limit is answered 413 before the body is read (a body
-without a length is counted as it is read, in serving_common.read_body).
+BodySizeMiddleware: a declared Content-Length above the limit is answered 413 without a byte kept (a body without
+a length is counted as it is read, in body.read_body). The body is read and dropped first, as far as body.drain
+allows, so that the closing connection is not reset under the client before it reads the 413; a client that sent
+`Expect: 100-continue` has sent nothing yet and gets the 413 at once.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deltaserve.api.body import MAX_DRAIN_BYTES, drain
 from deltaserve.api.errors import APIError, error_response, request_too_large, unauthorized
 
 # Probes a load balancer or scraper must reach without the key (vLLM's newest unauthenticated set).
@@ -97,9 +100,27 @@ class BodySizeMiddleware:
                 elif size > self.max_body_bytes:
                     error = request_too_large(self.max_body_bytes)
                 if error is not None:
+                    headers = Headers(scope=scope)
+                    if (
+                        error.status == 413
+                        and size <= MAX_DRAIN_BYTES
+                        and "100-continue" not in headers.get("expect", "")
+                    ):
+                        await drain(_body_chunks(receive))
                     response = error_response(error)
-                    # The unread body is not drained: the connection closes after this answer.
+                    # Whatever is left unread, the connection closes after this answer.
                     response.headers["Connection"] = "close"
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+async def _body_chunks(receive: Receive) -> AsyncIterator[bytes]:
+    """The request body's chunks as the ASGI server delivers them (ends at the last one or a disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return

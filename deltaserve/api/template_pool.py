@@ -8,7 +8,9 @@ that allocates too much fails with MemoryError inside the worker), and the sandb
 one operation may build. The parent waits on the worker from a thread, so the event loop never blocks.
 
 Each worker renders one job at a time; the pool hands jobs to idle workers. A worker that died or was killed is
-replaced in the background by the thread that noticed.
+replaced in the background by the thread that noticed. Templates sent with requests (--trust-request-chat-template)
+hold at most num_workers - 1 workers at once, so slow request templates queue behind each other while the server's
+own template always finds a worker (a pool of one worker has none to spare and shares it).
 """
 
 from __future__ import annotations
@@ -152,6 +154,9 @@ class TemplatePool:
         self.limits = limits or RenderLimits()
         self.memory_bytes = memory_bytes
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="deltaserve-template")
+        # How many workers request templates may hold at once: one is kept for the server's own template.
+        self.num_request_slots = max(1, num_workers - 1)
+        self._request_slots: asyncio.Semaphore | None = None
         self._idle: asyncio.Queue[_Worker] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: set[_Worker] = set()
@@ -189,6 +194,7 @@ class TemplatePool:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Queue()
+        self._request_slots = asyncio.Semaphore(self.num_request_slots)
         workers = await asyncio.gather(*(self._loop.run_in_executor(self._executor, self._spawn)
                                          for _ in range(self.num_workers)))  # fmt: skip
         for worker in workers:
@@ -234,12 +240,24 @@ class TemplatePool:
                 self._release(worker)
         return reply
 
-    async def render(self, job: RenderJob) -> str:
-        """The rendered prompt; TemplateRenderError for anything the template or its inputs caused."""
-        if self._idle is None or self._loop is None:
+    async def render(self, job: RenderJob, is_request_template: bool = False) -> str:
+        """The rendered prompt; TemplateRenderError for anything the template or its inputs caused.
+        is_request_template: the template came with the request, so the job first takes a request slot."""
+        if self._idle is None or self._loop is None or self._request_slots is None:
             raise TemplatePoolError("the chat-template workers are not running")
-        worker = await self._idle.get()
+        slots = self._request_slots if is_request_template else None
+        if slots is not None:
+            await slots.acquire()
+        try:
+            worker = await self._idle.get()
+        except BaseException:
+            if slots is not None:
+                slots.release()
+            raise
         future = self._loop.run_in_executor(self._executor, self._roundtrip, worker, job)
+        if slots is not None:
+            # The slot is held until the job ends, not until the client leaves: a worker still rendering counts.
+            future.add_done_callback(lambda _: slots.release())
         # Shielded: if the client goes away, the job still ends (or times out) and hands its worker back.
         status, text = await asyncio.shield(future)
         if status != "ok":

@@ -28,7 +28,7 @@ from deltaserve.model.preflight import check_generation_config, load_tokenizer
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.processor import MultimodalProcessor
 from deltaserve.multimodal.prompt import VisionTokenIds
-from deltaserve.sampling_params import ParamError, SamplingParams
+from deltaserve.sampling_params import ParamError, SamplingParams, child_seed
 
 
 class RequestError(ValueError):
@@ -235,7 +235,7 @@ class EngineFrontend:
         core_requests = []
         for index in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            seed = None if params.seed is None else params.seed + index
+            seed = None if params.seed is None else child_seed(params.seed, index)
             child = dataclasses.replace(params, n=1, seed=seed)
             detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
             state.sequences.append(SequenceProgress(core_id, detokenizer))

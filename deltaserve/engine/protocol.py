@@ -1,8 +1,8 @@
 """What crosses between the engine front end (tokenizer, detokeniser, streams) and the engine core (scheduler and
 runner), possibly between two processes: plain frozen dataclasses, picklable, with no tensors.
 
-A request with n > 1 reaches the core as n requests (child seeds seed + i, as vLLM does); the front end merges
-their outputs under the one request id.
+A request with n > 1 reaches the core as n requests (child seeds seed + i, as vLLM does, wrapped into int64); the
+front end merges their outputs under the one request id.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ class _Checkpoint(Protocol):
 
     def get_shaped(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
 
+    def check_finite(self, param: torch.Tensor, label: str) -> None: ...
+
 
 def vision_prefix(ckpt: _Checkpoint) -> str | None:
     """The checkpoint's vision prefix, or None when it has no vision tensors."""
@@ -32,8 +34,8 @@ def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def load_vision_tower(tower: VisionTower, config: VisionConfig, ckpt: _Checkpoint) -> int:
-    """Fills the tower from the checkpoint; returns the number of tensors read. Missing or mis-shaped tensors
-    raise the checkpoint's CheckpointError naming them."""
+    """Fills the tower from the checkpoint; returns the number of tensors read. Missing or mis-shaped tensors,
+    and tensors holding NaN or inf, raise the checkpoint's CheckpointError naming them."""
     prefix = vision_prefix(ckpt)
     if prefix is None:
         # let the checkpoint name the first tensor it lacks
@@ -45,6 +47,7 @@ def load_vision_tower(tower: VisionTower, config: VisionConfig, ckpt: _Checkpoin
     def load(param: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
         nonlocal names
         _copy(param, ckpt.get_shaped(prefix + name, shape))
+        ckpt.check_finite(param, prefix + name)
         names += 1
 
     with torch.no_grad():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -69,6 +70,28 @@ def test_refusals_and_bad_values() -> None:
         with pytest.raises(SystemExit):
             parse("m", *argv)
     assert cli.run(parse("m", "-dp", "4")) == 2
+
+
+def test_bad_port_or_host_is_one_error_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse("m", "--port", "70000")
+    assert exit_info.value.code == 2
+    assert "argument --port: must be a port number in 0-65535, got 70000" in capsys.readouterr().err
+    missing = str(tmp_path / "no-model")  # the listen check comes first: nothing is read or loaded
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.run(parse(missing, "--port", str(port))) == 2
+    errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert errors == [f"--host 127.0.0.1 --port {port}: cannot listen there: Address already in use"]
+    caplog.clear()
+    # an address of no interface here (TEST-NET-1): the bind fails at once, with no name lookup
+    assert cli.run(parse(missing, "--host", "192.0.2.1", "--port", "0")) == 2
+    (error,) = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert error == "--host 192.0.2.1 --port 0: cannot listen there: Cannot assign requested address"
 
 
 @pytest.mark.parametrize(

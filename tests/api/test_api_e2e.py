@@ -97,6 +97,18 @@ def test_n_and_logprobs(real_client: openai.OpenAI) -> None:
     assert completion.usage.completion_tokens == 8
 
 
+def test_seed_at_the_int64_maximum_with_n(real_client: openai.OpenAI) -> None:
+    # choice i is seeded seed + i (vLLM's ParentRequest); at the int64 maximum that is valid too, wrapped into int64
+    def texts(seed: int, n: int) -> list[str]:
+        reply = real_client.completions.create(model=NAME, prompt="xyz", max_tokens=4, n=n, temperature=1.0, seed=seed)
+        return [choice.text for choice in sorted(reply.choices, key=lambda choice: choice.index)]
+
+    top = 2**63 - 1
+    first = texts(top, 2)
+    assert texts(top, 2) == first  # reproducible
+    assert first == [texts(top, 1)[0], texts(-(2**63), 1)[0]]
+
+
 def test_chat_stream_and_usage(real_client: openai.OpenAI, real_http: httpx.Client) -> None:
     num_prompt = real_http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
     completion = real_client.chat.completions.create(

@@ -40,6 +40,27 @@ def test_overrun_is_killed_and_the_worker_replaced() -> None:
     asyncio.run(scenario())
 
 
+def test_slow_request_templates_leave_a_worker_for_the_servers_own() -> None:
+    async def scenario() -> None:
+        pool = TemplatePool(num_workers=2, timeout=0.6)
+        await pool.start()
+        try:
+            slow = [asyncio.create_task(pool.render(RenderJob(ENDLESS, USER), is_request_template=True))
+                    for _ in range(2)]  # fmt: skip
+            await asyncio.sleep(0.05)  # both request templates are in: one renders, one waits for the request slot
+            start = time.monotonic()
+            assert await pool.render(RenderJob("[{{ messages[0].content }}]", USER)) == "[hi]"
+            waited = time.monotonic() - start
+            assert waited < 0.3, f"the server's own template waited {waited:.2f} s behind request templates"
+            for task in slow:
+                with pytest.raises(TemplateRenderError, match="took longer than 0.6 s"):
+                    await task
+        finally:
+            await pool.stop()
+
+    asyncio.run(scenario())
+
+
 def is_running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -102,6 +102,11 @@ def _ghost_in_index(ckpt: Path) -> None:
     )(ckpt)
 
 
+def _poison(tensors: dict[str, torch.Tensor], name: str) -> None:
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[5] = float("nan")
+
+
 K_PROJ = "layers.3.self_attn.k_proj.weight"
 CASES = [
     Case("config.json missing", _delete("config.json"), lambda c: [str(c / "config.json"), "no config.json"]),
@@ -185,6 +190,12 @@ CASES = [
         "missing tensor",
         lambda c: _rewrite(c, "layers.2.linear_attn.in_proj_z", lambda t, n: t.pop(n)),
         lambda c: [str(c / INDEX), "`model.language_model.layers.2.linear_attn.in_proj_z.weight`", "missing"],
+        is_in_process=True,
+    ),
+    Case(
+        "NaN in a tensor fused into another parameter",
+        lambda c: _rewrite(c, K_PROJ, _poison),
+        lambda c: [str(_a_tensor(c, K_PROJ)[1]), f"`{_a_tensor(c, K_PROJ)[0]}`", "holds 1 NaN or inf values"],
         is_in_process=True,
     ),
     Case(
