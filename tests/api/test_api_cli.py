@@ -86,7 +86,7 @@ def test_bad_port_or_host_is_one_error_before_loading(
         port = taken.getsockname()[1]
         assert cli.run(parse(missing, "--port", str(port))) == 2
     errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
-    assert errors == [f"--host 127.0.0.1 --port {port}: cannot listen there: Address already in use"]
+    assert errors == [f"--host 0.0.0.0 --port {port}: cannot listen there: Address already in use"]  # every interface
     caplog.clear()
     # an address of no interface here (TEST-NET-1): the bind fails at once, with no name lookup
     assert cli.run(parse(missing, "--host", "192.0.2.1", "--port", "0")) == 2
