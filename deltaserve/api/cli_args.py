@@ -14,7 +14,13 @@ import re
 from typing import Any
 
 from deltaserve.api.compat import add_compat_arguments
-from deltaserve.api.settings import DEFAULT_MAX_BODY_BYTES, MAX_LOGPROBS, REASONING_PARSERS, TOOL_CALL_PARSERS
+from deltaserve.api.settings import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+    MAX_LOGPROBS,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+)
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SWITCH = argparse.BooleanOptionalAction
@@ -313,6 +319,13 @@ def _add_http_arguments(add: Any) -> None:
         type=byte_count,
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"deltaserve only: larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20}M)",
+    )
+    add(
+        "--max-prompt-logprob-entries",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+        help="deltaserve only: a completion whose n x prompt tokens x (prompt_logprobs + 1) (echo: + logprobs + 1) "
+        f"exceeds this gets a 400 (default {DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES}); see docs/limits.md",
     )
     add("--h11-max-incomplete-event-size", type=int, default=None, help="largest incomplete HTTP event (bytes)")
     add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)

@@ -7,6 +7,8 @@ once each), submit (serving_common.engine_stream), respond (streamed or not).
 A batch of P prompts with n sequences each yields choices indexed prompt * n + sequence, as vLLM numbers them.
 Every prompt is its own engine request; their streams are interleaved as outputs arrive. Text prompts are
 tokenised off the event loop (tokens.py), with truncate_prompt_tokens / truncation_side applied as vLLM applies them.
+The non-streamed body is built and rendered off the event loop, and the prompt-logprob work a request may ask for is
+bounded (completion_body.py, docs/limits.md).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from deltaserve.api.body import parse_request
+from deltaserve.api.completion_body import check_prompt_logprob_work, full_completion
 from deltaserve.api.errors import bad_request
-from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs_json
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
 from deltaserve.api.sampling import build_sampling_params, check_sampling_request
 from deltaserve.api.serving_common import (
@@ -43,7 +46,7 @@ from deltaserve.api.serving_common import (
 from deltaserve.api.settings import ServerState
 from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.api.tokens import truncate_ids, truncation_length
-from deltaserve.engine.request import CompletionOutput, RequestOutput
+from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
 from deltaserve.sampling_params import StructuredOutputsParams
 
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
@@ -65,11 +68,10 @@ class ChoiceState:
     num_tokens: int = 0
     has_echoed: bool = False
     logprobs: CompletionLogprobs | None = None
-    logprob_parts: list[dict[str, Any]] = field(default_factory=list)
+    logprob_entries: list[dict[int, Logprob]] = field(default_factory=list)  # raw, one per token (full body)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list | None = None
 
 
 async def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
@@ -121,6 +123,8 @@ class CompletionJob:
     namer: TokenNamer
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> prefix-cache hits
+    # prompt index -> its prompt logprobs: one list per prompt, however many choices report it
+    prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
     @property
     def is_echo_only(self) -> bool:
@@ -152,8 +156,6 @@ class CompletionJob:
             if choice.logprobs is not None:
                 entries = [entry or {} for entry in output.prompt_logprobs or []]
                 echoed = choice.logprobs.build(prompt.token_ids, entries)
-        if output.prompt_logprobs is not None and choice.prompt_logprobs is None:
-            choice.prompt_logprobs = output.prompt_logprobs
         if self.is_echo_only:
             # echo with max_tokens 0 (scoring): the prompt alone; the one token the engine drew is not shown
             text = text[: len(text) - len(seq.text)]
@@ -178,7 +180,7 @@ class CompletionJob:
             num_prompt_tokens, sum(choice.num_tokens for choice in self.choices.values()), num_cached_tokens=num_cached
         )
 
-    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.state.settings.model_name, "choices": choices}  # fmt: skip
 
@@ -195,6 +197,8 @@ async def create_completion(
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is None and request.echo and request.logprobs is not None:
         prompt_logprobs = request.logprobs
+    num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+    check_prompt_logprob_work(request, num_prompt_tokens, prompt_logprobs, state.settings.max_prompt_logprob_entries)
     # vLLM's echo without generation: the engine draws one token, which is not reported
     requested = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
     params = [
@@ -270,32 +274,3 @@ def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
         for key, values in merged.items():
             values.extend(part[key])
     return merged
-
-
-async def full_completion(job: CompletionJob) -> JSONResponse:
-    async with contextlib.aclosing(merge_streams(job.streams)) as merged:
-        async for prompt_index, output in merged:
-            job.note_output(prompt_index, output)
-            for seq in output.outputs:
-                _, choice = job.choice(prompt_index, seq)
-                _, logprobs = job.advance(choice, seq, output)
-                if logprobs is not None:
-                    choice.logprob_parts.append(logprobs)
-    choices = []
-    for index, choice in sorted(job.choices.items()):
-        item = {
-            "index": index,
-            "text": "".join(choice.text),
-            "logprobs": _merge_logprobs(choice.logprob_parts) if choice.logprobs is not None else None,
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }
-        if job.request.prompt_logprobs is not None or choice.prompt_logprobs is not None:
-            item["prompt_logprobs"] = prompt_logprobs_json(choice.prompt_logprobs)
-        if job.request.return_token_ids:
-            item["prompt_token_ids"] = job.prompts[choice.prompt_index].token_ids
-            item["token_ids"] = choice.token_ids
-        choices.append(item)
-    body = job.envelope(choices)
-    body["usage"] = job.usage()
-    return JSONResponse(body)

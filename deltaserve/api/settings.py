@@ -26,6 +26,10 @@ MAX_LOGPROBS = 20
 # The largest request body accepted (--max-request-body-bytes); vLLM has no limit. A 262,144-token prompt is
 # about 1 MiB of text or 2 MiB of token ids, so this leaves room for batched prompts and long chats.
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# The most prompt-logprob entries one completions response may carry (--max-prompt-logprob-entries; vLLM has no
+# bound): n x prompt tokens x (prompt_logprobs + 1), plus (logprobs + 1) per prompt token with echo. About 140 MB
+# of JSON; docs/limits.md says how it was chosen.
+DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 2**21
 
 REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml", "hermes")
@@ -87,6 +91,7 @@ class ServerSettings:
     root_path: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_logprobs: int = MAX_LOGPROBS
+    max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
     host: str = "127.0.0.1"
     port: int = 8000
     is_https: bool = False
@@ -109,6 +114,8 @@ class ServerSettings:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose from {TOOL_CALL_PARSERS}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        if self.max_prompt_logprob_entries < 1:
+            raise ValueError(f"max_prompt_logprob_entries must be positive, got {self.max_prompt_logprob_entries}")
 
     @property
     def model_name(self) -> str:
