@@ -199,20 +199,20 @@ CASES: list[Case] = [
         "/v1/completions",
         completion(prompt=THOUSAND_IDS, n=32, max_tokens=1, prompt_logprobs=20),
         200,
-    ),  # fmt: skip
+    ),
     Case(
         "n 16 x 1000 prompt tokens x echo logprobs 20",
         "/v1/completions",
         completion(prompt=THOUSAND_IDS, n=16, max_tokens=2, echo=True, logprobs=20),
         200,
-    ),  # fmt: skip
+    ),
     Case(
         "n 128 x 1000 prompt tokens x prompt_logprobs 20",
         "/v1/completions",
         completion(prompt=THOUSAND_IDS, n=128, max_tokens=1, prompt_logprobs=20),
         param="prompt_logprobs",
         message="--max-prompt-logprob-entries",
-    ),  # fmt: skip
+    ),
     Case("guided_json unclosed", "/v1/completions", completion(guided_json="["), param="guided_json"),
     Case(
         "structured_outputs bad regex",
@@ -450,7 +450,21 @@ CASES: list[Case] = [
     Case("tokenize without prompt", "/tokenize", {"model": MODEL_NAME}, param="body.prompt"),
     Case("tokenize prompt an int", "/tokenize", {"prompt": 5}, param="body.prompt"),
     Case("tokenize unknown model", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
-    Case("tokenize 4e6 characters", "/tokenize", {"prompt": "hello world " * 333_334}, 200),
+    Case("tokenize 40,000 characters", "/tokenize", {"prompt": "hello world " * 3333}, 200),
+    Case(
+        "tokenize 4e6 characters",
+        "/tokenize",
+        {"prompt": "hello world " * 333_334},
+        param="prompt",
+        message="maximum context length is 2048 tokens",
+    ),
+    Case(
+        "tokenize messages of 4e6 characters",
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "hello world " * 333_334}]},
+        param="messages",
+        message="maximum context length is 2048 tokens",
+    ),
     Case(
         "tokenize hostile template",
         "/tokenize",
