@@ -1,9 +1,10 @@
 """The non-streamed completions body after it moved off the event loop (api/completion_body.py, api/json_body.py):
 byte for byte what it was, prompt logprobs carried once per prompt, and the bound on prompt-logprob work.
 
-tests/api/data/completion_bodies.json holds request bodies and the responses main adec2ea's full_completion gave
-for them against the FakeEngine (id fixed by X-Request-Id, created set to 0): n > 1 with prompt_logprobs and
-logprobs, echo with logprobs, echo-only scoring, batched text and token-id prompts, token ids as names.
+tests/api/data/response_bodies.json holds request bodies and the responses main adec2ea gave for them against the
+FakeEngine served with default settings (id fixed by X-Request-Id, created set to 0): completions with n > 1 and
+prompt_logprobs and logprobs, echo with logprobs, echo-only scoring, batched text and token-id prompts, token ids as
+names; chat with n > 1, prompt_logprobs and top_logprobs (its body is rendered off the event loop too).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,24 @@ from deltaserve.api.protocol import CompletionRequest
 from deltaserve.api.settings import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 
 from .conftest import MODEL_NAME
+from .fake_engine import FakeEngine
+from .server_thread import ServerThread, serve
 
-RECORDED = json.loads((Path(__file__).parent / "data" / "completion_bodies.json").read_text())
+RECORDED = json.loads((Path(__file__).parent / "data" / "response_bodies.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def plain_server(fake_engine: FakeEngine) -> Iterator[ServerThread]:
+    """Default settings (no reasoning or tool parser), as the bodies were recorded."""
+    server = serve(fake_engine)
+    yield server
+    server.stop()
 
 
 @pytest.mark.parametrize("case", RECORDED, ids=[str(i) for i in range(len(RECORDED))])
-def test_body_is_byte_for_byte_the_recorded_one(http: httpx.Client, case: dict[str, Any]) -> None:
-    response = http.post("/v1/completions", json={"model": MODEL_NAME, **case["request"]},
-                         headers={"x-request-id": "golden"})  # fmt: skip
+def test_body_is_byte_for_byte_the_recorded_one(plain_server: ServerThread, case: dict[str, Any]) -> None:
+    url = plain_server.base_url + case.get("path", "/v1/completions")
+    response = httpx.post(url, json={"model": MODEL_NAME, **case["request"]}, headers={"x-request-id": "golden"})
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/json"
     assert int(response.headers["content-length"]) == len(response.content)
