@@ -20,10 +20,10 @@ import anyio
 
 from deltaserve.api.errors import bad_request
 from deltaserve.api.json_body import JSONPiecesResponse, RawJSON, render_json
-from deltaserve.api.logprobs import CompletionLogprobs, prompt_logprobs_json
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs_json
 from deltaserve.api.protocol import CompletionRequest
 from deltaserve.api.serving_common import merge_streams
-from deltaserve.engine.request import RequestOutput
+from deltaserve.engine.request import Logprob, RequestOutput
 
 if TYPE_CHECKING:
     from deltaserve.api.serving_completion import ChoiceState, CompletionJob
@@ -75,6 +75,15 @@ def record(job: CompletionJob, choice: ChoiceState, seq: Any) -> None:
         choice.logprob_entries.extend({} for _ in range(len(seq.token_ids) - len(entries)))
 
 
+def build_echoed(
+    namer: TokenNamer, num_top: int, token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
+) -> tuple[dict[str, list[Any]], int]:
+    """A prompt's logprobs as echo reports them at the head of each choice's logprobs (vLLM: none for the first
+    token), and the text offset the generated tokens continue from. The same for every choice of the prompt."""
+    builder = CompletionLogprobs(namer, num_top)
+    return builder.build(token_ids, [entry or {} for entry in prompt_logprobs or []]), builder.offset
+
+
 def _merge(head: dict[str, list[Any]], tail: dict[str, list[Any]]) -> dict[str, list[Any]]:
     return {key: head[key] + tail[key] for key in head}
 
@@ -91,9 +100,9 @@ class BodyBuilder:
         """The prompt's logprobs as echoed at the head of each choice's logprobs (vLLM: None for the first)."""
         if prompt_index not in self.echoed:
             job = self.job
-            entries = [entry or {} for entry in job.prompt_logprobs.get(prompt_index) or []]
-            builder = CompletionLogprobs(job.namer, job.request.logprobs or 0)
-            self.echoed[prompt_index] = builder.build(job.prompts[prompt_index].token_ids, entries), builder.offset
+            self.echoed[prompt_index] = build_echoed(job.namer, job.request.logprobs or 0,
+                                                     job.prompts[prompt_index].token_ids,
+                                                     job.prompt_logprobs.get(prompt_index))  # fmt: skip
         return self.echoed[prompt_index]
 
     def _prompt_logprobs(self, prompt_index: int) -> RawJSON:

@@ -19,11 +19,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
 from deltaserve.api.body import parse_request
-from deltaserve.api.completion_body import check_prompt_logprob_work, full_completion
+from deltaserve.api.completion_body import build_echoed, check_prompt_logprob_work, full_completion
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
@@ -125,6 +126,8 @@ class CompletionJob:
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> prefix-cache hits
     # prompt index -> its prompt logprobs: one list per prompt, however many choices report it
     prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # prompt index -> (its echoed logprobs, the offset after them): built once, shared by the prompt's n choices
+    echoed: dict[int, tuple[dict[str, Any], int]] = field(default_factory=dict)
 
     @property
     def is_echo_only(self) -> bool:
@@ -154,8 +157,11 @@ class CompletionJob:
             prompt = self.prompts[choice.prompt_index]
             text = (prompt.text or "") + text
             if choice.logprobs is not None:
-                entries = [entry or {} for entry in output.prompt_logprobs or []]
-                echoed = choice.logprobs.build(prompt.token_ids, entries)
+                if choice.prompt_index not in self.echoed:
+                    self.echoed[choice.prompt_index] = build_echoed(
+                        self.namer, choice.logprobs.num_top, prompt.token_ids, output.prompt_logprobs
+                    )
+                echoed, choice.logprobs.offset = self.echoed[choice.prompt_index]
         if self.is_echo_only:
             # echo with max_tokens 0 (scoring): the prompt alone; the one token the engine drew is not shown
             text = text[: len(text) - len(seq.text)]
@@ -248,6 +254,13 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                 for seq in output.outputs:
                     index, choice = job.choice(prompt_index, seq)
                     is_first = not choice.has_echoed
+                    # echoed logprobs are large (prompt x logprobs): built once per prompt, off the event loop
+                    is_large = is_first and job.request.echo and choice.logprobs is not None
+                    if is_large and prompt_index not in job.echoed:
+                        job.echoed[prompt_index] = await anyio.to_thread.run_sync(
+                            build_echoed, job.namer, choice.logprobs.num_top, job.prompts[prompt_index].token_ids,
+                            output.prompt_logprobs,
+                        )  # fmt: skip
                     text, logprobs = job.advance(choice, seq, output)
                     item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": seq.finish_reason,
                             "stop_reason": seq.stop_reason}  # fmt: skip
@@ -258,7 +271,7 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                     chunk = job.envelope([item])
                     if is_continuous:
                         chunk["usage"] = without_none(job.usage())
-                    yield sse(chunk)
+                    yield await anyio.to_thread.run_sync(sse, chunk) if is_large else sse(chunk)
         if include_usage:
             chunk = job.envelope([])
             chunk["usage"] = without_none(job.usage())

@@ -207,6 +207,12 @@ CASES: list[Case] = [
         200,
     ),
     Case(
+        "n 16 x 1000 prompt tokens x echo logprobs 20, streamed",
+        "/v1/completions",
+        completion(prompt=THOUSAND_IDS, n=16, max_tokens=2, echo=True, logprobs=20, stream=True),
+        200,
+    ),
+    Case(
         "n 128 x 1000 prompt tokens x prompt_logprobs 20",
         "/v1/completions",
         completion(prompt=THOUSAND_IDS, n=128, max_tokens=1, prompt_logprobs=20),
