@@ -10,6 +10,7 @@ top_logprobs (its body is rendered off the event loop too).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deltaserve.api import cli
 from deltaserve.api.completion_body import check_prompt_logprob_work, prompt_logprob_entries
 from deltaserve.api.errors import APIError
 from deltaserve.api.json_body import PIECE_CHARS, RawJSON, render_json
@@ -125,3 +127,13 @@ def test_requests_beyond_the_bound_are_refused_naming_the_fields(
     error = response.json()["error"]
     assert error["type"] == "BadRequestError" and error["code"] == 400 and error["param"] == param
     assert all(name in error["message"] for name in names) and "--max-prompt-logprob-entries" in error["message"]
+
+
+def test_the_bound_is_a_flag() -> None:
+    parser = argparse.ArgumentParser(prog="deltaserve serve")
+    cli.add_arguments(parser)
+    assert cli.build_settings(parser.parse_args(["m"]), "m").max_prompt_logprob_entries == 2**21
+    args = parser.parse_args(["m", "--max-prompt-logprob-entries", "5000000"])
+    assert cli.build_settings(args, "m").max_prompt_logprob_entries == 5_000_000
+    with pytest.raises(ValueError, match="--max-prompt-logprob-entries must be positive"):
+        cli.build_settings(parser.parse_args(["m", "--max-prompt-logprob-entries", "0"]), "m")

@@ -9,6 +9,7 @@ out waiting for one.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from deltaserve.api.tokens import NUM_LARGE_THREADS, NUM_THREADS, Tokens
 
@@ -79,3 +81,36 @@ def test_large_tokenize_requests_leave_the_small_pool_free(server: ServerThread)
         finally:
             held.release.set()
         assert all(future.result().status_code == 200 for future in futures)
+
+
+def test_inputs_go_to_the_pool_their_size_calls_for(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Encodes by characters, decodes and token strings by tokens: at the threshold and above, the large pool."""
+    tokens = Tokens(tokenizer)
+    tokens.large_chars, tokens.large_tokens = 100, 50
+    used: list[str] = []  # the pool (thread-name prefix) each call ran on
+
+    def recording(run_on: Any) -> Any:
+        async def wrapped(fn: Any, *args: Any) -> Any:
+            def call() -> Any:
+                used.append(threading.current_thread().name.rsplit("_", 1)[0])
+                return fn(*args)
+
+            return await run_on(call)
+
+        return wrapped
+
+    tokens.run, tokens.run_large = recording(tokens.run), recording(tokens.run_large)  # type: ignore[method-assign]
+
+    async def calls() -> None:
+        for text in ("x" * 99, "x" * 100):
+            assert (await tokens.encode(text, add_special_tokens=False))[0] == tokenizer.encode(text)
+        for count in (49, 50):
+            assert await tokens.decode([5] * count) == tokenizer.decode([5] * count)
+            assert await tokens.token_strings([5] * count) == tokenizer.convert_ids_to_tokens([5] * count)
+
+    try:
+        asyncio.run(calls())
+    finally:
+        tokens.close()
+    small_pool, large_pool = "deltaserve-tokenize", "deltaserve-tokenize-large"
+    assert used == [small_pool, large_pool, small_pool, small_pool, large_pool, large_pool]
