@@ -93,17 +93,15 @@ class BodyBuilder:
 
     def __init__(self, job: CompletionJob) -> None:
         self.job = job
-        self.echoed: dict[int, tuple[dict[str, list[Any]], int]] = {}  # prompt -> (echoed logprobs, end offset)
         self.rendered_prompt_logprobs: dict[int, RawJSON] = {}
 
     def _echoed(self, prompt_index: int) -> tuple[dict[str, list[Any]], int]:
-        """The prompt's logprobs as echoed at the head of each choice's logprobs (vLLM: None for the first)."""
-        if prompt_index not in self.echoed:
-            job = self.job
-            self.echoed[prompt_index] = build_echoed(job.namer, job.request.logprobs or 0,
-                                                     job.prompts[prompt_index].token_ids,
-                                                     job.prompt_logprobs.get(prompt_index))  # fmt: skip
-        return self.echoed[prompt_index]
+        job = self.job
+        if prompt_index not in job.echoed:
+            job.echoed[prompt_index] = build_echoed(job.namer, job.request.logprobs or 0,
+                                                    job.prompts[prompt_index].token_ids,
+                                                    job.prompt_logprobs.get(prompt_index))  # fmt: skip
+        return job.echoed[prompt_index]
 
     def _prompt_logprobs(self, prompt_index: int) -> RawJSON:
         if prompt_index not in self.rendered_prompt_logprobs:
