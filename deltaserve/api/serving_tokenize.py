@@ -6,8 +6,8 @@ it does not cap the count at max_model_len, but text that cannot fit the context
 completions and chat refuse it (more than max_model_len x the longest token's characters, tokens.py), and the
 body-size limit bounds the rest. The encode runs off the event loop (a large input on the large-input pool, so
 big /tokenize bodies cannot hold the threads other requests tokenise on), and a long token list is written as JSON
-slice by slice. /tokenizer_info (only with --enable-tokenizer-info-endpoint,
-since it exposes the chat template) returns the tokenizer's init configuration without file paths.
+slice by slice. /tokenizer_info (only with --enable-tokenizer-info-endpoint, since it exposes the chat template)
+returns the tokenizer's init configuration without file paths.
 """
 
 from __future__ import annotations
