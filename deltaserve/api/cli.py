@@ -110,6 +110,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
     if args.max_logprobs < 0:
         raise ValueError(f"--max-logprobs must be at least 0, got {args.max_logprobs}")
+    if args.max_prompt_logprob_entries < 1:
+        raise ValueError(f"--max-prompt-logprob-entries must be positive, got {args.max_prompt_logprob_entries}")
     if args.root_path and not args.root_path.startswith("/"):
         raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
     for path in args.middleware:
@@ -162,6 +164,7 @@ def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         body_read_timeout_s=args.timeout_request_body,
         max_logprobs=args.max_logprobs,
+        max_prompt_logprob_entries=args.max_prompt_logprob_entries,
         host=bind_host(args),
         port=args.port,
         is_https=bool(args.ssl_certfile),

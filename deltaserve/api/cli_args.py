@@ -18,6 +18,7 @@ from deltaserve.api.compat import add_compat_arguments
 from deltaserve.api.settings import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_LOGPROBS,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -336,6 +337,13 @@ def _add_http_arguments(add: Any) -> None:
         type=byte_count,
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"deltaserve only: larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20}M)",
+    )
+    add(
+        "--max-prompt-logprob-entries",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+        help="deltaserve only: a completion whose n x prompt tokens x (prompt_logprobs + 1) (echo: + logprobs + 1) "
+        f"exceeds this gets a 400 (default {DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES}); see docs/limits.md",
     )
     add("--h11-max-incomplete-event-size", type=int, default=None, help="largest incomplete HTTP event (bytes)")
     _add_timeout_arguments(add)

@@ -21,13 +21,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from deltaserve.api.body import parse_request
 from deltaserve.api.chat import ChatPrompt, check_request_template, check_tool_choice, content_text, render_prompt
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
 from deltaserve.api.errors import bad_request
+from deltaserve.api.json_body import JSONPiecesResponse, render_json
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
@@ -273,7 +275,7 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
     yield DONE_EVENT
 
 
-async def full_chat(job: ChatJob) -> JSONResponse:
+async def full_chat(job: ChatJob) -> JSONPiecesResponse:
     builders: dict[int, MessageBuilder] = {}
     prompt_logprobs = None
     async with contextlib.aclosing(job.stream) as stream:
@@ -313,8 +315,13 @@ async def full_chat(job: ChatJob) -> JSONResponse:
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
             "model": job.state.settings.model_name, "choices": choices,
             "usage": job.usage([builder.processor for builder in builders.values()])}  # fmt: skip
-    if job.request.prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
-    if job.request.return_token_ids:
-        body["prompt_token_ids"] = job.prompt_token_ids
-    return JSONResponse(body)
+
+    def render() -> list[bytes]:
+        # a long prompt's logprobs make a body of many MB: built and rendered off the event loop (json_body.py)
+        if job.request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
+        if job.request.return_token_ids:
+            body["prompt_token_ids"] = job.prompt_token_ids
+        return render_json(body)
+
+    return JSONPiecesResponse(await anyio.to_thread.run_sync(render))

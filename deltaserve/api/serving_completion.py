@@ -7,6 +7,8 @@ once each), submit (serving_common.engine_stream), respond (streamed or not).
 A batch of P prompts with n sequences each yields choices indexed prompt * n + sequence, as vLLM numbers them.
 Every prompt is its own engine request; their streams are interleaved as outputs arrive. Text prompts are
 tokenised off the event loop (tokens.py), with truncate_prompt_tokens / truncation_side applied as vLLM applies them.
+The non-streamed body is built and rendered off the event loop, and the prompt-logprob work a request may ask for is
+bounded (completion_body.py, docs/limits.md).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from deltaserve.api.body import parse_request
+from deltaserve.api.completion_body import build_echoed, check_prompt_logprob_work, full_completion
 from deltaserve.api.errors import bad_request
-from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs_json
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
 from deltaserve.api.sampling import build_sampling_params, check_sampling_request
 from deltaserve.api.serving_common import (
@@ -43,7 +47,7 @@ from deltaserve.api.serving_common import (
 from deltaserve.api.settings import ServerState
 from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.api.tokens import truncate_ids, truncation_length
-from deltaserve.engine.request import CompletionOutput, RequestOutput
+from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
 from deltaserve.sampling_params import StructuredOutputsParams
 
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
@@ -65,11 +69,10 @@ class ChoiceState:
     num_tokens: int = 0
     has_echoed: bool = False
     logprobs: CompletionLogprobs | None = None
-    logprob_parts: list[dict[str, Any]] = field(default_factory=list)
+    logprob_entries: list[dict[int, Logprob]] = field(default_factory=list)  # raw, one per token (full body)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list | None = None
 
 
 async def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
@@ -121,6 +124,10 @@ class CompletionJob:
     namer: TokenNamer
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> prefix-cache hits
+    # prompt index -> its prompt logprobs: one list per prompt, however many choices report it
+    prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # prompt index -> (its echoed logprobs, the offset after them): built once, shared by the prompt's n choices
+    echoed: dict[int, tuple[dict[str, Any], int]] = field(default_factory=dict)
 
     @property
     def is_echo_only(self) -> bool:
@@ -150,10 +157,11 @@ class CompletionJob:
             prompt = self.prompts[choice.prompt_index]
             text = (prompt.text or "") + text
             if choice.logprobs is not None:
-                entries = list(output.prompt_logprobs or [])  # the first is None: vLLM shows null for it
-                echoed = choice.logprobs.build(prompt.token_ids, entries)
-        if output.prompt_logprobs is not None and choice.prompt_logprobs is None:
-            choice.prompt_logprobs = output.prompt_logprobs
+                if choice.prompt_index not in self.echoed:
+                    self.echoed[choice.prompt_index] = build_echoed(
+                        self.namer, choice.logprobs.num_top, prompt.token_ids, output.prompt_logprobs
+                    )
+                echoed, choice.logprobs.offset = self.echoed[choice.prompt_index]
         if self.is_echo_only:
             # echo with max_tokens 0 (scoring): the prompt alone; the one token the engine drew is not shown
             text = text[: len(text) - len(seq.text)]
@@ -178,7 +186,7 @@ class CompletionJob:
             num_prompt_tokens, sum(choice.num_tokens for choice in self.choices.values()), num_cached_tokens=num_cached
         )
 
-    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.state.settings.model_name, "choices": choices}  # fmt: skip
 
@@ -195,6 +203,8 @@ async def create_completion(
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is None and request.echo and request.logprobs is not None:
         prompt_logprobs = request.logprobs
+    num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+    check_prompt_logprob_work(request, num_prompt_tokens, prompt_logprobs, state.settings.max_prompt_logprob_entries)
     # vLLM's echo without generation: the engine draws one token, which is not reported
     requested = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
     params = [
@@ -244,6 +254,13 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                 for seq in output.outputs:
                     index, choice = job.choice(prompt_index, seq)
                     is_first = not choice.has_echoed
+                    # echoed logprobs are large (prompt x logprobs): built once per prompt, off the event loop
+                    is_large = is_first and job.request.echo and choice.logprobs is not None
+                    if is_large and prompt_index not in job.echoed:
+                        job.echoed[prompt_index] = await anyio.to_thread.run_sync(
+                            build_echoed, job.namer, choice.logprobs.num_top, job.prompts[prompt_index].token_ids,
+                            output.prompt_logprobs,
+                        )  # fmt: skip
                     text, logprobs = job.advance(choice, seq, output)
                     item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": seq.finish_reason,
                             "stop_reason": seq.stop_reason}  # fmt: skip
@@ -255,7 +272,7 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                     if is_continuous:  # vLLM counts the chunk's own choice and its prompt, not every choice
                         num_prompt = len(job.prompts[prompt_index].token_ids)
                         chunk["usage"] = without_none(usage(num_prompt, choice.num_tokens))
-                    yield sse(chunk)
+                    yield await anyio.to_thread.run_sync(sse, chunk) if is_large else sse(chunk)
         if include_usage:
             chunk = job.envelope([])
             chunk["usage"] = without_none(job.usage())
@@ -271,32 +288,3 @@ def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
         for key, values in merged.items():
             values.extend(part[key])
     return merged
-
-
-async def full_completion(job: CompletionJob) -> JSONResponse:
-    async with contextlib.aclosing(merge_streams(job.streams)) as merged:
-        async for prompt_index, output in merged:
-            job.note_output(prompt_index, output)
-            for seq in output.outputs:
-                _, choice = job.choice(prompt_index, seq)
-                _, logprobs = job.advance(choice, seq, output)
-                if logprobs is not None:
-                    choice.logprob_parts.append(logprobs)
-    choices = []
-    for index, choice in sorted(job.choices.items()):
-        item = {
-            "index": index,
-            "text": "".join(choice.text),
-            "logprobs": _merge_logprobs(choice.logprob_parts) if choice.logprobs is not None else None,
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }
-        if job.request.prompt_logprobs is not None or choice.prompt_logprobs is not None:
-            item["prompt_logprobs"] = prompt_logprobs_json(choice.prompt_logprobs)
-        if job.request.return_token_ids:
-            item["prompt_token_ids"] = job.prompts[choice.prompt_index].token_ids
-            item["token_ids"] = choice.token_ids
-        choices.append(item)
-    body = job.envelope(choices)
-    body["usage"] = job.usage()
-    return JSONResponse(body)

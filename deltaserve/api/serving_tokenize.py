@@ -2,9 +2,12 @@
 
 /tokenize takes a completion-style body ({prompt, add_special_tokens}) or a chat-style one ({messages, ...},
 rendered through the chat template) and returns count, max_model_len, tokens and optionally token_strs. As in vLLM
-it does not cap the count at max_model_len; the body-size limit bounds it, the encode runs off the event loop, and
-a long token list is written as JSON slice by slice. /tokenizer_info (only with --enable-tokenizer-info-endpoint,
-since it exposes the chat template) returns the tokenizer's init configuration without file paths.
+it does not cap the count at max_model_len, but text that cannot fit the context is refused before tokenising, as
+completions and chat refuse it (more than max_model_len x the longest token's characters, tokens.py), and the
+body-size limit bounds the rest. The encode runs off the event loop (a large input on the large-input pool, so
+big /tokenize bodies cannot hold the threads other requests tokenise on), and a long token list is written as JSON
+slice by slice. /tokenizer_info (only with --enable-tokenizer-info-endpoint, since it exposes the chat template)
+returns the tokenizer's init configuration without file paths.
 """
 
 from __future__ import annotations
@@ -39,14 +42,19 @@ async def tokenize(state: ServerState, raw_request: Request) -> Response:
             continue_final_message=chat.continue_final_message,
         )
         add_special_tokens, return_token_strs = chat.add_special_tokens, chat.return_token_strs
+        param = "messages"
     else:
         request = parse_body(TokenizeCompletionRequest, data)
         check_model(state, request.model)
         prompt, add_special_tokens = request.prompt, request.add_special_tokens
         return_token_strs = request.return_token_strs
-    token_ids, _ = await state.tokens.encode(prompt, add_special_tokens=add_special_tokens)
+        param = "prompt"
+    max_model_len = state.engine.max_model_len
+    token_ids, _ = await state.tokens.encode(
+        prompt, add_special_tokens=add_special_tokens, max_input_tokens=max_model_len, param=param
+    )
     token_strs = await state.tokens.token_strings(token_ids) if return_token_strs else None
-    head = {"count": len(token_ids), "max_model_len": state.engine.max_model_len}
+    head = {"count": len(token_ids), "max_model_len": max_model_len}
     if len(token_ids) <= SLICE_TOKENS:
         return JSONResponse({**head, "tokens": token_ids, "token_strs": token_strs})
 
@@ -55,7 +63,7 @@ async def tokenize(state: ServerState, raw_request: Request) -> Response:
         text = json.dumps(head)[:-1] + f', "tokens": {json_int_list(token_ids)}, "token_strs": {strs}}}'
         return text.encode()
 
-    return Response(await state.tokens.run(dump), media_type="application/json")
+    return Response(await state.tokens.run_large(dump), media_type="application/json")
 
 
 async def detokenize(state: ServerState, raw_request: Request) -> JSONResponse:

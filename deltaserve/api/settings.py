@@ -28,6 +28,10 @@ MAX_LOGPROBS = 20
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 # How long a request body may stall between two reads before the request gets a 408 (--timeout-request-body).
 DEFAULT_BODY_READ_TIMEOUT_S = 20.0
+# The most prompt-logprob entries one completions response may carry (--max-prompt-logprob-entries; vLLM has no
+# bound): n x prompt tokens x (prompt_logprobs + 1), plus (logprobs + 1) per prompt token with echo. About 140 MB
+# of JSON; docs/limits.md says how it was chosen.
+DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 2**21
 
 REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml", "hermes")
@@ -94,6 +98,7 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     max_logprobs: int = MAX_LOGPROBS
+    max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
     host: str = "127.0.0.1"
     port: int = 8000
     is_https: bool = False
@@ -118,6 +123,8 @@ class ServerSettings:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
         if not self.body_read_timeout_s > 0:
             raise ValueError(f"body_read_timeout_s must be positive, got {self.body_read_timeout_s}")
+        if self.max_prompt_logprob_entries < 1:
+            raise ValueError(f"max_prompt_logprob_entries must be positive, got {self.max_prompt_logprob_entries}")
 
     @property
     def model_name(self) -> str:

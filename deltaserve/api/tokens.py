@@ -1,8 +1,13 @@
 """Tokenisation and detokenisation for the API, off the event loop and bounded as vLLM bounds them.
 
-Every encode and decode runs on a small thread pool. A fast tokenizer is driven through `encode_batch_fast`, which
-releases the GIL while Rust works; its result is converted to Python ints in slices (`Encoding.truncate` splits it
-in Rust), so no single step holds the GIL for long and the event loop keeps answering /health.
+Every encode and decode runs on a small thread pool. Inputs above LARGE_CHARS characters (or LARGE_TOKENS tokens)
+go to a pool of their own, NUM_LARGE_THREADS threads: four 15 MB /tokenize bodies take ~13 s each, and queued on the
+shared pool they held every thread while an ordinary completion waited behind them (issue 39). Large inputs now
+wait only behind other large inputs; the small pool stays free for everything else.
+
+A fast tokenizer is driven through `encode_batch_fast`, which releases the GIL while Rust works; its result is
+converted to Python ints in slices (`Encoding.truncate` splits it in Rust), so no single step holds the GIL for long
+and the event loop keeps answering /health.
 
 vLLM's bounds apply before any work: a prompt longer than max_input_tokens * max_chars_per_token characters (the
 longest token's length, so it cannot fit) is refused without tokenising, and with truncation the text is pre-cut
@@ -23,6 +28,10 @@ from deltaserve.api.errors import bad_request
 T = TypeVar("T")
 
 NUM_THREADS = 4
+# Inputs at least this large run on the large pool: about 0.2 s of encoding, more than any chat turn needs.
+LARGE_CHARS = 1 << 18
+LARGE_TOKENS = 1 << 16
+NUM_LARGE_THREADS = 2
 # Tokens converted to Python ints (or to JSON) per GIL-holding step.
 SLICE_TOKENS = 1 << 16
 DEFAULT_TRUNCATION_SIDE = "left"
@@ -58,9 +67,14 @@ def longest_token_chars(tokenizer: Any) -> int:
 class Tokens:
     """The server's tokenizer front: async encode/decode on worker threads, with the prompt bounds."""
 
-    def __init__(self, tokenizer: Any, num_threads: int = NUM_THREADS) -> None:
+    def __init__(
+        self, tokenizer: Any, num_threads: int = NUM_THREADS, num_large_threads: int = NUM_LARGE_THREADS
+    ) -> None:
         self.tokenizer = tokenizer
         self.executor = ThreadPoolExecutor(num_threads, thread_name_prefix="deltaserve-tokenize")
+        self.large_executor = ThreadPoolExecutor(num_large_threads, thread_name_prefix="deltaserve-tokenize-large")
+        self.large_chars = LARGE_CHARS
+        self.large_tokens = LARGE_TOKENS
         self._max_chars_per_token: int | None = None
         backend = getattr(tokenizer, "_tokenizer", None)
         # The Rust backend directly, unless the wrapper changes how special tokens are split.
@@ -74,8 +88,17 @@ class Tokens:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
+    async def run_large(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """run() on the large-input pool: for work that takes seconds, so it never holds the shared threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.large_executor, functools.partial(fn, *args, **kwargs))
+
+    async def _run_sized(self, is_large: bool, fn: Callable[..., T], *args: Any) -> T:
+        return await (self.run_large(fn, *args) if is_large else self.run(fn, *args))
+
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.large_executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def max_chars_per_token(self) -> int:
@@ -130,7 +153,8 @@ class Tokens:
                     )
                 # Cut from the truncated side; what is left still holds at least `truncate` tokens' worth.
                 text = text[-max_chars:] if side == "left" else text[:max_chars]
-        return await self.run(self._encode_sync, text, add_special_tokens, truncate, side)
+        is_large = len(text) >= self.large_chars
+        return await self._run_sized(is_large, self._encode_sync, text, add_special_tokens, truncate, side)
 
     # -- decoding ----------------------------------------------------------------------------------------
 
@@ -145,10 +169,12 @@ class Tokens:
 
     async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """tokenizer.decode(token_ids, skip_special_tokens=...), off the event loop."""
-        return await self.run(self._decode_sync, list(token_ids), skip_special_tokens)
+        is_large = len(token_ids) >= self.large_tokens
+        return await self._run_sized(is_large, self._decode_sync, list(token_ids), skip_special_tokens)
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return await self.run(self.tokenizer.convert_ids_to_tokens, list(token_ids))
+        is_large = len(token_ids) >= self.large_tokens
+        return await self._run_sized(is_large, self.tokenizer.convert_ids_to_tokens, list(token_ids))
 
 
 def sliced_ids(encoding: Any) -> list[int]:

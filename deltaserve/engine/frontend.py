@@ -236,7 +236,9 @@ class EngineFrontend:
         for index in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = None if params.seed is None else child_seed(params.seed, index)
-            child = dataclasses.replace(params, n=1, seed=seed)
+            # The n sequences share the prompt: only the first computes its logprobs (RequestState reports those).
+            prompt_logprobs = params.prompt_logprobs if index == 0 else None
+            child = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
             detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
             state.sequences.append(SequenceProgress(core_id, detokenizer))
             core_requests.append(

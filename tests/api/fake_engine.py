@@ -5,7 +5,8 @@ per step as delta RequestOutputs, applies the stop rules the API relies on (eos,
 max_tokens, ignore_eos) and books KV blocks and state slots per sequence, so a test can see through /metrics that
 an aborted or disconnected request gave its resources back. It reports what the real engine reports after the
 rewrite: RequestOutput.num_cached_tokens (set `num_cached_tokens`), RequestOutput.metrics with engine timestamps
-(with `is_reporting_metrics`), and EngineStats' iteration-token histogram and waiting-by-reason counts.
+(with `is_reporting_metrics`), prompt logprobs (computed once per request, as the real front end does for n > 1),
+and EngineStats' iteration-token histogram and waiting-by-reason counts.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class FakeEngine:
         self.is_reporting_metrics = False  # RequestOutput.metrics with engine timestamps
         self.num_preemptions = 0  # reported in each request's metrics
         self.iteration_tokens: list[int] = []  # tokens of each engine step, for vllm:iteration_tokens_total
+        self._token_texts: dict[int, str] = {}  # decoded single tokens: big prompt-logprob requests stay cheap
 
     async def start(self) -> None:
         self.num_started += 1
@@ -107,12 +109,24 @@ class FakeEngine:
     def _script_ids(self, texts: list[str] | None, index: int) -> list[int] | None:
         return None if texts is None else self.tokenizer.encode(texts[index % len(texts)], add_special_tokens=False)
 
+    def _text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     def _logprobs(self, token_id: int, num_top: int) -> dict[int, Logprob]:
-        entry = {token_id: Logprob(-0.25, 1, self.tokenizer.decode([token_id]))}
+        entry = {token_id: Logprob(-0.25, 1, self._text(token_id))}
         for rank, other in enumerate(range(num_top), start=2):
             other_id = (token_id + 1 + other) % len(self.tokenizer)
-            entry.setdefault(other_id, Logprob(-1.0 * rank, rank, self.tokenizer.decode([other_id])))
+            entry.setdefault(other_id, Logprob(-1.0 * rank, rank, self._text(other_id)))
         return entry
+
+    def _prompt_logprobs(self, prompt_token_ids: list[int], num_top: int | None) -> list | None:
+        """vLLM's shape: None for the first prompt token, then one entry per token (the token itself first)."""
+        if num_top is None:
+            return None
+        return [None] + [self._logprobs(token_id, num_top) for token_id in prompt_token_ids[1:]]
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -134,6 +148,7 @@ class FakeEngine:
         is_finished = False
         arrival = time.time()
         first_token_time: float | None = None
+        prompt_logprobs = self._prompt_logprobs(list(prompt_token_ids), params.prompt_logprobs)
         try:
             step = 0
             while True:
@@ -158,7 +173,8 @@ class FakeEngine:
                 if self.is_reporting_metrics:
                     metrics = RequestMetrics(arrival, arrival + 0.001, first_token_time, now, self.num_preemptions)
                 yield RequestOutput(request_id, None, list(prompt_token_ids), outputs, is_finished,
-                                    num_cached_tokens=self.num_cached_tokens, metrics=metrics)  # fmt: skip
+                                    num_cached_tokens=self.num_cached_tokens, metrics=metrics,
+                                    prompt_logprobs=prompt_logprobs)  # fmt: skip
                 if is_finished:
                     return
         finally:

@@ -76,6 +76,7 @@ def chunked(total: int, size: int = 65536) -> Any:
     return body
 
 
+THOUSAND_IDS = list(range(100, 1100))  # distinct tokens, so every logprob entry has its own text
 LONG_WORDS = "word " * 5000  # over the fake's 2048-token context
 FAR_TOO_MANY_CHARS = "x" * 2_000_000  # over max_model_len * the longest token: refused before tokenising
 MANY_MESSAGES = [{"role": "user", "content": "hello there"}] * 16000
@@ -192,6 +193,32 @@ CASES: list[Case] = [
     Case("logit_bias not an id", "/v1/completions", completion(logit_bias={"five": 10}), param="logit_bias"),
     Case("beam search", "/v1/completions", completion(use_beam_search=True), param="use_beam_search"),
     Case("prompt_logprobs negative", "/v1/completions", completion(prompt_logprobs=-5), param="prompt_logprobs"),
+    # issue 39: a big body is built and rendered off the event loop; beyond the bound on n x prompt x logprobs, a 400
+    Case(
+        "n 32 x 1000 prompt tokens x prompt_logprobs 20",
+        "/v1/completions",
+        completion(prompt=THOUSAND_IDS, n=32, max_tokens=1, prompt_logprobs=20),
+        200,
+    ),
+    Case(
+        "n 16 x 1000 prompt tokens x echo logprobs 20",
+        "/v1/completions",
+        completion(prompt=THOUSAND_IDS, n=16, max_tokens=2, echo=True, logprobs=20),
+        200,
+    ),
+    Case(
+        "n 16 x 1000 prompt tokens x echo logprobs 20, streamed",
+        "/v1/completions",
+        completion(prompt=THOUSAND_IDS, n=16, max_tokens=2, echo=True, logprobs=20, stream=True),
+        200,
+    ),
+    Case(
+        "n 128 x 1000 prompt tokens x prompt_logprobs 20",
+        "/v1/completions",
+        completion(prompt=THOUSAND_IDS, n=128, max_tokens=1, prompt_logprobs=20),
+        param="prompt_logprobs",
+        message="--max-prompt-logprob-entries",
+    ),
     Case("guided_json unclosed", "/v1/completions", completion(guided_json="["), param="guided_json"),
     Case(
         "structured_outputs bad regex",
@@ -429,7 +456,21 @@ CASES: list[Case] = [
     Case("tokenize without prompt", "/tokenize", {"model": MODEL_NAME}, param="body.prompt"),
     Case("tokenize prompt an int", "/tokenize", {"prompt": 5}, param="body.prompt"),
     Case("tokenize unknown model", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
-    Case("tokenize 4e6 characters", "/tokenize", {"prompt": "hello world " * 333_334}, 200),
+    Case("tokenize 40,000 characters", "/tokenize", {"prompt": "hello world " * 3333}, 200),
+    Case(
+        "tokenize 4e6 characters",
+        "/tokenize",
+        {"prompt": "hello world " * 333_334},
+        param="prompt",
+        message="maximum context length is 2048 tokens",
+    ),
+    Case(
+        "tokenize messages of 4e6 characters",
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "hello world " * 333_334}]},
+        param="messages",
+        message="maximum context length is 2048 tokens",
+    ),
     Case(
         "tokenize hostile template",
         "/tokenize",

@@ -107,6 +107,29 @@ def test_prompt_logprobs_equal_full_forward(engines: dict[str, LLM]) -> None:
             assert abs(entry[token_id].logprob - value) < 1e-4
 
 
+def test_prompt_logprobs_of_n_sequences_are_computed_once(engines: dict[str, LLM]) -> None:
+    """n > 1: only the first core request asks the runner for the prompt's logprobs (issue 39); the request still
+    reports them, equal to what n = 1 reports."""
+    llm = engines["async"]
+    prompt_ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog.")
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, n=3)
+    frontend = llm.engine.frontend
+    core_requests = frontend.new_request("prompt-logprobs-once", prompt_ids, params)
+    frontend.processor.abort("prompt-logprobs-once")  # registered only to be inspected, never submitted
+    assert [request.sampling.prompt_logprobs for request in core_requests] == [3, None, None]
+    (many,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+    (one,) = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=2,
+                          prompt_logprobs=3), use_tqdm=False)  # fmt: skip
+    assert len(many.outputs) == 3 and len(many.prompt_logprobs) == len(one.prompt_logprobs) == len(prompt_ids)
+    assert many.prompt_logprobs[0] is None and one.prompt_logprobs[0] is None
+    # a batch of three rows rounds a little differently from one row on the CPU
+    for got, want in zip(many.prompt_logprobs[1:], one.prompt_logprobs[1:], strict=True):
+        assert got.keys() == want.keys()
+        for token_id, logprob in got.items():
+            assert abs(logprob.logprob - want[token_id].logprob) < 1e-4
+            assert logprob.decoded_token == want[token_id].decoded_token
+
+
 def test_two_ranks_keep_constraints_and_prompt_logprobs(tiny_dense: Path, engines: dict[str, LLM]) -> None:
     """Tensor parallelism: rank 0 samples the deferred steps and broadcasts the tokens; the prompt-logprob slices
     run their logits gather on every rank. Same tokens and prompt logprobs as one rank."""
