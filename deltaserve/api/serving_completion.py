@@ -212,7 +212,9 @@ async def create_completion(
     ]
     response_id = request_ids(raw_request, request.request_id, "cmpl")
     streams = [
-        engine_stream(state, prompt.token_ids, params[i], engine_request_id(response_id, i), arrival)
+        engine_stream(
+            state, prompt.token_ids, params[i], engine_request_id(response_id, i), arrival, priority=request.priority
+        )
         for i, prompt in enumerate(prompts)
     ]  # each submitted on its first iteration
     as_ids = bool(request.return_tokens_as_token_ids or state.settings.return_tokens_as_token_ids)

@@ -87,6 +87,7 @@ class ServerSettings:
     root_path: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_logprobs: int = MAX_LOGPROBS
+    scheduling_policy: str = "fcfs"  # --scheduling-policy (the engine's too): a request priority needs "priority"
     host: str = "127.0.0.1"
     port: int = 8000
     is_https: bool = False

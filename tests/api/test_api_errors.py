@@ -210,5 +210,5 @@ def test_dead_engine(http: httpx.Client, fake_engine: FakeEngine) -> None:
 
 
 def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
-    body = {"prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1}, "priority": 3, "user": "u"}
+    body = {"prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1}, "priority": 0, "user": "u"}
     assert http.post("/v1/completions", json=body).status_code == 200
