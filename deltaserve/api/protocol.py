@@ -89,6 +89,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+    length_penalty: float = 1.0  # beam search: a finished beam's score is cumulative logprob / length ** this
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -73,8 +73,8 @@ def check_unsupported(request: SamplingRequest) -> None:
     for name, needs in UNSUPPORTED_FIELDS.items():
         if _is_set(extra.get(name)):
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
-    if request.use_beam_search:
-        raise bad_request("Beam search is not supported.", "use_beam_search")
+    if request.use_beam_search and not hasattr(request, "length_penalty"):  # completions only (api/beam_search.py)
+        raise bad_request("Beam search is not supported in chat completions.", "use_beam_search")
     if not 1 <= request.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}.", "n")
     check_stop(request.stop)

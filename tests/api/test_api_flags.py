@@ -92,13 +92,13 @@ VLLM_026_SERVE_FLAGS = """
 # A value each implemented flag accepts (the rest take any string, or are switches).
 VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "--max-num-batched-tokens": "8192",
           "--gpu-memory-utilization": "0.8", "--dtype": "bfloat16", "--load-format": "safetensors", "--seed": "1",
-          "--block-size": "16", "--scheduling-policy": "priority", "--override-generation-config": "{}", "--default-chat-template-kwargs": "{}",
+          "--block-size": "16", "--override-generation-config": "{}", "--default-chat-template-kwargs": "{}",
           "--reasoning-parser": "qwen3", "--tool-call-parser": "hermes", "--allowed-origins": "[]",
           "--allowed-methods": '["GET"]', "--allowed-headers": '["x"]', "--uvicorn-log-level": "info",
           "--chat-template-content-format": "string", "--max-logprobs": "5", "--ssl-cert-reqs": "0",
           "--h11-max-incomplete-event-size": "4096", "--mm-processor-kwargs": "{}",
           "--limit-mm-per-prompt": "{\"image\": 1}",
-          "--structured-outputs-config": "{\"backend\": \"xgrammar\"}"}  # fmt: skip
+          "--structured-outputs-config": "{\"backend\": \"xgrammar\"}", "--scheduling-policy": "priority"}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

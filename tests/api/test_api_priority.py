@@ -104,3 +104,17 @@ def test_a_lower_value_queued_later_is_served_first(priority_server: ServerThrea
             thread.join(timeout=60)
     assert set(finished) == {"b", "c"}
     assert finished["c"] < first_token["b"]
+
+
+def test_the_flag_reaches_the_engine_and_the_server(capsys: pytest.CaptureFixture[str]) -> None:
+    from deltaserve.api import cli
+
+    from .test_api_flags import parse
+
+    args = parse("m", "--scheduling-policy", "priority")
+    assert cli.build_engine_config(args, "m", "cpu").scheduling_policy == "priority"
+    assert cli.build_settings(args, "m").scheduling_policy == "priority"
+    assert cli.build_engine_config(parse("m"), "m", "cpu").scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parse("m", "--scheduling-policy", "lifo")
+    assert "invalid choice: 'lifo'" in capsys.readouterr().err
