@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from deltaserve.api.errors import bad_request
-from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, SamplingRequest
+from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, CompletionRequest, SamplingRequest
 from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
 from deltaserve.engine.frontend import RequestError, bad_words_token_ids, check_priority, resolve_max_tokens
 from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
@@ -73,7 +73,7 @@ def check_unsupported(request: SamplingRequest) -> None:
     for name, needs in UNSUPPORTED_FIELDS.items():
         if _is_set(extra.get(name)):
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
-    if request.use_beam_search and not hasattr(request, "length_penalty"):  # completions only (api/beam_search.py)
+    if request.use_beam_search and not isinstance(request, CompletionRequest):  # completions: api/beam_search.py
         raise bad_request("Beam search is not supported in chat completions.", "use_beam_search")
     if not 1 <= request.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}.", "n")
