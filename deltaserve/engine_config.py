@@ -27,6 +27,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # plan step N+1 while step N runs (vLLM's default); False: one step at a time
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (a request's priority, lower first, then
+    # arrival; preemption takes the highest); a non-zero request priority is refused under "fcfs"
+    scheduling_policy: str = "fcfs"
     ignore_unexpected_tensors: bool = False  # load a checkpoint whose extra tensors no rule explains (listed)
     language_model_only: bool = False  # vLLM's flag: a multimodal checkpoint served as text (no vision tower)
     # images and videos (vLLM's flag names): local files may be read only under this folder; per-prompt item
@@ -55,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:

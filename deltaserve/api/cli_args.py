@@ -215,6 +215,13 @@ def _add_engine_arguments(add: Any) -> None:
         help="plan the next engine step while the current one runs (default on, as in vLLM)",
     )
     add(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=("fcfs", "priority"),
+        help="fcfs: first come, first served; priority: by each request's `priority` (lower first, ties by arrival; "
+        "preemption takes the highest value); under fcfs a request priority other than 0 is refused",
+    )
+    add(
         "--ignore-unexpected-tensors",
         action=SWITCH,
         default=False,

@@ -194,7 +194,6 @@ TABLE = """
 --safetensors-prefetch-num-threads | value | log | the loader's own strategy
 --scheduler-cls | value | refuse | deltaserve has its own scheduler
 --scheduler-reserve-full-isl | switch | log | the scheduler's own policy
---scheduling-policy | value | log | requests are scheduled first come, first served
 --show-hidden-metrics-for-version | value | log | no hidden metrics
 --shutdown-timeout | value | log | shutdown waits for the engine thread
 --skip-mm-profiling | switch | log | text-only server: nothing multimodal to profile

@@ -78,6 +78,8 @@ class SamplingRequest(APIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = None
+    # vLLM's field and bounds: an int64; anything but 0 needs --scheduling-policy priority (lower runs first)
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
 
 class CompletionRequest(SamplingRequest):
@@ -87,6 +89,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+    length_penalty: float = 1.0  # beam search: a finished beam's score is cumulative logprob / length ** this
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -210,7 +213,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 # vLLM request fields that cannot change a token here (they steer scheduling, caching, transfer or extensions):
 # accepted, and logged as ignored in vLLM's words.
 IGNORED_FIELDS = frozenset({
-    "priority", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+    "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
     "media_io_kwargs", "return_prompt_text", "return_token_offsets", "return_assistant_tokens_mask",
     "service_tier", "store", "metadata", "prediction", "modalities", "audio", "web_search_options",
     "safety_identifier", "prompt_cache_key", "verbosity",

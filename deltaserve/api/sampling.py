@@ -21,9 +21,9 @@ from collections import OrderedDict
 from typing import Any
 
 from deltaserve.api.errors import bad_request
-from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIModel, SamplingRequest
+from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIModel, CompletionRequest, SamplingRequest
 from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
-from deltaserve.engine.frontend import RequestError, bad_words_token_ids, resolve_max_tokens
+from deltaserve.engine.frontend import RequestError, bad_words_token_ids, check_priority, resolve_max_tokens
 from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ def check_unsupported(request: SamplingRequest) -> None:
     for name, needs in UNSUPPORTED_FIELDS.items():
         if _is_set(extra.get(name)):
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
-    if request.use_beam_search:
-        raise bad_request("Beam search is not supported.", "use_beam_search")
+    if request.use_beam_search and not isinstance(request, CompletionRequest):  # completions: api/beam_search.py
+        raise bad_request("Beam search is not supported in chat completions.", "use_beam_search")
     if not 1 <= request.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}.", "n")
     check_stop(request.stop)
@@ -90,9 +90,13 @@ def check_logprobs(num_logprobs: int | None, param: str, max_logprobs: int = MAX
 def check_sampling_request(
     state: ServerState, request: SamplingRequest, num_logprobs: int | None, logprobs_param: str
 ) -> None:
-    """The sampling fields both endpoints check before any work: refused features, n and stop, the logprobs
-    bounds, and prompt_logprobs (which a stream cannot carry)."""
+    """The sampling fields both endpoints check before any work: refused features, n and stop, priority against
+    --scheduling-policy, the logprobs bounds, and prompt_logprobs (which a stream cannot carry)."""
     check_unsupported(request)
+    try:
+        check_priority(request.priority, state.settings.scheduling_policy)
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
     check_logprobs(num_logprobs, logprobs_param, state.settings.max_logprobs)
     check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
     if request.prompt_logprobs is not None and request.stream:

@@ -122,7 +122,7 @@ async def create_chat_completion(
     params = sampling_params(state, request, prompt, constraint)
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
     stream = engine_stream(
-        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input
+        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input, request.priority
     )  # submitted on its first iteration
     role = response_role(state, request)
     job = ChatJob(

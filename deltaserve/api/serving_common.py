@@ -111,15 +111,19 @@ async def engine_stream(
     request_id: str,
     arrival: float,
     mm_input: Any = None,
+    priority: int = 0,
 ) -> AsyncGenerator[RequestOutput, None]:
     """engine.generate with metrics, and a cleanup that always aborts an unfinished request. params.max_tokens is
     bound (build_sampling_params resolved it). mm_input: the prompt's processed images and videos (a
-    deltaserve.multimodal MultimodalInput), None for text."""
+    deltaserve.multimodal MultimodalInput), None for text. priority: checked against the policy already
+    (check_sampling_request); like mm_input, passed only when set, so an engine without either need not take it."""
     tracker = state.metrics.track(len(prompt_token_ids), params.n, params.max_tokens, arrival)
-    if mm_input is None:
-        iterator = state.engine.generate(prompt_token_ids, params, request_id)
-    else:
-        iterator = state.engine.generate(prompt_token_ids, params, request_id, mm_input=mm_input)
+    extra: dict[str, Any] = {}
+    if mm_input is not None:
+        extra["mm_input"] = mm_input
+    if priority:
+        extra["priority"] = priority
+    iterator = state.engine.generate(prompt_token_ids, params, request_id, **extra)
     is_finished = False
     try:
         async for output in iterator:

@@ -23,6 +23,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
+from deltaserve.api.beam_search import beam_search_streams
 from deltaserve.api.body import parse_request
 from deltaserve.api.completion_body import build_echoed, check_prompt_logprob_work, full_completion
 from deltaserve.api.errors import bad_request
@@ -221,10 +222,21 @@ async def create_completion(
         for prompt in prompts
     ]
     response_id = request_ids(raw_request, request.request_id, "cmpl")
-    streams = [
-        engine_stream(state, prompt.token_ids, params[i], engine_request_id(response_id, i), arrival)
-        for i, prompt in enumerate(prompts)
-    ]  # each submitted on its first iteration
+    if request.use_beam_search:  # api/beam_search.py: one finished output per prompt, its beams as the choices
+        token_ids = [prompt.token_ids for prompt in prompts]
+        streams = beam_search_streams(state, token_ids, params, request.n, request.length_penalty, response_id)
+    else:
+        streams = [
+            engine_stream(
+                state,
+                prompt.token_ids,
+                params[i],
+                engine_request_id(response_id, i),
+                arrival,
+                priority=request.priority,
+            )
+            for i, prompt in enumerate(prompts)
+        ]  # each submitted on its first iteration; fmt: skip
     as_ids = bool(request.return_tokens_as_token_ids or state.settings.return_tokens_as_token_ids)
     namer = TokenNamer(state.engine.tokenizer, as_ids)
     job = CompletionJob(state, request, response_id, int(time.time()), prompts, streams, namer)

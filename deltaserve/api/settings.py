@@ -99,6 +99,7 @@ class ServerSettings:
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     max_logprobs: int = MAX_LOGPROBS
     max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+    scheduling_policy: str = "fcfs"  # --scheduling-policy (the engine's too): a request priority needs "priority"
     host: str = "127.0.0.1"
     port: int = 8000
     is_https: bool = False

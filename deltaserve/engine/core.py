@@ -68,6 +68,7 @@ class EngineCore:
             self.runner.max_num_seqs,
             self.max_num_batched_tokens,
             self.max_model_len,
+            config.scheduling_policy,
         )
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
@@ -120,6 +121,7 @@ class EngineCore:
             arrival_time=request.arrival_time,
             mm_input=request.mm_input,
             logits_chunks=request.logits_chunks,
+            priority=request.priority,
         )
         self.sequences[seq.seq_id] = seq
         if request.sampling.prompt_logprobs is not None:

@@ -83,8 +83,9 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         mm_input: MultimodalInput | None = None,
+        priority: int = 0,
     ) -> None:
-        for request in self.frontend.new_request(request_id, prompt_token_ids, params, prompt, mm_input):
+        for request in self.frontend.new_request(request_id, prompt_token_ids, params, prompt, mm_input, priority):
             self.core.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -78,6 +78,14 @@ def resolve_max_tokens(
     return max_tokens
 
 
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """vLLM's rule (and its words): a priority other than 0 needs --scheduling-policy priority."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError(f"priority must be an integer, got {priority!r}", "priority")
+    if priority != 0 and scheduling_policy != "priority":
+        raise RequestError(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+
+
 def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
     """vLLM's rule: each word's tokens as written (stripped of leading spaces), and with one leading space when
     that spelling starts with another token and has as many tokens (so a word is banned mid-text too)."""
@@ -153,6 +161,7 @@ class EngineFrontend:
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(model_dir, config.tokenizer)
         self.max_model_len = max_model_len
+        self.scheduling_policy = config.scheduling_policy
         check_generation_config(model_dir, config.generation_config)
         if config.generation_config == "vllm":
             self.default_sampling: dict[str, Any] = {}
@@ -215,8 +224,10 @@ class EngineFrontend:
         params: SamplingParams,
         prompt: str | None = None,
         mm_input: MultimodalInput | None = None,
+        priority: int = 0,
     ) -> list[EngineCoreRequest]:
         """Validates a request, registers its state and returns its core requests (n of them)."""
+        check_priority(priority, self.scheduling_policy)
         max_tokens = self.validate(prompt_token_ids, params)
         if mm_input is not None:
             if self.mm_processor is None:
@@ -243,7 +254,14 @@ class EngineFrontend:
             state.sequences.append(SequenceProgress(core_id, detokenizer))
             core_requests.append(
                 EngineCoreRequest(
-                    core_id, tuple(prompt_token_ids), child, max_tokens, self.eos_token_ids, now, mm_input
+                    core_id,
+                    tuple(prompt_token_ids),
+                    child,
+                    max_tokens,
+                    self.eos_token_ids,
+                    now,
+                    mm_input,
+                    priority=priority,
                 )
             )
         self.processor.add(state)

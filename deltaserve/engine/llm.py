@@ -17,6 +17,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.frontend import check_priority
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput
@@ -59,7 +60,10 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
+        """priority: one per prompt, as vLLM's LLM.generate takes it (needs scheduling_policy="priority" for any
+        value but 0; lower runs first)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
@@ -69,12 +73,19 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError("The lengths of prompts and priority must be the same.")
+        for value in priorities:  # before any prompt is added: a refusal leaves nothing behind
+            check_priority(value, self.engine.config.scheduling_policy)
         request_ids = []
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt, params, request_priority in zip(prompts, params_list, priorities, strict=True):
             text, token_ids = self._to_token_ids(prompt)
             token_ids, mm_input = self._multimodal(prompt, token_ids)
             request_id = uuid.uuid4().hex
-            self.engine.add_request(request_id, token_ids, params, prompt=text, mm_input=mm_input)
+            self.engine.add_request(
+                request_id, token_ids, params, prompt=text, mm_input=mm_input, priority=request_priority
+            )
             request_ids.append(request_id)
         states = {rid: self.engine.requests[rid] for rid in request_ids}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as progress:

@@ -26,6 +26,7 @@ class EngineCoreRequest:
     # prefill only (LLMEngine.prefill_logits): the prompt runs in these chunk sizes, nothing is sampled and the
     # logits of every prompt position come back; None for a generating request
     logits_chunks: tuple[int, ...] | None = None
+    priority: int = 0  # under --scheduling-policy priority: lower first (0 otherwise; the front end checks)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,16 @@ first (FCFS), then waiting ones, and returns a StepPlan (deltaserve/step.py). up
 that advances computed counts and appends tokens. Between the two, a planned step is "in flight": under async
 scheduling the next step is planned from the in-flight counters before the previous result is back, so a decode
 whose input token is still on the device is planned like any other (the runner takes that token from its own
-record of what it sampled). When KV blocks run out, the latest-arrived running sequence is preempted by
-recompute: its blocks, state slot and row are freed, results of its in-flight steps are dropped, and it restarts
-from zero later with its outputs kept.
+record of what it sampled). When KV blocks run out, a running sequence is preempted by recompute: its blocks,
+state slot and row are freed, results of its in-flight steps are dropped, and it restarts from zero later with its
+outputs kept.
+
+Two policies, vLLM's --scheduling-policy: under "fcfs" waiting sequences are admitted in arrival order, the
+latest-admitted running sequence is the one preempted, and it goes back to the head of the queue. Under "priority"
+the waiting queue is ordered by (priority, arrival), a lower value first; the victim is the running sequence with
+the highest (priority, arrival), even one already chosen for this step (its tokens go back to the budget); a
+preempted sequence goes back to its place in that order. Running sequences are planned in admission order under
+both, as vLLM's scheduler walks its running list.
 
 A prefill-only request (Sequence.logits_chunks, LLMEngine.prefill_logits) goes the same way with three differences:
 its prompt is planned in exactly the chunks it asked for, none of its chunks samples (each returns its logits
@@ -16,6 +23,7 @@ instead), and update() finishes it once its prompt is computed.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -25,6 +33,7 @@ from deltaserve.scheduler.stop import FINISH_ABORT, FINISH_STOP, check_stop
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult, window_spans
 
 Logprobs = tuple[tuple[int, float, int], ...]
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class Scheduler:
@@ -35,7 +44,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose from {SCHEDULING_POLICIES}")
         if max_num_seqs > slot_pool.num_slots:
             raise ValueError(
                 f"max_num_seqs ({max_num_seqs}) exceeds the GDN state slots available ({slot_pool.num_slots}); "
@@ -47,6 +59,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.is_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -76,7 +89,20 @@ class Scheduler:
         seq.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.is_priority:
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert_by_priority(self, seq: Sequence) -> None:
+        """Puts seq in the waiting queue after every sequence of a lower (priority, arrival) key."""
+        index = bisect.bisect_right(self.waiting, seq.priority_key, key=lambda other: other.priority_key)
+        self.waiting.insert(index, seq)
+
+    def _choose_victim(self) -> Sequence:
+        if self.is_priority:
+            return max(self.running, key=lambda seq: seq.priority_key)
+        return self.running[-1]
 
     # -- planning -------------------------------------------------------------------------------------
 
@@ -108,7 +134,10 @@ class Scheduler:
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             needed = self.blocks.blocks_needed(start + num_new, len(seq.block_ids))
             while not self.blocks.can_allocate(needed):
-                victim = self.running[-1]
+                victim = self._choose_victim()
+                chosen_index = next((i for i, (other, _) in enumerate(chosen) if other is victim), None)
+                if chosen_index is not None:  # chosen earlier in this loop (priority only): its tokens come back
+                    budget += chosen.pop(chosen_index)[1]
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -257,7 +286,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(seq)
+        if self.is_priority:
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_ids)

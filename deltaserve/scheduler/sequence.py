@@ -30,6 +30,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_index: int = 0  # FCFS order; preempted sequences keep theirs
     arrival_time: float = 0.0
+    priority: int = 0  # --scheduling-policy priority: a lower value is scheduled first (vLLM's convention)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0
@@ -62,6 +63,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """The order of the priority policy: lower priority value first, then earlier arrival."""
+        return self.priority, self.arrival_index
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,7 +59,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "prompt_logprobs",
     ),  # fmt: skip
     ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"9999999": 10}}, 400, "logit_bias"),
-    ("beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, None),
+    ("beam search in chat", "/v1/chat/completions", {"messages": USER, "use_beam_search": True}, 400, None),
     ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 100}, 400, "prompt_logprobs"),
     ("guided_json not JSON", "/v1/completions", {"prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
@@ -222,5 +222,5 @@ def test_hung_engine_fails_the_probes_only(http: httpx.Client, fake_engine: Fake
 
 
 def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
-    body = {"prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1}, "priority": 3, "user": "u"}
+    body = {"prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1}, "priority": 0, "user": "u"}
     assert http.post("/v1/completions", json=body).status_code == 200

@@ -223,5 +223,5 @@ def test_fastapi_404_and_405_use_the_envelope(http: httpx.Client) -> None:
 
 
 def test_return_token_ids_style_fields_do_not_break_requests(http: httpx.Client) -> None:
-    body = {"prompt": "x", "max_tokens": 1, "priority": 5, "kv_transfer_params": {"a": 1}, "vllm_xargs": {"k": 1}}
+    body = {"prompt": "x", "max_tokens": 1, "priority": 0, "kv_transfer_params": {"a": 1}, "vllm_xargs": {"k": 1}}
     assert http.post("/v1/completions", json=body).status_code == 200

@@ -98,7 +98,7 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--chat-template-content-format": "string", "--max-logprobs": "5", "--ssl-cert-reqs": "0",
           "--h11-max-incomplete-event-size": "4096", "--mm-processor-kwargs": "{}",
           "--limit-mm-per-prompt": "{\"image\": 1}",
-          "--structured-outputs-config": "{\"backend\": \"xgrammar\"}"}  # fmt: skip
+          "--structured-outputs-config": "{\"backend\": \"xgrammar\"}", "--scheduling-policy": "priority"}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

@@ -191,7 +191,8 @@ CASES: list[Case] = [
     Case("allowed_token_ids empty", "/v1/completions", completion(allowed_token_ids=[]), param="allowed_token_ids"),
     Case("logit_bias negative id", "/v1/completions", completion(logit_bias={"-1": 10}), param="logit_bias"),
     Case("logit_bias not an id", "/v1/completions", completion(logit_bias={"five": 10}), param="logit_bias"),
-    Case("beam search", "/v1/completions", completion(use_beam_search=True), param="use_beam_search"),
+    Case("chat beam", "/v1/chat/completions", chat(use_beam_search=True, length_penalty=1), param="use_beam_search"),
+    Case("beam search too wide", "/v1/completions", completion(use_beam_search=True, n=11), param="n"),
     Case("prompt_logprobs negative", "/v1/completions", completion(prompt_logprobs=-5), param="prompt_logprobs"),
     # issue 39: a big body is built and rendered off the event loop; beyond the bound on n x prompt x logprobs, a 400
     Case(
