@@ -73,7 +73,10 @@ class ScheduledSeq:
     new_block_ids: tuple[int, ...]  # KV blocks appended to the sequence's block table this step
     needs_sample: bool  # the chunk reaches the sequence's last token, so a next token is sampled
     num_draft_tokens: int = 0  # speculative draft tokens among num_new_tokens (0 until speculative decoding)
-    checkpoint_slots: tuple[int, ...] = ()  # state slots to save intermediate states into (prefix caching; empty)
+    # (position, slot) pairs: after this step, the GDN state at `position` (tokens [0, position) consumed) is saved
+    # into `slot` (a prefix-cache checkpoint, docs/prefix-caching.md). The runner implements positions at the chunk's
+    # end (num_computed_tokens + num_new_tokens) and refuses any other.
+    checkpoints: tuple[tuple[int, int], ...] = ()
     mm_spans: tuple[MultimodalSpan, ...] = ()  # spans this chunk overlaps (empty until multimodal input)
     return_logits: bool = False  # the runner returns the logits of every token of the chunk (a prefill-only request)
 

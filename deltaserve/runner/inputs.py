@@ -17,7 +17,7 @@ import torch
 
 from deltaserve.model.context import ForwardContext
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.step import StepPlan
+from deltaserve.step import ScheduledSeq, StepPlan
 
 _ALIGN_BYTES = 16
 
@@ -59,7 +59,25 @@ class StepLayout:
     state_slots: np.ndarray  # [B] int32 write slots
     has_initial_state: np.ndarray  # [B] int32: 1 where the sequence starts from its read slot's state
     state_copies: list[tuple[int, int]]  # (read slot, write slot) pairs to copy before the forward
+    state_saves: list[tuple[int, int]]  # (write slot, checkpoint slot) pairs to copy after the forward
     has_mrope: bool
+
+
+def checkpoint_saves(seq: ScheduledSeq) -> list[tuple[int, int]]:
+    """(write slot, checkpoint slot) copies that leave the state at each of the sequence's checkpoint positions in
+    its slot; refuses what this runner does not implement (draft tokens; a position other than the chunk's end)."""
+    if seq.num_draft_tokens:
+        raise ValueError(f"ScheduledSeq.num_draft_tokens={seq.num_draft_tokens}: no speculative decoding here yet")
+    end = seq.num_computed_tokens + seq.num_new_tokens
+    for position, slot in seq.checkpoints:
+        if position != end:
+            raise ValueError(
+                f"ScheduledSeq.checkpoints: position {position} is not this chunk's end ({end}); only chunk-end "
+                "checkpoints are implemented"
+            )
+        if slot == seq.write_slot or slot == seq.read_slot:
+            raise ValueError(f"ScheduledSeq.checkpoints: slot {slot} is the sequence's own read or write slot")
+    return [(seq.write_slot, slot) for _, slot in seq.checkpoints]
 
 
 def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLayout:
@@ -119,9 +137,13 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
             )
     needs_sample = np.fromiter((s.needs_sample for s in seqs), dtype=np.bool_, count=len(seqs))
     sample_seqs = np.nonzero(needs_sample)[0]
-    state_copies = [
-        (s.read_slot, s.write_slot) for s in seqs if s.read_slot is not None and s.read_slot != s.write_slot
-    ]
+    state_copies: list[tuple[int, int]] = []
+    state_saves: list[tuple[int, int]] = []
+    for s in seqs:
+        if s.read_slot is not None and s.read_slot != s.write_slot:
+            state_copies.append((s.read_slot, s.write_slot))
+        if s.checkpoints or s.num_draft_tokens:
+            state_saves += checkpoint_saves(s)
     state_slots = np.fromiter((s.write_slot for s in seqs), dtype=np.int32, count=len(seqs))
     has_initial_state = np.fromiter((s.read_slot is not None for s in seqs), dtype=np.int32, count=len(seqs))
     return StepLayout(
@@ -140,6 +162,7 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
         state_slots=state_slots,
         has_initial_state=has_initial_state,
         state_copies=state_copies,
+        state_saves=state_saves,
         has_mrope=has_mrope,
     )
 

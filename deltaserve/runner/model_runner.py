@@ -281,6 +281,7 @@ class ModelRunner:
         is_graph_step = (
             self.graphs is not None
             and not returns_logits
+            and not layout.state_saves
             and layout.num_tokens == num_seqs == len(layout.device_token_index) == len(layout.sample_seqs)
             and self.graphs.can_run(num_seqs, width)
         )
@@ -294,6 +295,9 @@ class ModelRunner:
             mm_embeds = self._mm_embeds(plan, layout) if any(s.mm_spans for s in plan.seqs) else None
             with forward_context(inputs.ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
+            # prefix-cache checkpoints: the state each chunk left in its write slot, saved (stream order: after the
+            # forward wrote it, before any later step overwrites it)
+            copy_state_slots(self.model, layout.state_saves)
             if returns_logits:
                 all_logits = self.model.compute_logits(hidden)  # [T, V] fp32 (None off rank 0, like every logits)
             work = plp.plan_prompt_logprobs(self.table, layout.rows, layout.starts, layout.num_new,

@@ -56,7 +56,7 @@ def test_the_plan_is_plain_picklable_data() -> None:
     assert added.prompt_token_ids == (0, 1, 2, 3, 4) and added.sampling.seed == 3
     (item,) = plan.seqs
     assert item.read_slot is None and item.row == added.row
-    assert item.new_block_ids == (0, 1) and item.num_draft_tokens == 0 and item.checkpoint_slots == ()
+    assert item.new_block_ids == (0, 1) and item.num_draft_tokens == 0 and item.checkpoints == ()
     result = answer(plan)
     assert pickle.loads(pickle.dumps(result)) == result
 

@@ -1,0 +1,118 @@
+"""The step contract's prefix-cache checkpoints, on the runner alone (docs/prefix-caching.md): a chunk that ends at a
+checkpoint position saves its GDN state into the checkpoint slot; a second sequence that shares the first's KV
+blocks for [0, P) and reads that slot continues exactly as the first did (fp32, tiny dense / moe / next); and what
+the runner does not implement is refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
+
+TOKENS = [(11 * i + 5) % 400 + 7 for i in range(100)]
+P = 64  # the checkpoint position: a multiple of the GDN chunk and of the KV block
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "next"])
+def llm(request: pytest.FixtureRequest, tiny_dense: Path, tiny_moe: Path, tiny_next: Path) -> LLM:
+    path = {"dense": tiny_dense, "moe": tiny_moe, "next": tiny_next}[request.param]
+    return LLM(path, dtype="float32", device="cpu", max_model_len=128, async_scheduling=False)
+
+
+def _logits(result_logits: bytes | None, size: int) -> torch.Tensor:
+    assert result_logits is not None
+    return torch.frombuffer(bytearray(result_logits), dtype=torch.float32).view(size, -1)
+
+
+def test_a_checkpoint_restores_the_state_at_its_position(llm: LLM) -> None:
+    engine = llm.engine
+    scheduler, runner = engine.scheduler, engine.runner
+    block_size = scheduler.blocks.block_size
+    assert P % block_size == 0
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    tail = len(TOKENS) - P
+    blocks_a = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), 0))
+    blocks_b = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), P // block_size))
+    slot_a, slot_b, checkpoint = (scheduler.slots.allocate() for _ in range(3))
+    row_a, row_b = scheduler.rows.allocate(), scheduler.rows.allocate()
+    try:
+        # A: [0, P) saving its state at P, then [P, L) from its own slot
+        add_a = (NewRequest(row_a, "a", tuple(TOKENS), (), params, ()),)
+        head = ScheduledSeq(row_a, 0, P, slot_a, None, tuple(blocks_a), False, checkpoints=((P, checkpoint),))
+        runner.run(StepPlan(-1, (head,), add_a))
+        rest = ScheduledSeq(row_a, P, tail, slot_a, slot_a, (), False, return_logits=True)
+        expected = _logits(runner.run(StepPlan(-1, (rest,))).logits[0], tail)
+        # B: the same tokens; KV blocks of [0, P) shared with A, the state read from the checkpoint, written to its
+        # own slot: the checkpoint is never written (B runs twice from it)
+        add_b = (NewRequest(row_b, "b", tuple(TOKENS), (), params, ()),)
+        shared = tuple(blocks_a[: P // block_size]) + tuple(blocks_b)
+        for index in range(2):
+            if index:  # run the same chunk again from a fresh row: the checkpoint slot must be unchanged
+                runner.run(StepPlan(-1, (), removed=(row_b,)))
+            seq = ScheduledSeq(row_b, P, tail, slot_b, checkpoint, shared, False, return_logits=True)
+            result = runner.run(StepPlan(-1, (seq,), add_b))
+            assert torch.equal(_logits(result.logits[0], tail), expected), f"run {index} from the checkpoint"
+    finally:
+        runner.run(StepPlan(-1, (), removed=(row_a, row_b)))
+        scheduler.blocks.free(blocks_a + blocks_b)
+        for slot in (slot_a, slot_b, checkpoint):
+            scheduler.slots.free(slot)
+        scheduler.rows.free(row_a)
+        scheduler.rows.free(row_b)
+
+
+def test_a_checkpoint_without_a_restore_differs(llm: LLM) -> None:
+    """The check above can fail: B started from a zero state (read_slot None) at P gives other logits."""
+    engine = llm.engine
+    scheduler, runner = engine.scheduler, engine.runner
+    block_size = scheduler.blocks.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    blocks = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), 0))
+    slot, row = scheduler.slots.allocate(), scheduler.rows.allocate()
+    tail = len(TOKENS) - P
+    try:
+        add = (NewRequest(row, "a", tuple(TOKENS), (), params, ()),)
+        runner.run(StepPlan(-1, (ScheduledSeq(row, 0, P, slot, None, tuple(blocks), False),), add))
+        warm = _logits(runner.run(StepPlan(-1, (ScheduledSeq(row, P, tail, slot, slot, (), False,
+                                                             return_logits=True),))).logits[0], tail)  # fmt: skip
+        runner.run(StepPlan(-1, (), removed=(row,)))
+        add = (NewRequest(row, "b", tuple(TOKENS), (), params, ()),)
+        cold_seq = ScheduledSeq(row, P, tail, slot, None, tuple(blocks[: -(-len(TOKENS) // block_size)]), False,
+                                return_logits=True)  # fmt: skip
+        cold = _logits(runner.run(StepPlan(-1, (cold_seq,), add)).logits[0], tail)
+        assert not torch.equal(cold, warm)
+    finally:
+        runner.run(StepPlan(-1, (), removed=(row,)))
+        scheduler.blocks.free(blocks)
+        scheduler.slots.free(slot)
+        scheduler.rows.free(row)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"checkpoints": ((32, 9),)}, r"checkpoints: position 32 is not this chunk's end \(64\)"),
+        ({"checkpoints": ((64, 0),)}, r"checkpoints: slot 0 is the sequence's own read or write slot"),
+        ({"num_draft_tokens": 1}, r"num_draft_tokens=1: no speculative decoding here yet"),
+    ],
+)
+def test_what_the_runner_does_not_implement_is_refused(llm: LLM, fields: dict, message: str) -> None:
+    engine = llm.engine
+    scheduler, runner = engine.scheduler, engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    blocks = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(P, 0))
+    row = scheduler.rows.allocate()
+    try:
+        seq = ScheduledSeq(row, 0, P, 0, None, tuple(blocks), False, **fields)
+        with pytest.raises(ValueError, match=message):
+            runner.run(StepPlan(-1, (seq,), (NewRequest(row, "r", tuple(TOKENS[:P]), (), params, ()),)))
+    finally:
+        runner.run(StepPlan(-1, (), removed=(row,)))
+        scheduler.blocks.free(blocks)
+        scheduler.rows.free(row)
