@@ -121,11 +121,28 @@ async def create_chat_completion(
     prompt = await render_prompt(state, request)
     params = sampling_params(state, request, prompt, constraint)
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
+    role = response_role(state, request)
+    job = submit(state, request, prompt, params, tool_choice, response_id, arrival, role, _echo_text(request, role))
+    return await respond(state, raw_request, bool(request.stream), lambda: stream_chat(job), lambda: full_chat(job))
+
+
+def submit(
+    state: ServerState,
+    request: ChatCompletionRequest,
+    prompt: ChatPrompt,
+    params: SamplingParams,
+    tool_choice: str | None,
+    response_id: str,
+    arrival: float,
+    role: str,
+    echo_text: str,
+) -> ChatJob:
+    """The request's engine stream (submitted on its first iteration) and the job that turns it into choices; the
+    chat and Responses handlers both end here."""
     stream = engine_stream(
         state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input, request.priority
-    )  # submitted on its first iteration
-    role = response_role(state, request)
-    job = ChatJob(
+    )
+    return ChatJob(
         state=state,
         request=request,
         response_id=response_id,
@@ -136,12 +153,11 @@ async def create_chat_completion(
         tools=[tool.model_dump() for tool in request.tools] if tool_choice and request.tools else None,
         is_thinking_disabled=prompt.is_thinking_disabled,
         role=role,
-        echo_text=_echo_text(request, role),
+        echo_text=echo_text,
         stream=stream,
         prompt_token_ids=prompt.token_ids,
         is_named_tool_choice=tool_choice not in (None, "auto", "required"),
     )
-    return await respond(state, raw_request, bool(request.stream), lambda: stream_chat(job), lambda: full_chat(job))
 
 
 async def validate(

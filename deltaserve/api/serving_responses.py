@@ -33,7 +33,7 @@ from deltaserve.api.chat_output import ChoiceProcessor
 from deltaserve.api.errors import APIError
 from deltaserve.api.responses_output import Event, OutputItems
 from deltaserve.api.responses_protocol import ResponsesRequest, check_unsupported, to_chat_request
-from deltaserve.api.serving_common import check_model, engine_request_id, engine_stream, respond, stream_error_event
+from deltaserve.api.serving_common import check_model, respond, stream_error_event
 from deltaserve.api.settings import ServerState
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
@@ -56,23 +56,9 @@ async def create_response(state: ServerState, raw_request: Request) -> Response:
     prompt = await render_prompt(state, chat_request)
     params = serving_chat.sampling_params(state, chat_request, prompt, constraint)
     response_id = request.request_id or f"resp_{raw_request.headers.get('x-request-id') or uuid.uuid4().hex}"
-    stream = engine_stream(
-        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input
-    )  # submitted on its first iteration
-    chat_job = serving_chat.ChatJob(
-        state=state,
-        request=chat_request,
-        response_id=response_id,
-        created=int(time.time()),
-        prompt_text=prompt.text,
-        num_prompt_tokens=len(prompt.token_ids),
-        num_top_logprobs=params.logprobs,
-        tools=[tool.model_dump() for tool in chat_request.tools] if tool_choice and chat_request.tools else None,
-        is_thinking_disabled=prompt.is_thinking_disabled,
-        role="assistant",
-        echo_text="",
-        stream=stream,
-        prompt_token_ids=prompt.token_ids,
+    # output items are always the assistant's, and Responses has no `echo`
+    chat_job = serving_chat.submit(
+        state, chat_request, prompt, params, tool_choice, response_id, arrival, role="assistant", echo_text=""
     )
     job = ResponseJob(chat_job, request, params)
     return await respond(state, raw_request, bool(request.stream), job.events, job.full)
