@@ -2,11 +2,12 @@
 by field and value, every quantization method and FP8 variant that is not that format (issue 37).
 
 The format, as transformers' own FP8 integration reads and writes it (`FineGrainedFP8Config`,
-`transformers.integrations.finegrained_fp8`; docs/fp8.md):
+`transformers.integrations.finegrained_fp8`; docs/ARCHITECTURE.md#configs-and-checkpoint-layout):
 `{quant_method: "fp8", fmt: "e4m3", activation_scheme: "dynamic", weight_block_size: [128, 128],
-modules_to_not_convert: [...]}`. Each quantized `<module>.weight` is float8_e4m3fn [N, K] with a float32
-`<module>.weight_scale_inv` [ceil(N/128), ceil(K/128)], the per-block multiplier that dequantizes it
-(w ~ q * scale_inv, scale_inv = block amax / 448); activations are quantized at run time per token in groups of 128.
+modules_to_not_convert: [...]}`. Each quantized `<module>.weight` is float8_e4m3fn [N, K] with a
+`<module>.weight_scale_inv` [ceil(N/128), ceil(K/128)] (transformers writes float32), the per-block multiplier that
+dequantizes it (w ~ q * scale_inv, scale_inv = block amax / 448); activations are quantized at run time per token
+in groups of 128.
 
 This module only reads the format; config.py decides what to do with it.
 """
