@@ -20,7 +20,7 @@ from typing import Any
 
 FP8_METHOD = "fp8"
 FP8_FMT = "e4m3"
-FP8_BLOCK = (128, 128)  # (N, K): the only block size vLLM's DeepGEMM / CUTLASS block kernels take
+FP8_BLOCK = (128, 128)  # (N, K): Qwen's releases, and the block vLLM's DeepGEMM / CUTLASS block GEMMs require
 FP8_ACTIVATION_SCHEME = "dynamic"
 # transformers' FineGrainedFP8Config fields that change the stored tensors, with the value of this format
 _TRANSFORMERS_FIELDS = {"scale_fmt": "float", "expert_dtype": "fp8"}
@@ -57,8 +57,8 @@ def read_fp8_format(value: Any, fail: Fail) -> Fp8BlockFormat:
         raise fail("fmt", f"is {fmt!r}; deltaserve reads float8_e4m3fn weights ({FP8_FMT!r}) only")
     scheme = value.get("activation_scheme", FP8_ACTIVATION_SCHEME)  # transformers' default
     if scheme != FP8_ACTIVATION_SCHEME:
-        # static: one calibrated activation scale per tensor, stored as input_scale; vLLM's block kernels need
-        # per-token-group activation scales computed at run time
+        # static: one calibrated activation scale per tensor, stored as input_scale. vLLM's Fp8Config refuses it
+        # with block weights too: its block GEMMs take per-token-group activation scales computed at run time
         raise fail("activation_scheme", f"is {scheme!r}; deltaserve reads {FP8_ACTIVATION_SCHEME!r} only")
     block = value.get("weight_block_size")
     if block is None:
