@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from deltaserve.fp8_format import read_fp8_format
+
 SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5ForCausalLM": "qwen3_5",
@@ -388,14 +390,28 @@ def _family(data: dict[str, Any], path: Path) -> tuple[str, str, str | None]:
 
 
 def _refuse_quantization(fields: _Fields) -> None:
-    for key in ("quantization_config", "compression_config"):
-        if fields.has(key):
-            value = fields.data[key]
-            method = value.get("quant_method", value.get("format")) if isinstance(value, dict) else value
-            raise fields.fail(
-                key, f"is present (quant_method {method!r}): deltaserve has no quantized kernels and loads only "
-                "float32 / float16 / bfloat16 weights",
-            )  # fmt: skip
+    """Refuse every quantized checkpoint by its field and value. The block-FP8 format of Qwen's -FP8 releases is
+    read (fp8_format.py) so that a variant of it is refused by the field that differs, then refused as a whole:
+    deltaserve has no FP8 linear layers yet (issue 37)."""
+    if fields.has("compression_config"):
+        value = fields.data["compression_config"]
+        method = value.get("quant_method", value.get("format")) if isinstance(value, dict) else value
+        raise fields.fail(
+            "compression_config", f"is present (compressed-tensors, {method!r}): deltaserve has no quantized "
+            "kernels and loads only float32 / float16 / bfloat16 weights",
+        )  # fmt: skip
+    if not fields.has("quantization_config"):
+        return
+    key = fields.name("quantization_config")
+
+    def fail(field: str, problem: str) -> ConfigError:
+        return ConfigError(f"{fields.path}: field `{key}{'.' + field if field else ''}` {problem}")
+
+    read_fp8_format(fields.data["quantization_config"], fail)
+    raise fail(
+        "", "is block FP8 (quant_method 'fp8', e4m3, [128, 128]), the format of Qwen's -FP8 releases: deltaserve "
+        "reads it but has no FP8 linear layers yet and loads only float32 / float16 / bfloat16 weights",
+    )  # fmt: skip
 
 
 def _check_silu(text: _Fields) -> None:

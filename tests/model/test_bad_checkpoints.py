@@ -108,6 +108,8 @@ def _poison(tensors: dict[str, torch.Tensor], name: str) -> None:
 
 
 K_PROJ = "layers.3.self_attn.k_proj.weight"
+# the quantization_config of Qwen's -FP8 releases: read in full, then refused (no FP8 linear layers yet)
+FP8_RELEASE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 CASES = [
     Case("config.json missing", _delete("config.json"), lambda c: [str(c / "config.json"), "no config.json"]),
     Case(
@@ -123,7 +125,7 @@ CASES = [
     ),  # fmt: skip
     Case(
         "quantization_config",
-        _edit_json("config.json", lambda d: d.update(quantization_config={"quant_method": "fp8"})),
+        _edit_json("config.json", lambda d: d.update(quantization_config=FP8_RELEASE)),
         lambda c: [str(c / "config.json"), "`quantization_config`", "fp8"],
     ),  # fmt: skip
     Case("index not JSON", _write(INDEX, '{"weight_map": {'), lambda c: [str(c / INDEX), "not valid JSON"]),
