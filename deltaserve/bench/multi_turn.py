@@ -7,6 +7,12 @@ message and the model's REAL earlier answers (the streamed `delta.content`, fed 
 message; so turn k+1 re-sends turn k's whole prompt and answer, the traffic a prefix cache serves. A client sends
 its next turn as soon as the previous answer has arrived; the clients start together. `--multi-turn-output-len`
 goes out as `max_completion_tokens` with `ignore_eos` (on unless --no-ignore-eos), so every answer has that length.
+It needs `--backend openai-chat --endpoint /v1/chat/completions` and refuses a finite --request-rate (the pace is
+the answers'); --max-concurrency, if given, caps the requests in flight; --num-prompts and the random-* flags do not
+apply (the record's num_prompts is clients x turns). Example, against either engine:
+`deltaserve bench serve --backend openai-chat --endpoint /v1/chat/completions --dataset-name multi-turn
+--multi-turn-num-clients 16 --multi-turn-turns 8 --multi-turn-system-len 2000 --multi-turn-user-len 200
+--multi-turn-output-len 128 --temperature 0` (vLLM reports cached tokens with --enable-prompt-tokens-details).
 
 Texts are drawn as the random dataset draws them (dataset.py): ids from the vocabulary minus the special ids,
 decoded and re-encoded to the exact length with the local tokenizer, all from one `numpy.random.default_rng(seed)`:
@@ -21,7 +27,9 @@ when the server returns `usage.prompt_tokens_details.cached_tokens` (vLLM with -
 the cached tokens and the hit rate cached / prompt tokens; null where no response carried the field.
 
 A conversation whose turn fails stops there (its next turn would need the missing answer): its unsent turns are
-recorded as failed requests, so `completed + failed` is always clients x turns. Warm-ups send an unrelated user
+recorded as failed requests, so `completed + failed` is always clients x turns. Only `delta.content` is fed back,
+as a chat client does: on a server with a reasoning parser, output streamed as reasoning is not re-sent (the record
+counts the answers left empty, `num_empty_answers`). Warm-ups send an unrelated user
 message without the system prompt, so they leave nothing in a prefix cache that the measured turns could hit.
 """
 
@@ -208,7 +216,14 @@ async def run_conversations(
         t_start = time.perf_counter()
         per_client = await asyncio.gather(*(converse(c) for c in range(options.num_clients)))
         duration = time.perf_counter() - t_start
-    return [turn for turns in per_client for turn in turns], duration
+    turns = [turn for conversation in per_client for turn in conversation]
+    num_empty = sum(1 for t in turns if t.result.is_success and not t.result.generated_text)
+    if num_empty:
+        print(
+            f"warning: {num_empty} answers had no delta.content (a reasoning parser?): their turns fed back ''",
+            file=sys.stderr,
+        )
+    return turns, duration
 
 
 def turn_breakdown(turns: list[TurnResult], num_turns: int) -> dict[str, Any]:
@@ -238,6 +253,9 @@ def turn_breakdown(turns: list[TurnResult], num_turns: int) -> dict[str, Any]:
         "total_cached_tokens": total_cached,
         "num_requests_with_cached_tokens": len(reported),
         "prefix_cache_hit_rate": hit_rate,
+        # answers whose delta.content was empty: a reasoning parser on the server streams a model's whole output
+        # as reasoning when it never closes its think block (dummy weights), and the history then lacks it
+        "num_empty_answers": sum(1 for r in done if not r.generated_text),
     }
 
 

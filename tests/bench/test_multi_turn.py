@@ -102,7 +102,7 @@ def test_each_turn_resends_the_history_with_the_real_answers(
     assert record["total_output_tokens"] == 9 * OUTPUT_LEN
     # the toy cache: a later turn hits exactly the previous turn's prompt (its answer was never a prompt)
     assert record["cached_tokens_by_turn"][1:] == [num_clients * n for n in per_turn[:-1]]
-    assert record["num_requests_with_cached_tokens"] == 9
+    assert record["num_requests_with_cached_tokens"] == 9 and record["num_empty_answers"] == 0
     assert record["prefix_cache_hit_rate"] == pytest.approx(
         record["total_cached_tokens"] / record["total_prompt_tokens_sent"]
     )
@@ -161,3 +161,31 @@ def test_flags_multi_turn_cannot_honour_are_refused(patch_tokenizer: WordTokeniz
         run_bench(parse_bench_args([*base, "--dataset-name", "multi-turn"]))
     with pytest.raises(ValueError, match="turns must be at least 1"):
         run_bench(parse_bench_args([*base, *CHAT, "--multi-turn-turns", "0"]))
+
+
+def test_against_deltaserves_api_with_prompt_tokens_details() -> None:
+    """deltaserve's own chat surface (the FakeEngine behind the real app): the tiny chat template takes the system
+    and assistant turns, ignore_eos makes every answer exact, and cached_tokens reaches the record."""
+    from tests.api.fake_engine import FakeEngine, build_tokenizer
+    from tests.api.server_thread import MODEL_NAME, serve
+
+    tokenizer = build_tokenizer()
+    engine = FakeEngine(tokenizer, step_delay=0.0)
+    engine.num_cached_tokens = 6
+    server = serve(engine, enable_prompt_tokens_details=True)
+    try:
+        argv = [*mt_argv(server.base_url, 2, 3), "--model", MODEL_NAME, "--tokenizer", "unused"]
+        record = run_bench(parse_bench_args(argv), tokenizer=tokenizer)
+    finally:
+        server.stop()
+    assert record["completed"] == 6 and record["failed"] == 0, record["errors"]
+    assert record["total_output_tokens"] == 6 * OUTPUT_LEN
+    assert record["cached_tokens_by_turn"] == [12, 12, 12] and record["total_cached_tokens"] == 36
+    prompts = record["prompt_tokens_by_turn"]
+    # the template's tokens on top of the texts; every later turn re-sends the earlier one and more
+    assert prompts[0] > 2 * (SYSTEM_LEN + USER_LEN) and prompts[0] < prompts[1] < prompts[2]
+    assert record["prefix_cache_hit_rate"] == pytest.approx(36 / sum(prompts))
+    assert engine.last_params is not None and engine.last_params.ignore_eos
+    last_prompt = tokenizer.decode(engine.last_prompt_ids)  # some client's third turn, with both its answers
+    answers = record["generated_texts"]
+    assert any(answers[3 * c] in last_prompt and answers[3 * c + 1] in last_prompt for c in range(2))
