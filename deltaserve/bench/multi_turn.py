@@ -259,6 +259,36 @@ def turn_breakdown(turns: list[TurnResult], num_turns: int) -> dict[str, Any]:
     }
 
 
+def multi_turn_fields(
+    turns: list[TurnResult], options: MultiTurnOptions, conversations: Conversations, is_detailed: bool
+) -> dict[str, Any]:
+    """The record's multi-turn fields; with --save-detailed also each request's client, turn and cached tokens."""
+    fields: dict[str, Any] = {**options.as_record(), "total_text_prompt_tokens": conversations.num_text_tokens}
+    fields.update(turn_breakdown(turns, options.num_turns))
+    if is_detailed:
+        fields["turn_indices"] = [turn.turn for turn in turns]
+        fields["client_indices"] = [turn.client for turn in turns]
+        fields["cached_tokens"] = [turn.result.cached_tokens for turn in turns]
+    return fields
+
+
+def multi_turn_summary(record: dict[str, Any]) -> list[str]:
+    """The summary block's multi-turn lines (none for other datasets)."""
+    if "median_ttft_ms_by_turn" not in record:
+        return []
+    lines = [
+        "{:-^60}".format("Multi-turn"),
+        "{:<40} {:<10}".format("Total prompt tokens sent:", record["total_prompt_tokens_sent"]),
+    ]
+    if record["total_cached_tokens"] is not None:
+        lines.append("{:<40} {:<10}".format("Total cached prompt tokens:", record["total_cached_tokens"]))
+    if record["prefix_cache_hit_rate"] is not None:
+        lines.append("{:<40} {:<10.4f}".format("Prefix cache hit rate:", record["prefix_cache_hit_rate"]))
+    medians = ", ".join("-" if t is None else f"{t:.2f}" for t in record["median_ttft_ms_by_turn"])
+    lines.append(f"{'Median TTFT by turn (ms):':<40} {medians}")
+    return lines
+
+
 def check_multi_turn(args: argparse.Namespace) -> None:
     """The flags multi-turn cannot honour are refused rather than ignored; raises ValueError."""
     if not math.isinf(args.request_rate):

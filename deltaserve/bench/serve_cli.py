@@ -38,10 +38,11 @@ from deltaserve.bench.multi_turn import DATASET_NAME as MULTI_TURN
 from deltaserve.bench.multi_turn import (
     add_multi_turn_arguments,
     check_multi_turn,
+    multi_turn_fields,
     multi_turn_options,
+    multi_turn_summary,
     run_conversations,
     sample_conversations,
-    turn_breakdown,
 )
 from deltaserve.bench.nvml import MemorySampler
 
@@ -329,13 +330,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         record["total_mm_data_url_bytes"] = sum(len(url) for url in urls)
         record["total_text_prompt_tokens"] = sum(request.prompt_len for request in requests)
     if is_multi_turn:
-        record.update(turn_options.as_record())
-        record["total_text_prompt_tokens"] = conversations.num_text_tokens
-        record.update(turn_breakdown(turns, turn_options.num_turns))
-        if args.save_detailed:
-            record["turn_indices"] = [turn.turn for turn in turns]
-            record["client_indices"] = [turn.client for turn in turns]
-            record["cached_tokens"] = [turn.result.cached_tokens for turn in turns]
+        record.update(multi_turn_fields(turns, turn_options, conversations, args.save_detailed))
     if not args.save_detailed:
         for name in DETAILED_FIELDS:
             record.pop(name, None)
@@ -377,13 +372,7 @@ def summary(record: dict[str, Any]) -> str:
     row("Peak concurrent requests:", record["max_concurrent_requests"])
     row("Total token throughput (tok/s):", record["total_token_throughput"])
     row("Peak GPU memory (GiB):", record.get("peak_gpu_memory_gib"))
-    if "median_ttft_ms_by_turn" in record:
-        lines.append("{:-^60}".format("Multi-turn"))
-        row("Total prompt tokens sent:", record["total_prompt_tokens_sent"], "{:<40} {:<10}")
-        row("Total cached prompt tokens:", record["total_cached_tokens"], "{:<40} {:<10}")
-        row("Prefix cache hit rate:", record["prefix_cache_hit_rate"], "{:<40} {:<10.4f}")
-        medians = ", ".join("-" if t is None else f"{t:.2f}" for t in record["median_ttft_ms_by_turn"])
-        lines.append(f"{'Median TTFT by turn (ms):':<40} {medians}")
+    lines.extend(multi_turn_summary(record))
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)"}
     titles.update({"itl": "Inter-token Latency", "e2el": "End-to-end Latency"})
     for name, title in titles.items():

@@ -4,6 +4,7 @@ cached_tokens) and a server that fails."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ def test_without_cached_tokens_the_hit_rate_is_null(patch_tokenizer: WordTokeniz
     assert record["completed"] == 4 and record["total_prompt_tokens_sent"] > 0
     assert record["total_cached_tokens"] is None and record["prefix_cache_hit_rate"] is None
     assert record["cached_tokens_by_turn"] == [None, None] and record["num_requests_with_cached_tokens"] == 0
+    assert "Median TTFT by turn (ms):" in summary(record) and "hit rate" not in summary(record)
 
 
 @pytest.fixture
@@ -189,3 +191,16 @@ def test_against_deltaserves_api_with_prompt_tokens_details() -> None:
     last_prompt = tokenizer.decode(engine.last_prompt_ids)  # some client's third turn, with both its answers
     answers = record["generated_texts"]
     assert any(answers[3 * c] in last_prompt and answers[3 * c + 1] in last_prompt for c in range(2))
+
+
+def test_the_stream_reads_cached_tokens_only_when_given() -> None:
+    from deltaserve.bench.client import TimedStream
+
+    def cached(details: object) -> int | None:
+        result = RequestResult(prompt_len=1)
+        usage = {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": details}
+        TimedStream(result, 0.0, is_chat=True).on_payload(json.dumps({"choices": [], "usage": usage}), 0.1)
+        return result.cached_tokens
+
+    assert cached(None) is None and cached({}) is None  # vLLM without --enable-prompt-tokens-details: null
+    assert cached({"cached_tokens": 0}) == 0 and cached({"cached_tokens": 8}) == 8
