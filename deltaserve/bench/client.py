@@ -5,7 +5,8 @@ One request = one POST with `stream: true` and `stream_options.include_usage`; t
 the concurrency semaphore is acquired (so client queueing is excluded, as in vLLM). The SSE stream is split
 on blank lines; `:` comment lines are pings; `data: [DONE]` ends it. The first event whose `choices` is
 non-empty sets TTFT (its text may be empty); every later choice-bearing event adds one ITL gap; the last one
-sets E2EL. A usage-only event sets the output token count.
+sets E2EL. A usage-only event sets the output token count (and the cached prompt tokens, when the server sends
+`usage.prompt_tokens_details.cached_tokens`).
 
 Chat (the `openai-chat` backend, vLLM's async_request_openai_chat_completions): one user message whose content is
 [{"type": "text", "text": PROMPT}, *the request's media parts], `max_completion_tokens` for the output length, the
@@ -167,6 +168,9 @@ class TimedStream:
                 self.result.output_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 self.result.prompt_len = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                self.result.cached_tokens = int(details["cached_tokens"])
         if self.is_chat:
             # vLLM's chat function: any data event, with choices or without, is the latest event
             self.last = now

@@ -39,6 +39,7 @@ class RequestResult:
     latency: float = 0.0  # E2EL: last choice-bearing event minus start
     itl: list[float] = field(default_factory=list)
     output_tokens: int | None = None  # usage.completion_tokens when the server sent usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sent it
     generated_text: str = ""
     error: str = ""
 

@@ -10,6 +10,9 @@ runs only with `--backend openai-chat --endpoint /v1/chat/completions`; its prom
 server (vLLM aligns only `random`). Its input token counts are the server's usage.prompt_tokens, so they include
 the chat template and every image's placeholder tokens.
 
+`--dataset-name multi-turn` (multi_turn.py, our own) runs concurrent conversations that re-send their growing
+history with the model's real answers, over the same chat backend; its record adds a per-turn breakdown.
+
 The grid calls `run_bench(parse_bench_args(argv))` with the same argv a person would type, so both engines
 of a comparison are measured by this one client with one set of flags.
 """
@@ -31,6 +34,16 @@ from deltaserve.bench.client import LoadOptions, SamplingOptions, run_load
 from deltaserve.bench.dataset import align_with_server, sample_random
 from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
 from deltaserve.bench.metrics import compute_metrics, parse_goodput, parse_metric_names, parse_percentiles
+from deltaserve.bench.multi_turn import DATASET_NAME as MULTI_TURN
+from deltaserve.bench.multi_turn import (
+    add_multi_turn_arguments,
+    check_multi_turn,
+    multi_turn_fields,
+    multi_turn_options,
+    multi_turn_summary,
+    run_conversations,
+    sample_conversations,
+)
 from deltaserve.bench.nvml import MemorySampler
 
 # Per-request arrays kept in the JSON only with --save-detailed, as in vLLM.
@@ -62,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random", "random-mm"])
+    data.add_argument("--dataset-name", default="random", choices=["random", "random-mm", MULTI_TURN])
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -70,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
     data.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
     add_mm_arguments(data)
+    add_multi_turn_arguments(data)
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
 
@@ -152,6 +166,8 @@ def check_endpoint(args: argparse.Namespace) -> bool:
     """vLLM's pairing rules: random-mm needs openai-chat, whose URL must end in chat/completions (a chat payload
     sent to /v1/completions would fail every request). Returns whether the run is a chat run; raises ValueError."""
     is_chat = args.backend in CHAT_BACKENDS
+    if args.dataset_name == MULTI_TURN:
+        check_multi_turn(args)
     if args.dataset_name == "random-mm" and not is_chat:
         raise ValueError("Multi-modal content (images) is only supported on 'openai-chat' backend.")
     if is_chat and not args.endpoint.rstrip("/").endswith("chat/completions"):
@@ -194,7 +210,12 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         load.request_id_prefix = request_id_prefix
 
     is_mm = args.dataset_name == "random-mm"
-    if is_mm:
+    is_multi_turn = args.dataset_name == MULTI_TURN
+    if is_multi_turn:
+        turn_options = multi_turn_options(args)
+        conversations = sample_conversations(tokenizer, turn_options, args.seed)
+        requests = []
+    elif is_mm:
         requests = sample_random_mm(
             tokenizer,
             args.num_prompts,
@@ -217,7 +238,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         )
     is_server_aligned = False
     # vLLM aligns only the text-only random dataset with the server's tokenizer
-    if not args.no_server_tokenize and not is_mm:
+    if not args.no_server_tokenize and not is_mm and not is_multi_turn:
         aiohttp = require("aiohttp")
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             requests, is_server_aligned = await align_with_server(
@@ -237,7 +258,11 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
     device_indices = [int(i) for i in args.gpu_indices.split(",")] if args.gpu_indices else None
     sampler = MemorySampler(device_indices=device_indices).start()
     try:
-        results, duration = await run_load(requests, sampling, load)
+        if is_multi_turn:
+            turns, duration = await run_conversations(conversations, turn_options, sampling, load)
+            results = [turn.result for turn in turns]
+        else:
+            results, duration = await run_load(requests, sampling, load)
     finally:
         peak_gib = sampler.stop()
 
@@ -254,7 +279,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         "label": args.label,
         "model_id": model_id,
         "tokenizer_id": tokenizer_id,
-        "num_prompts": args.num_prompts,
+        "num_prompts": len(results) if is_multi_turn else args.num_prompts,
     }
     for item in args.metadata or []:
         key, _, value = item.partition("=")
@@ -304,6 +329,8 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         record["total_mm_items"] = len(urls)
         record["total_mm_data_url_bytes"] = sum(len(url) for url in urls)
         record["total_text_prompt_tokens"] = sum(request.prompt_len for request in requests)
+    if is_multi_turn:
+        record.update(multi_turn_fields(turns, turn_options, conversations, args.save_detailed))
     if not args.save_detailed:
         for name in DETAILED_FIELDS:
             record.pop(name, None)
@@ -345,6 +372,7 @@ def summary(record: dict[str, Any]) -> str:
     row("Peak concurrent requests:", record["max_concurrent_requests"])
     row("Total token throughput (tok/s):", record["total_token_throughput"])
     row("Peak GPU memory (GiB):", record.get("peak_gpu_memory_gib"))
+    lines.extend(multi_turn_summary(record))
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)"}
     titles.update({"itl": "Inter-token Latency", "e2el": "End-to-end Latency"})
     for name, title in titles.items():

@@ -4,7 +4,11 @@ It serves /health, /version, /v1/models (with `root`), /tokenize, /detokenize an
 (one SSE event per token after `--ttft-ms`, `--itl-ms` apart, then a usage-only event and [DONE]), using the
 `tokenizers` library on the checkpoint's tokenizer.json. Streaming /v1/chat/completions answers the same way
 (a role chunk with the first token, then content deltas) and counts each image_url part (a base64 data URL that
-Pillow must open) as FAKE_IMAGE_TOKENS prompt tokens; its request bodies are kept in app[CHAT_BODIES]. Run as a
+Pillow must open) as FAKE_IMAGE_TOKENS prompt tokens, over every message (string or parts content); its request
+bodies are kept in app[CHAT_BODIES]. For multi-turn tests, `has_prefix_cache` reports
+usage.prompt_tokens_details.cached_tokens as a toy prefix cache would (the longest common prefix of the prompt's
+token ids with any earlier chat prompt's), and `is_answer_per_request` makes answer i start at token t{i}, so each
+answer differs from the others. Run as a
 script it is a grid arm: `python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
 """
 
@@ -40,7 +44,13 @@ def make_word_tokenizer(model_dir: Path, vocab_size: int = 1000) -> Path:
 
 
 def build_app(
-    model_dir: Path, ttft_ms: float = 5.0, itl_ms: float = 1.0, tokens_per_event: int = 1, has_tokenize: bool = True
+    model_dir: Path,
+    ttft_ms: float = 5.0,
+    itl_ms: float = 1.0,
+    tokens_per_event: int = 1,
+    has_tokenize: bool = True,
+    has_prefix_cache: bool = False,
+    is_answer_per_request: bool = False,
 ) -> web.Application:
     """The aiohttp application; `tokens_per_event` > 1 mimics --stream-interval / multi-token chunks."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -99,6 +109,18 @@ def build_app(
         return response
 
     chat_bodies: list[dict[str, Any]] = []
+    chat_prompts: list[list[int]] = []
+
+    def longest_cached_prefix(ids: list[int]) -> int:
+        best = 0
+        for earlier in chat_prompts:
+            n = 0
+            for a, b in zip(earlier, ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
 
     @routes.post("/v1/chat/completions")
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -109,22 +131,32 @@ def build_app(
 
         body: dict[str, Any] = await request.json()
         chat_bodies.append(body)
+        num_request = len(chat_bodies) - 1
         num_prompt = 0
-        for part in body["messages"][0]["content"]:
-            if part["type"] == "text":
-                num_prompt += len(tokenizer.encode(part["text"], add_special_tokens=False).ids)
-            elif part["type"] == "image_url":
-                header, data = part["image_url"]["url"].split(",", 1)
-                if header != "data:image/jpeg;base64":
-                    return web.json_response({"error": {"message": header}}, status=400)
-                Image.open(io.BytesIO(base64.b64decode(data))).load()
-                num_prompt += FAKE_IMAGE_TOKENS
+        prompt_ids: list[int] = []
+        for message in body["messages"]:
+            content = message["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            for part in parts:
+                if part["type"] == "text":
+                    ids = tokenizer.encode(part["text"], add_special_tokens=False).ids
+                    prompt_ids.extend(ids)
+                    num_prompt += len(ids)
+                elif part["type"] == "image_url":
+                    header, data = part["image_url"]["url"].split(",", 1)
+                    if header != "data:image/jpeg;base64":
+                        return web.json_response({"error": {"message": header}}, status=400)
+                    Image.open(io.BytesIO(base64.b64decode(data))).load()
+                    num_prompt += FAKE_IMAGE_TOKENS
         num_tokens = int(body["max_completion_tokens"])
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await asyncio.sleep(ttft_ms / 1000)
+        num_cached = longest_cached_prefix(prompt_ids) if has_prefix_cache else None
+        chat_prompts.append(prompt_ids)
+        first = num_request if is_answer_per_request else 0
         for i in range(num_tokens):
-            delta = {"role": "assistant", "content": ""} if i == 0 else {"content": f" t{i % 100}"}
+            delta = {"role": "assistant", "content": ""} if i == 0 else {"content": f" t{(first + i) % 100}"}
             finish = "length" if i == num_tokens - 1 else None
             event = {
                 "object": "chat.completion.chunk",
@@ -132,7 +164,13 @@ def build_app(
             }
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await asyncio.sleep(itl_ms / 1000)
-        usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens, "total_tokens": num_prompt + num_tokens}
+        usage: dict[str, Any] = {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": num_tokens,
+            "total_tokens": num_prompt + num_tokens,
+        }
+        if num_cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": num_cached}
         await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
