@@ -29,7 +29,10 @@ def test_require_returns_the_module() -> None:
 
 
 def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import of matplotlib halts as if it were not installed
+    # import of matplotlib halts as if it were not installed, also where an earlier test imported pyplot already
+    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtraError, match=r"matplotlib is not installed.*deltaserve\[bench\]"):
         require("matplotlib.pyplot")
 
