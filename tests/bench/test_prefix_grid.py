@@ -98,3 +98,20 @@ def test_grid_record_states_the_prefix_dataset(tmp_path: Path, monkeypatch: pyte
         "prefix_repetition_prefix_len": [4224, 4000],
         "prefix_repetition_num_prefixes": 4,
     }
+
+
+@pytest.mark.parametrize(
+    ("dataset", "arm", "problem"),
+    [
+        ('name="prefix_repetition"', 'extra_args=["--no-enable-prefix-caching"]', "or on"),
+        ('name="random"', "enable_prefix_caching=true", "shares no prefix"),
+        ('name="random"', 'extra_args=["--enable-prefix-caching"]', "shares no prefix"),
+    ],
+)
+def test_oracle_flags_refuses_prefix_caching_against_the_data(
+    tmp_path: Path, dataset: str, arm: str, problem: str
+) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text(f'[dataset]\n{dataset}\n[[arms]]\nname="v"\noracle="vllm"\n{arm}\n')
+    code, (launch,), _ = oracle_flags.check([path])
+    assert code == 1 and launch.status == "violation" and problem in " ".join(launch.problems)
