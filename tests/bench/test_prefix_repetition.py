@@ -8,17 +8,22 @@ re-encodings with more global draws, and shuffles with `random.shuffle`. The glo
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
-from deltaserve.bench.dataset_prefix import PrefixOptions, sample_prefix_repetition
+from deltaserve.bench.dataset import SampleRequest
+from deltaserve.bench.dataset_prefix import PrefixOptions, align_like_vllm, sample_prefix_repetition
 from deltaserve.bench.serve_cli import parse_bench_args, run_bench
 
-from .bench_helpers import WordTokenizer
+from .bench_helpers import WordTokenizer, serve_in_thread
+from .fake_server import build_app
 
 
 @pytest.fixture
@@ -30,7 +35,7 @@ def global_generators() -> Iterator[None]:
     random.setstate(python_state)
 
 
-def vllm_exact(tokenizer: WordTokenizer, target: int) -> list[int]:
+def vllm_exact(tokenizer: WordTokenizer, target: int, pads: list[int]) -> list[int]:
     """vLLM's _generate_exact_length_tokens: global randint, then decode/encode with global-randint pads."""
     ids = np.random.randint(0, tokenizer.vocab_size, size=target).tolist()
     retries = 10
@@ -39,21 +44,25 @@ def vllm_exact(tokenizer: WordTokenizer, target: int) -> list[int]:
         if retries <= 0 or len(ids) == target:
             return ids
         if len(ids) < target:
+            pads.append(target - len(ids))
             ids.extend(np.random.randint(0, tokenizer.vocab_size, size=target - len(ids)).tolist())
         else:
             ids = ids[:target]
         retries -= 1
 
 
-def vllm_requests(tokenizer: WordTokenizer, num_requests: int, options: PrefixOptions, seed: int) -> list[list[int]]:
-    """The token ids of vLLM's requests, in vLLM's order (seed, prefixes with their suffixes, shuffle)."""
+def vllm_requests(
+    tokenizer: WordTokenizer, num_requests: int, options: PrefixOptions, seed: int, pads: list[int]
+) -> list[list[int]]:
+    """The token ids of vLLM's requests, in vLLM's order (seed, prefixes with their suffixes, shuffle); `pads`
+    gets the size of every padding draw."""
     random.seed(seed)
     np.random.seed(seed)
     requests = []
     for _ in range(options.num_prefixes):
-        prefix = vllm_exact(tokenizer, options.prefix_len)
+        prefix = vllm_exact(tokenizer, options.prefix_len, pads)
         for _ in range(num_requests // options.num_prefixes):
-            requests.append(prefix + vllm_exact(tokenizer, options.suffix_len))
+            requests.append(prefix + vllm_exact(tokenizer, options.suffix_len, pads))
     random.shuffle(requests)
     return requests
 
@@ -70,14 +79,18 @@ def test_requests_equal_vllm_026_for_the_same_seed(word_model: Path, global_gene
     tokenizer = LossyTokenizer(word_model) if is_lossy else WordTokenizer(word_model)
     options = PrefixOptions(prefix_len=48, suffix_len=16, num_prefixes=3, output_len=7)
     ours = sample_prefix_repetition(tokenizer, 14, options, seed=5, request_id_prefix="p")
-    expected = vllm_requests(tokenizer, 14, options, seed=5)
+    pads: list[int] = []
+    expected = vllm_requests(tokenizer, 14, options, seed=5, pads=pads)
     assert len(ours) == len(expected) == 12  # 14 // 3 per prefix: vLLM drops the remainder
     for request, ids in zip(ours, expected, strict=True):
         assert request.prompt == tokenizer.decode(ids) and request.prompt_len == len(ids)
         assert request.expected_output_len == 7 and request.target_len == 64
     assert [r.request_id for r in ours] == [f"p{i}" for i in range(12)]
-    if not is_lossy:
-        assert all(r.token_mismatch == 0 and r.prompt_len == 64 for r in ours)
+    assert all(r.token_mismatch == 0 and r.prompt_len == 64 for r in ours)
+    if is_lossy:  # the ids below 40 were dropped and replaced by padding draws from the same stream
+        assert len(pads) >= 5
+    else:
+        assert not pads
         assert len({tuple(ids[:48]) for ids in expected}) == 3  # three prefixes, four requests each
     assert ours != sample_prefix_repetition(tokenizer, 14, options, seed=6)
 
@@ -101,3 +114,37 @@ def test_bench_serve_runs_prefix_repetition_with_vllm_flags(fake_server: str, pa
     assert record["is_server_tokenize_aligned"] is True
     assert record["ignore_eos"] is False  # vLLM forces it only for random and random-mm
     assert run_bench(parse_bench_args([*argv, "--output-len", "3"]))["total_output_tokens"] == 8 * 3
+
+
+@pytest.fixture
+def splitting_server(word_model: Path) -> Iterator[str]:
+    """A server whose tokenizer counts the word "t7" twice (as a real BPE might split it)."""
+    app = build_app(word_model, has_tokenize=False)
+    tokenizer = WordTokenizer(word_model)
+
+    async def tokenize(request: web.Request) -> web.Response:
+        ids = tokenizer.encode((await request.json())["prompt"])
+        return web.json_response({"tokens": [j for i in ids for j in ([i, i] if i == 7 else [i])]})
+
+    async def detokenize(request: web.Request) -> web.Response:
+        return web.json_response({"prompt": tokenizer.decode((await request.json())["tokens"])})
+
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    yield from serve_in_thread(app)
+
+
+def test_alignment_cuts_long_prompts_only_when_the_first_one_mismatches(splitting_server: str) -> None:
+    """vLLM 0.26's rule: the first prompt decides whether to align; then only prompts the server counts longer
+    are cut to prompt_len tokens (shorter or exact ones stay)."""
+    split = SampleRequest("t5 t7 t9 t11", 4, 2, 4, "0")
+    plain = SampleRequest("t1 t2 t3", 3, 2, 3, "1")
+
+    async def align(requests: list[SampleRequest]) -> tuple[list[SampleRequest], bool]:
+        async with aiohttp.ClientSession() as session:
+            return await align_like_vllm(session, splitting_server, "m", requests)
+
+    aligned, is_aligned = asyncio.run(align([split, plain]))
+    assert is_aligned and aligned[1] == plain
+    assert aligned[0].prompt == "t5 t7 t7 t9" and aligned[0].prompt_len == 4
+    assert asyncio.run(align([plain, split])) == ([plain, split], True)  # the first matches: nothing changes
