@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -115,3 +116,16 @@ def test_oracle_flags_refuses_prefix_caching_against_the_data(
     path.write_text(f'[dataset]\n{dataset}\n[[arms]]\nname="v"\noracle="vllm"\n{arm}\n')
     code, (launch,), _ = oracle_flags.check([path])
     assert code == 1 and launch.status == "violation" and problem in " ".join(launch.problems)
+
+
+def test_registry_cli_prints_the_prefix_caching_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(write_config(tmp_path / "m", num_experts=8))
+    parser = argparse.ArgumentParser()
+    registry.add_arguments(parser)
+    argv = ["--model", model, "--input-len", "5500", "--enable-prefix-caching", "--prefix-match-unit", "16"]
+    assert registry.run(parser.parse_args(argv)) == 0
+    expected = registry.vllm_launch(
+        model, 5500, is_random_data=False, enable_prefix_caching=True, prefix_match_unit=16
+    ).command_line
+    assert capsys.readouterr().out.strip() == expected
+    assert registry.run(parser.parse_args(["--model", model, "--input-len", "64", "--prefix-match-unit", "16"])) == 1
