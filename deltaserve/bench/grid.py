@@ -57,7 +57,7 @@ def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurre
     return [
         "--base-url", launch.base_url,
         "--tokenizer", expand(launch.model.path, {}),
-        *config.dataset.client_flags(),
+        *config.dataset.client_flags(config.lengths, isl, osl),
         "--random-input-len", str(isl),
         "--random-output-len", str(osl),
         "--num-prompts", str(config.num_prompts(concurrency)),
@@ -136,7 +136,7 @@ class Grid:
             "is_complete": False,
             "host": host_facts(REPO_ROOT),
             "lengths": [list(pair) for pair in config.lengths],
-            "dataset": {"name": config.dataset.name, **config.dataset.mm},
+            "dataset": {"name": config.dataset.name, **config.dataset.mm, **config.dataset.prefix},
             "concurrencies": config.concurrencies,
             "models": [{"name": m.name, "path": expand(m.path, {})} for m in config.models],
             "arms": {arm.name: _arm_entry(arm) for arm in config.arms},

@@ -8,6 +8,12 @@ The optional `[dataset]` table picks the client's dataset: `name = "random"` (th
 `random_mm_num_mm_items_range_ratio`, `random_mm_limit_mm_per_prompt` as a table, `random_mm_bucket_config` as
 vLLM's CLI literal, e.g. "{(512, 512, 1): 1.0}"). Image traffic makes the registry build the peer with its vision
 tower (registry.py, `serves_media`).
+
+`name = "prefix_repetition"` is vLLM's dataset of shared random prefixes (dataset_prefix.py): each `lengths` pair
+(ISL, OSL) is prefix + suffix tokens in and OSL out, with `prefix_repetition_prefix_len` either one number for
+every pair or a list with one per pair (the suffix is ISL minus it) and `prefix_repetition_num_prefixes` (vLLM's
+default 10). Such data shares prefixes, so the registry builds every peer without --no-enable-prefix-caching; an
+arm with `enable_prefix_caching = true` (and optionally `prefix_match_unit = N`) is vLLM's prefix-caching arm.
 """
 
 from __future__ import annotations
@@ -49,12 +55,16 @@ class Arm:
     # Another arm of the grid this one is also compared with (arm / baseline ratios), e.g. vLLM at a forced backend
     # against vLLM at its own choice.
     baseline: str | None = None
+    # vLLM's prefix-caching arm (registry.vllm_launch): --enable-prefix-caching [--prefix-match-unit N]
+    enable_prefix_caching: bool = False
+    prefix_match_unit: int | None = None
     # Estimates for --deadline-s: a launch starts only if startup + points x run would end before the deadline.
     expected_startup_s: float = 0.0
     expected_run_s: float = 0.0
 
 
-DATASETS = ("random", "random-mm")
+DATASETS = ("random", "random-mm", "prefix_repetition")
+PREFIX_KEYS = ("prefix_repetition_prefix_len", "prefix_repetition_num_prefixes")
 MM_KEYS = (
     "random_mm_base_items_per_request",
     "random_mm_num_mm_items_range_ratio",
@@ -69,13 +79,34 @@ class DatasetConfig:
 
     name: str = "random"
     mm: dict[str, object] = field(default_factory=dict)  # random-mm keys given in the TOML (client defaults else)
+    prefix: dict[str, object] = field(default_factory=dict)  # prefix_repetition keys given in the TOML
 
     @property
     def serves_media(self) -> bool:
         return self.name == "random-mm"
 
-    def client_flags(self) -> list[str]:
-        """The `deltaserve bench serve` flags that pick this dataset (and, for images, the chat endpoint)."""
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.name == "prefix_repetition"
+
+    def prefix_len(self, lengths: list[tuple[int, int]], isl: int) -> int:
+        """The shared prefix of the `lengths` pair with this ISL (one number, or one per pair)."""
+        value = self.prefix["prefix_repetition_prefix_len"]
+        if isinstance(value, list):
+            value = value[[pair[0] for pair in lengths].index(isl)]
+        return int(value)  # type: ignore[call-overload]
+
+    def client_flags(self, lengths: list[tuple[int, int]] | None = None, isl: int = 0, osl: int = 0) -> list[str]:
+        """The `deltaserve bench serve` flags that pick this dataset (and, for images, the chat endpoint); a
+        prefix_repetition point needs the grid's `lengths` and its (ISL, OSL)."""
+        if self.shares_prefixes:
+            prefix_len = self.prefix_len(lengths or [], isl)
+            flags = ["--dataset-name", self.name, "--prefix-repetition-prefix-len", str(prefix_len)]
+            flags += ["--prefix-repetition-suffix-len", str(isl - prefix_len)]
+            flags += ["--prefix-repetition-output-len", str(osl)]
+            if "prefix_repetition_num_prefixes" in self.prefix:
+                flags += ["--prefix-repetition-num-prefixes", str(self.prefix["prefix_repetition_num_prefixes"])]
+            return flags
         if not self.serves_media:
             return ["--dataset-name", self.name]
         flags = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", self.name]
@@ -98,17 +129,36 @@ def parse_dataset(raw: dict[str, object]) -> DatasetConfig:
     name = str(raw.get("name", "random"))
     if name not in DATASETS:
         raise ValueError(f"[dataset]: name must be one of {', '.join(DATASETS)}, got {name!r}")
-    unknown = set(raw) - {"name", *MM_KEYS}
+    unknown = set(raw) - {"name", *MM_KEYS, *PREFIX_KEYS}
     if unknown:
         raise ValueError(f"[dataset]: unknown keys {sorted(unknown)}")
     mm = {k: v for k, v in raw.items() if k in MM_KEYS}
     if mm and name != "random-mm":
         raise ValueError(f"[dataset]: {sorted(mm)} apply to random-mm only, not {name!r}")
+    prefix = {k: v for k, v in raw.items() if k in PREFIX_KEYS}
+    if prefix and name != "prefix_repetition":
+        raise ValueError(f"[dataset]: {sorted(prefix)} apply to prefix_repetition only, not {name!r}")
+    if name == "prefix_repetition" and "prefix_repetition_prefix_len" not in prefix:
+        raise ValueError("[dataset]: prefix_repetition needs prefix_repetition_prefix_len (one, or one per length)")
     if "random_mm_bucket_config" in mm:
         parse_bucket_config(str(mm["random_mm_bucket_config"]))
     if "random_mm_limit_mm_per_prompt" in mm:
         parse_limit_mm_per_prompt(mm["random_mm_limit_mm_per_prompt"])  # type: ignore[arg-type]
-    return DatasetConfig(name, mm)
+    return DatasetConfig(name, mm, prefix)
+
+
+def check_prefix_lengths(dataset: DatasetConfig, lengths: list[tuple[int, int]]) -> None:
+    """Each (ISL, OSL) pair has a prefix shorter than its ISL (distinct ISLs, so a point names its prefix)."""
+    if not dataset.shares_prefixes:
+        return
+    value = dataset.prefix["prefix_repetition_prefix_len"]
+    if isinstance(value, list) and len(value) != len(lengths):
+        raise ValueError(f"[dataset]: {len(value)} prefix_repetition_prefix_len for {len(lengths)} lengths")
+    if len({isl for isl, _ in lengths}) != len(lengths):
+        raise ValueError("[dataset]: prefix_repetition lengths need distinct ISLs")
+    for isl, _ in lengths:
+        if not 0 < dataset.prefix_len(lengths, isl) < isl:
+            raise ValueError(f"[dataset]: the prefix of ISL {isl} must be in [1, {isl - 1}]")
 
 
 @dataclass
@@ -180,6 +230,8 @@ def load_config(path: Path) -> GridConfig:
     options = {k: v for k, v in grid.items() if k in known}
     options["lengths"] = [tuple(pair) for pair in grid.get("lengths", [[1024, 128]])]
     options.setdefault("concurrencies", [1])
+    dataset = parse_dataset(raw.get("dataset", {}))
+    check_prefix_lengths(dataset, options["lengths"])
     return GridConfig(
         name=str(grid.get("name", path.stem)),
         title=str(grid.get("title", path.stem)),
@@ -187,7 +239,7 @@ def load_config(path: Path) -> GridConfig:
         models=models,
         arms=arms,
         source_path=str(path),
-        dataset=parse_dataset(raw.get("dataset", {})),
+        dataset=dataset,
         **options,
     )
 
@@ -243,6 +295,9 @@ def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
             drop_flags=arm.drop_flags,
             exemption=arm.exemption,
             serves_media=config.dataset.serves_media,
+            is_random_data=not config.dataset.shares_prefixes,
+            enable_prefix_caching=arm.enable_prefix_caching,
+            prefix_match_unit=arm.prefix_match_unit,
         )
         argv = oracle.argv
         env = {**oracle.env, **env}

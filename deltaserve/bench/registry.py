@@ -15,6 +15,10 @@ PR #34120; the vllm-project/recipes Qwen3.5 recipe; the vllm-oracle README):
 - `--mamba-ssm-cache-dtype` as the checkpoint says (float32 for Qwen3.5's text_config.mamba_ssm_dtype).
 - `--max-num-batched-tokens` at least 2 x ISL (and 8192 for the MoE shape, as measured on the H200).
 - `--no-enable-prefix-caching` for random data (it shares no prefix; caching would only add overhead).
+  Data whose prompts share prefixes (`is_random_data=False`, the grid's prefix_repetition dataset) leaves prefix
+  caching at vLLM's choice or turns it on (`enable_prefix_caching`: vLLM's prefix-caching arm, issue 36), never
+  off; `prefix_match_unit` adds vLLM 0.26's `--prefix-match-unit N` (the finest token boundary a hit can land on;
+  CacheConfig.prefix_match_unit) to that arm, the tuned second peer.
 - every kernel backend at vLLM's own choice. A site that cannot run the default backend forces another one only
   as a named `Deviation` with its reason, direction and magnitude (the offline H200 runs GDN prefill on Triton:
   FlashInfer, vLLM's SM90 default, is not in the bundle); every record of such a launch carries the
@@ -156,14 +160,21 @@ def vllm_launch(
     exemption: str | None = None,
     facts: CheckpointFacts | None = None,
     serves_media: bool = False,
+    enable_prefix_caching: bool = False,
+    prefix_match_unit: int | None = None,
 ) -> OracleLaunch:
     """vLLM's production server command for `model` at input length `input_len`.
 
     `drop_flags` removes required flags and needs `exemption` (the reason); `extra_args` may add flags but
     not forbidden ones, and may not weaken a required one (checked by `check_vllm_argv`). `serves_media` names
     the traffic (images): the launch keeps the vision tower (no --language-model-only) and carries
-    MEDIA_TRAFFIC_NOTE as its denominator note.
+    MEDIA_TRAFFIC_NOTE as its denominator note. `enable_prefix_caching` (data that shares prefixes only) and
+    `prefix_match_unit` (with it) build vLLM's prefix-caching arm.
     """
+    if enable_prefix_caching and is_random_data:
+        raise ValueError("--enable-prefix-caching is for data that shares prefixes: random data needs it off")
+    if prefix_match_unit is not None and (not enable_prefix_caching or prefix_match_unit <= 0):
+        raise ValueError("--prefix-match-unit needs --enable-prefix-caching and a positive number of tokens")
     if site not in SITES:
         raise ValueError(f"unknown site {site!r}; known: {', '.join(SITES)}")
     facts = facts or inspect_checkpoint(model)
@@ -200,8 +211,15 @@ def vllm_launch(
         argv.remove("--language-model-only")
         reasons[0] = MEDIA_REASON
     if not is_random_data:
+        index = argv.index("--no-enable-prefix-caching")
         argv.remove("--no-enable-prefix-caching")
         reasons.remove("--no-enable-prefix-caching: random prompts share no prefix")
+        if enable_prefix_caching:
+            argv.insert(index, "--enable-prefix-caching")
+            reasons.append("--enable-prefix-caching: vLLM's prefix-caching arm for prompts that share prefixes")
+        if prefix_match_unit is not None:
+            argv[index + 1 : index + 1] = ["--prefix-match-unit", str(prefix_match_unit)]
+            reasons.append(f"--prefix-match-unit {prefix_match_unit}: hits may land every {prefix_match_unit} tokens")
     if not facts.has_weights:
         argv += ["--load-format", "dummy"]
         reasons.append("--load-format dummy: config-only checkpoint")
@@ -258,11 +276,12 @@ def check_vllm_argv(
         floor = min_batched_tokens(input_len, facts.is_moe if facts else False)
         if value is None or not value.isdigit() or int(value) < floor:
             problems.append(f"--max-num-batched-tokens must be at least {floor} for ISL {input_len}, got {value}")
-    if is_random_data:
-        # argparse's last-one-wins: the final prefix-caching flag decides.
-        last = [w for w in argv if w in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
-        if not last or last[-1] != "--no-enable-prefix-caching":
-            problems.append("random data needs --no-enable-prefix-caching")
+    # argparse's last-one-wins: the final prefix-caching flag decides.
+    last = [w for w in argv if w in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
+    if is_random_data and (not last or last[-1] != "--no-enable-prefix-caching"):
+        problems.append("random data needs --no-enable-prefix-caching")
+    if is_random_data is False and last and last[-1] == "--no-enable-prefix-caching":
+        problems.append("prompts that share prefixes leave prefix caching at vLLM's choice or on, never off")
     if facts is not None:
         value = _flag_value(argv, "--mamba-ssm-cache-dtype")
         if value is not None and value != facts.mamba_ssm_dtype:
@@ -407,6 +426,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--site", default=DEFAULT_SITE, choices=sorted(SITES))
     parser.add_argument("--python", default="python3", help="the interpreter that has vLLM")
     parser.add_argument("--not-random-data", action="store_true", help="leave prefix caching at vLLM's default")
+    parser.add_argument(
+        "--enable-prefix-caching", action="store_true", help="vLLM's prefix-caching arm (implies --not-random-data)"
+    )
+    parser.add_argument("--prefix-match-unit", type=int, default=None, help="with --enable-prefix-caching")
     parser.add_argument("--serves-media", action="store_true", help="image traffic: keep the vision tower")
     parser.add_argument("--drop-flag", action="append", default=[], help="required flag to leave out")
     parser.add_argument("--exempt", default=None, help="the reason for --drop-flag")
@@ -424,12 +447,14 @@ def run(args: argparse.Namespace) -> int:
             args.input_len,
             port=args.port,
             site=args.site,
-            is_random_data=not args.not_random_data,
+            is_random_data=not (args.not_random_data or args.enable_prefix_caching),
             python=args.python,
             extra_args=extra,
             drop_flags=args.drop_flag,
             exemption=args.exempt,
             serves_media=args.serves_media,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_match_unit=args.prefix_match_unit,
         )
     except (ValueError, OSError) as exc:
         print(f"registry: {exc}", file=sys.stderr)

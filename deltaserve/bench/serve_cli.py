@@ -7,8 +7,13 @@ result fields plus `peak_gpu_memory_gib` (NVML, sampled during the run; null wit
 
 `--dataset-name random-mm` (dataset_mm.py) adds synthetic images to every random prompt and, as vLLM requires,
 runs only with `--backend openai-chat --endpoint /v1/chat/completions`; its prompts are not aligned with the
-server (vLLM aligns only `random`). Its input token counts are the server's usage.prompt_tokens, so they include
-the chat template and every image's placeholder tokens.
+server (vLLM aligns only `random` and `prefix_repetition`). Its input token counts are the server's
+usage.prompt_tokens, so they include the chat template and every image's placeholder tokens.
+
+`--dataset-name prefix_repetition` (dataset_prefix.py) is vLLM's: `--prefix-repetition-num-prefixes` random prefixes
+of `--prefix-repetition-prefix-len` tokens, each shared by num_prompts // num_prefixes requests with their own
+`--prefix-repetition-suffix-len` tokens, `--prefix-repetition-output-len` out (or `--output-len`, as in vLLM). Its
+prompts are aligned with the server as vLLM 0.26 aligns them, and, as in vLLM, ignore_eos is not forced on.
 
 `--dataset-name multi-turn` (multi_turn.py, our own) runs concurrent conversations that re-send their growing
 history with the model's real answers, over the same chat backend; its record adds a per-turn breakdown.
@@ -33,6 +38,7 @@ from deltaserve.bench._extra import MissingExtraError, require
 from deltaserve.bench.client import LoadOptions, SamplingOptions, run_load
 from deltaserve.bench.dataset import align_with_server, sample_random
 from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
+from deltaserve.bench.dataset_prefix import PrefixOptions, align_like_vllm, sample_prefix_repetition
 from deltaserve.bench.metrics import compute_metrics, parse_goodput, parse_metric_names, parse_percentiles
 from deltaserve.bench.multi_turn import DATASET_NAME as MULTI_TURN
 from deltaserve.bench.multi_turn import (
@@ -49,6 +55,8 @@ from deltaserve.bench.nvml import MemorySampler
 # Per-request arrays kept in the JSON only with --save-detailed, as in vLLM.
 DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 CHAT_BACKENDS = ("openai-chat",)
+# the datasets whose requests vLLM sends with ignore_eos unless told otherwise
+IGNORE_EOS_DATASETS = ("random", "random-mm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random", "random-mm", MULTI_TURN])
+    data.add_argument(
+        "--dataset-name", default="random", choices=["random", "random-mm", "prefix_repetition", MULTI_TURN]
+    )
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -84,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
     add_mm_arguments(data)
     add_multi_turn_arguments(data)
+    defaults = PrefixOptions()
+    data.add_argument("--prefix-repetition-prefix-len", type=int, default=defaults.prefix_len)
+    data.add_argument("--prefix-repetition-suffix-len", type=int, default=defaults.suffix_len)
+    data.add_argument("--prefix-repetition-num-prefixes", type=int, default=defaults.num_prefixes)
+    data.add_argument("--prefix-repetition-output-len", type=int, default=defaults.output_len)
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
 
@@ -100,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="default: on for the random dataset (as vLLM forces it)",
+        help="default: on for random and random-mm (as vLLM forces it), off for prefix_repetition",
     )
     sampling.add_argument("--temperature", type=float, default=None)
     sampling.add_argument("--top-p", type=float, default=None)
@@ -162,6 +177,17 @@ def _resolve_lengths(args: argparse.Namespace) -> tuple[int, int]:
     return input_len, output_len
 
 
+def prefix_options(args: argparse.Namespace) -> PrefixOptions:
+    """The prefix_repetition flags; `--output-len` overrides the output length, as in vLLM."""
+    output_len = args.output_len if args.output_len is not None else args.prefix_repetition_output_len
+    return PrefixOptions(
+        args.prefix_repetition_prefix_len,
+        args.prefix_repetition_suffix_len,
+        args.prefix_repetition_num_prefixes,
+        output_len,
+    )
+
+
 def check_endpoint(args: argparse.Namespace) -> bool:
     """vLLM's pairing rules: random-mm needs openai-chat, whose URL must end in chat/completions (a chat payload
     sent to /v1/completions would fail every request). Returns whether the run is a chat run; raises ValueError."""
@@ -193,7 +219,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
     percentiles = parse_percentiles(args.metric_percentiles)
     goodput = parse_goodput(args.goodput)
     input_len, output_len = _resolve_lengths(args)
-    is_ignore_eos = True if args.ignore_eos is None else args.ignore_eos
+    is_ignore_eos = (args.dataset_name in IGNORE_EOS_DATASETS) if args.ignore_eos is None else args.ignore_eos
     request_id_prefix = args.request_id_prefix
     load = LoadOptions(
         api_url=base_url + args.endpoint,
@@ -211,10 +237,14 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
 
     is_mm = args.dataset_name == "random-mm"
     is_multi_turn = args.dataset_name == MULTI_TURN
+    is_prefix = args.dataset_name == "prefix_repetition"
+    prefix = prefix_options(args)
     if is_multi_turn:
         turn_options = multi_turn_options(args)
         conversations = sample_conversations(tokenizer, turn_options, args.seed)
         requests = []
+    elif is_prefix:
+        requests = sample_prefix_repetition(tokenizer, args.num_prompts, prefix, seed=args.seed)
     elif is_mm:
         requests = sample_random_mm(
             tokenizer,
@@ -237,13 +267,16 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             seed=args.seed,
         )
     is_server_aligned = False
-    # vLLM aligns only the text-only random dataset with the server's tokenizer
+    # vLLM aligns the text-only random and prefix_repetition datasets with the server's tokenizer
     if not args.no_server_tokenize and not is_mm and not is_multi_turn:
         aiohttp = require("aiohttp")
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            requests, is_server_aligned = await align_with_server(
-                session, base_url, request_model, requests, tokenizer, args.seed
-            )
+            if is_prefix:
+                requests, is_server_aligned = await align_like_vllm(session, base_url, request_model, requests)
+            else:
+                requests, is_server_aligned = await align_with_server(
+                    session, base_url, request_model, requests, tokenizer, args.seed
+                )
 
     sampling = SamplingOptions(
         temperature=args.temperature,
@@ -321,6 +354,9 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             "num_distinct_generated_texts": len({r.generated_text for r in results if r.is_success}),
         }
     )
+    if is_prefix:
+        record.update(prefix.as_record())
+        record["total_text_prompt_tokens"] = sum(request.prompt_len for request in requests)
     if is_mm:
         urls = [part["image_url"]["url"] for request in requests for part in request.mm_content]
         record.update(mm_options(args).as_record())

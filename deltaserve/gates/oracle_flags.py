@@ -7,7 +7,10 @@ variable or f-string field before "serve", a `{template}` field), `python -m vll
 and `python -m vllm.entrypoints.openai.api_server`, in shell commands (continuation lines included), Python
 lists, tuples, list concatenations and strings, and TOML/YAML arrays and strings. `vllm bench serve` (any
 spelling) is a client, not a launch. Grid-config arms built by the oracle registry (`oracle = "vllm"`) count
-as launches too and are checked by their `drop_flags` / `extra_args`.
+as launches too and are checked by their `drop_flags` / `extra_args`, and by prefix caching against their grid's
+data: a grid whose prompts share prefixes (`[dataset] name = "prefix_repetition"`) may leave it at vLLM's choice
+or turn it on (`enable_prefix_caching = true`, optionally `prefix_match_unit`), never off; any other grid's arms
+keep the registry's --no-enable-prefix-caching.
 
 Each launch must carry the registry's REQUIRED_FLAGS, none of its FORBIDDEN_FLAGS and no BACKEND_FLAGS (a
 backend flag, or a BACKEND_ENV variable set for the launch or exported in its file, overrides a choice vLLM's
@@ -120,6 +123,19 @@ def _verdict(launch: Launch, reason: str | None) -> Launch:
     return launch
 
 
+def _prefix_caching_problems(arm: dict, extra: list[str], shares_prefixes: bool) -> list[str]:
+    """A registry arm's prefix caching against its grid's data (the registry refuses the same at launch)."""
+    last = [f for f in extra if f in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
+    is_on = (
+        bool(arm.get("enable_prefix_caching")) or "prefix_match_unit" in arm or last[-1:] == ["--enable-prefix-caching"]
+    )
+    if shares_prefixes and last[-1:] == ["--no-enable-prefix-caching"]:
+        return ["--no-enable-prefix-caching: prompts that share prefixes leave prefix caching at vLLM's choice or on"]
+    if not shares_prefixes and is_on:
+        return ["prefix caching on for data that shares no prefix: the registry keeps --no-enable-prefix-caching"]
+    return []
+
+
 def _registry_arms(path: Path, text: str) -> list[Launch]:
     """Grid arms whose command the registry builds: check their drop_flags / extra_args statically."""
     try:
@@ -133,6 +149,8 @@ def _registry_arms(path: Path, text: str) -> list[Launch]:
     if not isinstance(arms, list):
         return []
     arm_lines = [i for i, raw in enumerate(text.split("\n"), start=1) if raw.strip() == "[[arms]]"]
+    dataset = config.get("dataset")
+    shares_prefixes = isinstance(dataset, dict) and dataset.get("name") == "prefix_repetition"
     launches = []
     for index, arm in enumerate(arms):
         if not isinstance(arm, dict) or "oracle" not in arm:
@@ -143,7 +161,7 @@ def _registry_arms(path: Path, text: str) -> list[Launch]:
         env = {str(k): str(v) for k, v in (arm.get("env") or {}).items()}
         flags = [f for f in REQUIRED_FLAGS if f not in drop] + extra
         launch = Launch(str(path), line, f"registry:{arm['oracle']} ({arm.get('name', '?')})", "registry", flags)
-        launch.problems = judge(flags, env)
+        launch.problems = judge(flags, env) + _prefix_caching_problems(arm, extra, shares_prefixes)
         # A dropped flag or a backend override is allowed with the arm's `exemption` reason.
         reason = None
         if launch.problems and "exemption" in arm:

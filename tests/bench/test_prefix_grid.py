@@ -1,0 +1,131 @@
+"""vLLM's prefix-caching arm in the oracle registry, and the prefix_repetition grid (issue 36) resolved through it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltaserve.bench import registry
+from deltaserve.bench.grid import Grid, client_argv, load_config, resolve
+from deltaserve.bench.serve_cli import parse_bench_args, prefix_options
+from deltaserve.gates import oracle_flags
+
+from .test_registry import write_config
+
+REPO = Path(__file__).resolve().parents[2]
+GRID = REPO / "benchmarks/grids/h200_prefix.toml"
+
+
+def test_prefix_caching_arm_is_on_only_for_data_that_shares_prefixes(tmp_path: Path) -> None:
+    model = str(write_config(tmp_path / "m", num_experts=8))
+    launch = registry.vllm_launch(model, 5500, is_random_data=False, enable_prefix_caching=True)
+    assert "--enable-prefix-caching" in launch.argv and "--no-enable-prefix-caching" not in launch.argv
+    assert "--prefix-match-unit" not in launch.argv and any("prefix-caching arm" in r for r in launch.reasons)
+    tuned = registry.vllm_launch(model, 5500, is_random_data=False, enable_prefix_caching=True, prefix_match_unit=16)
+    index = tuned.argv.index("--prefix-match-unit")
+    assert tuned.argv[index + 1] == "16" and tuned.argv[:index] == launch.argv[:index]
+    assert registry.check_vllm_argv(tuned.argv, input_len=5500, is_random_data=False) == []
+    with pytest.raises(ValueError, match="random data needs it off"):
+        registry.vllm_launch(model, 1024, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="needs --enable-prefix-caching"):
+        registry.vllm_launch(model, 1024, is_random_data=False, prefix_match_unit=16)
+    with pytest.raises(ValueError, match="never off"):
+        registry.vllm_launch(model, 1024, is_random_data=False, extra_args=["--no-enable-prefix-caching"])
+
+
+def test_prefix_grid_resolves_through_the_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, experts in (("q35-35b-a3b", 256), ("q35-27b", 0)):
+        write_config(tmp_path / name, num_experts=experts)
+    monkeypatch.setenv("DELTASERVE_MODELS", str(tmp_path))
+    config = load_config(GRID)
+    assert [a.name for a in config.arms] == ["deltaserve", "vllm-pc", "vllm-pc-unit16"]
+    assert config.concurrencies == [1, 8, 32, 64] and config.lengths == [(4736, 128), (5500, 128)]
+    assert [m.name for m in config.models] == ["q35-35b-a3b", "q35-27b"]
+    for model in config.models:
+        ours, pc, unit16 = (resolve(arm, model, config) for arm in config.arms)
+        assert ours.argv[:4] == [sys.executable, "-m", "deltaserve.cli", "serve"]
+        for peer in (pc, unit16):
+            assert "--enable-prefix-caching" in peer.argv and "--no-enable-prefix-caching" not in peer.argv
+            assert peer.argv[peer.argv.index("--max-num-batched-tokens") + 1] == "11000"  # 2 x the longest ISL
+            assert "--language-model-only" in peer.argv and peer.exemption is None
+        assert "--prefix-match-unit" not in pc.argv
+        assert unit16.argv[unit16.argv.index("--prefix-match-unit") + 1] == "16"
+    launch = resolve(config.arms[0], config.models[0], config)
+    for (isl, osl), (prefix_len, suffix_len) in zip(config.lengths, ((4224, 512), (4000, 1500)), strict=True):
+        args = parse_bench_args(client_argv(launch, config, isl, osl, 8, "x"))
+        assert args.dataset_name == "prefix_repetition" and args.ignore_eos is True and args.num_prompts == 40
+        options = prefix_options(args)
+        assert (options.prefix_len, options.suffix_len, options.num_prefixes, options.output_len) == (
+            prefix_len, suffix_len, 4, 128,
+        )  # fmt: skip
+
+
+def test_oracle_flags_passes_the_prefix_grid() -> None:
+    code, launches, num_files = oracle_flags.check([GRID])
+    assert code == 0 and num_files == 1
+    assert {(launch.spelling, launch.status) for launch in launches} == {
+        ("registry:vllm (vllm-pc)", "ok"),
+        ("registry:vllm (vllm-pc-unit16)", "ok"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ('name="prefix_repetition"\n', "needs prefix_repetition_prefix_len"),
+        ('name="random"\nprefix_repetition_prefix_len=4\n', "apply to prefix_repetition only"),
+        ('name="prefix_repetition"\nprefix_repetition_prefix_len=[4, 5, 6]\n', "3 prefix_repetition_prefix_len"),
+        ('name="prefix_repetition"\nprefix_repetition_prefix_len=16\n', "must be in"),
+    ],
+)
+def test_prefix_dataset_table_is_validated(tmp_path: Path, table: str, message: str) -> None:
+    path = tmp_path / "g.toml"
+    grid = "[grid]\nlengths=[[16, 2], [32, 2]]\n"
+    path.write_text(grid + '[[models]]\nname="m"\npath="p"\n[[arms]]\nname="a"\ncommand=["x"]\n[dataset]\n' + table)
+    with pytest.raises(ValueError, match=message):
+        load_config(path)
+
+
+def test_grid_record_states_the_prefix_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("q35-35b-a3b", "q35-27b"):
+        write_config(tmp_path / name, num_experts=8)
+    monkeypatch.setenv("DELTASERVE_MODELS", str(tmp_path))
+    record = Grid(load_config(GRID), tmp_path / "r", record_name="p")._new_record()
+    assert record["dataset"] == {
+        "name": "prefix_repetition",
+        "prefix_repetition_prefix_len": [4224, 4000],
+        "prefix_repetition_num_prefixes": 4,
+    }
+
+
+@pytest.mark.parametrize(
+    ("dataset", "arm", "problem"),
+    [
+        ('name="prefix_repetition"', 'extra_args=["--no-enable-prefix-caching"]', "or on"),
+        ('name="random"', "enable_prefix_caching=true", "shares no prefix"),
+        ('name="random"', 'extra_args=["--enable-prefix-caching"]', "shares no prefix"),
+    ],
+)
+def test_oracle_flags_refuses_prefix_caching_against_the_data(
+    tmp_path: Path, dataset: str, arm: str, problem: str
+) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text(f'[dataset]\n{dataset}\n[[arms]]\nname="v"\noracle="vllm"\n{arm}\n')
+    code, (launch,), _ = oracle_flags.check([path])
+    assert code == 1 and launch.status == "violation" and problem in " ".join(launch.problems)
+
+
+def test_registry_cli_prints_the_prefix_caching_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(write_config(tmp_path / "m", num_experts=8))
+    parser = argparse.ArgumentParser()
+    registry.add_arguments(parser)
+    argv = ["--model", model, "--input-len", "5500", "--enable-prefix-caching", "--prefix-match-unit", "16"]
+    assert registry.run(parser.parse_args(argv)) == 0
+    expected = registry.vllm_launch(
+        model, 5500, is_random_data=False, enable_prefix_caching=True, prefix_match_unit=16
+    ).command_line
+    assert capsys.readouterr().out.strip() == expected
+    assert registry.run(parser.parse_args(["--model", model, "--input-len", "64", "--prefix-match-unit", "16"])) == 1
