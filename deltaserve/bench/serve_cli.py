@@ -55,8 +55,9 @@ from deltaserve.bench.nvml import MemorySampler
 # Per-request arrays kept in the JSON only with --save-detailed, as in vLLM.
 DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 CHAT_BACKENDS = ("openai-chat",)
-# the datasets whose requests vLLM sends with ignore_eos unless told otherwise
-IGNORE_EOS_DATASETS = ("random", "random-mm")
+# the datasets whose requests are sent with ignore_eos unless told otherwise: vLLM's random ones, and our multi-turn
+# mode (its answers have exact lengths, so every engine re-sends the same history)
+IGNORE_EOS_DATASETS = ("random", "random-mm", MULTI_TURN)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
