@@ -249,6 +249,17 @@ class LoadOptions:
         return completion_payload(self.model, request.prompt, request.expected_output_len, sampling)
 
 
+def client_session(load: LoadOptions) -> Any:
+    """The aiohttp session a load runs in: at most --max-concurrency connections (0: unbounded), kept alive."""
+    aiohttp = require("aiohttp")
+    limit = load.max_concurrency or 0
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
+    # Proxy variables apply to remote servers only: a local server under test is never reached through one.
+    trust_env = urlsplit(load.api_url).hostname not in LOOPBACK_HOSTS
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=trust_env)
+
+
 async def run_load(
     requests: list[SampleRequest],
     sampling: SamplingOptions,
@@ -260,13 +271,7 @@ async def run_load(
     """
     from tqdm import tqdm
 
-    aiohttp = require("aiohttp")
-    limit = load.max_concurrency or 0
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
-    # Proxy variables apply to remote servers only: a local server under test is never reached through one.
-    trust_env = urlsplit(load.api_url).hostname not in LOOPBACK_HOSTS
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=trust_env) as session:
+    async with client_session(load) as session:
         semaphore = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
 
         async def limited(payload: dict[str, Any], prompt_len: int, request_id: str, bar: Any) -> RequestResult:

@@ -43,12 +43,10 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from deltaserve.bench._extra import require
-from deltaserve.bench.client import LOOPBACK_HOSTS, REQUEST_TIMEOUT_S, LoadOptions, SamplingOptions, send_request
+from deltaserve.bench.client import LoadOptions, SamplingOptions, client_session, send_request
 from deltaserve.bench.dataset import Tokenizer, allowed_token_ids, decode_to_target_len
 from deltaserve.bench.metrics import MS_PER_S, RequestResult
 
@@ -168,12 +166,7 @@ async def run_conversations(
     load: LoadOptions,
 ) -> tuple[list[TurnResult], float]:
     """Warm up, run every conversation to its end; returns (turns ordered by client then turn, duration in s)."""
-    aiohttp = require("aiohttp")
-    limit = load.max_concurrency or 0
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
-    trust_env = urlsplit(load.api_url).hostname not in LOOPBACK_HOSTS
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=trust_env) as session:
+    async with client_session(load) as session:
         # --max-concurrency still caps requests in flight; by default every client has one in flight
         semaphore = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
 
