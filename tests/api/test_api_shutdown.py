@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
 from deltaserve.engine.core_client import SHUTDOWN_WAIT_S
-from tests.support.serve_process import start_serve
+from tests.support.serve_process import open_streams, start_serve, stuck_upload
 
 HEARTBEAT_TIMEOUT_S = 0.5
 # Long enough for the streams below to finish on a busy 2-core machine; the stuck upload is held this long.
@@ -49,28 +47,8 @@ def test_a_frozen_core_fails_health_and_a_group_sigterm_drains_open_streams(tiny
             os.kill(core, signal.SIGCONT)
         _wait_for_health(base, 200, 5)
 
-        events: list[list[dict]] = [[] for _ in range(3)]
-
-        def stream(index: int) -> None:
-            body = {"model": "tiny", "prompt": f"drain {index}", "max_tokens": 100, "temperature": 0,
-                    "ignore_eos": True, "stream": True}  # fmt: skip
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        events[index].append(json.loads(line[6:]))
-                    elif line == "data: [DONE]":
-                        events[index].append({"done": True})
-
-        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 60
-        while min(len(e) for e in events) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        host, port = base.removeprefix("http://").split(":")
-        upload = socket.create_connection((host, int(port)))  # the head and a part of the body, then nothing
-        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
+        events, threads = open_streams(base, 3, prompt="drain", max_tokens=100, min_events=2)
+        upload = stuck_upload(base)
         time.sleep(0.2)  # the upload reaches the body read
         # systemd's default (KillMode=control-group) and `timeout` signal the whole group: the core included
         signalled_at = time.monotonic()
@@ -78,7 +56,8 @@ def test_a_frozen_core_fails_health_and_a_group_sigterm_drains_open_streams(tiny
         num_at_signal = [len(e) for e in events]
         for thread in threads:
             thread.join(60)
-        for received, num_before in zip(events, num_at_signal, strict=True):
+        for payloads, num_before in zip(events, num_at_signal, strict=True):
+            received = [{"done": True} if p == "[DONE]" else json.loads(p) for p in payloads]
             assert all("error" not in event for event in received), received[-2:]
             assert received[-1] == {"done": True}
             assert received[-2]["choices"][0]["finish_reason"] == "length"

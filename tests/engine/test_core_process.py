@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from deltaserve.config import ConfigError
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
-from tests.support.serve_process import start_serve
+from tests.support.serve_process import open_streams, start_serve, stuck_upload
 
 
 def test_an_abort_reaches_the_core_process(tiny_dense: Path) -> None:
@@ -62,45 +61,23 @@ def test_a_start_up_error_comes_back_as_itself(tmp_path: Path, tiny_dense: Path)
         AsyncEngine.from_config(EngineConfig(model=str(bad), device="cpu"))
 
 
-def _stuck_upload(base: str) -> socket.socket:
-    """A connection that sends the head and the start of a completion's body, then nothing more."""
-    host, port = base.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
-    return sock
-
-
 def test_killing_the_core_ends_every_request_and_the_server_exits_non_zero_in_bounded_time(tiny_dense: Path) -> None:
     """Four streams and one plain request end with a 5xx, a stuck upload does not hold the server, which exits
     non-zero within the dead-engine drain bound; the log has one ERROR line (the death) and no traceback."""
     server = start_serve(tiny_dense)
     base = server.base_url
     try:
-        events: list[list[str]] = [[] for _ in range(4)]
         statuses: list[int] = []
-
-        def stream(index: int) -> None:
-            body = {"model": "tiny", "prompt": f"hello {index}", "max_tokens": 3000, "temperature": 0,
-                    "ignore_eos": True, "stream": True}  # fmt: skip
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events[index].append(line[6:])
 
         def plain() -> None:
             body = {"model": "tiny", "prompt": "plain", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
             statuses.append(httpx.post(base + "/v1/completions", json=body, timeout=60).status_code)
 
-        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
-        threads.append(threading.Thread(target=plain, daemon=True))
-        for thread in threads:
-            thread.start()
-        upload = _stuck_upload(base)
-        deadline = time.monotonic() + 60
-        while min(len(e) for e in events) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert min(len(e) for e in events) >= 3, "the streams did not start"
+        plain_thread = threading.Thread(target=plain, daemon=True)
+        plain_thread.start()
+        upload = stuck_upload(base)
+        events, threads = open_streams(base, 4)
+        threads.append(plain_thread)
         killed_at = time.monotonic()
         os.kill(server.core_pid(), signal.SIGKILL)
         for thread in threads:

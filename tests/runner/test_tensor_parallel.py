@@ -18,7 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -29,6 +28,7 @@ from deltaserve.runner.executor import MultiprocExecutor, WorkerDiedError
 from deltaserve.sampling_params import SamplingParams
 from tests.model._hf_tiny import NUM_TOKENS, PROMPTS, build, load_reference, reference_tokens
 from tests.support.ports import free_port
+from tests.support.serve_process import open_streams, start_serve
 from tests.support.vision import MAX_TOKENS as VISION_MAX_TOKENS
 from tests.support.vision import PROMPTS as VISION_PROMPTS
 from tests.support.vision import case_for
@@ -258,41 +258,10 @@ def _spawned_child(pid: int) -> int:
 def test_a_killed_worker_ends_every_stream_and_the_server_exits_non_zero(tiny_dense: Path) -> None:
     """As tests/engine/test_core_process.py does for the core, one level down: the worker of rank 1 is the
     engine core's child."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_dense), "--device", "cpu", "--port", str(port),
-         "--max-model-len", "4096", "--served-model-name", "tiny", "--uvicorn-log-level", "warning", "-tp", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    server = start_serve(tiny_dense, "-tp", "2", start_timeout_s=180)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise AssertionError("the server did not start")
-        events: list[list[str]] = [[] for _ in range(3)]
-
-        def stream(index: int) -> None:
-            body = {"model": "tiny", "prompt": f"hello {index}", "max_tokens": 3000, "temperature": 0,
-                    "ignore_eos": True, "stream": True}  # fmt: skip
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events[index].append(line[6:])
-
-        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 60
-        while min(len(e) for e in events) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert min(len(e) for e in events) >= 3, "the streams did not start"
-        worker = _spawned_child(_spawned_child(server.pid))
+        events, threads = open_streams(server.base_url, 3)
+        worker = _spawned_child(_spawned_child(server.process.pid))
         os.kill(worker, signal.SIGKILL)
         for thread in threads:
             thread.join(30)
@@ -301,10 +270,8 @@ def test_a_killed_worker_ends_every_stream_and_the_server_exits_non_zero(tiny_de
             error = json.loads(received[-2])
             assert "error" in error and error["error"]["code"] >= 500
             assert all("error" not in json.loads(e) for e in received[:-2])  # only the last event is the error
-        assert server.wait(30) != 0
-        log = server.stdout.read().decode()
+        assert server.process.wait(30) != 0
+        log = server.output()
         assert f"tensor-parallel worker rank 1 (pid {worker}) exited with code -9" in log, log[-3000:]
     finally:
-        if server.poll() is None:
-            server.kill()
-        server.wait(10)
+        server.close()

@@ -1,15 +1,18 @@
 """`deltaserve serve` in a process of its own, for tests of how the server lives and dies (signals, a killed core).
 
 start_serve() starts it on a free port, its output going to a temporary file (a pipe nobody reads would block it),
-and returns once /health answers 200.
+and returns once /health answers 200. open_streams() holds streamed completions open on it from threads (the
+requests a death or a shutdown must end), stuck_upload() a request whose body never finishes.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +54,13 @@ class ServeProcess:
         self.log.close()
 
 
-def start_serve(model: Path, *flags: str, new_session: bool = False, env: dict[str, str] | None = None) -> ServeProcess:
+def start_serve(
+    model: Path,
+    *flags: str,
+    new_session: bool = False,
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = 120,
+) -> ServeProcess:
     """The started server; new_session puts it at the head of a process group of its own."""
     port = free_port()
     log = tempfile.TemporaryFile()  # noqa: SIM115 (ServeProcess.close closes it)
@@ -62,7 +71,7 @@ def start_serve(model: Path, *flags: str, new_session: bool = False, env: dict[s
         start_new_session=new_session,
     )  # fmt: skip
     server = ServeProcess(process, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + start_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             output = server.output()
@@ -75,3 +84,37 @@ def start_serve(model: Path, *flags: str, new_session: bool = False, env: dict[s
             time.sleep(0.1)
     server.close()
     raise AssertionError("the server did not start")
+
+
+def open_streams(
+    base_url: str, num: int, prompt: str = "hello", max_tokens: int = 3000, min_events: int = 3
+) -> tuple[list[list[str]], list[threading.Thread]]:
+    """`num` streamed completions (ignore_eos, `prompt` plus the index), each on a thread collecting its data
+    payloads ("[DONE]" included, in order); returns once every stream has `min_events` of them."""
+    events: list[list[str]] = [[] for _ in range(num)]
+
+    def stream(index: int) -> None:
+        body = {"model": "tiny", "prompt": f"{prompt} {index}", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events[index].append(line[6:])
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(num)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while min(len(e) for e in events) < min_events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert min(len(e) for e in events) >= min_events, "the streams did not start"
+    return events, threads
+
+
+def stuck_upload(base_url: str) -> socket.socket:
+    """A connection that sends the head and the start of a completion's body, then nothing more."""
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")  # fmt: skip
+    return sock
