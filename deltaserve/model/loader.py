@@ -193,8 +193,7 @@ def _load_gdn(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
     qkv_parts = (_rows(heads_k, dk), _rows(heads_k, dk, key_dim), _rows(heads_v, dv, 2 * key_dim))
     if config.is_gdn_interleaved:
         # Per key head g: [q_g (dk) | k_g (dk) | v of its ρ value heads (ρ·dv) | z of the same (ρ·dv)]
-        # (docs/ARCHITECTURE.md#configs-and-checkpoint-layout); a
-        # rank's key heads are consecutive groups of rows.
+        # (docs/ARCHITECTURE.md#configs-and-checkpoint-layout); a rank's key heads are consecutive groups of rows.
         group = 2 * dk + 2 * ratio * dv
         w = ckpt.get_shaped(p + "in_proj_qkvz.weight", (num_k * group, hidden), (_rows(heads_k, group),))
         w = w.reshape(heads_k.size, group, hidden)
