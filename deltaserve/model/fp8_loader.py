@@ -66,6 +66,15 @@ def read_packed(ckpt: Checkpoint, name: str, index: tuple[slice, ...] | None) ->
         )
     ckpt.check_shape(sname, (*info.shape[:-2], math.ceil(rows / GROUP), math.ceil(cols / GROUP)))
     index = index or ()
+    if ckpt.is_sharded and len(index) >= len(info.shape) - 1:
+        # model/parallel.py refuses, by config field, a split that is not block-aligned; this names the tensor
+        # should a layout reach here with one all the same
+        row_start, row_stop, _ = index[len(info.shape) - 2].indices(rows)
+        if row_start % GROUP or (row_stop % GROUP and row_stop != rows):
+            raise CheckpointError(
+                f"{ckpt.files.shard_path(name)}: tensor `{name}`: this rank's rows {row_start}:{row_stop} split a "
+                f"{GROUP}-row block of its FP8 scales"
+            )
     start, stop = _columns(index, len(info.shape), cols)
     if start % GROUP or (stop % GROUP and stop != cols):
         raise CheckpointError(

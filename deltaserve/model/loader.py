@@ -78,6 +78,7 @@ class Checkpoint:
         self.consumed: set[str] = set()
         self.recent: list[str] = []  # tensors read since the last check_finite: the sources of the next parameter
         self.is_fp8 = False  # a block-FP8 checkpoint: its projections must be stored as FP8 (docs/fp8.md)
+        self.is_sharded = False  # tensor-parallel: FP8 row slices must be whole scale blocks (model/fp8_loader.py)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -368,6 +369,7 @@ def load_checkpoint(
     ckpt = Checkpoint(model_dir, hint)
     ckpt.files.check_dtypes(skip_rules, fp8=config.fp8 is not None)
     ckpt.is_fp8 = config.fp8 is not None
+    ckpt.is_sharded = model.tp.is_parallel
     prefix = _decoder_prefix(ckpt)
     hidden = config.hidden_size
     shapes = model.shapes  # this rank's slices (everything on one rank)
