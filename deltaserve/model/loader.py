@@ -405,7 +405,12 @@ def load_checkpoint(
         if getattr(model, "visual", None) is not None:
             # the vision tower was built: model.visual.* is consumed (else it stays a skipped prefix)
             load_vision_tower(model.visual, config.vision, ckpt)
-    report = LoadReport(num_tensors_loaded=len(ckpt.consumed), notes=[*config.notes, *head_notes])
+    fp8_notes = []
+    if config.fp8 is not None:
+        count = sum(isinstance(m, Fp8Weight) for m in model.modules())
+        fp8_notes = [f"block FP8: {count} projections in float8_e4m3fn with 128x128 scales, activations quantized "
+                     "per token in groups of 128 (docs/fp8.md)"]  # fmt: skip
+    report = LoadReport(num_tensors_loaded=len(ckpt.consumed), notes=[*config.notes, *fp8_notes, *head_notes])
     for name in sorted(set(ckpt.weight_map) - ckpt.consumed):
         rule = skip_rule_for(name, skip_rules)
         if rule is None:

@@ -135,6 +135,7 @@ def test_projections_hold_fp8_equal_to_the_dequantized_checkpoint(
         assert layer.is_full_attention or layer.linear_attn.in_proj is None
     for kept in (model.embed_tokens, model.lm_head, model.norm, model.layers[0].input_layernorm):
         assert isinstance(kept, torch.Tensor) and kept.dtype == torch.float32
+    assert f"block FP8: {checked} projections" in llm.engine.runner.load_report.summary()
 
 
 def _spec_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,3 +290,10 @@ def test_dummy_weights_fill_fp8_projections_as_vllm(fp8_llm: Callable[[str], tup
     assert isinstance(w13, Fp8Weight) and set(values.abs().unique().tolist()) == {0.0, 2.0**-9}
     assert w13.scale.abs().max() <= 1e-3 and w13.scale.abs().max() > 0
     assert len(_greedy(llm, [[5, 6, 7]])[0]) == NUM_TOKENS
+
+
+def test_serve_preflight_accepts_the_fp8_checkpoint(fp8_llm: Callable[[str], tuple[Path, LLM]]) -> None:
+    """`deltaserve serve`'s torch-free start-up checks read the float8 tensors as the loader does."""
+    from deltaserve.model.preflight import preflight
+
+    assert preflight(str(fp8_llm("moe")[0])).fp8 is not None
