@@ -4,7 +4,8 @@ say which tensors deltaserve deliberately does not load.
 CheckpointFiles resolves tensor -> shard (from model.safetensors.index.json, or from the headers of every
 *.safetensors file), and checks, before any weight is read, that the index is valid JSON with a `weight_map`, that
 every shard it names exists and holds the tensors it is said to hold, that no shard is truncated (its header's data
-offsets run past the end of the file) and that every tensor is stored in a float dtype. Each failure is one
+offsets run past the end of the file) and that every tensor is stored in a float dtype (or, in a block-FP8
+checkpoint, as float8_e4m3fn where the format quantizes: FP8_PROJECTION). Each failure is one
 CheckpointError naming the file and the tensor. Reading headers only (8 bytes + a JSON header per shard) keeps this
 cheap enough to run before the server imports torch.
 """

@@ -4,7 +4,9 @@ Handles the prefixes and layouts of docs/ARCHITECTURE.md#configs-and-checkpoint-
 top-level `lm_head` (Qwen3.5/3.6) or `model.*` (Qwen3-Next and text-only forms); q/k/v projections fused into one qkv
 weight (and their biases when `attention_bias`); Qwen3.5's flat `in_proj_qkv/z/b/a` versus Qwen3-Next's
 group-interleaved `in_proj_qkvz/ba`; fused 3-D experts versus one tensor per expert; tied embeddings decided by the
-tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` kept in fp32.
+tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` kept in fp32. A block-FP8 checkpoint
+(docs/fp8.md) fills the model's Fp8Weight projections from its float8 tensors and their scales (model/fp8_loader.py)
+through the same row operations.
 
 Every tensor of the checkpoint is consumed or skipped by a named SkipRule (`mtp.*`, `model.visual.*`); any other
 tensor is an error naming it and its file unless `ignore_unexpected` is set. A missing, mis-shaped or non-float
