@@ -5,7 +5,8 @@ Rounding points, as the refs and vLLM: an activation row is quantized per group 
 max(|x|, 1e-10) / 448 in fp32 and q = clamp(x / scale, +-448) rounded to e4m3 (the division is IEEE, div_rn, so the
 GPU quantizes exactly as the torch ref); the GEMMs take 128 K columns an iteration, one fp8 x fp8 dot with fp32
 accumulation, scaled by the token's and the weight row's block scales and added to an fp32 accumulator; one rounding
-to the activation dtype; a bias after it. The weight scale of output row n is row n // SCALE_ROWS of the scale
+to the activation dtype; a bias after it. Launched without FMA contraction, so each block's (dot · s_x) · s_w + acc
+rounds as the ref's torch ops do. The weight scale of output row n is row n // SCALE_ROWS of the scale
 tensor (SCALE_ROWS is the Fp8Weight's block_n: 128, or 1 for per-row scales).
 
 The MoE reuses moe_triton's alignment (tokens sorted by expert in BLOCK_M-row runs, CUDA-graph safe) and its final
@@ -143,6 +144,8 @@ def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | N
     cols = x.shape[-1]
     rows_n = weight.shape[0]
     x2 = x.reshape(-1, cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     q, s = quantize_activation_triton(x2)
     y = torch.empty(x2.shape[0], rows_n, dtype=x.dtype, device=x.device)
     block_m, block_n = gemm_blocks(x2.shape[0])
@@ -151,7 +154,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | N
             q, s, weight.weight, weight.scale, bias if bias is not None else y, y, x2.shape[0],
             q.stride(0), s.stride(0), weight.weight.stride(0), weight.scale.stride(0), y.stride(0),
             N=rows_n, K=cols, SCALE_ROWS=weight.block_n, HAS_BIAS=bias is not None, GROUP=GROUP,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3, enable_fp_fusion=False,
         )  # fmt: skip
     return y.reshape(*x.shape[:-1], rows_n)
 
@@ -286,7 +289,7 @@ def _fused_moe_fp8_chunk(
         qx, sx, w13.weight, w13.scale, act, sorted_ids, block_expert, num_entries, qx.stride(0), sx.stride(0),
         w13.weight.stride(0), w13.weight.stride(1), w13.scale.stride(0), w13.scale.stride(1),
         TOP_K=top_k, I=inter, H=hidden, SCALE_ROWS=w13.block_n, GROUP=GROUP, BLOCK_M=block_m,
-        BLOCK_N=MOE_BLOCK_N, num_warps=4, num_stages=3,
+        BLOCK_N=MOE_BLOCK_N, num_warps=4, num_stages=3, enable_fp_fusion=False,
     )  # fmt: skip
     qa, sa = quantize_activation_triton(act)  # per (token, choice) row, as the ref quantizes each expert's input
     y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)
@@ -294,7 +297,7 @@ def _fused_moe_fp8_chunk(
         qa, sa, w2.weight, w2.scale, y, sorted_ids, block_expert, num_entries, qa.stride(0), sa.stride(0),
         w2.weight.stride(0), w2.weight.stride(1), w2.scale.stride(0), w2.scale.stride(1),
         I=inter, H=hidden, SCALE_ROWS=w2.block_n, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=MOE_BLOCK_N,
-        num_warps=4, num_stages=3,
+        num_warps=4, num_stages=3, enable_fp_fusion=False,
     )  # fmt: skip
     block_h = min(1024, next_pow2(hidden))
     has_shared = shared is not None and shared_gate_logits is not None

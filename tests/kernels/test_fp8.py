@@ -117,6 +117,12 @@ def test_gemm_matches_ref(rows: int, num_cols: int, depth: int, parts: tuple[int
     assert_close("y", fp8_linear_ref(x, weight, bias), out, FP32_RATIO)
 
 
+def test_gemm_takes_a_column_strided_input() -> None:
+    weight = _weight(64, 128)
+    x = _x(3, 256)[:, ::2]  # [3, 128], column stride 2
+    assert_close("y", fp8_linear_ref(x, weight), fp8_linear_triton(x, weight), FP32_RATIO)
+
+
 def _routes(tokens: int, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(3)
     return moe_route_ref(torch.randn(tokens, experts, device=DEVICE), top_k, True)
