@@ -12,7 +12,8 @@
 - against transformers: FineGrainedFP8Config(dequantize=True) on the CPU gives the logits of deltaserve with the
   activation quantization switched off, within fp32 rounding (dense and MoE; Qwen3-Next: see test_next_...);
 - refusals by name: an FP8 tensor for a module kept unquantized, a missing or mis-shaped scale, a quantized module
-  stored unquantized.
+  stored unquantized;
+- the Triton kernels composed into the whole model (under the interpreter) give the ref model's logits.
 """
 
 from __future__ import annotations
@@ -297,3 +298,17 @@ def test_serve_preflight_accepts_the_fp8_checkpoint(fp8_llm: Callable[[str], tup
     from deltaserve.model.preflight import preflight
 
     assert preflight(str(fp8_llm("moe")[0])).fp8 is not None
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_triton_kernels_compose_to_the_ref_model(
+    name: str, fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole FP8 model with its FP8 ops on the Triton kernels (the CUDA path: the MoE block's composition with
+    the FP8 grouped GEMMs), under the interpreter here: the ref model's logits to fp32 rounding."""
+    folder, llm = fp8_llm(name)
+    ids = _prompts(folder)[0][:4]
+    ref = llm.prefill_logits(ids)
+    monkeypatch.setattr(fp8_kernels, "use_triton", lambda t: True)
+    monkeypatch.setattr(fp8_moe, "use_triton", lambda t: True)
+    assert _relative(llm.prefill_logits(ids), ref) < LOGIT_TOLERANCE
