@@ -13,6 +13,8 @@ import torch
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels.fp8 import Fp8Weight
+from deltaserve.model.checkpoint_files import CheckpointError
+from deltaserve.model.loader import Checkpoint
 from deltaserve.model.parallel import LocalShapes, ShardingError
 from deltaserve.tiny.fp8 import write_fp8_checkpoint
 
@@ -81,3 +83,15 @@ def test_a_split_that_cuts_a_scale_block_is_refused_by_field(
     assert str(info.value).startswith(field) and "FP8 scale block (128)" in str(info.value), str(info.value)
     plain = dataclasses.replace(config, fp8=None)
     LocalShapes.of(plain, 1, 2)  # the same split of bf16 weights is served
+
+
+def test_the_loader_names_a_rank_slice_that_splits_a_block(aligned_fp8: dict[str, Path]) -> None:
+    """The loader's own check (behind parallel.py's, for a layout that reaches it all the same), by tensor name."""
+    ckpt = Checkpoint(aligned_fp8["dense"])
+    ckpt.is_sharded = True
+    name = next(n for n in sorted(ckpt.weight_map) if n.endswith("o_proj.weight"))  # [256, 512]
+    assert ckpt.get(name, (slice(128, 256),)).shape == (128, 512 + 4 * 4)  # whole blocks: values + scale bytes
+    with pytest.raises(CheckpointError, match=rf"`{name}`: this rank's rows 64:192 split a 128-row block"):
+        ckpt.get(name, (slice(64, 192),))
+    with pytest.raises(CheckpointError, match=rf"`{name}`: this rank's columns 0:320 split a 128-wide block"):
+        ckpt.get(name, (slice(None), slice(0, 320)))
