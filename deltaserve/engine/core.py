@@ -296,7 +296,7 @@ class EngineCore:
             kv_cache_usage=blocks.usage,
             num_free_kv_blocks=blocks.num_available_blocks,  # checkpoints' blocks count free, as vLLM's cached ones
             num_total_kv_blocks=blocks.num_blocks,
-            num_free_state_slots=slots.num_free_slots,
+            num_free_state_slots=scheduler.num_available_slots,
             num_total_state_slots=slots.num_slots,
             num_preemptions_total=scheduler.num_preemptions_total,
             num_waiting_for_capacity=scheduler.num_waiting_for_capacity,
