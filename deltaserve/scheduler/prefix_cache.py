@@ -221,6 +221,20 @@ class PrefixCache:
 
     # -- planning (called by the scheduler) ------------------------------------------------------------
 
+    def admit(self, seq: Sequence, hit: Checkpoint | None) -> None:
+        """Sets an admitted sequence up (its fresh blocks already in seq.block_ids): with a hit, the hit's full
+        blocks go in front (one more reference each), it starts at the hit's position from the hit's slot, and its
+        first step copies the hit's partial block into its first fresh one. Its chain hashes count as seen."""
+        if hit is not None:
+            num_shared, partial = divmod(hit.position, self.block_size)
+            shared = list(hit.block_ids[:num_shared])
+            self.blocks.share(shared)
+            seq.block_ids = shared + seq.block_ids
+            seq.num_computed_tokens, seq.restore_slot = hit.position, hit.slot
+            if partial:
+                seq.block_copy = (hit.block_ids[num_shared], seq.block_ids[num_shared])
+        self.remember(seq)
+
     def targets(self, seq: Sequence, start: int) -> list[int]:
         """Where the prefill of a sequence admitted at `start` ends chunks with a checkpoint: the branch point, every
         interval tokens, and the end of its known tokens (the chunk that samples)."""

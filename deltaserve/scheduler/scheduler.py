@@ -16,6 +16,11 @@ the highest (priority, arrival), even one already chosen for this step (its toke
 preempted sequence goes back to its place in that order. Running sequences are planned in admission order under
 both, as vLLM's scheduler walks its running list.
 
+With the prefix cache on (scheduler/prefix_cache.py, docs/prefix-caching.md) a waiting sequence is admitted at the
+deepest ready checkpoint its tokens match (its first step reads the checkpoint's slot and shares its blocks), its
+prefill chunks end on its checkpoint targets (branch point, periodic, prompt end), a finished sequence's state and
+blocks become a checkpoint, and allocations evict unused checkpoints before anything is preempted.
+
 A prefill-only request (Sequence.logits_chunks, LLMEngine.prefill_logits) goes the same way with three differences:
 its prompt is planned in exactly the chunks it asked for, none of its chunks samples (each returns its logits
 instead), and update() finishes it once its prompt is computed.
@@ -217,17 +222,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.state_slot = slot
             seq.row = self.rows.allocate()
-            seq.block_ids = []
-            if hit is not None:
-                seq.block_ids = list(hit.block_ids[:num_shared])
-                self.blocks.share(seq.block_ids)
-            seq.block_ids += self.blocks.allocate(needed)
-            if hit is not None:
-                seq.num_computed_tokens, seq.restore_slot = start, hit.slot
-                if start % self.blocks.block_size:
-                    seq.block_copy = (hit.block_ids[num_shared], seq.block_ids[num_shared])
+            seq.block_ids = self.blocks.allocate(needed)
             if cache is not None and not seq.is_prefill_only:
-                cache.remember(seq)
+                cache.admit(seq, hit)
                 if seq.sampling.prompt_logprobs is None:  # a lookup (vLLM counts in tokens)
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += start
