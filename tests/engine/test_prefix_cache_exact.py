@@ -73,6 +73,9 @@ def scenario(llm: LLM) -> tuple[dict[str, list], dict[str, int]]:
     base, other = tokens[:200], tokens[300:]
     outputs, hits = {}, {}
     outputs |= run(llm, {"base": (base, GREEDY)})
+    # one token past the base prompt's end checkpoint: the resumed prefill is a single token (planned like a decode)
+    out, hits["one-more"] = hits_of(llm, {"one-more": (base + other[:1], GREEDY)})
+    outputs |= out
     for wave in range(2):  # the first wave leaves branch checkpoints, the second hits them
         suffix = other[40 * wave : 40 * wave + 20]
         cut = {"mid-block": 150, "block": 160, "grid": 128, "in-chunk": 100, "whole": 200}
@@ -131,7 +134,7 @@ def test_hits_where_the_prefixes_are_shared(results: tuple) -> None:
     assert hits["wave1"] >= 4 * 64 and hits["wave0"] > 0
     # turn 2 resumes where turn 1's generation ended: its prompt and every answer token but the last one
     assert hits["turn2"] == hits["turn1_len"] - 1
-    assert hits["prompt_logprobs"] == 0
+    assert hits["prompt_logprobs"] == 0 and hits["one-more"] == 200
     assert scheduler.prefix_cache_queries > scheduler.prefix_cache_hits > 0
 
 
