@@ -14,6 +14,7 @@ import torch
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
+from deltaserve.tiny.trained import trained_model_dir
 
 TOKENS = [(11 * i + 5) % 400 + 7 for i in range(100)]
 P = 64  # the checkpoint position: a multiple of the GDN chunk and of the KV block
@@ -154,3 +155,24 @@ def test_a_hit_inside_a_block_continues_in_a_copy_of_the_partial_block(llm: LLM,
             scheduler.slots.free(slot)
         scheduler.rows.free(row_a)
         scheduler.rows.free(row_b)
+
+
+def test_two_ranks_hit_the_cache_as_one_rank_computes_without_it() -> None:
+    """Tensor parallelism: every rank applies the same state and block copies to its own shard, so a hit inside a
+    block (the base prompt's end checkpoint at 200) gives the tokens of one rank without the cache."""
+    model = trained_model_dir("dense")
+    corpus = (Path(__file__).parents[2] / "deltaserve" / "tiny" / "corpus.txt").read_text()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens: dict[str, list[list[int]]] = {}
+    for name, kwargs in (("one", {"enable_prefix_caching": False}), ("two", {"tensor_parallel_size": 2})):
+        llm = LLM(model, dtype="float32", device="cpu", max_model_len=256, **kwargs)
+        try:
+            ids = llm.get_tokenizer().encode(corpus[:4000])
+            prompts = [ids[:200], ids[:200] + ids[300:310]]
+            tokens[name] = [list(llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids)
+                            for p in prompts]  # fmt: skip
+            if name == "two":
+                assert llm.engine.scheduler.prefix_cache_hits >= 200
+        finally:
+            llm.shutdown()
+    assert tokens["two"] == tokens["one"]
