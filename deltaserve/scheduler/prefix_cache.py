@@ -67,6 +67,8 @@ def chain_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]
 
 @dataclass(eq=False)
 class Checkpoint:
+    """The unit of the cache: the GDN state after [0, position) in `slot` and the KV blocks of [0, position)."""
+
     key: CheckpointKey
     position: int  # tokens [0, position) consumed by the state in `slot`
     slot: int
@@ -76,6 +78,10 @@ class Checkpoint:
 
 @dataclass
 class PrefixCache:
+    """The checkpoints (LRU first), indexed by the chain hash in their key; the seen hashes; what the scheduler asks
+    of them at admission (lookup, targets, admit), while planning (cap, checkpoint_at), at a finish (hand_over) and
+    when a step's result is collected (collected)."""
+
     blocks: BlockManager
     slots: StateSlotPool
     max_pending: int  # checkpoints may hold at most this many slots that cannot be evicted (the checkpoint share)
