@@ -14,6 +14,7 @@ import torch
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
+from deltaserve.tiny.trained import trained_model_dir
 
 TOKENS = [(11 * i + 5) % 400 + 7 for i in range(100)]
 P = 64  # the checkpoint position: a multiple of the GDN chunk and of the KV block
@@ -116,3 +117,62 @@ def test_what_the_runner_does_not_implement_is_refused(llm: LLM, fields: dict, m
         runner.run(StepPlan(-1, (), removed=(row,)))
         scheduler.blocks.free(blocks)
         scheduler.rows.free(row)
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_hit_inside_a_block_continues_in_a_copy_of_the_partial_block(llm: LLM, copies: bool) -> None:
+    """StepPlan.block_copies: B shares A's full blocks of [0, 64), gets a copy of A's block holding [64, 72) and
+    reads A's checkpoint at 72; its logits over [72, L) equal A's. Without the copy (its block holds no KV for
+    [64, 72)) they differ: the check can fail."""
+    engine = llm.engine
+    scheduler, runner = engine.scheduler, engine.runner
+    block_size = scheduler.blocks.block_size
+    position, num_full = 72, 72 // block_size
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    tail = len(TOKENS) - position
+    blocks_a = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), 0))
+    blocks_b = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), num_full))
+    slot_a, slot_b, checkpoint = (scheduler.slots.allocate() for _ in range(3))
+    row_a, row_b = scheduler.rows.allocate(), scheduler.rows.allocate()
+    try:
+        add_a = (NewRequest(row_a, "a", tuple(TOKENS), (), params, ()),)
+        head = ScheduledSeq(
+            row_a, 0, position, slot_a, None, tuple(blocks_a), False, checkpoints=((position, checkpoint),)
+        )
+        runner.run(StepPlan(-1, (head,), add_a))
+        rest = ScheduledSeq(row_a, position, tail, slot_a, slot_a, (), False, return_logits=True)
+        expected = _logits(runner.run(StepPlan(-1, (rest,))).logits[0], tail)
+        add_b = (NewRequest(row_b, "b", tuple(TOKENS), (), params, ()),)
+        table = tuple(blocks_a[:num_full]) + tuple(blocks_b)
+        seq = ScheduledSeq(row_b, position, tail, slot_b, checkpoint, table, False, return_logits=True)
+        block_copies = ((blocks_a[num_full], blocks_b[0]),) if copies else ()
+        got = _logits(runner.run(StepPlan(-1, (seq,), add_b, block_copies=block_copies)).logits[0], tail)
+        assert torch.equal(got, expected) == copies
+    finally:
+        runner.run(StepPlan(-1, (), removed=(row_a, row_b)))
+        scheduler.blocks.free(blocks_a + blocks_b)
+        for slot in (slot_a, slot_b, checkpoint):
+            scheduler.slots.free(slot)
+        scheduler.rows.free(row_a)
+        scheduler.rows.free(row_b)
+
+
+def test_two_ranks_hit_the_cache_as_one_rank_computes_without_it() -> None:
+    """Tensor parallelism: every rank applies the same state and block copies to its own shard, so a hit inside a
+    block (the base prompt's end checkpoint at 200) gives the tokens of one rank without the cache."""
+    model = trained_model_dir("dense")
+    corpus = (Path(__file__).parents[2] / "deltaserve" / "tiny" / "corpus.txt").read_text()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens: dict[str, list[list[int]]] = {}
+    for name, kwargs in (("one", {"enable_prefix_caching": False}), ("two", {"tensor_parallel_size": 2})):
+        llm = LLM(model, dtype="float32", device="cpu", max_model_len=256, **kwargs)
+        try:
+            ids = llm.get_tokenizer().encode(corpus[:4000])
+            prompts = [ids[:200], ids[:200] + ids[300:310]]
+            tokens[name] = [list(llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids)
+                            for p in prompts]  # fmt: skip
+            if name == "two":
+                assert llm.engine.scheduler.prefix_cache_hits >= 200
+        finally:
+            llm.shutdown()
+    assert tokens["two"] == tokens["one"]
