@@ -128,7 +128,7 @@ TABLE = """
 --mamba-backend | value | log | deltaserve picks its own Gated DeltaNet kernels
 --mamba-block-size | value | log | GDN state checkpoints are placed by --prefix-cache-checkpoint-interval
 --mamba-cache-dtype | value | warn:auto,float32 | the recurrent state is stored in float32
---mamba-cache-mode | value | log | GDN states are checkpointed at prompt ends, generation ends and every --prefix-cache-checkpoint-interval tokens
+--mamba-cache-mode | value | log | GDN states are kept at prompt and generation ends (and per checkpoint interval)
 --mamba-cache-philox-rounds | value | log | no stochastic rounding of the recurrent state
 --mamba-ssm-cache-dtype | value | warn:auto,float32 | the recurrent state is stored in float32
 --master-addr | value | log | ranks on several hosts read MASTER_ADDR from the environment (torchrun)
