@@ -18,6 +18,7 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.protocol import EngineCoreOutput, EngineCoreOutputs
+from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -79,33 +80,45 @@ def cached_llm(tiny_dense: Path) -> LLM:
     return LLM(tiny_dense, dtype="float32", max_num_seqs=4)
 
 
-def test_a_repeated_prompt_hits_and_gives_the_same_tokens(cached_llm: LLM) -> None:
-    cached_llm.reset_prefix_cache()
+@pytest.fixture(scope="module")
+def uncached_llm(tiny_dense: Path) -> LLM:
+    return LLM(tiny_dense, dtype="float32", max_num_seqs=4, enable_prefix_caching=False)
+
+
+def generate(llm: LLM, prompt: str) -> RequestOutput:
+    return llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+
+
+def test_the_second_request_of_a_shared_prefix_hits_and_gives_the_same_tokens(
+    cached_llm: LLM, uncached_llm: LLM
+) -> None:
     stats = cached_llm.engine.stats()
     assert stats.enable_prefix_caching
-    first = cached_llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
-    second = cached_llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
-    num_prompt = len(first.prompt_token_ids)
-    assert first.num_cached_tokens == 0
-    assert 0 < second.num_cached_tokens < num_prompt and second.num_cached_tokens % 64 == 0
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    head = generate(cached_llm, "Shared: " + PROMPT)
+    longer = generate(cached_llm, "Shared: " + PROMPT + "And then it goes on.")
+    num_head, num_longer = len(head.prompt_token_ids), len(longer.prompt_token_ids)
+    assert head.num_cached_tokens == 0
+    assert 0 < (num_head - 1) // 64 * 64 <= longer.num_cached_tokens <= num_head
+    assert (
+        longer.outputs[0].token_ids
+        == generate(uncached_llm, "Shared: " + PROMPT + "And then it goes on.").outputs[0].token_ids
+    )
     after = cached_llm.engine.stats()
-    assert after.prefix_cache_queries - stats.prefix_cache_queries == 2 * num_prompt
-    assert after.prefix_cache_hits - stats.prefix_cache_hits == second.num_cached_tokens
+    assert after.prefix_cache_queries - stats.prefix_cache_queries == num_head + num_longer
+    assert after.prefix_cache_hits - stats.prefix_cache_hits == longer.num_cached_tokens
 
 
-def test_a_reset_makes_the_next_prompt_miss(cached_llm: LLM) -> None:
-    prompt = "Reset: " + PROMPT
-    cached_llm.generate(prompt, GREEDY, use_tqdm=False)
-    assert cached_llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+def test_a_reset_makes_the_next_shared_prefix_request_miss(cached_llm: LLM) -> None:
+    generate(cached_llm, "Reset: " + PROMPT)
     assert cached_llm.reset_prefix_cache() is True  # nothing runs between two generate() calls
-    assert cached_llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    assert generate(cached_llm, "Reset: " + PROMPT + "And then it goes on.").num_cached_tokens == 0
+    generate(cached_llm, "Reset: " + PROMPT)
+    assert generate(cached_llm, "Reset: " + PROMPT + "And then it goes on.").num_cached_tokens > 0
 
 
-def test_with_the_cache_off_nothing_hits_or_counts(tiny_dense: Path) -> None:
-    llm = LLM(tiny_dense, dtype="float32", max_num_seqs=4, enable_prefix_caching=False)
-    outputs = [llm.generate(PROMPT, GREEDY, use_tqdm=False)[0] for _ in range(2)]
-    assert [output.num_cached_tokens for output in outputs] == [0, 0]
-    stats = llm.engine.stats()
+def test_with_the_cache_off_nothing_hits_or_counts(uncached_llm: LLM) -> None:
+    outputs = [generate(uncached_llm, "Off: " + PROMPT + suffix) for suffix in ("", "", "And more.")]
+    assert [output.num_cached_tokens for output in outputs] == [0, 0, 0]
+    stats = uncached_llm.engine.stats()
     assert not stats.enable_prefix_caching
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
