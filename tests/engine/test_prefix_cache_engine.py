@@ -99,10 +99,8 @@ def test_the_second_request_of_a_shared_prefix_hits_and_gives_the_same_tokens(
     num_head, num_longer = len(head.prompt_token_ids), len(longer.prompt_token_ids)
     assert head.num_cached_tokens == 0
     assert 0 < (num_head - 1) // 64 * 64 <= longer.num_cached_tokens <= num_head
-    assert (
-        longer.outputs[0].token_ids
-        == generate(uncached_llm, "Shared: " + PROMPT + "And then it goes on.").outputs[0].token_ids
-    )
+    reference = generate(uncached_llm, "Shared: " + PROMPT + "And then it goes on.")
+    assert longer.outputs[0].token_ids == reference.outputs[0].token_ids
     after = cached_llm.engine.stats()
     assert after.prefix_cache_queries - stats.prefix_cache_queries == num_head + num_longer
     assert after.prefix_cache_hits - stats.prefix_cache_hits == longer.num_cached_tokens
