@@ -91,6 +91,9 @@ class StepPlan:
     seqs: tuple[ScheduledSeq, ...]  # decodes first, then prefill chunks
     added: tuple[NewRequest, ...] = ()
     removed: tuple[int, ...] = ()  # rows freed before this step (their requests finished, aborted or preempted)
+    # (source, destination) KV blocks copied whole, in every full-attention layer, before the forward: a prefix-cache
+    # hit that ends inside a block gets a copy of the checkpoint's partial block (docs/prefix-caching.md)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

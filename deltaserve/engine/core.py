@@ -71,6 +71,7 @@ class EngineCore:
             config.scheduling_policy,
             enable_prefix_caching=config.enable_prefix_caching,
             checkpoint_interval=config.prefix_cache_checkpoint_interval,
+            chunk_size=layout.gdn_chunk_size,
         )
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
@@ -94,6 +95,13 @@ class EngineCore:
             layout.block_size, layout.num_slots,
             self.runner.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, "on" if self.is_async else "off",
         )  # fmt: skip
+        if config.enable_prefix_caching:
+            logger.info(
+                "prefix caching on: %d of the %d state slots (%.1f MiB each) hold checkpoints beside the %d live ones, "
+                "a checkpoint every %s prefill tokens and at each branch point, prompt end and generation end",
+                layout.num_checkpoint_slots, layout.num_slots, layout.bytes_per_slot / 2**20, self.runner.max_num_seqs,
+                config.prefix_cache_checkpoint_interval or "(no periodic)",
+            )  # fmt: skip
 
     def info(self) -> EngineCoreInfo:
         layout = self.runner.layout
@@ -288,7 +296,7 @@ class EngineCore:
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             kv_cache_usage=blocks.usage,
-            num_free_kv_blocks=blocks.num_free_blocks,
+            num_free_kv_blocks=blocks.num_available_blocks,  # checkpoints' blocks count free, as vLLM's cached ones
             num_total_kv_blocks=blocks.num_blocks,
             num_free_state_slots=slots.num_free_slots,
             num_total_state_slots=slots.num_slots,

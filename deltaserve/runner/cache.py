@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
 from deltaserve.model.parallel import LocalShapes
 from deltaserve.model.qwen3_5 import Qwen35Model
 
@@ -57,6 +58,9 @@ class CacheLayout:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
+    num_checkpoint_slots: int = 0  # of num_slots, the ones beyond max_num_seqs: prefix-cache checkpoints
+    # the GDN chunked prefill's chunk (tokens): the scheduler places prefix-cache checkpoints on its grid
+    gdn_chunk_size: int = GDN_CHUNK_SIZE
 
 
 def requested_bytes(total_bytes: int, free_bytes: int, utilization: float) -> int:
@@ -78,6 +82,12 @@ def affordable_slots(budget_bytes: int, slot_bytes: int, share: float = 0.5) -> 
     return max(1, int(budget_bytes * share) // max(slot_bytes, 1))
 
 
+def checkpoint_slots(budget_bytes: int, slot_bytes: int, max_num_seqs: int, share: float = 0.1) -> int:
+    """Prefix-cache checkpoint slots sized from memory: what fits in `share` of the cache budget, at least 1 and at
+    most one per running sequence (a checkpoint's KV blocks bound the useful count anyway)."""
+    return max(1, min(max_num_seqs, int(budget_bytes * share) // max(slot_bytes, 1)))
+
+
 def plan_cache(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -86,8 +96,11 @@ def plan_cache(
     num_slots: int,
     max_model_len: int,
     shapes: LocalShapes | None = None,
+    num_checkpoint_slots: int = 0,
 ) -> CacheLayout:
-    """Slots first (one per running sequence), the rest of the budget as KV blocks (per rank: `shapes`)."""
+    """Slots first (one per running sequence, plus the prefix cache's checkpoint slots), the rest of the budget as
+    KV blocks (per rank: `shapes`)."""
+    num_slots += num_checkpoint_slots
     block_bytes = bytes_per_block(config, block_size, dtype, shapes)
     slot_bytes = bytes_per_slot(config, dtype, shapes)
     slots_total = num_slots * slot_bytes
@@ -104,7 +117,7 @@ def plan_cache(
             f"the KV cache fits {num_blocks} blocks of {block_size} tokens, fewer than one max_model_len "
             f"({max_model_len}) sequence needs ({min_blocks}); lower max_model_len or max_num_seqs"
         )
-    return CacheLayout(num_blocks, block_size, num_slots, block_bytes, slot_bytes)
+    return CacheLayout(num_blocks, block_size, num_slots, block_bytes, slot_bytes, num_checkpoint_slots)
 
 
 def allocate_and_bind(
@@ -151,3 +164,18 @@ def copy_state_slots(model: Qwen35Model, pairs: list[tuple[int, int]]) -> None:
             mixer = layer.linear_attn
             mixer.conv_states.index_copy_(0, dst, mixer.conv_states.index_select(0, src))
             mixer.ssm_states.index_copy_(0, dst, mixer.ssm_states.index_select(0, src))
+
+
+def copy_kv_blocks(model: Qwen35Model, pairs: tuple[tuple[int, int], ...]) -> None:
+    """Copies KV block src to block dst in every full-attention layer, K and V, for (src, dst) pairs: a prefix-cache
+    hit inside a block continues in its own copy of the checkpoint's partial block."""
+    if not pairs:
+        return
+    device = next(iter(model.parameters())).device
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+    for layer in model.layers:
+        if layer.is_full_attention:
+            attn = layer.self_attn
+            for cache in (attn.k_cache, attn.v_cache):  # [num_blocks, block_size, kv_heads, head_dim]
+                cache.index_copy_(0, dst, cache.index_select(0, src))

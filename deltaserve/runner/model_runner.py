@@ -42,6 +42,8 @@ from deltaserve.runner.cache import (
     affordable_slots,
     allocate_and_bind,
     bytes_per_slot,
+    checkpoint_slots,
+    copy_kv_blocks,
     copy_state_slots,
     plan_cache,
     requested_bytes,
@@ -196,9 +198,15 @@ class ModelRunner:
                     upper * slot_bytes / GIB, budget / GIB,
                 )  # fmt: skip
         num_slots = engine_config.num_state_slots or self.max_num_seqs
+        num_checkpoints = 0
+        if engine_config.enable_prefix_caching:
+            num_checkpoints = engine_config.num_checkpoint_slots
+            if num_checkpoints is None:
+                num_checkpoints = checkpoint_slots(budget, slot_bytes, self.max_num_seqs)
         self.layout: CacheLayout = plan_cache(
-            model_config, self.dtype, self.block_size, budget, num_slots, max_model_len, self.model.shapes
-        )
+            model_config, self.dtype, self.block_size, budget, num_slots, max_model_len, self.model.shapes,
+            num_checkpoints,
+        )  # fmt: skip
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
         if self.is_graphed:
@@ -275,6 +283,7 @@ class ModelRunner:
             return StepHandle(plan, np.zeros(0, dtype=np.int64), None, None, None)
         layout = layout_step(plan, self.table, self.block_size)
         copy_state_slots(self.model, layout.state_copies)
+        copy_kv_blocks(self.model, plan.block_copies)  # outside any graph, before the forward reads them
         num_seqs = len(plan.seqs)
         width = int(-(-(layout.starts + layout.num_new).max() // self.block_size))
         returns_logits = any(seq.return_logits for seq in plan.seqs)

@@ -28,6 +28,7 @@ import time
 from collections import deque
 
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
+from deltaserve.scheduler.prefix_cache import Checkpoint, PrefixCache
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
 from deltaserve.scheduler.stop import FINISH_ABORT, FINISH_STOP, check_stop
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult, window_spans
@@ -77,6 +78,17 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache: PrefixCache | None = None
+        if enable_prefix_caching:
+            if checkpoint_interval % chunk_size:
+                raise ValueError(
+                    f"prefix_cache_checkpoint_interval ({checkpoint_interval}) must be a multiple of the GDN chunk "
+                    f"size ({chunk_size}), so that a prefill resumed there runs the same chunks"
+                )
+            # slots beyond max_num_seqs are the checkpoints' share: at most that many pending (unevictable) ones, so
+            # an admission always finds a free slot or a ready checkpoint to evict
+            max_pending = slot_pool.num_slots - max_num_seqs
+            self.prefix_cache = PrefixCache(block_manager, slot_pool, max_pending, chunk_size, checkpoint_interval)
 
     @property
     def num_waiting(self) -> int:
@@ -91,8 +103,9 @@ class Scheduler:
         return len(self._inflight)
 
     def reset_prefix_cache(self) -> bool:
-        """Drops every checkpoint not in use; False when some could not be dropped (vLLM's answer)."""
-        return True
+        """Drops every checkpoint not in use; False when some could not be dropped (vLLM's answer): those a step
+        in flight still writes."""
+        return self.prefix_cache.reset() if self.prefix_cache is not None else True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,7 +136,20 @@ class Scheduler:
             return self._prefill_only_chunk(seq, budget)
         if seq.is_length_capped or seq.num_planned_tokens >= self.max_model_len:
             return 0  # its last token is in flight; update() will finish it on the length rules
-        return min(seq.num_unplanned_tokens, budget)
+        start = seq.num_computed_tokens + seq.num_inflight_tokens
+        return PrefixCache.cap(seq, start, min(seq.num_unplanned_tokens, budget))
+
+    def _reserve(self, num_blocks: int, keep: Checkpoint | None = None) -> bool:
+        """Whether num_blocks blocks are free, evicting unused checkpoints (LRU) first to make them so."""
+        if self.prefix_cache is None:
+            return self.blocks.can_allocate(num_blocks)
+        return self.prefix_cache.reserve_blocks(num_blocks, keep)
+
+    def _lookup(self, seq: Sequence) -> Checkpoint | None:
+        """The checkpoint a waiting sequence starts from (vLLM reads no cache for prompt logprobs)."""
+        if self.prefix_cache is None or seq.is_prefill_only or seq.sampling.prompt_logprobs is not None:
+            return None
+        return self.prefix_cache.lookup(seq)
 
     def _prefill_only_chunk(self, seq: Sequence, budget: int) -> int:
         """A prefill-only request's next chunk, planned whole or not at all (its logits must come from the chunks it
@@ -145,7 +171,7 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             needed = self.blocks.blocks_needed(start + num_new, len(seq.block_ids))
-            while not self.blocks.can_allocate(needed):
+            while not self._reserve(needed):
                 victim = self._choose_victim()
                 chosen_index = next((i for i, (other, _) in enumerate(chosen) if other is victim), None)
                 if chosen_index is not None:  # chosen earlier in this loop (priority only): its tokens come back
@@ -163,19 +189,44 @@ class Scheduler:
         is_blocked_by_capacity = False
         while not num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = (
-                self._prefill_only_chunk(seq, budget) if seq.is_prefill_only else min(seq.num_unplanned_tokens, budget)
-            )
+            hit = self._lookup(seq)
+            start = hit.position if hit is not None else 0
+            cache = self.prefix_cache
+            targets = cache.targets(seq, start) if cache is not None and not seq.is_prefill_only else []
+            seq.checkpoint_targets = targets
+            if seq.is_prefill_only:
+                num_new = self._prefill_only_chunk(seq, budget)
+            else:
+                num_new = PrefixCache.cap(seq, start, min(seq.num_tokens - start, budget))
             if num_new == 0:
                 break  # a prefill-only chunk that waits for a step with room for it whole
-            needed = self.blocks.blocks_needed(num_new, 0)
-            if not self.blocks.can_allocate(needed) or self.slots.num_free_slots == 0 or self.rows.num_free == 0:
+            num_shared = start // self.blocks.block_size  # the hit's full blocks; its partial one is copied
+            needed = self.blocks.blocks_needed(start + num_new, num_shared)
+            slot = None
+            if self.rows.num_free and self._reserve(needed, hit):
+                slot = self.slots.allocate() if cache is None else cache.take_slot(hit)
+            if slot is None:
                 is_blocked_by_capacity = True
                 break
             self.waiting.popleft()
-            seq.state_slot = self.slots.allocate()
+            seq.state_slot = slot
             seq.row = self.rows.allocate()
-            seq.block_ids = self.blocks.allocate(needed)
+            seq.block_ids = []
+            if hit is not None:
+                seq.block_ids = list(hit.block_ids[:num_shared])
+                self.blocks.share(seq.block_ids)
+            seq.block_ids += self.blocks.allocate(needed)
+            if hit is not None:
+                seq.num_computed_tokens, seq.restore_slot = start, hit.slot
+                if start % self.blocks.block_size:
+                    seq.block_copy = (hit.block_ids[num_shared], seq.block_ids[num_shared])
+            if cache is not None and not seq.is_prefill_only:
+                cache.remember(seq)
+                if seq.sampling.prompt_logprobs is None:  # a lookup (vLLM counts in tokens)
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += start
+            if seq.first_scheduled_time is None:
+                seq.num_cached_tokens = start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen.append((seq, num_new))
@@ -188,6 +239,7 @@ class Scheduler:
         step_id = self._num_steps
         self._num_steps += 1
         added: list[NewRequest] = []
+        block_copies: list[tuple[int, int]] = []
         scheduled: list[tuple[ScheduledSeq, Sequence, bool]] = []
         for seq, num_new in chosen:
             if not seq.is_in_runner:
@@ -199,14 +251,24 @@ class Scheduler:
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             needs_sample = start + num_new == seq.num_planned_tokens and not seq.is_prefill_only
             spans = window_spans(seq.mm_input, start, start + num_new)
+            read_slot = seq.state_slot if start > 0 else None
+            if seq.restore_slot is not None:  # the first step after a prefix-cache hit starts from the checkpoint
+                read_slot, seq.restore_slot = seq.restore_slot, None
+            if seq.block_copy is not None:
+                block_copies.append(seq.block_copy)
+                seq.block_copy = None
+            checkpoints = ()
+            if self.prefix_cache is not None and seq.checkpoint_targets:
+                checkpoints = self.prefix_cache.checkpoint_at(seq, start + num_new, step_id)
             item = ScheduledSeq(
                 row=seq.row,
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
                 write_slot=seq.state_slot,
-                read_slot=seq.state_slot if start > 0 else None,
+                read_slot=read_slot,
                 new_block_ids=tuple(seq.block_ids[seq.num_blocks_sent :]),
                 needs_sample=needs_sample,
+                checkpoints=checkpoints,
                 mm_spans=spans,
                 return_logits=seq.is_prefill_only,
             )
@@ -220,6 +282,7 @@ class Scheduler:
             seqs=tuple(item for item, _, _ in scheduled),
             added=tuple(added),
             removed=tuple(self._removed_rows),
+            block_copies=tuple(block_copies),
         )
         self._removed_rows = []
         if plan.seqs:
@@ -247,6 +310,8 @@ class Scheduler:
         stop rules (a stopped sequence is finished and freed), a prefill-only request keeps its chunk's logits.
         Returns (sequence, new tokens, their logprobs) for every live sequence that gained tokens or finished."""
         entries = self._inflight.pop(plan.step_id, [])
+        if self.prefix_cache is not None:
+            self.prefix_cache.collected(plan.step_id)  # its checkpoints are written: later plans may read them
         if len(result.token_ids) != len(entries):
             raise ValueError(f"step {plan.step_id}: {len(result.token_ids)} results for {len(entries)} sequences")
         logprobs = result.logprobs or (None,) * len(entries)
@@ -304,6 +369,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
+        seq.checkpoint_targets, seq.restore_slot, seq.block_copy = [], None, None
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
         seq.num_blocks_sent = 0
@@ -323,11 +389,20 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if reason != FINISH_ABORT and self.prefix_cache is not None and not seq.is_prefill_only:
+                self.prefix_cache.hand_over(seq, self._last_inflight_step(seq))
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def _last_inflight_step(self, seq: Sequence) -> int | None:
+        """The latest step in flight that computes tokens of this sequence (None: none)."""
+        steps = [
+            sid for sid, entries in self._inflight.items() if any(e[0] is seq and e[1] == seq.epoch for e in entries)
+        ]
+        return max(steps, default=None)
 
     def preempt_all(self) -> int:
         """Forces every running sequence back to waiting (used by tests to exercise recompute)."""

@@ -58,6 +58,13 @@ class Sequence:
     logits: list[bytes] = field(default_factory=list)  # the prefill-only request's logits, one entry per chunk
     # prompt tokens served from the prefix cache at its first admission (vLLM's RequestOutput.num_cached_tokens)
     num_cached_tokens: int = 0
+    # prefix cache (scheduler/prefix_cache.py): chain hashes of its full blocks (its tokens only grow); positions
+    # where its prefill chunks end with a checkpoint; the checkpoint slot its first step reads and the (source,
+    # destination) partial KV block that step copies, after a hit
+    block_hashes: list[bytes] = field(default_factory=list)
+    checkpoint_targets: list[int] = field(default_factory=list)
+    restore_slot: int | None = None
+    block_copy: tuple[int, int] | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

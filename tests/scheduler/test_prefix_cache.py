@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
+from array import array
+from collections import Counter
+from types import SimpleNamespace
+
 import pytest
 
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
+from deltaserve.scheduler.prefix_cache import ROOT_HASH, block_hash, chain_hashes, media_keys
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
 from deltaserve.step import StepPlan, StepResult
@@ -38,3 +45,235 @@ def test_with_the_cache_off_nothing_is_looked_up_or_saved() -> None:
     assert scheduler.prefix_cache_queries == scheduler.prefix_cache_hits == 0
     assert scheduler.blocks.num_free_blocks == 64 and scheduler.slots.num_free_slots == 8
     assert scheduler.reset_prefix_cache()
+
+
+def make(
+    num_blocks: int = 64, num_slots: int = 12, max_seqs: int = 8, budget: int = 512, interval: int = 0
+) -> Scheduler:
+    return Scheduler(
+        BlockManager(num_blocks, 16), StateSlotPool(num_slots), max_seqs, budget, 4000,
+        enable_prefix_caching=True, checkpoint_interval=interval, chunk_size=64,
+    )  # fmt: skip
+
+
+def request(name: str, tokens: list[int], max_tokens: int = 1, **params: object) -> Sequence:
+    return Sequence(name, list(tokens), max_tokens, sampling=SamplingParams(temperature=0.0, **params))
+
+
+def run_to_end(scheduler: Scheduler) -> list[StepPlan]:
+    plans = []
+    while scheduler.has_unfinished():
+        plans.append(scheduler.schedule())
+        scheduler.update(plans[-1], answer(plans[-1]))
+    return plans
+
+
+def held_blocks(scheduler: Scheduler) -> Counter[int]:
+    """Every reference the sequences and checkpoints hold, per block."""
+    refs: Counter[int] = Counter()
+    for seq in scheduler.running:
+        refs.update(seq.block_ids)
+    for checkpoint in scheduler.prefix_cache.checkpoints():
+        refs.update(checkpoint.block_ids)
+    return refs
+
+
+def assert_accounted(scheduler: Scheduler) -> None:
+    """free + held == total for blocks and slots, and every block's refcount is its holders' count."""
+    blocks, slots = scheduler.blocks, scheduler.slots
+    refs = held_blocks(scheduler)
+    assert all(blocks.refcount(b) == refs[b] for b in range(blocks.num_blocks))
+    assert blocks.num_free_blocks + len(refs) == blocks.num_blocks
+    by_cache = Counter(b for c in scheduler.prefix_cache.checkpoints() for b in c.block_ids)
+    cache_only = sum(1 for b, n in by_cache.items() if refs[b] == n)
+    assert blocks.num_available_blocks == blocks.num_free_blocks + cache_only
+    held_slots = [s.state_slot for s in scheduler.running] + [c.slot for c in scheduler.prefix_cache.checkpoints()]
+    assert len(set(held_slots)) == len(held_slots)
+    assert slots.num_free_slots + len(held_slots) == slots.num_slots
+
+
+A = list(range(1000, 1200))  # 200 tokens: 12 full blocks and 8 tokens of a 13th
+
+
+def test_chain_hashes_follow_every_earlier_token_and_the_media_items() -> None:
+    first, second = request("a", A), request("b", A[:100] + [1] + A[101:])
+    h1, h2 = chain_hashes(first, 16, 200), chain_hashes(second, 16, 200)
+    assert len(h1) == 12 and all(len(h) == 16 for h in h1)
+    assert h1[:6] == h2[:6] and all(x != y for x, y in zip(h1[6:], h2[6:], strict=True))  # 100 is in block 6
+    assert block_hash(ROOT_HASH, A[:16], ()) == hashlib.blake2b(array("q", A[:16]).tobytes(), digest_size=16).digest()
+    assert block_hash(ROOT_HASH, A[:16], (("img-1", 3),)) != block_hash(ROOT_HASH, A[:16], (("img-2", 3),))
+    item = SimpleNamespace(identifier="img-1", offset=20, length=10, end=30)
+    mm = SimpleNamespace(items=(item,))
+    assert media_keys(mm, 16, 32) == (("img-1", 20),) and media_keys(mm, 0, 16) == () and media_keys(mm, 30, 40) == ()
+
+
+def test_block_references_are_counted() -> None:
+    blocks = BlockManager(4, 16)
+    ids = blocks.allocate(2)
+    blocks.share(ids[:1])
+    blocks.free(ids)
+    assert blocks.num_free_blocks == 3 and blocks.refcount(ids[0]) == 1
+    blocks.free(ids[:1])
+    assert blocks.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="freed more often"):
+        blocks.free(ids[:1])
+    with pytest.raises(RuntimeError, match="cannot be shared"):
+        blocks.share(ids[:1])
+
+
+def test_a_second_request_of_a_shared_prefix_computes_only_its_new_tokens() -> None:
+    scheduler = make()
+    scheduler.add(request("a", A))
+    (plan,) = run_to_end(scheduler)[:1]
+    (item,) = plan.seqs
+    assert item.checkpoints == ((200, item.checkpoints[0][1]),)  # E: the prompt's end
+    a_blocks = item.new_block_ids
+    # b shares a's first 150 tokens: no checkpoint there, but a branch point at floor64(9 blocks) = 128
+    scheduler.add(request("b", A[:150] + list(range(5000, 5050))))
+    plans = run_to_end(scheduler)
+    assert plans[0].seqs[0].num_computed_tokens == 0 and plans[0].seqs[0].num_new_tokens == 128
+    ((branch_position, branch_slot),) = plans[0].seqs[0].checkpoints
+    assert branch_position == 128
+    b_blocks = plans[0].seqs[0].new_block_ids
+    assert scheduler.prefix_cache_hits == 0 and scheduler.prefix_cache_queries == 400
+    # c shares the same 150: it hits b's branch checkpoint and computes only its own tokens
+    scheduler.add(c := request("c", A[:150] + list(range(7000, 7030))))
+    plan = scheduler.schedule()
+    (item,) = plan.seqs
+    assert (item.num_computed_tokens, item.num_new_tokens) == (128, 52)
+    assert item.read_slot == branch_slot and item.write_slot != branch_slot
+    assert item.new_block_ids[:8] == b_blocks[:8] and plan.block_copies == ()
+    assert c.num_cached_tokens == 128
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (580, 128)
+    scheduler.update(plan, answer(plan))
+    # d extends a's prompt: it hits a's prompt-end checkpoint inside block 12, which it gets a copy of
+    scheduler.add(request("d", A + [9, 9, 9]))
+    plan = scheduler.schedule()
+    (item,) = plan.seqs
+    assert (item.num_computed_tokens, item.num_new_tokens) == (200, 3)
+    assert item.new_block_ids[:12] == a_blocks[:12] and plan.block_copies == ((a_blocks[12], item.new_block_ids[12]),)
+    scheduler.update(plan, answer(plan))
+    run_to_end(scheduler)
+    assert_accounted(scheduler)
+
+
+def test_a_checkpoint_is_not_matched_before_the_step_that_writes_it_is_collected() -> None:
+    scheduler = make()
+    scheduler.add(request("a", A))
+    first = scheduler.schedule()
+    scheduler.add(request("b", A + [1, 2]))  # planned while a's step is in flight (async scheduling)
+    second = scheduler.schedule()
+    assert second.seqs[-1].num_computed_tokens == 0
+    scheduler.update(first, answer(first))
+    scheduler.update(second, answer(second))
+    run_to_end(scheduler)
+    scheduler.add(request("c", A + [3]))
+    plan = scheduler.schedule()
+    assert plan.seqs[0].num_computed_tokens == 200
+
+
+def test_generation_end_hands_the_live_state_over_after_its_last_step_in_flight() -> None:
+    scheduler = make()
+    scheduler.add(a := request("a", A[:100], max_tokens=10))
+    a.eos_token_ids = frozenset({0})
+    plans = [scheduler.schedule(), scheduler.schedule()]  # the prefill, and the decode of its token behind it
+    for token in (7, 7, 0):  # a's third token is eos: it finishes while the decode of that token is in flight
+        scheduler.update(plans[0], answer(plans.pop(0), token))
+        plans.append(scheduler.schedule())
+    assert a.is_finished and a.output_token_ids == [7, 7, 0]
+    (handed,) = [c for c in scheduler.prefix_cache.checkpoints() if c.position != 100]
+    assert handed.position == 103 and not handed.is_ready  # prompt + the three outputs: the last one runs still
+    scheduler.add(request("b", A[:100] + [7, 7, 0, 5]))
+    plan = scheduler.schedule()
+    assert plan.seqs[0].num_computed_tokens == 100  # the prompt-end checkpoint: the handover is pending
+    scheduler.update(plans[0], answer(plans.pop(0)))
+    assert handed.is_ready
+    scheduler.update(plan, answer(plan))
+    run_to_end(scheduler)
+    scheduler.add(request("c", A[:100] + [7, 7, 0, 5]))
+    plan = scheduler.schedule()
+    assert plan.seqs[0].num_computed_tokens == 103 and plan.seqs[0].read_slot == handed.slot
+    scheduler.update(plan, answer(plan))
+    run_to_end(scheduler)
+    assert_accounted(scheduler)
+
+
+def test_periodic_and_branch_checkpoints_end_prefill_chunks_on_the_chunk_grid() -> None:
+    scheduler = make(interval=64)
+    scheduler.add(request("a", A))
+    plans = run_to_end(scheduler)
+    chunks = [(s.num_computed_tokens, s.num_new_tokens, [p for p, _ in s.checkpoints]) for p in plans for s in p.seqs]
+    assert chunks[:4] == [(0, 64, [64]), (64, 64, [128]), (128, 64, [192]), (192, 8, [200])]
+    with pytest.raises(ValueError, match=r"multiple of the GDN chunk size \(64\)"):
+        make(interval=100)
+
+
+def test_prompt_logprobs_requests_compute_their_prompt_but_still_write_checkpoints() -> None:
+    scheduler = make()
+    scheduler.add(request("a", A))
+    run_to_end(scheduler)
+    scheduler.add(request("b", A + [4, 4], prompt_logprobs=1))
+    plan = scheduler.schedule()
+    assert plan.seqs[0].num_computed_tokens == 0 and plan.seqs[0].checkpoints
+    assert scheduler.prefix_cache_queries == 200  # no lookup counted for b
+
+
+def test_checkpoints_are_evicted_before_a_running_sequence_is_preempted() -> None:
+    scheduler = make(num_blocks=40, num_slots=10, max_seqs=2)
+    for index in range(2):  # two finished prompts: their checkpoints hold 26 of the 40 blocks
+        scheduler.add(request(f"old{index}", [index * 10_000 + t for t in A]))
+        run_to_end(scheduler)
+    assert scheduler.blocks.num_free_blocks == 40 - 26
+    scheduler.add(request("new", list(range(50_000, 50_500)), max_tokens=4))  # 32 blocks
+    run_to_end(scheduler)
+    assert scheduler.num_preemptions_total == 0
+    assert_accounted(scheduler)
+
+
+def test_reset_drops_every_ready_checkpoint() -> None:
+    scheduler = make()
+    scheduler.add(request("a", A))
+    run_to_end(scheduler)
+    scheduler.add(request("b", A[:100] + [1, 2, 3]))
+    plan = scheduler.schedule()  # b's branch checkpoint at 64 is pending
+    assert not scheduler.reset_prefix_cache()
+    assert [c.position for c in scheduler.prefix_cache.checkpoints()] == [64]
+    scheduler.update(plan, answer(plan))
+    run_to_end(scheduler)
+    assert scheduler.reset_prefix_cache() and scheduler.prefix_cache.num_checkpoints == 0
+    assert scheduler.blocks.num_free_blocks == 64 and scheduler.slots.num_free_slots == 12
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_soak_every_block_and_slot_is_accounted_for(seed: int) -> None:
+    """Random prompts over a few shared prefixes, two steps in flight, a small block and slot pool, aborts."""
+    rng = random.Random(seed)
+    scheduler = make(num_blocks=40, num_slots=6, max_seqs=4, budget=96, interval=64)
+    prefixes = [[rng.randrange(50_000) for _ in range(rng.randrange(40, 300))] for _ in range(3)]
+    inflight: list[StepPlan] = []
+    live: list[Sequence] = []
+    for step in range(400):
+        if rng.random() < 0.3 and len(live) < 12:
+            prefix = rng.choice(prefixes)
+            tokens = prefix[: rng.randrange(1, len(prefix) + 1)] + [
+                rng.randrange(50_000) for _ in range(rng.randrange(0, 90))
+            ]
+            live.append(request(f"r{step}", tokens, max_tokens=rng.randrange(1, 40), ignore_eos=False))
+            scheduler.add(live[-1])
+        if rng.random() < 0.03 and live:
+            scheduler.finish(rng.choice(live))  # an abort
+        inflight.append(scheduler.schedule())
+        if len(inflight) == 2 or not scheduler.has_unfinished():
+            plan = inflight.pop(0)
+            scheduler.update(plan, answer(plan, next_token=rng.choice([7, 7, 7, 0])))
+        live = [s for s in live if not s.is_finished]
+        assert_accounted(scheduler)
+    while inflight or scheduler.has_unfinished():
+        if scheduler.has_unfinished():
+            inflight.append(scheduler.schedule())
+        plan = inflight.pop(0)
+        scheduler.update(plan, answer(plan))
+    assert scheduler.prefix_cache_hits > 0 and scheduler.num_preemptions_total > 0
+    assert_accounted(scheduler)
+    assert scheduler.reset_prefix_cache()
+    assert scheduler.blocks.num_free_blocks == 40 and scheduler.slots.num_free_slots == 6

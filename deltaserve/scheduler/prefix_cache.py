@@ -1,0 +1,279 @@
+"""The hybrid prefix cache's index: chain hashes of KV blocks, GDN state checkpoints, their LRU and their pools.
+
+A checkpoint is the unit of the cache (docs/prefix-caching.md): a position P, a state slot holding the GDN state
+after tokens [0, P), and the KV blocks covering [0, P), which it holds by reference count (BlockManager.share).
+Its key is (the chain hash of the full blocks [0, floor(P / block_size) * block_size), the tail token ids up to P,
+the multimodal items the tail overlaps), so a lookup walks a sequence's chain hashes from its deepest full block
+down and compares tails. A checkpoint written by a step is pending until that step's result is collected
+(`collected`); only ready ones are matched or evicted (a pending one's slot is still being written). Ready
+checkpoints are evicted least recently used first, when a running sequence needs a block or a slot.
+
+Hashes are blake2b-128 over the parent hash, the block's token ids and the (content identifier, offset) of every
+image or video item overlapping the block: Python's hash() is salted per process and the core may run in its own.
+A bounded LRU of chain hashes seen before (no memory attached) tells how deep a new sequence's prefix is shared with
+earlier traffic, the branch point where the scheduler places a checkpoint for the requests that follow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
+from deltaserve.scheduler.sequence import Sequence
+
+ROOT_HASH = b""  # the chain's parent of block 0
+MAX_SEEN_HASHES = 1 << 16  # chain hashes remembered for branch points (16 bytes each, no memory attached)
+
+MediaKeys = tuple[tuple[str, int], ...]
+CheckpointKey = tuple[bytes, tuple[int, ...], MediaKeys]
+
+
+def media_keys(mm_input: MultimodalInput | None, start: int, end: int) -> MediaKeys:
+    """(content identifier, offset) of every image / video item whose placeholder span overlaps [start, end)."""
+    if mm_input is None:
+        return ()
+    return tuple((item.identifier, item.offset) for item in mm_input.items if item.offset < end and item.end > start)
+
+
+def block_hash(parent: bytes, token_ids: list[int], extra: MediaKeys) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    for identifier, offset in extra:
+        digest.update(f"|{identifier}@{offset}".encode())
+    return digest.digest()
+
+
+def sequence_tokens(seq: Sequence) -> list[int]:
+    return seq.prompt_token_ids + seq.output_token_ids
+
+
+def chain_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]:
+    """The chain hashes of the sequence's full blocks within its first num_tokens tokens, extending the ones kept on
+    the sequence (its tokens only ever grow)."""
+    hashes = seq.block_hashes
+    num_blocks = num_tokens // block_size
+    if len(hashes) < num_blocks:
+        tokens = sequence_tokens(seq)
+        for index in range(len(hashes), num_blocks):
+            start, end = index * block_size, (index + 1) * block_size
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(block_hash(parent, tokens[start:end], media_keys(seq.mm_input, start, end)))
+    return hashes[:num_blocks]
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    key: CheckpointKey
+    position: int  # tokens [0, position) consumed by the state in `slot`
+    slot: int
+    block_ids: tuple[int, ...]  # KV blocks covering [0, position), one reference each held
+    is_ready: bool = False
+
+
+@dataclass
+class PrefixCache:
+    blocks: BlockManager
+    slots: StateSlotPool
+    max_pending: int  # checkpoints may hold at most this many slots that cannot be evicted (the checkpoint share)
+    chunk_size: int  # the GDN chunk: branch and periodic checkpoints sit on its grid
+    interval: int = 0  # a periodic checkpoint every `interval` tokens of a prefill (a multiple of chunk_size); 0: none
+    max_seen: int = MAX_SEEN_HASHES
+    _checkpoints: OrderedDict[CheckpointKey, Checkpoint] = field(default_factory=OrderedDict)  # LRU first
+    _by_hash: dict[bytes, list[Checkpoint]] = field(default_factory=dict)
+    _pending: dict[int, list[Checkpoint]] = field(default_factory=dict)  # step id -> checkpoints it writes
+    _seen: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._checkpoints)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(items) for items in self._pending.values())
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every checkpoint, least recently used first."""
+        return list(self._checkpoints.values())
+
+    def key(self, seq: Sequence, position: int) -> CheckpointKey:
+        full = position - position % self.block_size
+        hashes = chain_hashes(seq, self.block_size, full)
+        tail = tuple(sequence_tokens(seq)[full:position])
+        return hashes[-1] if hashes else ROOT_HASH, tail, media_keys(seq.mm_input, full, position)
+
+    # -- lookups --------------------------------------------------------------------------------------
+
+    def lookup(self, seq: Sequence) -> Checkpoint | None:
+        """The deepest ready checkpoint whose key matches the sequence's tokens at a position before its last token
+        (which must run to give the next token's logits)."""
+        limit = seq.num_tokens - 1
+        if limit < 1 or not self._checkpoints:
+            return None
+        hashes = chain_hashes(seq, self.block_size, limit)
+        tokens = sequence_tokens(seq)
+        for depth in range(len(hashes), -1, -1):
+            candidates = self._by_hash.get(hashes[depth - 1] if depth else ROOT_HASH, ())
+            start = depth * self.block_size
+            best = None
+            for checkpoint in candidates:
+                position = checkpoint.position
+                if not checkpoint.is_ready or position > limit or (best and best.position >= position):
+                    continue
+                if checkpoint.key[1] == tuple(tokens[start:position]) and checkpoint.key[2] == media_keys(
+                    seq.mm_input, start, position
+                ):
+                    best = checkpoint
+            if best is not None:
+                self._checkpoints.move_to_end(best.key)
+                return best
+        return None
+
+    def branch_point(self, seq: Sequence, chunk_size: int) -> int:
+        """The end of the prefix this sequence shares with earlier traffic: its leading full blocks whose chain hash
+        was seen before, capped before its last token, on the GDN chunk grid (0: none)."""
+        limit = seq.num_tokens - 1
+        depth = 0
+        for chain_hash in chain_hashes(seq, self.block_size, limit):
+            if chain_hash not in self._seen:
+                break
+            depth += 1
+        shared = min(depth * self.block_size, limit)
+        return shared - shared % chunk_size
+
+    def remember(self, seq: Sequence) -> None:
+        """Records the sequence's full-block chain hashes as seen (at its admission)."""
+        for chain_hash in chain_hashes(seq, self.block_size, seq.num_tokens):
+            self._seen[chain_hash] = None
+            self._seen.move_to_end(chain_hash)
+        while len(self._seen) > self.max_seen:
+            self._seen.popitem(last=False)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def contains(self, key: CheckpointKey) -> bool:
+        if key in self._checkpoints:
+            self._checkpoints.move_to_end(key)
+            return True
+        return False
+
+    def can_add(self) -> bool:
+        return self.num_pending < self.max_pending
+
+    def add(
+        self, key: CheckpointKey, position: int, slot: int, block_ids: tuple[int, ...], step_id: int | None
+    ) -> None:
+        """Indexes a checkpoint that takes over `slot` and one reference to each of block_ids; pending until step
+        step_id is collected (None: ready now)."""
+        checkpoint = Checkpoint(key, position, slot, block_ids, is_ready=step_id is None)
+        self._checkpoints[key] = checkpoint
+        self._by_hash.setdefault(key[0], []).append(checkpoint)
+        if step_id is not None:
+            self._pending.setdefault(step_id, []).append(checkpoint)
+
+    def collected(self, step_id: int) -> None:
+        """The result of step step_id is back: the checkpoints it wrote can be read by steps planned from now on."""
+        for checkpoint in self._pending.pop(step_id, ()):
+            checkpoint.is_ready = True
+
+    def evict_one(self, keep: Checkpoint | None = None) -> bool:
+        """Drops the least recently used ready checkpoint (not `keep`): its slot and block references go back."""
+        for checkpoint in self._checkpoints.values():
+            if checkpoint.is_ready and checkpoint is not keep:
+                self._drop(checkpoint)
+                return True
+        return False
+
+    def _drop(self, checkpoint: Checkpoint) -> None:
+        del self._checkpoints[checkpoint.key]
+        siblings = self._by_hash[checkpoint.key[0]]
+        siblings.remove(checkpoint)
+        if not siblings:
+            del self._by_hash[checkpoint.key[0]]
+        self.blocks.free(checkpoint.block_ids, by_cache=True)
+        self.slots.free(checkpoint.slot)
+
+    def reserve_blocks(self, num_blocks: int, keep: Checkpoint | None = None) -> bool:
+        """Evicts ready checkpoints until num_blocks blocks are free; False if they cannot be."""
+        while not self.blocks.can_allocate(num_blocks):
+            if not self.evict_one(keep):
+                return False
+        return True
+
+    def take_slot(self, keep: Checkpoint | None = None) -> int | None:
+        """A free state slot, evicting a ready checkpoint for it when none is free."""
+        if self.slots.num_free_slots == 0 and not self.evict_one(keep):
+            return None
+        return self.slots.allocate()
+
+    # -- planning (called by the scheduler) ------------------------------------------------------------
+
+    def targets(self, seq: Sequence, start: int) -> list[int]:
+        """Where the prefill of a sequence admitted at `start` ends chunks with a checkpoint: the branch point, every
+        interval tokens, and the end of its known tokens (the chunk that samples)."""
+        end = seq.num_tokens
+        found = {end}
+        branch = self.branch_point(seq, self.chunk_size)
+        if branch > start:
+            found.add(branch)
+        if self.interval:
+            found.update(range(start - start % self.interval + self.interval, end, self.interval))
+        return sorted(found)
+
+    @staticmethod
+    def cap(seq: Sequence, start: int, num_new: int) -> int:
+        """num_new, shortened so that the chunk from `start` ends on the sequence's next checkpoint target."""
+        for target in seq.checkpoint_targets:
+            if start < target < start + num_new:
+                return target - start
+        return num_new
+
+    def checkpoint_at(self, seq: Sequence, end: int, step_id: int) -> tuple[tuple[int, int], ...]:
+        """The (position, slot) checkpoint a chunk of step step_id ending at `end` saves, if `end` is a target and a
+        slot is to be had (none: skipped, never an error)."""
+        targets = seq.checkpoint_targets
+        while targets and targets[0] < end:
+            targets.pop(0)
+        if not targets or targets[0] != end:
+            return ()
+        targets.pop(0)
+        key = self.key(seq, end)
+        if self.contains(key) or not self.can_add():
+            return ()
+        slot = self.take_slot()
+        if slot is None:
+            return ()
+        block_ids = tuple(seq.block_ids[: -(-end // self.block_size)])
+        self.blocks.share(block_ids, by_cache=True)
+        self.add(key, end, slot, block_ids, step_id)
+        return ((end, slot),)
+
+    def hand_over(self, seq: Sequence, last_step: int | None) -> None:
+        """A finished sequence's live slot and blocks become a checkpoint at the tokens its state consumed (no copy),
+        pending until last_step (its last step in flight; None: none) is collected. Takes the slot and the blocks
+        off the sequence (the blocks the checkpoint needs gain its reference; the sequence's own go as it is
+        released); does nothing when the checkpoint exists already or no room is left for it."""
+        position = seq.num_computed_tokens + seq.num_inflight_tokens
+        if position < 1 or seq.state_slot is None or not self.can_add():
+            return
+        key = self.key(seq, position)
+        if self.contains(key):
+            return
+        block_ids = tuple(seq.block_ids[: -(-position // self.block_size)])
+        self.blocks.share(block_ids, by_cache=True)
+        self.add(key, position, seq.state_slot, block_ids, last_step)
+        seq.state_slot = None
+
+    def reset(self) -> bool:
+        """Drops every ready checkpoint and forgets the hashes seen; False when pending ones remain."""
+        for checkpoint in [c for c in self._checkpoints.values() if c.is_ready]:
+            self._drop(checkpoint)
+        self._seen.clear()
+        return not self._checkpoints
