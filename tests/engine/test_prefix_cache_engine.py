@@ -23,7 +23,8 @@ from deltaserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 # ~150 prompt tokens of the tiny tokenizer: two full 64-token checkpoint chunks
-PROMPT = "The prefix cache keeps the state at the end of a shared prefix. " * 4
+PROMPT = " ".join(["The prefix cache keeps the state at the end of a shared prefix."] * 4)
+MORE = " And then it goes on."  # its tokens follow PROMPT's unchanged (no token spans the join)
 
 
 def test_the_front_end_keeps_each_sequences_first_reported_hits(tiny_dense: Path) -> None:
@@ -95,11 +96,11 @@ def test_the_second_request_of_a_shared_prefix_hits_and_gives_the_same_tokens(
     stats = cached_llm.engine.stats()
     assert stats.enable_prefix_caching
     head = generate(cached_llm, "Shared: " + PROMPT)
-    longer = generate(cached_llm, "Shared: " + PROMPT + "And then it goes on.")
+    longer = generate(cached_llm, "Shared: " + PROMPT + MORE)
     num_head, num_longer = len(head.prompt_token_ids), len(longer.prompt_token_ids)
     assert head.num_cached_tokens == 0
     assert 0 < (num_head - 1) // 64 * 64 <= longer.num_cached_tokens <= num_head
-    reference = generate(uncached_llm, "Shared: " + PROMPT + "And then it goes on.")
+    reference = generate(uncached_llm, "Shared: " + PROMPT + MORE)
     assert longer.outputs[0].token_ids == reference.outputs[0].token_ids
     after = cached_llm.engine.stats()
     assert after.prefix_cache_queries - stats.prefix_cache_queries == num_head + num_longer
@@ -109,13 +110,13 @@ def test_the_second_request_of_a_shared_prefix_hits_and_gives_the_same_tokens(
 def test_a_reset_makes_the_next_shared_prefix_request_miss(cached_llm: LLM) -> None:
     generate(cached_llm, "Reset: " + PROMPT)
     assert cached_llm.reset_prefix_cache() is True  # nothing runs between two generate() calls
-    assert generate(cached_llm, "Reset: " + PROMPT + "And then it goes on.").num_cached_tokens == 0
+    assert generate(cached_llm, "Reset: " + PROMPT + MORE).num_cached_tokens == 0
     generate(cached_llm, "Reset: " + PROMPT)
-    assert generate(cached_llm, "Reset: " + PROMPT + "And then it goes on.").num_cached_tokens > 0
+    assert generate(cached_llm, "Reset: " + PROMPT + MORE).num_cached_tokens > 0
 
 
 def test_with_the_cache_off_nothing_hits_or_counts(uncached_llm: LLM) -> None:
-    outputs = [generate(uncached_llm, "Off: " + PROMPT + suffix) for suffix in ("", "", "And more.")]
+    outputs = [generate(uncached_llm, "Off: " + PROMPT + suffix) for suffix in ("", "", MORE)]
     assert [output.num_cached_tokens for output in outputs] == [0, 0, 0]
     stats = uncached_llm.engine.stats()
     assert not stats.enable_prefix_caching
