@@ -115,6 +115,7 @@ class EngineStatsCollector(Collector):
             sleep.add_metric([*self.label_values, state], 1 if state == "awake" else 0)
         yield sleep
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", stats.kv_cache_usage)
+        # blocks and slots only the prefix cache holds count free (it gives them up on demand), as vLLM counts them
         yield self._gauge("deltaserve:num_free_kv_blocks", "Free KV-cache blocks.", stats.num_free_kv_blocks)
         yield self._gauge("deltaserve:num_total_kv_blocks", "KV-cache blocks in total.", stats.num_total_kv_blocks)
         yield self._gauge("deltaserve:num_free_state_slots", "Free recurrent-state slots.", stats.num_free_state_slots)
