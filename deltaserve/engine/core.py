@@ -292,16 +292,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         blocks, slots, scheduler = self.scheduler.blocks, self.scheduler.slots, self.scheduler
-        # a ready checkpoint's state slot is had by evicting it, so it counts free, as its blocks do
-        cache = scheduler.prefix_cache
-        num_evictable_slots = cache.num_checkpoints - cache.num_pending if cache is not None else 0
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             kv_cache_usage=blocks.usage,
             num_free_kv_blocks=blocks.num_available_blocks,  # checkpoints' blocks count free, as vLLM's cached ones
             num_total_kv_blocks=blocks.num_blocks,
-            num_free_state_slots=slots.num_free_slots + num_evictable_slots,
+            num_free_state_slots=scheduler.num_available_slots,
             num_total_state_slots=slots.num_slots,
             num_preemptions_total=scheduler.num_preemptions_total,
             num_waiting_for_capacity=scheduler.num_waiting_for_capacity,

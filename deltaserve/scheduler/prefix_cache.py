@@ -96,6 +96,11 @@ class PrefixCache:
         return len(self._checkpoints)
 
     @property
+    def num_ready(self) -> int:
+        """Checkpoints that can be evicted: their slots count as free in the engine's stats."""
+        return len(self._checkpoints) - self.num_pending
+
+    @property
     def num_pending(self) -> int:
         return sum(len(items) for items in self._pending.values())
 
@@ -183,10 +188,11 @@ class PrefixCache:
         for checkpoint in self._pending.pop(step_id, ()):
             checkpoint.is_ready = True
 
-    def evict_one(self, keep: Checkpoint | None = None) -> bool:
-        """Drops the least recently used ready checkpoint (not `keep`): its slot and block references go back."""
+    def evict_one(self, keep: Checkpoint | None = None, keep_slot: int | None = None) -> bool:
+        """Drops the least recently used ready checkpoint (not `keep`, nor the one in keep_slot): its slot and block
+        references go back."""
         for checkpoint in self._checkpoints.values():
-            if checkpoint.is_ready and checkpoint is not keep:
+            if checkpoint.is_ready and checkpoint is not keep and checkpoint.slot != keep_slot:
                 self._drop(checkpoint)
                 return True
         return False
@@ -207,9 +213,9 @@ class PrefixCache:
                 return False
         return True
 
-    def take_slot(self, keep: Checkpoint | None = None) -> int | None:
+    def take_slot(self, keep: Checkpoint | None = None, keep_slot: int | None = None) -> int | None:
         """A free state slot, evicting a ready checkpoint for it when none is free."""
-        if self.slots.num_free_slots == 0 and not self.evict_one(keep):
+        if self.slots.num_free_slots == 0 and not self.evict_one(keep, keep_slot):
             return None
         return self.slots.allocate()
 
@@ -235,9 +241,11 @@ class PrefixCache:
                 return target - start
         return num_new
 
-    def checkpoint_at(self, seq: Sequence, end: int, step_id: int) -> tuple[tuple[int, int], ...]:
+    def checkpoint_at(
+        self, seq: Sequence, end: int, step_id: int, read_slot: int | None
+    ) -> tuple[tuple[int, int], ...]:
         """The (position, slot) checkpoint a chunk of step step_id ending at `end` saves, if `end` is a target and a
-        slot is to be had (none: skipped, never an error)."""
+        slot is to be had (none: skipped, never an error); never the chunk's read slot (the runner refuses it)."""
         targets = seq.checkpoint_targets
         while targets and targets[0] < end:
             targets.pop(0)
@@ -247,7 +255,7 @@ class PrefixCache:
         key = self.key(seq, end)
         if self.contains(key) or not self.can_add():
             return ()
-        slot = self.take_slot()
+        slot = self.take_slot(keep_slot=read_slot)
         if slot is None:
             return ()
         block_ids = tuple(seq.block_ids[: -(-end // self.block_size)])

@@ -107,6 +107,12 @@ class Scheduler:
         in flight still writes."""
         return self.prefix_cache.reset() if self.prefix_cache is not None else True
 
+    @property
+    def num_available_slots(self) -> int:
+        """Free state slots plus those only ready checkpoints hold (evictable)."""
+        ready = self.prefix_cache.num_ready if self.prefix_cache is not None else 0
+        return self.slots.num_free_slots + ready
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -259,7 +265,7 @@ class Scheduler:
                 seq.block_copy = None
             checkpoints = ()
             if self.prefix_cache is not None and seq.checkpoint_targets:
-                checkpoints = self.prefix_cache.checkpoint_at(seq, start + num_new, step_id)
+                checkpoints = self.prefix_cache.checkpoint_at(seq, start + num_new, step_id, read_slot)
             item = ScheduledSeq(
                 row=seq.row,
                 num_computed_tokens=start,

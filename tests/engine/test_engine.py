@@ -228,7 +228,11 @@ def test_default_max_num_seqs_is_vllms_capped_by_state_memory(tiny_dense: Path) 
     slot_bytes = roomy.layout.bytes_per_slot
     tight = LLM(tiny_dense, dtype="float32", cpu_kv_cache_bytes=40 * slot_bytes, max_model_len=64).engine.runner
     assert tight.max_num_seqs == 20  # half of the budget for state slots
-    assert tight.layout.num_slots == 20 and tight.layout.num_blocks * tight.layout.bytes_per_block <= 20 * slot_bytes
+    # beside them, the prefix cache's checkpoint slots: a tenth of the budget (4 slots), at most max_num_seqs
+    assert tight.layout.num_checkpoint_slots == 4
+    assert (
+        tight.layout.num_slots == 20 + 4 and tight.layout.num_blocks * tight.layout.bytes_per_block <= 20 * slot_bytes
+    )
 
 
 def test_gpu_memory_utilization_is_a_per_instance_share_as_in_vllm() -> None:

@@ -116,3 +116,41 @@ def test_what_the_runner_does_not_implement_is_refused(llm: LLM, fields: dict, m
         runner.run(StepPlan(-1, (), removed=(row,)))
         scheduler.blocks.free(blocks)
         scheduler.rows.free(row)
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_hit_inside_a_block_continues_in_a_copy_of_the_partial_block(llm: LLM, copies: bool) -> None:
+    """StepPlan.block_copies: B shares A's full blocks of [0, 64), gets a copy of A's block holding [64, 72) and
+    reads A's checkpoint at 72; its logits over [72, L) equal A's. Without the copy (its block holds no KV for
+    [64, 72)) they differ: the check can fail."""
+    engine = llm.engine
+    scheduler, runner = engine.scheduler, engine.runner
+    block_size = scheduler.blocks.block_size
+    position, num_full = 72, 72 // block_size
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    tail = len(TOKENS) - position
+    blocks_a = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), 0))
+    blocks_b = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), num_full))
+    slot_a, slot_b, checkpoint = (scheduler.slots.allocate() for _ in range(3))
+    row_a, row_b = scheduler.rows.allocate(), scheduler.rows.allocate()
+    try:
+        add_a = (NewRequest(row_a, "a", tuple(TOKENS), (), params, ()),)
+        head = ScheduledSeq(
+            row_a, 0, position, slot_a, None, tuple(blocks_a), False, checkpoints=((position, checkpoint),)
+        )
+        runner.run(StepPlan(-1, (head,), add_a))
+        rest = ScheduledSeq(row_a, position, tail, slot_a, slot_a, (), False, return_logits=True)
+        expected = _logits(runner.run(StepPlan(-1, (rest,))).logits[0], tail)
+        add_b = (NewRequest(row_b, "b", tuple(TOKENS), (), params, ()),)
+        table = tuple(blocks_a[:num_full]) + tuple(blocks_b)
+        seq = ScheduledSeq(row_b, position, tail, slot_b, checkpoint, table, False, return_logits=True)
+        block_copies = ((blocks_a[num_full], blocks_b[0]),) if copies else ()
+        got = _logits(runner.run(StepPlan(-1, (seq,), add_b, block_copies=block_copies)).logits[0], tail)
+        assert torch.equal(got, expected) == copies
+    finally:
+        runner.run(StepPlan(-1, (), removed=(row_a, row_b)))
+        scheduler.blocks.free(blocks_a + blocks_b)
+        for slot in (slot_a, slot_b, checkpoint):
+            scheduler.slots.free(slot)
+        scheduler.rows.free(row_a)
+        scheduler.rows.free(row_b)

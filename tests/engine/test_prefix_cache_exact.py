@@ -1,0 +1,170 @@
+"""Hybrid prefix caching is exact (docs/prefix-caching.md): greedy tokens with the cache on equal those with it off,
+fp32 on the CPU, on the trained tiny dense / moe / next, for prefixes shared up to inside a block, a block boundary,
+a 64-token checkpoint and inside a chunk, under chunked prefill (a 96-token budget), preemption (forced, in a small
+KV pool), async scheduling on and off, n = 2, a multi-turn follow-up (it hits the first turn's whole
+history), prompt logprobs (computed, never read from the cache) and images (another image never hits past it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.engine.llm import LLM
+from deltaserve.multimodal.media import LoadedImage
+from deltaserve.runner.cache import bytes_per_block, bytes_per_slot
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+from tests.multimodal.synthetic import synthetic_image
+
+CORPUS = (Path(__file__).parents[2] / "deltaserve" / "tiny" / "corpus.txt").read_text()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+NUM_BLOCKS = 28  # a small pool: checkpoints are evicted for running sequences
+
+
+def make_llm(model_dir: Path, is_on: bool, is_async: bool) -> LLM:
+    config = ModelConfig.from_pretrained(model_dir)
+    budget = NUM_BLOCKS * bytes_per_block(config, 16, torch.float32) + 8 * bytes_per_slot(config, torch.float32)
+    return LLM(
+        model_dir, dtype="float32", device="cpu", max_model_len=400, max_num_seqs=4, max_num_batched_tokens=96,
+        cpu_kv_cache_bytes=budget, enable_prefix_caching=is_on, async_scheduling=is_async,
+        prefix_cache_checkpoint_interval=128,
+    )  # fmt: skip
+
+
+def run(
+    llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]], mm: dict | None = None, preempt_at: int = -1
+) -> dict[str, list]:
+    """Runs the requests together (every running one preempted after step preempt_at); name -> the token ids of each
+    of its completions (name/prompt: its prompt logprobs)."""
+    engine = llm.engine
+    states = {}
+    for name, (ids, params) in requests.items():
+        engine.add_request(name, ids, params, mm_input=(mm or {}).get(name))
+        states[name] = engine.requests[name]
+    for step in itertools.count():
+        if not engine.has_unfinished():
+            break
+        if step == preempt_at:
+            engine.scheduler.preempt_all()
+        engine.step()
+    outputs: dict[str, list] = {}
+    for name, state in states.items():
+        final = state.final_output()
+        outputs[name] = [list(c.token_ids) for c in final.outputs]
+        if final.prompt_logprobs:
+            outputs[name + "/prompt"] = final.prompt_logprobs
+    return outputs
+
+
+def hits_of(llm: LLM, requests: dict, mm: dict | None = None, preempt_at: int = -1) -> tuple[dict[str, list], int]:
+    """run(), and the tokens the scheduler served from the cache meanwhile."""
+    before = llm.engine.scheduler.prefix_cache_hits
+    outputs = run(llm, requests, mm, preempt_at)
+    return outputs, llm.engine.scheduler.prefix_cache_hits - before
+
+
+def scenario(llm: LLM) -> tuple[dict[str, list], dict[str, int]]:
+    tokens = llm.engine.tokenizer.encode(CORPUS)
+    base, other = tokens[:200], tokens[300:]
+    outputs, hits = {}, {}
+    outputs |= run(llm, {"base": (base, GREEDY)})
+    for wave in range(2):  # the first wave leaves branch checkpoints, the second hits them
+        suffix = other[40 * wave : 40 * wave + 20]
+        cut = {"mid-block": 150, "block": 160, "grid": 128, "in-chunk": 100, "whole": 200}
+        wave_out, hits[f"wave{wave}"] = hits_of(
+            llm, {f"{name}{wave}": (base[:at] + suffix, GREEDY) for name, at in cut.items()}, preempt_at=6
+        )
+        outputs |= wave_out
+    n2 = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs |= run(llm, {"n2": (base[:180] + other[:5], n2)})
+    # a conversation: turn 2 re-sends turn 1's prompt and answer, and hits the state its generation ended with
+    turn1 = other[200:330]
+    outputs |= run(llm, {"turn1": (turn1, GREEDY)})
+    turn2 = turn1 + outputs["turn1"][0] + other[400:420]
+    out, hits["turn2"] = hits_of(llm, {"turn2": (turn2, GREEDY)})
+    outputs |= out
+    logprobs = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    out, hits["prompt_logprobs"] = hits_of(llm, {"lp": (turn2 + other[:3], logprobs)})
+    outputs |= out
+    hits["turn1_len"] = len(turn1) + len(outputs["turn1"][0])
+    return outputs, hits
+
+
+@pytest.fixture(scope="module", params=[("dense", True), ("dense", False), ("moe", True), ("next", True)],
+                ids=["dense-async", "dense-sync", "moe-async", "next-async"])  # fmt: skip
+def results(request: pytest.FixtureRequest) -> tuple:
+    variant, is_async = request.param
+    model_dir = trained_model_dir(variant)
+    off = make_llm(model_dir, False, is_async)
+    on = make_llm(model_dir, True, is_async)
+    return scenario(off), scenario(on), on.engine.scheduler
+
+
+def test_greedy_tokens_with_the_cache_equal_tokens_without(results: tuple) -> None:
+    (off, off_hits), (on, on_hits), scheduler = results
+    assert off_hits["wave0"] == off_hits["wave1"] == 0
+    prompt_lp_off, prompt_lp_on = off.pop("lp/prompt"), on.pop("lp/prompt")
+    assert on.keys() == off.keys() and len(on["n2"]) == 2
+    for name in off:
+        assert on[name] == off[name], name
+    # prompt logprobs are computed (the request reads no cache): the same tokens, values to fp32 rounding
+    assert len(prompt_lp_on) == len(prompt_lp_off)
+    for got, want in zip(prompt_lp_on, prompt_lp_off, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert got.keys() == want.keys()
+        for token, entry in want.items():
+            assert got[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    assert scheduler.num_preemptions_total > 0
+
+
+def test_hits_where_the_prefixes_are_shared(results: tuple) -> None:
+    _, (_, hits), scheduler = results
+    # wave 1: every request hits at least the 64-token checkpoints its prefix shares with the base prompt (wave 0
+    # hits too: its preempted requests resume from their own checkpoints)
+    assert hits["wave1"] >= 4 * 64 and hits["wave0"] > 0
+    # turn 2 resumes where turn 1's generation ended: its prompt and every answer token but the last one
+    assert hits["turn2"] == hits["turn1_len"] - 1
+    assert hits["prompt_logprobs"] == 0
+    assert scheduler.prefix_cache_queries > scheduler.prefix_cache_hits > 0
+
+
+def test_another_image_never_hits_past_it_and_the_same_image_does() -> None:
+    from tests.support.vision import case_for
+
+    case = case_for("dense-vl")
+    images = {seed: LoadedImage(synthetic_image(96, 128, seed), f"image-{seed}") for seed in (1, 5)}
+
+    def prompt(text: str, seed: int) -> tuple[list[int], object]:
+        content = [{"type": "image_url", "image_url": {"url": "unused"}}, {"type": "text", "text": text}]
+        chat = case.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                  add_generation_prompt=True)  # fmt: skip
+        return case.processor.process_loaded(case.tokenizer.encode(chat, add_special_tokens=False), [images[seed]])
+
+    texts = {
+        "first": ("Describe the lighthouse keeper's notebook and the colour of the sea in detail.", 1),
+        "second": ("Describe the lighthouse keeper's notebook and the wind.", 1),
+        "same": ("Describe the lighthouse keeper's notebook and the ships.", 1),
+        "other": ("Describe the lighthouse keeper's notebook and the ships.", 5),
+    }
+    prompts = {name: prompt(text, seed) for name, (text, seed) in texts.items()}
+    assert prompts["same"][0] == prompts["other"][0]  # the same token ids: only the image differs
+    image_offset = prompts["other"][1].items[0].offset
+    per_engine = []
+    for is_on in (False, True):
+        llm = LLM(case.model_dir, dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=is_on)
+        outputs, hits = {}, {}
+        for name, (ids, mm) in prompts.items():
+            out, hits[name] = hits_of(llm, {name: (ids, GREEDY)}, {name: mm})
+            outputs |= out
+        per_engine.append((outputs, hits))
+    (off, _), (on, hits) = per_engine
+    assert on == off
+    assert hits["same"] >= 64 > image_offset  # the branch checkpoint "second" left past the image
+    assert hits["other"] <= image_offset
