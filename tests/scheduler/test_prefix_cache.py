@@ -277,3 +277,19 @@ def test_soak_every_block_and_slot_is_accounted_for(seed: int) -> None:
     assert_accounted(scheduler)
     assert scheduler.reset_prefix_cache()
     assert scheduler.blocks.num_free_blocks == 40 and scheduler.slots.num_free_slots == 6
+
+
+def test_a_new_checkpoint_never_evicts_the_one_its_chunk_reads() -> None:
+    """One checkpoint slot: b reads a's checkpoint from it, so b's own prompt-end checkpoint finds no slot and is
+    skipped (the runner refuses a checkpoint into the chunk's read slot)."""
+    scheduler = make(num_slots=2, max_seqs=1)
+    scheduler.add(request("a", A))
+    (plan,) = run_to_end(scheduler)
+    ((_, slot),) = plan.seqs[0].checkpoints
+    scheduler.add(request("b", A + [5, 6]))
+    plan = scheduler.schedule()
+    (item,) = plan.seqs
+    assert item.read_slot == slot and item.num_computed_tokens == 200 and item.checkpoints == ()
+    scheduler.update(plan, answer(plan))
+    run_to_end(scheduler)
+    assert_accounted(scheduler)
