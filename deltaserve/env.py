@@ -72,6 +72,20 @@ def vllm_http_timeout_keep_alive() -> float:
     return float(value) if value else 5.0
 
 
+def vllm_server_dev_mode() -> bool:
+    """VLLM_SERVER_DEV_MODE (vLLM's, default 0): serve the development routes (POST /reset_prefix_cache)."""
+    return _flag("VLLM_SERVER_DEV_MODE", False)
+
+
+def vllm_log_stats_interval() -> float:
+    """VLLM_LOG_STATS_INTERVAL (vLLM's, default 10): seconds between two periodic stats lines of the server."""
+    value = os.environ.get("VLLM_LOG_STATS_INTERVAL", "").strip()
+    interval = float(value) if value else 10.0
+    if not interval > 0:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be positive, got {value!r}")
+    return interval
+
+
 def log_level() -> str:
     """DELTASERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()

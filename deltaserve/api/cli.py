@@ -83,6 +83,9 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         enable_expert_parallel=args.enable_expert_parallel,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_checkpoint_interval=args.prefix_cache_checkpoint_interval,
+        num_checkpoint_slots=args.num_checkpoint_slots,
     )
 
 
@@ -157,6 +160,9 @@ def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        disable_log_stats=args.disable_log_stats,
+        log_stats_interval_s=env.vllm_log_stats_interval(),
+        server_dev_mode=env.vllm_server_dev_mode(),
         enable_force_include_usage=args.enable_force_include_usage,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_request_id_headers=args.enable_request_id_headers,
@@ -250,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
     args.host = bind_host(args)  # resolved once: every later reader of --host sees the address that is bound
     try:
         check_compat(args)
+        if args.prefix_caching_hash_algo is not None:
+            logger.info("ignoring --prefix-caching-hash-algo %s: the engine hashes blocks with its own 128-bit hash",
+                        args.prefix_caching_hash_algo)  # fmt: skip
         model, device = resolve_model(args)
         config = build_engine_config(args, model, device)
         settings = build_settings(args, model)

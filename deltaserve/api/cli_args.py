@@ -23,6 +23,7 @@ from deltaserve.api.settings import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
 )
+from deltaserve.engine_config import EngineConfig
 
 # Seconds the server drains open requests after SIGTERM / Ctrl-C before it closes them (--timeout-graceful-shutdown).
 DEFAULT_GRACEFUL_SHUTDOWN_S = 30.0
@@ -30,6 +31,9 @@ DEFAULT_GRACEFUL_SHUTDOWN_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 20.0
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM's --prefix-caching-hash-algo values (its CacheConfig.prefix_caching_hash_algo); any other is refused
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DEFAULT_CHECKPOINT_INTERVAL = EngineConfig.__dataclass_fields__["prefix_cache_checkpoint_interval"].default
 SWITCH = argparse.BooleanOptionalAction
 
 
@@ -185,6 +189,7 @@ def _add_engine_arguments(add: Any) -> None:
         help="dummy: seeded random weights of the right shapes (fastsafetensors reads as safetensors)",
     )
     add("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    _add_prefix_caching_arguments(add)
     add(
         "--tensor-parallel-size",
         "-tp",
@@ -264,6 +269,40 @@ def _add_engine_arguments(add: Any) -> None:
         type=structured_outputs_config,
         default=None,
         help='structured outputs, vLLM\'s JSON: {"backend": "xgrammar" | "auto", "disable_any_whitespace": ...}',
+    )
+
+
+def _add_prefix_caching_arguments(add: Any) -> None:
+    """vLLM's prefix-caching flags, and deltaserve's own knobs of its GDN state checkpoints (docs/compatibility.md)."""
+    add(
+        "--enable-prefix-caching",
+        action=SWITCH,
+        default=True,
+        help="reuse the KV blocks and GDN state checkpoints of earlier prompts that share a prefix (default on, as in "
+        "vLLM 0.34 for hybrid models); --no-enable-prefix-caching computes every prompt in full",
+    )
+    add(
+        "--prefix-caching-hash-algo",
+        default=None,
+        choices=PREFIX_CACHING_HASH_ALGOS,
+        help="accepted for vLLM's launch lines: deltaserve hashes blocks with its own 128-bit hash whichever is given",
+    )
+    add(
+        "--prefix-cache-checkpoint-interval",
+        type=int,
+        default=DEFAULT_CHECKPOINT_INTERVAL,
+        metavar="N",
+        help="deltaserve only: keep a GDN state checkpoint every N tokens of a long prefill (a multiple of the GDN "
+        f"chunk size, 64), so a long shared prefix hits on its second sighting; 0: none (default "
+        f"{DEFAULT_CHECKPOINT_INTERVAL})",
+    )
+    add(
+        "--num-checkpoint-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="deltaserve only: GDN state slots kept for prefix-cache checkpoints beside those of running sequences "
+        "(default: sized from memory; stated at start-up)",
     )
 
 
@@ -354,6 +393,13 @@ def _add_http_arguments(add: Any) -> None:
     )
     add("--h11-max-incomplete-event-size", type=int, default=None, help="largest incomplete HTTP event (bytes)")
     _add_timeout_arguments(add)
+    add(
+        "--disable-log-stats",
+        action=SWITCH,
+        default=False,
+        help="no periodic stats line (throughputs, running / waiting, KV usage, prefix cache hit rate; every "
+        "VLLM_LOG_STATS_INTERVAL seconds, default 10)",
+    )
     add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add("--disable-uvicorn-access-log", action=SWITCH, default=False)
     add("--disable-access-log-for-endpoints", default=None, help='paths left out of the access log, e.g. "/health"')

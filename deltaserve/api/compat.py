@@ -7,7 +7,7 @@ a vLLM launch script parses unchanged, and nothing is dropped in silence:
           distribution, multimodal inputs this text-only server never loads).
 - warn:   accepted and logged as a warning: a setting the engine does not honour yet whose absence a user can
           notice: precision (results can differ in the last bits from a vLLM run that honours it), speed
-          (speculative decoding, prefix caching), or a route or response field the flag turns on in vLLM.
+          (speculative decoding), or a route or response field the flag turns on in vLLM.
 - refuse: an error naming the flag, unless its value is one listed as allowed: honouring it would change the
           tokens (quantization, LoRA, logits processors, config overrides) or the deployment (multi-GPU/-node).
 Boolean flags take vLLM's --X / --no-X pair. Values are parsed as strings; a refused flag's allowed values are
@@ -64,7 +64,6 @@ TABLE = """
 --disable-chunked-mm-input | switch | log | multimodal inputs are refused (text-only server)
 --disable-custom-all-reduce | switch | log | all-reduces are NCCL's (no custom all-reduce)
 --disable-hybrid-kv-cache-manager | switch | log | deltaserve has one KV/state manager for hybrid models
---disable-log-stats | switch | log | stats are exported on /metrics and not logged
 --disable-nccl-for-dp-synchronization | switch | log | data parallelism is not used
 --disable-sliding-window | switch | log | the served models have no sliding-window attention
 --distributed-timeout-seconds | value | log | one process group
@@ -88,7 +87,6 @@ TABLE = """
 --enable-mixed-moe-lora-format | switch | log | LoRA adapters are not supported
 --enable-mm-embeds | switch | log | multimodal inputs are refused (text-only server)
 --enable-moe-shared-loras | switch | log | LoRA adapters are not supported
---enable-prefix-caching | switch | warn | there is no prefix cache yet: every prompt is computed in full
 --enable-prompt-embeds | switch | warn | requests with prompt_embeds are refused
 --enable-return-routed-experts | switch | warn | responses carry no routed_experts
 --enable-sleep-mode | switch | warn | no sleep mode (no /sleep or /wake_up route)
@@ -128,9 +126,9 @@ TABLE = """
 --max-lora-rank | value | log | LoRA adapters are not supported
 --max-loras | value | log | LoRA adapters are not supported
 --mamba-backend | value | log | deltaserve picks its own Gated DeltaNet kernels
---mamba-block-size | value | log | recurrent-state caching is not configurable from serve
+--mamba-block-size | value | log | GDN state checkpoints are placed by --prefix-cache-checkpoint-interval
 --mamba-cache-dtype | value | warn:auto,float32 | the recurrent state is stored in float32
---mamba-cache-mode | value | log | recurrent-state caching is not configurable from serve
+--mamba-cache-mode | value | log | GDN states are kept at prompt and generation ends (and per checkpoint interval)
 --mamba-cache-philox-rounds | value | log | no stochastic rounding of the recurrent state
 --mamba-ssm-cache-dtype | value | warn:auto,float32 | the recurrent state is stored in float32
 --master-addr | value | log | ranks on several hosts read MASTER_ADDR from the environment (torchrun)
@@ -177,8 +175,7 @@ TABLE = """
 --decode-context-parallel-size,-dcp | value | refuse:1 | tensor parallelism is the only parallelism
 --data-parallel-size,-dp | value | refuse:1 | tensor parallelism is the only parallelism
 --prefill-schedule-interval | value | log | the scheduler's own policy
---prefix-caching-hash-algo | value | log | the engine's own block hashing
---prefix-match-unit | value | log | the engine's own block hashing
+--prefix-match-unit | value | log | prefill chunks end on deltaserve's own checkpoint positions
 --profiler-config | value | log | no /start_profile route
 --pt-load-map-location | value | log | only safetensors are loaded
 --quantization,-q | value | refuse:none | quantization methods are not supported

@@ -1,9 +1,10 @@
 """Prometheus metrics under vLLM 0.26's names (labels model_name and engine), in a registry owned by one app.
 
 Engine-side state is read from engine.stats() at scrape time by a collector: running/waiting requests and
-waiting-by-reason, KV usage, free blocks and state slots, preemptions, the per-step token histogram
-(vllm:iteration_tokens_total), cache_config_info and the sleep state. Per-request series are recorded by a
-RequestTracker as the server streams each request: token counters and histograms, prefix-cache queries and hits
+waiting-by-reason, KV usage, free blocks and state slots, preemptions, the prefix cache's queries and hits (the
+scheduler's token counters: a preempted request's second lookup counts again, as in vLLM), the per-step token
+histogram (vllm:iteration_tokens_total), cache_config_info and the sleep state. Per-request series are recorded by a
+RequestTracker as the server streams each request: token counters and histograms, cached prompt tokens by source
 (from RequestOutput.num_cached_tokens), TTFT, inter-token latency, end-to-end latency, time per output token, and
 the phase histograms (queue, prefill, decode, inference) and preemptions from RequestOutput.metrics, the engine's
 own timestamps; a request whose outputs carry no metrics observes no phase histogram. Counters vLLM exports for
@@ -114,6 +115,7 @@ class EngineStatsCollector(Collector):
             sleep.add_metric([*self.label_values, state], 1 if state == "awake" else 0)
         yield sleep
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", stats.kv_cache_usage)
+        # blocks and slots only the prefix cache holds count free (it gives them up on demand), as vLLM counts them
         yield self._gauge("deltaserve:num_free_kv_blocks", "Free KV-cache blocks.", stats.num_free_kv_blocks)
         yield self._gauge("deltaserve:num_total_kv_blocks", "KV-cache blocks in total.", stats.num_total_kv_blocks)
         yield self._gauge("deltaserve:num_free_state_slots", "Free recurrent-state slots.", stats.num_free_state_slots)
@@ -123,6 +125,16 @@ class EngineStatsCollector(Collector):
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions.", labels=LABELS)
         preemptions.add_metric(self.label_values, stats.num_preemptions_total)
         yield preemptions
+        # vLLM's names and help strings (vllm/v1/metrics/loggers.py)
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_cache_hits),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self.label_values, value)
+            yield family
         yield self._iteration_tokens(stats)
         yield self._cache_config(stats)
 
@@ -133,6 +145,11 @@ class ServerMetrics:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.label_values = (model_name, ENGINE_INDEX)
+        # plain totals for the periodic stats line (api/stat_logger.py): requests tracked, prompt tokens of those
+        # that got their first token, generated tokens
+        self.num_requests_total = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
 
         # Every series exists from the start at zero, as vLLM creates them per engine.
@@ -156,8 +173,6 @@ class ServerMetrics:
         self.request_success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.label_values, reason)
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         unused = (("vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens."),
                   ("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens."),
                   ("vllm:mm_cache_queries", "Multi-modal cache queries, in items."),
@@ -200,6 +215,7 @@ class ServerMetrics:
 
     def track(self, num_prompt_tokens: int, n: int, max_tokens: int, arrival: float) -> RequestTracker:
         labels = self.label_values
+        self.num_requests_total += 1
         self.request_params_n.labels(*labels).observe(n)
         self.request_params_max_tokens.labels(*labels).observe(max_tokens)
         return RequestTracker(self, num_prompt_tokens, arrival)
@@ -227,12 +243,11 @@ class RequestTracker:
         metrics, labels = self.metrics, self.metrics.label_values
         num_cached = min(max(int(output.num_cached_tokens or 0), 0), self.num_prompt_tokens)
         metrics.prompt_tokens.labels(*labels).inc(self.num_prompt_tokens)
+        metrics.num_prompt_tokens_total += self.num_prompt_tokens
         metrics.prompt_tokens_cached.labels(*labels).inc(num_cached)
         metrics.prompt_tokens_by_source.labels(*labels, "local_compute").inc(self.num_prompt_tokens - num_cached)
         metrics.prompt_tokens_by_source.labels(*labels, "local_cache_hit").inc(num_cached)
         metrics.prompt_tokens_by_source.labels(*labels, "external_kv_transfer").inc(0)
-        metrics.prefix_cache_queries.labels(*labels).inc(self.num_prompt_tokens)
-        metrics.prefix_cache_hits.labels(*labels).inc(num_cached)
         metrics.request_prefill_kv_computed.labels(*labels).observe(self.num_prompt_tokens - num_cached)
 
     def on_output(self, output: RequestOutput) -> None:
@@ -253,6 +268,7 @@ class RequestTracker:
         self.num_generation_tokens += num_new
         if num_new:
             metrics.generation_tokens.labels(*labels).inc(num_new)
+            metrics.num_generation_tokens_total += num_new
         for seq in output.outputs:
             if seq.finish_reason is not None:
                 metrics.request_success.labels(*labels, str(seq.finish_reason)).inc()

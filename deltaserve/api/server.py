@@ -2,9 +2,10 @@
 
 build_app(engine, settings) wires the routes, the error envelope (FastAPI's own 404/405 included), the middleware
 (CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, the body-size limit),
---root-path, and a lifespan that starts the engine, the chat-template workers and the tokenizer threads, and stops
-them on shutdown. Nothing CPU-heavy runs on the event loop: tokenisation and JSON parsing of large bodies run on
-threads, chat templates in worker processes.
+--root-path, and a lifespan that starts the engine, the chat-template workers, the tokenizer threads and the periodic
+stats line (unless --disable-log-stats), and stops them on shutdown. With VLLM_SERVER_DEV_MODE=1 it serves vLLM's
+development route POST /reset_prefix_cache, as vLLM does (only then). Nothing CPU-heavy runs on the event loop:
+tokenisation and JSON parsing of large bodies run on threads, chat templates in worker processes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
@@ -27,6 +28,7 @@ from deltaserve.api.errors import APIError, install_error_handlers
 from deltaserve.api.metrics import ServerMetrics
 from deltaserve.api.middleware import APIKeyMiddleware, BodySizeMiddleware, RequestIdMiddleware
 from deltaserve.api.settings import EngineClient, ServerSettings, ServerState
+from deltaserve.api.stat_logger import LoggingStatLogger
 from deltaserve.api.template_pool import TemplatePool
 from deltaserve.api.tokens import Tokens
 
@@ -123,6 +125,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         memory_bytes=settings.template_memory_bytes,
     )
     state = ServerState(engine=engine, settings=settings, metrics=metrics, tokens=tokens, templates=templates)
+    stat_logger = LoggingStatLogger(engine, metrics, settings.log_stats_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -131,10 +134,13 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         # As vLLM does: the startup heap (model, tokenizer, modules) is left out of every later collection pass.
         gc.freeze()
         announce = asyncio.create_task(_announce_ready(app, state))
+        log_stats = None if settings.disable_log_stats else asyncio.create_task(stat_logger.run())
         try:
             yield
         finally:
             announce.cancel()
+            if log_stats is not None:
+                log_stats.cancel()
             await engine.stop()
             await templates.stop()
             tokens.close()
@@ -217,6 +223,25 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
         raise serving_responses.response_not_found(response_id)
+
+    if settings.server_dev_mode:
+        logger.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(
+            reset_running_requests: bool = Query(default=False), reset_external: bool = Query(default=False)
+        ) -> Response:
+            """vLLM's dev route: 200 with an empty body whether or not every entry could be dropped (vLLM does not
+            check either). Blocks and checkpoints that running requests hold stay: reset_running_requests does not
+            preempt them here; reset_external has no external cache to reset."""
+            logger.info("Resetting prefix cache...")
+            _check_alive(state)
+            if reset_running_requests:
+                logger.warning("reset_running_requests=true is not honoured: running requests keep what they hold")
+            if not await engine.reset_prefix_cache():
+                logger.warning("the prefix cache kept the entries that running requests hold")
+            stat_logger.reset_prefix_hit_rate()
+            return Response(status_code=200)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

@@ -71,6 +71,9 @@ class EngineClient(Protocol):
 
     def stats(self) -> Any: ...
 
+    # drops the prefix cache's unused blocks and checkpoints; False when some were in use (POST /reset_prefix_cache)
+    async def reset_prefix_cache(self) -> bool: ...
+
 
 @dataclass
 class ServerSettings:
@@ -94,6 +97,9 @@ class ServerSettings:
     enable_tokenizer_info_endpoint: bool = False
     enable_request_id_headers: bool = False
     disable_fastapi_docs: bool = False
+    disable_log_stats: bool = False  # no periodic stats line (api/stat_logger.py)
+    log_stats_interval_s: float = 10.0  # VLLM_LOG_STATS_INTERVAL
+    server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: the development routes (POST /reset_prefix_cache)
     root_path: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S

@@ -24,7 +24,9 @@ Every turn is timed by the same client code (client.send_request) and enters the
 (metrics.compute_metrics) as the other datasets. The record adds, per turn index, the median TTFT (turn 1 against
 the later turns is what prefix caching moves), the prompt tokens the server counted (usage.prompt_tokens), and,
 when the server returns `usage.prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details),
-the cached tokens and the hit rate cached / prompt tokens; null where no response carried the field.
+the cached tokens and the hit rate cached / prompt tokens; null where no response carried the field. Both vLLM and
+deltaserve leave the details out of a response whose prompt hit nothing, so once any response of the run carried
+them, a response without them counts as 0 cached tokens.
 
 A conversation whose turn fails stops there (its next turn would need the missing answer): its unsent turns are
 recorded as failed requests, so `completed + failed` is always clients x turns. Only `delta.content` is fed back,
@@ -206,6 +208,8 @@ async def run_conversations(
                 prompt_len += options.output_len
             return turns
 
+        if load.after_warmups is not None:
+            await load.after_warmups()
         t_start = time.perf_counter()
         per_client = await asyncio.gather(*(converse(c) for c in range(options.num_clients)))
         duration = time.perf_counter() - t_start
@@ -224,20 +228,19 @@ def turn_breakdown(turns: list[TurnResult], num_turns: int) -> dict[str, Any]:
     ttft_medians: list[float | None] = []
     prompt_by_turn: list[int] = []
     cached_by_turn: list[int | None] = []
-    for index in range(num_turns):
-        done = [t.result for t in turns if t.turn == index and t.result.is_success]
-        ttfts = [r.ttft for r in done]
-        ttft_medians.append(float(np.median(ttfts) * MS_PER_S) if ttfts else None)
-        prompt_by_turn.append(sum(r.prompt_len for r in done))
-        cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
-        cached_by_turn.append(sum(cached) if cached else None)
     done = [t.result for t in turns if t.result.is_success]
-    total_prompt = sum(r.prompt_len for r in done)
     reported = [r for r in done if r.cached_tokens is not None]
-    total_cached = sum(int(r.cached_tokens or 0) for r in reported) if reported else None
-    # the rate over the requests that reported the field, so a partly reporting server is not under-counted
-    reported_prompt = sum(r.prompt_len for r in reported)
-    hit_rate = total_cached / reported_prompt if total_cached is not None and reported_prompt > 0 else None
+    # a server that reported the field leaves it out when nothing was cached (vLLM's truthiness test): 0 then
+    is_reporting = bool(reported)
+    for index in range(num_turns):
+        done_at = [t.result for t in turns if t.turn == index and t.result.is_success]
+        ttfts = [r.ttft for r in done_at]
+        ttft_medians.append(float(np.median(ttfts) * MS_PER_S) if ttfts else None)
+        prompt_by_turn.append(sum(r.prompt_len for r in done_at))
+        cached_by_turn.append(sum(int(r.cached_tokens or 0) for r in done_at) if is_reporting else None)
+    total_prompt = sum(r.prompt_len for r in done)
+    total_cached = sum(int(r.cached_tokens or 0) for r in done) if is_reporting else None
+    hit_rate = total_cached / total_prompt if total_cached is not None and total_prompt > 0 else None
     return {
         "median_ttft_ms_by_turn": ttft_medians,
         "prompt_tokens_by_turn": prompt_by_turn,

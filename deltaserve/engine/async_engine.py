@@ -7,13 +7,16 @@ outputs into RequestOutputs and feeds the queues with call_soon_threadsafe. If t
 disconnect, task cancellation) the request is aborted in the core, which frees its KV blocks, state slot and row.
 If the core dies, every stream gets EngineDeadError, is_dead turns True and `on_dead` is called (the server exits
 non-zero). If the core process sends nothing, not even its heartbeat, for heartbeat_timeout_s, is_hung is True (the
-server's /health fails) until it is heard again.
+server's /health fails) until it is heard again. reset_prefix_cache() is a call into the core: it is queued behind the
+commands already sent (so a request sent after it is planned against the emptied cache) and awaits the core's answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +55,12 @@ class AsyncEngine:
         self._is_started = False
         info = client.info
         self._stats = EngineStats(0, 0, 0.0, info.num_blocks, info.num_blocks, info.num_slots, info.num_slots, 0,
-                                  block_size=info.block_size)  # fmt: skip
+                                  block_size=info.block_size,
+                                  enable_prefix_caching=info.enable_prefix_caching)  # fmt: skip
+        # utility calls awaiting the core's answer: call id -> (loop, future)
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._calls_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: EngineConfig, multiprocess: bool | None = None) -> AsyncEngine:
@@ -98,8 +106,18 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _answer(self, call_id: int, result: object) -> None:
+        with self._calls_lock:
+            target = self._calls.pop(call_id, None)
+        if target is not None:
+            loop, future = target
+            method = future.set_exception if isinstance(result, BaseException) else future.set_result
+            loop.call_soon_threadsafe(lambda: None if future.done() else method(result))
+
     def _on_outputs(self, batch: EngineCoreOutputs) -> None:
         self._stats = batch.stats
+        for call_id, result in batch.replies:
+            self._answer(call_id, result)
         processor = self.frontend.processor
         results, to_abort = processor.process(list(batch.outputs))
         self.client.abort(to_abort)
@@ -116,6 +134,10 @@ class AsyncEngine:
         self._error = error
         for request_id in list(self._streams):
             self._deliver(request_id, EngineDeadError(str(error)))
+        with self._calls_lock:
+            call_ids = list(self._calls)
+        for call_id in call_ids:
+            self._answer(call_id, EngineDeadError(str(error)))
         if self.on_dead is not None:
             self.on_dead()
 
@@ -156,3 +178,17 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         _, core_ids = self.frontend.processor.abort(request_id)
         self.client.abort(core_ids)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drops the prefix cache's blocks and checkpoints that no running request holds (vLLM's
+        EngineClient.reset_prefix_cache); False when some were held. Raises EngineDeadError on a dead engine."""
+        if self.is_dead:
+            raise EngineDeadError("the engine core is not running")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._calls_lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (asyncio.get_running_loop(), future)
+        if self.is_dead:  # died while the call was being registered: _on_dead may have missed it
+            self._answer(call_id, EngineDeadError("the engine core is not running"))
+        self.client.reset_prefix_cache(call_id)
+        return bool(await future)

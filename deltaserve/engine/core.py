@@ -115,6 +115,7 @@ class EngineCore:
             device=str(self.runner.device),
             dtype=str(self.runner.dtype).removeprefix("torch."),
             is_async_scheduling=self.is_async,
+            enable_prefix_caching=self.config.enable_prefix_caching,
         )
 
     # -- requests -------------------------------------------------------------------------------------
@@ -248,6 +249,7 @@ class EngineCore:
                     metrics=self._metrics(seq) if is_finished else None,
                     prompt_logprobs=prompt_logprobs.pop(seq.seq_id, None),
                     logits=b"".join(seq.logits) if seq.is_prefill_only else None,
+                    num_cached_tokens=seq.num_cached_tokens,
                 )
             )
         if num_iteration_tokens:
@@ -304,6 +306,13 @@ class EngineCore:
             iteration_token_counts=self._iteration_tokens.cumulative_counts(),
             iteration_tokens_sum=self._iteration_tokens.sum,
             block_size=blocks.block_size,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
-            enable_prefix_caching=False,
+            enable_prefix_caching=self.config.enable_prefix_caching,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached block and state checkpoint no running request holds (vLLM's reset_prefix_cache);
+        False when some could not be dropped. The counters behind vllm:prefix_cache_* keep counting."""
+        return self.scheduler.reset_prefix_cache()

@@ -1,6 +1,7 @@
 """Clients of an EngineCore: in a process of its own (the server's default) or on a thread of this process.
 
-Both run the same loop (`serve_core`): take commands (add, abort, shutdown), step the core, emit EngineCoreOutputs.
+Both run the same loop (`serve_core`): take commands (add, abort, reset the prefix cache, shutdown), step the core,
+emit EngineCoreOutputs (a reset's answer rides in their `replies`).
 The process client talks through two one-way multiprocessing pipes (pickled plain dataclasses; a well-kept
 standard-library transport, no protocol of our own), so the core has its own interpreter and its own GIL: HTTP,
 JSON, SSE and detokenisation in the API process no longer delay the next step. The core process ignores Ctrl-C and
@@ -38,7 +39,8 @@ HEARTBEAT_INTERVAL_S = 0.5
 # How long shutdown() waits for the core to finish its in-flight steps and exit before it kills it (the core ignores
 # SIGTERM, so there is no gentler second try).
 SHUTDOWN_WAIT_S = 5.0
-Command = tuple[str, Any]  # ("add", [EngineCoreRequest]) | ("abort", [core ids]) | ("shutdown", None)
+# ("add", [EngineCoreRequest]) | ("abort", [core ids]) | ("reset_prefix_cache", call id) | ("shutdown", None)
+Command = tuple[str, Any]
 OnOutputs = Callable[[EngineCoreOutputs], None]
 OnDead = Callable[[BaseException], None]
 
@@ -54,6 +56,7 @@ def serve_core(core: Any, get_commands: Callable[[bool], list[Command]], emit: O
         core.check_health()
         commands = get_commands(not core.has_unfinished())
         errors: list[tuple[str, str]] = []
+        replies: list[tuple[int, object]] = []
         for kind, payload in commands:
             if kind == "shutdown":
                 return
@@ -65,10 +68,13 @@ def serve_core(core: Any, get_commands: Callable[[bool], list[Command]], emit: O
                         errors.append((request.request_id, str(exc)))
             elif kind == "abort":
                 core.abort_requests(payload)
+            elif kind == "reset_prefix_cache":
+                # in command order: a request added after the reset was asked for is planned after it
+                replies.append((payload, core.reset_prefix_cache()))
         outputs = core.step() if core.has_unfinished() else []
         errors.extend(core.take_errors())
         if outputs or commands or errors:
-            emit(EngineCoreOutputs(tuple(outputs), core.stats(), tuple(errors)))
+            emit(EngineCoreOutputs(tuple(outputs), core.stats(), tuple(errors), tuple(replies)))
 
 
 # -- in a process of its own ------------------------------------------------------------------------------
@@ -228,6 +234,10 @@ class ProcessCoreClient:
         if core_ids:
             self._commands.put(("abort", core_ids))
 
+    def reset_prefix_cache(self, call_id: int) -> None:
+        """The answer comes back as (call_id, bool) in the `replies` of an EngineCoreOutputs."""
+        self._commands.put(("reset_prefix_cache", call_id))
+
     def shutdown(self) -> None:
         self._is_stopping = True
         self._commands.put(("shutdown", None))
@@ -286,6 +296,10 @@ class ThreadCoreClient:
     def abort(self, core_ids: list[str]) -> None:
         if core_ids:
             self._commands.put(("abort", core_ids))
+
+    def reset_prefix_cache(self, call_id: int) -> None:
+        """The answer comes back as (call_id, bool) in the `replies` of an EngineCoreOutputs."""
+        self._commands.put(("reset_prefix_cache", call_id))
 
     def shutdown(self) -> None:
         self._commands.put(("shutdown", None))

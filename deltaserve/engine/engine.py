@@ -113,6 +113,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops the prefix cache's blocks and checkpoints that no request holds; False when some were held."""
+        return self.core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any; the engine cannot step afterwards."""
         self.core.shutdown()

@@ -2,7 +2,9 @@
 
 A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}), optionally with vLLM's
 "multi_modal_data" ({"image": ..., "video": ...}; the prompt holds the chat template's placeholders). All prompts
-are submitted to the engine at once and run with continuous batching; results come back in input order.
+are submitted to the engine at once and run with continuous batching; results come back in input order. The prefix
+cache is on unless LLM(..., enable_prefix_caching=False); RequestOutput.num_cached_tokens says what it served, and
+reset_prefix_cache() empties it.
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ class LLM:
                         self.engine.abort_request(request_id)
                 raise
         return [states[rid].final_output() for rid in request_ids]
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Drops every cached KV block and GDN state checkpoint (vLLM's LLM.reset_prefix_cache), so the next prompt
+        is computed in full; True when all were dropped. No request runs between two generate() calls, so
+        reset_running_requests changes nothing here; there is no KV connector to reset."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (tensor_parallel_size > 1); a no-op otherwise. They stop by

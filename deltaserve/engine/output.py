@@ -41,6 +41,7 @@ class SequenceProgress:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     text: str = ""  # cumulative text handed out so far
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prefix-cache hits at admission, from the sequence's first output
 
     @property
     def is_finished(self) -> bool:
@@ -77,6 +78,8 @@ class RequestState:
         """Records a core output for sequence `index`. True when a stop string ended the sequence while the core
         still runs it (the caller aborts it there)."""
         progress = self.sequences[index]
+        if progress.num_cached_tokens is None:
+            progress.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs and index == 0 and self.prompt_logprobs is not None:
             # the n sequences share the prompt: the first one's are reported
             self._add_prompt_logprobs(progress, output.prompt_logprobs)
@@ -112,6 +115,13 @@ class RequestState:
         for progress in self.sequences:
             if not progress.is_finished:
                 progress.finish_reason = FinishReason.ABORT.value
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """The request's prefix-cache hits: its first sequence's that has reported (the n sequences share the
+        prompt), 0 before any output."""
+        known = [p.num_cached_tokens for p in self.sequences if p.num_cached_tokens is not None]
+        return known[0] if known else 0
 
     def _metrics(self) -> RequestMetrics | None:
         """The request's engine timestamps once it finished: earliest schedule and token, latest token."""
@@ -163,6 +173,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.is_finished,
+            num_cached_tokens=self.num_cached_tokens,
             metrics=self._metrics(),
             prompt_logprobs=self.prompt_logprobs,
         )
@@ -182,6 +193,6 @@ class RequestState:
             for index, progress in enumerate(self.sequences)
         ]
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished, metrics=self._metrics(),
-            prompt_logprobs=self.prompt_logprobs,
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished,
+            num_cached_tokens=self.num_cached_tokens, metrics=self._metrics(), prompt_logprobs=self.prompt_logprobs,
         )  # fmt: skip

@@ -44,6 +44,9 @@ class EngineCoreOutput:
     prompt_logprobs: tuple[tuple[tuple[int, float, int], ...], ...] | None = None
     # a prefill-only request's finishing output: the fp32 logits [prompt_len, V] of its prompt, row-major bytes
     logits: bytes | None = None
+    # prompt tokens the prefix cache served at the request's admission (vLLM's Request.num_cached_tokens); the
+    # front end keeps the value of a sequence's first output, as vLLM sets it once, at the first admission
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class EngineCoreInfo:
     device: str
     dtype: str
     is_async_scheduling: bool
+    enable_prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,5 @@ class EngineCoreOutputs:
     outputs: tuple[EngineCoreOutput, ...]
     stats: EngineStats
     errors: tuple[tuple[str, str], ...] = ()  # (core request id, message) of requests the core refused
+    # answers to the client's utility calls since the last batch: (call id, result), e.g. reset_prefix_cache's bool
+    replies: tuple[tuple[int, object], ...] = ()

@@ -55,6 +55,10 @@ class EngineStats:
     # vllm:iteration_tokens_total as a cumulative histogram: counts per ITERATION_TOKEN_BUCKETS bound (le), then +Inf
     iteration_token_counts: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
     iteration_tokens_sum: int = 0
+    # vllm:prefix_cache_queries / vllm:prefix_cache_hits: cumulative prompt tokens looked up in the prefix cache at
+    # admission and those it served (the scheduler's counters, vLLM's definition)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # vllm:cache_config_info
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

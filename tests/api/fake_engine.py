@@ -6,7 +6,8 @@ max_tokens, ignore_eos) and books KV blocks and state slots per sequence, so a t
 an aborted or disconnected request gave its resources back. It reports what the real engine reports after the
 rewrite: RequestOutput.num_cached_tokens (set `num_cached_tokens`), RequestOutput.metrics with engine timestamps
 (with `is_reporting_metrics`), prompt logprobs (computed once per request, as the real front end does for n > 1),
-and EngineStats' iteration-token histogram and waiting-by-reason counts.
+EngineStats' iteration-token histogram, waiting-by-reason counts and prefix-cache counters, and counts the prefix-cache
+resets it is asked for.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class FakeEngine:
         self.num_aborted = 0
         self.num_started = 0
         self.num_cached_tokens = 0  # prefix-cache hits every request reports
+        # the scheduler's counters: each sequence's prompt is looked up once, hitting num_cached_tokens of it
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_prefix_cache_resets = 0
         self.is_reporting_metrics = False  # RequestOutput.metrics with engine timestamps
         self.num_preemptions = 0  # reported in each request's metrics
         self.iteration_tokens: list[int] = []  # tokens of each engine step, for vllm:iteration_tokens_total
@@ -85,6 +90,10 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)
+
+    async def reset_prefix_cache(self) -> bool:
+        self.num_prefix_cache_resets += 1
+        return True
 
     def _iteration_counts(self) -> tuple[int, ...]:
         bounds = (*ITERATION_TOKEN_BUCKETS, float("inf"))
@@ -104,6 +113,8 @@ class FakeEngine:
             num_free_state_slots=self.num_total_state_slots - self.num_used_slots,
             num_total_state_slots=self.num_total_state_slots,
             num_preemptions_total=0,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     def _script_ids(self, texts: list[str] | None, index: int) -> list[int] | None:
@@ -143,6 +154,8 @@ class FakeEngine:
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         self.running[request_id] = params
         num_prompt = len(prompt_token_ids)
+        self.prefix_cache_queries += num_prompt * params.n
+        self.prefix_cache_hits += min(self.num_cached_tokens, num_prompt) * params.n
         held_blocks = 0
         self.num_used_slots += params.n
         is_finished = False

@@ -89,3 +89,61 @@ def test_fused_vs_unfused_preamble_grid_on_the_cpu(tmp_path: Path) -> None:
     text = output.read_text()
     assert "DELTASERVE_FUSE_ATTN_PREAMBLE=0" in text and "the same engine with the four-op preamble" in text
     assert (output.parent / "plots/bench-cpu-run.png").exists()
+
+
+def test_multi_turn_grid_records_both_arms_hit_rates_on_the_cpu(tmp_path: Path) -> None:
+    """The multi-turn dataset through the grid on two real servers, deltaserve's prefix cache on (subject) and off
+    (peer): one conversation per client, and each ratio carries both servers' hit rates from their /metrics."""
+    from deltaserve.tiny import make_tiny
+
+    model = make_tiny(tmp_path / "tiny-dense", "dense")
+    serve = '["{python}", "-m", "deltaserve.cli", "serve", "{model}", "--port", "{port}"'
+    config_path = tmp_path / "cpu-mt.toml"
+    config_path.write_text(
+        textwrap.dedent(
+            f"""
+            [grid]
+            name = "cpu_multi_turn"
+            title = "deltaserve prefix cache on vs off, multi-turn, tiny dense, CPU"
+            concurrencies = [2]
+            lengths = [[130, 8]]
+            num_warmups = 1
+            port = {free_port()}
+            client_args = ["--temperature", "0", "--ignore-eos"]
+
+            [dataset]
+            name = "multi-turn"
+            multi_turn_turns = 3
+            multi_turn_user_len = 20
+
+            [[models]]
+            name = "tiny-dense"
+            path = "{model}"
+
+            [[arms]]
+            name = "cache-on"
+            role = "subject"
+            command = {serve}]
+            startup_timeout_s = 120
+
+            [[arms]]
+            name = "cache-off"
+            role = "peer"
+            command = {serve}, "--no-enable-prefix-caching"]
+            startup_timeout_s = 120
+            """
+        )
+    )
+    record = Grid(load_config(config_path), tmp_path / "results", record_name="mt", is_drift_enabled=False).run()
+    assert record["is_complete"] and [e["error"] for e in record["launches"]] == [None, None]
+    by_arm = {run["arm"]: run["metrics"] for run in record["runs"]}
+    for metrics in by_arm.values():
+        assert metrics["failed"] == 0 and metrics["completed"] == 2 * 3 and metrics["multi_turn_num_clients"] == 2
+    on, off = by_arm["cache-on"], by_arm["cache-off"]
+    # turns 2 and 3 re-send the earlier turn's whole prompt: the cache serves part of it
+    assert on["server_prefix_cache_queries"] > 0 and 0 < on["server_prefix_cache_hit_rate"] < 1
+    # the cache off: nothing is looked up, so there is no rate (not a 0 %)
+    assert off["server_prefix_cache_queries"] == 0 and off["server_prefix_cache_hit_rate"] is None
+    (entry,) = record["ratios"]
+    assert entry["subject_prefix_cache_hit_rate"] == on["server_prefix_cache_hit_rate"]
+    assert entry["peer_prefix_cache_hit_rate"] is None

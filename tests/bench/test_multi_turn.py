@@ -111,6 +111,11 @@ def test_each_turn_resends_the_history_with_the_real_answers(
     assert record["median_ttft_ms"] > 0 and record["median_tpot_ms"] > 0 and len(record["itls"][0]) == ANSWER_LEN
     assert record["multi_turn_num_clients"] == 3 and record["dataset_name"] == "multi-turn"
     assert "Median TTFT by turn (ms):" in summary(record) and "Prefix cache hit rate:" in summary(record)
+    # the server's own counters (/metrics, summed over its engines) over the measured turns: the warm-up is left out
+    assert record["server_prefix_cache_queries"] == record["total_prompt_tokens_sent"]
+    assert record["server_prefix_cache_hits"] == record["total_cached_tokens"]
+    assert record["server_prefix_cache_hit_rate"] == pytest.approx(record["prefix_cache_hit_rate"])
+    assert "Server prefix cache hit rate:" in summary(record)
 
 
 def test_without_cached_tokens_the_hit_rate_is_null(patch_tokenizer: WordTokenizer, fake_server: str) -> None:
@@ -119,6 +124,8 @@ def test_without_cached_tokens_the_hit_rate_is_null(patch_tokenizer: WordTokeniz
     assert record["total_cached_tokens"] is None and record["prefix_cache_hit_rate"] is None
     assert record["cached_tokens_by_turn"] == [None, None] and record["num_requests_with_cached_tokens"] == 0
     assert "Median TTFT by turn (ms):" in summary(record) and "hit rate" not in summary(record)
+    # no /metrics with the counters: null, never a guessed 0
+    assert record["server_prefix_cache_queries"] is None and record["server_prefix_cache_hit_rate"] is None
 
 
 @pytest.fixture
@@ -138,7 +145,10 @@ def test_a_failed_turn_ends_its_conversation(patch_tokenizer: WordTokenizer, fai
     assert record["median_ttft_ms_by_turn"] == [None, None, None]
 
 
-def test_turn_breakdown_counts_only_reporting_requests() -> None:
+def test_turn_breakdown_counts_a_response_without_details_as_no_hit() -> None:
+    """Once a response of the run carried prompt_tokens_details, one without them hit nothing (vLLM and deltaserve
+    leave them out at 0 cached tokens); with none carrying them, nothing is known."""
+
     def done(ttft: float, prompt: int, cached: int | None) -> RequestResult:
         return RequestResult(prompt_len=prompt, is_success=True, ttft=ttft, cached_tokens=cached)
 
@@ -152,7 +162,10 @@ def test_turn_breakdown_counts_only_reporting_requests() -> None:
     assert breakdown["median_ttft_ms_by_turn"] == pytest.approx([300.0, 100.0])
     assert breakdown["prompt_tokens_by_turn"] == [200, 150] and breakdown["total_prompt_tokens_sent"] == 350
     assert breakdown["cached_tokens_by_turn"] == [0, 100] and breakdown["total_cached_tokens"] == 100
-    assert breakdown["prefix_cache_hit_rate"] == pytest.approx(100 / 250)
+    assert breakdown["num_requests_with_cached_tokens"] == 2
+    assert breakdown["prefix_cache_hit_rate"] == pytest.approx(100 / 350)
+    silent = turn_breakdown([TurnResult(0, 0, done(0.2, 100, None))], 1)
+    assert silent["cached_tokens_by_turn"] == [None] and silent["prefix_cache_hit_rate"] is None
 
 
 def test_flags_multi_turn_cannot_honour_are_refused(patch_tokenizer: WordTokenizer) -> None:
