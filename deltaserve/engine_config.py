@@ -46,6 +46,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp; "uni" (vLLM's one-process backend) at TP=1 only
     enable_expert_parallel: bool = False  # MoE experts split whole across the ranks instead of each one's width
+    # hybrid prefix caching (docs/prefix-caching.md), on by default as vLLM 0.34 has it for hybrids: a request that
+    # shares a prefix with earlier traffic resumes at the deepest GDN state checkpoint of that prefix
+    enable_prefix_caching: bool = True
+    # a checkpoint every N tokens of a prefill (N a multiple of the GDN chunk size, 64); 0: none. A first guess,
+    # to be measured on the H200 (docs/prefix-caching.md)
+    prefix_cache_checkpoint_interval: int = 8192
+    num_checkpoint_slots: int | None = None  # state slots for checkpoints beside max_num_seqs; None: from memory
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -60,6 +67,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.prefix_cache_checkpoint_interval < 0:
+            interval = self.prefix_cache_checkpoint_interval
+            raise ValueError(f"prefix_cache_checkpoint_interval must be 0 (none) or positive, got {interval}")
+        if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
+            raise ValueError(f"num_checkpoint_slots must be at least 0, got {self.num_checkpoint_slots}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:

@@ -69,6 +69,8 @@ class EngineCore:
             self.max_num_batched_tokens,
             self.max_model_len,
             config.scheduling_policy,
+            enable_prefix_caching=config.enable_prefix_caching,
+            checkpoint_interval=config.prefix_cache_checkpoint_interval,
         )
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}

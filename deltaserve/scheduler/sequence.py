@@ -56,6 +56,8 @@ class Sequence:
     # generating request.
     logits_chunks: tuple[int, ...] | None = None
     logits: list[bytes] = field(default_factory=list)  # the prefill-only request's logits, one entry per chunk
+    # prompt tokens served from the prefix cache at its first admission (vLLM's RequestOutput.num_cached_tokens)
+    num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
