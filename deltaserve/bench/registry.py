@@ -393,6 +393,7 @@ def vllm_engine(
     facts: CheckpointFacts | None = None,
     serves_media: bool = False,
     shares_gpu: bool = False,
+    speculative_config: dict[str, Any] | None = None,
 ) -> OracleEngine:
     """vLLM's production configuration as `vllm.LLM(**kwargs)` for `model` (the in-process twin of vllm_launch).
 
@@ -400,6 +401,7 @@ def vllm_engine(
     names the traffic, not a setting: image and video prompts need the vision tower, so vLLM's production
     configuration for them keeps it (no language_model_only, hence no fused QK-norm + RoPE + gate path).
     `shares_gpu` (gates run side by side on one GPU) adds SHARED_GPU_ENGINE_KWARGS, each with its reason.
+    `speculative_config` makes it vLLM's MTP arm (checked as `vllm_launch` checks it), for the MTP gates.
     """
     facts = facts or inspect_checkpoint(model)
     if serves_media and not facts.is_multimodal:
@@ -430,6 +432,12 @@ def vllm_engine(
     if not facts.has_weights:
         kwargs["load_format"] = "dummy"
         reasons.append("load_format=dummy: config-only checkpoint")
+    if speculative_config is not None:
+        problems = check_speculative_config(speculative_config, facts)
+        if problems:
+            raise ValueError("not vLLM's MTP arm: " + "; ".join(problems))
+        kwargs["speculative_config"] = dict(speculative_config)
+        reasons.append(f"speculative_config={speculative_config}: vLLM's MTP arm")
     for name, (value, why) in (HARNESS_ENGINE_KWARGS | (SHARED_GPU_ENGINE_KWARGS if shares_gpu else {})).items():
         kwargs[name] = value
         reasons.append(f"{name}={value}: {why}")

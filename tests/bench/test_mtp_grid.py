@@ -80,3 +80,14 @@ def test_dummy_checkpoints_declare_their_mtp_layer(tmp_path: Path) -> None:
         config = json.loads((tmp_path / folder / "config.json").read_text())
         assert config["mtp_num_hidden_layers"] == 1 and config["text_config"]["mtp_num_hidden_layers"] == 1
         assert registry.inspect_checkpoint(tmp_path / folder).num_mtp_layers == 1
+
+
+def test_in_process_oracle_becomes_the_mtp_arm_only_when_asked(tmp_path: Path) -> None:
+    model = str(_with_mtp(write_config(tmp_path / "m", num_experts=8)))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")  # real weights: drafts are real, no pinned acceptance
+    greedy = {"method": "mtp", "num_speculative_tokens": 2}
+    engine = registry.vllm_engine(model, 160, speculative_config=greedy)
+    assert engine.kwargs["speculative_config"] == greedy and any("MTP arm" in r for r in engine.reasons)
+    assert "speculative_config" not in registry.vllm_engine(model, 160).kwargs
+    with pytest.raises(ValueError, match="method 'ngram'"):
+        registry.vllm_engine(model, 160, speculative_config={**greedy, "method": "ngram"})
