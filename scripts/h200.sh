@@ -24,6 +24,9 @@
 #                                (benchmarks/oracle/gates_shared.sh; STAGE: transformers, vllm-refs, then vllm)
 #   gates media [MEDIA]          the bf16 image / multi-image / video gates on the vision variants
 #                                (benchmarks/oracle/media_gate_runs.sh; MEDIA default image)
+#   gates prefix-cache [FLAGS]   `deltaserve gate prefix-cache` in bf16 on cuda on the trained dense / moe / next
+#                                checkpoints: greedy tokens with the prefix cache on vs off, STRICT n/N each
+#                                (gate-prefix-cache-V-bf16-TAG.json); FLAGS are the gate's own
 #   decode-step [FLAGS]          benchmarks/decode_step.py (FLAGS are its own: --batches, --shapes, --variants, ...),
 #                                then graph_ms against the newest committed decode-step record
 #                                (scripts/decode_step_compare.py; `--against RECORD` names another)
@@ -228,6 +231,20 @@ gate_fp32() {  # the fp32 token gates on cuda: STRICT n/N first in each log
   return $status
 }
 
+gate_prefix_cache() {  # cache on vs off, bf16 on cuda, the trained checkpoints shipped with the package
+  local v rc status=0
+  for v in ${VARIANTS:-dense moe next}; do
+    run "$W/gate-prefix-cache-$v.log" timeout "$(left)" $PY -m deltaserve.cli gate prefix-cache \
+      --model "deltaserve/tiny/trained/$v" --dtype bfloat16 --device cuda \
+      --record "$OUT/gate-prefix-cache-$v-bf16-$tag.json" "$@"
+    rc=$?
+    [ $rc -ne 0 ] && status=$rc
+    echo "gate prefix-cache $v rc $rc: $(grep -m1 STRICT "$W/gate-prefix-cache-$v.log" 2> /dev/null)" | say
+    grep -E "^  mismatch|^hits" "$W/gate-prefix-cache-$v.log" 2> /dev/null | say
+  done
+  return $status
+}
+
 mark "$step $* (commit ${DELTASERVE_GIT_COMMIT:-unset}, $(date -u +%FT%TZ), budget ${budget} s)"
 setup
 status=0
@@ -241,6 +258,7 @@ case $step in
     shift || true
     case $what in
       fp32) gate_fp32 || status=$? ;;
+      prefix-cache) gate_prefix_cache "$@" || status=$? ;;
       bf16 | media)
         script=benchmarks/oracle/gates_shared.sh
         [ "$what" = media ] && script=benchmarks/oracle/media_gate_runs.sh
@@ -248,7 +266,7 @@ case $step in
           GATE_TIMEOUT_S="$(left 20)" timeout "$(left 10)" bash "$script" || status=$?
         grep -E "^===|^STRICT|^rc|REFUSED|Error" "$W/$what.log" 2> /dev/null | say
         tar -czf "$OUT/gates-$what-${1:-all}-$tag.tgz" -C "$W/$what" . 2> /dev/null ;;
-      *) echo "gates: fp32, bf16 STAGE or media MEDIA, not $what" | say; status=2 ;;
+      *) echo "gates: fp32, bf16 STAGE, media MEDIA or prefix-cache, not $what" | say; status=2 ;;
     esac ;;
   decode-step)
     against=()

@@ -50,6 +50,12 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
     for variant in ("dense", "moe", "next"):
         assert f"--dtype float32 --device cuda --record {out}/gate-fp32-tiny-{variant}-cuda-h200-test.json" in gates
     assert "env OUT=" in runner(tmp_path, "gates", "bf16", "vllm").stdout
+    cached = runner(tmp_path, "gates", "prefix-cache", "--max-tokens", "16").stdout
+    for variant in ("dense", "moe", "next"):
+        assert (
+            f"gate prefix-cache --model deltaserve/tiny/trained/{variant} --dtype bfloat16 --device cuda --record "
+            f"{out}/gate-prefix-cache-{variant}-bf16-h200-test.json --max-tokens 16" in cached
+        )
 
 
 def test_kernel_ab_builds_a_baseline_tree_from_one_kernel_file(tmp_path: Path) -> None:

@@ -1,0 +1,56 @@
+"""`deltaserve gate prefix-cache`: its traffic, its verdict and exit codes, and one run on a trained checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deltaserve.gates import prefix_cache as gate
+from deltaserve.tiny.trained import trained_model_dir
+
+
+def _verdict(checked: int, matched: int, cached: int, mismatches: int = 0) -> gate.GateVerdict:
+    found = [gate.Mismatch("retry", 1, 0, 3, 5, 6)] * mismatches
+    return gate.GateVerdict(checked, matched, 100, cached, found, {})
+
+
+def test_exit_codes_say_what_was_checked() -> None:
+    assert gate.verdict_code(_verdict(4, 4, 10)) == 0
+    assert gate.verdict_code(_verdict(4, 3, 10, mismatches=1)) == 1
+    assert gate.verdict_code(_verdict(4, 4, 0)) == 2  # the cache never hit: nothing of it was exercised
+    assert gate.verdict_code(_verdict(0, 0, 0)) == 2
+
+
+def test_traffic_shares_the_prefixes_it_claims() -> None:
+    ids = list(range(1000, 3000))
+    scenarios = {s.name: s for s in gate.make_scenarios(ids, seed=0)}
+    assert scenarios == {s.name: s for s in gate.make_scenarios(ids, seed=0)}  # seeded: both engines see the same
+    for length in gate.SHARED_PREFIX_LENGTHS:
+        prompts = [p for r in scenarios[f"shared-prefix-{length}"].rounds for p in r.prompts]
+        assert len(prompts) == 5 and len({tuple(p[:length]) for p in prompts}) == 1
+        assert all(gate.SUFFIX_LENGTHS[0] <= len(p) - length <= gate.SUFFIX_LENGTHS[1] for p in prompts)
+    retry = [r.prompts[0] for r in scenarios["retry"].rounds]
+    assert len(retry) == 3 and retry[0] == retry[1] == retry[2]
+    assert scenarios["n>1"].rounds[0].n == 3
+    assert [len(s) for s in scenarios["multi-turn"].turn_spans] == list(gate.TURN_LENGTHS)
+
+
+def test_verdict_lists_every_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    gate.print_verdict(_verdict(4, 3, 10, mismatches=1))
+    out = capsys.readouterr().out
+    assert out.startswith("STRICT 3/4")
+    assert "mismatch retry round 1 prompt 0: first difference at output position 3, off 5 vs on 6" in out
+    assert "10 of 100 prompt tokens" in out
+
+
+@pytest.fixture(scope="module")
+def dense() -> Path:
+    return trained_model_dir("dense")
+
+
+def test_cache_on_matches_cache_off_on_the_trained_dense_checkpoint(dense: Path) -> None:
+    verdict = gate.run_gate(dense, "float32", max_tokens=8, seed=0)
+    gate.print_verdict(verdict)
+    assert verdict.num_checked == 29 and verdict.mismatches == []
+    assert verdict.num_matched == verdict.num_checked
