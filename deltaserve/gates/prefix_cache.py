@@ -71,6 +71,7 @@ class GateVerdict:
     cached_tokens: int
     mismatches: list[Mismatch]
     config: dict[str, Any]
+    hits_by_scenario: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (cached, prompt tokens)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,10 +192,13 @@ def run_gate(
         on.shutdown()
     mismatches: list[Mismatch] = []
     checked = matched = prompt_tokens = cached_tokens = 0
+    by_scenario: dict[str, tuple[int, int]] = {}
     for key, (off_completions, _, _) in off_results.items():
         on_completions, num_prompt, num_cached = on_results[key]
         prompt_tokens += num_prompt
         cached_tokens += num_cached
+        cached_so_far, prompt_so_far = by_scenario.get(key[0], (0, 0))
+        by_scenario[key[0]] = (cached_so_far + num_cached, prompt_so_far + num_prompt)
         for off_ids, on_ids in zip(off_completions, on_completions, strict=True):
             checked += 1
             if off_ids == on_ids:
@@ -210,7 +214,7 @@ def run_gate(
                 )
             )  # fmt: skip
     config = {"dtype": dtype, "max_tokens": max_tokens, "seed": seed, **{k: str(v) for k, v in kwargs.items()}}
-    return GateVerdict(checked, matched, prompt_tokens, cached_tokens, mismatches, config)
+    return GateVerdict(checked, matched, prompt_tokens, cached_tokens, mismatches, config, by_scenario)
 
 
 def print_verdict(verdict: GateVerdict) -> None:
@@ -225,6 +229,8 @@ def print_verdict(verdict: GateVerdict) -> None:
         f"hits: {verdict.cached_tokens} of {verdict.prompt_tokens} prompt tokens served from the cache "
         f"({100 * rate:.1f} %) by the cache-on engine; config {verdict.config}"
     )
+    for name, (cached, prompt) in verdict.hits_by_scenario.items():
+        print(f"  {name}: {cached} of {prompt} prompt tokens cached")
     if verdict.num_checked == 0:
         print("nothing was checked")
     elif verdict.cached_tokens == 0:

@@ -53,4 +53,18 @@ def test_cache_on_matches_cache_off_on_the_trained_dense_checkpoint(dense: Path)
     verdict = gate.run_gate(dense, "float32", max_tokens=8, seed=0)
     gate.print_verdict(verdict)
     assert verdict.num_checked == 29 and verdict.mismatches == []
-    assert verdict.num_matched == verdict.num_checked
+    assert gate.verdict_code(verdict) == 0
+    hits = verdict.hits_by_scenario
+    # every kind of traffic hit: a shared prefix by its later sightings, turn k + 1 turn k's history, the retries
+    assert all(hits[f"shared-prefix-{n}"][0] > 0 for n in gate.SHARED_PREFIX_LENGTHS)
+    assert hits["multi-turn"][0] > 0 and hits["retry"][0] > 0
+
+
+def test_a_cache_that_restores_no_state_fails_the_gate(dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit resumes from the checkpoint's GDN state: with the state copies dropped (no checkpoint saved, no
+    checkpoint read into the live slot) the resumed requests run from a stale state and the gate must say 1."""
+    from deltaserve.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "copy_state_slots", lambda model, pairs: None)
+    verdict = gate.run_gate(dense, "float32", max_tokens=8, seed=0)
+    assert verdict.mismatches and gate.verdict_code(verdict) == 1
