@@ -32,9 +32,11 @@ from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
 from deltaserve.runner.executor import make_executor
 from deltaserve.runner.model_runner import StepHandle
+from deltaserve.runner.spec_decode import Drafter
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
+from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.step import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,12 @@ class EngineCore:
             layout.block_size, layout.num_slots,
             self.runner.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, "on" if self.is_async else "off",
         )  # fmt: skip
+
+    def enable_speculation(self, num_speculative_tokens: int, drafter: Drafter) -> None:
+        """Speculative decoding with up to num_speculative_tokens drafts a decode, proposed by `drafter`
+        (docs/speculative-decoding.md)."""
+        self.runner.enable_speculation(num_speculative_tokens, drafter)
+        self.scheduler.spec = SpecSchedule(num_speculative_tokens)
 
     def info(self) -> EngineCoreInfo:
         layout = self.runner.layout

@@ -14,6 +14,13 @@ from deltaserve.kernels.conv import (
     causal_conv1d_update_ref,
 )
 from deltaserve.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+from deltaserve.kernels.gdn_spec import (
+    causal_conv1d_verify,
+    causal_conv1d_verify_ref,
+    gdn_verify,
+    gdn_verify_ref,
+    spec_state_commit,
+)
 from deltaserve.kernels.linear import linear, linear_ref
 from deltaserve.kernels.moe import (
     fused_moe,
@@ -42,6 +49,8 @@ __all__ = [
     "causal_conv1d_prefill_ref",
     "causal_conv1d_update",
     "causal_conv1d_update_ref",
+    "causal_conv1d_verify",
+    "causal_conv1d_verify_ref",
     "fused_moe",
     "fused_moe_block",
     "fused_moe_block_ref",
@@ -52,6 +61,8 @@ __all__ = [
     "gdn_decode_ref",
     "gdn_prefill",
     "gdn_prefill_ref",
+    "gdn_verify",
+    "gdn_verify_ref",
     "linear",
     "linear_ref",
     "moe_route",
@@ -68,6 +79,7 @@ __all__ = [
     "sigmoid_gate_mul_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "spec_state_commit",
     "store_kv",
     "store_kv_ref",
 ]

@@ -50,6 +50,7 @@ from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
 from deltaserve.sampler.transfer import to_device
 from deltaserve.sampling_params import SamplingParams
@@ -105,6 +106,7 @@ class StepHandle:
     # host perf_counter() stamps of execute(), taken only while a step observer is registered
     launch_started: float = 0.0
     launched_at: float = 0.0
+    spec: SpecHandle | None = None  # the step's verify chunks (speculative decoding)
 
 
 def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
@@ -201,6 +203,7 @@ class ModelRunner:
         )
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
+        self.spec: SpecDecoder | None = None  # enable_speculation
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
@@ -292,6 +295,8 @@ class ModelRunner:
             sample_rows_dev = self.graphs.rows[:num_seqs]
         else:
             inputs = build_eager_inputs(plan, layout, self.table, self.block_size, self.device)
+            if layout.spec is not None:
+                self._require_spec().fill_draft_inputs(inputs.input_ids, layout.spec)
             mm_embeds = self._mm_embeds(plan, layout) if any(s.mm_spans for s in plan.seqs) else None
             with forward_context(inputs.ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
@@ -324,9 +329,16 @@ class ModelRunner:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             self.table.record_sampled(rows, sample_rows_dev, self.tp.broadcast_from_first(tokens))
             return StepHandle(plan, layout.sample_seqs, None, None, None)
-        batch = self.table.sampling_batch(rows, sample_rows_dev)
+        if layout.spec is None:
+            batch = self.table.sampling_batch(rows, sample_rows_dev)
+        else:  # every position of a verify chunk samples as its row's next outputs
+            counts = layout.spec.sample_counts
+            batch = self.table.sampling_batch(np.repeat(rows, counts), inputs.position_rows_dev,
+                                              layout.spec.position_offsets)  # fmt: skip
         handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
                             prompt_event)  # fmt: skip
+        if layout.spec is not None:
+            handle.spec = SpecHandle(layout.spec, keys=self.table.keys[rows[layout.spec.spec_sample_index]])
         if defer_sampling:
             handle.pending = (logits, rows, sample_rows_dev, batch)
         else:
@@ -342,6 +354,8 @@ class ModelRunner:
         logits, rows, rows_dev, batch = handle.pending
         handle.pending = None
         if bitmask is not None and len(bitmask_rows):
+            if handle.spec is not None:  # sequences -> their first sampled position
+                bitmask_rows = handle.spec.layout.sample_offsets[bitmask_rows]
             batch.token_bitmask = to_device(bitmask, torch.int32, self.device)
             batch.bitmask_rows = to_device(bitmask_rows, torch.int64, self.device)
         self._sample(handle, logits, rows, rows_dev, batch)
@@ -350,9 +364,29 @@ class ModelRunner:
         self, handle: StepHandle, logits: torch.Tensor, rows: np.ndarray, rows_dev: torch.Tensor, batch: SamplingBatch
     ) -> None:
         out = self.sampler(logits, batch)
-        self.tp.broadcast_from_first(out.token_ids)
-        self.table.record_sampled(rows, rows_dev, out.token_ids)
+        tokens = out.token_ids  # [S]: each sampling sequence's next input
+        if handle.spec is not None:
+            last = self.spec.last_positions(handle.spec, tokens.device)
+            tokens = self.spec.accept(handle.spec, out.token_ids, out.token_ids.index_select(0, last))
+        self.tp.broadcast_from_first(tokens)
+        self.table.record_sampled(rows, rows_dev, tokens)
+        if self.spec is not None:
+            self.spec.propose(rows, rows_dev, tokens, handle.spec)
         handle.sampled, handle.event = self._to_host(out)
+        if handle.spec is not None:
+            SpecDecoder.to_host(handle.spec)
+
+    def enable_speculation(self, num_speculative_tokens: int, drafter: Drafter) -> None:
+        """Turns on verify chunks of up to num_speculative_tokens drafts, which `drafter` proposes after every
+        step that samples (runner/spec_decode.py)."""
+        if self.tp.is_parallel:
+            raise ValueError("speculative decoding under tensor parallelism is not implemented")
+        self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device)
+
+    def _require_spec(self) -> SpecDecoder:
+        if self.spec is None:
+            raise ValueError("a plan holds verify chunks (num_draft_tokens > 0) but speculative decoding is off")
+        return self.spec
 
     def _mm_embeds(self, plan: StepPlan, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's encoder embeddings: items a chunk's window needs are encoded whole (the ViT is bidirectional),
@@ -437,7 +471,11 @@ class ModelRunner:
             if handle.prompt_event is not None:
                 handle.prompt_event.synchronize()
             prompt_logprobs = tuple(plp.to_plain(handle.prompt_logprobs, len(plan.seqs)))
-        if handle.sampled is not None:
+        if handle.sampled is not None and handle.spec is not None:
+            if handle.event is not None:
+                handle.event.synchronize()
+            collect_tokens(handle, self.table, self.vocab_size, token_ids, logprobs)
+        elif handle.sampled is not None:
             if handle.event is not None:
                 handle.event.synchronize()
             sampled = handle.sampled.token_ids.tolist()

@@ -29,6 +29,7 @@ from collections import deque
 
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
+from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.scheduler.stop import FINISH_ABORT, FINISH_STOP, check_stop
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult, window_spans
 
@@ -69,6 +70,7 @@ class Scheduler:
         self._removed_rows: list[int] = []
         # step_id -> (sequence, its epoch when planned, tokens planned, whether it samples), in plan order
         self._inflight: dict[int, list[tuple[Sequence, int, int, bool]]] = {}
+        self.spec: SpecSchedule | None = None  # speculative decoding (scheduler/spec.py); None: off
 
     @property
     def num_waiting(self) -> int:
@@ -111,7 +113,13 @@ class Scheduler:
             return self._prefill_only_chunk(seq, budget)
         if seq.is_length_capped or seq.num_planned_tokens >= self.max_model_len:
             return 0  # its last token is in flight; update() will finish it on the length rules
-        return min(seq.num_unplanned_tokens, budget)
+        if seq.num_inflight_verifies:
+            return 0  # its position depends on how many drafts that step accepts
+        num_new = min(seq.num_unplanned_tokens, budget)
+        is_decode = num_new == seq.num_unplanned_tokens == 1 and seq.num_computed_tokens + seq.num_inflight_tokens > 0
+        if self.spec is not None and is_decode:
+            num_new += self.spec.num_drafts(seq, budget - 1, self.max_model_len)
+        return num_new
 
     def _prefill_only_chunk(self, seq: Sequence, budget: int) -> int:
         """A prefill-only request's next chunk, planned whole or not at all (its logits must come from the chunks it
@@ -185,7 +193,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            needs_sample = start + num_new == seq.num_planned_tokens and not seq.is_prefill_only
+            num_drafts = max(0, num_new - seq.num_unplanned_tokens)  # a verify chunk: its token plus the drafts
+            needs_sample = start + num_new - num_drafts == seq.num_planned_tokens and not seq.is_prefill_only
             spans = window_spans(seq.mm_input, start, start + num_new)
             item = ScheduledSeq(
                 row=seq.row,
@@ -195,14 +204,17 @@ class Scheduler:
                 read_slot=seq.state_slot if start > 0 else None,
                 new_block_ids=tuple(seq.block_ids[seq.num_blocks_sent :]),
                 needs_sample=needs_sample,
+                num_draft_tokens=num_drafts,
                 mm_spans=spans,
                 return_logits=seq.is_prefill_only,
             )
             seq.num_blocks_sent = len(seq.block_ids)
             seq.num_inflight_tokens += num_new
             seq.num_pending_outputs += int(needs_sample)
+            seq.num_inflight_verifies += int(num_drafts > 0)
             scheduled.append((item, seq, needs_sample))
-        scheduled.sort(key=lambda entry: not entry[0].is_decode)  # stable: decodes first, FCFS within each group
+        # stable: decodes first, then verify chunks, then prefill chunks, FCFS within each group
+        scheduled.sort(key=lambda entry: 0 if entry[0].is_decode else 1 if entry[0].num_draft_tokens else 2)
         plan = StepPlan(
             step_id=step_id,
             seqs=tuple(item for item, _, _ in scheduled),
@@ -241,12 +253,19 @@ class Scheduler:
         chunk_logits = result.logits or (None,) * len(entries)
         now = time.time()
         touched = []
-        for (seq, epoch, num_new, needs_sample), tokens, token_logprobs, logits in zip(
-            entries, result.token_ids, logprobs, chunk_logits, strict=True
+        for (seq, epoch, num_new, needs_sample), item, tokens, token_logprobs, logits in zip(
+            entries, plan.seqs, result.token_ids, logprobs, chunk_logits, strict=True
         ):
             if seq.epoch != epoch or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was planned: its result is stale
             seq.num_inflight_tokens -= num_new
+            if item.num_draft_tokens:
+                # a verify chunk: its token and the accepted drafts are computed; the rejected drafts' KV rows
+                # are overwritten by later steps
+                if not 1 <= len(tokens) <= num_new:
+                    raise ValueError(f"step {plan.step_id}: {len(tokens)} accepted tokens for a {num_new}-token verify")
+                seq.num_inflight_verifies -= 1
+                num_new = len(tokens)
             seq.num_computed_tokens += num_new
             seq.num_pending_outputs -= int(needs_sample)
             if seq.is_prefill_only:
@@ -280,7 +299,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_outputs = 0
+        seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_outputs = seq.num_inflight_verifies = 0
         seq.logits = []  # a prefill-only request recomputes every chunk
         seq.epoch += 1
         seq.status = SequenceStatus.WAITING

@@ -1,0 +1,34 @@
+"""How the scheduler plans speculative decoding: how many drafts a decode verifies (docs/speculative-decoding.md).
+
+With speculation on, a decode computes its last sampled token plus k drafts (ScheduledSeq.num_draft_tokens = k), and
+its result carries 1 .. k + 1 accepted tokens. k is the configured count, lowered so that the step can never produce
+more outputs than max_tokens allows or reach past max_model_len, and 0 (a plain decode) for requests whose sampling
+the verify path does not implement: random sampling, penalties (their counts would have to include the drafts), and
+history-dependent masks (grammars, multi-token bad words). A sequence whose verify step is in flight is not planned
+again until that result is collected: its position depends on how many drafts were accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltaserve.sampler.batch import has_penalty
+from deltaserve.scheduler.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SpecSchedule:
+    num_speculative_tokens: int  # k: drafts verified per decode, at most
+
+    def can_speculate(self, seq: Sequence) -> bool:
+        params = seq.sampling
+        return params.is_greedy and not has_penalty(params) and not params.needs_history_mask
+
+    def num_drafts(self, seq: Sequence, budget: int, max_model_len: int) -> int:
+        """Drafts for a decode of `seq` that has `budget` step tokens left after its own token."""
+        if seq.is_prefill_only or not self.can_speculate(seq):
+            return 0
+        # a verify emits up to k + 1 tokens: all of them must fit under max_tokens and max_model_len
+        outputs_left = seq.max_tokens - len(seq.output_token_ids) - seq.num_pending_outputs
+        room = max_model_len - seq.num_planned_tokens
+        return max(0, min(self.num_speculative_tokens, outputs_left - 1, room - 1, budget))
