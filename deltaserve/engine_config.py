@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.speculative_config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -46,6 +48,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp; "uni" (vLLM's one-process backend) at TP=1 only
     enable_expert_parallel: bool = False  # MoE experts split whole across the ranks instead of each one's width
+    # vLLM's --speculative-config (deltaserve/speculative_config.py): None, or MTP drafting with its k and rule
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

@@ -1,0 +1,120 @@
+"""The served MTP layer (deltaserve/model/mtp.py) against the trainer's MtpHead (deltaserve/tiny/mtp.py, built from
+transformers' own layer classes: what the shipped trained checkpoints' heads were trained with), in fp32 on the
+shipped trained dense / moe / next checkpoints: same inputs (the target's final-normed hidden states of a prompt and
+its next tokens), same outputs to fp32 rounding, through the shared lm_head too; and its own KV cache written at the
+target's slots (a prefix, then one more token, equals one call over everything)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.context import ForwardContext, forward_context
+from deltaserve.model.loader import load_checkpoint
+from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.tiny.mtp import load_mtp_head
+from deltaserve.tiny.trained import trained_model_dir
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12
+# a prompt from the tiny vocabulary (any ids: the comparison is of the same function on the same inputs)
+PROMPT = [5, 17, 99, 300, 41, 1000, 3, 3, 7, 8, 250, 12, 60, 61, 62, 900, 14, 42, 200]
+# fp32, the same math in another order (GEMM blocking, fused norms)
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Served:
+    config: ModelConfig
+    model: Qwen35Model
+    block_ids: list[int]
+
+
+def _context(served: Served, start: int, num_tokens: int) -> ForwardContext:
+    """One sequence's prefill chunk of tokens [start, start + num_tokens), its KV in blocks laid out in reverse
+    order (so a wrong slot index reads another block)."""
+    seq_len = start + num_tokens
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+    blocks = served.block_ids
+    slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, seq_len)]
+    return ForwardContext(
+        num_decode_tokens=0,
+        num_prefill_tokens=num_tokens,
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        block_tables=torch.tensor([blocks], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=num_tokens,
+        max_seq_len=seq_len,
+        state_indices=torch.tensor([0], dtype=torch.int32),
+        has_initial_state=torch.tensor([start > 0]),
+        prefill_query_start_loc=qsl,
+    )
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "next"])
+def served(request: pytest.FixtureRequest) -> Served:
+    model_dir = trained_model_dir(request.param)
+    config = ModelConfig.from_pretrained(model_dir)
+    model = Qwen35Model(config, torch.float32, "cpu", build_mtp=True)
+    load_checkpoint(model, config, model_dir)
+    model.fuse_projections()
+    allocate_and_bind(model, config, CacheLayout(NUM_BLOCKS, BLOCK_SIZE, 1, 0, 0), torch.float32, "cpu")
+    return Served(config, model.eval(), list(reversed(range(NUM_BLOCKS))))
+
+
+@torch.inference_mode()
+def _target_hidden(served: Served) -> torch.Tensor:
+    """The target's final-normed hidden states of PROMPT [T, H] (its KV and state written as a prefill)."""
+    positions = torch.arange(len(PROMPT)).expand(3, -1)
+    with forward_context(_context(served, 0, len(PROMPT))):
+        return served.model(torch.tensor(PROMPT), positions)
+
+
+@torch.inference_mode()
+def _mtp(served: Served, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The MTP layer over positions [start, stop): token t's input is (hidden[t], PROMPT[t + 1])."""
+    next_ids = torch.tensor(PROMPT[start + 1 : stop + 1])
+    positions = torch.arange(start, stop)
+    with forward_context(_context(served, start, stop - start)):
+        return served.model.mtp(next_ids, positions, hidden[start:stop])
+
+
+def test_mtp_layer_equals_trainer_head(served: Served) -> None:
+    import transformers
+
+    model_dir = served.config.path
+    trunk_class = getattr(transformers, served.config.architecture)
+    trunk = trunk_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+    head = load_mtp_head(trunk, model_dir)
+    hidden = _target_hidden(served)  # [T, H]
+    num = len(PROMPT) - 1
+    ours = _mtp(served, hidden, 0, num)  # [T-1, H]
+    with torch.inference_mode():
+        ours_logits = served.model.compute_logits(ours)  # [T-1, V]
+        captured: dict[str, torch.Tensor] = {}
+        # the head's output before the shared lm_head: what mtp.norm returns
+        hook = head.norm.register_forward_hook(lambda module, args, out: captured.update(out=out))
+        ref_logits = head(trunk, torch.tensor([PROMPT[1:]]), hidden[None, :num], torch.arange(num)[None])[0].float()
+        hook.remove()
+        ref_out = captured["out"][0]  # [T-1, H]
+    assert float((ours - ref_out).abs().max()) < TOLERANCE * float(ref_out.abs().max())
+    assert float((ours_logits - ref_logits).abs().max()) < TOLERANCE * float(ref_logits.abs().max())
+    assert torch.equal(ours_logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_mtp_kv_written_at_the_targets_slots(served: Served) -> None:
+    """A prefix through the MTP layer, then the next position alone (reading the prefix's K/V from the cache through
+    the block table) gives what one call over both gives."""
+    hidden = _target_hidden(served)
+    num = len(PROMPT) - 1
+    whole = _mtp(served, hidden, 0, num)
+    served.model.mtp.attention.k_cache.zero_()  # the second pass must write its own K/V
+    served.model.mtp.attention.v_cache.zero_()
+    prefix = _mtp(served, hidden, 0, num - 1)
+    last = _mtp(served, hidden, num - 1, num)
+    assert float((torch.cat([prefix, last]) - whole).abs().max()) < TOLERANCE * float(whole.abs().max())
