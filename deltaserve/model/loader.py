@@ -7,10 +7,12 @@ group-interleaved `in_proj_qkvz/ba`; fused 3-D experts versus one tensor per exp
 tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` kept in fp32.
 
 Every tensor of the checkpoint is consumed or skipped by a named SkipRule (`mtp.*`, `model.visual.*`); any other
-tensor is an error naming it and its file unless `ignore_unexpected` is set. A missing, mis-shaped or non-float
-tensor raises CheckpointError naming the tensor and its file, and so does one holding NaN or inf (vLLM loads such
-a checkpoint and serves garbage; the check costs ~3 ms per GB on the GPU). `load_format="dummy"` fills every
-parameter with vLLM's dummy values instead (init_dummy_weights: U(-1e-3, 1e-3), re-seeded per tensor).
+tensor is an error naming it and its file unless `ignore_unexpected` is set. A model built with its MTP layer
+(speculative decoding, model/mtp.py) consumes `mtp.*` instead, and a checkpoint without those tensors is refused.
+A missing, mis-shaped or non-float tensor raises CheckpointError naming the tensor and its file, and so does one
+holding NaN or inf (vLLM loads such a checkpoint and serves garbage; the check costs ~3 ms per GB on the GPU).
+`load_format="dummy"` fills every parameter with vLLM's dummy values instead (init_dummy_weights: U(-1e-3, 1e-3),
+re-seeded per tensor).
 
 Under tensor parallelism the loader shards while it reads: each rank reads only its slices of every sharded tensor
 (safetensors slicing, model/parallel.py says which), so no rank holds the whole checkpoint. A tensor a rank needs

@@ -6,16 +6,24 @@ target's slots (a prefix, then one more token, equals one call over everything).
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from deltaserve.config import ModelConfig
+from deltaserve.model.checkpoint_files import CheckpointFiles
 from deltaserve.model.context import ForwardContext, forward_context
-from deltaserve.model.loader import load_checkpoint
+from deltaserve.model.loader import CheckpointError, load_checkpoint
+from deltaserve.model.mtp import MtpError
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.runner.cache import CacheLayout, allocate_and_bind, bytes_per_block, plan_cache
 from deltaserve.tiny.mtp import load_mtp_head
 from deltaserve.tiny.trained import trained_model_dir
 
@@ -118,3 +126,98 @@ def test_mtp_kv_written_at_the_targets_slots(served: Served) -> None:
     prefix = _mtp(served, hidden, 0, num - 1)
     last = _mtp(served, hidden, num - 1, num)
     assert float((torch.cat([prefix, last]) - whole).abs().max()) < TOLERANCE * float(whole.abs().max())
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+
+
+MTP_FIELD = "text_config.mtp_num_hidden_layers"
+
+
+def _copy_without_mtp(src: Path, dst: Path) -> Path:
+    """src's checkpoint with every mtp.* tensor removed (shards and index)."""
+    shutil.copytree(src, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(shard)
+        save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, shard)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    index_path.write_text(json.dumps(index))
+    return dst
+
+
+def _edit_config(folder: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads((folder / "config.json").read_text())
+    edit(data)
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("variant", ["dense", "next"])
+def test_mtp_tensors_consumed_when_on_and_skipped_when_off(variant: str) -> None:
+    model_dir = trained_model_dir(variant)
+    config = ModelConfig.from_pretrained(model_dir)
+    num_mtp = sum(name.startswith("mtp.") for name in CheckpointFiles(model_dir).tensors)
+    off = load_checkpoint(Qwen35Model(config, torch.float32, "cpu"), config, model_dir)
+    assert off.skipped_by_rule["mtp"] == num_mtp > 0
+    on_model = Qwen35Model(config, torch.float32, "cpu", build_mtp=True)
+    on = load_checkpoint(on_model, config, model_dir)
+    assert "mtp" not in on.skipped_by_rule and on.unexpected == []
+    assert on.num_tensors_loaded == off.num_tensors_loaded + num_mtp
+    fc = load_file(model_dir / CheckpointFiles(model_dir).tensors["mtp.fc.weight"].shard)["mtp.fc.weight"]
+    assert torch.equal(on_model.mtp.fc, fc.float())
+    assert Qwen35Model(config, torch.float32, "cpu").mtp is None
+
+
+def test_a_checkpoint_without_mtp_tensors_is_refused_by_name(tmp_path: Path) -> None:
+    folder = _copy_without_mtp(trained_model_dir("dense"), tmp_path / "no-mtp")
+    config = ModelConfig.from_pretrained(folder)
+    model = Qwen35Model(config, torch.float32, "cpu", build_mtp=True)
+    with pytest.raises(CheckpointError, match=r"method mtp needs the checkpoint's MTP layer, but it has no mtp\.\*"):
+        load_checkpoint(model, config, folder)
+    # without speculative decoding the same checkpoint loads
+    load_checkpoint(Qwen35Model(config, torch.float32, "cpu"), config, folder)
+
+
+@pytest.mark.parametrize(
+    ("variant", "edit", "field"),
+    [
+        ("dense", lambda c: c["text_config"].update(mtp_num_hidden_layers=0), f"`{MTP_FIELD}` is 0"),
+        ("dense", lambda c: c["text_config"].pop("mtp_num_hidden_layers"), f"`{MTP_FIELD}` is 0"),
+        ("next", lambda c: c.update(num_nextn_predict_layers=0), "`num_nextn_predict_layers` is 0"),
+    ],
+)  # fmt: skip
+def test_a_config_without_an_mtp_layer_is_refused_by_field(
+    variant: str, edit: Callable[[dict], None], field: str, tmp_path: Path
+) -> None:
+    folder = shutil.copytree(trained_model_dir(variant), tmp_path / variant)
+    _edit_config(folder, edit)
+    config = ModelConfig.from_pretrained(folder)
+    with pytest.raises(MtpError, match=re.escape(field)):
+        Qwen35Model(config, torch.float32, "cpu", build_mtp=True)
+    assert Qwen35Model(config, torch.float32, "cpu").mtp is None
+
+
+def test_qwen3_next_defaults_to_one_mtp_layer() -> None:
+    """Qwen3-Next's config.json has no MTP field; vLLM reads num_nextn_predict_layers, default 1."""
+    config = ModelConfig.from_pretrained(trained_model_dir("next"))
+    assert (config.mtp_num_hidden_layers, config.mtp_field) == (1, "num_nextn_predict_layers")
+
+
+def test_the_cache_plan_counts_the_mtp_layer_only_when_loaded(served: Served) -> None:
+    """One more attention layer per KV block when the MTP layer is loaded (and only then), bound to a view of its
+    own: no target layer's K/V is overwritten by the draft."""
+    config = served.config
+    base = bytes_per_block(config, BLOCK_SIZE, torch.float32)
+    num_attn = len(config.full_attention_layers)
+    assert bytes_per_block(config, BLOCK_SIZE, torch.float32, has_mtp=True) * num_attn == base * (num_attn + 1)
+    budget = 64 * base
+    off = plan_cache(config, torch.float32, BLOCK_SIZE, budget, 1, 16)
+    on = plan_cache(config, torch.float32, BLOCK_SIZE, budget, 1, 16, has_mtp=True)
+    assert on.num_blocks < off.num_blocks
+    own = served.model.mtp.attention.k_cache
+    targets = [layer.self_attn for layer in served.model.layers if layer.is_full_attention]
+    views = [cache for attn in targets for cache in (attn.k_cache, attn.v_cache)]
+    views.append(served.model.mtp.attention.v_cache)
+    assert all(own.data_ptr() != view.data_ptr() for view in views)
+    assert own.shape == targets[0].k_cache.shape
