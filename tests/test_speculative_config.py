@@ -147,3 +147,22 @@ def test_refusals_name_the_key_or_method(given: dict, message: str) -> None:
 def test_bad_json_is_refused(given: str, message: str) -> None:
     with pytest.raises(SpeculativeConfigError, match=message):
         parse_speculative_config(given)
+
+
+def test_llm_takes_speculative_config_and_loads_the_mtp_layer(caplog: pytest.LogCaptureFixture) -> None:
+    """LLM(speculative_config=dict), as vLLM's offline API takes it: the runner builds the MTP layer and consumes
+    mtp.* (no longer a skipped prefix), and the cache plan gives the layer its own KV."""
+    from deltaserve.engine.llm import LLM
+    from deltaserve.tiny.trained import trained_model_dir
+
+    engine = {"dtype": "float32", "device": "cpu", "max_model_len": 64, "max_num_seqs": 2}
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(trained_model_dir("dense"), speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                  **engine)  # fmt: skip
+    runner = llm.engine.runner
+    assert llm.engine.config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    assert runner.model.mtp is not None and "mtp" not in runner.load_report.skipped_by_rule
+    assert runner.model.mtp.attention.k_cache.shape[0] == runner.layout.num_blocks
+    assert "speculative decoding is not implemented yet" in caplog.text
+    with pytest.raises(SpeculativeConfigError, match="`method` 'ngram' is not supported"):
+        LLM(trained_model_dir("dense"), speculative_config={"method": "ngram"}, **engine)
