@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.speculative_config import SpeculativeConfig, parse_speculative_config
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -46,8 +48,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp; "uni" (vLLM's one-process backend) at TP=1 only
     enable_expert_parallel: bool = False  # MoE experts split whole across the ranks instead of each one's width
+    # vLLM's --speculative-config (deltaserve/speculative_config.py): None, or MTP drafting with its k and rule; its
+    # JSON text or dict is parsed (and refused by key or method) on construction
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.block_size < 1:
