@@ -72,6 +72,8 @@ class EngineCore:
             self.max_model_len,
             config.scheduling_policy,
         )
+        if config.speculative_config is not None:  # the runner built the MTP drafter
+            self.scheduler.spec = SpecSchedule(config.speculative_config.num_speculative_tokens)
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[tuple[StepPlan, StepHandle, tuple[str | None, ...]]] = deque()

@@ -48,6 +48,7 @@ from deltaserve.runner.cache import (
 )
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
+from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens
@@ -209,6 +210,12 @@ class ModelRunner:
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
         self.spec: SpecDecoder | None = None  # enable_speculation
+        speculative = engine_config.speculative_config
+        if speculative is not None:
+            if speculative.is_synthetic:
+                raise ValueError("rejection_sample_method 'synthetic' is not implemented yet")
+            k = speculative.num_speculative_tokens
+            self.enable_speculation(k, MtpDrafter(self.model, k))
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
@@ -290,6 +297,7 @@ class ModelRunner:
             self.graphs is not None
             and not returns_logits
             and not layout.state_saves
+            and self.spec is None  # the drafter reads the step's hidden states
             and layout.num_tokens == num_seqs == len(layout.device_token_index) == len(layout.sample_seqs)
             and self.graphs.can_run(num_seqs, width)
         )
@@ -326,7 +334,18 @@ class ModelRunner:
         if prompt_lp is not None and self.device.type == "cuda":
             prompt_event = torch.cuda.Event()
             prompt_event.record()
+        spec = None
+        if self.spec is not None:
+            keys = None
+            if layout.spec is not None:
+                keys = self.table.keys[layout.rows[layout.sample_seqs][layout.spec.spec_sample_index]]
+            spec = SpecHandle(layout.spec, keys, inputs, layout, hidden)
         if not len(layout.sample_seqs):
+            if spec is not None:  # the drafter sees every forward (its own KV follows the target's)
+                empty = layout.rows[:0]
+                self.spec.propose(spec, self.table, self.block_size, empty, inputs.sample_rows_dev[:0],
+                                  inputs.input_ids[:0])  # fmt: skip
+                SpecDecoder.to_host(spec)
             return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits, None, prompt_lp, prompt_event)
         rows = layout.rows[layout.sample_seqs]
         if not self.tp.is_first:
@@ -342,8 +361,7 @@ class ModelRunner:
                                               layout.spec.position_offsets)  # fmt: skip
         handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
                             prompt_event)  # fmt: skip
-        if layout.spec is not None:
-            handle.spec = SpecHandle(layout.spec, keys=self.table.keys[rows[layout.spec.spec_sample_index]])
+        handle.spec = spec
         if defer_sampling:
             handle.pending = (logits, rows, sample_rows_dev, batch)
         else:
@@ -359,7 +377,7 @@ class ModelRunner:
         logits, rows, rows_dev, batch = handle.pending
         handle.pending = None
         if bitmask is not None and len(bitmask_rows):
-            if handle.spec is not None:  # sequences -> their first sampled position
+            if handle.spec is not None and handle.spec.layout is not None:  # sequences -> first sampled position
                 bitmask_rows = handle.spec.layout.sample_offsets[bitmask_rows]
             batch.token_bitmask = to_device(bitmask, torch.int32, self.device)
             batch.bitmask_rows = to_device(bitmask_rows, torch.int64, self.device)
@@ -370,13 +388,13 @@ class ModelRunner:
     ) -> None:
         out = self.sampler(logits, batch)
         tokens = out.token_ids  # [S]: each sampling sequence's next input
-        if handle.spec is not None:
+        if handle.spec is not None and handle.spec.layout is not None:
             last = self.spec.last_positions(handle.spec, tokens.device)
             tokens = self.spec.accept(handle.spec, out.token_ids, out.token_ids.index_select(0, last))
         self.tp.broadcast_from_first(tokens)
         self.table.record_sampled(rows, rows_dev, tokens)
-        if self.spec is not None:
-            self.spec.propose(rows, rows_dev, tokens, handle.spec)
+        if handle.spec is not None:
+            self.spec.propose(handle.spec, self.table, self.block_size, rows, rows_dev, tokens)
         handle.sampled, handle.event = self._to_host(out)
         if handle.spec is not None:
             SpecDecoder.to_host(handle.spec)

@@ -18,18 +18,22 @@ so a row has drafts for its next decode whether its last step was a prefill, a d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from deltaserve.kernels.gdn_spec import spec_state_commit
+from deltaserve.model.context import ForwardContext
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.sampler import logprobs_to_host
 from deltaserve.sampler.rejection import greedy_accept
 from deltaserve.sampler.transfer import to_device
 from deltaserve.step import ScheduledSeq
+
+if TYPE_CHECKING:  # runner/inputs.py imports this module
+    from deltaserve.runner.inputs import StepInputs, StepLayout
 
 
 @dataclass
@@ -102,27 +106,48 @@ def spec_layout(
 
 
 @dataclass
-class DraftInputs:
-    """What a drafter sees after a step that sampled: per sampling row, the tokens the step emitted."""
+class TargetStep:
+    """The target's forward of a step, as a drafter that reads hidden states needs it (all on the device)."""
 
-    rows: np.ndarray  # [R] table rows (host)
+    ctx: ForwardContext  # the step's batch metadata (its attention fields index the step's KV slots)
+    positions: torch.Tensor  # [3, T]
+    hidden: torch.Tensor  # [T, H] final-normed
+    next_ids: torch.Tensor  # [T] the token at each row's position + 1 where known (0 where not: a rejected draft's)
+    draft_rows: torch.Tensor  # [R] per sampling row, the row of the step its drafts continue from (last accepted)
+    draft_index: torch.Tensor  # [R] that row's token index in its sequence
+    kv_limit: np.ndarray  # [R] tokens the sampling row's KV blocks cover (host)
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    block_size: int
+
+
+@dataclass
+class DraftInputs:
+    """What a drafter sees after a step: per sampling row, the tokens the step emitted, and the target's forward."""
+
+    rows: np.ndarray  # [R] table rows (host); empty for a step that sampled nothing
     rows_dev: torch.Tensor  # [R]
     tokens: torch.Tensor  # [R, W] int64: the tokens emitted this step, -1 past num_emitted
     num_emitted: torch.Tensor  # [R] int64: 1 for a plain sample, 1 .. 1 + k for a verify
+    target: TargetStep | None = None
 
 
 class Drafter(Protocol):
     def propose(self, inputs: DraftInputs) -> torch.Tensor:
-        """[R, k_max] int64 draft tokens for the next decode of each row (on the device)."""
+        """[R, k_max] int64 draft tokens for the next decode of each row (on the device). Called after every step
+        while speculating, also with R = 0 (a drafter with a KV cache of its own fills it then)."""
         ...
 
 
 @dataclass
 class SpecHandle:
-    """A launched step's verify state: device results, then their host copies (collect reads them)."""
+    """A launched step's speculative state: its verify chunks (None when it has none) and the target's forward for
+    the drafter; then the accept step's device results and their host copies (collect reads them)."""
 
-    layout: SpecLayout
-    keys: np.ndarray  # [S] the table rows' occupant keys at launch (a row reused since is not counted)
+    layout: SpecLayout | None
+    keys: np.ndarray | None  # [S] the verify rows' occupant keys at launch (a row reused since is not counted)
+    inputs: StepInputs | None = None  # the eager forward's inputs
+    step_layout: StepLayout | None = None
+    hidden: torch.Tensor | None = None  # [T, H]
     tokens: torch.Tensor | None = None  # [S, W] accepted tokens, -1 padding
     num_emitted: torch.Tensor | None = None  # [S]
 
@@ -194,23 +219,91 @@ class SpecDecoder:
         seq_tokens.index_copy_(0, to_device(layout.spec_sample_index, torch.int64, device), last)
         return seq_tokens
 
-    def propose(self, rows: np.ndarray, rows_dev: torch.Tensor, seq_tokens: torch.Tensor, spec: SpecHandle | None):
-        """Runs the drafter after a step that sampled: each sampling row's drafts for its next decode."""
+    def propose(self, spec: SpecHandle, table: RequestTable, block_size: int, rows: np.ndarray,
+                rows_dev: torch.Tensor, seq_tokens: torch.Tensor) -> None:  # fmt: skip
+        """Runs the drafter after a step: each sampling row's drafts for its next decode (rows may be empty)."""
+        device = rows_dev.device
         tokens = seq_tokens.unsqueeze(1)  # [R, 1]
-        num_emitted = torch.ones(len(rows), dtype=torch.int64, device=seq_tokens.device)
-        if spec is not None and spec.tokens is not None:
+        num_emitted = torch.ones(len(rows), dtype=torch.int64, device=device)
+        if spec.tokens is not None:
             width = spec.tokens.shape[1]
-            tokens = torch.full((len(rows), width), -1, dtype=torch.int64, device=seq_tokens.device)
+            tokens = torch.full((len(rows), width), -1, dtype=torch.int64, device=device)
             tokens[:, 0] = seq_tokens
-            index = to_device(spec.layout.spec_sample_index, torch.int64, seq_tokens.device)
+            index = to_device(spec.layout.spec_sample_index, torch.int64, device)
             tokens.index_copy_(0, index, spec.tokens)
             num_emitted.index_copy_(0, index, spec.num_emitted)
-        drafts = self.drafter.propose(DraftInputs(rows, rows_dev, tokens, num_emitted))
-        self.draft_tokens.index_copy_(0, rows_dev, drafts[:, : self.num_speculative_tokens].to(torch.int64))
+        target = None
+        if spec.hidden is not None:
+            target = self._target_step(spec, table, block_size, rows, rows_dev, seq_tokens)
+        drafts = self.drafter.propose(DraftInputs(rows, rows_dev, tokens, num_emitted, target))
+        if len(rows):
+            self.draft_tokens.index_copy_(0, rows_dev, drafts[:, : self.num_speculative_tokens].to(torch.int64))
+
+    @staticmethod
+    def _target_step(
+        spec: SpecHandle, table: RequestTable, block_size: int, rows: np.ndarray, rows_dev: torch.Tensor,
+        seq_tokens: torch.Tensor,
+    ) -> TargetStep:  # fmt: skip
+        """Each step row's next token (what a drafter that reads hidden states pairs with it) and where each
+        sampling row's drafts start."""
+        inputs, layout = spec.inputs, spec.step_layout
+        device = inputs.input_ids.device
+        ids = inputs.input_ids
+        next_ids = torch.zeros_like(ids)
+        next_ids[:-1] = ids[1:]
+        ends = layout.query_start_loc[1:] - 1  # [B] each chunk's last row
+        # a chunk that sampled nothing: its next token is the next prompt token (0 past the prompt)
+        is_sampling = np.zeros(len(layout.rows), dtype=np.bool_)
+        is_sampling[layout.sample_seqs] = True
+        quiet = np.nonzero(~is_sampling)[0]
+        if len(quiet):
+            following = layout.starts[quiet] + layout.num_new[quiet]
+            values = [
+                int(table.prompts[r][e]) if e < table.num_prompt[r] else 0
+                for r, e in zip(layout.rows[quiet].tolist(), following.tolist(), strict=True)
+            ]
+            next_ids.index_copy_(0, to_device(ends[quiet], torch.int64, device), to_device(values, torch.int64, device))
+        sample_ends = to_device(ends[layout.sample_seqs], torch.int64, device)
+        if len(rows):
+            next_ids.index_copy_(0, sample_ends, seq_tokens)
+        draft_rows = sample_ends.clone()
+        draft_index = to_device(layout.starts[layout.sample_seqs] + layout.num_new[layout.sample_seqs] - 1,
+                                torch.int64, device)  # fmt: skip
+        if spec.layout is not None:  # verify chunks: the emitted tokens follow their rows; drafts continue at a_s
+            verify = spec.layout
+            width = verify.token_index.shape[1]
+            first = layout.query_start_loc[verify.seq_index]  # [S]
+            columns = np.arange(width)
+            is_real = columns[None, :] <= verify.num_drafts[:, None]
+            # padding entries go to a spare row past the step's rows (no boolean mask: no host sync)
+            flat = np.where(is_real, first[:, None] + columns[None, :], len(ids)).reshape(-1)
+            spare = torch.cat([next_ids, next_ids.new_zeros(1)])
+            spare.index_copy_(0, to_device(flat, torch.int64, device), spec.tokens.clamp(min=0).reshape(-1))
+            next_ids = spare[:-1]
+            index = to_device(verify.spec_sample_index, torch.int64, device)
+            accepted = spec.num_emitted - 1
+            draft_rows.index_copy_(0, index, to_device(first, torch.int64, device) + accepted)
+            starts = to_device(layout.starts[verify.seq_index], torch.int64, device)
+            draft_index.index_copy_(0, index, starts + accepted)
+        return TargetStep(
+            ctx=inputs.ctx,
+            positions=inputs.positions,
+            hidden=spec.hidden,
+            next_ids=next_ids,
+            draft_rows=draft_rows,
+            draft_index=draft_index,
+            kv_limit=table.num_blocks[rows] * block_size,
+            block_tables=table.block_table.index_select(0, rows_dev),
+            block_size=block_size,
+        )
 
     @staticmethod
     def to_host(handle: SpecHandle) -> None:
-        """Starts the host copies of the accepted tokens (the caller's event marks their end)."""
+        """Starts the host copies of the accepted tokens (the caller's event marks their end); drops the step's
+        device tensors the drafter no longer needs."""
+        handle.inputs = handle.step_layout = handle.hidden = None
+        if handle.tokens is None:
+            return
         for name in ("tokens", "num_emitted"):
             value = getattr(handle, name)
             if value.is_cuda:
@@ -224,6 +317,16 @@ def collect_tokens(handle, table: RequestTable, vocab_size: int, token_ids: list
     one token per sequence at launch)."""
     spec: SpecHandle = handle.spec
     layout = spec.layout
+    if layout is None:  # no verify chunk: one token a sampling sequence
+        sampled = handle.sampled.token_ids.tolist()
+        per_row = None
+        if handle.num_logprobs is not None:
+            per_row = logprobs_to_host(handle.sampled, sampled, handle.num_logprobs, vocab_size)
+        for i, seq_index in enumerate(handle.sample_seqs.tolist()):
+            token_ids[seq_index] = (sampled[i],)
+            if per_row is not None and per_row[i] is not None:
+                logprobs[seq_index] = (per_row[i],)
+        return
     sampled = handle.sampled.token_ids.tolist()  # [P]
     emitted = spec.tokens.tolist()
     num_emitted = spec.num_emitted.tolist()

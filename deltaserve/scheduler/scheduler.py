@@ -121,6 +121,9 @@ class Scheduler:
             num_new += self.spec.num_drafts(seq, budget - 1, self.max_model_len)
         return num_new
 
+    def _lookahead(self, seq: Sequence, end: int) -> int:
+        return 0 if self.spec is None else self.spec.lookahead(seq, end, self.max_model_len)
+
     def _prefill_only_chunk(self, seq: Sequence, budget: int) -> int:
         """A prefill-only request's next chunk, planned whole or not at all (its logits must come from the chunks it
         asked for); a chunk larger than the step budget runs as the first work of a step."""
@@ -140,7 +143,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            needed = self.blocks.blocks_needed(start + num_new, len(seq.block_ids))
+            end = start + num_new
+            needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), len(seq.block_ids))
             while not self.blocks.can_allocate(needed):
                 victim = self._choose_victim()
                 chosen_index = next((i for i, (other, _) in enumerate(chosen) if other is victim), None)
@@ -164,7 +168,7 @@ class Scheduler:
             )
             if num_new == 0:
                 break  # a prefill-only chunk that waits for a step with room for it whole
-            needed = self.blocks.blocks_needed(num_new, 0)
+            needed = self.blocks.blocks_needed(num_new + self._lookahead(seq, num_new), 0)
             if not self.blocks.can_allocate(needed) or self.slots.num_free_slots == 0 or self.rows.num_free == 0:
                 is_blocked_by_capacity = True
                 break

@@ -5,7 +5,8 @@ its result carries 1 .. k + 1 accepted tokens. k is the configured count, lowere
 more outputs than max_tokens allows or reach past max_model_len, and 0 (a plain decode) for requests whose sampling
 the verify path does not implement: random sampling, penalties (their counts would have to include the drafts), and
 history-dependent masks (grammars, multi-token bad words). A sequence whose verify step is in flight is not planned
-again until that result is collected: its position depends on how many drafts were accepted.
+again until that result is collected: its position depends on how many drafts were accepted. A chunk of a sequence
+that speculates gets KV blocks for k - 1 positions past it, which the MTP drafter's chained passes write.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ class SpecSchedule:
     def can_speculate(self, seq: Sequence) -> bool:
         params = seq.sampling
         return params.is_greedy and not has_penalty(params) and not params.needs_history_mask
+
+    def lookahead(self, seq: Sequence, end: int, max_model_len: int) -> int:
+        """KV positions past a chunk ending at `end` that the drafter writes (its chained passes: k - 1), so the
+        chunk's blocks cover them."""
+        if seq.is_prefill_only or not self.can_speculate(seq):
+            return 0
+        return max(0, min(self.num_speculative_tokens - 1, max_model_len - end))
 
     def num_drafts(self, seq: Sequence, budget: int, max_model_len: int) -> int:
         """Drafts for a decode of `seq` that has `budget` step tokens left after its own token."""
