@@ -53,6 +53,7 @@ from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
+from deltaserve.sampler.sampler import SAMPLING_EPS
 from deltaserve.sampler.transfer import to_device
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
@@ -212,10 +213,8 @@ class ModelRunner:
         self.spec: SpecDecoder | None = None  # enable_speculation
         speculative = engine_config.speculative_config
         if speculative is not None:
-            if speculative.is_synthetic:
-                raise ValueError("rejection_sample_method 'synthetic' is not implemented yet")
             k = speculative.num_speculative_tokens
-            self.enable_speculation(k, MtpDrafter(self.model, k))
+            self.enable_speculation(k, MtpDrafter(self.model, k), speculative.synthetic_acceptance_rates)
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
@@ -336,10 +335,12 @@ class ModelRunner:
             prompt_event.record()
         spec = None
         if self.spec is not None:
-            keys = None
+            keys = is_random = None
             if layout.spec is not None:
-                keys = self.table.keys[layout.rows[layout.sample_seqs][layout.spec.spec_sample_index]]
-            spec = SpecHandle(layout.spec, keys, inputs, layout, hidden)
+                verify_rows = layout.rows[layout.sample_seqs][layout.spec.spec_sample_index]
+                keys = self.table.keys[verify_rows]
+                is_random = self.table.params_host[verify_rows, 0] >= SAMPLING_EPS
+            spec = SpecHandle(layout.spec, keys, is_random, inputs, layout, hidden)
         if not len(layout.sample_seqs):
             if spec is not None:  # the drafter sees every forward (its own KV follows the target's)
                 empty = layout.rows[:0]
@@ -359,6 +360,7 @@ class ModelRunner:
             counts = layout.spec.sample_counts
             batch = self.table.sampling_batch(np.repeat(rows, counts), inputs.position_rows_dev,
                                               layout.spec.position_offsets)  # fmt: skip
+            batch.keep_probs = bool(spec.is_random.any())  # the random rule reads the target's distributions
         handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
                             prompt_event)  # fmt: skip
         handle.spec = spec
@@ -390,7 +392,8 @@ class ModelRunner:
         tokens = out.token_ids  # [S]: each sampling sequence's next input
         if handle.spec is not None and handle.spec.layout is not None:
             last = self.spec.last_positions(handle.spec, tokens.device)
-            tokens = self.spec.accept(handle.spec, out.token_ids, out.token_ids.index_select(0, last))
+            shared = self.sampler._shared_generator(tokens.device)
+            tokens = self.spec.accept(handle.spec, out, batch, shared, out.token_ids.index_select(0, last))
         self.tp.broadcast_from_first(tokens)
         self.table.record_sampled(rows, rows_dev, tokens)
         if handle.spec is not None:
@@ -399,12 +402,15 @@ class ModelRunner:
         if handle.spec is not None:
             SpecDecoder.to_host(handle.spec)
 
-    def enable_speculation(self, num_speculative_tokens: int, drafter: Drafter) -> None:
+    def enable_speculation(
+        self, num_speculative_tokens: int, drafter: Drafter, synthetic_rates: tuple[float, ...] | None = None
+    ) -> None:
         """Turns on verify chunks of up to num_speculative_tokens drafts, which `drafter` proposes after every
-        step that samples (runner/spec_decode.py)."""
+        step (runner/spec_decode.py); synthetic_rates pins the accept decision (vLLM's synthetic mode)."""
         if self.tp.is_parallel:
             raise ValueError("speculative decoding under tensor parallelism is not implemented")
-        self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device)
+        self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
+                                synthetic_rates)  # fmt: skip
 
     def _require_spec(self) -> SpecDecoder:
         if self.spec is None:

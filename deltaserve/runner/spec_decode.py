@@ -28,7 +28,8 @@ from deltaserve.model.context import ForwardContext
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.sampler import logprobs_to_host
-from deltaserve.sampler.rejection import greedy_accept
+from deltaserve.sampler.rejection import greedy_accept, random_accept, synthetic_accept
+from deltaserve.sampler.sampler import SamplerOutput, SamplingBatch
 from deltaserve.sampler.transfer import to_device
 from deltaserve.step import ScheduledSeq
 
@@ -145,6 +146,7 @@ class SpecHandle:
 
     layout: SpecLayout | None
     keys: np.ndarray | None  # [S] the verify rows' occupant keys at launch (a row reused since is not counted)
+    is_random: np.ndarray | None = None  # [S] the verify rows that sample randomly (host)
     inputs: StepInputs | None = None  # the eager forward's inputs
     step_layout: StepLayout | None = None
     hidden: torch.Tensor | None = None  # [T, H]
@@ -157,9 +159,13 @@ class SpecDecoder:
     layers, and the drafter."""
 
     def __init__(
-        self, model: Qwen35Model, max_rows: int, num_speculative_tokens: int, drafter: Drafter, device: torch.device
-    ) -> None:
+        self, model: Qwen35Model, max_rows: int, num_speculative_tokens: int, drafter: Drafter, device: torch.device,
+        synthetic_rates: tuple[float, ...] | None = None,
+    ) -> None:  # fmt: skip
+        """synthetic_rates: vLLM's synthetic acceptance (benchmarks): the accept decision pinned by these
+        unconditional per-position rates instead of the drafts' agreement."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.synthetic_rates = None if synthetic_rates is None else torch.tensor(synthetic_rates, dtype=torch.float32)
         self.max_spec_seqs = max_rows
         self.drafter = drafter
         self.model = model
@@ -187,11 +193,16 @@ class SpecDecoder:
         """[n sampling seqs] the index of each sampling sequence's last sampled position."""
         return to_device(handle.layout.sample_offsets[1:] - 1, torch.int64, device)
 
-    def accept(self, handle: SpecHandle, sampled: torch.Tensor, seq_tokens: torch.Tensor) -> torch.Tensor:
-        """sampled [P]: the target's token at every sampled position; seq_tokens [n sampling seqs]: each sampling
-        sequence's last position's token. Applies the rejection rule to the verify chunks, commits their GDN states
-        and returns seq_tokens with each verify sequence's last accepted token (its next input)."""
+    def accept(
+        self, handle: SpecHandle, out: SamplerOutput, batch: SamplingBatch, shared: torch.Generator,
+        seq_tokens: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """out.token_ids [P]: the target's token at every sampled position; seq_tokens [n sampling seqs]: each
+        sampling sequence's last position's token. Applies the rejection rule to the verify chunks, commits their GDN
+        states and returns seq_tokens with each verify sequence's last accepted token (its next input). `shared`:
+        the generator of unseeded rows; batch.generators: the seeded positions' own."""
         layout = handle.layout
+        sampled = out.token_ids
         device = sampled.device
         width = layout.token_index.shape[1]
         columns = np.arange(width)
@@ -206,7 +217,21 @@ class SpecDecoder:
             flat = to_device(spec_of * (width - 1) + layout.draft_cols, torch.int64, device)
             cols = to_device(layout.draft_cols, torch.int64, device)
             drafts.view(-1).index_copy_(0, flat, self.draft_tokens[rows, cols])
-        tokens, num_emitted = greedy_accept(target, drafts, to_device(layout.num_drafts, torch.int64, device))
+        num_drafts = to_device(layout.num_drafts, torch.int64, device)
+        if self.synthetic_rates is not None:
+            uniforms = self._uniforms(layout, batch, shared, (width - 1,), device)
+            rates = self.synthetic_rates.to(device)
+            tokens, num_emitted = synthetic_accept(target, drafts, num_drafts, rates, uniforms)
+        elif handle.is_random is not None and handle.is_random.any():
+            vocab = out.probs.shape[1]
+            probs = out.probs[positions[:, :-1]]  # [S, W-1, V]: the distribution judging each draft
+            uniforms = self._uniforms(layout, batch, shared, (width - 1,), device)
+            noise = self._uniforms(layout, batch, shared, (width - 1, vocab), device, exponential=True)
+            is_greedy = to_device(~handle.is_random, torch.bool, device)
+            tokens, num_emitted = random_accept(target, drafts, num_drafts, is_greedy, probs, uniforms, noise)
+            self._emitted_logprobs(out, layout, positions, tokens, num_emitted)
+        else:
+            tokens, num_emitted = greedy_accept(target, drafts, num_drafts)
         slots = to_device(layout.state_slots, torch.int32, device)
         for layer in self.model.layers:
             if not layer.is_full_attention:
@@ -218,6 +243,47 @@ class SpecDecoder:
         seq_tokens = seq_tokens.clone()
         seq_tokens.index_copy_(0, to_device(layout.spec_sample_index, torch.int64, device), last)
         return seq_tokens
+
+    @staticmethod
+    def _uniforms(
+        layout: SpecLayout, batch: SamplingBatch, shared: torch.Generator, shape: tuple[int, ...],
+        device: torch.device, exponential: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """[S, *shape] random numbers, U[0, 1) or Exp(1): a seeded verify position's from its own generator (after
+        the sampler's draw there), the others' from the shared one."""
+        values = torch.empty(len(layout.seq_index), *shape, dtype=torch.float32, device=device)
+        if exponential:
+            values.exponential_(generator=shared)
+        else:
+            values.uniform_(generator=shared)
+        if batch.generators:
+            starts = layout.sample_offsets[layout.spec_sample_index]
+            for s, k in enumerate(layout.num_drafts.tolist()):
+                for j in range(k):
+                    generator = batch.generators.get(int(starts[s]) + j)
+                    if generator is not None and exponential:
+                        values[s, j].exponential_(generator=generator)
+                    elif generator is not None:
+                        values[s, j].uniform_(generator=generator)
+        return values
+
+    @staticmethod
+    def _emitted_logprobs(
+        out: SamplerOutput, layout: SpecLayout, positions: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor
+    ) -> None:
+        """A random row's accepted draft is not the token the sampler drew at its position: the logprobs reported are
+        the emitted tokens' (out.token_ids is rewritten at the verify positions, the sampled logprobs recomputed)."""
+        if out.raw_logprobs is None or not out.logprob_rows:
+            return
+        emitted = torch.where(tokens >= 0, tokens, out.token_ids[positions])  # [S, W]
+        out.token_ids = out.token_ids.clone()
+        out.token_ids.index_copy_(0, positions.reshape(-1), emitted.reshape(-1))
+        rows = out.logprob_rows
+        index = None if len(rows) == out.token_ids.shape[0] else to_device(list(rows), torch.int64, positions.device)
+        sampled = out.token_ids if index is None else out.token_ids.index_select(0, index)
+        chosen = out.raw_logprobs.gather(1, sampled.unsqueeze(1))  # [L, 1]
+        out.sampled_logprobs = chosen.squeeze(1)
+        out.sampled_ranks = (out.raw_logprobs >= chosen).sum(dim=-1)
 
     def propose(self, spec: SpecHandle, table: RequestTable, block_size: int, rows: np.ndarray,
                 rows_dev: torch.Tensor, seq_tokens: torch.Tensor) -> None:  # fmt: skip

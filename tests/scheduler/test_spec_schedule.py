@@ -63,16 +63,18 @@ def test_k_is_capped_by_max_tokens_and_max_model_len_and_the_budget() -> None:
 
 def test_unsupported_sampling_decodes_plainly() -> None:
     scheduler = spec_scheduler(2)
-    for name, params in (("random", {"temperature": 0.8}), ("penalty", {"temperature": 0.0, "presence_penalty": 1.0})):
+    bad_words = {"temperature": 0.0, "bad_words_token_ids": [[5, 6]]}
+    for name, params in (("penalty", {"temperature": 0.0, "presence_penalty": 1.0}), ("bad words", bad_words),
+                         ("random", {"temperature": 0.8})):  # fmt: skip
         scheduler.add(seq(name, 3, 10, **params))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
-    assert [s.num_draft_tokens for s in scheduler.schedule().seqs] == [0, 0]
+    assert [s.num_draft_tokens for s in scheduler.schedule().seqs] == [0, 0, 2]
 
 
 def test_verify_chunks_sit_between_decodes_and_prefills() -> None:
     scheduler = spec_scheduler(2)
-    scheduler.add(seq("plain", 3, 10, temperature=0.7))
+    scheduler.add(seq("plain", 3, 10, temperature=0.7, presence_penalty=0.5))
     scheduler.add(seq("spec", 3, 10, temperature=0.0))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
