@@ -41,10 +41,11 @@ def references() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     return found
 
 
-def mtp_llm(variant: str, k: int) -> tuple[LLM, dict]:
+def mtp_llm(variant: str, k: int, **engine_kwargs: object) -> tuple[LLM, dict]:
     """An engine drafting with its MTP layer, and per-position acceptance counters its updates fill."""
     config = {"method": "mtp", "num_speculative_tokens": k}
-    llm = LLM(trained_model_dir(variant), dtype="float32", max_num_seqs=8, speculative_config=config)
+    engine_kwargs = {"max_num_seqs": 8, **engine_kwargs}
+    llm = LLM(trained_model_dir(variant), dtype="float32", speculative_config=config, **engine_kwargs)
     core = llm.engine.core
     stats = {"verifies": 0, "drafts": 0, "accepted_per_position": [0] * k}
     update = core.scheduler.update

@@ -1,0 +1,78 @@
+"""Speculative decoding (MTP drafts) under the engine's batching machinery, fp32 on the trained tiny dense checkpoint:
+preemptions (the KV cache running out, and forced ones that drop verify results in flight) with outputs equal to a
+run without speculation; n > 1 (each of the n sequences samples as its own seeded request); async scheduling on and
+off, with greedy and seeded requests mixed in one batch."""
+
+from __future__ import annotations
+
+import random
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+from tests.engine.test_spec_decode import make_prompts, run
+from tests.engine.test_spec_decode_mtp import mtp_llm
+
+# a cache of 42 blocks of 4 tokens (63 without the MTP layer's KV) for 10 sequences of up to 55 tokens: it runs out
+SMALL_CACHE = {"max_num_seqs": 10, "max_num_batched_tokens": 48, "block_size": 4, "cpu_kv_cache_bytes": 600_000,
+               "max_model_len": 64}  # fmt: skip
+
+
+def varied_prompts(llm: LLM) -> list[list[int]]:
+    return [p[: 10 + 3 * i] for i, p in enumerate(make_prompts(llm) * 2)]
+
+
+def test_preemptions_keep_greedy_outputs() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain = LLM(trained_model_dir("dense"), dtype="float32", **SMALL_CACHE)
+    prompts = varied_prompts(plain)
+    expected = [list(o.token_ids) for o in run(plain, prompts, params)]
+    spec, stats = mtp_llm("dense", 3, **SMALL_CACHE)
+    assert [list(o.token_ids) for o in run(spec, prompts, params)] == expected
+    assert spec.engine.scheduler.num_preemptions_total > 0  # the cache ran out
+    assert stats["accepted_per_position"][0] > 0
+    # forced preemptions at random steps: verify chunks in flight are dropped and their sequences recomputed
+    engine, rng = spec.engine, random.Random(3)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    collected: dict[str, list[int]] = {}
+    num_forced = 0
+    while engine.has_unfinished():
+        if rng.random() < 0.15:
+            num_forced += engine.scheduler.preempt_all()
+        for output in engine.step():
+            collected.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+    assert num_forced > 0
+    assert [collected[str(i)] for i in range(len(prompts))] == expected
+    stats = engine.stats()
+    assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
+    assert stats.num_free_state_slots == stats.num_total_state_slots
+
+
+def test_n_sequences_sample_as_their_seeded_requests() -> None:
+    spec, stats = mtp_llm("dense", 3)
+    prompt = make_prompts(spec)[0][:6]  # a short prompt: the memorised paragraphs leave little to sample
+    params = SamplingParams(n=3, temperature=1.2, seed=40, max_tokens=16, ignore_eos=True)
+    (output,) = spec.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    completions = [list(c.token_ids) for c in output.outputs]
+    assert len(completions) == 3 and len({tuple(c) for c in completions}) > 1
+    for i, completion in enumerate(completions):  # the i-th of n samples with seed + i
+        single = SamplingParams(temperature=1.2, seed=40 + i, max_tokens=16, ignore_eos=True)
+        assert list(run(spec, [prompt], single)[0].token_ids) == completion
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=16, ignore_eos=True)
+    (both,) = spec.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    alone = list(run(spec, [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].token_ids)
+    assert [list(c.token_ids) for c in both.outputs] == [alone, alone]
+    assert stats["accepted_per_position"][0] > 0
+
+
+def test_async_scheduling_on_and_off_agree() -> None:
+    outputs = {}
+    for is_async in (True, False):
+        llm, stats = mtp_llm("dense", 3, async_scheduling=is_async)
+        prompts = make_prompts(llm)
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=20, ignore_eos=True)
+                  for i in range(len(prompts))]  # fmt: skip
+        outputs[is_async] = [list(o.token_ids) for o in run(llm, prompts, params)]
+        assert stats["accepted_per_position"][0] > 0
+    assert outputs[True] == outputs[False]
