@@ -15,14 +15,15 @@ rejection costs no recompute and the host never waits for the counts.
 - `spec_state_commit`: live slot <- scratch [s, num_accepted[s]], conv and recurrent state.
 
 The `*_ref` twins are vectorised over sequences with no host sync (a loop over the W <= 1 + k token columns only),
-so they are also a correct device path (no Triton kernel of its own yet).
+so they are also a correct device path; `gdn_verify` runs its Triton kernel (kernels/gdn_spec_triton.py) on CUDA
+when the state is fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels._dispatch import output
+from deltaserve.kernels._dispatch import output, use_triton
 from deltaserve.kernels.gdn import _gates, _l2norm
 
 
@@ -129,6 +130,10 @@ def gdn_verify(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     args = (q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, token_index, scratch_ssm)
+    if use_triton(q) and scratch_ssm.dtype == torch.float32:
+        from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
+
+        return gdn_verify_triton(*args, out=out)
     return gdn_verify_ref(*args, out=out)
 
 
