@@ -73,7 +73,8 @@ class EngineCore:
             config.scheduling_policy,
         )
         if config.speculative_config is not None:  # the runner built the MTP drafter
-            self.scheduler.spec = SpecSchedule(config.speculative_config.num_speculative_tokens)
+            k = config.speculative_config.num_speculative_tokens
+            self.scheduler.spec = SpecSchedule(k, self.runner.spec.max_spec_seqs)
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[tuple[StepPlan, StepHandle, tuple[str | None, ...]]] = deque()
@@ -101,7 +102,7 @@ class EngineCore:
         """Speculative decoding with up to num_speculative_tokens drafts a decode, proposed by `drafter`
         (docs/speculative-decoding.md)."""
         self.runner.enable_speculation(num_speculative_tokens, drafter)
-        self.scheduler.spec = SpecSchedule(num_speculative_tokens)
+        self.scheduler.spec = SpecSchedule(num_speculative_tokens, self.runner.spec.max_spec_seqs)
 
     def info(self) -> EngineCoreInfo:
         layout = self.runner.layout

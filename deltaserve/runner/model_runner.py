@@ -51,7 +51,7 @@ from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens
+from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens, scratch_rows
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
 from deltaserve.sampler.sampler import SAMPLING_EPS
 from deltaserve.sampler.transfer import to_device
@@ -204,6 +204,11 @@ class ModelRunner:
                     upper * slot_bytes / GIB, budget / GIB,
                 )  # fmt: skip
         num_slots = engine_config.num_state_slots or self.max_num_seqs
+        speculative = engine_config.speculative_config
+        spec_rows = 0
+        if speculative is not None:  # the verify scratch comes out of the cache budget (runner/spec_decode.py)
+            spec_rows = scratch_rows(budget, slot_bytes, speculative.num_speculative_tokens, self.max_num_seqs)
+            budget -= spec_rows * (speculative.num_speculative_tokens + 1) * slot_bytes
         self.layout: CacheLayout = plan_cache(
             model_config, self.dtype, self.block_size, budget, num_slots, max_model_len, self.model.shapes,
             has_mtp=self.model.mtp is not None,
@@ -211,10 +216,9 @@ class ModelRunner:
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
         self.spec: SpecDecoder | None = None  # enable_speculation
-        speculative = engine_config.speculative_config
         if speculative is not None:
             k = speculative.num_speculative_tokens
-            self.enable_speculation(k, MtpDrafter(self.model, k), speculative.synthetic_acceptance_rates)
+            self.enable_speculation(k, MtpDrafter(self.model, k), speculative.synthetic_acceptance_rates, spec_rows)
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
@@ -403,14 +407,16 @@ class ModelRunner:
             SpecDecoder.to_host(handle.spec)
 
     def enable_speculation(
-        self, num_speculative_tokens: int, drafter: Drafter, synthetic_rates: tuple[float, ...] | None = None
-    ) -> None:
+        self, num_speculative_tokens: int, drafter: Drafter, synthetic_rates: tuple[float, ...] | None = None,
+        max_spec_seqs: int | None = None,
+    ) -> None:  # fmt: skip
         """Turns on verify chunks of up to num_speculative_tokens drafts, which `drafter` proposes after every
-        step (runner/spec_decode.py); synthetic_rates pins the accept decision (vLLM's synthetic mode)."""
+        step (runner/spec_decode.py); synthetic_rates pins the accept decision (vLLM's synthetic mode);
+        max_spec_seqs: verify chunks a step may hold (their scratch; default max_num_seqs)."""
         if self.tp.is_parallel:
             raise ValueError("speculative decoding under tensor parallelism is not implemented")
         self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
-                                synthetic_rates)  # fmt: skip
+                                synthetic_rates, max_spec_seqs or self.max_num_seqs)  # fmt: skip
 
     def _require_spec(self) -> SpecDecoder:
         if self.spec is None:

@@ -106,6 +106,16 @@ def spec_layout(
     )
 
 
+SCRATCH_SHARE = 0.25  # of the cache budget, at most, for the verify scratch
+
+
+def scratch_rows(budget_bytes: int, slot_bytes: int, num_speculative_tokens: int, max_num_seqs: int) -> int:
+    """How many verify chunks a step may hold: each keeps 1 + k GDN states in scratch, sized to at most a quarter
+    of the cache budget and at most max_num_seqs (the sequences past it in a step decode one token)."""
+    per_seq = (num_speculative_tokens + 1) * max(slot_bytes, 1)
+    return max(1, min(max_num_seqs, int(budget_bytes * SCRATCH_SHARE) // per_seq))
+
+
 @dataclass
 class TargetStep:
     """The target's forward of a step, as a drafter that reads hidden states needs it (all on the device)."""
@@ -160,13 +170,14 @@ class SpecDecoder:
 
     def __init__(
         self, model: Qwen35Model, max_rows: int, num_speculative_tokens: int, drafter: Drafter, device: torch.device,
-        synthetic_rates: tuple[float, ...] | None = None,
+        synthetic_rates: tuple[float, ...] | None = None, max_spec_seqs: int | None = None,
     ) -> None:  # fmt: skip
-        """synthetic_rates: vLLM's synthetic acceptance (benchmarks): the accept decision pinned by these
-        unconditional per-position rates instead of the drafts' agreement."""
+        """max_rows: the request table's rows; synthetic_rates: vLLM's synthetic acceptance (benchmarks): the accept
+        decision pinned by these unconditional per-position rates instead of the drafts' agreement; max_spec_seqs:
+        the verify chunks a step may hold (the scratch's rows; default max_rows)."""
         self.num_speculative_tokens = num_speculative_tokens
         self.synthetic_rates = None if synthetic_rates is None else torch.tensor(synthetic_rates, dtype=torch.float32)
-        self.max_spec_seqs = max_rows
+        self.max_spec_seqs = max_spec_seqs or max_rows
         self.drafter = drafter
         self.model = model
         # one extra row: the request table's dummy row
@@ -177,11 +188,16 @@ class SpecDecoder:
                 continue
             mixer = layer.linear_attn
             conv, ssm = mixer.conv_states, mixer.ssm_states
-            mixer.spec_conv_scratch = conv.new_empty(max_rows, width, *conv.shape[1:])
-            mixer.spec_ssm_scratch = ssm.new_empty(max_rows, width, *ssm.shape[1:])
+            mixer.spec_conv_scratch = conv.new_empty(self.max_spec_seqs, width, *conv.shape[1:])
+            mixer.spec_ssm_scratch = ssm.new_empty(self.max_spec_seqs, width, *ssm.shape[1:])
 
     def fill_draft_inputs(self, input_ids: torch.Tensor, layout: SpecLayout) -> None:
         """Writes each verify chunk's drafts into the step's input ids (on the device)."""
+        if len(layout.seq_index) > self.max_spec_seqs:
+            raise ValueError(f"{len(layout.seq_index)} verify chunks in a step; the scratch holds {self.max_spec_seqs}")
+        widest = int(layout.num_drafts.max())
+        if widest > self.num_speculative_tokens:
+            raise ValueError(f"a verify chunk of {widest} drafts; k is {self.num_speculative_tokens}")
         device = input_ids.device
         index = to_device(layout.draft_token_index, torch.int64, device)
         rows = to_device(layout.draft_rows, torch.int64, device)

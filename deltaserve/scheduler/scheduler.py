@@ -71,6 +71,7 @@ class Scheduler:
         # step_id -> (sequence, its epoch when planned, tokens planned, whether it samples), in plan order
         self._inflight: dict[int, list[tuple[Sequence, int, int, bool]]] = {}
         self.spec: SpecSchedule | None = None  # speculative decoding (scheduler/spec.py); None: off
+        self._num_verifies = 0
 
     @property
     def num_waiting(self) -> int:
@@ -117,8 +118,11 @@ class Scheduler:
             return 0  # its position depends on how many drafts that step accepts
         num_new = min(seq.num_unplanned_tokens, budget)
         is_decode = num_new == seq.num_unplanned_tokens == 1 and seq.num_computed_tokens + seq.num_inflight_tokens > 0
-        if self.spec is not None and is_decode:
-            num_new += self.spec.num_drafts(seq, budget - 1, self.max_model_len)
+        spec = self.spec
+        if spec is not None and is_decode and (spec.max_verifies is None or self._num_verifies < spec.max_verifies):
+            drafts = spec.num_drafts(seq, budget - 1, self.max_model_len)
+            self._num_verifies += int(drafts > 0)
+            num_new += drafts
         return num_new
 
     def _lookahead(self, seq: Sequence, end: int) -> int:
@@ -132,6 +136,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
+        self._num_verifies = 0  # verify chunks planned in this step (SpecSchedule.max_verifies)
         chosen: list[tuple[Sequence, int]] = []
         num_preempted = 0
         for seq in list(self.running):

@@ -20,6 +20,7 @@ from deltaserve.scheduler.sequence import Sequence
 @dataclass(frozen=True)
 class SpecSchedule:
     num_speculative_tokens: int  # k: drafts verified per decode, at most
+    max_verifies: int | None = None  # verify chunks a step may hold (the runner's scratch); None: no cap
 
     def can_speculate(self, seq: Sequence) -> bool:
         params = seq.sampling

@@ -108,3 +108,16 @@ def test_preemption_clears_the_inflight_verify() -> None:
     assert a.num_inflight_verifies == 0 and a.output_token_ids == [7]
     resumed = scheduler.schedule()
     assert resumed.seqs[0].num_new_tokens == 5 and resumed.seqs[0].num_draft_tokens == 0  # prompt + output, recomputed
+
+
+def test_verify_chunks_per_step_are_capped_by_the_scratch() -> None:
+    """The runner's scratch holds max_verifies verify chunks; the other decodes of the step go one token at a time."""
+    scheduler = make_scheduler()
+    scheduler.spec = SpecSchedule(2, max_verifies=1)
+    for name in ("a", "b", "c"):
+        scheduler.add(seq(name, 3, 10, temperature=0.0))
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    plan = scheduler.schedule()
+    assert sorted(s.num_draft_tokens for s in plan.seqs) == [0, 0, 2]
+    assert [s.num_draft_tokens for s in plan.seqs] == [0, 0, 2]  # plain decodes first, then the verify chunk
