@@ -4,6 +4,7 @@ validation, and every refusal naming the bad key or method."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 
@@ -149,20 +150,34 @@ def test_bad_json_is_refused(given: str, message: str) -> None:
         parse_speculative_config(given)
 
 
-def test_llm_takes_speculative_config_and_loads_the_mtp_layer(caplog: pytest.LogCaptureFixture) -> None:
+def test_llm_takes_speculative_config_and_loads_the_mtp_layer() -> None:
     """LLM(speculative_config=dict), as vLLM's offline API takes it: the runner builds the MTP layer and consumes
     mtp.* (no longer a skipped prefix), and the cache plan gives the layer its own KV."""
     from deltaserve.engine.llm import LLM
     from deltaserve.tiny.trained import trained_model_dir
 
     engine = {"dtype": "float32", "device": "cpu", "max_model_len": 64, "max_num_seqs": 2}
-    with caplog.at_level(logging.WARNING):
-        llm = LLM(trained_model_dir("dense"), speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                  **engine)  # fmt: skip
+    llm = LLM(trained_model_dir("dense"), speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+              **engine)  # fmt: skip
     runner = llm.engine.runner
     assert llm.engine.config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
     assert runner.model.mtp is not None and "mtp" not in runner.load_report.skipped_by_rule
     assert runner.model.mtp.attention.k_cache.shape[0] == runner.layout.num_blocks
-    assert "speculative decoding is not implemented yet" in caplog.text
     with pytest.raises(SpeculativeConfigError, match="`method` 'ngram' is not supported"):
         LLM(trained_model_dir("dense"), speculative_config={"method": "ngram"}, **engine)
+
+
+def test_serve_parses_speculative_config_into_the_engine_config() -> None:
+    """`deltaserve serve --speculative-config JSON`, as `vllm serve` takes it: validated while the command line is
+    parsed (a refused method or key is named there), then EngineConfig.speculative_config."""
+    from deltaserve.api import cli
+    from deltaserve.api.cli_args import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["m", "--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 3}'])
+    config = cli.build_engine_config(args, "m", "cpu")
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert cli.build_engine_config(parser.parse_args(["m"]), "m", "cpu").speculative_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'])

@@ -7,7 +7,6 @@ are submitted to the engine at once and run with continuous batching; results co
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
@@ -26,14 +25,7 @@ from deltaserve.multimodal.offline import loaded_media
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.speculative_config import SpeculativeConfig
 
-logger = logging.getLogger(__name__)
-
 PromptType = str | dict[str, Any]
-# What --speculative-config logs too (api/compat.py): the MTP layer is loaded, the drafting is not wired yet
-SPEC_DECODE_PENDING = (
-    "speculative_config: the MTP layer is loaded, but speculative decoding is not implemented yet: tokens are "
-    "decoded one per step"
-)
 
 
 class LLM:
@@ -47,8 +39,6 @@ class LLM:
         """speculative_config: vLLM's dict ({"method": "mtp", "num_speculative_tokens": k, ...}), validated as vLLM
         validates it (deltaserve/speculative_config.py): the model is built with its MTP layer and that layer's KV."""
         config = EngineConfig(model=str(model), dtype=dtype, speculative_config=speculative_config, **engine_kwargs)
-        if config.speculative_config is not None:
-            logger.warning(SPEC_DECODE_PENDING)
         self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:

@@ -40,54 +40,60 @@ class Served:
     config: ModelConfig
     model: Qwen35Model
     block_ids: list[int]
+    device: str = "cpu"
 
 
 def _context(served: Served, start: int, num_tokens: int) -> ForwardContext:
     """One sequence's prefill chunk of tokens [start, start + num_tokens), its KV in blocks laid out in reverse
     order (so a wrong slot index reads another block)."""
     seq_len = start + num_tokens
-    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+    device = served.device
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
     blocks = served.block_ids
     slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, seq_len)]
     return ForwardContext(
         num_decode_tokens=0,
         num_prefill_tokens=num_tokens,
         query_start_loc=qsl,
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        block_tables=torch.tensor([blocks], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+        block_tables=torch.tensor([blocks], dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=num_tokens,
         max_seq_len=seq_len,
-        state_indices=torch.tensor([0], dtype=torch.int32),
-        has_initial_state=torch.tensor([start > 0]),
+        state_indices=torch.tensor([0], dtype=torch.int32, device=device),
+        has_initial_state=torch.tensor([start > 0], device=device),
         prefill_query_start_loc=qsl,
     )
 
 
-@pytest.fixture(scope="module", params=["dense", "moe", "next"])
-def served(request: pytest.FixtureRequest) -> Served:
-    model_dir = trained_model_dir(request.param)
+def _build(variant: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Served:
+    model_dir = trained_model_dir(variant)
     config = ModelConfig.from_pretrained(model_dir)
-    model = Qwen35Model(config, torch.float32, "cpu", build_mtp=True)
+    model = Qwen35Model(config, dtype, device, build_mtp=True)
     load_checkpoint(model, config, model_dir)
     model.fuse_projections()
-    allocate_and_bind(model, config, CacheLayout(NUM_BLOCKS, BLOCK_SIZE, 1, 0, 0), torch.float32, "cpu")
-    return Served(config, model.eval(), list(reversed(range(NUM_BLOCKS))))
+    allocate_and_bind(model, config, CacheLayout(NUM_BLOCKS, BLOCK_SIZE, 1, 0, 0), dtype, torch.device(device))
+    return Served(config, model.eval(), list(reversed(range(NUM_BLOCKS))), device)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "next"])
+def served(request: pytest.FixtureRequest) -> Served:
+    return _build(request.param)
 
 
 @torch.inference_mode()
 def _target_hidden(served: Served) -> torch.Tensor:
     """The target's final-normed hidden states of PROMPT [T, H] (its KV and state written as a prefill)."""
-    positions = torch.arange(len(PROMPT)).expand(3, -1)
+    positions = torch.arange(len(PROMPT), device=served.device).expand(3, -1)
     with forward_context(_context(served, 0, len(PROMPT))):
-        return served.model(torch.tensor(PROMPT), positions)
+        return served.model(torch.tensor(PROMPT, device=served.device), positions)
 
 
 @torch.inference_mode()
 def _mtp(served: Served, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """The MTP layer over positions [start, stop): token t's input is (hidden[t], PROMPT[t + 1])."""
-    next_ids = torch.tensor(PROMPT[start + 1 : stop + 1])
-    positions = torch.arange(start, stop)
+    next_ids = torch.tensor(PROMPT[start + 1 : stop + 1], device=served.device)
+    positions = torch.arange(start, stop, device=served.device)
     with forward_context(_context(served, start, stop - start)):
         return served.model.mtp(next_ids, positions, hidden[start:stop])
 
