@@ -365,6 +365,7 @@ class ModelRunner:
             batch = self.table.sampling_batch(np.repeat(rows, counts), inputs.position_rows_dev,
                                               layout.spec.position_offsets)  # fmt: skip
             batch.keep_probs = bool(spec.is_random.any())  # the random rule reads the target's distributions
+            self.spec.add_draft_counts(batch, layout.spec, self.table, rows)
         handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
                             prompt_event)  # fmt: skip
         handle.spec = spec
@@ -398,6 +399,7 @@ class ModelRunner:
             last = self.spec.last_positions(handle.spec, tokens.device)
             shared = self.sampler._shared_generator(tokens.device)
             tokens = self.spec.accept(handle.spec, out, batch, shared, out.token_ids.index_select(0, last))
+            self.spec.count_accepted(self.table, handle.spec.layout, rows, handle.spec)
         self.tp.broadcast_from_first(tokens)
         self.table.record_sampled(rows, rows_dev, tokens)
         if handle.spec is not None:

@@ -204,6 +204,52 @@ class SpecDecoder:
         cols = to_device(layout.draft_cols, torch.int64, device)
         input_ids.index_copy_(0, index, self.draft_tokens[rows, cols])
 
+    def add_draft_counts(self, batch: SamplingBatch, layout: SpecLayout, table: RequestTable, rows: np.ndarray) -> None:
+        """Penalties at verify position j count the chunk's drafts 0 .. j-1 as outputs, as if they had been
+        generated (vLLM's rule): the step's copy of the output counts gains them on the device. rows: the sampling
+        sequences' table rows."""
+        if batch.penalties is None:
+            return
+        position_rows = np.repeat(rows, layout.sample_counts)  # [P]
+        penalised = np.nonzero(table.penalty_index[position_rows] >= 0)[0]  # batch positions, PenaltyInputs order
+        index_of = {int(p): i for i, p in enumerate(penalised)}
+        entries, draft_rows, draft_cols = [], [], []
+        starts = layout.sample_offsets[layout.spec_sample_index]
+        for s, k in enumerate(layout.num_drafts.tolist()):
+            row = int(position_rows[starts[s]])
+            for j in range(1, k + 1):
+                i = index_of.get(int(starts[s]) + j)
+                if i is None:
+                    break  # a row without penalties
+                entries += [i] * j
+                draft_rows += [row] * j
+                draft_cols += list(range(j))
+        if not entries:
+            return
+        counts = batch.penalties.output_counts  # [Pp, V]: the step's own copy
+        device = counts.device
+        where = (to_device(draft_rows, torch.int64, device), to_device(draft_cols, torch.int64, device))
+        tokens = self.draft_tokens[where]
+        ones = torch.ones(len(entries), dtype=counts.dtype, device=device)
+        counts.index_put_((to_device(entries, torch.int64, device), tokens), ones, accumulate=True)
+
+    @staticmethod
+    def count_accepted(table: RequestTable, layout: SpecLayout, rows: np.ndarray, handle: SpecHandle) -> None:
+        """The table's penalty counts gain each verify chunk's accepted tokens but the last (record_sampled counts
+        that one), on the device."""
+        verify_rows = rows[layout.spec_sample_index]
+        pool = table.penalty_index[verify_rows]
+        if not (pool >= 0).any():
+            return
+        device = handle.tokens.device
+        keep = np.nonzero(pool >= 0)[0]
+        tokens = handle.tokens.index_select(0, to_device(keep, torch.int64, device))  # [Q, W]
+        emitted = handle.num_emitted.index_select(0, to_device(keep, torch.int64, device))
+        columns = torch.arange(tokens.shape[1], device=device)
+        weights = (columns[None, :] < (emitted - 1)[:, None]).to(table.penalty_counts.dtype)
+        pool_rows = to_device(pool[keep], torch.int64, device)[:, None].expand_as(tokens)
+        table.penalty_counts.index_put_((pool_rows, tokens.clamp(min=0)), weights, accumulate=True)
+
     @staticmethod
     def last_positions(handle: SpecHandle, device: torch.device) -> torch.Tensor:
         """[n sampling seqs] the index of each sampling sequence's last sampled position."""

@@ -3,17 +3,16 @@
 With speculation on, a decode computes its last sampled token plus k drafts (ScheduledSeq.num_draft_tokens = k), and
 its result carries 1 .. k + 1 accepted tokens. k is the configured count, lowered so that the step can never produce
 more outputs than max_tokens allows or reach past max_model_len, and 0 (a plain decode) for requests whose sampling
-the verify path does not implement: penalties (their counts would have to include the drafts) and history-dependent
-masks (grammars, multi-token bad words). A sequence whose verify step is in flight is not planned
-again until that result is collected: its position depends on how many drafts were accepted. A chunk of a sequence
-that speculates gets KV blocks for k - 1 positions past it, which the MTP drafter's chained passes write.
+the verify path does not implement: history-dependent masks (grammars, multi-token bad words). A sequence whose
+verify step is in flight is not planned again until that result is collected: its position depends on how many
+drafts were accepted. A chunk of a sequence that speculates gets KV blocks for k - 1 positions past it, which the
+MTP drafter's chained passes write.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltaserve.sampler.batch import has_penalty
 from deltaserve.scheduler.sequence import Sequence
 
 
@@ -24,7 +23,7 @@ class SpecSchedule:
 
     def can_speculate(self, seq: Sequence) -> bool:
         params = seq.sampling
-        return not has_penalty(params) and not params.needs_history_mask
+        return not params.needs_history_mask
 
     def lookahead(self, seq: Sequence, end: int, max_model_len: int) -> int:
         """KV positions past a chunk ending at `end` that the drafter writes (its chained passes: k - 1), so the

@@ -155,3 +155,20 @@ def test_without_async_scheduling(references: dict) -> None:
     stats = enable_reference_drafts(llm.engine.core, continuation, "mixed", 3)
     assert [list(o.token_ids) for o in run(llm, prompts, greedy())] == [continuation[tuple(p)] for p in prompts]
     assert 0 < stats["accepted"] < stats["drafts"]
+
+
+@pytest.mark.parametrize("mode", ["all", "mixed"])
+def test_penalties_count_the_drafts_before_each_position(mode: str) -> None:
+    """With repetition / frequency / presence penalties, position j of a verify chunk is penalised as if drafts
+    0 .. j-1 had been generated, and the accepted tokens join the counts: the outputs are those without
+    speculation (whose continuation the drafts follow here)."""
+    params = greedy(repetition_penalty=1.4, frequency_penalty=0.4, presence_penalty=0.6)
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8)
+    prompts = make_prompts(plain)
+    expected = [list(o.token_ids) for o in run(plain, prompts, params)]
+    assert expected != [list(o.token_ids) for o in run(plain, prompts, greedy())]  # the penalties change tokens
+    spec = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8)
+    continuation = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    stats = enable_reference_drafts(spec.engine.core, continuation, mode, 3)
+    assert [list(o.token_ids) for o in run(spec, prompts, params)] == expected
+    assert stats["accepted"] > 0

@@ -61,7 +61,8 @@ def test_k_is_capped_by_max_tokens_and_max_model_len_and_the_budget() -> None:
     assert [s.num_draft_tokens for s in tight.schedule().seqs] == [2]  # 1 + k tokens within a 3-token budget
 
 
-def test_unsupported_sampling_decodes_plainly() -> None:
+def test_history_masks_decode_plainly() -> None:
+    """Penalties and random sampling speculate; a multi-token bad word (a mask that depends on each token) does not."""
     scheduler = spec_scheduler(2)
     bad_words = {"temperature": 0.0, "bad_words_token_ids": [[5, 6]]}
     for name, params in (("penalty", {"temperature": 0.0, "presence_penalty": 1.0}), ("bad words", bad_words),
@@ -69,12 +70,13 @@ def test_unsupported_sampling_decodes_plainly() -> None:
         scheduler.add(seq(name, 3, 10, **params))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
-    assert [s.num_draft_tokens for s in scheduler.schedule().seqs] == [0, 0, 2]
+    plan = scheduler.schedule()  # plain decodes first: the bad-words row, then the two verify chunks
+    assert [s.num_draft_tokens for s in plan.seqs] == [0, 2, 2]
 
 
 def test_verify_chunks_sit_between_decodes_and_prefills() -> None:
     scheduler = spec_scheduler(2)
-    scheduler.add(seq("plain", 3, 10, temperature=0.7, presence_penalty=0.5))
+    scheduler.add(seq("plain", 3, 10, temperature=0.7, bad_words_token_ids=[[5, 6]]))
     scheduler.add(seq("spec", 3, 10, temperature=0.0))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
