@@ -1,11 +1,14 @@
 """Speculative decoding (MTP drafts) under the engine's batching machinery, fp32 on the trained tiny dense checkpoint:
 preemptions (the KV cache running out, and forced ones that drop verify results in flight) with outputs equal to a
 run without speculation; n > 1 (each of the n sequences samples as its own seeded request); async scheduling on and
-off, with greedy and seeded requests mixed in one batch."""
+off, with greedy and seeded requests mixed in one batch; prompt logprobs and prefill-only logits unchanged."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
+import torch
 
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
@@ -76,3 +79,23 @@ def test_async_scheduling_on_and_off_agree() -> None:
         outputs[is_async] = [list(o.token_ids) for o in run(llm, prompts, params)]
         assert stats["accepted_per_position"][0] > 0
     assert outputs[True] == outputs[False]
+
+
+def test_prompt_logprobs_and_prefill_logits_are_unchanged() -> None:
+    """Prompt logprobs (of chunks sharing steps with verify chunks) and a prefill-only request's logits are those
+    of an engine without speculation."""
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    spec, stats = mtp_llm("dense", 3, max_num_batched_tokens=16)
+    prompts = make_prompts(plain)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
+    expected = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert stats["accepted_per_position"][0] > 0
+    for want, got in zip(expected, outputs, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs)
+        for a, b in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            assert all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) for t in a)
+    logits = plain.engine.prefill_logits(prompts[0], [10, 14])
+    assert torch.allclose(spec.engine.prefill_logits(prompts[0], [10, 14]), logits, atol=1e-4)
