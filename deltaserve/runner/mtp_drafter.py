@@ -20,6 +20,7 @@ import torch
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.spec_decode import DraftInputs
+from deltaserve.sampler.transfer import to_device
 
 
 class MtpDrafter:
@@ -45,7 +46,7 @@ class MtpDrafter:
         token = self.model.compute_logits(hidden).argmax(dim=-1)  # [R]: greedy drafts, as vLLM's default
         drafts[:, 0] = token
         positions = target.positions.index_select(1, target.draft_rows)  # [3, R]
-        limit = torch.as_tensor(target.kv_limit, dtype=torch.int64).to(device)  # [R]
+        limit = to_device(target.kv_limit, torch.int64, device)  # [R]: pinned, no wait on the stream
         max_seq_len = int(np.max(target.kv_limit))
         rows = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
         width = target.block_tables.shape[1]

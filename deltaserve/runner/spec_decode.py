@@ -176,7 +176,9 @@ class SpecDecoder:
         decision pinned by these unconditional per-position rates instead of the drafts' agreement; max_spec_seqs:
         the verify chunks a step may hold (the scratch's rows; default max_rows)."""
         self.num_speculative_tokens = num_speculative_tokens
-        self.synthetic_rates = None if synthetic_rates is None else torch.tensor(synthetic_rates, dtype=torch.float32)
+        self.synthetic_rates = None  # [k] on the device, copied once
+        if synthetic_rates is not None:
+            self.synthetic_rates = torch.tensor(synthetic_rates, dtype=torch.float32).to(device)
         self.max_spec_seqs = max_spec_seqs or max_rows
         self.drafter = drafter
         self.model = model
@@ -282,8 +284,7 @@ class SpecDecoder:
         num_drafts = to_device(layout.num_drafts, torch.int64, device)
         if self.synthetic_rates is not None:
             uniforms = self._uniforms(layout, batch, shared, (width - 1,), device)
-            rates = self.synthetic_rates.to(device)
-            tokens, num_emitted = synthetic_accept(target, drafts, num_drafts, rates, uniforms)
+            tokens, num_emitted = synthetic_accept(target, drafts, num_drafts, self.synthetic_rates, uniforms)
         elif handle.is_random is not None and handle.is_random.any():
             vocab = out.probs.shape[1]
             probs = out.probs[positions[:, :-1]]  # [S, W-1, V]: the distribution judging each draft
