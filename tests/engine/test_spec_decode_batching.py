@@ -1,7 +1,8 @@
 """Speculative decoding (MTP drafts) under the engine's batching machinery, fp32 on the trained tiny dense checkpoint:
 preemptions (the KV cache running out, and forced ones that drop verify results in flight) with outputs equal to a
 run without speculation; n > 1 (each of the n sequences samples as its own seeded request); async scheduling on and
-off, with greedy and seeded requests mixed in one batch; prompt logprobs and prefill-only logits unchanged."""
+off, with greedy and seeded requests mixed in one batch; prompt logprobs and prefill-only logits unchanged;
+grammar-constrained requests in the same steps as verify chunks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode import make_prompts, run
 from tests.engine.test_spec_decode_mtp import mtp_llm
@@ -99,3 +100,26 @@ def test_prompt_logprobs_and_prefill_logits_are_unchanged() -> None:
             assert all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) for t in a)
     logits = plain.engine.prefill_logits(prompts[0], [10, 14])
     assert torch.allclose(spec.engine.prefill_logits(prompts[0], [10, 14]), logits, atol=1e-4)
+
+
+def test_constrained_requests_beside_speculating_ones() -> None:
+    """Grammar-constrained requests (deferred sampling, one token a step) share steps with verify chunks: their
+    tokens, and the greedy ones, are those without speculation."""
+    so = StructuredOutputsParams
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=so(regex=r"[0-9]{3}-[a-z]{2}")),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, bad_words=["the", "a b"]),
+    ]
+    prompt = "Hello there"
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    spec, stats = mtp_llm("dense", 3, max_num_batched_tokens=16)
+    expected = plain.generate([prompt] * len(params), params, use_tqdm=False)
+    outputs = spec.generate([prompt] * len(params), params, use_tqdm=False)
+    got, want = ([o.outputs[0].token_ids for o in outs] for outs in (outputs, expected))
+    # greedy and constrained rows: the same tokens; the seeded random row samples by the speculative rule (the same
+    # distribution, another draw) and reproduces
+    assert [got[i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+    assert [o.outputs[0].token_ids for o in spec.generate([prompt] * len(params), params, use_tqdm=False)] == got
+    assert stats["accepted_per_position"][0] > 0
