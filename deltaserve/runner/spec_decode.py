@@ -11,8 +11,9 @@ rule (sampler/rejection.py) turns those into the accepted tokens, and the state 
 copied into the live slot. All of that stays on the device: the host learns the accepted tokens when it collects
 the step, as it learns any sampled token.
 
-The drafter is any object with `propose(DraftInputs) -> [R, k_max]` tokens; it runs after every step that sampled,
-so a row has drafts for its next decode whether its last step was a prefill, a decode or a verify.
+The drafter is any object with `propose(DraftInputs) -> [R, k_max]` tokens; it runs after every forward (the MTP
+drafter keeps its own KV on every step's tokens), so a row has drafts for its next decode whether its last step was
+a prefill, a decode or a verify.
 """
 
 from __future__ import annotations
