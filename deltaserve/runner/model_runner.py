@@ -371,6 +371,8 @@ class ModelRunner:
         handle.spec = spec
         if defer_sampling:
             handle.pending = (logits, rows, sample_rows_dev, batch)
+            if spec is not None and spec.layout is not None:  # the grammars' masks walk the drafts (step_drafts)
+                spec.drafts = SpecDecoder.drafts_to_host(self.spec.draft_tokens, spec.layout)
         else:
             self._sample(handle, logits, rows, sample_rows_dev, batch)
         return handle
@@ -384,8 +386,6 @@ class ModelRunner:
         logits, rows, rows_dev, batch = handle.pending
         handle.pending = None
         if bitmask is not None and len(bitmask_rows):
-            if handle.spec is not None and handle.spec.layout is not None:  # sequences -> first sampled position
-                bitmask_rows = handle.spec.layout.sample_offsets[bitmask_rows]
             batch.token_bitmask = to_device(bitmask, torch.int32, self.device)
             batch.bitmask_rows = to_device(bitmask_rows, torch.int64, self.device)
         self._sample(handle, logits, rows, rows_dev, batch)
@@ -407,6 +407,14 @@ class ModelRunner:
         handle.sampled, handle.event = self._to_host(out)
         if handle.spec is not None:
             SpecDecoder.to_host(handle.spec)
+
+    def step_drafts(self, handle: StepHandle) -> dict[int, list[int]]:
+        """A deferred step's drafts, plan index -> the verify chunk's k drafts (the grammars fill their masks along
+        them); empty without verify chunks."""
+        spec = handle.spec
+        if spec is None or spec.drafts is None:
+            return {}
+        return SpecDecoder.drafts_of(spec)
 
     def enable_speculation(
         self, num_speculative_tokens: int, drafter: Drafter, synthetic_rates: tuple[float, ...] | None = None,

@@ -163,6 +163,8 @@ class SpecHandle:
     hidden: torch.Tensor | None = None  # [T, H]
     tokens: torch.Tensor | None = None  # [S, W] accepted tokens, -1 padding
     num_emitted: torch.Tensor | None = None  # [S]
+    # a deferred step's drafts [S, k] on their way to the host (pinned copy) and the event that ends the copy
+    drafts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
 
 class SpecDecoder:
@@ -426,6 +428,29 @@ class SpecDecoder:
             block_tables=table.block_table.index_select(0, rows_dev),
             block_size=block_size,
         )
+
+    @staticmethod
+    def drafts_to_host(draft_tokens: torch.Tensor, layout: SpecLayout) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Starts copying the verify rows' drafts to the host (the grammars of a deferred step need them)."""
+        verify_rows = layout.draft_rows[np.cumsum(layout.num_drafts) - 1]  # [S] each chunk's table row
+        rows = to_device(verify_rows, torch.int64, draft_tokens.device)
+        drafts = draft_tokens.index_select(0, rows)  # [S, k_max]
+        if not drafts.is_cuda:
+            return drafts, None
+        host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+        host.copy_(drafts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    @staticmethod
+    def drafts_of(handle: SpecHandle) -> dict[int, list[int]]:
+        drafts, event = handle.drafts
+        if event is not None:
+            event.synchronize()
+        layout = handle.layout
+        values = drafts.tolist()
+        return {int(i): values[s][:k] for s, (i, k) in enumerate(zip(layout.seq_index, layout.num_drafts, strict=True))}
 
     @staticmethod
     def to_host(handle: SpecHandle) -> None:
