@@ -186,7 +186,10 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed)
         self._step_observer: StepObserver | None = None  # set_step_observer
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.is_graphed = self.device.type == "cuda" and not engine_config.enforce_eager
+        # speculative decoding runs every step eager (its drafter reads each step's hidden states): no decode graphs
+        self.is_graphed = (
+            self.device.type == "cuda" and not engine_config.enforce_eager and engine_config.speculative_config is None
+        )
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
