@@ -367,7 +367,9 @@ class ModelRunner:
             counts = layout.spec.sample_counts
             batch = self.table.sampling_batch(np.repeat(rows, counts), inputs.position_rows_dev,
                                               layout.spec.position_offsets)  # fmt: skip
-            batch.keep_probs = bool(spec.is_random.any())  # the random rule reads the target's distributions
+            # the random rule reads the target's distributions; it and the synthetic one emit drafts whose logprobs
+            # come from the raw logprobs
+            batch.keep_probs = bool(spec.is_random.any()) or self.spec.synthetic_rates is not None
             self.spec.add_draft_counts(batch, layout.spec, self.table, rows)
         handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
                             prompt_event)  # fmt: skip

@@ -288,6 +288,7 @@ class SpecDecoder:
         if self.synthetic_rates is not None:
             uniforms = self._uniforms(layout, batch, shared, (width - 1,), device)
             tokens, num_emitted = synthetic_accept(target, drafts, num_drafts, self.synthetic_rates, uniforms)
+            self._emitted_logprobs(out, layout, positions, tokens, num_emitted)  # accepted drafts are emitted
         elif handle.is_random is not None and handle.is_random.any():
             vocab = out.probs.shape[1]
             probs = out.probs[positions[:, :-1]]  # [S, W-1, V]: the distribution judging each draft
@@ -341,9 +342,19 @@ class SpecDecoder:
         the emitted tokens' (out.token_ids is rewritten at the verify positions, the sampled logprobs recomputed)."""
         if out.raw_logprobs is None or not out.logprob_rows:
             return
-        emitted = torch.where(tokens >= 0, tokens, out.token_ids[positions])  # [S, W]
+        # only the chunks' real positions: a padded entry of `positions` aliases position 0, and a duplicate index
+        # in index_copy_ would let it overwrite that position's emitted token
+        width = tokens.shape[1]
+        columns = np.arange(width)
+        real = np.nonzero((columns[None, :] <= layout.num_drafts[:, None]).reshape(-1))[0]
+        starts = layout.sample_offsets[layout.spec_sample_index]
+        flat = (starts[:, None] + columns[None, :]).reshape(-1)[real]
+        real_dev = to_device(real, torch.int64, positions.device)
+        flat_dev = to_device(flat, torch.int64, positions.device)
+        emitted = tokens.reshape(-1).index_select(0, real_dev)
+        emitted = torch.where(emitted >= 0, emitted, out.token_ids.index_select(0, flat_dev))
         out.token_ids = out.token_ids.clone()
-        out.token_ids.index_copy_(0, positions.reshape(-1), emitted.reshape(-1))
+        out.token_ids.index_copy_(0, flat_dev, emitted)
         rows = out.logprob_rows
         index = None if len(rows) == out.token_ids.shape[0] else to_device(list(rows), torch.int64, positions.device)
         sampled = out.token_ids if index is None else out.token_ids.index_select(0, index)
