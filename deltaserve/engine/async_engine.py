@@ -56,7 +56,8 @@ class AsyncEngine:
         info = client.info
         self._stats = EngineStats(0, 0, 0.0, info.num_blocks, info.num_blocks, info.num_slots, info.num_slots, 0,
                                   block_size=info.block_size,
-                                  enable_prefix_caching=info.enable_prefix_caching)  # fmt: skip
+                                  enable_prefix_caching=info.enable_prefix_caching,
+                                  num_speculative_tokens=info.num_speculative_tokens)  # fmt: skip
         # utility calls awaiting the core's answer: call id -> (loop, future)
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()

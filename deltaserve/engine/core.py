@@ -25,16 +25,18 @@ from deltaserve.engine.budget import default_max_num_batched_tokens
 from deltaserve.engine.grammar import StructuredOutputsConfig
 from deltaserve.engine.output import slice_prompt_logprobs
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
-from deltaserve.engine.stats import EngineStats, IterationTokens, RequestMetrics
+from deltaserve.engine.stats import EngineStats, IterationTokens, RequestMetrics, SpecDecodeCounts
 from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
 from deltaserve.runner.executor import make_executor
 from deltaserve.runner.model_runner import StepHandle
+from deltaserve.runner.spec_decode import Drafter
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
+from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.step import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class EngineCore:
             checkpoint_interval=config.prefix_cache_checkpoint_interval,
             chunk_size=layout.gdn_chunk_size,
         )
+        if config.speculative_config is not None:  # the runner built the MTP drafter
+            k = config.speculative_config.num_speculative_tokens
+            self.scheduler.spec = SpecSchedule(k, self.runner.spec.max_spec_seqs)
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[tuple[StepPlan, StepHandle, tuple[str | None, ...]]] = deque()
@@ -86,6 +91,8 @@ class EngineCore:
         self._errors: list[tuple[str, str]] = []  # (core request id, message): see take_errors
         self._num_prompt_logprobs: dict[str, int] = {}  # request -> prompt positions reported (resumes recompute)
         self._iteration_tokens = IterationTokens()
+        spec = config.speculative_config
+        self._spec_decode = SpecDecodeCounts(spec.num_speculative_tokens) if spec is not None else None
         if self.runner.load_report is not None:
             logger.info("%s", self.runner.load_report.summary())
         logger.info(
@@ -103,6 +110,12 @@ class EngineCore:
                 config.prefix_cache_checkpoint_interval or "(no periodic)",
             )  # fmt: skip
 
+    def enable_speculation(self, num_speculative_tokens: int, drafter: Drafter) -> None:
+        """Speculative decoding with up to num_speculative_tokens drafts a decode, proposed by `drafter`
+        (docs/speculative-decoding.md)."""
+        self.runner.enable_speculation(num_speculative_tokens, drafter)
+        self.scheduler.spec = SpecSchedule(num_speculative_tokens, self.runner.spec.max_spec_seqs)
+
     def info(self) -> EngineCoreInfo:
         layout = self.runner.layout
         return EngineCoreInfo(
@@ -116,6 +129,7 @@ class EngineCore:
             dtype=str(self.runner.dtype).removeprefix("torch."),
             is_async_scheduling=self.is_async,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            num_speculative_tokens=self._spec_decode.num_speculative_tokens if self._spec_decode else 0,
         )
 
     # -- requests -------------------------------------------------------------------------------------
@@ -203,7 +217,9 @@ class EngineCore:
         grammar has seen the tokens this step's bitmask depends on."""
         if self._inflight and self._inflight[0][1].pending is not None:
             plan, handle, owners = self._inflight[0]
-            bitmask, positions = self.structured.fill(plan, owners)
+            # verify chunks: each grammar walks its chunk's drafts to mask every position
+            drafts = self.runner.step_drafts(handle) if any(s.num_draft_tokens for s in plan.seqs) else None
+            bitmask, positions = self.structured.fill(plan, owners, drafts)
             self.runner.sample(handle, None if bitmask is None else bitmask.numpy(), positions)
 
     def step(self) -> list[EngineCoreOutput]:
@@ -219,6 +235,9 @@ class EngineCore:
             return outputs
         plan, handle, owners = self._inflight.popleft()
         result = self.runner.collect(handle)
+        if self._spec_decode is not None:
+            self._spec_decode.observe_step(plan, result)
+            self._spec_decode.maybe_log()
         prompt_logprobs = self._prompt_logprobs(result.prompt_logprobs, owners)
         failed: list[str] = []
         num_iteration_tokens = 0
@@ -310,6 +329,7 @@ class EngineCore:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            **(self._spec_decode.fields() if self._spec_decode is not None else {}),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -63,6 +63,7 @@ class EngineCoreInfo:
     dtype: str
     is_async_scheduling: bool
     enable_prefix_caching: bool = False
+    num_speculative_tokens: int = 0  # k of speculative decoding (0: off): /metrics exports vLLM's spec-decode series
 
 
 @dataclass(frozen=True)

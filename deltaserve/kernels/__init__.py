@@ -16,6 +16,13 @@ from deltaserve.kernels.conv import (
 from deltaserve.kernels.fp8 import Fp8Weight, fp8_linear, fp8_linear_ref, quantize_activation_ref
 from deltaserve.kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
 from deltaserve.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+from deltaserve.kernels.gdn_spec import (
+    causal_conv1d_verify,
+    causal_conv1d_verify_ref,
+    gdn_verify,
+    gdn_verify_ref,
+    spec_state_commit,
+)
 from deltaserve.kernels.linear import linear, linear_ref
 from deltaserve.kernels.moe import (
     fused_moe,
@@ -47,6 +54,8 @@ __all__ = [
     "Fp8Weight",
     "fp8_linear",
     "fp8_linear_ref",
+    "causal_conv1d_verify",
+    "causal_conv1d_verify_ref",
     "fused_moe",
     "fused_moe_block",
     "fused_moe_block_ref",
@@ -59,6 +68,8 @@ __all__ = [
     "gdn_decode_ref",
     "gdn_prefill",
     "gdn_prefill_ref",
+    "gdn_verify",
+    "gdn_verify_ref",
     "linear",
     "linear_ref",
     "moe_route",
@@ -76,6 +87,7 @@ __all__ = [
     "sigmoid_gate_mul_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "spec_state_commit",
     "store_kv",
     "store_kv_ref",
 ]

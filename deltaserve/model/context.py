@@ -37,6 +37,11 @@ class ForwardContext:
     # packs them so, and prefill_slots() copies them out of the full tensors when it did not.
     prefill_state_indices: torch.Tensor | None = None  # [num_prefills] int32
     prefill_has_initial_state: torch.Tensor | None = None  # [num_prefills]
+    # Speculative verify chunks (docs/speculative-decoding.md): num_spec_tokens rows right after the decode rows,
+    # before the prefill rows; sequence s's rows are spec_token_index[s] (offsets in that slice, -1 padding)
+    num_spec_tokens: int = 0
+    spec_state_indices: torch.Tensor | None = None  # [S] int32 live slots of the verify sequences
+    spec_token_index: torch.Tensor | None = None  # [S, W] int64
 
     @property
     def num_decodes(self) -> int:
@@ -44,7 +49,7 @@ class ForwardContext:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens
+        return self.num_decode_tokens + self.num_spec_tokens + self.num_prefill_tokens
 
     def prefill_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_indices, has_initial_state) of the prefill sequences in tensors of their own: a slice at an offset
@@ -52,6 +57,8 @@ class ForwardContext:
         alignment compiled a kernel variant in the middle of serving."""
         if self.prefill_state_indices is None or self.prefill_has_initial_state is None:
             start = self.num_decode_tokens
+            if self.spec_state_indices is not None:
+                start += self.spec_state_indices.shape[0]  # one state per verify sequence, after the decodes
             self.prefill_state_indices = self.state_indices[start:].clone()
             self.prefill_has_initial_state = self.has_initial_state[start:].clone()
         return self.prefill_state_indices, self.prefill_has_initial_state

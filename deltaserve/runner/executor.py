@@ -60,6 +60,11 @@ def make_executor(
 ) -> ModelRunner | MultiprocExecutor:
     if engine_config.tensor_parallel_size == 1:
         return ModelRunner(model_config, engine_config, max_model_len, max_num_batched_tokens)
+    if engine_config.speculative_config is not None:  # before any worker starts
+        raise ValueError(
+            f"speculative_config with tensor_parallel_size {engine_config.tensor_parallel_size}: speculative decoding "
+            "under tensor parallelism is not implemented (docs/speculative-decoding.md#not-built-yet)"
+        )
     return MultiprocExecutor(model_config, engine_config, max_model_len, max_num_batched_tokens)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from deltaserve.model.context import ForwardContext
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_decode import SpecLayout, spec_layout
 from deltaserve.step import ScheduledSeq, StepPlan
 
 _ALIGN_BYTES = 16
@@ -55,19 +56,18 @@ class StepLayout:
     input_ids: np.ndarray  # [T], 0 where the token comes from the device
     device_token_index: np.ndarray  # [D] positions in T whose token is the row's last sample
     sample_seqs: np.ndarray  # [S] indices into plan.seqs of the sequences that sample
-    sample_token_index: np.ndarray  # [S] the token (row of hidden) each samples from
+    sample_token_index: np.ndarray  # [P] the tokens (rows of hidden) sampled: one a sequence, 1 + k a verify chunk
     state_slots: np.ndarray  # [B] int32 write slots
     has_initial_state: np.ndarray  # [B] int32: 1 where the sequence starts from its read slot's state
     state_copies: list[tuple[int, int]]  # (read slot, write slot) pairs to copy before the forward
     state_saves: list[tuple[int, int]]  # (write slot, checkpoint slot) pairs to copy after the forward
     has_mrope: bool
+    spec: SpecLayout | None = None  # the verify chunks (speculative decoding), None when the step has none
 
 
 def checkpoint_saves(seq: ScheduledSeq) -> list[tuple[int, int]]:
     """(write slot, checkpoint slot) copies that leave the state at each of the sequence's checkpoint positions in
-    its slot; refuses what this runner does not implement (draft tokens; a position other than the chunk's end)."""
-    if seq.num_draft_tokens:
-        raise ValueError(f"ScheduledSeq.num_draft_tokens={seq.num_draft_tokens}: no speculative decoding here yet")
+    its slot; refuses what this runner does not implement (a position other than the chunk's end)."""
     end = seq.num_computed_tokens + seq.num_new_tokens
     for position, slot in seq.checkpoints:
         if position != end:
@@ -97,13 +97,22 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
         lo, hi = int(starts[i]), int(min(starts[i] + num_new[i], num_prompt[i]))
         base = int(query_start_loc[i])
         input_ids[base : base + hi - lo] = table.prompts[rows[i]][lo:hi]
+    needs_sample = np.fromiter((s.needs_sample for s in seqs), dtype=np.bool_, count=len(seqs))
+    sample_seqs = np.nonzero(needs_sample)[0]
+    spec = spec_layout(seqs, query_start_loc, sample_seqs, plan.num_decodes)
+    if spec is not None:
+        is_device_token[spec.draft_token_index] = False  # drafts come from the drafter's record
     device_token_index = np.nonzero(is_device_token)[0]
-    # a token past the prompt is the row's last sample: only a chunk's single (decode) token can be one
-    if (
-        len(device_token_index)
-        and (num_new[np.searchsorted(query_start_loc, device_token_index, "right") - 1] != 1).any()
-    ):
-        raise ValueError("a multi-token chunk reaches past the tokens the runner knows (no draft tokens yet)")
+    # a token past the prompt is the row's last sample: only a decode's single token (or a verify chunk's first)
+    # can be one
+    if len(device_token_index):
+        chunk = np.searchsorted(query_start_loc, device_token_index, "right") - 1
+        is_verify = np.zeros(len(seqs), dtype=np.bool_)
+        if spec is not None:
+            is_verify[spec.seq_index] = True
+        is_allowed = (num_new[chunk] == 1) | (is_verify[chunk] & (query_start_loc[chunk] == device_token_index))
+        if not is_allowed.all():
+            raise ValueError("a multi-token chunk reaches past the tokens the runner knows (only verify chunks may)")
     block_index = token_pos // block_size
     slot_mapping = (
         table.block_table_host[token_rows, block_index].astype(np.int64) * block_size + token_pos % block_size
@@ -135,14 +144,16 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
                 prompt_positions[:, np.minimum(span, prompt_positions.shape[1] - 1)],
                 span + table.mrope_delta[row],
             )
-    needs_sample = np.fromiter((s.needs_sample for s in seqs), dtype=np.bool_, count=len(seqs))
-    sample_seqs = np.nonzero(needs_sample)[0]
+    sample_token_index = query_start_loc[1:][sample_seqs] - 1
+    if spec is not None:
+        counts = spec.sample_counts
+        sample_token_index = np.repeat(sample_token_index + 1 - counts, counts) + spec.position_offsets
     state_copies: list[tuple[int, int]] = []
     state_saves: list[tuple[int, int]] = []
     for s in seqs:
         if s.read_slot is not None and s.read_slot != s.write_slot:
             state_copies.append((s.read_slot, s.write_slot))
-        if s.checkpoints or s.num_draft_tokens:
+        if s.checkpoints:
             state_saves += checkpoint_saves(s)
     state_slots = np.fromiter((s.write_slot for s in seqs), dtype=np.int32, count=len(seqs))
     has_initial_state = np.fromiter((s.read_slot is not None for s in seqs), dtype=np.int32, count=len(seqs))
@@ -158,12 +169,13 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
         input_ids=input_ids,
         device_token_index=device_token_index,
         sample_seqs=sample_seqs,
-        sample_token_index=query_start_loc[1:][sample_seqs] - 1,
+        sample_token_index=sample_token_index,
         state_slots=state_slots,
         has_initial_state=has_initial_state,
         state_copies=state_copies,
         state_saves=state_saves,
         has_mrope=has_mrope,
+        spec=spec,
     )
 
 
@@ -174,6 +186,7 @@ class StepInputs:
     ctx: ForwardContext
     sample_token_index: torch.Tensor | None  # [S] rows of hidden that sample; None when all T rows sample
     sample_rows_dev: torch.Tensor  # [S] table rows of the sampling sequences
+    position_rows_dev: torch.Tensor | None = None  # [P] table row of each sampled position (verify steps)
 
 
 def build_eager_inputs(
@@ -181,13 +194,24 @@ def build_eager_inputs(
 ) -> StepInputs:
     """Device inputs of an eager (not graph-captured) forward: decodes first, then prefill chunks."""
     num_decodes = plan.num_decodes
+    spec = layout.spec
+    num_spec_seqs = 0 if spec is None else len(spec.seq_index)
+    num_spec_tokens = 0 if spec is None else spec.num_tokens
+    first_prefill = num_decodes + num_spec_seqs  # sequences: decodes, verify chunks, prefill chunks
     seq_lens = layout.starts + layout.num_new
     width = max(1, int(-(-seq_lens.max() // block_size)))
     has_initial_state = layout.has_initial_state
     state_indices = layout.state_slots
     sample_rows = layout.rows[layout.sample_seqs]
+    spec_fields = {}
+    if spec is not None:
+        spec_fields = {
+            "position_rows": np.repeat(sample_rows, spec.sample_counts),
+            "spec_token_index": spec.token_index,
+        }
     long = pack(
         {
+            **spec_fields,
             "input_ids": layout.input_ids,
             "positions": np.ascontiguousarray(layout.positions),
             "slot_mapping": layout.slot_mapping,
@@ -207,9 +231,10 @@ def build_eager_inputs(
             "seq_lens": seq_lens,
             "state_indices": state_indices,
             "has_initial_state": has_initial_state,
-            "prefill_query_start_loc": qsl[num_decodes:] - qsl[num_decodes],
-            "prefill_state_indices": state_indices[num_decodes:],
-            "prefill_has_initial_state": has_initial_state[num_decodes:],
+            "prefill_query_start_loc": qsl[first_prefill:] - qsl[first_prefill],
+            "prefill_state_indices": state_indices[first_prefill:],
+            "prefill_has_initial_state": has_initial_state[first_prefill:],
+            "spec_state_indices": state_indices[num_decodes:first_prefill],
         },
         np.int32,
         device,
@@ -221,7 +246,7 @@ def build_eager_inputs(
         )
     ctx = ForwardContext(
         num_decode_tokens=num_decodes,
-        num_prefill_tokens=layout.num_tokens - num_decodes,
+        num_prefill_tokens=layout.num_tokens - num_decodes - num_spec_tokens,
         query_start_loc=short["query_start_loc"],
         seq_lens=short["seq_lens"],
         block_tables=table.block_table[:, :width].index_select(0, long["rows"]),
@@ -234,12 +259,16 @@ def build_eager_inputs(
         prefill_query_start_loc=short["prefill_query_start_loc"],
         prefill_state_indices=short["prefill_state_indices"],
         prefill_has_initial_state=short["prefill_has_initial_state"],
+        num_spec_tokens=num_spec_tokens,
+        spec_state_indices=short["spec_state_indices"] if spec is not None else None,
+        spec_token_index=long.get("spec_token_index"),
     )
-    is_all_sampled = len(layout.sample_seqs) == layout.num_tokens
+    is_all_sampled = len(layout.sample_token_index) == layout.num_tokens
     return StepInputs(
         input_ids=input_ids,
         positions=long["positions"],
         ctx=ctx,
         sample_token_index=None if is_all_sampled else long["sample_token_index"],
         sample_rows_dev=long["sample_rows"],
+        position_rows_dev=long.get("position_rows"),
     )

@@ -50,9 +50,12 @@ from deltaserve.runner.cache import (
 )
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
+from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens, scratch_rows
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
+from deltaserve.sampler.sampler import SAMPLING_EPS
 from deltaserve.sampler.transfer import to_device
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
@@ -107,6 +110,7 @@ class StepHandle:
     # host perf_counter() stamps of execute(), taken only while a step observer is registered
     launch_started: float = 0.0
     launched_at: float = 0.0
+    spec: SpecHandle | None = None  # the step's verify chunks (speculative decoding)
 
 
 def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
@@ -164,7 +168,11 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             self._requested_bytes = requested_bytes(total, free, engine_config.gpu_memory_utilization)
             self._allocated_before = torch.cuda.memory_allocated(self.device)
-        self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp)
+        # the MTP layer (model/mtp.py) is built only for speculative decoding; its KV joins the cache plan
+        self.model = Qwen35Model(
+            model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp,
+            build_mtp=engine_config.speculative_config is not None,
+        )  # fmt: skip
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model)  # vLLM's per-tensor seed, not --seed (as vLLM)
             self.load_report = None
@@ -180,7 +188,10 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed)
         self._step_observer: StepObserver | None = None  # set_step_observer
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.is_graphed = self.device.type == "cuda" and not engine_config.enforce_eager
+        # speculative decoding runs every step eager (its drafter reads each step's hidden states): no decode graphs
+        self.is_graphed = (
+            self.device.type == "cuda" and not engine_config.enforce_eager and engine_config.speculative_config is None
+        )
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
@@ -198,6 +209,11 @@ class ModelRunner:
                     upper * slot_bytes / GIB, budget / GIB,
                 )  # fmt: skip
         num_slots = engine_config.num_state_slots or self.max_num_seqs
+        speculative = engine_config.speculative_config
+        spec_rows = 0
+        if speculative is not None:  # the verify scratch comes out of the cache budget (runner/spec_decode.py)
+            spec_rows = scratch_rows(budget, slot_bytes, speculative.num_speculative_tokens, self.max_num_seqs)
+            budget -= spec_rows * (speculative.num_speculative_tokens + 1) * slot_bytes
         num_checkpoints = 0
         if engine_config.enable_prefix_caching:
             num_checkpoints = engine_config.num_checkpoint_slots
@@ -205,10 +221,14 @@ class ModelRunner:
                 num_checkpoints = checkpoint_slots(budget, slot_bytes, self.max_num_seqs)
         self.layout: CacheLayout = plan_cache(
             model_config, self.dtype, self.block_size, budget, num_slots, max_model_len, self.model.shapes,
-            num_checkpoints,
+            num_checkpoints, has_mtp=self.model.mtp is not None,
         )  # fmt: skip
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
+        self.spec: SpecDecoder | None = None  # enable_speculation
+        if speculative is not None:
+            k = speculative.num_speculative_tokens
+            self.enable_speculation(k, MtpDrafter(self.model, k), speculative.synthetic_acceptance_rates, spec_rows)
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
@@ -291,6 +311,7 @@ class ModelRunner:
             self.graphs is not None
             and not returns_logits
             and not layout.state_saves
+            and self.spec is None  # the drafter reads the step's hidden states
             and layout.num_tokens == num_seqs == len(layout.device_token_index) == len(layout.sample_seqs)
             and self.graphs.can_run(num_seqs, width)
         )
@@ -301,6 +322,8 @@ class ModelRunner:
             sample_rows_dev = self.graphs.rows[:num_seqs]
         else:
             inputs = build_eager_inputs(plan, layout, self.table, self.block_size, self.device)
+            if layout.spec is not None:
+                self._require_spec().fill_draft_inputs(inputs.input_ids, layout.spec)
             mm_embeds = self._mm_embeds(plan, layout) if any(s.mm_spans for s in plan.seqs) else None
             with forward_context(inputs.ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
@@ -325,7 +348,20 @@ class ModelRunner:
         if prompt_lp is not None and self.device.type == "cuda":
             prompt_event = torch.cuda.Event()
             prompt_event.record()
+        spec = None
+        if self.spec is not None:
+            keys = is_random = None
+            if layout.spec is not None:
+                verify_rows = layout.rows[layout.sample_seqs][layout.spec.spec_sample_index]
+                keys = self.table.keys[verify_rows]
+                is_random = self.table.params_host[verify_rows, 0] >= SAMPLING_EPS
+            spec = SpecHandle(layout.spec, keys, is_random, inputs, layout, hidden)
         if not len(layout.sample_seqs):
+            if spec is not None:  # the drafter sees every forward (its own KV follows the target's)
+                empty = layout.rows[:0]
+                self.spec.propose(spec, self.table, self.block_size, empty, inputs.sample_rows_dev[:0],
+                                  inputs.input_ids[:0])  # fmt: skip
+                SpecDecoder.to_host(spec)
             return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits, None, prompt_lp, prompt_event)
         rows = layout.rows[layout.sample_seqs]
         if not self.tp.is_first:
@@ -333,11 +369,23 @@ class ModelRunner:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             self.table.record_sampled(rows, sample_rows_dev, self.tp.broadcast_from_first(tokens))
             return StepHandle(plan, layout.sample_seqs, None, None, None)
-        batch = self.table.sampling_batch(rows, sample_rows_dev)
+        if layout.spec is None:
+            batch = self.table.sampling_batch(rows, sample_rows_dev)
+        else:  # every position of a verify chunk samples as its row's next outputs
+            counts = layout.spec.sample_counts
+            batch = self.table.sampling_batch(np.repeat(rows, counts), inputs.position_rows_dev,
+                                              layout.spec.position_offsets)  # fmt: skip
+            # the random rule reads the target's distributions; it and the synthetic one emit drafts whose logprobs
+            # come from the raw logprobs
+            batch.keep_probs = bool(spec.is_random.any()) or self.spec.synthetic_rates is not None
+            self.spec.add_draft_counts(batch, layout.spec, self.table, rows)
         handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
                             prompt_event)  # fmt: skip
+        handle.spec = spec
         if defer_sampling:
             handle.pending = (logits, rows, sample_rows_dev, batch)
+            if spec is not None and spec.layout is not None:  # the grammars' masks walk the drafts (step_drafts)
+                spec.drafts = SpecDecoder.drafts_to_host(self.spec.draft_tokens, spec.layout)
         else:
             self._sample(handle, logits, rows, sample_rows_dev, batch)
         return handle
@@ -359,9 +407,44 @@ class ModelRunner:
         self, handle: StepHandle, logits: torch.Tensor, rows: np.ndarray, rows_dev: torch.Tensor, batch: SamplingBatch
     ) -> None:
         out = self.sampler(logits, batch)
-        self.tp.broadcast_from_first(out.token_ids)
-        self.table.record_sampled(rows, rows_dev, out.token_ids)
+        tokens = out.token_ids  # [S]: each sampling sequence's next input
+        if handle.spec is not None and handle.spec.layout is not None:
+            last = self.spec.last_positions(handle.spec, tokens.device)
+            shared = self.sampler._shared_generator(tokens.device)
+            tokens = self.spec.accept(handle.spec, out, batch, shared, out.token_ids.index_select(0, last))
+            self.spec.count_accepted(self.table, handle.spec.layout, rows, handle.spec)
+        self.tp.broadcast_from_first(tokens)
+        self.table.record_sampled(rows, rows_dev, tokens)
+        if handle.spec is not None:
+            self.spec.propose(handle.spec, self.table, self.block_size, rows, rows_dev, tokens)
         handle.sampled, handle.event = self._to_host(out)
+        if handle.spec is not None:
+            SpecDecoder.to_host(handle.spec)
+
+    def step_drafts(self, handle: StepHandle) -> dict[int, list[int]]:
+        """A deferred step's drafts, plan index -> the verify chunk's k drafts (the grammars fill their masks along
+        them); empty without verify chunks."""
+        spec = handle.spec
+        if spec is None or spec.drafts is None:
+            return {}
+        return SpecDecoder.drafts_of(spec)
+
+    def enable_speculation(
+        self, num_speculative_tokens: int, drafter: Drafter, synthetic_rates: tuple[float, ...] | None = None,
+        max_spec_seqs: int | None = None,
+    ) -> None:  # fmt: skip
+        """Turns on verify chunks of up to num_speculative_tokens drafts, which `drafter` proposes after every
+        step (runner/spec_decode.py); synthetic_rates pins the accept decision (vLLM's synthetic mode);
+        max_spec_seqs: verify chunks a step may hold (their scratch; default max_num_seqs)."""
+        if self.tp.is_parallel:
+            raise ValueError("speculative decoding under tensor parallelism is not implemented")
+        self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
+                                synthetic_rates, max_spec_seqs or self.max_num_seqs)  # fmt: skip
+
+    def _require_spec(self) -> SpecDecoder:
+        if self.spec is None:
+            raise ValueError("a plan holds verify chunks (num_draft_tokens > 0) but speculative decoding is off")
+        return self.spec
 
     def _mm_embeds(self, plan: StepPlan, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's encoder embeddings: items a chunk's window needs are encoded whole (the ViT is bidirectional),
@@ -446,7 +529,11 @@ class ModelRunner:
             if handle.prompt_event is not None:
                 handle.prompt_event.synchronize()
             prompt_logprobs = tuple(plp.to_plain(handle.prompt_logprobs, len(plan.seqs)))
-        if handle.sampled is not None:
+        if handle.sampled is not None and handle.spec is not None:
+            if handle.event is not None:
+                handle.event.synchronize()
+            collect_tokens(handle, self.table, self.vocab_size, token_ids, logprobs)
+        elif handle.sampled is not None:
             if handle.event is not None:
                 handle.event.synchronize()
             sampled = handle.sampled.token_ids.tolist()

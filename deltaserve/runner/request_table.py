@@ -193,16 +193,21 @@ class RequestTable:
 
     # -- sampling -------------------------------------------------------------------------------------
 
-    def sampling_batch(self, rows: np.ndarray, rows_dev: torch.Tensor) -> SamplingBatch:
-        """The SamplingBatch of the sampling rows of a step (rows: table rows, in sampling order)."""
+    def sampling_batch(
+        self, rows: np.ndarray, rows_dev: torch.Tensor, offsets: np.ndarray | None = None
+    ) -> SamplingBatch:
+        """The SamplingBatch of the sampling rows of a step (rows: table rows, in sampling order). offsets: per
+        batch row, how many outputs past the row's next one it samples (a verify chunk's positions 1 .. k; seeds
+        and min_tokens follow the output index)."""
         values = self.params_host[rows]
+        num_sampled = self.num_sampled[rows] if offsets is None else self.num_sampled[rows] + offsets
         flags = host_flags(values, self.vocab_size)
         generators: dict[int, torch.Generator] = {}
         if flags["num_random"]:
             seeds = [self.seeds[r] for r in rows]
             if any(s is not None for s in seeds):
                 is_random = values[:, 0] >= SAMPLING_EPS
-                generators = seeded_generators(seeds, self.num_sampled[rows].tolist(), is_random, self.device)
+                generators = seeded_generators(seeds, num_sampled.tolist(), is_random, self.device)
         penalties = None
         index = self.penalty_index[rows]
         if (index >= 0).any():
@@ -221,7 +226,7 @@ class RequestTable:
             static_bias = StaticBias(
                 rows=to_device(positions, torch.int64, self.device), values=self.bias_pool.index_select(0, pool_rows)
             )
-        is_under = self.num_sampled[rows] < self.min_tokens[rows]
+        is_under = num_sampled < self.min_tokens[rows]
         keys = None
         if is_under.any():
             keys = min_tokens_keys([self.stop_ids[r] for r in rows], is_under.tolist(), self.vocab_size, self.device)

@@ -69,6 +69,8 @@ class SamplingBatch:
     # history constraints (grammars, multi-token bad words): packed int32 [C, ceil(V / 32)] for batch rows [C]
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None
+    # speculative decoding's random rule needs the distributions the rows drew from (sampler/rejection.py)
+    keep_probs: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -85,6 +87,10 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    # with SamplingBatch.keep_probs: each row's final distribution [B, V] fp32 (random rows; a greedy row's is not
+    # used) and the raw logprobs [L, V] of the rows that asked for logprobs
+    probs: torch.Tensor | None = None
+    raw_logprobs: torch.Tensor | None = None
 
 
 class Sampler:
@@ -130,22 +136,28 @@ class Sampler:
             if batch.penalties is not None:
                 apply_penalties(processed, batch.penalties, batch.params)
 
+        kept: list[torch.Tensor] = []
         if batch.num_random == 0:
             token_ids = processed.argmax(dim=-1)  # [B]; first maximal index on ties
         elif batch.num_random == num_rows:
-            token_ids = self._sample_random(processed, batch)
+            token_ids = self._sample_random(processed, batch, kept)
         else:
             is_greedy = batch.params[:, TEMPERATURE] < SAMPLING_EPS  # [B]
             greedy_ids = processed.argmax(dim=-1)
-            token_ids = torch.where(is_greedy, greedy_ids, self._sample_random(processed, batch))
+            token_ids = torch.where(is_greedy, greedy_ids, self._sample_random(processed, batch, kept))
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
             self._add_logprobs(out, raw_logprobs, logprob_rows, logprob_index, batch.num_logprobs or ())
+        if batch.keep_probs:
+            out.probs = kept[0] if kept else None
+            out.raw_logprobs = raw_logprobs
         return out
 
-    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample_random(
+        self, logits: torch.Tensor, batch: SamplingBatch, kept: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Temperature, min_p, top-k, top-p, then sampling over every row (the caller keeps greedy rows' argmax).
-        logits: [B, V] fp32, edited in place."""
+        logits: [B, V] fp32, edited in place. With batch.keep_probs the distribution drawn from joins `kept`."""
         vocab_size = logits.shape[1]
         params = batch.params
         temperature = params[:, TEMPERATURE]
@@ -160,6 +172,8 @@ class Sampler:
             else:
                 apply_top_k_top_p(logits, top_k, params[:, TOP_P] if batch.has_top_p else None)
         probs = logits.softmax(dim=-1)  # [B, V] fp32
+        if batch.keep_probs and kept is not None:
+            kept.append(probs.clone())  # random_sample consumes its input
         return random_sample(probs, self._shared_generator(logits.device), batch.generators)
 
     @staticmethod

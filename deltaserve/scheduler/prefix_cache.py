@@ -291,6 +291,8 @@ class PrefixCache:
         position = seq.num_computed_tokens + seq.num_inflight_tokens
         if position < 1 or seq.state_slot is None or not self.can_add():
             return
+        if position > seq.num_tokens:
+            return  # a stop inside an accepted speculative run: the state consumed drafts the sequence dropped
         key = self.key(seq, position)
         if self.contains(key):
             return

@@ -35,6 +35,7 @@ from collections import deque
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.prefix_cache import Checkpoint, PrefixCache
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
+from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.scheduler.stop import FINISH_ABORT, FINISH_STOP, check_stop
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult, window_spans
 
@@ -94,6 +95,8 @@ class Scheduler:
             # an admission always finds a free slot or a ready checkpoint to evict
             max_pending = slot_pool.num_slots - max_num_seqs
             self.prefix_cache = PrefixCache(block_manager, slot_pool, max_pending, chunk_size, checkpoint_interval)
+        self.spec: SpecSchedule | None = None  # speculative decoding (scheduler/spec.py); None: off
+        self._num_verifies = 0
 
     @property
     def num_waiting(self) -> int:
@@ -147,8 +150,20 @@ class Scheduler:
             return self._prefill_only_chunk(seq, budget)
         if seq.is_length_capped or seq.num_planned_tokens >= self.max_model_len:
             return 0  # its last token is in flight; update() will finish it on the length rules
+        if seq.num_inflight_verifies:
+            return 0  # its position depends on how many drafts that step accepts
         start = seq.num_computed_tokens + seq.num_inflight_tokens
-        return PrefixCache.cap(seq, start, min(seq.num_unplanned_tokens, budget))
+        num_new = PrefixCache.cap(seq, start, min(seq.num_unplanned_tokens, budget))
+        is_decode = num_new == seq.num_unplanned_tokens == 1 and start > 0
+        spec = self.spec
+        if spec is not None and is_decode and (spec.max_verifies is None or self._num_verifies < spec.max_verifies):
+            drafts = spec.num_drafts(seq, budget - 1, self.max_model_len)
+            self._num_verifies += int(drafts > 0)
+            num_new += drafts
+        return num_new
+
+    def _lookahead(self, seq: Sequence, end: int) -> int:
+        return 0 if self.spec is None else self.spec.lookahead(seq, end, self.max_model_len)
 
     def _reserve(self, num_blocks: int, keep: Checkpoint | None = None) -> bool:
         """Whether num_blocks blocks are free, evicting unused checkpoints (LRU) first to make them so."""
@@ -170,6 +185,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
+        self._num_verifies = 0  # verify chunks planned in this step (SpecSchedule.max_verifies)
         chosen: list[tuple[Sequence, int]] = []
         num_preempted = 0
         for seq in list(self.running):
@@ -181,7 +197,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            needed = self.blocks.blocks_needed(start + num_new, len(seq.block_ids))
+            end = start + num_new
+            needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), len(seq.block_ids))
             while not self._reserve(needed):
                 victim = self._choose_victim()
                 chosen_index = next((i for i, (other, _) in enumerate(chosen) if other is victim), None)
@@ -212,7 +229,8 @@ class Scheduler:
             if num_new == 0:
                 break  # a prefill-only chunk that waits for a step with room for it whole
             num_shared = start // self.blocks.block_size  # the hit's full blocks; its partial one is copied
-            needed = self.blocks.blocks_needed(start + num_new, num_shared)
+            end = start + num_new
+            needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), num_shared)
             slot = None
             if self.rows.num_free and self._reserve(needed, hit):
                 slot = self.slots.allocate() if cache is None else cache.take_slot(hit)
@@ -252,7 +270,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            needs_sample = start + num_new == seq.num_planned_tokens and not seq.is_prefill_only
+            num_drafts = max(0, num_new - seq.num_unplanned_tokens)  # a verify chunk: its token plus the drafts
+            needs_sample = start + num_new - num_drafts == seq.num_planned_tokens and not seq.is_prefill_only
             spans = window_spans(seq.mm_input, start, start + num_new)
             read_slot = seq.state_slot if start > 0 else None
             if seq.restore_slot is not None:  # the first step after a prefix-cache hit starts from the checkpoint
@@ -272,14 +291,17 @@ class Scheduler:
                 new_block_ids=tuple(seq.block_ids[seq.num_blocks_sent :]),
                 needs_sample=needs_sample,
                 checkpoints=checkpoints,
+                num_draft_tokens=num_drafts,
                 mm_spans=spans,
                 return_logits=seq.is_prefill_only,
             )
             seq.num_blocks_sent = len(seq.block_ids)
             seq.num_inflight_tokens += num_new
             seq.num_pending_outputs += int(needs_sample)
+            seq.num_inflight_verifies += int(num_drafts > 0)
             scheduled.append((item, seq, needs_sample))
-        scheduled.sort(key=lambda entry: not entry[0].is_decode)  # stable: decodes first, FCFS within each group
+        # stable: decodes first, then verify chunks, then prefill chunks, FCFS within each group
+        scheduled.sort(key=lambda entry: 0 if entry[0].is_decode else 1 if entry[0].num_draft_tokens else 2)
         plan = StepPlan(
             step_id=step_id,
             seqs=tuple(item for item, _, _ in scheduled),
@@ -321,12 +343,19 @@ class Scheduler:
         chunk_logits = result.logits or (None,) * len(entries)
         now = time.time()
         touched = []
-        for (seq, epoch, num_new, needs_sample), tokens, token_logprobs, logits in zip(
-            entries, result.token_ids, logprobs, chunk_logits, strict=True
+        for (seq, epoch, num_new, needs_sample), item, tokens, token_logprobs, logits in zip(
+            entries, plan.seqs, result.token_ids, logprobs, chunk_logits, strict=True
         ):
             if seq.epoch != epoch or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was planned: its result is stale
             seq.num_inflight_tokens -= num_new
+            if item.num_draft_tokens:
+                # a verify chunk: its token and the accepted drafts are computed; the rejected drafts' KV rows
+                # are overwritten by later steps
+                if not 1 <= len(tokens) <= num_new:
+                    raise ValueError(f"step {plan.step_id}: {len(tokens)} accepted tokens for a {num_new}-token verify")
+                seq.num_inflight_verifies -= 1
+                num_new = len(tokens)
             seq.num_computed_tokens += num_new
             seq.num_pending_outputs -= int(needs_sample)
             if seq.is_prefill_only:
@@ -360,7 +389,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_outputs = 0
+        seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_pending_outputs = seq.num_inflight_verifies = 0
         seq.logits = []  # a prefill-only request recomputes every chunk
         seq.epoch += 1
         seq.status = SequenceStatus.WAITING

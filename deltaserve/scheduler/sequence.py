@@ -35,6 +35,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0
     num_pending_outputs: int = 0
+    num_inflight_verifies: int = 0  # speculative verify steps planned, result not seen (at most one)
     block_ids: list[int] = field(default_factory=list)
     num_blocks_sent: int = 0  # how many of block_ids the runner's table already holds
     state_slot: int | None = None

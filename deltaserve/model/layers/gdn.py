@@ -19,9 +19,11 @@ from deltaserve.config import ModelConfig
 from deltaserve.kernels import (
     causal_conv1d_prefill,
     causal_conv1d_update,
+    causal_conv1d_verify,
     gated_rms_norm,
     gdn_decode,
     gdn_prefill,
+    gdn_verify,
     linear,
 )
 from deltaserve.kernels.fp8 import Fp8Weight
@@ -64,6 +66,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_states: torch.Tensor | None = None  # bound by the runner
         self.ssm_states: torch.Tensor | None = None
         self.in_proj: torch.Tensor | None = None  # [qkvz | ba] rows once fuse_in_proj ran
+        # per-token states of a verify step [S_max, W_max, ...], bound by the runner when speculating
+        self.spec_conv_scratch: torch.Tensor | None = None
+        self.spec_ssm_scratch: torch.Tensor | None = None
 
     def fuse_in_proj(self) -> None:
         """After loading: both input projections as ONE weight [conv_dim + value_dim + 2·HV, hidden], so a step
@@ -101,7 +106,8 @@ class GatedDeltaNet(nn.Module):
         z = proj[:, self.conv_dim : qkvz_end].view(num_tokens, self.num_v_heads, self.head_v_dim)  # [T, HV, dv]
         b = ba[:, : self.num_v_heads]  # [T, HV]
         a = ba[:, self.num_v_heads :]  # [T, HV]
-        if not ctx.num_prefill_tokens:  # decode-only (every CUDA-graph step): each kernel's output is used whole
+        if not ctx.num_prefill_tokens and not ctx.num_spec_tokens:
+            # decode-only (every CUDA-graph step): each kernel's output is used whole
             with label("gdn.causal_conv1d_update"):
                 conv_out = causal_conv1d_update(mixed, self.conv1d, self.conv_states, ctx.state_indices)
             q, k, v = self._split_qkv(conv_out)
@@ -124,8 +130,9 @@ class GatedDeltaNet(nn.Module):
         return q, k, v
 
     def _mixed_step(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, num_decodes: int) -> torch.Tensor:
-        """A step with prefill chunks: decode rows [0, num_decodes) take the recurrent kernels, the rest the varlen
-        conv and the chunked core. Returns core [T, HV, dv]."""
+        """A step with prefill or verify chunks: decode rows [0, num_decodes) take the recurrent kernels, the verify
+        rows after them the multi-token recurrent kernels with per-token states (docs/speculative-decoding.md), the
+        rest the varlen conv and the chunked core. Returns core [T, HV, dv]."""
         ctx = get_forward_context()
         num_tokens = mixed.shape[0]
         # The decode and prefill kernels write their halves of one buffer (`out` views), and q / k / v go to the
@@ -134,20 +141,26 @@ class GatedDeltaNet(nn.Module):
         conv_out = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)  # [T, conv_dim]
         prefill_slots, prefill_has_initial_state = ctx.prefill_slots()
         d = slice(0, num_decodes)
-        p = slice(num_decodes, num_tokens)
+        s = slice(num_decodes, num_decodes + ctx.num_spec_tokens)
+        p = slice(s.stop, num_tokens)
         if num_decodes:
             with label("gdn.causal_conv1d_update"):
                 causal_conv1d_update(mixed[d], self.conv1d, self.conv_states, ctx.state_indices[d], out=conv_out[d])
-        with label("gdn.causal_conv1d_prefill"):
-            causal_conv1d_prefill(
-                mixed[p],
-                self.conv1d,
-                self.conv_states,
-                ctx.prefill_query_start_loc,
-                prefill_slots,
-                prefill_has_initial_state,
-                out=conv_out[p],
-            )
+        if ctx.num_spec_tokens:
+            with label("gdn.causal_conv1d_verify"):
+                causal_conv1d_verify(mixed[s], self.conv1d, self.conv_states, ctx.spec_state_indices,
+                                     ctx.spec_token_index, self.spec_conv_scratch, out=conv_out[s])  # fmt: skip
+        if ctx.num_prefill_tokens:
+            with label("gdn.causal_conv1d_prefill"):
+                causal_conv1d_prefill(
+                    mixed[p],
+                    self.conv1d,
+                    self.conv_states,
+                    ctx.prefill_query_start_loc,
+                    prefill_slots,
+                    prefill_has_initial_state,
+                    out=conv_out[p],
+                )
         q, k, v = self._split_qkv(conv_out)
         core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=mixed.dtype, device=mixed.device)
         if num_decodes:
@@ -156,19 +169,16 @@ class GatedDeltaNet(nn.Module):
                     q[d], k[d], v[d], a[d], b[d], self.A_log, self.dt_bias, self.ssm_states, ctx.state_indices[d],
                     out=core[d],
                 )  # fmt: skip
-        with label("gdn.gdn_prefill"):
-            gdn_prefill(
-                q[p],
-                k[p],
-                v[p],
-                a[p],
-                b[p],
-                self.A_log,
-                self.dt_bias,
-                self.ssm_states,
-                ctx.prefill_query_start_loc,
-                prefill_slots,
-                prefill_has_initial_state,
-                out=core[p],
-            )
+        if ctx.num_spec_tokens:
+            with label("gdn.gdn_verify"):
+                gdn_verify(
+                    q[s], k[s], v[s], a[s], b[s], self.A_log, self.dt_bias, self.ssm_states, ctx.spec_state_indices,
+                    ctx.spec_token_index, self.spec_ssm_scratch, out=core[s],
+                )  # fmt: skip
+        if ctx.num_prefill_tokens:
+            with label("gdn.gdn_prefill"):
+                gdn_prefill(
+                    q[p], k[p], v[p], a[p], b[p], self.A_log, self.dt_bias, self.ssm_states,
+                    ctx.prefill_query_start_loc, prefill_slots, prefill_has_initial_state, out=core[p],
+                )  # fmt: skip
         return core

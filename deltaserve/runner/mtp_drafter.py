@@ -1,0 +1,74 @@
+"""The MTP drafter: the checkpoint's MTP layer (model/mtp.py) proposes k greedy drafts a row after every step
+(docs/speculative-decoding.md#drafting-with-the-mtp-layer).
+
+After a step's target forward, the MTP layer runs once over every row of the step: row t pairs the target's
+final-normed hidden state at t with the token at t + 1 (the next prompt token, the sampled token, or for a verify
+chunk the emitted token there), at t's position and KV slot, so the MTP layer's own KV cache follows the target's
+and holds only true inputs once a position is accepted (a rejected draft's row is overwritten by the next step,
+which covers it again). Draft 1 of a sampling row is the argmax of the lm_head at its last accepted row; drafts
+2 .. k chain the layer on its own output and draft (vLLM's reuse of its one MTP layer), one decode-like pass each,
+writing the MTP KV of the positions past the step, which the next step's first pass rewrites with true inputs.
+Those chained positions are written only where the row's KV blocks reach (the scheduler allocates k - 1 blocks of
+lookahead for them); past that the pass reads and writes nothing of another row. Everything stays on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deltaserve.model.context import ForwardContext, forward_context
+from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner.spec_decode import DraftInputs
+from deltaserve.sampler.transfer import to_device
+
+
+class MtpDrafter:
+    def __init__(self, model: Qwen35Model, num_speculative_tokens: int) -> None:
+        if model.mtp is None:
+            raise ValueError("the MTP drafter needs the model's MTP layer (built with speculative decoding on)")
+        self.model = model
+        self.mtp = model.mtp
+        self.k = num_speculative_tokens
+
+    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+        target = inputs.target
+        if target is None:
+            raise ValueError("the MTP drafter needs the step's target forward (an eager step)")
+        with forward_context(target.ctx):
+            out = self.mtp(target.next_ids, target.positions, target.hidden)  # [T, H]; MTP KV at the step's slots
+        num_rows = len(inputs.rows)
+        device = target.hidden.device
+        drafts = torch.zeros(num_rows, self.k, dtype=torch.int64, device=device)
+        if not num_rows:
+            return drafts
+        hidden = out.index_select(0, target.draft_rows)  # [R, H]
+        token = self.model.compute_logits(hidden).argmax(dim=-1)  # [R]: greedy drafts, as vLLM's default
+        drafts[:, 0] = token
+        positions = target.positions.index_select(1, target.draft_rows)  # [3, R]
+        limit = to_device(target.kv_limit, torch.int64, device)  # [R]: pinned, no wait on the stream
+        max_seq_len = int(np.max(target.kv_limit))
+        rows = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
+        width = target.block_tables.shape[1]
+        for i in range(1, self.k):
+            index = target.draft_index + i  # [R] the token index whose MTP input is (hidden, token)
+            is_covered = index < limit
+            block = target.block_tables.gather(1, (index // target.block_size).clamp(max=width - 1).unsqueeze(1))
+            slot = block.squeeze(1).long() * target.block_size + index % target.block_size
+            ctx = ForwardContext(
+                num_decode_tokens=num_rows,
+                num_prefill_tokens=0,
+                query_start_loc=rows,
+                seq_lens=torch.minimum(index + 1, limit).to(torch.int32),
+                block_tables=target.block_tables,
+                slot_mapping=torch.where(is_covered, slot, -1),
+                max_query_len=1,
+                max_seq_len=max_seq_len,
+                state_indices=rows[:num_rows],  # unused: the MTP layer has no GDN state
+                has_initial_state=rows[:num_rows],
+            )
+            with forward_context(ctx):
+                hidden = self.mtp(token, positions + i, hidden)  # [R, H]
+            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts[:, i] = token
+        return drafts

@@ -1,0 +1,44 @@
+"""How the scheduler plans speculative decoding: how many drafts a decode verifies (docs/speculative-decoding.md).
+
+With speculation on, a decode computes its last sampled token plus k drafts (ScheduledSeq.num_draft_tokens = k), and
+its result carries 1 .. k + 1 accepted tokens. k is the configured count, lowered so that the step can never produce
+more outputs than max_tokens allows or reach past max_model_len, and 0 (a plain decode) for grammars that start
+after a given token (start_after_token_id), which the verify path does not implement. A sequence whose verify step
+is in flight is not planned again until that result is collected: its position depends on how many drafts were
+accepted. A chunk of a sequence that speculates gets KV blocks for k - 1 positions past it, which the MTP drafter's
+chained passes write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltaserve.scheduler.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SpecSchedule:
+    num_speculative_tokens: int  # k: drafts verified per decode, at most
+    max_verifies: int | None = None  # verify chunks a step may hold (the runner's scratch); None: no cap
+
+    def can_speculate(self, seq: Sequence) -> bool:
+        params = seq.sampling
+        # a grammar that starts after a given token: its masks would need that token found among the drafts
+        structured = params.structured_outputs
+        return structured is None or structured.start_after_token_id is None
+
+    def lookahead(self, seq: Sequence, end: int, max_model_len: int) -> int:
+        """KV positions past a chunk ending at `end` that the drafter writes (its chained passes: k - 1), so the
+        chunk's blocks cover them."""
+        if seq.is_prefill_only or not self.can_speculate(seq):
+            return 0
+        return max(0, min(self.num_speculative_tokens - 1, max_model_len - end))
+
+    def num_drafts(self, seq: Sequence, budget: int, max_model_len: int) -> int:
+        """Drafts for a decode of `seq` that has `budget` step tokens left after its own token."""
+        if seq.is_prefill_only or not self.can_speculate(seq):
+            return 0
+        # a verify emits up to k + 1 tokens: all of them must fit under max_tokens and max_model_len
+        outputs_left = seq.max_tokens - len(seq.output_token_ids) - seq.num_pending_outputs
+        room = max_model_len - seq.num_planned_tokens
+        return max(0, min(self.num_speculative_tokens, outputs_left - 1, room - 1, budget))

@@ -1,0 +1,102 @@
+"""The verify-step GDN ops (kernels/gdn_spec.py) against the one-token decode ops run token by token: outputs, the
+state after every token in scratch, live slots untouched until the commit, and the commit's choice of state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.kernels import (
+    causal_conv1d_update_ref,
+    causal_conv1d_verify_ref,
+    gdn_decode_ref,
+    gdn_verify_ref,
+    spec_state_commit,
+)
+
+HK, HV, DK, DV, C, K = 2, 4, 8, 8, 12, 4
+LENGTHS = (2, 5, 1)  # 1 + k per verify sequence: k = 1, 4, 0
+SLOTS = (3, 0, 5)
+
+
+def token_index(lengths: tuple[int, ...]) -> torch.Tensor:
+    width = max(lengths)
+    rows, start = [], 0
+    for n in lengths:
+        rows.append([start + j if j < n else -1 for j in range(width)])
+        start += n
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def inputs(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    n = sum(LENGTHS)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    return {
+        "q": rand(n, HK, DK).to(dtype), "k": rand(n, HK, DK).to(dtype), "v": rand(n, HV, DV).to(dtype),
+        "a": rand(n, HV).to(dtype), "b": rand(n, HV).to(dtype), "A_log": rand(HV), "dt_bias": rand(HV).to(dtype),
+        "ssm": rand(6, HV, DK, DV), "x": rand(n, C).to(dtype), "weight": rand(C, K).to(dtype),
+        "conv": rand(6, K - 1, C).to(dtype),
+    }  # fmt: skip
+
+
+def test_gdn_verify_equals_decode_token_by_token() -> None:
+    t = inputs()
+    index = token_index(LENGTHS)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    ssm = t["ssm"].clone()
+    scratch = torch.full((4, max(LENGTHS), HV, DK, DV), float("nan"))
+    out = torch.full_like(t["v"], float("nan"))  # poisoned: every row must be written
+    gdn_verify_ref(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], ssm, slots, index, scratch, out)
+    assert torch.equal(ssm, t["ssm"])  # live slots untouched
+    assert not out.isnan().any()
+    expected_ssm = t["ssm"].clone()
+    for s, (slot, n) in enumerate(zip(SLOTS, LENGTHS, strict=True)):
+        for j in range(max(LENGTHS)):
+            if j < n:
+                row = int(index[s, j])
+                one = slice(row, row + 1)
+                want = gdn_decode_ref(t["q"][one], t["k"][one], t["v"][one], t["a"][one], t["b"][one], t["A_log"],
+                                      t["dt_bias"], expected_ssm, torch.tensor([slot]))  # fmt: skip
+                torch.testing.assert_close(out[one], want, rtol=1e-6, atol=1e-6)
+            # a padded column repeats the last real state
+            torch.testing.assert_close(scratch[s, j], expected_ssm[slot], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_verify_equals_update_token_by_token(dtype: torch.dtype) -> None:
+    t = inputs(dtype)
+    index = token_index(LENGTHS)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    conv = t["conv"].clone()
+    scratch = torch.zeros(4, max(LENGTHS), K - 1, C, dtype=dtype)
+    out = torch.full_like(t["x"], float("nan"))
+    causal_conv1d_verify_ref(t["x"], t["weight"], conv, slots, index, scratch, out)
+    assert torch.equal(conv, t["conv"])
+    assert not out.isnan().any()
+    expected = t["conv"].clone()
+    for s, (slot, n) in enumerate(zip(SLOTS, LENGTHS, strict=True)):
+        for j in range(n):
+            row = int(index[s, j])
+            want = causal_conv1d_update_ref(t["x"][row : row + 1], t["weight"], expected, torch.tensor([slot]))
+            # the same arithmetic; the vectorised SiLU may differ from the one-row one in the last bit
+            torch.testing.assert_close(out[row : row + 1], want, rtol=1e-6, atol=1e-6)
+            assert torch.equal(scratch[s, j], expected[slot])  # windows are copies: exact
+
+
+def test_commit_takes_the_state_after_the_last_accepted_token() -> None:
+    conv = torch.zeros(6, K - 1, C)
+    ssm = torch.zeros(6, HV, DK, DV)
+    width = max(LENGTHS)
+    scratch_conv = torch.arange(4 * width, dtype=torch.float32).view(4, width, 1, 1).expand(4, width, K - 1, C)
+    scratch_ssm = torch.arange(4 * width, dtype=torch.float32).view(4, width, 1, 1, 1).expand(4, width, HV, DK, DV)
+    accepted = torch.tensor([1, 3, 0])  # drafts accepted: the state after token 1, 3, 0
+    spec_state_commit(conv, ssm, scratch_conv.contiguous(), scratch_ssm.contiguous(),
+                      torch.tensor(SLOTS, dtype=torch.int32), accepted)  # fmt: skip
+    for s, (slot, a) in enumerate(zip(SLOTS, accepted.tolist(), strict=True)):
+        assert (conv[slot] == s * width + a).all() and (ssm[slot] == s * width + a).all()
+    untouched = [i for i in range(6) if i not in SLOTS]
+    assert (conv[untouched] == 0).all() and (ssm[untouched] == 0).all()

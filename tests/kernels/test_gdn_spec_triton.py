@@ -1,0 +1,59 @@
+"""gdn_verify_triton (kernels/gdn_spec_triton.py) against its twin gdn_verify_ref: outputs NaN-poisoned so an
+unwritten row fails, the state after every token in scratch, the live slots untouched; under TRITON_INTERPRET=1 on
+the CPU (tiny shapes, fp32) and at the served head shapes on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.kernels.gdn_spec import gdn_verify_ref
+from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
+
+from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
+from .test_gdn import _inputs
+
+
+def _token_index(lengths: list[int]) -> torch.Tensor:
+    width, rows, start = max(lengths), [], 0
+    for n in lengths:
+        rows.append([start + j if j < n else -1 for j in range(width)])
+        start += n
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+def _check(lengths: list[int], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, ratio: float) -> None:
+    num_slots = len(lengths) + 3
+    q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, dtype)
+    states = randn(num_slots, hv, dk, dv, scale=0.1)
+    slots = torch.randperm(num_slots, device=DEVICE)[: len(lengths)].int()
+    index = _token_index(lengths)
+    width = max(lengths)
+    ref_scratch = torch.zeros(len(lengths) + 1, width + 1, hv, dk, dv, device=DEVICE)
+    ref = gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, states, slots, index, ref_scratch)
+    before = states.clone()
+    scratch = torch.full_like(ref_scratch, float("nan"))
+    with poisoned_empty():
+        out = gdn_verify_triton(q, k, v, a, b, A_log, dt_bias, states, slots, index, scratch)
+    assert_close("o", ref, out, ratio)
+    assert_close("scratch", ref_scratch[: len(lengths), :width], scratch[: len(lengths), :width], ratio)
+    assert torch.equal(states, before), "the live slots are the commit's to write"
+    assert scratch[len(lengths) :].isnan().all() and scratch[:, width:].isnan().all(), "wrote outside the step"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("lengths", "hk", "hv", "dk", "dv"),
+    [([2, 5, 1], 2, 4, 16, 16), ([4, 4], 1, 3, 32, 48)],  # k = 1 / 4 / 0 padded; group 3 with a partial value block
+)
+def test_gdn_verify(lengths: list[int], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> None:
+    _check(lengths, hk, hv, dk, dv, dtype, tolerance(dtype, fp32=3e-6, low=1e-2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("hk", "hv"), [(16, 48), (16, 32)], ids=["27b", "35b-a3b"])
+@pytest.mark.parametrize("num_seqs", [1, 64])
+def test_gdn_verify_served_shapes(hk: int, hv: int, num_seqs: int) -> None:
+    """bf16 activations, fp32 states, 128 x 128 heads, k = 3 with some sequences capped lower."""
+    lengths = [4 if i % 5 else 2 for i in range(num_seqs)]
+    _check(lengths, hk, hv, 128, 128, torch.bfloat16, 1e-2)

@@ -1,0 +1,68 @@
+"""The runner's verify-chunk layout (runner/spec_decode.py: spec_layout) on hand-built plans, its refusals, and the
+verify scratch's share of the cache budget (plain data in, numpy out: no model); tensor parallelism refused."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from deltaserve.engine.llm import LLM
+from deltaserve.runner.spec_decode import scratch_rows, spec_layout
+from deltaserve.step import ScheduledSeq
+from deltaserve.tiny.trained import trained_model_dir
+
+
+def decode(row: int, k: int = 0, **fields: object) -> ScheduledSeq:
+    return ScheduledSeq(row, 10 + row, 1 + k, row, row, (), True, num_draft_tokens=k, **fields)
+
+
+def layout_of(seqs: list[ScheduledSeq], num_decodes: int):  # noqa: ANN201
+    qsl = np.concatenate([[0], np.cumsum([s.num_new_tokens for s in seqs])])
+    sample = np.array([i for i, s in enumerate(seqs) if s.needs_sample])
+    return spec_layout(tuple(seqs), qsl, sample, num_decodes)
+
+
+def test_layout_of_decodes_verifies_and_a_prefill() -> None:
+    prefill = ScheduledSeq(9, 0, 5, 9, None, (), True)
+    layout = layout_of([decode(0), decode(1, k=2), decode(2, k=1), prefill], num_decodes=1)
+    # step rows: decode 0 | verify 1-3 | verify 4-5 | prefill 6-10
+    assert layout.seq_index.tolist() == [1, 2] and layout.num_tokens == 5
+    assert layout.token_index.tolist() == [[0, 1, 2], [3, 4, -1]]  # offsets in the verify slice, -1 padding
+    assert layout.draft_token_index.tolist() == [2, 3, 5]  # the drafts' step rows (after each chunk's first token)
+    assert layout.draft_rows.tolist() == [1, 1, 2] and layout.draft_cols.tolist() == [0, 1, 0]
+    assert layout.sample_counts.tolist() == [1, 3, 2, 1]  # positions each sampling sequence samples
+    assert layout.sample_offsets.tolist() == [0, 1, 4, 6, 7]
+    assert layout.position_offsets.tolist() == [0, 0, 1, 2, 0, 1, 0]  # each position's output index offset
+    assert layout.spec_sample_index.tolist() == [1, 2]
+    assert layout_of([decode(0), prefill], num_decodes=1) is None
+
+
+@pytest.mark.parametrize(
+    ("seqs", "message"),
+    [
+        ([ScheduledSeq(9, 0, 5, 9, None, (), True), decode(1, k=2)], "must follow the plain decodes"),
+        ([decode(1, k=2, checkpoints=((13, 5),))], "checkpoints on a verify chunk"),
+        ([ScheduledSeq(1, 11, 5, 1, 1, (), True, num_draft_tokens=2)], "1 \\+ k tokens .* got 5 tokens for k = 2"),
+        ([ScheduledSeq(1, 11, 3, 1, 1, (), False, num_draft_tokens=2)], "needs_sample False"),
+    ],
+)
+def test_refusals(seqs: list[ScheduledSeq], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        layout_of(seqs, num_decodes=0)
+
+
+def test_scratch_rows_take_a_quarter_of_the_budget() -> None:
+    # (1 + k) states of 10 bytes a verify chunk: 1000 bytes of budget hold 250 / 40 = 6 of them
+    assert scratch_rows(1000, 10, 3, max_num_seqs=100) == 6
+    assert scratch_rows(1000, 10, 3, max_num_seqs=4) == 4
+    assert scratch_rows(10, 10, 3, max_num_seqs=4) == 1  # at least one: speculation never turns itself off here
+
+
+def test_tensor_parallelism_is_refused_before_any_worker_starts() -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="speculative_config with tensor_parallel_size 2: .* not implemented"):
+        LLM(trained_model_dir("dense"), device="cpu", tensor_parallel_size=2,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+    assert time.monotonic() - started < 5  # no process was spawned

@@ -1,0 +1,133 @@
+"""Planning speculative decodes (scheduler/spec.py and its hooks in scheduler.py), with fake runner results: k + 1
+tokens a decode, k capped by max_tokens / max_model_len / the step budget, no re-planning while a verify is in
+flight, computed counts advanced by the accepted tokens, stops inside an accepted run."""
+
+from __future__ import annotations
+
+from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.scheduler.spec import SpecSchedule
+from deltaserve.step import StepPlan, StepResult
+from tests.scheduler.test_scheduler import answer, make_scheduler, seq
+
+
+def spec_scheduler(k: int, **kwargs: object):  # noqa: ANN201
+    scheduler = make_scheduler(**kwargs)
+    scheduler.spec = SpecSchedule(k)
+    return scheduler
+
+
+def accept(plan: StepPlan, accepted: dict[int, list[int]], next_token: int = 7) -> StepResult:
+    """A fake runner: a verify chunk at row r emits accepted[r]; the others sample next_token."""
+    tokens = []
+    for s in plan.seqs:
+        if s.num_draft_tokens:
+            tokens.append(tuple(accepted[s.row]))
+        else:
+            tokens.append((next_token,) if s.needs_sample else ())
+    return StepResult(plan.step_id, tuple(tokens))
+
+
+def test_a_decode_verifies_k_drafts_and_advances_by_the_accepted_count() -> None:
+    scheduler = spec_scheduler(3)
+    a = seq("a", 5, 20, temperature=0.0)
+    scheduler.add(a)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    plan = scheduler.schedule()
+    (item,) = plan.seqs
+    assert (item.num_computed_tokens, item.num_new_tokens, item.num_draft_tokens, item.needs_sample) == (5, 4, 3, True)
+    assert len(a.block_ids) * 4 >= 9  # KV blocks for all 1 + k positions
+    assert scheduler.schedule().is_empty  # in flight: its position depends on the accepted count
+    scheduler.update(plan, accept(plan, {item.row: [11, 12]}))  # one draft accepted, then the target's token
+    assert a.output_token_ids == [7, 11, 12] and a.num_computed_tokens == 7 and a.num_inflight_tokens == 0
+    again = scheduler.schedule()
+    assert again.seqs[0].num_computed_tokens == 7 and again.seqs[0].num_draft_tokens == 3
+
+
+def test_k_is_capped_by_max_tokens_and_max_model_len_and_the_budget() -> None:
+    scheduler = spec_scheduler(4, max_model_len=9)
+    a = seq("a", 5, 3, temperature=0.0)  # 3 outputs: after the first, a verify may emit 2 (k = 1)
+    b = seq("b", 4, 100, temperature=0.0)  # max_model_len 9: after its first output, 4 more tokens fit (k = 3)
+    scheduler.add(a)
+    scheduler.add(b)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    plan = scheduler.schedule()
+    assert [s.num_draft_tokens for s in plan.seqs] == [1, 3]
+    tight = spec_scheduler(4, budget=3)
+    c = seq("c", 2, 100, temperature=0.0)
+    tight.add(c)
+    prefill = tight.schedule()
+    tight.update(prefill, answer(prefill))
+    assert [s.num_draft_tokens for s in tight.schedule().seqs] == [2]  # 1 + k tokens within a 3-token budget
+
+
+def test_what_speculates() -> None:
+    """Penalties, random sampling, multi-token bad words and grammars speculate; a grammar that starts after a given
+    token does not (its masks would need that token found among the drafts)."""
+    scheduler = spec_scheduler(2)
+    later = StructuredOutputsParams(regex="[0-9]+", start_after_token_id=9)
+    for name, params in (
+        ("penalty", {"temperature": 0.0, "presence_penalty": 1.0}),
+        ("bad words", {"temperature": 0.0, "bad_words_token_ids": [[5, 6]]}),
+        ("grammar", {"temperature": 0.0, "structured_outputs": StructuredOutputsParams(regex="[0-9]+")}),
+        ("later", {"temperature": 0.0, "structured_outputs": later}),
+        ("random", {"temperature": 0.8}),
+    ):
+        scheduler.add(seq(name, 3, 10, **params))
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    plan = scheduler.schedule()  # plain decodes first: the start-after grammar, then the verify chunks
+    assert [s.num_draft_tokens for s in plan.seqs] == [0, 2, 2, 2, 2]
+
+
+def test_verify_chunks_sit_between_decodes_and_prefills() -> None:
+    scheduler = spec_scheduler(2)
+    later = StructuredOutputsParams(regex="[0-9]+", start_after_token_id=9)
+    scheduler.add(seq("plain", 3, 10, temperature=0.7, structured_outputs=later))
+    scheduler.add(seq("spec", 3, 10, temperature=0.0))
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    scheduler.add(seq("new", 6, 10, temperature=0.0))
+    plan = scheduler.schedule()
+    assert [(s.num_new_tokens, s.num_draft_tokens) for s in plan.seqs] == [(1, 0), (3, 2), (6, 0)]
+
+
+def test_a_stop_inside_the_accepted_run_drops_the_rest() -> None:
+    scheduler = spec_scheduler(3)
+    a = seq("a", 4, 20, temperature=0.0, stop_token_ids=[12])
+    scheduler.add(a)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    plan = scheduler.schedule()
+    scheduler.update(plan, accept(plan, {plan.seqs[0].row: [11, 12, 13, 14]}))
+    assert a.output_token_ids == [7, 11, 12] and a.is_finished and a.finish_reason == "stop"
+    assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
+
+
+def test_preemption_clears_the_inflight_verify() -> None:
+    scheduler = spec_scheduler(2)
+    a = seq("a", 4, 20, temperature=0.0)
+    scheduler.add(a)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    plan = scheduler.schedule()
+    assert plan.seqs[0].num_draft_tokens == 2
+    scheduler.preempt_all()
+    scheduler.update(plan, accept(plan, {plan.seqs[0].row: [1, 2, 3]}))  # stale: dropped
+    assert a.num_inflight_verifies == 0 and a.output_token_ids == [7]
+    resumed = scheduler.schedule()
+    assert resumed.seqs[0].num_new_tokens == 5 and resumed.seqs[0].num_draft_tokens == 0  # prompt + output, recomputed
+
+
+def test_verify_chunks_per_step_are_capped_by_the_scratch() -> None:
+    """The runner's scratch holds max_verifies verify chunks; the other decodes of the step go one token at a time."""
+    scheduler = make_scheduler()
+    scheduler.spec = SpecSchedule(2, max_verifies=1)
+    for name in ("a", "b", "c"):
+        scheduler.add(seq(name, 3, 10, temperature=0.0))
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    plan = scheduler.schedule()
+    assert sorted(s.num_draft_tokens for s in plan.seqs) == [0, 0, 2]
+    assert [s.num_draft_tokens for s in plan.seqs] == [0, 0, 2]  # plain decodes first, then the verify chunk
