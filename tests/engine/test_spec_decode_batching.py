@@ -20,9 +20,11 @@ from tests.engine.test_spec_decode import make_prompts, run
 from tests.engine.test_spec_decode_mtp import mtp_llm
 from tests.support.drafts import enable_reference_drafts
 
-# a cache of 42 blocks of 4 tokens (63 without the MTP layer's KV) for 10 sequences of up to 55 tokens: it runs out
-SMALL_CACHE = {"max_num_seqs": 10, "max_num_batched_tokens": 48, "block_size": 4, "cpu_kv_cache_bytes": 600_000,
-               "max_model_len": 64}  # fmt: skip
+# a cache of 20 blocks of 4 tokens (with the MTP layer's KV and the verify scratch) for 10 sequences of up to 55
+# tokens: it runs out; the prefix cache stays on (its default) with one checkpoint slot (34 KB, the 40 KB added to the
+# budget), so hits and speculation meet here too
+SMALL_CACHE = {"max_num_seqs": 10, "max_num_batched_tokens": 48, "block_size": 4, "cpu_kv_cache_bytes": 640_000,
+               "max_model_len": 64, "num_checkpoint_slots": 1}  # fmt: skip
 
 
 def varied_prompts(llm: LLM) -> list[list[int]]:
