@@ -46,6 +46,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp; "uni" (vLLM's one-process backend) at TP=1 only
     enable_expert_parallel: bool = False  # MoE experts split whole across the ranks instead of each one's width
+    # vLLM's --quantization: None lets the checkpoint's config decide; "fp8" must agree with a checkpoint that
+    # declares block FP8 (fp8_format.check_requested_quantization); everything else is refused at start-up
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

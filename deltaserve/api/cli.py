@@ -83,6 +83,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         enable_expert_parallel=args.enable_expert_parallel,
+        quantization=args.quantization,
     )
 
 
@@ -275,7 +276,14 @@ def run(args: argparse.Namespace) -> int:
     is_debug = env.log_level() == "DEBUG" or args.uvicorn_log_level in ("debug", "trace")
     is_debug = is_debug or str(getattr(args, "log_level", "") or "").lower() == "debug"
     try:
-        preflight(config.model, config.tokenizer, config.generation_config, config.max_model_len, config.load_format)
+        preflight(
+            config.model,
+            config.tokenizer,
+            config.generation_config,
+            config.max_model_len,
+            config.load_format,
+            config.quantization,
+        )
         import uvicorn
 
         from deltaserve.api.server import build_app
