@@ -202,6 +202,10 @@ class ModelConfig:
     model_max_length: int | None = None  # config.json's own model_max_length (vLLM lets it admit longer requests)
     # (field name, value) of each tie flag the config carries, for the loader's messages
     tie_flags: tuple[tuple[str, bool], ...] = ()
+    # MTP layers the checkpoint declares, as vLLM reads them: `mtp_num_hidden_layers` (Qwen3.5 / 3.6; absent: none)
+    # or Qwen3-Next's `num_nextn_predict_layers` (absent: vLLM's 1). The field named is kept for messages.
+    mtp_num_hidden_layers: int = 0
+    mtp_field: str = "mtp_num_hidden_layers"
     # decisions a reader of the load report should see (defaults taken, fields ignored, transformers/vLLM choices)
     notes: tuple[str, ...] = ()
     # the block-FP8 format of a Qwen -FP8 release (docs/fp8.md): its projections are built as Fp8Weight
@@ -321,6 +325,10 @@ class ModelConfig:
         max_positions = text.positive("max_position_embeddings")
         key_head_dim, value_head_dim = text.positive("linear_key_head_dim"), text.positive("linear_value_head_dim")
         conv_kernel = text.positive("linear_conv_kernel_dim")
+        mtp_key = "num_nextn_predict_layers" if family == "qwen3_next" else "mtp_num_hidden_layers"
+        num_mtp = text.get(mtp_key, int, default=1 if family == "qwen3_next" else 0)
+        if num_mtp < 0:
+            raise text.fail(mtp_key, f"must be 0 or more, got {num_mtp}")
         if defaulted:
             notes.insert(0, "absent from config.json, transformers' defaults used: " + ", ".join(defaulted))
         return cls(
@@ -357,6 +365,8 @@ class ModelConfig:
             eos_token_ids=tuple([eos] if isinstance(eos, int) else eos),
             model_max_length=text.get("model_max_length", int, default=top.get("model_max_length", int, default=None)),
             tie_flags=tie_flags,
+            mtp_num_hidden_layers=num_mtp,
+            mtp_field=text.name(mtp_key),
             notes=tuple(notes),
             fp8=fp8,
             **moe_kwargs,

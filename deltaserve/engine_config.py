@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.speculative_config import SpeculativeConfig, parse_speculative_config
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -49,8 +51,13 @@ class EngineConfig:
     # vLLM's --quantization: None lets the checkpoint's config decide; "fp8" must agree with a checkpoint that
     # declares block FP8 (fp8_format.check_requested_quantization); everything else is refused at start-up
     quantization: str | None = None
+    # vLLM's --speculative-config (deltaserve/speculative_config.py): None, or MTP drafting with its k and rule; its
+    # JSON text or dict is parsed (and refused by key or method) on construction
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.block_size < 1:

@@ -80,6 +80,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
         structured_outputs_config=args.structured_outputs_config,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         enable_expert_parallel=args.enable_expert_parallel,

@@ -279,6 +279,13 @@ def _add_engine_arguments(add: Any) -> None:
         default=None,
         help='structured outputs, vLLM\'s JSON: {"backend": "xgrammar" | "auto", "disable_any_whitespace": ...}',
     )
+    add(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='speculative decoding with the checkpoint\'s MTP layer, vLLM\'s JSON: {"method": "mtp", '
+        '"num_speculative_tokens": k} (plus vLLM\'s rejection_sample_method / synthetic_acceptance_* keys)',
+    )
 
 
 def _add_chat_arguments(add: Any) -> None:
@@ -422,6 +429,17 @@ def structured_outputs_config(value: str) -> str:
     try:
         StructuredOutputsConfig.parse(value)
     except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def speculative_config(value: str) -> str:
+    """vLLM's --speculative-config JSON, checked at parse time (a method or key deltaserve refuses is named)."""
+    from deltaserve.speculative_config import SpeculativeConfigError, parse_speculative_config
+
+    try:
+        parse_speculative_config(value)
+    except SpeculativeConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 

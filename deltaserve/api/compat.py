@@ -200,7 +200,6 @@ TABLE = """
 --spec-method | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
 --spec-model | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
 --spec-tokens | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
---speculative-config | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
 --specialize-active-lora | switch | log | LoRA adapters are not supported
 --stream-interval | value | warn | every engine step is streamed
 --swap-space | value | log | CPU swap space is not used

@@ -2,7 +2,8 @@
 
 Engine-side state is read from engine.stats() at scrape time by a collector: running/waiting requests and
 waiting-by-reason, KV usage, free blocks and state slots, preemptions, the per-step token histogram
-(vllm:iteration_tokens_total), cache_config_info and the sleep state. Per-request series are recorded by a
+(vllm:iteration_tokens_total), cache_config_info, the sleep state, and with speculative decoding configured vLLM's
+vllm:spec_decode_* counters. Per-request series are recorded by a
 RequestTracker as the server streams each request: token counters and histograms, prefix-cache queries and hits
 (from RequestOutput.num_cached_tokens), TTFT, inter-token latency, end-to-end latency, time per output token, and
 the phase histograms (queue, prefill, decode, inference) and preemptions from RequestOutput.metrics, the engine's
@@ -125,6 +126,32 @@ class EngineStatsCollector(Collector):
         yield preemptions
         yield self._iteration_tokens(stats)
         yield self._cache_config(stats)
+        if stats.num_speculative_tokens > 0:
+            yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: Any) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py SpecDecodingProm), present only when
+        speculative decoding is configured: drafts, draft tokens, accepted tokens, and accepted tokens per draft
+        position (label position 0 .. k-1)."""
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_decode_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+             stats.spec_decode_num_accepted_tokens),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self.label_values, value)
+            yield family
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=(*LABELS, "position"),
+        )
+        counts = tuple(stats.spec_decode_num_accepted_tokens_per_pos)
+        for position in range(stats.num_speculative_tokens):
+            count = counts[position] if position < len(counts) else 0
+            per_pos.add_metric([*self.label_values, str(position)], count)
+        yield per_pos
 
 
 class ServerMetrics:

@@ -52,7 +52,8 @@ class AsyncEngine:
         self._is_started = False
         info = client.info
         self._stats = EngineStats(0, 0, 0.0, info.num_blocks, info.num_blocks, info.num_slots, info.num_slots, 0,
-                                  block_size=info.block_size)  # fmt: skip
+                                  block_size=info.block_size,
+                                  num_speculative_tokens=info.num_speculative_tokens)  # fmt: skip
 
     @classmethod
     def from_config(cls, config: EngineConfig, multiprocess: bool | None = None) -> AsyncEngine:

@@ -25,7 +25,7 @@ from deltaserve.engine.budget import default_max_num_batched_tokens
 from deltaserve.engine.grammar import StructuredOutputsConfig
 from deltaserve.engine.output import slice_prompt_logprobs
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
-from deltaserve.engine.stats import EngineStats, IterationTokens, RequestMetrics
+from deltaserve.engine.stats import EngineStats, IterationTokens, RequestMetrics, SpecDecodeCounts
 from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.engine_config import EngineConfig
 from deltaserve.fp8_format import check_requested_quantization
@@ -85,6 +85,8 @@ class EngineCore:
         self._errors: list[tuple[str, str]] = []  # (core request id, message): see take_errors
         self._num_prompt_logprobs: dict[str, int] = {}  # request -> prompt positions reported (resumes recompute)
         self._iteration_tokens = IterationTokens()
+        spec = config.speculative_config
+        self._spec_decode = SpecDecodeCounts(spec.num_speculative_tokens) if spec is not None else None
         if self.runner.load_report is not None:
             logger.info("%s", self.runner.load_report.summary())
         logger.info(
@@ -107,6 +109,7 @@ class EngineCore:
             device=str(self.runner.device),
             dtype=str(self.runner.dtype).removeprefix("torch."),
             is_async_scheduling=self.is_async,
+            num_speculative_tokens=self._spec_decode.num_speculative_tokens if self._spec_decode else 0,
         )
 
     # -- requests -------------------------------------------------------------------------------------
@@ -210,6 +213,9 @@ class EngineCore:
             return outputs
         plan, handle, owners = self._inflight.popleft()
         result = self.runner.collect(handle)
+        if self._spec_decode is not None:
+            self._spec_decode.observe_step(plan, result)
+            self._spec_decode.maybe_log()
         prompt_logprobs = self._prompt_logprobs(result.prompt_logprobs, owners)
         failed: list[str] = []
         num_iteration_tokens = 0
@@ -298,4 +304,5 @@ class EngineCore:
             block_size=blocks.block_size,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             enable_prefix_caching=False,
+            **(self._spec_decode.fields() if self._spec_decode is not None else {}),
         )

@@ -23,13 +23,23 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.offline import loaded_media
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.speculative_config import SpeculativeConfig
 
 PromptType = str | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | Path, dtype: str = "auto", **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, **engine_kwargs))
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str = "auto",
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """speculative_config: vLLM's dict ({"method": "mtp", "num_speculative_tokens": k, ...}), validated as vLLM
+        validates it (deltaserve/speculative_config.py): the model is built with its MTP layer and that layer's KV."""
+        config = EngineConfig(model=str(model), dtype=dtype, speculative_config=speculative_config, **engine_kwargs)
+        self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer

@@ -59,6 +59,7 @@ class EngineCoreInfo:
     device: str
     dtype: str
     is_async_scheduling: bool
+    num_speculative_tokens: int = 0  # k of speculative decoding (0: off): /metrics exports vLLM's spec-decode series
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,9 @@ class SkipRule:
     reason: str
 
 
-# The vision tower's loader removes the "vision" rule when it builds the tower; speculative decoding removes "mtp".
-MTP_RULE = SkipRule("mtp", ("mtp.", "model.mtp."), "multi-token-prediction head, unused until speculative decoding")
+# The vision tower's loader removes the "vision" rule when it builds the tower; the loader removes "mtp" when the
+# model has its MTP layer (speculative decoding).
+MTP_RULE = SkipRule("mtp", ("mtp.", "model.mtp."), "multi-token-prediction head, loaded for speculative decoding only")
 VISION_RULE = SkipRule("vision", ("model.visual.", "visual."), "vision tower, not built (language model only)")
 SKIP_RULES: tuple[SkipRule, ...] = (MTP_RULE, VISION_RULE)
 

@@ -16,7 +16,8 @@ A label is PREFIX + one of:
   `attn.store_kv`, `attn.paged_attention`, `attn.sigmoid_gate_mul`, `attn.o_proj`, `gdn.in_proj_qkvzba`,
   `gdn.causal_conv1d_update`, `gdn.causal_conv1d_prefill`, `gdn.gdn_decode`, `gdn.gdn_prefill`,
   `gdn.gated_rms_norm`, `gdn.out_proj`, `mlp.gate_up`, `mlp.silu_and_mul`, `mlp.down`, `mlp.fused_moe_block`
-  (router, routed and shared experts in one op), `layer.rms_norm`, `lm.embed`, `lm.lm_head`, ...;
+  (router, routed and shared experts in one op), `layer.rms_norm`, `lm.embed`, `lm.lm_head`, `mtp.fc` (the MTP
+  layer's input projection; its decoder layer is `layer.{num_hidden_layers}.full_attention`), ...;
 - `lm` around compute_logits (its fp32 upcast and, under tensor parallelism, the gather).
 """
 

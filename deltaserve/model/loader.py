@@ -9,10 +9,12 @@ tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` 
 through the same row operations.
 
 Every tensor of the checkpoint is consumed or skipped by a named SkipRule (`mtp.*`, `model.visual.*`); any other
-tensor is an error naming it and its file unless `ignore_unexpected` is set. A missing, mis-shaped or non-float
-tensor raises CheckpointError naming the tensor and its file, and so does one holding NaN or inf (vLLM loads such
-a checkpoint and serves garbage; the check costs ~3 ms per GB on the GPU). `load_format="dummy"` fills every
-parameter with vLLM's dummy values instead (init_dummy_weights: U(-1e-3, 1e-3), re-seeded per tensor).
+tensor is an error naming it and its file unless `ignore_unexpected` is set. A model built with its MTP layer
+(speculative decoding, model/mtp.py) consumes `mtp.*` instead, and a checkpoint without those tensors is refused.
+A missing, mis-shaped or non-float tensor raises CheckpointError naming the tensor and its file, and so does one
+holding NaN or inf (vLLM loads such a checkpoint and serves garbage; the check costs ~3 ms per GB on the GPU).
+`load_format="dummy"` fills every parameter with vLLM's dummy values instead (init_dummy_weights: U(-1e-3, 1e-3),
+re-seeded per tensor).
 
 Under tensor parallelism the loader shards while it reads: each rank reads only its slices of every sharded tensor
 (safetensors slicing, model/parallel.py says which), so no rank holds the whole checkpoint. A tensor a rank needs
@@ -32,6 +34,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from deltaserve.model.checkpoint_files import (
     FP8_PROJECTION,
+    MTP_RULE,
     SKIP_RULES,
     CheckpointError,
     CheckpointFiles,
@@ -39,6 +42,7 @@ from deltaserve.model.checkpoint_files import (
     skip_rule_for,
 )
 from deltaserve.model.fp8_loader import FP8_CODE, copy_packed, read_packed, refuse_unquantized, scale_name
+from deltaserve.model.mtp import MtpLayer
 from deltaserve.model.parallel import LocalShapes, Shard
 from deltaserve.model.qwen3_5 import DecoderLayer, Qwen35Model
 from deltaserve.model.vision_loader import load_vision_tower
@@ -313,6 +317,45 @@ def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
             ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
 
 
+def _load_decoder_layer(
+    layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig, shapes: LocalShapes, is_moe: bool
+) -> None:
+    """One decoder layer under prefix p (`…layers.{i}.`): its two norms, its mixer and its MLP or MoE block."""
+    hidden = config.hidden_size
+    pre = ckpt.get_shaped(p + "input_layernorm.weight", (hidden,))
+    _copy(ckpt, layer.input_layernorm, pre, p + "input_layernorm")
+    post = ckpt.get_shaped(p + "post_attention_layernorm.weight", (hidden,))
+    _copy(ckpt, layer.post_attention_layernorm, post, p + "post_attention_layernorm.weight")
+    if layer.is_full_attention:
+        _load_attention(layer, ckpt, p + "self_attn.", config, shapes)
+    else:
+        _load_gdn(layer, ckpt, p + "linear_attn.", config, shapes)
+    if is_moe:
+        _load_moe(layer, ckpt, p + "mlp.", config, shapes)
+    else:
+        _load_dense_mlp(layer.mlp, ckpt, p + "mlp.", hidden, shapes.intermediate)
+
+
+def load_mtp_layer(mtp: MtpLayer, ckpt: Checkpoint, config: ModelConfig, shapes: LocalShapes) -> None:
+    """The checkpoint's MTP layer (`mtp.*`, or `model.mtp.*`): fc [H, 2H] and the three norms replicated, the
+    decoder layer `mtp.layers.0.` sharded as the target's attention layers (docs/ARCHITECTURE.md#the-mtp-head).
+    A checkpoint without the tensors is refused by name: speculative decoding was asked for and cannot run."""
+    prefix = next((p for p in MTP_RULE.prefixes if ckpt.has(p + "fc.weight")), None)
+    if prefix is None:
+        has_any = any(name.startswith(MTP_RULE.prefixes) for name in ckpt.weight_map)
+        found = "its mtp.* tensors lack `mtp.fc.weight`" if has_any else "it has no mtp.* tensors"
+        raise CheckpointError(
+            f"{ckpt.files.where}: speculative decoding with method mtp needs the checkpoint's MTP layer, but {found} "
+            f"(`{config.mtp_field}` is {config.mtp_num_hidden_layers})"
+        )
+    hidden = config.hidden_size
+    _copy(ckpt, mtp.fc, ckpt.get_shaped(prefix + "fc.weight", (hidden, 2 * hidden)), prefix + "fc.weight")
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensor = ckpt.get_shaped(f"{prefix}{name}.weight", (hidden,))
+        _copy(ckpt, getattr(mtp, name), tensor, f"{prefix}{name}.weight")
+    _load_decoder_layer(mtp.layer, ckpt, prefix + "layers.0.", config, shapes, config.is_moe)
+
+
 def _vocab_rows(ckpt: Checkpoint, name: str, config: ModelConfig, vocab: Shard) -> torch.Tensor:
     """This rank's rows [vocab.size, H] of an embedding-shaped tensor; rows past vocab_size (the last rank's
     padding) are zeros."""
@@ -369,6 +412,9 @@ def load_checkpoint(
     defaults = [note for note in config.notes if note.startswith("absent from config.json")]
     hint = f" ({defaults[0]})" if defaults else ""
     ckpt = Checkpoint(model_dir, hint)
+    if getattr(model, "mtp", None) is not None:
+        # the MTP layer was built (speculative decoding): mtp.* is consumed, no longer a skipped prefix
+        skip_rules = tuple(rule for rule in skip_rules if rule.name != MTP_RULE.name)
     ckpt.files.check_dtypes(skip_rules, fp8=config.fp8 is not None)
     ckpt.is_fp8 = config.fp8 is not None
     ckpt.is_sharded = model.tp.is_parallel
@@ -385,25 +431,12 @@ def load_checkpoint(
             embed = _vocab_rows(ckpt, "lm_head.weight", config, shapes.vocab)
         _copy(ckpt, model.embed_tokens, embed, embed_name)
         for i, layer in enumerate(model.layers):
-            p = f"{prefix}layers.{i}."
-            _copy(
-                ckpt,
-                layer.input_layernorm,
-                ckpt.get_shaped(p + "input_layernorm.weight", (hidden,)),
-                p + "input_layernorm",
-            )
-            post = ckpt.get_shaped(p + "post_attention_layernorm.weight", (hidden,))
-            _copy(ckpt, layer.post_attention_layernorm, post, p + "post_attention_layernorm.weight")
-            if layer.is_full_attention:
-                _load_attention(layer, ckpt, p + "self_attn.", config, shapes)
-            else:
-                _load_gdn(layer, ckpt, p + "linear_attn.", config, shapes)
-            if config.moe_layers and config.moe_layers[i]:
-                _load_moe(layer, ckpt, p + "mlp.", config, shapes)
-            else:
-                _load_dense_mlp(layer.mlp, ckpt, p + "mlp.", hidden, shapes.intermediate)
+            is_moe = bool(config.moe_layers) and config.moe_layers[i]
+            _load_decoder_layer(layer, ckpt, f"{prefix}layers.{i}.", config, shapes, is_moe)
         _copy(ckpt, model.norm, ckpt.get_shaped(prefix + "norm.weight", (hidden,)), prefix + "norm.weight")
         head_notes = _load_head(model, ckpt, config, embed)
+        if getattr(model, "mtp", None) is not None:
+            load_mtp_layer(model.mtp, ckpt, config, shapes)
         if getattr(model, "visual", None) is not None:
             # the vision tower was built: model.visual.* is consumed (else it stays a skipped prefix)
             load_vision_tower(model.visual, config.vision, ckpt)

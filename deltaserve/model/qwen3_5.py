@@ -25,6 +25,7 @@ from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.common import empty_param
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import DenseMLP, MoEBlock
+from deltaserve.model.mtp import MtpLayer
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.model.vision import VisionTower
 
@@ -37,19 +38,26 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TensorParallel | None = None,
+        layer_type: str | None = None,
+        is_moe: bool | None = None,
     ) -> None:
+        """layer_type / is_moe: the MTP layer's kind (model/mtp.py), which config.layer_types does not list; by
+        default both come from the config at `index`."""
         super().__init__()
         tp = tp or TensorParallel.single()
         self.eps = config.rms_norm_eps
-        self.is_full_attention = config.layer_types[index] == "full_attention"
-        self.label = f"layer.{index}.{config.layer_types[index]}"  # the profiler's range (model/labels.py)
+        layer_type = layer_type or config.layer_types[index]
+        if is_moe is None:
+            is_moe = bool(config.moe_layers) and config.moe_layers[index]
+        self.is_full_attention = layer_type == "full_attention"
+        self.label = f"layer.{index}.{layer_type}"  # the profiler's range (model/labels.py)
         self.input_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         if self.is_full_attention:
             self.self_attn = GatedAttention(config, dtype, device, tp)
         else:
             self.linear_attn = GatedDeltaNet(config, dtype, device, tp)
-        if config.moe_layers and config.moe_layers[index]:
+        if is_moe:
             self.mlp: nn.Module = MoEBlock(config, dtype, device, tp)
         else:
             width = tp.shapes(config).intermediate.size
@@ -83,7 +91,9 @@ class Qwen35Model(nn.Module):
         device: torch.device | str,
         build_vision: bool = False,
         tp: TensorParallel | None = None,
+        build_mtp: bool = False,
     ) -> None:
+        """build_mtp: also build the checkpoint's MTP layer (speculative decoding with method mtp)."""
         super().__init__()
         self.config = config
         self.eps = config.rms_norm_eps
@@ -117,6 +127,14 @@ class Qwen35Model(nn.Module):
         # The vision tower (model.visual.*), built only when asked and the checkpoint has one
         # (docs/multimodal.md#the-vision-tower).
         self.visual = VisionTower(config.vision, dtype, device) if build_vision and config.vision else None
+        # The MTP layer (model/mtp.py) shares the embedding, the lm_head and the RoPE table; None unless speculative
+        # decoding with method mtp is configured.
+        self.mtp: MtpLayer | None = None
+        if build_mtp:
+            self.mtp = MtpLayer(config, dtype, device, self.tp, self._embed)
+            self.mtp.cos_sin_cache = self.cos_sin_cache
+            self.mtp.axis_per_frequency = self.axis_per_frequency
+            self.mtp.attention.cos_sin_cache = self.cos_sin_cache
 
     def fuse_projections(self) -> None:
         """After the weights are in: the load-time fusions the serving path runs with (GDN in_proj_qkvz + in_proj_ba

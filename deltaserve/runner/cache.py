@@ -1,6 +1,7 @@
 """KV cache and GDN state pool: size them from memory, allocate, and bind per-layer views to the model.
 
-One KV block holds block_size tokens of K and V for every full-attention layer; one state slot holds the
+One KV block holds block_size tokens of K and V for every full-attention layer (and for the MTP layer when it is
+loaded: speculative decoding); one state slot holds the
 conv state (model dtype) and the fp32 recurrent state of every linear-attention layer. On a GPU the budget
 is gpu_memory_utilization x total (per instance, as vLLM 0.26 counts it: other processes' memory is not
 subtracted, but must leave that much free at start-up) minus what this engine's weights, a warm-up forward at
@@ -35,10 +36,21 @@ def _conv_dim(config: ModelConfig, shapes: LocalShapes) -> int:
     return (2 * shapes.k_heads.size * config.linear_key_head_dim) + shapes.v_heads.size * config.linear_value_head_dim
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shapes: LocalShapes | None = None) -> int:
+def num_kv_layers(config: ModelConfig, has_mtp: bool = False) -> int:
+    """Attention layers with a KV cache: the target's full-attention layers, plus the MTP layer when it is loaded."""
+    return len(config.full_attention_layers) + (1 if has_mtp else 0)
+
+
+def bytes_per_block(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    shapes: LocalShapes | None = None,
+    has_mtp: bool = False,
+) -> int:
     element = torch.tensor([], dtype=dtype).element_size()
     per_layer = 2 * block_size * _local(config, shapes).kv_heads.size * config.head_dim * element
-    return per_layer * len(config.full_attention_layers)
+    return per_layer * num_kv_layers(config, has_mtp)
 
 
 def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None) -> int:
@@ -86,9 +98,11 @@ def plan_cache(
     num_slots: int,
     max_model_len: int,
     shapes: LocalShapes | None = None,
+    has_mtp: bool = False,
 ) -> CacheLayout:
-    """Slots first (one per running sequence), the rest of the budget as KV blocks (per rank: `shapes`)."""
-    block_bytes = bytes_per_block(config, block_size, dtype, shapes)
+    """Slots first (one per running sequence), the rest of the budget as KV blocks (per rank: `shapes`). has_mtp:
+    the MTP layer is loaded, and a block holds its K/V too (one more attention layer, same block ids)."""
+    block_bytes = bytes_per_block(config, block_size, dtype, shapes, has_mtp)
     slot_bytes = bytes_per_slot(config, dtype, shapes)
     slots_total = num_slots * slot_bytes
     if slots_total >= budget_bytes:
@@ -110,9 +124,11 @@ def plan_cache(
 def allocate_and_bind(
     model: Qwen35Model, config: ModelConfig, layout: CacheLayout, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Allocates one cache tensor per layer kind and binds per-layer views (the model's own per-rank heads)."""
+    """Allocates one cache tensor per layer kind and binds per-layer views (the model's own per-rank heads). The MTP
+    layer, when the model has one, gets the last KV view: its own K/V, indexed by the target's block ids."""
     shapes = model.shapes
-    num_attn = len(config.full_attention_layers)
+    mtp = getattr(model, "mtp", None)
+    num_attn = num_kv_layers(config, mtp is not None)
     num_gdn = len(config.linear_attention_layers)
     kv = torch.zeros(
         num_attn, 2, layout.num_blocks, layout.block_size, shapes.kv_heads.size, config.head_dim,
@@ -136,6 +152,9 @@ def allocate_and_bind(
             layer.linear_attn.conv_states = conv[gdn_index]
             layer.linear_attn.ssm_states = ssm[gdn_index]
             gdn_index += 1
+    if mtp is not None:
+        mtp.attention.k_cache = kv[attn_index, 0]
+        mtp.attention.v_cache = kv[attn_index, 1]
 
 
 def copy_state_slots(model: Qwen35Model, pairs: list[tuple[int, int]]) -> None:

@@ -162,7 +162,11 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             self._requested_bytes = requested_bytes(total, free, engine_config.gpu_memory_utilization)
             self._allocated_before = torch.cuda.memory_allocated(self.device)
-        self.model = Qwen35Model(model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp)
+        # the MTP layer (model/mtp.py) is built only for speculative decoding; its KV joins the cache plan
+        self.model = Qwen35Model(
+            model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp,
+            build_mtp=engine_config.speculative_config is not None,
+        )  # fmt: skip
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model)  # vLLM's per-tensor seed, not --seed (as vLLM)
             self.load_report = None
@@ -197,8 +201,9 @@ class ModelRunner:
                 )  # fmt: skip
         num_slots = engine_config.num_state_slots or self.max_num_seqs
         self.layout: CacheLayout = plan_cache(
-            model_config, self.dtype, self.block_size, budget, num_slots, max_model_len, self.model.shapes
-        )
+            model_config, self.dtype, self.block_size, budget, num_slots, max_model_len, self.model.shapes,
+            has_mtp=self.model.mtp is not None,
+        )  # fmt: skip
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
         if self.is_graphed:

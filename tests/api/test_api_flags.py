@@ -99,7 +99,7 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--h11-max-incomplete-event-size": "4096", "--mm-processor-kwargs": "{}",
           "--limit-mm-per-prompt": "{\"image\": 1}",
           "--structured-outputs-config": "{\"backend\": \"xgrammar\"}", "--scheduling-policy": "priority",
-          "--quantization": "fp8"}  # fmt: skip
+          "--quantization": "fp8", "--speculative-config": "{\"method\": \"mtp\"}"}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -242,7 +242,7 @@ def test_underscores_and_config_file(tmp_path: Path) -> None:
                       "speculative-config:\n  method: mtp\n")  # fmt: skip
     args = parse("m", "--config", str(config), "--max-num-seqs", "9")
     assert (args.port, args.max_num_seqs, args.served_model_name) == (9001, 9, ["a", "b"])
-    assert args.compat_enable_prefix_caching and json.loads(args.compat_speculative_config) == {"method": "mtp"}
+    assert args.compat_enable_prefix_caching and json.loads(args.speculative_config) == {"method": "mtp"}
     with pytest.raises(ValueError, match="YAML"):
         cli.normalize_argv(["m", "--config", str(tmp_path / "serve.json")])
 

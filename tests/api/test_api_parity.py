@@ -161,12 +161,11 @@ def test_named_tool_choice_finishes_with_stop(client: openai.OpenAI, fake_engine
 
 def test_speculative_decoding_and_visible_features_are_warned(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    check_compat(parse("m", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}',
-                       "--spec-method", "mtp", "--spec-model", "x", "--spec-tokens", "3", "--enable-prefix-caching",
-                       "--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval", "4",
-                       "--enable-dbo"))  # fmt: skip
+    check_compat(parse("m", "--spec-method", "mtp", "--spec-model", "x", "--spec-tokens", "3",
+                       "--enable-prefix-caching", "--enable-sleep-mode", "--enable-prompt-embeds",
+                       "--stream-interval", "4", "--enable-dbo"))  # fmt: skip
     levels = {record.getMessage().split(":")[0]: record.levelname for record in caplog.records}
-    for flag in ("--speculative-config", "--spec-method", "--spec-model", "--spec-tokens", "--enable-prefix-caching",
+    for flag in ("--spec-method", "--spec-model", "--spec-tokens", "--enable-prefix-caching",
                  "--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval"):  # fmt: skip
         (level,) = [level for message, level in levels.items() if f" {flag}" in message]
         assert level == "WARNING", (flag, levels)

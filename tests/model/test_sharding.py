@@ -22,10 +22,12 @@ from ._hf_tiny import build
 _GROUP = object()  # stands in for a process group: loading runs no collective
 
 
-def _rank_model(folder: Path, rank: int, size: int, expert_parallel: bool = False) -> Qwen35Model:
+def _rank_model(
+    folder: Path, rank: int, size: int, expert_parallel: bool = False, build_mtp: bool = False
+) -> Qwen35Model:
     config = ModelConfig.from_pretrained(folder)
     tp = TensorParallel(rank, size, rank, _GROUP, _GROUP, expert_parallel) if size > 1 else None  # type: ignore[arg-type]
-    model = Qwen35Model(config, torch.float32, "cpu", tp=tp)
+    model = Qwen35Model(config, torch.float32, "cpu", tp=tp, build_mtp=build_mtp)
     report = load_checkpoint(model, config, folder)
     assert report.unexpected == []
     return model
@@ -85,11 +87,14 @@ def expected_slice(name: str, full: torch.Tensor, config: ModelConfig, s: LocalS
     return full  # replicated: norms, q/k norms, the router, the shared expert's gate, the o_proj bias on rank 0
 
 
-def assert_ranks_hold_their_slices(folder: Path, size: int, expert_parallel: bool = False) -> None:
-    whole = dict(_rank_model(folder, 0, 1).named_parameters())
+def assert_ranks_hold_their_slices(
+    folder: Path, size: int, expert_parallel: bool = False, build_mtp: bool = False
+) -> None:
+    whole = dict(_rank_model(folder, 0, 1, build_mtp=build_mtp).named_parameters())
     config = ModelConfig.from_pretrained(folder)
+    assert any(name.startswith("mtp.") for name in whole) == build_mtp
     for rank in range(size):
-        model = _rank_model(folder, rank, size, expert_parallel)
+        model = _rank_model(folder, rank, size, expert_parallel, build_mtp)
         shapes = LocalShapes.of(config, rank, size, expert_parallel)
         params = dict(model.named_parameters())
         missing = set(whole) - set(params)
@@ -104,6 +109,15 @@ def assert_ranks_hold_their_slices(folder: Path, size: int, expert_parallel: boo
 @pytest.mark.parametrize("variant", ["dense", "moe", "next"])
 def test_every_rank_loads_exactly_its_slices(variant: str, tiny_dirs: dict[str, Path]) -> None:
     assert_ranks_hold_their_slices(tiny_dirs[variant], 2)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe", "next"])
+def test_every_rank_loads_exactly_its_slices_of_the_mtp_layer(variant: str, tiny_dirs: dict[str, Path]) -> None:
+    """The MTP layer (model/mtp.py) shards as the target's attention layers: its decoder layer column / row
+    parallel by head and width (fused and per-expert experts), fc and its norms replicated."""
+    assert_ranks_hold_their_slices(tiny_dirs[variant], 2, build_mtp=True)
+    if variant == "moe":
+        assert_ranks_hold_their_slices(tiny_dirs[variant], 2, expert_parallel=True, build_mtp=True)
 
 
 def test_expert_parallel_ranks_hold_whole_experts(tiny_moe: Path, tiny_next: Path, tmp_path: Path) -> None:
