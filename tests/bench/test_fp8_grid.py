@@ -134,3 +134,30 @@ def test_runner_writes_the_fp8_dummies_before_the_fp8_grid(tmp_path: Path) -> No
     assert "bench grid benchmarks/grids/h200_fp8.toml" in out
     plain = runner(tmp_path, "grid", "core2", "--models", "q35-27b").stdout
     assert "-fp8" not in plain
+
+
+def test_deltaserve_serves_an_fp8_dummy_with_dummy_weights(tmp_path: Path) -> None:
+    """The FP8 dummy's config as written (composite config, top-level quantization_config naming the releases'
+    modules) at scaled-down widths: deltaserve builds FP8 projections from it with --load-format dummy and serves."""
+    from deltaserve.engine.llm import LLM
+    from deltaserve.kernels.fp8 import Fp8Weight
+    from deltaserve.sampling_params import SamplingParams
+
+    module = _dummies()
+    path = tmp_path / "scaled"
+    module.write_config(str(path), "q35-35b-a3b-fp8")
+    vocab, _ = module.write_scaled_tokenizer(str(path))
+    config = json.loads((path / "config.json").read_text())
+    text = {**config["text_config"], **module.SCALED_TEXT, "vocab_size": vocab}
+    text["layer_types"] = text["layer_types"][: text["num_hidden_layers"]]
+    config["text_config"] = text
+    config["vision_config"]["out_hidden_size"] = text["hidden_size"]
+    config["quantization_config"] = module.fp8_quantization_config(text)
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(path, dtype="float32", device="cpu", load_format="dummy", language_model_only=True, quantization="fp8")
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[3].self_attn.qkv_proj, Fp8Weight) and isinstance(model.layers[0].mlp.w13, Fp8Weight)
+    assert not isinstance(model.layers[0].linear_attn.in_proj_ba, Fp8Weight)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
