@@ -55,6 +55,9 @@ class EngineConfig:
     # to be measured on the H200 (docs/prefix-caching.md)
     prefix_cache_checkpoint_interval: int = 8192
     num_checkpoint_slots: int | None = None  # state slots for checkpoints beside max_num_seqs; None: from memory
+    # vLLM's --quantization: None lets the checkpoint's config decide; "fp8" must agree with a checkpoint that
+    # declares block FP8 (fp8_format.check_requested_quantization); everything else is refused at start-up
+    quantization: str | None = None
     # vLLM's --speculative-config (deltaserve/speculative_config.py): None, or MTP drafting with its k and rule; its
     # JSON text or dict is parsed (and refused by key or method) on construction
     speculative_config: SpeculativeConfig | None = None

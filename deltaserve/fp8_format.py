@@ -82,3 +82,26 @@ def read_fp8_format(value: Any, fail: Fail) -> Fp8BlockFormat:
     if not isinstance(skipped, list) or not all(isinstance(name, str) for name in skipped):
         raise fail(key, f"must be a list of module names, got {skipped!r}")
     return Fp8BlockFormat(modules_to_not_convert=tuple(skipped))
+
+
+def check_requested_quantization(requested: str | None, declared: Fp8BlockFormat | None, config_file: Any) -> None:
+    """vLLM's `--quantization` / `LLM(quantization=...)` against the checkpoint: None lets the config decide; "fp8"
+    is accepted when the config declares the block-FP8 format (vLLM checks that the two agree); "fp8" on an
+    unquantized checkpoint, which vLLM would quantize online to per-tensor dynamic FP8, and every other method are
+    refused by name: deltaserve serves only a checkpoint's own block-FP8 weights."""
+    if requested is None:
+        return
+    flag = f"--quantization {requested} (quantization={requested!r})"
+    if requested != FP8_METHOD:
+        declares = f"{config_file} declares {_FORMAT}" if declared else f"{config_file} declares no quantization"
+        raise ValueError(
+            f"{flag} is not supported: the only quantization deltaserve serves is {FP8_METHOD!r}, a checkpoint's own "
+            f"{_FORMAT}; {declares}. Leave the flag out to let the checkpoint's config decide."
+        )
+    if declared is None:
+        raise ValueError(
+            f"{flag}: {config_file} has no quantization_config (an unquantized checkpoint). vLLM would quantize it "
+            "online to per-tensor dynamic FP8; deltaserve does not: it serves only the block-FP8 weights of a "
+            f"checkpoint that declares {_FORMAT} (Qwen's -FP8 releases). Serve such a checkpoint, or leave the flag "
+            "out to serve this one unquantized."
+        )

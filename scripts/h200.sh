@@ -42,7 +42,8 @@
 #   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the
-#                                call's budget leaves. Returns the record, its console log and its -raw.tgz
+#                                call's budget leaves. Returns the record, its console log and its -raw.tgz. A grid
+#                                that names q35-*-fp8 models (h200_fp8.toml) writes those FP8 dummies first
 #   tp SUBSTEP [FLAGS]           the two-GPU plan (kind nvidia-h200-x2): probe (NCCL all-reduce), tests
 #                                (test_gpu_tensor_parallel), gate (scripts/tp_token_compare.py and the bf16 gate at
 #                                -tp 2), kernels (bench kernels --tp 2), profile1 / profile2 (profile_decode at TP=1 /
@@ -166,6 +167,12 @@ grid() {  # GRID [bench grid flags]
   if [ ! -d /tmp/vllm_site/vllm ] && [ -z "${DRY_RUN:-}" ]; then
     echo "no /tmp/vllm_site/vllm: carry the bundle pieces first (setup); the grid's servers need it" | say
     return 3
+  fi
+  local fp8
+  fp8=$(grep -oE "q35-[a-z0-9-]+-fp8" "$file" | sort -u | paste -sd, -)
+  if [ -n "$fp8" ]; then  # block-FP8 dummies (config.json with the releases' quantization_config, no weights)
+    run "$W/dummy-fp8.log" timeout 150 $PY benchmarks/oracle/make_dummy_models.py "$models" --only "$fp8" \
+      || { echo "the FP8 dummies failed: $(tail -3 "$W/dummy-fp8.log")" | say; return 3; }
   fi
   if grep -q "q35-35b-a3b-mm" "$file"; then  # image traffic: the image dummy, checked as both servers read it
     run "$W/dummy-mm.log" timeout 120 $PY benchmarks/oracle/make_dummy_models.py "$models" --only q35-35b-a3b-mm \

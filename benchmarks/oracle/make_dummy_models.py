@@ -18,12 +18,22 @@ for vLLM (without --language-model-only) and deltaserve, both with --load-format
 scaled-down copy that `write_multimodal(path, scaled=True)` writes (same files, small dimensions; served end to end
 by tests/bench/test_image_grid_cpu.py) stand in until the H200 run serves it with vLLM.
 
+The block-FP8 folders (issue 37): q35-35b-a3b-fp8, q35-27b-fp8 and q35-122b-a10b-fp8 (Qwen3.5-122B-A10B: hidden 3072,
+48 layers, 32 / 2 heads, 64 GDN value heads, 256 experts top-8 of width 1024, shared expert 1024), each its text
+shape's config.json plus the quantization_config of Qwen's -FP8 releases at the top level: quant_method fp8, fmt
+e4m3, dynamic activations, weight_block_size [128, 128], and modules_to_not_convert naming, module by module, what
+the releases keep unquantized (lm_head, embeddings, norms, GDN conv1d / in_proj_a / in_proj_b, the router,
+shared_expert_gate, the vision tower, mtp.fc and the MTP norms and router). No weights: vLLM and deltaserve with
+--load-format dummy both build FP8 weights and scales of the right shapes from it. No bf16 122B folder: at ~244 GB
+its weights do not fit one H200.
+
 `--check` (after writing) loads q35-35b-a3b-mm as the servers will, with this machine's transformers: AutoConfig,
 AutoTokenizer (a chat prompt with one image must encode its text word for word and carry one <|image_pad|> between
 the vision delimiters), deltaserve's ModelConfig and MultimodalProcessor (its processor files must match the vision
 tower's patch geometry); it prints each check and exits 1 when one fails.
 
 usage: python3 benchmarks/oracle/make_dummy_models.py DIR [--only NAME[,NAME...]] [--check]
+(the default writes the bf16 text folders, the image folder and the FP8 folders)
 """
 
 from __future__ import annotations
@@ -90,6 +100,64 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
+
+# Qwen3.5-122B-A10B's text shape (docs/fp8.md#the-122b-a10b-on-one-h200): served here in FP8 only
+Q35_122B_A10B: tuple[str, str, dict[str, Any]] = (
+    "Qwen3_5MoeConfig",
+    "Qwen3_5MoeForConditionalGeneration",
+    {
+        "hidden_size": 3072,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "linear_num_value_heads": 64,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1024,
+        "shared_expert_intermediate_size": 1024,
+    },
+)
+# FP8 folder -> its text shape
+FP8_SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "q35-35b-a3b-fp8": SHAPES["q35-35b-a3b"],
+    "q35-27b-fp8": SHAPES["q35-27b"],
+    "q35-122b-a10b-fp8": Q35_122B_A10B,
+}
+VISION_DEPTH = 27  # transformers' default vision_config, which the text folders carry
+
+
+def fp8_modules_to_not_convert(text: dict[str, Any]) -> list[str]:
+    """Every module Qwen's -FP8 releases keep unquantized, by its checkpoint name (the decoder under
+    model.language_model., the vision tower under model.visual., the MTP layer under mtp.)."""
+    decoder = "model.language_model"
+    names = ["lm_head", f"{decoder}.embed_tokens", f"{decoder}.norm"]
+    is_moe = int(text.get("num_experts") or 0) > 0
+    mlp = ["mlp.gate", "mlp.shared_expert_gate"] if is_moe else []
+    attention = ["self_attn.q_norm", "self_attn.k_norm"]
+    gdn = ["linear_attn.conv1d", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.norm"]
+    for i, kind in enumerate(text["layer_types"]):  # as transformers' config class wrote them
+        mixer = attention if kind == "full_attention" else gdn
+        layer = ["input_layernorm", "post_attention_layernorm", *mixer, *mlp]
+        names += [f"{decoder}.layers.{i}.{module}" for module in layer]
+    names += ["model.visual.patch_embed.proj", "model.visual.pos_embed"]
+    block = ["norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2"]
+    names += [f"model.visual.blocks.{b}.{module}" for b in range(VISION_DEPTH) for module in block]
+    names += ["model.visual.merger.norm", "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"]
+    names += ["mtp.fc", "mtp.norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden"]
+    mtp_layer = ["input_layernorm", "post_attention_layernorm", *attention, *mlp]
+    names += [f"mtp.layers.0.{module}" for module in mtp_layer]
+    return names
+
+
+def fp8_quantization_config(text: dict[str, Any]) -> dict[str, Any]:
+    """The quantization_config of Qwen's -FP8 releases for a written text_config (docs/fp8.md#the-format)."""
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "modules_to_not_convert": fp8_modules_to_not_convert(text),
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
 
 
 NUM_CHAR_TOKENS = 94  # ids 0..93: the printable ASCII characters "!".."~", one each
@@ -338,19 +406,25 @@ def declare_mtp_at_top_level(path: str) -> None:
 
 
 def write_config(path: str, name: str) -> None:
-    """config.json of the SHAPES entry `name` into path (transformers' own config class writes it)."""
+    """config.json of the SHAPES (or FP8_SHAPES) entry `name` into path (transformers' own config class writes it);
+    an FP8 folder's carries the releases' quantization_config at the top level."""
     import transformers
 
-    class_name, architecture, text = SHAPES[name]
+    class_name, architecture, text = SHAPES[name] if name in SHAPES else FP8_SHAPES[name]
     config_class = getattr(transformers, class_name)
     config = config_class(text_config={**COMMON, **text}, vision_config={"out_hidden_size": text["hidden_size"]})
     config.architectures = [architecture]
     config.save_pretrained(path)
     declare_mtp_at_top_level(path)
+    if name in FP8_SHAPES:
+        config_path = Path(path) / "config.json"
+        written = json.loads(config_path.read_text())
+        written["quantization_config"] = fp8_quantization_config(written["text_config"])
+        config_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
 
 
 def main(root: str, names: list[str] | None = None) -> None:
-    for name in SHAPES:
+    for name in [*SHAPES, *FP8_SHAPES]:
         if names is not None and name not in names:
             continue
         path = os.path.join(root, name)
@@ -367,7 +441,7 @@ def main(root: str, names: list[str] | None = None) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", nargs="?", default=".models")
-    known = [*SHAPES, MULTIMODAL_NAME]
+    known = [*SHAPES, MULTIMODAL_NAME, *FP8_SHAPES]
     parser.add_argument("--only", default=None, help=f"comma-separated folders to write, of {', '.join(known)}")
     parser.add_argument("--check", action="store_true", help=f"then load {MULTIMODAL_NAME} as the servers will")
     args = parser.parse_args()

@@ -87,6 +87,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_checkpoint_interval=args.prefix_cache_checkpoint_interval,
         num_checkpoint_slots=args.num_checkpoint_slots,
+        quantization=args.quantization,
     )
 
 
@@ -285,7 +286,14 @@ def run(args: argparse.Namespace) -> int:
     is_debug = env.log_level() == "DEBUG" or args.uvicorn_log_level in ("debug", "trace")
     is_debug = is_debug or str(getattr(args, "log_level", "") or "").lower() == "debug"
     try:
-        preflight(config.model, config.tokenizer, config.generation_config, config.max_model_len, config.load_format)
+        preflight(
+            config.model,
+            config.tokenizer,
+            config.generation_config,
+            config.max_model_len,
+            config.load_format,
+            config.quantization,
+        )
         import uvicorn
 
         from deltaserve.api.server import build_app

@@ -49,6 +49,11 @@ def human_int(value: str) -> int | None:
     return int(number * scale)
 
 
+def optional_value(value: str) -> str | None:
+    """vLLM's reading of an optional flag's value: "" or "None" is no value."""
+    return None if value in ("", "None") else value
+
+
 def port_number(value: str) -> int:
     """A TCP port, 0-65535 (0: any free port), refused at parse time rather than by the bind after loading."""
     try:
@@ -187,6 +192,15 @@ def _add_engine_arguments(add: Any) -> None:
         default="auto",
         choices=("auto", "safetensors", "fastsafetensors", "dummy"),
         help="dummy: seeded random weights of the right shapes (fastsafetensors reads as safetensors)",
+    )
+    add(
+        "--quantization",
+        "-q",
+        type=optional_value,
+        default=None,
+        metavar="METHOD",
+        help="fp8: accepted on a checkpoint whose config declares block FP8 (the config decides, as in vLLM); "
+        "online quantization of an unquantized checkpoint and every other method are refused by name",
     )
     add("--block-size", type=int, default=16, help="tokens per KV-cache block")
     _add_prefix_caching_arguments(add)

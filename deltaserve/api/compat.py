@@ -27,7 +27,7 @@ TABLE = """
 --additional-config | value | log | platform-specific engine configuration
 --aggregate-engine-logging | switch | log | one engine: its logs are already aggregated
 --all2all-backend | value | log | expert parallelism sums the ranks with one all-reduce (no all-to-all)
---allow-deprecated-quantization | switch | log | no quantization methods are loaded
+--allow-deprecated-quantization | switch | log | block FP8, the one method served, is not deprecated
 --allowed-media-domains | list | log | multimodal inputs are refused (text-only server)
 --attention-backend | value | log | deltaserve picks its own attention kernels
 --attention-config,-ac | value | log | deltaserve picks its own attention kernels
@@ -178,8 +178,7 @@ TABLE = """
 --prefix-match-unit | value | log | prefill chunks end on deltaserve's own checkpoint positions
 --profiler-config | value | log | no /start_profile route
 --pt-load-map-location | value | log | only safetensors are loaded
---quantization,-q | value | refuse:none | quantization methods are not supported
---quantization-config | value | refuse | quantization methods are not supported
+--quantization-config | value | refuse | online quantization is not served (only a checkpoint's own block FP8)
 --ray-workers-use-nsight | switch | log | no Ray workers
 --reasoning-config | value | warn | no thinking-token budgets (thinking_token_budget is refused)
 --reasoning-parser-plugin | value | log | only the built-in qwen3 reasoning parser

@@ -24,6 +24,9 @@ PR #34120; the vllm-project/recipes Qwen3.5 recipe; the vllm-oracle README):
   the draft) and, on dummy weights, vLLM 0.26's synthetic acceptance ("rejection_sample_method": "synthetic" with
   "synthetic_acceptance_rates" or "synthetic_acceptance_length"), so that both engines do the full draft and
   verify work and only the accept decision is pinned.
+- no `--quantization`: a block-FP8 checkpoint (Qwen's -FP8 releases and the FP8 dummies, issue 37) declares
+  `quantization_config` and vLLM's ModelConfig takes the method from it; a `--quantization` that disagrees with the
+  checkpoint (or asks vLLM to quantize an unquantized one online) is not its production configuration.
 - every kernel backend at vLLM's own choice. A site that cannot run the default backend forces another one only
   as a named `Deviation` with its reason, direction and magnitude (the offline H200 runs GDN prefill on Triton:
   FlashInfer, vLLM's SM90 default, is not in the bundle); every record of such a launch carries the
@@ -100,6 +103,7 @@ class CheckpointFacts:
     mamba_ssm_dtype: str
     has_weights: bool
     num_mtp_layers: int = 0  # mtp_num_hidden_layers (Qwen3.5/3.6) or num_nextn_predict_layers (Qwen3-Next)
+    quantization: str | None = None  # quantization_config.quant_method ("fp8" for the -FP8 releases), else None
 
 
 @dataclass
@@ -121,7 +125,8 @@ class OracleLaunch:
 
 
 def inspect_checkpoint(model_dir: str | Path) -> CheckpointFacts:
-    """Read config.json: multimodal (vision_config or *ForConditionalGeneration), MoE, SSM dtype, weights."""
+    """Read config.json: multimodal (vision_config or *ForConditionalGeneration), MoE, SSM dtype, weights, MTP
+    layers and the quantization method (quantization_config at the top level or in text_config)."""
     path = Path(model_dir)
     config = json.loads((path / "config.json").read_text())
     text = config.get("text_config") or config
@@ -133,7 +138,9 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointFacts:
     mtp = next(
         (c[k] for c in (text, config) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if k in c), 0
     )
-    return CheckpointFacts(is_multimodal, is_moe, str(dtype), has_weights, int(mtp or 0))
+    quants = [c["quantization_config"] for c in (config, text) if isinstance(c.get("quantization_config"), dict)]
+    method = quants[0].get("quant_method") if quants else None
+    return CheckpointFacts(is_multimodal, is_moe, str(dtype), has_weights, int(mtp or 0), method and str(method))
 
 
 # vLLM 0.26's speculative-config keys the MTP arm may set, and the methods it accepts for this family.
@@ -271,6 +278,11 @@ def vllm_launch(
             raise ValueError("not vLLM's MTP arm: " + "; ".join(problems))
         argv += ["--speculative-config", json.dumps(speculative_config, separators=(",", ":"))]
         reasons.append(f"--speculative-config: vLLM's MTP arm ({speculative_config})")
+    if facts.quantization is not None:
+        reasons.append(
+            f"no --quantization: the checkpoint's quantization_config declares {facts.quantization!r}, which vLLM "
+            "reads itself (block FP8: DeepGEMM / CUTLASS block GEMMs and its Triton fused MoE at its own choice)"
+        )
     if not facts.has_weights:
         argv += ["--load-format", "dummy"]
         reasons.append("--load-format dummy: config-only checkpoint")
@@ -337,6 +349,10 @@ def check_vllm_argv(
         value = _flag_value(argv, "--mamba-ssm-cache-dtype")
         if value is not None and value != facts.mamba_ssm_dtype:
             problems.append(f"--mamba-ssm-cache-dtype {value} differs from the checkpoint's {facts.mamba_ssm_dtype}")
+        method = _flag_value(argv, "--quantization") or _flag_value(argv, "-q")
+        if method is not None and method != "None" and method != facts.quantization:
+            declared = f"declares {facts.quantization!r}" if facts.quantization else "is unquantized (online)"
+            problems.append(f"--quantization {method}: the checkpoint {declared}; vLLM takes the method from it")
     return problems
 
 

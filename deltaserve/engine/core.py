@@ -28,6 +28,7 @@ from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineC
 from deltaserve.engine.stats import EngineStats, IterationTokens, RequestMetrics, SpecDecodeCounts
 from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.engine_config import EngineConfig
+from deltaserve.fp8_format import check_requested_quantization
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
 from deltaserve.runner.executor import make_executor
@@ -52,6 +53,7 @@ class EngineCore:
         self.config = config
         self.model_dir = model_dir
         model_config = ModelConfig.from_pretrained(model_dir)
+        check_requested_quantization(config.quantization, model_config.fp8, model_config.config_file)
         tokenizer_dir = Path(config.tokenizer) if config.tokenizer and Path(config.tokenizer).is_dir() else model_dir
         # vLLM's rule: a --max-model-len above the model's is refused (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)
         max_model_len = resolve_max_model_len(model_config, config.max_model_len, tokenizer_dir)

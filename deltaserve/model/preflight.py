@@ -18,6 +18,7 @@ from typing import Any
 
 from deltaserve import env
 from deltaserve.config import ModelConfig
+from deltaserve.fp8_format import check_requested_quantization
 from deltaserve.model.checkpoint_files import CheckpointFiles
 from deltaserve.model.hub import resolve_model_dir
 
@@ -159,10 +160,12 @@ def preflight(
     generation_config: str = "auto",
     max_model_len: int | None = None,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> ModelConfig:
     """Every start-up check that needs no torch, in the order a user would fix them; returns the parsed config."""
     model_dir = resolve_model_dir(model)
     model_config = ModelConfig.from_pretrained(model_dir)
+    check_requested_quantization(quantization, model_config.fp8, model_config.config_file)
     check_tokenizer_files(model_dir, tokenizer)
     check_generation_config(model_dir, generation_config)
     tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else model_dir

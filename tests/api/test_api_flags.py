@@ -99,7 +99,7 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--h11-max-incomplete-event-size": "4096", "--mm-processor-kwargs": "{}",
           "--limit-mm-per-prompt": "{\"image\": 1}",
           "--structured-outputs-config": "{\"backend\": \"xgrammar\"}", "--scheduling-policy": "priority",
-          "--prefix-caching-hash-algo": "xxhash",
+          "--prefix-caching-hash-algo": "xxhash", "--quantization": "fp8",
           "--speculative-config": "{\"method\": \"mtp\"}"}  # fmt: skip
 
 
@@ -147,7 +147,7 @@ def test_switches_have_the_no_form() -> None:
 
 
 def test_refused_flags_name_themselves() -> None:
-    cases = {("-pp", "2"): "--pipeline-parallel-size 2", ("--quantization", "fp8"): "--quantization fp8",
+    cases = {("-pp", "2"): "--pipeline-parallel-size 2", ("--quantization-config", "{}"): "--quantization-config",
              ("--enable-lora",): "--enable-lora", ("--hf-overrides", "{}"): "--hf-overrides",
              ("--kv-transfer-config", "{}"): "--kv-transfer-config",
              ("--logprobs-mode", "processed_logits"): "--logprobs-mode processed_logits",
@@ -155,8 +155,25 @@ def test_refused_flags_name_themselves() -> None:
     for argv, name in cases.items():
         with pytest.raises(ValueError, match=name):
             check_compat(parse("m", *argv))
-    for argv in (["-tp", "1"], ["-q", "None"], ["--logprobs-mode", "raw_logprobs"], ["--no-enable-lora"]):
+    for argv in (["-tp", "1"], ["--logprobs-mode", "raw_logprobs"], ["--no-enable-lora"]):
         check_compat(parse("m", *argv))
+
+
+def test_quantization_flag_reaches_the_engine_and_is_checked_at_start_up(
+    tiny_dense: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--quantization / -q is vLLM's: "None" is no value, any other value goes to EngineConfig.quantization, and the
+    start-up checks compare it with the checkpoint (tests/model/test_fp8_loading.py: accepted on block FP8); on this
+    unquantized checkpoint, where vLLM would quantize online, `-q fp8` exits 1 with one line naming it."""
+    for argv, value in ((["-q", "None"], None), (["-q", "fp8"], "fp8"), (["--quantization", "awq"], "awq"), ([], None)):
+        args = parse("m", *argv)
+        check_compat(args)
+        assert cli.build_engine_config(args, "m", "cpu").quantization == value
+    for method, problem in (("fp8", "no quantization_config"), ("gptq", "is not supported")):
+        caplog.clear()
+        assert cli.run(parse(str(tiny_dense), "-q", method, "--port", "0", "--device", "cpu")) == 1
+        (error,) = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+        assert f"--quantization {method} " in error and problem in error, error
 
 
 def test_tensor_parallel_flags_are_implemented() -> None:

@@ -15,7 +15,7 @@ import pytest
 from transformers import FineGrainedFP8Config
 
 from deltaserve.config import ConfigError, ModelConfig
-from deltaserve.fp8_format import Fp8BlockFormat, read_fp8_format
+from deltaserve.fp8_format import Fp8BlockFormat, check_requested_quantization, read_fp8_format
 
 PATH = Path("/ckpt/config.json")
 # Qwen3-Next-80B-A3B-Instruct-FP8's quantization_config (modules_to_not_convert shortened)
@@ -155,3 +155,19 @@ def test_without_quantization_config_nothing_changes() -> None:
     config = _config("dense", None)
     assert ModelConfig.from_dict(config, PATH).family == "qwen3_5"
     assert ModelConfig.from_dict(config, PATH).fp8 is None
+
+
+def test_the_quantization_flag_agrees_with_the_config_or_is_refused_by_name() -> None:
+    """vLLM's --quantization / LLM(quantization=...): the config decides; "fp8" is accepted where the config declares
+    block FP8; "fp8" on an unquantized checkpoint (vLLM's online per-tensor FP8) and every other method are refused,
+    naming the flag, its value and the config file."""
+    block = Fp8BlockFormat()
+    check_requested_quantization(None, block, PATH)
+    check_requested_quantization(None, None, PATH)
+    check_requested_quantization("fp8", block, PATH)
+    with pytest.raises(ValueError, match=r"--quantization fp8 .*/ckpt/config.json has no quantization_config.*online"):
+        check_requested_quantization("fp8", None, PATH)
+    for method, declared in (("awq", block), ("gptq", None), ("FP8", block), ("compressed-tensors", block)):
+        with pytest.raises(ValueError, match=f"--quantization {method} .*is not supported.*only quantization") as info:
+            check_requested_quantization(method, declared, PATH)
+        assert ("declares block FP8" in str(info.value)) == (declared is not None)

@@ -294,10 +294,27 @@ def test_dummy_weights_fill_fp8_projections_as_vllm(fp8_llm: Callable[[str], tup
 
 
 def test_serve_preflight_accepts_the_fp8_checkpoint(fp8_llm: Callable[[str], tuple[Path, LLM]]) -> None:
-    """`deltaserve serve`'s torch-free start-up checks read the float8 tensors as the loader does."""
+    """`deltaserve serve`'s torch-free start-up checks read the float8 tensors as the loader does, and take
+    `--quantization fp8` on it (the config decides; the two agree)."""
     from deltaserve.model.preflight import preflight
 
     assert preflight(str(fp8_llm("moe")[0])).fp8 is not None
+    assert preflight(str(fp8_llm("moe")[0]), quantization="fp8").fp8 is not None
+    with pytest.raises(ValueError, match="--quantization fp8 .*no quantization_config.*online"):
+        preflight(str(trained_model_dir("moe")), quantization="fp8")
+
+
+def test_offline_quantization_fp8_serves_the_fp8_checkpoint(fp8_llm: Callable[[str], tuple[Path, LLM]]) -> None:
+    """LLM(quantization="fp8") as vLLM's: on a block-FP8 checkpoint the same model and tokens as without it; on an
+    unquantized checkpoint (vLLM would quantize online) or with another method, refused by name before loading."""
+    folder, plain = fp8_llm("dense")
+    llm = LLM(folder, dtype="float32", device="cpu", quantization="fp8")
+    assert isinstance(llm.engine.runner.model.layers[0].mlp.down_proj, Fp8Weight)
+    assert _greedy(llm, _prompts(folder)[:1]) == _greedy(plain, _prompts(folder)[:1])
+    with pytest.raises(ValueError, match="--quantization fp8 .*no quantization_config.*per-tensor dynamic FP8"):
+        LLM(trained_model_dir("dense"), dtype="float32", device="cpu", quantization="fp8")
+    with pytest.raises(ValueError, match="--quantization awq .*not supported.*declares block FP8"):
+        LLM(folder, dtype="float32", device="cpu", quantization="awq")
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])

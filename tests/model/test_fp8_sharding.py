@@ -6,15 +6,18 @@ one-rank model's values and scales; a split that would cut a scale block is refu
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.checkpoint_files import CheckpointError
 from deltaserve.model.loader import Checkpoint
+from deltaserve.model.mtp import MTP_PREFIX
 from deltaserve.model.parallel import LocalShapes, ShardingError
 from deltaserve.tiny.fp8 import write_fp8_checkpoint
 
@@ -38,9 +41,31 @@ ALIGNED = {
 def aligned_fp8(tmp_path_factory: pytest.TempPathFactory, tiny_dense: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8-aligned")
     return {
-        kind: write_fp8_checkpoint(build(kind, root / f"{kind}-bf16", tiny_dense, **ALIGNED), root / kind)
+        kind: write_fp8_checkpoint(
+            _with_mtp_layer(build(kind, root / f"{kind}-bf16", tiny_dense, **ALIGNED)), root / kind
+        )
         for kind in ("dense", "moe", "next")
     }
+
+
+def _with_mtp_layer(folder: Path) -> Path:
+    """The bf16 checkpoint with an MTP layer as the releases store it: `mtp.layers.0.*` a copy of the last (full
+    attention) decoder layer's tensors, fc [H, 2H] and the three norms new, and one MTP layer declared (Qwen3-Next:
+    num_nextn_predict_layers). Served only when built (speculative decoding); skipped otherwise."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    config = json.loads((folder / "config.json").read_text())
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    tensors |= {MTP_PREFIX + "layers.0." + n.removeprefix(last): t.clone() for n, t in tensors.items() if last in n}
+    hidden = config["hidden_size"]
+    generator = torch.Generator().manual_seed(0)
+    tensors[MTP_PREFIX + "fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.05
+    for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        tensors[f"{MTP_PREFIX}{norm}.weight"] = torch.randn(hidden, generator=generator) * 0.1
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    field = "num_nextn_predict_layers" if config["model_type"] == "qwen3_next" else "mtp_num_hidden_layers"
+    (folder / "config.json").write_text(json.dumps({**config, field: 1}))
+    return folder
 
 
 def _fp8_weights(model: torch.nn.Module) -> dict[str, Fp8Weight]:
@@ -59,6 +84,26 @@ def test_every_rank_holds_its_blocks(kind: str, aligned_fp8: dict[str, Path]) ->
         assert set(ranked) == set(whole)
         for name, weight in ranked.items():
             # the block layout survives the split: every part of every rank is whole blocks
+            assert weight.block_n == 128, name
+            expected = expected_slice(name, whole[name].dequantize(), config, shapes)
+            assert torch.equal(weight.dequantize(), expected), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "next"])
+def test_every_rank_holds_its_blocks_of_the_mtp_layer(kind: str, aligned_fp8: dict[str, Path]) -> None:
+    """The MTP layer of an FP8 checkpoint (attention and MLP / experts in FP8, fc plain) shards as the target's
+    attention layers: every rank's MTP Fp8Weights are its block-aligned slices of the one-rank model's."""
+    folder = aligned_fp8[kind]
+    config = ModelConfig.from_pretrained(folder)
+    whole = {n: w for n, w in _fp8_weights(_rank_model(folder, 0, 1, build_mtp=True)).items() if n.startswith("mtp.")}
+    assert len(whole) >= 4, sorted(whole)
+    for rank in range(2):
+        model = _rank_model(folder, rank, 2, build_mtp=True)
+        assert not isinstance(model.mtp.fc, Fp8Weight)
+        ranked = {n: w for n, w in _fp8_weights(model).items() if n.startswith("mtp.")}
+        shapes = LocalShapes.of(config, rank, 2)
+        assert set(ranked) == set(whole)
+        for name, weight in ranked.items():
             assert weight.block_n == 128, name
             expected = expected_slice(name, whole[name].dequantize(), config, shapes)
             assert torch.equal(weight.dequantize(), expected), f"rank {rank}: {name}"
