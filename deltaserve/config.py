@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deltaserve.fp8_format import read_fp8_format
+from deltaserve.fp8_format import Fp8BlockFormat, read_fp8_format
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
@@ -208,6 +208,8 @@ class ModelConfig:
     mtp_field: str = "mtp_num_hidden_layers"
     # decisions a reader of the load report should see (defaults taken, fields ignored, transformers/vLLM choices)
     notes: tuple[str, ...] = ()
+    # the block-FP8 format of a Qwen -FP8 release (docs/fp8.md): its projections are built as Fp8Weight
+    fp8: Fp8BlockFormat | None = None
 
     @property
     def conv_dim(self) -> int:
@@ -272,8 +274,9 @@ class ModelConfig:
             if is_multimodal
             else top
         )
+        fp8 = None
         for fields in (top, text) if is_multimodal else (top,):
-            _refuse_quantization(fields)
+            fp8 = _read_quantization(fields) or fp8
 
         num_layers = text.positive("num_hidden_layers")
         layer_types = _layer_types(text, num_layers, notes)
@@ -365,6 +368,7 @@ class ModelConfig:
             mtp_num_hidden_layers=num_mtp,
             mtp_field=text.name(mtp_key),
             notes=tuple(notes),
+            fp8=fp8,
             **moe_kwargs,
         )
 
@@ -399,29 +403,25 @@ def _family(data: dict[str, Any], path: Path) -> tuple[str, str, str | None]:
     return family, architecture, model_type
 
 
-def _refuse_quantization(fields: _Fields) -> None:
-    """Refuse every quantized checkpoint by its field and value. The block-FP8 format of Qwen's -FP8 releases is
-    read (fp8_format.py) so that a variant of it is refused by the field that differs, then refused as a whole:
-    deltaserve has no FP8 linear layers yet (issue 37)."""
+def _read_quantization(fields: _Fields) -> Fp8BlockFormat | None:
+    """The block-FP8 format of Qwen's -FP8 releases when `fields` carries its quantization_config (fp8_format.py,
+    docs/fp8.md); every other quantization method or FP8 variant, and a compressed-tensors compression_config, is
+    refused by its field and value."""
     if fields.has("compression_config"):
         value = fields.data["compression_config"]
         method = value.get("quant_method", value.get("format")) if isinstance(value, dict) else value
         raise fields.fail(
-            "compression_config", f"is present (compressed-tensors, {method!r}): deltaserve has no quantized "
-            "kernels and loads only float32 / float16 / bfloat16 weights",
+            "compression_config", f"is present (compressed-tensors, {method!r}): deltaserve reads only the block "
+            "FP8 quantization_config of Qwen's -FP8 releases (docs/fp8.md)",
         )  # fmt: skip
     if not fields.has("quantization_config"):
-        return
+        return None
     key = fields.name("quantization_config")
 
     def fail(field: str, problem: str) -> ConfigError:
         return ConfigError(f"{fields.path}: field `{key}{'.' + field if field else ''}` {problem}")
 
-    read_fp8_format(fields.data["quantization_config"], fail)
-    raise fail(
-        "", "is block FP8 (quant_method 'fp8', e4m3, [128, 128]), the format of Qwen's -FP8 releases: deltaserve "
-        "reads it but has no FP8 linear layers yet and loads only float32 / float16 / bfloat16 weights",
-    )  # fmt: skip
+    return read_fp8_format(fields.data["quantization_config"], fail)
 
 
 def _check_silu(text: _Fields) -> None:

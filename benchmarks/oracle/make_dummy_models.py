@@ -56,6 +56,9 @@ COMMON: dict[str, Any] = {
     "rope_parameters": ROPE,
     "tie_word_embeddings": False,
     "mamba_ssm_dtype": "float32",
+    # the released configs' one MTP layer sharing embeddings and lm_head (vLLM's MTP arm builds its draft from it)
+    "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False,
 }
 # name -> (config class name, architecture, text_config overrides)
 SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -270,6 +273,7 @@ def write_multimodal(path: str, scaled: bool = False) -> None:
     config = getattr(transformers, class_name)(text_config=text, vision_config={"out_hidden_size": text["hidden_size"]})
     config.architectures = [architecture]
     config.save_pretrained(path)
+    declare_mtp_at_top_level(path)
     with open(os.path.join(path, "config.json")) as f:
         data = json.load(f)
     data["vision_config"] = vision
@@ -324,6 +328,15 @@ def check_multimodal(path: str) -> list[str]:
     return failures
 
 
+def declare_mtp_at_top_level(path: str) -> None:
+    """Copies text_config's mtp_num_hidden_layers to the top level of config.json, where vLLM 0.26's speculative
+    config looks for it on these composite configs (transformers' composite config class drops the key)."""
+    config_path = Path(path) / "config.json"
+    written = json.loads(config_path.read_text())
+    written["mtp_num_hidden_layers"] = COMMON["mtp_num_hidden_layers"]
+    config_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+
+
 def write_config(path: str, name: str) -> None:
     """config.json of the SHAPES entry `name` into path (transformers' own config class writes it)."""
     import transformers
@@ -333,6 +346,7 @@ def write_config(path: str, name: str) -> None:
     config = config_class(text_config={**COMMON, **text}, vision_config={"out_hidden_size": text["hidden_size"]})
     config.architectures = [architecture]
     config.save_pretrained(path)
+    declare_mtp_at_top_level(path)
 
 
 def main(root: str, names: list[str] | None = None) -> None:

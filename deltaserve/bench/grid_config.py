@@ -14,6 +14,8 @@ tower (registry.py, `serves_media`).
 every pair or a list with one per pair (the suffix is ISL minus it) and `prefix_repetition_num_prefixes` (vLLM's
 default 10). Such data shares prefixes, so the registry builds every peer without --no-enable-prefix-caching; an
 arm with `enable_prefix_caching = true` (and optionally `prefix_match_unit = N`) is vLLM's prefix-caching arm.
+A vLLM arm with `speculative_config = {method = "mtp", num_speculative_tokens = k, ...}` is vLLM's MTP arm (the
+registry checks it and adds `--speculative-config`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from deltaserve.bench import registry
 from deltaserve.bench.dataset_mm import format_bucket_config, parse_bucket_config, parse_limit_mm_per_prompt
@@ -58,6 +61,7 @@ class Arm:
     # vLLM's prefix-caching arm (registry.vllm_launch): --enable-prefix-caching [--prefix-match-unit N]
     enable_prefix_caching: bool = False
     prefix_match_unit: int | None = None
+    speculative_config: dict[str, Any] | None = None  # a vLLM peer: its MTP arm (registry.check_speculative_config)
     # Estimates for --deadline-s: a launch starts only if startup + points x run would end before the deadline.
     expected_startup_s: float = 0.0
     expected_run_s: float = 0.0
@@ -211,6 +215,8 @@ def load_config(path: Path) -> GridConfig:
             raise ValueError(f"arm {arm.name!r}: role must be subject or peer")
         if arm.drop_flags and not arm.exemption:
             raise ValueError(f"arm {arm.name!r}: drop_flags needs an `exemption` reason")
+        if arm.speculative_config is not None and not arm.oracle:
+            raise ValueError(f"arm {arm.name!r}: speculative_config builds a peer's MTP arm; a command arm spells it")
         arms.append(arm)
     names = [arm.name for arm in arms]
     if len(set(names)) != len(names):
@@ -298,6 +304,7 @@ def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
             is_random_data=not config.dataset.shares_prefixes,
             enable_prefix_caching=arm.enable_prefix_caching,
             prefix_match_unit=arm.prefix_match_unit,
+            speculative_config=arm.speculative_config,
         )
         argv = oracle.argv
         env = {**oracle.env, **env}

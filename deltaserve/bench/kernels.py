@@ -8,8 +8,9 @@ with a large device-to-device copy (bytes read + written). Token counts up to --
 decode forms (paged attention over --context cached tokens per sequence, conv update, GDN decode, one
 sequence per token); larger counts run the prefill forms on one sequence. `moe_block` times the whole MoE
 block op (router, routing, routed and shared experts) beside `fused_moe`, and `linear` kernels.linear on the
-GDN input projection (the register GEMV at one row, cuBLAS beyond). The decode step as a whole, per batch size, is
-benchmarks/decode_step.py.
+GDN input projection (the register GEMV at one row, cuBLAS beyond); `fp8_linear` and `fp8_fused_moe` the same
+projection and the routed experts with block-FP8 weights (docs/fp8.md). The decode step as a whole, per batch
+size, is benchmarks/decode_step.py.
 
 Timing: the op's inputs are replicated until the sets together exceed three times the L2 cache and used in
 rotation, so no call finds its inputs in L2. The primary number is GPU time per call from replaying a CUDA
@@ -132,6 +133,8 @@ OPS = (
     "fused_moe",
     "moe_block",
     "linear",
+    "fp8_linear",
+    "fp8_fused_moe",
 )
 
 
@@ -374,6 +377,52 @@ def _linear_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]
     return [Case("linear", "-", make, lambda s: linear(s[0], weight), moved, flops, note)]
 
 
+def _fp8_weight(*shape: int) -> Any:
+    """A block-FP8 weight [..., N, K] (docs/fp8.md): N(0, 1) values cast to e4m3, every block scale K^-0.5."""
+    from deltaserve.kernels import Fp8Weight
+
+    weight = Fp8Weight(*shape, device=DEVICE)
+    weight.weight.copy_(torch.randn(*shape, device=DEVICE).to(weight.weight.dtype))
+    weight.scale.fill_(shape[-1] ** -0.5)
+    return weight
+
+
+def _fp8_bytes(*shape: int) -> int:
+    """Bytes of a block-FP8 weight: one a value, plus an fp32 scale per 128 x 128 block."""
+    lead = math.prod(shape[:-2])
+    return lead * (shape[-2] * shape[-1] + 4 * math.ceil(shape[-2] / 128) * math.ceil(shape[-1] / 128))
+
+
+def _fp8_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
+    """Block FP8 (docs/fp8.md): kernels.linear with an Fp8Weight on the GDN input projection's shape (activation
+    quantization + GEMM), and fused_moe with FP8 experts (quantization, two grouped GEMMs, the weighted sum)."""
+    from deltaserve.kernels import fused_moe, linear, moe_route
+
+    size = dtype.itemsize
+    out_features, in_features = m.conv_dim + m.num_v_heads * m.head_v_dim, m.hidden
+    weight = _fp8_weight(out_features, in_features)
+    moved = _fp8_bytes(out_features, in_features) + tokens * (in_features + out_features) * size
+    flops = 2 * tokens * out_features * in_features
+    make = lambda: (_randn(tokens, in_features, dtype=dtype),)  # noqa: E731
+    note = f"[{out_features} x {in_features}] e4m3 (in_proj_qkvz)"
+    cases = [Case("fp8_linear", "-", make, lambda s: linear(s[0], weight), moved, flops, note)]
+    if not m.num_experts:
+        return cases
+    hidden, inter, experts = m.hidden, m.moe_inter, m.num_experts
+    w13, w2 = _fp8_weight(experts, 2 * inter, hidden), _fp8_weight(experts, hidden, inter)
+
+    def make_moe() -> tuple[Any, ...]:
+        weights, ids = moe_route(_randn(tokens, experts, dtype=dtype), m.top_k, True)
+        return _randn(tokens, hidden, dtype=dtype), weights, ids
+
+    active = int(torch.unique(make_moe()[2]).numel())
+    moe_moved = active * (_fp8_bytes(2 * inter, hidden) + _fp8_bytes(hidden, inter)) + 2 * tokens * hidden * size
+    moe_flops = 2 * tokens * m.top_k * 3 * inter * hidden
+    moe_note = f"{active}/{experts} e4m3 experts hit, top-{m.top_k}"
+    moe_call = lambda s: fused_moe(s[0], w13, w2, s[1], s[2])  # noqa: E731
+    return [*cases, Case("fp8_fused_moe", "-", make_moe, moe_call, moe_moved, moe_flops, moe_note)]
+
+
 def build_cases(m: ModelShapes, tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> list[Case]:
     is_decode = tokens <= args.decode_up_to
     cases = [
@@ -383,6 +432,7 @@ def build_cases(m: ModelShapes, tokens: int, args: argparse.Namespace, dtype: to
         *_gdn_cases(m, tokens, dtype, is_decode),
         *_moe_cases(m, tokens, dtype),
         *_linear_cases(m, tokens, dtype),
+        *_fp8_cases(m, tokens, dtype),
     ]
     return [c for c in cases if c.op in args.ops]
 

@@ -19,6 +19,11 @@ PR #34120; the vllm-project/recipes Qwen3.5 recipe; the vllm-oracle README):
   caching at vLLM's choice or turns it on (`enable_prefix_caching`: vLLM's prefix-caching arm, issue 36), never
   off; `prefix_match_unit` adds vLLM 0.26's `--prefix-match-unit N` (the finest token boundary a hit can land on;
   CacheConfig.prefix_match_unit) to that arm, the tuned second peer.
+- no speculative decoding, except in vLLM's MTP arm (`speculative_config`, issue 41): `--speculative-config` with
+  method "mtp" (the checkpoint must declare its MTP layer, `mtp_num_hidden_layers` >= 1, which vLLM reads to build
+  the draft) and, on dummy weights, vLLM 0.26's synthetic acceptance ("rejection_sample_method": "synthetic" with
+  "synthetic_acceptance_rates" or "synthetic_acceptance_length"), so that both engines do the full draft and
+  verify work and only the accept decision is pinned.
 - every kernel backend at vLLM's own choice. A site that cannot run the default backend forces another one only
   as a named `Deviation` with its reason, direction and magnitude (the offline H200 runs GDN prefill on Triton:
   FlashInfer, vLLM's SM90 default, is not in the bundle); every record of such a launch carries the
@@ -94,6 +99,7 @@ class CheckpointFacts:
     is_moe: bool
     mamba_ssm_dtype: str
     has_weights: bool
+    num_mtp_layers: int = 0  # mtp_num_hidden_layers (Qwen3.5/3.6) or num_nextn_predict_layers (Qwen3-Next)
 
 
 @dataclass
@@ -124,7 +130,45 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointFacts:
     is_moe = int(text.get("num_experts") or 0) > 0
     dtype = text.get("mamba_ssm_dtype") or config.get("mamba_ssm_dtype") or DEFAULT_MAMBA_SSM_DTYPE
     has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
-    return CheckpointFacts(is_multimodal, is_moe, str(dtype), has_weights)
+    mtp = next(
+        (c[k] for c in (text, config) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if k in c), 0
+    )
+    return CheckpointFacts(is_multimodal, is_moe, str(dtype), has_weights, int(mtp or 0))
+
+
+# vLLM 0.26's speculative-config keys the MTP arm may set, and the methods it accepts for this family.
+SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "rejection_sample_method",
+    "synthetic_acceptance_rates",
+    "synthetic_acceptance_length",
+)
+MTP_METHODS = ("mtp",)
+
+
+def check_speculative_config(config: dict[str, Any], facts: CheckpointFacts) -> list[str]:
+    """Every way `config` is not vLLM's MTP arm on this checkpoint (empty list: it is)."""
+    problems = [f"unknown key {key!r}" for key in config if key not in SPECULATIVE_KEYS]
+    if config.get("method") not in MTP_METHODS:
+        problems.append(f"method {config.get('method')!r}: the MTP arm runs method 'mtp'")
+    k = config.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        problems.append(f"num_speculative_tokens must be a positive integer, got {k!r}")
+    rates = config.get("synthetic_acceptance_rates")
+    if rates is not None:
+        if not isinstance(rates, list) or (isinstance(k, int) and len(rates) != k):
+            problems.append(f"synthetic_acceptance_rates must list one rate per draft position ({k}), got {rates!r}")
+        elif any(not 0.0 <= float(r) <= 1.0 for r in rates) or rates != sorted(rates, reverse=True):
+            problems.append(f"synthetic_acceptance_rates must be non-increasing rates in [0, 1], got {rates}")
+    is_synthetic = config.get("rejection_sample_method") == "synthetic"
+    if is_synthetic != (rates is not None or "synthetic_acceptance_length" in config):
+        problems.append("rejection_sample_method 'synthetic' goes with synthetic_acceptance_rates / _length")
+    if facts.num_mtp_layers < 1:
+        problems.append("the checkpoint declares no MTP layer (mtp_num_hidden_layers): vLLM cannot build the draft")
+    if not facts.has_weights and not is_synthetic:
+        problems.append("dummy weights draft nothing useful: pin the acceptance (rejection_sample_method synthetic)")
+    return problems
 
 
 def min_batched_tokens(input_len: int, is_moe: bool) -> int:
@@ -162,6 +206,7 @@ def vllm_launch(
     serves_media: bool = False,
     enable_prefix_caching: bool = False,
     prefix_match_unit: int | None = None,
+    speculative_config: dict[str, Any] | None = None,
 ) -> OracleLaunch:
     """vLLM's production server command for `model` at input length `input_len`.
 
@@ -169,7 +214,7 @@ def vllm_launch(
     not forbidden ones, and may not weaken a required one (checked by `check_vllm_argv`). `serves_media` names
     the traffic (images): the launch keeps the vision tower (no --language-model-only) and carries
     MEDIA_TRAFFIC_NOTE as its denominator note. `enable_prefix_caching` (data that shares prefixes only) and
-    `prefix_match_unit` (with it) build vLLM's prefix-caching arm.
+    `prefix_match_unit` (with it) build vLLM's prefix-caching arm; `speculative_config` builds its MTP arm.
     """
     if enable_prefix_caching and is_random_data:
         raise ValueError("--enable-prefix-caching is for data that shares prefixes: random data needs it off")
@@ -220,6 +265,12 @@ def vllm_launch(
         if prefix_match_unit is not None:
             argv[index + 1 : index + 1] = ["--prefix-match-unit", str(prefix_match_unit)]
             reasons.append(f"--prefix-match-unit {prefix_match_unit}: hits may land every {prefix_match_unit} tokens")
+    if speculative_config is not None:
+        problems = check_speculative_config(speculative_config, facts)
+        if problems:
+            raise ValueError("not vLLM's MTP arm: " + "; ".join(problems))
+        argv += ["--speculative-config", json.dumps(speculative_config, separators=(",", ":"))]
+        reasons.append(f"--speculative-config: vLLM's MTP arm ({speculative_config})")
     if not facts.has_weights:
         argv += ["--load-format", "dummy"]
         reasons.append("--load-format dummy: config-only checkpoint")
@@ -342,6 +393,7 @@ def vllm_engine(
     facts: CheckpointFacts | None = None,
     serves_media: bool = False,
     shares_gpu: bool = False,
+    speculative_config: dict[str, Any] | None = None,
 ) -> OracleEngine:
     """vLLM's production configuration as `vllm.LLM(**kwargs)` for `model` (the in-process twin of vllm_launch).
 
@@ -349,6 +401,7 @@ def vllm_engine(
     names the traffic, not a setting: image and video prompts need the vision tower, so vLLM's production
     configuration for them keeps it (no language_model_only, hence no fused QK-norm + RoPE + gate path).
     `shares_gpu` (gates run side by side on one GPU) adds SHARED_GPU_ENGINE_KWARGS, each with its reason.
+    `speculative_config` makes it vLLM's MTP arm (checked as `vllm_launch` checks it), for the MTP gates.
     """
     facts = facts or inspect_checkpoint(model)
     if serves_media and not facts.is_multimodal:
@@ -379,6 +432,12 @@ def vllm_engine(
     if not facts.has_weights:
         kwargs["load_format"] = "dummy"
         reasons.append("load_format=dummy: config-only checkpoint")
+    if speculative_config is not None:
+        problems = check_speculative_config(speculative_config, facts)
+        if problems:
+            raise ValueError("not vLLM's MTP arm: " + "; ".join(problems))
+        kwargs["speculative_config"] = dict(speculative_config)
+        reasons.append(f"speculative_config={speculative_config}: vLLM's MTP arm")
     for name, (value, why) in (HARNESS_ENGINE_KWARGS | (SHARED_GPU_ENGINE_KWARGS if shares_gpu else {})).items():
         kwargs[name] = value
         reasons.append(f"{name}={value}: {why}")
@@ -431,6 +490,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefix-match-unit", type=int, default=None, help="with --enable-prefix-caching")
     parser.add_argument("--serves-media", action="store_true", help="image traffic: keep the vision tower")
+    parser.add_argument(
+        "--speculative-config", type=json.loads, default=None, help="vLLM's MTP arm: its --speculative-config JSON"
+    )
     parser.add_argument("--drop-flag", action="append", default=[], help="required flag to leave out")
     parser.add_argument("--exempt", default=None, help="the reason for --drop-flag")
     parser.add_argument("--format", default="shell", choices=["shell", "json", "env"])
@@ -455,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
             serves_media=args.serves_media,
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_match_unit=args.prefix_match_unit,
+            speculative_config=args.speculative_config,
         )
     except (ValueError, OSError) as exc:
         print(f"registry: {exc}", file=sys.stderr)

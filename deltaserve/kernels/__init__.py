@@ -13,6 +13,8 @@ from deltaserve.kernels.conv import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
 )
+from deltaserve.kernels.fp8 import Fp8Weight, fp8_linear, fp8_linear_ref, quantize_activation_ref
+from deltaserve.kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
 from deltaserve.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
 from deltaserve.kernels.gdn_spec import (
     causal_conv1d_verify,
@@ -51,9 +53,14 @@ __all__ = [
     "causal_conv1d_update_ref",
     "causal_conv1d_verify",
     "causal_conv1d_verify_ref",
+    "Fp8Weight",
+    "fp8_linear",
+    "fp8_linear_ref",
     "fused_moe",
     "fused_moe_block",
     "fused_moe_block_ref",
+    "fused_moe_fp8",
+    "fused_moe_fp8_ref",
     "fused_moe_ref",
     "gated_rms_norm",
     "gated_rms_norm_ref",
@@ -67,6 +74,7 @@ __all__ = [
     "linear_ref",
     "moe_route",
     "moe_route_ref",
+    "quantize_activation_ref",
     "paged_attention",
     "paged_attention_ref",
     "rms_norm",

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from deltaserve.kernels._dispatch import use_triton
 from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from deltaserve.kernels.fp8 import Fp8Weight
+from deltaserve.kernels.fp8_moe import fused_moe_fp8
 
 
 def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,13 +62,15 @@ def fused_moe_ref(
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     shared: torch.Tensor | None = None,
     shared_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight):
+        return fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, shared, shared_gate_logits)  # kernels/fp8_moe.py
     if use_triton(x):
         from deltaserve.kernels.moe_triton import fused_moe_triton
 

@@ -4,7 +4,8 @@ say which tensors deltaserve deliberately does not load.
 CheckpointFiles resolves tensor -> shard (from model.safetensors.index.json, or from the headers of every
 *.safetensors file), and checks, before any weight is read, that the index is valid JSON with a `weight_map`, that
 every shard it names exists and holds the tensors it is said to hold, that no shard is truncated (its header's data
-offsets run past the end of the file) and that every tensor is stored in a float dtype. Each failure is one
+offsets run past the end of the file) and that every tensor is stored in a float dtype (or, in a block-FP8
+checkpoint, as float8_e4m3fn where the format quantizes: FP8_PROJECTION). Each failure is one
 CheckpointError naming the file and the tensor. Reading headers only (8 bytes + a JSON header per shard) keeps this
 cheap enough to run before the server imports torch.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,13 @@ DTYPE_SIZES = {
     "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8,
 }  # fmt: skip
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# The projections Qwen's block-FP8 releases quantize (docs/fp8.md): full-attention q/k/v/o, GDN in_proj_qkv /
+# in_proj_z (Qwen3-Next: in_proj_qkvz) / out_proj, dense-MLP, shared-expert and per-expert gate/up/down. Everything
+# else (lm_head, embeddings, norms, in_proj_a/b/ba, the router, shared_expert_gate, ...) is kept unquantized.
+FP8_PROJECTION = re.compile(
+    r"^(.*\.)?(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj)"
+    r"|mlp\.(shared_expert\.)?(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$"
+)
 # safetensors' own limit on the JSON header
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -176,12 +185,28 @@ class CheckpointFiles:
                 tensors[name] = info
         return tensors
 
-    def check_dtypes(self, skip_rules: tuple[SkipRule, ...] = SKIP_RULES) -> None:
-        """Every tensor that would be loaded is a float tensor. Integer and fp8 tensors are quantized weights, and
-        a config.json with a quantization_config is refused before this (config.py)."""
+    def check_dtypes(self, skip_rules: tuple[SkipRule, ...] = SKIP_RULES, fp8: bool = False) -> None:
+        """Every tensor that would be loaded is a float tensor, or with `fp8` (config.json's quantization_config is
+        block FP8, docs/fp8.md) a float8_e4m3fn one, whose module the loader then checks. Integer tensors are
+        quantized weights of formats config.py refuses."""
         for name, info in self.tensors.items():
-            if info.dtype not in FLOAT_DTYPES and skip_rule_for(name, skip_rules) is None:
+            if skip_rule_for(name, skip_rules) is not None:
+                continue
+            if fp8 and info.dtype == "F8_E4M3" and not FP8_PROJECTION.match(name):
                 raise CheckpointError(
-                    f"{self.model_dir / info.shard}: tensor `{name}` is stored as {info.dtype}, but config.json has "
-                    "no quantization_config; deltaserve loads float32 / float16 / bfloat16 weights only"
+                    f"{self.model_dir / info.shard}: tensor `{name}` is stored as F8_E4M3, but deltaserve keeps this "
+                    "module unquantized, as Qwen's -FP8 releases do (lm_head, embeddings, norms, GDN in_proj_a / "
+                    "in_proj_b, the router, shared_expert_gate, the vision tower, mtp.fc)"
+                )
+            if fp8 and info.dtype not in FLOAT_DTYPES and FP8_PROJECTION.match(name):
+                continue
+            if info.dtype not in FLOAT_DTYPES:
+                what = (
+                    "a block-FP8 checkpoint holds float tensors and F8_E4M3 projections only"
+                    if fp8
+                    else "config.json has no quantization_config; deltaserve loads float32 / float16 / bfloat16 "
+                    "weights only"
+                )
+                raise CheckpointError(
+                    f"{self.model_dir / info.shard}: tensor `{name}` is stored as {info.dtype}, but {what}"
                 )

@@ -4,7 +4,9 @@ Handles the prefixes and layouts of docs/ARCHITECTURE.md#configs-and-checkpoint-
 top-level `lm_head` (Qwen3.5/3.6) or `model.*` (Qwen3-Next and text-only forms); q/k/v projections fused into one qkv
 weight (and their biases when `attention_bias`); Qwen3.5's flat `in_proj_qkv/z/b/a` versus Qwen3-Next's
 group-interleaved `in_proj_qkvz/ba`; fused 3-D experts versus one tensor per expert; tied embeddings decided by the
-tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` kept in fp32.
+tie flags and by whether the checkpoint holds its own `lm_head.weight`; `A_log` kept in fp32. A block-FP8 checkpoint
+(docs/fp8.md) fills the model's Fp8Weight projections from its float8 tensors and their scales (model/fp8_loader.py)
+through the same row operations.
 
 Every tensor of the checkpoint is consumed or skipped by a named SkipRule (`mtp.*`, `model.visual.*`); any other
 tensor is an error naming it and its file unless `ignore_unexpected` is set. A model built with its MTP layer
@@ -29,7 +31,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deltaserve.config import ModelConfig
+from deltaserve.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from deltaserve.model.checkpoint_files import (
+    FP8_PROJECTION,
     MTP_RULE,
     SKIP_RULES,
     CheckpointError,
@@ -37,6 +41,7 @@ from deltaserve.model.checkpoint_files import (
     SkipRule,
     skip_rule_for,
 )
+from deltaserve.model.fp8_loader import FP8_CODE, copy_packed, read_packed, refuse_unquantized, scale_name
 from deltaserve.model.mtp import MtpLayer
 from deltaserve.model.parallel import LocalShapes, Shard
 from deltaserve.model.qwen3_5 import DecoderLayer, Qwen35Model
@@ -78,12 +83,25 @@ class Checkpoint:
         self._handles: dict[str, object] = {}
         self.consumed: set[str] = set()
         self.recent: list[str] = []  # tensors read since the last check_finite: the sources of the next parameter
+        self.is_fp8 = False  # a block-FP8 checkpoint: its projections must be stored as FP8 (docs/fp8.md)
+        self.is_sharded = False  # tensor-parallel: FP8 row slices must be whole scale blocks (model/fp8_loader.py)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
     def get(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor, or only its slice `index` (read from the file without the rest)."""
+        """The tensor, or only its slice `index` (read from the file without the rest). A block-FP8 weight comes
+        packed with its per-row scales as bytes (model/fp8_loader.py), so fusing and slicing rows treat it as any
+        other weight."""
+        if name in self.weight_map and self.files.tensors[name].dtype == FP8_CODE:
+            return read_packed(self, name, index)
+        if self.is_fp8 and name in self.weight_map and FP8_PROJECTION.match(name):
+            # refused before a fused projection joins it with FP8 parts
+            refuse_unquantized(self, name)
+        return self.read(name, index)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The stored tensor (or its slice `index`) as it is in the file."""
         if name not in self.weight_map:
             raise CheckpointError(f"{self.files.where}: tensor `{name}` is missing from the checkpoint{self.hint}")
         path = self.files.shard_path(name)
@@ -142,6 +160,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.files.where}: tensor `{name}` is missing from the checkpoint{self.hint}")
         self.check_shape(name, shape)
         self.consumed.add(name)
+        if self.files.tensors[name].dtype == FP8_CODE and self.has(scale_name(name)):
+            self.consumed.add(scale_name(name))  # its block scale goes with it
 
 
 def _rows(shard: Shard, unit: int, offset: int = 0) -> slice:
@@ -158,7 +178,10 @@ def _decoder_prefix(ckpt: Checkpoint) -> str:
     return "model."
 
 
-def _copy(ckpt: Checkpoint, param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+def _copy(ckpt: Checkpoint, param: torch.Tensor | Fp8Weight, value: torch.Tensor, name: str) -> None:
+    if isinstance(param, Fp8Weight) or value.dtype == torch.uint8:
+        copy_packed(ckpt, param, value, name)  # block FP8 (model/fp8_loader.py)
+        return
     if tuple(param.shape) != tuple(value.shape):
         raise CheckpointError(f"tensor `{name}` gives shape {list(value.shape)}, expected {list(param.shape)}")
     param.data.copy_(value.to(dtype=param.dtype))
@@ -206,10 +229,10 @@ def _load_gdn(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
         # (docs/ARCHITECTURE.md#configs-and-checkpoint-layout); a rank's key heads are consecutive groups of rows.
         group = 2 * dk + 2 * ratio * dv
         w = ckpt.get_shaped(p + "in_proj_qkvz.weight", (num_k * group, hidden), (_rows(heads_k, group),))
-        w = w.reshape(heads_k.size, group, hidden)
+        w = w.reshape(heads_k.size, group, -1)  # -1: hidden, or FP8 bytes with their scales (fp8_loader.py)
         q, k = w[:, :dk], w[:, dk : 2 * dk]
         v, z = w[:, 2 * dk : 2 * dk + ratio * dv], w[:, 2 * dk + ratio * dv :]
-        flat = [t.reshape(-1, hidden) for t in (q, k, v, z)]
+        flat = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z)]
         _copy(ckpt, gdn.in_proj_qkvz, torch.cat(flat), p + "in_proj_qkvz.weight")
         ba = ckpt.get_shaped(p + "in_proj_ba.weight", (2 * num_v, hidden), (_rows(heads_k, 2 * ratio),))
         ba = ba.reshape(heads_k.size, 2 * ratio, hidden)
@@ -244,6 +267,11 @@ def _load_dense_mlp(mlp: torch.nn.Module, ckpt: Checkpoint, p: str, hidden: int,
     _copy(ckpt, mlp.down_proj, down, p + "down_proj.weight")
 
 
+def _expert(weights: torch.Tensor | Fp8Weight, index: int) -> torch.Tensor | Fp8Weight:
+    """Expert `index` of a stacked [E, N, K] weight, plain or block-FP8, sharing its storage."""
+    return weights.expert(index) if isinstance(weights, Fp8Weight) else weights[index]
+
+
 def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig, shapes: LocalShapes) -> None:
     moe = layer.mlp
     hidden, num_experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
@@ -271,9 +299,9 @@ def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
             gate = ckpt.get_shaped(ep + "gate_proj.weight", (width, hidden), rows)
             up = ckpt.get_shaped(ep + "up_proj.weight", (width, hidden), rows)
             local = e - experts.start
-            _copy(ckpt, moe.w13[local], torch.cat([gate, up]), ep + "gate_proj/up_proj")
+            _copy(ckpt, _expert(moe.w13, local), torch.cat([gate, up]), ep + "gate_proj/up_proj")
             down = ckpt.get_shaped(ep + "down_proj.weight", (hidden, width), (ALL, _rows(inter, 1)))
-            _copy(ckpt, moe.w2[local], down, ep + "down_proj.weight")
+            _copy(ckpt, _expert(moe.w2, local), down, ep + "down_proj.weight")
     if moe.has_shared_expert:
         _load_dense_mlp(moe.shared_expert, ckpt, p + "shared_expert.", hidden, shapes.shared_intermediate)
         gate_w = ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
@@ -387,7 +415,9 @@ def load_checkpoint(
     if getattr(model, "mtp", None) is not None:
         # the MTP layer was built (speculative decoding): mtp.* is consumed, no longer a skipped prefix
         skip_rules = tuple(rule for rule in skip_rules if rule.name != MTP_RULE.name)
-    ckpt.files.check_dtypes(skip_rules)
+    ckpt.files.check_dtypes(skip_rules, fp8=config.fp8 is not None)
+    ckpt.is_fp8 = config.fp8 is not None
+    ckpt.is_sharded = model.tp.is_parallel
     prefix = _decoder_prefix(ckpt)
     hidden = config.hidden_size
     shapes = model.shapes  # this rank's slices (everything on one rank)
@@ -410,7 +440,12 @@ def load_checkpoint(
         if getattr(model, "visual", None) is not None:
             # the vision tower was built: model.visual.* is consumed (else it stays a skipped prefix)
             load_vision_tower(model.visual, config.vision, ckpt)
-    report = LoadReport(num_tensors_loaded=len(ckpt.consumed), notes=[*config.notes, *head_notes])
+    fp8_notes = []
+    if config.fp8 is not None:
+        count = sum(isinstance(m, Fp8Weight) for m in model.modules())
+        fp8_notes = [f"block FP8: {count} projections in float8_e4m3fn with 128x128 scales, activations quantized "
+                     "per token in groups of 128 (docs/fp8.md)"]  # fmt: skip
+    report = LoadReport(num_tensors_loaded=len(ckpt.consumed), notes=[*config.notes, *fp8_notes, *head_notes])
     for name in sorted(set(ckpt.weight_map) - ckpt.consumed):
         rule = skip_rule_for(name, skip_rules)
         if rule is None:
@@ -459,4 +494,10 @@ def init_dummy_weights(model: Qwen35Model, seed: int = VLLM_DUMMY_SEED) -> None:
             if not torch.is_floating_point(param):
                 continue
             generator = torch.Generator(device=param.device).manual_seed(seed)
+            if param.dtype == FP8_DTYPE:
+                # vLLM's route for dtypes uniform_ lacks: drawn in fp16, then cast (block scales are fp32
+                # parameters and draw from the same U(-1e-3, 1e-3), as in vLLM)
+                drawn = torch.empty(param.shape, dtype=torch.float16, device=param.device)
+                param.copy_(drawn.uniform_(-DUMMY_WEIGHT_BOUND, DUMMY_WEIGHT_BOUND, generator=generator))
+                continue
             param.uniform_(-DUMMY_WEIGHT_BOUND, DUMMY_WEIGHT_BOUND, generator=generator)

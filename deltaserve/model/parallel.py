@@ -126,7 +126,37 @@ class LocalShapes:
             )
         per_rank = -(-config.vocab_size // num_ranks)
         vocab = Shard(rank * per_rank, per_rank, config.vocab_size)
-        return cls(q_heads, kv_heads, k_heads, v_heads, intermediate, moe_intermediate, experts, shared, vocab)
+        shapes = cls(q_heads, kv_heads, k_heads, v_heads, intermediate, moe_intermediate, experts, shared, vocab)
+        check_fp8_blocks(config, shapes, num_ranks)
+        return shapes
+
+
+def check_fp8_blocks(config: ModelConfig, shapes: LocalShapes, num_ranks: int) -> None:
+    """Block-FP8 weights (docs/fp8.md#tensor-parallel-sharding): every split dimension must give each rank a whole
+    number of 128-wide scale blocks, or one rank's shard would split a block whose single scale both ranks need.
+    Refused by the config field that is split, as vLLM refuses such a partition of a block-quantized weight."""
+    if config.fp8 is None:
+        return
+    block = config.fp8.block_size[0]
+    d, dk, dv = config.head_dim, config.linear_key_head_dim, config.linear_value_head_dim
+    splits = (
+        (shapes.q_heads, 2 * d, "num_attention_heads", "q_proj rows"),
+        (shapes.q_heads, d, "num_attention_heads", "o_proj columns"),
+        (shapes.kv_heads, d, "num_key_value_heads", "k_proj / v_proj rows"),
+        (shapes.k_heads, dk, "linear_num_key_heads", "GDN q / k rows"),
+        (shapes.v_heads, dv, "linear_num_value_heads", "GDN v / z rows and out_proj columns"),
+        (shapes.intermediate, 1, "intermediate_size", "MLP gate / up rows and down_proj columns"),
+        (shapes.moe_intermediate, 1, "moe_intermediate_size", "expert gate / up rows and down_proj columns"),
+        (shapes.shared_intermediate, 1, "shared_expert_intermediate_size", "shared-expert rows and columns"),
+    )
+    for shard, unit, field, what in splits:
+        width = shard.size * unit
+        if not shard.is_whole and width % block:
+            raise ShardingError(
+                f"`{field}` ({shard.total}) split over --tensor-parallel-size {num_ranks} gives each rank {width} "
+                f"{what}, not a multiple of the FP8 scale block ({block}): a rank's shard would split a block; "
+                "choose a tensor-parallel size that keeps each share a multiple of it"
+            )
 
 
 class TensorParallel:

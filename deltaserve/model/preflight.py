@@ -168,7 +168,7 @@ def preflight(
     tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else model_dir
     resolve_max_model_len(model_config, max_model_len, tokenizer_dir if tokenizer_dir.is_dir() else None)
     if load_format != "dummy":
-        CheckpointFiles(model_dir).check_dtypes()
+        CheckpointFiles(model_dir).check_dtypes(fp8=model_config.fp8 is not None)
     return model_config
 
 

@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = MoEBlock(config, dtype, device, tp)
         else:
             width = tp.shapes(config).intermediate.size
-            self.mlp = DenseMLP(config.hidden_size, width, dtype, device, tp)
+            self.mlp = DenseMLP(config.hidden_size, width, dtype, device, tp, fp8=config.fp8 is not None)
 
     @property
     def mixer(self) -> nn.Module:

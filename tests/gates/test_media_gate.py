@@ -26,18 +26,10 @@ from deltaserve.multimodal.errors import MediaRequestError
 from deltaserve.multimodal.offline import loaded_media
 from deltaserve.tiny.media_prompts import EDGE_IMAGE_SIZES, make_media_prompts, media_kinds
 from tests.gates.test_gate_vllm_reference import fake_vllm
+from tests.support.threads import one_thread  # noqa: F401 (module-scoped autouse fixture)
 from tests.support.vision import tiny_vision_checkpoint
 
 CLASSES = {"dense-vl": "Qwen3_5ForConditionalGeneration", "moe-vl": "Qwen3_5MoeForConditionalGeneration"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> object:
-    """The engine's rule for tiny models on the CPU (one thread), for the reference too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,8 @@ def _poison(tensors: dict[str, torch.Tensor], name: str) -> None:
 
 
 K_PROJ = "layers.3.self_attn.k_proj.weight"
-# the quantization_config of Qwen's -FP8 releases: read in full, then refused (no FP8 linear layers yet)
+# the quantization_config of Qwen's -FP8 releases, on a checkpoint whose projections are bf16
+GDN_IN_PROJ = "layers.0.linear_attn.in_proj_qkv.weight"
 FP8_RELEASE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 CASES = [
     Case("config.json missing", _delete("config.json"), lambda c: [str(c / "config.json"), "no config.json"]),
@@ -124,9 +125,9 @@ CASES = [
         lambda c: [str(c / "config.json"), "`text_config.hidden_act`", "'gelu'"],
     ),  # fmt: skip
     Case(
-        "quantization_config",
+        "FP8 quantization_config on bf16 projections",
         _edit_json("config.json", lambda d: d.update(quantization_config=FP8_RELEASE)),
-        lambda c: [str(c / "config.json"), "`quantization_config`", "fp8"],
+        lambda c: [str(_a_tensor(c, GDN_IN_PROJ)[1]), "in_proj_qkv", "stored unquantized", "FP8"],
     ),  # fmt: skip
     Case("index not JSON", _write(INDEX, '{"weight_map": {'), lambda c: [str(c / INDEX), "not valid JSON"]),
     Case("index without weight_map", _write(INDEX, '{"metadata": {}}'), lambda c: [str(c / INDEX), "`weight_map`"]),

@@ -1,9 +1,9 @@
-"""Issue 37, first slice: the block-FP8 `quantization_config` of Qwen's -FP8 releases is read, and every other
-quantization method or FP8 variant is refused at config load with a one-line error naming the field and its value.
-The format itself is refused too (no FP8 linear layers yet), after every field of it has been read.
+"""Issue 37: the block-FP8 `quantization_config` of Qwen's -FP8 releases is read and accepted (ModelConfig.fp8), and
+every other quantization method or FP8 variant is refused at config load with a one-line error naming the field and
+its value.
 
 The format is checked against what transformers' FineGrainedFP8Config writes (its `to_dict`), so a checkpoint that
-transformers' FP8 quantizer saves reaches the last refusal, not an earlier one.
+transformers' FP8 quantizer saves is accepted.
 """
 
 from __future__ import annotations
@@ -112,9 +112,6 @@ REFUSALS = [
         "quantization_config.modules_to_not_convert",
         "'lm_head'",
     ),  # fmt: skip
-    # the format itself: read in full, then refused as a whole until FP8 linear layers exist
-    ("the release format", QWEN_FP8, "quantization_config", "no FP8 linear layers"),
-    ("what transformers writes", FineGrainedFP8Config().to_dict(), "quantization_config", "no FP8 linear layers"),
 ]
 
 
@@ -126,6 +123,20 @@ def test_refused_at_config_load_by_field_and_value(kind: str, quant: Any, field:
     message = str(info.value)
     assert message.startswith(f"{PATH}: field `{field}` "), message
     assert value in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe-mm", "next"])
+@pytest.mark.parametrize(
+    "quant", [QWEN_FP8, FineGrainedFP8Config().to_dict()], ids=["the release format", "what transformers writes"]
+)
+def test_the_block_fp8_format_is_accepted(kind: str, quant: dict[str, Any]) -> None:
+    config = ModelConfig.from_dict(_config(kind, quant), PATH)
+    assert config.fp8 == Fp8BlockFormat(modules_to_not_convert=tuple(quant.get("modules_to_not_convert") or ()))
+
+
+def test_quantization_config_inside_text_config_is_read_there() -> None:
+    config = {"model_type": "qwen3_5", "text_config": {"quantization_config": QWEN_FP8}}
+    assert ModelConfig.from_dict(config, PATH).fp8 is not None
 
 
 def test_quantization_config_inside_text_config_is_named_there() -> None:
@@ -143,3 +154,4 @@ def test_compression_config_is_refused_by_name() -> None:
 def test_without_quantization_config_nothing_changes() -> None:
     config = _config("dense", None)
     assert ModelConfig.from_dict(config, PATH).family == "qwen3_5"
+    assert ModelConfig.from_dict(config, PATH).fp8 is None

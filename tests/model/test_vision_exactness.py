@@ -16,21 +16,13 @@ import pytest
 import torch
 
 from deltaserve.kernels.preamble import MRopeUnsupportedError
+from tests.support.threads import one_thread  # noqa: F401 (module-scoped autouse fixture)
 from tests.support.vision import MAX_TOKENS, PROMPTS, case_for, reference_inputs
 
 LOGIT_TOLERANCE = 1e-4
 # Two prefill chunks move GDN's chunk boundaries: a rounding-level change that these random tiny models amplify
 # to ~2e-5; a chunk that misses or misplaces its encoder rows moves the logits by > 1e-2 (checked below).
 SPLIT_TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> object:
-    """Tiny matmuls on a shared 2-core machine: one thread is several times faster (as the engine sets)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -15,16 +15,8 @@ from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.model.loader import CheckpointError, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.model.vision import VisionTower, interpolation_taps
+from tests.support.threads import one_thread  # noqa: F401 (module-scoped autouse fixture)
 from tests.support.vision import tiny_vision_checkpoint
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> object:
-    """Tiny matmuls on a shared 2-core machine: one thread is several times faster (as the engine sets)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

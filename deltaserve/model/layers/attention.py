@@ -27,7 +27,7 @@ from deltaserve.kernels import (
 )
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.labels import label
-from deltaserve.model.layers.common import empty_param
+from deltaserve.model.layers.common import empty_param, projection
 from deltaserve.model.parallel import TensorParallel
 
 
@@ -47,8 +47,15 @@ class GatedAttention(nn.Module):
         q_width = 2 * self.num_q_heads * self.head_dim  # per head [query | gate]
         kv_width = self.num_kv_heads * self.head_dim
         # q_proj, k_proj and v_proj fused at load time: [q/gate | k | v] rows
-        self.qkv_proj = empty_param(q_width + 2 * kv_width, config.hidden_size, dtype=dtype, device=device)
-        self.o_proj = empty_param(config.hidden_size, self.num_q_heads * self.head_dim, dtype=dtype, device=device)
+        # block-FP8 in an FP8 checkpoint (docs/fp8.md), like o_proj
+        is_fp8 = config.fp8 is not None
+        self.qkv_proj = projection(
+            q_width + 2 * kv_width, config.hidden_size, dtype=dtype, device=device, fp8=is_fp8,
+            parts=(q_width, kv_width, kv_width),
+        )  # fmt: skip
+        self.o_proj = projection(
+            config.hidden_size, self.num_q_heads * self.head_dim, dtype=dtype, device=device, fp8=is_fp8
+        )
         # transformers' attention_bias: biases on q (with its gate), k, v and o; None when the config has none
         self.qkv_bias = (
             empty_param(q_width + 2 * kv_width, dtype=dtype, device=device) if config.has_attention_bias else None

@@ -26,9 +26,10 @@ from deltaserve.kernels import (
     gdn_verify,
     linear,
 )
+from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.labels import label
-from deltaserve.model.layers.common import empty_param
+from deltaserve.model.layers.common import empty_param, projection
 from deltaserve.model.parallel import TensorParallel
 
 
@@ -49,14 +50,19 @@ class GatedDeltaNet(nn.Module):
         self.eps = config.rms_norm_eps
         hidden = config.hidden_size
         # flat [q | k | v | z] rows (Qwen3-Next's group-interleaved layout is undone at load time)
-        self.in_proj_qkvz = empty_param(self.conv_dim + self.value_dim, hidden, dtype=dtype, device=device)
+        # block-FP8 in an FP8 checkpoint (docs/fp8.md), like out_proj; in_proj_ba never is
+        is_fp8 = config.fp8 is not None
+        self.in_proj_qkvz = projection(
+            self.conv_dim + self.value_dim, hidden, dtype=dtype, device=device, fp8=is_fp8,
+            parts=(self.key_dim, self.key_dim, self.value_dim, self.value_dim),
+        )  # fmt: skip
         self.in_proj_ba = empty_param(2 * self.num_v_heads, hidden, dtype=dtype, device=device)  # [b | a]
         self.conv1d = empty_param(self.conv_dim, config.linear_conv_kernel_dim, dtype=dtype, device=device)
         # kept fp32 (docs/ARCHITECTURE.md#gated-deltanet-and-its-state)
         self.A_log = empty_param(self.num_v_heads, dtype=torch.float32, device=device)
         self.dt_bias = empty_param(self.num_v_heads, dtype=dtype, device=device)
         self.norm = empty_param(self.head_v_dim, dtype=dtype, device=device)
-        self.out_proj = empty_param(hidden, self.value_dim, dtype=dtype, device=device)
+        self.out_proj = projection(hidden, self.value_dim, dtype=dtype, device=device, fp8=is_fp8)
         self.conv_states: torch.Tensor | None = None  # bound by the runner
         self.ssm_states: torch.Tensor | None = None
         self.in_proj: torch.Tensor | None = None  # [qkvz | ba] rows once fuse_in_proj ran
@@ -69,7 +75,9 @@ class GatedDeltaNet(nn.Module):
         runs one GEMM where vLLM runs two. At decode the [2·HV, hidden] ba GEMV alone was a ~5 µs launch per layer
         for 0.5 % of the layer's bytes (profile-decode records: 150 µs of a 35B-A3B B = 1 step over 30 layers).
         in_proj_qkvz / in_proj_ba stay as views of the fused rows (same values, same rank shards)."""
-        if self.in_proj is not None:
+        if self.in_proj is not None or isinstance(self.in_proj_qkvz, Fp8Weight):
+            # block-FP8 qkvz and bf16 ba stay two GEMMs, as in vLLM: one engine that quantized the fused weight
+            # served garbage (docs/fp8.md)
             return
         rows = self.in_proj_qkvz.shape[0]
         fused = torch.cat([self.in_proj_qkvz.detach(), self.in_proj_ba.detach()])  # [rows + 2·HV, hidden]

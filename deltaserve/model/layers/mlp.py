@@ -15,7 +15,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.kernels import fused_moe, fused_moe_block, linear, moe_route, silu_and_mul
 from deltaserve.model.labels import label
-from deltaserve.model.layers.common import empty_param
+from deltaserve.model.layers.common import empty_param, projection
 from deltaserve.model.parallel import TensorParallel
 
 
@@ -29,17 +29,20 @@ class DenseMLP(nn.Module):
         tp: TensorParallel | None = None,
         is_reduced: bool = True,
         label_prefix: str = "mlp.",
+        fp8: bool = False,
     ) -> None:
         """intermediate: this rank's width. is_reduced=False leaves the rank's partial sum to the caller (the
         shared expert, summed with the routed experts before the MoE block's one all-reduce). label_prefix starts
         its projections' profiler labels (model/labels.py): mlp.gate_up, or mlp.shared_gate_up for the shared
-        expert."""
+        expert. fp8: block-FP8 projections (docs/fp8.md)."""
         super().__init__()
         self.tp = tp or TensorParallel.single()
         self.is_reduced = is_reduced
         self.labels = (f"{label_prefix}gate_up", f"{label_prefix}down")
-        self.gate_up_proj = empty_param(2 * intermediate, hidden, dtype=dtype, device=device)  # [gate | up]
-        self.down_proj = empty_param(hidden, intermediate, dtype=dtype, device=device)
+        self.gate_up_proj = projection(
+            2 * intermediate, hidden, dtype=dtype, device=device, fp8=fp8, parts=(intermediate, intermediate)
+        )  # [gate | up]
+        self.down_proj = projection(hidden, intermediate, dtype=dtype, device=device, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with label(self.labels[0]):
@@ -63,18 +66,22 @@ class MoEBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.gate = empty_param(config.num_experts, hidden, dtype=dtype, device=device)  # router, every expert
-        self.w13 = empty_param(num_experts, 2 * width, hidden, dtype=dtype, device=device)  # per expert [gate | up]
-        self.w2 = empty_param(num_experts, hidden, width, dtype=dtype, device=device)
+        # block-FP8 experts in an FP8 checkpoint (docs/fp8.md); the router and the shared-expert gate never are
+        self.is_fp8 = config.fp8 is not None
+        self.w13 = projection(
+            num_experts, 2 * width, hidden, dtype=dtype, device=device, fp8=self.is_fp8, parts=(width, width)
+        )  # per expert [gate | up]
+        self.w2 = projection(num_experts, hidden, width, dtype=dtype, device=device, fp8=self.is_fp8)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = DenseMLP(
                 hidden, shapes.shared_intermediate.size, dtype, device, self.tp, is_reduced=False,
-                label_prefix="mlp.shared_",
+                label_prefix="mlp.shared_", fp8=self.is_fp8,
             )  # fmt: skip
             self.shared_expert_gate = empty_param(1, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.experts.is_whole:
+        if self.experts.is_whole and not self.is_fp8:
             # router (model-dtype logits, fp32 routing), routed experts and the sigmoid-gated shared expert as one
             # op: at decode sizes three launches, each expert's weights read once per step (kernels/moe.py; its ref
             # twin is the plain composition: router GEMM, route, fused_moe, shared MLP, (routed + sigmoid(gate)·
@@ -87,7 +94,8 @@ class MoEBlock(nn.Module):
                 out = fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
             return self.tp.all_reduce(out)
         # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
-        # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref twin)
+        # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref
+        # twin). Block-FP8 experts take it too: their fused_moe is the FP8 one (kernels/fp8_moe.py).
         with label("mlp.moe_router"):
             router_logits = linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
         with label("mlp.moe_route"):

@@ -1,0 +1,347 @@
+"""Triton block-FP8 kernels (docs/fp8.md): per-token-group activation quantization, the block-FP8 GEMM for the
+dense projections, and the routed experts with FP8 weights. The twins are kernels/fp8.py's and fp8_moe.py's refs.
+
+Rounding points, as the refs and vLLM: an activation row is quantized per group of 128 along K, scale =
+max(|x|, 1e-10) / 448 in fp32 and q = clamp(x / scale, +-448) rounded to e4m3 (the division is IEEE, div_rn, so the
+GPU quantizes exactly as the torch ref); the GEMMs take 128 K columns an iteration, one fp8 x fp8 dot with fp32
+accumulation, scaled by the token's and the weight row's block scales and added to an fp32 accumulator; one rounding
+to the activation dtype; a bias after it. Launched without FMA contraction, so each block's (dot · s_x) · s_w + acc
+rounds as the ref's torch ops do. The weight scale of output row n is row n // SCALE_ROWS of the scale
+tensor (SCALE_ROWS is the Fp8Weight's block_n: 128, or 1 for per-row scales).
+
+The MoE reuses moe_triton's alignment (tokens sorted by expert in BLOCK_M-row runs, CUDA-graph safe) and its final
+weighted sum; its gate/up GEMM rounds both halves and stores SiLU(gate)·up rounded, which is then quantized per
+(token, choice) row for the down GEMM. Launch configurations are fixed, not tuned: the H200 comparison against
+DeepGEMM / FlashInfer / CUTLASS decides what serves (docs/fp8.md#the-h200-plan).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels._triton import i64, next_pow2, silu_f32
+from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Weight
+from deltaserve.kernels.moe_triton import CHUNK_TOKENS, _moe_sum_kernel, align_experts, grouped_block_m
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to nearest-even on the e4m3 grid, still fp32: 3 mantissa bits for normals (the
+    carry runs into the exponent), steps of 2^-9 below 2^-6. The cast to e4m3 that follows is then exact. Why not
+    just cast: Triton's interpreter drops the carry when rounding crosses a power of two (0.1214 -> 0.0625, not
+    0.125), so the CPU tests would not see the hardware's RNE cast; this way both give the ref's bits."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    magnitude = tl.abs(v)
+    subnormal = (magnitude + 16384.0) - 16384.0  # fp32 ulp at 2^14 is 2^-9: the add rounds to that step
+    subnormal = tl.where(v < 0, -subnormal, subnormal)
+    return tl.where(magnitude < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quant_act_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    stride_x,
+    stride_q,
+    stride_s,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+):
+    """One (row, group of GROUP columns): scale = max(|x|, floor) / FP8_MAX, q = clamp(x / scale) in e4m3."""
+    i_m = i64(tl.program_id(0))
+    i_g = tl.program_id(1)
+    o_k = i_g * GROUP + tl.arange(0, GROUP)
+    m_k = o_k < K
+    b_x = tl.load(x_ptr + i_m * stride_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_s = tl.maximum(tl.max(tl.abs(b_x)), AMAX_FLOOR) / FP8_MAX
+    b_q = _round_to_e4m3(tl.clamp(tl.math.div_rn(b_x, b_s + tl.zeros_like(b_x)), -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + i_m * stride_q + o_k, b_q.to(q_ptr.dtype.element_ty), mask=m_k)
+    tl.store(s_ptr + i_m * stride_s + i_g, b_s)
+
+
+def quantize_activation_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (q float8_e4m3fn [M, K], scale fp32 [M, ceil(K/128)]), as
+    quantize_activation_ref."""
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, GROUP)
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows:
+        _quant_act_kernel[(rows, groups)](
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), K=cols, GROUP=GROUP, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR
+        )
+    return q, s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(
+    q_ptr,
+    sx_ptr,
+    w_ptr,
+    sw_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    stride_q,
+    stride_sx,
+    stride_w,
+    stride_sw,
+    stride_y,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """y[BLOCK_M rows, BLOCK_N cols] = Σ_g (q_x[:, g] . q_w[:, g]ᵀ) · s_x[:, g] · s_w[:, g], one rounding (+ bias)."""
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    m_m = o_m < M
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < N
+    o_k = tl.arange(0, GROUP)
+    p_sw = sw_ptr + i64(o_n // SCALE_ROWS) * stride_sw  # [BLOCK_N] the scale row of each output row
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, GROUP)):
+        m_k = g * GROUP + o_k < K
+        p_a = q_ptr + i64(o_m)[:, None] * stride_q + (g * GROUP + o_k)[None, :]  # [BLOCK_M, GROUP]
+        p_b = w_ptr + i64(o_n)[None, :] * stride_w + (g * GROUP + o_k)[:, None]  # [GROUP, BLOCK_N]
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_b = tl.load(p_b, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_sa = tl.load(sx_ptr + i64(o_m) * stride_sx + g, mask=m_m, other=0.0)  # [BLOCK_M]
+        b_sb = tl.load(p_sw + g, mask=m_n, other=0.0)  # [BLOCK_N]
+        b_acc += tl.dot(b_a, b_b) * b_sa[:, None] * b_sb[None, :]
+    b_y = b_acc.to(y_ptr.dtype.element_ty)
+    if HAS_BIAS:  # the bias joins after the rounding, as the ref's (y + bias) in the output dtype
+        b_bias = tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_y = (b_y.to(tl.float32) + b_bias[None, :]).to(y_ptr.dtype.element_ty)
+    p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]
+    tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])
+
+
+def gemm_blocks(num_rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 16-row tiles (tl.dot's least) and narrow columns for decode-sized M, so a B = 1 step
+    still spreads N over many programs; wider tiles for prefill."""
+    if num_rows <= 16:
+        return 16, 64
+    if num_rows <= 64:
+        return next_pow2(num_rows), 64
+    return 64, 128
+
+
+def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (last dim contiguous), weight Fp8Weight [N, K] (, bias [N]) -> [..., N] in x's dtype, as
+    fp8_linear_ref."""
+    cols = x.shape[-1]
+    rows_n = weight.shape[0]
+    x2 = x.reshape(-1, cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q, s = quantize_activation_triton(x2)
+    y = torch.empty(x2.shape[0], rows_n, dtype=x.dtype, device=x.device)
+    block_m, block_n = gemm_blocks(x2.shape[0])
+    if x2.shape[0]:
+        _fp8_gemm_kernel[(triton.cdiv(x2.shape[0], block_m), triton.cdiv(rows_n, block_n))](
+            q, s, weight.weight, weight.scale, bias if bias is not None else y, y, x2.shape[0],
+            q.stride(0), s.stride(0), weight.weight.stride(0), weight.scale.stride(0), y.stride(0),
+            N=rows_n, K=cols, SCALE_ROWS=weight.block_n, HAS_BIAS=bias is not None, GROUP=GROUP,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3, enable_fp_fusion=False,
+        )  # fmt: skip
+    return y.reshape(*x.shape[:-1], rows_n)
+
+
+@triton.jit(do_not_specialize=["num_entries"])
+def _moe_fp8_gemm1_kernel(
+    q_ptr,
+    sx_ptr,
+    w_ptr,
+    sw_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_entries,
+    stride_q,
+    stride_sx,
+    stride_w_e,
+    stride_w_n,
+    stride_sw_e,
+    stride_sw_n,
+    TOP_K: tl.constexpr,
+    I: tl.constexpr,
+    H: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """act[entry, cols] = round(SiLU(round(gate)) · round(up)) for one expert's BLOCK_M sorted entries."""
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_e = i64(tl.load(block_expert_ptr + i_m))
+    if i_e < 0:
+        return
+    b_entry = tl.load(sorted_ids_ptr + i_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    m_m = b_entry < num_entries
+    b_token = i64(b_entry // TOP_K)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the up rows are I further
+    m_n = o_n < I
+    o_k = tl.arange(0, GROUP)
+    p_wg = w_ptr + i_e * stride_w_e + i64(o_n)[None, :] * stride_w_n + o_k[:, None]  # [GROUP, BLOCK_N]
+    p_wu = p_wg + I * stride_w_n
+    p_sg = sw_ptr + i_e * stride_sw_e + i64(o_n // SCALE_ROWS) * stride_sw_n  # [BLOCK_N]
+    p_su = sw_ptr + i_e * stride_sw_e + i64((I + o_n) // SCALE_ROWS) * stride_sw_n
+    b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, tl.cdiv(H, GROUP)):
+        m_k = g * GROUP + o_k < H
+        p_a = q_ptr + b_token[:, None] * stride_q + (g * GROUP + o_k)[None, :]
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_sa = tl.load(sx_ptr + b_token * stride_sx + g, mask=m_m, other=0.0)[:, None]
+        b_wg = tl.load(p_wg + g * GROUP, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_wu = tl.load(p_wu + g * GROUP, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_gate += tl.dot(b_a, b_wg) * b_sa * tl.load(p_sg + g, mask=m_n, other=0.0)[None, :]
+        b_up += tl.dot(b_a, b_wu) * b_sa * tl.load(p_su + g, mask=m_n, other=0.0)[None, :]
+    b_gate = b_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    b_up = b_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    p_act = act_ptr + i64(b_entry)[:, None] * I + o_n[None, :]
+    tl.store(p_act, silu_f32(b_gate) * b_up, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit(do_not_specialize=["num_entries"])
+def _moe_fp8_gemm2_kernel(
+    q_ptr,
+    sx_ptr,
+    w_ptr,
+    sw_ptr,
+    y_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_entries,
+    stride_q,
+    stride_sx,
+    stride_w_e,
+    stride_w_n,
+    stride_sw_e,
+    stride_sw_n,
+    I: tl.constexpr,
+    H: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """y[entry, cols] = round(quantized act row . expert's w2 rows) for one expert's BLOCK_M sorted entries."""
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_e = i64(tl.load(block_expert_ptr + i_m))
+    if i_e < 0:
+        return
+    b_entry = i64(tl.load(sorted_ids_ptr + i_m * BLOCK_M + tl.arange(0, BLOCK_M)))  # [BLOCK_M]
+    m_m = b_entry < num_entries
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output (hidden) columns
+    m_n = o_n < H
+    o_k = tl.arange(0, GROUP)
+    p_w = w_ptr + i_e * stride_w_e + i64(o_n)[None, :] * stride_w_n + o_k[:, None]  # [GROUP, BLOCK_N]
+    p_sw = sw_ptr + i_e * stride_sw_e + i64(o_n // SCALE_ROWS) * stride_sw_n
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, tl.cdiv(I, GROUP)):
+        m_k = g * GROUP + o_k < I
+        p_a = q_ptr + b_entry[:, None] * stride_q + (g * GROUP + o_k)[None, :]
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_sa = tl.load(sx_ptr + b_entry * stride_sx + g, mask=m_m, other=0.0)[:, None]
+        b_w = tl.load(p_w + g * GROUP, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_acc += tl.dot(b_a, b_w) * b_sa * tl.load(p_sw + g, mask=m_n, other=0.0)[None, :]
+    tl.store(y_ptr + b_entry[:, None] * H + o_n[None, :], b_acc, mask=m_m[:, None] & m_n[None, :])
+
+
+MOE_BLOCK_N = 64
+
+
+def _fused_moe_fp8_chunk(
+    x: torch.Tensor,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    shared: torch.Tensor | None,
+    shared_gate_logits: torch.Tensor | None,
+) -> None:
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_entries = num_tokens * top_k
+    block_m = grouped_block_m(num_entries, num_experts)  # 16-64: tl.dot's 16-row minimum holds
+    sorted_ids, block_expert = align_experts(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    qx, sx = quantize_activation_triton(x)
+    act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
+    _moe_fp8_gemm1_kernel[(num_blocks, triton.cdiv(inter, MOE_BLOCK_N))](
+        qx, sx, w13.weight, w13.scale, act, sorted_ids, block_expert, num_entries, qx.stride(0), sx.stride(0),
+        w13.weight.stride(0), w13.weight.stride(1), w13.scale.stride(0), w13.scale.stride(1),
+        TOP_K=top_k, I=inter, H=hidden, SCALE_ROWS=w13.block_n, GROUP=GROUP, BLOCK_M=block_m,
+        BLOCK_N=MOE_BLOCK_N, num_warps=4, num_stages=3, enable_fp_fusion=False,
+    )  # fmt: skip
+    qa, sa = quantize_activation_triton(act)  # per (token, choice) row, as the ref quantizes each expert's input
+    y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)
+    _moe_fp8_gemm2_kernel[(num_blocks, triton.cdiv(hidden, MOE_BLOCK_N))](
+        qa, sa, w2.weight, w2.scale, y, sorted_ids, block_expert, num_entries, qa.stride(0), sa.stride(0),
+        w2.weight.stride(0), w2.weight.stride(1), w2.scale.stride(0), w2.scale.stride(1),
+        I=inter, H=hidden, SCALE_ROWS=w2.block_n, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=MOE_BLOCK_N,
+        num_warps=4, num_stages=3, enable_fp_fusion=False,
+    )  # fmt: skip
+    block_h = min(1024, next_pow2(hidden))
+    has_shared = shared is not None and shared_gate_logits is not None
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y,
+        topk_weights,
+        shared if has_shared else out,
+        shared_gate_logits if has_shared else out,
+        out,
+        topk_weights.stride(0),
+        shared.stride(0) if has_shared else 0,
+        shared_gate_logits.stride(0) if has_shared else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        H=hidden,
+        HAS_SHARED=has_shared,
+        BLOCK_H=block_h,
+        enable_fp_fusion=False,
+    )
+
+
+def fused_moe_fp8_triton(
+    x: torch.Tensor,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H] (last dim contiguous); w13 Fp8Weight [E, 2I, H]; w2 Fp8Weight [E, H, I]; topk_weights [T, k] fp32;
+    topk_ids [T, k] -> [T, H], as fused_moe_fp8_ref (with the shared expert's output and gate logits, their
+    sigmoid-gated sum)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for start in range(0, x.shape[0], CHUNK_TOKENS):
+        rows = slice(start, min(start + CHUNK_TOKENS, x.shape[0]))
+        _fused_moe_fp8_chunk(
+            x[rows],
+            w13,
+            w2,
+            topk_weights[rows],
+            topk_ids[rows],
+            out[rows],
+            None if shared is None else shared[rows],
+            None if shared_gate_logits is None else shared_gate_logits[rows],
+        )
+    return out

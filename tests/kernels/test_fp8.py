@@ -1,0 +1,183 @@
+"""The block-FP8 kernels (kernels/fp8_triton.py) against their plain-torch twins (kernels/fp8.py, fp8_moe.py):
+activation quantization bit for bit, the dense GEMM and the FP8 fused MoE to fp32 rounding, each into poisoned
+outputs; the refs' rounding points pinned by hand; the dispatchers' routing. Under TRITON_INTERPRET=1 on the CPU
+(fp32 activations, tiny shapes: K and N multiples of 128 and not, M = 1, 3, 17); the bf16 cases at model shapes
+are marked gpu and run on the H200.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deltaserve.kernels import fp8 as fp8_module
+from deltaserve.kernels import fp8_moe as fp8_moe_module
+from deltaserve.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_block_rows, fp8_linear_ref, quantize_activation_ref
+from deltaserve.kernels.fp8_moe import fused_moe_fp8_ref
+from deltaserve.kernels.fp8_triton import fp8_linear_triton, fused_moe_fp8_triton, quantize_activation_triton
+from deltaserve.kernels.moe import moe_route_ref
+from deltaserve.tiny.fp8 import quantize_block_fp8
+
+from ._util import DEVICE, assert_close, poisoned_empty
+
+FP32_RATIO = 1e-6  # relative RMSE: the same fp32 products summed in another order
+
+
+def _weight(*shape: int, parts: tuple[int, ...] | None = None, seed: int = 0) -> Fp8Weight:
+    """A random block-FP8 weight [..., N, K] quantized as the checkpoint writer does, in the layout `parts` gives."""
+    torch.manual_seed(seed)
+    dense = torch.randn(*shape) * 0.05
+    flat = dense.reshape(-1, *shape[-2:])
+    quantized = [quantize_block_fp8(w) for w in flat]
+    q = torch.stack([a for a, _ in quantized]).reshape(shape)
+    scale = torch.stack([b for _, b in quantized]).reshape(*shape[:-2], *quantized[0][1].shape)
+    block_n = fp8_block_rows(parts or (shape[-2],))
+    if block_n == 1:
+        scale = scale.repeat_interleave(128, dim=-2)[..., : shape[-2], :]
+    return Fp8Weight.of(q.to(DEVICE), scale.contiguous().to(DEVICE), block_n)
+
+
+def _x(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
+    torch.manual_seed(seed)
+    x = torch.randn(rows, cols) * torch.logspace(-2, 1, cols)  # groups of very different ranges
+    if rows > 2:
+        x[1] = 0.0  # an all-zero row: the amax floor
+    return x.to(DEVICE)
+
+
+def test_ref_rounding_points_by_hand() -> None:
+    """One group: scale = amax / 448, q = round_e4m3(x / scale); the GEMM is (q_x . q_w) · s_x · s_w, rounded once."""
+    x = torch.tensor([[3.0, -1.5, 0.1, 448.0 / 64]])  # amax 7: scale 1/64
+    q, s = quantize_activation_ref(x)
+    assert s.tolist() == [[7.0 / 448.0]]
+    assert q.float().tolist() == [[192.0, -96.0, 6.5, 448.0]]  # 0.1 * 64 = 6.4 -> 6.5 (e4m3 steps of 0.5 there)
+    weight = Fp8Weight.of(torch.tensor([[1.0, 2.0, 0.0, 0.5]]).to(FP8_DTYPE), torch.tensor([[0.25]]), 128)
+    expected = (192.0 - 192.0 + 0.0 + 224.0) * (7.0 / 448.0) * 0.25
+    assert fp8_linear_ref(x, weight).item() == pytest.approx(expected, rel=1e-7)
+    zeros, zero_scale = quantize_activation_ref(torch.zeros(1, 3))
+    assert zeros.float().abs().sum() == 0 and zero_scale.item() == pytest.approx(1e-10 / 448.0)
+
+
+def test_ref_sums_k_blocks_with_their_own_scales() -> None:
+    """K = 256: two groups with scales 1/448 and 100/448, each block's dot scaled separately (not one scale)."""
+    x = torch.cat([torch.full((1, 128), 1.0), torch.full((1, 128), 100.0)], dim=1)
+    q, s = quantize_activation_ref(x)
+    assert torch.equal(s, torch.tensor([[1.0, 100.0]]) / 448.0) and q.float().unique().tolist() == [448.0]
+    weight = Fp8Weight.of(torch.ones(1, 256).to(FP8_DTYPE), torch.tensor([[1.0, 2.0]]), 128)
+    assert fp8_linear_ref(x, weight).item() == pytest.approx(128 * 1.0 + 128 * 100.0 * 2.0, rel=1e-6)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 64), (3, 128), (17, 200), (3, 384)])
+def test_activation_quantization_is_bit_exact(rows: int, cols: int) -> None:
+    x = _x(rows, cols)
+    q_ref, s_ref = quantize_activation_ref(x)
+    with poisoned_empty():
+        q, s = quantize_activation_triton(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_activation_rounding_ties_and_binade_carries_are_bit_exact() -> None:
+    """Every positive e4m3 value, every midpoint between neighbours (ties to even) and values just below each
+    power of two (the rounding carries into the exponent), subnormals included, with the scale pinned to 1 by a
+    leading 448 in each group."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(FP8_DTYPE).float()  # 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids * (1 - 2**-12), mids * (1 + 2**-12), -mids])
+    groups = math.ceil(values.numel() / 127)
+    x = torch.zeros(groups, 128)
+    x[:, 0] = 448.0
+    x.view(-1)[torch.arange(values.numel()) + torch.arange(values.numel()) // 127 + 1] = values
+    x = x.view(1, -1).to(DEVICE)
+    q_ref, s_ref = quantize_activation_ref(x)
+    assert torch.equal(s_ref, torch.ones_like(s_ref))
+    q, _ = quantize_activation_triton(x)
+    # values, not bits: the interpreter's cast writes -0 as +0 (-mids[0], a tie between -0 and -2^-9, is -0)
+    assert torch.equal(q.float(), q_ref.float())
+
+
+GEMM_SHAPES = [  # (N, K, parts): K and N multiples of 128 and not; block scales and per-row scales
+    (64, 64, None),
+    (256, 128, (128, 128)),
+    (96, 200, (32, 64)),
+    (192, 256, (64, 64, 64)),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize(("num_cols", "depth", "parts"), GEMM_SHAPES)
+def test_gemm_matches_ref(rows: int, num_cols: int, depth: int, parts: tuple[int, ...] | None) -> None:
+    weight = _weight(num_cols, depth, parts=parts)
+    x = _x(rows, depth)
+    bias = _x(1, num_cols, seed=2)[0] if rows == 3 else None
+    with poisoned_empty():
+        out = fp8_linear_triton(x, weight, bias)
+    assert_close("y", fp8_linear_ref(x, weight, bias), out, FP32_RATIO)
+
+
+def test_gemm_takes_a_column_strided_input() -> None:
+    weight = _weight(64, 128)
+    x = _x(3, 256)[:, ::2]  # [3, 128], column stride 2
+    assert_close("y", fp8_linear_ref(x, weight), fp8_linear_triton(x, weight), FP32_RATIO)
+
+
+def _routes(tokens: int, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(3)
+    return moe_route_ref(torch.randn(tokens, experts, device=DEVICE), top_k, True)
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "inter", "has_shared"), [(1, 64, 32, True), (5, 192, 128, False)])
+def test_fused_moe_matches_ref(tokens: int, hidden: int, inter: int, has_shared: bool) -> None:
+    experts, top_k = 4, 2
+    w13 = _weight(experts, 2 * inter, hidden, parts=(inter, inter))
+    w2 = _weight(experts, hidden, inter, seed=4)
+    x = _x(tokens, hidden)
+    weights, ids = _routes(tokens, experts, top_k)
+    shared = (_x(tokens, hidden, seed=5), _x(tokens, 1, seed=6)) if has_shared else (None, None)
+    with poisoned_empty():
+        out = fused_moe_fp8_triton(x, w13, w2, weights, ids, *shared)
+    assert_close("y", fused_moe_fp8_ref(x, w13, w2, weights, ids, *shared), out, FP32_RATIO)
+
+
+def test_dispatchers_send_cuda_tensors_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(fp8_module, "use_triton", lambda t: True)
+    monkeypatch.setattr(fp8_moe_module, "use_triton", lambda t: True)
+    import deltaserve.kernels.fp8_triton as triton_module
+
+    monkeypatch.setattr(triton_module, "fp8_linear_triton", lambda *a: calls.append("linear"))
+    monkeypatch.setattr(triton_module, "fused_moe_fp8_triton", lambda *a: calls.append("moe"))
+    weight = _weight(64, 64)
+    fp8_module.fp8_linear(_x(1, 64), weight)
+    fp8_moe_module.fused_moe_fp8(_x(1, 64), _weight(2, 64, 64), _weight(2, 64, 32), *_routes(1, 2, 1))
+    assert calls == ["linear", "moe"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64, 512])
+@pytest.mark.parametrize(("num_cols", "depth"), [(4096, 2048), (2048, 4096), (12288, 5120)])
+def test_gemm_bf16_model_shapes(rows: int, num_cols: int, depth: int) -> None:
+    """bf16 activations at 35B-A3B / 27B projection shapes: the fp8 tensor-core dot against the fp32 ref, within
+    bf16 rounding."""
+    weight = _weight(num_cols, depth)
+    x = _x(rows, depth).bfloat16()
+    with poisoned_empty():
+        out = fp8_linear_triton(x, weight)
+    assert_close("y", fp8_linear_ref(x, weight), out, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_fused_moe_bf16_model_shape(tokens: int) -> None:
+    """The 35B-A3B expert shape (E = 256, I = 512, H = 2048, top-8) in bf16."""
+    experts, hidden, inter, top_k = 256, 2048, 512, 8
+    w13 = _weight(experts, 2 * inter, hidden, parts=(inter, inter))
+    w2 = _weight(experts, hidden, inter, seed=4)
+    x = _x(tokens, hidden).bfloat16()
+    weights, ids = _routes(tokens, experts, top_k)
+    with poisoned_empty():
+        out = fused_moe_fp8_triton(x, w13, w2, weights, ids)
+    assert_close("y", fused_moe_fp8_ref(x, w13, w2, weights, ids), out, 1e-2)
+    assert math.isfinite(float(out.float().abs().max()))
