@@ -16,6 +16,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("generate",): ("deltaserve.engine.cli", "generate offline from prompts given on the command line"),
     ("make-tiny",): ("deltaserve.tiny.cli", "write a tiny Hugging Face checkpoint (dense, moe or next)"),
     ("gate", "tokens"): ("deltaserve.gates.tokens", "greedy token-exactness gate against transformers"),
+    ("gate", "mtp"): ("deltaserve.gates.mtp", "MTP speculative decoding: exact against itself off, and vLLM's"),
     ("bench", "serve"): ("deltaserve.bench.serve_cli", "online load generator with vLLM's metric definitions"),
     ("bench", "grid"): ("deltaserve.bench.grid", "arms x concurrencies x lengths, with a committed record"),
     ("bench", "report"): ("deltaserve.bench.report", "regenerate docs/BENCHMARKS.md and the records index"),

@@ -438,6 +438,10 @@ def vllm_engine(
             raise ValueError("not vLLM's MTP arm: " + "; ".join(problems))
         kwargs["speculative_config"] = dict(speculative_config)
         reasons.append(f"speculative_config={speculative_config}: vLLM's MTP arm")
+        # vLLM's offline LLM keeps stat logging off by default, and LLM.get_metrics() (the MTP gate's source of the
+        # vllm:spec_decode_* counters) asserts it is on; it changes what the engine reports, not what it computes
+        kwargs["disable_log_stats"] = False
+        reasons.append("disable_log_stats=False: the spec-decode counters are read through LLM.get_metrics()")
     for name, (value, why) in (HARNESS_ENGINE_KWARGS | (SHARED_GPU_ENGINE_KWARGS if shares_gpu else {})).items():
         kwargs[name] = value
         reasons.append(f"{name}={value}: {why}")
