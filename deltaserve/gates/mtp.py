@@ -20,8 +20,8 @@ seeded spans of the shipped corpus' held-out text (tokens.make_text_prompts):
     the same function of the same weights, so a rule, a KV or a chaining difference moves a rate by far more.
 Every disagreement is printed. Exit 0 when every check holds; 1 on a mismatch, a rate beyond the tolerance or a
 refused reference; 2 when nothing was checked (no prompt, or deltaserve never drafted). `--record PATH` writes the
-verdict as JSON. On the H200: `--dtype bfloat16 --device cuda` on the trained dense / moe / next checkpoints
-(scripts/h200.sh gates mtp).
+verdict as JSON. On the H200: `--dtype bfloat16 --device cuda --reference vllm` on the trained dense / moe / next
+checkpoints, side by side on one GPU with `--share-gpu` (scripts/h200.sh gates mtp).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 
 from deltaserve.bench.deviations import GATE_SITE
 from deltaserve.gates.references import ReferenceError
-from deltaserve.gates.tokens import Mismatch, judge_mismatch, make_text_prompts
+from deltaserve.gates.tokens import SHARED_GPU_UTILIZATION, Mismatch, engine_memory, judge_mismatch, make_text_prompts
 
 RECORD_SCHEMA = "deltaserve-gate-mtp/1"
 RATE_TOLERANCE = 0.05
@@ -111,12 +111,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--site", default=GATE_SITE, help=f"where the vLLM reference runs (default {GATE_SITE})")
     parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="run beside other gates on one GPU: deltaserve's engines at gpu_memory_utilization "
+        f"{SHARED_GPU_UTILIZATION} and the vLLM oracle with the registry's shared-GPU settings (cache sizes only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.num_speculative_tokens, args.reference, args.num_prompts, args.max_tokens,
-        args.max_prompt_len, args.dtype, args.device, args.seed, args.site, args.record,
+        args.max_prompt_len, args.dtype, args.device, args.seed, args.site, args.record, args.share_gpu,
     )  # fmt: skip
 
 
@@ -176,13 +182,13 @@ def _free(llm: Any) -> None:
 
 def run_deltaserve(
     model_dir: Path, prompts: list[list[int]], max_tokens: int, dtype: str, device: str, seed: int,
-    spec: dict[str, Any] | None,
+    spec: dict[str, Any] | None, share_gpu: bool = False,
 ) -> tuple[list[list[int]], Acceptance | None]:  # fmt: skip
     """Greedy tokens of deltaserve's offline LLM, with or without speculation, and its spec-decode counters."""
     from deltaserve.engine.llm import LLM
 
     llm = LLM(model_dir, dtype=dtype, device=device, seed=seed, max_num_seqs=min(len(prompts), 64),
-              speculative_config=spec)  # fmt: skip
+              speculative_config=spec, **engine_memory(share_gpu))  # fmt: skip
     tokens = _generate(llm, prompts, max_tokens)
     acceptance = None
     if spec is not None:
@@ -214,6 +220,7 @@ def run_gate(
     seed: int = 0,
     site: str = GATE_SITE,
     record_path: Path | None = None,
+    share_gpu: bool = False,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -231,13 +238,14 @@ def run_gate(
         from deltaserve.gates.vllm_reference import VllmReference
 
         try:
-            oracle = VllmReference(model_dir, dtype, max_prompt_len, seed, site, speculative_config=spec)
+            oracle = VllmReference(model_dir, dtype, max_prompt_len, seed, site, shares_gpu=share_gpu,
+                                   speculative_config=spec)  # fmt: skip
             ref_run = oracle.run(prompts, max_tokens)
             verdict.theirs = Acceptance(**ref_run.config["spec_decode"])
         except (ReferenceError, ValueError) as exc:
             verdict.refused = str(exc)
-    off, _ = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, None)
-    ours, verdict.ours = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, spec)
+    off, _ = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, None, share_gpu)
+    ours, verdict.ours = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, spec, share_gpu)
     verdict.off_mismatches = compare_tokens(off, ours)
     if ref_run is not None:
         verdict.ref_mismatches = compare_tokens(ref_run.tokens, ours)

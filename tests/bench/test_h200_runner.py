@@ -50,6 +50,13 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
     for variant in ("dense", "moe", "next"):
         assert f"--dtype float32 --device cuda --record {out}/gate-fp32-tiny-{variant}-cuda-h200-test.json" in gates
     assert "env OUT=" in runner(tmp_path, "gates", "bf16", "vllm").stdout
+    mtp = runner(tmp_path, "gates", "mtp", "-k", "1").stdout
+    for variant in ("dense", "moe", "next"):
+        assert (
+            f"deltaserve.cli gate mtp --model deltaserve/tiny/trained/{variant} --dtype bfloat16 --device cuda "
+            f"--reference vllm --share-gpu --record {out}/gate-mtp-{variant}-bf16-h200-test.json -k 1" in mtp
+        )
+        assert f"gate mtp {variant} rc 0" in mtp
 
 
 def test_kernel_ab_builds_a_baseline_tree_from_one_kernel_file(tmp_path: Path) -> None:

@@ -154,8 +154,10 @@ def test_a_disagreement_with_vllm_fails_and_is_printed(
     model = trained_model_dir("dense")
     monkeypatch.setattr(registry, "apply_environment", lambda env: None)
     # 4 accepted first drafts moved to position 1: over the ~30 drafts of this run, > 0.05 of a rate at both
-    monkeypatch.setitem(sys.modules, "vllm", fake_mtp_vllm(model, [], 4, True))
-    assert mtp.run_gate(model, 2, reference="vllm", **SMALL) == 1
+    built: list[dict[str, Any]] = []
+    monkeypatch.setitem(sys.modules, "vllm", fake_mtp_vllm(model, built, 4, True))
+    assert mtp.run_gate(model, 2, reference="vllm", share_gpu=True, **SMALL) == 1
+    assert built[0]["kv_cache_memory_bytes"] == 2**30  # --share-gpu: the registry's shared-GPU oracle
     out = capsys.readouterr().out
     assert "STRICT 3/4 deltaserve with MTP against vllm" in out
     line = next(line for line in out.splitlines() if line.startswith("  prompt 0, output position 2: vLLM-mtp"))
