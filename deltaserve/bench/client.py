@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -239,6 +240,8 @@ class LoadOptions:
     request_id_prefix: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:8]}-")
     is_tqdm_disabled: bool = False
     is_chat: bool = False  # the openai-chat backend: chat payloads on /v1/chat/completions
+    # awaited once the warm-ups are done, before the measured requests (the server's counters are read there)
+    after_warmups: Callable[[], Awaitable[None]] | None = None
 
     def payload(self, request: SampleRequest, sampling: SamplingOptions) -> dict[str, Any]:
         """The request body for `request` on this endpoint."""
@@ -297,6 +300,8 @@ async def run_load(
                     file=sys.stderr,
                 )
 
+        if load.after_warmups is not None:
+            await load.after_warmups()
         offsets = send_offsets(len(requests), load.request_rate, load.burstiness, np.random.default_rng(load.seed))
         bar = None if load.is_tqdm_disabled else tqdm(total=len(requests), desc="requests", file=sys.stderr)
         tasks: list[asyncio.Task[RequestResult]] = []

@@ -41,6 +41,7 @@ from deltaserve.bench.server_process import Server
 DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results" / "grids"  # the grid kind of benchmarks/results/
 RECORD_SCHEMA = "deltaserve-grid-record/1"
 RATIO_FIELDS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
+HIT_RATE = "server_prefix_cache_hit_rate"  # a run's field (server_counters.py)
 DROPPED_RESULT_FIELDS = ("latencies", "input_lens", "output_lens", "start_times", "ttfts", "itls", "errors")
 
 
@@ -57,7 +58,7 @@ def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurre
     return [
         "--base-url", launch.base_url,
         "--tokenizer", expand(launch.model.path, {}),
-        *config.dataset.client_flags(config.lengths, isl, osl),
+        *config.dataset.client_flags(config.lengths, isl, osl, concurrency),
         "--random-input-len", str(isl),
         "--random-output-len", str(osl),
         "--num-prompts", str(config.num_prompts(concurrency)),
@@ -136,7 +137,12 @@ class Grid:
             "is_complete": False,
             "host": host_facts(REPO_ROOT),
             "lengths": [list(pair) for pair in config.lengths],
-            "dataset": {"name": config.dataset.name, **config.dataset.mm, **config.dataset.prefix},
+            "dataset": {
+                "name": config.dataset.name,
+                **config.dataset.mm,
+                **config.dataset.prefix,
+                **config.dataset.multi_turn,
+            },  # fmt: skip
             "concurrencies": config.concurrencies,
             "models": [{"name": m.name, "path": expand(m.path, {})} for m in config.models],
             "arms": {arm.name: _arm_entry(arm) for arm in config.arms},
@@ -254,7 +260,7 @@ class Grid:
                         f"[grid] {raw_name}: out {result['output_throughput']:.1f} tok/s, "
                         f"TTFT med {result.get('median_ttft_ms', math.nan):.1f} ms, "
                         f"TPOT med {result.get('median_tpot_ms', math.nan):.2f} ms, "
-                        f"failed {result['failed']}",
+                        f"prefix cache hit rate {_percent(result.get(HIT_RATE))}, failed {result['failed']}",
                         flush=True,
                     )
                 except Exception as exc:  # one failed point must not lose the rest of the grid
@@ -402,6 +408,11 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
                 entry[name] = None if failures else ratio(metrics.get(name), peer_metrics.get(name))
             if failures:
                 entry["excluded"] = "; ".join(failures)
+            # each engine's own prefix-cache hit rate at this point (cached / prompt tokens from its /metrics), next
+            # to the ratio: a ratio between arms that cached differently says so
+            if HIT_RATE in metrics or HIT_RATE in peer_metrics:
+                entry["subject_prefix_cache_hit_rate"] = metrics.get(HIT_RATE)
+                entry["peer_prefix_cache_hit_rate"] = peer_metrics.get(HIT_RATE)
             unequal = unequal_outputs(subject, metrics, peer, peer_metrics)
             if unequal:
                 entry["unequal_outputs"] = unequal
@@ -474,10 +485,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"[grid] {entry['subject']}/{entry['peer']} {entry['model']} c{entry['concurrency']}: no ratio "
                   f"({entry['excluded']})")  # fmt: skip
             continue
+        hit_rates = ""
+        if "subject_prefix_cache_hit_rate" in entry:
+            hit_rates = (f", prefix cache hit rate {_percent(entry['subject_prefix_cache_hit_rate'])} / "
+                         f"{_percent(entry['peer_prefix_cache_hit_rate'])}")  # fmt: skip
         print(
             f"[grid] {entry['subject']}/{entry['peer']} {entry['model']} c{entry['concurrency']}: "
             f"output tok/s x{_fmt(entry['output_throughput'])}, TTFT med x{_fmt(entry['median_ttft_ms'])}, "
-            f"TPOT med x{_fmt(entry['median_tpot_ms'])}"
+            f"TPOT med x{_fmt(entry['median_tpot_ms'])}{hit_rates}"
         )
     num_failed = sum(1 for r in record["runs"] if r["error"]) + sum(1 for e in record["launches"] if e["error"])
     if not record["runs"]:
@@ -510,3 +525,7 @@ def _dry_run(config: GridConfig) -> int:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"

@@ -16,6 +16,12 @@ default 10). Such data shares prefixes, so the registry builds every peer withou
 arm with `enable_prefix_caching = true` (and optionally `prefix_match_unit = N`) is vLLM's prefix-caching arm.
 A vLLM arm with `speculative_config = {method = "mtp", num_speculative_tokens = k, ...}` is vLLM's MTP arm (the
 registry checks it and adds `--speculative-config`).
+
+`name = "multi-turn"` is our conversation workload (multi_turn.py) on /v1/chat/completions: the concurrency axis is
+the number of clients (one conversation each, so a point at concurrency C runs C conversations), each `lengths`
+pair is (system prompt tokens, answer tokens), and `multi_turn_turns` and `multi_turn_user_len` (both required)
+give every conversation's turns and user-message length. It shares prefixes too, so its peers are built as for
+prefix_repetition.
 """
 
 from __future__ import annotations
@@ -67,8 +73,9 @@ class Arm:
     expected_run_s: float = 0.0
 
 
-DATASETS = ("random", "random-mm", "prefix_repetition")
+DATASETS = ("random", "random-mm", "prefix_repetition", "multi-turn")
 PREFIX_KEYS = ("prefix_repetition_prefix_len", "prefix_repetition_num_prefixes")
+MULTI_TURN_KEYS = ("multi_turn_turns", "multi_turn_user_len")
 MM_KEYS = (
     "random_mm_base_items_per_request",
     "random_mm_num_mm_items_range_ratio",
@@ -84,14 +91,19 @@ class DatasetConfig:
     name: str = "random"
     mm: dict[str, object] = field(default_factory=dict)  # random-mm keys given in the TOML (client defaults else)
     prefix: dict[str, object] = field(default_factory=dict)  # prefix_repetition keys given in the TOML
+    multi_turn: dict[str, object] = field(default_factory=dict)  # multi-turn keys given in the TOML
 
     @property
     def serves_media(self) -> bool:
         return self.name == "random-mm"
 
     @property
+    def is_multi_turn(self) -> bool:
+        return self.name == "multi-turn"
+
+    @property
     def shares_prefixes(self) -> bool:
-        return self.name == "prefix_repetition"
+        return self.name in ("prefix_repetition", "multi-turn")
 
     def prefix_len(self, lengths: list[tuple[int, int]], isl: int) -> int:
         """The shared prefix of the `lengths` pair with this ISL (one number, or one per pair)."""
@@ -100,10 +112,19 @@ class DatasetConfig:
             value = value[[pair[0] for pair in lengths].index(isl)]
         return int(value)  # type: ignore[call-overload]
 
-    def client_flags(self, lengths: list[tuple[int, int]] | None = None, isl: int = 0, osl: int = 0) -> list[str]:
-        """The `deltaserve bench serve` flags that pick this dataset (and, for images, the chat endpoint); a
-        prefix_repetition point needs the grid's `lengths` and its (ISL, OSL)."""
-        if self.shares_prefixes:
+    def client_flags(
+        self, lengths: list[tuple[int, int]] | None = None, isl: int = 0, osl: int = 0, concurrency: int = 1
+    ) -> list[str]:
+        """The `deltaserve bench serve` flags that pick this dataset (and, for images and conversations, the chat
+        endpoint); a prefix_repetition point needs the grid's `lengths` and its (ISL, OSL), a multi-turn point its
+        (system, answer) lengths and its concurrency (= clients)."""
+        if self.is_multi_turn:
+            flags = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", self.name]
+            flags += ["--multi-turn-num-clients", str(concurrency), "--multi-turn-system-len", str(isl)]
+            flags += ["--multi-turn-turns", str(self.multi_turn["multi_turn_turns"])]
+            flags += ["--multi-turn-user-len", str(self.multi_turn["multi_turn_user_len"])]
+            return [*flags, "--multi-turn-output-len", str(osl)]
+        if self.name == "prefix_repetition":
             prefix_len = self.prefix_len(lengths or [], isl)
             flags = ["--dataset-name", self.name, "--prefix-repetition-prefix-len", str(prefix_len)]
             flags += ["--prefix-repetition-suffix-len", str(isl - prefix_len)]
@@ -133,7 +154,7 @@ def parse_dataset(raw: dict[str, object]) -> DatasetConfig:
     name = str(raw.get("name", "random"))
     if name not in DATASETS:
         raise ValueError(f"[dataset]: name must be one of {', '.join(DATASETS)}, got {name!r}")
-    unknown = set(raw) - {"name", *MM_KEYS, *PREFIX_KEYS}
+    unknown = set(raw) - {"name", *MM_KEYS, *PREFIX_KEYS, *MULTI_TURN_KEYS}
     if unknown:
         raise ValueError(f"[dataset]: unknown keys {sorted(unknown)}")
     mm = {k: v for k, v in raw.items() if k in MM_KEYS}
@@ -144,16 +165,23 @@ def parse_dataset(raw: dict[str, object]) -> DatasetConfig:
         raise ValueError(f"[dataset]: {sorted(prefix)} apply to prefix_repetition only, not {name!r}")
     if name == "prefix_repetition" and "prefix_repetition_prefix_len" not in prefix:
         raise ValueError("[dataset]: prefix_repetition needs prefix_repetition_prefix_len (one, or one per length)")
+    multi_turn = {k: v for k, v in raw.items() if k in MULTI_TURN_KEYS}
+    if multi_turn and name != "multi-turn":
+        raise ValueError(f"[dataset]: {sorted(multi_turn)} apply to multi-turn only, not {name!r}")
+    if name == "multi-turn":
+        for key in MULTI_TURN_KEYS:
+            if not isinstance(multi_turn.get(key), int) or int(multi_turn[key]) < 1:  # type: ignore[call-overload]
+                raise ValueError(f"[dataset]: multi-turn needs {key}, a positive integer")
     if "random_mm_bucket_config" in mm:
         parse_bucket_config(str(mm["random_mm_bucket_config"]))
     if "random_mm_limit_mm_per_prompt" in mm:
         parse_limit_mm_per_prompt(mm["random_mm_limit_mm_per_prompt"])  # type: ignore[arg-type]
-    return DatasetConfig(name, mm, prefix)
+    return DatasetConfig(name, mm, prefix, multi_turn)
 
 
 def check_prefix_lengths(dataset: DatasetConfig, lengths: list[tuple[int, int]]) -> None:
     """Each (ISL, OSL) pair has a prefix shorter than its ISL (distinct ISLs, so a point names its prefix)."""
-    if not dataset.shares_prefixes:
+    if dataset.name != "prefix_repetition":
         return
     value = dataset.prefix["prefix_repetition_prefix_len"]
     if isinstance(value, list) and len(value) != len(lengths):
@@ -197,6 +225,14 @@ class GridConfig:
 
     def num_prompts(self, concurrency: int) -> int:
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
+
+    def max_input_len(self) -> int:
+        """The longest prompt of any point (the registry sizes a peer's step budget by it): the largest ISL, or for
+        multi-turn the last turn's history, system + turns x (user + answer) tokens before the chat template's."""
+        if not self.dataset.is_multi_turn:
+            return max(isl for isl, _ in self.lengths)
+        turns, user_len = (int(self.dataset.multi_turn[k]) for k in MULTI_TURN_KEYS)  # type: ignore[call-overload]
+        return max(system + turns * (user_len + osl) for system, osl in self.lengths)
 
 
 def load_config(path: Path) -> GridConfig:
@@ -275,7 +311,7 @@ class Launch:
 
 def resolve(arm: Arm, model: Model, config: GridConfig) -> Launch:
     """Expand templates; for an oracle arm, ask the registry for the production command."""
-    max_isl = max(isl for isl, _ in config.lengths)
+    max_isl = config.max_input_len()
     context = {
         "model": expand(model.path, {}),
         "model_name": model.name,

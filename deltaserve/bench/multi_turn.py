@@ -206,6 +206,8 @@ async def run_conversations(
                 prompt_len += options.output_len
             return turns
 
+        if load.after_warmups is not None:
+            await load.after_warmups()
         t_start = time.perf_counter()
         per_client = await asyncio.gather(*(converse(c) for c in range(options.num_clients)))
         duration = time.perf_counter() - t_start

@@ -3,7 +3,8 @@
 Input: every `*.json` grid record in benchmarks/results/grids/ (schema deltaserve-grid-record/1), oldest first.
 The Markdown opens with the current standing: one table per grid and model from its NEWEST record (every
 subject/peer ratio of output throughput, median TTFT and median TPOT per concurrency, or each arm's own figures
-where the grid has no peer), with the record it comes from. A grid whose workload (the client's flags for that
+where the grid has no peer; both engines' prefix-cache hit rates beside each ratio where the record has them), with
+the record it comes from. A grid whose workload (the client's flags for that
 model) a newer grid with a peer has measured since is left to the history. Then the notes, each printed once and
 referenced by mark from every cell it concerns: a peer's denominator note, a registry deviation that can move
 the ratio (`†`: a backend production would not pick, e.g. vLLM's GDN prefill on Triton; recognised from the
@@ -32,8 +33,10 @@ from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT
 DEFAULT_RESULTS = DEFAULT_RESULT_DIR
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "BENCHMARKS.md"
 PLOT_DIR = "plots"  # next to the Markdown file
-# Client flags that differ between the runs of one workload (server, label, load level): not part of a workload.
-PER_RUN_FLAGS = ("--base-url", "--label", "--num-prompts", "--max-concurrency", "--tokenizer")
+# Client flags that differ between the runs of one workload (server, label, load level; a multi-turn grid's clients
+# follow its concurrency): not part of a workload.
+PER_RUN_FLAGS = ("--base-url", "--label", "--num-prompts", "--max-concurrency", "--tokenizer",
+                 "--multi-turn-num-clients")  # fmt: skip
 Records = list[tuple[str, dict[str, Any]]]
 
 
@@ -61,6 +64,20 @@ def _num(value: Any, digits: int = 1) -> str:
 
 def _ratio(value: Any) -> str:
     return "–" if value is None else f"{value:.3f}"
+
+
+def _has_hit_rates(entries: list[dict[str, Any]]) -> bool:
+    """Whether the ratios carry both engines' prefix-cache hit rates (grids since issue 36)."""
+    return any("subject_prefix_cache_hit_rate" in e for e in entries)
+
+
+def _hit_rates(entry: dict[str, Any]) -> str:
+    """Both engines' prefix-cache hit rates (cached / prompt tokens, from their /metrics) at a ratio's point."""
+
+    def percent(value: Any) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f} %"
+
+    return f"{percent(entry.get('subject_prefix_cache_hit_rate'))} / {percent(entry.get('peer_prefix_cache_hit_rate'))}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -238,7 +255,12 @@ def _standing_table(stem: str, record: dict[str, Any], model: str, notes: Notes)
                 ]
             )
         header = ["ISL/OSL", "conc", "subject / peer", "out tok/s (subject / peer)", "out tok/s ratio"]
-        return _table([*header, "TTFT med ratio", "TPOT med ratio"], rows)
+        header += ["TTFT med ratio", "TPOT med ratio"]
+        if _has_hit_rates(entries):
+            ordered = sorted(entries, key=lambda e: (e["isl"], e["osl"], e["concurrency"], e["subject"], e["peer"]))
+            rows = [[*row, _hit_rates(e)] for row, e in zip(rows, ordered, strict=True)]
+            header.append("prefix cache hit rate (subject / peer)")
+        return _table(header, rows)
     rows = []
     for r in sorted(_runs(record, model), key=lambda r: (r["isl"], r["osl"], r["concurrency"], r["arm"])):
         m = r.get("metrics") or {}
@@ -417,7 +439,11 @@ def render_record(
                 cells = [f"no ratio: {e['excluded']}", *["–"] * (len(fields) - 1)]
             pair = _pair(record, e["subject"], e["peer"], notes)
             rows.append([pair, e["model"], f"{e['isl']}/{e['osl']}", str(e["concurrency"]), *cells])
+            if _has_hit_rates(record["ratios"]):
+                rows[-1].append(_hit_rates(e))
         header = ["ratio", "model", "ISL/OSL", "conc", "out tok/s", "TTFT med", "TTFT p99", "TPOT med", "peak mem"]
+        if _has_hit_rates(record["ratios"]):
+            header.append("prefix cache hit rate (subject / peer)")
         lines += _table(header, rows)
         lines.append("")
 

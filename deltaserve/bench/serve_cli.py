@@ -18,6 +18,10 @@ prompts are aligned with the server as vLLM 0.26 aligns them, and, as in vLLM, i
 `--dataset-name multi-turn` (multi_turn.py, our own) runs concurrent conversations that re-send their growing
 history with the model's real answers, over the same chat backend; its record adds a per-turn breakdown.
 
+Every record also carries the server's own prefix-cache hit rate over the measured requests (server_counters.py:
+the deltas of vllm:prefix_cache_queries / _hits on its /metrics from after the warm-ups to the end; null for a
+server without them).
+
 The grid calls `run_bench(parse_bench_args(argv))` with the same argv a person would type, so both engines
 of a comparison are measured by this one client with one set of flags.
 """
@@ -51,6 +55,7 @@ from deltaserve.bench.multi_turn import (
     sample_conversations,
 )
 from deltaserve.bench.nvml import MemorySampler
+from deltaserve.bench.server_counters import prefix_cache_fields, read_prefix_counters
 
 # Per-request arrays kept in the JSON only with --save-detailed, as in vLLM.
 DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
@@ -235,6 +240,12 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
     )
     if request_id_prefix is not None:
         load.request_id_prefix = request_id_prefix
+    counters: dict[str, tuple[float, float] | None] = {}
+
+    async def read_counters_before() -> None:
+        counters["before"] = await read_prefix_counters(base_url)
+
+    load.after_warmups = read_counters_before
 
     is_mm = args.dataset_name == "random-mm"
     is_multi_turn = args.dataset_name == MULTI_TURN
@@ -299,6 +310,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             results, duration = await run_load(requests, sampling, load)
     finally:
         peak_gib = sampler.stop()
+    server_prefix_cache = prefix_cache_fields(counters.get("before"), await read_prefix_counters(base_url))
 
     # Requests without a usage chunk: count the text with the local tokenizer (vLLM's fallback).
     for result in results:
@@ -353,6 +365,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             # how alike the outputs are: on dummy weights, identical outputs route every decode row to the same
             # experts, so two arms whose counts differ did different MoE work (grid.compute_ratios flags it)
             "num_distinct_generated_texts": len({r.generated_text for r in results if r.is_success}),
+            **server_prefix_cache,
         }
     )
     if is_prefix:
@@ -409,6 +422,7 @@ def summary(record: dict[str, Any]) -> str:
     row("Peak concurrent requests:", record["max_concurrent_requests"])
     row("Total token throughput (tok/s):", record["total_token_throughput"])
     row("Peak GPU memory (GiB):", record.get("peak_gpu_memory_gib"))
+    row("Server prefix cache hit rate:", record.get("server_prefix_cache_hit_rate"), "{:<40} {:<10.4f}")
     lines.extend(multi_turn_summary(record))
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)"}
     titles.update({"itl": "Inter-token Latency", "e2el": "End-to-end Latency"})
