@@ -8,9 +8,9 @@ and `python -m vllm.entrypoints.openai.api_server`, in shell commands (continuat
 lists, tuples, list concatenations and strings, and TOML/YAML arrays and strings. `vllm bench serve` (any
 spelling) is a client, not a launch. Grid-config arms built by the oracle registry (`oracle = "vllm"`) count
 as launches too and are checked by their `drop_flags` / `extra_args`, and by prefix caching against their grid's
-data: a grid whose prompts share prefixes (`[dataset] name = "prefix_repetition"`) may leave it at vLLM's choice
-or turn it on (`enable_prefix_caching = true`, optionally `prefix_match_unit`), never off; any other grid's arms
-keep the registry's --no-enable-prefix-caching.
+data: a grid whose prompts share prefixes (`[dataset] name = "prefix_repetition"` or `"multi-turn"`) may leave it
+at vLLM's choice or turn it on (`enable_prefix_caching = true`, optionally `prefix_match_unit`), never off; any
+other grid's arms keep the registry's --no-enable-prefix-caching.
 
 Each launch must carry the registry's REQUIRED_FLAGS, none of its FORBIDDEN_FLAGS and no BACKEND_FLAGS (a
 backend flag, or a BACKEND_ENV variable set for the launch or exported in its file, overrides a choice vLLM's
@@ -150,7 +150,7 @@ def _registry_arms(path: Path, text: str) -> list[Launch]:
         return []
     arm_lines = [i for i, raw in enumerate(text.split("\n"), start=1) if raw.strip() == "[[arms]]"]
     dataset = config.get("dataset")
-    shares_prefixes = isinstance(dataset, dict) and dataset.get("name") == "prefix_repetition"
+    shares_prefixes = isinstance(dataset, dict) and dataset.get("name") in ("prefix_repetition", "multi-turn")
     launches = []
     for index, arm in enumerate(arms):
         if not isinstance(arm, dict) or "oracle" not in arm:

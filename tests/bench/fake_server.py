@@ -7,9 +7,10 @@ It serves /health, /version, /v1/models (with `root`), /tokenize, /detokenize an
 Pillow must open) as FAKE_IMAGE_TOKENS prompt tokens, over every message (string or parts content); its request
 bodies are kept in app[CHAT_BODIES]. For multi-turn tests, `has_prefix_cache` reports
 usage.prompt_tokens_details.cached_tokens as a toy prefix cache would (the longest common prefix of the prompt's
-token ids with any earlier chat prompt's), and `is_answer_per_request` makes answer i start at token t{i}, so each
-answer differs from the others. Run as a
-script it is a grid arm: `python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
+token ids with any earlier chat prompt's) and exports its token totals on /metrics under vLLM's counter names (the
+hits split over two engine labels, as a data-parallel vLLM reports them), and `is_answer_per_request` makes answer
+i start at token t{i}, so each answer differs from the others. Run as a script it is a grid arm:
+`python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
 """
 
 from __future__ import annotations
@@ -110,6 +111,18 @@ def build_app(
 
     chat_bodies: list[dict[str, Any]] = []
     chat_prompts: list[list[int]] = []
+    counters = {"queries": 0, "hits": 0}
+
+    if has_prefix_cache:
+
+        @routes.get("/metrics")
+        async def metrics(request: web.Request) -> web.Response:
+            label = 'vllm:{}_total{{engine="{}",model_name="m"}} {}'
+            lines = ["# TYPE vllm:prefix_cache_queries counter", label.format("prefix_cache_queries", 0,
+                     float(counters["queries"])), "# TYPE vllm:prefix_cache_hits counter",
+                     label.format("prefix_cache_hits", 0, float(counters["hits"] // 2)),
+                     label.format("prefix_cache_hits", 1, float(counters["hits"] - counters["hits"] // 2))]  # fmt: skip
+            return web.Response(text="\n".join(lines) + "\n")
 
     def longest_cached_prefix(ids: list[int]) -> int:
         best = 0
@@ -154,6 +167,9 @@ def build_app(
         await asyncio.sleep(ttft_ms / 1000)
         num_cached = longest_cached_prefix(prompt_ids) if has_prefix_cache else None
         chat_prompts.append(prompt_ids)
+        if num_cached is not None:
+            counters["queries"] += len(prompt_ids)
+            counters["hits"] += num_cached
         first = num_request if is_answer_per_request else 0
         for i in range(num_tokens):
             delta = {"role": "assistant", "content": ""} if i == 0 else {"content": f" t{(first + i) % 100}"}

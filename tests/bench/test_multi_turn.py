@@ -111,6 +111,11 @@ def test_each_turn_resends_the_history_with_the_real_answers(
     assert record["median_ttft_ms"] > 0 and record["median_tpot_ms"] > 0 and len(record["itls"][0]) == ANSWER_LEN
     assert record["multi_turn_num_clients"] == 3 and record["dataset_name"] == "multi-turn"
     assert "Median TTFT by turn (ms):" in summary(record) and "Prefix cache hit rate:" in summary(record)
+    # the server's own counters (/metrics, summed over its engines) over the measured turns: the warm-up is left out
+    assert record["server_prefix_cache_queries"] == record["total_prompt_tokens_sent"]
+    assert record["server_prefix_cache_hits"] == record["total_cached_tokens"]
+    assert record["server_prefix_cache_hit_rate"] == pytest.approx(record["prefix_cache_hit_rate"])
+    assert "Server prefix cache hit rate:" in summary(record)
 
 
 def test_without_cached_tokens_the_hit_rate_is_null(patch_tokenizer: WordTokenizer, fake_server: str) -> None:
@@ -119,6 +124,8 @@ def test_without_cached_tokens_the_hit_rate_is_null(patch_tokenizer: WordTokeniz
     assert record["total_cached_tokens"] is None and record["prefix_cache_hit_rate"] is None
     assert record["cached_tokens_by_turn"] == [None, None] and record["num_requests_with_cached_tokens"] == 0
     assert "Median TTFT by turn (ms):" in summary(record) and "hit rate" not in summary(record)
+    # no /metrics with the counters: null, never a guessed 0
+    assert record["server_prefix_cache_queries"] is None and record["server_prefix_cache_hit_rate"] is None
 
 
 @pytest.fixture
