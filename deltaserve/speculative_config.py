@@ -1,5 +1,6 @@
 """SpeculativeConfig: vLLM's `--speculative-config` JSON / `LLM(speculative_config=dict)`, parsed and validated as
-vLLM 0.26 does for the one method deltaserve serves, the checkpoint's own MTP layer (docs/compatibility.md#speculative-decoding).
+vLLM 0.26 does for the one method deltaserve serves, the checkpoint's own MTP layer
+(docs/compatibility.md#speculative-decoding).
 
 Plain frozen data (no torch), importable by every stage. `parse_speculative_config` takes the JSON text, a dict or
 an already parsed SpeculativeConfig and returns a SpeculativeConfig or None (none given); every refusal is a

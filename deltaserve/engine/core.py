@@ -206,7 +206,9 @@ class EngineCore:
         grammar has seen the tokens this step's bitmask depends on."""
         if self._inflight and self._inflight[0][1].pending is not None:
             plan, handle, owners = self._inflight[0]
-            bitmask, positions = self.structured.fill(plan, owners)
+            # verify chunks: each grammar walks its chunk's drafts to mask every position
+            drafts = self.runner.step_drafts(handle) if any(s.num_draft_tokens for s in plan.seqs) else None
+            bitmask, positions = self.structured.fill(plan, owners, drafts)
             self.runner.sample(handle, None if bitmask is None else bitmask.numpy(), positions)
 
     def step(self) -> list[EngineCoreOutput]:

@@ -252,3 +252,8 @@ class GrammarMatcher:
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Writes row `index` of an int32 [C, W] CPU bitmask."""
         self._matcher.fill_next_token_bitmask(bitmask, index)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last num_tokens accepted tokens (a verify chunk's drafts, walked to fill their masks)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)

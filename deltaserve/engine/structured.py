@@ -200,30 +200,41 @@ class StructuredOutputManager:
                 return message
         return None
 
-    def fill(self, plan: StepPlan, owners: tuple[str | None, ...]) -> tuple[torch.Tensor | None, np.ndarray]:
-        """(bitmask int32 [C, W], positions [C] in the step's sampling order) of the constrained sampling rows."""
+    def fill(
+        self, plan: StepPlan, owners: tuple[str | None, ...], drafts: dict[int, list[int]] | None = None
+    ) -> tuple[torch.Tensor | None, np.ndarray]:
+        """(bitmask int32 [C, W], positions [C] in the step's sampling order) of the constrained sampling positions.
+        A verify chunk (speculative decoding) samples 1 + k positions: `drafts` (plan index -> its k drafts) gives
+        position j the mask after drafts 0 .. j-1, walked through the grammar and rolled back
+        (docs/speculative-decoding.md#the-accept-rules)."""
         positions: list[int] = []
-        states: list[ConstraintState] = []
+        rows: list[tuple[ConstraintState, list[int]]] = []  # (state, the drafts before the position)
         position = 0
-        for seq, owner in zip(plan.seqs, owners, strict=True):
+        for index, (seq, owner) in enumerate(zip(plan.seqs, owners, strict=True)):
             if not seq.needs_sample:
                 continue
             state = self.states.get(owner) if owner is not None else None
+            run = (drafts or {}).get(index, [])[: seq.num_draft_tokens] if seq.num_draft_tokens else []
             if state is not None and self._has_mask(state):
-                positions.append(position)
-                states.append(state)
-            position += 1
-        if not states:
+                for j in range(1 + seq.num_draft_tokens):
+                    positions.append(position + j)
+                    rows.append((state, run[:j]))
+            position += 1 + seq.num_draft_tokens
+        if not rows:
             return None, np.zeros(0, dtype=np.int64)
-        bitmask = torch.full((len(states), self.width), -1, dtype=torch.int32)
-        for index, state in enumerate(states):
+        bitmask = torch.full((len(rows), self.width), -1, dtype=torch.int32)
+        for index, (state, before) in enumerate(rows):
+            walked = self._walk(state, before)
             if state.matcher is not None and state.is_active and not state.matcher.is_terminated:
                 state.matcher.fill(bitmask, index)
-                # a view: the bad words below clear their bits in it too; looked at only when a token is rejected
-                state.last_mask = bitmask[index]
+                if not before:  # a view: the bad words below clear their bits in it too; read on a rejection
+                    state.last_mask = bitmask[index]
+            if state.matcher is not None:
+                state.matcher.rollback(walked)
+            outputs = state.outputs + before
             for word in state.bad_words:
                 prefix = word[:-1]
-                if len(state.outputs) >= len(prefix) and state.outputs[len(state.outputs) - len(prefix) :] == prefix:
+                if len(outputs) >= len(prefix) and outputs[len(outputs) - len(prefix) :] == prefix:
                     token = word[-1]
                     if 0 <= token < self.vocab_size:
                         word_index, bit = divmod(token, 32)
@@ -231,6 +242,20 @@ class StructuredOutputManager:
                         # two's complement back into int32
                         bitmask[index, word_index] = value - (1 << 32) if value >= 1 << 31 else value
         return bitmask, np.asarray(positions, dtype=np.int64)
+
+    @staticmethod
+    def _walk(state: ConstraintState, tokens: list[int]) -> int:
+        """Feeds drafts to the grammar to fill a later position's mask; returns how many it took (to roll back). A
+        draft the grammar refuses stops the walk: the target rejects that draft (its mask forbids it), so the
+        positions after it are never emitted. Drafts before the start token do not move an inactive grammar."""
+        if state.matcher is None or not state.is_active:
+            return 0
+        taken = 0
+        for token in tokens:
+            if state.matcher.is_terminated or not state.matcher.accept(token):
+                break
+            taken += 1
+        return taken
 
     @staticmethod
     def _has_mask(state: ConstraintState) -> bool:

@@ -186,7 +186,10 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed)
         self._step_observer: StepObserver | None = None  # set_step_observer
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.is_graphed = self.device.type == "cuda" and not engine_config.enforce_eager
+        # speculative decoding runs every step eager (its drafter reads each step's hidden states): no decode graphs
+        self.is_graphed = (
+            self.device.type == "cuda" and not engine_config.enforce_eager and engine_config.speculative_config is None
+        )
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
@@ -364,13 +367,17 @@ class ModelRunner:
             counts = layout.spec.sample_counts
             batch = self.table.sampling_batch(np.repeat(rows, counts), inputs.position_rows_dev,
                                               layout.spec.position_offsets)  # fmt: skip
-            batch.keep_probs = bool(spec.is_random.any())  # the random rule reads the target's distributions
+            # the random rule reads the target's distributions; it and the synthetic one emit drafts whose logprobs
+            # come from the raw logprobs
+            batch.keep_probs = bool(spec.is_random.any()) or self.spec.synthetic_rates is not None
             self.spec.add_draft_counts(batch, layout.spec, self.table, rows)
         handle = StepHandle(plan, layout.sample_seqs, None, batch.num_logprobs, None, all_logits, None, prompt_lp,
                             prompt_event)  # fmt: skip
         handle.spec = spec
         if defer_sampling:
             handle.pending = (logits, rows, sample_rows_dev, batch)
+            if spec is not None and spec.layout is not None:  # the grammars' masks walk the drafts (step_drafts)
+                spec.drafts = SpecDecoder.drafts_to_host(self.spec.draft_tokens, spec.layout)
         else:
             self._sample(handle, logits, rows, sample_rows_dev, batch)
         return handle
@@ -384,8 +391,6 @@ class ModelRunner:
         logits, rows, rows_dev, batch = handle.pending
         handle.pending = None
         if bitmask is not None and len(bitmask_rows):
-            if handle.spec is not None and handle.spec.layout is not None:  # sequences -> first sampled position
-                bitmask_rows = handle.spec.layout.sample_offsets[bitmask_rows]
             batch.token_bitmask = to_device(bitmask, torch.int32, self.device)
             batch.bitmask_rows = to_device(bitmask_rows, torch.int64, self.device)
         self._sample(handle, logits, rows, rows_dev, batch)
@@ -407,6 +412,14 @@ class ModelRunner:
         handle.sampled, handle.event = self._to_host(out)
         if handle.spec is not None:
             SpecDecoder.to_host(handle.spec)
+
+    def step_drafts(self, handle: StepHandle) -> dict[int, list[int]]:
+        """A deferred step's drafts, plan index -> the verify chunk's k drafts (the grammars fill their masks along
+        them); empty without verify chunks."""
+        spec = handle.spec
+        if spec is None or spec.drafts is None:
+            return {}
+        return SpecDecoder.drafts_of(spec)
 
     def enable_speculation(
         self, num_speculative_tokens: int, drafter: Drafter, synthetic_rates: tuple[float, ...] | None = None,

@@ -11,8 +11,9 @@ rule (sampler/rejection.py) turns those into the accepted tokens, and the state 
 copied into the live slot. All of that stays on the device: the host learns the accepted tokens when it collects
 the step, as it learns any sampled token.
 
-The drafter is any object with `propose(DraftInputs) -> [R, k_max]` tokens; it runs after every step that sampled,
-so a row has drafts for its next decode whether its last step was a prefill, a decode or a verify.
+The drafter is any object with `propose(DraftInputs) -> [R, k_max]` tokens; it runs after every forward (the MTP
+drafter keeps its own KV on every step's tokens), so a row has drafts for its next decode whether its last step was
+a prefill, a decode or a verify.
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ class SpecHandle:
     hidden: torch.Tensor | None = None  # [T, H]
     tokens: torch.Tensor | None = None  # [S, W] accepted tokens, -1 padding
     num_emitted: torch.Tensor | None = None  # [S]
+    # a deferred step's drafts [S, k] on their way to the host (pinned copy) and the event that ends the copy
+    drafts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
 
 class SpecDecoder:
@@ -285,6 +288,7 @@ class SpecDecoder:
         if self.synthetic_rates is not None:
             uniforms = self._uniforms(layout, batch, shared, (width - 1,), device)
             tokens, num_emitted = synthetic_accept(target, drafts, num_drafts, self.synthetic_rates, uniforms)
+            self._emitted_logprobs(out, layout, positions, tokens, num_emitted)  # accepted drafts are emitted
         elif handle.is_random is not None and handle.is_random.any():
             vocab = out.probs.shape[1]
             probs = out.probs[positions[:, :-1]]  # [S, W-1, V]: the distribution judging each draft
@@ -338,9 +342,19 @@ class SpecDecoder:
         the emitted tokens' (out.token_ids is rewritten at the verify positions, the sampled logprobs recomputed)."""
         if out.raw_logprobs is None or not out.logprob_rows:
             return
-        emitted = torch.where(tokens >= 0, tokens, out.token_ids[positions])  # [S, W]
+        # only the chunks' real positions: a padded entry of `positions` aliases position 0, and a duplicate index
+        # in index_copy_ would let it overwrite that position's emitted token
+        width = tokens.shape[1]
+        columns = np.arange(width)
+        real = np.nonzero((columns[None, :] <= layout.num_drafts[:, None]).reshape(-1))[0]
+        starts = layout.sample_offsets[layout.spec_sample_index]
+        flat = (starts[:, None] + columns[None, :]).reshape(-1)[real]
+        real_dev = to_device(real, torch.int64, positions.device)
+        flat_dev = to_device(flat, torch.int64, positions.device)
+        emitted = tokens.reshape(-1).index_select(0, real_dev)
+        emitted = torch.where(emitted >= 0, emitted, out.token_ids.index_select(0, flat_dev))
         out.token_ids = out.token_ids.clone()
-        out.token_ids.index_copy_(0, positions.reshape(-1), emitted.reshape(-1))
+        out.token_ids.index_copy_(0, flat_dev, emitted)
         rows = out.logprob_rows
         index = None if len(rows) == out.token_ids.shape[0] else to_device(list(rows), torch.int64, positions.device)
         sampled = out.token_ids if index is None else out.token_ids.index_select(0, index)
@@ -425,6 +439,29 @@ class SpecDecoder:
             block_tables=table.block_table.index_select(0, rows_dev),
             block_size=block_size,
         )
+
+    @staticmethod
+    def drafts_to_host(draft_tokens: torch.Tensor, layout: SpecLayout) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Starts copying the verify rows' drafts to the host (the grammars of a deferred step need them)."""
+        verify_rows = layout.draft_rows[np.cumsum(layout.num_drafts) - 1]  # [S] each chunk's table row
+        rows = to_device(verify_rows, torch.int64, draft_tokens.device)
+        drafts = draft_tokens.index_select(0, rows)  # [S, k_max]
+        if not drafts.is_cuda:
+            return drafts, None
+        host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+        host.copy_(drafts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    @staticmethod
+    def drafts_of(handle: SpecHandle) -> dict[int, list[int]]:
+        drafts, event = handle.drafts
+        if event is not None:
+            event.synchronize()
+        layout = handle.layout
+        values = drafts.tolist()
+        return {int(i): values[s][:k] for s, (i, k) in enumerate(zip(layout.seq_index, layout.num_drafts, strict=True))}
 
     @staticmethod
     def to_host(handle: SpecHandle) -> None:

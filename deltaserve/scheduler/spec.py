@@ -2,11 +2,11 @@
 
 With speculation on, a decode computes its last sampled token plus k drafts (ScheduledSeq.num_draft_tokens = k), and
 its result carries 1 .. k + 1 accepted tokens. k is the configured count, lowered so that the step can never produce
-more outputs than max_tokens allows or reach past max_model_len, and 0 (a plain decode) for requests whose sampling
-the verify path does not implement: history-dependent masks (grammars, multi-token bad words). A sequence whose
-verify step is in flight is not planned again until that result is collected: its position depends on how many
-drafts were accepted. A chunk of a sequence that speculates gets KV blocks for k - 1 positions past it, which the
-MTP drafter's chained passes write.
+more outputs than max_tokens allows or reach past max_model_len, and 0 (a plain decode) for grammars that start
+after a given token (start_after_token_id), which the verify path does not implement. A sequence whose verify step
+is in flight is not planned again until that result is collected: its position depends on how many drafts were
+accepted. A chunk of a sequence that speculates gets KV blocks for k - 1 positions past it, which the MTP drafter's
+chained passes write.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ class SpecSchedule:
 
     def can_speculate(self, seq: Sequence) -> bool:
         params = seq.sampling
-        return not params.needs_history_mask
+        # a grammar that starts after a given token: its masks would need that token found among the drafts
+        structured = params.structured_outputs
+        return structured is None or structured.start_after_token_id is None
 
     def lookahead(self, seq: Sequence, end: int, max_model_len: int) -> int:
         """KV positions past a chunk ending at `end` that the drafter writes (its chained passes: k - 1), so the

@@ -1,20 +1,24 @@
 """Speculative decoding (MTP drafts) under the engine's batching machinery, fp32 on the trained tiny dense checkpoint:
 preemptions (the KV cache running out, and forced ones that drop verify results in flight) with outputs equal to a
 run without speculation; n > 1 (each of the n sequences samples as its own seeded request); async scheduling on and
-off, with greedy and seeded requests mixed in one batch; prompt logprobs and prefill-only logits unchanged."""
+off, with greedy and seeded requests mixed in one batch; prompt logprobs and prefill-only logits unchanged;
+grammar-constrained requests that speculate."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode import make_prompts, run
 from tests.engine.test_spec_decode_mtp import mtp_llm
+from tests.support.drafts import enable_reference_drafts
 
 # a cache of 42 blocks of 4 tokens (63 without the MTP layer's KV) for 10 sequences of up to 55 tokens: it runs out
 SMALL_CACHE = {"max_num_seqs": 10, "max_num_batched_tokens": 48, "block_size": 4, "cpu_kv_cache_bytes": 600_000,
@@ -99,3 +103,62 @@ def test_prompt_logprobs_and_prefill_logits_are_unchanged() -> None:
             assert all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) for t in a)
     logits = plain.engine.prefill_logits(prompts[0], [10, 14])
     assert torch.allclose(spec.engine.prefill_logits(prompts[0], [10, 14]), logits, atol=1e-4)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "boolean"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+def constrained() -> list[SamplingParams]:
+    so = StructuredOutputsParams
+    return [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=so(regex=r"[0-9]{3}-[a-z]{2}")),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=so(json=SCHEMA, disable_any_whitespace=True)),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, bad_words=["the", "a b"]),
+    ]
+
+
+PROMPT = "Hello there"
+
+
+def test_constrained_requests_speculate() -> None:
+    """Grammars and multi-token bad words speculate: each position of a verify chunk is masked as the grammar stands
+    after the drafts before it (deferred sampling walks them and rolls back), and the accepted tokens advance it.
+    Greedy and constrained rows give the tokens of an engine without speculation, the constraints hold, the seeded
+    random row reproduces (it samples by the speculative rule: the same distribution, another draw)."""
+    params = constrained()
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    spec, stats = mtp_llm("dense", 3, max_num_batched_tokens=16)
+    expected = plain.generate([PROMPT] * len(params), params, use_tqdm=False)
+    outputs = spec.generate([PROMPT] * len(params), params, use_tqdm=False)
+    got, want = ([o.outputs[0].token_ids for o in outs] for outs in (outputs, expected))
+    assert [got[i] for i in (0, 1, 2, 4)] == [want[i] for i in (0, 1, 2, 4)]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outputs[1].outputs[0].text)
+    value = json.loads(outputs[2].outputs[0].text)
+    assert set(value) == {"name", "n"} and len(value["name"]) <= 6
+    assert [o.outputs[0].token_ids for o in spec.generate([PROMPT] * len(params), params, use_tqdm=False)] == got
+    assert stats["accepted_per_position"][0] > 0
+
+
+@pytest.mark.parametrize("mode", ["all", "none", "mixed"])
+def test_constrained_requests_with_reference_drafts(mode: str) -> None:
+    """Drafts that follow the constrained continuation (all accepted), break the grammar (every one shifted, so
+    mostly tokens the grammar forbids: rejected by their position's mask) or mix both: the same tokens."""
+    params = [p for p in constrained() if p.temperature == 0]
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    expected = plain.generate([PROMPT] * len(params), params, use_tqdm=False)
+    spec = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    ids = spec.get_tokenizer()(PROMPT)["input_ids"]
+    # one prompt, several requests: the drafts follow the constrained JSON (the longest continuation)
+    stats = enable_reference_drafts(spec.engine.core, {tuple(ids): list(expected[2].outputs[0].token_ids)}, mode, 3)
+    outputs = spec.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert stats["drafts"] > 0
+    if mode != "none":
+        assert stats["accepted"] > 0

@@ -70,8 +70,10 @@ def test_synthetic_rates_pin_the_acceptance() -> None:
 
     core.scheduler.update = counting_update
     prompts = make_prompts(llm) * 4
-    outputs = run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    outputs = run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0))
     assert all(len(o.token_ids) == 40 for o in outputs)
+    for output in outputs:  # the logprobs are the emitted tokens' (accepted drafts are emitted whatever they are)
+        assert all(token in entries for token, entries in zip(output.token_ids, output.logprobs, strict=True))
     verifies = counts["verifies"]
     assert verifies > 150
     for observed, rate in zip(counts["per_position"], rates, strict=True):

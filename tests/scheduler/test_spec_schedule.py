@@ -4,6 +4,7 @@ flight, computed counts advanced by the accepted tokens, stops inside an accepte
 
 from __future__ import annotations
 
+from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.step import StepPlan, StepResult
 from tests.scheduler.test_scheduler import answer, make_scheduler, seq
@@ -61,22 +62,29 @@ def test_k_is_capped_by_max_tokens_and_max_model_len_and_the_budget() -> None:
     assert [s.num_draft_tokens for s in tight.schedule().seqs] == [2]  # 1 + k tokens within a 3-token budget
 
 
-def test_history_masks_decode_plainly() -> None:
-    """Penalties and random sampling speculate; a multi-token bad word (a mask that depends on each token) does not."""
+def test_what_speculates() -> None:
+    """Penalties, random sampling, multi-token bad words and grammars speculate; a grammar that starts after a given
+    token does not (its masks would need that token found among the drafts)."""
     scheduler = spec_scheduler(2)
-    bad_words = {"temperature": 0.0, "bad_words_token_ids": [[5, 6]]}
-    for name, params in (("penalty", {"temperature": 0.0, "presence_penalty": 1.0}), ("bad words", bad_words),
-                         ("random", {"temperature": 0.8})):  # fmt: skip
+    later = StructuredOutputsParams(regex="[0-9]+", start_after_token_id=9)
+    for name, params in (
+        ("penalty", {"temperature": 0.0, "presence_penalty": 1.0}),
+        ("bad words", {"temperature": 0.0, "bad_words_token_ids": [[5, 6]]}),
+        ("grammar", {"temperature": 0.0, "structured_outputs": StructuredOutputsParams(regex="[0-9]+")}),
+        ("later", {"temperature": 0.0, "structured_outputs": later}),
+        ("random", {"temperature": 0.8}),
+    ):
         scheduler.add(seq(name, 3, 10, **params))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
-    plan = scheduler.schedule()  # plain decodes first: the bad-words row, then the two verify chunks
-    assert [s.num_draft_tokens for s in plan.seqs] == [0, 2, 2]
+    plan = scheduler.schedule()  # plain decodes first: the start-after grammar, then the verify chunks
+    assert [s.num_draft_tokens for s in plan.seqs] == [0, 2, 2, 2, 2]
 
 
 def test_verify_chunks_sit_between_decodes_and_prefills() -> None:
     scheduler = spec_scheduler(2)
-    scheduler.add(seq("plain", 3, 10, temperature=0.7, bad_words_token_ids=[[5, 6]]))
+    later = StructuredOutputsParams(regex="[0-9]+", start_after_token_id=9)
+    scheduler.add(seq("plain", 3, 10, temperature=0.7, structured_outputs=later))
     scheduler.add(seq("spec", 3, 10, temperature=0.0))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
