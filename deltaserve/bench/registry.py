@@ -130,8 +130,12 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointFacts:
     is_moe = int(text.get("num_experts") or 0) > 0
     dtype = text.get("mamba_ssm_dtype") or config.get("mamba_ssm_dtype") or DEFAULT_MAMBA_SSM_DTYPE
     has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    # Qwen3-Next's MTP layer count may be absent: vLLM then builds its one MTP layer (Qwen3NextMTP reads
+    # num_nextn_predict_layers with a default of 1), as deltaserve's config does (config.py)
+    is_next = (text.get("model_type") or config.get("model_type")) == "qwen3_next"
     mtp = next(
-        (c[k] for c in (text, config) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if k in c), 0
+        (c[k] for c in (text, config) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if k in c),
+        1 if is_next else 0,
     )
     return CheckpointFacts(is_multimodal, is_moe, str(dtype), has_weights, int(mtp or 0))
 

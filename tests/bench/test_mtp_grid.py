@@ -151,6 +151,15 @@ def test_dummy_checkpoints_declare_their_mtp_layer(tmp_path: Path) -> None:
         assert registry.inspect_checkpoint(tmp_path / folder).num_mtp_layers == 1
 
 
+def test_the_trained_checkpoints_declare_their_mtp_layer_as_vllm_reads_it(tmp_path: Path) -> None:
+    # Qwen3-Next without num_nextn_predict_layers: vLLM builds one MTP layer, so the MTP gate's oracle can run there
+    for variant in ("dense", "moe", "next"):
+        assert registry.inspect_checkpoint(trained_model_dir(variant)).num_mtp_layers == 1, variant
+    config = json.loads((trained_model_dir("next") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    assert registry.inspect_checkpoint(tmp_path).num_mtp_layers == 0
+
+
 def test_in_process_oracle_becomes_the_mtp_arm_only_when_asked(tmp_path: Path) -> None:
     model = str(_with_mtp(write_config(tmp_path / "m", num_experts=8)))
     (tmp_path / "m" / "model.safetensors").write_bytes(b"")  # real weights: drafts are real, no pinned acceptance
