@@ -18,6 +18,7 @@ seeded spans of the shipped corpus' held-out text (tokens.make_text_prompts):
     defaults, k = 3 and 96 tokens: the gate prints this bound and says when it exceeds the tolerance), and in bf16
     a draft whose MTP logits are a near-tie may be another token in the other engine. The drafts themselves are
     the same function of the same weights, so a rule, a KV or a chaining difference moves a rate by far more.
+`--no-reference-logprobs` runs vLLM without logprobs (no margins), for a vLLM that would not speculate otherwise.
 Every disagreement is printed. Exit 0 when every check holds; 1 on a mismatch, a rate beyond the tolerance or a
 refused reference; 2 when nothing was checked (no prompt, or deltaserve never drafted). `--record PATH` writes the
 verdict as JSON. On the H200: `--dtype bfloat16 --device cuda --reference vllm` on the trained dense / moe / next
@@ -112,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--site", default=GATE_SITE, help=f"where the vLLM reference runs (default {GATE_SITE})")
     parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
     parser.add_argument(
+        "--no-reference-logprobs",
+        action="store_true",
+        help="vLLM runs without logprobs, so its margins are not measured: for a vLLM that leaves a request asking "
+        "for logprobs out of speculation (the gate then reports that vLLM made no draft)",
+    )
+    parser.add_argument(
         "--share-gpu",
         action="store_true",
         help="run beside other gates on one GPU: deltaserve's engines at gpu_memory_utilization "
@@ -123,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.num_speculative_tokens, args.reference, args.num_prompts, args.max_tokens,
         args.max_prompt_len, args.dtype, args.device, args.seed, args.site, args.record, args.share_gpu,
+        not args.no_reference_logprobs,
     )  # fmt: skip
 
 
@@ -159,7 +167,8 @@ def compare_acceptance(ours: Acceptance, theirs: Acceptance, k: int, tolerance: 
             found.append(f"  position {j}: deltaserve {a:.3f} vs vLLM {b:.3f}, |difference| {abs(a - b):.3f} > "
                          f"{tolerance:g}")  # fmt: skip
     if theirs.num_drafts == 0:
-        found.append("  vLLM made no draft at all")
+        found.append("  vLLM made no draft at all (a vLLM that leaves requests asking for logprobs out of speculation "
+                     "does so: run again with --no-reference-logprobs)")  # fmt: skip
     return found
 
 
@@ -221,6 +230,7 @@ def run_gate(
     site: str = GATE_SITE,
     record_path: Path | None = None,
     share_gpu: bool = False,
+    reference_logprobs: bool = True,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -235,12 +245,12 @@ def run_gate(
     ref_run = None
     if reference == "vllm":
         # vLLM first: it must give the GPU back before deltaserve takes it
-        from deltaserve.gates.vllm_reference import VllmReference
+        from deltaserve.gates.vllm_reference import LOGPROBS_TOP_K, VllmReference
 
         try:
             oracle = VllmReference(model_dir, dtype, max_prompt_len, seed, site, shares_gpu=share_gpu,
                                    speculative_config=spec)  # fmt: skip
-            ref_run = oracle.run(prompts, max_tokens)
+            ref_run = oracle.run(prompts, max_tokens, LOGPROBS_TOP_K if reference_logprobs else None)
             verdict.theirs = Acceptance(**ref_run.config["spec_decode"])
         except (ReferenceError, ValueError) as exc:
             verdict.refused = str(exc)
@@ -250,9 +260,11 @@ def run_gate(
     if ref_run is not None:
         verdict.ref_mismatches = compare_tokens(ref_run.tokens, ours)
         for m in verdict.ref_mismatches:
-            judged: Mismatch | None = judge_mismatch(ours[m.prompt], ref_run.tokens[m.prompt],
-                                                      ref_run.scores[m.prompt], dtype)  # fmt: skip
-            if judged is not None and m.position < len(ref_run.scores[m.prompt]):
+            scores = ref_run.scores[m.prompt]
+            if m.position >= len(scores):
+                continue  # no logits there (--no-reference-logprobs, or past vLLM's output): no margin
+            judged: Mismatch | None = judge_mismatch(ours[m.prompt], ref_run.tokens[m.prompt], scores, dtype)
+            if judged is not None:
                 m.margin, m.is_margin_exact = judged.margin, judged.is_margin_exact
         verdict.rate_disagreements = compare_acceptance(verdict.ours, verdict.theirs, k)
     code = report(verdict, model_dir, dtype, max_tokens, ref_run.config if ref_run is not None else None)

@@ -189,8 +189,11 @@ class VllmReference:
         self.dtype = dtype
         self.is_speculative = speculative_config is not None
 
-    def run(self, prompts: list[list[int]] | list[dict[str, Any]], max_tokens: int) -> ReferenceRun:
-        """Token-id prompts, or vLLM prompt dicts ({"prompt": ..., "multi_modal_data": ...}) as they are."""
+    def run(
+        self, prompts: list[list[int]] | list[dict[str, Any]], max_tokens: int, logprobs: int | None = LOGPROBS_TOP_K
+    ) -> ReferenceRun:
+        """Token-id prompts, or vLLM prompt dicts ({"prompt": ..., "multi_modal_data": ...}) as they are. `logprobs`
+        None: no per-step logits (each prompt's scores are an empty list, so no margin can be measured)."""
         engine = self.engine
         try:
             from vllm import SamplingParams
@@ -201,7 +204,7 @@ class VllmReference:
         llm = registry.build_vllm_llm(engine)
         try:
             config = effective_config(llm)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROBS_TOP_K)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
             inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
             outputs = llm.generate(inputs, params, use_tqdm=False)
             if self.is_speculative:
@@ -213,9 +216,8 @@ class VllmReference:
             completion = output.outputs[0]
             tokens.append(list(completion.token_ids))
             # logprobs_mode=raw_logits: each entry's `logprob` is the raw logit.
-            scores.append(
-                [StepScores({t: float(lp.logprob) for t, lp in step.items()}, False) for step in completion.logprobs]
-            )
+            steps = completion.logprobs or []
+            scores.append([StepScores({t: float(lp.logprob) for t, lp in step.items()}, False) for step in steps])
         config["registry"] = {
             "kwargs": {k: _plain(v) for k, v in engine.kwargs.items()},
             "env": engine.env,

@@ -100,6 +100,8 @@ def fake_mtp_vllm(model_dir: Path, built: list[dict[str, Any]], shift: int, wron
             assert kwargs["disable_log_stats"] is False  # else vLLM's get_metrics() asserts
 
         def generate(self, prompts: list[dict], params: Any, use_tqdm: bool = False) -> list[Any]:
+            asked = params.logprobs
+            params.logprobs = asked or 20  # the base fake always ranks its steps; dropped below when not asked for
             outputs = super().generate(prompts, params, use_tqdm)
             ids = [p["prompt_token_ids"] for p in prompts]
             _, self.acceptance = mtp.run_deltaserve(model_dir, ids, params.max_tokens, "float32", "cpu", 0, self.spec)
@@ -107,6 +109,8 @@ def fake_mtp_vllm(model_dir: Path, built: list[dict[str, Any]], shift: int, wron
                 completion = outputs[0].outputs[0]
                 ranked = sorted(completion.logprobs[2].items(), key=lambda item: -item[1].logprob)
                 completion.token_ids[2] = ranked[1][0]
+            for output in outputs if asked is None else ():
+                output.outputs[0].logprobs = None
             return outputs
 
         def get_metrics(self) -> list[Any]:
@@ -148,19 +152,23 @@ def test_against_vllm_the_acceptance_is_compared_side_by_side(
     assert saved["reference_config"]["spec_decode"]["num_drafts"] == saved["verdict"]["ours"]["num_drafts"]
 
 
+@pytest.mark.parametrize("has_logprobs", [True, False])
 def test_a_disagreement_with_vllm_fails_and_is_printed(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, has_logprobs: bool
 ) -> None:
     model = trained_model_dir("dense")
     monkeypatch.setattr(registry, "apply_environment", lambda env: None)
     # 4 accepted first drafts moved to position 1: over the ~30 drafts of this run, > 0.05 of a rate at both
     built: list[dict[str, Any]] = []
     monkeypatch.setitem(sys.modules, "vllm", fake_mtp_vllm(model, built, 4, True))
-    assert mtp.run_gate(model, 2, reference="vllm", share_gpu=True, **SMALL) == 1
+    assert mtp.run_gate(model, 2, reference="vllm", share_gpu=True, reference_logprobs=has_logprobs, **SMALL) == 1
     assert built[0]["kv_cache_memory_bytes"] == 2**30  # --share-gpu: the registry's shared-GPU oracle
     out = capsys.readouterr().out
     assert "STRICT 3/4 deltaserve with MTP against vllm" in out
     line = next(line for line in out.splitlines() if line.startswith("  prompt 0, output position 2: vLLM-mtp"))
-    assert "vLLM's margin -" in line  # its runner-up against its own top token: a negative margin
+    if has_logprobs:
+        assert "vLLM's margin -" in line  # its runner-up against its own top token: a negative margin
+    else:
+        assert "margin" not in line  # --no-reference-logprobs: vLLM returned no logits to measure one
     assert "FAIL at 2 positions" in out
     assert "  position 0: deltaserve " in out and "  position 1: deltaserve " in out
