@@ -27,6 +27,10 @@
 #   gates prefix-cache [FLAGS]   `deltaserve gate prefix-cache` in bf16 on cuda on the trained dense / moe / next
 #                                checkpoints: greedy tokens with the prefix cache on vs off, STRICT n/N each
 #                                (gate-prefix-cache-V-bf16-TAG.json); FLAGS are the gate's own
+#   gates mtp [FLAGS]            the bf16 MTP gates on cuda (deltaserve gate mtp: with MTP vs without, and vs vLLM's
+#                                MTP arm in process: tokens and acceptance) on the trained dense / moe / next
+#                                checkpoints, side by side on one GPU (--share-gpu); FLAGS are the gate's own
+#                                (-k 1, --max-tokens, ...); gate-mtp-V-bf16-TAG.json
 #   decode-step [FLAGS]          benchmarks/decode_step.py (FLAGS are its own: --batches, --shapes, --variants, ...),
 #                                then graph_ms against the newest committed decode-step record
 #                                (scripts/decode_step_compare.py; `--against RECORD` names another)
@@ -252,6 +256,29 @@ gate_prefix_cache() {  # cache on vs off, bf16 on cuda, the trained checkpoints 
   return $status
 }
 
+gate_mtp() {  # [FLAGS]: the three bf16 MTP gates at once on one GPU, each against vLLM's MTP arm in process
+  if [ ! -d /tmp/vllm_site/vllm ] && [ -z "${DRY_RUN:-}" ]; then
+    echo "no /tmp/vllm_site/vllm: carry the bundle pieces first (setup); the gate's vLLM reference needs it" | say
+    return 3
+  fi
+  local v i rc status=0 limit variants=(${VARIANTS:-dense moe next}) pids=()
+  limit=$(left 20)
+  for v in "${variants[@]}"; do
+    run "$W/gate-mtp-$v.log" timeout "$limit" $PY -m deltaserve.cli gate mtp --model "deltaserve/tiny/trained/$v" \
+      --dtype bfloat16 --device cuda --reference vllm --share-gpu --record "$OUT/gate-mtp-$v-bf16-$tag.json" "$@" &
+    pids+=($!)
+    [ -n "${DRY_RUN:-}" ] || sleep 2  # staggered starts: the CUDA contexts and first compiles do not all land at once
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    echo "gate mtp ${variants[$i]} rc $rc:" | say
+    grep -E "^STRICT|^acceptance|^per-position|REFUSED" "$W/gate-mtp-${variants[$i]}.log" 2> /dev/null | say
+  done
+  return $status
+}
+
 mark "$step $* (commit ${DELTASERVE_GIT_COMMIT:-unset}, $(date -u +%FT%TZ), budget ${budget} s)"
 setup
 status=0
@@ -266,6 +293,7 @@ case $step in
     case $what in
       fp32) gate_fp32 || status=$? ;;
       prefix-cache) gate_prefix_cache "$@" || status=$? ;;
+      mtp) gate_mtp "$@" || status=$? ;;
       bf16 | media)
         script=benchmarks/oracle/gates_shared.sh
         [ "$what" = media ] && script=benchmarks/oracle/media_gate_runs.sh
@@ -273,7 +301,7 @@ case $step in
           GATE_TIMEOUT_S="$(left 20)" timeout "$(left 10)" bash "$script" || status=$?
         grep -E "^===|^STRICT|^rc|REFUSED|Error" "$W/$what.log" 2> /dev/null | say
         tar -czf "$OUT/gates-$what-${1:-all}-$tag.tgz" -C "$W/$what" . 2> /dev/null ;;
-      *) echo "gates: fp32, bf16 STAGE, media MEDIA or prefix-cache, not $what" | say; status=2 ;;
+      *) echo "gates: fp32, bf16 STAGE, media MEDIA, prefix-cache [FLAGS] or mtp [FLAGS], not $what" | say; status=2 ;;
     esac ;;
   decode-step)
     against=()

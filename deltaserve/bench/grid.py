@@ -42,6 +42,7 @@ DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results" / "grids"  # the grid 
 RECORD_SCHEMA = "deltaserve-grid-record/1"
 RATIO_FIELDS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
 HIT_RATE = "server_prefix_cache_hit_rate"  # a run's field (server_counters.py)
+ACCEPTANCE = "server_mean_acceptance_length"  # a speculating run's field (server_counters.py)
 DROPPED_RESULT_FIELDS = ("latencies", "input_lens", "output_lens", "start_times", "ttfts", "itls", "errors")
 
 
@@ -260,7 +261,8 @@ class Grid:
                         f"[grid] {raw_name}: out {result['output_throughput']:.1f} tok/s, "
                         f"TTFT med {result.get('median_ttft_ms', math.nan):.1f} ms, "
                         f"TPOT med {result.get('median_tpot_ms', math.nan):.2f} ms, "
-                        f"prefix cache hit rate {_percent(result.get(HIT_RATE))}, failed {result['failed']}",
+                        f"prefix cache hit rate {_percent(result.get(HIT_RATE))}, failed {result['failed']}"
+                        + _acceptance_text(result.get(ACCEPTANCE)),
                         flush=True,
                     )
                 except Exception as exc:  # one failed point must not lose the rest of the grid
@@ -413,6 +415,11 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
             if HIT_RATE in metrics or HIT_RATE in peer_metrics:
                 entry["subject_prefix_cache_hit_rate"] = metrics.get(HIT_RATE)
                 entry["peer_prefix_cache_hit_rate"] = peer_metrics.get(HIT_RATE)
+            # each MTP arm's own mean acceptance length at this point (its /metrics), next to the ratio: speed with
+            # speculation is speed at that acceptance
+            if metrics.get(ACCEPTANCE) is not None or peer_metrics.get(ACCEPTANCE) is not None:
+                entry["subject_mean_acceptance_length"] = metrics.get(ACCEPTANCE)
+                entry["peer_mean_acceptance_length"] = peer_metrics.get(ACCEPTANCE)
             unequal = unequal_outputs(subject, metrics, peer, peer_metrics)
             if unequal:
                 entry["unequal_outputs"] = unequal
@@ -492,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"[grid] {entry['subject']}/{entry['peer']} {entry['model']} c{entry['concurrency']}: "
             f"output tok/s x{_fmt(entry['output_throughput'])}, TTFT med x{_fmt(entry['median_ttft_ms'])}, "
-            f"TPOT med x{_fmt(entry['median_tpot_ms'])}{hit_rates}"
+            f"TPOT med x{_fmt(entry['median_tpot_ms'])}{hit_rates}{acceptance_pair(entry)}"
         )
     num_failed = sum(1 for r in record["runs"] if r["error"]) + sum(1 for e in record["launches"] if e["error"])
     if not record["runs"]:
@@ -529,3 +536,15 @@ def _fmt(value: float | None) -> str:
 
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f} %"
+
+
+def _acceptance_text(value: float | None) -> str:
+    return "" if value is None else f", mean acceptance length {value:.2f}"
+
+
+def acceptance_pair(entry: dict[str, Any]) -> str:
+    """A ratio's MTP acceptance, subject / peer ("" when neither arm speculated; "–" for the one that did not)."""
+    if "subject_mean_acceptance_length" not in entry:
+        return ""
+    a, b = (entry.get(f"{side}_mean_acceptance_length") for side in ("subject", "peer"))
+    return f", mean acceptance length {'–' if a is None else f'{a:.2f}'} / {'–' if b is None else f'{b:.2f}'}"

@@ -135,8 +135,12 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointFacts:
     is_moe = int(text.get("num_experts") or 0) > 0
     dtype = text.get("mamba_ssm_dtype") or config.get("mamba_ssm_dtype") or DEFAULT_MAMBA_SSM_DTYPE
     has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    # Qwen3-Next's MTP layer count may be absent: vLLM then builds its one MTP layer (Qwen3NextMTP reads
+    # num_nextn_predict_layers with a default of 1), as deltaserve's config does (config.py)
+    is_next = (text.get("model_type") or config.get("model_type")) == "qwen3_next"
     mtp = next(
-        (c[k] for c in (text, config) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if k in c), 0
+        (c[k] for c in (text, config) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if k in c),
+        1 if is_next else 0,
     )
     quants = [c["quantization_config"] for c in (config, text) if isinstance(c.get("quantization_config"), dict)]
     method = quants[0].get("quant_method") if quants else None
@@ -454,6 +458,10 @@ def vllm_engine(
             raise ValueError("not vLLM's MTP arm: " + "; ".join(problems))
         kwargs["speculative_config"] = dict(speculative_config)
         reasons.append(f"speculative_config={speculative_config}: vLLM's MTP arm")
+        # vLLM's offline LLM keeps stat logging off by default, and LLM.get_metrics() (the MTP gate's source of the
+        # vllm:spec_decode_* counters) asserts it is on; it changes what the engine reports, not what it computes
+        kwargs["disable_log_stats"] = False
+        reasons.append("disable_log_stats=False: the spec-decode counters are read through LLM.get_metrics()")
     for name, (value, why) in (HARNESS_ENGINE_KWARGS | (SHARED_GPU_ENGINE_KWARGS if shares_gpu else {})).items():
         kwargs[name] = value
         reasons.append(f"{name}={value}: {why}")

@@ -3,7 +3,8 @@
 Input: every `*.json` grid record in benchmarks/results/grids/ (schema deltaserve-grid-record/1), oldest first.
 The Markdown opens with the current standing: one table per grid and model from its NEWEST record (every
 subject/peer ratio of output throughput, median TTFT and median TPOT per concurrency, or each arm's own figures
-where the grid has no peer; both engines' prefix-cache hit rates beside each ratio where the record has them), with
+where the grid has no peer; both engines' prefix-cache hit rates beside each ratio where the record has them, and
+both arms' mean acceptance length where an arm speculates), with
 the record it comes from. A grid whose workload (the client's flags for that
 model) a newer grid with a peer has measured since is left to the history. Then the notes, each printed once and
 referenced by mark from every cell it concerns: a peer's denominator note, a registry deviation that can move
@@ -78,6 +79,17 @@ def _hit_rates(entry: dict[str, Any]) -> str:
         return "n/a" if value is None else f"{100 * value:.1f} %"
 
     return f"{percent(entry.get('subject_prefix_cache_hit_rate'))} / {percent(entry.get('peer_prefix_cache_hit_rate'))}"
+
+
+def _has_acceptance(entries: list[dict[str, Any]]) -> bool:
+    """Whether any ratio has an MTP arm (its mean acceptance length, from /metrics: grids since issue 41)."""
+    return any("subject_mean_acceptance_length" in e for e in entries)
+
+
+def _acceptance(entry: dict[str, Any]) -> str:
+    """Both arms' mean acceptance length at a ratio's point ("–" for an arm that does not speculate)."""
+    a, b = (entry.get(f"{side}_mean_acceptance_length") for side in ("subject", "peer"))
+    return f"{'–' if a is None else f'{a:.2f}'} / {'–' if b is None else f'{b:.2f}'}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -260,6 +272,10 @@ def _standing_table(stem: str, record: dict[str, Any], model: str, notes: Notes)
             ordered = sorted(entries, key=lambda e: (e["isl"], e["osl"], e["concurrency"], e["subject"], e["peer"]))
             rows = [[*row, _hit_rates(e)] for row, e in zip(rows, ordered, strict=True)]
             header.append("prefix cache hit rate (subject / peer)")
+        if _has_acceptance(entries):
+            ordered = sorted(entries, key=lambda e: (e["isl"], e["osl"], e["concurrency"], e["subject"], e["peer"]))
+            rows = [[*row, _acceptance(e)] for row, e in zip(rows, ordered, strict=True)]
+            header.append("mean acceptance length (subject / peer)")
         return _table(header, rows)
     rows = []
     for r in sorted(_runs(record, model), key=lambda r: (r["isl"], r["osl"], r["concurrency"], r["arm"])):
@@ -441,9 +457,13 @@ def render_record(
             rows.append([pair, e["model"], f"{e['isl']}/{e['osl']}", str(e["concurrency"]), *cells])
             if _has_hit_rates(record["ratios"]):
                 rows[-1].append(_hit_rates(e))
+            if _has_acceptance(record["ratios"]):
+                rows[-1].append(_acceptance(e))
         header = ["ratio", "model", "ISL/OSL", "conc", "out tok/s", "TTFT med", "TTFT p99", "TPOT med", "peak mem"]
         if _has_hit_rates(record["ratios"]):
             header.append("prefix cache hit rate (subject / peer)")
+        if _has_acceptance(record["ratios"]):
+            header.append("mean acceptance length (subject / peer)")
         lines += _table(header, rows)
         lines.append("")
 

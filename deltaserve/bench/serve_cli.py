@@ -20,7 +20,8 @@ history with the model's real answers, over the same chat backend; its record ad
 
 Every record also carries the server's own prefix-cache hit rate over the measured requests (server_counters.py:
 the deltas of vllm:prefix_cache_queries / _hits on its /metrics from after the warm-ups to the end; null for a
-server without them).
+server without them), and, from the same two reads, a speculating server's drafts, accepted tokens and mean
+acceptance length (vllm:spec_decode_*; null for a server that does not speculate).
 
 The grid calls `run_bench(parse_bench_args(argv))` with the same argv a person would type, so both engines
 of a comparison are measured by this one client with one set of flags.
@@ -55,7 +56,13 @@ from deltaserve.bench.multi_turn import (
     sample_conversations,
 )
 from deltaserve.bench.nvml import MemorySampler
-from deltaserve.bench.server_counters import prefix_cache_fields, read_prefix_counters
+from deltaserve.bench.server_counters import (
+    parse_prefix_counters,
+    parse_spec_counters,
+    prefix_cache_fields,
+    read_metrics_text,
+    spec_decode_fields,
+)
 
 # Per-request arrays kept in the JSON only with --save-detailed, as in vLLM.
 DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
@@ -240,10 +247,10 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
     )
     if request_id_prefix is not None:
         load.request_id_prefix = request_id_prefix
-    counters: dict[str, tuple[float, float] | None] = {}
+    counters: dict[str, str | None] = {}  # the server's /metrics after the warm-ups
 
     async def read_counters_before() -> None:
-        counters["before"] = await read_prefix_counters(base_url)
+        counters["before"] = await read_metrics_text(base_url)
 
     load.after_warmups = read_counters_before
 
@@ -310,7 +317,9 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             results, duration = await run_load(requests, sampling, load)
     finally:
         peak_gib = sampler.stop()
-    server_prefix_cache = prefix_cache_fields(counters.get("before"), await read_prefix_counters(base_url))
+    texts = (counters.get("before"), await read_metrics_text(base_url))
+    server_prefix_cache = prefix_cache_fields(*(None if t is None else parse_prefix_counters(t) for t in texts))
+    server_spec_decode = spec_decode_fields(*(None if t is None else parse_spec_counters(t) for t in texts))
 
     # Requests without a usage chunk: count the text with the local tokenizer (vLLM's fallback).
     for result in results:
@@ -366,6 +375,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             # experts, so two arms whose counts differ did different MoE work (grid.compute_ratios flags it)
             "num_distinct_generated_texts": len({r.generated_text for r in results if r.is_success}),
             **server_prefix_cache,
+            **server_spec_decode,
         }
     )
     if is_prefix:
@@ -423,6 +433,7 @@ def summary(record: dict[str, Any]) -> str:
     row("Total token throughput (tok/s):", record["total_token_throughput"])
     row("Peak GPU memory (GiB):", record.get("peak_gpu_memory_gib"))
     row("Server prefix cache hit rate:", record.get("server_prefix_cache_hit_rate"), "{:<40} {:<10.4f}")
+    row("Server mean acceptance length:", record.get("server_mean_acceptance_length"), "{:<40} {:<10.2f}")
     lines.extend(multi_turn_summary(record))
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)"}
     titles.update({"itl": "Inter-token Latency", "e2el": "End-to-end Latency"})

@@ -9,6 +9,12 @@ process through `LLM.apply_model`, each attention layer's `use_fused_qk_norm_rop
 `Qwen3NextAttention.__init__`: attn_output_gate and neox RoPE and CUDA and text_only, where text_only = no
 multimodal config or language_model_only) and each GDN layer's `gdn_prefill_backend`.
 
+With `speculative_config` the oracle is vLLM's MTP arm (`deltaserve gate mtp --reference vllm`): it then also reads
+vLLM's spec-decode counters after the run through its offline metrics API (`LLM.get_metrics()`: Counter objects
+for vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens, a Vector for
+vllm:spec_decode_num_accepted_tokens_per_pos, one per label set, summed here) into `ReferenceRun.config
+["spec_decode"]`.
+
 vLLM is imported only inside these functions, so the module imports (and its CPU tests run) without it.
 """
 
@@ -110,6 +116,40 @@ def effective_config(llm: Any) -> dict[str, Any]:
     return facts
 
 
+# vLLM's spec-decode series (vllm/v1/spec_decode/metrics.py) -> the field of spec_decode_counts they fill
+SPEC_DECODE_SERIES = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos",
+}
+
+
+def spec_decode_counts(metrics: list[Any]) -> dict[str, Any]:
+    """LLM.get_metrics()'s spec-decode series as plain counts, summed over label sets (one per engine under data
+    parallelism); refused when vLLM reported none of them (speculation off, or stat logging off)."""
+    counts: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    seen = set()
+    for metric in metrics:
+        field_name = SPEC_DECODE_SERIES.get(getattr(metric, "name", None))
+        if field_name is None:
+            continue
+        seen.add(field_name)
+        if field_name == "accepted_per_pos":
+            total = counts["accepted_per_pos"]
+            total += [0] * (len(metric.values) - len(total))
+            for position, value in enumerate(metric.values):
+                total[position] += int(value)
+        else:
+            counts[field_name] += int(metric.value)
+    if not seen:
+        raise ReferenceError(
+            "vLLM reported no vllm:spec_decode_* series through LLM.get_metrics(): speculative decoding did not run "
+            "or stat logging is off"
+        )
+    return counts
+
+
 def _shutdown(llm: Any) -> None:
     """Stop the engine process and free its GPU memory before deltaserve starts."""
     core = _get(llm, "llm_engine.engine_core")
@@ -140,15 +180,20 @@ class VllmReference:
         site: str,
         serves_media: bool = False,
         shares_gpu: bool = False,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         self.engine = registry.vllm_engine(
             str(model_dir), max_prompt_len, dtype=dtype, site=site, seed=seed, serves_media=serves_media,
-            shares_gpu=shares_gpu,
+            shares_gpu=shares_gpu, speculative_config=speculative_config,
         )  # fmt: skip
         self.dtype = dtype
+        self.is_speculative = speculative_config is not None
 
-    def run(self, prompts: list[list[int]] | list[dict[str, Any]], max_tokens: int) -> ReferenceRun:
-        """Token-id prompts, or vLLM prompt dicts ({"prompt": ..., "multi_modal_data": ...}) as they are."""
+    def run(
+        self, prompts: list[list[int]] | list[dict[str, Any]], max_tokens: int, logprobs: int | None = LOGPROBS_TOP_K
+    ) -> ReferenceRun:
+        """Token-id prompts, or vLLM prompt dicts ({"prompt": ..., "multi_modal_data": ...}) as they are. `logprobs`
+        None: no per-step logits (each prompt's scores are an empty list, so no margin can be measured)."""
         engine = self.engine
         try:
             from vllm import SamplingParams
@@ -159,9 +204,11 @@ class VllmReference:
         llm = registry.build_vllm_llm(engine)
         try:
             config = effective_config(llm)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROBS_TOP_K)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
             inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
             outputs = llm.generate(inputs, params, use_tqdm=False)
+            if self.is_speculative:
+                config["spec_decode"] = spec_decode_counts(llm.get_metrics())
         finally:
             _shutdown(llm)
         tokens, scores = [], []
@@ -169,9 +216,8 @@ class VllmReference:
             completion = output.outputs[0]
             tokens.append(list(completion.token_ids))
             # logprobs_mode=raw_logits: each entry's `logprob` is the raw logit.
-            scores.append(
-                [StepScores({t: float(lp.logprob) for t, lp in step.items()}, False) for step in completion.logprobs]
-            )
+            steps = completion.logprobs or []
+            scores.append([StepScores({t: float(lp.logprob) for t, lp in step.items()}, False) for step in steps])
         config["registry"] = {
             "kwargs": {k: _plain(v) for k, v in engine.kwargs.items()},
             "env": engine.env,

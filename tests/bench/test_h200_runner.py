@@ -56,6 +56,13 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
             f"gate prefix-cache --model deltaserve/tiny/trained/{variant} --dtype bfloat16 --device cuda --record "
             f"{out}/gate-prefix-cache-{variant}-bf16-h200-test.json --max-tokens 16" in cached
         )
+    mtp = runner(tmp_path, "gates", "mtp", "-k", "1").stdout
+    for variant in ("dense", "moe", "next"):
+        assert (
+            f"deltaserve.cli gate mtp --model deltaserve/tiny/trained/{variant} --dtype bfloat16 --device cuda "
+            f"--reference vllm --share-gpu --record {out}/gate-mtp-{variant}-bf16-h200-test.json -k 1" in mtp
+        )
+        assert f"gate mtp {variant} rc 0" in mtp
 
 
 def test_kernel_ab_builds_a_baseline_tree_from_one_kernel_file(tmp_path: Path) -> None:
