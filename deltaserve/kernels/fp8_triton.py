@@ -23,7 +23,7 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2, silu_f32
 from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Weight
-from deltaserve.kernels.moe_triton import CHUNK_TOKENS, _moe_sum_kernel, align_experts, grouped_block_m
+from deltaserve.kernels.moe_triton import align_experts, grouped_block_m, over_token_chunks, weighted_sum_triton
 
 
 @triton.jit
@@ -268,13 +268,13 @@ MOE_BLOCK_N = 64
 
 def _fused_moe_fp8_chunk(
     x: torch.Tensor,
-    w13: Fp8Weight,
-    w2: Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     out: torch.Tensor,
     shared: torch.Tensor | None,
     shared_gate_logits: torch.Tensor | None,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
 ) -> None:
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -299,24 +299,7 @@ def _fused_moe_fp8_chunk(
         I=inter, H=hidden, SCALE_ROWS=w2.block_n, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=MOE_BLOCK_N,
         num_warps=4, num_stages=3, enable_fp_fusion=False,
     )  # fmt: skip
-    block_h = min(1024, next_pow2(hidden))
-    has_shared = shared is not None and shared_gate_logits is not None
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y,
-        topk_weights,
-        shared if has_shared else out,
-        shared_gate_logits if has_shared else out,
-        out,
-        topk_weights.stride(0),
-        shared.stride(0) if has_shared else 0,
-        shared_gate_logits.stride(0) if has_shared else 0,
-        out.stride(0),
-        TOP_K=top_k,
-        H=hidden,
-        HAS_SHARED=has_shared,
-        BLOCK_H=block_h,
-        enable_fp_fusion=False,
-    )
+    weighted_sum_triton(y, topk_weights, shared, shared_gate_logits, out)
 
 
 def fused_moe_fp8_triton(
@@ -331,17 +314,6 @@ def fused_moe_fp8_triton(
     """x [T, H] (last dim contiguous); w13 Fp8Weight [E, 2I, H]; w2 Fp8Weight [E, H, I]; topk_weights [T, k] fp32;
     topk_ids [T, k] -> [T, H], as fused_moe_fp8_ref (with the shared expert's output and gate logits, their
     sigmoid-gated sum)."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for start in range(0, x.shape[0], CHUNK_TOKENS):
-        rows = slice(start, min(start + CHUNK_TOKENS, x.shape[0]))
-        _fused_moe_fp8_chunk(
-            x[rows],
-            w13,
-            w2,
-            topk_weights[rows],
-            topk_ids[rows],
-            out[rows],
-            None if shared is None else shared[rows],
-            None if shared_gate_logits is None else shared_gate_logits[rows],
-        )
-    return out
+    return over_token_chunks(
+        lambda *rows: _fused_moe_fp8_chunk(*rows, w13, w2), x, topk_weights, topk_ids, shared, shared_gate_logits
+    )

@@ -21,6 +21,8 @@ slower, while the decode path's kernels gained (docs/kernels.md#programmatic-dep
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -188,15 +190,69 @@ def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     return moe_align_ref(topk_ids, num_experts, block_m)
 
 
+def weighted_sum_triton(
+    y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared: torch.Tensor | None,
+    shared_gate_logits: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """out [T, H] = the top-k rows of y [T * k, H] weighted by topk_weights [T, k] (fp32), plus, with the shared
+    expert's output [T, H] and gate logits [T, 1], its sigmoid-gated output: the last launch of every grouped MoE."""
+    num_tokens, hidden = out.shape
+    block_h = min(1024, next_pow2(hidden))
+    has_shared = shared is not None and shared_gate_logits is not None
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y,
+        topk_weights,
+        shared if has_shared else out,
+        shared_gate_logits if has_shared else out,
+        out,
+        topk_weights.stride(0),
+        shared.stride(0) if has_shared else 0,
+        shared_gate_logits.stride(0) if has_shared else 0,
+        out.stride(0),
+        TOP_K=topk_weights.shape[1],
+        H=hidden,
+        HAS_SHARED=has_shared,
+        BLOCK_H=block_h,
+        enable_fp_fusion=False,
+    )
+
+
+def over_token_chunks(
+    chunk: Callable[..., None],
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared: torch.Tensor | None,
+    shared_gate_logits: torch.Tensor | None,
+) -> torch.Tensor:
+    """Runs a grouped MoE `chunk(x, topk_weights, topk_ids, out, shared, gate_logits)` over CHUNK_TOKENS-row slices
+    of the tokens (its buffers stay bounded), each writing its rows of the returned out [T, H]."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for start in range(0, x.shape[0], CHUNK_TOKENS):
+        rows = slice(start, min(start + CHUNK_TOKENS, x.shape[0]))
+        chunk(
+            x[rows],
+            topk_weights[rows],
+            topk_ids[rows],
+            out[rows],
+            None if shared is None else shared[rows],
+            None if shared_gate_logits is None else shared_gate_logits[rows],
+        )
+    return out
+
+
 def _fused_moe_chunk(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     out: torch.Tensor,
     shared: torch.Tensor | None,
     shared_gate_logits: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
     config: MoEConfig,
 ) -> None:
     num_tokens, hidden = x.shape
@@ -218,24 +274,7 @@ def _fused_moe_chunk(
         act, w2, y, sorted_ids, block_expert, num_entries, w2.stride(0), w2.stride(1),
         I=inter, H=hidden, DOT_PRECISION=precision, BLOCK_M=block_m, **g2.launch(),
     )  # fmt: skip
-    block_h = min(1024, next_pow2(hidden))
-    has_shared = shared is not None and shared_gate_logits is not None
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y,
-        topk_weights,
-        shared if has_shared else out,
-        shared_gate_logits if has_shared else out,
-        out,
-        topk_weights.stride(0),
-        shared.stride(0) if has_shared else 0,
-        shared_gate_logits.stride(0) if has_shared else 0,
-        out.stride(0),
-        TOP_K=top_k,
-        H=hidden,
-        HAS_SHARED=has_shared,
-        BLOCK_H=block_h,
-        enable_fp_fusion=False,
-    )
+    weighted_sum_triton(y, topk_weights, shared, shared_gate_logits, out)
 
 
 def fused_moe_triton(
@@ -269,19 +308,6 @@ def fused_moe_triton(
         )  # fmt: skip
     if config.path == "decode":  # a chunk past the decode path's limit (tests force tiny chunks)
         config = moe_configs.default_config(DEFAULT_GROUPED_TOKENS, num_experts, top_k)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for start in range(0, num_tokens, CHUNK_TOKENS):
-        end = min(start + CHUNK_TOKENS, num_tokens)
-        rows = slice(start, end)
-        _fused_moe_chunk(
-            x[rows],
-            w13,
-            w2,
-            topk_weights[rows],
-            topk_ids[rows],
-            out[rows],
-            None if shared is None else shared[rows],
-            None if shared_gate_logits is None else shared_gate_logits[rows],
-            config,
-        )
-    return out
+    return over_token_chunks(
+        lambda *rows: _fused_moe_chunk(*rows, w13, w2, config), x, topk_weights, topk_ids, shared, shared_gate_logits
+    )
