@@ -14,8 +14,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from deltaserve.step import StepPlan, StepResult
+if TYPE_CHECKING:  # annotations only: the chat-template workers import this module and must not load torch
+    from deltaserve.step import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 

@@ -99,3 +99,14 @@ def test_worker_dies_with_its_server(tmp_path: Path) -> None:
     while is_running(worker):
         assert time.monotonic() < deadline, "the worker outlived its server"
         time.sleep(0.05)
+
+
+def test_a_worker_imports_no_torch() -> None:
+    """A render worker's address space is capped (RLIMIT_AS): what it imports must stay small. Loading torch (through
+    any module the worker's imports reach) takes the cap on its own, and every render fails as "needed more than"."""
+    code = "import sys, deltaserve.api.template_pool; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
