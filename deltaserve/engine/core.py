@@ -80,6 +80,8 @@ class EngineCore:
         if config.speculative_config is not None:  # the runner built the MTP drafter
             k = config.speculative_config.num_speculative_tokens
             self.scheduler.spec = SpecSchedule(k, self.runner.spec.max_spec_seqs)
+            if self.scheduler.prefix_cache is not None:  # a hit rewrites the MTP KV at P - 1 in a private block
+                self.scheduler.prefix_cache.rewrites_last_row = True
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[tuple[StepPlan, StepHandle, tuple[str | None, ...]]] = deque()

@@ -54,13 +54,17 @@ def bytes_per_block(
     return per_layer * num_kv_layers(config, has_mtp)
 
 
-def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None) -> int:
+def bytes_per_slot(
+    config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None, has_mtp: bool = False
+) -> int:
+    """A state slot's bytes: the GDN layers' conv and recurrent states, plus, with the MTP layer, one hidden row."""
     shapes = _local(config, shapes)
     element = torch.tensor([], dtype=dtype).element_size()
     state_element = torch.tensor([], dtype=ssm_dtype(config)).element_size()
     conv = (config.linear_conv_kernel_dim - 1) * _conv_dim(config, shapes) * element
     ssm = shapes.v_heads.size * config.linear_key_head_dim * config.linear_value_head_dim * state_element
-    return (conv + ssm) * len(config.linear_attention_layers)
+    hidden = config.hidden_size * element if has_mtp else 0
+    return (conv + ssm) * len(config.linear_attention_layers) + hidden
 
 
 @dataclass
@@ -116,7 +120,7 @@ def plan_cache(
     attention layer, same block ids)."""
     num_slots += num_checkpoint_slots
     block_bytes = bytes_per_block(config, block_size, dtype, shapes, has_mtp)
-    slot_bytes = bytes_per_slot(config, dtype, shapes)
+    slot_bytes = bytes_per_slot(config, dtype, shapes, has_mtp)
     slots_total = num_slots * slot_bytes
     if slots_total >= budget_bytes:
         affordable = budget_bytes // max(slot_bytes, 1)
@@ -168,11 +172,14 @@ def allocate_and_bind(
     if mtp is not None:
         mtp.attention.k_cache = kv[attn_index, 0]
         mtp.attention.v_cache = kv[attn_index, 1]
+        # beside each slot's GDN state, the target's hidden at its last consumed token (runner/mtp_resume.py)
+        mtp.slot_hidden = torch.zeros(layout.num_slots, config.hidden_size, dtype=dtype, device=device)
 
 
 def copy_state_slots(model: Qwen35Model, pairs: list[tuple[int, int]]) -> None:
-    """Copies every GDN layer's conv and recurrent state from slot src to slot dst, for (src, dst) pairs: a step that
-    reads one slot and writes another (a restored prefix-cache checkpoint) starts from a copy."""
+    """Copies every GDN layer's conv and recurrent state (and, with the MTP layer, the slot's hidden row) from slot
+    src to slot dst, for (src, dst) pairs: a step that reads one slot and writes another (a restored prefix-cache
+    checkpoint) starts from a copy."""
     if not pairs:
         return
     device = next(iter(model.parameters())).device
@@ -183,6 +190,9 @@ def copy_state_slots(model: Qwen35Model, pairs: list[tuple[int, int]]) -> None:
             mixer = layer.linear_attn
             mixer.conv_states.index_copy_(0, dst, mixer.conv_states.index_select(0, src))
             mixer.ssm_states.index_copy_(0, dst, mixer.ssm_states.index_select(0, src))
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:  # the slot's hidden row travels with its state (runner/mtp_resume.py)
+        mtp.slot_hidden.index_copy_(0, dst, mtp.slot_hidden.index_select(0, src))
 
 
 def copy_kv_blocks(model: Qwen35Model, pairs: tuple[tuple[int, int], ...]) -> None:

@@ -51,6 +51,7 @@ from deltaserve.runner.cache import (
 from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
 from deltaserve.runner.mtp_drafter import MtpDrafter
+from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_last_hidden
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens, scratch_rows
@@ -325,8 +326,13 @@ class ModelRunner:
             if layout.spec is not None:
                 self._require_spec().fill_draft_inputs(inputs.input_ids, layout.spec)
             mm_embeds = self._mm_embeds(plan, layout) if any(s.mm_spans for s in plan.seqs) else None
+            if self.model.mtp is not None:  # the MTP KV at P - 1 of sequences resumed at P (after the block copies)
+                rewrite_resumed_rows(self.model, plan, layout.query_start_loc, inputs.input_ids, self.table,
+                                     self.block_size)  # fmt: skip
             with forward_context(inputs.ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
+            if self.model.mtp is not None:  # each slot's hidden row, before the checkpoints copy their slots
+                save_last_hidden(self.model, hidden, layout.query_start_loc, layout.state_slots)
             # prefix-cache checkpoints: the state each chunk left in its write slot, saved (stream order: after the
             # forward wrote it, before any later step overwrites it)
             copy_state_slots(self.model, layout.state_saves)

@@ -27,6 +27,7 @@ import torch
 from deltaserve.kernels.gdn_spec import spec_state_commit
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner.mtp_resume import save_accepted_hidden
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.sampler import logprobs_to_host
 from deltaserve.sampler.rejection import greedy_accept, random_accept, synthetic_accept
@@ -305,6 +306,9 @@ class SpecDecoder:
                 mixer = layer.linear_attn
                 spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
                                   mixer.spec_ssm_scratch, slots, num_emitted - 1)  # fmt: skip
+        if self.model.mtp is not None:  # the live slot's hidden row follows the rollback (runner/mtp_resume.py)
+            first = handle.step_layout.query_start_loc[layout.seq_index]
+            save_accepted_hidden(self.model, handle.hidden, first, num_emitted, layout.state_slots)
         handle.tokens, handle.num_emitted = tokens, num_emitted
         last = tokens.gather(1, (num_emitted - 1).unsqueeze(1)).squeeze(1)  # [S]
         seq_tokens = seq_tokens.clone()

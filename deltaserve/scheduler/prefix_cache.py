@@ -88,6 +88,9 @@ class PrefixCache:
     chunk_size: int  # the GDN chunk: branch and periodic checkpoints sit on its grid
     interval: int = 0  # a periodic checkpoint every `interval` tokens of a prefill (a multiple of chunk_size); 0: none
     max_seen: int = MAX_SEEN_HASHES
+    # the model has an MTP layer: a hit at P rewrites the MTP KV entry at P - 1, so the block holding P - 1 is copied
+    # for it, never shared (runner/mtp_resume.py)
+    rewrites_last_row: bool = False
     _checkpoints: OrderedDict[CheckpointKey, Checkpoint] = field(default_factory=OrderedDict)  # LRU first
     _by_hash: dict[bytes, list[Checkpoint]] = field(default_factory=dict)
     _pending: dict[int, list[Checkpoint]] = field(default_factory=dict)  # step id -> checkpoints it writes
@@ -119,6 +122,14 @@ class PrefixCache:
         hashes = chain_hashes(seq, self.block_size, full)
         tail = tuple(sequence_tokens(seq)[full:position])
         return hashes[-1] if hashes else ROOT_HASH, tail, media_keys(seq.mm_input, full, position)
+
+    def num_shared_blocks(self, position: int) -> int:
+        """The leading blocks of a hit at `position` that the sequence shares; the block after them, when it holds a
+        token before `position`, is copied (a partial block its owner keeps writing; with the MTP layer, also the
+        full block holding position - 1, whose MTP entry the hit rewrites)."""
+        if position < 1:
+            return 0
+        return (position - 1) // self.block_size if self.rewrites_last_row else position // self.block_size
 
     # -- lookups --------------------------------------------------------------------------------------
 
@@ -229,15 +240,16 @@ class PrefixCache:
 
     def admit(self, seq: Sequence, hit: Checkpoint | None) -> None:
         """Sets an admitted sequence up (its fresh blocks already in seq.block_ids): with a hit, the hit's full
-        blocks go in front (one more reference each), it starts at the hit's position from the hit's slot, and its
-        first step copies the hit's partial block into its first fresh one. Its chain hashes count as seen."""
+        blocks go in front (one more reference each, num_shared_blocks), it starts at the hit's position from the hit's
+        slot, and its first step copies the hit's next block (partial, or holding position - 1 with the MTP layer)
+        into its first fresh one. Its chain hashes count as seen."""
         if hit is not None:
-            num_shared, partial = divmod(hit.position, self.block_size)
+            num_shared = self.num_shared_blocks(hit.position)
             shared = list(hit.block_ids[:num_shared])
             self.blocks.share(shared)
             seq.block_ids = shared + seq.block_ids
             seq.num_computed_tokens, seq.restore_slot = hit.position, hit.slot
-            if partial:
+            if num_shared * self.block_size < hit.position:
                 seq.block_copy = (hit.block_ids[num_shared], seq.block_ids[num_shared])
         self.remember(seq)
 

@@ -228,7 +228,7 @@ class Scheduler:
                 num_new = PrefixCache.cap(seq, start, min(seq.num_tokens - start, budget))
             if num_new == 0:
                 break  # a prefill-only chunk that waits for a step with room for it whole
-            num_shared = start // self.blocks.block_size  # the hit's full blocks; its partial one is copied
+            num_shared = cache.num_shared_blocks(start) if cache is not None else 0  # the next block is copied
             end = start + num_new
             needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), num_shared)
             slot = None

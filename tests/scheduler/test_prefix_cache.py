@@ -293,3 +293,28 @@ def test_a_new_checkpoint_never_evicts_the_one_its_chunk_reads() -> None:
     scheduler.update(plan, answer(plan))
     run_to_end(scheduler)
     assert_accounted(scheduler)
+
+
+@pytest.mark.parametrize("has_mtp", [False, True], ids=["no-mtp", "mtp"])
+def test_with_the_mtp_layer_a_hit_copies_the_block_holding_its_last_cached_token(has_mtp: bool) -> None:
+    """A hit at P shares the checkpoint's blocks before the one holding P - 1 and copies that one when the model
+    has an MTP layer (the hit rewrites its MTP entry at P - 1); without it, every full block is shared and only a
+    partial one is copied."""
+    scheduler = make()
+    scheduler.prefix_cache.rewrites_last_row = has_mtp
+    for prompt, extra in ((A[:192], [5, 6]), (A, [7, 8])):  # a checkpoint on a block boundary (192), inside one (200)
+        scheduler.add(request("first", prompt))
+        (first,) = run_to_end(scheduler)[0].seqs
+        scheduler.add(request("next", prompt + extra))
+        plan = scheduler.schedule()
+        (item,) = plan.seqs
+        position = len(prompt)
+        assert (item.num_computed_tokens, item.num_new_tokens) == (position, 2)
+        shared = (position - 1) // 16 if has_mtp else position // 16  # 11 / 12 at 192, 12 at 200
+        assert item.new_block_ids[:shared] == first.new_block_ids[:shared]
+        assert not set(item.new_block_ids[shared:]) & set(first.new_block_ids)  # the rest are its own
+        copies = ((first.new_block_ids[shared], item.new_block_ids[shared]),) if shared * 16 < position else ()
+        assert plan.block_copies == copies
+        scheduler.update(plan, answer(plan))
+        run_to_end(scheduler)
+        assert_accounted(scheduler)
