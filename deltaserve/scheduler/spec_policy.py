@@ -140,7 +140,7 @@ class KPolicy:
 
     def plan_step(self, num_decodes: int) -> int:
         """Sets and returns k_step for a step whose decodes number num_decodes."""
-        k, reason = self.k, "num_speculative_tokens"
+        k, reason = self.k, "no rule lowers the configured num_speculative_tokens"
         if self.batch_schedule is not None:
             k_schedule = batch_schedule_k(self.batch_schedule, max(num_decodes, 1), self.k)
             if k_schedule < k:

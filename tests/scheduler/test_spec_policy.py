@@ -133,7 +133,10 @@ def test_the_log_lines_name_the_parameters_and_each_change_rate_limited(caplog: 
         assert caplog.messages[-1].startswith("speculative k policy: k 0 -> 2 (batch: 9 decodes")
         now[0] = 30.0
         p.plan_step(2)  # back to k: the full count, no rule
-        assert caplog.messages[-1] == "speculative k policy: k 2 -> 3 (num_speculative_tokens)"
+        assert (
+            caplog.messages[-1]
+            == "speculative k policy: k 2 -> 3 (no rule lowers the configured num_speculative_tokens)"
+        )
         p.plan_step(2)
         assert len(caplog.messages) == 3  # no change, no line
 
