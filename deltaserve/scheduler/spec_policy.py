@@ -77,6 +77,11 @@ class KPolicy:
     def from_config(cls, spec: SpeculativeConfig) -> KPolicy | None:
         """The policy a SpeculativeConfig asks for; None where it asks for vLLM's fixed k."""
         if spec.k_policy is None and spec.num_speculative_tokens_per_batch_size is None:
+            logger.info(
+                "speculative k policy: off, every decode drafts k = %d (vLLM's fixed k; the deltaserve-only "
+                "speculative_config key k_policy turns it on)",
+                spec.num_speculative_tokens,
+            )
             return None
         return cls(spec.num_speculative_tokens, spec.k_policy, spec.num_speculative_tokens_per_batch_size)
 

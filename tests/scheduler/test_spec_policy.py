@@ -11,7 +11,7 @@ import pytest
 
 from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.scheduler.spec_policy import KPolicy, batch_schedule_k
-from deltaserve.speculative_config import KPolicyConfig
+from deltaserve.speculative_config import KPolicyConfig, SpeculativeConfig
 from tests.scheduler.test_scheduler import answer, make_scheduler, seq
 from tests.scheduler.test_spec_schedule import accept
 
@@ -158,3 +158,16 @@ def test_the_scheduler_plans_k_step_and_feeds_the_policy() -> None:
         scheduler.update(plan, accept(plan, {item.row: [12]}) if item.num_draft_tokens else answer(plan))
     assert drafts == [3, 0, 0, 0]  # position 0 measured at rate 0: no drafting
     assert p.conditional_rates()[0] == 0.0 and a.num_computed_tokens == 5 + 4
+
+
+def test_from_config_builds_the_policy_asked_for_and_logs_when_it_is_off(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert KPolicy.from_config(SpeculativeConfig(num_speculative_tokens=2)) is None
+        assert caplog.messages[-1].startswith("speculative k policy: off, every decode drafts k = 2")
+        on = KPolicy.from_config(SpeculativeConfig(num_speculative_tokens=2, k_policy=KPolicyConfig()))
+        assert on is not None and on.config == KPolicyConfig() and on.batch_schedule is None
+        scheduled = KPolicy.from_config(
+            SpeculativeConfig(num_speculative_tokens=2, num_speculative_tokens_per_batch_size=((1, 4, 1),))
+        )
+        assert scheduled is not None and scheduled.config is None and scheduled.plan_step(2) == 1
+        assert "num_speculative_tokens_per_batch_size [[1, 4, 1]]; k_policy off" in caplog.messages[-2]
