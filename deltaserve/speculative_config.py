@@ -17,6 +17,14 @@ SpeculativeConfigError naming the key or the method:
   the unconditional probability that the first i + 1 drafts are accepted) or synthetic_acceptance_length (in
   [1, k + 1], resolved to rates by vLLM's minimum-variance schedule); either key without "synthetic" is refused.
 - draft_sample_method: "greedy" (vLLM's default; "probabilistic" is refused as not supported).
+- num_speculative_tokens_per_batch_size: vLLM's batch-size schedule of k, a list of [first, last, k] entries
+  (inclusive batch-size ranges, sorted, not overlapping, the first starting at 1, k >= 0); a batch size in a gap
+  takes the k of the range before it, one past the last range the last k, and k is never above
+  num_speculative_tokens. The scheduler applies it per step (scheduler/spec_policy.py).
+- k_policy (deltaserve only): the per-step k policy (docs/speculative-decoding.md#the-k-policy): true for its
+  defaults, an object of its parameters (KPolicyConfig's fields), false or absent for vLLM's fixed k.
+- disable_by_batch_size: vLLM removed it from its SpeculativeConfig (unused since its V1 engine); refused naming
+  num_speculative_tokens_per_batch_size.
 - any other key is refused by name: a key vLLM knows as not supported here, any other as unknown.
 """
 
@@ -52,7 +60,7 @@ REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 1  # vLLM's default: the draft config's n_predict (mtp_num_hidden_layers: 1)
 SUPPORTED_KEYS = (
     "method", "num_speculative_tokens", "rejection_sample_method", "synthetic_acceptance_rates",
-    "synthetic_acceptance_length", "draft_sample_method",
+    "synthetic_acceptance_length", "draft_sample_method", "num_speculative_tokens_per_batch_size", "k_policy",
 )  # fmt: skip
 # SpeculativeConfig fields vLLM accepts that deltaserve does not implement (refused by name as not supported)
 VLLM_ONLY_KEYS = (
@@ -60,12 +68,44 @@ VLLM_ONLY_KEYS = (
     "code_revision", "disable_padded_drafter_batch", "prompt_lookup_max", "prompt_lookup_min", "parallel_drafting",
     "enforce_eager", "moe_backend", "attention_backend", "kv_cache_dtype", "use_local_argmax_reduction",
     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
-    "suffix_decoding_min_token_prob", "speculative_token_tree", "disable_by_batch_size", "draft_load_config",
+    "suffix_decoding_min_token_prob", "speculative_token_tree", "draft_load_config",
 )  # fmt: skip
 
 
 class SpeculativeConfigError(ValueError):
     """A --speculative-config / speculative_config deltaserve refuses; the message names the key or the method."""
+
+
+# First guesses, not yet measured (docs/speculative-decoding.md#the-k-policy names the H200 arms that will pick them)
+DEFAULT_MAX_BATCH_TOKENS = 64
+DEFAULT_TOKEN_COST = 0.15
+DEFAULT_PROBE_INTERVAL = 50
+DEFAULT_WINDOW = 64
+DEFAULT_MIN_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class KPolicyConfig:
+    """The per-step k policy's parameters (deltaserve-only `k_policy` key; scheduler/spec_policy.py)."""
+
+    # a step whose decodes x (1 + k) exceed this drafts fewer tokens a decode (none when even k = 1 exceeds it);
+    # 0: no batch rule
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    # c: one more draft position costs c plain decode steps (a verify of 1 + k tokens plus its drafting costs
+    # 1 + c k); 0: no acceptance rule
+    token_cost: float = DEFAULT_TOKEN_COST
+    probe_interval: int = DEFAULT_PROBE_INTERVAL  # every this many steps one step drafts the batch rule's k in full
+    window: int = DEFAULT_WINDOW  # observations a position's acceptance estimate averages over (exponentially)
+    min_samples: int = DEFAULT_MIN_SAMPLES  # below this many (weighted) observations a position counts as accepted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_batch_tokens": self.max_batch_tokens,
+            "token_cost": self.token_cost,
+            "probe_interval": self.probe_interval,
+            "window": self.window,
+            "min_samples": self.min_samples,
+        }
 
 
 @dataclass(frozen=True)
@@ -77,6 +117,9 @@ class SpeculativeConfig:
     # rejection_sample_method "synthetic" (synthetic_acceptance_length is resolved into it, as vLLM does)
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     draft_sample_method: str = "greedy"
+    # vLLM's batch-size schedule: ((first, last, k), ...) inclusive ranges, validated; None: fixed k
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    k_policy: KPolicyConfig | None = None  # deltaserve only: the per-step k policy; None: off
 
     @property
     def is_synthetic(self) -> bool:
@@ -92,6 +135,10 @@ class SpeculativeConfig:
         }
         if self.synthetic_acceptance_rates is not None:
             out["synthetic_acceptance_rates"] = list(self.synthetic_acceptance_rates)
+        if self.num_speculative_tokens_per_batch_size is not None:
+            out["num_speculative_tokens_per_batch_size"] = [list(e) for e in self.num_speculative_tokens_per_batch_size]
+        if self.k_policy is not None:
+            out["k_policy"] = self.k_policy.to_dict()
         return out
 
 
@@ -145,6 +192,60 @@ def _synthetic_rates(num_tokens: int, rates: Any, length: Any, has_rates: bool, 
     return acceptance_length_to_rates(value, num_tokens)
 
 
+def _batch_schedule(value: Any) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's num_speculative_tokens_per_batch_size, checked as vLLM checks its [first, last, k] form."""
+    key = "num_speculative_tokens_per_batch_size"
+    if not isinstance(value, list | tuple) or not value:
+        raise SpeculativeConfigError(
+            f"speculative_config `{key}` must be a non-empty list of [first, last, k] entries, got {value!r}"
+        )
+    entries = []
+    for entry in value:
+        is_ints = isinstance(entry, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        if not is_ints or len(entry) != 3:
+            raise SpeculativeConfigError(
+                f"speculative_config `{key}` entries must be [first batch size, last batch size, k], got {entry!r}"
+            )
+        first, last, k = entry
+        if first <= 0 or last < first or k < 0:
+            raise SpeculativeConfigError(
+                f"speculative_config `{key}` entry {list(entry)}: batch sizes must be positive with first <= last, "
+                "and k >= 0"
+            )
+        entries.append((first, last, k))
+    entries.sort()
+    if entries[0][0] != 1:
+        raise SpeculativeConfigError(f"speculative_config `{key}`: the first batch-size range must start at 1")
+    for before, after in zip(entries, entries[1:], strict=False):
+        if after[0] <= before[1]:
+            raise SpeculativeConfigError(f"speculative_config `{key}`: batch-size ranges must not overlap")
+    return tuple(entries)
+
+
+def _k_policy(value: Any) -> KPolicyConfig | None:
+    """The deltaserve-only `k_policy` key: true (defaults), false / null (off) or an object of parameters."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return KPolicyConfig()
+    if not isinstance(value, Mapping):
+        raise SpeculativeConfigError(f"speculative_config `k_policy` must be true, false or an object, got {value!r}")
+    fields = KPolicyConfig().to_dict()
+    for key, given in value.items():
+        if key not in fields:
+            raise SpeculativeConfigError(f"speculative_config `k_policy` key `{key}` is not one of {sorted(fields)}")
+        if key == "token_cost":
+            if _number("k_policy.token_cost", given) < 0:
+                raise SpeculativeConfigError(f"speculative_config `k_policy.token_cost` must be >= 0, got {given!r}")
+            continue
+        minimum = 0 if key in ("max_batch_tokens", "min_samples") else 1
+        if isinstance(given, bool) or not isinstance(given, int) or given < minimum:
+            raise SpeculativeConfigError(
+                f"speculative_config `k_policy.{key}` must be an integer >= {minimum}, got {given!r}"
+            )
+    return KPolicyConfig(**{**fields, **value, "token_cost": float(value.get("token_cost", fields["token_cost"]))})
+
+
 def _method(data: Mapping[str, Any]) -> str:
     if "method" not in data or data["method"] is None:
         raise SpeculativeConfigError(
@@ -177,6 +278,11 @@ def speculative_config_from_dict(data: Mapping[str, Any]) -> SpeculativeConfig:
     for key in data:
         if key in SUPPORTED_KEYS:
             continue
+        if key == "disable_by_batch_size":
+            raise SpeculativeConfigError(
+                "speculative_config key `disable_by_batch_size` was removed from vLLM's SpeculativeConfig (unused "
+                "since its V1 engine): use `num_speculative_tokens_per_batch_size`, e.g. [[1, 32, 3], [33, 1024, 0]]"
+            )
         if key in VLLM_ONLY_KEYS:
             raise SpeculativeConfigError(f"speculative_config key `{key}` is not supported by deltaserve")
         raise SpeculativeConfigError(f"speculative_config key `{key}` is not a speculative_config field")
@@ -211,7 +317,9 @@ def speculative_config_from_dict(data: Mapping[str, Any]) -> SpeculativeConfig:
         raise SpeculativeConfigError(
             f"speculative_config `{key}` is only valid with `rejection_sample_method` 'synthetic'"
         )
-    return SpeculativeConfig(method, k, rejection, rates, draft_sample)
+    schedule = data.get("num_speculative_tokens_per_batch_size")
+    schedule = None if schedule is None else _batch_schedule(schedule)
+    return SpeculativeConfig(method, k, rejection, rates, draft_sample, schedule, _k_policy(data.get("k_policy")))
 
 
 def parse_speculative_config(value: str | Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

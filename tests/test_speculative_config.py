@@ -12,6 +12,7 @@ import pytest
 
 from deltaserve.engine_config import EngineConfig
 from deltaserve.speculative_config import (
+    KPolicyConfig,
     SpeculativeConfig,
     SpeculativeConfigError,
     acceptance_length_to_rates,
@@ -181,3 +182,44 @@ def test_serve_parses_speculative_config_into_the_engine_config() -> None:
     assert cli.build_engine_config(parser.parse_args(["m"]), "m", "cpu").speculative_config is None
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'])
+
+
+def test_the_batch_size_schedule_and_the_k_policy_keys() -> None:
+    config = parse_speculative_config(
+        '{"method": "mtp", "num_speculative_tokens": 3,'
+        ' "num_speculative_tokens_per_batch_size": [[8, 16, 1], [1, 4, 3]],'
+        ' "k_policy": {"max_batch_tokens": 48, "token_cost": 0.2}}'
+    )
+    assert config.num_speculative_tokens_per_batch_size == ((1, 4, 3), (8, 16, 1))  # sorted
+    assert config.k_policy == KPolicyConfig(max_batch_tokens=48, token_cost=0.2)
+    assert parse_speculative_config(config.to_dict()) == config  # the JSON form carries both
+    assert parse_speculative_config({"method": "mtp", "k_policy": True}).k_policy == KPolicyConfig()
+    for off in (False, None):
+        assert parse_speculative_config({"method": "mtp", "k_policy": off}).k_policy is None
+    plain = parse_speculative_config({"method": "mtp"})
+    assert plain.k_policy is None and plain.num_speculative_tokens_per_batch_size is None  # vLLM's fixed k
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"disable_by_batch_size": 8}, "`disable_by_batch_size` was removed from vLLM's SpeculativeConfig"),
+        ({"num_speculative_tokens_per_batch_size": []}, "must be a non-empty list"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 4]]}, "entries must be [first batch size, last batch size, k]"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 4, 2.0]]}, "entries must be [first batch size"),
+        ({"num_speculative_tokens_per_batch_size": [[2, 4, 2]]}, "the first batch-size range must start at 1"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 4, 2], [4, 8, 1]]}, "must not overlap"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 4, -1]]}, "k >= 0"),
+        ({"num_speculative_tokens_per_batch_size": [[4, 1, 1]]}, "first <= last"),
+        ({"k_policy": "on"}, "`k_policy` must be true, false or an object"),
+        ({"k_policy": {"max_batch": 8}}, "`k_policy` key `max_batch` is not one of"),
+        ({"k_policy": {"token_cost": -0.1}}, "`k_policy.token_cost` must be >= 0"),
+        ({"k_policy": {"probe_interval": 0}}, "`k_policy.probe_interval` must be an integer >= 1"),
+        ({"k_policy": {"window": 2.5}}, "`k_policy.window` must be an integer >= 1"),
+        ({"k_policy": {"max_batch_tokens": -1}}, "`k_policy.max_batch_tokens` must be an integer >= 0"),
+    ],
+)
+def test_the_k_policy_keys_are_checked(extra: dict, message: str) -> None:
+    with pytest.raises(SpeculativeConfigError) as info:
+        parse_speculative_config({"method": "mtp", "num_speculative_tokens": 3, **extra})
+    assert message in str(info.value)

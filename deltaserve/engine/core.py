@@ -38,6 +38,7 @@ from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
 from deltaserve.scheduler.spec import SpecSchedule
+from deltaserve.scheduler.spec_policy import KPolicy
 from deltaserve.step import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ class EngineCore:
         )
         if config.speculative_config is not None:  # the runner built the MTP drafter
             k = config.speculative_config.num_speculative_tokens
-            self.scheduler.spec = SpecSchedule(k, self.runner.spec.max_spec_seqs)
+            policy = KPolicy.from_config(config.speculative_config)  # logs itself
+            self.scheduler.spec = SpecSchedule(k, self.runner.spec.max_spec_seqs, policy)
             if self.scheduler.prefix_cache is not None:  # a hit rewrites the MTP KV at P - 1 in a private block
                 self.scheduler.prefix_cache.rewrites_last_row = True
         self.is_async = config.async_scheduling
@@ -114,11 +116,11 @@ class EngineCore:
                 config.prefix_cache_checkpoint_interval or "(no periodic)",
             )  # fmt: skip
 
-    def enable_speculation(self, num_speculative_tokens: int, drafter: Drafter) -> None:
-        """Speculative decoding with up to num_speculative_tokens drafts a decode, proposed by `drafter`
-        (docs/speculative-decoding.md)."""
+    def enable_speculation(self, num_speculative_tokens: int, drafter: Drafter, policy: KPolicy | None = None) -> None:
+        """Speculative decoding with up to num_speculative_tokens drafts a decode, proposed by `drafter`, k chosen
+        per step by `policy` where one is given (docs/speculative-decoding.md)."""
         self.runner.enable_speculation(num_speculative_tokens, drafter)
-        self.scheduler.spec = SpecSchedule(num_speculative_tokens, self.runner.spec.max_spec_seqs)
+        self.scheduler.spec = SpecSchedule(num_speculative_tokens, self.runner.spec.max_spec_seqs, policy)
 
     def info(self) -> EngineCoreInfo:
         layout = self.runner.layout

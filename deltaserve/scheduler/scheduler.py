@@ -186,6 +186,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         self._num_verifies = 0  # verify chunks planned in this step (SpecSchedule.max_verifies)
+        if self.spec is not None and self.spec.policy is not None:  # this step's k (scheduler/spec_policy.py)
+            self.spec.policy.plan_step(self.spec.num_decodes(self.running))
         chosen: list[tuple[Sequence, int]] = []
         num_preempted = 0
         for seq in list(self.running):
@@ -356,6 +358,8 @@ class Scheduler:
                     raise ValueError(f"step {plan.step_id}: {len(tokens)} accepted tokens for a {num_new}-token verify")
                 seq.num_inflight_verifies -= 1
                 num_new = len(tokens)
+                if self.spec is not None and self.spec.policy is not None:  # before a stop drops any of them
+                    self.spec.policy.observe(item.num_draft_tokens, len(tokens) - 1)
             seq.num_computed_tokens += num_new
             seq.num_pending_outputs -= int(needs_sample)
             if seq.is_prefill_only:

@@ -6,20 +6,36 @@ more outputs than max_tokens allows or reach past max_model_len, and 0 (a plain 
 after a given token (start_after_token_id), which the verify path does not implement. A sequence whose verify step
 is in flight is not planned again until that result is collected: its position depends on how many drafts were
 accepted. A chunk of a sequence that speculates gets KV blocks for k - 1 positions past it, which the MTP drafter's
-chained passes write.
+chained passes write. With a k policy (scheduler/spec_policy.py) the step's decodes draft at most its k_step, which
+the scheduler sets once per step from the number of decodes (`num_decodes`) and feeds with the applied results.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from deltaserve.scheduler.sequence import Sequence
+from deltaserve.scheduler.spec_policy import KPolicy
 
 
 @dataclass(frozen=True)
 class SpecSchedule:
     num_speculative_tokens: int  # k: drafts verified per decode, at most
     max_verifies: int | None = None  # verify chunks a step may hold (the runner's scratch); None: no cap
+    policy: KPolicy | None = None  # the per-step k policy; None: every decode drafts k (capped as below)
+
+    def num_decodes(self, running: Iterable[Sequence]) -> int:
+        """The running sequences a step would plan as decodes (the k policy's batch size): one unplanned token past
+        a computed prefix, no verify in flight."""
+        return sum(
+            1
+            for seq in running
+            if not seq.is_prefill_only
+            and not seq.num_inflight_verifies
+            and seq.num_unplanned_tokens == 1
+            and seq.num_computed_tokens + seq.num_inflight_tokens > 0
+        )
 
     def can_speculate(self, seq: Sequence) -> bool:
         params = seq.sampling
@@ -41,4 +57,5 @@ class SpecSchedule:
         # a verify emits up to k + 1 tokens: all of them must fit under max_tokens and max_model_len
         outputs_left = seq.max_tokens - len(seq.output_token_ids) - seq.num_pending_outputs
         room = max_model_len - seq.num_planned_tokens
-        return max(0, min(self.num_speculative_tokens, outputs_left - 1, room - 1, budget))
+        k = self.num_speculative_tokens if self.policy is None else self.policy.k_step
+        return max(0, min(k, outputs_left - 1, room - 1, budget))

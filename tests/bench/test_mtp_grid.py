@@ -14,7 +14,7 @@ import pytest
 from deltaserve.bench import registry, report
 from deltaserve.bench.grid import Grid, compute_ratios, load_config, resolve
 from deltaserve.bench.server_counters import parse_spec_counters, spec_decode_fields
-from deltaserve.speculative_config import parse_speculative_config
+from deltaserve.speculative_config import KPolicyConfig, parse_speculative_config
 from deltaserve.tiny.trained import trained_model_dir
 from tests.support.ports import free_port
 
@@ -65,14 +65,24 @@ def test_mtp_grid_resolves_through_the_registry(tmp_path: Path, monkeypatch: pyt
         _with_mtp(write_config(tmp_path / name, num_experts=experts))
     monkeypatch.setenv("DELTASERVE_MODELS", str(tmp_path))
     config = load_config(GRID)
-    names = ["deltaserve", "deltaserve-mtp3", "deltaserve-mtp1", "vllm", "vllm-mtp3", "vllm-mtp1"]
+    names = [
+        "deltaserve", "deltaserve-mtp3", "deltaserve-mtp1", "deltaserve-mtp3-kpolicy", "deltaserve-mtp3-kpolicy-low",
+        "vllm", "vllm-mtp3", "vllm-mtp1",
+    ]  # fmt: skip
     assert [a.name for a in config.arms] == names
     assert {a.name: a.baseline for a in config.arms if a.baseline} == {
-        "deltaserve-mtp3": "deltaserve", "deltaserve-mtp1": "deltaserve", "vllm-mtp3": "vllm", "vllm-mtp1": "vllm",
+        "deltaserve-mtp3": "deltaserve", "deltaserve-mtp1": "deltaserve", "deltaserve-mtp3-kpolicy": "deltaserve",
+        "deltaserve-mtp3-kpolicy-low": "deltaserve", "vllm-mtp3": "vllm", "vllm-mtp1": "vllm",
     }  # fmt: skip
     assert config.concurrencies == [1, 8, 32, 64] and config.lengths == [(1024, 128)]
     for model in config.models:
-        ours, ours3, ours1, plain, mtp3, mtp1 = (resolve(arm, model, config) for arm in config.arms)
+        ours, ours3, ours1, policy, policy_low, plain, mtp3, mtp1 = (resolve(a, model, config) for a in config.arms)
+        for launch, rates in ((policy, [0.917, 0.837, 0.648]), (policy_low, [0.1, 0.02, 0.0])):
+            # the k policy's arms: k = 3 with the policy at its defaults (deltaserve only: no vLLM twin)
+            parsed = parse_speculative_config(launch.argv[launch.argv.index("--speculative-config") + 1])
+            assert parsed.k_policy == KPolicyConfig() and parsed.num_speculative_tokens == 3
+            assert list(parsed.synthetic_acceptance_rates) == rates
+            assert launch.argv[: len(ours.argv)] == ours.argv
         assert "--speculative-config" not in ours.argv and "--speculative-config" not in plain.argv
         for launch, k, rates in ((mtp3, 3, [0.917, 0.837, 0.648]), (mtp1, 1, [0.917])):
             spec = json.loads(launch.argv[launch.argv.index("--speculative-config") + 1])

@@ -1,0 +1,173 @@
+"""The per-step k policy (scheduler/spec_policy.py) as a unit, from hand-built acceptance histories and batch sizes:
+the batch rule, vLLM's num_speculative_tokens_per_batch_size, the acceptance rule at its break-even rate, the probes
+that re-measure dropped positions, the start-up and change log lines (rate-limited), and its hooks in the scheduler
+(k_step bounds each decode's drafts; applied verify results feed the estimates)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from deltaserve.scheduler.spec import SpecSchedule
+from deltaserve.scheduler.spec_policy import KPolicy, batch_schedule_k
+from deltaserve.speculative_config import KPolicyConfig, SpeculativeConfig
+from tests.scheduler.test_scheduler import answer, make_scheduler, seq
+from tests.scheduler.test_spec_schedule import accept
+
+LOGGER = "deltaserve.scheduler.spec_policy"
+
+
+def policy(k: int = 3, **config: object) -> KPolicy:
+    return KPolicy(k, KPolicyConfig(**{"max_batch_tokens": 0, "probe_interval": 1000, **config}))
+
+
+def feed(p: KPolicy, rates: list[float], num: int = 200) -> None:
+    """num verifies of k drafts, each position accepted at the unrates rate given (non-increasing): of every
+    20 verifies, the first round(20 x rate) accept position j."""
+    for i in range(num):
+        accepted = 0
+        for rate in rates:
+            if i % 20 >= round(20 * rate):
+                break
+            accepted += 1
+        p.observe(len(rates), accepted)
+
+
+def test_the_batch_rule_lowers_k_until_the_step_fits() -> None:
+    p = policy(3, max_batch_tokens=32, token_cost=0.0)
+    # decodes x (1 + k) <= 32: 8 x 4, 10 x 3 (10 x 4 = 40), 15 x 2, 16 x 2 = 32, 17 x 1 = 17 ... 31 x 1, 32 x 1
+    expected = {1: 3, 8: 3, 9: 2, 10: 2, 11: 1, 16: 1, 17: 0, 40: 0}
+    assert {n: p.plan_step(n) for n in expected} == expected
+    assert "batch: 40 decodes" in p.reason
+    assert policy(3, max_batch_tokens=0, token_cost=0.0).plan_step(1000) == 3  # 0: no batch rule
+
+
+def test_vllms_batch_size_schedule() -> None:
+    schedule = ((1, 4, 3), (8, 16, 1), (32, 64, 0))
+    # in a range its k; in a gap the range's before it; past the last range the last one's; never above k
+    assert [batch_schedule_k(schedule, b, 3) for b in (1, 4, 5, 7, 8, 16, 20, 32, 64, 500)] == [
+        3,
+        3,
+        3,
+        3,
+        1,
+        1,
+        1,
+        0,
+        0,
+        0,
+    ]
+    assert batch_schedule_k(((1, 2, 5),), 1, 2) == 2
+    p = KPolicy(3, None, schedule)  # the vLLM key alone: no acceptance or batch rule
+    assert [p.plan_step(n) for n in (2, 10, 40)] == [3, 1, 0]
+    assert "num_speculative_tokens_per_batch_size at 40 decodes" in p.reason
+    feed(p, [0.0, 0.0, 0.0])  # without k_policy nothing is estimated
+    assert p.plan_step(2) == 3
+
+
+@pytest.mark.parametrize(
+    ("rates", "k_step"),
+    [
+        ([1.0, 1.0, 1.0], 3),
+        ([0.9, 0.9, 0.9], 3),
+        ([0.9, 0.9, 0.05], 2),  # p_2 = 0.04: below c x tokens per cost of k = 2 (0.15 x 2.71 / 1.3 = 0.31)
+        ([0.9, 0.1, 0.0], 1),  # p_1 = 0.09 < 0.15 x 1.9 / 1.15 = 0.25
+        ([0.1, 0.1, 0.1], 0),  # p_0 = 0.1 < c, and drafts 1 and 2 that always follow it do not pay: 1.3 / 1.45 < 1
+        ([0.5, 0.5, 0.5], 3),  # (1 + 1.5) / 1.45 > 1.5 / 1.15 > 1
+        ([0.05, 0.0, 0.0], 0),
+    ],
+)
+def test_the_acceptance_rule_keeps_the_positions_that_pay(rates: list[float], k_step: int) -> None:
+    p = policy(3, token_cost=0.15)
+    assert p.plan_step(1) == 3  # nothing measured: every position counts as accepted
+    feed(p, rates)
+    assert p.plan_step(1) == k_step
+    assert p.conditional_rates()[0] == pytest.approx(round(20 * rates[0]) / 20, abs=0.05)
+    assert ("acceptance: per-position estimates" in p.reason) == (k_step < 3)
+
+
+def test_the_break_even_rate_follows_the_token_cost() -> None:
+    for cost, k_step in ((0.1, 1), (0.3, 0), (0.0, 3)):  # p_0 = 0.25: kept at c = 0.1, dropped at c = 0.3
+        p = policy(3, token_cost=cost)
+        feed(p, [0.25, 0.0, 0.0])
+        assert p.plan_step(1) == k_step
+
+
+def test_probes_remeasure_dropped_positions_and_a_change_in_traffic_is_seen() -> None:
+    p = policy(3, token_cost=0.15, probe_interval=10, window=16)
+    feed(p, [0.05, 0.0, 0.0], num=40)
+    steps = [p.plan_step(2) for _ in range(30)]
+    assert steps == [3 if (i + 1) % 10 == 0 else 0 for i in range(30)]  # every 10th decode step drafts in full
+    assert p.plan_step(0) == 0 and p.plan_step(0) == 0  # steps without decodes are no probes
+    # the traffic changes: the probes' verifies now accept everything, and k comes back
+    k_steps = []
+    for _ in range(60):
+        k_step = p.plan_step(2)
+        if k_step:
+            for _ in range(2):
+                p.observe(k_step, k_step)
+        k_steps.append(k_step)
+    assert k_steps[-1] == 3 and k_steps[:9] == [0] * 9
+
+
+def test_the_log_lines_name_the_parameters_and_each_change_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        p = KPolicy(3, KPolicyConfig(max_batch_tokens=32, probe_interval=1000), clock=lambda: now[0])
+        start = caplog.messages[-1]
+        for text in ("k = 3 at most", "max_batch_tokens 32", "token_cost 0.15", "probe_interval 1000", "window 64"):
+            assert text in start
+        assert "first guesses" in start
+        caplog.clear()
+        p.plan_step(20)  # 20 x 2 > 32: k 0
+        assert caplog.messages == [
+            "speculative k policy: k 3 -> 0 (batch: 20 decodes x (1 + k) above max_batch_tokens 32)"
+        ]
+        now[0] = 5.0
+        p.plan_step(10)  # k 2, 5 s after the last line: not logged yet
+        p.plan_step(9)
+        assert len(caplog.messages) == 1
+        now[0] = 11.0
+        p.plan_step(9)  # the interval passed: the current state
+        assert caplog.messages[-1].startswith("speculative k policy: k 0 -> 2 (batch: 9 decodes")
+        now[0] = 30.0
+        p.plan_step(2)  # back to k: the full count, no rule
+        assert (
+            caplog.messages[-1]
+            == "speculative k policy: k 2 -> 3 (no rule lowers the configured num_speculative_tokens)"
+        )
+        p.plan_step(2)
+        assert len(caplog.messages) == 3  # no change, no line
+
+
+def test_the_scheduler_plans_k_step_and_feeds_the_policy() -> None:
+    scheduler = make_scheduler()
+    p = policy(3, token_cost=0.15, min_samples=1, window=1000)
+    scheduler.spec = SpecSchedule(3, policy=p)
+    a = seq("a", 5, 100, temperature=0.0)
+    scheduler.add(a)
+    plan = scheduler.schedule()
+    scheduler.update(plan, answer(plan))
+    drafts = []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        (item,) = plan.seqs
+        drafts.append(item.num_draft_tokens)
+        # every draft rejected: the verify emits only the target's token
+        scheduler.update(plan, accept(plan, {item.row: [12]}) if item.num_draft_tokens else answer(plan))
+    assert drafts == [3, 0, 0, 0]  # position 0 measured at rate 0: no drafting
+    assert p.conditional_rates()[0] == 0.0 and a.num_computed_tokens == 5 + 4
+
+
+def test_from_config_builds_the_policy_asked_for_and_logs_when_it_is_off(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert KPolicy.from_config(SpeculativeConfig(num_speculative_tokens=2)) is None
+        assert caplog.messages[-1].startswith("speculative k policy: off, every decode drafts k = 2")
+        on = KPolicy.from_config(SpeculativeConfig(num_speculative_tokens=2, k_policy=KPolicyConfig()))
+        assert on is not None and on.config == KPolicyConfig() and on.batch_schedule is None
+        scheduled = KPolicy.from_config(
+            SpeculativeConfig(num_speculative_tokens=2, num_speculative_tokens_per_batch_size=((1, 4, 1),))
+        )
+        assert scheduled is not None and scheduled.config is None and scheduled.plan_step(2) == 1
+        assert "num_speculative_tokens_per_batch_size [[1, 4, 1]]; k_policy off" in caplog.messages[-2]
