@@ -49,9 +49,10 @@
 #                                call's budget leaves. Returns the record, its console log and its -raw.tgz. A grid
 #                                that names q35-*-fp8 models (h200_fp8.toml) writes those FP8 dummies first
 #   tp SUBSTEP [FLAGS]           the two-GPU plan (kind nvidia-h200-x2): probe (NCCL all-reduce), tests
-#                                (test_gpu_tensor_parallel), gate (scripts/tp_token_compare.py and the bf16 gate at
-#                                -tp 2), kernels (bench kernels --tp 2), profile1 / profile2 (profile_decode at TP=1 /
-#                                2), grid (benchmarks/grids/h200_tp2.toml, grid FLAGS after it)
+#                                (test_gpu_tensor_parallel), gate (scripts/tp_token_compare.py, the bf16 gate and
+#                                the bf16 MTP gate, with MTP vs without, at -tp 2), kernels (bench kernels --tp 2),
+#                                profile1 / profile2 (profile_decode at TP=1 / 2), grid (benchmarks/grids/h200_tp2.toml,
+#                                grid FLAGS after it)
 #
 # env:  OUT                    where records come back (the device tool sets it; at most 8 files come back, so
 #                              logs travel in one logs-STEP.tgz and many records in one archive)
@@ -387,7 +388,7 @@ if torch.cuda.device_count() >= 2:
     mp.spawn(run, nprocs=2)
 PY
         cat "$W/probe.log" 2> /dev/null | say ;;
-      tests) gpu_pytest "$OUT/pytest-gpu-tp2-$tag.log" tests/engine/test_gpu_tensor_parallel.py "$@" || status=$? ;;
+      tests) gpu_pytest "$OUT/pytest-gpu-tp2-$tag.log" tests/runner/test_gpu_tensor_parallel.py "$@" || status=$? ;;
       gate)
         for v in ${VARIANTS:-dense moe next}; do
           run "$W/make-tiny-$v.log" $PY -m deltaserve.cli make-tiny "/tmp/tiny/$v" --variant "$v"
@@ -397,6 +398,9 @@ PY
           run "$W/gate-tp2-$v.log" timeout 150 $PY -m deltaserve.cli gate tokens --model "/tmp/tiny/$v" \
             --dtype bfloat16 --device cuda -tp 2 || status=1
           echo "gate bf16 -tp 2 $v: $(grep -m1 STRICT "$W/gate-tp2-$v.log" 2> /dev/null)" | say
+          run "$W/gate-mtp-tp2-$v.log" timeout 170 $PY -m deltaserve.cli gate mtp --model "deltaserve/tiny/trained/$v" \
+            --dtype bfloat16 --device cuda -tp 2 || status=1
+          echo "gate mtp bf16 -tp 2 $v: $(grep -m1 STRICT "$W/gate-mtp-tp2-$v.log" 2> /dev/null)" | say
         done ;;
       kernels)
         for m in 35b-a3b 27b; do

@@ -21,8 +21,10 @@ seeded spans of the shipped corpus' held-out text (tokens.make_text_prompts):
 `--no-reference-logprobs` runs vLLM without logprobs (no margins), for a vLLM that would not speculate otherwise.
 Every disagreement is printed. Exit 0 when every check holds; 1 on a mismatch, a rate beyond the tolerance or a
 refused reference; 2 when nothing was checked (no prompt, or deltaserve never drafted). `--record PATH` writes the
-verdict as JSON. On the H200: `--dtype bfloat16 --device cuda --reference vllm` on the trained dense / moe / next
-checkpoints, side by side on one GPU with `--share-gpu` (scripts/h200.sh gates mtp).
+verdict as JSON. `--tensor-parallel-size N` runs both of deltaserve's engines at N ranks (speculative decoding under
+tensor parallelism: docs/speculative-decoding.md#tensor-parallelism). On the H200: `--dtype bfloat16 --device cuda
+--reference vllm` on the trained dense / moe / next checkpoints, side by side on one GPU with `--share-gpu`
+(scripts/h200.sh gates mtp).
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class MtpVerdict:
     rate_disagreements: list[str] = field(default_factory=list)
     refused: str | None = None
     lines: list[str] = field(default_factory=list)
+    tensor_parallel_size: int = 1  # deltaserve's ranks, in both of its runs
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -109,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-len", type=int, default=160)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="deltaserve's ranks, with and without MTP alike (the vLLM reference runs on one GPU)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--site", default=GATE_SITE, help=f"where the vLLM reference runs (default {GATE_SITE})")
     parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
@@ -130,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.num_speculative_tokens, args.reference, args.num_prompts, args.max_tokens,
         args.max_prompt_len, args.dtype, args.device, args.seed, args.site, args.record, args.share_gpu,
-        not args.no_reference_logprobs,
+        not args.no_reference_logprobs, args.tensor_parallel_size,
     )  # fmt: skip
 
 
@@ -191,13 +198,14 @@ def _free(llm: Any) -> None:
 
 def run_deltaserve(
     model_dir: Path, prompts: list[list[int]], max_tokens: int, dtype: str, device: str, seed: int,
-    spec: dict[str, Any] | None, share_gpu: bool = False,
+    spec: dict[str, Any] | None, share_gpu: bool = False, tensor_parallel_size: int = 1,
 ) -> tuple[list[list[int]], Acceptance | None]:  # fmt: skip
     """Greedy tokens of deltaserve's offline LLM, with or without speculation, and its spec-decode counters."""
     from deltaserve.engine.llm import LLM
 
     llm = LLM(model_dir, dtype=dtype, device=device, seed=seed, max_num_seqs=min(len(prompts), 64),
-              speculative_config=spec, **engine_memory(share_gpu))  # fmt: skip
+              speculative_config=spec, tensor_parallel_size=tensor_parallel_size,
+              **engine_memory(share_gpu))  # fmt: skip
     tokens = _generate(llm, prompts, max_tokens)
     acceptance = None
     if spec is not None:
@@ -231,6 +239,7 @@ def run_gate(
     record_path: Path | None = None,
     share_gpu: bool = False,
     reference_logprobs: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -241,7 +250,7 @@ def run_gate(
     run_device = _device(device)
     prompts = make_text_prompts(AutoTokenizer.from_pretrained(model_dir), num_prompts, max_prompt_len, seed)
     spec = speculative_config(k)
-    verdict = MtpVerdict(k, len(prompts), reference=reference)
+    verdict = MtpVerdict(k, len(prompts), reference=reference, tensor_parallel_size=tensor_parallel_size)
     ref_run = None
     if reference == "vllm":
         # vLLM first: it must give the GPU back before deltaserve takes it
@@ -254,8 +263,9 @@ def run_gate(
             verdict.theirs = Acceptance(**ref_run.config["spec_decode"])
         except (ReferenceError, ValueError) as exc:
             verdict.refused = str(exc)
-    off, _ = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, None, share_gpu)
-    ours, verdict.ours = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, spec, share_gpu)
+    tp = tensor_parallel_size
+    off, _ = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, None, share_gpu, tp)
+    ours, verdict.ours = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, spec, share_gpu, tp)
     verdict.off_mismatches = compare_tokens(off, ours)
     if ref_run is not None:
         verdict.ref_mismatches = compare_tokens(ref_run.tokens, ours)
@@ -292,8 +302,9 @@ def _mismatch_line(m: TokenMismatch, what: str) -> str:
 def report(verdict: MtpVerdict, model_dir: Path, dtype: str, max_tokens: int, ref_config: dict[str, Any] | None) -> int:
     """Prints the verdict (STRICT lines first) and returns the exit code."""
     n, k = verdict.num_prompts, verdict.k
+    tp = f", tensor parallel {verdict.tensor_parallel_size}" if verdict.tensor_parallel_size > 1 else ""
     verdict.say(f"STRICT {n - len(verdict.off_mismatches)}/{n} deltaserve with MTP (k = {k}) against deltaserve "
-                f"without ({dtype})")  # fmt: skip
+                f"without ({dtype}{tp})")  # fmt: skip
     for m in verdict.off_mismatches:
         verdict.say(_mismatch_line(m, "without MTP"))
     if verdict.refused is not None:
@@ -318,7 +329,8 @@ def report(verdict: MtpVerdict, model_dir: Path, dtype: str, max_tokens: int, re
     code = verdict_code(verdict)
     if code == 2:
         verdict.say("gate mtp: nothing checked: deltaserve made no draft (is the MTP layer trained?)")
-    verdict.say(f"gate mtp: {model_dir} ({dtype}), {n} corpus prompts, {max_tokens} tokens each, k = {k}; exit {code}")
+    verdict.say(f"gate mtp: {model_dir} ({dtype}{tp}), {n} corpus prompts, {max_tokens} tokens each, k = {k}; "
+                f"exit {code}")  # fmt: skip
     return code
 
 

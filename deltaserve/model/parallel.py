@@ -10,7 +10,7 @@ Sharding follows vLLM's layout for these models (docs/ARCHITECTURE.md#tensor-par
 - KV heads are split when there are at least as many as ranks, else each rank holds one, replicated (vLLM's rule:
   the size must then be a multiple of num_key_value_heads);
 - vocab-parallel embedding (each rank looks up its rows, zeros elsewhere, all-reduced) and LM head (each rank's
-  logits all-gathered; rank 0, the only rank that samples, uses them);
+  logits all-gathered; rank 0, the only rank that samples, uses them; every rank uses the MTP drafter's);
 - replicated: norms, q/k norms, the router, the shared-expert gate, the vision tower.
 
 A size that does not divide a sharded dimension is refused naming the config field, as vLLM refuses it.
@@ -202,16 +202,17 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [B, N] on every rank -> [B, size·N] (rank-major columns) on rank 0, None on the others. An all-gather
-        (one ring collective, as vLLM gathers its logits), not a gather: NCCL runs it as one captured kernel in the
-        decode graphs, where a gather would be point-to-point sends; at two ranks each link carries the same bytes."""
+    def gather_columns(self, x: torch.Tensor, to_all: bool = False) -> torch.Tensor | None:
+        """x [B, N] on every rank -> [B, size·N] (rank-major columns) on rank 0, None on the others (on every rank
+        with to_all: the drafts, which every rank takes the same argmax of). An all-gather (one ring collective, as
+        vLLM gathers its logits), not a gather: NCCL runs it as one captured kernel in the decode graphs, where a
+        gather would be point-to-point sends; at two ranks each link carries the same bytes."""
         if self.size == 1:
             return x
         x = x.contiguous()
         parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)  # [size, B, N]
         dist.all_gather_into_tensor(parts.view(-1, x.shape[1]), x, group=self.group)
-        if self.rank != 0:
+        if self.rank != 0 and not to_all:
             return None
         return parts.permute(1, 0, 2).reshape(x.shape[0], -1)
 

@@ -183,15 +183,19 @@ class Qwen35Model(nn.Module):
         rows = F.embedding(local.masked_fill(is_elsewhere, 0), self.embed_tokens)
         return self.tp.all_reduce(rows.masked_fill(is_elsewhere.unsqueeze(-1), 0))
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, on_all_ranks: bool = False
+    ) -> torch.Tensor | None:
         """hidden [B, H] -> logits [B, V] in fp32 (lm_head output in the model dtype, then upcast), written into
         `out` [B, V] fp32 when given (the decode graphs share one such buffer). Vocab-parallel: each rank's
-        [B, V/size] is gathered on rank 0; the other ranks return None."""
+        [B, V/size] is gathered on rank 0; the other ranks return None, unless on_all_ranks (the MTP drafter's
+        logits: every rank drafts the same tokens from them)."""
         with label("lm"):
             with label("lm.lm_head"):
                 logits = linear(hidden, self.lm_head)
             if self.tp.is_parallel:
-                logits = self.tp.gather_columns(logits)  # [B, size·rows] on rank 0, None elsewhere
+                # [B, size·rows] on rank 0 (on every rank with on_all_ranks), None elsewhere
+                logits = self.tp.gather_columns(logits, to_all=on_all_ranks)
                 if logits is None:
                     return None
                 logits = logits[:, : self.config.vocab_size]

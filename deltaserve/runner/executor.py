@@ -1,13 +1,15 @@
 """Executors: what the engine core steps, with the ModelRunner's interface (execute / sample / collect / layout /
-max_num_seqs / device / dtype / load_report / check_health / shutdown / run_on_all_ranks / set_step_observer).
+max_num_seqs / device / dtype / load_report / spec / step_drafts / check_health / shutdown / run_on_all_ranks /
+set_step_observer).
 
 --tensor-parallel-size 1 gets the ModelRunner itself: no wrapper, no process, nothing to pay. Above 1,
 MultiprocExecutor keeps rank 0's ModelRunner in this process (it samples) and one worker process per other rank
 (runner/worker.py), started here with torch.multiprocessing (spawn) or by an outside launcher (torchrun: RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT). execute() sends the plan to every worker, then runs rank 0's share; the
-collectives inside the forward keep the ranks in step, and the sampled tokens reach the workers over the device
-group. A worker that dies makes the next call (execute, or check_health while idle) raise WorkerDiedError; on
-CUDA the group is aborted as well, so a collective waiting on the dead rank returns instead of hanging.
+collectives inside the forward keep the ranks in step, and the sampled tokens (with speculative decoding, the
+verify chunks' accepted tokens too: runner/spec_ranks.py) reach the workers over the device group. A worker that
+dies makes the next call (execute, or check_health while idle) raise WorkerDiedError; on CUDA the group is aborted
+as well, so a collective waiting on the dead rank returns instead of hanging.
 """
 
 from __future__ import annotations
@@ -60,11 +62,6 @@ def make_executor(
 ) -> ModelRunner | MultiprocExecutor:
     if engine_config.tensor_parallel_size == 1:
         return ModelRunner(model_config, engine_config, max_model_len, max_num_batched_tokens)
-    if engine_config.speculative_config is not None:  # before any worker starts
-        raise ValueError(
-            f"speculative_config with tensor_parallel_size {engine_config.tensor_parallel_size}: speculative decoding "
-            "under tensor parallelism is not implemented (docs/speculative-decoding.md#not-built-yet)"
-        )
     return MultiprocExecutor(model_config, engine_config, max_model_len, max_num_batched_tokens)
 
 
@@ -310,6 +307,18 @@ class MultiprocExecutor:
             self._raise_failure(exc)
             raise
 
+    def step_drafts(self, handle: StepHandle) -> dict[int, list[int]]:
+        """A deferred step's drafts (rank 0's; every rank drafted the same)."""
+        return self.driver.step_drafts(handle)
+
+    def enable_speculation(self, num_speculative_tokens: int, drafter: Any, *args: object) -> None:
+        """Refused: a drafter object lives in one process. Under tensor parallelism every rank builds its own MTP
+        drafter from speculative_config."""
+        raise ValueError(
+            "enable_speculation with a drafter object under tensor parallelism: pass speculative_config "
+            '({"method": "mtp", ...}) so that every rank builds its MTP drafter'
+        )
+
     def set_step_observer(self, observer: StepObserver | None) -> None:
         """Rank 0's runner calls it with every collected step (runner/observer.py); the workers collect nothing."""
         self.driver.set_step_observer(observer)
@@ -352,6 +361,11 @@ class MultiprocExecutor:
     @property
     def table(self) -> Any:
         return self.driver.table
+
+    @property
+    def spec(self) -> Any:
+        """Rank 0's speculative-decoding state (None without speculation)."""
+        return self.driver.spec
 
     @property
     def graphs(self) -> Any:

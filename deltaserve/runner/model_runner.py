@@ -12,8 +12,9 @@ prefill chunks of rows that asked (runner/prompt_logprobs.py).
 Under tensor parallelism one ModelRunner runs per rank (runner/executor.py starts them) with the rank's shard of
 the model and of the caches: every rank applies the same plan to its own request table and runs the same forward
 (its collectives meet the other ranks'), rank 0 alone samples, and the sampled tokens are broadcast over the device
-group so every rank's table keeps the same last_sampled (the next decode's input). Only rank 0's StepHandle holds
-tokens.
+group so every rank's table keeps the same last_sampled (the next decode's input); with speculative decoding the
+broadcast also carries the verify chunks' accepted tokens, so every rank commits the same GDN states and drafts the
+same tokens (runner/spec_ranks.py). Only rank 0's StepHandle holds tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_last_hidden
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens, scratch_rows
+from deltaserve.runner.spec_ranks import receive_accepted, send_accepted
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
 from deltaserve.sampler.sampler import SAMPLING_EPS
 from deltaserve.sampler.transfer import to_device
@@ -371,9 +373,7 @@ class ModelRunner:
             return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits, None, prompt_lp, prompt_event)
         rows = layout.rows[layout.sample_seqs]
         if not self.tp.is_first:
-            # rank 0 samples (it alone has the gathered logits); this rank learns the tokens, its next inputs
-            tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-            self.table.record_sampled(rows, sample_rows_dev, self.tp.broadcast_from_first(tokens))
+            self._follow_first(spec, rows, sample_rows_dev)
             return StepHandle(plan, layout.sample_seqs, None, None, None)
         if layout.spec is None:
             batch = self.table.sampling_batch(rows, sample_rows_dev)
@@ -419,13 +419,24 @@ class ModelRunner:
             shared = self.sampler._shared_generator(tokens.device)
             tokens = self.spec.accept(handle.spec, out, batch, shared, out.token_ids.index_select(0, last))
             self.spec.count_accepted(self.table, handle.spec.layout, rows, handle.spec)
-        self.tp.broadcast_from_first(tokens)
+        send_accepted(self.tp, tokens, handle.spec)  # the other ranks' _follow_first
         self.table.record_sampled(rows, rows_dev, tokens)
         if handle.spec is not None:
             self.spec.propose(handle.spec, self.table, self.block_size, rows, rows_dev, tokens)
         handle.sampled, handle.event = self._to_host(out)
         if handle.spec is not None:
             SpecDecoder.to_host(handle.spec)
+
+    def _follow_first(self, spec: SpecHandle | None, rows: np.ndarray, rows_dev: torch.Tensor) -> None:
+        """A rank other than 0 after a sampling step: rank 0 samples (it alone has the gathered logits) and decides
+        the verify chunks' acceptance; this rank receives the tokens (its next inputs) and the accepted counts,
+        commits the same GDN states and runs its drafter on the same inputs (runner/spec_ranks.py)."""
+        tokens = receive_accepted(self.tp, len(rows), spec, self.device)
+        if spec is not None and spec.layout is not None:
+            self.spec.commit(spec)
+        self.table.record_sampled(rows, rows_dev, tokens)
+        if spec is not None:  # its collectives meet rank 0's drafter's
+            self.spec.propose(spec, self.table, self.block_size, rows, rows_dev, tokens)
 
     def step_drafts(self, handle: StepHandle) -> dict[int, list[int]]:
         """A deferred step's drafts, plan index -> the verify chunk's k drafts (the grammars fill their masks along
@@ -442,8 +453,6 @@ class ModelRunner:
         """Turns on verify chunks of up to num_speculative_tokens drafts, which `drafter` proposes after every
         step (runner/spec_decode.py); synthetic_rates pins the accept decision (vLLM's synthetic mode);
         max_spec_seqs: verify chunks a step may hold (their scratch; default max_num_seqs)."""
-        if self.tp.is_parallel:
-            raise ValueError("speculative decoding under tensor parallelism is not implemented")
         self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
                                 synthetic_rates, max_spec_seqs or self.max_num_seqs)  # fmt: skip
 

@@ -10,6 +10,9 @@ which covers it again). Draft 1 of a sampling row is the argmax of the lm_head a
 writing the MTP KV of the positions past the step, which the next step's first pass rewrites with true inputs.
 Those chained positions are written only where the row's KV blocks reach (the scheduler allocates k - 1 blocks of
 lookahead for them); past that the pass reads and writes nothing of another row. Everything stays on the device.
+Under tensor parallelism every rank runs this on its shard of the MTP layer with the same inputs (rank 0's accepted
+tokens: runner/spec_ranks.py) and takes the argmax over the draft logits gathered on every rank, so every rank
+writes the same drafts.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class MtpDrafter:
         if not num_rows:
             return drafts
         hidden = out.index_select(0, target.draft_rows)  # [R, H]
-        token = self.model.compute_logits(hidden).argmax(dim=-1)  # [R]: greedy drafts, as vLLM's default
+        token = self.model.compute_logits(hidden, on_all_ranks=True).argmax(dim=-1)  # [R]: greedy, vLLM's default
         drafts[:, 0] = token
         positions = target.positions.index_select(1, target.draft_rows)  # [3, R]
         limit = to_device(target.kv_limit, torch.int64, device)  # [R]: pinned, no wait on the stream
@@ -69,6 +72,6 @@ class MtpDrafter:
             )
             with forward_context(ctx):
                 hidden = self.mtp(token, positions + i, hidden)  # [R, H]
-            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            token = self.model.compute_logits(hidden, on_all_ranks=True).argmax(dim=-1)
             drafts[:, i] = token
         return drafts

@@ -300,20 +300,27 @@ class SpecDecoder:
             self._emitted_logprobs(out, layout, positions, tokens, num_emitted)
         else:
             tokens, num_emitted = greedy_accept(target, drafts, num_drafts)
-        slots = to_device(layout.state_slots, torch.int32, device)
-        for layer in self.model.layers:
-            if not layer.is_full_attention:
-                mixer = layer.linear_attn
-                spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
-                                  mixer.spec_ssm_scratch, slots, num_emitted - 1)  # fmt: skip
-        if self.model.mtp is not None:  # the live slot's hidden row follows the rollback (runner/mtp_resume.py)
-            first = handle.step_layout.query_start_loc[layout.seq_index]
-            save_accepted_hidden(self.model, handle.hidden, first, num_emitted, layout.state_slots)
         handle.tokens, handle.num_emitted = tokens, num_emitted
+        self.commit(handle)
         last = tokens.gather(1, (num_emitted - 1).unsqueeze(1)).squeeze(1)  # [S]
         seq_tokens = seq_tokens.clone()
         seq_tokens.index_copy_(0, to_device(layout.spec_sample_index, torch.int64, device), last)
         return seq_tokens
+
+    def commit(self, handle: SpecHandle) -> None:
+        """Rolls each verify chunk's GDN state back to its last accepted token: scratch entry [s, accepted_s] into
+        the live slot, every GDN layer (handle.num_emitted [S] set by accept, or on a rank other than 0 received
+        from rank 0: runner/spec_ranks.py)."""
+        slots = to_device(handle.layout.state_slots, torch.int32, handle.num_emitted.device)
+        for layer in self.model.layers:
+            if not layer.is_full_attention:
+                mixer = layer.linear_attn
+                spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
+                                  mixer.spec_ssm_scratch, slots, handle.num_emitted - 1)  # fmt: skip
+        if self.model.mtp is not None:  # the live slot's hidden row follows the rollback (runner/mtp_resume.py)
+            layout = handle.layout
+            first = handle.step_layout.query_start_loc[layout.seq_index]
+            save_accepted_hidden(self.model, handle.hidden, first, handle.num_emitted, layout.state_slots)
 
     @staticmethod
     def _uniforms(

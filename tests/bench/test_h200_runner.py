@@ -63,6 +63,11 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
             f"--reference vllm --share-gpu --record {out}/gate-mtp-{variant}-bf16-h200-test.json -k 1" in mtp
         )
         assert f"gate mtp {variant} rc 0" in mtp
+    tp_gate = runner(tmp_path, "tp", "gate").stdout
+    for variant in ("dense", "moe", "next"):  # speculative decoding at two ranks, with MTP vs without
+        assert f"gate mtp --model deltaserve/tiny/trained/{variant} --dtype bfloat16 --device cuda -tp 2" in tp_gate
+    tp_tests = runner(tmp_path, "tp", "tests").stdout
+    assert "--import-mode=importlib tests/runner/test_gpu_tensor_parallel.py" in tp_tests  # where the file lives
 
 
 def test_kernel_ab_builds_a_baseline_tree_from_one_kernel_file(tmp_path: Path) -> None:

@@ -42,6 +42,19 @@ def test_mtp_equals_no_mtp_and_drafts(variant: str, k: int, tmp_path: Path, caps
     assert ours["accepted_per_pos"][0] > 0  # trained heads: some first drafts are right, so acceptance was exercised
 
 
+def test_mtp_at_two_ranks_equals_no_mtp_at_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--tensor-parallel-size 2`: both of deltaserve's engines at two ranks (a spawned worker each)."""
+    record = tmp_path / "gate.json"
+    code = mtp.run_gate(trained_model_dir("dense"), 3, num_prompts=2, max_tokens=12, max_prompt_len=64,
+                        record_path=record, tensor_parallel_size=2)  # fmt: skip
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "STRICT 2/2 deltaserve with MTP (k = 3) against deltaserve without (float32, tensor parallel 2)"
+    assert lines[-1].endswith("(float32, tensor parallel 2), 2 corpus prompts, 12 tokens each, k = 3; exit 0")
+    verdict = json.loads(record.read_text())["verdict"]
+    assert verdict["tensor_parallel_size"] == 2 and verdict["ours"]["num_drafts"] > 0
+
+
 def test_a_broken_accept_rule_fails_the_gate(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     def accept_every_draft(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> Any:
         accepted = rejection._real(drafts, num_drafts)

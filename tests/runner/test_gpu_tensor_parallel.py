@@ -2,8 +2,9 @@
 
 TP=2 gives TP=1's greedy and seeded tokens in fp32 through the graphs (async scheduling, waves of requests, padded
 buckets), every rank captured its graphs, the workers run with NVLink multicast off, and eager TP=2 equals graphed
-TP=2. Skipped below two GPUs. On one GPU: TP=1 steps the ModelRunner itself (no worker, no process group), and the
-MoE block's fused op (with its TP all-reduce a no-op) gives eager's tokens through the graphs.
+TP=2; MTP speculative decoding at TP=2 keeps one GPU's greedy tokens. Skipped below two GPUs. On one GPU: TP=1 steps
+the ModelRunner itself (no worker, no process group), and the MoE block's fused op (with its TP all-reduce a no-op)
+gives eager's tokens through the graphs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import torch
 from deltaserve import env
 from deltaserve.engine.llm import LLM
 from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+from tests.engine.test_spec_decode import make_prompts, run
 
 from .test_gpu_async import _workload
 
@@ -97,3 +101,26 @@ def test_bfloat16_two_gpus_serve_with_expert_parallelism(tiny_moe: Path) -> None
         llm.shutdown()
     assert len(got) == len(expected) and all(len(a) == len(b) for a, b in zip(got, expected, strict=True))
     assert sum(a == b for a, b in zip(got, expected, strict=True)) >= len(expected) // 2
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_mtp_at_two_gpus_gives_the_greedy_tokens_of_one(variant: str) -> None:
+    """MTP speculative decoding (k = 3) at TP=2 over NCCL: rank 0's accept broadcast and the draft logits gathered on
+    both GPUs (runner/spec_ranks.py) give one GPU's greedy tokens without speculation, with drafts accepted."""
+    model = trained_model_dir(variant)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    one = LLM(model, **CONFIG)
+    prompts = make_prompts(one)
+    expected = [list(o.token_ids) for o in run(one, prompts, params)]
+    one.shutdown()
+    del one
+    torch.cuda.empty_cache()
+    config = {"method": "mtp", "num_speculative_tokens": 3}
+    two = LLM(model, tensor_parallel_size=2, speculative_config=config, **CONFIG)
+    try:
+        assert [list(o.token_ids) for o in run(two, prompts, params)] == expected
+        assert two.engine.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        two.shutdown()

@@ -1,17 +1,14 @@
 """The runner's verify-chunk layout (runner/spec_decode.py: spec_layout) on hand-built plans, its refusals, and the
-verify scratch's share of the cache budget (plain data in, numpy out: no model); tensor parallelism refused."""
+verify scratch's share of the cache budget (plain data in, numpy out: no model). Under tensor parallelism:
+tests/runner/test_spec_decode_tensor_parallel.py."""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
 
-from deltaserve.engine.llm import LLM
 from deltaserve.runner.spec_decode import scratch_rows, spec_layout
 from deltaserve.step import ScheduledSeq
-from deltaserve.tiny.trained import trained_model_dir
 
 
 def decode(row: int, k: int = 0, **fields: object) -> ScheduledSeq:
@@ -58,11 +55,3 @@ def test_scratch_rows_take_a_quarter_of_the_budget() -> None:
     assert scratch_rows(1000, 10, 3, max_num_seqs=100) == 6
     assert scratch_rows(1000, 10, 3, max_num_seqs=4) == 4
     assert scratch_rows(10, 10, 3, max_num_seqs=4) == 1  # at least one: speculation never turns itself off here
-
-
-def test_tensor_parallelism_is_refused_before_any_worker_starts() -> None:
-    started = time.monotonic()
-    with pytest.raises(ValueError, match="speculative_config with tensor_parallel_size 2: .* not implemented"):
-        LLM(trained_model_dir("dense"), device="cpu", tensor_parallel_size=2,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
-    assert time.monotonic() - started < 5  # no process was spawned
