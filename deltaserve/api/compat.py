@@ -194,9 +194,9 @@ TABLE = """
 --shutdown-timeout | value | log | shutdown waits for the engine thread
 --skip-mm-profiling | switch | log | text-only server: nothing multimodal to profile
 --skip-tokenizer-init | switch | refuse | the API needs the tokenizer
---spec-method | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
---spec-model | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
---spec-tokens | value | warn | speculative decoding is not implemented yet: tokens are decoded one per step
+--spec-method | value | warn | vLLM's shorthand is not read: --speculative-config (MTP) is the implemented spelling
+--spec-model | value | warn | vLLM's shorthand is not read: --speculative-config (MTP) is the implemented spelling
+--spec-tokens | value | warn | vLLM's shorthand is not read: --speculative-config (MTP) is the implemented spelling
 --specialize-active-lora | switch | log | LoRA adapters are not supported
 --stream-interval | value | warn | every engine step is streamed
 --swap-space | value | log | CPU swap space is not used
