@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from deltaserve.gates.tokens import held_out_ids
 from deltaserve.sampling_params import SamplingParams
 
 RECORD_SCHEMA = "deltaserve-gate-prefix-cache/1"
@@ -108,12 +109,6 @@ def verdict_code(verdict: GateVerdict) -> int:
     return 0 if not verdict.mismatches else 1
 
 
-def corpus_ids(tokenizer: Any) -> list[int]:
-    from deltaserve.tiny.mtp import corpus_split
-
-    return tokenizer.encode(corpus_split()[1], add_special_tokens=False)
-
-
 def make_scenarios(ids: list[int], seed: int) -> list[Scenario]:
     """The traffic above, drawn from `ids` with one seeded generator (the same for both engines)."""
     rng = np.random.default_rng(seed)
@@ -180,7 +175,7 @@ def run_gate(
     kwargs = dict(engine_kwargs or {})
     answers: dict[str, list[list[int]]] = {}
     off = LLM(model_dir, dtype=dtype, enable_prefix_caching=False, **kwargs)
-    scenarios = make_scenarios(corpus_ids(off.get_tokenizer()), seed)
+    scenarios = make_scenarios(held_out_ids(off.get_tokenizer()), seed)
     try:
         off_results = _run_engine(off, scenarios, max_tokens, answers)
     finally:

@@ -189,11 +189,16 @@ def prompt_lengths(num_prompts: int, max_len: int, rng: np.random.Generator) -> 
     return lengths[:num_prompts]
 
 
-def make_text_prompts(tokenizer: Any, num_prompts: int, max_len: int, seed: int) -> list[list[int]]:
-    """Seeded spans of the shipped corpus' held-out paragraphs (text no trained checkpoint saw)."""
+def held_out_ids(tokenizer: Any) -> list[int]:
+    """The shipped corpus' held-out paragraphs (text no trained checkpoint saw) as token ids."""
     from deltaserve.tiny.mtp import corpus_split
 
-    ids = tokenizer.encode(corpus_split()[1], add_special_tokens=False)
+    return tokenizer.encode(corpus_split()[1], add_special_tokens=False)
+
+
+def make_text_prompts(tokenizer: Any, num_prompts: int, max_len: int, seed: int) -> list[list[int]]:
+    """Seeded spans of the shipped corpus' held-out paragraphs (text no trained checkpoint saw)."""
+    ids = held_out_ids(tokenizer)
     rng = np.random.default_rng(seed)
     prompts = []
     for n in prompt_lengths(num_prompts, max_len, rng):
