@@ -248,7 +248,7 @@ def check_arms(arms: list[Arm], run: Callable[[Arm], torch.Tensor], ref: torch.T
 
 
 def routing(tokens: int, experts: int, top_k: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(x, topk_weights fp32, ids int64 for deltaserve, the same ids int32 for vLLM) from random router logits."""
+    """(topk_weights fp32, ids int64 for deltaserve, the same ids int32 for vLLM) from random router logits."""
     from deltaserve.kernels import moe_route
 
     weights, ids = moe_route(torch.randn(tokens, experts, device=device).to(dtype), top_k, True)

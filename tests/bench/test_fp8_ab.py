@@ -185,3 +185,22 @@ def test_the_h200_step_puts_both_bundles_on_the_path_and_keeps_to_the_budget(tmp
         line for line in runner(tmp_path, "fp8-ab", "--deadline-s", "120").stdout.splitlines() if "fp8_ab" in line
     )
     assert own.count("--deadline-s") == 1 and "--deadline-s 120 >" in own  # a given deadline is the one it runs
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_every_arm_that_imports_is_checked_and_ours_agrees(fp8_ab: ModuleType, tmp_path: Path) -> None:
+    """On the H200 (`bash scripts/h200.sh tests tests/bench/test_fp8_ab.py`, the vLLM bundle on the path): a small
+    dense shape and a small MoE through the whole tool on CUDA; ours agrees with its twin and is timed by CUDA
+    graph at every M, every library arm that imports has its check recorded (agreeing, or with its error), and
+    each case names an arm to serve."""
+    out = tmp_path / "fp8-ab-gpu.json"
+    args = ["--dense-shape", "1024x2048", "--moe-shape", "8,256,512,2", "--tokens", "1,64", "--moe-tokens", "4"]
+    assert fp8_ab.main([*args, "--reps", "3", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    ours = [c for c in record["checks"] if c["arm"] == "deltaserve"]
+    assert len(ours) == 3 and all(c["agrees"] for c in ours)  # dense at M = 8 and 256, MoE at T = 32
+    rows = [r for r in record["results"] if r["arm"] == "deltaserve"]
+    assert len(rows) == 3 and all(r["mode"] == "graph" and r["us"] > 0 and r["copy_share"] > 0 for r in rows)
+    checked = {f"{c['op']}/{c['arm']}" for c in record["checks"]}
+    assert {name for name, arm in record["arms"].items() if arm["available"]} == checked
+    assert all(w["adopt"] for w in record["winners"])
