@@ -19,7 +19,7 @@ import torch
 
 from deltaserve.bench import records_index
 from deltaserve.config import ModelConfig
-from deltaserve.kernels.fp8 import Fp8Weight
+from deltaserve.kernels.fp8 import Fp8Weight, fp8_linear_ref
 from deltaserve.model.qwen3_5 import Qwen35Model
 
 from .test_h200_runner import runner
@@ -106,31 +106,36 @@ def test_cpu_run_names_the_missing_libraries_checks_ours_and_writes_an_indexed_r
 def test_an_arm_that_disagrees_with_the_twin_is_reported_and_never_wins(
     fp8_ab: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A FlashInfer stand-in that returns zeros at once: faster than ours, wrong; it is printed as DISAGREES,
-    recorded with agrees false, timed, and the case is still deltaserve's. A library whose entry point raises is
-    recorded with its error and not timed."""
+    """A FlashInfer stand-in that returns zeros at once (faster than ours, wrong), or one that reads each 128-row
+    block's scale from another block: printed as DISAGREES, recorded with agrees false, timed, and the case is still
+    deltaserve's. A library whose entry point raises is recorded with its error and not timed."""
 
     def zeros(x: torch.Tensor, weight: torch.Tensor, _: None, scale: torch.Tensor, out_dtype: torch.dtype) -> Any:
         return torch.zeros(x.shape[0], weight.shape[0], dtype=out_dtype)
 
+    def wrong_blocks(x: torch.Tensor, weight: torch.Tensor, _: None, scale: torch.Tensor, out_dtype: Any) -> Any:
+        return fp8_linear_ref(x, Fp8Weight.of(weight, scale.flip(0), 128))  # each row block given another's scale
+
     def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("fp8_blockscale_gemm_sm90 is only supported on SM90")
 
-    for fake, status in ((zeros, "DISAGREES"), (broken, "ERROR")):
+    for fake, status in ((zeros, "DISAGREES"), (wrong_blocks, "DISAGREES"), (broken, "ERROR")):
         fake_flashinfer = SimpleNamespace(__version__="0.6.14", fp8_blockscale_gemm_sm90=fake)
 
         def importer(name: str, fake_flashinfer: Any = fake_flashinfer) -> Any:
             return fake_flashinfer if name.startswith("flashinfer") else absent(name)
 
-        out = tmp_path / f"fp8-ab-{status}.json"
+        out = tmp_path / f"fp8-ab-{fake.__name__}.json"
         assert fp8_ab.main([*TINY, "--ops", "dense", "--out", str(out)], importer=importer) == 0
         record = json.loads(out.read_text())
         assert record["arms"]["dense/flashinfer"]["available"] and "dense/flashinfer" not in record["missing"]
         check = next(c for c in record["checks"] if c["arm"] == "flashinfer")
         assert check["agrees"] is False and f"flashinfer: {status}" in capsys.readouterr().out
         rows = [r for r in record["results"] if r["arm"] == "flashinfer"]
+        if fake is zeros:
+            assert check["max_rel"] == pytest.approx(1.0)
         if status == "DISAGREES":
-            assert check["max_rel"] == pytest.approx(1.0) and len(rows) == 2
+            assert check["max_rel"] > 0.1 and len(rows) == 2
             assert all(r["agrees"] is False for r in rows)
         else:
             assert "only supported on SM90" in check["error"] and not rows
