@@ -20,7 +20,9 @@ warmed up first; the arms are replayed interleaved, in a rotating order, and eac
 --reps of GPU time per call by CUDA events. Achieved bandwidth counts the bytes the op must move (weights and their
 scales read once, experts actually routed to, activations in and out) against the copy ceiling measured in the
 same run. A library arm becomes the served kernel for a shape range only when it beats deltaserve there by more
-than --adopt-margin (docs/fp8.md#the-h200-plan); each row records which arm wins and by how much.
+than --adopt-margin (docs/fp8.md#the-h200-plan); each case records which arm wins and by how much, and `ranges`
+what serves each op over decode (M <= 256) and prefill (M >= 2048) sizes, from the times summed over the range.
+`--summarize RECORD...` prints that verdict over several records (one device call per model) and runs nothing.
 
 On a machine without CUDA (`--device cpu`) ours runs its torch twin and is timed by the wall clock: the CPU test's
 check of discovery and the record. The record (JSON) goes to --out, by default
@@ -60,6 +62,7 @@ DENSE_TOKENS = "1,2,4,8,16,32,64,128,256,2048,8192"
 MOE_TOKENS = "1,2,4,8,16,32,64,128,256,2048"
 TOLERANCE = 1e-2  # max |arm - ref| / max |ref|: about 2.5 bf16 roundings at the largest output
 MAX_SETS = 256  # rotation sets per pass, at most
+RANGES = {"decode": (1, 256), "prefill": (2048, 1 << 30)}  # the ranges of M a served dispatch is decided for
 
 
 def _make_dummy_models() -> Any:
@@ -327,6 +330,52 @@ def verdict(case: dict[str, Any], rows: list[dict[str, Any]], margin: float) -> 
     }
 
 
+def range_verdicts(results: list[dict[str, Any]], margin: float) -> list[dict[str, Any]]:
+    """What serves each op over each range of M (RANGES), from timed rows of one record or several: each arm's
+    time summed over the range's cases; a library is eligible only if it agreed with the twin and was timed at
+    every case deltaserve was, and serves the range when its sum is more than `margin` below deltaserve's."""
+    verdicts = []
+    for op in dict.fromkeys(r["op"] for r in results):
+        for name, (low, high) in RANGES.items():
+            rows = [r for r in results if r["op"] == op and low <= r["M"] <= high and "us" in r]
+            cases = {(r["model"], r["shape"], r["M"]) for r in rows if r["arm"] == "deltaserve" and r["agrees"]}
+            if not cases:
+                continue
+            totals: dict[str, float] = {}
+            counts: dict[str, int] = {}
+            for r in rows:
+                if r["agrees"] and (r["model"], r["shape"], r["M"]) in cases:
+                    totals[r["arm"]] = totals.get(r["arm"], 0.0) + r["us"]
+                    counts[r["arm"]] = counts.get(r["arm"], 0) + 1
+            ours = totals.pop("deltaserve")
+            libraries = {
+                arm: {"us": total, "gain": ours / total - 1, "eligible": counts[arm] == len(cases)}
+                for arm, total in totals.items()
+            }
+            eligible = {arm: v for arm, v in libraries.items() if v["eligible"]}
+            best = min(eligible, key=lambda arm: eligible[arm]["us"]) if eligible else None
+            serve = best if best and eligible[best]["gain"] > margin else "deltaserve"
+            verdicts.append(
+                {"op": op, "range": name, "cases": len(cases), "deltaserve_us": ours, "libraries": libraries,
+                 "serve": serve}
+            )  # fmt: skip
+    return verdicts
+
+
+def summarize(paths: list[Path], margin: float) -> int:
+    """Print and return 0 after the range verdicts over the records at `paths` (the per-model calls together)."""
+    results = [row for path in paths for row in json.loads(path.read_text())["results"]]
+    verdicts = range_verdicts(results, margin)
+    for v in verdicts:
+        others = ", ".join(
+            f"{arm} {100 * lib['gain']:+.0f} %" + ("" if lib["eligible"] else " (not at every case)")
+            for arm, lib in sorted(v["libraries"].items())
+        )
+        print(f"{v['op']} {v['range']}: {v['cases']} cases; serve {v['serve']} (libraries over deltaserve: "
+              f"{others or 'none timed'})")  # fmt: skip
+    return 0 if verdicts else 2
+
+
 def _record_checks(ctx: Context, case: dict[str, Any], checks: dict[str, Any]) -> None:
     for arm, check in checks.items():
         ctx.record["checks"].append({**case, "arm": arm, **check})
@@ -454,6 +503,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bfloat16",), default="bfloat16")
     parser.add_argument("--check-only", action="store_true", help="discover and check the arms; time nothing")
     parser.add_argument("--out", type=Path, default=None, help="the JSON record (default benchmarks/results/kernels/)")
+    parser.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="RECORD",
+                        help="print what serves each op and range of M over these records; run nothing")  # fmt: skip
     args = parser.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if set(args.ops) - {"dense", "moe"}:
@@ -522,6 +573,7 @@ def new_record(args: argparse.Namespace, arms: list[Arm], argv: list[str]) -> di
         "results": [],
         "winners": [],
         "skipped": [],
+        "ranges": [],
         "vllm_triton_tables": {},
         "vllm_moe_tables": {},
     }
@@ -530,6 +582,8 @@ def new_record(args: argparse.Namespace, arms: list[Arm], argv: list[str]) -> di
 def main(argv: list[str] | None = None, importer: Callable[[str], Any] = importlib.import_module) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize, args.adopt_margin)
     items = work(args)
     if not items:
         print("fp8_ab: nothing to measure (no shape for these --models / --ops)", file=sys.stderr)
@@ -553,6 +607,9 @@ def main(argv: list[str] | None = None, importer: Callable[[str], Any] = importl
         if row["adopt"] not in (None, "deltaserve"):
             print(f"adopt {row['adopt']}: {row['op']} {row['model']} {row['shape']} M={row['M']} "
                   f"(+{100 * row['library_gain']:.0f} % over deltaserve)")  # fmt: skip
+    record["ranges"] = range_verdicts(record["results"], args.adopt_margin)
+    for v in record["ranges"]:
+        print(f"range {v['op']} {v['range']} ({v['cases']} cases): serve {v['serve']}")
     if record["skipped"]:
         print(f"skipped {len(record['skipped'])} cases at the deadline (--deadline-s {args.deadline_s})")
     ctx.save()

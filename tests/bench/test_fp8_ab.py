@@ -97,6 +97,9 @@ def test_cpu_run_names_the_missing_libraries_checks_ours_and_writes_an_indexed_r
     assert timed == [("dense", 1, "deltaserve"), ("dense", 3, "deltaserve"), ("moe", 2, "deltaserve")]
     assert all(r["us"] > 0 and r["tflops"] > 0 and r["copy_share"] is None for r in record["results"])
     assert [w["adopt"] for w in record["winners"]] == ["deltaserve"] * 3 and not record["skipped"]
+    assert [(v["op"], v["range"], v["cases"], v["serve"], v["libraries"]) for v in record["ranges"]] == [
+        ("dense", "decode", 2, "deltaserve", {}), ("moe", "decode", 1, "deltaserve", {})
+    ]  # fmt: skip
     assert records_index.kind_of(out.name) == "kernels"
     what = records_index.describe(out)[0]
     assert what.startswith("block-FP8 GEMM / MoE vs libraries (fp8_ab.py): custom dense,moe")
@@ -162,6 +165,31 @@ def test_verdict_adopts_a_library_only_past_the_margin(fp8_ab: ModuleType) -> No
     wrong = rows(deltaserve=100.0, flashinfer=10.0)
     wrong[1]["agrees"] = False
     assert fp8_ab.verdict(case, wrong, 0.10)["adopt"] == "deltaserve"
+
+
+def test_a_range_is_served_by_a_library_only_if_it_ran_everywhere_and_wins_the_sum(
+    fp8_ab: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def row(model: str, m: int, arm: str, us: float, agrees: bool = True) -> dict[str, Any]:
+        return {"op": "dense", "model": model, "shape": "qkv_proj", "M": m, "arm": arm, "us": us, "agrees": agrees}
+
+    decode = [row("27b", 1, "deltaserve", 100), row("27b", 1, "vllm-cutlass", 50), row("27b", 1, "flashinfer", 80)]
+    decode += [row("35b-a3b", 8, "deltaserve", 10), row("35b-a3b", 8, "vllm-cutlass", 12)]
+    decode += [row("35b-a3b", 8, "flashinfer", 9, agrees=False)]  # flashinfer disagrees at one decode case
+    prefill = [row("27b", 2048, "deltaserve", 1000), row("27b", 2048, "vllm-cutlass", 950)]
+    verdicts = {v["range"]: v for v in fp8_ab.range_verdicts(decode + prefill, 0.10)}
+    assert verdicts["decode"]["serve"] == "vllm-cutlass" and verdicts["decode"]["cases"] == 2
+    assert verdicts["decode"]["libraries"]["vllm-cutlass"]["gain"] == pytest.approx(110 / 62 - 1)
+    assert verdicts["decode"]["libraries"]["flashinfer"]["eligible"] is False  # 80 us alone would not count
+    assert verdicts["prefill"]["serve"] == "deltaserve"  # 5 % is inside the margin
+    records = []
+    for model, rows in (("27b", decode[:3] + prefill), ("35b-a3b", decode[3:])):
+        records.append(tmp_path / f"fp8-ab-{model}.json")
+        records[-1].write_text(json.dumps({"kind": "fp8_ab", "results": rows}))
+    assert fp8_ab.main(["--summarize", *map(str, records)]) == 0
+    printed = capsys.readouterr().out
+    assert "dense decode: 2 cases; serve vllm-cutlass (libraries over deltaserve: flashinfer" in printed
+    assert "dense prefill: 1 cases; serve deltaserve" in printed
 
 
 def test_the_deadline_records_the_cases_it_cut(fp8_ab: ModuleType, tmp_path: Path) -> None:
