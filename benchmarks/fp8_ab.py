@@ -506,6 +506,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="RECORD",
                         help="print what serves each op and range of M over these records; run nothing")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device (--device cpu times the torch twin)")
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if set(args.ops) - {"dense", "moe"}:
         parser.error(f"--ops: dense and/or moe, not {args.ops}")

@@ -192,6 +192,23 @@ def test_a_range_is_served_by_a_library_only_if_it_ran_everywhere_and_wins_the_s
     assert "dense prefill: 1 cases; serve deltaserve" in printed
 
 
+def test_check_only_checks_every_arm_and_times_nothing(fp8_ab: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "fp8-ab-check.json"
+    assert fp8_ab.main([*TINY, "--check-only", "--out", str(out)], importer=absent) == 0
+    record = json.loads(out.read_text())
+    assert [(c["op"], c["arm"], c["agrees"]) for c in record["checks"]] == [
+        ("dense", "deltaserve", True), ("moe", "deltaserve", True)
+    ]  # fmt: skip
+    assert not record["results"] and not record["winners"] and not record["skipped"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA refusal")
+def test_cuda_on_a_machine_without_it_is_refused_by_name(fp8_ab: ModuleType, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as refused:
+        fp8_ab.main(["--device", "cuda", "--ops", "dense"])
+    assert refused.value.code == 2 and "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
+
+
 def test_the_deadline_records_the_cases_it_cut(fp8_ab: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "fp8-ab-cut.json"
     assert fp8_ab.main([*TINY, "--deadline-s", "0", "--out", str(out)], importer=absent) == 0
