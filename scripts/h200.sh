@@ -43,6 +43,12 @@
 #   mixed-step [FLAGS]           benchmarks/mixed_step.py (--shapes, --cases, --reps)
 #   profile-decode [SHAPE] [FLAGS]  benchmarks/profile_decode.py on the dummy q35-SHAPE (default 35b-a3b)
 #   kernels [FLAGS]              deltaserve bench kernels (--models, --ops, --tokens)
+#   fp8-ab [FLAGS]               benchmarks/fp8_ab.py: block-FP8 dense GEMMs and the FP8 fused MoE, deltaserve against
+#                                vLLM's CUTLASS and Triton kernels, FlashInfer's fp8_blockscale_gemm_sm90 and DeepGEMM
+#                                (each one that imports), with the FlashInfer bundle and the vLLM bundle on the path;
+#                                FLAGS are its own (--models 35b-a3b,27b,122b-a10b, --ops dense,moe, --tokens,
+#                                --arms, --check-only); --deadline-s defaults to what the budget leaves, so a cut
+#                                call still returns the cases it timed (fp8-ab-TAG.json) and names the rest
 #   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the
@@ -354,6 +360,22 @@ case $step in
     run "$W/profile-decode.log" timeout "$(left)" $PY benchmarks/profile_decode.py --model "$models/q35-$shape" \
       --out "$OUT/profile-decode-$shape-$tag.json" "$@" || status=$?
     grep -v "USDT\|UserWarning\|_warn_once" "$W/profile-decode.log" 2> /dev/null | tail -12 | say ;;
+  fp8-ab)
+    has_deadline=""
+    for word in "$@"; do [ "$word" = --deadline-s ] && has_deadline=1; done
+    deadline=()
+    [ -n "$has_deadline" ] || deadline=(--deadline-s "$(left 40)")  # no case that would end after the budget
+    # the FlashInfer bundle before vLLM's, as the registry's h200-offline-flashinfer site; its JIT build under /tmp
+    # so a second call on the warm machine reuses it (a cut build resumes)
+    run "$W/fp8-ab.log" env \
+      PYTHONPATH="$PWD:/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" \
+      FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit timeout --kill-after=10 "$(left 15)" $PY benchmarks/fp8_ab.py \
+      --out "$OUT/fp8-ab-$tag.json" "${deadline[@]}" "$@" || status=$?
+    grep -E "^arm |DISAGREES|ERROR|^adopt |^skipped|^record|Traceback|Error:" "$W/fp8-ab.log" 2> /dev/null | head -60 \
+      | say
+    cp "$W/fp8-ab.log" "$OUT/fp8-ab-$tag.log" 2> /dev/null  # the record's console log, filed beside it
+    timed=$(grep -cE '^(dense|moe) ' "$W/fp8-ab.log" 2> /dev/null)
+    echo "fp8-ab rc $status: ${timed:-0} cases timed" | say ;;
   kernels)
     run "$W/kernels.log" timeout "$(left)" $PY -m deltaserve.cli bench kernels --out "$OUT/kernels-$tag.json" "$@" \
       || status=$?

@@ -30,7 +30,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kernels": (
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
         ("decode-step*", "mixed-step*", "conv-prefill*", "align-router*", "tune-moe*", "moe-table*", "kernels-*")
-        + ("profile-decode*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*"),
+        + ("profile-decode*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*"),
     ),
     "gates": (
         "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "
@@ -123,6 +123,8 @@ def _what_json(data: dict[str, Any]) -> str:
         return _what_gate(data)
     if kind == "kernel_bench":
         return f"kernel microbenchmarks (bench kernels): {_flag(command, '--models')}, {data.get('dtype')}"
+    if kind == "fp8_ab":
+        return _what_fp8_ab(data)
     if kind == "align_router":
         return "MoE expert alignment and router launches alone (align_router_bench.py)"
     if kind == "conv-prefill-sweep":
@@ -139,6 +141,18 @@ def _what_json(data: dict[str, Any]) -> str:
         recipe = data["recipe"]
         return f"tiny-model training on the GPU: {recipe.get('variant')}, {recipe.get('num_steps')} steps"
     return "-"
+
+
+def _what_fp8_ab(data: dict[str, Any]) -> str:
+    """benchmarks/fp8_ab.py: which models and ops, which arms ran and which were missing, the cases it timed."""
+    results = data.get("results", [])
+    models = ",".join(dict.fromkeys(str(r.get("model")) for r in results)) or "no case timed"
+    ops = ",".join(dict.fromkeys(str(r.get("op")) for r in results))
+    arms = data.get("arms", {})
+    ran = ", ".join(name for name, arm in arms.items() if arm.get("available"))
+    missing = ", ".join(data.get("missing", {})) or "none"
+    cut = f"; {len(data['skipped'])} cut at the deadline" if data.get("skipped") else ""
+    return f"block-FP8 GEMM / MoE vs libraries (fp8_ab.py): {models} {ops}; arms {ran}; missing {missing}{cut}"
 
 
 def _what_gate(data: dict[str, Any]) -> str:
