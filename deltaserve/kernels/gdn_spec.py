@@ -9,7 +9,8 @@ each sequence accepted (a_s, on the device), `spec_state_commit` copies scratch 
 rejection costs no recompute and the host never waits for the counts.
 
 - `causal_conv1d_verify`: conv + SiLU of the chunk's pre-conv rows after the slot's K-1 rows; scratch_conv
-  [S_max, W_max, K-1, C] gets the window after each token. Rounding as causal_conv1d_update.
+  [S_max, W_max, K-1, C] gets the window after each token (a padded column repeats the last real window, as the
+  recurrent scratch repeats the last real state). Rounding as causal_conv1d_update.
 - `gdn_verify`: the recurrent delta rule token by token (gdn_decode's arithmetic: fp32, q/k not rounded);
   scratch_ssm [S_max, W_max, HV, dk, dv] gets the state after each token.
 - `spec_state_commit`: live slot <- scratch [s, num_accepted[s]], conv and recurrent state.
@@ -20,8 +21,9 @@ commit writes no slot for it. (Each layer's slot pool is a view into one tensor 
 would address the previous layer's last slot, or memory before the pool.)
 
 The `*_ref` twins are vectorised over sequences with no host sync (a loop over the W <= 1 + k token columns only),
-so they are also a correct device path; `gdn_verify` runs its Triton kernel (kernels/gdn_spec_triton.py) on CUDA
-when the state is fp32.
+so they are also a correct device path. On CUDA `causal_conv1d_verify` runs its Triton kernel
+(kernels/gdn_spec_conv_triton.py: one launch a layer in place of the twin's ~3·W·K elementwise launches), and
+`gdn_verify` its own (kernels/gdn_spec_triton.py) when the state is fp32.
 """
 
 from __future__ import annotations
@@ -50,24 +52,26 @@ def causal_conv1d_verify_ref(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [N, C] (the verify rows), weight [C, K], conv_states [slots, K-1, C], state_indices [S], token_index [S, W]
-    -> y [N, C]; scratch_conv[s, j] = the K-1 pre-conv rows after token j. The live slots are not written; a
-    sequence with slot < 0 reads none, writes no scratch and gets zero output rows."""
+    -> y [N, C]; scratch_conv[s, j] = the K-1 pre-conv rows after token j (padded columns repeat the last real
+    window). The live slots are not written; a sequence with slot < 0 reads none, writes no scratch and gets zero
+    output rows."""
     num_seqs, width = token_index.shape
     kernel_size = weight.shape[1]
     out = output(out, tuple(x.shape), x)
     is_live = state_indices >= 0  # [S]: padded sequences of a CUDA-graph bucket carry slot -1
-    history = conv_states.index_select(0, state_indices.long().clamp(min=0)).to(x.dtype)  # [S, K-1, C]
-    chunk = x.index_select(0, token_index.clamp(min=0).reshape(-1)).view(num_seqs, width, -1)  # [S, W, C]
-    rows = torch.cat([history, chunk], dim=1)  # [S, K-1+W, C]
+    window = conv_states.index_select(0, state_indices.long().clamp(min=0)).to(x.dtype)  # [S, K-1, C]
     padded = torch.empty(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=x.device)  # a spare row for padding
     for j in range(width):
+        index = token_index[:, j]
+        rows = torch.cat([window, x.index_select(0, index.clamp(min=0))[:, None]], dim=1)  # [S, K, C]
         acc = torch.zeros(num_seqs, x.shape[1], dtype=torch.float32, device=x.device)
         for t in range(kernel_size):
-            acc += (rows[:, j + t] * weight[:, t]).to(x.dtype).float()
-        y = torch.where(is_live[:, None], torch.nn.functional.silu(acc), 0.0)
-        _scatter_rows(padded, token_index, j, y)
-        window = rows[:, j + 1 : j + kernel_size].to(scratch_conv.dtype)  # [S, K-1, C]
-        scratch_conv[:num_seqs, j] = torch.where(is_live[:, None, None], window, scratch_conv[:num_seqs, j])
+            acc += (rows[:, t] * weight[:, t]).to(x.dtype).float()
+        _scatter_rows(padded, token_index, j, torch.where(is_live[:, None], torch.nn.functional.silu(acc), 0.0))
+        window = torch.where((index >= 0)[:, None, None], rows[:, 1:], window)
+        scratch_conv[:num_seqs, j] = torch.where(
+            is_live[:, None, None], window.to(scratch_conv.dtype), scratch_conv[:num_seqs, j]
+        )
     out.copy_(padded[:-1])
     return out
 
@@ -81,8 +85,12 @@ def causal_conv1d_verify(
     scratch_conv: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # The conv of a verify step is a few [S, C] elementwise passes; the vectorised twin serves both devices.
-    return causal_conv1d_verify_ref(x, weight, conv_states, state_indices, token_index, scratch_conv, out)
+    args = (x, weight, conv_states, state_indices, token_index, scratch_conv)
+    if use_triton(x):
+        from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
+
+        return causal_conv1d_verify_triton(*args, out=out)
+    return causal_conv1d_verify_ref(*args, out=out)
 
 
 def gdn_verify_ref(
