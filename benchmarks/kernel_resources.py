@@ -16,6 +16,8 @@ one-program MoE alignment spilled 3 KiB a thread at 257-512 entries, the 35B-A3B
 expert counts and BLOCK_M; `--router-tokens` the router logits launch (GEMV up to 64 tokens, tl.dot above) on
 the shape's router; `--prefill 1x2048,8x1024` the GDN chunked prefill launches (N prompts of L tokens);
 `--verify 1x4,64x4` the speculative verify step's conv and delta-rule launches (S sequences of W = 1 + k tokens).
+The last line counts the distinct variants compiled (a kernel and its specialisation): launches that differ only
+in batch-dependent integers should share one.
 Besides registers and spills each row gives the SASS instruction count (`sass`) and the
 barriers (BAR) and shuffles (SHFL) in it: for kernels without loops (the align kernel's sort is unrolled) the
 count is what every thread executes, so `sass` × warps per scheduler (warps / 4) bounds the issue cycles of a
@@ -113,7 +115,7 @@ class Interceptor:
         self.work = work
         self.label = ""
         self.results: list[Compiled] = []
-        self._seen: dict[tuple[str, str], Compiled] = {}
+        self.variants: dict[tuple[str, str], Compiled] = {}  # one a (kernel, specialisation): what Triton compiles
 
     def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         import triton
@@ -125,13 +127,13 @@ class Interceptor:
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound_args, specialization, options)
         key = (fn.__name__, repr((signature, sorted(constexprs.items()), sorted(attrs.items()), options)))
-        if key in self._seen:
-            self.results.append(Compiled(**{**self._seen[key].__dict__, "label": self.label}))
+        if key in self.variants:
+            self.results.append(Compiled(**{**self.variants[key].__dict__, "label": self.label}))
             return
         source = ASTSource(fn, signature, constexprs, attrs)
         kernel = triton.compile(source, target=self.target, options=options.__dict__)
         summary = _summarise(kernel, fn.__name__, self.label, self.work)
-        self._seen[key] = summary
+        self.variants[key] = summary
         self.results.append(summary)
 
     def install(self) -> Callable[[], None]:
@@ -452,7 +454,10 @@ def main() -> int:
         if r.kernel in residency_checked:
             print(f"{r.label}: {r.kernel} fits {programs_per_sm(r, residency_checked[r.kernel])} programs per SM")
     spilling = [r for r in interceptor.results if r.spills]
-    print(f"{len(interceptor.results)} launches compiled for sm_90; {len(spilling)} with local-memory spills")
+    print(
+        f"{len(interceptor.results)} launches compiled for sm_90; {len(spilling)} with local-memory spills; "
+        f"{len(interceptor.variants)} distinct variants"
+    )
     return 0
 
 

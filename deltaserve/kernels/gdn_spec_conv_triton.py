@@ -25,7 +25,9 @@ from deltaserve.kernels._dispatch import output
 from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguous, silu_f32
 
 
-@triton.jit(do_not_specialize=["width"])
+# width and token_index's row stride (= width) change with the step's widest chunk: unspecialised, so a step whose
+# chunks are all one token (width 1) compiles no variant of its own while serving.
+@triton.jit(do_not_specialize=["width", "stride_ti_seq"])
 def _causal_conv1d_verify_kernel(
     x_ptr,
     weight_ptr,

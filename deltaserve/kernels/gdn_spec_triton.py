@@ -19,7 +19,9 @@ from deltaserve.kernels._triton import i64, next_pow2
 from deltaserve.kernels.gdn_triton import MAX_GRID_YZ, _block_v, _check_states, _gates_of, _l2norm
 
 
-@triton.jit
+# width and token_index's row stride (= width) change with the step's widest chunk: unspecialised, so a step whose
+# chunks are all one token (width 1) compiles no variant of its own while serving.
+@triton.jit(do_not_specialize=["width", "stride_ti_seq"])
 def _gdn_verify_kernel(
     q_ptr,
     k_ptr,
