@@ -14,7 +14,10 @@ A kernel with LOCAL traffic (LDL/STL) in its decode configuration is the first s
 one-program MoE alignment spilled 3 KiB a thread at 257-512 entries, the 35B-A3B decode cliff at B = 48-64.
 `--align-entries` / `--align-experts` / `--align-block-m` sweep the alignment kernel alone over entry counts,
 expert counts and BLOCK_M; `--router-tokens` the router logits launch (GEMV up to 64 tokens, tl.dot above) on
-the shape's router; `--prefill 1x2048,8x1024` the GDN chunked prefill launches (N prompts of L tokens).
+the shape's router; `--prefill 1x2048,8x1024` the GDN chunked prefill launches (N prompts of L tokens);
+`--verify 1x4,64x4` the speculative verify step's conv and delta-rule launches (S sequences of W = 1 + k tokens).
+The last line counts the distinct variants compiled (a kernel and its specialisation): launches that differ only
+in batch-dependent integers should share one.
 Besides registers and spills each row gives the SASS instruction count (`sass`) and the
 barriers (BAR) and shuffles (SHFL) in it: for kernels without loops (the align kernel's sort is unrolled) the
 count is what every thread executes, so `sass` × warps per scheduler (warps / 4) bounds the issue cycles of a
@@ -112,7 +115,7 @@ class Interceptor:
         self.work = work
         self.label = ""
         self.results: list[Compiled] = []
-        self._seen: dict[tuple[str, str], Compiled] = {}
+        self.variants: dict[tuple[str, str], Compiled] = {}  # one a (kernel, specialisation): what Triton compiles
 
     def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         import triton
@@ -124,13 +127,13 @@ class Interceptor:
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound_args, specialization, options)
         key = (fn.__name__, repr((signature, sorted(constexprs.items()), sorted(attrs.items()), options)))
-        if key in self._seen:
-            self.results.append(Compiled(**{**self._seen[key].__dict__, "label": self.label}))
+        if key in self.variants:
+            self.results.append(Compiled(**{**self.variants[key].__dict__, "label": self.label}))
             return
         source = ASTSource(fn, signature, constexprs, attrs)
         kernel = triton.compile(source, target=self.target, options=options.__dict__)
         summary = _summarise(kernel, fn.__name__, self.label, self.work)
-        self._seen[key] = summary
+        self.variants[key] = summary
         self.results.append(summary)
 
     def install(self) -> Callable[[], None]:
@@ -330,6 +333,44 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
     return launches
 
 
+def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per speculative verify step for cases "SxW" (S sequences, chunks of W = 1 + k tokens): the
+    verify conv and the verify delta rule (kernels/gdn_spec_conv_triton.py, kernels/gdn_spec_triton.py)."""
+    from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
+    from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
+
+    m = MODELS[shape]
+    hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    bf16 = torch.bfloat16
+    e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)  # noqa: E731
+    launches: list[tuple[str, Callable[[], object]]] = []
+    for case in cases:
+        num_seqs, width = (int(x) for x in case.split("x"))
+        t = num_seqs * width
+        mixed = e(t, m.conv_dim)
+        index = torch.arange(t).view(num_seqs, width)
+        slots = torch.arange(num_seqs, dtype=torch.int32)
+        conv_states = e(num_seqs, m.conv_kernel - 1, m.conv_dim)
+        conv_args = (
+            mixed,
+            e(m.conv_dim, m.conv_kernel),
+            conv_states,
+            slots,
+            index,
+            e(num_seqs, width, *conv_states.shape[1:]),
+        )
+        q = mixed[:, : hk * dk].view(t, hk, dk)
+        k = mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk)
+        v = mixed[:, 2 * hk * dk :].view(t, hv, dv)
+        states = e(num_seqs, hv, dk, dv, dtype=torch.float32)
+        gdn_args = (q, k, v, e(t, hv), e(t, hv), e(hv, dtype=torch.float32), e(hv), states, slots, index,
+                    e(num_seqs, width, hv, dk, dv, dtype=torch.float32))  # fmt: skip
+        launches.append((f"conv_verify {case}", lambda a=conv_args: causal_conv1d_verify_triton(*a)))
+        launches.append((f"gdn_verify {case}", lambda a=gdn_args: gdn_verify_triton(*a)))
+    return launches
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -359,6 +400,9 @@ def main() -> int:
         "extra moe_block[...] launch per batch; --only moe_block selects them too",
     )
     parser.add_argument("--prefill", default="", help='comma list of GDN prefill cases "NxL" (N prompts of L tokens)')
+    parser.add_argument(
+        "--verify", default="", help='comma list of speculative verify cases "SxW" (S sequences of 1 + k = W tokens)'
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -380,6 +424,7 @@ def main() -> int:
     gemm1s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm1.split(";") if spec.strip())
     gemm2s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm2.split(";") if spec.strip())
     sweeps += prefill_launches(args.shape, [c for c in args.prefill.split(",") if c])
+    sweeps += verify_launches(args.shape, [c for c in args.verify.split(",") if c])
     try:
         for batch in _ints(args.batches):
             for label, thunk in decode_launches(
@@ -409,7 +454,10 @@ def main() -> int:
         if r.kernel in residency_checked:
             print(f"{r.label}: {r.kernel} fits {programs_per_sm(r, residency_checked[r.kernel])} programs per SM")
     spilling = [r for r in interceptor.results if r.spills]
-    print(f"{len(interceptor.results)} launches compiled for sm_90; {len(spilling)} with local-memory spills")
+    print(
+        f"{len(interceptor.results)} launches compiled for sm_90; {len(spilling)} with local-memory spills; "
+        f"{len(interceptor.variants)} distinct variants"
+    )
     return 0
 
 
