@@ -33,11 +33,11 @@ prefill_costs = sys.modules["prefill_costs"]
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def cpu_record(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A CPU run on a trained tiny checkpoint: a 100-token prompt at 32 tokens a step (4 chunks), profiled, and a
+    """A CPU run on a trained tiny checkpoint: a 70-token prompt at 32 tokens a step (3 chunks), profiled, and a
     40-token one, timed only."""
     out = tmp_path_factory.mktemp("profile") / "profile-prefill-cpu-test.json"
     argv = ["--device", "cpu", "--model", str(TRAINED / request.param), "--load-format", "auto",
-            "--prompt-lens", "100,40", "--profile-lens", "100", "--max-num-batched-tokens", "32", "--reps", "2",
+            "--prompt-lens", "70,40", "--profile-lens", "70", "--max-num-batched-tokens", "32", "--reps", "2",
             "--out", str(out)]  # fmt: skip
     assert profile_prefill.main(argv) == 0
     record = json.loads(out.read_text())
@@ -50,10 +50,10 @@ def test_timings_follow_the_chunks_the_scheduler_made(cpu_record: dict[str, Any]
     assert cpu_record["kind"] == "profile_prefill" and not cpu_record["errors"]
     assert cpu_record["max_num_batched_tokens"] == 32 and cpu_record["timer"] == "host"
     runs = {run["prompt_len"]: run for run in cpu_record["runs"]}
-    assert set(runs) == {100, 40}
-    assert [(c["start"], c["tokens"]) for c in runs[100]["chunks"]] == [(0, 32), (32, 32), (64, 32), (96, 4)]
+    assert set(runs) == {70, 40}
+    assert [(c["start"], c["tokens"]) for c in runs[70]["chunks"]] == [(0, 32), (32, 32), (64, 6)]
     assert [(c["start"], c["tokens"]) for c in runs[40]["chunks"]] == [(0, 32), (32, 8)]
-    assert "profile" in runs[100] and "profile" not in runs[40]  # --profile-lens 100
+    assert "profile" in runs[70] and "profile" not in runs[40]  # --profile-lens 70
     for run in runs.values():
         assert len(run["ttft_ms"]) == len(run["gpu_ms"]) == 2
         # the steps' time lies inside the request's wall time, and the steps' own spans inside their first-to-last
@@ -67,7 +67,7 @@ def test_the_op_table_splits_the_prefill_by_label(cpu_record: dict[str, Any]) ->
     config = json.loads((TRAINED / cpu_record["variant"] / "config.json").read_text())["text_config"]
     num_gdn = config["layer_types"].count("linear_attention")
     num_attn = config["layer_types"].count("full_attention")
-    profile = next(run for run in cpu_record["runs"] if run["prompt_len"] == 100)["profile"]
+    profile = next(run for run in cpu_record["runs"] if run["prompt_len"] == 70)["profile"]
     ops = {op["op"]: op for op in profile["ops"]}
     assert {"gdn.gdn_prefill", "gdn.causal_conv1d_prefill", "attn.paged_attention", "attn.attn_preamble"} <= set(ops)
     assert {"gdn.in_proj_qkvzba", "gdn.out_proj", "attn.qkv_proj", "attn.o_proj", "lm.lm_head"} <= set(ops)
@@ -80,13 +80,13 @@ def test_the_op_table_splits_the_prefill_by_label(cpu_record: dict[str, Any]) ->
     steps_ms = sum(c["step_ms"] for c in profile["chunks"])
     assert 0.8 * steps_ms <= profile["ops_ms"] <= 1.01 * steps_ms, (profile["ops_ms"], steps_ms)
     # a range per layer per chunk; lm_head on the one row the last chunk samples
-    assert ops["gdn.gdn_prefill"]["calls"] == num_gdn * 4 and ops["attn.paged_attention"]["calls"] == num_attn * 4
-    assert ops["lm.lm_head"]["calls"] == 1 and ops[profile_prefill.RUNNER_OP]["calls"] == 4
+    assert ops["gdn.gdn_prefill"]["calls"] == num_gdn * 3 and ops["attn.paged_attention"]["calls"] == num_attn * 3
+    assert ops["lm.lm_head"]["calls"] == 1 and ops[profile_prefill.RUNNER_OP]["calls"] == 3
     for name, op in ops.items():
         if not name.endswith(".other"):
             assert op["bytes"] > 0 and op["floor_ms"] > 0 and op["bound"] in ("memory", "compute"), op
     assert ops["gdn.gdn_prefill"]["flops"] > 0 and ops["attn.qkv_proj"]["flops"] > 0
-    assert [(c["start"], c["tokens"]) for c in profile["chunks"]] == [(0, 32), (32, 32), (64, 32), (96, 4)]
+    assert [(c["start"], c["tokens"]) for c in profile["chunks"]] == [(0, 32), (32, 32), (64, 6)]
     # the chunks' op tables split the same time
     by_chunk = sum(op["ms"] for chunk in profile["chunks"] for op in chunk["ops"])
     assert by_chunk == pytest.approx(profile["ops_ms"], rel=0.01)
@@ -100,7 +100,7 @@ def test_the_record_is_filed_and_indexed_with_the_kernel_records(cpu_record: dic
 
     assert records_index.kind_of("profile-prefill-27b-h200-20261206.json") == "kernels"
     what, date, commit, gpu = records_index.describe(cpu_record["path"])
-    assert what.startswith("one prefill at a time in the engine") and "prompts 100,40" in what, what
+    assert what.startswith("one prefill at a time in the engine") and "prompts 70,40" in what, what
     assert date != "-" and gpu == "-"
     default = profile_prefill.ds.default_out("profile-prefill")
     assert default.parent == ROOT / "benchmarks" / "results" / "kernels"
