@@ -194,10 +194,13 @@ def _owners(event: Any) -> tuple[str | None, int | None]:
 def attribute(events: list[Any], device: torch.device) -> tuple[dict[tuple[str, int | None], list[float]], dict]:
     """(op, chunk) -> [µs, kernels, calls] and the kernel totals. On the GPU each kernel's time goes to the innermost
     model label of the host op that launched it (RUNNER_OP inside a step's range but outside every label,
-    `unlabelled` outside every step); on the CPU each host op's self time does, counted only inside the steps'
-    ranges. `calls` counts the label's ranges (RUNNER_OP's: the steps)."""
+    `unlabelled` outside every step, and so do kernels the profiler linked to no host op); on the CPU each host op's
+    self time does, counted only inside the steps' ranges. `calls` counts the label's ranges (RUNNER_OP's: the
+    steps). The totals: all kernel time, what no host op claimed, the top kernels by time, and each op's top kernels
+    (`by_op`: which of an op's launches, the GDN prefill's four or the MoE block's GEMMs, holds its time)."""
     cells: dict[tuple[str, int | None], list[float]] = defaultdict(lambda: [0.0, 0, 0])
     kernel_us: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    op_kernels: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     claimed_us = 0.0
     for event in events:
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -210,11 +213,14 @@ def attribute(events: list[Any], device: torch.device) -> tuple[dict[tuple[str, 
         elif event.name.startswith(CHUNK_RANGE):
             cells[(RUNNER_OP, chunk)][2] += 1
         if device.type == "cuda":
+            owner = op or (RUNNER_OP if chunk is not None else "unlabelled")
             for kernel in event.kernels:
-                cell = cells[(op or (RUNNER_OP if chunk is not None else "unlabelled"), chunk)]
+                cell = cells[(owner, chunk)]
                 cell[0] += kernel.duration
                 cell[1] += 1
                 claimed_us += kernel.duration
+                op_kernels[owner][kernel.name][0] += kernel.duration
+                op_kernels[owner][kernel.name][1] += 1
         elif chunk is not None:
             cells[(op or RUNNER_OP, chunk)][0] += event.self_cpu_time_total
     total_us = sum(v[0] for v in kernel_us.values())
@@ -223,10 +229,16 @@ def attribute(events: list[Any], device: torch.device) -> tuple[dict[tuple[str, 
     kernels = {
         "total_us": round(total_us, 1),
         "unclaimed_us": round(max(total_us - claimed_us, 0.0), 1),
-        "top": sorted(({"name": n[:120], "us": round(v[0], 2), "calls": v[1]} for n, v in kernel_us.items()),
-                      key=lambda row: -row["us"])[:40],
-    }  # fmt: skip
+        "top": _top(kernel_us, 40),
+        "by_op": {op: _top(by_name, 6) for op, by_name in op_kernels.items()},
+    }
     return dict(cells), kernels
+
+
+def _top(by_name: dict[str, list[float]], count: int) -> list[dict[str, Any]]:
+    """The `count` kernels with the most time: {name (cut to 120 characters), us, calls}."""
+    rows = sorted(by_name.items(), key=lambda item: -item[1][0])[:count]
+    return [{"name": name[:120], "us": round(us, 2), "calls": int(calls)} for name, (us, calls) in rows]
 
 
 def _op_row(op: str, us: float, total_us: float, cost: tuple[float, float] | None, ceilings: dict) -> dict[str, Any]:
@@ -308,6 +320,10 @@ def table(profile: dict[str, Any], top: int = 30) -> str:
         floor = f"{op['floor_ms']:>9.2f} {op['bound']:>8} {op['of_floor_pct'] or 0:>7.1f}%" if "floor_ms" in op else ""
         row = f"  {op['op']:<32} {op['ms']:>9.2f} {op['share_pct']:>5.1f}% {op['calls']:>6} {op['kernels']:>8}"
         lines.append(f"{row} {floor}".rstrip())
+    by_op = profile["kernels"].get("by_op", {})
+    for op in [op["op"] for op in profile["ops"] if op["op"] in by_op][:8]:  # where the largest ops' time goes
+        top = ", ".join(f"{k['name'][:48]} {k['us'] / 1e3:.2f} ms x{k['calls']}" for k in by_op[op][:3])
+        lines.append(f"  {op}: {top}")
     return "\n".join(lines)
 
 

@@ -75,6 +75,9 @@ def test_the_op_table_splits_the_prefill_by_label(cpu_record: dict[str, Any]) ->
     assert moe_or_dense <= set(ops), sorted(ops)
     assert not {"unlabelled", "gdn.gdn_decode", "gdn.causal_conv1d_update"} & set(ops), sorted(ops)
     assert sum(op["share_pct"] for op in ops.values()) == pytest.approx(100, abs=0.2)
+    # time goes to the innermost label: a layer's own range keeps only what runs between its ops
+    assert all(op["ms"] > 0 for op in ops.values()), ops
+    assert ops["gdn.gdn_prefill"]["ms"] > ops["gdn.other"]["ms"] and ops["attn.o_proj"]["ms"] > 0
     # each op's own time, nothing counted twice: the ops add up to the steps' time under the profiler (the marks
     # around each step hold its range)
     steps_ms = sum(c["step_ms"] for c in profile["chunks"])
@@ -141,3 +144,64 @@ def test_bad_arguments_and_a_missing_gpu_measure_nothing(tmp_path: Path) -> None
     if not profile_prefill.torch.cuda.is_available():
         assert profile_prefill.main(["--model", str(TRAINED / "dense"), "--out", str(out)]) == 2
     assert not out.exists()
+
+
+class _Kernel:
+    def __init__(self, name: str, duration: float) -> None:
+        self.name, self.duration = name, duration
+
+
+class _Span:
+    def __init__(self, us: float) -> None:
+        self.us = us
+
+    def elapsed_us(self) -> float:
+        return self.us
+
+
+class _Event:
+    """What attribute() reads of a torch.profiler FunctionEvent."""
+
+    def __init__(self, name: str, parent: _Event | None = None, kernels: tuple = (), cuda_us: float | None = None):
+        from torch.autograd import DeviceType
+
+        self.name, self.cpu_parent, self.kernels = name, parent, list(kernels)
+        self.device_type = DeviceType.CPU if cuda_us is None else DeviceType.CUDA
+        self.time_range = _Span(cuda_us or 0.0)
+        self.self_cpu_time_total = 1.0
+
+
+def test_gpu_kernels_go_to_the_innermost_label_of_their_launch() -> None:
+    """The GPU half of the attribution, on events shaped as the profiler gives them: a kernel goes to the innermost
+    model label above its launch, within its step's range; a layer's own range folds into `gdn.other`; a kernel
+    launched in a step outside every label is the runner's; one outside every step, or linked to no launch, is
+    `unlabelled`."""
+    import torch
+
+    label = profile_prefill.ds.LABEL
+    step0, step1 = _Event("prefill_chunk:0"), _Event("prefill_chunk:1")
+    layer = _Event(f"{label}layer.0.linear_attention", step0)
+    core, core1 = _Event(f"{label}gdn.gdn_prefill", layer), _Event(f"{label}gdn.gdn_prefill", step1)
+    scan, out = _Kernel("_gdn_chunk_scan_kernel", 40.0), _Kernel("_gdn_chunk_out_kernel", 8.0)
+    events = [
+        step0, step1, layer, core, core1,
+        _Event("cuLaunchKernel", core, [scan, out]),
+        _Event("aten::copy_", layer, [_Kernel("copy_kernel", 3.0)]),  # in the layer, outside its ops
+        _Event("cuLaunchKernel", core1, [_Kernel("_gdn_chunk_scan_kernel", 50.0)]),
+        _Event("cudaMemcpyAsync", step1, [_Kernel("Memcpy HtoD", 2.0)]),  # the step's inputs
+        _Event("aten::argmax", None, [_Kernel("reduce_kernel", 1.0)]),  # outside every step
+        _Event("_gdn_chunk_scan_kernel", cuda_us=90.0),
+        _Event("_gdn_chunk_out_kernel", cuda_us=8.0),
+        _Event("copy_kernel", cuda_us=3.0),
+        _Event("Memcpy HtoD", cuda_us=2.0),
+        _Event("reduce_kernel", cuda_us=1.0),
+        _Event("orphan_kernel", cuda_us=5.0),  # the profiler linked it to no launch
+    ]  # fmt: skip
+    cells, kernels = profile_prefill.attribute(events, torch.device("cuda"))
+    assert cells[("gdn.gdn_prefill", 0)] == [48.0, 2, 1] and cells[("gdn.gdn_prefill", 1)] == [50.0, 1, 1]
+    assert cells[("gdn.other", 0)] == [3.0, 1, 1]
+    assert cells[(profile_prefill.RUNNER_OP, 1)] == [2.0, 1, 1] and cells[(profile_prefill.RUNNER_OP, 0)][2] == 1
+    assert cells[("unlabelled", None)][0] == 1.0 + 5.0
+    assert kernels["total_us"] == 109.0 and kernels["unclaimed_us"] == 5.0
+    assert kernels["by_op"]["gdn.gdn_prefill"][0] == {"name": "_gdn_chunk_scan_kernel", "us": 90.0, "calls": 2}
+    assert sum(v[0] for v in cells.values()) == kernels["total_us"]  # every kernel counted once
