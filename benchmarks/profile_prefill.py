@@ -322,8 +322,8 @@ def table(profile: dict[str, Any], top: int = 30) -> str:
         lines.append(f"{row} {floor}".rstrip())
     by_op = profile["kernels"].get("by_op", {})
     for op in [op["op"] for op in profile["ops"] if op["op"] in by_op][:8]:  # where the largest ops' time goes
-        top = ", ".join(f"{k['name'][:48]} {k['us'] / 1e3:.2f} ms x{k['calls']}" for k in by_op[op][:3])
-        lines.append(f"  {op}: {top}")
+        names = ", ".join(f"{k['name'][:48]} {k['us'] / 1e3:.2f} ms x{k['calls']}" for k in by_op[op][:3])
+        lines.append(f"  {op}: {names}")
     return "\n".join(lines)
 
 
