@@ -21,10 +21,10 @@ For each prompt length (random token ids, a fresh prompt per request so the pref
   step's launch: per op label its kernels' GPU time, share of all kernel time, kernel and call counts, its bytes and
   FLOPs (benchmarks/prefill_costs.py: the formulas), the lower bound max(bytes / copy bandwidth, FLOPs / bf16 rate)
   with the ceilings measured at start (benchmarks/decode_step.py measure_ceilings), which ceiling sets it, and the
-  achieved share of it (`of_floor_pct` = floor / measured); and the same split per chunk, beside the chunk's step
-  span (`step_ms − ops_ms`: the GPU idle inside the step). What a layer runs outside its ops is `attn.other` /
-  `gdn.other`; what a step launches outside the model (inputs, prefix-cache checkpoint copies, sampling) is
-  `runner.other`.
+  achieved share of it (`of_floor_pct` = floor / measured; `beats_floor` lists any op above 100 %: a wrong count);
+  each op's top kernels (`kernels.by_op`); and the same split per chunk, beside the chunk's step span (`step_ms −
+  ops_ms`: the GPU idle inside the step). What a layer runs outside its ops is `attn.other` / `gdn.other`; what a
+  step launches outside the model (inputs, prefix-cache checkpoint copies, sampling) is `runner.other`.
 `--device cpu` runs the plumbing on a tiny checkpoint (fp32, the ops' plain-torch twins): no CUDA events (the "GPU"
 times are the host's own step times, `timer` says which) and no kernels (each op's self CPU time under its label),
 placeholder ceilings. Exits 2 without CUDA unless --device cpu, 1 if a measurement failed.
@@ -292,12 +292,15 @@ def profile_length(
                        "step_ms": round(step["mark_start"].ms_until(step["mark_end"]), 3),
                        "ops_ms": round(chunk_total / 1e3, 3), "ops": chunk_ops})  # fmt: skip
     floor = sum(op["floor_ms"] for op in ops if "floor_ms" in op)
+    # an op faster than its floor means its byte or FLOP count is wrong (or a ceiling was measured low)
+    beats_floor = [op["op"] for op in ops if (op.get("of_floor_pct") or 0) > 100]
     return {
         "prompt_len": length,
         "wall_ms": round(wall, 2),
         "ops_ms": round(total_us / 1e3, 3),
         "floor_ms": round(floor, 3),
         "of_floor_pct": round(100 * floor / (total_us / 1e3), 1),
+        "beats_floor": beats_floor,
         "ops": ops,
         "chunks": chunks,
         "kernels": kernels,
@@ -404,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     runs[length]["profile"] = profile_length(engine, length, rng, device, record["ceilings"])
                     print(table(runs[length]["profile"]), flush=True)
+                    if runs[length]["profile"]["beats_floor"]:
+                        print(f"CHECK THE COUNTS: faster than their floor: {runs[length]['profile']['beats_floor']}",
+                              flush=True)  # fmt: skip
             except Exception as exc:  # one failed length is a finding; the rest still run
                 record["errors"].append(f"{length} ({phase}): {type(exc).__name__}: {exc}"[:500])
                 print(f"prompt {length}: FAILED ({phase}) {record['errors'][-1]}", flush=True)

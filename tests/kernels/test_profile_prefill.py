@@ -205,3 +205,30 @@ def test_gpu_kernels_go_to_the_innermost_label_of_their_launch() -> None:
     assert kernels["total_us"] == 109.0 and kernels["unclaimed_us"] == 5.0
     assert kernels["by_op"]["gdn.gdn_prefill"][0] == {"name": "_gdn_chunk_scan_kernel", "us": 90.0, "calls": 2}
     assert sum(v[0] for v in cells.values()) == kernels["total_us"]  # every kernel counted once
+
+
+@pytest.mark.gpu
+def test_gpu_run_attributes_every_kernel_and_no_op_beats_its_floor(tmp_path: Path) -> None:
+    """On the GPU (bf16, the Triton kernels, CUDA events, kernels under the profiler): the prefill kernels sit under
+    their labels, almost nothing is unclaimed, the kernels fit inside the steps' event spans, and no op runs faster
+    than the floor its byte and FLOP counts give (one that did would mean a wrong count)."""
+    out = tmp_path / "profile-prefill-gpu-test.json"
+    argv = ["--device", "cuda", "--model", str(TRAINED / "moe"), "--load-format", "auto", "--prompt-lens", "300",
+            "--max-num-batched-tokens", "128", "--reps", "2", "--out", str(out)]  # fmt: skip
+    assert profile_prefill.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["timer"] == "cuda-events" and record["ceilings"]["copy_gbps"] > 1000
+    run = record["runs"][0]
+    assert [(c["start"], c["tokens"]) for c in run["chunks"]] == [(0, 128), (128, 128), (256, 44)]
+    assert (
+        0 < run["steps_gpu_ms_median"] <= run["gpu_ms_median"] * 1.001 and run["gpu_ms_median"] < run["ttft_ms_median"]
+    )
+    profile = run["profile"]
+    ops = {op["op"]: op for op in profile["ops"]}
+    assert ops["gdn.gdn_prefill"]["kernels"] >= 4 * 3 * 6  # four launches a layer a chunk, 6 GDN layers
+    assert any("gdn_chunk" in k["name"] for k in profile["kernels"]["by_op"]["gdn.gdn_prefill"])
+    assert profile["kernels"]["unclaimed_us"] <= 0.02 * profile["kernels"]["total_us"]
+    assert ops.get("unlabelled", {"share_pct": 0})["share_pct"] < 5
+    for chunk in profile["chunks"]:
+        assert chunk["ops_ms"] <= chunk["step_ms"] * 1.01, chunk
+    assert profile["beats_floor"] == [], profile["beats_floor"]
