@@ -369,7 +369,7 @@ case $step in
       # (where the long-prompt TTFT is measured), and one in FLAGS wins (argparse keeps the last)
       run "$W/profile-prefill-$m.log" timeout "$(($(left) / (${#names[@]} - i)))" $PY benchmarks/profile_prefill.py \
         --model "$models/q35-$m" --max-model-len 66560 --out "$OUT/profile-prefill-$m-$tag.json" "$@" || status=1
-      grep -E "^(engine ready|prompt|prefill of)|^  [a-z]" "$W/profile-prefill-$m.log" 2> /dev/null | head -80 | say
+      grep -E "^(engine ready|prompt|prefill of|CHECK)|^  [a-z]" "$W/profile-prefill-$m.log" 2> /dev/null | head -80 | say
     done ;;
   kernels)
     run "$W/kernels.log" timeout "$(left)" $PY -m deltaserve.cli bench kernels --out "$OUT/kernels-$tag.json" "$@" \
