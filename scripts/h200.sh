@@ -42,6 +42,11 @@
 #                                prefill conv, both kernels interleaved in one process)
 #   mixed-step [FLAGS]           benchmarks/mixed_step.py (--shapes, --cases, --reps)
 #   profile-decode [SHAPE] [FLAGS]  benchmarks/profile_decode.py on the dummy q35-SHAPE (default 35b-a3b)
+#   profile-prefill [SHAPES] [FLAGS]  benchmarks/profile_prefill.py (one long prefill at a time: TTFT, GPU ms, per-op
+#                                profile against the ceilings) on the dummy q35-SHAPE of each of the comma list SHAPES
+#                                (default 27b,35b-a3b), one process and record each (profile-prefill-SHAPE-TAG.json),
+#                                at h200_long.toml's --max-model-len 66560 unless FLAGS give one. Sized for one call: both
+#                                shapes at the default --prompt-lens 16384, or one shape with --prompt-lens 65536
 #   kernels [FLAGS]              deltaserve bench kernels (--models, --ops, --tokens)
 #   fp8-ab [FLAGS]               benchmarks/fp8_ab.py: block-FP8 dense GEMMs and the FP8 fused MoE, deltaserve against
 #                                vLLM's CUTLASS and Triton kernels, FlashInfer's fp8_blockscale_gemm_sm90 and DeepGEMM
@@ -376,6 +381,18 @@ case $step in
     cp "$W/fp8-ab.log" "$OUT/fp8-ab-$tag.log" 2> /dev/null  # the record's console log, filed beside it
     timed=$(grep -cE '^(dense|moe) ' "$W/fp8-ab.log" 2> /dev/null)
     echo "fp8-ab rc $status: ${timed:-0} cases timed" | say ;;
+  profile-prefill)
+    shapes=27b,35b-a3b
+    [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && shapes=$1 && shift
+    IFS=, read -ra names <<< "$shapes"
+    for i in "${!names[@]}"; do
+      m=${names[$i]}
+      # the time left is shared evenly by the shapes still to run; --max-model-len is benchmarks/grids/h200_long.toml's
+      # (where the long-prompt TTFT is measured), and one in FLAGS wins (argparse keeps the last)
+      run "$W/profile-prefill-$m.log" timeout "$(($(left) / (${#names[@]} - i)))" $PY benchmarks/profile_prefill.py \
+        --model "$models/q35-$m" --max-model-len 66560 --out "$OUT/profile-prefill-$m-$tag.json" "$@" || status=1
+      grep -E "^(engine ready|prompt|prefill of|CHECK)|^  [a-z]" "$W/profile-prefill-$m.log" 2> /dev/null | head -80 | say
+    done ;;
   kernels)
     run "$W/kernels.log" timeout "$(left)" $PY -m deltaserve.cli bench kernels --out "$OUT/kernels-$tag.json" "$@" \
       || status=$?

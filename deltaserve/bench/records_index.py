@@ -30,7 +30,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kernels": (
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
         ("decode-step*", "mixed-step*", "conv-prefill*", "align-router*", "tune-moe*", "moe-table*", "kernels-*")
-        + ("profile-decode*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*"),
+        + ("profile-decode*", "profile-prefill*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*"),
     ),
     "gates": (
         "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "
@@ -121,6 +121,11 @@ def _what_json(data: dict[str, Any]) -> str:
         return f"mixed prefill+decode step (mixed_step.py): {shapes}; cases {_flag(command, '--cases') or 'default'}"
     if kind and str(kind).startswith("gate-tokens"):
         return _what_gate(data)
+    if kind == "profile_prefill":
+        lengths = ",".join(str(n) for n in data.get("prompt_lens", []))
+        return (f"one prefill at a time in the engine, per op against the ceilings (profile_prefill.py): "
+                f"{Path(str(data.get('model'))).name}, prompts {lengths}, {data.get('max_num_batched_tokens')} "
+                "tokens a step")  # fmt: skip
     if kind == "kernel_bench":
         return f"kernel microbenchmarks (bench kernels): {_flag(command, '--models')}, {data.get('dtype')}"
     if kind == "fp8_ab":

@@ -70,6 +70,25 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
     assert "--import-mode=importlib tests/runner/test_gpu_tensor_parallel.py" in tp_tests  # where the file lives
 
 
+def test_profile_prefill_runs_one_process_per_shape_within_the_call(tmp_path: Path) -> None:
+    """Both shapes by default, each its own record at the long grid's max_model_len, the call's time shared between
+    them; one named shape gets all of it, and FLAGS come last (a --max-model-len there wins)."""
+    done = runner(tmp_path, "profile-prefill")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out, models = tmp_path / "out", tmp_path / "models"
+    limits = []
+    for shape in ("27b", "35b-a3b"):
+        line = next(x for x in done.stdout.splitlines() if f"--out {out}/profile-prefill-{shape}-h200-test.json" in x)
+        assert f"benchmarks/profile_prefill.py --model {models}/q35-{shape} --max-model-len 66560 --out" in line
+        limits.append(int(re.search(r"timeout (\d+) ", line).group(1)))
+    assert limits[0] <= 300 and limits[1] > limits[0], limits
+    one = runner(tmp_path, "profile-prefill", "27b", "--prompt-lens", "65536", "--max-model-len", "70000").stdout
+    line = next(x for x in one.splitlines() if "profile_prefill.py" in x)
+    assert int(re.search(r"timeout (\d+) ", line).group(1)) > 500
+    assert f"--out {out}/profile-prefill-27b-h200-test.json --prompt-lens 65536 --max-model-len 70000 >" in line
+    assert sum("profile_prefill.py" in x for x in one.splitlines()) == 1
+
+
 def test_kernel_ab_builds_a_baseline_tree_from_one_kernel_file(tmp_path: Path) -> None:
     baseline = tmp_path / "moe_decode_triton.py"
     baseline.write_text("# an earlier kernel\n")
