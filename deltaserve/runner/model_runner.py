@@ -49,19 +49,19 @@ from deltaserve.runner.cache import (
     plan_cache,
     requested_bytes,
 )
-from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
+from deltaserve.runner.cuda_graph import DecodeGraphs
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
+from deltaserve.runner.memory import GIB, cache_budget, default_max_num_seqs
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_last_hidden
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens, scratch_rows
 from deltaserve.runner.spec_ranks import receive_accepted, send_accepted
-from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
+from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, logprobs_to_host
 from deltaserve.sampler.sampler import SAMPLING_EPS
 from deltaserve.sampler.transfer import to_device
-from deltaserve.sampling_params import SamplingParams
-from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
+from deltaserve.step import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,6 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-GIB = 2**30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,15 +84,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
-
-
-def default_max_num_seqs(device: torch.device) -> int:
-    """vLLM 0.26's default for its API server: 1024 on GPUs of >= 70 GiB other than the A100, else 256."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        if props.total_memory >= 70 * GIB and "a100" not in props.name.lower():
-            return 1024
-    return 256
 
 
 @dataclass
@@ -114,22 +104,6 @@ class StepHandle:
     launch_started: float = 0.0
     launched_at: float = 0.0
     spec: SpecHandle | None = None  # the step's verify chunks (speculative decoding)
-
-
-def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
-    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on rows 0, 1, ..., disjoint
-    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing."""
-    added, seqs = [], []
-    next_block = 0
-    for index, start in enumerate(range(0, num_tokens, max_seq_len)):
-        length = min(max_seq_len, num_tokens - start)
-        num_blocks = -(-length // block_size)
-        tokens = tuple((7 * i + index) % vocab_size for i in range(length))
-        added.append(NewRequest(index, f"warmup-{index}", tokens, (), SamplingParams(temperature=0.0), ()))
-        blocks = tuple(range(next_block, next_block + num_blocks))
-        seqs.append(ScheduledSeq(index, 0, length, index, None, blocks, needs_sample=False))
-        next_block += num_blocks
-    return StepPlan(step_id, tuple(seqs), tuple(added), removed=tuple(range(len(added))))
 
 
 class ModelRunner:
@@ -199,7 +173,7 @@ class ModelRunner:
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
         # rank's budget wins
-        budget = self.tp.min_over_ranks(self._cache_budget(max_num_batched_tokens, max_model_len, upper))
+        budget = self.tp.min_over_ranks(cache_budget(self, max_num_batched_tokens, max_model_len, upper))
         slot_bytes = bytes_per_slot(model_config, self.dtype, self.model.shapes)
         self.max_num_seqs = upper
         if engine_config.max_num_seqs is None:
@@ -237,62 +211,6 @@ class ModelRunner:
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
             )
             self.graphs.capture()
-
-    # -- memory ---------------------------------------------------------------------------------------
-
-    def _profile_peak_bytes(self, num_tokens: int, max_seq_len: int, max_num_seqs: int) -> int:
-        """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
-        it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
-        power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
-        top-k/top-p (its sort is the largest sampling buffer). Returns the activation peak in bytes. A step may hold
-        more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above max_seq_len runs as
-        several sequences, as the scheduler would batch them."""
-        max_seqs = -(-num_tokens // max_seq_len)
-        layout = CacheLayout(-(-num_tokens // self.block_size) + max_seqs, self.block_size, max_seqs, 0, 0)
-        allocate_and_bind(self.model, self.model_config, layout, self.dtype, self.device)
-        saved = getattr(self, "table", None)
-        self.table = RequestTable(max_seqs, -(-max_seq_len // self.block_size), self.vocab_size, self.device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
-        started = time.perf_counter()
-        for step_id, size in enumerate(sizes):
-            self.execute(warmup_plan(step_id, size, max_seq_len, self.block_size, self.vocab_size))
-            self.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
-        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
-        batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
-                                     self.vocab_size, self.device)  # fmt: skip
-        self.sampler(torch.randn(max_num_seqs, self.vocab_size, device=self.device), batch)
-        torch.cuda.synchronize()
-        logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows in %.1f s", len(sizes),
-                    num_tokens, max_num_seqs, time.perf_counter() - started)  # fmt: skip
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.table = saved
-        for layer in self.model.layers:  # drop the throw-away cache before the real one is allocated
-            mixer = layer.mixer
-            mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
-        torch.cuda.empty_cache()
-        return peak
-
-    def _cache_budget(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
-        if self.device.type != "cuda":
-            return self.engine_config.cpu_kv_cache_bytes
-        peak = self._profile_peak_bytes(max_num_batched_tokens, max_model_len, max_num_seqs)
-        _, total = torch.cuda.mem_get_info(self.device)
-        weights = torch.cuda.memory_allocated(self.device) - self._allocated_before
-        # decode graphs: the shared logits buffer and the largest bucket's lm_head output, plus a fixed headroom
-        # for the graph pool's other activations and library workspaces
-        graphs = static_bytes(max_num_seqs, self.vocab_size) if self.is_graphed else 0
-        headroom = 512 * 2**20
-        budget = self._requested_bytes - weights - peak - graphs
-        budget -= headroom
-        logger.info(
-            "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, decode graphs %.2f GiB + %.2f GiB "
-            "headroom, cache budget %.2f GiB", total / GIB, weights / GIB, peak / GIB, graphs / GIB, headroom / GIB,
-            budget / GIB,
-        )  # fmt: skip
-        return budget
 
     # -- steps ----------------------------------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""Memory sizing of the runner at start-up: the warm-up that measures the activation peak on a throw-away cache,
+and the cache budget that remains of this engine's share of the GPU once the weights, that peak, the CUDA graphs'
+static buffers and a fixed headroom are taken out (vLLM 0.26's `gpu_memory_utilization` accounting).
+
+The functions take the ModelRunner under construction: the warm-up runs real steps through its execute().
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.runner.cuda_graph import static_bytes
+from deltaserve.runner.request_table import RequestTable
+from deltaserve.sampler import build_sampling_batch
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
+
+if TYPE_CHECKING:  # runner/model_runner.py imports this module
+    from deltaserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    """vLLM 0.26's default for its API server: 1024 on GPUs of >= 70 GiB other than the A100, else 256."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if props.total_memory >= 70 * GIB and "a100" not in props.name.lower():
+            return 1024
+    return 256
+
+
+def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
+    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on rows 0, 1, ..., disjoint
+    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing."""
+    added, seqs = [], []
+    next_block = 0
+    for index, start in enumerate(range(0, num_tokens, max_seq_len)):
+        length = min(max_seq_len, num_tokens - start)
+        num_blocks = -(-length // block_size)
+        tokens = tuple((7 * i + index) % vocab_size for i in range(length))
+        added.append(NewRequest(index, f"warmup-{index}", tokens, (), SamplingParams(temperature=0.0), ()))
+        blocks = tuple(range(next_block, next_block + num_blocks))
+        seqs.append(ScheduledSeq(index, 0, length, index, None, blocks, needs_sample=False))
+        next_block += num_blocks
+    return StepPlan(step_id, tuple(seqs), tuple(added), removed=tuple(range(len(added))))
+
+
+def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, max_num_seqs: int) -> int:
+    """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
+    it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
+    power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
+    top-k/top-p (its sort is the largest sampling buffer). Returns the activation peak in bytes. A step may hold
+    more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above max_seq_len runs as
+    several sequences, as the scheduler would batch them."""
+    max_seqs = -(-num_tokens // max_seq_len)
+    layout = CacheLayout(-(-num_tokens // runner.block_size) + max_seqs, runner.block_size, max_seqs, 0, 0)
+    allocate_and_bind(runner.model, runner.model_config, layout, runner.dtype, runner.device)
+    saved = getattr(runner, "table", None)
+    runner.table = RequestTable(max_seqs, -(-max_seq_len // runner.block_size), runner.vocab_size, runner.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    before = torch.cuda.memory_allocated(runner.device)
+    sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
+    started = time.perf_counter()
+    for step_id, size in enumerate(sizes):
+        runner.execute(warmup_plan(step_id, size, max_seq_len, runner.block_size, runner.vocab_size))
+        runner.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
+    batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
+                                 runner.vocab_size, runner.device)  # fmt: skip
+    runner.sampler(torch.randn(max_num_seqs, runner.vocab_size, device=runner.device), batch)
+    torch.cuda.synchronize()
+    logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows in %.1f s", len(sizes),
+                num_tokens, max_num_seqs, time.perf_counter() - started)  # fmt: skip
+    peak = torch.cuda.max_memory_allocated(runner.device) - before
+    runner.table = saved
+    for layer in runner.model.layers:  # drop the throw-away cache before the real one is allocated
+        mixer = layer.mixer
+        mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
+    torch.cuda.empty_cache()
+    return peak
+
+
+def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
+    """The bytes left for the KV cache, the state pool and the verify scratch (the CPU: --cpu-kv-cache-bytes)."""
+    if runner.device.type != "cuda":
+        return runner.engine_config.cpu_kv_cache_bytes
+    peak = profile_peak_bytes(runner, max_num_batched_tokens, max_model_len, max_num_seqs)
+    _, total = torch.cuda.mem_get_info(runner.device)
+    weights = torch.cuda.memory_allocated(runner.device) - runner._allocated_before
+    # decode graphs: the shared logits buffer and the largest bucket's lm_head output, plus a fixed headroom
+    # for the graph pool's other activations and library workspaces
+    graphs = static_bytes(max_num_seqs, runner.vocab_size) if runner.is_graphed else 0
+    headroom = 512 * 2**20
+    budget = runner._requested_bytes - weights - peak - graphs
+    budget -= headroom
+    logger.info(
+        "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, decode graphs %.2f GiB + %.2f GiB "
+        "headroom, cache budget %.2f GiB", total / GIB, weights / GIB, peak / GIB, graphs / GIB, headroom / GIB,
+        budget / GIB,
+    )  # fmt: skip
+    return budget
