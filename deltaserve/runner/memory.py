@@ -16,6 +16,7 @@ import torch
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind
 from deltaserve.runner.cuda_graph import static_bytes
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
 from deltaserve.sampler import build_sampling_batch
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
@@ -96,15 +97,29 @@ def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len
     peak = profile_peak_bytes(runner, max_num_batched_tokens, max_model_len, max_num_seqs)
     _, total = torch.cuda.mem_get_info(runner.device)
     weights = torch.cuda.memory_allocated(runner.device) - runner._allocated_before
-    # decode graphs: the shared logits buffer and the largest bucket's lm_head output, plus a fixed headroom
-    # for the graph pool's other activations and library workspaces
-    graphs = static_bytes(max_num_seqs, runner.vocab_size) if runner.is_graphed else 0
+    # the graphs' static buffers (decode graphs, or verify graphs while speculating), plus a fixed headroom for the
+    # graph pool's other activations and library workspaces
+    kind, graphs = graph_bytes(runner, max_num_seqs)
     headroom = 512 * 2**20
     budget = runner._requested_bytes - weights - peak - graphs
     budget -= headroom
     logger.info(
-        "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, decode graphs %.2f GiB + %.2f GiB "
-        "headroom, cache budget %.2f GiB", total / GIB, weights / GIB, peak / GIB, graphs / GIB, headroom / GIB,
-        budget / GIB,
+        "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, %s graphs %.2f GiB + %.2f GiB "
+        "headroom, cache budget %.2f GiB", total / GIB, weights / GIB, peak / GIB, kind, graphs / GIB,
+        headroom / GIB, budget / GIB,
     )  # fmt: skip
     return budget
+
+
+def graph_bytes(runner: ModelRunner, max_num_seqs: int) -> tuple[str, int]:
+    """(which graphs, the bytes of their static buffers): the decode graphs' shared logits and the largest
+    bucket's lm_head output; while speculating, the verify graphs' logits, lm_head output and hidden states over
+    their largest bucket's rows (runner/spec_graphs.py), sized before the verify scratch caps the bucket."""
+    if runner.is_graphed:
+        return "decode", static_bytes(max_num_seqs, runner.vocab_size)
+    if runner.is_spec_graphed:
+        k = runner.engine_config.speculative_config.num_speculative_tokens
+        tokens = -(-max_verify_batch(k, max_num_seqs, max_num_seqs) // 8) * 8 * (1 + k)  # VerifyGraphs.max_tokens
+        hidden_size = runner.model_config.hidden_size
+        return "verify", verify_static_bytes(tokens, runner.vocab_size, hidden_size, runner.dtype)
+    return "no", 0

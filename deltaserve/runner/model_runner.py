@@ -57,6 +57,7 @@ from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_last_hidden
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens, scratch_rows
+from deltaserve.runner.spec_graphs import VerifyGraphs, max_verify_batch
 from deltaserve.runner.spec_ranks import receive_accepted, send_accepted
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, logprobs_to_host
 from deltaserve.sampler.sampler import SAMPLING_EPS
@@ -170,6 +171,16 @@ class ModelRunner:
             self.device.type == "cuda" and not engine_config.enforce_eager and engine_config.speculative_config is None
         )
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
+        # while speculating, verify steps replay verify graphs instead (runner/spec_graphs.py); one process only
+        self.is_spec_graphed = (
+            self.device.type == "cuda"
+            and not engine_config.enforce_eager
+            and engine_config.speculative_config is not None
+        )
+        if self.is_spec_graphed and self.tp.is_parallel:
+            self.is_spec_graphed = False
+            logger.info("verify CUDA graphs off under tensor parallelism: verify steps run eager")
+        self.spec_graphs: VerifyGraphs | None = None
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
         # rank's budget wins
@@ -206,6 +217,8 @@ class ModelRunner:
         if speculative is not None:
             k = speculative.num_speculative_tokens
             self.enable_speculation(k, MtpDrafter(self.model, k), speculative.synthetic_acceptance_rates, spec_rows)
+            if self.is_spec_graphed:
+                self._use_spec_graphs(capture=True)
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
@@ -249,8 +262,12 @@ class ModelRunner:
             if self.model.mtp is not None:  # the MTP KV at P - 1 of sequences resumed at P (after the block copies)
                 rewrite_resumed_rows(self.model, plan, layout.query_start_loc, inputs.input_ids, self.table,
                                      self.block_size)  # fmt: skip
-            with forward_context(inputs.ctx):
-                hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
+            verify_logits = None  # [P, V] when a verify graph ran the forward
+            if self.spec_graphs is not None and self.spec_graphs.can_run(plan, layout, self.block_size):
+                hidden, verify_logits = self.spec_graphs.run(layout, inputs, self.table, self.block_size)
+            else:
+                with forward_context(inputs.ctx):
+                    hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
             if self.model.mtp is not None:  # each slot's hidden row, before the checkpoints copy their slots
                 save_last_hidden(self.model, hidden, layout.query_start_loc, layout.state_slots)
             # prefix-cache checkpoints: the state each chunk left in its write slot, saved (stream order: after the
@@ -265,8 +282,8 @@ class ModelRunner:
                 prompt_lp = plp.compute_prompt_logprobs(work, hidden, self.model.compute_logits, self.vocab_size)
                 prompt_lp = None if prompt_lp is None else plp.to_host(prompt_lp)
             sample_rows_dev = inputs.sample_rows_dev
-            logits = None
-            if len(layout.sample_seqs):
+            logits = verify_logits
+            if logits is None and len(layout.sample_seqs):
                 index = inputs.sample_token_index
                 rows = hidden if index is None else hidden.index_select(0, index)
                 logits = self.model.compute_logits(rows)  # [S, V] fp32
@@ -373,6 +390,18 @@ class ModelRunner:
         max_spec_seqs: verify chunks a step may hold (their scratch; default max_num_seqs)."""
         self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
                                 synthetic_rates, max_spec_seqs or self.max_num_seqs)  # fmt: skip
+        if self.spec_graphs is not None:  # the graphs name the old scratch: build them anew
+            self._use_spec_graphs(self.spec_graphs.is_captured)
+
+    def _use_spec_graphs(self, capture: bool) -> None:
+        """Builds the verify graphs (runner/spec_graphs.py) and captures them; capture=False (tests, the CPU) runs
+        their static-buffer forward uncaptured, so the CPU proves the graph path's arithmetic."""
+        spec = self._require_spec()
+        k = spec.num_speculative_tokens
+        max_batch = max_verify_batch(k, self.max_num_seqs, spec.max_spec_seqs)
+        self.spec_graphs = VerifyGraphs(self.model, max_batch, k, self.max_blocks_per_seq, self.max_model_len,
+                                        self.vocab_size, self.device, capture)  # fmt: skip
+        self.spec_graphs.capture()
 
     def _require_spec(self) -> SpecDecoder:
         if self.spec is None:

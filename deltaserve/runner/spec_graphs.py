@@ -1,0 +1,234 @@
+"""Verify CUDA graphs: the target forward of a speculative decoding step, captured per batch-size bucket and
+replayed over static buffers (docs/speculative-decoding.md#cuda-graphs).
+
+A step qualifies when every sequence is a verify chunk (no plain decode, no prefill token, no multimodal span, no
+returned logits, no prefix-cache checkpoint save). It runs as B rows of W = 1 + k tokens, k the configured
+num_speculative_tokens, at a uniform stride (query_start_loc = arange(B + 1)·W). A row with 1 <= k_s < k drafts
+(near max_tokens or max_model_len, or the k policy's k_step) is padded to W: its padded
+positions store no KV (slot -1), their spec_token_index entries are -1 (the verify kernels leave the GDN state as
+it is there and write no output row for them) and nothing samples them. Attention declares each row's query
+length W and its context start + W, so real query j still sees keys <= start + j (causal): the padded keys sit
+after every real query and get weight 0; the KV cache is zero-initialised and only real tokens write it, so a
+padded key is always finite and adds exactly 0. tests/runner/test_spec_graphs.py checks that claim in fp32.
+
+Rows past B up to the bucket read the request table's empty dummy row, store no KV, and name state slot 0 with all
+spec_token_index entries -1: the verify kernels only read a live slot (they write per-token scratch rows, which a
+padded row owns), so the slot is never written. The buckets are vLLM 0.26's capture sizes for uniform batches of
+at most 512 tokens (max_cudagraph_capture_size): B·W <= 512 and B <= max_num_seqs and the verify scratch's rows; a
+larger step runs eager. Every bucket writes its hidden states and fp32 logits into one shared static buffer each
+[bucket·W, ...]; sampling, the rejection rule, the GDN state commit and the drafter stay outside the graph and read
+only the real positions, gathered back into the eager token order, so the rest of the step is the eager one.
+A plain decode row (k_s = 0: a request's last max_tokens token, a grammar) keeps the step eager: the decode kernels
+update its live slot in place, where the verify kernels only fill scratch that the accept step commits for verify
+chunks alone.
+
+`capture=False` runs the same forward on the same static buffers without capturing (replay = the forward), so the
+CPU proves everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from deltaserve.model.context import ForwardContext, forward_context
+from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner.cuda_graph import capture_sizes
+from deltaserve.runner.inputs import StepInputs, StepLayout
+from deltaserve.runner.request_table import RequestTable
+from deltaserve.step import StepPlan
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_TOKENS = 512  # vLLM 0.26's default max_cudagraph_capture_size
+
+
+def max_verify_batch(num_speculative_tokens: int, max_num_seqs: int, max_spec_seqs: int) -> int:
+    """The largest bucket: B·(1 + k) <= 512 tokens, B <= max_num_seqs and the verify scratch's rows."""
+    return min(MAX_CAPTURE_TOKENS // (1 + num_speculative_tokens), max_num_seqs, max_spec_seqs)
+
+
+def verify_static_bytes(max_tokens: int, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Device memory the verify graphs keep beyond the cache for max_tokens = bucket·(1 + k) rows: the shared fp32
+    logits buffer, the largest bucket's lm_head output in the model dtype (the graph pool holds it) and the static
+    hidden states."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return max_tokens * (vocab_size * (4 + itemsize) + hidden_size * itemsize)
+
+
+class VerifyGraphs:
+    def __init__(
+        self,
+        model: Qwen35Model,
+        max_batch: int,
+        num_speculative_tokens: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        vocab_size: int,
+        device: torch.device,
+        capture: bool = True,
+    ) -> None:
+        """max_batch: the largest bucket (max_verify_batch); capture=False: replay runs the forward eagerly on the
+        static buffers (the CPU's way to prove the path)."""
+        if max_batch < 1:
+            raise ValueError(f"no verify bucket fits: k = {num_speculative_tokens} needs {1 + num_speculative_tokens} "
+                             f"tokens a row, the capture limit is {MAX_CAPTURE_TOKENS}")  # fmt: skip
+        self.model = model
+        self.width = width = 1 + num_speculative_tokens
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self.is_captured = capture
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.capacity = cap = -(-self.max_batch // 8) * 8  # each field's region stays 16-byte aligned
+        tokens = cap * width
+        self.max_tokens = tokens
+        # int64 regions: positions [3, N] | slot_mapping [N] | token_index [cap, W] | table rows [cap] | gather [N] |
+        # sampled [N]; int32: seq_lens [cap] | state slots [cap]   (N = cap·W)
+        self._long_sizes = (3 * tokens, tokens, tokens, cap, tokens, tokens)
+        self.long = torch.zeros(sum(self._long_sizes), dtype=torch.int64, device=device)
+        positions, slots, token_index, rows, gather, sampled = self.long.split(self._long_sizes)
+        self.positions = positions.view(3, tokens)
+        self.slot_mapping = slots
+        self.token_index = token_index.view(cap, width)
+        self.rows = rows
+        self.gather = gather  # [N] eager token t's row in the padded layout (first T entries)
+        self.sampled = sampled  # [N] the sampled positions' rows in the padded layout (first P entries)
+        self.short = torch.zeros(2 * cap, dtype=torch.int32, device=device)
+        self.seq_lens, self.state_indices = self.short.split((cap, cap))
+        self.slot_mapping.fill_(-1)
+        self.token_index.fill_(-1)
+        self.seq_lens.fill_(width)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(cap, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = (torch.arange(cap + 1, dtype=torch.int32) * width).to(device)
+        self.has_initial_state = torch.ones(cap, dtype=torch.int32, device=device)
+        self.no_prefill = torch.zeros(4, dtype=torch.int32, device=device)  # empty prefill fields, aligned
+        self.hidden = torch.empty(tokens, model.config.hidden_size, dtype=model.embed_tokens.dtype, device=device)
+        self.logits = torch.empty(tokens, vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def _context(self, size: int) -> ForwardContext:
+        num_tokens = size * self.width
+        return ForwardContext(
+            num_decode_tokens=0,
+            num_prefill_tokens=0,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            max_query_len=self.width,
+            max_seq_len=self.max_seq_len,
+            state_indices=self.state_indices[:size],
+            has_initial_state=self.has_initial_state[:size],
+            prefill_query_start_loc=self.no_prefill[:1],
+            prefill_state_indices=self.no_prefill[:0],
+            prefill_has_initial_state=self.no_prefill[:0],
+            num_spec_tokens=num_tokens,
+            spec_state_indices=self.state_indices[:size],
+            spec_token_index=self.token_index[:size],
+        )
+
+    def _forward(self, size: int) -> None:
+        num_tokens = size * self.width
+        with forward_context(self._context(size)):
+            hidden = self.model(self.input_ids[:num_tokens], self.positions[:, :num_tokens])  # [N, H]
+        self.hidden[:num_tokens].copy_(hidden)
+        self.model.compute_logits(hidden, out=self.logits[:num_tokens])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first, sharing one memory pool (capture=False: nothing to do)."""
+        if not self.is_captured:
+            logger.info("verify graphs: buckets %s of %d tokens a row, run uncaptured", self.sizes, self.width)
+            return
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up outside the graph (Triton compiles, allocator settles)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "captured %d verify CUDA graphs (batch sizes %s, %d tokens a row: steps of up to %d sequences and %d "
+            "tokens; larger verify steps run eager)", len(self.graphs), self.sizes, self.width, self.max_batch,
+            self.max_batch * self.width,
+        )  # fmt: skip
+
+    def can_run(self, plan: StepPlan, layout: StepLayout, block_size: int) -> bool:
+        """Whether this step is a verify step the graphs run (see the module docstring)."""
+        num_seqs = len(layout.rows)
+        return (
+            layout.spec is not None
+            and len(layout.spec.seq_index) == num_seqs  # no plain decode, no prefill chunk
+            and num_seqs <= self.max_batch
+            and not layout.state_saves
+            and len(layout.sample_seqs) == num_seqs
+            and len(layout.device_token_index) == num_seqs  # every row's first token is its last sample
+            and layout.num_tokens == len(layout.device_token_index) + len(layout.spec.draft_token_index)
+            and int(layout.num_new.max()) <= self.width
+            and int(-(-(layout.starts.max() + self.width) // block_size)) <= self.block_tables.shape[1]
+            and not any(seq.return_logits or seq.mm_spans for seq in plan.seqs)
+        )
+
+    def run(
+        self, layout: StepLayout, inputs: StepInputs, table: RequestTable, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fills the static buffers from the step's layout and its eager inputs (the input ids: the rows' last
+        samples and drafts, already gathered on the device) and replays the step's bucket. Returns the hidden
+        states [T, H] and the sampled positions' logits [P, V] in the eager token order."""
+        num_seqs = len(layout.rows)
+        size = next(s for s in self.sizes if s >= num_seqs)
+        width, cap, tokens = self.width, self.capacity, self.max_tokens
+        num_new, qsl = layout.num_new, layout.query_start_loc
+        columns = np.arange(width)
+        is_real = columns[None, :] < num_new[:, None]  # [B, W]
+        padded = np.arange(num_seqs)[:, None] * width + columns[None, :]  # [B, W] each position's padded row
+        eager = qsl[:-1, None] + columns[None, :]  # [B, W] its eager row where real
+        gather = padded[is_real]  # [T] (row-major: the eager token order)
+        long = np.zeros(self.long.shape[0], dtype=np.int64)
+        positions, slots, token_index, rows, gather_host, sampled_host = np.split(
+            long, np.cumsum(self._long_sizes)[:-1]
+        )
+        positions = positions.reshape(3, tokens)
+        # padded positions continue the row's positions (any value would do: nothing reads them)
+        first = layout.positions[:, qsl[:-1]]  # [3, B]
+        row_positions = first[:, :, None] + columns[None, None, :]  # [3, B, W]
+        row_positions[:, is_real] = layout.positions[:, eager[is_real]]
+        positions[:, : num_seqs * width] = row_positions.reshape(3, -1)
+        slots[:] = -1
+        slots[gather] = layout.slot_mapping
+        token_index.reshape(cap, width)[:] = -1
+        token_index.reshape(cap, width)[:num_seqs] = np.where(is_real, padded, -1)
+        rows[:num_seqs] = layout.rows
+        rows[num_seqs:] = table.dummy_row
+        gather_host[: len(gather)] = gather
+        sample_index = layout.sample_token_index
+        sampled_host[: len(sample_index)] = gather[sample_index]
+        short = np.zeros(2 * cap, dtype=np.int32)
+        short[:num_seqs] = layout.starts + width
+        short[num_seqs:cap] = width
+        short[cap : cap + num_seqs] = layout.state_slots  # slot 0 past them (read only: see the docstring)
+        if self.device.type == "cuda":
+            self.long.copy_(torch.from_numpy(long).pin_memory(), non_blocking=True)
+            self.short.copy_(torch.from_numpy(short).pin_memory(), non_blocking=True)
+        else:
+            self.long.copy_(torch.from_numpy(long))
+            self.short.copy_(torch.from_numpy(short))
+        gather_dev = self.gather[: len(gather)]
+        self.input_ids.index_copy_(0, gather_dev, inputs.input_ids)
+        block_width = int(-(-(layout.starts.max() + width) // block_size))
+        self.block_tables[:size, :block_width] = table.block_table[:, :block_width].index_select(0, self.rows[:size])
+        if self.is_captured:
+            self.graphs[size].replay()
+        else:
+            self._forward(size)
+        hidden = self.hidden.index_select(0, gather_dev)  # [T, H]
+        logits = self.logits.index_select(0, self.sampled[: len(sample_index)])  # [P, V]
+        return hidden, logits
