@@ -14,7 +14,8 @@ A kernel with LOCAL traffic (LDL/STL) in its decode configuration is the first s
 one-program MoE alignment spilled 3 KiB a thread at 257-512 entries, the 35B-A3B decode cliff at B = 48-64.
 `--align-entries` / `--align-experts` / `--align-block-m` sweep the alignment kernel alone over entry counts,
 expert counts and BLOCK_M; `--router-tokens` the router logits launch (GEMV up to 64 tokens, tl.dot above) on
-the shape's router; `--prefill 1x2048,8x1024` the GDN chunked prefill launches (N prompts of L tokens).
+the shape's router; `--prefill 1x2048,8x1024` the GDN chunked prefill launches (N prompts of L tokens);
+`--verify 1x4,64x4` the speculative verify step's conv and delta-rule launches (S sequences of W = 1 + k tokens).
 Besides registers and spills each row gives the SASS instruction count (`sass`) and the
 barriers (BAR) and shuffles (SHFL) in it: for kernels without loops (the align kernel's sort is unrolled) the
 count is what every thread executes, so `sass` × warps per scheduler (warps / 4) bounds the issue cycles of a
@@ -330,6 +331,44 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
     return launches
 
 
+def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per speculative verify step for cases "SxW" (S sequences, chunks of W = 1 + k tokens): the
+    verify conv and the verify delta rule (kernels/gdn_spec_conv_triton.py, kernels/gdn_spec_triton.py)."""
+    from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
+    from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
+
+    m = MODELS[shape]
+    hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    bf16 = torch.bfloat16
+    e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)  # noqa: E731
+    launches: list[tuple[str, Callable[[], object]]] = []
+    for case in cases:
+        num_seqs, width = (int(x) for x in case.split("x"))
+        t = num_seqs * width
+        mixed = e(t, m.conv_dim)
+        index = torch.arange(t).view(num_seqs, width)
+        slots = torch.arange(num_seqs, dtype=torch.int32)
+        conv_states = e(num_seqs, m.conv_kernel - 1, m.conv_dim)
+        conv_args = (
+            mixed,
+            e(m.conv_dim, m.conv_kernel),
+            conv_states,
+            slots,
+            index,
+            e(num_seqs, width, *conv_states.shape[1:]),
+        )
+        q = mixed[:, : hk * dk].view(t, hk, dk)
+        k = mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk)
+        v = mixed[:, 2 * hk * dk :].view(t, hv, dv)
+        states = e(num_seqs, hv, dk, dv, dtype=torch.float32)
+        gdn_args = (q, k, v, e(t, hv), e(t, hv), e(hv, dtype=torch.float32), e(hv), states, slots, index,
+                    e(num_seqs, width, hv, dk, dv, dtype=torch.float32))  # fmt: skip
+        launches.append((f"conv_verify {case}", lambda a=conv_args: causal_conv1d_verify_triton(*a)))
+        launches.append((f"gdn_verify {case}", lambda a=gdn_args: gdn_verify_triton(*a)))
+    return launches
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -359,6 +398,9 @@ def main() -> int:
         "extra moe_block[...] launch per batch; --only moe_block selects them too",
     )
     parser.add_argument("--prefill", default="", help='comma list of GDN prefill cases "NxL" (N prompts of L tokens)')
+    parser.add_argument(
+        "--verify", default="", help='comma list of speculative verify cases "SxW" (S sequences of 1 + k = W tokens)'
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -380,6 +422,7 @@ def main() -> int:
     gemm1s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm1.split(";") if spec.strip())
     gemm2s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm2.split(";") if spec.strip())
     sweeps += prefill_launches(args.shape, [c for c in args.prefill.split(",") if c])
+    sweeps += verify_launches(args.shape, [c for c in args.verify.split(",") if c])
     try:
         for batch in _ints(args.batches):
             for label, thunk in decode_launches(

@@ -7,10 +7,11 @@ and reports the achieved bandwidth as a share of the device's copy bandwidth, me
 with a large device-to-device copy (bytes read + written). Token counts up to --decode-up-to run the
 decode forms (paged attention over --context cached tokens per sequence, conv update, GDN decode, one
 sequence per token); larger counts run the prefill forms on one sequence. `moe_block` times the whole MoE
-block op (router, routing, routed and shared experts) beside `fused_moe`, and `linear` kernels.linear on the
-GDN input projection (the register GEMV at one row, cuBLAS beyond); `fp8_linear` and `fp8_fused_moe` the same
-projection and the routed experts with block-FP8 weights (docs/fp8.md). The decode step as a whole, per batch
-size, is benchmarks/decode_step.py.
+block op (router, routing, routed and shared experts) beside `fused_moe`, `gdn_verify_conv` the speculative
+verify step's conv (at decode token counts: that many sequences of 1 + k = 4 tokens), and `linear`
+kernels.linear on the GDN input projection (the register GEMV at one row, cuBLAS beyond); `fp8_linear` and
+`fp8_fused_moe` the same projection and the routed experts with block-FP8 weights (docs/fp8.md). The decode
+step as a whole, per batch size, is benchmarks/decode_step.py.
 
 Timing: the op's inputs are replicated until the sets together exceed three times the L2 cache and used in
 rotation, so no call finds its inputs in L2. The primary number is GPU time per call from replaying a CUDA
@@ -130,6 +131,7 @@ OPS = (
     "paged_attention",
     "causal_conv1d",
     "gdn",
+    "gdn_verify_conv",
     "fused_moe",
     "moe_block",
     "linear",
@@ -325,6 +327,34 @@ def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool)
     ]
 
 
+VERIFY_WIDTH = 4  # 1 + k tokens a verify chunk at k = 3, issue 41's grids
+
+
+def _verify_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool) -> list[Case]:
+    """The speculative verify step's conv at decode token counts: `tokens` sequences of 1 + k = 4 tokens each."""
+    if not is_decode:
+        return []
+    from deltaserve.kernels import causal_conv1d_verify
+
+    size = dtype.itemsize
+    channels, width, num_seqs = m.conv_dim, m.conv_kernel, tokens
+    rows = num_seqs * VERIFY_WIDTH
+    conv_w = _randn(channels, width, dtype=dtype, scale=0.5)
+    index = torch.arange(rows, device=DEVICE).view(num_seqs, VERIFY_WIDTH)
+    slots = torch.arange(num_seqs, dtype=torch.int32, device=DEVICE)
+
+    def make() -> tuple[Any, ...]:
+        scratch = torch.empty(num_seqs, VERIFY_WIDTH, width - 1, channels, dtype=dtype, device=DEVICE)
+        return _randn(rows, channels, dtype=dtype), _randn(num_seqs, width - 1, channels, dtype=dtype), scratch
+
+    def call(s: tuple[Any, ...]) -> object:
+        return causal_conv1d_verify(s[0], conv_w, s[1], slots, index, s[2])
+
+    # x read and y written, the slot's rows read, a window written after every token
+    moved = (2 * rows * channels + num_seqs * (width - 1) * channels + rows * (width - 1) * channels) * size
+    return [Case("gdn_verify_conv", "verify", make, call, moved, note=f"{num_seqs} seq x {VERIFY_WIDTH} tokens")]
+
+
 def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     if not m.num_experts:
         return []
@@ -430,6 +460,7 @@ def build_cases(m: ModelShapes, tokens: int, args: argparse.Namespace, dtype: to
         *_norm_cases(m, tokens, dtype),
         *_attention_cases(m, tokens, dtype, is_decode, args.context, args.page_size),
         *_gdn_cases(m, tokens, dtype, is_decode),
+        *_verify_cases(m, tokens, dtype, is_decode),
         *_moe_cases(m, tokens, dtype),
         *_linear_cases(m, tokens, dtype),
         *_fp8_cases(m, tokens, dtype),

@@ -9,14 +9,21 @@ each sequence accepted (a_s, on the device), `spec_state_commit` copies scratch 
 rejection costs no recompute and the host never waits for the counts.
 
 - `causal_conv1d_verify`: conv + SiLU of the chunk's pre-conv rows after the slot's K-1 rows; scratch_conv
-  [S_max, W_max, K-1, C] gets the window after each token. Rounding as causal_conv1d_update.
+  [S_max, W_max, K-1, C] gets the window after each token (a padded column repeats the last real window, as the
+  recurrent scratch repeats the last real state). Rounding as causal_conv1d_update.
 - `gdn_verify`: the recurrent delta rule token by token (gdn_decode's arithmetic: fp32, q/k not rounded);
   scratch_ssm [S_max, W_max, HV, dk, dv] gets the state after each token.
 - `spec_state_commit`: live slot <- scratch [s, num_accepted[s]], conv and recurrent state.
 
+A verify sequence whose state index is < 0 (a padded row of a CUDA-graph bucket) is skipped, as the decode ops skip
+slot -1: no slot is read, its scratch entries are not written, the output rows of its tokens are zeros, and the
+commit writes no slot for it. (Each layer's slot pool is a view into one tensor over all GDN layers, so a slot -1
+would address the previous layer's last slot, or memory before the pool.)
+
 The `*_ref` twins are vectorised over sequences with no host sync (a loop over the W <= 1 + k token columns only),
-so they are also a correct device path; `gdn_verify` runs its Triton kernel (kernels/gdn_spec_triton.py) on CUDA
-when the state is fp32.
+so they are also a correct device path. On CUDA `causal_conv1d_verify` runs its Triton kernel
+(kernels/gdn_spec_conv_triton.py: one launch a layer in place of the twin's ~3·W·K elementwise launches), and
+`gdn_verify` its own (kernels/gdn_spec_triton.py) when the state is fp32.
 """
 
 from __future__ import annotations
@@ -45,20 +52,26 @@ def causal_conv1d_verify_ref(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [N, C] (the verify rows), weight [C, K], conv_states [slots, K-1, C], state_indices [S], token_index [S, W]
-    -> y [N, C]; scratch_conv[s, j] = the K-1 pre-conv rows after token j. The live slots are not written."""
+    -> y [N, C]; scratch_conv[s, j] = the K-1 pre-conv rows after token j (padded columns repeat the last real
+    window). The live slots are not written; a sequence with slot < 0 reads none, writes no scratch and gets zero
+    output rows."""
     num_seqs, width = token_index.shape
     kernel_size = weight.shape[1]
     out = output(out, tuple(x.shape), x)
-    history = conv_states.index_select(0, state_indices.long()).to(x.dtype)  # [S, K-1, C]
-    chunk = x.index_select(0, token_index.clamp(min=0).reshape(-1)).view(num_seqs, width, -1)  # [S, W, C]
-    rows = torch.cat([history, chunk], dim=1)  # [S, K-1+W, C]
+    is_live = state_indices >= 0  # [S]: padded sequences of a CUDA-graph bucket carry slot -1
+    window = conv_states.index_select(0, state_indices.long().clamp(min=0)).to(x.dtype)  # [S, K-1, C]
     padded = torch.empty(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=x.device)  # a spare row for padding
     for j in range(width):
+        index = token_index[:, j]
+        rows = torch.cat([window, x.index_select(0, index.clamp(min=0))[:, None]], dim=1)  # [S, K, C]
         acc = torch.zeros(num_seqs, x.shape[1], dtype=torch.float32, device=x.device)
         for t in range(kernel_size):
-            acc += (rows[:, j + t] * weight[:, t]).to(x.dtype).float()
-        _scatter_rows(padded, token_index, j, torch.nn.functional.silu(acc))
-        scratch_conv[:num_seqs, j] = rows[:, j + 1 : j + kernel_size].to(scratch_conv.dtype)
+            acc += (rows[:, t] * weight[:, t]).to(x.dtype).float()
+        _scatter_rows(padded, token_index, j, torch.where(is_live[:, None], torch.nn.functional.silu(acc), 0.0))
+        window = torch.where((index >= 0)[:, None, None], rows[:, 1:], window)
+        scratch_conv[:num_seqs, j] = torch.where(
+            is_live[:, None, None], window.to(scratch_conv.dtype), scratch_conv[:num_seqs, j]
+        )
     out.copy_(padded[:-1])
     return out
 
@@ -72,8 +85,12 @@ def causal_conv1d_verify(
     scratch_conv: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # The conv of a verify step is a few [S, C] elementwise passes; the vectorised twin serves both devices.
-    return causal_conv1d_verify_ref(x, weight, conv_states, state_indices, token_index, scratch_conv, out)
+    args = (x, weight, conv_states, state_indices, token_index, scratch_conv)
+    if use_triton(x):
+        from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
+
+        return causal_conv1d_verify_triton(*args, out=out)
+    return causal_conv1d_verify_ref(*args, out=out)
 
 
 def gdn_verify_ref(
@@ -91,7 +108,8 @@ def gdn_verify_ref(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [N, HK, dk]; v [N, HV, dv]; a, b [N, HV] (the verify rows) -> o [N, HV, dv]; scratch_ssm[s, j] = the
-    state after token j of sequence s (padded columns repeat the last real state). The live slots are not written."""
+    state after token j of sequence s (padded columns repeat the last real state). The live slots are not written;
+    a sequence with slot < 0 reads none, writes no scratch and gets zero output rows."""
     num_seqs, width = token_index.shape
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
@@ -100,7 +118,8 @@ def gdn_verify_ref(
     k_hat = _l2norm(k).repeat_interleave(group, dim=1)  # [N, HV, dk]
     out = output(out, tuple(v.shape), v)
     padded = torch.empty((v.shape[0] + 1, *v.shape[1:]), dtype=v.dtype, device=v.device)
-    state = ssm_states.index_select(0, state_indices.long()).float()  # [S, HV, dk, dv]
+    is_live = (state_indices >= 0)[:, None, None, None]  # [S, 1, 1, 1]: slot -1 is CUDA-graph padding
+    state = ssm_states.index_select(0, state_indices.long().clamp(min=0)).float()  # [S, HV, dk, dv]
     for j in range(width):
         index = token_index[:, j]
         rows = index.clamp(min=0)
@@ -108,9 +127,10 @@ def gdn_verify_ref(
         new = state * g[rows].exp()[:, :, None, None]
         u = beta[rows][:, :, None] * (v[rows].float() - torch.einsum("shkv,shk->shv", new, k_hat[rows]))
         new = new + k_hat[rows][:, :, :, None] * u[:, :, None, :]
-        _scatter_rows(padded, token_index, j, torch.einsum("shkv,shk->shv", new, q_hat[rows]))
+        o = torch.einsum("shkv,shk->shv", new, q_hat[rows])  # [S, HV, dv]
+        _scatter_rows(padded, token_index, j, torch.where(is_live[:, :, :, 0], o, 0.0))
         state = torch.where(is_real, new, state)
-        scratch_ssm[:num_seqs, j] = state.to(scratch_ssm.dtype)
+        scratch_ssm[:num_seqs, j] = torch.where(is_live, state.to(scratch_ssm.dtype), scratch_ssm[:num_seqs, j])
     out.copy_(padded[:-1])
     return out
 
@@ -146,10 +166,25 @@ def spec_state_commit(
     num_accepted: torch.Tensor,
 ) -> None:
     """Live slot state_indices[s] <- scratch[s, num_accepted[s]] (the state after the last accepted token), for
-    conv and recurrent state; num_accepted [S] stays on the device."""
+    conv and recurrent state; num_accepted [S] stays on the device. A sequence with slot < 0 commits nothing.
+
+    Without a host sync the padded sequences cannot be dropped from the copy, so each is aimed at an anchor slot
+    with the value the anchor slot ends with anyway: the first live sequence's slot and entry, or, when none is
+    live, slot 0 and its own content. Duplicate indices in index_copy_ then all carry identical values, so the
+    result does not depend on their order."""
     num_seqs = state_indices.shape[0]
+    if num_seqs == 0:
+        return
     seq = torch.arange(num_seqs, device=state_indices.device)
     accepted = num_accepted.long().clamp(0, scratch_ssm.shape[1] - 1)  # never an index outside the scratch
     slots = state_indices.long()
-    conv_states.index_copy_(0, slots, scratch_conv[seq, accepted].to(conv_states.dtype))
-    ssm_states.index_copy_(0, slots, scratch_ssm[seq, accepted].to(ssm_states.dtype))
+    is_live = slots >= 0  # [S]
+    first = is_live.int().argmax().view(1)  # [1]: the first live sequence (0 when none is)
+    any_live = is_live.index_select(0, first)  # [1]
+    anchor = torch.where(any_live, slots.index_select(0, first), 0)  # [1]
+    target = torch.where(is_live, slots, anchor)  # [S]
+    for states, scratch in ((conv_states, scratch_conv), (ssm_states, scratch_ssm)):
+        values = scratch[seq, accepted].to(states.dtype)  # [S, ...]
+        keep = torch.where(any_live, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
+        live = is_live.view(-1, *([1] * (values.dim() - 1)))
+        states.index_copy_(0, target, torch.where(live, values, keep))

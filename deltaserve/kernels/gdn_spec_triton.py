@@ -3,7 +3,8 @@
 One program owns one (verify sequence, value head, BV-column block): it loads its [dk, BV] slice of the sequence's
 live state once, runs the chunk's 1 + k tokens in order with gdn_decode's arithmetic (fp32, q / k L2-normed in
 fp32 and not rounded, gates in fp32), stores each token's output row and the state after each token into the
-scratch entry [s, j]. Padded columns (token_index -1) leave the state as it is and store it again, as the twin does.
+scratch entry [s, j]. Padded columns (token_index -1) read no row, leave the state as it is and store it again, as
+the twin does. A sequence with slot < 0 (CUDA-graph padding) reads no slot, stores no scratch and zero output rows.
 The live slot is never written: the commit (spec_state_commit) copies the accepted entry into it.
 """
 
@@ -65,8 +66,10 @@ def _gdn_verify_kernel(
     m_k = o_k < DK
     o_v = i_v * BV + tl.arange(0, BV)  # [BV]
     m_v = o_v < DV
-    m_s = m_k[:, None] & m_v[None, :]
+    # A padded sequence of a CUDA-graph bucket carries slot -1: it reads no slot, writes no scratch, zero output.
     i_slot = i64(tl.load(state_indices_ptr + i_s))
+    is_live = i_slot >= 0
+    m_s = m_k[:, None] & m_v[None, :] & is_live
     p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]: the live state, read once
     b_A_log = tl.load(A_log_ptr + i_h)
@@ -76,11 +79,12 @@ def _gdn_verify_kernel(
         i_t = i64(tl.load(token_index_ptr + i_s * stride_ti_seq + j))
         is_real = i_t >= 0
         i_row = tl.maximum(i_t, 0)
-        b_q = tl.load(q_ptr + i_row * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(k_ptr + i_row * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k, other=0.0)
-        b_v = tl.load(v_ptr + i_row * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0)
-        b_a = tl.load(a_ptr + i_row * stride_a_t + i_h)
-        b_b = tl.load(b_ptr + i_row * stride_b_t + i_h)
+        # A padded column (-1) reads nothing: row 0 may not exist in an empty step.
+        b_q = tl.load(q_ptr + i_row * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k & is_real, other=0.0)
+        b_k = tl.load(k_ptr + i_row * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k & is_real, other=0.0)
+        b_v = tl.load(v_ptr + i_row * stride_v_t + i_h * stride_v_h + o_v, mask=m_v & is_real, other=0.0)
+        b_a = tl.load(a_ptr + i_row * stride_a_t + i_h, mask=is_real, other=0.0)
+        b_b = tl.load(b_ptr + i_row * stride_b_t + i_h, mask=is_real, other=0.0)
         b_q = _l2norm(b_q.to(tl.float32)) * scale
         b_k = _l2norm(b_k.to(tl.float32))
         b_decay, b_beta = _gates_of(b_a, b_b, b_A_log, b_dt_bias)
@@ -90,7 +94,7 @@ def _gdn_verify_kernel(
         b_o = tl.sum(b_new * b_q[:, None], axis=0)  # [BV]
         b_s = tl.where(is_real, b_new, b_s)
         tl.store(p_x + j * stride_x_col, b_s, mask=m_s)
-        tl.store(out_ptr + (i_row * HV + i_h) * DV + o_v, b_o, mask=m_v & is_real)
+        tl.store(out_ptr + (i_row * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v & is_real)
 
 
 def gdn_verify_triton(

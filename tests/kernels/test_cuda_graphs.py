@@ -14,6 +14,8 @@ import torch
 from deltaserve.kernels import attention_triton
 from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
+from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
+from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
 from deltaserve.kernels.moe import moe_route_ref
 from deltaserve.kernels.moe_align import moe_align_ref
@@ -103,6 +105,30 @@ def test_graph_conv_and_gdn_decode() -> None:
     A_log, dt_bias = randn(hv), randn(hv)
     ssm = randn(batch + 2, hv, dk, dv, scale=0.1)
     _capture_matches_eager(lambda: gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm, slots), [ssm])
+
+
+def test_graph_verify_conv_and_gdn() -> None:
+    """The verify step's conv and delta rule (a CUDA-graph bucket's padded sequence has slot -1 and -1 columns)."""
+    channels, hk, hv, dk, dv = 512, 2, 4, 128, 128
+    index = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1], [6, -1, -1, -1]], device=DEVICE)  # k = 3 / 1 / 0
+    slots = torch.tensor([3, 0, -1], device=DEVICE, dtype=torch.int32)
+    rows = 7
+    x = randn(rows, channels, dtype=BF16)
+    conv_states = randn(5, 3, channels, dtype=BF16)
+    weight = randn(channels, 4, dtype=BF16)
+    scratch_conv = torch.zeros(4, 4, 3, channels, dtype=BF16, device=DEVICE)
+    _capture_matches_eager(
+        lambda: causal_conv1d_verify_triton(x, weight, conv_states, slots, index, scratch_conv),
+        [conv_states, scratch_conv],
+    )
+    q, k = randn(rows, hk, dk, dtype=BF16), randn(rows, hk, dk, dtype=BF16)
+    v, a, b = randn(rows, hv, dv, dtype=BF16), randn(rows, hv, dtype=BF16), randn(rows, hv, dtype=BF16)
+    A_log, dt_bias = randn(hv), randn(hv)
+    ssm = randn(5, hv, dk, dv, scale=0.1)
+    scratch_ssm = torch.zeros(4, 4, hv, dk, dv, device=DEVICE)
+    _capture_matches_eager(
+        lambda: gdn_verify_triton(q, k, v, a, b, A_log, dt_bias, ssm, slots, index, scratch_ssm), [ssm, scratch_ssm]
+    )
 
 
 @pytest.mark.parametrize("num_tokens", [4, 200])

@@ -79,12 +79,14 @@ def test_conv_verify_equals_update_token_by_token(dtype: torch.dtype) -> None:
     assert not out.isnan().any()
     expected = t["conv"].clone()
     for s, (slot, n) in enumerate(zip(SLOTS, LENGTHS, strict=True)):
-        for j in range(n):
-            row = int(index[s, j])
-            want = causal_conv1d_update_ref(t["x"][row : row + 1], t["weight"], expected, torch.tensor([slot]))
-            # the same arithmetic; the vectorised SiLU may differ from the one-row one in the last bit
-            torch.testing.assert_close(out[row : row + 1], want, rtol=1e-6, atol=1e-6)
-            assert torch.equal(scratch[s, j], expected[slot])  # windows are copies: exact
+        for j in range(max(LENGTHS)):
+            if j < n:
+                row = int(index[s, j])
+                want = causal_conv1d_update_ref(t["x"][row : row + 1], t["weight"], expected, torch.tensor([slot]))
+                # the same arithmetic; the vectorised SiLU may differ from the one-row one in the last bit
+                torch.testing.assert_close(out[row : row + 1], want, rtol=1e-6, atol=1e-6)
+            # windows are copies: exact; a padded column repeats the last real window
+            assert torch.equal(scratch[s, j], expected[slot])
 
 
 def test_commit_takes_the_state_after_the_last_accepted_token() -> None:
@@ -100,3 +102,85 @@ def test_commit_takes_the_state_after_the_last_accepted_token() -> None:
         assert (conv[slot] == s * width + a).all() and (ssm[slot] == s * width + a).all()
     untouched = [i for i in range(6) if i not in SLOTS]
     assert (conv[untouched] == 0).all() and (ssm[untouched] == 0).all()
+
+
+PADDED_SLOTS = (3, -1, 0, -1)  # sequences 1 and 3 are CUDA-graph padding (slot -1)
+PADDED_LENGTHS = (2, 3, 4, 1)
+
+
+def _padded_case(dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    t = inputs(dtype)
+    n = sum(PADDED_LENGTHS)
+    gen = torch.Generator().manual_seed(1)
+    for name, shape in (("q", (n, HK, DK)), ("k", (n, HK, DK)), ("v", (n, HV, DV)), ("a", (n, HV)), ("b", (n, HV)),
+                        ("x", (n, C))):  # fmt: skip
+        t[name] = torch.randn(*shape, generator=gen).to(dtype)
+    return t, token_index(PADDED_LENGTHS), torch.tensor(PADDED_SLOTS, dtype=torch.int32)
+
+
+def _live_only(index: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The step without its padded sequences: their token_index rows and slots dropped."""
+    live = [s for s, slot in enumerate(slots.tolist()) if slot >= 0]
+    return index[live], slots[live], live
+
+
+def _padded_rows(index: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    rows = index[slots < 0]
+    return rows[rows >= 0]
+
+
+def test_gdn_verify_skips_a_sequence_with_slot_below_zero() -> None:
+    t, index, slots = _padded_case()
+    ssm = t["ssm"].clone()
+    width = max(PADDED_LENGTHS)
+    scratch = torch.full((5, width, HV, DK, DV), float("nan"))
+    args = (t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], ssm)
+    out = gdn_verify_ref(*args, slots, index, scratch)
+    assert torch.equal(ssm, t["ssm"])
+    assert (out[_padded_rows(index, slots)] == 0).all(), "a padded sequence's rows are zeros"
+    assert scratch[: len(slots)][slots < 0].isnan().all(), "a padded sequence writes no scratch"
+    live_index, live_slots, live = _live_only(index, slots)
+    want_scratch = torch.full_like(scratch, float("nan"))
+    want = gdn_verify_ref(*args, live_slots, live_index, want_scratch)
+    rows = live_index[live_index >= 0]
+    torch.testing.assert_close(out[rows], want[rows], rtol=1e-6, atol=1e-6)  # vectorised SiLU / einsum: last bit
+    assert torch.equal(scratch[live], want_scratch[: len(live)])
+
+
+def test_conv_verify_skips_a_sequence_with_slot_below_zero() -> None:
+    t, index, slots = _padded_case()
+    conv = t["conv"].clone()
+    width = max(PADDED_LENGTHS)
+    scratch = torch.full((5, width, K - 1, C), float("nan"))
+    out = causal_conv1d_verify_ref(t["x"], t["weight"], conv, slots, index, scratch)
+    assert torch.equal(conv, t["conv"])
+    assert (out[_padded_rows(index, slots)] == 0).all(), "a padded sequence's rows are zeros"
+    assert scratch[: len(slots)][slots < 0].isnan().all(), "a padded sequence writes no scratch"
+    live_index, live_slots, live = _live_only(index, slots)
+    want_scratch = torch.full_like(scratch, float("nan"))
+    want = causal_conv1d_verify_ref(t["x"], t["weight"], conv, live_slots, live_index, want_scratch)
+    rows = live_index[live_index >= 0]
+    torch.testing.assert_close(out[rows], want[rows], rtol=1e-6, atol=1e-6)  # vectorised SiLU / einsum: last bit
+    assert torch.equal(scratch[live], want_scratch[: len(live)])
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [(-1, 4, -1, 0), (2, -1, 0, -1), (-1, -1, -1, -1)],
+    ids=["padded-first", "padded-after-live", "all-padded"],
+)
+def test_commit_writes_nothing_for_a_sequence_with_slot_below_zero(slots: tuple[int, ...]) -> None:
+    width = max(PADDED_LENGTHS)
+    conv = torch.randn(6, K - 1, C)
+    ssm = torch.randn(6, HV, DK, DV)
+    before_conv, before_ssm = conv.clone(), ssm.clone()
+    scratch_conv = torch.arange(5 * width, dtype=torch.float32).view(5, width, 1, 1).expand(5, width, K - 1, C)
+    scratch_ssm = torch.arange(5 * width, dtype=torch.float32).view(5, width, 1, 1, 1).expand(5, width, HV, DK, DV)
+    accepted = torch.tensor([1, 2, 3, 0])
+    spec_state_commit(conv, ssm, scratch_conv.contiguous(), scratch_ssm.contiguous(),
+                      torch.tensor(slots, dtype=torch.int32), accepted)  # fmt: skip
+    for s, (slot, a) in enumerate(zip(slots, accepted.tolist(), strict=True)):
+        if slot >= 0:
+            assert (conv[slot] == s * width + a).all() and (ssm[slot] == s * width + a).all()
+    untouched = [i for i in range(6) if i not in slots]
+    assert torch.equal(conv[untouched], before_conv[untouched]) and torch.equal(ssm[untouched], before_ssm[untouched])

@@ -22,11 +22,27 @@ def _token_index(lengths: list[int]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
 
 
-def _check(lengths: list[int], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, ratio: float) -> None:
+def _check(
+    lengths: list[int],
+    hk: int,
+    hv: int,
+    dk: int,
+    dv: int,
+    dtype: torch.dtype,
+    ratio: float,
+    padded: tuple[int, ...] = (),
+) -> None:
+    """padded: the sequences given slot -1 (CUDA-graph padding), whose output rows must be zeros and whose scratch
+    entries must stay as they were; the slot pool is a view one slot into a NaN-filled pool, so a read of slot -1
+    shows up as NaN."""
     num_slots = len(lengths) + 3
     q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, dtype)
-    states = randn(num_slots, hv, dk, dv, scale=0.1)
+    pool = torch.full((num_slots + 1, hv, dk, dv), float("nan"), device=DEVICE)
+    states = pool[1:]
+    states.copy_(randn(num_slots, hv, dk, dv, scale=0.1))
     slots = torch.randperm(num_slots, device=DEVICE)[: len(lengths)].int()
+    slots[list(padded)] = -1
+    is_live = slots >= 0
     index = _token_index(lengths)
     width = max(lengths)
     ref_scratch = torch.zeros(len(lengths) + 1, width + 1, hv, dk, dv, device=DEVICE)
@@ -36,7 +52,11 @@ def _check(lengths: list[int], hk: int, hv: int, dk: int, dv: int, dtype: torch.
     with poisoned_empty():
         out = gdn_verify_triton(q, k, v, a, b, A_log, dt_bias, states, slots, index, scratch)
     assert_close("o", ref, out, ratio)
-    assert_close("scratch", ref_scratch[: len(lengths), :width], scratch[: len(lengths), :width], ratio)
+    live_scratch = scratch[: len(lengths), :width][is_live]
+    assert_close("scratch", ref_scratch[: len(lengths), :width][is_live], live_scratch, ratio)
+    padded_rows = index[~is_live]
+    assert (out[padded_rows[padded_rows >= 0]] == 0).all(), "a sequence with slot -1 has zero output rows"
+    assert scratch[: len(lengths)][~is_live].isnan().all(), "a sequence with slot -1 writes no scratch"
     assert torch.equal(states, before), "the live slots are the commit's to write"
     assert scratch[len(lengths) :].isnan().all() and scratch[:, width:].isnan().all(), "wrote outside the step"
 
@@ -50,10 +70,15 @@ def test_gdn_verify(lengths: list[int], hk: int, hv: int, dk: int, dv: int, dtyp
     _check(lengths, hk, hv, dk, dv, dtype, tolerance(dtype, fp32=3e-6, low=1e-2))
 
 
+def test_gdn_verify_skips_a_sequence_with_slot_below_zero() -> None:
+    """Padded sequences of a CUDA-graph bucket (slot -1), first and between live ones: nothing read or written."""
+    _check([3, 2, 4, 1], 1, 2, 16, 16, torch.float32, 3e-6, padded=(0, 2))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("hk", "hv"), [(16, 48), (16, 32)], ids=["27b", "35b-a3b"])
 @pytest.mark.parametrize("num_seqs", [1, 64])
 def test_gdn_verify_served_shapes(hk: int, hv: int, num_seqs: int) -> None:
     """bf16 activations, fp32 states, 128 x 128 heads, k = 3 with some sequences capped lower."""
     lengths = [4 if i % 5 else 2 for i in range(num_seqs)]
-    _check(lengths, hk, hv, 128, 128, torch.bfloat16, 1e-2)
+    _check(lengths, hk, hv, 128, 128, torch.bfloat16, 1e-2, padded=(num_seqs - 1,) if num_seqs > 1 else ())

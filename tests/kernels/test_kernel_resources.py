@@ -53,3 +53,13 @@ def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
     assert num_spilling == 0, stdout
     stacks = [int(m.group(1)) for m in re.finditer(r"_moe_align_kernel\s+\d+\s+(\d+)", stdout)]
     assert len(stacks) >= 8 and max(stacks) == 0, stdout  # no local-memory frame either
+
+
+@pytest.mark.slow
+def test_verify_kernels_compile_for_sm90_without_spills() -> None:
+    """The speculative verify step's conv and delta rule, which no CPU test compiles otherwise (the interpreter
+    runs them): they must compile for sm_90 and use no local memory."""
+    stdout, num_launches, num_spilling = _kernel_resources(["--batches", "", "--verify", "8x4"])
+    assert num_launches == 2, stdout
+    assert "_causal_conv1d_verify_kernel" in stdout and "_gdn_verify_kernel" in stdout, stdout
+    assert num_spilling == 0, stdout
