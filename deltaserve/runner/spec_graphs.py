@@ -11,9 +11,9 @@ length W and its context start + W, so real query j still sees keys <= start + j
 after every real query and get weight 0; the KV cache is zero-initialised and only real tokens write it, so a
 padded key is always finite and adds exactly 0. tests/runner/test_spec_graphs.py checks that claim in fp32.
 
-Rows past B up to the bucket read the request table's empty dummy row, store no KV, and name state slot 0 with all
-spec_token_index entries -1: the verify kernels only read a live slot (they write per-token scratch rows, which a
-padded row owns), so the slot is never written. The buckets are vLLM 0.26's capture sizes for uniform batches of
+Rows past B up to the bucket read the request table's empty dummy row, store no KV, and carry state slot -1 with
+all spec_token_index entries -1: the verify kernels skip such a sequence (no slot read, no scratch written, zero
+output rows) and the commit writes no slot for it. The buckets are vLLM 0.26's capture sizes for uniform batches of
 at most 512 tokens (max_cudagraph_capture_size): B·W <= 512 and B <= max_num_seqs and the verify scratch's rows; a
 larger step runs eager. Every bucket writes its hidden states and fp32 logits into one shared static buffer each
 [bucket·W, ...]; sampling, the rejection rule, the GDN state commit and the drafter stay outside the graph and read
@@ -101,6 +101,7 @@ class VerifyGraphs:
         self.slot_mapping.fill_(-1)
         self.token_index.fill_(-1)
         self.seq_lens.fill_(width)
+        self.state_indices.fill_(-1)
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(cap, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = (torch.arange(cap + 1, dtype=torch.int32) * width).to(device)
@@ -214,7 +215,8 @@ class VerifyGraphs:
         short = np.zeros(2 * cap, dtype=np.int32)
         short[:num_seqs] = layout.starts + width
         short[num_seqs:cap] = width
-        short[cap : cap + num_seqs] = layout.state_slots  # slot 0 past them (read only: see the docstring)
+        short[cap : cap + num_seqs] = layout.state_slots
+        short[cap + num_seqs :] = -1  # the bucket's padded rows: no state
         if self.device.type == "cuda":
             self.long.copy_(torch.from_numpy(long).pin_memory(), non_blocking=True)
             self.short.copy_(torch.from_numpy(short).pin_memory(), non_blocking=True)
