@@ -251,6 +251,7 @@ class ModelRunner:
         )
         all_logits = None
         prompt_lp = None
+        is_verify_graphed = False  # the target forward ran as a verify graph (runner/spec_graphs.py)
         if is_graph_step:
             logits = self.graphs.run(layout, self.table, self.block_size)  # [B, V]: every decode row samples
             sample_rows_dev = self.graphs.rows[:num_seqs]
@@ -263,7 +264,8 @@ class ModelRunner:
                 rewrite_resumed_rows(self.model, plan, layout.query_start_loc, inputs.input_ids, self.table,
                                      self.block_size)  # fmt: skip
             verify_logits = None  # [P, V] when a verify graph ran the forward
-            if self.spec_graphs is not None and self.spec_graphs.can_run(plan, layout, self.block_size):
+            is_verify_graphed = self.spec_graphs is not None and self.spec_graphs.can_run(plan, layout, self.block_size)
+            if is_verify_graphed:
                 hidden, verify_logits = self.spec_graphs.run(layout, inputs, self.table, self.block_size)
             else:
                 with forward_context(inputs.ctx):
@@ -299,6 +301,8 @@ class ModelRunner:
                 keys = self.table.keys[verify_rows]
                 is_random = self.table.params_host[verify_rows, 0] >= SAMPLING_EPS
             spec = SpecHandle(layout.spec, keys, is_random, inputs, layout, hidden)
+            # the post-sampling replay reads the static buffers: not when another step may replay before sample()
+            spec.is_graphed = is_verify_graphed and self.spec_graphs.has_drafter and not defer_sampling
         if not len(layout.sample_seqs):
             if spec is not None:  # the drafter sees every forward (its own KV follows the target's)
                 empty = layout.rows[:0]
@@ -356,7 +360,9 @@ class ModelRunner:
             self.spec.count_accepted(self.table, handle.spec.layout, rows, handle.spec)
         send_accepted(self.tp, tokens, handle.spec)  # the other ranks' _follow_first
         self.table.record_sampled(rows, rows_dev, tokens)
-        if handle.spec is not None:
+        if handle.spec is not None and handle.spec.is_graphed:  # commit, hidden rows and drafts: one replay
+            self.spec_graphs.draft(handle.spec.tokens, handle.spec.num_emitted)
+        elif handle.spec is not None:
             self.spec.propose(handle.spec, self.table, self.block_size, rows, rows_dev, tokens)
         handle.sampled, handle.event = self._to_host(out)
         if handle.spec is not None:
@@ -399,8 +405,9 @@ class ModelRunner:
         spec = self._require_spec()
         k = spec.num_speculative_tokens
         max_batch = max_verify_batch(k, self.max_num_seqs, spec.max_spec_seqs)
+        drafts = spec.draft_tokens if isinstance(spec.drafter, MtpDrafter) else None  # else drafting stays eager
         self.spec_graphs = VerifyGraphs(self.model, max_batch, k, self.max_blocks_per_seq, self.max_model_len,
-                                        self.vocab_size, self.device, capture)  # fmt: skip
+                                        self.vocab_size, self.device, self.block_size, drafts, capture)  # fmt: skip
         self.spec_graphs.capture()
 
     def _require_spec(self) -> SpecDecoder:

@@ -16,8 +16,16 @@ all spec_token_index entries -1: the verify kernels skip such a sequence (no slo
 output rows) and the commit writes no slot for it. The buckets are vLLM 0.26's capture sizes for uniform batches of
 at most 512 tokens (max_cudagraph_capture_size): B·W <= 512 and B <= max_num_seqs and the verify scratch's rows; a
 larger step runs eager. Every bucket writes its hidden states and fp32 logits into one shared static buffer each
-[bucket·W, ...]; sampling, the rejection rule, the GDN state commit and the drafter stay outside the graph and read
-only the real positions, gathered back into the eager token order, so the rest of the step is the eager one.
+[bucket·W, ...]; sampling and the rejection rule stay outside the graph and read only the real positions, gathered
+back into the eager token order, so the accept step is the eager one.
+
+Each bucket has a second, post-sampling graph that follows the accept step: the GDN state commit of every layer,
+the MTP layer's slot hidden rows and the MTP drafter (its pass over the bucket's W-token rows, then the k - 1
+chained single-row passes, argmax each, into SpecDecoder.draft_tokens). Its only inputs from the accept step are
+the emitted tokens and their counts, copied into static buffers on the device (draft()); the drafter's KV limit per
+row and max_seq_len = max_model_len (a host bound) are fixed at fill time. A step launched with deferred sampling
+(grammars) commits and drafts eagerly from the gathered copies instead: another step may replay the shared
+buffers before its sample() runs.
 A plain decode row (k_s = 0: a request's last max_tokens token, a grammar) keeps the step eager: the decode kernels
 update its live slot in place, where the verify kernels only fill scratch that the accept step commits for verify
 chunks alone.
@@ -29,14 +37,17 @@ CPU proves everything but the capture itself.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from deltaserve.kernels.gdn_spec import spec_state_commit
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cuda_graph import capture_sizes
 from deltaserve.runner.inputs import StepInputs, StepLayout
+from deltaserve.runner.mtp_drafter import chain_drafts
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.step import StepPlan
 
@@ -68,10 +79,14 @@ class VerifyGraphs:
         max_seq_len: int,
         vocab_size: int,
         device: torch.device,
+        block_size: int,
+        draft_tokens: torch.Tensor | None = None,
         capture: bool = True,
     ) -> None:
-        """max_batch: the largest bucket (max_verify_batch); capture=False: replay runs the forward eagerly on the
-        static buffers (the CPU's way to prove the path)."""
+        """max_batch: the largest bucket (max_verify_batch); draft_tokens: SpecDecoder.draft_tokens [rows + 1, k]
+        when the MTP layer drafts (then each bucket gets a post-sampling graph as well; None: the caller commits and
+        drafts eagerly); capture=False: replay runs the same code eagerly on the static buffers (the CPU's way to
+        prove the path)."""
         if max_batch < 1:
             raise ValueError(f"no verify bucket fits: k = {num_speculative_tokens} needs {1 + num_speculative_tokens} "
                              f"tokens a row, the capture limit is {MAX_CAPTURE_TOKENS}")  # fmt: skip
@@ -85,17 +100,21 @@ class VerifyGraphs:
         self.capacity = cap = -(-self.max_batch // 8) * 8  # each field's region stays 16-byte aligned
         tokens = cap * width
         self.max_tokens = tokens
+        self.block_size = block_size
         # int64 regions: positions [3, N] | slot_mapping [N] | token_index [cap, W] | table rows [cap] | gather [N] |
-        # sampled [N]; int32: seq_lens [cap] | state slots [cap]   (N = cap·W)
-        self._long_sizes = (3 * tokens, tokens, tokens, cap, tokens, tokens)
+        # sampled [N] | KV limit [cap] | starts [cap]; int32: seq_lens [cap] | state slots [cap]   (N = cap·W)
+        self._long_sizes = (3 * tokens, tokens, tokens, cap, tokens, tokens, cap, cap)
         self.long = torch.zeros(sum(self._long_sizes), dtype=torch.int64, device=device)
-        positions, slots, token_index, rows, gather, sampled = self.long.split(self._long_sizes)
+        positions, slots, token_index, rows, gather, sampled, limit, starts = self.long.split(self._long_sizes)
         self.positions = positions.view(3, tokens)
         self.slot_mapping = slots
         self.token_index = token_index.view(cap, width)
         self.rows = rows
         self.gather = gather  # [N] eager token t's row in the padded layout (first T entries)
         self.sampled = sampled  # [N] the sampled positions' rows in the padded layout (first P entries)
+        self.kv_limit = limit  # [cap] tokens each row's KV blocks cover (the drafter's chained passes stop there)
+        self.starts = starts  # [cap] tokens each row had computed before the step
+        self.kv_limit.fill_(1)
         self.short = torch.zeros(2 * cap, dtype=torch.int32, device=device)
         self.seq_lens, self.state_indices = self.short.split((cap, cap))
         self.slot_mapping.fill_(-1)
@@ -109,8 +128,21 @@ class VerifyGraphs:
         self.no_prefill = torch.zeros(4, dtype=torch.int32, device=device)  # empty prefill fields, aligned
         self.hidden = torch.empty(tokens, model.config.hidden_size, dtype=model.embed_tokens.dtype, device=device)
         self.logits = torch.empty(tokens, vocab_size, dtype=torch.float32, device=device)
+        # the post-sampling inputs, filled on the device from the accept step, and the drafts
+        self.draft_tokens = draft_tokens
+        self.emitted = torch.full((cap, width), -1, dtype=torch.int64, device=device)  # [cap, W] -1 past num_emitted
+        self.num_emitted = torch.ones(cap, dtype=torch.int64, device=device)  # [cap]
+        self.drafts = torch.zeros(cap, num_speculative_tokens, dtype=torch.int64, device=device)
+        self.row_qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)  # one query a row (chained passes)
+        self.row_base = torch.arange(cap, dtype=torch.int64, device=device) * width  # [cap] each row's first token
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.post_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.size = 0  # the bucket the last run() replayed (draft() replays its post-sampling graph)
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.draft_tokens is not None
 
     def _context(self, size: int) -> ForwardContext:
         num_tokens = size * self.width
@@ -140,6 +172,35 @@ class VerifyGraphs:
         self.hidden[:num_tokens].copy_(hidden)
         self.model.compute_logits(hidden, out=self.logits[:num_tokens])
 
+    def _after_accept(self, size: int) -> None:
+        """What follows the accept step, over the bucket's rows: each GDN layer's live slot <- the scratch entry of
+        the last accepted token (spec_state_commit), the MTP layer's slot hidden row <- that token's hidden state,
+        then the MTP drafter (runner/mtp_drafter.py) over the padded rows and its chained passes, into
+        draft_tokens. The eager twins are SpecDecoder.commit and SpecDecoder.propose with the MtpDrafter."""
+        num_tokens = size * self.width
+        model, mtp = self.model, self.model.mtp
+        slots = self.state_indices[:size]
+        num_emitted = self.num_emitted[:size]
+        for layer in model.layers:
+            if not layer.is_full_attention:
+                mixer = layer.linear_attn
+                spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
+                                  mixer.spec_ssm_scratch, slots, num_emitted - 1)  # fmt: skip
+        last = self.row_base[:size] + num_emitted - 1  # [size] each row's last accepted token
+        hidden = self.hidden[:num_tokens]
+        save_rows(mtp.slot_hidden, slots, hidden.index_select(0, last))
+        # the MTP layer pairs each position's hidden state with the token emitted after it (0 past the accepted run:
+        # those rows' MTP KV is rewritten by the next step, as in the eager drafter)
+        next_ids = self.emitted[:size].clamp(min=0).reshape(-1)  # [N]
+        positions = self.positions[:, :num_tokens]
+        with forward_context(self._context(size)):
+            out = mtp(next_ids, positions, hidden)  # [N, H]; MTP KV at the real positions' slots
+        drafts = self.drafts[:size]
+        chain_drafts(model, out.index_select(0, last), positions.index_select(1, last),
+                     self.starts[:size] + num_emitted - 1, self.kv_limit[:size], self.block_tables[:size],
+                     self.block_size, self.max_seq_len, self.row_qsl[: size + 1], drafts)  # fmt: skip
+        self.draft_tokens.index_copy_(0, self.rows[:size], drafts)  # the bucket's padded rows: the dummy row
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every bucket, largest first, sharing one memory pool (capture=False: nothing to do)."""
@@ -147,20 +208,25 @@ class VerifyGraphs:
             logger.info("verify graphs: buckets %s of %d tokens a row, run uncaptured", self.sizes, self.width)
             return
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up outside the graph (Triton compiles, allocator settles)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(size)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[size] = self._capture(self._forward, size)
+            if self.has_drafter:
+                self.post_graphs[size] = self._capture(self._after_accept, size)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d verify CUDA graphs (batch sizes %s, %d tokens a row: steps of up to %d sequences and %d "
-            "tokens; larger verify steps run eager)", len(self.graphs), self.sizes, self.width, self.max_batch,
-            self.max_batch * self.width,
+            "captured %d verify CUDA graphs and %d post-sampling graphs (batch sizes %s, %d tokens a row: steps of up "
+            "to %d sequences and %d tokens; larger verify steps run eager)", len(self.graphs), len(self.post_graphs),
+            self.sizes, self.width, self.max_batch, self.max_batch * self.width,
         )  # fmt: skip
+
+    def _capture(self, body: Callable[[int], None], size: int) -> torch.cuda.CUDAGraph:
+        body(size)  # warm-up outside the graph (Triton compiles, allocator settles); every slot is -1: no state moves
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body(size)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
 
     def can_run(self, plan: StepPlan, layout: StepLayout, block_size: int) -> bool:
         """Whether this step is a verify step the graphs run (see the module docstring)."""
@@ -187,6 +253,7 @@ class VerifyGraphs:
         num_seqs = len(layout.rows)
         size = next(s for s in self.sizes if s >= num_seqs)
         width, cap, tokens = self.width, self.capacity, self.max_tokens
+        cap_blocks = self.block_tables.shape[1]
         num_new, qsl = layout.num_new, layout.query_start_loc
         columns = np.arange(width)
         is_real = columns[None, :] < num_new[:, None]  # [B, W]
@@ -194,9 +261,8 @@ class VerifyGraphs:
         eager = qsl[:-1, None] + columns[None, :]  # [B, W] its eager row where real
         gather = padded[is_real]  # [T] (row-major: the eager token order)
         long = np.zeros(self.long.shape[0], dtype=np.int64)
-        positions, slots, token_index, rows, gather_host, sampled_host = np.split(
-            long, np.cumsum(self._long_sizes)[:-1]
-        )
+        regions = np.split(long, np.cumsum(self._long_sizes)[:-1])
+        positions, slots, token_index, rows, gather_host, sampled_host, limit, starts = regions
         positions = positions.reshape(3, tokens)
         # padded positions continue the row's positions (any value would do: nothing reads them)
         first = layout.positions[:, qsl[:-1]]  # [3, B]
@@ -209,6 +275,9 @@ class VerifyGraphs:
         token_index.reshape(cap, width)[:num_seqs] = np.where(is_real, padded, -1)
         rows[:num_seqs] = layout.rows
         rows[num_seqs:] = table.dummy_row
+        limit[:num_seqs] = table.num_blocks[layout.rows] * block_size
+        limit[num_seqs:] = 1  # padded rows: context 1 (the dummy row's zero block), no MTP KV written
+        starts[:num_seqs] = layout.starts
         gather_host[: len(gather)] = gather
         sample_index = layout.sample_token_index
         sampled_host[: len(sample_index)] = gather[sample_index]
@@ -225,8 +294,11 @@ class VerifyGraphs:
             self.short.copy_(torch.from_numpy(short))
         gather_dev = self.gather[: len(gather)]
         self.input_ids.index_copy_(0, gather_dev, inputs.input_ids)
-        block_width = int(-(-(layout.starts.max() + width) // block_size))
+        # the verify reaches start + W; the drafter's chained passes write up to the row's last block (lookahead)
+        num_blocks = int(table.num_blocks[layout.rows].max())
+        block_width = min(max(int(-(-(layout.starts.max() + width) // block_size)), num_blocks), cap_blocks)
         self.block_tables[:size, :block_width] = table.block_table[:, :block_width].index_select(0, self.rows[:size])
+        self.size = size
         if self.is_captured:
             self.graphs[size].replay()
         else:
@@ -234,3 +306,30 @@ class VerifyGraphs:
         hidden = self.hidden.index_select(0, gather_dev)  # [T, H]
         logits = self.logits.index_select(0, self.sampled[: len(sample_index)])  # [P, V]
         return hidden, logits
+
+    def draft(self, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
+        """After the accept step of the step run() just replayed: tokens [S, W'] (the emitted tokens, -1 past
+        num_emitted [S]) into the static buffers, then the post-sampling replay (commit, hidden rows, drafts)."""
+        num_seqs, width = tokens.shape
+        self.emitted.fill_(-1)
+        self.emitted[:num_seqs, :width].copy_(tokens)
+        self.num_emitted.fill_(1)
+        self.num_emitted[:num_seqs].copy_(num_emitted)
+        if self.is_captured:
+            self.post_graphs[self.size].replay()
+        else:
+            self._after_accept(self.size)
+
+
+def save_rows(buffer: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer[slots[s]] <- values[s] where slots[s] >= 0, without a host sync: a padded row (slot -1) is aimed at
+    the first live row's slot with that row's value (or, when none is live, at row 0 with its own content), so
+    duplicate indices in index_copy_ carry identical values (spec_state_commit's rule)."""
+    slots = slots.long()
+    is_live = slots >= 0  # [S]
+    first = is_live.int().argmax().view(1)  # [1]
+    any_live = is_live.index_select(0, first)  # [1]
+    anchor = torch.where(any_live, slots.index_select(0, first), 0)  # [1]
+    values = values.to(buffer.dtype)
+    keep = torch.where(any_live, values.index_select(0, first), buffer.index_select(0, anchor))  # [1, H]
+    buffer.index_copy_(0, torch.where(is_live, slots, anchor), torch.where(is_live[:, None], values, keep))

@@ -140,13 +140,31 @@ def references() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     return found
 
 
-def graph_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[int, int, int]]]:
-    """An engine whose verify steps run the verify graphs' static-buffer forward uncaptured, and a record of each
-    replay: (sequences, bucket, rows drafting fewer than k)."""
+def spec_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[int, ...]]]:
+    """An eager speculating engine, and a record of each step's emitted counts per sequence: equal records mean
+    equal drafts at every step (a draft decides how many tokens its chunk emits)."""
     llm = LLM(trained_model_dir(variant), dtype="float32", max_num_seqs=8, speculative_config=speculative_config)
+    core = llm.engine.core
+    steps: list[tuple[int, ...]] = []
+    update = core.scheduler.update
+
+    def recording_update(plan, result):  # noqa: ANN001, ANN202 (the scheduler's own signature)
+        steps.append(tuple(len(tokens) for tokens in result.token_ids))
+        return update(plan, result)
+
+    core.scheduler.update = recording_update
+    return llm, steps
+
+
+def graph_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[int, ...]], list[tuple[int, int, int]]]:
+    """spec_llm whose verify steps run the verify graphs' static-buffer code uncaptured (the target forward, then
+    commit and drafter after the accept step), and a record of each replay: (sequences, bucket, rows drafting
+    fewer than k)."""
+    llm, steps = spec_llm(variant, speculative_config)
     runner = llm.engine.core.runner
     runner._use_spec_graphs(capture=False)
     graphs = runner.spec_graphs
+    assert graphs.has_drafter
     replays: list[tuple[int, int, int]] = []
     replay = graphs.run
 
@@ -157,7 +175,7 @@ def graph_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[i
         return replay(layout, inputs, table, block_size)
 
     graphs.run = recording_run
-    return llm, replays
+    return llm, steps, replays
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -165,11 +183,12 @@ def graph_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[i
 def test_graph_path_greedy_equals_eager_and_no_speculation(references: dict, variant: str, k: int) -> None:
     prompts, expected = references[variant]
     config = {"method": "mtp", "num_speculative_tokens": k}
-    eager = LLM(trained_model_dir(variant), dtype="float32", max_num_seqs=8, speculative_config=config)
+    eager, eager_steps = spec_llm(variant, config)
     assert eager.engine.core.runner.spec_graphs is None  # the CPU runs eager unless a test asks
     assert [list(o.token_ids) for o in run(eager, prompts, greedy())] == expected
-    llm, replays = graph_llm(variant, config)
+    llm, steps, replays = graph_llm(variant, config)
     assert [list(o.token_ids) for o in run(llm, prompts, greedy())] == expected
+    assert steps == eager_steps  # the same drafts, step by step
     assert replays, "no verify step ran the graph path"
     assert any(num_seqs < bucket for num_seqs, bucket, _ in replays)  # bucket padding rows
     if k > 1:
@@ -187,18 +206,18 @@ def test_graph_path_seeded_and_synthetic_equal_eager(references: dict, extra: di
     prompts, _ = references["moe"]
     config = {"method": "mtp", "num_speculative_tokens": 3, **extra}
     params = [sampled(seed) for seed in range(len(prompts))]
-    eager = LLM(trained_model_dir("moe"), dtype="float32", max_num_seqs=8, speculative_config=config)
+    eager, eager_steps = spec_llm("moe", config)
     expected = [list(o.token_ids) for o in run(eager, prompts, params)]
-    llm, replays = graph_llm("moe", config)
+    llm, steps, replays = graph_llm("moe", config)
     assert [list(o.token_ids) for o in run(llm, prompts, params)] == expected
-    assert replays
+    assert steps == eager_steps and replays
 
 
 def test_graph_logits_equal_eager_logits_at_every_step() -> None:
     """Before each graph step, the eager forward of the same step (it writes the same KV slots and scratch rows,
     which the graph's forward then rewrites): the sampled positions' logits agree to fp32 rounding."""
     config = {"method": "mtp", "num_speculative_tokens": 3}
-    llm, replays = graph_llm("dense", config)
+    llm, _, replays = graph_llm("dense", config)
     runner = llm.engine.core.runner
     graphs = runner.spec_graphs
     replay = graphs.run
