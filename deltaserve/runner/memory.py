@@ -114,12 +114,13 @@ def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len
 def graph_bytes(runner: ModelRunner, max_num_seqs: int) -> tuple[str, int]:
     """(which graphs, the bytes of their static buffers): the decode graphs' shared logits and the largest
     bucket's lm_head output; while speculating, the verify graphs' logits, lm_head output and hidden states over
-    their largest bucket's rows (runner/spec_graphs.py), sized before the verify scratch caps the bucket."""
+    their largest bucket's tokens and the MTP drafter's logits over its rows (runner/spec_graphs.py), sized before
+    the verify scratch caps the bucket."""
     if runner.is_graphed:
         return "decode", static_bytes(max_num_seqs, runner.vocab_size)
     if runner.is_spec_graphed:
         k = runner.engine_config.speculative_config.num_speculative_tokens
-        tokens = -(-max_verify_batch(k, max_num_seqs, max_num_seqs) // 8) * 8 * (1 + k)  # VerifyGraphs.max_tokens
+        rows = -(-max_verify_batch(k, max_num_seqs, max_num_seqs) // 8) * 8  # VerifyGraphs.capacity
         hidden_size = runner.model_config.hidden_size
-        return "verify", verify_static_bytes(tokens, runner.vocab_size, hidden_size, runner.dtype)
+        return "verify", verify_static_bytes(rows, 1 + k, runner.vocab_size, hidden_size, runner.dtype, True)
     return "no", 0

@@ -264,7 +264,8 @@ class ModelRunner:
                 rewrite_resumed_rows(self.model, plan, layout.query_start_loc, inputs.input_ids, self.table,
                                      self.block_size)  # fmt: skip
             verify_logits = None  # [P, V] when a verify graph ran the forward
-            is_verify_graphed = self.spec_graphs is not None and self.spec_graphs.can_run(plan, layout, self.block_size)
+            graphs = self.spec_graphs
+            is_verify_graphed = graphs is not None and graphs.can_run(plan, layout, self.block_size, defer_sampling)
             if is_verify_graphed:
                 hidden, verify_logits = self.spec_graphs.run(layout, inputs, self.table, self.block_size)
             else:
@@ -361,7 +362,7 @@ class ModelRunner:
         send_accepted(self.tp, tokens, handle.spec)  # the other ranks' _follow_first
         self.table.record_sampled(rows, rows_dev, tokens)
         if handle.spec is not None and handle.spec.is_graphed:  # commit, hidden rows and drafts: one replay
-            self.spec_graphs.draft(handle.spec.tokens, handle.spec.num_emitted)
+            self.spec_graphs.draft(tokens, handle.spec.tokens, handle.spec.num_emitted, handle.plan.num_decodes)
         elif handle.spec is not None:
             self.spec.propose(handle.spec, self.table, self.block_size, rows, rows_dev, tokens)
         handle.sampled, handle.event = self._to_host(out)

@@ -1,10 +1,11 @@
 """Verify CUDA graphs: the target forward of a speculative decoding step, captured per batch-size bucket and
 replayed over static buffers (docs/speculative-decoding.md#cuda-graphs).
 
-A step qualifies when every sequence is a verify chunk (no plain decode, no prefill token, no multimodal span, no
-returned logits, no prefix-cache checkpoint save). It runs as B rows of W = 1 + k tokens, k the configured
-num_speculative_tokens, at a uniform stride (query_start_loc = arange(B + 1)·W). A row with 1 <= k_s < k drafts
-(near max_tokens or max_model_len, or the k policy's k_step) is padded to W: its padded
+A step qualifies when it holds a verify chunk and every sequence is a verify chunk or a plain decode (no prefill
+token, no multimodal span, no returned logits, no prefix-cache checkpoint save). It runs as B rows of W = 1 + k
+tokens, k the configured num_speculative_tokens, at a uniform stride (query_start_loc = arange(B + 1)·W). A row
+with k_s < k drafts (near max_tokens or max_model_len, the k policy's k_step, or a plain decode with k_s = 0) is
+padded to W: its padded
 positions store no KV (slot -1), their spec_token_index entries are -1 (the verify kernels leave the GDN state as
 it is there and write no output row for them) and nothing samples them. Attention declares each row's query
 length W and its context start + W, so real query j still sees keys <= start + j (causal): the padded keys sit
@@ -26,9 +27,9 @@ the emitted tokens and their counts, copied into static buffers on the device (d
 row and max_seq_len = max_model_len (a host bound) are fixed at fill time. A step launched with deferred sampling
 (grammars) commits and drafts eagerly from the gathered copies instead: another step may replay the shared
 buffers before its sample() runs.
-A plain decode row (k_s = 0: a request's last max_tokens token, a grammar) keeps the step eager: the decode kernels
-update its live slot in place, where the verify kernels only fill scratch that the accept step commits for verify
-chunks alone.
+A plain decode row runs through the verify kernels as a chunk of one token (scratch entry 0), so its live slot is
+written only by the post-sampling graph's commit (entry num_emitted - 1 = 0): without that graph (another drafter,
+or a deferred step) a step with plain decode rows runs eager.
 
 `capture=False` runs the same forward on the same static buffers without capturing (replay = the forward), so the
 CPU proves everything but the capture itself.
@@ -61,12 +62,16 @@ def max_verify_batch(num_speculative_tokens: int, max_num_seqs: int, max_spec_se
     return min(MAX_CAPTURE_TOKENS // (1 + num_speculative_tokens), max_num_seqs, max_spec_seqs)
 
 
-def verify_static_bytes(max_tokens: int, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Device memory the verify graphs keep beyond the cache for max_tokens = bucket·(1 + k) rows: the shared fp32
-    logits buffer, the largest bucket's lm_head output in the model dtype (the graph pool holds it) and the static
-    hidden states."""
+def verify_static_bytes(
+    max_batch: int, width: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, has_drafter: bool
+) -> int:
+    """Device memory the verify graphs keep beyond the cache for the largest bucket, max_batch rows of width tokens:
+    the shared fp32 logits buffer, the lm_head output in the model dtype (the graph pool holds it) and the static
+    hidden states of every token; with the drafter's post-sampling graph, its draft logits (fp32 and the lm_head's
+    output) over the bucket's rows, which the pool holds too."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return max_tokens * (vocab_size * (4 + itemsize) + hidden_size * itemsize)
+    rows = max_batch * width + (max_batch if has_drafter else 0)
+    return rows * vocab_size * (4 + itemsize) + max_batch * width * hidden_size * itemsize
 
 
 class VerifyGraphs:
@@ -228,12 +233,15 @@ class VerifyGraphs:
             self.pool = graph.pool()
         return graph
 
-    def can_run(self, plan: StepPlan, layout: StepLayout, block_size: int) -> bool:
-        """Whether this step is a verify step the graphs run (see the module docstring)."""
+    def can_run(self, plan: StepPlan, layout: StepLayout, block_size: int, is_deferred: bool) -> bool:
+        """Whether this step is a verify step the graphs run (see the module docstring). Plain decode rows ride
+        along only when the post-sampling graph commits them (not for a deferred step's eager commit, which
+        commits verify chunks alone)."""
         num_seqs = len(layout.rows)
+        has_decodes = bool(plan.num_decodes)
         return (
             layout.spec is not None
-            and len(layout.spec.seq_index) == num_seqs  # no plain decode, no prefill chunk
+            and (not has_decodes or (self.has_drafter and not is_deferred))
             and num_seqs <= self.max_batch
             and not layout.state_saves
             and len(layout.sample_seqs) == num_seqs
@@ -307,14 +315,19 @@ class VerifyGraphs:
         logits = self.logits.index_select(0, self.sampled[: len(sample_index)])  # [P, V]
         return hidden, logits
 
-    def draft(self, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
-        """After the accept step of the step run() just replayed: tokens [S, W'] (the emitted tokens, -1 past
-        num_emitted [S]) into the static buffers, then the post-sampling replay (commit, hidden rows, drafts)."""
+    def draft(
+        self, seq_tokens: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor, num_decodes: int
+    ) -> None:
+        """After the accept step of the step run() just replayed: each row's emitted tokens into the static
+        buffers, then the post-sampling replay (commit, hidden rows, drafts). seq_tokens [B]: every row's next
+        input in plan order (a plain decode's one token); tokens [S, W'] and num_emitted [S]: the verify chunks'
+        emitted tokens (-1 past their count), rows num_decodes .. num_decodes + S - 1."""
         num_seqs, width = tokens.shape
         self.emitted.fill_(-1)
-        self.emitted[:num_seqs, :width].copy_(tokens)
+        self.emitted[: seq_tokens.shape[0], 0].copy_(seq_tokens)  # a plain decode emits its one token
+        self.emitted[num_decodes : num_decodes + num_seqs, :width].copy_(tokens)
         self.num_emitted.fill_(1)
-        self.num_emitted[:num_seqs].copy_(num_emitted)
+        self.num_emitted[num_decodes : num_decodes + num_seqs].copy_(num_emitted)
         if self.is_captured:
             self.post_graphs[self.size].replay()
         else:

@@ -107,14 +107,15 @@ def test_buckets_hold_at_most_512_tokens() -> None:
 
 
 def test_verify_graphs_static_buffers_join_the_cache_budget() -> None:
-    """The 35B-A3B shape at k = 3: 128 rows of 4 tokens, each a fp32 logits row, a bf16 lm_head row and a bf16
-    hidden row (runner/memory.py graph_bytes), in place of the decode graphs' buffers."""
+    """The 35B-A3B shape at k = 3: 128 rows of 4 tokens, each token a fp32 logits row, a bf16 lm_head row and a
+    bf16 hidden row, and each row the drafter's fp32 + bf16 logits (runner/memory.py graph_bytes), in place of the
+    decode graphs' buffers."""
     runner = SimpleNamespace(
         is_graphed=False, is_spec_graphed=True, vocab_size=248320, dtype=torch.bfloat16,
         engine_config=SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3)),
         model_config=SimpleNamespace(hidden_size=2048),
     )  # fmt: skip
-    assert graph_bytes(runner, 1024) == ("verify", 512 * (248320 * (4 + 2) + 2048 * 2))
+    assert graph_bytes(runner, 1024) == ("verify", (512 + 128) * 248320 * (4 + 2) + 512 * 2048 * 2)
     runner.is_spec_graphed = False
     assert graph_bytes(runner, 1024) == ("no", 0)
 
@@ -159,7 +160,7 @@ def spec_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[in
 def graph_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[int, ...]], list[tuple[int, int, int]]]:
     """spec_llm whose verify steps run the verify graphs' static-buffer code uncaptured (the target forward, then
     commit and drafter after the accept step), and a record of each replay: (sequences, bucket, rows drafting
-    fewer than k)."""
+    fewer than k, plain decodes included)."""
     llm, steps = spec_llm(variant, speculative_config)
     runner = llm.engine.core.runner
     runner._use_spec_graphs(capture=False)
@@ -171,7 +172,8 @@ def graph_llm(variant: str, speculative_config: dict) -> tuple[LLM, list[tuple[i
     def recording_run(layout, inputs, table, block_size):  # noqa: ANN001, ANN202 (VerifyGraphs.run's signature)
         num_seqs = len(layout.rows)
         bucket = next(s for s in graphs.sizes if s >= num_seqs)
-        replays.append((num_seqs, bucket, int((layout.spec.num_drafts < graphs.width - 1).sum())))
+        short = num_seqs - len(layout.spec.seq_index) + int((layout.spec.num_drafts < graphs.width - 1).sum())
+        replays.append((num_seqs, bucket, short))
         return replay(layout, inputs, table, block_size)
 
     graphs.run = recording_run
@@ -191,8 +193,7 @@ def test_graph_path_greedy_equals_eager_and_no_speculation(references: dict, var
     assert steps == eager_steps  # the same drafts, step by step
     assert replays, "no verify step ran the graph path"
     assert any(num_seqs < bucket for num_seqs, bucket, _ in replays)  # bucket padding rows
-    if k > 1:
-        assert any(short for _, _, short in replays)  # rows padded to 1 + k
+    assert any(short for _, _, short in replays)  # rows padded to 1 + k (a request's last token: a plain decode)
 
 
 def sampled(seed: int) -> SamplingParams:
@@ -215,7 +216,8 @@ def test_graph_path_seeded_and_synthetic_equal_eager(references: dict, extra: di
 
 def test_graph_logits_equal_eager_logits_at_every_step() -> None:
     """Before each graph step, the eager forward of the same step (it writes the same KV slots and scratch rows,
-    which the graph's forward then rewrites): the sampled positions' logits agree to fp32 rounding."""
+    which the graph's forward then rewrites; the live GDN slots it advances are restored): the sampled positions'
+    logits agree to fp32 rounding."""
     config = {"method": "mtp", "num_speculative_tokens": 3}
     llm, _, replays = graph_llm("dense", config)
     runner = llm.engine.core.runner
@@ -223,9 +225,16 @@ def test_graph_logits_equal_eager_logits_at_every_step() -> None:
     replay = graphs.run
     worst: list[float] = []
 
+    mixers = [layer.linear_attn for layer in runner.model.layers if not layer.is_full_attention]
+
     def checked_run(layout, inputs, table, block_size):  # noqa: ANN001, ANN202 (VerifyGraphs.run's signature)
+        # the eager forward's plain decode rows advance their live slots in place: put them back after it
+        saved = [(mixer.conv_states.clone(), mixer.ssm_states.clone()) for mixer in mixers]
         with forward_context(inputs.ctx):
             hidden = runner.model(inputs.input_ids, inputs.positions)
+        for mixer, (conv, ssm) in zip(mixers, saved, strict=True):
+            mixer.conv_states.copy_(conv)
+            mixer.ssm_states.copy_(ssm)
         index = inputs.sample_token_index  # None: every row samples (a verify step of full chunks)
         expected = runner.model.compute_logits(hidden if index is None else hidden.index_select(0, index))
         hidden_graph, logits = replay(layout, inputs, table, block_size)
@@ -236,3 +245,34 @@ def test_graph_logits_equal_eager_logits_at_every_step() -> None:
     run(llm, make_prompts(llm)[: len(MAX_TOKENS)], greedy())
     assert len(worst) == len(replays) > 0 and any(short for _, _, short in replays)
     assert max(worst) < 1e-3, worst  # logits of magnitude ~10; a wrong key moves them by O(1)
+
+
+def test_graph_drafts_equal_eager_drafts_at_every_step() -> None:
+    """At each graph step, the eager drafter (SpecDecoder.propose with the MtpDrafter) runs first on the step's
+    gathered copies, then the post-sampling code: every row's k drafts agree, plain decode rows included (their
+    one emitted token feeds the MTP layer)."""
+    llm, _, replays = graph_llm("dense", {"method": "mtp", "num_speculative_tokens": 3})
+    runner = llm.engine.core.runner
+    graphs, spec = runner.spec_graphs, runner.spec
+    handles = []
+    accept, draft = spec.accept, graphs.draft
+
+    def recording_accept(handle, *args):  # noqa: ANN001, ANN002, ANN202 (SpecDecoder.accept's signature)
+        handles.append(handle)
+        return accept(handle, *args)
+
+    checked = {"steps": 0, "decode_rows": 0}
+
+    def checked_draft(seq_tokens, tokens, num_emitted, num_decodes):  # noqa: ANN001, ANN202 (draft's signature)
+        rows = handles[-1].step_layout.rows
+        rows_dev = torch.from_numpy(rows)
+        spec.propose(handles[-1], runner.table, runner.block_size, rows, rows_dev, seq_tokens)
+        expected = spec.draft_tokens.index_select(0, rows_dev)  # [B, k]
+        draft(seq_tokens, tokens, num_emitted, num_decodes)
+        assert torch.equal(spec.draft_tokens.index_select(0, rows_dev), expected)
+        checked["steps"] += 1
+        checked["decode_rows"] += num_decodes
+
+    spec.accept, graphs.draft = recording_accept, checked_draft
+    run(llm, make_prompts(llm)[: len(MAX_TOKENS)], greedy())
+    assert checked["steps"] == len(replays) > 0 and checked["decode_rows"] > 0
