@@ -135,6 +135,8 @@ class VerifyGraphs:
         self.logits = torch.empty(tokens, vocab_size, dtype=torch.float32, device=device)
         # the post-sampling inputs, filled on the device from the accept step, and the drafts
         self.draft_tokens = draft_tokens
+        if draft_tokens is not None:  # until a step fills them, every row is the dummy row (the capture drafts)
+            self.rows.fill_(draft_tokens.shape[0] - 1)
         self.emitted = torch.full((cap, width), -1, dtype=torch.int64, device=device)  # [cap, W] -1 past num_emitted
         self.num_emitted = torch.ones(cap, dtype=torch.int64, device=device)  # [cap]
         self.drafts = torch.zeros(cap, num_speculative_tokens, dtype=torch.int64, device=device)
