@@ -1,6 +1,7 @@
 """ModelRunner: StepPlan -> device inputs -> model forward -> sampler -> StepResult, without waiting on the GPU.
 
-It owns the model, its weights, the KV cache, the state pool, the request table and the decode graphs. execute()
+It owns the model, its weights, the KV cache, the state pool, the request table and the CUDA graphs (decode graphs,
+or while speculating the verify graphs of runner/spec_graphs.py; runner/memory.py sizes the caches). execute()
 applies the plan's diffs to the request table, builds the inputs, launches the forward and the sampler, and starts
 copying the sampled tokens to pinned host memory; it returns a StepHandle at once. collect() waits for that copy
 and returns the StepResult. Under async scheduling the engine plans and launches step N+1 before collecting step N,

@@ -1,24 +1,25 @@
-"""Verify CUDA graphs: the target forward of a speculative decoding step, captured per batch-size bucket and
-replayed over static buffers (docs/speculative-decoding.md#cuda-graphs).
+"""Verify CUDA graphs: a speculative decoding step's target forward and, after its accept step, the GDN commit and
+the MTP drafter, captured per batch-size bucket and replayed over static buffers
+(docs/speculative-decoding.md#cuda-graphs).
 
 A step qualifies when it holds a verify chunk and every sequence is a verify chunk or a plain decode (no prefill
 token, no multimodal span, no returned logits, no prefix-cache checkpoint save). It runs as B rows of W = 1 + k
 tokens, k the configured num_speculative_tokens, at a uniform stride (query_start_loc = arange(B + 1)·W). A row
 with k_s < k drafts (near max_tokens or max_model_len, the k policy's k_step, or a plain decode with k_s = 0) is
-padded to W: its padded
-positions store no KV (slot -1), their spec_token_index entries are -1 (the verify kernels leave the GDN state as
-it is there and write no output row for them) and nothing samples them. Attention declares each row's query
-length W and its context start + W, so real query j still sees keys <= start + j (causal): the padded keys sit
-after every real query and get weight 0; the KV cache is zero-initialised and only real tokens write it, so a
-padded key is always finite and adds exactly 0. tests/runner/test_spec_graphs.py checks that claim in fp32.
+padded to W: its padded positions store no KV (slot -1), their spec_token_index entries are -1 (the verify kernels
+leave the GDN state as it is there and write no output row for them) and nothing samples them. Attention declares
+each row's query length W and its context start + W, so real query j still sees keys <= start + j (causal): the
+padded keys sit after every real query and get weight 0; the KV cache is zero-initialised and only real tokens
+write it, so a padded key is always finite and adds exactly 0. tests/runner/test_spec_graphs.py checks that claim
+in fp32.
 
 Rows past B up to the bucket read the request table's empty dummy row, store no KV, and carry state slot -1 with
 all spec_token_index entries -1: the verify kernels skip such a sequence (no slot read, no scratch written, zero
 output rows) and the commit writes no slot for it. The buckets are vLLM 0.26's capture sizes for uniform batches of
 at most 512 tokens (max_cudagraph_capture_size): B·W <= 512 and B <= max_num_seqs and the verify scratch's rows; a
 larger step runs eager. Every bucket writes its hidden states and fp32 logits into one shared static buffer each
-[bucket·W, ...]; sampling and the rejection rule stay outside the graph and read only the real positions, gathered
-back into the eager token order, so the accept step is the eager one.
+[bucket·W, ...]; sampling and the rejection rule stay outside the graphs and read only the real positions,
+gathered back into the eager token order, so the accept step is the eager one.
 
 Each bucket has a second, post-sampling graph that follows the accept step: the GDN state commit of every layer,
 the MTP layer's slot hidden rows and the MTP drafter (its pass over the bucket's W-token rows, then the k - 1
@@ -26,13 +27,12 @@ chained single-row passes, argmax each, into SpecDecoder.draft_tokens). Its only
 the emitted tokens and their counts, copied into static buffers on the device (draft()); the drafter's KV limit per
 row and max_seq_len = max_model_len (a host bound) are fixed at fill time. A step launched with deferred sampling
 (grammars) commits and drafts eagerly from the gathered copies instead: another step may replay the shared
-buffers before its sample() runs.
-A plain decode row runs through the verify kernels as a chunk of one token (scratch entry 0), so its live slot is
-written only by the post-sampling graph's commit (entry num_emitted - 1 = 0): without that graph (another drafter,
-or a deferred step) a step with plain decode rows runs eager.
+buffers before its sample() runs. A plain decode row runs through the verify kernels as a chunk of one token
+(scratch entry 0), so its live slot is written only by the post-sampling graph's commit (entry num_emitted - 1 =
+0): without that graph (another drafter, or a deferred step) a step with plain decode rows runs eager.
 
-`capture=False` runs the same forward on the same static buffers without capturing (replay = the forward), so the
-CPU proves everything but the capture itself.
+`capture=False` runs the same code on the same static buffers without capturing (replay = the call), so the CPU
+proves everything but the capture itself.
 """
 
 from __future__ import annotations
