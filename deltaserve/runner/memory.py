@@ -17,7 +17,8 @@ from deltaserve.runner.cache import CacheLayout, allocate_and_bind
 from deltaserve.runner.cuda_graph import static_bytes
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
-from deltaserve.sampler import build_sampling_batch
+from deltaserve.sampler import Sampler, build_sampling_batch
+from deltaserve.sampler.rejection import random_accept
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
 
@@ -58,7 +59,8 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
     it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
     power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
-    top-k/top-p (its sort is the largest sampling buffer). Returns the activation peak in bytes. A step may hold
+    top-k/top-p (its sort is the largest sampling buffer), and while speculating the sampling side of the largest
+    verify bucket (warm_up_verify_sampling). Returns the activation peak in bytes. A step may hold
     more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above max_seq_len runs as
     several sequences, as the scheduler would batch them."""
     max_seqs = -(-num_tokens // max_seq_len)
@@ -78,9 +80,16 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
                                  runner.vocab_size, runner.device)  # fmt: skip
     runner.sampler(torch.randn(max_num_seqs, runner.vocab_size, device=runner.device), batch)
+    verify = ""
+    speculative = runner.engine_config.speculative_config
+    if speculative is not None:  # the largest verify bucket's sampling: 1 + k positions a row, the random rule
+        k = speculative.num_speculative_tokens
+        rows = max_verify_batch(k, max_num_seqs, max_num_seqs)
+        warm_up_verify_sampling(runner.sampler, rows, k, runner.vocab_size, runner.device)
+        verify = f", a verify step's sampling over {rows} rows of {1 + k} positions"
     torch.cuda.synchronize()
-    logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows in %.1f s", len(sizes),
-                num_tokens, max_num_seqs, time.perf_counter() - started)  # fmt: skip
+    logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows%s in %.1f s", len(sizes),
+                num_tokens, max_num_seqs, verify, time.perf_counter() - started)  # fmt: skip
     peak = torch.cuda.max_memory_allocated(runner.device) - before
     runner.table = saved
     for layer in runner.model.layers:  # drop the throw-away cache before the real one is allocated
@@ -88,6 +97,29 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
         mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
     torch.cuda.empty_cache()
     return peak
+
+
+def warm_up_verify_sampling(
+    sampler: Sampler, num_seqs: int, num_speculative_tokens: int, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling side of a verify step of num_seqs chunks of 1 + k tokens, every row random with top-k/top-p: the
+    sampler over all num_seqs·(1 + k) positions keeping their distributions, then the random rule's [S, k, V]
+    gathers and Exp(1) draws (sampler/rejection.py). Returns the rule's (tokens [S, 1 + k], num_emitted [S])."""
+    width = 1 + num_speculative_tokens
+    positions = num_seqs * width
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * positions
+    batch = build_sampling_batch(params, [[0]] * positions, [[]] * positions, [()] * positions, vocab_size, device)
+    batch.keep_probs = True
+    out = sampler(torch.randn(positions, vocab_size, device=device), batch)
+    index = torch.arange(positions, device=device).view(num_seqs, width)
+    target = out.token_ids[index]  # [S, W]
+    drafts = target[:, 1:].flip(1).contiguous()  # [S, k]: some accepted, some not
+    num_drafts = torch.full((num_seqs,), num_speculative_tokens, dtype=torch.int64, device=device)
+    is_greedy = torch.zeros(num_seqs, dtype=torch.bool, device=device)
+    probs = out.probs[index[:, :-1]]  # [S, k, V]
+    uniforms = torch.rand(num_seqs, num_speculative_tokens, device=device)
+    noise = torch.empty(num_seqs, num_speculative_tokens, vocab_size, device=device).exponential_()
+    return random_accept(target, drafts, num_drafts, is_greedy, probs, uniforms, noise)
 
 
 def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:

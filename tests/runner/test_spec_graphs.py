@@ -23,8 +23,9 @@ from deltaserve.engine.llm import LLM
 from deltaserve.kernels.attention import paged_attention_ref
 from deltaserve.kernels.gdn_spec import causal_conv1d_verify_ref, gdn_verify_ref
 from deltaserve.model.context import forward_context
-from deltaserve.runner.memory import graph_bytes
+from deltaserve.runner.memory import graph_bytes, warm_up_verify_sampling
 from deltaserve.runner.spec_graphs import max_verify_batch
+from deltaserve.sampler import Sampler
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode import make_prompts, run
@@ -118,6 +119,15 @@ def test_verify_graphs_static_buffers_join_the_cache_budget() -> None:
     assert graph_bytes(runner, 1024) == ("verify", (512 + 128) * 248320 * (4 + 2) + 512 * 2048 * 2)
     runner.is_spec_graphed = False
     assert graph_bytes(runner, 1024) == ("no", 0)
+
+
+def test_verify_sampling_warm_up_runs_the_random_rule_over_a_bucket() -> None:
+    """The start-up warm-up's verify step (runner/memory.py, run on the GPU before the cache is sized): the sampler
+    over S·(1 + k) positions, then the random rule over [S, k, V]; its outputs are a rule's outputs."""
+    tokens, num_emitted = warm_up_verify_sampling(Sampler(0), 3, 3, 128, torch.device("cpu"))
+    assert tokens.shape == (3, 4) and num_emitted.shape == (3,)
+    for row, count in zip(tokens.tolist(), num_emitted.tolist(), strict=True):
+        assert 1 <= count <= 4 and all(0 <= t < 128 for t in row[:count]) and all(t == -1 for t in row[count:])
 
 
 # -- end to end -------------------------------------------------------------------------------------------------------
