@@ -172,15 +172,12 @@ class ModelRunner:
             self.device.type == "cuda" and not engine_config.enforce_eager and engine_config.speculative_config is None
         )
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
-        # while speculating, verify steps replay verify graphs instead (runner/spec_graphs.py); one process only
+        # while speculating, verify steps replay verify graphs instead (runner/spec_graphs.py), on every rank alike
         self.is_spec_graphed = (
             self.device.type == "cuda"
             and not engine_config.enforce_eager
             and engine_config.speculative_config is not None
         )
-        if self.is_spec_graphed and self.tp.is_parallel:
-            self.is_spec_graphed = False
-            logger.info("verify CUDA graphs off under tensor parallelism: verify steps run eager")
         self.spec_graphs: VerifyGraphs | None = None
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
@@ -375,6 +372,11 @@ class ModelRunner:
         the verify chunks' acceptance; this rank receives the tokens (its next inputs) and the accepted counts,
         commits the same GDN states and runs its drafter on the same inputs (runner/spec_ranks.py)."""
         tokens = receive_accepted(self.tp, len(rows), spec, self.device)
+        if spec is not None and spec.is_graphed:  # rank 0 replays its post-sampling graph: so does this rank
+            self.table.record_sampled(rows, rows_dev, tokens)
+            num_decodes = int(spec.layout.seq_index[0])  # the verify chunks follow the plain decodes
+            self.spec_graphs.draft(tokens, spec.tokens, spec.num_emitted, num_decodes)
+            return
         if spec is not None and spec.layout is not None:
             self.spec.commit(spec)
         self.table.record_sampled(rows, rows_dev, tokens)

@@ -286,3 +286,35 @@ def test_graph_drafts_equal_eager_drafts_at_every_step() -> None:
     spec.accept, graphs.draft = recording_accept, checked_draft
     run(llm, make_prompts(llm)[: len(MAX_TOKENS)], greedy())
     assert checked["steps"] == len(replays) > 0 and checked["decode_rows"] > 0
+
+
+def test_graph_path_at_two_ranks_gives_one_rank_tokens_and_counters(references: dict) -> None:
+    """Tensor parallelism on the CPU (two ranks over gloo): both ranks run the graph path uncaptured (rank 0 decides
+    which steps; the worker follows the same plan and flag), their collectives meet, and the greedy tokens and
+    spec-decode counters equal one rank's eager MTP run."""
+    prompts, expected = references["dense"]
+    config = {"method": "mtp", "num_speculative_tokens": 3}
+    one = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, speculative_config=config)
+    assert [list(o.token_ids) for o in run(one, prompts, greedy())] == expected
+    two = LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_num_seqs=8, speculative_config=config,
+              tensor_parallel_size=2)  # fmt: skip
+    try:
+        executor = two.engine.runner
+        executor.run_on_all_ranks("_use_spec_graphs", False)
+        graphs = executor.driver.spec_graphs
+        replays = [0]
+        replay = graphs.run
+
+        def counting_run(*args):  # noqa: ANN002, ANN202 (VerifyGraphs.run's signature)
+            replays[0] += 1
+            return replay(*args)
+
+        graphs.run = counting_run
+        assert [list(o.token_ids) for o in run(two, prompts, greedy())] == expected
+        assert replays[0] > 0
+        names = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens_per_pos")
+        assert [getattr(two.engine.stats(), n) for n in names] == [getattr(one.engine.stats(), n) for n in names]
+    finally:
+        (process,) = two.engine.runner.workers.processes
+        two.shutdown()
+        assert process.exitcode == 0
