@@ -405,7 +405,8 @@ class ModelRunner:
 
     def _use_spec_graphs(self, capture: bool) -> None:
         """Builds the verify graphs (runner/spec_graphs.py) and captures them; capture=False (tests, the CPU) runs
-        their static-buffer forward uncaptured, so the CPU proves the graph path's arithmetic."""
+        their static-buffer code uncaptured, so the CPU proves the graph path's arithmetic. A drafter other than the
+        MTP layer keeps its drafting (and the commit) eager."""
         spec = self._require_spec()
         k = spec.num_speculative_tokens
         max_batch = max_verify_batch(k, self.max_num_seqs, spec.max_spec_seqs)
