@@ -29,6 +29,7 @@ from deltaserve.sampler import Sampler
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode import make_prompts, run
+from tests.engine.test_spec_decode_batching import PROMPT, constrained
 
 STARTS = (5, 12, 30)  # tokens before each row's verify chunk
 NUM_DRAFTS = (3, 1, 2)  # k_s of each row; the padded width is 1 + k = 4
@@ -318,3 +319,26 @@ def test_graph_path_at_two_ranks_gives_one_rank_tokens_and_counters(references: 
         (process,) = two.engine.runner.workers.processes
         two.shutdown()
         assert process.exitcode == 0
+
+
+def test_graph_path_with_grammars_equals_eager() -> None:
+    """Grammar and bad-words rows make their steps deferred: the forward replays the graph, the commit and the
+    drafter run eagerly from the gathered copies (another step may replay before sample()). Tokens and every step's
+    emitted counts equal the eager path's."""
+    params = constrained()
+    config = {"method": "mtp", "num_speculative_tokens": 3}
+    eager, eager_steps = spec_llm("dense", config)
+    expected = [list(o.outputs[0].token_ids) for o in eager.generate([PROMPT] * len(params), params, use_tqdm=False)]
+    llm, steps, replays = graph_llm("dense", config)
+    graphs = llm.engine.core.runner.spec_graphs
+    post = [0]
+    draft = graphs.draft
+
+    def counting_draft(*args):  # noqa: ANN002, ANN202 (VerifyGraphs.draft's signature)
+        post[0] += 1
+        return draft(*args)
+
+    graphs.draft = counting_draft
+    outputs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected and steps == eager_steps
+    assert 0 < post[0] < len(replays)  # some graph steps were deferred: their commit and drafts ran eagerly
