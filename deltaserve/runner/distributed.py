@@ -9,7 +9,8 @@ Two ways to launch (both `--distributed-executor-backend mp`):
 Collectives go through torch.distributed: the device group is NCCL on GPUs (NVLink multicast off) and gloo on the
 CPU; a second, gloo group carries host-side agreement and, for external launches, the plans themselves. Spawned
 workers get their plans through a pipe each (no rendezvous per step: rank 0's send does not wait for the
-worker). Only plain-data messages cross: ("execute", StepPlan), ("call", method, args), ("shutdown",).
+worker). Only plain-data messages cross: ("execute", StepPlan, defer_sampling), ("call", method, args),
+("shutdown",).
 """
 
 from __future__ import annotations

@@ -285,8 +285,9 @@ class MultiprocExecutor:
     def execute(self, plan: StepPlan, defer_sampling: bool = False) -> StepHandle:
         self.check_health()
         try:
-            self.workers.channel.send(("execute", plan))
-            # the workers never sample: they wait for rank 0's tokens, which sample() broadcasts when deferred
+            # the workers never sample: they wait for rank 0's tokens, which sample() broadcasts when deferred; they
+            # take the flag to make rank 0's choices (which steps replay the verify graphs: runner/spec_graphs.py)
+            self.workers.channel.send(("execute", plan, defer_sampling))
             return self.driver.execute(plan, defer_sampling)
         except Exception as exc:
             self._raise_failure(exc)

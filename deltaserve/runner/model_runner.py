@@ -1,6 +1,7 @@
 """ModelRunner: StepPlan -> device inputs -> model forward -> sampler -> StepResult, without waiting on the GPU.
 
-It owns the model, its weights, the KV cache, the state pool, the request table and the decode graphs. execute()
+It owns the model, its weights, the KV cache, the state pool, the request table and the CUDA graphs (decode graphs,
+or while speculating the verify graphs of runner/spec_graphs.py; runner/memory.py sizes the caches). execute()
 applies the plan's diffs to the request table, builds the inputs, launches the forward and the sampler, and starts
 copying the sampled tokens to pinned host memory; it returns a StepHandle at once. collect() waits for that copy
 and returns the StepResult. Under async scheduling the engine plans and launches step N+1 before collecting step N,
@@ -49,19 +50,20 @@ from deltaserve.runner.cache import (
     plan_cache,
     requested_bytes,
 )
-from deltaserve.runner.cuda_graph import DecodeGraphs, static_bytes
+from deltaserve.runner.cuda_graph import DecodeGraphs
 from deltaserve.runner.inputs import StepLayout, build_eager_inputs, layout_step
+from deltaserve.runner.memory import GIB, cache_budget, default_max_num_seqs
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_last_hidden
 from deltaserve.runner.observer import StepObserver, StepTimings, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import Drafter, SpecDecoder, SpecHandle, collect_tokens, scratch_rows
+from deltaserve.runner.spec_graphs import VerifyGraphs, max_verify_batch
 from deltaserve.runner.spec_ranks import receive_accepted, send_accepted
-from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, build_sampling_batch, logprobs_to_host
+from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, logprobs_to_host
 from deltaserve.sampler.sampler import SAMPLING_EPS
 from deltaserve.sampler.transfer import to_device
-from deltaserve.sampling_params import SamplingParams
-from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
+from deltaserve.step import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,6 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-GIB = 2**30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,15 +86,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
-
-
-def default_max_num_seqs(device: torch.device) -> int:
-    """vLLM 0.26's default for its API server: 1024 on GPUs of >= 70 GiB other than the A100, else 256."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        if props.total_memory >= 70 * GIB and "a100" not in props.name.lower():
-            return 1024
-    return 256
 
 
 @dataclass
@@ -114,22 +106,6 @@ class StepHandle:
     launch_started: float = 0.0
     launched_at: float = 0.0
     spec: SpecHandle | None = None  # the step's verify chunks (speculative decoding)
-
-
-def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
-    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on rows 0, 1, ..., disjoint
-    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing."""
-    added, seqs = [], []
-    next_block = 0
-    for index, start in enumerate(range(0, num_tokens, max_seq_len)):
-        length = min(max_seq_len, num_tokens - start)
-        num_blocks = -(-length // block_size)
-        tokens = tuple((7 * i + index) % vocab_size for i in range(length))
-        added.append(NewRequest(index, f"warmup-{index}", tokens, (), SamplingParams(temperature=0.0), ()))
-        blocks = tuple(range(next_block, next_block + num_blocks))
-        seqs.append(ScheduledSeq(index, 0, length, index, None, blocks, needs_sample=False))
-        next_block += num_blocks
-    return StepPlan(step_id, tuple(seqs), tuple(added), removed=tuple(range(len(added))))
 
 
 class ModelRunner:
@@ -196,10 +172,17 @@ class ModelRunner:
             self.device.type == "cuda" and not engine_config.enforce_eager and engine_config.speculative_config is None
         )
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
+        # while speculating, verify steps replay verify graphs instead (runner/spec_graphs.py), on every rank alike
+        self.is_spec_graphed = (
+            self.device.type == "cuda"
+            and not engine_config.enforce_eager
+            and engine_config.speculative_config is not None
+        )
+        self.spec_graphs: VerifyGraphs | None = None
         upper = engine_config.max_num_seqs or default_max_num_seqs(self.device)
         # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
         # rank's budget wins
-        budget = self.tp.min_over_ranks(self._cache_budget(max_num_batched_tokens, max_model_len, upper))
+        budget = self.tp.min_over_ranks(cache_budget(self, max_num_batched_tokens, max_model_len, upper))
         slot_bytes = bytes_per_slot(model_config, self.dtype, self.model.shapes)
         self.max_num_seqs = upper
         if engine_config.max_num_seqs is None:
@@ -232,67 +215,13 @@ class ModelRunner:
         if speculative is not None:
             k = speculative.num_speculative_tokens
             self.enable_speculation(k, MtpDrafter(self.model, k), speculative.synthetic_acceptance_rates, spec_rows)
+            if self.is_spec_graphed:
+                self._use_spec_graphs(capture=True)
         if self.is_graphed:
             self.graphs = DecodeGraphs(
                 self.model, self.max_num_seqs, self.max_blocks_per_seq, max_model_len, self.vocab_size, self.device
             )
             self.graphs.capture()
-
-    # -- memory ---------------------------------------------------------------------------------------
-
-    def _profile_peak_bytes(self, num_tokens: int, max_seq_len: int, max_num_seqs: int) -> int:
-        """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
-        it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
-        power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
-        top-k/top-p (its sort is the largest sampling buffer). Returns the activation peak in bytes. A step may hold
-        more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above max_seq_len runs as
-        several sequences, as the scheduler would batch them."""
-        max_seqs = -(-num_tokens // max_seq_len)
-        layout = CacheLayout(-(-num_tokens // self.block_size) + max_seqs, self.block_size, max_seqs, 0, 0)
-        allocate_and_bind(self.model, self.model_config, layout, self.dtype, self.device)
-        saved = getattr(self, "table", None)
-        self.table = RequestTable(max_seqs, -(-max_seq_len // self.block_size), self.vocab_size, self.device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
-        started = time.perf_counter()
-        for step_id, size in enumerate(sizes):
-            self.execute(warmup_plan(step_id, size, max_seq_len, self.block_size, self.vocab_size))
-            self.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
-        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
-        batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
-                                     self.vocab_size, self.device)  # fmt: skip
-        self.sampler(torch.randn(max_num_seqs, self.vocab_size, device=self.device), batch)
-        torch.cuda.synchronize()
-        logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows in %.1f s", len(sizes),
-                    num_tokens, max_num_seqs, time.perf_counter() - started)  # fmt: skip
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.table = saved
-        for layer in self.model.layers:  # drop the throw-away cache before the real one is allocated
-            mixer = layer.mixer
-            mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
-        torch.cuda.empty_cache()
-        return peak
-
-    def _cache_budget(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
-        if self.device.type != "cuda":
-            return self.engine_config.cpu_kv_cache_bytes
-        peak = self._profile_peak_bytes(max_num_batched_tokens, max_model_len, max_num_seqs)
-        _, total = torch.cuda.mem_get_info(self.device)
-        weights = torch.cuda.memory_allocated(self.device) - self._allocated_before
-        # decode graphs: the shared logits buffer and the largest bucket's lm_head output, plus a fixed headroom
-        # for the graph pool's other activations and library workspaces
-        graphs = static_bytes(max_num_seqs, self.vocab_size) if self.is_graphed else 0
-        headroom = 512 * 2**20
-        budget = self._requested_bytes - weights - peak - graphs
-        budget -= headroom
-        logger.info(
-            "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, decode graphs %.2f GiB + %.2f GiB "
-            "headroom, cache budget %.2f GiB", total / GIB, weights / GIB, peak / GIB, graphs / GIB, headroom / GIB,
-            budget / GIB,
-        )  # fmt: skip
-        return budget
 
     # -- steps ----------------------------------------------------------------------------------------
 
@@ -320,6 +249,7 @@ class ModelRunner:
         )
         all_logits = None
         prompt_lp = None
+        is_verify_graphed = False  # the target forward ran as a verify graph (runner/spec_graphs.py)
         if is_graph_step:
             logits = self.graphs.run(layout, self.table, self.block_size)  # [B, V]: every decode row samples
             sample_rows_dev = self.graphs.rows[:num_seqs]
@@ -331,8 +261,14 @@ class ModelRunner:
             if self.model.mtp is not None:  # the MTP KV at P - 1 of sequences resumed at P (after the block copies)
                 rewrite_resumed_rows(self.model, plan, layout.query_start_loc, inputs.input_ids, self.table,
                                      self.block_size)  # fmt: skip
-            with forward_context(inputs.ctx):
-                hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
+            verify_logits = None  # [P, V] when a verify graph ran the forward
+            graphs = self.spec_graphs
+            is_verify_graphed = graphs is not None and graphs.can_run(plan, layout, self.block_size, defer_sampling)
+            if is_verify_graphed:
+                hidden, verify_logits = self.spec_graphs.run(layout, inputs, self.table, self.block_size)
+            else:
+                with forward_context(inputs.ctx):
+                    hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
             if self.model.mtp is not None:  # each slot's hidden row, before the checkpoints copy their slots
                 save_last_hidden(self.model, hidden, layout.query_start_loc, layout.state_slots)
             # prefix-cache checkpoints: the state each chunk left in its write slot, saved (stream order: after the
@@ -347,8 +283,8 @@ class ModelRunner:
                 prompt_lp = plp.compute_prompt_logprobs(work, hidden, self.model.compute_logits, self.vocab_size)
                 prompt_lp = None if prompt_lp is None else plp.to_host(prompt_lp)
             sample_rows_dev = inputs.sample_rows_dev
-            logits = None
-            if len(layout.sample_seqs):
+            logits = verify_logits
+            if logits is None and len(layout.sample_seqs):
                 index = inputs.sample_token_index
                 rows = hidden if index is None else hidden.index_select(0, index)
                 logits = self.model.compute_logits(rows)  # [S, V] fp32
@@ -364,6 +300,8 @@ class ModelRunner:
                 keys = self.table.keys[verify_rows]
                 is_random = self.table.params_host[verify_rows, 0] >= SAMPLING_EPS
             spec = SpecHandle(layout.spec, keys, is_random, inputs, layout, hidden)
+            # the post-sampling replay reads the static buffers: not when another step may replay before sample()
+            spec.is_graphed = is_verify_graphed and self.spec_graphs.has_drafter and not defer_sampling
         if not len(layout.sample_seqs):
             if spec is not None:  # the drafter sees every forward (its own KV follows the target's)
                 empty = layout.rows[:0]
@@ -421,7 +359,9 @@ class ModelRunner:
             self.spec.count_accepted(self.table, handle.spec.layout, rows, handle.spec)
         send_accepted(self.tp, tokens, handle.spec)  # the other ranks' _follow_first
         self.table.record_sampled(rows, rows_dev, tokens)
-        if handle.spec is not None:
+        if handle.spec is not None and handle.spec.is_graphed:  # commit, hidden rows and drafts: one replay
+            self.spec_graphs.draft(tokens, handle.spec.tokens, handle.spec.num_emitted, handle.plan.num_decodes)
+        elif handle.spec is not None:
             self.spec.propose(handle.spec, self.table, self.block_size, rows, rows_dev, tokens)
         handle.sampled, handle.event = self._to_host(out)
         if handle.spec is not None:
@@ -432,6 +372,11 @@ class ModelRunner:
         the verify chunks' acceptance; this rank receives the tokens (its next inputs) and the accepted counts,
         commits the same GDN states and runs its drafter on the same inputs (runner/spec_ranks.py)."""
         tokens = receive_accepted(self.tp, len(rows), spec, self.device)
+        if spec is not None and spec.is_graphed:  # rank 0 replays its post-sampling graph: so does this rank
+            self.table.record_sampled(rows, rows_dev, tokens)
+            num_decodes = int(spec.layout.seq_index[0])  # the verify chunks follow the plain decodes
+            self.spec_graphs.draft(tokens, spec.tokens, spec.num_emitted, num_decodes)
+            return
         if spec is not None and spec.layout is not None:
             self.spec.commit(spec)
         self.table.record_sampled(rows, rows_dev, tokens)
@@ -455,6 +400,20 @@ class ModelRunner:
         max_spec_seqs: verify chunks a step may hold (their scratch; default max_num_seqs)."""
         self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
                                 synthetic_rates, max_spec_seqs or self.max_num_seqs)  # fmt: skip
+        if self.spec_graphs is not None:  # the graphs name the old scratch: build them anew
+            self._use_spec_graphs(self.spec_graphs.is_captured)
+
+    def _use_spec_graphs(self, capture: bool) -> None:
+        """Builds the verify graphs (runner/spec_graphs.py) and captures them; capture=False (tests, the CPU) runs
+        their static-buffer code uncaptured, so the CPU proves the graph path's arithmetic. A drafter other than the
+        MTP layer keeps its drafting (and the commit) eager."""
+        spec = self._require_spec()
+        k = spec.num_speculative_tokens
+        max_batch = max_verify_batch(k, self.max_num_seqs, spec.max_spec_seqs)
+        drafts = spec.draft_tokens if isinstance(spec.drafter, MtpDrafter) else None  # else drafting stays eager
+        self.spec_graphs = VerifyGraphs(self.model, max_batch, k, self.max_blocks_per_seq, self.max_model_len,
+                                        self.vocab_size, self.device, self.block_size, drafts, capture)  # fmt: skip
+        self.spec_graphs.capture()
 
     def _require_spec(self) -> SpecDecoder:
         if self.spec is None:

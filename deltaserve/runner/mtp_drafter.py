@@ -46,32 +46,46 @@ class MtpDrafter:
         if not num_rows:
             return drafts
         hidden = out.index_select(0, target.draft_rows)  # [R, H]
-        token = self.model.compute_logits(hidden, on_all_ranks=True).argmax(dim=-1)  # [R]: greedy, vLLM's default
-        drafts[:, 0] = token
         positions = target.positions.index_select(1, target.draft_rows)  # [3, R]
         limit = to_device(target.kv_limit, torch.int64, device)  # [R]: pinned, no wait on the stream
-        max_seq_len = int(np.max(target.kv_limit))
         rows = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
-        width = target.block_tables.shape[1]
-        for i in range(1, self.k):
-            index = target.draft_index + i  # [R] the token index whose MTP input is (hidden, token)
-            is_covered = index < limit
-            block = target.block_tables.gather(1, (index // target.block_size).clamp(max=width - 1).unsqueeze(1))
-            slot = block.squeeze(1).long() * target.block_size + index % target.block_size
-            ctx = ForwardContext(
-                num_decode_tokens=num_rows,
-                num_prefill_tokens=0,
-                query_start_loc=rows,
-                seq_lens=torch.minimum(index + 1, limit).to(torch.int32),
-                block_tables=target.block_tables,
-                slot_mapping=torch.where(is_covered, slot, -1),
-                max_query_len=1,
-                max_seq_len=max_seq_len,
-                state_indices=rows[:num_rows],  # unused: the MTP layer has no GDN state
-                has_initial_state=rows[:num_rows],
-            )
-            with forward_context(ctx):
-                hidden = self.mtp(token, positions + i, hidden)  # [R, H]
-            token = self.model.compute_logits(hidden, on_all_ranks=True).argmax(dim=-1)
-            drafts[:, i] = token
+        chain_drafts(self.model, hidden, positions, target.draft_index, limit, target.block_tables,
+                     target.block_size, int(np.max(target.kv_limit)), rows, drafts)  # fmt: skip
         return drafts
+
+
+def chain_drafts(
+    model: Qwen35Model, hidden: torch.Tensor, positions: torch.Tensor, draft_index: torch.Tensor,
+    limit: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_seq_len: int, rows: torch.Tensor,
+    drafts: torch.Tensor,
+) -> None:  # fmt: skip
+    """Draft 1 from the MTP layer's output at each row's last accepted position (hidden [R, H], positions [3, R]),
+    then drafts 2 .. k by chaining the layer on its own output, one decode-like pass each, into drafts [R, k].
+    draft_index [R]: that position's token index; limit [R]: tokens the row's KV blocks cover (past it no MTP KV is
+    written); rows: arange(R + 1) int32; max_seq_len: a host bound on the context (the kernels' hint). No host
+    sync: the verify graphs (runner/spec_graphs.py) capture it too."""
+    num_rows, k = drafts.shape
+    token = model.compute_logits(hidden, on_all_ranks=True).argmax(dim=-1)  # [R]: greedy, vLLM's default
+    drafts[:, 0] = token
+    width = block_tables.shape[1]
+    for i in range(1, k):
+        index = draft_index + i  # [R] the token index whose MTP input is (hidden, token)
+        is_covered = index < limit
+        block = block_tables.gather(1, (index // block_size).clamp(max=width - 1).unsqueeze(1))
+        slot = block.squeeze(1).long() * block_size + index % block_size
+        ctx = ForwardContext(
+            num_decode_tokens=num_rows,
+            num_prefill_tokens=0,
+            query_start_loc=rows,
+            seq_lens=torch.minimum(index + 1, limit).to(torch.int32),
+            block_tables=block_tables,
+            slot_mapping=torch.where(is_covered, slot, -1),
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            state_indices=rows[:num_rows],  # unused: the MTP layer has no GDN state
+            has_initial_state=rows[:num_rows],
+        )
+        with forward_context(ctx):
+            hidden = model.mtp(token, positions + i, hidden)  # [R, H]
+        token = model.compute_logits(hidden, on_all_ranks=True).argmax(dim=-1)
+        drafts[:, i] = token

@@ -166,6 +166,9 @@ class SpecHandle:
     num_emitted: torch.Tensor | None = None  # [S]
     # a deferred step's drafts [S, k] on their way to the host (pinned copy) and the event that ends the copy
     drafts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+    # the target forward ran as a verify graph whose post-sampling replay commits the GDN states, saves the MTP
+    # hidden rows and drafts (runner/spec_graphs.py): accept() leaves those to it
+    is_graphed: bool = False
 
 
 class SpecDecoder:
@@ -301,7 +304,8 @@ class SpecDecoder:
         else:
             tokens, num_emitted = greedy_accept(target, drafts, num_drafts)
         handle.tokens, handle.num_emitted = tokens, num_emitted
-        self.commit(handle)
+        if not handle.is_graphed:  # else the verify graphs' post-sampling replay commits (runner/spec_graphs.py)
+            self.commit(handle)
         last = tokens.gather(1, (num_emitted - 1).unsqueeze(1)).squeeze(1)  # [S]
         seq_tokens = seq_tokens.clone()
         seq_tokens.index_copy_(0, to_device(layout.spec_sample_index, torch.int64, device), last)

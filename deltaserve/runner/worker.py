@@ -54,7 +54,7 @@ def serve_worker(runner: ModelRunner, receive: Any) -> None:
         message = receive()
         kind = message[0]
         if kind == "execute":
-            runner.execute(message[1])
+            runner.execute(message[1], message[2])
         elif kind == "call":
             getattr(runner, message[1])(*message[2])
         elif kind == "shutdown":

@@ -9,7 +9,7 @@ import torch
 
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine_config import EngineConfig
-from deltaserve.runner.model_runner import warmup_plan
+from deltaserve.runner.memory import warmup_plan
 from deltaserve.step import StepPlan
 
 

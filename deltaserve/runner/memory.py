@@ -1,0 +1,158 @@
+"""Memory sizing of the runner at start-up: the warm-up that measures the activation peak on a throw-away cache,
+and the cache budget that remains of this engine's share of the GPU once the weights, that peak, the CUDA graphs'
+static buffers and a fixed headroom are taken out (vLLM 0.26's `gpu_memory_utilization` accounting).
+
+The functions take the ModelRunner under construction: the warm-up runs real steps through its execute().
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.runner.cuda_graph import static_bytes
+from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
+from deltaserve.sampler import Sampler, build_sampling_batch
+from deltaserve.sampler.rejection import random_accept
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.step import NewRequest, ScheduledSeq, StepPlan
+
+if TYPE_CHECKING:  # runner/model_runner.py imports this module
+    from deltaserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    """vLLM 0.26's default for its API server: 1024 on GPUs of >= 70 GiB other than the A100, else 256."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if props.total_memory >= 70 * GIB and "a100" not in props.name.lower():
+            return 1024
+    return 256
+
+
+def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
+    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on rows 0, 1, ..., disjoint
+    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing."""
+    added, seqs = [], []
+    next_block = 0
+    for index, start in enumerate(range(0, num_tokens, max_seq_len)):
+        length = min(max_seq_len, num_tokens - start)
+        num_blocks = -(-length // block_size)
+        tokens = tuple((7 * i + index) % vocab_size for i in range(length))
+        added.append(NewRequest(index, f"warmup-{index}", tokens, (), SamplingParams(temperature=0.0), ()))
+        blocks = tuple(range(next_block, next_block + num_blocks))
+        seqs.append(ScheduledSeq(index, 0, length, index, None, blocks, needs_sample=False))
+        next_block += num_blocks
+    return StepPlan(step_id, tuple(seqs), tuple(added), removed=tuple(range(len(added))))
+
+
+def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, max_num_seqs: int) -> int:
+    """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
+    it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
+    power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
+    top-k/top-p (its sort is the largest sampling buffer), and while speculating the sampling side of the largest
+    verify bucket (warm_up_verify_sampling). Returns the activation peak in bytes. A step may hold
+    more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above max_seq_len runs as
+    several sequences, as the scheduler would batch them."""
+    max_seqs = -(-num_tokens // max_seq_len)
+    layout = CacheLayout(-(-num_tokens // runner.block_size) + max_seqs, runner.block_size, max_seqs, 0, 0)
+    allocate_and_bind(runner.model, runner.model_config, layout, runner.dtype, runner.device)
+    saved = getattr(runner, "table", None)
+    runner.table = RequestTable(max_seqs, -(-max_seq_len // runner.block_size), runner.vocab_size, runner.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    before = torch.cuda.memory_allocated(runner.device)
+    sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
+    started = time.perf_counter()
+    for step_id, size in enumerate(sizes):
+        runner.execute(warmup_plan(step_id, size, max_seq_len, runner.block_size, runner.vocab_size))
+        runner.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
+    batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
+                                 runner.vocab_size, runner.device)  # fmt: skip
+    runner.sampler(torch.randn(max_num_seqs, runner.vocab_size, device=runner.device), batch)
+    verify = ""
+    speculative = runner.engine_config.speculative_config
+    if speculative is not None:  # the largest verify bucket's sampling: 1 + k positions a row, the random rule
+        k = speculative.num_speculative_tokens
+        rows = max_verify_batch(k, max_num_seqs, max_num_seqs)
+        warm_up_verify_sampling(runner.sampler, rows, k, runner.vocab_size, runner.device)
+        verify = f", a verify step's sampling over {rows} rows of {1 + k} positions"
+    torch.cuda.synchronize()
+    logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows%s in %.1f s", len(sizes),
+                num_tokens, max_num_seqs, verify, time.perf_counter() - started)  # fmt: skip
+    peak = torch.cuda.max_memory_allocated(runner.device) - before
+    runner.table = saved
+    for layer in runner.model.layers:  # drop the throw-away cache before the real one is allocated
+        mixer = layer.mixer
+        mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
+    torch.cuda.empty_cache()
+    return peak
+
+
+def warm_up_verify_sampling(
+    sampler: Sampler, num_seqs: int, num_speculative_tokens: int, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling side of a verify step of num_seqs chunks of 1 + k tokens, every row random with top-k/top-p: the
+    sampler over all num_seqs·(1 + k) positions keeping their distributions, then the random rule's [S, k, V]
+    gathers and Exp(1) draws (sampler/rejection.py). Returns the rule's (tokens [S, 1 + k], num_emitted [S])."""
+    width = 1 + num_speculative_tokens
+    positions = num_seqs * width
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * positions
+    batch = build_sampling_batch(params, [[0]] * positions, [[]] * positions, [()] * positions, vocab_size, device)
+    batch.keep_probs = True
+    out = sampler(torch.randn(positions, vocab_size, device=device), batch)
+    index = torch.arange(positions, device=device).view(num_seqs, width)
+    target = out.token_ids[index]  # [S, W]
+    drafts = target[:, 1:].flip(1).contiguous()  # [S, k]: some accepted, some not
+    num_drafts = torch.full((num_seqs,), num_speculative_tokens, dtype=torch.int64, device=device)
+    is_greedy = torch.zeros(num_seqs, dtype=torch.bool, device=device)
+    probs = out.probs[index[:, :-1]]  # [S, k, V]
+    uniforms = torch.rand(num_seqs, num_speculative_tokens, device=device)
+    noise = torch.empty(num_seqs, num_speculative_tokens, vocab_size, device=device).exponential_()
+    return random_accept(target, drafts, num_drafts, is_greedy, probs, uniforms, noise)
+
+
+def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
+    """The bytes left for the KV cache, the state pool and the verify scratch (the CPU: --cpu-kv-cache-bytes)."""
+    if runner.device.type != "cuda":
+        return runner.engine_config.cpu_kv_cache_bytes
+    peak = profile_peak_bytes(runner, max_num_batched_tokens, max_model_len, max_num_seqs)
+    _, total = torch.cuda.mem_get_info(runner.device)
+    weights = torch.cuda.memory_allocated(runner.device) - runner._allocated_before
+    # the graphs' static buffers (decode graphs, or verify graphs while speculating), plus a fixed headroom for the
+    # graph pool's other activations and library workspaces
+    kind, graphs = graph_bytes(runner, max_num_seqs)
+    headroom = 512 * 2**20
+    budget = runner._requested_bytes - weights - peak - graphs
+    budget -= headroom
+    logger.info(
+        "memory: %.1f GiB total, weights %.2f GiB, warm-up peak %.2f GiB, %s graphs %.2f GiB + %.2f GiB "
+        "headroom, cache budget %.2f GiB", total / GIB, weights / GIB, peak / GIB, kind, graphs / GIB,
+        headroom / GIB, budget / GIB,
+    )  # fmt: skip
+    return budget
+
+
+def graph_bytes(runner: ModelRunner, max_num_seqs: int) -> tuple[str, int]:
+    """(which graphs, the bytes of their static buffers): the decode graphs' shared logits and the largest
+    bucket's lm_head output; while speculating, the verify graphs' logits, lm_head output and hidden states over
+    their largest bucket's tokens and the MTP drafter's logits over its rows (runner/spec_graphs.py), sized before
+    the verify scratch caps the bucket."""
+    if runner.is_graphed:
+        return "decode", static_bytes(max_num_seqs, runner.vocab_size)
+    if runner.is_spec_graphed:
+        k = runner.engine_config.speculative_config.num_speculative_tokens
+        rows = -(-max_verify_batch(k, max_num_seqs, max_num_seqs) // 8) * 8  # VerifyGraphs.capacity
+        hidden_size = runner.model_config.hidden_size
+        return "verify", verify_static_bytes(rows, 1 + k, runner.vocab_size, hidden_size, runner.dtype, True)
+    return "no", 0

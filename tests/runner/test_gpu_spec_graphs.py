@@ -1,0 +1,72 @@
+"""On the GPU: the verify CUDA graphs (runner/spec_graphs.py) capture, and their replays give the tokens of the
+same static-buffer forward run uncaptured (bf16 and fp32: the same kernels on the same shapes, so bit for bit) and,
+in fp32, of the eager verify path (--enforce-eager), on the trained tiny checkpoints with their MTP heads drafting,
+k = 3, greedy and seeded requests of different lengths (rows padded below k, batches padded to their bucket).
+The CPU proves the uncaptured path against eager and against no speculation (tests/runner/test_spec_graphs.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+from tests.engine.test_spec_decode import make_prompts, run
+
+CONFIG = {"max_num_seqs": 8, "max_model_len": 256, "gpu_memory_utilization": 0.3}
+SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+MAX_TOKENS = (9, 17, 6, 20, 12)
+
+
+def params() -> list[SamplingParams]:
+    kinds = [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.95, "seed": 3}]
+    return [SamplingParams(max_tokens=m, ignore_eos=True, **kinds[i % 2]) for i, m in enumerate(MAX_TOKENS)]
+
+
+def tokens_of(variant: str, dtype: str, mode: str) -> tuple[list[list[int]], int]:
+    """mode: "captured" (the default engine), "uncaptured" (the static-buffer forward without capture) or "eager"
+    (--enforce-eager). Returns the tokens and the verify steps the graph path ran."""
+    llm = LLM(trained_model_dir(variant), dtype=dtype, speculative_config=SPEC, enforce_eager=mode == "eager",
+              **CONFIG)  # fmt: skip
+    runner = llm.engine.runner
+    if mode == "eager":
+        assert runner.spec_graphs is None
+    else:
+        assert runner.spec_graphs is not None and runner.spec_graphs.is_captured
+        if mode == "uncaptured":
+            runner._use_spec_graphs(capture=False)
+    graph_steps = [0]
+    if runner.spec_graphs is not None:
+        replay = runner.spec_graphs.run
+
+        def counting_run(*args):  # noqa: ANN002, ANN202 (VerifyGraphs.run's signature)
+            graph_steps[0] += 1
+            return replay(*args)
+
+        runner.spec_graphs.run = counting_run
+    prompts = make_prompts(llm)[: len(MAX_TOKENS)]
+    tokens = [list(o.token_ids) for o in run(llm, prompts, params())]
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, graph_steps[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "next"])
+def test_replay_equals_uncaptured_forward(variant: str, dtype: str) -> None:
+    captured, steps = tokens_of(variant, dtype, "captured")
+    uncaptured, _ = tokens_of(variant, dtype, "uncaptured")
+    assert steps > 0 and captured == uncaptured
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dense", "moe", "next"])
+def test_replay_equals_eager_in_fp32(variant: str) -> None:
+    captured, steps = tokens_of(variant, "float32", "captured")
+    eager, _ = tokens_of(variant, "float32", "eager")
+    assert steps > 0 and captured == eager
