@@ -11,7 +11,8 @@ Dense arms (x [M, K] bf16 -> [M, N] bf16):
 - deltaserve: kernels.linear with an Fp8Weight (the served path: quantize_activation_triton, then the Triton GEMM).
 - vllm-cutlass: vLLM's per_token_group_quant_fp8 with column-major scales, then `_custom_ops.cutlass_scaled_mm(q,
   w.T, scale_a=s [M, K/128], scale_b=ws.T [K/128, N/128])`; what vLLM 0.26 serves on an H200 without DeepGEMM
-  (its order on SM90: FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, Triton; the first two need `deep_gemm`).
+  (its order on SM90: FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, Triton; the first two need DeepGEMM, which the
+  vLLM 0.26 wheel vendors as `vllm.third_party.deep_gemm`, JIT-compiling its kernels on first use).
 - vllm-triton: per_token_group_quant_fp8 with row-major scales, then `w8a8_triton_block_scaled_mm` (its tuned
   table when vLLM ships one for N, K on the H200, else its default tile).
 - flashinfer: `flashinfer.gemm.fp8_blockscale_gemm_sm90(x_bf16, w, None, ws)`, which quantizes the activation
@@ -140,7 +141,14 @@ def _deepgemm_arm(importer: Importer) -> Arm:
     arm = Arm("deepgemm", "dense", f"deep_gemm {_version(importer, 'deep_gemm')}", True, "vLLM's DeepGEMM path: "
               "per_token_group_quant_fp8 (column-major, TMA-aligned scales) + deep_gemm.fp8_gemm_nt")  # fmt: skip
     try:
-        importer("deep_gemm")
+        try:  # vLLM's own order: an installed deep_gemm first, then the copy the vLLM 0.26 wheel vendors
+            importer("deep_gemm")
+        except ImportError as missing:
+            try:
+                importer("vllm.third_party.deep_gemm")
+            except ImportError:
+                raise missing from None  # neither: the record names the package
+            arm.library = f"deep_gemm vendored in vllm {_version(importer, 'vllm')}"
         fp8u = importer("vllm.model_executor.layers.quantization.utils.fp8_utils")
         dg = importer("vllm.utils.deep_gemm")
     except Exception as exc:

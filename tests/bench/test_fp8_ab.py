@@ -254,3 +254,23 @@ def test_on_the_gpu_every_arm_that_imports_is_checked_and_ours_agrees(fp8_ab: Mo
     checked = {f"{c['op']}/{c['arm']}" for c in record["checks"]}
     assert {name for name, arm in record["arms"].items() if arm["available"]} == checked
     assert all(w["adopt"] for w in record["winners"])
+
+
+def test_deepgemm_arm_takes_the_copy_vllm_vendors_when_no_package_is_installed(fp8_ab: ModuleType) -> None:
+    """vLLM 0.26 imports DeepGEMM from an installed deep_gemm package, else from the copy its wheel vendors
+    (vllm.third_party.deep_gemm): the arm does the same and names the vendored copy; with neither it is missing,
+    named by the package."""
+    stand_in = SimpleNamespace(__version__="0.26.0", fp8_gemm_nt=None)
+
+    def vendored_only(name: str) -> Any:
+        if name.split(".")[0] in ("deep_gemm", "flashinfer"):
+            raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'")
+        if name.startswith("vllm"):
+            return stand_in  # the vLLM modules the arm reads, stood in: only the import order is under test
+        return importlib.import_module(name)
+
+    arms = {arm.name: arm for arm in fp8_ab.dense_arms(vendored_only)}
+    assert arms["deepgemm"].error is None, arms["deepgemm"].error
+    assert arms["deepgemm"].library == "deep_gemm vendored in vllm 0.26.0"
+    arms = {arm.name: arm for arm in fp8_ab.dense_arms(absent)}
+    assert arms["deepgemm"].error == "not installed: ModuleNotFoundError: No module named 'deep_gemm'"
