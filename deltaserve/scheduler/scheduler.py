@@ -1,14 +1,14 @@
 """Token-budget continuous batching, as vLLM v1 schedules: no prefill or decode phases, plans in plain data.
 
 schedule() hands out up to max_num_batched_tokens tokens over at most max_num_seqs running sequences, running ones
-first (FCFS), then waiting ones, and returns a StepPlan (deltaserve/step.py, built by scheduler/plan.py).
-update(plan, result) is the one place that advances computed counts and appends tokens (each sequence's share by
-scheduler/results.py). Between the two, a planned step is "in flight": under async
-scheduling the next step is planned from the in-flight counters before the previous result is back, so a decode
-whose input token is still on the device is planned like any other (the runner takes that token from its own
-record of what it sampled). When KV blocks run out, a running sequence is preempted by recompute: its blocks,
-state slot and row are freed, results of its in-flight steps are dropped, and it restarts from zero later with its
-outputs kept.
+first (FCFS), then waiting ones (each one's chunk sized by scheduler/chunks.py), and returns a StepPlan
+(deltaserve/step.py, built by scheduler/plan.py). update(plan, result) is the one place that advances computed
+counts and appends tokens (each sequence's share by scheduler/results.py). Between the two, a planned step is "in
+flight": under async scheduling the next step is planned from the in-flight counters before the previous result is
+back, so a decode whose input token is still on the device is planned like any other (the runner takes that token
+from its own record of what it sampled). When KV blocks run out, a running sequence is preempted by recompute: its
+blocks, state slot and row are freed, results of its in-flight steps are dropped, and it restarts from zero later
+with its outputs kept.
 
 Two policies, vLLM's --scheduling-policy: under "fcfs" waiting sequences are admitted in arrival order, the
 latest-admitted running sequence is the one preempted, and it goes back to the head of the queue. Under "priority"
@@ -36,6 +36,7 @@ from collections import deque
 
 from deltaserve.scheduler import cache_admission
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
+from deltaserve.scheduler.chunks import prefill_only_chunk, running_chunk
 from deltaserve.scheduler.plan import InflightEntry, build_plan
 from deltaserve.scheduler.prefix_cache import PrefixCache
 from deltaserve.scheduler.results import Logprobs, apply_result
@@ -149,30 +150,16 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------------------------
 
     def _num_to_plan(self, seq: Sequence, budget: int) -> int:
-        if seq.is_prefill_only:
-            return self._prefill_only_chunk(seq, budget)
-        if seq.is_length_capped or seq.num_planned_tokens >= self.max_model_len:
-            return 0  # its last token is in flight; update() will finish it on the length rules
-        if seq.num_inflight_verifies:
-            return 0  # its position depends on how many drafts that step accepts
-        start = seq.num_computed_tokens + seq.num_inflight_tokens
-        num_new = PrefixCache.cap(seq, start, min(seq.num_unplanned_tokens, budget))
-        is_decode = num_new == seq.num_unplanned_tokens == 1 and start > 0
         spec = self.spec
-        if spec is not None and is_decode and (spec.max_verifies is None or self._num_verifies < spec.max_verifies):
-            drafts = spec.num_drafts(seq, budget - 1, self.max_model_len)
-            self._num_verifies += int(drafts > 0)
-            num_new += drafts
+        can_verify = spec is not None and (spec.max_verifies is None or self._num_verifies < spec.max_verifies)
+        num_new, num_drafts = running_chunk(
+            seq, budget, self.max_num_batched_tokens, self.max_model_len, spec if can_verify else None
+        )
+        self._num_verifies += int(num_drafts > 0)
         return num_new
 
     def _lookahead(self, seq: Sequence, end: int) -> int:
         return 0 if self.spec is None else self.spec.lookahead(seq, end, self.max_model_len)
-
-    def _prefill_only_chunk(self, seq: Sequence, budget: int) -> int:
-        """A prefill-only request's next chunk, planned whole or not at all (its logits must come from the chunks it
-        asked for); a chunk larger than the step budget runs as the first work of a step."""
-        chunk = seq.next_chunk()
-        return chunk if chunk <= budget or budget == self.max_num_batched_tokens else 0
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
@@ -213,7 +200,7 @@ class Scheduler:
             entry = cache_admission.entry_point(self.prefix_cache, seq)
             start = entry.start
             if seq.is_prefill_only:
-                num_new = self._prefill_only_chunk(seq, budget)
+                num_new = prefill_only_chunk(seq, budget, self.max_num_batched_tokens)
             else:
                 num_new = PrefixCache.cap(seq, start, min(seq.num_tokens - start, budget))
             if num_new == 0:

@@ -607,28 +607,28 @@ class Probe:
         return f"{round(self.held_s * 1000)} ms held ({latency} ms, of which {wait} ms waiting for a CPU)"
 
 
-def probe_health_while(base_url: str, future: Any, server_pid: int) -> list[Probe]:
+def probe_health_while(client: httpx.Client, future: Any, server_pid: int) -> list[Probe]:
     """/health probes sent one after another until the hostile request is answered (at least one)."""
     pids = {server_pid, os.getpid()}  # one pid when the server runs in this process
     probes = []
-    with httpx.Client(base_url=base_url, timeout=10) as client:
-        while True:
-            waited = cpu_wait_s(pids)
-            start = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            latency = time.perf_counter() - start
-            probes.append(Probe(latency, cpu_wait_s(pids) - waited))
-            if future.done():
-                return probes
-            time.sleep(0.01)
+    while True:
+        waited = cpu_wait_s(pids)
+        start = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        latency = time.perf_counter() - start
+        probes.append(Probe(latency, cpu_wait_s(pids) - waited))
+        if future.done():
+            return probes
+        time.sleep(0.01)
 
 
 def run_case(base_url: str, case: Case, server_pid: int) -> Probe:
     """Sends the case while probing /health; checks the answer; returns the probe held longest."""
     kwargs = encode(case)
-    with ThreadPoolExecutor(1) as pool:
+    with httpx.Client(base_url=base_url, timeout=10) as client, ThreadPoolExecutor(1) as pool:
+        client.get("/health")  # connected before the request goes out, so the probes cover its start
         future = pool.submit(send, base_url, case, kwargs)
-        probes = probe_health_while(base_url, future, server_pid)
+        probes = probe_health_while(client, future, server_pid)
         response = future.result()
     assert response.status_code == case.status, response.text[:500]
     if case.status >= 400:
