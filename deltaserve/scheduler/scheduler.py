@@ -1,13 +1,14 @@
 """Token-budget continuous batching, as vLLM v1 schedules: no prefill or decode phases, plans in plain data.
 
 schedule() hands out up to max_num_batched_tokens tokens over at most max_num_seqs running sequences, running ones
-first (FCFS), then waiting ones, and returns a StepPlan (deltaserve/step.py). update(plan, result) is the one place
-that advances computed counts and appends tokens. Between the two, a planned step is "in flight": under async
-scheduling the next step is planned from the in-flight counters before the previous result is back, so a decode
-whose input token is still on the device is planned like any other (the runner takes that token from its own
-record of what it sampled). When KV blocks run out, a running sequence is preempted by recompute: its blocks,
-state slot and row are freed, results of its in-flight steps are dropped, and it restarts from zero later with its
-outputs kept.
+first (FCFS), then waiting ones (each one's chunk sized by scheduler/chunks.py), and returns a StepPlan
+(deltaserve/step.py, built by scheduler/plan.py). update(plan, result) is the one place that advances computed
+counts and appends tokens (each sequence's share by scheduler/results.py). Between the two, a planned step is "in
+flight": under async scheduling the next step is planned from the in-flight counters before the previous result is
+back, so a decode whose input token is still on the device is planned like any other (the runner takes that token
+from its own record of what it sampled). When KV blocks run out, a running sequence is preempted by recompute: its
+blocks, state slot and row are freed, results of its in-flight steps are dropped, and it restarts from zero later
+with its outputs kept.
 
 Two policies, vLLM's --scheduling-policy: under "fcfs" waiting sequences are admitted in arrival order, the
 latest-admitted running sequence is the one preempted, and it goes back to the head of the queue. Under "priority"
@@ -17,9 +18,10 @@ preempted sequence goes back to its place in that order. Running sequences are p
 both, as vLLM's scheduler walks its running list.
 
 With the prefix cache on (scheduler/prefix_cache.py, docs/prefix-caching.md) a waiting sequence is admitted at the
-deepest ready checkpoint its tokens match (its first step reads the checkpoint's slot and shares its blocks), its
-prefill chunks end on its checkpoint targets (branch point, periodic, prompt end), a finished sequence's state and
-blocks become a checkpoint, and allocations evict unused checkpoints before anything is preempted.
+deepest ready checkpoint its tokens match (scheduler/cache_admission.py; its first step reads the checkpoint's slot
+and shares its blocks), its prefill chunks end on its checkpoint targets (branch point, periodic, prompt end), a
+finished sequence's state and blocks become a checkpoint, and allocations evict unused checkpoints before anything
+is preempted.
 
 A prefill-only request (Sequence.logits_chunks, LLMEngine.prefill_logits) goes the same way with three differences:
 its prompt is planned in exactly the chunks it asked for, none of its chunks samples (each returns its logits
@@ -32,14 +34,17 @@ import bisect
 import time
 from collections import deque
 
+from deltaserve.scheduler import cache_admission
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
-from deltaserve.scheduler.prefix_cache import Checkpoint, PrefixCache
+from deltaserve.scheduler.chunks import prefill_only_chunk, running_chunk
+from deltaserve.scheduler.plan import InflightEntry, build_plan
+from deltaserve.scheduler.prefix_cache import PrefixCache
+from deltaserve.scheduler.results import Logprobs, apply_result
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
 from deltaserve.scheduler.spec import SpecSchedule
-from deltaserve.scheduler.stop import FINISH_ABORT, FINISH_STOP, check_stop
-from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult, window_spans
+from deltaserve.scheduler.stop import FINISH_ABORT
+from deltaserve.step import StepPlan, StepResult
 
-Logprobs = tuple[tuple[int, float, int], ...]
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -77,8 +82,7 @@ class Scheduler:
         self._num_arrivals = 0
         self._num_steps = 0
         self._removed_rows: list[int] = []
-        # step_id -> (sequence, its epoch when planned, tokens planned, whether it samples), in plan order
-        self._inflight: dict[int, list[tuple[Sequence, int, int, bool]]] = {}
+        self._inflight: dict[int, list[InflightEntry]] = {}  # step_id -> its entries, in plan order
         # hybrid prefix caching (docs/prefix-caching.md); the counters are in tokens, as vLLM counts them: a lookup
         # adds the request's token count to the queries and its cached tokens to the hits
         self.enable_prefix_caching = enable_prefix_caching
@@ -146,42 +150,16 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------------------------
 
     def _num_to_plan(self, seq: Sequence, budget: int) -> int:
-        if seq.is_prefill_only:
-            return self._prefill_only_chunk(seq, budget)
-        if seq.is_length_capped or seq.num_planned_tokens >= self.max_model_len:
-            return 0  # its last token is in flight; update() will finish it on the length rules
-        if seq.num_inflight_verifies:
-            return 0  # its position depends on how many drafts that step accepts
-        start = seq.num_computed_tokens + seq.num_inflight_tokens
-        num_new = PrefixCache.cap(seq, start, min(seq.num_unplanned_tokens, budget))
-        is_decode = num_new == seq.num_unplanned_tokens == 1 and start > 0
         spec = self.spec
-        if spec is not None and is_decode and (spec.max_verifies is None or self._num_verifies < spec.max_verifies):
-            drafts = spec.num_drafts(seq, budget - 1, self.max_model_len)
-            self._num_verifies += int(drafts > 0)
-            num_new += drafts
+        can_verify = spec is not None and (spec.max_verifies is None or self._num_verifies < spec.max_verifies)
+        num_new, num_drafts = running_chunk(
+            seq, budget, self.max_num_batched_tokens, self.max_model_len, spec if can_verify else None
+        )
+        self._num_verifies += int(num_drafts > 0)
         return num_new
 
     def _lookahead(self, seq: Sequence, end: int) -> int:
         return 0 if self.spec is None else self.spec.lookahead(seq, end, self.max_model_len)
-
-    def _reserve(self, num_blocks: int, keep: Checkpoint | None = None) -> bool:
-        """Whether num_blocks blocks are free, evicting unused checkpoints (LRU) first to make them so."""
-        if self.prefix_cache is None:
-            return self.blocks.can_allocate(num_blocks)
-        return self.prefix_cache.reserve_blocks(num_blocks, keep)
-
-    def _lookup(self, seq: Sequence) -> Checkpoint | None:
-        """The checkpoint a waiting sequence starts from (vLLM reads no cache for prompt logprobs)."""
-        if self.prefix_cache is None or seq.is_prefill_only or seq.sampling.prompt_logprobs is not None:
-            return None
-        return self.prefix_cache.lookup(seq)
-
-    def _prefill_only_chunk(self, seq: Sequence, budget: int) -> int:
-        """A prefill-only request's next chunk, planned whole or not at all (its logits must come from the chunks it
-        asked for); a chunk larger than the step budget runs as the first work of a step."""
-        chunk = seq.next_chunk()
-        return chunk if chunk <= budget or budget == self.max_num_batched_tokens else 0
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
@@ -201,7 +179,7 @@ class Scheduler:
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             end = start + num_new
             needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), len(seq.block_ids))
-            while not self._reserve(needed):
+            while not cache_admission.reserve(self.blocks, self.prefix_cache, needed):
                 victim = self._choose_victim()
                 chosen_index = next((i for i, (other, _) in enumerate(chosen) if other is victim), None)
                 if chosen_index is not None:  # chosen earlier in this loop (priority only): its tokens come back
@@ -219,23 +197,19 @@ class Scheduler:
         is_blocked_by_capacity = False
         while not num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = self._lookup(seq)
-            start = hit.position if hit is not None else 0
-            cache = self.prefix_cache
-            targets = cache.targets(seq, start) if cache is not None and not seq.is_prefill_only else []
-            seq.checkpoint_targets = targets
+            entry = cache_admission.entry_point(self.prefix_cache, seq)
+            start = entry.start
             if seq.is_prefill_only:
-                num_new = self._prefill_only_chunk(seq, budget)
+                num_new = prefill_only_chunk(seq, budget, self.max_num_batched_tokens)
             else:
                 num_new = PrefixCache.cap(seq, start, min(seq.num_tokens - start, budget))
             if num_new == 0:
                 break  # a prefill-only chunk that waits for a step with room for it whole
-            num_shared = cache.num_shared_blocks(start) if cache is not None else 0  # the next block is copied
             end = start + num_new
-            needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), num_shared)
+            needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), entry.num_shared)
             slot = None
-            if self.rows.num_free and self._reserve(needed, hit):
-                slot = self.slots.allocate() if cache is None else cache.take_slot(hit)
+            if self.rows.num_free:
+                slot = cache_admission.take_room(self.blocks, self.slots, self.prefix_cache, needed, entry.hit)
             if slot is None:
                 is_blocked_by_capacity = True
                 break
@@ -243,11 +217,9 @@ class Scheduler:
             seq.state_slot = slot
             seq.row = self.rows.allocate()
             seq.block_ids = self.blocks.allocate(needed)
-            if cache is not None and not seq.is_prefill_only:
-                cache.admit(seq, hit)
-                if seq.sampling.prompt_logprobs is None:  # a lookup (vLLM counts in tokens)
-                    self.prefix_cache_queries += seq.num_tokens
-                    self.prefix_cache_hits += start
+            queried, hits = cache_admission.admit(self.prefix_cache, seq, entry)
+            self.prefix_cache_queries += queried
+            self.prefix_cache_hits += hits
             if seq.first_scheduled_time is None:
                 seq.num_cached_tokens = start
             seq.status = SequenceStatus.RUNNING
@@ -258,77 +230,13 @@ class Scheduler:
         return self._plan(chosen)
 
     def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
-        now = time.time()
         step_id = self._num_steps
         self._num_steps += 1
-        added: list[NewRequest] = []
-        block_copies: list[tuple[int, int]] = []
-        scheduled: list[tuple[ScheduledSeq, Sequence, bool]] = []
-        for seq, num_new in chosen:
-            if not seq.is_in_runner:
-                added.append(self._new_request(seq))
-                seq.is_in_runner = True
-                seq.num_blocks_sent = 0
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-            start = seq.num_computed_tokens + seq.num_inflight_tokens
-            num_drafts = max(0, num_new - seq.num_unplanned_tokens)  # a verify chunk: its token plus the drafts
-            needs_sample = start + num_new - num_drafts == seq.num_planned_tokens and not seq.is_prefill_only
-            spans = window_spans(seq.mm_input, start, start + num_new)
-            read_slot = seq.state_slot if start > 0 else None
-            if seq.restore_slot is not None:  # the first step after a prefix-cache hit starts from the checkpoint
-                read_slot, seq.restore_slot = seq.restore_slot, None
-            if seq.block_copy is not None:
-                block_copies.append(seq.block_copy)
-                seq.block_copy = None
-            checkpoints = ()
-            if self.prefix_cache is not None and seq.checkpoint_targets:
-                checkpoints = self.prefix_cache.checkpoint_at(seq, start + num_new, step_id, read_slot)
-            item = ScheduledSeq(
-                row=seq.row,
-                num_computed_tokens=start,
-                num_new_tokens=num_new,
-                write_slot=seq.state_slot,
-                read_slot=read_slot,
-                new_block_ids=tuple(seq.block_ids[seq.num_blocks_sent :]),
-                needs_sample=needs_sample,
-                checkpoints=checkpoints,
-                num_draft_tokens=num_drafts,
-                mm_spans=spans,
-                return_logits=seq.is_prefill_only,
-            )
-            seq.num_blocks_sent = len(seq.block_ids)
-            seq.num_inflight_tokens += num_new
-            seq.num_pending_outputs += int(needs_sample)
-            seq.num_inflight_verifies += int(num_drafts > 0)
-            scheduled.append((item, seq, needs_sample))
-        # stable: decodes first, then verify chunks, then prefill chunks, FCFS within each group
-        scheduled.sort(key=lambda entry: 0 if entry[0].is_decode else 1 if entry[0].num_draft_tokens else 2)
-        plan = StepPlan(
-            step_id=step_id,
-            seqs=tuple(item for item, _, _ in scheduled),
-            added=tuple(added),
-            removed=tuple(self._removed_rows),
-            block_copies=tuple(block_copies),
-        )
+        plan, entries = build_plan(chosen, step_id, tuple(self._removed_rows), self.prefix_cache)
         self._removed_rows = []
         if plan.seqs:
-            self._inflight[step_id] = [(seq, seq.epoch, item.num_new_tokens, sample) for item, seq, sample in scheduled]
+            self._inflight[step_id] = entries
         return plan
-
-    @staticmethod
-    def _new_request(seq: Sequence) -> NewRequest:
-        return NewRequest(
-            row=seq.row,
-            req_id=seq.seq_id,
-            prompt_token_ids=tuple(seq.prompt_token_ids) + tuple(seq.output_token_ids),
-            output_token_ids=tuple(seq.output_token_ids),
-            sampling=seq.sampling,
-            stop_token_ids=seq.stop_token_ids,
-            mrope_positions=seq.mrope_positions,
-            mrope_delta=seq.mrope_delta,
-            mm_input=seq.mm_input,
-        )
 
     # -- results --------------------------------------------------------------------------------------
 
@@ -343,6 +251,7 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id}: {len(result.token_ids)} results for {len(entries)} sequences")
         logprobs = result.logprobs or (None,) * len(entries)
         chunk_logits = result.logits or (None,) * len(entries)
+        policy = self.spec.policy if self.spec is not None else None
         now = time.time()
         touched = []
         for (seq, epoch, num_new, needs_sample), item, tokens, token_logprobs, logits in zip(
@@ -350,42 +259,14 @@ class Scheduler:
         ):
             if seq.epoch != epoch or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was planned: its result is stale
-            seq.num_inflight_tokens -= num_new
-            if item.num_draft_tokens:
-                # a verify chunk: its token and the accepted drafts are computed; the rejected drafts' KV rows
-                # are overwritten by later steps
-                if not 1 <= len(tokens) <= num_new:
-                    raise ValueError(f"step {plan.step_id}: {len(tokens)} accepted tokens for a {num_new}-token verify")
-                seq.num_inflight_verifies -= 1
-                num_new = len(tokens)
-                if self.spec is not None and self.spec.policy is not None:  # before a stop drops any of them
-                    self.spec.policy.observe(item.num_draft_tokens, len(tokens) - 1)
-            seq.num_computed_tokens += num_new
-            seq.num_pending_outputs -= int(needs_sample)
-            if seq.is_prefill_only:
-                if logits is None:
-                    raise RuntimeError(f"step {plan.step_id}: no logits for prefill-only request {seq.seq_id}")
-                seq.logits.append(logits)
-                if seq.num_computed_tokens == seq.num_prompt_tokens:
-                    self.finish(seq, FINISH_STOP)
-                    touched.append((seq, [], []))
-                continue
-            new_tokens: list[int] = []
-            for token_id in tokens:
-                seq.output_token_ids.append(token_id)
-                new_tokens.append(token_id)
-                stop = check_stop(seq, token_id, self.max_model_len)
-                if stop is not None:
-                    self.finish(seq, *stop)
-                    break  # tokens accepted after a stop are dropped
-            if new_tokens:
-                seq.first_token_time = seq.first_token_time or now
-                seq.last_token_time = now
-                if token_logprobs is None:
-                    kept: list[Logprobs | None] = [None] * len(new_tokens)
-                else:
-                    kept = list(token_logprobs[: len(new_tokens)])
-                touched.append((seq, new_tokens, kept))
+            applied = apply_result(
+                seq, item, num_new, needs_sample, tokens, token_logprobs, logits,
+                plan.step_id, self.max_model_len, policy, now,
+            )  # fmt: skip
+            if applied.stop is not None:
+                self.finish(seq, *applied.stop)
+            if applied.is_news:
+                touched.append((seq, applied.new_tokens, applied.logprobs))
         return touched
 
     # -- leaving --------------------------------------------------------------------------------------
