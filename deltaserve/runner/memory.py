@@ -1,6 +1,7 @@
 """Memory sizing of the runner at start-up: the warm-up that measures the activation peak on a throw-away cache,
-and the cache budget that remains of this engine's share of the GPU once the weights, that peak, the CUDA graphs'
-static buffers and a fixed headroom are taken out (vLLM 0.26's `gpu_memory_utilization` accounting).
+the cache budget that remains of this engine's share of the GPU once the weights, that peak, the CUDA graphs'
+static buffers and a fixed headroom are taken out (vLLM 0.26's `gpu_memory_utilization` accounting), and how that
+budget is split between the state pool, the verify scratch, the prefix-cache checkpoints and the KV blocks.
 
 The functions take the ModelRunner under construction: the warm-up runs real steps through its execute().
 """
@@ -13,9 +14,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.runner.cache import (
+    CacheLayout,
+    affordable_slots,
+    allocate_and_bind,
+    bytes_per_slot,
+    checkpoint_slots,
+    plan_cache,
+)
 from deltaserve.runner.cuda_graph import static_bytes
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_decode import scratch_rows
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
 from deltaserve.sampler import Sampler, build_sampling_batch
 from deltaserve.sampler.rejection import random_accept
@@ -120,6 +129,44 @@ def warm_up_verify_sampling(
     uniforms = torch.rand(num_seqs, num_speculative_tokens, device=device)
     noise = torch.empty(num_seqs, num_speculative_tokens, vocab_size, device=device).exponential_()
     return random_accept(target, drafts, num_drafts, is_greedy, probs, uniforms, noise)
+
+
+def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int, CacheLayout]:
+    """(max_num_seqs, the verify scratch's rows (0 without speculation), the cache layout) from what the cache budget
+    leaves: vLLM's default max_num_seqs capped so the state pool fits, then the verify scratch and the prefix-cache
+    checkpoint slots, then the KV blocks."""
+    engine_config, model_config = runner.engine_config, runner.model_config
+    upper = engine_config.max_num_seqs or default_max_num_seqs(runner.device)
+    # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
+    # rank's budget wins
+    budget = runner.tp.min_over_ranks(cache_budget(runner, max_num_batched_tokens, max_model_len, upper))
+    slot_bytes = bytes_per_slot(model_config, runner.dtype, runner.model.shapes)
+    max_num_seqs = upper
+    if engine_config.max_num_seqs is None:
+        # vLLM's default count, sized to memory: the state pool takes at most half of the cache budget
+        max_num_seqs = min(upper, affordable_slots(budget, slot_bytes))
+        if max_num_seqs < upper:
+            logger.info(
+                "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB would take %.1f GiB "
+                "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, slot_bytes / 2**20,
+                upper * slot_bytes / GIB, budget / GIB,
+            )  # fmt: skip
+    num_slots = engine_config.num_state_slots or max_num_seqs
+    speculative = engine_config.speculative_config
+    spec_rows = 0
+    if speculative is not None:  # the verify scratch comes out of the cache budget (runner/spec_decode.py)
+        spec_rows = scratch_rows(budget, slot_bytes, speculative.num_speculative_tokens, max_num_seqs)
+        budget -= spec_rows * (speculative.num_speculative_tokens + 1) * slot_bytes
+    num_checkpoints = 0
+    if engine_config.enable_prefix_caching:
+        num_checkpoints = engine_config.num_checkpoint_slots
+        if num_checkpoints is None:
+            num_checkpoints = checkpoint_slots(budget, slot_bytes, max_num_seqs)
+    layout = plan_cache(
+        model_config, runner.dtype, runner.block_size, budget, num_slots, max_model_len, runner.model.shapes,
+        num_checkpoints, has_mtp=runner.model.mtp is not None,
+    )  # fmt: skip
+    return max_num_seqs, spec_rows, layout
 
 
 def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
