@@ -11,17 +11,10 @@ the engine calls sample(handle, bitmask) once it has filled the mask. Prompt log
 prefill chunks of rows that asked (runner/prompt_logprobs.py).
 
 This file is the orchestration; the jobs live beside it, taking the state the runner owns as arguments:
-runner/device_setup.py (device, dtype, threads, this engine's share of the GPU), runner/memory.py (the warm-up and
-the cache sizing), runner/sampling_step.py (StepHandle, the sampler call, the host copies, collect),
-runner/spec_step.py (the speculative glue: verify graphs, the verify batch, accept and draft), runner/mm_embeds.py
-(the vision encoder's embeddings of a step).
-
-Under tensor parallelism one ModelRunner runs per rank (runner/executor.py starts them) with the rank's shard of
-the model and of the caches: every rank applies the same plan to its own request table and runs the same forward
-(its collectives meet the other ranks'), rank 0 alone samples, and the sampled tokens are broadcast over the device
-group so every rank's table keeps the same last_sampled (the next decode's input); with speculative decoding the
-broadcast also carries the verify chunks' accepted tokens, so every rank commits the same GDN states and drafts the
-same tokens (runner/spec_ranks.py). Only rank 0's StepHandle holds tokens.
+runner/device_setup.py (device, dtype, threads, this engine's share of the GPU), runner/memory.py (the warm-up,
+with runner/verify_warmup.py's verify step while speculating, and the cache sizing), runner/sampling_step.py
+(StepHandle, the sampler call, the host copies, collect), runner/spec_step.py (the speculative glue: verify graphs,
+the verify batch, accept and draft), runner/mm_embeds.py (the vision encoder's embeddings of a step).
 """
 
 from __future__ import annotations
@@ -121,11 +114,11 @@ class ModelRunner:
             and engine_config.speculative_config is not None
         )
         self.spec_graphs: VerifyGraphs | None = None
+        self.spec: SpecDecoder | None = None  # enable_speculation; the warm-up sets its own for its steps
         # the warm-up (runner/memory.py) measures the activation peak; what is left sizes the caches
         self.max_num_seqs, spec_rows, self.layout = size_caches(self, max_num_batched_tokens, max_model_len)
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)
-        self.spec: SpecDecoder | None = None  # enable_speculation
         speculative = engine_config.speculative_config
         if speculative is not None:
             k = speculative.num_speculative_tokens
