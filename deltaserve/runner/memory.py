@@ -76,8 +76,8 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
     top-k/top-p (its sort is the largest sampling buffer). While speculating, the MTP drafter runs after each of
     those prefills (its layer over the step's tokens, as after a served prefill), the sampling side of the largest
-    verify bucket runs alone (warm_up_verify_sampling), and then one verify step at the largest verify bucket the
-    engine may serve runs through execute() on a throw-away cache of its own (runner/verify_warmup.py). Returns the
+    verify bucket runs alone (warm_up_verify_sampling), and then one verify step as large as the engine may serve
+    runs through execute() on a throw-away cache of its own (runner/verify_warmup.py). Returns the
     activation peak in bytes: the larger of the two phases' (0 off CUDA, where the same steps run unmeasured). A
     step may hold more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above
     max_seq_len runs as several sequences, as the scheduler would batch them."""
@@ -120,7 +120,7 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
         if meter.is_measuring:
             budget = runner._requested_bytes - weights - peak - graph_bytes(runner, max_num_seqs)[1] - HEADROOM_BYTES
         slot_bytes = bytes_per_slot(runner.model_config, runner.dtype, runner.model.shapes)
-        rows = verify_warmup_rows(k, max_num_seqs, runner.tp.min_over_ranks(budget), slot_bytes)
+        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes)
         drop_cache(runner.model)  # the prefill phase's throw-away cache, before the verify step's
         warm_up_verify(runner, rows, meter, len(sizes))
         peak = max(peak, meter.peak())

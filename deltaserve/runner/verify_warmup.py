@@ -1,8 +1,8 @@
-"""The start-up warm-up's verify step: while speculating, one verify-shaped eager step at the largest verify bucket
-the engine may serve, run on a throw-away cache through the runner's own execute() (the target forward over B rows
-of 1 + k tokens with their drafts, the sampler and the accept rule over every position, the state commit, and the
-MTP drafter's pass and chained passes), so its activations join the measured peak (runner/memory.py) instead of
-coming out of the fixed headroom (docs/speculative-decoding.md#memory).
+"""The start-up warm-up's verify step: while speculating, one eager verify step as large as the engine may serve,
+run on a throw-away cache through the runner's own execute() (the target forward over B rows of 1 + k tokens with
+their drafts, the sampler and the accept rule over every position, the state commit, and the MTP drafter's pass and
+chained passes), so its activations join the measured peak (runner/memory.py) instead of coming out of the fixed
+headroom (docs/speculative-decoding.md#memory).
 
 The plans are plain data built by verify_warmup_plans: B fresh one-token prompts that sample (the drafter drafts k
 tokens for each after that step), then a verify chunk of 1 + k tokens on each row, then the rows' removal.
@@ -18,7 +18,6 @@ from deltaserve.runner.cache import CacheLayout, allocate_and_bind
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows
-from deltaserve.runner.spec_graphs import max_verify_batch
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
 
@@ -56,14 +55,19 @@ class PeakMeter:
         return torch.cuda.max_memory_allocated(self.device) - self.base
 
 
-def verify_warmup_rows(num_speculative_tokens: int, max_num_seqs: int, budget_bytes: int, slot_bytes: int) -> int:
-    """The verify chunks of the warm-up's verify step: the largest verify bucket (runner/spec_graphs.py
-    max_verify_batch: B·(1 + k) <= 512, B <= max_num_seqs) capped by the verify scratch's rows that budget_bytes
-    affords (runner/spec_decode.py scratch_rows). Given an upper bound of the cache budget (the budget before the
-    verify step's own peak is taken out), this is at least the largest verify step the engine will serve, and its
-    throw-away scratch fits where the served one will."""
+def verify_warmup_rows(
+    num_speculative_tokens: int, max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int, slot_bytes: int
+) -> int:
+    """The verify chunks of the warm-up's verify step: the most a served step may hold, as the scheduler caps them:
+    at most max_num_seqs, at most the verify scratch's rows that budget_bytes affords (runner/spec_decode.py
+    scratch_rows, the scheduler's SpecSchedule.max_verifies), and as many chunks of 1 + k tokens as the step's
+    token budget holds. Not the largest verify-graph bucket (512 tokens): a larger verify step runs eager, and
+    eager activations are what the warm-up measures. Given an upper bound of the cache budget (the budget before
+    the verify step's own peak is taken out), this is at least the largest verify step the engine will serve, and
+    its throw-away scratch fits where the served one will."""
     k = num_speculative_tokens
-    return max_verify_batch(k, max_num_seqs, scratch_rows(budget_bytes, slot_bytes, k, max_num_seqs))
+    by_tokens = max(1, max_num_batched_tokens // (1 + k))
+    return min(max_num_seqs, scratch_rows(budget_bytes, slot_bytes, k, max_num_seqs), by_tokens)
 
 
 def verify_warmup_plans(

@@ -17,8 +17,8 @@ from deltaserve.runner.memory import drop_cache, profile_peak_bytes, warm_up_ver
 from deltaserve.runner.verify_warmup import PeakMeter, warm_up_verify
 from deltaserve.tiny.trained import trained_model_dir
 
-MAX_LEN = 64  # also max_num_batched_tokens: the prefill warm-up stays below the verify step's 128 x 4 tokens
-ROWS = 128  # the largest verify bucket at k = 3 (512 tokens) with max_num_seqs = 128
+MAX_LEN = 512  # also max_num_batched_tokens: the verify step's 128 chunks of 1 + k = 4 tokens fill it
+ROWS = 128  # max_num_seqs, and the largest verify bucket at k = 3 (warm_up_verify_sampling's rows)
 
 
 @pytest.mark.gpu

@@ -48,12 +48,13 @@ def test_a_split_warmup_step_runs_through_the_runner(tiny_moe: Path) -> None:
     assert states is not None and torch.isfinite(states[:3]).all() and states[:3].abs().sum() > 0
 
 
-def test_verify_warmup_rows_are_the_largest_bucket_the_scratch_affords() -> None:
-    assert verify_warmup_rows(3, 256, 10**15, 10) == 128  # 512 tokens of 1 + k = 4: the largest bucket
-    assert verify_warmup_rows(1, 256, 10**15, 10) == 256
-    assert verify_warmup_rows(3, 8, 10**15, 10) == 8  # max_num_seqs
-    assert verify_warmup_rows(3, 256, 1000, 10) == 6  # a quarter of 1000 bytes holds 6 chunks of 4 states of 10
-    assert verify_warmup_rows(3, 256, -5, 10) == 1  # the scratch's floor, as the served engine's
+def test_verify_warmup_rows_are_the_largest_verify_step_the_scheduler_may_plan() -> None:
+    # 1,024 tokens of 1 + k = 4: above the largest verify-graph bucket (512 tokens), so such a step runs eager
+    assert verify_warmup_rows(3, 256, 8192, 10**15, 10) == 256  # max_num_seqs
+    assert verify_warmup_rows(3, 1024, 2048, 10**15, 10) == 512  # the token budget: 512 chunks of 4 tokens
+    assert verify_warmup_rows(1, 1024, 2048, 10**15, 10) == 1024
+    assert verify_warmup_rows(3, 256, 8192, 1000, 10) == 6  # a quarter of 1000 bytes holds 6 chunks of 4 states
+    assert verify_warmup_rows(3, 256, 2, -5, 10) == 1  # the floors: one chunk, as the served engine's
 
 
 def test_verify_warmup_plans_pass_spec_layout() -> None:
@@ -127,7 +128,7 @@ def test_warmup_with_speculation_runs_a_verify_step_on_the_cpu(
     # the drafter after each of the 7 prefills (64, 32, ..., 1 tokens: no row samples), then after the verify
     # step's prefill and after the verify step (8 rows each)
     assert drafted == [0] * 7 + [8, 8]
-    # the CPU budget (--cpu-kv-cache-bytes) affords the largest bucket: max_num_seqs = 8 chunks of 1 + k = 3
+    # the CPU budget (--cpu-kv-cache-bytes) and the 64-token step hold max_num_seqs = 8 chunks of 1 + k = 3
     assert "a verify step of 8 rows of 3 tokens with drafts and the MTP drafter" in caplog.text
     assert runner.table is table and runner.spec is spec
     mixers = [layer.mixer for layer in runner.model.layers]
