@@ -15,6 +15,13 @@ runner/device_setup.py (device, dtype, threads, this engine's share of the GPU),
 with runner/verify_warmup.py's verify step while speculating, and the cache sizing), runner/sampling_step.py
 (StepHandle, the sampler call, the host copies, collect), runner/spec_step.py (the speculative glue: verify graphs,
 the verify batch, accept and draft), runner/mm_embeds.py (the vision encoder's embeddings of a step).
+
+Under tensor parallelism one ModelRunner runs per rank (runner/executor.py starts them) with the rank's shard of
+the model and of the caches: every rank applies the same plan to its own request table and runs the same forward
+(its collectives meet the other ranks'), rank 0 alone samples, and the sampled tokens are broadcast over the device
+group so every rank's table keeps the same last_sampled (the next decode's input); with speculative decoding the
+broadcast also carries the verify chunks' accepted tokens, so every rank commits the same GDN states and drafts the
+same tokens (runner/spec_ranks.py). Only rank 0's StepHandle holds tokens.
 """
 
 from __future__ import annotations
