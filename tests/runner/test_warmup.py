@@ -137,11 +137,15 @@ def test_warmup_with_speculation_runs_a_verify_step_on_the_cpu(
     assert runner.model.mtp.attention.k_cache is None and runner.model.mtp.slot_hidden is None
 
 
-def test_start_up_runs_the_warmup_before_the_runner_has_a_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU's start-up order on the CPU: the warm-up (with its verify step) runs inside the runner's constructor,
-    before the runner's own SpecDecoder exists, and what it leaves behind changes no served token."""
+@pytest.mark.parametrize("speculative_config", [None, {"method": "mtp", "num_speculative_tokens": 2}])
+def test_start_up_runs_the_warmup_before_the_runner_has_a_spec(
+    speculative_config: dict | None, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """The GPU's start-up order on the CPU: the warm-up (while speculating with its verify step) runs inside the
+    runner's constructor, before the runner's own SpecDecoder exists (execute() reads it on every step), and what it
+    leaves behind changes no served token."""
     kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 64, "max_num_batched_tokens": 64,
-              "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}  # fmt: skip
+              "speculative_config": speculative_config}  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": [3, 17, 29, 5]}, {"prompt_token_ids": [11, 2]}]
     plain = LLM(trained_model_dir("dense"), **kwargs)
