@@ -165,7 +165,8 @@ def run_media_gate(
     label = "/".join(kinds)
     run_device = tokens._device(device)
     if run_device == "cpu":
-        # the engine's own CPU rule (model_runner), applied before the reference runs: one thread for a tiny model
+        # the engine's own CPU rule (runner/device_setup.py set_cpu_threads), applied before the reference runs: one
+        # thread for a tiny model
         threads = env.cpu_threads_for(model_config.hidden_size)
         if threads:
             torch.set_num_threads(threads)

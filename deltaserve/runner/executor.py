@@ -33,6 +33,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.parallel import LocalShapes, TensorParallel
 from deltaserve.runner.cache import CacheLayout
+from deltaserve.runner.device_setup import resolve_device
 from deltaserve.runner.distributed import (
     BroadcastChannel,
     Launch,
@@ -42,8 +43,9 @@ from deltaserve.runner.distributed import (
     open_store,
     resolve_launch,
 )
-from deltaserve.runner.model_runner import ModelRunner, StepHandle, resolve_device
+from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.runner.observer import StepObserver
+from deltaserve.runner.sampling_step import StepHandle
 from deltaserve.runner.worker import WorkerSpec, run_external_worker, spawned_worker_main
 from deltaserve.step import StepPlan, StepResult
 

@@ -1,6 +1,8 @@
 """Memory sizing of the runner at start-up: the warm-up that measures the activation peak on a throw-away cache,
-and the cache budget that remains of this engine's share of the GPU once the weights, that peak, the CUDA graphs'
-static buffers and a fixed headroom are taken out (vLLM 0.26's `gpu_memory_utilization` accounting).
+the cache budget that remains of this engine's share of the GPU once the weights, that peak, the CUDA graphs'
+static buffers and a fixed headroom are taken out (vLLM 0.26's `gpu_memory_utilization` accounting), and how that
+budget is split between the state pool, the verify scratch, the prefix-cache checkpoints and the KV blocks. While
+speculating, the warm-up also runs the drafter after its prefills and one verify step (runner/verify_warmup.py).
 
 The functions take the ModelRunner under construction: the warm-up runs real steps through its execute().
 """
@@ -13,10 +15,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner.cache import (
+    CacheLayout,
+    affordable_slots,
+    allocate_and_bind,
+    bytes_per_slot,
+    checkpoint_slots,
+    plan_cache,
+)
 from deltaserve.runner.cuda_graph import static_bytes
+from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
+from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_rows, warm_up_verify
 from deltaserve.sampler import Sampler, build_sampling_batch
 from deltaserve.sampler.rejection import random_accept
 from deltaserve.sampling_params import SamplingParams
@@ -28,6 +41,8 @@ if TYPE_CHECKING:  # runner/model_runner.py imports this module
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+# the graph pool's activations beyond the graphs' static buffers, and the libraries' workspaces
+HEADROOM_BYTES = 512 * 2**20
 
 
 def default_max_num_seqs(device: torch.device) -> int:
@@ -59,44 +74,75 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
     it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
     power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
-    top-k/top-p (its sort is the largest sampling buffer), and while speculating the sampling side of the largest
-    verify bucket (warm_up_verify_sampling). Returns the activation peak in bytes. A step may hold
-    more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above max_seq_len runs as
-    several sequences, as the scheduler would batch them."""
+    top-k/top-p (its sort is the largest sampling buffer). While speculating, the MTP drafter runs after each of
+    those prefills (its layer over the step's tokens, as after a served prefill), the sampling side of the largest
+    verify bucket runs alone (warm_up_verify_sampling), and then one verify step as large as the engine may serve
+    runs through execute() on a throw-away cache of its own (runner/verify_warmup.py). Returns the
+    activation peak in bytes: the larger of the two phases' (0 off CUDA, where the same steps run unmeasured). A
+    step may hold more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above
+    max_seq_len runs as several sequences, as the scheduler would batch them."""
+    meter = PeakMeter(runner.device)
+    weights = meter.allocated() - runner._allocated_before
     max_seqs = -(-num_tokens // max_seq_len)
     layout = CacheLayout(-(-num_tokens // runner.block_size) + max_seqs, runner.block_size, max_seqs, 0, 0)
     allocate_and_bind(runner.model, runner.model_config, layout, runner.dtype, runner.device)
-    saved = getattr(runner, "table", None)
+    saved_table, saved_spec = getattr(runner, "table", None), runner.spec
     runner.table = RequestTable(max_seqs, -(-max_seq_len // runner.block_size), runner.vocab_size, runner.device)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    before = torch.cuda.memory_allocated(runner.device)
+    speculative = runner.engine_config.speculative_config
+    runner.spec = None  # the runner's own SpecDecoder (none yet at start-up) is not the warm-up's
+    if speculative is not None:  # the drafter after every prefill; one verify chunk of scratch (none runs here)
+        k = speculative.num_speculative_tokens
+        runner.spec = SpecDecoder(runner.model, max_seqs, k, MtpDrafter(runner.model, k), runner.device,
+                                  speculative.synthetic_acceptance_rates, 1)  # fmt: skip
+    meter.mark()
     sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
     started = time.perf_counter()
-    for step_id, size in enumerate(sizes):
-        runner.execute(warmup_plan(step_id, size, max_seq_len, runner.block_size, runner.vocab_size))
-        runner.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
-    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
-    batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
-                                 runner.vocab_size, runner.device)  # fmt: skip
-    runner.sampler(torch.randn(max_num_seqs, runner.vocab_size, device=runner.device), batch)
-    verify = ""
-    speculative = runner.engine_config.speculative_config
-    if speculative is not None:  # the largest verify bucket's sampling: 1 + k positions a row, the random rule
-        k = speculative.num_speculative_tokens
-        rows = max_verify_batch(k, max_num_seqs, max_num_seqs)
-        warm_up_verify_sampling(runner.sampler, rows, k, runner.vocab_size, runner.device)
-        verify = f", a verify step's sampling over {rows} rows of {1 + k} positions"
-    torch.cuda.synchronize()
+    try:
+        for step_id, size in enumerate(sizes):
+            runner.execute(warmup_plan(step_id, size, max_seq_len, runner.block_size, runner.vocab_size))
+            runner.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
+        batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
+                                     runner.vocab_size, runner.device)  # fmt: skip
+        runner.sampler(torch.randn(max_num_seqs, runner.vocab_size, device=runner.device), batch)
+        verify = ""
+        if speculative is not None:  # the largest verify bucket's sampling: 1 + k positions a row, the random rule
+            rows = max_verify_batch(k, max_num_seqs, max_num_seqs)
+            warm_up_verify_sampling(runner.sampler, rows, k, runner.vocab_size, runner.device)
+            verify = f", a verify step's sampling over {rows} rows of {1 + k} positions"
+        peak = meter.peak()
+    finally:
+        runner.table, runner.spec = saved_table, saved_spec
+    if speculative is not None:
+        # an upper bound of the cache budget (this phase's peak, not yet the verify step's): its verify scratch
+        # caps the bucket as it will cap the served one; every rank runs the same step
+        budget = runner.engine_config.cpu_kv_cache_bytes
+        if meter.is_measuring:
+            budget = runner._requested_bytes - weights - peak - graph_bytes(runner, max_num_seqs)[1] - HEADROOM_BYTES
+        slot_bytes = bytes_per_slot(runner.model_config, runner.dtype, runner.model.shapes)
+        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes)
+        drop_cache(runner.model)  # the prefill phase's throw-away cache, before the verify step's
+        warm_up_verify(runner, rows, meter, len(sizes))
+        peak = max(peak, meter.peak())
+        verify += f", a verify step of {rows} rows of {1 + k} tokens with drafts and the MTP drafter"
     logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows%s in %.1f s", len(sizes),
                 num_tokens, max_num_seqs, verify, time.perf_counter() - started)  # fmt: skip
-    peak = torch.cuda.max_memory_allocated(runner.device) - before
-    runner.table = saved
-    for layer in runner.model.layers:  # drop the throw-away cache before the real one is allocated
+    drop_cache(runner.model)  # before the real cache is allocated
+    if meter.is_measuring:
+        torch.cuda.empty_cache()
+    return peak
+
+
+def drop_cache(model: Qwen35Model) -> None:
+    """Unbinds every cache view of the model (KV, GDN states, the verify scratch, the MTP layer's KV and hidden
+    rows), so that a throw-away cache's memory is freed before the next one is allocated."""
+    for layer in model.layers:
         mixer = layer.mixer
         mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
-    torch.cuda.empty_cache()
-    return peak
+        mixer.spec_conv_scratch = mixer.spec_ssm_scratch = None
+    if model.mtp is not None:
+        model.mtp.attention.k_cache = model.mtp.attention.v_cache = None
+        model.mtp.slot_hidden = None
 
 
 def warm_up_verify_sampling(
@@ -122,6 +168,44 @@ def warm_up_verify_sampling(
     return random_accept(target, drafts, num_drafts, is_greedy, probs, uniforms, noise)
 
 
+def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int, CacheLayout]:
+    """(max_num_seqs, the verify scratch's rows (0 without speculation), the cache layout) from what the cache budget
+    leaves: vLLM's default max_num_seqs capped so the state pool fits, then the verify scratch and the prefix-cache
+    checkpoint slots, then the KV blocks."""
+    engine_config, model_config = runner.engine_config, runner.model_config
+    upper = engine_config.max_num_seqs or default_max_num_seqs(runner.device)
+    # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
+    # rank's budget wins
+    budget = runner.tp.min_over_ranks(cache_budget(runner, max_num_batched_tokens, max_model_len, upper))
+    slot_bytes = bytes_per_slot(model_config, runner.dtype, runner.model.shapes)
+    max_num_seqs = upper
+    if engine_config.max_num_seqs is None:
+        # vLLM's default count, sized to memory: the state pool takes at most half of the cache budget
+        max_num_seqs = min(upper, affordable_slots(budget, slot_bytes))
+        if max_num_seqs < upper:
+            logger.info(
+                "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB would take %.1f GiB "
+                "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, slot_bytes / 2**20,
+                upper * slot_bytes / GIB, budget / GIB,
+            )  # fmt: skip
+    num_slots = engine_config.num_state_slots or max_num_seqs
+    speculative = engine_config.speculative_config
+    spec_rows = 0
+    if speculative is not None:  # the verify scratch comes out of the cache budget (runner/spec_decode.py)
+        spec_rows = scratch_rows(budget, slot_bytes, speculative.num_speculative_tokens, max_num_seqs)
+        budget -= spec_rows * (speculative.num_speculative_tokens + 1) * slot_bytes
+    num_checkpoints = 0
+    if engine_config.enable_prefix_caching:
+        num_checkpoints = engine_config.num_checkpoint_slots
+        if num_checkpoints is None:
+            num_checkpoints = checkpoint_slots(budget, slot_bytes, max_num_seqs)
+    layout = plan_cache(
+        model_config, runner.dtype, runner.block_size, budget, num_slots, max_model_len, runner.model.shapes,
+        num_checkpoints, has_mtp=runner.model.mtp is not None,
+    )  # fmt: skip
+    return max_num_seqs, spec_rows, layout
+
+
 def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
     """The bytes left for the KV cache, the state pool and the verify scratch (the CPU: --cpu-kv-cache-bytes)."""
     if runner.device.type != "cuda":
@@ -132,7 +216,7 @@ def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len
     # the graphs' static buffers (decode graphs, or verify graphs while speculating), plus a fixed headroom for the
     # graph pool's other activations and library workspaces
     kind, graphs = graph_bytes(runner, max_num_seqs)
-    headroom = 512 * 2**20
+    headroom = HEADROOM_BYTES
     budget = runner._requested_bytes - weights - peak - graphs
     budget -= headroom
     logger.info(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
+from deltaserve.runner.device_setup import resolve_device
 from deltaserve.runner.distributed import (
     BroadcastChannel,
     Launch,
@@ -32,7 +33,7 @@ from deltaserve.runner.distributed import (
     init_process_groups,
     resolve_launch,
 )
-from deltaserve.runner.model_runner import ModelRunner, resolve_device
+from deltaserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

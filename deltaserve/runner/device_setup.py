@@ -1,0 +1,67 @@
+"""Where a ModelRunner runs, decided once at construction: the device and dtype named by the engine config ("auto"
+resolved as vLLM does), the GPU of a tensor-parallel rank, the CPU thread count, and the share of the GPU this engine
+may size its caches from (runner/memory.py spends it)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deltaserve import env
+from deltaserve.model.parallel import TensorParallel
+from deltaserve.runner.cache import requested_bytes
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def rank_device(name: str, tp: TensorParallel) -> torch.device:
+    """The device named `name`; under tensor parallelism on CUDA, the rank's own GPU of this host (made current)."""
+    device = resolve_device(name)
+    if device.type == "cuda" and tp.is_parallel:
+        device = torch.device("cuda", tp.local_rank)  # one GPU per rank of this host
+        torch.cuda.set_device(device)
+    return device
+
+
+def set_cpu_threads(device: torch.device, hidden_size: int, tp: TensorParallel) -> None:
+    """On the CPU, the thread count env.cpu_threads_for picks for the model's size; ranks of one host share its
+    cores."""
+    if device.type != "cpu":
+        return
+    threads = env.cpu_threads_for(hidden_size)
+    if threads is None and tp.is_parallel:
+        threads = max(1, (os.cpu_count() or 1) // tp.size)  # the ranks share the host's cores
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def engine_share(device: torch.device, utilization: float) -> tuple[int, int]:
+    """(the bytes this engine may use, the bytes allocated before it built anything); (0, 0) off CUDA.
+
+    vLLM 0.26's per-instance share: utilization x total is this engine's, and must be free at start-up (what other
+    processes hold is not subtracted from it, so two engines at 0.45 share one GPU as under vLLM)."""
+    if device.type != "cuda":
+        return 0, 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # this process's cached but unused blocks are free for this engine
+    free, total = torch.cuda.mem_get_info(device)
+    return requested_bytes(total, free, utilization), torch.cuda.memory_allocated(device)
