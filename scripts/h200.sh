@@ -31,6 +31,13 @@
 #                                MTP arm in process: tokens and acceptance) on the trained dense / moe / next
 #                                checkpoints, side by side on one GPU (--share-gpu); FLAGS are the gate's own
 #                                (-k 1, --max-tokens, ...); gate-mtp-V-bf16-TAG.json
+#   gates fp8 [FLAGS]            the FP8 token gates on cuda (deltaserve gate fp8: deltaserve against vLLM 0.26 in
+#                                process, both serving the FP8 copy the gate writes of the dense-w128 / moe-w128 /
+#                                next-w128 checkpoints, greedy, bf16), side by side on one GPU (--share-gpu). Those
+#                                checkpoints are not shipped: train.py trains them on the GPU first (--device cuda,
+#                                three at once) into $DS_W128 (kept for the next call on a warm machine; the
+#                                record names the training device and the sha256s); FLAGS are the gate's own
+#                                (--prompts text: held-out text instead of the random prompts); gate-fp8-V-w128-TAG.json
 #   decode-step [FLAGS]          benchmarks/decode_step.py (FLAGS are its own: --batches, --shapes, --variants, ...),
 #                                then graph_ms against the newest committed decode-step record
 #                                (scripts/decode_step_compare.py; `--against RECORD` names another)
@@ -75,6 +82,7 @@
 #       RECORD_TAG             the suffix of record names (default h200-YYYYMMDD, UTC)
 #       DS_MODELS              the dummy checkpoints (default /tmp/ds_models)
 #       DS_WORK                where logs are written before they are tarred (default /tmp/ds_run)
+#       DS_W128                where `gates fp8` trains the -w128 checkpoints, or finds them (default /tmp/ds_w128)
 #       DRY_RUN=1              print each command instead of running it (a check of the arguments, on any machine)
 # Back in the repo: move the records into benchmarks/results/<kind>/ (benchmarks/results/INDEX.md says which
 # kind) and run `deltaserve bench report`.
@@ -91,6 +99,7 @@ shift
 PY=${PY:-python3}
 budget=${CALL_BUDGET_S:-570}
 models=${DS_MODELS:-/tmp/ds_models}
+w128=${DS_W128:-/tmp/ds_w128}
 tag=${RECORD_TAG:-h200-$(date -u +%Y%m%d)}
 W=${DS_WORK:-/tmp/ds_run}/$step-$(date -u +%H%M%S)  # logs, tarred into $OUT at exit
 mkdir -p "$W" "$OUT"
@@ -291,6 +300,58 @@ gate_mtp() {  # [FLAGS]: the three bf16 MTP gates at once on one GPU, each again
   return $status
 }
 
+gate_fp8() {  # [FLAGS]: the three FP8 token gates at once on one GPU, each against vLLM in process
+  if [ ! -d /tmp/vllm_site/vllm ] && [ -z "${DRY_RUN:-}" ]; then
+    echo "no /tmp/vllm_site/vllm: carry the bundle pieces first (setup); the gate's vLLM reference needs it" | say
+    return 3
+  fi
+  local v i rc status=0 limit variants=(${VARIANTS:-dense moe next}) pids=() trained=() ready=()
+  # the -w128 checkpoints are trained here, not shipped (docs/fp8.md: the tree and a bundle piece must fit one carry)
+  limit=$(left 30)
+  for v in "${variants[@]}"; do
+    if [ -f "$w128/$v-w128/training.json" ]; then  # train.py installs a folder whole (staging, then rename)
+      echo "train $v-w128: reusing $w128/$v-w128 (trained by an earlier call on this machine)" | say
+      continue
+    fi
+    run "$W/train-$v-w128.log" timeout "$limit" $PY -m deltaserve.tiny.train "$w128/$v-w128" \
+      --variant "$v-w128" --device cuda &
+    pids+=($!)
+    trained+=("$v")
+  done
+  for ((i = 0; i < ${#pids[@]}; i++)); do
+    wait "${pids[$i]}"
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    echo "train ${trained[$i]}-w128 on cuda rc $rc: $(grep -m1 '^train\[' "$W/train-${trained[$i]}-w128.log" 2> /dev/null)" | say
+  done
+  for v in "${variants[@]}"; do  # a variant whose training failed has no checkpoint to gate
+    if [ -f "$w128/$v-w128/training.json" ] || [ -n "${DRY_RUN:-}" ]; then
+      ready+=("$v")
+    else
+      echo "gate fp8 $v-w128: not run, its training failed (logs-gates.tgz: train-$v-w128.log)" | say
+    fi
+  done
+  [ ${#ready[@]} -eq 0 ] && return 1
+  variants=("${ready[@]}")
+  pids=()
+  limit=$(left 20)
+  for v in "${variants[@]}"; do
+    run "$W/gate-fp8-$v.log" timeout "$limit" $PY -m deltaserve.cli gate fp8 --model "$w128/$v-w128" \
+      --fp8-dir "/tmp/ds_fp8/$v-w128" --dtype bfloat16 --device cuda --share-gpu \
+      --record "$OUT/gate-fp8-$v-w128-$tag.json" "$@" &
+    pids+=($!)
+    [ -n "${DRY_RUN:-}" ] || sleep 2  # staggered starts: the CUDA contexts and first compiles do not all land at once
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    echo "gate fp8 ${variants[$i]}-w128 rc $rc:" | say
+    grep -E "^STRICT|^  prompt|REFUSED|nothing to check" "$W/gate-fp8-${variants[$i]}.log" 2> /dev/null | say
+  done
+  return $status
+}
+
 mark "$step $* (commit ${DELTASERVE_GIT_COMMIT:-unset}, $(date -u +%FT%TZ), budget ${budget} s)"
 setup
 status=0
@@ -306,6 +367,7 @@ case $step in
       fp32) gate_fp32 || status=$? ;;
       prefix-cache) gate_prefix_cache "$@" || status=$? ;;
       mtp) gate_mtp "$@" || status=$? ;;
+      fp8) gate_fp8 "$@" || status=$? ;;
       bf16 | media)
         script=benchmarks/oracle/gates_shared.sh
         [ "$what" = media ] && script=benchmarks/oracle/media_gate_runs.sh
@@ -313,7 +375,7 @@ case $step in
           GATE_TIMEOUT_S="$(left 20)" timeout "$(left 10)" bash "$script" || status=$?
         grep -E "^===|^STRICT|^rc|REFUSED|Error" "$W/$what.log" 2> /dev/null | say
         tar -czf "$OUT/gates-$what-${1:-all}-$tag.tgz" -C "$W/$what" . 2> /dev/null ;;
-      *) echo "gates: fp32, bf16 STAGE, media MEDIA, prefix-cache [FLAGS] or mtp [FLAGS], not $what" | say; status=2 ;;
+      *) echo "gates: fp32, bf16 STAGE, media MEDIA, prefix-cache [FLAGS], mtp [FLAGS] or fp8 [FLAGS], not $what" | say; status=2 ;;
     esac ;;
   decode-step)
     against=()

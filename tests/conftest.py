@@ -1,5 +1,8 @@
 """Shared test setup: Triton's interpreter on CPU-only machines, and tiny checkpoints built once per session.
 
+`wide_dirs` are the FP8 gate's -w128 variants untrained (make_tiny, seeded): the trained ones are not shipped (the
+H200 trains them at gate time, docs/fp8.md), and format, loading, bit-equality and fp32 exactness need no training.
+
 TRITON_INTERPRET must be set before anything imports a module with @triton.jit kernels, so it is set here,
 at the top of the first file pytest imports, and only when no CUDA device is present.
 """
@@ -27,6 +30,16 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tiny")
     return {variant: make_tiny(root / variant, variant) for variant in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def wide_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One untrained checkpoint folder per FP8 gate variant (dense-w128, moe-w128, next-w128), about 0.1 s each."""
+    from deltaserve.tiny import make_tiny
+    from deltaserve.tiny.spec import WIDE_VARIANTS
+
+    root = tmp_path_factory.mktemp("wide")
+    return {variant: make_tiny(root / variant, variant) for variant in WIDE_VARIANTS}
 
 
 @pytest.fixture(scope="session")

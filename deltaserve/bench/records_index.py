@@ -121,6 +121,12 @@ def _what_json(data: dict[str, Any]) -> str:
         return f"mixed prefill+decode step (mixed_step.py): {shapes}; cases {_flag(command, '--cases') or 'default'}"
     if kind and str(kind).startswith("gate-tokens"):
         return _what_gate(data)
+    if kind == "gate-fp8":
+        verdict = next((line for line in data.get("output") or [] if str(line).startswith("STRICT")), "no STRICT line")
+        model = Path(str(data.get("model") or "?")).name
+        training = (data.get("checkpoint") or {}).get("training")
+        trained = f" (trained on {training.get('device')})" if isinstance(training, dict) else ""
+        return f"FP8 token gate: {model}{trained} as block FP8, {data.get('dtype', '')}, vs vLLM in process; {verdict}"
     if kind == "profile_prefill":
         lengths = ",".join(str(n) for n in data.get("prompt_lens", []))
         return (f"one prefill at a time in the engine, per op against the ceilings (profile_prefill.py): "

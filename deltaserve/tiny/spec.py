@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-VARIANTS: tuple[str, ...] = ("dense", "moe", "next", "dense-vl", "moe-vl")
+VARIANTS: tuple[str, ...] = ("dense", "moe", "next", "dense-vl", "moe-vl", "dense-w128", "moe-w128", "next-w128")
 EXPERT_LAYOUTS: tuple[str, ...] = ("fused", "per_expert")
 
 
@@ -143,6 +143,32 @@ VARIANT_SPECS: dict[str, VariantSpec] = {
 # Vision variants (deltaserve/tiny/vision.py): the text variant's spec under the vision variant's name.
 VARIANT_SPECS["dense-vl"] = replace(VARIANT_SPECS["dense"], name="dense-vl")
 VARIANT_SPECS["moe-vl"] = replace(VARIANT_SPECS["moe"], name="moe-vl")
+
+# The FP8 gate's variants: the text variants' families at WIDE_SHAPES; trained on the H200 at gate time, not shipped
+# (docs/fp8.md#the-fp8-gates-checkpoints-dense-w128-moe-w128-next-w128).
+WIDE_VARIANTS: dict[str, str] = {"dense-w128": "dense", "moe-w128": "moe", "next-w128": "next"}  # -> text variant
+for _wide, _base in WIDE_VARIANTS.items():
+    VARIANT_SPECS[_wide] = replace(VARIANT_SPECS[_base], name=_wide)
+
+# Widths at which every FP8 projection, fused or not, has N and K multiples of 128, as vLLM's block-FP8 kernels
+# need (N a multiple of 64, K of 128; a merged projection's parts other than the last a multiple of 128): hidden
+# 128; attention q with its gate 4 x 64 x 2 = 512, k = v = 2 x 64 = 128, o K = 256; GDN keys 2 x 64 = 128, values
+# 4 x 64 = 256 (in_proj_qkv 512, in_proj_z 256, Next's in_proj_qkvz 768, out_proj K = 256); MLP 256; experts and
+# shared expert 128. Four layers (three GDN, one attention) and four experts (top-2) keep the hybrid pattern and
+# the routing while keeping the shipped bytes small.
+WIDE_SHAPES = TinyShapes(
+    num_hidden_layers=4,
+    hidden_size=128,
+    head_dim=64,
+    # rotary_dim 16: 8 frequencies over (T, H, W)
+    mrope_section=(3, 3, 2),
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    intermediate_size=256,
+    num_experts=4,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+)
 
 
 def variant_spec(variant: str) -> VariantSpec:

@@ -5,12 +5,18 @@ head), so their logits are peaked and bf16 rounding rarely flips a greedy token:
 exactness claim means something (issue 13); the vision variants' also on image, multi-image and video prompts
 (deltaserve/tiny/train_vision.py, issue 14). `trained_model_dir` finds one; `copy_trained` copies one out (for
 `deltaserve make-tiny DIR --trained`). Each folder's training.json states the recipe that made it.
+
+The FP8 gate's -w128 variants (spec.WIDE_VARIANTS) are not shipped: train.py trains them on the H200 at gate time
+(`scripts/h200.sh gates fp8`), because every device call carries the whole tree within a fixed size and their
+12.6 MB would not fit beside the bundle pieces (docs/fp8.md, "The FP8 gate's checkpoints").
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from deltaserve.tiny.spec import WIDE_VARIANTS
 
 TRAINED_ROOT = Path(__file__).with_name("trained")
 # the vision variants are trained by deltaserve/tiny/train_vision.py (issue 14)
@@ -19,6 +25,12 @@ TRAINED_VARIANTS: tuple[str, ...] = ("dense", "moe", "next", "dense-vl", "moe-vl
 
 def trained_model_dir(variant: str) -> Path:
     """The shipped trained checkpoint of `variant` (read-only package data)."""
+    if variant in WIDE_VARIANTS:  # trained on the device at gate time, never shipped (the module docstring)
+        raise FileNotFoundError(
+            f"the FP8 gate's checkpoint {variant!r} is not shipped: train it with "
+            f"`python -m deltaserve.tiny.train DIR --variant {variant} --device cuda` (scripts/h200.sh gates fp8 "
+            f"does), or `deltaserve make-tiny DIR --variant {variant}` for its untrained twin"
+        )
     folder = TRAINED_ROOT / variant
     if not (folder / "config.json").is_file():
         shipped = sorted(p.parent.name for p in TRAINED_ROOT.glob("*/config.json"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from deltaserve.tiny.spec import TinyShapes
+from deltaserve.tiny.spec import WIDE_SHAPES, WIDE_VARIANTS, TinyShapes
 
 VISION_VARIANTS: dict[str, str] = {"dense-vl": "dense", "moe-vl": "moe"}  # vision variant -> its text variant
 
@@ -34,7 +34,10 @@ VIDEO_MAX_PIXELS = 25165824
 
 
 def shapes_for(variant: str) -> TinyShapes:
-    return VISION_SHAPES if variant in VISION_VARIANTS else TinyShapes()
+    """The shapes of a variant: the vision variants', the FP8 gate's wide ones (spec.WIDE_SHAPES) or the default."""
+    if variant in VISION_VARIANTS:
+        return VISION_SHAPES
+    return WIDE_SHAPES if variant in WIDE_VARIANTS else TinyShapes()
 
 
 def preprocessor_config(shapes: TinyShapes) -> dict[str, Any]:

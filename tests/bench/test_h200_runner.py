@@ -16,7 +16,7 @@ RUNNER = ROOT / "scripts" / "h200.sh"
 
 def runner(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DS_WORK": str(tmp_path / "work"), "DRY_RUN": "1"}
-    env.update(DS_MODELS=str(tmp_path / "models"), RECORD_TAG="h200-test", PY="python3")
+    env.update(DS_MODELS=str(tmp_path / "models"), DS_W128=str(tmp_path / "w128"), RECORD_TAG="h200-test", PY="python3")
     return subprocess.run(["bash", str(RUNNER), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -63,6 +63,22 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
             f"--reference vllm --share-gpu --record {out}/gate-mtp-{variant}-bf16-h200-test.json -k 1" in mtp
         )
         assert f"gate mtp {variant} rc 0" in mtp
+    fp8 = runner(tmp_path, "gates", "fp8", "--num-prompts", "8").stdout
+    w128 = tmp_path / "w128"
+    for variant in ("dense", "moe", "next"):  # trained on the GPU first (not shipped), written as FP8, vs vLLM
+        train = f"-m deltaserve.tiny.train {w128}/{variant}-w128 --variant {variant}-w128 --device cuda > "
+        assert train in fp8 and fp8.index(train) < fp8.index("gate fp8 --model")
+        assert (
+            f"gate fp8 --model {w128}/{variant}-w128 --fp8-dir /tmp/ds_fp8/{variant}-w128"
+            f" --dtype bfloat16 --device cuda --share-gpu --record {out}/gate-fp8-{variant}-w128-h200-test.json "
+            "--num-prompts 8" in fp8
+        )
+        assert f"train {variant}-w128 on cuda rc 0" in fp8 and f"gate fp8 {variant}-w128 rc 0" in fp8
+    (w128 / "moe-w128").mkdir(parents=True)
+    (w128 / "moe-w128" / "training.json").write_text("{}")  # a warm machine's earlier call trained it
+    again = runner(tmp_path, "gates", "fp8").stdout
+    assert f"train moe-w128: reusing {w128}/moe-w128" in again and "--variant moe-w128" not in again
+    assert "--variant dense-w128 --device cuda" in again and f"gate fp8 --model {w128}/moe-w128 " in again
     tp_gate = runner(tmp_path, "tp", "gate").stdout
     for variant in ("dense", "moe", "next"):  # speculative decoding at two ranks, with MTP vs without
         assert f"gate mtp --model deltaserve/tiny/trained/{variant} --dtype bfloat16 --device cuda -tp 2" in tp_gate

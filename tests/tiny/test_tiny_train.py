@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from deltaserve.tiny import train as train_module
 from deltaserve.tiny.mtp import corpus_split, fuse_experts, load_mtp_head, unfuse_experts
-from deltaserve.tiny.trained import TRAINED_VARIANTS, trained_model_dir
+from deltaserve.tiny.spec import WIDE_VARIANTS
+from deltaserve.tiny.trained import TRAINED_ROOT, TRAINED_VARIANTS, trained_model_dir
 from deltaserve.tiny.vision import VISION_VARIANTS
 
 TEXT_TRAINED = tuple(v for v in TRAINED_VARIANTS if v not in VISION_VARIANTS)
@@ -156,6 +157,29 @@ def test_shipped_trained_checkpoint_matches_its_manifest(variant: str, tiny_dirs
     assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
     assert manifest["recipe"] == asdict(train_module.recipe_for(variant))
     assert sum(p.stat().st_size for p in folder.iterdir()) < 4 * 2**20
+    assert manifest["final_loss"] < manifest["first_loss"] / 4  # trained
+
+
+def test_the_fp8_gate_checkpoints_are_not_shipped_and_say_how_to_make_them() -> None:
+    """dense-w128 / moe-w128 / next-w128 stay variants (make_tiny, train.py) but ship no weights: the H200 trains
+    them at gate time (scripts/h200.sh gates fp8), so asking for the shipped one names the command that trains it."""
+    assert not set(WIDE_VARIANTS) & set(TRAINED_VARIANTS)
+    assert not [p for p in TRAINED_ROOT.iterdir() if p.name in WIDE_VARIANTS]
+    for variant in WIDE_VARIANTS:
+        with pytest.raises(FileNotFoundError, match="not shipped") as info:
+            trained_model_dir(variant)
+        assert f"python -m deltaserve.tiny.train DIR --variant {variant} --device cuda" in str(info.value)
+
+
+def test_the_cli_device_flag_reaches_the_recipe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--device cuda`, as scripts/h200.sh gates fp8 trains the -w128 checkpoints, is the recipe's device (which
+    training.json records and the FP8 gate's record names); without it the recipe's own (cpu)."""
+    seen: list[tuple[str, train_module.Recipe]] = []
+    monkeypatch.setattr(train_module, "train_tiny", lambda out, variant, recipe, *rest: seen.append((variant, recipe)))
+    assert train_module.main([str(tmp_path / "d"), "--variant", "dense-w128", "--device", "cuda"]) == 0
+    assert train_module.main([str(tmp_path / "d"), "--variant", "next-w128"]) == 0
+    assert [(v, r.device) for v, r in seen] == [("dense-w128", "cuda"), ("next-w128", "cpu")]
+    assert seen[0][1] == train_module.recipe_for("dense-w128", device="cuda")
 
 
 def test_shipped_vision_checkpoints_match_their_manifests_and_a_random_one_is_not_conditioned(

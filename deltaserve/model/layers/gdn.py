@@ -52,10 +52,16 @@ class GatedDeltaNet(nn.Module):
         # flat [q | k | v | z] rows (Qwen3-Next's group-interleaved layout is undone at load time)
         # block-FP8 in an FP8 checkpoint (docs/fp8.md), like out_proj; in_proj_ba never is
         is_fp8 = config.fp8 is not None
+        parts = (self.key_dim, self.key_dim, self.value_dim, self.value_dim)
+        if config.is_gdn_interleaved:
+            # the rows come de-interleaved from per-key-group pieces [q_g | k_g | v_g | z_g]: the fused weight's
+            # 128-row blocks are the checkpoint's only when every piece is whole blocks (kernels/fp8.py,
+            # fp8_block_rows), else each row keeps its own scale
+            per_group_v = self.value_dim // self.num_k_heads
+            parts = (self.head_k_dim,) * (2 * self.num_k_heads) + (per_group_v,) * (2 * self.num_k_heads)
         self.in_proj_qkvz = projection(
-            self.conv_dim + self.value_dim, hidden, dtype=dtype, device=device, fp8=is_fp8,
-            parts=(self.key_dim, self.key_dim, self.value_dim, self.value_dim),
-        )  # fmt: skip
+            self.conv_dim + self.value_dim, hidden, dtype=dtype, device=device, fp8=is_fp8, parts=parts
+        )
         self.in_proj_ba = empty_param(2 * self.num_v_heads, hidden, dtype=dtype, device=device)  # [b | a]
         self.conv1d = empty_param(self.conv_dim, config.linear_conv_kernel_dim, dtype=dtype, device=device)
         # kept fp32 (docs/ARCHITECTURE.md#gated-deltanet-and-its-state)
