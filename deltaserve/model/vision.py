@@ -22,9 +22,10 @@ from deltaserve.model.layers.common import empty_param
 
 def to_device_async(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor onto `device` without making the host wait for the GPU: onto CUDA through pinned memory and a
-    non-blocking copy. A plain `.to("cuda")` of pageable memory synchronises the stream first, so the host would sit
-    until every step already queued had run, and the step loop's overlap of host and GPU was lost for the step
-    (docs/multimodal.md#speed-under-image-traffic). The same values either way; other devices copy as before."""
+    non-blocking copy. A plain `.to("cuda")` is a blocking copy: it returns once the copy has run, behind every
+    kernel already queued on the stream, so the host sat until the queued step had run and the step loop's overlap
+    of host and GPU was lost for the step (docs/multimodal.md#speed-under-image-traffic). The same values either
+    way; other devices copy as before."""
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
@@ -147,15 +148,16 @@ class VisionBlock(nn.Module):
         num_tokens, width = x.shape
         h = F.layer_norm(x, (width,), self.norm1_weight, self.norm1_bias, 1e-6)
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(num_tokens, 3, self.num_heads, self.head_dim)
-        # q and k rotated together, each element by the same fp32 ops as apart: half the launches (the eager tower
-        # is launch-bound on a GPU, docs/multimodal.md#speed-under-image-traffic)
+        # q and k rotated together, each element by the same fp32 ops as apart: one set of launches instead of two
+        # (the eager tower is launch-bound on a GPU, docs/multimodal.md#speed-under-image-traffic)
         qk = qkv[:, :2].float()  # [S, 2, heads, d]
         cos_f, sin_f = cos[:, None, None, :], sin[:, None, None, :]
         q, k = (qk * cos_f + _rotate_half(qk) * sin_f).to(x.dtype).unbind(1)  # [S, heads, d] each
         v = qkv[:, 2]
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for start, length, count in segments:
-            # `count` consecutive segments of one length (a video's frame groups) run as one batched call
+            # `count` consecutive segments of one length (a video's frame groups, a step's same-size images) run as
+            # one batched call
             end = start + length * count
             qs = q[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
             ks = k[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
