@@ -33,6 +33,7 @@ from deltaserve import env
 from deltaserve.engine.command_reader import CommandReader
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
 from deltaserve.engine_config import EngineConfig
+from deltaserve.runner.threads import apply_serving_threads
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def engine_core_main(
         with contextlib.suppress(OSError):
             outputs.send(("error", _picklable(exc)))
         sys.exit(1)
+    apply_serving_threads(core.runner.device.type)  # start-up is done: one torch CPU thread on a GPU (as vLLM)
     outputs.send(("ready", core.info()))
     code = 0
     send_lock = threading.Lock()  # the loop and the heartbeat thread share the pipe
