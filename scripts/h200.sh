@@ -49,6 +49,11 @@
 #                                prefill conv, both kernels interleaved in one process)
 #   mixed-step [FLAGS]           benchmarks/mixed_step.py (--shapes, --cases, --reps)
 #   profile-decode [SHAPE] [FLAGS]  benchmarks/profile_decode.py on the dummy q35-SHAPE (default 35b-a3b)
+#   vision-encode [FLAGS]        benchmarks/vision_encode.py on the image dummy q35-35b-a3b-mm (written if absent):
+#                                host and GPU ms, kernels and ops of one tower call of 1 and 6 512x512 images
+#                                (docs/multimodal.md#speed-under-image-traffic); vision-encode-TAG.json. Before /
+#                                after in one call: `git show 717fa9e:deltaserve/model/vision.py > ab/vision.py`
+#                                (an untracked file travels with the tree), then `vision-encode --baseline ab/vision.py`
 #   profile-prefill [SHAPES] [FLAGS]  benchmarks/profile_prefill.py (one long prefill at a time: TTFT, GPU ms, per-op
 #                                profile against the ceilings) on the dummy q35-SHAPE of each of the comma list SHAPES
 #                                (default 27b,35b-a3b), one process and record each (profile-prefill-SHAPE-TAG.json),
@@ -421,6 +426,15 @@ case $step in
     run "$W/mixed-step.log" timeout "$(left)" $PY benchmarks/mixed_step.py --models "$models" \
       --out "$OUT/mixed-step-$tag.json" "$@" || status=$?
     grep -E "^  |FAILED|case," "$W/mixed-step.log" 2> /dev/null | say ;;
+  vision-encode)
+    [ -f "$models/q35-35b-a3b-mm/config.json" ] \
+      || run "$W/dummy-mm.log" timeout 120 $PY benchmarks/oracle/make_dummy_models.py "$models" --only q35-35b-a3b-mm \
+      || { echo "the image dummy failed: $(tail -3 "$W/dummy-mm.log")" | say; status=3; }
+    if [ "$status" -eq 0 ]; then
+      run "$W/vision-encode.log" timeout "$(left)" $PY benchmarks/vision_encode.py --model "$models/q35-35b-a3b-mm" \
+        --out "$OUT/vision-encode-$tag.json" "$@" || status=$?
+      grep -E "^  |record" "$W/vision-encode.log" 2> /dev/null | say
+    fi ;;
   profile-decode)
     shape=35b-a3b
     [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && shape=$1 && shift

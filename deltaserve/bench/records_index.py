@@ -30,7 +30,8 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kernels": (
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
         ("decode-step*", "mixed-step*", "conv-prefill*", "align-router*", "tune-moe*", "moe-table*", "kernels-*")
-        + ("profile-decode*", "profile-prefill*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*"),
+        + ("profile-decode*", "profile-prefill*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*")
+        + ("vision-encode*",),
     ),
     "gates": (
         "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "

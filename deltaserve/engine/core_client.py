@@ -10,6 +10,8 @@ process is draining: the API process stops the core when it is done), exits when
 sends its start-up failure back as the exception itself, so the caller reports it as if the model had loaded
 in-process. Once ready, a thread of the core process sends a heartbeat every HEARTBEAT_INTERVAL_S whatever the loop
 is doing, so the API process can tell a frozen core (SIGSTOP, a hung host) from a busy one (`seconds_since_heard`).
+Another thread of the core process receives the commands (engine/command_reader.py), so a large one (an image's
+patch rows, megabytes) crosses the pipe while the loop keeps stepping.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from deltaserve import env
+from deltaserve.engine.command_reader import CommandReader
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
 from deltaserve.engine_config import EngineConfig
+from deltaserve.runner.threads import apply_serving_threads
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +123,7 @@ def engine_core_main(
         with contextlib.suppress(OSError):
             outputs.send(("error", _picklable(exc)))
         sys.exit(1)
+    apply_serving_threads(core.runner.device.type)  # start-up is done: one torch CPU thread on a GPU (as vLLM)
     outputs.send(("ready", core.info()))
     code = 0
     send_lock = threading.Lock()  # the loop and the heartbeat thread share the pipe
@@ -131,20 +136,12 @@ def engine_core_main(
         target=_send_heartbeats, args=(send, heartbeat_interval_s), name="deltaserve-core-heartbeat", daemon=True
     ).start()
 
-    def get_commands(block: bool) -> list[Command]:
-        items: list[Command] = []
-        try:
-            if block and not commands.poll(IDLE_WAIT_S):
-                return items
-            while commands.poll(0):
-                items.append(commands.recv())
-        except (EOFError, OSError):
-            items.append(("shutdown", None))  # the API process is gone
-        return items
-
+    # commands arrive on a thread of their own: an image's patch rows take many pipe turns to cross, and the loop
+    # must not stand still meanwhile (engine/command_reader.py); a closed pipe reads as a shutdown
+    reader = CommandReader(commands, IDLE_WAIT_S)
     try:
         with contextlib.suppress(BrokenPipeError, EOFError):  # the API process is gone
-            serve_core(core, get_commands, lambda batch: send(("outputs", batch)))
+            serve_core(core, reader.get, lambda batch: send(("outputs", batch)))
         core.drain()
     except Exception as exc:
         # the API process sees the exit: an error on every open stream, and the server stops non-zero

@@ -20,6 +20,19 @@ from deltaserve.config import VisionConfig
 from deltaserve.model.layers.common import empty_param
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor onto `device` without making the host wait for the GPU: onto CUDA through pinned memory and a
+    non-blocking copy. A plain `.to("cuda")` is a blocking copy: it returns once the copy has run, behind every
+    kernel already queued on the stream, so the host sat until the queued step had run and the step loop's overlap
+    of host and GPU was lost for the step (docs/multimodal.md#speed-under-image-traffic). The same values either
+    way; other devices copy as before."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    # the pinned block is the caching host allocator's: it is not reused until the copy has run
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def gather_mm_embeds(
     pieces: list[tuple[int, torch.Tensor]], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -29,8 +42,8 @@ def gather_mm_embeds(
     pieces = [(row, rows) for row, rows in pieces if rows.shape[0]]
     if not pieces:
         return None
-    index = torch.cat([torch.arange(row, row + rows.shape[0]) for row, rows in pieces]).to(device)
-    return index, torch.cat([rows.to(device) for _, rows in pieces])
+    index = to_device_async(torch.cat([torch.arange(row, row + rows.shape[0]) for row, rows in pieces]), device)
+    return index, torch.cat([to_device_async(rows, device) for _, rows in pieces])
 
 
 def _linear_with_bias(
@@ -92,6 +105,23 @@ def vision_rope(
     return freqs.cos(), freqs.sin()
 
 
+def attention_segments(grid_thw: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(start, length, count) runs of `count` consecutive attention segments of one length: one segment per image
+    and per temporal group of a video (docs/multimodal.md#the-vision-tower). Neighbouring items of one size share a
+    run, so a step's images of one size take one batched attention call a block instead of one each; each batch
+    entry is computed on its own, so the values are those of separate calls."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for t, h, w in grid_thw:
+        if runs and runs[-1][1] == h * w:
+            first, length, count = runs[-1]
+            runs[-1] = (first, length, count + t)
+        else:
+            runs.append((start, h * w, t))
+        start += t * h * w
+    return runs
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -118,13 +148,16 @@ class VisionBlock(nn.Module):
         num_tokens, width = x.shape
         h = F.layer_norm(x, (width,), self.norm1_weight, self.norm1_bias, 1e-6)
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(num_tokens, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(1)  # [S, heads, d] each
-        cos_f, sin_f = cos[:, None, :], sin[:, None, :]
-        q = (q.float() * cos_f + _rotate_half(q.float()) * sin_f).to(x.dtype)
-        k = (k.float() * cos_f + _rotate_half(k.float()) * sin_f).to(x.dtype)
+        # q and k rotated together, each element by the same fp32 ops as apart: one set of launches instead of two
+        # (the eager tower is launch-bound on a GPU, docs/multimodal.md#speed-under-image-traffic)
+        qk = qkv[:, :2].float()  # [S, 2, heads, d]
+        cos_f, sin_f = cos[:, None, None, :], sin[:, None, None, :]
+        q, k = (qk * cos_f + _rotate_half(qk) * sin_f).to(x.dtype).unbind(1)  # [S, heads, d] each
+        v = qkv[:, 2]
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for start, length, count in segments:
-            # `count` consecutive segments of one length (a video's frame groups) run as one batched call
+            # `count` consecutive segments of one length (a video's frame groups, a step's same-size images) run as
+            # one batched call
             end = start + length * count
             qs = q[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
             ks = k[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
@@ -177,17 +210,16 @@ class VisionTower(nn.Module):
         device = self.patch_weight.device
         if pixel_values.shape[0] != sum(t * h * w for t, h, w in grids) or pixel_values.shape[1] != config.patch_dim:
             raise ValueError(f"pixel_values {list(pixel_values.shape)} do not match grids {grids}")
-        x = self.embed_patches(pixel_values.to(device=device, dtype=self.dtype))  # [S, Hv]
+        # host tensors go over without a host-GPU sync (to_device_async); the cast to the tower's dtype rounds to
+        # nearest even on either side, so casting after the copy gives the same values
+        x = self.embed_patches(to_device_async(pixel_values, device).to(self.dtype))  # [S, Hv]
         indices, weights = interpolation_taps(grids, config.num_grid_per_side, config.spatial_merge_size)
-        pos = (self.pos_embed[indices.to(device)] * weights.to(device)[:, :, None]).sum(1)  # fp32 [S, Hv]
+        indices, weights = to_device_async(indices, device), to_device_async(weights, device)
+        pos = (self.pos_embed[indices] * weights[:, :, None]).sum(1)  # fp32 [S, Hv]
         x = x + pos.to(x.dtype)
         cos, sin = vision_rope(grids, config.head_dim, config.rope_theta, config.spatial_merge_size)
-        cos, sin = cos.to(device), sin.to(device)
-        segments = []
-        start = 0
-        for t, h, w in grids:
-            segments.append((start, h * w, t))
-            start += t * h * w
+        cos, sin = to_device_async(cos, device), to_device_async(sin, device)
+        segments = attention_segments(grids)
         for block in self.blocks:
             x = block(x, cos, sin, segments)
         x = F.layer_norm(x, (config.hidden_size,), self.merger_norm_weight, self.merger_norm_bias, 1e-6)

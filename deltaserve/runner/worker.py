@@ -34,6 +34,7 @@ from deltaserve.runner.distributed import (
     resolve_launch,
 )
 from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.runner.threads import apply_serving_threads
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -105,6 +106,7 @@ def spawned_worker_main(
         with contextlib.suppress(OSError):
             status.send(("error", _picklable(exc)))
         sys.exit(1)
+    apply_serving_threads(runner.device.type)  # start-up is done: one torch CPU thread on a GPU (as vLLM)
     status.send(("ready", None))
     code = 0
     try:
@@ -136,6 +138,7 @@ def run_external_worker(engine_config: EngineConfig) -> int:
         logger.info("tensor-parallel rank %d of %d: %s", launch.rank, launch.world_size, spec.engine_config.model)
         runner = ModelRunner(spec.model_config, spec.engine_config, spec.max_model_len, spec.max_num_batched_tokens, tp)
         tp.min_over_ranks(1)
+        apply_serving_threads(runner.device.type)
         serve_worker(runner, BroadcastChannel(tp.cpu_group).recv)
     except Exception as exc:
         logger.error("tensor-parallel rank %d stopped: %s", launch.rank, exc)

@@ -3,6 +3,7 @@ several grids and a video in one call, per-item splitting, and the loader's refu
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -10,11 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.model.loader import CheckpointError, load_checkpoint
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.model.vision import VisionTower, interpolation_taps
+from deltaserve.model.vision import (
+    VisionBlock,
+    VisionTower,
+    _rotate_half,
+    attention_segments,
+    interpolation_taps,
+    vision_rope,
+)
 from tests.support.threads import one_thread  # noqa: F401 (module-scoped autouse fixture)
 from tests.support.vision import tiny_vision_checkpoint
 
@@ -115,3 +124,58 @@ def test_vision_config_fields_refused_by_name(dense_vl: Path, field: str, value:
 def test_pixel_values_must_match_grids(towers: tuple[VisionTower, torch.nn.Module]) -> None:
     with pytest.raises(ValueError, match="do not match"):
         towers[0](torch.from_numpy(np.zeros((10, 1536), dtype=np.float32)), [(1, 4, 4)])
+
+
+def test_attention_segments_share_a_run_per_size() -> None:
+    # images of one size (and a video whose frame groups have that size) in a row: one batched run
+    assert attention_segments([(1, 4, 4), (1, 4, 4), (3, 2, 8), (1, 6, 4), (1, 4, 4)]) == [
+        (0, 16, 5),
+        (80, 24, 1),
+        (104, 16, 1),
+    ]
+    assert attention_segments([(2, 4, 6)]) == [(0, 24, 2)]
+
+
+def _block_before(block: VisionBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  grids: list[tuple[int, int, int]]) -> torch.Tensor:  # fmt: skip
+    """The block as it was before the launch cuts: q and k rotated apart, one attention call per item."""
+    num_tokens, width = x.shape
+    h = F.layer_norm(x, (width,), block.norm1_weight, block.norm1_bias, 1e-6)
+    qkv = F.linear(h, block.qkv_weight, block.qkv_bias).view(num_tokens, 3, block.num_heads, block.head_dim)
+    q, k, v = qkv.unbind(1)
+    cos_f, sin_f = cos[:, None, :], sin[:, None, :]
+    q = (q.float() * cos_f + _rotate_half(q.float()) * sin_f).to(x.dtype)
+    k = (k.float() * cos_f + _rotate_half(k.float()) * sin_f).to(x.dtype)
+    out = torch.empty(num_tokens, block.num_heads, block.head_dim, dtype=x.dtype)
+    start = 0
+    for t, gh, gw in grids:
+        length, end = gh * gw, start + t * gh * gw
+        qs, ks, vs = (z[start:end].view(t, length, block.num_heads, block.head_dim).transpose(1, 2) for z in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=block.head_dim**-0.5)
+        out[start:end] = o.transpose(1, 2).reshape(t * length, block.num_heads, block.head_dim)
+        start = end
+    x = x + F.linear(out.reshape(num_tokens, width), block.proj_weight, block.proj_bias)
+    h = F.layer_norm(x, (width,), block.norm2_weight, block.norm2_bias, 1e-6)
+    h = F.gelu(F.linear(h, block.fc1_weight, block.fc1_bias), approximate=block.approximate)
+    return x + F.linear(h, block.fc2_weight, block.fc2_bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_equal_their_form_before_the_launch_cuts(towers: tuple[VisionTower, torch.nn.Module],
+                                                        dtype: torch.dtype) -> None:  # fmt: skip
+    """Rotating q and k together and batching a step's same-size items into one attention call change no bit:
+    every block of the trained tower against its earlier form, on three same-size images and a video."""
+    ours, _ = towers
+    grids = [(1, 8, 8), (1, 8, 8), (2, 4, 16), (1, 4, 6)]
+    config = ours.config
+    cos, sin = vision_rope(grids, config.head_dim, config.rope_theta, config.spatial_merge_size)
+    torch.manual_seed(1)
+    x = torch.randn(sum(t * h * w for t, h, w in grids), config.hidden_size).to(dtype)
+    segments = attention_segments(grids)
+    assert len(segments) == 2  # 64 + 64 + 2 x 64 in one run, then 24
+    with torch.inference_mode():
+        for block in ours.blocks:
+            block = copy.deepcopy(block).to(dtype)  # the module-scoped tower stays fp32
+            got, expected = block(x, cos, sin, segments), _block_before(block, x, cos, sin, grids)
+            assert torch.equal(got, expected)
+            x = expected
