@@ -96,7 +96,8 @@ def make_batch(
     """Random q and cache for `seqs`, each sequence's pages a random set of the cache's blocks in random order (as
     after churn), so an arm that reads the block table wrong disagrees."""
     num_q_heads, num_kv_heads, head_dim = heads
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # the page order, on the host
+    device_gen = torch.Generator(device=device).manual_seed(seed)  # the values, drawn where they live (64K tokens)
     lengths = [c + p for c, p in seqs]
     pages = [-(-n // BLOCK_SIZE) for n in lengths]
     num_blocks = sum(pages) + 3  # a few blocks no sequence owns
@@ -111,7 +112,7 @@ def make_batch(
         starts.append(starts[-1] + c)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=device_gen, device=device).to(dtype)
 
     return Batch(
         q=randn(starts[-1], num_q_heads, head_dim),

@@ -145,10 +145,10 @@ def _flashinfer_arm(importer: Importer) -> Arm:
     def prepare(b: Batch) -> Any:
         workspace = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device=b.q.device)
         wrapper = wrapper_class(workspace, "NHD")
-        indptr, indices, last = flashinfer_pages(b)
+        indptr, indices, last = (t.cpu() for t in flashinfer_pages(b))  # plan reads its indptrs on the host
         num_q_heads, head_dim = b.q.shape[1:]
         wrapper.plan(
-            b.query_start_loc, indptr, indices, last, num_q_heads, b.k_cache.shape[2], head_dim, b.block_size,
+            b.query_start_loc.cpu(), indptr, indices, last, num_q_heads, b.k_cache.shape[2], head_dim, b.block_size,
             causal=True, sm_scale=b.scale, q_data_type=b.q.dtype, kv_data_type=b.k_cache.dtype,
         )  # fmt: skip
         return wrapper
