@@ -1,4 +1,5 @@
-"""Long-prompt attention prefill side by side with the field's libraries (issue 35 item 3; docs/kernels.md#attention).
+"""Long-prompt attention prefill side by side with the field's libraries (issue 35 item 3;
+docs/kernels.md#attention-against-the-libraries).
 
 In one process on one GPU, bf16: deltaserve's `paged_attention` (the served call over its paged KV cache, block
 size 16) against vLLM 0.26's FlashAttention 3 varlen with a block table and FlashInfer's paged prefill wrapper

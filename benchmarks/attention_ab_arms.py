@@ -1,5 +1,5 @@
 """The arms of benchmarks/attention_ab.py: deltaserve's paged attention and each field library's paged prefill
-attention for the same op, called the way vLLM 0.26 serves it (docs/kernels.md#attention).
+attention for the same op, called the way vLLM 0.26 serves it (docs/kernels.md#attention-against-the-libraries).
 
 The op: causal GQA over a paged KV cache, bf16, scale d^-0.5; a batch is varlen, sequence b's queries are the last
 q_len of its seq_len cached tokens (a chunk of a chunked prefill attends to the P tokens cached before it and to
@@ -19,7 +19,8 @@ the timed call.
   FA3's causal mask is aligned to the bottom right, as deltaserve's: query i of a chunk sees keys up to P + i.
 - flashinfer: `BatchPrefillWithPagedKVCacheWrapper(workspace 128 MiB, "NHD")`, planned outside the timing with
   the CSR page list (indptr, the pages of each sequence in order, the last page's fill), causal, sm_scale; `run(q,
-  (k_cache, v_cache))` timed. NHD is deltaserve's layout, so again no copy.
+  (k_cache, v_cache))` timed. NHD is deltaserve's layout, so again no copy. FlashInfer JIT-builds the kernel on
+  its first plan / run (nvcc, under FLASHINFER_WORKSPACE_BASE), inside the check, never inside the timing.
 """
 
 from __future__ import annotations
