@@ -95,9 +95,9 @@ def attention_arms(importer: Importer = importlib.import_module) -> list[Arm]:
         args = (b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.scale)
         return paged_attention(*args, b.max_query_len, b.max_seq_len)
 
-    arms = [Arm("deltaserve", "deltaserve", "kernels.paged_attention (Triton _paged_attn_kernel on CUDA)", None, ours)]
-    arms[0].prepare = lambda b: None
-    return arms + [_fa3_arm(importer), _flashinfer_arm(importer)]
+    what = "kernels.paged_attention (the Triton _paged_attn_kernel on CUDA, its torch twin on the CPU)"
+    deltaserve = Arm("deltaserve", "deltaserve", what, prepare=lambda b: None, call=ours)
+    return [deltaserve, _fa3_arm(importer), _flashinfer_arm(importer)]
 
 
 def _fa3_arm(importer: Importer) -> Arm:
