@@ -3,8 +3,11 @@ docs/kernels.md#attention-against-the-libraries).
 
 In one process on one GPU, bf16: deltaserve's `paged_attention` (the served call over its paged KV cache, block
 size 16) against vLLM 0.26's FlashAttention 3 varlen with a block table and FlashInfer's paged prefill wrapper
-(benchmarks/attention_ab_arms.py says how each is called; both read deltaserve's cache layout as is, so no arm
-copies the cache). A library that does not import is recorded as missing, with its import error.
+(benchmarks/attention_ab_arms.py says how each is called; both read deltaserve's cache layout as is). Each library
+arm runs at every --library-block-sizes: 16 reads deltaserve's cache itself; another size (`vllm`: the block size
+vLLM 0.26 serves these hybrid models with, 1056 tokens on the 35B-A3B and 784 on the 27B, `vllm_block_size`) reads
+a copy repaged to it, made once per case outside the timing, as `NAME@LABEL`. A library that does not import is
+recorded as missing, with its import error.
 
 The op is the Qwen3.5 full-attention layer's: head_dim 256, GQA (--shapes: 35b-a3b 16 q / 2 kv heads, 27b 24 / 4;
 the configs are benchmarks/oracle/make_dummy_models.py's), causal, scale d^-0.5; the output gate is outside the op
@@ -31,6 +34,7 @@ disagrees with its twin, 2 when there is nothing to measure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -62,13 +66,66 @@ BLOCK_SIZE = 16  # as served
 RANGES = {"verify": (0, 16, 0, 1 << 40), "short": (17, 1 << 40, 0, 16384), "long": (17, 1 << 40, 16385, 1 << 40)}
 
 
-def head_shape(model: str) -> tuple[int, int, int]:
-    """(q heads, kv heads, head_dim) of the full-attention layers of `model` (a key of MODELS)."""
+def text_config(model: str) -> dict[str, Any]:
+    """The text config of the dummy `model` (a key of MODELS), as make_dummy_models writes it."""
     spec = importlib.util.spec_from_file_location("make_dummy_models", ROOT / "benchmarks/oracle/make_dummy_models.py")
     dummies = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dummies)
-    text = {**dummies.COMMON, **dummies.SHAPES[MODELS[model]][2]}
+    return {**dummies.COMMON, **dummies.SHAPES[MODELS[model]][2]}
+
+
+def head_shape(model: str) -> tuple[int, int, int]:
+    """(q heads, kv heads, head_dim) of the full-attention layers of `model` (a key of MODELS)."""
+    text = text_config(model)
     return text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+
+
+def vllm_block_size(model: str, kernel_block: int = 16) -> int:
+    """The attention block size vLLM 0.26 serves `model` with (bf16 KV, one GPU, mamba cache mode none or align):
+    one attention page must hold at least one GDN layer's state (the conv window, kernel − 1 columns of the q|k|v
+    channels in bf16, and the recurrent state HV·dk·dv in the checkpoint's mamba_ssm_dtype), so the block is the
+    smallest multiple of FA's kernel block (16) whose K and V bytes reach it
+    (docs/kernels.md#attention-against-the-libraries)."""
+    text = text_config(model)
+    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    conv_bytes = (2 * nk * dk + nv * dv) * (text["linear_conv_kernel_dim"] - 1) * 2
+    state_bytes = nv * dk * dv * (4 if text.get("mamba_ssm_dtype") == "float32" else 2)
+    token_bytes = 2 * text["num_key_value_heads"] * text["head_dim"] * 2  # K and V of one token, bf16
+    return kernel_block * -(-(conv_bytes + state_bytes) // (kernel_block * token_bytes))
+
+
+def library_block_sizes(labels: list[str], model: str) -> dict[str, int]:
+    """Each --library-block-sizes label's block size for `model`: a number, or `vllm` (vllm_block_size)."""
+    return {label: vllm_block_size(model) if label == "vllm" else int(label) for label in labels}
+
+
+def repage(b: Batch, block_size: int, seed: int = 2) -> Batch:
+    """A copy of b's cache laid out in pages of `block_size` tokens (each sequence's new pages a random set in random
+    order, as make_batch's): the same tokens and queries, another block table."""
+    lengths = b.seq_lens.tolist()
+    pages = [-(-n // block_size) for n in lengths]
+    order = torch.randperm(sum(pages) + 1, generator=torch.Generator().manual_seed(seed))
+    shape = (sum(pages) + 1, block_size, *b.k_cache.shape[2:])  # [num_blocks, block_size, nkv, d]
+    k_cache = torch.zeros(shape, dtype=b.k_cache.dtype, device=b.k_cache.device)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    used = 0
+    for s, length in enumerate(lengths):
+        table[s, : pages[s]] = order[used : used + pages[s]]
+        used += pages[s]
+        positions = torch.arange(length, device=b.k_cache.device)
+        old = b.block_tables[s, positions // b.block_size].long() * b.block_size + positions % b.block_size
+        new = table[s].to(b.k_cache.device)[positions // block_size].long() * block_size + positions % block_size
+        k_cache.view(-1, *shape[2:])[new] = b.k_cache.view(-1, *shape[2:])[old]
+        v_cache.view(-1, *shape[2:])[new] = b.v_cache.view(-1, *shape[2:])[old]
+    return dataclasses.replace(b, k_cache=k_cache, v_cache=v_cache, block_tables=table.to(b.k_cache.device))
+
+
+def views(b: Batch, arms: list[Arm], sizes: dict[str, int]) -> dict[str | None, Batch]:
+    """The batch each available arm reads: ours as is (None), a repaged copy per block-size label in use."""
+    labels = {arm.pages for arm in arms if arm.available and arm.pages is not None}
+    return {None: b} | {label: repage(b, sizes[label]) for label in sorted(labels)}
 
 
 def parse_case(text: str) -> list[tuple[int, int]]:
@@ -165,7 +222,8 @@ def run_checks(ctx: Context, model: str, arms: list[Arm]) -> dict[str, dict[str,
         b = make_batch(parse_case(text), heads, ctx.args.device, ctx.dtype, seed=1)
         ref = reference(b)
         live = [arm for arm in arms if arm.available]
-        checks = check_arms(live, lambda arm, b=b: arm.call(b, arm.prepare(b)), ref)
+        seen = views(b, live, ctx.record["library_block_sizes"][model])
+        checks = check_arms(live, lambda arm, seen=seen: arm.call(seen[arm.pages], arm.prepare(seen[arm.pages])), ref)
         for arm, check in checks.items():
             ctx.record["checks"].append({"model": model, "case": text, "arm": arm, **check})
             state = "ok" if check["agrees"] else "DISAGREES" if "error" not in check else "ERROR"
@@ -173,7 +231,7 @@ def run_checks(ctx: Context, model: str, arms: list[Arm]) -> dict[str, dict[str,
                 f"rel RMSE {check['rel_rmse']:.3g}"  # fmt: skip
             print(f"check {model} {text} {arm}: {state} ({detail})", flush=True)
             merged[arm] = check if not check["agrees"] else merged.get(arm, check)
-        del b, ref
+        del b, ref, seen
         _free(ctx)
         ctx.save()  # a JIT build that runs past the call's limit still leaves the checks before it
     return merged
@@ -189,11 +247,13 @@ def run_case(ctx: Context, model: str, text: str, arms: list[Arm], checks: dict[
         return
     began = time.monotonic()
     b = make_batch(seqs, heads, ctx.args.device, ctx.dtype)
+    ran = [arm for arm in arms if arm.available and "error" not in checks.get(arm.name, {})]
+    seen = views(b, ran, ctx.record["library_block_sizes"][model])  # the repaged copies, outside the timing
     calls: dict[str, Callable[[int], object]] = {}
-    for arm in arms:
-        if arm.available and "error" not in checks.get(arm.name, {}):
-            prepared = arm.prepare(b)  # outside the timing: FlashInfer's plan, nothing for the others
-            calls[arm.name] = lambda i, arm=arm, prepared=prepared, b=b: arm.call(b, prepared)
+    for arm in ran:
+        view = seen[arm.pages]
+        prepared = arm.prepare(view)  # outside the timing: FlashInfer's plan, nothing for the others
+        calls[arm.name] = lambda i, arm=arm, prepared=prepared, view=view: arm.call(view, prepared)
     timings = time_arms(calls, 1, ctx.args.reps, ctx.timer)
     flops = case_flops(seqs, heads[0], heads[2])
     moved = case_bytes(seqs, *heads, ctx.dtype.itemsize)
@@ -216,7 +276,7 @@ def run_case(ctx: Context, model: str, text: str, arms: list[Arm], checks: dict[
         if "us" in r
     )
     print(f"attention {model:<8} {text:<12} {line}  -> {ctx.record['winners'][-1]['adopt']}", flush=True)
-    del b, calls
+    del b, seen, calls
     _free(ctx)
     ctx.last_case_s = time.monotonic() - began
     ctx.save()
@@ -279,6 +339,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cases", type=_list, default=CASES, help="comma list of C@P / BxC@P (default: the issue's)")
     parser.add_argument("--check-cases", type=_list, default=["small", "2048@8192"], help="cases checked first")
     parser.add_argument("--arms", type=_list, default=None, help="arm names to run (deltaserve always runs)")
+    parser.add_argument("--library-block-sizes", type=_list, default=["16", "vllm"],
+                        help="block sizes the library arms read (16: our cache as is; vllm: the size vLLM 0.26 "
+                        "serves the model with, on a repaged copy)")  # fmt: skip
     parser.add_argument("--reps", type=int, default=20, help="interleaved passes per case (median)")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no case that would end after this")
     parser.add_argument("--adopt-margin", type=float, default=0.10, help="a library serves where it beats ours by more")
@@ -296,6 +359,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parse_case(text)
         except ValueError as exc:
             parser.error(str(exc))
+    bad = [label for label in args.library_block_sizes if label != "vllm" and not re.fullmatch(r"[1-9]\d*", label)]
+    if bad or not args.library_block_sizes:
+        parser.error(f"--library-block-sizes: block sizes in tokens or `vllm`, not {bad or 'nothing'}")
     if args.out is None:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         args.out = ROOT / "benchmarks" / "results" / "kernels" / f"attention-ab-{stamp}.json"
@@ -320,6 +386,7 @@ def new_record(args: argparse.Namespace, arms: list[Arm], argv: list[str]) -> di
         "command": shlex.join(["python", "benchmarks/attention_ab.py", *argv]),
         "dtype": args.dtype,
         "block_size": BLOCK_SIZE,
+        "library_block_sizes": {model: library_block_sizes(args.library_block_sizes, model) for model in args.shapes},
         "ceilings": ceilings,
         "heads": {model: head_shape(model) for model in args.shapes},
         "tolerance": "max |arm - ref| <= 1e-2 * max |ref| (ref: paged_attention_ref on the fp32 upcast)",
@@ -340,7 +407,12 @@ def main(argv: list[str] | None = None, importer: Callable[[str], Any] = importl
     if not args.shapes or not (args.cases or args.check_cases):
         print("attention_ab: nothing to measure (no --shapes, or no --cases and no --check-cases)", file=sys.stderr)
         return 2
-    arms = [arm for arm in attention_arms(importer) if args.arms is None or arm.name in {*args.arms, "deltaserve"}]
+    arms = []
+    for arm in attention_arms(importer):
+        for label in args.library_block_sizes if arm.name != "deltaserve" else [str(BLOCK_SIZE)]:
+            named = arm if label == str(BLOCK_SIZE) else arm.at_pages(label)
+            if args.arms is None or named.name in {*args.arms, "deltaserve"} or arm.name in args.arms:
+                arms.append(named)
     for arm in arms:
         print(f"arm {arm.name} ({arm.library}): {'available' if arm.available else arm.error}")
     record = new_record(args, arms, argv)

@@ -9,7 +9,9 @@ served, int32 block tables [B, max_blocks].
 An arm is found by importing its library; one that does not import is kept with its import error, so the record
 names every library that was missing and why. `prepare(batch)` builds what the library takes from deltaserve's
 batch, once per case and outside the timing (as vLLM builds its metadata once a step); `call(batch, prepared)` is
-the timed call.
+the timed call. A library arm also runs as `NAME@LABEL` on a copy of the cache repaged to another block size
+(benchmarks/attention_ab.py --library-block-sizes; `vllm`: the block size vLLM 0.26 gives these hybrid models), made
+once per case outside the timing.
 - deltaserve: kernels.paged_attention with the runner's max_query_len / max_seq_len hints (the served call; the
   Triton kernel on CUDA, the torch twin on the CPU).
 - vllm-fa3: vLLM 0.26's FlashAttention 3, `vllm.vllm_flash_attn.flash_attn_varlen_func(q, k_cache, v_cache,
@@ -25,6 +27,7 @@ the timed call.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,13 +68,19 @@ class Arm:
     prepare: Callable[[Batch], Any] | None = None
     call: Callable[[Batch, Any], torch.Tensor] | None = None
     error: str | None = None
+    pages: str | None = None  # a block-size label: the arm reads a copy of the cache repaged to it; None: ours as is
 
     @property
     def available(self) -> bool:
         return self.error is None
 
     def describe(self) -> dict[str, Any]:
-        return {"library": self.library, "available": self.available, "error": self.error, "what": self.what}
+        return {"library": self.library, "available": self.available, "error": self.error, "what": self.what,
+                "pages": self.pages}  # fmt: skip
+
+    def at_pages(self, label: str) -> Arm:
+        """This arm on a copy of the cache repaged to the block size `label` names, as `NAME@LABEL`."""
+        return dataclasses.replace(self, name=f"{self.name}@{label}", pages=label)
 
 
 def _missing(arm: Arm, exc: BaseException) -> Arm:

@@ -64,8 +64,9 @@
 #   attention-ab [FLAGS]         benchmarks/attention_ab.py: paged attention prefill at 2K-64K context, deltaserve
 #                                against vLLM's FlashAttention 3 and FlashInfer's paged prefill (each one that
 #                                imports), both bundles on the path; FLAGS are its own (--shapes 35b-a3b,27b,
-#                                --cases 2048@57344,8x1024@0, --arms, --check-only); --deadline-s defaults to what the
-#                                budget leaves (attention-ab-TAG.json keeps the cases timed and names the rest)
+#                                --cases 2048@57344,8x1024@0, --arms, --library-block-sizes 16,vllm, --check-only);
+#                                --deadline-s defaults to what the budget leaves (attention-ab-TAG.json keeps the
+#                                cases timed and names the rest)
 #   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the

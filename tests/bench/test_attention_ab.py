@@ -117,10 +117,11 @@ def test_cpu_run_names_the_missing_libraries_checks_ours_and_writes_an_indexed_r
     assert code == 0
     record = json.loads(out.read_text())
     assert record["kind"] == "attention_ab" and record["device"] == "cpu" and record["git_commit"]
+    vllm, flashinfer = (f"not installed: ModuleNotFoundError: No module named '{name}'" for name in LIBRARIES)
     assert record["missing"] == {
-        "vllm-fa3": "not installed: ModuleNotFoundError: No module named 'vllm'",
-        "flashinfer": "not installed: ModuleNotFoundError: No module named 'flashinfer'",
-    }
+        "vllm-fa3": vllm, "vllm-fa3@vllm": vllm, "flashinfer": flashinfer, "flashinfer@vllm": flashinfer
+    }  # fmt: skip
+    assert record["library_block_sizes"] == {"27b": {"16": 16, "vllm": 784}}
     assert record["arms"]["deltaserve"]["available"] and record["heads"] == {"27b": [24, 4, 256]}
     checks = [(c["case"], c["arm"], c["agrees"]) for c in record["checks"]]
     assert checks == [("small", "deltaserve", True), ("16@33", "deltaserve", True)]
@@ -136,24 +137,43 @@ def test_cpu_run_names_the_missing_libraries_checks_ours_and_writes_an_indexed_r
     assert records_index.kind_of(out.name) == "kernels"
     what = records_index.describe(out)[0]
     assert what.startswith("paged attention prefill vs libraries (attention_ab.py): 27b; arms deltaserve; ")
-    assert "missing vllm-fa3, flashinfer; serve verify deltaserve, short deltaserve" in what
+    assert "missing vllm-fa3, vllm-fa3@vllm, flashinfer, flashinfer@vllm; serve verify deltaserve, short" in what
 
 
 def test_library_arms_build_their_metadata_from_our_cache_and_agree(attention_ab: ModuleType, tmp_path: Path) -> None:
     """FA3 and FlashInfer stand-ins that compute the twin from only what each arm hands them: both agree at the
-    small mixed batch (shuffled pages, a decode, odd lengths) and are timed at every case."""
+    small mixed batch (shuffled pages, a decode, odd lengths), on our cache and on its copy repaged to vLLM's block
+    size (784 tokens on the 27B) and to 32, and are timed at every case."""
     out = tmp_path / "attention-ab-fakes.json"
     fakes = with_fakes(
         fake_fa3(), SimpleNamespace(__version__="0.6.14", BatchPrefillWithPagedKVCacheWrapper=FakeWrapper)
     )
-    assert attention_ab.main([*TINY, "--check-cases", "small", "--out", str(out)], importer=fakes) == 0
+    args = [*TINY, "--check-cases", "small", "--library-block-sizes", "16,vllm,32", "--out", str(out)]
+    assert attention_ab.main(args, importer=fakes) == 0
     record = json.loads(out.read_text())
     assert not record["missing"] and record["arms"]["flashinfer"]["library"] == "flashinfer 0.6.14"
-    assert {(c["arm"], c["agrees"]) for c in record["checks"]} == {
-        ("deltaserve", True), ("vllm-fa3", True), ("flashinfer", True)
-    }  # fmt: skip
-    assert {r["arm"] for r in record["results"]} == {"deltaserve", "vllm-fa3", "flashinfer"}
-    assert len(record["results"]) == 9 and all(r["agrees"] for r in record["results"])
+    names = {"deltaserve", "vllm-fa3", "vllm-fa3@vllm", "vllm-fa3@32", "flashinfer", "flashinfer@vllm", "flashinfer@32"}
+    assert {c["arm"]: c["agrees"] for c in record["checks"]} == dict.fromkeys(names, True)
+    assert {r["arm"] for r in record["results"]} == names
+    assert len(record["results"]) == 3 * 7 and all(r["agrees"] for r in record["results"])
+
+
+def test_vllm_block_size_and_the_repaged_copy(attention_ab: ModuleType) -> None:
+    """vLLM's page for these hybrid models holds one GDN layer's state: 35B-A3B conv (2·16·128 + 32·128)·3·2 B and
+    fp32 state 32·128·128·4 B over 2·2·256·2 B a token -> 66 blocks of 16; 27B (2·16·128 + 48·128)·3·2 and
+    48·128·128·4 over 2·4·256·2 -> 49 blocks of 16. The repaged copy holds every token where its table says."""
+    assert attention_ab.vllm_block_size("35b-a3b") == 16 * -(-(8192 * 6 + 32 * 128 * 128 * 4) // (16 * 2048)) == 1056
+    assert attention_ab.vllm_block_size("27b") == 16 * -(-(10240 * 6 + 48 * 128 * 128 * 4) // (16 * 4096)) == 784
+    b = attention_ab.make_batch([(5, 30), (1, 0)], (4, 2, 8), "cpu", torch.float32)
+    copy = attention_ab.repage(b, 7)
+    assert copy.k_cache.shape[1:] == (7, 2, 8) and copy.block_tables.shape == (2, 5)
+    for s, length in enumerate(b.seq_lens.tolist()):
+        for pos in range(length):
+            old = b.k_cache[b.block_tables[s, pos // 16], pos % 16]
+            assert torch.equal(copy.k_cache[copy.block_tables[s, pos // 7], pos % 7], old)
+            assert torch.equal(
+                copy.v_cache[copy.block_tables[s, pos // 7], pos % 7], b.v_cache[b.block_tables[s, pos // 16], pos % 16]
+            )
 
 
 def test_an_arm_that_disagrees_with_the_twin_is_reported_and_never_wins(
@@ -169,7 +189,17 @@ def test_an_arm_that_disagrees_with_the_twin_is_reported_and_never_wins(
     raising = SimpleNamespace(flash_attn_varlen_func=broken, fa_version_unsupported_reason=lambda version: None)
     for fa3, status in ((fake_fa3("zeros"), "DISAGREES"), (fake_fa3("table"), "DISAGREES"), (raising, "ERROR")):
         out = tmp_path / "attention-ab-wrong.json"
-        args = [*TINY, "--check-cases", "small", "--cases", "24@40", "--out", str(out)]
+        args = [
+            *TINY,
+            "--check-cases",
+            "small",
+            "--cases",
+            "24@40",
+            "--library-block-sizes",
+            "16,32",
+            "--out",
+            str(out),
+        ]
         assert attention_ab.main(args, importer=with_fakes(fa3)) == 0
         record = json.loads(out.read_text())
         check = next(c for c in record["checks"] if c["arm"] == "vllm-fa3")
@@ -229,7 +259,11 @@ def test_the_deadline_records_what_it_cut(attention_ab: ModuleType, tmp_path: Pa
 
 
 def test_bad_flags_are_refused_by_name(attention_ab: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
-    for flags, said in ((["--shapes", "70b"], "--shapes: unknown ['70b']"), (["--cases", "4096"], "C@P or BxC@P")):
+    for flags, said in (
+        (["--shapes", "70b"], "--shapes: unknown ['70b']"),
+        (["--cases", "4096"], "C@P or BxC@P"),
+        (["--library-block-sizes", "16,big"], "--library-block-sizes: block sizes in tokens or `vllm`, not ['big']"),
+    ):
         with pytest.raises(SystemExit) as refused:
             attention_ab.main(["--device", "cpu", *flags])
         assert refused.value.code == 2 and said in capsys.readouterr().err
