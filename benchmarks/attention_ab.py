@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -66,6 +67,7 @@ BLOCK_SIZE = 16  # as served
 RANGES = {"verify": (0, 16, 0, 1 << 40), "short": (17, 1 << 40, 0, 16384), "long": (17, 1 << 40, 16385, 1 << 40)}
 
 
+@functools.cache
 def text_config(model: str) -> dict[str, Any]:
     """The text config of the dummy `model` (a key of MODELS), as make_dummy_models writes it."""
     spec = importlib.util.spec_from_file_location("make_dummy_models", ROOT / "benchmarks/oracle/make_dummy_models.py")
