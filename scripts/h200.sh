@@ -66,6 +66,12 @@
 #                                FLAGS are its own (--models 35b-a3b,27b,122b-a10b, --ops dense,moe, --tokens,
 #                                --arms, --check-only); --deadline-s defaults to what the budget leaves, so a cut
 #                                call still returns the cases it timed (fp8-ab-TAG.json) and names the rest
+#   attention-ab [FLAGS]         benchmarks/attention_ab.py: paged attention prefill at 2K-64K context, deltaserve
+#                                against vLLM's FlashAttention 3 and FlashInfer's paged prefill (each one that
+#                                imports), both bundles on the path; FLAGS are its own (--shapes 35b-a3b,27b,
+#                                --cases 2048@57344,8x1024@0, --arms, --library-block-sizes 16,vllm, --check-only);
+#                                --deadline-s defaults to what the budget leaves (attention-ab-TAG.json keeps the
+#                                cases timed and names the rest)
 #   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the
@@ -457,6 +463,21 @@ case $step in
     cp "$W/fp8-ab.log" "$OUT/fp8-ab-$tag.log" 2> /dev/null  # the record's console log, filed beside it
     timed=$(grep -cE '^(dense|moe) ' "$W/fp8-ab.log" 2> /dev/null)
     echo "fp8-ab rc $status: ${timed:-0} cases timed" | say ;;
+  attention-ab)
+    has_deadline=""
+    for word in "$@"; do [ "$word" = --deadline-s ] && has_deadline=1; done
+    deadline=()
+    [ -n "$has_deadline" ] || deadline=(--deadline-s "$(left 40)")  # no case that would end after the budget
+    # the bundles in fp8-ab's order; FlashInfer's JIT build under /tmp, so a second call on a warm machine reuses it
+    run "$W/attention-ab.log" env \
+      PYTHONPATH="$PWD:/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" \
+      FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit timeout --kill-after=10 "$(left 15)" $PY benchmarks/attention_ab.py \
+      --out "$OUT/attention-ab-$tag.json" "${deadline[@]}" "$@" || status=$?
+    grep -E "^arm |DISAGREES|ERROR|^adopt |^range |^skipped|^record|Traceback|Error:" "$W/attention-ab.log" \
+      2> /dev/null | head -60 | say
+    cp "$W/attention-ab.log" "$OUT/attention-ab-$tag.log" 2> /dev/null  # the record's console log, filed beside it
+    timed=$(grep -cE '^attention ' "$W/attention-ab.log" 2> /dev/null)
+    echo "attention-ab rc $status: ${timed:-0} cases timed" | say ;;
   profile-prefill)
     shapes=27b,35b-a3b
     [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && shapes=$1 && shift

@@ -31,7 +31,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
         ("decode-step*", "mixed-step*", "conv-prefill*", "align-router*", "tune-moe*", "moe-table*", "kernels-*")
         + ("profile-decode*", "profile-prefill*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*")
-        + ("vision-encode*",),
+        + ("vision-encode*", "attention-ab*"),
     ),
     "gates": (
         "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "
@@ -137,6 +137,8 @@ def _what_json(data: dict[str, Any]) -> str:
         return f"kernel microbenchmarks (bench kernels): {_flag(command, '--models')}, {data.get('dtype')}"
     if kind == "fp8_ab":
         return _what_fp8_ab(data)
+    if kind == "attention_ab":
+        return _what_attention_ab(data)
     if kind == "align_router":
         return "MoE expert alignment and router launches alone (align_router_bench.py)"
     if kind == "conv-prefill-sweep":
@@ -165,6 +167,18 @@ def _what_fp8_ab(data: dict[str, Any]) -> str:
     missing = ", ".join(data.get("missing", {})) or "none"
     cut = f"; {len(data['skipped'])} cut at the deadline" if data.get("skipped") else ""
     return f"block-FP8 GEMM / MoE vs libraries (fp8_ab.py): {models} {ops}; arms {ran}; missing {missing}{cut}"
+
+
+def _what_attention_ab(data: dict[str, Any]) -> str:
+    """benchmarks/attention_ab.py: which shapes, which arms ran and which were missing, what serves each range."""
+    results = data.get("results", [])
+    shapes = ",".join(dict.fromkeys(str(r.get("model")) for r in results)) or "no case timed"
+    ran = ", ".join(name for name, arm in data.get("arms", {}).items() if arm.get("available"))
+    missing = ", ".join(data.get("missing", {})) or "none"
+    serve = ", ".join(f"{v.get('range')} {v.get('serve')}" for v in data.get("ranges", [])) or "no range"
+    cut = f"; {len(data['skipped'])} cut at the deadline" if data.get("skipped") else ""
+    return f"paged attention prefill vs libraries (attention_ab.py): {shapes}; arms {ran}; missing {missing}; " \
+        f"serve {serve}{cut}"  # fmt: skip
 
 
 def _what_gate(data: dict[str, Any]) -> str:
