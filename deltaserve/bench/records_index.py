@@ -175,10 +175,10 @@ def _what_attention_ab(data: dict[str, Any]) -> str:
     shapes = ",".join(dict.fromkeys(str(r.get("model")) for r in results)) or "no case timed"
     ran = ", ".join(name for name, arm in data.get("arms", {}).items() if arm.get("available"))
     missing = ", ".join(data.get("missing", {})) or "none"
-    serve = ", ".join(f"{v.get('range')} {v.get('serve')}" for v in data.get("ranges", [])) or "no range"
+    ranges = ", ".join(f"{v.get('range')} {v.get('serve')}" for v in data.get("ranges", [])) or "no range"
     cut = f"; {len(data['skipped'])} cut at the deadline" if data.get("skipped") else ""
     return f"paged attention prefill vs libraries (attention_ab.py): {shapes}; arms {ran}; missing {missing}; " \
-        f"serve {serve}{cut}"  # fmt: skip
+        f"kernel per range {ranges}{cut}"  # fmt: skip
 
 
 def _what_gate(data: dict[str, Any]) -> str:

@@ -137,7 +137,10 @@ def test_cpu_run_names_the_missing_libraries_checks_ours_and_writes_an_indexed_r
     assert records_index.kind_of(out.name) == "kernels"
     what = records_index.describe(out)[0]
     assert what.startswith("paged attention prefill vs libraries (attention_ab.py): 27b; arms deltaserve; ")
-    assert "missing vllm-fa3, vllm-fa3@vllm, flashinfer, flashinfer@vllm; serve verify deltaserve, short" in what
+    assert (
+        "missing vllm-fa3, vllm-fa3@vllm, flashinfer, flashinfer@vllm; kernel per range verify deltaserve, short"
+        in what
+    )
 
 
 def test_library_arms_build_their_metadata_from_our_cache_and_agree(attention_ab: ModuleType, tmp_path: Path) -> None:
