@@ -17,6 +17,7 @@ import torch
 
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.runner import prompt_logprobs as plp
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.observer import StepObserver, StepTimings
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecDecoder, SpecHandle, collect_tokens
@@ -90,7 +91,7 @@ def follow_first(
 
 def to_host(out: SamplerOutput, device: torch.device) -> tuple[SamplerOutput, torch.cuda.Event | None]:
     """Starts non-blocking copies of the sampler's outputs into pinned memory; the event marks their end."""
-    if device.type != "cuda":
+    if not is_cuda(device):
         return out, None
 
     def copy(t: torch.Tensor | None) -> torch.Tensor | None:
