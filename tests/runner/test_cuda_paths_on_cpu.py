@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from deltaserve.engine.llm import LLM
 from deltaserve.runner import memory
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.fp8 import write_fp8_checkpoint
 from deltaserve.tiny.trained import trained_model_dir
 from tests.support.fake_cuda import FakeCuda, fake_cuda
 
@@ -27,25 +28,34 @@ CORPUS = (Path(__file__).parents[2] / "deltaserve" / "tiny" / "corpus.txt").read
 IDS = AutoTokenizer.from_pretrained(trained_model_dir("dense"))(CORPUS[:2000])["input_ids"]
 TOGETHER = [IDS[0:9], IDS[10:30], IDS[70:95]]  # one batch: 3 rows replay the bucket of 4 (a padded row)
 SHARED = IDS[200:248]  # a 48-token prompt: three full blocks of 16
-PROMPTS = {
-    "plain": TOGETHER,
-    "mtp": TOGETHER,
-    # the prompt, then two that extend it: both hit its prompt-end checkpoint (docs/prefix-caching.md)
-    "prefix": [SHARED, SHARED + [9, 4], SHARED + [31]],
-}
-CONFIGS = {
-    "plain": {"enable_prefix_caching": False},
-    "mtp": {"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}},
-    "prefix": {"enable_prefix_caching": True},
-}
+# the prompt, then two that extend it, one at a time: both hit its prompt-end checkpoint (docs/prefix-caching.md)
+EXTENDED = [SHARED, SHARED + [9, 4], SHARED + [31]]
+OFF = {"enable_prefix_caching": False}
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
 
 
-CACHED = {"plain": [0, 0, 0], "mtp": [0, 0, 0], "prefix": [0, 48, 48]}  # num_cached_tokens of each request
+@dataclass(frozen=True)
+class Scenario:
+    variant: str  # the trained tiny checkpoint (deltaserve/tiny/trained), "+fp8": its block-FP8 copy
+    config: dict
+    prompts: list[list[int]]
+    cached: list[int]  # num_cached_tokens of each request
+
+
+SCENARIOS = {
+    "dense": Scenario("dense", OFF, TOGETHER, [0, 0, 0]),
+    "dense-mtp": Scenario("dense", {**OFF, **MTP}, TOGETHER, [0, 0, 0]),
+    "dense-prefix": Scenario("dense", {}, EXTENDED, [0, 48, 48]),
+    "moe-mtp-prefix": Scenario("moe", MTP, EXTENDED, [0, 48, 48]),
+    "next-mtp": Scenario("next", {**OFF, **MTP}, TOGETHER, [0, 0, 0]),
+    "dense-fp8": Scenario("dense+fp8", OFF, TOGETHER, [0, 0, 0]),
+    "moe-fp8-mtp": Scenario("moe+fp8", {**OFF, **MTP}, TOGETHER, [0, 0, 0]),
+}
 
 
 @dataclass
 class Served:
-    name: str
+    scenario: Scenario
     expected: list[list[int]]  # a plain CPU engine's tokens
     tokens: list[list[int]]  # the faked GPU engine's
     cached: list[int | None]  # num_cached_tokens of each faked request
@@ -56,37 +66,51 @@ class Served:
     is_spec_graphed: bool
 
 
-def _generate(llm: LLM, name: str) -> tuple[list[list[int]], list[int | None]]:
-    """Greedy tokens and num_cached_tokens of the scenario's prompts: together in one batch, or for the prefix cache
-    one at a time (the later ones find the first's checkpoint)."""
+def _generate(llm: LLM, scenario: Scenario) -> tuple[list[list[int]], list[int | None]]:
+    """Greedy tokens and num_cached_tokens of the scenario's prompts: together in one batch, or with the prefix
+    cache on one at a time (the later ones find the first's checkpoint)."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS[name]]
-    batches = [[p] for p in prompts] if name == "prefix" else [prompts]
+    prompts = [{"prompt_token_ids": ids} for ids in scenario.prompts]
+    batches = [[p] for p in prompts] if scenario.prompts is EXTENDED else [prompts]
     outs = [out for batch in batches for out in llm.generate(batch, params, use_tqdm=False)]
     return [list(out.outputs[0].token_ids) for out in outs], [out.num_cached_tokens for out in outs]
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def served(request: pytest.FixtureRequest) -> Served:
-    name = request.param
-    kwargs = {**BASE, **CONFIGS[name]}
-    plain = LLM(trained_model_dir("dense"), **kwargs)
-    expected, _ = _generate(plain, name)
-    del plain
-    budgets: list[int] = []
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Block-FP8 copies of the trained tiny checkpoints, written once (deltaserve/tiny/fp8.py)."""
+    root = tmp_path_factory.mktemp("fp8")
+    return {v: write_fp8_checkpoint(trained_model_dir(v), root / v) for v in ("dense", "moe")}
+
+
+def fake_gpu_llm(model_dir: Path, budgets: list[int], **kwargs: object) -> LLM:
+    """An LLM whose runner took the CUDA branches (call inside fake_cuda); budgets gets what cache_budget returned."""
     cache_budget = memory.cache_budget
-    with pytest.MonkeyPatch.context() as monkeypatch, fake_cuda(monkeypatch, TOTAL, PEAK) as cuda:
 
-        def spy(runner, *args: int) -> int:  # noqa: ANN001 (the runner under construction)
-            budgets.append(cache_budget(runner, *args))
-            return budgets[-1]
+    def spy(runner, *args: int) -> int:  # noqa: ANN001 (the runner under construction)
+        budgets.append(cache_budget(runner, *args))
+        return budgets[-1]
 
+    with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(memory, "cache_budget", spy)
-        llm = LLM(trained_model_dir("dense"), gpu_memory_utilization=UTILIZATION, **kwargs)
+        return LLM(model_dir, gpu_memory_utilization=UTILIZATION, **kwargs)
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def served(request: pytest.FixtureRequest, fp8_dirs: dict[str, Path]) -> Served:
+    scenario = SCENARIOS[request.param]
+    variant, _, fp8 = scenario.variant.partition("+")
+    model_dir = fp8_dirs[variant] if fp8 else trained_model_dir(variant)
+    kwargs = {**BASE, **scenario.config}
+    expected, _ = _generate(LLM(model_dir, **kwargs), scenario)
+    budgets: list[int] = []
+    with pytest.MonkeyPatch.context() as monkeypatch, fake_cuda(monkeypatch, TOTAL, PEAK) as cuda:
+        llm = fake_gpu_llm(model_dir, budgets, **kwargs)
         runner = llm.engine.runner
         _, graph_bytes = memory.graph_bytes(runner, runner.max_num_seqs)
-        tokens, cached = _generate(llm, name)
-    return Served(name, expected, tokens, cached, budgets, graph_bytes, cuda, runner.is_graphed, runner.is_spec_graphed)
+        tokens, cached = _generate(llm, scenario)
+    return Served(scenario, expected, tokens, cached, budgets, graph_bytes, cuda, runner.is_graphed,
+                  runner.is_spec_graphed)  # fmt: skip
 
 
 def test_the_cache_budget_comes_from_the_faked_gpu_memory(served: Served) -> None:
@@ -105,4 +129,4 @@ def test_graphs_are_captured_and_replayed_and_the_tokens_are_the_cpu_engines(ser
 
 
 def test_the_prefix_cache_serves_the_shared_prompt_under_the_graphs(served: Served) -> None:
-    assert served.cached == CACHED[served.name]
+    assert served.cached == served.scenario.cached
