@@ -5,6 +5,7 @@ tiny checkpoint in fp32 and must emit the tokens of a plain CPU engine (the grap
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 
 from deltaserve.engine.llm import LLM
 from deltaserve.runner import memory
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tiny.fp8 import write_fp8_checkpoint
 from deltaserve.tiny.trained import trained_model_dir
 from tests.support.fake_cuda import FakeCuda, fake_cuda
@@ -130,3 +131,50 @@ def test_graphs_are_captured_and_replayed_and_the_tokens_are_the_cpu_engines(ser
 
 def test_the_prefix_cache_serves_the_shared_prompt_under_the_graphs(served: Served) -> None:
     assert served.cached == served.scenario.cached
+
+
+MIXED = {  # launched together, "late" three steps after the others (steps mixing prefill and decode or verify)
+    "logprobs": (IDS[0:9], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2,
+                                          prompt_logprobs=1)),
+    "regex": (IDS[10:30], SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=StructuredOutputsParams(
+        regex="[a-z]+( [a-z]+)*"))),
+    "seeded": (IDS[70:95], SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=10, ignore_eos=True)),
+    "late": (IDS[100:140], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
+}  # fmt: skip
+
+
+def _run_mixed(llm: LLM) -> dict[str, tuple]:
+    """name -> (token ids, sampled logprobs, prompt logprobs) of the MIXED requests, stepped by hand."""
+    engine = llm.engine
+    for name in ("logprobs", "regex", "seeded"):
+        engine.add_request(name, *MIXED[name])
+    states = {name: engine.requests[name] for name in ("logprobs", "regex", "seeded")}
+    for step in itertools.count():
+        if step == 3:
+            engine.add_request("late", *MIXED["late"])
+            states["late"] = engine.requests["late"]
+        elif step > 3 and not engine.has_unfinished():
+            break
+        engine.step()
+    finals = {name: state.final_output() for name, state in states.items()}
+    return {n: (list(f.outputs[0].token_ids), f.outputs[0].logprobs, f.prompt_logprobs) for n, f in finals.items()}
+
+
+@pytest.mark.parametrize("config", [OFF, {**OFF, **MTP}], ids=["decode-graphs", "verify-graphs"])
+def test_logprobs_grammar_seeded_and_staggered_requests_under_the_graphs(config: dict) -> None:
+    """Deferred sampling (the grammar), prompt logprobs (their event), a seeded random row and a request arriving
+    mid-decode (eager mixed steps between graph replays): the tokens and prompt logprobs of a plain CPU engine; the
+    sampled logprobs within fp32 noise (a graph's logits come from a padded bucket's matmul)."""
+    kwargs = {**BASE, **config}
+    expected = _run_mixed(LLM(trained_model_dir("dense"), **kwargs))
+    with pytest.MonkeyPatch.context() as monkeypatch, fake_cuda(monkeypatch, TOTAL, PEAK) as cuda:
+        got = _run_mixed(fake_gpu_llm(trained_model_dir("dense"), [], **kwargs))
+    assert cuda.replays > 0
+    for name, (tokens, logprobs, prompt_logprobs) in expected.items():
+        assert got[name][0] == tokens and got[name][2] == prompt_logprobs, name
+        if logprobs is not None:
+            flat = [(t, e.rank, e.logprob) for row in logprobs for t, e in row.items()]
+            flat_got = [(t, e.rank, e.logprob) for row in got[name][1] for t, e in row.items()]
+            assert [f[:2] for f in flat_got] == [f[:2] for f in flat]
+            assert [f[2] for f in flat_got] == pytest.approx([f[2] for f in flat], abs=1e-4)
+    assert expected["logprobs"][2] and expected["logprobs"][1]  # the request did return both kinds
