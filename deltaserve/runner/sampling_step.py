@@ -64,9 +64,9 @@ def sample_step(
     table.record_sampled(rows, rows_dev, tokens)
     if handle.spec is not None:
         draft_after_sampling(decoder, graphs, handle.spec, table, block_size, rows, rows_dev, tokens, handle.plan)
-    handle.sampled, handle.event = to_host(out, device)
-    if handle.spec is not None:
+    if handle.spec is not None:  # before to_host's event, which collect waits on for these copies too
         SpecDecoder.to_host(handle.spec)
+    handle.sampled, handle.event = to_host(out, device)
 
 
 def follow_first(

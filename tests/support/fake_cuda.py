@@ -3,7 +3,9 @@
 fake_cuda() patches runner/device_setup.py's is_cuda (in every module that imported it) to say yes, and replaces
 what the CUDA-only branches then call: the memory queries (a GPU of `total_bytes`, `peak_bytes` of warm-up
 activations, nothing allocated before), synchronize / empty_cache / events, pinned host memory (plain memory), and
-CUDA graphs. A FakeGraph's capture records every aten op the captured body runs (a TorchDispatchMode), refusing the
+CUDA graphs, and one stream for the device -> pinned host copies (a non-blocking copy into a pinned buffer lands
+only when an event recorded after it, or a synchronize, completes; until then the buffer holds -7 / NaN). A
+FakeGraph's capture records every aten op the captured body runs (a TorchDispatchMode), refusing the
 ones that sync the host (illegal while a real stream captures), and its replay runs the recorded ops again on the
 same tensors, copying fresh outputs into the captured ones: like a CUDA graph, it replays fixed addresses and the
 host values of capture time, so a body that reads anything but its static buffers replays stale data.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -58,6 +61,18 @@ class FakeCuda:
     in_kernel: bool = False
     recording: list | None = None  # the ops of the graph being captured
     graphs: list[FakeGraph] = field(default_factory=list)
+    pinned: dict[int, weakref.ref] = field(default_factory=dict)  # id -> host tensor made with pin_memory=True
+    # the stream's pending device -> pinned host copies (destination, source snapshot), in issue order, and how
+    # many have landed
+    copies: list = field(default_factory=list)
+    landed: int = 0
+
+    def land(self, upto: int) -> None:
+        """The copies issued before position `upto` of the stream have run."""
+        with torch.inference_mode():  # (the buffers are inference tensors; the host may wait outside that mode)
+            for dst, src in self.copies[self.landed : upto]:
+                dst.copy_(src)
+        self.landed = max(self.landed, upto)
 
 
 class _Recorder(TorchDispatchMode):
@@ -130,14 +145,17 @@ def _kernel_stand_in(ref: Callable[..., Any], state: FakeCuda) -> Callable[..., 
 class FakeEvent:
     def __init__(self, state: FakeCuda, **_: Any) -> None:
         self.state = state
+        self.mark = 0
 
     def record(self, stream: object = None) -> None:
         self.state.events += 1
+        self.mark = len(self.state.copies)  # the event completes after the copies issued before it
 
     def synchronize(self) -> None:
-        pass
+        self.state.land(self.mark)
 
     def query(self) -> bool:
+        self.state.land(self.mark)
         return True
 
 
@@ -153,6 +171,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, total_bytes: int, peak_bytes: int
     def synchronize(device: object = None) -> None:
         if state.capturing:
             raise RuntimeError("torch.cuda.synchronize inside a CUDA graph capture (illegal on the GPU)")
+        state.land(len(state.copies))
 
     @contextlib.contextmanager
     def graph(cuda_graph: FakeGraph, pool: object = None, **_: Any) -> Iterator[None]:
@@ -171,7 +190,22 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, total_bytes: int, peak_bytes: int
     empty = torch.empty
 
     def unpinned_empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        return empty(*args, **kwargs)
+        tensor = empty(*args, **kwargs)
+        if pin_memory:  # what a pinned buffer holds until its copy lands: never a plausible token
+            tensor.fill_(-7 if not tensor.is_floating_point() else float("nan"))
+            state.pinned[id(tensor)] = weakref.ref(tensor)
+        return tensor
+
+    copy_ = torch.Tensor.copy_
+
+    def stream_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        # a non-blocking copy into pinned host memory runs on the stream: it lands when an event recorded after it,
+        # or a synchronize, completes (the host reads the buffer's old contents before that)
+        is_pinned = id(self) in state.pinned and state.pinned[id(self)]() is self
+        if non_blocking and is_pinned and not state.capturing:
+            state.copies.append((self, src.clone()))
+            return self
+        return copy_(self, src, non_blocking=non_blocking)
 
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("deltaserve.kernels."):
@@ -199,4 +233,5 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, total_bytes: int, peak_bytes: int
     monkeypatch.setattr(cuda, "graph", graph)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self)
     monkeypatch.setattr(torch, "empty", unpinned_empty)
+    monkeypatch.setattr(torch.Tensor, "copy_", stream_copy)
     yield state
