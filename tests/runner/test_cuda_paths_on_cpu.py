@@ -19,6 +19,8 @@ from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tiny.fp8 import write_fp8_checkpoint
 from deltaserve.tiny.trained import trained_model_dir
 from tests.support.fake_cuda import FakeCuda, fake_cuda
+from tests.support.vision import PROMPTS as VISION_PROMPTS
+from tests.support.vision import case_for
 
 MIB = 2**20
 UTILIZATION = 0.5
@@ -178,3 +180,32 @@ def test_logprobs_grammar_seeded_and_staggered_requests_under_the_graphs(config:
             assert [f[:2] for f in flat_got] == [f[:2] for f in flat]
             assert [f[2] for f in flat_got] == pytest.approx([f[2] for f in flat], abs=1e-4)
     assert expected["logprobs"][2] and expected["logprobs"][1]  # the request did return both kinds
+
+
+def _run_vision(llm: LLM) -> dict[str, list[int]]:
+    """The image, multi-image and video prompts of tests/support/vision.py and a text request, launched together
+    with a 40-token step budget (images cut across chunks, prefill steps shared with decodes): name -> tokens."""
+    case = case_for("dense-vl")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for name in VISION_PROMPTS:
+        ids, mm = case.prompt(name)
+        llm.engine.add_request(name, ids, params, mm_input=mm)
+    llm.engine.add_request("text", IDS[0:9], params)
+    outputs: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished():
+        for output in llm.engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+    return outputs
+
+
+@pytest.mark.parametrize("config", [{}, MTP], ids=["decode-graphs", "verify-graphs"])
+def test_images_and_video_under_the_graphs(config: dict) -> None:
+    """The tiny dense-vl checkpoint: the vision encoder's rows, 3-D MRoPE positions through the decode graphs (or,
+    speculating, eager mixed steps and the verify graphs), the tokens of a plain CPU engine."""
+    kwargs = {"dtype": "float32", "max_num_batched_tokens": 40, "max_num_seqs": 4, "max_model_len": 512, **config}
+    model_dir = case_for("dense-vl").model_dir
+    expected = _run_vision(LLM(model_dir, **kwargs))
+    with pytest.MonkeyPatch.context() as monkeypatch, fake_cuda(monkeypatch, TOTAL, PEAK) as cuda:
+        got = _run_vision(fake_gpu_llm(model_dir, [], **kwargs))
+    assert cuda.replays > 0
+    assert got == expected and len(expected) == len(VISION_PROMPTS) + 1
