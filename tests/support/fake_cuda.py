@@ -5,14 +5,14 @@ what the CUDA-only branches then call: the memory queries (a GPU of `total_bytes
 activations, nothing allocated before), synchronize / empty_cache / events, pinned host memory (plain memory), and
 CUDA graphs, and one stream for the device -> pinned host copies (a non-blocking copy into a pinned buffer lands
 only when an event recorded after it, or a synchronize, completes; until then the buffer holds -7 / NaN). A
-FakeGraph's capture records every aten op the captured body runs (a TorchDispatchMode), refusing the
-ones that sync the host (illegal while a real stream captures), and its replay runs the recorded ops again on the
-same tensors, copying fresh outputs into the captured ones: like a CUDA graph, it replays fixed addresses and the
-host values of capture time, so a body that reads anything but its static buffers replays stale data.
+FakeGraph's capture records every aten op the captured body runs (a TorchDispatchMode), and each kernel's `*_ref` twin
+as one launch (the twins sync the host where their Triton kernels do not), refusing the ops that sync the host or
+index by a boolean mask (illegal while a real stream captures); its replay runs the record again on the same
+tensors, copying fresh outputs into the captured ones: like a CUDA graph, it replays fixed addresses and the host
+values of capture time, so a body that reads anything but its static buffers replays stale data.
 
-What this cannot show: kernels (the CPU runs the torch paths), real memory figures, stream ordering of the
-non-blocking copies, and the tensor-level `.is_cuda` branches (spec_decode.py's host copies, prompt_logprobs.py),
-which still take their CPU side.
+What this cannot show: the Triton kernels themselves (the CPU runs their torch twins), real memory figures, and more
+than one stream.
 """
 
 from __future__ import annotations
