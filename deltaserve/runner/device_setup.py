@@ -27,6 +27,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def is_cuda(device: torch.device) -> bool:
+    """Whether `device` is a GPU: the one test of the runner's CUDA-only start-up and serving paths (the cache budget
+    from the GPU's memory, the warm-up's peak, the CUDA graphs, pinned host copies), so that
+    tests/runner/test_cuda_paths_on_cpu.py can run them on the CPU by patching this alone."""
+    return device.type == "cuda"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -59,7 +66,7 @@ def engine_share(device: torch.device, utilization: float) -> tuple[int, int]:
 
     vLLM 0.26's per-instance share: utilization x total is this engine's, and must be free at start-up (what other
     processes hold is not subtracted from it, so two engines at 0.45 share one GPU as under vLLM)."""
-    if device.type != "cuda":
+    if not is_cuda(device):
         return 0, 0
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # this process's cached but unused blocks are free for this engine

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from deltaserve.model.context import ForwardContext
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecLayout, spec_layout
 from deltaserve.step import ScheduledSeq, StepPlan
@@ -36,7 +37,7 @@ def pack(fields: dict[str, np.ndarray], dtype: type, device: torch.device) -> di
         start, _ = offsets[name]
         host[start : start + array.size] = array.reshape(-1)
     buffer = torch.from_numpy(host)
-    if device.type == "cuda":
+    if is_cuda(device):
         buffer = buffer.pin_memory().to(device, non_blocking=True)
     return {name: buffer[start : start + int(np.prod(shape))].view(shape) for name, (start, shape) in offsets.items()}
 

@@ -25,6 +25,7 @@ from deltaserve.runner.cache import (
     plan_cache,
 )
 from deltaserve.runner.cuda_graph import static_bytes
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows
@@ -47,7 +48,7 @@ HEADROOM_BYTES = 512 * 2**20
 
 def default_max_num_seqs(device: torch.device) -> int:
     """vLLM 0.26's default for its API server: 1024 on GPUs of >= 70 GiB other than the A100, else 256."""
-    if device.type == "cuda":
+    if is_cuda(device):
         props = torch.cuda.get_device_properties(device)
         if props.total_memory >= 70 * GIB and "a100" not in props.name.lower():
             return 1024
@@ -208,7 +209,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
 
 def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
     """The bytes left for the KV cache, the state pool and the verify scratch (the CPU: --cpu-kv-cache-bytes)."""
-    if runner.device.type != "cuda":
+    if not is_cuda(runner.device):
         return runner.engine_config.cpu_kv_cache_bytes
     peak = profile_peak_bytes(runner, max_num_batched_tokens, max_model_len, max_num_seqs)
     _, total = torch.cuda.mem_get_info(runner.device)

@@ -42,7 +42,7 @@ from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner import prompt_logprobs as plp
 from deltaserve.runner.cache import allocate_and_bind, copy_kv_blocks, copy_state_slots
 from deltaserve.runner.cuda_graph import DecodeGraphs
-from deltaserve.runner.device_setup import engine_share, rank_device, resolve_dtype, set_cpu_threads
+from deltaserve.runner.device_setup import engine_share, is_cuda, rank_device, resolve_dtype, set_cpu_threads
 from deltaserve.runner.inputs import build_eager_inputs, layout_step
 from deltaserve.runner.memory import size_caches
 from deltaserve.runner.mm_embeds import step_mm_embeds
@@ -111,14 +111,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         # speculative decoding runs every step eager (its drafter reads each step's hidden states): no decode graphs
         self.is_graphed = (
-            self.device.type == "cuda" and not engine_config.enforce_eager and engine_config.speculative_config is None
+            is_cuda(self.device) and not engine_config.enforce_eager and engine_config.speculative_config is None
         )
         self.graphs: DecodeGraphs | None = None  # captured after the cache exists; the warm-up runs eager
         # while speculating, verify steps replay verify graphs instead (runner/spec_graphs.py), on every rank alike
         self.is_spec_graphed = (
-            self.device.type == "cuda"
-            and not engine_config.enforce_eager
-            and engine_config.speculative_config is not None
+            is_cuda(self.device) and not engine_config.enforce_eager and engine_config.speculative_config is not None
         )
         self.spec_graphs: VerifyGraphs | None = None
         self.spec: SpecDecoder | None = None  # enable_speculation; the warm-up sets its own for its steps
@@ -206,7 +204,7 @@ class ModelRunner:
                 rows = hidden if index is None else hidden.index_select(0, index)
                 logits = self.model.compute_logits(rows)  # [S, V] fp32
         prompt_event = None
-        if prompt_lp is not None and self.device.type == "cuda":
+        if prompt_lp is not None and is_cuda(self.device):
             prompt_event = torch.cuda.Event()
             prompt_event.record()
         spec = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.request_table import RequestTable
 
 SLICE_ROWS = 1024
@@ -108,7 +109,7 @@ def compute_prompt_logprobs(
 
 def to_host(out: PromptLogprobsOutput) -> PromptLogprobsOutput:
     """Non-blocking copies into pinned memory on CUDA (the caller waits on an event before reading them)."""
-    if out.target_logprobs.device.type != "cuda":
+    if not is_cuda(out.target_logprobs.device):
         return out
 
     def copy(t: torch.Tensor | None) -> torch.Tensor | None:

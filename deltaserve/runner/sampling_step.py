@@ -17,6 +17,7 @@ import torch
 
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.runner import prompt_logprobs as plp
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.observer import StepObserver, StepTimings
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecDecoder, SpecHandle, collect_tokens
@@ -63,9 +64,9 @@ def sample_step(
     table.record_sampled(rows, rows_dev, tokens)
     if handle.spec is not None:
         draft_after_sampling(decoder, graphs, handle.spec, table, block_size, rows, rows_dev, tokens, handle.plan)
-    handle.sampled, handle.event = to_host(out, device)
-    if handle.spec is not None:
+    if handle.spec is not None:  # before to_host's event, which collect waits on for these copies too
         SpecDecoder.to_host(handle.spec)
+    handle.sampled, handle.event = to_host(out, device)
 
 
 def follow_first(
@@ -90,7 +91,7 @@ def follow_first(
 
 def to_host(out: SamplerOutput, device: torch.device) -> tuple[SamplerOutput, torch.cuda.Event | None]:
     """Starts non-blocking copies of the sampler's outputs into pinned memory; the event marks their end."""
-    if device.type != "cuda":
+    if not is_cuda(device):
         return out, None
 
     def copy(t: torch.Tensor | None) -> torch.Tensor | None:

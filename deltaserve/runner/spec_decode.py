@@ -27,6 +27,7 @@ import torch
 from deltaserve.kernels.gdn_spec import spec_state_commit
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_resume import save_accepted_hidden
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.sampler import logprobs_to_host
@@ -461,7 +462,7 @@ class SpecDecoder:
         verify_rows = layout.draft_rows[np.cumsum(layout.num_drafts) - 1]  # [S] each chunk's table row
         rows = to_device(verify_rows, torch.int64, draft_tokens.device)
         drafts = draft_tokens.index_select(0, rows)  # [S, k_max]
-        if not drafts.is_cuda:
+        if not is_cuda(drafts.device):
             return drafts, None
         host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
         host.copy_(drafts, non_blocking=True)
@@ -487,7 +488,7 @@ class SpecDecoder:
             return
         for name in ("tokens", "num_emitted"):
             value = getattr(handle, name)
-            if value.is_cuda:
+            if is_cuda(value.device):
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
                 setattr(handle, name, host.copy_(value, non_blocking=True))
 

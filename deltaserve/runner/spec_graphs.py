@@ -47,6 +47,7 @@ from deltaserve.kernels.gdn_spec import spec_state_commit
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cuda_graph import capture_sizes
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.inputs import StepInputs, StepLayout
 from deltaserve.runner.mtp_drafter import chain_drafts
 from deltaserve.runner.request_table import RequestTable
@@ -296,7 +297,7 @@ class VerifyGraphs:
         short[num_seqs:cap] = width
         short[cap : cap + num_seqs] = layout.state_slots
         short[cap + num_seqs :] = -1  # the bucket's padded rows: no state
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             self.long.copy_(torch.from_numpy(long).pin_memory(), non_blocking=True)
             self.short.copy_(torch.from_numpy(short).pin_memory(), non_blocking=True)
         else:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltaserve.runner.cache import CacheLayout, allocate_and_bind
+from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows
@@ -37,7 +38,7 @@ class PeakMeter:
 
     @property
     def is_measuring(self) -> bool:
-        return self.device.type == "cuda"
+        return is_cuda(self.device)
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.is_measuring else 0
