@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from attention_ab_arms import Arm, Batch, attention_arms  # noqa: E402
-from fp8_ab import Timer, check_arms, time_arms, verdict  # noqa: E402
+from fp8_ab import Timer, check_arms, finish, time_arms, verdict  # noqa: E402
 
 from deltaserve.bench.provenance import git_state  # noqa: E402
 from deltaserve.kernels.attention import paged_attention_ref  # noqa: E402
@@ -426,19 +426,7 @@ def main(argv: list[str] | None = None, importer: Callable[[str], Any] = importl
         checks = run_checks(ctx, model, arms)
         for text in args.cases:
             run_case(ctx, model, text, arms, checks)
-    for row in record["winners"]:
-        if row["adopt"] not in (None, "deltaserve"):
-            print(f"adopt {row['adopt']}: {row['model']} {row['case']} (+{100 * row['library_gain']:.0f} % over "
-                  "deltaserve)")  # fmt: skip
-    record["ranges"] = range_verdicts(record["results"], args.adopt_margin)
-    for v in record["ranges"]:
-        print(f"range {v['range']} ({v['cases']} cases): serve {v['serve']}")
-    if record["skipped"]:
-        print(f"skipped {len(record['skipped'])} cases at the deadline (--deadline-s {args.deadline_s})")
-    ctx.save()
-    print(f"record: {args.out}")
-    ours_bad = [c for c in record["checks"] if c["arm"] == "deltaserve" and not c["agrees"]]
-    return 1 if ours_bad else 0
+    return finish(ctx, range_verdicts, lambda row: f"{row['model']} {row['case']}", lambda v: v["range"])
 
 
 if __name__ == "__main__":

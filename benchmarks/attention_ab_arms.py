@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fp8_ab_arms import Importer, _missing, _version  # a library arm missing, and its version: as fp8_ab's arms
 
-Importer = Callable[[str], Any]
 FLASHINFER_WORKSPACE = 128 << 20  # the size FlashInfer's docs recommend for the split-KV scratch
 
 
@@ -81,19 +81,6 @@ class Arm:
     def at_pages(self, label: str) -> Arm:
         """This arm on a copy of the cache repaged to the block size `label` names, as `NAME@LABEL`."""
         return dataclasses.replace(self, name=f"{self.name}@{label}", pages=label)
-
-
-def _missing(arm: Arm, exc: BaseException) -> Arm:
-    arm.error = f"not installed: {type(exc).__name__}: {exc}"[:300]
-    arm.prepare = arm.call = None
-    return arm
-
-
-def _version(importer: Importer, module: str) -> str:
-    try:
-        return str(getattr(importer(module), "__version__", "(version unknown)"))
-    except Exception:  # the arm itself records the import error
-        return "(not importable)"
 
 
 def attention_arms(importer: Importer = importlib.import_module) -> list[Arm]:

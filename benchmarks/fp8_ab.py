@@ -605,13 +605,23 @@ def main(argv: list[str] | None = None, importer: Callable[[str], Any] = importl
     for op, model, shape in items:
         (run_dense if op == "dense" else run_moe)(ctx, model, shape, by_op[op])
         ctx.save()
+    return finish(ctx, range_verdicts, lambda row: f"{row['op']} {row['model']} {row['shape']} M={row['M']}",
+                  lambda v: f"{v['op']} {v['range']}")  # fmt: skip
+
+
+def finish(
+    ctx: Any, ranges: Callable[[list[dict[str, Any]], float], list[dict[str, Any]]],
+    case_label: Callable[[dict[str, Any]], str], range_label: Callable[[dict[str, Any]], str],
+) -> int:  # fmt: skip
+    """The end of a run (this tool's and attention_ab.py's): the cases a library wins, the verdict per range, the
+    cases the deadline cut; saves the record. Exit code 1 when deltaserve's own arm disagreed with its twin."""
+    record, args = ctx.record, ctx.args
     for row in record["winners"]:
         if row["adopt"] not in (None, "deltaserve"):
-            print(f"adopt {row['adopt']}: {row['op']} {row['model']} {row['shape']} M={row['M']} "
-                  f"(+{100 * row['library_gain']:.0f} % over deltaserve)")  # fmt: skip
-    record["ranges"] = range_verdicts(record["results"], args.adopt_margin)
+            print(f"adopt {row['adopt']}: {case_label(row)} (+{100 * row['library_gain']:.0f} % over deltaserve)")
+    record["ranges"] = ranges(record["results"], args.adopt_margin)
     for v in record["ranges"]:
-        print(f"range {v['op']} {v['range']} ({v['cases']} cases): serve {v['serve']}")
+        print(f"range {range_label(v)} ({v['cases']} cases): serve {v['serve']}")
     if record["skipped"]:
         print(f"skipped {len(record['skipped'])} cases at the deadline (--deadline-s {args.deadline_s})")
     ctx.save()
