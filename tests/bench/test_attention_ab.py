@@ -20,6 +20,8 @@ import torch
 
 from deltaserve.bench import records_index
 from deltaserve.kernels.attention import paged_attention_ref
+from tests.support.scripts import absent as absent_importer
+from tests.support.scripts import load_script
 
 from .test_h200_runner import runner
 
@@ -31,17 +33,10 @@ TINY += ["--reps", "2"]
 
 @pytest.fixture(scope="module")
 def attention_ab() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("attention_ab", ROOT / "benchmarks" / "attention_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("attention_ab")
 
 
-def absent(name: str) -> Any:
-    """An importer on which none of the field's libraries is installed, whatever this machine has."""
-    if name.split(".")[0] in LIBRARIES:
-        raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'")
-    return importlib.import_module(name)
+absent = absent_importer(*LIBRARIES)  # none of the field's libraries installed, whatever this machine has
 
 
 def fake_fa3(wrong: str = "") -> SimpleNamespace:

@@ -21,6 +21,8 @@ from deltaserve.bench import records_index
 from deltaserve.config import ModelConfig
 from deltaserve.kernels.fp8 import Fp8Weight, fp8_linear_ref
 from deltaserve.model.qwen3_5 import Qwen35Model
+from tests.support.scripts import absent as absent_importer
+from tests.support.scripts import load_script
 
 from .test_h200_runner import runner
 
@@ -32,17 +34,10 @@ TINY += ["--moe-tokens", "2", "--check-tokens", "3", "--check-moe-tokens", "5", 
 
 @pytest.fixture(scope="module")
 def fp8_ab() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fp8_ab", ROOT / "benchmarks" / "fp8_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fp8_ab")
 
 
-def absent(name: str) -> Any:
-    """An importer on which none of the field's libraries is installed, whatever this machine has."""
-    if name.split(".")[0] in LIBRARIES:
-        raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'")
-    return importlib.import_module(name)
+absent = absent_importer(*LIBRARIES)  # none of the field's libraries installed, whatever this machine has
 
 
 def test_shapes_are_the_fp8_projections_deltaserve_builds(fp8_ab: ModuleType) -> None:

@@ -3,7 +3,6 @@ its prefill-only and decode-only halves), and the record's parts / lost columns.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,17 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
 
 
 def _load() -> object:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("mixed_step", ROOT / "benchmarks" / "mixed_step.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules["mixed_step"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("mixed_step")
 
 
 mixed_step = _load()

@@ -3,13 +3,13 @@ against a baseline tower file (here the current one). Host and GPU times need th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.scripts import load_script
 from tests.support.threads import one_thread  # noqa: F401 (module-scoped autouse fixture)
 from tests.support.vision import tiny_vision_checkpoint
 
@@ -17,12 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load() -> object:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("vision_encode", ROOT / "benchmarks" / "vision_encode.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_script("vision_encode")
 
 
 def test_rows_per_arm_and_image_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
