@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from attention_ab_arms import Arm, Batch, attention_arms  # noqa: E402
-from fp8_ab import Timer, check_arms, finish, time_arms, verdict  # noqa: E402
+from fp8_ab import Timer, check_arms, finish, range_verdict, time_arms, verdict  # noqa: E402
 
 from deltaserve.bench.provenance import git_state  # noqa: E402
 from deltaserve.kernels.attention import paged_attention_ref  # noqa: E402
@@ -294,32 +294,13 @@ def range_of(row: dict[str, Any]) -> str | None:
 
 
 def range_verdicts(results: list[dict[str, Any]], margin: float) -> list[dict[str, Any]]:
-    """What serves each range (RANGES), from timed rows: each arm's time summed over the range's cases; a library
-    is eligible only if it agreed with the twin and was timed at every case deltaserve was, and serves the range
-    when its sum is more than `margin` below deltaserve's."""
+    """What serves each range (RANGES), from timed rows (fp8_ab.range_verdict's rule)."""
     verdicts = []
     for name in RANGES:
-        rows = [r for r in results if "us" in r and r["agrees"] and range_of(r) == name]
-        cases = {(r["model"], r["case"]) for r in rows if r["arm"] == "deltaserve"}
-        if not cases:
-            continue
-        totals: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for r in rows:
-            if (r["model"], r["case"]) in cases:
-                totals[r["arm"]] = totals.get(r["arm"], 0.0) + r["us"]
-                counts[r["arm"]] = counts.get(r["arm"], 0) + 1
-        ours = totals.pop("deltaserve")
-        libraries = {
-            arm: {"us": total, "gain": ours / total - 1, "eligible": counts[arm] == len(cases)}
-            for arm, total in totals.items()
-        }
-        eligible = {arm: v for arm, v in libraries.items() if v["eligible"]}
-        best = min(eligible, key=lambda arm: eligible[arm]["us"]) if eligible else None
-        serve = best if best and eligible[best]["gain"] > margin else "deltaserve"
-        verdicts.append(
-            {"range": name, "cases": len(cases), "deltaserve_us": ours, "libraries": libraries, "serve": serve}
-        )
+        rows = [r for r in results if "us" in r and range_of(r) == name]
+        verdict = range_verdict(rows, lambda r: (r["model"], r["case"]), margin)
+        if verdict is not None:
+            verdicts.append({"range": name, **verdict})
     return verdicts
 
 

@@ -330,35 +330,43 @@ def verdict(case: dict[str, Any], rows: list[dict[str, Any]], margin: float) -> 
     }
 
 
+def range_verdict(
+    rows: list[dict[str, Any]], case_of: Callable[[dict[str, Any]], Any], margin: float
+) -> dict[str, Any] | None:
+    """The verdict over one range's timed rows (this tool's and attention_ab.py's): each arm's time summed over the
+    cases deltaserve agreed at (`case_of` names a row's case); a library is eligible only if it agreed with the
+    twin and was timed at every such case, and serves the range when its sum is more than `margin` below
+    deltaserve's. None when deltaserve has no such case."""
+    cases = {case_of(r) for r in rows if r["arm"] == "deltaserve" and r["agrees"]}
+    if not cases:
+        return None
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r["agrees"] and case_of(r) in cases:
+            totals[r["arm"]] = totals.get(r["arm"], 0.0) + r["us"]
+            counts[r["arm"]] = counts.get(r["arm"], 0) + 1
+    ours = totals.pop("deltaserve")
+    libraries = {
+        arm: {"us": total, "gain": ours / total - 1, "eligible": counts[arm] == len(cases)}
+        for arm, total in totals.items()
+    }
+    eligible = {arm: v for arm, v in libraries.items() if v["eligible"]}
+    best = min(eligible, key=lambda arm: eligible[arm]["us"]) if eligible else None
+    serve = best if best and eligible[best]["gain"] > margin else "deltaserve"
+    return {"cases": len(cases), "deltaserve_us": ours, "libraries": libraries, "serve": serve}
+
+
 def range_verdicts(results: list[dict[str, Any]], margin: float) -> list[dict[str, Any]]:
-    """What serves each op over each range of M (RANGES), from timed rows of one record or several: each arm's
-    time summed over the range's cases; a library is eligible only if it agreed with the twin and was timed at
-    every case deltaserve was, and serves the range when its sum is more than `margin` below deltaserve's."""
+    """What serves each op over each range of M (RANGES), from timed rows of one record or several
+    (range_verdict's rule)."""
     verdicts = []
     for op in dict.fromkeys(r["op"] for r in results):
         for name, (low, high) in RANGES.items():
             rows = [r for r in results if r["op"] == op and low <= r["M"] <= high and "us" in r]
-            cases = {(r["model"], r["shape"], r["M"]) for r in rows if r["arm"] == "deltaserve" and r["agrees"]}
-            if not cases:
-                continue
-            totals: dict[str, float] = {}
-            counts: dict[str, int] = {}
-            for r in rows:
-                if r["agrees"] and (r["model"], r["shape"], r["M"]) in cases:
-                    totals[r["arm"]] = totals.get(r["arm"], 0.0) + r["us"]
-                    counts[r["arm"]] = counts.get(r["arm"], 0) + 1
-            ours = totals.pop("deltaserve")
-            libraries = {
-                arm: {"us": total, "gain": ours / total - 1, "eligible": counts[arm] == len(cases)}
-                for arm, total in totals.items()
-            }
-            eligible = {arm: v for arm, v in libraries.items() if v["eligible"]}
-            best = min(eligible, key=lambda arm: eligible[arm]["us"]) if eligible else None
-            serve = best if best and eligible[best]["gain"] > margin else "deltaserve"
-            verdicts.append(
-                {"op": op, "range": name, "cases": len(cases), "deltaserve_us": ours, "libraries": libraries,
-                 "serve": serve}
-            )  # fmt: skip
+            verdict = range_verdict(rows, lambda r: (r["model"], r["shape"], r["M"]), margin)
+            if verdict is not None:
+                verdicts.append({"op": op, "range": name, **verdict})
     return verdicts
 
 
