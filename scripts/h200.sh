@@ -274,6 +274,24 @@ gate_fp32() {  # the fp32 token gates on cuda: STRICT n/N first in each log
   return $status
 }
 
+library_ab() {  # NAME SCRIPT SUMMARY_PATTERN CASE_PATTERN [FLAGS]: benchmarks/SCRIPT.py, ours against the libraries
+  local name=$1 script=$2 summary=$3 cases=$4 has_deadline="" word timed
+  shift 4
+  for word in "$@"; do [ "$word" = --deadline-s ] && has_deadline=1; done
+  local deadline=()
+  [ -n "$has_deadline" ] || deadline=(--deadline-s "$(left 40)")  # no case that would end after the budget
+  # the FlashInfer bundle before vLLM's, as the registry's h200-offline-flashinfer site; its JIT build under /tmp
+  # so a second call on the warm machine reuses it (a cut build resumes)
+  run "$W/$name.log" env \
+    PYTHONPATH="$PWD:/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" \
+    FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit timeout --kill-after=10 "$(left 15)" $PY "benchmarks/$script.py" \
+    --out "$OUT/$name-$tag.json" "${deadline[@]}" "$@" || status=$?
+  grep -E "$summary" "$W/$name.log" 2> /dev/null | head -60 | say
+  cp "$W/$name.log" "$OUT/$name-$tag.log" 2> /dev/null  # the record's console log, filed beside it
+  timed=$(grep -cE "$cases" "$W/$name.log" 2> /dev/null)
+  echo "$name rc $status: ${timed:-0} cases timed" | say
+}
+
 gate_prefix_cache() {  # cache on vs off, bf16 on cuda, the trained checkpoints shipped with the package
   local v rc status=0
   for v in ${VARIANTS:-dense moe next}; do
@@ -447,37 +465,11 @@ case $step in
     run "$W/profile-decode.log" timeout "$(left)" $PY benchmarks/profile_decode.py --model "$models/q35-$shape" \
       --out "$OUT/profile-decode-$shape-$tag.json" "$@" || status=$?
     grep -v "USDT\|UserWarning\|_warn_once" "$W/profile-decode.log" 2> /dev/null | tail -12 | say ;;
-  fp8-ab)
-    has_deadline=""
-    for word in "$@"; do [ "$word" = --deadline-s ] && has_deadline=1; done
-    deadline=()
-    [ -n "$has_deadline" ] || deadline=(--deadline-s "$(left 40)")  # no case that would end after the budget
-    # the FlashInfer bundle before vLLM's, as the registry's h200-offline-flashinfer site; its JIT build under /tmp
-    # so a second call on the warm machine reuses it (a cut build resumes)
-    run "$W/fp8-ab.log" env \
-      PYTHONPATH="$PWD:/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" \
-      FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit timeout --kill-after=10 "$(left 15)" $PY benchmarks/fp8_ab.py \
-      --out "$OUT/fp8-ab-$tag.json" "${deadline[@]}" "$@" || status=$?
-    grep -E "^arm |DISAGREES|ERROR|^adopt |^skipped|^record|Traceback|Error:" "$W/fp8-ab.log" 2> /dev/null | head -60 \
-      | say
-    cp "$W/fp8-ab.log" "$OUT/fp8-ab-$tag.log" 2> /dev/null  # the record's console log, filed beside it
-    timed=$(grep -cE '^(dense|moe) ' "$W/fp8-ab.log" 2> /dev/null)
-    echo "fp8-ab rc $status: ${timed:-0} cases timed" | say ;;
+  fp8-ab) library_ab fp8-ab fp8_ab "^arm |DISAGREES|ERROR|^adopt |^skipped|^record|Traceback|Error:" '^(dense|moe) ' \
+    "$@" ;;
   attention-ab)
-    has_deadline=""
-    for word in "$@"; do [ "$word" = --deadline-s ] && has_deadline=1; done
-    deadline=()
-    [ -n "$has_deadline" ] || deadline=(--deadline-s "$(left 40)")  # no case that would end after the budget
-    # the bundles in fp8-ab's order; FlashInfer's JIT build under /tmp, so a second call on a warm machine reuses it
-    run "$W/attention-ab.log" env \
-      PYTHONPATH="$PWD:/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" \
-      FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit timeout --kill-after=10 "$(left 15)" $PY benchmarks/attention_ab.py \
-      --out "$OUT/attention-ab-$tag.json" "${deadline[@]}" "$@" || status=$?
-    grep -E "^arm |DISAGREES|ERROR|^adopt |^range |^skipped|^record|Traceback|Error:" "$W/attention-ab.log" \
-      2> /dev/null | head -60 | say
-    cp "$W/attention-ab.log" "$OUT/attention-ab-$tag.log" 2> /dev/null  # the record's console log, filed beside it
-    timed=$(grep -cE '^attention ' "$W/attention-ab.log" 2> /dev/null)
-    echo "attention-ab rc $status: ${timed:-0} cases timed" | say ;;
+    library_ab attention-ab attention_ab "^arm |DISAGREES|ERROR|^adopt |^range |^skipped|^record|Traceback|Error:" \
+      '^attention ' "$@" ;;
   profile-prefill)
     shapes=27b,35b-a3b
     [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && shapes=$1 && shift
