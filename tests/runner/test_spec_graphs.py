@@ -289,6 +289,19 @@ def test_graph_drafts_equal_eager_drafts_at_every_step() -> None:
     assert checked["steps"] == len(replays) > 0 and checked["decode_rows"] > 0
 
 
+def count_calls(graphs: object, name: str) -> list[int]:
+    """[n]: how many times graphs.NAME is called from now on (the method still runs)."""
+    calls = [0]
+    method = getattr(graphs, name)
+
+    def counting(*args):  # noqa: ANN002, ANN202 (the method's own signature)
+        calls[0] += 1
+        return method(*args)
+
+    setattr(graphs, name, counting)
+    return calls
+
+
 def test_graph_path_at_two_ranks_gives_one_rank_tokens_and_counters(references: dict) -> None:
     """Tensor parallelism on the CPU (two ranks over gloo): both ranks run the graph path uncaptured (rank 0 decides
     which steps; the worker follows the same plan and flag), their collectives meet, and the greedy tokens and
@@ -303,14 +316,7 @@ def test_graph_path_at_two_ranks_gives_one_rank_tokens_and_counters(references: 
         executor = two.engine.runner
         executor.run_on_all_ranks("_use_spec_graphs", False)
         graphs = executor.driver.spec_graphs
-        replays = [0]
-        replay = graphs.run
-
-        def counting_run(*args):  # noqa: ANN002, ANN202 (VerifyGraphs.run's signature)
-            replays[0] += 1
-            return replay(*args)
-
-        graphs.run = counting_run
+        replays = count_calls(graphs, "run")
         assert [list(o.token_ids) for o in run(two, prompts, greedy())] == expected
         assert replays[0] > 0
         names = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens_per_pos")
@@ -339,14 +345,7 @@ def test_graph_path_with_grammars_equals_eager() -> None:
     steps.clear()
     replays.clear()
     graphs = llm.engine.core.runner.spec_graphs
-    post = [0]
-    draft = graphs.draft
-
-    def counting_draft(*args):  # noqa: ANN002, ANN202 (VerifyGraphs.draft's signature)
-        post[0] += 1
-        return draft(*args)
-
-    graphs.draft = counting_draft
+    post = count_calls(graphs, "draft")
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected and steps == eager_steps
     assert 0 < post[0] < len(replays)  # some graph steps were deferred: their commit and drafts ran eagerly

@@ -81,11 +81,8 @@ def mtp_runner():  # noqa: ANN201 (yields a ModelRunner)
     del llm
 
 
-def test_verify_warmup_step_runs_through_the_runner_with_its_drafter(
-    mtp_runner, monkeypatch: pytest.MonkeyPatch
-) -> None:  # fmt: skip
-    runner = mtp_runner
-    table, spec = runner.table, runner.spec
+def count_drafter_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every MtpDrafter.propose call from now on, in order (the drafter still runs)."""
     drafted: list[int] = []
     propose = MtpDrafter.propose
 
@@ -94,6 +91,15 @@ def test_verify_warmup_step_runs_through_the_runner_with_its_drafter(
         return propose(self, inputs)
 
     monkeypatch.setattr(MtpDrafter, "propose", counting_propose)
+    return drafted
+
+
+def test_verify_warmup_step_runs_through_the_runner_with_its_drafter(
+    mtp_runner, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    runner = mtp_runner
+    table, spec = runner.table, runner.spec
+    drafted = count_drafter_rows(monkeypatch)
     accepted: list[int] = []
     accept = SpecDecoder.accept
 
@@ -115,14 +121,7 @@ def test_warmup_with_speculation_runs_a_verify_step_on_the_cpu(
 ) -> None:  # fmt: skip
     runner = mtp_runner
     table, spec = runner.table, runner.spec
-    drafted: list[int] = []
-    propose = MtpDrafter.propose
-
-    def counting_propose(self: MtpDrafter, inputs):  # noqa: ANN001, ANN202 (the drafter's own signature)
-        drafted.append(len(inputs.rows))
-        return propose(self, inputs)
-
-    monkeypatch.setattr(MtpDrafter, "propose", counting_propose)
+    drafted = count_drafter_rows(monkeypatch)
     with caplog.at_level(logging.INFO, logger="deltaserve.runner.memory"):
         assert profile_peak_bytes(runner, 64, 64, 8) == 0  # unmeasured off CUDA
     # the drafter after each of the 7 prefills (64, 32, ..., 1 tokens: no row samples), then after the verify
