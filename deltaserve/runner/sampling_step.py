@@ -143,13 +143,11 @@ def step_result(handle: StepHandle, table: RequestTable, vocab_size: int) -> Ste
         if handle.prompt_event is not None:
             handle.prompt_event.synchronize()
         prompt_logprobs = tuple(plp.to_plain(handle.prompt_logprobs, len(plan.seqs)))
-    if handle.sampled is not None and handle.spec is not None:
-        if handle.event is not None:
-            handle.event.synchronize()
+    if handle.sampled is not None and handle.event is not None:
+        handle.event.synchronize()
+    if handle.sampled is not None and handle.spec is not None and handle.spec.layout is not None:
         collect_tokens(handle, table, vocab_size, token_ids, logprobs)
-    elif handle.sampled is not None:
-        if handle.event is not None:
-            handle.event.synchronize()
+    elif handle.sampled is not None:  # one token a sampling sequence
         sampled = handle.sampled.token_ids.tolist()
         per_row = None
         if handle.num_logprobs is not None:

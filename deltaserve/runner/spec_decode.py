@@ -494,21 +494,12 @@ class SpecDecoder:
 
 
 def collect_tokens(handle, table: RequestTable, vocab_size: int, token_ids: list, logprobs: list) -> None:
-    """Fills a collected step's per-sequence tokens (and logprobs) from its host copies: a verify chunk's accepted
-    tokens, one token for the others. The table's output counts gain the accepted drafts (record_sampled counted
-    one token per sequence at launch)."""
+    """Fills a collected step that holds verify chunks (a step without one is collected as any other) with its
+    per-sequence tokens (and logprobs) from its host copies: a verify chunk's accepted tokens, one token for the
+    others. The table's output counts gain the accepted drafts (record_sampled counted one token per sequence at
+    launch)."""
     spec: SpecHandle = handle.spec
     layout = spec.layout
-    if layout is None:  # no verify chunk: one token a sampling sequence
-        sampled = handle.sampled.token_ids.tolist()
-        per_row = None
-        if handle.num_logprobs is not None:
-            per_row = logprobs_to_host(handle.sampled, sampled, handle.num_logprobs, vocab_size)
-        for i, seq_index in enumerate(handle.sample_seqs.tolist()):
-            token_ids[seq_index] = (sampled[i],)
-            if per_row is not None and per_row[i] is not None:
-                logprobs[seq_index] = (per_row[i],)
-        return
     sampled = handle.sampled.token_ids.tolist()  # [P]
     emitted = spec.tokens.tolist()
     num_emitted = spec.num_emitted.tolist()
