@@ -30,6 +30,7 @@ SpeculativeConfigError naming the key or the method:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
@@ -99,13 +100,7 @@ class KPolicyConfig:
     min_samples: int = DEFAULT_MIN_SAMPLES  # below this many (weighted) observations a position counts as accepted
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_batch_tokens": self.max_batch_tokens,
-            "token_cost": self.token_cost,
-            "probe_interval": self.probe_interval,
-            "window": self.window,
-            "min_samples": self.min_samples,
-        }
+        return dataclasses.asdict(self)  # every field, under its own name
 
 
 @dataclass(frozen=True)
