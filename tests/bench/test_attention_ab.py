@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import re
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -22,8 +21,6 @@ from deltaserve.bench import records_index
 from deltaserve.kernels.attention import paged_attention_ref
 from tests.support.scripts import absent as absent_importer
 from tests.support.scripts import load_script
-
-from .test_h200_runner import runner
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = ("vllm", "flashinfer")
@@ -265,22 +262,6 @@ def test_bad_flags_are_refused_by_name(attention_ab: ModuleType, capsys: pytest.
         with pytest.raises(SystemExit) as refused:
             attention_ab.main(["--device", "cpu", *flags])
         assert refused.value.code == 2 and said in capsys.readouterr().err
-
-
-def test_the_h200_step_puts_both_bundles_on_the_path_and_keeps_to_the_budget(tmp_path: Path) -> None:
-    done = runner(tmp_path, "attention-ab", "--shapes", "27b")
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
-    line = next(line for line in done.stdout.splitlines() if "benchmarks/attention_ab.py" in line)
-    site = "/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site"
-    assert f"PYTHONPATH={ROOT}:{site} FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit" in line
-    match = re.search(
-        rf"attention_ab.py --out {out}/attention-ab-h200-test.json --deadline-s (\d+) --shapes 27b ", line
-    )
-    assert match and 400 < int(match.group(1)) < 570, line
-    own = runner(tmp_path, "attention-ab", "--deadline-s", "120").stdout.splitlines()
-    own_line = next(line for line in own if "attention_ab.py" in line)
-    assert own_line.count("--deadline-s") == 1 and "--deadline-s 120 >" in own_line
 
 
 @pytest.mark.gpu

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import tempfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -23,8 +22,6 @@ from deltaserve.kernels.fp8 import Fp8Weight, fp8_linear_ref
 from deltaserve.model.qwen3_5 import Qwen35Model
 from tests.support.scripts import absent as absent_importer
 from tests.support.scripts import load_script
-
-from .test_h200_runner import runner
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = ("vllm", "flashinfer", "deep_gemm")
@@ -213,23 +210,6 @@ def test_the_deadline_records_the_cases_it_cut(fp8_ab: ModuleType, tmp_path: Pat
         ("dense", 1, "deadline"), ("dense", 3, "deadline"), ("moe", 2, "deadline")
     ]  # fmt: skip
     assert "3 cut at the deadline" in records_index.describe(out)[0]
-
-
-def test_the_h200_step_puts_both_bundles_on_the_path_and_keeps_to_the_budget(tmp_path: Path) -> None:
-    done = runner(tmp_path, "fp8-ab", "--models", "27b", "--ops", "dense")
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
-    line = next(line for line in done.stdout.splitlines() if "benchmarks/fp8_ab.py" in line)
-    site = "/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site"
-    assert f"PYTHONPATH={ROOT}:{site} FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit" in line
-    match = re.search(
-        rf"fp8_ab.py --out {out}/fp8-ab-h200-test.json --deadline-s (\d+) --models 27b --ops dense ", line
-    )
-    assert match and 400 < int(match.group(1)) < 570, line
-    own = next(
-        line for line in runner(tmp_path, "fp8-ab", "--deadline-s", "120").stdout.splitlines() if "fp8_ab" in line
-    )
-    assert own.count("--deadline-s") == 1 and "--deadline-s 120 >" in own  # a given deadline is the one it runs
 
 
 @pytest.mark.gpu

@@ -125,3 +125,20 @@ def test_kernel_ab_builds_a_baseline_tree_from_one_kernel_file(tmp_path: Path) -
 @pytest.mark.parametrize("path", sorted((ROOT / "scripts").iterdir()), ids=lambda p: p.name)
 def test_no_script_is_named_for_a_run(path: Path) -> None:
     assert not re.search(r"_s\d+|session|call\d|\d{6,}|short_", path.name), path.name
+
+
+@pytest.mark.parametrize("step, flags", [("fp8-ab", "--models 27b --ops dense"), ("attention-ab", "--shapes 27b")])
+def test_library_ab_steps_put_both_bundles_on_the_path_and_keep_to_the_budget(
+    tmp_path: Path, step: str, flags: str
+) -> None:  # fmt: skip
+    script = step.replace("-", "_") + ".py"
+    done = runner(tmp_path, step, *flags.split())
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    line = next(line for line in done.stdout.splitlines() if f"benchmarks/{script}" in line)
+    site = "/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site"
+    assert f"PYTHONPATH={ROOT}:{site} FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit" in line
+    match = re.search(rf"{script} --out {out}/{step}-h200-test.json --deadline-s (\d+) {flags} ", line)
+    assert match and 400 < int(match.group(1)) < 570, line
+    own = next(line for line in runner(tmp_path, step, "--deadline-s", "120").stdout.splitlines() if script in line)
+    assert own.count("--deadline-s") == 1 and "--deadline-s 120 >" in own  # a given deadline is the one it runs
