@@ -45,6 +45,7 @@ from deltaserve.gates.tokens import (
     PROMPT_SOURCES,
     TIE_ULPS,
     Mismatch,
+    add_oracle_arguments,
     engine_memory,
     judge_mismatch,
     make_prompts,
@@ -109,14 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--site", default=GATE_SITE, help=f"where the vLLM reference runs (default {GATE_SITE})")
-    parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
-    parser.add_argument(
-        "--share-gpu",
-        action="store_true",
-        help="run beside other gates on one GPU: deltaserve's engine at a small gpu_memory_utilization and the vLLM "
-        "oracle with the registry's shared-GPU settings (cache sizes only, no computation changes)",
-    )
+    add_oracle_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,7 +41,13 @@ import torch
 
 from deltaserve.bench.deviations import GATE_SITE
 from deltaserve.gates.references import ReferenceError
-from deltaserve.gates.tokens import SHARED_GPU_UTILIZATION, Mismatch, engine_memory, judge_mismatch, make_text_prompts
+from deltaserve.gates.tokens import (
+    Mismatch,
+    add_oracle_arguments,
+    engine_memory,
+    judge_mismatch,
+    make_text_prompts,
+)
 
 RECORD_SCHEMA = "deltaserve-gate-mtp/1"
 RATE_TOLERANCE = 0.05
@@ -117,19 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="deltaserve's ranks, with and without MTP alike (the vLLM reference runs on one GPU)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--site", default=GATE_SITE, help=f"where the vLLM reference runs (default {GATE_SITE})")
-    parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
+    add_oracle_arguments(parser)
     parser.add_argument(
         "--no-reference-logprobs",
         action="store_true",
         help="vLLM runs without logprobs, so its margins are not measured: for a vLLM that leaves a request asking "
         "for logprobs out of speculation (the gate then reports that vLLM made no draft)",
-    )
-    parser.add_argument(
-        "--share-gpu",
-        action="store_true",
-        help="run beside other gates on one GPU: deltaserve's engines at gpu_memory_utilization "
-        f"{SHARED_GPU_UTILIZATION} and the vLLM oracle with the registry's shared-GPU settings (cache sizes only)",
     )
 
 

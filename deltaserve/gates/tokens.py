@@ -59,6 +59,23 @@ SHARED_GPU_UTILIZATION = 0.05
 PROMPT_SOURCES = ("random", "text")
 
 
+def add_oracle_arguments(parser: argparse.ArgumentParser) -> None:
+    """--site, --record and --share-gpu, as every gate that runs vLLM in process takes them."""
+    parser.add_argument(
+        "--site",
+        default=GATE_SITE,
+        help=f"where the vLLM reference runs (registry SITES; default {GATE_SITE})",
+    )
+    parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help=f"run beside other gates on one GPU: deltaserve's engines at gpu_memory_utilization "
+        f"{SHARED_GPU_UTILIZATION} and the vLLM oracle with the registry's shared-GPU settings (a fixed KV cache); "
+        "cache sizes only, no computation changes",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint folder")
     parser.add_argument("--reference", default="transformers", choices=["transformers", "vllm"])
@@ -80,12 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "multi_modal_data; adds the check that the four-op preamble (DELTASERVE_FUSE_ATTN_PREAMBLE=0) refuses "
         "them. --prompts and --max-prompt-len do not apply",
     )
-    parser.add_argument(
-        "--site",
-        default=GATE_SITE,
-        help=f"where the vLLM reference runs (registry SITES; default {GATE_SITE})",
-    )
-    parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
+    add_oracle_arguments(parser)
     parser.add_argument(
         "--reference-cache",
         type=Path,
@@ -94,13 +106,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and prompts (else run it and save it here): one vLLM start serves several deltaserve configurations",
     )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="deltaserve's ranks")
-    parser.add_argument(
-        "--share-gpu",
-        action="store_true",
-        help=f"run beside other gates on one GPU: deltaserve's engine at gpu_memory_utilization "
-        f"{SHARED_GPU_UTILIZATION} and the vLLM oracle with the registry's shared-GPU settings (a fixed KV cache); "
-        "cache sizes only, no computation changes",
-    )
     parser.add_argument(
         "--reference-only",
         action="store_true",
