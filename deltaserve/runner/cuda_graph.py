@@ -34,6 +34,13 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [s for s in sizes if s < max_batch] + [max_batch]
 
 
+def buckets(max_batch: int) -> tuple[list[int], int, int]:
+    """(capture sizes, the largest, the static buffers' rows: the largest rounded up to 8 so that each field's
+    region of a packed buffer stays 16-byte aligned)."""
+    sizes = capture_sizes(max_batch)
+    return sizes, sizes[-1], -(-sizes[-1] // 8) * 8
+
+
 def static_bytes(max_batch: int, vocab_size: int) -> int:
     """Device memory of the static buffers the graphs keep beyond the cache: the shared fp32 logits buffer and the
     bf16 lm_head output of the largest bucket, which the graph pool holds."""
@@ -53,9 +60,8 @@ class DecodeGraphs:
         self.model = model
         self.max_seq_len = max_seq_len
         self.device = device
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        self.capacity = cap = -(-self.max_batch // 8) * 8  # each field's region stays 16-byte aligned
+        self.sizes, self.max_batch, self.capacity = buckets(max_batch)
+        cap = self.capacity
         # int64 regions: positions [3, cap] | slot_mapping [cap] | table rows [cap]; int32: seq_lens | state slots
         self.long = torch.zeros(5 * cap, dtype=torch.int64, device=device)
         self.short = torch.zeros(2 * cap, dtype=torch.int32, device=device)

@@ -46,7 +46,7 @@ import torch
 from deltaserve.kernels.gdn_spec import spec_state_commit
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.cuda_graph import capture_sizes
+from deltaserve.runner.cuda_graph import buckets
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.inputs import StepInputs, StepLayout
 from deltaserve.runner.mtp_drafter import chain_drafts
@@ -101,9 +101,8 @@ class VerifyGraphs:
         self.max_seq_len = max_seq_len
         self.device = device
         self.is_captured = capture
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        self.capacity = cap = -(-self.max_batch // 8) * 8  # each field's region stays 16-byte aligned
+        self.sizes, self.max_batch, self.capacity = buckets(max_batch)
+        cap = self.capacity
         tokens = cap * width
         self.max_tokens = tokens
         self.block_size = block_size
