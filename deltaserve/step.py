@@ -94,6 +94,11 @@ class StepPlan:
     # (source, destination) KV blocks copied whole, in every full-attention layer, before the forward: a prefix-cache
     # hit that ends inside a block gets a copy of the checkpoint's partial block (docs/prefix-caching.md)
     block_copies: tuple[tuple[int, int], ...] = ()
+    # speculative decoding: the drafts the runner's drafter proposes after this step for each sequence it samples
+    # (0 .. k; 0: the drafter's first pass alone, which keeps its own KV up with the target's); a later verify of
+    # that sequence uses at most this many. None: k, the configured num_speculative_tokens (vLLM's fixed k, or
+    # speculation off)
+    num_drafts_next: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,7 @@ from deltaserve.runner.spec_graphs import VerifyGraphs
 from deltaserve.runner.spec_step import (
     build_verify_graphs,
     draft_without_sampling,
+    spec_draft_counts,
     step_spec_handle,
     verify_sampling_batch,
 )
@@ -119,6 +120,7 @@ class ModelRunner:
             is_cuda(self.device) and not engine_config.enforce_eager and engine_config.speculative_config is not None
         )
         self.spec_graphs: VerifyGraphs | None = None
+        self.spec_draft_counts = spec_draft_counts(engine_config.speculative_config)  # StepPlan.num_drafts_next's
         self.spec: SpecDecoder | None = None  # enable_speculation; the warm-up sets its own for its steps
         # the warm-up (runner/memory.py) measures the activation peak; what is left sizes the caches
         self.max_num_seqs, spec_rows, self.layout = size_caches(self, max_num_batched_tokens, max_model_len)
@@ -210,7 +212,7 @@ class ModelRunner:
         spec = None
         if self.spec is not None:  # (a decode-graph step never speculates: inputs and hidden exist)
             spec = step_spec_handle(layout, self.table, inputs, hidden, self.spec_graphs, is_verify_graphed,
-                                    defer_sampling)  # fmt: skip
+                                    defer_sampling, plan.num_drafts_next)  # fmt: skip
         if not len(layout.sample_seqs):
             if spec is not None:  # the drafter sees every forward (its own KV follows the target's)
                 draft_without_sampling(self.spec, spec, self.table, self.block_size, layout, inputs)
@@ -280,7 +282,7 @@ class ModelRunner:
         MTP layer keeps its drafting (and the commit) eager."""
         self.spec_graphs = build_verify_graphs(
             self.model, self._require_spec(), self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len,
-            self.vocab_size, self.device, self.block_size, capture,
+            self.vocab_size, self.device, self.block_size, capture, self.spec_draft_counts,
         )  # fmt: skip
 
     def _require_spec(self) -> SpecDecoder:

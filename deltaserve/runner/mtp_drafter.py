@@ -6,10 +6,12 @@ final-normed hidden state at t with the token at t + 1 (the next prompt token, t
 chunk the emitted token there), at t's position and KV slot, so the MTP layer's own KV cache follows the target's
 and holds only true inputs once a position is accepted (a rejected draft's row is overwritten by the next step,
 which covers it again). Draft 1 of a sampling row is the argmax of the lm_head at its last accepted row; drafts
-2 .. k chain the layer on its own output and draft (vLLM's reuse of its one MTP layer), one decode-like pass each,
+2 .. n chain the layer on its own output and draft (vLLM's reuse of its one MTP layer), one decode-like pass each,
 writing the MTP KV of the positions past the step, which the next step's first pass rewrites with true inputs.
 Those chained positions are written only where the row's KV blocks reach (the scheduler allocates k - 1 blocks of
-lookahead for them); past that the pass reads and writes nothing of another row. Everything stays on the device.
+lookahead for them); past that the pass reads and writes nothing of another row. n is the plan's num_drafts_next
+(k without the k policy): the next step verifies no more, so at n = 0 the first pass runs alone (no lm_head, no
+chained pass). Everything stays on the device.
 Under tensor parallelism every rank runs this on its shard of the MTP layer with the same inputs (rank 0's accepted
 tokens: runner/spec_ranks.py) and takes the argmax over the draft logits gathered on every rank, so every rank
 writes the same drafts.
@@ -43,14 +45,15 @@ class MtpDrafter:
         num_rows = len(inputs.rows)
         device = target.hidden.device
         drafts = torch.zeros(num_rows, self.k, dtype=torch.int64, device=device)
-        if not num_rows:
+        num_drafts = self.k if inputs.num_drafts is None else min(inputs.num_drafts, self.k)
+        if not num_rows or not num_drafts:  # the first pass alone: the next step verifies no drafts
             return drafts
         hidden = out.index_select(0, target.draft_rows)  # [R, H]
         positions = target.positions.index_select(1, target.draft_rows)  # [3, R]
         limit = to_device(target.kv_limit, torch.int64, device)  # [R]: pinned, no wait on the stream
         rows = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
         chain_drafts(self.model, hidden, positions, target.draft_index, limit, target.block_tables,
-                     target.block_size, int(np.max(target.kv_limit)), rows, drafts)  # fmt: skip
+                     target.block_size, int(np.max(target.kv_limit)), rows, drafts[:, :num_drafts])  # fmt: skip
         return drafts
 
 
@@ -60,11 +63,14 @@ def chain_drafts(
     drafts: torch.Tensor,
 ) -> None:  # fmt: skip
     """Draft 1 from the MTP layer's output at each row's last accepted position (hidden [R, H], positions [3, R]),
-    then drafts 2 .. k by chaining the layer on its own output, one decode-like pass each, into drafts [R, k].
+    then drafts 2 .. n by chaining the layer on its own output, one decode-like pass each, into drafts [R, n] (n:
+    the drafts the next step may verify, StepPlan.num_drafts_next; n = 0 computes nothing).
     draft_index [R]: that position's token index; limit [R]: tokens the row's KV blocks cover (past it no MTP KV is
     written); rows: arange(R + 1) int32; max_seq_len: a host bound on the context (the kernels' hint). No host
     sync: the verify graphs (runner/spec_graphs.py) capture it too."""
     num_rows, k = drafts.shape
+    if not k:
+        return
     token = model.compute_logits(hidden, on_all_ranks=True).argmax(dim=-1)  # [R]: greedy, vLLM's default
     drafts[:, 0] = token
     width = block_tables.shape[1]

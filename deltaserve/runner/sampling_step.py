@@ -80,7 +80,8 @@ def follow_first(
     if spec is not None and spec.is_graphed:  # rank 0 replays its post-sampling graph: so does this rank
         table.record_sampled(rows, rows_dev, tokens)
         num_decodes = int(spec.layout.seq_index[0])  # the verify chunks follow the plain decodes
-        graphs.draft(tokens, spec.tokens, spec.num_emitted, num_decodes)
+        num_drafts = decoder.num_drafts_after(spec.num_drafts_next)
+        graphs.draft(tokens, spec.tokens, spec.num_emitted, num_decodes, num_drafts)
         return
     if spec is not None and spec.layout is not None:
         decoder.commit(spec)

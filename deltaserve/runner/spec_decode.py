@@ -143,12 +143,16 @@ class DraftInputs:
     tokens: torch.Tensor  # [R, W] int64: the tokens emitted this step, -1 past num_emitted
     num_emitted: torch.Tensor  # [R] int64: 1 for a plain sample, 1 .. 1 + k for a verify
     target: TargetStep | None = None
+    # drafts a row's next verify may use (StepPlan.num_drafts_next, 0 .. k_max): a drafter may leave the columns past
+    # it as they are; one with a KV cache of its own still fills that cache over the step's tokens at 0
+    num_drafts: int | None = None  # None: k_max
 
 
 class Drafter(Protocol):
     def propose(self, inputs: DraftInputs) -> torch.Tensor:
-        """[R, k_max] int64 draft tokens for the next decode of each row (on the device). Called after every step
-        while speculating, also with R = 0 (a drafter with a KV cache of its own fills it then)."""
+        """[R, k_max] int64 draft tokens for the next decode of each row (on the device; the first
+        inputs.num_drafts columns are the ones read). Called after every step while speculating, also with R = 0 (a
+        drafter with a KV cache of its own fills it then)."""
         ...
 
 
@@ -170,6 +174,7 @@ class SpecHandle:
     # the target forward ran as a verify graph whose post-sampling replay commits the GDN states, saves the MTP
     # hidden rows and drafts (runner/spec_graphs.py): accept() leaves those to it
     is_graphed: bool = False
+    num_drafts_next: int | None = None  # the plan's StepPlan.num_drafts_next: drafts to propose after the step
 
 
 class SpecDecoder:
@@ -200,6 +205,11 @@ class SpecDecoder:
             conv, ssm = mixer.conv_states, mixer.ssm_states
             mixer.spec_conv_scratch = conv.new_empty(self.max_spec_seqs, width, *conv.shape[1:])
             mixer.spec_ssm_scratch = ssm.new_empty(self.max_spec_seqs, width, *ssm.shape[1:])
+
+    def num_drafts_after(self, num_drafts_next: int | None) -> int:
+        """The drafts a step proposes: its plan's num_drafts_next (None: k), never above k."""
+        k = self.num_speculative_tokens
+        return k if num_drafts_next is None else max(0, min(num_drafts_next, k))
 
     def fill_draft_inputs(self, input_ids: torch.Tensor, layout: SpecLayout) -> None:
         """Writes each verify chunk's drafts into the step's input ids (on the device)."""
@@ -394,8 +404,9 @@ class SpecDecoder:
         target = None
         if spec.hidden is not None:
             target = self._target_step(spec, table, block_size, rows, rows_dev, seq_tokens)
-        drafts = self.drafter.propose(DraftInputs(rows, rows_dev, tokens, num_emitted, target))
-        if len(rows):
+        num_drafts = self.num_drafts_after(spec.num_drafts_next)
+        drafts = self.drafter.propose(DraftInputs(rows, rows_dev, tokens, num_emitted, target, num_drafts))
+        if len(rows) and num_drafts:
             self.draft_tokens.index_copy_(0, rows_dev, drafts[:, : self.num_speculative_tokens].to(torch.int64))
 
     @staticmethod

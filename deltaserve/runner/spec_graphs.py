@@ -37,6 +37,7 @@ proves everything but the capture itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -88,16 +89,20 @@ class VerifyGraphs:
         block_size: int,
         draft_tokens: torch.Tensor | None = None,
         capture: bool = True,
+        draft_counts: tuple[int, ...] | None = None,
     ) -> None:
         """max_batch: the largest bucket (max_verify_batch); draft_tokens: SpecDecoder.draft_tokens [rows + 1, k]
-        when the MTP layer drafts (then each bucket gets a post-sampling graph as well; None: the caller commits and
-        drafts eagerly); capture=False: replay runs the same code eagerly on the static buffers (the CPU's way to
-        prove the path)."""
+        when the MTP layer drafts (then each bucket gets a post-sampling graph per entry of draft_counts as well;
+        None: the caller commits and drafts eagerly); capture=False: replay runs the same code eagerly on the static
+        buffers (the CPU's way to prove the path); draft_counts: the drafts a step may ask the drafter for
+        (StepPlan.num_drafts_next: k alone without the k policy, 0 .. k with it; default (k,))."""
         if max_batch < 1:
             raise ValueError(f"no verify bucket fits: k = {num_speculative_tokens} needs {1 + num_speculative_tokens} "
                              f"tokens a row, the capture limit is {MAX_CAPTURE_TOKENS}")  # fmt: skip
         self.model = model
         self.width = width = 1 + num_speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_counts = (num_speculative_tokens,) if draft_counts is None else tuple(sorted(set(draft_counts)))
         self.max_seq_len = max_seq_len
         self.device = device
         self.is_captured = capture
@@ -143,7 +148,7 @@ class VerifyGraphs:
         self.row_qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)  # one query a row (chained passes)
         self.row_base = torch.arange(cap, dtype=torch.int64, device=device) * width  # [cap] each row's first token
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.post_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.post_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, drafts proposed)
         self.pool = None
         self.size = 0  # the bucket the last run() replayed (draft() replays its post-sampling graph)
 
@@ -179,11 +184,12 @@ class VerifyGraphs:
         self.hidden[:num_tokens].copy_(hidden)
         self.model.compute_logits(hidden, out=self.logits[:num_tokens])
 
-    def _after_accept(self, size: int) -> None:
+    def _after_accept(self, size: int, num_drafts: int) -> None:
         """What follows the accept step, over the bucket's rows: each GDN layer's live slot <- the scratch entry of
         the last accepted token (spec_state_commit), the MTP layer's slot hidden row <- that token's hidden state,
-        then the MTP drafter (runner/mtp_drafter.py) over the padded rows and its chained passes, into
-        draft_tokens. The eager twins are SpecDecoder.commit and SpecDecoder.propose with the MtpDrafter."""
+        then the MTP drafter (runner/mtp_drafter.py) over the padded rows and its chained passes up to num_drafts
+        drafts (0: the first pass alone), into draft_tokens. The eager twins are SpecDecoder.commit and
+        SpecDecoder.propose with the MtpDrafter."""
         num_tokens = size * self.width
         model, mtp = self.model, self.model.mtp
         slots = self.state_indices[:size]
@@ -202,10 +208,13 @@ class VerifyGraphs:
         positions = self.positions[:, :num_tokens]
         with forward_context(self._context(size)):
             out = mtp(next_ids, positions, hidden)  # [N, H]; MTP KV at the real positions' slots
+        if not num_drafts:  # the next step verifies no drafts: the first pass kept the MTP KV up, that is all
+            return
         drafts = self.drafts[:size]
         chain_drafts(model, out.index_select(0, last), positions.index_select(1, last),
                      self.starts[:size] + num_emitted - 1, self.kv_limit[:size], self.block_tables[:size],
-                     self.block_size, self.max_seq_len, self.row_qsl[: size + 1], drafts)  # fmt: skip
+                     self.block_size, self.max_seq_len, self.row_qsl[: size + 1], drafts[:, :num_drafts])  # fmt: skip
+        # columns past num_drafts carry an older step's values: no verify reads them (the scheduler's cap)
         self.draft_tokens.index_copy_(0, self.rows[:size], drafts)  # the bucket's padded rows: the dummy row
 
     @torch.inference_mode()
@@ -216,13 +225,15 @@ class VerifyGraphs:
             return
         for size in reversed(self.sizes):
             self.graphs[size] = self._capture(self._forward, size)
-            if self.has_drafter:
-                self.post_graphs[size] = self._capture(self._after_accept, size)
+            for num_drafts in self.draft_counts if self.has_drafter else ():
+                post = functools.partial(self._after_accept, num_drafts=num_drafts)
+                self.post_graphs[size, num_drafts] = self._capture(post, size)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d verify CUDA graphs and %d post-sampling graphs (batch sizes %s, %d tokens a row: steps of up "
-            "to %d sequences and %d tokens; larger verify steps run eager)", len(self.graphs), len(self.post_graphs),
-            self.sizes, self.width, self.max_batch, self.max_batch * self.width,
+            "captured %d verify CUDA graphs and %d post-sampling graphs (batch sizes %s, %d tokens a row, %s drafts "
+            "proposed: steps of up to %d sequences and %d tokens; larger verify steps run eager)", len(self.graphs),
+            len(self.post_graphs), self.sizes, self.width, list(self.draft_counts), self.max_batch,
+            self.max_batch * self.width,
         )  # fmt: skip
 
     def _capture(self, body: Callable[[int], None], size: int) -> torch.cuda.CUDAGraph:
@@ -241,8 +252,11 @@ class VerifyGraphs:
         commits verify chunks alone)."""
         num_seqs = len(layout.rows)
         has_decodes = bool(plan.num_decodes)
+        k = self.num_speculative_tokens
+        num_drafts = k if plan.num_drafts_next is None else max(0, min(plan.num_drafts_next, k))
         return (
             layout.spec is not None
+            and (not self.has_drafter or num_drafts in self.draft_counts)  # a post-sampling graph for it
             and (not has_decodes or (self.has_drafter and not is_deferred))
             and num_seqs <= self.max_batch
             and not layout.state_saves
@@ -318,22 +332,25 @@ class VerifyGraphs:
         return hidden, logits
 
     def draft(
-        self, seq_tokens: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor, num_decodes: int
-    ) -> None:
+        self, seq_tokens: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor, num_decodes: int,
+        num_drafts: int,
+    ) -> None:  # fmt: skip
         """After the accept step of the step run() just replayed: each row's emitted tokens into the static
-        buffers, then the post-sampling replay (commit, hidden rows, drafts). seq_tokens [B]: every row's next
-        input in plan order (a plain decode's one token); tokens [S, W'] and num_emitted [S]: the verify chunks'
-        emitted tokens (-1 past their count), rows num_decodes .. num_decodes + S - 1."""
+        buffers, then the post-sampling replay (commit, hidden rows, num_drafts drafts a row). seq_tokens [B]: every
+        row's next input in plan order (a plain decode's one token); tokens [S, W'] and num_emitted [S]: the verify
+        chunks' emitted tokens (-1 past their count), rows num_decodes .. num_decodes + S - 1."""
         num_seqs, width = tokens.shape
         self.emitted.fill_(-1)
         self.emitted[: seq_tokens.shape[0], 0].copy_(seq_tokens)  # a plain decode emits its one token
         self.emitted[num_decodes : num_decodes + num_seqs, :width].copy_(tokens)
         self.num_emitted.fill_(1)
         self.num_emitted[num_decodes : num_decodes + num_seqs].copy_(num_emitted)
+        if num_drafts not in self.draft_counts:
+            raise ValueError(f"no post-sampling graph proposes {num_drafts} drafts (captured: {self.draft_counts})")
         if self.is_captured:
-            self.post_graphs[self.size].replay()
+            self.post_graphs[self.size, num_drafts].replay()
         else:
-            self._after_accept(self.size)
+            self._after_accept(self.size, num_drafts)
 
 
 def save_rows(buffer: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

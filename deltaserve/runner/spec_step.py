@@ -18,37 +18,48 @@ from deltaserve.runner.spec_decode import SpecDecoder, SpecHandle
 from deltaserve.runner.spec_graphs import VerifyGraphs, max_verify_batch
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch
 from deltaserve.sampler.sampler import SAMPLING_EPS
+from deltaserve.speculative_config import SpeculativeConfig
 from deltaserve.step import StepPlan
+
+
+def spec_draft_counts(config: SpeculativeConfig | None) -> tuple[int, ...] | None:
+    """The drafts a plan may ask the runner to propose after a step (StepPlan.num_drafts_next): 0 .. k where the
+    scheduler runs a k policy (the deltaserve-only k_policy, or vLLM's num_speculative_tokens_per_batch_size), else
+    None (k alone: vLLM's fixed k, or speculation off)."""
+    if config is None or (config.k_policy is None and config.num_speculative_tokens_per_batch_size is None):
+        return None
+    return tuple(range(config.num_speculative_tokens + 1))
 
 
 def build_verify_graphs(
     model: Qwen35Model, spec: SpecDecoder, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-    vocab_size: int, device: torch.device, block_size: int, capture: bool,
+    vocab_size: int, device: torch.device, block_size: int, capture: bool, draft_counts: tuple[int, ...] | None,
 ) -> VerifyGraphs:  # fmt: skip
     """The verify graphs (runner/spec_graphs.py) over spec's scratch, captured; capture=False (tests, the CPU) runs
     their static-buffer code uncaptured. A drafter other than the MTP layer keeps its drafting (and the commit)
-    eager."""
+    eager. draft_counts: the drafts a plan may ask to propose (None: k alone, vLLM's fixed k)."""
     k = spec.num_speculative_tokens
     max_batch = max_verify_batch(k, max_num_seqs, spec.max_spec_seqs)
     drafts = spec.draft_tokens if isinstance(spec.drafter, MtpDrafter) else None  # else drafting stays eager
     graphs = VerifyGraphs(model, max_batch, k, max_blocks_per_seq, max_model_len, vocab_size, device, block_size,
-                          drafts, capture)  # fmt: skip
+                          drafts, capture, draft_counts)  # fmt: skip
     graphs.capture()
     return graphs
 
 
 def step_spec_handle(
     layout: StepLayout, table: RequestTable, inputs: StepInputs, hidden: torch.Tensor, graphs: VerifyGraphs | None,
-    is_verify_graphed: bool, defer_sampling: bool,
+    is_verify_graphed: bool, defer_sampling: bool, num_drafts_next: int | None,
 ) -> SpecHandle:  # fmt: skip
     """The SpecHandle of an eager (or verify-graphed) step while speculating: its verify chunks' sampling keys and
-    random flags, and whether the post-sampling graph replays after sample()."""
+    random flags, whether the post-sampling graph replays after sample(), and the drafts to propose after it (the
+    plan's num_drafts_next)."""
     keys = is_random = None
     if layout.spec is not None:
         verify_rows = layout.rows[layout.sample_seqs][layout.spec.spec_sample_index]
         keys = table.keys[verify_rows]
         is_random = table.params_host[verify_rows, 0] >= SAMPLING_EPS
-    spec = SpecHandle(layout.spec, keys, is_random, inputs, layout, hidden)
+    spec = SpecHandle(layout.spec, keys, is_random, inputs, layout, hidden, num_drafts_next=num_drafts_next)
     # the post-sampling replay reads the static buffers: not when another step may replay before sample()
     spec.is_graphed = is_verify_graphed and graphs.has_drafter and not defer_sampling
     return spec
@@ -100,6 +111,7 @@ def draft_after_sampling(
     """The drafter after a sampled step: the post-sampling graph (commit, hidden rows and drafts: one replay) where
     the step (plan) was verify-graphed, else the eager drafter."""
     if spec.is_graphed:
-        graphs.draft(tokens, spec.tokens, spec.num_emitted, plan.num_decodes)
+        num_drafts = decoder.num_drafts_after(spec.num_drafts_next)
+        graphs.draft(tokens, spec.tokens, spec.num_emitted, plan.num_decodes, num_drafts)
     else:
         decoder.propose(spec, table, block_size, rows, rows_dev, tokens)

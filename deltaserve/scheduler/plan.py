@@ -18,9 +18,11 @@ two as arguments and returns the entries for the third.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from deltaserve.scheduler.prefix_cache import PrefixCache
 from deltaserve.scheduler.sequence import Sequence
+from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, window_spans
 
 # (sequence, its epoch when planned, tokens planned, whether it samples): what update() needs of a planned step
@@ -75,10 +77,13 @@ def schedule_seq(seq: Sequence, num_new: int, step_id: int, prefix_cache: Prefix
 
 
 def build_plan(
-    chosen: list[tuple[Sequence, int]], step_id: int, removed: tuple[int, ...], prefix_cache: PrefixCache | None
-) -> tuple[StepPlan, list[InflightEntry]]:
+    chosen: list[tuple[Sequence, int]], step_id: int, removed: tuple[int, ...], prefix_cache: PrefixCache | None,
+    spec: SpecSchedule | None = None, running: Iterable[Sequence] = (),
+) -> tuple[StepPlan, list[InflightEntry]]:  # fmt: skip
     """The StepPlan of step step_id for the chosen (sequence, tokens) pairs and the rows freed since the last plan,
-    and its in-flight entries in plan order."""
+    and its in-flight entries in plan order; spec: speculative decoding's schedule (the drafts to propose after
+    the step, StepPlan.num_drafts_next, which the plan's sampling sequences then hold), from the running sequences
+    (`running`, the chosen ones among them)."""
     now = time.time()
     added: list[NewRequest] = []
     block_copies: list[tuple[int, int]] = []
@@ -94,6 +99,11 @@ def build_plan(
             block_copies.append(seq.block_copy)
             seq.block_copy = None
         scheduled.append((schedule_seq(seq, num_new, step_id, prefix_cache), seq))
+    # once every chosen sequence is in flight: the decodes of the steps that follow are known
+    num_drafts_next = None if spec is None else spec.num_drafts_next(running)
+    for item, seq in scheduled:
+        if item.needs_sample:  # the drafter writes this row's drafts after this step
+            seq.num_drafts_ready = num_drafts_next
     # stable: decodes first, then verify chunks, then prefill chunks, FCFS within each group
     scheduled.sort(key=lambda entry: 0 if entry[0].is_decode else 1 if entry[0].num_draft_tokens else 2)
     plan = StepPlan(
@@ -102,5 +112,6 @@ def build_plan(
         added=tuple(added),
         removed=removed,
         block_copies=tuple(block_copies),
+        num_drafts_next=num_drafts_next,
     )
     return plan, [(seq, seq.epoch, item.num_new_tokens, item.needs_sample) for item, seq in scheduled]

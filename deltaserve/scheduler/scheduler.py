@@ -232,7 +232,8 @@ class Scheduler:
     def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
         step_id = self._num_steps
         self._num_steps += 1
-        plan, entries = build_plan(chosen, step_id, tuple(self._removed_rows), self.prefix_cache)
+        removed = tuple(self._removed_rows)
+        plan, entries = build_plan(chosen, step_id, removed, self.prefix_cache, self.spec, self.running)
         self._removed_rows = []
         if plan.seqs:
             self._inflight[step_id] = entries

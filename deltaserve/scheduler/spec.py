@@ -7,7 +7,9 @@ after a given token (start_after_token_id), which the verify path does not imple
 is in flight is not planned again until that result is collected: its position depends on how many drafts were
 accepted. A chunk of a sequence that speculates gets KV blocks for k - 1 positions past it, which the MTP drafter's
 chained passes write. With a k policy (scheduler/spec_policy.py) the step's decodes draft at most its k_step, which
-the scheduler sets once per step from the number of decodes (`num_decodes`) and feeds with the applied results.
+the scheduler sets once per step from the number of decodes (`num_decodes`) and feeds with the applied results;
+the plan then tells the runner how many drafts to propose after the step (StepPlan.num_drafts_next), and a later
+decode of a sequence drafts at most what the last plan that sampled it asked for (Sequence.num_drafts_ready).
 """
 
 from __future__ import annotations
@@ -58,4 +60,21 @@ class SpecSchedule:
         outputs_left = seq.max_tokens - len(seq.output_token_ids) - seq.num_pending_outputs
         room = max_model_len - seq.num_planned_tokens
         k = self.num_speculative_tokens if self.policy is None else self.policy.k_step
+        if seq.num_drafts_ready is not None:  # the drafter proposed no more than this after its last sample
+            k = min(k, seq.num_drafts_ready)
         return max(0, min(k, outputs_left - 1, room - 1, budget))
+
+    def num_drafts_next(self, running: Iterable[Sequence]) -> int | None:
+        """The drafts the runner proposes after the step just planned (StepPlan.num_drafts_next): the k policy's
+        choice for a step whose decodes are the running sequences that will decode next (one unplanned token, or a
+        verify in flight, once this plan is in flight); None without a policy (every step proposes k)."""
+        if self.policy is None:
+            return None
+        next_decodes = sum(
+            1
+            for seq in running
+            if not seq.is_prefill_only
+            and (seq.num_inflight_verifies or seq.num_unplanned_tokens == 1)
+            and seq.num_computed_tokens + seq.num_inflight_tokens > 0
+        )
+        return self.policy.num_drafts_next(next_decodes)

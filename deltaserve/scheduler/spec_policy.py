@@ -145,13 +145,33 @@ class KPolicy:
 
     def plan_step(self, num_decodes: int) -> int:
         """Sets and returns k_step for a step whose decodes number num_decodes."""
+        config = self.config
+        if config is not None:
+            self._num_steps += int(num_decodes > 0)  # probes count steps that have decodes to draft for
+        is_probe = config is not None and num_decodes > 0 and self._num_steps % config.probe_interval == 0
+        k, reason = self._choose(num_decodes, is_probe)
+        self.k_step, self.reason = k, reason
+        if not is_probe and num_decodes:
+            self._maybe_log()
+        return k
+
+    def num_drafts_next(self, num_decodes: int) -> int:
+        """The drafts to propose after the step plan_step just planned, for a next step of num_decodes decodes
+        (the scheduler's estimate): what the rules would choose for it now, in full where it is a probe (so that
+        the probe finds the drafts it verifies). A rise of k from results collected in between (better estimates)
+        takes effect one step later: the next step verifies at most what this one proposes."""
+        config = self.config
+        is_probe = config is not None and num_decodes > 0 and (self._num_steps + 1) % config.probe_interval == 0
+        return self._choose(num_decodes, is_probe)[0]
+
+    def _choose(self, num_decodes: int, is_probe: bool) -> tuple[int, str]:
+        """(k, the reason) for a step of num_decodes decodes; a probe skips the acceptance rule."""
         k, reason = self.k, "no rule lowers the configured num_speculative_tokens"
         if self.batch_schedule is not None:
             k_schedule = batch_schedule_k(self.batch_schedule, max(num_decodes, 1), self.k)
             if k_schedule < k:
                 k, reason = k_schedule, f"num_speculative_tokens_per_batch_size at {num_decodes} decodes"
         config = self.config
-        is_probe = False
         if config is not None:
             limit = config.max_batch_tokens
             if limit and num_decodes:
@@ -160,8 +180,6 @@ class KPolicy:
                     k_batch -= 1
                 if k_batch < k:
                     k, reason = k_batch, f"batch: {num_decodes} decodes x (1 + k) above max_batch_tokens {limit}"
-            self._num_steps += int(num_decodes > 0)  # probes count steps that have decodes to draft for
-            is_probe = num_decodes > 0 and self._num_steps % config.probe_interval == 0
             if not is_probe and config.token_cost > 0:
                 k_accept = self.best_k(k)
                 if k_accept < k:
@@ -173,10 +191,7 @@ class KPolicy:
                             f"{config.token_cost}"
                         ),
                     )
-        self.k_step, self.reason = k, reason
-        if not is_probe and num_decodes:
-            self._maybe_log()
-        return k
+        return k, reason
 
     def _maybe_log(self) -> None:
         """A change of k since the last line, at most one line per log_interval_s (the current state then)."""

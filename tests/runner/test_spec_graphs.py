@@ -274,12 +274,12 @@ def test_graph_drafts_equal_eager_drafts_at_every_step() -> None:
 
     checked = {"steps": 0, "decode_rows": 0}
 
-    def checked_draft(seq_tokens, tokens, num_emitted, num_decodes):  # noqa: ANN001, ANN202 (draft's signature)
+    def checked_draft(seq_tokens, tokens, num_emitted, num_decodes, num_drafts):  # noqa: ANN001, ANN202 (draft's)
         rows = handles[-1].step_layout.rows
         rows_dev = torch.from_numpy(rows)
         spec.propose(handles[-1], runner.table, runner.block_size, rows, rows_dev, seq_tokens)
         expected = spec.draft_tokens.index_select(0, rows_dev)  # [B, k]
-        draft(seq_tokens, tokens, num_emitted, num_decodes)
+        draft(seq_tokens, tokens, num_emitted, num_decodes, num_drafts)
         assert torch.equal(spec.draft_tokens.index_select(0, rows_dev), expected)
         checked["steps"] += 1
         checked["decode_rows"] += num_decodes

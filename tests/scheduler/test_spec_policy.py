@@ -171,3 +171,51 @@ def test_from_config_builds_the_policy_asked_for_and_logs_when_it_is_off(caplog:
         )
         assert scheduled is not None and scheduled.config is None and scheduled.plan_step(2) == 1
         assert "num_speculative_tokens_per_batch_size [[1, 4, 1]]; k_policy off" in caplog.messages[-2]
+
+
+def test_the_plan_asks_for_the_drafts_the_next_step_may_verify_and_a_verify_uses_no_more() -> None:
+    """StepPlan.num_drafts_next is the policy's k for the decodes of the next step (the batch rules' k before a
+    probe); a decode drafts at most what the last plan that sampled its sequence asked for, also when that plan is
+    still in flight (async scheduling); without a policy the plan leaves it to the runner's k (None)."""
+    scheduler = make_scheduler()
+    p = policy(3, token_cost=0.15, min_samples=1, window=1000, probe_interval=4)
+    scheduler.spec = SpecSchedule(3, policy=p)
+    a = seq("a", 5, 100, temperature=0.0)
+    scheduler.add(a)
+    plan = scheduler.schedule()
+    assert plan.num_drafts_next == 3 and a.num_drafts_ready == 3  # a fresh policy drafts k
+    scheduler.update(plan, answer(plan))
+    record = []  # (drafts planned, num_drafts_next) per step
+    for i in range(7):
+        if i == 5:  # the traffic changes: every position now accepted, k_step back to 3 at once
+            for _ in range(50):
+                p.observe(3, 3)
+        plan = scheduler.schedule()
+        (item,) = plan.seqs
+        record.append((item.num_draft_tokens, plan.num_drafts_next))
+        scheduler.update(plan, accept(plan, {item.row: [12]}) if item.num_draft_tokens else answer(plan))
+    # the first verify's drafts are all rejected: k_step 0 and nothing proposed, but the 4th decode step is a probe,
+    # so the 3rd proposes its 3 (the 4th none: the rule says 0 for the 5th); at the 6th k_step is 3 again, but the
+    # 5th proposed 0: the 6th verifies none, the 7th 3
+    assert record == [(3, 3), (0, 0), (0, 3), (3, 0), (0, 0), (0, 3), (3, 3)]
+    # async: the next step is planned before this one is collected; its verify is capped by this plan's proposal
+    scheduler.spec = SpecSchedule(3, policy=policy(3, max_batch_tokens=7))
+    b = seq("b", 5, 100, temperature=0.0)
+    scheduler.add(b)
+    first = scheduler.schedule()  # a verify of a (1 decode x (1 + 3) fits 7), b's prefill
+    # next come 2 decodes (a once collected, b behind its prefill): 2 x (1 + 2) fits 7
+    assert [s.num_draft_tokens for s in first.seqs] == [3, 0] and first.num_drafts_next == 2
+    scheduler.update(first, accept(first, {a.row: [12]}))
+    c = seq("c", 5, 100, temperature=0.0)
+    scheduler.add(c)
+    second = scheduler.schedule()  # a and b verify 2 drafts; c's prefill; next come 3 decodes: k 1
+    assert [s.num_draft_tokens for s in second.seqs] == [2, 2, 0] and second.num_drafts_next == 1
+    third = scheduler.schedule()  # second in flight: c decodes behind its prefill, k_step 3 but 1 draft proposed
+    assert scheduler.spec.policy.k_step == 3 and [(s.row, s.num_draft_tokens) for s in third.seqs] == [(c.row, 1)]
+    scheduler.spec = SpecSchedule(3)  # vLLM's fixed k: the plan leaves the count to the runner
+    scheduler.update(second, accept(second, {a.row: [12], b.row: [13]}))
+    scheduler.update(third, accept(third, {c.row: [14]}))
+    plan = scheduler.schedule()
+    assert plan.num_drafts_next is None and [s.num_draft_tokens for s in plan.seqs] == [1, 1, 1]
+    scheduler.update(plan, accept(plan, {a.row: [12], b.row: [13], c.row: [14]}))
+    assert [s.num_draft_tokens for s in scheduler.schedule().seqs] == [3, 3, 3]
