@@ -232,12 +232,18 @@ def graph_bytes(runner: ModelRunner, max_num_seqs: int) -> tuple[str, int]:
     """(which graphs, the bytes of their static buffers): the decode graphs' shared logits and the largest
     bucket's lm_head output; while speculating, the verify graphs' logits, lm_head output and hidden states over
     their largest bucket's tokens and the MTP drafter's logits over its rows (runner/spec_graphs.py), sized before
-    the verify scratch caps the bucket."""
+    the verify scratch caps the bucket; with a k policy, also the width-1 graphs' (all-decode steps without verify
+    chunks: one token a row, up to max_num_seqs rows)."""
     if runner.is_graphed:
         return "decode", static_bytes(max_num_seqs, runner.vocab_size)
     if runner.is_spec_graphed:
         k = runner.engine_config.speculative_config.num_speculative_tokens
         rows = -(-max_verify_batch(k, max_num_seqs, max_num_seqs) // 8) * 8  # VerifyGraphs.capacity
         hidden_size = runner.model_config.hidden_size
-        return "verify", verify_static_bytes(rows, 1 + k, runner.vocab_size, hidden_size, runner.dtype, True)
+        total = verify_static_bytes(rows, 1 + k, runner.vocab_size, hidden_size, runner.dtype, True)
+        if runner.spec_draft_counts is None:
+            return "verify", total
+        rows = -(-max_verify_batch(0, max_num_seqs, max_num_seqs) // 8) * 8
+        total += verify_static_bytes(rows, 1, runner.vocab_size, hidden_size, runner.dtype, True)
+        return "verify and width-1", total
     return "no", 0

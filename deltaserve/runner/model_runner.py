@@ -110,7 +110,8 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed)
         self._step_observer: StepObserver | None = None  # set_step_observer
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        # speculative decoding runs every step eager (its drafter reads each step's hidden states): no decode graphs
+        # speculating, the drafter reads each step's hidden states, which the decode graphs do not keep: the verify
+        # graphs (and, under a k policy, their width-1 twin for all-decode steps) replace them
         self.is_graphed = (
             is_cuda(self.device) and not engine_config.enforce_eager and engine_config.speculative_config is None
         )
@@ -120,6 +121,7 @@ class ModelRunner:
             is_cuda(self.device) and not engine_config.enforce_eager and engine_config.speculative_config is not None
         )
         self.spec_graphs: VerifyGraphs | None = None
+        self.spec_decode_graphs: VerifyGraphs | None = None  # width 1: all-decode steps without verify chunks
         self.spec_draft_counts = spec_draft_counts(engine_config.speculative_config)  # StepPlan.num_drafts_next's
         self.spec: SpecDecoder | None = None  # enable_speculation; the warm-up sets its own for its steps
         # the warm-up (runner/memory.py) measures the activation peak; what is left sizes the caches
@@ -179,10 +181,11 @@ class ModelRunner:
                 rewrite_resumed_rows(self.model, plan, layout.query_start_loc, inputs.input_ids, self.table,
                                      self.block_size)  # fmt: skip
             verify_logits = None  # [P, V] when a verify graph ran the forward
-            graphs = self.spec_graphs
+            # a step with verify chunks: the verify graphs; plain decodes alone: the width-1 graphs (k policy)
+            graphs = self.spec_graphs if layout.spec is not None else self.spec_decode_graphs
             is_verify_graphed = graphs is not None and graphs.can_run(plan, layout, self.block_size, defer_sampling)
             if is_verify_graphed:
-                hidden, verify_logits = self.spec_graphs.run(layout, inputs, self.table, self.block_size)
+                hidden, verify_logits = graphs.run(layout, inputs, self.table, self.block_size)
             else:
                 with forward_context(inputs.ctx):
                     hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
@@ -211,16 +214,16 @@ class ModelRunner:
             prompt_event.record()
         spec = None
         if self.spec is not None:  # (a decode-graph step never speculates: inputs and hidden exist)
-            spec = step_spec_handle(layout, self.table, inputs, hidden, self.spec_graphs, is_verify_graphed,
-                                    defer_sampling, plan.num_drafts_next)  # fmt: skip
+            spec = step_spec_handle(layout, self.table, inputs, hidden, graphs, is_verify_graphed, defer_sampling,
+                                    plan.num_drafts_next)  # fmt: skip
         if not len(layout.sample_seqs):
             if spec is not None:  # the drafter sees every forward (its own KV follows the target's)
                 draft_without_sampling(self.spec, spec, self.table, self.block_size, layout, inputs)
             return StepHandle(plan, layout.sample_seqs, None, None, None, all_logits, None, prompt_lp, prompt_event)
         rows = layout.rows[layout.sample_seqs]
         if not self.tp.is_first:
-            follow_first(spec, rows, sample_rows_dev, self.table, self.tp, self.spec, self.spec_graphs,
-                         self.block_size, self.device)  # fmt: skip
+            follow_first(spec, rows, sample_rows_dev, self.table, self.tp, self.spec, self.block_size,
+                         self.device)  # fmt: skip
             return StepHandle(plan, layout.sample_seqs, None, None, None)
         if layout.spec is None:
             batch = self.table.sampling_batch(rows, sample_rows_dev)
@@ -254,7 +257,7 @@ class ModelRunner:
         self, handle: StepHandle, logits: torch.Tensor, rows: np.ndarray, rows_dev: torch.Tensor, batch: SamplingBatch
     ) -> None:
         sample_step(handle, logits, rows, rows_dev, batch, self.sampler, self.table, self.tp, self.spec,
-                    self.spec_graphs, self.block_size, self.device)  # fmt: skip
+                    self.block_size, self.device)  # fmt: skip
 
     def step_drafts(self, handle: StepHandle) -> dict[int, list[int]]:
         """A deferred step's drafts, plan index -> the verify chunk's k drafts (the grammars fill their masks along
@@ -279,11 +282,15 @@ class ModelRunner:
     def _use_spec_graphs(self, capture: bool) -> None:
         """Builds the verify graphs (runner/spec_graphs.py) and captures them; capture=False (tests, the CPU) runs
         their static-buffer code uncaptured, so the CPU proves the graph path's arithmetic. A drafter other than the
-        MTP layer keeps its drafting (and the commit) eager."""
-        self.spec_graphs = build_verify_graphs(
-            self.model, self._require_spec(), self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len,
-            self.vocab_size, self.device, self.block_size, capture, self.spec_draft_counts,
-        )  # fmt: skip
+        MTP layer keeps its drafting (and the commit) eager. With a k policy, the all-decode steps it turns drafting
+        off for get graphs of width 1 as well, in the same memory pool."""
+        spec = self._require_spec()
+        args = (self.model, spec, self.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.vocab_size,
+                self.device, self.block_size, capture, self.spec_draft_counts)  # fmt: skip
+        self.spec_graphs = build_verify_graphs(*args)
+        self.spec_decode_graphs = None
+        if self.spec_draft_counts is not None and isinstance(spec.drafter, MtpDrafter):
+            self.spec_decode_graphs = build_verify_graphs(*args, width=1, pool=self.spec_graphs.pool)
 
     def _require_spec(self) -> SpecDecoder:
         if self.spec is None:

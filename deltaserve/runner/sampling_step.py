@@ -21,7 +21,6 @@ from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.observer import StepObserver, StepTimings
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecDecoder, SpecHandle, collect_tokens
-from deltaserve.runner.spec_graphs import VerifyGraphs
 from deltaserve.runner.spec_ranks import receive_accepted, send_accepted
 from deltaserve.runner.spec_step import accept_verified, draft_after_sampling
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, logprobs_to_host
@@ -50,8 +49,8 @@ class StepHandle:
 
 def sample_step(
     handle: StepHandle, logits: torch.Tensor, rows: np.ndarray, rows_dev: torch.Tensor, batch: SamplingBatch,
-    sampler: Sampler, table: RequestTable, tp: TensorParallel, decoder: SpecDecoder | None,
-    graphs: VerifyGraphs | None, block_size: int, device: torch.device,
+    sampler: Sampler, table: RequestTable, tp: TensorParallel, decoder: SpecDecoder | None, block_size: int,
+    device: torch.device,
 ) -> None:  # fmt: skip
     """Rank 0's sampling of a launched step: logits [S, V] of the sampling rows (table rows [S], rows_dev their
     device copy); the accept step and the drafter while speculating; the tokens to the other ranks and into the
@@ -63,7 +62,7 @@ def sample_step(
     send_accepted(tp, tokens, handle.spec)  # the other ranks' follow_first
     table.record_sampled(rows, rows_dev, tokens)
     if handle.spec is not None:
-        draft_after_sampling(decoder, graphs, handle.spec, table, block_size, rows, rows_dev, tokens, handle.plan)
+        draft_after_sampling(decoder, handle.spec, table, block_size, rows, rows_dev, tokens, handle.plan)
     if handle.spec is not None:  # before to_host's event, which collect waits on for these copies too
         SpecDecoder.to_host(handle.spec)
     handle.sampled, handle.event = to_host(out, device)
@@ -71,7 +70,7 @@ def sample_step(
 
 def follow_first(
     spec: SpecHandle | None, rows: np.ndarray, rows_dev: torch.Tensor, table: RequestTable, tp: TensorParallel,
-    decoder: SpecDecoder | None, graphs: VerifyGraphs | None, block_size: int, device: torch.device,
+    decoder: SpecDecoder | None, block_size: int, device: torch.device,
 ) -> None:  # fmt: skip
     """A rank other than 0 after a sampling step: rank 0 samples (it alone has the gathered logits) and decides
     the verify chunks' acceptance; this rank receives the tokens (its next inputs) and the accepted counts,
@@ -79,9 +78,10 @@ def follow_first(
     tokens = receive_accepted(tp, len(rows), spec, device)
     if spec is not None and spec.is_graphed:  # rank 0 replays its post-sampling graph: so does this rank
         table.record_sampled(rows, rows_dev, tokens)
-        num_decodes = int(spec.layout.seq_index[0])  # the verify chunks follow the plain decodes
+        # the verify chunks follow the plain decodes; a step without any holds plain decodes alone
+        num_decodes = len(rows) if spec.layout is None else int(spec.layout.seq_index[0])
         num_drafts = decoder.num_drafts_after(spec.num_drafts_next)
-        graphs.draft(tokens, spec.tokens, spec.num_emitted, num_decodes, num_drafts)
+        spec.graphs.draft(tokens, spec.tokens, spec.num_emitted, num_decodes, num_drafts)
         return
     if spec is not None and spec.layout is not None:
         decoder.commit(spec)

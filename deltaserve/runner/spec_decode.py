@@ -36,8 +36,9 @@ from deltaserve.sampler.sampler import SamplerOutput, SamplingBatch
 from deltaserve.sampler.transfer import to_device
 from deltaserve.step import ScheduledSeq
 
-if TYPE_CHECKING:  # runner/inputs.py imports this module
+if TYPE_CHECKING:  # runner/inputs.py imports this module, and runner/spec_graphs.py runner/inputs.py
     from deltaserve.runner.inputs import StepInputs, StepLayout
+    from deltaserve.runner.spec_graphs import VerifyGraphs
 
 
 @dataclass
@@ -174,6 +175,7 @@ class SpecHandle:
     # the target forward ran as a verify graph whose post-sampling replay commits the GDN states, saves the MTP
     # hidden rows and drafts (runner/spec_graphs.py): accept() leaves those to it
     is_graphed: bool = False
+    graphs: VerifyGraphs | None = None  # the graphs whose post-sampling replay that is (is_graphed)
     num_drafts_next: int | None = None  # the plan's StepPlan.num_drafts_next: drafts to propose after the step
 
 

@@ -31,6 +31,15 @@ buffers before its sample() runs. A plain decode row runs through the verify ker
 (scratch entry 0), so its live slot is written only by the post-sampling graph's commit (entry num_emitted - 1 =
 0): without that graph (another drafter, or a deferred step) a step with plain decode rows runs eager.
 
+With a k policy, a post-sampling graph is captured per draft count a plan may ask for (StepPlan.num_drafts_next,
+0 .. k): its chained passes stop there, and at 0 the MTP layer's first pass runs alone.
+
+Width 1 (a second instance, `width=1`): the all-decode steps without verify chunks that a k policy's k_step = 0
+leaves. B rows of one token (not padded to 1 + k) run the plain decode context, so the GDN layers' decode kernels
+update the live slots in place as without MTP (no scratch); the post-sampling graph then has no commit, only the
+MTP slot hidden rows, the MTP first pass and the chained passes the plan asks for. Its buckets go up to
+max_num_seqs (no scratch row caps them).
+
 `capture=False` runs the same code on the same static buffers without capturing (replay = the call), so the CPU
 proves everything but the capture itself.
 """
@@ -90,17 +99,23 @@ class VerifyGraphs:
         draft_tokens: torch.Tensor | None = None,
         capture: bool = True,
         draft_counts: tuple[int, ...] | None = None,
+        width: int | None = None,
+        pool: object = None,
     ) -> None:
         """max_batch: the largest bucket (max_verify_batch); draft_tokens: SpecDecoder.draft_tokens [rows + 1, k]
         when the MTP layer drafts (then each bucket gets a post-sampling graph per entry of draft_counts as well;
         None: the caller commits and drafts eagerly); capture=False: replay runs the same code eagerly on the static
         buffers (the CPU's way to prove the path); draft_counts: the drafts a step may ask the drafter for
-        (StepPlan.num_drafts_next: k alone without the k policy, 0 .. k with it; default (k,))."""
+        (StepPlan.num_drafts_next: k alone without the k policy, 0 .. k with it; default (k,)); width: tokens a row
+        (default 1 + k; 1: the all-decode steps without verify chunks, see the module docstring); pool: the memory
+        pool of graphs captured before (None: the first capture makes one)."""
+        width = 1 + num_speculative_tokens if width is None else width
         if max_batch < 1:
-            raise ValueError(f"no verify bucket fits: k = {num_speculative_tokens} needs {1 + num_speculative_tokens} "
-                             f"tokens a row, the capture limit is {MAX_CAPTURE_TOKENS}")  # fmt: skip
+            raise ValueError(f"no verify bucket fits: k = {num_speculative_tokens} needs {width} tokens a row, the "
+                             f"capture limit is {MAX_CAPTURE_TOKENS}")  # fmt: skip
         self.model = model
-        self.width = width = 1 + num_speculative_tokens
+        self.width = width
+        self.is_decode = width == 1  # plain decode rows alone: the decode kernels write the live slots
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_counts = (num_speculative_tokens,) if draft_counts is None else tuple(sorted(set(draft_counts)))
         self.max_seq_len = max_seq_len
@@ -149,7 +164,7 @@ class VerifyGraphs:
         self.row_base = torch.arange(cap, dtype=torch.int64, device=device) * width  # [cap] each row's first token
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.post_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, drafts proposed)
-        self.pool = None
+        self.pool = pool
         self.size = 0  # the bucket the last run() replayed (draft() replays its post-sampling graph)
 
     @property
@@ -158,6 +173,22 @@ class VerifyGraphs:
 
     def _context(self, size: int) -> ForwardContext:
         num_tokens = size * self.width
+        if self.is_decode:  # the plain decode path (runner/cuda_graph.py's context): no scratch, no commit
+            return ForwardContext(
+                num_decode_tokens=size,
+                num_prefill_tokens=0,
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.seq_lens[:size],
+                block_tables=self.block_tables[:size],
+                slot_mapping=self.slot_mapping[:size],
+                max_query_len=1,
+                max_seq_len=self.max_seq_len,
+                state_indices=self.state_indices[:size],
+                has_initial_state=self.has_initial_state[:size],
+                prefill_query_start_loc=self.no_prefill[:1],
+                prefill_state_indices=self.no_prefill[:0],
+                prefill_has_initial_state=self.no_prefill[:0],
+            )
         return ForwardContext(
             num_decode_tokens=0,
             num_prefill_tokens=0,
@@ -194,7 +225,7 @@ class VerifyGraphs:
         model, mtp = self.model, self.model.mtp
         slots = self.state_indices[:size]
         num_emitted = self.num_emitted[:size]
-        for layer in model.layers:
+        for layer in () if self.is_decode else model.layers:  # width 1: the decode kernels wrote the live slots
             if not layer.is_full_attention:
                 mixer = layer.linear_attn
                 spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
@@ -254,15 +285,20 @@ class VerifyGraphs:
         has_decodes = bool(plan.num_decodes)
         k = self.num_speculative_tokens
         num_drafts = k if plan.num_drafts_next is None else max(0, min(plan.num_drafts_next, k))
+        if self.is_decode:  # plain decodes alone, every one sampling its device-side last token
+            is_step = layout.spec is None and plan.num_decodes == num_seqs and layout.num_tokens == num_seqs
+        else:
+            is_step = layout.spec is not None and layout.num_tokens == len(layout.device_token_index) + len(
+                layout.spec.draft_token_index
+            )
         return (
-            layout.spec is not None
+            is_step
             and (not self.has_drafter or num_drafts in self.draft_counts)  # a post-sampling graph for it
             and (not has_decodes or (self.has_drafter and not is_deferred))
             and num_seqs <= self.max_batch
             and not layout.state_saves
             and len(layout.sample_seqs) == num_seqs
             and len(layout.device_token_index) == num_seqs  # every row's first token is its last sample
-            and layout.num_tokens == len(layout.device_token_index) + len(layout.spec.draft_token_index)
             and int(layout.num_new.max()) <= self.width
             and int(-(-(layout.starts.max() + self.width) // block_size)) <= self.block_tables.shape[1]
             and not any(seq.return_logits or seq.mm_spans for seq in plan.seqs)
@@ -332,19 +368,20 @@ class VerifyGraphs:
         return hidden, logits
 
     def draft(
-        self, seq_tokens: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor, num_decodes: int,
-        num_drafts: int,
+        self, seq_tokens: torch.Tensor, tokens: torch.Tensor | None, num_emitted: torch.Tensor | None,
+        num_decodes: int, num_drafts: int,
     ) -> None:  # fmt: skip
         """After the accept step of the step run() just replayed: each row's emitted tokens into the static
         buffers, then the post-sampling replay (commit, hidden rows, num_drafts drafts a row). seq_tokens [B]: every
         row's next input in plan order (a plain decode's one token); tokens [S, W'] and num_emitted [S]: the verify
         chunks' emitted tokens (-1 past their count), rows num_decodes .. num_decodes + S - 1."""
-        num_seqs, width = tokens.shape
         self.emitted.fill_(-1)
         self.emitted[: seq_tokens.shape[0], 0].copy_(seq_tokens)  # a plain decode emits its one token
-        self.emitted[num_decodes : num_decodes + num_seqs, :width].copy_(tokens)
         self.num_emitted.fill_(1)
-        self.num_emitted[num_decodes : num_decodes + num_seqs].copy_(num_emitted)
+        if tokens is not None:  # verify chunks (none in a width-1 step)
+            num_seqs, width = tokens.shape
+            self.emitted[num_decodes : num_decodes + num_seqs, :width].copy_(tokens)
+            self.num_emitted[num_decodes : num_decodes + num_seqs].copy_(num_emitted)
         if num_drafts not in self.draft_counts:
             raise ValueError(f"no post-sampling graph proposes {num_drafts} drafts (captured: {self.draft_counts})")
         if self.is_captured:

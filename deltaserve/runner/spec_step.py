@@ -34,15 +34,19 @@ def spec_draft_counts(config: SpeculativeConfig | None) -> tuple[int, ...] | Non
 def build_verify_graphs(
     model: Qwen35Model, spec: SpecDecoder, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
     vocab_size: int, device: torch.device, block_size: int, capture: bool, draft_counts: tuple[int, ...] | None,
+    width: int | None = None, pool: object = None,
 ) -> VerifyGraphs:  # fmt: skip
     """The verify graphs (runner/spec_graphs.py) over spec's scratch, captured; capture=False (tests, the CPU) runs
     their static-buffer code uncaptured. A drafter other than the MTP layer keeps its drafting (and the commit)
-    eager. draft_counts: the drafts a plan may ask to propose (None: k alone, vLLM's fixed k)."""
+    eager. draft_counts: the drafts a plan may ask to propose (None: k alone, vLLM's fixed k). width: 1 builds the
+    graphs of the all-decode steps without verify chunks (B rows of one token, the decode kernels, no scratch);
+    None: the verify graphs, 1 + k tokens a row. pool: a captured graphs' memory pool to share (None: a new one)."""
     k = spec.num_speculative_tokens
-    max_batch = max_verify_batch(k, max_num_seqs, spec.max_spec_seqs)
+    width = 1 + k if width is None else width
+    max_batch = max_verify_batch(width - 1, max_num_seqs, spec.max_spec_seqs if width > 1 else max_num_seqs)
     drafts = spec.draft_tokens if isinstance(spec.drafter, MtpDrafter) else None  # else drafting stays eager
     graphs = VerifyGraphs(model, max_batch, k, max_blocks_per_seq, max_model_len, vocab_size, device, block_size,
-                          drafts, capture, draft_counts)  # fmt: skip
+                          drafts, capture, draft_counts, width, pool)  # fmt: skip
     graphs.capture()
     return graphs
 
@@ -62,6 +66,7 @@ def step_spec_handle(
     spec = SpecHandle(layout.spec, keys, is_random, inputs, layout, hidden, num_drafts_next=num_drafts_next)
     # the post-sampling replay reads the static buffers: not when another step may replay before sample()
     spec.is_graphed = is_verify_graphed and graphs.has_drafter and not defer_sampling
+    spec.graphs = graphs if spec.is_graphed else None
     return spec
 
 
@@ -105,13 +110,13 @@ def accept_verified(
 
 
 def draft_after_sampling(
-    decoder: SpecDecoder, graphs: VerifyGraphs | None, spec: SpecHandle, table: RequestTable, block_size: int,
-    rows: np.ndarray, rows_dev: torch.Tensor, tokens: torch.Tensor, plan: StepPlan,
+    decoder: SpecDecoder, spec: SpecHandle, table: RequestTable, block_size: int, rows: np.ndarray,
+    rows_dev: torch.Tensor, tokens: torch.Tensor, plan: StepPlan,
 ) -> None:  # fmt: skip
     """The drafter after a sampled step: the post-sampling graph (commit, hidden rows and drafts: one replay) where
     the step (plan) was verify-graphed, else the eager drafter."""
     if spec.is_graphed:
         num_drafts = decoder.num_drafts_after(spec.num_drafts_next)
-        graphs.draft(tokens, spec.tokens, spec.num_emitted, plan.num_decodes, num_drafts)
+        spec.graphs.draft(tokens, spec.tokens, spec.num_emitted, plan.num_decodes, num_drafts)
     else:
         decoder.propose(spec, table, block_size, rows, rows_dev, tokens)

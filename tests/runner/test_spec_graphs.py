@@ -111,13 +111,17 @@ def test_buckets_hold_at_most_512_tokens() -> None:
 def test_verify_graphs_static_buffers_join_the_cache_budget() -> None:
     """The 35B-A3B shape at k = 3: 128 rows of 4 tokens, each token a fp32 logits row, a bf16 lm_head row and a
     bf16 hidden row, and each row the drafter's fp32 + bf16 logits (runner/memory.py graph_bytes), in place of the
-    decode graphs' buffers."""
+    decode graphs' buffers; with a k policy, the width-1 graphs' buffers as well."""
     runner = SimpleNamespace(
         is_graphed=False, is_spec_graphed=True, vocab_size=248320, dtype=torch.bfloat16,
         engine_config=SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3)),
-        model_config=SimpleNamespace(hidden_size=2048),
+        model_config=SimpleNamespace(hidden_size=2048), spec_draft_counts=None,
     )  # fmt: skip
-    assert graph_bytes(runner, 1024) == ("verify", (512 + 128) * 248320 * (4 + 2) + 512 * 2048 * 2)
+    verify = (512 + 128) * 248320 * (4 + 2) + 512 * 2048 * 2
+    assert graph_bytes(runner, 1024) == ("verify", verify)
+    # a k policy adds the width-1 graphs: 512 rows of one token (the capture limit), the drafter's logits per row
+    runner.spec_draft_counts = (0, 1, 2, 3)
+    assert graph_bytes(runner, 1024) == ("verify and width-1", verify + (512 + 512) * 248320 * 6 + 512 * 2048 * 2)
     runner.is_spec_graphed = False
     assert graph_bytes(runner, 1024) == ("no", 0)
 
