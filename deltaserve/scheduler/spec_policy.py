@@ -14,7 +14,8 @@ step's decodes, the lowest of:
   exactly when its p_j is below c times the tokens per cost of the positions before it (the break-even rate), and
   k' = 0 when p_0 < c.
 Every probe_interval-th step drafts the batch rule's k in full (a probe), so positions the acceptance rule dropped
-are measured again and a change in traffic is seen.
+are measured again and a change in traffic is seen. `num_drafts_next(next_decodes)` is what the runner proposes
+after a step (StepPlan.num_drafts_next): the same rules for the step after it, so that a step at k 0 drafts nothing.
 
 The estimates come from the results the scheduler applies (`observe`): a verify of n drafts that accepted a of them
 tried positions 0 .. min(a, n - 1) and accepted positions 0 .. a - 1. Each position keeps exponentially weighted
