@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from deltaserve.gates.tokens import (
     engine_memory,
     judge_mismatch,
     make_text_prompts,
+    save_record,
 )
 
 RECORD_SCHEMA = "deltaserve-gate-mtp/1"
@@ -337,10 +337,7 @@ def _write_record(
     path: Path, verdict: MtpVerdict, code: int, model_dir: Path, dtype: str, seed: int, max_tokens: int,
     prompts: list[list[int]], ref_run: Any,
 ) -> None:  # fmt: skip
-    from deltaserve.bench.provenance import host_facts
-
     record = {
-        "schema": RECORD_SCHEMA,
         "kind": "gate-mtp",
         "model": str(model_dir),
         "dtype": dtype,
@@ -350,10 +347,8 @@ def _write_record(
         "reference_config": ref_run.config if ref_run is not None else None,
         "verdict": asdict(verdict),
         "exit_code": code,
-        "host": host_facts(Path(__file__).resolve().parents[2]),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    save_record(path, RECORD_SCHEMA, record)
 
 
 if __name__ == "__main__":
