@@ -298,22 +298,26 @@ def _mismatch_line(m: TokenMismatch, what: str) -> str:
     return f"  prompt {m.prompt}, output position {m.position}: {what} {m.expected} vs deltaserve-mtp {m.ours}{margin}"
 
 
+def _say_strict(verdict: MtpVerdict, mismatches: list[TokenMismatch], comparison: str, what: str) -> None:
+    """One comparison's STRICT n/N line, then its every mismatch (`what`: the other side's name)."""
+    n = verdict.num_prompts
+    verdict.say(f"STRICT {n - len(mismatches)}/{n} {comparison}")
+    for m in mismatches:
+        verdict.say(_mismatch_line(m, what))
+
+
 def report(verdict: MtpVerdict, model_dir: Path, dtype: str, max_tokens: int, ref_config: dict[str, Any] | None) -> int:
     """Prints the verdict (STRICT lines first) and returns the exit code."""
     n, k = verdict.num_prompts, verdict.k
     tp = f", tensor parallel {verdict.tensor_parallel_size}" if verdict.tensor_parallel_size > 1 else ""
-    verdict.say(f"STRICT {n - len(verdict.off_mismatches)}/{n} deltaserve with MTP (k = {k}) against deltaserve "
-                f"without ({dtype}{tp})")  # fmt: skip
-    for m in verdict.off_mismatches:
-        verdict.say(_mismatch_line(m, "without MTP"))
+    _say_strict(verdict, verdict.off_mismatches, f"deltaserve with MTP (k = {k}) against deltaserve without "
+                f"({dtype}{tp})", "without MTP")  # fmt: skip
     if verdict.refused is not None:
         verdict.say(f"gate mtp: the {verdict.reference} reference REFUSED: {verdict.refused}")
     elif verdict.reference is not None:
         version = (ref_config or {}).get("version", "")
-        verdict.say(f"STRICT {n - len(verdict.ref_mismatches)}/{n} deltaserve with MTP against vllm {version} with "
-                    f"MTP (k = {k}, {dtype})")  # fmt: skip
-        for m in verdict.ref_mismatches:
-            verdict.say(_mismatch_line(m, "vLLM-mtp"))
+        _say_strict(verdict, verdict.ref_mismatches, f"deltaserve with MTP against vllm {version} with MTP "
+                    f"(k = {k}, {dtype})", "vLLM-mtp")  # fmt: skip
     if verdict.ours is not None:
         verdict.say(f"acceptance deltaserve: {verdict.ours.text(k)}")
     if verdict.theirs is not None:
