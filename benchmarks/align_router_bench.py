@@ -34,6 +34,8 @@ def graph_us(fn: Callable[[], object], reps: int, replays: int) -> float:
     """Per-call µs of fn, captured reps times into one CUDA graph (median over replays). An op that cannot be
     captured is timed eagerly instead (reps back-to-back calls between two events), and the figure is negative
     so the record shows it (launch overhead included)."""
+    from deltaserve.bench.kernels import event_times_ms
+
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -53,15 +55,7 @@ def graph_us(fn: Callable[[], object], reps: int, replays: int) -> float:
         sign = -1.0
     run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / reps)
-    return sign * statistics.median(times)
+    return sign * statistics.median(ms * 1000.0 / reps for ms in event_times_ms(run, replays))
 
 
 def bench_align(reps: int, replays: int) -> list[dict[str, float | int]]:

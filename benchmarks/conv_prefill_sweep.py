@@ -32,6 +32,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deltaserve.bench.kernels import event_times_ms  # noqa: E402
 from deltaserve.kernels import conv_triton  # noqa: E402
 
 KERNEL_SIZE = 4
@@ -51,16 +52,12 @@ def time_us(fn: Any, reps: int, repeats: int = 5) -> float:
     """Median over `repeats` of the mean CUDA-event time of `reps` back-to-back calls, in microseconds."""
     fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def run() -> None:
         for _ in range(reps):
             fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / reps)
-    return statistics.median(samples)
+
+    return statistics.median(ms * 1000.0 / reps for ms in event_times_ms(run, repeats))
 
 
 def load_module(path: Path) -> Any:

@@ -66,7 +66,9 @@ def default_out(kind: str) -> Path:
     return RESULTS / f"{kind}-{datetime.now(UTC):%Y%m%d-%H%M%S}.json"
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
+def event_times_ms(fn: Callable[[], object], reps: int) -> list[float]:
+    """GPU ms of each of `reps` calls of fn, between two CUDA events, each call waited for. (deltaserve/bench/
+    kernels.py has the same helper; this script keeps its own because --baseline runs it against another tree.)"""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -75,7 +77,11 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    times.sort()
+    return times
+
+
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
+    times = sorted(event_times_ms(fn, reps))
     return times[len(times) // 2]
 
 
@@ -430,16 +436,8 @@ def graph_times(run: Callable[[], object], replays: int) -> dict[str, float]:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = sorted(event_times_ms(graph.replay, replays))
     del graph
-    times.sort()
     pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
     return {"graph_ms": times[len(times) // 2], "graph_ms_p10": pick(0.1), "graph_ms_p90": pick(0.9)}
 

@@ -91,34 +91,26 @@ class Problem:
 
 def time_config(problem: Problem, xs: list[torch.Tensor], config: Any, replays: int, use_graph: bool) -> float:
     """Median µs per block call."""
+    from deltaserve.bench.kernels import event_times_ms
+
     for i, x in enumerate(xs[:2]):
         problem.call(x, i, config)
     torch.cuda.synchronize()
-    times = []
+
+    def one_pass() -> None:
+        for i, x in enumerate(xs):
+            problem.call(x, i, config)
+
     if use_graph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for i, x in enumerate(xs):
-                problem.call(x, i, config)
+            one_pass()
         graph.replay()
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / len(xs))
+        pass_ms = event_times_ms(graph.replay, replays)
         del graph
     else:
-        for _ in range(max(3, replays // 2)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i, x in enumerate(xs):
-                problem.call(x, i, config)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / len(xs))
-    times.sort()
+        pass_ms = event_times_ms(one_pass, max(3, replays // 2))
+    times = sorted(ms * 1e3 / len(xs) for ms in pass_ms)
     return times[len(times) // 2]
 
 

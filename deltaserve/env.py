@@ -19,6 +19,15 @@ def _flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _positive_float(name: str, default: float) -> float:
+    """A number of seconds that must be positive (`default` when unset or blank)."""
+    value = os.environ.get(name, "").strip()
+    number = float(value) if value else default
+    if not number > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return number
+
+
 def fuse_attn_preamble() -> bool:
     """DELTASERVE_FUSE_ATTN_PREAMBLE (default 1): one fused launch for q/k norm + RoPE + gate split.
 
@@ -79,11 +88,7 @@ def vllm_server_dev_mode() -> bool:
 
 def vllm_log_stats_interval() -> float:
     """VLLM_LOG_STATS_INTERVAL (vLLM's, default 10): seconds between two periodic stats lines of the server."""
-    value = os.environ.get("VLLM_LOG_STATS_INTERVAL", "").strip()
-    interval = float(value) if value else 10.0
-    if not interval > 0:
-        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be positive, got {value!r}")
-    return interval
+    return _positive_float("VLLM_LOG_STATS_INTERVAL", 10.0)
 
 
 def log_level() -> str:
@@ -179,11 +184,7 @@ def dist_timeout_s() -> float:
 def engine_heartbeat_timeout_s() -> float:
     """DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S (default 10): /health fails once the engine-core process has sent
     nothing, not even its heartbeat, for this long (a frozen or stopped core)."""
-    value = os.environ.get("DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S", "").strip()
-    timeout = float(value) if value else 10.0
-    if not timeout > 0:
-        raise ValueError(f"DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S must be positive, got {value!r}")
-    return timeout
+    return _positive_float("DELTASERVE_ENGINE_HEARTBEAT_TIMEOUT_S", 10.0)
 
 
 def disable_nvlink_multicast() -> None:

@@ -127,33 +127,34 @@ class EngineStatsCollector(Collector):
         preemptions.add_metric(self.label_values, stats.num_preemptions_total)
         yield preemptions
         # vLLM's names and help strings (vllm/v1/metrics/loggers.py)
-        for name, doc, value in (
+        yield from self._counters((
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
              stats.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              stats.prefix_cache_hits),
-        ):  # fmt: skip
-            family = CounterMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(self.label_values, value)
-            yield family
+        ))  # fmt: skip
         yield self._iteration_tokens(stats)
         yield self._cache_config(stats)
         if stats.num_speculative_tokens > 0:
             yield from self._spec_decode(stats)
 
+    def _counters(self, entries: tuple[tuple[str, str, float], ...]) -> Iterator[Metric]:
+        """One counter family a (name, help, value), under this server's labels."""
+        for name, doc, value in entries:
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self.label_values, value)
+            yield family
+
     def _spec_decode(self, stats: Any) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py SpecDecodingProm), present only when
         speculative decoding is configured: drafts, draft tokens, accepted tokens, and accepted tokens per draft
         position (label position 0 .. k-1)."""
-        for name, doc, value in (
+        yield from self._counters((
             ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_decode_num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
              stats.spec_decode_num_accepted_tokens),
-        ):  # fmt: skip
-            family = CounterMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(self.label_values, value)
-            yield family
+        ))  # fmt: skip
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",

@@ -473,6 +473,20 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+def event_times_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    """GPU ms of each of `repeats` calls of fn (a graph replay, a pass of eager calls), between two CUDA events,
+    each call waited for."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def time_case(case: Case, l2_bytes: int, replays: int) -> dict[str, Any]:
     """GPU µs per call from CUDA-graph replays over rotating input sets, plus do_bench's eager median."""
     import triton.testing
@@ -502,15 +516,7 @@ def time_case(case: Case, l2_bytes: int, replays: int) -> dict[str, Any]:
                 case.call(s)
         graph.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / num_sets)
-        graph_us = _median(times)
+        graph_us = _median([ms * 1e3 / num_sets for ms in event_times_ms(graph.replay, replays)])
     except Exception as exc:  # a capture failure is a finding, not a crash of the whole bench
         torch.cuda.synchronize()
         note = f"{note}; no graph: {type(exc).__name__}: {exc}".strip("; ")[:160]

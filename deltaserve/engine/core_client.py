@@ -153,7 +153,25 @@ def engine_core_main(
     sys.exit(code)
 
 
-class ProcessCoreClient:
+class _QueuedCommands:
+    """The commands both clients take from the engine side, queued in order for the loop that serves the core (the
+    sender thread of ProcessCoreClient, the engine thread of ThreadCoreClient)."""
+
+    _commands: queue.Queue[Any]
+
+    def add(self, requests: list[EngineCoreRequest]) -> None:
+        self._commands.put(("add", requests))
+
+    def abort(self, core_ids: list[str]) -> None:
+        if core_ids:
+            self._commands.put(("abort", core_ids))
+
+    def reset_prefix_cache(self, call_id: int) -> None:
+        """The answer comes back as (call_id, bool) in the `replies` of an EngineCoreOutputs."""
+        self._commands.put(("reset_prefix_cache", call_id))
+
+
+class ProcessCoreClient(_QueuedCommands):
     """Starts the engine-core process and relays commands to it and outputs from it, on two threads."""
 
     def __init__(self, config: EngineConfig, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
@@ -224,17 +242,6 @@ class ProcessCoreClient:
             thread.start()
             self._threads.append(thread)
 
-    def add(self, requests: list[EngineCoreRequest]) -> None:
-        self._commands.put(("add", requests))
-
-    def abort(self, core_ids: list[str]) -> None:
-        if core_ids:
-            self._commands.put(("abort", core_ids))
-
-    def reset_prefix_cache(self, call_id: int) -> None:
-        """The answer comes back as (call_id, bool) in the `replies` of an EngineCoreOutputs."""
-        self._commands.put(("reset_prefix_cache", call_id))
-
     def shutdown(self) -> None:
         self._is_stopping = True
         self._commands.put(("shutdown", None))
@@ -249,7 +256,7 @@ class ProcessCoreClient:
 # -- on a thread of this process ----------------------------------------------------------------------------
 
 
-class ThreadCoreClient:
+class ThreadCoreClient(_QueuedCommands):
     """The core built here (start-up errors raise directly) and stepped on one thread of this process."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -286,17 +293,6 @@ class ThreadCoreClient:
 
         self._thread = threading.Thread(target=run, name="deltaserve-engine", daemon=True)
         self._thread.start()
-
-    def add(self, requests: list[EngineCoreRequest]) -> None:
-        self._commands.put(("add", requests))
-
-    def abort(self, core_ids: list[str]) -> None:
-        if core_ids:
-            self._commands.put(("abort", core_ids))
-
-    def reset_prefix_cache(self, call_id: int) -> None:
-        """The answer comes back as (call_id, bool) in the `replies` of an EngineCoreOutputs."""
-        self._commands.put(("reset_prefix_cache", call_id))
 
     def shutdown(self) -> None:
         self._commands.put(("shutdown", None))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,15 +156,13 @@ def check_structured_outputs(spec: StructuredOutputsParams, param: str = "struct
             raise GrammarError(f"Choice '{spec.choice}' cannot be an empty list", field_param)
         if not all(isinstance(c, str) for c in spec.choice):
             raise GrammarError("structured_outputs.choice must be a list of strings", field_param)
-        try:
-            xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
-        except Exception as exc:
-            raise GrammarError(f"Failed to transform choices into a grammar: {_short(exc)}", field_param) from None
+        _parse(
+            lambda: xgr.Grammar.from_ebnf(choice_grammar(spec.choice)),
+            "Failed to transform choices into a grammar",
+            field_param,
+        )
     elif kind == "regex":
-        try:
-            xgr.Grammar.from_regex(spec.regex)
-        except Exception as exc:
-            raise GrammarError(f"Failed to transform regex into a grammar: {_short(exc)}", field_param) from None
+        _parse(lambda: xgr.Grammar.from_regex(spec.regex), "Failed to transform regex into a grammar", field_param)
     elif kind in ("json", "json_object"):
         if kind == "json_object" and spec.json_object is not True:
             raise GrammarError(
@@ -171,22 +170,29 @@ def check_structured_outputs(spec: StructuredOutputsParams, param: str = "struct
                 "outputs", field_param,
             )  # fmt: skip
         text = json_schema_text(spec, field_param)
-        try:
-            xgr.Grammar.from_json_schema(text, any_whitespace=not spec.disable_any_whitespace)
-        except Exception as exc:
-            raise GrammarError(f"Failed to transform json schema into a grammar: {_short(exc)}", field_param) from None
+        _parse(
+            lambda: xgr.Grammar.from_json_schema(text, any_whitespace=not spec.disable_any_whitespace),
+            "Failed to transform json schema into a grammar",
+            field_param,
+        )
     elif kind == "grammar":
         if not spec.grammar.strip():
             raise GrammarError("structured_outputs.grammar cannot be an empty string", field_param)
-        try:
-            xgr.Grammar.from_ebnf(spec.grammar)
-        except Exception as exc:
-            raise GrammarError(f"Invalid grammar specification: {_short(exc)}", field_param) from None
+        _parse(lambda: xgr.Grammar.from_ebnf(spec.grammar), "Invalid grammar specification", field_param)
     elif kind == "structural_tag":
-        try:
-            xgr.Grammar.from_structural_tag(spec.structural_tag)
-        except Exception as exc:
-            raise GrammarError(f"Invalid structural_tag specification: {_short(exc)}", field_param) from None
+        _parse(
+            lambda: xgr.Grammar.from_structural_tag(spec.structural_tag),
+            "Invalid structural_tag specification",
+            field_param,
+        )
+
+
+def _parse(build: Callable[[], object], failure: str, param: str) -> None:
+    """Runs xgrammar's parse `build`; its error becomes a GrammarError `failure: <xgrammar's message>` on `param`."""
+    try:
+        build()
+    except Exception as exc:
+        raise GrammarError(f"{failure}: {_short(exc)}", param) from None
 
 
 def _short(exc: BaseException) -> str:

@@ -50,6 +50,7 @@ from deltaserve.gates.tokens import (
     judge_mismatch,
     make_prompts,
     make_text_prompts,
+    save_record,
 )
 
 RECORD_SCHEMA = "deltaserve-gate-fp8/1"
@@ -330,10 +331,7 @@ def _write_record(
     path: Path, verdict: Fp8Verdict, code: int, checkpoint: dict[str, Any], fp8: dict[str, Any], dtype: str, seed: int,
     max_tokens: int, prompts: list[list[int]], source: str, ref_config: dict[str, Any] | None,
 ) -> None:  # fmt: skip
-    from deltaserve.bench.provenance import host_facts
-
     record = {
-        "schema": RECORD_SCHEMA,
         "kind": "gate-fp8",
         "model": checkpoint["path"],
         "checkpoint": checkpoint,
@@ -354,10 +352,8 @@ def _write_record(
         "refused": verdict.refused,
         "exit_code": code,
         "output": verdict.lines,
-        "host": host_facts(Path(__file__).resolve().parents[2]),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    save_record(path, RECORD_SCHEMA, record)
 
 
 if __name__ == "__main__":

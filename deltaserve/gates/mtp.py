@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from deltaserve.gates.tokens import (
     engine_memory,
     judge_mismatch,
     make_text_prompts,
+    save_record,
 )
 
 RECORD_SCHEMA = "deltaserve-gate-mtp/1"
@@ -298,22 +298,26 @@ def _mismatch_line(m: TokenMismatch, what: str) -> str:
     return f"  prompt {m.prompt}, output position {m.position}: {what} {m.expected} vs deltaserve-mtp {m.ours}{margin}"
 
 
+def _say_strict(verdict: MtpVerdict, mismatches: list[TokenMismatch], comparison: str, what: str) -> None:
+    """One comparison's STRICT n/N line, then its every mismatch (`what`: the other side's name)."""
+    n = verdict.num_prompts
+    verdict.say(f"STRICT {n - len(mismatches)}/{n} {comparison}")
+    for m in mismatches:
+        verdict.say(_mismatch_line(m, what))
+
+
 def report(verdict: MtpVerdict, model_dir: Path, dtype: str, max_tokens: int, ref_config: dict[str, Any] | None) -> int:
     """Prints the verdict (STRICT lines first) and returns the exit code."""
     n, k = verdict.num_prompts, verdict.k
     tp = f", tensor parallel {verdict.tensor_parallel_size}" if verdict.tensor_parallel_size > 1 else ""
-    verdict.say(f"STRICT {n - len(verdict.off_mismatches)}/{n} deltaserve with MTP (k = {k}) against deltaserve "
-                f"without ({dtype}{tp})")  # fmt: skip
-    for m in verdict.off_mismatches:
-        verdict.say(_mismatch_line(m, "without MTP"))
+    _say_strict(verdict, verdict.off_mismatches, f"deltaserve with MTP (k = {k}) against deltaserve without "
+                f"({dtype}{tp})", "without MTP")  # fmt: skip
     if verdict.refused is not None:
         verdict.say(f"gate mtp: the {verdict.reference} reference REFUSED: {verdict.refused}")
     elif verdict.reference is not None:
         version = (ref_config or {}).get("version", "")
-        verdict.say(f"STRICT {n - len(verdict.ref_mismatches)}/{n} deltaserve with MTP against vllm {version} with "
-                    f"MTP (k = {k}, {dtype})")  # fmt: skip
-        for m in verdict.ref_mismatches:
-            verdict.say(_mismatch_line(m, "vLLM-mtp"))
+        _say_strict(verdict, verdict.ref_mismatches, f"deltaserve with MTP against vllm {version} with MTP "
+                    f"(k = {k}, {dtype})", "vLLM-mtp")  # fmt: skip
     if verdict.ours is not None:
         verdict.say(f"acceptance deltaserve: {verdict.ours.text(k)}")
     if verdict.theirs is not None:
@@ -337,10 +341,7 @@ def _write_record(
     path: Path, verdict: MtpVerdict, code: int, model_dir: Path, dtype: str, seed: int, max_tokens: int,
     prompts: list[list[int]], ref_run: Any,
 ) -> None:  # fmt: skip
-    from deltaserve.bench.provenance import host_facts
-
     record = {
-        "schema": RECORD_SCHEMA,
         "kind": "gate-mtp",
         "model": str(model_dir),
         "dtype": dtype,
@@ -350,10 +351,8 @@ def _write_record(
         "reference_config": ref_run.config if ref_run is not None else None,
         "verdict": asdict(verdict),
         "exit_code": code,
-        "host": host_facts(Path(__file__).resolve().parents[2]),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    save_record(path, RECORD_SCHEMA, record)
 
 
 if __name__ == "__main__":

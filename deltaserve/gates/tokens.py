@@ -578,10 +578,7 @@ def _write_record(
     prompts: str,
     seed: int,
 ) -> None:
-    from deltaserve.bench.provenance import host_facts
-
     record = {
-        "schema": RECORD_SCHEMA,
         "kind": "gate-tokens",
         "model": str(model_dir),
         "dtype": dtype,
@@ -594,8 +591,15 @@ def _write_record(
         "results": [asdict(r) for r in results],
         "exit_code": code,
         "output": report.lines,
-        "host": host_facts(Path(__file__).resolve().parents[2]),
     }
+    save_record(path, RECORD_SCHEMA, record)
+
+
+def save_record(path: Path, schema: str, record: dict[str, Any]) -> None:
+    """Writes a gate's JSON record: `schema` first, then the gate's fields, last the facts of the host it ran on."""
+    from deltaserve.bench.provenance import host_facts
+
+    record = {"schema": schema, **record, "host": host_facts(Path(__file__).resolve().parents[2])}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 

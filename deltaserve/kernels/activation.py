@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels._dispatch import triton_or_ref
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -15,12 +15,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(xf[..., :half]) * xf[..., half:]).to(x.dtype)  # [T, I]
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if use_triton(x):
-        from deltaserve.kernels.activation_triton import silu_and_mul_triton
-
-        return silu_and_mul_triton(x)
-    return silu_and_mul_ref(x)
+silu_and_mul = triton_or_ref(silu_and_mul_ref, "activation_triton.silu_and_mul_triton")
 
 
 def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -29,9 +24,4 @@ def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
 
 
-def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    if use_triton(o):
-        from deltaserve.kernels.activation_triton import sigmoid_gate_mul_triton
-
-        return sigmoid_gate_mul_triton(o, gate)
-    return sigmoid_gate_mul_ref(o, gate)
+sigmoid_gate_mul = triton_or_ref(sigmoid_gate_mul_ref, "activation_triton.sigmoid_gate_mul_triton")

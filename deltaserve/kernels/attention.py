@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels._dispatch import triton_or_ref
 
 
 def store_kv_ref(
@@ -24,14 +24,7 @@ def store_kv_ref(
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[is_valid].to(v_cache.dtype)
 
 
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    if use_triton(k):
-        from deltaserve.kernels.attention_triton import store_kv_triton
-
-        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+store_kv = triton_or_ref(store_kv_ref, "attention_triton.store_kv_triton")
 
 
 def paged_attention_ref(
@@ -79,23 +72,4 @@ def paged_attention_ref(
     return out
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
-    if use_triton(q):
-        from deltaserve.kernels.attention_triton import paged_attention_triton
-
-        return paged_attention_triton(
-            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
-        )
-    return paged_attention_ref(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len
-    )
+paged_attention = triton_or_ref(paged_attention_ref, "attention_triton.paged_attention_triton")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels._dispatch import output, use_triton
+from deltaserve.kernels._dispatch import output, triton_or_ref
 
 
 def _conv_rows(rows: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -53,22 +53,7 @@ def causal_conv1d_prefill_ref(
     return out
 
 
-def causal_conv1d_prefill(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if use_triton(x):
-        from deltaserve.kernels.conv_triton import causal_conv1d_prefill_triton
-
-        return causal_conv1d_prefill_triton(
-            x, weight, conv_states, query_start_loc, state_indices, has_initial_state, out
-        )
-    return causal_conv1d_prefill_ref(x, weight, conv_states, query_start_loc, state_indices, has_initial_state, out)
+causal_conv1d_prefill = triton_or_ref(causal_conv1d_prefill_ref, "conv_triton.causal_conv1d_prefill_triton")
 
 
 def causal_conv1d_update_ref(
@@ -92,15 +77,4 @@ def causal_conv1d_update_ref(
     return out
 
 
-def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if use_triton(x):
-        from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
-
-        return causal_conv1d_update_triton(x, weight, conv_states, state_indices, out)
-    return causal_conv1d_update_ref(x, weight, conv_states, state_indices, out)
+causal_conv1d_update = triton_or_ref(causal_conv1d_update_ref, "conv_triton.causal_conv1d_update_triton")

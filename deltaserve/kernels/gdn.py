@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels._dispatch import output, use_triton
+from deltaserve.kernels._dispatch import output, triton_or_ref
 
 CHUNK_SIZE = 64
 
@@ -124,26 +124,7 @@ def gdn_prefill_ref(
     return out
 
 
-def gdn_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    args = (q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state)
-    if use_triton(q):
-        from deltaserve.kernels.gdn_triton import gdn_prefill_triton
-
-        return gdn_prefill_triton(*args, out=out)
-    return gdn_prefill_ref(*args, out=out)
+gdn_prefill = triton_or_ref(gdn_prefill_ref, "gdn_triton.gdn_prefill_triton")
 
 
 def gdn_decode_ref(
@@ -177,20 +158,4 @@ def gdn_decode_ref(
     return out
 
 
-def gdn_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if use_triton(q):
-        from deltaserve.kernels.gdn_triton import gdn_decode_triton
-
-        return gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, out)
-    return gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, out)
+gdn_decode = triton_or_ref(gdn_decode_ref, "gdn_triton.gdn_decode_triton")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels._dispatch import output, use_triton
+from deltaserve.kernels._dispatch import output, triton_or_ref, use_triton
 from deltaserve.kernels.gdn import _gates, _l2norm
 
 
@@ -76,21 +76,7 @@ def causal_conv1d_verify_ref(
     return out
 
 
-def causal_conv1d_verify(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    token_index: torch.Tensor,
-    scratch_conv: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    args = (x, weight, conv_states, state_indices, token_index, scratch_conv)
-    if use_triton(x):
-        from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
-
-        return causal_conv1d_verify_triton(*args, out=out)
-    return causal_conv1d_verify_ref(*args, out=out)
+causal_conv1d_verify = triton_or_ref(causal_conv1d_verify_ref, "gdn_spec_conv_triton.causal_conv1d_verify_triton")
 
 
 def gdn_verify_ref(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels._dispatch import triton_or_ref, use_triton
 from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.kernels.fp8_moe import fused_moe_fp8
@@ -28,12 +28,7 @@ def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
     return weights, ids
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(router_logits):
-        from deltaserve.kernels.moe_routing_triton import moe_route_triton
-
-        return moe_route_triton(router_logits, top_k, renormalize)
-    return moe_route_ref(router_logits, top_k, renormalize)
+moe_route = triton_or_ref(moe_route_ref, "moe_routing_triton.moe_route_triton")
 
 
 def fused_moe_ref(
@@ -109,20 +104,4 @@ def fused_moe_block_ref(
     return fused_moe_ref(x, w13, w2, weights, ids, shared, F.linear(x, shared_gate_weight))
 
 
-def fused_moe_block(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    shared_w13: torch.Tensor | None = None,
-    shared_w2: torch.Tensor | None = None,
-    shared_gate_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if use_triton(x):
-        from deltaserve.kernels.moe_decode_triton import moe_block_triton
-
-        shared = (shared_w13, shared_w2, shared_gate_weight)
-        return moe_block_triton(x, router_weight, w13, w2, top_k, renormalize, *shared)
-    return fused_moe_block_ref(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2, shared_gate_weight)
+fused_moe_block = triton_or_ref(fused_moe_block_ref, "moe_decode_triton.moe_block_triton")

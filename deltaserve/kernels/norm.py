@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels._dispatch import triton_or_ref
 
 
 def rms_norm_ref(
@@ -26,14 +26,7 @@ def rms_norm_ref(
     return y.to(x.dtype), residual_out
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if use_triton(x):
-        from deltaserve.kernels.norm_triton import rms_norm_triton
-
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+rms_norm = triton_or_ref(rms_norm_ref, "norm_triton.rms_norm_triton")
 
 
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,9 +37,4 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     return y.to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_triton(x):
-        from deltaserve.kernels.norm_triton import gated_rms_norm_triton
-
-        return gated_rms_norm_triton(x, z, weight, eps)
-    return gated_rms_norm_ref(x, z, weight, eps)
+gated_rms_norm = triton_or_ref(gated_rms_norm_ref, "norm_triton.gated_rms_norm_triton")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels._dispatch import triton_or_ref
 from deltaserve.kernels.norm import rms_norm
 
 
@@ -107,26 +107,7 @@ def attn_preamble_ref(
     return q_out.reshape(num_tokens, -1), k_out.reshape(num_tokens, -1), gate
 
 
-def attn_preamble(
-    qkv: torch.Tensor,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    cos_sin: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(qkv):
-        from deltaserve.kernels.preamble_triton import attn_preamble_triton
-
-        return attn_preamble_triton(
-            qkv, q_norm_weight, k_norm_weight, cos_sin, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps
-        )
-    return attn_preamble_ref(
-        qkv, q_norm_weight, k_norm_weight, cos_sin, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps
-    )
+attn_preamble = triton_or_ref(attn_preamble_ref, "preamble_triton.attn_preamble_triton")
 
 
 def rotary_embedding_ref(
@@ -145,19 +126,7 @@ def rotary_embedding_ref(
     return q_out.to(q.dtype).reshape(num_tokens, -1), k_out.to(k.dtype).reshape(num_tokens, -1)
 
 
-def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    head_dim: int,
-    rotary_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(q):
-        from deltaserve.kernels.preamble_triton import rotary_embedding_triton
-
-        return rotary_embedding_triton(positions, q, k, cos_sin_cache, head_dim, rotary_dim)
-    return rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim, rotary_dim)
+rotary_embedding = triton_or_ref(rotary_embedding_ref, "preamble_triton.rotary_embedding_triton", on="q")
 
 
 class MRopeUnsupportedError(ValueError):

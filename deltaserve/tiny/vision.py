@@ -40,28 +40,29 @@ def shapes_for(variant: str) -> TinyShapes:
     return WIDE_SHAPES if variant in WIDE_VARIANTS else TinyShapes()
 
 
-def preprocessor_config(shapes: TinyShapes) -> dict[str, Any]:
-    """preprocessor_config.json as the releases ship it (the legacy class name that transformers 5 maps)."""
+def _processor_config(
+    shapes: TinyShapes, min_pixels: int, max_pixels: int, type_key: str, type_name: str
+) -> dict[str, Any]:
+    """The fields the image and the video processor configs share: pixel budget, patching, normalisation."""
     return {
-        "size": {"longest_edge": IMAGE_MAX_PIXELS, "shortest_edge": IMAGE_MIN_PIXELS},
+        "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels},
         "patch_size": shapes.vision_patch_size,
         "temporal_patch_size": shapes.vision_temporal_patch_size,
         "merge_size": shapes.vision_spatial_merge_size,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
         "processor_class": "Qwen3VLProcessor",
-        "image_processor_type": "Qwen2VLImageProcessorFast",
+        type_key: type_name,
     }
+
+
+def preprocessor_config(shapes: TinyShapes) -> dict[str, Any]:
+    """preprocessor_config.json as the releases ship it (the legacy class name that transformers 5 maps)."""
+    args = (IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS, "image_processor_type", "Qwen2VLImageProcessorFast")
+    return _processor_config(shapes, *args)
 
 
 def video_preprocessor_config(shapes: TinyShapes) -> dict[str, Any]:
-    return {
-        "size": {"longest_edge": VIDEO_MAX_PIXELS, "shortest_edge": VIDEO_MIN_PIXELS},
-        "patch_size": shapes.vision_patch_size,
-        "temporal_patch_size": shapes.vision_temporal_patch_size,
-        "merge_size": shapes.vision_spatial_merge_size,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "processor_class": "Qwen3VLProcessor",
-        "video_processor_type": "Qwen3VLVideoProcessor",
-    }
+    """video_preprocessor_config.json as the releases ship it."""
+    args = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, "video_processor_type", "Qwen3VLVideoProcessor")
+    return _processor_config(shapes, *args)

@@ -76,17 +76,23 @@ def test_oracle_flags_passes_the_prefix_grid() -> None:
 
 
 @pytest.mark.parametrize(
-    ("table", "message"),
+    ("lengths", "table", "message"),
     [
-        ('name="prefix_repetition"\n', "needs prefix_repetition_prefix_len"),
-        ('name="random"\nprefix_repetition_prefix_len=4\n', "apply to prefix_repetition only"),
-        ('name="prefix_repetition"\nprefix_repetition_prefix_len=[4, 5, 6]\n', "3 prefix_repetition_prefix_len"),
-        ('name="prefix_repetition"\nprefix_repetition_prefix_len=16\n', "must be in"),
+        ("[[16, 2], [32, 2]]", 'name="prefix_repetition"\n', "needs prefix_repetition_prefix_len"),
+        ("[[16, 2], [32, 2]]", 'name="random"\nprefix_repetition_prefix_len=4\n', "apply to prefix_repetition only"),
+        ("[[16, 2], [32, 2]]", 'name="prefix_repetition"\nprefix_repetition_prefix_len=[4, 5, 6]\n',
+         "3 prefix_repetition_prefix_len"),
+        ("[[16, 2], [32, 2]]", 'name="prefix_repetition"\nprefix_repetition_prefix_len=16\n', "must be in"),
+        ("[[16, 2]]", 'name="multi-turn"\nmulti_turn_turns=3\n', "needs multi_turn_user_len"),
+        ("[[16, 2]]", 'name="multi-turn"\nmulti_turn_turns=0\nmulti_turn_user_len=5\n', "needs multi_turn_turns"),
+        ("[[16, 2]]", 'name="random"\nmulti_turn_turns=3\n', "apply to multi-turn only"),
     ],
-)
-def test_prefix_dataset_table_is_validated(tmp_path: Path, table: str, message: str) -> None:
+)  # fmt: skip
+def test_prefix_and_multi_turn_dataset_tables_are_validated(
+    tmp_path: Path, lengths: str, table: str, message: str
+) -> None:
     path = tmp_path / "g.toml"
-    grid = "[grid]\nlengths=[[16, 2], [32, 2]]\n"
+    grid = f"[grid]\nlengths={lengths}\n"
     path.write_text(grid + '[[models]]\nname="m"\npath="p"\n[[arms]]\nname="a"\ncommand=["x"]\n[dataset]\n' + table)
     with pytest.raises(ValueError, match=message):
         load_config(path)
@@ -179,22 +185,6 @@ def test_random_grid_compares_the_cache_on_and_off(tmp_path: Path, monkeypatch: 
     assert "cost" in (config.arms[1].denominator_note or "")
     code, launches, _ = oracle_flags.check([RANDOM_GRID])
     assert code == 0 and {launch.status for launch in launches} == {"ok"}
-
-
-@pytest.mark.parametrize(
-    ("table", "message"),
-    [
-        ('name="multi-turn"\nmulti_turn_turns=3\n', "needs multi_turn_user_len"),
-        ('name="multi-turn"\nmulti_turn_turns=0\nmulti_turn_user_len=5\n', "needs multi_turn_turns"),
-        ('name="random"\nmulti_turn_turns=3\n', "apply to multi-turn only"),
-    ],
-)
-def test_multi_turn_dataset_table_is_validated(tmp_path: Path, table: str, message: str) -> None:
-    path = tmp_path / "g.toml"
-    grid = "[grid]\nlengths=[[16, 2]]\n"
-    path.write_text(grid + '[[models]]\nname="m"\npath="p"\n[[arms]]\nname="a"\ncommand=["x"]\n[dataset]\n' + table)
-    with pytest.raises(ValueError, match=message):
-        load_config(path)
 
 
 def test_server_counters_are_summed_over_engines_and_give_the_runs_rate() -> None:

@@ -19,7 +19,7 @@ from deltaserve.config import ConfigError
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
-from tests.support.serve_process import open_streams, start_serve, stuck_upload
+from tests.support.serve_process import assert_streams_end_in_an_error, open_streams, start_serve, stuck_upload
 
 
 def test_an_abort_reaches_the_core_process(tiny_dense: Path) -> None:
@@ -82,11 +82,7 @@ def test_killing_the_core_ends_every_request_and_the_server_exits_non_zero_in_bo
         os.kill(server.core_pid(), signal.SIGKILL)
         for thread in threads:
             thread.join(30)
-        for received in events:
-            assert received[-1] == "[DONE]"
-            error = json.loads(received[-2])
-            assert "error" in error and error["error"]["code"] >= 500
-            assert all("error" not in json.loads(e) for e in received[:-2])  # only the last event is the error
+        assert_streams_end_in_an_error(events)
         assert statuses == [503]
         # the drain bound, then the lifespan's shutdown (the core is gone: nothing to wait for) and the exit
         assert server.process.wait(DEAD_ENGINE_DRAIN_S + 8) != 0

@@ -11,7 +11,7 @@ import pytest
 from deltaserve.engine.frontend import RequestError
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
-from tests.support.vision import MAX_TOKENS, PROMPTS, case_for
+from tests.support.vision import MAX_TOKENS, PROMPTS, case_for, generate_together
 
 
 @pytest.mark.parametrize("variant", ["dense-vl", "moe-vl"])
@@ -22,13 +22,7 @@ def test_image_and_video_prompts_match_transformers_through_the_engine(variant: 
     # a budget of 40 tokens: every prompt is prefilled in several chunks, several images are cut in two
     llm = LLM(case.model_dir, dtype="float32", max_num_batched_tokens=40, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for name, (ids, mm) in prompts.items():
-        llm.engine.add_request(name, ids, params, mm_input=mm)
-    llm.engine.add_request("text", [5, 6, 7, 8], params)
-    outputs: dict[str, list[int]] = {}
-    while llm.engine.has_unfinished():
-        for output in llm.engine.step():
-            outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+    outputs = generate_together(llm, {**prompts, "text": ([5, 6, 7, 8], None)}, params)
     for name in PROMPTS:
         got, want = outputs[name], expected[name]
         num_exact = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), MAX_TOKENS)

@@ -9,20 +9,13 @@ import pytest
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 from tests.support.drafts import enable_reference_drafts
-from tests.support.vision import MAX_TOKENS, PROMPTS, case_for
+from tests.support.vision import MAX_TOKENS, PROMPTS, case_for, generate_together
 
 ENGINE = {"dtype": "float32", "max_num_batched_tokens": 40, "max_num_seqs": 4}
 
 
 def generate(llm: LLM, prompts: dict) -> dict[str, list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for name, (ids, mm) in prompts.items():
-        llm.engine.add_request(name, ids, params, mm_input=mm)
-    outputs: dict[str, list[int]] = {}
-    while llm.engine.has_unfinished():
-        for output in llm.engine.step():
-            outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
-    return outputs
+    return generate_together(llm, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ chunked prefill's blocked (I + A)^-1 (chunk_inverse_triton) against chunk_invers
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,6 +29,26 @@ def _inputs(num_tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dt
     return q, k, v, a, b, A_log, dt_bias
 
 
+def _against_ref(
+    ref_op: Callable[..., torch.Tensor],
+    kernel: Callable[..., torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    states: torch.Tensor,
+    routing: tuple[torch.Tensor, ...],
+    tol: float,
+    states_tol: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin on a copy of the states, the kernel (outputs NaN-poisoned) on `states`, both called as
+    (*inputs, states, *routing); asserts the outputs and the states agree. Returns (kernel output, twin's states)."""
+    ref_states = states.clone()
+    ref = ref_op(*inputs, ref_states, *routing)
+    with poisoned_empty():
+        out = kernel(*inputs, states, *routing)
+    assert_close("o", ref, out, tol)
+    assert_close("states", ref_states, states, tol if states_tol is None else states_tol)
+    return out, ref_states
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("lengths", "has_init", "hk", "hv", "dk", "dv"),
@@ -47,12 +68,14 @@ def test_gdn_prefill(
     slots = torch.randperm(num_slots, device=DEVICE)[: len(lengths)].int()
     qsl = varlen_starts(lengths)
     init = torch.tensor(has_init, device=DEVICE)
-    ref_states = states.clone()
-    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ref_states, qsl, slots, init)
-    with poisoned_empty():
-        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init)
-    assert_close("o", ref, out, tolerance(dtype, fp32=2e-5, low=2e-2))
-    assert_close("states", ref_states, states, tolerance(dtype, fp32=2e-5, low=2e-2))
+    _against_ref(
+        gdn_prefill_ref,
+        gdn_prefill_triton,
+        (q, k, v, a, b, A_log, dt_bias),
+        states,
+        (qsl, slots, init),
+        tolerance(dtype, fp32=2e-5, low=2e-2),
+    )
 
 
 def test_gdn_prefill_chunk_edges() -> None:
@@ -70,12 +93,9 @@ def test_gdn_prefill_chunk_edges() -> None:
     slots[4] = -1  # a full chunk on a padding slot, with has_initial_state set
     qsl = varlen_starts(lengths)
     init = torch.tensor(has_init, device=DEVICE)
-    ref_states = states.clone()
-    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ref_states, qsl, slots, init)
-    with poisoned_empty():
-        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init)
-    assert_close("o", ref, out, 2e-5)
-    assert_close("states", ref_states, states, 2e-5)
+    _, ref_states = _against_ref(
+        gdn_prefill_ref, gdn_prefill_triton, (q, k, v, a, b, A_log, dt_bias), states, (qsl, slots, init), 2e-5
+    )
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     assert num_slots - 1 in untouched
     assert torch.equal(states[untouched], ref_states[untouched]), "slot −1 (or a free slot) was written"
@@ -120,12 +140,7 @@ def test_gdn_prefill_served_shapes(lengths: list[int], hk: int, hv: int) -> None
     slots = torch.randperm(num_slots, device=DEVICE)[: len(lengths)].int()
     qsl = varlen_starts(lengths)
     init = torch.ones(len(lengths), dtype=torch.bool, device=DEVICE)
-    ref_states = states.clone()
-    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ref_states, qsl, slots, init)
-    with poisoned_empty():
-        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, qsl, slots, init)
-    assert_close("o", ref, out, 2e-2)
-    assert_close("states", ref_states, states, 2e-2)
+    _against_ref(gdn_prefill_ref, gdn_prefill_triton, (q, k, v, a, b, A_log, dt_bias), states, (qsl, slots, init), 2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -140,12 +155,14 @@ def test_gdn_decode(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> N
     states = randn(num_slots, hv, dk, dv, scale=0.1)
     slots = torch.randperm(num_slots, device=DEVICE)[:batch].int()
     slots[1] = slots[4] = -1  # CUDA-graph padding rows, one of them the last
-    ref_states = states.clone()
-    ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ref_states, slots)
-    with poisoned_empty():
-        out = gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, states, slots)
-    assert_close("o", ref, out, tolerance(dtype, fp32=3e-6, low=1e-2))
-    assert_close("states", ref_states, states, tolerance(dtype, fp32=3e-6, low=1e-2))
+    out, ref_states = _against_ref(
+        gdn_decode_ref,
+        gdn_decode_triton,
+        (q, k, v, a, b, A_log, dt_bias),
+        states,
+        (slots,),
+        tolerance(dtype, fp32=3e-6, low=1e-2),
+    )
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     assert torch.equal(states[untouched], ref_states[untouched]), "padded rows must leave the other slots alone"
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[4], torch.zeros_like(out[4]))
@@ -162,12 +179,9 @@ def test_gdn_decode_served_shapes(hk: int, hv: int, batch: int) -> None:
     states = randn(num_slots, hv, dk, dv, scale=0.05)
     slots = torch.randperm(num_slots, device=DEVICE)[:batch].int()
     slots[::7] = -1
-    ref_states = states.clone()
-    ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ref_states, slots)
-    with poisoned_empty():
-        out = gdn_decode_triton(q, k, v, a, b, A_log, dt_bias, states, slots)
-    assert_close("o", ref, out, 1e-2)
-    assert_close("states", ref_states, states, 1e-5)
+    out, _ = _against_ref(
+        gdn_decode_ref, gdn_decode_triton, (q, k, v, a, b, A_log, dt_bias), states, (slots,), 1e-2, states_tol=1e-5
+    )
     assert torch.equal(out[::7], torch.zeros_like(out[::7]))
 
 

@@ -3,6 +3,8 @@ state after every token in scratch, live slots untouched until the commit, and t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -26,6 +28,14 @@ def token_index(lengths: tuple[int, ...]) -> torch.Tensor:
         rows.append([start + j if j < n else -1 for j in range(width)])
         start += n
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def verify_columns(index: torch.Tensor) -> Iterator[tuple[int, int, int, int | None]]:
+    """(sequence s, its slot, column j, the step row of token j or None where the column is padding), in order: the
+    walk a token-by-token replay of the verify step takes."""
+    for s, (slot, n) in enumerate(zip(SLOTS, LENGTHS, strict=True)):
+        for j in range(max(LENGTHS)):
+            yield s, slot, j, int(index[s, j]) if j < n else None
 
 
 def inputs(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -54,16 +64,14 @@ def test_gdn_verify_equals_decode_token_by_token() -> None:
     assert torch.equal(ssm, t["ssm"])  # live slots untouched
     assert not out.isnan().any()
     expected_ssm = t["ssm"].clone()
-    for s, (slot, n) in enumerate(zip(SLOTS, LENGTHS, strict=True)):
-        for j in range(max(LENGTHS)):
-            if j < n:
-                row = int(index[s, j])
-                one = slice(row, row + 1)
-                want = gdn_decode_ref(t["q"][one], t["k"][one], t["v"][one], t["a"][one], t["b"][one], t["A_log"],
-                                      t["dt_bias"], expected_ssm, torch.tensor([slot]))  # fmt: skip
-                torch.testing.assert_close(out[one], want, rtol=1e-6, atol=1e-6)
-            # a padded column repeats the last real state
-            torch.testing.assert_close(scratch[s, j], expected_ssm[slot], rtol=1e-6, atol=1e-6)
+    for s, slot, j, row in verify_columns(index):
+        if row is not None:
+            one = slice(row, row + 1)
+            want = gdn_decode_ref(t["q"][one], t["k"][one], t["v"][one], t["a"][one], t["b"][one], t["A_log"],
+                                  t["dt_bias"], expected_ssm, torch.tensor([slot]))  # fmt: skip
+            torch.testing.assert_close(out[one], want, rtol=1e-6, atol=1e-6)
+        # a padded column repeats the last real state
+        torch.testing.assert_close(scratch[s, j], expected_ssm[slot], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,15 +86,13 @@ def test_conv_verify_equals_update_token_by_token(dtype: torch.dtype) -> None:
     assert torch.equal(conv, t["conv"])
     assert not out.isnan().any()
     expected = t["conv"].clone()
-    for s, (slot, n) in enumerate(zip(SLOTS, LENGTHS, strict=True)):
-        for j in range(max(LENGTHS)):
-            if j < n:
-                row = int(index[s, j])
-                want = causal_conv1d_update_ref(t["x"][row : row + 1], t["weight"], expected, torch.tensor([slot]))
-                # the same arithmetic; the vectorised SiLU may differ from the one-row one in the last bit
-                torch.testing.assert_close(out[row : row + 1], want, rtol=1e-6, atol=1e-6)
-            # windows are copies: exact; a padded column repeats the last real window
-            assert torch.equal(scratch[s, j], expected[slot])
+    for s, slot, j, row in verify_columns(index):
+        if row is not None:
+            want = causal_conv1d_update_ref(t["x"][row : row + 1], t["weight"], expected, torch.tensor([slot]))
+            # the same arithmetic; the vectorised SiLU may differ from the one-row one in the last bit
+            torch.testing.assert_close(out[row : row + 1], want, rtol=1e-6, atol=1e-6)
+        # windows are copies: exact; a padded column repeats the last real window
+        assert torch.equal(scratch[s, j], expected[slot])
 
 
 def test_commit_takes_the_state_after_the_last_accepted_token() -> None:

@@ -60,6 +60,16 @@ def _ref(x: torch.Tensor, w: dict[str, torch.Tensor], top_k: int, shared: bool) 
     return fused_moe_ref(x, w["w13"], w["w2"], weights, ids, shared_out, logits[:, num_experts:])
 
 
+def _block_against_ref(
+    x: torch.Tensor, w: dict[str, torch.Tensor], top_k: int, shared: bool, config: MoEConfig
+) -> None:
+    """moe_block_triton under `config` (outputs NaN-poisoned) equals _ref."""
+    ref = _ref(x, w, top_k, shared)
+    with poisoned_empty():
+        out = _call(moe_block_triton, x, w, top_k, shared, config=config)
+    assert_close("out", ref, out, tolerance(x.dtype, fp32=1e-5))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "hidden", "inter", "inter_sh", "shared"),
@@ -82,10 +92,7 @@ def test_moe_block_decode_path(
 ) -> None:
     x = randn(num_tokens, hidden, dtype=dtype)
     w = _weights(num_experts, hidden, inter, inter_sh, dtype)
-    ref = _ref(x, w, top_k, shared)
-    with poisoned_empty():
-        out = _call(moe_block_triton, x, w, top_k, shared, config=DECODE)
-    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+    _block_against_ref(x, w, top_k, shared, DECODE)
 
 
 def _split(config: MoEConfig, choices_per_program: int) -> MoEConfig:
@@ -144,10 +151,7 @@ def test_moe_block_decode_path_routing_on_fewer_rows_than_the_dot_tile(
     the routing rows are mapped onto the dot rows for the leader's gather. Equals the ref."""
     x = randn(num_tokens, 64, dtype=dtype)
     w = _weights(16, 64, 32, 48, dtype)
-    ref = _ref(x, w, 4, True)
-    with poisoned_empty():
-        out = _call(moe_block_triton, x, w, 4, True, config=_route_rows(DECODE, route_rows))
-    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+    _block_against_ref(x, w, 4, True, _route_rows(DECODE, route_rows))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -158,10 +162,7 @@ def test_moe_block_routes_in_its_own_launch_above_the_register_limit(
     monkeypatch.setattr(moe_decode_triton, "ROUTE_IN_GEMM1_MAX_TOKENS", 1)
     x = randn(3, 64, dtype=dtype)
     w = _weights(8, 64, 32, 32, dtype)
-    ref = _ref(x, w, 2, True)
-    with poisoned_empty():
-        out = _call(moe_block_triton, x, w, 2, True, config=DECODE)
-    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+    _block_against_ref(x, w, 2, True, DECODE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,10 +171,7 @@ def test_moe_block_grouped_path(shared: bool, dtype: torch.dtype) -> None:
     """The block op's grouped path: router logits kernel, moe_route_triton, shared MLP, fused_moe_triton."""
     x = randn(5, 64, dtype=dtype)
     w = _weights(8, 64, 32, 32, dtype)
-    ref = _ref(x, w, 2, shared)
-    with poisoned_empty():
-        out = _call(moe_block_triton, x, w, 2, shared, config=GROUPED)
-    assert_close("out", ref, out, tolerance(dtype, fp32=1e-5))
+    _block_against_ref(x, w, 2, shared, GROUPED)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

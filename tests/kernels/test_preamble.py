@@ -65,10 +65,9 @@ def test_rotary_embedding(num_tokens: int, nq: int, nkv: int, d: int, rot: int, 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unfused_path_matches_fused(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The four-op path with every op on Triton (as on CUDA) against the fused kernel, for 1-D positions."""
-    from deltaserve.kernels import norm, preamble
+    from deltaserve.kernels import _dispatch, preamble
 
-    monkeypatch.setattr(preamble, "use_triton", lambda t: True)
-    monkeypatch.setattr(norm, "use_triton", lambda t: True)
+    monkeypatch.setattr(_dispatch, "use_triton", lambda t: True)
     num_tokens, nq, nkv, d, rot = 33, 4, 2, 64, 16
     qkv = _qkv(num_tokens, nq, nkv, d, dtype, extra_cols=0)
     q_w, k_w = randn(d, scale=0.1), randn(d, scale=0.1)

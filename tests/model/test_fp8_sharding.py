@@ -72,6 +72,19 @@ def _fp8_weights(model: torch.nn.Module) -> dict[str, Fp8Weight]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Weight)}
 
 
+def _assert_rank_slices(
+    ranked: dict[str, Fp8Weight], whole: dict[str, Fp8Weight], config: ModelConfig, rank: int
+) -> None:
+    """Rank `rank` of 2 holds every weight of the one-rank model, each its block-aligned slice: the block layout
+    survives the split (every part of every rank is whole blocks)."""
+    shapes = LocalShapes.of(config, rank, 2)
+    assert set(ranked) == set(whole)
+    for name, weight in ranked.items():
+        assert weight.block_n == 128, name
+        expected = expected_slice(name, whole[name].dequantize(), config, shapes)
+        assert torch.equal(weight.dequantize(), expected), f"rank {rank}: {name}"
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe", "next"])
 def test_every_rank_holds_its_blocks(kind: str, aligned_fp8: dict[str, Path]) -> None:
     folder = aligned_fp8[kind]
@@ -79,14 +92,7 @@ def test_every_rank_holds_its_blocks(kind: str, aligned_fp8: dict[str, Path]) ->
     whole = _fp8_weights(_rank_model(folder, 0, 1))
     assert len(whole) >= 4 * config.num_hidden_layers
     for rank in range(2):
-        ranked = _fp8_weights(_rank_model(folder, rank, 2))
-        shapes = LocalShapes.of(config, rank, 2)
-        assert set(ranked) == set(whole)
-        for name, weight in ranked.items():
-            # the block layout survives the split: every part of every rank is whole blocks
-            assert weight.block_n == 128, name
-            expected = expected_slice(name, whole[name].dequantize(), config, shapes)
-            assert torch.equal(weight.dequantize(), expected), f"rank {rank}: {name}"
+        _assert_rank_slices(_fp8_weights(_rank_model(folder, rank, 2)), whole, config, rank)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "next"])
@@ -100,13 +106,7 @@ def test_every_rank_holds_its_blocks_of_the_mtp_layer(kind: str, aligned_fp8: di
     for rank in range(2):
         model = _rank_model(folder, rank, 2, build_mtp=True)
         assert not isinstance(model.mtp.fc, Fp8Weight)
-        ranked = {n: w for n, w in _fp8_weights(model).items() if n.startswith("mtp.")}
-        shapes = LocalShapes.of(config, rank, 2)
-        assert set(ranked) == set(whole)
-        for name, weight in ranked.items():
-            assert weight.block_n == 128, name
-            expected = expected_slice(name, whole[name].dequantize(), config, shapes)
-            assert torch.equal(weight.dequantize(), expected), f"rank {rank}: {name}"
+        _assert_rank_slices({n: w for n, w in _fp8_weights(model).items() if n.startswith("mtp.")}, whole, config, rank)
 
 
 @pytest.mark.parametrize(

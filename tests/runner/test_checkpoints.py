@@ -6,6 +6,8 @@ the runner does not implement is refused by name, never ignored.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,27 @@ def _logits(result_logits: bytes | None, size: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(result_logits), dtype=torch.float32).view(size, -1)
 
 
+@contextlib.contextmanager
+def _held(
+    llm: LLM, num_rows: int, num_slots: int, block_lists: list[tuple[int, int]]
+) -> Iterator[tuple[list[int], list[int], list[list[int]]]]:
+    """Rows, state slots and KV blocks (one list per (tokens, cached blocks) entry) taken from the scheduler's pools
+    for a test that drives the runner by hand; on leaving, the rows are removed from the runner and all goes back."""
+    scheduler, runner = llm.engine.scheduler, llm.engine.runner
+    blocks = [scheduler.blocks.allocate(scheduler.blocks.blocks_needed(n, cached)) for n, cached in block_lists]
+    slots = [scheduler.slots.allocate() for _ in range(num_slots)]
+    rows = [scheduler.rows.allocate() for _ in range(num_rows)]
+    try:
+        yield rows, slots, blocks
+    finally:
+        runner.run(StepPlan(-1, (), removed=tuple(rows)))
+        scheduler.blocks.free([block for one in blocks for block in one])
+        for slot in slots:
+            scheduler.slots.free(slot)
+        for row in rows:
+            scheduler.rows.free(row)
+
+
 def test_a_checkpoint_restores_the_state_at_its_position(llm: LLM) -> None:
     engine = llm.engine
     scheduler, runner = engine.scheduler, engine.runner
@@ -38,11 +61,8 @@ def test_a_checkpoint_restores_the_state_at_its_position(llm: LLM) -> None:
     assert P % block_size == 0
     params = SamplingParams(temperature=0.0, max_tokens=1)
     tail = len(TOKENS) - P
-    blocks_a = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), 0))
-    blocks_b = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), P // block_size))
-    slot_a, slot_b, checkpoint = (scheduler.slots.allocate() for _ in range(3))
-    row_a, row_b = scheduler.rows.allocate(), scheduler.rows.allocate()
-    try:
+    with _held(llm, 2, 3, [(len(TOKENS), 0), (len(TOKENS), P // block_size)]) as held:
+        (row_a, row_b), (slot_a, slot_b, checkpoint), (blocks_a, blocks_b) = held
         # A: [0, P) saving its state at P, then [P, L) from its own slot
         add_a = (NewRequest(row_a, "a", tuple(TOKENS), (), params, ()),)
         head = ScheduledSeq(row_a, 0, P, slot_a, None, tuple(blocks_a), False, checkpoints=((P, checkpoint),))
@@ -59,13 +79,6 @@ def test_a_checkpoint_restores_the_state_at_its_position(llm: LLM) -> None:
             seq = ScheduledSeq(row_b, P, tail, slot_b, checkpoint, shared, False, return_logits=True)
             result = runner.run(StepPlan(-1, (seq,), add_b))
             assert torch.equal(_logits(result.logits[0], tail), expected), f"run {index} from the checkpoint"
-    finally:
-        runner.run(StepPlan(-1, (), removed=(row_a, row_b)))
-        scheduler.blocks.free(blocks_a + blocks_b)
-        for slot in (slot_a, slot_b, checkpoint):
-            scheduler.slots.free(slot)
-        scheduler.rows.free(row_a)
-        scheduler.rows.free(row_b)
 
 
 def test_a_checkpoint_without_a_restore_differs(llm: LLM) -> None:
@@ -74,10 +87,8 @@ def test_a_checkpoint_without_a_restore_differs(llm: LLM) -> None:
     scheduler, runner = engine.scheduler, engine.runner
     block_size = scheduler.blocks.block_size
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    blocks = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), 0))
-    slot, row = scheduler.slots.allocate(), scheduler.rows.allocate()
     tail = len(TOKENS) - P
-    try:
+    with _held(llm, 1, 1, [(len(TOKENS), 0)]) as ((row,), (slot,), (blocks,)):
         add = (NewRequest(row, "a", tuple(TOKENS), (), params, ()),)
         runner.run(StepPlan(-1, (ScheduledSeq(row, 0, P, slot, None, tuple(blocks), False),), add))
         warm = _logits(runner.run(StepPlan(-1, (ScheduledSeq(row, P, tail, slot, slot, (), False,
@@ -88,11 +99,6 @@ def test_a_checkpoint_without_a_restore_differs(llm: LLM) -> None:
                                 return_logits=True)  # fmt: skip
         cold = _logits(runner.run(StepPlan(-1, (cold_seq,), add)).logits[0], tail)
         assert not torch.equal(cold, warm)
-    finally:
-        runner.run(StepPlan(-1, (), removed=(row,)))
-        scheduler.blocks.free(blocks)
-        scheduler.slots.free(slot)
-        scheduler.rows.free(row)
 
 
 @pytest.mark.parametrize(
@@ -105,19 +111,12 @@ def test_a_checkpoint_without_a_restore_differs(llm: LLM) -> None:
     ],
 )
 def test_what_the_runner_does_not_implement_is_refused(llm: LLM, fields: dict, message: str) -> None:
-    engine = llm.engine
-    scheduler, runner = engine.scheduler, engine.runner
+    runner = llm.engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    blocks = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(P, 0))
-    row = scheduler.rows.allocate()
-    try:
+    with _held(llm, 1, 0, [(P, 0)]) as ((row,), _, (blocks,)):
         seq = ScheduledSeq(row, 0, P, 0, None, tuple(blocks), False, **fields)
         with pytest.raises(ValueError, match=message):
             runner.run(StepPlan(-1, (seq,), (NewRequest(row, "r", tuple(TOKENS[:P]), (), params, ()),)))
-    finally:
-        runner.run(StepPlan(-1, (), removed=(row,)))
-        scheduler.blocks.free(blocks)
-        scheduler.rows.free(row)
 
 
 @pytest.mark.parametrize("copies", [True, False])
@@ -131,11 +130,8 @@ def test_a_hit_inside_a_block_continues_in_a_copy_of_the_partial_block(llm: LLM,
     position, num_full = 72, 72 // block_size
     params = SamplingParams(temperature=0.0, max_tokens=1)
     tail = len(TOKENS) - position
-    blocks_a = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), 0))
-    blocks_b = scheduler.blocks.allocate(scheduler.blocks.blocks_needed(len(TOKENS), num_full))
-    slot_a, slot_b, checkpoint = (scheduler.slots.allocate() for _ in range(3))
-    row_a, row_b = scheduler.rows.allocate(), scheduler.rows.allocate()
-    try:
+    with _held(llm, 2, 3, [(len(TOKENS), 0), (len(TOKENS), num_full)]) as held:
+        (row_a, row_b), (slot_a, slot_b, checkpoint), (blocks_a, blocks_b) = held
         add_a = (NewRequest(row_a, "a", tuple(TOKENS), (), params, ()),)
         head = ScheduledSeq(
             row_a, 0, position, slot_a, None, tuple(blocks_a), False, checkpoints=((position, checkpoint),)
@@ -149,13 +145,6 @@ def test_a_hit_inside_a_block_continues_in_a_copy_of_the_partial_block(llm: LLM,
         block_copies = ((blocks_a[num_full], blocks_b[0]),) if copies else ()
         got = _logits(runner.run(StepPlan(-1, (seq,), add_b, block_copies=block_copies)).logits[0], tail)
         assert torch.equal(got, expected) == copies
-    finally:
-        runner.run(StepPlan(-1, (), removed=(row_a, row_b)))
-        scheduler.blocks.free(blocks_a + blocks_b)
-        for slot in (slot_a, slot_b, checkpoint):
-            scheduler.slots.free(slot)
-        scheduler.rows.free(row_a)
-        scheduler.rows.free(row_b)
 
 
 def test_two_ranks_hit_the_cache_as_one_rank_computes_without_it() -> None:

@@ -20,7 +20,7 @@ from deltaserve.tiny.fp8 import write_fp8_checkpoint
 from deltaserve.tiny.trained import trained_model_dir
 from tests.support.fake_cuda import FakeCuda, fake_cuda
 from tests.support.vision import PROMPTS as VISION_PROMPTS
-from tests.support.vision import case_for
+from tests.support.vision import case_for, generate_together
 
 MIB = 2**20
 UTILIZATION = 0.5
@@ -187,15 +187,8 @@ def _run_vision(llm: LLM) -> dict[str, list[int]]:
     with a 40-token step budget (images cut across chunks, prefill steps shared with decodes): name -> tokens."""
     case = case_for("dense-vl")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for name in VISION_PROMPTS:
-        ids, mm = case.prompt(name)
-        llm.engine.add_request(name, ids, params, mm_input=mm)
-    llm.engine.add_request("text", IDS[0:9], params)
-    outputs: dict[str, list[int]] = {}
-    while llm.engine.has_unfinished():
-        for output in llm.engine.step():
-            outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
-    return outputs
+    requests = {name: case.prompt(name) for name in VISION_PROMPTS} | {"text": (IDS[0:9], None)}
+    return generate_together(llm, requests, params)
 
 
 @pytest.mark.parametrize("config", [{}, MTP], ids=["decode-graphs", "verify-graphs"])

@@ -9,7 +9,6 @@ give the same tokens; a killed worker fails the LLM and the server cleanly.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -28,10 +27,10 @@ from deltaserve.runner.executor import MultiprocExecutor, WorkerDiedError
 from deltaserve.sampling_params import SamplingParams
 from tests.model._hf_tiny import NUM_TOKENS, PROMPTS, build, load_reference, reference_tokens
 from tests.support.ports import free_port
-from tests.support.serve_process import open_streams, start_serve
+from tests.support.serve_process import assert_streams_end_in_an_error, open_streams, start_serve
 from tests.support.vision import MAX_TOKENS as VISION_MAX_TOKENS
 from tests.support.vision import PROMPTS as VISION_PROMPTS
-from tests.support.vision import case_for
+from tests.support.vision import case_for, generate_together
 
 REPO = Path(__file__).resolve().parents[2]
 # lengths 1..100: the 100-token prompt is chunked by max_num_batched_tokens=64
@@ -115,12 +114,7 @@ def test_images_and_video_at_two_ranks_match_transformers() -> None:
     llm = LLM(case.model_dir, dtype="float32", max_num_batched_tokens=40, max_num_seqs=4, tensor_parallel_size=2)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=VISION_MAX_TOKENS, ignore_eos=True)
-        for name, (ids, mm) in prompts.items():
-            llm.engine.add_request(name, ids, params, mm_input=mm)
-        outputs: dict[str, list[int]] = {}
-        while llm.engine.has_unfinished():
-            for output in llm.engine.step():
-                outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+        outputs = generate_together(llm, prompts, params)
     finally:
         llm.shutdown()
     for name, (ids, mm) in prompts.items():
@@ -265,11 +259,7 @@ def test_a_killed_worker_ends_every_stream_and_the_server_exits_non_zero(tiny_de
         os.kill(worker, signal.SIGKILL)
         for thread in threads:
             thread.join(30)
-        for received in events:
-            assert received[-1] == "[DONE]"
-            error = json.loads(received[-2])
-            assert "error" in error and error["error"]["code"] >= 500
-            assert all("error" not in json.loads(e) for e in received[:-2])  # only the last event is the error
+        assert_streams_end_in_an_error(events)
         assert server.process.wait(30) != 0
         log = server.output()
         assert f"tensor-parallel worker rank 1 (pid {worker}) exited with code -9" in log, log[-3000:]

@@ -7,6 +7,7 @@ requests a death or a shutdown must end), stuck_upload() a request whose body ne
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -109,6 +110,16 @@ def open_streams(
         time.sleep(0.01)
     assert min(len(e) for e in events) >= min_events, "the streams did not start"
     return events, threads
+
+
+def assert_streams_end_in_an_error(events: list[list[str]]) -> None:
+    """Each stream of open_streams ended with one error event (a 5xx code) and then "[DONE]", and carried no error
+    before it: what a client sees when the engine dies under it."""
+    for received in events:
+        assert received[-1] == "[DONE]"
+        error = json.loads(received[-2])
+        assert "error" in error and error["error"]["code"] >= 500
+        assert all("error" not in json.loads(e) for e in received[:-2])  # only the last event is the error
 
 
 def stuck_upload(base_url: str) -> socket.socket:

@@ -192,3 +192,17 @@ def case_for(variant: str) -> Case:
     if variant not in _CASES:
         _CASES[variant] = Case(variant)
     return _CASES[variant]
+
+
+def generate_together(
+    llm: Any, requests: dict[str, tuple[list[int], MultimodalInput | None]], params: Any
+) -> dict[str, list[int]]:
+    """Adds every request (name -> prompt ids and its MultimodalInput, None for text) to llm's engine at once, in
+    order, and steps the engine until all finish: name -> the generated token ids."""
+    for name, (ids, mm_input) in requests.items():
+        llm.engine.add_request(name, ids, params, mm_input=mm_input)
+    outputs: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished():
+        for output in llm.engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+    return outputs
