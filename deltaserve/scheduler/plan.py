@@ -102,8 +102,10 @@ def build_plan(
     # once every chosen sequence is in flight: the decodes of the steps that follow are known
     num_drafts_next = None if spec is None else spec.num_drafts_next(running)
     for item, seq in scheduled:
-        if item.needs_sample:  # the drafter writes this row's drafts after this step
-            seq.num_drafts_ready = num_drafts_next
+        # the drafter writes a sampling row's drafts after this step; a chunk that samples nothing (a prefill chunk
+        # short of the prompt's end, also of a resumed sequence's recompute) leaves its row without drafts for this
+        # sequence, so the 1-token chunk that may follow it (a prompt's last token) verifies none
+        seq.num_drafts_ready = num_drafts_next if item.needs_sample else 0
     # stable: decodes first, then verify chunks, then prefill chunks, FCFS within each group
     scheduled.sort(key=lambda entry: 0 if entry[0].is_decode else 1 if entry[0].num_draft_tokens else 2)
     plan = StepPlan(

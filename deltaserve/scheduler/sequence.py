@@ -37,7 +37,8 @@ class Sequence:
     num_pending_outputs: int = 0
     num_inflight_verifies: int = 0  # speculative verify steps planned, result not seen (at most one)
     # drafts the runner holds for this sequence's next verify: the num_drafts_next of the last plan that samples it
-    # (the runner steps in plan order, so that step's drafter wrote them last); None: k
+    # (the runner steps in plan order, so that step's drafter wrote them last); None: k; 0 after a planned chunk
+    # that samples nothing (its row's drafts are another step's, or another sequence's)
     num_drafts_ready: int | None = None
     block_ids: list[int] = field(default_factory=list)
     num_blocks_sent: int = 0  # how many of block_ids the runner's table already holds

@@ -10,6 +10,9 @@ chained passes write. With a k policy (scheduler/spec_policy.py) the step's deco
 the scheduler sets once per step from the number of decodes (`num_decodes`) and feeds with the applied results;
 the plan then tells the runner how many drafts to propose after the step (StepPlan.num_drafts_next), and a later
 decode of a sequence drafts at most what the last plan that sampled it asked for (Sequence.num_drafts_ready).
+With or without a policy, a 1-token chunk right after a chunk that sampled nothing (a prompt's last token after a
+chunked prefill or a resumed sequence's recompute) verifies no drafts: the drafter has proposed none for it, as
+vLLM's first decode follows the prefill's sample.
 """
 
 from __future__ import annotations

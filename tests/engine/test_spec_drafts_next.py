@@ -98,7 +98,7 @@ def test_the_drafter_drafts_what_the_next_step_may_verify(
         graphs.draft = recording_draft
     steps = instrumented(llm)
     assert [list(o.token_ids) for o in run(llm, prompts, params())] == expected
-    ready: dict[int, int] = {}  # row -> drafts the last step that sampled it proposed
+    ready: dict[int, int] = {}  # row -> drafts the last step that planned it proposed for it (0: it did not sample)
     proposed = []
     for plan, calls in steps:
         num_drafts = K if plan.num_drafts_next is None else plan.num_drafts_next
@@ -107,9 +107,8 @@ def test_the_drafter_drafts_what_the_next_step_may_verify(
         wanted = 0 if not plan.seqs else 1 + max(0, num_drafts - 1) if samples else 1
         assert calls == wanted, (plan.step_id, num_drafts, calls)
         for s in plan.seqs:
-            assert s.num_draft_tokens <= ready.get(s.row, K), (plan.step_id, s)
-            if s.needs_sample:
-                ready[s.row] = num_drafts
+            assert s.num_draft_tokens <= ready.get(s.row, 0), (plan.step_id, s)
+            ready[s.row] = num_drafts if s.needs_sample else 0
         for row in plan.removed:
             ready.pop(row, None)
         proposed.append(num_drafts)
@@ -122,3 +121,45 @@ def test_the_drafter_drafts_what_the_next_step_may_verify(
     else:  # k moves between 0 and k, and so do the drafts the steps propose
         assert {0, K} <= set(proposed) and {0, K} <= set(decodes)
         assert path == "eager" or {0, K} <= set(graph_drafts)  # the post-sampling replays stop where asked
+
+
+@pytest.mark.parametrize("policy", [None, "flip"])
+def test_a_verify_follows_a_step_that_sampled_its_sequence(policy: str | None) -> None:
+    """A prompt whose chunked prefill leaves one token (a 16-token step budget), and sequences recomputed after
+    forced preemptions: that 1-token chunk once verified the drafts its row held from another step (the drafter
+    proposes only for the rows a step samples), counted as drafts vLLM never makes. Every verify chunk must follow,
+    on its row, a chunk of its sequence that sampled; greedy tokens stay those without MTP."""
+    extra = {} if policy is None else {"k_policy": POLICIES[policy]}
+    kwargs = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 16}
+    plain = LLM(trained_model_dir("dense"), **kwargs)
+    prompts = [p[:n] for p, n in zip(make_prompts(plain), (17, 23, 9), strict=False)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [list(o.token_ids) for o in run(plain, prompts, sampling)]
+    llm = LLM(trained_model_dir("dense"), speculative_config=mtp_config(**extra), **kwargs)
+    steps = instrumented(llm)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, sampling)
+    collected: dict[str, list[int]] = {}
+    num_steps = num_forced = 0
+    while engine.has_unfinished():
+        num_steps += 1
+        if num_steps in (6, 11):  # mid-decode: the recompute of prompt + outputs is chunked again
+            num_forced += engine.scheduler.preempt_all()
+        for output in engine.step():
+            collected.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
+    assert num_forced > 0
+    assert [collected[str(i)] for i in range(len(prompts))] == expected
+    sampled: dict[int, bool] = {}  # row -> whether the last chunk planned on it sampled
+    verified = []
+    for plan, _ in steps:
+        for row in plan.removed:
+            sampled.pop(row, None)
+        for s in plan.seqs:
+            if s.num_draft_tokens:
+                assert sampled.get(s.row, False), (plan.step_id, s)
+                verified.append(s.num_draft_tokens)
+            sampled[s.row] = s.needs_sample
+    stats = engine.stats()
+    assert verified
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens) == (len(verified), sum(verified))

@@ -131,3 +131,20 @@ def test_verify_chunks_per_step_are_capped_by_the_scratch() -> None:
     plan = scheduler.schedule()
     assert sorted(s.num_draft_tokens for s in plan.seqs) == [0, 0, 2]
     assert [s.num_draft_tokens for s in plan.seqs] == [0, 0, 2]  # plain decodes first, then the verify chunk
+
+
+def test_a_prompts_last_token_after_a_chunk_that_sampled_nothing_verifies_no_drafts() -> None:
+    # a 9-token prompt at a 8-token budget: the prefill leaves one token, whose chunk looks like a decode but follows
+    # a step that sampled nothing, so the runner holds no drafts for the sequence's row
+    scheduler = spec_scheduler(3, budget=8)
+    a = seq("a", 9, 20, temperature=0.0)
+    scheduler.add(a)
+    first = scheduler.schedule()
+    assert [(s.num_new_tokens, s.needs_sample) for s in first.seqs] == [(8, False)]
+    scheduler.update(first, answer(first))
+    last = scheduler.schedule()
+    (item,) = last.seqs
+    assert (item.num_computed_tokens, item.num_new_tokens, item.num_draft_tokens, item.needs_sample) == (8, 1, 0, True)
+    scheduler.update(last, answer(last))
+    decode = scheduler.schedule()  # the last token's step sampled it: its drafts follow
+    assert decode.seqs[0].num_draft_tokens == 3
