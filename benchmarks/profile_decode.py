@@ -132,6 +132,50 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> tuple[float, float]:
     return total / num_steps * 1e3, waited[0] / num_steps * 1e3
 
 
+def _num_emitted(engine: LLMEngine) -> int:
+    """Output tokens held by the running sequences (sampled and applied)."""
+    return sum(len(seq.output_token_ids) for seq in engine.scheduler.running)
+
+
+def _count_spec_graph_runs(engine: LLMEngine) -> dict[str, list[int]]:
+    """Wraps the runner's verify and width-1 graphs' run() with call counters (none without speculation)."""
+    counts: dict[str, list[int]] = {}
+    for name in ("spec_graphs", "spec_decode_graphs"):
+        graphs = getattr(engine.runner, name, None)
+        if graphs is None:
+            continue
+        calls = counts[name] = [0]
+        run = graphs.run
+
+        def counted(*args: Any, _run: Any = run, _calls: list[int] = calls) -> Any:
+            _calls[0] += 1
+            return _run(*args)
+
+        graphs.run = counted
+    return counts
+
+
+def _restore_spec_graph_runs(engine: LLMEngine) -> None:
+    for name in ("spec_graphs", "spec_decode_graphs"):
+        graphs = getattr(engine.runner, name, None)
+        if graphs is not None and "run" in vars(graphs):
+            del graphs.run
+
+
+def _top_kernels(prof: torch.profiler.profile, num_steps: int, count: int) -> list[dict[str, Any]]:
+    """The count kernels with the most CUDA time: name, ms and launches per step."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= e.time_range.start:
+            continue
+        entry = totals[e.name[:120]]
+        entry[0] += (e.time_range.end - e.time_range.start) / 1e3
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+    return [{"kernel": name, "ms_per_step": round(ms / num_steps, 4), "launches_per_step": round(n / num_steps, 2)}
+            for name, (ms, n) in ranked]  # fmt: skip
+
+
 def measure_batch(
     engine: LLMEngine, batch_size: int, input_len: int, num_steps: int, rng: random.Random, is_profiled: bool = True
 ) -> dict[str, Any]:
@@ -143,7 +187,12 @@ def measure_batch(
         engine.step()
     for _ in range(5):
         engine.step()
+    emitted_before = _num_emitted(engine)
+    graph_calls = _count_spec_graph_runs(engine)
     step_ms, wait_ms = _timed_steps(engine, num_steps)
+    tokens_per_step = (_num_emitted(engine) - emitted_before) / num_steps  # every sequence's, summed
+    spec_graphed_steps = {name: calls[0] for name, calls in graph_calls.items()}
+    _restore_spec_graph_runs(engine)
     # The decode graph alone: its bucket replayed back to back over the inputs of the last step (before this batch's
     # profile: see the module docstring on timings after a profiler session).
     graphs = engine.runner.graphs
@@ -167,6 +216,7 @@ def measure_batch(
                 engine.step()
             _sync()
         idle, span_ms = _gpu_idle_share(prof)
+        shares["top_kernels"] = _top_kernels(prof, num_steps, 15)
         if engine.config.tensor_parallel_size > 1:
             shares = {
                 "nccl_pct": round(100 * _kernel_share(prof, "nccl"), 2),
@@ -184,6 +234,11 @@ def measure_batch(
         "gpu_idle_pct": round(100 * idle, 2),
         "profiled_ms_per_step": round(span_ms / num_steps, 3) if span_ms else None,
         "graph_ms": None if graph_ms is None else round(graph_ms, 3),
+        # speculative decoding: tokens emitted per step over the batch, the per-sequence ms per token (what TPOT
+        # sees), and how many of the timed steps replayed the verify / width-1 graphs (the rest ran eager)
+        "tokens_per_step": round(tokens_per_step, 3),
+        "ms_per_token_per_seq": round(step_ms * batch_size / tokens_per_step, 3) if tokens_per_step else None,
+        "spec_graphed_steps": spec_graphed_steps,
         # the gap between consecutive graph replays as a share of the step: what async scheduling must keep small
         "inter_step_gap_pct": None if graph_ms is None else round(100 * (step_ms - graph_ms) / step_ms, 2),
         **shares,
@@ -227,6 +282,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staggered", default="8,32", help="concurrencies of the staggered-arrival phase")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--speculative-config", default=None, help="vLLM's JSON, as `serve` takes it (MTP steps)")
     parser.add_argument(
         "--gpu-profile",
         action=argparse.BooleanOptionalAction,
@@ -249,12 +305,14 @@ def main() -> None:
         "triton": triton.__version__,
         "tensor_parallel_size": args.tensor_parallel_size,
         "gpu_profile": args.gpu_profile,
+        "speculative_config": args.speculative_config,
     }
     t = time.monotonic()
     max_batch = max(int(b) for b in args.batches.split(","))
     config = EngineConfig(model=args.model, load_format="dummy", max_model_len=args.max_model_len,
                           gpu_memory_utilization=0.85, max_num_seqs=max_batch,
-                          tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          speculative_config=args.speculative_config)  # fmt: skip
     engine = LLMEngine(config)
     result["startup_s"] = round(time.monotonic() - t, 1)
     result["batches"] = []
