@@ -232,8 +232,11 @@ grid() {  # GRID [bench grid flags]
     stem=$(basename "$record" .json)
     cp "$record" "$OUT/"
     cp "$W/grid.log" "$OUT/$stem.log"
-    [ -d "$store/raw/$stem" ] && tar -czf "$OUT/$stem-raw.tgz" -C "$store/raw" "$stem"
   done
+  # the run's client JSON and server logs (the records' `log` paths, relative to the store): this call's alone
+  local raw
+  raw=$(cd "$store" && find raw -type f -newer "$W/.start" 2> /dev/null | sort)
+  [ -n "$record" ] && [ -n "$raw" ] && (cd "$store" && tar -czf "$OUT/$(basename "$record" .json)-raw.tgz" $raw)
   echo "grid rc $rc" | say
   return $rc
 }

@@ -62,6 +62,10 @@ class Mismatch:
     position: int  # first output position where the tokens differ (or the shorter length)
     off_token: int | None
     on_token: int | None
+    # each engine's top-1 minus top-2 logprob at that position: a near-tie (a small margin on both sides) is a
+    # rounding flip of a resumed state, a large one a wrong state
+    off_margin: float | None = None
+    on_margin: float | None = None
 
 
 @dataclass
@@ -135,20 +139,35 @@ def make_scenarios(ids: list[int], seed: int) -> list[Scenario]:
 
 
 def _generate(llm: Any, round_: Round, max_tokens: int) -> list[tuple[list[list[int]], int, int]]:
-    """Per prompt: (the n completions' token ids, prompt tokens, cached tokens)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=round_.n, ignore_eos=True)
+    """Per prompt: (the n completions' token ids, prompt tokens, cached tokens, each completion's top-2 margin per
+    position)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=round_.n, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in round_.prompts], params, use_tqdm=False)
     return [
-        ([list(c.token_ids) for c in out.outputs], len(out.prompt_token_ids), int(out.num_cached_tokens))
+        (
+            [list(c.token_ids) for c in out.outputs],
+            len(out.prompt_token_ids),
+            int(out.num_cached_tokens),
+            [_margins(c.logprobs) for c in out.outputs],
+        )
         for out in outputs
     ]
+
+
+def _margins(logprobs: list[dict[int, Any]] | None) -> list[float | None]:
+    """Per position, the top-1 minus the top-2 logprob (None where fewer than two came back)."""
+    margins: list[float | None] = []
+    for entry in logprobs or []:
+        values = sorted((lp.logprob for lp in entry.values()), reverse=True)
+        margins.append(values[0] - values[1] if len(values) >= 2 else None)
+    return margins
 
 
 def _run_engine(llm: Any, scenarios: list[Scenario], max_tokens: int, answers: dict[str, list[list[int]]]) -> dict:
     """Every scenario's rounds in order -> {(scenario, round, prompt): (completions, prompt tokens, cached)}.
     Multi-turn prompts are built from `answers` (the cache-off engine's) when given, else from this engine's own
     answers, which are recorded into `answers`."""
-    results: dict[tuple[str, int, int], tuple[list[list[int]], int, int]] = {}
+    results: dict[tuple[str, int, int], tuple[list[list[int]], int, int, list[list[float | None]]]] = {}
     for scenario in scenarios:
         if scenario.turn_spans:
             prompt: list[int] = []
@@ -188,13 +207,14 @@ def run_gate(
     mismatches: list[Mismatch] = []
     checked = matched = prompt_tokens = cached_tokens = 0
     by_scenario: dict[str, tuple[int, int]] = {}
-    for key, (off_completions, _, _) in off_results.items():
-        on_completions, num_prompt, num_cached = on_results[key]
+    for key, (off_completions, _, _, off_margins) in off_results.items():
+        on_completions, num_prompt, num_cached, on_margins = on_results[key]
         prompt_tokens += num_prompt
         cached_tokens += num_cached
         cached_so_far, prompt_so_far = by_scenario.get(key[0], (0, 0))
         by_scenario[key[0]] = (cached_so_far + num_cached, prompt_so_far + num_prompt)
-        for off_ids, on_ids in zip(off_completions, on_completions, strict=True):
+        pairs = zip(off_completions, on_completions, off_margins, on_margins, strict=True)
+        for off_ids, on_ids, off_margin, on_margin in pairs:
             checked += 1
             if off_ids == on_ids:
                 matched += 1
@@ -206,10 +226,16 @@ def run_gate(
                     key[0], key[1], key[2], position,
                     off_ids[position] if position < len(off_ids) else None,
                     on_ids[position] if position < len(on_ids) else None,
+                    _rounded(off_margin[position] if position < len(off_margin) else None),
+                    _rounded(on_margin[position] if position < len(on_margin) else None),
                 )
             )  # fmt: skip
     config = {"dtype": dtype, "max_tokens": max_tokens, "seed": seed, **{k: str(v) for k, v in kwargs.items()}}
     return GateVerdict(checked, matched, prompt_tokens, cached_tokens, mismatches, config, by_scenario)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 6)
 
 
 def print_verdict(verdict: GateVerdict) -> None:
@@ -217,7 +243,8 @@ def print_verdict(verdict: GateVerdict) -> None:
     for m in verdict.mismatches:
         print(
             f"  mismatch {m.scenario} round {m.round} prompt {m.prompt}: first difference at output position "
-            f"{m.position}, off {m.off_token} vs on {m.on_token}"
+            f"{m.position}, off {m.off_token} vs on {m.on_token} (top-2 logprob margin off {m.off_margin}, on "
+            f"{m.on_margin})"
         )
     rate = verdict.cached_tokens / verdict.prompt_tokens if verdict.prompt_tokens else 0.0
     print(
