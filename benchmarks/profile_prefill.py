@@ -55,6 +55,7 @@ import prefill_costs  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_RANGE = "prefill_chunk:"  # the range this script puts around each step's launch in the profiled request
 RUNNER_OP = "runner.other"  # what a step launches outside the model's labels
+CURRENT_CHUNK: list[int | None] = [None]  # the step chunk_steps is launching now (Triton launch records read it)
 CPU_CEILINGS = {"copy_gbps": 100.0, "bf16_tflops": 1.0}  # placeholders: the CPU run checks the plumbing
 
 
@@ -95,8 +96,12 @@ def chunk_steps(runner: Any, device: torch.device, ranges: bool = False) -> Iter
         seq = plan.seqs[-1]  # one request at a time: its chunk
         entry = {"start": seq.num_computed_tokens, "tokens": plan.num_tokens, "samples": seq.needs_sample}
         entry["mark_start"] = _Mark(device)  # outside the range: the range's own cost is inside the marks
-        with torch.profiler.record_function(f"{CHUNK_RANGE}{len(steps)}") if ranges else nullcontext():
-            handle = launch(plan, *args, **kwargs)
+        CURRENT_CHUNK[0] = len(steps)
+        try:
+            with torch.profiler.record_function(f"{CHUNK_RANGE}{len(steps)}") if ranges else nullcontext():
+                handle = launch(plan, *args, **kwargs)
+        finally:
+            CURRENT_CHUNK[0] = None
         entry["mark_end"] = _Mark(device)
         steps.append(entry)
         return handle
@@ -191,17 +196,44 @@ def _owners(event: Any) -> tuple[str | None, int | None]:
     return op, chunk
 
 
-def attribute(events: list[Any], device: torch.device) -> tuple[dict[tuple[str, int | None], list[float]], dict]:
+@contextmanager
+def triton_launches() -> Iterator[list[tuple[str, str | None, int | None]]]:
+    """While open, every Triton kernel launch on this host: (kernel name, the innermost model label open then
+    (deltaserve.model.labels.current), the step chunk_steps is launching), in launch order. The profiler links
+    Triton's driver launches to no host op (a 2026-12-05 H200 run left 98.9 % of a prefill `unlabelled`); one stream
+    runs kernels in launch order, so the n-th Triton kernel on the GPU is the n-th launch here."""
+    import triton
+
+    from deltaserve.model import labels
+
+    launches: list[tuple[str, str | None, int | None]] = []
+
+    def hook(metadata: Any) -> None:
+        launches.append((metadata.data["name"], labels.current(), CURRENT_CHUNK[0]))
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        yield launches
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+
+
+def attribute(
+    events: list[Any], device: torch.device, launches: list[tuple[str, str | None, int | None]] | None = None
+) -> tuple[dict[tuple[str, int | None], list[float]], dict]:
     """(op, chunk) -> [µs, kernels, calls] and the kernel totals. On the GPU each kernel's time goes to the innermost
     model label of the host op that launched it (RUNNER_OP inside a step's range but outside every label,
     `unlabelled` outside every step, and so do kernels the profiler linked to no host op); on the CPU each host op's
     self time does, counted only inside the steps' ranges. `calls` counts the label's ranges (RUNNER_OP's: the
     steps). The totals: all kernel time, what no host op claimed, the top kernels by time, and each op's top kernels
-    (`by_op`: which of an op's launches, the GDN prefill's four or the MoE block's GEMMs, holds its time)."""
+    (`by_op`: which of an op's launches, the GDN prefill's four or the MoE block's GEMMs, holds its time).
+    `launches` (triton_launches): the Triton kernels go to their launch's label by launch order instead, when the
+    GPU ran exactly the launched sequence of names; otherwise they stay unclaimed and `launch_order` says why."""
     cells: dict[tuple[str, int | None], list[float]] = defaultdict(lambda: [0.0, 0, 0])
     kernel_us: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     op_kernels: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     claimed_us = 0.0
+    triton_names = {name for name, _, _ in launches or []}
     for event in events:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us[event.name][0] += event.time_range.elapsed_us()
@@ -215,6 +247,8 @@ def attribute(events: list[Any], device: torch.device) -> tuple[dict[tuple[str, 
         if device.type == "cuda":
             owner = op or (RUNNER_OP if chunk is not None else "unlabelled")
             for kernel in event.kernels:
+                if kernel.name in triton_names:  # by launch order, below
+                    continue
                 cell = cells[(owner, chunk)]
                 cell[0] += kernel.duration
                 cell[1] += 1
@@ -223,6 +257,23 @@ def attribute(events: list[Any], device: torch.device) -> tuple[dict[tuple[str, 
                 op_kernels[owner][kernel.name][1] += 1
         elif chunk is not None:
             cells[(op or RUNNER_OP, chunk)][0] += event.self_cpu_time_total
+    launch_order = None
+    if device.type == "cuda" and launches:
+        ran = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name in triton_names),
+                     key=lambda e: e.time_range.start)  # fmt: skip
+        if [e.name for e in ran] != [name for name, _, _ in launches]:
+            launch_order = f"mismatch: {len(ran)} Triton kernels ran, {len(launches)} launched; left unclaimed"
+        else:
+            launch_order = f"{len(ran)} Triton kernels attributed by launch order"
+            for event, (name, label, chunk) in zip(ran, launches, strict=True):
+                owner = ds.op_of(label) if label else (RUNNER_OP if chunk is not None else "unlabelled")
+                duration = event.time_range.elapsed_us()
+                cell = cells[(owner, chunk)]
+                cell[0] += duration
+                cell[1] += 1
+                claimed_us += duration
+                op_kernels[owner][name][0] += duration
+                op_kernels[owner][name][1] += 1
     total_us = sum(v[0] for v in kernel_us.values())
     if device.type == "cuda" and total_us - claimed_us > 1.0:  # kernels the profiler linked to no host op
         cells[("unlabelled", None)][0] += total_us - claimed_us
@@ -231,6 +282,7 @@ def attribute(events: list[Any], device: torch.device) -> tuple[dict[tuple[str, 
         "unclaimed_us": round(max(total_us - claimed_us, 0.0), 1),
         "top": _top(kernel_us, 40),
         "by_op": {op: _top(by_name, 6) for op, by_name in op_kernels.items()},
+        "launch_order": launch_order,
     }
     return dict(cells), kernels
 
@@ -262,11 +314,13 @@ def profile_length(
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     prompt = _prompt(rng, length, engine.model_config.vocab_size)
     profiler = torch.profiler.profile(activities=activities)
-    with labels.enabled(), chunk_steps(engine.runner, device, ranges=True) as steps, profiler as prof:
+    launch_log = triton_launches() if device.type == "cuda" else nullcontext([])
+    steps_log = chunk_steps(engine.runner, device, ranges=True)
+    with labels.enabled(), steps_log as steps, launch_log as launches, profiler as prof:
         wall = run_request(engine, f"p{length}", prompt)
         _sync(device)
     started = time.perf_counter()
-    cells, kernels = attribute(list(prof.events()), device)
+    cells, kernels = attribute(list(prof.events()), device, launches)
     config = engine.model_config
     dtype_bytes = torch.finfo(engine.runner.model.embed_tokens.dtype).bits // 8
     chunk_costs = [prefill_costs.chunk_costs(config, s["tokens"], s["start"], s["samples"], dtype_bytes) for s in steps]
@@ -323,6 +377,8 @@ def table(profile: dict[str, Any], top: int = 30) -> str:
         floor = f"{op['floor_ms']:>9.2f} {op['bound']:>8} {op['of_floor_pct'] or 0:>7.1f}%" if "floor_ms" in op else ""
         row = f"  {op['op']:<32} {op['ms']:>9.2f} {op['share_pct']:>5.1f}% {op['calls']:>6} {op['kernels']:>8}"
         lines.append(f"{row} {floor}".rstrip())
+    if profile["kernels"].get("launch_order"):
+        lines.append(f"  Triton kernels: {profile['kernels']['launch_order']}")
     by_op = profile["kernels"].get("by_op", {})
     for op in [op["op"] for op in profile["ops"] if op["op"] in by_op][:8]:  # where the largest ops' time goes
         names = ", ".join(f"{k['name'][:48]} {k['us'] / 1e3:.2f} ms x{k['calls']}" for k in by_op[op][:3])

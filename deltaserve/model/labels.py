@@ -49,11 +49,38 @@ _NO_LABEL = _NoLabel()
 _is_on = env.profile_labels()
 
 
+_STACK: list[str] = []  # the labels open now, innermost last (kept only while labels are on)
+
+
+class _Label:
+    """A profiler range named PREFIX + name that also keeps `current()` (a profile of kernels the profiler links
+    to no host op, Triton's driver launches, attributes them by launch order: benchmarks/profile_prefill.py)."""
+
+    __slots__ = ("name", "range")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.range = torch.profiler.record_function(PREFIX + name)
+
+    def __enter__(self) -> object:
+        _STACK.append(self.name)
+        return self.range.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _STACK.pop()
+        self.range.__exit__(*exc)
+
+
 def label(name: str) -> AbstractContextManager[object]:
     """A profiler range named PREFIX + name while labels are on, else the shared no-op."""
     if _is_on:
-        return torch.profiler.record_function(PREFIX + name)
+        return _Label(name)
     return _NO_LABEL
+
+
+def current() -> str | None:
+    """The innermost label open now (None outside every label, or while labels are off)."""
+    return _STACK[-1] if _STACK else None
 
 
 def is_enabled() -> bool:

@@ -152,8 +152,8 @@ class _Kernel:
 
 
 class _Span:
-    def __init__(self, us: float) -> None:
-        self.us = us
+    def __init__(self, us: float, start: float = 0.0) -> None:
+        self.us, self.start = us, start
 
     def elapsed_us(self) -> float:
         return self.us
@@ -162,12 +162,15 @@ class _Span:
 class _Event:
     """What attribute() reads of a torch.profiler FunctionEvent."""
 
-    def __init__(self, name: str, parent: _Event | None = None, kernels: tuple = (), cuda_us: float | None = None):
+    def __init__(
+        self, name: str, parent: _Event | None = None, kernels: tuple = (), cuda_us: float | None = None,
+        start: float = 0.0,
+    ) -> None:  # fmt: skip
         from torch.autograd import DeviceType
 
         self.name, self.cpu_parent, self.kernels = name, parent, list(kernels)
         self.device_type = DeviceType.CPU if cuda_us is None else DeviceType.CUDA
-        self.time_range = _Span(cuda_us or 0.0)
+        self.time_range = _Span(cuda_us or 0.0, start)
         self.self_cpu_time_total = 1.0
 
 
@@ -207,6 +210,54 @@ def test_gpu_kernels_go_to_the_innermost_label_of_their_launch() -> None:
     assert sum(v[0] for v in cells.values()) == kernels["total_us"]  # every kernel counted once
 
 
+def test_triton_kernels_go_to_their_launch_label_by_launch_order() -> None:
+    """Triton's driver launches, which the profiler links to no host op, go to the label that was open at their
+    launch (triton_launches' log), matched to the GPU's kernels by order; a log that does not match what ran leaves
+    them unclaimed and says so; a Triton kernel the profiler did link is not counted twice."""
+    import torch
+
+    label = profile_prefill.ds.LABEL
+    step0 = _Event("prefill_chunk:0")
+    norm = _Event(f"{label}layer.rms_norm", step0)
+    launches = [("_gdn_chunk_scan_kernel", "gdn.gdn_prefill", 0), ("_conv_kernel", "gdn.causal_conv1d_prefill", 0),
+                ("_gdn_chunk_scan_kernel", "layer.1.linear_attention", 0), ("_rms_kernel", None, 0),
+                ("_rms_kernel", None, None)]  # fmt: skip
+    ran = [
+        _Event("_conv_kernel", cuda_us=4.0, start=20.0),
+        _Event("_gdn_chunk_scan_kernel", cuda_us=30.0, start=10.0),
+        _Event("_gdn_chunk_scan_kernel", cuda_us=7.0, start=30.0),
+        _Event("_rms_kernel", cuda_us=2.0, start=40.0),
+        _Event("_rms_kernel", cuda_us=1.0, start=50.0),
+    ]
+    linked = _Event("cuLaunchKernelEx", norm, [_Kernel("_rms_kernel", 2.0)])  # a link the profiler did make
+    events = [step0, norm, linked, _Event("aten::mul", norm, [_Kernel("mul_kernel", 3.0)]), *ran,
+              _Event("mul_kernel", cuda_us=3.0, start=60.0)]  # fmt: skip
+    cells, kernels = profile_prefill.attribute(events, torch.device("cuda"), launches)
+    assert cells[("gdn.gdn_prefill", 0)][:2] == [30.0, 1] and cells[("gdn.causal_conv1d_prefill", 0)][:2] == [4.0, 1]
+    assert cells[("gdn.other", 0)][:2] == [7.0, 1]  # a layer's own range folds into gdn.other
+    assert cells[(profile_prefill.RUNNER_OP, 0)][:2] == [2.0, 1] and cells[("unlabelled", None)][:2] == [1.0, 1]
+    assert cells[("layer.rms_norm", 0)][:2] == [3.0, 1]  # the linked torch kernel alone, the Triton one not twice
+    assert kernels["unclaimed_us"] == 0.0 and kernels["launch_order"].startswith("5 Triton kernels")
+    assert sum(v[0] for v in cells.values()) == kernels["total_us"] == 47.0
+    cells, kernels = profile_prefill.attribute(events, torch.device("cuda"), launches[:-1])
+    assert kernels["launch_order"].startswith("mismatch: 5 Triton kernels ran, 4 launched")
+    assert kernels["unclaimed_us"] == 44.0 and cells[("unlabelled", None)][0] == 44.0
+
+
+def test_labels_keep_the_innermost_open_label() -> None:
+    from deltaserve.model import labels
+
+    with labels.enabled():
+        assert labels.current() is None
+        with labels.label("layer.0.linear_attention"):
+            with labels.label("gdn.gdn_prefill"):
+                assert labels.current() == "gdn.gdn_prefill"
+            assert labels.current() == "layer.0.linear_attention"
+        assert labels.current() is None
+    with labels.label("gdn.gdn_prefill"):  # off again: the shared no-op, nothing kept
+        assert labels.current() is None
+
+
 @pytest.mark.gpu
 def test_gpu_run_attributes_every_kernel_and_no_op_beats_its_floor(tmp_path: Path) -> None:
     """On the GPU (bf16, the Triton kernels, CUDA events, kernels under the profiler): the prefill kernels sit under
@@ -226,6 +277,7 @@ def test_gpu_run_attributes_every_kernel_and_no_op_beats_its_floor(tmp_path: Pat
     profile = run["profile"]
     ops = {op["op"]: op for op in profile["ops"]}
     assert ops["gdn.gdn_prefill"]["kernels"] >= 4 * 3 * 6  # four launches a layer a chunk, 6 GDN layers
+    assert profile["kernels"]["launch_order"].endswith("attributed by launch order")
     assert any("gdn_chunk" in k["name"] for k in profile["kernels"]["by_op"]["gdn.gdn_prefill"])
     assert profile["kernels"]["unclaimed_us"] <= 0.02 * profile["kernels"]["total_us"]
     assert ops.get("unlabelled", {"share_pct": 0})["share_pct"] < 5
