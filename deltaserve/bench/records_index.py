@@ -122,6 +122,12 @@ def _what_json(data: dict[str, Any]) -> str:
         return f"mixed prefill+decode step (mixed_step.py): {shapes}; cases {_flag(command, '--cases') or 'default'}"
     if kind and str(kind).startswith("gate-tokens"):
         return _what_gate(data)
+    if data.get("schema") == "deltaserve-gate-prefix-cache/1":
+        model = Path(str(data.get("model"))).name
+        dtype = (data.get("config") or {}).get("dtype", "")
+        cached, prompt = data.get("cached_tokens", 0), data.get("prompt_tokens", 0) or 1
+        return (f"prefix-cache gate (cache on vs off): {model} {dtype}, STRICT {data.get('num_matched')}/"
+                f"{data.get('num_checked')}, {100 * cached / prompt:.1f} % of prompt tokens cached")  # fmt: skip
     if kind == "gate-fp8":
         verdict = next((line for line in data.get("output") or [] if str(line).startswith("STRICT")), "no STRICT line")
         model = Path(str(data.get("model") or "?")).name

@@ -21,7 +21,6 @@ trained checkpoints (deltaserve/tiny/trained.py), the issue's bf16 STRICT run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from deltaserve.gates.tokens import held_out_ids
+from deltaserve.gates.tokens import held_out_ids, save_record
 from deltaserve.sampling_params import SamplingParams
 
 RECORD_SCHEMA = "deltaserve-gate-prefix-cache/1"
@@ -101,9 +100,8 @@ def run(args: argparse.Namespace) -> int:
         engine_kwargs["async_scheduling"] = False
     verdict = run_gate(Path(args.model), args.dtype, args.max_tokens, args.seed, engine_kwargs)
     print_verdict(verdict)
-    if args.record is not None:
-        record = {"schema": RECORD_SCHEMA, "model": str(args.model), **asdict(verdict)}
-        args.record.write_text(json.dumps(record, indent=2) + "\n")
+    if args.record is not None:  # with the host's date, commit and GPUs (the records index reads them)
+        save_record(args.record, RECORD_SCHEMA, {"model": str(args.model), **asdict(verdict)})
     return verdict_code(verdict)
 
 
