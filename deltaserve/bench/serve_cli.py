@@ -21,7 +21,8 @@ history with the model's real answers, over the same chat backend; its record ad
 Every record also carries the server's own prefix-cache hit rate over the measured requests (server_counters.py:
 the deltas of vllm:prefix_cache_queries / _hits on its /metrics from after the warm-ups to the end; null for a
 server without them), and, from the same two reads, a speculating server's drafts, accepted tokens and mean
-acceptance length (vllm:spec_decode_*; null for a server that does not speculate).
+acceptance length (vllm:spec_decode_*; null for a server that does not speculate). `failed_errors` (our own, kept
+without --save-detailed) says why requests failed: each distinct last line of their errors with its count.
 
 The grid calls `run_bench(parse_bench_args(argv))` with the same argv a person would type, so both engines
 of a comparison are measured by this one client with one set of flags.
@@ -35,12 +36,13 @@ import functools
 import json
 import math
 import sys
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from deltaserve.bench._extra import MissingExtraError, require
-from deltaserve.bench.client import LoadOptions, SamplingOptions, run_load
+from deltaserve.bench.client import LoadOptions, RequestResult, SamplingOptions, run_load
 from deltaserve.bench.dataset import align_with_server, sample_random
 from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
 from deltaserve.bench.dataset_prefix import PrefixOptions, align_like_vllm, sample_prefix_repetition
@@ -359,6 +361,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             "generated_texts": [r.generated_text for r in results],
             "errors": [r.error for r in results],
             # Our own provenance fields, next to vLLM's:
+            "failed_errors": failed_errors(results),
             "dataset_name": args.dataset_name,
             "endpoint": args.endpoint,
             "random_input_len": input_len,
@@ -395,6 +398,13 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         for name in DETAILED_FIELDS:
             record.pop(name, None)
     return record
+
+
+def failed_errors(results: list[RequestResult]) -> dict[str, int]:
+    """Each distinct last line (300 characters at most) of the failed requests' errors -> how many failed so: the
+    cause of a failure stays in a record whose per-request arrays are dropped."""
+    lines = [(r.error or "no error text").strip().splitlines()[-1][:300] for r in results if not r.is_success]
+    return dict(Counter(line or "no error text" for line in lines).most_common())
 
 
 def run_bench(args: argparse.Namespace, tokenizer: Any | None = None, timeout_s: float | None = None) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def test_bench_serve_end_to_end_against_a_fake_server(
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for stat in ("mean", "median", "std", "p50", "p99"):
             assert f"{stat}_{metric}_ms" in record
-    assert record["completed"] == 12 and record["failed"] == 0
+    assert record["completed"] == 12 and record["failed"] == 0 and record["failed_errors"] == {}
     assert record["num_distinct_generated_texts"] == 1  # the fake streams " t0 t1 ..." to every request
     assert record["model_id"] == str(word_model) and record["tokenizer_id"] == str(word_model)  # from /v1/models
     assert record["total_input_tokens"] == 12 * 24 and record["total_output_tokens"] == 12 * 6
@@ -122,6 +122,10 @@ def test_request_rate_and_failed_requests_are_recorded(
     record = run_bench(parse_bench_args(argv))
     assert record["completed"] == 0 and record["failed"] == 6 and record["request_rate"] == 200.0
     assert all("404" in error for error in record["errors"])
+    # why they failed stays in the record without --save-detailed (the grid drops the per-request arrays)
+    record = run_bench(parse_bench_args(argv[:-1]))
+    assert "errors" not in record and list(record["failed_errors"].values()) == [6]
+    assert "404" in next(iter(record["failed_errors"]))
 
 
 @pytest.fixture
