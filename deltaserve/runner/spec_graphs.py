@@ -46,6 +46,7 @@ proves everything but the capture itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -173,24 +174,9 @@ class VerifyGraphs:
 
     def _context(self, size: int) -> ForwardContext:
         num_tokens = size * self.width
-        if self.is_decode:  # the plain decode path (runner/cuda_graph.py's context): no scratch, no commit
-            return ForwardContext(
-                num_decode_tokens=size,
-                num_prefill_tokens=0,
-                query_start_loc=self.query_start_loc[: size + 1],
-                seq_lens=self.seq_lens[:size],
-                block_tables=self.block_tables[:size],
-                slot_mapping=self.slot_mapping[:size],
-                max_query_len=1,
-                max_seq_len=self.max_seq_len,
-                state_indices=self.state_indices[:size],
-                has_initial_state=self.has_initial_state[:size],
-                prefill_query_start_loc=self.no_prefill[:1],
-                prefill_state_indices=self.no_prefill[:0],
-                prefill_has_initial_state=self.no_prefill[:0],
-            )
-        return ForwardContext(
-            num_decode_tokens=0,
+        # the plain decode path (runner/cuda_graph.py's context): no scratch, no commit
+        context = ForwardContext(
+            num_decode_tokens=size,
             num_prefill_tokens=0,
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
@@ -203,6 +189,13 @@ class VerifyGraphs:
             prefill_query_start_loc=self.no_prefill[:1],
             prefill_state_indices=self.no_prefill[:0],
             prefill_has_initial_state=self.no_prefill[:0],
+        )
+        if self.is_decode:
+            return context
+        # verify rows: every token a spec token, the scratch's state indices and token columns
+        return dataclasses.replace(
+            context,
+            num_decode_tokens=0,
             num_spec_tokens=num_tokens,
             spec_state_indices=self.state_indices[:size],
             spec_token_index=self.token_index[:size],
