@@ -50,6 +50,12 @@ def reserve(blocks: BlockManager, cache: PrefixCache | None, num_blocks: int, ke
     return cache.reserve_blocks(num_blocks, keep)
 
 
+def frees_later(blocks: BlockManager, cache: PrefixCache | None, num_blocks: int) -> bool:
+    """Whether num_blocks blocks that cannot be had now may be once the steps in flight are collected: pending
+    checkpoints exist, and the blocks free or held by checkpoints alone would be enough."""
+    return cache is not None and cache.num_pending > 0 and num_blocks <= blocks.num_available_blocks
+
+
 def take_room(
     blocks: BlockManager, slots: StateSlotPool, cache: PrefixCache | None, num_blocks: int, hit: Checkpoint | None
 ) -> int | None:

@@ -224,7 +224,11 @@ class PrefixCache:
         self.slots.free(checkpoint.slot)
 
     def reserve_blocks(self, num_blocks: int, keep: Checkpoint | None = None) -> bool:
-        """Evicts ready checkpoints until num_blocks blocks are free; False if they cannot be."""
+        """Evicts ready checkpoints until num_blocks blocks are free; False if they cannot be. When even every block
+        that only checkpoints hold would not be enough, nothing is evicted: a sequence about to be preempted keeps the
+        checkpoints its restart would read."""
+        if num_blocks > self.blocks.num_available_blocks:
+            return False
         while not self.blocks.can_allocate(num_blocks):
             if not self.evict_one(keep):
                 return False

@@ -167,7 +167,7 @@ class Scheduler:
         if self.spec is not None and self.spec.policy is not None:  # this step's k (scheduler/spec_policy.py)
             self.spec.policy.plan_step(self.spec.num_decodes(self.running))
         chosen: list[tuple[Sequence, int]] = []
-        num_preempted = 0
+        num_preempted = num_deferred = 0
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -179,8 +179,15 @@ class Scheduler:
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             end = start + num_new
             needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), len(seq.block_ids))
+            is_deferred = False
             while not cache_admission.reserve(self.blocks, self.prefix_cache, needed):
                 victim = self._choose_victim()
+                if victim is seq and cache_admission.frees_later(self.blocks, self.prefix_cache, needed):
+                    # what it lacks is held by checkpoints a step in flight still writes (a victim's, evictable once
+                    # collected): preempting itself too would let the two take turns throwing their progress away
+                    # forever, so it waits a step instead
+                    is_deferred = True
+                    break
                 chosen_index = next((i for i, (other, _) in enumerate(chosen) if other is victim), None)
                 if chosen_index is not None:  # chosen earlier in this loop (priority only): its tokens come back
                     budget += chosen.pop(chosen_index)[1]
@@ -188,14 +195,18 @@ class Scheduler:
                 num_preempted += 1
                 if victim is seq:
                     break
+            if is_deferred:
+                num_deferred += 1
+                continue
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.block_ids.extend(self.blocks.allocate(needed))
             chosen.append((seq, num_new))
             budget -= num_new
-        # Admit waiting sequences only when nothing had to be preempted this step.
+        # Admit waiting sequences only when nothing had to be preempted or deferred this step.
         is_blocked_by_capacity = False
-        while not num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        is_held_back = bool(num_preempted or num_deferred)
+        while not is_held_back and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             entry = cache_admission.entry_point(self.prefix_cache, seq)
             start = entry.start
@@ -226,7 +237,7 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, num_new))
             budget -= num_new
-        self.num_waiting_for_capacity = len(self.waiting) if is_blocked_by_capacity or num_preempted else 0
+        self.num_waiting_for_capacity = len(self.waiting) if is_blocked_by_capacity or is_held_back else 0
         return self._plan(chosen)
 
     def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:

@@ -15,7 +15,7 @@ from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.prefix_cache import ROOT_HASH, block_hash, chain_hashes, media_keys
 from deltaserve.scheduler.scheduler import Scheduler
-from deltaserve.scheduler.sequence import Sequence
+from deltaserve.scheduler.sequence import Sequence, SequenceStatus
 from deltaserve.step import StepPlan, StepResult
 
 
@@ -228,6 +228,79 @@ def test_checkpoints_are_evicted_before_a_running_sequence_is_preempted() -> Non
     run_to_end(scheduler)
     assert scheduler.num_preemptions_total == 0
     assert_accounted(scheduler)
+
+
+def run_async(scheduler: Scheduler, max_steps: int) -> int:
+    """Drives to the end with two steps in flight, as the engine's async loop does; returns the steps planned, and
+    fails when max_steps pass without the end (no progress)."""
+    inflight: list[StepPlan] = []
+    for step in range(max_steps):
+        if not scheduler.has_unfinished() and not inflight:
+            return step
+        if scheduler.has_unfinished():
+            inflight.append(scheduler.schedule())
+        if len(inflight) == 2 or not scheduler.has_unfinished() or not inflight[-1].seqs:
+            plan = inflight.pop(0)
+            scheduler.update(plan, answer(plan))
+    raise AssertionError(f"not finished after {max_steps} steps: {scheduler.num_preemptions_total} preemptions")
+
+
+def test_a_sequence_waits_for_blocks_pending_checkpoints_hold_instead_of_preempting_itself() -> None:
+    """a (64 tokens) and b (416) fill all 30 blocks in one step. a's decode, planned while that step is in flight,
+    needs a 31st: b is preempted, but its blocks stay with b's prompt-end checkpoint until the step is collected.
+    Were a to preempt itself as well, the two would restart from cache hits and meet again, forever (seen with a
+    small KV cache under async scheduling); a waits a step instead and evicts the checkpoint once it is ready."""
+    scheduler = Scheduler(
+        BlockManager(30, 16), StateSlotPool(6), 4, 512, 4000, enable_prefix_caching=True, chunk_size=64
+    )  # fmt: skip
+    scheduler.add(a := request("a", range(1000, 1064), max_tokens=40, ignore_eos=True))
+    scheduler.add(b := request("b", range(5000, 5416), max_tokens=40, ignore_eos=True))
+    first = scheduler.schedule()
+    assert len(first.seqs) == 2 and scheduler.blocks.num_free_blocks == 0
+    second = scheduler.schedule()
+    assert second.seqs == () and scheduler.num_preemptions_total == 1
+    assert a.status is SequenceStatus.RUNNING and b.status is SequenceStatus.WAITING
+    assert scheduler.num_waiting_for_capacity == 1  # b; nothing is admitted while a waits
+    scheduler.update(first, answer(first))
+    third = scheduler.schedule()
+    # a decodes, having evicted b's checkpoint for its block; b starts over in the room that freed
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.seqs] == [(64, 1), (0, 384)]
+    scheduler.update(third, answer(third))
+    run_async(scheduler, 2_000)
+    assert a.is_finished and b.is_finished and a.num_preemptions == 0  # b, which cannot fit beside a, may be again
+    assert_accounted(scheduler)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_two_steps_in_flight_on_a_small_pool_always_finish(seed: int) -> None:
+    """Random 100-300 token prompts, 50-150 outputs, 30 blocks (a sequence needs up to 29): progress, not a
+    livelock, and a preemption is rare (before the fix above, seeds 0 and 1 livelocked)."""
+    rng = random.Random(seed)
+    scheduler = Scheduler(
+        BlockManager(30, 16), StateSlotPool(6), 4, 512, 512, enable_prefix_caching=True, chunk_size=64
+    )  # fmt: skip
+    for index in range(8):
+        tokens = [rng.randrange(50_000) for _ in range(rng.randrange(100, 301))]
+        scheduler.add(request(f"r{index}", tokens, max_tokens=rng.randrange(50, 151), ignore_eos=True))
+    steps = run_async(scheduler, 3_000)
+    print(f"seed {seed}: {steps} steps, {scheduler.num_preemptions_total} preemptions")
+    assert scheduler.num_preemptions_total <= 20
+    assert_accounted(scheduler)
+    assert scheduler.reset_prefix_cache()
+    assert scheduler.blocks.num_free_blocks == 30 and scheduler.slots.num_free_slots == 6
+
+
+def test_reserve_evicts_nothing_when_every_evictable_block_would_not_be_enough() -> None:
+    """A checkpoint whose blocks a running sequence shares frees none when evicted: it stays for the restart."""
+    scheduler = make(num_blocks=20, max_seqs=2)
+    scheduler.add(request("a", A, max_tokens=50, ignore_eos=True))
+    plan = scheduler.schedule()
+    scheduler.update(plan, answer(plan))
+    cache = scheduler.prefix_cache
+    (checkpoint,) = cache.checkpoints()
+    assert checkpoint.is_ready and scheduler.blocks.num_free_blocks == 20 - 13
+    assert not cache.reserve_blocks(8) and cache.checkpoints() == [checkpoint]
+    assert cache.reserve_blocks(7) and cache.checkpoints() == [checkpoint]
 
 
 def test_reset_drops_every_ready_checkpoint() -> None:
