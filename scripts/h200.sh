@@ -304,7 +304,7 @@ gate_prefix_cache() {  # cache on vs off, bf16 on cuda, the trained checkpoints 
     rc=$?
     [ $rc -ne 0 ] && status=$rc
     echo "gate prefix-cache $v rc $rc: $(grep -m1 STRICT "$W/gate-prefix-cache-$v.log" 2> /dev/null)" | say
-    grep -E "^  mismatch|^hits" "$W/gate-prefix-cache-$v.log" 2> /dev/null | say
+    grep -E "^  mismatch|^hits|yardstick" "$W/gate-prefix-cache-$v.log" 2> /dev/null | say
   done
   return $status
 }

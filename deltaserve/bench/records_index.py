@@ -126,8 +126,12 @@ def _what_json(data: dict[str, Any]) -> str:
         model = Path(str(data.get("model"))).name
         dtype = (data.get("config") or {}).get("dtype", "")
         cached, prompt = data.get("cached_tokens", 0), data.get("prompt_tokens", 0) or 1
+        stick = data.get("yardstick")
+        yardstick = (f"; yardstick (no cache, chunked prefill) STRICT {stick.get('num_matched')}/"
+                     f"{stick.get('num_checked')}" if isinstance(stick, dict) else "")  # fmt: skip
         return (f"prefix-cache gate (cache on vs off): {model} {dtype}, STRICT {data.get('num_matched')}/"
-                f"{data.get('num_checked')}, {100 * cached / prompt:.1f} % of prompt tokens cached")  # fmt: skip
+                f"{data.get('num_checked')}, {100 * cached / prompt:.1f} % of prompt tokens cached"
+                f"{yardstick}")  # fmt: skip
     if kind == "gate-fp8":
         verdict = next((line for line in data.get("output") or [] if str(line).startswith("STRICT")), "no STRICT line")
         model = Path(str(data.get("model") or "?")).name

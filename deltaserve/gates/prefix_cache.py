@@ -11,11 +11,16 @@ checkpoint saw, so the trained checkpoints' greedy tokens have margins that surv
   engine's answer, so both engines see the same prompts) + a new user span: turn k + 1 hits turn k's history;
 - retry: one prompt sent three times in a row; n>1: one prompt with n = 3 (greedy, so the three are equal).
 Every prompt's completion is a check. The verdict starts with `STRICT n/N`, then every mismatch (scenario, round,
-prompt, the first differing position and both tokens), then the hit rate: cached / prompt tokens of the cache-on
-engine (RequestOutput.num_cached_tokens). Exit 0 when every completion matches and the cache served at least one
-token; 1 on a mismatch; 2 when nothing was checked or the cache never hit (then nothing of the feature was
-exercised). `--record PATH` writes the verdict as JSON. On the H200: `--dtype bfloat16 --device cuda` on the
-trained checkpoints (deltaserve/tiny/trained.py), the issue's bf16 STRICT run.
+prompt, the first differing position, both tokens and both engines' top-2 logprob margins there), then the hit
+rate: cached / prompt tokens of the cache-on engine (RequestOutput.num_cached_tokens). Outside fp32 it then prints
+the yardstick: the cache-off engine against itself with its prefills cut into YARDSTICK_CHUNK-token chunks
+(`max_num_batched_tokens`), no cache involved. A hit resumes a prefill from a saved state, so in bf16 the cache-on
+engine rounds like a chunked prefill, not like one pass over the prompt: where the yardstick flips as many
+near-tie tokens as the cache does, those flips are bf16 rounding, not a wrong state (a wrong state moves logits by
+O(1), far past any margin). Exit 0 when every completion matches and the cache served at least one token; 1 on a
+mismatch (the yardstick never turns a mismatch into a pass); 2 when nothing was checked or the cache never hit
+(then nothing of the feature was exercised). `--record PATH` writes the verdict as JSON. On the H200: `--dtype
+bfloat16 --device cuda` on the trained checkpoints (deltaserve/tiny/trained.py), the issue's bf16 STRICT run.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ RECORD_SCHEMA = "deltaserve-gate-prefix-cache/1"
 SHARED_PREFIX_LENGTHS = (100, 128, 144, 200)
 SUFFIX_LENGTHS = (20, 40)  # inclusive range of a shared-prefix prompt's own tokens
 TURN_LENGTHS = (120, 30, 30)  # the first turn's prompt, then each later turn's new user span
+YARDSTICK_CHUNK = 64  # the yardstick engine's step budget: its prefills run in chunks of this many tokens
 
 
 @dataclass
@@ -68,6 +74,16 @@ class Mismatch:
 
 
 @dataclass
+class Yardstick:
+    """The cache-off engine against itself with chunked prefills (module docstring): bf16's own rounding flips."""
+
+    chunk: int  # the chunked engine's max_num_batched_tokens
+    num_checked: int
+    num_matched: int
+    mismatches: list[Mismatch]  # off_* is the unchunked engine, on_* the chunked one
+
+
+@dataclass
 class GateVerdict:
     num_checked: int
     num_matched: int
@@ -76,6 +92,7 @@ class GateVerdict:
     mismatches: list[Mismatch]
     config: dict[str, Any]
     hits_by_scenario: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (cached, prompt tokens)
+    yardstick: Yardstick | None = None  # None: not run (fp32, where the cache must be exact, or --yardstick off)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", action="store_true", help="both engines plan one step at a time")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each engine's share (on a GPU)")
     parser.add_argument("--record", type=Path, default=None, help="write the verdict as JSON here")
+    parser.add_argument(
+        "--yardstick",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="also run the cache-off engine with chunked prefills against itself (auto: outside fp32)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.no_async_scheduling:
         engine_kwargs["async_scheduling"] = False
-    verdict = run_gate(Path(args.model), args.dtype, args.max_tokens, args.seed, engine_kwargs)
+    yardstick = args.yardstick == "on" or (args.yardstick == "auto" and args.dtype != "float32")
+    verdict = run_gate(Path(args.model), args.dtype, args.max_tokens, args.seed, engine_kwargs, yardstick)
     print_verdict(verdict)
     if args.record is not None:  # with the host's date, commit and GPUs (the records index reads them)
         save_record(args.record, RECORD_SCHEMA, {"model": str(args.model), **asdict(verdict)})
@@ -185,8 +209,9 @@ def _run_engine(llm: Any, scenarios: list[Scenario], max_tokens: int, answers: d
 
 
 def run_gate(
-    model_dir: Path, dtype: str, max_tokens: int, seed: int, engine_kwargs: dict[str, Any] | None = None
-) -> GateVerdict:
+    model_dir: Path, dtype: str, max_tokens: int, seed: int, engine_kwargs: dict[str, Any] | None = None,
+    yardstick: bool = False,
+) -> GateVerdict:  # fmt: skip
     from deltaserve.engine.llm import LLM
 
     kwargs = dict(engine_kwargs or {})
@@ -202,15 +227,33 @@ def run_gate(
         on_results = _run_engine(on, scenarios, max_tokens, answers)
     finally:
         on.shutdown()
-    mismatches: list[Mismatch] = []
-    checked = matched = prompt_tokens = cached_tokens = 0
+    checked, matched, mismatches = compare(off_results, on_results)
+    prompt_tokens = cached_tokens = 0
     by_scenario: dict[str, tuple[int, int]] = {}
-    for key, (off_completions, _, _, off_margins) in off_results.items():
-        on_completions, num_prompt, num_cached, on_margins = on_results[key]
+    for key, (_, num_prompt, num_cached, _) in on_results.items():
         prompt_tokens += num_prompt
         cached_tokens += num_cached
         cached_so_far, prompt_so_far = by_scenario.get(key[0], (0, 0))
         by_scenario[key[0]] = (cached_so_far + num_cached, prompt_so_far + num_prompt)
+    config = {"dtype": dtype, "max_tokens": max_tokens, "seed": seed, **{k: str(v) for k, v in kwargs.items()}}
+    verdict = GateVerdict(checked, matched, prompt_tokens, cached_tokens, mismatches, config, by_scenario)
+    if yardstick:
+        chunked = LLM(model_dir, dtype=dtype, enable_prefix_caching=False,
+                      **{**kwargs, "max_num_batched_tokens": YARDSTICK_CHUNK})  # fmt: skip
+        try:
+            chunked_results = _run_engine(chunked, scenarios, max_tokens, answers)
+        finally:
+            chunked.shutdown()
+        verdict.yardstick = Yardstick(YARDSTICK_CHUNK, *compare(off_results, chunked_results))
+    return verdict
+
+
+def compare(off_results: dict, on_results: dict) -> tuple[int, int, list[Mismatch]]:
+    """(completions checked, matched, the mismatches) of two engines' results over the same traffic."""
+    mismatches: list[Mismatch] = []
+    checked = matched = 0
+    for key, (off_completions, _, _, off_margins) in off_results.items():
+        on_completions, _, _, on_margins = on_results[key]
         pairs = zip(off_completions, on_completions, off_margins, on_margins, strict=True)
         for off_ids, on_ids, off_margin, on_margin in pairs:
             checked += 1
@@ -228,8 +271,7 @@ def run_gate(
                     _rounded(on_margin[position] if position < len(on_margin) else None),
                 )
             )  # fmt: skip
-    config = {"dtype": dtype, "max_tokens": max_tokens, "seed": seed, **{k: str(v) for k, v in kwargs.items()}}
-    return GateVerdict(checked, matched, prompt_tokens, cached_tokens, mismatches, config, by_scenario)
+    return checked, matched, mismatches
 
 
 def _rounded(value: float | None) -> float | None:
@@ -251,6 +293,17 @@ def print_verdict(verdict: GateVerdict) -> None:
     )
     for name, (cached, prompt) in verdict.hits_by_scenario.items():
         print(f"  {name}: {cached} of {prompt} prompt tokens cached")
+    stick = verdict.yardstick
+    if stick is not None:
+        print(
+            f"yardstick STRICT {stick.num_matched}/{stick.num_checked} (no cache: the cache-off engine against "
+            f"itself with {stick.chunk}-token prefill chunks, bf16 rounding alone)"
+        )
+        for m in stick.mismatches:
+            print(
+                f"  yardstick {m.scenario} round {m.round} prompt {m.prompt}: output position {m.position}, whole "
+                f"{m.off_token} vs chunked {m.on_token} (margins {m.off_margin}, {m.on_margin})"
+            )
     if verdict.num_checked == 0:
         print("nothing was checked")
     elif verdict.cached_tokens == 0:

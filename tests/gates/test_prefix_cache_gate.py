@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,27 @@ def test_verdict_lists_every_mismatch(capsys: pytest.CaptureFixture[str]) -> Non
     assert "10 of 100 prompt tokens" in out
 
 
+def test_verdict_prints_the_yardstick_after_the_hits(capsys: pytest.CaptureFixture[str]) -> None:
+    verdict = _verdict(4, 3, 10, mismatches=1)
+    verdict.yardstick = gate.Yardstick(64, 4, 2, [gate.Mismatch("n>1", 0, 0, 2, 7, 8, 0.03, 0.0)] * 2)
+    gate.print_verdict(verdict)
+    out = capsys.readouterr().out
+    assert out.startswith("STRICT 3/4") and out.index("hits:") < out.index("yardstick STRICT 2/4")
+    assert "yardstick n>1 round 0 prompt 0: output position 2, whole 7 vs chunked 8 (margins 0.03, 0.0)" in out
+    assert gate.verdict_code(verdict) == 1  # the yardstick explains a mismatch, it never excuses it
+
+
+def test_the_yardstick_runs_outside_fp32_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[bool] = []
+    monkeypatch.setattr(gate, "run_gate", lambda *args: asked.append(args[-1]) or _verdict(4, 4, 10))
+    parser = argparse.ArgumentParser()
+    gate.add_arguments(parser)
+    for argv, expected in (([], False), (["--dtype", "bfloat16"], True), (["--yardstick", "on"], True),
+                           (["--dtype", "bfloat16", "--yardstick", "off"], False)):  # fmt: skip
+        assert gate.run(parser.parse_args(["--model", "m", *argv])) == 0
+        assert asked[-1] is expected, argv
+
+
 @pytest.fixture(scope="module")
 def dense() -> Path:
     return trained_model_dir("dense")
@@ -58,6 +80,15 @@ def test_cache_on_matches_cache_off_on_the_trained_dense_checkpoint(dense: Path)
     # every kind of traffic hit: a shared prefix by its later sightings, turn k + 1 turn k's history, the retries
     assert all(hits[f"shared-prefix-{n}"][0] > 0 for n in gate.SHARED_PREFIX_LENGTHS)
     assert hits["multi-turn"][0] > 0 and hits["retry"][0] > 0
+
+
+def test_in_fp32_the_yardstick_is_exact_too(dense: Path) -> None:
+    """Chunked prefill without the cache, against one pass: fp32 keeps every greedy token (in bf16 both it and the
+    cache flip near-ties alike, docs/prefix-caching.md#exactness-in-bf16)."""
+    verdict = gate.run_gate(dense, "float32", max_tokens=6, seed=0, yardstick=True)
+    stick = verdict.yardstick
+    assert stick is not None and stick.chunk == gate.YARDSTICK_CHUNK
+    assert (stick.num_checked, stick.num_matched, stick.mismatches) == (29, 29, [])
 
 
 def test_a_cache_that_restores_no_state_fails_the_gate(dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:
