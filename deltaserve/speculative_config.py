@@ -23,6 +23,9 @@ SpeculativeConfigError naming the key or the method:
   num_speculative_tokens. The scheduler applies it per step (scheduler/spec_policy.py).
 - k_policy (deltaserve only): the per-step k policy (docs/speculative-decoding.md#the-k-policy): true for its
   defaults, an object of its parameters (KPolicyConfig's fields), false or absent for vLLM's fixed k.
+- async_verify (deltaserve only, default false): under async scheduling, a speculating sequence's next step is
+  planned while its verify step still runs, its start corrected on the device by the drafts that verify rejected
+  (docs/speculative-decoding.md#async-verify); a boolean.
 - disable_by_batch_size: vLLM removed it from its SpeculativeConfig (unused since its V1 engine); refused naming
   num_speculative_tokens_per_batch_size.
 - any other key is refused by name: a key vLLM knows as not supported here, any other as unknown.
@@ -62,6 +65,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 1  # vLLM's default: the draft config's n_predi
 SUPPORTED_KEYS = (
     "method", "num_speculative_tokens", "rejection_sample_method", "synthetic_acceptance_rates",
     "synthetic_acceptance_length", "draft_sample_method", "num_speculative_tokens_per_batch_size", "k_policy",
+    "async_verify",
 )  # fmt: skip
 # SpeculativeConfig fields vLLM accepts that deltaserve does not implement (refused by name as not supported)
 VLLM_ONLY_KEYS = (
@@ -115,6 +119,9 @@ class SpeculativeConfig:
     # vLLM's batch-size schedule: ((first, last, k), ...) inclusive ranges, validated; None: fixed k
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     k_policy: KPolicyConfig | None = None  # deltaserve only: the per-step k policy; None: off
+    # deltaserve only: plan a speculating sequence's next step before its verify result is back (async scheduling
+    # for verify steps, scheduler/spec.py)
+    async_verify: bool = False
 
     @property
     def is_synthetic(self) -> bool:
@@ -134,6 +141,8 @@ class SpeculativeConfig:
             out["num_speculative_tokens_per_batch_size"] = [list(e) for e in self.num_speculative_tokens_per_batch_size]
         if self.k_policy is not None:
             out["k_policy"] = self.k_policy.to_dict()
+        if self.async_verify:
+            out["async_verify"] = True
         return out
 
 
@@ -314,7 +323,12 @@ def speculative_config_from_dict(data: Mapping[str, Any]) -> SpeculativeConfig:
         )
     schedule = data.get("num_speculative_tokens_per_batch_size")
     schedule = None if schedule is None else _batch_schedule(schedule)
-    return SpeculativeConfig(method, k, rejection, rates, draft_sample, schedule, _k_policy(data.get("k_policy")))
+    async_verify = data.get("async_verify", False)
+    if not isinstance(async_verify, bool):
+        raise SpeculativeConfigError(f"speculative_config `async_verify` must be true or false, got {async_verify!r}")
+    return SpeculativeConfig(
+        method, k, rejection, rates, draft_sample, schedule, _k_policy(data.get("k_policy")), async_verify
+    )
 
 
 def parse_speculative_config(value: str | Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

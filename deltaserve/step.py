@@ -79,6 +79,10 @@ class ScheduledSeq:
     checkpoints: tuple[tuple[int, int], ...] = ()
     mm_spans: tuple[MultimodalSpan, ...] = ()  # spans this chunk overlaps (empty until multimodal input)
     return_logits: bool = False  # the runner returns the logits of every token of the chunk (a prefill-only request)
+    # planned while a verify chunk of the same sequence was in flight (async verify, scheduler/spec.py):
+    # num_computed_tokens assumes that verify accepted every draft; the runner moves the chunk back by the drafts it
+    # rejected, on the device (runner/spec_chain.py). Its KV blocks cover the optimistic span, a superset.
+    is_chained: bool = False
 
     @property
     def is_decode(self) -> bool:

@@ -223,3 +223,14 @@ def test_the_k_policy_keys_are_checked(extra: dict, message: str) -> None:
     with pytest.raises(SpeculativeConfigError) as info:
         parse_speculative_config({"method": "mtp", "num_speculative_tokens": 3, **extra})
     assert message in str(info.value)
+
+
+def test_async_verify_is_a_boolean_off_by_default() -> None:
+    base = {"method": "mtp", "num_speculative_tokens": 2}
+    assert parse_speculative_config(base).async_verify is False
+    config = parse_speculative_config({**base, "async_verify": True})
+    assert config.async_verify and config.to_dict()["async_verify"] is True
+    assert parse_speculative_config(json.dumps(config.to_dict())) == config
+    assert "async_verify" not in parse_speculative_config(base).to_dict()
+    with pytest.raises(SpeculativeConfigError, match="`async_verify` must be true or false, got 'yes'"):
+        parse_speculative_config({**base, "async_verify": "yes"})

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from deltaserve.model.context import ForwardContext
+from deltaserve.runner import spec_chain
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecLayout, spec_layout
@@ -63,6 +64,7 @@ class StepLayout:
     state_copies: list[tuple[int, int]]  # (read slot, write slot) pairs to copy before the forward
     state_saves: list[tuple[int, int]]  # (write slot, checkpoint slot) pairs to copy after the forward
     has_mrope: bool
+    chained: np.ndarray  # [B] bool: the chunk was planned behind its sequence's verify in flight (runner/spec_chain.py)
     spec: SpecLayout | None = None  # the verify chunks (speculative decoding), None when the step has none
 
 
@@ -176,6 +178,7 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
         state_copies=state_copies,
         state_saves=state_saves,
         has_mrope=has_mrope,
+        chained=np.fromiter((s.is_chained for s in seqs), dtype=np.bool_, count=len(seqs)),
         spec=spec,
     )
 
@@ -188,6 +191,9 @@ class StepInputs:
     sample_token_index: torch.Tensor | None  # [S] rows of hidden that sample; None when all T rows sample
     sample_rows_dev: torch.Tensor  # [S] table rows of the sampling sequences
     position_rows_dev: torch.Tensor | None = None  # [P] table row of each sampled position (verify steps)
+    # [B] int64: how far each chained chunk was moved back from its planned start (runner/spec_chain.py); None: the
+    # step holds no chained chunk
+    start_shift: torch.Tensor | None = None
 
 
 def build_eager_inputs(
@@ -240,6 +246,11 @@ def build_eager_inputs(
         np.int32,
         device,
     )
+    shift = None
+    if layout.chained.any():  # chunks planned behind their verify in flight start where it really ended
+        shift = spec_chain.start_shift(layout, table, device)
+        spec_chain.shift_inputs(layout, table, block_size, shift, long["positions"], long["slot_mapping"],
+                                short["seq_lens"])  # fmt: skip
     input_ids = long["input_ids"]
     if len(layout.device_token_index):
         input_ids.index_copy_(
@@ -272,4 +283,5 @@ def build_eager_inputs(
         sample_token_index=None if is_all_sampled else long["sample_token_index"],
         sample_rows_dev=long["sample_rows"],
         position_rows_dev=long.get("position_rows"),
+        start_shift=shift,
     )

@@ -151,6 +151,8 @@ class ModelRunner:
         if plan.is_empty:
             return StepHandle(plan, np.zeros(0, dtype=np.int64), None, None, None)
         layout = layout_step(plan, self.table, self.block_size)
+        if layout.chained.any():  # chunks planned behind a verify in flight (async verify, runner/spec_chain.py)
+            self._require_spec()
         copy_state_slots(self.model, layout.state_copies)
         copy_kv_blocks(self.model, plan.block_copies)  # outside any graph, before the forward reads them
         num_seqs = len(plan.seqs)

@@ -43,6 +43,8 @@ class RequestTable:
         self.block_table_host = np.zeros((num, max_blocks_per_seq), dtype=np.int32)
         self.block_table = torch.zeros(num, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.last_sampled = torch.zeros(num, dtype=torch.int64, device=device)
+        # each row's true next start after its last sampling step, on the device (async verify: runner/spec_chain.py)
+        self.next_start = torch.zeros(num, dtype=torch.int64, device=device)
         self.params_host = np.zeros((num, NUM_PARAMS), dtype=np.float32)
         self.params_host[:, 1] = vocab_size  # top_k off
         self.params = torch.from_numpy(self.params_host.copy()).to(device)

@@ -20,6 +20,7 @@ from deltaserve.runner import prompt_logprobs as plp
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.observer import StepObserver, StepTimings
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_chain import record_next_starts
 from deltaserve.runner.spec_decode import SpecDecoder, SpecHandle, collect_tokens
 from deltaserve.runner.spec_ranks import receive_accepted, send_accepted
 from deltaserve.runner.spec_step import accept_verified, draft_after_sampling
@@ -61,6 +62,8 @@ def sample_step(
         tokens = accept_verified(decoder, handle.spec, out, batch, sampler, table, rows)
     send_accepted(tp, tokens, handle.spec)  # the other ranks' follow_first
     table.record_sampled(rows, rows_dev, tokens)
+    if handle.spec is not None:  # where each row's next chunk really starts (async verify)
+        record_next_starts(table, handle.spec, rows_dev)
     if handle.spec is not None:
         draft_after_sampling(decoder, handle.spec, table, block_size, rows, rows_dev, tokens, handle.plan)
     if handle.spec is not None:  # before to_host's event, which collect waits on for these copies too
@@ -76,6 +79,8 @@ def follow_first(
     the verify chunks' acceptance; this rank receives the tokens (its next inputs) and the accepted counts,
     commits the same GDN states and runs its drafter on the same inputs (runner/spec_ranks.py)."""
     tokens = receive_accepted(tp, len(rows), spec, device)
+    if spec is not None:  # from rank 0's accepted counts, as rank 0 does
+        record_next_starts(table, spec, rows_dev)
     if spec is not None and spec.is_graphed:  # rank 0 replays its post-sampling graph: so does this rank
         table.record_sampled(rows, rows_dev, tokens)
         # the verify chunks follow the plain decodes; a step without any holds plain decodes alone

@@ -457,6 +457,9 @@ class SpecDecoder:
             draft_rows.index_copy_(0, index, to_device(first, torch.int64, device) + accepted)
             starts = to_device(layout.starts[verify.seq_index], torch.int64, device)
             draft_index.index_copy_(0, index, starts + accepted)
+        if inputs.start_shift is not None:  # chained chunks: their planned starts moved back (runner/spec_chain.py)
+            sample_seqs = to_device(layout.sample_seqs, torch.int64, device)
+            draft_index = draft_index - inputs.start_shift.index_select(0, sample_seqs)
         return TargetStep(
             ctx=inputs.ctx,
             positions=inputs.positions,

@@ -347,6 +347,12 @@ class VerifyGraphs:
             self.short.copy_(torch.from_numpy(short))
         gather_dev = self.gather[: len(gather)]
         self.input_ids.index_copy_(0, gather_dev, inputs.input_ids)
+        shift = inputs.start_shift
+        if shift is not None:  # chained chunks (runner/spec_chain.py): the eager inputs moved back, so do these
+            self.positions[:, : num_seqs * width] -= shift[:num_seqs].repeat_interleave(width)
+            self.slot_mapping.index_copy_(0, gather_dev, inputs.ctx.slot_mapping)
+            self.starts[:num_seqs] -= shift
+            self.seq_lens[:num_seqs] -= shift.to(torch.int32)
         # the verify reaches start + W; the drafter's chained passes write up to the row's last block (lookahead)
         num_blocks = int(table.num_blocks[layout.rows].max())
         block_width = min(max(int(-(-(layout.starts.max() + width) // block_size)), num_blocks), cap_blocks)

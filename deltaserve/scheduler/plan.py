@@ -48,6 +48,7 @@ def schedule_seq(seq: Sequence, num_new: int, step_id: int, prefix_cache: Prefix
     """One chosen sequence's work in step step_id (num_new tokens), with its in-flight counters advanced; the block
     copy of its first step after a prefix-cache hit is the caller's to put in the plan."""
     start = seq.num_computed_tokens + seq.num_inflight_tokens
+    is_chained = seq.num_inflight_verifies > 0  # planned behind its verify in flight: `start` assumes it accepts all
     num_drafts = max(0, num_new - seq.num_unplanned_tokens)  # a verify chunk: its token plus the drafts
     needs_sample = start + num_new - num_drafts == seq.num_planned_tokens and not seq.is_prefill_only
     read_slot = seq.state_slot if start > 0 else None
@@ -68,10 +69,13 @@ def schedule_seq(seq: Sequence, num_new: int, step_id: int, prefix_cache: Prefix
         num_draft_tokens=num_drafts,
         mm_spans=window_spans(seq.mm_input, start, start + num_new),
         return_logits=seq.is_prefill_only,
+        is_chained=is_chained,
     )
     seq.num_blocks_sent = len(seq.block_ids)
     seq.num_inflight_tokens += num_new
-    seq.num_pending_outputs += int(needs_sample)
+    # a verify may emit 1 + k outputs: counted as if it did while in flight, so that a chained chunk behind it
+    # starts past all of them and the caps on outputs and length stay conservative
+    seq.num_pending_outputs += (1 + num_drafts) if needs_sample else 0
     seq.num_inflight_verifies += int(num_drafts > 0)
     return item
 

@@ -59,7 +59,7 @@ def apply_result(
         if policy is not None:  # before a stop drops any of them
             policy.observe(item.num_draft_tokens, len(tokens) - 1)
     seq.num_computed_tokens += num_new
-    seq.num_pending_outputs -= int(needs_sample)
+    seq.num_pending_outputs -= (1 + item.num_draft_tokens) if needs_sample else 0  # as schedule_seq counted them
     if seq.is_prefill_only:
         if logits is None:
             raise RuntimeError(f"step {step_id}: no logits for prefill-only request {seq.seq_id}")

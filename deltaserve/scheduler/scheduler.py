@@ -152,8 +152,9 @@ class Scheduler:
     def _num_to_plan(self, seq: Sequence, budget: int) -> int:
         spec = self.spec
         can_verify = spec is not None and (spec.max_verifies is None or self._num_verifies < spec.max_verifies)
+        can_chain = spec is not None and spec.can_chain(seq)
         num_new, num_drafts = running_chunk(
-            seq, budget, self.max_num_batched_tokens, self.max_model_len, spec if can_verify else None
+            seq, budget, self.max_num_batched_tokens, self.max_model_len, spec if can_verify else None, can_chain
         )
         self._num_verifies += int(num_drafts > 0)
         return num_new

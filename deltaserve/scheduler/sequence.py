@@ -3,7 +3,8 @@
 Pure Python and ints. The scheduler is the one owner of its token list and its computed count: only
 `Scheduler.update(plan, result)` appends tokens and advances `num_computed_tokens`. Under async scheduling a step
 is planned before the previous one's tokens are known, so two counters describe work in flight: tokens scheduled
-but not yet reported (`num_inflight_tokens`) and sampled tokens not yet seen (`num_pending_outputs`).
+but not yet reported (`num_inflight_tokens`) and sampled tokens not yet seen (`num_pending_outputs`; a verify chunk
+counts all 1 + k it may emit).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0
     num_pending_outputs: int = 0
-    num_inflight_verifies: int = 0  # speculative verify steps planned, result not seen (at most one)
+    # speculative verify steps planned, result not seen (one; two when a chained verify follows, SpecSchedule.can_chain)
+    num_inflight_verifies: int = 0
     # drafts the runner holds for this sequence's next verify: the num_drafts_next of the last plan that samples it
     # (the runner steps in plan order, so that step's drafter wrote them last); None: k; 0 after a planned chunk
     # that samples nothing (its row's drafts are another step's, or another sequence's)

@@ -67,16 +67,23 @@ def test_mtp_grid_resolves_through_the_registry(tmp_path: Path, monkeypatch: pyt
     config = load_config(GRID)
     names = [
         "deltaserve", "deltaserve-mtp3", "deltaserve-mtp1", "deltaserve-mtp3-kpolicy", "deltaserve-mtp3-kpolicy-low",
-        "vllm", "vllm-mtp3", "vllm-mtp1",
+        "deltaserve-mtp3-async", "vllm", "vllm-mtp3", "vllm-mtp1",
     ]  # fmt: skip
     assert [a.name for a in config.arms] == names
     assert {a.name: a.baseline for a in config.arms if a.baseline} == {
         "deltaserve-mtp3": "deltaserve", "deltaserve-mtp1": "deltaserve", "deltaserve-mtp3-kpolicy": "deltaserve",
-        "deltaserve-mtp3-kpolicy-low": "deltaserve", "vllm-mtp3": "vllm", "vllm-mtp1": "vllm",
+        "deltaserve-mtp3-kpolicy-low": "deltaserve", "deltaserve-mtp3-async": "deltaserve", "vllm-mtp3": "vllm",
+        "vllm-mtp1": "vllm",
     }  # fmt: skip
     assert config.concurrencies == [1, 8, 32, 64] and config.lengths == [(1024, 128)]
     for model in config.models:
-        ours, ours3, ours1, policy, policy_low, plain, mtp3, mtp1 = (resolve(a, model, config) for a in config.arms)
+        ours, ours3, ours1, policy, policy_low, chained, plain, mtp3, mtp1 = (
+            resolve(a, model, config) for a in config.arms
+        )
+        # async verify: deltaserve-mtp3's configuration plus the deltaserve-only key
+        parsed = parse_speculative_config(chained.argv[chained.argv.index("--speculative-config") + 1])
+        assert parsed.async_verify and parsed.k_policy is None and parsed.num_speculative_tokens == 3
+        assert chained.argv[: len(ours.argv)] == ours.argv
         for launch, rates in ((policy, [0.917, 0.837, 0.648]), (policy_low, [0.1, 0.02, 0.0])):
             # the k policy's arms: k = 3 with the policy at its defaults (deltaserve only: no vLLM twin)
             parsed = parse_speculative_config(launch.argv[launch.argv.index("--speculative-config") + 1])

@@ -85,3 +85,20 @@ def test_width_one_replay_equals_uncaptured_and_eager(variant: str) -> None:
     uncaptured, _ = tokens_of(variant, "float32", "uncaptured", POLICY)
     eager, _ = tokens_of(variant, "float32", "eager", POLICY)
     assert steps > 0 and captured == uncaptured == eager
+
+
+ASYNC = {**SPEC, "async_verify": True}  # chained chunks: planned behind their verify in flight, moved on the device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dense", "moe", "next"])
+def test_async_verify_replays_equal_eager_and_the_greedy_rows_equal_no_speculation(variant: str) -> None:
+    """Async verify on the GPU (docs/speculative-decoding.md#async-verify): captured replays of chained steps equal
+    the eager path in fp32 (the shift moves the static buffers as it moves the eager inputs), and the greedy rows
+    equal those of the default engine without async_verify (the seeded rows never chain, but their drafts come from
+    other batches, so they are compared within an engine only)."""
+    captured, steps = tokens_of(variant, "float32", "captured", ASYNC)
+    eager, _ = tokens_of(variant, "float32", "eager", ASYNC)
+    without, _ = tokens_of(variant, "float32", "captured")
+    assert steps > 0 and captured == eager
+    assert captured[0::2] == without[0::2]

@@ -148,3 +148,49 @@ def test_a_prompts_last_token_after_a_chunk_that_sampled_nothing_verifies_no_dra
     scheduler.update(last, answer(last))
     decode = scheduler.schedule()  # the last token's step sampled it: its drafts follow
     assert decode.seqs[0].num_draft_tokens == 3
+
+
+def test_async_verify_plans_the_next_chunk_behind_a_verify_in_flight() -> None:
+    """With async_verify the decode behind a verify in flight is planned at the start that assumes every draft
+    accepted (ScheduledSeq.is_chained); the counters follow the accepted counts when the results come back, and the
+    length caps count the verify's 1 + k outputs while it is in flight."""
+    scheduler = make_scheduler()
+    scheduler.spec = SpecSchedule(3, async_verify=True)
+    a = seq("a", 5, 9, temperature=0.0)
+    scheduler.add(a)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, answer(prefill))
+    first = scheduler.schedule()
+    second = scheduler.schedule()  # planned before `first` is collected
+    (one,), (two,) = first.seqs, second.seqs
+    assert (one.num_computed_tokens, one.num_new_tokens, one.is_chained) == (5, 4, False)
+    assert (two.num_computed_tokens, two.num_new_tokens, two.num_draft_tokens, two.is_chained) == (9, 4, 3, True)
+    assert len(a.block_ids) * 4 >= 9 + 4 + 2  # the optimistic span and the drafter's lookahead
+    assert a.num_pending_outputs == 8 and scheduler.schedule().is_empty  # two verifies in flight: no third
+    scheduler.update(first, accept(first, {one.row: [11, 12]}))  # one draft accepted: the chained chunk starts at 7
+    assert a.output_token_ids == [7, 11, 12] and a.num_computed_tokens == 7 and a.num_pending_outputs == 4
+    third = scheduler.schedule()  # behind `second`, which is still in flight
+    assert third.seqs[0].num_computed_tokens == 7 + 4 and third.seqs[0].is_chained
+    scheduler.update(second, accept(second, {two.row: [13, 14, 15, 16]}))
+    assert a.num_computed_tokens == 11 and a.output_token_ids[-4:] == [13, 14, 15, 16]
+    (item,) = third.seqs
+    assert item.num_draft_tokens == 1  # 9 outputs at most: 3 seen and 4 in flight when planned leave 2
+    scheduler.update(third, accept(third, {item.row: [17, 18]}))
+    assert a.is_finished and len(a.output_token_ids) == 9 and a.num_pending_outputs == 0
+
+
+def test_rows_whose_next_step_depends_on_the_accepted_count_do_not_chain() -> None:
+    spec = SpecSchedule(2, async_verify=True)
+    plain = seq("a", 5, 20, temperature=0.0)
+    plain.num_inflight_verifies = 1
+    assert spec.can_chain(plain) and not SpecSchedule(2).can_chain(plain)
+    grammar = seq("g", 5, 20, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    seeded = seq("s", 5, 20, temperature=0.7, seed=3)
+    unseeded = seq("u", 5, 20, temperature=0.7)
+    under = seq("m", 5, 20, temperature=0.0, min_tokens=4)
+    for each in (grammar, seeded, unseeded, under):
+        each.num_inflight_verifies = 1
+    assert [spec.can_chain(s) for s in (grammar, seeded, unseeded, under)] == [False, False, True, False]
+    under.output_token_ids = [1, 2, 3, 4]
+    plain.num_inflight_verifies = 2
+    assert spec.can_chain(under) and not spec.can_chain(plain)
