@@ -338,6 +338,23 @@ def test_probes_run_three_steps_full_and_zero_by_turns_fed_by_the_immature_caden
     assert [(p.plan_step(1), p.probe) for _ in range(9)][5:] == [(3, FULL)] * 3 + [(0, None)]
 
 
+def test_a_step_runs_the_probe_its_proposal_assumed() -> None:
+    """A sample collected between a plan's num_drafts_next and the next plan_step may change the immature cadence's
+    choice; the step keeps the probe decision its proposal was made for (here a zero run, not a full one that would
+    find no drafts)."""
+    clock = Clock()
+    p = measuring(clock, min_samples=1)
+    for _ in range(5):
+        p.plan_step(1)
+    p.step_collected(1, 0, True)  # no sample: no collected plan before it
+    assert p.step_cost.lacking(1) == (True, True)
+    assert p.num_drafts_next(1) == 0  # the 6th counted step starts a zero run: nothing to propose
+    clock.now += 0.002
+    p.step_collected(1, 0, True)  # the plain side is measured now: left alone, the 6th would start a full run
+    assert p.step_cost.lacking(1) == (False, True)
+    assert [(p.plan_step(1), p.probe) for _ in range(4)] == [(0, ZERO)] * 3 + [(3, None)]
+
+
 def test_only_steady_state_periods_are_samples() -> None:
     """A sample is a decode-only plan after a decode-only plan of the same bucket and kind, less than 1 s after it;
     a change of kind, a mixed plan (a prefill chunk beside the decodes) and an idle gap are none."""
