@@ -7,8 +7,9 @@ measures c instead of taking a guess: per bucket of the step's decode count (1, 
 it keeps exponentially weighted means over about `window` samples of
 - T0, the collected-step period of steps without drafts, and
 - P and k_eff, the period of steps with drafts and their drafts per decode,
-and the bucket's c is max(0, (P / T0 - 1) / k_eff) once both sides have at least `min_samples` (weighted) samples.
-Before that the caller uses its prior (k_policy.token_cost).
+and the bucket's c is max(0, (P / T0 - 1) / k_eff) once both sides have at least `min_samples` (weighted) samples,
+or window / 2 where min_samples is more: a weighted count never reaches window, and a side that could never be
+measured would keep the policy probing it forever. Before that the caller uses its prior (k_policy.token_cost).
 
 Which steps are samples (steady state only) is the policy's decision (scheduler/spec_policy.py,
 KPolicy.step_collected); this module only averages. Plain Python, no torch.
@@ -66,7 +67,8 @@ class StepCost:
 
     def __init__(self, window: int, min_samples: int) -> None:
         self.keep = 1.0 - 1.0 / window
-        self.min_samples = min_samples
+        # reachable: after n samples the weighted count is window (1 - keep^n), window / 2 after about 0.7 window
+        self.min_samples = min(float(min_samples), window / 2)
         self._buckets: dict[int, BucketCost] = {}
 
     def add(self, num_decodes: int, num_drafts: int, period: float) -> None:

@@ -383,6 +383,8 @@ def test_only_steady_state_periods_are_samples() -> None:
         clock.now = now
         p.step_collected(decodes, 0, True)
     assert p.step_cost.samples(4) == (1, 0) and p.step_cost.samples(5) == (0, 0)
+    # min_samples (8) above what a window of 4 can weigh (4 at most): window / 2 samples measure a side
+    assert p.step_cost.lacking(1) == (True, False) and p.step_cost.lacking(4) == (True, True)
 
 
 def test_the_scheduler_reports_each_collected_plan() -> None:
