@@ -336,6 +336,11 @@ def test_probes_run_three_steps_full_and_zero_by_turns_fed_by_the_immature_caden
     # a bucket lacking the drafts side while the rule drafts nothing gets full runs instead
     p = measuring(Clock(), token_cost=2.0)
     assert [(p.plan_step(1), p.probe) for _ in range(9)][5:] == [(3, FULL)] * 3 + [(0, None)]
+    # token_cost 0 (no acceptance rule) and measure_cost false measure nothing: one full probe every probe_interval
+    for config in ({"token_cost": 0.0}, {"measure_cost": False}):
+        p = measuring(Clock(), probe_interval=4, **config)
+        assert p.step_cost is None
+        assert [p.plan_step(1) == 3 and p.probe for _ in range(8)] == [None, None, None, FULL] * 2
 
 
 def test_a_step_runs_the_probe_its_proposal_assumed() -> None:
