@@ -22,7 +22,8 @@ SpeculativeConfigError naming the key or the method:
   takes the k of the range before it, one past the last range the last k, and k is never above
   num_speculative_tokens. The scheduler applies it per step (scheduler/spec_policy.py).
 - k_policy (deltaserve only): the per-step k policy (docs/speculative-decoding.md#the-k-policy): true for its
-  defaults, an object of its parameters (KPolicyConfig's fields), false or absent for vLLM's fixed k.
+  defaults, an object of its parameters (KPolicyConfig's fields: integers, token_cost a number >= 0, measure_cost
+  a bool), false or absent for vLLM's fixed k.
 - async_verify (deltaserve only, default false): under async scheduling, a speculating sequence's next step is
   planned while its verify step still runs, its start corrected on the device by the drafts that verify rejected
   (docs/speculative-decoding.md#async-verify); a boolean.
@@ -102,6 +103,9 @@ class KPolicyConfig:
     probe_interval: int = DEFAULT_PROBE_INTERVAL  # every this many steps one step drafts the batch rule's k in full
     window: int = DEFAULT_WINDOW  # observations a position's acceptance estimate averages over (exponentially)
     min_samples: int = DEFAULT_MIN_SAMPLES  # below this many (weighted) observations a position counts as accepted
+    # the policy times its own steps and uses the measured c per batch bucket (scheduler/step_cost.py); token_cost
+    # is then the prior until a bucket is measured. False: token_cost is c everywhere
+    measure_cost: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # every field, under its own name
@@ -238,6 +242,12 @@ def _k_policy(value: Any) -> KPolicyConfig | None:
     for key, given in value.items():
         if key not in fields:
             raise SpeculativeConfigError(f"speculative_config `k_policy` key `{key}` is not one of {sorted(fields)}")
+        if key == "measure_cost":
+            if not isinstance(given, bool):
+                raise SpeculativeConfigError(
+                    f"speculative_config `k_policy.measure_cost` must be true or false, got {given!r}"
+                )
+            continue
         if key == "token_cost":
             if _number("k_policy.token_cost", given) < 0:
                 raise SpeculativeConfigError(f"speculative_config `k_policy.token_cost` must be >= 0, got {given!r}")

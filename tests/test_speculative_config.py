@@ -217,6 +217,8 @@ def test_the_batch_size_schedule_and_the_k_policy_keys() -> None:
         ({"k_policy": {"probe_interval": 0}}, "`k_policy.probe_interval` must be an integer >= 1"),
         ({"k_policy": {"window": 2.5}}, "`k_policy.window` must be an integer >= 1"),
         ({"k_policy": {"max_batch_tokens": -1}}, "`k_policy.max_batch_tokens` must be an integer >= 0"),
+        ({"k_policy": {"measure_cost": "true"}}, "`k_policy.measure_cost` must be true or false, got 'true'"),
+        ({"k_policy": {"measure_cost": 1}}, "`k_policy.measure_cost` must be true or false, got 1"),
     ],
 )
 def test_the_k_policy_keys_are_checked(extra: dict, message: str) -> None:
@@ -234,3 +236,14 @@ def test_async_verify_is_a_boolean_off_by_default() -> None:
     assert "async_verify" not in parse_speculative_config(base).to_dict()
     with pytest.raises(SpeculativeConfigError, match="`async_verify` must be true or false, got 'yes'"):
         parse_speculative_config({**base, "async_verify": "yes"})
+
+
+def test_measure_cost_is_on_by_default_and_either_bool_round_trips() -> None:
+    """k_policy.measure_cost (deltaserve only): the policy times its own steps unless it is false."""
+    assert KPolicyConfig().measure_cost is True
+    assert parse_speculative_config({"method": "mtp", "k_policy": {}}).k_policy.measure_cost is True
+    for value in (True, False):
+        config = parse_speculative_config({"method": "mtp", "k_policy": {"measure_cost": value, "token_cost": 1}})
+        assert config.k_policy == KPolicyConfig(measure_cost=value, token_cost=1.0)
+        assert config.to_dict()["k_policy"]["measure_cost"] is value
+        assert parse_speculative_config(json.dumps(config.to_dict())) == config

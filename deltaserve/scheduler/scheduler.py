@@ -265,6 +265,10 @@ class Scheduler:
         logprobs = result.logprobs or (None,) * len(entries)
         chunk_logits = result.logits or (None,) * len(entries)
         policy = self.spec.policy if self.spec is not None else None
+        if policy is not None:  # it times its steps: their decodes (and verify chunks), drafts, and the others
+            sampled = [s for s in plan.seqs if s.needs_sample and s.num_computed_tokens]
+            drafts = [s.num_draft_tokens for s in sampled if s.num_new_tokens == 1 + s.num_draft_tokens]
+            policy.step_collected(len(drafts), sum(drafts), len(drafts) == len(plan.seqs))
         now = time.time()
         touched = []
         for (seq, epoch, num_new, needs_sample), item, tokens, token_logprobs, logits in zip(

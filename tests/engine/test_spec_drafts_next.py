@@ -25,7 +25,7 @@ VARIANTS = ("dense", "moe", "next")
 POLICIES = {
     "zero": {"max_batch_tokens": 1},  # any decode count x (1 + 1) > 1: k_step 0 at every step with decodes
     # the trained heads' first position is accepted well under 0.5 of the time: k 0, but every second step a probe
-    "flip": {"max_batch_tokens": 0, "token_cost": 0.5, "probe_interval": 2, "min_samples": 1},
+    "flip": {"max_batch_tokens": 0, "token_cost": 0.5, "probe_interval": 2, "min_samples": 1, "measure_cost": False},
 }
 
 

@@ -1,7 +1,9 @@
 """The per-step k policy (scheduler/spec_policy.py) in the engine, on the trained tiny dense checkpoint with its MTP
 drafts (fp32, CPU): greedy outputs are the outputs without speculation while the policy moves k step by step
-(exactness never depends on k); in vLLM's synthetic acceptance mode a low rate turns drafting down and a high one
-keeps k; the start-up and change lines are logged."""
+(exactness never depends on k), also while it times its own steps (measure_cost, the default); in vLLM's synthetic
+acceptance mode a low rate turns drafting down and a high one keeps k at the fixed token_cost; the start-up and change
+lines are logged. The tests of the rules themselves fix token_cost (measure_cost false): a CPU step's measured cost is
+whatever the machine makes it."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def test_greedy_outputs_do_not_depend_on_the_policys_k() -> None:
     prompts = make_prompts(plain)
     expected = [list(o.token_ids) for o in run(plain, prompts, greedy())]
     # batch rule: 5 decodes x (1 + k) <= 12 gives k = 1, one decode k = 3; the acceptance rule measures quickly
-    spec = {"k_policy": {"max_batch_tokens": 12, "probe_interval": 4, "window": 8, "min_samples": 2}}
+    policy = {"max_batch_tokens": 12, "probe_interval": 4, "window": 8, "min_samples": 2, "measure_cost": False}
+    spec = {"k_policy": policy}
     llm, steps = policy_llm(spec)
     assert [list(o.token_ids) for o in run(llm, prompts, greedy())] == expected
     for prompt, tokens in zip(prompts, expected, strict=True):
@@ -58,7 +61,11 @@ def test_greedy_outputs_do_not_depend_on_the_policys_k() -> None:
 def test_synthetic_low_acceptance_turns_drafting_down_and_high_keeps_k(
     rates: list[float], max_share: float | None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    spec = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": rates, "k_policy": True}
+    spec = {
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": rates,
+        "k_policy": {"measure_cost": False},  # the defaults at the fixed token_cost
+    }
     with caplog.at_level(logging.INFO, logger="deltaserve.scheduler.spec_policy"):
         llm, steps = policy_llm(spec)
         run(llm, make_prompts(llm), greedy(40))
@@ -71,3 +78,18 @@ def test_synthetic_low_acceptance_turns_drafting_down_and_high_keeps_k(
     else:
         # every decode drafts k = 3 but where max_tokens caps it (a verify's k + 1 tokens must fit)
         assert sum(k == 3 for _, k in steps) / len(steps) > 0.8 and not changes
+
+
+def test_a_policy_that_times_its_steps_keeps_greedy_outputs_and_measures_both_sides() -> None:
+    """measure_cost on (the default), with the immature cadence's zero runs between the rule's verify steps: greedy
+    tokens equal those without MTP, and the 4-decode bucket holds samples of plain steps and of steps with drafts.
+    What k the measured cost then picks depends on this CPU's timings, so only the measurement is checked here."""
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8)
+    prompts = make_prompts(plain)[:4]
+    expected = [list(o.token_ids) for o in run(plain, prompts, greedy(32))]
+    llm, steps = policy_llm({"k_policy": {"min_samples": 2, "window": 8}})
+    assert [list(o.token_ids) for o in run(llm, prompts, greedy(32))] == expected
+    policy = llm.engine.core.scheduler.spec.policy
+    plain_samples, draft_samples = policy.step_cost.samples(4)
+    assert plain_samples >= 1 and draft_samples >= 1, (plain_samples, draft_samples)
+    assert {0, 3} <= {k for _, k in steps}

@@ -29,7 +29,7 @@ K = 3
 MAX_TOKENS = (16, 6, 5, 14, 7)  # rows end at different steps: the batch shrinks below its bucket, to 2 rows
 VARIANTS = ("dense", "moe", "next")
 ZERO = {"max_batch_tokens": 1}  # k_step 0 at every step with decodes
-FLIP = {"max_batch_tokens": 0, "token_cost": 0.5, "probe_interval": 2, "min_samples": 1}  # 0 and k by turns
+FLIP = {"max_batch_tokens": 0, "token_cost": 0.5, "probe_interval": 2, "min_samples": 1, "measure_cost": False}  # 0, k
 
 
 def params() -> list[SamplingParams]:
