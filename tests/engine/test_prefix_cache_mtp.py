@@ -3,7 +3,8 @@ dense / MoE / Next MTP heads, k = 1 and 3, fp32 on the CPU), greedy tokens AND t
 (drafts, draft tokens, accepted per position) with the cache on equal those with it off, case by case, so the drafts
 themselves are the same. The cases hit a prompt-end checkpoint on a block boundary (the MTP entry at P - 1 lies in
 the last full block, copied, not shared) and inside a block, two sequences that hit one checkpoint in the same step
-with different tokens at P, and a multi-turn follow-up that hits the first turn's generation-end checkpoint.
+with different tokens at P, and a multi-turn follow-up that hits the first turn's generation-end checkpoint; once
+more with async verify (docs/speculative-decoding.md#async-verify) on both sides.
 
 Without the rewrite of the MTP entry at P - 1 (runner/mtp_resume.py) the drafts after a hit read the K/V the
 checkpoint's writer paired with its own token at P, and the counters differ.
@@ -22,12 +23,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens_per_pos")
 
 
-def make_llm(variant: str, k: int, is_on: bool) -> tuple[LLM, list]:
-    """An engine drafting with its MTP layer, and the list its verify steps append their drafts to: (table row,
-    draft tokens) in plan order."""
+def make_llm(variant: str, k: int, is_on: bool, is_async: bool = False) -> tuple[LLM, list]:
+    """An engine drafting with its MTP layer (is_async: with async verify), and the list its verify steps append
+    their drafts to: (table row, draft tokens) in plan order."""
     llm = LLM(
         trained_model_dir(variant), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4,
-        enable_prefix_caching=is_on, speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        enable_prefix_caching=is_on,
+        speculative_config={"method": "mtp", "num_speculative_tokens": k, "async_verify": is_async},
     )  # fmt: skip
     spec = llm.engine.core.runner.spec
     drafts: list[tuple[int, list[int]]] = []
@@ -61,11 +63,11 @@ def run(llm: LLM, requests: dict[str, list[int]]) -> tuple[dict[str, list[int]],
     return outputs, tuple(counters), engine.scheduler.prefix_cache_hits - hits
 
 
-def scenario(variant: str, k: int, is_on: bool) -> list[tuple[str, dict, tuple, int, list]]:
+def scenario(variant: str, k: int, is_on: bool, is_async: bool = False) -> list[tuple[str, dict, tuple, int, list]]:
     """Each case: its name, outputs, counters, hit tokens and the drafts its verify steps checked. The prompts are
     training paragraphs (the tiny heads draft them best), and a follow-up continues with another paragraph, so its
     token at P differs from the one the checkpoint's writer had there."""
-    llm, drafts = make_llm(variant, k, is_on)
+    llm, drafts = make_llm(variant, k, is_on, is_async)
     paragraphs = [p for p in corpus_split()[0].split("\n\n") if p.strip()]
     para = [ids for ids in map(llm.engine.tokenizer.encode, paragraphs[:40]) if len(ids) >= 48][:20]
     cases = []
@@ -89,11 +91,12 @@ def scenario(variant: str, k: int, is_on: bool) -> list[tuple[str, dict, tuple, 
     return cases
 
 
-@pytest.fixture(scope="module", params=[("dense", 1), ("dense", 3), ("moe", 3), ("next", 1)],
-                ids=["dense-k1", "dense-k3", "moe-k3", "next-k1"])  # fmt: skip
+@pytest.fixture(scope="module", params=[("dense", 1, False), ("dense", 3, False), ("moe", 3, False),
+                                        ("next", 1, False), ("moe", 3, True)],
+                ids=["dense-k1", "dense-k3", "moe-k3", "next-k1", "moe-k3-async-verify"])  # fmt: skip
 def results(request: pytest.FixtureRequest) -> tuple:
-    variant, k = request.param
-    return scenario(variant, k, False), scenario(variant, k, True)
+    variant, k, is_async = request.param
+    return scenario(variant, k, False, is_async), scenario(variant, k, True, is_async)
 
 
 def test_drafts_with_the_cache_equal_drafts_without(results: tuple) -> None:
