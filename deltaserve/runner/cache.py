@@ -21,6 +21,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
 from deltaserve.model.parallel import LocalShapes
 from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.sampler.transfer import to_device
 
 
 def ssm_dtype(config: ModelConfig) -> torch.dtype:
@@ -183,8 +184,10 @@ def copy_state_slots(model: Qwen35Model, pairs: list[tuple[int, int]]) -> None:
     if not pairs:
         return
     device = next(iter(model.parameters())).device
-    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
-    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+    # through pinned memory: a copy from pageable host memory would wait for the stream (a host sync in the launch
+    # of every step that restores a prefix-cache hit, ending async scheduling's overlap there)
+    src = to_device([p[0] for p in pairs], torch.int64, device)
+    dst = to_device([p[1] for p in pairs], torch.int64, device)
     for layer in model.layers:
         if not layer.is_full_attention:
             mixer = layer.linear_attn
@@ -201,8 +204,8 @@ def copy_kv_blocks(model: Qwen35Model, pairs: tuple[tuple[int, int], ...]) -> No
     if not pairs:
         return
     device = next(iter(model.parameters())).device
-    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
-    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+    src = to_device([p[0] for p in pairs], torch.int64, device)  # pinned: no host sync (copy_state_slots)
+    dst = to_device([p[1] for p in pairs], torch.int64, device)
     attentions = [layer.self_attn for layer in model.layers if layer.is_full_attention]
     mtp = getattr(model, "mtp", None)
     if mtp is not None:  # the MTP layer's K/V lives in the same blocks: its drafts read the copied rows too

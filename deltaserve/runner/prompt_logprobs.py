@@ -18,6 +18,7 @@ import torch
 
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.sampler.transfer import to_device
 
 SLICE_ROWS = 1024
 # (first target position, per target: ((token, logprob, rank), top-1, ..., top-N)) of one sequence's chunk
@@ -83,8 +84,8 @@ def compute_prompt_logprobs(
     """Logprobs of the targets (and the top-N) from hidden [T, H], SLICE_ROWS rows of logits at a time; None
     where compute_logits returns None (tensor-parallel ranks other than 0)."""
     device = hidden.device
-    index = torch.from_numpy(work.hidden_rows).to(device)
-    targets = torch.from_numpy(work.targets).to(device)
+    index = to_device(work.hidden_rows, torch.int64, device)  # pinned: no wait for the stream
+    targets = to_device(work.targets, torch.int64, device)
     max_top = min(max(n if n >= 0 else vocab_size for n in work.num_top), vocab_size)
     target_lp, ranks, top_ids, top_lp = [], [], [], []
     for lo in range(0, len(work.hidden_rows), SLICE_ROWS):

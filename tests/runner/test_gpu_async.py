@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,26 @@ def test_pdl_decode_matches_plain_launches(variant: str, request: pytest.Fixture
             gc.collect()
             torch.cuda.empty_cache()
     assert tokens["1"] == tokens["0"]
+
+
+@pytest.mark.gpu
+def test_state_and_block_copies_do_not_wait_for_the_stream(tiny_dense: Path) -> None:
+    """A prefix-cache hit's first step copies a checkpoint's state slot and partial KV block before its forward
+    (runner/cache.py); their index tensors go through pinned memory, so launching them does not wait for the work
+    already queued (a copy from pageable memory would: the host would sit out ~0.1 s of queued sleep here)."""
+    from deltaserve.runner.cache import copy_kv_blocks, copy_state_slots
+
+    llm = LLM(tiny_dense, max_model_len=256, gpu_memory_utilization=0.3)
+    model = llm.engine.runner.model
+    copy_state_slots(model, [(0, 1)])  # warm: the first pinned allocation may sync
+    copy_kv_blocks(model, ((0, 1),))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the copies
+    start = time.perf_counter()
+    copy_state_slots(model, [(0, 1), (2, 3)])
+    copy_kv_blocks(model, ((0, 1), (2, 3)))
+    launched = time.perf_counter() - start
+    torch.cuda.synchronize()
+    waited = time.perf_counter() - start
+    assert waited > 0.05, waited  # the sleep really was queued
+    assert launched < waited / 2, (launched, waited)
