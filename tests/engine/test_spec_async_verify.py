@@ -10,7 +10,8 @@ Next checkpoints drafting with their MTP heads (whose drafts are partly rejected
 - stop tokens, stop strings, max_tokens, min_tokens and seeded sampling, n = 2 and preemption in a small KV pool
   give the tokens of async_verify off (rows that must not chain: scheduler/spec.py `can_chain`);
 - with the CUDA calls stood in (tests/support/fake_cuda.py), the captured verify graphs replay chained steps and
-  give a plain CPU engine's tokens.
+  give a plain CPU engine's tokens;
+- the spec-decode counters skip the chained verify in flight of a sequence that stopped (its result is dropped).
 """
 
 from __future__ import annotations
@@ -237,3 +238,40 @@ def test_captured_verify_graphs_replay_chained_steps(monkeypatch: pytest.MonkeyP
     assert got == want
     assert cuda.replays > 0 and shifts.chained > 0 and shifts.moved > 0
     assert torch.equal(torch.tensor([len(t) for t in got]), torch.tensor([12, 5, 8]))
+
+
+COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def test_spec_decode_counters_skip_verifies_whose_sequence_already_stopped(
+    references: dict, dense_pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence that stops inside a verify's accepted run usually has a chained verify in flight, whose result is
+    dropped; as vLLM skips a finished request's output, the spec-decode counters (vllm:spec_decode_*) do not count
+    it (before: 11 drafts counted where 6 were applied)."""
+    prompts, _ = references["dense"]
+    spec = dense_pair[1]
+    continuation = tokens_of(run(dense_pair[0], prompts, greedy(16)))
+    stops = [greedy(16, stop_token_ids=[c[4]], ignore_eos=False) for c in continuation]
+    scheduler = spec.engine.core.scheduler
+    update = scheduler.update
+    counts = {"live": [0, 0, 0], "stale": 0}
+
+    def counting_update(plan, result):  # noqa: ANN001, ANN202 (Scheduler.update's signature)
+        entries = scheduler._inflight[plan.step_id]
+        for (seq, _, _, _), item, tokens in zip(entries, plan.seqs, result.token_ids, strict=True):
+            if not item.num_draft_tokens or not tokens:
+                continue
+            if seq.is_finished:
+                counts["stale"] += 1
+            else:
+                for i, value in enumerate((1, item.num_draft_tokens, len(tokens) - 1)):
+                    counts["live"][i] += value
+        return update(plan, result)
+
+    monkeypatch.setattr(scheduler, "update", counting_update)
+    before = spec.engine.stats()
+    assert all(o.finish_reason == "stop" for o in run(spec, prompts, stops))
+    after = spec.engine.stats()
+    assert counts["stale"] > 0  # some sequence stopped with a chained verify in flight
+    assert [getattr(after, f) - getattr(before, f) for f in COUNTERS] == counts["live"]
