@@ -245,7 +245,9 @@ class EngineCore:
         plan, handle, owners = self._inflight.popleft()
         result = self.runner.collect(handle)
         if self._spec_decode is not None:
-            self._spec_decode.observe_step(plan, result)
+            # as vLLM, nothing of a sequence finished since the step was planned (one that stopped inside an
+            # accepted run with a chained verify in flight, or was aborted) is counted
+            self._spec_decode.observe_step(plan, result, self.scheduler.unfinished(plan))
             self._spec_decode.maybe_log()
         prompt_logprobs = self._prompt_logprobs(result.prompt_logprobs, owners)
         failed: list[str] = []

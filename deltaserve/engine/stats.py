@@ -88,10 +88,12 @@ class SpecDecodeCounts:
         for position in range(num_accepted):
             self.accepted_per_pos[position] += 1
 
-    def observe_step(self, plan: StepPlan, result: StepResult) -> None:
-        """Every drafted sequence of one collected step (plan order: result.token_ids follows plan.seqs)."""
-        for seq, tokens in zip(plan.seqs, result.token_ids, strict=False):
-            if seq.num_draft_tokens > 0 and tokens:
+    def observe_step(self, plan: StepPlan, result: StepResult, unfinished: tuple[bool, ...] | None = None) -> None:
+        """Every drafted sequence of one collected step (plan order: result.token_ids follows plan.seqs); unfinished:
+        per sequence, False where it finished (stopped, aborted) since the step was planned, whose result is not
+        counted, as vLLM skips a finished request's output; None: none did."""
+        for index, (seq, tokens) in enumerate(zip(plan.seqs, result.token_ids, strict=False)):
+            if seq.num_draft_tokens > 0 and tokens and (unfinished is None or unfinished[index]):
                 self.observe_draft(seq.num_draft_tokens, len(tokens) - 1)
 
     def fields(self) -> dict[str, object]:

@@ -253,6 +253,10 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------------------------
 
+    def unfinished(self, plan: StepPlan) -> tuple[bool, ...]:
+        """Per sequence of a step in flight, in plan order: whether it has not finished (stopped, aborted) since."""
+        return tuple(not seq.is_finished for seq, _, _, _ in self._inflight.get(plan.step_id, ()))
+
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Sequence, list[int], list[Logprobs | None]]]:
         """Applies a step's result: computed counts advance, sampled tokens are appended and checked against the
         stop rules (a stopped sequence is finished and freed), a prefill-only request keeps its chunk's logits.

@@ -10,7 +10,9 @@ Next checkpoints drafting with their MTP heads (whose drafts are partly rejected
 - stop tokens, stop strings, max_tokens, min_tokens and seeded sampling, n = 2 and preemption in a small KV pool
   give the tokens of async_verify off (rows that must not chain: scheduler/spec.py `can_chain`);
 - with the CUDA calls stood in (tests/support/fake_cuda.py), the captured verify graphs replay chained steps and
-  give a plain CPU engine's tokens.
+  give a plain CPU engine's tokens;
+- the spec-decode counters skip the chained verify in flight of a sequence that stopped (its result is dropped);
+- under a k policy, chained plain decodes replayed through the width-1 graphs' code keep the tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -237,3 +239,73 @@ def test_captured_verify_graphs_replay_chained_steps(monkeypatch: pytest.MonkeyP
     assert got == want
     assert cuda.replays > 0 and shifts.chained > 0 and shifts.moved > 0
     assert torch.equal(torch.tensor([len(t) for t in got]), torch.tensor([12, 5, 8]))
+
+
+COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def test_spec_decode_counters_skip_verifies_whose_sequence_already_stopped(
+    references: dict, dense_pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence that stops inside a verify's accepted run usually has a chained verify in flight, whose result is
+    dropped; as vLLM skips a finished request's output, the spec-decode counters (vllm:spec_decode_*) do not count
+    it (before: 11 drafts counted where 6 were applied)."""
+    prompts, _ = references["dense"]
+    spec = dense_pair[1]
+    continuation = tokens_of(run(dense_pair[0], prompts, greedy(16)))
+    stops = [greedy(16, stop_token_ids=[c[4]], ignore_eos=False) for c in continuation]
+    scheduler = spec.engine.core.scheduler
+    update = scheduler.update
+    counts = {"live": [0, 0, 0], "stale": 0}
+
+    def counting_update(plan, result):  # noqa: ANN001, ANN202 (Scheduler.update's signature)
+        entries = scheduler._inflight[plan.step_id]
+        for (seq, _, _, _), item, tokens in zip(entries, plan.seqs, result.token_ids, strict=True):
+            if not item.num_draft_tokens or not tokens:
+                continue
+            if seq.is_finished:
+                counts["stale"] += 1
+            else:
+                for i, value in enumerate((1, item.num_draft_tokens, len(tokens) - 1)):
+                    counts["live"][i] += value
+        return update(plan, result)
+
+    monkeypatch.setattr(scheduler, "update", counting_update)
+    before = spec.engine.stats()
+    assert all(o.finish_reason == "stop" for o in run(spec, prompts, stops))
+    after = spec.engine.stats()
+    assert counts["stale"] > 0  # some sequence stopped with a chained verify in flight
+    assert [getattr(after, f) - getattr(before, f) for f in COUNTERS] == counts["live"]
+
+
+def test_chained_plain_decodes_of_the_k_policy_run_through_the_width_one_graphs(
+    references: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a k policy flipping k between 0 and 3 (a probe every second step), a plain decode planned behind a verify
+    in flight is chained too, and an all-decode step runs through the width-1 graphs' code (uncaptured), whose static
+    buffers take the shift as the verify graphs' do: greedy tokens and their logprobs equal those without
+    speculation. (The tokens alone do not notice a width-1 replay left unshifted; its logprobs move by ~0.06.)"""
+    prompts, _ = references["dense"]
+    sampling = [greedy(n, logprobs=0) for n in MAX_TOKENS]
+    expected = run(LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8), prompts, sampling)
+    flip = {"max_batch_tokens": 0, "token_cost": 0.5, "probe_interval": 2, "min_samples": 1, "measure_cost": False}
+    llm = LLM(
+        trained_model_dir("dense"), dtype="float32", max_num_seqs=8, speculative_config=mtp(3) | {"k_policy": flip}
+    )
+    runner = llm.engine.core.runner
+    runner._use_spec_graphs(capture=False)
+    shifted = []
+    graphs_run = runner.spec_decode_graphs.run
+
+    def recording_run(layout, inputs, table, block_size):  # noqa: ANN001, ANN202 (VerifyGraphs.run's signature)
+        shifted.append(inputs.start_shift is not None and bool(inputs.start_shift.any()))
+        return graphs_run(layout, inputs, table, block_size)
+
+    runner.spec_decode_graphs.run = recording_run
+    shifts = Shifts(monkeypatch)
+    got = run(llm, prompts, sampling)
+    assert tokens_of(got) == tokens_of(expected)
+    assert shifts.moved > 0 and any(shifted), (shifts.moved, shifted)
+    for ours, theirs in zip(got, expected, strict=True):
+        for index, token in enumerate(theirs.token_ids):
+            assert ours.logprobs[index][token].logprob == pytest.approx(theirs.logprobs[index][token].logprob, abs=1e-4)

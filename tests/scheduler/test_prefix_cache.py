@@ -16,6 +16,7 @@ from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
 from deltaserve.scheduler.prefix_cache import ROOT_HASH, block_hash, chain_hashes, media_keys
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
+from deltaserve.scheduler.spec import SpecSchedule
 from deltaserve.step import StepPlan, StepResult
 
 
@@ -288,6 +289,69 @@ def test_two_steps_in_flight_on_a_small_pool_always_finish(seed: int) -> None:
     assert_accounted(scheduler)
     assert scheduler.reset_prefix_cache()
     assert scheduler.blocks.num_free_blocks == 30 and scheduler.slots.num_free_slots == 6
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_speculating_with_async_verify_on_a_small_pool_always_finishes(policy: str) -> None:
+    """Verify chunks of up to 1 + 3 tokens that accept a random count, chained chunks planned behind them (async
+    verify), eos inside accepted runs, aborts and shared prefixes, two steps in flight on a 26-block pool (a sequence
+    needs up to 23; ~90 preemptions, and a sequence waits for blocks pending checkpoints hold once or twice): every run
+    finishes, every block and slot is accounted for after every step, and a fake runner that tracks each row's true
+    next start finds every chunk that is not chained starting there, every chained one at or past it (its blocks
+    cover the true span)."""
+    rng = random.Random(5)
+    scheduler = Scheduler(
+        BlockManager(26, 16), StateSlotPool(8), 4, 96, 512, policy=policy, enable_prefix_caching=True,
+        checkpoint_interval=64, chunk_size=64,
+    )  # fmt: skip
+    scheduler.spec = SpecSchedule(3, async_verify=True)
+    prefixes = [[rng.randrange(1, 50_000) for _ in range(rng.randrange(40, 250))] for _ in range(3)]
+    next_start: dict[int, int] = {}  # the fake runner's record: row -> where its next chunk really starts
+    moved = 0
+
+    def execute(plan: StepPlan) -> StepResult:
+        nonlocal moved
+        for row in (*plan.removed, *(r.row for r in plan.added)):
+            next_start.pop(row, None)
+        tokens = []
+        for s in plan.seqs:
+            start = s.num_computed_tokens
+            if s.is_chained:  # the runner moves it back to where its verify's accepted run really ended
+                assert next_start[s.row] <= start
+                moved += start - next_start[s.row]
+                start = next_start[s.row]
+            elif s.needs_sample and s.row in next_start:
+                assert next_start[s.row] == start
+            count = rng.randrange(1, s.num_draft_tokens + 2) if s.needs_sample else 0
+            tokens.append(tuple(0 if rng.random() < 0.04 else 7 for _ in range(count)))  # 0: eos
+            if s.needs_sample:
+                next_start[s.row] = start + (count if s.num_draft_tokens else s.num_new_tokens)
+        return StepResult(plan.step_id, tuple(tokens))
+
+    inflight: list[tuple[StepPlan, StepResult]] = []
+    live: list[Sequence] = []
+    for step in range(1_500):
+        if step < 300 and rng.random() < 0.3:
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 250)] + [rng.randrange(1, 50_000) for _ in range(40)]
+            live.append(Sequence(f"r{step}", tokens, rng.randrange(1, 60), sampling=SamplingParams(temperature=0.0),
+                                 eos_token_ids=frozenset({0}), priority=rng.randrange(3)))  # fmt: skip
+            scheduler.add(live[-1])
+        if rng.random() < 0.02 and live:
+            scheduler.finish(rng.choice(live))  # an abort
+        plan = scheduler.schedule() if scheduler.has_unfinished() else None
+        if plan is not None and plan.seqs:
+            inflight.append((plan, execute(plan)))
+        if inflight and (len(inflight) == 2 or plan is None or not plan.seqs):
+            scheduler.update(*inflight.pop(0))
+        live = [s for s in live if not s.is_finished]
+        assert_accounted(scheduler)
+        if step >= 300 and plan is None and not inflight:
+            break
+    else:
+        raise AssertionError(f"{len(scheduler.running)} running, {len(scheduler.waiting)} waiting: no end")
+    assert moved > 0 and scheduler.num_preemptions_total > 0 and scheduler.prefix_cache_hits > 0
+    assert scheduler.reset_prefix_cache()
+    assert scheduler.blocks.num_free_blocks == 26 and scheduler.slots.num_free_slots == 8
 
 
 def test_reserve_evicts_nothing_when_every_evictable_block_would_not_be_enough() -> None:
