@@ -226,7 +226,7 @@ class PrefixCache:
     def reserve_blocks(self, num_blocks: int, keep: Checkpoint | None = None) -> bool:
         """Evicts ready checkpoints until num_blocks blocks are free; False if they cannot be. When even every block
         that only checkpoints hold would not be enough, nothing is evicted: a sequence about to be preempted keeps the
-        checkpoints its restart would read."""
+        checkpoints its restart would read (the bound counts pending checkpoints' blocks too, so it is not exact)."""
         if num_blocks > self.blocks.num_available_blocks:
             return False
         while not self.blocks.can_allocate(num_blocks):
