@@ -151,8 +151,11 @@ class ModelRunner:
         if plan.is_empty:
             return StepHandle(plan, np.zeros(0, dtype=np.int64), None, None, None)
         layout = layout_step(plan, self.table, self.block_size)
-        if layout.chained.any():  # chunks planned behind a verify in flight (async verify, runner/spec_chain.py)
-            self._require_spec()
+        if layout.chained.any() and not self._require_spec().tracks_next_start:
+            raise ValueError(
+                "a plan holds chunks planned behind a verify in flight (is_chained) but this runner does not track "
+                "where verifies end: speculative_config async_verify is off or async scheduling is"
+            )
         copy_state_slots(self.model, layout.state_copies)
         copy_kv_blocks(self.model, plan.block_copies)  # outside any graph, before the forward reads them
         num_seqs = len(plan.seqs)
@@ -278,6 +281,10 @@ class ModelRunner:
         max_spec_seqs: verify chunks a step may hold (their scratch; default max_num_seqs)."""
         self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
                                 synthetic_rates, max_spec_seqs or self.max_num_seqs)  # fmt: skip
+        # chained chunks arise only with async verify under async scheduling (engine/core.py builds the same rule)
+        config = self.engine_config
+        speculative = config.speculative_config
+        self.spec.tracks_next_start = bool(speculative and speculative.async_verify and config.async_scheduling)
         if self.spec_graphs is not None:  # the graphs name the old scratch: build them anew
             self._use_spec_graphs(self.spec_graphs.is_captured)
 

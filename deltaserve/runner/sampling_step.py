@@ -62,12 +62,11 @@ def sample_step(
         tokens = accept_verified(decoder, handle.spec, out, batch, sampler, table, rows)
     send_accepted(tp, tokens, handle.spec)  # the other ranks' follow_first
     table.record_sampled(rows, rows_dev, tokens)
-    if handle.spec is not None:  # where each row's next chunk really starts (async verify)
-        record_next_starts(table, handle.spec, rows_dev)
     if handle.spec is not None:
+        if decoder.tracks_next_start:  # where each row's next chunk really starts (async verify)
+            record_next_starts(table, handle.spec, rows_dev)
         draft_after_sampling(decoder, handle.spec, table, block_size, rows, rows_dev, tokens, handle.plan)
-    if handle.spec is not None:  # before to_host's event, which collect waits on for these copies too
-        SpecDecoder.to_host(handle.spec)
+        SpecDecoder.to_host(handle.spec)  # before to_host's event, which collect waits on for these copies too
     handle.sampled, handle.event = to_host(out, device)
 
 
@@ -79,7 +78,7 @@ def follow_first(
     the verify chunks' acceptance; this rank receives the tokens (its next inputs) and the accepted counts,
     commits the same GDN states and runs its drafter on the same inputs (runner/spec_ranks.py)."""
     tokens = receive_accepted(tp, len(rows), spec, device)
-    if spec is not None:  # from rank 0's accepted counts, as rank 0 does
+    if spec is not None and decoder.tracks_next_start:  # from rank 0's accepted counts, as rank 0 does
         record_next_starts(table, spec, rows_dev)
     if spec is not None and spec.is_graphed:  # rank 0 replays its post-sampling graph: so does this rank
         table.record_sampled(rows, rows_dev, tokens)

@@ -11,7 +11,8 @@ shift also reaches the verify graphs' static buffers (runner/spec_graphs.py) and
 (SpecDecoder._target_step) through StepInputs.start_shift. Host-side bounds built from the planned starts (the
 attention's max_seq_len, the graphs' block-table width) stay upper bounds.
 
-The true next start of every row (RequestTable.next_start) is written after each sampling step, on the device:
+With async verify on (SpecDecoder.tracks_next_start; ModelRunner refuses a chained chunk without it), the true next
+start of every row (RequestTable.next_start) is written after each sampling step, on the device:
 the chunk's true start plus its tokens, or for a verify chunk plus the tokens it emitted (its input token and the
 accepted drafts). Every tensor-parallel rank writes it from the same accepted counts (runner/spec_ranks.py). No host
 sync anywhere: the shift is only ever a device tensor.

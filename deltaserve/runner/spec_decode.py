@@ -195,6 +195,9 @@ class SpecDecoder:
         if synthetic_rates is not None:
             self.synthetic_rates = torch.tensor(synthetic_rates, dtype=torch.float32).to(device)
         self.max_spec_seqs = max_spec_seqs or max_rows
+        # async verify (runner/spec_chain.py): each sampling step records its rows' true next starts, which chained
+        # chunks need; without it that is per-step work nothing reads (ModelRunner.enable_speculation sets it)
+        self.tracks_next_start = False
         self.drafter = drafter
         self.model = model
         # one extra row: the request table's dummy row

@@ -309,3 +309,17 @@ def test_chained_plain_decodes_of_the_k_policy_run_through_the_width_one_graphs(
     for ours, theirs in zip(got, expected, strict=True):
         for index, token in enumerate(theirs.token_ids):
             assert ours.logprobs[index][token].logprob == pytest.approx(theirs.logprobs[index][token].logprob, abs=1e-4)
+
+
+def test_a_runner_that_does_not_track_verify_ends_refuses_chained_chunks(references: dict) -> None:
+    """The runner records where verifies end only with async verify on (per-step work nothing else reads); a chained
+    chunk reaching a runner without that record is refused, never run from a stale start."""
+    prompts, _ = references["dense"]
+    off = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, speculative_config=mtp(3, False))
+    assert not off.engine.core.runner.spec.tracks_next_start
+    llm = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, speculative_config=mtp(3))
+    runner = llm.engine.core.runner
+    assert runner.spec.tracks_next_start
+    runner.spec.tracks_next_start = False
+    with pytest.raises(ValueError, match="does not track where verifies end"):
+        run(llm, prompts, params())
