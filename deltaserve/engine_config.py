@@ -24,7 +24,12 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 256 * 1024**2  # explicit budget for KV blocks + state slots on the CPU
+    # vLLM's --kv-cache-memory-bytes: the cache budget per GPU (per rank) in bytes, taken as given instead of what
+    # gpu_memory_utilization leaves; on the CPU it replaces cpu_kv_cache_bytes. It holds the attention KV blocks
+    # (the MTP layer's too), the GDN state slots (running sequences and prefix-cache checkpoints) and the verify
+    # scratch (runner/memory.py, docs/ARCHITECTURE.md#cache-budget). None, or 0 as vLLM reads it: not set
+    kv_cache_memory_bytes: int | None = None
+    cpu_kv_cache_bytes: int = 256 * 1024**2  # the cache budget on the CPU when kv_cache_memory_bytes is not set
     num_state_slots: int | None = None  # None: sized from memory (at least max_num_seqs)
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
@@ -71,6 +76,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_kv_cache_memory_bytes(self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes == 0:  # vLLM tests the value for truth: 0 leaves gpu_memory_utilization in charge
+            object.__setattr__(self, "kv_cache_memory_bytes", None)
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
@@ -95,3 +103,14 @@ class EngineConfig:
                 "runs tensor parallelism with 'mp' only (worker processes it starts itself, or one process per rank "
                 "started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)"
             )
+
+
+def check_kv_cache_memory_bytes(value: object) -> None:
+    """A byte count: an int (not a bool), at least 0, or None. vLLM's field is an int; a negative one would leave no
+    memory for the cache at all, refused here by name rather than at the cache's allocation."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"kv_cache_memory_bytes must be an integer number of bytes, got {value!r}")
+    if value < 0:
+        raise ValueError(f"kv_cache_memory_bytes must be at least 0 (0: not set), got {value}")

@@ -49,6 +49,42 @@ def human_int(value: str) -> int | None:
     return int(number * scale)
 
 
+# vLLM's human_readable_int suffixes: lowercase decimal, uppercase binary
+BYTE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def kv_cache_bytes(value: str) -> int | None:
+    """--kv-cache-memory-bytes as vLLM 0.26 reads it (its human_readable_int behind optional_type): "" or "None" is
+    no value; plain digits; or a number and one suffix, lowercase k/m/g/t decimal (x10^3 .. x10^12, a fraction
+    allowed: 1.5g) or uppercase K/M/G/T binary (x2^10 .. x2^40, whole numbers only: 4G). Other spellings (4GiB, 4 GB)
+    are refused as vLLM refuses them, and so is a negative count (vLLM refuses it only at start-up)."""
+    if value in ("", "None"):
+        return None
+    text = value.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text)
+    if match is None:
+        try:
+            count = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not a byte count: {value!r} (digits, or a number with a suffix: k/m/g/t decimal, K/M/G/T binary)"
+            ) from None
+    else:
+        number, suffix = match.groups()
+        if suffix.islower():
+            count = int(float(number) * BYTE_SUFFIXES[suffix])
+        elif "." in number:
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: decimals are not allowed with binary suffixes like {suffix} (as in vLLM); did you mean "
+                f"{number}{suffix.lower()}?"
+            )
+        else:
+            count = int(number) * BYTE_SUFFIXES[suffix]
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"a byte count is at least 0 (0: not set), got {value!r}")
+    return count
+
+
 def optional_value(value: str) -> str | None:
     """vLLM's reading of an optional flag's value: "" or "None" is no value."""
     return None if value in ("", "None") else value
@@ -186,6 +222,15 @@ def _add_engine_arguments(add: Any) -> None:
         "2048 for the 27B shape and 8192 for 35B-A3B; 2048 on the CPU)",
     )
     add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + caches")
+    add(
+        "--kv-cache-memory-bytes",
+        type=kv_cache_bytes,
+        default=None,
+        metavar="BYTES",
+        help="the KV cache budget per GPU in bytes, e.g. 8G (binary) or 8.5g (decimal): attention KV blocks and GDN "
+        "state slots, sized from it instead of --gpu-memory-utilization (which it overrides, as in vLLM); also the "
+        "budget on the CPU",
+    )
     add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
     add(
         "--load-format",

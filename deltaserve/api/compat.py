@@ -108,7 +108,6 @@ TABLE = """
 --kernel-config | value | log | deltaserve picks its own kernels
 --kv-cache-dtype | value | warn:auto | the KV cache is kept in the model dtype
 --kv-cache-dtype-skip-layers | list | log | the KV cache is kept in the model dtype
---kv-cache-memory-bytes | value | warn | the KV cache is sized by --gpu-memory-utilization
 --kv-cache-metrics | switch | log | no KV residency metrics
 --kv-cache-metrics-sample | value | log | no KV residency metrics
 --kv-events-config | value | log | no KV cache events

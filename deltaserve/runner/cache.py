@@ -6,6 +6,7 @@ conv state (model dtype) and the fp32 recurrent state of every linear-attention 
 is gpu_memory_utilization x total (per instance, as vLLM 0.26 counts it: other processes' memory is not
 subtracted, but must leave that much free at start-up) minus what this engine's weights, a warm-up forward at
 the largest batch and its decode graphs take; on the CPU it is the explicit EngineConfig.cpu_kv_cache_bytes.
+With --kv-cache-memory-bytes (EngineConfig.kv_cache_memory_bytes) the budget is that many bytes, on either.
 Under tensor parallelism every count is per rank: a block holds the rank's KV heads and a slot the rank's GDN
 heads (`shapes`, model/parallel.py).
 """
@@ -92,6 +93,28 @@ def requested_bytes(total_bytes: int, free_bytes: int, utilization: float) -> in
             "utilization or reduce GPU memory used by other processes."
         )
     return requested
+
+
+def check_one_sequence_fits(
+    budget_bytes: int, block_bytes: int, slot_bytes: int, block_size: int, max_model_len: int, name: str, knob: str
+) -> int:
+    """vLLM's start-up refusal (v1/core/kv_cache_utils.py, _check_enough_kv_cache_memory): the cache budget must
+    hold one sequence of max_model_len tokens, here its KV blocks and one GDN state slot. The error names what set
+    the budget (`name`) and says which setting raises it (`knob`), and, as vLLM's, the longest sequence the budget
+    does hold. Returns the bytes of that sequence's KV blocks."""
+    num_blocks = -(-max_model_len // block_size)
+    kv_bytes = num_blocks * block_bytes
+    needed = kv_bytes + slot_bytes
+    if budget_bytes >= needed:
+        return kv_bytes
+    fits = max(0, budget_bytes - slot_bytes) // max(block_bytes, 1) * block_size
+    longest = f" it holds one sequence of at most {fits} tokens;" if fits > 0 else ""
+    raise ValueError(
+        f"{name} ({budget_bytes} bytes, {budget_bytes / 2**30:.2f} GiB) is not enough for max_model_len "
+        f"({max_model_len}): one sequence of that length needs {needed} bytes ({needed / 2**30:.2f} GiB: "
+        f"{num_blocks} KV blocks of {block_bytes} bytes and a GDN state slot of {slot_bytes} bytes);{longest} "
+        f"raise {knob} or lower max_model_len"
+    )
 
 
 def affordable_slots(budget_bytes: int, slot_bytes: int, share: float = 0.5) -> int:

@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deltaserve.engine_config import EngineConfig
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cache import (
     CacheLayout,
     affordable_slots,
     allocate_and_bind,
+    bytes_per_block,
     bytes_per_slot,
+    check_one_sequence_fits,
     checkpoint_slots,
     plan_cache,
 )
@@ -117,8 +120,8 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     if speculative is not None:
         # an upper bound of the cache budget (this phase's peak, not yet the verify step's): its verify scratch
         # caps the bucket as it will cap the served one; every rank runs the same step
-        budget = runner.engine_config.cpu_kv_cache_bytes
-        if meter.is_measuring:
+        budget = given_budget(runner.engine_config, runner.device)
+        if budget is None:
             budget = runner._requested_bytes - weights - peak - graph_bytes(runner, max_num_seqs)[1] - HEADROOM_BYTES
         slot_bytes = bytes_per_slot(runner.model_config, runner.dtype, runner.model.shapes)
         rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes)
@@ -170,54 +173,100 @@ def warm_up_verify_sampling(
 
 
 def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int, CacheLayout]:
-    """(max_num_seqs, the verify scratch's rows (0 without speculation), the cache layout) from what the cache budget
-    leaves: vLLM's default max_num_seqs capped so the state pool fits, then the verify scratch and the prefix-cache
-    checkpoint slots, then the KV blocks."""
-    engine_config, model_config = runner.engine_config, runner.model_config
+    """(max_num_seqs, the verify scratch's rows (0 without speculation), the cache layout) from the cache budget:
+    refused unless it holds one max_model_len sequence (as vLLM refuses), then vLLM's default max_num_seqs capped so
+    the state pool fits, the verify scratch and the prefix-cache checkpoint slots, and the KV blocks."""
+    engine_config, model_config, shapes = runner.engine_config, runner.model_config, runner.model.shapes
     upper = engine_config.max_num_seqs or default_max_num_seqs(runner.device)
     # every rank sizes its cache alike (the plan names the same blocks and slots on all of them): the smallest
     # rank's budget wins
-    budget = runner.tp.min_over_ranks(cache_budget(runner, max_num_batched_tokens, max_model_len, upper))
-    slot_bytes = bytes_per_slot(model_config, runner.dtype, runner.model.shapes)
+    total = runner.tp.min_over_ranks(cache_budget(runner, max_num_batched_tokens, max_model_len, upper))
+    has_mtp = runner.model.mtp is not None
+    scratch_bytes = bytes_per_slot(model_config, runner.dtype, shapes)  # a verify scratch state: the GDN layers'
+    slot_bytes = bytes_per_slot(model_config, runner.dtype, shapes, has_mtp)  # a pool slot (+ the MTP hidden row)
+    one_kv = check_one_sequence_fits(
+        total, bytes_per_block(model_config, runner.block_size, runner.dtype, shapes, has_mtp), slot_bytes,
+        runner.block_size, max_model_len, *budget_names(engine_config, runner.device),
+    )  # fmt: skip
     max_num_seqs = upper
     if engine_config.max_num_seqs is None:
-        # vLLM's default count, sized to memory: the state pool takes at most half of the cache budget
-        max_num_seqs = min(upper, affordable_slots(budget, slot_bytes))
+        # vLLM's default count, sized to memory: the state pool takes at most half of the cache budget, and leaves
+        # one max_model_len sequence its KV blocks (which binds only where the half would leave too few to start)
+        max_num_seqs = min(upper, affordable_slots(total, scratch_bytes), (total - one_kv) // slot_bytes)
         if max_num_seqs < upper:
             logger.info(
                 "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB would take %.1f GiB "
-                "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, slot_bytes / 2**20,
-                upper * slot_bytes / GIB, budget / GIB,
+                "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
+                upper * scratch_bytes / GIB, total / GIB,
             )  # fmt: skip
     num_slots = engine_config.num_state_slots or max_num_seqs
     speculative = engine_config.speculative_config
     spec_rows = 0
+    budget = total
     if speculative is not None:  # the verify scratch comes out of the cache budget (runner/spec_decode.py)
-        spec_rows = scratch_rows(budget, slot_bytes, speculative.num_speculative_tokens, max_num_seqs)
-        budget -= spec_rows * (speculative.num_speculative_tokens + 1) * slot_bytes
+        spec_rows = scratch_rows(budget, scratch_bytes, speculative.num_speculative_tokens, max_num_seqs)
+        budget -= spec_rows * (speculative.num_speculative_tokens + 1) * scratch_bytes
     num_checkpoints = 0
     if engine_config.enable_prefix_caching:
         num_checkpoints = engine_config.num_checkpoint_slots
-        if num_checkpoints is None:
-            num_checkpoints = checkpoint_slots(budget, slot_bytes, max_num_seqs)
+        if num_checkpoints is None:  # a tenth of the budget, short of taking one max_model_len sequence's blocks
+            spare = (budget - one_kv - num_slots * slot_bytes) // slot_bytes
+            num_checkpoints = min(checkpoint_slots(budget, scratch_bytes, max_num_seqs), max(0, spare))
     layout = plan_cache(
-        model_config, runner.dtype, runner.block_size, budget, num_slots, max_model_len, runner.model.shapes,
-        num_checkpoints, has_mtp=runner.model.mtp is not None,
+        model_config, runner.dtype, runner.block_size, budget, num_slots, max_model_len, shapes, num_checkpoints,
+        has_mtp=has_mtp,
+    )  # fmt: skip
+    used = layout.num_blocks * layout.bytes_per_block + layout.num_slots * layout.bytes_per_slot
+    logger.info(
+        "cache budget %d bytes (%.2f GiB, %s): %d KV blocks of %d bytes (%d tokens), %d GDN state slots of %d bytes "
+        "(%d of them prefix-cache checkpoints), a verify scratch of %d rows (%d bytes); %d bytes left over", total,
+        total / GIB, budget_names(engine_config, runner.device)[0], layout.num_blocks, layout.bytes_per_block,
+        layout.num_blocks * layout.block_size, layout.num_slots, layout.bytes_per_slot, layout.num_checkpoint_slots,
+        spec_rows, total - budget, budget - used,
     )  # fmt: skip
     return max_num_seqs, spec_rows, layout
 
 
+def given_budget(engine_config: EngineConfig, device: torch.device) -> int | None:
+    """The cache budget the configuration fixes: kv_cache_memory_bytes where given (on a GPU whatever
+    gpu_memory_utilization says, as in vLLM), else on the CPU cpu_kv_cache_bytes; None: a GPU's, measured."""
+    if engine_config.kv_cache_memory_bytes is not None:
+        return engine_config.kv_cache_memory_bytes
+    return None if is_cuda(device) else engine_config.cpu_kv_cache_bytes
+
+
+def budget_names(engine_config: EngineConfig, device: torch.device) -> tuple[str, str]:
+    """(what set the cache budget, the setting that raises it), for the start-up log and refusals."""
+    if engine_config.kv_cache_memory_bytes is not None:
+        return "kv_cache_memory_bytes", "kv_cache_memory_bytes"
+    if is_cuda(device):
+        return "the cache budget gpu_memory_utilization leaves", "gpu_memory_utilization (or set kv_cache_memory_bytes)"
+    return "cpu_kv_cache_bytes", "kv_cache_memory_bytes"
+
+
 def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
-    """The bytes left for the KV cache, the state pool and the verify scratch (the CPU: --cpu-kv-cache-bytes)."""
+    """The bytes for the KV cache, the state pool and the verify scratch: kv_cache_memory_bytes where given (the
+    warm-up still runs on a GPU: it compiles and autotunes the prefill shapes, as vLLM's profile run does then too),
+    else on the CPU cpu_kv_cache_bytes, else what this engine's share of the GPU leaves."""
+    given = given_budget(runner.engine_config, runner.device)
     if not is_cuda(runner.device):
-        return runner.engine_config.cpu_kv_cache_bytes
+        return given
     peak = profile_peak_bytes(runner, max_num_batched_tokens, max_model_len, max_num_seqs)
-    _, total = torch.cuda.mem_get_info(runner.device)
+    free, total = torch.cuda.mem_get_info(runner.device)
     weights = torch.cuda.memory_allocated(runner.device) - runner._allocated_before
     # the graphs' static buffers (decode graphs, or verify graphs while speculating), plus a fixed headroom for the
     # graph pool's other activations and library workspaces
     kind, graphs = graph_bytes(runner, max_num_seqs)
     headroom = HEADROOM_BYTES
+    if given is not None:
+        logger.info(
+            "memory: %.1f GiB total, %.2f GiB free, weights %.2f GiB, warm-up peak %.2f GiB, %s graphs %.2f GiB + "
+            "%.2f GiB headroom; cache budget %.2f GiB as kv_cache_memory_bytes gives it (gpu_memory_utilization %s "
+            "does not size it; weights, activations and graphs are outside it)", total / GIB, free / GIB,
+            weights / GIB, peak / GIB, kind, graphs / GIB, headroom / GIB, given / GIB,
+            runner.engine_config.gpu_memory_utilization,
+        )  # fmt: skip
+        return given
     budget = runner._requested_bytes - weights - peak - graphs
     budget -= headroom
     logger.info(

@@ -203,6 +203,34 @@ def test_tensor_parallel_flags_are_implemented() -> None:
         assert cli.run(parse("m", *argv)) == 2
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1073741824", 2**30), ("4G", 4 * 2**30), ("512M", 512 * 2**20), ("1T", 2**40), ("3K", 3072),
+     ("1.5g", 1_500_000_000), ("2k", 2000), ("0.25t", 250 * 10**9), (" 7m ", 7_000_000), ("0", None),
+     ("None", None), ("", None)],
+)  # fmt: skip
+def test_kv_cache_memory_bytes_reads_vllms_human_readable_ints(value: str, expected: int | None) -> None:
+    """vLLM's reading (human_readable_int behind optional_type): lowercase suffixes decimal, uppercase binary; "" or
+    None: not set, and 0 too (vLLM tests it for truth). It is implemented, not a table entry, and reaches the engine
+    config (the offline LLM takes the same field)."""
+    assert "--kv-cache-memory-bytes" not in {flag for entry in COMPAT_FLAGS for flag in entry.flags}
+    args = parse("m", f"--kv_cache_memory_bytes={value}")
+    check_compat(args)
+    assert cli.build_engine_config(args, "m", "cpu").kv_cache_memory_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [("4GiB", "not a byte count"), ("4 GB", "not a byte count"), ("1.5G", "did you mean 1.5g"),
+     ("-1", "at least 0"), ("lots", "not a byte count")],
+)  # fmt: skip
+def test_kv_cache_memory_bytes_refuses_other_spellings(value: str, error: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse("m", "--kv-cache-memory-bytes", value)
+    err = capsys.readouterr().err
+    assert "error: argument --kv-cache-memory-bytes: " in err and error in err and repr(value) in err
+
+
 def test_accepted_flags_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     check_compat(parse("m", "--kv-cache-dtype", "fp8", "--mamba-ssm-cache-dtype", "float32", "--enable-dbo"))

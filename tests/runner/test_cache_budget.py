@@ -1,0 +1,136 @@
+"""--kv-cache-memory-bytes (EngineConfig.kv_cache_memory_bytes, the offline LLM(kv_cache_memory_bytes=...)) sizes the
+cache as vLLM 0.26 sizes it: that many bytes for the KV blocks and the GDN state slots, whatever
+gpu_memory_utilization (on a GPU) or cpu_kv_cache_bytes (on the CPU) would give, and a start-up refusal by name when
+it cannot hold one max_model_len sequence. The expected counts are computed here from the tiny dense checkpoint's
+shapes (fp32: 16-token KV blocks of 16 KiB, state slots of 33 KiB), not from runner/cache.py's helpers."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from deltaserve.config import ModelConfig
+from deltaserve.engine.llm import LLM
+from deltaserve.engine_config import EngineConfig
+from deltaserve.runner import memory
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+from tests.support.fake_cuda import fake_cuda
+
+DENSE = trained_model_dir("dense")
+FP32 = 4
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 64  # 4 blocks
+
+
+def _sizes() -> tuple[int, int]:
+    """(bytes of one KV block, bytes of one GDN state slot) of the tiny dense checkpoint in fp32, from its config."""
+    c = ModelConfig.from_pretrained(DENSE)
+    block = 2 * BLOCK_SIZE * c.num_key_value_heads * c.head_dim * FP32 * len(c.full_attention_layers)  # K and V
+    conv = (c.linear_conv_kernel_dim - 1) * (
+        2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    )
+    ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim  # fp32 recurrent state
+    return block, (conv + ssm) * FP32 * len(c.linear_attention_layers)
+
+
+BLOCK, SLOT = _sizes()
+ONE_SEQUENCE = MAX_MODEL_LEN // BLOCK_SIZE * BLOCK + SLOT  # what vLLM's start-up check asks the budget to hold
+FIXED = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "max_num_seqs": 4}
+
+
+def _layout(**kwargs: object) -> tuple[int, int, int, int]:
+    """(KV blocks, state slots, checkpoint slots, max_num_seqs) of an engine built with kwargs."""
+    runner = LLM(DENSE, **{**FIXED, **kwargs}).engine.runner
+    return runner.layout.num_blocks, runner.layout.num_slots, runner.layout.num_checkpoint_slots, runner.max_num_seqs
+
+
+def test_the_tiny_shapes_are_what_the_expected_counts_assume() -> None:
+    assert (BLOCK, SLOT) == (16_384, 33_792)
+
+
+@pytest.mark.parametrize("budget", [3_000_000, 5 * 2**20 + 123])
+def test_block_and_slot_counts_follow_kv_cache_memory_bytes_exactly(budget: int) -> None:
+    """Prefix caching off: 4 slots, then every whole block the rest holds; on with 2 checkpoint slots: 6 slots.
+    cpu_kv_cache_bytes (the CPU's default budget) is overridden."""
+    off = _layout(kv_cache_memory_bytes=budget, enable_prefix_caching=False, cpu_kv_cache_bytes=2**20)
+    assert off == ((budget - 4 * SLOT) // BLOCK, 4, 0, 4)
+    on = _layout(kv_cache_memory_bytes=budget, num_checkpoint_slots=2, cpu_kv_cache_bytes=2**20)
+    assert on == ((budget - 6 * SLOT) // BLOCK, 6, 2, 4)
+
+
+def test_without_it_the_cpu_budget_is_cpu_kv_cache_bytes_and_zero_means_not_set() -> None:
+    """0 is vLLM's 'not set' (its worker tests the value for truth): the budget stays cpu_kv_cache_bytes."""
+    budget = 2 * 2**20
+    expected = ((budget - 4 * SLOT) // BLOCK, 4, 0, 4)
+    assert _layout(cpu_kv_cache_bytes=budget, enable_prefix_caching=False) == expected
+    assert _layout(cpu_kv_cache_bytes=budget, enable_prefix_caching=False, kv_cache_memory_bytes=0) == expected
+    assert EngineConfig("m", kv_cache_memory_bytes=0).kv_cache_memory_bytes is None
+
+
+def test_default_max_num_seqs_and_checkpoints_are_sized_from_it() -> None:
+    """max_num_seqs unset: vLLM's default (256 off large GPUs) capped so the slots take at most half of the budget;
+    the checkpoint slots a tenth of it (at least 1, at most max_num_seqs)."""
+    budget = 100 * SLOT
+    blocks, slots, checkpoints, max_num_seqs = _layout(kv_cache_memory_bytes=budget, max_num_seqs=None)
+    assert (max_num_seqs, checkpoints, slots) == (50, 10, 60)
+    assert blocks == (budget - 60 * SLOT) // BLOCK
+
+
+def test_a_budget_of_exactly_one_max_model_len_sequence_starts_and_serves() -> None:
+    """vLLM starts when the budget holds one max_model_len sequence: so does deltaserve, with the counts sized from
+    memory (max_num_seqs, checkpoint slots) shrunk to what leaves that sequence its blocks."""
+    exact = _layout(kv_cache_memory_bytes=ONE_SEQUENCE, max_num_seqs=1, enable_prefix_caching=False)
+    assert exact == (4, 1, 0, 1)
+    llm = LLM(DENSE, **{**FIXED, "max_num_seqs": None, "kv_cache_memory_bytes": ONE_SEQUENCE})
+    layout = llm.engine.runner.layout
+    assert (layout.num_blocks, layout.num_slots, layout.num_checkpoint_slots, llm.engine.runner.max_num_seqs) == (
+        4, 1, 0, 1,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [3, 17, 29, 5]}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 60  # the whole max_model_len in the one sequence's blocks
+
+
+def test_a_budget_short_of_one_sequence_is_refused_by_name() -> None:
+    """vLLM's refusal at start-up, with the bytes one sequence needs and the longest the budget holds."""
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes") as excinfo:
+        _layout(kv_cache_memory_bytes=ONE_SEQUENCE - 1, max_num_seqs=1, enable_prefix_caching=False)
+    message = str(excinfo.value)
+    assert f"({ONE_SEQUENCE - 1} bytes, 0.00 GiB) is not enough for max_model_len (64)" in message
+    assert f"needs {ONE_SEQUENCE} bytes" in message and f"4 KV blocks of {BLOCK} bytes" in message
+    assert "it holds one sequence of at most 48 tokens; raise kv_cache_memory_bytes or lower max_model_len" in message
+    with pytest.raises(ValueError, match="cpu_kv_cache_bytes .* is not enough for max_model_len"):
+        _layout(cpu_kv_cache_bytes=SLOT, max_num_seqs=1)  # without the flag, the error names the CPU's budget
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5e9, "4G"])
+def test_the_config_refuses_what_is_not_a_byte_count(value: object) -> None:
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be"):
+        EngineConfig("m", kv_cache_memory_bytes=value)
+
+
+def test_on_a_gpu_it_overrides_gpu_memory_utilization(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
+    """The GPU start-up path (CUDA calls stood in, tests/support/fake_cuda.py): the warm-up still runs, but the
+    budget is the flag's bytes, not the engine's share less weights, peak and headroom, even where that share
+    (utilization 0.5 of 64 MiB) is smaller than the flag; the start-up log states the resulting sizes."""
+    budget = 40 * 2**20
+    budgets: list[int] = []
+    cache_budget = memory.cache_budget
+
+    def spy(runner, *args: int) -> int:  # noqa: ANN001 (the runner under construction)
+        budgets.append(cache_budget(runner, *args))
+        return budgets[-1]
+
+    monkeypatch.setattr(memory, "cache_budget", spy)
+    with fake_cuda(monkeypatch, 64 * 2**20, 3 * 2**20), caplog.at_level(logging.INFO, logger="deltaserve"):
+        runner = LLM(DENSE, **FIXED, enforce_eager=True, enable_prefix_caching=False, gpu_memory_utilization=0.5,
+                     kv_cache_memory_bytes=budget).engine.runner  # fmt: skip
+    assert budgets == [budget] and math.ceil(64 * 2**20 * 0.5) < budget
+    assert (runner.layout.num_blocks, runner.layout.num_slots) == ((budget - 4 * SLOT) // BLOCK, 4)
+    assert "warm-up: " in caplog.text  # the prefill shapes still compile and autotune before serving
+    assert "gpu_memory_utilization 0.5 does not size it" in caplog.text
+    blocks = (budget - 4 * SLOT) // BLOCK
+    assert f"cache budget {budget} bytes (0.04 GiB, kv_cache_memory_bytes): {blocks} KV blocks" in caplog.text
