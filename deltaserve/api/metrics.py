@@ -85,6 +85,7 @@ class EngineStatsCollector(Collector):
         # and no KV block lives on the CPU (vLLM's v1 engine reports 0 too).
         info = {"block_size": str(stats.block_size), "cache_dtype": "auto",
                 "gpu_memory_utilization": str(stats.gpu_memory_utilization),
+                "kv_cache_memory_bytes": str(stats.kv_cache_memory_bytes),
                 "enable_prefix_caching": str(stats.enable_prefix_caching),
                 "num_gpu_blocks": str(stats.num_total_kv_blocks), "num_cpu_blocks": "0",
                 "engine": ENGINE_INDEX}  # fmt: skip

@@ -339,6 +339,7 @@ class EngineCore:
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
             enable_prefix_caching=self.config.enable_prefix_caching,
             **(self._spec_decode.fields() if self._spec_decode is not None else {}),
         )

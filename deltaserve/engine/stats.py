@@ -163,6 +163,7 @@ class EngineStats:
     # vllm:cache_config_info
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = False
     # vllm:spec_decode_* (SpecDecodeCounts): cumulative; num_speculative_tokens 0 means speculative decoding is off,
     # and then /metrics has none of these series, as vLLM's

@@ -40,14 +40,16 @@ NAME = "tiny"
 ITERATION = "vllm:iteration_tokens_total"
 # vLLM 0.26's CacheConfig.metrics_info labels that a dashboard reads, and the engine index vLLM adds
 CACHE_CONFIG_LABELS = {"block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
-                       "num_cpu_blocks", "num_gpu_blocks", "engine"}  # fmt: skip
+                       "kv_cache_memory_bytes", "num_cpu_blocks", "num_gpu_blocks", "engine"}  # fmt: skip
+KV_CACHE_BYTES = 64 * 2**20  # the server's --kv-cache-memory-bytes: the cache_config_info label carries it
 
 
 @pytest.fixture(scope="module")
 def metrics_http(tiny_dense: Path) -> Iterator[httpx.Client]:
     from deltaserve.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_dense), device="cpu", max_model_len=256))
+    config = EngineConfig(model=str(tiny_dense), device="cpu", max_model_len=256, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    engine = AsyncEngine.from_config(config)
     server: ServerThread = serve(engine, model_root=str(tiny_dense), served_model_names=[NAME])
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
@@ -96,6 +98,7 @@ def test_cache_config_info_has_vllms_labels(metrics_http: httpx.Client) -> None:
     assert set(sample.labels) >= CACHE_CONFIG_LABELS, sorted(sample.labels)
     assert sample.value == 1 and sample.labels["engine"] == "0" and sample.labels["num_cpu_blocks"] == "0"
     assert sample.labels["cache_dtype"] == "auto" and int(sample.labels["num_gpu_blocks"]) > 0
+    assert sample.labels["kv_cache_memory_bytes"] == str(KV_CACHE_BYTES)  # vLLM's str() of the field, "None" unset
 
 
 def test_best_of_is_ignored_with_vllms_warning(metrics_http: httpx.Client, caplog: pytest.LogCaptureFixture) -> None:
