@@ -61,6 +61,20 @@ def test_block_and_slot_counts_follow_kv_cache_memory_bytes_exactly(budget: int)
     assert on == ((budget - 6 * SLOT) // BLOCK, 6, 2, 4)
 
 
+def test_while_speculating_the_mtp_layer_and_the_verify_scratch_are_inside_it() -> None:
+    """MTP (k = 2): a block holds the MTP layer's K/V too (3 attention layers, not 2), a slot the MTP hidden row, and
+    the verify scratch (4 rows of 1 + k GDN states: a quarter of the budget holds more) comes out of the budget."""
+    budget = 4 * 2**20
+    hidden = ModelConfig.from_pretrained(DENSE).hidden_size
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    runner = LLM(DENSE, **FIXED, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
+                 speculative_config=mtp).engine.runner  # fmt: skip
+    block, slot, scratch = BLOCK * 3 // 2, SLOT + hidden * FP32, 4 * 3 * SLOT
+    assert runner.spec.max_spec_seqs == 4 and scratch <= budget // 4
+    assert (runner.layout.bytes_per_block, runner.layout.bytes_per_slot) == (block, slot)
+    assert (runner.layout.num_blocks, runner.layout.num_slots) == ((budget - scratch - 4 * slot) // block, 4)
+
+
 def test_without_it_the_cpu_budget_is_cpu_kv_cache_bytes_and_zero_means_not_set() -> None:
     """0 is vLLM's 'not set' (its worker tests the value for truth): the budget stays cpu_kv_cache_bytes."""
     budget = 2 * 2**20
