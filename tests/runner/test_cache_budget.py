@@ -148,3 +148,14 @@ def test_on_a_gpu_it_overrides_gpu_memory_utilization(monkeypatch: pytest.Monkey
     assert "gpu_memory_utilization 0.5 does not size it" in caplog.text
     blocks = (budget - 4 * SLOT) // BLOCK
     assert f"cache budget {budget} bytes (0.04 GiB, kv_cache_memory_bytes): {blocks} KV blocks" in caplog.text
+
+
+def test_on_a_gpu_the_verify_warmup_is_sized_from_it(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
+    """Speculating on the GPU path (CUDA calls stood in): the warm-up's verify step takes as many rows as the given
+    budget's verify scratch affords (4, max_num_seqs), where the faked GPU's share alone would afford 1."""
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    with fake_cuda(monkeypatch, 64 * 2**20, 3 * 2**20), caplog.at_level(logging.INFO, logger="deltaserve"):
+        runner = LLM(DENSE, **FIXED, enforce_eager=True, enable_prefix_caching=False, gpu_memory_utilization=0.5,
+                     kv_cache_memory_bytes=40 * 2**20, speculative_config=mtp).engine.runner  # fmt: skip
+    assert "a verify step of 4 rows of 3 tokens with drafts and the MTP drafter" in caplog.text
+    assert runner.spec.max_spec_seqs == 4
