@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltaserve.api import cli
@@ -229,6 +230,19 @@ def test_kv_cache_memory_bytes_refuses_other_spellings(value: str, error: str, c
         parse("m", "--kv-cache-memory-bytes", value)
     err = capsys.readouterr().err
     assert "error: argument --kv-cache-memory-bytes: " in err and error in err and repr(value) in err
+
+
+def test_a_kv_cache_memory_bytes_short_of_one_sequence_stops_the_server_by_name(
+    tiny_dense: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """`deltaserve serve --kv-cache-memory-bytes 64k` on a tiny checkpoint, too little for one 64-token sequence:
+    exits 1 at start-up with one line naming the flag's field and max_model_len, as vLLM refuses."""
+    monkeypatch.setenv("DELTASERVE_ENABLE_MULTIPROCESSING", "0")  # the engine core on a thread: no process to start
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)  # a server that did start returns 0, not serves on
+    argv = (str(tiny_dense), "--kv-cache-memory-bytes", "64k", "--max-model-len", "64", "--port", "0")
+    assert cli.run(parse(*argv, "--device", "cpu")) == 1
+    (error,) = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert "kv_cache_memory_bytes (64000 bytes, 0.00 GiB) is not enough for max_model_len (64)" in error, error
 
 
 def test_accepted_flags_are_logged(caplog: pytest.LogCaptureFixture) -> None:
