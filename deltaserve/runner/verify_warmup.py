@@ -30,7 +30,7 @@ PROMPT_LEN = 1  # each warm-up row's prompt: its verify chunk then covers positi
 
 class PeakMeter:
     """The peak of allocated device memory since mark(), in bytes; 0 off CUDA (the CPU runs the same steps
-    unmeasured: its cache is sized by --cpu-kv-cache-bytes)."""
+    unmeasured: its cache is sized by kv_cache_memory_bytes or cpu_kv_cache_bytes)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -127,7 +127,7 @@ def test_warmup_with_speculation_runs_a_verify_step_on_the_cpu(
     # the drafter after each of the 7 prefills (64, 32, ..., 1 tokens: no row samples), then after the verify
     # step's prefill and after the verify step (8 rows each)
     assert drafted == [0] * 7 + [8, 8]
-    # the CPU budget (--cpu-kv-cache-bytes) and the 64-token step hold max_num_seqs = 8 chunks of 1 + k = 3
+    # the CPU budget (cpu_kv_cache_bytes) and the 64-token step hold max_num_seqs = 8 chunks of 1 + k = 3
     assert "a verify step of 8 rows of 3 tokens with drafts and the MTP drafter" in caplog.text
     assert runner.table is table and runner.spec is spec
     mixers = [layer.mixer for layer in runner.model.layers]
