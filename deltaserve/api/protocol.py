@@ -25,7 +25,8 @@ class APIModel(BaseModel):
 
 
 class StreamOptions(APIModel):
-    include_usage: bool | None = True
+    # False as in vLLM since PR #36379: an empty stream_options object asks for no usage chunk
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 

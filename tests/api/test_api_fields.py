@@ -33,7 +33,7 @@ def chunks(response: httpx.Response) -> list[dict[str, Any]]:
         (None, False, False),
         ({"include_usage": False}, False, False),
         ({"include_usage": True}, True, False),
-        ({}, True, False),  # include_usage defaults to true once stream_options is given
+        ({}, False, False),  # include_usage defaults to false (vLLM PR #36379): an empty object asks for nothing
         ({"include_usage": True, "continuous_usage_stats": True}, True, True),
         ({"include_usage": False, "continuous_usage_stats": True}, False, False),
     ],
