@@ -154,6 +154,17 @@ def test_chat_logprobs_and_n(client: openai.OpenAI, fake_engine: FakeEngine) -> 
     assert content[0].bytes == list(content[0].token.encode())
 
 
+def test_fields_not_asked_for_are_null_not_absent(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's test_prompt_logprobs_chat reads completion.prompt_logprobs (None): its response model is sent whole."""
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2)
+    assert completion.prompt_logprobs is None and completion.prompt_token_ids is None
+    assert completion.choices[0].token_ids is None
+    body = {"messages": USER, "max_tokens": 2, "return_token_ids": True, "prompt_logprobs": 0}
+    asked = http.post("/v1/chat/completions", json=body).json()
+    assert len(asked["prompt_logprobs"]) == len(asked["prompt_token_ids"]) > 0
+    assert len(asked["choices"][0]["token_ids"]) == asked["usage"]["completion_tokens"]
+
+
 def test_continue_final_message(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
     messages = [*USER, {"role": "assistant", "content": "The weather is"}]
     fake_engine.scripts.append([" sunny."])

@@ -49,6 +49,17 @@ def test_token_id_prompts(client: openai.OpenAI, fake_engine: FakeEngine) -> Non
     assert len(completion.choices) == 2 and completion.usage.prompt_tokens == 3
 
 
+def test_fields_not_asked_for_are_null_not_absent(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's test_single_completion reads choices[0].prompt_logprobs (None): its choice model is sent whole."""
+    completion = client.completions.create(model=MODEL_NAME, prompt=[1, 2, 3], max_tokens=2)
+    choice = completion.choices[0]
+    assert choice.prompt_logprobs is None and choice.token_ids is None and choice.prompt_token_ids is None
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "return_token_ids": True, "prompt_logprobs": 0}
+    asked = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert asked["prompt_token_ids"] == [1, 2, 3] and len(asked["token_ids"]) == 2
+    assert len(asked["prompt_logprobs"]) == 3
+
+
 def test_echo_stop_and_include_stop(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
     fake_engine.scripts.append(["one two three four"])
     completion = client.completions.create(model=MODEL_NAME, prompt="Count:", echo=True, stop=[" three"])
