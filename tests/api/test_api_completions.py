@@ -106,6 +106,9 @@ def test_stream_without_stream_options_has_no_usage_and_continuous_usage(http: h
     assert len(chunks) == 3 and all("usage" not in chunk for chunk in chunks)
     body = {"prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {"continuous_usage_stats": True}}
     chunks = [json.loads(event) for event in sse_events(http.post("/v1/completions", json=body))[:-1]]
+    assert len(chunks) == 3 and all("usage" not in chunk for chunk in chunks), "continuous stats need include_usage"
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [json.loads(event) for event in sse_events(http.post("/v1/completions", json=body))[:-1]]
     assert [chunk["usage"]["completion_tokens"] for chunk in chunks] == [1, 2, 3, 3]
 
 
