@@ -60,6 +60,15 @@ def test_fields_not_asked_for_are_null_not_absent(client: openai.OpenAI, http: h
     assert len(asked["prompt_logprobs"]) == 3
 
 
+def test_missing_or_empty_prompt_is_refused_in_vllms_words(http: httpx.Client) -> None:
+    """vLLM's test_prompt_validation and test_empty_prompt_list: no prompt, "" or [] is one 400 naming prompt."""
+    for body in ({}, {"prompt": None, "prompt_embeds": []}, {"prompt": ""}, {"prompt": []}):
+        response = http.post("/v1/completions", json={"max_tokens": 1, **body})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "prompt", body
+        assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", body
+
+
 def test_echo_stop_and_include_stop(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
     fake_engine.scripts.append(["one two three four"])
     completion = client.completions.create(model=MODEL_NAME, prompt="Count:", echo=True, stop=[" three"])
