@@ -143,8 +143,12 @@ def build_sampling_params(
         values["top_k"] = vocab_size  # same distribution; keeps the sampler's top-k within the vocabulary
     stop_token_ids = list(dict.fromkeys(request.stop_token_ids or []))
     if stop_token_ids and not (min(stop_token_ids) >= 0 and max(stop_token_ids) < vocab_size):
-        outside = next(t for t in stop_token_ids if not 0 <= t < vocab_size)
-        raise bad_request(f"stop_token_ids contains {outside}, outside the vocabulary.", "stop_token_ids")
+        # vLLM's words; the list is cut at 16 ids so that a long request cannot make a long error
+        outside = [t for t in stop_token_ids if not 0 <= t < vocab_size][:16]
+        raise bad_request(
+            f"stop_token_ids contains out-of-vocab token id(s) {outside}. Vocabulary size: {vocab_size}",
+            "stop_token_ids",
+        )
     try:
         params = SamplingParams(
             n=request.n,

@@ -183,6 +183,17 @@ def test_unknown_model_message(http: httpx.Client) -> None:
     assert error["message"] == "The model `gpt-4` does not exist."
 
 
+def test_out_of_vocab_stop_token_ids_are_named_with_the_vocabulary_size(
+    http: httpx.Client, fake_engine: FakeEngine
+) -> None:
+    """vLLM's test_chat_stop_token_ids_validation: the 400 names the bad ids and the vocabulary size."""
+    vocab_size = len(fake_engine.tokenizer)  # the FakeEngine has no config vocab_size: the server bounds by this
+    body = {"messages": USER, "max_tokens": 1, "stop_token_ids": [2, vocab_size + 1, -1]}
+    error = http.post("/v1/chat/completions", json=body).json()["error"]
+    expected = f"stop_token_ids contains out-of-vocab token id(s) [{vocab_size + 1}, -1]. Vocabulary size: {vocab_size}"
+    assert error["message"] == expected and error["param"] == "stop_token_ids"
+
+
 def test_validation_error_is_400_not_422(http: httpx.Client) -> None:
     response = http.post("/v1/completions", json={"prompt": "x", "n": "many"})
     assert response.status_code == 400 and response.json()["error"]["message"].startswith("1 validation error")
