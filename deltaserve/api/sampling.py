@@ -73,6 +73,9 @@ def check_unsupported(request: SamplingRequest) -> None:
     for name, needs in UNSUPPORTED_FIELDS.items():
         if _is_set(extra.get(name)):
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
+    salt = extra.get("cache_salt")  # ignored here (no salted prefix cache), but checked as vLLM checks it
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
     if request.use_beam_search and not isinstance(request, CompletionRequest):  # completions: api/beam_search.py
         raise bad_request("Beam search is not supported in chat completions.", "use_beam_search")
     if not 1 <= request.n <= MAX_N:
