@@ -44,7 +44,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_k below -1", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
     ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 100}, 400, "logprobs"),
-    ("seed beyond int64", "/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("seed beyond int64", "/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "body.seed"),
     ("stop wrong type", "/v1/completions", {"prompt": "x", "stop": 5}, 400, None),
     ("stop empty string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("min_tokens above max", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
@@ -194,6 +194,16 @@ def test_out_of_vocab_stop_token_ids_are_named_with_the_vocabulary_size(
     error = http.post("/v1/chat/completions", json=body).json()["error"]
     expected = f"stop_token_ids contains out-of-vocab token id(s) [{vocab_size + 1}, -1]. Vocabulary size: {vocab_size}"
     assert error["message"] == expected and error["param"] == "stop_token_ids"
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**63])
+def test_validation_errors_name_pydantics_error_type(http: httpx.Client, seed: int) -> None:
+    """vLLM's test_long_seed: a seed past int64 is a validation error whose message names greater_than_equal or
+    less_than_equal (vLLM renders each pydantic error whole: type, loc, msg, input)."""
+    error = http.post("/v1/chat/completions", json={"messages": USER, "seed": seed}).json()["error"]
+    kind = "greater_than_equal" if seed < 0 else "less_than_equal"
+    assert error["param"] == "body.seed" and error["message"].startswith("1 validation error:\n  {")
+    assert f"'type': '{kind}'" in error["message"] and f"'input': '{seed}'" in error["message"]
 
 
 def test_validation_error_is_400_not_422(http: httpx.Client) -> None:
