@@ -92,6 +92,12 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
     length_penalty: float = 1.0  # beam search: a finished beam's score is cumulative logprob / length ** this
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, value: Any) -> Any:
+        # vLLM's normalize_null_max_tokens: an explicit null is the default 16, not "the rest of the context"
+        return 16 if value is None else value
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:

@@ -28,6 +28,9 @@ def test_default_max_tokens_is_16_and_usage(client: openai.OpenAI, fake_engine: 
         "completion_tokens": 16,
         "total_tokens": num_prompt + 16,
     }
+    # an explicit null is the default too, not the rest of the context (vLLM's normalize_null_max_tokens)
+    nulled = client.completions.create(model=MODEL_NAME, prompt="Hello there", extra_body={"max_tokens": None})
+    assert nulled.usage.completion_tokens == 16
 
 
 def test_batch_prompts_and_n_index_choices(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
