@@ -196,6 +196,17 @@ def test_out_of_vocab_stop_token_ids_are_named_with_the_vocabulary_size(
     assert error["message"] == expected and error["param"] == "stop_token_ids"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_zero_prompt_logprobs_may_stream(http: httpx.Client, path: str) -> None:
+    """vLLM refuses prompt_logprobs with stream only above 0: 0 streams (nothing of it is sent), 1 is a 400."""
+    body: dict[str, Any] = {"max_tokens": 2, "stream": True, "prompt_logprobs": 0}
+    body.update({"prompt": "x"} if "chat" not in path else {"messages": USER})
+    events = sse_events(http.post(path, json=body))
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(event) for event in events[:-1])
+    response = http.post(path, json={**body, "prompt_logprobs": 1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_logprobs"
+
+
 @pytest.mark.parametrize("seed", [-(2**63) - 1, 2**63])
 def test_validation_errors_name_pydantics_error_type(http: httpx.Client, seed: int) -> None:
     """vLLM's test_long_seed: a seed past int64 is a validation error whose message names greater_than_equal or
