@@ -73,6 +73,8 @@ def check_unsupported(request: SamplingRequest) -> None:
     for name, needs in UNSUPPORTED_FIELDS.items():
         if _is_set(extra.get(name)):
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
+    if extra.get("logprob_token_ids") == []:  # refused by name when set; empty, vLLM refuses it as empty
+        raise bad_request("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
     salt = extra.get("cache_salt")  # ignored here (no salted prefix cache), but checked as vLLM checks it
     if salt is not None and not (isinstance(salt, str) and salt):
         raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")

@@ -61,6 +61,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"9999999": 10}}, 400, "logit_bias"),
     ("beam search in chat", "/v1/chat/completions", {"messages": USER, "use_beam_search": True}, 400, None),
     ("cache_salt empty", "/v1/chat/completions", {"messages": USER, "cache_salt": ""}, 400, "cache_salt"),
+    ("logprob_token_ids empty", "/v1/completions", {"prompt": "x", "logprob_token_ids": []}, 400, "logprob_token_ids"),
     ("cache_salt not a string", "/v1/completions", {"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
     ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 100}, 400, "prompt_logprobs"),
     ("guided_json not JSON", "/v1/completions", {"prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
