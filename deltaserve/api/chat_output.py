@@ -165,15 +165,17 @@ class MessageBuilder:
             entry["arguments"] += call["function"].get("arguments", "")
 
     def message(self) -> dict[str, Any]:
+        """vLLM's ChatMessage serialised whole: the OpenAI fields it never fills are null, tool_calls is left out
+        when empty (as vLLM's serializer drops it), and reasoning is null unless a reasoning parser produced some."""
         content = "".join(self.content)
         is_parsed = not self.processor.is_plain
         message: dict[str, Any] = {"role": "assistant", "content": None if is_parsed and not content else content}
-        if self.processor.reasoning_parser is not None:
-            message["reasoning"] = "".join(self.reasoning) or None
+        message.update(refusal=None, annotations=None, audio=None, function_call=None)
         tool_calls = [
             {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
             for _, call in sorted(self.calls.items())
         ]
         if tool_calls:
             message["tool_calls"] = tool_calls
+        message["reasoning"] = "".join(self.reasoning) or None
         return message

@@ -35,15 +35,19 @@ __all__ = ["add_arguments", "human_int", "json_list", "json_object", "normalize_
 
 
 def read_chat_template(value: str | None) -> str | None:
-    """A path is read; text with Jinja syntax is the template itself; anything else is a missing file."""
+    """vLLM's rule: a file that opens is read; text holding a brace or a newline is the template itself; anything
+    else is a path that failed, refused in vLLM's words (deltaserve ships no named templates to fall back on)."""
     if value is None:
         return None
-    if os.path.isfile(value):
+    try:
         with open(value, encoding="utf-8") as handle:
             return handle.read()
-    if any(marker in value for marker in ("{{", "{%", "\n")):
-        return value
-    raise ValueError(f"--chat-template: no such file {value!r}")
+    except OSError as exc:
+        if any(char in value for char in "{}\n"):
+            return value
+        raise ValueError(
+            f"The supplied chat template ({value}) looks like a file path, but it failed to be opened. Reason: {exc}"
+        ) from None
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:

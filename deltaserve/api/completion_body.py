@@ -127,8 +127,10 @@ class BodyBuilder:
         text = "".join(choice.text)
         if job.request.echo:
             text = (prompt.text or "") + ("" if job.is_echo_only else text)
+        # vLLM's choice model serialised whole: fields not asked for are null, not absent (its clients read them)
         item: dict[str, Any] = {"index": index, "text": text, "logprobs": self._logprobs(choice),
-                                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}  # fmt: skip
+                                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}  # fmt: skip
         if job.request.prompt_logprobs is not None or choice.prompt_index in job.prompt_logprobs:
             item["prompt_logprobs"] = self._prompt_logprobs(choice.prompt_index)
         if job.request.return_token_ids:

@@ -84,18 +84,50 @@ def _location(loc: tuple[Any, ...], prefix: str | None) -> str | None:
     return ".".join(parts) or None
 
 
+# vLLM's bounds on a validation message: pydantic repeats the offending value in every error, so a large malformed
+# body would otherwise come back many times over.
+MAX_REPORTED_ERRORS = 10
+MAX_INPUT_CHARS = 200
+MAX_ERROR_CHARS = 1000
+
+
+def _summarize_input(value: Any) -> Any:
+    """A bounded stand-in for an error's input: containers are described, long text is cut."""
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    if isinstance(value, bytes | bytearray):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except ValueError:  # an int past Python's digit limit
+        return f"<{type(value).__name__}>"
+    return text[:MAX_INPUT_CHARS] + "...[truncated]" if len(text) > MAX_INPUT_CHARS else text
+
+
+def _format_error(error: dict[str, Any], prefix: str | None) -> str:
+    """One error as vLLM renders it: the pydantic entry (type, loc, msg, input, ctx) with a dotted location."""
+    entry: dict[str, Any] = {"type": error.get("type"), "loc": _location(tuple(error.get("loc", ())), prefix),
+                             "msg": error.get("msg", "invalid value")}  # fmt: skip
+    if "input" in error:
+        entry["input"] = _summarize_input(error["input"])
+    if error.get("ctx"):
+        entry["ctx"] = {key: value if isinstance(value, int | float | str) else str(value)
+                        for key, value in error["ctx"].items()}  # fmt: skip
+    text = str(entry)
+    return text[:MAX_ERROR_CHARS] + "...[truncated]" if len(text) > MAX_ERROR_CHARS else text
+
+
 def validation_error(exc: pydantic.ValidationError | RequestValidationError, prefix: str | None = "body") -> APIError:
-    """vLLM's message for request-model validation: 'N validation error(s): ...', param = first dotted location."""
+    """vLLM's message for request-model validation: 'N validation error(s):' then one pydantic entry a line (its
+    type included, e.g. greater_than_equal), at most ten; param = the first dotted location."""
     errors = exc.errors()
     num_errors = len(errors)
-    lines = []
-    for error in errors[:10]:
-        loc = _location(tuple(error.get("loc", ())), prefix)
-        message = str(error.get("msg", "invalid value"))
-        lines.append(f"{loc}: {message}" if loc else message)
     noun = "error" if num_errors == 1 else "errors"
+    lines = [f"  {_format_error(error, prefix)}" for error in errors[:MAX_REPORTED_ERRORS]]
+    if num_errors > MAX_REPORTED_ERRORS:
+        lines.append(f"  ...and {num_errors - MAX_REPORTED_ERRORS} more {noun}")
     param = _location(tuple(errors[0].get("loc", ())), prefix) if errors else None
-    return APIError(f"{num_errors} validation {noun}: " + "; ".join(lines), param=param)
+    return APIError(f"{num_errors} validation {noun}:\n" + "\n".join(lines), param=param)
 
 
 def to_api_error(exc: BaseException) -> APIError:

@@ -82,12 +82,17 @@ class EngineStatsCollector(Collector):
     def _cache_config(self, stats: Any) -> GaugeMetricFamily:
         # vLLM labels the gauge with its CacheConfig fields (CacheConfig.metrics_info) and the engine index; these
         # are the ones deltaserve has values for. The KV cache is kept in the model dtype, which is vLLM's "auto",
-        # and no KV block lives on the CPU (vLLM's v1 engine reports 0 too).
+        # and no KV block lives on the CPU (vLLM's v1 engine reports 0 too). kv_cache_size_tokens and
+        # kv_cache_max_concurrency are vLLM's capacity figures: the tokens the KV blocks hold, and how many requests
+        # of max_model_len tokens fit in them at once (a GDN state slot per request is sized apart, never fewer).
+        blocks_per_request = -(-max(self.engine.max_model_len, 1) // stats.block_size)
         info = {"block_size": str(stats.block_size), "cache_dtype": "auto",
                 "gpu_memory_utilization": str(stats.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(stats.kv_cache_memory_bytes),
                 "enable_prefix_caching": str(stats.enable_prefix_caching),
                 "num_gpu_blocks": str(stats.num_total_kv_blocks), "num_cpu_blocks": "0",
+                "kv_cache_size_tokens": str(stats.num_total_kv_blocks * stats.block_size),
+                "kv_cache_max_concurrency": str(stats.num_total_kv_blocks / blocks_per_request),
                 "engine": ENGINE_INDEX}  # fmt: skip
         family = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)

@@ -25,7 +25,8 @@ class APIModel(BaseModel):
 
 
 class StreamOptions(APIModel):
-    include_usage: bool | None = True
+    # False as in vLLM since PR #36379: an empty stream_options object asks for no usage chunk
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -49,7 +50,7 @@ class SamplingRequest(APIModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # vLLM's bounds: a 400 from validation
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -90,6 +91,12 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     add_special_tokens: bool = True
     length_penalty: float = 1.0  # beam search: a finished beam's score is cumulative logprob / length ** this
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, value: Any) -> Any:
+        # vLLM's normalize_null_max_tokens: an explicit null is the default 16, not "the rest of the context"
+        return 16 if value is None else value
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -73,6 +73,11 @@ def check_unsupported(request: SamplingRequest) -> None:
     for name, needs in UNSUPPORTED_FIELDS.items():
         if _is_set(extra.get(name)):
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
+    if extra.get("logprob_token_ids") == []:  # refused by name when set; empty, vLLM refuses it as empty
+        raise bad_request("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
+    salt = extra.get("cache_salt")  # ignored here (no salted prefix cache), but checked as vLLM checks it
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
     if request.use_beam_search and not isinstance(request, CompletionRequest):  # completions: api/beam_search.py
         raise bad_request("Beam search is not supported in chat completions.", "use_beam_search")
     if not 1 <= request.n <= MAX_N:
@@ -99,7 +104,7 @@ def check_sampling_request(
         raise bad_request(str(exc), exc.param) from None
     check_logprobs(num_logprobs, logprobs_param, state.settings.max_logprobs)
     check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
-    if request.prompt_logprobs is not None and request.stream:
+    if request.prompt_logprobs and request.stream:  # vLLM's test: 0 (only the prompt's own tokens) may stream
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
 
@@ -143,8 +148,12 @@ def build_sampling_params(
         values["top_k"] = vocab_size  # same distribution; keeps the sampler's top-k within the vocabulary
     stop_token_ids = list(dict.fromkeys(request.stop_token_ids or []))
     if stop_token_ids and not (min(stop_token_ids) >= 0 and max(stop_token_ids) < vocab_size):
-        outside = next(t for t in stop_token_ids if not 0 <= t < vocab_size)
-        raise bad_request(f"stop_token_ids contains {outside}, outside the vocabulary.", "stop_token_ids")
+        # vLLM's words; the list is cut at 16 ids so that a long request cannot make a long error
+        outside = [t for t in stop_token_ids if not 0 <= t < vocab_size][:16]
+        raise bad_request(
+            f"stop_token_ids contains out-of-vocab token id(s) {outside}. Vocabulary size: {vocab_size}",
+            "stop_token_ids",
+        )
     try:
         params = SamplingParams(
             n=request.n,

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 import deltaserve
 from deltaserve.api import serving_chat, serving_completion, serving_responses, serving_tokenize
 from deltaserve.api.body import read_json
-from deltaserve.api.errors import APIError, install_error_handlers
+from deltaserve.api.errors import APIError, install_error_handlers, model_not_found
 from deltaserve.api.metrics import ServerMetrics
 from deltaserve.api.middleware import APIKeyMiddleware, BodySizeMiddleware, RequestIdMiddleware
 from deltaserve.api.settings import EngineClient, ServerSettings, ServerState
@@ -186,6 +186,14 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(model_cards(state))
+
+    # The openai client's models.retrieve; `:path` so that a Hugging Face style name with a slash matches.
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        for card in model_cards(state)["data"]:
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise model_not_found(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -325,12 +325,13 @@ async def full_chat(job: ChatJob) -> JSONPiecesResponse:
             "logprobs": {"content": builder.logprobs} if job.num_top_logprobs is not None else None,
             "finish_reason": builder.finish_reason,
             "stop_reason": builder.stop_reason,
+            "token_ids": builder.token_ids if job.request.return_token_ids else None,
         })  # fmt: skip
-        if job.request.return_token_ids:
-            choices[-1]["token_ids"] = builder.token_ids
+    # vLLM's response model serialised whole: prompt_logprobs and prompt_token_ids are null unless asked for
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
             "model": job.state.settings.model_name, "choices": choices,
-            "usage": job.usage([builder.processor for builder in builders.values()])}  # fmt: skip
+            "usage": job.usage([builder.processor for builder in builders.values()]),
+            "prompt_logprobs": None, "prompt_token_ids": None}  # fmt: skip
 
     def render() -> list[bytes]:
         # a long prompt's logprobs make a body of many MB: built and rendered off the event loop (json_body.py)

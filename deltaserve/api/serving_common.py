@@ -73,14 +73,14 @@ def usage(
     num_cached_tokens: int | None = None,
     num_reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """vLLM's UsageInfo. num_cached_tokens is given only under --enable-prompt-tokens-details, and as vLLM does
-    (a truthiness test) prompt_tokens_details stays null when nothing was cached; reasoning tokens only with a
-    reasoning parser (vLLM reports completion_tokens_details then)."""
+    """vLLM's UsageInfo. num_cached_tokens is given only under --enable-prompt-tokens-details, and then reported
+    even when it is 0 (vLLM since PR #44383: a client can tell "nothing cached" from "no details"); reasoning tokens
+    only with a reasoning parser (vLLM reports completion_tokens_details then)."""
     body: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "completion_tokens": num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens} if num_cached_tokens else None,
+        "prompt_tokens_details": None if num_cached_tokens is None else {"cached_tokens": num_cached_tokens},
     }
     if num_reasoning_tokens is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}

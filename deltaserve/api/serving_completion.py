@@ -79,14 +79,9 @@ class ChoiceState:
 async def resolve_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
     """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request (with echo, its text)."""
     prompt = request.prompt
-    if prompt is None:
-        raise bad_request("Either prompt or prompt_embeds must be provided; deltaserve accepts prompt.", "prompt")
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        items: list[Any] = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise bad_request("The prompt cannot be empty.", "prompt")
+    if not prompt:  # None, "" or []: vLLM's words (prompt_embeds, which it also names, is refused by name here)
+        raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    items: list[Any] = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
     if len(items) > MAX_PROMPTS:
         raise bad_request(f"A request may batch at most {MAX_PROMPTS} prompts, got {len(items)}.", "prompt")
     max_model_len = state.engine.max_model_len

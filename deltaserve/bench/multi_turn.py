@@ -230,7 +230,7 @@ def turn_breakdown(turns: list[TurnResult], num_turns: int) -> dict[str, Any]:
     cached_by_turn: list[int | None] = []
     done = [t.result for t in turns if t.result.is_success]
     reported = [r for r in done if r.cached_tokens is not None]
-    # a server that reported the field leaves it out when nothing was cached (vLLM's truthiness test): 0 then
+    # a server that reports the field may leave it out when nothing was cached (vLLM before its PR #44383): 0 then
     is_reporting = bool(reported)
     for index in range(num_turns):
         done_at = [t.result for t in turns if t.turn == index and t.result.is_success]

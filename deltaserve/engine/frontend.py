@@ -199,7 +199,11 @@ class EngineFrontend:
         """Raises RequestError (a 400 in the API) for prompts and limits the engine cannot serve; returns the
         request's max_tokens (the rest of the context where params leave it unset, as vLLM's engine does)."""
         check_token_ids(prompt_token_ids, self.vocab_size)
-        max_tokens = resolve_max_tokens(params.max_tokens, len(prompt_token_ids), self.max_model_len)
+        # vLLM's engine takes a max_tokens past the context and stops the sequence at max_model_len ("length");
+        # the API refuses such a request before it gets here (api/sampling.py), as vLLM's server does.
+        room = max(self.max_model_len - len(prompt_token_ids), 1)
+        requested = None if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = resolve_max_tokens(requested, len(prompt_token_ids), self.max_model_len)
         try:
             params.validate()
             if params.bad_words and params.bad_words_token_ids is None:

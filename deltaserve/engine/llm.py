@@ -72,10 +72,10 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: SequenceABC[int] | None = None,
+        priority: SequenceABC[int] | int | None = None,
     ) -> list[RequestOutput]:
-        """priority: one per prompt, as vLLM's LLM.generate takes it (needs scheduling_policy="priority" for any
-        value but 0; lower runs first)."""
+        """priority: one per prompt, or one value for every prompt, as vLLM's LLM.generate takes it (needs
+        scheduling_policy="priority" for any value but 0; lower runs first)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
@@ -85,7 +85,10 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
         if len(priorities) != len(prompts):
             raise ValueError("The lengths of prompts and priority must be the same.")
         for value in priorities:  # before any prompt is added: a refusal leaves nothing behind

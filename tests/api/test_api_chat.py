@@ -154,6 +154,31 @@ def test_chat_logprobs_and_n(client: openai.OpenAI, fake_engine: FakeEngine) -> 
     assert content[0].bytes == list(content[0].token.encode())
 
 
+def test_fields_not_asked_for_are_null_not_absent(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's test_prompt_logprobs_chat reads completion.prompt_logprobs (None): its response model is sent whole."""
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2)
+    assert completion.prompt_logprobs is None and completion.prompt_token_ids is None
+    assert completion.choices[0].token_ids is None
+    body = {"messages": USER, "max_tokens": 2, "return_token_ids": True, "prompt_logprobs": 0}
+    asked = http.post("/v1/chat/completions", json=body).json()
+    assert len(asked["prompt_logprobs"]) == len(asked["prompt_token_ids"]) > 0
+    assert len(asked["choices"][0]["token_ids"]) == asked["usage"]["completion_tokens"]
+
+
+def test_the_message_carries_vllms_null_fields(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's test_invocations compares the client's dump of a reply with the raw JSON: the message's OpenAI fields
+    and reasoning are null, not absent (tool_calls is left out when empty, as vLLM's serializer drops it)."""
+    raw = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "temperature": 0}).json()
+    message = raw["choices"][0]["message"]
+    assert {key: message[key] for key in ("refusal", "annotations", "audio", "function_call")} == dict.fromkeys(
+        ("refusal", "annotations", "audio", "function_call")
+    )
+    assert "reasoning" in message and "tool_calls" not in message
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, temperature=0)
+    dumped = reply.model_dump()["choices"][0]["message"]
+    assert {key: value for key, value in dumped.items() if key != "tool_calls"} == message
+
+
 def test_continue_final_message(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
     messages = [*USER, {"role": "assistant", "content": "The weather is"}]
     fake_engine.scripts.append([" sunny."])

@@ -5,8 +5,10 @@ tests/api/data/response_bodies.json holds request bodies and the responses main 
 FakeEngine served with default settings (id fixed by X-Request-Id, created set to 0): completions with n > 1 and
 prompt_logprobs and logprobs, echo with logprobs, echo-only scoring, batched text and token-id prompts, token ids as
 names; streamed echo with logprobs (each prompt's echoed logprobs built once); chat with n > 1, prompt_logprobs and
-top_logprobs (its body is rendered off the event loop too). One edit since: echo's first top_logprobs entry is null,
-as vLLM gives it (it was {} at adec2ea).
+top_logprobs (its body is rendered off the event loop too). Two edits since: echo's first top_logprobs entry is null,
+as vLLM gives it (it was {} at adec2ea); a choice's token_ids, prompt_logprobs and prompt_token_ids, and a chat body's
+prompt_logprobs and prompt_token_ids, are null when not asked for, as vLLM sends its models whole (they were absent),
+and so are a chat message's refusal, annotations, audio, function_call and reasoning.
 """
 
 from __future__ import annotations

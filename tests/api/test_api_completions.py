@@ -28,6 +28,9 @@ def test_default_max_tokens_is_16_and_usage(client: openai.OpenAI, fake_engine: 
         "completion_tokens": 16,
         "total_tokens": num_prompt + 16,
     }
+    # an explicit null is the default too, not the rest of the context (vLLM's normalize_null_max_tokens)
+    nulled = client.completions.create(model=MODEL_NAME, prompt="Hello there", extra_body={"max_tokens": None})
+    assert nulled.usage.completion_tokens == 16
 
 
 def test_batch_prompts_and_n_index_choices(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
@@ -47,6 +50,26 @@ def test_token_id_prompts(client: openai.OpenAI, fake_engine: FakeEngine) -> Non
     assert fake_engine.last_prompt_ids == [1, 2, 3] and completion.usage.prompt_tokens == 3
     completion = client.completions.create(model=MODEL_NAME, prompt=[[5, 6], [7]], max_tokens=2)
     assert len(completion.choices) == 2 and completion.usage.prompt_tokens == 3
+
+
+def test_fields_not_asked_for_are_null_not_absent(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's test_single_completion reads choices[0].prompt_logprobs (None): its choice model is sent whole."""
+    completion = client.completions.create(model=MODEL_NAME, prompt=[1, 2, 3], max_tokens=2)
+    choice = completion.choices[0]
+    assert choice.prompt_logprobs is None and choice.token_ids is None and choice.prompt_token_ids is None
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "return_token_ids": True, "prompt_logprobs": 0}
+    asked = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert asked["prompt_token_ids"] == [1, 2, 3] and len(asked["token_ids"]) == 2
+    assert len(asked["prompt_logprobs"]) == 3
+
+
+def test_missing_or_empty_prompt_is_refused_in_vllms_words(http: httpx.Client) -> None:
+    """vLLM's test_prompt_validation and test_empty_prompt_list: no prompt, "" or [] is one 400 naming prompt."""
+    for body in ({}, {"prompt": None, "prompt_embeds": []}, {"prompt": ""}, {"prompt": []}):
+        response = http.post("/v1/completions", json={"max_tokens": 1, **body})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "prompt", body
+        assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", body
 
 
 def test_echo_stop_and_include_stop(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
@@ -94,6 +117,9 @@ def test_stream_without_stream_options_has_no_usage_and_continuous_usage(http: h
     chunks = [json.loads(event) for event in events[:-1]]
     assert len(chunks) == 3 and all("usage" not in chunk for chunk in chunks)
     body = {"prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    chunks = [json.loads(event) for event in sse_events(http.post("/v1/completions", json=body))[:-1]]
+    assert len(chunks) == 3 and all("usage" not in chunk for chunk in chunks), "continuous stats need include_usage"
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     chunks = [json.loads(event) for event in sse_events(http.post("/v1/completions", json=body))[:-1]]
     assert [chunk["usage"]["completion_tokens"] for chunk in chunks] == [1, 2, 3, 3]
 

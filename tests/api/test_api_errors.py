@@ -44,7 +44,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_k below -1", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
     ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 100}, 400, "logprobs"),
-    ("seed beyond int64", "/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("seed beyond int64", "/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "body.seed"),
     ("stop wrong type", "/v1/completions", {"prompt": "x", "stop": 5}, 400, None),
     ("stop empty string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("min_tokens above max", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
@@ -60,6 +60,9 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ),  # fmt: skip
     ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"9999999": 10}}, 400, "logit_bias"),
     ("beam search in chat", "/v1/chat/completions", {"messages": USER, "use_beam_search": True}, 400, None),
+    ("cache_salt empty", "/v1/chat/completions", {"messages": USER, "cache_salt": ""}, 400, "cache_salt"),
+    ("logprob_token_ids empty", "/v1/completions", {"prompt": "x", "logprob_token_ids": []}, 400, "logprob_token_ids"),
+    ("cache_salt not a string", "/v1/completions", {"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
     ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 100}, 400, "prompt_logprobs"),
     ("guided_json not JSON", "/v1/completions", {"prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
@@ -181,6 +184,38 @@ def check_malformed(http: httpx.Client, path: str, body: Any, status: int, param
 def test_unknown_model_message(http: httpx.Client) -> None:
     error = http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}).json()["error"]
     assert error["message"] == "The model `gpt-4` does not exist."
+
+
+def test_out_of_vocab_stop_token_ids_are_named_with_the_vocabulary_size(
+    http: httpx.Client, fake_engine: FakeEngine
+) -> None:
+    """vLLM's test_chat_stop_token_ids_validation: the 400 names the bad ids and the vocabulary size."""
+    vocab_size = len(fake_engine.tokenizer)  # the FakeEngine has no config vocab_size: the server bounds by this
+    body = {"messages": USER, "max_tokens": 1, "stop_token_ids": [2, vocab_size + 1, -1]}
+    error = http.post("/v1/chat/completions", json=body).json()["error"]
+    expected = f"stop_token_ids contains out-of-vocab token id(s) [{vocab_size + 1}, -1]. Vocabulary size: {vocab_size}"
+    assert error["message"] == expected and error["param"] == "stop_token_ids"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_zero_prompt_logprobs_may_stream(http: httpx.Client, path: str) -> None:
+    """vLLM refuses prompt_logprobs with stream only above 0: 0 streams (nothing of it is sent), 1 is a 400."""
+    body: dict[str, Any] = {"max_tokens": 2, "stream": True, "prompt_logprobs": 0}
+    body.update({"prompt": "x"} if "chat" not in path else {"messages": USER})
+    events = sse_events(http.post(path, json=body))
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(event) for event in events[:-1])
+    response = http.post(path, json={**body, "prompt_logprobs": 1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**63])
+def test_validation_errors_name_pydantics_error_type(http: httpx.Client, seed: int) -> None:
+    """vLLM's test_long_seed: a seed past int64 is a validation error whose message names greater_than_equal or
+    less_than_equal (vLLM renders each pydantic error whole: type, loc, msg, input)."""
+    error = http.post("/v1/chat/completions", json={"messages": USER, "seed": seed}).json()["error"]
+    kind = "greater_than_equal" if seed < 0 else "less_than_equal"
+    assert error["param"] == "body.seed" and error["message"].startswith("1 validation error:\n  {")
+    assert f"'type': '{kind}'" in error["message"] and f"'input': '{seed}'" in error["message"]
 
 
 def test_validation_error_is_400_not_422(http: httpx.Client) -> None:

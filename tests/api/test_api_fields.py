@@ -33,7 +33,7 @@ def chunks(response: httpx.Response) -> list[dict[str, Any]]:
         (None, False, False),
         ({"include_usage": False}, False, False),
         ({"include_usage": True}, True, False),
-        ({}, True, False),  # include_usage defaults to true once stream_options is given
+        ({}, False, False),  # include_usage defaults to false (vLLM PR #36379): an empty object asks for nothing
         ({"include_usage": True, "continuous_usage_stats": True}, True, True),
         ({"include_usage": False, "continuous_usage_stats": True}, False, False),
     ],
@@ -92,8 +92,10 @@ def test_force_include_usage_streams_usage_everywhere(details_server: ServerThre
     body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
     events = chunks(httpx.post(details_server.base_url + "/v1/completions", json=body))
     assert all("usage" in event for event in events)
-    # nothing cached: vLLM leaves prompt_tokens_details out (its check is `if ... and num_cached_tokens`)
-    assert not events[-1]["choices"] and "prompt_tokens_details" not in events[-1]["usage"]
+    # nothing cached: reported as 0, not left out (vLLM's test_single_completion; its check is `is not None`)
+    assert not events[-1]["choices"] and events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    reply = httpx.post(details_server.base_url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+    assert reply.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_reasoning_tokens_are_counted_by_token(details_server: ServerThread, fake_engine: FakeEngine) -> None:

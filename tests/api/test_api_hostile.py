@@ -168,7 +168,7 @@ CASES: list[Case] = [
     Case("repetition_penalty zero", "/v1/completions", completion(repetition_penalty=0), param="repetition_penalty"),
     Case("presence_penalty 5", "/v1/completions", completion(presence_penalty=5), param="presence_penalty"),
     Case("frequency_penalty -5", "/v1/completions", completion(frequency_penalty=-5), param="frequency_penalty"),
-    Case("seed beyond int64", "/v1/completions", completion(seed=2**70), param="seed"),
+    Case("seed beyond int64", "/v1/completions", completion(seed=2**70), param="body.seed"),
     Case("seed a string", "/v1/completions", completion(seed="x"), param="body.seed"),
     Case("logprobs 100", "/v1/completions", completion(logprobs=100), param="logprobs"),
     Case("logprobs negative", "/v1/completions", completion(logprobs=-1), param="logprobs"),

@@ -1,7 +1,8 @@
 """max_tokens and the context-length rules, for /v1/completions and /v1/chat/completions, streamed and not.
 
 The API derives a prompt's max_tokens once (engine/frontend.resolve_max_tokens, called by
-api/sampling.build_sampling_params): unset means the rest of the context, a generation_config max_new_tokens caps
+api/sampling.build_sampling_params): unset means the rest of the context (chat; a completion's default, or null, is
+16 as in vLLM), a generation_config max_new_tokens caps
 even an explicit value, and the same call refuses a prompt that leaves no room and a prompt + max_tokens over the
 context, as 400s naming the field, before any stream starts. The FakeEngine's max_model_len is 2048.
 """
@@ -46,17 +47,18 @@ def _error(exc: pytest.ExceptionInfo[openai.BadRequestError]) -> dict[str, Any]:
 def test_completion_max_tokens_default_and_bounds(
     client: openai.OpenAI, fake_engine: FakeEngine, is_stream: bool
 ) -> None:
-    # one token of room: an unset max_tokens is exactly that one token
-    fake_engine.scripts.append(["ok"])
-    prompt = [5] * (MAX_MODEL_LEN - 1)
-    _consume(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=None, stream=is_stream), is_stream)
-    assert fake_engine.last_params.max_tokens == 1
-    # each prompt of a batch gets the rest of its own context
+    # a null max_tokens is the default 16, as vLLM normalises it (its PR #45491), not the rest of the context
     _consume(
-        client.completions.create(model=MODEL_NAME, prompt=[[5] * 2000, [5] * 2040], max_tokens=None, stream=is_stream),
-        is_stream,
+        client.completions.create(model=MODEL_NAME, prompt=[5] * 2000, max_tokens=None, stream=is_stream), is_stream
     )
-    assert fake_engine.last_params.max_tokens in (48, 8)
+    assert fake_engine.last_params.max_tokens == 16
+    with pytest.raises(openai.BadRequestError) as exc:  # one token of room is too little for those 16
+        client.completions.create(model=MODEL_NAME, prompt=[5] * (MAX_MODEL_LEN - 1), max_tokens=None, stream=is_stream)
+    assert _error(exc)["param"] == "max_tokens"
+    # each prompt of a batch is checked against its own context
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL_NAME, prompt=[[5] * 2000, [5] * 2040], max_tokens=None, stream=is_stream)
+    assert _error(exc)["message"].endswith("(16 > 2048 - 2040).")
     # prompt + max_tokens exactly fills the context: accepted; one more is a 400 naming max_tokens
     _consume(client.completions.create(model=MODEL_NAME, prompt=[5] * 2000, max_tokens=48, stream=is_stream), is_stream)
     assert fake_engine.last_params.max_tokens == 48

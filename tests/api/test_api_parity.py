@@ -40,7 +40,8 @@ NAME = "tiny"
 ITERATION = "vllm:iteration_tokens_total"
 # vLLM 0.26's CacheConfig.metrics_info labels that a dashboard reads, and the engine index vLLM adds
 CACHE_CONFIG_LABELS = {"block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
-                       "kv_cache_memory_bytes", "num_cpu_blocks", "num_gpu_blocks", "engine"}  # fmt: skip
+                       "kv_cache_memory_bytes", "num_cpu_blocks", "num_gpu_blocks", "kv_cache_size_tokens",
+                       "kv_cache_max_concurrency", "engine"}  # fmt: skip
 KV_CACHE_BYTES = 64 * 2**20  # the server's --kv-cache-memory-bytes: the cache_config_info label carries it
 
 
@@ -99,6 +100,13 @@ def test_cache_config_info_has_vllms_labels(metrics_http: httpx.Client) -> None:
     assert sample.value == 1 and sample.labels["engine"] == "0" and sample.labels["num_cpu_blocks"] == "0"
     assert sample.labels["cache_dtype"] == "auto" and int(sample.labels["num_gpu_blocks"]) > 0
     assert sample.labels["kv_cache_memory_bytes"] == str(KV_CACHE_BYTES)  # vLLM's str() of the field, "None" unset
+    # vLLM's test_metrics_exist: the capacity labels carry numbers (tokens the blocks hold; requests of
+    # max_model_len that fit at once)
+    num_blocks, block_size = int(sample.labels["num_gpu_blocks"]), int(sample.labels["block_size"])
+    assert int(sample.labels["kv_cache_size_tokens"]) == num_blocks * block_size
+    max_model_len = metrics_http.get("/v1/models").json()["data"][0]["max_model_len"]
+    blocks_per_request = -(-max_model_len // block_size)
+    assert float(sample.labels["kv_cache_max_concurrency"]) == pytest.approx(num_blocks / blocks_per_request)
 
 
 def test_best_of_is_ignored_with_vllms_warning(metrics_http: httpx.Client, caplog: pytest.LogCaptureFixture) -> None:

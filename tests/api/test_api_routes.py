@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 import deltaserve
 
@@ -20,6 +21,20 @@ def test_models_card_has_root_and_max_model_len(client: openai.OpenAI, http: htt
     assert body["object"] == "list" and card["object"] == "model" and card["owned_by"] == "deltaserve"
     assert card["root"] == "/models/fake-qwen" and card["parent"] is None and card["max_model_len"] == 2048
     assert isinstance(card["created"], int) and card["permission"][0]["object"] == "model_permission"
+
+
+def test_models_retrieve_names_a_served_model_or_404s(client: openai.OpenAI, http: httpx.Client) -> None:
+    """vLLM's test_models: the openai client's models.retrieve gets the card; an unknown name a 404 'does not exist'."""
+    listed = http.get("/v1/models").json()["data"]
+    for index, name in enumerate([MODEL_NAME, "alias"]):
+        model = client.models.retrieve(name)
+        assert model.id == name and model.root == "/models/fake-qwen"
+        assert http.get(f"/v1/models/{name}").json() == listed[index]
+    for unknown in ("this-model-does-not-exist", "org/with-a-slash"):
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.models.retrieve(unknown)
+        error = http.get(f"/v1/models/{unknown}").json()["error"]
+        assert error["type"] == "NotFoundError" and error["message"] == f"The model `{unknown}` does not exist."
 
 
 def test_alias_name_is_accepted(client: openai.OpenAI) -> None:

@@ -17,8 +17,12 @@ def test_priority_orders_the_offline_batch(tiny_dense: Path) -> None:
     outputs = llm.generate(["a", "b", "c", "d"], params, use_tqdm=False, priority=[3, 0, 2, 0])
     started = sorted(range(4), key=lambda i: outputs[i].metrics.first_scheduled_time)
     assert started == [1, 3, 2, 0]  # lower value first, ties by arrival
-    with pytest.raises(ValueError, match="The lengths of prompts and priority must be the same"):
-        llm.generate(["a", "b"], params, use_tqdm=False, priority=[1])
+    for mismatched in ([1], []):  # vLLM's test_multiple_priority: an empty list is refused too
+        with pytest.raises(ValueError, match="The lengths of prompts and priority must be the same"):
+            llm.generate(["a", "b"], params, use_tqdm=False, priority=mismatched)
+    # one value for every prompt, and a single prompt with a one-item list (vLLM's test_single_prompt_priority)
+    assert len(llm.generate(["a", "b"], params, use_tqdm=False, priority=1)) == 2
+    assert len(llm.generate("a", params, use_tqdm=False, priority=[0])) == 1
 
 
 def test_priority_needs_the_policy(tiny_dense: Path) -> None:
