@@ -115,15 +115,9 @@ def test_greedy_tokens_with_the_cache_equal_tokens_without(results: tuple) -> No
     assert on.keys() == off.keys() and len(on["n2"]) == 2
     for name in off:
         assert on[name] == off[name], name
-    # prompt logprobs are computed (the request reads no cache): the same tokens, values to fp32 rounding
-    assert len(prompt_lp_on) == len(prompt_lp_off)
-    for got, want in zip(prompt_lp_on, prompt_lp_off, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.keys() == want.keys()
-        for token, entry in want.items():
-            assert got[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    # prompt logprobs are computed (the request reads no cache), in the chunks the cache-off run cuts (no branch or
+    # periodic checkpoint cuts them): the same bits
+    assert prompt_lp_on == prompt_lp_off
     assert scheduler.num_preemptions_total > 0
 
 
