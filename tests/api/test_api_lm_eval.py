@@ -1,6 +1,7 @@
 """lm-eval's loglikelihood requests against the real server (docs/lm-eval.md), without lm-eval: the exact body its
 `local-completions` model sends for a multiple-choice question (token-id prompt, echo, logprobs 1, max_tokens 1,
-temperature 0, seed), one continuation per request as `--batch_size 1` sends them, on the trained tiny MoE in fp32.
+temperature 0, seed), one continuation per request as `--batch_size 1` sends them, on the trained tiny MoE in fp32
+(and in bf16 on the GPU: `pytest -m gpu tests/api/test_api_lm_eval.py` on the H200).
 
 Every continuation shares the question's context, so from the second request on the prefix cache has seen the
 prefix: the loglikelihoods lm-eval sums from the echoed prompt logprobs must be the same bits with the cache on as
@@ -50,8 +51,8 @@ def prompts() -> tuple[list[list[int]], int]:
     return [context + tokens[400 + 12 * i : 412 + 12 * i] for i in range(3)], len(context)
 
 
-def answers(is_on: bool, prompts: list[list[int]]) -> Iterator[dict]:
-    config = EngineConfig(model=str(trained_model_dir("moe")), device="cpu", dtype="float32", max_model_len=256,
+def answers(is_on: bool, prompts: list[list[int]], device: str, dtype: str) -> Iterator[dict]:
+    config = EngineConfig(model=str(trained_model_dir("moe")), device=device, dtype=dtype, max_model_len=256,
                           max_num_seqs=2, enable_prefix_caching=is_on)  # fmt: skip
     server = serve(AsyncEngine.from_config(config, multiprocess=False))
     try:
@@ -64,10 +65,10 @@ def answers(is_on: bool, prompts: list[list[int]]) -> Iterator[dict]:
         server.stop()
 
 
-def test_loglikelihoods_are_the_same_bits_with_the_prefix_cache_on_and_off(prompts: tuple) -> None:
+def check_same_bits(prompts: tuple, device: str, dtype: str) -> None:
     token_prompts, ctxlen = prompts
-    off = list(answers(False, token_prompts))
-    on = list(answers(True, token_prompts))
+    off = list(answers(False, token_prompts, device, dtype))
+    on = list(answers(True, token_prompts, device, dtype))
     for prompt, body in zip(token_prompts, on, strict=True):
         (choice,) = body["choices"]
         logprobs = choice["logprobs"]
@@ -78,3 +79,12 @@ def test_loglikelihoods_are_the_same_bits_with_the_prefix_cache_on_and_off(promp
     for want, got in zip(off, on, strict=True):
         assert got["choices"][0]["logprobs"]["token_logprobs"] == want["choices"][0]["logprobs"]["token_logprobs"]
         assert parse_logprobs(got["choices"][0], ctxlen) == parse_logprobs(want["choices"][0], ctxlen)
+
+
+def test_loglikelihoods_are_the_same_bits_with_the_prefix_cache_on_and_off(prompts: tuple) -> None:
+    check_same_bits(prompts, "cpu", "float32")
+
+
+@pytest.mark.gpu
+def test_loglikelihoods_are_the_same_bits_with_the_prefix_cache_on_and_off_in_bf16_on_the_gpu(prompts: tuple) -> None:
+    check_same_bits(prompts, "cuda", "bfloat16")
