@@ -2,7 +2,9 @@
 fp32 on the CPU, on the trained tiny dense / moe / next, for prefixes shared up to inside a block, a block boundary,
 a 64-token checkpoint and inside a chunk, under chunked prefill (a 96-token budget), preemption (forced, in a small
 KV pool), async scheduling on and off, n = 2, a multi-turn follow-up (it hits the first turn's whole
-history), prompt logprobs (computed, never read from the cache) and images (another image never hits past it).
+history), prompt logprobs (computed, never read from the cache, the same bits) and images (another image never hits
+past it). On the GPU, lm-eval's scoring traffic in bf16: prompt logprobs of continuations of one context, the same
+bits with the cache on and off (docs/lm-eval.md).
 """
 
 from __future__ import annotations
