@@ -2,11 +2,14 @@
 fp32 on the CPU, on the trained tiny dense / moe / next, for prefixes shared up to inside a block, a block boundary,
 a 64-token checkpoint and inside a chunk, under chunked prefill (a 96-token budget), preemption (forced, in a small
 KV pool), async scheduling on and off, n = 2, a multi-turn follow-up (it hits the first turn's whole
-history), prompt logprobs (computed, never read from the cache) and images (another image never hits past it).
+history), prompt logprobs (computed, never read from the cache, the same bits) and images (another image never hits
+past it). On the GPU, lm-eval's scoring traffic in bf16: prompt logprobs of continuations of one context, the same
+bits with the cache on and off (docs/lm-eval.md).
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 from pathlib import Path
 
@@ -115,15 +118,9 @@ def test_greedy_tokens_with_the_cache_equal_tokens_without(results: tuple) -> No
     assert on.keys() == off.keys() and len(on["n2"]) == 2
     for name in off:
         assert on[name] == off[name], name
-    # prompt logprobs are computed (the request reads no cache): the same tokens, values to fp32 rounding
-    assert len(prompt_lp_on) == len(prompt_lp_off)
-    for got, want in zip(prompt_lp_on, prompt_lp_off, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.keys() == want.keys()
-        for token, entry in want.items():
-            assert got[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    # prompt logprobs are computed (the request reads no cache), in the chunks the cache-off run cuts (no branch or
+    # periodic checkpoint cuts them): the same bits
+    assert prompt_lp_on == prompt_lp_off
     assert scheduler.num_preemptions_total > 0
 
 
@@ -171,3 +168,27 @@ def test_another_image_never_hits_past_it_and_the_same_image_does() -> None:
     assert on == off
     assert hits["same"] >= 64 > image_offset  # the branch checkpoint "second" left past the image
     assert hits["other"] <= image_offset
+
+
+def scoring_prompt_logprobs(variant: str, device: str, dtype: str, is_on: bool) -> list:
+    """lm-eval's loglikelihood traffic (docs/lm-eval.md): three continuations of one 150-token context, each asking
+    for its prompt's logprobs with max_tokens 1, one at a time; their prompt logprobs."""
+    options = {"gpu_memory_utilization": 0.3} if device == "cuda" else {}
+    llm = LLM(trained_model_dir(variant), dtype=dtype, device=device, max_model_len=256, max_num_seqs=2,
+              enable_prefix_caching=is_on, **options)  # fmt: skip
+    tokens = llm.engine.tokenizer.encode(CORPUS[:4000])
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    prompts = [tokens[:150] + tokens[400 + 12 * i : 412 + 12 * i] for i in range(3)]
+    found = [run(llm, {f"c{i}": (prompt, params)})[f"c{i}/prompt"] for i, prompt in enumerate(prompts)]
+    del llm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dense", "moe", "next"])
+def test_scoring_prompt_logprobs_are_the_same_bits_with_the_cache_on_and_off_in_bf16_on_the_gpu(variant: str) -> None:
+    off = scoring_prompt_logprobs(variant, "cuda", "bfloat16", False)
+    assert scoring_prompt_logprobs(variant, "cuda", "bfloat16", True) == off

@@ -209,14 +209,20 @@ def test_periodic_and_branch_checkpoints_end_prefill_chunks_on_the_chunk_grid() 
         make(interval=100)
 
 
-def test_prompt_logprobs_requests_compute_their_prompt_but_still_write_checkpoints() -> None:
+def test_prompt_logprobs_requests_compute_their_prompt_uncut_but_still_write_checkpoints() -> None:
     scheduler = make()
     scheduler.add(request("a", A))
     run_to_end(scheduler)
     scheduler.add(request("b", A + [4, 4], prompt_logprobs=1))
     plan = scheduler.schedule()
-    assert plan.seqs[0].num_computed_tokens == 0 and plan.seqs[0].checkpoints
+    # the whole prompt in one chunk, as with the cache off (no branch cut at 192): only its prompt end is saved
+    (chunk,) = plan.seqs
+    assert (chunk.num_computed_tokens, chunk.num_new_tokens, [p for p, _ in chunk.checkpoints]) == (0, 202, [202])
     assert scheduler.prefix_cache_queries == 200  # no lookup counted for b
+    scheduler.update(plan, answer(plan))
+    run_to_end(scheduler)
+    scheduler.add(request("c", A + [4, 4, 5]))  # a longer prompt without prompt logprobs hits b's prompt end
+    assert scheduler.schedule().seqs[0].num_computed_tokens == 202
 
 
 def test_checkpoints_are_evicted_before_a_running_sequence_is_preempted() -> None:
