@@ -31,6 +31,9 @@ from .server_thread import MODEL_NAME
 # fp32 on the CPU: the two servers run the same ops over other batch shapes and chunk grids (a prefix hit resumes a
 # prefill, a verify scores 1 + k tokens at once), so a logprob may move in its last bits; greedy tokens may not
 LOGPROB_ATOL = 1e-4
+# a logprob's rank counts the tokens above it: among a vocabulary's many near-equal unlikely logits, last-bit
+# rounding moves a low rank by one or two (the greedy token's rank 1 is pinned by the token itself)
+RANK_SLACK = 2
 # fields that differ between any two answers by design: ids, clocks, and the cache's own accounting
 VOLATILE_KEYS = frozenset({"id", "created", "system_fingerprint", "prompt_tokens_details", "service_tier"})
 
@@ -321,12 +324,16 @@ def send_waves(client: openai.OpenAI, waves: list[list[Case]]) -> list[tuple[Cas
 
 
 def diff(a: Any, b: Any, path: str = "") -> list[str]:
-    """Every place where a and b differ: floats beyond LOGPROB_ATOL (None / -inf only equal to themselves)."""
+    """Every place where a and b differ: floats beyond LOGPROB_ATOL (None / -inf only equal to themselves), ranks
+    beyond RANK_SLACK."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for key in sorted(set(a) | set(b), key=str):
             if key not in a or key not in b:
                 out.append(f"{path}.{key}: only in {'A' if key in a else 'B'}")
+            elif key == "rank" and isinstance(a[key], int) and isinstance(b[key], int):
+                if abs(a[key] - b[key]) > RANK_SLACK:
+                    out.append(f"{path}.rank: {a[key]} != {b[key]}")
             else:
                 out.extend(diff(a[key], b[key], f"{path}.{key}"))
         return out

@@ -135,6 +135,11 @@ def test_the_comparison_finds_a_changed_token_a_moved_logprob_and_a_missing_fiel
     near = {"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.5 + tol / 2, -1.0]},
                          "stop_reason": 13}]}  # fmt: skip
     assert differential.diff(base, near) == []
+    # a low rank moves with last-bit rounding of the unlikely logits around it; a larger move does not pass
+    ranked = [{"7": {"logprob": -9.0, "rank": 300}}, {"7": {"logprob": -9.0, "rank": 298}}]
+    assert differential.diff(ranked[0], ranked[1]) == []
+    ranked[1]["7"]["rank"] = 297
+    assert differential.diff(ranked[0], ranked[1]) == [".7.rank: 300 != 297"]
     far = {"choices": [{"token_ids": [1, 3], "logprobs": {"token_logprobs": [-0.5 - 2 * tol, -1.0]}}]}
     assert differential.diff(base, far) == [
         ".choices[0].logprobs.token_logprobs[0]: -0.5 != -0.5002",
