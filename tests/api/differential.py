@@ -28,9 +28,11 @@ from deltaserve.tiny.mtp import corpus_split
 
 from .server_thread import MODEL_NAME
 
-# fp32 on the CPU: the two servers run the same ops over other batch shapes and chunk grids (a prefix hit resumes a
-# prefill, a verify scores 1 + k tokens at once), so a logprob may move in its last bits; greedy tokens may not
-LOGPROB_ATOL = 1e-4
+# fp32 on the CPU: the two servers run the same ops over other batch shapes and chunk grids (B's 64-token budget,
+# shared with the batch's decodes, splits a prefill off the GDN's 64-token chunk grid; a verify scores 1 + k tokens
+# at once), so a logprob moves: by ~1e-6 at most positions, by up to ~6e-4 at a few ill-conditioned ones, where
+# either grid is that far from an fp64 transformers forward (docs/differential-testing.md). Greedy tokens may not move
+LOGPROB_ATOL = 1e-3
 # a logprob's rank counts the tokens above it: among a vocabulary's many near-equal unlikely logits, last-bit
 # rounding moves a low rank by one or two (the greedy token's rank 1 is pinned by the token itself)
 RANK_SLACK = 2
