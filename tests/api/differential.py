@@ -107,7 +107,8 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
         return Case("chat", "chat", thinking(greedy(messages=chat_messages(), stream=rng.random() < 0.3)))
 
     def n_greedy() -> Case:
-        return Case("n", "completion", greedy(prompt=_prefix(rng, shared), n=rng.randrange(2, 4)))
+        body = greedy(prompt=_prefix(rng, shared), n=rng.randrange(2, 4), stream=rng.random() < 0.3)
+        return Case("n", "completion", body)
 
     def stops() -> Case:
         body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(8, 30))
@@ -117,7 +118,12 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
             extra["stop_token_ids"] = rng.sample(common, 2)
         if rng.random() < 0.4:
             extra["min_tokens"] = rng.randrange(1, 6)
-        return Case("stop", "completion", {**body, "stream": rng.random() < 0.4, "extra_body": extra})
+        body = {**body, "stream": rng.random() < 0.4, "extra_body": extra}
+        if rng.random() < 0.3:  # the same stops on a chat without thinking
+            body = thinking({**body, "messages": chat_messages()}, p_off=1.0)
+            del body["prompt"]
+            return Case("chat-stop", "chat", body)
+        return Case("stop", "completion", body)
 
     def lengths() -> Case:
         extra = {"ignore_eos": rng.random() < 0.5, "min_tokens": rng.randrange(0, 10)}

@@ -142,7 +142,7 @@ def test_the_comparison_finds_a_changed_token_a_moved_logprob_and_a_missing_fiel
     assert differential.diff(ranked[0], ranked[1]) == [".7.rank: 300 != 297"]
     far = {"choices": [{"token_ids": [1, 3], "logprobs": {"token_logprobs": [-0.5 - 2 * tol, -1.0]}}]}
     assert differential.diff(base, far) == [
-        ".choices[0].logprobs.token_logprobs[0]: -0.5 != -0.5002",
+        f".choices[0].logprobs.token_logprobs[0]: -0.5 != {-0.5 - 2 * tol!r}",
         ".choices[0].stop_reason: only in A",
         ".choices[0].token_ids[1]: 2 != 3",
     ]
