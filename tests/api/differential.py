@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import openai
@@ -63,7 +63,6 @@ class Record:
     response: dict[str, Any] | None  # None: aborted on purpose
     cached_tokens: int = 0
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _token_ids(tokenizer: Any, text: str) -> list[int]:
@@ -80,11 +79,9 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
     rng = random.Random(seed)
     # the prefixes requests share: two paragraphs each (up to ~300 tokens), so four at once overflow a small KV pool
     shared = ["\n\n".join(PARAGRAPHS[i : i + 2]) for i in rng.sample(range(len(PARAGRAPHS) - 1), 3)]
-    systems = [
-        "You are a helpful assistant.",
-        PARAGRAPHS[rng.randrange(len(PARAGRAPHS))][:300],
-        " ".join(PARAGRAPHS[rng.randrange(len(PARAGRAPHS))] for _ in range(2))[:900],
-    ]
+    # system prompts of ~6, 100 and 280 tokens (cut by tokens: a paragraph of rare characters takes many per char)
+    long_text = _token_ids(tokenizer, " ".join(PARAGRAPHS[rng.randrange(len(PARAGRAPHS))] for _ in range(4)))
+    systems = ["You are a helpful assistant.", tokenizer.decode(long_text[:100]), tokenizer.decode(long_text[:280])]
     common = [_token_ids(tokenizer, w)[0] for w in (" the", ".", ",", " a", "\n")]  # stop ids that do occur
 
     def greedy(**body: Any) -> dict[str, Any]:
@@ -96,8 +93,8 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
             body["extra_body"] = {**body.get("extra_body", {}), "chat_template_kwargs": {"enable_thinking": False}}
         return body
 
-    def chat_messages(system: str | None = None) -> list[dict[str, str]]:
-        user = _prefix(rng, shared)[-rng.randrange(20, 120) :]
+    def chat_messages(system: str | None = None, max_user_chars: int = 120) -> list[dict[str, str]]:
+        user = _prefix(rng, shared)[-rng.randrange(20, max_user_chars) :]
         return [{"role": "system", "content": system or rng.choice(systems)}, {"role": "user", "content": user}]
 
     def completion() -> Case:
@@ -193,7 +190,7 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
                 "parameters": {"type": "object", "properties": {"wind": {"type": "string", "maxLength": 10}},
                                "required": ["wind"]}}}  # fmt: skip
         choice = {"type": "function", "function": {"name": "log_weather"}}
-        body = greedy(messages=chat_messages(systems[0]), tools=[tool], tool_choice=choice, max_tokens=30)
+        body = greedy(messages=chat_messages(systems[0], 60), tools=[tool], tool_choice=choice, max_tokens=30)
         return Case("tool", "chat", thinking({**body, "stream": rng.random() < 0.3}, p_off=1.0))
 
     def seeded() -> Case:

@@ -68,7 +68,7 @@ def start(model: str, k: int, is_b: bool) -> ServerThread:
     config = EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=640, max_num_seqs=MAX_NUM_SEQS,
                           **options)  # fmt: skip
     # vLLM's Qwen3.5 recipe: reasoning parser and auto tool choice; cached tokens reported in usage
-    return serve(AsyncEngine.from_config(config, multiprocess=False), enable_prompt_tokens_details=True,
+    return serve(AsyncEngine.from_config(config, multiprocess=True), enable_prompt_tokens_details=True,
                  reasoning_parser="qwen3", tool_call_parser="qwen3_coder", enable_auto_tool_choice=True)  # fmt: skip
 
 
