@@ -73,9 +73,11 @@ def _prefix(rng: random.Random, shared: list[str]) -> str:
     return rng.choice(shared)[: rng.randrange(40, 800)]
 
 
-def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6) -> list[list[Case]]:
+def make_waves(
+    seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6, max_tokens: int = 25
+) -> list[list[Case]]:
     """The seed's traffic: `num_waves` waves of about `wave_size` concurrent requests, then the follow-ups and
-    repeats the waves asked for (each in the wave after its first turn)."""
+    repeats the waves asked for (each in the wave after its first turn); greedy answers of up to `max_tokens`."""
     rng = random.Random(seed)
     # the prefixes requests share: two paragraphs each (up to ~300 tokens), so four at once overflow a small KV pool
     shared = ["\n\n".join(PARAGRAPHS[i : i + 2]) for i in rng.sample(range(len(PARAGRAPHS) - 1), 3)]
@@ -85,7 +87,7 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
     common = [_token_ids(tokenizer, w)[0] for w in (" the", ".", ",", " a", "\n")]  # stop ids that do occur
 
     def greedy(**body: Any) -> dict[str, Any]:
-        return {"temperature": 0.0, "max_tokens": rng.randrange(1, 25), **body}
+        return {"temperature": 0.0, "max_tokens": rng.randrange(1, max_tokens), **body}
 
     def thinking(body: dict[str, Any], p_off: float = 0.6) -> dict[str, Any]:
         """Qwen3.5's template opens <think>; most chats turn it off, so content, JSON and tool calls come at once."""
@@ -100,6 +102,21 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
     def completion() -> Case:
         return Case("completion", "completion", greedy(prompt=_prefix(rng, shared), stream=rng.random() < 0.3))
 
+    def paragraph() -> Case:
+        """A paragraph's opening, the text the MTP heads draft best: runs of accepted drafts, chained verifies and
+        several tokens a step, with stop strings, logprobs or a penalty on some."""
+        body = greedy(prompt=PARAGRAPHS[rng.randrange(len(PARAGRAPHS))][:100], max_tokens=rng.randrange(10, 45),
+                      stream=rng.random() < 0.4)  # fmt: skip
+        roll = rng.randrange(4)
+        if roll == 0:
+            body["stop"] = rng.sample([".", ",", " the", "\n", "and"], 2)
+            body["extra_body"] = {"include_stop_str_in_output": rng.random() < 0.5}
+        elif roll == 1:
+            body["logprobs"] = rng.randrange(0, 3)
+        elif roll == 2:
+            body["extra_body"] = {"repetition_penalty": 1.2, "min_tokens": rng.randrange(0, 8)}
+        return Case("paragraph", "completion", body)
+
     def chat() -> Case:
         return Case("chat", "chat", thinking(greedy(messages=chat_messages(), stream=rng.random() < 0.3)))
 
@@ -108,7 +125,7 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
         return Case("n", "completion", body)
 
     def stops() -> Case:
-        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(8, 30))
+        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(8, max_tokens + 5))
         body["stop"] = rng.sample([".", ",", " the", "\n", "and"], rng.randrange(1, 3))
         extra: dict[str, Any] = {"include_stop_str_in_output": rng.random() < 0.5}
         if rng.random() < 0.5:
@@ -124,7 +141,7 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
 
     def lengths() -> Case:
         extra = {"ignore_eos": rng.random() < 0.5, "min_tokens": rng.randrange(0, 10)}
-        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(10, 30), extra_body=extra)
+        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(10, max_tokens + 5), extra_body=extra)
         return Case("lengths", "completion", body)
 
     def logprobs() -> Case:
@@ -167,7 +184,7 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
 
     def biases() -> Case:
         extra: dict[str, Any] = {}
-        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(8, 25))
+        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(8, max_tokens))
         if rng.random() < 0.5:
             body["logit_bias"] = {str(t): rng.choice([-100.0, -5.0, 3.0]) for t in rng.sample(common, 2)}
         else:
@@ -175,7 +192,7 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
         return Case("bias", "completion", {**body, "extra_body": extra})
 
     def penalties() -> Case:
-        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(10, 30))
+        body = greedy(prompt=_prefix(rng, shared), max_tokens=rng.randrange(10, max_tokens + 5))
         roll = rng.randrange(3)
         if roll == 0:
             body["extra_body"] = {"repetition_penalty": rng.choice([1.1, 1.3])}
@@ -217,8 +234,8 @@ def make_waves(seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6
         case.follow_up = Case(case.name + "-again", case.kind, dict(case.body), must_hit=True, is_quiet=True)
         return case
 
-    kinds = [completion, chat, n_greedy, stops, lengths, logprobs, echo, prompt_logprobs, token_ids, batch,
-             structured, biases, penalties, tool_call, seeded, abort, multi_turn, repeat]  # fmt: skip
+    kinds = [completion, paragraph, paragraph, chat, n_greedy, stops, lengths, logprobs, echo, prompt_logprobs,
+             token_ids, batch, structured, biases, penalties, tool_call, seeded, abort, multi_turn, repeat]  # fmt: skip
     waves: list[list[Case]] = []
     for _ in range(num_waves):
         waves.append([rng.choice(kinds)() for _ in range(wave_size)])
