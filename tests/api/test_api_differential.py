@@ -38,6 +38,8 @@ from .server_thread import ServerThread, metric_value, serve
 SOAK = int(os.environ.get("DELTASERVE_DIFF_SOAK", "0"))
 SEEDS = list(range(SOAK)) if SOAK else [0, 1, 2]
 CONFIGS = [(v, k) for v in ("dense", "moe", "next") for k in (2, 3)] if SOAK else [("moe", 2)]
+# the soak's traffic is heavier: more and larger waves (more preemption), longer answers (more verify steps)
+TRAFFIC = {"num_waves": 6, "wave_size": 8, "max_tokens": 50} if SOAK else {}
 NUM_BLOCKS = 44  # B's KV pool: 704 tokens, one 640-token request fits, four ~300-token ones do not
 MAX_NUM_SEQS = 4
 NUM_CHECKPOINT_SLOTS = 4
@@ -100,7 +102,7 @@ def hit_failures(records: list[tuple[Case, Record]], is_b: bool) -> list[str]:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_greedy_answers_are_equal_with_the_cache_and_mtp_on_and_off(pair: Pair, seed: int) -> None:
-    waves = differential.make_waves(seed, pair.tokenizer)
+    waves = differential.make_waves(seed, pair.tokenizer, **TRAFFIC)
     a, b = differential.send_waves(pair.a, waves), differential.send_waves(pair.b, waves)
     pair.num_seeds_sent += 1
     failures = [f"A {line}" for line in differential.self_checks(a) + hit_failures(a, is_b=False)]
