@@ -165,11 +165,11 @@ def warm_up_verify_sampling(
     target = out.token_ids[index]  # [S, W]
     drafts = target[:, 1:].flip(1).contiguous()  # [S, k]: some accepted, some not
     num_drafts = torch.full((num_seqs,), num_speculative_tokens, dtype=torch.int64, device=device)
-    is_greedy = torch.zeros(num_seqs, dtype=torch.bool, device=device)
+    is_coupled = torch.zeros(num_seqs, dtype=torch.bool, device=device)  # unseeded rows: the rule's largest work
     probs = out.probs[index[:, :-1]]  # [S, k, V]
     uniforms = torch.rand(num_seqs, num_speculative_tokens, device=device)
     noise = torch.empty(num_seqs, num_speculative_tokens, vocab_size, device=device).exponential_()
-    return random_accept(target, drafts, num_drafts, is_greedy, probs, uniforms, noise)
+    return random_accept(target, drafts, num_drafts, is_coupled, probs, uniforms, noise)
 
 
 def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int, CacheLayout]:

@@ -312,10 +312,14 @@ class SpecDecoder:
         elif handle.is_random is not None and handle.is_random.any():
             vocab = out.probs.shape[1]
             probs = out.probs[positions[:, :-1]]  # [S, W-1, V]: the distribution judging each draft
-            uniforms = self._uniforms(layout, batch, shared, (width - 1,), device)
-            noise = self._uniforms(layout, batch, shared, (width - 1, vocab), device, exponential=True)
-            is_greedy = to_device(~handle.is_random, torch.bool, device)
-            tokens, num_emitted = random_accept(target, drafts, num_drafts, is_greedy, probs, uniforms, noise)
+            # seeded rows take the coupled rule (sampler/rejection.py: a draft is judged by the row's own seeded draw),
+            # so their tokens do not depend on where drafts stood; the shared generator draws for every row (unseeded
+            # rows get the values they always got), the seeded rows' go unused
+            shape = (len(layout.seq_index), width - 1)
+            uniforms = torch.empty(shape, dtype=torch.float32, device=device).uniform_(generator=shared)
+            noise = torch.empty(*shape, vocab, dtype=torch.float32, device=device).exponential_(generator=shared)
+            is_coupled = to_device(~handle.is_random | self._is_seeded(layout, batch), torch.bool, device)
+            tokens, num_emitted = random_accept(target, drafts, num_drafts, is_coupled, probs, uniforms, noise)
             self._emitted_logprobs(out, layout, positions, tokens, num_emitted)
         else:
             tokens, num_emitted = greedy_accept(target, drafts, num_drafts)
@@ -341,6 +345,12 @@ class SpecDecoder:
             layout = handle.layout
             first = handle.step_layout.query_start_loc[layout.seq_index]
             save_accepted_hidden(self.model, handle.hidden, first, handle.num_emitted, layout.state_slots)
+
+    @staticmethod
+    def _is_seeded(layout: SpecLayout, batch: SamplingBatch) -> np.ndarray:
+        """[S] bool: the verify chunks of seeded random rows (their first position draws with its own generator)."""
+        starts = layout.sample_offsets[layout.spec_sample_index]
+        return np.array([int(start) in batch.generators for start in starts], dtype=bool)
 
     @staticmethod
     def _uniforms(

@@ -10,8 +10,13 @@ token (the target's own sample at position k) when all k are accepted.
 - Random (speculative sampling with a one-hot draft distribution: MTP drafts are argmax drafts and carry no
   probabilities): accept draft d with probability p(d), p the target's final distribution at that position (after
   temperature, top-k, top-p, min-p and the masks); at the first rejection draw from p with d removed, renormalised.
-  Each emitted token is then distributed as p whatever the drafts are. The uniform and the recovered draw of a
-  seeded request come from that position's own generator (seed, output index), so seeded runs reproduce.
+  Each emitted token is then distributed as p whatever the drafts are (unseeded rows).
+- Seeded random rows (the coupled rule): accept draft d exactly when it equals the target's own draw at that
+  position (the sampler's draw with the position's generator, seed and output index), and emit that draw at the
+  first rejection. The draw equals d with probability p(d), and given a rejection it is distributed as p with d
+  removed, renormalised: the random rule's law, but the emitted tokens are the position's own draws, the tokens of
+  the same seeded request without speculation, whichever positions carried drafts (a preemption, a step budget or
+  a k policy moves them).
 - Synthetic (vLLM's benchmarking mode): the accept decision is pinned by unconditional rates r_1 >= ... >= r_k
   (r_i: the chance that drafts 1..i are all accepted), drawn with the conditional r_i / r_(i-1); the emitted tokens
   are the drafts up to the first rejection and then the target's token there. The work is unchanged.
@@ -67,18 +72,20 @@ def random_accept(
     target: torch.Tensor,
     drafts: torch.Tensor,
     num_drafts: torch.Tensor,
-    is_greedy: torch.Tensor,
+    is_coupled: torch.Tensor,
     probs: torch.Tensor,
     uniforms: torch.Tensor,
     noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy and random rows together. target [S, W] (the target's own token per position: argmax for greedy rows,
-    a draw for random ones), drafts [S, W-1], num_drafts [S], is_greedy [S], probs [S, W-1, V] (the distribution at
-    each draft's position; unused for greedy rows), uniforms [S, W-1] in [0, 1), noise [S, W-1, V] ~ Exp(1)."""
+    """Greedy, seeded and unseeded random rows together. target [S, W] (the target's own token per position: argmax
+    for greedy rows, a draw for random ones), drafts [S, W-1], num_drafts [S], is_coupled [S] (greedy and seeded
+    rows: a draft is accepted exactly when it equals the target's token, which the first rejection emits), probs
+    [S, W-1, V] (the distribution at each draft's position; unused for coupled rows), uniforms [S, W-1] in [0, 1),
+    noise [S, W-1, V] ~ Exp(1) (both unused for coupled rows)."""
     draft_probs = probs.gather(2, drafts.clamp(min=0).unsqueeze(2)).squeeze(2)  # [S, W-1]: p(d)
     by_chance = uniforms < draft_probs
-    accepted = torch.where(is_greedy[:, None], drafts == target[:, :-1], by_chance) & _real(drafts, num_drafts)
-    recovered = torch.where(is_greedy[:, None], target[:, :-1], recovered_tokens(probs, drafts, noise))
+    accepted = torch.where(is_coupled[:, None], drafts == target[:, :-1], by_chance) & _real(drafts, num_drafts)
+    recovered = torch.where(is_coupled[:, None], target[:, :-1], recovered_tokens(probs, drafts, noise))
     return _emit(target, drafts, accepted, num_drafts, recovered)
 
 

@@ -41,6 +41,33 @@ def test_seeded_requests_reproduce_and_accept_drafts(spec_engine: tuple[LLM, dic
     assert other != first
 
 
+def test_seeded_requests_give_the_tokens_without_mtp_also_when_preempted(spec_engine: tuple[LLM, dict]) -> None:
+    """The coupled rule (sampler/rejection.py): a seeded row's drafts are judged by its own seeded draws, so it emits
+    the tokens of the engine without MTP, also when preempted (its restart draws a token with no draft where the
+    uninterrupted run verified one: the API differential soak saw a seeded request repeated under load differ)."""
+    llm, stats = spec_engine
+    prompts = make_prompts(llm)[:2]
+    params = [sampled(seed=40 + i) for i in range(len(prompts))]
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8)
+    expected = [list(o.token_ids) for o in run(plain, prompts, params)]
+    before = stats["verifies"]
+    assert [list(o.token_ids) for o in run(llm, prompts, params)] == expected
+    assert stats["verifies"] > before
+    engine = llm.engine
+    for preempt_at in (1, 2, 3):
+        states = []
+        for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"preempted-{preempt_at}-{i}", prompt, param)
+            states.append(engine.requests[f"preempted-{preempt_at}-{i}"])
+        step = 0
+        while engine.has_unfinished():
+            if step == preempt_at:
+                assert engine.scheduler.preempt_all() == len(prompts)
+            engine.step()
+            step += 1
+        assert [list(s.final_output().outputs[0].token_ids) for s in states] == expected, preempt_at
+
+
 def test_logprobs_are_the_emitted_tokens(spec_engine: tuple[LLM, dict]) -> None:
     llm, stats = spec_engine
     prompts = make_prompts(llm)

@@ -93,6 +93,23 @@ def test_random_rule_greedy_rows_beside_random_ones() -> None:
     assert num_emitted[1] == 2 and tokens[1, 0] == 2 and tokens[1, 1] != 0  # random: u 0.0 accepts, 0.99 rejects
 
 
+def test_coupled_rows_emit_their_own_draws_whatever_the_drafts() -> None:
+    """A seeded row (is_coupled) accepts a draft exactly when it equals its own draw there and emits the draw at the
+    first rejection: the emitted tokens are the draws, so the law is p's, and a draft d is accepted with p(d)."""
+    num, gen = 40000, torch.Generator().manual_seed(11)
+    probs = DISTRIBUTIONS.expand(num, -1, -1)  # [S, W, V]
+    target = torch.multinomial(probs.reshape(-1, 6), 1, generator=gen).view(num, -1)  # the seeded draws
+    drafts = torch.tensor([0, 2]).expand(num, -1)
+    ones = torch.ones(num, 2)  # uniforms that would reject every draft under the unseeded rule
+    tokens, num_emitted = random_accept(target, drafts, torch.full((num,), 2), torch.ones(num, dtype=torch.bool),
+                                        probs[:, :-1].contiguous(), ones * 0.999, torch.ones(num, 2, 6))  # fmt: skip
+    columns = torch.arange(3)[None, :]
+    assert torch.equal(torch.where(columns < num_emitted[:, None], target, -1), tokens)
+    first_accepted = target[:, 0] == 0
+    assert torch.equal(num_emitted >= 2, first_accepted)
+    assert abs(first_accepted.float().mean() - DISTRIBUTIONS[0, 0]) < 0.01
+
+
 def test_synthetic_rule_pins_the_unconditional_rates() -> None:
     rates = torch.tensor([0.9, 0.6, 0.3])
     num = 40000
