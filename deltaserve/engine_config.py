@@ -30,6 +30,9 @@ class EngineConfig:
     # scratch (runner/memory.py, docs/ARCHITECTURE.md#cache-budget). None, or 0 as vLLM reads it: not set
     kv_cache_memory_bytes: int | None = None
     cpu_kv_cache_bytes: int = 256 * 1024**2  # the cache budget on the CPU when kv_cache_memory_bytes is not set
+    # vLLM's --num-gpu-blocks-override: this many attention KV blocks whatever the budget computes (vLLM uses it to
+    # test preemption); the GDN state slots are sized as without it. None: the budget decides
+    num_gpu_blocks_override: int | None = None
     num_state_slots: int | None = None  # None: sized from memory (at least max_num_seqs)
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
@@ -79,6 +82,13 @@ class EngineConfig:
         check_kv_cache_memory_bytes(self.kv_cache_memory_bytes)
         if self.kv_cache_memory_bytes == 0:  # vLLM tests the value for truth: 0 leaves gpu_memory_utilization in charge
             object.__setattr__(self, "kv_cache_memory_bytes", None)
+        if self.num_gpu_blocks_override is not None and (
+            isinstance(self.num_gpu_blocks_override, bool)
+            or not isinstance(self.num_gpu_blocks_override, int)
+            or self.num_gpu_blocks_override < 1
+        ):
+            override = self.num_gpu_blocks_override
+            raise ValueError(f"num_gpu_blocks_override must be a positive integer, got {override!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):

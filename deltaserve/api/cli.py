@@ -73,6 +73,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,

@@ -85,6 +85,16 @@ def kv_cache_bytes(value: str) -> int | None:
     return count
 
 
+def optional_int(value: str) -> int | None:
+    """vLLM's optional_type(int): "" or "None" is no value, else an integer."""
+    if value in ("", "None"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+
+
 def optional_value(value: str) -> str | None:
     """vLLM's reading of an optional flag's value: "" or "None" is no value."""
     return None if value in ("", "None") else value
@@ -230,6 +240,14 @@ def _add_engine_arguments(add: Any) -> None:
         help="the KV cache budget per GPU in bytes, e.g. 8G (binary) or 8.5g (decimal): attention KV blocks and GDN "
         "state slots, sized from it instead of --gpu-memory-utilization (which it overrides, as in vLLM); also the "
         "budget on the CPU",
+    )
+    add(
+        "--num-gpu-blocks-override",
+        type=optional_int,
+        default=None,
+        metavar="N",
+        help="this many KV cache blocks whatever the memory budget computes (as vLLM: for testing preemption); "
+        "the GDN state slots are sized as without it",
     )
     add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
     add(

@@ -156,7 +156,6 @@ TABLE = """
 --moe-backend | value | log | deltaserve picks its own MoE kernels
 --nnodes,-n | value | refuse:1 | several hosts: start every rank with torchrun
 --node-rank,-r | value | refuse:0 | several hosts: start every rank with torchrun
---num-gpu-blocks-override | value | warn | the KV cache is sized by --gpu-memory-utilization
 --numa-bind | switch | log | no NUMA binding
 --numa-bind-cpus | value | log | no NUMA binding
 --numa-bind-nodes | value | log | no NUMA binding

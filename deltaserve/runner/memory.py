@@ -9,6 +9,7 @@ The functions take the ModelRunner under construction: the warm-up runs real ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -216,6 +217,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         model_config, runner.dtype, runner.block_size, budget, num_slots, max_model_len, shapes, num_checkpoints,
         has_mtp=has_mtp,
     )  # fmt: skip
+    layout = override_blocks(layout, engine_config.num_gpu_blocks_override, max_model_len)
     used = layout.num_blocks * layout.bytes_per_block + layout.num_slots * layout.bytes_per_slot
     logger.info(
         "cache budget %d bytes (%.2f GiB, %s): %d KV blocks of %d bytes (%d tokens), %d GDN state slots of %d bytes "
@@ -225,6 +227,23 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         spec_rows, total - budget, budget - used,
     )  # fmt: skip
     return max_num_seqs, spec_rows, layout
+
+
+def override_blocks(layout: CacheLayout, override: int | None, max_model_len: int) -> CacheLayout:
+    """The layout with num_gpu_blocks_override KV blocks where given, logged as vLLM logs it (kv_cache_utils: the
+    computed count is replaced, more or fewer, and the memory follows the count). Refused by name when it cannot
+    hold one max_model_len sequence: such a request could never be scheduled."""
+    if override is None:
+        return layout
+    needed = -(-max_model_len // layout.block_size)
+    if override < needed:
+        raise ValueError(
+            f"num_gpu_blocks_override ({override}) holds {override * layout.block_size} tokens, fewer than one "
+            f"max_model_len ({max_model_len}) sequence needs ({needed} blocks of {layout.block_size}); raise "
+            "num_gpu_blocks_override or lower max_model_len"
+        )
+    logger.info("Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d", layout.num_blocks, override)
+    return dataclasses.replace(layout, num_blocks=override)
 
 
 def given_budget(engine_config: EngineConfig, device: torch.device) -> int | None:

@@ -220,6 +220,15 @@ def test_kv_cache_memory_bytes_reads_vllms_human_readable_ints(value: str, expec
     assert cli.build_engine_config(args, "m", "cpu").kv_cache_memory_bytes == expected
 
 
+@pytest.mark.parametrize(("value", "expected"), [("12", 12), ("None", None), ("", None)])
+def test_num_gpu_blocks_override_reaches_the_engine(value: str, expected: int | None) -> None:
+    """vLLM's optional_type(int); implemented, not a table entry (tests/runner/test_cache_budget.py: its effect)."""
+    assert "--num-gpu-blocks-override" not in {flag for entry in COMPAT_FLAGS for flag in entry.flags}
+    args = parse("m", f"--num-gpu-blocks-override={value}")
+    check_compat(args)
+    assert cli.build_engine_config(args, "m", "cpu").num_gpu_blocks_override == expected
+
+
 @pytest.mark.parametrize(
     ("value", "error"),
     [("4GiB", "not a byte count"), ("4 GB", "not a byte count"), ("1.5G", "did you mean 1.5g"),

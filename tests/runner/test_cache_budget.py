@@ -120,6 +120,41 @@ def test_a_budget_short_of_one_sequence_is_refused_by_name() -> None:
         _layout(cpu_kv_cache_bytes=SLOT, max_num_seqs=1)  # without the flag, the error names the CPU's budget
 
 
+@pytest.mark.parametrize("override", [4, 9, 500])
+def test_num_gpu_blocks_override_sets_the_kv_block_count_and_nothing_else(override: int, caplog) -> None:  # noqa: ANN001
+    """vLLM's --num-gpu-blocks-override: the computed count replaced (fewer or more), logged in vLLM's words; the
+    state slots and checkpoints are sized as without it."""
+    budget = 3_000_000
+    computed = (budget - 6 * SLOT) // BLOCK
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.memory"):
+        layout = _layout(kv_cache_memory_bytes=budget, num_checkpoint_slots=2, num_gpu_blocks_override=override)
+    assert layout == (override, 6, 2, 4)
+    assert f"Overriding num_gpu_blocks={computed} with num_gpu_blocks_override={override}" in caplog.text
+
+
+def test_a_small_num_gpu_blocks_override_preempts_and_keeps_the_tokens() -> None:
+    """Exactly one max_model_len sequence of blocks for four prompts that need more together (what vLLM users set
+    it for): the engine preempts, and the greedy tokens equal those of an unconstrained engine."""
+    prompts = [{"prompt_token_ids": [3 + i, 17, 29, 5, 11 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    tight = LLM(DENSE, **FIXED, enable_prefix_caching=False, num_gpu_blocks_override=MAX_MODEL_LEN // BLOCK_SIZE)
+    wide = LLM(DENSE, **FIXED, enable_prefix_caching=False)
+    assert tight.engine.runner.layout.num_blocks == 4 < wide.engine.runner.layout.num_blocks
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in wide.generate(prompts, params, use_tqdm=False)]
+    assert got == want and all(len(tokens) == 40 for tokens in got)
+    assert tight.engine.stats().num_preemptions_total > 0
+
+
+def test_a_num_gpu_blocks_override_short_of_one_sequence_is_refused_by_name() -> None:
+    with pytest.raises(
+        ValueError, match=r"num_gpu_blocks_override \(3\) holds 48 tokens, fewer than one max_model_len"
+    ):
+        _layout(num_gpu_blocks_override=3)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override must be a positive integer"):
+        EngineConfig("m", num_gpu_blocks_override=0)
+
+
 @pytest.mark.parametrize("value", [-1, True, 1.5e9, "4G"])
 def test_the_config_refuses_what_is_not_a_byte_count(value: object) -> None:
     with pytest.raises(ValueError, match="kv_cache_memory_bytes must be"):
