@@ -4,7 +4,7 @@ A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}), option
 "multi_modal_data" ({"image": ..., "video": ...}; the prompt holds the chat template's placeholders). All prompts
 are submitted to the engine at once and run with continuous batching; results come back in input order. The prefix
 cache is on unless LLM(..., enable_prefix_caching=False); RequestOutput.num_cached_tokens says what it served, and
-reset_prefix_cache() empties it.
+reset_prefix_cache() empties it. LLM.chat renders conversations with the chat template first.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.frontend import check_priority
+from deltaserve.engine.offline_chat import chat_prompt
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput
@@ -117,6 +118,36 @@ class LLM:
                         self.engine.abort_request(request_id)
                 raise
         return [states[rid].final_output() for rid in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or a batch of them, each rendered with the chat
+        template (the tokenizer's, or `chat_template`) and generated as LLM.generate does (engine/offline_chat.py)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: the offline LLM.chat takes text messages only")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text, token_ids = chat_prompt(
+                self.engine.tokenizer, conversation, chat_template, chat_template_content_format,
+                add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+            )  # fmt: skip
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Drops every cached KV block and GDN state checkpoint (vLLM's LLM.reset_prefix_cache), so the next prompt
