@@ -37,49 +37,51 @@ DEFAULT_CHECKPOINT_INTERVAL = EngineConfig.__dataclass_fields__["prefix_cache_ch
 SWITCH = argparse.BooleanOptionalAction
 
 
-def human_int(value: str) -> int | None:
-    """vLLM's human-readable ints: 32768, 32k (x1000), 32K (x1024), 1m / 1M; -1 or auto: the model's own."""
-    if value.strip().lower() in ("-1", "auto"):
-        return None
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", value)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
-    number, suffix = float(match.group(1)), match.group(2)
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
-    return int(number * scale)
-
-
 # vLLM's human_readable_int suffixes: lowercase decimal, uppercase binary
 BYTE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def kv_cache_bytes(value: str) -> int | None:
-    """--kv-cache-memory-bytes as vLLM 0.26 reads it (its human_readable_int behind optional_type): "" or "None" is
-    no value; plain digits; or a number and one suffix, lowercase k/m/g/t decimal (x10^3 .. x10^12, a fraction
-    allowed: 1.5g) or uppercase K/M/G/T binary (x2^10 .. x2^40, whole numbers only: 4G). Other spellings (4GiB, 4 GB)
-    are refused as vLLM refuses them, and so is a negative count (vLLM refuses it only at start-up)."""
-    if value in ("", "None"):
-        return None
+def readable_int(value: str, what: str) -> int:
+    """vLLM's human_readable_int: plain digits; or a number and one suffix, lowercase k/m/g/t decimal (x10^3 ..
+    x10^12, a fraction allowed: 1.5g) or uppercase K/M/G/T binary (x2^10 .. x2^40, whole numbers only: 4G). Other
+    spellings (4GiB, 4 GB, 1.5G) are refused as vLLM refuses them; `what` names the value in the error."""
     text = value.strip()
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text)
     if match is None:
         try:
-            count = int(text)
+            return int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"not a byte count: {value!r} (digits, or a number with a suffix: k/m/g/t decimal, K/M/G/T binary)"
+                f"not {what}: {value!r} (digits, or a number with a suffix: k/m/g/t decimal, K/M/G/T binary)"
             ) from None
-    else:
-        number, suffix = match.groups()
-        if suffix.islower():
-            count = int(float(number) * BYTE_SUFFIXES[suffix])
-        elif "." in number:
-            raise argparse.ArgumentTypeError(
-                f"{value!r}: decimals are not allowed with binary suffixes like {suffix} (as in vLLM); did you mean "
-                f"{number}{suffix.lower()}?"
-            )
-        else:
-            count = int(number) * BYTE_SUFFIXES[suffix]
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * BYTE_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: decimals are not allowed with binary suffixes like {suffix} (as in vLLM); did you mean "
+            f"{number}{suffix.lower()}?"
+        )
+    return int(number) * BYTE_SUFFIXES[suffix]
+
+
+def human_int(value: str) -> int | None:
+    """vLLM's human_readable_int_or_auto (--max-model-len, --max-num-batched-tokens): 32768, 32k (x1000), 32K
+    (x1024), 1m / 1M, ...; -1 or auto: the model's own."""
+    if value.strip().lower() in ("-1", "auto"):
+        return None
+    number = readable_int(value, "an integer")
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"not a count: {value!r} (-1 or auto: the model's own)")
+    return number
+
+
+def kv_cache_bytes(value: str) -> int | None:
+    """--kv-cache-memory-bytes as vLLM 0.26 reads it (its human_readable_int behind optional_type): "" or "None" is
+    no value, else readable_int; a negative count is refused here (vLLM refuses it only at start-up)."""
+    if value in ("", "None"):
+        return None
+    count = readable_int(value, "a byte count")
     if count < 0:
         raise argparse.ArgumentTypeError(f"a byte count is at least 0 (0: not set), got {value!r}")
     return count

@@ -95,10 +95,20 @@ def test_bad_port_or_host_is_one_error_before_loading(
 
 
 @pytest.mark.parametrize(
-    ("text", "value"), [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1M", 2**20), ("auto", None), ("-1", None)]
-)
+    ("text", "value"),
+    [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1M", 2**20), ("auto", None), ("-1", None), ("1.5k", 1500),
+     ("2t", 2 * 10**12), ("1T", 2**40)],
+)  # fmt: skip
 def test_human_int(text: str, value: int | None) -> None:
+    """vLLM's human_readable_int_or_auto: lowercase suffixes decimal (fractions allowed), uppercase binary."""
     assert cli.human_int(text) == value
+
+
+@pytest.mark.parametrize(("text", "error"), [("1.5K", "did you mean 1.5k"), ("4GiB", "not an integer"),
+                                             ("32 k", "not an integer"), ("-5", "not a count")])  # fmt: skip
+def test_human_int_refuses_what_vllm_refuses(text: str, error: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=error):
+        cli.human_int(text)
 
 
 def test_chat_template_file_or_inline(tmp_path: Path) -> None:
