@@ -226,6 +226,14 @@ class AccessLogFilter(logging.Filter):
         return True
 
 
+def graceful_shutdown_s(args: argparse.Namespace) -> float:
+    """How long in-flight requests may finish after SIGTERM / Ctrl-C: vLLM's --shutdown-timeout where given (0: they
+    are closed at once, freeing their blocks and slots as a disconnect does), else --timeout-graceful-shutdown."""
+    if args.shutdown_timeout is not None:
+        return float(args.shutdown_timeout)
+    return args.timeout_graceful_shutdown
+
+
 def uvicorn_config_options(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config keyword arguments from the serve flags (TLS, socket, logging, h11 limits)."""
     options: dict[str, Any] = {
@@ -234,7 +242,7 @@ def uvicorn_config_options(args: argparse.Namespace) -> dict[str, Any]:
         # slow or stuck clients: h11 with a request-head bound, the keep-alive bound, the shutdown drain's bound
         "http": protocol_with_header_timeout(args.timeout_request_header),
         "timeout_keep_alive": args.timeout_keep_alive,
-        "timeout_graceful_shutdown": args.timeout_graceful_shutdown,
+        "timeout_graceful_shutdown": graceful_shutdown_s(args),
     }
     if args.uds:
         options["uds"] = args.uds
@@ -322,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
     install_shutdown_log_filter()
     # shutdown.py: the bounds of a shutdown, after a signal or the engine core's death
-    engine.on_dead = functools.partial(stop_on_engine_death, server, args.timeout_graceful_shutdown)
+    engine.on_dead = functools.partial(stop_on_engine_death, server, graceful_shutdown_s(args))
     # uvicorn re-raises Ctrl-C after its graceful shutdown, which has already happened by then.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()

@@ -492,6 +492,17 @@ def _add_http_arguments(add: Any) -> None:
     add("--log-config-file", default=None, help="a logging dictConfig JSON for deltaserve and uvicorn")
 
 
+def shutdown_seconds(value: str) -> int:
+    """vLLM's --shutdown-timeout: whole seconds, at least 0."""
+    try:
+        seconds = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole seconds, got {value!r}") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value!r}")
+    return seconds
+
+
 def positive_seconds(value: str) -> float:
     try:
         seconds = float(value)
@@ -530,6 +541,14 @@ def _add_timeout_arguments(add: Any) -> None:
         default=DEFAULT_GRACEFUL_SHUTDOWN_S,
         help="deltaserve only: after SIGTERM or Ctrl-C, open requests may finish for this many seconds, then they "
         f"are closed and the server exits (default {DEFAULT_GRACEFUL_SHUTDOWN_S:g})",
+    )
+    add(
+        "--shutdown-timeout",
+        type=shutdown_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="vLLM's drain bound: after SIGTERM, in-flight requests may finish for this many seconds (0: closed at "
+        "once, vLLM's default); given, it replaces --timeout-graceful-shutdown",
     )
 
 

@@ -189,7 +189,6 @@ TABLE = """
 --scheduler-cls | value | refuse | deltaserve has its own scheduler
 --scheduler-reserve-full-isl | switch | log | the scheduler's own policy
 --show-hidden-metrics-for-version | value | log | no hidden metrics
---shutdown-timeout | value | log | shutdown waits for the engine thread
 --skip-mm-profiling | switch | log | text-only server: nothing multimodal to profile
 --skip-tokenizer-init | switch | refuse | the API needs the tokenizer
 --spec-method | value | warn | vLLM's shorthand is not read: --speculative-config (MTP) is the implemented spelling

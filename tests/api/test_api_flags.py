@@ -326,6 +326,13 @@ def test_uvicorn_options_from_flags(tmp_path: Path) -> None:
         "m", "--timeout-keep-alive", "7", "--timeout-graceful-shutdown", "3", "--timeout-request-header", "0.5",
     ))  # fmt: skip
     assert timed["timeout_keep_alive"] == 7 and timed["timeout_graceful_shutdown"] == 3
+    # vLLM's --shutdown-timeout replaces the drain bound where given: 0 closes in-flight requests at once
+    for given, bound in (("0", 0.0), ("45", 45.0)):
+        drained = parse("m", "--timeout-graceful-shutdown", "3", "--shutdown-timeout", given)
+        assert cli.uvicorn_config_options(drained)["timeout_graceful_shutdown"] == bound
+    for refused in ("-1", "1.5"):
+        with pytest.raises(SystemExit):
+            parse("m", "--shutdown-timeout", refused)
     assert timed["http"].header_timeout_s == 0.5
     assert cli.build_settings(parse("m", "--timeout-request-body", "2"), "m").body_read_timeout_s == 2
     with pytest.raises(SystemExit):

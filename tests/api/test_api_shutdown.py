@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -73,5 +74,43 @@ def test_a_frozen_core_fails_health_and_a_group_sigterm_drains_open_streams(tiny
         log = server.output()
         assert "Traceback" not in log and not [line for line in log.splitlines() if "ERROR" in line], log
         assert log.count("still open at the shutdown bound") == 1, log
+    finally:
+        server.close()
+
+
+def _stream_until_cut(base_url: str, index: int, events: list[list[str]]) -> None:
+    """One long streamed completion collecting its payloads; a connection the server cuts ends it quietly."""
+    body = {"model": "tiny", "prompt": f"cut {index}", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    try:
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events[index].append(line[6:])
+    except httpx.HTTPError:
+        pass
+
+
+def test_shutdown_timeout_zero_closes_in_flight_requests_at_once(tiny_dense: Path) -> None:
+    """vLLM's --shutdown-timeout 0 (its default): SIGTERM closes the in-flight streams at once instead of letting them
+    finish, whatever --timeout-graceful-shutdown says, and the server exits within the core's stop bound. Without the
+    flag honoured, the 60 s drain would let both 3000-token streams end on 'length'."""
+    server = start_serve(tiny_dense, "--shutdown-timeout", "0", "--timeout-graceful-shutdown", "60")
+    try:
+        events: list[list[str]] = [[], []]
+        threads = [threading.Thread(target=_stream_until_cut, args=(server.base_url, i, events)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while min(len(e) for e in events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signalled_at = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(SHUTDOWN_WAIT_S + 10) in (0, -signal.SIGTERM)
+        assert time.monotonic() - signalled_at < SHUTDOWN_WAIT_S + 10
+        for thread in threads:
+            thread.join(10)
+        for payloads in events:
+            assert len(payloads) >= 2 and "[DONE]" not in payloads  # cut mid-stream, not finished
     finally:
         server.close()
