@@ -24,6 +24,7 @@ from deltaserve.api.settings import ServerState
 from deltaserve.api.template import RenderJob
 from deltaserve.api.template_pool import TemplateRenderError
 from deltaserve.api.tokens import truncation_length
+from deltaserve.engine.offline_chat import RESERVED_TEMPLATE_KWARGS, TEXT_PART_TYPES  # shared with the offline LLM.chat
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +33,6 @@ UNTRUSTED_TEMPLATE_MESSAGE = (
     "Refused request with untrusted chat template."
 )
 
-# apply_chat_template's own arguments: a template kwarg of the same name would change how it runs, not the prompt.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
-    "return_assistant_tokens_mask",
-})  # fmt: skip
-
-TEXT_PART_TYPES = ("text", "input_text", "output_text")
 # image / video parts (OpenAI's image_url, vLLM's video_url) and what the chat template sees for each
 MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
 
