@@ -52,11 +52,13 @@ def resolve_max_tokens(
     max_model_len: int,
     cap: int | None = None,
     prompt_param: str = "prompt",
+    clamp: bool = False,
 ) -> int:
     """A request's max_tokens under vLLM's length rules, the one place both live: the prompt leaves room for one
     token; an unset max_tokens is the rest of the context; `cap` (a generation_config max_new_tokens, which the API
-    applies as vLLM's server does) caps even an explicit value; prompt + max_tokens fits the context. Raises
-    RequestError (a 400 in the API) naming the field."""
+    applies as vLLM's server does) caps even an explicit value; prompt + max_tokens fits the context: past it the
+    API refuses (vLLM's server), and with `clamp` the engine cuts it to the rest of the context (vLLM's engine, which
+    stops the sequence at max_model_len, "length"). Raises RequestError (a 400 in the API) naming the field."""
     if num_prompt_tokens == 0:
         raise RequestError("The prompt cannot be empty.", prompt_param)
     if num_prompt_tokens >= max_model_len:
@@ -68,6 +70,8 @@ def resolve_max_tokens(
     max_tokens = max_model_len - num_prompt_tokens if requested is None else requested
     if isinstance(cap, int) and cap > 0:
         max_tokens = min(max_tokens, cap)
+    if clamp:
+        max_tokens = min(max_tokens, max_model_len - num_prompt_tokens)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise RequestError(
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
@@ -199,11 +203,8 @@ class EngineFrontend:
         """Raises RequestError (a 400 in the API) for prompts and limits the engine cannot serve; returns the
         request's max_tokens (the rest of the context where params leave it unset, as vLLM's engine does)."""
         check_token_ids(prompt_token_ids, self.vocab_size)
-        # vLLM's engine takes a max_tokens past the context and stops the sequence at max_model_len ("length");
-        # the API refuses such a request before it gets here (api/sampling.py), as vLLM's server does.
-        room = max(self.max_model_len - len(prompt_token_ids), 1)
-        requested = None if params.max_tokens is None else min(params.max_tokens, room)
-        max_tokens = resolve_max_tokens(requested, len(prompt_token_ids), self.max_model_len)
+        # the API has refused a max_tokens past the context already (api/sampling.py), as vLLM's server does
+        max_tokens = resolve_max_tokens(params.max_tokens, len(prompt_token_ids), self.max_model_len, clamp=True)
         try:
             params.validate()
             if params.bad_words and params.bad_words_token_ids is None:
