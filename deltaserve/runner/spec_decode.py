@@ -306,7 +306,7 @@ class SpecDecoder:
             drafts.view(-1).index_copy_(0, flat, self.draft_tokens[rows, cols])
         num_drafts = to_device(layout.num_drafts, torch.int64, device)
         if self.synthetic_rates is not None:
-            uniforms = self._uniforms(layout, batch, shared, (width - 1,), device)
+            uniforms = self._uniforms(layout, batch, shared, starts, width - 1, device)
             tokens, num_emitted = synthetic_accept(target, drafts, num_drafts, self.synthetic_rates, uniforms)
             self._emitted_logprobs(out, layout, positions, tokens, num_emitted)  # accepted drafts are emitted
         elif handle.is_random is not None and handle.is_random.any():
@@ -318,7 +318,8 @@ class SpecDecoder:
             shape = (len(layout.seq_index), width - 1)
             uniforms = torch.empty(shape, dtype=torch.float32, device=device).uniform_(generator=shared)
             noise = torch.empty(*shape, vocab, dtype=torch.float32, device=device).exponential_(generator=shared)
-            is_coupled = to_device(~handle.is_random | self._is_seeded(layout, batch), torch.bool, device)
+            is_seeded = np.array([int(start) in batch.generators for start in starts], dtype=bool)
+            is_coupled = to_device(~handle.is_random | is_seeded, torch.bool, device)
             tokens, num_emitted = random_accept(target, drafts, num_drafts, is_coupled, probs, uniforms, noise)
             self._emitted_logprobs(out, layout, positions, tokens, num_emitted)
         else:
@@ -347,31 +348,20 @@ class SpecDecoder:
             save_accepted_hidden(self.model, handle.hidden, first, handle.num_emitted, layout.state_slots)
 
     @staticmethod
-    def _is_seeded(layout: SpecLayout, batch: SamplingBatch) -> np.ndarray:
-        """[S] bool: the verify chunks of seeded random rows (their first position draws with its own generator)."""
-        starts = layout.sample_offsets[layout.spec_sample_index]
-        return np.array([int(start) in batch.generators for start in starts], dtype=bool)
-
-    @staticmethod
     def _uniforms(
-        layout: SpecLayout, batch: SamplingBatch, shared: torch.Generator, shape: tuple[int, ...],
-        device: torch.device, exponential: bool = False,
+        layout: SpecLayout, batch: SamplingBatch, shared: torch.Generator, starts: np.ndarray, num_columns: int,
+        device: torch.device,
     ) -> torch.Tensor:  # fmt: skip
-        """[S, *shape] random numbers, U[0, 1) or Exp(1): a seeded verify position's from its own generator (after
-        the sampler's draw there), the others' from the shared one."""
-        values = torch.empty(len(layout.seq_index), *shape, dtype=torch.float32, device=device)
-        if exponential:
-            values.exponential_(generator=shared)
-        else:
-            values.uniform_(generator=shared)
+        """[S, num_columns] U[0, 1) for the synthetic accept decisions: a seeded verify position's from its own
+        generator (after the sampler's draw there), the others' from the shared one. starts [S]: each verify chunk's
+        first sample offset."""
+        values = torch.empty(len(layout.seq_index), num_columns, dtype=torch.float32, device=device)
+        values.uniform_(generator=shared)
         if batch.generators:
-            starts = layout.sample_offsets[layout.spec_sample_index]
             for s, k in enumerate(layout.num_drafts.tolist()):
                 for j in range(k):
                     generator = batch.generators.get(int(starts[s]) + j)
-                    if generator is not None and exponential:
-                        values[s, j].exponential_(generator=generator)
-                    elif generator is not None:
+                    if generator is not None:
                         values[s, j].uniform_(generator=generator)
         return values
 
