@@ -70,6 +70,12 @@ class EngineConfig:
     # JSON text or dict is parsed (and refused by key or method) on construction
     speculative_config: SpeculativeConfig | None = None
 
+    @property
+    def chains_verifies(self) -> bool:
+        """Whether chained chunks arise (async verify, scheduler/spec.py can_chain and runner/spec_chain.py): the
+        speculative config asks for async_verify, and a step is planned before the last one is collected."""
+        return bool(self.speculative_config and self.speculative_config.async_verify and self.async_scheduling)
+
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))

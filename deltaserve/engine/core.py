@@ -81,10 +81,7 @@ class EngineCore:
         if config.speculative_config is not None:  # the runner built the MTP drafter
             k = config.speculative_config.num_speculative_tokens
             policy = KPolicy.from_config(config.speculative_config)  # logs itself
-            # async verify: chained chunks (scheduler/spec.py) only arise when the next step is planned before the
-            # last one is collected
-            async_verify = config.speculative_config.async_verify and config.async_scheduling
-            self.scheduler.spec = SpecSchedule(k, self.runner.spec.max_spec_seqs, policy, async_verify)
+            self.scheduler.spec = SpecSchedule(k, self.runner.spec.max_spec_seqs, policy, config.chains_verifies)
             if self.scheduler.prefix_cache is not None:  # a hit rewrites the MTP KV at P - 1 in a private block
                 self.scheduler.prefix_cache.rewrites_last_row = True
         self.is_async = config.async_scheduling

@@ -281,10 +281,7 @@ class ModelRunner:
         max_spec_seqs: verify chunks a step may hold (their scratch; default max_num_seqs)."""
         self.spec = SpecDecoder(self.model, self.max_num_seqs, num_speculative_tokens, drafter, self.device,
                                 synthetic_rates, max_spec_seqs or self.max_num_seqs)  # fmt: skip
-        # chained chunks arise only with async verify under async scheduling (engine/core.py builds the same rule)
-        config = self.engine_config
-        speculative = config.speculative_config
-        self.spec.tracks_next_start = bool(speculative and speculative.async_verify and config.async_scheduling)
+        self.spec.tracks_next_start = self.engine_config.chains_verifies  # the scheduler plans chained chunks then
         if self.spec_graphs is not None:  # the graphs name the old scratch: build them anew
             self._use_spec_graphs(self.spec_graphs.is_captured)
 
