@@ -49,6 +49,7 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
 from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoEConfig
+from deltaserve.kernels.moe_routing_triton import NAN_KEY
 
 # Router launch: rows of W_r per program, reduction step, token rows per program (tl.dot needs 16).
 ROUTER_BLOCK_R = 16
@@ -227,13 +228,14 @@ def _route_tile(
     b_sum = tl.sum(b_p, axis=1)
     b_p = b_p / tl.where(b_sum == 0.0, 1.0, b_sum)[:, None]
     b_p = tl.where(m_e[None, :], b_p, -1.0)  # padding experts never win
+    b_p = tl.where(b_p != b_p, NAN_KEY, b_p)  # NaN first and ids in [0, E), as moe_route_triton
     b_ids = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.int32)
     b_w = tl.zeros([BLOCK_T, BLOCK_KK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         p_max = tl.max(b_p, axis=1)  # [BLOCK_T]
         i_max = tl.min(tl.where(b_p == p_max[:, None], o_e[None, :], BLOCK_E), axis=1)  # lowest id among ties
         b_ids = tl.where(o_j[None, :] == j, i_max[:, None], b_ids)
-        b_w = tl.where(o_j[None, :] == j, p_max[:, None], b_w)
+        b_w = tl.where(o_j[None, :] == j, tl.where(p_max == NAN_KEY, float("nan"), p_max)[:, None], b_w)
         b_p = tl.where(o_e[None, :] == i_max[:, None], -1.0, b_p)
     if RENORMALIZE:
         b_norm = tl.sum(tl.where(o_j[None, :] < TOP_K, b_w, 0.0), axis=1)

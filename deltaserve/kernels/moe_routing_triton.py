@@ -47,6 +47,9 @@ ALIGN_MAX_ENTRIES = 8192
 # program serves up to 1024 entries (128 tokens at top-8); it still takes up to
 # ALIGN_MAX_ENTRIES (the tests and the bench reach that far).
 ALIGN_DISPATCH_MAX_ENTRIES = 1024
+# The top-k key of a NaN probability: above every probability (<= 1), so NaNs are picked first, as torch.topk ranks
+# them (moe.moe_route_ref; among NaNs lowest id first, an order torch leaves unspecified), and their weight stays NaN.
+NAN_KEY: tl.constexpr = tl.constexpr(2.0)
 
 
 @triton.jit
@@ -70,13 +73,16 @@ def _moe_route_kernel(
     b_p = tl.exp(b_l - tl.max(b_l, axis=0))
     b_p = b_p / tl.sum(b_p, axis=0)  # [BLOCK_E] softmax, fp32
     b_p = tl.where(m_e, b_p, -1.0)  # padding never wins
+    # A NaN ranks above every probability (as in torch.topk): a NaN row (a CUDA graph's padded row reads no real
+    # state) still picks ids in [0, E); with `==` alone it picked BLOCK_E and the expert GEMM read past w13.
+    b_p = tl.where(b_p != b_p, NAN_KEY, b_p)
     o_k = tl.arange(0, BLOCK_K)
     b_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     b_id = tl.zeros([BLOCK_K], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         p_max = tl.max(b_p, axis=0)
         i_max = tl.min(tl.where(b_p == p_max, o_e, BLOCK_E), axis=0)  # lowest expert id among ties
-        b_w = tl.where(o_k == j, p_max, b_w)
+        b_w = tl.where(o_k == j, tl.where(p_max == NAN_KEY, float("nan"), p_max), b_w)
         b_id = tl.where(o_k == j, i_max, b_id)
         b_p = tl.where(o_e == i_max, -1.0, b_p)
     if RENORMALIZE:

@@ -122,6 +122,27 @@ def test_moe_route_triton_breaks_ties_to_the_lowest_expert() -> None:
     assert_close("weights", probs[[1, 3, 5, 2]][None], weights, 1e-6)
 
 
+def test_moe_route_triton_picks_experts_in_range_on_a_nan_row() -> None:
+    """A CUDA graph's padded rows read no real state and can hold NaN logits: their softmax is all NaN, and the
+    argmax by `==` matched no expert, so the kernel stored id E and the expert GEMM read past w13 (an illegal
+    address on the H200, MTP verify at 5-16 sequences). NaN ranks first, as in torch.topk: ids in [0, E), distinct,
+    weights NaN; the finite rows beside it are untouched."""
+    from deltaserve.kernels.moe_routing_triton import moe_route_triton
+
+    logits = randn(4, 60, scale=2.0)
+    logits[1] = float("nan")
+    logits[2, 7] = float("nan")  # one NaN logit makes the whole softmax row NaN
+    logits[3, :5] = float("inf")
+    weights, ids = moe_route_triton(logits, 4, renormalize=True)
+    for row in (1, 2, 3):
+        assert ids[row].tolist() == [0, 1, 2, 3], ids[row]  # NaN first, lowest id first among NaNs
+        assert torch.isnan(weights[row]).all()
+    ref_weights, ref_ids = moe_route_ref(logits, 4, renormalize=True)
+    assert torch.isnan(ref_weights[1:]).all()  # torch ranks them first too (in an order it leaves unspecified)
+    assert torch.equal(ids[0], ref_ids[0])
+    assert_close("finite row", ref_weights[:1], weights[:1], 1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 37])
 def test_fused_moe_with_the_shared_expert(num_tokens: int, dtype: torch.dtype) -> None:

@@ -4,18 +4,21 @@ Under the interpreter at fp32 (bf16 cases on the GPU): the whole block (router G
 leader-gathered gate/up, per-token down + weighted sum + sigmoid-gated shared expert), the variant that
 routes in its own launch, the down GEMM split over the choices with its combine launch (the ref's values
 and the one-program kernel's bits), the fused_moe op's decode path on given routing, and the grouped path behind
-the block op. Outputs come from NaN-poisoned torch.empty, so an unwritten element fails.
+the block op, and a NaN row routed to experts in range. Outputs come from NaN-poisoned torch.empty, so an unwritten
+element fails.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from deltaserve.kernels import moe_decode_triton
 from deltaserve.kernels.moe import fused_moe_block_ref, fused_moe_ref, moe_route_ref, router_logits_ref
 from deltaserve.kernels.moe_configs import GemmConfig, MoEConfig
-from deltaserve.kernels.moe_decode_triton import moe_block_triton, router_logits_triton
+from deltaserve.kernels.moe_decode_triton import _route_tile, moe_block_triton, router_logits_triton
 from deltaserve.kernels.moe_triton import fused_moe_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
@@ -163,6 +166,47 @@ def test_moe_block_routes_in_its_own_launch_above_the_register_limit(
     x = randn(3, 64, dtype=dtype)
     w = _weights(8, 64, 32, 32, dtype)
     _block_against_ref(x, w, 2, True, DECODE)
+
+
+@pytest.mark.parametrize("route_in_gemm1", [True, False])
+def test_decode_path_routes_a_nan_row_to_experts_in_range(
+    route_in_gemm1: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify graph's padded rows can carry NaN hidden states. Before, their routing picked expert id E (no
+    expert equals NaN) and gemm1 read past w13: an illegal address on the H200. Now a NaN row routes to
+    experts in range (its output stays NaN) and the finite rows equal the ref, routed in gemm1 or in their own
+    launch."""
+    if not route_in_gemm1:
+        monkeypatch.setattr(moe_decode_triton, "ROUTE_IN_GEMM1_MAX_TOKENS", 1)
+    x = randn(5, 64)
+    x[1] = float("nan")
+    w = _weights(8, 64, 32, 32, torch.float32)
+    out = _call(moe_block_triton, x, w, 2, True, config=DECODE)
+    finite = [0, 2, 3, 4]
+    assert torch.isnan(out[1]).all()
+    assert_close("finite rows", _ref(x[finite], w, 2, True), out[finite], 1e-5)
+
+
+@triton.jit
+def _route_tile_probe(logits_ptr, ids_ptr, num_tokens, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):  # fmt: skip
+    """Stores the in-kernel routing's ids (gemm1 keeps them in registers where the CPU cannot see an id past E)."""
+    o_t = tl.arange(0, BLOCK_T)
+    o_j = tl.arange(0, BLOCK_KK)
+    m_t = o_t < num_tokens
+    b_ids, _ = _route_tile(logits_ptr, E, o_t, m_t, E, TOP_K, True, BLOCK_T, BLOCK_E, BLOCK_KK)
+    tl.store(ids_ptr + o_t[:, None] * TOP_K + o_j[None, :], b_ids, mask=m_t[:, None] & (o_j < TOP_K)[None, :])
+
+
+def test_in_kernel_routing_keeps_a_nan_row_in_range() -> None:
+    """gemm1's own routing tile on a NaN row: ids 0..k-1 (NaN first, lowest id first), not E; finite rows as ref."""
+    logits = randn(3, 6, scale=2.0)
+    logits[1] = float("nan")
+    ids = torch.full((3, 2), -7, dtype=torch.int32, device=DEVICE)
+    _route_tile_probe[(1,)](logits, ids, 3, E=6, TOP_K=2, BLOCK_T=4, BLOCK_E=8, BLOCK_KK=2)
+    assert ids[1].tolist() == [0, 1]
+    _, ref_ids = moe_route_ref(logits[[0, 2]], 2, True)
+    assert torch.equal(ids[[0, 2]].long(), ref_ids)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -164,11 +164,12 @@ class _Event:
 
     def __init__(
         self, name: str, parent: _Event | None = None, kernels: tuple = (), cuda_us: float | None = None,
-        start: float = 0.0,
+        start: float = 0.0, is_user_annotation: bool = False,
     ) -> None:  # fmt: skip
         from torch.autograd import DeviceType
 
         self.name, self.cpu_parent, self.kernels = name, parent, list(kernels)
+        self.is_user_annotation = is_user_annotation
         self.device_type = DeviceType.CPU if cuda_us is None else DeviceType.CUDA
         self.time_range = _Span(cuda_us or 0.0, start)
         self.self_cpu_time_total = 1.0
@@ -199,6 +200,10 @@ def test_gpu_kernels_go_to_the_innermost_label_of_their_launch() -> None:
         _Event("Memcpy HtoD", cuda_us=2.0),
         _Event("reduce_kernel", cuda_us=1.0),
         _Event("orphan_kernel", cuda_us=5.0),  # the profiler linked it to no launch
+        # the ranges' GPU spans (gpu_user_annotation): time the kernels above already hold, never a kernel (the
+        # 2026-12-05 H200 run counted them, and two thirds of a prefill showed as unclaimed)
+        _Event("prefill_chunk:0", cuda_us=60.0, is_user_annotation=True),
+        _Event(f"{label}gdn.gdn_prefill", cuda_us=48.0, is_user_annotation=True),
     ]  # fmt: skip
     cells, kernels = profile_prefill.attribute(events, torch.device("cuda"))
     assert cells[("gdn.gdn_prefill", 0)] == [48.0, 2, 1] and cells[("gdn.gdn_prefill", 1)] == [50.0, 1, 1]
