@@ -327,7 +327,7 @@ gate_mtp() {  # [FLAGS]: the three bf16 MTP gates at once on one GPU, each again
     rc=$?
     [ $rc -ne 0 ] && status=1
     echo "gate mtp ${variants[$i]} rc $rc:" | say
-    grep -E "^STRICT|^acceptance|^per-position|REFUSED" "$W/gate-mtp-${variants[$i]}.log" 2> /dev/null | say
+    grep -E "^STRICT|^acceptance|^per-position|^against vLLM|^yardstick|REFUSED" "$W/gate-mtp-${variants[$i]}.log" 2> /dev/null | say
   done
   return $status
 }

@@ -3,8 +3,12 @@
 On a checkpoint whose MTP head is trained (the trained tiny checkpoints, deltaserve/tiny/trained.py), greedy, on
 seeded spans of the shipped corpus' held-out text (tokens.make_text_prompts):
 (a) deltaserve with `speculative_config` {"method": "mtp", "num_speculative_tokens": k} against deltaserve without
-    it: STRICT n/N. Exact by construction (the greedy accept rule emits plain greedy decoding's tokens), in any
-    dtype: the verify chunk computes each position as the one-token decode does.
+    it: STRICT n/N. Exact in fp32 on the CPU (the greedy accept rule emits plain greedy decoding's tokens; fp32
+    rounding leaves the trained checkpoints' greedy choices far from ties). In bf16 on the GPU it is not: the
+    verify chunk runs the projections as GEMMs of 1 + k rows per sequence where the decode runs 1, and cuBLAS
+    picks other kernels and sum orders for them, so a near-tied greedy choice can flip (the H200, 2026-12-05:
+    9/16, 6/16, 7/16 on the trained dense / moe / next checkpoints;
+    docs/speculative-decoding.md#the-gate-deltaserve-gate-mtp).
 (b) with `--reference vllm` (on the H200): vLLM 0.26 in process with the same speculative_config (the oracle
     registry's MTP arm, gates/vllm_reference.py; vLLM is imported only there, inside functions): STRICT n/N of
     deltaserve-with-MTP's greedy tokens against vLLM-with-MTP's (each mismatch with vLLM's logit margin from its
@@ -18,6 +22,10 @@ seeded spans of the shipped corpus' held-out text (tokens.make_text_prompts):
     defaults, k = 3 and 96 tokens: the gate prints this bound and says when it exceeds the tolerance), and in bf16
     a draft whose MTP logits are a near-tie may be another token in the other engine. The drafts themselves are
     the same function of the same weights, so a rule, a KV or a chaining difference moves a rate by far more.
+    With vLLM, two yardsticks follow the verdict (printed, recorded, not part of it; `--no-yardstick` skips the
+    extra vLLM run): vLLM with MTP against vLLM without (how many near ties the peer's own verify flips) and
+    deltaserve without MTP against vLLM without (the engines' bf16 difference on these prompts before any MTP),
+    each mismatch with vLLM's margin and whether it is within `gate tokens`' near-tie margin (TIE_ULPS ulps).
 `--no-reference-logprobs` runs vLLM without logprobs (no margins), for a vLLM that would not speculate otherwise.
 Every disagreement is printed. Exit 0 when every check holds; 1 on a mismatch, a rate beyond the tolerance or a
 refused reference; 2 when nothing was checked (no prompt, or deltaserve never drafted). `--record PATH` writes the
@@ -41,6 +49,7 @@ import torch
 from deltaserve.bench.deviations import GATE_SITE
 from deltaserve.gates.references import ReferenceError
 from deltaserve.gates.tokens import (
+    TIE_ULPS,
     Mismatch,
     add_oracle_arguments,
     engine_memory,
@@ -88,6 +97,7 @@ class TokenMismatch:
     ours: int | None  # deltaserve with MTP
     margin: float | None = None  # vLLM's logit margin (its token over ours), from its top-20; None without vLLM
     is_margin_exact: bool = True
+    is_near_tie: bool | None = None  # margin within TIE_ULPS ulps of vLLM's top logit; None without a margin
 
 
 @dataclass
@@ -103,6 +113,9 @@ class MtpVerdict:
     refused: str | None = None
     lines: list[str] = field(default_factory=list)
     tensor_parallel_size: int = 1  # deltaserve's ranks, in both of its runs
+    # the yardsticks (vLLM and --yardstick): None when not run
+    vllm_mtp_vs_off: list[TokenMismatch] | None = None  # vLLM with MTP against vLLM without
+    off_vs_vllm_off: list[TokenMismatch] | None = None  # deltaserve without MTP against vLLM without
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -130,13 +143,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM runs without logprobs, so its margins are not measured: for a vLLM that leaves a request asking "
         "for logprobs out of speculation (the gate then reports that vLLM made no draft)",
     )
+    parser.add_argument(
+        "--no-yardstick",
+        action="store_true",
+        help="with --reference vllm, skip the run of vLLM without MTP (the yardsticks: vLLM with MTP against "
+        "without, deltaserve without MTP against vLLM without)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     return run_gate(
         Path(args.model), args.num_speculative_tokens, args.reference, args.num_prompts, args.max_tokens,
         args.max_prompt_len, args.dtype, args.device, args.seed, args.site, args.record, args.share_gpu,
-        not args.no_reference_logprobs, args.tensor_parallel_size,
+        not args.no_reference_logprobs, args.tensor_parallel_size, not args.no_yardstick,
     )  # fmt: skip
 
 
@@ -239,6 +258,7 @@ def run_gate(
     share_gpu: bool = False,
     reference_logprobs: bool = True,
     tensor_parallel_size: int = 1,
+    yardstick: bool = True,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -250,16 +270,21 @@ def run_gate(
     prompts = make_text_prompts(AutoTokenizer.from_pretrained(model_dir), num_prompts, max_prompt_len, seed)
     spec = speculative_config(k)
     verdict = MtpVerdict(k, len(prompts), reference=reference, tensor_parallel_size=tensor_parallel_size)
-    ref_run = None
+    ref_run = ref_off = None
     if reference == "vllm":
         # vLLM first: it must give the GPU back before deltaserve takes it
         from deltaserve.gates.vllm_reference import LOGPROBS_TOP_K, VllmReference
 
+        top = LOGPROBS_TOP_K if reference_logprobs else None
         try:
             oracle = VllmReference(model_dir, dtype, max_prompt_len, seed, site, shares_gpu=share_gpu,
                                    speculative_config=spec)  # fmt: skip
-            ref_run = oracle.run(prompts, max_tokens, LOGPROBS_TOP_K if reference_logprobs else None)
+            ref_run = oracle.run(prompts, max_tokens, top)
             verdict.theirs = Acceptance(**ref_run.config["spec_decode"])
+            if yardstick:
+                ref_off = VllmReference(model_dir, dtype, max_prompt_len, seed, site, shares_gpu=share_gpu).run(
+                    prompts, max_tokens, top
+                )
         except (ReferenceError, ValueError) as exc:
             verdict.refused = str(exc)
     tp = tensor_parallel_size
@@ -267,19 +292,29 @@ def run_gate(
     ours, verdict.ours = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, spec, share_gpu, tp)
     verdict.off_mismatches = compare_tokens(off, ours)
     if ref_run is not None:
-        verdict.ref_mismatches = compare_tokens(ref_run.tokens, ours)
-        for m in verdict.ref_mismatches:
-            scores = ref_run.scores[m.prompt]
-            if m.position >= len(scores):
-                continue  # no logits there (--no-reference-logprobs, or past vLLM's output): no margin
-            judged: Mismatch | None = judge_mismatch(ours[m.prompt], ref_run.tokens[m.prompt], scores, dtype)
-            if judged is not None:
-                m.margin, m.is_margin_exact = judged.margin, judged.is_margin_exact
+        verdict.ref_mismatches = judged_mismatches(ref_run, ours, dtype)
         verdict.rate_disagreements = compare_acceptance(verdict.ours, verdict.theirs, k)
+    if ref_run is not None and ref_off is not None:
+        verdict.vllm_mtp_vs_off = judged_mismatches(ref_off, ref_run.tokens, dtype)
+        verdict.off_vs_vllm_off = judged_mismatches(ref_off, off, dtype)
     code = report(verdict, model_dir, dtype, max_tokens, ref_run.config if ref_run is not None else None)
     if record_path is not None:
         _write_record(record_path, verdict, code, model_dir, dtype, seed, max_tokens, prompts, ref_run)
     return code
+
+
+def judged_mismatches(ref_run: Any, ours: list[list[int]], dtype: str) -> list[TokenMismatch]:
+    """`ours` against a vLLM run's tokens, each first difference with vLLM's margin there and whether it is a near
+    tie (gates/tokens.py judge_mismatch)."""
+    mismatches = compare_tokens(ref_run.tokens, ours)
+    for m in mismatches:
+        scores = ref_run.scores[m.prompt]
+        if m.position >= len(scores):
+            continue  # no logits there (--no-reference-logprobs, or past vLLM's output): no margin
+        judged: Mismatch | None = judge_mismatch(ours[m.prompt], ref_run.tokens[m.prompt], scores, dtype)
+        if judged is not None:
+            m.margin, m.is_margin_exact, m.is_near_tie = judged.margin, judged.is_margin_exact, judged.is_near_tie
+    return mismatches
 
 
 def verdict_code(verdict: MtpVerdict) -> int:
@@ -291,19 +326,24 @@ def verdict_code(verdict: MtpVerdict) -> int:
     return 1 if failed else 0
 
 
-def _mismatch_line(m: TokenMismatch, what: str) -> str:
+def _mismatch_line(m: TokenMismatch, what: str, ours: str = "deltaserve-mtp") -> str:
     margin = ""
     if m.margin is not None:
         margin = f"; vLLM's margin {'' if m.is_margin_exact else '> '}{m.margin:.6g}"
-    return f"  prompt {m.prompt}, output position {m.position}: {what} {m.expected} vs deltaserve-mtp {m.ours}{margin}"
+        if m.is_near_tie is not None:
+            margin += ", a near tie" if m.is_near_tie else ", beyond the near-tie margin"
+    return f"  prompt {m.prompt}, output position {m.position}: {what} {m.expected} vs {ours} {m.ours}{margin}"
 
 
-def _say_strict(verdict: MtpVerdict, mismatches: list[TokenMismatch], comparison: str, what: str) -> None:
-    """One comparison's STRICT n/N line, then its every mismatch (`what`: the other side's name)."""
+def _say_strict(
+    verdict: MtpVerdict, mismatches: list[TokenMismatch], comparison: str, what: str, ours: str = "deltaserve-mtp",
+    prefix: str = "",
+) -> None:  # fmt: skip
+    """One comparison's STRICT n/N line, then its every mismatch (`what`, `ours`: the two sides' names)."""
     n = verdict.num_prompts
-    verdict.say(f"STRICT {n - len(mismatches)}/{n} {comparison}")
+    verdict.say(f"{prefix}STRICT {n - len(mismatches)}/{n} {comparison}")
     for m in mismatches:
-        verdict.say(_mismatch_line(m, what))
+        verdict.say(_mismatch_line(m, what, ours))
 
 
 def report(verdict: MtpVerdict, model_dir: Path, dtype: str, max_tokens: int, ref_config: dict[str, Any] | None) -> int:
@@ -329,6 +369,15 @@ def report(verdict: MtpVerdict, model_dir: Path, dtype: str, max_tokens: int, re
                     f"(k + 1) / max_tokens = {bound:.3f}{note}): {state}")  # fmt: skip
         for line in verdict.rate_disagreements:
             verdict.say(line)
+    if verdict.vllm_mtp_vs_off is not None and verdict.off_vs_vllm_off is not None:
+        ties = [m for m in verdict.ref_mismatches if m.is_near_tie]
+        verdict.say(f"against vLLM with MTP, {len(ties)} of {len(verdict.ref_mismatches)} mismatches are near ties "
+                    f"({TIE_ULPS:g} ulps of {dtype} at vLLM's top logit)")  # fmt: skip
+        say = "yardstick (not part of the verdict): "
+        _say_strict(verdict, verdict.vllm_mtp_vs_off, f"vLLM with MTP against vLLM without ({dtype})",
+                    "vLLM", "vLLM-mtp", say)  # fmt: skip
+        _say_strict(verdict, verdict.off_vs_vllm_off, f"deltaserve without MTP against vLLM without ({dtype})",
+                    "vLLM", "deltaserve", say)  # fmt: skip
     code = verdict_code(verdict)
     if code == 2:
         verdict.say("gate mtp: nothing checked: deltaserve made no draft (is the MTP layer trained?)")

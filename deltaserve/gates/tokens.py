@@ -228,7 +228,9 @@ def judge_mismatch(ours: list[int], ref: list[int], scores: list[StepScores], dt
     our_token = ours[position] if position < len(ours) else -1
     margin, is_exact = step.margin(ref_token, our_token)
     tie_margin = TIE_ULPS * ulp(step.values[ref_token], dtype)
-    return Mismatch(position, ref_token, our_token, margin, is_exact, tie_margin, is_exact and margin <= tie_margin)
+    # a negative margin (the reference's own token below ours in its logits) is no tie: something else differs
+    is_near_tie = is_exact and 0.0 <= margin <= tie_margin
+    return Mismatch(position, ref_token, our_token, margin, is_exact, tie_margin, is_near_tie)
 
 
 def _device(device: str) -> str:

@@ -109,15 +109,18 @@ def fake_mtp_vllm(model_dir: Path, built: list[dict[str, Any]], shift: int, wron
     class LLM(module.LLM):
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
-            self.spec = kwargs["speculative_config"]
-            assert kwargs["disable_log_stats"] is False  # else vLLM's get_metrics() asserts
+            self.spec = kwargs.get("speculative_config")  # absent: the yardstick's vLLM without MTP
+            assert self.spec is None or kwargs["disable_log_stats"] is False  # else vLLM's get_metrics() asserts
 
         def generate(self, prompts: list[dict], params: Any, use_tqdm: bool = False) -> list[Any]:
             asked = params.logprobs
             params.logprobs = asked or 20  # the base fake always ranks its steps; dropped below when not asked for
             outputs = super().generate(prompts, params, use_tqdm)
             ids = [p["prompt_token_ids"] for p in prompts]
-            _, self.acceptance = mtp.run_deltaserve(model_dir, ids, params.max_tokens, "float32", "cpu", 0, self.spec)
+            if self.spec is not None:
+                _, self.acceptance = mtp.run_deltaserve(
+                    model_dir, ids, params.max_tokens, "float32", "cpu", 0, self.spec
+                )
             if wrong_token:  # vLLM's runner-up at output position 2 of prompt 0 (inside its top 20)
                 completion = outputs[0].outputs[0]
                 ranked = sorted(completion.logprobs[2].items(), key=lambda item: -item[1].logprob)
@@ -149,19 +152,24 @@ def test_against_vllm_the_acceptance_is_compared_side_by_side(
     monkeypatch.setitem(sys.modules, "vllm", fake_mtp_vllm(model, built, 0, False))
     record = tmp_path / "gate.json"
     assert mtp.run_gate(model, 2, reference="vllm", record_path=record, **SMALL) == 0
-    kwargs, shutdown = built
-    assert shutdown == {"shutdown": True}
+    kwargs, shutdown, off_kwargs, off_shutdown = built  # vLLM with MTP, then without it (the yardstick)
+    assert shutdown == off_shutdown == {"shutdown": True}
     expected = registry.vllm_engine(
         str(model), 96, dtype="float32", seed=0, speculative_config=mtp.speculative_config(2)
     )
     assert kwargs == expected.kwargs
+    assert off_kwargs == registry.vllm_engine(str(model), 96, dtype="float32", seed=0).kwargs
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("STRICT 4/4 deltaserve with MTP against vllm 0.26.0-fake with MTP (k = 2")
     assert lines[2].startswith("acceptance deltaserve: ") and lines[3].startswith("acceptance vLLM: ")
     assert lines[2].split(": ", 1)[1] == lines[3].split(": ", 1)[1].lstrip()
     assert "per-position rates within 0.05" in lines[4] and lines[4].endswith(": ok")
+    assert lines[5] == "against vLLM with MTP, 0 of 0 mismatches are near ties (4 ulps of float32 at vLLM's top logit)"
+    assert lines[6] == "yardstick (not part of the verdict): STRICT 4/4 vLLM with MTP against vLLM without (float32)"
+    assert lines[7].startswith("yardstick (not part of the verdict): STRICT 4/4 deltaserve without MTP against vLLM")
     saved = json.loads(record.read_text())
     assert saved["verdict"]["theirs"] == saved["verdict"]["ours"]
+    assert saved["verdict"]["vllm_mtp_vs_off"] == saved["verdict"]["off_vs_vllm_off"] == []
     assert saved["reference_config"]["spec_decode"]["num_drafts"] == saved["verdict"]["ours"]["num_drafts"]
 
 
@@ -180,8 +188,23 @@ def test_a_disagreement_with_vllm_fails_and_is_printed(
     assert "STRICT 3/4 deltaserve with MTP against vllm" in out
     line = next(line for line in out.splitlines() if line.startswith("  prompt 0, output position 2: vLLM-mtp"))
     if has_logprobs:
-        assert "vLLM's margin -" in line  # its runner-up against its own top token: a negative margin
+        # its runner-up against its own top token: a negative margin, and no near tie
+        assert "vLLM's margin -" in line and line.endswith(", beyond the near-tie margin")
     else:
         assert "margin" not in line  # --no-reference-logprobs: vLLM returned no logits to measure one
+    # the fake's wrong token is in both of its runs: its MTP agrees with itself, deltaserve without MTP does not
+    assert "yardstick (not part of the verdict): STRICT 4/4 vLLM with MTP against vLLM without" in out
+    assert "yardstick (not part of the verdict): STRICT 3/4 deltaserve without MTP against vLLM without" in out
+    assert "  prompt 0, output position 2: vLLM " in out
     assert "FAIL at 2 positions" in out
     assert "  position 0: deltaserve " in out and "  position 1: deltaserve " in out
+
+
+def test_no_yardstick_runs_vllm_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    model = trained_model_dir("dense")
+    built: list[dict[str, Any]] = []
+    monkeypatch.setattr(registry, "apply_environment", lambda env: None)
+    monkeypatch.setitem(sys.modules, "vllm", fake_mtp_vllm(model, built, 0, False))
+    assert mtp.run_gate(model, 2, reference="vllm", yardstick=False, **SMALL) == 0
+    assert len(built) == 2 and "speculative_config" in built[0]
+    assert "yardstick" not in capsys.readouterr().out
