@@ -197,9 +197,16 @@ class KPolicy:
         if self._cost is None:
             return prior, f"token_cost {prior}"
         measured = self._cost.token_cost(num_decodes)
-        if measured is None:
-            return prior, f"token_cost {prior} (prior)"
-        return measured, f"measured token_cost {measured:.2f} at {bucket_label(num_decodes)}"
+        if measured is not None:
+            return measured, f"measured token_cost {measured:.2f} at {bucket_label(num_decodes)}"
+        # An unmeasured bucket starts from the largest c measured at fewer decodes where that exceeds the prior: c
+        # does not fall as the batch grows (more verify tokens per step leave the memory-bound regime, and a MoE
+        # verify reads more experts), and on the H200 the prior 0.15 kept k = 3 through a c8 run's first hundreds of
+        # steps after c1 had measured c = 1.01 (docs/speculative-decoding.md#the-k-policy).
+        below = self._cost.largest_below(num_decodes)
+        if below is not None and below[0] > prior:
+            return below[0], f"token_cost {below[0]:.2f} (measured at {bucket_label(below[1])}, until this bucket is)"
+        return prior, f"token_cost {prior} (prior)"
 
     # -- the choice ------------------------------------------------------------------------------------
 

@@ -103,6 +103,17 @@ class StepCost:
         floor = max(self.min_samples, 1e-9)  # min_samples 0 still needs one sample to divide by
         return plain < floor, drafts < floor
 
+    def largest_below(self, num_decodes: int) -> tuple[float, int] | None:
+        """(c, the top decode count of its bucket) of the largest measured c among the buckets below num_decodes';
+        None where none is measured."""
+        found = None
+        for bucket in range(bucket_of(num_decodes)):
+            top = 2**bucket  # the largest decode count of the bucket: 1, 2, 4, 8, ...
+            measured = self.token_cost(top)
+            if measured is not None and (found is None or measured > found[0]):
+                found = (measured, top)
+        return found
+
     def token_cost(self, num_decodes: int) -> float | None:
         """The measured c of num_decodes' bucket; None until both sides have min_samples samples."""
         if any(self.lacking(num_decodes)):

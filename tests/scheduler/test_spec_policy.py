@@ -318,6 +318,30 @@ def test_the_prior_decides_until_both_sides_of_the_bucket_are_measured(caplog: p
     assert p.token_cost_at(2) == (2.0, "token_cost 2.0 (prior)")  # another bucket: not measured yet
 
 
+def test_an_unmeasured_bucket_starts_from_the_largest_c_measured_below_it() -> None:
+    """The H200's c8 run after c1 on one server (2026-12-05): c1 had measured c = 1.01 and drafting off, and the 5-8
+    bucket, unmeasured, took the prior 0.15 and drafted k 3 until its own samples came in (TPOT 10.68 ms against
+    6.71 without MTP). Now an unmeasured bucket starts from the largest c measured below it (where that exceeds the
+    prior), so the c8 steps start at k 0; the immature cadence still measures the bucket, and its own c then rules
+    (here a cheap verify at 8 decodes: k 3)."""
+    clock = Clock()
+    p = measuring(clock)
+    simulate(p, clock, MOE_C1, 120)
+    c1 = p.token_cost_at(1)[0]
+    assert c1 == pytest.approx((0.0109 / 0.0024 - 1) / 3)
+    assert p.token_cost_at(8) == (c1, "token_cost 1.18 (measured at 1 decode, until this bucket is)")
+    assert p.step_cost.largest_below(1) is None and p.step_cost.largest_below(2) == (c1, 1)
+    record = simulate(p, clock, DENSE_C1, 6, num_decodes=8)
+    assert [k for k, probe, _, _ in record if probe is None] == [0] * 5  # not the prior's k 3
+    record += simulate(p, clock, DENSE_C1, 80, num_decodes=8)
+    assert p.token_cost_at(8)[1] == "measured token_cost 0.04 at 5-8 decodes" and settled_from(record, 3) <= 60
+    # a prior above what was measured below stays the prior
+    clock = Clock()
+    p = measuring(clock, token_cost=2.0)
+    simulate(p, clock, MOE_C1, 120)
+    assert p.token_cost_at(8) == (2.0, "token_cost 2.0 (prior)")
+
+
 def test_probes_run_three_steps_full_and_zero_by_turns_fed_by_the_immature_cadence_and_predicted() -> None:
     clock = Clock()
     p = measuring(clock)
