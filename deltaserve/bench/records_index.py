@@ -98,6 +98,25 @@ def provenance(data: dict[str, Any]) -> tuple[str, str, str]:
     return (str(date)[:10] if date else "-", str(commit)[:7] if commit else "-", str(gpu) if gpu else "-")
 
 
+def _what_gate_mtp(data: dict[str, Any]) -> str:
+    """The MTP gate's STRICT counts (against no MTP, against vLLM's MTP arm) and its yardsticks, from its verdict."""
+    verdict = data.get("verdict") or {}
+    n = verdict.get("num_prompts", 0)
+
+    def strict(key: str) -> str:
+        mismatches = verdict.get(key)
+        return "-" if mismatches is None else f"{n - len(mismatches)}/{n}"
+
+    text = (f"MTP gate: {Path(str(data.get('model'))).name} {data.get('dtype', '')}, k = {verdict.get('k')}; STRICT "
+            f"{strict('off_mismatches')} against no MTP")  # fmt: skip
+    if verdict.get("reference"):
+        text += f", {strict('ref_mismatches')} against {verdict['reference']} with MTP"
+    if verdict.get("vllm_mtp_vs_off") is not None:
+        text += f"; yardsticks {strict('vllm_mtp_vs_off')} (vLLM with MTP vs without)"
+        text += f", {strict('off_vs_vllm_off')} (no MTP vs vLLM without)"
+    return text
+
+
 def _what_json(data: dict[str, Any]) -> str:
     """What a record measures, from its own fields."""
     command = str(data.get("command") or (data.get("provenance") or {}).get("command") or "")
@@ -132,6 +151,8 @@ def _what_json(data: dict[str, Any]) -> str:
         return (f"prefix-cache gate (cache on vs off): {model} {dtype}, STRICT {data.get('num_matched')}/"
                 f"{data.get('num_checked')}, {100 * cached / prompt:.1f} % of prompt tokens cached"
                 f"{yardstick}")  # fmt: skip
+    if kind == "gate-mtp":
+        return _what_gate_mtp(data)
     if kind == "gate-fp8":
         verdict = next((line for line in data.get("output") or [] if str(line).startswith("STRICT")), "no STRICT line")
         model = Path(str(data.get("model") or "?")).name
