@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import sys
@@ -306,7 +307,12 @@ def main() -> None:
         "tensor_parallel_size": args.tensor_parallel_size,
         "gpu_profile": args.gpu_profile,
         "speculative_config": args.speculative_config,
+        # every launch waits for its kernel: a debugging run (session 23 located a fault so), never a timing
+        "cuda_launch_blocking": os.environ.get("CUDA_LAUNCH_BLOCKING", "0") not in ("", "0"),
     }
+    if result["cuda_launch_blocking"]:
+        print("CUDA_LAUNCH_BLOCKING is set: every launch waits for its kernel, so the timings below are not "
+              "comparable to any record", flush=True)  # fmt: skip
     t = time.monotonic()
     max_batch = max(int(b) for b in args.batches.split(","))
     config = EngineConfig(model=args.model, load_format="dummy", max_model_len=args.max_model_len,
