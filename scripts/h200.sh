@@ -48,6 +48,9 @@
 #                                both. A conv_triton.py goes to benchmarks/conv_prefill_sweep.py --baseline (the
 #                                prefill conv, both kernels interleaved in one process)
 #   mixed-step [FLAGS]           benchmarks/mixed_step.py (--shapes, --cases, --reps)
+#   verify-rows [FLAGS]          benchmarks/verify_rows.py on the trained dense / moe / next checkpoints in bf16 on
+#                                cuda, eager: the first module whose verify row differs from the decode row, per
+#                                prompt (verify-rows-V-TAG.json); FLAGS are its own (--num-prompts, --dtype, -k)
 #   profile-decode [SHAPE] [FLAGS]  benchmarks/profile_decode.py on the dummy q35-SHAPE (default 35b-a3b)
 #   vision-encode [FLAGS]        benchmarks/vision_encode.py on the image dummy q35-35b-a3b-mm (written if absent):
 #                                host and GPU ms, kernels and ops of one tower call of 1 and 6 512x512 images
@@ -449,6 +452,14 @@ case $step in
       fi
       decode_step "$OUT/decode-step-ab-$tag.json" --baseline "$tree" "$@" || status=$?
     fi ;;
+  verify-rows)
+    for v in ${VARIANTS:-dense moe next}; do
+      run "$W/verify-rows-$v.log" timeout "$(left)" $PY benchmarks/verify_rows.py --model "deltaserve/tiny/trained/$v" \
+        --dtype bfloat16 --device cuda --out "$OUT/verify-rows-$v-$tag.json" "$@"
+      rc=$?
+      [ $rc -eq 1 ] || [ $rc -eq 0 ] || status=$rc
+      grep -E "^verify rows" "$W/verify-rows-$v.log" 2> /dev/null | say
+    done ;;
   mixed-step)
     run "$W/mixed-step.log" timeout "$(left)" $PY benchmarks/mixed_step.py --models "$models" \
       --out "$OUT/mixed-step-$tag.json" "$@" || status=$?

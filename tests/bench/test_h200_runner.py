@@ -79,6 +79,12 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
     again = runner(tmp_path, "gates", "fp8").stdout
     assert f"train moe-w128: reusing {w128}/moe-w128" in again and "--variant moe-w128" not in again
     assert "--variant dense-w128 --device cuda" in again and f"gate fp8 --model {w128}/moe-w128 " in again
+    rows = runner(tmp_path, "verify-rows", "--num-prompts", "4").stdout
+    for variant in ("dense", "moe", "next"):
+        assert (
+            f"benchmarks/verify_rows.py --model deltaserve/tiny/trained/{variant} --dtype bfloat16 --device cuda "
+            f"--out {out}/verify-rows-{variant}-h200-test.json --num-prompts 4" in rows
+        )
     vision = runner(tmp_path, "vision-encode", "--images", "1,6").stdout  # writes the image dummy first
     assert f"benchmarks/oracle/make_dummy_models.py {tmp_path}/models --only q35-35b-a3b-mm" in vision
     record = f"{out}/vision-encode-h200-test.json"
