@@ -235,7 +235,8 @@ def attribute(
     claimed_us = 0.0
     triton_names = {name for name, _, _ in launches or []}
     for event in events:
-        if event.device_type == torch.autograd.DeviceType.CUDA and getattr(event, "is_user_annotation", False):
+        is_range = getattr(event, "is_user_annotation", False) or event.name.startswith((CHUNK_RANGE, ds.LABEL))
+        if event.device_type == torch.autograd.DeviceType.CUDA and is_range:
             continue  # a range's GPU span (gpu_user_annotation): time its kernels hold, not a kernel
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us[event.name][0] += event.time_range.elapsed_us()

@@ -204,6 +204,7 @@ def test_gpu_kernels_go_to_the_innermost_label_of_their_launch() -> None:
         # 2026-12-05 H200 run counted them, and two thirds of a prefill showed as unclaimed)
         _Event("prefill_chunk:0", cuda_us=60.0, is_user_annotation=True),
         _Event(f"{label}gdn.gdn_prefill", cuda_us=48.0, is_user_annotation=True),
+        _Event("prefill_chunk:1", cuda_us=50.0),  # a torch that does not flag it: known by its name
     ]  # fmt: skip
     cells, kernels = profile_prefill.attribute(events, torch.device("cuda"))
     assert cells[("gdn.gdn_prefill", 0)] == [48.0, 2, 1] and cells[("gdn.gdn_prefill", 1)] == [50.0, 1, 1]
