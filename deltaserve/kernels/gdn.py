@@ -8,9 +8,8 @@ g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-
   sequence's initial state from its slot (zeros when has_initial_state is False) and writes the final state
   back (a slot < 0 starts from zeros and is not written); optionally also the state at the start of one chosen
   64-token chunk of a sequence into another slot (an in-step prefix-cache checkpoint, docs/prefix-caching.md).
-  As vLLM's prefill, the L2-normed q/k are rounded to
-  the input dtype before the core. `chunk_inverse_ref`: (I + A)^-1 of strictly lower chunk tiles, the twin of
-  the chunked prefill's blocked inverse.
+  As vLLM's prefill, the L2-normed q/k are rounded to the input dtype before the core. `chunk_inverse_ref`:
+  (I + A)^-1 of strictly lower chunk tiles, the twin of the chunked prefill's blocked inverse.
 - `gdn_decode`: one token per sequence, the recurrent form in place on the slots, all fp32 (q/k not
   rounded), as vLLM's packed decode kernel. Slots < 0 (CUDA-graph padding) are skipped.
 """
