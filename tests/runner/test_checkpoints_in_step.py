@@ -2,7 +2,8 @@
 prefill chunk [0, 100) that saves its state at 64 inside the step leaves in the checkpoint slot what a chunk
 [0, 64) saving at its end leaves (every GDN layer's conv window and recurrent state, the first layer's bit for bit;
 with the MTP layer the hidden row of 63), while a sequence beside it in the same step asks for none; a sequence
-resumed from it continues as from the chunk-end one (tests/kernels/test_gdn_checkpoint.py has the kernel's bits); positions off the chunk's grid, or two inside one chunk, are refused by name.
+resumed from it continues as from the chunk-end one (tests/kernels/test_gdn_checkpoint.py has the kernel's bits);
+positions off the chunk's grid, or two inside one chunk, are refused by name.
 fp32 on the CPU, the trained tiny dense / moe / next (and dense with its MTP layer loaded)."""
 
 from __future__ import annotations
