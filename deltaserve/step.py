@@ -74,8 +74,10 @@ class ScheduledSeq:
     needs_sample: bool  # the chunk reaches the sequence's last token, so a next token is sampled
     num_draft_tokens: int = 0  # speculative draft tokens among num_new_tokens (0 until speculative decoding)
     # (position, slot) pairs: after this step, the GDN state at `position` (tokens [0, position) consumed) is saved
-    # into `slot` (a prefix-cache checkpoint, docs/prefix-caching.md). The runner implements positions at the chunk's
-    # end (num_computed_tokens + num_new_tokens) and refuses any other.
+    # into `slot` (a prefix-cache checkpoint, docs/prefix-caching.md). The runner implements the chunk's end
+    # (num_computed_tokens + num_new_tokens) and, in a prefill chunk, at most one position strictly inside it on its
+    # GDN chunk grid (num_computed_tokens + 64 j, j >= 1: saved during the forward, runner/step_checkpoints.py); it
+    # refuses any other.
     checkpoints: tuple[tuple[int, int], ...] = ()
     mm_spans: tuple[MultimodalSpan, ...] = ()  # spans this chunk overlaps (empty until multimodal input)
     return_logits: bool = False  # the runner returns the logits of every token of the chunk (a prefill-only request)

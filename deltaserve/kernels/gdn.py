@@ -6,9 +6,10 @@ g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-
 
 - `gdn_prefill`: varlen sequences by query_start_loc, the chunked (WY) form with chunks of 64; reads each
   sequence's initial state from its slot (zeros when has_initial_state is False) and writes the final state
-  back (a slot < 0 starts from zeros and is not written). As vLLM's prefill, the L2-normed q/k are rounded to
-  the input dtype before the core. `chunk_inverse_ref`: (I + A)^-1 of strictly lower chunk tiles, the twin of
-  the chunked prefill's blocked inverse.
+  back (a slot < 0 starts from zeros and is not written); optionally also the state at the start of one chosen
+  64-token chunk of a sequence into another slot (an in-step prefix-cache checkpoint, docs/prefix-caching.md).
+  As vLLM's prefill, the L2-normed q/k are rounded to the input dtype before the core. `chunk_inverse_ref`:
+  (I + A)^-1 of strictly lower chunk tiles, the twin of the chunked prefill's blocked inverse.
 - `gdn_decode`: one token per sequence, the recurrent form in place on the slots, all fp32 (q/k not
   rounded), as vLLM's packed decode kernel. Slots < 0 (CUDA-graph padding) are skipped.
 """
@@ -37,9 +38,11 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _chunked_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, fp32: q, k [L, HV, dk] (normed, q scaled), v [L, HV, dv], g, beta [L, HV], state [HV, dk, dv]."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    save_chunk: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """One sequence, fp32: q, k [L, HV, dk] (normed, q scaled), v [L, HV, dv], g, beta [L, HV], state [HV, dk, dv]
+    -> (o, final state, the state at the start of chunk save_chunk: None when save_chunk is -1)."""
     length = q.shape[0]
     pad = (CHUNK_SIZE - length % CHUNK_SIZE) % CHUNK_SIZE
     # Padded steps carry k = 0, β = 0, g = 0: they leave the state unchanged.
@@ -62,7 +65,10 @@ def _chunked_delta_rule(
         system, k_beta * cum_g.exp()[..., None], upper=False, unitriangular=True
     )  # [HV, N, C, dk]
     out = torch.empty_like(u)
+    saved = None
     for i in range(num_chunks):
+        if i == save_chunk:
+            saved = state.clone()
         v_new = u[:, i] - w[:, i] @ state  # [HV, C, dv]
         intra = (q[:, i] @ k[:, i].transpose(-1, -2)) * decay[:, i]  # [HV, C, C]
         out[:, i] = (q[:, i] * cum_g[:, i, :, None].exp()) @ state + intra @ v_new
@@ -72,7 +78,7 @@ def _chunked_delta_rule(
             + (k[:, i] * (last[:, None] - cum_g[:, i]).exp()[..., None]).transpose(-1, -2) @ v_new
         )
     out = out.reshape(num_heads, -1, out.shape[-1])[:, :length].transpose(0, 1)  # [L, HV, dv]
-    return out, state
+    return out, state, saved
 
 
 def chunk_inverse_ref(strict_lower: torch.Tensor) -> torch.Tensor:
@@ -95,9 +101,12 @@ def gdn_prefill_ref(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     out: torch.Tensor | None = None,
+    checkpoint_chunks: torch.Tensor | None = None,
+    checkpoint_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv] (into `out` when given); updates ssm_states
-    in place."""
+    in place. checkpoint_chunks / checkpoint_slots [B] (optional): sequence b's state at the start of its chunk
+    checkpoint_chunks[b] (>= 1; -1: none) also goes to slot checkpoint_slots[b] (an in-step checkpoint)."""
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
     g, beta = _gates(a, b, A_log, dt_bias)
@@ -106,6 +115,7 @@ def gdn_prefill_ref(
     k_hat = _l2norm(k).to(k.dtype).float().repeat_interleave(group, dim=1)
     out = output(out, tuple(v.shape), v)
     starts = query_start_loc.tolist()
+    save_chunks = [-1] * len(starts) if checkpoint_chunks is None else checkpoint_chunks.tolist()
     for i, slot in enumerate(state_indices.tolist()):
         start, end = starts[i], starts[i + 1]
         if end == start:
@@ -115,10 +125,13 @@ def gdn_prefill_ref(
             state = ssm_states[slot].float()
         else:
             state = torch.zeros(ssm_states.shape[1:], dtype=torch.float32, device=v.device)
-        o, state = _chunked_delta_rule(
-            q_hat[start:end], k_hat[start:end], v[start:end].float(), g[start:end], beta[start:end], state
-        )
+        o, state, saved = _chunked_delta_rule(
+            q_hat[start:end], k_hat[start:end], v[start:end].float(), g[start:end], beta[start:end], state,
+            save_chunks[i],
+        )  # fmt: skip
         out[start:end] = o.to(v.dtype)
+        if saved is not None and checkpoint_slots is not None:
+            ssm_states[int(checkpoint_slots[i])] = saved.to(ssm_states.dtype)
         if slot >= 0:
             ssm_states[slot] = state.to(ssm_states.dtype)
     return out

@@ -13,7 +13,8 @@ in-place updates need no synchronisation.
   side by side; every load that does not need the slot is issued with the slot load and the state load
   right behind it, before any reduction (docs/kernels.md#gated-deltanet).
 - `gdn_prefill_triton`: varlen by query_start_loc; the state starts from the slot (zeros when
-  has_initial_state is False, or when the slot is < 0) and the final state is written back. As the ref
+  has_initial_state is False, or when the slot is < 0) and the final state is written back; an optional in-step
+  checkpoint per sequence stores the fp32 state at the start of one of its chunks into another slot. As the ref
   (vLLM's prefill), q̂/k̂ are rounded to the input dtype before the core. The chunked WY form (chunks of 64,
   four launches: a parallel per-chunk prepare with a blocked (I + A)^-1, a parallel w/u kernel, a sequential
   scan over chunks that does only the state-dependent dots, and a parallel output kernel; dot operands in the
@@ -482,6 +483,8 @@ def _gdn_chunk_scan_kernel(
     chunk_offsets_ptr,
     hs_ptr,
     vnew_ptr,
+    ckpt_chunk_ptr,
+    ckpt_slot_ptr,
     stride_s_slot,
     stride_s_head,
     stride_s_k,
@@ -494,11 +497,14 @@ def _gdn_chunk_scan_kernel(
     BKH: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
 ):
     """Per (sequence, value head, BV columns): walks the chunks in order with S [dk, BV] fp32 in registers and
     does only what needs S: stores S_c = round(S) (the chunk's start state, as the output dots read it),
     v' = round(u − w·S_c) [T, HV, dv], and S ← e^Γlast S + (k̂ e^(Γlast−Γ))ᵀv'. w, u from _gdn_chunk_wu_kernel.
-    dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers."""
+    dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers.
+    HAS_CKPT: at the start of the sequence's chunk ckpt_chunk[b] (>= 1; -1: none) the fp32 S itself (not the
+    rounded S_c) also goes to slot ckpt_slot[b], the state a prefill ending there leaves (an in-step checkpoint)."""
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -533,7 +539,19 @@ def _gdn_chunk_scan_kernel(
     p_vn = vnew_ptr + i64(start) * (HV * DV) + i_h * DV
     p_g = gcum_ptr + i64(start) * HV + i_h
     p_hs = hs_ptr + (i64(i_chunk) * HV + i_h) * (DK * DV)
+    ckpt_start = start - BT  # no chunk starts there: no in-step checkpoint
+    p_ck = p_s
+    if HAS_CKPT:
+        ckpt_start = start + tl.load(ckpt_chunk_ptr + i_b) * BT  # -1 -> start - BT: never met
+        ckpt_slot = i64(tl.maximum(tl.load(ckpt_slot_ptr + i_b), 0))
+        p_ck = ssm_states_ptr + ckpt_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k
+        p_ck += o_v[None, :]
     for chunk_start in range(start, end, BT):
+        if HAS_CKPT:
+            is_ckpt = chunk_start == ckpt_start
+            tl.store(p_ck, b_s, mask=m_lo[:, None] & m_v[None, :] & is_ckpt)
+            if TWO_K:
+                tl.store(p_ck + BKH * stride_s_k, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & is_ckpt)
         m_t = (chunk_start + o_i) < end  # [BT]
         m_tv = m_t[:, None] & m_v[None, :]
         b_k = tl.load(p_kn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # k̂, input dtype
@@ -643,6 +661,8 @@ def _gdn_prefill_chunked(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     out: torch.Tensor,
+    checkpoint_chunks: torch.Tensor | None = None,
+    checkpoint_slots: torch.Tensor | None = None,
 ) -> None:
     num_tokens, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -729,6 +749,7 @@ def _gdn_prefill_chunked(
     vnew = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
     block_v = min(CHUNK_BV, next_pow2(head_v_dim))
     block_kh = min(64, next_pow2(head_k_dim))
+    has_ckpt = checkpoint_chunks is not None and checkpoint_slots is not None
     _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
         kn,
         w,
@@ -741,6 +762,8 @@ def _gdn_prefill_chunked(
         chunk_offsets,
         hs,
         vnew,
+        checkpoint_chunks if has_ckpt else state_indices,  # unread without HAS_CKPT
+        checkpoint_slots if has_ckpt else state_indices,
         ssm_states.stride(0),
         ssm_states.stride(1),
         ssm_states.stride(2),
@@ -753,6 +776,7 @@ def _gdn_prefill_chunked(
         BKH=block_kh,
         BV=block_v,
         DOT_PRECISION=precision,
+        HAS_CKPT=has_ckpt,
         num_warps=CHUNK_SCAN_WARPS,
         num_stages=2,
     )
@@ -795,9 +819,12 @@ def gdn_prefill_triton(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     out: torch.Tensor | None = None,
+    checkpoint_chunks: torch.Tensor | None = None,
+    checkpoint_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv] (into `out` when given); final states
-    written to the slots."""
+    written to the slots; checkpoint_chunks / checkpoint_slots [B] int32 (optional, on the device): sequence b's
+    fp32 state at the start of its chunk checkpoint_chunks[b] (>= 1; -1: none) also goes to checkpoint_slots[b]."""
     num_tokens, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
@@ -808,6 +835,7 @@ def gdn_prefill_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     _gdn_prefill_chunked(
-        q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out
-    )
+        q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out,
+        checkpoint_chunks, checkpoint_slots,
+    )  # fmt: skip
     return out

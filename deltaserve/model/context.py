@@ -42,6 +42,13 @@ class ForwardContext:
     num_spec_tokens: int = 0
     spec_state_indices: torch.Tensor | None = None  # [S] int32 live slots of the verify sequences
     spec_token_index: torch.Tensor | None = None  # [S, W] int64
+    # In-step prefix-cache checkpoints (runner/step_checkpoints.py), None when the step saves none: per prefill
+    # sequence the 64-token chunk at whose start its GDN state is saved (-1: none) and the slot it goes to; per save
+    # the prefill-slice row of its position (the conv window is the conv_kernel - 1 rows before it) and its slot
+    prefill_checkpoint_chunks: torch.Tensor | None = None  # [num_prefills] int32
+    prefill_checkpoint_slots: torch.Tensor | None = None  # [num_prefills] int32
+    checkpoint_rows: torch.Tensor | None = None  # [N] int64
+    checkpoint_slots: torch.Tensor | None = None  # [N] int64
 
     @property
     def num_decodes(self) -> int:

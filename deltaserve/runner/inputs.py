@@ -20,7 +20,8 @@ from deltaserve.runner import spec_chain
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecLayout, spec_layout
-from deltaserve.step import ScheduledSeq, StepPlan
+from deltaserve.runner.step_checkpoints import InnerSave, inner_fields, split_checkpoints
+from deltaserve.step import StepPlan
 
 _ALIGN_BYTES = 16
 
@@ -63,24 +64,10 @@ class StepLayout:
     has_initial_state: np.ndarray  # [B] int32: 1 where the sequence starts from its read slot's state
     state_copies: list[tuple[int, int]]  # (read slot, write slot) pairs to copy before the forward
     state_saves: list[tuple[int, int]]  # (write slot, checkpoint slot) pairs to copy after the forward
+    inner_saves: list[InnerSave]  # checkpoints saved inside the forward (runner/step_checkpoints.py)
     has_mrope: bool
     chained: np.ndarray  # [B] bool: the chunk was planned behind its sequence's verify in flight (runner/spec_chain.py)
     spec: SpecLayout | None = None  # the verify chunks (speculative decoding), None when the step has none
-
-
-def checkpoint_saves(seq: ScheduledSeq) -> list[tuple[int, int]]:
-    """(write slot, checkpoint slot) copies that leave the state at each of the sequence's checkpoint positions in
-    its slot; refuses what this runner does not implement (a position other than the chunk's end)."""
-    end = seq.num_computed_tokens + seq.num_new_tokens
-    for position, slot in seq.checkpoints:
-        if position != end:
-            raise ValueError(
-                f"ScheduledSeq.checkpoints: position {position} is not this chunk's end ({end}); only chunk-end "
-                "checkpoints are implemented"
-            )
-        if slot == seq.write_slot or slot == seq.read_slot:
-            raise ValueError(f"ScheduledSeq.checkpoints: slot {slot} is the sequence's own read or write slot")
-    return [(seq.write_slot, slot) for _, slot in seq.checkpoints]
 
 
 def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLayout:
@@ -153,11 +140,15 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
         sample_token_index = np.repeat(sample_token_index + 1 - counts, counts) + spec.position_offsets
     state_copies: list[tuple[int, int]] = []
     state_saves: list[tuple[int, int]] = []
-    for s in seqs:
+    inner_saves: list[InnerSave] = []
+    for i, s in enumerate(seqs):
         if s.read_slot is not None and s.read_slot != s.write_slot:
             state_copies.append((s.read_slot, s.write_slot))
         if s.checkpoints:
-            state_saves += checkpoint_saves(s)
+            copies, inner = split_checkpoints(i, s)
+            state_saves += copies
+            if inner is not None:
+                inner_saves.append(inner)
     state_slots = np.fromiter((s.write_slot for s in seqs), dtype=np.int32, count=len(seqs))
     has_initial_state = np.fromiter((s.read_slot is not None for s in seqs), dtype=np.int32, count=len(seqs))
     return StepLayout(
@@ -177,6 +168,7 @@ def layout_step(plan: StepPlan, table: RequestTable, block_size: int) -> StepLay
         has_initial_state=has_initial_state,
         state_copies=state_copies,
         state_saves=state_saves,
+        inner_saves=inner_saves,
         has_mrope=has_mrope,
         chained=np.fromiter((s.is_chained for s in seqs), dtype=np.bool_, count=len(seqs)),
         spec=spec,
@@ -211,6 +203,9 @@ def build_eager_inputs(
     state_indices = layout.state_slots
     sample_rows = layout.rows[layout.sample_seqs]
     spec_fields = {}
+    short_ckpt, long_ckpt = {}, {}
+    if layout.inner_saves:  # in-step checkpoints (runner/step_checkpoints.py)
+        short_ckpt, long_ckpt = inner_fields(layout.inner_saves, layout.starts, layout.query_start_loc, first_prefill)
     if spec is not None:
         spec_fields = {
             "position_rows": np.repeat(sample_rows, spec.sample_counts),
@@ -219,6 +214,7 @@ def build_eager_inputs(
     long = pack(
         {
             **spec_fields,
+            **long_ckpt,
             "input_ids": layout.input_ids,
             "positions": np.ascontiguousarray(layout.positions),
             "slot_mapping": layout.slot_mapping,
@@ -242,6 +238,7 @@ def build_eager_inputs(
             "prefill_state_indices": state_indices[first_prefill:],
             "prefill_has_initial_state": has_initial_state[first_prefill:],
             "spec_state_indices": state_indices[num_decodes:first_prefill],
+            **short_ckpt,
         },
         np.int32,
         device,
@@ -274,6 +271,10 @@ def build_eager_inputs(
         num_spec_tokens=num_spec_tokens,
         spec_state_indices=short["spec_state_indices"] if spec is not None else None,
         spec_token_index=long.get("spec_token_index"),
+        prefill_checkpoint_chunks=short.get("prefill_checkpoint_chunks"),
+        prefill_checkpoint_slots=short.get("prefill_checkpoint_slots"),
+        checkpoint_rows=long.get("checkpoint_rows"),
+        checkpoint_slots=long.get("checkpoint_slots"),
     )
     is_all_sampled = len(layout.sample_token_index) == layout.num_tokens
     return StepInputs(

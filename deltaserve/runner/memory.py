@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltaserve.engine_config import EngineConfig
+from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cache import (
     CacheLayout,
@@ -59,9 +60,14 @@ def default_max_num_seqs(device: torch.device) -> int:
     return 256
 
 
-def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int) -> StepPlan:
+def warmup_plan(
+    step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int,
+    checkpoint_slot: int | None = None,
+) -> StepPlan:  # fmt: skip
     """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on rows 0, 1, ..., disjoint
-    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing."""
+    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing. With checkpoint_slot, the first
+    sequence, when longer than a GDN chunk, saves an in-step prefix-cache checkpoint at 64 there, so the chunked
+    prefill's checkpoint variant compiles before serving (runner/step_checkpoints.py)."""
     added, seqs = [], []
     next_block = 0
     for index, start in enumerate(range(0, num_tokens, max_seq_len)):
@@ -70,7 +76,10 @@ def warmup_plan(step_id: int, num_tokens: int, max_seq_len: int, block_size: int
         tokens = tuple((7 * i + index) % vocab_size for i in range(length))
         added.append(NewRequest(index, f"warmup-{index}", tokens, (), SamplingParams(temperature=0.0), ()))
         blocks = tuple(range(next_block, next_block + num_blocks))
-        seqs.append(ScheduledSeq(index, 0, length, index, None, blocks, needs_sample=False))
+        checkpoints = ((GDN_CHUNK_SIZE, checkpoint_slot),) if index == 0 and checkpoint_slot is not None else ()
+        if length <= GDN_CHUNK_SIZE:
+            checkpoints = ()
+        seqs.append(ScheduledSeq(index, 0, length, index, None, blocks, needs_sample=False, checkpoints=checkpoints))
         next_block += num_blocks
     return StepPlan(step_id, tuple(seqs), tuple(added), removed=tuple(range(len(added))))
 
@@ -89,7 +98,10 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     meter = PeakMeter(runner.device)
     weights = meter.allocated() - runner._allocated_before
     max_seqs = -(-num_tokens // max_seq_len)
-    layout = CacheLayout(-(-num_tokens // runner.block_size) + max_seqs, runner.block_size, max_seqs, 0, 0)
+    # with the prefix cache, one more slot: the in-step checkpoint of each step's first sequence (warmup_plan)
+    checkpoint_slot = max_seqs if runner.engine_config.enable_prefix_caching else None
+    num_slots = max_seqs + (checkpoint_slot is not None)
+    layout = CacheLayout(-(-num_tokens // runner.block_size) + max_seqs, runner.block_size, num_slots, 0, 0)
     allocate_and_bind(runner.model, runner.model_config, layout, runner.dtype, runner.device)
     saved_table, saved_spec = getattr(runner, "table", None), runner.spec
     runner.table = RequestTable(max_seqs, -(-max_seq_len // runner.block_size), runner.vocab_size, runner.device)
@@ -104,7 +116,8 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     started = time.perf_counter()
     try:
         for step_id, size in enumerate(sizes):
-            runner.execute(warmup_plan(step_id, size, max_seq_len, runner.block_size, runner.vocab_size))
+            runner.execute(warmup_plan(step_id, size, max_seq_len, runner.block_size, runner.vocab_size,
+                                       checkpoint_slot))  # fmt: skip
             runner.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
         batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,

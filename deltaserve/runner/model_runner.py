@@ -47,7 +47,7 @@ from deltaserve.runner.inputs import build_eager_inputs, layout_step
 from deltaserve.runner.memory import size_caches
 from deltaserve.runner.mm_embeds import step_mm_embeds
 from deltaserve.runner.mtp_drafter import MtpDrafter
-from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_last_hidden
+from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_inner_hidden, save_last_hidden
 from deltaserve.runner.observer import StepObserver, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.sampling_step import StepHandle, collect_step, follow_first, sample_step
@@ -196,6 +196,7 @@ class ModelRunner:
                     hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
             if self.model.mtp is not None:  # each slot's hidden row, before the checkpoints copy their slots
                 save_last_hidden(self.model, hidden, layout.query_start_loc, layout.state_slots)
+                save_inner_hidden(self.model, hidden, layout.inner_saves, layout.starts, layout.query_start_loc)
             # prefix-cache checkpoints: the state each chunk left in its write slot, saved (stream order: after the
             # forward wrote it, before any later step overwrites it)
             copy_state_slots(self.model, layout.state_saves)

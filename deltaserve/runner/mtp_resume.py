@@ -8,7 +8,8 @@ its sampled token), and the drafter's catch-up pass of the resumed sequence star
 - every state slot keeps a hidden row beside its GDN state (`MtpLayer.slot_hidden` [num_slots, H], bound by
   runner/cache.py and copied with the slot wherever copy_state_slots copies one): after each step, the hidden state
   of each sequence's last computed row (for a verify chunk, its last accepted row) is written into its write slot,
-  so a checkpoint saved, restored or handed over at P holds the hidden at P - 1;
+  so a checkpoint saved, restored or handed over at P holds the hidden at P - 1 (an in-step checkpoint at P gets
+  the row of P - 1 from the step's hidden states: save_inner_hidden);
 - the first step after a hit (its read slot differs from its write slot) rewrites the entry at P - 1 before the
   forward, from that row and the new sequence's own token at P, into the block the scheduler copied for it (the
   block holding P - 1 is never shared when the model has an MTP layer: scheduler/prefix_cache.py).
@@ -22,6 +23,7 @@ import torch
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.step_checkpoints import InnerSave, hidden_rows
 from deltaserve.sampler.transfer import to_device
 from deltaserve.step import StepPlan
 
@@ -32,6 +34,19 @@ def save_last_hidden(model: Qwen35Model, hidden: torch.Tensor, query_start_loc: 
     device = hidden.device
     last = to_device(query_start_loc[1:] - 1, torch.int64, device)  # [B]
     buffer.index_copy_(0, to_device(slots, torch.int64, device), hidden.index_select(0, last).to(buffer.dtype))
+
+
+def save_inner_hidden(model: Qwen35Model, hidden: torch.Tensor, saves: list[InnerSave], layout_starts: np.ndarray,
+                      query_start_loc: np.ndarray) -> None:  # fmt: skip
+    """hidden [T, H]: an in-step checkpoint at position P (runner/step_checkpoints.py) keeps the hidden of P - 1 in its
+    slot's row, as a checkpoint saved at a chunk's end does."""
+    if not saves:
+        return
+    buffer = model.mtp.slot_hidden
+    device = hidden.device
+    rows = to_device(hidden_rows(saves, layout_starts, query_start_loc), torch.int64, device)  # [N]
+    slots = to_device(np.fromiter((s.slot for s in saves), np.int64, len(saves)), torch.int64, device)
+    buffer.index_copy_(0, slots, hidden.index_select(0, rows).to(buffer.dtype))
 
 
 def save_accepted_hidden(

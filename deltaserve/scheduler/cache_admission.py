@@ -3,8 +3,9 @@
 The scheduler's side of scheduler/prefix_cache.py (docs/prefix-caching.md), as functions over the pools and the
 cache (None: prefix caching off, and every function here reduces to the plain pools). A waiting sequence is looked
 up (never a prefill-only request, nor one that asks for prompt logprobs: vLLM reads no cache for those) and starts at
-the deepest ready checkpoint its tokens match, with its prefill's checkpoint targets set from there (one that asks
-for prompt logprobs saves its prompt end only, so its prefill is cut as with the cache off); the room it
+the deepest ready checkpoint its tokens match, with its prefill's checkpoint targets set from there
+(scheduler/checkpoint_targets.py: one that asks for prompt logprobs saves the others only where its chunks, those
+of the cache-off run, meet them); the room it
 takes (KV blocks, then a state slot) may evict ready checkpoints, least recently used first, never its own hit; once
 admitted, the cache shares the hit's blocks with it and remembers its chain hashes, and the counters gain its tokens
 as queried and the hit's as hits (vLLM counts in tokens). The Scheduler keeps the queues and the counters.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
+from deltaserve.scheduler.checkpoint_targets import set_targets
 from deltaserve.scheduler.prefix_cache import Checkpoint, PrefixCache
 from deltaserve.scheduler.sequence import Sequence
 
@@ -39,15 +41,7 @@ def entry_point(cache: PrefixCache | None, seq: Sequence) -> Entry:
     """Looks the head of the waiting queue up and sets its prefill's checkpoint targets from where it would start."""
     hit = lookup(cache, seq)
     start = hit.position if hit is not None else 0
-    if cache is None or seq.is_prefill_only:
-        seq.checkpoint_targets = []
-    elif seq.sampling.prompt_logprobs is not None:
-        # only its prompt end, where its chunks end anyway: a branch or periodic target would cut its prefill where
-        # the cache-off run does not, and fp32 rounding would then move the prompt logprobs it reports (lm-eval's
-        # loglikelihoods) with the cache on
-        seq.checkpoint_targets = [seq.num_tokens]
-    else:
-        seq.checkpoint_targets = cache.targets(seq, start)
+    set_targets(cache, seq, start)
     num_shared = cache.num_shared_blocks(start) if cache is not None else 0
     return Entry(hit, start, num_shared)
 

@@ -1,9 +1,10 @@
 """Chunk sizing: how many tokens a sequence gets in a step, within what is left of the step's token budget.
 
 A running sequence gets its unplanned tokens up to the budget, ended early at its next prefix-cache checkpoint target
-(PrefixCache.cap). It gets none while every output it may still produce is in flight or it has reached max_model_len
-(update() will finish it on the length rules), nor while a verify chunk of its own is in flight (its next position
-depends on how many drafts that step accepts) unless it may chain (SpecSchedule.can_chain). A decode of a sequence that
+that the chunk cannot save inside itself (checkpoint_targets.cap). It gets none while every output it may still
+produce is in flight or it has reached max_model_len (update() will finish it on the length rules), nor while a
+verify chunk of its own is in flight (its next position depends on how many drafts that step accepts) unless it may
+chain (SpecSchedule.can_chain). A decode of a sequence that
 speculates adds its drafts (scheduler/spec.py) when the step may still hold a verify chunk. A prefill-only request's
 next chunk is planned whole or not at all (its logits must come from the chunks it asked for); one larger than the step
 budget runs as the first work of a step.
@@ -11,7 +12,7 @@ budget runs as the first work of a step.
 
 from __future__ import annotations
 
-from deltaserve.scheduler.prefix_cache import PrefixCache
+from deltaserve.scheduler import checkpoint_targets
 from deltaserve.scheduler.sequence import Sequence
 from deltaserve.scheduler.spec import SpecSchedule
 
@@ -37,7 +38,7 @@ def running_chunk(
     if seq.num_inflight_verifies and not can_chain:
         return 0, 0  # its position depends on how many drafts that step accepts
     start = seq.num_computed_tokens + seq.num_inflight_tokens
-    num_new = PrefixCache.cap(seq, start, min(seq.num_unplanned_tokens, budget))
+    num_new = checkpoint_targets.cap(seq, start, min(seq.num_unplanned_tokens, budget))
     is_decode = num_new == seq.num_unplanned_tokens == 1 and start > 0
     if spec is None or not is_decode:
         return num_new, 0

@@ -8,7 +8,8 @@ in-flight token, output and verify counters, the blocks the runner's table now h
   it samples when the chunk reaches its last planned token (never a prefill-only request, which returns logits);
 - it reads its own slot, none on its first chunk, or, on its first step after a prefix-cache hit, the hit's slot,
   whose partial KV block that step copies (`block_copies`);
-- a chunk that ends on one of its checkpoint targets saves a prefix-cache checkpoint there (PrefixCache.checkpoint_at).
+- a chunk that ends on one of its checkpoint targets saves a prefix-cache checkpoint there, and one whose GDN grid
+  meets a target inside it saves that one during its forward (scheduler/checkpoint_targets.py).
 The plan lists decodes, then verify chunks, then prefill chunks, FCFS within each group.
 
 The Scheduler owns the step counter, the removed rows and its record of steps in flight: build_plan takes the first
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from deltaserve.scheduler.checkpoint_targets import chunk_checkpoints
 from deltaserve.scheduler.prefix_cache import PrefixCache
 from deltaserve.scheduler.sequence import Sequence
 from deltaserve.scheduler.spec import SpecSchedule
@@ -56,7 +58,7 @@ def schedule_seq(seq: Sequence, num_new: int, step_id: int, prefix_cache: Prefix
         read_slot, seq.restore_slot = seq.restore_slot, None
     checkpoints = ()
     if prefix_cache is not None and seq.checkpoint_targets:
-        checkpoints = prefix_cache.checkpoint_at(seq, start + num_new, step_id, read_slot)
+        checkpoints = chunk_checkpoints(prefix_cache, seq, start, start + num_new, step_id, read_slot)
     item = ScheduledSeq(
         row=seq.row,
         num_computed_tokens=start,

@@ -79,7 +79,7 @@ class Checkpoint:
 @dataclass
 class PrefixCache:
     """The checkpoints (LRU first), indexed by the chain hash in their key; the seen hashes; what the scheduler asks
-    of them at admission (lookup, targets, admit), while planning (cap, checkpoint_at), at a finish (hand_over) and
+    of them at admission (lookup, targets, admit), while planning (checkpoint_at), at a finish (hand_over) and
     when a step's result is collected (collected)."""
 
     blocks: BlockManager
@@ -258,8 +258,9 @@ class PrefixCache:
         self.remember(seq)
 
     def targets(self, seq: Sequence, start: int) -> list[int]:
-        """Where the prefill of a sequence admitted at `start` ends chunks with a checkpoint: the branch point, every
-        interval tokens, and the end of its known tokens (the chunk that samples)."""
+        """Where the prefill of a sequence admitted at `start` saves checkpoints: the branch point, every interval
+        tokens, and the end of its known tokens (the chunk that samples); scheduler/checkpoint_targets.py adds the
+        repeat point and decides which of them cut a chunk."""
         end = seq.num_tokens
         found = {end}
         branch = self.branch_point(seq, self.chunk_size)
@@ -269,25 +270,12 @@ class PrefixCache:
             found.update(range(start - start % self.interval + self.interval, end, self.interval))
         return sorted(found)
 
-    @staticmethod
-    def cap(seq: Sequence, start: int, num_new: int) -> int:
-        """num_new, shortened so that the chunk from `start` ends on the sequence's next checkpoint target."""
-        for target in seq.checkpoint_targets:
-            if start < target < start + num_new:
-                return target - start
-        return num_new
-
     def checkpoint_at(
         self, seq: Sequence, end: int, step_id: int, read_slot: int | None
     ) -> tuple[tuple[int, int], ...]:
-        """The (position, slot) checkpoint a chunk of step step_id ending at `end` saves, if `end` is a target and a
-        slot is to be had (none: skipped, never an error); never the chunk's read slot (the runner refuses it)."""
-        targets = seq.checkpoint_targets
-        while targets and targets[0] < end:
-            targets.pop(0)
-        if not targets or targets[0] != end:
-            return ()
-        targets.pop(0)
+        """The (position, slot) checkpoint a chunk of step step_id saves at `end` (its end or, in-step, a position
+        inside it: scheduler/checkpoint_targets.py), unless its key is cached already or no slot is to be had
+        (skipped, never an error); never the chunk's read slot (the runner refuses it)."""
         key = self.key(seq, end)
         if self.contains(key) or not self.can_add():
             return ()

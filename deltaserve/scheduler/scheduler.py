@@ -34,7 +34,7 @@ import bisect
 import time
 from collections import deque
 
-from deltaserve.scheduler import cache_admission
+from deltaserve.scheduler import cache_admission, checkpoint_targets
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.chunks import prefill_only_chunk, running_chunk
 from deltaserve.scheduler.plan import InflightEntry, build_plan
@@ -214,7 +214,7 @@ class Scheduler:
             if seq.is_prefill_only:
                 num_new = prefill_only_chunk(seq, budget, self.max_num_batched_tokens)
             else:
-                num_new = PrefixCache.cap(seq, start, min(seq.num_tokens - start, budget))
+                num_new = checkpoint_targets.cap(seq, start, min(seq.num_tokens - start, budget))
             if num_new == 0:
                 break  # a prefill-only chunk that waits for a step with room for it whole
             end = start + num_new

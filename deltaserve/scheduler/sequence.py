@@ -66,10 +66,13 @@ class Sequence:
     # prompt tokens served from the prefix cache at its first admission (vLLM's RequestOutput.num_cached_tokens)
     num_cached_tokens: int = 0
     # prefix cache (scheduler/prefix_cache.py): chain hashes of its full blocks (its tokens only grow); positions
-    # where its prefill chunks end with a checkpoint; the checkpoint slot its first step reads and the (source,
-    # destination) partial KV block that step copies, after a hit
+    # where its prefill saves checkpoints, those of them that never cut a chunk, and the GDN chunk grid on which a
+    # chunk saves one inside itself (scheduler/checkpoint_targets.py; 0: none); the checkpoint slot its first step
+    # reads and the (source, destination) partial KV block that step copies, after a hit
     block_hashes: list[bytes] = field(default_factory=list)
     checkpoint_targets: list[int] = field(default_factory=list)
+    uncut_targets: set[int] = field(default_factory=set)
+    checkpoint_grid: int = 0
     restore_slot: int | None = None
     block_copy: tuple[int, int] | None = None
     first_scheduled_time: float | None = None

@@ -240,17 +240,17 @@ def test_a_longer_completion_prompt_hits_the_shorter_ones_checkpoint(cached_serv
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_repeated_chat_prompt_reports_its_cached_tokens(cached_server: ServerThread, stream: bool) -> None:
-    """The same chat request sent again: by its third sighting it hits (a state must exist strictly before the
-    prompt's last token, which always runs), and every hit is counted on /metrics."""
+    """The same chat request sent again: from its second sighting it hits the first one's repeat point, the deepest
+    64-token grid position before the prompt's last token (which always runs), and every hit is counted on
+    /metrics."""
     client = openai_client(cached_server)
     tag = f"chat stream={stream}"
     queries, hits = counters(cached_server)
     replies = [chat(client, tag, stream) for _ in range(3)]
     num_prompt = replies[0][0]
-    assert replies[0][1] == 0 and {num for num, _ in replies} == {num_prompt}
-    found = [cached for _, cached in replies if cached]
-    assert found and all(0 < cached < num_prompt for cached in found)
-    assert counters(cached_server) == (queries + 3 * num_prompt, hits + sum(found))
+    assert {num for num, _ in replies} == {num_prompt}
+    assert [cached for _, cached in replies] == [0] + [(num_prompt - 1) // 64 * 64] * 2
+    assert counters(cached_server) == (queries + 3 * num_prompt, hits + 2 * replies[1][1])
 
 
 def test_the_responses_api_reports_cached_input_tokens(cached_server: ServerThread) -> None:
@@ -261,7 +261,7 @@ def test_the_responses_api_reports_cached_input_tokens(cached_server: ServerThre
     assert all(usage is not None for usage in usages)
     cached = [usage.input_tokens_details.cached_tokens for usage in usages]  # type: ignore[union-attr]
     assert cached[0] == 0  # vLLM reports the 0 here too
-    assert any(0 < value < usages[0].input_tokens for value in cached)  # type: ignore[union-attr]
+    assert cached[1] == cached[2] == (usages[0].input_tokens - 1) // 64 * 64 > 0  # type: ignore[union-attr]
 
 
 def test_a_reset_makes_the_next_shared_prefix_request_miss(cached_server: ServerThread) -> None:

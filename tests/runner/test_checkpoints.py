@@ -104,7 +104,7 @@ def test_a_checkpoint_without_a_restore_differs(llm: LLM) -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"checkpoints": ((32, 9),)}, r"checkpoints: position 32 is not this chunk's end \(64\)"),
+        ({"checkpoints": ((32, 9),)}, r"checkpoints: position 32 is neither this chunk's end \(64\)"),
         ({"checkpoints": ((64, 0),)}, r"checkpoints: slot 0 is the sequence's own read or write slot"),
         # a draft on a prefill chunk: a verify chunk is a decode of 1 + k tokens
         ({"num_draft_tokens": 1}, r"a verify chunk computes 1 \+ k tokens from its own slot and samples: got 64"),

@@ -37,6 +37,22 @@ def test_warmup_plan_splits_a_step_into_sequences_of_at_most_max_len() -> None:
     assert single.num_new_tokens == 32 and single.new_block_ids == (0, 1)
 
 
+def test_with_the_prefix_cache_the_warmup_saves_an_in_step_checkpoint(tiny_moe: Path) -> None:
+    """The chunked prefill's in-step checkpoint variant compiles at start-up, not at the first served request: the
+    warm-up's first sequence of each step longer than a GDN chunk saves one at 64 into a slot of its own."""
+    plan = warmup_plan(0, 100, 40, 16, 1000, checkpoint_slot=3)
+    assert [s.checkpoints for s in plan.seqs] == [(), (), ()]  # 40 tokens: no grid position inside
+    plan = warmup_plan(0, 150, 100, 16, 1000, checkpoint_slot=2)
+    assert [s.checkpoints for s in plan.seqs] == [((64, 2),), ()]
+    engine = LLMEngine(EngineConfig(model=str(tiny_moe), max_model_len=128, max_num_batched_tokens=160))
+    runner = engine.runner
+    result = runner.run(warmup_plan(0, 160, 128, runner.block_size, runner.vocab_size, checkpoint_slot=2))
+    assert result.token_ids == ((), ())
+    runner.execute(StepPlan(1, (), removed=(0, 1)))
+    states = runner.model.layers[0].mixer.ssm_states
+    assert states[2].abs().sum() > 0 and not torch.equal(states[2], states[0])
+
+
 def test_a_split_warmup_step_runs_through_the_runner(tiny_moe: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(tiny_moe), max_model_len=64, max_num_batched_tokens=160))
     runner = engine.runner

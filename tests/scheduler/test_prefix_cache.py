@@ -127,14 +127,16 @@ def test_a_second_request_of_a_shared_prefix_computes_only_its_new_tokens() -> N
     scheduler.add(request("a", A))
     (plan,) = run_to_end(scheduler)[:1]
     (item,) = plan.seqs
-    assert item.checkpoints == ((200, item.checkpoints[0][1]),)  # E: the prompt's end
+    # R, the repeat point floor64(199), inside the chunk, and E, the prompt's end
+    assert [position for position, _ in item.checkpoints] == [192, 200]
     a_blocks = item.new_block_ids
-    # b shares a's first 150 tokens: no checkpoint there, but a branch point at floor64(9 blocks) = 128
+    # b shares a's first 150 tokens: no checkpoint there, but a branch point at floor64(9 blocks) = 128, saved
+    # inside its one chunk (its own R at 192 is not: one in-step checkpoint a chunk, the first)
     scheduler.add(request("b", A[:150] + list(range(5000, 5050))))
     plans = run_to_end(scheduler)
-    assert plans[0].seqs[0].num_computed_tokens == 0 and plans[0].seqs[0].num_new_tokens == 128
-    ((branch_position, branch_slot),) = plans[0].seqs[0].checkpoints
-    assert branch_position == 128
+    assert plans[0].seqs[0].num_computed_tokens == 0 and plans[0].seqs[0].num_new_tokens == 200
+    ((branch_position, branch_slot), (end_position, _)) = plans[0].seqs[0].checkpoints
+    assert (branch_position, end_position) == (128, 200)
     b_blocks = plans[0].seqs[0].new_block_ids
     assert scheduler.prefix_cache_hits == 0 and scheduler.prefix_cache_queries == 400
     # c shares the same 150: it hits b's branch checkpoint and computes only its own tokens
@@ -182,7 +184,7 @@ def test_generation_end_hands_the_live_state_over_after_its_last_step_in_flight(
         scheduler.update(plans[0], answer(plans.pop(0), token))
         plans.append(scheduler.schedule())
     assert a.is_finished and a.output_token_ids == [7, 7, 0]
-    (handed,) = [c for c in scheduler.prefix_cache.checkpoints() if c.position != 100]
+    (handed,) = [c for c in scheduler.prefix_cache.checkpoints() if c.position not in (64, 100)]  # not R nor E
     assert handed.position == 103 and not handed.is_ready  # prompt + the three outputs: the last one runs still
     scheduler.add(request("b", A[:100] + [7, 7, 0, 5]))
     plan = scheduler.schedule()
@@ -199,12 +201,19 @@ def test_generation_end_hands_the_live_state_over_after_its_last_step_in_flight(
     assert_accounted(scheduler)
 
 
-def test_periodic_and_branch_checkpoints_end_prefill_chunks_on_the_chunk_grid() -> None:
+def test_periodic_checkpoints_are_saved_inside_chunks_on_their_grid_or_end_them() -> None:
+    """One in-step checkpoint a chunk, on its grid: the next target ends the chunk (its end save); a target off the
+    grid of a chunk that starts at an unaligned hit ends the chunk too, as before in-step saving."""
     scheduler = make(interval=64)
     scheduler.add(request("a", A))
     plans = run_to_end(scheduler)
     chunks = [(s.num_computed_tokens, s.num_new_tokens, [p for p, _ in s.checkpoints]) for p in plans for s in p.seqs]
-    assert chunks[:4] == [(0, 64, [64]), (64, 64, [128]), (128, 64, [192]), (192, 8, [200])]
+    assert chunks[:2] == [(0, 128, [64, 128]), (128, 72, [192, 200])]
+    # b hits a's prompt end at 200: 256 is off its chunk's grid (200 + 64 j) and ends it; 320 is on the next one's
+    scheduler.add(request("b", A + list(range(3000, 3150))))
+    plans = run_to_end(scheduler)
+    chunks = [(s.num_computed_tokens, s.num_new_tokens, [p for p, _ in s.checkpoints]) for p in plans for s in p.seqs]
+    assert chunks[:2] == [(200, 56, [256]), (256, 94, [320, 350])]
     with pytest.raises(ValueError, match=r"multiple of the GDN chunk size \(64\)"):
         make(interval=100)
 
@@ -257,8 +266,9 @@ def test_a_sequence_waits_for_blocks_pending_checkpoints_hold_instead_of_preempt
     needs a 31st: b is preempted, but its blocks stay with b's prompt-end checkpoint until the step is collected.
     Were a to preempt itself as well, the two would restart from cache hits and meet again, forever (seen with a
     small KV cache under async scheduling); a waits a step instead and evicts the checkpoint once it is ready."""
+    # 3 checkpoint slots: a's prompt end, b's repeat point at 384 and b's prompt end (which holds all b's blocks)
     scheduler = Scheduler(
-        BlockManager(30, 16), StateSlotPool(6), 4, 512, 4000, enable_prefix_caching=True, chunk_size=64
+        BlockManager(30, 16), StateSlotPool(7), 4, 512, 4000, enable_prefix_caching=True, chunk_size=64
     )  # fmt: skip
     scheduler.add(a := request("a", range(1000, 1064), max_tokens=40, ignore_eos=True))
     scheduler.add(b := request("b", range(5000, 5416), max_tokens=40, ignore_eos=True))
@@ -270,8 +280,10 @@ def test_a_sequence_waits_for_blocks_pending_checkpoints_hold_instead_of_preempt
     assert scheduler.num_waiting_for_capacity == 1  # b; nothing is admitted while a waits
     scheduler.update(first, answer(first))
     third = scheduler.schedule()
-    # a decodes, having evicted b's checkpoint for its block; b starts over in the room that freed
-    assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.seqs] == [(64, 1), (0, 384)]
+    # a decodes, having evicted checkpoints for its block; b, whose one 416-token chunk (its branch point at 384 is
+    # saved inside it, no cut) does not fit beside a, waits for the room
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.seqs] == [(64, 1)]
+    assert b.status is SequenceStatus.WAITING
     scheduler.update(third, answer(third))
     run_async(scheduler, 2_000)
     assert a.is_finished and b.is_finished and a.num_preemptions == 0  # b, which cannot fit beside a, may be again
@@ -367,10 +379,11 @@ def test_reserve_evicts_nothing_when_every_evictable_block_would_not_be_enough()
     plan = scheduler.schedule()
     scheduler.update(plan, answer(plan))
     cache = scheduler.prefix_cache
-    (checkpoint,) = cache.checkpoints()
-    assert checkpoint.is_ready and scheduler.blocks.num_free_blocks == 20 - 13
-    assert not cache.reserve_blocks(8) and cache.checkpoints() == [checkpoint]
-    assert cache.reserve_blocks(7) and cache.checkpoints() == [checkpoint]
+    checkpoints = cache.checkpoints()  # R at 192 and E at 200
+    assert sorted(c.position for c in checkpoints) == [192, 200] and all(c.is_ready for c in checkpoints)
+    assert scheduler.blocks.num_free_blocks == 20 - 13
+    assert not cache.reserve_blocks(8) and cache.checkpoints() == checkpoints
+    assert cache.reserve_blocks(7) and cache.checkpoints() == checkpoints
 
 
 def test_reset_drops_every_ready_checkpoint() -> None:
@@ -378,9 +391,9 @@ def test_reset_drops_every_ready_checkpoint() -> None:
     scheduler.add(request("a", A))
     run_to_end(scheduler)
     scheduler.add(request("b", A[:100] + [1, 2, 3]))
-    plan = scheduler.schedule()  # b's branch checkpoint at 64 is pending
+    plan = scheduler.schedule()  # b's branch checkpoint at 64 (inside its chunk) and its prompt end are pending
     assert not scheduler.reset_prefix_cache()
-    assert [c.position for c in scheduler.prefix_cache.checkpoints()] == [64]
+    assert [c.position for c in scheduler.prefix_cache.checkpoints()] == [64, 103]  # in its one chunk, and E
     scheduler.update(plan, answer(plan))
     run_to_end(scheduler)
     assert scheduler.reset_prefix_cache() and scheduler.prefix_cache.num_checkpoints == 0
@@ -426,13 +439,13 @@ def test_a_new_checkpoint_never_evicts_the_one_its_chunk_reads() -> None:
     """One checkpoint slot: b reads a's checkpoint from it, so b's own prompt-end checkpoint finds no slot and is
     skipped (the runner refuses a checkpoint into the chunk's read slot)."""
     scheduler = make(num_slots=2, max_seqs=1)
-    scheduler.add(request("a", A))
+    scheduler.add(request("a", A[:60]))  # no repeat point below 64 tokens: its prompt end alone
     (plan,) = run_to_end(scheduler)
     ((_, slot),) = plan.seqs[0].checkpoints
-    scheduler.add(request("b", A + [5, 6]))
+    scheduler.add(request("b", A[:60] + [5, 6]))
     plan = scheduler.schedule()
     (item,) = plan.seqs
-    assert item.read_slot == slot and item.num_computed_tokens == 200 and item.checkpoints == ()
+    assert item.read_slot == slot and item.num_computed_tokens == 60 and item.checkpoints == ()
     scheduler.update(plan, answer(plan))
     run_to_end(scheduler)
     assert_accounted(scheduler)

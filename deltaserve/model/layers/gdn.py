@@ -167,6 +167,8 @@ class GatedDeltaNet(nn.Module):
                     prefill_has_initial_state,
                     out=conv_out[p],
                 )
+            if ctx.checkpoint_rows is not None:
+                self._save_conv_windows(mixed[p], ctx.checkpoint_rows, ctx.checkpoint_slots)
         q, k, v = self._split_qkv(conv_out)
         core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=mixed.dtype, device=mixed.device)
         if num_decodes:
@@ -186,5 +188,15 @@ class GatedDeltaNet(nn.Module):
                 gdn_prefill(
                     q[p], k[p], v[p], a[p], b[p], self.A_log, self.dt_bias, self.ssm_states,
                     ctx.prefill_query_start_loc, prefill_slots, prefill_has_initial_state, out=core[p],
+                    checkpoint_chunks=ctx.prefill_checkpoint_chunks, checkpoint_slots=ctx.prefill_checkpoint_slots,
                 )  # fmt: skip
         return core
+
+    def _save_conv_windows(self, mixed: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """In-step prefix-cache checkpoints (runner/step_checkpoints.py): the conv state a prefill ending at each
+        saved position leaves, the conv_kernel - 1 pre-conv rows before it (all inside the step's chunk), goes to
+        its slot. mixed [Tp, conv_dim] the prefill rows; rows [N] int64 the positions' rows in them; slots [N]."""
+        width = self.conv1d.shape[1] - 1
+        window = rows[:, None] + torch.arange(-width, 0, device=rows.device)  # [N, K-1]
+        history = mixed.index_select(0, window.reshape(-1)).view(rows.shape[0], width, -1)  # [N, K-1, conv_dim]
+        self.conv_states.index_copy_(0, slots, history.to(self.conv_states.dtype))
