@@ -98,6 +98,10 @@ class TokenMismatch:
     margin: float | None = None  # vLLM's logit margin (its token over ours), from its top-20; None without vLLM
     is_margin_exact: bool = True
     is_near_tie: bool | None = None  # margin within TIE_ULPS ulps of vLLM's top logit; None without a margin
+    # against deltaserve without MTP: deltaserve's own top-1 minus top-2 logprob there, without and with MTP (a near
+    # tie is small on one side at least; a wrong verify moves logits by far more)
+    off_margin: float | None = None
+    on_margin: float | None = None
 
 
 @dataclass
@@ -197,12 +201,17 @@ def compare_acceptance(ours: Acceptance, theirs: Acceptance, k: int, tolerance: 
     return found
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float | None]]]:
+    """Greedy tokens per prompt, and per output position the top-1 minus top-2 logprob (its margin)."""
     from deltaserve.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    margins = []
+    for o in outputs:
+        ranked = [sorted((lp.logprob for lp in entry.values()), reverse=True) for entry in o.outputs[0].logprobs or []]
+        margins.append([r[0] - r[1] if len(r) >= 2 else None for r in ranked])
+    return [list(o.outputs[0].token_ids) for o in outputs], margins
 
 
 def _free(llm: Any) -> None:
@@ -217,14 +226,15 @@ def _free(llm: Any) -> None:
 def run_deltaserve(
     model_dir: Path, prompts: list[list[int]], max_tokens: int, dtype: str, device: str, seed: int,
     spec: dict[str, Any] | None, share_gpu: bool = False, tensor_parallel_size: int = 1,
-) -> tuple[list[list[int]], Acceptance | None]:  # fmt: skip
-    """Greedy tokens of deltaserve's offline LLM, with or without speculation, and its spec-decode counters."""
+) -> tuple[list[list[int]], Acceptance | None, list[list[float | None]]]:  # fmt: skip
+    """Greedy tokens of deltaserve's offline LLM, with or without speculation, its spec-decode counters, and each
+    output position's top-2 logprob margin."""
     from deltaserve.engine.llm import LLM
 
     llm = LLM(model_dir, dtype=dtype, device=device, seed=seed, max_num_seqs=min(len(prompts), 64),
               speculative_config=spec, tensor_parallel_size=tensor_parallel_size,
               **engine_memory(share_gpu))  # fmt: skip
-    tokens = _generate(llm, prompts, max_tokens)
+    tokens, margins = _generate(llm, prompts, max_tokens)
     acceptance = None
     if spec is not None:
         stats = llm.engine.stats()
@@ -233,7 +243,7 @@ def run_deltaserve(
             list(stats.spec_decode_num_accepted_tokens_per_pos),
         )  # fmt: skip
     _free(llm)
-    return tokens, acceptance
+    return tokens, acceptance, margins
 
 
 def _device(device: str) -> str:
@@ -288,9 +298,13 @@ def run_gate(
         except (ReferenceError, ValueError) as exc:
             verdict.refused = str(exc)
     tp = tensor_parallel_size
-    off, _ = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, None, share_gpu, tp)
-    ours, verdict.ours = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, spec, share_gpu, tp)
+    off, _, off_margins = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, None, share_gpu, tp)
+    ours, verdict.ours, on_margins = run_deltaserve(model_dir, prompts, max_tokens, dtype, run_device, seed, spec,
+                                                    share_gpu, tp)  # fmt: skip
     verdict.off_mismatches = compare_tokens(off, ours)
+    for m in verdict.off_mismatches:
+        m.off_margin = _margin_at(off_margins[m.prompt], m.position)
+        m.on_margin = _margin_at(on_margins[m.prompt], m.position)
     if ref_run is not None:
         verdict.ref_mismatches = judged_mismatches(ref_run, ours, dtype)
         verdict.rate_disagreements = compare_acceptance(verdict.ours, verdict.theirs, k)
@@ -301,6 +315,10 @@ def run_gate(
     if record_path is not None:
         _write_record(record_path, verdict, code, model_dir, dtype, seed, max_tokens, prompts, ref_run)
     return code
+
+
+def _margin_at(margins: list[float | None], position: int) -> float | None:
+    return round(margins[position], 6) if position < len(margins) and margins[position] is not None else None
 
 
 def judged_mismatches(ref_run: Any, ours: list[list[int]], dtype: str) -> list[TokenMismatch]:
@@ -332,6 +350,8 @@ def _mismatch_line(m: TokenMismatch, what: str, ours: str = "deltaserve-mtp") ->
         margin = f"; vLLM's margin {'' if m.is_margin_exact else '> '}{m.margin:.6g}"
         if m.is_near_tie is not None:
             margin += ", a near tie" if m.is_near_tie else ", beyond the near-tie margin"
+    if m.off_margin is not None or m.on_margin is not None:
+        margin += f" (top-2 logprob margin without MTP {m.off_margin}, with MTP {m.on_margin})"
     return f"  prompt {m.prompt}, output position {m.position}: {what} {m.expected} vs {ours} {m.ours}{margin}"
 
 

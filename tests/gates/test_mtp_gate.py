@@ -64,7 +64,10 @@ def test_a_broken_accept_rule_fails_the_gate(monkeypatch: pytest.MonkeyPatch, ca
     assert mtp.run_gate(trained_model_dir("dense"), 3, **SMALL) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("STRICT ") and not lines[0].startswith("STRICT 4/4")
-    assert any("output position" in line and "without MTP" in line for line in lines[1:])
+    found = [line for line in lines[1:] if "output position" in line and "without MTP" in line]
+    # each with both runs' top-2 margins there: an accepted wrong draft is no near tie in the run without MTP
+    assert found and all("(top-2 logprob margin without MTP " in line for line in found)
+    assert any(float(line.split("without MTP ")[2].split(",")[0]) > 0.1 for line in found), found
 
 
 def test_a_run_without_drafts_checks_nothing(capsys: pytest.CaptureFixture) -> None:
@@ -118,7 +121,7 @@ def fake_mtp_vllm(model_dir: Path, built: list[dict[str, Any]], shift: int, wron
             outputs = super().generate(prompts, params, use_tqdm)
             ids = [p["prompt_token_ids"] for p in prompts]
             if self.spec is not None:
-                _, self.acceptance = mtp.run_deltaserve(
+                _, self.acceptance, _ = mtp.run_deltaserve(
                     model_dir, ids, params.max_tokens, "float32", "cpu", 0, self.spec
                 )
             if wrong_token:  # vLLM's runner-up at output position 2 of prompt 0 (inside its top 20)
