@@ -348,6 +348,9 @@ def four_op_refusal(llm: Any, item: ProcessedPrompt, expected: list[int] | None)
     num_tokens = len(expected) if expected else 2
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     problems, seen = [], []
+    # the prompt's own checkpoints (the earlier run of it left its repeat point past the media) would let the model
+    # resume after the 3-D positions and never meet them: the check is of the model's refusal, so nothing is cached
+    llm.reset_prefix_cache()
     with env.overridden(FOUR_OP_VARIABLE, "0"):
         for name, call in (
             ("LLM.generate", lambda: llm.generate([item.prompt.vllm_prompt()], params, use_tqdm=False)),
