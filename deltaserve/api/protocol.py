@@ -219,8 +219,9 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 # vLLM request fields that cannot change a token here (they steer scheduling, caching, transfer or extensions):
 # accepted, and logged as ignored in vLLM's words.
+# (cache_salt is not among them: the prefix cache honours it, api/sampling.py cache_salt_of.)
 IGNORED_FIELDS = frozenset({
-    "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+    "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
     "media_io_kwargs", "return_prompt_text", "return_token_offsets", "return_assistant_tokens_mask",
     "service_tier", "store", "metadata", "prediction", "modalities", "audio", "web_search_options",
     "safety_identifier", "prompt_cache_key", "verbosity",

@@ -32,7 +32,7 @@ MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 64 * 1024
 NUM_LOGGED_FIELD_SETS = 256
 # Extra fields an endpoint reads itself (completions refuses a non-text response_format).
-HANDLED_EXTRA_FIELDS = frozenset({"response_format"})
+HANDLED_EXTRA_FIELDS = frozenset({"response_format", "cache_salt"})  # cache_salt: cache_salt_of
 _logged_field_sets: OrderedDict[frozenset[str], None] = OrderedDict()
 
 # Fields that fall back to generation_config.json defaults when the request leaves them unset.
@@ -67,6 +67,12 @@ def check_stop(stop: str | list[str] | None) -> None:
         raise bad_request(f"stop strings may total at most {MAX_STOP_CHARS} characters, got {num_chars}.", "stop")
 
 
+def cache_salt_of(request: Any) -> Any:
+    """vLLM's `cache_salt` extra field of a request (None when absent): requests share cached prefixes only with
+    requests of the same salt."""
+    return (getattr(request, "model_extra", None) or {}).get("cache_salt")
+
+
 def check_unsupported(request: SamplingRequest) -> None:
     """Features that would change the output if silently ignored are refused instead."""
     extra = request.model_extra or {}
@@ -75,7 +81,7 @@ def check_unsupported(request: SamplingRequest) -> None:
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
     if extra.get("logprob_token_ids") == []:  # refused by name when set; empty, vLLM refuses it as empty
         raise bad_request("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
-    salt = extra.get("cache_salt")  # ignored here (no salted prefix cache), but checked as vLLM checks it
+    salt = cache_salt_of(request)  # honoured by the prefix cache (scheduler/prefix_cache.py root_hash)
     if salt is not None and not (isinstance(salt, str) and salt):
         raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
     if request.use_beam_search and not isinstance(request, CompletionRequest):  # completions: api/beam_search.py

@@ -33,7 +33,7 @@ from deltaserve.api.json_body import JSONPiecesResponse, render_json
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
-from deltaserve.api.sampling import build_sampling_params, check_sampling_request
+from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request
 from deltaserve.api.serving_common import (
     DONE_EVENT,
     check_model,
@@ -140,8 +140,9 @@ def submit(
     """The request's engine stream (submitted on its first iteration) and the job that turns it into choices; the
     chat and Responses handlers both end here."""
     stream = engine_stream(
-        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input, request.priority
-    )
+        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input, request.priority,
+        cache_salt_of(request),
+    )  # fmt: skip
     return ChatJob(
         state=state,
         request=request,

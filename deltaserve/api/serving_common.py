@@ -113,17 +113,21 @@ async def engine_stream(
     arrival: float,
     mm_input: Any = None,
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """engine.generate with metrics, and a cleanup that always aborts an unfinished request. params.max_tokens is
     bound (build_sampling_params resolved it). mm_input: the prompt's processed images and videos (a
     deltaserve.multimodal MultimodalInput), None for text. priority: checked against the policy already
-    (check_sampling_request); like mm_input, passed only when set, so an engine without either need not take it."""
+    (check_sampling_request); like mm_input, passed only when set, so an engine without either need not take it.
+    cache_salt: vLLM's per-request prefix-cache salt (checked already), passed only when set, as priority."""
     tracker = state.metrics.track(len(prompt_token_ids), params.n, params.max_tokens, arrival)
     extra: dict[str, Any] = {}
     if mm_input is not None:
         extra["mm_input"] = mm_input
     if priority:
         extra["priority"] = priority
+    if cache_salt is not None:
+        extra["cache_salt"] = cache_salt
     iterator = state.engine.generate(prompt_token_ids, params, request_id, **extra)
     is_finished = False
     try:

@@ -29,7 +29,7 @@ from deltaserve.api.completion_body import build_echoed, check_prompt_logprob_wo
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
-from deltaserve.api.sampling import build_sampling_params, check_sampling_request
+from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request
 from deltaserve.api.serving_common import (
     DONE_EVENT,
     check_model,
@@ -229,6 +229,7 @@ async def create_completion(
                 engine_request_id(response_id, i),
                 arrival,
                 priority=request.priority,
+                cache_salt=cache_salt_of(request),
             )
             for i, prompt in enumerate(prompts)
         ]  # each submitted on its first iteration; fmt: skip

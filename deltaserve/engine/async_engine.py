@@ -151,12 +151,13 @@ class AsyncEngine:
         request_id: str,
         mm_input: MultimodalInput | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.is_dead:
             raise EngineDeadError("the engine core is not running")
         # raises RequestError (a ValueError: 400) before anything is queued
         core_requests = self.frontend.new_request(
-            request_id, list(prompt_token_ids), params, mm_input=mm_input, priority=priority
+            request_id, list(prompt_token_ids), params, mm_input=mm_input, priority=priority, cache_salt=cache_salt
         )
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)

@@ -153,6 +153,7 @@ class EngineCore:
             mm_input=request.mm_input,
             logits_chunks=request.logits_chunks,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         self.sequences[seq.seq_id] = seq
         if request.sampling.prompt_logprobs is not None:

@@ -84,8 +84,12 @@ class LLMEngine:
         prompt: str | None = None,
         mm_input: MultimodalInput | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
-        for request in self.frontend.new_request(request_id, prompt_token_ids, params, prompt, mm_input, priority):
+        requests = self.frontend.new_request(
+            request_id, prompt_token_ids, params, prompt, mm_input, priority, cache_salt
+        )
+        for request in requests:
             self.core.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -230,9 +230,13 @@ class EngineFrontend:
         prompt: str | None = None,
         mm_input: MultimodalInput | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
-        """Validates a request, registers its state and returns its core requests (n of them)."""
+        """Validates a request, registers its state and returns its core requests (n of them). cache_salt: vLLM's
+        per-request prefix-cache salt (a non-empty string, or None)."""
         check_priority(priority, self.scheduling_policy)
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
         max_tokens = self.validate(prompt_token_ids, params)
         if mm_input is not None:
             if self.mm_processor is None:
@@ -267,6 +271,7 @@ class EngineFrontend:
                     now,
                     mm_input,
                     priority=priority,
+                    cache_salt=cache_salt,
                 )
             )
         self.processor.add(state)

@@ -1,7 +1,8 @@
 """LLM: the offline API, shaped like vLLM's: LLM(model_dir, dtype=...).generate(prompts, SamplingParams(...)).
 
 A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}), optionally with vLLM's
-"multi_modal_data" ({"image": ..., "video": ...}; the prompt holds the chat template's placeholders). All prompts
+"multi_modal_data" ({"image": ..., "video": ...}; the prompt holds the chat template's placeholders) and
+"cache_salt" (only prompts with the same salt share cached prefixes). All prompts
 are submitted to the engine at once and run with continuous batching; results come back in input order. The prefix
 cache is on unless LLM(..., enable_prefix_caching=False); RequestOutput.num_cached_tokens says what it served, and
 reset_prefix_cache() empties it. LLM.chat renders conversations with the chat template first.
@@ -94,14 +95,20 @@ class LLM:
             raise ValueError("The lengths of prompts and priority must be the same.")
         for value in priorities:  # before any prompt is added: a refusal leaves nothing behind
             check_priority(value, self.engine.config.scheduling_policy)
+        for prompt in prompts:
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            if salt is not None and not (isinstance(salt, str) and salt):
+                raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         request_ids = []
         for prompt, params, request_priority in zip(prompts, params_list, priorities, strict=True):
             text, token_ids = self._to_token_ids(prompt)
             token_ids, mm_input = self._multimodal(prompt, token_ids)
             request_id = uuid.uuid4().hex
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             self.engine.add_request(
-                request_id, token_ids, params, prompt=text, mm_input=mm_input, priority=request_priority
-            )
+                request_id, token_ids, params, prompt=text, mm_input=mm_input, priority=request_priority,
+                cache_salt=salt,
+            )  # fmt: skip
             request_ids.append(request_id)
         states = {rid: self.engine.requests[rid] for rid in request_ids}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as progress:

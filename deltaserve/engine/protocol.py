@@ -27,6 +27,8 @@ class EngineCoreRequest:
     # logits of every prompt position come back; None for a generating request
     logits_chunks: tuple[int, ...] | None = None
     priority: int = 0  # under --scheduling-policy priority: lower first (0 otherwise; the front end checks)
+    # vLLM's per-request prefix-cache salt: only requests with the same salt (or none) share cached prefixes
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ checkpoints are evicted least recently used first, when a running sequence needs
 
 Hashes are blake2b-128 over the parent hash, the block's token ids and the (content identifier, offset) of every
 image or video item overlapping the block: Python's hash() is salted per process and the core may run in its own.
+A request's cache_salt (vLLM's) seeds the chain (root_hash), so salted requests share prefixes only with each other.
 A bounded LRU of chain hashes seen before (no memory attached) tells how deep a new sequence's prefix is shared with
 earlier traffic, the branch point where the scheduler places a checkpoint for the requests that follow.
 """
@@ -47,6 +48,15 @@ def block_hash(parent: bytes, token_ids: list[int], extra: MediaKeys) -> bytes:
     return digest.digest()
 
 
+def root_hash(seq: Sequence) -> bytes:
+    """The chain's parent of block 0: empty without a salt, else a hash of the salt, so a salted sequence's every
+    chain hash and checkpoint key (the tail of a checkpoint before the first full block included) differs from an
+    unsalted or otherwise salted one's (vLLM puts the salt in the first block's extra keys: the same isolation)."""
+    if seq.cache_salt is None:
+        return ROOT_HASH
+    return hashlib.blake2b(b"cache_salt|" + seq.cache_salt.encode(), digest_size=16).digest()
+
+
 def sequence_tokens(seq: Sequence) -> list[int]:
     return seq.prompt_token_ids + seq.output_token_ids
 
@@ -60,7 +70,7 @@ def chain_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]
         tokens = sequence_tokens(seq)
         for index in range(len(hashes), num_blocks):
             start, end = index * block_size, (index + 1) * block_size
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(seq)
             hashes.append(block_hash(parent, tokens[start:end], media_keys(seq.mm_input, start, end)))
     return hashes[:num_blocks]
 
@@ -121,7 +131,7 @@ class PrefixCache:
         full = position - position % self.block_size
         hashes = chain_hashes(seq, self.block_size, full)
         tail = tuple(sequence_tokens(seq)[full:position])
-        return hashes[-1] if hashes else ROOT_HASH, tail, media_keys(seq.mm_input, full, position)
+        return hashes[-1] if hashes else root_hash(seq), tail, media_keys(seq.mm_input, full, position)
 
     def num_shared_blocks(self, position: int) -> int:
         """The leading blocks of a hit at `position` that the sequence shares; the block after them, when it holds a
@@ -142,7 +152,7 @@ class PrefixCache:
         hashes = chain_hashes(seq, self.block_size, limit)
         tokens = sequence_tokens(seq)
         for depth in range(len(hashes), -1, -1):
-            candidates = self._by_hash.get(hashes[depth - 1] if depth else ROOT_HASH, ())
+            candidates = self._by_hash.get(hashes[depth - 1] if depth else root_hash(seq), ())
             start = depth * self.block_size
             best = None
             for checkpoint in candidates:

@@ -32,6 +32,9 @@ class Sequence:
     arrival_index: int = 0  # FCFS order; preempted sequences keep theirs
     arrival_time: float = 0.0
     priority: int = 0  # --scheduling-policy priority: a lower value is scheduled first (vLLM's convention)
+    # vLLM's per-request prefix-cache salt: it seeds the chain of block hashes, so only sequences with the same salt
+    # (or none) share cached prefixes (scheduler/prefix_cache.py root_hash)
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0

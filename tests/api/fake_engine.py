@@ -140,8 +140,9 @@ class FakeEngine:
         return [None] + [self._logprobs(token_id, num_top) for token_id in prompt_token_ids[1:]]
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
+        self.last_cache_salt = cache_salt
         if self.is_dead:
             raise RuntimeError("the engine loop is not running")
         if request_id in self.running:

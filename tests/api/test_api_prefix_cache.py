@@ -264,6 +264,30 @@ def test_the_responses_api_reports_cached_input_tokens(cached_server: ServerThre
     assert cached[1] == cached[2] == (usages[0].input_tokens - 1) // 64 * 64 > 0  # type: ignore[union-attr]
 
 
+def test_cache_salt_keeps_prefixes_apart(cached_server: ServerThread) -> None:
+    """vLLM's per-request `cache_salt`: the same chat request hits only what a request of the same salt cached (the
+    repeat point from its second sighting), never an unsalted or otherwise salted request's; the same through the
+    Responses API (a salt it dropped would let the second salt hit the first one's checkpoints)."""
+    client = openai_client(cached_server)
+    messages = [{"role": "system", "content": f"[salt] {SYSTEM}"}, {"role": "user", "content": "Which rule?"}]
+    options: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "max_tokens": 2, "temperature": 0.0}
+
+    def cached(salt: str | None) -> int:
+        extra = {"extra_body": {"cache_salt": salt}} if salt is not None else {}
+        return cached_tokens(client.chat.completions.create(**options, **extra).usage)
+
+    assert cached("tenant-a") == 0
+    repeat = cached("tenant-a")
+    assert repeat > 0  # its own salt: the repeat point
+    assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, and none: nothing shared
+    assert cached("tenant-b") == repeat and cached(None) == repeat  # each from its own second sighting
+    request = {"model": MODEL_NAME, "instructions": f"[salt] {SYSTEM}", "input": "Which rule?",
+               "max_output_tokens": 2, "temperature": 0.0}  # fmt: skip
+    usages = [client.responses.create(**request, extra_body={"cache_salt": salt}).usage for salt in "ccd"]
+    hits = [usage.input_tokens_details.cached_tokens for usage in usages]  # type: ignore[union-attr]
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0
+
+
 def test_a_reset_makes_the_next_shared_prefix_request_miss(cached_server: ServerThread) -> None:
     client = openai_client(cached_server)
     head = f"[reset] {SYSTEM}"

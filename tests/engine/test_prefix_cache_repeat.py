@@ -74,3 +74,26 @@ def test_the_second_sighting_hits_with_mtp_and_drafts_as_without_the_cache(varia
     for index, (on, off) in enumerate(zip(found[True], found[False], strict=True)):
         assert on[0] == off[0] and on[1] == off[1] and on[3] == off[3], f"sighting {index}"
     assert [hits for _, _, hits, _ in found[True]] == [0, R, R]
+
+
+def test_cache_salt_shares_prefixes_only_within_a_salt() -> None:
+    """vLLM's cache_salt on an offline prompt ({"prompt_token_ids": ..., "cache_salt": ...}): a prompt hits only what
+    prompts of its own salt cached, with the cache-off engine's tokens; an empty salt is refused before anything is
+    queued, as vLLM refuses it."""
+    llm = make_llm(trained_model_dir("dense"), is_on=True, is_async=True)
+    prompt = llm.engine.tokenizer.encode(CORPUS)[:LENGTH]
+
+    def cached(salt: str | None) -> tuple[int, list[int]]:
+        item = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        (output,) = llm.generate([item], GREEDY, use_tqdm=False)
+        return output.num_cached_tokens, list(output.outputs[0].token_ids)
+
+    first, tokens = cached("a")
+    assert first == 0 and cached("a") == (R, tokens)
+    # another salt, then none: each misses what the others cached and hits its own from its second sighting (in
+    # turn: the small pool's LRU may evict an earlier salt's checkpoints)
+    assert cached("b") == (0, tokens) and cached("b") == (R, tokens)
+    assert cached(None) == (0, tokens) and cached(None) == (R, tokens)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt, "cache_salt": ""}], GREEDY)
+    assert not llm.engine.has_unfinished()
