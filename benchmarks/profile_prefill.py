@@ -235,10 +235,9 @@ def attribute(
     claimed_us = 0.0
     triton_names = {name for name, _, _ in launches or []}
     for event in events:
-        is_range = getattr(event, "is_user_annotation", False) or event.name.startswith((CHUNK_RANGE, ds.LABEL))
-        if event.device_type == torch.autograd.DeviceType.CUDA and is_range:
-            continue  # a range's GPU span (gpu_user_annotation): time its kernels hold, not a kernel
         if event.device_type == torch.autograd.DeviceType.CUDA:
+            if getattr(event, "is_user_annotation", False) or event.name.startswith((CHUNK_RANGE, ds.LABEL)):
+                continue  # a range's GPU span (gpu_user_annotation): time its kernels hold, not a kernel
             kernel_us[event.name][0] += event.time_range.elapsed_us()
             kernel_us[event.name][1] += 1
             continue

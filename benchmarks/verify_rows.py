@@ -109,12 +109,20 @@ def rows_by_position(run: Run, reference: list[int], limit: int) -> dict[int, di
     return rows
 
 
+def comparable_rows(plain: Run, spec: Run) -> tuple[int, dict, dict]:
+    """(the first position whose token differs, or the shorter run's length: nothing from it on is compared; the
+    run without MTP's rows and the run with it's, by position, below it)."""
+    from deltaserve.gates.mtp import first_difference as first_token_difference
+
+    limit = first_token_difference(plain.tokens, spec.tokens)
+    if limit is None:
+        limit = len(plain.tokens)
+    return limit, rows_by_position(plain, plain.tokens, limit), rows_by_position(spec, plain.tokens, limit)
+
+
 def first_difference(plain: Run, spec: Run, module_order: list[str]) -> dict[str, Any] | None:
     """The first (position, module) whose comparable rows differ, or None when all are equal."""
-    limit = next((p for p, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=False)) if a != b),
-                 min(len(plain.tokens), len(spec.tokens)))  # fmt: skip
-    ours = rows_by_position(spec, plain.tokens, limit)
-    theirs = rows_by_position(plain, plain.tokens, limit)
+    limit, theirs, ours = comparable_rows(plain, spec)
     for position in sorted(set(ours) & set(theirs)):
         for name in module_order:
             a, b = theirs[position].get(name), ours[position].get(name)
@@ -125,9 +133,8 @@ def first_difference(plain: Run, spec: Run, module_order: list[str]) -> dict[str
 
 
 def compared_positions(plain: Run, spec: Run) -> int:
-    limit = next((p for p, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=False)) if a != b),
-                 min(len(plain.tokens), len(spec.tokens)))  # fmt: skip
-    return len(set(rows_by_position(spec, plain.tokens, limit)) & set(rows_by_position(plain, plain.tokens, limit)))
+    _, theirs, ours = comparable_rows(plain, spec)
+    return len(set(theirs) & set(ours))
 
 
 def main(argv: list[str] | None = None) -> int:
