@@ -82,6 +82,12 @@ def resolve_max_tokens(
     return max_tokens
 
 
+def check_cache_salt(salt: Any) -> None:
+    """vLLM's rule for a request's cache_salt: absent, or a non-empty string."""
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
+
+
 def check_priority(priority: int, scheduling_policy: str) -> None:
     """vLLM's rule (and its words): a priority other than 0 needs --scheduling-policy priority."""
     if isinstance(priority, bool) or not isinstance(priority, int):
@@ -235,8 +241,7 @@ class EngineFrontend:
         """Validates a request, registers its state and returns its core requests (n of them). cache_salt: vLLM's
         per-request prefix-cache salt (a non-empty string, or None)."""
         check_priority(priority, self.scheduling_policy)
-        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
-            raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        check_cache_salt(cache_salt)
         max_tokens = self.validate(prompt_token_ids, params)
         if mm_input is not None:
             if self.mm_processor is None:

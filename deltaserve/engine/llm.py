@@ -20,7 +20,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.frontend import check_priority
+from deltaserve.engine.frontend import check_cache_salt, check_priority
 from deltaserve.engine.offline_chat import chat_prompt
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
@@ -96,9 +96,7 @@ class LLM:
         for value in priorities:  # before any prompt is added: a refusal leaves nothing behind
             check_priority(value, self.engine.config.scheduling_policy)
         for prompt in prompts:
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            if salt is not None and not (isinstance(salt, str) and salt):
-                raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+            check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         request_ids = []
         for prompt, params, request_priority in zip(prompts, params_list, priorities, strict=True):
             text, token_ids = self._to_token_ids(prompt)
