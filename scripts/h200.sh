@@ -229,7 +229,7 @@ grid() {  # GRID [bench grid flags]
     --result-dir "$store" --raw-dir "$store/raw" "$@" "${extra[@]}"
   local rc=$?
   grep -E "^\[grid\]|rror" "$W/grid.log" 2> /dev/null | tail -16 | say
-  local record
+  local record=""
   for record in $(find "$store" -maxdepth 1 -name '*.json' -newer "$W/.start" 2> /dev/null); do
     local stem
     stem=$(basename "$record" .json)
