@@ -25,7 +25,7 @@ DEFAULT_INDEX = RESULTS / "INDEX.md"
 KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "grids": (
         "serving grids (`deltaserve bench grid`): records, their console logs and raw archives",
-        ("h200_*", "deltaserve-only*", "h200-*-deltaserve-only-*"),
+        ("h200_*", "h100_*", "deltaserve-only*", "h200-*-deltaserve-only-*"),
     ),
     "kernels": (
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
