@@ -33,7 +33,7 @@ from deltaserve.runner.cuda_graph import static_bytes
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows
+from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows, speculating_seqs
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
 from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_rows, warm_up_verify
 from deltaserve.sampler import Sampler, build_sampling_batch
@@ -138,7 +138,8 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
         if budget is None:
             budget = runner._requested_bytes - weights - peak - graph_bytes(runner, max_num_seqs)[1] - HEADROOM_BYTES
         slot_bytes = bytes_per_slot(runner.model_config, runner.dtype, runner.model.shapes)
-        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes)
+        is_sized = runner.engine_config.max_num_seqs is None
+        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes, is_sized)
         drop_cache(runner.model)  # the prefill phase's throw-away cache, before the verify step's
         warm_up_verify(runner, rows, meter, len(sizes))
         peak = max(peak, meter.peak())
@@ -202,24 +203,34 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         total, bytes_per_block(model_config, runner.block_size, runner.dtype, shapes, has_mtp), slot_bytes,
         runner.block_size, max_model_len, *budget_names(engine_config, runner.device),
     )  # fmt: skip
+    speculative = engine_config.speculative_config
+    k = 0 if speculative is None else speculative.num_speculative_tokens
     max_num_seqs = upper
     if engine_config.max_num_seqs is None:
-        # vLLM's default count, sized to memory: the state pool takes at most half of the cache budget, and leaves
-        # one max_model_len sequence its KV blocks (which binds only where the half would leave too few to start)
-        max_num_seqs = min(upper, affordable_slots(total, scratch_bytes), (total - one_kv) // slot_bytes)
+        # vLLM's default count, sized to memory: the state pool (while speculating, with each sequence's 1 + k
+        # verify scratch states) takes at most half of the cache budget, and leaves one max_model_len sequence its
+        # KV blocks (which binds only where the half would leave too few to start)
+        per_seq = slot_bytes + (k + 1) * scratch_bytes if speculative is not None else slot_bytes
+        by_share = affordable_slots(total, scratch_bytes)
+        if speculative is not None:
+            by_share = speculating_seqs(total, scratch_bytes, k, upper)
+        max_num_seqs = min(upper, by_share, (total - one_kv) // per_seq)
         if max_num_seqs < upper:
             logger.info(
-                "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB would take %.1f GiB "
+                "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB%s would take %.1f GiB "
                 "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
-                upper * scratch_bytes / GIB, total / GIB,
+                "" if speculative is None else f" with {k + 1} verify scratch states each", upper * per_seq / GIB,
+                total / GIB,
             )  # fmt: skip
     num_slots = engine_config.num_state_slots or max_num_seqs
-    speculative = engine_config.speculative_config
     spec_rows = 0
     budget = total
     if speculative is not None:  # the verify scratch comes out of the cache budget (runner/spec_decode.py)
-        spec_rows = scratch_rows(budget, scratch_bytes, speculative.num_speculative_tokens, max_num_seqs)
-        budget -= spec_rows * (speculative.num_speculative_tokens + 1) * scratch_bytes
+        # a sized count has a scratch chunk for every sequence; beside a count the user set, a quarter at most
+        spec_rows = max_num_seqs
+        if engine_config.max_num_seqs is not None:
+            spec_rows = scratch_rows(budget, scratch_bytes, k, max_num_seqs)
+        budget -= spec_rows * (k + 1) * scratch_bytes
     num_checkpoints = 0
     if engine_config.enable_prefix_caching:
         num_checkpoints = engine_config.num_checkpoint_slots

@@ -75,6 +75,20 @@ def test_while_speculating_the_mtp_layer_and_the_verify_scratch_are_inside_it() 
     assert (runner.layout.num_blocks, runner.layout.num_slots) == ((budget - scratch - 4 * slot) // block, 4)
 
 
+def test_while_speculating_the_default_max_num_seqs_gives_every_sequence_its_verify_scratch() -> None:
+    """max_num_seqs unset, MTP k = 2: vLLM's default capped so that each sequence's pool slot and its 1 + k verify
+    scratch states take at most half of the budget (50 slots' worth / 4 states = 12 sequences), and the scratch
+    holds a verify chunk for every one of them, so no step is larger than the verify graphs (before, the count was
+    capped for the pool alone, 50, with 8 scratch rows: steps of 9 to 50 sequences ran eager)."""
+    budget = 100 * SLOT
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    runner = LLM(DENSE, **{**FIXED, "max_num_seqs": None}, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
+                 speculative_config=mtp).engine.runner  # fmt: skip
+    assert (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (12, 12, 12)
+    slot = runner.layout.bytes_per_slot
+    assert runner.layout.num_blocks == (budget - 12 * 3 * SLOT - 12 * slot) // runner.layout.bytes_per_block
+
+
 def test_without_it_the_cpu_budget_is_cpu_kv_cache_bytes_and_zero_means_not_set() -> None:
     """0 is vLLM's 'not set' (its worker tests the value for truth): the budget stays cpu_kv_cache_bytes."""
     budget = 2 * 2**20
