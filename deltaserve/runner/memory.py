@@ -33,7 +33,7 @@ from deltaserve.runner.cuda_graph import static_bytes
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows, speculating_seqs
+from deltaserve.runner.spec_decode import SpecDecoder, speculating_seqs
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
 from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_rows, warm_up_verify
 from deltaserve.sampler import Sampler, build_sampling_batch
@@ -205,12 +205,13 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     )  # fmt: skip
     speculative = engine_config.speculative_config
     k = 0 if speculative is None else speculative.num_speculative_tokens
+    # while speculating, a running sequence also holds its verify chunk's 1 + k scratch states (runner/spec_decode.py)
+    per_seq = slot_bytes + (0 if speculative is None else (k + 1) * scratch_bytes)
     max_num_seqs = upper
     if engine_config.max_num_seqs is None:
-        # vLLM's default count, sized to memory: the state pool (while speculating, with each sequence's 1 + k
-        # verify scratch states) takes at most half of the cache budget, and leaves one max_model_len sequence its
-        # KV blocks (which binds only where the half would leave too few to start)
-        per_seq = slot_bytes + (k + 1) * scratch_bytes if speculative is not None else slot_bytes
+        # vLLM's default count, sized to memory: the state pool (with the scratch) takes at most half of the cache
+        # budget, and leaves one max_model_len sequence its KV blocks (which binds only where the half would leave
+        # too few to start)
         by_share = affordable_slots(total, scratch_bytes)
         if speculative is not None:
             by_share = speculating_seqs(total, scratch_bytes, k, upper)
@@ -222,14 +223,20 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
                 "" if speculative is None else f" with {k + 1} verify scratch states each", upper * per_seq / GIB,
                 total / GIB,
             )  # fmt: skip
+    elif speculative is not None and (total - one_kv) // per_seq < max_num_seqs:
+        # a count the user set, past what the budget holds with each sequence's scratch: vLLM's hybrid cache then
+        # runs as many as its blocks hold and the rest wait; here likewise (a step past the scratch would run eager)
+        max_num_seqs = max(1, (total - one_kv) // per_seq)
+        logger.warning(
+            "max_num_seqs %d while speculating: the cache budget (%.2f GiB) holds %d sequences with their %d verify "
+            "scratch states (%.1f MiB each) beside one max_model_len sequence's KV; %d run at a time",
+            upper, total / GIB, max_num_seqs, k + 1, scratch_bytes / 2**20, max_num_seqs,
+        )  # fmt: skip
     num_slots = engine_config.num_state_slots or max_num_seqs
     spec_rows = 0
     budget = total
-    if speculative is not None:  # the verify scratch comes out of the cache budget (runner/spec_decode.py)
-        # a sized count has a scratch chunk for every sequence; beside a count the user set, a quarter at most
+    if speculative is not None:  # the verify scratch comes out of the cache budget: a chunk for every sequence
         spec_rows = max_num_seqs
-        if engine_config.max_num_seqs is not None:
-            spec_rows = scratch_rows(budget, scratch_bytes, k, max_num_seqs)
         budget -= spec_rows * (k + 1) * scratch_bytes
     num_checkpoints = 0
     if engine_config.enable_prefix_caching:

@@ -110,26 +110,19 @@ def spec_layout(
     )
 
 
-SCRATCH_SHARE = 0.25  # of the cache budget, at most, for the verify scratch beside a max_num_seqs the user set
-STATE_SHARE = 0.5  # of the cache budget, at most, for the state pool and the verify scratch together (sized count)
+STATE_SHARE = 0.5  # of the cache budget, at most, for the state pool and the verify scratch (a sized count)
 
 
-def scratch_rows(budget_bytes: int, slot_bytes: int, num_speculative_tokens: int, max_num_seqs: int) -> int:
-    """How many verify chunks a step may hold beside a max_num_seqs the user set: each keeps 1 + k GDN states in
-    scratch, sized to at most a quarter of the cache budget and at most max_num_seqs (the sequences past it in a
-    step decode one token, and such a step runs eager: no verify graph holds it)."""
-    per_seq = (num_speculative_tokens + 1) * max(slot_bytes, 1)
-    return max(1, min(max_num_seqs, int(budget_bytes * SCRATCH_SHARE) // per_seq))
-
-
-def speculating_seqs(budget_bytes: int, slot_bytes: int, num_speculative_tokens: int, upper: int) -> int:
-    """vLLM's default max_num_seqs (upper) while speculating, sized so that every running sequence has its verify
-    chunk's scratch: a sequence takes its pool slot and 1 + k scratch states (vLLM's hybrid cache likewise gives a
-    speculating request 1 + k state blocks), and the pool with the scratch take at most half of the cache budget,
-    the rule without speculation. Every step then fits a captured verify graph; a count past the scratch would
-    run its steps eager (docs/speculative-decoding.md#memory)."""
+def speculating_seqs(
+    budget_bytes: int, slot_bytes: int, num_speculative_tokens: int, upper: int, share: float = STATE_SHARE
+) -> int:
+    """How many sequences may run while speculating: each holds its pool slot and its verify chunk's 1 + k scratch
+    states (vLLM's hybrid cache likewise gives a speculating request 1 + k state blocks), so every step fits a
+    captured verify graph (a step past the scratch would run eager). vLLM's default count (upper) is sized with the
+    pool and the scratch in at most half of the cache budget, the rule without speculation; a count the user set
+    is held to what the whole budget holds (share 1). At least one (docs/speculative-decoding.md#memory)."""
     per_seq = (num_speculative_tokens + 2) * max(slot_bytes, 1)
-    return max(1, min(upper, int(budget_bytes * STATE_SHARE) // per_seq))
+    return max(1, min(upper, int(budget_bytes * share) // per_seq))
 
 
 @dataclass

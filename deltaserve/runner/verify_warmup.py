@@ -18,7 +18,7 @@ from deltaserve.runner.cache import CacheLayout, allocate_and_bind
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows, speculating_seqs
+from deltaserve.runner.spec_decode import STATE_SHARE, SpecDecoder, speculating_seqs
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
 
@@ -61,16 +61,16 @@ def verify_warmup_rows(
     is_sized: bool = False,
 ) -> int:  # fmt: skip
     """The verify chunks of the warm-up's verify step: the most a served step may hold, as the scheduler caps them:
-    at most max_num_seqs, at most the verify scratch's rows that budget_bytes affords (runner/spec_decode.py: with
-    is_sized, vLLM's default count sized to memory, speculating_seqs, every sequence with its scratch; else
-    scratch_rows beside the count the user set; the scheduler's SpecSchedule.max_verifies), and as many chunks of
-    1 + k tokens as the step's token budget holds. Not the largest verify-graph bucket (512 tokens): a larger
+    at most max_num_seqs, at most the sequences whose verify scratch budget_bytes affords (runner/spec_decode.py
+    speculating_seqs: in half of it for vLLM's default count sized to memory, is_sized; in all of it beside a
+    count the user set; the scheduler's SpecSchedule.max_verifies), and as many chunks of 1 + k tokens as the
+    step's token budget holds. Not the largest verify-graph bucket (512 tokens): a larger
     verify step runs eager, and eager activations are what the warm-up measures. Given an upper bound of the cache
     budget (the budget before the verify step's own peak is taken out), this is at least the largest verify step
     the engine will serve, and its throw-away scratch fits where the served one will."""
     k = num_speculative_tokens
     by_tokens = max(1, max_num_batched_tokens // (1 + k))
-    by_memory = (speculating_seqs if is_sized else scratch_rows)(budget_bytes, slot_bytes, k, max_num_seqs)
+    by_memory = speculating_seqs(budget_bytes, slot_bytes, k, max_num_seqs, STATE_SHARE if is_sized else 1.0)
     return min(max_num_seqs, by_memory, by_tokens)
 
 

@@ -89,6 +89,22 @@ def test_while_speculating_the_default_max_num_seqs_gives_every_sequence_its_ver
     assert runner.layout.num_blocks == (budget - 12 * 3 * SLOT - 12 * slot) // runner.layout.bytes_per_block
 
 
+def test_while_speculating_a_max_num_seqs_set_past_the_scratch_runs_as_many_as_fit(caplog) -> None:  # noqa: ANN001
+    """max_num_seqs 4 set, MTP k = 2, a budget of 16 slots' worth: one max_model_len sequence's KV (4 blocks of 1.5
+    x BLOCK with the MTP layer) leaves room for 3 sequences of a slot and 3 scratch states, so 3 run at a time (as
+    vLLM's hybrid cache runs what its blocks hold), with a warning; before, 4 ran with a quarter-budget scratch of 1
+    chunk, and steps of 2-4 sequences ran eager."""
+    budget = 16 * SLOT
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        runner = LLM(DENSE, **FIXED, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
+                     speculative_config=mtp).engine.runner  # fmt: skip
+    block, slot = runner.layout.bytes_per_block, runner.layout.bytes_per_slot
+    fit = (budget - 4 * block) // (slot + 3 * SLOT)
+    assert fit == 3 and (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (3, 3, 3)
+    assert "max_num_seqs 4 while speculating" in caplog.text and "3 run at a time" in caplog.text
+
+
 def test_without_it_the_cpu_budget_is_cpu_kv_cache_bytes_and_zero_means_not_set() -> None:
     """0 is vLLM's 'not set' (its worker tests the value for truth): the budget stays cpu_kv_cache_bytes."""
     budget = 2 * 2**20

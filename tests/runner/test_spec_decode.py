@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deltaserve.runner.spec_decode import scratch_rows, spec_layout
+from deltaserve.runner.spec_decode import spec_layout, speculating_seqs
 from deltaserve.step import ScheduledSeq
 
 
@@ -50,8 +50,9 @@ def test_refusals(seqs: list[ScheduledSeq], message: str) -> None:
         layout_of(seqs, num_decodes=0)
 
 
-def test_scratch_rows_take_a_quarter_of_the_budget() -> None:
-    # (1 + k) states of 10 bytes a verify chunk: 1000 bytes of budget hold 250 / 40 = 6 of them
-    assert scratch_rows(1000, 10, 3, max_num_seqs=100) == 6
-    assert scratch_rows(1000, 10, 3, max_num_seqs=4) == 4
-    assert scratch_rows(10, 10, 3, max_num_seqs=4) == 1  # at least one: speculation never turns itself off here
+def test_speculating_seqs_hold_each_sequence_with_its_scratch() -> None:
+    """A sequence holds its slot and 1 + k scratch states: k = 3, slots of 10 bytes, 50 bytes a sequence."""
+    assert speculating_seqs(1000, 10, 3, upper=100) == 10  # half of the budget, vLLM's default count sized
+    assert speculating_seqs(1000, 10, 3, upper=100, share=1.0) == 20  # all of it, beside a count the user set
+    assert speculating_seqs(1000, 10, 3, upper=4) == 4
+    assert speculating_seqs(10, 10, 3, upper=4) == 1  # at least one: speculation never turns itself off here

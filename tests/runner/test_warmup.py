@@ -69,7 +69,7 @@ def test_verify_warmup_rows_are_the_largest_verify_step_the_scheduler_may_plan()
     assert verify_warmup_rows(3, 256, 8192, 10**15, 10) == 256  # max_num_seqs
     assert verify_warmup_rows(3, 1024, 2048, 10**15, 10) == 512  # the token budget: 512 chunks of 4 tokens
     assert verify_warmup_rows(1, 1024, 2048, 10**15, 10) == 1024
-    assert verify_warmup_rows(3, 256, 8192, 1000, 10) == 6  # a quarter of 1000 bytes holds 6 chunks of 4 states
+    assert verify_warmup_rows(3, 256, 8192, 1000, 10) == 20  # beside a count set: 1000 bytes hold 20 of 5 states
     assert verify_warmup_rows(3, 256, 2, -5, 10) == 1  # the floors: one chunk, as the served engine's
     # vLLM's default count sized to memory: half of 1000 bytes holds 10 sequences of a slot and 4 scratch states
     assert verify_warmup_rows(3, 256, 8192, 1000, 10, is_sized=True) == 10
