@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 
 # vLLM accepts seeds in the signed 64-bit range.
 MAX_SEED = 2**63 - 1
+# vLLM's count for logprobs and prompt_logprobs (and for --max-logprobs, the cap) that means the whole vocabulary
+ALL_LOGPROBS = -1
+
+
+def resolve_num_logprobs(count: int | None, vocab_size: int) -> int | None:
+    """A logprobs / prompt_logprobs count (or the --max-logprobs cap) with vLLM's -1 made the vocabulary size (config
+    vocab_size, as vLLM's get_vocab_size); None and every other count as given. The engine's runner and sampler
+    take -1 to mean "not asked", so every count is resolved before it gets there (EngineFrontend.new_request)."""
+    return vocab_size if count == ALL_LOGPROBS else count
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -92,8 +101,9 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # top-N per prompt token (the prompt token itself always comes first)
+    logprobs: int | None = None  # top-N per generated token; -1 (ALL_LOGPROBS): the whole vocabulary
+    # top-N per prompt token (the prompt token itself always comes first); -1: the whole vocabulary
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, clamped to [-100, 100]
@@ -144,13 +154,13 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.logprobs is not None and self.logprobs < 0 and self.logprobs != ALL_LOGPROBS:
+            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
         if self.seed is not None and not -MAX_SEED - 1 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0 and self.prompt_logprobs != ALL_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids is not None and empty!")

@@ -50,7 +50,8 @@ def beam_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int |
 
 
 def check_beam_width(width: int, max_logprobs: int) -> None:
-    """Each step asks for 2 * width logprobs, which --max-logprobs bounds (vLLM's check and words)."""
+    """Each step asks for 2 * width logprobs, which --max-logprobs bounds (vLLM's check and words; max_logprobs is
+    ServerState.max_logprobs, -1 already resolved to the vocabulary)."""
     if 2 * width > max_logprobs:
         raise bad_request(
             f"Requested sample logprobs of {2 * width}, which is greater than max allowed: {max_logprobs}", "n"
@@ -139,7 +140,7 @@ def beam_search_streams(
     """One engine-like stream per prompt, of one finished output: its `width` beams as choices 0..width-1 (vLLM
     streams a beam search as one chunk per choice, at the end). Refuses a width whose logprobs --max-logprobs
     bounds."""
-    check_beam_width(width, state.settings.max_logprobs)
+    check_beam_width(width, state.max_logprobs)
     return [
         _as_stream(
             partial(beam_search, state, token_ids, params[i], width, length_penalty, engine_request_id(response_id, i))

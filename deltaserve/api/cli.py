@@ -26,6 +26,7 @@ from deltaserve.api.http_protocol import protocol_with_header_timeout
 from deltaserve.api.settings import ServerSettings
 from deltaserve.api.shutdown import install_shutdown_log_filter, stop_on_engine_death
 from deltaserve.engine_config import EngineConfig
+from deltaserve.sampling_params import ALL_LOGPROBS
 
 logger = logging.getLogger("deltaserve.serve")
 ALL_INTERFACES = "0.0.0.0"  # --host's default, as vllm serve's (None: every interface)
@@ -120,8 +121,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: no such file {path!r}")
     if args.ssl_cert_reqs not in (0, 1, 2):
         raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
-    if args.max_logprobs < 0:
-        raise ValueError(f"--max-logprobs must be at least 0, got {args.max_logprobs}")
+    if args.max_logprobs < ALL_LOGPROBS:  # vLLM's ModelConfig.max_logprobs is ge=-1
+        raise ValueError(f"--max-logprobs must be -1 (no cap: the vocabulary) or more, got {args.max_logprobs}")
     if args.max_prompt_logprob_entries < 1:
         raise ValueError(f"--max-prompt-logprob-entries must be positive, got {args.max_prompt_logprob_entries}")
     if args.root_path and not args.root_path.startswith("/"):

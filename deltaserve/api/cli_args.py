@@ -342,7 +342,8 @@ def _add_engine_arguments(add: Any) -> None:
         help='most images / videos per prompt, vLLM\'s JSON form, e.g. \'{"image": 2, "video": 1}\'',
     )
     add("--mm-processor-kwargs", type=json_object, default=None, help="image/video processor overrides (JSON)")
-    add("--max-logprobs", type=int, default=MAX_LOGPROBS, help="most logprobs a request may ask for (vLLM: 20)")
+    add("--max-logprobs", type=int, default=MAX_LOGPROBS,
+        help="most logprobs a request may ask for per position; -1: no cap but the vocabulary (vLLM: 20)")  # fmt: skip
     add(
         "--structured-outputs-config",
         type=structured_outputs_config,

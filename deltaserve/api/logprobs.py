@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from deltaserve.engine.request import Logprob
+from deltaserve.sampling_params import ALL_LOGPROBS
 
 # vLLM clamps -inf so the JSON stays valid.
 MIN_LOGPROB = -9999.0
@@ -34,8 +35,10 @@ class TokenNamer:
 
 
 def _top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    """The entry's num_top best ranked; all of them for -1 (chat's top_logprobs -1: the engine reported the whole
+    vocabulary)."""
     ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0, -item[1].logprob))
-    return ranked[:num_top]
+    return ranked if num_top == ALL_LOGPROBS else ranked[:num_top]
 
 
 class CompletionLogprobs:

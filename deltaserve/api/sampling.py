@@ -22,9 +22,15 @@ from typing import Any
 
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIModel, CompletionRequest, SamplingRequest
-from deltaserve.api.settings import MAX_LOGPROBS, MAX_N, ServerState
+from deltaserve.api.settings import MAX_N, ServerState
 from deltaserve.engine.frontend import RequestError, bad_words_token_ids, check_priority, resolve_max_tokens
-from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from deltaserve.sampling_params import (
+    ALL_LOGPROBS,
+    ParamError,
+    SamplingParams,
+    StructuredOutputsParams,
+    resolve_num_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,26 +98,55 @@ def check_unsupported(request: SamplingRequest) -> None:
     log_ignored_fields(request)
 
 
-def check_logprobs(num_logprobs: int | None, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:
-    """vLLM's --max-logprobs bound (20 by default)."""
-    if num_logprobs is not None and not 0 <= num_logprobs <= max_logprobs:
-        raise bad_request(f"{param} must be between 0 and {max_logprobs}, got {num_logprobs}.", param)
+def sample_logprobs(request: SamplingRequest) -> int | None:
+    """The sampled-token logprobs a request asks for (None: none): completions' `logprobs`, chat's `top_logprobs`
+    (0 when unset) once `logprobs` is true."""
+    if isinstance(request, CompletionRequest):
+        return request.logprobs
+    return (request.top_logprobs or 0) if request.logprobs else None
 
 
-def check_sampling_request(
-    state: ServerState, request: SamplingRequest, num_logprobs: int | None, logprobs_param: str
-) -> None:
+def check_logprob_fields(request: SamplingRequest) -> None:
+    """vLLM's request models' checks of the logprobs fields, before the cap: prompt_logprobs is -1 (the whole
+    vocabulary) or more and cannot stream above 0 (0 asks only the prompt's own tokens); completions' logprobs is 0
+    or more (no -1 there); chat's top_logprobs is -1 or more and, when -1 or above 0, needs logprobs true."""
+    count = request.prompt_logprobs
+    if count is not None and request.stream and (count > 0 or count == ALL_LOGPROBS):
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if count is not None and count < ALL_LOGPROBS:
+        raise bad_request("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+    if isinstance(request, CompletionRequest):
+        if request.logprobs is not None and request.logprobs < 0:
+            raise bad_request("`logprobs` must be a positive value.", "logprobs")
+        return
+    top = request.top_logprobs
+    if top is not None and top < ALL_LOGPROBS:
+        raise bad_request("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+    if top is not None and (top == ALL_LOGPROBS or top > 0) and not request.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+
+
+def check_logprobs_cap(num_logprobs: int | None, num_prompt_logprobs: int | None, state: ServerState) -> None:
+    """vLLM's engine-side bound in its words: a count of -1 is the vocabulary, and a count above --max-logprobs (its
+    -1 also the vocabulary) is refused naming the resolved count; None and 0 ask for nothing to bound."""
+    cap = state.max_logprobs
+    for count, kind, param in ((num_logprobs, "sample", "logprobs"),
+                               (num_prompt_logprobs, "prompt", "prompt_logprobs")):  # fmt: skip
+        count = resolve_num_logprobs(count, state.vocab_size)
+        if count and count > cap:
+            raise bad_request(f"Requested {kind} logprobs of {count}, which is greater than max allowed: {cap}", param)
+
+
+def check_sampling_request(state: ServerState, request: SamplingRequest) -> None:
     """The sampling fields both endpoints check before any work: refused features, n and stop, priority against
-    --scheduling-policy, the logprobs bounds, and prompt_logprobs (which a stream cannot carry)."""
+    --scheduling-policy, the logprobs fields (prompt_logprobs, which a stream cannot carry) and their cap."""
     check_unsupported(request)
     try:
         check_priority(request.priority, state.settings.scheduling_policy)
     except RequestError as exc:
         raise bad_request(str(exc), exc.param) from None
-    check_logprobs(num_logprobs, logprobs_param, state.settings.max_logprobs)
-    check_logprobs(request.prompt_logprobs, "prompt_logprobs", state.settings.max_logprobs)
-    if request.prompt_logprobs and request.stream:  # vLLM's test: 0 (only the prompt's own tokens) may stream
-        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    check_logprob_fields(request)
+    check_logprobs_cap(sample_logprobs(request), request.prompt_logprobs, state)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

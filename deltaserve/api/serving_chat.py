@@ -28,12 +28,11 @@ from fastapi.responses import Response
 from deltaserve.api.body import parse_request
 from deltaserve.api.chat import ChatPrompt, check_request_template, check_tool_choice, content_text, render_prompt
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, ReasoningTokenCounter, merge_deltas
-from deltaserve.api.errors import bad_request
 from deltaserve.api.json_body import JSONPiecesResponse, render_json
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
-from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request
+from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request, sample_logprobs
 from deltaserve.api.serving_common import (
     DONE_EVENT,
     check_model,
@@ -168,9 +167,7 @@ async def validate(
     sampling fields, the template, the tools; then its constraint, parsed. Returns (the constraint, the effective
     tool_choice: None when tool calls are not parsed)."""
     check_model(state, request.model)
-    check_sampling_request(state, request, request.top_logprobs, "top_logprobs")
-    if request.top_logprobs and not request.logprobs:
-        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    check_sampling_request(state, request)
     check_request_template(state, request.chat_template, request.chat_template_kwargs)
     tool_choice = check_tool_choice(state, request.tools, request.tool_choice)
     constraint = await resolve_chat_constraint(request, tool_choice, state.settings.tool_call_parser)
@@ -200,7 +197,7 @@ def sampling_params(
         num_prompt_tokens=len(prompt.token_ids),
         max_tokens=requested,
         prompt_param="messages",
-        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        logprobs=sample_logprobs(request),
         prompt_logprobs=request.prompt_logprobs,
         structured_outputs=constraint,
     )

@@ -49,7 +49,7 @@ from deltaserve.api.settings import ServerState
 from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.api.tokens import truncate_ids, truncation_length
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
-from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.sampling_params import StructuredOutputsParams, resolve_num_logprobs
 
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
 MAX_PROMPTS = 2048
@@ -200,7 +200,10 @@ async def create_completion(
     if prompt_logprobs is None and request.echo and request.logprobs is not None:
         prompt_logprobs = request.logprobs
     num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
-    check_prompt_logprob_work(request, num_prompt_tokens, prompt_logprobs, state.settings.max_prompt_logprob_entries)
+    num_prompt_logprobs = resolve_num_logprobs(prompt_logprobs, state.vocab_size)  # -1: the whole vocabulary
+    check_prompt_logprob_work(
+        request, num_prompt_tokens, num_prompt_logprobs, state.settings.max_prompt_logprob_entries
+    )
     # vLLM's echo without generation: the engine draws one token, which is not reported
     requested = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
     params = [
@@ -245,7 +248,7 @@ async def validate(state: ServerState, request: CompletionRequest) -> Structured
     """Every check of the request's fields, before any work (each a 400 naming its field): the model, the
     sampling fields, suffix; then its constraint, parsed (returned)."""
     check_model(state, request.model)
-    check_sampling_request(state, request, request.logprobs, "logprobs")
+    check_sampling_request(state, request)
     if request.suffix is not None:
         raise bad_request("suffix is not currently supported", "suffix")
     return await resolve_structured_outputs(request, (request.model_extra or {}).get("response_format"))

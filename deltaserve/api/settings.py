@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deltaserve.engine.request import RequestOutput
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, resolve_num_logprobs
 
 if TYPE_CHECKING:
     from deltaserve.api.metrics import ServerMetrics
@@ -103,7 +103,7 @@ class ServerSettings:
     root_path: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
-    max_logprobs: int = MAX_LOGPROBS
+    max_logprobs: int = MAX_LOGPROBS  # -1: no cap but the vocabulary (ServerState.max_logprobs resolves it)
     max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
     scheduling_policy: str = "fcfs"  # --scheduling-policy (the engine's too): a request priority needs "priority"
     host: str = "127.0.0.1"
@@ -154,3 +154,9 @@ class ServerState:
         """Token-id bounds: the model's vocabulary (config vocab_size, as vLLM bounds logit_bias), which pads past
         the tokenizer's; an engine that does not say falls back to the tokenizer's length."""
         return getattr(self.engine, "vocab_size", None) or len(self.engine.tokenizer)
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for per position: --max-logprobs, whose -1 (vLLM's "no cap") is the
+        vocabulary."""
+        return resolve_num_logprobs(self.settings.max_logprobs, self.vocab_size)

@@ -28,7 +28,7 @@ from deltaserve.model.preflight import check_generation_config, load_tokenizer
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.processor import MultimodalProcessor
 from deltaserve.multimodal.prompt import VisionTokenIds
-from deltaserve.sampling_params import ParamError, SamplingParams, child_seed
+from deltaserve.sampling_params import ParamError, SamplingParams, child_seed, resolve_num_logprobs
 
 
 class RequestError(ValueError):
@@ -262,8 +262,11 @@ class EngineFrontend:
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = None if params.seed is None else child_seed(params.seed, index)
             # The n sequences share the prompt: only the first computes its logprobs (RequestState reports those).
-            prompt_logprobs = params.prompt_logprobs if index == 0 else None
-            child = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+            # A count of -1 (the whole vocabulary) is resolved here, once for every caller: the runner reads -1 as
+            # "not asked".
+            prompt_logprobs = resolve_num_logprobs(params.prompt_logprobs, self.vocab_size) if index == 0 else None
+            logprobs = resolve_num_logprobs(params.logprobs, self.vocab_size)
+            child = dataclasses.replace(params, n=1, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
             state.sequences.append(SequenceProgress(core_id, detokenizer))
             core_requests.append(

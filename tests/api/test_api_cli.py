@@ -72,6 +72,14 @@ def test_refusals_and_bad_values() -> None:
     assert cli.run(parse("m", "-dp", "4")) == 2
 
 
+def test_max_logprobs_minus_one_is_accepted_and_below_is_refused() -> None:
+    """vLLM's ModelConfig.max_logprobs is ge=-1: -1 lifts the cap to the vocabulary, -2 is refused at startup."""
+    assert cli.build_settings(parse("m", "--max-logprobs", "-1"), "m").max_logprobs == -1
+    assert cli.build_settings(parse("m", "--max-logprobs", "0"), "m").max_logprobs == 0
+    with pytest.raises(ValueError, match=r"--max-logprobs must be -1 \(no cap: the vocabulary\) or more, got -2"):
+        cli.build_settings(parse("m", "--max-logprobs", "-2"), "m")
+
+
 def test_bad_port_or_host_is_one_error_before_loading(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:

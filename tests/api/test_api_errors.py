@@ -99,7 +99,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "/v1/chat/completions",
         {"messages": USER, "logprobs": True, "top_logprobs": 50},
         400,
-        "top_logprobs",
+        "logprobs",  # vLLM's engine-side cap names the SamplingParams field
     ),  # fmt: skip
     (
         "chat tool_choice without tools",

@@ -308,7 +308,7 @@ CASES: list[Case] = [
     Case("max_completion_tokens negative", "/v1/chat/completions", chat(max_completion_tokens=-3), param="max_tokens"),
     Case("chat max_tokens huge", "/v1/chat/completions", chat(max_tokens=10**9), param="max_tokens"),
     Case("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), param="top_logprobs"),
-    Case("top_logprobs 50", "/v1/chat/completions", chat(logprobs=True, top_logprobs=50), param="top_logprobs"),
+    Case("top_logprobs 50", "/v1/chat/completions", chat(logprobs=True, top_logprobs=50), param="logprobs"),
     Case("tool_choice without tools", "/v1/chat/completions", chat(tool_choice="auto"), param="tool_choice"),
     Case("tools an empty list", "/v1/chat/completions", chat(tools=[]), param="tools"),
     Case(

@@ -123,6 +123,24 @@ def test_n_sequences_and_logprobs(tiny_dense: Path) -> None:
             assert entry[token].logprob <= 0.0
 
 
+def test_minus_one_logprobs_are_the_whole_vocabulary(tiny_dense: Path) -> None:
+    """vLLM's -1 for logprobs and prompt_logprobs: every token of the vocabulary at every position (the engine
+    resolves it for the runner; the caller's SamplingParams keeps its -1)."""
+    llm = LLM(tiny_dense, dtype="float32")
+    vocab_size = llm.engine.frontend.vocab_size
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert params.logprobs == -1 and params.prompt_logprobs == -1
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == 3
+    entries = output.prompt_logprobs[1:] + [entry for c in output.outputs for entry in c.logprobs]
+    assert len(entries) == 2 + 2 * 2
+    for entry in entries:
+        assert len(entry) == vocab_size
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in entry.values()), 1.0, rel_tol=1e-3)
+    with pytest.raises(ValueError, match="logprobs must be non-negative or -1, got -2"):
+        SamplingParams(logprobs=-2)
+
+
 def test_stop_string_split_across_tokens(tiny_dense: Path) -> None:
     llm = LLM(tiny_dense, dtype="float32")
     prompt = make_prompts(1, seed=21)[0]
