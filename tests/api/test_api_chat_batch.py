@@ -3,17 +3,21 @@
 Its choices equal separate /v1/chat/completions calls token for token at temperature 0 (logprobs included), usage
 sums over the conversations and each conversation counts as a request in the metrics; what the batch cannot carry
 (streaming, tools, n > 1, beam search) and malformed `messages` are 400s in vLLM's words; one conversation too long
-for the context fails the whole request before anything runs. The disconnect case is in test_api_disconnect.py.
+for the context fails the whole request before anything runs; a failing conversation cancels the rest, whose
+cleanup has run when the request fails. The disconnect case (every conversation aborted) is in
+test_api_disconnect.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from deltaserve.api.serving_chat_batch import gather_all
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine_config import EngineConfig
 from deltaserve.tiny.trained import trained_model_dir
@@ -173,3 +177,38 @@ def test_one_conversation_over_the_context_fails_the_request(http: httpx.Client)
     assert over.status_code == response.status_code == 400
     assert response.json()["error"] == over.json()["error"]
     assert num_requests_finished(http) == num_finished  # nothing ran: every conversation is checked before any runs
+
+
+def test_gather_all_cleans_up_the_rest_before_it_raises() -> None:
+    """One conversation failing (or the handler being cancelled by a disconnect) cancels the others, and their
+    cleanup (the engine abort) has run when gather_all raises."""
+    cleaned: list[int] = []
+
+    async def runs(index: int) -> int:
+        try:
+            await asyncio.sleep(60)
+            return index
+        finally:
+            await asyncio.sleep(0.01)  # an abort awaits the engine
+            cleaned.append(index)
+
+    async def fails() -> int:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("conversation failed")
+
+    async def failing() -> None:
+        with pytest.raises(RuntimeError, match="conversation failed"):
+            await gather_all([runs(0), fails(), runs(2)])
+        assert sorted(cleaned) == [0, 2]
+
+    async def cancelled() -> None:
+        cleaned.clear()
+        task = asyncio.ensure_future(gather_all([runs(0), runs(1)]))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sorted(cleaned) == [0, 1]
+
+    asyncio.run(failing())
+    asyncio.run(cancelled())
