@@ -217,11 +217,20 @@ def _first_too_deep(data: dict[str, Any]) -> tuple[str | int, ...] | None:
     return None
 
 
+def _message_model(model: type[pydantic.BaseModel]) -> type[pydantic.BaseModel] | None:
+    """The model of one chat message where `messages` is a list of them (list[ChatMessage]); None otherwise (no
+    messages, or the batch endpoint's list of conversations, which is validated whole)."""
+    field = model.model_fields.get("messages")
+    args = getattr(field.annotation, "__args__", ()) if field is not None else ()
+    item = args[0] if args else None
+    return item if isinstance(item, type) and issubclass(item, pydantic.BaseModel) else None
+
+
 def parse_body(model: type[ModelT], data: dict[str, Any]) -> ModelT:
     try:
         messages = data.get("messages")
-        if isinstance(messages, list) and len(messages) > NUM_MESSAGES_VALIDATED_AT_ONCE:
-            message_model = model.model_fields["messages"].annotation.__args__[0]  # list[ChatMessage]
+        message_model = _message_model(model)
+        if message_model is not None and isinstance(messages, list) and len(messages) > NUM_MESSAGES_VALIDATED_AT_ONCE:
             data = {**data, "messages": [message_model.model_validate(item) for item in messages]}
         return model.model_validate(data)
     except pydantic.ValidationError as exc:

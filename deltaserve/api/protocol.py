@@ -9,7 +9,7 @@ Responses are built as plain dicts by the serving modules.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -180,6 +180,44 @@ class ChatCompletionRequest(SamplingRequest):
     include_reasoning: bool = True
     echo: bool = False
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class BatchChatCompletionRequest(APIModel):
+    """vLLM's /v1/chat/completions/batch body: `messages` is a non-empty list of non-empty conversations; every other
+    field is a chat request's, passed through as one (chat_requests). What one non-streamed choice per
+    conversation cannot carry is refused up front, in vLLM's words (stream and tools: see docs/compatibility.md)."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
+    tool_choice: Literal["none"] | None = "none"  # vLLM's: tools are refused, so no other choice is valid
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_batch_mode(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("use_beam_search"):
+            raise ValueError(
+                "Batch chat completions do not support beam search. Please set `use_beam_search` to False."
+            )
+        if data.get("logprob_token_ids") and not data.get("logprobs"):
+            raise ValueError("when using `logprob_token_ids`, `logprobs` must be set to true.")
+        n = data.get("n", 1)
+        if n is not None and n != 1:
+            raise ValueError("Batch chat completions do not support `n > 1`. Please set `n` to 1.")
+        if data.get("stream"):
+            raise ValueError("Batch chat completions do not support streaming. Please set `stream` to False.")
+        if data.get("tools") is not None:
+            raise ValueError("Batch chat completions do not support tool use. Please omit `tools`.")
+        return data
+
+    def chat_requests(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, as vLLM's to_chat_completion_request builds them: the other fields,
+        those set to null left out, validated once as a chat request (a bad value is that request's 400)."""
+        shared = {name: value for name, value in (self.model_extra or {}).items() if value is not None}
+        if self.tool_choice is not None:
+            shared["tool_choice"] = self.tool_choice
+        first = ChatCompletionRequest.model_validate({**shared, "messages": self.messages[0]})
+        return [first, *(first.model_copy(update={"messages": messages}) for messages in self.messages[1:])]
 
 
 class TokenizeCompletionRequest(APIModel):

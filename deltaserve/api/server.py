@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import deltaserve
-from deltaserve.api import serving_chat, serving_completion, serving_responses, serving_tokenize
+from deltaserve.api import serving_chat, serving_chat_batch, serving_completion, serving_responses, serving_tokenize
 from deltaserve.api.body import read_json
 from deltaserve.api.errors import APIError, install_error_handlers, model_not_found
 from deltaserve.api.metrics import ServerMetrics
@@ -218,6 +218,11 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         _check_alive(state)
         return await serving_chat.create_chat_completion(state, request)
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(request: Request) -> Response:
+        _check_alive(state)
+        return await serving_chat_batch.create_batch_chat_completion(state, request)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

@@ -121,7 +121,7 @@ async def create_chat_completion(
     params = sampling_params(state, request, prompt, constraint)
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
     role = response_role(state, request)
-    job = submit(state, request, prompt, params, tool_choice, response_id, arrival, role, _echo_text(request, role))
+    job = submit(state, request, prompt, params, tool_choice, response_id, arrival, role, echo_prefix(request, role))
     return await respond(state, raw_request, bool(request.stream), lambda: stream_chat(job), lambda: full_chat(job))
 
 
@@ -135,12 +135,13 @@ def submit(
     arrival: float,
     role: str,
     echo_text: str,
+    prompt_index: int = 0,
 ) -> ChatJob:
     """The request's engine stream (submitted on its first iteration) and the job that turns it into choices; the
-    chat and Responses handlers both end here."""
+    chat, batch chat and Responses handlers all end here (prompt_index: the conversation's place in a batch)."""
     stream = engine_stream(
-        state, prompt.token_ids, params, engine_request_id(response_id, 0), arrival, prompt.mm_input, request.priority,
-        cache_salt_of(request),
+        state, prompt.token_ids, params, engine_request_id(response_id, prompt_index), arrival, prompt.mm_input,
+        request.priority, cache_salt_of(request),
     )  # fmt: skip
     return ChatJob(
         state=state,
@@ -208,7 +209,7 @@ def response_role(state: ServerState, request: ChatCompletionRequest) -> str:
     return state.settings.response_role if request.add_generation_prompt else request.messages[-1].role
 
 
-def _echo_text(request: ChatCompletionRequest, role: str) -> str:
+def echo_prefix(request: ChatCompletionRequest, role: str) -> str:
     last = request.messages[-1]
     if not request.echo or last.role != role:
         return ""
@@ -289,7 +290,17 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
     yield DONE_EVENT
 
 
-async def full_chat(job: ChatJob) -> JSONPiecesResponse:
+@dataclass
+class ChatChoices:
+    """A finished request's non-streamed choices, the processors that counted their tokens, its prompt logprobs."""
+
+    choices: list[dict[str, Any]]
+    processors: list[ChoiceProcessor]
+    prompt_logprobs: Any  # the engine's, as the last output carried them; None unless asked for
+
+
+async def collect_choices(job: ChatJob) -> ChatChoices:
+    """Runs the job's engine stream to its end and builds its choices (one per sequence, by index)."""
     builders: dict[int, MessageBuilder] = {}
     prompt_logprobs = None
     async with contextlib.aclosing(job.stream) as stream:
@@ -325,16 +336,20 @@ async def full_chat(job: ChatJob) -> JSONPiecesResponse:
             "stop_reason": builder.stop_reason,
             "token_ids": builder.token_ids if job.request.return_token_ids else None,
         })  # fmt: skip
+    return ChatChoices(choices, [builder.processor for builder in builders.values()], prompt_logprobs)
+
+
+async def full_chat(job: ChatJob) -> JSONPiecesResponse:
+    result = await collect_choices(job)
     # vLLM's response model serialised whole: prompt_logprobs and prompt_token_ids are null unless asked for
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
-            "model": job.state.settings.model_name, "choices": choices,
-            "usage": job.usage([builder.processor for builder in builders.values()]),
+            "model": job.state.settings.model_name, "choices": result.choices, "usage": job.usage(result.processors),
             "prompt_logprobs": None, "prompt_token_ids": None}  # fmt: skip
 
     def render() -> list[bytes]:
         # a long prompt's logprobs make a body of many MB: built and rendered off the event loop (json_body.py)
         if job.request.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
+            body["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
         if job.request.return_token_ids:
             body["prompt_token_ids"] = job.prompt_token_ids
         return render_json(body)

@@ -67,3 +67,18 @@ def test_non_streaming_disconnect_frees_resources(http: httpx.Client, fake_engin
     wait_until_freed(http)
     assert fake_engine.num_aborted == num_aborted + 1
     assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_batch_chat_disconnect_aborts_every_conversation(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    """/v1/chat/completions/batch runs its conversations concurrently: a client that goes away aborts all of them
+    (each was submitted, so each is aborted and counted as one), and their blocks and slots come back."""
+    fake_engine.step_delay = 0.005
+    num_aborted = fake_engine.num_aborted
+    conversations = [[{"role": "user", "content": word}] for word in ("a", "b", "c")]
+    body = {"messages": conversations, "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(str(http.base_url) + "/v1/chat/completions/batch", json=body, timeout=0.5)
+    text = wait_until_freed(http)
+    assert fake_engine.num_aborted == num_aborted + len(conversations)
+    assert 'finished_reason="abort"' in text
+    assert http.get("/load").json() == {"server_load": 0}
