@@ -283,6 +283,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staggered", default="8,32", help="concurrencies of the staggered-arrival phase")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="as `serve` (an 80 GB card: 0.92)")
     parser.add_argument("--speculative-config", default=None, help="vLLM's JSON, as `serve` takes it (MTP steps)")
     parser.add_argument(
         "--gpu-profile",
@@ -316,11 +317,17 @@ def main() -> None:
     t = time.monotonic()
     max_batch = max(int(b) for b in args.batches.split(","))
     config = EngineConfig(model=args.model, load_format="dummy", max_model_len=args.max_model_len,
-                          gpu_memory_utilization=0.85, max_num_seqs=max_batch,
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max_batch,
                           tensor_parallel_size=args.tensor_parallel_size,
                           speculative_config=args.speculative_config)  # fmt: skip
     engine = LLMEngine(config)
     result["startup_s"] = round(time.monotonic() - t, 1)
+    # while speculating, a max_num_seqs past what the budget holds with each sequence's verify scratch is lowered
+    # (runner/memory.py): a batch above it queues, so the record says what ran
+    result["max_num_seqs"] = engine.runner.max_num_seqs
+    if engine.runner.max_num_seqs < max_batch:
+        print(f"max_num_seqs {engine.runner.max_num_seqs} < the largest batch {max_batch}: larger batches queue",
+              flush=True)  # fmt: skip
     result["batches"] = []
     result["staggered"] = []
 
