@@ -33,7 +33,7 @@ from deltaserve.runner.cuda_graph import static_bytes
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import SpecDecoder, speculating_seqs
+from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows, speculating_seqs
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
 from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_rows, warm_up_verify
 from deltaserve.sampler import Sampler, build_sampling_batch
@@ -139,7 +139,9 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
             budget = runner._requested_bytes - weights - peak - graph_bytes(runner, max_num_seqs)[1] - HEADROOM_BYTES
         slot_bytes = bytes_per_slot(runner.model_config, runner.dtype, runner.model.shapes)
         is_sized = runner.engine_config.max_num_seqs is None
-        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes, is_sized)
+        has_policy = speculative.k_policy is not None
+        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes, is_sized,
+                                  has_policy)  # fmt: skip
         drop_cache(runner.model)  # the prefill phase's throw-away cache, before the verify step's
         warm_up_verify(runner, rows, meter, len(sizes))
         peak = max(peak, meter.peak())
@@ -205,25 +207,27 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     )  # fmt: skip
     speculative = engine_config.speculative_config
     k = 0 if speculative is None else speculative.num_speculative_tokens
-    # while speculating, a running sequence also holds its verify chunk's 1 + k scratch states (runner/spec_decode.py)
-    per_seq = slot_bytes + (0 if speculative is None else (k + 1) * scratch_bytes)
+    # while speculating with a fixed k, a running sequence also holds its verify chunk's 1 + k scratch states
+    # (runner/spec_decode.py); under the k policy the count is sized as without speculation, the scratch apart
+    has_policy = speculative is not None and speculative.k_policy is not None
+    per_seq = slot_bytes + (0 if speculative is None or has_policy else (k + 1) * scratch_bytes)
     max_num_seqs = upper
     if engine_config.max_num_seqs is None:
         # vLLM's default count, sized to memory: the state pool (with the scratch) takes at most half of the cache
         # budget, and leaves one max_model_len sequence its KV blocks (which binds only where the half would leave
         # too few to start)
         by_share = affordable_slots(total, scratch_bytes)
-        if speculative is not None:
+        if speculative is not None and not has_policy:
             by_share = speculating_seqs(total, scratch_bytes, k, upper)
         max_num_seqs = min(upper, by_share, (total - one_kv) // per_seq)
         if max_num_seqs < upper:
             logger.info(
                 "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB%s would take %.1f GiB "
                 "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
-                "" if speculative is None else f" with {k + 1} verify scratch states each", upper * per_seq / GIB,
+                "" if per_seq == slot_bytes else f" with {k + 1} verify scratch states each", upper * per_seq / GIB,
                 total / GIB,
             )  # fmt: skip
-    elif speculative is not None and (total - one_kv) // per_seq < max_num_seqs:
+    elif speculative is not None and not has_policy and (total - one_kv) // per_seq < max_num_seqs:
         # a count the user set, past what the budget holds with each sequence's scratch: vLLM's hybrid cache then
         # runs as many as its blocks hold and the rest wait; here likewise (a step past the scratch would run eager)
         max_num_seqs = max(1, (total - one_kv) // per_seq)
@@ -236,7 +240,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     spec_rows = 0
     budget = total
     if speculative is not None:  # the verify scratch comes out of the cache budget: a chunk for every sequence
-        spec_rows = max_num_seqs
+        spec_rows = scratch_rows(total, scratch_bytes, k, max_num_seqs) if has_policy else max_num_seqs
         budget -= spec_rows * (k + 1) * scratch_bytes
     num_checkpoints = 0
     if engine_config.enable_prefix_caching:

@@ -111,6 +111,16 @@ def spec_layout(
 
 
 STATE_SHARE = 0.5  # of the cache budget, at most, for the state pool and the verify scratch (a sized count)
+SCRATCH_SHARE = 0.25  # of the cache budget, at most, for the verify scratch under the k policy
+
+
+def scratch_rows(budget_bytes: int, slot_bytes: int, num_speculative_tokens: int, max_num_seqs: int) -> int:
+    """The verify chunks under the deltaserve-only k policy, whose count is sized as without speculation: each
+    chunk keeps 1 + k GDN states, in at most a quarter of the cache budget and at most max_num_seqs chunks; a step
+    with more decodes than chunks drafts nothing (scheduler/spec_policy.py), so it replays a width-1 graph at the
+    full count instead of running eager. At least one."""
+    per_seq = (num_speculative_tokens + 1) * max(slot_bytes, 1)
+    return max(1, min(max_num_seqs, int(budget_bytes * SCRATCH_SHARE) // per_seq))
 
 
 def speculating_seqs(

@@ -18,7 +18,7 @@ from deltaserve.runner.cache import CacheLayout, allocate_and_bind
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import STATE_SHARE, SpecDecoder, speculating_seqs
+from deltaserve.runner.spec_decode import STATE_SHARE, SpecDecoder, scratch_rows, speculating_seqs
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
 
@@ -58,19 +58,22 @@ class PeakMeter:
 
 def verify_warmup_rows(
     num_speculative_tokens: int, max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int, slot_bytes: int,
-    is_sized: bool = False,
+    is_sized: bool = False, has_policy: bool = False,
 ) -> int:  # fmt: skip
     """The verify chunks of the warm-up's verify step: the most a served step may hold, as the scheduler caps them:
     at most max_num_seqs, at most the sequences whose verify scratch budget_bytes affords (runner/spec_decode.py
     speculating_seqs: in half of it for vLLM's default count sized to memory, is_sized; in all of it beside a
-    count the user set; the scheduler's SpecSchedule.max_verifies), and as many chunks of 1 + k tokens as the
-    step's token budget holds. Not the largest verify-graph bucket (512 tokens): a larger
-    verify step runs eager, and eager activations are what the warm-up measures. Given an upper bound of the cache
-    budget (the budget before the verify step's own peak is taken out), this is at least the largest verify step
-    the engine will serve, and its throw-away scratch fits where the served one will."""
+    count the user set; under the k policy, has_policy, scratch_rows' quarter; the scheduler's
+    SpecSchedule.max_verifies), and as many chunks of 1 + k tokens as the step's token budget holds. Not the
+    largest verify-graph bucket (512 tokens): a larger verify step runs eager, and eager activations are what the
+    warm-up measures. Given an upper bound of the cache budget (the budget before the verify step's own peak is
+    taken out), this is at least the largest verify step the engine will serve, and its throw-away scratch fits
+    where the served one will."""
     k = num_speculative_tokens
     by_tokens = max(1, max_num_batched_tokens // (1 + k))
     by_memory = speculating_seqs(budget_bytes, slot_bytes, k, max_num_seqs, STATE_SHARE if is_sized else 1.0)
+    if has_policy:
+        by_memory = scratch_rows(budget_bytes, slot_bytes, k, max_num_seqs)
     return min(max_num_seqs, by_memory, by_tokens)
 
 

@@ -34,6 +34,10 @@ class SpecSchedule:
     policy: KPolicy | None = None  # the per-step k policy; None: every decode drafts k (capped as below)
     async_verify: bool = False  # plan a sequence's next chunk while its verify runs (can_chain)
 
+    def __post_init__(self) -> None:
+        if self.policy is not None:  # the policy drafts nothing in a step whose decodes outnumber the chunks
+            self.policy.max_verifies = self.max_verifies
+
     def num_decodes(self, running: Iterable[Sequence]) -> int:
         """The running sequences a step would plan as decodes (the k policy's batch size): one unplanned token past
         a computed prefix, no verify in flight."""

@@ -2,7 +2,8 @@
 acceptance (docs/speculative-decoding.md#the-k-policy).
 
 Per step, `KPolicy.plan_step(num_decodes)` sets `k_step` (0 .. k, the configured num_speculative_tokens) for the
-step's decodes, the lowest of:
+step's decodes: 0 when they outnumber the verify chunks the runner's scratch holds (`max_verifies`: such a step would
+verify some and decode the rest, and fit no verify graph), else the lowest of:
 - vLLM's `num_speculative_tokens_per_batch_size` schedule at the step's decode count, where one is configured;
 - the batch rule (k_policy.max_batch_tokens = B): the largest k' with decodes x (1 + k') <= B, 0 when even k' = 1
   exceeds it. A MoE verify reads up to (1 + k') x the experts a decode does; at a large batch the experts are read
@@ -92,6 +93,8 @@ class KPolicy:
         self.clock = clock
         self.k_step = num_speculative_tokens
         self.reason = "start"
+        # the verify chunks a step may hold (the runner's scratch; SpecSchedule sets it); None: no cap
+        self.max_verifies: int | None = None
         self.probe: str | None = None
         self._tried = [0.0] * num_speculative_tokens  # weighted observations per draft position
         self._accepted = [0.0] * num_speculative_tokens  # weighted acceptances per draft position
@@ -279,6 +282,9 @@ class KPolicy:
         """(k, the reason) for a step of num_decodes decodes; a full probe skips the acceptance rule, a zero probe
         drafts nothing."""
         k, reason = self.k, "no rule lowers the configured num_speculative_tokens"
+        if self.max_verifies is not None and num_decodes > self.max_verifies:
+            # a step past the scratch would verify some decodes and decode the rest, outside every verify graph
+            return 0, f"memory: {num_decodes} decodes, more than the {self.max_verifies} verify chunks of the scratch"
         if self.batch_schedule is not None:
             k_schedule = batch_schedule_k(self.batch_schedule, max(num_decodes, 1), self.k)
             if k_schedule < k:

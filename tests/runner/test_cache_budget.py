@@ -105,6 +105,19 @@ def test_while_speculating_a_max_num_seqs_set_past_the_scratch_runs_as_many_as_f
     assert "max_num_seqs 4 while speculating" in caplog.text and "3 run at a time" in caplog.text
 
 
+def test_under_the_k_policy_the_count_is_sized_as_without_speculation_and_the_scratch_apart() -> None:
+    """max_num_seqs unset, MTP k = 2 with the deltaserve-only k policy: the count is the one without speculation
+    (50: the pool in half of 100 slots' worth), the scratch a quarter of the budget (25 slots' worth / 3 states = 8
+    chunks); a step of more than 8 decodes drafts nothing and replays a width-1 graph (scheduler/spec_policy.py)."""
+    budget = 100 * SLOT
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "k_policy": True}
+    engine = LLM(DENSE, **{**FIXED, "max_num_seqs": None}, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
+                 speculative_config=mtp).engine  # fmt: skip
+    runner = engine.runner
+    assert (runner.max_num_seqs, runner.spec.max_spec_seqs) == (50, 8)
+    assert engine.scheduler.spec.policy.max_verifies == 8
+
+
 def test_without_it_the_cpu_budget_is_cpu_kv_cache_bytes_and_zero_means_not_set() -> None:
     """0 is vLLM's 'not set' (its worker tests the value for truth): the budget stays cpu_kv_cache_bytes."""
     budget = 2 * 2**20

@@ -73,6 +73,8 @@ def test_verify_warmup_rows_are_the_largest_verify_step_the_scheduler_may_plan()
     assert verify_warmup_rows(3, 256, 2, -5, 10) == 1  # the floors: one chunk, as the served engine's
     # vLLM's default count sized to memory: half of 1000 bytes holds 10 sequences of a slot and 4 scratch states
     assert verify_warmup_rows(3, 256, 8192, 1000, 10, is_sized=True) == 10
+    # under the k policy the scratch is a quarter of the budget: 250 bytes hold 6 chunks of 4 states
+    assert verify_warmup_rows(3, 256, 8192, 1000, 10, is_sized=True, has_policy=True) == 6
 
 
 def test_verify_warmup_plans_pass_spec_layout() -> None:

@@ -46,6 +46,17 @@ def test_the_batch_rule_lowers_k_until_the_step_fits() -> None:
     assert policy(3, max_batch_tokens=0, token_cost=0.0).plan_step(1000) == 3  # 0: no batch rule
 
 
+def test_a_step_whose_decodes_outnumber_the_verify_chunks_drafts_nothing() -> None:
+    """The scratch holds 4 verify chunks (SpecSchedule hands the policy its max_verifies): 4 decodes draft k, 5
+    draft none (a step of 4 verifies and a plain decode would fit no verify graph and run eager), whatever the
+    other rules say; without a cap, 5 draft k."""
+    p = policy(3, token_cost=0.0)
+    SpecSchedule(3, max_verifies=4, policy=p)
+    assert (p.plan_step(4), p.plan_step(5), p.plan_step(64)) == (3, 0, 0)
+    assert "memory: 64 decodes, more than the 4 verify chunks" in p.reason
+    assert policy(3, token_cost=0.0).plan_step(5) == 3
+
+
 def test_vllms_batch_size_schedule() -> None:
     schedule = ((1, 4, 3), (8, 16, 1), (32, 64, 0))
     # in a range its k; in a gap the range's before it; past the last range the last one's; never above k
