@@ -8,7 +8,8 @@ that is the tokenizer's eos (unless ignore_eos) completes its beam: it joins the
 kept only under include_stop_str_in_output. The other candidates are ranked by score and the best `width` live on.
 After max_tokens steps the live beams join the finished ones and the best `width` of all, by score, are the
 choices, best first. vLLM's score (get_beam_search_score) is cumulative_logprob / L ** length_penalty, where L
-counts the prompt's tokens and the beam's, less a final eos. There is no early stop: every step runs.
+counts the prompt's tokens and the beam's, less a final eos. There is no early stop: every step runs. These rules
+live in engine/beam_search.py, which the offline LLM.beam_search shares; this module runs them over engine streams.
 
 Where this equals transformers' generate(num_beams=width, do_sample=False): when no eos reaches a beam's top
 2 * width candidates (ignore_eos, or a model that does not end), both keep the global best `width` extensions at
