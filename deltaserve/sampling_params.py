@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 MAX_SEED = 2**63 - 1
 # vLLM's count for logprobs and prompt_logprobs (and for --max-logprobs, the cap) that means the whole vocabulary
 ALL_LOGPROBS = -1
+# vLLM's default max_logprobs (--max-logprobs, LLM(max_logprobs=...)): the most logprobs one position may ask for
+MAX_LOGPROBS = 20
 
 
 def resolve_num_logprobs(count: int | None, vocab_size: int) -> int | None:
@@ -21,6 +23,21 @@ def resolve_num_logprobs(count: int | None, vocab_size: int) -> int | None:
     vocab_size, as vLLM's get_vocab_size); None and every other count as given. The engine's runner and sampler
     take -1 to mean "not asked", so every count is resolved before it gets there (EngineFrontend.new_request)."""
     return vocab_size if count == ALL_LOGPROBS else count
+
+
+def logprobs_cap_error(
+    num_logprobs: int | None, num_prompt_logprobs: int | None, max_logprobs: int, vocab_size: int
+) -> tuple[str, str] | None:
+    """(vLLM's message, the field) for the first of the sample / prompt logprobs counts above max_logprobs, both and
+    the cap with -1 resolved to the vocabulary first; None when both fit (None and 0 ask for nothing to bound). The
+    server's 400 (api/sampling.py) and the offline LLM's ValueError (engine/llm.py) say the same."""
+    cap = resolve_num_logprobs(max_logprobs, vocab_size)
+    for count, kind, param in ((num_logprobs, "sample", "logprobs"),
+                               (num_prompt_logprobs, "prompt", "prompt_logprobs")):  # fmt: skip
+        count = resolve_num_logprobs(count, vocab_size)
+        if count and count > cap:
+            return f"Requested {kind} logprobs of {count}, which is greater than max allowed: {cap}", param
+    return None
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -205,3 +222,20 @@ def _is_int_like(value: object) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams, the settings of the offline LLM.beam_search: beam_width beams, max_tokens steps
+    (every step runs unless no beam is left), eos completes a beam unless ignore_eos, the steps sample at
+    `temperature` (0: the candidates are the top logprobs), length_penalty divides the score by the length (prompt
+    and beam) to that power. include_stop_str_in_output is accepted and, as in vLLM's offline search, changes
+    nothing: a completed sequence keeps its eos. structured_outputs is refused by LLM.beam_search."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None

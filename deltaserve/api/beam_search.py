@@ -8,7 +8,8 @@ that is the tokenizer's eos (unless ignore_eos) completes its beam: it joins the
 kept only under include_stop_str_in_output. The other candidates are ranked by score and the best `width` live on.
 After max_tokens steps the live beams join the finished ones and the best `width` of all, by score, are the
 choices, best first. vLLM's score (get_beam_search_score) is cumulative_logprob / L ** length_penalty, where L
-counts the prompt's tokens and the beam's, less a final eos. There is no early stop: every step runs.
+counts the prompt's tokens and the beam's, less a final eos. There is no early stop: every step runs. These rules
+live in engine/beam_search.py, which the offline LLM.beam_search shares; this module runs them over engine streams.
 
 Where this equals transformers' generate(num_beams=width, do_sample=False): when no eos reaches a beam's top
 2 * width candidates (ignore_eos, or a model that does not end), both keep the global best `width` extensions at
@@ -22,40 +23,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 from deltaserve.api.errors import bad_request
 from deltaserve.api.serving_common import engine_request_id, engine_stream
 from deltaserve.api.settings import ServerState
-from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
+from deltaserve.engine.beam_search import Beam, beam_width_error, best_beams, expand_beams
+from deltaserve.engine.request import CompletionOutput, RequestOutput
 from deltaserve.sampling_params import SamplingParams
-
-
-@dataclass
-class Beam:
-    tokens: list[int]  # the prompt's, then the beam's
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per step: the candidates the engine reported
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-
-
-def beam_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
-    """vLLM's get_beam_search_score: the length counts the prompt too, and not a final eos."""
-    length = len(tokens)
-    if tokens and tokens[-1] == eos_token_id:
-        length -= 1
-    return cumulative_logprob / (length**length_penalty)
 
 
 def check_beam_width(width: int, max_logprobs: int) -> None:
     """Each step asks for 2 * width logprobs, which --max-logprobs bounds (vLLM's check and words; max_logprobs is
     ServerState.max_logprobs, -1 already resolved to the vocabulary)."""
-    if 2 * width > max_logprobs:
-        raise bad_request(
-            f"Requested sample logprobs of {2 * width}, which is greater than max allowed: {max_logprobs}", "n"
-        )
+    error = beam_width_error(width, max_logprobs)
+    if error is not None:
+        raise bad_request(error, "n")
 
 
 async def _one_step(state: ServerState, tokens: list[int], params: SamplingParams, request_id: str) -> RequestOutput:
@@ -81,9 +64,7 @@ async def beam_search(
     step_params = SamplingParams(n=1, temperature=params.temperature, max_tokens=1, logprobs=2 * width)
     num_prompt = len(prompt_token_ids)
 
-    def score(beam: Beam) -> float:
-        return beam_score(beam.tokens, beam.cumulative_logprob, state.engine.tokenizer.eos_token_id, length_penalty)
-
+    score_eos = state.engine.tokenizer.eos_token_id
     live = [Beam(list(prompt_token_ids))]
     finished: list[Beam] = []
     for step in range(params.max_tokens or 0):
@@ -91,21 +72,11 @@ async def beam_search(
             _one_step(state, beam.tokens, step_params, engine_request_id(request_id, step * width + i))
             for i, beam in enumerate(live)
         ))  # fmt: skip
-        candidates: list[Beam] = []
-        for beam, output in zip(live, outputs, strict=True):
-            entries = output.outputs[0].logprobs[0]
-            for token_id, entry in entries.items():
-                extended = Beam(beam.tokens + [token_id], beam.cumulative_logprob + entry.logprob,
-                                beam.logprobs + [entries])  # fmt: skip
-                if token_id == eos:
-                    if not params.include_stop_str_in_output:
-                        extended.tokens.pop()
-                    extended.finish_reason, extended.stop_reason = "stop", token_id
-                    finished.append(extended)
-                else:
-                    candidates.append(extended)
-        live = sorted(candidates, key=score, reverse=True)[:width]
-    best = sorted(finished + live, key=score, reverse=True)[:width]
+        step_logprobs = [output.outputs[0].logprobs[0] for output in outputs]
+        live, completed = expand_beams(live, step_logprobs, width, eos, params.include_stop_str_in_output,
+                                       score_eos, length_penalty)  # fmt: skip
+        finished += completed
+    best = best_beams(finished, live, width, score_eos, length_penalty)
     choices = []
     for index, beam in enumerate(best):
         token_ids = beam.tokens[num_prompt:]

@@ -29,7 +29,7 @@ from deltaserve.sampling_params import (
     ParamError,
     SamplingParams,
     StructuredOutputsParams,
-    resolve_num_logprobs,
+    logprobs_cap_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,12 +129,9 @@ def check_logprob_fields(request: SamplingRequest) -> None:
 def check_logprobs_cap(num_logprobs: int | None, num_prompt_logprobs: int | None, state: ServerState) -> None:
     """vLLM's engine-side bound in its words: a count of -1 is the vocabulary, and a count above --max-logprobs (its
     -1 also the vocabulary) is refused naming the resolved count; None and 0 ask for nothing to bound."""
-    cap = state.max_logprobs
-    for count, kind, param in ((num_logprobs, "sample", "logprobs"),
-                               (num_prompt_logprobs, "prompt", "prompt_logprobs")):  # fmt: skip
-        count = resolve_num_logprobs(count, state.vocab_size)
-        if count and count > cap:
-            raise bad_request(f"Requested {kind} logprobs of {count}, which is greater than max allowed: {cap}", param)
+    error = logprobs_cap_error(num_logprobs, num_prompt_logprobs, state.max_logprobs, state.vocab_size)
+    if error is not None:
+        raise bad_request(*error)
 
 
 def check_sampling_request(state: ServerState, request: SamplingRequest) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deltaserve.engine.request import RequestOutput
-from deltaserve.sampling_params import SamplingParams, resolve_num_logprobs
+from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, resolve_num_logprobs
 
 if TYPE_CHECKING:
     from deltaserve.api.metrics import ServerMetrics
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 
 # vLLM has no cap on n; one keeps a single request from claiming every state slot and KV block.
 MAX_N = 128
-# vLLM's default --max-logprobs.
-MAX_LOGPROBS = 20
 # The largest request body accepted (--max-request-body-bytes); vLLM has no limit. A 262,144-token prompt is
 # about 1 MiB of text or 2 MiB of token ids, so this leaves room for batched prompts and long chats.
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20

@@ -5,7 +5,9 @@ A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}), option
 "cache_salt" (only prompts with the same salt share cached prefixes). All prompts
 are submitted to the engine at once and run with continuous batching; results come back in input order. The prefix
 cache is on unless LLM(..., enable_prefix_caching=False); RequestOutput.num_cached_tokens says what it served, and
-reset_prefix_cache() empties it. LLM.chat renders conversations with the chat template first.
+reset_prefix_cache() empties it. LLM.chat renders conversations with the chat template first; LLM.beam_search runs
+vLLM's beam search over generate (engine/offline_beam.py). max_logprobs (vLLM's, default 20; -1: the vocabulary)
+bounds every request's logprobs and prompt_logprobs, refused before any prompt runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from deltaserve.engine import offline_beam
+from deltaserve.engine.beam_search import BeamSearchOutput
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.frontend import check_cache_salt, check_priority
 from deltaserve.engine.offline_chat import chat_prompt
@@ -26,7 +30,13 @@ from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.offline import loaded_media
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import (
+    ALL_LOGPROBS,
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    SamplingParams,
+    logprobs_cap_error,
+)
 from deltaserve.speculative_config import SpeculativeConfig
 
 PromptType = str | dict[str, Any]
@@ -38,10 +48,16 @@ class LLM:
         model: str | Path,
         dtype: str = "auto",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
         **engine_kwargs: Any,
     ) -> None:
         """speculative_config: vLLM's dict ({"method": "mtp", "num_speculative_tokens": k, ...}), validated as vLLM
-        validates it (deltaserve/speculative_config.py): the model is built with its MTP layer and that layer's KV."""
+        validates it (deltaserve/speculative_config.py): the model is built with its MTP layer and that layer's KV.
+        max_logprobs: vLLM's cap on a request's logprobs and prompt_logprobs (-1: the vocabulary), as the server's
+        --max-logprobs."""
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < ALL_LOGPROBS:
+            raise ValueError(f"max_logprobs must be -1 (no cap: the vocabulary) or more, got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         config = EngineConfig(model=str(model), dtype=dtype, speculative_config=speculative_config, **engine_kwargs)
         self.engine = LLMEngine(config)
 
@@ -95,6 +111,11 @@ class LLM:
             raise ValueError("The lengths of prompts and priority must be the same.")
         for value in priorities:  # before any prompt is added: a refusal leaves nothing behind
             check_priority(value, self.engine.config.scheduling_policy)
+        for params in params_list:
+            error = logprobs_cap_error(params.logprobs, params.prompt_logprobs, self.max_logprobs,
+                                       self.engine.frontend.vocab_size)  # fmt: skip
+            if error is not None:
+                raise ValueError(error[0])
         for prompt in prompts:
             check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         request_ids = []
@@ -153,6 +174,41 @@ class LLM:
             )  # fmt: skip
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: SequenceABC[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the params.beam_width best sequences of each prompt (a string, {"prompt": ...}
+        or {"prompt_token_ids": [...]}, optionally with "cache_salt"), one step per token, each step one batched
+        generate over every live beam (engine/offline_beam.py). Refuses lora_request, multi_modal_data and
+        structured_outputs by name; a width whose 2 * width logprobs exceed max_logprobs is refused as generate
+        refuses it."""
+        if lora_request is not None:
+            raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        offline_beam.check_beam_search_params(params)
+        inputs = []
+        for prompt in prompts:
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+                raise ValueError("multi_modal_data: deltaserve's beam search takes text prompts only")
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            check_cache_salt(salt)
+            text, token_ids = self._to_token_ids(prompt)
+            token_input: dict[str, Any] = {"type": "token", "prompt_token_ids": token_ids}
+            if text is not None:
+                token_input["prompt"] = text
+            if salt is not None:
+                token_input["cache_salt"] = salt
+            inputs.append(token_input)
+        return offline_beam.beam_search(
+            self.generate, self.engine.tokenizer, inputs, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit
+        )
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Drops every cached KV block and GDN state checkpoint (vLLM's LLM.reset_prefix_cache), so the next prompt
