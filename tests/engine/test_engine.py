@@ -125,8 +125,9 @@ def test_n_sequences_and_logprobs(tiny_dense: Path) -> None:
 
 def test_minus_one_logprobs_are_the_whole_vocabulary(tiny_dense: Path) -> None:
     """vLLM's -1 for logprobs and prompt_logprobs: every token of the vocabulary at every position (the engine
-    resolves it for the runner; the caller's SamplingParams keeps its -1)."""
-    llm = LLM(tiny_dense, dtype="float32")
+    resolves it for the runner; the caller's SamplingParams keeps its -1), under LLM(max_logprobs=-1) as in vLLM
+    (its default 20 refuses a count of the vocabulary)."""
+    llm = LLM(tiny_dense, dtype="float32", max_logprobs=-1)
     vocab_size = llm.engine.frontend.vocab_size
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
     (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
