@@ -64,6 +64,11 @@ class LLM:
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p, top_k,
+        ...; the engine's generation_config setting picks the source), SamplingParams() where it sets none."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
@@ -91,13 +96,25 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: SequenceABC[int] | int | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """priority: one per prompt, or one value for every prompt, as vLLM's LLM.generate takes it (needs
-        scheduling_policy="priority" for any value but 0; lower runs first)."""
+        scheduling_policy="priority" for any value but 0; lower runs first). vLLM's other keywords are taken, and
+        refused by name when set: deltaserve serves no LoRA adapter, tokenizes a text prompt as the server does and
+        has no processor overrides (a caller that passes them as None, as lm-eval passes lora_request, runs).
+        sampling_params None: get_default_sampling_params()."""
+        if lora_request is not None:
+            raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+        if tokenization_kwargs:
+            raise ValueError("tokenization_kwargs: the offline LLM tokenizes a text prompt as the server does")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: the offline LLM has no processor overrides")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams(**self.engine.default_sampling)
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )

@@ -10,6 +10,7 @@ import pytest
 
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
 
 
 def make_prompts(num: int, seed: int, max_len: int = 90) -> list[list[int]]:
@@ -308,3 +309,21 @@ def test_a_step_that_raises_leaves_no_request_behind(tiny_dense: Path, monkeypat
     monkeypatch.setattr(runner, "execute", execute)
     (after,) = llm.generate(["Hello there"], params, use_tqdm=False)
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+def test_generate_takes_vllms_keywords_and_the_checkpoints_defaults() -> None:
+    """vLLM's LLM.generate keywords: lora_request / tokenization_kwargs / mm_processor_kwargs as None run (lm-eval
+    passes lora_request=None), set they are refused by name; sampling_params None is get_default_sampling_params(),
+    the checkpoint's generation_config.json (the trained dense one: temperature 0.6, top_p 0.95, top_k 20)."""
+    llm = LLM(trained_model_dir("dense"), dtype="float32")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    (out,) = llm.generate("hello", params, use_tqdm=False, lora_request=None, tokenization_kwargs=None,
+                          mm_processor_kwargs=None)  # fmt: skip
+    assert len(out.outputs[0].token_ids) == 3
+    for keyword, value in (("lora_request", object()), ("tokenization_kwargs", {"truncation": True}),
+                           ("mm_processor_kwargs", {"fps": 2})):  # fmt: skip
+        with pytest.raises(ValueError, match=keyword):
+            llm.generate("hello", params, use_tqdm=False, **{keyword: value})
+    assert not llm.engine.has_unfinished()
