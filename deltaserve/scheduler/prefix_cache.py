@@ -146,6 +146,22 @@ class PrefixCache:
     def lookup(self, seq: Sequence) -> Checkpoint | None:
         """The deepest ready checkpoint whose key matches the sequence's tokens at a position before its last token
         (which must run to give the next token's logits)."""
+        best = self._match(seq, is_ready=True)
+        if best is not None:
+            self._checkpoints.move_to_end(best.key)
+        return best
+
+    def pending_depth(self, seq: Sequence) -> int:
+        """The position of the deepest pending checkpoint (a step in flight writes it) that a lookup of the sequence
+        will match once that step is collected; 0: none. Touches no LRU."""
+        if not self._pending:
+            return 0
+        best = self._match(seq, is_ready=False)
+        return best.position if best is not None else 0
+
+    def _match(self, seq: Sequence, is_ready: bool) -> Checkpoint | None:
+        """The deepest checkpoint, ready or pending as asked, whose key matches the sequence's tokens before its
+        last token."""
         limit = seq.num_tokens - 1
         if limit < 1 or not self._checkpoints:
             return None
@@ -157,14 +173,13 @@ class PrefixCache:
             best = None
             for checkpoint in candidates:
                 position = checkpoint.position
-                if not checkpoint.is_ready or position > limit or (best and best.position >= position):
+                if checkpoint.is_ready is not is_ready or position > limit or (best and best.position >= position):
                     continue
                 if checkpoint.key[1] == tuple(tokens[start:position]) and checkpoint.key[2] == media_keys(
                     seq.mm_input, start, position
                 ):
                     best = checkpoint
             if best is not None:
-                self._checkpoints.move_to_end(best.key)
                 return best
         return None
 

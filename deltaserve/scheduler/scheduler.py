@@ -21,7 +21,8 @@ With the prefix cache on (scheduler/prefix_cache.py, docs/prefix-caching.md) a w
 deepest ready checkpoint its tokens match (scheduler/cache_admission.py; its first step reads the checkpoint's slot
 and shares its blocks), its prefill chunks end on its checkpoint targets (branch point, periodic, prompt end), a
 finished sequence's state and blocks become a checkpoint, and allocations evict unused checkpoints before anything
-is preempted.
+is preempted. A waiting sequence whose shared prefix a running prefill is computing waits, its place kept, for that
+prefill's checkpoint (scheduler/prefix_wait.py); the sequences behind it are admitted meanwhile.
 
 A prefill-only request (Sequence.logits_chunks, LLMEngine.prefill_logits) goes the same way with three differences:
 its prompt is planned in exactly the chunks it asked for, none of its chunks samples (each returns its logits
@@ -34,7 +35,7 @@ import bisect
 import time
 from collections import deque
 
-from deltaserve.scheduler import cache_admission, checkpoint_targets
+from deltaserve.scheduler import cache_admission, checkpoint_targets, prefix_wait
 from deltaserve.scheduler.block_manager import BlockManager, IdPool, StateSlotPool
 from deltaserve.scheduler.chunks import prefill_only_chunk, running_chunk
 from deltaserve.scheduler.plan import InflightEntry, build_plan
@@ -204,13 +205,20 @@ class Scheduler:
             seq.block_ids.extend(self.blocks.allocate(needed))
             chosen.append((seq, num_new))
             budget -= num_new
-        # Admit waiting sequences only when nothing had to be preempted or deferred this step.
+        # Admit waiting sequences only when nothing had to be preempted or deferred this step, in queue order,
+        # passing over (in place) those that wait for a prefix a running prefill is computing (prefix_wait.py).
         is_blocked_by_capacity = False
         is_held_back = bool(num_preempted or num_deferred)
-        while not is_held_back and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        index = 0
+        while not is_held_back and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
             entry = cache_admission.entry_point(self.prefix_cache, seq)
             start = entry.start
+            is_waiting, gained = prefix_wait.must_wait(self.prefix_cache, seq, start, self.running, chosen)
+            if is_waiting:
+                budget += gained
+                index += 1
+                continue
             if seq.is_prefill_only:
                 num_new = prefill_only_chunk(seq, budget, self.max_num_batched_tokens)
             else:
@@ -225,7 +233,7 @@ class Scheduler:
             if slot is None:
                 is_blocked_by_capacity = True
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             seq.state_slot = slot
             seq.row = self.rows.allocate()
             seq.block_ids = self.blocks.allocate(needed)

@@ -164,11 +164,15 @@ def test_a_checkpoint_is_not_matched_before_the_step_that_writes_it_is_collected
     scheduler = make()
     scheduler.add(request("a", A))
     first = scheduler.schedule()
-    scheduler.add(request("b", A + [1, 2]))  # planned while a's step is in flight (async scheduling)
+    scheduler.add(b := request("b", A + [1, 2]))  # planned while a's step is in flight (async scheduling)
     second = scheduler.schedule()
-    assert second.seqs[-1].num_computed_tokens == 0
+    # not matched: b waits for the pending checkpoint at 200 (scheduler/prefix_wait.py), not admitted at it
+    assert b.status is SequenceStatus.WAITING and b.row is None and not second.seqs
     scheduler.update(first, answer(first))
+    third = scheduler.schedule()  # a's step is collected: b hits its prompt end
+    assert [s.num_computed_tokens for s in third.seqs if s.row == b.row] == [200]
     scheduler.update(second, answer(second))
+    scheduler.update(third, answer(third))
     run_to_end(scheduler)
     scheduler.add(request("c", A + [3]))
     plan = scheduler.schedule()
