@@ -12,14 +12,19 @@ The test runs again at every step: once the checkpoint is ready the lookup hits 
 more (the prefill was preempted, aborted or finished without saving B, or passed B without a slot for it) the
 sequence is admitted as before. A sequence that is itself waiting is never waited for; a sequence that asks for
 prompt logprobs (it reads no cache) and a prefill-only request never wait.
+
+The waiting sequences admission does not reach in a step (its budget or rows spent, or admission held back) are
+still looked at (`mark`), only against the prefills planned in that step whose first block they share: without it
+a prefill whose chunk takes the whole budget would pass B unsaved while the requests that share it sit unexamined.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 from deltaserve.scheduler.checkpoint_targets import cap
-from deltaserve.scheduler.prefix_cache import PrefixCache
+from deltaserve.scheduler.prefix_cache import PrefixCache, chain_hashes
 from deltaserve.scheduler.sequence import Sequence, SequenceStatus
 
 # two GDN chunks: a wait costs the waiter at least one step of TTFT, and a hit costs a state-slot copy and a block
@@ -68,3 +73,28 @@ def add_target(seq: Sequence, position: int, start: int, chosen: list[tuple[Sequ
             chosen[index] = (seq, capped)
             return num_new - capped
     return 0
+
+
+def mark(
+    cache: PrefixCache | None, waiting: Iterable[Sequence], running: list[Sequence], chosen: list[tuple[Sequence, int]]
+) -> None:
+    """For the waiting sequences admission did not reach this step: each that shares its first block with a prefill
+    chunk planned in this step gets the branch point it would wait for saved by that prefill (must_wait's targets;
+    the chunk is re-capped, its tokens left unused this step)."""
+    if cache is None:
+        return
+    size = cache.block_size
+    firsts = {
+        seq.block_hashes[0]
+        for seq, _ in chosen
+        if seq.block_hashes and seq.num_computed_tokens + seq.num_inflight_tokens < seq.num_tokens - 1
+    }  # the first chain hash of every prefill planned this step (a decode or verify starts at its last token)
+    if not firsts:
+        return
+    for seq in waiting:
+        if seq.num_tokens <= size or seq.is_prefill_only or seq.sampling.prompt_logprobs is not None:
+            continue
+        if chain_hashes(seq, size, size)[0] not in firsts:
+            continue
+        hit = cache.lookup(seq)
+        must_wait(cache, seq, hit.position if hit is not None else 0, running, chosen)

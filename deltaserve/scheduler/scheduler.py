@@ -32,6 +32,7 @@ instead), and update() finishes it once its prompt is computed.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 
@@ -246,6 +247,8 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, num_new))
             budget -= num_new
+        if index < len(self.waiting):  # those not reached still make this step's prefills save what they'd wait for
+            prefix_wait.mark(self.prefix_cache, itertools.islice(self.waiting, index, None), self.running, chosen)
         self.num_waiting_for_capacity = len(self.waiting) if is_blocked_by_capacity or is_held_back else 0
         return self._plan(chosen)
 

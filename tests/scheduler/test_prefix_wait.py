@@ -148,3 +148,22 @@ def test_a_shared_prefix_shorter_than_the_minimum_is_not_waited_for() -> None:
     scheduler.add(b := request("b", A[:shared] + suffix(1, 100)))
     first = scheduler.schedule()
     assert {s.row for s in first.seqs} == {a.row, b.row}
+
+
+def test_a_waiter_admission_does_not_reach_still_gets_its_branch_point_saved() -> None:
+    scheduler = make(budget=100)
+    scheduler.add(a := request("a", A + suffix(0)))
+    scheduler.add(b := request("b", A + suffix(1)))  # B = 192
+    first = scheduler.schedule()  # a's chunk [0, 100) takes the whole budget: admission stops before b
+    assert [s.row for s in first.seqs] == [a.row] and 192 in a.checkpoint_targets
+    scheduler.update(first, answer(first))
+    second = scheduler.schedule()  # a's chunk [100, 200) would pass 192 off its grid: cut there
+    assert [(s.num_computed_tokens, s.num_new_tokens, [p for p, _ in s.checkpoints]) for s in second.seqs] == [
+        (100, 92, [192])
+    ]
+    scheduler.update(second, answer(second))
+    third = scheduler.schedule()
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.seqs if s.row == b.row] == [(192, 28)]
+    scheduler.update(third, answer(third))
+    drive(scheduler, False)
+    assert_accounted(scheduler)
