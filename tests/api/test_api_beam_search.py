@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from deltaserve.api import beam_search as beam_module
-from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
+from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
 
 from ..model._hf_tiny import load_reference
+from ..support.beam_script import EOS, TOKENIZER, scripted_output
 from .server_thread import ServerThread, serve
 
 PROMPTS = [[5, 17, 99, 300, 41], [1000, 3, 3, 3, 7, 8, 250, 12]]
@@ -102,15 +103,6 @@ def test_streamed_beam_search_is_one_chunk_per_choice(beam_server: ServerThread)
 
 # -- vLLM's rules with eos, on a scripted model -------------------------------------------------------------------
 
-EOS = 9
-# next-token logprobs by the last token (the 2 * width = 4 candidates the engine would report)
-SCRIPT = {
-    2: {3: -0.1, EOS: -0.5, 4: -1.0, 5: -3.0},
-    3: {6: -0.2, EOS: -0.3, 7: -2.0, 8: -2.5},
-    4: {6: -0.1, 7: -0.2, EOS: -4.0, 8: -5.0},
-}
-OTHER = {6: -1.0, 7: -1.15, 8: -1.2, EOS: -1.3}
-
 
 @pytest.fixture
 def scripted(monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
@@ -118,16 +110,14 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
 
     async def one_step(state: Any, tokens: list[int], params: SamplingParams, request_id: str) -> RequestOutput:
         asked.append(params)
-        entries = {token: Logprob(value) for token, value in SCRIPT.get(tokens[-1], OTHER).items()}
-        return RequestOutput(request_id, None, tokens, [CompletionOutput(0, "", [], logprobs=[entries])], True)
+        return scripted_output(tokens, request_id)
 
     monkeypatch.setattr(beam_module, "_one_step", one_step)
     return asked
 
 
 def run_beams(length_penalty: float, **params: Any) -> list[tuple[list[int], str, str]]:
-    tokenizer = SimpleNamespace(eos_token_id=EOS, decode=lambda ids: ",".join(map(str, ids)))
-    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer))
+    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=TOKENIZER))
     sampling = SamplingParams(max_tokens=3, temperature=0.0, **params)
     output = asyncio.run(beam_module.beam_search(state, [1, 2], sampling, 2, length_penalty, "r"))  # type: ignore[arg-type]
     return [(choice.token_ids, choice.text, choice.finish_reason) for choice in output.outputs]

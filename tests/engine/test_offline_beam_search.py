@@ -21,11 +21,12 @@ from deltaserve import BeamSearchParams
 from deltaserve.api import beam_search as server_beam
 from deltaserve.engine import offline_beam
 from deltaserve.engine.llm import LLM
-from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
+from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
 
 from ..api.server_thread import ServerThread, serve
+from ..support.beam_script import EOS, TOKENIZER, scripted_output
 
 PROMPTS = [[5, 17, 99, 300, 41], [1000, 3, 3, 3, 7, 8, 250, 12]]  # two lengths
 
@@ -103,21 +104,6 @@ def test_refused_by_name(llm: LLM, params: BeamSearchParams, kwargs: dict[str, A
 
 
 # -- eos, batching and concurrency_limit on a scripted model ---------------------------------------------------------
-
-EOS = 9
-# next-token logprobs by the last token (the 2 * width = 4 candidates the engine would report)
-SCRIPT = {
-    2: {3: -0.1, EOS: -0.5, 4: -1.0, 5: -3.0},
-    3: {6: -0.2, EOS: -0.3, 7: -2.0, 8: -2.5},
-    4: {6: -0.1, 7: -0.2, EOS: -4.0, 8: -5.0},
-}
-OTHER = {6: -1.0, 7: -1.15, 8: -1.2, EOS: -1.3}
-TOKENIZER = SimpleNamespace(eos_token_id=EOS, decode=lambda ids: ",".join(map(str, ids)))
-
-
-def scripted_output(tokens: list[int], request_id: str = "r") -> RequestOutput:
-    entries = {token: Logprob(value) for token, value in SCRIPT.get(tokens[-1], OTHER).items()}
-    return RequestOutput(request_id, None, tokens, [CompletionOutput(0, "", [], logprobs=[entries])], True)
 
 
 def offline(prompts: list[list[int]], params: BeamSearchParams, calls: list[Any], **options: Any) -> list[Any]:
