@@ -210,27 +210,30 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     # while speculating with a fixed k, a running sequence also holds its verify chunk's 1 + k scratch states
     # (runner/spec_decode.py); under the k policy the count is sized as without speculation, the scratch apart
     has_policy = speculative is not None and speculative.k_policy is not None
-    per_seq = slot_bytes + (0 if speculative is None or has_policy else (k + 1) * scratch_bytes)
+    has_scratch_per_seq = speculative is not None and not has_policy
+    per_seq = slot_bytes + ((k + 1) * scratch_bytes if has_scratch_per_seq else 0)
+    beside_one_kv = (total - one_kv) // per_seq  # the sequences the budget holds beside one max_model_len's KV
     max_num_seqs = upper
     if engine_config.max_num_seqs is None:
         # vLLM's default count, sized to memory: the state pool (with the scratch) takes at most half of the cache
         # budget, and leaves one max_model_len sequence its KV blocks (which binds only where the half would leave
         # too few to start)
-        by_share = affordable_slots(total, scratch_bytes)
-        if speculative is not None and not has_policy:
+        if has_scratch_per_seq:
             by_share = speculating_seqs(total, scratch_bytes, k, upper)
-        max_num_seqs = min(upper, by_share, (total - one_kv) // per_seq)
+        else:
+            by_share = affordable_slots(total, scratch_bytes)
+        max_num_seqs = min(upper, by_share, beside_one_kv)
         if max_num_seqs < upper:
             logger.info(
                 "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB%s would take %.1f GiB "
                 "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
-                "" if per_seq == slot_bytes else f" with {k + 1} verify scratch states each", upper * per_seq / GIB,
+                f" with {k + 1} verify scratch states each" if has_scratch_per_seq else "", upper * per_seq / GIB,
                 total / GIB,
             )  # fmt: skip
-    elif speculative is not None and not has_policy and (total - one_kv) // per_seq < max_num_seqs:
+    elif has_scratch_per_seq and beside_one_kv < max_num_seqs:
         # a count the user set, past what the budget holds with each sequence's scratch: vLLM's hybrid cache then
         # runs as many as its blocks hold and the rest wait; here likewise (a step past the scratch would run eager)
-        max_num_seqs = max(1, (total - one_kv) // per_seq)
+        max_num_seqs = max(1, beside_one_kv)
         logger.warning(
             "max_num_seqs %d while speculating: the cache budget (%.2f GiB) holds %d sequences with their %d verify "
             "scratch states (%.1f MiB each) beside one max_model_len sequence's KV; %d run at a time",
@@ -239,8 +242,8 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     num_slots = engine_config.num_state_slots or max_num_seqs
     spec_rows = 0
     budget = total
-    if speculative is not None:  # the verify scratch comes out of the cache budget: a chunk for every sequence
-        spec_rows = scratch_rows(total, scratch_bytes, k, max_num_seqs) if has_policy else max_num_seqs
+    if speculative is not None:  # the verify scratch comes out of the cache budget (a chunk a sequence at fixed k)
+        spec_rows = max_num_seqs if has_scratch_per_seq else scratch_rows(total, scratch_bytes, k, max_num_seqs)
         budget -= spec_rows * (k + 1) * scratch_bytes
     num_checkpoints = 0
     if engine_config.enable_prefix_caching:
