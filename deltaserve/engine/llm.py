@@ -42,6 +42,17 @@ from deltaserve.speculative_config import SpeculativeConfig
 PromptType = str | dict[str, Any]
 
 
+def check_no_lora(lora_request: Any) -> None:
+    """vLLM's lora_request keyword, as generate, chat and beam_search take it: None runs, anything else is refused."""
+    if lora_request is not None:
+        raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+
+
+def salt_of(prompt: PromptType) -> str | None:
+    """A prompt's vLLM cache_salt (None for a string prompt or a dict without one)."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
+
+
 class LLM:
     def __init__(
         self,
@@ -105,8 +116,7 @@ class LLM:
         refused by name when set: deltaserve serves no LoRA adapter, tokenizes a text prompt as the server does and
         has no processor overrides (a caller that passes them as None, as lm-eval passes lora_request, runs).
         sampling_params None: get_default_sampling_params()."""
-        if lora_request is not None:
-            raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+        check_no_lora(lora_request)
         if tokenization_kwargs:
             raise ValueError("tokenization_kwargs: the offline LLM tokenizes a text prompt as the server does")
         if mm_processor_kwargs:
@@ -134,13 +144,13 @@ class LLM:
             if error is not None:
                 raise ValueError(error[0])
         for prompt in prompts:
-            check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+            check_cache_salt(salt_of(prompt))
         request_ids = []
         for prompt, params, request_priority in zip(prompts, params_list, priorities, strict=True):
             text, token_ids = self._to_token_ids(prompt)
             token_ids, mm_input = self._multimodal(prompt, token_ids)
             request_id = uuid.uuid4().hex
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            salt = salt_of(prompt)
             self.engine.add_request(
                 request_id, token_ids, params, prompt=text, mm_input=mm_input, priority=request_priority,
                 cache_salt=salt,
@@ -178,8 +188,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of messages) or a batch of them, each rendered with the chat
         template (the tokenizer's, or `chat_template`) and generated as LLM.generate does (engine/offline_chat.py)."""
-        if lora_request is not None:
-            raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+        check_no_lora(lora_request)
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: the offline LLM.chat takes text messages only")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -205,8 +214,7 @@ class LLM:
         generate over every live beam (engine/offline_beam.py). Refuses lora_request, multi_modal_data and
         structured_outputs by name; a width whose 2 * width logprobs exceed max_logprobs is refused as generate
         refuses it."""
-        if lora_request is not None:
-            raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+        check_no_lora(lora_request)
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         offline_beam.check_beam_search_params(params)
@@ -214,7 +222,7 @@ class LLM:
         for prompt in prompts:
             if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
                 raise ValueError("multi_modal_data: deltaserve's beam search takes text prompts only")
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            salt = salt_of(prompt)
             check_cache_salt(salt)
             text, token_ids = self._to_token_ids(prompt)
             token_input: dict[str, Any] = {"type": "token", "prompt_token_ids": token_ids}
