@@ -23,7 +23,13 @@ from typing import Any
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIModel, CompletionRequest, SamplingRequest
 from deltaserve.api.settings import MAX_N, ServerState
-from deltaserve.engine.frontend import RequestError, bad_words_token_ids, check_priority, resolve_max_tokens
+from deltaserve.engine.frontend import (
+    RequestError,
+    bad_words_token_ids,
+    check_cache_salt,
+    check_priority,
+    resolve_max_tokens,
+)
 from deltaserve.sampling_params import (
     ALL_LOGPROBS,
     ParamError,
@@ -87,9 +93,10 @@ def check_unsupported(request: SamplingRequest) -> None:
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
     if extra.get("logprob_token_ids") == []:  # refused by name when set; empty, vLLM refuses it as empty
         raise bad_request("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
-    salt = cache_salt_of(request)  # honoured by the prefix cache (scheduler/prefix_cache.py root_hash)
-    if salt is not None and not (isinstance(salt, str) and salt):
-        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    try:  # honoured by the prefix cache (scheduler/prefix_cache.py root_hash); the engine frontend's rule
+        check_cache_salt(cache_salt_of(request))
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
     if request.use_beam_search and not isinstance(request, CompletionRequest):  # completions: api/beam_search.py
         raise bad_request("Beam search is not supported in chat completions.", "use_beam_search")
     if not 1 <= request.n <= MAX_N:

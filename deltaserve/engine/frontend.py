@@ -85,7 +85,7 @@ def resolve_max_tokens(
 def check_cache_salt(salt: Any) -> None:
     """vLLM's rule for a request's cache_salt: absent, or a non-empty string."""
     if salt is not None and not (isinstance(salt, str) and salt):
-        raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
 
 
 def check_priority(priority: int, scheduling_policy: str) -> None:
