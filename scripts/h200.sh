@@ -79,7 +79,9 @@
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the
 #                                call's budget leaves. Returns the record, its console log and its -raw.tgz. A grid
-#                                that names q35-*-fp8 models (h200_fp8.toml) writes those FP8 dummies first
+#                                that names q35-*-fp8 models (h200_fp8.toml) writes those FP8 dummies first. On an
+#                                H100 (nvidia-smi) it adds --card h100 unless FLAGS name a card: vLLM's peers then
+#                                run at their h100-* sites (--max-num-seqs 256, deltaserve/bench/deviations.py)
 #   tp SUBSTEP [FLAGS]           the two-GPU plan (kind nvidia-h200-x2): probe (NCCL all-reduce), tests
 #                                (test_gpu_tensor_parallel), gate (scripts/tp_token_compare.py, the bf16 gate and
 #                                the bf16 MTP gate, with MTP vs without, at -tp 2), kernels (bench kernels --tp 2),
@@ -186,7 +188,7 @@ stop_leftover_server() {
 }
 
 grid() {  # GRID [bench grid flags]
-  local file=$1 store=${GRID_STORE:-/tmp/ds_grid} name="" has_deadline="" has_resume="" prev=""
+  local file=$1 store=${GRID_STORE:-/tmp/ds_grid} name="" has_deadline="" has_resume="" has_card="" prev=""
   shift
   for candidate in "$file" "benchmarks/grids/$file.toml" "benchmarks/grids/h200_$file.toml"; do
     [ -f "$candidate" ] && file=$candidate && break
@@ -196,9 +198,15 @@ grid() {  # GRID [bench grid flags]
     [ "$prev" = --record-name ] && name=$word
     [ "$word" = --deadline-s ] && has_deadline=1
     [ "$word" = --resume ] && has_resume=1
+    [ "$word" = --card ] && has_card=1
     prev=$word
   done
   local extra=()
+  # an 80 GB card (no H200 lent): the peers at their h100-* sites (vLLM's --max-num-seqs 256, deviations.py)
+  if [ -z "$has_card" ] && nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | grep -q "H100"; then
+    echo "an H100: --card h100" | say
+    extra+=(--card h100)
+  fi
   if [ -n "$name" ] && [ -z "$has_resume" ] && [ -f "$store/$name.json" ]; then
     echo "resuming $store/$name.json (a cut call left it)" | say
     extra+=(--resume "$store/$name.json")

@@ -104,6 +104,22 @@ DEVIATIONS: dict[str, Deviation] = {
         magnitude="none at temperature 0 (every harness run); unmeasured for sampled runs",
         env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"),),
     ),
+    "max-num-seqs-256": Deviation(
+        name="max-num-seqs-256",
+        reason=(
+            "--max-num-seqs 256: on an 80 GB card vLLM 0.26 refuses to start the 27B shape with its default 1024 "
+            '("max_num_seqs (1024) exceeds available Mamba cache blocks (256) ... Please lower max_num_seqs to at '
+            'most 256", gpu_memory_utilization 0.85, prefix caching on; an H100 on 2026-12-05, '
+            "benchmarks/results/grids/h100_prefix-27b-c32-20261205-s25.json); 256 is the value its message asks for"
+        ),
+        direction=(
+            "none on scheduling at the grids' concurrencies (at most 64 running, below 256; CUDA graphs are captured "
+            "up to 512 tokens either way); if anything it favours vLLM: its profile run samples 256 rows instead of "
+            "1,024, which leaves it more KV cache"
+        ),
+        magnitude="unmeasured; the profile's sampler rows are its only effect below 256 running requests",
+        flags=("--max-num-seqs", "256"),
+    ),
 }
 
 # Where the oracle runs: the environment its process needs and the deviations the site forces.
@@ -131,6 +147,14 @@ SITES: dict[str, dict[str, Any]] = {
     },
     "online": {"deviations": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
 }
+# The same sites on an 80 GB card (an H100, when no H200 is lent): vLLM needs a max_num_seqs its state pool holds.
+for _name in ("h200-offline", "h200-offline-triton-gdn"):
+    SITES[_name.replace("h200-", "h100-", 1)] = {
+        "deviations": [*SITES[_name]["deviations"], "max-num-seqs-256"],
+        "env": dict(SITES[_name]["env"]),
+    }
+# `bench grid --card h100` runs every arm of an h200-* site at its h100-* twin.
+CARD_SITE_PREFIX = {"h200": "h200-", "h100": "h100-"}
 # Where servers run unless told otherwise (grids, `bench oracle-cmd`): production.
 DEFAULT_SITE = "h200-offline"
 # Where the in-process exactness gates run vLLM (vllm_engine, `gate tokens --reference vllm`): the Triton/FLA GDN

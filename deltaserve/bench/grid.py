@@ -34,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
 from deltaserve.bench.provenance import host_facts, probe_version, server_version
 from deltaserve.bench.server_process import Server
@@ -202,7 +203,9 @@ class Grid:
         """Launch `arm` on `model`, run every (isl, osl, concurrency) point, stop it; returns the runs."""
         from deltaserve.bench.serve_cli import parse_bench_args, run_bench
 
-        if self._is_past_deadline(arm.expected_startup_s + len(points) * arm.expected_run_s):
+        # a launch that can finish its first point goes ahead; the points after it that would not finish are left
+        # for a resumed call (the record names them), so a short call still measures what fits
+        if self._is_past_deadline(arm.expected_startup_s + arm.expected_run_s):
             self.record["skipped"].append({"arm": arm.name, "model": model.name, "reason": "deadline"})
             print(f"[grid] {arm.name} on {model.name}: skipped, it would not finish before the deadline", flush=True)
             self.save()
@@ -238,7 +241,15 @@ class Grid:
                 launch.version_probe, {**os.environ, **launch.env_overrides}, REPO_ROOT
             )
             self.save()
-            for isl, osl, concurrency in points:
+            for position, (isl, osl, concurrency) in enumerate(points):
+                if position > 0 and self._is_past_deadline(arm.expected_run_s):
+                    left = [f"{i}x{o}-c{c}" for i, o, c in points[position:]]
+                    self.record["skipped"].append(
+                        {"arm": arm.name, "model": model.name, "reason": "deadline", "points": left}
+                    )
+                    print(f"[grid] {arm.name} on {model.name}: {', '.join(left)} left for a resumed call (deadline)",
+                          flush=True)  # fmt: skip
+                    break
                 raw_name = f"{arm.name}-{model.name}-{isl}x{osl}-c{concurrency}" + ("-drift" if is_drift_check else "")
                 argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name)
                 run: dict[str, Any] = {
@@ -427,6 +438,14 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
     return ratios
 
 
+def site_for_card(site: str, card: str) -> str:
+    """`site` moved to `card`'s twin (h200-offline -> h100-offline); a site of no card (online) stays."""
+    for prefix in CARD_SITE_PREFIX.values():
+        if site.startswith(prefix) and site.replace(prefix, CARD_SITE_PREFIX[card], 1) in SITES:
+            return site.replace(prefix, CARD_SITE_PREFIX[card], 1)
+    return site
+
+
 def _select(items: list[Any], names: str | None, skip: str | None, what: str) -> list[Any]:
     chosen = list(items)
     if names:
@@ -458,6 +477,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadline-s", type=float, default=None, help="start no launch that would end (arm expected_s) after this"
     )
     parser.add_argument("--run-timeout-s", type=float, default=None, help="fail a client run that takes longer")
+    parser.add_argument(
+        "--card",
+        choices=sorted(CARD_SITE_PREFIX),
+        default="h200",
+        help="the card the peers run on: h100 moves every arm of an h200-* site to its h100-* twin "
+        "(deltaserve/bench/deviations.py: vLLM's --max-num-seqs 256 on an 80 GB card)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print every launch and client command, run nothing")
 
 
@@ -470,6 +496,8 @@ def run(args: argparse.Namespace) -> int:
             config.concurrencies = [int(c) for c in args.concurrencies.split(",")]
         if args.run_timeout_s:
             config.run_timeout_s = args.run_timeout_s
+        for arm in config.arms:
+            arm.site = site_for_card(arm.site, args.card)
     except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
         print(f"bench grid: {exc}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
         ("decode-step*", "mixed-step*", "conv-prefill*", "align-router*", "tune-moe*", "moe-table*", "kernels-*")
         + ("profile-decode*", "profile-prefill*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*")
-        + ("vision-encode*", "attention-ab*"),
+        + ("vision-encode*", "attention-ab*", "startup-memory*"),
     ),
     "gates": (
         "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "
@@ -242,6 +242,9 @@ def _what_log(path: Path) -> str:
         return "vLLM's run for the token gate, saved for --reference-cache"
     if name.startswith("tune-moe"):
         return "tune_moe.py console log"
+    if name.startswith("startup-memory"):
+        memory = next((line.split("memory: ", 1)[1] for line in text.splitlines() if "memory: " in line), "no line")
+        return f"an engine's start-up memory log: {memory}"
     if name.startswith("flashinfer-probe"):
         verdict = next((line for line in text.splitlines() if line.startswith("flashinfer probe:")), "no verdict")
         return f"benchmarks/oracle/flashinfer_probe.py on the H200: {verdict}"

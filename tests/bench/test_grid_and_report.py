@@ -100,6 +100,16 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
     assert ours.env_overrides["PYTHONPATH"] == f"{grid_module.REPO_ROOT}:/tmp/vllm_site"
     budget = resolve(config.arms[3], dense, config)
     assert config.arms[3].role == "subject" and budget.argv[-2:] == ["--max-num-batched-tokens", "2048"]
+    assert "--max-num-seqs" not in vllm.argv and vllm.deviations == ["flashinfer-sampler-off"]
+    # an 80 GB card (`bench grid --card h100`): the peer at the h100 twin of its site, with vLLM's own limit
+    config.arms[1].site = grid_module.site_for_card(config.arms[1].site, "h100")
+    on_h100 = resolve(config.arms[1], dense, config)
+    assert config.arms[1].site == "h100-offline" and on_h100.env_overrides == vllm.env_overrides
+    assert on_h100.argv[on_h100.argv.index("--max-num-seqs") + 1] == "256"
+    assert on_h100.deviations == ["flashinfer-sampler-off", "max-num-seqs-256"]
+    assert grid_module.site_for_card("h200-offline-triton-gdn", "h100") == "h100-offline-triton-gdn"
+    assert grid_module.site_for_card("h100-offline", "h200") == "h200-offline"
+    assert grid_module.site_for_card("online", "h100") == "online"
 
 
 def test_ratios_pair_subject_and_peer_points() -> None:
@@ -226,10 +236,35 @@ def test_deadline_skips_launches_that_would_not_finish(
         f'[grid]\nname="late"\nconcurrencies=[1, 2]\nlengths=[[8,2]]\nport={free_port()}\n'
         f'[[models]]\nname="w"\npath="{word_model}"\n'
         f'[[arms]]\nname="slow-start"\nrole="subject"\ncommand=["{sys.executable}", "-c", "pass"]\n'
-        "expected_startup_s = 50\nexpected_run_s = 30\n"
+        "expected_startup_s = 80\nexpected_run_s = 30\n"  # its start and first point alone pass the deadline
     )
     record = Grid(load_config(toml), tmp_path / "r", record_name="late", deadline_s=100).run()
     assert record["launches"] == [] and record["skipped"] == [{"arm": "slow-start", "model": "w", "reason": "deadline"}]
+
+
+def test_deadline_leaves_the_points_that_would_not_finish_for_a_resumed_call(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An arm whose start and first point fit runs; the points after the deadline are named, and a resumed call
+    runs only those."""
+    config = load_config(fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), is_restart_cheap=False))
+    config.arms = config.arms[:1]
+    config.concurrencies = [1, 2]
+    results = tmp_path / "results"
+    grid = Grid(config, results, record_name="cut", deadline_s=3600, is_drift_enabled=False)
+    checks: list[float] = []
+
+    def one_point_fits(expected_s: float) -> bool:
+        checks.append(expected_s)
+        return len(checks) > 1  # the launch's check passes, the one before the second point does not
+
+    monkeypatch.setattr(grid, "_is_past_deadline", one_point_fits)
+    record = grid.run()
+    assert [r["concurrency"] for r in record["runs"]] == [1] and len(record["launches"]) == 1
+    assert record["skipped"] == [{"arm": "fast", "model": "word", "reason": "deadline", "points": ["16x4-c2"]}]
+    resumed = Grid(config, results, record_name="cut", is_drift_enabled=False, resume_path=results / "cut.json").run()
+    assert sorted(r["concurrency"] for r in resumed["runs"]) == [1, 2] and resumed["skipped"] == []
+    assert len(resumed["launches"]) == 2
 
 
 def test_sigterm_stops_the_server_and_keeps_the_record(

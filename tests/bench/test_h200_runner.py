@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "scripts" / "h200.sh"
 
 
-def runner(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def runner(tmp_path: Path, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DS_WORK": str(tmp_path / "work"), "DRY_RUN": "1"}
+    if path is not None:
+        env["PATH"] = f"{path}:{env['PATH']}"
     env.update(DS_MODELS=str(tmp_path / "models"), DS_W128=str(tmp_path / "w128"), RECORD_TAG="h200-test", PY="python3")
     return subprocess.run(["bash", str(RUNNER), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
@@ -45,7 +47,7 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
 
     grid = runner(tmp_path, "grid", "core2", "--models", "q35-27b", "--record-name", "r1", "--no-drift").stdout
     assert "bench grid benchmarks/grids/h200_core2.toml --result-dir /tmp/ds_grid" in grid
-    assert re.search(r"--record-name r1 --no-drift --deadline-s \d+ ", grid)
+    assert re.search(r"--record-name r1 --no-drift --deadline-s \d+ ", grid) and "--card" not in grid
     gates = runner(tmp_path, "gates").stdout
     for variant in ("dense", "moe", "next"):
         assert f"--dtype float32 --device cuda --record {out}/gate-fp32-tiny-{variant}-cuda-h200-test.json" in gates
@@ -148,3 +150,16 @@ def test_library_ab_steps_put_both_bundles_on_the_path_and_keep_to_the_budget(
     assert match and 400 < int(match.group(1)) < 570, line
     own = next(line for line in runner(tmp_path, step, "--deadline-s", "120").stdout.splitlines() if script in line)
     assert own.count("--deadline-s") == 1 and "--deadline-s 120 >" in own  # a given deadline is the one it runs
+
+
+def test_the_grid_moves_the_peers_to_their_h100_sites_on_an_h100(tmp_path: Path) -> None:
+    """On an 80 GB card the grid step adds --card h100 (vLLM's --max-num-seqs 256), unless the call names a card."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    smi = fake / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    smi.chmod(0o755)
+    grid = runner(tmp_path, "grid", "prefix", "--models", "q35-27b", path=str(fake)).stdout
+    assert re.search(r"bench grid benchmarks/grids/h200_prefix.toml .*--card h100", grid)
+    named = runner(tmp_path, "grid", "prefix", "--card", "h200", path=str(fake)).stdout
+    assert "--card h200" in named and "--card h100" not in named
