@@ -6,7 +6,9 @@ Its key is (the chain hash of the full blocks [0, floor(P / block_size) * block_
 the multimodal items the tail overlaps), so a lookup walks a sequence's chain hashes from its deepest full block
 down and compares tails. A checkpoint written by a step is pending until that step's result is collected
 (`collected`); only ready ones are matched or evicted (a pending one's slot is still being written). Ready
-checkpoints are evicted least recently used first, when a running sequence needs a block or a slot.
+checkpoints are evicted least recently used first, when a running sequence needs a block or a slot, those that two
+or more sequences have hit (a shared prefix) only once no other is left: a few slots are not flushed by the prompt
+and generation ends of one-off requests (docs/prefix-caching.md#eviction-order).
 
 Hashes are blake2b-128 over the parent hash, the block's token ids and the (content identifier, offset) of every
 image or video item overlapping the block: Python's hash() is salted per process and the core may run in its own.
@@ -28,6 +30,10 @@ from deltaserve.scheduler.sequence import Sequence
 
 ROOT_HASH = b""  # the chain's parent of block 0
 MAX_SEEN_HASHES = 1 << 16  # chain hashes remembered for branch points (16 bytes each, no memory attached)
+# A checkpoint hit by this many sequences is protected: evicted only after every unprotected one. One hit is what a
+# conversation's next turn gives its previous turn's end (then dead); two are a prefix that others share.
+PROTECT_AFTER_HITTERS = 2
+PROTECTED_SHARE = 3 / 4  # protected checkpoints beyond this share of all checkpoints go back, least recent first
 
 MediaKeys = tuple[tuple[str, int], ...]
 CheckpointKey = tuple[bytes, tuple[int, ...], MediaKeys]
@@ -84,6 +90,9 @@ class Checkpoint:
     slot: int
     block_ids: tuple[int, ...]  # KV blocks covering [0, position), one reference each held
     is_ready: bool = False
+    num_hitters: int = 0  # sequences whose lookup matched it (one sequence's repeated lookups count once)
+    last_hitter: str | None = None
+    is_protected: bool = False
 
 
 @dataclass
@@ -149,7 +158,21 @@ class PrefixCache:
         best = self._match(seq, is_ready=True)
         if best is not None:
             self._checkpoints.move_to_end(best.key)
+            if best.last_hitter != seq.seq_id:
+                best.num_hitters += 1
+                best.last_hitter = seq.seq_id
+                if best.num_hitters >= PROTECT_AFTER_HITTERS and not best.is_protected:
+                    best.is_protected = True
+                    self._cap_protected()
         return best
+
+    def _cap_protected(self) -> None:
+        """Unprotects the least recently used protected checkpoints beyond PROTECTED_SHARE of all, so that shared
+        prefixes no longer used age out and new ones find room."""
+        cap = max(1, int(PROTECTED_SHARE * len(self._checkpoints)))
+        protected = [c for c in self._checkpoints.values() if c.is_protected]  # least recently used first
+        for checkpoint in protected[: max(0, len(protected) - cap)]:
+            checkpoint.is_protected = False
 
     def pending_depth(self, seq: Sequence) -> int:
         """The position of the deepest pending checkpoint (a step in flight writes it) that a lookup of the sequence
@@ -231,12 +254,18 @@ class PrefixCache:
             checkpoint.is_ready = True
 
     def evict_one(self, keep: Checkpoint | None = None, keep_slot: int | None = None) -> bool:
-        """Drops the least recently used ready checkpoint (not `keep`, nor the one in keep_slot): its slot and block
-        references go back."""
-        for checkpoint in self._checkpoints.values():
-            if checkpoint.is_ready and checkpoint is not keep and checkpoint.slot != keep_slot:
-                self._drop(checkpoint)
-                return True
+        """Drops the least recently used ready checkpoint (not `keep`, nor the one in keep_slot), an unprotected one
+        while there is one: its slot and block references go back."""
+        for is_protected in (False, True):
+            for checkpoint in self._checkpoints.values():
+                if (
+                    checkpoint.is_ready
+                    and checkpoint.is_protected is is_protected
+                    and checkpoint is not keep
+                    and checkpoint.slot != keep_slot
+                ):
+                    self._drop(checkpoint)
+                    return True
         return False
 
     def _drop(self, checkpoint: Checkpoint) -> None:

@@ -478,3 +478,54 @@ def test_with_the_mtp_layer_a_hit_copies_the_block_holding_its_last_cached_token
         scheduler.update(plan, answer(plan))
         run_to_end(scheduler)
         assert_accounted(scheduler)
+
+
+def test_eviction_takes_unprotected_checkpoints_first_and_protection_ages_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkpoint two sequences hit is evicted only after every unprotected one; one sequence's repeated lookups
+    count once; protected checkpoints beyond 3/4 of all go back to plain LRU, least recently used first."""
+    from deltaserve.scheduler.prefix_cache import PrefixCache
+
+    blocks, slots = BlockManager(64, 16), StateSlotPool(8)
+
+    def held_by_cache() -> tuple[int, ...]:
+        """A block a finished sequence left to a checkpoint: allocated, shared by the cache, freed by its owner."""
+        block_ids = blocks.allocate(1)
+        blocks.share(block_ids, by_cache=True)
+        blocks.free(block_ids)
+        return tuple(block_ids)
+
+    cache = PrefixCache(blocks, slots, max_pending=8, chunk_size=64)
+    added = []
+    for index in range(4):  # four ready checkpoints, one block and one slot each; LRU order 0, 1, 2, 3
+        cache.add((bytes([index]), (), ()), 16, slots.allocate(), held_by_cache(), None)
+        added.append(cache.checkpoints()[-1])
+    first = added[0]
+    monkeypatch.setattr(cache, "_match", lambda seq, is_ready: first)
+    a, b = request("a", [1] * 20), request("b", [1] * 20)
+    cache.lookup(a)
+    cache.lookup(a)  # the same sequence again: still one hitter
+    assert first.num_hitters == 1 and not first.is_protected
+    cache.lookup(b)
+    assert first.num_hitters == 2 and first.is_protected
+    assert [c.key[0][0] for c in cache.checkpoints()] == [1, 2, 3, 0]  # the hit made it the most recent too
+    assert cache.contains(added[1].key)  # 1 is now the most recently used: LRU alone would evict 0 before it
+    # eviction: the unprotected ones in LRU order, the protected one last
+    order = []
+    while cache.num_checkpoints:
+        before = {c.key[0][0] for c in cache.checkpoints()}
+        assert cache.evict_one()
+        order += sorted(before - {c.key[0][0] for c in cache.checkpoints()})
+    assert order == [2, 3, 1, 0] and slots.num_free_slots == 8 and blocks.num_free_blocks == 64
+
+    # ageing: with four checkpoints at most three stay protected; the least recently used protected one goes back
+    cache = PrefixCache(blocks, slots, max_pending=8, chunk_size=64)
+    for index in range(4):
+        cache.add((bytes([index]), (), ()), 16, slots.allocate(), held_by_cache(), None)
+    for checkpoint in cache.checkpoints():
+        monkeypatch.setattr(cache, "_match", lambda seq, is_ready, c=checkpoint: c)
+        cache.lookup(request(f"x{checkpoint.key[0][0]}", [1] * 20))
+        cache.lookup(request(f"y{checkpoint.key[0][0]}", [1] * 20))
+    assert [c.is_protected for c in cache.checkpoints()] == [False, True, True, True]
+    assert cache.checkpoints()[0].key[0][0] == 0

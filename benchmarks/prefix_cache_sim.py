@@ -1,0 +1,138 @@
+"""The prefix grid without a GPU: deltaserve's scheduler driven by a fake runner on `prefix_repetition` traffic.
+
+What it answers: for a cache layout (KV blocks, state slots, max_num_seqs, step budget), the hit rate (cached /
+prompt tokens, as `/metrics` counts it), the prefill tokens computed and the preemptions of a closed-loop run at
+each concurrency, under each eviction policy of the prefix cache (`lru`: least recently used first; `protect`:
+checkpoints two sequences have hit are evicted only after every other, scheduler/prefix_cache.py). It models no
+time: one step in flight, each collected before the next is planned, every sampled token 7, no warm-ups. The prompts
+follow vLLM's `prefix_repetition` layout (num_prefixes x prompts_per_prefix, prefix-major, then shuffled with
+`random.Random(seed)`, as deltaserve/bench/dataset_prefix.py does), with random token ids.
+
+The H100 27B layout of session 25 (docs/prefix-caching.md#eviction-order) reproduces the measured hit rate:
+
+    python3 benchmarks/prefix_cache_sim.py --concurrencies 32 --kv-blocks 2172 --slots 19 --max-num-seqs 16
+
+Exit 0; 2 when no point ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.scheduler import prefix_cache
+from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
+from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.scheduler.sequence import Sequence
+from deltaserve.step import StepResult
+
+POLICIES = {"lru": 1 << 30, "protect": prefix_cache.PROTECT_AFTER_HITTERS}  # hitters before a checkpoint is protected
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The cache the scheduler plans over (as the start-up log states it) and the traffic's shape."""
+
+    kv_blocks: int
+    slots: int
+    max_num_seqs: int
+    budget: int  # max_num_batched_tokens
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+    num_prefixes: int
+    block_size: int = 16
+    chunk_size: int = 64
+    max_model_len: int = 8192
+
+
+@dataclass(frozen=True)
+class Point:
+    policy: str
+    concurrency: int
+    num_prompts: int
+    hit_rate: float
+    prefill_tokens: int  # tokens computed by chunks of more than one token
+    preemptions: int
+    steps: int
+
+
+def prompts(layout: Layout, num_prompts: int, seed: int) -> list[list[int]]:
+    """num_prefixes x (num_prompts // num_prefixes) prompts, prefix-major, shuffled as vLLM shuffles them."""
+    rng = random.Random(seed + 1)
+    per_prefix = num_prompts // layout.num_prefixes
+    out = []
+    for _ in range(layout.num_prefixes):
+        prefix = [rng.randrange(1, 1 << 17) for _ in range(layout.prefix_len)]
+        out += [prefix + [rng.randrange(1, 1 << 17) for _ in range(layout.suffix_len)] for _ in range(per_prefix)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def simulate(layout: Layout, policy: str, concurrency: int, num_prompts: int, seed: int = 0) -> Point:
+    """One closed-loop run: `concurrency` requests in flight until every prompt has finished."""
+    saved = prefix_cache.PROTECT_AFTER_HITTERS
+    prefix_cache.PROTECT_AFTER_HITTERS = POLICIES[policy]
+    try:
+        scheduler = Scheduler(
+            BlockManager(layout.kv_blocks, layout.block_size), StateSlotPool(layout.slots), layout.max_num_seqs,
+            layout.budget, layout.max_model_len, enable_prefix_caching=True, chunk_size=layout.chunk_size,
+        )  # fmt: skip
+        queue = prompts(layout, num_prompts, seed)
+        sent = prefill = steps = 0
+        while sent < len(queue) or scheduler.has_unfinished():
+            while sent < len(queue) and len(scheduler.running) + len(scheduler.waiting) < concurrency:
+                params = SamplingParams(temperature=0.0, max_tokens=layout.output_len, ignore_eos=True)
+                scheduler.add(Sequence(f"r{sent}", queue[sent], layout.output_len, sampling=params))
+                sent += 1
+            plan = scheduler.schedule()
+            prefill += sum(s.num_new_tokens for s in plan.seqs if s.num_new_tokens > 1)
+            scheduler.update(plan, StepResult(plan.step_id, tuple((7,) if s.needs_sample else () for s in plan.seqs)))
+            steps += 1
+    finally:
+        prefix_cache.PROTECT_AFTER_HITTERS = saved
+    queries = scheduler.prefix_cache_queries
+    hit_rate = scheduler.prefix_cache_hits / queries if queries else 0.0
+    return Point(policy, concurrency, len(queue), round(hit_rate, 4), prefill, scheduler.num_preemptions_total, steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrencies", default="8,32,64")
+    parser.add_argument("--policies", default="lru,protect")
+    parser.add_argument("--kv-blocks", type=int, required=True, help="KV blocks of 16 tokens (the start-up log)")
+    parser.add_argument("--slots", type=int, required=True, help="GDN state slots, live and checkpoints")
+    parser.add_argument("--max-num-seqs", type=int, required=True)
+    parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--prefix-len", type=int, default=4224)
+    parser.add_argument("--suffix-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prefixes", type=int, default=4)
+    parser.add_argument("--prompts-per-concurrency", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="a JSON record of the layout and every point")
+    args = parser.parse_args(argv)
+    layout = Layout(args.kv_blocks, args.slots, args.max_num_seqs, args.budget, args.prefix_len, args.suffix_len,
+                    args.output_len, args.num_prefixes)  # fmt: skip
+    points = []
+    for concurrency in [int(c) for c in args.concurrencies.split(",") if c]:
+        for policy in [p for p in args.policies.split(",") if p]:
+            if policy not in POLICIES:
+                parser.error(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+            point = simulate(layout, policy, concurrency, args.prompts_per_concurrency * concurrency, args.seed)
+            points.append(point)
+            print(f"c{concurrency} {policy:8s} hit rate {point.hit_rate:6.1%}, prefill {point.prefill_tokens:,} "
+                  f"tokens, {point.preemptions} preemptions, {point.steps} steps", flush=True)  # fmt: skip
+    if args.out is not None:
+        record = {"tool": "prefix_cache_sim", "layout": asdict(layout), "points": [asdict(p) for p in points]}
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    return 0 if points else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
