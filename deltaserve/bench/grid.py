@@ -446,6 +446,18 @@ def site_for_card(site: str, card: str) -> str:
     return site
 
 
+def set_utilization(arm: Arm, value: str) -> None:
+    """Sets the arm's --gpu-memory-utilization to value: in its command where it spells one, else in its extra args
+    (a registry-built peer) or at the end of its command."""
+    if not 0 < float(value) <= 1:
+        raise ValueError(f"--gpu-memory-utilization {value}: must be in (0, 1]")
+    for argv in (arm.command, arm.extra_args):
+        if "--gpu-memory-utilization" in argv:
+            argv[argv.index("--gpu-memory-utilization") + 1] = value
+            return
+    (arm.extra_args if arm.oracle else arm.command).extend(["--gpu-memory-utilization", value])
+
+
 def _select(items: list[Any], names: str | None, skip: str | None, what: str) -> list[Any]:
     chosen = list(items)
     if names:
@@ -484,6 +496,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the card the peers run on: h100 moves every arm of an h200-* site to its h100-* twin "
         "(deltaserve/bench/deviations.py: vLLM's --max-num-seqs 256 on an 80 GB card)",
     )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        default=None,
+        help="every arm's --gpu-memory-utilization (its command or its registry extra args), the same for all: an "
+        "80 GB card holds the 35B-A3B dummy at 0.92, not at the grids' 0.85",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print every launch and client command, run nothing")
 
 
@@ -498,6 +516,8 @@ def run(args: argparse.Namespace) -> int:
             config.run_timeout_s = args.run_timeout_s
         for arm in config.arms:
             arm.site = site_for_card(arm.site, args.card)
+            if args.gpu_memory_utilization is not None:
+                set_utilization(arm, args.gpu_memory_utilization)
     except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
         print(f"bench grid: {exc}", file=sys.stderr)
         return 2

@@ -110,6 +110,15 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
     assert grid_module.site_for_card("h200-offline-triton-gdn", "h100") == "h100-offline-triton-gdn"
     assert grid_module.site_for_card("h100-offline", "h200") == "h200-offline"
     assert grid_module.site_for_card("online", "h100") == "online"
+    # `bench grid --gpu-memory-utilization 0.92`: every arm the same, in its command or the peer's extra args
+    for arm in config.arms:
+        grid_module.set_utilization(arm, "0.92")
+    for arm in config.arms:
+        argv = resolve(arm, dense, config).argv
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.92"
+        assert argv.count("--gpu-memory-utilization") == 1
+    with pytest.raises(ValueError, match="must be in"):
+        grid_module.set_utilization(config.arms[0], "1.5")
 
 
 def test_ratios_pair_subject_and_peer_points() -> None:
