@@ -3,7 +3,9 @@
 A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}), optionally with vLLM's
 "multi_modal_data" ({"image": ..., "video": ...}; the prompt holds the chat template's placeholders) and
 "cache_salt" (only prompts with the same salt share cached prefixes). All prompts
-are submitted to the engine at once and run with continuous batching; results come back in input order. The prefix
+are submitted to the engine at once and run with continuous batching; results come back in input order.
+LLM.enqueue / LLM.enqueue_chat add requests without running them and LLM.wait_for_completion runs them, as vLLM's
+do (engine/offline_requests.py: one path for all four; request ids "0", "1", ... as vLLM counts them). The prefix
 cache is on unless LLM(..., enable_prefix_caching=False); RequestOutput.num_cached_tokens says what it served, and
 reset_prefix_cache() empties it. LLM.chat renders conversations with the chat template first; LLM.beam_search runs
 vLLM's beam search over generate (engine/offline_beam.py). max_logprobs (vLLM's, default 20; -1: the vocabulary)
@@ -12,45 +14,36 @@ bounds every request's logprobs and prompt_logprobs, refused before any prompt r
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from deltaserve.engine import offline_beam
 from deltaserve.engine.beam_search import BeamSearchOutput
 from deltaserve.engine.engine import LLMEngine
-from deltaserve.engine.frontend import check_cache_salt, check_priority
+from deltaserve.engine.frontend import check_cache_salt
 from deltaserve.engine.offline_chat import chat_prompt
+from deltaserve.engine.offline_requests import (
+    OfflineRequests,
+    PromptType,
+    check_no_lora,
+    check_no_overrides,
+    salt_of,
+    to_token_ids,
+)
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput
-from deltaserve.multimodal.offline import loaded_media
 from deltaserve.sampling_params import (
     ALL_LOGPROBS,
     MAX_LOGPROBS,
     BeamSearchParams,
     SamplingParams,
-    logprobs_cap_error,
 )
 from deltaserve.speculative_config import SpeculativeConfig
-
-PromptType = str | dict[str, Any]
-
-
-def check_no_lora(lora_request: Any) -> None:
-    """vLLM's lora_request keyword, as generate, chat and beam_search take it: None runs, anything else is refused."""
-    if lora_request is not None:
-        raise ValueError("lora_request: deltaserve serves no LoRA adapters")
-
-
-def salt_of(prompt: PromptType) -> str | None:
-    """A prompt's vLLM cache_salt (None for a string prompt or a dict without one)."""
-    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
 class LLM:
@@ -71,6 +64,7 @@ class LLM:
         self.max_logprobs = max_logprobs
         config = EngineConfig(model=str(model), dtype=dtype, speculative_config=speculative_config, **engine_kwargs)
         self.engine = LLMEngine(config)
+        self._requests = OfflineRequests(self.engine, max_logprobs)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
@@ -79,27 +73,6 @@ class LLM:
         """vLLM's: SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p, top_k,
         ...; the engine's generation_config setting picks the source), SamplingParams() where it sets none."""
         return SamplingParams(**self.engine.default_sampling)
-
-    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._to_token_ids(prompt["prompt"])
-        raise TypeError(f"a prompt is a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
-
-    def _multimodal(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], MultimodalInput | None]:
-        """(expanded token ids, the processed images and videos) for a prompt with multi_modal_data."""
-        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        if not data:
-            return token_ids, None
-        processor = self.engine.frontend.mm_processor
-        if processor is None:
-            raise ValueError("this model serves text only (no vision tower): multi_modal_data is refused")
-        media = loaded_media(data, processor.configs.video.fps or 2.0)
-        expanded, mm_input = processor.process_loaded(token_ids, media)
-        return expanded, mm_input
 
     def generate(
         self,
@@ -117,60 +90,66 @@ class LLM:
         has no processor overrides (a caller that passes them as None, as lm-eval passes lora_request, runs).
         sampling_params None: get_default_sampling_params()."""
         check_no_lora(lora_request)
-        if tokenization_kwargs:
-            raise ValueError("tokenization_kwargs: the offline LLM tokenizes a text prompt as the server does")
-        if mm_processor_kwargs:
-            raise ValueError("mm_processor_kwargs: the offline LLM has no processor overrides")
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
+        check_no_overrides(tokenization_kwargs, mm_processor_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        if priority is None or isinstance(priority, int):
-            priorities = [priority or 0] * len(prompts)
-        else:
-            priorities = list(priority)
-        if len(priorities) != len(prompts):
-            raise ValueError("The lengths of prompts and priority must be the same.")
-        for value in priorities:  # before any prompt is added: a refusal leaves nothing behind
-            check_priority(value, self.engine.config.scheduling_policy)
-        for params in params_list:
-            error = logprobs_cap_error(params.logprobs, params.prompt_logprobs, self.max_logprobs,
-                                       self.engine.frontend.vocab_size)  # fmt: skip
-            if error is not None:
-                raise ValueError(error[0])
-        for prompt in prompts:
-            check_cache_salt(salt_of(prompt))
-        request_ids = []
-        for prompt, params, request_priority in zip(prompts, params_list, priorities, strict=True):
-            text, token_ids = self._to_token_ids(prompt)
-            token_ids, mm_input = self._multimodal(prompt, token_ids)
-            request_id = uuid.uuid4().hex
-            salt = salt_of(prompt)
-            self.engine.add_request(
-                request_id, token_ids, params, prompt=text, mm_input=mm_input, priority=request_priority,
-                cache_salt=salt,
+        self._requests.add(prompts, sampling_params, priority)
+        return self._requests.run(use_tqdm)
+
+    def enqueue(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        lora_request: Any = None,
+        priority: SequenceABC[int] | int | None = None,
+        use_tqdm: bool = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """vLLM's LLM.enqueue: adds the prompts' requests as generate() would, checked and refused alike, without
+        running the engine; their request ids ("0", "1", ... counted per LLM, as vLLM's). wait_for_completion() (or
+        the next generate / chat) runs them. use_tqdm: a bar over the prompts being added."""
+        check_no_lora(lora_request)
+        check_no_overrides(tokenization_kwargs, mm_processor_kwargs)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        return self._requests.add(prompts, sampling_params, priority, use_tqdm, desc="Adding requests")
+
+    def wait_for_completion(self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: bool = True) -> list:
+        """vLLM's LLM.wait_for_completion: runs the engine until every enqueued request finished; their
+        RequestOutputs ordered by request id (the order they were enqueued in), [] when none was. output_type: the
+        type(s) the outputs must be (None: any; deltaserve makes RequestOutputs only, no pooling outputs)."""
+        types = output_type if isinstance(output_type, tuple) else (output_type,)
+        if output_type is not None and not issubclass(RequestOutput, types):
+            # checked before the run, so the refusal loses no output (vLLM asserts each output's type as it comes)
+            raise TypeError(f"wait_for_completion: the outputs are RequestOutput, not {output_type!r}")
+        return self._requests.run(use_tqdm)
+
+    def _chat_prompts(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        chat_template: str | None,
+        chat_template_content_format: str,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        tokenization_kwargs: dict[str, Any] | None,
+        mm_processor_kwargs: dict[str, Any] | None,
+    ) -> list[PromptType]:
+        """Each conversation's prompt (its rendered text and token ids), as LLM.chat and LLM.enqueue_chat add it."""
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: the offline LLM.chat takes text messages only")
+        check_no_overrides(tokenization_kwargs, None)
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text, token_ids = chat_prompt(
+                self.engine.tokenizer, conversation, chat_template, chat_template_content_format,
+                add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
             )  # fmt: skip
-            request_ids.append(request_id)
-        states = {rid: self.engine.requests[rid] for rid in request_ids}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as progress:
-            try:
-                while self.engine.has_unfinished():
-                    for output in self.engine.step():
-                        if output.finished:
-                            progress.update(1)
-            except BaseException:
-                # a step that raised (a model error, Ctrl-C) leaves its requests scheduled with no step in flight:
-                # abort them so they free their blocks and slots and the next call does not wait on them forever
-                for request_id in request_ids:
-                    if request_id in self.engine.requests:
-                        self.engine.abort_request(request_id)
-                raise
-        return [states[rid].final_output() for rid in request_ids]
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return prompts
 
     def chat(
         self,
@@ -184,22 +163,44 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of messages) or a batch of them, each rendered with the chat
         template (the tokenizer's, or `chat_template`) and generated as LLM.generate does (engine/offline_chat.py)."""
         check_no_lora(lora_request)
-        if mm_processor_kwargs:
-            raise ValueError("mm_processor_kwargs: the offline LLM.chat takes text messages only")
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            text, token_ids = chat_prompt(
-                self.engine.tokenizer, conversation, chat_template, chat_template_content_format,
-                add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
-            )  # fmt: skip
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        prompts = self._chat_prompts(
+            messages, chat_template, chat_template_content_format, add_generation_prompt, continue_final_message,
+            tools, chat_template_kwargs, tokenization_kwargs, mm_processor_kwargs,
+        )  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def enqueue_chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: SequenceABC[int] | int | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """vLLM's LLM.enqueue_chat: the conversations rendered as LLM.chat renders them, added as LLM.enqueue adds
+        prompts; their request ids."""
+        check_no_lora(lora_request)
+        prompts = self._chat_prompts(
+            messages, chat_template, chat_template_content_format, add_generation_prompt, continue_final_message,
+            tools, chat_template_kwargs, tokenization_kwargs, mm_processor_kwargs,
+        )  # fmt: skip
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        return self._requests.add(prompts, sampling_params, priority, use_tqdm, desc="Adding conversations")
 
     def beam_search(
         self,
@@ -215,6 +216,12 @@ class LLM:
         structured_outputs by name; a width whose 2 * width logprobs exceed max_logprobs is refused as generate
         refuses it."""
         check_no_lora(lora_request)
+        if self._requests.pending:
+            # each search step is a generate, which would also return the enqueued requests' outputs
+            raise RuntimeError(
+                f"beam_search: {len(self._requests.pending)} enqueued request(s) have not run; call "
+                "wait_for_completion() first"
+            )
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         offline_beam.check_beam_search_params(params)
@@ -224,7 +231,7 @@ class LLM:
                 raise ValueError("multi_modal_data: deltaserve's beam search takes text prompts only")
             salt = salt_of(prompt)
             check_cache_salt(salt)
-            text, token_ids = self._to_token_ids(prompt)
+            text, token_ids = to_token_ids(self.engine, prompt)
             token_input: dict[str, Any] = {"type": "token", "prompt_token_ids": token_ids}
             if text is not None:
                 token_input["prompt"] = text

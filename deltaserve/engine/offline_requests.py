@@ -1,0 +1,166 @@
+"""The offline LLM's requests: how a prompt becomes an engine request, and the loop that runs them to the end.
+
+One code path for LLM.generate, LLM.chat, LLM.enqueue and LLM.enqueue_chat, as vLLM 0.26's offline API has one:
+`add` checks every prompt and parameter before the first request enters the engine (so a refusal leaves nothing
+behind; a request the engine itself refuses part-way aborts the ones this call added), names each request with the
+next value of a counter ("0", "1", ... as vLLM's `request_counter`), and keeps its state as pending. `run` steps the
+engine until nothing is unfinished and returns every pending request that finished, ordered by its numeric id, as
+vLLM's `_run_engine` does: a generate() after enqueue() returns the enqueued requests' outputs too, first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from deltaserve.engine.engine import LLMEngine
+from deltaserve.engine.frontend import check_cache_salt, check_priority
+from deltaserve.engine.output import RequestState
+from deltaserve.engine.request import RequestOutput
+from deltaserve.multimodal.inputs import MultimodalInput
+from deltaserve.multimodal.offline import loaded_media
+from deltaserve.sampling_params import SamplingParams, logprobs_cap_error
+
+PromptType = str | dict[str, Any]
+
+
+def check_no_lora(lora_request: Any) -> None:
+    """vLLM's lora_request keyword, as generate, chat and beam_search take it: None runs, anything else is refused."""
+    if lora_request is not None:
+        raise ValueError("lora_request: deltaserve serves no LoRA adapters")
+
+
+def check_no_overrides(tokenization_kwargs: dict[str, Any] | None, mm_processor_kwargs: dict[str, Any] | None) -> None:
+    """vLLM's tokenization_kwargs and mm_processor_kwargs: None or empty runs, anything else is refused by name."""
+    if tokenization_kwargs:
+        raise ValueError("tokenization_kwargs: the offline LLM tokenizes a text prompt as the server does")
+    if mm_processor_kwargs:
+        raise ValueError("mm_processor_kwargs: the offline LLM has no processor overrides")
+
+
+def salt_of(prompt: PromptType) -> str | None:
+    """A prompt's vLLM cache_salt (None for a string prompt or a dict without one)."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
+
+
+def to_token_ids(engine: LLMEngine, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """(the prompt's text if it has one, its token ids): a string is encoded with special tokens, as the server
+    encodes a completion prompt."""
+    if isinstance(prompt, str):
+        return prompt, engine.tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return to_token_ids(engine, prompt["prompt"])
+    raise TypeError(f"a prompt is a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
+
+
+def multimodal(engine: LLMEngine, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], MultimodalInput | None]:
+    """(expanded token ids, the processed images and videos) for a prompt with multi_modal_data."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if not data:
+        return token_ids, None
+    processor = engine.frontend.mm_processor
+    if processor is None:
+        raise ValueError("this model serves text only (no vision tower): multi_modal_data is refused")
+    media = loaded_media(data, processor.configs.video.fps or 2.0)
+    return processor.process_loaded(token_ids, media)
+
+
+class OfflineRequests:
+    """The requests of one offline LLM: their ids, the pending ones' states, and the engine loop."""
+
+    def __init__(self, engine: LLMEngine, max_logprobs: int) -> None:
+        self.engine = engine
+        self.max_logprobs = max_logprobs
+        self._ids = itertools.count()
+        self.pending: dict[str, RequestState] = {}  # added, not yet returned by run()
+
+    def _checked(
+        self,
+        prompts: SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams],
+        priority: SequenceABC[int] | int | None,
+    ) -> tuple[list[SamplingParams], list[int]]:
+        """(params, priority) per prompt, after every check that needs no engine state."""
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError("The lengths of prompts and priority must be the same.")
+        for value in priorities:
+            check_priority(value, self.engine.config.scheduling_policy)
+        for params in params_list:
+            error = logprobs_cap_error(params.logprobs, params.prompt_logprobs, self.max_logprobs,
+                                       self.engine.frontend.vocab_size)  # fmt: skip
+            if error is not None:
+                raise ValueError(error[0])
+        for prompt in prompts:
+            check_cache_salt(salt_of(prompt))
+        return params_list, priorities
+
+    def add(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams],
+        priority: SequenceABC[int] | int | None = None,
+        use_tqdm: bool = False,
+        desc: str = "Adding requests",
+    ) -> list[str]:
+        """Adds the prompts' requests to the engine (without stepping it); their ids, in prompt order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params_list, priorities = self._checked(prompts, sampling_params, priority)
+        request_ids: list[str] = []
+        try:
+            for prompt, params, request_priority in tqdm(
+                list(zip(prompts, params_list, priorities, strict=True)), desc=desc, disable=not use_tqdm
+            ):
+                text, token_ids = to_token_ids(self.engine, prompt)
+                token_ids, mm_input = multimodal(self.engine, prompt, token_ids)
+                request_id = str(next(self._ids))
+                self.engine.add_request(
+                    request_id, token_ids, params, prompt=text, mm_input=mm_input, priority=request_priority,
+                    cache_salt=salt_of(prompt),
+                )  # fmt: skip
+                request_ids.append(request_id)
+                self.pending[request_id] = self.engine.requests[request_id]
+        except BaseException:
+            # a prompt the engine refused (too long, out of vocabulary, ...): the ones this call added go too, so
+            # the call adds all of its prompts or none
+            self.abort(request_ids)
+            raise
+        return request_ids
+
+    def abort(self, request_ids: SequenceABC[str]) -> None:
+        """Aborts these requests in the engine and forgets them."""
+        for request_id in request_ids:
+            self.pending.pop(request_id, None)
+            if request_id in self.engine.requests:
+                self.engine.abort_request(request_id)
+
+    def run(self, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Steps the engine until every request finished; the pending ones' final outputs by numeric id."""
+        with tqdm(total=len(self.pending), desc="Processed prompts", disable=not use_tqdm) as progress:
+            try:
+                while self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        if output.finished:
+                            progress.update(1)
+            except BaseException:
+                # a step that raised (a model error, Ctrl-C) leaves its requests scheduled with no step in flight:
+                # abort them so they free their blocks and slots and the next call does not wait on them forever
+                self.abort(list(self.pending))
+                raise
+        outputs = [self.pending[request_id].final_output() for request_id in sorted(self.pending, key=int)]
+        self.pending.clear()
+        return outputs

@@ -1,0 +1,120 @@
+"""The offline LLM.enqueue / LLM.enqueue_chat / LLM.wait_for_completion (vLLM's), on the trained tiny dense checkpoint
+(fp32, CPU, greedy, a few tokens).
+
+Enqueued requests run only when waited for and give generate's / chat's tokens; the request ids are vLLM's counter
+strings and the outputs come back ordered by their numeric value; a generate() after enqueue() returns the enqueued
+outputs too, first (vLLM's _run_engine returns every finished request); a refused call adds nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.engine.llm import LLM
+from deltaserve.engine.request import RequestOutput
+from deltaserve.sampling_params import BeamSearchParams, SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+PROMPTS = ["The river ran", {"prompt_token_ids": [5, 17, 99, 300, 41]}, "Once upon a time"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Say hello"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "The river ran"}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4)
+
+
+def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def assert_idle(llm: LLM) -> None:
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    assert llm.wait_for_completion(use_tqdm=False) == []
+
+
+def test_enqueue_then_wait_equals_generate(llm: LLM) -> None:
+    expected = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ids = llm.enqueue(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(isinstance(i, str) for i in ids)
+    assert [int(i) for i in ids] == list(range(int(ids[0]), int(ids[0]) + len(PROMPTS)))
+    assert ids[0] == str(int(expected[-1].request_id) + 1)  # one counter for generate and enqueue
+    assert set(llm.engine.requests) == set(ids)  # added, not run
+    assert all(not state.sequences[0].token_ids for state in llm.engine.requests.values())
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids
+    assert all(o.finished for o in outputs)
+    assert tokens(outputs) == tokens(expected)
+    assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
+    assert_idle(llm)
+
+
+def test_outputs_ordered_by_numeric_id(llm: LLM) -> None:
+    """Past ten requests the string order of the ids ("10" < "2") is not theirs: vLLM sorts by int(request_id)."""
+    prompts = [{"prompt_token_ids": [3 + i, 40, 41]} for i in range(12)]
+    ids = llm.enqueue(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids
+    assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in prompts]
+
+
+def test_generate_after_enqueue_returns_both(llm: LLM) -> None:
+    alone = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    queued = llm.enqueue(PROMPTS[0], GREEDY, use_tqdm=False)
+    outputs = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    assert [o.request_id for o in outputs] == [queued[0], str(int(queued[0]) + 1)]
+    assert tokens(outputs) == tokens(alone)
+    assert_idle(llm)
+
+
+def test_enqueue_chat_equals_chat(llm: LLM) -> None:
+    expected = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
+    ids = llm.enqueue_chat(CONVERSATIONS, GREEDY, use_tqdm=False)
+    outputs = llm.wait_for_completion(RequestOutput, use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids
+    assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
+    assert [o.prompt for o in outputs] == [o.prompt for o in expected]
+    assert tokens(outputs) == tokens(expected)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda llm: llm.enqueue(PROMPTS, GREEDY, lora_request=object()), "lora_request"),
+        (lambda llm: llm.enqueue(PROMPTS, GREEDY, tokenization_kwargs={"truncation": True}), "tokenization_kwargs"),
+        (lambda llm: llm.enqueue(PROMPTS, GREEDY, mm_processor_kwargs={"fps": 1}), "mm_processor_kwargs"),
+        (lambda llm: llm.enqueue(PROMPTS, [GREEDY]), "sampling params"),
+        (lambda llm: llm.enqueue(PROMPTS, GREEDY, priority=[1, 2, 3]), "priority"),
+        (lambda llm: llm.enqueue(PROMPTS, SamplingParams(logprobs=500)), "logprobs"),
+        # the engine refuses the second prompt after the first was added: the first goes too
+        (lambda llm: llm.enqueue([PROMPTS[1], {"prompt_token_ids": [10**9]}], GREEDY), "out of vocabulary"),
+        (lambda llm: llm.enqueue_chat(CONVERSATIONS, GREEDY, lora_request=object()), "lora_request"),
+        (lambda llm: llm.enqueue_chat(CONVERSATIONS, GREEDY, tokenization_kwargs={"x": 1}), "tokenization_kwargs"),
+        (lambda llm: llm.enqueue_chat(CONVERSATIONS, GREEDY, mm_processor_kwargs={"x": 1}), "mm_processor_kwargs"),
+        (lambda llm: llm.chat(CONVERSATIONS, GREEDY, tokenization_kwargs={"x": 1}), "tokenization_kwargs"),
+        (
+            lambda llm: llm.enqueue_chat(CONVERSATIONS, GREEDY, add_generation_prompt=True, continue_final_message=True),
+            "continue_final_message",
+        ),
+    ],
+)
+def test_refused_call_adds_nothing(llm: LLM, call, message: str) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=message):
+        call(llm)
+    assert_idle(llm)
+
+
+def test_waiting_refusals_lose_nothing(llm: LLM) -> None:
+    """A wrong output_type is refused before the run; beam_search refuses to run over enqueued requests (its steps'
+    generate calls would return them); both leave the queue as it was."""
+    ids = llm.enqueue(PROMPTS[:1], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="RequestOutput"):
+        llm.wait_for_completion(int)
+    with pytest.raises(RuntimeError, match="wait_for_completion"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=2))
+    outputs = llm.wait_for_completion((RequestOutput, int), use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids and len(outputs[0].outputs[0].token_ids) == 4
