@@ -29,6 +29,7 @@ from deltaserve.engine.offline_chat import chat_prompt
 from deltaserve.engine.offline_requests import (
     OfflineRequests,
     PromptType,
+    UseTqdm,
     check_no_lora,
     check_no_overrides,
     salt_of,
@@ -78,7 +79,7 @@ class LLM:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         priority: SequenceABC[int] | int | None = None,
         lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
@@ -102,20 +103,23 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         lora_request: Any = None,
         priority: SequenceABC[int] | int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """vLLM's LLM.enqueue: adds the prompts' requests as generate() would, checked and refused alike, without
         running the engine; their request ids ("0", "1", ... counted per LLM, as vLLM's). wait_for_completion() (or
-        the next generate / chat) runs them. use_tqdm: a bar over the prompts being added."""
+        the next generate / chat) runs them. use_tqdm: a bar over the prompts being added (a bool, or vLLM's
+        callable that makes the bar, as every method here takes it)."""
         check_no_lora(lora_request)
         check_no_overrides(tokenization_kwargs, mm_processor_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         return self._requests.add(prompts, sampling_params, priority, use_tqdm, desc="Adding requests")
 
-    def wait_for_completion(self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: bool = True) -> list:
+    def wait_for_completion(
+        self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: UseTqdm = True
+    ) -> list:
         """vLLM's LLM.wait_for_completion: runs the engine until every enqueued request finished; their
         RequestOutputs ordered by request id (the order they were enqueued in), [] when none was. output_type: the
         type(s) the outputs must be (None: any; deltaserve makes RequestOutputs only, no pooling outputs)."""
@@ -155,7 +159,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: Any = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -179,7 +183,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: Any = None,
         priority: SequenceABC[int] | int | None = None,
         chat_template: str | None = None,

@@ -11,6 +11,7 @@ vLLM's `_run_engine` does: a generate() after enqueue() returns the enqueued req
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -25,6 +26,15 @@ from deltaserve.multimodal.offline import loaded_media
 from deltaserve.sampling_params import SamplingParams, logprobs_cap_error
 
 PromptType = str | dict[str, Any]
+# vLLM's use_tqdm: a bool, or a callable that makes the bar (e.g. functools.partial(tqdm, leave=False))
+UseTqdm = bool | Callable[..., Any]
+
+
+def progress_bar(use_tqdm: UseTqdm, iterable: Any = None, **kwargs: Any) -> Any:
+    """tqdm(iterable, **kwargs), disabled when use_tqdm is false; the caller's own bar factory when it is callable."""
+    if callable(use_tqdm):
+        return use_tqdm(iterable, **kwargs)
+    return tqdm(iterable, disable=not use_tqdm, **kwargs)
 
 
 def check_no_lora(lora_request: Any) -> None:
@@ -113,7 +123,7 @@ class OfflineRequests:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams],
         priority: SequenceABC[int] | int | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: UseTqdm = False,
         desc: str = "Adding requests",
     ) -> list[str]:
         """Adds the prompts' requests to the engine (without stepping it); their ids, in prompt order."""
@@ -122,8 +132,8 @@ class OfflineRequests:
         params_list, priorities = self._checked(prompts, sampling_params, priority)
         request_ids: list[str] = []
         try:
-            for prompt, params, request_priority in tqdm(
-                list(zip(prompts, params_list, priorities, strict=True)), desc=desc, disable=not use_tqdm
+            for prompt, params, request_priority in progress_bar(
+                use_tqdm, list(zip(prompts, params_list, priorities, strict=True)), desc=desc
             ):
                 text, token_ids = to_token_ids(self.engine, prompt)
                 token_ids, mm_input = multimodal(self.engine, prompt, token_ids)
@@ -148,9 +158,9 @@ class OfflineRequests:
             if request_id in self.engine.requests:
                 self.engine.abort_request(request_id)
 
-    def run(self, use_tqdm: bool = True) -> list[RequestOutput]:
+    def run(self, use_tqdm: UseTqdm = True) -> list[RequestOutput]:
         """Steps the engine until every request finished; the pending ones' final outputs by numeric id."""
-        with tqdm(total=len(self.pending), desc="Processed prompts", disable=not use_tqdm) as progress:
+        with progress_bar(use_tqdm, total=len(self.pending), desc="Processed prompts") as progress:
             try:
                 while self.engine.has_unfinished():
                     for output in self.engine.step():

@@ -9,6 +9,7 @@ outputs too, first (vLLM's _run_engine returns every finished request); a refuse
 from __future__ import annotations
 
 import pytest
+from tqdm import tqdm
 
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.request import RequestOutput
@@ -97,7 +98,9 @@ def test_enqueue_chat_equals_chat(llm: LLM) -> None:
         (lambda llm: llm.enqueue_chat(CONVERSATIONS, GREEDY, mm_processor_kwargs={"x": 1}), "mm_processor_kwargs"),
         (lambda llm: llm.chat(CONVERSATIONS, GREEDY, tokenization_kwargs={"x": 1}), "tokenization_kwargs"),
         (
-            lambda llm: llm.enqueue_chat(CONVERSATIONS, GREEDY, add_generation_prompt=True, continue_final_message=True),
+            lambda llm: llm.enqueue_chat(
+                CONVERSATIONS, GREEDY, add_generation_prompt=True, continue_final_message=True
+            ),
             "continue_final_message",
         ),
     ],
@@ -118,3 +121,18 @@ def test_waiting_refusals_lose_nothing(llm: LLM) -> None:
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=2))
     outputs = llm.wait_for_completion((RequestOutput, int), use_tqdm=False)
     assert [o.request_id for o in outputs] == ids and len(outputs[0].outputs[0].token_ids) == 4
+
+
+def test_use_tqdm_callable_makes_the_bars(llm: LLM) -> None:
+    """vLLM's use_tqdm may be a callable that makes the bar: enqueue's over the prompts, the run's over requests."""
+    made: list[dict] = []
+
+    def bar(iterable: object = None, **kwargs: object) -> tqdm:
+        made.append(kwargs)
+        return tqdm(iterable, disable=True, **kwargs)
+
+    llm.enqueue(PROMPTS[:2], GREEDY, use_tqdm=bar)
+    outputs = llm.wait_for_completion(use_tqdm=bar)
+    assert len(outputs) == 2
+    assert [kwargs.get("desc") for kwargs in made] == ["Adding requests", "Processed prompts"]
+    assert made[1]["total"] == 2
