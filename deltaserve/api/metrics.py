@@ -3,13 +3,14 @@
 Engine-side state is read from engine.stats() at scrape time by a collector: running/waiting requests and
 waiting-by-reason, KV usage, free blocks and state slots, preemptions, the prefix cache's queries and hits (the
 scheduler's token counters: a preempted request's second lookup counts again, as in vLLM), the per-step token
-histogram (vllm:iteration_tokens_total), cache_config_info, the sleep state, and with speculative decoding
-configured vLLM's vllm:spec_decode_* counters. Per-request series are recorded by a
+histogram (vllm:iteration_tokens_total), cache_config_info, the sleep state, and with speculative decoding configured
+vLLM's vllm:spec_decode_* counters; the vllm:* series among these are the offline LLM.get_metrics' own records
+(engine/metrics_snapshot.py engine_metrics), rendered as Prometheus families. Per-request series are recorded by a
 RequestTracker as the server streams each request: token counters and histograms, cached prompt tokens by source
-(from RequestOutput.num_cached_tokens), TTFT, inter-token latency, end-to-end latency, time per output token, and
-the phase histograms (queue, prefill, decode, inference) and preemptions from RequestOutput.metrics, the engine's
-own timestamps; a request whose outputs carry no metrics observes no phase histogram. Counters vLLM exports for
-features deltaserve has not (external KV connector, multimodal cache) are exported at zero, as vLLM does when unused.
+(from RequestOutput.num_cached_tokens), TTFT, inter-token latency, end-to-end latency, time per output token, and the
+phase histograms (queue, prefill, decode, inference) and preemptions from RequestOutput.metrics, the engine's own
+timestamps; a request whose outputs carry no metrics observes no phase histogram. Counters vLLM exports for features
+deltaserve has not (external KV connector, multimodal cache) are exported at zero, as vLLM does when unused.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deltaserve.engine import metrics_snapshot as snapshot
+from deltaserve.engine.metrics_snapshot import ENGINE_INDEX, FINISH_REASONS, LABELS, PROMPT_SOURCES
 from deltaserve.engine.request import RequestOutput
-from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, RequestMetrics
+from deltaserve.engine.stats import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
-LABELS = ("model_name", "engine")
-ENGINE_INDEX = "0"  # one engine per server; vLLM labels data-parallel engines 0..N-1
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -39,9 +40,23 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)  # fmt: skip
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
-PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
-FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's help strings (vllm/v1/metrics/loggers.py) of the engine series that engine/metrics_snapshot.py names
+ENGINE_HELP = {
+    "vllm:num_requests_running": "Requests in the running batch.",
+    "vllm:num_requests_waiting": "Requests waiting to be scheduled.",
+    "vllm:num_requests_waiting_by_reason": "Waiting requests by reason: capacity (KV blocks or state slots) or "
+    "deferred.",
+    "vllm:kv_cache_usage_perc": "KV-cache usage, 1 means 100 percent.",
+    "vllm:num_preemptions": "Cumulative preemptions.",
+    "vllm:prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "vllm:iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
+}
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -56,6 +71,33 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+def engine_families(metrics: list[snapshot.Metric]) -> Iterator[Metric]:
+    """Prometheus families of the engine series that engine/metrics_snapshot.py builds (the offline get_metrics'
+    records), one family per name in their order, so /metrics and the offline snapshot name and count alike."""
+    families: dict[str, Metric] = {}
+    for metric in metrics:
+        names, values = list(metric.labels), list(metric.labels.values())
+        family = families.get(metric.name)
+        doc = ENGINE_HELP[metric.name]
+        if isinstance(metric, snapshot.Vector):  # Prometheus has no vector: a counter per position label
+            family = family or CounterMetricFamily(metric.name, doc, labels=[*names, "position"])
+            for position, count in enumerate(metric.values):
+                family.add_metric([*values, str(position)], count)
+        elif isinstance(metric, snapshot.Counter):
+            family = family or CounterMetricFamily(metric.name, doc, labels=names)
+            family.add_metric(values, metric.value)
+        elif isinstance(metric, snapshot.Gauge):
+            family = family or GaugeMetricFamily(metric.name, doc, labels=names)
+            family.add_metric(values, metric.value)
+        elif isinstance(metric, snapshot.Histogram):
+            family = family or HistogramMetricFamily(metric.name, doc, labels=names)
+            family.add_metric(values, list(metric.buckets.items()), metric.sum)
+        else:
+            raise TypeError(f"{metric.name}: no Prometheus family for {type(metric).__name__}")
+        families[metric.name] = family
+    yield from families.values()
+
+
 class EngineStatsCollector(Collector):
     """Reads engine.stats() at every scrape, so the gauges are never stale."""
 
@@ -66,17 +108,6 @@ class EngineStatsCollector(Collector):
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=LABELS)
         family.add_metric(self.label_values, value)
-        return family
-
-    def _iteration_tokens(self, stats: Any) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS
-        )
-        bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
-        counts = tuple(stats.iteration_token_counts)  # cumulative: observations <= each bound, then the total
-        if len(counts) != len(bounds):
-            counts = (0,) * len(bounds)
-        family.add_metric(self.label_values, list(zip(bounds, counts, strict=True)), stats.iteration_tokens_sum)
         return family
 
     def _cache_config(self, stats: Any) -> GaugeMetricFamily:
@@ -106,22 +137,14 @@ class EngineStatsCollector(Collector):
         except Exception:  # a dead engine must not break /metrics
             logger.exception("engine.stats() failed")
             return
-        yield self._gauge("vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield self._gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        by_reason = GaugeMetricFamily(
-            "vllm:num_requests_waiting_by_reason",
-            "Waiting requests by reason: capacity (KV blocks or state slots) or deferred.",
-            labels=(*LABELS, "reason"),
-        )
-        by_reason.add_metric([*self.label_values, "capacity"], stats.num_waiting_for_capacity)
-        by_reason.add_metric([*self.label_values, "deferred"], stats.num_waiting_deferred)
-        yield by_reason
+        # running / waiting (by reason) requests, KV usage, preemptions, prefix-cache queries and hits, the per-step
+        # token histogram and, when speculating, vLLM's vllm:spec_decode_* counters: the offline snapshot's series
+        yield from engine_families(snapshot.engine_metrics(stats, dict(zip(LABELS, self.label_values, strict=True))))
         sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state (awake = 1: awake).",
                                   labels=(*LABELS, "sleep_state"))  # fmt: skip
         for state in SLEEP_STATES:
             sleep.add_metric([*self.label_values, state], 1 if state == "awake" else 0)
         yield sleep
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", stats.kv_cache_usage)
         # blocks and slots only the prefix cache holds count free (it gives them up on demand), as vLLM counts them
         yield self._gauge("deltaserve:num_free_kv_blocks", "Free KV-cache blocks.", stats.num_free_kv_blocks)
         yield self._gauge("deltaserve:num_total_kv_blocks", "KV-cache blocks in total.", stats.num_total_kv_blocks)
@@ -129,48 +152,7 @@ class EngineStatsCollector(Collector):
         yield self._gauge(
             "deltaserve:num_total_state_slots", "Recurrent-state slots in total.", stats.num_total_state_slots
         )
-        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions.", labels=LABELS)
-        preemptions.add_metric(self.label_values, stats.num_preemptions_total)
-        yield preemptions
-        # vLLM's names and help strings (vllm/v1/metrics/loggers.py)
-        yield from self._counters((
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             stats.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             stats.prefix_cache_hits),
-        ))  # fmt: skip
-        yield self._iteration_tokens(stats)
         yield self._cache_config(stats)
-        if stats.num_speculative_tokens > 0:
-            yield from self._spec_decode(stats)
-
-    def _counters(self, entries: tuple[tuple[str, str, float], ...]) -> Iterator[Metric]:
-        """One counter family a (name, help, value), under this server's labels."""
-        for name, doc, value in entries:
-            family = CounterMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(self.label_values, value)
-            yield family
-
-    def _spec_decode(self, stats: Any) -> Iterator[Metric]:
-        """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py SpecDecodingProm), present only when
-        speculative decoding is configured: drafts, draft tokens, accepted tokens, and accepted tokens per draft
-        position (label position 0 .. k-1)."""
-        yield from self._counters((
-            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
-            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_decode_num_draft_tokens),
-            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-             stats.spec_decode_num_accepted_tokens),
-        ))  # fmt: skip
-        per_pos = CounterMetricFamily(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
-            labels=(*LABELS, "position"),
-        )
-        counts = tuple(stats.spec_decode_num_accepted_tokens_per_pos)
-        for position in range(stats.num_speculative_tokens):
-            count = counts[position] if position < len(counts) else 0
-            per_pos.add_metric([*self.label_values, str(position)], count)
-        yield per_pos
 
 
 class ServerMetrics:

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from deltaserve.engine import offline_beam
+from deltaserve.engine import metrics_snapshot, offline_beam
 from deltaserve.engine.beam_search import BeamSearchOutput
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.frontend import check_cache_salt
+from deltaserve.engine.metrics_snapshot import Metric
 from deltaserve.engine.offline_chat import chat_prompt
 from deltaserve.engine.offline_requests import (
     OfflineRequests,
@@ -54,18 +55,21 @@ class LLM:
         dtype: str = "auto",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         max_logprobs: int = MAX_LOGPROBS,
+        disable_log_stats: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         """speculative_config: vLLM's dict ({"method": "mtp", "num_speculative_tokens": k, ...}), validated as vLLM
         validates it (deltaserve/speculative_config.py): the model is built with its MTP layer and that layer's KV.
         max_logprobs: vLLM's cap on a request's logprobs and prompt_logprobs (-1: the vocabulary), as the server's
-        --max-logprobs."""
+        --max-logprobs. disable_log_stats: vLLM's, True by default offline as in vLLM; False keeps the metrics that
+        get_metrics() returns."""
         if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < ALL_LOGPROBS:
             raise ValueError(f"max_logprobs must be -1 (no cap: the vocabulary) or more, got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
         config = EngineConfig(model=str(model), dtype=dtype, speculative_config=speculative_config, **engine_kwargs)
         self.engine = LLMEngine(config)
         self._requests = OfflineRequests(self.engine, max_logprobs)
+        self.log_stats = not disable_log_stats
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
@@ -251,6 +255,14 @@ class LLM:
         is computed in full; True when all were dropped. No request runs between two generate() calls, so
         reset_running_requests changes nothing here; there is no KV connector to reset."""
         return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLM.get_metrics: a snapshot of the vllm:* series (Counter, Gauge, Histogram, Vector records of
+        engine/metrics_snapshot.py), the engine's from its stats now, the per-request counters over every request
+        this LLM returned. Needs LLM(disable_log_stats=False), as in vLLM."""
+        if not self.log_stats:
+            raise AssertionError("Stat logging disabled")  # vLLM's assert and words (raised, so -O keeps it)
+        return metrics_snapshot.snapshot(self.engine.stats(), self._requests.counts, self.engine.config.model)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (tensor_parallel_size > 1); a no-op otherwise. They stop by

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.frontend import check_cache_salt, check_priority
+from deltaserve.engine.metrics_snapshot import RequestCounts
 from deltaserve.engine.output import RequestState
 from deltaserve.engine.request import RequestOutput
 from deltaserve.multimodal.inputs import MultimodalInput
@@ -88,6 +89,7 @@ class OfflineRequests:
         self.max_logprobs = max_logprobs
         self._ids = itertools.count()
         self.pending: dict[str, RequestState] = {}  # added, not yet returned by run()
+        self.counts = RequestCounts()
 
     def _checked(
         self,
@@ -173,4 +175,6 @@ class OfflineRequests:
                 raise
         outputs = [self.pending[request_id].final_output() for request_id in sorted(self.pending, key=int)]
         self.pending.clear()
+        for output in outputs:
+            self.counts.observe(output)
         return outputs
