@@ -36,6 +36,7 @@ from deltaserve.engine.offline_requests import (
     salt_of,
     to_token_ids,
 )
+from deltaserve.engine.offline_unsupported import UnsupportedOfflineMethods
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput
@@ -48,7 +49,7 @@ from deltaserve.sampling_params import (
 from deltaserve.speculative_config import SpeculativeConfig
 
 
-class LLM:
+class LLM(UnsupportedOfflineMethods):
     def __init__(
         self,
         model: str | Path,
@@ -263,6 +264,15 @@ class LLM:
         if not self.log_stats:
             raise AssertionError("Stat logging disabled")  # vLLM's assert and words (raised, so -O keeps it)
         return metrics_snapshot.snapshot(self.engine.stats(), self._requests.counts, self.engine.config.model)
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the ranks serving the model, tensor_parallel_size here (no pipeline or data parallelism, so
+        include_dp changes nothing)."""
+        return self.engine.config.tensor_parallel_size
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: clears the multimodal processor and encoder caches. deltaserve keeps none (each image and video
+        is processed and encoded per request), so there is nothing to clear."""
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (tensor_parallel_size > 1); a no-op otherwise. They stop by

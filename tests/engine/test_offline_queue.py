@@ -3,10 +3,13 @@
 
 Enqueued requests run only when waited for and give generate's / chat's tokens; the request ids are vLLM's counter
 strings and the outputs come back ordered by their numeric value; a generate() after enqueue() returns the enqueued
-outputs too, first (vLLM's _run_engine returns every finished request); a refused call adds nothing.
+outputs too, first (vLLM's _run_engine returns every finished request); a refused call adds nothing. Also the rest
+of vLLM's offline surface: get_world_size, reset_mm_cache (nothing to clear) and the methods refused by name.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 from tqdm import tqdm
@@ -136,3 +139,28 @@ def test_use_tqdm_callable_makes_the_bars(llm: LLM) -> None:
     assert len(outputs) == 2
     assert [kwargs.get("desc") for kwargs in made] == ["Adding requests", "Processed prompts"]
     assert made[1]["total"] == 2
+
+
+def test_world_size_and_mm_cache(llm: LLM) -> None:
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    four_ranks = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(tensor_parallel_size=4)))
+    assert LLM.get_world_size(four_ranks) == LLM.get_world_size(four_ranks, include_dp=False) == 4  # no DP, no PP
+    before = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert llm.reset_mm_cache() is None  # no multimodal cache to clear
+    assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == tokens(before)
+
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("sleep", lambda llm: llm.sleep(level=1)),
+        ("wake_up", lambda llm: llm.wake_up(tags=["weights"])),
+        ("collective_rpc", lambda llm: llm.collective_rpc("get_model")),
+        ("apply_model", lambda llm: llm.apply_model(lambda model: model)),
+        ("start_profile", lambda llm: llm.start_profile()),
+        ("stop_profile", lambda llm: llm.stop_profile()),
+    ],
+)
+def test_unimplemented_methods_refused_by_name(llm: LLM, method: str, call) -> None:  # noqa: ANN001
+    with pytest.raises(NotImplementedError, match=rf"LLM\.{method}: deltaserve does not implement it"):
+        call(llm)
