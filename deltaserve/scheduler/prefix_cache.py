@@ -253,10 +253,12 @@ class PrefixCache:
         for checkpoint in self._pending.pop(step_id, ()):
             checkpoint.is_ready = True
 
-    def evict_one(self, keep: Checkpoint | None = None, keep_slot: int | None = None) -> bool:
+    def evict_one(
+        self, keep: Checkpoint | None = None, keep_slot: int | None = None, may_evict_protected: bool = True
+    ) -> bool:
         """Drops the least recently used ready checkpoint (not `keep`, nor the one in keep_slot), an unprotected one
-        while there is one: its slot and block references go back."""
-        for is_protected in (False, True):
+        while there is one (only those unless may_evict_protected): its slot and block references go back."""
+        for is_protected in (False, True) if may_evict_protected else (False,):
             for checkpoint in self._checkpoints.values():
                 if (
                     checkpoint.is_ready
@@ -288,9 +290,12 @@ class PrefixCache:
                 return False
         return True
 
-    def take_slot(self, keep: Checkpoint | None = None, keep_slot: int | None = None) -> int | None:
-        """A free state slot, evicting a ready checkpoint for it when none is free."""
-        if self.slots.num_free_slots == 0 and not self.evict_one(keep, keep_slot):
+    def take_slot(
+        self, keep: Checkpoint | None = None, keep_slot: int | None = None, may_evict_protected: bool = True
+    ) -> int | None:
+        """A free state slot, evicting a ready checkpoint for it when none is free (a protected one only where
+        may_evict_protected: a running sequence's slot may take one, a new checkpoint's may not)."""
+        if self.slots.num_free_slots == 0 and not self.evict_one(keep, keep_slot, may_evict_protected):
             return None
         return self.slots.allocate()
 
@@ -333,7 +338,9 @@ class PrefixCache:
         key = self.key(seq, end)
         if self.contains(key) or not self.can_add():
             return ()
-        slot = self.take_slot(keep_slot=read_slot)
+        # a new checkpoint, which nothing has hit yet, never evicts a protected one (docs/prefix-caching.md#eviction-
+        # order: letting a new branch point do so measured worse at c64); where no other is evictable it is skipped
+        slot = self.take_slot(keep_slot=read_slot, may_evict_protected=False)
         if slot is None:
             return ()
         block_ids = tuple(seq.block_ids[: -(-end // self.block_size)])

@@ -529,3 +529,30 @@ def test_eviction_takes_unprotected_checkpoints_first_and_protection_ages_out(
         cache.lookup(request(f"y{checkpoint.key[0][0]}", [1] * 20))
     assert [c.is_protected for c in cache.checkpoints()] == [False, True, True, True]
     assert cache.checkpoints()[0].key[0][0] == 0
+
+
+def test_a_new_checkpoint_never_evicts_a_protected_one_but_a_running_sequence_may(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every slot held by protected checkpoints, a prefill's new checkpoint is skipped (nothing is evicted for
+    it), while an admission's slot still evicts the least recently used protected one."""
+    from deltaserve.scheduler.prefix_cache import PrefixCache
+
+    blocks, slots = BlockManager(16, 16), StateSlotPool(2)
+    cache = PrefixCache(blocks, slots, max_pending=2, chunk_size=64)
+    for index in range(2):
+        block_ids = blocks.allocate(1)
+        blocks.share(block_ids, by_cache=True)
+        blocks.free(block_ids)
+        cache.add((bytes([index]), (), ()), 16, slots.allocate(), tuple(block_ids), None)
+    for checkpoint in cache.checkpoints():
+        monkeypatch.setattr(cache, "_match", lambda seq, is_ready, c=checkpoint: c)
+        for name in ("x", "y"):
+            cache.lookup(request(f"{name}{checkpoint.key[0][0]}", [1] * 20))
+    assert [c.is_protected for c in cache.checkpoints()] == [False, True]  # 3/4 of 2: one stays protected
+    cache.checkpoints()[0].is_protected = True  # both protected: what a prefix-heavy pool looks like
+    seq = request("new", list(range(40)))
+    seq.block_ids = blocks.allocate(3)
+    assert cache.checkpoint_at(seq, 32, step_id=1, read_slot=None) == ()
+    assert cache.num_checkpoints == 2 and slots.num_free_slots == 0
+    assert cache.take_slot() is not None and [c.key[0][0] for c in cache.checkpoints()] == [1]
