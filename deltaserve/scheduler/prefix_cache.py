@@ -338,8 +338,8 @@ class PrefixCache:
         key = self.key(seq, end)
         if self.contains(key) or not self.can_add():
             return ()
-        # a new checkpoint, which nothing has hit yet, never evicts a protected one (docs/prefix-caching.md#eviction-
-        # order: letting a new branch point do so measured worse at c64); where no other is evictable it is skipped
+        # a new checkpoint, which nothing has hit yet, never evicts a protected one (letting a new branch point do so
+        # simulated worse at c64: docs/prefix-caching.md#eviction-order); with no other evictable it is skipped
         slot = self.take_slot(keep_slot=read_slot, may_evict_protected=False)
         if slot is None:
             return ()
