@@ -29,7 +29,7 @@ from deltaserve.runner.cache import (
     checkpoint_slots,
     plan_cache,
 )
-from deltaserve.runner.cuda_graph import static_bytes
+from deltaserve.runner.cuda_graph import buckets, static_bytes
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
@@ -245,6 +245,18 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     if speculative is not None:  # the verify scratch comes out of the cache budget (a chunk a sequence at fixed k)
         spec_rows = max_num_seqs if has_scratch_per_seq else scratch_rows(total, scratch_bytes, k, max_num_seqs)
         budget -= spec_rows * (k + 1) * scratch_bytes
+    if given_budget(engine_config, runner.device) is None:
+        # the measured budget kept the graphs' buffers for the default count; a smaller count's graphs need less, and
+        # the rest goes to the cache (the count itself stays as sized: the give-back only adds blocks and slots)
+        kind, reserved = graph_bytes(runner, upper)
+        needed = graph_bytes(runner, max_num_seqs, spec_rows or None)[1]
+        if reserved > needed:
+            logger.info(
+                "%s graphs %.2f GiB at max_num_seqs %d (%.2f GiB kept for %d): %.2f GiB more cache budget", kind,
+                needed / GIB, max_num_seqs, reserved / GIB, upper, (reserved - needed) / GIB,
+            )  # fmt: skip
+            budget += reserved - needed
+            total += reserved - needed
     num_checkpoints = 0
     if engine_config.enable_prefix_caching:
         num_checkpoints = engine_config.num_checkpoint_slots
@@ -334,17 +346,19 @@ def cache_budget(runner: ModelRunner, max_num_batched_tokens: int, max_model_len
     return budget
 
 
-def graph_bytes(runner: ModelRunner, max_num_seqs: int) -> tuple[str, int]:
-    """(which graphs, the bytes of their static buffers): the decode graphs' shared logits and the largest
-    bucket's lm_head output; while speculating, the verify graphs' logits, lm_head output and hidden states over
-    their largest bucket's tokens and the MTP drafter's logits over its rows (runner/spec_graphs.py), sized before
-    the verify scratch caps the bucket; with a k policy, also the width-1 graphs' (all-decode steps without verify
-    chunks: one token a row, up to max_num_seqs rows)."""
+def graph_bytes(runner: ModelRunner, max_num_seqs: int, spec_rows: int | None = None) -> tuple[str, int]:
+    """(which graphs, the bytes of their static buffers) as the graphs will allocate them for max_num_seqs: the
+    decode graphs' shared logits and the largest bucket's lm_head output (the largest capture size, at most 512
+    rows, rounded up to 8: DecodeGraphs' capacity); while speculating, the verify graphs' logits, lm_head output and
+    hidden states over their largest bucket's tokens and the MTP drafter's logits over its rows
+    (runner/spec_graphs.py), the bucket capped by the verify scratch's spec_rows where given; with a k policy, also
+    the width-1 graphs' (all-decode steps without verify chunks: one token a row, up to max_num_seqs rows)."""
     if runner.is_graphed:
-        return "decode", static_bytes(max_num_seqs, runner.vocab_size)
+        return "decode", static_bytes(buckets(max_num_seqs)[2], runner.vocab_size)
     if runner.is_spec_graphed:
         k = runner.engine_config.speculative_config.num_speculative_tokens
-        rows = -(-max_verify_batch(k, max_num_seqs, max_num_seqs) // 8) * 8  # VerifyGraphs.capacity
+        limit = max_num_seqs if spec_rows is None else spec_rows
+        rows = -(-max_verify_batch(k, max_num_seqs, limit) // 8) * 8  # VerifyGraphs.capacity
         hidden_size = runner.model_config.hidden_size
         total = verify_static_bytes(rows, 1 + k, runner.vocab_size, hidden_size, runner.dtype, True)
         if runner.spec_draft_counts is None:

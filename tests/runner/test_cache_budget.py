@@ -237,3 +237,34 @@ def test_on_a_gpu_the_verify_warmup_is_sized_from_it(monkeypatch: pytest.MonkeyP
                      kv_cache_memory_bytes=40 * 2**20, speculative_config=mtp).engine.runner  # fmt: skip
     assert "a verify step of 4 rows of 3 tokens with drafts and the MTP drafter" in caplog.text
     assert runner.spec.max_spec_seqs == 4
+
+
+def test_a_capped_count_gives_its_unneeded_graph_buffers_back_to_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog,  # noqa: ANN001
+) -> None:
+    """The measured budget keeps the decode graphs' static buffers for vLLM's default count (here 256; 1,024 on a
+    large GPU, whose graphs stop at 512 rows); once the count is capped to what the state pool affords, its graphs
+    need fewer rows, and the difference becomes KV blocks (session 25: 1.37 GiB on the H100 27B)."""
+    budgets: list[int] = []
+    cache_budget = memory.cache_budget
+
+    def spy(runner, *args: int) -> int:  # noqa: ANN001 (the runner under construction)
+        budgets.append(cache_budget(runner, *args))
+        return budgets[-1]
+
+    monkeypatch.setattr(memory, "cache_budget", spy)
+    config = {**FIXED, "max_num_seqs": None, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5}
+    total = 2 * (memory.HEADROOM_BYTES + 16 * 2**20)
+    with fake_cuda(monkeypatch, total, 3 * 2**20), caplog.at_level(logging.INFO, logger="deltaserve"):
+        runner = LLM(DENSE, **config).engine.runner
+    upper = memory.default_max_num_seqs(runner.device)
+    assert runner.is_graphed and runner.max_num_seqs < upper
+    reserved = memory.static_bytes(memory.buckets(upper)[2], runner.vocab_size)
+    needed = memory.static_bytes(memory.buckets(runner.max_num_seqs)[2], runner.vocab_size)
+    assert memory.graph_bytes(runner, upper)[1] == reserved and reserved > needed
+    layout = runner.layout
+    used = layout.num_blocks * layout.bytes_per_block + layout.num_slots * layout.bytes_per_slot
+    budget = budgets[0] + reserved - needed
+    assert budget - layout.bytes_per_block < used <= budget  # whole blocks out of the larger budget
+    assert f"at max_num_seqs {runner.max_num_seqs}" in caplog.text and "more cache budget" in caplog.text
