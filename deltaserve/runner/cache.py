@@ -117,12 +117,23 @@ def check_one_sequence_fits(
     )
 
 
+CHECKPOINT_SHARE = 0.1  # the budget share the prefix cache's checkpoint slots take by default
+
+
 def affordable_slots(budget_bytes: int, slot_bytes: int, share: float = 0.5) -> int:
     """How many GDN state slots fit in `share` of the cache budget (the rest stays KV blocks)."""
     return max(1, int(budget_bytes * share) // max(slot_bytes, 1))
 
 
-def checkpoint_slots(budget_bytes: int, slot_bytes: int, max_num_seqs: int, share: float = 0.1) -> int:
+def whole_sequences(budget_bytes: int, per_seq_bytes: int, one_kv_bytes: int, reserved_share: float) -> int:
+    """How many sequences the budget serves whole: each with its state bytes (its pool slot, and its verify
+    scratch while speculating) and the KV blocks of a max_model_len sequence, beside `reserved_share` of the budget
+    (the checkpoint slots' share). Where a sequence's state is large against its longest KV (the 27B's 5 states at
+    k = 3 against 4,096 tokens), this exceeds the half-the-budget rule, which would leave KV no sequence can use."""
+    return int(budget_bytes * (1 - reserved_share)) // max(per_seq_bytes + one_kv_bytes, 1)
+
+
+def checkpoint_slots(budget_bytes: int, slot_bytes: int, max_num_seqs: int, share: float = CHECKPOINT_SHARE) -> int:
     """Prefix-cache checkpoint slots sized from memory: what fits in `share` of the cache budget, at least 1 and at
     most one per running sequence (a checkpoint's KV blocks bound the useful count anyway)."""
     return max(1, min(max_num_seqs, int(budget_bytes * share) // max(slot_bytes, 1)))

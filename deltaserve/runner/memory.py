@@ -20,6 +20,7 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cache import (
+    CHECKPOINT_SHARE,
     CacheLayout,
     affordable_slots,
     allocate_and_bind,
@@ -28,6 +29,7 @@ from deltaserve.runner.cache import (
     check_one_sequence_fits,
     checkpoint_slots,
     plan_cache,
+    whole_sequences,
 )
 from deltaserve.runner.cuda_graph import buckets, static_bytes
 from deltaserve.runner.device_setup import is_cuda
@@ -222,13 +224,18 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
             by_share = speculating_seqs(total, scratch_bytes, k, upper)
         else:
             by_share = affordable_slots(total, scratch_bytes)
-        max_num_seqs = min(upper, by_share, beside_one_kv)
+        # or, where more, as many as the budget serves whole at max_model_len (docs/ARCHITECTURE.md#cache-budget)
+        reserved = CHECKPOINT_SHARE if engine_config.enable_prefix_caching else 0.0
+        by_whole = whole_sequences(total, per_seq, one_kv, reserved)
+        max_num_seqs = min(upper, max(by_share, by_whole), beside_one_kv)
         if max_num_seqs < upper:
             logger.info(
                 "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB%s would take %.1f GiB "
-                "of the %.1f GiB cache budget)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
+                "of the %.1f GiB cache budget; %s)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
                 f" with {k + 1} verify scratch states each" if has_scratch_per_seq else "", upper * per_seq / GIB,
                 total / GIB,
+                f"{by_whole} served whole at max_model_len {max_model_len}" if by_whole > by_share
+                else "the states in half of it",
             )  # fmt: skip
     elif has_scratch_per_seq and beside_one_kv < max_num_seqs:
         # a count the user set, past what the budget holds with each sequence's scratch: vLLM's hybrid cache then

@@ -76,17 +76,21 @@ def test_while_speculating_the_mtp_layer_and_the_verify_scratch_are_inside_it() 
 
 
 def test_while_speculating_the_default_max_num_seqs_gives_every_sequence_its_verify_scratch() -> None:
-    """max_num_seqs unset, MTP k = 2: vLLM's default capped so that each sequence's pool slot and its 1 + k verify
-    scratch states take at most half of the budget (50 slots' worth / 4 states = 12 sequences), and the scratch
-    holds a verify chunk for every one of them, so no step is larger than the verify graphs (before, the count was
-    capped for the pool alone, 50, with 8 scratch rows: steps of 9 to 50 sequences ran eager)."""
+    """max_num_seqs unset, MTP k = 2: vLLM's default capped to the sequences the budget serves with each one's pool
+    slot, its 1 + k verify scratch states and, here, a max_model_len sequence's KV (100 slots' worth / (4 states and
+    4 KV blocks) = 14), which is more than the states in half of the budget would allow (50 / 4 = 12); the scratch
+    holds a verify chunk for every one of them, so no step is larger than the verify graphs (before session 24 the
+    count was capped for the pool alone, 50, with 8 scratch rows: steps of 9 to 50 sequences ran eager), and the KV
+    left serves all 14 at max_model_len."""
     budget = 100 * SLOT
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     runner = LLM(DENSE, **{**FIXED, "max_num_seqs": None}, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
                  speculative_config=mtp).engine.runner  # fmt: skip
-    assert (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (12, 12, 12)
-    slot = runner.layout.bytes_per_slot
-    assert runner.layout.num_blocks == (budget - 12 * 3 * SLOT - 12 * slot) // runner.layout.bytes_per_block
+    slot, block = runner.layout.bytes_per_slot, runner.layout.bytes_per_block
+    whole = budget // (slot + 3 * SLOT + 4 * block)
+    assert whole == 14 > (budget // 2) // (slot + 3 * SLOT)
+    assert (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (14, 14, 14)
+    assert runner.layout.num_blocks == (budget - 14 * 3 * SLOT - 14 * slot) // block >= 14 * 4
 
 
 def test_while_speculating_a_max_num_seqs_set_past_the_scratch_runs_as_many_as_fit(caplog) -> None:  # noqa: ANN001
