@@ -195,26 +195,34 @@ def _subjects(record: dict[str, Any], model: str) -> set[str]:
     return {e["subject"] for e in record.get("ratios", []) if e["model"] == model}
 
 
-def standing(records: Records) -> tuple[list[tuple[str, str, Records]], list[tuple[str, str, str]]]:
-    """([(grid, model, its records oldest first)] that stand, [(grid, model, the newer grid)] left to history).
+def _card(record: dict[str, Any]) -> str:
+    """The GPU a record ran on (its first), or "no GPU": records of one grid on different cards stand apart."""
+    gpus = record.get("host", {}).get("gpus") or []
+    return gpus[0] if gpus else "no GPU"
+
+
+def standing(records: Records) -> tuple[list[tuple[str, str, str, Records]], list[tuple[str, str, str]]]:
+    """([(grid, model, card, its records oldest first)] that stand, [(grid, model, the newer grid)] left to history),
+    per card: an H100 run of an H200 grid stands beside the H200's, never in its place.
 
     A grid with a peer is left to history once a newer record of another grid with a peer measured the same
     workload on the same model with one of the same subjects (e.g. a first grid that a later core grid repeats; not
     a grid that compares two peers with each other)."""
-    groups: dict[tuple[str, str], Records] = {}
+    groups: dict[tuple[str, str, str], Records] = {}
     for stem, record in records:
         for model in _models(record):
-            groups.setdefault((record["grid"], model), []).append((stem, record))
+            groups.setdefault((record["grid"], model, _card(record)), []).append((stem, record))
     date = {key: members[-1][1].get("host", {}).get("date") or "" for key, members in groups.items()}
     stands, superseded = [], []
-    for (grid, model), members in groups.items():
+    for (grid, model, card), members in groups.items():
         newest = members[-1][1]
         newer = [
             other
             for other in groups
             if other[1] == model
+            and other[2] == card
             and other[0] != grid
-            and date[other] > date[(grid, model)]
+            and date[other] > date[(grid, model, card)]
             and newest.get("ratios")
             and groups[other][-1][1].get("ratios")
             and workload(groups[other][-1][1], model) == workload(newest, model)
@@ -223,10 +231,11 @@ def standing(records: Records) -> tuple[list[tuple[str, str, Records]], list[tup
         if newer:
             superseded.append((grid, model, min(newer)[0]))
         else:
-            stands.append((grid, model, members))
-    # grids with a peer first, then by grid name; within a grid the larger model name first (35B-A3B before 27B)
-    stands.sort(key=lambda item: item[1], reverse=True)
-    stands.sort(key=lambda item: (not item[2][-1][1].get("ratios"), item[0]))
+            stands.append((grid, model, card, members))
+    # grids with a peer first, then by grid name; within a grid the larger model name first (35B-A3B before 27B),
+    # the H200's before another card's
+    stands.sort(key=lambda item: (item[1], "H200" in item[2]), reverse=True)
+    stands.sort(key=lambda item: (not item[3][-1][1].get("ratios"), item[0]))
     return stands, sorted(superseded)
 
 
@@ -290,16 +299,19 @@ def _standing(records: Records, notes: Notes, cite: Callable[[str], str]) -> lis
     lines = [
         "## Current standing",
         "",
-        "One table per grid and model, from its newest record. Ratios are subject / peer: above 1 favours the subject "
-        "for throughput, below 1 for TTFT and TPOT. Marks link to the notes below: `*` the peer's denominator note, "
-        "`†` a registry deviation of the peer (a backend its production defaults would not pick) that can move the "
-        "ratio, `‡` the arms' outputs differ in how many are distinct (on dummy weights they may have done different "
-        "expert work).",
+        "One table per grid, model and GPU, from its newest record. Ratios are subject / peer: above 1 favours the "
+        "subject for throughput, below 1 for TTFT and TPOT. Marks link to the notes below: `*` the peer's "
+        "denominator note, `†` a registry deviation of the peer (a backend its production defaults would not "
+        "pick) that can move the ratio, `‡` the arms' outputs differ in how many are distinct (on dummy weights "
+        "they may have done different expert work).",
         "",
     ]
-    for grid, model, members in stands:
+    for grid, model, card, members in stands:
         stem, record = members[-1]
-        lines += [f"### {grid}: {model}", "", record.get("title", stem), ""]
+        title = record.get("title", stem)
+        if card != "no GPU" and "H200" not in card:  # the grid's title names the H200 it was written for
+            title += f" (this record: {card})"
+        lines += [f"### {grid}: {model}, {card}", "", title, ""]
         older = f"; {len(members) - 1} older in the history" if len(members) > 1 else ""
         details = f"[provenance, launches, metrics](#{stem.lower()})"
         lines += [f"Newest record {cite(stem)} ({_source(record)}; {details}){older}.", ""]

@@ -518,7 +518,18 @@ def test_a_newer_grid_of_other_subjects_leaves_the_standing_grid_standing() -> N
     core = ("core-1", record("core", "2026-12-03", "deltaserve", "vllm"))
     handicap = ("handicap-1", record("handicap", "2026-12-04", "vllm", "vllm-gdn-default"))
     stands, superseded = report.standing([core, handicap])
-    assert {grid for grid, _, _ in stands} == {"core", "handicap"} and superseded == []
+    assert {grid for grid, _, _, _ in stands} == {"core", "handicap"} and superseded == []
     rerun = ("core2-1", record("core2", "2026-12-05", "deltaserve", "vllm"))
     stands, superseded = report.standing([core, handicap, rerun])
     assert superseded == [("core", "m", "core2")]
+    # a run of the same grid on another card stands beside it, never in its place
+    h100 = ("core2-h100", record("core2", "2026-12-06", "deltaserve", "vllm"))
+    h100[1]["host"]["gpus"] = ["NVIDIA H100 80GB HBM3"]
+    stands, superseded = report.standing([core, handicap, rerun, h100])
+    assert sorted((grid, card, [stem for stem, _ in members]) for grid, _, card, members in stands) == [
+        ("core2", "NVIDIA H100 80GB HBM3", ["core2-h100"]),
+        ("core2", "no GPU", ["core2-1"]),
+        ("handicap", "no GPU", ["handicap-1"]),
+    ]
+    text = report.render([core, handicap, rerun, h100], {})
+    assert "### core2: m, NVIDIA H100 80GB HBM3" in text and "### core2: m, no GPU" in text
