@@ -36,6 +36,7 @@ from typing import Any
 
 from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
+from deltaserve.bench.peer_refusals import relaunch_count, with_max_num_seqs
 from deltaserve.bench.provenance import host_facts, probe_version, server_version
 from deltaserve.bench.server_process import Server
 
@@ -198,9 +199,15 @@ class Grid:
     # -- one launch ---------------------------------------------------------------------------------------
 
     def _run_points(
-        self, arm: Arm, model: Model, points: list[tuple[int, int, int]], is_drift_check: bool = False
+        self,
+        arm: Arm,
+        model: Model,
+        points: list[tuple[int, int, int]],
+        is_drift_check: bool = False,
+        is_relaunch: bool = False,
     ) -> list[dict[str, Any]]:
-        """Launch `arm` on `model`, run every (isl, osl, concurrency) point, stop it; returns the runs."""
+        """Launch `arm` on `model`, run every (isl, osl, concurrency) point, stop it; returns the runs. A peer whose
+        start-up refusal names its remedy (deltaserve/bench/peer_refusals.py) is launched once more with it."""
         from deltaserve.bench.serve_cli import parse_bench_args, run_bench
 
         # a launch that can finish its first point goes ahead; the points after it that would not finish are left
@@ -210,6 +217,9 @@ class Grid:
             print(f"[grid] {arm.name} on {model.name}: skipped, it would not finish before the deadline", flush=True)
             self.save()
             return []
+        adapted = self.record["arms"][arm.name].get("max_num_seqs_by_model", {}).get(model.name)
+        if adapted is not None and not is_relaunch:  # an earlier call's refusal named the count (peer_refusals.py)
+            arm = with_max_num_seqs(arm, adapted)
         launch = resolve(arm, model, self.config)
         _note_deviations(self.record["arms"][arm.name], launch)
         index = len(self.record["launches"])
@@ -288,6 +298,15 @@ class Grid:
         finally:
             entry["is_port_freed"] = server.stop(self.config.stop_timeout_s)
             self.save()
+        named = relaunch_count(log_path) if entry["error"] and not runs and not is_relaunch else None
+        if named is not None:
+            refused, asked = named
+            entry["adapted_to"] = f"--max-num-seqs {asked}: vLLM refused max_num_seqs {refused} and asked for {asked}"
+            self.record["arms"][arm.name].setdefault("max_num_seqs_by_model", {})[model.name] = asked
+            print(f"[grid] {arm.name} on {model.name}: relaunching with --max-num-seqs {asked}, as its refusal asks",
+                  flush=True)  # fmt: skip
+            self.save()
+            return self._run_points(with_max_num_seqs(arm, asked), model, points, is_drift_check, is_relaunch=True)
         return runs
 
     # -- the whole grid -----------------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""A peer's start-up refusals that name their own remedy, read from its server log, so a grid can relaunch it once
+as its message says instead of losing the arm (or a device call to a manual edit).
+
+One is handled: vLLM 0.26 (config/compilation.py, with full decode CUDA graphs on a hybrid model) refuses to start
+when `max_num_seqs` exceeds its pool's block count, "max_num_seqs (M) exceeds available Mamba cache blocks (N) ...
+Please lower max_num_seqs to at most N or increase gpu_memory_utilization." On an 80 GB card the 27B shape gives
+N = 256 without MTP (the h100-* sites' `max-num-seqs-256` deviation) and fewer with the MTP layer's weights. The
+relaunch adds `--max-num-seqs N` after the site's flags (vLLM's parser keeps the last), and the record names it in
+the failed launch (`adapted_to`) and in the arm's entry (`max_num_seqs_by_model`), where a resumed call finds it
+and starts with it. At the grids' concurrencies (at most 64 running) the count binds nothing; its only other effect
+is vLLM's profile run sampling fewer rows, which leaves vLLM more cache (benchmarks/README.md, the deviations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from deltaserve.bench.grid_config import Arm
+
+MAX_NUM_SEQS_REFUSAL = re.compile(
+    r"max_num_seqs \((\d+)\) exceeds available Mamba cache blocks \((\d+)\).*?lower max_num_seqs to at most (\d+)"
+)
+
+
+def max_num_seqs_named(log_text: str) -> tuple[int, int] | None:
+    """(the refused max_num_seqs, the count vLLM's message asks for) from a server log, or None."""
+    match = MAX_NUM_SEQS_REFUSAL.search(log_text)
+    if match is None:
+        return None
+    refused, asked = int(match.group(1)), int(match.group(3))
+    return (refused, asked) if 0 < asked < refused else None
+
+
+def with_max_num_seqs(arm: Arm, count: int) -> Arm:
+    """The arm launched with `--max-num-seqs count` last: after a registry peer's site flags and extra args, or at
+    the end of a hand-written command."""
+    flag = ["--max-num-seqs", str(count)]
+    if arm.oracle:
+        return dataclasses.replace(arm, extra_args=[*arm.extra_args, *flag])
+    return dataclasses.replace(arm, command=[*arm.command, *flag])
+
+
+def relaunch_count(log_path: Path) -> tuple[int, int] | None:
+    """(refused, asked) where a launch's server log ends in the refusal above; None otherwise (or no log)."""
+    if not log_path.is_file():
+        return None
+    return max_num_seqs_named(log_path.read_text(errors="replace"))

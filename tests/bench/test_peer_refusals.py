@@ -1,0 +1,72 @@
+"""deltaserve/bench/peer_refusals.py and the grid's one relaunch: a server that refuses to start the way vLLM 0.26
+does when max_num_seqs exceeds its state blocks is launched again with the count its message names, the record
+says so, and a resumed call starts with it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from deltaserve.bench.grid import Grid, load_config
+from deltaserve.bench.grid_config import Arm
+from deltaserve.bench.peer_refusals import max_num_seqs_named, with_max_num_seqs
+from tests.support.ports import free_port
+
+from .bench_helpers import WordTokenizer
+
+FAKE_SERVER = Path(__file__).parent / "fake_server.py"
+# vLLM 0.26's words (config/compilation.py), as an H100 printed them for the 27B with prefix caching
+REFUSAL = (
+    "(EngineCore pid=2900) ERROR 12-05 16:29:38 [core.py:1330] ValueError: max_num_seqs (1024) exceeds available "
+    "Mamba cache blocks (256). Each decode sequence requires one Mamba cache block, so CUDA graph capture cannot "
+    "proceed. Please lower max_num_seqs to at most 256 or increase gpu_memory_utilization."
+)
+# a stand-in peer: refuses as vLLM does unless launched with --max-num-seqs at most 200, else serves
+REFUSING = f"""
+import os, sys
+args = sys.argv[1:]
+count = int(args[args.index("--max-num-seqs") + 1]) if "--max-num-seqs" in args else 1024
+if count > 200:
+    print({REFUSAL.replace("1024", "{count}").replace("256", "200")!r}.format(count=count), flush=True)
+    sys.exit(1)
+os.execv(sys.executable, [sys.executable, {str(FAKE_SERVER)!r}, *[a for a in args if a != "--max-num-seqs" and
+         a != str(count)]])
+"""
+
+
+def test_the_refusal_is_read_from_vllms_words() -> None:
+    assert max_num_seqs_named("some log\n" + REFUSAL + "\nTraceback ...") == (1024, 256)
+    assert max_num_seqs_named("ValueError: something else") is None
+    assert max_num_seqs_named(REFUSAL.replace("at most 256", "at most 2048")) is None  # no lower count to take
+    peer = with_max_num_seqs(Arm(name="v", oracle="vllm", extra_args=["--max-model-len", "8192"]), 240)
+    assert peer.extra_args == ["--max-model-len", "8192", "--max-num-seqs", "240"]
+    assert with_max_num_seqs(Arm(name="d", command=["serve", "m"]), 8).command == ["serve", "m", "--max-num-seqs", "8"]
+
+
+def test_the_grid_relaunches_once_with_the_named_count_and_a_resume_starts_with_it(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    script = tmp_path / "refusing.py"
+    script.write_text(REFUSING)
+    toml = tmp_path / "refusing.toml"
+    toml.write_text(
+        f'[grid]\nname="refusing"\nconcurrencies=[1]\nlengths=[[8,2]]\nport={free_port()}\nmin_prompts=2\n'
+        "prompts_per_concurrency=1\nnum_warmups=0\n"
+        f'[[models]]\nname="w"\npath="{word_model}"\n'
+        f'[[arms]]\nname="peer"\nrole="subject"\n'
+        f'command=["{sys.executable}", "{script}", "{{model}}", "--port", "{{port}}"]\nstartup_timeout_s=120\n'
+    )
+    results = tmp_path / "r"
+    record = Grid(load_config(toml), results, record_name="refusing", is_drift_enabled=False).run()
+    first, second = record["launches"]
+    assert "exited with 1" in first["error"] and first["adapted_to"].startswith("--max-num-seqs 200: vLLM refused")
+    assert second["error"] is None and second["argv"][-2:] == ["--max-num-seqs", "200"]
+    assert record["arms"]["peer"]["max_num_seqs_by_model"] == {"w": 200}
+    assert [(r["metrics"]["completed"], r["metrics"]["num_prompts"]) for r in record["runs"]] == [(2, 2)]
+    # a resumed call (here: a point the first did not run) starts with the recorded count, no refusal first
+    config = load_config(toml)
+    config.concurrencies = [1, 2]
+    resumed = Grid(config, results, record_name="refusing", is_drift_enabled=False,
+                   resume_path=results / "refusing.json").run()  # fmt: skip
+    third = resumed["launches"][2]
+    assert third["error"] is None and third["argv"][-2:] == ["--max-num-seqs", "200"] and len(resumed["launches"]) == 3
