@@ -2,7 +2,8 @@
 
 What it answers: for a cache layout (KV blocks, state slots, max_num_seqs, step budget), the hit rate (cached /
 prompt tokens, as `/metrics` counts it), the prefill tokens computed and the preemptions of a closed-loop run at
-each concurrency, under each eviction policy of the prefix cache (`lru`: least recently used first; `protect`:
+each concurrency (or, with --multi-turn, of the multi-turn grid's conversations, a client per concurrency), under
+each eviction policy of the prefix cache (`lru`: least recently used first; `protect`:
 checkpoints two sequences have hit are evicted only after every other, scheduler/prefix_cache.py). It models no
 time: one step in flight, each collected before the next is planned, every sampled token 7, no warm-ups. The prompts
 follow vLLM's `prefix_repetition` layout (num_prefixes x prompts_per_prefix, prefix-major, then shuffled with
@@ -101,6 +102,56 @@ def simulate(layout: Layout, policy: str, concurrency: int, num_prompts: int, se
     return Point(policy, concurrency, len(queue), round(hit_rate, 4), prefill, scheduler.num_preemptions_total, steps)
 
 
+@dataclass(frozen=True)
+class Conversations:
+    """The multi-turn grid's workload (deltaserve/bench/multi_turn.py): one conversation per client, a shared system
+    prompt, `turns` turns of `user_len` new tokens and an answer of the layout's output_len, each turn re-sending the
+    whole history with the earlier answers."""
+
+    system_len: int = 2000
+    turns: int = 12
+    user_len: int = 200
+
+
+def simulate_conversations(layout: Layout, policy: str, clients: int, talk: Conversations, seed: int = 0) -> Point:
+    """`clients` conversations at once, each sending its next turn when its previous answer is complete."""
+    saved = prefix_cache.PROTECT_AFTER_HITTERS
+    prefix_cache.PROTECT_AFTER_HITTERS = POLICIES[policy]
+    rng = random.Random(seed + 1)
+    try:
+        scheduler = Scheduler(
+            BlockManager(layout.kv_blocks, layout.block_size), StateSlotPool(layout.slots), layout.max_num_seqs,
+            layout.budget, layout.max_model_len, enable_prefix_caching=True, chunk_size=layout.chunk_size,
+        )  # fmt: skip
+        system = [rng.randrange(1, 1 << 17) for _ in range(talk.system_len)]
+        history = {client: list(system) for client in range(clients)}
+        turns_left = dict.fromkeys(range(clients), talk.turns)
+        talking: dict[str, int] = {}  # request id -> client
+        sent = prefill = steps = 0
+        while any(turns_left.values()) or scheduler.has_unfinished():
+            for client in range(clients):
+                if turns_left[client] and client not in talking.values():
+                    history[client] += [rng.randrange(1, 1 << 17) for _ in range(talk.user_len)]
+                    params = SamplingParams(temperature=0.0, max_tokens=layout.output_len, ignore_eos=True)
+                    seq = Sequence(f"r{sent}", list(history[client]), layout.output_len, sampling=params)
+                    scheduler.add(seq)
+                    talking[seq.seq_id] = client
+                    turns_left[client] -= 1
+                    sent += 1
+            plan = scheduler.schedule()
+            prefill += sum(s.num_new_tokens for s in plan.seqs if s.num_new_tokens > 1)
+            scheduler.update(plan, StepResult(plan.step_id, tuple((7,) if s.needs_sample else () for s in plan.seqs)))
+            steps += 1
+            live = {seq.seq_id for seq in (*scheduler.running, *scheduler.waiting)}
+            for seq_id in [i for i in talking if i not in live]:  # finished: its answer joins the history
+                history[talking.pop(seq_id)] += [7] * layout.output_len
+    finally:
+        prefix_cache.PROTECT_AFTER_HITTERS = saved
+    queries = scheduler.prefix_cache_queries
+    hit_rate = scheduler.prefix_cache_hits / queries if queries else 0.0
+    return Point(policy, clients, sent, round(hit_rate, 4), prefill, scheduler.num_preemptions_total, steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrencies", default="8,32,64")
@@ -109,27 +160,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, required=True, help="GDN state slots, live and checkpoints")
     parser.add_argument("--max-num-seqs", type=int, required=True)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--prefix-len", type=int, default=4224)
     parser.add_argument("--suffix-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prefixes", type=int, default=4)
     parser.add_argument("--prompts-per-concurrency", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="the multi-turn grid's conversations instead (a client per concurrency; --output-len is the answer)",
+    )
+    parser.add_argument("--system-len", type=int, default=2000)
+    parser.add_argument("--turns", type=int, default=12)
+    parser.add_argument("--user-len", type=int, default=200)
     parser.add_argument("--out", type=Path, default=None, help="a JSON record of the layout and every point")
     args = parser.parse_args(argv)
     layout = Layout(args.kv_blocks, args.slots, args.max_num_seqs, args.budget, args.prefix_len, args.suffix_len,
-                    args.output_len, args.num_prefixes)  # fmt: skip
+                    args.output_len, args.num_prefixes, max_model_len=args.max_model_len)  # fmt: skip
     points = []
     for concurrency in [int(c) for c in args.concurrencies.split(",") if c]:
         for policy in [p for p in args.policies.split(",") if p]:
             if policy not in POLICIES:
                 parser.error(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-            point = simulate(layout, policy, concurrency, args.prompts_per_concurrency * concurrency, args.seed)
+            if args.multi_turn:
+                talk = Conversations(args.system_len, args.turns, args.user_len)
+                point = simulate_conversations(layout, policy, concurrency, talk, args.seed)
+            else:
+                point = simulate(layout, policy, concurrency, args.prompts_per_concurrency * concurrency, args.seed)
             points.append(point)
             print(f"c{concurrency} {policy:8s} hit rate {point.hit_rate:6.1%}, prefill {point.prefill_tokens:,} "
                   f"tokens, {point.preemptions} preemptions, {point.steps} steps", flush=True)  # fmt: skip
     if args.out is not None:
         record = {"tool": "prefix_cache_sim", "layout": asdict(layout), "points": [asdict(p) for p in points]}
+        if args.multi_turn:
+            record["conversations"] = asdict(Conversations(args.system_len, args.turns, args.user_len))
         args.out.write_text(json.dumps(record, indent=2) + "\n")
     return 0 if points else 2
 

@@ -60,3 +60,22 @@ def test_the_command_line_writes_its_record(sim: ModuleType, tmp_path: Path, cap
     assert [p["policy"] for p in record["points"]] == ["lru", "protect"] and record["layout"]["slots"] == 8
     assert "c4 lru" in capsys.readouterr().out
     assert sim.main([*argv[:1], "", *argv[2:]]) == 2
+    talk = ["--multi-turn", "--system-len", "64", "--turns", "2", "--user-len", "16"]
+    assert sim.main([*argv, *talk]) == 0
+    record = json.loads(out.read_text())
+    assert record["conversations"] == {"system_len": 64, "turns": 2, "user_len": 16}
+    assert [p["num_prompts"] for p in record["points"]] == [8, 8]  # 4 clients x 2 turns, each policy
+
+
+def test_each_turn_of_a_conversation_computes_only_what_is_new(sim: ModuleType) -> None:
+    """--multi-turn on a roomy layout: the shared system prompt is computed once, and every later turn resumes at its
+    previous turn's generation-end checkpoint, computing its user tokens and the previous answer's last token (the
+    one the state had not consumed)."""
+    roomy = sim.Layout(kv_blocks=2000, slots=40, max_num_seqs=16, budget=512, prefix_len=0, suffix_len=0,
+                       output_len=8, num_prefixes=1, max_model_len=1024)  # fmt: skip
+    clients, talk = 4, sim.Conversations(system_len=128, turns=4, user_len=32)
+    for policy in ("lru", "protect"):
+        point = sim.simulate_conversations(roomy, policy, clients, talk)
+        assert point.num_prompts == clients * talk.turns and point.preemptions == 0
+        new = talk.system_len + clients * talk.user_len + clients * (talk.turns - 1) * (talk.user_len + 1)
+        assert point.prefill_tokens == new == 652
