@@ -97,9 +97,7 @@ class LLM(UnsupportedOfflineMethods):
         sampling_params None: get_default_sampling_params()."""
         check_no_lora(lora_request)
         check_no_overrides(tokenization_kwargs, mm_processor_kwargs)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        self._requests.add(prompts, sampling_params, priority)
+        self._add(prompts, sampling_params, priority)
         return self._requests.run(use_tqdm)
 
     def enqueue(
@@ -118,9 +116,21 @@ class LLM(UnsupportedOfflineMethods):
         callable that makes the bar, as every method here takes it)."""
         check_no_lora(lora_request)
         check_no_overrides(tokenization_kwargs, mm_processor_kwargs)
+        return self._add(prompts, sampling_params, priority, use_tqdm, desc="Adding requests")
+
+    def _add(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        priority: SequenceABC[int] | int | None,
+        use_tqdm: UseTqdm = False,
+        desc: str = "Adding requests",
+    ) -> list[str]:
+        """The prompts' requests added to the engine (sampling_params None: get_default_sampling_params(), as
+        generate, enqueue and enqueue_chat take it); their ids."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._requests.add(prompts, sampling_params, priority, use_tqdm, desc="Adding requests")
+        return self._requests.add(prompts, sampling_params, priority, use_tqdm, desc=desc)
 
     def wait_for_completion(
         self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: UseTqdm = True
@@ -207,9 +217,7 @@ class LLM(UnsupportedOfflineMethods):
             messages, chat_template, chat_template_content_format, add_generation_prompt, continue_final_message,
             tools, chat_template_kwargs, tokenization_kwargs, mm_processor_kwargs,
         )  # fmt: skip
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        return self._requests.add(prompts, sampling_params, priority, use_tqdm, desc="Adding conversations")
+        return self._add(prompts, sampling_params, priority, use_tqdm, desc="Adding conversations")
 
     def beam_search(
         self,
