@@ -208,11 +208,8 @@ def test_the_config_refuses_what_is_not_a_byte_count(value: object) -> None:
         EngineConfig("m", kv_cache_memory_bytes=value)
 
 
-def test_on_a_gpu_it_overrides_gpu_memory_utilization(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
-    """The GPU start-up path (CUDA calls stood in, tests/support/fake_cuda.py): the warm-up still runs, but the
-    budget is the flag's bytes, not the engine's share less weights, peak and headroom, even where that share
-    (utilization 0.5 of 64 MiB) is smaller than the flag; the start-up log states the resulting sizes."""
-    budget = 40 * 2**20
+def spy_on_cache_budget(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The list that collects what every cache_budget call returns while the patch lasts."""
     budgets: list[int] = []
     cache_budget = memory.cache_budget
 
@@ -221,6 +218,15 @@ def test_on_a_gpu_it_overrides_gpu_memory_utilization(monkeypatch: pytest.Monkey
         return budgets[-1]
 
     monkeypatch.setattr(memory, "cache_budget", spy)
+    return budgets
+
+
+def test_on_a_gpu_it_overrides_gpu_memory_utilization(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
+    """The GPU start-up path (CUDA calls stood in, tests/support/fake_cuda.py): the warm-up still runs, but the
+    budget is the flag's bytes, not the engine's share less weights, peak and headroom, even where that share
+    (utilization 0.5 of 64 MiB) is smaller than the flag; the start-up log states the resulting sizes."""
+    budget = 40 * 2**20
+    budgets = spy_on_cache_budget(monkeypatch)
     with fake_cuda(monkeypatch, 64 * 2**20, 3 * 2**20), caplog.at_level(logging.INFO, logger="deltaserve"):
         runner = LLM(DENSE, **FIXED, enforce_eager=True, enable_prefix_caching=False, gpu_memory_utilization=0.5,
                      kv_cache_memory_bytes=budget).engine.runner  # fmt: skip
@@ -250,14 +256,7 @@ def test_a_capped_count_gives_its_unneeded_graph_buffers_back_to_the_cache(
     """The measured budget keeps the decode graphs' static buffers for vLLM's default count (here 256; 1,024 on a
     large GPU, whose graphs stop at 512 rows); once the count is capped to what the state pool affords, its graphs
     need fewer rows, and the difference becomes KV blocks (session 25: 1.37 GiB on the H100 27B)."""
-    budgets: list[int] = []
-    cache_budget = memory.cache_budget
-
-    def spy(runner, *args: int) -> int:  # noqa: ANN001 (the runner under construction)
-        budgets.append(cache_budget(runner, *args))
-        return budgets[-1]
-
-    monkeypatch.setattr(memory, "cache_budget", spy)
+    budgets = spy_on_cache_budget(monkeypatch)
     config = {**FIXED, "max_num_seqs": None, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5}
     total = 2 * (memory.HEADROOM_BYTES + 16 * 2**20)
     with fake_cuda(monkeypatch, total, 3 * 2**20), caplog.at_level(logging.INFO, logger="deltaserve"):
