@@ -22,6 +22,8 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -75,31 +77,64 @@ def prompts(layout: Layout, num_prompts: int, seed: int) -> list[list[int]]:
     return out
 
 
-def simulate(layout: Layout, policy: str, concurrency: int, num_prompts: int, seed: int = 0) -> Point:
-    """One closed-loop run: `concurrency` requests in flight until every prompt has finished."""
+@contextmanager
+def eviction_policy(policy: str) -> Iterator[None]:
+    """The prefix cache's protection threshold set to `policy`'s for the block, the served one restored after."""
     saved = prefix_cache.PROTECT_AFTER_HITTERS
     prefix_cache.PROTECT_AFTER_HITTERS = POLICIES[policy]
     try:
-        scheduler = Scheduler(
+        yield
+    finally:
+        prefix_cache.PROTECT_AFTER_HITTERS = saved
+
+
+class Run:
+    """One simulated run: the scheduler over the layout's cache, the requests sent and the steps it took, each step
+    answered by a fake runner (every sampled token 7)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.scheduler = Scheduler(
             BlockManager(layout.kv_blocks, layout.block_size), StateSlotPool(layout.slots), layout.max_num_seqs,
             layout.budget, layout.max_model_len, enable_prefix_caching=True, chunk_size=layout.chunk_size,
         )  # fmt: skip
+        self.sent = self.prefill = self.steps = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def send(self, tokens: list[int]) -> str:
+        """A greedy request for the layout's output_len tokens (ignore_eos); its id."""
+        params = SamplingParams(temperature=0.0, max_tokens=self.layout.output_len, ignore_eos=True)
+        seq = Sequence(f"r{self.sent}", list(tokens), self.layout.output_len, sampling=params)
+        self.scheduler.add(seq)
+        self.sent += 1
+        return seq.seq_id
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.prefill += sum(s.num_new_tokens for s in plan.seqs if s.num_new_tokens > 1)
+        self.scheduler.update(plan, StepResult(plan.step_id, tuple((7,) if s.needs_sample else () for s in plan.seqs)))
+        self.steps += 1
+
+    def point(self, policy: str, concurrency: int) -> Point:
+        queries = self.scheduler.prefix_cache_queries
+        hit_rate = self.scheduler.prefix_cache_hits / queries if queries else 0.0
+        preemptions = self.scheduler.num_preemptions_total
+        return Point(policy, concurrency, self.sent, round(hit_rate, 4), self.prefill, preemptions, self.steps)
+
+
+def simulate(layout: Layout, policy: str, concurrency: int, num_prompts: int, seed: int = 0) -> Point:
+    """One closed-loop run: `concurrency` requests in flight until every prompt has finished."""
+    with eviction_policy(policy):
+        run = Run(layout)
         queue = prompts(layout, num_prompts, seed)
-        sent = prefill = steps = 0
-        while sent < len(queue) or scheduler.has_unfinished():
-            while sent < len(queue) and len(scheduler.running) + len(scheduler.waiting) < concurrency:
-                params = SamplingParams(temperature=0.0, max_tokens=layout.output_len, ignore_eos=True)
-                scheduler.add(Sequence(f"r{sent}", queue[sent], layout.output_len, sampling=params))
-                sent += 1
-            plan = scheduler.schedule()
-            prefill += sum(s.num_new_tokens for s in plan.seqs if s.num_new_tokens > 1)
-            scheduler.update(plan, StepResult(plan.step_id, tuple((7,) if s.needs_sample else () for s in plan.seqs)))
-            steps += 1
-    finally:
-        prefix_cache.PROTECT_AFTER_HITTERS = saved
-    queries = scheduler.prefix_cache_queries
-    hit_rate = scheduler.prefix_cache_hits / queries if queries else 0.0
-    return Point(policy, concurrency, len(queue), round(hit_rate, 4), prefill, scheduler.num_preemptions_total, steps)
+        while run.sent < len(queue) or run.scheduler.has_unfinished():
+            while run.sent < len(queue) and run.in_flight < concurrency:
+                run.send(queue[run.sent])
+            run.step()
+    return run.point(policy, concurrency)
 
 
 @dataclass(frozen=True)
@@ -115,41 +150,24 @@ class Conversations:
 
 def simulate_conversations(layout: Layout, policy: str, clients: int, talk: Conversations, seed: int = 0) -> Point:
     """`clients` conversations at once, each sending its next turn when its previous answer is complete."""
-    saved = prefix_cache.PROTECT_AFTER_HITTERS
-    prefix_cache.PROTECT_AFTER_HITTERS = POLICIES[policy]
     rng = random.Random(seed + 1)
-    try:
-        scheduler = Scheduler(
-            BlockManager(layout.kv_blocks, layout.block_size), StateSlotPool(layout.slots), layout.max_num_seqs,
-            layout.budget, layout.max_model_len, enable_prefix_caching=True, chunk_size=layout.chunk_size,
-        )  # fmt: skip
+    with eviction_policy(policy):
+        run = Run(layout)
         system = [rng.randrange(1, 1 << 17) for _ in range(talk.system_len)]
         history = {client: list(system) for client in range(clients)}
         turns_left = dict.fromkeys(range(clients), talk.turns)
         talking: dict[str, int] = {}  # request id -> client
-        sent = prefill = steps = 0
-        while any(turns_left.values()) or scheduler.has_unfinished():
+        while any(turns_left.values()) or run.scheduler.has_unfinished():
             for client in range(clients):
                 if turns_left[client] and client not in talking.values():
                     history[client] += [rng.randrange(1, 1 << 17) for _ in range(talk.user_len)]
-                    params = SamplingParams(temperature=0.0, max_tokens=layout.output_len, ignore_eos=True)
-                    seq = Sequence(f"r{sent}", list(history[client]), layout.output_len, sampling=params)
-                    scheduler.add(seq)
-                    talking[seq.seq_id] = client
+                    talking[run.send(history[client])] = client
                     turns_left[client] -= 1
-                    sent += 1
-            plan = scheduler.schedule()
-            prefill += sum(s.num_new_tokens for s in plan.seqs if s.num_new_tokens > 1)
-            scheduler.update(plan, StepResult(plan.step_id, tuple((7,) if s.needs_sample else () for s in plan.seqs)))
-            steps += 1
-            live = {seq.seq_id for seq in (*scheduler.running, *scheduler.waiting)}
+            run.step()
+            live = {seq.seq_id for seq in (*run.scheduler.running, *run.scheduler.waiting)}
             for seq_id in [i for i in talking if i not in live]:  # finished: its answer joins the history
                 history[talking.pop(seq_id)] += [7] * layout.output_len
-    finally:
-        prefix_cache.PROTECT_AFTER_HITTERS = saved
-    queries = scheduler.prefix_cache_queries
-    hit_rate = scheduler.prefix_cache_hits / queries if queries else 0.0
-    return Point(policy, clients, sent, round(hit_rate, 4), prefill, scheduler.num_preemptions_total, steps)
+    return run.point(policy, clients)
 
 
 def main(argv: list[str] | None = None) -> int:
