@@ -533,3 +533,9 @@ def test_a_newer_grid_of_other_subjects_leaves_the_standing_grid_standing() -> N
     ]
     text = report.render([core, handicap, rerun, h100], {})
     assert "### core2: m, NVIDIA H100 80GB HBM3" in text and "### core2: m, no GPU" in text
+    # nor does a newer grid of the same subjects and workload on another card push it into the history
+    other_card = ("core3-h100", record("core3", "2026-12-07", "deltaserve", "vllm"))
+    other_card[1]["host"]["gpus"] = ["NVIDIA H100 80GB HBM3"]
+    stands, superseded = report.standing([core, handicap, rerun, other_card])
+    assert ("core2", "no GPU") in {(grid, card) for grid, _, card, _ in stands}
+    assert superseded == [("core", "m", "core2")]
