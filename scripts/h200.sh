@@ -211,8 +211,10 @@ grid() {  # GRID [bench grid flags]
     echo "resuming $store/$name.json (a cut call left it)" | say
     extra+=(--resume "$store/$name.json")
   fi
-  if [ ! -d /tmp/vllm_site/vllm ] && [ -z "${DRY_RUN:-}" ]; then
-    echo "no /tmp/vllm_site/vllm: carry the bundle pieces first (setup); the grid's servers need it" | say
+  # deltaserve's servers and the client need fastapi / uvicorn: the vLLM bundle has them, and so do the pins when
+  # .whl carries them (a deltaserve-only grid can then run while the bundle's pieces are still arriving)
+  if [ ! -d /tmp/vllm_site/vllm ] && [ ! -d /tmp/ds_site/uvicorn ] && [ -z "${DRY_RUN:-}" ]; then
+    echo "no /tmp/vllm_site/vllm and no uvicorn in /tmp/ds_site: carry the bundle pieces or .whl first (setup)" | say
     return 3
   fi
   local fp8
@@ -231,8 +233,8 @@ grid() {  # GRID [bench grid flags]
     > "$W/nvidia-smi.csv" 2>&1
   [ -n "$has_deadline" ] || extra+=(--deadline-s "$(left 40)")  # no launch that would end after the budget
   mark "grid $file $*"
-  # the grid process as the grids have always run it: this tree and the bundle (fastapi, uvicorn) on its path
-  PYTHONPATH=$PWD:/tmp/vllm_site DELTASERVE_MODELS=$models run "$W/grid.log" \
+  # the grid process: this tree, the pins and the bundle (fastapi, uvicorn: either has them) on its path
+  PYTHONPATH=$PWD:/tmp/ds_site:/tmp/vllm_site DELTASERVE_MODELS=$models run "$W/grid.log" \
     timeout --signal=TERM --kill-after=20 "$(left 25)" $PY -m deltaserve.cli bench grid "$file" \
     --result-dir "$store" --raw-dir "$store/raw" "$@" "${extra[@]}"
   local rc=$?
