@@ -3,22 +3,27 @@ commit that rolls each sequence back to its last accepted token (docs/speculativ
 
 A verify chunk is a sequence's last sampled token followed by its k drafts, 1 + k tokens. Its tokens are addressed
 through `token_index` [S, W] (W = the widest chunk of the step): row s lists the step rows of sequence s in order,
--1 past its own 1 + k_s. Neither op below touches the live slots: they read the live state of each sequence's slot
-and write the state after every token j into scratch entry [s, j]. Once the rejection sampler knows how many drafts
-each sequence accepted (a_s, on the device), `spec_state_commit` copies scratch [s, a_s] into the live slot, so a
+-1 past its own 1 + k_s. Both ops read the live state of each sequence's slot. The conv op writes the window after
+every token j into scratch entry [s, j] and leaves the live slot alone; the recurrent op writes the state after
+every token j < W - 1 into scratch entry [s, j] and the state after the last column, W - 1, into the live slot
+itself, so its scratch holds k states a chunk, not 1 + k (the recurrent state is ~98 % of a slot's bytes: one state
+fewer a speculating sequence, as vLLM's 1 + k). Once the rejection sampler knows how many drafts each sequence
+accepted (a_s, on the device), `spec_state_commit` copies conv scratch [s, a_s] into the live slot, and recurrent
+scratch [s, a_s] where a_s < W - 1 (a chunk that accepted all it ran already has its state in place), so a
 rejection costs no recompute and the host never waits for the counts.
 
 - `causal_conv1d_verify`: conv + SiLU of the chunk's pre-conv rows after the slot's K-1 rows; scratch_conv
   [S_max, W_max, K-1, C] gets the window after each token (a padded column repeats the last real window, as the
-  recurrent scratch repeats the last real state). Rounding as causal_conv1d_update.
+  recurrent state repeats the last real state). Rounding as causal_conv1d_update.
 - `gdn_verify`: the recurrent delta rule token by token (gdn_decode's arithmetic: fp32, q/k not rounded);
-  scratch_ssm [S_max, W_max, HV, dk, dv] gets the state after each token.
-- `spec_state_commit`: live slot <- scratch [s, num_accepted[s]], conv and recurrent state.
+  scratch_ssm [S_max, >= W_max - 1, HV, dk, dv] gets the state after each token but the last, the live slot the
+  state after the last column (a padded last column: the last real state).
+- `spec_state_commit`: live slot <- the state after token num_accepted[s], conv and recurrent.
 
 A verify sequence whose state index is < 0 (a padded row of a CUDA-graph bucket) is skipped, as the decode ops skip
-slot -1: no slot is read, its scratch entries are not written, the output rows of its tokens are zeros, and the
-commit writes no slot for it. (Each layer's slot pool is a view into one tensor over all GDN layers, so a slot -1
-would address the previous layer's last slot, or memory before the pool.)
+slot -1: no slot is read or written, its scratch entries are not written, the output rows of its tokens are zeros,
+and the commit writes no slot for it. (Each layer's slot pool is a view into one tensor over all GDN layers, so a
+slot -1 would address the previous layer's last slot, or memory before the pool.)
 
 The `*_ref` twins are vectorised over sequences with no host sync (a loop over the W <= 1 + k token columns only),
 so they are also a correct device path. On CUDA `causal_conv1d_verify` runs its Triton kernel
@@ -94,8 +99,9 @@ def gdn_verify_ref(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [N, HK, dk]; v [N, HV, dv]; a, b [N, HV] (the verify rows) -> o [N, HV, dv]; scratch_ssm[s, j] = the
-    state after token j of sequence s (padded columns repeat the last real state). The live slots are not written;
-    a sequence with slot < 0 reads none, writes no scratch and gets zero output rows."""
+    state after token j of sequence s for j < W - 1, and its live slot the state after column W - 1 (padded columns
+    repeat the last real state); a sequence with slot < 0 reads and writes no slot, writes no scratch and gets zero
+    output rows."""
     num_seqs, width = token_index.shape
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
@@ -116,9 +122,29 @@ def gdn_verify_ref(
         o = torch.einsum("shkv,shk->shv", new, q_hat[rows])  # [S, HV, dv]
         _scatter_rows(padded, token_index, j, torch.where(is_live[:, :, :, 0], o, 0.0))
         state = torch.where(is_real, new, state)
-        scratch_ssm[:num_seqs, j] = torch.where(is_live, state.to(scratch_ssm.dtype), scratch_ssm[:num_seqs, j])
+        if j < width - 1:
+            scratch_ssm[:num_seqs, j] = torch.where(is_live, state.to(scratch_ssm.dtype), scratch_ssm[:num_seqs, j])
+    # the last column's state goes straight into the live slot (the commit copies only a shorter accepted run)
+    _write_live(ssm_states, state_indices, state)
     out.copy_(padded[:-1])
     return out
+
+
+def _write_live(states: torch.Tensor, state_indices: torch.Tensor, values: torch.Tensor) -> None:
+    """states[state_indices[s]] <- values[s] for every s with a slot >= 0, with no host sync: a padded sequence is
+    aimed at the first live sequence's slot with that sequence's value (or, when none is live, at slot 0 with its
+    own content), so duplicate indices carry identical values and the result does not depend on their order."""
+    if state_indices.shape[0] == 0:
+        return
+    slots = state_indices.long()
+    is_live = slots >= 0  # [S]
+    first = is_live.int().argmax().view(1)  # [1]: the first live sequence (0 when none is)
+    any_live = is_live.index_select(0, first)  # [1]
+    anchor = torch.where(any_live, slots.index_select(0, first), 0)  # [1]
+    values = values.to(states.dtype)
+    keep = torch.where(any_live, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
+    live = is_live.view(-1, *([1] * (values.dim() - 1)))
+    states.index_copy_(0, torch.where(is_live, slots, anchor), torch.where(live, values, keep))
 
 
 def gdn_verify(
@@ -150,27 +176,45 @@ def spec_state_commit(
     scratch_ssm: torch.Tensor,
     state_indices: torch.Tensor,
     num_accepted: torch.Tensor,
+    width: int,
 ) -> None:
-    """Live slot state_indices[s] <- scratch[s, num_accepted[s]] (the state after the last accepted token), for
-    conv and recurrent state; num_accepted [S] stays on the device. A sequence with slot < 0 commits nothing.
+    """Live slot state_indices[s] <- the state after token num_accepted[s] of the step's W = width columns: conv
+    scratch [s, num_accepted[s]], and recurrent scratch [s, num_accepted[s]] where num_accepted[s] < W - 1 (at
+    W - 1 gdn_verify already left that state in the live slot); num_accepted [S] stays on the device. A sequence with
+    slot < 0 commits nothing.
 
-    Without a host sync the padded sequences cannot be dropped from the copy, so each is aimed at an anchor slot
-    with the value the anchor slot ends with anyway: the first live sequence's slot and entry, or, when none is
-    live, slot 0 and its own content. Duplicate indices in index_copy_ then all carry identical values, so the
-    result does not depend on their order."""
+    Without a host sync the sequences that copy nothing cannot be dropped from the copy, so each is aimed at an
+    anchor slot with the value the anchor slot ends with anyway: the first copying sequence's slot and entry, or,
+    when none copies, slot 0 and its own content. Duplicate indices in index_copy_ then all carry identical values,
+    so the result does not depend on their order."""
     num_seqs = state_indices.shape[0]
     if num_seqs == 0:
         return
     seq = torch.arange(num_seqs, device=state_indices.device)
-    accepted = num_accepted.long().clamp(0, scratch_ssm.shape[1] - 1)  # never an index outside the scratch
     slots = state_indices.long()
     is_live = slots >= 0  # [S]
-    first = is_live.int().argmax().view(1)  # [1]: the first live sequence (0 when none is)
-    any_live = is_live.index_select(0, first)  # [1]
-    anchor = torch.where(any_live, slots.index_select(0, first), 0)  # [1]
-    target = torch.where(is_live, slots, anchor)  # [S]
-    for states, scratch in ((conv_states, scratch_conv), (ssm_states, scratch_ssm)):
-        values = scratch[seq, accepted].to(states.dtype)  # [S, ...]
-        keep = torch.where(any_live, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
-        live = is_live.view(-1, *([1] * (values.dim() - 1)))
-        states.index_copy_(0, target, torch.where(live, values, keep))
+    accepted = num_accepted.long()
+    conv_entry = accepted.clamp(0, scratch_conv.shape[1] - 1)  # never an index outside the scratch
+    _copy_entries(conv_states, scratch_conv, seq, conv_entry, slots, is_live)
+    if width > 1:  # width 1: the one column's state is in the live slot already
+        ssm_entry = accepted.clamp(0, min(width - 2, scratch_ssm.shape[1] - 1))
+        _copy_entries(ssm_states, scratch_ssm, seq, ssm_entry, slots, is_live & (accepted < width - 1))
+
+
+def _copy_entries(
+    states: torch.Tensor,
+    scratch: torch.Tensor,
+    seq: torch.Tensor,
+    entry: torch.Tensor,
+    slots: torch.Tensor,
+    copies: torch.Tensor,
+) -> None:
+    """states[slots[s]] <- scratch[s, entry[s]] where copies[s], with no host sync (spec_state_commit's anchor)."""
+    first = copies.int().argmax().view(1)  # [1]: the first copying sequence (0 when none copies)
+    any_copy = copies.index_select(0, first)  # [1]
+    anchor = torch.where(any_copy, slots.index_select(0, first), 0)  # [1]
+    target = torch.where(copies, slots, anchor)  # [S]
+    values = scratch[seq, entry].to(states.dtype)  # [S, ...]
+    keep = torch.where(any_copy, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
+    live = copies.view(-1, *([1] * (values.dim() - 1)))
+    states.index_copy_(0, target, torch.where(live, values, keep))

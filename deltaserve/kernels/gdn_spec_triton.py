@@ -2,10 +2,12 @@
 
 One program owns one (verify sequence, value head, BV-column block): it loads its [dk, BV] slice of the sequence's
 live state once, runs the chunk's 1 + k tokens in order with gdn_decode's arithmetic (fp32, q / k L2-normed in
-fp32 and not rounded, gates in fp32), stores each token's output row and the state after each token into the
-scratch entry [s, j]. Padded columns (token_index -1) read no row, leave the state as it is and store it again, as
-the twin does. A sequence with slot < 0 (CUDA-graph padding) reads no slot, stores no scratch and zero output rows.
-The live slot is never written: the commit (spec_state_commit) copies the accepted entry into it.
+fp32 and not rounded, gates in fp32), stores each token's output row, the state after each token but the last into
+the scratch entry [s, j], and the state after the last column (W - 1) into the live slot, over the slice it read
+(the same program and layout, and every thread's load was consumed before the loop's first reduction barrier, so no
+thread overwrites what another has still to read). Padded columns (token_index -1) read no row, leave the state as
+it is and store it again, as the twin does. A sequence with slot < 0 (CUDA-graph padding) reads and writes no slot,
+stores no scratch and zero output rows. The commit (spec_state_commit) copies a shorter accepted run's entry.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def _gdn_verify_kernel(
         b_new += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_new * b_q[:, None], axis=0)  # [BV]
         b_s = tl.where(is_real, b_new, b_s)
-        tl.store(p_x + j * stride_x_col, b_s, mask=m_s)
+        is_scratch = tl.full((), j, tl.int32) < width - 1  # the last column's state goes to the live slot below
+        tl.store(p_x + j * stride_x_col, b_s, mask=m_s & is_scratch)
         tl.store(out_ptr + (i_row * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v & is_real)
+    tl.store(p_s, b_s.to(ssm_states_ptr.dtype.element_ty), mask=m_s)  # the state after the last column: live
 
 
 def gdn_verify_triton(
@@ -114,7 +118,8 @@ def gdn_verify_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [N, HK, dk]; v [N, HV, dv]; a, b [N, HV] (the verify rows); token_index [S, W] -> o [N, HV, dv];
-    scratch_ssm [S_max, W_max, HV, dk, dv] gets the state after each token (fp32)."""
+    scratch_ssm [S_max, >= W - 1, HV, dk, dv] gets the state after each token but the last (fp32), the live slot
+    the state after the last column."""
     num_k_heads, head_k_dim = q.shape[1], q.shape[2]
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     num_seqs, width = token_index.shape
@@ -122,7 +127,7 @@ def gdn_verify_triton(
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("token_index", token_index)):
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
     assert scratch_ssm.dtype == torch.float32 and scratch_ssm.stride(-1) == 1, "scratch_ssm: fp32, dv contiguous"
-    assert scratch_ssm.shape[0] >= num_seqs and scratch_ssm.shape[1] >= width, "scratch_ssm too small for the step"
+    assert scratch_ssm.shape[0] >= num_seqs and scratch_ssm.shape[1] >= width - 1, "scratch_ssm too small for the step"
     out = output(out, tuple(v.shape), v)
     if num_seqs == 0:
         return out

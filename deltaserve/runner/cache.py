@@ -69,6 +69,21 @@ def bytes_per_slot(
     return (conv + ssm) * len(config.linear_attention_layers) + hidden
 
 
+def verify_row_bytes(
+    config: ModelConfig, dtype: torch.dtype, num_speculative_tokens: int, shapes: LocalShapes | None = None
+) -> int:
+    """A verify chunk's scratch bytes (runner/spec_decode.py): the GDN layers' conv window after each of its 1 + k
+    tokens and their recurrent state after each but the last, whose state the verify kernel leaves in the live slot
+    (kernels/gdn_spec.py)."""
+    shapes = _local(config, shapes)
+    element = torch.tensor([], dtype=dtype).element_size()
+    state_element = torch.tensor([], dtype=ssm_dtype(config)).element_size()
+    conv = (config.linear_conv_kernel_dim - 1) * _conv_dim(config, shapes) * element
+    ssm = shapes.v_heads.size * config.linear_key_head_dim * config.linear_value_head_dim * state_element
+    k = num_speculative_tokens
+    return ((k + 1) * conv + k * ssm) * len(config.linear_attention_layers)
+
+
 @dataclass
 class CacheLayout:
     num_blocks: int

@@ -29,6 +29,7 @@ from deltaserve.runner.cache import (
     check_one_sequence_fits,
     checkpoint_slots,
     plan_cache,
+    verify_row_bytes,
     whole_sequences,
 )
 from deltaserve.runner.cuda_graph import buckets, static_bytes
@@ -140,10 +141,11 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
         if budget is None:
             budget = runner._requested_bytes - weights - peak - graph_bytes(runner, max_num_seqs)[1] - HEADROOM_BYTES
         slot_bytes = bytes_per_slot(runner.model_config, runner.dtype, runner.model.shapes)
+        row_bytes = verify_row_bytes(runner.model_config, runner.dtype, k, runner.model.shapes)
         is_sized = runner.engine_config.max_num_seqs is None
         has_policy = speculative.k_policy is not None
-        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes, is_sized,
-                                  has_policy)  # fmt: skip
+        rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes,
+                                  row_bytes, is_sized, has_policy)  # fmt: skip
         drop_cache(runner.model)  # the prefill phase's throw-away cache, before the verify step's
         warm_up_verify(runner, rows, meter, len(sizes))
         peak = max(peak, meter.peak())
@@ -201,7 +203,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     # rank's budget wins
     total = runner.tp.min_over_ranks(cache_budget(runner, max_num_batched_tokens, max_model_len, upper))
     has_mtp = runner.model.mtp is not None
-    scratch_bytes = bytes_per_slot(model_config, runner.dtype, shapes)  # a verify scratch state: the GDN layers'
+    scratch_bytes = bytes_per_slot(model_config, runner.dtype, shapes)  # one GDN state, all GDN layers
     slot_bytes = bytes_per_slot(model_config, runner.dtype, shapes, has_mtp)  # a pool slot (+ the MTP hidden row)
     one_kv = check_one_sequence_fits(
         total, bytes_per_block(model_config, runner.block_size, runner.dtype, shapes, has_mtp), slot_bytes,
@@ -209,11 +211,13 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     )  # fmt: skip
     speculative = engine_config.speculative_config
     k = 0 if speculative is None else speculative.num_speculative_tokens
-    # while speculating with a fixed k, a running sequence also holds its verify chunk's 1 + k scratch states
-    # (runner/spec_decode.py); under the k policy the count is sized as without speculation, the scratch apart
+    # while speculating with a fixed k, a running sequence also holds its verify chunk's scratch, k states and 1 + k
+    # conv windows (runner/spec_decode.py); under the k policy the count is sized as without speculation, the
+    # scratch apart
     has_policy = speculative is not None and speculative.k_policy is not None
     has_scratch_per_seq = speculative is not None and not has_policy
-    per_seq = slot_bytes + ((k + 1) * scratch_bytes if has_scratch_per_seq else 0)
+    row_bytes = verify_row_bytes(model_config, runner.dtype, k, shapes) if speculative is not None else 0
+    per_seq = slot_bytes + (row_bytes if has_scratch_per_seq else 0)
     beside_one_kv = (total - one_kv) // per_seq  # the sequences the budget holds beside one max_model_len's KV
     max_num_seqs = upper
     if engine_config.max_num_seqs is None:
@@ -221,7 +225,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         # budget, and leaves one max_model_len sequence its KV blocks (which binds only where the half would leave
         # too few to start)
         if has_scratch_per_seq:
-            by_share = speculating_seqs(total, scratch_bytes, k, upper)
+            by_share = speculating_seqs(total, scratch_bytes, row_bytes, upper)
         else:
             by_share = affordable_slots(total, scratch_bytes)
         # or, where more, as many as the budget serves whole at max_model_len (docs/ARCHITECTURE.md#cache-budget)
@@ -232,7 +236,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
             logger.info(
                 "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB%s would take %.1f GiB "
                 "of the %.1f GiB cache budget; %s)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
-                f" with {k + 1} verify scratch states each" if has_scratch_per_seq else "", upper * per_seq / GIB,
+                f" with {k} verify scratch states each" if has_scratch_per_seq else "", upper * per_seq / GIB,
                 total / GIB,
                 f"{by_whole} served whole at max_model_len {max_model_len}" if by_whole > by_share
                 else "the states in half of it",
@@ -244,14 +248,14 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         logger.warning(
             "max_num_seqs %d while speculating: the cache budget (%.2f GiB) holds %d sequences with their %d verify "
             "scratch states (%.1f MiB each) beside one max_model_len sequence's KV; %d run at a time",
-            upper, total / GIB, max_num_seqs, k + 1, scratch_bytes / 2**20, max_num_seqs,
+            upper, total / GIB, max_num_seqs, k, scratch_bytes / 2**20, max_num_seqs,
         )  # fmt: skip
     num_slots = engine_config.num_state_slots or max_num_seqs
     spec_rows = 0
     budget = total
     if speculative is not None:  # the verify scratch comes out of the cache budget (a chunk a sequence at fixed k)
-        spec_rows = max_num_seqs if has_scratch_per_seq else scratch_rows(total, scratch_bytes, k, max_num_seqs)
-        budget -= spec_rows * (k + 1) * scratch_bytes
+        spec_rows = max_num_seqs if has_scratch_per_seq else scratch_rows(total, row_bytes, max_num_seqs)
+        budget -= spec_rows * row_bytes
     if given_budget(engine_config, runner.device) is None:
         # the measured budget kept the graphs' buffers for the default count; a smaller count's graphs need less, and
         # the rest goes to the cache (the count itself stays as sized: the give-back only adds blocks and slots)

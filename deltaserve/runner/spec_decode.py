@@ -114,24 +114,22 @@ STATE_SHARE = 0.5  # of the cache budget, at most, for the state pool and the ve
 SCRATCH_SHARE = 0.25  # of the cache budget, at most, for the verify scratch under the k policy
 
 
-def scratch_rows(budget_bytes: int, slot_bytes: int, num_speculative_tokens: int, max_num_seqs: int) -> int:
+def scratch_rows(budget_bytes: int, row_bytes: int, max_num_seqs: int) -> int:
     """The verify chunks under the deltaserve-only k policy, whose count is sized as without speculation: each
-    chunk keeps 1 + k GDN states, in at most a quarter of the cache budget and at most max_num_seqs chunks; a step
-    with more decodes than chunks drafts nothing (scheduler/spec_policy.py), so it replays a width-1 graph at the
-    full count instead of running eager. At least one."""
-    per_seq = (num_speculative_tokens + 1) * max(slot_bytes, 1)
-    return max(1, min(max_num_seqs, int(budget_bytes * SCRATCH_SHARE) // per_seq))
+    chunk's scratch (row_bytes: runner/cache.py verify_row_bytes) in at most a quarter of the cache budget, at most
+    max_num_seqs chunks; a step with more decodes than chunks drafts nothing (scheduler/spec_policy.py), so it
+    replays a width-1 graph at the full count instead of running eager. At least one."""
+    return max(1, min(max_num_seqs, int(budget_bytes * SCRATCH_SHARE) // max(row_bytes, 1)))
 
 
-def speculating_seqs(
-    budget_bytes: int, slot_bytes: int, num_speculative_tokens: int, upper: int, share: float = STATE_SHARE
-) -> int:
-    """How many sequences may run while speculating: each holds its pool slot and its verify chunk's 1 + k scratch
-    states (vLLM's hybrid cache likewise gives a speculating request 1 + k state blocks), so every step fits a
-    captured verify graph (a step past the scratch would run eager). vLLM's default count (upper) is sized with the
-    pool and the scratch in at most half of the cache budget, the rule without speculation; a count the user set
-    is held to what the whole budget holds (share 1). At least one (docs/speculative-decoding.md#memory)."""
-    per_seq = (num_speculative_tokens + 2) * max(slot_bytes, 1)
+def speculating_seqs(budget_bytes: int, slot_bytes: int, row_bytes: int, upper: int, share: float = STATE_SHARE) -> int:
+    """How many sequences may run while speculating: each holds its pool slot and its verify chunk's scratch
+    (row_bytes: k recurrent states and 1 + k conv windows, so 1 + k states with the slot, as vLLM's hybrid cache
+    gives a speculating request 1 + k state blocks), so every step fits a captured verify graph (a step past the
+    scratch would run eager). vLLM's default count (upper) is sized with the pool and the scratch in at most half of
+    the cache budget, the rule without speculation; a count the user set is held to what the whole budget holds
+    (share 1). At least one (docs/speculative-decoding.md#memory)."""
+    per_seq = max(slot_bytes + row_bytes, 1)
     return max(1, min(upper, int(budget_bytes * share) // per_seq))
 
 
@@ -223,8 +221,10 @@ class SpecDecoder:
                 continue
             mixer = layer.linear_attn
             conv, ssm = mixer.conv_states, mixer.ssm_states
+            # a conv window after each of the 1 + k tokens; a recurrent state after each but the last, whose state
+            # gdn_verify writes into the live slot (kernels/gdn_spec.py)
             mixer.spec_conv_scratch = conv.new_empty(self.max_spec_seqs, width, *conv.shape[1:])
-            mixer.spec_ssm_scratch = ssm.new_empty(self.max_spec_seqs, width, *ssm.shape[1:])
+            mixer.spec_ssm_scratch = ssm.new_empty(self.max_spec_seqs, width - 1, *ssm.shape[1:])
 
     def num_drafts_after(self, num_drafts_next: int | None) -> int:
         """The drafts a step proposes: its plan's num_drafts_next (None: k), never above k."""
@@ -352,11 +352,12 @@ class SpecDecoder:
         the live slot, every GDN layer (handle.num_emitted [S] set by accept, or on a rank other than 0 received
         from rank 0: runner/spec_ranks.py)."""
         slots = to_device(handle.layout.state_slots, torch.int32, handle.num_emitted.device)
+        width = handle.layout.token_index.shape[1]  # the columns the verify forward ran
         for layer in self.model.layers:
             if not layer.is_full_attention:
                 mixer = layer.linear_attn
                 spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
-                                  mixer.spec_ssm_scratch, slots, handle.num_emitted - 1)  # fmt: skip
+                                  mixer.spec_ssm_scratch, slots, handle.num_emitted - 1, width)  # fmt: skip
         if self.model.mtp is not None:  # the live slot's hidden row follows the rollback (runner/mtp_resume.py)
             layout = handle.layout
             first = handle.step_layout.query_start_loc[layout.seq_index]

@@ -28,8 +28,9 @@ the emitted tokens and their counts, copied into static buffers on the device (d
 row and max_seq_len = max_model_len (a host bound) are fixed at fill time. A step launched with deferred sampling
 (grammars) commits and drafts eagerly from the gathered copies instead: another step may replay the shared
 buffers before its sample() runs. A plain decode row runs through the verify kernels as a chunk of one token
-(scratch entry 0), so its live slot is written only by the post-sampling graph's commit (entry num_emitted - 1 =
-0): without that graph (another drafter, or a deferred step) a step with plain decode rows runs eager.
+padded to W, so its conv slot is written only by the post-sampling graph's commit (entry num_emitted - 1 = 0; its
+recurrent state, repeated across the padded columns, the forward leaves in the live slot): without that graph
+(another drafter, or a deferred step) a step with plain decode rows runs eager.
 
 With a k policy, a post-sampling graph is captured per draft count a plan may ask for (StepPlan.num_drafts_next,
 0 .. k): its chained passes stop there, and at 0 the MTP layer's first pass runs alone.
@@ -222,7 +223,7 @@ class VerifyGraphs:
             if not layer.is_full_attention:
                 mixer = layer.linear_attn
                 spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
-                                  mixer.spec_ssm_scratch, slots, num_emitted - 1)  # fmt: skip
+                                  mixer.spec_ssm_scratch, slots, num_emitted - 1, self.width)  # fmt: skip
         last = self.row_base[:size] + num_emitted - 1  # [size] each row's last accepted token
         hidden = self.hidden[:num_tokens]
         save_rows(mtp.slot_hidden, slots, hidden.index_select(0, last))

@@ -58,7 +58,7 @@ class PeakMeter:
 
 def verify_warmup_rows(
     num_speculative_tokens: int, max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int, slot_bytes: int,
-    is_sized: bool = False, has_policy: bool = False,
+    row_bytes: int, is_sized: bool = False, has_policy: bool = False,
 ) -> int:  # fmt: skip
     """The verify chunks of the warm-up's verify step: the most a served step may hold, as the scheduler caps them:
     at most max_num_seqs, at most the sequences whose verify scratch budget_bytes affords (runner/spec_decode.py
@@ -71,9 +71,9 @@ def verify_warmup_rows(
     where the served one will."""
     k = num_speculative_tokens
     by_tokens = max(1, max_num_batched_tokens // (1 + k))
-    by_memory = speculating_seqs(budget_bytes, slot_bytes, k, max_num_seqs, STATE_SHARE if is_sized else 1.0)
+    by_memory = speculating_seqs(budget_bytes, slot_bytes, row_bytes, max_num_seqs, STATE_SHARE if is_sized else 1.0)
     if has_policy:
-        by_memory = scratch_rows(budget_bytes, slot_bytes, k, max_num_seqs)
+        by_memory = scratch_rows(budget_bytes, row_bytes, max_num_seqs)
     return min(max_num_seqs, by_memory, by_tokens)
 
 

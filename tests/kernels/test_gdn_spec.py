@@ -1,5 +1,6 @@
 """The verify-step GDN ops (kernels/gdn_spec.py) against the one-token decode ops run token by token: outputs, the
-state after every token in scratch, live slots untouched until the commit, and the commit's choice of state."""
+conv window after every token in scratch and its live slot untouched until the commit, the recurrent state after
+every token but the last in scratch and after the last column in the live slot, and the commit's choice of state."""
 
 from __future__ import annotations
 
@@ -56,12 +57,12 @@ def inputs(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
 def test_gdn_verify_equals_decode_token_by_token() -> None:
     t = inputs()
     index = token_index(LENGTHS)
+    width = max(LENGTHS)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     ssm = t["ssm"].clone()
-    scratch = torch.full((4, max(LENGTHS), HV, DK, DV), float("nan"))
+    scratch = torch.full((4, width - 1, HV, DK, DV), float("nan"))
     out = torch.full_like(t["v"], float("nan"))  # poisoned: every row must be written
     gdn_verify_ref(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], ssm, slots, index, scratch, out)
-    assert torch.equal(ssm, t["ssm"])  # live slots untouched
     assert not out.isnan().any()
     expected_ssm = t["ssm"].clone()
     for s, slot, j, row in verify_columns(index):
@@ -70,8 +71,12 @@ def test_gdn_verify_equals_decode_token_by_token() -> None:
             want = gdn_decode_ref(t["q"][one], t["k"][one], t["v"][one], t["a"][one], t["b"][one], t["A_log"],
                                   t["dt_bias"], expected_ssm, torch.tensor([slot]))  # fmt: skip
             torch.testing.assert_close(out[one], want, rtol=1e-6, atol=1e-6)
-        # a padded column repeats the last real state
-        torch.testing.assert_close(scratch[s, j], expected_ssm[slot], rtol=1e-6, atol=1e-6)
+        # a padded column repeats the last real state; the last column's state is the live slot's
+        got = scratch[s, j] if j < width - 1 else ssm[slot]
+        torch.testing.assert_close(got, expected_ssm[slot], rtol=1e-6, atol=1e-6)
+    untouched = [i for i in range(6) if i not in SLOTS]
+    assert torch.equal(ssm[untouched], t["ssm"][untouched])
+    assert scratch[len(SLOTS) :].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,16 +103,31 @@ def test_conv_verify_equals_update_token_by_token(dtype: torch.dtype) -> None:
 def test_commit_takes_the_state_after_the_last_accepted_token() -> None:
     conv = torch.zeros(6, K - 1, C)
     ssm = torch.zeros(6, HV, DK, DV)
+    ssm[list(SLOTS)] = -7.0  # the live slots as gdn_verify leaves them: the state after the last column
     width = max(LENGTHS)
     scratch_conv = torch.arange(4 * width, dtype=torch.float32).view(4, width, 1, 1).expand(4, width, K - 1, C)
-    scratch_ssm = torch.arange(4 * width, dtype=torch.float32).view(4, width, 1, 1, 1).expand(4, width, HV, DK, DV)
-    accepted = torch.tensor([1, 3, 0])  # drafts accepted: the state after token 1, 3, 0
+    scratch_ssm = torch.arange(4 * (width - 1), dtype=torch.float32).view(4, width - 1, 1, 1, 1)
+    scratch_ssm = scratch_ssm.expand(4, width - 1, HV, DK, DV)
+    accepted = torch.tensor([1, 4, 0])  # the state after token 1, 4 (the last column: already live) and 0
     spec_state_commit(conv, ssm, scratch_conv.contiguous(), scratch_ssm.contiguous(),
-                      torch.tensor(SLOTS, dtype=torch.int32), accepted)  # fmt: skip
+                      torch.tensor(SLOTS, dtype=torch.int32), accepted, width)  # fmt: skip
     for s, (slot, a) in enumerate(zip(SLOTS, accepted.tolist(), strict=True)):
-        assert (conv[slot] == s * width + a).all() and (ssm[slot] == s * width + a).all()
+        assert (conv[slot] == s * width + a).all()
+        assert (ssm[slot] == (-7.0 if a == width - 1 else s * (width - 1) + a)).all()
     untouched = [i for i in range(6) if i not in SLOTS]
     assert (conv[untouched] == 0).all() and (ssm[untouched] == 0).all()
+
+
+def test_commit_of_a_one_column_step_copies_no_recurrent_state() -> None:
+    """Width 1 (every chunk a plain decode): gdn_verify wrote the only state into the live slot; the recurrent
+    scratch is not read (NaN here), the conv window is copied."""
+    conv, ssm = torch.zeros(6, K - 1, C), torch.full((6, HV, DK, DV), 3.0)
+    scratch_conv = torch.ones(3, 2, K - 1, C)
+    scratch_ssm = torch.full((3, 1, HV, DK, DV), float("nan"))
+    spec_state_commit(conv, ssm, scratch_conv, scratch_ssm, torch.tensor(SLOTS, dtype=torch.int32),
+                      torch.zeros(3, dtype=torch.int64), 1)  # fmt: skip
+    assert (ssm == 3.0).all()
+    assert (conv[list(SLOTS)] == 1).all()
 
 
 PADDED_SLOTS = (3, -1, 0, -1)  # sequences 1 and 3 are CUDA-graph padding (slot -1)
@@ -139,18 +159,19 @@ def test_gdn_verify_skips_a_sequence_with_slot_below_zero() -> None:
     t, index, slots = _padded_case()
     ssm = t["ssm"].clone()
     width = max(PADDED_LENGTHS)
-    scratch = torch.full((5, width, HV, DK, DV), float("nan"))
-    args = (t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], ssm)
-    out = gdn_verify_ref(*args, slots, index, scratch)
-    assert torch.equal(ssm, t["ssm"])
+    scratch = torch.full((5, width - 1, HV, DK, DV), float("nan"))
+    args = (t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"])
+    out = gdn_verify_ref(*args, ssm, slots, index, scratch)
     assert (out[_padded_rows(index, slots)] == 0).all(), "a padded sequence's rows are zeros"
     assert scratch[: len(slots)][slots < 0].isnan().all(), "a padded sequence writes no scratch"
     live_index, live_slots, live = _live_only(index, slots)
     want_scratch = torch.full_like(scratch, float("nan"))
-    want = gdn_verify_ref(*args, live_slots, live_index, want_scratch)
+    want_ssm = t["ssm"].clone()
+    want = gdn_verify_ref(*args, want_ssm, live_slots, live_index, want_scratch)
     rows = live_index[live_index >= 0]
     torch.testing.assert_close(out[rows], want[rows], rtol=1e-6, atol=1e-6)  # vectorised SiLU / einsum: last bit
     assert torch.equal(scratch[live], want_scratch[: len(live)])
+    assert torch.equal(ssm, want_ssm), "a padded sequence writes no slot; the live ones get their last state"
 
 
 def test_conv_verify_skips_a_sequence_with_slot_below_zero() -> None:
@@ -181,12 +202,15 @@ def test_commit_writes_nothing_for_a_sequence_with_slot_below_zero(slots: tuple[
     ssm = torch.randn(6, HV, DK, DV)
     before_conv, before_ssm = conv.clone(), ssm.clone()
     scratch_conv = torch.arange(5 * width, dtype=torch.float32).view(5, width, 1, 1).expand(5, width, K - 1, C)
-    scratch_ssm = torch.arange(5 * width, dtype=torch.float32).view(5, width, 1, 1, 1).expand(5, width, HV, DK, DV)
-    accepted = torch.tensor([1, 2, 3, 0])
+    scratch_ssm = torch.arange(5 * (width - 1), dtype=torch.float32).view(5, width - 1, 1, 1, 1)
+    scratch_ssm = scratch_ssm.expand(5, width - 1, HV, DK, DV)
+    accepted = torch.tensor([1, 2, 3, 0])  # 3 = width - 1: that recurrent state is the live slot's already
     spec_state_commit(conv, ssm, scratch_conv.contiguous(), scratch_ssm.contiguous(),
-                      torch.tensor(slots, dtype=torch.int32), accepted)  # fmt: skip
+                      torch.tensor(slots, dtype=torch.int32), accepted, width)  # fmt: skip
     for s, (slot, a) in enumerate(zip(slots, accepted.tolist(), strict=True)):
         if slot >= 0:
-            assert (conv[slot] == s * width + a).all() and (ssm[slot] == s * width + a).all()
+            assert (conv[slot] == s * width + a).all()
+            want = before_ssm[slot] if a == width - 1 else torch.full_like(ssm[slot], s * (width - 1) + a)
+            assert torch.equal(ssm[slot], want)
     untouched = [i for i in range(6) if i not in slots]
     assert torch.equal(conv[untouched], before_conv[untouched]) and torch.equal(ssm[untouched], before_ssm[untouched])

@@ -1,6 +1,7 @@
 """gdn_verify_triton (kernels/gdn_spec_triton.py) against its twin gdn_verify_ref: outputs NaN-poisoned so an
-unwritten row fails, the state after every token in scratch, the live slots untouched; under TRITON_INTERPRET=1 on
-the CPU (tiny shapes, fp32) and at the served head shapes on the GPU."""
+unwritten row fails, the state after every token but the last in scratch, the state after the last column in the
+live slot, nothing else written; under TRITON_INTERPRET=1 on the CPU (tiny shapes, fp32) and at the served head
+shapes on the GPU."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def _check(
     padded: tuple[int, ...] = (),
 ) -> None:
     """padded: the sequences given slot -1 (CUDA-graph padding), whose output rows must be zeros and whose scratch
-    entries must stay as they were; the slot pool is a view one slot into a NaN-filled pool, so a read of slot -1
-    shows up as NaN."""
+    entries and slots must stay as they were; the slot pool is a view one slot into a NaN-filled pool, so a read of
+    slot -1 shows up as NaN."""
     num_slots = len(lengths) + 3
     q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, dtype)
     pool = torch.full((num_slots + 1, hv, dk, dv), float("nan"), device=DEVICE)
@@ -45,20 +46,26 @@ def _check(
     is_live = slots >= 0
     index = _token_index(lengths)
     width = max(lengths)
-    ref_scratch = torch.zeros(len(lengths) + 1, width + 1, hv, dk, dv, device=DEVICE)
-    ref = gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, states, slots, index, ref_scratch)
     before = states.clone()
+    ref_states = states.clone()
+    ref_scratch = torch.zeros(len(lengths) + 1, width, hv, dk, dv, device=DEVICE)
+    ref = gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, ref_states, slots, index, ref_scratch)
     scratch = torch.full_like(ref_scratch, float("nan"))
     with poisoned_empty():
         out = gdn_verify_triton(q, k, v, a, b, A_log, dt_bias, states, slots, index, scratch)
     assert_close("o", ref, out, ratio)
-    live_scratch = scratch[: len(lengths), :width][is_live]
-    assert_close("scratch", ref_scratch[: len(lengths), :width][is_live], live_scratch, ratio)
+    live_scratch = scratch[: len(lengths), : width - 1][is_live]
+    assert_close("scratch", ref_scratch[: len(lengths), : width - 1][is_live], live_scratch, ratio)
+    live_slots = slots[is_live].long()
+    assert_close("live slots", ref_states[live_slots], states[live_slots], ratio)  # the state after the last column
+    others = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    others[live_slots] = False
+    assert torch.equal(states[others], before[others]), "wrote a slot no live sequence owns"
+    assert pool[0].isnan().all(), "wrote slot -1"
     padded_rows = index[~is_live]
     assert (out[padded_rows[padded_rows >= 0]] == 0).all(), "a sequence with slot -1 has zero output rows"
     assert scratch[: len(lengths)][~is_live].isnan().all(), "a sequence with slot -1 writes no scratch"
-    assert torch.equal(states, before), "the live slots are the commit's to write"
-    assert scratch[len(lengths) :].isnan().all() and scratch[:, width:].isnan().all(), "wrote outside the step"
+    assert scratch[len(lengths) :].isnan().all() and scratch[:, width - 1 :].isnan().all(), "wrote outside the step"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

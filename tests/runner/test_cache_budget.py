@@ -25,18 +25,28 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 64  # 4 blocks
 
 
-def _sizes() -> tuple[int, int]:
-    """(bytes of one KV block, bytes of one GDN state slot) of the tiny dense checkpoint in fp32, from its config."""
+def _sizes() -> tuple[int, int, int, int]:
+    """(bytes of one KV block, of one GDN state slot, of its conv windows, of its recurrent states) of the tiny dense
+    checkpoint in fp32, from its config."""
     c = ModelConfig.from_pretrained(DENSE)
     block = 2 * BLOCK_SIZE * c.num_key_value_heads * c.head_dim * FP32 * len(c.full_attention_layers)  # K and V
     conv = (c.linear_conv_kernel_dim - 1) * (
         2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
     )
     ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim  # fp32 recurrent state
-    return block, (conv + ssm) * FP32 * len(c.linear_attention_layers)
+    layers = len(c.linear_attention_layers)
+    return block, (conv + ssm) * FP32 * layers, conv * FP32 * layers, ssm * FP32 * layers
 
 
-BLOCK, SLOT = _sizes()
+BLOCK, SLOT, CONV, SSM = _sizes()
+
+
+def verify_row(k: int) -> int:
+    """A verify chunk's scratch: the conv windows after each of its 1 + k tokens, the recurrent states after each
+    but the last (that one is the live slot's: kernels/gdn_spec.py)."""
+    return (k + 1) * CONV + k * SSM
+
+
 ONE_SEQUENCE = MAX_MODEL_LEN // BLOCK_SIZE * BLOCK + SLOT  # what vLLM's start-up check asks the budget to hold
 FIXED = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "max_num_seqs": 4}
 
@@ -63,13 +73,14 @@ def test_block_and_slot_counts_follow_kv_cache_memory_bytes_exactly(budget: int)
 
 def test_while_speculating_the_mtp_layer_and_the_verify_scratch_are_inside_it() -> None:
     """MTP (k = 2): a block holds the MTP layer's K/V too (3 attention layers, not 2), a slot the MTP hidden row, and
-    the verify scratch (4 rows of 1 + k GDN states: a quarter of the budget holds more) comes out of the budget."""
+    the verify scratch (4 rows of 1 + k conv windows and k recurrent states: a quarter of the budget holds more)
+    comes out of the budget."""
     budget = 4 * 2**20
     hidden = ModelConfig.from_pretrained(DENSE).hidden_size
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     runner = LLM(DENSE, **FIXED, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
                  speculative_config=mtp).engine.runner  # fmt: skip
-    block, slot, scratch = BLOCK * 3 // 2, SLOT + hidden * FP32, 4 * 3 * SLOT
+    block, slot, scratch = BLOCK * 3 // 2, SLOT + hidden * FP32, 4 * verify_row(2)
     assert runner.spec.max_spec_seqs == 4 and scratch <= budget // 4
     assert (runner.layout.bytes_per_block, runner.layout.bytes_per_slot) == (block, slot)
     assert (runner.layout.num_blocks, runner.layout.num_slots) == ((budget - scratch - 4 * slot) // block, 4)
@@ -77,25 +88,26 @@ def test_while_speculating_the_mtp_layer_and_the_verify_scratch_are_inside_it() 
 
 def test_while_speculating_the_default_max_num_seqs_gives_every_sequence_its_verify_scratch() -> None:
     """max_num_seqs unset, MTP k = 2: vLLM's default capped to the sequences the budget serves with each one's pool
-    slot, its 1 + k verify scratch states and, here, a max_model_len sequence's KV (100 slots' worth / (4 states and
-    4 KV blocks) = 14), which is more than the states in half of the budget would allow (50 / 4 = 12); the scratch
-    holds a verify chunk for every one of them, so no step is larger than the verify graphs (before session 24 the
-    count was capped for the pool alone, 50, with 8 scratch rows: steps of 9 to 50 sequences ran eager), and the KV
-    left serves all 14 at max_model_len."""
+    slot, its verify scratch (3 conv windows, 2 recurrent states) and, here, a max_model_len sequence's KV (100 slots'
+    worth / (slot, scratch and 4 KV blocks) = 16), which is more than the states in half of the budget would allow
+    (15); the scratch holds a verify chunk for every one of them, so no step is larger than the verify graphs (before
+    session 24 the count was capped for the pool alone, 50, with 8 scratch rows: steps of 9 to 50 sequences ran
+    eager), and the KV left serves all 16 at max_model_len. (Before session 26 the scratch held 1 + k whole states
+    and the count was 14.)"""
     budget = 100 * SLOT
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     runner = LLM(DENSE, **{**FIXED, "max_num_seqs": None}, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
                  speculative_config=mtp).engine.runner  # fmt: skip
     slot, block = runner.layout.bytes_per_slot, runner.layout.bytes_per_block
-    whole = budget // (slot + 3 * SLOT + 4 * block)
-    assert whole == 14 > (budget // 2) // (slot + 3 * SLOT)
-    assert (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (14, 14, 14)
-    assert runner.layout.num_blocks == (budget - 14 * 3 * SLOT - 14 * slot) // block >= 14 * 4
+    whole = budget // (slot + verify_row(2) + 4 * block)
+    assert whole == 16 > (budget // 2) // (slot + verify_row(2))
+    assert (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (16, 16, 16)
+    assert runner.layout.num_blocks == (budget - 16 * verify_row(2) - 16 * slot) // block >= 16 * 4
 
 
 def test_while_speculating_a_max_num_seqs_set_past_the_scratch_runs_as_many_as_fit(caplog) -> None:  # noqa: ANN001
     """max_num_seqs 4 set, MTP k = 2, a budget of 16 slots' worth: one max_model_len sequence's KV (4 blocks of 1.5
-    x BLOCK with the MTP layer) leaves room for 3 sequences of a slot and 3 scratch states, so 3 run at a time (as
+    x BLOCK with the MTP layer) leaves room for 3 sequences of a slot and a verify scratch, so 3 run at a time (as
     vLLM's hybrid cache runs what its blocks hold), with a warning; before, 4 ran with a quarter-budget scratch of 1
     chunk, and steps of 2-4 sequences ran eager."""
     budget = 16 * SLOT
@@ -104,22 +116,24 @@ def test_while_speculating_a_max_num_seqs_set_past_the_scratch_runs_as_many_as_f
         runner = LLM(DENSE, **FIXED, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
                      speculative_config=mtp).engine.runner  # fmt: skip
     block, slot = runner.layout.bytes_per_block, runner.layout.bytes_per_slot
-    fit = (budget - 4 * block) // (slot + 3 * SLOT)
+    fit = (budget - 4 * block) // (slot + verify_row(2))
     assert fit == 3 and (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (3, 3, 3)
     assert "max_num_seqs 4 while speculating" in caplog.text and "3 run at a time" in caplog.text
 
 
 def test_under_the_k_policy_the_count_is_sized_as_without_speculation_and_the_scratch_apart() -> None:
     """max_num_seqs unset, MTP k = 2 with the deltaserve-only k policy: the count is the one without speculation
-    (50: the pool in half of 100 slots' worth), the scratch a quarter of the budget (25 slots' worth / 3 states = 8
-    chunks); a step of more than 8 decodes drafts nothing and replays a width-1 graph (scheduler/spec_policy.py)."""
+    (50: the pool in half of 100 slots' worth), the scratch a quarter of the budget (25 slots' worth / a chunk's
+    scratch = 11 chunks); a step of more than 11 decodes drafts nothing and replays a width-1 graph
+    (scheduler/spec_policy.py)."""
     budget = 100 * SLOT
     mtp = {"method": "mtp", "num_speculative_tokens": 2, "k_policy": True}
     engine = LLM(DENSE, **{**FIXED, "max_num_seqs": None}, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
                  speculative_config=mtp).engine  # fmt: skip
     runner = engine.runner
-    assert (runner.max_num_seqs, runner.spec.max_spec_seqs) == (50, 8)
-    assert engine.scheduler.spec.policy.max_verifies == 8
+    assert int(budget * 0.25) // verify_row(2) == 11
+    assert (runner.max_num_seqs, runner.spec.max_spec_seqs) == (50, 11)
+    assert engine.scheduler.spec.policy.max_verifies == 11
 
 
 def test_without_it_the_cpu_budget_is_cpu_kv_cache_bytes_and_zero_means_not_set() -> None:

@@ -51,8 +51,9 @@ def test_refusals(seqs: list[ScheduledSeq], message: str) -> None:
 
 
 def test_speculating_seqs_hold_each_sequence_with_its_scratch() -> None:
-    """A sequence holds its slot and 1 + k scratch states: k = 3, slots of 10 bytes, 50 bytes a sequence."""
-    assert speculating_seqs(1000, 10, 3, upper=100) == 10  # half of the budget, vLLM's default count sized
-    assert speculating_seqs(1000, 10, 3, upper=100, share=1.0) == 20  # all of it, beside a count the user set
-    assert speculating_seqs(1000, 10, 3, upper=4) == 4
-    assert speculating_seqs(10, 10, 3, upper=4) == 1  # at least one: speculation never turns itself off here
+    """A sequence holds its slot and its verify chunk's scratch: slots of 10 bytes, a scratch of 30 (k = 3 states),
+    40 bytes a sequence."""
+    assert speculating_seqs(1000, 10, 30, upper=100) == 12  # half of the budget, vLLM's default count sized
+    assert speculating_seqs(1000, 10, 30, upper=100, share=1.0) == 25  # all of it, beside a count the user set
+    assert speculating_seqs(1000, 10, 30, upper=4) == 4
+    assert speculating_seqs(10, 10, 30, upper=4) == 1  # at least one: speculation never turns itself off here

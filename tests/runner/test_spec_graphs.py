@@ -89,17 +89,19 @@ def test_padded_verify_kernels_give_the_real_rows_and_committable_states() -> No
     padded_index = torch.tensor([[b * WIDTH + j if j < n else -1 for j in range(WIDTH)] for b, n in enumerate(lengths)])
 
     def verify(inputs: dict, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ssm_scratch, conv_scratch = torch.zeros(3, WIDTH, hv, dk, dv), torch.zeros(3, WIDTH, kernel - 1, channels)
+        ssm_scratch, conv_scratch = torch.zeros(3, WIDTH - 1, hv, dk, dv), torch.zeros(3, WIDTH, kernel - 1, channels)
+        live = ssm_states.clone()  # the recurrent op leaves the last column's state in the live slot
         core = gdn_verify_ref(inputs["q"], inputs["k"], inputs["v"], inputs["a"], inputs["b"], A_log, dt_bias,
-                              ssm_states, slots, index, ssm_scratch)  # fmt: skip
+                              live, slots, index, ssm_scratch)  # fmt: skip
         conv = causal_conv1d_verify_ref(inputs["x"], weight, conv_states, slots, index, conv_scratch)
-        return core, conv, ssm_scratch, conv_scratch
+        return core, conv, ssm_scratch, conv_scratch, live
 
-    core, conv, ssm_scratch, conv_scratch = verify(real, eager_index)
-    core_p, conv_p, ssm_scratch_p, conv_scratch_p = verify(padded, padded_index)
+    core, conv, ssm_scratch, conv_scratch, live = verify(real, eager_index)
+    core_p, conv_p, ssm_scratch_p, conv_scratch_p, live_p = verify(padded, padded_index)
     assert torch.equal(core_p[rows], core) and torch.equal(conv_p[rows], conv)
-    for s, k in enumerate(NUM_DRAFTS):  # a commit reads entry num_emitted - 1 <= k_s
-        assert torch.equal(ssm_scratch_p[s, : k + 1], ssm_scratch[s, : k + 1])
+    assert torch.equal(live_p, live)  # the state after each row's last real token
+    for s, k in enumerate(NUM_DRAFTS):  # a commit reads entry num_emitted - 1 <= k_s (the last column: the live slot)
+        assert torch.equal(ssm_scratch_p[s, : min(k + 1, WIDTH - 1)], ssm_scratch[s, : min(k + 1, WIDTH - 1)])
         assert torch.equal(conv_scratch_p[s, : k + 1], conv_scratch[s, : k + 1])
 
 

@@ -65,16 +65,17 @@ def test_a_split_warmup_step_runs_through_the_runner(tiny_moe: Path) -> None:
 
 
 def test_verify_warmup_rows_are_the_largest_verify_step_the_scheduler_may_plan() -> None:
-    # 1,024 tokens of 1 + k = 4: above the largest verify-graph bucket (512 tokens), so such a step runs eager
-    assert verify_warmup_rows(3, 256, 8192, 10**15, 10) == 256  # max_num_seqs
-    assert verify_warmup_rows(3, 1024, 2048, 10**15, 10) == 512  # the token budget: 512 chunks of 4 tokens
-    assert verify_warmup_rows(1, 1024, 2048, 10**15, 10) == 1024
-    assert verify_warmup_rows(3, 256, 8192, 1000, 10) == 20  # beside a count set: 1000 bytes hold 20 of 5 states
-    assert verify_warmup_rows(3, 256, 2, -5, 10) == 1  # the floors: one chunk, as the served engine's
-    # vLLM's default count sized to memory: half of 1000 bytes holds 10 sequences of a slot and 4 scratch states
-    assert verify_warmup_rows(3, 256, 8192, 1000, 10, is_sized=True) == 10
-    # under the k policy the scratch is a quarter of the budget: 250 bytes hold 6 chunks of 4 states
-    assert verify_warmup_rows(3, 256, 8192, 1000, 10, is_sized=True, has_policy=True) == 6
+    # 1,024 tokens of 1 + k = 4: above the largest verify-graph bucket (512 tokens), so such a step runs eager;
+    # slots of 10 bytes, a verify chunk's scratch of 30 (k = 3 states: the last one is the live slot's)
+    assert verify_warmup_rows(3, 256, 8192, 10**15, 10, 30) == 256  # max_num_seqs
+    assert verify_warmup_rows(3, 1024, 2048, 10**15, 10, 30) == 512  # the token budget: 512 chunks of 4 tokens
+    assert verify_warmup_rows(1, 1024, 2048, 10**15, 10, 10) == 1024
+    assert verify_warmup_rows(3, 256, 8192, 1000, 10, 30) == 25  # beside a count set: 1000 bytes hold 25 of 40
+    assert verify_warmup_rows(3, 256, 2, -5, 10, 30) == 1  # the floors: one chunk, as the served engine's
+    # vLLM's default count sized to memory: half of 1000 bytes holds 12 sequences of a slot and 3 scratch states
+    assert verify_warmup_rows(3, 256, 8192, 1000, 10, 30, is_sized=True) == 12
+    # under the k policy the scratch is a quarter of the budget: 250 bytes hold 8 chunks of 30
+    assert verify_warmup_rows(3, 256, 8192, 1000, 10, 30, is_sized=True, has_policy=True) == 8
 
 
 def test_verify_warmup_plans_pass_spec_layout() -> None:
