@@ -33,8 +33,8 @@ MAX_CAPTURE_SIZE = 512  # vLLM 0.26's default max_cudagraph_capture_size: a larg
 
 def capture_sizes(max_batch: int) -> list[int]:
     """vLLM 0.26's cudagraph_capture_sizes (as its server log lists them on an H200), up to max_batch and never past
-    MAX_CAPTURE_SIZE (until session 26 a count above 512 was appended as a bucket of its own: a 1,024-row graph and
-    its 1.42 GiB of static buffers on the 248,320-token vocabulary, where the docs said 512 rows and 0.71 GiB)."""
+    MAX_CAPTURE_SIZE: with a larger count, a step of more than 512 sequences runs eager (as in vLLM), and the static
+    buffers stay at 512 rows (docs/ARCHITECTURE.md#the-samplers-share-of-the-warm-up-peak)."""
     top = min(max_batch, MAX_CAPTURE_SIZE)
     sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, MAX_CAPTURE_SIZE + 1, 16))
     return [s for s in sizes if s < top] + [top]
