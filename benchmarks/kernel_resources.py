@@ -365,7 +365,7 @@ def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[]
         v = mixed[:, 2 * hk * dk :].view(t, hv, dv)
         states = e(num_seqs, hv, dk, dv, dtype=torch.float32)
         gdn_args = (q, k, v, e(t, hv), e(t, hv), e(hv, dtype=torch.float32), e(hv), states, slots, index,
-                    e(num_seqs, width, hv, dk, dv, dtype=torch.float32))  # fmt: skip
+                    e(num_seqs, max(width - 1, 1), hv, dk, dv, dtype=torch.float32))  # fmt: skip
         launches.append((f"conv_verify {case}", lambda a=conv_args: causal_conv1d_verify_triton(*a)))
         launches.append((f"gdn_verify {case}", lambda a=gdn_args: gdn_verify_triton(*a)))
     return launches
