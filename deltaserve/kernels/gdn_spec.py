@@ -131,20 +131,25 @@ def gdn_verify_ref(
 
 
 def _write_live(states: torch.Tensor, state_indices: torch.Tensor, values: torch.Tensor) -> None:
-    """states[state_indices[s]] <- values[s] for every s with a slot >= 0, with no host sync: a padded sequence is
-    aimed at the first live sequence's slot with that sequence's value (or, when none is live, at slot 0 with its
-    own content), so duplicate indices carry identical values and the result does not depend on their order."""
+    """states[state_indices[s]] <- values[s] for every s with a slot >= 0, with no host sync (_write_slots)."""
     if state_indices.shape[0] == 0:
         return
     slots = state_indices.long()
-    is_live = slots >= 0  # [S]
-    first = is_live.int().argmax().view(1)  # [1]: the first live sequence (0 when none is)
-    any_live = is_live.index_select(0, first)  # [1]
-    anchor = torch.where(any_live, slots.index_select(0, first), 0)  # [1]
-    values = values.to(states.dtype)
-    keep = torch.where(any_live, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
-    live = is_live.view(-1, *([1] * (values.dim() - 1)))
-    states.index_copy_(0, torch.where(is_live, slots, anchor), torch.where(live, values, keep))
+    _write_slots(states, slots, values, slots >= 0)
+
+
+def _write_slots(states: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, writes: torch.Tensor) -> None:
+    """states[slots[s]] <- values[s] where writes[s], with no host sync. The rows that write nothing cannot be dropped
+    from the copy without one, so each is aimed at an anchor slot with the value that slot ends with anyway: the first
+    writing row's slot and value, or, when none writes, slot 0 and its own content. Duplicate indices in index_copy_
+    then all carry identical values, so the result does not depend on their order."""
+    first = writes.int().argmax().view(1)  # [1]: the first writing row (0 when none writes)
+    any_write = writes.index_select(0, first)  # [1]
+    anchor = torch.where(any_write, slots.index_select(0, first), 0)  # [1]
+    values = values.to(states.dtype)  # [S, ...]
+    keep = torch.where(any_write, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
+    mask = writes.view(-1, *([1] * (values.dim() - 1)))
+    states.index_copy_(0, torch.where(writes, slots, anchor), torch.where(mask, values, keep))
 
 
 def gdn_verify(
@@ -181,12 +186,7 @@ def spec_state_commit(
     """Live slot state_indices[s] <- the state after token num_accepted[s] of the step's W = width columns: conv
     scratch [s, num_accepted[s]], and recurrent scratch [s, num_accepted[s]] where num_accepted[s] < W - 1 (at
     W - 1 gdn_verify already left that state in the live slot); num_accepted [S] stays on the device. A sequence with
-    slot < 0 commits nothing.
-
-    Without a host sync the sequences that copy nothing cannot be dropped from the copy, so each is aimed at an
-    anchor slot with the value the anchor slot ends with anyway: the first copying sequence's slot and entry, or,
-    when none copies, slot 0 and its own content. Duplicate indices in index_copy_ then all carry identical values,
-    so the result does not depend on their order."""
+    slot < 0 commits nothing; neither does a sequence whose state is in place (_write_slots' anchor, no host sync)."""
     num_seqs = state_indices.shape[0]
     if num_seqs == 0:
         return
@@ -195,26 +195,7 @@ def spec_state_commit(
     is_live = slots >= 0  # [S]
     accepted = num_accepted.long()
     conv_entry = accepted.clamp(0, scratch_conv.shape[1] - 1)  # never an index outside the scratch
-    _copy_entries(conv_states, scratch_conv, seq, conv_entry, slots, is_live)
+    _write_slots(conv_states, slots, scratch_conv[seq, conv_entry], is_live)
     if width > 1:  # width 1: the one column's state is in the live slot already
         ssm_entry = accepted.clamp(0, min(width - 2, scratch_ssm.shape[1] - 1))
-        _copy_entries(ssm_states, scratch_ssm, seq, ssm_entry, slots, is_live & (accepted < width - 1))
-
-
-def _copy_entries(
-    states: torch.Tensor,
-    scratch: torch.Tensor,
-    seq: torch.Tensor,
-    entry: torch.Tensor,
-    slots: torch.Tensor,
-    copies: torch.Tensor,
-) -> None:
-    """states[slots[s]] <- scratch[s, entry[s]] where copies[s], with no host sync (spec_state_commit's anchor)."""
-    first = copies.int().argmax().view(1)  # [1]: the first copying sequence (0 when none copies)
-    any_copy = copies.index_select(0, first)  # [1]
-    anchor = torch.where(any_copy, slots.index_select(0, first), 0)  # [1]
-    target = torch.where(copies, slots, anchor)  # [S]
-    values = scratch[seq, entry].to(states.dtype)  # [S, ...]
-    keep = torch.where(any_copy, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
-    live = copies.view(-1, *([1] * (values.dim() - 1)))
-    states.index_copy_(0, target, torch.where(live, values, keep))
+        _write_slots(ssm_states, slots, scratch_ssm[seq, ssm_entry], is_live & (accepted < width - 1))
