@@ -36,7 +36,7 @@ from typing import Any
 
 from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
-from deltaserve.bench.peer_refusals import relaunch_count, with_max_num_seqs
+from deltaserve.bench.peer_refusals import known_refusals, relaunch_count, with_max_num_seqs
 from deltaserve.bench.provenance import host_facts, probe_version, server_version
 from deltaserve.bench.server_process import Server
 
@@ -115,6 +115,7 @@ class Grid:
         deadline_s: float | None = None,
         is_drift_enabled: bool = True,
         resume_path: Path | None = None,
+        adapt_from: Path | None = None,
     ) -> None:
         self.config = config
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -125,6 +126,12 @@ class Grid:
         self.t0 = time.monotonic()
         self.previous_wall_s = 0.0
         self.record: dict[str, Any] = self._new_record() if resume_path is None else self._resumed_record(resume_path)
+        # an earlier record's refusals (peer_refusals.py): the same launch on the same GPUs starts adapted
+        self.adapt_from = adapt_from
+        self.known_refusals: dict[tuple[str, ...], int] = {}
+        if adapt_from is not None:
+            gpus = (self.record.get("host") or {}).get("gpus") or []
+            self.known_refusals = known_refusals(json.loads(adapt_from.read_text()), gpus)
 
     def _new_record(self) -> dict[str, Any]:
         config = self.config
@@ -221,6 +228,13 @@ class Grid:
         if adapted is not None and not is_relaunch:  # an earlier call's refusal named the count (peer_refusals.py)
             arm = with_max_num_seqs(arm, adapted)
         launch = resolve(arm, model, self.config)
+        known = self.known_refusals.get(tuple(launch.argv)) if adapted is None and not is_relaunch else None
+        if known is not None:  # --adapt-from: this very launch was refused on these GPUs before
+            arm = with_max_num_seqs(arm, known)
+            launch = resolve(arm, model, self.config)
+            self.record["arms"][arm.name].setdefault("max_num_seqs_by_model", {})[model.name] = known
+            print(f"[grid] {arm.name} on {model.name}: --max-num-seqs {known}, as {self.adapt_from} recorded",
+                  flush=True)  # fmt: skip
         _note_deviations(self.record["arms"][arm.name], launch)
         index = len(self.record["launches"])
         log_path = self.raw_dir / f"server-{index:02d}-{arm.name}-{model.name}.log"
@@ -239,6 +253,8 @@ class Grid:
             "startup_s": None,
             "error": None,
         }
+        if known is not None:
+            entry["adapted_from"] = f"--max-num-seqs {known}: {self.adapt_from} recorded this launch's refusal"
         self.record["launches"].append(entry)
         print(f"[grid] {arm.name} on {model.name}: {entry['command_line']}", flush=True)
         server = Server(launch, log_path)
@@ -505,6 +521,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", type=Path, default=None, help="continue this record: run only the points it lacks, then the drift"
     )
     parser.add_argument(
+        "--adapt-from",
+        type=Path,
+        default=None,
+        help="an earlier record: a launch it saw refused on these GPUs starts with the count the refusal named "
+        "(deltaserve/bench/peer_refusals.py)",
+    )
+    parser.add_argument(
         "--deadline-s", type=float, default=None, help="start no launch that would end (arm expected_s) after this"
     )
     parser.add_argument("--run-timeout-s", type=float, default=None, help="fail a client run that takes longer")
@@ -544,7 +567,8 @@ def run(args: argparse.Namespace) -> int:
         return _dry_run(config)
     result_dir = args.result_dir or DEFAULT_RESULT_DIR
     try:
-        grid = Grid(config, result_dir, args.raw_dir, args.record_name, args.deadline_s, not args.no_drift, args.resume)
+        grid = Grid(config, result_dir, args.raw_dir, args.record_name, args.deadline_s, not args.no_drift, args.resume,
+                    args.adapt_from)  # fmt: skip
     except (OSError, ValueError) as exc:
         print(f"bench grid: cannot resume: {exc}", file=sys.stderr)
         return 2

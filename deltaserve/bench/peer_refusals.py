@@ -9,6 +9,11 @@ relaunch adds `--max-num-seqs N` after the site's flags (vLLM's parser keeps the
 the failed launch (`adapted_to`) and in the arm's entry (`max_num_seqs_by_model`), where a resumed call finds it
 and starts with it. At the grids' concurrencies (at most 64 running) the count binds nothing; its only other effect
 is vLLM's profile run sampling fewer rows, which leaves vLLM more cache (benchmarks/README.md, the deviations).
+
+A refused start costs a device call minutes (vLLM loads the weights and profiles before it refuses: ~200 s for the
+27B with MTP on an H100). `bench grid --adapt-from RECORD` spares a new record that: a launch whose argv equals one
+that RECORD's refusal adapted, on the same GPUs, starts with the count that refusal named (`known_refusals`); the
+launch names the record it took the count from (`adapted_from`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 from deltaserve.bench.grid_config import Arm
 
@@ -47,3 +53,17 @@ def relaunch_count(log_path: Path) -> tuple[int, int] | None:
     if not log_path.is_file():
         return None
     return max_num_seqs_named(log_path.read_text(errors="replace"))
+
+
+def known_refusals(record: dict[str, Any], gpus: list[str]) -> dict[tuple[str, ...], int]:
+    """{a refused launch's argv: the count its refusal named} from a grid record's launches (`adapted_to`), when one
+    of the record's hosts (its first call's or a resumed call's) had exactly these GPUs; {} otherwise."""
+    hosts = [record.get("host") or {}, *record.get("resumed", [])]
+    if not any(host.get("gpus") == gpus for host in hosts):
+        return {}
+    counts: dict[tuple[str, ...], int] = {}
+    for launch in record.get("launches", []):
+        match = re.match(r"--max-num-seqs (\d+):", launch.get("adapted_to") or "")
+        if match and launch.get("argv"):
+            counts[tuple(launch["argv"])] = int(match.group(1))
+    return counts

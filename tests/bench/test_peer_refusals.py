@@ -1,6 +1,7 @@
 """deltaserve/bench/peer_refusals.py and the grid's one relaunch: a server that refuses to start the way vLLM 0.26
 does when max_num_seqs exceeds its state blocks is launched again with the count its message names, the record
-says so, and a resumed call starts with it."""
+says so, a resumed call starts with it, and so does a new record given the old one (--adapt-from) on the same
+GPUs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from deltaserve.bench.grid import Grid, load_config
 from deltaserve.bench.grid_config import Arm
-from deltaserve.bench.peer_refusals import max_num_seqs_named, with_max_num_seqs
+from deltaserve.bench.peer_refusals import known_refusals, max_num_seqs_named, with_max_num_seqs
 from tests.support.ports import free_port
 
 from .bench_helpers import WordTokenizer
@@ -70,3 +71,42 @@ def test_the_grid_relaunches_once_with_the_named_count_and_a_resume_starts_with_
                    resume_path=results / "refusing.json").run()  # fmt: skip
     third = resumed["launches"][2]
     assert third["error"] is None and third["argv"][-2:] == ["--max-num-seqs", "200"] and len(resumed["launches"]) == 3
+
+
+def test_known_refusals_are_the_adapted_launches_of_a_record_on_the_same_gpus() -> None:
+    record = {
+        "host": {"gpus": ["NVIDIA H200"]},
+        "resumed": [{"gpus": ["NVIDIA H100 80GB HBM3"]}],
+        "launches": [
+            {"argv": ["vllm", "serve", "m"], "adapted_to": "--max-num-seqs 234: vLLM refused max_num_seqs 256 ..."},
+            {"argv": ["vllm", "serve", "m", "--max-num-seqs", "234"], "adapted_to": None},
+            {"argv": ["deltaserve", "serve", "m"]},
+        ],
+    }
+    assert known_refusals(record, ["NVIDIA H100 80GB HBM3"]) == {("vllm", "serve", "m"): 234}  # a resumed call's card
+    assert known_refusals(record, ["NVIDIA H200"]) == {("vllm", "serve", "m"): 234}
+    assert known_refusals(record, ["NVIDIA H100 80GB HBM3"] * 2) == {}  # other GPUs: their blocks differ
+
+
+def test_a_new_record_adapted_from_an_old_one_starts_with_its_count(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    script = tmp_path / "refusing.py"
+    script.write_text(REFUSING)
+    toml = tmp_path / "refusing.toml"
+    toml.write_text(
+        f'[grid]\nname="refusing"\nconcurrencies=[1]\nlengths=[[8,2]]\nport={free_port()}\nmin_prompts=2\n'
+        "prompts_per_concurrency=1\nnum_warmups=0\n"
+        f'[[models]]\nname="w"\npath="{word_model}"\n'
+        f'[[arms]]\nname="peer"\nrole="subject"\n'
+        f'command=["{sys.executable}", "{script}", "{{model}}", "--port", "{{port}}"]\nstartup_timeout_s=120\n'
+    )
+    results = tmp_path / "r"
+    Grid(load_config(toml), results, record_name="old", is_drift_enabled=False).run()
+    new = Grid(load_config(toml), results, record_name="new", is_drift_enabled=False,
+               adapt_from=results / "old.json").run()  # fmt: skip
+    (launch,) = new["launches"]  # no refused start first
+    assert launch["error"] is None and launch["argv"][-2:] == ["--max-num-seqs", "200"]
+    assert launch["adapted_from"].startswith("--max-num-seqs 200: ") and "old.json" in launch["adapted_from"]
+    assert new["arms"]["peer"]["max_num_seqs_by_model"] == {"w": 200}
+    assert [r["metrics"]["completed"] for r in new["runs"]] == [2]
