@@ -352,7 +352,10 @@ class SpecDecoder:
         the live slot, every GDN layer (handle.num_emitted [S] set by accept, or on a rank other than 0 received
         from rank 0: runner/spec_ranks.py)."""
         slots = to_device(handle.layout.state_slots, torch.int32, handle.num_emitted.device)
-        width = handle.layout.token_index.shape[1]  # the columns the verify forward ran
+        # the step's widest chunk: the eager forward's columns, or fewer than a verify graph's 1 + k (a deferred
+        # step); either way a chunk that accepted all its columns has its state in the live slot (padded columns
+        # repeat the last real state), so the commit copies only shorter runs (kernels/gdn_spec.py)
+        width = handle.layout.token_index.shape[1]
         for layer in self.model.layers:
             if not layer.is_full_attention:
                 mixer = layer.linear_attn
