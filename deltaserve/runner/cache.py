@@ -56,16 +56,22 @@ def bytes_per_block(
     return per_layer * num_kv_layers(config, has_mtp)
 
 
-def bytes_per_slot(
-    config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None, has_mtp: bool = False
-) -> int:
-    """A state slot's bytes: the GDN layers' conv and recurrent states, plus, with the MTP layer, one hidden row."""
+def _state_bytes(config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None) -> tuple[int, int]:
+    """(conv window bytes, recurrent state bytes) of one sequence in one GDN layer (this rank's heads)."""
     shapes = _local(config, shapes)
     element = torch.tensor([], dtype=dtype).element_size()
     state_element = torch.tensor([], dtype=ssm_dtype(config)).element_size()
     conv = (config.linear_conv_kernel_dim - 1) * _conv_dim(config, shapes) * element
     ssm = shapes.v_heads.size * config.linear_key_head_dim * config.linear_value_head_dim * state_element
-    hidden = config.hidden_size * element if has_mtp else 0
+    return conv, ssm
+
+
+def bytes_per_slot(
+    config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None, has_mtp: bool = False
+) -> int:
+    """A state slot's bytes: the GDN layers' conv and recurrent states, plus, with the MTP layer, one hidden row."""
+    conv, ssm = _state_bytes(config, dtype, shapes)
+    hidden = config.hidden_size * torch.tensor([], dtype=dtype).element_size() if has_mtp else 0
     return (conv + ssm) * len(config.linear_attention_layers) + hidden
 
 
@@ -75,11 +81,7 @@ def verify_row_bytes(
     """A verify chunk's scratch bytes (runner/spec_decode.py): the GDN layers' conv window after each of its 1 + k
     tokens and their recurrent state after each but the last, whose state the verify kernel leaves in the live slot
     (kernels/gdn_spec.py)."""
-    shapes = _local(config, shapes)
-    element = torch.tensor([], dtype=dtype).element_size()
-    state_element = torch.tensor([], dtype=ssm_dtype(config)).element_size()
-    conv = (config.linear_conv_kernel_dim - 1) * _conv_dim(config, shapes) * element
-    ssm = shapes.v_heads.size * config.linear_key_head_dim * config.linear_value_head_dim * state_element
+    conv, ssm = _state_bytes(config, dtype, shapes)
     k = num_speculative_tokens
     return ((k + 1) * conv + k * ssm) * len(config.linear_attention_layers)
 
