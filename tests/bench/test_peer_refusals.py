@@ -35,6 +35,21 @@ os.execv(sys.executable, [sys.executable, {str(FAKE_SERVER)!r}, *[a for a in arg
 """
 
 
+def _refusing_grid(tmp_path: Path, word_model: Path) -> Path:
+    """A one-point grid whose one arm is the REFUSING stand-in peer."""
+    script = tmp_path / "refusing.py"
+    script.write_text(REFUSING)
+    toml = tmp_path / "refusing.toml"
+    toml.write_text(
+        f'[grid]\nname="refusing"\nconcurrencies=[1]\nlengths=[[8,2]]\nport={free_port()}\nmin_prompts=2\n'
+        "prompts_per_concurrency=1\nnum_warmups=0\n"
+        f'[[models]]\nname="w"\npath="{word_model}"\n'
+        f'[[arms]]\nname="peer"\nrole="subject"\n'
+        f'command=["{sys.executable}", "{script}", "{{model}}", "--port", "{{port}}"]\nstartup_timeout_s=120\n'
+    )
+    return toml
+
+
 def test_the_refusal_is_read_from_vllms_words() -> None:
     assert max_num_seqs_named("some log\n" + REFUSAL + "\nTraceback ...") == (1024, 256)
     assert max_num_seqs_named("ValueError: something else") is None
@@ -47,16 +62,7 @@ def test_the_refusal_is_read_from_vllms_words() -> None:
 def test_the_grid_relaunches_once_with_the_named_count_and_a_resume_starts_with_it(
     tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
 ) -> None:
-    script = tmp_path / "refusing.py"
-    script.write_text(REFUSING)
-    toml = tmp_path / "refusing.toml"
-    toml.write_text(
-        f'[grid]\nname="refusing"\nconcurrencies=[1]\nlengths=[[8,2]]\nport={free_port()}\nmin_prompts=2\n'
-        "prompts_per_concurrency=1\nnum_warmups=0\n"
-        f'[[models]]\nname="w"\npath="{word_model}"\n'
-        f'[[arms]]\nname="peer"\nrole="subject"\n'
-        f'command=["{sys.executable}", "{script}", "{{model}}", "--port", "{{port}}"]\nstartup_timeout_s=120\n'
-    )
+    toml = _refusing_grid(tmp_path, word_model)
     results = tmp_path / "r"
     record = Grid(load_config(toml), results, record_name="refusing", is_drift_enabled=False).run()
     first, second = record["launches"]
@@ -91,16 +97,7 @@ def test_known_refusals_are_the_adapted_launches_of_a_record_on_the_same_gpus() 
 def test_a_new_record_adapted_from_an_old_one_starts_with_its_count(
     tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
 ) -> None:
-    script = tmp_path / "refusing.py"
-    script.write_text(REFUSING)
-    toml = tmp_path / "refusing.toml"
-    toml.write_text(
-        f'[grid]\nname="refusing"\nconcurrencies=[1]\nlengths=[[8,2]]\nport={free_port()}\nmin_prompts=2\n'
-        "prompts_per_concurrency=1\nnum_warmups=0\n"
-        f'[[models]]\nname="w"\npath="{word_model}"\n'
-        f'[[arms]]\nname="peer"\nrole="subject"\n'
-        f'command=["{sys.executable}", "{script}", "{{model}}", "--port", "{{port}}"]\nstartup_timeout_s=120\n'
-    )
+    toml = _refusing_grid(tmp_path, word_model)
     results = tmp_path / "r"
     Grid(load_config(toml), results, record_name="old", is_drift_enabled=False).run()
     new = Grid(load_config(toml), results, record_name="new", is_drift_enabled=False,
