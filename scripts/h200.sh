@@ -81,7 +81,9 @@
 #                                call's budget leaves. Returns the record, its console log and its -raw.tgz. A grid
 #                                that names q35-*-fp8 models (h200_fp8.toml) writes those FP8 dummies first. On an
 #                                H100 (nvidia-smi) it adds --card h100 unless FLAGS name a card: vLLM's peers then
-#                                run at their h100-* sites (--max-num-seqs 256, deltaserve/bench/deviations.py)
+#                                run at their h100-* sites (--max-num-seqs 256, deltaserve/bench/deviations.py).
+#                                With the vLLM bundle unpacked and not FlashInfer's it adds --no-flashinfer: the
+#                                peers at their Triton/FLA GDN prefill twins (the gdn-prefill-triton deviation)
 #   tp SUBSTEP [FLAGS]           the two-GPU plan (kind nvidia-h200-x2): probe (NCCL all-reduce), tests
 #                                (test_gpu_tensor_parallel), gate (scripts/tp_token_compare.py, the bf16 gate and
 #                                the bf16 MTP gate, with MTP vs without, at -tp 2), kernels (bench kernels --tp 2),
@@ -188,7 +190,7 @@ stop_leftover_server() {
 }
 
 grid() {  # GRID [bench grid flags]
-  local file=$1 store=${GRID_STORE:-/tmp/ds_grid} name="" has_deadline="" has_resume="" has_card="" prev=""
+  local file=$1 store=${GRID_STORE:-/tmp/ds_grid} name="" has_deadline="" has_resume="" has_card="" has_fi_flag="" prev=""
   shift
   for candidate in "$file" "benchmarks/grids/$file.toml" "benchmarks/grids/h200_$file.toml"; do
     [ -f "$candidate" ] && file=$candidate && break
@@ -199,6 +201,7 @@ grid() {  # GRID [bench grid flags]
     [ "$word" = --deadline-s ] && has_deadline=1
     [ "$word" = --resume ] && has_resume=1
     [ "$word" = --card ] && has_card=1
+    [ "$word" = --no-flashinfer ] && has_fi_flag=1
     prev=$word
   done
   local extra=()
@@ -206,6 +209,13 @@ grid() {  # GRID [bench grid flags]
   if [ -z "$has_card" ] && nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | grep -q "H100"; then
     echo "an H100: --card h100" | say
     extra+=(--card h100)
+  fi
+  # the vLLM bundle unpacked, FlashInfer's not (its pieces still to come): vLLM's own choice, FlashInfer's GDN
+  # prefill, would fail at the first prefill, so the peers run at their Triton/FLA twins and say so (gdn-prefill-triton)
+  if [ -d "${VLLM_SITE:-/tmp/vllm_site}/vllm" ] && [ ! -d "${FI_SITE:-/tmp/flashinfer_site}/flashinfer" ] \
+    && [ -z "$has_fi_flag" ]; then
+    echo "no FlashInfer bundle: --no-flashinfer" | say
+    extra+=(--no-flashinfer)
   fi
   if [ -n "$name" ] && [ -z "$has_resume" ] && [ -f "$store/$name.json" ]; then
     echo "resuming $store/$name.json (a cut call left it)" | say

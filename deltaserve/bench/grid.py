@@ -481,6 +481,14 @@ def site_for_card(site: str, card: str) -> str:
     return site
 
 
+def site_without_flashinfer(site: str) -> str:
+    """`site` moved to its Triton/FLA GDN prefill twin (h200-offline -> h200-offline-triton-gdn), for a host where
+    the vLLM bundle is unpacked and the FlashInfer bundle is not: vLLM's own choice there would be FlashInfer's GDN
+    prefill, which fails at the first prefill without it. The twin records the gdn-prefill-triton deviation."""
+    twin = f"{site}-triton-gdn"
+    return twin if twin in SITES else site
+
+
 def set_utilization(arm: Arm, value: str) -> None:
     """Sets the arm's --gpu-memory-utilization to value: in its command where it spells one, else in its extra args
     (a registry-built peer) or at the end of its command."""
@@ -539,6 +547,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(deltaserve/bench/deviations.py: vLLM's --max-num-seqs 256 on an 80 GB card)",
     )
     parser.add_argument(
+        "--no-flashinfer",
+        action="store_true",
+        help="the FlashInfer bundle is not on this host: every arm of a production site runs at its Triton/FLA GDN "
+        "prefill twin (h200-offline -> h200-offline-triton-gdn), and the record carries the gdn-prefill-triton "
+        "deviation (deltaserve/bench/deviations.py)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         default=None,
         help="every arm's --gpu-memory-utilization (its command or its registry extra args), the same for all: an "
@@ -558,6 +573,8 @@ def run(args: argparse.Namespace) -> int:
             config.run_timeout_s = args.run_timeout_s
         for arm in config.arms:
             arm.site = site_for_card(arm.site, args.card)
+            if args.no_flashinfer:
+                arm.site = site_without_flashinfer(arm.site)
             if args.gpu_memory_utilization is not None:
                 set_utilization(arm, args.gpu_memory_utilization)
     except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:

@@ -110,6 +110,15 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
     assert grid_module.site_for_card("h200-offline-triton-gdn", "h100") == "h100-offline-triton-gdn"
     assert grid_module.site_for_card("h100-offline", "h200") == "h200-offline"
     assert grid_module.site_for_card("online", "h100") == "online"
+    # `bench grid --no-flashinfer` (the vLLM bundle without FlashInfer's): the Triton/FLA GDN prefill twin, noted
+    config.arms[1].site = grid_module.site_without_flashinfer(config.arms[1].site)
+    triton = resolve(config.arms[1], dense, config)
+    assert config.arms[1].site == "h100-offline-triton-gdn" and "gdn-prefill-triton" in triton.deviations
+    assert triton.argv[triton.argv.index("--gdn-prefill-backend") + 1] == "triton"
+    assert "/tmp/flashinfer_site" not in triton.env_overrides["PYTHONPATH"]
+    assert grid_module.site_without_flashinfer("h200-offline") == "h200-offline-triton-gdn"
+    assert grid_module.site_without_flashinfer("h200-offline-triton-gdn") == "h200-offline-triton-gdn"
+    assert grid_module.site_without_flashinfer("online") == "online"
     # `bench grid --gpu-memory-utilization 0.92`: every arm the same, in its command or the peer's extra args
     for arm in config.arms:
         grid_module.set_utilization(arm, "0.92")

@@ -14,8 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "scripts" / "h200.sh"
 
 
-def runner(tmp_path: Path, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+def runner(
+    tmp_path: Path, *args: str, path: str | None = None, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DS_WORK": str(tmp_path / "work"), "DRY_RUN": "1"}
+    env.update(extra_env or {})
     if path is not None:
         env["PATH"] = f"{path}:{env['PATH']}"
     env.update(DS_MODELS=str(tmp_path / "models"), DS_W128=str(tmp_path / "w128"), RECORD_TAG="h200-test", PY="python3")
@@ -163,3 +166,19 @@ def test_the_grid_moves_the_peers_to_their_h100_sites_on_an_h100(tmp_path: Path)
     assert re.search(r"bench grid benchmarks/grids/h200_prefix.toml .*--card h100", grid)
     named = runner(tmp_path, "grid", "prefix", "--card", "h200", path=str(fake)).stdout
     assert "--card h200" in named and "--card h100" not in named
+
+
+def test_the_grid_forces_the_triton_gdn_prefill_while_flashinfer_is_missing(tmp_path: Path) -> None:
+    """With the vLLM bundle unpacked and not FlashInfer's, the grid step adds --no-flashinfer (the peers at their
+    Triton/FLA GDN prefill twins), unless the call says it; with both, or without vLLM, it adds nothing."""
+    vllm_site, fi_site = tmp_path / "vllm_site", tmp_path / "fi_site"
+    (vllm_site / "vllm").mkdir(parents=True)
+    env = {"VLLM_SITE": str(vllm_site), "FI_SITE": str(fi_site)}
+    forced = runner(tmp_path, "grid", "mtp", "--models", "q35-27b", extra_env=env).stdout
+    assert re.search(r"bench grid benchmarks/grids/h200_mtp.toml .*--no-flashinfer", forced), forced
+    named = runner(tmp_path, "grid", "mtp", "--no-flashinfer", extra_env=env).stdout
+    command = next(line for line in named.splitlines() if "bench grid" in line)
+    assert command.count("--no-flashinfer") == 1
+    (fi_site / "flashinfer").mkdir(parents=True)
+    both = runner(tmp_path, "grid", "mtp", extra_env=env).stdout
+    assert "bench grid" in both and "--no-flashinfer" not in both
