@@ -75,6 +75,10 @@
 #                                --cases 2048@57344,8x1024@0, --arms, --library-block-sizes 16,vllm, --check-only);
 #                                --deadline-s defaults to what the budget leaves (attention-ab-TAG.json keeps the
 #                                cases timed and names the rest)
+#   gdn-prefill-ab [FLAGS]       benchmarks/oracle/gdn_prefill_kernels.py: the GDN prefill kernel alone, deltaserve's
+#                                against vLLM's Triton/FLA and FlashInfer's CuTe-DSL ones, both shapes, ISL 1024 /
+#                                3072 / 8 x 1024 / 16384, both bundles on the path; FLAGS are its own (--backends,
+#                                --iters); --deadline-s defaults to what the budget leaves (gdn-prefill-ab-TAG.json)
 #   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the
@@ -504,6 +508,9 @@ case $step in
   attention-ab)
     library_ab attention-ab attention_ab "^arm |DISAGREES|ERROR|^adopt |^range |^skipped|^record|Traceback|Error:" \
       '^attention ' "$@" ;;
+  gdn-prefill-ab)
+    library_ab gdn-prefill-ab oracle/gdn_prefill_kernels '^\{|^skipped|Traceback|Error:' '^\{' \
+      --backends ours,triton,flashinfer "$@" ;;
   profile-prefill)
     shapes=27b,35b-a3b
     [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && shapes=$1 && shift

@@ -12,7 +12,12 @@ whole-model GDN prefill estimate (x layers) and the Triton/FlashInfer ratio, and
     PYTHONPATH=/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site \\
         python3 benchmarks/oracle/gdn_prefill_kernels.py --out $OUT/gdn-prefill-kernels.json
 
-With --backends triton it runs without FlashInfer (the Triton half alone).
+With --backends triton it runs without FlashInfer (the Triton half alone). `--backends ours,triton,flashinfer` also
+times deltaserve's own GDN prefill (deltaserve.kernels.gdn_prefill, the served Triton chunked kernel) on inputs of the
+same shapes, side by side: the rule that a kernel of our own stays only where it beats the field's library. Ours is
+timed as the served op runs, so it also does what vLLM runs in separate launches before its kernel (the q/k l2norm,
+the decay and beta gates from a, b): its time is an upper bound on the like-for-like kernel. The isl16384 case is
+issue 35's long prompt.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from typing import Any
 
 # (name, HK, HV, number of GDN layers): the two benchmark shapes (benchmarks/oracle/make_dummy_models.py).
 SHAPES = (("35b-a3b", 16, 32, 30), ("27b", 16, 48, 48))
 HEAD_DIM = 128
 # (label, sequence lengths): one prompt at each ISL, and one 8192-token step of 8 prompts.
-CASES = (("isl1024", (1024,)), ("isl3072", (3072,)), ("8x1024", (1024,) * 8))
+CASES = (("isl1024", (1024,)), ("isl3072", (3072,)), ("8x1024", (1024,) * 8), ("isl16384", (16384,)))
 
 
 def make_inputs(
@@ -53,18 +59,51 @@ def make_inputs(
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": state, "cu_seqlens": cu_seqlens}
 
 
+def make_our_inputs(
+    num_tokens: int, num_seqs: int, num_k_heads: int, num_v_heads: int, head_dim: int, seed: int
+) -> dict[str, Any]:
+    """deltaserve.kernels.gdn_prefill's inputs for the same batch: raw bf16 q/k/v and a/b (the op norms q/k and
+    makes the gates itself), the checkpoint's A_log / dt_bias, fp32 states [N, HV, dk, dv] in slots 0..N-1."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    total = num_tokens * num_seqs
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.float32)
+
+    return {
+        "q": randn(total, num_k_heads, head_dim).to(torch.bfloat16),
+        "k": randn(total, num_k_heads, head_dim).to(torch.bfloat16),
+        "v": randn(total, num_v_heads, head_dim).to(torch.bfloat16),
+        "a": randn(total, num_v_heads).to(torch.bfloat16),
+        "b": randn(total, num_v_heads).to(torch.bfloat16),
+        "A_log": torch.log(torch.empty(num_v_heads, device="cuda").uniform_(1, 16, generator=generator)),
+        "dt_bias": 0.5 * randn(num_v_heads),
+        "ssm_states": 0.01 * randn(num_seqs, num_v_heads, head_dim, head_dim),
+        "query_start_loc": torch.arange(0, total + 1, num_tokens, device="cuda", dtype=torch.int32),
+        "state_indices": torch.arange(num_seqs, device="cuda", dtype=torch.int32),
+        "has_initial_state": torch.ones(num_seqs, device="cuda", dtype=torch.bool),
+    }
+
+
+def _call_vllm(fn: Any) -> Any:
+    """vLLM's entry points, as its layer calls them here: pre-normed q/k, the final state returned."""
+    return lambda **inputs: fn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=False)
+
+
 def time_kernel(fn: Any, inputs: dict[str, Any], iters: int) -> list[float]:
     """Milliseconds per call (CUDA events), after three warm-up calls (the first compiles)."""
     import torch
 
     for _ in range(3):
-        fn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=False)
+        fn(**inputs)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=False)
+        fn(**inputs)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -76,34 +115,52 @@ def main() -> int:
     parser.add_argument("--backends", default="triton,flashinfer")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no case after this many seconds")
     args = parser.parse_args()
+    began = time.monotonic()
     import torch
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
-    kernels = {"triton": gdn.fla_chunk_gated_delta_rule, "flashinfer": gdn.fi_chunk_gated_delta_rule}
+    from deltaserve.kernels import gdn_prefill
+
+    kernels = {
+        "ours": gdn_prefill,
+        "triton": _call_vllm(gdn.fla_chunk_gated_delta_rule),
+        "flashinfer": _call_vllm(gdn.fi_chunk_gated_delta_rule),
+    }
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(backends) - set(kernels)
     if unknown or not backends:
         print(f"unknown backends {sorted(unknown)}; choose from {sorted(kernels)}")
         return 2
-    rows = []
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for shape, num_k_heads, num_v_heads, num_layers in SHAPES:
         for case, lengths in CASES:
-            inputs = make_inputs(lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM, seed=0)
+            if args.deadline_s is not None and time.monotonic() - began > args.deadline_s:
+                skipped.append(f"{shape} {case}")
+                print(f"skipped {shape} {case}: past --deadline-s {args.deadline_s:g}", flush=True)
+                continue
+            shapes = (lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM)
+            inputs = make_inputs(*shapes, seed=0) if {"triton", "flashinfer"} & set(backends) else {}
+            ours = make_our_inputs(*shapes, seed=0) if "ours" in backends else {}
             row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
             row["num_gdn_layers"] = num_layers
             for backend in backends:
                 try:
-                    times = time_kernel(kernels[backend], inputs, args.iters)
+                    times = time_kernel(kernels[backend], ours if backend == "ours" else inputs, args.iters)
                     row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
                     row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
                 except Exception as exc:  # one backend failing must not hide the other's numbers
                     row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
             if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
                 row["triton_over_flashinfer"] = round(row["triton_ms_per_layer"] / row["flashinfer_ms_per_layer"], 3)
+            for peer in ("flashinfer", "triton"):
+                if "ours_ms_per_layer" in row and f"{peer}_ms_per_layer" in row:
+                    row[f"ours_over_{peer}"] = round(row["ours_ms_per_layer"] / row[f"{peer}_ms_per_layer"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del inputs
+            del inputs, ours
             torch.cuda.empty_cache()
     record = {
         "kind": "gdn-prefill-kernels",
@@ -113,6 +170,7 @@ def main() -> int:
         "head_dim": HEAD_DIM,
         "iters": args.iters,
         "rows": rows,
+        "skipped": skipped,
     }
     try:
         record["flashinfer"] = __import__("flashinfer").__version__

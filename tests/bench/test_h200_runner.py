@@ -182,3 +182,12 @@ def test_the_grid_forces_the_triton_gdn_prefill_while_flashinfer_is_missing(tmp_
     (fi_site / "flashinfer").mkdir(parents=True)
     both = runner(tmp_path, "grid", "mtp", extra_env=env).stdout
     assert "bench grid" in both and "--no-flashinfer" not in both
+
+
+def test_the_gdn_prefill_ab_step_times_ours_beside_both_of_vllms_kernels(tmp_path: Path) -> None:
+    done = runner(tmp_path, "gdn-prefill-ab", "--iters", "5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(line for line in done.stdout.splitlines() if "gdn_prefill_kernels.py" in line)
+    assert "/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" in line
+    flags = r"gdn-prefill-ab-h200-test.json --deadline-s \d+ --backends ours,triton,flashinfer --iters 5"
+    assert re.search(flags, line)
