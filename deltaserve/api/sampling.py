@@ -169,11 +169,13 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    bad_words_ids: list[list[int]] | None = None,
 ) -> SamplingParams:
     """SamplingParams for one prompt of num_prompt_tokens tokens. max_tokens is the request's (None: unset); the
     one derivation of the value the engine gets, and the one check of the context lengths, is resolve_max_tokens
     (a generation_config max_new_tokens caps it, as vLLM's server does). A ValueError from the validation of any
-    field becomes a 400 naming the field."""
+    field becomes a 400 naming the field. bad_words_ids: the request's bad_words as token sequences
+    (tokenize_bad_words: once a request, off the event loop); None tokenizes them here."""
     defaults: dict[str, Any] = state.engine.default_sampling or {}
     try:
         max_tokens = resolve_max_tokens(
@@ -226,10 +228,36 @@ def build_sampling_params(
         field = message.split(" ", 1)[0]
         param = field if field in SamplingParams.__dataclass_fields__ else None
         raise bad_request(message, param) from None
-    if params.bad_words:
+    if params.bad_words and bad_words_ids is None:
         params.bad_words_token_ids = bad_words_token_ids(state.engine.tokenizer, params.bad_words)
     try:
         params.validate_vocab(vocab_size)
     except ParamError as exc:
         raise bad_request(str(exc), exc.param) from None
+    if params.bad_words and bad_words_ids is not None:
+        params.bad_words_token_ids = bad_words_ids  # checked against the vocabulary once, by tokenize_bad_words
     return params
+
+
+async def tokenize_bad_words(state: ServerState, request: SamplingRequest) -> list[list[int]] | None:
+    """The request's bad_words as token sequences (vLLM's rule, frontend.bad_words_token_ids), tokenized once for all
+    its prompts on the tokenizer's threads: thousands of words take seconds, which must not hold the event loop (and
+    with it every other request and /health). None when it has none."""
+    if not request.bad_words:
+        return None
+    words = list(request.bad_words)
+    if not all(words):
+        return None  # SamplingParams refuses an empty word, by its own message
+    vocab_size = state.vocab_size
+
+    def tokenize() -> list[list[int]]:
+        ids = bad_words_token_ids(state.engine.tokenizer, words)
+        checked = SamplingParams(bad_words_token_ids=ids)
+        checked.validate_vocab(vocab_size)  # vLLM's out-of-vocab refusal, once, not once a prompt
+        return ids
+
+    run = state.tokens.run_large if sum(map(len, words)) > state.tokens.large_chars else state.tokens.run
+    try:
+        return await run(tokenize)
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.param) from None

@@ -32,7 +32,13 @@ from deltaserve.api.json_body import JSONPiecesResponse, render_json
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
-from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request, sample_logprobs
+from deltaserve.api.sampling import (
+    build_sampling_params,
+    cache_salt_of,
+    check_sampling_request,
+    sample_logprobs,
+    tokenize_bad_words,
+)
 from deltaserve.api.serving_common import (
     DONE_EVENT,
     check_model,
@@ -118,7 +124,7 @@ async def create_chat_completion(
     request = await parse_request(state, raw_request, ChatCompletionRequest, body)
     constraint, tool_choice = await validate(state, request)
     prompt = await render_prompt(state, request)
-    params = sampling_params(state, request, prompt, constraint)
+    params = sampling_params(state, request, prompt, constraint, await tokenize_bad_words(state, request))
     response_id = request_ids(raw_request, request.request_id, "chatcmpl")
     role = response_role(state, request)
     job = submit(state, request, prompt, params, tool_choice, response_id, arrival, role, echo_prefix(request, role))
@@ -180,9 +186,11 @@ def sampling_params(
     request: ChatCompletionRequest,
     prompt: ChatPrompt,
     constraint: StructuredOutputsParams | None,
+    bad_words_ids: list[list[int]] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams for the rendered prompt (max_tokens from max_completion_tokens, else
-    max_tokens, else the rest of the context)."""
+    max_tokens, else the rest of the context). bad_words_ids: sampling.tokenize_bad_words's, when the caller has
+    them (None: tokenized here)."""
     if (
         constraint is not None
         and state.settings.reasoning_parser
@@ -201,6 +209,7 @@ def sampling_params(
         logprobs=sample_logprobs(request),
         prompt_logprobs=request.prompt_logprobs,
         structured_outputs=constraint,
+        bad_words_ids=bad_words_ids,
     )
 
 

@@ -29,7 +29,7 @@ from deltaserve.api.completion_body import build_echoed, check_prompt_logprob_wo
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
-from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request
+from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request, tokenize_bad_words
 from deltaserve.api.serving_common import (
     DONE_EVENT,
     check_model,
@@ -206,6 +206,7 @@ async def create_completion(
     )
     # vLLM's echo without generation: the engine draws one token, which is not reported
     requested = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
+    bad_words_ids = await tokenize_bad_words(state, request)  # once for every prompt of the request
     params = [
         build_sampling_params(
             state,
@@ -216,6 +217,7 @@ async def create_completion(
             logprobs=request.logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=constraint,
+            bad_words_ids=bad_words_ids,
         )
         for prompt in prompts
     ]

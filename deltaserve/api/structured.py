@@ -9,13 +9,20 @@ structural_tag and its options), the older `guided_*` names (mapped onto the sam
 structured_outputs_from_response_format does. The constraint is parsed (not compiled: that needs the tokenizer and
 happens in the engine core) on a worker thread, so a malformed schema, regex or grammar is a 400 naming its field
 and a large schema never stalls the event loop.
+
+Options vLLM 0.26 accepts and never reads with its xgrammar backend (whitespace_pattern and
+disable_additional_properties shape only its guidance backend's JSON grammar, and only from the server-wide config;
+`backend` and `disable_fallback` are not fields of its StructuredOutputsParams, so its request parser drops them) are
+accepted here too, and logged as ignored (log_ignored_options) rather than dropped silently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
+from collections import OrderedDict
 from typing import Any
 
 from deltaserve.api.errors import bad_request
@@ -27,6 +34,27 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 OPTION_FIELDS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 THINK_END = "</think>"
 KNOWN_FIELDS = frozenset(StructuredOutputsParams.CONSTRAINTS + OPTION_FIELDS + ("disable_fallback", "backend"))
+# accepted and without effect with xgrammar, in vLLM 0.26 too (the module docstring): logged when set
+IGNORED_OPTIONS = ("whitespace_pattern", "disable_additional_properties", "backend", "disable_fallback")
+NUM_LOGGED_OPTION_SETS = 64
+_logged_option_sets: OrderedDict[frozenset[str], None] = OrderedDict()
+logger = logging.getLogger(__name__)
+
+
+def log_ignored_options(names: set[str]) -> None:
+    """One warning for each new set of ignored structured-output options a request sets (bounded, as the sampling
+    fields' log is), so a client learns they changed nothing without one line per request."""
+    key = frozenset(names)
+    if not key or key in _logged_option_sets:
+        return
+    _logged_option_sets[key] = None
+    if len(_logged_option_sets) > NUM_LOGGED_OPTION_SETS:
+        _logged_option_sets.popitem(last=False)
+    logger.warning(
+        "The following structured-output options were present in the request but ignored (the xgrammar backend "
+        "does not read them): %s",
+        "{" + ", ".join(repr(name) for name in sorted(key)) + "}",
+    )
 
 
 def _from_structured_outputs(value: Any) -> dict[str, Any]:
@@ -80,8 +108,13 @@ def structured_fields(request: SamplingRequest, response_format: Any) -> tuple[d
         if value is not None and target not in fields:
             fields[target] = value
             param = name
+    ignored = set()
+    if isinstance(request.structured_outputs, dict):
+        ignored = {name for name in IGNORED_OPTIONS if request.structured_outputs.get(name) not in (None, False)}
     if request.guided_whitespace_pattern is not None:
         fields.setdefault("whitespace_pattern", request.guided_whitespace_pattern)
+        ignored.add("guided_whitespace_pattern")
+    log_ignored_options(ignored)
     backend = request.guided_decoding_backend
     if backend is not None and backend not in BACKENDS:
         raise bad_request(

@@ -63,7 +63,11 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._compiling: dict[str, Future] = {}  # request id -> its compile
+        self._compiling: dict[str, tuple[str, Future]] = {}  # request id -> (its grammar's cache key, the compile)
+        # cache key -> the compile running or queued for it: shared by every request that waits for the same
+        # grammar, and kept when they all abort, so that a compile that could not be stopped (one that started)
+        # still lands in the cache and a retry of the request finds it there
+        self._inflight: dict[str, Future] = {}
         self.states: dict[str, ConstraintState] = {}
         self.row_owner: dict[int, str] = {}
 
@@ -86,9 +90,13 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
             state.matcher = self._get_backend(stop_token_ids).matcher(compiled)
             return True
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-        self._compiling[request_id] = self._executor.submit(self._compile, key, params, stop_token_ids)
+        future = self._inflight.get(key)
+        if future is None or future.cancelled():
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+            future = self._executor.submit(self._compile, key, params, stop_token_ids)
+            self._inflight[key] = future
+        self._compiling[request_id] = (key, future)
         return False
 
     def _get_backend(self, stop_token_ids: frozenset[int]) -> XGrammarBackend:
@@ -106,8 +114,16 @@ class StructuredOutputManager:
 
     def take_ready(self) -> tuple[list[str], list[tuple[str, str]]]:
         """(request ids whose grammar compiled, (request id, error) of those that failed), finished ones only."""
+        for key, future in list(self._inflight.items()):
+            if future.done():
+                del self._inflight[key]
+                if not future.cancelled() and future.exception() is None:
+                    self._cache[key] = future.result()  # also when every request that waited for it aborted
+                    self._cache.move_to_end(key)
+                    if len(self._cache) > NUM_CACHED_GRAMMARS:
+                        self._cache.popitem(last=False)
         ready, failed = [], []
-        for request_id, future in list(self._compiling.items()):
+        for request_id, (_key, future) in list(self._compiling.items()):
             if not future.done():
                 continue
             del self._compiling[request_id]
@@ -121,17 +137,13 @@ class StructuredOutputManager:
                 self.states.pop(request_id, None)
                 failed.append((request_id, f"the structured-output grammar did not compile: {exc}"))
                 continue
-            key = cache_key(state.params.structured_outputs, self.config.disable_any_whitespace)
-            self._cache[key] = compiled
-            if len(self._cache) > NUM_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
             state.matcher = self._backend.matcher(compiled)
             ready.append(request_id)
         return ready, failed
 
     def wait_any(self, timeout: float) -> None:
         """Blocks until a compile finishes or the timeout passes (an idle core with only parked requests)."""
-        futures = list(self._compiling.values())
+        futures = [future for _, future in self._compiling.values()]
         if futures:
             from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -143,9 +155,9 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
-        future = self._compiling.pop(request_id, None)
-        if future is not None:
-            future.cancel()
+        entry = self._compiling.pop(request_id, None)
+        if entry is not None and not any(key == entry[0] for key, _ in self._compiling.values()):
+            entry[1].cancel()  # stops a queued compile nobody waits for; one that started runs on into the cache
 
     def shutdown(self) -> None:
         if self._executor is not None:

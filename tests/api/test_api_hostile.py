@@ -259,6 +259,12 @@ CASES: list[Case] = [
     ),  # fmt: skip
     Case("bad_words empty word", "/v1/completions", completion(bad_words=[""]), param="bad_words"),
     Case(
+        "bad_words 5,000 over 64 prompts",  # tokenized once a request, off the loop (were 64 x 10,000 encodes on it)
+        "/v1/completions",
+        completion(prompt=["x"] * 64, bad_words=[f"w{i} z{i}" for i in range(5000)]),
+        status=200,
+    ),  # fmt: skip
+    Case(
         "allowed_token_ids out of vocab",
         "/v1/completions",
         completion(allowed_token_ids=[10**7]),

@@ -203,3 +203,44 @@ def test_a_mask_that_admits_no_token_is_named(tmp_path: Path) -> None:
     assert "admits no token of this model's vocabulary at output position 0" in manager.accept("r", [0])
     manager.states["r"] = ConstraintState(params, matcher=Rejecting())
     assert "rejected sampled token 5 at output position 0" in manager.accept("r", [5])
+
+
+def test_one_compile_a_grammar_and_its_result_outlives_the_requests_that_aborted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests with the same grammar share one compile; when all of them abort while it runs (a compile cannot be
+    stopped once started), its result still goes to the cache, so a retry starts at once instead of compiling again
+    behind whatever else the two compile threads hold."""
+    import threading
+
+    from deltaserve.engine.grammar import StructuredOutputsConfig
+    from deltaserve.engine.structured import StructuredOutputManager
+
+    manager = StructuredOutputManager(tmp_path, None, 64, StructuredOutputsConfig.parse(None))
+    started, release, compiled = threading.Event(), threading.Event(), []
+
+    def slow_compile(key: str, params: SamplingParams, stop_token_ids: frozenset[int]) -> object:
+        started.set()
+        release.wait(10)
+        compiled.append(key)
+        return object()
+
+    class Backend:
+        def matcher(self, grammar: object) -> object:
+            return ("matcher of", grammar)
+
+    monkeypatch.setattr(manager, "_compile", slow_compile)
+    manager._backend = Backend()  # type: ignore[assignment]
+    monkeypatch.setattr(manager, "_get_backend", lambda stop_token_ids: manager._backend)
+    big = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    assert not manager.add("r1", big, frozenset()) and not manager.add("r2", big, frozenset())
+    assert started.wait(10) and len(manager._inflight) == 1  # one compile for both
+    manager.remove("r1")
+    manager.remove("r2")  # both gone while it runs
+    release.set()
+    next(iter(manager._inflight.values())).result(10)  # the compile finishes with no request left
+    assert manager.take_ready() == ([], [])  # nobody waits for it now
+    assert compiled == [next(iter(manager._cache))]  # but it is cached
+    assert manager.add("r3", big, frozenset())  # the retry: ready at once, no second compile
+    assert len(compiled) == 1 and manager.states["r3"].matcher[0] == "matcher of"
+    manager.shutdown()
