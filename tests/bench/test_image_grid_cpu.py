@@ -65,6 +65,7 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from deltaserve.bench.dataset_mm import MmOptions, sample_random_mm
+    from deltaserve.bench.grid import run_seed
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     options = MmOptions(1, 0.0, {"image": 1, "video": 0}, {(64, 64, 1): 1.0})
@@ -77,7 +78,8 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         assert metrics["dataset_name"] == "random-mm" and metrics["endpoint"] == "/v1/chat/completions"
         # what the server must have counted: the chat template over [text, image], one placeholder -> 64 tokens
         expected = 0
-        for request in sample_random_mm(tokenizer, num, options, input_len=24, output_len=4, seed=config.seed):
+        seed = run_seed(config, 24, 4, run["concurrency"])  # each point its own prompts
+        for request in sample_random_mm(tokenizer, num, options, input_len=24, output_len=4, seed=seed):
             content = [{"type": "text", "text": request.prompt}, *request.mm_content]
             messages = [{"role": "user", "content": content}]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
