@@ -36,7 +36,7 @@ from typing import Any
 
 from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
-from deltaserve.bench.peer_refusals import known_refusals, relaunch_count, with_max_num_seqs
+from deltaserve.bench.peer_refusals import known_refusals, refusal_key, relaunch_count, with_max_num_seqs
 from deltaserve.bench.provenance import host_facts, probe_version, server_version
 from deltaserve.bench.server_process import Server
 
@@ -238,7 +238,7 @@ class Grid:
         if adapted is not None and not is_relaunch:  # an earlier call's refusal named the count (peer_refusals.py)
             arm = with_max_num_seqs(arm, adapted)
         launch = resolve(arm, model, self.config)
-        known = self.known_refusals.get(tuple(launch.argv)) if adapted is None and not is_relaunch else None
+        known = self.known_refusals.get(refusal_key(launch.argv)) if adapted is None and not is_relaunch else None
         if known is not None:  # --adapt-from: this very launch was refused on these GPUs before
             arm = with_max_num_seqs(arm, known)
             launch = resolve(arm, model, self.config)

@@ -13,7 +13,10 @@ is vLLM's profile run sampling fewer rows, which leaves vLLM more cache (benchma
 A refused start costs a device call minutes (vLLM loads the weights and profiles before it refuses: ~200 s for the
 27B with MTP on an H100). `bench grid --adapt-from RECORD` spares a new record that: a launch whose argv equals one
 that RECORD's refusal adapted, on the same GPUs, starts with the count that refusal named (`known_refusals`); the
-launch names the record it took the count from (`adapted_from`).
+launch names the record it took the count from (`adapted_from`). Launches are compared without their
+`--gdn-prefill-backend` choice (`refusal_key`): the GDN prefill kernel does not size the state pool, so a record made
+with FlashInfer's prefill serves a launch that runs vLLM's Triton one (`bench grid --no-flashinfer`), and a count
+that is still too many is refused and relaunched as without the record.
 """
 
 from __future__ import annotations
@@ -55,9 +58,23 @@ def relaunch_count(log_path: Path) -> tuple[int, int] | None:
     return max_num_seqs_named(log_path.read_text(errors="replace"))
 
 
+def refusal_key(argv: list[str]) -> tuple[str, ...]:
+    """A launch's argv as refusals are matched: without `--gdn-prefill-backend VALUE` (or `=VALUE`)."""
+    key: list[str] = []
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--gdn-prefill-backend":
+            skip = True
+        elif not word.startswith("--gdn-prefill-backend="):
+            key.append(word)
+    return tuple(key)
+
+
 def known_refusals(record: dict[str, Any], gpus: list[str]) -> dict[tuple[str, ...], int]:
-    """{a refused launch's argv: the count its refusal named} from a grid record's launches (`adapted_to`), when one
-    of the record's hosts (its first call's or a resumed call's) had exactly these GPUs; {} otherwise."""
+    """{a refused launch's refusal_key: the count its refusal named} from a grid record's launches (`adapted_to`),
+    when one of the record's hosts (its first call's or a resumed call's) had exactly these GPUs; {} otherwise."""
     hosts = [record.get("host") or {}, *record.get("resumed", [])]
     if not any(host.get("gpus") == gpus for host in hosts):
         return {}
@@ -65,5 +82,5 @@ def known_refusals(record: dict[str, Any], gpus: list[str]) -> dict[tuple[str, .
     for launch in record.get("launches", []):
         match = re.match(r"--max-num-seqs (\d+):", launch.get("adapted_to") or "")
         if match and launch.get("argv"):
-            counts[tuple(launch["argv"])] = int(match.group(1))
+            counts[refusal_key(launch["argv"])] = int(match.group(1))
     return counts

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from deltaserve.bench.grid import Grid, load_config
 from deltaserve.bench.grid_config import Arm
-from deltaserve.bench.peer_refusals import known_refusals, max_num_seqs_named, with_max_num_seqs
+from deltaserve.bench.peer_refusals import known_refusals, max_num_seqs_named, refusal_key, with_max_num_seqs
 from tests.support.ports import free_port
 
 from .bench_helpers import WordTokenizer
@@ -92,6 +92,11 @@ def test_known_refusals_are_the_adapted_launches_of_a_record_on_the_same_gpus() 
     assert known_refusals(record, ["NVIDIA H100 80GB HBM3"]) == {("vllm", "serve", "m"): 234}  # a resumed call's card
     assert known_refusals(record, ["NVIDIA H200"]) == {("vllm", "serve", "m"): 234}
     assert known_refusals(record, ["NVIDIA H100 80GB HBM3"] * 2) == {}  # other GPUs: their blocks differ
+    # the GDN prefill backend sizes nothing: a FlashInfer launch's refusal serves the Triton twin's launch
+    assert refusal_key(["vllm", "serve", "m", "--gdn-prefill-backend", "triton"]) == ("vllm", "serve", "m")
+    assert refusal_key(["vllm", "serve", "m", "--gdn-prefill-backend=triton", "--x"]) == ("vllm", "serve", "m", "--x")
+    record["launches"][0]["argv"] = ["vllm", "serve", "m", "--gdn-prefill-backend", "flashinfer"]
+    assert known_refusals(record, ["NVIDIA H200"]) == {("vllm", "serve", "m"): 234}
 
 
 def test_a_new_record_adapted_from_an_old_one_starts_with_its_count(
