@@ -56,18 +56,26 @@ def _is_set(value: Any) -> bool:
     return value is not None and value is not False and value != [] and value != {}
 
 
+def warn_once_per_set(
+    log: logging.Logger, logged: OrderedDict[frozenset[str], None], limit: int, names: frozenset[str], message: str
+) -> None:
+    """`message: {'name', ...}` at WARNING, once for each distinct set of names (the last `limit` sets remembered in
+    `logged`), so one client cannot flood the log with a line a request."""
+    if not names or names in logged:
+        return
+    logged[names] = None
+    if len(logged) > limit:
+        logged.popitem(last=False)
+    log.warning("%s: %s", message, "{" + ", ".join(repr(name) for name in sorted(names)) + "}")
+
+
 def log_ignored_fields(request: APIModel) -> None:
     """vLLM's log line for fields it accepts and ignores: unknown ones, and known ones with no effect here."""
     extra = request.model_extra or {}
     ignored = frozenset(name for name, value in extra.items() if name not in HANDLED_EXTRA_FIELDS and (
                         name in IGNORED_FIELDS or name not in UNSUPPORTED_FIELDS or not _is_set(value)))  # fmt: skip
-    if not ignored or ignored in _logged_field_sets:
-        return
-    _logged_field_sets[ignored] = None
-    if len(_logged_field_sets) > NUM_LOGGED_FIELD_SETS:
-        _logged_field_sets.popitem(last=False)
-    names = "{" + ", ".join(repr(name) for name in sorted(ignored)) + "}"
-    logger.warning("The following fields were present in the request but ignored: %s", names)
+    warn_once_per_set(logger, _logged_field_sets, NUM_LOGGED_FIELD_SETS, ignored,
+                      "The following fields were present in the request but ignored")  # fmt: skip
 
 
 def check_stop(stop: str | list[str] | None) -> None:
@@ -169,13 +177,13 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
-    bad_words_ids: list[list[int]] | None = None,
+    bad_words_ids: list[list[int]] | None,
 ) -> SamplingParams:
     """SamplingParams for one prompt of num_prompt_tokens tokens. max_tokens is the request's (None: unset); the
     one derivation of the value the engine gets, and the one check of the context lengths, is resolve_max_tokens
     (a generation_config max_new_tokens caps it, as vLLM's server does). A ValueError from the validation of any
-    field becomes a 400 naming the field. bad_words_ids: the request's bad_words as token sequences
-    (tokenize_bad_words: once a request, off the event loop); None tokenizes them here."""
+    field becomes a 400 naming the field. bad_words_ids: tokenize_bad_words's (the request's bad_words as token
+    sequences, tokenized once a request off the event loop and checked against the vocabulary there)."""
     defaults: dict[str, Any] = state.engine.default_sampling or {}
     try:
         max_tokens = resolve_max_tokens(
@@ -228,14 +236,11 @@ def build_sampling_params(
         field = message.split(" ", 1)[0]
         param = field if field in SamplingParams.__dataclass_fields__ else None
         raise bad_request(message, param) from None
-    if params.bad_words and bad_words_ids is None:
-        params.bad_words_token_ids = bad_words_token_ids(state.engine.tokenizer, params.bad_words)
     try:
         params.validate_vocab(vocab_size)
     except ParamError as exc:
         raise bad_request(str(exc), exc.param) from None
-    if params.bad_words and bad_words_ids is not None:
-        params.bad_words_token_ids = bad_words_ids  # checked against the vocabulary once, by tokenize_bad_words
+    params.bad_words_token_ids = bad_words_ids  # set after the check: tokenize_bad_words checked them, once
     return params
 
 

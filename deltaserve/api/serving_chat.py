@@ -186,11 +186,10 @@ def sampling_params(
     request: ChatCompletionRequest,
     prompt: ChatPrompt,
     constraint: StructuredOutputsParams | None,
-    bad_words_ids: list[list[int]] | None = None,
+    bad_words_ids: list[list[int]] | None,
 ) -> SamplingParams:
     """The request's SamplingParams for the rendered prompt (max_tokens from max_completion_tokens, else
-    max_tokens, else the rest of the context). bad_words_ids: sampling.tokenize_bad_words's, when the caller has
-    them (None: tokenized here)."""
+    max_tokens, else the rest of the context). bad_words_ids: sampling.tokenize_bad_words's."""
     if (
         constraint is not None
         and state.settings.reasoning_parser

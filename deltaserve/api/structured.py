@@ -27,6 +27,7 @@ from typing import Any
 
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import ChatCompletionRequest, SamplingRequest
+from deltaserve.api.sampling import warn_once_per_set
 from deltaserve.engine.grammar import BACKENDS, GrammarError, check_structured_outputs
 from deltaserve.sampling_params import StructuredOutputsParams
 
@@ -42,19 +43,11 @@ logger = logging.getLogger(__name__)
 
 
 def log_ignored_options(names: set[str]) -> None:
-    """One warning for each new set of ignored structured-output options a request sets (bounded, as the sampling
-    fields' log is), so a client learns they changed nothing without one line per request."""
-    key = frozenset(names)
-    if not key or key in _logged_option_sets:
-        return
-    _logged_option_sets[key] = None
-    if len(_logged_option_sets) > NUM_LOGGED_OPTION_SETS:
-        _logged_option_sets.popitem(last=False)
-    logger.warning(
-        "The following structured-output options were present in the request but ignored (the xgrammar backend "
-        "does not read them): %s",
-        "{" + ", ".join(repr(name) for name in sorted(key)) + "}",
-    )
+    """One warning for each new set of ignored structured-output options a request sets, so a client learns they
+    changed nothing without one line per request."""
+    message = ("The following structured-output options were present in the request but ignored (the xgrammar "
+               "backend does not read them)")  # fmt: skip
+    warn_once_per_set(logger, _logged_option_sets, NUM_LOGGED_OPTION_SETS, frozenset(names), message)
 
 
 def _from_structured_outputs(value: Any) -> dict[str, Any]:
