@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,6 +129,24 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
         assert argv.count("--gpu-memory-utilization") == 1
     with pytest.raises(ValueError, match="must be in"):
         grid_module.set_utilization(config.arms[0], "1.5")
+
+
+def test_each_point_draws_its_own_prompts_and_every_arm_the_same(tmp_path: Path) -> None:
+    """A caching server must not find one run's prompts in an earlier run's (the prefix_random record's hits): the
+    client's --seed differs between points and is the same for every arm of a point."""
+    config = load_config(grid_module.REPO_ROOT / "benchmarks/grids/h200_prefix_random.toml")
+    model = SimpleNamespace(path=str(tmp_path / "m"))  # what client_argv reads of a launch: its URL and model
+    launches = [SimpleNamespace(base_url=f"http://127.0.0.1:{port}", model=model) for port in (8000, 8001)]
+
+    def seed(launch: object, isl: int, osl: int, c: int) -> str:
+        argv = grid_module.client_argv(launch, config, isl, osl, c, "x")
+        return argv[argv.index("--seed") + 1]
+
+    points = [(isl, osl, c) for isl, osl in [(1024, 128), (16384, 128)] for c in (1, 8, 32, 64)]
+    seeds = [seed(launches[0], *point) for point in points]
+    assert len(set(seeds)) == len(points), seeds
+    for launch in launches[1:]:
+        assert [seed(launch, *point) for point in points] == seeds
 
 
 def test_ratios_pair_subject_and_peer_points() -> None:
