@@ -78,7 +78,8 @@
 #   gdn-prefill-ab [FLAGS]       benchmarks/oracle/gdn_prefill_kernels.py: the GDN prefill kernel alone, deltaserve's
 #                                against vLLM's Triton/FLA and FlashInfer's CuTe-DSL ones, both shapes, ISL 1024 /
 #                                3072 / 8 x 1024 / 16384, both bundles on the path; FLAGS are its own (--backends,
-#                                --iters); --deadline-s defaults to what the budget leaves (gdn-prefill-ab-TAG.json)
+#                                --iters, --cases 2048,4096,4x2048); --deadline-s defaults to what the budget leaves
+#                                (gdn-prefill-ab-TAG.json)
 #   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the
@@ -314,7 +315,7 @@ library_ab() {  # NAME SCRIPT SUMMARY_PATTERN CASE_PATTERN [FLAGS]: benchmarks/S
   # so a second call on the warm machine reuses it (a cut build resumes)
   run "$W/$name.log" env \
     PYTHONPATH="$PWD:/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" \
-    FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit timeout --kill-after=10 "$(left 15)" $PY "benchmarks/$script.py" \
+    FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit PYTHONUNBUFFERED=1 timeout --kill-after=10 "$(left 15)" $PY "benchmarks/$script.py" \
     --out "$OUT/$name-$tag.json" "${deadline[@]}" "$@" || status=$?
   grep -E "$summary" "$W/$name.log" 2> /dev/null | head -60 | say
   cp "$W/$name.log" "$OUT/$name-$tag.log" 2> /dev/null  # the record's console log, filed beside it
@@ -510,7 +511,7 @@ case $step in
       '^attention ' "$@" ;;
   gdn-prefill-ab)
     library_ab gdn-prefill-ab oracle/gdn_prefill_kernels '^\{|^skipped|Traceback|Error:' '^\{' \
-      --backends ours,triton,flashinfer "$@" ;;
+      --backends ours,triton,flashinfer --commit "${DELTASERVE_GIT_COMMIT:-unset}" "$@" ;;
   profile-prefill)
     shapes=27b,35b-a3b
     [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && shapes=$1 && shift

@@ -36,6 +36,24 @@ HEAD_DIM = 128
 CASES = (("isl1024", (1024,)), ("isl3072", (3072,)), ("8x1024", (1024,) * 8), ("isl16384", (16384,)))
 
 
+def parse_cases(spec: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """`--cases`: a comma list of LEN (one sequence of LEN tokens) or NxLEN (N sequences of LEN), e.g.
+    "2048,4096,4x2048" -> (("isl2048", (2048,)), ("isl4096", (4096,)), ("4x2048", (2048,) * 4))."""
+    cases = []
+    for word in (w.strip() for w in spec.split(",")):
+        if not word:
+            continue
+        count, sep, length = word.rpartition("x")
+        is_bad_count = bool(sep) and (not count.isdigit() or int(count) < 1)
+        if not length.isdigit() or int(length) < 1 or is_bad_count:
+            raise ValueError(f"--cases: {word!r} is not LEN or NxLEN")
+        label = f"{int(count)}x{int(length)}" if count else f"isl{int(length)}"
+        cases.append((label, (int(length),) * (int(count) if count else 1)))
+    if not cases:
+        raise ValueError("--cases: no case given")
+    return tuple(cases)
+
+
 def make_inputs(
     num_tokens: int, num_seqs: int, num_k_heads: int, num_v_heads: int, head_dim: int, seed: int
 ) -> dict[str, Any]:
@@ -116,7 +134,14 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default=None)
     parser.add_argument("--deadline-s", type=float, default=None, help="start no case after this many seconds")
+    parser.add_argument("--cases", default=None, help="LEN or NxLEN, comma-separated (default: 1024,3072,8x1024,16384)")
+    parser.add_argument("--commit", default=None, help="the commit the record names (the device tree has no .git)")
     args = parser.parse_args()
+    try:
+        cases = parse_cases(args.cases) if args.cases else CASES
+    except ValueError as exc:
+        print(exc)
+        return 2
     began = time.monotonic()
     import torch
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
@@ -136,7 +161,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for shape, num_k_heads, num_v_heads, num_layers in SHAPES:
-        for case, lengths in CASES:
+        for case, lengths in cases:
             if args.deadline_s is not None and time.monotonic() - began > args.deadline_s:
                 skipped.append(f"{shape} {case}")
                 print(f"skipped {shape} {case}: past --deadline-s {args.deadline_s:g}", flush=True)
@@ -164,6 +189,9 @@ def main() -> int:
             torch.cuda.empty_cache()
     record = {
         "kind": "gdn-prefill-kernels",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": args.commit,
+        "command": " ".join(sys.argv),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "vllm": __import__("vllm").__version__,

@@ -31,7 +31,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
         ("decode-step*", "mixed-step*", "conv-prefill*", "align-router*", "tune-moe*", "moe-table*", "kernels-*")
         + ("profile-decode*", "profile-prefill*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*")
-        + ("vision-encode*", "attention-ab*", "startup-memory*"),
+        + ("vision-encode*", "attention-ab*", "startup-memory*", "gdn-prefill-ab*"),
     ),
     "gates": (
         "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "
@@ -170,6 +170,13 @@ def _what_json(data: dict[str, Any]) -> str:
         return _what_fp8_ab(data)
     if kind == "attention_ab":
         return _what_attention_ab(data)
+    if kind == "gdn-prefill-kernels":
+        rows = data.get("rows") or []
+        shapes = ",".join(dict.fromkeys(str(r.get("shape")) for r in rows)) or "-"
+        cases = ",".join(dict.fromkeys(str(r.get("case")) for r in rows)) or "-"
+        backends = [b for b in ("ours", "triton", "flashinfer") if any(f"{b}_ms_per_layer" in r for r in rows)]
+        return (f"GDN prefill kernel alone, side by side (gdn_prefill_kernels.py): {shapes}; cases {cases}; "
+                f"{', '.join(backends) or 'no backend timed'}")  # fmt: skip
     if kind == "align_router":
         return "MoE expert alignment and router launches alone (align_router_bench.py)"
     if kind == "conv-prefill-sweep":

@@ -189,5 +189,7 @@ def test_the_gdn_prefill_ab_step_times_ours_beside_both_of_vllms_kernels(tmp_pat
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if "gdn_prefill_kernels.py" in line)
     assert "/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site" in line
-    flags = r"gdn-prefill-ab-h200-test.json --deadline-s \d+ --backends ours,triton,flashinfer --iters 5"
+    flags = r"gdn-prefill-ab-h200-test.json --deadline-s \d+ --backends ours,triton,flashinfer --commit \S+ --iters 5"
     assert re.search(flags, line)
+    # unbuffered: a call cut by its budget still returns the cases it printed (a cut run once came back empty)
+    assert "PYTHONUNBUFFERED=1" in line

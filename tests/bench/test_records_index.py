@@ -80,3 +80,15 @@ def test_citations_by_name_stem_and_pattern(tmp_path: Path) -> None:
     assert cited["decode-step-x-20261203.json"] == ["docs/a.md"] and cited["g-20261204.json"] == ["docs/a.md"]
     assert cited["g-20261204-s2.json"] == [] and cited["other.log"] == []
     assert cited["gate-moe-20261203.log"] == ["scripts/b.sh"] and cited["mixed-step-20261202.json"] == ["scripts/b.sh"]
+
+
+def test_a_gdn_prefill_side_by_side_says_its_shapes_cases_and_backends() -> None:
+    record = json.loads((RESULTS / "kernels/gdn-prefill-ab-h200-20261206-s28.json").read_text())
+    date, commit, gpu = records_index.provenance(record)
+    assert (date, commit, gpu) == ("2026-12-06", "62efa8c", "NVIDIA H200")
+    what = records_index._what_json(record)
+    assert what.startswith("GDN prefill kernel alone")
+    assert "35b-a3b,27b" in what and "isl1024,isl3072,8x1024,isl16384" in what
+    assert what.endswith("ours, triton, flashinfer")
+    record["rows"] = [{k: v for k, v in row.items() if not k.startswith("flashinfer")} for row in record["rows"]]
+    assert records_index._what_json(record).endswith("ours, triton")
