@@ -13,7 +13,8 @@ For each prompt length (random token ids, a fresh prompt per request so the pref
   `ModelRunner.execute` (first step's start to last step's end, sampling included); `steps_gpu_ms`, the sum of the
   steps' own spans (so `gpu_ms − steps_gpu_ms` is the GPU idle between steps, waiting for the host to launch the
   next chunk); `host_ms = ttft_ms − gpu_ms`, the wall time the GPU was not yet or no longer on the request; per
-  chunk (the scheduler's split at --max-num-batched-tokens, the engine's default unless given) its start position,
+  chunk (the scheduler's split: one request at a time, so at --lone-prefill-tokens, the engine's default unless
+  given) its start position,
   tokens and median GPU ms. Medians over the reps;
 - after every length is timed (once torch.profiler has run in a process, CUPTI stays attached and later kernels pay
   for it: benchmarks/profile_decode.py), for each of --profile-lens (default: every length) one more request under
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-lens", default=None, help="the prompt lengths profiled (default: every one)")
     parser.add_argument("--reps", type=int, default=3, help="timed requests per prompt length")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the chunk budget (engine default)")
+    parser.add_argument(
+        "--lone-prefill-tokens", type=int, default=None, help="a prompt alone's chunk budget (engine default; 0: off)"
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="engine default unless given")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="one request at a time never decodes: fewer decode graphs to capture")  # fmt: skip
@@ -440,13 +444,17 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     config = EngineConfig(model=args.model, device=args.device, load_format=args.load_format,
                           max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_seqs=args.max_num_seqs)  # fmt: skip
+                          max_num_seqs=args.max_num_seqs,
+                          lone_prefill_tokens=args.lone_prefill_tokens)  # fmt: skip
     engine = LLMEngine(config)
     record.update(startup_s=round(time.perf_counter() - started, 1), max_model_len=engine.max_model_len,
                   max_num_batched_tokens=engine.core.max_num_batched_tokens,
+                  lone_prefill_tokens=engine.core.lone_prefill_tokens,
                   dtype=str(engine.runner.model.embed_tokens.dtype).removeprefix("torch."))  # fmt: skip
+    # one request at a time: its chunks take the lone-prefill budget (engine/budget.py step_budgets)
     print(f"engine ready in {record['startup_s']} s: budget {record['max_num_batched_tokens']} tokens a step, "
-          f"max_model_len {record['max_model_len']}; ceilings {record['ceilings']}", flush=True)  # fmt: skip
+          f"{record['lone_prefill_tokens']} for a prompt alone, max_model_len {record['max_model_len']}; ceilings "
+          f"{record['ceilings']}", flush=True)  # fmt: skip
     save()
     rng = random.Random(args.seed)
     runs: dict[int, dict[str, Any]] = {}

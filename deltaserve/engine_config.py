@@ -22,6 +22,10 @@ class EngineConfig:
     max_num_seqs: int | None = None
     # None: on a GPU 2048-8192 from the weights one token reads (engine/budget.py), 2048 on the CPU
     max_num_batched_tokens: int | None = None
+    # deltaserve only: the tokens a step may take when its only work is one prompt's prefill (nothing decoding,
+    # nothing else waiting). None: 8192 on a GPU where max_num_batched_tokens is not given, else
+    # max_num_batched_tokens (off); 0: off. The runner and the start-up memory plan are sized for the larger
+    lone_prefill_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     # vLLM's --kv-cache-memory-bytes: the cache budget per GPU (per rank) in bytes, taken as given instead of what
@@ -101,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.lone_prefill_tokens is not None and self.lone_prefill_tokens < 0:
+            raise ValueError(f"lone_prefill_tokens must be 0 (off) or positive, got {self.lone_prefill_tokens}")
         if self.prefix_cache_checkpoint_interval < 0:
             interval = self.prefix_cache_checkpoint_interval
             raise ValueError(f"prefix_cache_checkpoint_interval must be 0 (none) or positive, got {interval}")

@@ -233,6 +233,15 @@ def _add_engine_arguments(add: Any) -> None:
         help="token budget of one engine step (default: on a GPU 2048-8192 by the model's active parameters per token, "
         "2048 for the 27B shape and 8192 for 35B-A3B; 2048 on the CPU)",
     )
+    add(
+        "--lone-prefill-tokens",
+        type=human_int,
+        default=None,
+        metavar="N",
+        help="deltaserve only: token budget of a step whose only work is one prompt's prefill (nothing decoding, "
+        "nothing else waiting); at least --max-num-batched-tokens, 0: off (default: 8192 on a GPU when "
+        "--max-num-batched-tokens is not given, else off)",
+    )
     add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + caches")
     add(
         "--kv-cache-memory-bytes",

@@ -11,6 +11,12 @@ per token, about twice the parameters each token reads (attention over the promp
 budget keeps that work near the measured 27B point: STEP_PARAM_TOKENS parameter-tokens, rounded to a power of two
 in [MIN_TOKENS, MAX_TOKENS]. 27B (24.3 G parameters a token): 2048; 35B-A3B (2.44 G: top-8 of 256 experts plus the
 shared one): 8192. On the CPU, MIN_TOKENS.
+
+That trade exists only where a step has other work. A step whose only work is one prompt's prefill (nothing
+decoding, nothing else waiting: one long prompt alone, the c1 points of the long-prompt grid) delays nobody, and on the
+27B its 2,048-token chunks cost it: the dense GEMMs run at 81-89 % of the bf16 rate at 2,048 rows, and eight GDN
+prefill calls of 2,048 tokens take ~60 % longer than two of 8,192 (docs/kernels.md, "Measured: the GDN prefill side
+by side"). Such a step may take LONE_PREFILL_TOKENS where the budget is the default (`step_budgets`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from deltaserve.config import ModelConfig
 STEP_PARAM_TOKENS = 2048 * 24.3e9  # the 27B shape at 2048 tokens: where the budget grid put TTFT level with vLLM's
 MIN_TOKENS = 2048
 MAX_TOKENS = 8192
+# a step that prefills one prompt alone (engine_config.lone_prefill_tokens): vLLM 0.26's own default step budget on
+# GPUs of >= 70 GiB, and the 35B-A3B's default here
+LONE_PREFILL_TOKENS = 8192
 
 
 def active_params_per_token(config: ModelConfig) -> float:
@@ -52,3 +61,23 @@ def default_max_num_batched_tokens(config: ModelConfig, on_gpu: bool) -> int:
         return MIN_TOKENS
     tokens = STEP_PARAM_TOKENS / max(active_params_per_token(config), 1.0)
     return int(min(MAX_TOKENS, max(MIN_TOKENS, 2 ** round(math.log2(tokens)))))
+
+
+def step_budgets(
+    config: ModelConfig, on_gpu: bool, max_num_batched_tokens: int | None, lone_prefill_tokens: int | None
+) -> tuple[int, int]:
+    """(the step token budget, the budget of a step whose only work is one prompt's prefill) from the engine
+    config's two fields (None: not given). A given --max-num-batched-tokens is a hard cap for every step, as in
+    vLLM, unless --lone-prefill-tokens is given too; 0 turns the lone budget off."""
+    budget = max_num_batched_tokens or default_max_num_batched_tokens(config, on_gpu)
+    if lone_prefill_tokens is None:
+        is_default = max_num_batched_tokens is None and on_gpu
+        return budget, max(budget, LONE_PREFILL_TOKENS) if is_default else budget
+    if lone_prefill_tokens == 0:
+        return budget, budget
+    if lone_prefill_tokens < budget:
+        raise ValueError(
+            f"lone_prefill_tokens ({lone_prefill_tokens}) is below max_num_batched_tokens ({budget}): a step that "
+            "prefills one prompt alone may take more tokens than the step budget, never fewer (0 turns it off)"
+        )
+    return budget, lone_prefill_tokens

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from deltaserve.config import ModelConfig
-from deltaserve.engine.budget import default_max_num_batched_tokens
+from deltaserve.engine.budget import step_budgets
 from deltaserve.engine.grammar import StructuredOutputsConfig
 from deltaserve.engine.output import slice_prompt_logprobs
 from deltaserve.engine.protocol import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
@@ -60,11 +60,12 @@ class EngineCore:
         max_model_len = resolve_max_model_len(model_config, config.max_model_len, tokenizer_dir)
         self.model_config = model_config.with_max_model_len(max_model_len)
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        # not given: from the weights a token reads (engine/budget.py: 2048 for the 27B shape, 8192 for 35B-A3B)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
-            self.model_config, on_gpu
+        # not given: from the weights a token reads (engine/budget.py: 2048 for the 27B shape, 8192 for 35B-A3B), and
+        # a larger budget for a step that prefills one prompt alone, which the runner's memory plan is sized for
+        self.max_num_batched_tokens, self.lone_prefill_tokens = step_budgets(
+            self.model_config, on_gpu, config.max_num_batched_tokens, config.lone_prefill_tokens
         )
-        self.runner = make_executor(self.model_config, config, max_model_len, self.max_num_batched_tokens)
+        self.runner = make_executor(self.model_config, config, max_model_len, self.lone_prefill_tokens)
         layout = self.runner.layout
         self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence
         self.scheduler = Scheduler(
@@ -77,6 +78,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             checkpoint_interval=config.prefix_cache_checkpoint_interval,
             chunk_size=layout.gdn_chunk_size,
+            lone_prefill_tokens=self.lone_prefill_tokens,
         )
         if config.speculative_config is not None:  # the runner built the MTP drafter
             k = config.speculative_config.num_speculative_tokens
@@ -103,10 +105,12 @@ class EngineCore:
             logger.info("%s", self.runner.load_report.summary())
         logger.info(
             "engine core ready: %s on %s (%s, tensor parallel %d), %d KV blocks x %d tokens, %d state slots, "
-            "max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d, async scheduling %s",
+            "max_num_seqs %d, max_num_batched_tokens %d%s, max_model_len %d, async scheduling %s",
             model_dir, self.runner.device, self.runner.dtype, config.tensor_parallel_size, layout.num_blocks,
-            layout.block_size, layout.num_slots,
-            self.runner.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, "on" if self.is_async else "off",
+            layout.block_size, layout.num_slots, self.runner.max_num_seqs, self.max_num_batched_tokens,
+            f" ({self.lone_prefill_tokens} for a step that prefills one prompt alone)"
+            if self.lone_prefill_tokens > self.max_num_batched_tokens else "",
+            self.max_model_len, "on" if self.is_async else "off",
         )  # fmt: skip
         if config.enable_prefix_caching:
             logger.info(

@@ -62,6 +62,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         checkpoint_interval: int = 0,
         chunk_size: int = 64,
+        lone_prefill_tokens: int = 0,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose from {SCHEDULING_POLICIES}")
@@ -75,6 +76,8 @@ class Scheduler:
         self.rows = IdPool(max_num_seqs, "request-table row")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # a step whose only work is one prompt's prefill may take this many (engine/budget.py step_budgets)
+        self.lone_prefill_tokens = max(lone_prefill_tokens, max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.is_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
@@ -164,8 +167,19 @@ class Scheduler:
     def _lookahead(self, seq: Sequence, end: int) -> int:
         return 0 if self.spec is None else self.spec.lookahead(seq, end, self.max_model_len)
 
+    def _step_budget(self) -> int:
+        """max_num_batched_tokens, or lone_prefill_tokens when this step's only possible work is one prompt's
+        prefill: one sequence in the scheduler (no other running or waiting), at least two of its tokens not yet
+        planned (a prompt, or a preempted sequence's recompute; not a prefill-only request, whose chunks are its
+        own). Its other chunk caps (checkpoint targets, max_model_len) hold as at any budget."""
+        if self.lone_prefill_tokens == self.max_num_batched_tokens or len(self.running) + len(self.waiting) != 1:
+            return self.max_num_batched_tokens
+        seq = self.running[0] if self.running else self.waiting[0]
+        is_prefilling = seq.num_computed_tokens + seq.num_inflight_tokens < seq.num_tokens - 1
+        return self.lone_prefill_tokens if is_prefilling and not seq.is_prefill_only else self.max_num_batched_tokens
+
     def schedule(self) -> StepPlan:
-        budget = self.max_num_batched_tokens
+        budget = step_budget = self._step_budget()
         self._num_verifies = 0  # verify chunks planned in this step (SpecSchedule.max_verifies)
         if self.spec is not None and self.spec.policy is not None:  # this step's k (scheduler/spec_policy.py)
             self.spec.policy.plan_step(self.spec.num_decodes(self.running))
@@ -221,7 +235,7 @@ class Scheduler:
                 index += 1
                 continue
             if seq.is_prefill_only:
-                num_new = prefill_only_chunk(seq, budget, self.max_num_batched_tokens)
+                num_new = prefill_only_chunk(seq, budget, step_budget)
             else:
                 num_new = checkpoint_targets.cap(seq, start, min(seq.num_tokens - start, budget))
             if num_new == 0:
