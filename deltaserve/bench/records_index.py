@@ -31,7 +31,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
         "kernel and step measurements (benchmarks/*.py, `deltaserve bench kernels`)",
         ("decode-step*", "mixed-step*", "conv-prefill*", "align-router*", "tune-moe*", "moe-table*", "kernels-*")
         + ("profile-decode*", "profile-prefill*", "dummy-routing*", "gdn-time*", "gdn-wu-diag*", "fp8-ab*")
-        + ("vision-encode*", "attention-ab*", "startup-memory*"),
+        + ("vision-encode*", "attention-ab*", "startup-memory*", "gdn-prefill-ab*"),
     ),
     "gates": (
         "correctness: token gates, their vLLM reference runs, `pytest -m gpu` logs, training and conditioning, "
