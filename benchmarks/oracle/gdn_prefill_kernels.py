@@ -17,12 +17,15 @@ times deltaserve's own GDN prefill (deltaserve.kernels.gdn_prefill, the served T
 same shapes, side by side: the rule that a kernel of our own stays only where it beats the field's library. Ours is
 timed as the served op runs, so it also does what vLLM runs in separate launches before its kernel (the q/k l2norm,
 the decay and beta gates from a, b): its time is an upper bound on the like-for-like kernel. The isl16384 case is
-issue 35's long prompt.
+issue 35's long prompt. `ours-flashinfer` times deltaserve's FlashInfer path as served (gdn_prefill with
+backend="flashinfer": the prep, the state gather and scatter and FlashInfer's kernel; docs/kernels.md). --cases
+picks cases by label (default: all; isl2048, isl4096, isl8192 and 4x2048 place the crossover between the kernels).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -33,7 +36,8 @@ from typing import Any
 SHAPES = (("35b-a3b", 16, 32, 30), ("27b", 16, 48, 48))
 HEAD_DIM = 128
 # (label, sequence lengths): one prompt at each ISL, and one 8192-token step of 8 prompts.
-CASES = (("isl1024", (1024,)), ("isl3072", (3072,)), ("8x1024", (1024,) * 8), ("isl16384", (16384,)))
+CASES = (("isl1024", (1024,)), ("isl3072", (3072,)), ("8x1024", (1024,) * 8), ("isl16384", (16384,)),
+         ("isl2048", (2048,)), ("isl4096", (4096,)), ("isl8192", (8192,)), ("4x2048", (2048,) * 4))  # fmt: skip
 
 
 def make_inputs(
@@ -114,6 +118,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="triton,flashinfer")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--cases", default=",".join(label for label, _ in CASES), help="case labels, comma-separated")
     parser.add_argument("--out", default=None)
     parser.add_argument("--deadline-s", type=float, default=None, help="start no case after this many seconds")
     args = parser.parse_args()
@@ -125,6 +130,7 @@ def main() -> int:
 
     kernels = {
         "ours": gdn_prefill,
+        "ours-flashinfer": functools.partial(gdn_prefill, backend="flashinfer"),
         "triton": _call_vllm(gdn.fla_chunk_gated_delta_rule),
         "flashinfer": _call_vllm(gdn.fi_chunk_gated_delta_rule),
     }
@@ -133,22 +139,24 @@ def main() -> int:
     if unknown or not backends:
         print(f"unknown backends {sorted(unknown)}; choose from {sorted(kernels)}")
         return 2
+    cases = [(label, lengths) for label, lengths in CASES if label in args.cases.split(",")]
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for shape, num_k_heads, num_v_heads, num_layers in SHAPES:
-        for case, lengths in CASES:
+        for case, lengths in cases:
             if args.deadline_s is not None and time.monotonic() - began > args.deadline_s:
                 skipped.append(f"{shape} {case}")
                 print(f"skipped {shape} {case}: past --deadline-s {args.deadline_s:g}", flush=True)
                 continue
             shapes = (lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM)
             inputs = make_inputs(*shapes, seed=0) if {"triton", "flashinfer"} & set(backends) else {}
-            ours = make_our_inputs(*shapes, seed=0) if "ours" in backends else {}
+            ours = make_our_inputs(*shapes, seed=0) if {"ours", "ours-flashinfer"} & set(backends) else {}
             row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
             row["num_gdn_layers"] = num_layers
             for backend in backends:
                 try:
-                    times = time_kernel(kernels[backend], ours if backend == "ours" else inputs, args.iters)
+                    on_ours = backend.startswith("ours")
+                    times = time_kernel(kernels[backend], ours if on_ours else inputs, args.iters)
                     row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
                     row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
                 except Exception as exc:  # one backend failing must not hide the other's numbers
@@ -158,6 +166,9 @@ def main() -> int:
             for peer in ("flashinfer", "triton"):
                 if "ours_ms_per_layer" in row and f"{peer}_ms_per_layer" in row:
                     row[f"ours_over_{peer}"] = round(row["ours_ms_per_layer"] / row[f"{peer}_ms_per_layer"], 3)
+            if "ours-flashinfer_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
+                served, bare = row["ours-flashinfer_ms_per_layer"], row["flashinfer_ms_per_layer"]
+                row["ours-flashinfer_over_flashinfer"] = round(served / bare, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del inputs, ours
