@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from deltaserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
+# vLLM 0.26's --gdn-prefill-backend choices (EngineArgs.gdn_prefill_backend; None: auto)
+GDN_PREFILL_BACKENDS = ("flashinfer", "triton", "cutedsl")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -73,6 +76,10 @@ class EngineConfig:
     # vLLM's --speculative-config (deltaserve/speculative_config.py): None, or MTP drafting with its k and rule; its
     # JSON text or dict is parsed (and refused by key or method) on construction
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --gdn-prefill-backend: None (vLLM's auto; "auto" offline is read so) or "triton": deltaserve's own GDN
+    # prefill kernel; "flashinfer": FlashInfer's (kernels/gdn_flashinfer.py), refused at start-up where it cannot
+    # run (runner/device_setup.py); "cutedsl" is refused here (docs/kernels.md#flashinfers-gdn-prefill)
+    gdn_prefill_backend: str | None = None
 
     @property
     def chains_verifies(self) -> bool:
@@ -83,6 +90,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
+        check_gdn_prefill_backend(self.gdn_prefill_backend)
+        if self.gdn_prefill_backend == "auto":
+            object.__setattr__(self, "gdn_prefill_backend", None)
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.block_size < 1:
@@ -136,3 +146,19 @@ def check_kv_cache_memory_bytes(value: object) -> None:
         raise ValueError(f"kv_cache_memory_bytes must be an integer number of bytes, got {value!r}")
     if value < 0:
         raise ValueError(f"kv_cache_memory_bytes must be at least 0 (0: not set), got {value}")
+
+
+def check_gdn_prefill_backend(value: object) -> None:
+    """One of vLLM's --gdn-prefill-backend values, "auto" or None; cutedsl is refused by name: vLLM 0.26 runs its
+    CuTe-DSL GDN prefill on Blackwell only, and deltaserve does not serve it."""
+    if value == "cutedsl":
+        raise ValueError(
+            "--gdn-prefill-backend cutedsl (gdn_prefill_backend='cutedsl'): not served by deltaserve: vLLM 0.26's "
+            "CuTe-DSL GDN prefill kernel runs on Blackwell (SM10x) only and deltaserve does not implement it; "
+            "choose flashinfer (FlashInfer's kernel, SM90) or triton (deltaserve's own, the default)"
+        )
+    if value is not None and value not in (*GDN_PREFILL_BACKENDS, "auto"):
+        raise ValueError(
+            f"gdn_prefill_backend must be one of {', '.join(GDN_PREFILL_BACKENDS)} (None or 'auto': the default), "
+            f"got {value!r}"
+        )

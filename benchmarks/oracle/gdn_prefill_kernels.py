@@ -17,12 +17,16 @@ times deltaserve's own GDN prefill (deltaserve.kernels.gdn_prefill, the served T
 same shapes, side by side: the rule that a kernel of our own stays only where it beats the field's library. Ours is
 timed as the served op runs, so it also does what vLLM runs in separate launches before its kernel (the q/k l2norm,
 the decay and beta gates from a, b): its time is an upper bound on the like-for-like kernel. The isl16384 case is
-issue 35's long prompt.
+issue 35's long prompt. `ours-flashinfer` times deltaserve's FlashInfer path as served (gdn_prefill with
+backend="flashinfer": the prep, the state gather and scatter and FlashInfer's kernel; docs/kernels.md). --cases
+picks the sizes as LEN or NxLEN (default: the four above; 2048,4096,8192,4x2048 place the crossover between the
+kernels).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -150,6 +154,7 @@ def main() -> int:
 
     kernels = {
         "ours": gdn_prefill,
+        "ours-flashinfer": functools.partial(gdn_prefill, backend="flashinfer"),
         "triton": _call_vllm(gdn.fla_chunk_gated_delta_rule),
         "flashinfer": _call_vllm(gdn.fi_chunk_gated_delta_rule),
     }
@@ -168,12 +173,13 @@ def main() -> int:
                 continue
             shapes = (lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM)
             inputs = make_inputs(*shapes, seed=0) if {"triton", "flashinfer"} & set(backends) else {}
-            ours = make_our_inputs(*shapes, seed=0) if "ours" in backends else {}
+            ours = make_our_inputs(*shapes, seed=0) if {"ours", "ours-flashinfer"} & set(backends) else {}
             row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
             row["num_gdn_layers"] = num_layers
             for backend in backends:
                 try:
-                    times = time_kernel(kernels[backend], ours if backend == "ours" else inputs, args.iters)
+                    on_ours = backend.startswith("ours")
+                    times = time_kernel(kernels[backend], ours if on_ours else inputs, args.iters)
                     row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
                     row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
                 except Exception as exc:  # one backend failing must not hide the other's numbers
@@ -183,6 +189,9 @@ def main() -> int:
             for peer in ("flashinfer", "triton"):
                 if "ours_ms_per_layer" in row and f"{peer}_ms_per_layer" in row:
                     row[f"ours_over_{peer}"] = round(row["ours_ms_per_layer"] / row[f"{peer}_ms_per_layer"], 3)
+            if "ours-flashinfer_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
+                served, bare = row["ours-flashinfer_ms_per_layer"], row["flashinfer_ms_per_layer"]
+                row["ours-flashinfer_over_flashinfer"] = round(served / bare, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del inputs, ours

@@ -96,6 +96,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         prefix_cache_checkpoint_interval=args.prefix_cache_checkpoint_interval,
         num_checkpoint_slots=args.num_checkpoint_slots,
         quantization=args.quantization,
+        gdn_prefill_backend=args.gdn_prefill_backend,
     )
 
 

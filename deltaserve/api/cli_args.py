@@ -23,7 +23,7 @@ from deltaserve.api.settings import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
 )
-from deltaserve.engine_config import EngineConfig
+from deltaserve.engine_config import GDN_PREFILL_BACKENDS, EngineConfig
 
 # Seconds the server drains open requests after SIGTERM / Ctrl-C before it closes them (--timeout-graceful-shutdown).
 DEFAULT_GRACEFUL_SHUTDOWN_S = 30.0
@@ -298,6 +298,14 @@ def _add_engine_arguments(add: Any) -> None:
         action=SWITCH,
         default=False,
         help="MoE: split the experts whole across the tensor-parallel ranks instead of each expert's width",
+    )
+    add(
+        "--gdn-prefill-backend",
+        default=None,
+        choices=GDN_PREFILL_BACKENDS,
+        help="the Gated DeltaNet prefill kernel: triton: deltaserve's own (also the default); flashinfer: "
+        "FlashInfer's chunk_gated_delta_rule as vLLM calls it, refused at start-up off an SM90 GPU, in float32 or "
+        "without flashinfer; cutedsl: refused (Blackwell-only in vLLM)",
     )
     add("--seed", type=int, default=0)
     add("--enforce-eager", action=SWITCH, default=False, help="no CUDA graphs")

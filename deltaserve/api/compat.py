@@ -95,7 +95,6 @@ TABLE = """
 --expert-placement-strategy | value | log | expert parallelism is not used
 --fail-on-environ-validation | switch | log | VLLM_* environment variables are not validated
 --fully-sharded-loras | switch | log | LoRA adapters are not supported
---gdn-prefill-backend | value | log | deltaserve picks its own Gated DeltaNet kernels
 --hf-config-path | value | refuse | the config is read from the model folder
 --hf-overrides | value | refuse | config overrides would change the model
 --hf-token | value | log | nothing is downloaded

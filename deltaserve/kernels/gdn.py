@@ -8,8 +8,11 @@ g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-
   sequence's initial state from its slot (zeros when has_initial_state is False) and writes the final state
   back (a slot < 0 starts from zeros and is not written); optionally also the state at the start of one chosen
   64-token chunk of a sequence into another slot (an in-step prefix-cache checkpoint, docs/prefix-caching.md).
-  As vLLM's prefill, the L2-normed q/k are rounded to the input dtype before the core. `chunk_inverse_ref`:
-  (I + A)^-1 of strictly lower chunk tiles, the twin of the chunked prefill's blocked inverse.
+  As vLLM's prefill, the L2-normed q/k are rounded to the input dtype before the core. The layer's `backend`
+  picks the kernel per call (`takes_flashinfer`): deltaserve's own, or FlashInfer's (kernels/gdn_flashinfer.py,
+  --gdn-prefill-backend flashinfer) for calls without an in-step checkpoint; `gdn_prefill_ref` is the twin of
+  both. `chunk_inverse_ref`: (I + A)^-1 of strictly lower chunk tiles, the twin of the chunked prefill's blocked
+  inverse.
 - `gdn_decode`: one token per sequence, the recurrent form in place on the slots, all fp32 (q/k not
   rounded), as vLLM's packed decode kernel. Slots < 0 (CUDA-graph padding) are skipped.
 """
@@ -137,7 +140,55 @@ def gdn_prefill_ref(
     return out
 
 
-gdn_prefill = triton_or_ref(gdn_prefill_ref, "gdn_triton.gdn_prefill_triton")
+# deltaserve's own prefill: the Triton chunked kernel on CUDA, the ref elsewhere
+gdn_prefill_ours = triton_or_ref(gdn_prefill_ref, "gdn_triton.gdn_prefill_triton")
+
+# The prefill kernels a GDN layer is built with (--gdn-prefill-backend, resolved by runner/device_setup.py): "triton",
+# deltaserve's own (vLLM's name for its Triton path), or "flashinfer" (kernels/gdn_flashinfer.py).
+PREFILL_BACKENDS = ("triton", "flashinfer")
+
+
+def takes_flashinfer(
+    backend: str, checkpoint_chunks: torch.Tensor | None, checkpoint_slots: torch.Tensor | None
+) -> bool:
+    """The one per-call choice of the prefill kernel: FlashInfer's when the layer's backend is "flashinfer" and the
+    call saves no in-step checkpoint (FlashInfer's checkpoints are a fixed token stride, not one chosen chunk), else
+    deltaserve's own. A call "saves" when it is given the checkpoint tensors: the runner passes them only on steps
+    that save (runner/step_checkpoints.py), and reading their values would cost a device sync per layer."""
+    if backend not in PREFILL_BACKENDS:
+        raise ValueError(f"GDN prefill backend {backend!r}: expected one of {', '.join(PREFILL_BACKENDS)}")
+    return backend == "flashinfer" and checkpoint_chunks is None and checkpoint_slots is None
+
+
+def gdn_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor | None = None,
+    checkpoint_chunks: torch.Tensor | None = None,
+    checkpoint_slots: torch.Tensor | None = None,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """gdn_prefill_ref's call (its twin, for both kernels) on the kernel takes_flashinfer picks for the layer's
+    `backend`: FlashInfer's (kernels/gdn_flashinfer.py) or deltaserve's own."""
+    if takes_flashinfer(backend, checkpoint_chunks, checkpoint_slots):
+        from deltaserve.kernels import gdn_flashinfer  # imports nothing of flashinfer until it runs
+
+        return gdn_flashinfer.gdn_prefill_flashinfer(
+            q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out
+        )
+    return gdn_prefill_ours(
+        q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out,
+        checkpoint_chunks, checkpoint_slots,
+    )  # fmt: skip
 
 
 def gdn_decode_ref(

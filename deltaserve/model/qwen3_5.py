@@ -40,9 +40,10 @@ class DecoderLayer(nn.Module):
         tp: TensorParallel | None = None,
         layer_type: str | None = None,
         is_moe: bool | None = None,
+        gdn_prefill_backend: str = "triton",
     ) -> None:
         """layer_type / is_moe: the MTP layer's kind (model/mtp.py), which config.layer_types does not list; by
-        default both come from the config at `index`."""
+        default both come from the config at `index`. gdn_prefill_backend: a GDN layer's prefill kernel."""
         super().__init__()
         tp = tp or TensorParallel.single()
         self.eps = config.rms_norm_eps
@@ -56,7 +57,7 @@ class DecoderLayer(nn.Module):
         if self.is_full_attention:
             self.self_attn = GatedAttention(config, dtype, device, tp)
         else:
-            self.linear_attn = GatedDeltaNet(config, dtype, device, tp)
+            self.linear_attn = GatedDeltaNet(config, dtype, device, tp, prefill_backend=gdn_prefill_backend)
         if is_moe:
             self.mlp: nn.Module = MoEBlock(config, dtype, device, tp)
         else:
@@ -92,8 +93,11 @@ class Qwen35Model(nn.Module):
         build_vision: bool = False,
         tp: TensorParallel | None = None,
         build_mtp: bool = False,
+        gdn_prefill_backend: str = "triton",
     ) -> None:
-        """build_mtp: also build the checkpoint's MTP layer (speculative decoding with method mtp)."""
+        """build_mtp: also build the checkpoint's MTP layer (speculative decoding with method mtp).
+        gdn_prefill_backend: the GDN layers' prefill kernel, "triton" (deltaserve's own) or "flashinfer"
+        (kernels/gdn.py; runner/device_setup.py resolves --gdn-prefill-backend into it)."""
         super().__init__()
         self.config = config
         self.eps = config.rms_norm_eps
@@ -102,7 +106,8 @@ class Qwen35Model(nn.Module):
         vocab_rows = self.shapes.vocab.size  # this rank's rows (all of them on one rank)
         self.embed_tokens = empty_param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, self.tp) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, dtype, device, self.tp, gdn_prefill_backend=gdn_prefill_backend)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = empty_param(config.hidden_size, dtype=dtype, device=device)
         if config.tie_word_embeddings:

@@ -1,16 +1,22 @@
 """Where a ModelRunner runs, decided once at construction: the device and dtype named by the engine config ("auto"
-resolved as vLLM does), the GPU of a tensor-parallel rank, the CPU thread count, and the share of the GPU this engine
-may size its caches from (runner/memory.py spends it)."""
+resolved as vLLM does), the GPU of a tensor-parallel rank, the CPU thread count, the GDN prefill kernel
+(--gdn-prefill-backend), and the share of the GPU this engine may size its caches from (runner/memory.py spends it)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from deltaserve import env
+from deltaserve.config import ModelConfig
+from deltaserve.engine_config import EngineConfig
+from deltaserve.kernels import gdn_flashinfer
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.runner.cache import requested_bytes
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -72,3 +78,29 @@ def engine_share(device: torch.device, utilization: float) -> tuple[int, int]:
     torch.cuda.empty_cache()  # this process's cached but unused blocks are free for this engine
     free, total = torch.cuda.mem_get_info(device)
     return requested_bytes(total, free, utilization), torch.cuda.memory_allocated(device)
+
+
+def gdn_prefill_backend(
+    engine_config: EngineConfig, device: torch.device, dtype: torch.dtype, config: ModelConfig
+) -> str:
+    """engine_config.gdn_prefill_backend (--gdn-prefill-backend) resolved for the GDN layers (kernels/gdn.py
+    PREFILL_BACKENDS). "triton", deltaserve's own kernel, for triton and for the default: vLLM's auto picks
+    FlashInfer on SM90, but here the default stays ours until FlashInfer's path is validated inside deltaserve on
+    the H200 (docs/kernels.md#flashinfers-gdn-prefill). "flashinfer" when asked and usable, else a ValueError
+    naming the reason: where vLLM 0.26 falls back to its Triton kernel in silence, an explicit request deltaserve
+    cannot honour is refused."""
+    requested = engine_config.gdn_prefill_backend
+    if requested is None or requested == "triton":
+        return "triton"
+    if requested != "flashinfer":
+        raise ValueError(f"--gdn-prefill-backend {requested}: not served (flashinfer or triton)")
+    reason = gdn_flashinfer.unusable_reason(device, dtype, config.linear_key_head_dim, config.linear_value_head_dim)
+    if reason is not None:
+        raise ValueError(
+            f"--gdn-prefill-backend flashinfer: FlashInfer's GDN prefill cannot run here: {reason}. vLLM 0.26 would "
+            "fall back to its Triton kernel without saying so; deltaserve refuses the explicit request instead: "
+            "leave the flag out, or pass triton, to serve deltaserve's own GDN prefill kernel"
+        )
+    logger.info("GDN prefill: FlashInfer's chunk_gated_delta_rule (flashinfer %s), as vLLM calls it on SM90; in-step "
+                "prefix-cache checkpoints take deltaserve's kernel", gdn_flashinfer.flashinfer_version())  # fmt: skip
+    return "flashinfer"

@@ -3,6 +3,8 @@ the cache budget that remains of this engine's share of the GPU once the weights
 static buffers and a fixed headroom are taken out (vLLM 0.26's `gpu_memory_utilization` accounting), and how that
 budget is split between the state pool, the verify scratch, the prefix-cache checkpoints and the KV blocks. While
 speculating, the warm-up also runs the drafter after its prefills and one verify step (runner/verify_warmup.py).
+With --gdn-prefill-backend flashinfer it first compiles FlashInfer's kernels, and the budget keeps that path's state
+copies for every sequence a step may hold (kernels/gdn_flashinfer.py).
 
 The functions take the ModelRunner under construction: the warm-up runs real steps through its execute().
 """
@@ -17,7 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltaserve.engine_config import EngineConfig
+from deltaserve.kernels import gdn_flashinfer
 from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
+from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cache import (
     CHECKPOINT_SHARE,
@@ -100,6 +104,9 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     max_seq_len runs as several sequences, as the scheduler would batch them."""
     meter = PeakMeter(runner.device)
     weights = meter.allocated() - runner._allocated_before
+    if runner.gdn_prefill_backend == "flashinfer":  # both of FlashInfer's kernels compile here, not in a served step
+        gdn = first_gdn_layer(runner.model)
+        gdn_flashinfer.warm_up(gdn.num_k_heads, gdn.head_k_dim, gdn.A_log, gdn.dt_bias)
     max_seqs = -(-num_tokens // max_seq_len)
     # with the prefix cache, one more slot: the in-step checkpoint of each step's first sequence (warmup_plan)
     checkpoint_slot = max_seqs if runner.engine_config.enable_prefix_caching else None
@@ -217,7 +224,10 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     has_policy = speculative is not None and speculative.k_policy is not None
     has_scratch_per_seq = speculative is not None and not has_policy
     row_bytes = verify_row_bytes(model_config, runner.dtype, k, shapes) if speculative is not None else 0
-    per_seq = slot_bytes + (row_bytes if has_scratch_per_seq else 0)
+    # FlashInfer's GDN prefill copies a step's start and final states (kernels/gdn_flashinfer.py): room kept for
+    # them per sequence a step may hold (the warm-up's steps hold few)
+    copy_bytes = flashinfer_copy_bytes(runner)
+    per_seq = slot_bytes + (row_bytes if has_scratch_per_seq else 0) + copy_bytes
     beside_one_kv = (total - one_kv) // per_seq  # the sequences the budget holds beside one max_model_len's KV
     max_num_seqs = upper
     if engine_config.max_num_seqs is None:
@@ -252,7 +262,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         )  # fmt: skip
     num_slots = engine_config.num_state_slots or max_num_seqs
     spec_rows = 0
-    budget = total
+    budget = total - copy_bytes * min(max_num_seqs, max_num_batched_tokens)
     if speculative is not None:  # the verify scratch comes out of the cache budget (a chunk a sequence at fixed k)
         spec_rows = max_num_seqs if has_scratch_per_seq else scratch_rows(total, row_bytes, max_num_seqs)
         budget -= spec_rows * row_bytes
@@ -285,9 +295,24 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         "(%d of them prefix-cache checkpoints), a verify scratch of %d rows (%d bytes); %d bytes left over", total,
         total / GIB, budget_names(engine_config, runner.device)[0], layout.num_blocks, layout.bytes_per_block,
         layout.num_blocks * layout.block_size, layout.num_slots, layout.bytes_per_slot, layout.num_checkpoint_slots,
-        spec_rows, total - budget, budget - used,
+        spec_rows, spec_rows * row_bytes, budget - used,
     )  # fmt: skip
+    if copy_bytes:
+        logger.info("GDN prefill through FlashInfer: %d bytes of the cache budget kept for its state copies",
+                    total - budget - spec_rows * row_bytes)  # fmt: skip
     return max_num_seqs, spec_rows, layout
+
+
+def first_gdn_layer(model: Qwen35Model) -> GatedDeltaNet:
+    return next(layer.linear_attn for layer in model.layers if not layer.is_full_attention)
+
+
+def flashinfer_copy_bytes(runner: ModelRunner) -> int:
+    """Per sequence of a step, what FlashInfer's GDN prefill copies of its states (0 with deltaserve's kernel)."""
+    if runner.gdn_prefill_backend != "flashinfer":
+        return 0
+    gdn = first_gdn_layer(runner.model)
+    return gdn_flashinfer.state_copy_bytes(gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
 
 
 def override_blocks(layout: CacheLayout, override: int | None, max_model_len: int) -> CacheLayout:

@@ -11,10 +11,11 @@ the engine calls sample(handle, bitmask) once it has filled the mask. Prompt log
 prefill chunks of rows that asked (runner/prompt_logprobs.py).
 
 This file is the orchestration; the jobs live beside it, taking the state the runner owns as arguments:
-runner/device_setup.py (device, dtype, threads, this engine's share of the GPU), runner/memory.py (the warm-up,
-with runner/verify_warmup.py's verify step while speculating, and the cache sizing), runner/sampling_step.py
-(StepHandle, the sampler call, the host copies, collect), runner/spec_step.py (the speculative glue: verify graphs,
-the verify batch, accept and draft), runner/mm_embeds.py (the vision encoder's embeddings of a step).
+runner/device_setup.py (device, dtype, threads, the GDN prefill kernel, this engine's share of the GPU),
+runner/memory.py (the warm-up, with runner/verify_warmup.py's verify step while speculating, and the cache sizing),
+runner/sampling_step.py (StepHandle, the sampler call, the host copies, collect), runner/spec_step.py (the
+speculative glue: verify graphs, the verify batch, accept and draft), runner/mm_embeds.py (the vision encoder's
+embeddings of a step).
 
 Under tensor parallelism one ModelRunner runs per rank (runner/executor.py starts them) with the rank's shard of
 the model and of the caches: every rank applies the same plan to its own request table and runs the same forward
@@ -39,6 +40,7 @@ from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.model.qwen3_5 import Qwen35Model
+from deltaserve.runner import device_setup
 from deltaserve.runner import prompt_logprobs as plp
 from deltaserve.runner.cache import allocate_and_bind, copy_kv_blocks, copy_state_slots
 from deltaserve.runner.cuda_graph import DecodeGraphs
@@ -88,12 +90,15 @@ class ModelRunner:
         set_cpu_threads(self.device, model_config.hidden_size, self.tp)
         # the vision tower is built for a multimodal checkpoint unless --language-model-only (as vLLM's flag)
         self.has_vision = model_config.vision is not None and not engine_config.language_model_only
+        # the GDN prefill kernel: an explicit FlashInfer request that cannot run is refused before anything is built
+        self.gdn_prefill_backend = device_setup.gdn_prefill_backend(engine_config, self.device, self.dtype,
+                                                                    model_config)  # fmt: skip
         # this engine's share of the GPU (vLLM 0.26's per-instance accounting), before anything is built
         self._requested_bytes, self._allocated_before = engine_share(self.device, engine_config.gpu_memory_utilization)
         # the MTP layer (model/mtp.py) is built only for speculative decoding; its KV joins the cache plan
         self.model = Qwen35Model(
             model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp,
-            build_mtp=engine_config.speculative_config is not None,
+            build_mtp=engine_config.speculative_config is not None, gdn_prefill_backend=self.gdn_prefill_backend,
         )  # fmt: skip
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model)  # vLLM's per-tensor seed, not --seed (as vLLM)

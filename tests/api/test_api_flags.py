@@ -101,7 +101,7 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--limit-mm-per-prompt": "{\"image\": 1}",
           "--structured-outputs-config": "{\"backend\": \"xgrammar\"}", "--scheduling-policy": "priority",
           "--prefix-caching-hash-algo": "xxhash", "--quantization": "fp8",
-          "--speculative-config": "{\"method\": \"mtp\"}"}  # fmt: skip
+          "--speculative-config": "{\"method\": \"mtp\"}", "--gdn-prefill-backend": "triton"}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -202,6 +202,26 @@ def test_tensor_parallel_flags_are_implemented() -> None:
         with pytest.raises(ValueError, match=name):
             cli.build_engine_config(parse("m", *argv), "m", "cpu")
         assert cli.run(parse("m", *argv)) == 2
+
+
+def test_gdn_prefill_backend_is_implemented(tiny_dense: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's --gdn-prefill-backend {flashinfer,triton,cutedsl} reaches EngineConfig (absent: None, vLLM's auto, which
+    serves deltaserve's own kernel); cutedsl is refused by name (exit 2), another value by argparse as in vLLM, and
+    flashinfer where it cannot run (here: the CPU) at start-up, exit 1 with one line giving the reason."""
+    assert all("--gdn-prefill-backend" not in entry.flags for entry in COMPAT_FLAGS)
+    for argv, value in (([], None), (["--gdn-prefill-backend", "triton"], "triton"),
+                        (["--gdn_prefill_backend=flashinfer"], "flashinfer")):  # fmt: skip
+        assert cli.build_engine_config(parse("m", *argv), "m", "cpu").gdn_prefill_backend == value
+    with pytest.raises(ValueError, match=r"--gdn-prefill-backend cutedsl .*not served by deltaserve.*Blackwell"):
+        cli.build_engine_config(parse("m", "--gdn-prefill-backend", "cutedsl"), "m", "cpu")
+    assert cli.run(parse("m", "--gdn-prefill-backend", "cutedsl")) == 2
+    with pytest.raises(SystemExit):
+        parse("m", "--gdn-prefill-backend", "auto")  # not one of vLLM's choices
+    caplog.clear()
+    argv = (str(tiny_dense), "--gdn-prefill-backend", "flashinfer", "--port", "0", "--device", "cpu")
+    assert cli.run(parse(*argv)) == 1
+    (error,) = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert "--gdn-prefill-backend flashinfer: FlashInfer's GDN prefill cannot run here: the device is cpu" in error
 
 
 @pytest.mark.parametrize(

@@ -35,10 +35,18 @@ from deltaserve.model.parallel import TensorParallel
 
 class GatedDeltaNet(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel | None = None
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel | None = None,
+        prefill_backend: str = "triton",
     ) -> None:
+        """prefill_backend: the chunked prefill's kernel, "triton" (deltaserve's own) or "flashinfer"
+        (kernels/gdn.py gdn_prefill; the runner resolves --gdn-prefill-backend into it)."""
         super().__init__()
         self.tp = tp or TensorParallel.single()
+        self.prefill_backend = prefill_backend
         shapes = self.tp.shapes(config)
         self.num_k_heads = shapes.k_heads.size  # this rank's heads
         self.num_v_heads = shapes.v_heads.size
@@ -189,6 +197,7 @@ class GatedDeltaNet(nn.Module):
                     q[p], k[p], v[p], a[p], b[p], self.A_log, self.dt_bias, self.ssm_states,
                     ctx.prefill_query_start_loc, prefill_slots, prefill_has_initial_state, out=core[p],
                     checkpoint_chunks=ctx.prefill_checkpoint_chunks, checkpoint_slots=ctx.prefill_checkpoint_slots,
+                    backend=self.prefill_backend,
                 )  # fmt: skip
         return core
 
