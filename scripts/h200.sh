@@ -17,7 +17,8 @@
 #                                (benchmarks/oracle/unpack.sh); install .whl/*.whl into /tmp/ds_site; write the
 #                                dummy 35B-A3B and 27B checkpoints (benchmarks/oracle/make_dummy_models.py)
 #   tests [PYTEST ARGS]          pytest -v -m gpu (default: tests/ without tests/api and tests/bench, whose imports
-#                                the host lacks); the log comes back as pytest-gpu-TAG.log
+#                                the host lacks); the log comes back as pytest-gpu-TAG.log; WITH_FLASHINFER=1 puts
+#                                the FlashInfer bundle on the path too (--gdn-prefill-backend flashinfer's GPU tests)
 #   gates [fp32]                 the fp32 token gates on cuda: make-tiny dense / moe / next against transformers,
 #                                STRICT 32/32 each (gate-fp32-tiny-V-cuda-TAG.json)
 #   gates bf16 STAGE             the bf16 gates on the trained checkpoints, side by side on one GPU
@@ -419,7 +420,15 @@ case $step in
   setup) ;;
   tests)
     [ $# -gt 0 ] || set -- tests --ignore=tests/api --ignore=tests/bench
-    gpu_pytest "$OUT/pytest-gpu-$tag.log" "$@" || status=$? ;;
+    # WITH_FLASHINFER=1: the FlashInfer bundle on the path too (the -m gpu tests of --gdn-prefill-backend flashinfer
+    # skip without it); off by default, so no other test finds a FlashInfer it did not ask for
+    if [ -n "${WITH_FLASHINFER:-}" ]; then
+      echo "tests: the FlashInfer bundle on the path (WITH_FLASHINFER)" | say
+      PYTHONPATH=$PWD:/tmp/ds_site:/tmp/flashinfer_site:/tmp/flashinfer_site/nvidia_cutlass_dsl/dsl_packages:/tmp/vllm_site \
+        FLASHINFER_WORKSPACE_BASE=/tmp/fi_jit gpu_pytest "$OUT/pytest-gpu-$tag.log" "$@" || status=$?
+    else
+      gpu_pytest "$OUT/pytest-gpu-$tag.log" "$@" || status=$?
+    fi ;;
   gates)
     what=${1:-fp32}
     shift || true

@@ -193,3 +193,13 @@ def test_the_gdn_prefill_ab_step_times_ours_beside_both_of_vllms_kernels(tmp_pat
     assert re.search(flags, line)
     # unbuffered: a call cut by its budget still returns the cases it printed (a cut run once came back empty)
     assert "PYTHONUNBUFFERED=1" in line
+
+
+def test_the_tests_step_puts_flashinfer_on_the_path_only_when_asked(tmp_path: Path) -> None:
+    args = ("tests", "tests/kernels/test_gdn_flashinfer.py")
+    plain = runner(tmp_path, *args)
+    asked = runner(tmp_path, *args, extra_env={"WITH_FLASHINFER": "1"})
+    for done in (plain, asked):
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert re.search(r"-m pytest -v -m gpu .*tests/kernels/test_gdn_flashinfer.py", done.stdout)
+    assert "FlashInfer bundle on the path" in asked.stdout and "FlashInfer bundle on the path" not in plain.stdout
