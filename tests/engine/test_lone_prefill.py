@@ -63,3 +63,13 @@ def test_a_prompt_alone_takes_the_lone_budget_and_keeps_its_tokens(variant: str)
     assert plans[0][:5] == [64, 64, 64, 64, 44]
     assert plans[256][:2] == [256, 44]
     assert max(plans["pair256"]) <= 64 and plans["pair256"] == plans["pair0"]
+
+
+def test_the_lone_budget_stops_at_max_model_len() -> None:
+    # one sequence's chunk is never longer than max_model_len, so the runner and its warm-up are not sized beyond it
+    llm = LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=64,
+              lone_prefill_tokens=1024)  # fmt: skip
+    assert llm.engine.scheduler.lone_prefill_tokens == 192
+    llm = LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=256,
+              lone_prefill_tokens=1024)  # fmt: skip
+    assert llm.engine.scheduler.lone_prefill_tokens == 256
