@@ -189,6 +189,7 @@ stop_leftover_server() {
   [ -f "$pidf" ] || return 0
   pg=$(cat "$pidf")
   echo "stopping the server a killed grid left behind (process group $pg)" | say
+  [ -n "${DRY_RUN:-}" ] && return 0  # a dry run stops nothing
   kill -TERM -- "-$pg" 2> /dev/null
   sleep 10
   kill -KILL -- "-$pg" 2> /dev/null

@@ -7,7 +7,10 @@ for every arm, and stops it (the whole process group, then waits for the port an
 
 Schedule: with `is_restart_cheap = true` the arms alternate A B A B at every point, so slow drift of the
 machine hits both alike. Otherwise each arm runs all points in one launch, and at the end the first arm is
-launched again at `drift_concurrency`; the record keeps both measurements as the drift of that session.
+launched again at `drift_concurrency`; the record keeps both measurements as the drift of that session. With
+`warmup_point = true` each launch first runs its first point once and records only what that cost
+(`launches[].warmup_run`): vLLM compiles kernels for batch shapes its start-up missed during its first runs (a c8
+point once read at half its rate, p99 TTFT 8.2 s), which a measured point must not pay.
 
 The record (JSON, rewritten after every run so a killed grid still leaves one) holds, per arm and model, the
 exact command line, environment overrides, engine version, startup time; host, GPU, driver, date and git
@@ -229,7 +232,8 @@ class Grid:
 
         # a launch that can finish its first point goes ahead; the points after it that would not finish are left
         # for a resumed call (the record names them), so a short call still measures what fits
-        if self._is_past_deadline(arm.expected_startup_s + arm.expected_run_s):
+        is_warming = self.config.warmup_point and not is_drift_check  # its first point once, unrecorded
+        if self._is_past_deadline(arm.expected_startup_s + arm.expected_run_s * (2 if is_warming else 1)):
             self.record["skipped"].append({"arm": arm.name, "model": model.name, "reason": "deadline"})
             print(f"[grid] {arm.name} on {model.name}: skipped, it would not finish before the deadline", flush=True)
             self.save()
@@ -277,6 +281,9 @@ class Grid:
                 launch.version_probe, {**os.environ, **launch.env_overrides}, REPO_ROOT
             )
             self.save()
+            if is_warming and points:
+                entry["warmup_run"] = self._warmup_run(launch, arm, model, points[0])
+                self.save()
             for position, (isl, osl, concurrency) in enumerate(points):
                 if position > 0 and self._is_past_deadline(arm.expected_run_s):
                     left = [f"{i}x{o}-c{c}" for i, o, c in points[position:]]
@@ -334,6 +341,27 @@ class Grid:
             self.save()
             return self._run_points(with_max_num_seqs(arm, asked), model, points, is_drift_check, is_relaunch=True)
         return runs
+
+    def _warmup_run(self, launch: Launch, arm: Arm, model: Model, point: tuple[int, int, int]) -> dict[str, Any]:
+        """The launch's first point once, before any measured run, its result kept out of `runs` (config
+        warmup_point): what it cost and whether it failed, so a reader can see what the measured points no longer
+        pay."""
+        from deltaserve.bench.serve_cli import parse_bench_args, run_bench
+
+        isl, osl, concurrency = point
+        raw_name = f"{arm.name}-{model.name}-{isl}x{osl}-c{concurrency}-warmup"
+        argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name)
+        started = time.monotonic()
+        summary: dict[str, Any] = {"point": f"{isl}x{osl}-c{concurrency}", "error": None}
+        try:
+            result = run_bench(parse_bench_args(argv), timeout_s=self.config.run_timeout_s)
+            summary.update(output_throughput=result.get("output_throughput"), failed=result.get("failed"),
+                           p99_ttft_ms=result.get("p99_ttft_ms"))  # fmt: skip
+        except Exception as exc:  # a failed warm-up is recorded; the measured points still run
+            summary["error"] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        summary["wall_s"] = round(time.monotonic() - started, 1)
+        print(f"[grid] {raw_name} (not recorded): {summary}", flush=True)
+        return summary
 
     # -- the whole grid -----------------------------------------------------------------------------------
 

@@ -220,6 +220,9 @@ class GridConfig:
     client_args: list[str] = field(default_factory=list)
     stop_timeout_s: float = 30.0
     run_timeout_s: float | None = None  # one client run longer than this is recorded as failed
+    # each launch runs its first point once, unrecorded, before measuring: a server that compiles kernels for batch
+    # shapes its start-up missed (vLLM's JIT) pays that in the throw-away run, not in its first measured point
+    warmup_point: bool = False
     source_path: str = ""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
 

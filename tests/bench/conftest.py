@@ -16,6 +16,16 @@ if TYPE_CHECKING:
     from .bench_helpers import WordTokenizer
 
 
+@pytest.fixture(autouse=True)
+def own_grid_pidfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own DELTASERVE_GRID_PIDFILE: a grid notes its running server's process group there, and the
+    device runner stops whatever group that file names, so a shared one let one test (or a worker of a parallel
+    run) stop another's server."""
+    path = tmp_path / "grid-server.pgid"
+    monkeypatch.setenv("DELTASERVE_GRID_PIDFILE", str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from .fake_server import make_word_tokenizer

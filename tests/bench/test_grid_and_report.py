@@ -567,3 +567,26 @@ def test_a_newer_grid_of_other_subjects_leaves_the_standing_grid_standing() -> N
     stands, superseded = report.standing([core, handicap, rerun, other_card])
     assert ("core2", "no GPU") in {(grid, card) for grid, _, card, _ in stands}
     assert superseded == [("core", "m", "core2")]
+
+
+def test_a_warmup_point_runs_first_and_stays_out_of_the_runs(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), False)
+    toml.write_text(toml.read_text().replace("drift_concurrency = 2", "drift_concurrency = 2\nwarmup_point = true"))
+    config = load_config(toml)
+    assert config.warmup_point
+    config.arms = config.arms[:1]
+    record = Grid(config, tmp_path / "results", record_name="warm", is_drift_enabled=False).run()
+    (launch,) = record["launches"]
+    warmup = launch["warmup_run"]
+    assert warmup["point"] == "16x4-c1" and warmup["error"] is None and warmup["output_throughput"] > 0
+    # the measured runs are the grid's points, each once; the warm-up's client JSON is not among the raw runs
+    assert sorted(r["concurrency"] for r in record["runs"]) == [1, 2]
+    assert not any("warmup" in p.name for p in (tmp_path / "results/raw").rglob("*.json"))
+    # a warm-up costs a run of time, and the deadline counts it: a start and one run fit 100 s, a start and two not
+    config.arms[0].expected_startup_s, config.arms[0].expected_run_s = 30.0, 40.0
+    late = Grid(config, tmp_path / "late", record_name="late", deadline_s=100).run()
+    assert late["launches"] == [] and late["skipped"][0]["reason"] == "deadline"
+    config.warmup_point = False
+    assert not Grid(config, tmp_path / "late", record_name="late", deadline_s=100)._is_past_deadline(30.0 + 40.0)

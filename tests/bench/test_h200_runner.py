@@ -203,3 +203,18 @@ def test_the_tests_step_puts_flashinfer_on_the_path_only_when_asked(tmp_path: Pa
         assert done.returncode == 0, done.stdout + done.stderr
         assert re.search(r"-m pytest -v -m gpu .*tests/kernels/test_gdn_flashinfer.py", done.stdout)
     assert "FlashInfer bundle on the path" in asked.stdout and "FlashInfer bundle on the path" not in plain.stdout
+
+
+def test_a_dry_run_stops_no_server_a_pidfile_names(tmp_path: Path) -> None:
+    # a grid's pidfile names a live process group (here a sleeping child of this test): a dry run says so and
+    # leaves it running
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        pidfile = tmp_path / "grid.pgid"
+        pidfile.write_text(f"{sleeper.pid}\n")
+        done = runner(tmp_path, "grid", "mtp", extra_env={"DELTASERVE_GRID_PIDFILE": str(pidfile)})
+        assert "stopping the server a killed grid left behind" in done.stdout
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
