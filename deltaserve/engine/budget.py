@@ -64,20 +64,28 @@ def default_max_num_batched_tokens(config: ModelConfig, on_gpu: bool) -> int:
 
 
 def step_budgets(
-    config: ModelConfig, on_gpu: bool, max_num_batched_tokens: int | None, lone_prefill_tokens: int | None
+    config: ModelConfig,
+    on_gpu: bool,
+    max_num_batched_tokens: int | None,
+    lone_prefill_tokens: int | None,
+    max_model_len: int,
 ) -> tuple[int, int]:
     """(the step token budget, the budget of a step whose only work is one prompt's prefill) from the engine
     config's two fields (None: not given). A given --max-num-batched-tokens is a hard cap for every step, as in
-    vLLM, unless --lone-prefill-tokens is given too; 0 turns the lone budget off."""
+    vLLM, unless --lone-prefill-tokens is given too; 0 turns the lone budget off. A lone step holds one sequence's
+    chunk, so its budget stops at max_model_len (the runner's warm-up sizes no larger step), never below the step
+    budget."""
     budget = max_num_batched_tokens or default_max_num_batched_tokens(config, on_gpu)
     if lone_prefill_tokens is None:
         is_default = max_num_batched_tokens is None and on_gpu
-        return budget, max(budget, LONE_PREFILL_TOKENS) if is_default else budget
-    if lone_prefill_tokens == 0:
-        return budget, budget
-    if lone_prefill_tokens < budget:
+        lone = LONE_PREFILL_TOKENS if is_default else budget
+    elif lone_prefill_tokens == 0:
+        lone = budget
+    elif lone_prefill_tokens < budget:
         raise ValueError(
             f"lone_prefill_tokens ({lone_prefill_tokens}) is below max_num_batched_tokens ({budget}): a step that "
             "prefills one prompt alone may take more tokens than the step budget, never fewer (0 turns it off)"
         )
-    return budget, lone_prefill_tokens
+    else:
+        lone = lone_prefill_tokens
+    return budget, max(budget, min(lone, max_model_len))

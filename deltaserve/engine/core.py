@@ -62,11 +62,9 @@ class EngineCore:
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         # not given: from the weights a token reads (engine/budget.py: 2048 for the 27B shape, 8192 for 35B-A3B), and
         # a larger budget for a step that prefills one prompt alone, which the runner's memory plan is sized for
-        self.max_num_batched_tokens, lone = step_budgets(
-            self.model_config, on_gpu, config.max_num_batched_tokens, config.lone_prefill_tokens
+        self.max_num_batched_tokens, self.lone_prefill_tokens = step_budgets(
+            self.model_config, on_gpu, config.max_num_batched_tokens, config.lone_prefill_tokens, max_model_len
         )
-        # a lone step holds one sequence's chunk, so never more than max_model_len: the warm-up sizes no larger step
-        self.lone_prefill_tokens = max(self.max_num_batched_tokens, min(lone, max_model_len))
         self.runner = make_executor(self.model_config, config, max_model_len, self.lone_prefill_tokens)
         layout = self.runner.layout
         self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence

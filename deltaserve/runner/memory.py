@@ -262,7 +262,8 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         )  # fmt: skip
     num_slots = engine_config.num_state_slots or max_num_seqs
     spec_rows = 0
-    budget = total - copy_bytes * min(max_num_seqs, max_num_batched_tokens)
+    copy_reserve = copy_bytes * min(max_num_seqs, max_num_batched_tokens)  # 0 with deltaserve's GDN prefill
+    budget = total - copy_reserve
     if speculative is not None:  # the verify scratch comes out of the cache budget (a chunk a sequence at fixed k)
         spec_rows = max_num_seqs if has_scratch_per_seq else scratch_rows(total, row_bytes, max_num_seqs)
         budget -= spec_rows * row_bytes
@@ -297,9 +298,9 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         layout.num_blocks * layout.block_size, layout.num_slots, layout.bytes_per_slot, layout.num_checkpoint_slots,
         spec_rows, spec_rows * row_bytes, budget - used,
     )  # fmt: skip
-    if copy_bytes:
+    if copy_reserve:
         logger.info("GDN prefill through FlashInfer: %d bytes of the cache budget kept for its state copies",
-                    total - budget - spec_rows * row_bytes)  # fmt: skip
+                    copy_reserve)  # fmt: skip
     return max_num_seqs, spec_rows, layout
 
 

@@ -82,15 +82,16 @@ def test_step_budgets_lone_prefill(shapes: dict[str, ModelConfig]) -> None:
     from deltaserve.engine.budget import LONE_PREFILL_TOKENS, step_budgets
 
     dense, moe = shapes["q35-27b"], shapes["q35-35b-a3b"]
+    LONG = 65536  # max_model_len: above every budget here (the cap is test_lone_prefill.py's)
     # not given, on a GPU: the default budget, and 8192 for a step that prefills one prompt alone
-    assert step_budgets(dense, True, None, None) == (2048, LONE_PREFILL_TOKENS) == (2048, 8192)
-    assert step_budgets(moe, True, None, None) == (8192, 8192)
+    assert step_budgets(dense, True, None, None, LONG) == (2048, LONE_PREFILL_TOKENS) == (2048, 8192)
+    assert step_budgets(moe, True, None, None, LONG) == (8192, 8192)
     # on the CPU, or with --max-num-batched-tokens given: off (a given budget is a hard cap, as in vLLM)
-    assert step_budgets(dense, False, None, None) == (2048, 2048)
-    assert step_budgets(dense, True, 4096, None) == (4096, 4096)
+    assert step_budgets(dense, False, None, None, LONG) == (2048, 2048)
+    assert step_budgets(dense, True, 4096, None, LONG) == (4096, 4096)
     # given: as given, 0 off, never below the step budget
-    assert step_budgets(dense, True, 4096, 16384) == (4096, 16384)
-    assert step_budgets(dense, False, None, 4096) == (2048, 4096)
-    assert step_budgets(dense, True, None, 0) == (2048, 2048)
+    assert step_budgets(dense, True, 4096, 16384, LONG) == (4096, 16384)
+    assert step_budgets(dense, False, None, 4096, LONG) == (2048, 4096)
+    assert step_budgets(dense, True, None, 0, LONG) == (2048, 2048)
     with pytest.raises(ValueError, match=r"lone_prefill_tokens \(1024\) is below max_num_batched_tokens \(2048\)"):
-        step_budgets(dense, True, None, 1024)
+        step_budgets(dense, True, None, 1024, LONG)
