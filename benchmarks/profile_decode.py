@@ -177,6 +177,36 @@ def _top_kernels(prof: torch.profiler.profile, num_steps: int, count: int) -> li
             for name, (ms, n) in ranked]  # fmt: skip
 
 
+def _replay_ms(graph: torch.cuda.CUDAGraph, num_steps: int) -> float:
+    """GPU ms of one replay of a captured graph, replayed back to back (one warm replay first)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(num_steps):
+        graph.replay()
+    end.record()
+    _sync()
+    return start.elapsed_time(end) / num_steps
+
+
+def _spec_graph_split(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
+    """While speculating: the GPU ms of the verify graph (the target's 1 + k token forward) and of each
+    post-sampling graph (GDN commit and the drafter's passes, per draft count) of the bucket the last step replayed,
+    each replayed back to back. What a verify step costs beyond their sum is the sampler, the accept step and the
+    host. Replaying rewrites the bucket's KV, scratch and state slots with the same values' kind (finite), so the
+    steps measured after it time the same work; their tokens are not checked here."""
+    spec = getattr(engine.runner, "spec_graphs", None)
+    if spec is None or not spec.is_captured or spec.size not in spec.graphs or engine.config.tensor_parallel_size > 1:
+        return {}
+    post = {str(drafts): round(_replay_ms(graph, num_steps), 3)
+            for (size, drafts), graph in spec.post_graphs.items() if size == spec.size}  # fmt: skip
+    return {
+        "verify_bucket": spec.size,
+        "verify_graph_ms": round(_replay_ms(spec.graphs[spec.size], num_steps), 3),
+        "post_graph_ms": post,
+    }
+
+
 def measure_batch(
     engine: LLMEngine, batch_size: int, input_len: int, num_steps: int, rng: random.Random, is_profiled: bool = True
 ) -> dict[str, Any]:
@@ -208,6 +238,7 @@ def measure_batch(
         end.record()
         _sync()
         graph_ms = start.elapsed_time(end) / num_steps
+    spec_split = _spec_graph_split(engine, num_steps)
     activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() and is_profiled else []
     idle, span_ms = 0.0, 0.0
     shares: dict[str, float] = {}
@@ -217,7 +248,7 @@ def measure_batch(
                 engine.step()
             _sync()
         idle, span_ms = _gpu_idle_share(prof)
-        shares["top_kernels"] = _top_kernels(prof, num_steps, 15)
+        shares["top_kernels"] = _top_kernels(prof, num_steps, 25)
         if engine.config.tensor_parallel_size > 1:
             shares = {
                 "nccl_pct": round(100 * _kernel_share(prof, "nccl"), 2),
@@ -242,6 +273,7 @@ def measure_batch(
         "spec_graphed_steps": spec_graphed_steps,
         # the gap between consecutive graph replays as a share of the step: what async scheduling must keep small
         "inter_step_gap_pct": None if graph_ms is None else round(100 * (step_ms - graph_ms) / step_ms, 2),
+        **spec_split,
         **shares,
     }
 
