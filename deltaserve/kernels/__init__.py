@@ -22,6 +22,8 @@ from deltaserve.kernels.gdn_spec import (
     gdn_verify,
     gdn_verify_ref,
     spec_state_commit,
+    spec_state_commit_layers,
+    spec_state_commit_layers_ref,
 )
 from deltaserve.kernels.linear import linear, linear_ref
 from deltaserve.kernels.moe import (
@@ -88,6 +90,8 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_ref",
     "spec_state_commit",
+    "spec_state_commit_layers",
+    "spec_state_commit_layers_ref",
     "store_kv",
     "store_kv_ref",
 ]

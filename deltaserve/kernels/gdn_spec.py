@@ -18,7 +18,9 @@ rejection costs no recompute and the host never waits for the counts.
 - `gdn_verify`: the recurrent delta rule token by token (gdn_decode's arithmetic: fp32, q/k not rounded);
   scratch_ssm [S_max, >= W_max - 1, HV, dk, dv] gets the state after each token but the last, the live slot the
   state after the last column (a padded last column: the last real state).
-- `spec_state_commit`: live slot <- the state after token num_accepted[s], conv and recurrent.
+- `spec_state_commit`: live slot <- the state after token num_accepted[s], conv and recurrent;
+  `spec_state_commit_layers` the same over every GDN layer's stacked tensors in one call (on CUDA one Triton launch,
+  kernels/gdn_spec_commit_triton.py, where the per-layer twin is ~28 small kernels a layer).
 
 A verify sequence whose state index is < 0 (a padded row of a CUDA-graph bucket) is skipped, as the decode ops skip
 slot -1: no slot is read or written, its scratch entries are not written, the output rows of its tokens are zeros,
@@ -199,3 +201,26 @@ def spec_state_commit(
     if width > 1:  # width 1: the one column's state is in the live slot already
         ssm_entry = accepted.clamp(0, min(width - 2, scratch_ssm.shape[1] - 1))
         _write_slots(ssm_states, slots, scratch_ssm[seq, ssm_entry], is_live & (accepted < width - 1))
+
+
+def spec_state_commit_layers_ref(
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    scratch_conv: torch.Tensor,
+    scratch_ssm: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted: torch.Tensor,
+    width: int,
+) -> None:
+    """spec_state_commit over every GDN layer at once: conv_states [L, slots, K-1, C], ssm_states [L, slots, HV,
+    dk, dv], scratch_conv [L, S_max, W_max, K-1, C], scratch_ssm [L, S_max, >= W_max - 1, HV, dk, dv] (the per-layer
+    tensors stacked: runner/spec_commit.py), state_indices [S], num_accepted [S]; layer l as
+    spec_state_commit(conv_states[l], ...)."""
+    for layer in range(conv_states.shape[0]):
+        spec_state_commit(conv_states[layer], ssm_states[layer], scratch_conv[layer], scratch_ssm[layer],
+                          state_indices, num_accepted, width)  # fmt: skip
+
+
+spec_state_commit_layers = triton_or_ref(
+    spec_state_commit_layers_ref, "gdn_spec_commit_triton.spec_state_commit_layers_triton", on="ssm_states"
+)

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from deltaserve.kernels.gdn_spec import spec_state_commit
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_resume import save_accepted_hidden
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_commit import commit_gdn_states
 from deltaserve.sampler import logprobs_to_host
 from deltaserve.sampler.rejection import greedy_accept, random_accept, synthetic_accept
 from deltaserve.sampler.sampler import SamplerOutput, SamplingBatch
@@ -216,15 +216,16 @@ class SpecDecoder:
         # one extra row: the request table's dummy row
         self.draft_tokens = torch.zeros(max_rows + 1, num_speculative_tokens, dtype=torch.int64, device=device)
         width = num_speculative_tokens + 1
-        for layer in model.layers:
-            if layer.is_full_attention:
-                continue
-            mixer = layer.linear_attn
-            conv, ssm = mixer.conv_states, mixer.ssm_states
+        mixers = [layer.linear_attn for layer in model.layers if not layer.is_full_attention]
+        if mixers:
+            conv, ssm = mixers[0].conv_states, mixers[0].ssm_states
             # a conv window after each of the 1 + k tokens; a recurrent state after each but the last, whose state
-            # gdn_verify writes into the live slot (kernels/gdn_spec.py)
-            mixer.spec_conv_scratch = conv.new_empty(self.max_spec_seqs, width, *conv.shape[1:])
-            mixer.spec_ssm_scratch = ssm.new_empty(self.max_spec_seqs, width - 1, *ssm.shape[1:])
+            # gdn_verify writes into the live slot (kernels/gdn_spec.py). One tensor per kind over every layer, each
+            # layer a view, so the commit runs as one launch over all of them (runner/spec_commit.py)
+            conv_scratch = conv.new_empty(len(mixers), self.max_spec_seqs, width, *conv.shape[1:])
+            ssm_scratch = ssm.new_empty(len(mixers), self.max_spec_seqs, width - 1, *ssm.shape[1:])
+            for i, mixer in enumerate(mixers):
+                mixer.spec_conv_scratch, mixer.spec_ssm_scratch = conv_scratch[i], ssm_scratch[i]
 
     def num_drafts_after(self, num_drafts_next: int | None) -> int:
         """The drafts a step proposes: its plan's num_drafts_next (None: k), never above k."""
@@ -356,11 +357,7 @@ class SpecDecoder:
         # step); either way a chunk that accepted all its columns has its state in the live slot (padded columns
         # repeat the last real state), so the commit copies only shorter runs (kernels/gdn_spec.py)
         width = handle.layout.token_index.shape[1]
-        for layer in self.model.layers:
-            if not layer.is_full_attention:
-                mixer = layer.linear_attn
-                spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
-                                  mixer.spec_ssm_scratch, slots, handle.num_emitted - 1, width)  # fmt: skip
+        commit_gdn_states(self.model, slots, handle.num_emitted - 1, width)
         if self.model.mtp is not None:  # the live slot's hidden row follows the rollback (runner/mtp_resume.py)
             layout = handle.layout
             first = handle.step_layout.query_start_loc[layout.seq_index]

@@ -55,7 +55,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltaserve.kernels.gdn_spec import spec_state_commit
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cuda_graph import buckets
@@ -63,6 +62,7 @@ from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.inputs import StepInputs, StepLayout
 from deltaserve.runner.mtp_drafter import chain_drafts
 from deltaserve.runner.request_table import RequestTable
+from deltaserve.runner.spec_commit import commit_gdn_states
 from deltaserve.step import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class VerifyGraphs:
 
     def _after_accept(self, size: int, num_drafts: int) -> None:
         """What follows the accept step, over the bucket's rows: each GDN layer's live slot <- the scratch entry of
-        the last accepted token (spec_state_commit), the MTP layer's slot hidden row <- that token's hidden state,
+        the last accepted token (runner/spec_commit.py), the MTP layer's slot hidden row <- that token's hidden state,
         then the MTP drafter (runner/mtp_drafter.py) over the padded rows and its chained passes up to num_drafts
         drafts (0: the first pass alone), into draft_tokens. The eager twins are SpecDecoder.commit and
         SpecDecoder.propose with the MtpDrafter."""
@@ -219,11 +219,8 @@ class VerifyGraphs:
         model, mtp = self.model, self.model.mtp
         slots = self.state_indices[:size]
         num_emitted = self.num_emitted[:size]
-        for layer in () if self.is_decode else model.layers:  # width 1: the decode kernels wrote the live slots
-            if not layer.is_full_attention:
-                mixer = layer.linear_attn
-                spec_state_commit(mixer.conv_states, mixer.ssm_states, mixer.spec_conv_scratch,
-                                  mixer.spec_ssm_scratch, slots, num_emitted - 1, self.width)  # fmt: skip
+        if not self.is_decode:  # width 1: the decode kernels wrote the live slots
+            commit_gdn_states(model, slots, num_emitted - 1, self.width)  # one launch over every layer
         last = self.row_base[:size] + num_emitted - 1  # [size] each row's last accepted token
         hidden = self.hidden[:num_tokens]
         save_rows(mtp.slot_hidden, slots, hidden.index_select(0, last))

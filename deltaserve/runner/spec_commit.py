@@ -1,0 +1,55 @@
+"""The commit after a verify step's accept: every GDN layer's live slot rolled to the state after its last accepted
+token, in one call over the layers' stacked tensors (docs/speculative-decoding.md#the-commit-one-launch).
+
+Each GDN layer holds views into one tensor per kind: its conv and recurrent state slots (runner/cache.py binds
+`conv[i]` and `ssm[i]`) and its verify scratch (runner/spec_decode.py allocates it the same way). `stack_views`
+finds that common tensor from the views alone, so the commit runs as one kernel over [L, ...] instead of a loop of
+small ones a layer; where the views are not so laid out (a test's own tensors) the loop runs, with the same result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels.gdn_spec import spec_state_commit, spec_state_commit_layers
+from deltaserve.model.qwen3_5 import Qwen35Model
+
+
+def stack_views(views: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The views as one [L, ...] view of the tensor they index, when they are equally spaced slices of one storage
+    with equal shapes, strides and dtypes (view i at offset first + i·step); else None."""
+    if not views or any(v is None for v in views):
+        return None
+    first = views[0]
+    assert first is not None
+    step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else first.numel()
+    if step <= 0:
+        return None
+    base = first.untyped_storage().data_ptr()
+    for i, view in enumerate(views):
+        if (
+            view.untyped_storage().data_ptr() != base
+            or view.shape != first.shape
+            or view.stride() != first.stride()
+            or view.dtype != first.dtype
+            or view.storage_offset() != first.storage_offset() + i * step
+        ):
+            return None
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def commit_gdn_states(model: Qwen35Model, state_indices: torch.Tensor, num_accepted: torch.Tensor, width: int) -> None:
+    """Every GDN layer: live slot state_indices[s] <- its scratch entry after token num_accepted[s] (conv, and the
+    recurrent state where num_accepted[s] < width - 1). state_indices [S] int32 (< 0: nothing), num_accepted [S] on
+    the device; no host sync, so a verify graph captures it."""
+    mixers = [layer.linear_attn for layer in model.layers if not layer.is_full_attention]
+    if not mixers:
+        return
+    stacks = [stack_views([getattr(m, name) for m in mixers])
+              for name in ("conv_states", "ssm_states", "spec_conv_scratch", "spec_ssm_scratch")]  # fmt: skip
+    if all(s is not None for s in stacks):
+        spec_state_commit_layers(*stacks, state_indices, num_accepted, width)
+        return
+    for m in mixers:
+        spec_state_commit(m.conv_states, m.ssm_states, m.spec_conv_scratch, m.spec_ssm_scratch, state_indices,
+                          num_accepted, width)  # fmt: skip
