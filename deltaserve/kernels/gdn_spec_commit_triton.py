@@ -58,20 +58,20 @@ def _spec_state_commit_kernel(
     i_slot = tl.maximum(i_slot, 0)  # no address from slot -1 (its lanes are masked anyway)
     o = tl.arange(0, BLOCK)
     if i_b < CONV_BLOCKS:
-        i_entry = tl.minimum(tl.maximum(i_acc, 0), conv_entries - 1)
-        o_e = i_b * BLOCK + o  # [BLOCK]
-        m = (o_e < N_CONV) & is_live
-        src = scratch_conv_ptr + i_l * stride_sc_layer + i_s * stride_sc_seq + i_entry * stride_sc_entry
-        b = tl.load(src + o_e, mask=m)
-        tl.store(conv_ptr + i_l * stride_c_layer + i_slot * stride_c_slot + o_e, b, mask=m)
+        i_conv = tl.minimum(tl.maximum(i_acc, 0), conv_entries - 1)
+        o_conv = i64(i_b) * BLOCK + o  # [BLOCK]
+        m_conv = (o_conv < N_CONV) & is_live
+        p_conv = scratch_conv_ptr + i_l * stride_sc_layer + i_s * stride_sc_seq + i_conv * stride_sc_entry
+        b_conv = tl.load(p_conv + o_conv, mask=m_conv)
+        tl.store(conv_ptr + i_l * stride_c_layer + i_slot * stride_c_slot + o_conv, b_conv, mask=m_conv)
     else:
-        i_entry = tl.minimum(tl.maximum(i_acc, 0), tl.minimum(width - 2, ssm_entries - 1))
-        i_entry = tl.maximum(i_entry, 0)  # width 1 writes nothing; keep the address inside the scratch
-        o_e = i64(i_b - CONV_BLOCKS) * BLOCK + o  # [BLOCK]
-        m = (o_e < N_SSM) & is_live & (i_acc < width - 1) & (width > 1)
-        src = scratch_ssm_ptr + i_l * stride_sh_layer + i_s * stride_sh_seq + i_entry * stride_sh_entry
-        b = tl.load(src + o_e, mask=m)
-        tl.store(ssm_ptr + i_l * stride_h_layer + i_slot * stride_h_slot + o_e, b, mask=m)
+        i_ssm = tl.minimum(tl.maximum(i_acc, 0), tl.minimum(width - 2, ssm_entries - 1))
+        i_ssm = tl.maximum(i_ssm, 0)  # width 1 writes nothing; keep the address inside the scratch
+        o_ssm = i64(i_b - CONV_BLOCKS) * BLOCK + o  # [BLOCK]
+        m_ssm = (o_ssm < N_SSM) & is_live & (i_acc < width - 1) & (width > 1)
+        p_ssm = scratch_ssm_ptr + i_l * stride_sh_layer + i_s * stride_sh_seq + i_ssm * stride_sh_entry
+        b_ssm = tl.load(p_ssm + o_ssm, mask=m_ssm)
+        tl.store(ssm_ptr + i_l * stride_h_layer + i_slot * stride_h_slot + o_ssm, b_ssm, mask=m_ssm)
 
 
 def _require_slot_runs(name: str, t: torch.Tensor, lead: int) -> None:
