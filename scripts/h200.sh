@@ -103,7 +103,8 @@
 #       SHA256_FI              the FlashInfer bundle's sha256 (benchmarks/oracle/build_flashinfer_bundle.sh), likewise:
 #                              the registry's production site (h200-offline) needs both bundles unpacked
 #       CALL_BUDGET_S          seconds this call may use (default 570: the tool's 600 less saving and returning)
-#       RECORD_TAG             the suffix of record names (default h200-YYYYMMDD, UTC)
+#       RECORD_TAG             the suffix of record names (default CARD-YYYYMMDD, UTC; CARD h200 or h100 as
+#                              nvidia-smi names the GPU; a grid's --record-name h200_... / h100_... is renamed likewise)
 #       DS_MODELS              the dummy checkpoints (default /tmp/ds_models)
 #       DS_WORK                where logs are written before they are tarred (default /tmp/ds_run)
 #       DS_W128                where `gates fp8` trains the -w128 checkpoints, or finds them (default /tmp/ds_w128)
@@ -124,7 +125,17 @@ PY=${PY:-python3}
 budget=${CALL_BUDGET_S:-570}
 models=${DS_MODELS:-/tmp/ds_models}
 w128=${DS_W128:-/tmp/ds_w128}
-tag=${RECORD_TAG:-h200-$(date -u +%Y%m%d)}
+# the card the call got (calls that ask for an H200 may get an H100): records are named by it, so an H100's record
+# is never filed as an H200's; without nvidia-smi (a dry run here) the historical h200
+card=h200
+if gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1) && [ -n "$gpu_name" ]; then
+  case $gpu_name in
+    *H100*) card=h100 ;;
+    *H200*) card=h200 ;;
+    *) card=gpu ;;
+  esac
+fi
+tag=${RECORD_TAG:-$card-$(date -u +%Y%m%d)}
 W=${DS_WORK:-/tmp/ds_run}/$step-$(date -u +%H%M%S)  # logs, tarred into $OUT at exit
 mkdir -p "$W" "$OUT"
 touch "$W/.start"
@@ -212,6 +223,14 @@ grid() {  # GRID [bench grid flags]
     prev=$word
   done
   local extra=()
+  # a record name that names a card (h200_..., h100_...) names the one this call got
+  if [ -n "$name" ] && [[ $name =~ ^h[0-9]+_ ]] && [ "${name%%_*}" != "$card" ] && [ "$card" != gpu ]; then
+    local renamed=${card}_${name#*_} args=() word
+    echo "record name $name names another card: $renamed" | say
+    for word in "$@"; do [ "$word" = "$name" ] && args+=("$renamed") || args+=("$word"); done
+    set -- "${args[@]}"
+    name=$renamed
+  fi
   # an 80 GB card (no H200 lent): the peers at their h100-* sites (vLLM's --max-num-seqs 256, deviations.py)
   if [ -z "$has_card" ] && nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | grep -q "H100"; then
     echo "an H100: --card h100" | say

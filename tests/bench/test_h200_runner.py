@@ -168,6 +168,28 @@ def test_the_grid_moves_the_peers_to_their_h100_sites_on_an_h100(tmp_path: Path)
     assert "--card h200" in named and "--card h100" not in named
 
 
+def test_records_are_named_by_the_card_the_call_got(tmp_path: Path) -> None:
+    """A call that asked for an H200 and got an H100 names its records h100: the default tag, and a grid's
+    --record-name that names a card (twice in one session a record was filed under the other card's name)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    smi = fake / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "RECORD_TAG"}
+    out = runner(tmp_path, "grid", "mtp", "--record-name", "h200_mtp-27b-X", path=str(fake)).stdout
+    command = next(line for line in out.splitlines() if "bench grid" in line)
+    assert "--record-name h100_mtp-27b-X" in command and "h200_mtp-27b-X" not in command
+    assert "names another card: h100_mtp-27b-X" in out
+    kept = runner(tmp_path, "grid", "mtp", "--record-name", "mtp-27b-X", path=str(fake)).stdout
+    assert "--record-name mtp-27b-X" in next(line for line in kept.splitlines() if "bench grid" in line)
+    env.update(OUT=str(tmp_path / "out2"), DS_WORK=str(tmp_path / "work2"), DRY_RUN="1", PATH=f"{fake}:{env['PATH']}",
+               DS_MODELS=str(tmp_path / "models"), PY="python3")  # fmt: skip
+    profile = subprocess.run(["bash", str(RUNNER), "profile-prefill", "27b"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60).stdout  # fmt: skip
+    assert re.search(r"profile-prefill-27b-h100-\d{8}\.json", profile), profile[-2000:]
+
+
 def test_the_grid_forces_the_triton_gdn_prefill_while_flashinfer_is_missing(tmp_path: Path) -> None:
     """With the vLLM bundle unpacked and not FlashInfer's, the grid step adds --no-flashinfer (the peers at their
     Triton/FLA GDN prefill twins), unless the call says it; with both, or without vLLM, it adds nothing."""
