@@ -207,6 +207,45 @@ def _spec_graph_split(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
     }
 
 
+def _spec_op_split(engine: LLMEngine) -> dict[str, Any]:
+    """While speculating: one eager (uncaptured) run of the bucket's verify forward and of its post-sampling work
+    (commit, MTP pass, chained drafts) under the profiler with the model's op labels on, each kernel's GPU time
+    attributed to its op as benchmarks/profile_prefill.py does for a prefill: where the verify step's GPU time goes,
+    op by op. Kernel times, not the graph's wall time (eager launches leave gaps the graph does not)."""
+    spec = getattr(engine.runner, "spec_graphs", None)
+    if spec is None or spec.size not in spec.graphs or engine.config.tensor_parallel_size > 1:
+        return {}
+    import profile_prefill as pp
+
+    from deltaserve.model import labels
+
+    device = torch.device("cuda")
+    size, drafts = spec.size, max(spec.draft_counts)
+    calls = {"verify": lambda: spec._forward(size), "post": lambda: spec._after_accept(size, drafts)}
+    split: dict[str, Any] = {}
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for name, call in calls.items():
+        with torch.inference_mode():
+            call()  # warm: nothing compiles inside the profile
+            _sync()
+            with (
+                labels.enabled(),
+                pp.triton_launches() as launches,
+                torch.profiler.profile(activities=activities) as prof,
+            ):
+                call()
+                _sync()
+        cells, kernels = pp.attribute(list(prof.events()), device, launches)
+        ops = sorted(((op, cell[0], cell[1]) for (op, _), cell in cells.items()), key=lambda row: -row[1])
+        split[name] = {
+            "kernel_ms": round(kernels["total_us"] / 1e3, 3),
+            "ops": [{"op": op, "ms": round(us / 1e3, 4), "kernels": int(n)} for op, us, n in ops],
+            "launch_order": kernels["launch_order"],
+            "top": kernels["top"][:12],
+        }
+    return split
+
+
 def measure_batch(
     engine: LLMEngine, batch_size: int, input_len: int, num_steps: int, rng: random.Random, is_profiled: bool = True
 ) -> dict[str, Any]:
@@ -254,6 +293,11 @@ def measure_batch(
                 "nccl_pct": round(100 * _kernel_share(prof, "nccl"), 2),
                 "allreduce_pct": round(100 * _kernel_share(prof, "nccl", "allreduce"), 2),
             }
+    if activities:  # after the timings: the eager runs rewrite the bucket's buffers (same kind of values)
+        try:
+            shares["spec_ops"] = _spec_op_split(engine)
+        except Exception as exc:  # a diagnostic: its failure is recorded, the batch's timings above are kept
+            shares["spec_ops"] = {"error": repr(exc)[:500]}
     for request_id in [r for r in list(engine.requests) if r.startswith(f"b{batch_size}-")]:
         engine.abort_request(request_id)
     while engine.core.has_unfinished():
