@@ -21,7 +21,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, nq, d], keys/values [L, nkv, d] (the sequence's whole context) -> [Lq, nq, d] fp32, causal bottom-right."""
+    """q [Lq, nq, d], keys/values [L, nkv, d] (its whole context) -> [Lq, nq, d] fp32, causal bottom-right."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
