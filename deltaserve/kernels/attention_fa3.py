@@ -64,8 +64,9 @@ def unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, blo
         return f"the device is {device.type}, and FlashAttention 3 is a CUDA kernel"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the model dtype is {dtype}, and FlashAttention 3 takes bfloat16 or float16 only"
-    if head_dim > FA3_HEAD_DIMS:
-        return f"the head size is {head_dim}, and FlashAttention 3 compiles head sizes up to {FA3_HEAD_DIMS}"
+    if head_dim > FA3_HEAD_DIMS or head_dim % 8:
+        # vLLM's FlashAttentionBackend.supports_head_size without FA4: a multiple of 8, at most 256
+        return f"the head size is {head_dim}, and FlashAttention 3 takes multiples of 8 up to {FA3_HEAD_DIMS}"
     if block_size % FA3_PAGE_MULTIPLE:
         return f"the block size is {block_size}, and FlashAttention 3 pages hold a multiple of {FA3_PAGE_MULTIPLE}"
     major, minor = torch.cuda.get_device_capability(device)
