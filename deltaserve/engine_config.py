@@ -11,6 +11,20 @@ from deltaserve.speculative_config import SpeculativeConfig, parse_speculative_c
 
 # vLLM 0.26's --gdn-prefill-backend choices (EngineArgs.gdn_prefill_backend; None: auto)
 GDN_PREFILL_BACKENDS = ("flashinfer", "triton", "cutedsl")
+# vLLM 0.26's --attention-backend values deltaserve serves (AttentionBackendEnum names; None: auto, ours):
+# TRITON_ATTN deltaserve's own kernel for every row; FLASH_ATTN / FLASHINFER a library's for the prefill rows
+# (docs/attention-backends.md)
+ATTENTION_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN", "FLASHINFER")
+# the other names of vLLM 0.26's AttentionBackendEnum (vllm/v1/attention/backends/registry.py): refused by name, as
+# each would run another kernel with other numerics
+VLLM_ONLY_ATTENTION_BACKENDS = (
+    "FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV", "ROCM_ATTN", "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA", "ROCM_AITER_FA",
+    "ROCM_AITER_MLA_SPARSE", "XPU_MLA_SPARSE", "TORCH_SDPA", "FLASHINFER_MLA", "TOKENSPEED_MLA",
+    "FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM120", "TRITON_MLA", "CUTLASS_MLA", "FLASHMLA",
+    "FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4", "ROCM_FLASHMLA_SPARSE_DSV4",
+    "FLASH_ATTN_MLA", "FLASH_ATTN_MLA_SPARSE", "MINIMAX_M3_SPARSE", "NO_ATTENTION", "FLEX_ATTENTION", "HPC_ATTN",
+    "ROCM_AITER_UNIFIED_ATTN", "CPU_ATTN", "TURBOQUANT", "CUSTOM",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,11 @@ class EngineConfig:
     # prefill kernel; "flashinfer": FlashInfer's (kernels/gdn_flashinfer.py), refused at start-up where it cannot
     # run (runner/device_setup.py); "cutedsl" is refused here (docs/kernels.md#flashinfers-gdn-prefill)
     gdn_prefill_backend: str | None = None
+    # vLLM's --attention-backend (AttentionBackendEnum names, any case; "auto" is None): None or "TRITON_ATTN":
+    # deltaserve's own paged attention for every row; "FLASH_ATTN" (vLLM's FlashAttention 3) or "FLASHINFER"
+    # (FlashInfer's paged prefill) for the prefill rows, refused at start-up where they cannot run
+    # (runner/device_setup.py); vLLM's other values are refused here (docs/attention-backends.md)
+    attention_backend: str | None = None
 
     @property
     def chains_verifies(self) -> bool:
@@ -93,6 +112,7 @@ class EngineConfig:
         check_gdn_prefill_backend(self.gdn_prefill_backend)
         if self.gdn_prefill_backend == "auto":
             object.__setattr__(self, "gdn_prefill_backend", None)
+        object.__setattr__(self, "attention_backend", check_attention_backend(self.attention_backend))
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.block_size < 1:
@@ -162,3 +182,28 @@ def check_gdn_prefill_backend(value: object) -> None:
             f"gdn_prefill_backend must be one of {', '.join(GDN_PREFILL_BACKENDS)} (None or 'auto': the default), "
             f"got {value!r}"
         )
+
+
+def check_attention_backend(value: object) -> str | None:
+    """vLLM's --attention-backend value, read as vLLM 0.26 reads it (AttentionConfig.validate_backend_before: "auto"
+    in any case is None, else the enum name upper-cased), -> one of ATTENTION_BACKENDS or None. vLLM's other names
+    are refused by name (another kernel's numerics must not arrive in silence), and unknown names as vLLM refuses
+    them."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"attention_backend must be a string (vLLM's AttentionBackendEnum name), got {value!r}")
+    if value.lower() == "auto":
+        return None
+    name = value.upper()
+    if name in ATTENTION_BACKENDS:
+        return name
+    if name in VLLM_ONLY_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"--attention-backend {name}: not implemented in deltaserve; it serves {', '.join(ATTENTION_BACKENDS)} "
+            "(TRITON_ATTN, deltaserve's own kernel, is the default; docs/attention-backends.md)"
+        )
+    raise ValueError(
+        f"Unknown attention backend: '{value}'. Valid options in deltaserve are: {', '.join(ATTENTION_BACKENDS)} "
+        "(or auto)"
+    )

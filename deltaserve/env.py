@@ -81,6 +81,12 @@ def vllm_http_timeout_keep_alive() -> float:
     return float(value) if value else 5.0
 
 
+def vllm_attention_backend() -> str | None:
+    """VLLM_ATTENTION_BACKEND as set (None: unset). vLLM 0.26 no longer reads it (its backend comes from
+    --attention-backend alone), and neither does deltaserve: runner/device_setup.py only warns that it is ignored."""
+    return os.environ.get("VLLM_ATTENTION_BACKEND") or None
+
+
 def vllm_server_dev_mode() -> bool:
     """VLLM_SERVER_DEV_MODE (vLLM's, default 0): serve the development routes (POST /reset_prefix_cache)."""
     return _flag("VLLM_SERVER_DEV_MODE", False)

@@ -97,6 +97,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         num_checkpoint_slots=args.num_checkpoint_slots,
         quantization=args.quantization,
         gdn_prefill_backend=args.gdn_prefill_backend,
+        attention_backend=args.attention_backend,
     )
 
 

@@ -307,6 +307,14 @@ def _add_engine_arguments(add: Any) -> None:
         "FlashInfer's chunk_gated_delta_rule as vLLM calls it, refused at start-up off an SM90 GPU, in float32 or "
         "without flashinfer; cutedsl: refused (Blackwell-only in vLLM)",
     )
+    add(
+        "--attention-backend",
+        default=None,
+        help="vLLM's attention backend name: TRITON_ATTN (deltaserve's own paged attention, also the default or "
+        "auto); FLASH_ATTN: vLLM's FlashAttention 3 for the prefill rows (needs vLLM, an SM90+ GPU, bf16/fp16); "
+        "FLASHINFER: FlashInfer's paged prefill for the prefill rows (needs flashinfer); decode and verify rows "
+        "stay deltaserve's; vLLM's other values are refused",
+    )
     add("--seed", type=int, default=0)
     add("--enforce-eager", action=SWITCH, default=False, help="no CUDA graphs")
     add(

@@ -11,8 +11,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from deltaserve.kernels.attention_prefill import PreparedPrefill
 
 
 @dataclass
@@ -49,10 +53,18 @@ class ForwardContext:
     prefill_checkpoint_slots: torch.Tensor | None = None  # [num_prefills] int32
     checkpoint_rows: torch.Tensor | None = None  # [N] int64
     checkpoint_slots: torch.Tensor | None = None  # [N] int64
+    # --attention-backend FLASH_ATTN / FLASHINFER: the step's prefill rows planned on the library, once per step by
+    # the runner (runner/attention_plan.py); None: the step has no prefill rows, or the backend is deltaserve's own
+    prefill_attention: PreparedPrefill | None = None
 
     @property
     def num_decodes(self) -> int:
         return self.num_decode_tokens
+
+    @property
+    def num_spec_seqs(self) -> int:
+        """Verify sequences of the step (their rows follow the decodes'); a host shape, no sync."""
+        return 0 if self.spec_state_indices is None else self.spec_state_indices.shape[0]
 
     @property
     def num_tokens(self) -> int:

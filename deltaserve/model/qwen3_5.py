@@ -41,9 +41,11 @@ class DecoderLayer(nn.Module):
         layer_type: str | None = None,
         is_moe: bool | None = None,
         gdn_prefill_backend: str = "triton",
+        attention_backend: str = "TRITON_ATTN",
     ) -> None:
         """layer_type / is_moe: the MTP layer's kind (model/mtp.py), which config.layer_types does not list; by
-        default both come from the config at `index`. gdn_prefill_backend: a GDN layer's prefill kernel."""
+        default both come from the config at `index`. gdn_prefill_backend: a GDN layer's prefill kernel.
+        attention_backend: a full-attention layer's kernel for its prefill rows (model/layers/attention.py)."""
         super().__init__()
         tp = tp or TensorParallel.single()
         self.eps = config.rms_norm_eps
@@ -55,7 +57,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, dtype, device, tp)
+            self.self_attn = GatedAttention(config, dtype, device, tp, prefill_backend=attention_backend)
         else:
             self.linear_attn = GatedDeltaNet(config, dtype, device, tp, prefill_backend=gdn_prefill_backend)
         if is_moe:
@@ -94,10 +96,13 @@ class Qwen35Model(nn.Module):
         tp: TensorParallel | None = None,
         build_mtp: bool = False,
         gdn_prefill_backend: str = "triton",
+        attention_backend: str = "TRITON_ATTN",
     ) -> None:
         """build_mtp: also build the checkpoint's MTP layer (speculative decoding with method mtp).
         gdn_prefill_backend: the GDN layers' prefill kernel, "triton" (deltaserve's own) or "flashinfer"
-        (kernels/gdn.py; runner/device_setup.py resolves --gdn-prefill-backend into it)."""
+        (kernels/gdn.py; runner/device_setup.py resolves --gdn-prefill-backend into it). attention_backend: the
+        full-attention layers' kernel for prefill rows (--attention-backend, resolved likewise); the MTP layer keeps
+        deltaserve's (docs/attention-backends.md)."""
         super().__init__()
         self.config = config
         self.eps = config.rms_norm_eps
@@ -106,7 +111,15 @@ class Qwen35Model(nn.Module):
         vocab_rows = self.shapes.vocab.size  # this rank's rows (all of them on one rank)
         self.embed_tokens = empty_param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, self.tp, gdn_prefill_backend=gdn_prefill_backend)
+            DecoderLayer(
+                config,
+                i,
+                dtype,
+                device,
+                self.tp,
+                gdn_prefill_backend=gdn_prefill_backend,
+                attention_backend=attention_backend,
+            )  # fmt: skip
             for i in range(config.num_hidden_layers)
         )
         self.norm = empty_param(config.hidden_size, dtype=dtype, device=device)

@@ -1,6 +1,7 @@
 """Where a ModelRunner runs, decided once at construction: the device and dtype named by the engine config ("auto"
 resolved as vLLM does), the GPU of a tensor-parallel rank, the CPU thread count, the GDN prefill kernel
-(--gdn-prefill-backend), and the share of the GPU this engine may size its caches from (runner/memory.py spends it)."""
+(--gdn-prefill-backend), the attention kernel of prefill rows (--attention-backend), and the share of the GPU this
+engine may size its caches from (runner/memory.py spends it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
-from deltaserve.kernels import gdn_flashinfer
+from deltaserve.kernels import attention_fa3, attention_flashinfer, gdn_flashinfer
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.runner.cache import requested_bytes
 
@@ -104,3 +105,36 @@ def gdn_prefill_backend(
     logger.info("GDN prefill: FlashInfer's chunk_gated_delta_rule (flashinfer %s), as vLLM calls it on SM90; in-step "
                 "prefix-cache checkpoints take deltaserve's kernel", gdn_flashinfer.flashinfer_version())  # fmt: skip
     return "flashinfer"
+
+
+def attention_backend(
+    engine_config: EngineConfig, device: torch.device, dtype: torch.dtype, config: ModelConfig, block_size: int
+) -> str:
+    """engine_config.attention_backend (--attention-backend, vLLM's names) resolved for the full-attention layers:
+    "TRITON_ATTN", deltaserve's own kernel, for TRITON_ATTN and for the default (vLLM's auto picks FlashAttention
+    on SM90, but here the default stays ours until the library path is validated inside deltaserve on a GPU,
+    docs/attention-backends.md); "FLASH_ATTN" / "FLASHINFER" when asked and usable, else a ValueError naming the
+    reason. VLLM_ATTENTION_BACKEND is not read (vLLM 0.26 does not read it either): a warning says so."""
+    if env.vllm_attention_backend() is not None:
+        logger.warning("VLLM_ATTENTION_BACKEND=%s is ignored, as vLLM 0.26 ignores it: pass --attention-backend",
+                       env.vllm_attention_backend())  # fmt: skip
+    requested = engine_config.attention_backend
+    if requested is None or requested == "TRITON_ATTN":
+        return "TRITON_ATTN"
+    if requested == "FLASH_ATTN":
+        library = "vLLM's FlashAttention 3"
+        reason = attention_fa3.unusable_reason(device, dtype, config.head_dim, block_size)
+    elif requested == "FLASHINFER":
+        library = "FlashInfer's paged prefill"
+        reason = attention_flashinfer.unusable_reason(device, dtype, config.head_dim)
+    else:
+        raise ValueError(f"--attention-backend {requested}: not implemented in deltaserve")
+    if reason is not None:
+        raise ValueError(
+            f"--attention-backend {requested}: {library} cannot run here: {reason}. Leave the flag out, or pass "
+            "TRITON_ATTN, to serve deltaserve's own attention kernel"
+        )
+    version = attention_fa3.vllm_version() if requested == "FLASH_ATTN" else attention_flashinfer.flashinfer_version()
+    logger.info("attention: prefill rows through %s (%s), decode and verify rows through deltaserve's kernel",
+                library, version)  # fmt: skip
+    return requested

@@ -40,7 +40,7 @@ from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner import device_setup
+from deltaserve.runner import attention_plan, device_setup
 from deltaserve.runner import prompt_logprobs as plp
 from deltaserve.runner.cache import allocate_and_bind, copy_kv_blocks, copy_state_slots
 from deltaserve.runner.cuda_graph import DecodeGraphs
@@ -93,13 +93,21 @@ class ModelRunner:
         # the GDN prefill kernel: an explicit FlashInfer request that cannot run is refused before anything is built
         self.gdn_prefill_backend = device_setup.gdn_prefill_backend(engine_config, self.device, self.dtype,
                                                                     model_config)  # fmt: skip
+        # the kernel of the attention's prefill rows (--attention-backend), refused likewise before anything is built
+        self.attention_backend = device_setup.attention_backend(engine_config, self.device, self.dtype, model_config,
+                                                                self.block_size)  # fmt: skip
         # this engine's share of the GPU (vLLM 0.26's per-instance accounting), before anything is built
         self._requested_bytes, self._allocated_before = engine_share(self.device, engine_config.gpu_memory_utilization)
         # the MTP layer (model/mtp.py) is built only for speculative decoding; its KV joins the cache plan
         self.model = Qwen35Model(
             model_config, self.dtype, self.device, build_vision=self.has_vision, tp=self.tp,
             build_mtp=engine_config.speculative_config is not None, gdn_prefill_backend=self.gdn_prefill_backend,
+            attention_backend=self.attention_backend,
         )  # fmt: skip
+        # the library for the prefill rows (None: ours); FlashInfer's workspace is allocated here, inside this
+        # engine's share and before the warm-up, so the cache plan measures it with the weights
+        self.prefill_attention = attention_plan.build_backend(self.attention_backend, model_config, self.tp,
+                                                              self.block_size, self.dtype, self.device)  # fmt: skip
         if engine_config.load_format == "dummy":
             init_dummy_weights(self.model)  # vLLM's per-tensor seed, not --seed (as vLLM)
             self.load_report = None
@@ -197,6 +205,7 @@ class ModelRunner:
             if is_verify_graphed:
                 hidden, verify_logits = graphs.run(layout, inputs, self.table, self.block_size)
             else:
+                attention_plan.plan_step(self.prefill_attention, inputs.ctx, layout)  # once a step, all layers
                 with forward_context(inputs.ctx):
                     hidden = self.model(inputs.input_ids, inputs.positions, mm_embeds)  # [T, H]
             if self.model.mtp is not None:  # each slot's hidden row, before the checkpoints copy their slots

@@ -6,6 +6,10 @@ Under tensor parallelism (model/parallel.py) a rank holds its query heads and th
 head when there are fewer than ranks): qkv_proj is column-parallel by head, o_proj row-parallel, and the output is
 all-reduced (o_proj's bias is added on rank 0 only, before the sum). Every kernel sees the rank's head counts.
 
+--attention-backend (runner/device_setup.py resolves it into `prefill_backend`): with FLASH_ATTN or FLASHINFER a step's
+prefill rows run the library's kernel through the step's plan (ForwardContext.prefill_attention), while its decode
+and verify rows, which come first, keep deltaserve's kernel; both write one output (`paged_attention_rows`).
+
 The preamble is one fused op by default; DELTASERVE_FUSE_ATTN_PREAMBLE=0 selects the four-op path, which
 refuses true MRoPE positions. KV caches are bound by the runner as `k_cache` / `v_cache`.
 """
@@ -25,17 +29,57 @@ from deltaserve.kernels import (
     sigmoid_gate_mul,
     store_kv,
 )
-from deltaserve.model.context import get_forward_context
+from deltaserve.model.context import ForwardContext, get_forward_context
 from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param, projection
 from deltaserve.model.parallel import TensorParallel
 
 
+def paged_attention_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext, scale: float, backend: str
+) -> torch.Tensor:
+    """q [T, nq, d] -> o [T, nq, d] over the paged cache, the step's rows split by kind: with backend TRITON_ATTN, or
+    a step without prefill rows (decodes, verify chunks, CUDA-graph steps), deltaserve's kernel for all of them, as
+    before the flag; else deltaserve's kernel for the decode and verify rows (the first ones) and the step's planned
+    library call for the prefill rows, into one output."""
+    if backend == "TRITON_ATTN" or ctx.num_prefill_tokens == 0:
+        return paged_attention(
+            q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, ctx.max_query_len,
+            ctx.max_seq_len,
+        )  # fmt: skip
+    prepared = ctx.prefill_attention
+    if prepared is None:
+        raise RuntimeError(
+            f"--attention-backend {backend}: a step with {ctx.num_prefill_tokens} prefill rows reached the attention "
+            "without its plan (the runner plans each eager step, runner/attention_plan.py)"
+        )
+    first_row = ctx.num_decode_tokens + ctx.num_spec_tokens
+    out = torch.empty_like(q)
+    if first_row:
+        num_seqs = ctx.num_decodes + ctx.num_spec_seqs
+        # the host hint of these rows alone: 1 for decodes (the split-K decode path), else the verify width
+        width = 1 if ctx.spec_token_index is None else ctx.spec_token_index.shape[1]
+        out[:first_row] = paged_attention(
+            q[:first_row], k_cache, v_cache, ctx.query_start_loc[: num_seqs + 1], ctx.seq_lens[:num_seqs],
+            ctx.block_tables[:num_seqs], scale, width, ctx.max_seq_len,
+        )  # fmt: skip
+    prepared.run(q[first_row:], k_cache, v_cache, scale, out[first_row:])
+    return out
+
+
 class GatedAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel | None = None
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel | None = None,
+        prefill_backend: str = "TRITON_ATTN",
     ) -> None:
+        """prefill_backend: the --attention-backend value for this layer's prefill rows, TRITON_ATTN (deltaserve's
+        own kernel), FLASH_ATTN or FLASHINFER (kernels/attention_prefill.py)."""
         super().__init__()
+        self.prefill_backend = prefill_backend
         self.tp = tp or TensorParallel.single()
         shapes = self.tp.shapes(config)
         self.num_q_heads = shapes.q_heads.size  # this rank's heads
@@ -107,17 +151,10 @@ class GatedAttention(nn.Module):
         with label("attn.store_kv"):
             store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         with label("attn.paged_attention"):
-            o = paged_attention(
-                q.reshape(num_tokens, self.num_q_heads, self.head_dim),
-                self.k_cache,
-                self.v_cache,
-                ctx.query_start_loc,
-                ctx.seq_lens,
-                ctx.block_tables,
-                self.scale,
-                ctx.max_query_len,
-                ctx.max_seq_len,
-            )
+            o = paged_attention_rows(
+                q.reshape(num_tokens, self.num_q_heads, self.head_dim), self.k_cache, self.v_cache, ctx, self.scale,
+                self.prefill_backend,
+            )  # fmt: skip
         # sigmoid(gate)·o in fp32 with one rounding, as vLLM's compiled graph fuses it: one launch on the GPU
         with label("attn.sigmoid_gate_mul"):
             gated = sigmoid_gate_mul(o.reshape(num_tokens, -1), gate)  # [T, nq·d]
