@@ -97,8 +97,24 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         num_checkpoint_slots=args.num_checkpoint_slots,
         quantization=args.quantization,
         gdn_prefill_backend=args.gdn_prefill_backend,
-        attention_backend=args.attention_backend,
+        attention_backend=attention_backend_of(args.attention_backend, args.attention_config),
     )
+
+
+def attention_backend_of(backend: str | None, attention_config: dict[str, Any] | None) -> str | None:
+    """--attention-backend, or --attention-config's "backend" (vLLM 0.26 reads the flag into that field and refuses
+    both at once); the config's other keys are logged: deltaserve picks its own attention kernels."""
+    if not attention_config:
+        return backend
+    others = sorted(key for key in attention_config if key != "backend")
+    if others:
+        logger.info("--attention-config %s: accepted and logged (deltaserve picks its own attention kernels)", others)
+    from_config = attention_config.get("backend")
+    if from_config is None:
+        return backend
+    if backend is not None:
+        raise ValueError("attention_backend and attention_config.backend are mutually exclusive")
+    return from_config
 
 
 def default_served_names(args: argparse.Namespace, model: str) -> list[str]:

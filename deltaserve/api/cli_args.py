@@ -315,6 +315,14 @@ def _add_engine_arguments(add: Any) -> None:
         "FLASHINFER: FlashInfer's paged prefill for the prefill rows (needs flashinfer); decode and verify rows "
         "stay deltaserve's; vLLM's other values are refused",
     )
+    add(
+        "--attention-config",
+        "-ac",
+        type=json_object,
+        default=None,
+        help='vLLM\'s AttentionConfig as JSON: its "backend" is --attention-backend (the two are mutually '
+        "exclusive, as in vLLM); its other keys are logged, not used (deltaserve picks its own attention kernels)",
+    )
     add("--seed", type=int, default=0)
     add("--enforce-eager", action=SWITCH, default=False, help="no CUDA graphs")
     add(

@@ -29,7 +29,6 @@ TABLE = """
 --all2all-backend | value | log | expert parallelism sums the ranks with one all-reduce (no all-to-all)
 --allow-deprecated-quantization | switch | log | block FP8, the one method served, is not deprecated
 --allowed-media-domains | list | log | multimodal inputs are refused (text-only server)
---attention-config,-ac | value | log | deltaserve picks its own attention kernels
 --calculate-kv-scales | switch | log | only used with an fp8 KV cache
 --code-revision | value | log | models are loaded from a local folder
 --collect-detailed-traces | value | log | no OpenTelemetry tracing

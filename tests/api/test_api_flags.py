@@ -101,7 +101,8 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--limit-mm-per-prompt": "{\"image\": 1}",
           "--structured-outputs-config": "{\"backend\": \"xgrammar\"}", "--scheduling-policy": "priority",
           "--prefix-caching-hash-algo": "xxhash", "--quantization": "fp8",
-          "--speculative-config": "{\"method\": \"mtp\"}", "--gdn-prefill-backend": "triton"}  # fmt: skip
+          "--speculative-config": "{\"method\": \"mtp\"}", "--gdn-prefill-backend": "triton",
+          "--attention-config": "{}"}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

@@ -61,6 +61,28 @@ def test_the_flag_is_implemented() -> None:
         cli.build_engine_config(parse("m", "--attention-backend", "FLASHMLA"), "m", "cpu")
 
 
+def test_attention_config_backend_is_the_flag_and_the_two_exclude_each_other(caplog: pytest.LogCaptureFixture) -> None:
+    assert all("--attention-config" not in entry.flags for entry in COMPAT_FLAGS)
+    cases = [
+        (["--attention-config", '{"backend": "FLASH_ATTN"}'], "FLASH_ATTN"),
+        (["-ac", '{"backend": "flashinfer"}'], "FLASHINFER"),
+        (["-ac", '{"flash_attn_version": 3}'], None),
+        (["-ac", '{"flash_attn_version": 3}', "--attention-backend", "FLASHINFER"], "FLASHINFER"),
+    ]
+    for argv, value in cases:
+        with caplog.at_level(logging.INFO, logger="deltaserve.serve"):
+            assert cli.build_engine_config(parse("m", *argv), "m", "cpu").attention_backend == value
+    assert "['flash_attn_version']" in caplog.text, "the config's other keys are logged"
+    with pytest.raises(ValueError, match="attention_backend and attention_config.backend are mutually exclusive"):
+        cli.build_engine_config(
+            parse("m", "-ac", '{"backend": "FLASHINFER"}', "--attention-backend", "FLASH_ATTN"), "m", "cpu"
+        )
+    with pytest.raises(ValueError, match="not implemented in deltaserve"):
+        cli.build_engine_config(parse("m", "-ac", '{"backend": "FLASHMLA"}'), "m", "cpu")
+    with pytest.raises(SystemExit):
+        parse("m", "--attention-config", "[1]")  # a JSON object, as vLLM's
+
+
 def test_resolution_refuses_by_name_and_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     config = ModelConfig.from_pretrained(DENSE)
     cpu = torch.device("cpu")
