@@ -335,8 +335,11 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
 
 def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) per speculative verify step for cases "SxW" (S sequences, chunks of W = 1 + k tokens): the
-    verify conv and the verify delta rule (kernels/gdn_spec_conv_triton.py, kernels/gdn_spec_triton.py)."""
+    verify conv, the verify delta rule and the commit over the layers (kernels/gdn_spec_conv_triton.py,
+    kernels/gdn_spec_triton.py, kernels/gdn_spec_commit_triton.py: bf16 conv windows beside fp32 recurrent states,
+    as served; the interpreter's fp32 tests cannot see a kernel that mixes them wrongly)."""
     from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.gdn_spec_commit_triton import spec_state_commit_layers_triton
     from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
     from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
 
@@ -366,8 +369,21 @@ def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[]
         states = e(num_seqs, hv, dk, dv, dtype=torch.float32)
         gdn_args = (q, k, v, e(t, hv), e(t, hv), e(hv, dtype=torch.float32), e(hv), states, slots, index,
                     e(num_seqs, max(width - 1, 1), hv, dk, dv, dtype=torch.float32))  # fmt: skip
+        # the commit's grid spans the layers (two are enough for its compile); its scratch holds 1 + k = 4 columns
+        # whatever the step's width, as served (the runner allocates it once for k)
+        layers = 2
+        commit_args = (
+            e(layers, num_seqs, *conv_states.shape[1:]),
+            e(layers, num_seqs, hv, dk, dv, dtype=torch.float32),
+            e(layers, num_seqs, 4, *conv_states.shape[1:]),
+            e(layers, num_seqs, 3, hv, dk, dv, dtype=torch.float32),
+            slots,
+            torch.zeros(num_seqs, dtype=torch.int64),
+            width,
+        )
         launches.append((f"conv_verify {case}", lambda a=conv_args: causal_conv1d_verify_triton(*a)))
         launches.append((f"gdn_verify {case}", lambda a=gdn_args: gdn_verify_triton(*a)))
+        launches.append((f"spec_commit {case}", lambda a=commit_args: spec_state_commit_layers_triton(*a)))
     return launches
 
 

@@ -57,12 +57,13 @@ def test_decode_moe_kernels_do_not_spill_on_sm90() -> None:
 
 @pytest.mark.slow
 def test_verify_kernels_compile_for_sm90_without_spills() -> None:
-    """The speculative verify step's conv and delta rule, which no CPU test compiles otherwise (the interpreter
+    """The speculative verify step's conv, delta rule and commit, which no CPU test compiles otherwise (the interpreter
     runs them): they compile for sm_90, use no local memory, and steps of other widths and batch sizes (1 + k = 1
     included, where Triton would specialise an integer 1) reuse the same variant, so nothing compiles while
     serving."""
     stdout, num_launches, num_spilling = _kernel_resources(["--batches", "", "--verify", "8x4,1x1,3x2"])
-    assert num_launches == 6, stdout
+    assert num_launches == 9, stdout
     assert "_causal_conv1d_verify_kernel" in stdout and "_gdn_verify_kernel" in stdout, stdout
+    assert "_spec_state_commit_kernel" in stdout, stdout  # bf16 conv beside fp32 states: sm_90 refused a mix once
     assert num_spilling == 0, stdout
-    assert "; 2 distinct variants" in stdout, stdout
+    assert "; 3 distinct variants" in stdout, stdout
