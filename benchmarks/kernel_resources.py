@@ -297,8 +297,11 @@ def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[
 
 
 def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per GDN chunked prefill for cases "NxL" (N prompts of L tokens)."""
+    """(label, thunk) per GDN chunked prefill for cases "NxL" (N prompts of L tokens): deltaserve's chunked
+    prefill, and the prep kernel that feeds FlashInfer's (kernels/gdn_flashinfer_triton.py, served with
+    --gdn-prefill-backend flashinfer)."""
     from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.gdn_flashinfer_triton import gdn_prefill_prep_triton
     from deltaserve.kernels.gdn_triton import gdn_prefill_triton
 
     m = MODELS[shape]
@@ -329,7 +332,19 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
                 torch.ones(len(slots), dtype=torch.bool),
             )
 
+        def prep(t: int = t, mixed: torch.Tensor = mixed) -> object:
+            return gdn_prefill_prep_triton(
+                mixed[:, : hk * dk].view(t, hk, dk),
+                mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk),
+                mixed[:, 2 * hk * dk :].view(t, hv, dv),
+                torch.zeros(t, hv, dtype=bf16),
+                torch.zeros(t, hv, dtype=bf16),
+                torch.zeros(hv),
+                torch.zeros(hv, dtype=bf16),
+            )
+
         launches.append((f"gdn_prefill {case}", thunk))
+        launches.append((f"gdn_flashinfer_prep {case}", prep))
     return launches
 
 

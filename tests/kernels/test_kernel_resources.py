@@ -67,3 +67,12 @@ def test_verify_kernels_compile_for_sm90_without_spills() -> None:
     assert "_spec_state_commit_kernel" in stdout, stdout  # bf16 conv beside fp32 states: sm_90 refused a mix once
     assert num_spilling == 0, stdout
     assert "; 3 distinct variants" in stdout, stdout
+
+
+@pytest.mark.slow
+def test_flashinfer_prep_kernel_compiles_for_sm90_without_spills() -> None:
+    """The prep kernel of --gdn-prefill-backend flashinfer (q/k L2 norms, the gates, bf16 in) has run on no GPU yet:
+    it compiles for sm_90 at the 27B's heads and uses no local memory."""
+    stdout, num_launches, num_spilling = _kernel_resources(["--shape", "27b", "--batches", "", "--prefill", "1x64"])
+    assert "_gdn_prep_kernel" in stdout, stdout
+    assert num_spilling == 0, stdout
