@@ -3,15 +3,18 @@
 # that more of a call's 64 MiB carries bundle pieces (benchmarks/oracle/recut.sh), and back before any commit or test.
 #   bash benchmarks/oracle/slim_tree.sh out [ASIDE]     (default ASIDE: ../aside, outside the checkout)
 #   bash benchmarks/oracle/slim_tree.sh back [ASIDE]
-# out: benchmarks/results/ (the records; only decode-step's comparison reads one) and deltaserve/tiny/trained/ (the
-# trained tiny checkpoints: GPU tests and gates read them, grids do not), ~22.6 MiB, leaving ~6.6 MiB of tracked
-# files. Nothing is moved while ASIDE already holds them, and back refuses to overwrite: `git status` shows the
-# moved paths as deleted until they are back, so never `git add -A` between the two.
+# out: benchmarks/results/ (the records; only decode-step's comparison reads one), deltaserve/tiny/trained/ (the
+# trained tiny checkpoints: GPU tests and gates read them, grids do not) and docs/ (no device step reads it), ~25.8
+# MiB, leaving ~4.6 MiB of tracked files: room beside .whl and a 56 MiB bundle piece (session 29's tree with docs/
+# in it was over 64 MiB with the first piece and .whl). A call that runs GPU tests or gates needs the trained
+# checkpoints back (`mv ../aside/deltaserve/tiny/trained deltaserve/tiny/`) and carries no piece. Nothing is moved
+# while ASIDE already holds them, and back refuses to overwrite: `git status` shows the moved paths as deleted until
+# they are back, so never `git add -A` between the two.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:?out or back}
 aside=${2:-../aside}
-paths=(benchmarks/results deltaserve/tiny/trained)
+paths=(benchmarks/results deltaserve/tiny/trained docs)
 case $what in
   out)
     for p in "${paths[@]}"; do
