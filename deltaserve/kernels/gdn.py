@@ -35,6 +35,26 @@ def _gates(
     return g, beta
 
 
+def _write_slots(
+    states: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, writes: torch.Tensor, in_place: bool = False
+) -> None:
+    """states[slots[s]] <- values[s] where writes[s], with no host sync. The rows that write nothing cannot be dropped
+    from the copy without one, so each is aimed at an anchor slot with the value that slot ends with anyway: the first
+    writing row's slot and value, or, when none writes, slot 0 and its own content. Duplicate indices in index_copy_
+    then all carry identical values, so the result does not depend on their order. in_place: values (in states'
+    dtype, a buffer the caller no longer needs) takes the masked rows itself, so no copy of the states is made (the
+    FlashInfer GDN prefill's write-back, kernels/gdn_flashinfer.py)."""
+    # [1]-shaped picks (index_select), not a 0-d index: indexing by a 0-d tensor may read it on the host
+    first = writes.int().argmax().view(1)  # [1]: the first writing row (0 when none writes)
+    any_write = writes.index_select(0, first)  # [1]
+    anchor = torch.where(any_write, slots.index_select(0, first), 0)  # [1]
+    values = values.to(states.dtype)  # [S, ...]
+    keep = torch.where(any_write, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
+    mask = writes.view(-1, *([1] * (values.dim() - 1)))
+    rows = torch.where(mask, values, keep, out=values) if in_place else torch.where(mask, values, keep)
+    states.index_copy_(0, torch.where(writes, slots, anchor), rows)
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)

@@ -27,7 +27,7 @@ import importlib
 import torch
 
 from deltaserve.kernels._dispatch import output, triton_or_ref
-from deltaserve.kernels.gdn import _gates, _l2norm
+from deltaserve.kernels.gdn import _gates, _l2norm, _write_slots
 
 # The one head size FlashInfer 0.6.14's SM90 kernel compiles (delta_rule_sm90: "only supports D=128").
 FLASHINFER_HEAD_SIZE = 128
@@ -72,22 +72,11 @@ def _write_final_states(
 ) -> None:
     """final [N, HV, dv, dk] (FlashInfer's layout, overwritten) into ssm_states[state_indices[n]] as [HV, dk, dv], for
     each sequence with a slot >= 0 and at least one token (the ref's rule), without a host sync or another copy of
-    the states: a row that must not write is pointed at the first row that does, carrying that row's value, so
-    index_copy_ writes one value to that slot whichever duplicate lands last; with no writing row, every row rewrites
-    slot 0 with slot 0's own state."""
+    the states (kernels/gdn.py _write_slots, in place in `final`)."""
     slots = state_indices.long()
     lengths = query_start_loc[1:] - query_start_loc[:-1]  # [N]
     writes = (slots >= 0) & (lengths > 0)  # [N]
-    # [1]-shaped picks (index_select), not a 0-d index: indexing by a 0-d tensor may read it on the host
-    donor = writes.int().argmax().view(1)  # the first writing row; 0 when none
-    donor_writes = writes.index_select(0, donor)  # [1]
-    donor_slot = torch.where(donor_writes, slots.index_select(0, donor), 0)  # [1]
-    values = final.transpose(-1, -2)  # [N, HV, dk, dv] view
-    donor_value = torch.where(
-        donor_writes[:, None, None, None], values.index_select(0, donor), ssm_states[:1]
-    )  # [1, HV, dk, dv]
-    torch.where(writes[:, None, None, None], values, donor_value, out=values)
-    ssm_states.index_copy_(0, torch.where(writes, slots, donor_slot), values)
+    _write_slots(ssm_states, slots, final.transpose(-1, -2), writes, in_place=True)  # [N, HV, dk, dv] view
 
 
 def gdn_prefill_flashinfer(

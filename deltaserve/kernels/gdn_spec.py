@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels._dispatch import output, triton_or_ref, use_triton
-from deltaserve.kernels.gdn import _gates, _l2norm
+from deltaserve.kernels.gdn import _gates, _l2norm, _write_slots
 
 
 def _scatter_rows(out: torch.Tensor, token_index: torch.Tensor, column: int, values: torch.Tensor) -> None:
@@ -138,20 +138,6 @@ def _write_live(states: torch.Tensor, state_indices: torch.Tensor, values: torch
         return
     slots = state_indices.long()
     _write_slots(states, slots, values, slots >= 0)
-
-
-def _write_slots(states: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, writes: torch.Tensor) -> None:
-    """states[slots[s]] <- values[s] where writes[s], with no host sync. The rows that write nothing cannot be dropped
-    from the copy without one, so each is aimed at an anchor slot with the value that slot ends with anyway: the first
-    writing row's slot and value, or, when none writes, slot 0 and its own content. Duplicate indices in index_copy_
-    then all carry identical values, so the result does not depend on their order."""
-    first = writes.int().argmax().view(1)  # [1]: the first writing row (0 when none writes)
-    any_write = writes.index_select(0, first)  # [1]
-    anchor = torch.where(any_write, slots.index_select(0, first), 0)  # [1]
-    values = values.to(states.dtype)  # [S, ...]
-    keep = torch.where(any_write, values.index_select(0, first), states.index_select(0, anchor))  # [1, ...]
-    mask = writes.view(-1, *([1] * (values.dim() - 1)))
-    states.index_copy_(0, torch.where(writes, slots, anchor), torch.where(mask, values, keep))
 
 
 def gdn_verify(
