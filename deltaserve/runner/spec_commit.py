@@ -38,18 +38,33 @@ def stack_views(views: list[torch.Tensor | None]) -> torch.Tensor | None:
     return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
-def commit_gdn_states(model: Qwen35Model, state_indices: torch.Tensor, num_accepted: torch.Tensor, width: int) -> None:
-    """Every GDN layer: live slot state_indices[s] <- its scratch entry after token num_accepted[s] (conv, and the
-    recurrent state where num_accepted[s] < width - 1). state_indices [S] int32 (< 0: nothing), num_accepted [S] on
-    the device; no host sync, so a verify graph captures it."""
+GdnStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def gdn_stacks(model: Qwen35Model) -> GdnStacks | None:
+    """Every GDN layer's conv states, recurrent states, conv scratch and recurrent scratch as one [L, ...] view each
+    (None when any kind does not stack, or the model has no GDN layer). Derived from the views once per verify
+    scratch (SpecDecoder and VerifyGraphs, after it is allocated), not per commit: a few hundred Python calls."""
     mixers = [layer.linear_attn for layer in model.layers if not layer.is_full_attention]
     if not mixers:
-        return
+        return None
     stacks = [stack_views([getattr(m, name) for m in mixers])
               for name in ("conv_states", "ssm_states", "spec_conv_scratch", "spec_ssm_scratch")]  # fmt: skip
-    if all(s is not None for s in stacks):
+    return tuple(stacks) if all(s is not None for s in stacks) else None  # type: ignore[return-value]
+
+
+def commit_gdn_states(
+    model: Qwen35Model, stacks: GdnStacks | None, state_indices: torch.Tensor, num_accepted: torch.Tensor, width: int
+) -> None:
+    """Every GDN layer: live slot state_indices[s] <- its scratch entry after token num_accepted[s] (conv, and the
+    recurrent state where num_accepted[s] < width - 1). stacks: gdn_stacks(model) (None: the per-layer loop);
+    state_indices [S] int32 (< 0: nothing), num_accepted [S] on the device; no host sync, so a verify graph captures
+    it."""
+    if stacks is not None:
         spec_state_commit_layers(*stacks, state_indices, num_accepted, width)
         return
-    for m in mixers:
-        spec_state_commit(m.conv_states, m.ssm_states, m.spec_conv_scratch, m.spec_ssm_scratch, state_indices,
-                          num_accepted, width)  # fmt: skip
+    for layer in model.layers:
+        if not layer.is_full_attention:
+            m = layer.linear_attn
+            spec_state_commit(m.conv_states, m.ssm_states, m.spec_conv_scratch, m.spec_ssm_scratch, state_indices,
+                              num_accepted, width)  # fmt: skip

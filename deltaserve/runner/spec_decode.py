@@ -29,7 +29,7 @@ from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_resume import save_accepted_hidden
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_commit import commit_gdn_states
+from deltaserve.runner.spec_commit import commit_gdn_states, gdn_stacks
 from deltaserve.sampler import logprobs_to_host
 from deltaserve.sampler.rejection import greedy_accept, random_accept, synthetic_accept
 from deltaserve.sampler.sampler import SamplerOutput, SamplingBatch
@@ -226,6 +226,7 @@ class SpecDecoder:
             ssm_scratch = ssm.new_empty(len(mixers), self.max_spec_seqs, width - 1, *ssm.shape[1:])
             for i, mixer in enumerate(mixers):
                 mixer.spec_conv_scratch, mixer.spec_ssm_scratch = conv_scratch[i], ssm_scratch[i]
+        self.gdn_stacks = gdn_stacks(model)  # the commit's [L, ...] views (runner/spec_commit.py)
 
     def num_drafts_after(self, num_drafts_next: int | None) -> int:
         """The drafts a step proposes: its plan's num_drafts_next (None: k), never above k."""
@@ -357,7 +358,7 @@ class SpecDecoder:
         # step); either way a chunk that accepted all its columns has its state in the live slot (padded columns
         # repeat the last real state), so the commit copies only shorter runs (kernels/gdn_spec.py)
         width = handle.layout.token_index.shape[1]
-        commit_gdn_states(self.model, slots, handle.num_emitted - 1, width)
+        commit_gdn_states(self.model, self.gdn_stacks, slots, handle.num_emitted - 1, width)
         if self.model.mtp is not None:  # the live slot's hidden row follows the rollback (runner/mtp_resume.py)
             layout = handle.layout
             first = handle.step_layout.query_start_loc[layout.seq_index]

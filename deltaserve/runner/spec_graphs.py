@@ -62,7 +62,7 @@ from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.inputs import StepInputs, StepLayout
 from deltaserve.runner.mtp_drafter import chain_drafts
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_commit import commit_gdn_states
+from deltaserve.runner.spec_commit import commit_gdn_states, gdn_stacks
 from deltaserve.step import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class VerifyGraphs:
             raise ValueError(f"no verify bucket fits: k = {num_speculative_tokens} needs {width} tokens a row, the "
                              f"capture limit is {MAX_CAPTURE_TOKENS}")  # fmt: skip
         self.model = model
+        self.gdn_stacks = gdn_stacks(model)  # the verify scratch is allocated (SpecDecoder) before
         self.width = width
         self.is_decode = width == 1  # plain decode rows alone: the decode kernels write the live slots
         self.num_speculative_tokens = num_speculative_tokens
@@ -220,7 +221,7 @@ class VerifyGraphs:
         slots = self.state_indices[:size]
         num_emitted = self.num_emitted[:size]
         if not self.is_decode:  # width 1: the decode kernels wrote the live slots
-            commit_gdn_states(model, slots, num_emitted - 1, self.width)  # one launch over every layer
+            commit_gdn_states(model, self.gdn_stacks, slots, num_emitted - 1, self.width)  # one launch, all layers
         last = self.row_base[:size] + num_emitted - 1  # [size] each row's last accepted token
         hidden = self.hidden[:num_tokens]
         save_rows(mtp.slot_hidden, slots, hidden.index_select(0, last))

@@ -11,7 +11,7 @@ import torch
 
 from deltaserve.engine.llm import LLM
 from deltaserve.runner import spec_commit
-from deltaserve.runner.spec_commit import commit_gdn_states, stack_views
+from deltaserve.runner.spec_commit import commit_gdn_states, gdn_stacks, stack_views
 from deltaserve.tiny.trained import trained_model_dir
 
 NAMES = ("conv_states", "ssm_states", "spec_conv_scratch", "spec_ssm_scratch")
@@ -40,15 +40,17 @@ def test_states_and_scratch_stack_and_the_stacked_commit_equals_the_loop(variant
         calls.append(1)
         real(*args)
 
+    stacks = gdn_stacks(model)
+    assert stacks is not None
+    assert llm.engine.core.runner.spec.gdn_stacks is not None, "the SpecDecoder found the stacks"
     with mock.patch.object(spec_commit, "spec_state_commit_layers", counted):
-        commit_gdn_states(model, slots, accepted, 4)
+        commit_gdn_states(model, stacks, slots, accepted, 4)
     assert calls == [1], "the stacked commit did not run"
     stacked = {name: [getattr(m, name).clone() for m in mixers] for name in NAMES}
     for name in NAMES:  # back to the start, then the per-layer loop
         for m, t in zip(mixers, saved[name], strict=True):
             getattr(m, name).copy_(t)
-    with mock.patch.object(spec_commit, "stack_views", lambda views: None):
-        commit_gdn_states(model, slots, accepted, 4)
+    commit_gdn_states(model, None, slots, accepted, 4)  # the per-layer loop
     for name in NAMES:
         for i, m in enumerate(mixers):
             assert torch.equal(getattr(m, name), stacked[name][i]), f"{name} of GDN layer {i} differs"
