@@ -269,14 +269,7 @@ def measure_batch(
     graph_ms = None
     if graphs is not None and batch_size <= graphs.max_batch and engine.config.tensor_parallel_size == 1:
         size = next(s for s in graphs.sizes if s >= batch_size)
-        graphs.graphs[size].replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(num_steps):
-            graphs.graphs[size].replay()
-        end.record()
-        _sync()
-        graph_ms = start.elapsed_time(end) / num_steps
+        graph_ms = _replay_ms(graphs.graphs[size], num_steps)
     spec_split = _spec_graph_split(engine, num_steps)
     activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() and is_profiled else []
     idle, span_ms = 0.0, 0.0
