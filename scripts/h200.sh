@@ -232,7 +232,7 @@ grid() {  # GRID [bench grid flags]
     name=$renamed
   fi
   # an 80 GB card (no H200 lent): the peers at their h100-* sites (vLLM's --max-num-seqs 256, deviations.py)
-  if [ -z "$has_card" ] && nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | grep -q "H100"; then
+  if [ -z "$has_card" ] && [ "$card" = h100 ]; then
     echo "an H100: --card h100" | say
     extra+=(--card h100)
   fi
