@@ -350,10 +350,12 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
 
 def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) per speculative verify step for cases "SxW" (S sequences, chunks of W = 1 + k tokens): the
-    verify conv, the verify delta rule and the commit over the layers (kernels/gdn_spec_conv_triton.py,
+    verify conv, the verify delta rule, the commit over the layers and the attention's split-K launch over W-token
+    queries (kernels/gdn_spec_conv_triton.py,
     kernels/gdn_spec_triton.py, kernels/gdn_spec_commit_triton.py: bf16 conv windows beside fp32 recurrent states,
     as served; the interpreter's fp32 tests cannot see a kernel that mixes them wrongly)."""
     from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.attention_triton import paged_attention_triton
     from deltaserve.kernels.gdn_spec_commit_triton import spec_state_commit_layers_triton
     from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
     from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
@@ -399,6 +401,20 @@ def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[]
         launches.append((f"conv_verify {case}", lambda a=conv_args: causal_conv1d_verify_triton(*a)))
         launches.append((f"gdn_verify {case}", lambda a=gdn_args: gdn_verify_triton(*a)))
         launches.append((f"spec_commit {case}", lambda a=commit_args: spec_state_commit_layers_triton(*a)))
+        # the full-attention layers' verify rows: the split-K path with W query tokens a sequence
+        pages = 4096 // 16
+        cache = e(num_seqs * pages, 16, m.num_kv_heads, m.head_dim)
+        attn_args = (
+            e(t, m.num_q_heads, m.head_dim),
+            cache,
+            cache,
+            torch.arange(num_seqs + 1, dtype=torch.int32) * width,
+            torch.full((num_seqs,), 1024, dtype=torch.int32),
+            torch.zeros(num_seqs, pages, dtype=torch.int32),
+            0.06,
+            width,
+        )
+        launches.append((f"attn_verify {case}", lambda a=attn_args: paged_attention_triton(*a)))
     return launches
 
 

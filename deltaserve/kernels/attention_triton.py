@@ -10,10 +10,12 @@ block·block_size + offset; sequence b's queries are the last q_len of its seq_l
   group 6. Online softmax in fp32 (exp2 with the scale folded into log2 e), QKᵀ and PV on tensor cores
   with fp32 accumulation; P is rounded to the cache dtype for the PV dot. The grid's row-tile count comes
   from the host-side max_query_len hint (a host sync only when the hint is missing).
-- decode (max_query_len == 1): split-K flash-decoding, grid (sequence, KV head, split) and a combine
-  kernel, both sized from tensor shapes only (the split count depends on the batch size, the cache's
-  block-table width and the SM count), so the path never syncs and is safe under CUDA-graph capture.
-  Rows are the group's query heads padded to 16 for tl.dot, so each K/V tile is read once for the group.
+- decode and short queries (max_query_len · group <= SHORT_QUERY_ROWS: decodes, and the 1 + k tokens of an MTP
+  verify chunk): split-K flash-decoding, grid (sequence, KV head, split) and a combine kernel, both sized from
+  tensor shapes only (the split count depends on the batch size, the cache's block-table width and the SM
+  count), so the path never syncs and is safe under CUDA-graph capture. Rows are (query token, query head of
+  the group) pairs padded to 16 for tl.dot, so each K/V tile is read once for all of a sequence's queries;
+  each row masks the keys past its own position.
   The next tile's page indices are loaded one tile ahead (carried in registers): the cp.async of a tile
   then never waits on a dependent index load, and with 3 stages the pipeliner keeps two K/V buffers, the
   next tile in flight while this one is computed (docs/kernels.md#attention).
@@ -296,6 +298,7 @@ def _paged_attn_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
@@ -312,14 +315,18 @@ def _paged_attn_decode_kernel(
     lo = (i_s * num_tiles // NUM_SPLITS) * BLOCK_N
     hi = tl.minimum(((i_s + 1) * num_tiles // NUM_SPLITS) * BLOCK_N, seq_len)
 
+    # Rows: (query token, query head of the group) flattened token-major; BLOCK_G covers the step's longest query
+    # (one token and no causal mask for a decode, CAUSAL for short queries).
     o_g = tl.arange(0, BLOCK_G)
-    m_g = o_g < GROUP
-    i_qh = i_kvh * GROUP + o_g  # [BLOCK_G]
+    i_tok = o_g // GROUP
+    m_g = i_tok < q_len
+    i_qh = i_kvh * GROUP + o_g % GROUP  # [BLOCK_G]
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    o_row_q = i64(q_start) * stride_q_t + i64(i_qh) * stride_q_h
-    m_q = m_g[:, None] & m_d[None, :] & (q_len > 0)
+    o_row_q = i64(q_start + i_tok) * stride_q_t + i64(i_qh) * stride_q_h
+    m_q = m_g[:, None] & m_d[None, :]
     b_q = tl.load(q_ptr + o_row_q[:, None] + o_d[None, :], mask=m_q, other=0.0)
+    q_pos = seq_len - q_len + i_tok  # [BLOCK_G] each row's own position: its last visible key
 
     b_m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -338,7 +345,10 @@ def _paged_attn_decode_kernel(
         o_slot = i64(b_page) * stride_c_block + (o_n % PAGE) * stride_c_slot + o_head  # [BLOCK_N]
         o_next = o_n + BLOCK_N
         b_page = tl.load(p_bt + o_next // PAGE, mask=o_next < hi, other=0)
-        m_valid = m_g[:, None] & m_n[None, :]
+        if CAUSAL:
+            m_valid = m_g[:, None] & m_n[None, :] & (o_n[None, :] <= q_pos[:, None])
+        else:
+            m_valid = m_g[:, None] & m_n[None, :]  # a decode row sees every cached key
         b_acc, b_m, b_l = _attend_tile(
             b_q,
             b_acc,
@@ -356,17 +366,17 @@ def _paged_attn_decode_kernel(
         )
     if NUM_SPLITS == 1:
         b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
-        o_row_o = i64(q_start) * stride_o_t + i64(i_qh) * stride_o_h
+        o_row_o = i64(q_start + i_tok) * stride_o_t + i64(i_qh) * stride_o_h
         tl.store(out_ptr + o_row_o[:, None] + o_d[None, :], b_o, mask=m_g[:, None] & m_d[None, :])
     else:
-        # Partials [B, nq, NUM_SPLITS, D] (unnormalised) and [B, nq, NUM_SPLITS, 2] (running max, sum).
-        o_part = (i64(i_b) * NQ + i_qh) * NUM_SPLITS + i_s  # [BLOCK_G]
+        # Partials [T, nq, NUM_SPLITS, D] (unnormalised) and [T, nq, NUM_SPLITS, 2] (running max, sum), by query row.
+        o_part = (i64(q_start + i_tok) * NQ + i_qh) * NUM_SPLITS + i_s  # [BLOCK_G]
         tl.store(part_acc_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
         tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_g)
         tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["query_width"])
 def _paged_attn_combine_kernel(
     out_ptr,
     part_acc_ptr,
@@ -374,6 +384,7 @@ def _paged_attn_combine_kernel(
     query_start_loc_ptr,
     stride_o_t,
     stride_o_h,
+    query_width,
     NQ: tl.constexpr,
     D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -381,18 +392,20 @@ def _paged_attn_combine_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    i_b = tl.program_id(0)
+    # grid (B·query_width, nq): axis 0 is (sequence, query token of the sequence)
+    i_b = tl.program_id(0) // query_width
+    i_tok = tl.program_id(0) % query_width
     i_h = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + i_b)  # the step's metadata: may load before the wait
     q_len = tl.load(query_start_loc_ptr + i_b + 1) - q_start
     pdl_wait(USE_PDL)
-    if q_len == 0:
+    if i_tok >= q_len:
         return
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < NUM_SPLITS
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    o_part = (i64(i_b) * NQ + i_h) * NUM_SPLITS + o_s  # [BLOCK_S]
+    o_part = (i64(q_start + i_tok) * NQ + i_h) * NUM_SPLITS + o_s  # [BLOCK_S]
     b_m = tl.load(part_ml_ptr + o_part * 2, mask=m_s, other=float("-inf"))
     b_l = tl.load(part_ml_ptr + o_part * 2 + 1, mask=m_s, other=0.0)
     m_max = tl.max(b_m, axis=0)
@@ -402,7 +415,8 @@ def _paged_attn_combine_kernel(
     b_num = tl.sum(b_acc * b_w[:, None], axis=0)  # [BLOCK_D]
     b_den = tl.sum(b_l * b_w, axis=0)
     b_o = b_num / tl.where(b_den == 0.0, 1.0, b_den)
-    tl.store(out_ptr + i64(q_start) * stride_o_t + i64(i_h) * stride_o_h + o_d, b_o, mask=m_d)
+    o_out = i64(q_start + i_tok) * stride_o_t + i64(i_h) * stride_o_h
+    tl.store(out_ptr + o_out + o_d, b_o, mask=m_d)
 
 
 @functools.cache
@@ -425,18 +439,26 @@ def _sm_count(device: torch.device) -> int:
 DECODE_PROGRAMS_PER_SM = 3
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# Short queries on the split-K path: at most this many (token, head) rows a program (1 + k = 4 tokens at the
+# 35B-A3B's group of 8). Past 16 rows the program holds twice the accumulator: 202 registers a thread and 82 KB
+# of shared memory at d = 256, so 2 programs fit a SM, not 3 (8 warps would hold 1); the split count follows.
+SHORT_QUERY_ROWS = 32
+WIDE_PROGRAMS_PER_SM = 2
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def decode_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, device: torch.device, programs_per_sm: int = DECODE_PROGRAMS_PER_SM
+) -> int:
     """Splits per (sequence, KV head) for the decode path, from shapes only: as many as keep the whole grid
-    resident in one wave (DECODE_PROGRAMS_PER_SM a SM), at least 1, at most 64 and one per 256 keys of the
+    resident in one wave (programs_per_sm a SM: DECODE_PROGRAMS_PER_SM, or WIDE_PROGRAMS_PER_SM for programs of
+    more than 16 query rows), at least 1, at most 64 and one per 256 keys of the
     block table's capacity. Each program is latency-bound on its own, so the SMs' full residency is what
     saturates DRAM at mid batch sizes; past one wave a single split already does, without the combine, unless
     the second wave is less than half full: then two splits (on the H200 512 programs over 396 slots, a second
     wave 29 % full, ran at 3.3 TB/s, 164 µs a 27B layer at B = 128, where 768 and 1024 programs, 1.94 and 2.59
     waves, ran at 4.05-4.1 TB/s; docs/kernels.md#attention)."""
     num_programs = max(batch * num_kv_heads, 1)
-    resident = DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    resident = programs_per_sm * _sm_count(device)
     want = resident // num_programs
     if resident < num_programs <= resident * 3 // 2:
         want = 2
@@ -453,16 +475,20 @@ def _paged_attention_decode(
     block_tables: torch.Tensor,
     scale: float,
     num_splits: int,
+    query_width: int = 1,
 ) -> None:
-    """The max_query_len == 1 path: no host syncs, grids from shapes only (CUDA-graph safe)."""
+    """The split-K path for queries of at most `query_width` tokens a sequence (1: decode; up to
+    SHORT_QUERY_ROWS // group: a verify chunk of 1 + k tokens): no host syncs, grids from shapes only (CUDA-graph
+    safe)."""
     batch = seq_lens.shape[0]
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     block_d = next_pow2(head_dim)
+    block_g = max(16, next_pow2(group * query_width))
     if num_splits > 1:
-        part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(num_rows, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_rows, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out
     _paged_attn_decode_kernel[(batch, num_kv_heads, num_splits)](
@@ -487,22 +513,24 @@ def _paged_attention_decode(
         D=head_dim,
         PAGE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_G=block_g,
         BLOCK_N=64 if head_dim <= 128 else 32,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
+        CAUSAL=query_width > 1,
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
         **pdl_launch(q),
     )
     if num_splits > 1:
-        _paged_attn_combine_kernel[(batch, num_q_heads)](
+        _paged_attn_combine_kernel[(batch * query_width, num_q_heads)](
             out,
             part_acc,
             part_ml,
             query_start_loc,
             out.stride(0),
             out.stride(1),
+            query_width,
             NQ=num_q_heads,
             D=head_dim,
             NUM_SPLITS=num_splits,
@@ -533,14 +561,18 @@ def paged_attention_triton(
         return out
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-    if max_query_len == 1:
-        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device)
-        _paged_attention_decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, num_splits)
+    group = num_q_heads // num_kv_heads
+    if max_query_len is not None and max_query_len * group <= SHORT_QUERY_ROWS:
+        # decode (1 token a sequence) and short queries (verify chunks of 1 + k tokens) take the split-K path
+        per_sm = DECODE_PROGRAMS_PER_SM if max_query_len * group <= 16 else WIDE_PROGRAMS_PER_SM
+        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device, per_sm)
+        _paged_attention_decode(
+            q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, num_splits, max_query_len
+        )
         return out
     if max_query_len is None:
         # Host sync: callers that know the longest query (the runner does) pass it instead.
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
-    group = num_q_heads // num_kv_heads
     rows = max_query_len * group
 
     def grid(meta: dict) -> tuple[int, int, int]:

@@ -1,4 +1,5 @@
-"""store_kv_triton and paged_attention_triton (general varlen path and the split-K decode path)."""
+"""store_kv_triton and paged_attention_triton (general varlen path, and the split-K path of decodes and short
+queries: MTP verify chunks)."""
 
 from __future__ import annotations
 
@@ -147,6 +148,61 @@ def test_paged_attention_decode_launcher_across_split_counts(batch: int) -> None
     assert_close(f"o (B={batch}, {splits} splits)", ref, out, 2e-6)
 
 
+# Short queries on the split-K path (verify chunks of 1 + k tokens, eager varlen steps of a few tokens): several
+# tiles per split, a chunk that starts a sequence (q_len == seq_len), widths 1..4 in one step, fewer tiles than
+# splits, and a padding sequence (q_len 0).
+SHORT_SEQ_LENS = [300, 4, 63, 128, 0, 66, 9]
+SHORT_Q_LENS = [4, 4, 2, 1, 0, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("nq", "nkv"), [(2, 2), (12, 2), (8, 1)], ids=["group1", "group6", "group8"])
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_paged_attention_short_queries_on_the_split_path(
+    nq: int, nkv: int, num_splits: int, dtype: torch.dtype
+) -> None:
+    seq_lens, q_lens, d, page = SHORT_SEQ_LENS, SHORT_Q_LENS, 32, 8
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, page, nkv, d, dtype)
+    q = randn(sum(q_lens), nq, d, dtype=dtype)
+    qsl = varlen_starts(q_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
+    with poisoned_empty():
+        out = torch.empty_like(q)
+        _paged_attention_decode(q, k_cache, v_cache, out, qsl, seq, block_tables, d**-0.5, num_splits, max(q_lens))
+    assert_close("o", ref, out, tolerance(dtype, fp32=2e-6))
+
+
+@pytest.mark.parametrize(("nq", "nkv", "width", "split_path"), [(24, 2, 4, False), (6, 2, 4, True), (16, 2, 4, True)])
+def test_paged_attention_launcher_routes_short_queries_by_rows(nq: int, nkv: int, width: int, split_path: bool) -> None:
+    """The launcher takes the split-K path while max_query_len · group fits SHORT_QUERY_ROWS (group 3 and 8 at
+    width 4, as the 27B's group 6 and the 35B-A3B's 8 at 1 + k = 4) and the tiled path past it (group 12); both agree
+    with the ref, the split path at the split count it picks for a wide block table."""
+    seq_lens, d, page = [290, 37, 5], 32, 8
+    group = nq // nkv
+    assert (width * group <= attention_triton.SHORT_QUERY_ROWS) == split_path
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, page, nkv, d, torch.float32, width=96)
+    q = randn(width * len(seq_lens), nq, d)
+    qsl = varlen_starts([width] * len(seq_lens))
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
+    calls: list[int] = []
+    original = attention_triton._paged_attention_decode
+
+    def spy(*args: object) -> None:
+        calls.append(int(args[-1]))  # type: ignore[call-overload]
+        original(*args)  # type: ignore[arg-type]
+
+    attention_triton._paged_attention_decode = spy  # type: ignore[assignment]
+    try:
+        with poisoned_empty():
+            out = paged_attention_triton(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5, width, max(seq_lens))
+    finally:
+        attention_triton._paged_attention_decode = original  # type: ignore[assignment]
+    assert calls == ([width] if split_path else []), calls
+    assert_close("o", ref, out, 2e-6)
+
+
 # Splits the decode path picks per CUDA-graph bucket on the H200 (132 SMs, 3 resident programs each: 396) at
 # max_model_len 4096 (at most 16 splits), for the two served shapes' KV heads; two splits where one split's
 # grid would leave a second wave under half full (397-594 programs). docs/kernels.md#attention.
@@ -182,4 +238,21 @@ def test_paged_attention_decode_served_shapes(nq: int, nkv: int, batch: int) -> 
     ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
     with poisoned_empty():
         out = paged_attention_triton(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5, 1, 4096)
+    assert_close("o", ref, out, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("nq", "nkv"), [(24, 4), (16, 2)], ids=["27b", "35b-a3b"])
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_paged_attention_verify_chunks_served_shapes(nq: int, nkv: int, batch: int) -> None:
+    """bf16 at the served shapes, MTP verify chunks of 1 + k = 4 tokens (the split-K path), 1025 and odd lengths."""
+    d, page, width = 256, 16, 4
+    seq_lens = [1025 - 7 * (i % 5) for i in range(batch)]
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, page, nkv, d, torch.bfloat16, width=256)
+    q = randn(batch * width, nq, d, dtype=torch.bfloat16)
+    qsl = varlen_starts([width] * batch)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
+    with poisoned_empty():
+        out = paged_attention_triton(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5, width, 4096)
     assert_close("o", ref, out, 1e-2)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from deltaserve.kernels.attention_triton import DECODE_PROGRAMS_PER_SM, WIDE_PROGRAMS_PER_SM
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -60,13 +62,18 @@ def test_verify_kernels_compile_for_sm90_without_spills() -> None:
     """The speculative verify step's conv, delta rule and commit, which no CPU test compiles otherwise (the interpreter
     runs them): they compile for sm_90, use no local memory, and steps of other widths and batch sizes (1 + k = 1
     included, where Triton would specialise an integer 1) reuse the same variant, so nothing compiles while
-    serving."""
+    serving. The attention's verify rows (the split-K kernel over W-token queries and its combine) compile without
+    spills too and fit the programs per SM their split count assumes; they specialise on the row block, the
+    causal mask and the split count, as decodes specialise per CUDA-graph bucket: 4 variants over these cases."""
     stdout, num_launches, num_spilling = _kernel_resources(["--batches", "", "--verify", "8x4,1x1,3x2"])
-    assert num_launches == 9, stdout
+    assert num_launches == 15, stdout
     assert "_causal_conv1d_verify_kernel" in stdout and "_gdn_verify_kernel" in stdout, stdout
     assert "_spec_state_commit_kernel" in stdout, stdout  # bf16 conv beside fp32 states: sm_90 refused a mix once
     assert num_spilling == 0, stdout
-    assert "; 3 distinct variants" in stdout, stdout
+    assert "; 7 distinct variants" in stdout, stdout
+    fits = {m.group(1): int(m.group(2)) for m in re.finditer(r"attn_verify (\S+): \S+ fits (\d+) programs", stdout)}
+    # 8x4 at the 35B-A3B's group of 8: 32 rows a program, WIDE_PROGRAMS_PER_SM; the others 16 rows, as decodes
+    assert fits == {"8x4": WIDE_PROGRAMS_PER_SM, "1x1": DECODE_PROGRAMS_PER_SM, "3x2": DECODE_PROGRAMS_PER_SM}, stdout
 
 
 @pytest.mark.slow
