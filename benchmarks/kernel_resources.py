@@ -356,6 +356,7 @@ def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[]
     as served; the interpreter's fp32 tests cannot see a kernel that mixes them wrongly)."""
     from deltaserve.bench.kernels import MODELS
     from deltaserve.kernels.attention_triton import paged_attention_triton
+    from deltaserve.kernels.gdn_spec import verify_row_width
     from deltaserve.kernels.gdn_spec_commit_triton import spec_state_commit_layers_triton
     from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
     from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
@@ -384,16 +385,19 @@ def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[]
         k = mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk)
         v = mixed[:, 2 * hk * dk :].view(t, hv, dv)
         states = e(num_seqs, hv, dk, dv, dtype=torch.float32)
+        row = verify_row_width(hk, dk, hv, dv)
+        # the row scratch holds 1 + k = 4 columns whatever the step's width, as served (allocated once for k)
         gdn_args = (q, k, v, e(t, hv), e(t, hv), e(hv, dtype=torch.float32), e(hv), states, slots, index,
-                    e(num_seqs, max(width - 1, 1), hv, dk, dv, dtype=torch.float32))  # fmt: skip
-        # the commit's grid spans the layers (two are enough for its compile); its scratch holds 1 + k = 4 columns
-        # whatever the step's width, as served (the runner allocates it once for k)
+                    e(num_seqs, 4, row))  # fmt: skip
+        # the commit's grid spans the layers (two are enough for its compile)
         layers = 2
         commit_args = (
             e(layers, num_seqs, *conv_states.shape[1:]),
             e(layers, num_seqs, hv, dk, dv, dtype=torch.float32),
             e(layers, num_seqs, 4, *conv_states.shape[1:]),
-            e(layers, num_seqs, 3, hv, dk, dv, dtype=torch.float32),
+            e(layers, num_seqs, 4, row),
+            e(layers, hv, dtype=torch.float32),
+            e(layers, hv),
             slots,
             torch.zeros(num_seqs, dtype=torch.int64),
             width,

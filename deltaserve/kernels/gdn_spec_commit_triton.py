@@ -1,14 +1,16 @@
 """Triton kernel of the verify step's commit over every GDN layer at once (kernels/gdn_spec.py:
-`spec_state_commit_layers_ref` is its twin): one launch where the twin's per-layer torch ops are ~28 small kernels
-a layer, ~1,350 a 27B verify step (docs/speculative-decoding.md#the-commit-one-launch).
+`spec_state_commit_layers_ref` is its twin): one launch for all layers
+(docs/speculative-decoding.md#the-commit-one-launch).
 
-Grid (block of a slot's state, verify sequence, layer), from shapes only: no host sync, so it captures in a CUDA
-graph. A slot's conv window [K-1, C] and recurrent state [HV, dk, dv] are each one contiguous run of elements, so a
-program copies one BLOCK of one of them: the first CONV_BLOCKS blocks of a (sequence, layer) the conv window of
-scratch entry clamp(a_s, 0, conv_entries - 1), the rest the recurrent state of entry clamp(a_s, 0, min(width - 2,
-ssm_entries - 1)) where a_s < width - 1 (a chunk that accepted all its columns has its recurrent state in the live
-slot already). A sequence whose slot is < 0 (a padded row of a graph bucket) copies nothing. A plain copy: the
-values are bit-equal to the twin's.
+Grid (block, verify sequence, layer), from shapes only: no host sync, so it captures in a CUDA graph. The first
+CONV_BLOCKS blocks of a (sequence, layer) copy BLOCK elements of the conv window of scratch entry clamp(a_s, 0,
+conv_entries - 1) into the live slot (a window [K-1, C] is one contiguous run). The rest are (value head, BV
+column block) programs of the recurrent state, laid out as the verify kernel's: each loads its [dk, BV] slice of
+the live state, replays tokens 0 .. a_s of the row scratch (k, v, a, b as the verify kernel stored them) through
+the verify kernel's own `_delta_step` with its tile shapes and warps, and stores the slice back: the state the
+verify held after token a_s, one state read and written a sequence and layer, where storing a state after every
+token would hold 1 + k of them. A sequence whose slot is < 0 (a padded row of a graph bucket) reads and writes
+nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import i64
+from deltaserve.kernels._triton import i64, next_pow2
+from deltaserve.kernels.gdn_spec_triton import VERIFY_NUM_WARPS, _delta_step
+from deltaserve.kernels.gdn_triton import _block_v
 
 BLOCK = 2048
 
@@ -28,7 +32,9 @@ def _spec_state_commit_kernel(
     conv_ptr,
     ssm_ptr,
     scratch_conv_ptr,
-    scratch_ssm_ptr,
+    rows_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
     slots_ptr,
     accepted_ptr,
     width,
@@ -39,15 +45,24 @@ def _spec_state_commit_kernel(
     stride_sc_entry,
     stride_h_layer,
     stride_h_slot,
-    stride_sh_layer,
-    stride_sh_seq,
-    stride_sh_entry,
+    stride_h_head,
+    stride_h_k,
+    stride_r_layer,
+    stride_r_seq,
+    stride_r_col,
+    stride_g_layer,
     conv_entries,
-    ssm_entries,
+    row_entries,
     N_CONV: tl.constexpr,
-    N_SSM: tl.constexpr,
     CONV_BLOCKS: tl.constexpr,
     BLOCK: tl.constexpr,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_s = i64(tl.program_id(1))
@@ -56,8 +71,8 @@ def _spec_state_commit_kernel(
     i_acc = i64(tl.load(accepted_ptr + i_s))
     is_live = i_slot >= 0
     i_slot = tl.maximum(i_slot, 0)  # no address from slot -1 (its lanes are masked anyway)
-    o = tl.arange(0, BLOCK)
     if i_b < CONV_BLOCKS:
+        o = tl.arange(0, BLOCK)
         i_conv = tl.minimum(tl.maximum(i_acc, 0), conv_entries - 1)
         o_conv = i64(i_b) * BLOCK + o  # [BLOCK]
         m_conv = (o_conv < N_CONV) & is_live
@@ -65,13 +80,31 @@ def _spec_state_commit_kernel(
         b_conv = tl.load(p_conv + o_conv, mask=m_conv)
         tl.store(conv_ptr + i_l * stride_c_layer + i_slot * stride_c_slot + o_conv, b_conv, mask=m_conv)
     else:
-        i_ssm = tl.minimum(tl.maximum(i_acc, 0), tl.minimum(width - 2, ssm_entries - 1))
-        i_ssm = tl.maximum(i_ssm, 0)  # width 1 writes nothing; keep the address inside the scratch
-        o_ssm = i64(i_b - CONV_BLOCKS) * BLOCK + o  # [BLOCK]
-        m_ssm = (o_ssm < N_SSM) & is_live & (i_acc < width - 1) & (width > 1)
-        p_ssm = scratch_ssm_ptr + i_l * stride_sh_layer + i_s * stride_sh_seq + i_ssm * stride_sh_entry
-        b_ssm = tl.load(p_ssm + o_ssm, mask=m_ssm)
-        tl.store(ssm_ptr + i_l * stride_h_layer + i_slot * stride_h_slot + o_ssm, b_ssm, mask=m_ssm)
+        num_v_blocks = tl.cdiv(DV, BV)
+        i_h = (i_b - CONV_BLOCKS) // num_v_blocks
+        i_v = (i_b - CONV_BLOCKS) % num_v_blocks
+        i_hk = i_h // GROUP
+        o_k = tl.arange(0, BK)  # [BK]
+        m_k = o_k < DK
+        o_v = i_v * BV + tl.arange(0, BV)  # [BV]
+        m_v = o_v < DV
+        m_s = m_k[:, None] & m_v[None, :] & is_live
+        p_s = ssm_ptr + i_l * stride_h_layer + i_slot * stride_h_slot + i_h * stride_h_head
+        p_s += o_k[:, None] * stride_h_k + o_v[None, :]
+        b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]: the live state
+        b_A_log = tl.load(A_log_ptr + i_l * stride_g_layer + i_h)
+        b_dt_bias = tl.load(dt_bias_ptr + i_l * stride_g_layer + i_h)
+        p_r = rows_ptr + i_l * stride_r_layer + i_s * stride_r_seq
+        # tokens 0 .. a_s, never past the step's columns or the scratch's entries; none for a padded sequence
+        num_tokens = tl.where(is_live, tl.minimum(tl.minimum(i_acc + 1, width), row_entries), 0)
+        for j in range(num_tokens):
+            p_col = p_r + j * stride_r_col
+            b_k = tl.load(p_col + i_hk * DK + o_k, mask=m_k, other=0.0)
+            b_v = tl.load(p_col + HK * DK + i_h * DV + o_v, mask=m_v, other=0.0)
+            b_a = tl.load(p_col + HK * DK + HV * DV + i_h)
+            b_b = tl.load(p_col + HK * DK + HV * DV + HV + i_h)
+            b_s = _delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias)
+        tl.store(p_s, b_s.to(ssm_ptr.dtype.element_ty), mask=m_s)
 
 
 def _require_slot_runs(name: str, t: torch.Tensor, lead: int) -> None:
@@ -83,35 +116,45 @@ def spec_state_commit_layers_triton(
     conv_states: torch.Tensor,
     ssm_states: torch.Tensor,
     scratch_conv: torch.Tensor,
-    scratch_ssm: torch.Tensor,
+    scratch_rows: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     state_indices: torch.Tensor,
     num_accepted: torch.Tensor,
     width: int,
 ) -> None:
     """conv_states [L, slots, K-1, C], ssm_states [L, slots, HV, dk, dv], scratch_conv [L, S_max, W_max, K-1, C],
-    scratch_ssm [L, S_max, >= W_max - 1, HV, dk, dv], state_indices [S], num_accepted [S] (on the device): every
-    layer's live slot state_indices[s] <- the state after token num_accepted[s] of the step's `width` columns."""
+    scratch_rows [L, S_max, W_max, R], A_log / dt_bias [L, HV], state_indices [S], num_accepted [S] (on the device):
+    every layer's live slot state_indices[s] <- the conv window after token num_accepted[s] of the step's `width`
+    columns, and the recurrent state with tokens 0 .. num_accepted[s] replayed on it."""
     num_layers, num_seqs = conv_states.shape[0], state_indices.shape[0]
     if num_layers == 0 or num_seqs == 0:
         return
-    assert ssm_states.shape[0] == scratch_conv.shape[0] == scratch_ssm.shape[0] == num_layers, "layer counts differ"
-    assert scratch_conv.shape[1] >= num_seqs and scratch_ssm.shape[1] >= num_seqs, "scratch too small for the step"
+    assert ssm_states.shape[0] == scratch_conv.shape[0] == scratch_rows.shape[0] == num_layers, "layer counts differ"
+    assert A_log.shape[0] == dt_bias.shape[0] == num_layers, "gate parameters: one row a layer"
+    assert scratch_conv.shape[1] >= num_seqs and scratch_rows.shape[1] >= num_seqs, "scratch too small for the step"
     assert tuple(scratch_conv.shape[3:]) == tuple(conv_states.shape[2:]), "conv scratch and states differ in shape"
-    assert tuple(scratch_ssm.shape[3:]) == tuple(ssm_states.shape[2:]), "recurrent scratch and states differ in shape"
-    assert scratch_conv.dtype == conv_states.dtype and scratch_ssm.dtype == ssm_states.dtype, "scratch dtype differs"
+    assert scratch_conv.dtype == conv_states.dtype, "conv scratch dtype differs"
     for name, t, lead in (("conv_states", conv_states, 2), ("ssm_states", ssm_states, 2),
-                          ("scratch_conv", scratch_conv, 3), ("scratch_ssm", scratch_ssm, 3)):  # fmt: skip
+                          ("scratch_conv", scratch_conv, 3), ("scratch_rows", scratch_rows, 3)):  # fmt: skip
         _require_slot_runs(name, t, lead)
+    assert A_log.stride(1) == dt_bias.stride(1) == 1 and A_log.stride(0) == dt_bias.stride(0), "gate rows differ"
+    num_v_heads, head_k_dim, head_v_dim = ssm_states.shape[2:]
+    key = scratch_rows.shape[3] - num_v_heads * head_v_dim - 2 * num_v_heads
+    num_k_heads = key // head_k_dim
+    assert num_k_heads * head_k_dim == key and num_v_heads % num_k_heads == 0, "scratch_rows: not [k | v | a | b]"
     n_conv = conv_states[0, 0].numel()
-    n_ssm = ssm_states[0, 0].numel()
     conv_blocks = triton.cdiv(n_conv, BLOCK)
-    grid = (conv_blocks + triton.cdiv(n_ssm, BLOCK), num_seqs, num_layers)
+    block_v = _block_v(head_v_dim)  # the verify kernel's column block: the same tile, the same reduction
+    grid = (conv_blocks + num_v_heads * triton.cdiv(head_v_dim, block_v), num_seqs, num_layers)
     _spec_state_commit_kernel[grid](
-        conv_states, ssm_states, scratch_conv, scratch_ssm, state_indices, num_accepted, width,
+        conv_states, ssm_states, scratch_conv, scratch_rows, A_log, dt_bias, state_indices, num_accepted, width,
         conv_states.stride(0), conv_states.stride(1),
         scratch_conv.stride(0), scratch_conv.stride(1), scratch_conv.stride(2),
-        ssm_states.stride(0), ssm_states.stride(1),
-        scratch_ssm.stride(0), scratch_ssm.stride(1), scratch_ssm.stride(2),
-        scratch_conv.shape[2], scratch_ssm.shape[2],
-        N_CONV=n_conv, N_SSM=n_ssm, CONV_BLOCKS=conv_blocks, BLOCK=BLOCK, num_warps=4,
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
+        scratch_rows.stride(0), scratch_rows.stride(1), scratch_rows.stride(2), A_log.stride(0),
+        scratch_conv.shape[2], scratch_rows.shape[2],
+        N_CONV=n_conv, CONV_BLOCKS=conv_blocks, BLOCK=BLOCK, HK=num_k_heads, HV=num_v_heads,
+        GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim, BK=next_pow2(head_k_dim), BV=block_v,
+        num_warps=VERIFY_NUM_WARPS,
     )  # fmt: skip

@@ -2,12 +2,12 @@
 
 One program owns one (verify sequence, value head, BV-column block): it loads its [dk, BV] slice of the sequence's
 live state once, runs the chunk's 1 + k tokens in order with gdn_decode's arithmetic (fp32, q / k L2-normed in
-fp32 and not rounded, gates in fp32), stores each token's output row, the state after each token but the last into
-the scratch entry [s, j], and the state after the last column (W - 1) into the live slot, over the slice it read
-(the same program and layout, and every thread's load was consumed before the loop's first reduction barrier, so no
-thread overwrites what another has still to read). Padded columns (token_index -1) read no row, leave the state as
-it is and store it again, as the twin does. A sequence with slot < 0 (CUDA-graph padding) reads and writes no slot,
-stores no scratch and zero output rows. The commit (spec_state_commit) copies a shorter accepted run's entry.
+fp32 and not rounded, gates in fp32: `_delta_step`, which the commit's replay in kernels/gdn_spec_commit_triton.py
+shares), stores each token's output row and the inputs the step consumed into the row scratch entry [s, j] (k by
+the first value head of its group and a, b by the first column block, v by every program for its columns), and
+never writes the live slot: the commit replays the accepted tokens on it. Padded columns (token_index -1) read no
+row, store nothing and leave the running state as it is. A sequence with slot < 0 (CUDA-graph padding) reads no
+slot, stores no scratch and zero output rows.
 """
 
 from __future__ import annotations
@@ -18,7 +18,23 @@ import triton.language as tl
 
 from deltaserve.kernels._dispatch import output
 from deltaserve.kernels._triton import i64, next_pow2
+from deltaserve.kernels.gdn_spec import verify_row_width
 from deltaserve.kernels.gdn_triton import MAX_GRID_YZ, _block_v, _check_states, _gates_of, _l2norm
+
+# the verify kernel and the commit's replay launch [dk, BV] programs with these warps: one layout, one reduction order
+VERIFY_NUM_WARPS = 4
+
+
+@triton.jit
+def _delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias):
+    """One token of the delta rule on a [dk, BV] fp32 state slice from the loaded k [dk], v [BV], a, b: the state
+    after it. The verify kernel and the commit's replay both step through here, on the same tile shapes and warps,
+    so the replayed state is the one the verify held."""
+    b_k = _l2norm(b_k.to(tl.float32))
+    b_decay, b_beta = _gates_of(b_a, b_b, b_A_log, b_dt_bias)
+    b_new = b_s * b_decay
+    b_u = b_beta * (b_v.to(tl.float32) - tl.sum(b_new * b_k[:, None], axis=0))  # [BV]
+    return b_new + b_k[:, None] * b_u[None, :]
 
 
 # width and token_index's row stride (= width) change with the step's widest chunk: unspecialised, so a step whose
@@ -35,7 +51,7 @@ def _gdn_verify_kernel(
     ssm_states_ptr,
     state_indices_ptr,
     token_index_ptr,
-    scratch_ptr,
+    rows_ptr,
     out_ptr,
     width,
     stride_q_t,
@@ -49,12 +65,11 @@ def _gdn_verify_kernel(
     stride_s_slot,
     stride_s_head,
     stride_s_k,
-    stride_x_seq,
-    stride_x_col,
-    stride_x_head,
-    stride_x_k,
+    stride_r_seq,
+    stride_r_col,
     stride_ti_seq,
     scale,
+    HK: tl.constexpr,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
@@ -78,7 +93,10 @@ def _gdn_verify_kernel(
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]: the live state, read once
     b_A_log = tl.load(A_log_ptr + i_h)
     b_dt_bias = tl.load(dt_bias_ptr + i_h)
-    p_x = scratch_ptr + i_s * stride_x_seq + i_h * stride_x_head + o_k[:, None] * stride_x_k + o_v[None, :]
+    # the row scratch entry [s, j]: [k (HK·dk) | v (HV·dv) | a (HV) | b (HV)], what the commit replays
+    p_r = rows_ptr + i_s * stride_r_seq
+    writes_k = is_live & (i_v == 0) & (i_h % GROUP == 0)
+    writes_ab = is_live & (i_v == 0)
     for j in range(width):
         i_t = i64(tl.load(token_index_ptr + i_s * stride_ti_seq + j))
         is_real = i_t >= 0
@@ -89,18 +107,16 @@ def _gdn_verify_kernel(
         b_v = tl.load(v_ptr + i_row * stride_v_t + i_h * stride_v_h + o_v, mask=m_v & is_real, other=0.0)
         b_a = tl.load(a_ptr + i_row * stride_a_t + i_h, mask=is_real, other=0.0)
         b_b = tl.load(b_ptr + i_row * stride_b_t + i_h, mask=is_real, other=0.0)
+        p_col = p_r + j * stride_r_col
+        tl.store(p_col + i_hk * DK + o_k, b_k, mask=m_k & is_real & writes_k)
+        tl.store(p_col + HK * DK + i_h * DV + o_v, b_v, mask=m_v & is_real & is_live)
+        tl.store(p_col + HK * DK + HV * DV + i_h, b_a, mask=is_real & writes_ab)
+        tl.store(p_col + HK * DK + HV * DV + HV + i_h, b_b, mask=is_real & writes_ab)
+        b_new = _delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias)
         b_q = _l2norm(b_q.to(tl.float32)) * scale
-        b_k = _l2norm(b_k.to(tl.float32))
-        b_decay, b_beta = _gates_of(b_a, b_b, b_A_log, b_dt_bias)
-        b_new = b_s * b_decay
-        b_u = b_beta * (b_v.to(tl.float32) - tl.sum(b_new * b_k[:, None], axis=0))  # [BV]
-        b_new += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_new * b_q[:, None], axis=0)  # [BV]
         b_s = tl.where(is_real, b_new, b_s)
-        is_scratch = tl.full((), j, tl.int32) < width - 1  # the last column's state goes to the live slot below
-        tl.store(p_x + j * stride_x_col, b_s, mask=m_s & is_scratch)
         tl.store(out_ptr + (i_row * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v & is_real)
-    tl.store(p_s, b_s.to(ssm_states_ptr.dtype.element_ty), mask=m_s)  # the state after the last column: live
 
 
 def gdn_verify_triton(
@@ -114,20 +130,23 @@ def gdn_verify_triton(
     ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
     token_index: torch.Tensor,
-    scratch_ssm: torch.Tensor,
+    scratch_rows: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [N, HK, dk]; v [N, HV, dv]; a, b [N, HV] (the verify rows); token_index [S, W] -> o [N, HV, dv];
-    scratch_ssm [S_max, >= W - 1, HV, dk, dv] gets the state after each token but the last (fp32), the live slot
-    the state after the last column."""
+    scratch_rows [S_max, >= W, R] gets each real token's [k | v | a | b] in the inputs' dtype; the live slots are
+    read only."""
     num_k_heads, head_k_dim = q.shape[1], q.shape[2]
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     num_seqs, width = token_index.shape
     _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("token_index", token_index)):
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
-    assert scratch_ssm.dtype == torch.float32 and scratch_ssm.stride(-1) == 1, "scratch_ssm: fp32, dv contiguous"
-    assert scratch_ssm.shape[0] >= num_seqs and scratch_ssm.shape[1] >= width - 1, "scratch_ssm too small for the step"
+    assert scratch_rows.stride(-1) == 1, "scratch_rows: contiguous rows"
+    assert scratch_rows.shape[2] == verify_row_width(num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    assert scratch_rows.shape[0] >= num_seqs and scratch_rows.shape[1] >= width, "scratch_rows too small for the step"
+    # stored as loaded, so the commit replays the very values: one dtype for the inputs and the scratch
+    assert k.dtype == v.dtype == a.dtype == b.dtype == scratch_rows.dtype, "k, v, a, b and scratch_rows differ in dtype"
     out = output(out, tuple(v.shape), v)
     if num_seqs == 0:
         return out
@@ -135,12 +154,12 @@ def gdn_verify_triton(
         raise ValueError(f"gdn_verify: {num_seqs} sequences x {num_v_heads} heads exceed the grid ({MAX_GRID_YZ})")
     block_v = _block_v(head_v_dim)
     _gdn_verify_kernel[(triton.cdiv(head_v_dim, block_v), num_v_heads, num_seqs)](
-        q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, token_index, scratch_ssm, out, width,
+        q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, token_index, scratch_rows, out, width,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
-        scratch_ssm.stride(0), scratch_ssm.stride(1), scratch_ssm.stride(2), scratch_ssm.stride(3),
+        scratch_rows.stride(0), scratch_rows.stride(1),
         token_index.stride(0), head_k_dim**-0.5,
-        HV=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim, BK=next_pow2(head_k_dim),
-        BV=block_v, num_warps=4,
+        HK=num_k_heads, HV=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
+        BK=next_pow2(head_k_dim), BV=block_v, num_warps=VERIFY_NUM_WARPS,
     )  # fmt: skip
     return out

@@ -20,6 +20,7 @@ import torch
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
+from deltaserve.kernels.gdn_spec import verify_row_width
 from deltaserve.model.parallel import LocalShapes
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.sampler.transfer import to_device
@@ -79,11 +80,14 @@ def verify_row_bytes(
     config: ModelConfig, dtype: torch.dtype, num_speculative_tokens: int, shapes: LocalShapes | None = None
 ) -> int:
     """A verify chunk's scratch bytes (runner/spec_decode.py): the GDN layers' conv window after each of its 1 + k
-    tokens and their recurrent state after each but the last, whose state the verify kernel leaves in the live slot
-    (kernels/gdn_spec.py)."""
-    conv, ssm = _state_bytes(config, dtype, shapes)
-    k = num_speculative_tokens
-    return ((k + 1) * conv + k * ssm) * len(config.linear_attention_layers)
+    tokens and each token's delta-rule inputs (k, v, a, b: kernels/gdn_spec.py), which the commit replays on the
+    live state; no recurrent state beside the live slot."""
+    conv, _ = _state_bytes(config, dtype, shapes)
+    local = _local(config, shapes)
+    element = torch.tensor([], dtype=dtype).element_size()
+    row = verify_row_width(local.k_heads.size, config.linear_key_head_dim, local.v_heads.size,
+                           config.linear_value_head_dim) * element  # fmt: skip
+    return (num_speculative_tokens + 1) * (conv + row) * len(config.linear_attention_layers)
 
 
 @dataclass

@@ -171,7 +171,7 @@ def drop_cache(model: Qwen35Model) -> None:
     for layer in model.layers:
         mixer = layer.mixer
         mixer.k_cache = mixer.v_cache = mixer.conv_states = mixer.ssm_states = None
-        mixer.spec_conv_scratch = mixer.spec_ssm_scratch = None
+        mixer.spec_conv_scratch = mixer.spec_row_scratch = None
     if model.mtp is not None:
         model.mtp.attention.k_cache = model.mtp.attention.v_cache = None
         model.mtp.slot_hidden = None
@@ -218,8 +218,8 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     )  # fmt: skip
     speculative = engine_config.speculative_config
     k = 0 if speculative is None else speculative.num_speculative_tokens
-    # while speculating with a fixed k, a running sequence also holds its verify chunk's scratch, k states and 1 + k
-    # conv windows (runner/spec_decode.py); under the k policy the count is sized as without speculation, the
+    # while speculating with a fixed k, a running sequence also holds its verify chunk's scratch, 1 + k conv windows
+    # and token rows (runner/spec_decode.py); under the k policy the count is sized as without speculation, the
     # scratch apart
     has_policy = speculative is not None and speculative.k_policy is not None
     has_scratch_per_seq = speculative is not None and not has_policy

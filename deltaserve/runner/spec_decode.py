@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from deltaserve.kernels.gdn_spec import verify_row_width
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.device_setup import is_cuda
@@ -124,7 +125,7 @@ def scratch_rows(budget_bytes: int, row_bytes: int, max_num_seqs: int) -> int:
 
 def speculating_seqs(budget_bytes: int, slot_bytes: int, row_bytes: int, upper: int, share: float = STATE_SHARE) -> int:
     """How many sequences may run while speculating: each holds its pool slot and its verify chunk's scratch
-    (row_bytes: k recurrent states and 1 + k conv windows, so 1 + k states with the slot, as vLLM's hybrid cache
+    (row_bytes: 1 + k conv windows and token rows, so one recurrent state with the slot, where vLLM's hybrid cache
     gives a speculating request 1 + k state blocks), so every step fits a captured verify graph (a step past the
     scratch would run eager). vLLM's default count (upper) is sized with the pool and the scratch in at most half of
     the cache budget, the rule without speculation; a count the user set is held to what the whole budget holds
@@ -218,14 +219,17 @@ class SpecDecoder:
         width = num_speculative_tokens + 1
         mixers = [layer.linear_attn for layer in model.layers if not layer.is_full_attention]
         if mixers:
-            conv, ssm = mixers[0].conv_states, mixers[0].ssm_states
-            # a conv window after each of the 1 + k tokens; a recurrent state after each but the last, whose state
-            # gdn_verify writes into the live slot (kernels/gdn_spec.py). One tensor per kind over every layer, each
-            # layer a view, so the commit runs as one launch over all of them (runner/spec_commit.py)
-            conv_scratch = conv.new_empty(len(mixers), self.max_spec_seqs, width, *conv.shape[1:])
-            ssm_scratch = ssm.new_empty(len(mixers), self.max_spec_seqs, width - 1, *ssm.shape[1:])
+            m = mixers[0]
+            # a conv window after each of the 1 + k tokens, and each token's delta-rule inputs (k, v, a, b) for the
+            # commit to replay on the live state (kernels/gdn_spec.py): no recurrent state beside the live slot. One
+            # tensor per kind over every layer, each layer a view, so the commit runs as one launch over all of them
+            # (runner/spec_commit.py)
+            conv_scratch = m.conv_states.new_empty(len(mixers), self.max_spec_seqs, width, *m.conv_states.shape[1:])
+            row = verify_row_width(m.num_k_heads, m.head_k_dim, m.num_v_heads, m.head_v_dim)
+            # in the model dtype, as k, v, a and b come
+            row_scratch = m.dt_bias.detach().new_empty(len(mixers), self.max_spec_seqs, width, row)
             for i, mixer in enumerate(mixers):
-                mixer.spec_conv_scratch, mixer.spec_ssm_scratch = conv_scratch[i], ssm_scratch[i]
+                mixer.spec_conv_scratch, mixer.spec_row_scratch = conv_scratch[i], row_scratch[i]
         self.gdn_stacks = gdn_stacks(model)  # the commit's [L, ...] views (runner/spec_commit.py)
 
     def num_drafts_after(self, num_drafts_next: int | None) -> int:

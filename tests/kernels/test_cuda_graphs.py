@@ -14,6 +14,7 @@ import torch
 from deltaserve.kernels import attention_triton
 from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
 from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
+from deltaserve.kernels.gdn_spec import verify_row_width
 from deltaserve.kernels.gdn_spec_conv_triton import causal_conv1d_verify_triton
 from deltaserve.kernels.gdn_spec_triton import gdn_verify_triton
 from deltaserve.kernels.gdn_triton import gdn_decode_triton
@@ -125,9 +126,9 @@ def test_graph_verify_conv_and_gdn() -> None:
     v, a, b = randn(rows, hv, dv, dtype=BF16), randn(rows, hv, dtype=BF16), randn(rows, hv, dtype=BF16)
     A_log, dt_bias = randn(hv), randn(hv)
     ssm = randn(5, hv, dk, dv, scale=0.1)
-    scratch_ssm = torch.zeros(4, 4, hv, dk, dv, device=DEVICE)
+    scratch_rows = torch.zeros(4, 4, verify_row_width(hk, dk, hv, dv), dtype=BF16, device=DEVICE)
     _capture_matches_eager(
-        lambda: gdn_verify_triton(q, k, v, a, b, A_log, dt_bias, ssm, slots, index, scratch_ssm), [ssm, scratch_ssm]
+        lambda: gdn_verify_triton(q, k, v, a, b, A_log, dt_bias, ssm, slots, index, scratch_rows), [ssm, scratch_rows]
     )
 
 

@@ -1,6 +1,7 @@
 """The verify-step GDN ops (kernels/gdn_spec.py) against the one-token decode ops run token by token: outputs, the
-conv window after every token in scratch and its live slot untouched until the commit, the recurrent state after
-every token but the last in scratch and after the last column in the live slot, and the commit's choice of state."""
+conv window after every token in scratch, each token's delta-rule inputs in the row scratch, the live slots
+untouched until the commit, and the commit: the conv window of the last accepted token, and the recurrent state
+after replaying the accepted tokens, bit-equal to the state the verify op held after that token."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from deltaserve.kernels import (
     gdn_verify_ref,
     spec_state_commit,
 )
+from deltaserve.kernels.gdn_spec import verify_row_width
 
 HK, HV, DK, DV, C, K = 2, 4, 8, 8, 12, 4
+R = verify_row_width(HK, DK, HV, DV)
 LENGTHS = (2, 5, 1)  # 1 + k per verify sequence: k = 1, 4, 0
 SLOTS = (3, 0, 5)
 
@@ -54,29 +57,96 @@ def inputs(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
+def _states_after_each_token(t: dict[str, torch.Tensor], index: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
+    """(sequence, column) -> its slot's state after that column, by gdn_decode_ref one token at a time (a padded
+    column: the last real state)."""
+    ssm = t["ssm"].clone()
+    states = {}
+    for s, slot, j, row in verify_columns(index):
+        if row is not None:
+            one = slice(row, row + 1)
+            gdn_decode_ref(t["q"][one], t["k"][one], t["v"][one], t["a"][one], t["b"][one], t["A_log"], t["dt_bias"],
+                           ssm, torch.tensor([slot]))  # fmt: skip
+        states[s, j] = ssm[slot].clone()
+    return states
+
+
 def test_gdn_verify_equals_decode_token_by_token() -> None:
     t = inputs()
     index = token_index(LENGTHS)
     width = max(LENGTHS)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     ssm = t["ssm"].clone()
-    scratch = torch.full((4, width - 1, HV, DK, DV), float("nan"))
+    scratch = torch.full((4, width, R), float("nan"))
     out = torch.full_like(t["v"], float("nan"))  # poisoned: every row must be written
     gdn_verify_ref(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], ssm, slots, index, scratch, out)
     assert not out.isnan().any()
+    assert torch.equal(ssm, t["ssm"]), "the live slots are read only"
     expected_ssm = t["ssm"].clone()
     for s, slot, j, row in verify_columns(index):
-        if row is not None:
-            one = slice(row, row + 1)
-            want = gdn_decode_ref(t["q"][one], t["k"][one], t["v"][one], t["a"][one], t["b"][one], t["A_log"],
-                                  t["dt_bias"], expected_ssm, torch.tensor([slot]))  # fmt: skip
-            torch.testing.assert_close(out[one], want, rtol=1e-6, atol=1e-6)
-        # a padded column repeats the last real state; the last column's state is the live slot's
-        got = scratch[s, j] if j < width - 1 else ssm[slot]
-        torch.testing.assert_close(got, expected_ssm[slot], rtol=1e-6, atol=1e-6)
+        if row is None:
+            assert scratch[s, j].isnan().all(), "a padded column stores no row"
+            continue
+        one = slice(row, row + 1)
+        want = gdn_decode_ref(t["q"][one], t["k"][one], t["v"][one], t["a"][one], t["b"][one], t["A_log"],
+                              t["dt_bias"], expected_ssm, torch.tensor([slot]))  # fmt: skip
+        torch.testing.assert_close(out[one], want, rtol=1e-6, atol=1e-6)
+        # the row: the token's k, v, a and b exactly as given
+        packed = torch.cat([t["k"][row].flatten(), t["v"][row].flatten(), t["a"][row], t["b"][row]])
+        assert torch.equal(scratch[s, j], packed)
+    assert scratch[len(SLOTS) :].isnan().all()
+
+
+@pytest.mark.parametrize("accepted", [(1, 4, 0), (0, 0, 0), (1, 2, 0), (1, 3, 0)])
+def test_commit_replays_the_accepted_tokens_to_the_verify_state(accepted: tuple[int, ...]) -> None:
+    """After the verify, the commit's recurrent state is the state after token a_s (gdn_decode_ref token by token),
+    whatever the step's width and the other sequences; the conv window is scratch entry a_s."""
+    t = inputs()
+    index = token_index(LENGTHS)
+    width = max(LENGTHS)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    ssm = t["ssm"].clone()
+    conv = t["conv"].clone()
+    scratch_rows = torch.full((4, width, R), float("nan"))
+    scratch_conv = torch.randn(4, width, K - 1, C)
+    args = (t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"])
+    gdn_verify_ref(*args, ssm, slots, index, scratch_rows)
+    spec_state_commit(conv, ssm, scratch_conv, scratch_rows, t["A_log"], t["dt_bias"], slots,
+                      torch.tensor(accepted), width)  # fmt: skip
+    decoded = _states_after_each_token(t, index)
+    for s, (slot, a) in enumerate(zip(SLOTS, accepted, strict=True)):
+        torch.testing.assert_close(ssm[slot], decoded[s, a], rtol=1e-6, atol=1e-6)
+        assert torch.equal(conv[slot], scratch_conv[s, a])
+        # the sequence committed alone, with a step as wide as its accepted run: the same bits
+        replay = t["ssm"].clone()
+        spec_state_commit(torch.zeros(6, K - 1, C), replay, scratch_conv[s : s + 1], scratch_rows[s : s + 1],
+                          t["A_log"], t["dt_bias"], slots[s : s + 1], torch.tensor([a]), a + 1)  # fmt: skip
+        assert torch.equal(replay[slot], ssm[slot])
     untouched = [i for i in range(6) if i not in SLOTS]
     assert torch.equal(ssm[untouched], t["ssm"][untouched])
-    assert scratch[len(SLOTS) :].isnan().all()
+
+
+def test_commit_replay_is_bit_equal_to_the_verify_twin_state() -> None:
+    """The replay's state after each token against the verify twin's running state: the twin's output for token j
+    is its state after j contracted with q̂_j, so a replay to j and the same contraction give the same bits."""
+    t = inputs()
+    index = token_index(LENGTHS)
+    width = max(LENGTHS)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    scratch_rows = torch.full((4, width, R), float("nan"))
+    out = gdn_verify_ref(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], t["ssm"].clone(), slots,
+                         index, scratch_rows)  # fmt: skip
+    group = HV // HK
+    for s, slot, j, row in verify_columns(index):
+        if row is None:
+            continue
+        replay = t["ssm"].clone()
+        spec_state_commit(torch.zeros(6, K - 1, C), replay, torch.zeros(4, width, K - 1, C), scratch_rows,
+                          t["A_log"], t["dt_bias"], slots, torch.full((3,), j), width)  # fmt: skip
+        q = t["q"][row : row + 1].float()
+        q_hat = (q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, dim=1) * DK**-0.5
+        o = torch.einsum("shkv,shk->shv", replay[slot][None], q_hat)
+        assert torch.equal(o.to(out.dtype), out[row : row + 1]), (s, j)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,33 +170,20 @@ def test_conv_verify_equals_update_token_by_token(dtype: torch.dtype) -> None:
         assert torch.equal(scratch[s, j], expected[slot])
 
 
-def test_commit_takes_the_state_after_the_last_accepted_token() -> None:
-    conv = torch.zeros(6, K - 1, C)
-    ssm = torch.zeros(6, HV, DK, DV)
-    ssm[list(SLOTS)] = -7.0  # the live slots as gdn_verify leaves them: the state after the last column
-    width = max(LENGTHS)
-    scratch_conv = torch.arange(4 * width, dtype=torch.float32).view(4, width, 1, 1).expand(4, width, K - 1, C)
-    scratch_ssm = torch.arange(4 * (width - 1), dtype=torch.float32).view(4, width - 1, 1, 1, 1)
-    scratch_ssm = scratch_ssm.expand(4, width - 1, HV, DK, DV)
-    accepted = torch.tensor([1, 4, 0])  # the state after token 1, 4 (the last column: already live) and 0
-    spec_state_commit(conv, ssm, scratch_conv.contiguous(), scratch_ssm.contiguous(),
-                      torch.tensor(SLOTS, dtype=torch.int32), accepted, width)  # fmt: skip
-    for s, (slot, a) in enumerate(zip(SLOTS, accepted.tolist(), strict=True)):
-        assert (conv[slot] == s * width + a).all()
-        assert (ssm[slot] == (-7.0 if a == width - 1 else s * (width - 1) + a)).all()
-    untouched = [i for i in range(6) if i not in SLOTS]
-    assert (conv[untouched] == 0).all() and (ssm[untouched] == 0).all()
-
-
-def test_commit_of_a_one_column_step_copies_no_recurrent_state() -> None:
-    """Width 1 (every chunk a plain decode): gdn_verify wrote the only state into the live slot; the recurrent
-    scratch is not read (NaN here), the conv window is copied."""
-    conv, ssm = torch.zeros(6, K - 1, C), torch.full((6, HV, DK, DV), 3.0)
-    scratch_conv = torch.ones(3, 2, K - 1, C)
-    scratch_ssm = torch.full((3, 1, HV, DK, DV), float("nan"))
-    spec_state_commit(conv, ssm, scratch_conv, scratch_ssm, torch.tensor(SLOTS, dtype=torch.int32),
+def test_commit_of_a_one_column_step_replays_its_token() -> None:
+    """Width 1 (every chunk a plain decode): the verify left the live slot alone; the commit replays the one token."""
+    t = inputs()
+    index = token_index((1, 1, 1))
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    ssm, conv = t["ssm"].clone(), torch.zeros(6, K - 1, C)
+    rows = torch.full((3, 1, R), float("nan"))
+    gdn_verify_ref(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], ssm, slots, index, rows)
+    assert torch.equal(ssm, t["ssm"])
+    spec_state_commit(conv, ssm, torch.ones(3, 2, K - 1, C), rows, t["A_log"], t["dt_bias"], slots,
                       torch.zeros(3, dtype=torch.int64), 1)  # fmt: skip
-    assert (ssm == 3.0).all()
+    want = t["ssm"].clone()
+    gdn_decode_ref(t["q"][:3], t["k"][:3], t["v"][:3], t["a"][:3], t["b"][:3], t["A_log"], t["dt_bias"], want, slots)
+    torch.testing.assert_close(ssm, want, rtol=1e-6, atol=1e-6)
     assert (conv[list(SLOTS)] == 1).all()
 
 
@@ -159,19 +216,19 @@ def test_gdn_verify_skips_a_sequence_with_slot_below_zero() -> None:
     t, index, slots = _padded_case()
     ssm = t["ssm"].clone()
     width = max(PADDED_LENGTHS)
-    scratch = torch.full((5, width - 1, HV, DK, DV), float("nan"))
+    scratch = torch.full((5, width, R), float("nan"))
     args = (t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"])
     out = gdn_verify_ref(*args, ssm, slots, index, scratch)
     assert (out[_padded_rows(index, slots)] == 0).all(), "a padded sequence's rows are zeros"
     assert scratch[: len(slots)][slots < 0].isnan().all(), "a padded sequence writes no scratch"
     live_index, live_slots, live = _live_only(index, slots)
     want_scratch = torch.full_like(scratch, float("nan"))
-    want_ssm = t["ssm"].clone()
-    want = gdn_verify_ref(*args, want_ssm, live_slots, live_index, want_scratch)
+    want = gdn_verify_ref(*args, t["ssm"].clone(), live_slots, live_index, want_scratch)
     rows = live_index[live_index >= 0]
     torch.testing.assert_close(out[rows], want[rows], rtol=1e-6, atol=1e-6)  # vectorised SiLU / einsum: last bit
-    assert torch.equal(scratch[live], want_scratch[: len(live)])
-    assert torch.equal(ssm, want_ssm), "a padded sequence writes no slot; the live ones get their last state"
+    assert torch.equal(scratch[live].nan_to_num(), want_scratch[: len(live)].nan_to_num())
+    assert torch.equal(scratch[live].isnan(), want_scratch[: len(live)].isnan())
+    assert torch.equal(ssm, t["ssm"]), "no slot is written by the verify"
 
 
 def test_conv_verify_skips_a_sequence_with_slot_below_zero() -> None:
@@ -197,20 +254,29 @@ def test_conv_verify_skips_a_sequence_with_slot_below_zero() -> None:
     ids=["padded-first", "padded-after-live", "all-padded"],
 )
 def test_commit_writes_nothing_for_a_sequence_with_slot_below_zero(slots: tuple[int, ...]) -> None:
+    t, index, _ = _padded_case()
     width = max(PADDED_LENGTHS)
+    index = token_index((width,) * 4)  # every column real: each live sequence replays its accepted tokens
+    rows = torch.full((5, width, R), float("nan"))
+    live_slots = torch.tensor([slot if slot >= 0 else 5 for slot in slots], dtype=torch.int32)
+    n = 4 * width
+    gen = torch.Generator().manual_seed(2)
+    args = [torch.randn(n, *shape, generator=gen) for shape in ((HK, DK), (HK, DK), (HV, DV), (HV,), (HV,))]
+    gdn_verify_ref(*args, t["A_log"], t["dt_bias"], torch.randn(6, HV, DK, DV), live_slots, index, rows)
     conv = torch.randn(6, K - 1, C)
     ssm = torch.randn(6, HV, DK, DV)
     before_conv, before_ssm = conv.clone(), ssm.clone()
     scratch_conv = torch.arange(5 * width, dtype=torch.float32).view(5, width, 1, 1).expand(5, width, K - 1, C)
-    scratch_ssm = torch.arange(5 * (width - 1), dtype=torch.float32).view(5, width - 1, 1, 1, 1)
-    scratch_ssm = scratch_ssm.expand(5, width - 1, HV, DK, DV)
-    accepted = torch.tensor([1, 2, 3, 0])  # 3 = width - 1: that recurrent state is the live slot's already
-    spec_state_commit(conv, ssm, scratch_conv.contiguous(), scratch_ssm.contiguous(),
+    accepted = torch.tensor([1, 2, 3, 0])
+    spec_state_commit(conv, ssm, scratch_conv.contiguous(), rows, t["A_log"], t["dt_bias"],
                       torch.tensor(slots, dtype=torch.int32), accepted, width)  # fmt: skip
     for s, (slot, a) in enumerate(zip(slots, accepted.tolist(), strict=True)):
         if slot >= 0:
             assert (conv[slot] == s * width + a).all()
-            want = before_ssm[slot] if a == width - 1 else torch.full_like(ssm[slot], s * (width - 1) + a)
-            assert torch.equal(ssm[slot], want)
+            want = before_ssm.clone()
+            spec_state_commit(torch.zeros(6, K - 1, C), want, scratch_conv.contiguous()[s : s + 1], rows[s : s + 1],
+                              t["A_log"], t["dt_bias"], torch.tensor([slot], dtype=torch.int32), torch.tensor([a]),
+                              width)  # fmt: skip
+            assert torch.equal(ssm[slot], want[slot]) and not torch.equal(ssm[slot], before_ssm[slot])
     untouched = [i for i in range(6) if i not in slots]
     assert torch.equal(conv[untouched], before_conv[untouched]) and torch.equal(ssm[untouched], before_ssm[untouched])

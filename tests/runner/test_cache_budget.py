@@ -25,9 +25,9 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 64  # 4 blocks
 
 
-def _sizes() -> tuple[int, int, int, int]:
-    """(bytes of one KV block, of one GDN state slot, of its conv windows, of its recurrent states) of the tiny dense
-    checkpoint in fp32, from its config."""
+def _sizes() -> tuple[int, int, int, int, int]:
+    """(bytes of one KV block, of one GDN state slot, of its conv windows, of its recurrent states, of one verify
+    token's delta-rule inputs over the GDN layers) of the tiny dense checkpoint in fp32, from its config."""
     c = ModelConfig.from_pretrained(DENSE)
     block = 2 * BLOCK_SIZE * c.num_key_value_heads * c.head_dim * FP32 * len(c.full_attention_layers)  # K and V
     conv = (c.linear_conv_kernel_dim - 1) * (
@@ -35,16 +35,18 @@ def _sizes() -> tuple[int, int, int, int]:
     )
     ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim  # fp32 recurrent state
     layers = len(c.linear_attention_layers)
-    return block, (conv + ssm) * FP32 * layers, conv * FP32 * layers, ssm * FP32 * layers
+    # a token's k, v, a and b (kernels/gdn_spec.py verify_row_width)
+    row = c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * (c.linear_value_head_dim + 2)
+    return block, (conv + ssm) * FP32 * layers, conv * FP32 * layers, ssm * FP32 * layers, row * FP32 * layers
 
 
-BLOCK, SLOT, CONV, SSM = _sizes()
+BLOCK, SLOT, CONV, SSM, ROW = _sizes()
 
 
 def verify_row(k: int) -> int:
-    """A verify chunk's scratch: the conv windows after each of its 1 + k tokens, the recurrent states after each
-    but the last (that one is the live slot's: kernels/gdn_spec.py)."""
-    return (k + 1) * CONV + k * SSM
+    """A verify chunk's scratch: the conv window after each of its 1 + k tokens and each token's delta-rule inputs,
+    which the commit replays on the live state (kernels/gdn_spec.py): no recurrent state."""
+    return (k + 1) * (CONV + ROW)
 
 
 ONE_SEQUENCE = MAX_MODEL_LEN // BLOCK_SIZE * BLOCK + SLOT  # what vLLM's start-up check asks the budget to hold
@@ -73,8 +75,8 @@ def test_block_and_slot_counts_follow_kv_cache_memory_bytes_exactly(budget: int)
 
 def test_while_speculating_the_mtp_layer_and_the_verify_scratch_are_inside_it() -> None:
     """MTP (k = 2): a block holds the MTP layer's K/V too (3 attention layers, not 2), a slot the MTP hidden row, and
-    the verify scratch (4 rows of 1 + k conv windows and k recurrent states: a quarter of the budget holds more)
-    comes out of the budget."""
+    the verify scratch (4 rows of 1 + k conv windows and token rows: a quarter of the budget holds more) comes out
+    of the budget."""
     budget = 4 * 2**20
     hidden = ModelConfig.from_pretrained(DENSE).hidden_size
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
@@ -87,30 +89,31 @@ def test_while_speculating_the_mtp_layer_and_the_verify_scratch_are_inside_it() 
 
 
 def test_while_speculating_the_default_max_num_seqs_gives_every_sequence_its_verify_scratch() -> None:
-    """max_num_seqs unset, MTP k = 2: vLLM's default capped to the sequences the budget serves with each one's pool
-    slot, its verify scratch (3 conv windows, 2 recurrent states) and, here, a max_model_len sequence's KV (100 slots'
-    worth / (slot, scratch and 4 KV blocks) = 16), which is more than the states in half of the budget would allow
-    (15); the scratch holds a verify chunk for every one of them, so no step is larger than the verify graphs (before
-    session 24 the count was capped for the pool alone, 50, with 8 scratch rows: steps of 9 to 50 sequences ran
-    eager), and the KV left serves all 16 at max_model_len. (Before session 26 the scratch held 1 + k whole states
-    and the count was 14.)"""
+    """max_num_seqs unset, MTP k = 2: vLLM's default capped to the larger of the sequences whose pool slot and
+    verify scratch (3 conv windows, 3 token rows) take half of the budget (100 slots' worth: 24) and those the budget
+    serves whole, each with a max_model_len sequence's KV (20); the scratch holds a verify chunk for every one of
+    them, so no step is larger than the verify graphs (before session 24 the count was capped for the pool alone,
+    50, with 8 scratch rows: steps of 9 to 50 sequences ran eager). (Before session 26 the scratch held 1 + k whole
+    states and the count was 14; sessions 26-29, k states and 16, the whole-sequence count.)"""
     budget = 100 * SLOT
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     runner = LLM(DENSE, **{**FIXED, "max_num_seqs": None}, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
                  speculative_config=mtp).engine.runner  # fmt: skip
     slot, block = runner.layout.bytes_per_slot, runner.layout.bytes_per_block
     whole = budget // (slot + verify_row(2) + 4 * block)
-    assert whole == 16 > (budget // 2) // (slot + verify_row(2))
-    assert (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (16, 16, 16)
-    assert runner.layout.num_blocks == (budget - 16 * verify_row(2) - 16 * slot) // block >= 16 * 4
+    half = (budget // 2) // (slot + verify_row(2))
+    assert (whole, half) == (20, 24)
+    assert (runner.max_num_seqs, runner.spec.max_spec_seqs, runner.layout.num_slots) == (24, 24, 24)
+    assert runner.layout.num_blocks == (budget - 24 * verify_row(2) - 24 * slot) // block
 
 
 def test_while_speculating_a_max_num_seqs_set_past_the_scratch_runs_as_many_as_fit(caplog) -> None:  # noqa: ANN001
-    """max_num_seqs 4 set, MTP k = 2, a budget of 16 slots' worth: one max_model_len sequence's KV (4 blocks of 1.5
-    x BLOCK with the MTP layer) leaves room for 3 sequences of a slot and a verify scratch, so 3 run at a time (as
-    vLLM's hybrid cache runs what its blocks hold), with a warning; before, 4 ran with a quarter-budget scratch of 1
-    chunk, and steps of 2-4 sequences ran eager."""
-    budget = 16 * SLOT
+    """max_num_seqs 4 set, MTP k = 2, a budget of one max_model_len sequence's KV (4 blocks of 1.5 x BLOCK with the
+    MTP layer) and 3.5 sequences of a slot and a verify scratch: 3 run at a time (as vLLM's hybrid cache runs what
+    its blocks hold), with a warning; before session 24, 4 ran with a quarter-budget scratch of 1 chunk, and steps
+    of 2-4 sequences ran eager."""
+    hidden = ModelConfig.from_pretrained(DENSE).hidden_size
+    budget = 4 * (BLOCK * 3 // 2) + 7 * (SLOT + hidden * FP32 + verify_row(2)) // 2
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     with caplog.at_level(logging.WARNING, logger="deltaserve"):
         runner = LLM(DENSE, **FIXED, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
@@ -124,16 +127,16 @@ def test_while_speculating_a_max_num_seqs_set_past_the_scratch_runs_as_many_as_f
 def test_under_the_k_policy_the_count_is_sized_as_without_speculation_and_the_scratch_apart() -> None:
     """max_num_seqs unset, MTP k = 2 with the deltaserve-only k policy: the count is the one without speculation
     (50: the pool in half of 100 slots' worth), the scratch a quarter of the budget (25 slots' worth / a chunk's
-    scratch = 11 chunks); a step of more than 11 decodes drafts nothing and replays a width-1 graph
+    scratch = 24 chunks); a step of more than 24 decodes drafts nothing and replays a width-1 graph
     (scheduler/spec_policy.py)."""
     budget = 100 * SLOT
     mtp = {"method": "mtp", "num_speculative_tokens": 2, "k_policy": True}
     engine = LLM(DENSE, **{**FIXED, "max_num_seqs": None}, kv_cache_memory_bytes=budget, enable_prefix_caching=False,
                  speculative_config=mtp).engine  # fmt: skip
     runner = engine.runner
-    assert int(budget * 0.25) // verify_row(2) == 11
-    assert (runner.max_num_seqs, runner.spec.max_spec_seqs) == (50, 11)
-    assert engine.scheduler.spec.policy.max_verifies == 11
+    assert int(budget * 0.25) // verify_row(2) == 24
+    assert (runner.max_num_seqs, runner.spec.max_spec_seqs) == (50, 24)
+    assert engine.scheduler.spec.policy.max_verifies == 24
 
 
 def test_without_it_the_cpu_budget_is_cpu_kv_cache_bytes_and_zero_means_not_set() -> None:

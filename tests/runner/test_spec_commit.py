@@ -1,6 +1,7 @@
-"""runner/spec_commit.py on a speculating engine: the GDN state slots and the verify scratch are laid out so that
-the commit finds every layer's tensors as one stack (one launch on the GPU), and the stacked commit leaves the
-states exactly as the per-layer loop does, on the trained tiny checkpoints (dense, moe, next) in fp32."""
+"""runner/spec_commit.py on a speculating engine: the GDN state slots and the verify scratch (conv windows, token
+rows) are laid out so that the commit finds every layer's tensors as one stack (one launch on the GPU), and the
+stacked commit leaves the states exactly as the per-layer loop does, on the trained tiny checkpoints (dense, moe,
+next) in fp32."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from deltaserve.runner import spec_commit
 from deltaserve.runner.spec_commit import commit_gdn_states, gdn_stacks, stack_views
 from deltaserve.tiny.trained import trained_model_dir
 
-NAMES = ("conv_states", "ssm_states", "spec_conv_scratch", "spec_ssm_scratch")
+NAMES = ("conv_states", "ssm_states", "spec_conv_scratch", "spec_row_scratch")
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe", "next"])

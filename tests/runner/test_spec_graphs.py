@@ -21,7 +21,7 @@ import torch
 
 from deltaserve.engine.llm import LLM
 from deltaserve.kernels.attention import paged_attention_ref
-from deltaserve.kernels.gdn_spec import causal_conv1d_verify_ref, gdn_verify_ref
+from deltaserve.kernels.gdn_spec import causal_conv1d_verify_ref, gdn_verify_ref, verify_row_width
 from deltaserve.model.context import forward_context
 from deltaserve.runner.memory import graph_bytes, warm_up_verify_sampling
 from deltaserve.runner.spec_graphs import max_verify_batch
@@ -89,19 +89,20 @@ def test_padded_verify_kernels_give_the_real_rows_and_committable_states() -> No
     padded_index = torch.tensor([[b * WIDTH + j if j < n else -1 for j in range(WIDTH)] for b, n in enumerate(lengths)])
 
     def verify(inputs: dict, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ssm_scratch, conv_scratch = torch.zeros(3, WIDTH - 1, hv, dk, dv), torch.zeros(3, WIDTH, kernel - 1, channels)
-        live = ssm_states.clone()  # the recurrent op leaves the last column's state in the live slot
+        row_scratch = torch.zeros(3, WIDTH, verify_row_width(hk, dk, hv, dv))
+        conv_scratch = torch.zeros(3, WIDTH, kernel - 1, channels)
+        live = ssm_states.clone()  # read only: the commit replays the accepted rows on it
         core = gdn_verify_ref(inputs["q"], inputs["k"], inputs["v"], inputs["a"], inputs["b"], A_log, dt_bias,
-                              live, slots, index, ssm_scratch)  # fmt: skip
+                              live, slots, index, row_scratch)  # fmt: skip
         conv = causal_conv1d_verify_ref(inputs["x"], weight, conv_states, slots, index, conv_scratch)
-        return core, conv, ssm_scratch, conv_scratch, live
+        return core, conv, row_scratch, conv_scratch, live
 
-    core, conv, ssm_scratch, conv_scratch, live = verify(real, eager_index)
-    core_p, conv_p, ssm_scratch_p, conv_scratch_p, live_p = verify(padded, padded_index)
+    core, conv, row_scratch, conv_scratch, live = verify(real, eager_index)
+    core_p, conv_p, row_scratch_p, conv_scratch_p, live_p = verify(padded, padded_index)
     assert torch.equal(core_p[rows], core) and torch.equal(conv_p[rows], conv)
-    assert torch.equal(live_p, live)  # the state after each row's last real token
-    for s, k in enumerate(NUM_DRAFTS):  # a commit reads entry num_emitted - 1 <= k_s (the last column: the live slot)
-        assert torch.equal(ssm_scratch_p[s, : min(k + 1, WIDTH - 1)], ssm_scratch[s, : min(k + 1, WIDTH - 1)])
+    assert torch.equal(live_p, live) and torch.equal(live, ssm_states)
+    for s, k in enumerate(NUM_DRAFTS):  # a commit reads entries 0 .. num_emitted - 1 <= k_s
+        assert torch.equal(row_scratch_p[s, : k + 1], row_scratch[s, : k + 1])
         assert torch.equal(conv_scratch_p[s, : k + 1], conv_scratch[s, : k + 1])
 
 

@@ -80,9 +80,10 @@ class GatedDeltaNet(nn.Module):
         self.conv_states: torch.Tensor | None = None  # bound by the runner
         self.ssm_states: torch.Tensor | None = None
         self.in_proj: torch.Tensor | None = None  # [qkvz | ba] rows once fuse_in_proj ran
-        # per-token states of a verify step [S_max, W_max, ...], bound by the runner when speculating
+        # a verify step's conv window after each token [S_max, W_max, K-1, C] and each token's delta-rule inputs
+        # [S_max, W_max, R] (kernels/gdn_spec.py), bound by the runner when speculating
         self.spec_conv_scratch: torch.Tensor | None = None
-        self.spec_ssm_scratch: torch.Tensor | None = None
+        self.spec_row_scratch: torch.Tensor | None = None
 
     def fuse_in_proj(self) -> None:
         """After loading: both input projections as ONE weight [conv_dim + value_dim + 2·HV, hidden], so a step
@@ -189,7 +190,7 @@ class GatedDeltaNet(nn.Module):
             with label("gdn.gdn_verify"):
                 gdn_verify(
                     q[s], k[s], v[s], a[s], b[s], self.A_log, self.dt_bias, self.ssm_states, ctx.spec_state_indices,
-                    ctx.spec_token_index, self.spec_ssm_scratch, out=core[s],
+                    ctx.spec_token_index, self.spec_row_scratch, out=core[s],
                 )  # fmt: skip
         if ctx.num_prefill_tokens:
             with label("gdn.gdn_prefill"):
