@@ -246,7 +246,8 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
             logger.info(
                 "max_num_seqs %d (vLLM's default %d capped: %d GDN state slots of %.1f MiB%s would take %.1f GiB "
                 "of the %.1f GiB cache budget; %s)", max_num_seqs, upper, upper, scratch_bytes / 2**20,
-                f" with {k} verify scratch states each" if has_scratch_per_seq else "", upper * per_seq / GIB,
+                f" with a {row_bytes / 2**20:.1f} MiB verify scratch each" if has_scratch_per_seq else "",
+                upper * per_seq / GIB,
                 total / GIB,
                 f"{by_whole} served whole at max_model_len {max_model_len}" if by_whole > by_share
                 else "the states in half of it",
@@ -256,9 +257,9 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         # runs as many as its blocks hold and the rest wait; here likewise (a step past the scratch would run eager)
         max_num_seqs = max(1, beside_one_kv)
         logger.warning(
-            "max_num_seqs %d while speculating: the cache budget (%.2f GiB) holds %d sequences with their %d verify "
-            "scratch states (%.1f MiB each) beside one max_model_len sequence's KV; %d run at a time",
-            upper, total / GIB, max_num_seqs, k, scratch_bytes / 2**20, max_num_seqs,
+            "max_num_seqs %d while speculating: the cache budget (%.2f GiB) holds %d sequences with their state slot "
+            "(%.1f MiB) and verify scratch (%.1f MiB: k = %d) beside one max_model_len sequence's KV; %d run at a time",
+            upper, total / GIB, max_num_seqs, scratch_bytes / 2**20, row_bytes / 2**20, k, max_num_seqs,
         )  # fmt: skip
     num_slots = engine_config.num_state_slots or max_num_seqs
     spec_rows = 0
