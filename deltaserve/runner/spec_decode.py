@@ -4,12 +4,13 @@
 A verify chunk (ScheduledSeq.num_draft_tokens = k > 0) is a decode of 1 + k tokens: the row's last sampled token
 (RequestTable.last_sampled) and its k drafts (SpecDecoder.draft_tokens, written on the device by the drafter after
 the row's previous step). Its tokens sit after the plain decode rows and before the prefill chunks, attention runs
-them as a varlen causal chunk, and the GDN layers run the multi-token recurrent kernels that keep the state after
-every token in scratch (kernels/gdn_spec.py). Every one of the 1 + k positions gets logits and is sampled by the
-ordinary sampler (position j of a row samples as the row's output j: seeds and min_tokens follow); the rejection
-rule (sampler/rejection.py) turns those into the accepted tokens, and the state after the last accepted token is
-copied into the live slot. All of that stays on the device: the host learns the accepted tokens when it collects
-the step, as it learns any sampled token.
+them as a varlen causal chunk, and the GDN layers run the multi-token recurrent kernels that read the live state,
+keep each token's conv window and delta-rule inputs in scratch and write no state (kernels/gdn_spec.py). Every one
+of the 1 + k positions gets logits and is sampled by the ordinary sampler (position j of a row samples as the row's
+output j: seeds and min_tokens follow); the rejection rule (sampler/rejection.py) turns those into the accepted
+tokens, and the commit moves the live slot to the state after the last accepted token (the conv window copied, the
+accepted tokens replayed on the recurrent state). All of that stays on the device: the host learns the accepted
+tokens when it collects the step, as it learns any sampled token.
 
 The drafter is any object with `propose(DraftInputs) -> [R, k_max]` tokens; it runs after every forward (the MTP
 drafter keeps its own KV on every step's tokens), so a row has drafts for its next decode whether its last step was
@@ -354,13 +355,12 @@ class SpecDecoder:
         return seq_tokens
 
     def commit(self, handle: SpecHandle) -> None:
-        """Rolls each verify chunk's GDN state back to its last accepted token: scratch entry [s, accepted_s] into
-        the live slot, every GDN layer (handle.num_emitted [S] set by accept, or on a rank other than 0 received
-        from rank 0: runner/spec_ranks.py)."""
+        """Moves each verify chunk's GDN state to its last accepted token: conv scratch entry [s, accepted_s] into
+        the live slot, and tokens 0 .. accepted_s replayed on the live recurrent state, every GDN layer
+        (handle.num_emitted [S] set by accept, or on a rank other than 0 received from rank 0: runner/spec_ranks.py)."""
         slots = to_device(handle.layout.state_slots, torch.int32, handle.num_emitted.device)
         # the step's widest chunk: the eager forward's columns, or fewer than a verify graph's 1 + k (a deferred
-        # step); either way a chunk that accepted all its columns has its state in the live slot (padded columns
-        # repeat the last real state), so the commit copies only shorter runs (kernels/gdn_spec.py)
+        # step); the replay never runs past it, nor past a chunk's accepted tokens (kernels/gdn_spec.py)
         width = handle.layout.token_index.shape[1]
         commit_gdn_states(self.model, self.gdn_stacks, slots, handle.num_emitted - 1, width)
         if self.model.mtp is not None:  # the live slot's hidden row follows the rollback (runner/mtp_resume.py)

@@ -28,9 +28,9 @@ the emitted tokens and their counts, copied into static buffers on the device (d
 row and max_seq_len = max_model_len (a host bound) are fixed at fill time. A step launched with deferred sampling
 (grammars) commits and drafts eagerly from the gathered copies instead: another step may replay the shared
 buffers before its sample() runs. A plain decode row runs through the verify kernels as a chunk of one token
-padded to W, so its conv slot is written only by the post-sampling graph's commit (entry num_emitted - 1 = 0; its
-recurrent state, repeated across the padded columns, the forward leaves in the live slot): without that graph
-(another drafter, or a deferred step) a step with plain decode rows runs eager.
+padded to W, so its slots are written only by the post-sampling graph's commit (conv entry num_emitted - 1 = 0, and
+its one token replayed on the recurrent state): without that graph (another drafter, or a deferred step) a step
+with plain decode rows runs eager.
 
 With a k policy, a post-sampling graph is captured per draft count a plan may ask for (StepPlan.num_drafts_next,
 0 .. k): its chained passes stop there, and at 0 the MTP layer's first pass runs alone.
@@ -211,10 +211,10 @@ class VerifyGraphs:
         self.model.compute_logits(hidden, out=self.logits[:num_tokens])
 
     def _after_accept(self, size: int, num_drafts: int) -> None:
-        """What follows the accept step, over the bucket's rows: each GDN layer's live slot <- the scratch entry of
-        the last accepted token (runner/spec_commit.py), the MTP layer's slot hidden row <- that token's hidden state,
-        then the MTP drafter (runner/mtp_drafter.py) over the padded rows and its chained passes up to num_drafts
-        drafts (0: the first pass alone), into draft_tokens. The eager twins are SpecDecoder.commit and
+        """What follows the accept step, over the bucket's rows: each GDN layer's live slot <- the state after the
+        last accepted token (runner/spec_commit.py: the conv window copied, the accepted tokens replayed), the MTP
+        layer's slot hidden row <- that token's hidden state, then the MTP drafter (runner/mtp_drafter.py) over the
+        padded rows and its chained passes up to num_drafts drafts (0: the first pass alone), into draft_tokens. The eager twins are SpecDecoder.commit and
         SpecDecoder.propose with the MtpDrafter."""
         num_tokens = size * self.width
         model, mtp = self.model, self.model.mtp

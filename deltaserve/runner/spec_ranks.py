@@ -1,11 +1,11 @@
 """Speculative decoding under tensor parallelism: what rank 0's accept decision tells the other ranks
 (docs/speculative-decoding.md#tensor-parallelism).
 
-Every rank runs a verify chunk's forward on its shard and keeps its own shard's per-token GDN states in scratch; only
+Every rank runs a verify chunk's forward on its shard and keeps its own shard's per-token GDN scratch; only
 rank 0 samples and applies the accept rule (it alone holds the gathered logits, the sampler's generators and the
 grammars' masks). One broadcast over the device group then carries, in one int64 buffer, what every rank needs to
 stay in step: each sampling sequence's next input token [n], and for the step's verify chunks their emitted tokens
-[S, W] (-1 padding) and emitted counts [S]. With them a rank commits the same scratch entry into its live slots,
+[S, W] (-1 padding) and emitted counts [S]. With them a rank commits the same accepted tokens into its live slots,
 records the same last sampled tokens and feeds its MTP drafter the same inputs, so its drafts (argmax over the
 gathered draft logits) are rank 0's. A step without verify chunks broadcasts the [n] tokens alone, as before
 speculation. Both sides size the buffer from the plan alone.
