@@ -214,8 +214,8 @@ class VerifyGraphs:
         """What follows the accept step, over the bucket's rows: each GDN layer's live slot <- the state after the
         last accepted token (runner/spec_commit.py: the conv window copied, the accepted tokens replayed), the MTP
         layer's slot hidden row <- that token's hidden state, then the MTP drafter (runner/mtp_drafter.py) over the
-        padded rows and its chained passes up to num_drafts drafts (0: the first pass alone), into draft_tokens. The eager twins are SpecDecoder.commit and
-        SpecDecoder.propose with the MtpDrafter."""
+        padded rows and its chained passes up to num_drafts drafts (0: the first pass alone), into draft_tokens.
+        The eager twins are SpecDecoder.commit and SpecDecoder.propose with the MtpDrafter."""
         num_tokens = size * self.width
         model, mtp = self.model, self.model.mtp
         slots = self.state_indices[:size]
