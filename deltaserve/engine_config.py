@@ -99,6 +99,10 @@ class EngineConfig:
     # (FlashInfer's paged prefill) for the prefill rows, refused at start-up where they cannot run
     # (runner/device_setup.py); vLLM's other values are refused here (docs/attention-backends.md)
     attention_backend: str | None = None
+    # vLLM's --jit-monitor-mode / --jit-monitor-verbose (runner/jit_monitor.py): a Triton kernel compiled after
+    # start-up is logged once ("warn") or fails its step ("error"); verbose logs every compile with its signature
+    jit_monitor_mode: str = "warn"
+    jit_monitor_verbose: bool = False
 
     @property
     def chains_verifies(self) -> bool:
@@ -110,6 +114,7 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         check_gdn_prefill_backend(self.gdn_prefill_backend)
+        check_jit_monitor_mode(self.jit_monitor_mode)
         if self.gdn_prefill_backend == "auto":
             object.__setattr__(self, "gdn_prefill_backend", None)
         object.__setattr__(self, "attention_backend", check_attention_backend(self.attention_backend))
@@ -166,6 +171,15 @@ def check_kv_cache_memory_bytes(value: object) -> None:
         raise ValueError(f"kv_cache_memory_bytes must be an integer number of bytes, got {value!r}")
     if value < 0:
         raise ValueError(f"kv_cache_memory_bytes must be at least 0 (0: not set), got {value}")
+
+
+JIT_MONITOR_MODES = ("warn", "error")
+
+
+def check_jit_monitor_mode(value: object) -> None:
+    """vLLM 0.26's modes (ObservabilityConfig.jit_monitor_mode), refused otherwise in its words."""
+    if value not in JIT_MONITOR_MODES:
+        raise ValueError(f"Unsupported JIT monitor mode: {value!r}")
 
 
 def check_gdn_prefill_backend(value: object) -> None:

@@ -98,6 +98,8 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         quantization=args.quantization,
         gdn_prefill_backend=args.gdn_prefill_backend,
         attention_backend=attention_backend_of(args.attention_backend, args.attention_config),
+        jit_monitor_mode=args.jit_monitor_mode,
+        jit_monitor_verbose=args.jit_monitor_verbose,
     )
 
 

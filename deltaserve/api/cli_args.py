@@ -23,7 +23,7 @@ from deltaserve.api.settings import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
 )
-from deltaserve.engine_config import GDN_PREFILL_BACKENDS, EngineConfig
+from deltaserve.engine_config import GDN_PREFILL_BACKENDS, JIT_MONITOR_MODES, EngineConfig
 
 # Seconds the server drains open requests after SIGTERM / Ctrl-C before it closes them (--timeout-graceful-shutdown).
 DEFAULT_GRACEFUL_SHUTDOWN_S = 30.0
@@ -520,6 +520,14 @@ def _add_http_arguments(add: Any) -> None:
         help="no periodic stats line (throughputs, running / waiting, KV usage, prefix cache hit rate; every "
         "VLLM_LOG_STATS_INTERVAL seconds, default 10)",
     )
+    add(
+        "--jit-monitor-mode",
+        default="warn",
+        choices=JIT_MONITOR_MODES,
+        help="a Triton kernel compiled after start-up (a shape the warm-up missed): logged once (warn) or the step "
+        "that met it fails (error)",
+    )
+    add("--jit-monitor-verbose", action=SWITCH, default=False, help="log every compile after start-up, in full")
     add("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add("--disable-uvicorn-access-log", action=SWITCH, default=False)
     add("--disable-access-log-for-endpoints", default=None, help='paths left out of the access log, e.g. "/health"')

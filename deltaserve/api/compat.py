@@ -100,8 +100,6 @@ TABLE = """
 --interleave-mm-strings | switch | log | multimodal inputs are refused (text-only server)
 --io-processor-plugin | value | log | no pooling I/O processors
 --ir-op-priority | value | log | deltaserve picks its own kernels
---jit-monitor-mode | value | log | no JIT monitor
---jit-monitor-verbose | switch | log | no JIT monitor
 --kernel-config | value | log | deltaserve picks its own kernels
 --kv-cache-dtype | value | warn:auto | the KV cache is kept in the model dtype
 --kv-cache-dtype-skip-layers | list | log | the KV cache is kept in the model dtype

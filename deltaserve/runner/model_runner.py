@@ -40,7 +40,7 @@ from deltaserve.model.context import forward_context
 from deltaserve.model.loader import init_dummy_weights, load_checkpoint
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner import attention_plan, device_setup
+from deltaserve.runner import attention_plan, device_setup, jit_monitor
 from deltaserve.runner import prompt_logprobs as plp
 from deltaserve.runner.cache import allocate_and_bind, copy_kv_blocks, copy_state_slots
 from deltaserve.runner.cuda_graph import DecodeGraphs
@@ -78,6 +78,20 @@ class ModelRunner:
         max_num_batched_tokens: int,
         tp: TensorParallel | None = None,
     ) -> None:
+        with jit_monitor.starting_up():  # what the start-up compiles is its own work
+            self._start(model_config, engine_config, max_model_len, max_num_batched_tokens, tp)
+        # from here a kernel compiled is one the warm-up missed (vLLM's --jit-monitor-mode)
+        jit_monitor.activate(engine_config.jit_monitor_mode, engine_config.jit_monitor_verbose)
+
+    def _start(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        tp: TensorParallel | None,
+    ) -> None:
+        """Weights, the warm-up, the caches and the CUDA graphs."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.tp = tp or TensorParallel.single()

@@ -95,7 +95,7 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--gpu-memory-utilization": "0.8", "--dtype": "bfloat16", "--load-format": "safetensors", "--seed": "1",
           "--block-size": "16", "--override-generation-config": "{}", "--default-chat-template-kwargs": "{}",
           "--reasoning-parser": "qwen3", "--tool-call-parser": "hermes", "--allowed-origins": "[]",
-          "--allowed-methods": '["GET"]', "--allowed-headers": '["x"]', "--uvicorn-log-level": "info",
+          "--allowed-methods": '["GET"]', "--allowed-headers": '["x"]', "--uvicorn-log-level": "info", "--jit-monitor-mode": "error",
           "--chat-template-content-format": "string", "--max-logprobs": "5", "--ssl-cert-reqs": "0",
           "--h11-max-incomplete-event-size": "4096", "--mm-processor-kwargs": "{}",
           "--limit-mm-per-prompt": "{\"image\": 1}",
