@@ -41,7 +41,8 @@ def test_warn_logs_each_kernel_once(caplog: pytest.LogCaptureFixture) -> None:
         jit_monitor.activate("warn")
         for name in ("_gdn_decode_kernel", "_gdn_decode_kernel", "_paged_attn_combine_kernel"):
             _compile(name)
-    assert "Kernel JIT monitor activated; monitored JIT compilations during inference will use mode=warn." in caplog.text
+    activated = "Kernel JIT monitor activated; monitored JIT compilations during inference will use mode=warn."
+    assert activated in caplog.text
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         "Triton kernel JIT compilation during inference: _gdn_decode_kernel. This causes a latency spike; consider "
