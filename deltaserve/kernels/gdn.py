@@ -35,7 +35,7 @@ def _gates(
     return g, beta
 
 
-def _write_slots(
+def write_slots(
     states: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, writes: torch.Tensor, in_place: bool = False
 ) -> None:
     """states[slots[s]] <- values[s] where writes[s], with no host sync. The rows that write nothing cannot be dropped

@@ -27,7 +27,7 @@ import importlib
 import torch
 
 from deltaserve.kernels._dispatch import output, triton_or_ref
-from deltaserve.kernels.gdn import _gates, _l2norm, _write_slots
+from deltaserve.kernels.gdn import _gates, _l2norm, write_slots
 
 # The one head size FlashInfer 0.6.14's SM90 kernel compiles (delta_rule_sm90: "only supports D=128").
 FLASHINFER_HEAD_SIZE = 128
@@ -72,11 +72,11 @@ def _write_final_states(
 ) -> None:
     """final [N, HV, dv, dk] (FlashInfer's layout, overwritten) into ssm_states[state_indices[n]] as [HV, dk, dv], for
     each sequence with a slot >= 0 and at least one token (the ref's rule), without a host sync or another copy of
-    the states (kernels/gdn.py _write_slots, in place in `final`)."""
+    the states (kernels/gdn.py write_slots, in place in `final`)."""
     slots = state_indices.long()
     lengths = query_start_loc[1:] - query_start_loc[:-1]  # [N]
     writes = (slots >= 0) & (lengths > 0)  # [N]
-    _write_slots(ssm_states, slots, final.transpose(-1, -2), writes, in_place=True)  # [N, HV, dk, dv] view
+    write_slots(ssm_states, slots, final.transpose(-1, -2), writes, in_place=True)  # [N, HV, dk, dv] view
 
 
 def gdn_prefill_flashinfer(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels._dispatch import output, triton_or_ref, use_triton
-from deltaserve.kernels.gdn import _gates, _l2norm, _write_slots
+from deltaserve.kernels.gdn import _gates, _l2norm, write_slots
 
 
 def _scatter_rows(out: torch.Tensor, token_index: torch.Tensor, column: int, values: torch.Tensor) -> None:
@@ -196,7 +196,7 @@ def spec_state_commit(
     scratch [s, num_accepted[s]], and the live recurrent state with tokens 0 .. num_accepted[s] of scratch_rows
     [S_max, >= W, R] replayed on it (_column_step, as gdn_verify_ref stepped them). ssm_states [slots, HV, dk, dv]
     gives the heads; A_log, dt_bias [HV] the layer's gates; num_accepted [S] stays on the device. A sequence with
-    slot < 0 commits nothing (_write_slots' anchor, no host sync)."""
+    slot < 0 commits nothing (write_slots' anchor, no host sync)."""
     num_seqs = state_indices.shape[0]
     if num_seqs == 0:
         return
@@ -205,7 +205,7 @@ def spec_state_commit(
     is_live = slots >= 0  # [S]
     accepted = num_accepted.long()
     conv_entry = accepted.clamp(0, scratch_conv.shape[1] - 1)  # never an index outside the scratch
-    _write_slots(conv_states, slots, scratch_conv[seq, conv_entry], is_live)
+    write_slots(conv_states, slots, scratch_conv[seq, conv_entry], is_live)
     num_v_heads, head_k_dim, head_v_dim = ssm_states.shape[1:]
     key = scratch_rows.shape[2] - num_v_heads * head_v_dim - 2 * num_v_heads
     num_k_heads = key // head_k_dim
@@ -214,7 +214,7 @@ def spec_state_commit(
         k_j, v_j, a_j, b_j = _split_row(scratch_rows[:num_seqs, j], num_k_heads, num_v_heads, head_v_dim)
         new = _column_step(state, k_j, v_j, a_j, b_j, A_log, dt_bias)
         state = torch.where((accepted >= j)[:, None, None, None], new, state)
-    _write_slots(ssm_states, slots, state, is_live)
+    write_slots(ssm_states, slots, state, is_live)
 
 
 def spec_state_commit_layers_ref(

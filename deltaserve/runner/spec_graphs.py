@@ -55,6 +55,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from deltaserve.kernels.gdn import write_slots
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cuda_graph import buckets
@@ -389,14 +390,7 @@ class VerifyGraphs:
 
 
 def save_rows(buffer: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """buffer[slots[s]] <- values[s] where slots[s] >= 0, without a host sync: a padded row (slot -1) is aimed at
-    the first live row's slot with that row's value (or, when none is live, at row 0 with its own content), so
-    duplicate indices in index_copy_ carry identical values (spec_state_commit's rule)."""
+    """buffer[slots[s]] <- values[s] where slots[s] >= 0, without a host sync (kernels/gdn.py write_slots: a padded
+    row is aimed at an anchor slot with the value that slot ends with, so duplicate indices carry identical values)."""
     slots = slots.long()
-    is_live = slots >= 0  # [S]
-    first = is_live.int().argmax().view(1)  # [1]
-    any_live = is_live.index_select(0, first)  # [1]
-    anchor = torch.where(any_live, slots.index_select(0, first), 0)  # [1]
-    values = values.to(buffer.dtype)
-    keep = torch.where(any_live, values.index_select(0, first), buffer.index_select(0, anchor))  # [1, H]
-    buffer.index_copy_(0, torch.where(is_live, slots, anchor), torch.where(is_live[:, None], values, keep))
+    write_slots(buffer, slots, values, slots >= 0)
