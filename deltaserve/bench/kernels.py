@@ -7,8 +7,9 @@ and reports the achieved bandwidth as a share of the device's copy bandwidth, me
 with a large device-to-device copy (bytes read + written). Token counts up to --decode-up-to run the
 decode forms (paged attention over --context cached tokens per sequence, conv update, GDN decode, one
 sequence per token); larger counts run the prefill forms on one sequence. `moe_block` times the whole MoE
-block op (router, routing, routed and shared experts) beside `fused_moe`, `gdn_verify_conv` the speculative
-verify step's conv (at decode token counts: that many sequences of 1 + k = 4 tokens), and `linear`
+block op (router, routing, routed and shared experts) beside `fused_moe`, `gdn_verify_conv`, `gdn_verify` and
+`spec_commit` the speculative verify step's conv, delta rule and commit (at decode token counts: that many sequences
+of 1 + k = 4 tokens; the commit of one layer, every token accepted), and `linear`
 kernels.linear on the GDN input projection (the register GEMV at one row, cuBLAS beyond); `fp8_linear` and
 `fp8_fused_moe` the same projection and the routed experts with block-FP8 weights (docs/fp8.md). The decode
 step as a whole, per batch size, is benchmarks/decode_step.py.
@@ -132,6 +133,8 @@ OPS = (
     "causal_conv1d",
     "gdn",
     "gdn_verify_conv",
+    "gdn_verify",
+    "spec_commit",
     "fused_moe",
     "moe_block",
     "linear",
@@ -352,7 +355,64 @@ def _verify_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bo
 
     # x read and y written, the slot's rows read, a window written after every token
     moved = (2 * rows * channels + num_seqs * (width - 1) * channels + rows * (width - 1) * channels) * size
-    return [Case("gdn_verify_conv", "verify", make, call, moved, note=f"{num_seqs} seq x {VERIFY_WIDTH} tokens")]
+    return [
+        Case("gdn_verify_conv", "verify", make, call, moved, note=f"{num_seqs} seq x {VERIFY_WIDTH} tokens"),
+        *_verify_gdn_cases(m, num_seqs, dtype),
+    ]
+
+
+def _verify_gdn_cases(m: ModelShapes, num_seqs: int, dtype: torch.dtype) -> list[Case]:
+    """The verify step's delta rule (reads the live state, stores each token's k, v, a, b) and its commit (one layer:
+    the conv window copied, all 1 + k tokens replayed on the live state, the whole chunk accepted): num_seqs
+    sequences of 1 + k = 4 tokens (docs/speculative-decoding.md#the-commit-one-launch)."""
+    from deltaserve.kernels import gdn_verify, spec_state_commit_layers
+    from deltaserve.kernels.gdn_spec import verify_row_width
+
+    size = dtype.itemsize
+    hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    channels, width = m.conv_dim, m.conv_kernel
+    rows = num_seqs * VERIFY_WIDTH
+    row = verify_row_width(hk, dk, hv, dv)
+    A_log = torch.log(torch.empty(hv, device=DEVICE).uniform_(1, 16))
+    dt_bias = _randn(hv, dtype=dtype, scale=0.5)
+    index = torch.arange(rows, device=DEVICE).view(num_seqs, VERIFY_WIDTH)
+    slots = torch.arange(num_seqs, dtype=torch.int32, device=DEVICE)
+    accepted = torch.full((num_seqs,), VERIFY_WIDTH - 1, dtype=torch.int64, device=DEVICE)
+    state_bytes = num_seqs * hv * dk * dv * 4
+
+    def make_verify() -> tuple[Any, ...]:
+        mixed = _randn(rows, 2 * hk * dk + hv * dv, dtype=dtype)
+        q = mixed[:, : hk * dk].view(rows, hk, dk)
+        k = mixed[:, hk * dk : 2 * hk * dk].view(rows, hk, dk)
+        v = mixed[:, 2 * hk * dk :].view(rows, hv, dv)
+        a, b = _randn(rows, hv, dtype=dtype), _randn(rows, hv, dtype=dtype)
+        states = _randn(num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
+        return q, k, v, a, b, states, torch.empty(num_seqs, VERIFY_WIDTH, row, dtype=dtype, device=DEVICE)
+
+    def verify(s: tuple[Any, ...]) -> object:
+        return gdn_verify(*s[:5], A_log, dt_bias, s[5], slots, index, s[6])
+
+    def make_commit() -> tuple[Any, ...]:
+        conv = _randn(1, num_seqs, width - 1, channels, dtype=dtype)
+        states = _randn(1, num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
+        scratch_conv = _randn(1, num_seqs, VERIFY_WIDTH, width - 1, channels, dtype=dtype)
+        scratch_rows = _randn(1, num_seqs, VERIFY_WIDTH, row, dtype=dtype, scale=0.5)
+        return conv, states, scratch_conv, scratch_rows
+
+    def commit(s: tuple[Any, ...]) -> object:
+        spec_state_commit_layers(*s, A_log[None], dt_bias[None], slots, accepted, VERIFY_WIDTH)
+        return None
+
+    # verify: q, k, v, a, b read, o written, the state read, a row stored a token
+    verify_bytes = rows * (2 * hk * dk + 2 * hv * dv + 2 * hv + row) * size + state_bytes
+    # commit: the state read and written, the tokens' rows read, a conv window copied
+    commit_bytes = 2 * state_bytes + rows * row * size + 2 * num_seqs * (width - 1) * channels * size
+    flops = 8 * rows * hv * dk * dv
+    note = f"{num_seqs} seq x {VERIFY_WIDTH} tokens, fp32 state"
+    return [
+        Case("gdn_verify", "verify", make_verify, verify, verify_bytes, flops, note),
+        Case("spec_commit", "verify", make_commit, commit, commit_bytes, flops, note + ", all accepted"),
+    ]
 
 
 def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
