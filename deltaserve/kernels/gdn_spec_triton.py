@@ -97,16 +97,18 @@ def _gdn_verify_kernel(
     p_r = rows_ptr + i_s * stride_r_seq
     writes_k = is_live & (i_v == 0) & (i_h % GROUP == 0)
     writes_ab = is_live & (i_v == 0)
+    p_ti = token_index_ptr + i_s * stride_ti_seq
+    # Token j + 1's index and row are loaded before token j computes (carried in registers), so their latency
+    # overlaps the step's reductions instead of preceding them; the arithmetic is unchanged.
+    i_row, is_real, b_q, b_k, b_v, b_a, b_b = _load_token(
+        p_ti, 0, width, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, i_hk, i_h, o_k, m_k, o_v, m_v,
+        stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
+    )  # fmt: skip
     for j in range(width):
-        i_t = i64(tl.load(token_index_ptr + i_s * stride_ti_seq + j))
-        is_real = i_t >= 0
-        i_row = tl.maximum(i_t, 0)
-        # A padded column (-1) reads nothing: row 0 may not exist in an empty step.
-        b_q = tl.load(q_ptr + i_row * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k & is_real, other=0.0)
-        b_k = tl.load(k_ptr + i_row * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k & is_real, other=0.0)
-        b_v = tl.load(v_ptr + i_row * stride_v_t + i_h * stride_v_h + o_v, mask=m_v & is_real, other=0.0)
-        b_a = tl.load(a_ptr + i_row * stride_a_t + i_h, mask=is_real, other=0.0)
-        b_b = tl.load(b_ptr + i_row * stride_b_t + i_h, mask=is_real, other=0.0)
+        n_row, n_real, n_q, n_k, n_v, n_a, n_b = _load_token(
+            p_ti, j + 1, width, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, i_hk, i_h, o_k, m_k, o_v, m_v,
+            stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
+        )  # fmt: skip
         p_col = p_r + j * stride_r_col
         tl.store(p_col + i_hk * DK + o_k, b_k, mask=m_k & is_real & writes_k)
         tl.store(p_col + HK * DK + i_h * DV + o_v, b_v, mask=m_v & is_real & is_live)
@@ -117,6 +119,25 @@ def _gdn_verify_kernel(
         b_o = tl.sum(b_new * b_q[:, None], axis=0)  # [BV]
         b_s = tl.where(is_real, b_new, b_s)
         tl.store(out_ptr + (i_row * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v & is_real)
+        i_row, is_real, b_q, b_k, b_v, b_a, b_b = n_row, n_real, n_q, n_k, n_v, n_a, n_b
+
+
+@triton.jit
+def _load_token(
+    p_ti, j, width, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, i_hk, i_h, o_k, m_k, o_v, m_v,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
+):  # fmt: skip
+    """Token column j of the chunk: its step row and whether it is real (a padded column, -1, or a column past the
+    step's width reads nothing: row 0 may not exist in an empty step), and its q, k [dk], v [BV], a, b as stored."""
+    i_t = i64(tl.load(p_ti + j, mask=j < width, other=-1))
+    is_real = i_t >= 0
+    i_row = tl.maximum(i_t, 0)
+    b_q = tl.load(q_ptr + i_row * stride_q_t + i_hk * stride_q_h + o_k, mask=m_k & is_real, other=0.0)
+    b_k = tl.load(k_ptr + i_row * stride_k_t + i_hk * stride_k_h + o_k, mask=m_k & is_real, other=0.0)
+    b_v = tl.load(v_ptr + i_row * stride_v_t + i_h * stride_v_h + o_v, mask=m_v & is_real, other=0.0)
+    b_a = tl.load(a_ptr + i_row * stride_a_t + i_h, mask=is_real, other=0.0)
+    b_b = tl.load(b_ptr + i_row * stride_b_t + i_h, mask=is_real, other=0.0)
+    return i_row, is_real, b_q, b_k, b_v, b_a, b_b
 
 
 def gdn_verify_triton(
