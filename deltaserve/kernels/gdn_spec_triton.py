@@ -6,9 +6,9 @@ fp32 and not rounded, gates in fp32: `_delta_step`, which the commit's replay in
 shares), stores each token's output row and the inputs the step consumed into the row scratch entry [s, j] (k by
 the first value head of its group and a, b by the first column block, v by every program for its columns), and
 never writes the live slot: the commit replays the accepted tokens on it. Token j + 1's row is loaded before token j
-computes (`_load_token`), so the loads of one token overlap the reductions of the one before. Padded columns (token_index -1) read no
-row, store nothing and leave the running state as it is. A sequence with slot < 0 (CUDA-graph padding) reads no
-slot, stores no scratch and zero output rows.
+computes (`_load_token`), so the loads of one token overlap the reductions of the one before. Padded columns
+(token_index -1) read no row, store nothing and leave the running state as it is. A sequence with slot < 0
+(CUDA-graph padding) reads no slot, stores no scratch and zero output rows.
 """
 
 from __future__ import annotations
