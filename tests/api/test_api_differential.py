@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from deltaserve.config import ModelConfig
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine_config import EngineConfig
-from deltaserve.runner.cache import bytes_per_block, bytes_per_slot
+from deltaserve.runner.cache import bytes_per_block, bytes_per_slot, verify_row_bytes
 from deltaserve.tiny.trained import trained_model_dir
 
 from . import differential
@@ -59,11 +59,13 @@ def start(model: str, k: int, is_b: bool) -> ServerThread:
     options: dict = {"enable_prefix_caching": False}
     if is_b:
         config = ModelConfig.from_pretrained(model)
-        # the pool's blocks come after the live and checkpoint slots and the verify scratch (<= max_num_seqs rows of
-        # 1 + k slots each): sized so about NUM_BLOCKS remain
-        slots = MAX_NUM_SEQS + NUM_CHECKPOINT_SLOTS + MAX_NUM_SEQS * (k + 1)
-        budget = NUM_BLOCKS * bytes_per_block(config, 16, torch.float32, has_mtp=True) + slots * bytes_per_slot(
-            config, torch.float32, has_mtp=True
+        # the pool's blocks come after the live and checkpoint slots and the verify scratch (<= max_num_seqs rows,
+        # runner/cache.py verify_row_bytes): sized so about NUM_BLOCKS remain
+        slots = MAX_NUM_SEQS + NUM_CHECKPOINT_SLOTS
+        budget = (
+            NUM_BLOCKS * bytes_per_block(config, 16, torch.float32, has_mtp=True)
+            + slots * bytes_per_slot(config, torch.float32, has_mtp=True)
+            + MAX_NUM_SEQS * verify_row_bytes(config, torch.float32, k)
         )
         speculative = {"method": "mtp", "num_speculative_tokens": k, "async_verify": True}
         options = {"max_num_batched_tokens": 64, "cpu_kv_cache_bytes": budget, "prefix_cache_checkpoint_interval": 64,
