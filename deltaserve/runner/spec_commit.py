@@ -46,8 +46,8 @@ GdnStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 def gdn_stacks(model: Qwen35Model) -> GdnStacks | None:
     """Every GDN layer's conv states, recurrent states, conv scratch and row scratch as one [L, ...] view each, and
     its A_log and dt_bias as one [L, HV] copy each (None when any kind does not stack, or the model has no GDN
-    layer). Derived once per verify scratch (SpecDecoder and VerifyGraphs, after it is allocated), not per commit:
-    a few hundred Python calls."""
+    layer). Derived once per verify scratch, by the SpecDecoder that allocates it (its verify graphs take the
+    SpecDecoder's), not per commit: a few hundred Python calls."""
     mixers = [layer.linear_attn for layer in model.layers if not layer.is_full_attention]
     if not mixers:
         return None

@@ -63,7 +63,7 @@ from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.inputs import StepInputs, StepLayout
 from deltaserve.runner.mtp_drafter import chain_drafts
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_commit import commit_gdn_states, gdn_stacks
+from deltaserve.runner.spec_commit import GdnStacks, commit_gdn_states
 from deltaserve.step import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class VerifyGraphs:
         draft_counts: tuple[int, ...] | None = None,
         width: int | None = None,
         pool: object = None,
+        stacks: GdnStacks | None = None,
     ) -> None:
         """max_batch: the largest bucket (max_verify_batch); draft_tokens: SpecDecoder.draft_tokens [rows + 1, k]
         when the MTP layer drafts (then each bucket gets a post-sampling graph per entry of draft_counts as well;
@@ -111,13 +112,14 @@ class VerifyGraphs:
         buffers (the CPU's way to prove the path); draft_counts: the drafts a step may ask the drafter for
         (StepPlan.num_drafts_next: k alone without the k policy, 0 .. k with it; default (k,)); width: tokens a row
         (default 1 + k; 1: the all-decode steps without verify chunks, see the module docstring); pool: the memory
-        pool of graphs captured before (None: the first capture makes one)."""
+        pool of graphs captured before (None: the first capture makes one); stacks: the SpecDecoder's gdn_stacks
+        over the verify scratch these graphs commit from (None: the per-layer commit)."""
         width = 1 + num_speculative_tokens if width is None else width
         if max_batch < 1:
             raise ValueError(f"no verify bucket fits: k = {num_speculative_tokens} needs {width} tokens a row, the "
                              f"capture limit is {MAX_CAPTURE_TOKENS}")  # fmt: skip
         self.model = model
-        self.gdn_stacks = gdn_stacks(model)  # the verify scratch is allocated (SpecDecoder) before
+        self.gdn_stacks = stacks
         self.width = width
         self.is_decode = width == 1  # plain decode rows alone: the decode kernels write the live slots
         self.num_speculative_tokens = num_speculative_tokens

@@ -46,7 +46,7 @@ def build_verify_graphs(
     max_batch = max_verify_batch(width - 1, max_num_seqs, spec.max_spec_seqs if width > 1 else max_num_seqs)
     drafts = spec.draft_tokens if isinstance(spec.drafter, MtpDrafter) else None  # else drafting stays eager
     graphs = VerifyGraphs(model, max_batch, k, max_blocks_per_seq, max_model_len, vocab_size, device, block_size,
-                          drafts, capture, draft_counts, width, pool)  # fmt: skip
+                          drafts, capture, draft_counts, width, pool, spec.gdn_stacks)  # fmt: skip
     graphs.capture()
     return graphs
 
