@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from deltaserve.kernels.attention_prefill import PrefillRows
+from deltaserve.kernels.flashinfer_import import import_or_reason
 
 WORKSPACE_BYTES = 128 << 20  # vLLM's FlashInfer workspace (the split-KV scratch), FlashInfer's recommended size
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's prefill compiles
@@ -113,18 +114,9 @@ def unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
         return f"the model dtype is {dtype}, and deltaserve serves FlashInfer's prefill in bfloat16 or float16 only"
     if head_dim not in FLASHINFER_HEAD_DIMS:
         return f"the head size is {head_dim}, and FlashInfer's prefill compiles {FLASHINFER_HEAD_DIMS} only"
-    try:
-        module = importlib.import_module("flashinfer")
-    except Exception as exc:  # a broken install raises more than ImportError (a missing CUDA library, say)
-        return (
-            f"flashinfer does not import ({type(exc).__name__}: {exc}); install flashinfer-python 0.6.14 "
-            "(pip install 'deltaserve[flashinfer]')"
-        )
+    module, reason = import_or_reason("flashinfer")
+    if module is None:
+        return reason
     if getattr(module, "BatchPrefillWithPagedKVCacheWrapper", None) is None:
         return "flashinfer imports but has no BatchPrefillWithPagedKVCacheWrapper (flashinfer-python 0.6.14 has it)"
     return None
-
-
-def flashinfer_version() -> str:
-    """The installed flashinfer's version (for the start-up log)."""
-    return str(getattr(importlib.import_module("flashinfer"), "__version__", "unknown"))

@@ -22,11 +22,10 @@ docs/kernels.md#flashinfers-gdn-prefill.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from deltaserve.kernels._dispatch import output, triton_or_ref
+from deltaserve.kernels.flashinfer_import import import_or_reason
 from deltaserve.kernels.gdn import _gates, _l2norm, write_slots
 
 # The one head size FlashInfer 0.6.14's SM90 kernel compiles (delta_rule_sm90: "only supports D=128").
@@ -167,19 +166,10 @@ def unusable_reason(device: torch.device, dtype: torch.dtype, head_k_dim: int, h
             f"the GPU is compute capability {major}.{minor}, and deltaserve serves FlashInfer's GDN prefill on SM90 "
             "(Hopper, 9.0) only"
         )
-    try:
-        module = importlib.import_module("flashinfer.gdn_prefill")
-    except Exception as exc:  # a broken install raises more than ImportError (a missing CUDA library, say)
-        return (
-            f"flashinfer.gdn_prefill does not import ({type(exc).__name__}: {exc}); install flashinfer-python 0.6.14 "
-            "(pip install 'deltaserve[flashinfer]')"
-        )
+    module, reason = import_or_reason("flashinfer.gdn_prefill")
+    if module is None:
+        return reason
     if getattr(module, "chunk_gated_delta_rule_sm90", None) is None:
         # flashinfer.gdn_kernels sets it to None when its CuTe-DSL kernels do not import; the call would raise later
         return "flashinfer imports but its SM90 GDN prefill kernel does not (nvidia-cutlass-dsl missing or broken)"
     return None
-
-
-def flashinfer_version() -> str:
-    """The installed flashinfer's version (for the start-up log)."""
-    return str(getattr(importlib.import_module("flashinfer"), "__version__", "unknown"))

@@ -14,6 +14,7 @@ from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
 from deltaserve.kernels import attention_fa3, attention_flashinfer, gdn_flashinfer
+from deltaserve.kernels.flashinfer_import import flashinfer_version
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.runner.cache import requested_bytes
 
@@ -103,7 +104,7 @@ def gdn_prefill_backend(
             "leave the flag out, or pass triton, to serve deltaserve's own GDN prefill kernel"
         )
     logger.info("GDN prefill: FlashInfer's chunk_gated_delta_rule (flashinfer %s), as vLLM calls it on SM90; in-step "
-                "prefix-cache checkpoints take deltaserve's kernel", gdn_flashinfer.flashinfer_version())  # fmt: skip
+                "prefix-cache checkpoints take deltaserve's kernel", flashinfer_version())  # fmt: skip
     return "flashinfer"
 
 
@@ -134,7 +135,7 @@ def attention_backend(
             f"--attention-backend {requested}: {library} cannot run here: {reason}. Leave the flag out, or pass "
             "TRITON_ATTN, to serve deltaserve's own attention kernel"
         )
-    version = attention_fa3.vllm_version() if requested == "FLASH_ATTN" else attention_flashinfer.flashinfer_version()
+    version = attention_fa3.vllm_version() if requested == "FLASH_ATTN" else flashinfer_version()
     logger.info("attention: prefill rows through %s (%s), decode and verify rows through deltaserve's kernel",
                 library, version)  # fmt: skip
     return requested
