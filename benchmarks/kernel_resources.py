@@ -315,33 +315,23 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
         qsl = torch.arange(num_seqs + 1, dtype=torch.int32) * length
         slots = torch.arange(num_seqs, dtype=torch.int32)
 
-        def thunk(
-            t: int = t, mixed: torch.Tensor = mixed, qsl: torch.Tensor = qsl, slots: torch.Tensor = slots
-        ) -> object:
-            return gdn_prefill_triton(
-                mixed[:, : hk * dk].view(t, hk, dk),
-                mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk),
-                mixed[:, 2 * hk * dk :].view(t, hv, dv),
-                torch.zeros(t, hv, dtype=bf16),
-                torch.zeros(t, hv, dtype=bf16),
-                torch.zeros(hv),
-                torch.zeros(hv, dtype=bf16),
-                torch.zeros(len(slots), hv, dk, dv),
-                qsl,
-                slots,
-                torch.ones(len(slots), dtype=torch.bool),
-            )
+        # q, k, v (views of the conv output, as served), a, b, A_log, dt_bias: what both kernels take first
+        inputs = (
+            mixed[:, : hk * dk].view(t, hk, dk),
+            mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk),
+            mixed[:, 2 * hk * dk :].view(t, hv, dv),
+            torch.zeros(t, hv, dtype=bf16),
+            torch.zeros(t, hv, dtype=bf16),
+            torch.zeros(hv),
+            torch.zeros(hv, dtype=bf16),
+        )
 
-        def prep(t: int = t, mixed: torch.Tensor = mixed) -> object:
-            return gdn_prefill_prep_triton(
-                mixed[:, : hk * dk].view(t, hk, dk),
-                mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk),
-                mixed[:, 2 * hk * dk :].view(t, hv, dv),
-                torch.zeros(t, hv, dtype=bf16),
-                torch.zeros(t, hv, dtype=bf16),
-                torch.zeros(hv),
-                torch.zeros(hv, dtype=bf16),
-            )
+        def thunk(inputs: tuple = inputs, qsl: torch.Tensor = qsl, slots: torch.Tensor = slots) -> object:
+            states = torch.zeros(len(slots), hv, dk, dv)
+            return gdn_prefill_triton(*inputs, states, qsl, slots, torch.ones(len(slots), dtype=torch.bool))
+
+        def prep(inputs: tuple = inputs) -> object:
+            return gdn_prefill_prep_triton(*inputs)
 
         launches.append((f"gdn_prefill {case}", thunk))
         launches.append((f"gdn_flashinfer_prep {case}", prep))

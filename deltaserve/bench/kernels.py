@@ -271,6 +271,17 @@ def _attention_cases(
     ]
 
 
+def _gdn_inputs(m: ModelShapes, tokens: int, num_seqs: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v (views of one conv output, as served), a, b [tokens, ...] and num_seqs fp32 states."""
+    hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    mixed = _randn(tokens, 2 * hk * dk + hv * dv, dtype=dtype)
+    q = mixed[:, : hk * dk].view(tokens, hk, dk)
+    k = mixed[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
+    v = mixed[:, 2 * hk * dk :].view(tokens, hv, dv)
+    a, b = _randn(tokens, hv, dtype=dtype), _randn(tokens, hv, dtype=dtype)
+    return q, k, v, a, b, _randn(num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
+
+
 def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool) -> list[Case]:
     from deltaserve.kernels import causal_conv1d_prefill, causal_conv1d_update, gdn_decode, gdn_prefill
 
@@ -296,12 +307,7 @@ def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool)
         return causal_conv1d_prefill(s[0], conv_w, s[1], s[3], s[2], s[4])
 
     def make_gdn() -> tuple[Any, ...]:
-        mixed = _randn(tokens, 2 * hk * dk + hv * dv, dtype=dtype)
-        q = mixed[:, : hk * dk].view(tokens, hk, dk)
-        k = mixed[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
-        v = mixed[:, 2 * hk * dk :].view(tokens, hv, dv)
-        a, b = _randn(tokens, hv, dtype=dtype), _randn(tokens, hv, dtype=dtype)
-        states = _randn(num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
+        q, k, v, a, b, states = _gdn_inputs(m, tokens, num_seqs, dtype)
         slots = torch.arange(num_seqs, dtype=torch.int32, device=DEVICE)
         qsl = torch.tensor([0, tokens], dtype=torch.int32, device=DEVICE)
         return q, k, v, a, b, states, slots, qsl, torch.ones(num_seqs, dtype=torch.bool, device=DEVICE)
@@ -381,13 +387,8 @@ def _verify_gdn_cases(m: ModelShapes, num_seqs: int, dtype: torch.dtype) -> list
     state_bytes = num_seqs * hv * dk * dv * 4
 
     def make_verify() -> tuple[Any, ...]:
-        mixed = _randn(rows, 2 * hk * dk + hv * dv, dtype=dtype)
-        q = mixed[:, : hk * dk].view(rows, hk, dk)
-        k = mixed[:, hk * dk : 2 * hk * dk].view(rows, hk, dk)
-        v = mixed[:, 2 * hk * dk :].view(rows, hv, dv)
-        a, b = _randn(rows, hv, dtype=dtype), _randn(rows, hv, dtype=dtype)
-        states = _randn(num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
-        return q, k, v, a, b, states, torch.empty(num_seqs, VERIFY_WIDTH, row, dtype=dtype, device=DEVICE)
+        scratch_rows = torch.empty(num_seqs, VERIFY_WIDTH, row, dtype=dtype, device=DEVICE)
+        return *_gdn_inputs(m, rows, num_seqs, dtype), scratch_rows
 
     def verify(s: tuple[Any, ...]) -> object:
         return gdn_verify(*s[:5], A_log, dt_bias, s[5], slots, index, s[6])
