@@ -93,6 +93,18 @@ def verify_row_width(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v
     return num_k_heads * head_k_dim + num_v_heads * head_v_dim + 2 * num_v_heads
 
 
+def row_key_heads(row_width: int, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
+    """HK of a row scratch entry of R = row_width elements (verify_row_width's inverse, given the state's heads);
+    refuses a width that is not [k | v | a | b]."""
+    key = row_width - num_v_heads * head_v_dim - 2 * num_v_heads
+    num_k_heads = key // head_k_dim
+    assert num_k_heads > 0 and num_k_heads * head_k_dim == key and num_v_heads % num_k_heads == 0, (
+        f"a row of {row_width} elements is not [k | v | a | b] for {num_v_heads} value heads of {head_k_dim} x "
+        f"{head_v_dim}"
+    )
+    return num_k_heads
+
+
 def _split_row(rows: torch.Tensor, num_k_heads: int, num_v_heads: int, head_v_dim: int) -> tuple[torch.Tensor, ...]:
     """rows [S, R] -> k [S, HK, dk], v [S, HV, dv], a [S, HV], b [S, HV] (views)."""
     key = rows.shape[1] - num_v_heads * head_v_dim - 2 * num_v_heads
@@ -207,8 +219,7 @@ def spec_state_commit(
     conv_entry = accepted.clamp(0, scratch_conv.shape[1] - 1)  # never an index outside the scratch
     write_slots(conv_states, slots, scratch_conv[seq, conv_entry], is_live)
     num_v_heads, head_k_dim, head_v_dim = ssm_states.shape[1:]
-    key = scratch_rows.shape[2] - num_v_heads * head_v_dim - 2 * num_v_heads
-    num_k_heads = key // head_k_dim
+    num_k_heads = row_key_heads(scratch_rows.shape[2], num_v_heads, head_k_dim, head_v_dim)
     state = ssm_states.index_select(0, slots.clamp(min=0)).float()  # [S, HV, dk, dv]
     for j in range(min(width, scratch_rows.shape[1])):
         k_j, v_j, a_j, b_j = _split_row(scratch_rows[:num_seqs, j], num_k_heads, num_v_heads, head_v_dim)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2
+from deltaserve.kernels.gdn_spec import row_key_heads
 from deltaserve.kernels.gdn_spec_triton import VERIFY_NUM_WARPS, _delta_step
 from deltaserve.kernels.gdn_triton import _block_v
 
@@ -140,9 +141,7 @@ def spec_state_commit_layers_triton(
         _require_slot_runs(name, t, lead)
     assert A_log.stride(1) == dt_bias.stride(1) == 1 and A_log.stride(0) == dt_bias.stride(0), "gate rows differ"
     num_v_heads, head_k_dim, head_v_dim = ssm_states.shape[2:]
-    key = scratch_rows.shape[3] - num_v_heads * head_v_dim - 2 * num_v_heads
-    num_k_heads = key // head_k_dim
-    assert num_k_heads * head_k_dim == key and num_v_heads % num_k_heads == 0, "scratch_rows: not [k | v | a | b]"
+    num_k_heads = row_key_heads(scratch_rows.shape[3], num_v_heads, head_k_dim, head_v_dim)
     n_conv = conv_states[0, 0].numel()
     conv_blocks = triton.cdiv(n_conv, BLOCK)
     block_v = _block_v(head_v_dim)  # the verify kernel's column block: the same tile, the same reduction
