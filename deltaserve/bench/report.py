@@ -30,6 +30,7 @@ from typing import Any
 from deltaserve.bench import records_index
 from deltaserve.bench.deviations import DEVIATIONS, Deviation, deviations_in
 from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT
+from deltaserve.bench.grid import HIT_RATE as RUN_HIT_RATE
 
 DEFAULT_RESULTS = DEFAULT_RESULT_DIR
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "BENCHMARKS.md"
@@ -72,13 +73,15 @@ def _has_hit_rates(entries: list[dict[str, Any]]) -> bool:
     return any("subject_prefix_cache_hit_rate" in e for e in entries)
 
 
+def _percent(value: Any) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"
+
+
 def _hit_rates(entry: dict[str, Any]) -> str:
     """Both engines' prefix-cache hit rates (cached / prompt tokens, from their /metrics) at a ratio's point."""
-
-    def percent(value: Any) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f} %"
-
-    return f"{percent(entry.get('subject_prefix_cache_hit_rate'))} / {percent(entry.get('peer_prefix_cache_hit_rate'))}"
+    return (
+        f"{_percent(entry.get('subject_prefix_cache_hit_rate'))} / {_percent(entry.get('peer_prefix_cache_hit_rate'))}"
+    )
 
 
 def _has_acceptance(entries: list[dict[str, Any]]) -> bool:
@@ -287,11 +290,16 @@ def _standing_table(stem: str, record: dict[str, Any], model: str, notes: Notes)
             header.append("mean acceptance length (subject / peer)")
         return _table(header, rows)
     rows = []
-    for r in sorted(_runs(record, model), key=lambda r: (r["isl"], r["osl"], r["concurrency"], r["arm"])):
+    runs = sorted(_runs(record, model), key=lambda r: (r["isl"], r["osl"], r["concurrency"], r["arm"]))
+    # the server's own hit rate, where it reported one: a cache hit on random data is a measured prompt sent before
+    has_hits = any(RUN_HIT_RATE in (r.get("metrics") or {}) for r in runs)
+    for r in runs:
         m = r.get("metrics") or {}
         cells = [_num(m.get("output_throughput")), _num(m.get("median_ttft_ms")), _num(m.get("median_tpot_ms"), 2)]
+        cells += [_percent(m.get(RUN_HIT_RATE))] if has_hits else []
         rows.append([f"{r['isl']}/{r['osl']}", str(r["concurrency"]), r["arm"], *cells])
-    return _table(["ISL/OSL", "conc", "arm (no peer)", "out tok/s", "TTFT med ms", "TPOT med ms"], rows)
+    header = ["ISL/OSL", "conc", "arm (no peer)", "out tok/s", "TTFT med ms", "TPOT med ms"]
+    return _table([*header, *(["prefix cache hit rate"] if has_hits else [])], rows)
 
 
 def _standing(records: Records, notes: Notes, cite: Callable[[str], str]) -> list[str]:

@@ -590,3 +590,15 @@ def test_a_warmup_point_runs_first_and_stays_out_of_the_runs(
     assert late["launches"] == [] and late["skipped"][0]["reason"] == "deadline"
     config.warmup_point = False
     assert not Grid(config, tmp_path / "late", record_name="late", deadline_s=100)._is_past_deadline(30.0 + 40.0)
+
+
+def test_a_grid_without_a_peer_shows_the_servers_hit_rate() -> None:
+    """A run that a server answered from its prefix cache shows it in the standing table, peer or none: random data
+    shares nothing, so a hit there is a prompt the server saw before (h100_long-27b-20261206-s31: 99.6 % at c1)."""
+    run = _run("ds", 1, {"output_throughput": 1.0, "server_prefix_cache_hit_rate": 0.996}) | {
+        "client_command_line": "x"
+    }
+    record = {"grid": "long", "host": {"date": "2026-12-06"}, "models": [{"name": "m"}], "runs": [run], "ratios": []}
+    assert "| 99.6 % |" in report.render([("rec", record)], {})
+    del run["metrics"]["server_prefix_cache_hit_rate"]  # a server that reports none: no column
+    assert "prefix cache hit rate" not in report.render([("rec", record)], {})
