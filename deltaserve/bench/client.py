@@ -236,6 +236,9 @@ class LoadOptions:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     num_warmups: int = 0
+    # the prompts the warm-ups send (--warmup-distinct: drawn apart from the measured ones); empty: the first
+    # measured request, as vLLM's client sends it
+    warmup_requests: list[SampleRequest] = field(default_factory=list)
     seed: int = 0
     request_id_prefix: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:8]}-")
     is_tqdm_disabled: bool = False
@@ -285,11 +288,11 @@ async def run_load(
             return result
 
         if load.num_warmups > 0 and requests:
-            first = requests[0]
-            payload = load.payload(first, sampling)
+            pool = load.warmup_requests or requests[:1]
+            chosen = [pool[i % len(pool)] for i in range(load.num_warmups)]
             warmups = [
-                limited(payload, first.prompt_len, f"{load.request_id_prefix}warmup-{i}", None)
-                for i in range(load.num_warmups)
+                limited(load.payload(w, sampling), w.prompt_len, f"{load.request_id_prefix}warmup-{i}", None)
+                for i, w in enumerate(chosen)
             ]
             warm_results = await asyncio.gather(*warmups)
             num_failed = sum(1 for r in warm_results if not r.is_success)

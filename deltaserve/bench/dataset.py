@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 MAX_DECODE_RETRIES = 10
 MAX_SERVER_RETRIES = 5
 NUM_ALIGN_IN_FLIGHT = 32
+# Warm-ups drawn apart (the client's --warmup-distinct, the grid's warm-up point) use their seed moved by this, so
+# they share no prompt (and, for prefix_repetition, no prefix) with the measured requests of any point.
+WARMUP_SEED_SHIFT = 1_000_000_007
 
 
 class Tokenizer(Protocol):

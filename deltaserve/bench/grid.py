@@ -37,6 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from deltaserve.bench.dataset import WARMUP_SEED_SHIFT
 from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
 from deltaserve.bench.peer_refusals import known_refusals, refusal_key, relaunch_count, with_max_num_seqs
@@ -59,18 +60,31 @@ def _interrupt(signum: int, frame: object) -> None:
     raise GridInterrupted(f"signal {signum}")
 
 
-def run_seed(config: GridConfig, isl: int, osl: int, concurrency: int) -> int:
+def run_seed(config: GridConfig, isl: int, osl: int, concurrency: int, is_warmup: bool = False) -> int:
     """The dataset seed of one point: the grid's seed moved by the point, so that no two runs of an arm send the same
     prompts. With one seed for all, each run's prompts began with the previous run's (the random dataset draws in
     order), and a server with prefix caching on (deltaserve's default, vLLM's from 0.34) hit them: ~25 % of the
     prompt tokens at c8 and c32 on the 27B, worth x1.05 / x1.13 output throughput against the same server with it off
     (grids/h200_prefix_random-27b-20261206-s27.json), a lead a peer with caching off could not have. The same for
-    every arm of the point, and for its drift run."""
-    return config.seed + 1009 * concurrency + 10007 * isl + osl
+    every arm of the point, and for its drift run. A launch's warm-up point (`is_warmup`) draws apart from the point
+    it warms: with the point's own seed its prompts were the measured run's, and the 27B's first long point hit 99.6 %
+    of its prompt tokens (grids/h100_long-27b-20261206-s31.json)."""
+    seed = config.seed + 1009 * concurrency + 10007 * isl + osl
+    return seed + WARMUP_SEED_SHIFT if is_warmup else seed
 
 
-def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurrency: int, raw_name: str) -> list[str]:
-    """The `deltaserve bench serve` flags for one run: identical for every arm except the server's URL."""
+def client_argv(
+    launch: Launch,
+    config: GridConfig,
+    isl: int,
+    osl: int,
+    concurrency: int,
+    raw_name: str,
+    is_warmup: bool = False,
+) -> list[str]:
+    """The `deltaserve bench serve` flags for one run: identical for every arm except the server's URL. The client's
+    warm-up requests send prompts of their own (--warmup-distinct): vLLM's client re-sends the first measured prompt,
+    which a caching server then answers from its cache (one prompt of each long point's four at c1)."""
     return [
         "--base-url", launch.base_url,
         "--tokenizer", expand(launch.model.path, {}),
@@ -80,7 +94,8 @@ def client_argv(launch: Launch, config: GridConfig, isl: int, osl: int, concurre
         "--num-prompts", str(config.num_prompts(concurrency)),
         "--max-concurrency", str(concurrency),
         "--num-warmups", str(config.num_warmups),
-        "--seed", str(run_seed(config, isl, osl, concurrency)),
+        "--seed", str(run_seed(config, isl, osl, concurrency, is_warmup)),
+        "--warmup-distinct",
         "--disable-tqdm",
         "--label", raw_name,
         *config.client_args,
@@ -350,7 +365,7 @@ class Grid:
 
         isl, osl, concurrency = point
         raw_name = f"{arm.name}-{model.name}-{isl}x{osl}-c{concurrency}-warmup"
-        argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name)
+        argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name, is_warmup=True)
         started = time.monotonic()
         summary: dict[str, Any] = {"point": f"{isl}x{osl}-c{concurrency}", "error": None}
         try:

@@ -43,7 +43,7 @@ from typing import Any
 
 from deltaserve.bench._extra import MissingExtraError, require
 from deltaserve.bench.client import LoadOptions, RequestResult, SamplingOptions, run_load
-from deltaserve.bench.dataset import align_with_server, sample_random
+from deltaserve.bench.dataset import WARMUP_SEED_SHIFT, SampleRequest, align_with_server, sample_random
 from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
 from deltaserve.bench.dataset_prefix import PrefixOptions, align_like_vllm, sample_prefix_repetition
 from deltaserve.bench.metrics import compute_metrics, parse_goodput, parse_metric_names, parse_percentiles
@@ -122,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--num-warmups", type=int, default=0)
+    load.add_argument(
+        "--warmup-distinct",
+        action="store_true",
+        help="warm-ups send prompts drawn apart from the measured ones (vLLM's client sends the first measured "
+        "prompt, which a server with prefix caching then serves from its cache)",
+    )
     load.add_argument("--request-id-prefix", default=None)
     load.add_argument("--disable-tqdm", action="store_true")
 
@@ -203,6 +209,39 @@ def prefix_options(args: argparse.Namespace) -> PrefixOptions:
     )
 
 
+def _sample(
+    args: argparse.Namespace, tokenizer: Any, num_requests: int, seed: int, input_len: int, output_len: int
+) -> list[SampleRequest]:
+    """`num_requests` requests of the chosen dataset (not multi-turn) drawn with `seed`."""
+    if args.dataset_name == "prefix_repetition":
+        prefix = prefix_options(args)
+        # the dataset needs a request a prefix at least: a few warm-ups take the first of a full draw
+        drawn = sample_prefix_repetition(tokenizer, max(num_requests, prefix.num_prefixes), prefix, seed=seed)
+        return drawn[:num_requests]
+    common = {"input_len": input_len, "output_len": output_len, "range_ratio": args.random_range_ratio}
+    if args.dataset_name == "random-mm":
+        return sample_random_mm(
+            tokenizer, num_requests, mm_options(args), prefix_len=args.random_prefix_len, seed=seed, **common
+        )
+    return sample_random(tokenizer, num_requests, prefix_len=args.random_prefix_len, seed=seed, **common)
+
+
+async def _align(
+    args: argparse.Namespace,
+    base_url: str,
+    request_model: str,
+    requests: list[SampleRequest],
+    tokenizer: Any,
+    seed: int,
+) -> tuple[list[SampleRequest], bool]:
+    """vLLM's alignment of text-only prompts with the server's tokenizer; returns (requests, whether it ran)."""
+    aiohttp = require("aiohttp")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        if args.dataset_name == "prefix_repetition":
+            return await align_like_vllm(session, base_url, request_model, requests)
+        return await align_with_server(session, base_url, request_model, requests, tokenizer, seed)
+
+
 def check_endpoint(args: argparse.Namespace) -> bool:
     """vLLM's pairing rules: random-mm needs openai-chat, whose URL must end in chat/completions (a chat payload
     sent to /v1/completions would fail every request). Returns whether the run is a chat run; raises ValueError."""
@@ -260,44 +299,24 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
     is_multi_turn = args.dataset_name == MULTI_TURN
     is_prefix = args.dataset_name == "prefix_repetition"
     prefix = prefix_options(args)
-    if is_multi_turn:
+    if is_multi_turn:  # its warm-up message shares nothing with the conversations already
         turn_options = multi_turn_options(args)
         conversations = sample_conversations(tokenizer, turn_options, args.seed)
         requests = []
-    elif is_prefix:
-        requests = sample_prefix_repetition(tokenizer, args.num_prompts, prefix, seed=args.seed)
-    elif is_mm:
-        requests = sample_random_mm(
-            tokenizer,
-            args.num_prompts,
-            mm_options(args),
-            input_len=input_len,
-            output_len=output_len,
-            range_ratio=args.random_range_ratio,
-            prefix_len=args.random_prefix_len,
-            seed=args.seed,
-        )
     else:
-        requests = sample_random(
-            tokenizer,
-            args.num_prompts,
-            input_len=input_len,
-            output_len=output_len,
-            range_ratio=args.random_range_ratio,
-            prefix_len=args.random_prefix_len,
-            seed=args.seed,
-        )
+        requests = _sample(args, tokenizer, args.num_prompts, args.seed, input_len, output_len)
+        if args.warmup_distinct and args.num_warmups > 0:
+            load.warmup_requests = _sample(
+                args, tokenizer, args.num_warmups, args.seed + WARMUP_SEED_SHIFT, input_len, output_len
+            )
     is_server_aligned = False
     # vLLM aligns the text-only random and prefix_repetition datasets with the server's tokenizer
     if not args.no_server_tokenize and not is_mm and not is_multi_turn:
-        aiohttp = require("aiohttp")
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            if is_prefix:
-                requests, is_server_aligned = await align_like_vllm(session, base_url, request_model, requests)
-            else:
-                requests, is_server_aligned = await align_with_server(
-                    session, base_url, request_model, requests, tokenizer, args.seed
-                )
+        requests, is_server_aligned = await _align(args, base_url, request_model, requests, tokenizer, args.seed)
+        if load.warmup_requests:
+            load.warmup_requests, _ = await _align(
+                args, base_url, request_model, load.warmup_requests, tokenizer, args.seed + WARMUP_SEED_SHIFT
+            )
 
     sampling = SamplingOptions(
         temperature=args.temperature,
@@ -369,6 +388,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
             "random_range_ratio": args.random_range_ratio,
             "random_prefix_len": args.random_prefix_len,
             "num_warmups": args.num_warmups,
+            "warmup_distinct": bool(args.warmup_distinct and args.num_warmups > 0 and not is_multi_turn),
             "seed": args.seed,
             "temperature": args.temperature,
             "ignore_eos": is_ignore_eos,

@@ -1,16 +1,16 @@
 """A stand-in OpenAI-compatible server with vLLM's surface, for testing the benchmark client and the grid.
 
-It serves /health, /version, /v1/models (with `root`), /tokenize, /detokenize and streaming /v1/completions
-(one SSE event per token after `--ttft-ms`, `--itl-ms` apart, then a usage-only event and [DONE]), using the
-`tokenizers` library on the checkpoint's tokenizer.json. Streaming /v1/chat/completions answers the same way
-(a role chunk with the first token, then content deltas) and counts each image_url part (a base64 data URL that
-Pillow must open) as FAKE_IMAGE_TOKENS prompt tokens, over every message (string or parts content); its request
-bodies are kept in app[CHAT_BODIES]. For multi-turn tests, `has_prefix_cache` reports
+It serves /health, /version, /v1/models (with `root`), /tokenize, /detokenize and streaming /v1/completions (one SSE
+event per token after `--ttft-ms`, `--itl-ms` apart, then a usage-only event and [DONE]), using the `tokenizers`
+library on the checkpoint's tokenizer.json. Streaming /v1/chat/completions answers the same way (a role chunk with
+the first token, then content deltas) and counts each image_url part (a base64 data URL that Pillow must open) as
+FAKE_IMAGE_TOKENS prompt tokens, over every message (string or parts content); its request bodies are kept in
+app[CHAT_BODIES] (/v1/completions' in app[COMPLETION_BODIES]). For multi-turn tests, `has_prefix_cache` reports
 usage.prompt_tokens_details.cached_tokens as a toy prefix cache would (the longest common prefix of the prompt's
 token ids with any earlier chat prompt's) and exports its token totals on /metrics under vLLM's counter names (the
-hits split over two engine labels, as a data-parallel vLLM reports them), and `is_answer_per_request` makes answer
-i start at token t{i}, so each answer differs from the others. Run as a script it is a grid arm:
-`python tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
+hits split over two engine labels, as a data-parallel vLLM reports them), and `is_answer_per_request` makes answer i
+start at token t{i}, so each answer differs from the others. Run as a script it is a grid arm: `python
+tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 FAKE_IMAGE_TOKENS = 64
 CHAT_BODIES = web.AppKey("chat_bodies", list)
+COMPLETION_BODIES = web.AppKey("completion_bodies", list)
 
 
 def make_word_tokenizer(model_dir: Path, vocab_size: int = 1000) -> Path:
@@ -84,9 +85,12 @@ def build_app(
             body = await request.json()
             return web.json_response({"prompt": tokenizer.decode(body["tokens"], skip_special_tokens=False)})
 
+    completion_bodies: list[dict[str, Any]] = []
+
     @routes.post("/v1/completions")
     async def completions(request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = await request.json()
+        completion_bodies.append(body)
         num_prompt = len(tokenizer.encode(body["prompt"], add_special_tokens=False).ids)
         num_tokens = int(body.get("max_tokens", 16))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -194,6 +198,7 @@ def build_app(
 
     app = web.Application()
     app[CHAT_BODIES] = chat_bodies
+    app[COMPLETION_BODIES] = completion_bodies
     app.add_routes(routes)
     return app
 

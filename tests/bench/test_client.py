@@ -174,3 +174,34 @@ def test_server_without_tokenize_keeps_local_prompts(word_model: Path) -> None:
     for url in serve_in_thread(build_app(word_model, has_tokenize=False)):
         aligned, is_aligned = asyncio.run(align(url))
     assert not is_aligned and aligned == requests
+
+
+@pytest.mark.parametrize("dataset", ["random", "prefix_repetition"])
+def test_distinct_warmups_share_no_prompt_with_the_measured_requests(
+    word_model: Path, patch_tokenizer: WordTokenizer, dataset: str
+) -> None:
+    """vLLM's client warms up with the first measured prompt, which a server with prefix caching then answers from
+    its cache; --warmup-distinct draws the warm-up prompts apart (for prefix_repetition, apart prefixes too)."""
+    from .fake_server import COMPLETION_BODIES
+
+    argv = ["--dataset-name", dataset, "--num-prompts", "8", "--max-concurrency", "2", "--num-warmups", "2"]
+    argv += ["--random-input-len", "24", "--random-output-len", "2", "--disable-tqdm", "--seed", "5"]
+    argv += ["--prefix-repetition-prefix-len", "16", "--prefix-repetition-suffix-len", "8"]
+    argv += ["--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "2"]
+    for is_distinct in (False, True):
+        app = build_app(word_model, ttft_ms=1.0, itl_ms=0.0)
+        bodies = app[COMPLETION_BODIES]
+        for base_url in serve_in_thread(app):
+            record = run_bench(
+                parse_bench_args(["--base-url", base_url, *argv, *(["--warmup-distinct"] * is_distinct)])
+            )
+        assert record["completed"] == 8 and record["warmup_distinct"] is is_distinct
+        warm = [body["prompt"].split() for body in bodies[:2]]
+        measured = [body["prompt"].split() for body in bodies[2:]]
+        assert len(measured) == 8
+        if not is_distinct:  # vLLM's behaviour: both warm-ups re-send the first measured prompt
+            assert warm[0] == warm[1] and warm[0] in measured
+            continue
+        head = 16 if dataset == "prefix_repetition" else 8  # no measured prompt starts like a warm-up
+        assert all(w[:head] != m[:head] for w in warm for m in measured), (warm, measured)
+        assert all(len(w) == len(measured[0]) for w in warm)  # the same shapes as the measured requests

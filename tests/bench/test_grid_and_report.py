@@ -145,6 +145,12 @@ def test_each_point_draws_its_own_prompts_and_every_arm_the_same(tmp_path: Path)
     points = [(isl, osl, c) for isl, osl in [(1024, 128), (16384, 128)] for c in (1, 8, 32, 64)]
     seeds = [seed(launches[0], *point) for point in points]
     assert len(set(seeds)) == len(points), seeds
+    # a launch's warm-up point draws apart from every measured point (h100_long-27b-20261206-s31: 99.6 % hits)
+    warm = grid_module.client_argv(launches[0], config, 1024, 128, 1, "x", is_warmup=True)
+    assert warm[warm.index("--seed") + 1] not in seeds
+    assert "--warmup-distinct" in warm and "--warmup-distinct" in grid_module.client_argv(
+        launches[0], config, 1, 1, 1, "x"
+    )
     for launch in launches[1:]:
         assert [seed(launch, *point) for point in points] == seeds
 
