@@ -568,12 +568,32 @@ def _select(items: list[Any], names: str | None, skip: str | None, what: str) ->
     return chosen
 
 
+def select_lengths(lengths: list[tuple[int, int]], spec: str) -> list[tuple[int, int]]:
+    """The grid's (ISL, OSL) pairs that `spec` ("16384x128,65536x128") names, in the grid's order; a pair the grid
+    does not have is refused (a grid's points are its own, not a command line's)."""
+    try:
+        asked = {tuple(int(n) for n in item.split("x")) for item in spec.split(",")}
+    except ValueError:
+        raise ValueError(f"--lengths {spec!r}: expected ISLxOSL pairs, e.g. 16384x128") from None
+    unknown = sorted(pair for pair in asked if pair not in set(lengths))
+    if unknown or any(len(pair) != 2 for pair in asked):
+        have = ", ".join(f"{i}x{o}" for i, o in lengths)
+        raise ValueError(f"--lengths {spec!r}: the grid has {have}")
+    return [pair for pair in lengths if pair in asked]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="grid TOML file")
     parser.add_argument("--arms", default=None, help="comma-separated arms to run (default all, in config order)")
     parser.add_argument("--skip-arms", default=None, help="comma-separated arms to leave out")
     parser.add_argument("--models", default=None, help="comma-separated models to run (default all)")
     parser.add_argument("--concurrencies", default=None, help="override, e.g. 1,8,32")
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="run only these of the grid's (ISL, OSL) pairs, e.g. 16384x128: the peer's batch budget follows the "
+        "longest prompt run (the registry's 2 x ISL), so a card that cannot hold the longest still runs the others",
+    )
     parser.add_argument("--no-drift", action="store_true", help="skip the drift re-run of the first arm")
     parser.add_argument("--result-dir", type=Path, default=None, help=f"default {DEFAULT_RESULT_DIR}")
     parser.add_argument("--raw-dir", type=Path, default=None, help="per-run JSON and server logs")
@@ -622,6 +642,13 @@ def run(args: argparse.Namespace) -> int:
         config.models = _select(config.models, args.models, None, "models")
         if args.concurrencies:
             config.concurrencies = [int(c) for c in args.concurrencies.split(",")]
+        if args.lengths:
+            kept = select_lengths(config.lengths, args.lengths)
+            per_pair = config.dataset.prefix.get("prefix_repetition_prefix_len")
+            if isinstance(per_pair, list):  # one prefix length a pair: keep the kept pairs' own
+                config.dataset.prefix["prefix_repetition_prefix_len"] = [config.dataset.prefix_len(config.lengths, i)
+                                                                         for i, _ in kept]  # fmt: skip
+            config.lengths = kept
         if args.run_timeout_s:
             config.run_timeout_s = args.run_timeout_s
         for arm in config.arms:

@@ -608,3 +608,16 @@ def test_a_grid_without_a_peer_shows_the_servers_hit_rate() -> None:
     assert "| 99.6 % |" in report.render([("rec", record)], {})
     del run["metrics"]["server_prefix_cache_hit_rate"]  # a server that reports none: no column
     assert "prefix cache hit rate" not in report.render([("rec", record)], {})
+
+
+def test_lengths_picks_the_grids_own_pairs_and_the_peers_budget_follows() -> None:
+    """`--lengths` runs a subset of the grid's pairs (an 80 GB card cannot profile vLLM's 2 x 65,536-token budget on
+    the 27B: h100_long-27b-20261206-s31); a pair the grid lacks, or a malformed one, is refused."""
+    config = load_config(grid_module.REPO_ROOT / "benchmarks/grids/h200_long.toml")
+    assert config.max_input_len() == 65536
+    config.lengths = grid_module.select_lengths(config.lengths, "16384x128")
+    assert config.lengths == [(16384, 128)] and config.max_input_len() == 16384
+    for bad in ("1024x128", "16384", "16384x128x1", "abc"):
+        with pytest.raises(ValueError, match="--lengths"):
+            grid_module.select_lengths([(16384, 128), (65536, 128)], bad)
+    assert grid_module.select_lengths([(1, 2), (3, 4)], "3x4,1x2") == [(1, 2), (3, 4)]  # the grid's order
