@@ -269,7 +269,7 @@ def _paged_attn_kernel(
     tl.store(out_ptr + o_row_o[:, None] + o_d[None, :], b_o, mask=m_m[:, None] & m_d[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_attn_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -289,11 +289,12 @@ def _paged_attn_decode_kernel(
     stride_c_slot,
     stride_c_head,
     stride_bt,
+    num_splits,
     NQ: tl.constexpr,
     GROUP: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -312,8 +313,8 @@ def _paged_attn_decode_kernel(
     # The sequence's BLOCK_N tiles spread evenly over the splits (their counts differ by at most one); a split
     # comes out empty only when the sequence has fewer tiles than splits.
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    lo = (i_s * num_tiles // NUM_SPLITS) * BLOCK_N
-    hi = tl.minimum(((i_s + 1) * num_tiles // NUM_SPLITS) * BLOCK_N, seq_len)
+    lo = (i_s * num_tiles // num_splits) * BLOCK_N
+    hi = tl.minimum(((i_s + 1) * num_tiles // num_splits) * BLOCK_N, seq_len)
 
     # Rows: (query token, query head of the group) flattened token-major; BLOCK_G covers the step's longest query
     # (one token and no causal mask for a decode, CAUSAL for short queries).
@@ -364,19 +365,19 @@ def _paged_attn_decode_kernel(
             scale_log2,
             DOT_PRECISION,
         )
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
         o_row_o = i64(q_start + i_tok) * stride_o_t + i64(i_qh) * stride_o_h
         tl.store(out_ptr + o_row_o[:, None] + o_d[None, :], b_o, mask=m_g[:, None] & m_d[None, :])
     else:
-        # Partials [T, nq, NUM_SPLITS, D] (unnormalised) and [T, nq, NUM_SPLITS, 2] (running max, sum), by query row.
-        o_part = (i64(q_start + i_tok) * NQ + i_qh) * NUM_SPLITS + i_s  # [BLOCK_G]
+        # Partials [T, nq, num_splits, D] (unnormalised) and [T, nq, num_splits, 2] (running max, sum), by query row.
+        o_part = (i64(q_start + i_tok) * NQ + i_qh) * num_splits + i_s  # [BLOCK_G]
         tl.store(part_acc_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
         tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_g)
         tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_g)
 
 
-@triton.jit(do_not_specialize=["query_width"])
+@triton.jit(do_not_specialize=["query_width", "num_splits"])
 def _paged_attn_combine_kernel(
     out_ptr,
     part_acc_ptr,
@@ -385,11 +386,12 @@ def _paged_attn_combine_kernel(
     stride_o_t,
     stride_o_h,
     query_width,
+    num_splits,
     NQ: tl.constexpr,
     D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CHUNK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     # grid (B·query_width, nq): axis 0 is (sequence, query token of the sequence)
@@ -401,22 +403,25 @@ def _paged_attn_combine_kernel(
     pdl_wait(USE_PDL)
     if i_tok >= q_len:
         return
+    # BLOCK_S = MAX_DECODE_SPLITS lanes, the first num_splits live: one compiled variant for every split count
     o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < NUM_SPLITS
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    o_part = (i64(q_start + i_tok) * NQ + i_h) * NUM_SPLITS + o_s  # [BLOCK_S]
+    m_s = o_s < num_splits
+    o_part = (i64(q_start + i_tok) * NQ + i_h) * num_splits + o_s  # [BLOCK_S]
     b_m = tl.load(part_ml_ptr + o_part * 2, mask=m_s, other=float("-inf"))
     b_l = tl.load(part_ml_ptr + o_part * 2 + 1, mask=m_s, other=0.0)
     m_max = tl.max(b_m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    b_w = tl.exp2(b_m - m_max)  # [BLOCK_S]; empty splits (m = -inf) weigh 0
-    b_acc = tl.load(part_acc_ptr + o_part[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-    b_num = tl.sum(b_acc * b_w[:, None], axis=0)  # [BLOCK_D]
+    b_w = tl.exp2(b_m - m_max)  # [BLOCK_S]; empty splits (m = -inf) and dead lanes weigh 0
     b_den = tl.sum(b_l * b_w, axis=0)
-    b_o = b_num / tl.where(b_den == 0.0, 1.0, b_den)
+    b_den = tl.where(b_den == 0.0, 1.0, b_den)
     o_out = i64(q_start + i_tok) * stride_o_t + i64(i_h) * stride_o_h
-    tl.store(out_ptr + o_out + o_d, b_o, mask=m_d)
+    # the head dimension in CHUNK_D columns: a [BLOCK_S, CHUNK_D] fp32 tile stays in registers at 64 lanes
+    for d0 in tl.static_range(0, BLOCK_D, CHUNK_D):
+        o_d = d0 + tl.arange(0, CHUNK_D)
+        m_d = o_d < D
+        b_acc = tl.load(part_acc_ptr + o_part[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_num = tl.sum(b_acc * b_w[:, None], axis=0)  # [CHUNK_D]
+        tl.store(out_ptr + o_out + o_d, b_num / b_den, mask=m_d)
 
 
 @functools.cache
@@ -439,6 +444,12 @@ def _sm_count(device: torch.device) -> int:
 DECODE_PROGRAMS_PER_SM = 3
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# The split count is a runtime argument of both split-K kernels (not specialised), so every count compiles to the
+# one variant: as a constexpr each count 1..64 compiled its own on first use, ~0.5 s each, and eager verify and
+# plain-decode steps (batch sizes no graph bucket had) compiled them while serving (docs/kernels.md#compiles-while-
+# serving). The combine holds MAX_DECODE_SPLITS lanes and walks the head dimension COMBINE_CHUNK_D columns a time.
+MAX_DECODE_SPLITS = 64
+COMBINE_CHUNK_D = 64
 # Short queries on the split-K path: at most this many (token, head) rows a program (1 + k = 4 tokens at the
 # 35B-A3B's group of 8). Past 16 rows the program holds twice the accumulator: 202 registers a thread and 82 KB
 # of shared memory at d = 256, so 2 programs fit a SM, not 3 (8 warps would hold 1); the split count follows.
@@ -462,7 +473,7 @@ def decode_num_splits(
     want = resident // num_programs
     if resident < num_programs <= resident * 3 // 2:
         want = 2
-    return int(max(1, min(64, want, triton.cdiv(max_context, 256))))
+    return int(max(1, min(MAX_DECODE_SPLITS, want, triton.cdiv(max_context, 256))))
 
 
 def _paged_attention_decode(
@@ -480,6 +491,7 @@ def _paged_attention_decode(
     """The split-K path for queries of at most `query_width` tokens a sequence (1: decode; up to
     SHORT_QUERY_ROWS // group: a verify chunk of 1 + k tokens): no host syncs, grids from shapes only (CUDA-graph
     safe)."""
+    assert 1 <= num_splits <= MAX_DECODE_SPLITS, num_splits  # the combine's lanes
     batch = seq_lens.shape[0]
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -508,11 +520,12 @@ def _paged_attention_decode(
         out.stride(1),
         *k_cache.stride()[:3],
         block_tables.stride(0),
+        num_splits,
         NQ=num_q_heads,
         GROUP=group,
         D=head_dim,
         PAGE=k_cache.shape[1],
-        NUM_SPLITS=num_splits,
+        IS_SPLIT=num_splits > 1,
         BLOCK_G=block_g,
         BLOCK_N=64 if head_dim <= 128 else 32,
         BLOCK_D=block_d,
@@ -531,11 +544,12 @@ def _paged_attention_decode(
             out.stride(0),
             out.stride(1),
             query_width,
+            num_splits,
             NQ=num_q_heads,
             D=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=next_pow2(num_splits),
+            BLOCK_S=MAX_DECODE_SPLITS,
             BLOCK_D=block_d,
+            CHUNK_D=min(block_d, COMBINE_CHUNK_D),
             num_warps=4,
             **pdl_launch(out),
         )

@@ -97,11 +97,11 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
     top-k/top-p (its sort is the largest sampling buffer). While speculating, the MTP drafter runs after each of
     those prefills (its layer over the step's tokens, as after a served prefill), the sampling side of the largest
-    verify bucket runs alone (warm_up_verify_sampling), and then one verify step as large as the engine may serve
-    runs through execute() on a throw-away cache of its own (runner/verify_warmup.py). Returns the
-    activation peak in bytes: the larger of the two phases' (0 off CUDA, where the same steps run unmeasured). A
-    step may hold more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size above
-    max_seq_len runs as several sequences, as the scheduler would batch them."""
+    verify bucket runs alone (warm_up_verify_sampling), and then one plain decode step and one verify step as large
+    as the engine may serve run through execute() on a throw-away cache of their own (runner/verify_warmup.py).
+    Returns the activation peak in bytes: the larger of the two phases' (0 off CUDA, where the same steps run
+    unmeasured). A step may hold more tokens than one sequence (max_num_batched_tokens > max_model_len), so a size
+    above max_seq_len runs as several sequences, as the scheduler would batch them."""
     meter = PeakMeter(runner.device)
     weights = meter.allocated() - runner._allocated_before
     if runner.gdn_prefill_backend == "flashinfer":  # both of FlashInfer's kernels compile here, not in a served step
@@ -156,7 +156,8 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
         drop_cache(runner.model)  # the prefill phase's throw-away cache, before the verify step's
         warm_up_verify(runner, rows, meter, len(sizes))
         peak = max(peak, meter.peak())
-        verify += f", a verify step of {rows} rows of {1 + k} tokens with drafts and the MTP drafter"
+        verify += f", a plain decode of {rows} rows, a verify step of {rows} rows of {1 + k} tokens with drafts and "
+        verify += "the MTP drafter"
     logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows%s in %.1f s", len(sizes),
                 num_tokens, max_num_seqs, verify, time.perf_counter() - started)  # fmt: skip
     drop_cache(runner.model)  # before the real cache is allocated

@@ -5,7 +5,9 @@ chained passes), so its activations join the measured peak (runner/memory.py) in
 headroom (docs/speculative-decoding.md#memory).
 
 The plans are plain data built by verify_warmup_plans: B fresh one-token prompts that sample (the drafter drafts k
-tokens for each after that step), then a verify chunk of 1 + k tokens on each row, then the rows' removal.
+tokens for each after that step), then one plain decode a row (no drafts: the eager decode path a served step takes
+when a row may not draft, near max_tokens or max_model_len, so its kernels compile here and not while serving:
+docs/kernels.md#compiles-while-serving), then a verify chunk of 1 + k tokens on each row, then the rows' removal.
 """
 
 from __future__ import annotations
@@ -79,10 +81,11 @@ def verify_warmup_rows(
 
 def verify_warmup_plans(
     first_step_id: int, num_seqs: int, num_speculative_tokens: int, block_size: int, vocab_size: int
-) -> tuple[StepPlan, StepPlan, StepPlan]:
-    """(the prefill, the verify step, the removal) of num_seqs rows 0, 1, ... with state slots 0, 1, ... and
-    disjoint KV blocks (verify_warmup_blocks each) of a throw-away cache. Every row samples at random with
-    top-k / top-p (the random accept rule: the sampler keeps the target's distributions, the [S, k, V] draws)."""
+) -> tuple[StepPlan, StepPlan, StepPlan, StepPlan]:
+    """(the prefill, the plain decode step, the verify step, the removal) of num_seqs rows 0, 1, ... with state
+    slots 0, 1, ... and disjoint KV blocks (verify_warmup_blocks each) of a throw-away cache. Every row samples at
+    random with top-k / top-p (the random accept rule: the sampler keeps the target's distributions, the [S, k, V]
+    draws)."""
     k = num_speculative_tokens
     blocks = verify_warmup_blocks(k, block_size)
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
@@ -94,22 +97,25 @@ def verify_warmup_plans(
         ScheduledSeq(row, 0, PROMPT_LEN, row, None, tuple(range(row * blocks, (row + 1) * blocks)), True)
         for row in range(num_seqs)
     )
-    # the row's sampled token, then the k drafts the drafter proposed after the prefill
+    # the row's sampled token alone, as a row that may not draft decodes it
+    decode = tuple(ScheduledSeq(row, PROMPT_LEN, 1, row, row, (), True) for row in range(num_seqs))
+    # the decode's sampled token, then the k drafts the drafter proposed after that step
     verify = tuple(
-        ScheduledSeq(row, PROMPT_LEN, 1 + k, row, row, (), True, num_draft_tokens=k) for row in range(num_seqs)
+        ScheduledSeq(row, PROMPT_LEN + 1, 1 + k, row, row, (), True, num_draft_tokens=k) for row in range(num_seqs)
     )
     rows = tuple(range(num_seqs))
     return (
         StepPlan(first_step_id, prefill, added, removed=rows),
-        StepPlan(first_step_id + 1, verify),
-        StepPlan(first_step_id + 2, (), removed=rows),
+        StepPlan(first_step_id + 1, decode),
+        StepPlan(first_step_id + 2, verify),
+        StepPlan(first_step_id + 3, (), removed=rows),
     )
 
 
 def verify_warmup_blocks(num_speculative_tokens: int, block_size: int) -> int:
-    """KV blocks a warm-up row holds: its prompt, the verify chunk's 1 + k tokens and the k - 1 positions past them
-    that the MTP drafter's chained passes write (the scheduler's lookahead)."""
-    return -(-(PROMPT_LEN + 2 * num_speculative_tokens) // block_size)
+    """KV blocks a warm-up row holds: its prompt, the plain decode's token, the verify chunk's 1 + k tokens and the
+    k - 1 positions past them that the MTP drafter's chained passes write (the scheduler's lookahead)."""
+    return -(-(PROMPT_LEN + 1 + 2 * num_speculative_tokens) // block_size)
 
 
 def warm_up_verify(runner: ModelRunner, num_seqs: int, meter: PeakMeter, first_step_id: int = 0) -> StepResult:
@@ -128,9 +134,10 @@ def warm_up_verify(runner: ModelRunner, num_seqs: int, meter: PeakMeter, first_s
                               speculative.synthetic_acceptance_rates, num_seqs)  # fmt: skip
     try:
         meter.mark()
-        prefill, verify, removal = verify_warmup_plans(first_step_id, num_seqs, k, runner.block_size,
-                                                       runner.vocab_size)  # fmt: skip
+        prefill, decode, verify, removal = verify_warmup_plans(first_step_id, num_seqs, k, runner.block_size,
+                                                               runner.vocab_size)  # fmt: skip
         runner.run(prefill)
+        runner.run(decode)
         result = runner.run(verify)
         runner.run(removal)
     finally:

@@ -63,8 +63,8 @@ def test_verify_kernels_compile_for_sm90_without_spills() -> None:
     runs them): they compile for sm_90, use no local memory, and steps of other widths and batch sizes (1 + k = 1
     included, where Triton would specialise an integer 1) reuse the same variant, so nothing compiles while
     serving. The attention's verify rows (the split-K kernel over W-token queries and its combine) compile without
-    spills too and fit the programs per SM their split count assumes; they specialise on the row block, the
-    causal mask and the split count, as decodes specialise per CUDA-graph bucket: 4 variants over these cases."""
+    spills too and fit the programs per SM their split count assumes; they specialise on the row block and the
+    causal mask, never on the split count: 4 variants over these cases."""
     stdout, num_launches, num_spilling = _kernel_resources(["--batches", "", "--verify", "8x4,1x1,3x2"])
     assert num_launches == 15, stdout
     assert "_causal_conv1d_verify_kernel" in stdout and "_gdn_verify_kernel" in stdout, stdout
@@ -74,6 +74,19 @@ def test_verify_kernels_compile_for_sm90_without_spills() -> None:
     fits = {m.group(1): int(m.group(2)) for m in re.finditer(r"attn_verify (\S+): \S+ fits (\d+) programs", stdout)}
     # 8x4 at the 35B-A3B's group of 8: 32 rows a program, WIDE_PROGRAMS_PER_SM; the others 16 rows, as decodes
     assert fits == {"8x4": WIDE_PROGRAMS_PER_SM, "1x1": DECODE_PROGRAMS_PER_SM, "3x2": DECODE_PROGRAMS_PER_SM}, stdout
+
+
+@pytest.mark.slow
+def test_decode_attention_compiles_once_for_every_split_count() -> None:
+    """The split-K decode attention at batch sizes whose split counts all differ (64, 39, 28 and 12 splits at B = 1,
+    5, 7 and 16 over a 16,384-token context on the H200's SM count) compiles to two variants: the split kernel and
+    its combine. With the count a constexpr each count compiled its own pair (8 variants here) on first use, and
+    eager steps (batch sizes no CUDA-graph bucket had) compiled them while serving (the JIT monitor named them in
+    grids/h100_mtp-27b-c64-20261206-s31)."""
+    command = ["--batches", "1,5,7,16", "--context", "16384", "--only", "paged_attention"]
+    stdout, num_launches, num_spilling = _kernel_resources(command)
+    assert num_spilling == 0, stdout
+    assert num_launches == 8 and "; 2 distinct variants" in stdout, stdout
 
 
 @pytest.mark.slow

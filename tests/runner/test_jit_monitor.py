@@ -101,3 +101,30 @@ def test_an_engine_activates_it_once_started(caplog: pytest.LogCaptureFixture) -
     assert jit_monitor.is_active()
     assert "will use mode=error." in caplog.text
     assert knobs.runtime.jit_post_compile_hook is jit_monitor.on_compile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_a_speculating_engine_compiles_nothing_while_serving(variant: str) -> None:
+    """On the GPU, in mode "error": an engine with MTP serves traffic that meets every eager path after its start-up
+    without one Triton compile (docs/kernels.md#compiles-while-serving): prompts chunked beside verify steps (mixed
+    eager steps of assorted batch sizes), max_tokens 1 .. 17 (rows that may not draft decode plainly, the path the
+    27B's MTP server compiled in its first requests: grids/h100_mtp-27b-c64-20261206-s31), greedy and sampled rows,
+    the batch shrinking as requests end."""
+    import torch
+
+    from deltaserve.sampling_params import SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    llm = LLM(trained_model_dir(variant), dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=64, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+              jit_monitor_mode="error")  # fmt: skip
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + (37 * i) % 90)] for i in range(14)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=(1, 2, 3, 5, 17)[i % 5], ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert not jit_monitor._state["warned"]

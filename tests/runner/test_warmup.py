@@ -79,12 +79,16 @@ def test_verify_warmup_rows_are_the_largest_verify_step_the_scheduler_may_plan()
 
 
 def test_verify_warmup_plans_pass_spec_layout() -> None:
-    prefill, verify, removal = verify_warmup_plans(5, 3, 2, 4, 1000)
-    assert [p.step_id for p in (prefill, verify, removal)] == [5, 6, 7]
+    prefill, decode, verify, removal = verify_warmup_plans(5, 3, 2, 4, 1000)
+    assert [p.step_id for p in (prefill, decode, verify, removal)] == [5, 6, 7, 8]
     assert [r.row for r in prefill.added] == [0, 1, 2] and removal.removed == (0, 1, 2) and not removal.seqs
     assert all(s.needs_sample and s.read_slot is None and s.num_computed_tokens == 0 for s in prefill.seqs)
-    # 1 prompt token + 1 + k + (k - 1) drafter lookahead = 6 tokens: 2 blocks of 4 a row, disjoint
+    # 1 prompt token + 1 decoded + 1 + k + (k - 1) drafter lookahead = 7 tokens: 2 blocks of 4 a row, disjoint
     assert [s.new_block_ids for s in prefill.seqs] == [(0, 1), (2, 3), (4, 5)]
+    # the plain decode: one token a row, no drafts, so the step runs the decode path (no spec layout)
+    assert decode.num_decodes == 3 and [(s.num_computed_tokens, s.num_new_tokens) for s in decode.seqs] == [(1, 1)] * 3
+    assert all(s.num_draft_tokens == 0 and s.read_slot == s.write_slot == s.row for s in decode.seqs)
+    assert [s.num_computed_tokens for s in verify.seqs] == [2, 2, 2]
     qsl = np.concatenate([[0], np.cumsum([s.num_new_tokens for s in verify.seqs])])
     layout = spec_layout(verify.seqs, qsl, np.arange(3), verify.num_decodes)
     assert verify.num_decodes == 0 and layout.seq_index.tolist() == [0, 1, 2]
@@ -133,7 +137,7 @@ def test_verify_warmup_step_runs_through_the_runner_with_its_drafter(
     assert accepted == [4]  # one step of 4 verify chunks went through the accept rule
     # each verify chunk emitted its accepted drafts and one token of the target's: 1 .. 1 + k
     assert len(result.token_ids) == 4 and all(1 <= len(t) <= 3 for t in result.token_ids)
-    assert drafted == [4, 4]  # after the prefill and after the verify step (the removal is an empty plan)
+    assert drafted == [4, 4, 4]  # after the prefill, the plain decode and the verify step (the removal: empty)
     assert runner.table is table and runner.spec is spec  # the runner's own, back in place
 
 
@@ -146,8 +150,8 @@ def test_warmup_with_speculation_runs_a_verify_step_on_the_cpu(
     with caplog.at_level(logging.INFO, logger="deltaserve.runner.memory"):
         assert profile_peak_bytes(runner, 64, 64, 8) == 0  # unmeasured off CUDA
     # the drafter after each of the 7 prefills (64, 32, ..., 1 tokens: no row samples), then after the verify
-    # step's prefill and after the verify step (8 rows each)
-    assert drafted == [0] * 7 + [8, 8]
+    # warm-up's prefill, its plain decode and its verify step (8 rows each)
+    assert drafted == [0] * 7 + [8, 8, 8]
     # the CPU budget (cpu_kv_cache_bytes) and the 64-token step hold max_num_seqs = 8 chunks of 1 + k = 3
     assert "a verify step of 8 rows of 3 tokens with drafts and the MTP drafter" in caplog.text
     assert runner.table is table and runner.spec is spec
