@@ -446,8 +446,9 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # The split count is a runtime argument of both split-K kernels (not specialised), so every count compiles to the
 # one variant: as a constexpr each count 1..64 compiled its own on first use, ~0.5 s each, and eager verify and
-# plain-decode steps (batch sizes no graph bucket had) compiled them while serving (docs/kernels.md#compiles-while-
-# serving). The combine holds MAX_DECODE_SPLITS lanes and walks the head dimension COMBINE_CHUNK_D columns a time.
+# plain-decode steps (batch sizes no graph bucket had) compiled them while serving
+# (docs/kernels.md#compiles-while-serving). The combine holds MAX_DECODE_SPLITS lanes and walks the head dimension
+# COMBINE_CHUNK_D columns a time.
 MAX_DECODE_SPLITS = 64
 COMBINE_CHUNK_D = 64
 # Short queries on the split-K path: at most this many (token, head) rows a program (1 + k = 4 tokens at the
