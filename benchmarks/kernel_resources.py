@@ -213,17 +213,18 @@ def decode_launches(
         ),
         ("gated_rms_norm", lambda: gated_rms_norm_triton(e(b, hv, dv), e(b, hv, dv), e(dv), 1e-6)),
     ]
+    from deltaserve.kernels import linear_triton
     from deltaserve.kernels.linear_triton import gemv_config, gemv_triton
 
-    # kernels.linear's register GEMV takes one row (the fused GDN input projection, as served); every other batch
-    # size, and depths past the GEMV's tile, run on cuBLAS
+    # kernels.linear's register GEMV takes up to GEMV_MAX_ROWS rows (the fused GDN input projection, as served;
+    # --gemv-max-rows compiles another limit's variant); more rows, and depths past the GEMV's tile, run on cuBLAS
     projections = {"in_proj": (m.conv_dim + hv * dv + 2 * hv, h), "out_proj": (h, hv * dv), "o_proj": (h, nq * d),
                    "qkv": (nq * 2 * d + 2 * nkv * d, h)}  # fmt: skip
     if not m.num_experts:
         projections.update({"gate_up": (2 * m.mlp_inter, h), "down": (h, m.mlp_inter)})
-    if batch == 1:
+    if batch <= linear_triton.GEMV_MAX_ROWS:
         for name, (n, kk) in projections.items():
-            config = gemv_config(kk)
+            config = gemv_config(kk, batch)
             if config is not None:
                 launch = lambda n=n, kk=kk, config=config: gemv_triton(e(b, kk), e(n, kk), config)  # noqa: E731
                 launches.append((f"linear.{name}", launch))
@@ -423,6 +424,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--page", type=int, default=16, help="KV-cache block size (the engine's --block-size)")
     parser.add_argument("--only", default="", help="comma list of op labels to compile (default: all)")
+    parser.add_argument("--gemv-max-rows", type=int, default=None, help="compile the GEMV at this row limit")
     parser.add_argument("--moe-path", default="", choices=("", "decode", "grouped"), help="force the MoE path")
     parser.add_argument("--align-entries", default="", help="comma list of entry counts for the align sweep")
     parser.add_argument("--align-experts", default="256", help="comma list of expert counts for the align sweep")
@@ -458,6 +460,10 @@ def main() -> int:
     interceptor = Interceptor(args.work)
     restore = interceptor.install()
     only = {o for o in args.only.split(",") if o}
+    if args.gemv_max_rows is not None:  # another row limit's variant (docs/kernels-log.md, C36)
+        from deltaserve.kernels import linear_triton
+
+        linear_triton.GEMV_MAX_ROWS = args.gemv_max_rows
     sweeps = align_launches(_ints(args.align_entries), _ints(args.align_experts), _ints(args.align_block_m))
     sweeps += router_launches(args.shape, _ints(args.router_tokens))
     from deltaserve.kernels.moe_configs import GemmConfig

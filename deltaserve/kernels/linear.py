@@ -1,4 +1,5 @@
-"""Linear layers, y = x·Wᵀ (+ b): cuBLAS in general, a Triton register GEMV for one row of x.
+"""Linear layers, y = x·Wᵀ (+ b): cuBLAS in general, a Triton register GEMV for one row of x (up to
+linear_triton.GEMV_MAX_ROWS).
 
 At decode sizes a projection only streams its weight. One row without bias (the B = 1 decode step's projections)
 goes to linear_triton's register GEMV where Triton runs: each program loads its whole weight tile before the
@@ -32,10 +33,10 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight, bias)  # a block-FP8 projection (kernels/fp8.py)
-    is_one_plain_row = (
+    is_few_plain_rows = (
         bias is None
         and x.dim() == 2
-        and x.shape[0] == 1
+        and x.shape[0] >= 1
         and weight.shape[0] < SKINNY_MAX_COLS
         and x.dtype == weight.dtype
         and x.stride(1) == 1
@@ -43,8 +44,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor
         and weight.stride(0) == weight.shape[1]
         and use_triton(x)
     )
-    # the GEMV's depth limit lives in linear_triton.gemv_config
-    config = linear_triton.gemv_config(weight.shape[1]) if is_one_plain_row else None
+    # the GEMV's row and depth limits live in linear_triton.gemv_config
+    config = linear_triton.gemv_config(weight.shape[1], x.shape[0]) if is_few_plain_rows else None
     if config is not None:
         return linear_triton.gemv_triton(x, weight, config)
     return linear_ref(x, weight, bias)

@@ -1,5 +1,5 @@
-"""The register GEMV (linear_triton) against F.linear, its launch rule, and the dispatcher's routing: one row without
-bias to the GEMV, everything else to F.linear."""
+"""The register GEMV (linear_triton) against F.linear, its launch rule, and the dispatcher's routing: up to
+GEMV_MAX_ROWS rows without bias to the GEMV, everything else to F.linear."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from deltaserve.kernels._triton import next_pow2
 from deltaserve.kernels.linear import linear_ref
-from deltaserve.kernels.linear_triton import GEMV_MAX_DEPTH, gemv_config, gemv_triton
+from deltaserve.kernels.linear_triton import GEMV_MAX_DEPTH, GEMV_MAX_ROWS, gemv_config, gemv_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance
 
@@ -45,28 +45,37 @@ def test_dispatcher_sends_one_row_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -
     deep = GEMV_MAX_DEPTH + 1
     linear_module.linear(randn(1, deep), torch.zeros(4, deep, device=DEVICE))
     assert calls == [1]
+    # with the row limit raised (the side-by-side's candidate), rows up to it take the GEMV, more take F.linear
+    monkeypatch.setattr(linear_triton_module, "GEMV_MAX_ROWS", 4)
+    for rows in (2, 4, 5, 16):
+        linear_module.linear(randn(rows, 32), weight)
+    assert calls == [1, 2, 4]
 
 
-def _small_tile(depth: int, num_rows: int) -> dict[str, int]:
-    """A 256-element tile (several programs even at these widths; the interpreter runs them one after another),
-    shrunk per row as the kernel's fp32 products of every row are live at once."""
+def _small_tile(depth: int, block_m: int) -> dict[str, int]:
+    """A 256-element tile (several programs even at these widths; the interpreter runs them one after another) for up
+    to block_m rows (the rows run one after another over the one tile)."""
     block_k = next_pow2(depth)
-    return {"BLOCK_N": max(1, 256 // (block_k * next_pow2(num_rows))), "BLOCK_K": block_k, "num_warps": 8,
+    return {"BLOCK_M": block_m, "BLOCK_N": max(1, 256 // block_k), "BLOCK_K": block_k, "num_warps": 8,
             "num_stages": 1}  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_rows", "num_cols", "depth"), [(1, 40, 64), (3, 17, 96), (4, 9, 300), (2, 5, 2048)])
-def test_gemv(num_rows: int, num_cols: int, depth: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("num_rows", "block_m", "num_cols", "depth"), [(1, 1, 40, 64), (3, 4, 17, 96), (4, 4, 9, 300), (2, 8, 5, 2048)]
+)
+def test_gemv(num_rows: int, block_m: int, num_cols: int, depth: int, dtype: torch.dtype) -> None:
     """The register GEMV against F.linear: N not a multiple of BLOCK_N, K not a power of two (the tile masked past
-    K), a row-strided x, 1-4 rows (served at one; the kernel takes any); NaN-poisoned output, so an unwritten
-    element fails."""
+    K), a row-strided x, 1-4 rows, fewer than the variant's BLOCK_M (its rows past num_rows neither read nor
+    written); NaN-poisoned output, so an unwritten element fails."""
     x = randn(num_rows, depth + 8, dtype=dtype)[:, :depth]
     weight = randn(num_cols, depth, dtype=dtype, scale=depth**-0.5)
     with poisoned_empty():
-        out = gemv_triton(x, weight, _small_tile(depth, num_rows))
+        out = gemv_triton(x, weight, _small_tile(depth, block_m))
     assert out.shape == (num_rows, num_cols) and out.dtype == dtype
     assert_close("y", linear_ref(x, weight), out, tolerance(dtype, fp32=1e-6, low=4e-3))
+    with pytest.raises(AssertionError):  # more rows than the variant holds
+        gemv_triton(randn(block_m + 1, depth, dtype=dtype), weight, _small_tile(depth, block_m))
 
 
 def test_gemv_with_the_served_config() -> None:
@@ -77,10 +86,14 @@ def test_gemv_with_the_served_config() -> None:
     assert_close("y", linear_ref(x, weight), out, 1e-6)
 
 
-def test_gemv_config_is_a_function_of_the_depth() -> None:
-    """16384 weight elements a program at 8 warps, the whole depth (a power of two) in one tile; None past
-    GEMV_MAX_DEPTH."""
-    assert gemv_config(4096) == {"BLOCK_N": 4, "BLOCK_K": 4096, "num_warps": 8, "num_stages": 1}  # [2048, 4096]
+def test_gemv_config_is_a_function_of_the_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16384 weight elements a program at 8 warps, the whole depth (a power of two) in one tile, BLOCK_M the rows'
+    power of two; None past GEMV_MAX_DEPTH or GEMV_MAX_ROWS."""
+    assert gemv_config(4096) == {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 4096, "num_warps": 8, "num_stages": 1}
+    assert gemv_config(4096, GEMV_MAX_ROWS + 1) is None and gemv_config(4096, 0) is None
+    monkeypatch.setattr(linear_triton_module, "GEMV_MAX_ROWS", 4)
+    assert [gemv_config(4096, rows)["BLOCK_M"] for rows in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert gemv_config(4096, 5) is None
     assert gemv_config(2048)["BLOCK_N"] == 8  # [12352, 2048]: 1544 programs
     assert gemv_config(300)["BLOCK_K"] == 512
     assert gemv_config(GEMV_MAX_DEPTH) is not None
@@ -93,12 +106,11 @@ def test_gemv_config_is_a_function_of_the_depth() -> None:
 @pytest.mark.parametrize("num_rows", [1, 2, 4])
 def test_gemv_served_shapes(num_rows: int, num_cols: int, depth: int) -> None:
     """The GEMV at the 35B-A3B projections in bf16 under PDL as served: F.linear's accuracy, bitwise repeatable,
-    the same bits from a CUDA graph replayed twice (served at one row; 2 and 4 rows with the tile shrunk per row,
-    as the kernel takes them)."""
+    the same bits from a CUDA graph replayed twice (served at GEMV_MAX_ROWS rows; 2 and 4 rows through the served
+    tile with BLOCK_M = 4, the candidate limit)."""
     x = randn(num_rows, depth, dtype=torch.bfloat16)
     weight = randn(num_cols, depth, dtype=torch.bfloat16, scale=depth**-0.5)
-    config = gemv_config(depth)
-    config["BLOCK_N"] = max(1, config["BLOCK_N"] // next_pow2(num_rows))
+    config = gemv_config(depth) | {"BLOCK_M": 4}
     with poisoned_empty():
         first = gemv_triton(x, weight, config)
     assert_close("y", F.linear(x, weight), first, 4e-3)
