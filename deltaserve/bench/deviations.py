@@ -120,6 +120,25 @@ DEVIATIONS: dict[str, Deviation] = {
         magnitude="unmeasured; the profile's sampler rows are its only effect below 256 running requests",
         flags=("--max-num-seqs", "256"),
     ),
+    # Applied by the registry only where it changes the launch (registry.vllm_launch: a site's max_batched_tokens
+    # below 2 x ISL), so records of shorter prompts do not carry it.
+    "batched-tokens-80gb": Deviation(
+        name="batched-tokens-80gb",
+        reason=(
+            "--max-num-batched-tokens max(ISL, 65536) instead of the registry's 2 x ISL: on an 80 GB card vLLM 0.26 "
+            "cannot profile a 131,072-token step on the 27B shape (torch.OutOfMemoryError in "
+            "determine_available_memory: 8.50 GiB asked, 5.63 GiB free; an H100 on 2026-12-06, "
+            "benchmarks/results/grids/h100_long-27b-20261206-s31.json), so the 65,536-token points could not run; "
+            "one whole prompt still fits a step"
+        ),
+        direction=(
+            "may favour deltaserve on TTFT at concurrency >= 2 (vLLM prefills one 65,536-token prompt a step where "
+            "2 x ISL let it prefill two; both are compute-bound, so the step time roughly doubles with the tokens); "
+            "none at c1 and none on TPOT"
+        ),
+        magnitude="unmeasured; an H200 (141 GB) runs the 2 x ISL budget and can size it",
+        affects=PREFILL_METRICS,
+    ),
 }
 
 # Where the oracle runs: the environment its process needs and the deviations the site forces.
@@ -147,12 +166,15 @@ SITES: dict[str, dict[str, Any]] = {
     },
     "online": {"deviations": [], "env": {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}},
 }
-# The same sites on an 80 GB card (an H100, when no H200 is lent): vLLM needs a max_num_seqs its state pool holds.
+# The same sites on an 80 GB card (an H100, when no H200 is lent): vLLM needs a max_num_seqs its state pool holds,
+# and a step budget its memory profile fits (max_batched_tokens, the batched-tokens-80gb deviation where it binds).
 for _name in ("h200-offline", "h200-offline-triton-gdn"):
     SITES[_name.replace("h200-", "h100-", 1)] = {
         "deviations": [*SITES[_name]["deviations"], "max-num-seqs-256"],
         "env": dict(SITES[_name]["env"]),
+        "max_batched_tokens": 65536,
     }
+BATCHED_TOKENS_80GB = "batched-tokens-80gb"
 # `bench grid --card h100` runs every arm of an h200-* site at its h100-* twin.
 CARD_SITE_PREFIX = {"h200": "h200-", "h100": "h100-"}
 # Where servers run unless told otherwise (grids, `bench oracle-cmd`): production.
@@ -167,6 +189,11 @@ def site_deviations(site: str) -> list[Deviation]:
     if site not in SITES:
         raise ValueError(f"unknown site {site!r}; known: {', '.join(SITES)}")
     return [DEVIATIONS[name] for name in SITES[site]["deviations"]]
+
+
+def site_max_batched_tokens(site: str) -> int | None:
+    """The largest step budget the site's card profiles (None: no limit below the registry's 2 x ISL)."""
+    return SITES[site].get("max_batched_tokens") if site in SITES else None
 
 
 def site_flags(site: str) -> list[str]:

@@ -13,7 +13,9 @@ PR #34120; the vllm-project/recipes Qwen3.5 recipe; the vllm-oracle README):
 - `--language-model-only`: no vision tower, and it unlocks the fused QK-norm + RoPE + gate attention path.
 - never `--enforce-eager` (compile and CUDA graphs on), async scheduling left at its default (on).
 - `--mamba-ssm-cache-dtype` as the checkpoint says (float32 for Qwen3.5's text_config.mamba_ssm_dtype).
-- `--max-num-batched-tokens` at least 2 x ISL (and 8192 for the MoE shape, as measured on the H200).
+- `--max-num-batched-tokens` at least 2 x ISL (and 8192 for the MoE shape, as measured on the H200); on an 80 GB
+  card's site, where 2 x ISL is past what vLLM's memory profile holds, one whole prompt or 65,536 (the
+  batched-tokens-80gb deviation, noted on the records it applies to).
 - `--no-enable-prefix-caching` for random data (it shares no prefix; caching would only add overhead).
   Data whose prompts share prefixes (`is_random_data=False`, the grid's prefix_repetition dataset) leaves prefix
   caching at vLLM's choice or turns it on (`enable_prefix_caching`: vLLM's prefix-caching arm, issue 36), never
@@ -52,7 +54,9 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.deviations import (
+    BATCHED_TOKENS_80GB,
     DEFAULT_SITE,
+    DEVIATIONS,
     GATE_SITE,
     SITES,
     backend_overrides,
@@ -60,6 +64,7 @@ from deltaserve.bench.deviations import (
     site_deviations,
     site_env,
     site_flags,
+    site_max_batched_tokens,
 )
 
 VLLM = "vllm"
@@ -182,10 +187,15 @@ def check_speculative_config(config: dict[str, Any], facts: CheckpointFacts) -> 
     return problems
 
 
-def min_batched_tokens(input_len: int, is_moe: bool) -> int:
-    """At least 2 x ISL, so one step can prefill two whole prompts; 8192 floor for the MoE shape."""
+def min_batched_tokens(input_len: int, is_moe: bool, card_max: int | None = None) -> int:
+    """At least 2 x ISL, so one step can prefill two whole prompts; 8192 floor for the MoE shape. On a card whose
+    memory profile holds no more than `card_max` tokens a step (site_max_batched_tokens), at least one whole prompt
+    and card_max (the batched-tokens-80gb deviation where that is below 2 x ISL)."""
     floor = MIN_BATCHED_TOKENS_MOE if is_moe else 0
-    return max(2 * input_len, floor)
+    wanted = max(2 * input_len, floor)
+    if card_max is not None and wanted > card_max:
+        return max(input_len, card_max, floor)
+    return wanted
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -239,7 +249,9 @@ def vllm_launch(
     if serves_media and "--language-model-only" in drop_flags:
         raise ValueError("image traffic already runs without --language-model-only: there is nothing to drop")
     dtype = facts.mamba_ssm_dtype
-    num_batched = min_batched_tokens(input_len, facts.is_moe)
+    card_max = site_max_batched_tokens(site)
+    num_batched = min_batched_tokens(input_len, facts.is_moe, card_max)
+    is_budget_capped = num_batched < min_batched_tokens(input_len, facts.is_moe)
     # A backend override needs the caller's own reason (the automatic text-only exemption does not cover it).
     overrides = backend_overrides(list(extra_args))
     if overrides and not exemption:
@@ -256,7 +268,9 @@ def vllm_launch(
     reasons = [
         "--language-model-only: text serving of a multimodal checkpoint; enables the fused attention preamble",
         f"--mamba-ssm-cache-dtype {dtype}: the checkpoint's SSM state dtype",
-        f"--max-num-batched-tokens {num_batched}: at least 2 x ISL ({input_len})",
+        f"--max-num-batched-tokens {num_batched}: at least 2 x ISL ({input_len})"
+        if not is_budget_capped
+        else f"--max-num-batched-tokens {num_batched}: one whole prompt ({input_len}), the card's profile limit",
         "--no-enable-prefix-caching: random prompts share no prefix",
         "compile and CUDA graphs on (no --enforce-eager), async scheduling at its default",
     ]
@@ -290,7 +304,7 @@ def vllm_launch(
     if not facts.has_weights:
         argv += ["--load-format", "dummy"]
         reasons.append("--load-format dummy: config-only checkpoint")
-    deviations = site_deviations(site)
+    deviations = site_deviations(site) + ([DEVIATIONS[BATCHED_TOKENS_80GB]] if is_budget_capped else [])
     argv += site_flags(site)
     reasons += [f"deviation {d.name} (site {site}): {d.reason}" for d in deviations]
     for flag in drop_flags:
@@ -315,8 +329,9 @@ def vllm_launch(
         version_probe=[python, "-c", "import vllm; print(vllm.__version__)"],
     )
     problems = check_vllm_argv(
-        argv, input_len=input_len, is_random_data=is_random_data, facts=facts, serves_media=serves_media
-    )
+        argv, input_len=input_len, is_random_data=is_random_data, facts=facts, serves_media=serves_media,
+        card_max=card_max,
+    )  # fmt: skip
     if launch.exemption:
         problems = [p for p in problems if not any(f in p for f in drop_flags)]
     if problems:
@@ -330,9 +345,11 @@ def check_vllm_argv(
     is_random_data: bool | None = None,
     facts: CheckpointFacts | None = None,
     serves_media: bool = False,
+    card_max: int | None = None,
 ) -> list[str]:
     """Every way `argv` departs from the production configuration (empty list: it is the real thing); for image
-    traffic (`serves_media`) --language-model-only is a departure instead of a requirement."""
+    traffic (`serves_media`) --language-model-only is a departure instead of a requirement. `card_max`: the site's
+    step-budget limit (site_max_batched_tokens), which lowers the --max-num-batched-tokens floor."""
     required = [flag for flag in REQUIRED_FLAGS if not (serves_media and flag == "--language-model-only")]
     problems = [f"missing {flag}" for flag in required if not _has_flag(argv, flag)]
     if serves_media and _has_flag(argv, "--language-model-only"):
@@ -340,7 +357,7 @@ def check_vllm_argv(
     problems += [f"{flag}: {why}" for flag, why in FORBIDDEN_FLAGS.items() if _has_flag(argv, flag)]
     if input_len is not None:
         value = _flag_value(argv, "--max-num-batched-tokens")
-        floor = min_batched_tokens(input_len, facts.is_moe if facts else False)
+        floor = min_batched_tokens(input_len, facts.is_moe if facts else False, card_max)
         if value is None or not value.isdigit() or int(value) < floor:
             problems.append(f"--max-num-batched-tokens must be at least {floor} for ISL {input_len}, got {value}")
     # argparse's last-one-wins: the final prefix-caching flag decides.

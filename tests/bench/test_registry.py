@@ -54,6 +54,29 @@ def test_dense_shape_scales_batched_tokens_with_isl_and_follows_the_ssm_dtype(tm
     assert argv[argv.index("--mamba-ssm-cache-dtype") + 1] == "float32"
 
 
+def test_an_80gb_card_caps_the_step_budget_where_2x_isl_does_not_fit(tmp_path: Path) -> None:
+    """On an h100-* site the budget is max(ISL, 65536) where 2 x ISL is more (vLLM's memory profile of a 131,072-token
+    step ran out of memory on an H100: h100_long-27b-20261206-s31), and the launch carries the batched-tokens-80gb
+    deviation with its note; shorter prompts, and the H200 sites, keep 2 x ISL and no such deviation."""
+    model = str(write_config(tmp_path / "dense"))
+
+    def budget(launch: registry.OracleLaunch) -> int:
+        return int(launch.argv[launch.argv.index("--max-num-batched-tokens") + 1])
+
+    capped = registry.vllm_launch(model, 65536, site="h100-offline")
+    assert budget(capped) == 65536 and deviations.BATCHED_TOKENS_80GB in capped.deviations
+    assert "batched-tokens-80gb" in (capped.denominator_note or "")
+    assert any("one whole prompt (65536)" in reason for reason in capped.reasons)
+    assert budget(registry.vllm_launch(model, 100000, site="h100-offline")) == 100000  # one whole prompt at least
+    short = registry.vllm_launch(model, 16384, site="h100-offline")
+    assert budget(short) == 32768 and deviations.BATCHED_TOKENS_80GB not in short.deviations
+    on_h200 = registry.vllm_launch(model, 65536, site="h200-offline")
+    assert budget(on_h200) == 131072 and deviations.BATCHED_TOKENS_80GB not in on_h200.deviations
+    # the floor check: the capped budget passes on the 80 GB site's limit, not without it
+    assert registry.check_vllm_argv(capped.argv, input_len=65536, is_random_data=True, card_max=65536) == []
+    assert registry.check_vllm_argv(capped.argv, input_len=65536, is_random_data=True)
+
+
 def test_text_only_checkpoint_is_exempt_with_its_reason(tmp_path: Path) -> None:
     model = write_config(tmp_path / "text", is_multimodal=False)
     launch = registry.vllm_launch(str(model), 1024)
