@@ -48,8 +48,6 @@ DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results" / "grids"  # the grid 
 RECORD_SCHEMA = "deltaserve-grid-record/1"
 RATIO_FIELDS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
 HIT_RATE = "server_prefix_cache_hit_rate"  # a run's field (server_counters.py)
-# the registry deviation of an 80 GB card's vLLM launch, whose --max-num-seqs 256 its state pool may refuse
-MAX_NUM_SEQS_DEVIATION = "max-num-seqs-256"
 ACCEPTANCE = "server_mean_acceptance_length"  # a speculating run's field (server_counters.py)
 DROPPED_RESULT_FIELDS = ("latencies", "input_lens", "output_lens", "start_times", "ttfts", "itls", "errors")
 
@@ -250,21 +248,16 @@ class Grid:
         # a launch that can finish its first point goes ahead; the points after it that would not finish are left
         # for a resumed call (the record names them), so a short call still measures what fits
         is_warming = self.config.warmup_point and not is_drift_check  # its first point once, unrecorded
+        if self._is_past_deadline(arm.expected_startup_s + arm.expected_run_s * (2 if is_warming else 1)):
+            self.record["skipped"].append({"arm": arm.name, "model": model.name, "reason": "deadline"})
+            print(f"[grid] {arm.name} on {model.name}: skipped, it would not finish before the deadline", flush=True)
+            self.save()
+            return []
         adapted = self.record["arms"][arm.name].get("max_num_seqs_by_model", {}).get(model.name)
         if adapted is not None and not is_relaunch:  # an earlier call's refusal named the count (peer_refusals.py)
             arm = with_max_num_seqs(arm, adapted)
         launch = resolve(arm, model, self.config)
         known = self.known_refusals.get(refusal_key(launch.argv)) if adapted is None and not is_relaunch else None
-        # on an 80 GB card vLLM's first launch at --max-num-seqs 256 may be refused after its compile (165 s on the
-        # 27B, h100_long16k-27b-20261206-s31) and relaunched at the count it names: count both start-ups unless
-        # the count is known
-        is_refusal_likely = MAX_NUM_SEQS_DEVIATION in launch.deviations and adapted is None and known is None
-        startup_s = arm.expected_startup_s * (2 if is_refusal_likely and not is_relaunch else 1)
-        if self._is_past_deadline(startup_s + arm.expected_run_s * (2 if is_warming else 1)):
-            self.record["skipped"].append({"arm": arm.name, "model": model.name, "reason": "deadline"})
-            print(f"[grid] {arm.name} on {model.name}: skipped, it would not finish before the deadline", flush=True)
-            self.save()
-            return []
         if known is not None:  # --adapt-from: this very launch was refused on these GPUs before
             arm = with_max_num_seqs(arm, known)
             launch = resolve(arm, model, self.config)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 from deltaserve.bench.grid import Grid, load_config
 from deltaserve.bench.grid_config import Arm
 from deltaserve.bench.peer_refusals import known_refusals, max_num_seqs_named, refusal_key, with_max_num_seqs
@@ -114,29 +112,3 @@ def test_a_new_record_adapted_from_an_old_one_starts_with_its_count(
     assert launch["adapted_from"].startswith("--max-num-seqs 200: ") and "old.json" in launch["adapted_from"]
     assert new["arms"]["peer"]["max_num_seqs_by_model"] == {"w": 200}
     assert [r["metrics"]["completed"] for r in new["runs"]] == [2]
-
-
-def test_a_launch_whose_refusal_is_likely_counts_two_start_ups_against_the_deadline(
-    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On an 80 GB card vLLM's first launch at --max-num-seqs 256 may be refused after its compile and relaunched
-    (h100_long16k-27b-20261206-s31 lost 214 s so); a launch carrying that deviation and no known count is skipped
-    unless two start-ups fit, one with a known count needs one."""
-    from deltaserve.bench import grid as grid_module
-
-    resolve = grid_module.resolve
-
-    def with_deviation(arm: Arm, model: object, config: object) -> object:
-        launch = resolve(arm, model, config)
-        launch.deviations = [*launch.deviations, grid_module.MAX_NUM_SEQS_DEVIATION]
-        return launch
-
-    monkeypatch.setattr(grid_module, "resolve", with_deviation)
-    config = load_config(_refusing_grid(tmp_path, word_model))
-    config.arms[0].expected_startup_s, config.arms[0].expected_run_s = 60.0, 10.0
-    record = Grid(config, tmp_path / "a", record_name="r", deadline_s=100, is_drift_enabled=False).run()
-    assert record["launches"] == [] and record["skipped"][0]["reason"] == "deadline"  # 2 x 60 + 10 > 100
-    grid = Grid(config, tmp_path / "b", record_name="r", deadline_s=100, is_drift_enabled=False)
-    grid.record["arms"]["peer"]["max_num_seqs_by_model"] = {"w": 200}  # a resumed record knows the count
-    record = grid.run()
-    assert len(record["launches"]) == 1 and record["launches"][0]["argv"][-2:] == ["--max-num-seqs", "200"]
