@@ -38,6 +38,11 @@ NUM_ALIGN_IN_FLIGHT = 32
 WARMUP_SEED_SHIFT = 1_000_000_007
 
 
+def warmup_seed(seed: int) -> int:
+    """`seed` moved by WARMUP_SEED_SHIFT, within numpy's legacy RandomState range (prefix_repetition draws with it)."""
+    return (seed + WARMUP_SEED_SHIFT) % 2**32
+
+
 class Tokenizer(Protocol):
     """The slice of a Hugging Face tokenizer the dataset needs (tests pass hand-made ones)."""
 

@@ -37,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from deltaserve.bench.dataset import WARMUP_SEED_SHIFT
+from deltaserve.bench.dataset import warmup_seed
 from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
 from deltaserve.bench.peer_refusals import known_refusals, refusal_key, relaunch_count, with_max_num_seqs
@@ -70,7 +70,7 @@ def run_seed(config: GridConfig, isl: int, osl: int, concurrency: int, is_warmup
     it warms: with the point's own seed its prompts were the measured run's, and the 27B's first long point hit 99.6 %
     of its prompt tokens (grids/h100_long-27b-20261206-s31.json)."""
     seed = config.seed + 1009 * concurrency + 10007 * isl + osl
-    return seed + WARMUP_SEED_SHIFT if is_warmup else seed
+    return warmup_seed(seed) if is_warmup else seed
 
 
 def client_argv(

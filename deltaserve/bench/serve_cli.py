@@ -43,7 +43,7 @@ from typing import Any
 
 from deltaserve.bench._extra import MissingExtraError, require
 from deltaserve.bench.client import LoadOptions, RequestResult, SamplingOptions, run_load
-from deltaserve.bench.dataset import WARMUP_SEED_SHIFT, SampleRequest, align_with_server, sample_random
+from deltaserve.bench.dataset import SampleRequest, align_with_server, sample_random, warmup_seed
 from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
 from deltaserve.bench.dataset_prefix import PrefixOptions, align_like_vllm, sample_prefix_repetition
 from deltaserve.bench.metrics import compute_metrics, parse_goodput, parse_metric_names, parse_percentiles
@@ -307,7 +307,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         requests = _sample(args, tokenizer, args.num_prompts, args.seed, input_len, output_len)
         if args.warmup_distinct and args.num_warmups > 0:
             load.warmup_requests = _sample(
-                args, tokenizer, args.num_warmups, args.seed + WARMUP_SEED_SHIFT, input_len, output_len
+                args, tokenizer, args.num_warmups, warmup_seed(args.seed), input_len, output_len
             )
     is_server_aligned = False
     # vLLM aligns the text-only random and prefix_repetition datasets with the server's tokenizer
@@ -315,7 +315,7 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
         requests, is_server_aligned = await _align(args, base_url, request_model, requests, tokenizer, args.seed)
         if load.warmup_requests:
             load.warmup_requests, _ = await _align(
-                args, base_url, request_model, load.warmup_requests, tokenizer, args.seed + WARMUP_SEED_SHIFT
+                args, base_url, request_model, load.warmup_requests, tokenizer, warmup_seed(args.seed)
             )
 
     sampling = SamplingOptions(

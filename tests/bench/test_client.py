@@ -205,3 +205,12 @@ def test_distinct_warmups_share_no_prompt_with_the_measured_requests(
         head = 16 if dataset == "prefix_repetition" else 8  # no measured prompt starts like a warm-up
         assert all(w[:head] != m[:head] for w in warm for m in measured), (warm, measured)
         assert all(len(w) == len(measured[0]) for w in warm)  # the same shapes as the measured requests
+
+
+def test_the_warmup_seed_moves_and_stays_in_numpys_legacy_range() -> None:
+    """prefix_repetition draws with numpy's RandomState, which takes seeds below 2**32 only."""
+    from deltaserve.bench.dataset import warmup_seed
+
+    for seed in (0, 5, 2**31, 2**32 - 1):
+        moved = warmup_seed(seed)
+        assert 0 <= moved < 2**32 and moved != seed
