@@ -42,6 +42,7 @@ from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
 from deltaserve.bench.peer_refusals import known_refusals, refusal_key, relaunch_count, with_max_num_seqs
 from deltaserve.bench.provenance import host_facts, probe_version, server_version
+from deltaserve.bench.server_logs import jit_compiles, log_size
 from deltaserve.bench.server_process import Server
 
 DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results" / "grids"  # the grid kind of benchmarks/results/
@@ -123,6 +124,20 @@ def _note_deviations(entry: dict[str, Any], launch: Launch) -> None:
     note = launch.denominator_note
     if note and note not in (entry.get("denominator_note") or ""):
         entry["denominator_note"] = f"{entry['denominator_note']} {note}" if entry.get("denominator_note") else note
+
+
+def _note_compiles(entry: dict[str, Any], log_path: Path, measured_from: int | None) -> None:
+    """The launch's Triton compiles while serving, from its log (server_logs.py): `late_compiles` during the measured
+    runs, `warmup_compiles` during the warm-up point; nothing when the server never became healthy."""
+    if measured_from is None:
+        return
+    late = jit_compiles(log_path, measured_from)
+    entry["late_compiles"] = late
+    if measured_from:
+        entry["warmup_compiles"] = jit_compiles(log_path, 0, measured_from)
+    if late:
+        print(f"[grid] {entry['arm']} on {entry['model']}: Triton compiled while measured: {', '.join(late)}",
+              flush=True)  # fmt: skip
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -288,6 +303,7 @@ class Grid:
         print(f"[grid] {arm.name} on {model.name}: {entry['command_line']}", flush=True)
         server = Server(launch, log_path)
         runs: list[dict[str, Any]] = []
+        measured_from: int | None = None  # the log's offset where measured runs begin; None: never healthy
         try:
             server.start()
             entry["startup_s"] = round(server.wait_healthy(arm.startup_timeout_s), 1)
@@ -296,8 +312,10 @@ class Grid:
                 launch.version_probe, {**os.environ, **launch.env_overrides}, REPO_ROOT
             )
             self.save()
+            measured_from = 0
             if is_warming and points:
                 entry["warmup_run"] = self._warmup_run(launch, arm, model, points[0])
+                measured_from = log_size(log_path)
                 self.save()
             for position, (isl, osl, concurrency) in enumerate(points):
                 if position > 0 and self._is_past_deadline(arm.expected_run_s):
@@ -345,6 +363,7 @@ class Grid:
             print(f"[grid] {arm.name} on {model.name}: {entry['error']}", flush=True)
         finally:
             entry["is_port_freed"] = server.stop(self.config.stop_timeout_s)
+            _note_compiles(entry, log_path, measured_from)
             self.save()
         named = relaunch_count(log_path) if entry["error"] and not runs and not is_relaunch else None
         if named is not None:

@@ -9,7 +9,8 @@ app[CHAT_BODIES] (/v1/completions' in app[COMPLETION_BODIES]). For multi-turn te
 usage.prompt_tokens_details.cached_tokens as a toy prefix cache would (the longest common prefix of the prompt's
 token ids with any earlier chat prompt's) and exports its token totals on /metrics under vLLM's counter names (the
 hits split over two engine labels, as a data-parallel vLLM reports them), and `is_answer_per_request` makes answer i
-start at token t{i}, so each answer differs from the others. Run as a script it is a grid arm: `python
+start at token t{i}, so each answer differs from the others; `jit_lines` logs a JIT monitor's line at the Nth
+completion request. Run as a script it is a grid arm: `python
 tests/bench/fake_server.py MODEL_DIR --port P [--itl-ms 2]`.
 """
 
@@ -53,6 +54,7 @@ def build_app(
     has_tokenize: bool = True,
     has_prefix_cache: bool = False,
     is_answer_per_request: bool = False,
+    jit_lines: dict[int, str] | None = None,
 ) -> web.Application:
     """The aiohttp application; `tokens_per_event` > 1 mimics --stream-interval / multi-token chunks."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -91,6 +93,10 @@ def build_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = await request.json()
         completion_bodies.append(body)
+        name = (jit_lines or {}).get(len(completion_bodies))
+        if name:  # the line a JIT monitor logs when this request's step compiles a kernel
+            print(f"WARNING Triton kernel JIT compilation during inference: {name}. This causes a latency spike",
+                  flush=True)  # fmt: skip
         num_prompt = len(tokenizer.encode(body["prompt"], add_special_tokens=False).ids)
         num_tokens = int(body.get("max_tokens", 16))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -209,8 +215,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--ttft-ms", type=float, default=5.0)
     parser.add_argument("--itl-ms", type=float, default=1.0)
+    parser.add_argument("--jit-lines", default="", help="N:NAME,...: log a JIT-compile line at the Nth completion")
     args = parser.parse_args()
-    web.run_app(build_app(Path(args.model), args.ttft_ms, args.itl_ms), host="127.0.0.1", port=args.port)
+    jit_lines = {int(n): name for n, name in (item.split(":") for item in args.jit_lines.split(",") if item)}
+    app = build_app(Path(args.model), args.ttft_ms, args.itl_ms, jit_lines=jit_lines)
+    web.run_app(app, host="127.0.0.1", port=args.port)
 
 
 if __name__ == "__main__":

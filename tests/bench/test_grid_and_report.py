@@ -590,6 +590,7 @@ def test_a_warmup_point_runs_first_and_stays_out_of_the_runs(
     # the measured runs are the grid's points, each once; the warm-up's client JSON is not among the raw runs
     assert sorted(r["concurrency"] for r in record["runs"]) == [1, 2]
     assert not any("warmup" in p.name for p in (tmp_path / "results/raw").rglob("*.json"))
+    assert launch["warmup_compiles"] == [] and launch["late_compiles"] == []
     # a warm-up costs a run of time, and the deadline counts it: a start and one run fit 100 s, a start and two not
     config.arms[0].expected_startup_s, config.arms[0].expected_run_s = 30.0, 40.0
     late = Grid(config, tmp_path / "late", record_name="late", deadline_s=100).run()
@@ -621,3 +622,29 @@ def test_lengths_picks_the_grids_own_pairs_and_the_peers_budget_follows() -> Non
         with pytest.raises(ValueError, match="--lengths"):
             grid_module.select_lengths([(16384, 128), (65536, 128)], bad)
     assert grid_module.select_lengths([(1, 2), (3, 4)], "3x4,1x2") == [(1, 2), (3, 4)]  # the grid's order
+
+
+@pytest.mark.parametrize("is_warming", [True, False])
+def test_a_launch_records_the_kernels_its_server_compiled_while_serving(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer, is_warming: bool
+) -> None:
+    """The JIT monitor's lines in a server's log (both engines log vLLM's words) land in the launch's record: those
+    after the warm-up point as `late_compiles` (a measured run stalled), those during it as `warmup_compiles`. The
+    stand-in logs one at its 1st completion request (the warm-up point's) and one at its 6th (the first measured
+    point's); without a warm-up point both are late."""
+    toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), False)
+    text = toml.read_text().replace(
+        '"--itl-ms", "1"]', '"--itl-ms", "1", "--jit-lines", "1:_warm_kernel,6:_late_kernel"]'
+    )
+    toml.write_text(
+        text.replace("drift_concurrency = 2", f"drift_concurrency = 2\nwarmup_point = {str(is_warming).lower()}")
+    )
+    config = load_config(toml)
+    config.arms = config.arms[:1]
+    record = Grid(config, tmp_path / "results", record_name="jit", is_drift_enabled=False).run()
+    (launch,) = record["launches"]
+    if is_warming:
+        assert launch["warmup_compiles"] == ["_warm_kernel"] and launch["late_compiles"] == ["_late_kernel"]
+    else:
+        assert "warmup_compiles" not in launch and launch["late_compiles"] == ["_warm_kernel", "_late_kernel"]
+    assert "Triton compiled while measured: " in "\n".join(report.render_record("jit", record, None))
