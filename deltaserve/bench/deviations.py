@@ -56,6 +56,8 @@ class Deviation:
         return (self.note, *self.former_notes)
 
 
+# The 80 GB card's step-budget deviation: the registry adds it to a launch where it binds (not a site's fixed list).
+BATCHED_TOKENS_80GB = "batched-tokens-80gb"
 DEVIATIONS: dict[str, Deviation] = {
     "gdn-prefill-triton": Deviation(
         name="gdn-prefill-triton",
@@ -122,8 +124,8 @@ DEVIATIONS: dict[str, Deviation] = {
     ),
     # Applied by the registry only where it changes the launch (registry.vllm_launch: a site's max_batched_tokens
     # below 2 x ISL), so records of shorter prompts do not carry it.
-    "batched-tokens-80gb": Deviation(
-        name="batched-tokens-80gb",
+    BATCHED_TOKENS_80GB: Deviation(
+        name=BATCHED_TOKENS_80GB,
         reason=(
             "--max-num-batched-tokens max(ISL, 65536) instead of the registry's 2 x ISL: on an 80 GB card vLLM 0.26 "
             "cannot profile a 131,072-token step on the 27B shape (torch.OutOfMemoryError in "
@@ -174,7 +176,6 @@ for _name in ("h200-offline", "h200-offline-triton-gdn"):
         "env": dict(SITES[_name]["env"]),
         "max_batched_tokens": 65536,
     }
-BATCHED_TOKENS_80GB = "batched-tokens-80gb"
 # `bench grid --card h100` runs every arm of an h200-* site at its h100-* twin.
 CARD_SITE_PREFIX = {"h200": "h200-", "h100": "h100-"}
 # Where servers run unless told otherwise (grids, `bench oracle-cmd`): production.

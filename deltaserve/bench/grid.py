@@ -348,7 +348,7 @@ class Grid:
                         f"[grid] {raw_name}: out {result['output_throughput']:.1f} tok/s, "
                         f"TTFT med {result.get('median_ttft_ms', math.nan):.1f} ms, "
                         f"TPOT med {result.get('median_tpot_ms', math.nan):.2f} ms, "
-                        f"prefix cache hit rate {_percent(result.get(HIT_RATE))}, failed {result['failed']}"
+                        f"prefix cache hit rate {format_percent(result.get(HIT_RATE))}, failed {result['failed']}"
                         + _acceptance_text(result.get(ACCEPTANCE)),
                         flush=True,
                     )
@@ -594,8 +594,7 @@ def select_lengths(lengths: list[tuple[int, int]], spec: str) -> list[tuple[int,
         asked = {tuple(int(n) for n in item.split("x")) for item in spec.split(",")}
     except ValueError:
         raise ValueError(f"--lengths {spec!r}: expected ISLxOSL pairs, e.g. 16384x128") from None
-    unknown = sorted(pair for pair in asked if pair not in set(lengths))
-    if unknown or any(len(pair) != 2 for pair in asked):
+    if not asked <= set(lengths):  # a malformed pair (not two numbers) is not one of the grid's either
         have = ", ".join(f"{i}x{o}" for i, o in lengths)
         raise ValueError(f"--lengths {spec!r}: the grid has {have}")
     return [pair for pair in lengths if pair in asked]
@@ -701,8 +700,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         hit_rates = ""
         if "subject_prefix_cache_hit_rate" in entry:
-            hit_rates = (f", prefix cache hit rate {_percent(entry['subject_prefix_cache_hit_rate'])} / "
-                         f"{_percent(entry['peer_prefix_cache_hit_rate'])}")  # fmt: skip
+            hit_rates = (f", prefix cache hit rate {format_percent(entry['subject_prefix_cache_hit_rate'])} / "
+                         f"{format_percent(entry['peer_prefix_cache_hit_rate'])}")  # fmt: skip
         print(
             f"[grid] {entry['subject']}/{entry['peer']} {entry['model']} c{entry['concurrency']}: "
             f"output tok/s x{_fmt(entry['output_throughput'])}, TTFT med x{_fmt(entry['median_ttft_ms'])}, "
@@ -741,7 +740,8 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def _percent(value: float | None) -> str:
+def format_percent(value: float | None) -> str:
+    """A rate in [0, 1] as the records' tables print it (n/a where a server reported none)."""
     return "n/a" if value is None else f"{100 * value:.1f} %"
 
 

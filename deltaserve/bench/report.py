@@ -29,7 +29,7 @@ from typing import Any
 
 from deltaserve.bench import records_index
 from deltaserve.bench.deviations import DEVIATIONS, Deviation, deviations_in
-from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT
+from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT, format_percent
 from deltaserve.bench.grid import HIT_RATE as RUN_HIT_RATE
 
 DEFAULT_RESULTS = DEFAULT_RESULT_DIR
@@ -73,15 +73,10 @@ def _has_hit_rates(entries: list[dict[str, Any]]) -> bool:
     return any("subject_prefix_cache_hit_rate" in e for e in entries)
 
 
-def _percent(value: Any) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f} %"
-
-
 def _hit_rates(entry: dict[str, Any]) -> str:
     """Both engines' prefix-cache hit rates (cached / prompt tokens, from their /metrics) at a ratio's point."""
-    return (
-        f"{_percent(entry.get('subject_prefix_cache_hit_rate'))} / {_percent(entry.get('peer_prefix_cache_hit_rate'))}"
-    )
+    subject, peer = entry.get("subject_prefix_cache_hit_rate"), entry.get("peer_prefix_cache_hit_rate")
+    return f"{format_percent(subject)} / {format_percent(peer)}"
 
 
 def _has_acceptance(entries: list[dict[str, Any]]) -> bool:
@@ -296,7 +291,7 @@ def _standing_table(stem: str, record: dict[str, Any], model: str, notes: Notes)
     for r in runs:
         m = r.get("metrics") or {}
         cells = [_num(m.get("output_throughput")), _num(m.get("median_ttft_ms")), _num(m.get("median_tpot_ms"), 2)]
-        cells += [_percent(m.get(RUN_HIT_RATE))] if has_hits else []
+        cells += [format_percent(m.get(RUN_HIT_RATE))] if has_hits else []
         rows.append([f"{r['isl']}/{r['osl']}", str(r["concurrency"]), r["arm"], *cells])
     header = ["ISL/OSL", "conc", "arm (no peer)", "out tok/s", "TTFT med ms", "TPOT med ms"]
     return _table([*header, *(["prefix cache hit rate"] if has_hits else [])], rows)
