@@ -22,9 +22,9 @@ GEMV_MAX_DEPTH = 8192
 GEMV_TILE_ELEMS = 16384
 GEMV_NUM_WARPS = 8
 # The most rows of x the GEMV takes (more go to cuBLAS). The rows run one after another over the one weight tile, so
-# a row adds its products and one reduction, not registers (the tile divided per row lost at 2-4 rows). Served at 1
-# until the side-by-side at 2-4 rows (decode B = 2-4, MTP verify rows) has run (docs/kernels.md#linear-projections).
-GEMV_MAX_ROWS = 1
+# a row adds its products and one reduction, not registers (the tile divided per row lost at 2-4 rows). Two rows
+# beat cuBLAS on both shapes' decode steps; three and four lost (docs/kernels.md#linear-projections).
+GEMV_MAX_ROWS = 2
 
 
 @triton.jit(do_not_specialize=["num_rows"])

@@ -20,9 +20,9 @@ linear_module = importlib.import_module("deltaserve.kernels.linear")
 linear_triton_module = importlib.import_module("deltaserve.kernels.linear_triton")
 
 
-def test_dispatcher_sends_one_row_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row without bias takes linear_triton's GEMV (where Triton runs); more rows, a bias, a vocabulary-sized or
-    too deep weight, or a column-strided x take F.linear."""
+def test_dispatcher_sends_one_or_two_rows_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One or two rows without bias take linear_triton's GEMV (where Triton runs); more rows, a bias, a
+    vocabulary-sized or too deep weight, or a column-strided x take F.linear."""
     calls: list[int] = []
 
     def fake(x: torch.Tensor, w: torch.Tensor, config: dict[str, int]) -> torch.Tensor:
@@ -32,11 +32,12 @@ def test_dispatcher_sends_one_row_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(linear_module, "use_triton", lambda t: True)
     monkeypatch.setattr(linear_triton_module, "gemv_triton", fake)
     weight, bias = randn(8, 32), randn(8)
-    for rows in (1, 2, 16, 64):
+    assert GEMV_MAX_ROWS == 2
+    for rows in (1, 2, 3, 16, 64):
         x = randn(rows, 32)
         assert_close("y", linear_ref(x, weight), linear_module.linear(x, weight), 1e-6)
     assert linear_module.linear(randn(0, 32), weight).shape == (0, 8)
-    assert calls == [1]
+    assert calls == [1, 2]
     x = randn(1, 32)
     assert_close("y", linear_ref(x, weight, bias), linear_module.linear(x, weight, bias), 1e-6)
     linear_module.linear(randn(1, 64)[:, ::2], weight)  # a column-strided row
@@ -44,12 +45,12 @@ def test_dispatcher_sends_one_row_to_the_gemv(monkeypatch: pytest.MonkeyPatch) -
     linear_module.linear(randn(1, 4), vocab)
     deep = GEMV_MAX_DEPTH + 1
     linear_module.linear(randn(1, deep), torch.zeros(4, deep, device=DEVICE))
-    assert calls == [1]
+    assert calls == [1, 2]
     # with the row limit raised (the side-by-side's candidate), rows up to it take the GEMV, more take F.linear
     monkeypatch.setattr(linear_triton_module, "GEMV_MAX_ROWS", 4)
     for rows in (2, 4, 5, 16):
         linear_module.linear(randn(rows, 32), weight)
-    assert calls == [1, 2, 4]
+    assert calls == [1, 2, 2, 4]
 
 
 def _small_tile(depth: int, block_m: int) -> dict[str, int]:

@@ -6,6 +6,7 @@ during an engine's start-up are not reported, and a hook set before keeps being 
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -117,14 +118,21 @@ def test_a_speculating_engine_compiles_nothing_while_serving(variant: str) -> No
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    # a small share of the card, and the engine released however the test ends: the next GPU test starts its own
     llm = LLM(trained_model_dir(variant), dtype="bfloat16", max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=64, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
-              jit_monitor_mode="error")  # fmt: skip
+              gpu_memory_utilization=0.3, jit_monitor_mode="error")  # fmt: skip
     prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + (37 * i) % 90)] for i in range(14)]
     params = [
         SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=(1, 2, 3, 5, 17)[i % 5], ignore_eos=True)
         for i in range(len(prompts))
     ]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     assert not jit_monitor._state["warned"]
