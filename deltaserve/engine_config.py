@@ -90,14 +90,16 @@ class EngineConfig:
     # vLLM's --speculative-config (deltaserve/speculative_config.py): None, or MTP drafting with its k and rule; its
     # JSON text or dict is parsed (and refused by key or method) on construction
     speculative_config: SpeculativeConfig | None = None
-    # vLLM's --gdn-prefill-backend: None (vLLM's auto; "auto" offline is read so) or "triton": deltaserve's own GDN
-    # prefill kernel; "flashinfer": FlashInfer's (kernels/gdn_flashinfer.py), refused at start-up where it cannot
-    # run (runner/device_setup.py); "cutedsl" is refused here (docs/kernels.md#flashinfers-gdn-prefill)
+    # vLLM's --gdn-prefill-backend: None (vLLM's auto; "auto" offline is read so): FlashInfer's kernel for large
+    # calls where it runs, else deltaserve's own; "triton": deltaserve's own GDN prefill kernel; "flashinfer":
+    # FlashInfer's (kernels/gdn_flashinfer.py), refused at start-up where it cannot run (runner/device_setup.py);
+    # "cutedsl" is refused here (docs/kernels.md#flashinfers-gdn-prefill)
     gdn_prefill_backend: str | None = None
-    # vLLM's --attention-backend (AttentionBackendEnum names, any case; "auto" is None): None or "TRITON_ATTN":
-    # deltaserve's own paged attention for every row; "FLASH_ATTN" (vLLM's FlashAttention 3) or "FLASHINFER"
-    # (FlashInfer's paged prefill) for the prefill rows, refused at start-up where they cannot run
-    # (runner/device_setup.py); vLLM's other values are refused here (docs/attention-backends.md)
+    # vLLM's --attention-backend (AttentionBackendEnum names, any case; "auto" is None): None, vLLM's FlashAttention 3
+    # for the prefill rows where it runs, else as "TRITON_ATTN": deltaserve's own paged attention for every row;
+    # "FLASH_ATTN" (vLLM's FlashAttention 3) or "FLASHINFER" (FlashInfer's paged prefill) for the prefill rows,
+    # refused at start-up where they cannot run (runner/device_setup.py); vLLM's other values are refused here
+    # (docs/attention-backends.md)
     attention_backend: str | None = None
     # vLLM's --jit-monitor-mode / --jit-monitor-verbose (runner/jit_monitor.py): a Triton kernel compiled after
     # start-up is logged once ("warn") or fails its step ("error"); verbose logs every compile with its signature
@@ -189,7 +191,7 @@ def check_gdn_prefill_backend(value: object) -> None:
         raise ValueError(
             "--gdn-prefill-backend cutedsl (gdn_prefill_backend='cutedsl'): not served by deltaserve: vLLM 0.26's "
             "CuTe-DSL GDN prefill kernel runs on Blackwell (SM10x) only and deltaserve does not implement it; "
-            "choose flashinfer (FlashInfer's kernel, SM90) or triton (deltaserve's own, the default)"
+            "choose flashinfer (FlashInfer's kernel, SM90) or triton (deltaserve's own)"
         )
     if value is not None and value not in (*GDN_PREFILL_BACKENDS, "auto"):
         raise ValueError(
@@ -215,7 +217,8 @@ def check_attention_backend(value: object) -> str | None:
     if name in VLLM_ONLY_ATTENTION_BACKENDS:
         raise ValueError(
             f"--attention-backend {name}: not implemented in deltaserve; it serves {', '.join(ATTENTION_BACKENDS)} "
-            "(TRITON_ATTN, deltaserve's own kernel, is the default; docs/attention-backends.md)"
+            "(TRITON_ATTN is deltaserve's own kernel; the default takes FLASH_ATTN where it runs; "
+            "docs/attention-backends.md)"
         )
     raise ValueError(
         f"Unknown attention backend: '{value}'. Valid options in deltaserve are: {', '.join(ATTENTION_BACKENDS)} "

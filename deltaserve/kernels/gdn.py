@@ -9,8 +9,9 @@ g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b), q̂ = l2norm(q)·dk^-
   back (a slot < 0 starts from zeros and is not written); optionally also the state at the start of one chosen
   64-token chunk of a sequence into another slot (an in-step prefix-cache checkpoint, docs/prefix-caching.md).
   As vLLM's prefill, the L2-normed q/k are rounded to the input dtype before the core. The layer's `backend`
-  picks the kernel per call (`takes_flashinfer`): deltaserve's own, or FlashInfer's (kernels/gdn_flashinfer.py,
-  --gdn-prefill-backend flashinfer) for calls without an in-step checkpoint; `gdn_prefill_ref` is the twin of
+  picks the kernel per call (`takes_flashinfer`): deltaserve's own, or FlashInfer's (kernels/gdn_flashinfer.py;
+  the default where it runs, for calls of FLASHINFER_MIN_TOKENS rows or more) for calls without an in-step
+  checkpoint; `gdn_prefill_ref` is the twin of
   both. `chunk_inverse_ref`: (I + A)^-1 of strictly lower chunk tiles, the twin of the chunked prefill's blocked
   inverse.
 - `gdn_decode`: one token per sequence, the recurrent form in place on the slots, all fp32 (q/k not
@@ -164,20 +165,36 @@ def gdn_prefill_ref(
 gdn_prefill_ours = triton_or_ref(gdn_prefill_ref, "gdn_triton.gdn_prefill_triton")
 
 # The prefill kernels a GDN layer is built with (--gdn-prefill-backend, resolved by runner/device_setup.py): "triton",
-# deltaserve's own (vLLM's name for its Triton path), or "flashinfer" (kernels/gdn_flashinfer.py).
-PREFILL_BACKENDS = ("triton", "flashinfer")
+# deltaserve's own (vLLM's name for its Triton path), "flashinfer" (kernels/gdn_flashinfer.py, every call it can
+# take) or "flashinfer-large" (the default where FlashInfer runs: FlashInfer's for calls of FLASHINFER_MIN_TOKENS rows
+# or more, ours below).
+PREFILL_BACKENDS = ("triton", "flashinfer", "flashinfer-large")
+# The rows of a call from which FlashInfer's kernel beats ours: measured per layer, ours is faster on one sequence
+# of 1,024 and 3,072 tokens (x0.31-0.79 FlashInfer's time: its context-parallel path), FlashInfer on 8 x 1,024 and
+# 16,384 (x1.55-2.77); the two lines cross near 5-6K rows on both shapes (docs/kernels.md#flashinfers-gdn-prefill).
+FLASHINFER_MIN_TOKENS = 6144
+
+
+def uses_flashinfer(backend: str) -> bool:
+    """Whether a layer of this resolved backend may call FlashInfer's kernel (its warm-up compiles it, the cache
+    keeps room for its state copies)."""
+    return backend in ("flashinfer", "flashinfer-large")
 
 
 def takes_flashinfer(
-    backend: str, checkpoint_chunks: torch.Tensor | None, checkpoint_slots: torch.Tensor | None
+    backend: str, num_tokens: int, checkpoint_chunks: torch.Tensor | None, checkpoint_slots: torch.Tensor | None
 ) -> bool:
-    """The one per-call choice of the prefill kernel: FlashInfer's when the layer's backend is "flashinfer" and the
-    call saves no in-step checkpoint (FlashInfer's checkpoints are a fixed token stride, not one chosen chunk), else
-    deltaserve's own. A call "saves" when it is given the checkpoint tensors: the runner passes them only on steps
-    that save (runner/step_checkpoints.py), and reading their values would cost a device sync per layer."""
+    """The one per-call choice of the prefill kernel: FlashInfer's when the layer's backend is "flashinfer" (or
+    "flashinfer-large" and the call has at least FLASHINFER_MIN_TOKENS rows) and the call saves no in-step
+    checkpoint (FlashInfer's checkpoints are a fixed token stride, not one chosen chunk), else deltaserve's own. A
+    call "saves" when it is given the checkpoint tensors: the runner passes them only on steps that save
+    (runner/step_checkpoints.py), and reading their values would cost a device sync per layer. num_tokens is the
+    call's row count, a host shape."""
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"GDN prefill backend {backend!r}: expected one of {', '.join(PREFILL_BACKENDS)}")
-    return backend == "flashinfer" and checkpoint_chunks is None and checkpoint_slots is None
+    if checkpoint_chunks is not None or checkpoint_slots is not None:
+        return False
+    return backend == "flashinfer" or (backend == "flashinfer-large" and num_tokens >= FLASHINFER_MIN_TOKENS)
 
 
 def gdn_prefill(
@@ -199,7 +216,7 @@ def gdn_prefill(
 ) -> torch.Tensor:
     """gdn_prefill_ref's call (its twin, for both kernels) on the kernel takes_flashinfer picks for the layer's
     `backend`: FlashInfer's (kernels/gdn_flashinfer.py) or deltaserve's own."""
-    if takes_flashinfer(backend, checkpoint_chunks, checkpoint_slots):
+    if takes_flashinfer(backend, q.shape[0], checkpoint_chunks, checkpoint_slots):
         from deltaserve.kernels import gdn_flashinfer  # imports nothing of flashinfer until it runs
 
         return gdn_flashinfer.gdn_prefill_flashinfer(

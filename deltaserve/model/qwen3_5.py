@@ -99,8 +99,8 @@ class Qwen35Model(nn.Module):
         attention_backend: str = "TRITON_ATTN",
     ) -> None:
         """build_mtp: also build the checkpoint's MTP layer (speculative decoding with method mtp).
-        gdn_prefill_backend: the GDN layers' prefill kernel, "triton" (deltaserve's own) or "flashinfer"
-        (kernels/gdn.py; runner/device_setup.py resolves --gdn-prefill-backend into it). attention_backend: the
+        gdn_prefill_backend: the GDN layers' prefill kernel, one of kernels/gdn.py PREFILL_BACKENDS
+        (runner/device_setup.py resolves --gdn-prefill-backend into it). attention_backend: the
         full-attention layers' kernel for prefill rows (--attention-backend, resolved likewise); the MTP layer keeps
         deltaserve's (docs/attention-backends.md)."""
         super().__init__()

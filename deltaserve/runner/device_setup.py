@@ -13,7 +13,7 @@ import torch
 from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
-from deltaserve.kernels import attention_fa3, attention_flashinfer, gdn_flashinfer
+from deltaserve.kernels import attention_fa3, attention_flashinfer, gdn, gdn_flashinfer
 from deltaserve.kernels.flashinfer_import import flashinfer_version
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.runner.cache import requested_bytes
@@ -86,17 +86,27 @@ def gdn_prefill_backend(
     engine_config: EngineConfig, device: torch.device, dtype: torch.dtype, config: ModelConfig
 ) -> str:
     """engine_config.gdn_prefill_backend (--gdn-prefill-backend) resolved for the GDN layers (kernels/gdn.py
-    PREFILL_BACKENDS). "triton", deltaserve's own kernel, for triton and for the default: vLLM's auto picks
-    FlashInfer on SM90, but here the default stays ours until FlashInfer's path is validated inside deltaserve on
-    the H200 (docs/kernels.md#flashinfers-gdn-prefill). "flashinfer" when asked and usable, else a ValueError
-    naming the reason: where vLLM 0.26 falls back to its Triton kernel in silence, an explicit request deltaserve
-    cannot honour is refused."""
+    PREFILL_BACKENDS). "triton", deltaserve's own kernel, for triton. The default (vLLM's auto, which picks FlashInfer
+    on SM90): "flashinfer-large" where FlashInfer's kernel can run (the calls of kernels/gdn.py
+    FLASHINFER_MIN_TOKENS rows or more take it, smaller ones ours: each kernel where it measured faster), else
+    "triton", with the reason logged. "flashinfer" (every call without an in-step checkpoint) when asked and usable,
+    else a ValueError naming the reason: where vLLM 0.26 falls back to its Triton kernel in silence, an explicit
+    request deltaserve cannot honour is refused."""
     requested = engine_config.gdn_prefill_backend
-    if requested is None or requested == "triton":
+    if requested == "triton":
         return "triton"
-    if requested != "flashinfer":
+    if requested not in (None, "flashinfer"):
         raise ValueError(f"--gdn-prefill-backend {requested}: not served (flashinfer or triton)")
     reason = gdn_flashinfer.unusable_reason(device, dtype, config.linear_key_head_dim, config.linear_value_head_dim)
+    if requested is None:
+        if reason is not None:
+            logger.info("GDN prefill: deltaserve's kernel (FlashInfer's cannot run here: %s)", reason)
+            return "triton"
+        logger.info("GDN prefill: FlashInfer's chunk_gated_delta_rule (flashinfer %s) for calls of %d rows or more, "
+                    "deltaserve's kernel for smaller ones and in-step prefix-cache checkpoints (--gdn-prefill-backend "
+                    "triton: deltaserve's kernel for all)",
+                    flashinfer_version(), gdn.FLASHINFER_MIN_TOKENS)  # fmt: skip
+        return "flashinfer-large"
     if reason is not None:
         raise ValueError(
             f"--gdn-prefill-backend flashinfer: FlashInfer's GDN prefill cannot run here: {reason}. vLLM 0.26 would "
@@ -112,16 +122,26 @@ def attention_backend(
     engine_config: EngineConfig, device: torch.device, dtype: torch.dtype, config: ModelConfig, block_size: int
 ) -> str:
     """engine_config.attention_backend (--attention-backend, vLLM's names) resolved for the full-attention layers:
-    "TRITON_ATTN", deltaserve's own kernel, for TRITON_ATTN and for the default (vLLM's auto picks FlashAttention
-    on SM90, but here the default stays ours until the library path is validated inside deltaserve on a GPU,
-    docs/attention-backends.md); "FLASH_ATTN" / "FLASHINFER" when asked and usable, else a ValueError naming the
+    "TRITON_ATTN", deltaserve's own kernel, for TRITON_ATTN; the default (vLLM's auto) is "FLASH_ATTN" where vLLM's
+    FlashAttention 3 can run, as vLLM picks on SM90, else "TRITON_ATTN" with the reason logged
+    (docs/attention-backends.md); "FLASH_ATTN" / "FLASHINFER" when asked and usable, else a ValueError naming the
     reason. VLLM_ATTENTION_BACKEND is not read (vLLM 0.26 does not read it either): a warning says so."""
     if env.vllm_attention_backend() is not None:
         logger.warning("VLLM_ATTENTION_BACKEND=%s is ignored, as vLLM 0.26 ignores it: pass --attention-backend",
                        env.vllm_attention_backend())  # fmt: skip
     requested = engine_config.attention_backend
-    if requested is None or requested == "TRITON_ATTN":
+    if requested == "TRITON_ATTN":
         return "TRITON_ATTN"
+    if requested is None:  # vLLM's auto: FlashAttention on SM90, where it can run; ours elsewhere
+        reason = attention_fa3.unusable_reason(device, dtype, config.head_dim, block_size)
+        if reason is not None:
+            logger.info("attention: deltaserve's kernel for every row (vLLM's FlashAttention 3 cannot run here: %s)",
+                        reason)  # fmt: skip
+            return "TRITON_ATTN"
+        logger.info("attention: prefill rows through vLLM's FlashAttention 3 (vllm %s), vLLM's own choice on SM90; "
+                    "decode and verify rows through deltaserve's kernel (--attention-backend TRITON_ATTN: ours for "
+                    "all)", attention_fa3.vllm_version())  # fmt: skip
+        return "FLASH_ATTN"
     if requested == "FLASH_ATTN":
         library = "vLLM's FlashAttention 3"
         reason = attention_fa3.unusable_reason(device, dtype, config.head_dim, block_size)

@@ -21,6 +21,7 @@ import torch
 from deltaserve.engine_config import EngineConfig
 from deltaserve.kernels import gdn_flashinfer
 from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
+from deltaserve.kernels.gdn import uses_flashinfer
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.cache import (
@@ -104,7 +105,7 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     above max_seq_len runs as several sequences, as the scheduler would batch them."""
     meter = PeakMeter(runner.device)
     weights = meter.allocated() - runner._allocated_before
-    if runner.gdn_prefill_backend == "flashinfer":  # both of FlashInfer's kernels compile here, not in a served step
+    if uses_flashinfer(runner.gdn_prefill_backend):  # both of FlashInfer's kernels compile here, not in a served step
         gdn = first_gdn_layer(runner.model)
         gdn_flashinfer.warm_up(gdn.num_k_heads, gdn.head_k_dim, gdn.A_log, gdn.dt_bias)
     max_seqs = -(-num_tokens // max_seq_len)
@@ -312,7 +313,7 @@ def first_gdn_layer(model: Qwen35Model) -> GatedDeltaNet:
 
 def flashinfer_copy_bytes(runner: ModelRunner) -> int:
     """Per sequence of a step, what FlashInfer's GDN prefill copies of its states (0 with deltaserve's kernel)."""
-    if runner.gdn_prefill_backend != "flashinfer":
+    if not uses_flashinfer(runner.gdn_prefill_backend):
         return 0
     gdn = first_gdn_layer(runner.model)
     return gdn_flashinfer.state_copy_bytes(gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)

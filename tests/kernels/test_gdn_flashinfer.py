@@ -221,9 +221,17 @@ def test_dispatcher_sends_checkpoint_calls_to_ours(fake_flashinfer: FakeFlashInf
 
 def test_takes_flashinfer_is_the_one_rule() -> None:
     chunks = torch.tensor([-1, 3], dtype=torch.int32)
-    assert gdn.takes_flashinfer("flashinfer", None, None)
-    assert not gdn.takes_flashinfer("flashinfer", chunks, chunks)
-    assert not gdn.takes_flashinfer("triton", None, None)
+    large = gdn.FLASHINFER_MIN_TOKENS
+    assert gdn.takes_flashinfer("flashinfer", 1, None, None)
+    assert not gdn.takes_flashinfer("flashinfer", large, chunks, chunks)
+    assert not gdn.takes_flashinfer("triton", large, None, None)
+    # the default where FlashInfer runs: its kernel from FLASHINFER_MIN_TOKENS rows a call, ours below and for
+    # any call that saves an in-step checkpoint
+    assert gdn.takes_flashinfer("flashinfer-large", large, None, None)
+    assert not gdn.takes_flashinfer("flashinfer-large", large - 1, None, None)
+    assert not gdn.takes_flashinfer("flashinfer-large", 4 * large, chunks, chunks)
+    assert gdn.uses_flashinfer("flashinfer-large") and gdn.uses_flashinfer("flashinfer")
+    assert not gdn.uses_flashinfer("triton")
     with pytest.raises(ValueError, match="saves no in-step checkpoint"):
         gdn_prefill_flashinfer(*_inputs(4, 1, 2, 32, torch.float32), torch.zeros(2, 2, 32, 32), varlen_starts([4]),
                                torch.tensor([0]), torch.tensor([True]), checkpoint_chunks=chunks[:1],

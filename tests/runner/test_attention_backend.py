@@ -116,9 +116,38 @@ def test_vllm_attention_backend_env_is_ignored_with_a_warning(
     assert any("VLLM_ATTENTION_BACKEND=FLASHINFER is ignored" in r.getMessage() for r in caplog.records)
 
 
-def test_the_default_builds_ours_into_every_layer() -> None:
+def test_the_default_builds_ours_into_every_layer_where_fa3_cannot_run() -> None:
     llm = LLM(DENSE, **FIXED)
     assert _backends(llm) == {"TRITON_ATTN"} and llm.engine.runner.prefill_attention is None
+
+
+def test_the_default_is_fa3_where_it_runs_as_vllms_auto(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's auto picks FlashAttention on SM90: where vLLM's FA3 can run, the default serves the prefill rows
+    through it (and says so), with deltaserve's tokens; TRITON_ATTN still keeps ours everywhere. Where it cannot,
+    the log names the reason."""
+    config = ModelConfig.from_pretrained(DENSE)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.device_setup"):
+        assert device_setup.attention_backend(EngineConfig("m"), cpu, torch.float32, config, 16) == "TRITON_ATTN"
+    assert "FlashAttention 3 cannot run here: the device is cpu" in caplog.text
+    ours = _tokens(LLM(DENSE, **FIXED))
+    fake = install_fake_fa3(monkeypatch)
+    monkeypatch.setattr(attention_fa3, "unusable_reason", lambda *args: None)
+    monkeypatch.setattr(attention_fa3, "vllm_version", lambda: "0.26.0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.device_setup"):
+        assert device_setup.attention_backend(EngineConfig("m"), cpu, torch.float32, config, 16) == "FLASH_ATTN"
+    assert "prefill rows through vLLM's FlashAttention 3 (vllm 0.26.0)" in caplog.text
+    explicit = device_setup.attention_backend(EngineConfig("m", attention_backend="TRITON_ATTN"), cpu, torch.float32,
+                                              config, 16)  # fmt: skip
+    assert explicit == "TRITON_ATTN"
+    llm = LLM(DENSE, **FIXED)
+    assert _backends(llm) == {"FLASH_ATTN"}
+    fake.batches.clear()
+    assert _tokens(llm) == ours
+    assert fake.batches  # the prompts' prefill rows went through the library
 
 
 @pytest.mark.parametrize("name", ["FLASH_ATTN", "FLASHINFER"])

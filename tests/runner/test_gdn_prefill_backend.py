@@ -6,6 +6,8 @@ compiles both of FlashInfer's kernels and the cache keeps room for its state cop
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -29,16 +31,27 @@ def _backends(llm: LLM) -> set[str]:
     }
 
 
-def test_resolution() -> None:
+def test_resolution(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Where FlashInfer cannot run, the default is ours (the log says why) and flashinfer is refused; where it can,
+    the default is "flashinfer-large" (FlashInfer for large calls), flashinfer is FlashInfer for every call, and
+    triton is ours."""
     config = ModelConfig.from_pretrained(DENSE)
     cpu = torch.device("cpu")
-    for requested in (None, "triton", "auto"):
-        engine_config = EngineConfig("m", gdn_prefill_backend=requested)
-        assert device_setup.gdn_prefill_backend(engine_config, cpu, torch.float32, config) == "triton"
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.device_setup"):
+        for requested in (None, "triton", "auto"):
+            engine_config = EngineConfig("m", gdn_prefill_backend=requested)
+            assert device_setup.gdn_prefill_backend(engine_config, cpu, torch.float32, config) == "triton"
+    assert "FlashInfer's cannot run here: the device is cpu" in caplog.text
     with pytest.raises(ValueError, match=r"--gdn-prefill-backend flashinfer: .*the device is cpu.*pass triton"):
         device_setup.gdn_prefill_backend(
             EngineConfig("m", gdn_prefill_backend="flashinfer"), cpu, torch.float32, config
         )
+    monkeypatch.setattr(gdn_flashinfer, "unusable_reason", lambda *args: None)
+    monkeypatch.setattr(device_setup, "flashinfer_version", lambda: "0.6.14")
+    for requested, want in ((None, "flashinfer-large"), ("auto", "flashinfer-large"), ("flashinfer", "flashinfer"),
+                            ("triton", "triton")):  # fmt: skip
+        engine_config = EngineConfig("m", gdn_prefill_backend=requested)
+        assert device_setup.gdn_prefill_backend(engine_config, cpu, torch.float32, config) == want
 
 
 def test_engine_config_reads_vllms_values() -> None:
@@ -80,6 +93,31 @@ def test_flashinfer_serves_the_prefills_with_our_tokens(monkeypatch: pytest.Monk
     theirs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert theirs == ours
     assert fake.calls > 0 and with_checkpoint and all(with_checkpoint)
+
+
+def test_the_default_sends_large_calls_to_flashinfer_and_small_ones_to_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FlashInfer usable and no flag, a prefill call of FLASHINFER_MIN_TOKENS rows or more (lowered here to 100,
+    so the tiny checkpoint meets it) runs FlashInfer's kernel and a smaller one ours, with ours' greedy tokens."""
+    prompts = [{"prompt_token_ids": [(7 * i + 3) % 200 + 1 for i in range(n)]} for n in (150, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    kwargs = {**FIXED, "enable_prefix_caching": False, "max_num_batched_tokens": 256}
+    ours = [o.outputs[0].token_ids for o in LLM(DENSE, **kwargs).generate(prompts, params, use_tqdm=False)]
+    fake = install_fake_flashinfer(monkeypatch)
+    monkeypatch.setattr(gdn_flashinfer, "unusable_reason", lambda *args: None)
+    monkeypatch.setattr(gdn, "FLASHINFER_MIN_TOKENS", 100)
+    rows_ours: list[int] = []
+    real_ours = gdn.gdn_prefill_ours
+    monkeypatch.setattr(gdn, "gdn_prefill_ours", lambda *a: rows_ours.append(a[0].shape[0]) or real_ours(*a))
+    llm = LLM(DENSE, **kwargs)
+    assert _backends(llm) == {"flashinfer-large"}
+    for n in (150, 40):  # one prompt a step: the 150-row call takes FlashInfer, the 40-row one ours
+        calls_before = fake.calls
+        rows_ours.clear()
+        prompt = [{"prompt_token_ids": [(7 * i + 3) % 200 + 1 for i in range(n)]}]
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        assert (fake.calls > calls_before) == (n >= 100) and bool(rows_ours) == (n < 100)
+    theirs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert theirs == ours
 
 
 def test_the_gpu_start_up_compiles_flashinfer_and_keeps_room_for_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:

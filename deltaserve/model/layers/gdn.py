@@ -42,8 +42,9 @@ class GatedDeltaNet(nn.Module):
         tp: TensorParallel | None = None,
         prefill_backend: str = "triton",
     ) -> None:
-        """prefill_backend: the chunked prefill's kernel, "triton" (deltaserve's own) or "flashinfer"
-        (kernels/gdn.py gdn_prefill; the runner resolves --gdn-prefill-backend into it)."""
+        """prefill_backend: the chunked prefill's kernel, one of kernels/gdn.py PREFILL_BACKENDS ("triton":
+        deltaserve's own; "flashinfer", "flashinfer-large": FlashInfer's for every call or for large ones; the runner
+        resolves --gdn-prefill-backend into it)."""
         super().__init__()
         self.tp = tp or TensorParallel.single()
         self.prefill_backend = prefill_backend
