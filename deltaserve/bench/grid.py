@@ -435,21 +435,23 @@ class Grid:
                         if not self._measured_points(arm, model, [point]):
                             self._run_points(arm, model, [point])
             else:
+                # the drift re-run relaunches the first subject arm (deltaserve), whatever order --arms gave
+                drift_arm = next((arm for arm in config.arms if arm.role == "subject"), config.arms[0])
                 first_runs: list[dict[str, Any]] = []
-                for i, arm in enumerate(config.arms):
+                for arm in config.arms:
                     done = self._measured_points(arm, model, points)
                     measured = {(r["isl"], r["osl"], r["concurrency"]) for r in done}
                     todo = [point for point in points if point not in measured]
                     if not todo:
                         print(f"[grid] {arm.name} on {model.name}: measured in an earlier call", flush=True)
                     runs = done + (self._run_points(arm, model, todo) if todo else [])
-                    if i == 0:
+                    if arm is drift_arm:
                         first_runs = runs
                 is_drift_done = any(
-                    d["arm"] == config.arms[0].name and d["model"] == model.name for d in self.record["drift"]
+                    d["arm"] == drift_arm.name and d["model"] == model.name for d in self.record["drift"]
                 )
                 if self.is_drift_enabled and len(config.arms) > 1 and config.drift_concurrency and not is_drift_done:
-                    self._drift(config.arms[0], model, first_runs)
+                    self._drift(drift_arm, model, first_runs)
         self.record["ratios"] = compute_ratios(self.record)
         self.record["is_complete"] = True
         self.record["wall_s"] = round(self.previous_wall_s + time.monotonic() - self.t0, 1)
@@ -574,13 +576,16 @@ def set_utilization(arm: Arm, value: str) -> None:
 
 
 def _select(items: list[Any], names: str | None, skip: str | None, what: str) -> list[Any]:
+    """The items `names` lists, in the order it lists them (the run order: a call that names the peer first runs it
+    first, before a deadline can skip it), else all in config order; less those `skip` lists."""
     chosen = list(items)
     if names:
-        wanted = [n.strip() for n in names.split(",") if n.strip()]
-        unknown = set(wanted) - {item.name for item in items}
+        wanted = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
+        by_name = {item.name: item for item in items}
+        unknown = set(wanted) - set(by_name)
         if unknown:
             raise ValueError(f"unknown {what}: {sorted(unknown)}")
-        chosen = [item for item in items if item.name in wanted]
+        chosen = [by_name[name] for name in wanted]
     if skip:
         skipped = {n.strip() for n in skip.split(",")}
         chosen = [item for item in chosen if item.name not in skipped]
@@ -602,7 +607,9 @@ def select_lengths(lengths: list[tuple[int, int]], spec: str) -> list[tuple[int,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="grid TOML file")
-    parser.add_argument("--arms", default=None, help="comma-separated arms to run (default all, in config order)")
+    parser.add_argument(
+        "--arms", default=None, help="comma-separated arms to run, in that order (default all, in config order)"
+    )
     parser.add_argument("--skip-arms", default=None, help="comma-separated arms to leave out")
     parser.add_argument("--models", default=None, help="comma-separated models to run (default all)")
     parser.add_argument("--concurrencies", default=None, help="override, e.g. 1,8,32")

@@ -335,6 +335,23 @@ def test_sigterm_stops_the_server_and_keeps_the_record(
     assert signal.getsignal(signal.SIGTERM) is not grid_module._interrupt  # handler restored
 
 
+def test_arms_run_in_the_order_asked_and_the_drift_relaunches_the_subject(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    """`--arms slow,fast` runs the peer first (so a deadline cannot skip it after the subject), and the drift re-run
+    still relaunches the subject arm, compared with its own first run."""
+    toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), is_restart_cheap=False)
+    config = load_config(toml)
+    config.arms = grid_module._select(config.arms, "slow,fast,slow", None, "arms")
+    assert [arm.name for arm in config.arms] == ["slow", "fast"]
+    record = Grid(config, tmp_path / "results", record_name="order").run()
+    order = [(e["arm"], e["is_drift_check"]) for e in record["launches"]]
+    assert order == [("slow", False), ("fast", False), ("fast", True)]
+    assert record["drift"][0]["arm"] == "fast" and record["drift"][0]["first"]["output_throughput"] is not None
+    with pytest.raises(ValueError, match="unknown arms"):
+        grid_module._select(config.arms, "fast,nope", None, "arms")
+
+
 def test_resume_runs_only_what_the_record_lacks_then_the_drift(
     tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
 ) -> None:

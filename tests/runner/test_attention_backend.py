@@ -217,3 +217,24 @@ def test_gpu_library_tokens_equal_ours_in_bf16(name: str, variant: str) -> None:
     kwargs = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 4, "max_num_batched_tokens": 64}
     ours = _tokens(LLM(str(trained_model_dir(variant)), **kwargs))
     assert _tokens(LLM(str(trained_model_dir(variant)), attention_backend=name, **kwargs)) == ours
+
+
+def test_fa3_by_default_under_async_mtp_serves_prompts_beside_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default under MTP with async verify (CPU stand-in for FA3): prompts admitted while other sequences
+    speculate are planned in steps that also hold verify chunks (some chained behind a verify in flight); their
+    prefill rows reach the library (a chained chunk is never a prefill: prefill_rows would refuse it) and the greedy
+    tokens equal deltaserve's kernel's."""
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "async_verify": True}
+    config = {**FIXED, "max_num_batched_tokens": 64, "speculative_config": mtp}
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 200 + 3 for j in range(9 + (31 * i) % 80)]} for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ours = [list(o.outputs[0].token_ids) for o in LLM(DENSE, **config).generate(prompts, params, use_tqdm=False)]
+    fake = install_fake_fa3(monkeypatch)
+    monkeypatch.setattr(attention_fa3, "unusable_reason", lambda *args: None)
+    monkeypatch.setattr(attention_fa3, "vllm_version", lambda: "0.26.0")
+    llm = LLM(DENSE, **config)
+    assert _backends(llm) == {"FLASH_ATTN"} and llm.engine.config.chains_verifies
+    fake.batches.clear()
+    theirs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert theirs == ours
+    assert sum(rows for _, rows in fake.batches) >= sum(len(p["prompt_token_ids"]) for p in prompts)
