@@ -42,7 +42,7 @@ from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Launch, Model, expand, load_config, resolve
 from deltaserve.bench.peer_refusals import known_refusals, refusal_key, relaunch_count, with_max_num_seqs
 from deltaserve.bench.provenance import host_facts, probe_version, server_version
-from deltaserve.bench.server_logs import jit_compiles, log_size
+from deltaserve.bench.server_logs import jit_compiles, log_size, prefill_kernels
 from deltaserve.bench.server_process import Server
 
 DEFAULT_RESULT_DIR = REPO_ROOT / "benchmarks" / "results" / "grids"  # the grid kind of benchmarks/results/
@@ -128,9 +128,13 @@ def _note_deviations(entry: dict[str, Any], launch: Launch) -> None:
 
 def _note_compiles(entry: dict[str, Any], log_path: Path, measured_from: int | None) -> None:
     """The launch's Triton compiles while serving, from its log (server_logs.py): `late_compiles` during the measured
-    runs, `warmup_compiles` during the warm-up point; nothing when the server never became healthy."""
+    runs, `warmup_compiles` during the warm-up point; and a deltaserve server's `prefill_kernels`; nothing when the
+    server never became healthy."""
     if measured_from is None:
         return
+    kernels = prefill_kernels(log_path)
+    if kernels is not None:  # a deltaserve server: the attention and GDN prefill kernels it picked at start-up
+        entry["prefill_kernels"] = kernels
     late = jit_compiles(log_path, measured_from)
     entry["late_compiles"] = late
     if measured_from:

@@ -414,6 +414,9 @@ def render_record(
         env = " ".join(f"{k}={v}" for k, v in (entry.get("env") or {}).items())
         drift = " [drift re-run]" if entry.get("is_drift_check") else ""
         status = f" -> {entry['error']}" if entry.get("error") else f" (healthy after {_num(entry.get('startup_s'))} s)"
+        kernels = entry.get("prefill_kernels")
+        if kernels:  # a deltaserve server's resolved prefill kernels (its defaults depend on the libraries installed)
+            status += f"; prefill kernels: attention {kernels['attention']}, GDN {kernels['gdn']}"
         if entry.get("late_compiles"):  # the server's JIT monitor named kernels compiled during measured runs
             status += f"; Triton compiled while measured: {', '.join(entry['late_compiles'])}"
         lines.append(f"# {entry['arm']} on {entry['model']}{drift}{status}")

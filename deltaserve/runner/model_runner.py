@@ -110,6 +110,8 @@ class ModelRunner:
         # the kernel of the attention's prefill rows (--attention-backend), refused likewise before anything is built
         self.attention_backend = device_setup.attention_backend(engine_config, self.device, self.dtype, model_config,
                                                                 self.block_size)  # fmt: skip
+        # one line a grid reads back from the server's log (bench/server_logs.py): which kernels served the prefills
+        logger.info("prefill kernels: attention=%s gdn=%s", self.attention_backend, self.gdn_prefill_backend)
         # this engine's share of the GPU (vLLM 0.26's per-instance accounting), before anything is built
         self._requested_bytes, self._allocated_before = engine_share(self.device, engine_config.gpu_memory_utilization)
         # the MTP layer (model/mtp.py) is built only for speculative decoding; its KV joins the cache plan

@@ -216,7 +216,10 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=5.0)
     parser.add_argument("--itl-ms", type=float, default=1.0)
     parser.add_argument("--jit-lines", default="", help="N:NAME,...: log a JIT-compile line at the Nth completion")
+    parser.add_argument("--start-line", default=None, help="a line to log at start-up, as a server's start-up log")
     args = parser.parse_args()
+    if args.start_line:
+        print(args.start_line, flush=True)
     jit_lines = {int(n): name for n, name in (item.split(":") for item in args.jit_lines.split(",") if item)}
     app = build_app(Path(args.model), args.ttft_ms, args.itl_ms, jit_lines=jit_lines)
     web.run_app(app, host="127.0.0.1", port=args.port)

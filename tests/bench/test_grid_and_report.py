@@ -665,3 +665,21 @@ def test_a_launch_records_the_kernels_its_server_compiled_while_serving(
     else:
         assert "warmup_compiles" not in launch and launch["late_compiles"] == ["_warm_kernel", "_late_kernel"]
     assert "Triton compiled while measured: " in "\n".join(report.render_record("jit", record, None))
+    assert "prefill_kernels" not in launch  # the stand-in logs no start-up line
+
+
+def test_a_launch_records_the_prefill_kernels_its_deltaserve_server_picked(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    """deltaserve's start-up line naming its resolved attention and GDN prefill kernels lands in the launch's record
+    and the report's launch line."""
+    toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), False)
+    line = "INFO deltaserve.runner.model_runner: prefill kernels: attention=FLASH_ATTN gdn=flashinfer-large"
+    toml.write_text(toml.read_text().replace('"--itl-ms", "1"]', f'"--itl-ms", "1", "--start-line", "{line}"]'))
+    config = load_config(toml)
+    config.arms = config.arms[:1]
+    record = Grid(config, tmp_path / "results", record_name="kernels", is_drift_enabled=False).run()
+    (launch,) = record["launches"]
+    assert launch["prefill_kernels"] == {"attention": "FLASH_ATTN", "gdn": "flashinfer-large"}
+    rendered = "\n".join(report.render_record("kernels", record, None))
+    assert "prefill kernels: attention FLASH_ATTN, GDN flashinfer-large" in rendered

@@ -116,9 +116,12 @@ def test_vllm_attention_backend_env_is_ignored_with_a_warning(
     assert any("VLLM_ATTENTION_BACKEND=FLASHINFER is ignored" in r.getMessage() for r in caplog.records)
 
 
-def test_the_default_builds_ours_into_every_layer_where_fa3_cannot_run() -> None:
-    llm = LLM(DENSE, **FIXED)
+def test_the_default_builds_ours_into_every_layer_where_fa3_cannot_run(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.model_runner"):
+        llm = LLM(DENSE, **FIXED)
     assert _backends(llm) == {"TRITON_ATTN"} and llm.engine.runner.prefill_attention is None
+    # the start-up line a grid reads back (bench/server_logs.py)
+    assert "prefill kernels: attention=TRITON_ATTN gdn=triton" in caplog.text
 
 
 def test_the_default_is_fa3_where_it_runs_as_vllms_auto(
