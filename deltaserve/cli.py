@@ -20,7 +20,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("gate", "mtp"): ("deltaserve.gates.mtp", "MTP speculative decoding: exact against itself off, and vLLM's"),
     ("gate", "fp8"): ("deltaserve.gates.fp8", "greedy tokens of a block-FP8 checkpoint against vLLM's on it"),
     ("bench", "serve"): ("deltaserve.bench.serve_cli", "online load generator with vLLM's metric definitions"),
-    ("bench", "grid"): ("deltaserve.bench.grid", "arms x concurrencies x lengths, with a committed record"),
+    ("bench", "grid"): ("deltaserve.bench.grid_cli", "arms x concurrencies x lengths, with a committed record"),
     ("bench", "report"): ("deltaserve.bench.report", "regenerate docs/BENCHMARKS.md and the records index"),
     ("bench", "oracle-cmd"): (
         "deltaserve.bench.registry",

@@ -29,8 +29,9 @@ from typing import Any
 
 from deltaserve.bench import records_index
 from deltaserve.bench.deviations import DEVIATIONS, Deviation, deviations_in
-from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT, format_percent
-from deltaserve.bench.grid import HIT_RATE as RUN_HIT_RATE
+from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT
+from deltaserve.bench.grid_ratios import HIT_RATE as RUN_HIT_RATE
+from deltaserve.bench.grid_ratios import format_percent
 
 DEFAULT_RESULTS = DEFAULT_RESULT_DIR
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "BENCHMARKS.md"

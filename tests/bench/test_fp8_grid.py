@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from deltaserve.bench import registry
-from deltaserve.bench.grid import load_config, resolve
+from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.config import ModelConfig
 from deltaserve.model.checkpoint_files import FP8_PROJECTION
 from deltaserve.model.preflight import preflight

@@ -15,8 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from deltaserve.bench import grid as grid_module
-from deltaserve.bench import report
-from deltaserve.bench.grid import Grid, compute_ratios, load_config, resolve
+from deltaserve.bench import grid_cli, report
+from deltaserve.bench.grid import Grid
+from deltaserve.bench.grid_config import load_config, resolve
+from deltaserve.bench.grid_ratios import compute_ratios
 from tests.support.ports import free_port
 
 from .bench_helpers import WordTokenizer
@@ -103,32 +105,32 @@ def test_h200_grid_resolves_peers_through_the_registry(tmp_path: Path, monkeypat
     assert config.arms[3].role == "subject" and budget.argv[-2:] == ["--max-num-batched-tokens", "2048"]
     assert "--max-num-seqs" not in vllm.argv and vllm.deviations == ["flashinfer-sampler-off"]
     # an 80 GB card (`bench grid --card h100`): the peer at the h100 twin of its site, with vLLM's own limit
-    config.arms[1].site = grid_module.site_for_card(config.arms[1].site, "h100")
+    config.arms[1].site = grid_cli.site_for_card(config.arms[1].site, "h100")
     on_h100 = resolve(config.arms[1], dense, config)
     assert config.arms[1].site == "h100-offline" and on_h100.env_overrides == vllm.env_overrides
     assert on_h100.argv[on_h100.argv.index("--max-num-seqs") + 1] == "256"
     assert on_h100.deviations == ["flashinfer-sampler-off", "max-num-seqs-256"]
-    assert grid_module.site_for_card("h200-offline-triton-gdn", "h100") == "h100-offline-triton-gdn"
-    assert grid_module.site_for_card("h100-offline", "h200") == "h200-offline"
-    assert grid_module.site_for_card("online", "h100") == "online"
+    assert grid_cli.site_for_card("h200-offline-triton-gdn", "h100") == "h100-offline-triton-gdn"
+    assert grid_cli.site_for_card("h100-offline", "h200") == "h200-offline"
+    assert grid_cli.site_for_card("online", "h100") == "online"
     # `bench grid --no-flashinfer` (the vLLM bundle without FlashInfer's): the Triton/FLA GDN prefill twin, noted
-    config.arms[1].site = grid_module.site_without_flashinfer(config.arms[1].site)
+    config.arms[1].site = grid_cli.site_without_flashinfer(config.arms[1].site)
     triton = resolve(config.arms[1], dense, config)
     assert config.arms[1].site == "h100-offline-triton-gdn" and "gdn-prefill-triton" in triton.deviations
     assert triton.argv[triton.argv.index("--gdn-prefill-backend") + 1] == "triton"
     assert "/tmp/flashinfer_site" not in triton.env_overrides["PYTHONPATH"]
-    assert grid_module.site_without_flashinfer("h200-offline") == "h200-offline-triton-gdn"
-    assert grid_module.site_without_flashinfer("h200-offline-triton-gdn") == "h200-offline-triton-gdn"
-    assert grid_module.site_without_flashinfer("online") == "online"
+    assert grid_cli.site_without_flashinfer("h200-offline") == "h200-offline-triton-gdn"
+    assert grid_cli.site_without_flashinfer("h200-offline-triton-gdn") == "h200-offline-triton-gdn"
+    assert grid_cli.site_without_flashinfer("online") == "online"
     # `bench grid --gpu-memory-utilization 0.92`: every arm the same, in its command or the peer's extra args
     for arm in config.arms:
-        grid_module.set_utilization(arm, "0.92")
+        grid_cli.set_utilization(arm, "0.92")
     for arm in config.arms:
         argv = resolve(arm, dense, config).argv
         assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.92"
         assert argv.count("--gpu-memory-utilization") == 1
     with pytest.raises(ValueError, match="must be in"):
-        grid_module.set_utilization(config.arms[0], "1.5")
+        grid_cli.set_utilization(config.arms[0], "1.5")
 
 
 def test_each_point_draws_its_own_prompts_and_every_arm_the_same(tmp_path: Path) -> None:
@@ -342,14 +344,14 @@ def test_arms_run_in_the_order_asked_and_the_drift_relaunches_the_subject(
     still relaunches the subject arm, compared with its own first run."""
     toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), is_restart_cheap=False)
     config = load_config(toml)
-    config.arms = grid_module._select(config.arms, "slow,fast,slow", None, "arms")
+    config.arms = grid_cli._select(config.arms, "slow,fast,slow", None, "arms")
     assert [arm.name for arm in config.arms] == ["slow", "fast"]
     record = Grid(config, tmp_path / "results", record_name="order").run()
     order = [(e["arm"], e["is_drift_check"]) for e in record["launches"]]
     assert order == [("slow", False), ("fast", False), ("fast", True)]
     assert record["drift"][0]["arm"] == "fast" and record["drift"][0]["first"]["output_throughput"] is not None
     with pytest.raises(ValueError, match="unknown arms"):
-        grid_module._select(config.arms, "fast,nope", None, "arms")
+        grid_cli._select(config.arms, "fast,nope", None, "arms")
 
 
 def test_resume_runs_only_what_the_record_lacks_then_the_drift(
@@ -633,12 +635,12 @@ def test_lengths_picks_the_grids_own_pairs_and_the_peers_budget_follows() -> Non
     the 27B: h100_long-27b-20261206-s31); a pair the grid lacks, or a malformed one, is refused."""
     config = load_config(grid_module.REPO_ROOT / "benchmarks/grids/h200_long.toml")
     assert config.max_input_len() == 65536
-    config.lengths = grid_module.select_lengths(config.lengths, "16384x128")
+    config.lengths = grid_cli.select_lengths(config.lengths, "16384x128")
     assert config.lengths == [(16384, 128)] and config.max_input_len() == 16384
     for bad in ("1024x128", "16384", "16384x128x1", "abc"):
         with pytest.raises(ValueError, match="--lengths"):
-            grid_module.select_lengths([(16384, 128), (65536, 128)], bad)
-    assert grid_module.select_lengths([(1, 2), (3, 4)], "3x4,1x2") == [(1, 2), (3, 4)]  # the grid's order
+            grid_cli.select_lengths([(16384, 128), (65536, 128)], bad)
+    assert grid_cli.select_lengths([(1, 2), (3, 4)], "3x4,1x2") == [(1, 2), (3, 4)]  # the grid's order
 
 
 @pytest.mark.parametrize("is_warming", [True, False])

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from deltaserve.bench import report
-from deltaserve.bench.grid import Grid, load_config
+from deltaserve.bench.grid import Grid
+from deltaserve.bench.grid_config import load_config
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow

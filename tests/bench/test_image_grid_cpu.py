@@ -20,8 +20,8 @@ import pytest
 
 from deltaserve.bench import registry, report
 from deltaserve.bench.dataset_mm import parse_bucket_config
-from deltaserve.bench.grid import REPO_ROOT, Grid, load_config
-from deltaserve.bench.grid_config import Model
+from deltaserve.bench.grid import REPO_ROOT, Grid
+from deltaserve.bench.grid_config import Model, load_config
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from deltaserve.bench import registry, report
-from deltaserve.bench.grid import Grid, compute_ratios, load_config, resolve
+from deltaserve.bench.grid import Grid
+from deltaserve.bench.grid_config import load_config, resolve
+from deltaserve.bench.grid_ratios import compute_ratios
 from deltaserve.bench.server_counters import parse_spec_counters, spec_decode_fields
 from deltaserve.speculative_config import KPolicyConfig, parse_speculative_config
 from deltaserve.tiny.trained import trained_model_dir

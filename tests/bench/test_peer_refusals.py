@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from deltaserve.bench.grid import Grid, load_config
-from deltaserve.bench.grid_config import Arm
+from deltaserve.bench.grid import Grid
+from deltaserve.bench.grid_config import Arm, load_config
 from deltaserve.bench.peer_refusals import known_refusals, max_num_seqs_named, refusal_key, with_max_num_seqs
 from tests.support.ports import free_port
 

@@ -11,7 +11,7 @@ import pytest
 
 from deltaserve import env
 from deltaserve.bench import grid as grid_module
-from deltaserve.bench.grid import load_config, resolve
+from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.bench.registry import check_vllm_argv
 
 
