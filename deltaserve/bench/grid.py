@@ -165,9 +165,13 @@ class Grid:
         # an earlier record's refusals (peer_refusals.py): the same launch on the same GPUs starts adapted
         self.adapt_from = adapt_from
         self.known_refusals: dict[tuple[str, ...], int] = {}
+        self.earlier_launches: list[dict[str, Any]] = []  # the adapted record's, on the same GPUs (start-up times)
         if adapt_from is not None:
             gpus = (self.record.get("host") or {}).get("gpus") or []
-            self.known_refusals = known_refusals(json.loads(adapt_from.read_text()), gpus)
+            earlier = json.loads(adapt_from.read_text())
+            self.known_refusals = known_refusals(earlier, gpus)
+            if ((earlier.get("host") or {}).get("gpus") or []) == gpus:
+                self.earlier_launches = list(earlier.get("launches") or [])
 
     def _new_record(self) -> dict[str, Any]:
         config = self.config
@@ -235,6 +239,18 @@ class Grid:
         tmp.write_text(json.dumps(self.record, indent=2, default=str) + "\n")
         tmp.replace(self.record_path)
 
+    def expected_startup_s(self, arm: Arm, model: Model) -> float:
+        """How long `arm` should take to start on `model`: the slowest healthy start-up of that launch measured in
+        this record or the adapted one (same GPUs) with a fifth and 15 s to spare, else the grid file's guess. A
+        measured figure replaces the guess either way (session 32: vLLM's 27B start-up took 175 s where the file
+        said 300, and the guess skipped it)."""
+        measured = [
+            float(entry["startup_s"])
+            for entry in (*self.earlier_launches, *self.record.get("launches", []))
+            if entry.get("arm") == arm.name and entry.get("model") == model.name and entry.get("startup_s") is not None
+        ]  # a launch that became healthy has its start-up time, whatever happened after
+        return 1.2 * max(measured) + 15.0 if measured else arm.expected_startup_s
+
     def _is_past_deadline(self, expected_s: float) -> bool:
         """True when a launch expected to take `expected_s` would end after the deadline."""
         return self.deadline_s is not None and time.monotonic() - self.t0 + expected_s > self.deadline_s
@@ -256,7 +272,8 @@ class Grid:
         # a launch that can finish its first point goes ahead; the points after it that would not finish are left
         # for a resumed call (the record names them), so a short call still measures what fits
         is_warming = self.config.warmup_point and not is_drift_check  # its first point once, unrecorded
-        if self._is_past_deadline(arm.expected_startup_s + arm.expected_run_s * (2 if is_warming else 1)):
+        expected_s = self.expected_startup_s(arm, model) + arm.expected_run_s * (2 if is_warming else 1)
+        if self._is_past_deadline(expected_s):
             self.record["skipped"].append({"arm": arm.name, "model": model.name, "reason": "deadline"})
             print(f"[grid] {arm.name} on {model.name}: skipped, it would not finish before the deadline", flush=True)
             self.save()

@@ -354,6 +354,33 @@ def test_arms_run_in_the_order_asked_and_the_drift_relaunches_the_subject(
         grid_cli._select(config.arms, "fast,nope", None, "arms")
 
 
+def test_the_deadline_expects_a_measured_start_up_over_the_files_guess(
+    tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
+) -> None:
+    """An arm's expected start-up is the grid file's guess until a launch of it on that model has been measured, in
+    this record or the adapted one (same GPUs only); then the slowest measured, with a fifth and 15 s to spare."""
+    toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), is_restart_cheap=False)
+    config = load_config(toml)
+    arm, model = config.arms[1], config.models[0]
+    grid = Grid(config, tmp_path / "results", record_name="deadline")
+    assert grid.expected_startup_s(arm, model) == arm.expected_startup_s
+    gpus = (grid.record.get("host") or {}).get("gpus") or []
+    launches = [
+        {"arm": arm.name, "model": model.name, "startup_s": 100.0},
+        {"arm": arm.name, "model": model.name, "startup_s": None, "error": "refused"},
+        {"arm": arm.name, "model": "another", "startup_s": 900.0},
+    ]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"host": {"gpus": gpus}, "launches": launches, "arms": {}}))
+    adapted = Grid(config, tmp_path / "results", record_name="deadline2", adapt_from=earlier)
+    assert adapted.expected_startup_s(arm, model) == 1.2 * 100.0 + 15.0
+    adapted.record["launches"].append({"arm": arm.name, "model": model.name, "startup_s": 200.0})
+    assert adapted.expected_startup_s(arm, model) == 1.2 * 200.0 + 15.0
+    earlier.write_text(json.dumps({"host": {"gpus": [*gpus, "another GPU"]}, "launches": launches, "arms": {}}))
+    other_card = Grid(config, tmp_path / "results", record_name="deadline3", adapt_from=earlier)
+    assert other_card.expected_startup_s(arm, model) == arm.expected_startup_s
+
+
 def test_resume_runs_only_what_the_record_lacks_then_the_drift(
     tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
 ) -> None:
