@@ -298,10 +298,12 @@ def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[
 
 
 def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[], object]]]:
-    """(label, thunk) per GDN chunked prefill for cases "NxL" (N prompts of L tokens): deltaserve's chunked
-    prefill, and the prep kernel that feeds FlashInfer's (kernels/gdn_flashinfer_triton.py, served with
-    --gdn-prefill-backend flashinfer)."""
+    """(label, thunk) per prefill case "NxL" (N prompts of L tokens): deltaserve's GDN chunked prefill, the prep
+    kernel that feeds FlashInfer's (kernels/gdn_flashinfer_triton.py, served with --gdn-prefill-backend
+    flashinfer), and the attention prefill over the prompts (the autotuner's first config: the only one kept off a
+    GPU)."""
     from deltaserve.bench.kernels import MODELS
+    from deltaserve.kernels.attention_triton import paged_attention_triton
     from deltaserve.kernels.gdn_flashinfer_triton import gdn_prefill_prep_triton
     from deltaserve.kernels.gdn_triton import gdn_prefill_triton
 
@@ -336,6 +338,13 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
 
         launches.append((f"gdn_prefill {case}", thunk))
         launches.append((f"gdn_flashinfer_prep {case}", prep))
+        nq, nkv, d, page = m.num_q_heads, m.num_kv_heads, m.head_dim, 16
+        pages = -(-length // page)
+        cache = torch.empty(num_seqs * pages, page, nkv, d, dtype=bf16)
+        tables = torch.arange(num_seqs * pages, dtype=torch.int32).view(num_seqs, pages)
+        seq_lens = torch.full((num_seqs,), length, dtype=torch.int32)
+        attn_args = (torch.empty(t, nq, d, dtype=bf16), cache, cache, qsl, seq_lens, tables, d**-0.5, length, length)
+        launches.append((f"attn_prefill {case}", lambda args=attn_args: paged_attention_triton(*args)))
     return launches
 
 
