@@ -242,8 +242,8 @@ class Grid:
     def expected_startup_s(self, arm: Arm, model: Model) -> float:
         """How long `arm` should take to start on `model`: the slowest healthy start-up of that launch measured in
         this record or the adapted one (same GPUs) with a fifth and 15 s to spare, else the grid file's guess. A
-        measured figure replaces the guess either way (session 32: vLLM's 27B start-up took 175 s where the file
-        said 300, and the guess skipped it)."""
+        measured figure replaces the guess either way: vLLM's 27B start-up took 175 s on an H100 where the grid file
+        said 300, and the guess skipped a launch that had room (grids/h100_long16k-27b-20261206-s32.json)."""
         measured = [
             float(entry["startup_s"])
             for entry in (*self.earlier_launches, *self.record.get("launches", []))
