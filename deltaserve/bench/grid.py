@@ -121,10 +121,10 @@ def _note_deviations(entry: dict[str, Any], launch: Launch) -> None:
         entry["denominator_note"] = f"{entry['denominator_note']} {note}" if entry.get("denominator_note") else note
 
 
-def _note_compiles(entry: dict[str, Any], log_path: Path, measured_from: int | None) -> None:
-    """The launch's Triton compiles while serving, from its log (server_logs.py): `late_compiles` during the measured
-    runs, `warmup_compiles` during the warm-up point; and a deltaserve server's `prefill_kernels`; nothing when the
-    server never became healthy."""
+def _note_server_log(entry: dict[str, Any], log_path: Path, measured_from: int | None) -> None:
+    """What the launch's log says (server_logs.py): a deltaserve server's `prefill_kernels`, and the Triton compiles
+    while serving, `late_compiles` during the measured runs and `warmup_compiles` during the warm-up point; nothing
+    when the server never became healthy."""
     if measured_from is None:
         return
     kernels = prefill_kernels(log_path)
@@ -373,7 +373,7 @@ class Grid:
             print(f"[grid] {arm.name} on {model.name}: {entry['error']}", flush=True)
         finally:
             entry["is_port_freed"] = server.stop(self.config.stop_timeout_s)
-            _note_compiles(entry, log_path, measured_from)
+            _note_server_log(entry, log_path, measured_from)
             self.save()
         named = relaunch_count(log_path) if entry["error"] and not runs and not is_relaunch else None
         if named is not None:

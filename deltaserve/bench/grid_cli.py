@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run only these of the grid's (ISL, OSL) pairs, e.g. 16384x128: the peer's batch budget follows the "
         "longest prompt run (the registry's 2 x ISL), so a card that cannot hold the longest still runs the others",
     )
-    parser.add_argument("--no-drift", action="store_true", help="skip the drift re-run of the first arm")
+    parser.add_argument("--no-drift", action="store_true", help="skip the drift re-run of the first subject arm")
     parser.add_argument("--result-dir", type=Path, default=None, help=f"default {DEFAULT_RESULT_DIR}")
     parser.add_argument("--raw-dir", type=Path, default=None, help="per-run JSON and server logs")
     parser.add_argument("--record-name", default=None, help="record file stem (default GRID-DATE)")
