@@ -20,7 +20,9 @@ the decay and beta gates from a, b): its time is an upper bound on the like-for-
 issue 35's long prompt. `ours-flashinfer` times deltaserve's FlashInfer path as served (gdn_prefill with
 backend="flashinfer": the prep, the state gather and scatter and FlashInfer's kernel; docs/kernels.md). --cases
 picks the sizes as LEN or NxLEN (default: the four above; 2048,4096,8192,4x2048 place the crossover between the
-kernels).
+kernels). --same-values gives the peers our inputs' values (our prep's plain-torch twin applied to them), so that
+every backend times one set of values; --profile adds each backend's GPU kernels per call (torch.profiler), which
+locates a path's overhead beside its main kernel (ours-flashinfer measured x1.4-2.2 the bare kernel on the H100).
 """
 
 from __future__ import annotations
@@ -109,6 +111,45 @@ def make_our_inputs(
     }
 
 
+def peer_inputs_from_ours(ours: dict[str, Any]) -> dict[str, Any]:
+    """vLLM-shaped inputs holding the same values as `ours`: q/k normed and g/beta made by the prep's plain-torch twin
+    (gdn_prefill_prep_ref, vLLM's rounding points), the start states transposed to [N, HV, dv, dk]. With these the
+    peers and our paths time one set of values (make_inputs draws its own: pre-normed q/k, g in (-0.5, 0))."""
+    from deltaserve.kernels.gdn_flashinfer import gdn_prefill_prep_ref
+
+    names = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
+    q_hat, k_hat, v, g, beta = gdn_prefill_prep_ref(*(ours[name] for name in names))
+    states = ours["ssm_states"].transpose(-1, -2).contiguous()  # [N, HV, dv, dk]
+    return {
+        "q": q_hat[None], "k": k_hat[None], "v": v[None], "g": g[None], "beta": beta[None],
+        "initial_state": states, "cu_seqlens": ours["query_start_loc"],
+    }  # fmt: skip
+
+
+def profile_launches(fn: Any, inputs: dict[str, Any], iters: int) -> list[dict[str, Any]]:
+    """Per GPU kernel of `iters` calls after the warm-up (torch.profiler): name, calls per call of fn, µs per call of
+    fn, most expensive first: where a path's time goes beside its main kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn(**inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn(**inputs)
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "cuda_time_total", 0.0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:120], "calls": round(event.count / iters, 2),
+                         "us": round(device_us / iters, 1)})  # fmt: skip
+    return sorted(rows, key=lambda row: -row["us"])
+
+
 def _call_vllm(fn: Any) -> Any:
     """vLLM's entry points, as its layer calls them here: pre-normed q/k, the final state returned."""
     return lambda **inputs: fn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=False)
@@ -140,6 +181,16 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=None, help="start no case after this many seconds")
     parser.add_argument("--cases", default=None, help="LEN or NxLEN, comma-separated (default: 1024,3072,8x1024,16384)")
     parser.add_argument("--commit", default=None, help="the commit the record names (the device tree has no .git)")
+    parser.add_argument(
+        "--same-values",
+        action="store_true",
+        help="time the peers on our inputs' values (prep twin applied) instead of their own draw",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also record each backend's GPU kernels per call (torch.profiler) for every case: a path's overhead",
+    )
     args = parser.parse_args()
     try:
         cases = parse_cases(args.cases) if args.cases else CASES
@@ -172,8 +223,13 @@ def main() -> int:
                 print(f"skipped {shape} {case}: past --deadline-s {args.deadline_s:g}", flush=True)
                 continue
             shapes = (lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM)
-            inputs = make_inputs(*shapes, seed=0) if {"triton", "flashinfer"} & set(backends) else {}
-            ours = make_our_inputs(*shapes, seed=0) if {"ours", "ours-flashinfer"} & set(backends) else {}
+            needs_peers = bool({"triton", "flashinfer"} & set(backends))
+            needs_ours = bool({"ours", "ours-flashinfer"} & set(backends)) or (needs_peers and args.same_values)
+            ours = make_our_inputs(*shapes, seed=0) if needs_ours else {}
+            if needs_peers:
+                inputs = peer_inputs_from_ours(ours) if args.same_values else make_inputs(*shapes, seed=0)
+            else:
+                inputs = {}
             row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
             row["num_gdn_layers"] = num_layers
             for backend in backends:
@@ -182,6 +238,8 @@ def main() -> int:
                     times = time_kernel(kernels[backend], ours if on_ours else inputs, args.iters)
                     row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
                     row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
+                    if args.profile:
+                        row[f"{backend}_kernels"] = profile_launches(kernels[backend], ours if on_ours else inputs, 5)
                 except Exception as exc:  # one backend failing must not hide the other's numbers
                     row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
             if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
@@ -193,7 +251,9 @@ def main() -> int:
                 served, bare = row["ours-flashinfer_ms_per_layer"], row["flashinfer_ms_per_layer"]
                 row["ours-flashinfer_over_flashinfer"] = round(served / bare, 3)
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({key: value for key, value in row.items() if not key.endswith("_kernels")}), flush=True)
+            for key in (key for key in row if key.endswith("_kernels")):
+                print(f"  {key}: " + "; ".join(f"{k['us']} us x{k['calls']} {k['kernel'][:60]}" for k in row[key][:6]))
             del inputs, ours
             torch.cuda.empty_cache()
     record = {
@@ -206,6 +266,7 @@ def main() -> int:
         "vllm": __import__("vllm").__version__,
         "head_dim": HEAD_DIM,
         "iters": args.iters,
+        "same_values": args.same_values,
         "rows": rows,
         "skipped": skipped,
     }

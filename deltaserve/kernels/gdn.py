@@ -169,9 +169,10 @@ gdn_prefill_ours = triton_or_ref(gdn_prefill_ref, "gdn_triton.gdn_prefill_triton
 # take) or "flashinfer-large" (the default where FlashInfer runs: FlashInfer's for calls of FLASHINFER_MIN_TOKENS rows
 # or more, ours below).
 PREFILL_BACKENDS = ("triton", "flashinfer", "flashinfer-large")
-# The rows of a call from which FlashInfer's kernel beats ours: measured per layer, ours is faster on one sequence
-# of 1,024 and 3,072 tokens (x0.31-0.79 FlashInfer's time: its context-parallel path), FlashInfer on 8 x 1,024 and
-# 16,384 (x1.55-2.77); the two lines cross near 5-6K rows on both shapes (docs/kernels.md#flashinfers-gdn-prefill).
+# The rows of a call from which FlashInfer's kernel beats ours, both timed per layer as served (our FlashInfer path
+# with its prep and state copies): ours is faster on one sequence of 2,048 and 4,096 rows, FlashInfer's on 8,192
+# rows, one sequence or four; the lines cross near 6K rows (27B) and 7.5K (35B-A3B)
+# (docs/kernels.md#flashinfers-gdn-prefill).
 FLASHINFER_MIN_TOKENS = 6144
 
 

@@ -76,6 +76,10 @@ class BlockManager:
             if self._refs[block_id] == 0:
                 self._free.append(block_id)
 
+    def num_cache_only(self, block_ids: list[int] | tuple[int, ...]) -> int:
+        """How many of block_ids only checkpoints hold (counted available: a sequence that shares one takes it)."""
+        return sum(self._is_cache_only(block_id) for block_id in block_ids)
+
     def refcount(self, block_id: int) -> int:
         return self._refs[block_id]
 

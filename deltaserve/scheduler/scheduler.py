@@ -224,6 +224,7 @@ class Scheduler:
         # passing over (in place) those that wait for a prefix a running prefill is computing (prefix_wait.py).
         is_blocked_by_capacity = False
         is_held_back = bool(num_preempted or num_deferred)
+        promised = None  # KV blocks the running sequences' known tokens still need (on the first admission)
         index = 0
         while not is_held_back and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
@@ -242,6 +243,11 @@ class Scheduler:
                 break  # a prefill-only chunk that waits for a step with room for it whole
             end = start + num_new
             needed = self.blocks.blocks_needed(end + self._lookahead(seq, end), entry.num_shared)
+            if promised is None:
+                promised = sum(self.blocks.blocks_needed(s.num_tokens, len(s.block_ids)) for s in self.running)
+            if not self._fits_whole(seq, entry, promised):
+                is_blocked_by_capacity = True
+                break
             slot = None
             if self.rows.num_free:
                 slot = cache_admission.take_room(self.blocks, self.slots, self.prefix_cache, needed, entry.hit)
@@ -261,10 +267,21 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, num_new))
             budget -= num_new
+            promised += self.blocks.blocks_needed(seq.num_tokens, len(seq.block_ids))
         if index < len(self.waiting):  # those not reached still make this step's prefills save what they'd wait for
             prefix_wait.mark(self.prefix_cache, itertools.islice(self.waiting, index, None), self.running, chosen)
         self.num_waiting_for_capacity = len(self.waiting) if is_blocked_by_capacity or is_held_back else 0
         return self._plan(chosen)
+
+    def _fits_whole(self, seq: Sequence, entry: cache_admission.Entry, promised: int) -> bool:
+        """Whether the KV blocks available now (free, or held by ready checkpoints alone) hold all of a waiting
+        sequence's known tokens beside the `promised` blocks the running sequences' known tokens still need: a
+        prompt admitted chunk by chunk into too little room is preempted part-way (it is the latest admitted) and
+        recomputed from zero, again and again while the running ones decode (docs/ARCHITECTURE.md#admission). The
+        hit's blocks it would share stop being available once shared."""
+        rest = self.blocks.blocks_needed(seq.num_tokens, entry.num_shared)
+        shared = entry.hit.block_ids[: entry.num_shared] if entry.hit is not None else ()
+        return rest + promised <= self.blocks.num_available_blocks - self.blocks.num_cache_only(shared)
 
     def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
         step_id = self._num_steps

@@ -76,8 +76,9 @@ def _prefix(rng: random.Random, shared: list[str]) -> str:
 def make_waves(
     seed: int, tokenizer: Any, num_waves: int = 4, wave_size: int = 6, max_tokens: int = 25
 ) -> list[list[Case]]:
-    """The seed's traffic: `num_waves` waves of about `wave_size` concurrent requests, then the follow-ups and
-    repeats the waves asked for (each in the wave after its first turn); greedy answers of up to `max_tokens`."""
+    """The seed's traffic: `num_waves` waves of about `wave_size` concurrent requests and one long answer, then the
+    follow-ups and repeats the waves asked for (each in the wave after its first turn); greedy answers of up to
+    `max_tokens` but the long one's."""
     rng = random.Random(seed)
     # the prefixes requests share: two paragraphs each (up to ~300 tokens), so four at once overflow a small KV pool
     shared = ["\n\n".join(PARAGRAPHS[i : i + 2]) for i in rng.sample(range(len(PARAGRAPHS) - 1), 3)]
@@ -222,6 +223,13 @@ def make_waves(
         body = greedy(prompt=_prefix(rng, shared), max_tokens=40, stream=True, extra_body={"ignore_eos": True})
         return Case("abort", "completion", body, abort_after=rng.randrange(1, 4))
 
+    def long_answer() -> Case:
+        """A long shared prompt with a long answer: its decode outgrows a small KV pool beside the wave's other
+        prompts, so the latest admitted sequence is preempted and recomputed (admission alone waits for room)."""
+        body = {"prompt": rng.choice(shared), "temperature": 0.0, "max_tokens": rng.randrange(60, 100),
+                "stream": rng.random() < 0.3, "extra_body": {"ignore_eos": True}}  # fmt: skip
+        return Case("long-answer", "completion", body)
+
     def multi_turn() -> Case:
         case = chat()
         case.name = "turn-1"
@@ -238,7 +246,7 @@ def make_waves(
              token_ids, batch, structured, biases, penalties, tool_call, seeded, abort, multi_turn, repeat]  # fmt: skip
     waves: list[list[Case]] = []
     for _ in range(num_waves):
-        waves.append([rng.choice(kinds)() for _ in range(wave_size)])
+        waves.append([rng.choice(kinds)() for _ in range(wave_size)] + [long_answer()])
     waves.append([])  # the follow-ups of the last wave
     return waves
 

@@ -3,7 +3,8 @@ driven by the `openai` client with the seeded request waves of tests/api/differe
 
 A: --no-enable-prefix-caching, no speculation. B: the prefix cache (a checkpoint every 64 tokens), MTP speculation
 with async verify, a 64-token step budget (prefills chunk) and a KV pool of 44 blocks (four ~300-token prompts at once
-overflow it, so sequences are preempted). Greedy answers (tokens, text, finish and stop reasons, usage, logprobs
+overflow it: a prompt waits for room for all of it, and each wave's long answer outgrows the pool while it decodes,
+so sequences are preempted). Greedy answers (tokens, text, finish and stop reasons, usage, logprobs
 within differential.LOGPROB_ATOL) must be equal; seeded sampling only repeats itself on each server. Afterwards B's
 /metrics shows prefix-cache hits, drafts and preemptions, and every KV block and state slot free again.
 

@@ -41,3 +41,32 @@ def test_the_default_cases_are_the_recorded_ones() -> None:
     # the committed record's rows (benchmarks/results/kernels/gdn-prefill-ab-h200-20261206-s28.json) used these
     labels = [label for label, _ in _tool().CASES]
     assert labels == ["isl1024", "isl3072", "8x1024", "isl16384"]
+
+
+def test_same_values_gives_the_peers_our_inputs_through_the_prep_twin() -> None:
+    """--same-values: the peers' q/k/v/g/beta are what our prep's twin makes of our raw inputs (one token batch, the
+    vLLM layout with its leading 1), the start states are ours transposed to [N, HV, dv, dk], cu_seqlens ours."""
+    import torch
+
+    from deltaserve.kernels.gdn_flashinfer import gdn_prefill_prep_ref
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, hk, hv, dim = 6, 2, 4, 8
+    ours = {
+        "q": torch.randn(tokens, hk, dim, generator=gen),
+        "k": torch.randn(tokens, hk, dim, generator=gen),
+        "v": torch.randn(tokens, hv, dim, generator=gen),
+        "a": torch.randn(tokens, hv, generator=gen),
+        "b": torch.randn(tokens, hv, generator=gen),
+        "A_log": torch.rand(hv, generator=gen),
+        "dt_bias": torch.randn(hv, generator=gen),
+        "ssm_states": torch.randn(2, hv, dim, dim, generator=gen),
+        "query_start_loc": torch.tensor([0, 3, 6], dtype=torch.int32),
+    }
+    peers = _tool().peer_inputs_from_ours(ours)
+    names = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
+    want = dict(zip(("q", "k", "v", "g", "beta"), gdn_prefill_prep_ref(*(ours[n] for n in names)), strict=True))
+    for name, value in want.items():
+        assert peers[name].shape == (1, *value.shape) and torch.equal(peers[name][0], value), name
+    assert torch.equal(peers["initial_state"], ours["ssm_states"].transpose(-1, -2))
+    assert peers["initial_state"].is_contiguous() and peers["cu_seqlens"] is ours["query_start_loc"]

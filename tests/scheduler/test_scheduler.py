@@ -142,6 +142,45 @@ def test_preemption_by_recompute_frees_and_restarts() -> None:
     assert all(s.num_computed_tokens <= s.num_tokens for s in seqs.values())
 
 
+def test_a_prompt_waits_for_room_for_all_of_it_instead_of_being_preempted_part_way() -> None:
+    """Long prompts into a cache that holds two of them, prefilled in chunks beside decodes: a third is admitted
+    only once its whole prompt fits beside what the running ones' tokens still need, so nothing is preempted and
+    no token is computed twice (admitted on its first chunk's room, it filled the free blocks, the running
+    decodes then needed them, and as the latest admitted it was preempted and recomputed from zero, again and
+    again: the 27B's 16K prompts at c16 on an H100)."""
+    scheduler = make_scheduler(num_blocks=30, block_size=4, num_slots=4, max_seqs=4, budget=8)
+    seqs = [seq(name, 40, 16) for name in "abcd"]  # 14 blocks each at the end: two fit in 30, not three
+    for item in seqs:
+        scheduler.add(item)
+    computed = steps = 0
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        computed += plan.num_tokens
+        scheduler.update(plan, answer(plan))
+        steps += 1
+        assert steps < 500
+    assert scheduler.num_preemptions_total == 0
+    assert computed == sum(item.num_tokens - 1 for item in seqs)  # every prompt token and output but the last once
+    assert all(len(item.output_token_ids) == 16 for item in seqs)
+    assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
+
+
+def test_a_prompt_that_fits_whole_is_admitted_beside_a_running_prefill() -> None:
+    """The rule counts what the running sequences still need, not more: a short prompt that fits beside the rest of
+    a long prefill starts in the same step."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4, budget=28)
+    long, short = seq("long", 40, 2), seq("short", 8, 2)
+    scheduler.add(long)
+    scheduler.add(short)
+    plan = scheduler.schedule()  # long takes the whole budget
+    assert by_row(scheduler, plan) == [("long", 28)]
+    scheduler.update(plan, answer(plan))
+    scheduler.add(seq("big", 40, 2))  # 10 blocks: beside long's 10 and short's 2, 4 are left
+    plan = scheduler.schedule()
+    assert by_row(scheduler, plan) == [("long", 12), ("short", 8)]  # big waits, 8 tokens of budget unused
+    assert scheduler.num_waiting == 1 and scheduler.num_waiting_for_capacity == 1
+
+
 def test_abort_anywhere_frees_everything() -> None:
     scheduler = make_scheduler(budget=8)
     seqs = {f"s{i}": seq(f"s{i}", 10, 4) for i in range(4)}
