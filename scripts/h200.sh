@@ -79,8 +79,10 @@
 #   gdn-prefill-ab [FLAGS]       benchmarks/oracle/gdn_prefill_kernels.py: the GDN prefill kernel alone, deltaserve's
 #                                against vLLM's Triton/FLA and FlashInfer's CuTe-DSL ones, both shapes, ISL 1024 /
 #                                3072 / 8 x 1024 / 16384, both bundles on the path; FLAGS are its own (--backends,
-#                                ours-flashinfer: deltaserve's FlashInfer path as served; --cases 2048,4096,4x2048;
-#                                --iters); --deadline-s defaults to what the budget leaves (gdn-prefill-ab-TAG.json)
+#                                ours-flashinfer: deltaserve's FlashInfer path as served, triton-served /
+#                                flashinfer-served: vLLM's layer path; --cases 2048,4096,4x2048; --iters;
+#                                --same-values; --profile); --deadline-s defaults to what the budget leaves
+#                                (gdn-prefill-ab-TAG.json)
 #   grid GRID [FLAGS]            deltaserve bench grid GRID (a path, or NAME for benchmarks/grids/NAME.toml or
 #                                h200_NAME.toml) with FLAGS of `bench grid`; a --record-name whose record a cut call
 #                                left in /tmp/ds_grid is resumed (--resume), and --deadline-s defaults to what the

@@ -23,6 +23,8 @@ picks the sizes as LEN or NxLEN (default: the four above; 2048,4096,8192,4x2048 
 kernels). --same-values gives the peers our inputs' values (our prep's plain-torch twin applied to them), so that
 every backend times one set of values; --profile adds each backend's GPU kernels per call (torch.profiler), which
 locates a path's overhead beside its main kernel (ours-flashinfer measured x1.4-2.2 the bare kernel on the H100).
+`triton-served` and `flashinfer-served` time vLLM's layer path on our inputs' values (its fused post-conv prep, the
+state gather and write-back around each kernel): the like-for-like peers of `ours` and `ours-flashinfer`.
 """
 
 from __future__ import annotations
@@ -126,6 +128,51 @@ def peer_inputs_from_ours(ours: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def served_inputs_from_ours(ours: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM's GDN layer holds before its prefill, with `ours`' values: the conv output rows [T, q | k | v] (one
+    contiguous tensor, as its split reads it), a, b, A_log, dt_bias, its state cache [slots, HV, dv, dk] (ours
+    transposed, a copy made outside the timing) and the metadata (cu_seqlens, slots, has_initial_state)."""
+    import torch
+
+    num_tokens = ours["q"].shape[0]
+    rows = [ours[name].reshape(num_tokens, -1) for name in ("q", "k", "v")]
+    return {
+        "conv_output": torch.cat(rows, dim=1).contiguous(),  # [T, 2 HK dk + HV dv]
+        "a": ours["a"], "b": ours["b"], "A_log": ours["A_log"], "dt_bias": ours["dt_bias"],
+        "ssm_state": ours["ssm_states"].transpose(-1, -2).contiguous(),  # [slots, HV, dv, dk]
+        "cu_seqlens": ours["query_start_loc"], "state_indices": ours["state_indices"].long(),
+        "has_initial_state": ours["has_initial_state"], "num_k_heads": ours["q"].shape[1],
+    }  # fmt: skip
+
+
+def vllm_served(kernel: Any) -> Any:
+    """vLLM's prefill as its layer runs it (qwen_gdn_linear_attn, the prefill branch): the fused post-conv prep
+    (split, l2norm, gates; g not exponentiated), the start states gathered from its cache with the rows without an
+    initial state zeroed, the kernel, the final states written back: the like-for-like peer of our served op
+    (`ours`, whose time includes its norms and gates), where the bare `triton` / `flashinfer` rows exclude them."""
+
+    def run(**inputs: Any) -> Any:
+        from vllm.third_party.flash_linear_attention.ops import fused_post_conv_prep
+
+        head_dim = inputs["ssm_state"].shape[-1]
+        q, k, v, g, beta = fused_post_conv_prep(
+            conv_output=inputs["conv_output"], a=inputs["a"], b=inputs["b"], A_log=inputs["A_log"],
+            dt_bias=inputs["dt_bias"], num_k_heads=inputs["num_k_heads"], head_k_dim=head_dim, head_v_dim=head_dim,
+            apply_l2norm=True, output_g_exp=False,
+        )  # fmt: skip
+        state = inputs["ssm_state"]
+        initial = state[inputs["state_indices"]]
+        initial[~inputs["has_initial_state"], ...] = 0
+        out, final = kernel(
+            q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=initial,
+            output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=False,
+        )  # fmt: skip
+        state[inputs["state_indices"]] = final.to(state.dtype)
+        return out
+
+    return run
+
+
 def profile_launches(fn: Any, inputs: dict[str, Any], iters: int) -> list[dict[str, Any]]:
     """Per GPU kernel of `iters` calls after the warm-up (torch.profiler): name, calls per call of fn, µs per call of
     fn, most expensive first: where a path's time goes beside its main kernel."""
@@ -208,6 +255,8 @@ def main() -> int:
         "ours-flashinfer": functools.partial(gdn_prefill, backend="flashinfer"),
         "triton": _call_vllm(gdn.fla_chunk_gated_delta_rule),
         "flashinfer": _call_vllm(gdn.fi_chunk_gated_delta_rule),
+        "triton-served": vllm_served(gdn.fla_chunk_gated_delta_rule),
+        "flashinfer-served": vllm_served(gdn.fi_chunk_gated_delta_rule),
     }
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(backends) - set(kernels)
@@ -224,8 +273,11 @@ def main() -> int:
                 continue
             shapes = (lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM)
             needs_peers = bool({"triton", "flashinfer"} & set(backends))
-            needs_ours = bool({"ours", "ours-flashinfer"} & set(backends)) or (needs_peers and args.same_values)
+            needs_served = bool({"triton-served", "flashinfer-served"} & set(backends))
+            needs_ours = bool({"ours", "ours-flashinfer"} & set(backends)) or needs_served
+            needs_ours = needs_ours or (needs_peers and args.same_values)
             ours = make_our_inputs(*shapes, seed=0) if needs_ours else {}
+            served = served_inputs_from_ours(ours) if needs_served else {}
             if needs_peers:
                 inputs = peer_inputs_from_ours(ours) if args.same_values else make_inputs(*shapes, seed=0)
             else:
@@ -234,17 +286,17 @@ def main() -> int:
             row["num_gdn_layers"] = num_layers
             for backend in backends:
                 try:
-                    on_ours = backend.startswith("ours")
-                    times = time_kernel(kernels[backend], ours if on_ours else inputs, args.iters)
+                    given = ours if backend.startswith("ours") else served if backend.endswith("-served") else inputs
+                    times = time_kernel(kernels[backend], given, args.iters)
                     row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
                     row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
                     if args.profile:
-                        row[f"{backend}_kernels"] = profile_launches(kernels[backend], ours if on_ours else inputs, 5)
+                        row[f"{backend}_kernels"] = profile_launches(kernels[backend], given, 5)
                 except Exception as exc:  # one backend failing must not hide the other's numbers
                     row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
             if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
                 row["triton_over_flashinfer"] = round(row["triton_ms_per_layer"] / row["flashinfer_ms_per_layer"], 3)
-            for peer in ("flashinfer", "triton"):
+            for peer in ("flashinfer", "triton", "flashinfer-served", "triton-served"):
                 if "ours_ms_per_layer" in row and f"{peer}_ms_per_layer" in row:
                     row[f"ours_over_{peer}"] = round(row["ours_ms_per_layer"] / row[f"{peer}_ms_per_layer"], 3)
             if "ours-flashinfer_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
@@ -254,7 +306,7 @@ def main() -> int:
             print(json.dumps({key: value for key, value in row.items() if not key.endswith("_kernels")}), flush=True)
             for key in (key for key in row if key.endswith("_kernels")):
                 print(f"  {key}: " + "; ".join(f"{k['us']} us x{k['calls']} {k['kernel'][:60]}" for k in row[key][:6]))
-            del inputs, ours
+            del inputs, ours, served
             torch.cuda.empty_cache()
     record = {
         "kind": "gdn-prefill-kernels",

@@ -70,3 +70,33 @@ def test_same_values_gives_the_peers_our_inputs_through_the_prep_twin() -> None:
         assert peers[name].shape == (1, *value.shape) and torch.equal(peers[name][0], value), name
     assert torch.equal(peers["initial_state"], ours["ssm_states"].transpose(-1, -2))
     assert peers["initial_state"].is_contiguous() and peers["cu_seqlens"] is ours["query_start_loc"]
+
+
+def test_served_inputs_hold_vllms_layer_layout_of_our_values() -> None:
+    """triton-served / flashinfer-served: the conv output rows are q | k | v of each token (vLLM's split reads them
+    so), the state cache is ours transposed to [slots, HV, dv, dk], the slots index it as int64."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, hk, hv, dim = 5, 2, 4, 8
+    ours = {
+        "q": torch.randn(tokens, hk, dim, generator=gen),
+        "k": torch.randn(tokens, hk, dim, generator=gen),
+        "v": torch.randn(tokens, hv, dim, generator=gen),
+        "a": torch.randn(tokens, hv, generator=gen),
+        "b": torch.randn(tokens, hv, generator=gen),
+        "A_log": torch.rand(hv, generator=gen),
+        "dt_bias": torch.randn(hv, generator=gen),
+        "ssm_states": torch.randn(3, hv, dim, dim, generator=gen),
+        "query_start_loc": torch.tensor([0, 2, 5], dtype=torch.int32),
+        "state_indices": torch.tensor([2, 0], dtype=torch.int32),
+        "has_initial_state": torch.tensor([True, False]),
+    }
+    served = _tool().served_inputs_from_ours(ours)
+    rows = served["conv_output"]
+    assert rows.shape == (tokens, 2 * hk * dim + hv * dim) and rows.is_contiguous()
+    assert torch.equal(rows[:, : hk * dim].view(tokens, hk, dim), ours["q"])
+    assert torch.equal(rows[:, hk * dim : 2 * hk * dim].view(tokens, hk, dim), ours["k"])
+    assert torch.equal(rows[:, 2 * hk * dim :].view(tokens, hv, dim), ours["v"])
+    assert torch.equal(served["ssm_state"], ours["ssm_states"].transpose(-1, -2))
+    assert served["state_indices"].dtype == torch.int64 and served["num_k_heads"] == hk
