@@ -48,8 +48,11 @@ RECORD_SCHEMA = "deltaserve-grid-record/1"
 DROPPED_RESULT_FIELDS = ("latencies", "input_lens", "output_lens", "start_times", "ttfts", "itls", "errors")
 
 
-class GridInterrupted(BaseException):
-    """SIGTERM/SIGHUP during a grid: unwinds through every `finally`, so the running server is stopped."""
+class GridInterrupted(KeyboardInterrupt):
+    """SIGTERM/SIGHUP during a grid: unwinds through every `finally`, so the running server is stopped. A
+    KeyboardInterrupt, because asyncio lets only those (and SystemExit) out of its callbacks: a signal that lands
+    while the client's event loop is reading a socket is raised inside the transport's callback, where any other
+    BaseException becomes the connection's error, a failed request, and the grid ran on."""
 
 
 def _interrupt(signum: int, frame: object) -> None:

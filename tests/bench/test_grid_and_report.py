@@ -337,6 +337,19 @@ def test_sigterm_stops_the_server_and_keeps_the_record(
     assert signal.getsignal(signal.SIGTERM) is not grid_module._interrupt  # handler restored
 
 
+def test_an_interrupt_raised_in_an_event_loop_callback_leaves_the_loop() -> None:
+    """The signal may land while the client's event loop runs a transport callback: the interrupt must leave the
+    loop, not become a failed request (asyncio hands any other BaseException raised there to its error handler)."""
+    import asyncio
+
+    async def client() -> None:
+        asyncio.get_running_loop().call_soon(grid_module._interrupt, int(signal.SIGTERM), None)
+        await asyncio.sleep(0.5)
+
+    with pytest.raises(grid_module.GridInterrupted, match="signal 15"):
+        asyncio.run(client())
+
+
 def test_arms_run_in_the_order_asked_and_the_drift_relaunches_the_subject(
     tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer
 ) -> None:
