@@ -113,6 +113,14 @@ def make_our_inputs(
     }
 
 
+# Which inputs each backend is timed on: ours (make_our_inputs: raw q/k, gates from A_log), the peers' kernel inputs
+# (make_inputs, or peer_inputs_from_ours with --same-values) or vLLM's layer inputs (served_inputs_from_ours).
+INPUT_KIND = {
+    "ours": "ours", "ours-flashinfer": "ours", "triton": "peer", "flashinfer": "peer",
+    "triton-served": "served", "flashinfer-served": "served",
+}  # fmt: skip
+
+
 def peer_inputs_from_ours(ours: dict[str, Any]) -> dict[str, Any]:
     """vLLM-shaped inputs holding the same values as `ours`: q/k normed and g/beta made by the prep's plain-torch twin
     (gdn_prefill_prep_ref, vLLM's rounding points), the start states transposed to [N, HV, dv, dk]. With these the
@@ -272,21 +280,20 @@ def main() -> int:
                 print(f"skipped {shape} {case}: past --deadline-s {args.deadline_s:g}", flush=True)
                 continue
             shapes = (lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM)
-            needs_peers = bool({"triton", "flashinfer"} & set(backends))
-            needs_served = bool({"triton-served", "flashinfer-served"} & set(backends))
-            needs_ours = bool({"ours", "ours-flashinfer"} & set(backends)) or needs_served
-            needs_ours = needs_ours or (needs_peers and args.same_values)
+            kinds = {INPUT_KIND[backend] for backend in backends}
+            needs_ours = bool(kinds & {"ours", "served"}) or ("peer" in kinds and args.same_values)
             ours = make_our_inputs(*shapes, seed=0) if needs_ours else {}
-            served = served_inputs_from_ours(ours) if needs_served else {}
-            if needs_peers:
-                inputs = peer_inputs_from_ours(ours) if args.same_values else make_inputs(*shapes, seed=0)
-            else:
-                inputs = {}
+            given_by_kind = {"ours": ours}
+            if "served" in kinds:
+                given_by_kind["served"] = served_inputs_from_ours(ours)
+            if "peer" in kinds:
+                same = args.same_values
+                given_by_kind["peer"] = peer_inputs_from_ours(ours) if same else make_inputs(*shapes, seed=0)
             row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
             row["num_gdn_layers"] = num_layers
             for backend in backends:
                 try:
-                    given = ours if backend.startswith("ours") else served if backend.endswith("-served") else inputs
+                    given = given_by_kind[INPUT_KIND[backend]]
                     times = time_kernel(kernels[backend], given, args.iters)
                     row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
                     row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
@@ -306,7 +313,7 @@ def main() -> int:
             print(json.dumps({key: value for key, value in row.items() if not key.endswith("_kernels")}), flush=True)
             for key in (key for key in row if key.endswith("_kernels")):
                 print(f"  {key}: " + "; ".join(f"{k['us']} us x{k['calls']} {k['kernel'][:60]}" for k in row[key][:6]))
-            del inputs, ours, served
+            del given_by_kind, given, ours  # the case's tensors, before empty_cache
             torch.cuda.empty_cache()
     record = {
         "kind": "gdn-prefill-kernels",

@@ -43,6 +43,36 @@ def test_the_default_cases_are_the_recorded_ones() -> None:
     assert labels == ["isl1024", "isl3072", "8x1024", "isl16384"]
 
 
+HK, HV, DIM = 2, 4, 8  # the tiny head shape the input builders are checked at
+
+
+def _our_inputs(
+    seed: int, lengths: list[int], slots: list[int], has_initial: list[bool], num_slots: int | None = None
+) -> dict:
+    """make_our_inputs' dict on the CPU at a tiny head shape: raw q/k/v/a/b, A_log, dt_bias, the slot pool and the
+    routing of sequences of `lengths` tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    return {
+        "q": torch.randn(tokens, HK, DIM, generator=gen),
+        "k": torch.randn(tokens, HK, DIM, generator=gen),
+        "v": torch.randn(tokens, HV, DIM, generator=gen),
+        "a": torch.randn(tokens, HV, generator=gen),
+        "b": torch.randn(tokens, HV, generator=gen),
+        "A_log": torch.rand(HV, generator=gen),
+        "dt_bias": torch.randn(HV, generator=gen),
+        "ssm_states": torch.randn(num_slots or len(lengths), HV, DIM, DIM, generator=gen),
+        "query_start_loc": torch.tensor(starts, dtype=torch.int32),
+        "state_indices": torch.tensor(slots, dtype=torch.int32),
+        "has_initial_state": torch.tensor(has_initial),
+    }
+
+
 def test_same_values_gives_the_peers_our_inputs_through_the_prep_twin() -> None:
     """--same-values: the peers' q/k/v/g/beta are what our prep's twin makes of our raw inputs (one token batch, the
     vLLM layout with its leading 1), the start states are ours transposed to [N, HV, dv, dk], cu_seqlens ours."""
@@ -50,19 +80,7 @@ def test_same_values_gives_the_peers_our_inputs_through_the_prep_twin() -> None:
 
     from deltaserve.kernels.gdn_flashinfer import gdn_prefill_prep_ref
 
-    gen = torch.Generator().manual_seed(0)
-    tokens, hk, hv, dim = 6, 2, 4, 8
-    ours = {
-        "q": torch.randn(tokens, hk, dim, generator=gen),
-        "k": torch.randn(tokens, hk, dim, generator=gen),
-        "v": torch.randn(tokens, hv, dim, generator=gen),
-        "a": torch.randn(tokens, hv, generator=gen),
-        "b": torch.randn(tokens, hv, generator=gen),
-        "A_log": torch.rand(hv, generator=gen),
-        "dt_bias": torch.randn(hv, generator=gen),
-        "ssm_states": torch.randn(2, hv, dim, dim, generator=gen),
-        "query_start_loc": torch.tensor([0, 3, 6], dtype=torch.int32),
-    }
+    ours = _our_inputs(seed=0, lengths=[3, 3], slots=[0, 1], has_initial=[True, True])
     peers = _tool().peer_inputs_from_ours(ours)
     names = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
     want = dict(zip(("q", "k", "v", "g", "beta"), gdn_prefill_prep_ref(*(ours[n] for n in names)), strict=True))
@@ -77,21 +95,8 @@ def test_served_inputs_hold_vllms_layer_layout_of_our_values() -> None:
     so), the state cache is ours transposed to [slots, HV, dv, dk], the slots index it as int64."""
     import torch
 
-    gen = torch.Generator().manual_seed(1)
-    tokens, hk, hv, dim = 5, 2, 4, 8
-    ours = {
-        "q": torch.randn(tokens, hk, dim, generator=gen),
-        "k": torch.randn(tokens, hk, dim, generator=gen),
-        "v": torch.randn(tokens, hv, dim, generator=gen),
-        "a": torch.randn(tokens, hv, generator=gen),
-        "b": torch.randn(tokens, hv, generator=gen),
-        "A_log": torch.rand(hv, generator=gen),
-        "dt_bias": torch.randn(hv, generator=gen),
-        "ssm_states": torch.randn(3, hv, dim, dim, generator=gen),
-        "query_start_loc": torch.tensor([0, 2, 5], dtype=torch.int32),
-        "state_indices": torch.tensor([2, 0], dtype=torch.int32),
-        "has_initial_state": torch.tensor([True, False]),
-    }
+    tokens, hk, hv, dim = 5, HK, HV, DIM
+    ours = _our_inputs(seed=1, lengths=[2, 3], slots=[2, 0], has_initial=[True, False], num_slots=3)
     served = _tool().served_inputs_from_ours(ours)
     rows = served["conv_output"]
     assert rows.shape == (tokens, 2 * hk * dim + hv * dim) and rows.is_contiguous()
