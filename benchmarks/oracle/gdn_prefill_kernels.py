@@ -22,7 +22,8 @@ backend="flashinfer": the prep, the state gather and scatter and FlashInfer's ke
 picks the sizes as LEN or NxLEN (default: the four above; 2048,4096,8192,4x2048 place the crossover between the
 kernels). --same-values gives the peers our inputs' values (our prep's plain-torch twin applied to them), so that
 every backend times one set of values; --profile adds each backend's GPU kernels per call (torch.profiler), which
-locates a path's overhead beside its main kernel (ours-flashinfer measured x1.4-2.2 the bare kernel on the H100).
+locates a path's overhead beside its main kernel (ours-flashinfer measured x1.4-2.2 the bare kernel on the H100);
+the profiles run after every case is timed, as a second pass over the same values.
 `triton-served` and `flashinfer-served` time vLLM's layer path on our inputs' values (its fused post-conv prep, the
 state gather and write-back around each kernel): the like-for-like peers of `ours` and `ours-flashinfer`.
 """
@@ -273,6 +274,21 @@ def main() -> int:
         return 2
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
+    kinds = {INPUT_KIND[backend] for backend in backends}
+
+    def inputs_by_kind(shapes: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+        """Each input kind's tensors for one case, built from seed 0 (a second build gives the same values)."""
+        needs_ours = bool(kinds & {"ours", "served"}) or ("peer" in kinds and args.same_values)
+        ours = make_our_inputs(*shapes, seed=0) if needs_ours else {}
+        given_by_kind = {"ours": ours}
+        if "served" in kinds:
+            given_by_kind["served"] = served_inputs_from_ours(ours)
+        if "peer" in kinds:
+            same = args.same_values
+            given_by_kind["peer"] = peer_inputs_from_ours(ours) if same else make_inputs(*shapes, seed=0)
+        return given_by_kind
+
+    timed: list[tuple[dict[str, Any], tuple[int, ...]]] = []
     for shape, num_k_heads, num_v_heads, num_layers in SHAPES:
         for case, lengths in cases:
             if args.deadline_s is not None and time.monotonic() - began > args.deadline_s:
@@ -280,25 +296,14 @@ def main() -> int:
                 print(f"skipped {shape} {case}: past --deadline-s {args.deadline_s:g}", flush=True)
                 continue
             shapes = (lengths[0], len(lengths), num_k_heads, num_v_heads, HEAD_DIM)
-            kinds = {INPUT_KIND[backend] for backend in backends}
-            needs_ours = bool(kinds & {"ours", "served"}) or ("peer" in kinds and args.same_values)
-            ours = make_our_inputs(*shapes, seed=0) if needs_ours else {}
-            given_by_kind = {"ours": ours}
-            if "served" in kinds:
-                given_by_kind["served"] = served_inputs_from_ours(ours)
-            if "peer" in kinds:
-                same = args.same_values
-                given_by_kind["peer"] = peer_inputs_from_ours(ours) if same else make_inputs(*shapes, seed=0)
+            given_by_kind = inputs_by_kind(shapes)
             row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
             row["num_gdn_layers"] = num_layers
             for backend in backends:
                 try:
-                    given = given_by_kind[INPUT_KIND[backend]]
-                    times = time_kernel(kernels[backend], given, args.iters)
+                    times = time_kernel(kernels[backend], given_by_kind[INPUT_KIND[backend]], args.iters)
                     row[f"{backend}_ms_per_layer"] = round(statistics.median(times), 4)
                     row[f"{backend}_ms_model"] = round(statistics.median(times) * num_layers, 3)
-                    if args.profile:
-                        row[f"{backend}_kernels"] = profile_launches(kernels[backend], given, 5)
                 except Exception as exc:  # one backend failing must not hide the other's numbers
                     row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
             if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
@@ -310,11 +315,23 @@ def main() -> int:
                 served, bare = row["ours-flashinfer_ms_per_layer"], row["flashinfer_ms_per_layer"]
                 row["ours-flashinfer_over_flashinfer"] = round(served / bare, 3)
             rows.append(row)
-            print(json.dumps({key: value for key, value in row.items() if not key.endswith("_kernels")}), flush=True)
-            for key in (key for key in row if key.endswith("_kernels")):
-                print(f"  {key}: " + "; ".join(f"{k['us']} us x{k['calls']} {k['kernel'][:60]}" for k in row[key][:6]))
-            del given_by_kind, given, ours  # the case's tensors, before empty_cache
+            timed.append((row, shapes))
+            print(json.dumps(row), flush=True)
+            del given_by_kind  # the case's tensors, before empty_cache
             torch.cuda.empty_cache()
+    # Profiles only after every timing: once torch.profiler has run in a process, later launches seem to cost the
+    # host more (a record that profiled each backend right after timing it timed every later backend up to x2.5
+    # slower than the same case timed without profiles, the first one not), and the smaller cases are host-bound.
+    for row, shapes in timed if args.profile else []:
+        given_by_kind = inputs_by_kind(shapes)
+        for backend in backends:
+            if f"{backend}_error" not in row:
+                row[f"{backend}_kernels"] = profile_launches(kernels[backend], given_by_kind[INPUT_KIND[backend]], 5)
+        for key in (key for key in row if key.endswith("_kernels")):
+            print(f"  {row['shape']} {row['case']} {key}: "
+                  + "; ".join(f"{k['us']} us x{k['calls']} {k['kernel'][:60]}" for k in row[key][:6]))  # fmt: skip
+        del given_by_kind
+        torch.cuda.empty_cache()
     record = {
         "kind": "gdn-prefill-kernels",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),

@@ -11,6 +11,7 @@ rounding points are vLLM's production ones (vLLM: qwen_gdn_linear_attn._forward_
    cu_seqlens): its default scale is dk^-½ (head_size^-½); value head h reads q/k head h·HQ // HV = h // (HV/HK),
    deltaserve's mapping.
 4. The final states transposed back into the sequences' slots (a slot < 0 or an empty sequence writes nothing).
+Steps 2 and 4 are `gather_states` and `scatter_states`, one Triton launch each on the GPU (twins in torch here).
 
 Its plain-torch twin is `gdn_prefill_ref` (same call, same result up to the kernels' summation order); the in-step
 prefix-cache checkpoint is not done here (kernels/gdn.py sends such a call to deltaserve's own kernel). flashinfer is
@@ -53,7 +54,7 @@ def gdn_prefill_prep_ref(
 gdn_prefill_prep = triton_or_ref(gdn_prefill_prep_ref, "gdn_flashinfer_triton.gdn_prefill_prep_triton")
 
 
-def _initial_states(
+def gather_states_ref(
     ssm_states: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor
 ) -> torch.Tensor:
     """The sequences' start states in FlashInfer's layout [N, HV, dv, dk], fp32 contiguous: slot state_indices[n]
@@ -66,7 +67,7 @@ def _initial_states(
     return initial.masked_fill_(~reads[:, None, None, None], 0.0)
 
 
-def _write_final_states(
+def scatter_states_ref(
     ssm_states: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor, final: torch.Tensor
 ) -> None:
     """final [N, HV, dv, dk] (FlashInfer's layout, overwritten) into ssm_states[state_indices[n]] as [HV, dk, dv], for
@@ -76,6 +77,11 @@ def _write_final_states(
     lengths = query_start_loc[1:] - query_start_loc[:-1]  # [N]
     writes = (slots >= 0) & (lengths > 0)  # [N]
     write_slots(ssm_states, slots, final.transpose(-1, -2), writes, in_place=True)  # [N, HV, dk, dv] view
+
+
+# One launch each on the GPU (kernels/gdn_flashinfer_triton.py) where the torch twins take ~6 and ~12
+gather_states = triton_or_ref(gather_states_ref, "gdn_flashinfer_triton.gather_states_triton")
+scatter_states = triton_or_ref(scatter_states_ref, "gdn_flashinfer_triton.scatter_states_triton")
 
 
 def gdn_prefill_flashinfer(
@@ -113,13 +119,13 @@ def gdn_prefill_flashinfer(
     from flashinfer.gdn_prefill import chunk_gated_delta_rule  # imported where served: an optional library
 
     q_hat, k_hat, v_in, g, beta = gdn_prefill_prep(q, k, v, a, b, A_log, dt_bias)
-    initial = _initial_states(ssm_states, state_indices, has_initial_state)
+    initial = gather_states(ssm_states, state_indices, has_initial_state)
     # vLLM hands FlashInfer alpha = e^g, taken by torch in fp32 after the prep, and leaves scale at its default
     _, final = chunk_gated_delta_rule(
         q=q_hat, k=k_hat, v=v_in, g=g.exp_(), beta=beta, initial_state=initial, output_final_state=True,
         cu_seqlens=query_start_loc, output=out,
     )  # fmt: skip
-    _write_final_states(ssm_states, state_indices, query_start_loc, final)
+    scatter_states(ssm_states, state_indices, query_start_loc, final)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Triton launcher of the FlashInfer path's prep (kernels/gdn_flashinfer.py, twin `gdn_prefill_prep_ref`).
+"""Triton launchers of the FlashInfer path's prep and state copies (kernels/gdn_flashinfer.py, twins
+`gdn_prefill_prep_ref`, `gather_states_ref`, `scatter_states_ref`).
 
 `gdn_prefill_prep_triton` does in one launch what vLLM's fused_post_conv_prep (apply_l2norm=True) does before it
 calls FlashInfer, with its rounding: per key head q̂ = q·(1/√(Σq² + 1e-6)) and k̂ likewise in fp32, stored in the
@@ -7,6 +8,12 @@ softplus, x itself above 20) and β = σ(b) in fp32. In torch these would be abo
 over q and k, an estimated time of the order of FlashInfer's own kernel at 8 x 1024 tokens
 (docs/kernels.md#flashinfers-gdn-prefill).
 Grid: (⌈T / 16⌉, HK + HV), as vLLM's: programs below HK do a key head's q and k, the others a value head.
+
+`gather_states_triton` and `scatter_states_triton` move the start and final states between deltaserve's slots
+[slots, HV, dk, dv] and FlashInfer's [N, HV, dv, dk], transposing on the way, one launch each; in torch they were
+about 6 and 12 launches (index_select, copies, masks, the no-sync anchor of write_slots), whose host time made the
+path cost a multiple of FlashInfer's own kernel on calls of a few thousand rows
+(docs/kernels.md#flashinfers-gdn-prefill). Grid: (N, HV, ⌈dk / 32⌉), a program moving 32 rows of dk of one head.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from deltaserve.kernels._triton import i64, next_pow2, require_last_dim_contiguo
 # Tokens a program covers (vLLM's BLOCK_T) and its warps.
 PREP_BLOCK_T = 16
 PREP_WARPS = 4
+# dk rows of one head's state a gather or scatter program moves (all dv columns), and its warps.
+STATE_BLOCK_K = 32
+STATE_WARPS = 4
 
 
 @triton.jit
@@ -119,3 +129,104 @@ def gdn_prefill_prep_triton(
         BV=next_pow2(head_v_dim), num_warps=PREP_WARPS,
     )  # fmt: skip
     return q_hat, k_hat, v_out, g, beta
+
+
+@triton.jit
+def _gather_states_kernel(
+    states_ptr,
+    slots_ptr,
+    has_init_ptr,
+    initial_ptr,
+    stride_s,
+    stride_h,
+    stride_k,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_k = tl.program_id(2) * BK + tl.arange(0, BK)  # [BK] dk rows
+    o_v = tl.arange(0, BV)  # [BV] dv columns
+    slot = tl.load(slots_ptr + i_n)
+    reads = (slot >= 0) & (tl.load(has_init_ptr + i_n) != 0)
+    m = (o_k < DK)[:, None] & (o_v < DV)[None, :]
+    src = states_ptr + i64(tl.maximum(slot, 0)) * stride_s + i_h * stride_h + o_k[:, None] * stride_k + o_v[None, :]
+    # a row that reads nothing stores zeros and loads nothing: a free slot may hold NaN
+    b_s = tl.load(src, mask=m & reads, other=0.0)  # [BK, BV]
+    dst = initial_ptr + (i64(i_n) * HV + i_h) * (DV * DK) + o_v[None, :] * DK + o_k[:, None]
+    tl.store(dst, b_s, mask=m)
+
+
+@triton.jit
+def _scatter_states_kernel(
+    final_ptr,
+    slots_ptr,
+    starts_ptr,
+    states_ptr,
+    stride_s,
+    stride_h,
+    stride_k,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_k = tl.program_id(2) * BK + tl.arange(0, BK)  # [BK] dk rows
+    o_v = tl.arange(0, BV)  # [BV] dv columns
+    slot = tl.load(slots_ptr + i_n)
+    writes = (slot >= 0) & (tl.load(starts_ptr + i_n + 1) > tl.load(starts_ptr + i_n))
+    m = (o_k < DK)[:, None] & (o_v < DV)[None, :] & writes
+    src = final_ptr + (i64(i_n) * HV + i_h) * (DV * DK) + o_v[None, :] * DK + o_k[:, None]
+    b_s = tl.load(src, mask=m, other=0.0)  # [BK, BV]
+    dst = states_ptr + i64(tl.maximum(slot, 0)) * stride_s + i_h * stride_h + o_k[:, None] * stride_k + o_v[None, :]
+    tl.store(dst, b_s, mask=m)
+
+
+def _state_grid(num_seqs: int, ssm_states: torch.Tensor) -> tuple[int, int, int]:
+    return num_seqs, ssm_states.shape[1], triton.cdiv(ssm_states.shape[2], STATE_BLOCK_K)
+
+
+def gather_states_triton(
+    ssm_states: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor
+) -> torch.Tensor:
+    """ssm_states [slots, HV, dk, dv] fp32 (slot-strided views allowed, dv contiguous); state_indices [N];
+    has_initial_state [N] -> [N, HV, dv, dk] fp32 contiguous: slot state_indices[n] transposed, zeros where
+    has_initial_state[n] is False or the slot is < 0."""
+    require_last_dim_contiguous("ssm_states", ssm_states)
+    num_slots, num_v_heads, head_k_dim, head_v_dim = ssm_states.shape
+    num_seqs = state_indices.shape[0]
+    initial = torch.empty(num_seqs, num_v_heads, head_v_dim, head_k_dim, dtype=ssm_states.dtype,
+                          device=ssm_states.device)  # fmt: skip
+    if num_seqs == 0:
+        return initial
+    _gather_states_kernel[_state_grid(num_seqs, ssm_states)](
+        ssm_states, state_indices, has_initial_state, initial, ssm_states.stride(0), ssm_states.stride(1),
+        ssm_states.stride(2), HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=STATE_BLOCK_K,
+        BV=next_pow2(head_v_dim), num_warps=STATE_WARPS,
+    )  # fmt: skip
+    return initial
+
+
+def scatter_states_triton(
+    ssm_states: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor, final: torch.Tensor
+) -> None:
+    """final [N, HV, dv, dk] into ssm_states[state_indices[n]] as [HV, dk, dv], for each sequence with a slot >= 0
+    and at least one token; the writing sequences' slots are distinct (each sequence owns its slot)."""
+    require_last_dim_contiguous("ssm_states", ssm_states)
+    if not final.is_contiguous():
+        raise ValueError("final: FlashInfer's final states are contiguous [N, HV, dv, dk]")
+    num_slots, num_v_heads, head_k_dim, head_v_dim = ssm_states.shape
+    num_seqs = state_indices.shape[0]
+    if num_seqs == 0:
+        return
+    _scatter_states_kernel[_state_grid(num_seqs, ssm_states)](
+        final, state_indices, query_start_loc, ssm_states, ssm_states.stride(0), ssm_states.stride(1),
+        ssm_states.stride(2), HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=STATE_BLOCK_K,
+        BV=next_pow2(head_v_dim), num_warps=STATE_WARPS,
+    )  # fmt: skip

@@ -91,16 +91,59 @@ def test_flashinfer_path_equals_ref(
     assert fake_flashinfer.calls == 1
 
 
-def test_flashinfer_path_with_the_triton_prep(fake_flashinfer: FakeFlashInfer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same, with the prep's Triton launcher (the interpreter on the CPU) in place of its twin."""
-    launched: list[int] = []
+def test_flashinfer_path_with_the_triton_launchers(
+    fake_flashinfer: FakeFlashInfer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same, with the Triton launchers of the prep and the state copies (the interpreter on the CPU) in place of
+    their twins."""
+    launched: list[str] = []
     from deltaserve.kernels import gdn_flashinfer_triton
 
-    real = gdn_flashinfer_triton.gdn_prefill_prep_triton
-    monkeypatch.setattr(gdn_flashinfer_triton, "gdn_prefill_prep_triton", lambda *a: launched.append(1) or real(*a))
+    for name in ("gdn_prefill_prep_triton", "gather_states_triton", "scatter_states_triton"):
+        real = getattr(gdn_flashinfer_triton, name)
+        monkeypatch.setattr(gdn_flashinfer_triton, name,
+                            lambda *a, name=name, real=real: launched.append(name) or real(*a))  # fmt: skip
     monkeypatch.setattr(_dispatch, "use_triton", lambda t: True)
     _compare(gdn_prefill_flashinfer, 2, 6, torch.float32, 2e-5)
-    assert launched == [1] and fake_flashinfer.calls == 1
+    assert launched == ["gdn_prefill_prep_triton", "gather_states_triton", "scatter_states_triton"]
+    assert fake_flashinfer.calls == 1
+
+
+def _slot_pool(num_slots: int, hv: int, dk: int, dv: int, strided: bool) -> torch.Tensor:
+    """[slots, HV, dk, dv] fp32 of random states; strided: a view whose slot stride is 64 elements wider, as a slot
+    of a shared page pool is (docs/ARCHITECTURE.md, "One pool"); NaN between the slots."""
+    size = hv * dk * dv
+    pool = torch.full((num_slots, size + (64 if strided else 0)), float("nan"), device=DEVICE)
+    states = pool[:, :size].view(num_slots, hv, dk, dv)
+    states.copy_(randn(num_slots, hv, dk, dv))
+    return states
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize(("hv", "dk", "dv"), [(3, 32, 32), (2, 48, 24), (1, 128, 128)])
+def test_state_copies_triton_equal_their_twins(hv: int, dk: int, dv: int, strided: bool) -> None:
+    """gather_states_triton and scatter_states_triton (the interpreter here) against their torch twins, bit for bit:
+    a slot -1, a sequence without an initial state, an empty one, a free slot holding NaN that nothing reads; dk 48 /
+    dv 24: a partial row block and a padded column block; 128: the served head size, four row blocks."""
+    from deltaserve.kernels.gdn_flashinfer import gather_states_ref, scatter_states_ref
+    from deltaserve.kernels.gdn_flashinfer_triton import gather_states_triton, scatter_states_triton
+
+    states = _slot_pool(6, hv, dk, dv, strided)
+    states[4] = float("nan")  # free: no sequence reads or writes it
+    slots = torch.tensor([2, -1, 0, 5, 1], dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor([True, True, False, True, True], device=DEVICE)
+    starts = varlen_starts([7, 3, 1, 0, 64])
+    want = gather_states_ref(states, slots, has_initial_state)
+    got = gather_states_triton(states, slots, has_initial_state)
+    assert got.is_contiguous() and got.shape == (5, hv, dv, dk) and torch.equal(got, want)
+    final = randn(5, hv, dv, dk)
+    ref_states, tri_states = states.clone(), _slot_pool(6, hv, dk, dv, strided)
+    tri_states.copy_(states)
+    scatter_states_ref(ref_states, slots, starts, final.clone())
+    scatter_states_triton(tri_states, slots, starts, final)
+    assert torch.equal(ref_states.nan_to_num(7.0), tri_states.nan_to_num(7.0))
+    # slots 2, 0 and 1 took their sequences' finals (transposed); 5 (an empty sequence) and the free 4 kept theirs
+    assert torch.equal(tri_states[2], final[0].transpose(-1, -2)) and torch.equal(tri_states[5], states[5])
 
 
 def test_untransposed_states_fail_the_comparison(
@@ -108,8 +151,8 @@ def test_untransposed_states_fail_the_comparison(
 ) -> None:
     """The comparison above can fail: states handed over in deltaserve's [HV, dk, dv] instead of FlashInfer's
     [HV, dv, dk] (same shapes, dk = dv) give other outputs and states."""
-    real = gdn_flashinfer._initial_states
-    monkeypatch.setattr(gdn_flashinfer, "_initial_states", lambda *a: real(*a).transpose(-1, -2).contiguous())
+    real = gdn_flashinfer.gather_states
+    monkeypatch.setattr(gdn_flashinfer, "gather_states", lambda *a: real(*a).transpose(-1, -2).contiguous())
     with pytest.raises(AssertionError, match="relative RMSE"):
         _compare(gdn_prefill_flashinfer, 2, 4, torch.float32, 2e-5)
 

@@ -2,7 +2,10 @@
 writes slots takes the slot stride from its tensor (docs/ARCHITECTURE.md#admission, "One pool": slots as page runs
 of a shared pool are strided views). Each kernel runs on a strided view of a NaN-padded pool and on a contiguous
 copy of the same values: outputs and states bit-equal, the padding between slots untouched (fp32 under
-TRITON_INTERPRET=1 on the CPU)."""
+TRITON_INTERPRET=1 on the CPU, and on the GPU). The slot stride is a multiple of 16 elements, as a page run's is:
+on the GPU a stride that is not (2,072) made the GDN decode and verify kernels round otherwise (Triton specializes an
+integer argument divisible by 16, so such a stride compiles other loads, and those kernels' sums then run in
+another order), while a multiple of 16 compiles the contiguous pool's kernel (docs/ARCHITECTURE.md, "One pool")."""
 
 from __future__ import annotations
 
@@ -20,16 +23,18 @@ from deltaserve.kernels.gdn_triton import gdn_decode_triton, gdn_prefill_triton
 from ._util import DEVICE, randn, varlen_starts
 from .test_gdn import _inputs
 
-PAD = 24  # elements between one slot's end and the next slot's start
+PAD = 16  # elements at least between one slot's end and the next slot's start, the stride rounded up to 16s
 
 
 def strided_pool(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool [S, n + PAD] NaN-padded, a view [S, *slot shape] of it holding `values`, slot stride n + PAD)."""
+    """(pool [S, stride] NaN-padded, a view [S, *slot shape] of it holding `values`): the slot stride is the slot's
+    n elements plus PAD, rounded up to a multiple of 16."""
     num_slots, size = values.shape[0], math.prod(values.shape[1:])
-    pool = torch.full((num_slots, size + PAD), float("nan"), dtype=values.dtype, device=DEVICE)
+    stride = -(-(size + PAD) // 16) * 16
+    pool = torch.full((num_slots, stride), float("nan"), dtype=values.dtype, device=DEVICE)
     view = pool[:, :size].view(values.shape)
     view.copy_(values)
-    assert not view.is_contiguous() and view.stride(0) == size + PAD
+    assert not view.is_contiguous() and view.stride(0) == stride
     return pool, view
 
 
@@ -101,4 +106,4 @@ def test_the_verify_kernels_read_a_strided_pool() -> None:
 
 def test_the_pool_helper_makes_a_strided_view() -> None:
     pool, view = strided_pool(torch.ones(3, 2, 4))
-    assert view.stride(0) == 8 + PAD and pool[:, 8:].isnan().all() and (view == 1).all()
+    assert view.stride(0) == 32 and pool[:, 8:].isnan().all() and (view == 1).all()
