@@ -55,6 +55,9 @@ class EngineConfig:
     # test preemption); the GDN state slots are sized as without it. None: the budget decides
     num_gpu_blocks_override: int | None = None
     num_state_slots: int | None = None  # None: sized from memory (at least max_num_seqs)
+    # deltaserve only: the KV blocks and the GDN state slots in one pool of pages, a slot a run of pages taken only
+    # while its sequence runs (docs/ARCHITECTURE.md, "One pool"); False: the budget split between them at start-up
+    one_pool: bool = False
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # plan step N+1 while step N runs (vLLM's default); False: one step at a time

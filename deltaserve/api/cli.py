@@ -72,6 +72,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         lone_prefill_tokens=args.lone_prefill_tokens,
+        one_pool=args.one_pool,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

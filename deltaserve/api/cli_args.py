@@ -242,6 +242,13 @@ def _add_engine_arguments(add: Any) -> None:
         "nothing else waiting); at least --max-num-batched-tokens, 0: off (default: 8192 on a GPU when "
         "--max-num-batched-tokens is not given, else off)",
     )
+    add(
+        "--one-pool",
+        action="store_true",
+        help="deltaserve only, experimental: KV blocks and GDN state slots in one pool of pages, a slot taken only "
+        "while its sequence runs (docs/ARCHITECTURE.md, 'One pool'); default: the cache budget split between them at "
+        "start-up",
+    )
     add("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + caches")
     add(
         "--kv-cache-memory-bytes",

@@ -34,7 +34,7 @@ from deltaserve.model.preflight import resolve_max_model_len
 from deltaserve.runner.executor import make_executor
 from deltaserve.runner.sampling_step import StepHandle
 from deltaserve.runner.spec_decode import Drafter
-from deltaserve.scheduler.block_manager import BlockManager, StateSlotPool
+from deltaserve.scheduler.block_manager import BlockManager, PageTable, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence
 from deltaserve.scheduler.spec import SpecSchedule
@@ -68,9 +68,11 @@ class EngineCore:
         self.runner = make_executor(self.model_config, config, max_model_len, self.lone_prefill_tokens)
         layout = self.runner.layout
         self.max_model_len = max_model_len  # plan_cache refuses a cache that cannot hold one such sequence
+        # one pool (layout.pages_per_slot): blocks and slots drawn from one page table (docs/ARCHITECTURE.md)
+        pages = PageTable(layout.num_blocks, layout.pages_per_slot) if layout.pages_per_slot else None
         self.scheduler = Scheduler(
-            BlockManager(layout.num_blocks, layout.block_size),
-            StateSlotPool(layout.num_slots),
+            BlockManager(layout.num_blocks, layout.block_size, pages),
+            StateSlotPool(layout.num_slots, pages),
             self.runner.max_num_seqs,
             self.max_num_batched_tokens,
             self.max_model_len,

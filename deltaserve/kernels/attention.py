@@ -1,6 +1,8 @@
 """Paged KV cache store and paged causal GQA attention over it (prefill chunks and decodes alike).
 
-Cache layout: k_cache, v_cache [num_blocks, block_size, nkv, d]; a token's slot is block·block_size + offset.
+Cache layout: k_cache, v_cache [num_blocks, block_size, nkv, d]; a token's slot is block·block_size + offset. The
+block stride may exceed a block (one pool, docs/ARCHITECTURE.md: a block is a page of every layer's K and V), so
+a slot is indexed as (block, offset), never through a flattened view.
 A batch is varlen: sequence b owns queries query_start_loc[b]:query_start_loc[b+1], which are the LAST
 q_len tokens of its seq_lens[b] tokens of context (already stored in the cache), so chunked prefill reads
 earlier chunks from the cache and a decode is the case q_len = 1. Query head h reads KV head h // (nq/nkv).
@@ -17,11 +19,12 @@ def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Writes k, v [T, nkv, d] into their cache slots; slots < 0 (CUDA-graph padding) are skipped."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    block_size = k_cache.shape[1]
     is_valid = slot_mapping >= 0
     slots = slot_mapping[is_valid].long()
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[is_valid].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[is_valid].to(v_cache.dtype)
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[is_valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[is_valid].to(v_cache.dtype)
 
 
 store_kv = triton_or_ref(store_kv_ref, "attention_triton.store_kv_triton")
@@ -57,9 +60,9 @@ def paged_attention_ref(
             continue
         positions = torch.arange(seq_len, device=q.device)
         blocks = block_tables[b, positions // block_size].long()
-        slots = blocks * block_size + positions % block_size
-        keys = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])[slots].float()  # [L, nkv, d]
-        values = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])[slots].float()  # [L, nkv, d]
+        offsets = positions % block_size
+        keys = k_cache[blocks, offsets].float()  # [L, nkv, d]
+        values = v_cache[blocks, offsets].float()  # [L, nkv, d]
         keys = keys.repeat_interleave(group, dim=1)  # [L, nq, d]
         values = values.repeat_interleave(group, dim=1)  # [L, nq, d]
         qb = q[q_start:q_end].float()  # [q_len, nq, d]

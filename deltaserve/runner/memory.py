@@ -34,6 +34,7 @@ from deltaserve.runner.cache import (
     check_one_sequence_fits,
     checkpoint_slots,
     plan_cache,
+    plan_one_pool,
     verify_row_bytes,
     whole_sequences,
 )
@@ -219,6 +220,8 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         runner.block_size, max_model_len, *budget_names(engine_config, runner.device),
     )  # fmt: skip
     speculative = engine_config.speculative_config
+    if engine_config.one_pool:
+        return size_one_pool(runner, total, upper, max_model_len, max_num_batched_tokens)
     k = 0 if speculative is None else speculative.num_speculative_tokens
     # while speculating with a fixed k, a running sequence also holds its verify chunk's scratch, 1 + k conv windows
     # and token rows (runner/spec_decode.py); under the k policy the count is sized as without speculation, the
@@ -305,6 +308,42 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
         logger.info("GDN prefill through FlashInfer: %d bytes of the cache budget kept for its state copies",
                     copy_reserve)  # fmt: skip
     return max_num_seqs, spec_rows, layout
+
+
+def size_one_pool(
+    runner: ModelRunner, total: int, upper: int, max_model_len: int, max_num_batched_tokens: int
+) -> tuple[int, int, CacheLayout]:
+    """size_caches for one pool (docs/ARCHITECTURE.md, "One pool"): the budget, less FlashInfer's state copies, is
+    pages, and a slot takes a run of them only while its sequence runs, so no share of memory caps max_num_seqs:
+    vLLM's default, at most the runs beside one max_model_len sequence's blocks and, with the prefix cache, its
+    pending checkpoints' runs. The verify scratch is not sized here yet: speculation is refused."""
+    engine_config, model_config, shapes = runner.engine_config, runner.model_config, runner.model.shapes
+    if engine_config.speculative_config is not None:
+        raise ValueError("one_pool does not size the verify scratch yet: drop one_pool or speculative_config")
+    budget = total - flashinfer_copy_bytes(runner) * min(upper, max_num_batched_tokens)
+    layout = plan_one_pool(model_config, runner.dtype, runner.block_size, budget, max_model_len, shapes,
+                           has_mtp=runner.model.mtp is not None)  # fmt: skip
+    one_kv_blocks = -(-max_model_len // layout.block_size)
+    beside_one_kv = max(1, (layout.num_blocks - one_kv_blocks) // layout.pages_per_slot)
+    pending = 0
+    if engine_config.enable_prefix_caching:  # slots beyond max_num_seqs bound the checkpoints not yet written
+        pending = engine_config.num_checkpoint_slots or checkpoint_slots(budget, layout.bytes_per_slot, upper)
+    max_num_seqs = max(1, min(engine_config.max_num_seqs or upper, beside_one_kv, layout.num_slots - pending))
+    if given_budget(engine_config, runner.device) is None:
+        # as size_caches: the graphs' buffers kept for the default count, beyond what this count's need, become pages
+        reserved, needed = graph_bytes(runner, upper)[1], graph_bytes(runner, max_num_seqs)[1]
+        if reserved > needed:
+            total, budget = total + reserved - needed, budget + reserved - needed
+            layout = plan_one_pool(model_config, runner.dtype, runner.block_size, budget, max_model_len, shapes,
+                                   has_mtp=runner.model.mtp is not None)  # fmt: skip
+    layout = dataclasses.replace(layout, num_checkpoint_slots=min(pending, layout.num_slots - max_num_seqs))
+    logger.info(
+        "cache budget %d bytes (%.2f GiB, %s) as one pool: %d pages of %d bytes (%d tokens of KV when no sequence "
+        "runs), a state slot a run of %d pages (%d runs); max_num_seqs %d", total, total / GIB,
+        budget_names(engine_config, runner.device)[0], layout.num_blocks, layout.bytes_per_block,
+        layout.num_blocks * layout.block_size, layout.pages_per_slot, layout.num_slots, max_num_seqs,
+    )  # fmt: skip
+    return max_num_seqs, 0, layout
 
 
 def first_gdn_layer(model: Qwen35Model) -> GatedDeltaNet:

@@ -46,6 +46,12 @@ def entry_point(cache: PrefixCache | None, seq: Sequence) -> Entry:
     return Entry(hit, start, num_shared)
 
 
+def available_blocks(blocks: BlockManager, cache: PrefixCache | None, keep: Checkpoint | None = None) -> int:
+    """Blocks free or to be had by evicting ready checkpoints (not `keep`): those only checkpoints hold, and in one
+    pool the pages of their slots."""
+    return blocks.num_available_blocks + (cache.num_reclaimable_slot_pages(keep) if cache is not None else 0)
+
+
 def reserve(blocks: BlockManager, cache: PrefixCache | None, num_blocks: int, keep: Checkpoint | None = None) -> bool:
     """Whether num_blocks blocks are free, evicting unused checkpoints (LRU, never `keep`) first to make them so."""
     if cache is None:
@@ -56,15 +62,16 @@ def reserve(blocks: BlockManager, cache: PrefixCache | None, num_blocks: int, ke
 def frees_later(blocks: BlockManager, cache: PrefixCache | None, num_blocks: int) -> bool:
     """Whether num_blocks blocks that cannot be had now may be once the steps in flight are collected: pending
     checkpoints exist, and the blocks free or held by checkpoints alone would be enough."""
-    return cache is not None and cache.num_pending > 0 and num_blocks <= blocks.num_available_blocks
+    return cache is not None and cache.num_pending > 0 and num_blocks <= available_blocks(blocks, cache)
 
 
 def take_room(
     blocks: BlockManager, slots: StateSlotPool, cache: PrefixCache | None, num_blocks: int, hit: Checkpoint | None
 ) -> int | None:
     """The state slot of an admission once num_blocks blocks are free, evicting ready checkpoints other than its hit
-    for both; None: no room (nothing is allocated then)."""
-    if not reserve(blocks, cache, num_blocks, hit):
+    for both; None: no room (nothing is allocated then). In one pool the slot's pages are reserved with the blocks
+    (the slot is taken first, from them)."""
+    if not reserve(blocks, cache, num_blocks + slots.pages_per_slot, hit):
         return None
     return slots.allocate() if cache is None else cache.take_slot(hit)
 

@@ -278,10 +278,14 @@ class Scheduler:
         sequence's known tokens beside the `promised` blocks the running sequences' known tokens still need: a
         prompt admitted chunk by chunk into too little room is preempted part-way (it is the latest admitted) and
         recomputed from zero, again and again while the running ones decode (docs/ARCHITECTURE.md#admission). The
-        hit's blocks it would share stop being available once shared."""
+        hit's blocks it would share stop being available once shared. In one pool (docs/ARCHITECTURE.md) its slot's
+        pages count beside its blocks."""
         rest = self.blocks.blocks_needed(seq.num_tokens, entry.num_shared)
         shared = entry.hit.block_ids[: entry.num_shared] if entry.hit is not None else ()
-        return rest + promised <= self.blocks.num_available_blocks - self.blocks.num_cache_only(shared)
+        # in one pool its state slot takes pages too, and ready checkpoints' slots give theirs back when evicted
+        rest += self.slots.pages_per_slot
+        available = cache_admission.available_blocks(self.blocks, self.prefix_cache, entry.hit)
+        return rest + promised <= available - self.blocks.num_cache_only(shared)
 
     def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
         step_id = self._num_steps

@@ -256,3 +256,55 @@ def test_paged_attention_verify_chunks_served_shapes(nq: int, nkv: int, batch: i
     with poisoned_empty():
         out = paged_attention_triton(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5, width, 4096)
     assert_close("o", ref, out, 1e-2)
+
+
+def _blocks_first(cache_k: torch.Tensor, cache_v: torch.Tensor, seq_lens: list[int], block_tables: torch.Tensor,
+                  pad: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The caches' values in one pool's layout (docs/ARCHITECTURE.md, "One pool"): a page per block holding its K,
+    its V and `pad` more elements (the other layers' K and V), the views a page apart; NaN in every position no
+    sequence's context covers (a page that held a state slot's bytes before) and in the padding."""
+    num_blocks, page, nkv, d = cache_k.shape
+    block = page * nkv * d
+    pool = torch.full((num_blocks, 2 * block + pad), float("nan"), dtype=cache_k.dtype, device=DEVICE)
+    views = [torch.as_strided(pool, cache_k.shape, (2 * block + pad, nkv * d, d, 1), i * block) for i in range(2)]
+    for b, n in enumerate(seq_lens):
+        for position in range(n):
+            block_id, offset = int(block_tables[b, position // page]), position % page
+            views[0][block_id, offset] = cache_k[block_id, offset]
+            views[1][block_id, offset] = cache_v[block_id, offset]
+    return views[0], views[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("decode", [False, True], ids=["varlen", "decode-split"])
+def test_paged_attention_on_blocks_first_views(dtype: torch.dtype, decode: bool) -> None:
+    """On one pool's blocks-first views (a block stride of a page, K and V of a block adjacent) and with NaN in every
+    cache position past a sequence's context, the kernels give the ref's output on contiguous caches: they take the
+    block stride from the view and read nothing a context does not cover."""
+    seq_lens, nq, nkv, d, page = [100, 7, 40, 1], 6, 2, 32, 8
+    q_lens = [1] * len(seq_lens) if decode else [37, 7, 1, 1]
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, page, nkv, d, dtype)
+    k_view, v_view = _blocks_first(k_cache, v_cache, seq_lens, block_tables, pad=2 * page * nkv * d)
+    q = randn(sum(q_lens), nq, d, dtype=dtype)
+    qsl = varlen_starts(q_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq, block_tables, d**-0.5)
+    out = paged_attention_triton(q, k_view, v_view, qsl, seq, block_tables, d**-0.5, max(q_lens), max(seq_lens))
+    assert not out.isnan().any(), "read a position past a context"
+    assert_close("o", ref, out, tolerance(dtype, fp32=2e-6))
+
+
+def test_store_kv_on_blocks_first_views() -> None:
+    """store_kv writes a token's K and V into its block of the pool's views and nothing else of the page."""
+    num_tokens, nkv, d, page, num_blocks = 21, 2, 32, 8, 5
+    block = page * nkv * d
+    pool = torch.full((num_blocks, 3 * block), float("nan"), device=DEVICE)
+    k_view, v_view = (torch.as_strided(pool, (num_blocks, page, nkv, d), (3 * block, nkv * d, d, 1), i * block)
+                      for i in range(2))  # fmt: skip
+    k, v = randn(num_tokens, nkv, d), randn(num_tokens, nkv, d)
+    slots = torch.randperm(num_blocks * page, device=DEVICE)[:num_tokens]
+    store_kv_triton(k, v, k_view, v_view, slots)
+    blocks, offsets = (slots // page).long(), (slots % page).long()
+    assert torch.equal(k_view[blocks, offsets], k) and torch.equal(v_view[blocks, offsets], v)
+    assert pool[:, 2 * block :].isnan().all(), "wrote into the page's other layers"
+    assert int((~pool.isnan()).sum()) == 2 * num_tokens * nkv * d

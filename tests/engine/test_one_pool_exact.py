@@ -1,0 +1,83 @@
+"""One pool is exact (docs/ARCHITECTURE.md, "One pool"): greedy tokens with the KV blocks and the GDN state slots in
+one pool of pages equal those with the pool split, fp32 on the CPU, on the trained tiny dense / moe / next, with a
+pool small enough that sequences wait for pages and are preempted, prefix caching off and on, async scheduling on;
+the views the runner binds are strided over one buffer, and every page is free again once the cache lets go."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.engine.llm import LLM
+from deltaserve.runner.cache import bytes_per_block
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+
+CORPUS = (Path(__file__).parents[2] / "deltaserve" / "tiny" / "corpus.txt").read_text()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+NUM_PAGES = 40  # of one KV block each: one long prompt and its answer nearly fill it
+
+
+def make_llm(model_dir: Path, one_pool: bool, prefix_caching: bool) -> LLM:
+    config = ModelConfig.from_pretrained(model_dir)
+    budget = NUM_PAGES * bytes_per_block(config, 16, torch.float32)
+    return LLM(
+        model_dir, dtype="float32", device="cpu", max_model_len=400, max_num_seqs=4, max_num_batched_tokens=128,
+        cpu_kv_cache_bytes=budget, enable_prefix_caching=prefix_caching, one_pool=one_pool,
+        prefix_cache_checkpoint_interval=128,
+    )  # fmt: skip
+
+
+def prompts(llm: LLM) -> list[list[int]]:
+    """Long and short prompts, two pairs sharing a prefix: more than the pool holds at once."""
+    tokens = llm.engine.tokenizer.encode(CORPUS)
+    base = tokens[:300]
+    return [base, tokens[400:460], base[:200] + tokens[700:760], tokens[900:1250], tokens[1300:1320], base + [11, 12]]
+
+
+def run(llm: LLM) -> tuple[list[list[int]], int]:
+    """Every prompt at once; (each one's tokens, the preemptions meanwhile)."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(llm)], GREEDY)
+    return [list(o.outputs[0].token_ids) for o in outputs], llm.engine.scheduler.num_preemptions_total
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["cache-off", "cache-on"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "next"])
+def test_one_pool_tokens_equal_the_split_pool(variant: str, prefix_caching: bool) -> None:
+    model_dir = trained_model_dir(variant)
+    split, _ = run(make_llm(model_dir, one_pool=False, prefix_caching=prefix_caching))
+    llm = make_llm(model_dir, one_pool=True, prefix_caching=prefix_caching)
+    shared, preemptions = run(llm)
+    assert shared == split
+    layout = llm.engine.runner.layout
+    assert layout.pages_per_slot > 0 and layout.num_slots == layout.num_blocks // layout.pages_per_slot
+    scheduler = llm.engine.scheduler
+    pages = scheduler.blocks.pages
+    assert pages is not None and pages is scheduler.slots.pages
+    if not prefix_caching:  # nothing holds a page once every sequence is done
+        assert pages.num_free == pages.num_pages and pages.num_free_runs == pages.num_runs
+    else:  # the cache's checkpoints hold the rest; dropped, every page is free
+        assert scheduler.reset_prefix_cache() and pages.num_free == pages.num_pages
+    print(f"{variant}: {layout.num_blocks} pages, runs of {layout.pages_per_slot}, {preemptions} preemptions")
+
+
+def test_the_views_share_one_buffer() -> None:
+    """k_cache / v_cache are blocks-first views a page apart; the state views lie inside the slots' runs."""
+    llm = make_llm(trained_model_dir("dense"), one_pool=True, prefix_caching=False)
+    model, layout = llm.engine.runner.model, llm.engine.runner.layout
+    attn = next(layer.self_attn for layer in model.layers if layer.is_full_attention)
+    gdn = next(layer.linear_attn for layer in model.layers if not layer.is_full_attention)
+    base = attn.k_cache.untyped_storage().data_ptr()
+    assert gdn.ssm_states.untyped_storage().data_ptr() == base == attn.v_cache.untyped_storage().data_ptr()
+    element = attn.k_cache.element_size()
+    assert attn.k_cache.stride(0) * element == layout.bytes_per_block
+    assert gdn.ssm_states.stride(0) * gdn.ssm_states.element_size() == layout.pages_per_slot * layout.bytes_per_block
+    # a write to slot 1's state lands inside pages [R, 2R) and nowhere in block 0
+    gdn.ssm_states[1].fill_(1.0)
+    page_elems = layout.bytes_per_block // element
+    flat = torch.as_strided(attn.k_cache, (layout.num_blocks * page_elems,), (1,), 0)
+    touched = flat.view(layout.num_blocks, page_elems).ne(0).any(1).nonzero().flatten().tolist()
+    assert touched and min(touched) >= layout.pages_per_slot and max(touched) < 2 * layout.pages_per_slot
