@@ -299,6 +299,13 @@ def plan_one_pool(
     return CacheLayout(num_pages, block_size, num_pages // per_slot, block_bytes, slot_bytes, pages_per_slot=per_slot)
 
 
+def one_pool_max_num_seqs(layout: CacheLayout, max_model_len: int, cap: int, pending: int) -> int:
+    """One pool's max_num_seqs: `cap` (vLLM's default, or the user's), at most the runs beside one max_model_len
+    sequence's blocks and beside `pending` runs for the prefix cache's checkpoints not yet written."""
+    beside_one_kv = (layout.num_blocks - -(-max_model_len // layout.block_size)) // layout.pages_per_slot
+    return max(1, min(cap, beside_one_kv, layout.num_slots - pending))
+
+
 def allocate_and_bind(
     model: Qwen35Model, config: ModelConfig, layout: CacheLayout, dtype: torch.dtype, device: torch.device
 ) -> None:

@@ -33,6 +33,7 @@ from deltaserve.runner.cache import (
     bytes_per_slot,
     check_one_sequence_fits,
     checkpoint_slots,
+    one_pool_max_num_seqs,
     plan_cache,
     plan_one_pool,
     verify_row_bytes,
@@ -313,29 +314,27 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
 def size_one_pool(
     runner: ModelRunner, total: int, upper: int, max_model_len: int, max_num_batched_tokens: int
 ) -> tuple[int, int, CacheLayout]:
-    """size_caches for one pool (docs/ARCHITECTURE.md, "One pool"): the budget, less FlashInfer's state copies, is
-    pages, and a slot takes a run of them only while its sequence runs, so no share of memory caps max_num_seqs:
-    vLLM's default, at most the runs beside one max_model_len sequence's blocks and, with the prefix cache, its
-    pending checkpoints' runs. The verify scratch is not sized here yet: speculation is refused."""
+    """size_caches for one pool (docs/ARCHITECTURE.md, "One pool"): the budget, less FlashInfer's state copies for
+    the sequences a step may hold, is pages, and a slot takes a run of them only while its sequence runs, so no share
+    of memory caps max_num_seqs (runner/cache.py one_pool_max_num_seqs). The verify scratch is not sized here yet:
+    speculation is refused."""
     engine_config, model_config, shapes = runner.engine_config, runner.model_config, runner.model.shapes
     if engine_config.speculative_config is not None:
         raise ValueError("one_pool does not size the verify scratch yet: drop one_pool or speculative_config")
-    budget = total - flashinfer_copy_bytes(runner) * min(upper, max_num_batched_tokens)
-    layout = plan_one_pool(model_config, runner.dtype, runner.block_size, budget, max_model_len, shapes,
-                           has_mtp=runner.model.mtp is not None)  # fmt: skip
-    one_kv_blocks = -(-max_model_len // layout.block_size)
-    beside_one_kv = max(1, (layout.num_blocks - one_kv_blocks) // layout.pages_per_slot)
+    has_mtp = runner.model.mtp is not None
+    cap = engine_config.max_num_seqs or upper
+    layout = plan_one_pool(model_config, runner.dtype, runner.block_size, total, max_model_len, shapes, has_mtp)
     pending = 0
     if engine_config.enable_prefix_caching:  # slots beyond max_num_seqs bound the checkpoints not yet written
-        pending = engine_config.num_checkpoint_slots or checkpoint_slots(budget, layout.bytes_per_slot, upper)
-    max_num_seqs = max(1, min(engine_config.max_num_seqs or upper, beside_one_kv, layout.num_slots - pending))
+        pending = engine_config.num_checkpoint_slots or checkpoint_slots(total, layout.bytes_per_slot, upper)
+    max_num_seqs = one_pool_max_num_seqs(layout, max_model_len, cap, pending)
+    budget = total - flashinfer_copy_bytes(runner) * min(max_num_seqs, max_num_batched_tokens)
     if given_budget(engine_config, runner.device) is None:
         # as size_caches: the graphs' buffers kept for the default count, beyond what this count's need, become pages
         reserved, needed = graph_bytes(runner, upper)[1], graph_bytes(runner, max_num_seqs)[1]
-        if reserved > needed:
-            total, budget = total + reserved - needed, budget + reserved - needed
-            layout = plan_one_pool(model_config, runner.dtype, runner.block_size, budget, max_model_len, shapes,
-                                   has_mtp=runner.model.mtp is not None)  # fmt: skip
+        total, budget = total + max(0, reserved - needed), budget + max(0, reserved - needed)
+    layout = plan_one_pool(model_config, runner.dtype, runner.block_size, budget, max_model_len, shapes, has_mtp)
+    max_num_seqs = min(max_num_seqs, one_pool_max_num_seqs(layout, max_model_len, cap, pending))
     layout = dataclasses.replace(layout, num_checkpoint_slots=min(pending, layout.num_slots - max_num_seqs))
     logger.info(
         "cache budget %d bytes (%.2f GiB, %s) as one pool: %d pages of %d bytes (%d tokens of KV when no sequence "

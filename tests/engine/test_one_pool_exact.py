@@ -81,3 +81,44 @@ def test_the_views_share_one_buffer() -> None:
     flat = torch.as_strided(attn.k_cache, (layout.num_blocks * page_elems,), (1,), 0)
     touched = flat.view(layout.num_blocks, page_elems).ne(0).any(1).nonzero().flatten().tolist()
     assert touched and min(touched) >= layout.pages_per_slot and max(touched) < 2 * layout.pages_per_slot
+
+
+def test_sizing_gives_every_page_to_the_pool_and_caps_max_num_seqs_by_runs() -> None:
+    """kv_cache_memory_bytes as pages of one block each, R the pages of a slot's aligned states, the runs the pages
+    make; max_num_seqs the default at most the runs beside one max_model_len sequence (computed here from the
+    checkpoint's shapes); with the prefix cache, the pending checkpoints' runs beside them too."""
+    model_dir = trained_model_dir("dense")
+    config = ModelConfig.from_pretrained(model_dir)
+    block = bytes_per_block(config, 16, torch.float32)
+    conv = (config.linear_conv_kernel_dim - 1) * (
+        2 * config.linear_num_key_heads * config.linear_key_head_dim
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    ) * 4  # fmt: skip
+    ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    aligned = sum(-(-n // 256) * 256 for n in (conv, ssm)) * len(config.linear_attention_layers)
+    per_slot = -(-aligned // block)
+    for pages, cap, caching in ((200, 64, False), (200, 3, False), (120, 64, True)):
+        llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=400, max_num_seqs=cap, one_pool=True,
+                  kv_cache_memory_bytes=pages * block, enable_prefix_caching=caching)  # fmt: skip
+        layout, runner = llm.engine.runner.layout, llm.engine.runner
+        assert (layout.num_blocks, layout.pages_per_slot, layout.num_slots) == (pages, per_slot, pages // per_slot)
+        pending = layout.num_checkpoint_slots if caching else 0
+        assert runner.max_num_seqs == min(cap, (pages - 25) // per_slot, pages // per_slot - pending)
+        assert not caching or pending >= 1
+
+
+def test_the_27b_on_an_h100_runs_60_sequences_where_the_split_ran_42() -> None:
+    """The arithmetic of the H100's 27B cache budget (12.75 GiB: 13,058 pages of 1 MiB, a slot's 146.8 MiB in runs of
+    147, 88 runs) at max_model_len 66,560 (4,160 blocks), 8 checkpoints pending: 60 sequences."""
+    from deltaserve.runner.cache import CacheLayout, one_pool_max_num_seqs
+
+    layout = CacheLayout(13058, 16, 88, 2**20, 147 * 2**20, pages_per_slot=147)
+    assert one_pool_max_num_seqs(layout, 66560, 1024, 8) == 60
+    assert one_pool_max_num_seqs(layout, 66560, 1024, 30) == 58
+    assert one_pool_max_num_seqs(layout, 4096, 1024, 8) == 80
+
+
+def test_one_pool_refuses_speculative_decoding_by_name() -> None:
+    with pytest.raises(ValueError, match="one_pool does not size the verify scratch"):
+        LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_model_len=400, one_pool=True,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
