@@ -314,13 +314,13 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
 def size_one_pool(
     runner: ModelRunner, total: int, upper: int, max_model_len: int, max_num_batched_tokens: int
 ) -> tuple[int, int, CacheLayout]:
-    """size_caches for one pool (docs/ARCHITECTURE.md, "One pool"): the budget, less FlashInfer's state copies for
-    the sequences a step may hold, is pages, and a slot takes a run of them only while its sequence runs, so no share
-    of memory caps max_num_seqs (runner/cache.py one_pool_max_num_seqs). The verify scratch is not sized here yet:
-    speculation is refused."""
+    """size_caches for one pool (docs/ARCHITECTURE.md, "One pool"): the budget, less FlashInfer's state copies and
+    the verify scratch for the sequences it sizes, is pages, and a slot takes a run of them only while its sequence
+    runs, so no share of memory caps max_num_seqs (runner/cache.py one_pool_max_num_seqs). While speculating with a
+    fixed k every running sequence has its verify chunk (as size_caches gives it); under the k policy the chunks are
+    sized apart (scratch_rows)."""
     engine_config, model_config, shapes = runner.engine_config, runner.model_config, runner.model.shapes
-    if engine_config.speculative_config is not None:
-        raise ValueError("one_pool does not size the verify scratch yet: drop one_pool or speculative_config")
+    speculative = engine_config.speculative_config
     has_mtp = runner.model.mtp is not None
     cap = engine_config.max_num_seqs or upper
     layout = plan_one_pool(model_config, runner.dtype, runner.block_size, total, max_model_len, shapes, has_mtp)
@@ -329,20 +329,30 @@ def size_one_pool(
         pending = engine_config.num_checkpoint_slots or checkpoint_slots(total, layout.bytes_per_slot, upper)
     max_num_seqs = one_pool_max_num_seqs(layout, max_model_len, cap, pending)
     budget = total - flashinfer_copy_bytes(runner) * min(max_num_seqs, max_num_batched_tokens)
+    spec_rows = row_bytes = 0
+    if speculative is not None:
+        row_bytes = verify_row_bytes(model_config, runner.dtype, speculative.num_speculative_tokens, shapes)
+        has_policy = speculative.k_policy is not None
+        if not has_policy:  # each running sequence's chunk: as many as fit beside one max_model_len sequence's pages
+            one_kv_bytes = -(-max_model_len // layout.block_size) * layout.bytes_per_block
+            max_num_seqs = max(1, min(max_num_seqs, (budget - one_kv_bytes) // (layout.bytes_per_slot + row_bytes)))
+        spec_rows = scratch_rows(total, row_bytes, max_num_seqs) if has_policy else max_num_seqs
+        budget -= spec_rows * row_bytes
     if given_budget(engine_config, runner.device) is None:
         # as size_caches: the graphs' buffers kept for the default count, beyond what this count's need, become pages
-        reserved, needed = graph_bytes(runner, upper)[1], graph_bytes(runner, max_num_seqs)[1]
+        reserved, needed = graph_bytes(runner, upper)[1], graph_bytes(runner, max_num_seqs, spec_rows or None)[1]
         total, budget = total + max(0, reserved - needed), budget + max(0, reserved - needed)
     layout = plan_one_pool(model_config, runner.dtype, runner.block_size, budget, max_model_len, shapes, has_mtp)
     max_num_seqs = min(max_num_seqs, one_pool_max_num_seqs(layout, max_model_len, cap, pending))
     layout = dataclasses.replace(layout, num_checkpoint_slots=min(pending, layout.num_slots - max_num_seqs))
     logger.info(
         "cache budget %d bytes (%.2f GiB, %s) as one pool: %d pages of %d bytes (%d tokens of KV when no sequence "
-        "runs), a state slot a run of %d pages (%d runs); max_num_seqs %d", total, total / GIB,
-        budget_names(engine_config, runner.device)[0], layout.num_blocks, layout.bytes_per_block,
-        layout.num_blocks * layout.block_size, layout.pages_per_slot, layout.num_slots, max_num_seqs,
+        "runs), a state slot a run of %d pages (%d runs), a verify scratch of %d rows (%d bytes); max_num_seqs %d",
+        total, total / GIB, budget_names(engine_config, runner.device)[0], layout.num_blocks, layout.bytes_per_block,
+        layout.num_blocks * layout.block_size, layout.pages_per_slot, layout.num_slots, spec_rows,
+        spec_rows * row_bytes, max_num_seqs,
     )  # fmt: skip
-    return max_num_seqs, 0, layout
+    return max_num_seqs, spec_rows, layout
 
 
 def first_gdn_layer(model: Qwen35Model) -> GatedDeltaNet:

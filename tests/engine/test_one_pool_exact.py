@@ -1,7 +1,8 @@
 """One pool is exact (docs/ARCHITECTURE.md, "One pool"): greedy tokens with the KV blocks and the GDN state slots in
 one pool of pages equal those with the pool split, fp32 on the CPU, on the trained tiny dense / moe / next, with a
-pool small enough that sequences wait for pages and are preempted, prefix caching off and on, async scheduling on;
-the views the runner binds are strided over one buffer, and every page is free again once the cache lets go."""
+pool small enough that sequences wait for pages and are preempted, prefix caching off and on, async scheduling on,
+and with MTP speculative decoding; the views the runner binds are strided over one buffer, every page is free again
+once the cache lets go, and the sizing gives the pages their count and max_num_seqs its cap."""
 
 from __future__ import annotations
 
@@ -118,7 +119,22 @@ def test_the_27b_on_an_h100_runs_60_sequences_where_the_split_ran_42() -> None:
     assert one_pool_max_num_seqs(layout, 4096, 1024, 8) == 80
 
 
-def test_one_pool_refuses_speculative_decoding_by_name() -> None:
-    with pytest.raises(ValueError, match="one_pool does not size the verify scratch"):
-        LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_model_len=400, one_pool=True,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_mtp_in_one_pool_gives_the_split_pools_tokens(variant: str) -> None:
+    """Speculative decoding (MTP, k = 2) in one pool: the verify scratch beside the pages, the MTP layer's K/V in
+    every page and its hidden row per run; greedy tokens equal the split pool's with MTP, with the pool small enough
+    that sequences wait and are preempted."""
+    model_dir = trained_model_dir(variant)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    outputs = []
+    for one_pool in (False, True):
+        config = ModelConfig.from_pretrained(model_dir)
+        budget = NUM_PAGES * bytes_per_block(config, 16, torch.float32, has_mtp=True) * 2
+        llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=400, max_num_seqs=4,
+                  max_num_batched_tokens=128, cpu_kv_cache_bytes=budget, one_pool=one_pool,
+                  speculative_config=spec)  # fmt: skip
+        outputs.append(run(llm)[0])
+        if one_pool:
+            layout = llm.engine.runner.layout
+            assert layout.pages_per_slot and llm.engine.runner.model.mtp.slot_hidden.shape[0] == layout.num_slots
+    assert outputs[0] == outputs[1]
