@@ -5,7 +5,8 @@ copy of the same values: outputs and states bit-equal, the padding between slots
 TRITON_INTERPRET=1 on the CPU, and on the GPU). The slot stride is a multiple of 16 elements, as a page run's is:
 on the GPU a stride that is not (2,072) made the GDN decode and verify kernels round otherwise (Triton specializes an
 integer argument divisible by 16, so such a stride compiles other loads, and those kernels' sums then run in
-another order), while a multiple of 16 compiles the contiguous pool's kernel (docs/ARCHITECTURE.md, "One pool")."""
+another order), while a multiple of 16 compiles the contiguous pool's kernel (docs/ARCHITECTURE.md, "One pool").
+And a fresh slot (has_initial_state False) holding NaN, as a run that served blocks may, is never read."""
 
 from __future__ import annotations
 
@@ -107,3 +108,31 @@ def test_the_verify_kernels_read_a_strided_pool() -> None:
 def test_the_pool_helper_makes_a_strided_view() -> None:
     pool, view = strided_pool(torch.ones(3, 2, 4))
     assert view.stride(0) == 32 and pool[:, 8:].isnan().all() and (view == 1).all()
+
+
+def test_a_fresh_slot_holding_nan_is_never_read() -> None:
+    """In one pool a slot's run may hold a block's K/V bytes from before (NaN where read as fp32): a sequence with
+    has_initial_state False reads nothing of its slot, so the GDN and conv prefills give the outputs of a zeroed slot,
+    finite, and write the same final states."""
+    hk, hv, dk, dv, num_slots = 1, 2, 32, 32, 3
+    lengths = [70, 5]
+    q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, torch.float32)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    fresh = torch.tensor([False, False], device=DEVICE)
+    outputs = []
+    for fill in (0.0, float("nan")):
+        states = torch.full((num_slots, hv, dk, dv), fill, device=DEVICE)
+        out = gdn_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, varlen_starts(lengths), slots, fresh)
+        outputs.append((out, states[slots.long()]))
+    assert outputs[0][0].isfinite().all() and torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])
+    channels, kernel_size = 48, 4
+    weight = randn(channels, kernel_size, scale=0.5)
+    x = randn(sum(lengths), channels)
+    conv_outputs = []
+    for fill in (0.0, float("nan")):
+        states = torch.full((num_slots, kernel_size - 1, channels), fill, device=DEVICE)
+        out = causal_conv1d_prefill_triton(x, weight, states, varlen_starts(lengths), slots, fresh)
+        conv_outputs.append((out, states[slots.long()]))
+    assert conv_outputs[0][0].isfinite().all() and torch.equal(conv_outputs[0][0], conv_outputs[1][0])
+    assert torch.equal(conv_outputs[0][1], conv_outputs[1][1])
