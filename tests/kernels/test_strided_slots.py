@@ -3,9 +3,9 @@ writes slots takes the slot stride from its tensor (docs/ARCHITECTURE.md#admissi
 of a shared pool are strided views). Each kernel runs on a strided view of a NaN-padded pool and on a contiguous
 copy of the same values: outputs and states bit-equal, the padding between slots untouched (fp32 under
 TRITON_INTERPRET=1 on the CPU, and on the GPU). The slot stride is a multiple of 16 elements, as a page run's is:
-on the GPU a stride that is not (2,072) made the GDN decode and verify kernels round otherwise (Triton specializes an
-integer argument divisible by 16, so such a stride compiles other loads, and those kernels' sums then run in
-another order), while a multiple of 16 compiles the contiguous pool's kernel (docs/ARCHITECTURE.md, "One pool").
+on an H100 a stride that is not (2,072) made the GDN decode and verify kernels round otherwise. Our reading, not yet
+checked on the GPU: Triton specializes an integer argument divisible by 16, so such a stride compiles other loads
+and those kernels' sums run in another order, while a multiple of 16 compiles the contiguous pool's kernel.
 And a fresh slot (has_initial_state False) holding NaN, as a run that served blocks may, is never read."""
 
 from __future__ import annotations
