@@ -138,3 +138,35 @@ def test_mtp_in_one_pool_gives_the_split_pools_tokens(variant: str) -> None:
             layout = llm.engine.runner.layout
             assert layout.pages_per_slot and llm.engine.runner.model.mtp.slot_hidden.shape[0] == layout.num_slots
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN", "FLASHINFER"])
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_gpu_one_pool_tokens_equal_the_split_pool_in_bf16(variant: str, backend: str) -> None:
+    """On the GPU in bf16, each attention backend's prefill (ours, FA3, FlashInfer: skipped with the reason where it
+    cannot run) on one pool's blocks-first views, in a pool small enough that pages which held slots' states (bf16
+    NaN patterns among them) serve later sequences' blocks: greedy tokens equal the split pool's with the same
+    backend. FlashInfer's GDN prefill serves where it is installed (the default)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from deltaserve.kernels import attention_fa3, attention_flashinfer
+
+    model_dir = trained_model_dir(variant)
+    config = ModelConfig.from_pretrained(model_dir)
+    device = torch.device("cuda")
+    reason = {
+        "TRITON_ATTN": None,
+        "FLASH_ATTN": attention_fa3.unusable_reason(device, torch.bfloat16, config.head_dim, 16),
+        "FLASHINFER": attention_flashinfer.unusable_reason(device, torch.bfloat16, config.head_dim),
+    }[backend]
+    if reason is not None:
+        pytest.skip(reason)
+    budget = 2 * NUM_PAGES * bytes_per_block(config, 16, torch.bfloat16)  # bf16 blocks: the states take more of it
+    outputs = []
+    for one_pool in (False, True):
+        llm = LLM(model_dir, dtype="bfloat16", max_model_len=400, max_num_seqs=4, max_num_batched_tokens=128,
+                  kv_cache_memory_bytes=budget, one_pool=one_pool, attention_backend=backend)  # fmt: skip
+        outputs.append(run(llm)[0])
+        del llm
+    assert outputs[0] == outputs[1]
