@@ -320,6 +320,9 @@ def size_one_pool(
     fixed k every running sequence has its verify chunk (as size_caches gives it); under the k policy the chunks are
     sized apart (scratch_rows)."""
     engine_config, model_config, shapes = runner.engine_config, runner.model_config, runner.model.shapes
+    for name in ("num_gpu_blocks_override", "num_state_slots"):  # counts of the split pool's two parts
+        if getattr(engine_config, name) is not None:
+            raise ValueError(f"{name} sets a count of the split pool; one_pool has pages and runs: drop one of them")
     speculative = engine_config.speculative_config
     has_mtp = runner.model.mtp is not None
     cap = engine_config.max_num_seqs or upper

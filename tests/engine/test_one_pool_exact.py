@@ -170,3 +170,9 @@ def test_gpu_one_pool_tokens_equal_the_split_pool_in_bf16(variant: str, backend:
         outputs.append(run(llm)[0])
         del llm
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("name", ["num_gpu_blocks_override", "num_state_slots"])
+def test_the_split_pools_counts_are_refused_by_name(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} sets a count of the split pool"):
+        LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_model_len=400, one_pool=True, **{name: 40})
