@@ -33,15 +33,14 @@ from deltaserve.runner.cache import (
     bytes_per_slot,
     check_one_sequence_fits,
     checkpoint_slots,
-    one_pool_max_num_seqs,
     plan_cache,
-    plan_one_pool,
     verify_row_bytes,
     whole_sequences,
 )
 from deltaserve.runner.cuda_graph import buckets, static_bytes
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
+from deltaserve.runner.one_pool import one_pool_max_num_seqs, plan_one_pool
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows, speculating_seqs
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
@@ -316,7 +315,7 @@ def size_one_pool(
 ) -> tuple[int, int, CacheLayout]:
     """size_caches for one pool (docs/ARCHITECTURE.md, "One pool"): the budget, less FlashInfer's state copies and
     the verify scratch for the sequences it sizes, is pages, and a slot takes a run of them only while its sequence
-    runs, so no share of memory caps max_num_seqs (runner/cache.py one_pool_max_num_seqs). While speculating with a
+    runs, so no share of memory caps max_num_seqs (runner/one_pool.py one_pool_max_num_seqs). While speculating with a
     fixed k every running sequence has its verify chunk (as size_caches gives it); under the k policy the chunks are
     sized apart (scratch_rows)."""
     engine_config, model_config, shapes = runner.engine_config, runner.model_config, runner.model.shapes

@@ -111,7 +111,8 @@ def test_sizing_gives_every_page_to_the_pool_and_caps_max_num_seqs_by_runs() -> 
 def test_the_27b_on_an_h100_runs_60_sequences_where_the_split_ran_42() -> None:
     """The arithmetic of the H100's 27B cache budget (12.75 GiB: 13,058 pages of 1 MiB, a slot's 146.8 MiB in runs of
     147, 88 runs) at max_model_len 66,560 (4,160 blocks), 8 checkpoints pending: 60 sequences."""
-    from deltaserve.runner.cache import CacheLayout, one_pool_max_num_seqs
+    from deltaserve.runner.cache import CacheLayout
+    from deltaserve.runner.one_pool import one_pool_max_num_seqs
 
     layout = CacheLayout(13058, 16, 88, 2**20, 147 * 2**20, pages_per_slot=147)
     assert one_pool_max_num_seqs(layout, 66560, 1024, 8) == 60
