@@ -132,6 +132,20 @@ def gdn_prefill_prep_triton(
 
 
 @triton.jit
+def _state_tiles(states_ptr, fi_ptr, slot, i_n, stride_s, stride_h, stride_k, HV, DK, DV, BK, BV):
+    """This program's tile of sequence i_n's head: pointers [BK, BV] into its slot's [dk, dv] rows and into the same
+    elements of FlashInfer's [N, HV, dv, dk] copy (transposed), and the in-range mask. A slot < 0 addresses slot 0;
+    the callers mask it."""
+    i_h = tl.program_id(1)
+    o_k = tl.program_id(2) * BK + tl.arange(0, BK)  # [BK] dk rows
+    o_v = tl.arange(0, BV)  # [BV] dv columns
+    m = (o_k < DK)[:, None] & (o_v < DV)[None, :]
+    p_slot = states_ptr + i64(tl.maximum(slot, 0)) * stride_s + i_h * stride_h + o_k[:, None] * stride_k + o_v[None, :]
+    p_fi = fi_ptr + (i64(i_n) * HV + i_h) * (DV * DK) + o_v[None, :] * DK + o_k[:, None]
+    return p_slot, p_fi, m
+
+
+@triton.jit
 def _gather_states_kernel(
     states_ptr,
     slots_ptr,
@@ -147,25 +161,20 @@ def _gather_states_kernel(
     BV: tl.constexpr,
 ):
     i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    o_k = tl.program_id(2) * BK + tl.arange(0, BK)  # [BK] dk rows
-    o_v = tl.arange(0, BV)  # [BV] dv columns
     slot = tl.load(slots_ptr + i_n)
     reads = (slot >= 0) & (tl.load(has_init_ptr + i_n) != 0)
-    m = (o_k < DK)[:, None] & (o_v < DV)[None, :]
-    src = states_ptr + i64(tl.maximum(slot, 0)) * stride_s + i_h * stride_h + o_k[:, None] * stride_k + o_v[None, :]
+    p_slot, p_fi, m = _state_tiles(states_ptr, initial_ptr, slot, i_n, stride_s, stride_h, stride_k, HV, DK, DV, BK, BV)
     # a row that reads nothing stores zeros and loads nothing: a free slot may hold NaN
-    b_s = tl.load(src, mask=m & reads, other=0.0)  # [BK, BV]
-    dst = initial_ptr + (i64(i_n) * HV + i_h) * (DV * DK) + o_v[None, :] * DK + o_k[:, None]
-    tl.store(dst, b_s, mask=m)
+    b_s = tl.load(p_slot, mask=m & reads, other=0.0)  # [BK, BV]
+    tl.store(p_fi, b_s, mask=m)
 
 
 @triton.jit
 def _scatter_states_kernel(
-    final_ptr,
+    states_ptr,
     slots_ptr,
     starts_ptr,
-    states_ptr,
+    final_ptr,
     stride_s,
     stride_h,
     stride_k,
@@ -176,20 +185,30 @@ def _scatter_states_kernel(
     BV: tl.constexpr,
 ):
     i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    o_k = tl.program_id(2) * BK + tl.arange(0, BK)  # [BK] dk rows
-    o_v = tl.arange(0, BV)  # [BV] dv columns
     slot = tl.load(slots_ptr + i_n)
     writes = (slot >= 0) & (tl.load(starts_ptr + i_n + 1) > tl.load(starts_ptr + i_n))
-    m = (o_k < DK)[:, None] & (o_v < DV)[None, :] & writes
-    src = final_ptr + (i64(i_n) * HV + i_h) * (DV * DK) + o_v[None, :] * DK + o_k[:, None]
-    b_s = tl.load(src, mask=m, other=0.0)  # [BK, BV]
-    dst = states_ptr + i64(tl.maximum(slot, 0)) * stride_s + i_h * stride_h + o_k[:, None] * stride_k + o_v[None, :]
-    tl.store(dst, b_s, mask=m)
+    p_slot, p_fi, m = _state_tiles(states_ptr, final_ptr, slot, i_n, stride_s, stride_h, stride_k, HV, DK, DV, BK, BV)
+    b_s = tl.load(p_fi, mask=m & writes, other=0.0)  # [BK, BV]
+    tl.store(p_slot, b_s, mask=m & writes)
 
 
-def _state_grid(num_seqs: int, ssm_states: torch.Tensor) -> tuple[int, int, int]:
-    return num_seqs, ssm_states.shape[1], triton.cdiv(ssm_states.shape[2], STATE_BLOCK_K)
+def _launch_state_copy(
+    kernel: triton.JITFunction,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    per_seq: torch.Tensor,
+    flashinfer_states: torch.Tensor,
+) -> None:
+    """One launch of a state copy between the slots and FlashInfer's [N, HV, dv, dk] tensor; grid (N, HV, ⌈dk / 32⌉).
+    per_seq: what decides a sequence's copy (has_initial_state, or query_start_loc for the lengths)."""
+    num_seqs, num_v_heads, head_k_dim, head_v_dim = (state_indices.shape[0], *ssm_states.shape[1:])
+    if num_seqs == 0:
+        return
+    kernel[(num_seqs, num_v_heads, triton.cdiv(head_k_dim, STATE_BLOCK_K))](
+        ssm_states, state_indices, per_seq, flashinfer_states, ssm_states.stride(0), ssm_states.stride(1),
+        ssm_states.stride(2), HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=STATE_BLOCK_K,
+        BV=next_pow2(head_v_dim), num_warps=STATE_WARPS,
+    )  # fmt: skip
 
 
 def gather_states_triton(
@@ -199,17 +218,10 @@ def gather_states_triton(
     has_initial_state [N] -> [N, HV, dv, dk] fp32 contiguous: slot state_indices[n] transposed, zeros where
     has_initial_state[n] is False or the slot is < 0."""
     require_last_dim_contiguous("ssm_states", ssm_states)
-    num_slots, num_v_heads, head_k_dim, head_v_dim = ssm_states.shape
-    num_seqs = state_indices.shape[0]
-    initial = torch.empty(num_seqs, num_v_heads, head_v_dim, head_k_dim, dtype=ssm_states.dtype,
+    num_v_heads, head_k_dim, head_v_dim = ssm_states.shape[1:]
+    initial = torch.empty(state_indices.shape[0], num_v_heads, head_v_dim, head_k_dim, dtype=ssm_states.dtype,
                           device=ssm_states.device)  # fmt: skip
-    if num_seqs == 0:
-        return initial
-    _gather_states_kernel[_state_grid(num_seqs, ssm_states)](
-        ssm_states, state_indices, has_initial_state, initial, ssm_states.stride(0), ssm_states.stride(1),
-        ssm_states.stride(2), HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=STATE_BLOCK_K,
-        BV=next_pow2(head_v_dim), num_warps=STATE_WARPS,
-    )  # fmt: skip
+    _launch_state_copy(_gather_states_kernel, ssm_states, state_indices, has_initial_state, initial)
     return initial
 
 
@@ -221,12 +233,4 @@ def scatter_states_triton(
     require_last_dim_contiguous("ssm_states", ssm_states)
     if not final.is_contiguous():
         raise ValueError("final: FlashInfer's final states are contiguous [N, HV, dv, dk]")
-    num_slots, num_v_heads, head_k_dim, head_v_dim = ssm_states.shape
-    num_seqs = state_indices.shape[0]
-    if num_seqs == 0:
-        return
-    _scatter_states_kernel[_state_grid(num_seqs, ssm_states)](
-        final, state_indices, query_start_loc, ssm_states, ssm_states.stride(0), ssm_states.stride(1),
-        ssm_states.stride(2), HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=STATE_BLOCK_K,
-        BV=next_pow2(head_v_dim), num_warps=STATE_WARPS,
-    )  # fmt: skip
+    _launch_state_copy(_scatter_states_kernel, ssm_states, state_indices, query_start_loc, final)
