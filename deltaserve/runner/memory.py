@@ -221,7 +221,7 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
     )  # fmt: skip
     speculative = engine_config.speculative_config
     if engine_config.one_pool:
-        return size_one_pool(runner, total, upper, max_model_len, max_num_batched_tokens)
+        return size_one_pool(runner, total, upper, one_kv, max_model_len, max_num_batched_tokens)
     k = 0 if speculative is None else speculative.num_speculative_tokens
     # while speculating with a fixed k, a running sequence also holds its verify chunk's scratch, 1 + k conv windows
     # and token rows (runner/spec_decode.py); under the k policy the count is sized as without speculation, the
@@ -311,13 +311,13 @@ def size_caches(runner: ModelRunner, max_num_batched_tokens: int, max_model_len:
 
 
 def size_one_pool(
-    runner: ModelRunner, total: int, upper: int, max_model_len: int, max_num_batched_tokens: int
+    runner: ModelRunner, total: int, upper: int, one_kv: int, max_model_len: int, max_num_batched_tokens: int
 ) -> tuple[int, int, CacheLayout]:
     """size_caches for one pool (docs/ARCHITECTURE.md, "One pool"): the budget, less FlashInfer's state copies and
     the verify scratch for the sequences it sizes, is pages, and a slot takes a run of them only while its sequence
     runs, so no share of memory caps max_num_seqs (runner/one_pool.py one_pool_max_num_seqs). While speculating with a
     fixed k every running sequence has its verify chunk (as size_caches gives it); under the k policy the chunks are
-    sized apart (scratch_rows)."""
+    sized apart (scratch_rows). one_kv: the bytes of one max_model_len sequence's blocks (check_one_sequence_fits)."""
     engine_config, model_config, shapes = runner.engine_config, runner.model_config, runner.model.shapes
     for name in ("num_gpu_blocks_override", "num_state_slots"):  # counts of the split pool's two parts
         if getattr(engine_config, name) is not None:
@@ -335,9 +335,8 @@ def size_one_pool(
     if speculative is not None:
         row_bytes = verify_row_bytes(model_config, runner.dtype, speculative.num_speculative_tokens, shapes)
         has_policy = speculative.k_policy is not None
-        if not has_policy:  # each running sequence's chunk: as many as fit beside one max_model_len sequence's pages
-            one_kv_bytes = -(-max_model_len // layout.block_size) * layout.bytes_per_block
-            max_num_seqs = max(1, min(max_num_seqs, (budget - one_kv_bytes) // (layout.bytes_per_slot + row_bytes)))
+        if not has_policy:  # each running sequence's chunk: as many as fit beside one max_model_len sequence's blocks
+            max_num_seqs = max(1, min(max_num_seqs, (budget - one_kv) // (layout.bytes_per_slot + row_bytes)))
         spec_rows = scratch_rows(total, row_bytes, max_num_seqs) if has_policy else max_num_seqs
         budget -= spec_rows * row_bytes
     if given_budget(engine_config, runner.device) is None:

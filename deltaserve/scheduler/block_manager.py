@@ -52,7 +52,7 @@ class PageTable:
                 self._num_free_runs -= 1
             self._run_free[run] -= 1
 
-    def _given(self, page: int) -> None:
+    def give(self, page: int) -> None:
         if self._is_free[page]:
             raise RuntimeError(f"page {page} given back while free")
         self._is_free[page] = True
@@ -82,9 +82,6 @@ class PageTable:
                 pages.append(page)
         return pages
 
-    def give(self, page: int) -> None:
-        self._given(page)
-
     def take_run(self) -> int | None:
         """The highest run whose pages are all free, taken whole (None: no run is free)."""
         while self._runs:
@@ -104,7 +101,7 @@ class PageTable:
         if not 0 <= run < self.num_runs or any(self._is_free[page] for page in pages):
             raise RuntimeError(f"run {run} given back while not held whole")
         for page in pages:
-            self._given(page)
+            self.give(page)
 
 
 class _DequeFree:
