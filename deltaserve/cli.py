@@ -22,6 +22,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "serve"): ("deltaserve.bench.serve_cli", "online load generator with vLLM's metric definitions"),
     ("bench", "grid"): ("deltaserve.bench.grid_cli", "arms x concurrencies x lengths, with a committed record"),
     ("bench", "report"): ("deltaserve.bench.report", "regenerate docs/BENCHMARKS.md and the records index"),
+    ("bench", "late-compiles"): (
+        "deltaserve.bench.late_compiles",
+        "read a grid record's server logs again for the kernels compiled while measured",
+    ),
     ("bench", "oracle-cmd"): (
         "deltaserve.bench.registry",
         "print a peer's production launch command from the registry",

@@ -9,9 +9,12 @@ for every arm, and stops it (the whole process group, then waits for the port an
 Schedule: with `is_restart_cheap = true` the arms alternate A B A B at every point, so slow drift of the
 machine hits both alike. Otherwise each arm runs all points in one launch, and at the end the first arm is
 launched again at `drift_concurrency`; the record keeps both measurements as the drift of that session. With
-`warmup_point = true` each launch first runs its first point once and records only what that cost
-(`launches[].warmup_run`): vLLM compiles kernels for batch shapes its start-up missed during its first runs (a c8
-point once read at half its rate, p99 TTFT 8.2 s), which a measured point must not pay.
+`warmup_point = true` each launch first runs its first point once and then one wave (as many prompts as the
+concurrency) at its largest concurrency, and records only what they cost (`launches[].warmup_run`, `warmup_wave`):
+vLLM compiles kernels for batch shapes its start-up missed during its first runs (a c8 point once read at half its
+rate, p99 TTFT 8.2 s), and FlashInfer's GDN prefill for several sequences at the first step that holds two
+(`_FullyFusedDeltaRuleSm90`, ~8-10 s: a c1 warm-up never meets it), which a measured point must not pay. Each run
+records the compiles its server logged while it ran (`runs[].compiles`, server_logs.py), and its ratios say so.
 
 The record (JSON, rewritten after every run so a killed grid still leaves one) holds, per arm and model, the
 exact command line, environment overrides, engine version, startup time; host, GPU, driver, date and git
@@ -101,6 +104,16 @@ def client_argv(
     ]  # fmt: skip
 
 
+def _warmup_wave(points: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    """The warm-up wave of a launch that runs `points`: the first point's lengths at the largest concurrency, when
+    that is larger than the first point's (a launch of one concurrency needs none)."""
+    if not points:
+        return None
+    isl, osl, first = points[0]
+    largest = max(concurrency for _, _, concurrency in points)
+    return (isl, osl, largest) if largest > first else None
+
+
 def _arm_entry(arm: Arm) -> dict[str, Any]:
     """What a record states about an arm besides its launches (the registry's deviations join at launch)."""
     entry = {
@@ -125,7 +138,7 @@ def _note_deviations(entry: dict[str, Any], launch: Launch) -> None:
 
 
 def _note_server_log(entry: dict[str, Any], log_path: Path, measured_from: int | None) -> None:
-    """What the launch's log says (server_logs.py): a deltaserve server's `prefill_kernels`, and the Triton compiles
+    """What the launch's log says (server_logs.py): a deltaserve server's `prefill_kernels`, and the kernels compiled
     while serving, `late_compiles` during the measured runs and `warmup_compiles` during the warm-up point; nothing
     when the server never became healthy."""
     if measured_from is None:
@@ -138,8 +151,7 @@ def _note_server_log(entry: dict[str, Any], log_path: Path, measured_from: int |
     if measured_from:
         entry["warmup_compiles"] = jit_compiles(log_path, 0, measured_from)
     if late:
-        print(f"[grid] {entry['arm']} on {entry['model']}: Triton compiled while measured: {', '.join(late)}",
-              flush=True)  # fmt: skip
+        print(f"[grid] {entry['arm']} on {entry['model']}: compiled while measured: {', '.join(late)}", flush=True)
 
 
 class Grid:
@@ -275,7 +287,9 @@ class Grid:
         # a launch that can finish its first point goes ahead; the points after it that would not finish are left
         # for a resumed call (the record names them), so a short call still measures what fits
         is_warming = self.config.warmup_point and not is_drift_check  # its first point once, unrecorded
-        expected_s = self.expected_startup_s(arm, model) + arm.expected_run_s * (2 if is_warming else 1)
+        # then one wave at its largest concurrency (not for conversations: their length is clients x turns)
+        wave = _warmup_wave(points) if is_warming and not self.config.dataset.is_multi_turn else None
+        expected_s = self.expected_startup_s(arm, model) + arm.expected_run_s * (1 + is_warming + (wave is not None))
         if self._is_past_deadline(expected_s):
             self.record["skipped"].append({"arm": arm.name, "model": model.name, "reason": "deadline"})
             print(f"[grid] {arm.name} on {model.name}: skipped, it would not finish before the deadline", flush=True)
@@ -328,6 +342,8 @@ class Grid:
             measured_from = 0
             if is_warming and points:
                 entry["warmup_run"] = self._warmup_run(launch, arm, model, points[0])
+                if wave is not None:
+                    entry["warmup_wave"] = self._warmup_run(launch, arm, model, wave, num_prompts=wave[2])
                 measured_from = log_size(log_path)
                 self.save()
             for position, (isl, osl, concurrency) in enumerate(points):
@@ -353,8 +369,14 @@ class Grid:
                     "metrics": None,
                     "error": None,
                 }
+                marks = {"measuring": log_size(log_path)}  # moved to the end of the client's warm-up requests
+
+                def mark_measuring(marks: dict[str, int] = marks) -> None:
+                    marks["measuring"] = log_size(log_path)
+
                 try:
-                    result = run_bench(parse_bench_args(argv), timeout_s=self.config.run_timeout_s)
+                    result = run_bench(parse_bench_args(argv), timeout_s=self.config.run_timeout_s,
+                                       on_measuring=mark_measuring)  # fmt: skip
                     (self.raw_dir / f"{raw_name}.json").write_text(json.dumps(result, indent=2) + "\n")
                     run["metrics"] = {k: v for k, v in result.items() if k not in DROPPED_RESULT_FIELDS}
                     print(
@@ -368,6 +390,10 @@ class Grid:
                 except Exception as exc:  # one failed point must not lose the rest of the grid
                     run["error"] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                     print(f"[grid] {raw_name}: FAILED {run['error']}", flush=True)
+                # what the server compiled while this run's measured requests ran: a step stalled (not steady state)
+                run["compiles"] = jit_compiles(log_path, marks["measuring"])
+                if run["compiles"]:
+                    print(f"[grid] {raw_name}: compiled while measured: {', '.join(run['compiles'])}", flush=True)
                 runs.append(run)
                 self.record["runs"].append(run)
                 self.save()
@@ -389,17 +415,23 @@ class Grid:
             return self._run_points(with_max_num_seqs(arm, asked), model, points, is_drift_check, is_relaunch=True)
         return runs
 
-    def _warmup_run(self, launch: Launch, arm: Arm, model: Model, point: tuple[int, int, int]) -> dict[str, Any]:
-        """The launch's first point once, before any measured run, its result kept out of `runs` (config
-        warmup_point): what it cost and whether it failed, so a reader can see what the measured points no longer
-        pay."""
+    def _warmup_run(
+        self, launch: Launch, arm: Arm, model: Model, point: tuple[int, int, int], num_prompts: int | None = None
+    ) -> dict[str, Any]:
+        """A point run once before any measured run (the launch's first point, then the warm-up wave's
+        `num_prompts`), its result kept out of `runs` (config warmup_point): what it cost and whether it failed, so a
+        reader can see what the measured points no longer pay."""
         from deltaserve.bench.serve_cli import parse_bench_args, run_bench
 
         isl, osl, concurrency = point
         raw_name = f"{arm.name}-{model.name}-{isl}x{osl}-c{concurrency}-warmup"
         argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name, is_warmup=True)
+        if num_prompts is not None:
+            argv[argv.index("--num-prompts") + 1] = str(num_prompts)
         started = time.monotonic()
         summary: dict[str, Any] = {"point": f"{isl}x{osl}-c{concurrency}", "error": None}
+        if num_prompts is not None:
+            summary["num_prompts"] = num_prompts
         try:
             result = run_bench(parse_bench_args(argv), timeout_s=self.config.run_timeout_s)
             summary.update(output_throughput=result.get("output_throughput"), failed=result.get("failed"),

@@ -45,10 +45,13 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
     subjects = [name for name, role in roles.items() if role == "subject"]
     peers = [name for name, role in roles.items() if role == "peer"]
     measured: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
+    compiled: dict[tuple[str, str, int, int, int], list[str]] = {}  # what each run's server compiled while measured
     for run in record["runs"]:
         if run["metrics"] is None or run["is_drift_check"]:
             continue
-        measured[(run["arm"], run["model"], run["isl"], run["osl"], run["concurrency"])] = run["metrics"]
+        key = (run["arm"], run["model"], run["isl"], run["osl"], run["concurrency"])
+        measured[key] = run["metrics"]
+        compiled[key] = run.get("compiles") or []
     pairs = [(subject, peer) for subject in subjects for peer in peers]
     # An arm with a baseline is also compared with it (e.g. vLLM at a forced backend / vLLM at its own choice).
     pairs += [(name, arm["baseline"]) for name, arm in record["arms"].items() if arm.get("baseline")]
@@ -83,8 +86,26 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
             unequal = unequal_outputs(subject, metrics, peer, peer_metrics)
             if unequal:
                 entry["unequal_outputs"] = unequal
+            stalls = compiles_text({subject: compiled[(arm, model, isl, osl, concurrency)],
+                                    peer: compiled[(peer, model, isl, osl, concurrency)]})  # fmt: skip
+            if stalls:
+                entry["compiles_while_measured"] = stalls
             ratios.append(entry)
     return ratios
+
+
+def compiles_text(compiles: dict[str, list[str]], edge: dict[str, list[str]] | None = None) -> str | None:
+    """What the arms' servers compiled while a point's measured requests ran (runs[].compiles), and, in a record
+    read back by time, within a second of the run's start or end (runs[].edge_compiles), or None: a server that met
+    a kernel its warm-up missed stalled a step for the compile (seconds, for a CuTeDSL kernel), so that arm's
+    figures at the point are not steady state and the ratio leans against it."""
+    named = [f"{arm} compiled {', '.join(names)} while measured" for arm, names in compiles.items() if names]
+    named += [
+        f"{arm} compiled {', '.join(names)} within a second of the run's start or end (log stamps), maybe measured"
+        for arm, names in (edge or {}).items()
+        if names
+    ]
+    return "; ".join(named) + " (JIT monitor): not steady state where it stalled a measured step" if named else None
 
 
 def format_ratio(value: float | None) -> str:

@@ -160,13 +160,16 @@ def _pair(record: dict[str, Any], subject: str, peer: str, notes: Notes) -> str:
 
 
 def _ratio_cell(record: dict[str, Any], entry: dict[str, Any], metric: str, notes: Notes) -> str:
-    """A ratio with a `†` mark per peer deviation that can move this metric, and `‡` on output throughput when
-    the arms' outputs differ."""
+    """A ratio with a `†` mark per peer deviation that can move this metric, `‡` on output throughput when the
+    arms' outputs differ, and `§` where either arm's server compiled a kernel while the point was measured."""
     if entry.get("excluded"):
         return "– (failed requests)"
     text = " ".join([_ratio(entry.get(metric)), *_arm_marks(record, entry["peer"], notes, metric)])
     if metric == "output_throughput" and entry.get("unequal_outputs"):
         text += " " + notes.ref(f"{entry['model']} c{entry['concurrency']}: {entry['unequal_outputs']}", "‡")
+    if entry.get("compiles_while_measured"):  # a server stalled for a kernel compile during this point's run
+        point = f"{entry['model']} {entry['isl']}/{entry['osl']} c{entry['concurrency']}"
+        text += " " + notes.ref(f"{point}: {entry['compiles_while_measured']}", "§")
     return text
 
 
@@ -419,7 +422,7 @@ def render_record(
         if kernels:  # a deltaserve server's resolved prefill kernels (its defaults depend on the libraries installed)
             status += f"; prefill kernels: attention {kernels['attention']}, GDN {kernels['gdn']}"
         if entry.get("late_compiles"):  # the server's JIT monitor named kernels compiled during measured runs
-            status += f"; Triton compiled while measured: {', '.join(entry['late_compiles'])}"
+            status += f"; compiled while measured: {', '.join(entry['late_compiles'])}"
         lines.append(f"# {entry['arm']} on {entry['model']}{drift}{status}")
         lines.append(f"{env + ' ' if env else ''}{entry['command_line']}")
     lines += ["```", ""]

@@ -37,6 +37,7 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -255,7 +256,9 @@ def check_endpoint(args: argparse.Namespace) -> bool:
     return is_chat
 
 
-async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[str, Any]:
+async def _run_async(
+    args: argparse.Namespace, tokenizer: Any | None, on_measuring: Callable[[], None] | None = None
+) -> dict[str, Any]:
     is_chat = check_endpoint(args)
     base_url = _base_url(args)
     model_id = args.model
@@ -291,6 +294,8 @@ async def _run_async(args: argparse.Namespace, tokenizer: Any | None) -> dict[st
     counters: dict[str, str | None] = {}  # the server's /metrics after the warm-ups
 
     async def read_counters_before() -> None:
+        if on_measuring is not None:  # the caller's mark: the measured requests go out next
+            on_measuring()
         counters["before"] = await read_metrics_text(base_url)
 
     load.after_warmups = read_counters_before
@@ -427,12 +432,18 @@ def failed_errors(results: list[RequestResult]) -> dict[str, int]:
     return dict(Counter(line or "no error text" for line in lines).most_common())
 
 
-def run_bench(args: argparse.Namespace, tokenizer: Any | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+def run_bench(
+    args: argparse.Namespace,
+    tokenizer: Any | None = None,
+    timeout_s: float | None = None,
+    on_measuring: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Run one benchmark and save it if asked; returns the result dict (vLLM's fields + ours).
 
-    `timeout_s` (the grid's per-run budget) raises TimeoutError when the whole run takes longer.
+    `timeout_s` (the grid's per-run budget) raises TimeoutError when the whole run takes longer. `on_measuring` is
+    called once the warm-up requests are done, just before the measured ones (the grid marks the server log there).
     """
-    record = asyncio.run(asyncio.wait_for(_run_async(args, tokenizer), timeout_s))
+    record = asyncio.run(asyncio.wait_for(_run_async(args, tokenizer, on_measuring), timeout_s))
     if args.save_result or args.result_filename:
         result_dir = Path(args.result_dir or ".")
         result_dir.mkdir(parents=True, exist_ok=True)

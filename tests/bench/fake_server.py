@@ -94,9 +94,11 @@ def build_app(
         body: dict[str, Any] = await request.json()
         completion_bodies.append(body)
         name = (jit_lines or {}).get(len(completion_bodies))
-        if name:  # the line a JIT monitor logs when this request's step compiles a kernel
-            print(f"WARNING Triton kernel JIT compilation during inference: {name}. This causes a latency spike",
-                  flush=True)  # fmt: skip
+        if name:  # the line a JIT monitor logs when this request's step compiles a kernel (NAME@CuTeDSL: vLLM's
+            # line for its CuTeDSL backend)
+            kernel, _, backend = name.partition("@")
+            event = f"{backend} JIT compilation" if backend else "Triton kernel JIT compilation"
+            print(f"WARNING {event} during inference: {kernel}. This causes a latency spike", flush=True)
         num_prompt = len(tokenizer.encode(body["prompt"], add_special_tokens=False).ids)
         num_tokens = int(body.get("max_tokens", 16))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -215,7 +217,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--ttft-ms", type=float, default=5.0)
     parser.add_argument("--itl-ms", type=float, default=1.0)
-    parser.add_argument("--jit-lines", default="", help="N:NAME,...: log a JIT-compile line at the Nth completion")
+    parser.add_argument(
+        "--jit-lines", default="", help="N:NAME[@BACKEND],...: log a JIT-compile line at the Nth completion"
+    )
     parser.add_argument("--start-line", default=None, help="a line to log at start-up, as a server's start-up log")
     args = parser.parse_args()
     if args.start_line:

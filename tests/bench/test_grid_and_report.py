@@ -687,26 +687,37 @@ def test_lengths_picks_the_grids_own_pairs_and_the_peers_budget_follows() -> Non
 def test_a_launch_records_the_kernels_its_server_compiled_while_serving(
     tmp_path: Path, word_model: Path, patch_tokenizer: WordTokenizer, is_warming: bool
 ) -> None:
-    """The JIT monitor's lines in a server's log (both engines log vLLM's words) land in the launch's record: those
-    after the warm-up point as `late_compiles` (a measured run stalled), those during it as `warmup_compiles`. The
-    stand-in logs one at its 1st completion request (the warm-up point's) and one at its 6th (the first measured
-    point's); without a warm-up point both are late."""
+    """The JIT monitor's lines in a server's log (both engines log vLLM's words; vLLM's CuTeDSL line too) land in the
+    record: per launch, those after the warm-up as `late_compiles` and those during it as `warmup_compiles`; per
+    run, those logged while its measured requests ran as `runs[].compiles` (not its client warm-up request's), and
+    the ratio at that point carries the flag the report marks. The warm-up is the first point (c1: its client
+    warm-up and 3 prompts, requests 1-4) and one wave at c2 (its client warm-up and 2 prompts, 5-7); then c1 (8 is
+    its client warm-up, 9-11 measured) and c2 (12, then 13-16). Without the warm-up, c1 is 1 and 2-4, c2 5 and 6-9."""
     toml = fake_grid_toml(tmp_path / "fake.toml", word_model, free_port(), False)
-    text = toml.read_text().replace(
-        '"--itl-ms", "1"]', '"--itl-ms", "1", "--jit-lines", "1:_warm_kernel,6:_late_kernel"]'
-    )
+    lines = "1:_warm_kernel,8:_client_warmup_kernel,13:_late_kernel@CuTeDSL"
+    text = toml.read_text().replace('"--itl-ms", "1"]', f'"--itl-ms", "1", "--jit-lines", "{lines}"]')
     toml.write_text(
         text.replace("drift_concurrency = 2", f"drift_concurrency = 2\nwarmup_point = {str(is_warming).lower()}")
     )
     config = load_config(toml)
-    config.arms = config.arms[:1]
     record = Grid(config, tmp_path / "results", record_name="jit", is_drift_enabled=False).run()
-    (launch,) = record["launches"]
+    launch = record["launches"][0]
+    compiles = {r["concurrency"]: r["compiles"] for r in record["runs"] if r["arm"] == "fast"}
     if is_warming:
-        assert launch["warmup_compiles"] == ["_warm_kernel"] and launch["late_compiles"] == ["_late_kernel"]
+        assert launch["warmup_wave"]["point"] == "16x4-c2" and launch["warmup_wave"]["num_prompts"] == 2
+        assert launch["warmup_compiles"] == ["_warm_kernel"]
+        assert launch["late_compiles"] == ["_client_warmup_kernel", "_late_kernel (CuTeDSL)"]
+        assert compiles == {1: [], 2: ["_late_kernel (CuTeDSL)"]}
+        (flagged,) = [e for e in record["ratios"] if e.get("compiles_while_measured")]
+        assert flagged["concurrency"] == 2
+        assert flagged["compiles_while_measured"].startswith("fast compiled _late_kernel (CuTeDSL) while measured")
+        rendered = "\n".join(report.render_record("jit", record, None))
+        assert "compiled while measured: _client_warmup_kernel, _late_kernel (CuTeDSL)" in rendered
+        assert "§" in report.render([("jit", record)], {})
     else:
-        assert "warmup_compiles" not in launch and launch["late_compiles"] == ["_warm_kernel", "_late_kernel"]
-    assert "Triton compiled while measured: " in "\n".join(report.render_record("jit", record, None))
+        assert "warmup_compiles" not in launch and "warmup_wave" not in launch
+        assert launch["late_compiles"] == ["_warm_kernel", "_client_warmup_kernel"]
+        assert compiles == {1: [], 2: ["_client_warmup_kernel"]}
     assert "prefill_kernels" not in launch  # the stand-in logs no start-up line
 
 

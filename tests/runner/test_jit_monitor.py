@@ -136,3 +136,69 @@ def test_a_speculating_engine_compiles_nothing_while_serving(variant: str) -> No
         torch.cuda.empty_cache()
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     assert not jit_monitor._state["warned"]
+
+
+def test_cutedsl_compiles_are_reported_as_vllm_reports_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where CuTe-DSL is installed (FlashInfer's GDN prefill is written in it), cutlass.cute.compile is wrapped as
+    vLLM 0.26 wraps it: a compile while serving is logged in vLLM's words before it runs, its option form
+    (`compile[opts]`) still works, start-up compiles are not reported, and reset puts the original back."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls: list[tuple[str, object]] = []
+
+    class FakeCompile:
+        def __init__(self, options: object = None) -> None:
+            self.options = options
+
+        def __getitem__(self, options: object) -> FakeCompile:
+            return FakeCompile(options)
+
+        def __call__(self, kernel: object, *args: object) -> str:
+            calls.append((getattr(kernel, "__name__", type(kernel).__name__), self.options))
+            return "compiled"
+
+    cutlass = types.ModuleType("cutlass")
+    cutlass.__spec__ = importlib.machinery.ModuleSpec("cutlass", None)
+    cute = types.ModuleType("cutlass.cute")
+    original = FakeCompile()
+    cute.compile = original
+    cutlass.cute = cute
+    monkeypatch.setitem(sys.modules, "cutlass", cutlass)
+    monkeypatch.setitem(sys.modules, "cutlass.cute", cute)
+
+    class _FullyFusedDeltaRuleSm90:  # a CuTe-DSL kernel object, named by its class
+        pass
+
+    def prep_kernel() -> None:
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="deltaserve.runner.jit_monitor"):
+        jit_monitor.activate("warn")
+        assert cute.compile is not original
+        with jit_monitor.starting_up():
+            assert cute.compile(prep_kernel) == "compiled"  # the warm-up's: not reported
+        assert cute.compile(_FullyFusedDeltaRuleSm90()) == "compiled"
+        assert cute.compile["--opt"](prep_kernel) == "compiled"
+        cute.compile(_FullyFusedDeltaRuleSm90())  # once per kernel in "warn"
+    assert calls == [
+        ("prep_kernel", None),
+        ("_FullyFusedDeltaRuleSm90", None),
+        ("prep_kernel", "--opt"),
+        ("_FullyFusedDeltaRuleSm90", None),
+    ]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "CuTeDSL JIT compilation during inference: _FullyFusedDeltaRuleSm90. This causes a latency spike; consider "
+        "extending warmup to cover this shape/config.",
+        "CuTeDSL JIT compilation during inference: prep_kernel. This causes a latency spike; consider extending "
+        "warmup to cover this shape/config.",
+    ]
+    jit_monitor.reset()
+    assert cute.compile is original
+    jit_monitor.activate("error")
+    with pytest.raises(RuntimeError, match="CuTeDSL JIT compilation during inference: prep_kernel"):
+        cute.compile(prep_kernel)

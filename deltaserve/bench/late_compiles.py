@@ -1,0 +1,138 @@
+"""`deltaserve bench late-compiles RECORD.json ...`: read a committed grid record's server logs again for the kernels
+each server compiled while a run was measured, and write them into the record (`runs[].compiles`, the launches'
+`late_compiles`, the ratios' `compiles_while_measured`).
+
+A grid made since the runs' compiles were read live (bench/grid.py: the log's size at the start of a run's measured
+requests and at its end) needs none of this. Records made before it knew only Triton's JIT lines, per launch: a
+CuTeDSL compile (FlashInfer's GDN prefill for several sequences, `_FullyFusedDeltaRuleSm90`, which stalls a vLLM step
+~8-10 s) went unrecorded, and a Triton compile was not tied to the run it stalled. Here each JIT line of a launch's
+log (server_logs.py reads all three of vLLM's backends) is placed by its time stamp in the window of the run it fell
+in: the run's client result (its `raw/` JSON, in the record's `-raw.tgz` beside it) ends at its "date" and lasted
+its "duration". Both stamps have whole seconds, so a compile is inside a window (`runs[].compiles`), at its edge
+(`runs[].edge_compiles`: within a second of its start or end, which a stall then has to tell) or outside. The
+record says it was read this way (`compiles_placed_by`); its ratios keep their figures and gain the flag where
+either arm's run compiled (bench/grid_ratios.py's `compiles_text`, as a new grid writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tarfile
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from deltaserve.bench.grid_ratios import compiles_text
+from deltaserve.bench.server_logs import placed_compiles, run_window, timed_compiles
+
+PLACED_BY = (
+    "time: each JIT line of a launch's server log placed by its time stamp against each run's measured window (the "
+    "client result's end date less its duration), inside it (runs[].compiles) or within a second of its start or end "
+    "(runs[].edge_compiles), both stamps whole seconds (bench/late_compiles.py)"
+)
+
+
+def raw_name(run: dict[str, Any]) -> str:
+    """The client result's file stem of a run, as bench/grid.py names it."""
+    drift = "-drift" if run.get("is_drift_check") else ""
+    return f"{run['arm']}-{run['model']}-{run['isl']}x{run['osl']}-c{run['concurrency']}{drift}"
+
+
+def place(record: dict[str, Any], base: Path) -> list[str]:
+    """Write each run's placed compiles into `record` (`base`: the folder the record's `raw/...` paths start from);
+    returns a line per run that compiled while measured. A run whose log or client result is missing is left as it
+    was."""
+    year = _record_year(record)
+    logs: dict[int, list[tuple[datetime, str]]] = {}
+    found = []
+    for index, launch in enumerate(record.get("launches", [])):
+        log = launch.get("log")
+        logs[index] = timed_compiles(base / log, year) if log else []
+    for run in record.get("runs", []):
+        result_path = base / "raw" / f"{raw_name(run)}.json"
+        index = run.get("launch_index")
+        if index not in logs or not result_path.is_file():
+            continue
+        window = run_window(json.loads(result_path.read_text()))
+        if window is None:
+            continue
+        run["compiles"], edge = placed_compiles(logs[index], window)
+        if edge:
+            run["edge_compiles"] = edge
+        else:
+            run.pop("edge_compiles", None)
+        if run["compiles"] or edge:
+            found.append(f"{raw_name(run)}: {', '.join(run['compiles']) or '-'}; at the edge: {', '.join(edge) or '-'}")
+    for index, launch in enumerate(record.get("launches", [])):
+        runs = [r for r in record.get("runs", []) if r.get("launch_index") == index and "compiles" in r]
+        if runs:  # every compile a measured run of this launch met, in order, once each
+            launch["late_compiles"] = list(dict.fromkeys(name for r in runs for name in r["compiles"]))
+    record["compiles_placed_by"] = PLACED_BY
+    flag_ratios(record)
+    return found
+
+
+def flag_ratios(record: dict[str, Any]) -> None:
+    """Each ratio whose subject's or peer's run compiled while measured gets `compiles_while_measured`; its figures
+    stay as the record has them (a record's ratios may predate later rules of grid_ratios.py)."""
+    runs = {
+        (r["arm"], r["model"], r["isl"], r["osl"], r["concurrency"]): r
+        for r in record.get("runs", [])
+        if not r.get("is_drift_check")
+    }
+    for entry in record.get("ratios") or []:
+        point = (entry["model"], entry["isl"], entry["osl"], entry["concurrency"])
+        arms = [(arm, runs.get((arm, *point)) or {}) for arm in (entry["subject"], entry["peer"])]
+        text = compiles_text({arm: r.get("compiles") or [] for arm, r in arms},
+                             {arm: _with_ttft(r.get("edge_compiles") or [], r) for arm, r in arms})  # fmt: skip
+        if text:
+            entry["compiles_while_measured"] = text
+        else:
+            entry.pop("compiles_while_measured", None)
+
+
+def _with_ttft(names: list[str], run: dict[str, Any]) -> list[str]:
+    """Edge compiles with what tells whether they stalled the run: its TTFT median and p99 (a stall of a compile's
+    seconds shows in the p99)."""
+    metrics = run.get("metrics") or {}
+    median, p99 = metrics.get("median_ttft_ms"), metrics.get("p99_ttft_ms")
+    if not names or median is None or p99 is None:
+        return names
+    return [*names[:-1], f"{names[-1]} (that run's TTFT median {median:.0f} ms, p99 {p99:.0f} ms)"]
+
+
+def _record_year(record: dict[str, Any]) -> int:
+    """The year vLLM's stamps lack: the record's date's (an ISO date or bench serve's %Y%m%d-...)."""
+    date = str((record.get("host") or {}).get("date") or "")
+    return int(date[:4]) if date[:4].isdigit() else datetime.now().year
+
+
+def _indent(text: str) -> int:
+    """The indent the record was written with (older records 1, newer 2), so a rewrite changes only what it adds."""
+    second = text.split("\n", 2)[1] if text.count("\n") > 1 else ""
+    return (len(second) - len(second.lstrip(" "))) or 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("records", nargs="+", type=Path, help="grid record JSONs, each with its -raw.tgz beside it")
+
+
+def run(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.records:
+        tgz = path.with_name(path.stem + "-raw.tgz")
+        if not tgz.is_file():
+            print(f"{path}: no {tgz.name} beside it: nothing to read")
+            status = 2
+            continue
+        record = json.loads(path.read_text())
+        with tempfile.TemporaryDirectory() as tmp, tarfile.open(tgz) as archive:
+            archive.extractall(tmp, filter="data")
+            found = place(record, Path(tmp))
+        path.write_text(json.dumps(record, indent=_indent(path.read_text()), default=str) + "\n")
+        print(f"{path.name}: {len(found)} run(s) with a compile inside or at the edge of its measured window")
+        for line in found:
+            print(f"  {line}")
+    return status
