@@ -7,11 +7,11 @@ requests and at its end) needs none of this. Records made before it knew only Tr
 CuTeDSL compile (FlashInfer's GDN prefill for several sequences, `_FullyFusedDeltaRuleSm90`, which stalls a vLLM step
 ~8-10 s) went unrecorded, and a Triton compile was not tied to the run it stalled. Here each JIT line of a launch's
 log (server_logs.py reads all three of vLLM's backends) is placed by its time stamp in the window of the run it fell
-in: the run's client result (its `raw/` JSON, in the record's `-raw.tgz` beside it) ends at its "date" and lasted
-its "duration". Both stamps have whole seconds, so a compile is inside a window (`runs[].compiles`), at its edge
-(`runs[].edge_compiles`: within a second of its start or end, which a stall then has to tell) or outside. The
-record says it was read this way (`compiles_placed_by`); its ratios keep their figures and gain the flag where
-either arm's run compiled (bench/grid_ratios.py's `compiles_text`, as a new grid writes it).
+in: the run's client result (its `raw/` JSON, in the record's `-raw.tgz` beside it or a resumed call's) ends at its
+"date" and lasted its "duration". Both stamps have whole seconds, so a compile is inside a window
+(`runs[].compiles`), at its edge (`runs[].edge_compiles`: within a second of its start or end, which a stall then
+has to tell) or outside. The record says it was read this way (`compiles_placed_by`); its ratios keep their figures
+and gain the flag where either arm's run compiled (bench/grid_ratios.py's `compiles_text`, as a new grid writes it).
 """
 
 from __future__ import annotations
@@ -115,6 +115,17 @@ def _indent(text: str) -> int:
     return (len(second) - len(second.lstrip(" "))) or 2
 
 
+def raw_tarballs(path: Path) -> list[Path]:
+    """The record's raw files: `STEM-raw.tgz`, then those of the calls that resumed it, `STEMb-raw.tgz`,
+    `STEMc-raw.tgz`, ... (a resumed call's console log and raw files are committed under the next letter, e.g.
+    h200_prefix-35b-a3b-20261206-s28b-raw.tgz holds vllm-pc's), less any that have a record of their own."""
+    first = path.with_name(f"{path.stem}-raw.tgz")
+    if not first.is_file():
+        return []
+    later = sorted(path.parent.glob(f"{path.stem}[b-z]-raw.tgz"))
+    return [first, *(p for p in later if not p.with_name(p.name.removesuffix("-raw.tgz") + ".json").is_file())]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("records", nargs="+", type=Path, help="grid record JSONs, each with its -raw.tgz beside it")
 
@@ -122,14 +133,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     status = 0
     for path in args.records:
-        tgz = path.with_name(path.stem + "-raw.tgz")
-        if not tgz.is_file():
-            print(f"{path}: no {tgz.name} beside it: nothing to read")
+        tarballs = raw_tarballs(path)
+        if not tarballs:
+            print(f"{path}: no {path.stem}-raw.tgz beside it: nothing to read")
             status = 2
             continue
         record = json.loads(path.read_text())
-        with tempfile.TemporaryDirectory() as tmp, tarfile.open(tgz) as archive:
-            archive.extractall(tmp, filter="data")
+        with tempfile.TemporaryDirectory() as tmp:
+            for tgz in tarballs:  # in call order: a resumed call's files complete the first's
+                with tarfile.open(tgz) as archive:
+                    archive.extractall(tmp, filter="data")
             found = place(record, Path(tmp))
         path.write_text(json.dumps(record, indent=_indent(path.read_text()), default=str) + "\n")
         print(f"{path.name}: {len(found)} run(s) with a compile inside or at the edge of its measured window")

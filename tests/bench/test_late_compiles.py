@@ -126,3 +126,15 @@ def test_a_record_without_its_raw_logs_has_nothing_to_read(tmp_path: Path) -> No
     late_compiles.add_arguments(parser)
     assert late_compiles.run(parser.parse_args([str(path)])) == 2
     assert path.read_text() == "{}"
+
+
+def test_a_resumed_calls_raw_files_are_read_too(tmp_path: Path) -> None:
+    """A grid resumed in a later call commits that call's raw files under the next letter (STEMb-raw.tgz); a
+    tarball with a record of its own is that record's."""
+    record = tmp_path / "prefix-s28.json"
+    record.write_text("{}")
+    assert late_compiles.raw_tarballs(record) == []
+    for name in ("prefix-s28-raw.tgz", "prefix-s28b-raw.tgz", "prefix-s28c-raw.tgz", "prefix-s28-other-raw.tgz"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "prefix-s28c.json").write_text("{}")
+    assert [p.name for p in late_compiles.raw_tarballs(record)] == ["prefix-s28-raw.tgz", "prefix-s28b-raw.tgz"]
