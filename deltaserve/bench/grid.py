@@ -83,17 +83,19 @@ def client_argv(
     concurrency: int,
     raw_name: str,
     is_warmup: bool = False,
+    num_prompts: int | None = None,
 ) -> list[str]:
     """The `deltaserve bench serve` flags for one run: identical for every arm except the server's URL. The client's
     warm-up requests send prompts of their own (--warmup-distinct): vLLM's client re-sends the first measured prompt,
-    which a caching server then answers from its cache (one prompt of each long point's four at c1)."""
+    which a caching server then answers from its cache (one prompt of each long point's four at c1). `num_prompts`
+    replaces the grid's count for the point (the warm-up wave's one prompt per concurrency slot)."""
     return [
         "--base-url", launch.base_url,
         "--tokenizer", expand(launch.model.path, {}),
         *config.dataset.client_flags(config.lengths, isl, osl, concurrency),
         "--random-input-len", str(isl),
         "--random-output-len", str(osl),
-        "--num-prompts", str(config.num_prompts(concurrency)),
+        "--num-prompts", str(config.num_prompts(concurrency) if num_prompts is None else num_prompts),
         "--max-concurrency", str(concurrency),
         "--num-warmups", str(config.num_warmups),
         "--seed", str(run_seed(config, isl, osl, concurrency, is_warmup)),
@@ -102,6 +104,11 @@ def client_argv(
         "--label", raw_name,
         *config.client_args,
     ]  # fmt: skip
+
+
+def run_raw_name(arm: str, model: str, isl: int, osl: int, concurrency: int, is_drift_check: bool = False) -> str:
+    """A run's label and the stem of its client result under raw/ (bench/late_compiles.py finds it by this)."""
+    return f"{arm}-{model}-{isl}x{osl}-c{concurrency}" + ("-drift" if is_drift_check else "")
 
 
 def _warmup_wave(points: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
@@ -355,7 +362,7 @@ class Grid:
                     print(f"[grid] {arm.name} on {model.name}: {', '.join(left)} left for a resumed call (deadline)",
                           flush=True)  # fmt: skip
                     break
-                raw_name = f"{arm.name}-{model.name}-{isl}x{osl}-c{concurrency}" + ("-drift" if is_drift_check else "")
+                raw_name = run_raw_name(arm.name, model.name, isl, osl, concurrency, is_drift_check)
                 argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name)
                 run: dict[str, Any] = {
                     "arm": arm.name,
@@ -424,10 +431,9 @@ class Grid:
         from deltaserve.bench.serve_cli import parse_bench_args, run_bench
 
         isl, osl, concurrency = point
-        raw_name = f"{arm.name}-{model.name}-{isl}x{osl}-c{concurrency}-warmup"
-        argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name, is_warmup=True)
-        if num_prompts is not None:
-            argv[argv.index("--num-prompts") + 1] = str(num_prompts)
+        raw_name = run_raw_name(arm.name, model.name, isl, osl, concurrency) + "-warmup"
+        argv = client_argv(launch, self.config, isl, osl, concurrency, raw_name, is_warmup=True,
+                           num_prompts=num_prompts)  # fmt: skip
         started = time.monotonic()
         summary: dict[str, Any] = {"point": f"{isl}x{osl}-c{concurrency}", "error": None}
         if num_prompts is not None:

@@ -45,13 +45,11 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
     subjects = [name for name, role in roles.items() if role == "subject"]
     peers = [name for name, role in roles.items() if role == "peer"]
     measured: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
-    compiled: dict[tuple[str, str, int, int, int], list[str]] = {}  # what each run's server compiled while measured
     for run in record["runs"]:
         if run["metrics"] is None or run["is_drift_check"]:
             continue
-        key = (run["arm"], run["model"], run["isl"], run["osl"], run["concurrency"])
-        measured[key] = run["metrics"]
-        compiled[key] = run.get("compiles") or []
+        measured[(run["arm"], run["model"], run["isl"], run["osl"], run["concurrency"])] = run["metrics"]
+    runs = runs_by_point(record)
     pairs = [(subject, peer) for subject in subjects for peer in peers]
     # An arm with a baseline is also compared with it (e.g. vLLM at a forced backend / vLLM at its own choice).
     pairs += [(name, arm["baseline"]) for name, arm in record["arms"].items() if arm.get("baseline")]
@@ -86,12 +84,42 @@ def compute_ratios(record: dict[str, Any]) -> list[dict[str, Any]]:
             unequal = unequal_outputs(subject, metrics, peer, peer_metrics)
             if unequal:
                 entry["unequal_outputs"] = unequal
-            stalls = compiles_text({subject: compiled[(arm, model, isl, osl, concurrency)],
-                                    peer: compiled[(peer, model, isl, osl, concurrency)]})  # fmt: skip
-            if stalls:
-                entry["compiles_while_measured"] = stalls
+            flag_compiles(entry, runs)
             ratios.append(entry)
     return ratios
+
+
+def runs_by_point(record: dict[str, Any]) -> dict[tuple[str, str, int, int, int], dict[str, Any]]:
+    """The record's measured runs (drift re-runs left out) by (arm, model, isl, osl, concurrency)."""
+    return {
+        (r["arm"], r["model"], r["isl"], r["osl"], r["concurrency"]): r
+        for r in record.get("runs", [])
+        if not r.get("is_drift_check")
+    }
+
+
+def flag_compiles(entry: dict[str, Any], runs: dict[tuple[str, str, int, int, int], dict[str, Any]]) -> None:
+    """Set a ratio's `compiles_while_measured` from its subject's and peer's runs (`runs`: runs_by_point), or drop
+    it where neither compiled: each arm's `compiles`, and `edge_compiles` (a record read back by time,
+    bench/late_compiles.py) with that run's TTFT median and p99 beside them, where a stall would show."""
+    point = (entry["model"], entry["isl"], entry["osl"], entry["concurrency"])
+    arms = [(arm, runs.get((arm, *point)) or {}) for arm in (entry["subject"], entry["peer"])]
+    text = compiles_text({arm: r.get("compiles") or [] for arm, r in arms},
+                         {arm: _with_ttft(r.get("edge_compiles") or [], r) for arm, r in arms})  # fmt: skip
+    if text:
+        entry["compiles_while_measured"] = text
+    else:
+        entry.pop("compiles_while_measured", None)
+
+
+def _with_ttft(names: list[str], run: dict[str, Any]) -> list[str]:
+    """Edge compiles with what tells whether they stalled the run: its TTFT median and p99 (a stall of a compile's
+    seconds shows in the p99)."""
+    metrics = run.get("metrics") or {}
+    median, p99 = metrics.get("median_ttft_ms"), metrics.get("p99_ttft_ms")
+    if not names or median is None or p99 is None:
+        return names
+    return [*names[:-1], f"{names[-1]} (that run's TTFT median {median:.0f} ms, p99 {p99:.0f} ms)"]
 
 
 def compiles_text(compiles: dict[str, list[str]], edge: dict[str, list[str]] | None = None) -> str | None:

@@ -24,7 +24,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from deltaserve.bench.grid_ratios import compiles_text
+from deltaserve.bench.grid import run_raw_name
+from deltaserve.bench.grid_ratios import flag_compiles, runs_by_point
 from deltaserve.bench.server_logs import placed_compiles, run_window, timed_compiles
 
 PLACED_BY = (
@@ -35,9 +36,9 @@ PLACED_BY = (
 
 
 def raw_name(run: dict[str, Any]) -> str:
-    """The client result's file stem of a run, as bench/grid.py names it."""
-    drift = "-drift" if run.get("is_drift_check") else ""
-    return f"{run['arm']}-{run['model']}-{run['isl']}x{run['osl']}-c{run['concurrency']}{drift}"
+    """The client result's file stem of a recorded run (bench/grid.py's run_raw_name)."""
+    return run_raw_name(run["arm"], run["model"], run["isl"], run["osl"], run["concurrency"],
+                        bool(run.get("is_drift_check")))  # fmt: skip
 
 
 def place(record: dict[str, Any], base: Path) -> list[str]:
@@ -75,32 +76,12 @@ def place(record: dict[str, Any], base: Path) -> list[str]:
 
 
 def flag_ratios(record: dict[str, Any]) -> None:
-    """Each ratio whose subject's or peer's run compiled while measured gets `compiles_while_measured`; its figures
-    stay as the record has them (a record's ratios may predate later rules of grid_ratios.py)."""
-    runs = {
-        (r["arm"], r["model"], r["isl"], r["osl"], r["concurrency"]): r
-        for r in record.get("runs", [])
-        if not r.get("is_drift_check")
-    }
+    """Each ratio whose subject's or peer's run compiled while measured (or at the edge) gets
+    `compiles_while_measured` (grid_ratios.flag_compiles, as a new grid's ratios get it); its figures stay as the
+    record has them (a record's ratios may predate later rules of grid_ratios.py)."""
+    runs = runs_by_point(record)
     for entry in record.get("ratios") or []:
-        point = (entry["model"], entry["isl"], entry["osl"], entry["concurrency"])
-        arms = [(arm, runs.get((arm, *point)) or {}) for arm in (entry["subject"], entry["peer"])]
-        text = compiles_text({arm: r.get("compiles") or [] for arm, r in arms},
-                             {arm: _with_ttft(r.get("edge_compiles") or [], r) for arm, r in arms})  # fmt: skip
-        if text:
-            entry["compiles_while_measured"] = text
-        else:
-            entry.pop("compiles_while_measured", None)
-
-
-def _with_ttft(names: list[str], run: dict[str, Any]) -> list[str]:
-    """Edge compiles with what tells whether they stalled the run: its TTFT median and p99 (a stall of a compile's
-    seconds shows in the p99)."""
-    metrics = run.get("metrics") or {}
-    median, p99 = metrics.get("median_ttft_ms"), metrics.get("p99_ttft_ms")
-    if not names or median is None or p99 is None:
-        return names
-    return [*names[:-1], f"{names[-1]} (that run's TTFT median {median:.0f} ms, p99 {p99:.0f} ms)"]
+        flag_compiles(entry, runs)
 
 
 def _record_year(record: dict[str, Any]) -> int:
@@ -138,13 +119,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"{path}: no {path.stem}-raw.tgz beside it: nothing to read")
             status = 2
             continue
-        record = json.loads(path.read_text())
+        text = path.read_text()
+        record = json.loads(text)
         with tempfile.TemporaryDirectory() as tmp:
             for tgz in tarballs:  # in call order: a resumed call's files complete the first's
                 with tarfile.open(tgz) as archive:
                     archive.extractall(tmp, filter="data")
             found = place(record, Path(tmp))
-        path.write_text(json.dumps(record, indent=_indent(path.read_text()), default=str) + "\n")
+        path.write_text(json.dumps(record, indent=_indent(text), default=str) + "\n")
         print(f"{path.name}: {len(found)} run(s) with a compile inside or at the edge of its measured window")
         for line in found:
             print(f"  {line}")

@@ -64,11 +64,9 @@ def timed_compiles(path: Path, year: int) -> list[tuple[datetime, str]]:
         match = JIT_LINE.search(line)
         if match is None:
             continue
-        own = DELTASERVE_TIME.match(line)
-        theirs = None if own else VLLM_TIME.search(line)
-        if own:
+        if own := DELTASERVE_TIME.match(line):
             stamp = datetime.strptime(own.group(1), "%Y-%m-%d %H:%M:%S")
-        elif theirs:
+        elif theirs := VLLM_TIME.search(line):
             stamp = datetime.strptime(f"{year}-{theirs.group(1)}", "%Y-%m-%d %H:%M:%S")
         else:
             continue
