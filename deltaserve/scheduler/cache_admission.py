@@ -49,7 +49,7 @@ def entry_point(cache: PrefixCache | None, seq: Sequence) -> Entry:
 def available_blocks(blocks: BlockManager, cache: PrefixCache | None, keep: Checkpoint | None = None) -> int:
     """Blocks free or to be had by evicting ready checkpoints (not `keep`): those only checkpoints hold, and in one
     pool the pages of their slots."""
-    return blocks.num_available_blocks + (cache.num_reclaimable_slot_pages(keep) if cache is not None else 0)
+    return blocks.num_available_blocks if cache is None else cache.num_available_blocks(keep)
 
 
 def reserve(blocks: BlockManager, cache: PrefixCache | None, num_blocks: int, keep: Checkpoint | None = None) -> bool:

@@ -279,20 +279,20 @@ class PrefixCache:
         self.blocks.free(checkpoint.block_ids, by_cache=True)
         self.slots.free(checkpoint.slot)
 
-    def num_reclaimable_slot_pages(self, keep: Checkpoint | None = None) -> int:
-        """In one pool, the pages of the ready checkpoints' slots (not keep's): blocks once those are evicted (0 with
-        the pool split, where a slot holds no block's pages)."""
+    def num_available_blocks(self, keep: Checkpoint | None = None) -> int:
+        """Blocks free or held by checkpoints alone (BlockManager.num_available_blocks) and, in one pool, the pages of
+        the ready checkpoints' slots (not keep's), blocks once those are evicted; with the pool split a slot holds no
+        block's pages."""
         per_slot = self.slots.pages_per_slot
-        if not per_slot:
-            return 0
-        return per_slot * sum(1 for c in self._checkpoints.values() if c.is_ready and c is not keep)
+        ready = sum(1 for c in self._checkpoints.values() if c.is_ready and c is not keep) if per_slot else 0
+        return self.blocks.num_available_blocks + per_slot * ready
 
     def reserve_blocks(self, num_blocks: int, keep: Checkpoint | None = None) -> bool:
         """Evicts ready checkpoints until num_blocks blocks are free; False if they cannot be. When even every block
         that only checkpoints hold (and, in one pool, their slots' pages) would not be enough, nothing is evicted: a
         sequence about to be preempted keeps the checkpoints its restart would read (the bound counts pending
         checkpoints' blocks too, so it is not exact)."""
-        if num_blocks > self.blocks.num_available_blocks + self.num_reclaimable_slot_pages(keep):
+        if num_blocks > self.num_available_blocks(keep):
             return False
         while not self.blocks.can_allocate(num_blocks):
             if not self.evict_one(keep):
