@@ -26,12 +26,16 @@ locates a path's overhead beside its main kernel (ours-flashinfer measured x1.4-
 the profiles run after every case is timed, as a second pass over the same values.
 `triton-served` and `flashinfer-served` time vLLM's layer path on our inputs' values (its fused post-conv prep, the
 state gather and write-back around each kernel): the like-for-like peers of `ours` and `ours-flashinfer`.
+`--baseline FILE` (an earlier deltaserve/kernels/gdn_triton.py, e.g. `git show REV:deltaserve/kernels/gdn_triton.py >
+ab/gdn_triton.py`) adds `ours-baseline`: that file's gdn_prefill_triton on our inputs, before / after a change to
+our kernel in one process. With only `ours` backends vLLM need not be importable.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import statistics
 import sys
@@ -117,7 +121,7 @@ def make_our_inputs(
 # Which inputs each backend is timed on: ours (make_our_inputs: raw q/k, gates from A_log), the peers' kernel inputs
 # (make_inputs, or peer_inputs_from_ours with --same-values) or vLLM's layer inputs (served_inputs_from_ours).
 INPUT_KIND = {
-    "ours": "ours", "ours-flashinfer": "ours", "triton": "peer", "flashinfer": "peer",
+    "ours": "ours", "ours-flashinfer": "ours", "ours-baseline": "ours", "triton": "peer", "flashinfer": "peer",
     "triton-served": "served", "flashinfer-served": "served",
 }  # fmt: skip
 
@@ -229,6 +233,29 @@ def time_kernel(fn: Any, inputs: dict[str, Any], iters: int) -> list[float]:
     return times
 
 
+def load_baseline(path: str) -> Any:
+    """`--baseline`: an earlier gdn_triton.py imported as a module of its own (it imports deltaserve's helpers as
+    the served file does), returning its gdn_prefill_triton."""
+    spec = importlib.util.spec_from_file_location("deltaserve.kernels._gdn_triton_baseline", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--baseline: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gdn_prefill_triton
+
+
+def vllm_kernels() -> dict[str, Any]:
+    """The vLLM backends (imported only when one is asked for: `ours` alone runs without the vLLM bundle)."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    return {
+        "triton": _call_vllm(gdn.fla_chunk_gated_delta_rule),
+        "flashinfer": _call_vllm(gdn.fi_chunk_gated_delta_rule),
+        "triton-served": vllm_served(gdn.fla_chunk_gated_delta_rule),
+        "flashinfer-served": vllm_served(gdn.fi_chunk_gated_delta_rule),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="triton,flashinfer")
@@ -247,6 +274,7 @@ def main() -> int:
         action="store_true",
         help="also record each backend's GPU kernels per call (torch.profiler) for every case: a path's overhead",
     )
+    parser.add_argument("--baseline", default=None, help="an earlier gdn_triton.py, timed as the ours-baseline backend")
     args = parser.parse_args()
     try:
         cases = parse_cases(args.cases) if args.cases else CASES
@@ -255,23 +283,26 @@ def main() -> int:
         return 2
     began = time.monotonic()
     import torch
-    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
     from deltaserve.kernels import gdn_prefill
 
-    kernels = {
+    kernels: dict[str, Any] = {
         "ours": gdn_prefill,
         "ours-flashinfer": functools.partial(gdn_prefill, backend="flashinfer"),
-        "triton": _call_vllm(gdn.fla_chunk_gated_delta_rule),
-        "flashinfer": _call_vllm(gdn.fi_chunk_gated_delta_rule),
-        "triton-served": vllm_served(gdn.fla_chunk_gated_delta_rule),
-        "flashinfer-served": vllm_served(gdn.fi_chunk_gated_delta_rule),
     }
+    peers = ("triton", "flashinfer", "triton-served", "flashinfer-served")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = set(backends) - set(kernels)
+    unknown = set(backends) - set(kernels) - set(peers) - {"ours-baseline"}
     if unknown or not backends:
-        print(f"unknown backends {sorted(unknown)}; choose from {sorted(kernels)}")
+        print(f"unknown backends {sorted(unknown)}; choose from {sorted([*kernels, *peers, 'ours-baseline'])}")
         return 2
+    if ("ours-baseline" in backends) != (args.baseline is not None):
+        print("--baseline FILE and the ours-baseline backend go together")
+        return 2
+    if args.baseline is not None:
+        kernels["ours-baseline"] = load_baseline(args.baseline)
+    if set(backends) & set(peers):
+        kernels.update(vllm_kernels())
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     kinds = {INPUT_KIND[backend] for backend in backends}
@@ -308,7 +339,7 @@ def main() -> int:
                     row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
             if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
                 row["triton_over_flashinfer"] = round(row["triton_ms_per_layer"] / row["flashinfer_ms_per_layer"], 3)
-            for peer in ("flashinfer", "triton", "flashinfer-served", "triton-served"):
+            for peer in ("flashinfer", "triton", "flashinfer-served", "triton-served", "ours-baseline"):
                 if "ours_ms_per_layer" in row and f"{peer}_ms_per_layer" in row:
                     row[f"ours_over_{peer}"] = round(row["ours_ms_per_layer"] / row[f"{peer}_ms_per_layer"], 3)
             if "ours-flashinfer_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
@@ -339,17 +370,18 @@ def main() -> int:
         "command": " ".join(sys.argv),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "vllm": __import__("vllm").__version__,
+        "baseline": args.baseline,
         "head_dim": HEAD_DIM,
         "iters": args.iters,
         "same_values": args.same_values,
         "rows": rows,
         "skipped": skipped,
     }
-    try:
-        record["flashinfer"] = __import__("flashinfer").__version__
-    except Exception as exc:
-        record["flashinfer"] = f"not importable: {exc}"
+    for library in ("vllm", "flashinfer"):
+        try:
+            record[library] = __import__(library).__version__
+        except Exception as exc:
+            record[library] = f"not importable: {exc}"
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=2)

@@ -501,7 +501,9 @@ def _gdn_chunk_scan_kernel(
 ):
     """Per (sequence, value head, BV columns): walks the chunks in order with S [dk, BV] fp32 in registers and
     does only what needs S: stores S_c = round(S) (the chunk's start state, as the output dots read it),
-    v' = round(u − w·S_c) [T, HV, dv], and S ← e^Γlast S + (k̂ e^(Γlast−Γ))ᵀv'. w, u from _gdn_chunk_wu_kernel.
+    v' = round(u − w·S_c) [T, HV, dv], and S ← e^Γlast S + k̂ᵀ round((u − w·S_c) e^(Γlast−Γ)) (vLLM's FLA
+    rounding point: the decay goes on the fp32 v', so k̂ feeds the dot as loaded, transposed by its addresses).
+    w, u from _gdn_chunk_wu_kernel.
     dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers.
     HAS_CKPT: at the start of the sequence's chunk ckpt_chunk[b] (>= 1; -1: none) the fp32 S itself (not the
     rounded S_c) also goes to slot ckpt_slot[b], the state a prefill ending there leaves (an in-step checkpoint)."""
@@ -529,7 +531,7 @@ def _gdn_chunk_scan_kernel(
     i_chunk = tl.load(chunk_offsets_ptr + i_b)
     o_i = tl.arange(0, BT)
     # Per-chunk addresses: int64 scalar bases plus small int32 offset tiles (int64 tiles cost registers).
-    o_n = o_i[:, None] * (HK * DK) + o_k[None, :]  # [BT, BKH] into k̂ rows
+    o_nt = o_k[:, None] + o_i[None, :] * (HK * DK)  # [BKH, BT] into k̂ rows, transposed
     o_w = o_i[:, None] * (HV * DK) + o_k[None, :]  # [BT, BKH] into w rows
     o_u = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into u / v' rows
     o_hs = o_k[:, None] * DV + o_v[None, :]  # [BKH, BV] into one S_c
@@ -554,7 +556,7 @@ def _gdn_chunk_scan_kernel(
                 tl.store(p_ck + BKH * stride_s_k, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & is_ckpt)
         m_t = (chunk_start + o_i) < end  # [BT]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_k = tl.load(p_kn + o_n, mask=m_t[:, None] & m_lo[None, :], other=0.0)  # k̂, input dtype
+        b_kt = tl.load(p_kn + o_nt, mask=m_lo[:, None] & m_t[None, :], other=0.0)  # [BKH, BT] k̂ᵀ, input dtype
         b_w = tl.load(p_w + o_w, mask=m_t[:, None] & m_lo[None, :], other=0.0)
         g_last = tl.load(p_g + (tl.minimum(chunk_start + BT, end) - 1 - chunk_start) * HV)
         # Rows past the end continue Γ flat (g = 0), as the prepare kernel's cumsum does.
@@ -564,19 +566,16 @@ def _gdn_chunk_scan_kernel(
         b_vnew = tl.load(p_u + o_u, mask=m_tv, other=0.0)  # [BT, BV] fp32
         b_vnew -= tl.dot(b_w, b_s_dt, input_precision=DOT_PRECISION)
         if TWO_K:
-            b_k_hi = tl.load(p_kn + BKH + o_n, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+            b_kt_hi = tl.load(p_kn + BKH + o_nt, mask=m_hi[:, None] & m_t[None, :], other=0.0)
             b_w_hi = tl.load(p_w + BKH + o_w, mask=m_t[:, None] & m_hi[None, :], other=0.0)
             b_s_hi_dt = b_s_hi.to(DT)
             tl.store(p_hs + BKH * DV + o_hs, b_s_hi_dt, mask=m_hi[:, None] & m_v[None, :])
             b_vnew -= tl.dot(b_w_hi, b_s_hi_dt, input_precision=DOT_PRECISION)
-        b_vnew = b_vnew.to(DT)
-        tl.store(p_vn + o_u, b_vnew, mask=m_tv)
-        b_kdecay = tl.exp(g_last - b_gcum)[:, None]  # [BT, 1]
-        b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans((b_k * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION)
+        tl.store(p_vn + o_u, b_vnew.to(DT), mask=m_tv)
+        b_vdecay = (b_vnew * tl.exp(g_last - b_gcum)[:, None]).to(DT)  # [BT, BV]
+        b_s = b_s * tl.exp(g_last) + tl.dot(b_kt, b_vdecay, input_precision=DOT_PRECISION)
         if TWO_K:
-            b_s_hi = b_s_hi * tl.exp(g_last) + tl.dot(
-                tl.trans((b_k_hi * b_kdecay).to(DT)), b_vnew, input_precision=DOT_PRECISION
-            )
+            b_s_hi = b_s_hi * tl.exp(g_last) + tl.dot(b_kt_hi, b_vdecay, input_precision=DOT_PRECISION)
         p_kn += BT * HK * DK
         p_w += BT * HV * DK
         p_u += BT * HV * DV

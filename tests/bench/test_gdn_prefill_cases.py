@@ -105,3 +105,40 @@ def test_served_inputs_hold_vllms_layer_layout_of_our_values() -> None:
     assert torch.equal(rows[:, 2 * hk * dim :].view(tokens, hv, dim), ours["v"])
     assert torch.equal(served["ssm_state"], ours["ssm_states"].transpose(-1, -2))
     assert served["state_indices"].dtype == torch.int64 and served["num_k_heads"] == hk
+
+
+def test_baseline_runs_an_earlier_kernel_file_on_our_inputs(tmp_path: Path) -> None:
+    """`--baseline FILE`: the file is imported as a module of its own, and its gdn_prefill_triton runs on our inputs;
+    a baseline that is the served file gives the served op's outputs and states, and a changed file does not."""
+    import torch
+
+    from deltaserve.kernels.gdn_triton import gdn_prefill_triton
+
+    source = (REPO / "deltaserve/kernels/gdn_triton.py").read_text()
+    (tmp_path / "same.py").write_text(source)
+    changed = source.replace(
+        "b_beta = tl.where(m_t, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)", "b_beta = tl.where(m_t, 0.5, 0.0)"
+    )
+    assert changed != source
+    (tmp_path / "changed.py").write_text(changed)
+    generator = torch.Generator().manual_seed(0)
+
+    def inputs() -> dict:
+        generator.manual_seed(0)
+        return {
+            "q": torch.randn(80, 2, 16, generator=generator), "k": torch.randn(80, 2, 16, generator=generator),
+            "v": torch.randn(80, 4, 16, generator=generator), "a": torch.randn(80, 4, generator=generator),
+            "b": torch.randn(80, 4, generator=generator), "A_log": torch.zeros(4), "dt_bias": torch.zeros(4),
+            "ssm_states": torch.randn(2, 4, 16, 16, generator=generator),
+            "query_start_loc": torch.tensor([0, 70, 80], dtype=torch.int32),
+            "state_indices": torch.tensor([0, 1], dtype=torch.int32),
+            "has_initial_state": torch.tensor([True, False]),
+        }  # fmt: skip
+
+    served_in = inputs()
+    served = gdn_prefill_triton(**served_in)
+    same_in = inputs()
+    same = _tool().load_baseline(str(tmp_path / "same.py"))(**same_in)
+    assert torch.equal(same, served) and torch.equal(same_in["ssm_states"], served_in["ssm_states"])
+    changed_in = inputs()
+    assert not torch.allclose(_tool().load_baseline(str(tmp_path / "changed.py"))(**changed_in), served)
