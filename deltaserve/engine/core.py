@@ -31,9 +31,9 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.fp8_format import check_requested_quantization
 from deltaserve.model.hub import resolve_model_dir
 from deltaserve.model.preflight import resolve_max_model_len
+from deltaserve.runner.drafter import Drafter
 from deltaserve.runner.executor import make_executor
 from deltaserve.runner.sampling_step import StepHandle
-from deltaserve.runner.spec_decode import Drafter
 from deltaserve.scheduler.block_manager import BlockManager, PageTable, StateSlotPool
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.scheduler.sequence import Sequence

@@ -19,7 +19,7 @@ from deltaserve.model.context import ForwardContext
 from deltaserve.runner import spec_chain
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import SpecLayout, spec_layout
+from deltaserve.runner.spec_layout import SpecLayout, spec_layout
 from deltaserve.runner.step_checkpoints import InnerSave, inner_fields, split_checkpoints
 from deltaserve.step import StepPlan
 

@@ -42,8 +42,9 @@ from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.one_pool import one_pool_max_num_seqs, plan_one_pool
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import SpecDecoder, scratch_rows, speculating_seqs
+from deltaserve.runner.spec_decode import SpecDecoder
 from deltaserve.runner.spec_graphs import max_verify_batch, verify_static_bytes
+from deltaserve.runner.spec_layout import scratch_rows, speculating_seqs
 from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_rows, warm_up_verify
 from deltaserve.sampler import Sampler, build_sampling_batch
 from deltaserve.sampler.rejection import random_accept

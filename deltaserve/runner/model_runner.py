@@ -45,6 +45,7 @@ from deltaserve.runner import prompt_logprobs as plp
 from deltaserve.runner.cache import allocate_and_bind, copy_kv_blocks, copy_state_slots
 from deltaserve.runner.cuda_graph import DecodeGraphs
 from deltaserve.runner.device_setup import engine_share, is_cuda, rank_device, resolve_dtype, set_cpu_threads
+from deltaserve.runner.drafter import Drafter
 from deltaserve.runner.inputs import build_eager_inputs, layout_step
 from deltaserve.runner.memory import size_caches
 from deltaserve.runner.mm_embeds import step_mm_embeds
@@ -53,8 +54,9 @@ from deltaserve.runner.mtp_resume import rewrite_resumed_rows, save_inner_hidden
 from deltaserve.runner.observer import StepObserver, timed_launch
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.sampling_step import StepHandle, collect_step, follow_first, sample_step
-from deltaserve.runner.spec_decode import Drafter, SpecDecoder
+from deltaserve.runner.spec_decode import SpecDecoder
 from deltaserve.runner.spec_graphs import VerifyGraphs
+from deltaserve.runner.spec_handle import drafts_of, drafts_to_host
 from deltaserve.runner.spec_step import (
     build_verify_graphs,
     draft_without_sampling,
@@ -271,7 +273,7 @@ class ModelRunner:
         if defer_sampling:
             handle.pending = (logits, rows, sample_rows_dev, batch)
             if spec is not None and spec.layout is not None:  # the grammars' masks walk the drafts (step_drafts)
-                spec.drafts = SpecDecoder.drafts_to_host(self.spec.draft_tokens, spec.layout)
+                spec.drafts = drafts_to_host(self.spec.draft_tokens, spec.layout)
         else:
             self._sample(handle, logits, rows, sample_rows_dev, batch)
         return handle
@@ -301,7 +303,7 @@ class ModelRunner:
         spec = handle.spec
         if spec is None or spec.drafts is None:
             return {}
-        return SpecDecoder.drafts_of(spec)
+        return drafts_of(spec)
 
     def enable_speculation(
         self, num_speculative_tokens: int, drafter: Drafter, synthetic_rates: tuple[float, ...] | None = None,

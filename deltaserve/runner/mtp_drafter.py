@@ -24,7 +24,7 @@ import torch
 
 from deltaserve.model.context import ForwardContext, forward_context
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.spec_decode import DraftInputs
+from deltaserve.runner.drafter import DraftInputs
 from deltaserve.sampler.transfer import to_device
 
 

@@ -17,11 +17,13 @@ import torch
 
 from deltaserve.model.parallel import TensorParallel
 from deltaserve.runner import prompt_logprobs as plp
+from deltaserve.runner import spec_handle
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.observer import StepObserver, StepTimings
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_chain import record_next_starts
-from deltaserve.runner.spec_decode import SpecDecoder, SpecHandle, collect_tokens
+from deltaserve.runner.spec_decode import SpecDecoder
+from deltaserve.runner.spec_handle import SpecHandle, collect_tokens
 from deltaserve.runner.spec_ranks import receive_accepted, send_accepted
 from deltaserve.runner.spec_step import accept_verified, draft_after_sampling
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch, logprobs_to_host
@@ -66,7 +68,7 @@ def sample_step(
         if decoder.tracks_next_start:  # where each row's next chunk really starts (async verify)
             record_next_starts(table, handle.spec, rows_dev)
         draft_after_sampling(decoder, handle.spec, table, block_size, rows, rows_dev, tokens, handle.plan)
-        SpecDecoder.to_host(handle.spec)  # before to_host's event, which collect waits on for these copies too
+        spec_handle.to_host(handle.spec)  # before to_host's event, which collect waits on for these copies too
     handle.sampled, handle.event = to_host(out, device)
 
 

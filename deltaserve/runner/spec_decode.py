@@ -15,183 +15,28 @@ tokens when it collects the step, as it learns any sampled token.
 The drafter is any object with `propose(DraftInputs) -> [R, k_max]` tokens; it runs after every forward (the MTP
 drafter keeps its own KV on every step's tokens), so a row has drafts for its next decode whether its last step was
 a prefill, a decode or a verify.
+
+A step's verify-chunk layout and the sizing of speculation live in runner/spec_layout.py, the drafter's interface
+(what it sees after a step) in runner/drafter.py, and a launched step's SpecHandle with its host copies in
+runner/spec_handle.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from deltaserve.kernels.gdn_spec import verify_row_width
-from deltaserve.model.context import ForwardContext
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.device_setup import is_cuda
+from deltaserve.runner.drafter import Drafter, DraftInputs, _target_step
 from deltaserve.runner.mtp_resume import save_accepted_hidden
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_commit import commit_gdn_states, gdn_stacks
-from deltaserve.sampler import logprobs_to_host
+from deltaserve.runner.spec_handle import SpecHandle
+from deltaserve.runner.spec_layout import SpecLayout
 from deltaserve.sampler.rejection import greedy_accept, random_accept, synthetic_accept
 from deltaserve.sampler.sampler import SamplerOutput, SamplingBatch
 from deltaserve.sampler.transfer import to_device
-from deltaserve.step import ScheduledSeq
-
-if TYPE_CHECKING:  # runner/inputs.py imports this module, and runner/spec_graphs.py runner/inputs.py
-    from deltaserve.runner.inputs import StepInputs, StepLayout
-    from deltaserve.runner.spec_graphs import VerifyGraphs
-
-
-@dataclass
-class SpecLayout:
-    """The host-side description of a step's verify chunks (plan order; they follow the plain decodes)."""
-
-    seq_index: np.ndarray  # [S] indices into plan.seqs
-    num_drafts: np.ndarray  # [S]
-    state_slots: np.ndarray  # [S] int32 live slots
-    token_index: np.ndarray  # [S, W] rows of the verify slice, -1 past 1 + k_s
-    num_tokens: int  # rows of the verify slice
-    draft_token_index: np.ndarray  # [D] step rows that hold a draft token
-    draft_rows: np.ndarray  # [D] their table rows
-    draft_cols: np.ndarray  # [D] their draft index (0 .. k_s - 1)
-    sample_counts: np.ndarray  # [n sampling seqs] positions each sampling sequence samples (1 + k for a verify)
-    sample_offsets: np.ndarray  # [n sampling seqs + 1] where each one's positions start among all of them
-    position_offsets: np.ndarray  # [P] index of each sampled position within its sequence's run
-    spec_sample_index: np.ndarray  # [S] index of each verify sequence among the sampling sequences
-
-
-def spec_layout(
-    seqs: tuple[ScheduledSeq, ...], query_start_loc: np.ndarray, sample_seqs: np.ndarray, num_decodes: int
-) -> SpecLayout | None:
-    """The verify chunks of a step, or None when it holds none. Refuses a plan whose verify chunks do not directly
-    follow its plain decodes (the layers slice decode, verify and prefill rows as three runs)."""
-    seq_index = np.fromiter((i for i, s in enumerate(seqs) if s.num_draft_tokens), dtype=np.int64)
-    if not len(seq_index):
-        return None
-    if not np.array_equal(seq_index, np.arange(num_decodes, num_decodes + len(seq_index))):
-        raise ValueError("verify chunks must follow the plain decodes and precede the prefill chunks in a plan")
-    num_drafts = np.fromiter((seqs[i].num_draft_tokens for i in seq_index), dtype=np.int64)
-    for i in seq_index:
-        seq = seqs[i]
-        if seq.num_new_tokens != 1 + seq.num_draft_tokens or not seq.needs_sample or seq.read_slot != seq.write_slot:
-            raise ValueError(
-                f"a verify chunk computes 1 + k tokens from its own slot and samples: got {seq.num_new_tokens} tokens "
-                f"for k = {seq.num_draft_tokens}, needs_sample {seq.needs_sample}, slots {seq.read_slot} -> "
-                f"{seq.write_slot}"
-            )
-        if seq.checkpoints:
-            raise ValueError("ScheduledSeq.checkpoints on a verify chunk: not implemented")
-    width = int(num_drafts.max()) + 1
-    base = int(query_start_loc[num_decodes])
-    starts = query_start_loc[seq_index] - base  # [S]
-    columns = np.arange(width)
-    token_index = np.where(columns[None, :] <= num_drafts[:, None], starts[:, None] + columns[None, :], -1)
-    draft_cols = np.concatenate([np.arange(k) for k in num_drafts])
-    draft_token_index = np.repeat(query_start_loc[seq_index] + 1, num_drafts) + draft_cols
-    rows = np.fromiter((seqs[i].row for i in seq_index), dtype=np.int64)
-    is_verify = np.zeros(len(seqs), dtype=np.int64)
-    is_verify[seq_index] = num_drafts
-    sample_counts = 1 + is_verify[sample_seqs]
-    sample_offsets = np.zeros(len(sample_seqs) + 1, dtype=np.int64)
-    np.cumsum(sample_counts, out=sample_offsets[1:])
-    position_offsets = np.arange(int(sample_offsets[-1])) - np.repeat(sample_offsets[:-1], sample_counts)
-    return SpecLayout(
-        seq_index=seq_index,
-        num_drafts=num_drafts,
-        state_slots=np.fromiter((seqs[i].write_slot for i in seq_index), dtype=np.int32),
-        token_index=token_index,
-        num_tokens=int(num_drafts.sum()) + len(seq_index),
-        draft_token_index=draft_token_index,
-        draft_rows=np.repeat(rows, num_drafts),
-        draft_cols=draft_cols,
-        sample_counts=sample_counts,
-        sample_offsets=sample_offsets,
-        position_offsets=position_offsets,
-        spec_sample_index=np.searchsorted(sample_seqs, seq_index),
-    )
-
-
-STATE_SHARE = 0.5  # of the cache budget, at most, for the state pool and the verify scratch (a sized count)
-SCRATCH_SHARE = 0.25  # of the cache budget, at most, for the verify scratch under the k policy
-
-
-def scratch_rows(budget_bytes: int, row_bytes: int, max_num_seqs: int) -> int:
-    """The verify chunks under the deltaserve-only k policy, whose count is sized as without speculation: each
-    chunk's scratch (row_bytes: runner/cache.py verify_row_bytes) in at most a quarter of the cache budget, at most
-    max_num_seqs chunks; a step with more decodes than chunks drafts nothing (scheduler/spec_policy.py), so it
-    replays a width-1 graph at the full count instead of running eager. At least one."""
-    return max(1, min(max_num_seqs, int(budget_bytes * SCRATCH_SHARE) // max(row_bytes, 1)))
-
-
-def speculating_seqs(budget_bytes: int, slot_bytes: int, row_bytes: int, upper: int, share: float = STATE_SHARE) -> int:
-    """How many sequences may run while speculating: each holds its pool slot and its verify chunk's scratch
-    (row_bytes: 1 + k conv windows and token rows, so one recurrent state with the slot, where vLLM's hybrid cache
-    gives a speculating request 1 + k state blocks), so every step fits a captured verify graph (a step past the
-    scratch would run eager). vLLM's default count (upper) is sized with the pool and the scratch in at most half of
-    the cache budget, the rule without speculation; a count the user set is held to what the whole budget holds
-    (share 1). At least one (docs/speculative-decoding.md#memory)."""
-    per_seq = max(slot_bytes + row_bytes, 1)
-    return max(1, min(upper, int(budget_bytes * share) // per_seq))
-
-
-@dataclass
-class TargetStep:
-    """The target's forward of a step, as a drafter that reads hidden states needs it (all on the device)."""
-
-    ctx: ForwardContext  # the step's batch metadata (its attention fields index the step's KV slots)
-    positions: torch.Tensor  # [3, T]
-    hidden: torch.Tensor  # [T, H] final-normed
-    next_ids: torch.Tensor  # [T] the token at each row's position + 1 where known (0 where not: a rejected draft's)
-    draft_rows: torch.Tensor  # [R] per sampling row, the row of the step its drafts continue from (last accepted)
-    draft_index: torch.Tensor  # [R] that row's token index in its sequence
-    kv_limit: np.ndarray  # [R] tokens the sampling row's KV blocks cover (host)
-    block_tables: torch.Tensor  # [R, max_blocks] int32
-    block_size: int
-
-
-@dataclass
-class DraftInputs:
-    """What a drafter sees after a step: per sampling row, the tokens the step emitted, and the target's forward."""
-
-    rows: np.ndarray  # [R] table rows (host); empty for a step that sampled nothing
-    rows_dev: torch.Tensor  # [R]
-    tokens: torch.Tensor  # [R, W] int64: the tokens emitted this step, -1 past num_emitted
-    num_emitted: torch.Tensor  # [R] int64: 1 for a plain sample, 1 .. 1 + k for a verify
-    target: TargetStep | None = None
-    # drafts a row's next verify may use (StepPlan.num_drafts_next, 0 .. k_max): a drafter may leave the columns past
-    # it as they are; one with a KV cache of its own still fills that cache over the step's tokens at 0
-    num_drafts: int | None = None  # None: k_max
-
-
-class Drafter(Protocol):
-    def propose(self, inputs: DraftInputs) -> torch.Tensor:
-        """[R, k_max] int64 draft tokens for the next decode of each row (on the device; the first
-        inputs.num_drafts columns are the ones read). Called after every step while speculating, also with R = 0 (a
-        drafter with a KV cache of its own fills it then)."""
-        ...
-
-
-@dataclass
-class SpecHandle:
-    """A launched step's speculative state: its verify chunks (None when it has none) and the target's forward for
-    the drafter; then the accept step's device results and their host copies (collect reads them)."""
-
-    layout: SpecLayout | None
-    keys: np.ndarray | None  # [S] the verify rows' occupant keys at launch (a row reused since is not counted)
-    is_random: np.ndarray | None = None  # [S] the verify rows that sample randomly (host)
-    inputs: StepInputs | None = None  # the eager forward's inputs
-    step_layout: StepLayout | None = None
-    hidden: torch.Tensor | None = None  # [T, H]
-    tokens: torch.Tensor | None = None  # [S, W] accepted tokens, -1 padding
-    num_emitted: torch.Tensor | None = None  # [S]
-    # a deferred step's drafts [S, k] on their way to the host (pinned copy) and the event that ends the copy
-    drafts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-    # the target forward ran as a verify graph whose post-sampling replay commits the GDN states, saves the MTP
-    # hidden rows and drafts (runner/spec_graphs.py): accept() leaves those to it
-    is_graphed: bool = False
-    graphs: VerifyGraphs | None = None  # the graphs whose post-sampling replay that is (is_graphed)
-    num_drafts_next: int | None = None  # the plan's StepPlan.num_drafts_next: drafts to propose after the step
 
 
 class SpecDecoder:
@@ -429,135 +274,8 @@ class SpecDecoder:
             num_emitted.index_copy_(0, index, spec.num_emitted)
         target = None
         if spec.hidden is not None:
-            target = self._target_step(spec, table, block_size, rows, rows_dev, seq_tokens)
+            target = _target_step(spec, table, block_size, rows, rows_dev, seq_tokens)
         num_drafts = self.num_drafts_after(spec.num_drafts_next)
         drafts = self.drafter.propose(DraftInputs(rows, rows_dev, tokens, num_emitted, target, num_drafts))
         if len(rows) and num_drafts:
             self.draft_tokens.index_copy_(0, rows_dev, drafts[:, : self.num_speculative_tokens].to(torch.int64))
-
-    @staticmethod
-    def _target_step(
-        spec: SpecHandle, table: RequestTable, block_size: int, rows: np.ndarray, rows_dev: torch.Tensor,
-        seq_tokens: torch.Tensor,
-    ) -> TargetStep:  # fmt: skip
-        """Each step row's next token (what a drafter that reads hidden states pairs with it) and where each
-        sampling row's drafts start."""
-        inputs, layout = spec.inputs, spec.step_layout
-        device = inputs.input_ids.device
-        ids = inputs.input_ids
-        next_ids = torch.zeros_like(ids)
-        next_ids[:-1] = ids[1:]
-        ends = layout.query_start_loc[1:] - 1  # [B] each chunk's last row
-        # a chunk that sampled nothing: its next token is the next prompt token (0 past the prompt)
-        is_sampling = np.zeros(len(layout.rows), dtype=np.bool_)
-        is_sampling[layout.sample_seqs] = True
-        quiet = np.nonzero(~is_sampling)[0]
-        if len(quiet):
-            following = layout.starts[quiet] + layout.num_new[quiet]
-            values = [
-                int(table.prompts[r][e]) if e < table.num_prompt[r] else 0
-                for r, e in zip(layout.rows[quiet].tolist(), following.tolist(), strict=True)
-            ]
-            next_ids.index_copy_(0, to_device(ends[quiet], torch.int64, device), to_device(values, torch.int64, device))
-        sample_ends = to_device(ends[layout.sample_seqs], torch.int64, device)
-        if len(rows):
-            next_ids.index_copy_(0, sample_ends, seq_tokens)
-        draft_rows = sample_ends.clone()
-        draft_index = to_device(layout.starts[layout.sample_seqs] + layout.num_new[layout.sample_seqs] - 1,
-                                torch.int64, device)  # fmt: skip
-        if spec.layout is not None:  # verify chunks: the emitted tokens follow their rows; drafts continue at a_s
-            verify = spec.layout
-            width = verify.token_index.shape[1]
-            first = layout.query_start_loc[verify.seq_index]  # [S]
-            columns = np.arange(width)
-            is_real = columns[None, :] <= verify.num_drafts[:, None]
-            # padding entries go to a spare row past the step's rows (no boolean mask: no host sync)
-            flat = np.where(is_real, first[:, None] + columns[None, :], len(ids)).reshape(-1)
-            spare = torch.cat([next_ids, next_ids.new_zeros(1)])
-            spare.index_copy_(0, to_device(flat, torch.int64, device), spec.tokens.clamp(min=0).reshape(-1))
-            next_ids = spare[:-1]
-            index = to_device(verify.spec_sample_index, torch.int64, device)
-            accepted = spec.num_emitted - 1
-            draft_rows.index_copy_(0, index, to_device(first, torch.int64, device) + accepted)
-            starts = to_device(layout.starts[verify.seq_index], torch.int64, device)
-            draft_index.index_copy_(0, index, starts + accepted)
-        if inputs.start_shift is not None:  # chained chunks: their planned starts moved back (runner/spec_chain.py)
-            sample_seqs = to_device(layout.sample_seqs, torch.int64, device)
-            draft_index = draft_index - inputs.start_shift.index_select(0, sample_seqs)
-        return TargetStep(
-            ctx=inputs.ctx,
-            positions=inputs.positions,
-            hidden=spec.hidden,
-            next_ids=next_ids,
-            draft_rows=draft_rows,
-            draft_index=draft_index,
-            kv_limit=table.num_blocks[rows] * block_size,
-            block_tables=table.block_table.index_select(0, rows_dev),
-            block_size=block_size,
-        )
-
-    @staticmethod
-    def drafts_to_host(draft_tokens: torch.Tensor, layout: SpecLayout) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Starts copying the verify rows' drafts to the host (the grammars of a deferred step need them)."""
-        verify_rows = layout.draft_rows[np.cumsum(layout.num_drafts) - 1]  # [S] each chunk's table row
-        rows = to_device(verify_rows, torch.int64, draft_tokens.device)
-        drafts = draft_tokens.index_select(0, rows)  # [S, k_max]
-        if not is_cuda(drafts.device):
-            return drafts, None
-        host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-        host.copy_(drafts, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    @staticmethod
-    def drafts_of(handle: SpecHandle) -> dict[int, list[int]]:
-        drafts, event = handle.drafts
-        if event is not None:
-            event.synchronize()
-        layout = handle.layout
-        values = drafts.tolist()
-        return {int(i): values[s][:k] for s, (i, k) in enumerate(zip(layout.seq_index, layout.num_drafts, strict=True))}
-
-    @staticmethod
-    def to_host(handle: SpecHandle) -> None:
-        """Starts the host copies of the accepted tokens (the caller's event marks their end); drops the step's
-        device tensors the drafter no longer needs."""
-        handle.inputs = handle.step_layout = handle.hidden = None
-        if handle.tokens is None:
-            return
-        for name in ("tokens", "num_emitted"):
-            value = getattr(handle, name)
-            if is_cuda(value.device):
-                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                setattr(handle, name, host.copy_(value, non_blocking=True))
-
-
-def collect_tokens(handle, table: RequestTable, vocab_size: int, token_ids: list, logprobs: list) -> None:
-    """Fills a collected step that holds verify chunks (a step without one is collected as any other) with its
-    per-sequence tokens (and logprobs) from its host copies: a verify chunk's accepted tokens, one token for the
-    others. The table's output counts gain the accepted drafts (record_sampled counted one token per sequence at
-    launch)."""
-    spec: SpecHandle = handle.spec
-    layout = spec.layout
-    sampled = handle.sampled.token_ids.tolist()  # [P]
-    emitted = spec.tokens.tolist()
-    num_emitted = spec.num_emitted.tolist()
-    per_position = None
-    if handle.num_logprobs is not None:
-        per_position = logprobs_to_host(handle.sampled, sampled, handle.num_logprobs, vocab_size)
-    offsets = layout.sample_offsets
-    verify_of = {int(i): s for s, i in enumerate(layout.spec_sample_index)}
-    for i, seq_index in enumerate(handle.sample_seqs.tolist()):
-        first = int(offsets[i])
-        s = verify_of.get(i)
-        if s is None:
-            tokens = (sampled[first],)
-        else:
-            tokens = tuple(emitted[s][: num_emitted[s]])
-            row = int(handle.plan.seqs[seq_index].row)
-            if table.keys[row] == spec.keys[s]:
-                table.num_sampled[row] += num_emitted[s] - 1
-        token_ids[seq_index] = tokens
-        if per_position is not None and per_position[first] is not None:
-            logprobs[seq_index] = tuple(per_position[first : first + len(tokens)])

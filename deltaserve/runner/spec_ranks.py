@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.model.parallel import TensorParallel
-from deltaserve.runner.spec_decode import SpecHandle
+from deltaserve.runner.spec_handle import SpecHandle
 
 
 def _verify_shape(spec: SpecHandle | None) -> tuple[int, int]:

@@ -14,8 +14,9 @@ from deltaserve.model.qwen3_5 import Qwen35Model
 from deltaserve.runner.inputs import StepInputs, StepLayout
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import SpecDecoder, SpecHandle
+from deltaserve.runner.spec_decode import SpecDecoder
 from deltaserve.runner.spec_graphs import VerifyGraphs, max_verify_batch
+from deltaserve.runner.spec_handle import SpecHandle, to_host
 from deltaserve.sampler import Sampler, SamplerOutput, SamplingBatch
 from deltaserve.sampler.sampler import SAMPLING_EPS
 from deltaserve.speculative_config import SpeculativeConfig
@@ -77,7 +78,7 @@ def draft_without_sampling(
     """A step that samples nothing still runs the drafter: its own KV follows the target's over every forward."""
     empty = layout.rows[:0]
     decoder.propose(spec, table, block_size, empty, inputs.sample_rows_dev[:0], inputs.input_ids[:0])
-    SpecDecoder.to_host(spec)
+    to_host(spec)
 
 
 def verify_sampling_batch(

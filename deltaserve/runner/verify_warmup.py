@@ -20,7 +20,8 @@ from deltaserve.runner.cache import CacheLayout, allocate_and_bind
 from deltaserve.runner.device_setup import is_cuda
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import STATE_SHARE, SpecDecoder, scratch_rows, speculating_seqs
+from deltaserve.runner.spec_decode import SpecDecoder
+from deltaserve.runner.spec_layout import STATE_SHARE, scratch_rows, speculating_seqs
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
 
@@ -63,7 +64,7 @@ def verify_warmup_rows(
     row_bytes: int, is_sized: bool = False, has_policy: bool = False,
 ) -> int:  # fmt: skip
     """The verify chunks of the warm-up's verify step: the most a served step may hold, as the scheduler caps them:
-    at most max_num_seqs, at most the sequences whose verify scratch budget_bytes affords (runner/spec_decode.py
+    at most max_num_seqs, at most the sequences whose verify scratch budget_bytes affords (runner/spec_layout.py
     speculating_seqs: in half of it for vLLM's default count sized to memory, is_sized; in all of it beside a
     count the user set; under the k policy, has_policy, scratch_rows' quarter; the scheduler's
     SpecSchedule.max_verifies), and as many chunks of 1 + k tokens as the step's token budget holds. Not the

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from deltaserve.engine.llm import LLM
-from deltaserve.runner.spec_decode import DraftInputs
+from deltaserve.runner.drafter import DraftInputs
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.mtp import load_mtp_head, text_model_of
 from deltaserve.tiny.trained import trained_model_dir

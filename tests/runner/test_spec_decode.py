@@ -1,4 +1,4 @@
-"""The runner's verify-chunk layout (runner/spec_decode.py: spec_layout) on hand-built plans, its refusals, and the
+"""The runner's verify-chunk layout (runner/spec_layout.py: spec_layout) on hand-built plans, its refusals, and the
 verify scratch's share of the cache budget (plain data in, numpy out: no model). Under tensor parallelism:
 tests/runner/test_spec_decode_tensor_parallel.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deltaserve.runner.spec_decode import spec_layout, speculating_seqs
+from deltaserve.runner.spec_layout import spec_layout, speculating_seqs
 from deltaserve.step import ScheduledSeq
 
 

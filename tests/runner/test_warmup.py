@@ -19,7 +19,8 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.runner import memory
 from deltaserve.runner.memory import profile_peak_bytes, warmup_plan
 from deltaserve.runner.mtp_drafter import MtpDrafter
-from deltaserve.runner.spec_decode import SpecDecoder, spec_layout
+from deltaserve.runner.spec_decode import SpecDecoder
+from deltaserve.runner.spec_layout import spec_layout
 from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_plans, verify_warmup_rows, warm_up_verify
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import StepPlan

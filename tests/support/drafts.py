@@ -1,6 +1,6 @@
 """A test-only draft source for speculative decoding: drafts read from a reference continuation of each prompt.
 
-`ReferenceDrafter` implements the runner's Drafter (runner/spec_decode.py). For each row that sampled, it finds the
+`ReferenceDrafter` implements the runner's Drafter (runner/drafter.py). For each row that sampled, it finds the
 request's prompt in `references` (prompt token ids -> the greedy outputs of a run without speculation) and proposes
 the reference's next k tokens: mode "all" proposes them as they are (every draft is accepted), "none" shifts each
 one by one token id (every draft is rejected), "mixed" shifts every third output position (runs of accepted drafts
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from deltaserve.engine.core import EngineCore
+from deltaserve.runner.drafter import DraftInputs
 from deltaserve.runner.request_table import RequestTable
-from deltaserve.runner.spec_decode import DraftInputs
 
 MODES = ("all", "none", "mixed")
 
