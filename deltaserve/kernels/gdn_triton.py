@@ -213,11 +213,11 @@ BLK = tl.constexpr(16)
 
 
 @triton.jit
-def _inv_diag4(b_at0, b_at1, b_at2, b_at3):
-    """(I + A_m)^-1 of the four diagonal blocks (given transposed, [BLK, BLK] fp32) by forward substitution, the
-    four in lockstep so their reductions overlap: X_i = e_i − Σ_{j<i} A_ij X_j, rows j < i already final.
-    A transposed: row i of A_m is a column of the tile, reduced along axis 1 into the layout that weighs X's
-    rows (no layout conversion per step)."""
+def _inv_diag4(p_a, BT: tl.constexpr):
+    """(I + A_m)^-1 of the four diagonal blocks of the strictly lower [BT, BT] fp32 A at p_a (row-major), [BLK, BLK]
+    fp32 each, by forward substitution, the four in lockstep so their reductions overlap: X_i = e_i − Σ_{j<i} A_ij
+    X_j, rows j < i already final. Row i of each block is loaded from p_a (L1-resident, independent of X) rather
+    than cut out of a register tile, which would cost a masked reduction per block and step."""
     o_r = tl.arange(0, BLK)
     b_x0 = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
     b_x1 = b_x0
@@ -225,12 +225,12 @@ def _inv_diag4(b_at0, b_at1, b_at2, b_at3):
     b_x3 = b_x0
     for i in range(1, BLK):
         is_row = o_r[:, None] == i  # [BLK, 1]
-        is_col = o_r[None, :] == i  # [1, BLK]
         b_e = tl.where(o_r == i, 1.0, 0.0)  # [BLK]
-        b_a0 = tl.sum(tl.where(is_col, b_at0, 0.0), axis=1)  # [BLK] row i of A_0, over j
-        b_a1 = tl.sum(tl.where(is_col, b_at1, 0.0), axis=1)
-        b_a2 = tl.sum(tl.where(is_col, b_at2, 0.0), axis=1)
-        b_a3 = tl.sum(tl.where(is_col, b_at3, 0.0), axis=1)
+        p_row = p_a + i * BT + o_r  # row i of block 0, over j
+        b_a0 = tl.load(p_row)  # [BLK]
+        b_a1 = tl.load(p_row + (BLK * BT + BLK))
+        b_a2 = tl.load(p_row + 2 * (BLK * BT + BLK))
+        b_a3 = tl.load(p_row + 3 * (BLK * BT + BLK))
         b_x0 = tl.where(is_row, (b_e - tl.sum(b_a0[:, None] * b_x0, axis=0))[None, :], b_x0)
         b_x1 = tl.where(is_row, (b_e - tl.sum(b_a1[:, None] * b_x1, axis=0))[None, :], b_x1)
         b_x2 = tl.where(is_row, (b_e - tl.sum(b_a2[:, None] * b_x2, axis=0))[None, :], b_x2)
@@ -259,13 +259,7 @@ def _blocked_inverse(p_a, BT: tl.constexpr):
     the diagonal stay the zeros A has there. The caller puts a barrier between A's store and this call."""
     o_r = tl.arange(0, BLK)
     o_b = o_r[:, None] * BT + o_r[None, :]  # [BLK, BLK] one block
-    o_bt = o_r[None, :] * BT + o_r[:, None]  # [BLK, BLK] one block, transposed
-    b_x00, b_x11, b_x22, b_x33 = _inv_diag4(
-        tl.load(p_a + o_bt),
-        tl.load(p_a + (BLK * BT + BLK) + o_bt),
-        tl.load(p_a + 2 * (BLK * BT + BLK) + o_bt),
-        tl.load(p_a + 3 * (BLK * BT + BLK) + o_bt),
-    )
+    b_x00, b_x11, b_x22, b_x33 = _inv_diag4(p_a, BT)
     b_a10 = tl.load(p_a + BLK * BT + o_b)
     b_a20 = tl.load(p_a + 2 * BLK * BT + o_b)
     b_a21 = tl.load(p_a + 2 * BLK * BT + BLK + o_b)
