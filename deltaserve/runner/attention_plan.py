@@ -28,7 +28,7 @@ def build_backend(
 ) -> PrefillBackend | None:
     """The library serving prefill rows for a resolved --attention-backend (None: TRITON_ATTN, ours). Built after
     the engine's memory share is taken and before the warm-up, so FlashInfer's workspace is measured with the
-    weights (runner/memory.py) and never counted in the KV blocks."""
+    weights (runner/warmup.py) and never counted in the KV blocks."""
     if name == "TRITON_ATTN":
         return None
     if name == "FLASH_ATTN":

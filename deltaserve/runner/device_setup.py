@@ -1,7 +1,7 @@
 """Where a ModelRunner runs, decided once at construction: the device and dtype named by the engine config ("auto"
 resolved as vLLM does), the GPU of a tensor-parallel rank, the CPU thread count, the GDN prefill kernel
 (--gdn-prefill-backend), the attention kernel of prefill rows (--attention-backend), and the share of the GPU this
-engine may size its caches from (runner/memory.py spends it)."""
+engine may size its caches from (runner/warmup.py spends it)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ prefill chunks of rows that asked (runner/prompt_logprobs.py).
 
 This file is the orchestration; the jobs live beside it, taking the state the runner owns as arguments:
 runner/device_setup.py (device, dtype, threads, the GDN prefill kernel, this engine's share of the GPU),
-runner/memory.py (the warm-up, with runner/verify_warmup.py's verify step while speculating, and the cache sizing),
-runner/sampling_step.py (StepHandle, the sampler call, the host copies, collect), runner/spec_step.py (the
-speculative glue: verify graphs, the verify batch, accept and draft), runner/mm_embeds.py (the vision encoder's
-embeddings of a step).
+runner/warmup.py (the warm-up, with runner/verify_warmup.py's verify step while speculating, and the cache budget),
+runner/memory.py (the cache sizing), runner/sampling_step.py (StepHandle, the sampler call, the host copies,
+collect), runner/spec_step.py (the speculative glue: verify graphs, the verify batch, accept and draft),
+runner/mm_embeds.py (the vision encoder's embeddings of a step).
 
 Under tensor parallelism one ModelRunner runs per rank (runner/executor.py starts them) with the rank's shard of
 the model and of the caches: every rank applies the same plan to its own request table and runs the same forward
@@ -155,7 +155,7 @@ class ModelRunner:
         self.spec_decode_graphs: VerifyGraphs | None = None  # width 1: all-decode steps without verify chunks
         self.spec_draft_counts = spec_draft_counts(engine_config.speculative_config)  # StepPlan.num_drafts_next's
         self.spec: SpecDecoder | None = None  # enable_speculation; the warm-up sets its own for its steps
-        # the warm-up (runner/memory.py) measures the activation peak; what is left sizes the caches
+        # the warm-up (runner/warmup.py) measures the activation peak; what is left sizes the caches
         self.max_num_seqs, spec_rows, self.layout = size_caches(self, max_num_batched_tokens, max_model_len)
         allocate_and_bind(self.model, model_config, self.layout, self.dtype, self.device)
         self.table = RequestTable(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size, self.device)

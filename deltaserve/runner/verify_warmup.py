@@ -1,7 +1,7 @@
 """The start-up warm-up's verify step: while speculating, one eager verify step as large as the engine may serve,
 run on a throw-away cache through the runner's own execute() (the target forward over B rows of 1 + k tokens with
 their drafts, the sampler and the accept rule over every position, the state commit, and the MTP drafter's pass and
-chained passes), so its activations join the measured peak (runner/memory.py) instead of coming out of the fixed
+chained passes), so its activations join the measured peak (runner/warmup.py) instead of coming out of the fixed
 headroom (docs/speculative-decoding.md#memory).
 
 The plans are plain data built by verify_warmup_plans: B fresh one-token prompts that sample (the drafter drafts k
@@ -25,7 +25,8 @@ from deltaserve.runner.spec_layout import STATE_SHARE, scratch_rows, speculating
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import NewRequest, ScheduledSeq, StepPlan, StepResult
 
-if TYPE_CHECKING:  # runner/model_runner.py imports runner/memory.py, which imports this module
+if TYPE_CHECKING:  # runner/model_runner.py imports runner/memory.py, which imports runner/warmup.py, which imports
+    # this module
     from deltaserve.runner.model_runner import ModelRunner
 
 PROMPT_LEN = 1  # each warm-up row's prompt: its verify chunk then covers positions 1 .. 1 + k

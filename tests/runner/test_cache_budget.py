@@ -14,7 +14,8 @@ import pytest
 from deltaserve.config import ModelConfig
 from deltaserve.engine.llm import LLM
 from deltaserve.engine_config import EngineConfig
-from deltaserve.runner import memory
+from deltaserve.runner import memory, warmup
+from deltaserve.runner.cuda_graph import buckets, static_bytes
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.support.fake_cuda import fake_cuda
@@ -228,12 +229,13 @@ def test_the_config_refuses_what_is_not_a_byte_count(value: object) -> None:
 def spy_on_cache_budget(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The list that collects what every cache_budget call returns while the patch lasts."""
     budgets: list[int] = []
-    cache_budget = memory.cache_budget
+    cache_budget = warmup.cache_budget
 
     def spy(runner, *args: int) -> int:  # noqa: ANN001 (the runner under construction)
         budgets.append(cache_budget(runner, *args))
         return budgets[-1]
 
+    # runner/warmup.py defines it; size_caches looks it up in runner/memory.py
     monkeypatch.setattr(memory, "cache_budget", spy)
     return budgets
 
@@ -275,14 +277,14 @@ def test_a_capped_count_gives_its_unneeded_graph_buffers_back_to_the_cache(
     need fewer rows, and the difference becomes KV blocks (session 25: 1.37 GiB on the H100 27B)."""
     budgets = spy_on_cache_budget(monkeypatch)
     config = {**FIXED, "max_num_seqs": None, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5}
-    total = 2 * (memory.HEADROOM_BYTES + 16 * 2**20)
+    total = 2 * (warmup.HEADROOM_BYTES + 16 * 2**20)
     with fake_cuda(monkeypatch, total, 3 * 2**20), caplog.at_level(logging.INFO, logger="deltaserve"):
         runner = LLM(DENSE, **config).engine.runner
     upper = memory.default_max_num_seqs(runner.device)
     assert runner.is_graphed and runner.max_num_seqs < upper
-    reserved = memory.static_bytes(memory.buckets(upper)[2], runner.vocab_size)
-    needed = memory.static_bytes(memory.buckets(runner.max_num_seqs)[2], runner.vocab_size)
-    assert memory.graph_bytes(runner, upper)[1] == reserved and reserved > needed
+    reserved = static_bytes(buckets(upper)[2], runner.vocab_size)
+    needed = static_bytes(buckets(runner.max_num_seqs)[2], runner.vocab_size)
+    assert warmup.graph_bytes(runner, upper)[1] == reserved and reserved > needed
     layout = runner.layout
     used = layout.num_blocks * layout.bytes_per_block + layout.num_slots * layout.bytes_per_slot
     budget = budgets[0] + reserved - needed

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from deltaserve.engine.llm import LLM
-from deltaserve.runner import memory
+from deltaserve.runner import memory, warmup
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tiny.fp8 import write_fp8_checkpoint
 from deltaserve.tiny.trained import trained_model_dir
@@ -24,7 +24,7 @@ from tests.support.vision import case_for, generate_together
 
 MIB = 2**20
 UTILIZATION = 0.5
-TOTAL = 2 * (memory.HEADROOM_BYTES + 24 * MIB)  # this engine's share leaves ~24 MiB above the headroom
+TOTAL = 2 * (warmup.HEADROOM_BYTES + 24 * MIB)  # this engine's share leaves ~24 MiB above the headroom
 PEAK = 3 * MIB  # the faked warm-up peak
 BASE = {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 64, "max_num_batched_tokens": 64}
 CORPUS = (Path(__file__).parents[2] / "deltaserve" / "tiny" / "corpus.txt").read_text()
@@ -88,13 +88,14 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def fake_gpu_llm(model_dir: Path, budgets: list[int], **kwargs: object) -> LLM:
     """An LLM whose runner took the CUDA branches (call inside fake_cuda); budgets gets what cache_budget returned."""
-    cache_budget = memory.cache_budget
+    cache_budget = warmup.cache_budget
 
     def spy(runner, *args: int) -> int:  # noqa: ANN001 (the runner under construction)
         budgets.append(cache_budget(runner, *args))
         return budgets[-1]
 
     with pytest.MonkeyPatch.context() as monkeypatch:
+        # runner/warmup.py defines it; size_caches looks it up in runner/memory.py
         monkeypatch.setattr(memory, "cache_budget", spy)
         return LLM(model_dir, gpu_memory_utilization=UTILIZATION, **kwargs)
 
@@ -110,7 +111,7 @@ def served(request: pytest.FixtureRequest, fp8_dirs: dict[str, Path]) -> Served:
     with pytest.MonkeyPatch.context() as monkeypatch, fake_cuda(monkeypatch, TOTAL, PEAK) as cuda:
         llm = fake_gpu_llm(model_dir, budgets, **kwargs)
         runner = llm.engine.runner
-        _, graph_bytes = memory.graph_bytes(runner, runner.max_num_seqs)
+        _, graph_bytes = warmup.graph_bytes(runner, runner.max_num_seqs)
         tokens, cached = _generate(llm, scenario)
     return Served(scenario, expected, tokens, cached, budgets, graph_bytes, cuda, runner.is_graphed,
                   runner.is_spec_graphed)  # fmt: skip
@@ -120,7 +121,7 @@ def test_the_cache_budget_comes_from_the_faked_gpu_memory(served: Served) -> Non
     # weights 0 (nothing allocated), the faked peak, the graphs' static buffers and the fixed headroom out of the
     # engine's share
     share = math.ceil(TOTAL * UTILIZATION)
-    assert served.budgets == [share - PEAK - served.graph_bytes - memory.HEADROOM_BYTES]
+    assert served.budgets == [share - PEAK - served.graph_bytes - warmup.HEADROOM_BYTES]
     assert served.graph_bytes > 0
 
 

@@ -15,7 +15,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine.llm import LLM
 from deltaserve.engine_config import EngineConfig
 from deltaserve.kernels import gdn, gdn_flashinfer
-from deltaserve.runner import device_setup, memory
+from deltaserve.runner import device_setup, warmup
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.support.fake_cuda import fake_cuda
@@ -126,7 +126,7 @@ def test_the_gpu_start_up_compiles_flashinfer_and_keeps_room_for_its_copies(monk
     (max_num_seqs 4), its two state copies of one layer out of the KV blocks, against the same engine on our kernel."""
     fake = install_fake_flashinfer(monkeypatch)
     monkeypatch.setattr(gdn_flashinfer, "unusable_reason", lambda *args: None)
-    total, peak = 2 * (memory.HEADROOM_BYTES + 24 * 2**20), 3 * 2**20
+    total, peak = 2 * (warmup.HEADROOM_BYTES + 24 * 2**20), 3 * 2**20
     config = {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 64, "max_num_batched_tokens": 64,
               "enable_prefix_caching": False, "gpu_memory_utilization": 0.5}  # fmt: skip
     layouts = {}

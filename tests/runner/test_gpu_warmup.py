@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.runner.memory import drop_cache, profile_peak_bytes, warm_up_verify_sampling
 from deltaserve.runner.verify_warmup import PeakMeter, warm_up_verify
+from deltaserve.runner.warmup import drop_cache, profile_peak_bytes, warm_up_verify_sampling
 from deltaserve.tiny.trained import trained_model_dir
 
 MAX_LEN = 512  # also max_num_batched_tokens: the verify step's 128 chunks of 1 + k = 4 tokens fill it
@@ -33,7 +33,7 @@ def test_the_warmup_peak_holds_the_verify_step(caplog: pytest.LogCaptureFixture)
     drop_cache(runner.model)
     gc.collect()
     torch.cuda.empty_cache()
-    with caplog.at_level(logging.INFO, logger="deltaserve.runner.memory"):
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.warmup"):
         with_spec = profile_peak_bytes(runner, MAX_LEN, MAX_LEN, ROWS)
     assert f"a verify step of {ROWS} rows of 4 tokens with drafts and the MTP drafter" in caplog.text
     meter = PeakMeter(runner.device)

@@ -23,8 +23,8 @@ from deltaserve.engine.llm import LLM
 from deltaserve.kernels.attention import paged_attention_ref
 from deltaserve.kernels.gdn_spec import causal_conv1d_verify_ref, gdn_verify_ref, verify_row_width
 from deltaserve.model.context import forward_context
-from deltaserve.runner.memory import graph_bytes, warm_up_verify_sampling
 from deltaserve.runner.spec_graphs import max_verify_batch
+from deltaserve.runner.warmup import graph_bytes, warm_up_verify_sampling
 from deltaserve.sampler import Sampler
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
@@ -113,7 +113,7 @@ def test_buckets_hold_at_most_512_tokens() -> None:
 
 def test_verify_graphs_static_buffers_join_the_cache_budget() -> None:
     """The 35B-A3B shape at k = 3: 128 rows of 4 tokens, each token a fp32 logits row, a bf16 lm_head row and a
-    bf16 hidden row, and each row the drafter's fp32 + bf16 logits (runner/memory.py graph_bytes), in place of the
+    bf16 hidden row, and each row the drafter's fp32 + bf16 logits (runner/warmup.py graph_bytes), in place of the
     decode graphs' buffers; with a k policy, the width-1 graphs' buffers as well."""
     runner = SimpleNamespace(
         is_graphed=False, is_spec_graphed=True, vocab_size=248320, dtype=torch.bfloat16,
@@ -130,7 +130,7 @@ def test_verify_graphs_static_buffers_join_the_cache_budget() -> None:
 
 
 def test_verify_sampling_warm_up_runs_the_random_rule_over_a_bucket() -> None:
-    """The start-up warm-up's verify step (runner/memory.py, run on the GPU before the cache is sized): the sampler
+    """The start-up warm-up's verify step (runner/warmup.py, run on the GPU before the cache is sized): the sampler
     over S·(1 + k) positions, then the random rule over [S, k, V]; its outputs are a rule's outputs."""
     tokens, num_emitted = warm_up_verify_sampling(Sampler(0), 3, 3, 128, torch.device("cpu"))
     assert tokens.shape == (3, 4) and num_emitted.shape == (3,)

@@ -18,7 +18,8 @@ import torch
 
 from deltaserve.engine.llm import LLM
 from deltaserve.model.context import forward_context
-from deltaserve.runner import memory, model_runner
+from deltaserve.runner import model_runner, warmup
+from deltaserve.runner.spec_graphs import verify_static_bytes
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode import make_prompts, run
@@ -129,7 +130,7 @@ def test_the_width_one_graphs_capture_and_replay_with_the_cuda_calls_stood_in() 
         assert graphs.is_captured and sorted(graphs.graphs) == graphs.sizes
         assert sorted(graphs.post_graphs) == [(s, n) for s in graphs.sizes for n in range(K + 1)]
         assert graphs.pool is runner.spec_graphs.pool  # one memory pool for both widths
-        kind, static = memory.graph_bytes(runner, runner.max_num_seqs)
+        kind, static = warmup.graph_bytes(runner, runner.max_num_seqs)
         drafts: list[tuple[int, int]] = []  # (width, drafts proposed) of each post-sampling replay
         for each in (graphs, runner.spec_graphs):
             draft = each.draft
@@ -146,9 +147,9 @@ def test_the_width_one_graphs_capture_and_replay_with_the_cuda_calls_stood_in() 
     assert {(1, 0), (1 + K, 3)} <= set(drafts) and {w for w, _ in drafts} == {1, 1 + K}, drafts
     assert cuda.replays == 2 * len(drafts)  # each graphed step: its forward and its post-sampling graph
     assert kind == "verify and width-1"
-    without = memory.verify_static_bytes(8, 1 + K, runner.vocab_size, runner.model_config.hidden_size,
+    without = verify_static_bytes(8, 1 + K, runner.vocab_size, runner.model_config.hidden_size,
                                          runner.dtype, True)  # fmt: skip
-    assert static == without + memory.verify_static_bytes(8, 1, runner.vocab_size, runner.model_config.hidden_size,
+    assert static == without + verify_static_bytes(8, 1, runner.vocab_size, runner.model_config.hidden_size,
                                                            runner.dtype, True)  # fmt: skip
 
 

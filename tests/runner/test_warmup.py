@@ -17,11 +17,11 @@ from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.llm import LLM
 from deltaserve.engine_config import EngineConfig
 from deltaserve.runner import memory
-from deltaserve.runner.memory import profile_peak_bytes, warmup_plan
 from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.spec_decode import SpecDecoder
 from deltaserve.runner.spec_layout import spec_layout
 from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_plans, verify_warmup_rows, warm_up_verify
+from deltaserve.runner.warmup import profile_peak_bytes, warmup_plan
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import StepPlan
 from deltaserve.tiny.trained import trained_model_dir
@@ -148,7 +148,7 @@ def test_warmup_with_speculation_runs_a_verify_step_on_the_cpu(
     runner = mtp_runner
     table, spec = runner.table, runner.spec
     drafted = count_drafter_rows(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="deltaserve.runner.memory"):
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.warmup"):
         assert profile_peak_bytes(runner, 64, 64, 8) == 0  # unmeasured off CUDA
     # the drafter after each of the 7 prefills (64, 32, ..., 1 tokens: no row samples), then after the verify
     # warm-up's prefill, its plain decode and its verify step (8 rows each)
@@ -181,6 +181,7 @@ def test_start_up_runs_the_warmup_before_the_runner_has_a_spec(
         peaks.append(profile_peak_bytes(runner, max_num_batched_tokens, max_model_len, max_num_seqs))
         return runner.engine_config.cpu_kv_cache_bytes
 
+    # runner/warmup.py defines it; size_caches looks it up in runner/memory.py
     monkeypatch.setattr(memory, "cache_budget", warm_then_budget)
     warmed = LLM(trained_model_dir("dense"), **kwargs)
     assert peaks == [0]
