@@ -432,8 +432,8 @@ def _gdn_chunk_wu_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Per (chunk, value head), the scan inputs that need no state: w = Xw·k̂ rounded to the input dtype
-    [T, HV, dk] and u = Xu·v in fp32 [T, HV, dv] (the rounding points of the old in-scan dots). Rows past the
-    sequence end are not stored (the scan loads them as zeros, as they were)."""
+    [T, HV, dk] and u = Xu·v rounded to the input dtype [T, HV, dv] (vLLM's FLA rounds both: its
+    recompute_w_u stores u in v's dtype). Rows past the sequence end are not stored (the scan loads them as zeros)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets_ptr + num_seqs):
@@ -460,7 +460,7 @@ def _gdn_chunk_wu_kernel(
         mask=m_tv,
         other=0.0,
     )
-    b_u = tl.dot(tl.load(xu_ptr + p_x + o_x), b_v, input_precision=DOT_PRECISION)  # [BT, BV] fp32
+    b_u = tl.dot(tl.load(xu_ptr + p_x + o_x), b_v, input_precision=DOT_PRECISION).to(DT)  # [BT, BV]
     tl.store(u_ptr + i64(start) * (HV * DV) + i_h * DV + o_i[:, None] * (HV * DV) + o_v[None, :], b_u, mask=m_tv)
 
 
@@ -557,7 +557,7 @@ def _gdn_chunk_scan_kernel(
         b_gcum = tl.where(m_t, tl.load(p_g + o_i * HV, mask=m_t, other=0.0), g_last)  # [BT]
         b_s_dt = b_s.to(DT)
         tl.store(p_hs + o_hs, b_s_dt, mask=m_lo[:, None] & m_v[None, :])
-        b_vnew = tl.load(p_u + o_u, mask=m_tv, other=0.0)  # [BT, BV] fp32
+        b_vnew = tl.load(p_u + o_u, mask=m_tv, other=0.0).to(tl.float32)  # [BT, BV]
         b_vnew -= tl.dot(b_w, b_s_dt, input_precision=DOT_PRECISION)
         if TWO_K:
             b_kt_hi = tl.load(p_kn + BKH + o_nt, mask=m_hi[:, None] & m_t[None, :], other=0.0)
@@ -710,9 +710,9 @@ def _gdn_prefill_chunked(
         num_warps=CHUNK_PREPARE_WARPS,
     )
     assert head_k_dim <= 128, "the chunked scan holds dk as at most two 64-wide halves"
-    # The state-free halves of the old scan, in parallel over chunks: w (input dtype), u (fp32).
+    # The state-free halves of the old scan, in parallel over chunks: w and u (input dtype).
     w = torch.empty(num_tokens, num_v_heads, head_k_dim, dtype=v.dtype, device=device)
-    u = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
+    u = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
     _gdn_chunk_wu_kernel[(max_chunks, num_v_heads)](
         kn,
         v,
