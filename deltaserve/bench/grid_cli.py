@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.deviations import CARD_SITE_PREFIX, SITES
-from deltaserve.bench.grid import DEFAULT_RESULT_DIR, Grid, GridInterrupted, client_argv
+from deltaserve.bench.grid import DEFAULT_RESULT_DIR, Grid, GridInterrupted
 from deltaserve.bench.grid_config import Arm, GridConfig, load_config, resolve
+from deltaserve.bench.grid_launch import client_argv
 from deltaserve.bench.grid_ratios import acceptance_pair, format_percent, format_ratio
 
 

@@ -2,8 +2,8 @@
 each server compiled while a run was measured, and write them into the record (`runs[].compiles`, the launches'
 `late_compiles`, the ratios' `compiles_while_measured`).
 
-A grid made since the runs' compiles were read live (bench/grid.py: the log's size at the start of a run's measured
-requests and at its end) needs none of this. Records made before it knew only Triton's JIT lines, per launch: a
+A grid made since the runs' compiles were read live (bench/grid_launch.py: the log's size at the start of a run's
+measured requests and at its end) needs none of this. Records made before it knew only Triton's JIT lines, per launch: a
 CuTeDSL compile (FlashInfer's GDN prefill for several sequences, `_FullyFusedDeltaRuleSm90`, which stalls a vLLM step
 ~8-10 s) went unrecorded, and a Triton compile was not tied to the run it stalled. Here each JIT line of a launch's
 log (server_logs.py reads all three of vLLM's backends) is placed by its time stamp in the window of the run it fell
@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from deltaserve.bench.grid import run_raw_name
+from deltaserve.bench.grid_launch import run_raw_name
 from deltaserve.bench.grid_ratios import flag_compiles, runs_by_point
 from deltaserve.bench.server_logs import placed_compiles, run_window, timed_compiles
 
@@ -36,7 +36,7 @@ PLACED_BY = (
 
 
 def raw_name(run: dict[str, Any]) -> str:
-    """The client result's file stem of a recorded run (bench/grid.py's run_raw_name)."""
+    """The client result's file stem of a recorded run (bench/grid_launch.py's run_raw_name)."""
     return run_raw_name(run["arm"], run["model"], run["isl"], run["osl"], run["concurrency"],
                         bool(run.get("is_drift_check")))  # fmt: skip
 

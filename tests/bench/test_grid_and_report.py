@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from deltaserve.bench import grid as grid_module
-from deltaserve.bench import grid_cli, report
+from deltaserve.bench import grid_cli, grid_launch, report
 from deltaserve.bench.grid import Grid
 from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.bench.grid_ratios import compute_ratios
@@ -141,16 +141,16 @@ def test_each_point_draws_its_own_prompts_and_every_arm_the_same(tmp_path: Path)
     launches = [SimpleNamespace(base_url=f"http://127.0.0.1:{port}", model=model) for port in (8000, 8001)]
 
     def seed(launch: object, isl: int, osl: int, c: int) -> str:
-        argv = grid_module.client_argv(launch, config, isl, osl, c, "x")
+        argv = grid_launch.client_argv(launch, config, isl, osl, c, "x")
         return argv[argv.index("--seed") + 1]
 
     points = [(isl, osl, c) for isl, osl in [(1024, 128), (16384, 128)] for c in (1, 8, 32, 64)]
     seeds = [seed(launches[0], *point) for point in points]
     assert len(set(seeds)) == len(points), seeds
     # a launch's warm-up point draws apart from every measured point (h100_long-27b-20261206-s31: 99.6 % hits)
-    warm = grid_module.client_argv(launches[0], config, 1024, 128, 1, "x", is_warmup=True)
+    warm = grid_launch.client_argv(launches[0], config, 1024, 128, 1, "x", is_warmup=True)
     assert warm[warm.index("--seed") + 1] not in seeds
-    assert "--warmup-distinct" in warm and "--warmup-distinct" in grid_module.client_argv(
+    assert "--warmup-distinct" in warm and "--warmup-distinct" in grid_launch.client_argv(
         launches[0], config, 1, 1, 1, "x"
     )
     for launch in launches[1:]:
@@ -497,7 +497,7 @@ def test_gdn_backend_grid_resolves_both_oracle_sites(tmp_path: Path, monkeypatch
     assert forced.denominator_note and default.denominator_note is None
     assert forced.argv[: forced.argv.index("--gdn-prefill-backend")] == default.argv[: len(default.argv) - 4]
     entry = {"denominator_note": None}
-    grid_module._note_deviations(entry, forced)
+    grid_launch._note_deviations(entry, forced)
     assert entry["deviations"] == ["flashinfer-sampler-off", "gdn-prefill-triton"]
     assert entry["denominator_note"] == forced.denominator_note
     bad = tmp_path / "bad.toml"

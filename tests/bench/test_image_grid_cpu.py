@@ -65,7 +65,7 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from deltaserve.bench.dataset_mm import MmOptions, sample_random_mm
-    from deltaserve.bench.grid import run_seed
+    from deltaserve.bench.grid_launch import run_seed
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     options = MmOptions(1, 0.0, {"image": 1, "video": 0}, {(64, 64, 1): 1.0})

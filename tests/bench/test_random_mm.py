@@ -26,8 +26,8 @@ from deltaserve.bench.dataset_mm import (
     parse_bucket_config,
     sample_random_mm,
 )
-from deltaserve.bench.grid import client_argv
 from deltaserve.bench.grid_config import load_config, resolve
+from deltaserve.bench.grid_launch import client_argv
 from deltaserve.bench.serve_cli import parse_bench_args, run_bench
 
 from .bench_helpers import WordTokenizer, serve_in_thread
