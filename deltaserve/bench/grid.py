@@ -264,6 +264,3 @@ class Grid:
         entry["output_throughput_change"] = None if change is None else change - 1.0
         self.record["drift"].append(entry)
         self.save()
-
-
-# Two arms whose shares of distinct outputs differ by more than this factor did visibly different work.

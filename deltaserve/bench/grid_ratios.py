@@ -18,6 +18,7 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+# Two arms whose shares of distinct outputs differ by more than this factor did visibly different work.
 UNEQUAL_OUTPUTS_FACTOR = 2.0
 
 

@@ -72,7 +72,7 @@ class FlashInferStep:
 
 class FlashInferPrefill:
     """The FLASHINFER backend: the workspace and two wrappers, made once at start-up (the workspace counts in the
-    weights the cache plan measures, runner/memory.py); `prepare` plans one per step."""
+    weights the cache plan measures, runner/warmup.py); `prepare` plans one per step."""
 
     name = "FLASHINFER"
 

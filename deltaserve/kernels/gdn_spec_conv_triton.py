@@ -9,7 +9,7 @@ x (L1 / L2 hits after the first), so no window shifts through registers and noth
 
 Arithmetic as the twin and as causal_conv1d_update: each tap product rounded to the input dtype, summed in fp32 in
 tap order (the twin's order, so fp32 results are bit-equal), SiLU in fp32, one rounding on store. token_index lists
-a sequence's real columns first and -1 after them (runner/spec_decode.py builds it so); a padded column stores the
+a sequence's real columns first and -1 after them (runner/spec_layout.py builds it so); a padded column stores the
 last real window again, as the twin, and no output row. A sequence with slot < 0 (CUDA-graph padding) reads no
 slot, writes no scratch and zeros to its tokens' output rows. The live slots are never written: the commit
 (spec_state_commit) copies the accepted window into them.

@@ -64,6 +64,8 @@ def drafts_to_host(draft_tokens: torch.Tensor, layout: SpecLayout) -> tuple[torc
 
 
 def drafts_of(handle: SpecHandle) -> dict[int, list[int]]:
+    """The step's verified drafts from their host copy (waiting for it if it has not landed), keyed by the
+    verifying sequence's index in the step's plan (plan.seqs)."""
     drafts, event = handle.drafts
     if event is not None:
         event.synchronize()
@@ -85,7 +87,7 @@ def to_host(handle: SpecHandle) -> None:
             setattr(handle, name, host.copy_(value, non_blocking=True))
 
 
-def collect_tokens(handle, table: RequestTable, vocab_size: int, token_ids: list, logprobs: list) -> None:
+def collect_tokens(handle: SpecHandle, table: RequestTable, vocab_size: int, token_ids: list, logprobs: list) -> None:
     """Fills a collected step that holds verify chunks (a step without one is collected as any other) with its
     per-sequence tokens (and logprobs) from its host copies: a verify chunk's accepted tokens, one token for the
     others. The table's output counts gain the accepted drafts (record_sampled counted one token per sequence at
