@@ -28,7 +28,10 @@ the profiles run after every case is timed, as a second pass over the same value
 state gather and write-back around each kernel): the like-for-like peers of `ours` and `ours-flashinfer`.
 `--baseline FILE` (an earlier deltaserve/kernels/gdn_triton.py, e.g. `git show REV:deltaserve/kernels/gdn_triton.py >
 ab/gdn_triton.py`) adds `ours-baseline`: that file's gdn_prefill_triton on our inputs, before / after a change to
-our kernel in one process. With only `ours` backends vLLM need not be importable.
+our kernel in one process. With only `ours` backends vLLM need not be importable. `--scan-configs
+BVxWARPSxSTAGES,...` times our scan launch alone at each launch configuration (gdn_triton's CHUNK_BV,
+CHUNK_SCAN_WARPS and CHUNK_SCAN_STAGES set for the call; GPU time of `_gdn_chunk_scan_kernel` by torch.profiler):
+the configuration FLA autotunes and ours fixes.
 """
 
 from __future__ import annotations
@@ -244,6 +247,46 @@ def load_baseline(path: str) -> Any:
     return module.gdn_prefill_triton
 
 
+def parse_scan_configs(spec: str) -> list[tuple[int, int, int]]:
+    """`--scan-configs`: "32x4x2,64x4x3" -> [(32, 4, 2), (64, 4, 3)] (BV, warps, stages)."""
+    configs = []
+    for word in (w.strip() for w in spec.split(",") if w.strip()):
+        parts = word.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--scan-configs: {word!r} is not BVxWARPSxSTAGES")
+        configs.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    if not configs:
+        raise ValueError("--scan-configs: no configuration given")
+    return configs
+
+
+def time_scan_configs(configs: list[tuple[int, int, int]], inputs: dict[str, Any], iters: int) -> list[dict[str, Any]]:
+    """Our prefill at each scan launch configuration: the scan kernel's GPU µs a call (and every launch's, to see
+    that nothing else moved), the module's constants restored after."""
+    from deltaserve.kernels import gdn_triton
+
+    names = ("CHUNK_BV", "CHUNK_SCAN_WARPS", "CHUNK_SCAN_STAGES")
+    saved = tuple(getattr(gdn_triton, name) for name in names)
+    results = []
+    try:
+        for config in configs:
+            for name, value in zip(names, config, strict=True):
+                setattr(gdn_triton, name, value)
+            entry: dict[str, Any] = {"bv": config[0], "warps": config[1], "stages": config[2]}
+            try:
+                launches = profile_launches(gdn_triton.gdn_prefill_triton, inputs, iters)
+                scan = [k for k in launches if k["kernel"].startswith("_gdn_chunk_scan_kernel")]
+                entry["scan_us"] = scan[0]["us"] if scan else None
+                entry["all_us"] = round(sum(k["us"] for k in launches), 1)
+            except Exception as exc:  # a configuration that does not compile or fit names why
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            results.append(entry)
+    finally:
+        for name, value in zip(names, saved, strict=True):
+            setattr(gdn_triton, name, value)
+    return results
+
+
 def vllm_kernels() -> dict[str, Any]:
     """The vLLM backends (imported only when one is asked for: `ours` alone runs without the vLLM bundle)."""
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
@@ -275,9 +318,11 @@ def main() -> int:
         help="also record each backend's GPU kernels per call (torch.profiler) for every case: a path's overhead",
     )
     parser.add_argument("--baseline", default=None, help="an earlier gdn_triton.py, timed as the ours-baseline backend")
+    parser.add_argument("--scan-configs", default=None, help="BVxWARPSxSTAGES,...: our scan at each (ours only)")
     args = parser.parse_args()
     try:
         cases = parse_cases(args.cases) if args.cases else CASES
+        scan_configs = parse_scan_configs(args.scan_configs) if args.scan_configs else None
     except ValueError as exc:
         print(exc)
         return 2
@@ -330,6 +375,10 @@ def main() -> int:
             given_by_kind = inputs_by_kind(shapes)
             row: dict[str, Any] = {"shape": shape, "case": case, "num_tokens": sum(lengths)}
             row["num_gdn_layers"] = num_layers
+            if scan_configs is not None:
+                row["scan_configs"] = time_scan_configs(scan_configs, given_by_kind["ours"], args.iters)
+                for entry in row["scan_configs"]:
+                    print(f"  {shape} {case} scan {entry}", flush=True)
             for backend in backends:
                 try:
                     times = time_kernel(kernels[backend], given_by_kind[INPUT_KIND[backend]], args.iters)

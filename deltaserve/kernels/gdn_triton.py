@@ -38,6 +38,7 @@ CHUNK_BV = 32
 # Scan: 4 warps at 216 registers fit 2 programs an SM (8 warps: 137 registers, 1 program; the MMAs are M = 64,
 # one warpgroup's tile, so the second warpgroup adds little).
 CHUNK_SCAN_WARPS = 4
+CHUNK_SCAN_STAGES = 2
 # Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program).
 CHUNK_PREPARE_WARPS = 4
 # The state-free w / u kernel and the output kernel: parallel over chunks, [64, 128] tiles. The w / u kernel runs
@@ -771,7 +772,7 @@ def _gdn_prefill_chunked(
         DOT_PRECISION=precision,
         HAS_CKPT=has_ckpt,
         num_warps=CHUNK_SCAN_WARPS,
-        num_stages=2,
+        num_stages=CHUNK_SCAN_STAGES,
     )
     block_v_out = min(CHUNK_OUT_BV, next_pow2(head_v_dim))
     _gdn_chunk_out_kernel[(max_chunks, num_v_heads, triton.cdiv(head_v_dim, block_v_out))](

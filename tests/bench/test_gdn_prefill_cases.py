@@ -142,3 +142,10 @@ def test_baseline_runs_an_earlier_kernel_file_on_our_inputs(tmp_path: Path) -> N
     assert torch.equal(same, served) and torch.equal(same_in["ssm_states"], served_in["ssm_states"])
     changed_in = inputs()
     assert not torch.allclose(_tool().load_baseline(str(tmp_path / "changed.py"))(**changed_in), served)
+
+
+def test_scan_configs_parse_and_refuse_by_name() -> None:
+    assert _tool().parse_scan_configs("32x4x2, 64x2x3") == [(32, 4, 2), (64, 2, 3)]
+    for spec in ("", "32x4", "32x4x0", "ax4x2", "32x4x2x1"):
+        with pytest.raises(ValueError, match="--scan-configs"):
+            _tool().parse_scan_configs(spec)

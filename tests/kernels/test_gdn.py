@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from deltaserve.kernels import gdn_triton
 from deltaserve.kernels.gdn import _gates, _l2norm, chunk_inverse_ref, gdn_decode_ref, gdn_prefill_ref
 from deltaserve.kernels.gdn_triton import CHUNK, chunk_inverse_triton, gdn_decode_triton, gdn_prefill_triton
 
@@ -76,6 +77,26 @@ def test_gdn_prefill(
         (qsl, slots, init),
         tolerance(dtype, fp32=2e-5, low=2e-2),
     )
+
+
+@pytest.mark.parametrize(("block_v", "warps", "stages"), [(16, 2, 1), (64, 4, 3), (128, 8, 4)])
+def test_gdn_prefill_scan_launch_configs(
+    monkeypatch: pytest.MonkeyPatch, block_v: int, warps: int, stages: int
+) -> None:
+    """The scan launch configurations `gdn_prefill_kernels.py --scan-configs` sweeps (BV, warps, stages, read from
+    the module at each call) compute the same prefill: against the ref at fp32, dv 128 (BV 16 to 128 columns)."""
+    monkeypatch.setattr(gdn_triton, "CHUNK_BV", block_v)
+    monkeypatch.setattr(gdn_triton, "CHUNK_SCAN_WARPS", warps)
+    monkeypatch.setattr(gdn_triton, "CHUNK_SCAN_STAGES", stages)
+    lengths, hk, hv, dk, dv = [70, 9], 1, 2, 64, 128
+    q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, torch.float32)
+    states = randn(len(lengths), hv, dk, dv, scale=0.1)
+    slots = torch.arange(len(lengths), device=DEVICE, dtype=torch.int32)
+    init = torch.tensor([True, False], device=DEVICE)
+    _against_ref(
+        gdn_prefill_ref, gdn_triton.gdn_prefill_triton, (q, k, v, a, b, A_log, dt_bias), states,
+        (varlen_starts(lengths), slots, init), 2e-5,
+    )  # fmt: skip
 
 
 def test_gdn_prefill_chunk_edges() -> None:

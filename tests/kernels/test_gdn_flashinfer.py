@@ -235,25 +235,36 @@ def test_the_path_does_not_sync_the_host(fake_flashinfer: FakeFlashInfer, monkey
 
 
 def test_warm_up_runs_both_kernels(fake_flashinfer: FakeFlashInfer) -> None:
-    """One sequence (FlashInfer's context-parallel kernel), then enough to pass SMs x heads (2 SMs off CUDA)."""
+    """One sequence (FlashInfer's context-parallel kernel), then enough to pass SMs x heads (2 SMs off CUDA, so
+    2 sequences of the 4 heads; on a GPU its own SM count, e.g. 33 of them on an H100's 132)."""
     A_log, dt_bias = torch.zeros(4, device=DEVICE), torch.zeros(4, device=DEVICE)
     gdn_flashinfer.warm_up(2, 32, A_log, dt_bias)
-    assert fake_flashinfer.batches == [(1, 64), (2, 128)]
+    is_cuda = torch.device(DEVICE).type == "cuda"
+    num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if is_cuda else 2
+    num_seqs = max(2, -(-num_sms // 4))
+    assert num_seqs * 4 >= num_sms
+    assert fake_flashinfer.batches == [(1, 64), (num_seqs, 64 * num_seqs)]
 
 
 def test_dispatcher_sends_checkpoint_calls_to_ours(fake_flashinfer: FakeFlashInfer) -> None:
     """backend flashinfer: a call without checkpoint tensors runs FlashInfer; one with an in-step checkpoint runs
-    deltaserve's kernel (the ref here, on the CPU), which also saves the checkpoint; backend triton never runs it."""
+    deltaserve's kernel (the ref on the CPU, the Triton kernel on a GPU: what backend triton runs), which also saves
+    the checkpoint, bit for bit; backend triton never runs FlashInfer."""
     inputs, (states,), routing = _batch(2, 4, torch.float32)
-    ref_states = states.clone()
+    ours_states = states.clone()
     chunks = torch.tensor([1, -1, -1, -1, 2, -1], dtype=torch.int32, device=DEVICE)
     spare = [s for s in range(states.shape[0]) if s not in routing[1].tolist()]
     ckpt_slots = torch.tensor([spare[0], 0, 0, 0, spare[1], 0], dtype=torch.int32, device=DEVICE)
+    ours = gdn_prefill(*inputs, ours_states, *routing, checkpoint_chunks=chunks, checkpoint_slots=ckpt_slots,
+                       backend="triton")  # fmt: skip
+    ref_states = states.clone()
     ref = gdn_prefill_ref(*inputs, ref_states, *routing, checkpoint_chunks=chunks, checkpoint_slots=ckpt_slots)
+    assert_close("out", ref, ours, 2e-5)
+    assert_close("states and checkpoints", ref_states, ours_states, 2e-5)
     out = gdn_prefill(*inputs, states, *routing, checkpoint_chunks=chunks, checkpoint_slots=ckpt_slots,
                       backend="flashinfer")  # fmt: skip
     assert fake_flashinfer.calls == 0
-    assert torch.equal(out, ref) and torch.equal(states, ref_states)
+    assert torch.equal(out, ours) and torch.equal(states, ours_states)
     gdn_prefill(*inputs, states.clone(), *routing, backend="triton")
     assert fake_flashinfer.calls == 0
     gdn_prefill(*inputs, states.clone(), *routing, backend="flashinfer")
@@ -295,7 +306,7 @@ def test_prep_triton_equals_its_twin(hk: int, hv: int, dk: int, dv: int) -> None
     ba = randn(num_tokens, 2 * hv, scale=4.0)  # softplus on both sides of 0 and past the threshold 20 below
     ba[0, hv:] = 30.0
     b, a = ba[:, :hv], ba[:, hv:]
-    A_log, dt_bias = torch.log(torch.empty(hv).uniform_(1, 16)), randn(hv, scale=0.5)
+    A_log, dt_bias = torch.log(torch.empty(hv, device=DEVICE).uniform_(1, 16)), randn(hv, scale=0.5)
     ref = gdn_prefill_prep_ref(q, k, v, a, b, A_log, dt_bias)
     out = gdn_prefill_prep_triton(q, k, v, a, b, A_log, dt_bias)
     for name, r, o in zip(("q", "k", "v", "g", "beta"), ref, out, strict=True):
