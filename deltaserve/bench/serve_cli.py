@@ -25,7 +25,9 @@ acceptance length (vllm:spec_decode_*; null for a server that does not speculate
 without --save-detailed) says why requests failed: each distinct last line of their errors with its count.
 
 The grid calls `run_bench(parse_bench_args(argv))` with the same argv a person would type, so both engines
-of a comparison are measured by this one client with one set of flags.
+of a comparison are measured by this one client with one set of flags. The flags are declared and resolved in
+serve_args.py, the requests drawn and aligned in serve_dataset.py, and the record's failure counts, file name and
+printed summary made in serve_record.py; this module runs the load and assembles the record.
 """
 
 from __future__ import annotations
@@ -36,29 +38,28 @@ import functools
 import json
 import math
 import sys
-from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from deltaserve.bench._extra import MissingExtraError, require
-from deltaserve.bench.client import LoadOptions, RequestResult, SamplingOptions, run_load
-from deltaserve.bench.dataset import SampleRequest, align_with_server, sample_random, warmup_seed
-from deltaserve.bench.dataset_mm import add_mm_arguments, mm_options, sample_random_mm
-from deltaserve.bench.dataset_prefix import PrefixOptions, align_like_vllm, sample_prefix_repetition
+from deltaserve.bench.client import LoadOptions, SamplingOptions, run_load
+from deltaserve.bench.dataset import warmup_seed
+from deltaserve.bench.dataset_mm import mm_options
 from deltaserve.bench.metrics import compute_metrics, parse_goodput, parse_metric_names, parse_percentiles
 from deltaserve.bench.multi_turn import DATASET_NAME as MULTI_TURN
-from deltaserve.bench.multi_turn import (
-    add_multi_turn_arguments,
-    check_multi_turn,
-    multi_turn_fields,
-    multi_turn_options,
-    multi_turn_summary,
-    run_conversations,
-    sample_conversations,
-)
+from deltaserve.bench.multi_turn import multi_turn_fields, multi_turn_options, run_conversations, sample_conversations
 from deltaserve.bench.nvml import MemorySampler
+from deltaserve.bench.serve_args import (
+    IGNORE_EOS_DATASETS,
+    _resolve_lengths,
+    add_arguments,
+    check_endpoint,
+    prefix_options,
+)
+from deltaserve.bench.serve_dataset import _align, _sample
+from deltaserve.bench.serve_record import DETAILED_FIELDS, _default_filename, failed_errors, summary
 from deltaserve.bench.server_counters import (
     parse_prefix_counters,
     parse_spec_counters,
@@ -66,96 +67,6 @@ from deltaserve.bench.server_counters import (
     read_metrics_text,
     spec_decode_fields,
 )
-
-# Per-request arrays kept in the JSON only with --save-detailed, as in vLLM.
-DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
-CHAT_BACKENDS = ("openai-chat",)
-# the datasets whose requests are sent with ignore_eos unless told otherwise: vLLM's random ones, and our multi-turn
-# mode (its answers have exact lengths, so every engine re-sends the same history)
-IGNORE_EOS_DATASETS = ("random", "random-mm", MULTI_TURN)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """vLLM's flag names for everything this client supports."""
-    server = parser.add_argument_group("server")
-    server.add_argument(
-        "--backend",
-        default="vllm",
-        choices=["vllm", "openai", "openai-chat"],
-        help="vllm/openai: /v1/completions; openai-chat: chat payloads (pass --endpoint /v1/chat/completions)",
-    )
-    server.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--endpoint", default="/v1/completions")
-    server.add_argument("--model", default=None, help="default: data[0].id of GET /v1/models")
-    server.add_argument("--served-model-name", default=None, help="the request's model field, if not --model")
-    server.add_argument("--tokenizer", default=None, help="default: data[0].root of GET /v1/models")
-    server.add_argument("--trust-remote-code", action="store_true")
-    server.add_argument(
-        "--no-server-tokenize",
-        action="store_true",
-        help="do not align prompt lengths with the server's /tokenize and /detokenize",
-    )
-
-    data = parser.add_argument_group("dataset")
-    data.add_argument(
-        "--dataset-name", default="random", choices=["random", "random-mm", "prefix_repetition", MULTI_TURN]
-    )
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0)
-    data.add_argument("--random-prefix-len", type=int, default=0)
-    data.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
-    data.add_argument("--output-len", type=int, default=None, help="alias of --random-output-len")
-    add_mm_arguments(data)
-    add_multi_turn_arguments(data)
-    defaults = PrefixOptions()
-    data.add_argument("--prefix-repetition-prefix-len", type=int, default=defaults.prefix_len)
-    data.add_argument("--prefix-repetition-suffix-len", type=int, default=defaults.suffix_len)
-    data.add_argument("--prefix-repetition-num-prefixes", type=int, default=defaults.num_prefixes)
-    data.add_argument("--prefix-repetition-output-len", type=int, default=defaults.output_len)
-    data.add_argument("--num-prompts", type=int, default=1000)
-    data.add_argument("--seed", type=int, default=0)
-
-    load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
-    load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--num-warmups", type=int, default=0)
-    load.add_argument(
-        "--warmup-distinct",
-        action="store_true",
-        help="warm-ups send prompts drawn apart from the measured ones (vLLM's client sends the first measured "
-        "prompt, which a server with prefix caching then serves from its cache)",
-    )
-    load.add_argument("--request-id-prefix", default=None)
-    load.add_argument("--disable-tqdm", action="store_true")
-
-    sampling = parser.add_argument_group("sampling")
-    sampling.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="default: on for random and random-mm (as vLLM forces it), off for prefix_repetition",
-    )
-    sampling.add_argument("--temperature", type=float, default=None)
-    sampling.add_argument("--top-p", type=float, default=None)
-    sampling.add_argument("--top-k", type=int, default=None)
-    sampling.add_argument("--min-p", type=float, default=None)
-    sampling.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request")
-
-    metrics = parser.add_argument_group("metrics and results")
-    metrics.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft/tpot/e2el in ms")
-    metrics.add_argument("--percentile-metrics", default="ttft,tpot,itl")
-    metrics.add_argument("--metric-percentiles", default="99")
-    metrics.add_argument("--save-result", action="store_true")
-    metrics.add_argument("--save-detailed", action="store_true")
-    metrics.add_argument("--result-dir", default=None)
-    metrics.add_argument("--result-filename", default=None)
-    metrics.add_argument("--label", default=None)
-    metrics.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE")
-    metrics.add_argument("--gpu-indices", default=None, help="comma-separated NVML indices to sample (default all)")
 
 
 def parse_bench_args(argv: list[str]) -> argparse.Namespace:
@@ -185,75 +96,6 @@ async def fetch_model_card(base_url: str) -> dict[str, Any]:
 
 def _base_url(args: argparse.Namespace) -> str:
     return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-
-
-def _default_filename(args: argparse.Namespace, model_id: str, date: str) -> str:
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
-    return f"{args.label or args.backend}-{rate}qps{concurrency}-{Path(model_id).name}-{date}.json"
-
-
-def _resolve_lengths(args: argparse.Namespace) -> tuple[int, int]:
-    input_len = args.input_len if args.input_len is not None else args.random_input_len
-    output_len = args.output_len if args.output_len is not None else args.random_output_len
-    return input_len, output_len
-
-
-def prefix_options(args: argparse.Namespace) -> PrefixOptions:
-    """The prefix_repetition flags; `--output-len` overrides the output length, as in vLLM."""
-    output_len = args.output_len if args.output_len is not None else args.prefix_repetition_output_len
-    return PrefixOptions(
-        args.prefix_repetition_prefix_len,
-        args.prefix_repetition_suffix_len,
-        args.prefix_repetition_num_prefixes,
-        output_len,
-    )
-
-
-def _sample(
-    args: argparse.Namespace, tokenizer: Any, num_requests: int, seed: int, input_len: int, output_len: int
-) -> list[SampleRequest]:
-    """`num_requests` requests of the chosen dataset (not multi-turn) drawn with `seed`."""
-    if args.dataset_name == "prefix_repetition":
-        prefix = prefix_options(args)
-        # the dataset needs a request a prefix at least: a few warm-ups take the first of a full draw
-        drawn = sample_prefix_repetition(tokenizer, max(num_requests, prefix.num_prefixes), prefix, seed=seed)
-        return drawn[:num_requests]
-    common = {"input_len": input_len, "output_len": output_len, "range_ratio": args.random_range_ratio}
-    if args.dataset_name == "random-mm":
-        return sample_random_mm(
-            tokenizer, num_requests, mm_options(args), prefix_len=args.random_prefix_len, seed=seed, **common
-        )
-    return sample_random(tokenizer, num_requests, prefix_len=args.random_prefix_len, seed=seed, **common)
-
-
-async def _align(
-    args: argparse.Namespace,
-    base_url: str,
-    request_model: str,
-    requests: list[SampleRequest],
-    tokenizer: Any,
-    seed: int,
-) -> tuple[list[SampleRequest], bool]:
-    """vLLM's alignment of text-only prompts with the server's tokenizer; returns (requests, whether it ran)."""
-    aiohttp = require("aiohttp")
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        if args.dataset_name == "prefix_repetition":
-            return await align_like_vllm(session, base_url, request_model, requests)
-        return await align_with_server(session, base_url, request_model, requests, tokenizer, seed)
-
-
-def check_endpoint(args: argparse.Namespace) -> bool:
-    """vLLM's pairing rules: random-mm needs openai-chat, whose URL must end in chat/completions (a chat payload
-    sent to /v1/completions would fail every request). Returns whether the run is a chat run; raises ValueError."""
-    is_chat = args.backend in CHAT_BACKENDS
-    if args.dataset_name == MULTI_TURN:
-        check_multi_turn(args)
-    if args.dataset_name == "random-mm" and not is_chat:
-        raise ValueError("Multi-modal content (images) is only supported on 'openai-chat' backend.")
-    if is_chat and not args.endpoint.rstrip("/").endswith("chat/completions"):
-        raise ValueError(f"OpenAI Chat Completions API URL must end with chat/completions, got {args.endpoint}")
-    return is_chat
 
 
 async def _run_async(
@@ -425,13 +267,6 @@ async def _run_async(
     return record
 
 
-def failed_errors(results: list[RequestResult]) -> dict[str, int]:
-    """Each distinct last line (300 characters at most) of the failed requests' errors -> how many failed so: the
-    cause of a failure stays in a record whose per-request arrays are dropped."""
-    lines = [(r.error or "no error text").strip().splitlines()[-1][:300] for r in results if not r.is_success]
-    return dict(Counter(line or "no error text" for line in lines).most_common())
-
-
 def run_bench(
     args: argparse.Namespace,
     tokenizer: Any | None = None,
@@ -450,45 +285,6 @@ def run_bench(
         filename = args.result_filename or _default_filename(args, record["model_id"], record["date"])
         (result_dir / filename).write_text(json.dumps(record, indent=2) + "\n")
     return record
-
-
-def summary(record: dict[str, Any]) -> str:
-    """The human-readable block, in vLLM's order: totals, throughputs, then TTFT, TPOT, ITL, E2EL."""
-    lines = ["{:=^60}".format(" Serving Benchmark Result ")]
-
-    def row(name: str, value: Any, fmt: str = "{:<40} {:<10.2f}") -> None:
-        if value is not None:
-            lines.append(fmt.format(name, value))
-
-    row("Successful requests:", record["completed"], "{:<40} {:<10}")
-    row("Failed requests:", record["failed"], "{:<40} {:<10}")
-    row("Maximum request concurrency:", record["max_concurrency"], "{:<40} {:<10}")
-    row("Benchmark duration (s):", record["duration"])
-    row("Total input tokens:", record["total_input_tokens"], "{:<40} {:<10}")
-    row("Total generated tokens:", record["total_output_tokens"], "{:<40} {:<10}")
-    row("Request throughput (req/s):", record["request_throughput"])
-    row("Request goodput (req/s):", record["request_goodput"])
-    row("Output token throughput (tok/s):", record["output_throughput"])
-    row("Peak output token throughput (tok/s):", record["max_output_tokens_per_s"])
-    row("Peak concurrent requests:", record["max_concurrent_requests"])
-    row("Total token throughput (tok/s):", record["total_token_throughput"])
-    row("Peak GPU memory (GiB):", record.get("peak_gpu_memory_gib"))
-    row("Server prefix cache hit rate:", record.get("server_prefix_cache_hit_rate"), "{:<40} {:<10.4f}")
-    row("Server mean acceptance length:", record.get("server_mean_acceptance_length"), "{:<40} {:<10.2f}")
-    lines.extend(multi_turn_summary(record))
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)"}
-    titles.update({"itl": "Inter-token Latency", "e2el": "End-to-end Latency"})
-    for name, title in titles.items():
-        keys = [k for k in record if k.endswith(f"_{name}_ms")]
-        if not keys:
-            continue
-        lines.append(f"{title:-^60}")
-        for key in keys:
-            stat = key.split("_")[0]
-            label = {"mean": "Mean", "median": "Median", "std": "Std"}.get(stat, stat.upper())
-            row(f"{label} {name.upper()} (ms):", record[key])
-    lines.append("=" * 60)
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

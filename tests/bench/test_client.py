@@ -14,7 +14,8 @@ from aiohttp import web
 from deltaserve.bench.client import SamplingOptions, SSEBuffer, TimedStream, completion_payload
 from deltaserve.bench.dataset import SampleRequest, align_with_server, sample_random
 from deltaserve.bench.metrics import RequestResult
-from deltaserve.bench.serve_cli import parse_bench_args, run_bench, summary
+from deltaserve.bench.serve_cli import parse_bench_args, run_bench
+from deltaserve.bench.serve_record import summary
 
 from .bench_helpers import WordTokenizer, serve_in_thread
 from .fake_server import build_app

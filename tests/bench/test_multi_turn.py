@@ -20,7 +20,8 @@ from deltaserve.bench.multi_turn import (
     sample_conversations,
     turn_breakdown,
 )
-from deltaserve.bench.serve_cli import parse_bench_args, run_bench, summary
+from deltaserve.bench.serve_cli import parse_bench_args, run_bench
+from deltaserve.bench.serve_record import summary
 
 from .bench_helpers import WordTokenizer, serve_in_thread
 from .fake_server import CHAT_BODIES, build_app

@@ -15,7 +15,8 @@ from deltaserve.bench.grid import Grid
 from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.bench.grid_launch import client_argv
 from deltaserve.bench.grid_ratios import compute_ratios
-from deltaserve.bench.serve_cli import parse_bench_args, prefix_options
+from deltaserve.bench.serve_args import prefix_options
+from deltaserve.bench.serve_cli import parse_bench_args
 from deltaserve.bench.server_counters import parse_prefix_counters, prefix_cache_fields
 from deltaserve.gates import oracle_flags
 
