@@ -217,26 +217,29 @@ BLK = tl.constexpr(16)
 def _inv_diag4(p_a, BT: tl.constexpr):
     """(I + A_m)^-1 of the four diagonal blocks of the strictly lower [BT, BT] fp32 A at p_a (row-major), [BLK, BLK]
     fp32 each, by forward substitution, the four in lockstep so their reductions overlap: X_i = e_i − Σ_{j<i} A_ij
-    X_j, rows j < i already final. Row i of each block is loaded from p_a (L1-resident, independent of X) rather
-    than cut out of a register tile, which would cost a masked reduction per block and step."""
+    X_j, rows j < i already final. Built transposed (Y = Xᵀ, column i set at step i) so that each step's reduction
+    runs along a tile's rows, within a warp (shuffles, no barrier), and row i of A is loaded straight into the
+    tile's layout (element (c, j) holds A_ij for every c; L1-resident, independent of X): no layout conversion,
+    and so no shared-memory round trip, on the serial chain. Returns the four X blocks."""
     o_r = tl.arange(0, BLK)
-    b_x0 = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    b_x1 = b_x0
-    b_x2 = b_x0
-    b_x3 = b_x0
+    b_y0 = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_y1 = b_y0
+    b_y2 = b_y0
+    b_y3 = b_y0
+    o_row = 0 * o_r[:, None] + o_r[None, :]  # [BLK, BLK] column j of every row
     for i in range(1, BLK):
-        is_row = o_r[:, None] == i  # [BLK, 1]
+        is_col = o_r[None, :] == i  # [1, BLK]
         b_e = tl.where(o_r == i, 1.0, 0.0)  # [BLK]
-        p_row = p_a + i * BT + o_r  # row i of block 0, over j
-        b_a0 = tl.load(p_row)  # [BLK]
+        p_row = p_a + i * BT + o_row  # row i of block 0, over j (across the tile)
+        b_a0 = tl.load(p_row)  # [BLK, BLK]
         b_a1 = tl.load(p_row + (BLK * BT + BLK))
         b_a2 = tl.load(p_row + 2 * (BLK * BT + BLK))
         b_a3 = tl.load(p_row + 3 * (BLK * BT + BLK))
-        b_x0 = tl.where(is_row, (b_e - tl.sum(b_a0[:, None] * b_x0, axis=0))[None, :], b_x0)
-        b_x1 = tl.where(is_row, (b_e - tl.sum(b_a1[:, None] * b_x1, axis=0))[None, :], b_x1)
-        b_x2 = tl.where(is_row, (b_e - tl.sum(b_a2[:, None] * b_x2, axis=0))[None, :], b_x2)
-        b_x3 = tl.where(is_row, (b_e - tl.sum(b_a3[:, None] * b_x3, axis=0))[None, :], b_x3)
-    return b_x0, b_x1, b_x2, b_x3
+        b_y0 = tl.where(is_col, (b_e - tl.sum(b_y0 * b_a0, axis=1))[:, None], b_y0)
+        b_y1 = tl.where(is_col, (b_e - tl.sum(b_y1 * b_a1, axis=1))[:, None], b_y1)
+        b_y2 = tl.where(is_col, (b_e - tl.sum(b_y2 * b_a2, axis=1))[:, None], b_y2)
+        b_y3 = tl.where(is_col, (b_e - tl.sum(b_y3 * b_a3, axis=1))[:, None], b_y3)
+    return tl.trans(b_y0), tl.trans(b_y1), tl.trans(b_y2), tl.trans(b_y3)
 
 
 @triton.jit
