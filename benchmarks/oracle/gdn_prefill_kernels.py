@@ -28,7 +28,9 @@ the profiles run after every case is timed, as a second pass over the same value
 state gather and write-back around each kernel): the like-for-like peers of `ours` and `ours-flashinfer`.
 `--baseline FILE` (an earlier deltaserve/kernels/gdn_triton.py, e.g. `git show REV:deltaserve/kernels/gdn_triton.py >
 ab/gdn_triton.py`) adds `ours-baseline`: that file's gdn_prefill_triton on our inputs, before / after a change to
-our kernel in one process. With only `ours` backends vLLM need not be importable. `--scan-configs
+our kernel in one process. `--variant FILE` (repeatable) adds `ours@STEM` for each further gdn_triton.py (a
+candidate, or an ablation that drops one phase of a kernel to see what that phase costs), without naming it in
+--backends. With only `ours` backends vLLM need not be importable. `--scan-configs
 BVxWARPSxSTAGES,...` times our scan launch alone at each launch configuration (gdn_triton's CHUNK_BV,
 CHUNK_SCAN_WARPS and CHUNK_SCAN_STAGES set for the call; GPU time of `_gdn_chunk_scan_kernel` by torch.profiler):
 the configuration FLA autotunes and ours fixes.
@@ -43,6 +45,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 # (name, HK, HV, number of GDN layers): the two benchmark shapes (benchmarks/oracle/make_dummy_models.py).
@@ -237,9 +240,10 @@ def time_kernel(fn: Any, inputs: dict[str, Any], iters: int) -> list[float]:
 
 
 def load_baseline(path: str) -> Any:
-    """`--baseline`: an earlier gdn_triton.py imported as a module of its own (it imports deltaserve's helpers as
-    the served file does), returning its gdn_prefill_triton."""
-    spec = importlib.util.spec_from_file_location("deltaserve.kernels._gdn_triton_baseline", path)
+    """`--baseline` / `--variant`: another gdn_triton.py imported as a module of its own (it imports deltaserve's
+    helpers as the served file does), returning its gdn_prefill_triton."""
+    name = "deltaserve.kernels._gdn_triton_" + "".join(c if c.isalnum() else "_" for c in Path(path).stem)
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--baseline: cannot import {path}")
     module = importlib.util.module_from_spec(spec)
@@ -318,6 +322,7 @@ def main() -> int:
         help="also record each backend's GPU kernels per call (torch.profiler) for every case: a path's overhead",
     )
     parser.add_argument("--baseline", default=None, help="an earlier gdn_triton.py, timed as the ours-baseline backend")
+    parser.add_argument("--variant", action="append", default=[], help="another gdn_triton.py, timed as ours@STEM")
     parser.add_argument("--scan-configs", default=None, help="BVxWARPSxSTAGES,...: our scan at each (ours only)")
     args = parser.parse_args()
     try:
@@ -346,6 +351,14 @@ def main() -> int:
         return 2
     if args.baseline is not None:
         kernels["ours-baseline"] = load_baseline(args.baseline)
+    for path in args.variant:
+        label = f"ours@{Path(path).stem}"
+        if label in kernels:
+            print(f"--variant: two files named {Path(path).stem}")
+            return 2
+        kernels[label] = load_baseline(path)
+        INPUT_KIND[label] = "ours"
+        backends.append(label)
     if set(backends) & set(peers):
         kernels.update(vllm_kernels())
     rows: list[dict[str, Any]] = []
@@ -388,7 +401,8 @@ def main() -> int:
                     row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
             if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
                 row["triton_over_flashinfer"] = round(row["triton_ms_per_layer"] / row["flashinfer_ms_per_layer"], 3)
-            for peer in ("flashinfer", "triton", "flashinfer-served", "triton-served", "ours-baseline"):
+            variants = [f"ours@{Path(path).stem}" for path in args.variant]
+            for peer in ("flashinfer", "triton", "flashinfer-served", "triton-served", "ours-baseline", *variants):
                 if "ours_ms_per_layer" in row and f"{peer}_ms_per_layer" in row:
                     row[f"ours_over_{peer}"] = round(row["ours_ms_per_layer"] / row[f"{peer}_ms_per_layer"], 3)
             if "ours-flashinfer_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
@@ -420,6 +434,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "baseline": args.baseline,
+        "variants": args.variant,
         "head_dim": HEAD_DIM,
         "iters": args.iters,
         "same_values": args.same_values,

@@ -149,3 +149,17 @@ def test_scan_configs_parse_and_refuse_by_name() -> None:
     for spec in ("", "32x4", "32x4x0", "ax4x2", "32x4x2x1"):
         with pytest.raises(ValueError, match="--scan-configs"):
             _tool().parse_scan_configs(spec)
+
+
+def test_variants_load_as_modules_of_their_own(tmp_path: Path) -> None:
+    """`--variant FILE` (repeatable): each file is its own module, named by its stem, so two variants never share
+    one kernel's compiled code or globals."""
+    source = (REPO / "deltaserve/kernels/gdn_triton.py").read_text()
+    first, second = tmp_path / "abl-one.py", tmp_path / "abl_two.py"
+    first.write_text(source)
+    second.write_text(source.replace("CHUNK_BV = 32", "CHUNK_BV = 16"))
+    tool = _tool()
+    one, two = tool.load_baseline(str(first)), tool.load_baseline(str(second))
+    assert one.__module__ == "deltaserve.kernels._gdn_triton_abl_one"
+    assert two.__module__ == "deltaserve.kernels._gdn_triton_abl_two"
+    assert one.__globals__["CHUNK_BV"] == 32 and two.__globals__["CHUNK_BV"] == 16
