@@ -36,7 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from deltaserve.bench.deviations import BACKEND_ENV, BACKEND_FLAGS
-from deltaserve.bench.registry import FORBIDDEN_FLAGS, REQUIRED_FLAGS
+from deltaserve.bench.registry_rules import FORBIDDEN_FLAGS, REQUIRED_FLAGS
 from deltaserve.gates.oracle_inprocess import find_inprocess
 from deltaserve.gates.oracle_scan import (
     CONFIG_SUFFIXES,

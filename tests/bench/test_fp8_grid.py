@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from deltaserve.bench import registry
+from deltaserve.bench import registry, registry_rules
 from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.config import ModelConfig
 from deltaserve.model.checkpoint_files import FP8_PROJECTION
@@ -72,7 +72,7 @@ def test_fp8_dummies_carry_the_release_format_and_the_real_shapes(fp8_dummies: P
         got = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                config.linear_num_value_heads, config.num_experts, config.moe_intermediate_size)  # fmt: skip
         assert got == shape, name
-        assert registry.inspect_checkpoint(fp8_dummies / name).quantization == "fp8"
+        assert registry_rules.inspect_checkpoint(fp8_dummies / name).quantization == "fp8"
 
 
 def test_the_122b_a10b_weights_deltaserve_builds(fp8_dummies: Path) -> None:
@@ -106,7 +106,7 @@ def test_registry_serves_fp8_without_a_flag_and_refuses_a_disagreeing_one(fp8_du
         registry.vllm_launch(model, 1024, extra_args=["--quantization", "awq"])
     bf16 = tmp_path / "bf16"
     _dummies().write_config(str(bf16), "q35-35b-a3b")
-    assert registry.inspect_checkpoint(bf16).quantization is None
+    assert registry_rules.inspect_checkpoint(bf16).quantization is None
     with pytest.raises(ValueError, match="--quantization fp8: the checkpoint is unquantized"):
         registry.vllm_launch(str(bf16), 1024, extra_args=["--quantization", "fp8"])
 

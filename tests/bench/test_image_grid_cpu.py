@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.bench import registry, report
+from deltaserve.bench import registry_types, report
 from deltaserve.bench.dataset_mm import parse_bucket_config
 from deltaserve.bench.grid import REPO_ROOT, Grid
 from deltaserve.bench.grid_config import Model, load_config
@@ -92,7 +92,7 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert all(len(totals) == 1 for totals in by_point.values())  # both arms got the same requests
     vllm_argv = record["launches"][1]["argv"]
     assert vllm_argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and "--language-model-only" not in vllm_argv
-    assert record["arms"]["vllm"]["denominator_note"] == registry.MEDIA_TRAFFIC_NOTE
+    assert record["arms"]["vllm"]["denominator_note"] == registry_types.MEDIA_TRAFFIC_NOTE
     assert record["launches"][1]["engine_version"]
     assert {(r["subject"], r["peer"], r["concurrency"]) for r in record["ratios"]} == {
         ("deltaserve", "vllm", 1),

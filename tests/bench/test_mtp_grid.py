@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.bench import registry, report
+from deltaserve.bench import registry, registry_rules, report
 from deltaserve.bench.grid import Grid
 from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.bench.grid_ratios import compute_ratios
@@ -167,16 +167,16 @@ def test_dummy_checkpoints_declare_their_mtp_layer(tmp_path: Path) -> None:
     for folder in ("moe", "mm"):
         config = json.loads((tmp_path / folder / "config.json").read_text())
         assert config["mtp_num_hidden_layers"] == 1 and config["text_config"]["mtp_num_hidden_layers"] == 1
-        assert registry.inspect_checkpoint(tmp_path / folder).num_mtp_layers == 1
+        assert registry_rules.inspect_checkpoint(tmp_path / folder).num_mtp_layers == 1
 
 
 def test_the_trained_checkpoints_declare_their_mtp_layer_as_vllm_reads_it(tmp_path: Path) -> None:
     # Qwen3-Next without num_nextn_predict_layers: vLLM builds one MTP layer, so the MTP gate's oracle can run there
     for variant in ("dense", "moe", "next"):
-        assert registry.inspect_checkpoint(trained_model_dir(variant)).num_mtp_layers == 1, variant
+        assert registry_rules.inspect_checkpoint(trained_model_dir(variant)).num_mtp_layers == 1, variant
     config = json.loads((trained_model_dir("next") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
-    assert registry.inspect_checkpoint(tmp_path).num_mtp_layers == 0
+    assert registry_rules.inspect_checkpoint(tmp_path).num_mtp_layers == 0
 
 
 def test_in_process_oracle_becomes_the_mtp_arm_only_when_asked(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.bench import registry, report
+from deltaserve.bench import registry, registry_rules, report
 from deltaserve.bench.grid import Grid
 from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.bench.grid_launch import client_argv
@@ -34,7 +34,7 @@ def test_prefix_caching_arm_is_on_only_for_data_that_shares_prefixes(tmp_path: P
     tuned = registry.vllm_launch(model, 5500, is_random_data=False, enable_prefix_caching=True, prefix_match_unit=16)
     index = tuned.argv.index("--prefix-match-unit")
     assert tuned.argv[index + 1] == "16" and tuned.argv[:index] == launch.argv[:index]
-    assert registry.check_vllm_argv(tuned.argv, input_len=5500, is_random_data=False) == []
+    assert registry_rules.check_vllm_argv(tuned.argv, input_len=5500, is_random_data=False) == []
     with pytest.raises(ValueError, match="random data needs it off"):
         registry.vllm_launch(model, 1024, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="needs --enable-prefix-caching"):

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from deltaserve.bench import grid as grid_module
-from deltaserve.bench import registry
+from deltaserve.bench import registry, registry_rules, registry_types
 from deltaserve.bench.dataset_mm import (
     MmOptions,
     format_bucket_config,
@@ -191,14 +191,14 @@ def test_registry_keeps_the_vision_tower_for_image_traffic(tmp_path: Path) -> No
     images = registry.vllm_launch(model, 1024, serves_media=True)
     assert "--language-model-only" in text.argv and "--language-model-only" not in images.argv
     assert [w for w in text.argv if w != "--language-model-only"] == images.argv
-    assert images.exemption is None and images.reasons[0] == registry.MEDIA_REASON
-    assert images.denominator_note.startswith(registry.MEDIA_TRAFFIC_NOTE)
+    assert images.exemption is None and images.reasons[0] == registry_types.MEDIA_REASON
+    assert images.denominator_note.startswith(registry_types.MEDIA_TRAFFIC_NOTE)
     assert (text.denominator_note or "") in images.denominator_note  # the site's deviations are still noted
     online = registry.vllm_launch(model, 1024, site="online", serves_media=True)
-    assert online.deviations == [] and online.denominator_note == registry.MEDIA_TRAFFIC_NOTE
-    assert registry.check_vllm_argv(images.argv, serves_media=True) == []
+    assert online.deviations == [] and online.denominator_note == registry_types.MEDIA_TRAFFIC_NOTE
+    assert registry_rules.check_vllm_argv(images.argv, serves_media=True) == []
     assert "--language-model-only: drops the vision tower" in " ".join(
-        registry.check_vllm_argv(text.argv, serves_media=True)
+        registry_rules.check_vllm_argv(text.argv, serves_media=True)
     )
     with pytest.raises(ValueError, match="drops the vision tower"):
         registry.vllm_launch(model, 1024, serves_media=True, extra_args=["--language-model-only"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.bench import deviations, registry
+from deltaserve.bench import deviations, registry, registry_rules, registry_types
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_multimodal_moe_checkpoint_gets_the_production_flags(tmp_path: Path) -> 
     assert "--gdn-prefill-backend" not in argv  # production: vLLM picks FlashInfer's GDN prefill itself
     assert argv[argv.index("--load-format") + 1] == "dummy"  # no weight files in the folder
     assert launch.env["PYTHONPATH"].split(":")[0] == "/tmp/flashinfer_site" and launch.exemption is None
-    assert registry.check_vllm_argv(argv, input_len=1024, is_random_data=True) == []
+    assert registry_rules.check_vllm_argv(argv, input_len=1024, is_random_data=True) == []
 
 
 def test_dense_shape_scales_batched_tokens_with_isl_and_follows_the_ssm_dtype(tmp_path: Path) -> None:
@@ -60,7 +60,7 @@ def test_an_80gb_card_caps_the_step_budget_where_2x_isl_does_not_fit(tmp_path: P
     deviation with its note; shorter prompts, and the H200 sites, keep 2 x ISL and no such deviation."""
     model = str(write_config(tmp_path / "dense"))
 
-    def budget(launch: registry.OracleLaunch) -> int:
+    def budget(launch: registry_types.OracleLaunch) -> int:
         return int(launch.argv[launch.argv.index("--max-num-batched-tokens") + 1])
 
     capped = registry.vllm_launch(model, 65536, site="h100-offline")
@@ -73,15 +73,15 @@ def test_an_80gb_card_caps_the_step_budget_where_2x_isl_does_not_fit(tmp_path: P
     on_h200 = registry.vllm_launch(model, 65536, site="h200-offline")
     assert budget(on_h200) == 131072 and deviations.BATCHED_TOKENS_80GB not in on_h200.deviations
     # the floor check: the capped budget passes on the 80 GB site's limit, not without it
-    assert registry.check_vllm_argv(capped.argv, input_len=65536, is_random_data=True, card_max=65536) == []
-    assert registry.check_vllm_argv(capped.argv, input_len=65536, is_random_data=True)
+    assert registry_rules.check_vllm_argv(capped.argv, input_len=65536, is_random_data=True, card_max=65536) == []
+    assert registry_rules.check_vllm_argv(capped.argv, input_len=65536, is_random_data=True)
 
 
 def test_text_only_checkpoint_is_exempt_with_its_reason(tmp_path: Path) -> None:
     model = write_config(tmp_path / "text", is_multimodal=False)
     launch = registry.vllm_launch(str(model), 1024)
     assert "--language-model-only" not in launch.argv
-    assert launch.exemption == registry.TEXT_ONLY_EXEMPTION
+    assert launch.exemption == registry_types.TEXT_ONLY_EXEMPTION
 
 
 def test_drop_needs_a_reason_and_weakening_extras_are_refused(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from deltaserve import env
 from deltaserve.bench import grid as grid_module
 from deltaserve.bench.grid_config import load_config, resolve
-from deltaserve.bench.registry import check_vllm_argv
+from deltaserve.bench.registry_rules import check_vllm_argv
 
 
 def _value(argv: list[str], flag: str) -> str:

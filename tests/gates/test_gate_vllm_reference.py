@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from deltaserve.bench import registry
+from deltaserve.bench import registry, registry_types
 from deltaserve.gates import tokens
 from deltaserve.gates.references import load_transformers
 from deltaserve.gates.tokens import run_gate
@@ -189,7 +189,7 @@ def test_reference_only_runs_share_the_gpu_then_the_gate_reads_the_cache(
     out = capsys.readouterr().out
     assert "--reference-only" in out and "no verdict" in out and "STRICT" not in out
     kwargs = next(b for b in built if "model" in b)
-    assert kwargs["gpu_memory_utilization"] == registry.SHARED_GPU_ENGINE_KWARGS["gpu_memory_utilization"][0]
+    assert kwargs["gpu_memory_utilization"] == registry_types.SHARED_GPU_ENGINE_KWARGS["gpu_memory_utilization"][0]
     assert kwargs["kv_cache_memory_bytes"] == 2**30 and kwargs["enforce_eager"] is False
     assert run_gate(tiny_dense, reference="vllm", **options) == 0  # the gate proper: from the cache
     assert len([b for b in built if "model" in b]) == 1
