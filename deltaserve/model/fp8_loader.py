@@ -24,7 +24,7 @@ from deltaserve.kernels.fp8 import FP8_DTYPE, GROUP, Fp8Weight
 from deltaserve.model.checkpoint_files import CheckpointError
 
 if TYPE_CHECKING:
-    from deltaserve.model.loader import Checkpoint
+    from deltaserve.model.checkpoint import Checkpoint
 
 FP8_CODE = "F8_E4M3"  # safetensors' code for float8_e4m3fn
 SCALE_CODES = ("F32", "BF16")

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels.fp8 import Fp8Weight
+from deltaserve.model.checkpoint import Checkpoint
 from deltaserve.model.checkpoint_files import CheckpointError
-from deltaserve.model.loader import Checkpoint
 from deltaserve.model.mtp import MTP_PREFIX
 from deltaserve.model.parallel import LocalShapes, ShardingError
 from deltaserve.tiny.fp8 import write_fp8_checkpoint
