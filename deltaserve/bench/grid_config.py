@@ -67,7 +67,8 @@ class Arm:
     # vLLM's prefix-caching arm (registry.vllm_launch): --enable-prefix-caching [--prefix-match-unit N]
     enable_prefix_caching: bool = False
     prefix_match_unit: int | None = None
-    speculative_config: dict[str, Any] | None = None  # a vLLM peer: its MTP arm (registry.check_speculative_config)
+    # a vLLM peer: its MTP arm (registry_rules.check_speculative_config)
+    speculative_config: dict[str, Any] | None = None
     # Estimates for --deadline-s: a launch starts only if startup + points x run would end before the deadline.
     expected_startup_s: float = 0.0
     expected_run_s: float = 0.0
