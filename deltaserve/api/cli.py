@@ -1,9 +1,10 @@
 """`deltaserve serve [MODEL]`: vLLM's serve flags -> EngineConfig + ServerSettings -> AsyncEngine -> uvicorn.
 
 With no MODEL it serves the built-in tiny checkpoint on the CPU (deltaserve/default_model.py), so the server can be
-tried on any machine. The flags and vLLM's way of reading a command line are in cli_args.py
-(add_arguments and normalize_argv are this command's entry points for deltaserve/cli.py); the vLLM flags
-deltaserve accepts without implementing, or refuses, are in compat.py.
+tried on any machine. The flags are in cli_args.py (the engine's in cli_engine_args.py, their value types in
+cli_values.py) and vLLM's way of reading a command line in cli_normalize.py (add_arguments and normalize_argv are this
+command's entry points for deltaserve/cli.py); the vLLM flags deltaserve accepts without implementing, or refuses,
+are in compat.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import socket
 from typing import Any
 
 from deltaserve import default_model, env
-from deltaserve.api.cli_args import add_arguments, human_int, json_list, json_object, normalize_argv
+from deltaserve.api.cli_args import add_arguments
+from deltaserve.api.cli_normalize import normalize_argv
+from deltaserve.api.cli_values import human_int, json_list, json_object
 from deltaserve.api.compat import check_compat
 from deltaserve.api.http_protocol import protocol_with_header_timeout
 from deltaserve.api.settings import ServerSettings

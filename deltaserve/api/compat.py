@@ -1,8 +1,8 @@
 """Every `vllm serve` flag of vLLM 0.26 that deltaserve does not implement itself, with what happens when it is given.
 
-cli_args.py implements the flags that shape serving (tensor parallelism among them: --tensor-parallel-size,
---distributed-executor-backend, --enable-expert-parallel); this table covers the rest of `vllm serve --help`, so that
-a vLLM launch script parses unchanged, and nothing is dropped in silence:
+cli_args.py and cli_engine_args.py implement the flags that shape serving (tensor parallelism among them:
+--tensor-parallel-size, --distributed-executor-backend, --enable-expert-parallel); this table covers the rest of
+`vllm serve --help`, so that a vLLM launch script parses unchanged, and nothing is dropped in silence:
 - log:    accepted and logged at startup; it cannot change a token here (caching, scheduling, kernels, logging,
           distribution, multimodal inputs this text-only server never loads).
 - warn:   accepted and logged as a warning: a setting the engine does not honour yet whose absence a user can
