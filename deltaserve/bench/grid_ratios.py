@@ -1,6 +1,6 @@
 """A grid record's ratios: subject over peer (and arm over baseline) at every point both arms measured, the flag on
 points where the two arms may not have done the same work, and the figures' console formats (bench/grid_launch.py
-prints them, bench/report.py renders the record)."""
+prints them, bench/report_record.py renders the record)."""
 
 from __future__ import annotations
 

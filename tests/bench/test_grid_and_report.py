@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from deltaserve.bench import grid as grid_module
-from deltaserve.bench import grid_cli, grid_launch, report
+from deltaserve.bench import grid_cli, grid_launch, report, report_cells, report_record, report_standing
 from deltaserve.bench.grid import Grid
 from deltaserve.bench.grid_config import load_config, resolve
 from deltaserve.bench.grid_ratios import compute_ratios
@@ -453,7 +453,7 @@ def test_ratio_history_keeps_every_subject_apart() -> None:
         for s, r in (("deltaserve", 0.5), ("deltaserve-2048", 0.75))
     ]
     record = {"grid": "g", "arms": {}, "ratios": ratios}
-    text = "\n".join(report._history([("rec", record)]))
+    text = "\n".join(report_standing._history([("rec", record)]))
     assert "| deltaserve / vllm | 0.500 |" in text and "| deltaserve-2048 / vllm | 0.750 |" in text
 
 
@@ -516,16 +516,16 @@ def test_report_marks_ratios_a_peer_deviation_can_move() -> None:
               "env": {}, "command_line": "vllm serve m --gdn-prefill-backend triton"}  # fmt: skip
     record = {"grid": "g", "arms": {"ds": {"role": "subject"}, "vllm": {"role": "peer"}}, "launches": [launch],
               "runs": [], "ratios": [ratio]}  # fmt: skip
-    notes = report.Notes()
-    text = "\n".join(report.render_record("rec", record, None, notes) + notes.render())
+    notes = report_cells.Notes()
+    text = "\n".join(report_record.render_record("rec", record, None, notes) + notes.render())
     dagger = "[†1](#note-1)"
     assert f"| ds / vllm | m | 8/2 | 1 | 0.500 {dagger} | 0.800 {dagger} | 0.900 {dagger} | 1.200 | 1.000 |" in text
     assert "gdn-prefill-triton" in text and "(the record itself lacks this note)" in text
     assert text.count("gdn-prefill-triton:") == 1  # the note once, however many cells it marks
-    history = "\n".join(report._history([("rec", record)]))
+    history = "\n".join(report_standing._history([("rec", record)]))
     assert f"0.500 {dagger}" in history
     clean = dict(record, launches=[dict(launch, argv=["vllm", "serve", "m"])])
-    assert "†" not in "\n".join(report.render_record("rec", clean, None))
+    assert "†" not in "\n".join(report_record.render_record("rec", clean, None))
 
 
 def test_committed_records_carry_the_gdn_deviation_note() -> None:
@@ -575,7 +575,7 @@ def test_a_point_whose_arms_emit_unlike_outputs_is_flagged() -> None:
         "unequal outputs: ds 160 distinct of 160, v 1 of 160: the arms may have done different expert work"
     )
     record["ratios"] = [entry]
-    assert "‡" in "\n".join(report._history([("r", record)]))
+    assert "‡" in "\n".join(report_standing._history([("r", record)]))
     # alike enough (within a factor 2), or a record from before the count: no flag
     for distinct in (100, None):
         record["runs"][1]["metrics"] = peer | {"num_distinct_generated_texts": distinct}
@@ -610,15 +610,15 @@ def test_a_newer_grid_of_other_subjects_leaves_the_standing_grid_standing() -> N
 
     core = ("core-1", record("core", "2026-12-03", "deltaserve", "vllm"))
     handicap = ("handicap-1", record("handicap", "2026-12-04", "vllm", "vllm-gdn-default"))
-    stands, superseded = report.standing([core, handicap])
+    stands, superseded = report_standing.standing([core, handicap])
     assert {grid for grid, _, _, _ in stands} == {"core", "handicap"} and superseded == []
     rerun = ("core2-1", record("core2", "2026-12-05", "deltaserve", "vllm"))
-    stands, superseded = report.standing([core, handicap, rerun])
+    stands, superseded = report_standing.standing([core, handicap, rerun])
     assert superseded == [("core", "m", "core2")]
     # a run of the same grid on another card stands beside it, never in its place
     h100 = ("core2-h100", record("core2", "2026-12-06", "deltaserve", "vllm"))
     h100[1]["host"]["gpus"] = ["NVIDIA H100 80GB HBM3"]
-    stands, superseded = report.standing([core, handicap, rerun, h100])
+    stands, superseded = report_standing.standing([core, handicap, rerun, h100])
     assert sorted((grid, card, [stem for stem, _ in members]) for grid, _, card, members in stands) == [
         ("core2", "NVIDIA H100 80GB HBM3", ["core2-h100"]),
         ("core2", "no GPU", ["core2-1"]),
@@ -629,7 +629,7 @@ def test_a_newer_grid_of_other_subjects_leaves_the_standing_grid_standing() -> N
     # nor does a newer grid of the same subjects and workload on another card push it into the history
     other_card = ("core3-h100", record("core3", "2026-12-07", "deltaserve", "vllm"))
     other_card[1]["host"]["gpus"] = ["NVIDIA H100 80GB HBM3"]
-    stands, superseded = report.standing([core, handicap, rerun, other_card])
+    stands, superseded = report_standing.standing([core, handicap, rerun, other_card])
     assert ("core2", "no GPU") in {(grid, card) for grid, _, card, _ in stands}
     assert superseded == [("core", "m", "core2")]
 
@@ -711,7 +711,7 @@ def test_a_launch_records_the_kernels_its_server_compiled_while_serving(
         (flagged,) = [e for e in record["ratios"] if e.get("compiles_while_measured")]
         assert flagged["concurrency"] == 2
         assert flagged["compiles_while_measured"].startswith("fast compiled _late_kernel (CuTeDSL) while measured")
-        rendered = "\n".join(report.render_record("jit", record, None))
+        rendered = "\n".join(report_record.render_record("jit", record, None))
         assert "compiled while measured: _client_warmup_kernel, _late_kernel (CuTeDSL)" in rendered
         assert "§" in report.render([("jit", record)], {})
     else:
@@ -734,5 +734,5 @@ def test_a_launch_records_the_prefill_kernels_its_deltaserve_server_picked(
     record = Grid(config, tmp_path / "results", record_name="kernels", is_drift_enabled=False).run()
     (launch,) = record["launches"]
     assert launch["prefill_kernels"] == {"attention": "FLASH_ATTN", "gdn": "flashinfer-large"}
-    rendered = "\n".join(report.render_record("kernels", record, None))
+    rendered = "\n".join(report_record.render_record("kernels", record, None))
     assert "prefill kernels: attention FLASH_ATTN, GDN flashinfer-large" in rendered

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.bench import registry_types, report
+from deltaserve.bench import registry_types, report_cells, report_record
 from deltaserve.bench.dataset_mm import parse_bucket_config
 from deltaserve.bench.grid import REPO_ROOT, Grid
 from deltaserve.bench.grid_config import Model, load_config
@@ -98,7 +98,7 @@ def test_image_grid_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         ("deltaserve", "vllm", 1),
         ("deltaserve", "vllm", 2),
     }
-    notes = report.Notes()  # the denominator note is printed once, under Notes, and marked on the vLLM arm
-    text = "\n".join(report.render_record("image-cpu", record, None, notes) + notes.render())
+    notes = report_cells.Notes()  # the denominator note is printed once, under Notes, and marked on the vLLM arm
+    text = "\n".join(report_record.render_record("image-cpu", record, None, notes) + notes.render())
     assert "- dataset: random-mm (" in text and "bucket_config={(64, 64, 1): 1.0}" in text
     assert "vision-tower-kept" in text and "deltaserve / vllm [*1](#note-1)" in text
