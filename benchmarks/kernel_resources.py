@@ -167,7 +167,7 @@ def decode_launches(
     each GemmConfig of `moe_gemm1s` / `moe_gemm2s` adds a decode-path moe_block launch with that gate/up or
     down config (the other at the default), labelled moe_block[g1 or g2 BLOCK_N/BLOCK_K/warps/stages/
     cCHOICES_PER_PROGRAM/rROUTE_ROWS]."""
-    from deltaserve.bench.kernels import MODELS
+    from deltaserve.bench.kernel_shapes import MODELS
     from deltaserve.kernels import moe_configs, moe_decode_triton, moe_triton
     from deltaserve.kernels.attention_triton import paged_attention_triton, store_kv_triton
     from deltaserve.kernels.conv_triton import causal_conv1d_update_triton
@@ -283,7 +283,7 @@ def align_launches(
 
 def router_launches(shape: str, tokens: list[int]) -> list[tuple[str, Callable[[], object]]]:
     """(label, thunk) per router logits launch on the shape's router and shared gate."""
-    from deltaserve.bench.kernels import MODELS
+    from deltaserve.bench.kernel_shapes import MODELS
     from deltaserve.kernels.moe_decode_triton import router_logits_triton
 
     m = MODELS[shape]
@@ -302,7 +302,7 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
     kernel that feeds FlashInfer's (kernels/gdn_flashinfer_triton.py, served with --gdn-prefill-backend
     flashinfer), and the attention prefill over the prompts (the autotuner's first config: the only one kept off a
     GPU)."""
-    from deltaserve.bench.kernels import MODELS
+    from deltaserve.bench.kernel_shapes import MODELS
     from deltaserve.kernels.attention_triton import paged_attention_triton
     from deltaserve.kernels.gdn_flashinfer_triton import gdn_prefill_prep_triton
     from deltaserve.kernels.gdn_triton import gdn_prefill_triton
@@ -354,7 +354,7 @@ def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[]
     queries (kernels/gdn_spec_conv_triton.py,
     kernels/gdn_spec_triton.py, kernels/gdn_spec_commit_triton.py: bf16 conv windows beside fp32 recurrent states,
     as served; the interpreter's fp32 tests cannot see a kernel that mixes them wrongly)."""
-    from deltaserve.bench.kernels import MODELS
+    from deltaserve.bench.kernel_shapes import MODELS
     from deltaserve.kernels.attention_triton import paged_attention_triton
     from deltaserve.kernels.gdn_spec import verify_row_width
     from deltaserve.kernels.gdn_spec_commit_triton import spec_state_commit_layers_triton

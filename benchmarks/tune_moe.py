@@ -179,7 +179,7 @@ def _search(
 
 
 def tune(shape_name: str, buckets: list[int], budget_s: float, replays: int, log: Callable[[str], None]) -> dict:
-    from deltaserve.bench.kernels import MODELS
+    from deltaserve.bench.kernel_shapes import MODELS
     from deltaserve.bench.provenance import git_state
     from deltaserve.kernels import moe_configs
     from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, MoEConfig

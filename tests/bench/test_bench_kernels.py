@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from deltaserve.bench import kernel_cases, kernel_shapes
 from deltaserve.bench import kernels as bench
 
 
@@ -25,8 +26,8 @@ def test_exits_2_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_case_builders(monkeypatch: pytest.MonkeyPatch) -> None:
     """Builds and calls every case at a tiny model shape on the CPU, where the dispatchers take the refs."""
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    tiny = bench.ModelShapes(
+    monkeypatch.setattr(kernel_cases, "DEVICE", "cpu")
+    tiny = kernel_shapes.ModelShapes(
         "tiny",
         hidden=64,
         num_q_heads=4,
@@ -43,10 +44,10 @@ def test_case_builders(monkeypatch: pytest.MonkeyPatch) -> None:
         moe_inter=16,
     )
     args = _args(["--decode-up-to", "4", "--context", "20", "--page-size", "8"])
-    args.ops = set(bench.OPS)
+    args.ops = set(kernel_shapes.OPS)
     # 2 tokens take the decode forms, 9 the prefill forms.
     cases = [*bench.build_cases(tiny, 2, args, torch.float32), *bench.build_cases(tiny, 9, args, torch.float32)]
-    assert {c.op for c in cases} == set(bench.OPS)
+    assert {c.op for c in cases} == set(kernel_shapes.OPS)
     assert {c.mode for c in cases if c.op == "gdn"} == {"decode", "prefill"}
     for case in cases:
         case.call(case.make())

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltaserve.bench.kernels import MODELS
+from deltaserve.bench.kernel_shapes import MODELS
 from deltaserve.kernels import causal_conv1d_verify
 from deltaserve.kernels._triton import is_interpreting
 from deltaserve.kernels.gdn_spec import causal_conv1d_verify_ref
