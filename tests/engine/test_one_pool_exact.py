@@ -141,6 +141,24 @@ def test_mtp_in_one_pool_gives_the_split_pools_tokens(variant: str) -> None:
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_one_pool_tokens_equal_the_split_pool_in_bf16_one_at_a_time(variant: str) -> None:
+    """bf16 on the CPU, one sequence at a time (the GPU test's setting): the two pools run the same steps, pages
+    pass from slots to blocks, and the tokens are equal. Four at a time they need not be: in this budget the split
+    pool preempts a sequence that the one pool holds, and the MoE's bf16 recompute of it can route differently."""
+    model_dir = trained_model_dir(variant)
+    config = ModelConfig.from_pretrained(model_dir)
+    budget = 2 * NUM_PAGES * bytes_per_block(config, 16, torch.bfloat16)
+    outputs = []
+    for one_pool in (False, True):
+        llm = LLM(model_dir, dtype="bfloat16", device="cpu", max_model_len=400, max_num_seqs=1,
+                  max_num_batched_tokens=128, cpu_kv_cache_bytes=budget, one_pool=one_pool)  # fmt: skip
+        tokens, preemptions = run(llm)
+        outputs.append(tokens)
+        assert preemptions == 0
+    assert outputs[0] == outputs[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN", "FLASHINFER"])
 @pytest.mark.parametrize("variant", ["dense", "moe"])
