@@ -146,17 +146,26 @@ def test_one_pool_tokens_equal_the_split_pool_in_bf16_one_at_a_time(variant: str
     """bf16 on the CPU, one sequence at a time (the GPU test's setting): the two pools run the same steps, pages
     pass from slots to blocks, and the tokens are equal. Four at a time they need not be: in this budget the split
     pool preempts a sequence that the one pool holds, and the MoE's bf16 recompute of it can route differently."""
-    model_dir = trained_model_dir(variant)
+    (split, split_preemptions), (shared, shared_preemptions) = bf16_runs_one_at_a_time(
+        trained_model_dir(variant), device="cpu", budget_kwarg="cpu_kv_cache_bytes"
+    )
+    assert split_preemptions == shared_preemptions == 0
+    assert shared == split
+
+
+def bf16_runs_one_at_a_time(model_dir: Path, budget_kwarg: str, **engine: object) -> list[tuple[list[list[int]], int]]:
+    """run() with the pool split, then in one pool: bf16, one sequence at a time, in a budget of 2 x NUM_PAGES bf16
+    blocks (the states take more of it) given through `budget_kwarg` (cpu_kv_cache_bytes on the CPU,
+    kv_cache_memory_bytes on a GPU); `engine` adds the device or the attention backend."""
     config = ModelConfig.from_pretrained(model_dir)
     budget = 2 * NUM_PAGES * bytes_per_block(config, 16, torch.bfloat16)
-    outputs = []
+    runs = []
     for one_pool in (False, True):
-        llm = LLM(model_dir, dtype="bfloat16", device="cpu", max_model_len=400, max_num_seqs=1,
-                  max_num_batched_tokens=128, cpu_kv_cache_bytes=budget, one_pool=one_pool)  # fmt: skip
-        tokens, preemptions = run(llm)
-        outputs.append(tokens)
-        assert preemptions == 0
-    assert outputs[0] == outputs[1]
+        llm = LLM(model_dir, dtype="bfloat16", max_model_len=400, max_num_seqs=1, max_num_batched_tokens=128,
+                  one_pool=one_pool, **{budget_kwarg: budget}, **engine)  # fmt: skip
+        runs.append(run(llm))
+        del llm
+    return runs
 
 
 @pytest.mark.gpu
@@ -184,14 +193,10 @@ def test_gpu_one_pool_tokens_equal_the_split_pool_in_bf16(variant: str, backend:
     }[backend]
     if reason is not None:
         pytest.skip(reason)
-    budget = 2 * NUM_PAGES * bytes_per_block(config, 16, torch.bfloat16)  # bf16 blocks: the states take more of it
-    outputs = []
-    for one_pool in (False, True):
-        llm = LLM(model_dir, dtype="bfloat16", max_model_len=400, max_num_seqs=1, max_num_batched_tokens=128,
-                  kv_cache_memory_bytes=budget, one_pool=one_pool, attention_backend=backend)  # fmt: skip
-        outputs.append(run(llm)[0])
-        del llm
-    assert outputs[0] == outputs[1]
+    (split, _), (shared, _) = bf16_runs_one_at_a_time(
+        model_dir, budget_kwarg="kv_cache_memory_bytes", attention_backend=backend
+    )
+    assert shared == split
 
 
 @pytest.mark.parametrize("name", ["num_gpu_blocks_override", "num_state_slots"])
