@@ -349,16 +349,16 @@ def main() -> int:
     if ("ours-baseline" in backends) != (args.baseline is not None):
         print("--baseline FILE and the ours-baseline backend go together")
         return 2
-    if args.baseline is not None:
-        kernels["ours-baseline"] = load_baseline(args.baseline)
-    for path in args.variant:
-        label = f"ours@{Path(path).stem}"
-        if label in kernels:
-            print(f"--variant: two files named {Path(path).stem}")
-            return 2
+    # other gdn_triton.py files, timed on our inputs: --baseline (named in --backends) and each --variant (added)
+    variants = [(f"ours@{Path(path).stem}", path) for path in args.variant]
+    files = ([("ours-baseline", args.baseline)] if args.baseline is not None else []) + variants
+    if len({label for label, _ in variants}) != len(variants):
+        print("--variant: two files with one name")
+        return 2
+    for label, path in files:
         kernels[label] = load_baseline(path)
         INPUT_KIND[label] = "ours"
-        backends.append(label)
+    backends += [label for label, _ in variants]
     if set(backends) & set(peers):
         kernels.update(vllm_kernels())
     rows: list[dict[str, Any]] = []
@@ -401,8 +401,7 @@ def main() -> int:
                     row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
             if "triton_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
                 row["triton_over_flashinfer"] = round(row["triton_ms_per_layer"] / row["flashinfer_ms_per_layer"], 3)
-            variants = [f"ours@{Path(path).stem}" for path in args.variant]
-            for peer in ("flashinfer", "triton", "flashinfer-served", "triton-served", "ours-baseline", *variants):
+            for peer in ("flashinfer", "triton", "flashinfer-served", "triton-served", *(label for label, _ in files)):
                 if "ours_ms_per_layer" in row and f"{peer}_ms_per_layer" in row:
                     row[f"ours_over_{peer}"] = round(row["ours_ms_per_layer"] / row[f"{peer}_ms_per_layer"], 3)
             if "ours-flashinfer_ms_per_layer" in row and "flashinfer_ms_per_layer" in row:
