@@ -35,11 +35,12 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch
 CHUNK = 64
 CHUNK_BV = 32
 # Warps of the chunked prefill's launches (their sm_90 registers and H200 times: docs/kernels.md#gated-deltanet).
-# Scan: 4 warps at 216 registers fit 2 programs an SM (8 warps: 137 registers, 1 program; the MMAs are M = 64,
-# one warpgroup's tile, so the second warpgroup adds little).
+# Scan: 4 warps at 154 registers, 2 programs an SM (its 78 KB of shared memory at 2 stages); 8 warps: 126 registers,
+# the same 2 programs, and the MMAs are M = 64, one warpgroup's tile, so the second warpgroup adds little.
+# gdn_prefill_kernels.py --scan-configs times other warps, stages and BV (vLLM's FLA autotunes them).
 CHUNK_SCAN_WARPS = 4
 CHUNK_SCAN_STAGES = 2
-# Prepare: 4 warps at 244 registers fit 2 programs an SM (8 warps: 166 registers, 1 program).
+# Prepare: 4 warps at 242 registers fit 2 programs an SM (8 warps: 168 registers, 1 program).
 CHUNK_PREPARE_WARPS = 4
 # The state-free w / u kernel and the output kernel: parallel over chunks, [64, 128] tiles. The w / u kernel runs
 # 8 warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative error 0.84),
