@@ -35,7 +35,7 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch
 CHUNK = 64
 CHUNK_BV = 32
 # Warps of the chunked prefill's launches (their sm_90 registers and H200 times: docs/kernels.md#gated-deltanet).
-# Scan: 4 warps at 154 registers, 2 programs an SM (its 78 KB of shared memory at 2 stages); 8 warps: 126 registers,
+# Scan: 4 warps at 122 registers, 2 programs an SM (its 78 KB of shared memory at 2 stages); 8 warps: 97 registers,
 # the same 2 programs, and the MMAs are M = 64, one warpgroup's tile, so the second warpgroup adds little.
 # gdn_prefill_kernels.py --scan-configs times other warps, stages and BV (vLLM's FLA autotunes them).
 CHUNK_SCAN_WARPS = 4
@@ -503,7 +503,9 @@ def _gdn_chunk_scan_kernel(
     v' = round(u − w·S_c) [T, HV, dv], and S ← e^Γlast S + k̂ᵀ round((u − w·S_c) e^(Γlast−Γ)) (vLLM's FLA
     rounding point: the decay goes on the fp32 v', so k̂ feeds the dot as loaded, transposed by its addresses).
     w, u from _gdn_chunk_wu_kernel.
-    dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers.
+    dk is handled as up to two BKH-wide halves (S = [S_lo; S_hi]) to keep the tiles in registers; w·S_c is summed
+    over both halves before it is taken from u (as vLLM's FLA kernel and gdn_prefill_ref do), and each operand is
+    loaded just before its dot, so fewer tiles are live at once.
     HAS_CKPT: at the start of the sequence's chunk ckpt_chunk[b] (>= 1; -1: none) the fp32 S itself (not the
     rounded S_c) also goes to slot ckpt_slot[b], the state a prefill ending there leaves (an in-step checkpoint)."""
     i_b = tl.program_id(0)
@@ -529,11 +531,10 @@ def _gdn_chunk_scan_kernel(
     i_hk = i_h // GROUP
     i_chunk = tl.load(chunk_offsets_ptr + i_b)
     o_i = tl.arange(0, BT)
-    # Per-chunk addresses: int64 scalar bases plus small int32 offset tiles (int64 tiles cost registers).
-    o_nt = o_k[:, None] + o_i[None, :] * (HK * DK)  # [BKH, BT] into k̂ rows, transposed
-    o_w = o_i[:, None] * (HV * DK) + o_k[None, :]  # [BT, BKH] into w rows
-    o_u = o_i[:, None] * (HV * DV) + o_v[None, :]  # [BT, BV] into u / v' rows
-    o_hs = o_k[:, None] * DV + o_v[None, :]  # [BKH, BV] into one S_c
+    # The chunk's tiles through block pointers over the sequence's rows: scalar bases and strides, no offset tiles
+    # held across the walk (at 2 warps four int32 tiles of [64, 64] were 64 registers a thread each, and spilled),
+    # and the rows past the end read as zeros by the boundary check.
+    seq_len = end - start
     p_kn = kn_ptr + i64(start) * (HK * DK) + i_hk * DK
     p_w = w_ptr + i64(start) * (HV * DK) + i_h * DK
     p_u = u_ptr + i64(start) * (HV * DV) + i_h * DV
@@ -553,37 +554,39 @@ def _gdn_chunk_scan_kernel(
             tl.store(p_ck, b_s, mask=m_lo[:, None] & m_v[None, :] & is_ckpt)
             if TWO_K:
                 tl.store(p_ck + BKH * stride_s_k, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & is_ckpt)
+        t0 = chunk_start - start
         m_t = (chunk_start + o_i) < end  # [BT]
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_kt = tl.load(p_kn + o_nt, mask=m_lo[:, None] & m_t[None, :], other=0.0)  # [BKH, BT] k̂ᵀ, input dtype
-        b_w = tl.load(p_w + o_w, mask=m_t[:, None] & m_lo[None, :], other=0.0)
-        g_last = tl.load(p_g + (tl.minimum(chunk_start + BT, end) - 1 - chunk_start) * HV)
+        bp_w = tl.make_block_ptr(p_w, (seq_len, DK), (HV * DK, 1), (t0, 0), (BT, BKH), (1, 0))
+        bp_u = tl.make_block_ptr(p_u, (seq_len, DV), (HV * DV, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        bp_vn = tl.make_block_ptr(p_vn, (seq_len, DV), (HV * DV, 1), (t0, i_v * BV), (BT, BV), (1, 0))
+        bp_hs = tl.make_block_ptr(p_hs, (DK, DV), (DV, 1), (0, i_v * BV), (BKH, BV), (1, 0))
+        bp_kt = tl.make_block_ptr(p_kn, (DK, seq_len), (1, HK * DK), (0, t0), (BKH, BT), (0, 1))
+        b_w = tl.load(bp_w, boundary_check=(0, 1), padding_option="zero")
+        g_last = tl.load(p_g + (tl.minimum(t0 + BT, seq_len) - 1) * HV)
         # Rows past the end continue Γ flat (g = 0), as the prepare kernel's cumsum does.
-        b_gcum = tl.where(m_t, tl.load(p_g + o_i * HV, mask=m_t, other=0.0), g_last)  # [BT]
+        b_gcum = tl.where(m_t, tl.load(p_g + (t0 + o_i) * HV, mask=m_t, other=0.0), g_last)  # [BT]
         b_s_dt = b_s.to(DT)
-        tl.store(p_hs + o_hs, b_s_dt, mask=m_lo[:, None] & m_v[None, :])
-        b_vnew = tl.load(p_u + o_u, mask=m_tv, other=0.0).to(tl.float32)  # [BT, BV]
-        b_vnew -= tl.dot(b_w, b_s_dt, input_precision=DOT_PRECISION)
+        tl.store(bp_hs, b_s_dt, boundary_check=(0, 1))
+        b_ws = tl.dot(b_w, b_s_dt, input_precision=DOT_PRECISION)
         if TWO_K:
-            b_kt_hi = tl.load(p_kn + BKH + o_nt, mask=m_hi[:, None] & m_t[None, :], other=0.0)
-            b_w_hi = tl.load(p_w + BKH + o_w, mask=m_t[:, None] & m_hi[None, :], other=0.0)
+            b_w_hi = tl.load(tl.advance(bp_w, (0, BKH)), boundary_check=(0, 1), padding_option="zero")
             b_s_hi_dt = b_s_hi.to(DT)
-            tl.store(p_hs + BKH * DV + o_hs, b_s_hi_dt, mask=m_hi[:, None] & m_v[None, :])
-            b_vnew -= tl.dot(b_w_hi, b_s_hi_dt, input_precision=DOT_PRECISION)
-        tl.store(p_vn + o_u, b_vnew.to(DT), mask=m_tv)
+            tl.store(tl.advance(bp_hs, (BKH, 0)), b_s_hi_dt, boundary_check=(0, 1))
+            b_ws += tl.dot(b_w_hi, b_s_hi_dt, input_precision=DOT_PRECISION)
+        b_vnew = tl.load(bp_u, boundary_check=(0, 1), padding_option="zero").to(tl.float32) - b_ws  # [BT, BV]
+        tl.store(bp_vn, b_vnew.to(DT), boundary_check=(0, 1))
         b_vdecay = (b_vnew * tl.exp(g_last - b_gcum)[:, None]).to(DT)  # [BT, BV]
+        b_kt = tl.load(bp_kt, boundary_check=(0, 1), padding_option="zero")  # [BKH, BT] k̂ᵀ, input dtype
         b_s = b_s * tl.exp(g_last) + tl.dot(b_kt, b_vdecay, input_precision=DOT_PRECISION)
         if TWO_K:
+            b_kt_hi = tl.load(tl.advance(bp_kt, (BKH, 0)), boundary_check=(0, 1), padding_option="zero")
             b_s_hi = b_s_hi * tl.exp(g_last) + tl.dot(b_kt_hi, b_vdecay, input_precision=DOT_PRECISION)
-        p_kn += BT * HK * DK
-        p_w += BT * HV * DK
-        p_u += BT * HV * DV
-        p_vn += BT * HV * DV
-        p_g += BT * HV
         p_hs += HV * DK * DV
+    # the slot's addresses again, not kept live across the walk (an int64 tile: registers)
+    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
     tl.store(p_s, b_s, mask=m_lo[:, None] & m_v[None, :] & (i_slot >= 0))
     if TWO_K:
-        tl.store(p_s_hi, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & (i_slot >= 0))
+        tl.store(p_s + BKH * stride_s_k, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & (i_slot >= 0))
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
