@@ -582,11 +582,9 @@ def _gdn_chunk_scan_kernel(
             b_kt_hi = tl.load(tl.advance(bp_kt, (BKH, 0)), boundary_check=(0, 1), padding_option="zero")
             b_s_hi = b_s_hi * tl.exp(g_last) + tl.dot(b_kt_hi, b_vdecay, input_precision=DOT_PRECISION)
         p_hs += HV * DK * DV
-    # the slot's addresses again, not kept live across the walk (an int64 tile: registers)
-    p_s = ssm_states_ptr + i_slot * stride_s_slot + i_h * stride_s_head + o_k[:, None] * stride_s_k + o_v[None, :]
     tl.store(p_s, b_s, mask=m_lo[:, None] & m_v[None, :] & (i_slot >= 0))
     if TWO_K:
-        tl.store(p_s + BKH * stride_s_k, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & (i_slot >= 0))
+        tl.store(p_s_hi, b_s_hi, mask=m_hi[:, None] & m_v[None, :] & (i_slot >= 0))
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
