@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from deltaserve import env
-from deltaserve.api.cli_engine_args import _add_engine_arguments
+from deltaserve.api.cli_engine_args import add_engine_arguments
 from deltaserve.api.cli_values import (
     SWITCH,
     byte_count,
@@ -202,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="names the API accepts in `model` (default: MODEL as given); the first is reported",
     )
-    _add_engine_arguments(add)
+    add_engine_arguments(add)
     _add_chat_arguments(add)
     _add_http_arguments(add)
     add_compat_arguments(parser)

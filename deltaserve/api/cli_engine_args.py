@@ -28,7 +28,7 @@ PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_CHECKPOINT_INTERVAL = EngineConfig.__dataclass_fields__["prefix_cache_checkpoint_interval"].default
 
 
-def _add_engine_arguments(add: Any) -> None:
+def add_engine_arguments(add: Any) -> None:
     add("--tokenizer", default=None, help="tokenizer folder or id (default: MODEL)")
     add("--max-model-len", type=human_int, default=None, help="context length, e.g. 32768 or 32k (default: model)")
     add(

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.grid_config import REPO_ROOT, Arm, GridConfig, Model, expand
-from deltaserve.bench.grid_launch import _run_points
+from deltaserve.bench.grid_launch import run_points
 from deltaserve.bench.grid_ratios import compute_ratios, ratio
 from deltaserve.bench.peer_refusals import known_refusals
 from deltaserve.bench.provenance import host_facts
@@ -222,7 +222,7 @@ class Grid:
                 for point in points:
                     for arm in config.arms:
                         if not self._measured_points(arm, model, [point]):
-                            _run_points(self, arm, model, [point])
+                            run_points(self, arm, model, [point])
             else:
                 # the drift re-run relaunches the first subject arm (deltaserve), whatever order --arms gave
                 drift_arm = next((arm for arm in config.arms if arm.role == "subject"), config.arms[0])
@@ -233,7 +233,7 @@ class Grid:
                     todo = [point for point in points if point not in measured]
                     if not todo:
                         print(f"[grid] {arm.name} on {model.name}: measured in an earlier call", flush=True)
-                    runs = done + (_run_points(self, arm, model, todo) if todo else [])
+                    runs = done + (run_points(self, arm, model, todo) if todo else [])
                     if arm is drift_arm:
                         first_runs = runs
                 is_drift_done = any(
@@ -251,7 +251,7 @@ class Grid:
         isl, osl = self.config.lengths[0]
         concurrency = self.config.drift_concurrency
         assert concurrency is not None
-        reruns = _run_points(self, arm, model, [(isl, osl, concurrency)], is_drift_check=True)
+        reruns = run_points(self, arm, model, [(isl, osl, concurrency)], is_drift_check=True)
         first = next((r for r in first_runs if r["concurrency"] == concurrency and r["isl"] == isl), None)
         rerun = reruns[0] if reruns else None
         fields = ("output_throughput", "median_ttft_ms", "median_tpot_ms")

@@ -1,6 +1,6 @@
 """One launch of a grid arm (bench/grid.py runs the grid): start the server, run its points, stop it.
 
-`_run_points` launches an arm on a model (resolved through the oracle registry, adapted to a peer's start-up refusal
+`run_points` launches an arm on a model (resolved through the oracle registry, adapted to a peer's start-up refusal
 that names its remedy: bench/peer_refusals.py), waits for its health URL, runs each (isl, osl, concurrency) point
 with `deltaserve bench serve` in-process and stops the whole process group, writing every run into the grid's record
 as it goes. With `warmup_point` the launch first runs its first point once and one wave at its largest concurrency,
@@ -120,7 +120,7 @@ def _note_server_log(entry: dict[str, Any], log_path: Path, measured_from: int |
         print(f"[grid] {entry['arm']} on {entry['model']}: compiled while measured: {', '.join(late)}", flush=True)
 
 
-def _run_points(
+def run_points(
     grid: Grid,
     arm: Arm,
     model: Model,
@@ -260,7 +260,7 @@ def _run_points(
         print(f"[grid] {arm.name} on {model.name}: relaunching with --max-num-seqs {asked}, as its refusal asks",
               flush=True)  # fmt: skip
         grid.save()
-        return _run_points(grid, with_max_num_seqs(arm, asked), model, points, is_drift_check, is_relaunch=True)
+        return run_points(grid, with_max_num_seqs(arm, asked), model, points, is_drift_check, is_relaunch=True)
     return runs
 
 

@@ -4,7 +4,7 @@ A Case is one op at one shape: `make` builds a fresh input set at real shapes on
 states), `call` runs the public dispatcher on one, and `bytes` / `flops` count what the op must move and compute at
 least. Here: the attention preamble (fused and unfused) and rotary embedding, the norms and SiLU-and-mul, KV stores
 and paged attention, the conv and the delta rule in their decode and prefill forms, and the speculative verify step's
-conv, delta rule and commit. _randn and _fp8_weight build every input, kernel_gemm_cases.py's too, so every case
+conv, delta rule and commit. device_randn and fp8_weight build every input, kernel_gemm_cases.py's too, so every case
 reads DEVICE here: the CPU tests of the case builders point it at "cpu" in this module.
 """
 
@@ -38,11 +38,11 @@ class Case:
     note: str = ""
 
 
-def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+def device_randn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
 
 
-def _fp8_weight(*shape: int) -> Any:
+def fp8_weight(*shape: int) -> Any:
     """A block-FP8 weight [..., N, K] (docs/fp8.md): N(0, 1) values cast to e4m3, every block scale K^-0.5."""
     from deltaserve.kernels import Fp8Weight
 
@@ -52,20 +52,20 @@ def _fp8_weight(*shape: int) -> Any:
     return weight
 
 
-def _preamble_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
+def preamble_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     from deltaserve.kernels import attn_preamble, attn_preamble_unfused, rope_cos_sin_cache, rotary_embedding
 
     nq, nkv, d, r = m.num_q_heads, m.num_kv_heads, m.head_dim, m.rotary_dim
     width = nq * 2 * d + 2 * nkv * d
     cache = rope_cos_sin_cache(r, ROPE_POSITIONS, 1e7, dtype, DEVICE)
-    q_w, k_w = _randn(d, dtype=dtype, scale=0.1), _randn(d, dtype=dtype, scale=0.1)
+    q_w, k_w = device_randn(d, dtype=dtype, scale=0.1), device_randn(d, dtype=dtype, scale=0.1)
     size = dtype.itemsize
     # Compulsory traffic: q|gate and k read, cos/sin rows read, q, k, gate written (v is not touched).
     moved = tokens * ((nq * 2 * d + nkv * d) + r + (2 * nq * d + nkv * d)) * size
 
     def make() -> tuple[Any, ...]:
         positions = torch.randint(0, ROPE_POSITIONS, (tokens,), device=DEVICE)
-        return _randn(tokens, width, dtype=dtype), positions, cache[positions]
+        return device_randn(tokens, width, dtype=dtype), positions, cache[positions]
 
     def fused(s: tuple[Any, ...]) -> object:
         return attn_preamble(s[0], q_w, k_w, s[2], nq, nkv, d, r, EPS)
@@ -75,7 +75,7 @@ def _preamble_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Cas
 
     def make_rope() -> tuple[Any, ...]:
         positions = torch.randint(0, ROPE_POSITIONS, (tokens,), device=DEVICE)
-        return positions, _randn(tokens, nq * d, dtype=dtype), _randn(tokens, nkv * d, dtype=dtype)
+        return positions, device_randn(tokens, nq * d, dtype=dtype), device_randn(tokens, nkv * d, dtype=dtype)
 
     def rope(s: tuple[Any, ...]) -> object:
         return rotary_embedding(s[0], s[1], s[2], cache, d, r)
@@ -88,31 +88,31 @@ def _preamble_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Cas
     ]
 
 
-def _norm_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
+def norm_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     from deltaserve.kernels import gated_rms_norm, rms_norm, silu_and_mul
 
     size = dtype.itemsize
-    w_h = _randn(m.hidden, dtype=dtype, scale=0.1)
-    w_v = _randn(m.head_v_dim, dtype=dtype)
+    w_h = device_randn(m.hidden, dtype=dtype, scale=0.1)
+    w_v = device_randn(m.head_v_dim, dtype=dtype)
     return [
         Case(
             "rms_norm_residual",
             "-",
-            lambda: (_randn(tokens, m.hidden, dtype=dtype), _randn(tokens, m.hidden, dtype=dtype)),
+            lambda: (device_randn(tokens, m.hidden, dtype=dtype), device_randn(tokens, m.hidden, dtype=dtype)),
             lambda s: rms_norm(s[0], w_h, EPS, s[1]),
             4 * tokens * m.hidden * size,
         ),
         Case(
             "gated_rms_norm",
             "-",
-            lambda: tuple(_randn(tokens, m.num_v_heads, m.head_v_dim, dtype=dtype) for _ in range(2)),
+            lambda: tuple(device_randn(tokens, m.num_v_heads, m.head_v_dim, dtype=dtype) for _ in range(2)),
             lambda s: gated_rms_norm(s[0], s[1], w_v, EPS),
             3 * tokens * m.num_v_heads * m.head_v_dim * size,
         ),
         Case(
             "silu_and_mul",
             "-",
-            lambda: (_randn(tokens, 2 * m.mlp_inter, dtype=dtype),),
+            lambda: (device_randn(tokens, 2 * m.mlp_inter, dtype=dtype),),
             lambda s: silu_and_mul(s[0]),
             3 * tokens * m.mlp_inter * size,
             note=f"I = {m.mlp_inter}",
@@ -120,7 +120,7 @@ def _norm_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     ]
 
 
-def _attention_cases(
+def attention_cases(
     m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool, context: int, page: int
 ) -> list[Case]:
     from deltaserve.kernels import paged_attention, store_kv
@@ -133,10 +133,10 @@ def _attention_cases(
 
     def make_attn() -> tuple[Any, ...]:
         num_blocks = batch * pages_per_seq
-        k_cache = _randn(num_blocks, page, nkv, d, dtype=dtype)
-        v_cache = _randn(num_blocks, page, nkv, d, dtype=dtype)
+        k_cache = device_randn(num_blocks, page, nkv, d, dtype=dtype)
+        v_cache = device_randn(num_blocks, page, nkv, d, dtype=dtype)
         block_tables = torch.randperm(num_blocks, device=DEVICE).int().view(batch, pages_per_seq)
-        q = _randn(tokens, nq, d, dtype=dtype)
+        q = device_randn(tokens, nq, d, dtype=dtype)
         q_lens = torch.full((batch,), tokens // batch, dtype=torch.int32, device=DEVICE)
         qsl = torch.zeros(batch + 1, dtype=torch.int32, device=DEVICE)
         qsl[1:] = q_lens.cumsum(0)
@@ -151,8 +151,8 @@ def _attention_cases(
 
     def make_store() -> tuple[Any, ...]:
         num_blocks = math.ceil(tokens / page)
-        k, v = (_randn(tokens, nkv, d, dtype=dtype) for _ in range(2))
-        caches = [_randn(num_blocks, page, nkv, d, dtype=dtype) for _ in range(2)]
+        k, v = (device_randn(tokens, nkv, d, dtype=dtype) for _ in range(2))
+        caches = [device_randn(num_blocks, page, nkv, d, dtype=dtype) for _ in range(2)]
         return k, v, caches[0], caches[1], torch.arange(tokens, dtype=torch.int64, device=DEVICE)
 
     mode = "decode" if is_decode else "prefill"
@@ -166,29 +166,29 @@ def _attention_cases(
 def _gdn_inputs(m: ModelShapes, tokens: int, num_seqs: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """q, k, v (views of one conv output, as served), a, b [tokens, ...] and num_seqs fp32 states."""
     hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-    mixed = _randn(tokens, 2 * hk * dk + hv * dv, dtype=dtype)
+    mixed = device_randn(tokens, 2 * hk * dk + hv * dv, dtype=dtype)
     q = mixed[:, : hk * dk].view(tokens, hk, dk)
     k = mixed[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
     v = mixed[:, 2 * hk * dk :].view(tokens, hv, dv)
-    a, b = _randn(tokens, hv, dtype=dtype), _randn(tokens, hv, dtype=dtype)
-    return q, k, v, a, b, _randn(num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
+    a, b = device_randn(tokens, hv, dtype=dtype), device_randn(tokens, hv, dtype=dtype)
+    return q, k, v, a, b, device_randn(num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
 
 
-def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool) -> list[Case]:
+def gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool) -> list[Case]:
     from deltaserve.kernels import causal_conv1d_prefill, causal_conv1d_update, gdn_decode, gdn_prefill
 
     size = dtype.itemsize
     channels, width = m.conv_dim, m.conv_kernel
     hk, hv, dk, dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-    conv_w = _randn(channels, width, dtype=dtype, scale=0.5)
+    conv_w = device_randn(channels, width, dtype=dtype, scale=0.5)
     A_log = torch.log(torch.empty(hv, device=DEVICE).uniform_(1, 16))
-    dt_bias = _randn(hv, dtype=torch.float32, scale=0.5)
+    dt_bias = device_randn(hv, dtype=torch.float32, scale=0.5)
     num_seqs = tokens if is_decode else 1
     state_bytes = num_seqs * hv * dk * dv * 4
 
     def make_conv() -> tuple[Any, ...]:
-        x = _randn(tokens, channels, dtype=dtype)
-        states = _randn(num_seqs, width - 1, channels, dtype=dtype)
+        x = device_randn(tokens, channels, dtype=dtype)
+        states = device_randn(num_seqs, width - 1, channels, dtype=dtype)
         slots = torch.arange(num_seqs, dtype=torch.int32, device=DEVICE)
         qsl = torch.tensor([0, tokens], dtype=torch.int32, device=DEVICE)
         return x, states, slots, qsl, torch.ones(num_seqs, dtype=torch.bool, device=DEVICE)
@@ -231,7 +231,7 @@ def _gdn_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool)
 VERIFY_WIDTH = 4  # 1 + k tokens a verify chunk at k = 3, issue 41's grids
 
 
-def _verify_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool) -> list[Case]:
+def verify_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bool) -> list[Case]:
     """The speculative verify step's conv at decode token counts: `tokens` sequences of 1 + k = 4 tokens each."""
     if not is_decode:
         return []
@@ -240,13 +240,17 @@ def _verify_cases(m: ModelShapes, tokens: int, dtype: torch.dtype, is_decode: bo
     size = dtype.itemsize
     channels, width, num_seqs = m.conv_dim, m.conv_kernel, tokens
     rows = num_seqs * VERIFY_WIDTH
-    conv_w = _randn(channels, width, dtype=dtype, scale=0.5)
+    conv_w = device_randn(channels, width, dtype=dtype, scale=0.5)
     index = torch.arange(rows, device=DEVICE).view(num_seqs, VERIFY_WIDTH)
     slots = torch.arange(num_seqs, dtype=torch.int32, device=DEVICE)
 
     def make() -> tuple[Any, ...]:
         scratch = torch.empty(num_seqs, VERIFY_WIDTH, width - 1, channels, dtype=dtype, device=DEVICE)
-        return _randn(rows, channels, dtype=dtype), _randn(num_seqs, width - 1, channels, dtype=dtype), scratch
+        return (
+            device_randn(rows, channels, dtype=dtype),
+            device_randn(num_seqs, width - 1, channels, dtype=dtype),
+            scratch,
+        )
 
     def call(s: tuple[Any, ...]) -> object:
         return causal_conv1d_verify(s[0], conv_w, s[1], slots, index, s[2])
@@ -272,7 +276,7 @@ def _verify_gdn_cases(m: ModelShapes, num_seqs: int, dtype: torch.dtype) -> list
     rows = num_seqs * VERIFY_WIDTH
     row = verify_row_width(hk, dk, hv, dv)
     A_log = torch.log(torch.empty(hv, device=DEVICE).uniform_(1, 16))
-    dt_bias = _randn(hv, dtype=dtype, scale=0.5)
+    dt_bias = device_randn(hv, dtype=dtype, scale=0.5)
     index = torch.arange(rows, device=DEVICE).view(num_seqs, VERIFY_WIDTH)
     slots = torch.arange(num_seqs, dtype=torch.int32, device=DEVICE)
     accepted = torch.full((num_seqs,), VERIFY_WIDTH - 1, dtype=torch.int64, device=DEVICE)
@@ -286,10 +290,10 @@ def _verify_gdn_cases(m: ModelShapes, num_seqs: int, dtype: torch.dtype) -> list
         return gdn_verify(*s[:5], A_log, dt_bias, s[5], slots, index, s[6])
 
     def make_commit() -> tuple[Any, ...]:
-        conv = _randn(1, num_seqs, width - 1, channels, dtype=dtype)
-        states = _randn(1, num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
-        scratch_conv = _randn(1, num_seqs, VERIFY_WIDTH, width - 1, channels, dtype=dtype)
-        scratch_rows = _randn(1, num_seqs, VERIFY_WIDTH, row, dtype=dtype, scale=0.5)
+        conv = device_randn(1, num_seqs, width - 1, channels, dtype=dtype)
+        states = device_randn(1, num_seqs, hv, dk, dv, dtype=torch.float32, scale=0.1)
+        scratch_conv = device_randn(1, num_seqs, VERIFY_WIDTH, width - 1, channels, dtype=dtype)
+        scratch_rows = device_randn(1, num_seqs, VERIFY_WIDTH, row, dtype=dtype, scale=0.5)
         return conv, states, scratch_conv, scratch_rows
 
     def commit(s: tuple[Any, ...]) -> object:

@@ -13,28 +13,28 @@ from typing import Any
 
 import torch
 
-from deltaserve.bench.kernel_cases import Case, _fp8_weight, _randn
+from deltaserve.bench.kernel_cases import Case, device_randn, fp8_weight
 from deltaserve.bench.kernel_shapes import ModelShapes
 
 
-def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
+def moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     if not m.num_experts:
         return []
     from deltaserve.kernels import fused_moe, fused_moe_block, moe_route
 
     hidden, inter, experts = m.hidden, m.moe_inter, m.num_experts
-    w13 = _randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
-    w2 = _randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
-    router = _randn(experts, hidden, dtype=dtype, scale=hidden**-0.5)
+    w13 = device_randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+    w2 = device_randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+    router = device_randn(experts, hidden, dtype=dtype, scale=hidden**-0.5)
     shared = (
-        _randn(2 * m.mlp_inter, hidden, dtype=dtype, scale=hidden**-0.5),
-        _randn(hidden, m.mlp_inter, dtype=dtype, scale=m.mlp_inter**-0.5),
-        _randn(1, hidden, dtype=dtype, scale=hidden**-0.5),
+        device_randn(2 * m.mlp_inter, hidden, dtype=dtype, scale=hidden**-0.5),
+        device_randn(hidden, m.mlp_inter, dtype=dtype, scale=m.mlp_inter**-0.5),
+        device_randn(1, hidden, dtype=dtype, scale=hidden**-0.5),
     )
 
     def make() -> tuple[Any, ...]:
-        weights, ids = moe_route(_randn(tokens, experts, dtype=dtype), m.top_k, True)
-        return _randn(tokens, hidden, dtype=dtype), weights, ids
+        weights, ids = moe_route(device_randn(tokens, experts, dtype=dtype), m.top_k, True)
+        return device_randn(tokens, hidden, dtype=dtype), weights, ids
 
     probe = make()
     active = int(torch.unique(probe[2]).numel())
@@ -55,17 +55,17 @@ def _moe_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     ]
 
 
-def _linear_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
+def linear_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     """kernels.linear on the GDN input projection's shape (the register GEMV at one row, cuBLAS beyond)."""
     from deltaserve.kernels import linear
 
     out_features, in_features = m.conv_dim + m.num_v_heads * m.head_v_dim, m.hidden
-    weight = _randn(out_features, in_features, dtype=dtype, scale=in_features**-0.5)
+    weight = device_randn(out_features, in_features, dtype=dtype, scale=in_features**-0.5)
     size = dtype.itemsize
     moved = (out_features * in_features + tokens * (in_features + out_features)) * size
     flops = 2 * tokens * out_features * in_features
     note = f"[{out_features} x {in_features}] (in_proj_qkvz)"
-    make = lambda: (_randn(tokens, in_features, dtype=dtype),)  # noqa: E731
+    make = lambda: (device_randn(tokens, in_features, dtype=dtype),)  # noqa: E731
     return [Case("linear", "-", make, lambda s: linear(s[0], weight), moved, flops, note)]
 
 
@@ -75,27 +75,27 @@ def _fp8_bytes(*shape: int) -> int:
     return lead * (shape[-2] * shape[-1] + 4 * math.ceil(shape[-2] / 128) * math.ceil(shape[-1] / 128))
 
 
-def _fp8_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
+def fp8_cases(m: ModelShapes, tokens: int, dtype: torch.dtype) -> list[Case]:
     """Block FP8 (docs/fp8.md): kernels.linear with an Fp8Weight on the GDN input projection's shape (activation
     quantization + GEMM), and fused_moe with FP8 experts (quantization, two grouped GEMMs, the weighted sum)."""
     from deltaserve.kernels import fused_moe, linear, moe_route
 
     size = dtype.itemsize
     out_features, in_features = m.conv_dim + m.num_v_heads * m.head_v_dim, m.hidden
-    weight = _fp8_weight(out_features, in_features)
+    weight = fp8_weight(out_features, in_features)
     moved = _fp8_bytes(out_features, in_features) + tokens * (in_features + out_features) * size
     flops = 2 * tokens * out_features * in_features
-    make = lambda: (_randn(tokens, in_features, dtype=dtype),)  # noqa: E731
+    make = lambda: (device_randn(tokens, in_features, dtype=dtype),)  # noqa: E731
     note = f"[{out_features} x {in_features}] e4m3 (in_proj_qkvz)"
     cases = [Case("fp8_linear", "-", make, lambda s: linear(s[0], weight), moved, flops, note)]
     if not m.num_experts:
         return cases
     hidden, inter, experts = m.hidden, m.moe_inter, m.num_experts
-    w13, w2 = _fp8_weight(experts, 2 * inter, hidden), _fp8_weight(experts, hidden, inter)
+    w13, w2 = fp8_weight(experts, 2 * inter, hidden), fp8_weight(experts, hidden, inter)
 
     def make_moe() -> tuple[Any, ...]:
-        weights, ids = moe_route(_randn(tokens, experts, dtype=dtype), m.top_k, True)
-        return _randn(tokens, hidden, dtype=dtype), weights, ids
+        weights, ids = moe_route(device_randn(tokens, experts, dtype=dtype), m.top_k, True)
+        return device_randn(tokens, hidden, dtype=dtype), weights, ids
 
     active = int(torch.unique(make_moe()[2]).numel())
     moe_moved = active * (_fp8_bytes(2 * inter, hidden) + _fp8_bytes(hidden, inter)) + 2 * tokens * hidden * size

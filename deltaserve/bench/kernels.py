@@ -48,13 +48,13 @@ import torch
 from deltaserve.bench.kernel_cases import (
     DEVICE,
     Case,
-    _attention_cases,
-    _gdn_cases,
-    _norm_cases,
-    _preamble_cases,
-    _verify_cases,
+    attention_cases,
+    gdn_cases,
+    norm_cases,
+    preamble_cases,
+    verify_cases,
 )
-from deltaserve.bench.kernel_gemm_cases import _fp8_cases, _linear_cases, _moe_cases
+from deltaserve.bench.kernel_gemm_cases import fp8_cases, linear_cases, moe_cases
 from deltaserve.bench.kernel_shapes import MODELS, OPS, ModelShapes, per_rank
 from deltaserve.bench.provenance import git_state
 
@@ -64,14 +64,14 @@ DEFAULT_TOKENS = "1,8,64,512,2048,8192"
 def build_cases(m: ModelShapes, tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> list[Case]:
     is_decode = tokens <= args.decode_up_to
     cases = [
-        *_preamble_cases(m, tokens, dtype),
-        *_norm_cases(m, tokens, dtype),
-        *_attention_cases(m, tokens, dtype, is_decode, args.context, args.page_size),
-        *_gdn_cases(m, tokens, dtype, is_decode),
-        *_verify_cases(m, tokens, dtype, is_decode),
-        *_moe_cases(m, tokens, dtype),
-        *_linear_cases(m, tokens, dtype),
-        *_fp8_cases(m, tokens, dtype),
+        *preamble_cases(m, tokens, dtype),
+        *norm_cases(m, tokens, dtype),
+        *attention_cases(m, tokens, dtype, is_decode, args.context, args.page_size),
+        *gdn_cases(m, tokens, dtype, is_decode),
+        *verify_cases(m, tokens, dtype, is_decode),
+        *moe_cases(m, tokens, dtype),
+        *linear_cases(m, tokens, dtype),
+        *fp8_cases(m, tokens, dtype),
     ]
     return [c for c in cases if c.op in args.ops]
 

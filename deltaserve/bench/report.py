@@ -32,8 +32,8 @@ from typing import Any
 from deltaserve.bench import records_index
 from deltaserve.bench.grid import DEFAULT_RESULT_DIR, RECORD_SCHEMA, REPO_ROOT
 from deltaserve.bench.report_cells import Notes
-from deltaserve.bench.report_record import _plain, render_record
-from deltaserve.bench.report_standing import Records, _history, _standing
+from deltaserve.bench.report_record import plain_citation, render_record
+from deltaserve.bench.report_standing import Records, render_history, render_standing
 
 DEFAULT_RESULTS = DEFAULT_RESULT_DIR
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "BENCHMARKS.md"
@@ -54,7 +54,7 @@ def load_records(results_dir: Path) -> Records:
     return records
 
 
-def render(records: Records, plot_names: dict[str, str], cite: Callable[[str], str] = _plain) -> str:
+def render(records: Records, plot_names: dict[str, str], cite: Callable[[str], str] = plain_citation) -> str:
     """The whole document: standing, notes, history, records newest first."""
     lines = [
         "# Benchmarks",
@@ -70,8 +70,8 @@ def render(records: Records, plot_names: dict[str, str], cite: Callable[[str], s
         lines += ["No grid records yet.", ""]
         return "\n".join(lines)
     notes = Notes()
-    body = _standing(records, notes, cite)
-    history = _history(records, notes)
+    body = render_standing(records, notes, cite)
+    history = render_history(records, notes)
     sections = ["## Records, newest first", ""]
     for stem, record in reversed(records):
         sections += render_record(stem, record, plot_names.get(stem), notes, cite)

@@ -16,7 +16,7 @@ from deltaserve.bench.deviations import DEVIATIONS, Deviation, deviations_in
 from deltaserve.bench.grid_ratios import format_percent
 
 
-def _num(value: Any, digits: int = 1) -> str:
+def num_cell(value: Any, digits: int = 1) -> str:
     if value is None:
         return "–"
     if isinstance(value, int | float):
@@ -28,29 +28,29 @@ def _ratio(value: Any) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
-def _has_hit_rates(entries: list[dict[str, Any]]) -> bool:
+def has_hit_rates(entries: list[dict[str, Any]]) -> bool:
     """Whether the ratios carry both engines' prefix-cache hit rates (grids since issue 36)."""
     return any("subject_prefix_cache_hit_rate" in e for e in entries)
 
 
-def _hit_rates(entry: dict[str, Any]) -> str:
+def hit_rates_cell(entry: dict[str, Any]) -> str:
     """Both engines' prefix-cache hit rates (cached / prompt tokens, from their /metrics) at a ratio's point."""
     subject, peer = entry.get("subject_prefix_cache_hit_rate"), entry.get("peer_prefix_cache_hit_rate")
     return f"{format_percent(subject)} / {format_percent(peer)}"
 
 
-def _has_acceptance(entries: list[dict[str, Any]]) -> bool:
+def has_acceptance(entries: list[dict[str, Any]]) -> bool:
     """Whether any ratio has an MTP arm (its mean acceptance length, from /metrics: grids since issue 41)."""
     return any("subject_mean_acceptance_length" in e for e in entries)
 
 
-def _acceptance(entry: dict[str, Any]) -> str:
+def acceptance_cell(entry: dict[str, Any]) -> str:
     """Both arms' mean acceptance length at a ratio's point ("–" for an arm that does not speculate)."""
     a, b = (entry.get(f"{side}_mean_acceptance_length") for side in ("subject", "peer"))
     return f"{'–' if a is None else f'{a:.2f}'} / {'–' if b is None else f'{b:.2f}'}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     return lines
@@ -101,7 +101,7 @@ def _own_note(record: dict[str, Any], arm: str) -> str:
     return note.strip()
 
 
-def _arm_marks(record: dict[str, Any], arm: str, notes: Notes, metric: str | None = None) -> list[str]:
+def arm_marks(record: dict[str, Any], arm: str, notes: Notes, metric: str | None = None) -> list[str]:
     """`*` for the arm's own denominator note, `†` per registry deviation of the arm that can move `metric` (any
     metric when None)."""
     own = _own_note(record, arm)
@@ -112,18 +112,18 @@ def _arm_marks(record: dict[str, Any], arm: str, notes: Notes, metric: str | Non
     return marks
 
 
-def _pair(record: dict[str, Any], subject: str, peer: str, notes: Notes) -> str:
+def pair_cell(record: dict[str, Any], subject: str, peer: str, notes: Notes) -> str:
     """`subject / peer`, marked with the peer's own denominator note."""
     own = _own_note(record, peer)
     return f"{subject} / {peer}" + (f" {notes.ref(own, '*')}" if own else "")
 
 
-def _ratio_cell(record: dict[str, Any], entry: dict[str, Any], metric: str, notes: Notes) -> str:
+def ratio_cell(record: dict[str, Any], entry: dict[str, Any], metric: str, notes: Notes) -> str:
     """A ratio with a `†` mark per peer deviation that can move this metric, `‡` on output throughput when the
     arms' outputs differ, and `§` where either arm's server compiled a kernel while the point was measured."""
     if entry.get("excluded"):
         return "– (failed requests)"
-    text = " ".join([_ratio(entry.get(metric)), *_arm_marks(record, entry["peer"], notes, metric)])
+    text = " ".join([_ratio(entry.get(metric)), *arm_marks(record, entry["peer"], notes, metric)])
     if metric == "output_throughput" and entry.get("unequal_outputs"):
         text += " " + notes.ref(f"{entry['model']} c{entry['concurrency']}: {entry['unequal_outputs']}", "‡")
     if entry.get("compiles_while_measured"):  # a server stalled for a kernel compile during this point's run

@@ -3,7 +3,7 @@
 Provenance (date, host, GPU, commit, dataset, resumed runs, errors, skipped arms), the arms with their denominator
 notes, the exact launches with their environment overrides and each deltaserve server's resolved prefill kernels, the
 client's command line, every run's metrics per model, the subject / peer ratios, the drift check and the record's plot.
-_plain cites a record by its file name where the caller gives no citer.
+plain_citation cites a record by its file name where the caller gives no citer.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Any
 
 from deltaserve.bench.report_cells import (
     Notes,
-    _acceptance,
-    _arm_marks,
-    _has_acceptance,
-    _has_hit_rates,
-    _hit_rates,
-    _num,
-    _pair,
-    _ratio_cell,
-    _table,
+    acceptance_cell,
+    arm_marks,
+    has_acceptance,
+    has_hit_rates,
+    hit_rates_cell,
+    markdown_table,
+    num_cell,
+    pair_cell,
+    ratio_cell,
 )
 
 
@@ -38,7 +38,7 @@ def render_record(
     git = host.get("git", {})
     commit = git.get("commit") or "unknown"
     dirty = " (uncommitted changes)" if git.get("is_dirty") else ""
-    lines = [f"### {stem}", "", f"**{record.get('title', stem)}**", "", f"Record {(cite or _plain)(stem)}", ""]
+    lines = [f"### {stem}", "", f"**{record.get('title', stem)}**", "", f"Record {(cite or plain_citation)(stem)}", ""]
     if record.get("description"):
         lines += [record["description"], ""]
     lines += [
@@ -79,15 +79,17 @@ def render_record(
                 arm.get("oracle") or "–",
                 ", ".join(versions) or "–",
                 exemption or arm.get("exemption") or "–",
-                " ".join(_arm_marks(record, name, notes)) or "–",
+                " ".join(arm_marks(record, name, notes)) or "–",
             ]
         )
-    lines += _table(["arm", "role", "oracle", "engine version", "exemption", "denominator notes"], rows)
+    lines += markdown_table(["arm", "role", "oracle", "engine version", "exemption", "denominator notes"], rows)
     lines += ["", "Exact launches (environment overrides, then the command line):", "", "```"]
     for entry in record.get("launches", []):
         env = " ".join(f"{k}={v}" for k, v in (entry.get("env") or {}).items())
         drift = " [drift re-run]" if entry.get("is_drift_check") else ""
-        status = f" -> {entry['error']}" if entry.get("error") else f" (healthy after {_num(entry.get('startup_s'))} s)"
+        status = (
+            f" -> {entry['error']}" if entry.get("error") else f" (healthy after {num_cell(entry.get('startup_s'))} s)"
+        )
         kernels = entry.get("prefill_kernels")
         if kernels:  # a deltaserve server's resolved prefill kernels (its defaults depend on the libraries installed)
             status += f"; prefill kernels: attention {kernels['attention']}, GDN {kernels['gdn']}"
@@ -118,20 +120,20 @@ def render_record(
                     name,
                     f"{r['isl']}/{r['osl']}",
                     str(r["concurrency"]),
-                    _num(m.get("output_throughput")),
-                    _num(m.get("request_throughput"), 2),
-                    _num(m.get("median_ttft_ms")),
-                    _num(m.get("p99_ttft_ms")),
-                    _num(m.get("median_tpot_ms"), 2),
-                    _num(m.get("p99_itl_ms"), 2),
-                    _num(m.get("median_e2el_ms")),
-                    _num(m.get("peak_gpu_memory_gib"), 2),
+                    num_cell(m.get("output_throughput")),
+                    num_cell(m.get("request_throughput"), 2),
+                    num_cell(m.get("median_ttft_ms")),
+                    num_cell(m.get("p99_ttft_ms")),
+                    num_cell(m.get("median_tpot_ms"), 2),
+                    num_cell(m.get("p99_itl_ms"), 2),
+                    num_cell(m.get("median_e2el_ms")),
+                    num_cell(m.get("peak_gpu_memory_gib"), 2),
                     f"{m.get('completed', '–')}/{m.get('failed', '–')}",
                 ]
             )
         header = ["arm", "ISL/OSL", "conc", "out tok/s", "req/s", "TTFT med ms", "TTFT p99 ms", "TPOT med ms"]
         header += ["ITL p99 ms", "E2EL med ms", "peak GPU GiB", "ok/failed"]
-        lines += _table(header, rows)
+        lines += markdown_table(header, rows)
         lines.append("")
 
     if record.get("ratios"):
@@ -144,21 +146,21 @@ def render_record(
         rows = []
         fields = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "peak_gpu_memory_gib")
         for e in record["ratios"]:
-            cells = [_ratio_cell(record, e, name, notes) for name in fields]
+            cells = [ratio_cell(record, e, name, notes) for name in fields]
             if e.get("excluded"):
                 cells = [f"no ratio: {e['excluded']}", *["–"] * (len(fields) - 1)]
-            pair = _pair(record, e["subject"], e["peer"], notes)
+            pair = pair_cell(record, e["subject"], e["peer"], notes)
             rows.append([pair, e["model"], f"{e['isl']}/{e['osl']}", str(e["concurrency"]), *cells])
-            if _has_hit_rates(record["ratios"]):
-                rows[-1].append(_hit_rates(e))
-            if _has_acceptance(record["ratios"]):
-                rows[-1].append(_acceptance(e))
+            if has_hit_rates(record["ratios"]):
+                rows[-1].append(hit_rates_cell(e))
+            if has_acceptance(record["ratios"]):
+                rows[-1].append(acceptance_cell(e))
         header = ["ratio", "model", "ISL/OSL", "conc", "out tok/s", "TTFT med", "TTFT p99", "TPOT med", "peak mem"]
-        if _has_hit_rates(record["ratios"]):
+        if has_hit_rates(record["ratios"]):
             header.append("prefix cache hit rate (subject / peer)")
-        if _has_acceptance(record["ratios"]):
+        if has_acceptance(record["ratios"]):
             header.append("mean acceptance length (subject / peer)")
-        lines += _table(header, rows)
+        lines += markdown_table(header, rows)
         lines.append("")
 
     if record.get("drift"):
@@ -171,17 +173,17 @@ def render_record(
                     d["arm"],
                     d["model"],
                     str(d["concurrency"]),
-                    _num(d["first"].get("output_throughput")),
-                    _num(d["rerun"].get("output_throughput")),
+                    num_cell(d["first"].get("output_throughput")),
+                    num_cell(d["rerun"].get("output_throughput")),
                     "–" if change is None else f"{100 * change:+.1f} %",
                 ]
             )
-        lines += _table(["arm", "model", "conc", "first out tok/s", "re-run out tok/s", "change"], rows)
+        lines += markdown_table(["arm", "model", "conc", "first out tok/s", "re-run out tok/s", "change"], rows)
         lines.append("")
     if plot_name:
         lines += [f"![{stem}]({plot_name})", ""]
     return lines
 
 
-def _plain(stem: str) -> str:
+def plain_citation(stem: str) -> str:
     return f"`{stem}.json`"

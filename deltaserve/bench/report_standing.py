@@ -2,8 +2,8 @@
 
 standing groups the records by grid, model and GPU and keeps the newest record of each group, unless a newer grid with
 a peer measured the same workload (the client's flags less PER_RUN_FLAGS) on the same model and card with one of the
-same subjects: that group is left to the history. _standing renders one table per group that stands (every
-subject/peer ratio, or each arm's own figures where the grid has no peer); _history one table per grid, model and
+same subjects: that group is left to the history. render_standing renders one table per group that stands (every
+subject/peer ratio, or each arm's own figures where the grid has no peer); render_history one table per grid, model and
 lengths with the output-throughput ratio of every record, oldest first.
 """
 
@@ -17,14 +17,14 @@ from deltaserve.bench.grid_ratios import HIT_RATE as RUN_HIT_RATE
 from deltaserve.bench.grid_ratios import format_percent
 from deltaserve.bench.report_cells import (
     Notes,
-    _acceptance,
-    _has_acceptance,
-    _has_hit_rates,
-    _hit_rates,
-    _num,
-    _pair,
-    _ratio_cell,
-    _table,
+    acceptance_cell,
+    has_acceptance,
+    has_hit_rates,
+    hit_rates_cell,
+    markdown_table,
+    num_cell,
+    pair_cell,
+    ratio_cell,
 )
 
 # Client flags that differ between the runs of one workload (server, label, load level; a multi-turn grid's clients
@@ -130,39 +130,43 @@ def _standing_table(stem: str, record: dict[str, Any], model: str, notes: Notes)
                 [
                     f"{e['isl']}/{e['osl']}",
                     str(e["concurrency"]),
-                    _pair(record, e["subject"], e["peer"], notes),
-                    f"{_num(ours)} / {_num(theirs)}",
+                    pair_cell(record, e["subject"], e["peer"], notes),
+                    f"{num_cell(ours)} / {num_cell(theirs)}",
                     *(
-                        _ratio_cell(record, e, m, notes)
+                        ratio_cell(record, e, m, notes)
                         for m in ("output_throughput", "median_ttft_ms", "median_tpot_ms")
                     ),
                 ]
             )
         header = ["ISL/OSL", "conc", "subject / peer", "out tok/s (subject / peer)", "out tok/s ratio"]
         header += ["TTFT med ratio", "TPOT med ratio"]
-        if _has_hit_rates(entries):
+        if has_hit_rates(entries):
             ordered = sorted(entries, key=lambda e: (e["isl"], e["osl"], e["concurrency"], e["subject"], e["peer"]))
-            rows = [[*row, _hit_rates(e)] for row, e in zip(rows, ordered, strict=True)]
+            rows = [[*row, hit_rates_cell(e)] for row, e in zip(rows, ordered, strict=True)]
             header.append("prefix cache hit rate (subject / peer)")
-        if _has_acceptance(entries):
+        if has_acceptance(entries):
             ordered = sorted(entries, key=lambda e: (e["isl"], e["osl"], e["concurrency"], e["subject"], e["peer"]))
-            rows = [[*row, _acceptance(e)] for row, e in zip(rows, ordered, strict=True)]
+            rows = [[*row, acceptance_cell(e)] for row, e in zip(rows, ordered, strict=True)]
             header.append("mean acceptance length (subject / peer)")
-        return _table(header, rows)
+        return markdown_table(header, rows)
     rows = []
     runs = sorted(_runs(record, model), key=lambda r: (r["isl"], r["osl"], r["concurrency"], r["arm"]))
     # the server's own hit rate, where it reported one: a cache hit on random data is a measured prompt sent before
     has_hits = any(RUN_HIT_RATE in (r.get("metrics") or {}) for r in runs)
     for r in runs:
         m = r.get("metrics") or {}
-        cells = [_num(m.get("output_throughput")), _num(m.get("median_ttft_ms")), _num(m.get("median_tpot_ms"), 2)]
+        cells = [
+            num_cell(m.get("output_throughput")),
+            num_cell(m.get("median_ttft_ms")),
+            num_cell(m.get("median_tpot_ms"), 2),
+        ]
         cells += [format_percent(m.get(RUN_HIT_RATE))] if has_hits else []
         rows.append([f"{r['isl']}/{r['osl']}", str(r["concurrency"]), r["arm"], *cells])
     header = ["ISL/OSL", "conc", "arm (no peer)", "out tok/s", "TTFT med ms", "TPOT med ms"]
-    return _table([*header, *(["prefix cache hit rate"] if has_hits else [])], rows)
+    return markdown_table([*header, *(["prefix cache hit rate"] if has_hits else [])], rows)
 
 
-def _standing(records: Records, notes: Notes, cite: Callable[[str], str]) -> list[str]:
+def render_standing(records: Records, notes: Notes, cite: Callable[[str], str]) -> list[str]:
     stands, superseded = standing(records)
     lines = [
         "## Current standing",
@@ -189,7 +193,7 @@ def _standing(records: Records, notes: Notes, cite: Callable[[str], str]) -> lis
     return lines
 
 
-def _history(records: Records, notes: Notes | None = None) -> list[str]:
+def render_history(records: Records, notes: Notes | None = None) -> list[str]:
     """Per grid, model and lengths, the output-throughput ratio of every record (one row per subject / peer pair),
     oldest first."""
     notes = notes if notes is not None else Notes()
@@ -205,12 +209,12 @@ def _history(records: Records, notes: Notes | None = None) -> list[str]:
         concurrencies = sorted({entry["concurrency"] for _, _, entry in points})
         rows: dict[tuple[str, str, str], list[str]] = {}
         for stem, record, entry in points:
-            pair = _pair(record, entry["subject"], entry["peer"], notes)  # a grid may hold several subjects
+            pair = pair_cell(record, entry["subject"], entry["peer"], notes)  # a grid may hold several subjects
             row = rows.setdefault(
                 (stem, entry["subject"], entry["peer"]),
                 [f"[{stem}](#{stem.lower()})", _source(record), pair, *["–"] * len(concurrencies)],
             )
-            row[3 + concurrencies.index(entry["concurrency"])] = _ratio_cell(record, entry, "output_throughput", notes)
+            row[3 + concurrencies.index(entry["concurrency"])] = ratio_cell(record, entry, "output_throughput", notes)
         header = ["record", "date, commit, GPU", "subject / peer", *[f"c{c}" for c in concurrencies]]
-        lines += [f"### {grid}: {model}, {isl}/{osl}", "", *_table(header, list(rows.values())), ""]
+        lines += [f"### {grid}: {model}, {isl}/{osl}", "", *markdown_table(header, list(rows.values())), ""]
     return lines

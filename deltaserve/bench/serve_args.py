@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     metrics.add_argument("--gpu-indices", default=None, help="comma-separated NVML indices to sample (default all)")
 
 
-def _resolve_lengths(args: argparse.Namespace) -> tuple[int, int]:
+def resolve_lengths(args: argparse.Namespace) -> tuple[int, int]:
     input_len = args.input_len if args.input_len is not None else args.random_input_len
     output_len = args.output_len if args.output_len is not None else args.random_output_len
     return input_len, output_len

@@ -53,13 +53,13 @@ from deltaserve.bench.multi_turn import multi_turn_fields, multi_turn_options, r
 from deltaserve.bench.nvml import MemorySampler
 from deltaserve.bench.serve_args import (
     IGNORE_EOS_DATASETS,
-    _resolve_lengths,
     add_arguments,
     check_endpoint,
     prefix_options,
+    resolve_lengths,
 )
-from deltaserve.bench.serve_dataset import _align, _sample
-from deltaserve.bench.serve_record import DETAILED_FIELDS, _default_filename, failed_errors, summary
+from deltaserve.bench.serve_dataset import align_requests, sample_requests
+from deltaserve.bench.serve_record import DETAILED_FIELDS, default_filename, failed_errors, summary
 from deltaserve.bench.server_counters import (
     parse_prefix_counters,
     parse_spec_counters,
@@ -117,7 +117,7 @@ async def _run_async(
     percentile_metrics = parse_metric_names(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
     goodput = parse_goodput(args.goodput)
-    input_len, output_len = _resolve_lengths(args)
+    input_len, output_len = resolve_lengths(args)
     is_ignore_eos = (args.dataset_name in IGNORE_EOS_DATASETS) if args.ignore_eos is None else args.ignore_eos
     request_id_prefix = args.request_id_prefix
     load = LoadOptions(
@@ -151,17 +151,19 @@ async def _run_async(
         conversations = sample_conversations(tokenizer, turn_options, args.seed)
         requests = []
     else:
-        requests = _sample(args, tokenizer, args.num_prompts, args.seed, input_len, output_len)
+        requests = sample_requests(args, tokenizer, args.num_prompts, args.seed, input_len, output_len)
         if args.warmup_distinct and args.num_warmups > 0:
-            load.warmup_requests = _sample(
+            load.warmup_requests = sample_requests(
                 args, tokenizer, args.num_warmups, warmup_seed(args.seed), input_len, output_len
             )
     is_server_aligned = False
     # vLLM aligns the text-only random and prefix_repetition datasets with the server's tokenizer
     if not args.no_server_tokenize and not is_mm and not is_multi_turn:
-        requests, is_server_aligned = await _align(args, base_url, request_model, requests, tokenizer, args.seed)
+        requests, is_server_aligned = await align_requests(
+            args, base_url, request_model, requests, tokenizer, args.seed
+        )
         if load.warmup_requests:
-            load.warmup_requests, _ = await _align(
+            load.warmup_requests, _ = await align_requests(
                 args, base_url, request_model, load.warmup_requests, tokenizer, warmup_seed(args.seed)
             )
 
@@ -282,7 +284,7 @@ def run_bench(
     if args.save_result or args.result_filename:
         result_dir = Path(args.result_dir or ".")
         result_dir.mkdir(parents=True, exist_ok=True)
-        filename = args.result_filename or _default_filename(args, record["model_id"], record["date"])
+        filename = args.result_filename or default_filename(args, record["model_id"], record["date"])
         (result_dir / filename).write_text(json.dumps(record, indent=2) + "\n")
     return record
 

@@ -1,7 +1,7 @@
 """The requests of one `deltaserve bench serve` run: drawn from the chosen dataset, then aligned with the server.
 
-`_sample` draws the measured (or the distinct warm-up) requests of the random, random-mm or prefix_repetition
-dataset with a seed; multi-turn conversations are drawn by multi_turn.py instead. `_align` then runs vLLM's
+`sample_requests` draws the measured (or the distinct warm-up) requests of the random, random-mm or prefix_repetition
+dataset with a seed; multi-turn conversations are drawn by multi_turn.py instead. `align_requests` then runs vLLM's
 alignment of the text-only prompts with the server's /tokenize and /detokenize: the random dataset's exact lengths
 (dataset.py), or prefix_repetition's as vLLM 0.26 aligns it (dataset_prefix.py). serve_cli.py calls it for those two
 datasets only, as vLLM aligns no others, and not at all with --no-server-tokenize.
@@ -19,7 +19,7 @@ from deltaserve.bench.dataset_prefix import align_like_vllm, sample_prefix_repet
 from deltaserve.bench.serve_args import prefix_options
 
 
-def _sample(
+def sample_requests(
     args: argparse.Namespace, tokenizer: Any, num_requests: int, seed: int, input_len: int, output_len: int
 ) -> list[SampleRequest]:
     """`num_requests` requests of the chosen dataset (not multi-turn) drawn with `seed`."""
@@ -36,7 +36,7 @@ def _sample(
     return sample_random(tokenizer, num_requests, prefix_len=args.random_prefix_len, seed=seed, **common)
 
 
-async def _align(
+async def align_requests(
     args: argparse.Namespace,
     base_url: str,
     request_model: str,

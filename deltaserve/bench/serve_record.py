@@ -3,7 +3,7 @@ prints.
 
 `DETAILED_FIELDS` are the per-request arrays dropped from the JSON unless --save-detailed, as in vLLM;
 `failed_errors` (our own, kept without --save-detailed) says why requests failed, each distinct last line of their
-errors with its count; `_default_filename` names a saved record, in vLLM's pattern, when --result-filename is not given;
+errors with its count; `default_filename` names a saved record, in vLLM's pattern, when --result-filename is not given;
 `summary` is the human-readable block the CLI prints, in vLLM's order.
 """
 
@@ -29,7 +29,7 @@ def failed_errors(results: list[RequestResult]) -> dict[str, int]:
     return dict(Counter(line or "no error text" for line in lines).most_common())
 
 
-def _default_filename(args: argparse.Namespace, model_id: str, date: str) -> str:
+def default_filename(args: argparse.Namespace, model_id: str, date: str) -> str:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
     return f"{args.label or args.backend}-{rate}qps{concurrency}-{Path(model_id).name}-{date}.json"

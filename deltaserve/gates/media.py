@@ -35,8 +35,8 @@ from deltaserve.gates.references import (
     ReferenceRun,
     StepScores,
     TransformersReference,
-    _cache_argument,
-    _cache_of,
+    cache_argument,
+    cache_of,
 )
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.tiny.media_prompts import (
@@ -80,7 +80,7 @@ class MediaTransformersReference(TransformersReference):
             if step == num_steps - 1 and forced is None:
                 break
             # decode steps carry no media: the model continues from its cached rope deltas
-            cache = {_cache_argument(self.model): _cache_of(out)}
+            cache = {cache_argument(self.model): cache_of(out)}
             out = self.model(input_ids=torch.tensor([[tokens[-1]]], device=self.device), use_cache=True, **cache)
         if forced is not None:
             rows.append(out.logits[0, -1])

@@ -109,7 +109,7 @@ def transformers_greedy(
     """transformers' own prefill + cached decode loop; tokens and each step's logits in the model's dtype."""
     ids = torch.tensor([prompt], device=device)
     out = model(input_ids=ids, use_cache=True)
-    cache = _cache_of(out)
+    cache = cache_of(out)
     tokens, scores = [], []
     logits = out.logits[0, -1]
     for _ in range(max_tokens):
@@ -117,20 +117,20 @@ def transformers_greedy(
         # torch.argmax returns the first maximal index, as vLLM's greedy sampler does.
         token = int(torch.argmax(logits.float()))
         tokens.append(token)
-        step = {_cache_argument(model): cache}
+        step = {cache_argument(model): cache}
         out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, **step)
-        cache = _cache_of(out)
+        cache = cache_of(out)
         logits = out.logits[0, -1]
     return tokens, scores
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
+def cache_argument(model: torch.nn.Module) -> str:
     """The forward's name for the cache: `cache` from transformers 5.24 on (`past_key_values` is deprecated
     there), `past_key_values` before (the H200 has 5.17)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _cache_of(output: Any) -> Any:
+def cache_of(output: Any) -> Any:
     """The cache a transformers forward returned (`cache` from 5.24 on, `past_key_values` before)."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)

@@ -28,7 +28,7 @@ from deltaserve.kernels._dispatch import output, triton_or_ref
 CHUNK_SIZE = 64
 
 
-def _gates(
+def gdn_gates(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())  # [T, HV]
@@ -56,7 +56,7 @@ def write_slots(
     states.index_copy_(0, torch.where(writes, slots, anchor), rows)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
 
@@ -133,10 +133,10 @@ def gdn_prefill_ref(
     checkpoint_chunks[b] (>= 1; -1: none) also goes to slot checkpoint_slots[b] (an in-step checkpoint)."""
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
-    g, beta = _gates(a, b, A_log, dt_bias)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     # vLLM's prefill rounds the normed q/k to the activation dtype before the core.
-    q_hat = _l2norm(q).to(q.dtype).float().repeat_interleave(group, dim=1) * head_k_dim**-0.5
-    k_hat = _l2norm(k).to(k.dtype).float().repeat_interleave(group, dim=1)
+    q_hat = l2norm_fp32(q).to(q.dtype).float().repeat_interleave(group, dim=1) * head_k_dim**-0.5
+    k_hat = l2norm_fp32(k).to(k.dtype).float().repeat_interleave(group, dim=1)
     out = output(out, tuple(v.shape), v)
     starts = query_start_loc.tolist()
     save_chunks = [-1] * len(starts) if checkpoint_chunks is None else checkpoint_chunks.tolist()
@@ -245,9 +245,9 @@ def gdn_decode_ref(
     given; zeros where slot < 0); states in place."""
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
-    g, beta = _gates(a, b, A_log, dt_bias)
-    q_hat = _l2norm(q).repeat_interleave(group, dim=1) * head_k_dim**-0.5  # [B, HV, dk]
-    k_hat = _l2norm(k).repeat_interleave(group, dim=1)  # [B, HV, dk]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q_hat = l2norm_fp32(q).repeat_interleave(group, dim=1) * head_k_dim**-0.5  # [B, HV, dk]
+    k_hat = l2norm_fp32(k).repeat_interleave(group, dim=1)  # [B, HV, dk]
     out = output(out, tuple(v.shape), v).zero_()
     for i, slot in enumerate(state_indices.tolist()):
         if slot < 0:

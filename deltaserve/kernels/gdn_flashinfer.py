@@ -27,7 +27,7 @@ import torch
 
 from deltaserve.kernels._dispatch import output, triton_or_ref
 from deltaserve.kernels.flashinfer_import import import_or_reason
-from deltaserve.kernels.gdn import _gates, _l2norm, write_slots
+from deltaserve.kernels.gdn import gdn_gates, l2norm_fp32, write_slots
 
 # The one head size FlashInfer 0.6.14's SM90 kernel compiles (delta_rule_sm90: "only supports D=128").
 FLASHINFER_HEAD_SIZE = 128
@@ -45,9 +45,9 @@ def gdn_prefill_prep_ref(
     """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] (row-strided views allowed) -> (q̂, k̂ [T, HK, dk] L2-normed in
     fp32 and rounded to the input dtype, v [T, HV, dv], g [T, HV] fp32 log-decay, β [T, HV] fp32), all contiguous:
     vLLM's post-conv prep for its chunked prefill."""
-    g, beta = _gates(a, b, A_log, dt_bias)
-    q_hat = _l2norm(q).to(q.dtype).contiguous()
-    k_hat = _l2norm(k).to(k.dtype).contiguous()
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    q_hat = l2norm_fp32(q).to(q.dtype).contiguous()
+    k_hat = l2norm_fp32(k).to(k.dtype).contiguous()
     return q_hat, k_hat, v.contiguous(), g.contiguous(), beta.contiguous()
 
 

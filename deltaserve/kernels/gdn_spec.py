@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels._dispatch import output, triton_or_ref, use_triton
-from deltaserve.kernels.gdn import _gates, _l2norm, write_slots
+from deltaserve.kernels.gdn import gdn_gates, l2norm_fp32, write_slots
 
 
 def _scatter_rows(out: torch.Tensor, token_index: torch.Tensor, column: int, values: torch.Tensor) -> None:
@@ -121,8 +121,8 @@ def _column_step(
     """One token a sequence: state [S, HV, dk, dv] fp32; k [S, HK, dk], v [S, HV, dv], a, b [S, HV] as loaded ->
     the state after the token (gdn_decode's arithmetic). The verify twin and the commit twin both step through here."""
     group = v.shape[1] // k.shape[1]
-    g, beta = _gates(a, b, A_log, dt_bias)  # [S, HV]
-    k_hat = _l2norm(k).repeat_interleave(group, dim=1)  # [S, HV, dk]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)  # [S, HV]
+    k_hat = l2norm_fp32(k).repeat_interleave(group, dim=1)  # [S, HV, dk]
     new = state * g.exp()[:, :, None, None]
     u = beta[:, :, None] * (v.float() - torch.einsum("shkv,shk->shv", new, k_hat))
     return new + k_hat[:, :, :, None] * u[:, :, None, :]
@@ -160,7 +160,7 @@ def gdn_verify_ref(
         is_real = index >= 0
         k_j, v_j, a_j, b_j = (t.index_select(0, rows) for t in (k, v, a, b))
         new = _column_step(state, k_j, v_j, a_j, b_j, A_log, dt_bias)
-        q_hat = _l2norm(q.index_select(0, rows)).repeat_interleave(group, dim=1) * head_k_dim**-0.5  # [S, HV, dk]
+        q_hat = l2norm_fp32(q.index_select(0, rows)).repeat_interleave(group, dim=1) * head_k_dim**-0.5  # [S, HV, dk]
         o = torch.einsum("shkv,shk->shv", new, q_hat)  # [S, HV, dv]
         _scatter_rows(padded, token_index, j, torch.where(is_live[:, None, None], o, 0.0))
         state = torch.where(is_real[:, None, None, None], new, state)

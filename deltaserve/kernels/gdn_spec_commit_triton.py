@@ -7,7 +7,7 @@ CONV_BLOCKS blocks of a (sequence, layer) copy BLOCK elements of the conv window
 conv_entries - 1) into the live slot (a window [K-1, C] is one contiguous run). The rest are (value head, BV
 column block) programs of the recurrent state, laid out as the verify kernel's: each loads its [dk, BV] slice of
 the live state, replays tokens 0 .. a_s of the row scratch (k, v, a, b as the verify kernel stored them) through
-the verify kernel's own `_delta_step` with its tile shapes and warps, and stores the slice back: the state the
+the verify kernel's own `delta_step` with its tile shapes and warps, and stores the slice back: the state the
 verify held after token a_s, one state read and written a sequence and layer, where storing a state after every
 token would hold 1 + k of them. A sequence whose slot is < 0 (a padded row of a graph bucket) reads and writes
 nothing.
@@ -21,8 +21,8 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2
 from deltaserve.kernels.gdn_spec import row_key_heads
-from deltaserve.kernels.gdn_spec_triton import VERIFY_NUM_WARPS, _delta_step
-from deltaserve.kernels.gdn_triton import _block_v
+from deltaserve.kernels.gdn_spec_triton import VERIFY_NUM_WARPS, delta_step
+from deltaserve.kernels.gdn_triton import state_block_v
 
 BLOCK = 2048
 
@@ -104,7 +104,7 @@ def _spec_state_commit_kernel(
             b_v = tl.load(p_col + HK * DK + i_h * DV + o_v, mask=m_v, other=0.0)
             b_a = tl.load(p_col + HK * DK + HV * DV + i_h)
             b_b = tl.load(p_col + HK * DK + HV * DV + HV + i_h)
-            b_s = _delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias)
+            b_s = delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias)
         tl.store(p_s, b_s.to(ssm_ptr.dtype.element_ty), mask=m_s)
 
 
@@ -144,7 +144,7 @@ def spec_state_commit_layers_triton(
     num_k_heads = row_key_heads(scratch_rows.shape[3], num_v_heads, head_k_dim, head_v_dim)
     n_conv = conv_states[0, 0].numel()
     conv_blocks = triton.cdiv(n_conv, BLOCK)
-    block_v = _block_v(head_v_dim)  # the verify kernel's column block: the same tile, the same reduction
+    block_v = state_block_v(head_v_dim)  # the verify kernel's column block: the same tile, the same reduction
     grid = (conv_blocks + num_v_heads * triton.cdiv(head_v_dim, block_v), num_seqs, num_layers)
     _spec_state_commit_kernel[grid](
         conv_states, ssm_states, scratch_conv, scratch_rows, A_log, dt_bias, state_indices, num_accepted, width,

@@ -2,7 +2,7 @@
 
 One program owns one (verify sequence, value head, BV-column block): it loads its [dk, BV] slice of the sequence's
 live state once, runs the chunk's 1 + k tokens in order with gdn_decode's arithmetic (fp32, q / k L2-normed in
-fp32 and not rounded, gates in fp32: `_delta_step`, which the commit's replay in kernels/gdn_spec_commit_triton.py
+fp32 and not rounded, gates in fp32: `delta_step`, which the commit's replay in kernels/gdn_spec_commit_triton.py
 shares), stores each token's output row and the inputs the step consumed into the row scratch entry [s, j] (k by
 the first value head of its group and a, b by the first column block, v by every program for its columns), and
 never writes the live slot: the commit replays the accepted tokens on it. Token j + 1's row is loaded before token j
@@ -20,19 +20,19 @@ import triton.language as tl
 from deltaserve.kernels._dispatch import output
 from deltaserve.kernels._triton import i64, next_pow2
 from deltaserve.kernels.gdn_spec import verify_row_width
-from deltaserve.kernels.gdn_triton import MAX_GRID_YZ, _block_v, _check_states, _gates_of, _l2norm
+from deltaserve.kernels.gdn_triton import MAX_GRID_YZ, check_states, gates_of, l2norm_vector, state_block_v
 
 # the verify kernel and the commit's replay launch [dk, BV] programs with these warps: one layout, one reduction order
 VERIFY_NUM_WARPS = 4
 
 
 @triton.jit
-def _delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias):
+def delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias):
     """One token of the delta rule on a [dk, BV] fp32 state slice from the loaded k [dk], v [BV], a, b: the state
     after it. The verify kernel and the commit's replay both step through here, on the same tile shapes and warps,
     so the replayed state is the one the verify held."""
-    b_k = _l2norm(b_k.to(tl.float32))
-    b_decay, b_beta = _gates_of(b_a, b_b, b_A_log, b_dt_bias)
+    b_k = l2norm_vector(b_k.to(tl.float32))
+    b_decay, b_beta = gates_of(b_a, b_b, b_A_log, b_dt_bias)
     b_new = b_s * b_decay
     b_u = b_beta * (b_v.to(tl.float32) - tl.sum(b_new * b_k[:, None], axis=0))  # [BV]
     return b_new + b_k[:, None] * b_u[None, :]
@@ -115,8 +115,8 @@ def _gdn_verify_kernel(
         tl.store(p_col + HK * DK + i_h * DV + o_v, b_v, mask=m_v & is_real & is_live)
         tl.store(p_col + HK * DK + HV * DV + i_h, b_a, mask=is_real & writes_ab)
         tl.store(p_col + HK * DK + HV * DV + HV + i_h, b_b, mask=is_real & writes_ab)
-        b_new = _delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias)
-        b_q = _l2norm(b_q.to(tl.float32)) * scale
+        b_new = delta_step(b_s, b_k, b_v, b_a, b_b, b_A_log, b_dt_bias)
+        b_q = l2norm_vector(b_q.to(tl.float32)) * scale
         b_o = tl.sum(b_new * b_q[:, None], axis=0)  # [BV]
         b_s = tl.where(is_real, b_new, b_s)
         tl.store(out_ptr + (i_row * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v & is_real)
@@ -161,7 +161,7 @@ def gdn_verify_triton(
     num_k_heads, head_k_dim = q.shape[1], q.shape[2]
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     num_seqs, width = token_index.shape
-    _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
+    check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("token_index", token_index)):
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
     assert scratch_rows.stride(-1) == 1, "scratch_rows: contiguous rows"
@@ -174,7 +174,7 @@ def gdn_verify_triton(
         return out
     if num_seqs > MAX_GRID_YZ or num_v_heads > MAX_GRID_YZ:
         raise ValueError(f"gdn_verify: {num_seqs} sequences x {num_v_heads} heads exceed the grid ({MAX_GRID_YZ})")
-    block_v = _block_v(head_v_dim)
+    block_v = state_block_v(head_v_dim)
     _gdn_verify_kernel[(triton.cdiv(head_v_dim, block_v), num_v_heads, num_seqs)](
         q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, token_index, scratch_rows, out, width,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),

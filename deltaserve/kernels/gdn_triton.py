@@ -54,14 +54,14 @@ MAX_GRID_YZ = 65535
 
 
 @triton.jit
-def _gates_of(b_a, b_b, b_A_log, b_dt_bias):
+def gates_of(b_a, b_b, b_A_log, b_dt_bias):
     """(e^g, β) from the loaded a, b, A_log, dt_bias scalars, in fp32."""
     b_g = -tl.exp(b_A_log.to(tl.float32)) * softplus_f32(b_a.to(tl.float32) + b_dt_bias.to(tl.float32))
     return tl.exp(b_g), 1.0 / (1.0 + tl.exp(-b_b.to(tl.float32)))
 
 
 @triton.jit
-def _l2norm(b_x):
+def l2norm_vector(b_x):
     return b_x / tl.sqrt(tl.sum(b_x * b_x, axis=0) + 1e-6)
 
 
@@ -129,9 +129,9 @@ def _gdn_decode_kernel(
     b_a = tl.load(a_ptr + i_b * stride_a_t + i_h)
     b_b = tl.load(b_ptr + i_b * stride_b_t + i_h)
 
-    b_q = _l2norm(b_q.to(tl.float32)) * scale
-    b_k = _l2norm(b_k.to(tl.float32))
-    b_decay, b_beta = _gates_of(b_a, b_b, b_A_log, b_dt_bias)
+    b_q = l2norm_vector(b_q.to(tl.float32)) * scale
+    b_k = l2norm_vector(b_k.to(tl.float32))
+    b_decay, b_beta = gates_of(b_a, b_b, b_A_log, b_dt_bias)
     b_s = b_s * b_decay
     b_u = b_beta * (b_v.to(tl.float32) - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
     b_s += b_k[:, None] * b_u[None, :]
@@ -140,12 +140,12 @@ def _gdn_decode_kernel(
     tl.store(out_ptr + (i_b * HV + i_h) * DV + o_v, tl.where(is_live, b_o, 0.0), mask=m_v)
 
 
-def _check_states(ssm_states: torch.Tensor, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> None:
+def check_states(ssm_states: torch.Tensor, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> None:
     assert ssm_states.shape[1:] == (num_v_heads, head_k_dim, head_v_dim), f"ssm_states {tuple(ssm_states.shape)}"
     assert ssm_states.stride(-1) == 1, "ssm_states: the dv dim must be contiguous"
 
 
-def _block_v(head_v_dim: int) -> int:
+def state_block_v(head_v_dim: int) -> int:
     # [dk, BV] fp32 state tile in registers: 128 × 32 over 4 warps is 32 registers a thread.
     return min(32, next_pow2(head_v_dim))
 
@@ -166,13 +166,13 @@ def gdn_decode_triton(
     < 0); states in place."""
     batch, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
-    _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
+    check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
     out = output(out, (batch, num_v_heads, head_v_dim), v)
     if batch == 0:
         return out
-    block_v = _block_v(head_v_dim)
+    block_v = state_block_v(head_v_dim)
     if batch > MAX_GRID_YZ or num_v_heads > MAX_GRID_YZ:
         raise ValueError(f"gdn_decode: {batch} sequences x {num_v_heads} value heads exceed the grid ({MAX_GRID_YZ})")
     _gdn_decode_kernel[(triton.cdiv(head_v_dim, block_v), num_v_heads, batch)](
@@ -826,7 +826,7 @@ def gdn_prefill_triton(
     fp32 state at the start of its chunk checkpoint_chunks[b] (>= 1; -1: none) also goes to checkpoint_slots[b]."""
     num_tokens, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
-    _check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
+    check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
     out = output(out, (num_tokens, num_v_heads, head_v_dim), v)

@@ -4,7 +4,7 @@ The mapping of docs/ARCHITECTURE.md#configs-and-checkpoint-layout, for the parts
 fused into one qkv weight (and their biases when `attention_bias`); Qwen3.5's flat `in_proj_qkv/z/b/a` versus
 Qwen3-Next's group-interleaved `in_proj_qkvz/ba`; fused 3-D experts versus one tensor per expert, and the shared
 expert; the dense MLP's gate|up; `A_log` kept in fp32. Each reads only this rank's rows or columns
-(model/parallel.py's LocalShapes) and touches the tensors it needs none of. `_copy` fills a parameter and checks it
+(model/parallel.py's LocalShapes) and touches the tensors it needs none of. `copy_param` fills a parameter and checks it
 finite, or fills a block-FP8 one from its packed bytes (model/fp8_loader.py). loader.py walks the layers.
 """
 
@@ -29,7 +29,7 @@ def _rows(shard: Shard, unit: int, offset: int = 0) -> slice:
 ALL = slice(None)
 
 
-def _copy(ckpt: Checkpoint, param: torch.Tensor | Fp8Weight, value: torch.Tensor, name: str) -> None:
+def copy_param(ckpt: Checkpoint, param: torch.Tensor | Fp8Weight, value: torch.Tensor, name: str) -> None:
     if isinstance(param, Fp8Weight) or value.dtype == torch.uint8:
         copy_packed(ckpt, param, value, name)  # block FP8 (model/fp8_loader.py)
         return
@@ -48,21 +48,21 @@ def _load_attention(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: Model
     q = ckpt.get_shaped(p + "q_proj.weight", (2 * nq * d, hidden), (q_rows,))
     k = ckpt.get_shaped(p + "k_proj.weight", (nkv * d, hidden), (kv_rows,))
     v = ckpt.get_shaped(p + "v_proj.weight", (nkv * d, hidden), (kv_rows,))
-    _copy(ckpt, attn.qkv_proj, torch.cat([q, k, v]), p + "q_proj/k_proj/v_proj")
+    copy_param(ckpt, attn.qkv_proj, torch.cat([q, k, v]), p + "q_proj/k_proj/v_proj")
     o = ckpt.get_shaped(p + "o_proj.weight", (hidden, nq * d), (ALL, _rows(shapes.q_heads, d)))
-    _copy(ckpt, attn.o_proj, o, p + "o_proj.weight")
+    copy_param(ckpt, attn.o_proj, o, p + "o_proj.weight")
     if config.has_attention_bias:
         # transformers' attention_bias puts a bias on all four projections (Qwen3_5Attention, bias=attention_bias)
         q_b = ckpt.get_shaped(p + "q_proj.bias", (2 * nq * d,), (q_rows,))
         k_b = ckpt.get_shaped(p + "k_proj.bias", (nkv * d,), (kv_rows,))
         v_b = ckpt.get_shaped(p + "v_proj.bias", (nkv * d,), (kv_rows,))
-        _copy(ckpt, attn.qkv_bias, torch.cat([q_b, k_b, v_b]), p + "q_proj/k_proj/v_proj.bias")
+        copy_param(ckpt, attn.qkv_bias, torch.cat([q_b, k_b, v_b]), p + "q_proj/k_proj/v_proj.bias")
         if attn.o_bias is None:
             ckpt.touch(p + "o_proj.bias", (hidden,))  # row-parallel: only rank 0 adds it
         else:
-            _copy(ckpt, attn.o_bias, ckpt.get_shaped(p + "o_proj.bias", (hidden,)), p + "o_proj.bias")
-    _copy(ckpt, attn.q_norm, ckpt.get_shaped(p + "q_norm.weight", (d,)), p + "q_norm.weight")
-    _copy(ckpt, attn.k_norm, ckpt.get_shaped(p + "k_norm.weight", (d,)), p + "k_norm.weight")
+            copy_param(ckpt, attn.o_bias, ckpt.get_shaped(p + "o_proj.bias", (hidden,)), p + "o_proj.bias")
+    copy_param(ckpt, attn.q_norm, ckpt.get_shaped(p + "q_norm.weight", (d,)), p + "q_norm.weight")
+    copy_param(ckpt, attn.k_norm, ckpt.get_shaped(p + "k_norm.weight", (d,)), p + "k_norm.weight")
 
 
 def _load_gdn(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig, shapes: LocalShapes) -> None:
@@ -84,28 +84,28 @@ def _load_gdn(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
         q, k = w[:, :dk], w[:, dk : 2 * dk]
         v, z = w[:, 2 * dk : 2 * dk + ratio * dv], w[:, 2 * dk + ratio * dv :]
         flat = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z)]
-        _copy(ckpt, gdn.in_proj_qkvz, torch.cat(flat), p + "in_proj_qkvz.weight")
+        copy_param(ckpt, gdn.in_proj_qkvz, torch.cat(flat), p + "in_proj_qkvz.weight")
         ba = ckpt.get_shaped(p + "in_proj_ba.weight", (2 * num_v, hidden), (_rows(heads_k, 2 * ratio),))
         ba = ba.reshape(heads_k.size, 2 * ratio, hidden)
         b, a = ba[:, :ratio].reshape(heads_v.size, hidden), ba[:, ratio:].reshape(heads_v.size, hidden)
-        _copy(ckpt, gdn.in_proj_ba, torch.cat([b, a]), p + "in_proj_ba.weight")
+        copy_param(ckpt, gdn.in_proj_ba, torch.cat([b, a]), p + "in_proj_ba.weight")
     else:
         name = p + "in_proj_qkv.weight"
         qkv = [ckpt.get_shaped(name, (config.conv_dim, hidden), (rows,)) for rows in qkv_parts]
         z = ckpt.get_shaped(p + "in_proj_z.weight", (config.value_dim, hidden), (_rows(heads_v, dv),))
-        _copy(ckpt, gdn.in_proj_qkvz, torch.cat([*qkv, z]), p + "in_proj_qkv/in_proj_z")
+        copy_param(ckpt, gdn.in_proj_qkvz, torch.cat([*qkv, z]), p + "in_proj_qkv/in_proj_z")
         b = ckpt.get_shaped(p + "in_proj_b.weight", (num_v, hidden), (_rows(heads_v, 1),))
         a = ckpt.get_shaped(p + "in_proj_a.weight", (num_v, hidden), (_rows(heads_v, 1),))
-        _copy(ckpt, gdn.in_proj_ba, torch.cat([b, a]), p + "in_proj_b/in_proj_a")
+        copy_param(ckpt, gdn.in_proj_ba, torch.cat([b, a]), p + "in_proj_b/in_proj_a")
     conv_shape = (config.conv_dim, 1, config.linear_conv_kernel_dim)
     conv = torch.cat([ckpt.get_shaped(p + "conv1d.weight", conv_shape, (rows,)) for rows in qkv_parts])
-    _copy(ckpt, gdn.conv1d, conv[:, 0], p + "conv1d.weight")
+    copy_param(ckpt, gdn.conv1d, conv[:, 0], p + "conv1d.weight")
     heads = (_rows(heads_v, 1),)
-    _copy(ckpt, gdn.A_log, ckpt.get_shaped(p + "A_log", (num_v,), heads).float(), p + "A_log")
-    _copy(ckpt, gdn.dt_bias, ckpt.get_shaped(p + "dt_bias", (num_v,), heads), p + "dt_bias")
-    _copy(ckpt, gdn.norm, ckpt.get_shaped(p + "norm.weight", (dv,)), p + "norm.weight")
+    copy_param(ckpt, gdn.A_log, ckpt.get_shaped(p + "A_log", (num_v,), heads).float(), p + "A_log")
+    copy_param(ckpt, gdn.dt_bias, ckpt.get_shaped(p + "dt_bias", (num_v,), heads), p + "dt_bias")
+    copy_param(ckpt, gdn.norm, ckpt.get_shaped(p + "norm.weight", (dv,)), p + "norm.weight")
     out = ckpt.get_shaped(p + "out_proj.weight", (hidden, config.value_dim), (ALL, _rows(heads_v, dv)))
-    _copy(ckpt, gdn.out_proj, out, p + "out_proj.weight")
+    copy_param(ckpt, gdn.out_proj, out, p + "out_proj.weight")
 
 
 def _load_dense_mlp(mlp: torch.nn.Module, ckpt: Checkpoint, p: str, hidden: int, width: Shard) -> None:
@@ -113,9 +113,9 @@ def _load_dense_mlp(mlp: torch.nn.Module, ckpt: Checkpoint, p: str, hidden: int,
     rows = (_rows(width, 1),)
     gate = ckpt.get_shaped(p + "gate_proj.weight", (width.total, hidden), rows)
     up = ckpt.get_shaped(p + "up_proj.weight", (width.total, hidden), rows)
-    _copy(ckpt, mlp.gate_up_proj, torch.cat([gate, up]), p + "gate_proj/up_proj")
+    copy_param(ckpt, mlp.gate_up_proj, torch.cat([gate, up]), p + "gate_proj/up_proj")
     down = ckpt.get_shaped(p + "down_proj.weight", (hidden, width.total), (ALL, _rows(width, 1)))
-    _copy(ckpt, mlp.down_proj, down, p + "down_proj.weight")
+    copy_param(ckpt, mlp.down_proj, down, p + "down_proj.weight")
 
 
 def _expert(weights: torch.Tensor | Fp8Weight, index: int) -> torch.Tensor | Fp8Weight:
@@ -128,16 +128,16 @@ def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
     hidden, num_experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
     # this rank's experts (all but under expert parallelism) and its slice of each one's width (all under it)
     experts, inter = shapes.experts, shapes.moe_intermediate
-    _copy(ckpt, moe.gate, ckpt.get_shaped(p + "gate.weight", (num_experts, hidden)), p + "gate.weight")
+    copy_param(ckpt, moe.gate, ckpt.get_shaped(p + "gate.weight", (num_experts, hidden)), p + "gate.weight")
     if ckpt.has(p + "experts.gate_up_proj"):
         name = p + "experts.gate_up_proj"
         shape = (num_experts, 2 * width, hidden)
         gate = ckpt.get_shaped(name, shape, (_rows(experts, 1), _rows(inter, 1)))
         up = ckpt.get_shaped(name, shape, (_rows(experts, 1), _rows(inter, 1, width)))
-        _copy(ckpt, moe.w13, torch.cat([gate, up], dim=1), name)
+        copy_param(ckpt, moe.w13, torch.cat([gate, up], dim=1), name)
         down_index = (_rows(experts, 1), ALL, _rows(inter, 1))
         down = ckpt.get_shaped(p + "experts.down_proj", (num_experts, hidden, width), down_index)
-        _copy(ckpt, moe.w2, down, p + "experts.down_proj")
+        copy_param(ckpt, moe.w2, down, p + "experts.down_proj")
     else:
         for e in range(num_experts):
             ep = f"{p}experts.{e}."
@@ -150,13 +150,13 @@ def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
             gate = ckpt.get_shaped(ep + "gate_proj.weight", (width, hidden), rows)
             up = ckpt.get_shaped(ep + "up_proj.weight", (width, hidden), rows)
             local = e - experts.start
-            _copy(ckpt, _expert(moe.w13, local), torch.cat([gate, up]), ep + "gate_proj/up_proj")
+            copy_param(ckpt, _expert(moe.w13, local), torch.cat([gate, up]), ep + "gate_proj/up_proj")
             down = ckpt.get_shaped(ep + "down_proj.weight", (hidden, width), (ALL, _rows(inter, 1)))
-            _copy(ckpt, _expert(moe.w2, local), down, ep + "down_proj.weight")
+            copy_param(ckpt, _expert(moe.w2, local), down, ep + "down_proj.weight")
     if moe.has_shared_expert:
         _load_dense_mlp(moe.shared_expert, ckpt, p + "shared_expert.", hidden, shapes.shared_intermediate)
         gate_w = ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
-        _copy(ckpt, moe.shared_expert_gate, gate_w, p + "shared_expert_gate.weight")
+        copy_param(ckpt, moe.shared_expert_gate, gate_w, p + "shared_expert_gate.weight")
     else:
         # Width 0: transformers' zero-width shared expert adds exactly 0, so its (empty) tensors and its gate are
         # read for their shapes and not used.
@@ -168,15 +168,15 @@ def _load_moe(layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig
             ckpt.get_shaped(p + "shared_expert_gate.weight", (1, hidden))
 
 
-def _load_decoder_layer(
+def load_decoder_layer(
     layer: DecoderLayer, ckpt: Checkpoint, p: str, config: ModelConfig, shapes: LocalShapes, is_moe: bool
 ) -> None:
     """One decoder layer under prefix p (`…layers.{i}.`): its two norms, its mixer and its MLP or MoE block."""
     hidden = config.hidden_size
     pre = ckpt.get_shaped(p + "input_layernorm.weight", (hidden,))
-    _copy(ckpt, layer.input_layernorm, pre, p + "input_layernorm")
+    copy_param(ckpt, layer.input_layernorm, pre, p + "input_layernorm")
     post = ckpt.get_shaped(p + "post_attention_layernorm.weight", (hidden,))
-    _copy(ckpt, layer.post_attention_layernorm, post, p + "post_attention_layernorm.weight")
+    copy_param(ckpt, layer.post_attention_layernorm, post, p + "post_attention_layernorm.weight")
     if layer.is_full_attention:
         _load_attention(layer, ckpt, p + "self_attn.", config, shapes)
     else:

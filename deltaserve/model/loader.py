@@ -37,7 +37,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.kernels.fp8 import FP8_DTYPE, Fp8Weight
 from deltaserve.model.checkpoint import Checkpoint
 from deltaserve.model.checkpoint_files import MTP_RULE, SKIP_RULES, CheckpointError, SkipRule, skip_rule_for
-from deltaserve.model.layer_loader import _copy, _load_decoder_layer
+from deltaserve.model.layer_loader import copy_param, load_decoder_layer
 from deltaserve.model.mtp import MtpLayer
 from deltaserve.model.parallel import LocalShapes, Shard
 from deltaserve.model.qwen3_5 import Qwen35Model
@@ -86,11 +86,11 @@ def load_mtp_layer(mtp: MtpLayer, ckpt: Checkpoint, config: ModelConfig, shapes:
             f"(`{config.mtp_field}` is {config.mtp_num_hidden_layers})"
         )
     hidden = config.hidden_size
-    _copy(ckpt, mtp.fc, ckpt.get_shaped(prefix + "fc.weight", (hidden, 2 * hidden)), prefix + "fc.weight")
+    copy_param(ckpt, mtp.fc, ckpt.get_shaped(prefix + "fc.weight", (hidden, 2 * hidden)), prefix + "fc.weight")
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         tensor = ckpt.get_shaped(f"{prefix}{name}.weight", (hidden,))
-        _copy(ckpt, getattr(mtp, name), tensor, f"{prefix}{name}.weight")
-    _load_decoder_layer(mtp.layer, ckpt, prefix + "layers.0.", config, shapes, config.is_moe)
+        copy_param(ckpt, getattr(mtp, name), tensor, f"{prefix}{name}.weight")
+    load_decoder_layer(mtp.layer, ckpt, prefix + "layers.0.", config, shapes, config.is_moe)
 
 
 def _vocab_rows(ckpt: Checkpoint, name: str, config: ModelConfig, vocab: Shard) -> torch.Tensor:
@@ -120,7 +120,7 @@ def _load_head(model: Qwen35Model, ckpt: Checkpoint, config: ModelConfig, embed:
             return []
         if model.lm_head is model.embed_tokens:
             model.untie_lm_head()
-        _copy(ckpt, model.lm_head, head, "lm_head.weight")
+        copy_param(ckpt, model.lm_head, head, "lm_head.weight")
         if not said_tied:
             return []
         note = (f"`{said_tied[0]}` is true but lm_head.weight differs from the embedding: lm_head.weight is used, as "
@@ -166,11 +166,11 @@ def load_checkpoint(
         else:
             # tied with only lm_head.weight stored: transformers swaps source and target and ties to it
             embed = _vocab_rows(ckpt, "lm_head.weight", config, shapes.vocab)
-        _copy(ckpt, model.embed_tokens, embed, embed_name)
+        copy_param(ckpt, model.embed_tokens, embed, embed_name)
         for i, layer in enumerate(model.layers):
             is_moe = bool(config.moe_layers) and config.moe_layers[i]
-            _load_decoder_layer(layer, ckpt, f"{prefix}layers.{i}.", config, shapes, is_moe)
-        _copy(ckpt, model.norm, ckpt.get_shaped(prefix + "norm.weight", (hidden,)), prefix + "norm.weight")
+            load_decoder_layer(layer, ckpt, f"{prefix}layers.{i}.", config, shapes, is_moe)
+        copy_param(ckpt, model.norm, ckpt.get_shaped(prefix + "norm.weight", (hidden,)), prefix + "norm.weight")
         head_notes = _load_head(model, ckpt, config, embed)
         if getattr(model, "mtp", None) is not None:
             load_mtp_layer(model.mtp, ckpt, config, shapes)

@@ -36,7 +36,7 @@ def _local(config: ModelConfig, shapes: LocalShapes | None) -> LocalShapes:
     return shapes if shapes is not None else LocalShapes.of(config)
 
 
-def _conv_dim(config: ModelConfig, shapes: LocalShapes) -> int:
+def local_conv_dim(config: ModelConfig, shapes: LocalShapes) -> int:
     return (2 * shapes.k_heads.size * config.linear_key_head_dim) + shapes.v_heads.size * config.linear_value_head_dim
 
 
@@ -57,12 +57,12 @@ def bytes_per_block(
     return per_layer * num_kv_layers(config, has_mtp)
 
 
-def _state_bytes(config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None) -> tuple[int, int]:
+def state_bytes(config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None) -> tuple[int, int]:
     """(conv window bytes, recurrent state bytes) of one sequence in one GDN layer (this rank's heads)."""
     shapes = _local(config, shapes)
     element = torch.tensor([], dtype=dtype).element_size()
     state_element = torch.tensor([], dtype=ssm_dtype(config)).element_size()
-    conv = (config.linear_conv_kernel_dim - 1) * _conv_dim(config, shapes) * element
+    conv = (config.linear_conv_kernel_dim - 1) * local_conv_dim(config, shapes) * element
     ssm = shapes.v_heads.size * config.linear_key_head_dim * config.linear_value_head_dim * state_element
     return conv, ssm
 
@@ -71,7 +71,7 @@ def bytes_per_slot(
     config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None, has_mtp: bool = False
 ) -> int:
     """A state slot's bytes: the GDN layers' conv and recurrent states, plus, with the MTP layer, one hidden row."""
-    conv, ssm = _state_bytes(config, dtype, shapes)
+    conv, ssm = state_bytes(config, dtype, shapes)
     hidden = config.hidden_size * torch.tensor([], dtype=dtype).element_size() if has_mtp else 0
     return (conv + ssm) * len(config.linear_attention_layers) + hidden
 
@@ -82,7 +82,7 @@ def verify_row_bytes(
     """A verify chunk's scratch bytes (runner/spec_decode.py): the GDN layers' conv window after each of its 1 + k
     tokens and each token's delta-rule inputs (k, v, a, b: kernels/gdn_spec.py), which the commit replays on the
     live state; no recurrent state beside the live slot."""
-    conv, _ = _state_bytes(config, dtype, shapes)
+    conv, _ = state_bytes(config, dtype, shapes)
     local = _local(config, shapes)
     element = torch.tensor([], dtype=dtype).element_size()
     row = verify_row_width(local.k_heads.size, config.linear_key_head_dim, local.v_heads.size,
@@ -216,7 +216,7 @@ def allocate_and_bind(
         num_attn, 2, layout.num_blocks, layout.block_size, shapes.kv_heads.size, config.head_dim,
         dtype=dtype, device=device,
     )  # fmt: skip
-    conv_dim = _conv_dim(config, shapes)
+    conv_dim = local_conv_dim(config, shapes)
     conv = torch.zeros(
         num_gdn, layout.num_slots, config.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device
     )

@@ -2,7 +2,7 @@
 what a drafter sees after every step (DraftInputs), and the target's forward of that step (TargetStep) for a
 drafter that reads hidden states, as the MTP drafter does (runner/mtp_drafter.py).
 
-`_target_step` builds the TargetStep of an eager step from its SpecHandle: each step row's next token, which a
+`target_step` builds the TargetStep of an eager step from its SpecHandle: each step row's next token, which a
 drafter pairs with the row's hidden state (a verify chunk's rows take its emitted tokens, a chunk that sampled
 nothing the next prompt token), and the row and token index each sampling row's drafts continue from (a verify
 chunk's last accepted token; a chained chunk's start moved back by StepInputs.start_shift, runner/spec_chain.py).
@@ -60,7 +60,7 @@ class Drafter(Protocol):
         ...
 
 
-def _target_step(
+def target_step(
     spec: SpecHandle, table: RequestTable, block_size: int, rows: np.ndarray, rows_dev: torch.Tensor,
     seq_tokens: torch.Tensor,
 ) -> TargetStep:  # fmt: skip

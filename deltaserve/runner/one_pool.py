@@ -12,7 +12,7 @@ import torch
 from deltaserve.config import ModelConfig
 from deltaserve.model.parallel import LocalShapes
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.cache import CacheLayout, _conv_dim, _state_bytes, bytes_per_block, ssm_dtype
+from deltaserve.runner.cache import CacheLayout, bytes_per_block, local_conv_dim, ssm_dtype, state_bytes
 
 # a GDN state piece's offset in a slot's run, in bytes: a multiple of 16 elements of any dtype, so each view's slot
 # stride and start keep the alignment the kernels' specializations assume (docs/ARCHITECTURE.md, "One pool")
@@ -25,7 +25,7 @@ def _aligned(num_bytes: int) -> int:
 
 def run_bytes(config: ModelConfig, dtype: torch.dtype, shapes: LocalShapes | None = None) -> int:
     """The bytes of a slot's run in one pool: every GDN layer's conv window and recurrent state, each aligned."""
-    conv, ssm = _state_bytes(config, dtype, shapes)
+    conv, ssm = state_bytes(config, dtype, shapes)
     return (_aligned(conv) + _aligned(ssm)) * len(config.linear_attention_layers)
 
 
@@ -61,11 +61,11 @@ def bind_one_pool(
     for index, attn in enumerate(attentions):
         attn.k_cache = kv_view(2 * index * layer_block)
         attn.v_cache = kv_view((2 * index + 1) * layer_block)
-    conv_bytes, ssm_bytes = _state_bytes(config, dtype, shapes)
+    conv_bytes, ssm_bytes = state_bytes(config, dtype, shapes)
     state_dtype = ssm_dtype(config)
     state_element = torch.tensor([], dtype=state_dtype).element_size()
     num_runs = layout.num_slots
-    conv_dim, window = _conv_dim(config, shapes), config.linear_conv_kernel_dim - 1
+    conv_dim, window = local_conv_dim(config, shapes), config.linear_conv_kernel_dim - 1
     heads, dk, dv = shapes.v_heads.size, config.linear_key_head_dim, config.linear_value_head_dim
     run = layout.pages_per_slot * page
     as_state = buffer.view(state_dtype)

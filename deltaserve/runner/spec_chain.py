@@ -8,7 +8,7 @@ true next start, and `shift_inputs` moves the chained chunks' tokens back by it 
 (every axis: past its prompt, a row's MRoPE positions are its text position plus a constant), the KV slots they
 write (looked up in the device block table at the true positions) and the context lengths attention reads. The
 shift also reaches the verify graphs' static buffers (runner/spec_graphs.py) and the drafter's start
-(runner/drafter.py _target_step) through StepInputs.start_shift. Host-side bounds built from the planned starts (the
+(runner/drafter.py target_step) through StepInputs.start_shift. Host-side bounds built from the planned starts (the
 attention's max_seq_len, the graphs' block-table width) stay upper bounds.
 
 With async verify on (SpecDecoder.tracks_next_start; ModelRunner refuses a chained chunk without it), the true next

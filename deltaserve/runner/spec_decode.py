@@ -28,7 +28,7 @@ import torch
 
 from deltaserve.kernels.gdn_spec import verify_row_width
 from deltaserve.model.qwen3_5 import Qwen35Model
-from deltaserve.runner.drafter import Drafter, DraftInputs, _target_step
+from deltaserve.runner.drafter import Drafter, DraftInputs, target_step
 from deltaserve.runner.mtp_resume import save_accepted_hidden
 from deltaserve.runner.request_table import RequestTable
 from deltaserve.runner.spec_commit import commit_gdn_states, gdn_stacks
@@ -274,7 +274,7 @@ class SpecDecoder:
             num_emitted.index_copy_(0, index, spec.num_emitted)
         target = None
         if spec.hidden is not None:
-            target = _target_step(spec, table, block_size, rows, rows_dev, seq_tokens)
+            target = target_step(spec, table, block_size, rows, rows_dev, seq_tokens)
         num_drafts = self.num_drafts_after(spec.num_drafts_next)
         drafts = self.drafter.propose(DraftInputs(rows, rows_dev, tokens, num_emitted, target, num_drafts))
         if len(rows) and num_drafts:

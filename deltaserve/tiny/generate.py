@@ -65,7 +65,7 @@ def _shard_indices(tensors: dict[str, torch.Tensor], num_shards: int) -> list[in
     return indices
 
 
-def _save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
     # safetensors creates its files owner-only; a shared cache folder must stay readable like the JSON files.
     os.chmod(path, 0o644)
@@ -74,7 +74,7 @@ def _save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
     """model.safetensors for one shard; otherwise model-0000i-of-0000N.safetensors plus the index."""
     if num_shards == 1:
-        _save_safetensors(folder / "model.safetensors", tensors)
+        save_safetensors(folder / "model.safetensors", tensors)
         return
     if num_shards > len(tensors):
         raise ValueError(f"num_shards={num_shards} exceeds the checkpoint's {len(tensors)} tensors")
@@ -85,7 +85,7 @@ def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], num_shards: i
         shard_tensors = {
             name: tensor for (name, tensor), index in zip(tensors.items(), shard_of, strict=True) if index == shard
         }
-        _save_safetensors(folder / file_name, shard_tensors)
+        save_safetensors(folder / file_name, shard_tensors)
         weight_map.update(dict.fromkeys(shard_tensors, file_name))
     total_size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}

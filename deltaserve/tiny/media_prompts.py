@@ -140,7 +140,7 @@ class _Builder:
         return self.prompt
 
 
-def _corpus_words() -> list[str]:
+def corpus_words() -> list[str]:
     """The words of the corpus the package ships (deltaserve/tiny/corpus.txt)."""
     return (Path(__file__).resolve().parent / "corpus.txt").read_text().split()
 
@@ -189,7 +189,7 @@ BUILDERS = {"image": _image_prompt, "multi-image": _multi_image_prompt, "video":
 
 def make_media_prompts(tokenizer: Any, kind: str, num_prompts: int, seed: int = 0) -> list[MediaPrompt]:
     """The fixed prompt set of one kind (prompt i depends only on kind, i and seed)."""
-    words = _corpus_words()
+    words = corpus_words()
     return [make_media_prompt(tokenizer, kind, index, seed, words) for index in range(num_prompts)]
 
 
@@ -200,7 +200,7 @@ def make_media_prompt(
     the gate does not use (deltaserve/tiny/train_vision.py)."""
     if kind not in BUILDERS:
         raise ValueError(f"unknown media kind {kind!r}; known: {', '.join(MEDIA_KINDS)}")
-    builder = _Builder(kind, index, seed, _corpus_words() if words is None else words)
+    builder = _Builder(kind, index, seed, corpus_words() if words is None else words)
     BUILDERS[kind](builder, index)
     return builder.finish(tokenizer)
 

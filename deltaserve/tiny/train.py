@@ -454,7 +454,7 @@ def _write(template_dir: Path, out_dir: Path, tensors: dict[str, torch.Tensor], 
     """The template folder with its safetensors replaced by the trained tensors (same shards), plus the manifest."""
     from safetensors import safe_open
 
-    from deltaserve.tiny.generate import _save_safetensors
+    from deltaserve.tiny.generate import save_safetensors
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     # mkdtemp makes the folder owner-only; package data must be readable like any other file.
@@ -464,7 +464,7 @@ def _write(template_dir: Path, out_dir: Path, tensors: dict[str, torch.Tensor], 
             if path.suffix == ".safetensors":
                 with safe_open(str(path), "pt") as shard:
                     names = list(shard.keys())
-                _save_safetensors(staging / path.name, {name: tensors[name] for name in names})
+                save_safetensors(staging / path.name, {name: tensors[name] for name in names})
             else:
                 shutil.copy(path, staging / path.name)
         manifest = asdict(report) | {"template": "deltaserve.tiny.make_tiny(variant, seed)"}

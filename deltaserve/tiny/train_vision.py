@@ -96,7 +96,7 @@ def graft_text_weights(template_dir: Path, text_dir: Path, out_dir: Path) -> dic
 
     from safetensors import safe_open
 
-    from deltaserve.tiny.generate import _save_safetensors
+    from deltaserve.tiny.generate import save_safetensors
 
     text = text_train._load_template(text_dir)
     template = text_train._load_template(template_dir)
@@ -111,8 +111,8 @@ def graft_text_weights(template_dir: Path, text_dir: Path, out_dir: Path) -> dic
     for path in sorted(template_dir.glob("*.safetensors")):
         with safe_open(str(path), "pt") as shard:
             names = list(shard.keys())
-        _save_safetensors(out_dir / path.name, {n: text[n] if n in text and n in decoder else template[n]
-                                                for n in names})  # fmt: skip
+        save_safetensors(out_dir / path.name, {n: text[n] if n in text and n in decoder else template[n]
+                                               for n in names})  # fmt: skip
     manifest = text_dir / text_train.MANIFEST_NAME
     digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:16] if manifest.is_file() else None
     return {"dir": text_dir.name, "num_tensors": len(decoder), "manifest_sha256": digest}
@@ -135,7 +135,7 @@ class MediaRows:
         from transformers import AutoTokenizer
 
         from deltaserve.config import ModelConfig
-        from deltaserve.tiny.media_prompts import _corpus_words
+        from deltaserve.tiny.media_prompts import corpus_words
 
         self.model_dir = model_dir
         self.recipe = recipe
@@ -144,7 +144,7 @@ class MediaRows:
         self.image_token_id, self.video_token_id = vision.image_token_id, vision.video_token_id
         self.vision_ids = torch.tensor([vision.image_token_id, vision.video_token_id, vision.vision_start_token_id,
                                         vision.vision_end_token_id])  # fmt: skip
-        self.words = _corpus_words()
+        self.words = corpus_words()
         # images answer with the text recipe's anchor (what its noise rows lead to); a video with another paragraph
         self.answers = {
             "image": corpus_ids[anchors[0] : anchors[0] + recipe.answer_len].tolist(),

@@ -453,7 +453,7 @@ def test_ratio_history_keeps_every_subject_apart() -> None:
         for s, r in (("deltaserve", 0.5), ("deltaserve-2048", 0.75))
     ]
     record = {"grid": "g", "arms": {}, "ratios": ratios}
-    text = "\n".join(report_standing._history([("rec", record)]))
+    text = "\n".join(report_standing.render_history([("rec", record)]))
     assert "| deltaserve / vllm | 0.500 |" in text and "| deltaserve-2048 / vllm | 0.750 |" in text
 
 
@@ -522,7 +522,7 @@ def test_report_marks_ratios_a_peer_deviation_can_move() -> None:
     assert f"| ds / vllm | m | 8/2 | 1 | 0.500 {dagger} | 0.800 {dagger} | 0.900 {dagger} | 1.200 | 1.000 |" in text
     assert "gdn-prefill-triton" in text and "(the record itself lacks this note)" in text
     assert text.count("gdn-prefill-triton:") == 1  # the note once, however many cells it marks
-    history = "\n".join(report_standing._history([("rec", record)]))
+    history = "\n".join(report_standing.render_history([("rec", record)]))
     assert f"0.500 {dagger}" in history
     clean = dict(record, launches=[dict(launch, argv=["vllm", "serve", "m"])])
     assert "†" not in "\n".join(report_record.render_record("rec", clean, None))
@@ -575,7 +575,7 @@ def test_a_point_whose_arms_emit_unlike_outputs_is_flagged() -> None:
         "unequal outputs: ds 160 distinct of 160, v 1 of 160: the arms may have done different expert work"
     )
     record["ratios"] = [entry]
-    assert "‡" in "\n".join(report_standing._history([("r", record)]))
+    assert "‡" in "\n".join(report_standing.render_history([("r", record)]))
     # alike enough (within a factor 2), or a record from before the count: no flag
     for distinct in (100, None):
         record["runs"][1]["metrics"] = peer | {"num_distinct_generated_texts": distinct}

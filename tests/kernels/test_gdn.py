@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltaserve.kernels import gdn_triton
-from deltaserve.kernels.gdn import _gates, _l2norm, chunk_inverse_ref, gdn_decode_ref, gdn_prefill_ref
+from deltaserve.kernels.gdn import chunk_inverse_ref, gdn_decode_ref, gdn_gates, gdn_prefill_ref, l2norm_fp32
 from deltaserve.kernels.gdn_triton import CHUNK, chunk_inverse_triton, gdn_decode_triton, gdn_prefill_triton
 
 from ._util import DEVICE, DTYPES, assert_close, poisoned_empty, randn, tolerance, varlen_starts
@@ -128,8 +128,8 @@ def test_chunk_inverse() -> None:
     decay; the third chunk's second half is padding (k̂ = 0, β = 0), as at a sequence's end."""
     num_tiles, dk = 3, 64
     common = randn(1, dk)
-    k_hat = _l2norm(randn(num_tiles, CHUNK, dk, scale=0.8) + common)  # [N, C, dk]
-    g, beta = _gates(
+    k_hat = l2norm_fp32(randn(num_tiles, CHUNK, dk, scale=0.8) + common)  # [N, C, dk]
+    g, beta = gdn_gates(
         randn(num_tiles, CHUNK), randn(num_tiles, CHUNK) + 2.0, torch.zeros(1, device=DEVICE), randn(1) - 3.0
     )
     k_hat[2, CHUNK // 2 :] = 0.0
