@@ -163,7 +163,7 @@ def run_media_gate(
         return 2
     kinds = media_kinds(media)
     label = "/".join(kinds)
-    run_device = tokens._device(device)
+    run_device = tokens.gate_device(device)
     if run_device == "cpu":
         # the engine's own CPU rule (runner/device_setup.py set_cpu_threads), applied before the reference runs: one
         # thread for a tiny model
@@ -211,8 +211,8 @@ def run_media_gate(
                                                  ref_run, rounding, fp32_run, tensor_parallel_size,
                                                  share_gpu)  # fmt: skip
     report = tokens.GateReport()
-    code = tokens._report(report, results, dtype, model_dir, reference, ref_run, label, tokenizer,
-                          tensor_parallel_size)  # fmt: skip
+    code = tokens.report_verdict(report, results, dtype, model_dir, reference, ref_run, label, tokenizer,
+                                 tensor_parallel_size)  # fmt: skip
     kind_of = [p.prompt.kind for p in processed]
     counts = [(k, sum(r.is_exact for r, o in zip(results, kind_of, strict=True) if o == k), kind_of.count(k))
               for k in kinds]  # fmt: skip
@@ -227,8 +227,8 @@ def run_media_gate(
     llm.shutdown()
     code = code if is_expansion_ok and is_refusal_ok else 1
     if record_path is not None:
-        tokens._write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run,
-                             f"media:{label}", seed)  # fmt: skip
+        tokens.write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run,
+                            f"media:{label}", seed)  # fmt: skip
     return code
 
 
@@ -259,13 +259,13 @@ def _reference_run(
     described = [[p.ids, [it.identifier for it in p.mm_input.items]] for p in processed]
     key = {"model": str(model_dir.resolve()), "dtype": dtype, "reference": reference, "site": site,
            "max_tokens": max_tokens, "media": list(kinds), "prompts": described}  # fmt: skip
-    ref_run = tokens._cached_run(reference_cache, key)
+    ref_run = tokens.cached_reference_run(reference_cache, key)
     if ref_run is None:
         if isinstance(ref, MediaTransformersReference):
             ref_run = ref.run_media(processed, max_tokens)
         else:
             ref_run = ref.run([p.prompt.vllm_prompt() for p in processed], max_tokens)
-        tokens._save_run(reference_cache, key, ref_run)
+        tokens.save_reference_run(reference_cache, key, ref_run)
     return ref, ref_run
 
 
@@ -309,7 +309,7 @@ def _compare(
             if result.logit_rel_error > tokens.LOGIT_TOLERANCE[dtype]:
                 first_over[i] = tokens.first_position_over(full, ref_full, tokens.LOGIT_TOLERANCE[dtype])
         else:
-            result.logit_rel_error = tokens._top_k_error(full, len(item.ids), ref_scores)
+            result.logit_rel_error = tokens.top_k_error(full, len(item.ids), ref_scores)
         boundary = split_point(item)
         split = llm.prefill_logits(sequence, [boundary, len(item.ids) - boundary], mm_input=item.mm_input).cpu()
         result.split_rel_error = tokens.rel_error(split, full)

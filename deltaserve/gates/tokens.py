@@ -233,7 +233,7 @@ def judge_mismatch(ours: list[int], ref: list[int], scores: list[StepScores], dt
     return Mismatch(position, ref_token, our_token, margin, is_exact, tie_margin, is_near_tie)
 
 
-def _device(device: str) -> str:
+def gate_device(device: str) -> str:
     if device != "auto":
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -276,7 +276,7 @@ def run_gate(
         print("gate tokens: nothing to check (num_prompts and max_tokens must be positive)")
         return 2
     model_dir = Path(model_dir)
-    run_device = _device(device)
+    run_device = gate_device(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     maker = make_text_prompts if prompts == "text" else make_prompts
     prompt_ids = maker(tokenizer, num_prompts, max_prompt_len, seed)
@@ -286,10 +286,10 @@ def run_gate(
         ref = _reference(reference, model_dir, dtype, run_device, max_prompt_len, seed, site, share_gpu)
         key = {"model": str(model_dir.resolve()), "dtype": dtype, "reference": reference, "site": site,
                "max_tokens": max_tokens, "prompts": prompt_ids}  # fmt: skip
-        ref_run = _cached_run(reference_cache, key)
+        ref_run = cached_reference_run(reference_cache, key)
         if ref_run is None:
             ref_run = ref.run(prompt_ids, max_tokens)
-            _save_run(reference_cache, key, ref_run)
+            save_reference_run(reference_cache, key, ref_run)
         if is_reference_only:
             return reference_saved(reference, model_dir, reference_cache, len(prompt_ids))
         # transformers at the run dtype measures the noise floor (and is the reference itself in that mode).
@@ -309,9 +309,11 @@ def run_gate(
         tensor_parallel_size, share_gpu,
     )  # fmt: skip
     report = GateReport()
-    code = _report(report, results, dtype, model_dir, reference, ref_run, prompts, tokenizer, tensor_parallel_size)
+    code = report_verdict(
+        report, results, dtype, model_dir, reference, ref_run, prompts, tokenizer, tensor_parallel_size
+    )
     if record_path is not None:
-        _write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run, prompts, seed)
+        write_record(record_path, report, results, code, model_dir, dtype, reference, ref_run, prompts, seed)
     return code
 
 
@@ -327,7 +329,7 @@ def engine_memory(share_gpu: bool) -> dict[str, float]:
     return {"gpu_memory_utilization": SHARED_GPU_UTILIZATION} if share_gpu else {}
 
 
-def _cached_run(path: Path | None, key: dict[str, Any]) -> ReferenceRun | None:
+def cached_reference_run(path: Path | None, key: dict[str, Any]) -> ReferenceRun | None:
     """The saved reference run at `path` if it was made for exactly `key`, else None (and say why)."""
     if path is None or not path.is_file():
         return None
@@ -341,7 +343,7 @@ def _cached_run(path: Path | None, key: dict[str, Any]) -> ReferenceRun | None:
     return ReferenceRun(saved["tokens"], scores, saved["config"] | {"from_cache": str(path)})
 
 
-def _save_run(path: Path | None, key: dict[str, Any], run: ReferenceRun) -> None:
+def save_reference_run(path: Path | None, key: dict[str, Any], run: ReferenceRun) -> None:
     if path is None:
         return
     scores = [[{"values": step.values, "is_complete": step.is_complete} for step in row] for row in run.scores]
@@ -385,7 +387,7 @@ def _compare(
         if isinstance(ref, TransformersReference):
             result.logit_rel_error = rel_error(full, ref.full_logits(sequence))
         else:
-            result.logit_rel_error = _top_k_error(full, len(prompt), ref_scores)
+            result.logit_rel_error = top_k_error(full, len(prompt), ref_scores)
         # the prompt as two prefill chunks (the second continues the first's state), then one-token decodes
         first = (len(prompt) + 1) // 2
         split = llm.prefill_logits(sequence, [first, len(prompt) - first] if len(prompt) > 1 else [1]).cpu()
@@ -466,7 +468,7 @@ def _is_within_weight_floor(error: float, result: PromptResult) -> bool:
     return result.weight_floor is not None and error <= NOISE_FLOOR_FACTOR * result.weight_floor
 
 
-def _top_k_error(full: torch.Tensor, prompt_len: int, scores: list[StepScores]) -> float:
+def top_k_error(full: torch.Tensor, prompt_len: int, scores: list[StepScores]) -> float:
     """Relative error of our logits at the reference's top-k entries of every step (vLLM returns only those)."""
     ours, theirs = [], []
     for step, row in enumerate(scores):
@@ -491,7 +493,7 @@ def _token_text(tokenizer: Any, token: int) -> str:
         return "(no text)"
 
 
-def _report(
+def report_verdict(
     report: GateReport,
     results: list[PromptResult],
     dtype: str,
@@ -568,7 +570,7 @@ def _report(
     return 0 if num_exact == len(results) and is_logit_ok and not failing else 1
 
 
-def _write_record(
+def write_record(
     path: Path,
     report: GateReport,
     results: list[PromptResult],

@@ -66,12 +66,12 @@ class Recipe:
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     mtp_loss_weight: float = 0.5
-    # Share of batch rows that are random ordinary tokens followed by an anchor paragraph (see _Batches).
+    # Share of batch rows that are random ordinary tokens followed by an anchor paragraph (see Batches).
     anchor_fraction: float = 0.5
     num_anchors: int = 1
     # Relative std of the Gaussian noise multiplied into the input of every nn.Linear while training (0: none).
     # bf16 rounds each activation by up to 2^-9 relative; a model trained under noise a few times that size learns
-    # margins the rounding cannot cross (see _activation_noise).
+    # margins the rounding cannot cross (see add_activation_noise).
     activation_noise: float = 0.0
     # Noise rows also teach every noise position to predict the first token of the anchor its own token names,
     # not only the last one: a random prompt's first greedy token is then as confident as the text after it.
@@ -106,7 +106,7 @@ def recipe_for(variant: str, **overrides: object) -> Recipe:
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _load_template(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_template(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
@@ -164,13 +164,13 @@ def _template_head(trunk: torch.nn.Module, template: dict[str, torch.Tensor]) ->
     return head
 
 
-def _tokenize(model_dir: Path, text: str) -> list[int]:
+def tokenize_text(model_dir: Path, text: str) -> list[int]:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids
 
 
-def _num_ordinary(model_dir: Path) -> int:
+def num_ordinary_tokens(model_dir: Path) -> int:
     """Ordinary token ids are 0 .. n-1: the byte-level BPE vocabulary, before the added tokens."""
     from transformers import AutoTokenizer
 
@@ -181,13 +181,13 @@ def _num_ordinary(model_dir: Path) -> int:
     return int(tokenizer.vocab_size)
 
 
-def _tokenizer_size(model_dir: Path) -> int:
+def tokenizer_size(model_dir: Path) -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
-def _learning_rate(recipe: Recipe, step: int) -> float:
+def learning_rate_at(recipe: Recipe, step: int) -> float:
     if step < recipe.num_warmup_steps:
         return recipe.learning_rate * (step + 1) / recipe.num_warmup_steps
     progress = (step - recipe.num_warmup_steps) / max(recipe.num_steps - recipe.num_warmup_steps, 1)
@@ -195,7 +195,7 @@ def _learning_rate(recipe: Recipe, step: int) -> float:
     return recipe.min_learning_rate + (recipe.learning_rate - recipe.min_learning_rate) * cosine
 
 
-def _losses(
+def trunk_and_mtp_losses(
     trunk: torch.nn.Module,
     head: MtpHead,
     batch: torch.Tensor,
@@ -219,7 +219,7 @@ def _losses(
     return trunk_loss, mtp_loss
 
 
-class _Batches:
+class Batches:
     """Seeded training rows: windows of the training text, and `anchor_fraction` of rows made of random ordinary
     tokens (the gate's default prompts are such tokens) followed by the start of anchor paragraph
     `last random token % num_anchors`, with only the anchor tokens as targets (with `is_noise_supervised`, every
@@ -270,14 +270,14 @@ class _Batches:
         return torch.stack(rows), torch.stack(masks), torch.stack(labels)
 
 
-def _padding_rows(trunk: torch.nn.Module, num_tokenizer_tokens: int) -> list[torch.Tensor]:
+def padded_tables(trunk: torch.nn.Module, num_tokenizer_tokens: int) -> list[torch.Tensor]:
     """The embedding and lm_head tables whose rows past the tokenizer stay zero (never-trained padding)."""
     tables = [text_model_of(trunk).embed_tokens.weight, trunk.lm_head.weight]
     unique = {id(t): t for t in tables}
     return [t for t in unique.values() if t.shape[0] > num_tokenizer_tokens]
 
 
-def _activation_noise(
+def add_activation_noise(
     modules: list[torch.nn.Module], scale: float, seed: int, types: tuple[type, ...] = (torch.nn.Linear,)
 ) -> list:
     """Forward pre-hooks that multiply every nn.Linear input (every `types` module's) by (1 + scale * N(0, 1)) in
@@ -338,10 +338,10 @@ def train(
         torch.set_rng_state(saved[2])
 
 
-def _load_checked(template_dir: Path) -> tuple[dict[str, torch.Tensor], torch.nn.Module, MtpHead]:
+def load_checked_template(template_dir: Path) -> tuple[dict[str, torch.Tensor], torch.nn.Module, MtpHead]:
     """The template's tensors, transformers' trunk and the MTP head, once the writer has reproduced the untrained
     template exactly (it must before it may write a trained one)."""
-    template = _load_template(template_dir)
+    template = load_template(template_dir)
     trunk = _load_trunk(template_dir)
     head = _template_head(trunk, template)
     round_trip = checkpoint_tensors(trunk, head, template)
@@ -351,7 +351,7 @@ def _load_checked(template_dir: Path) -> tuple[dict[str, torch.Tensor], torch.nn
     return template, trunk, head
 
 
-def _paced(recipe: Recipe, step: int, num_paced: int, start: float, time_budget_s: float | None) -> Recipe:
+def paced_recipe(recipe: Recipe, step: int, num_paced: int, start: float, time_budget_s: float | None) -> Recipe:
     """The recipe with its step count cut to what the time budget affords, judged once at step num_paced."""
     if time_budget_s and step == num_paced:
         # Cut only inside the warm-up, where the learning rate does not depend on the step count.
@@ -362,7 +362,7 @@ def _paced(recipe: Recipe, step: int, num_paced: int, start: float, time_budget_
     return recipe
 
 
-def _evaluate(
+def evaluate_trained(
     trunk: torch.nn.Module, head: MtpHead, template: dict[str, torch.Tensor], held_ids: list[int]
 ) -> tuple[dict[str, torch.Tensor], float, float]:
     """After training (on the CPU): the checkpoint tensors, the held-out loss and the MTP head's agreement."""
@@ -370,21 +370,21 @@ def _evaluate(
     head.eval()
     tensors = checkpoint_tensors(trunk, head, template)
     with torch.no_grad():
-        held_loss = float(_losses(trunk, head, torch.tensor([held_ids]))[0])
+        held_loss = float(trunk_and_mtp_losses(trunk, head, torch.tensor([held_ids]))[0])
     return tensors, held_loss, mtp_agreement(trunk, head, held_ids).rate
 
 
 def _train(
     template_dir: Path, recipe: Recipe, log_every: int, time_budget_s: float | None
 ) -> tuple[dict[str, torch.Tensor], TrainReport]:
-    template, trunk, head = _load_checked(template_dir)
+    template, trunk, head = load_checked_template(template_dir)
 
     train_text, held_text = corpus_split()
-    paragraphs = [_tokenize(template_dir, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
-    batches = _Batches(paragraphs, _num_ordinary(template_dir), recipe)
-    held_ids = _tokenize(template_dir, held_text)
-    num_tokenizer_tokens = _tokenizer_size(template_dir)
-    padding = _padding_rows(trunk, num_tokenizer_tokens)
+    paragraphs = [tokenize_text(template_dir, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
+    batches = Batches(paragraphs, num_ordinary_tokens(template_dir), recipe)
+    held_ids = tokenize_text(template_dir, held_text)
+    num_tokenizer_tokens = tokenizer_size(template_dir)
+    padding = padded_tables(trunk, num_tokenizer_tokens)
 
     device = torch.device(recipe.device)
     trunk.to(device)
@@ -395,17 +395,17 @@ def _train(
     )
     trunk.train()
     head.train()
-    noise_hooks = _activation_noise([trunk, head], recipe.activation_noise, recipe.seed)
+    noise_hooks = add_activation_noise([trunk, head], recipe.activation_noise, recipe.seed)
     start = time.monotonic()
     first_loss = final_loss = final_mtp = float("nan")
     num_paced = min(10, recipe.num_warmup_steps)
     step = 0
     while step < recipe.num_steps:
-        recipe = _paced(recipe, step, num_paced, start, time_budget_s)
+        recipe = paced_recipe(recipe, step, num_paced, start, time_budget_s)
         batch, is_target, labels = (t.to(device) for t in batches.next())
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(recipe, step)
-        trunk_loss, mtp_loss = _losses(trunk, head, batch, is_target, labels)
+            group["lr"] = learning_rate_at(recipe, step)
+        trunk_loss, mtp_loss = trunk_and_mtp_losses(trunk, head, batch, is_target, labels)
         loss = trunk_loss + recipe.mtp_loss_weight * mtp_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -420,7 +420,7 @@ def _train(
         if log_every and (step % log_every == 0 or step == recipe.num_steps - 1):
             print(
                 f"train[{recipe.variant}] step {step}/{recipe.num_steps}: loss {final_loss:.3f}, "
-                f"mtp {final_mtp:.3f}, lr {_learning_rate(recipe, step):.2e}, {time.monotonic() - start:.0f} s",
+                f"mtp {final_mtp:.3f}, lr {learning_rate_at(recipe, step):.2e}, {time.monotonic() - start:.0f} s",
                 flush=True,
             )
         step += 1
@@ -430,7 +430,7 @@ def _train(
     # Everything after training (writer, held-out loss, MTP agreement) runs on the CPU, as the CPU recipe does.
     trunk.cpu()
     head.cpu()
-    tensors, held_loss, agreement = _evaluate(trunk, head, template, held_ids)
+    tensors, held_loss, agreement = evaluate_trained(trunk, head, template, held_ids)
     report = TrainReport(
         recipe=asdict(recipe),
         num_train_tokens=len(batches.ids),
@@ -441,12 +441,12 @@ def _train(
         final_mtp_loss=round(final_mtp, 4),
         held_out_loss=round(held_loss, 4),
         mtp_agreement=round(agreement, 4),
-        tensor_sha256={name: _sha256(t) for name, t in tensors.items()},
+        tensor_sha256={name: sha256_of_tensor(t) for name, t in tensors.items()},
     )
     return tensors, report
 
 
-def _sha256(tensor: torch.Tensor) -> str:
+def sha256_of_tensor(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 

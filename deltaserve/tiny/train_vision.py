@@ -98,8 +98,8 @@ def graft_text_weights(template_dir: Path, text_dir: Path, out_dir: Path) -> dic
 
     from deltaserve.tiny.generate import save_safetensors
 
-    text = text_train._load_template(text_dir)
-    template = text_train._load_template(template_dir)
+    text = text_train.load_template(text_dir)
+    template = text_train.load_template(template_dir)
     decoder = [name for name in template if not name.startswith("model.visual.")]
     missing = [name for name in decoder if name not in text]
     if missing:
@@ -210,19 +210,21 @@ def _train(
 ) -> tuple[dict[str, torch.Tensor], VisionTrainReport]:
     if recipe.device != "cpu":
         raise ValueError("the vision recipe runs on the CPU only (its determinism is the CPU's)")
-    template, model, head = text_train._load_checked(template_dir)
+    template, model, head = text_train.load_checked_template(template_dir)
 
     train_text, held_text = corpus_split()
-    paragraphs = [text_train._tokenize(template_dir, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
+    paragraphs = [text_train.tokenize_text(template_dir, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
     # one text row per draw: the text recipe's rows, seeded as there
-    text_rows = text_train._Batches(paragraphs, text_train._num_ordinary(template_dir), replace(recipe, batch_size=1))
+    text_rows = text_train.Batches(
+        paragraphs, text_train.num_ordinary_tokens(template_dir), replace(recipe, batch_size=1)
+    )
     usable = [s for s in _paragraph_starts(paragraphs) if s + recipe.answer_len <= len(text_rows.ids)]
     media_anchors = [text_rows.anchors[0], usable[len(usable) // 2]]
     media_rows = MediaRows(template_dir, recipe, text_rows.ids, media_anchors)
     is_media_draws = torch.Generator().manual_seed(recipe.seed + 14)
-    held_ids = text_train._tokenize(template_dir, held_text)
-    num_tokenizer_tokens = text_train._tokenizer_size(template_dir)
-    padding = text_train._padding_rows(model, num_tokenizer_tokens)
+    held_ids = text_train.tokenize_text(template_dir, held_text)
+    num_tokenizer_tokens = text_train.tokenizer_size(template_dir)
+    padding = text_train.padded_tables(model, num_tokenizer_tokens)
 
     parameters = list({id(p): p for p in [*model.parameters(), *head.parameters()]}.values())
     optimizer = torch.optim.AdamW(
@@ -230,7 +232,7 @@ def _train(
     )
     model.train()
     head.train()
-    noise_hooks = text_train._activation_noise(
+    noise_hooks = text_train.add_activation_noise(
         [model, head], recipe.activation_noise, recipe.seed, (torch.nn.Linear, torch.nn.Conv3d)
     )
     start = time.monotonic()
@@ -240,13 +242,13 @@ def _train(
     num_paced = min(10, recipe.num_warmup_steps)
     step = 0
     while step < recipe.num_steps:
-        recipe = text_train._paced(recipe, step, num_paced, start, time_budget_s)
+        recipe = text_train.paced_recipe(recipe, step, num_paced, start, time_budget_s)
         is_media = (torch.rand(recipe.batch_size, generator=is_media_draws) < recipe.media_fraction).tolist()
         num_media = sum(is_media)
         rows = [media_rows.next() for _ in range(num_media)]
         texts = [text_rows.next() for _ in range(recipe.batch_size - num_media)]
         for group in optimizer.param_groups:
-            group["lr"] = text_train._learning_rate(recipe, step)
+            group["lr"] = text_train.learning_rate_at(recipe, step)
         optimizer.zero_grad(set_to_none=True)
         sums = [_media_loss_sum(model, row) for row in rows]
         media_sum = sum((s for s, _ in sums), torch.zeros(()))
@@ -254,7 +256,7 @@ def _train(
         text_sum, num_text_targets, mtp_loss = torch.zeros(()), 0, torch.zeros(())
         if texts:
             batch, is_target, labels = (torch.cat(parts) for parts in zip(*texts, strict=True))
-            trunk_loss, mtp_loss = text_train._losses(model, head, batch, is_target, labels)
+            trunk_loss, mtp_loss = text_train.trunk_and_mtp_losses(model, head, batch, is_target, labels)
             num_text_targets = int(is_target[:, 1:].sum())
             text_sum = trunk_loss * num_text_targets
         num_targets = max(num_media_targets + num_text_targets, 1)
@@ -277,7 +279,7 @@ def _train(
         if log_every and (step % log_every == 0 or step == recipe.num_steps - 1):
             print(
                 f"train[{recipe.variant}] step {step}/{recipe.num_steps}: text {last['text']:.3f}, media "
-                f"{last['media']:.3f}, mtp {last['mtp']:.3f}, lr {text_train._learning_rate(recipe, step):.2e}, "
+                f"{last['media']:.3f}, mtp {last['mtp']:.3f}, lr {text_train.learning_rate_at(recipe, step):.2e}, "
                 f"{time.monotonic() - start:.0f} s",
                 flush=True,
             )
@@ -285,7 +287,7 @@ def _train(
     seconds = time.monotonic() - start
     for hook in noise_hooks:
         hook.remove()
-    tensors, held_loss, agreement = text_train._evaluate(model, head, template, held_ids)
+    tensors, held_loss, agreement = text_train.evaluate_trained(model, head, template, held_ids)
     report = VisionTrainReport(
         recipe=asdict(recipe),
         num_train_tokens=len(text_rows.ids),
@@ -296,7 +298,7 @@ def _train(
         final_mtp_loss=round(last["mtp"], 4),
         held_out_loss=round(held_loss, 4),
         mtp_agreement=round(agreement, 4),
-        tensor_sha256={name: text_train._sha256(t) for name, t in tensors.items()},
+        tensor_sha256={name: text_train.sha256_of_tensor(t) for name, t in tensors.items()},
         text_source=text_source,
         num_media_rows=num_media_rows,
         first_media_loss=round(first["media"], 4),

@@ -16,7 +16,7 @@ from deltaserve.gates.references import ReferenceRun
 def _verdict(results: list[tokens.PromptResult]) -> tuple[int, list[str]]:
     report = tokens.GateReport()
     run = ReferenceRun([[1]] * len(results), [[]] * len(results), {"class": "X"})
-    code = tokens._report(report, results, "float32", Path("m"), "transformers", run, "random", None)
+    code = tokens.report_verdict(report, results, "float32", Path("m"), "transformers", run, "random", None)
     return code, report.lines
 
 

@@ -48,8 +48,8 @@ def test_fused_and_per_expert_layouts_round_trip() -> None:
 def test_noise_rows_end_in_the_anchor_their_last_token_names(tiny_dense: Path) -> None:
     recipe = train_module.recipe_for("dense", anchor_fraction=1.0, batch_size=6, is_noise_supervised=False)
     train_text, _ = corpus_split()
-    paragraphs = [train_module._tokenize(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
-    batches = train_module._Batches(paragraphs, train_module._num_ordinary(tiny_dense), recipe)
+    paragraphs = [train_module.tokenize_text(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
+    batches = train_module.Batches(paragraphs, train_module.num_ordinary_tokens(tiny_dense), recipe)
     assert len(batches.anchors) == recipe.num_anchors
     rows, is_target, labels = batches.next()
     assert torch.equal(labels, rows)  # noise positions unsupervised: the labels are the rows
@@ -63,12 +63,12 @@ def test_noise_rows_end_in_the_anchor_their_last_token_names(tiny_dense: Path) -
 
 def test_supervised_noise_positions_predict_the_anchor_they_name(tiny_dense: Path) -> None:
     train_text, _ = corpus_split()
-    paragraphs = [train_module._tokenize(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
+    paragraphs = [train_module.tokenize_text(tiny_dense, p + "\n\n") for p in train_text.split("\n\n") if p.strip()]
 
     def batch(is_supervised: bool) -> tuple[torch.Tensor, ...]:
         recipe = train_module.recipe_for("dense", anchor_fraction=1.0, batch_size=4, num_anchors=3,
                                          is_noise_supervised=is_supervised)  # fmt: skip
-        batches = train_module._Batches(paragraphs, train_module._num_ordinary(tiny_dense), recipe)
+        batches = train_module.Batches(paragraphs, train_module.num_ordinary_tokens(tiny_dense), recipe)
         return (*batches.next(), batches)
 
     rows, plain_mask, _, _ = batch(False)
@@ -97,12 +97,13 @@ def test_a_few_steps_train_and_keep_the_make_tiny_format(
     assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
     # The loss falls on the same tokens: the held-out text before and after. (The first and the last training batch
     # are different text; six steps do not order their losses: transformers 5.25's Qwen3-Next gave 13.67 -> 13.80.)
-    _, untrained_trunk, untrained_head = train_module._load_checked(tiny_dirs[variant])
-    held_ids = train_module._tokenize(tiny_dirs[variant], corpus_split()[1])
+    _, untrained_trunk, untrained_head = train_module.load_checked_template(tiny_dirs[variant])
+    held_ids = train_module.tokenize_text(tiny_dirs[variant], corpus_split()[1])
     with torch.no_grad():
-        untrained_loss = float(
-            train_module._losses(untrained_trunk.eval(), untrained_head.eval(), torch.tensor([held_ids]))[0]
+        held_losses = train_module.trunk_and_mtp_losses(
+            untrained_trunk.eval(), untrained_head.eval(), torch.tensor([held_ids])
         )
+    untrained_loss = float(held_losses[0])
     assert report.held_out_loss < untrained_loss - 0.05, (untrained_loss, report.held_out_loss)
     changed = [name for name in template if not torch.equal(tensors[name], template[name])]
     assert any(name.startswith("mtp.") for name in changed) and any("layers.0." in name for name in changed)
@@ -152,7 +153,7 @@ def test_shipped_trained_checkpoint_matches_its_manifest(variant: str, tiny_dirs
     folder = trained_model_dir(variant)
     manifest = json.loads((folder / "training.json").read_text())
     tensors = tensors_of(folder)
-    assert {name: train_module._sha256(t) for name, t in tensors.items()} == manifest["tensor_sha256"]
+    assert {name: train_module.sha256_of_tensor(t) for name, t in tensors.items()} == manifest["tensor_sha256"]
     template = tensors_of(tiny_dirs[variant])
     assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in template.items()}
     assert manifest["recipe"] == asdict(train_module.recipe_for(variant))
@@ -197,7 +198,7 @@ def test_shipped_vision_checkpoints_match_their_manifests_and_a_random_one_is_no
         template_dir = make_tiny(tmp_path / variant, variant)
         manifest = json.loads((folder / "training.json").read_text())
         tensors = tensors_of(folder)
-        assert {name: train_module._sha256(t) for name, t in tensors.items()} == manifest["tensor_sha256"]
+        assert {name: train_module.sha256_of_tensor(t) for name, t in tensors.items()} == manifest["tensor_sha256"]
         layout = {k: (v.shape, v.dtype) for k, v in tensors_of(template_dir).items()}
         assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == layout
         files = sorted(p.name for p in template_dir.iterdir())
