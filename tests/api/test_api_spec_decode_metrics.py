@@ -126,4 +126,8 @@ def test_a_real_engine_with_mtp_exports_them_at_zero() -> None:
     assert positions == ["0", "1"]
     for family in SPEC_METRICS:
         assert families[family]["type"] == "counter"
-        assert all(v == 0 for v in families[family]["samples"].values())
+        # one zero sample per series (a position each for the per-position family): a family without its
+        # samples is not one exported at zero
+        samples = families[family]["samples"]
+        assert {sample for sample, _ in samples} == {family + "_total"}, (family, samples)
+        assert list(samples.values()) == [0] * (len(positions) if family == name else 1), (family, samples)
