@@ -91,7 +91,9 @@ def test_prompt_tokens_details_only_with_the_flag(
 def test_force_include_usage_streams_usage_everywhere(details_server: ServerThread) -> None:
     body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
     events = chunks(httpx.post(details_server.base_url + "/v1/completions", json=body))
-    assert all("usage" in event for event in events)
+    # one chunk per token (the fake engine emits one a step), then the usage-only final chunk: all four carry usage
+    assert len(events) == 4 and all("usage" in event for event in events)
+    assert [event["usage"]["completion_tokens"] for event in events] == [1, 2, 3, 3]
     # nothing cached: reported as 0, not left out (vLLM's test_single_completion; its check is `is not None`)
     assert not events[-1]["choices"] and events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     reply = httpx.post(details_server.base_url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
@@ -129,7 +131,14 @@ def test_no_empty_tool_calls(http: httpx.Client, fake_engine: FakeEngine) -> Non
     assert "tool_calls" not in message["message"] and message["finish_reason"] == "stop"
     fake_engine.scripts.append(["No call.</think>Plain answer."])
     events = chunks(http.post("/v1/chat/completions", json={"messages": USER, "tools": tools, "stream": True}))
-    assert all("tool_calls" not in event["choices"][0]["delta"] for event in events)
+    num_tokens = len(fake_engine.tokenizer.encode("No call.</think>Plain answer.", add_special_tokens=False))
+    # the role chunk, one per token but </think> (the reasoning parser shows nothing for it), the finish chunk (eos)
+    assert len(events) == 1 + (num_tokens - 1) + 1 and all(len(event["choices"]) == 1 for event in events)
+    deltas = [event["choices"][0]["delta"] for event in events]
+    assert deltas[0] == {"role": "assistant", "content": ""} and events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(delta.get("reasoning", "") for delta in deltas) == "No call."
+    assert "".join(delta.get("content", "") for delta in deltas) == "Plain answer."
+    assert all("tool_calls" not in delta for delta in deltas)
 
 
 def test_truncation_side(http: httpx.Client, fake_engine: FakeEngine) -> None:

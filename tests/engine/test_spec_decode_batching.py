@@ -97,9 +97,15 @@ def test_prompt_logprobs_and_prefill_logits_are_unchanged() -> None:
     expected = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     outputs = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert stats["accepted_per_position"][0] > 0
-    for want, got in zip(expected, outputs, strict=True):
+    assert len(expected) == len(prompts) > 0
+    for prompt, want, got in zip(prompts, expected, outputs, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        assert len(got.prompt_logprobs) == len(want.prompt_logprobs)
+        # vLLM's layout, in both: one entry per prompt token, None for the first (nothing predicts it), then the
+        # prompt token's logprob with the top 2 (2 keys, or 3 where the prompt token is not among them)
+        for logprobs in (want.prompt_logprobs, got.prompt_logprobs):
+            assert len(logprobs) == len(prompt) > 1 and logprobs[0] is None
+            entries = zip(prompt[1:], logprobs[1:], strict=True)
+            assert all(token in entry and 2 <= len(entry) <= 3 for token, entry in entries)
         for a, b in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
             assert a.keys() == b.keys()
             assert all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) for t in a)
