@@ -46,6 +46,8 @@ SCAN_MANY = (32, 4, 2)
 SCAN_FEW_MAX_WAVES = 2
 # Prepare: 4 warps at 242 registers fit 2 programs an SM (8 warps: 168 registers, 1 program).
 CHUNK_PREPARE_WARPS = 4
+# q / k norms: one launch of [64, dk] tiles per key head before the prepare (docs/kernels.md#gated-deltanet).
+CHUNK_NORM_WARPS = 4
 # The state-free w / u kernel and the output kernel: parallel over chunks, [64, 128] tiles. The w / u kernel runs
 # 8 warps: at 4, Triton 3.6 computed u = Xu·v wrong at dk 64 / dv 32 in bf16 on the H200 (relative error 0.84),
 # and at the served heads 8 warps are also faster (a 27B 2048-token layer's chunked prefill 0.645 -> 0.557 ms,
@@ -328,28 +330,53 @@ def _chunk_bounds(
     return start, tl.load(query_start_loc_ptr + i_lo + 1)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
-def _gdn_chunk_prepare_kernel(
+@triton.jit(do_not_specialize=["num_tokens"])
+def _gdn_qk_norm_kernel(
     q_ptr,
     k_ptr,
+    qn_ptr,
+    kn_ptr,
+    num_tokens,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    HK: tl.constexpr,
+    DK: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Per (BT rows, key head): q̂ = q/‖q‖ and k̂ = k/‖k‖ in fp32, rounded to the input dtype (the ref's rounding
+    point) into qn / kn [T, HK, dk], once per key head: the prepare, w / u and output kernels of every value head
+    of the group read them."""
+    i_t = tl.program_id(0)
+    i_hk = tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_tk = (o_t < num_tokens)[:, None] & (o_k < DK)[None, :]
+    b_q = tl.load(q_ptr + i64(o_t)[:, None] * stride_q_t + i_hk * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k_ptr + i64(o_t)[:, None] * stride_k_t + i_hk * stride_k_h + o_k[None, :], mask=m_tk, other=0.0)
+    o_n = (i64(o_t)[:, None] * HK + i_hk) * DK + o_k[None, :]
+    tl.store(qn_ptr + o_n, _l2norm_rows(b_q.to(tl.float32)).to(qn_ptr.dtype.element_ty), mask=m_tk)
+    tl.store(kn_ptr + o_n, _l2norm_rows(b_k.to(tl.float32)).to(kn_ptr.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _gdn_chunk_prepare_kernel(
+    qn_ptr,
+    kn_ptr,
     a_ptr,
     b_ptr,
     A_log_ptr,
     dt_bias_ptr,
     query_start_loc_ptr,
     chunk_offsets_ptr,
-    qn_ptr,
-    kn_ptr,
     gcum_ptr,
     xw_ptr,
     xu_ptr,
     aqk_ptr,
     scratch_ptr,
     num_seqs,
-    stride_q_t,
-    stride_q_h,
-    stride_k_t,
-    stride_k_h,
     stride_a_t,
     stride_b_t,
     HK: tl.constexpr,
@@ -361,8 +388,8 @@ def _gdn_chunk_prepare_kernel(
     NUM_SEARCH_STEPS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Per (chunk, value head), everything that does not depend on the running state: q̂, k̂ (rounded, stored
-    once per q/k head), Γ = cumsum(g), X = (I + A)^-1 with A_ij = β_i k̂_i·k̂_j e^(Γi−Γj) (j < i), stored as
+    """Per (chunk, value head), everything that does not depend on the running state, from q̂ and k̂
+    (_gdn_qk_norm_kernel's, rounded): Γ = cumsum(g), X = (I + A)^-1 with A_ij = β_i k̂_i·k̂_j e^(Γi−Γj) (j < i), stored as
     Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i).
     X by the blocked inverse (_blocked_inverse) through scratch_ptr [chunks, HV, BT, BT] fp32."""
     i_c = tl.program_id(0)
@@ -376,14 +403,9 @@ def _gdn_chunk_prepare_kernel(
     m_k = o_k < DK
     i_hk = i_h // GROUP
     m_tk = m_t[:, None] & m_k[None, :]
-    b_k = tl.load(k_ptr + i64(o_t)[:, None] * stride_k_t + i_hk * stride_k_h + o_k[None, :], mask=m_tk, other=0.0)
-    b_k = _l2norm_rows(b_k.to(tl.float32)).to(k_ptr.dtype.element_ty)  # [BT, BK] rounded, as the ref
-    b_q = tl.load(q_ptr + i64(o_t)[:, None] * stride_q_t + i_hk * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
-    b_q = _l2norm_rows(b_q.to(tl.float32)).to(q_ptr.dtype.element_ty)
-    if i_h % GROUP == 0:
-        o_n = (i64(o_t)[:, None] * HK + i_hk) * DK + o_k[None, :]
-        tl.store(qn_ptr + o_n, b_q, mask=m_tk)
-        tl.store(kn_ptr + o_n, b_k, mask=m_tk)
+    o_n = (i64(o_t)[:, None] * HK + i_hk) * DK + o_k[None, :]
+    b_k = tl.load(kn_ptr + o_n, mask=m_tk, other=0.0)  # [BT, BK] k̂, input dtype
+    b_q = tl.load(qn_ptr + o_n, mask=m_tk, other=0.0)
 
     b_a = tl.load(a_ptr + i64(o_t) * stride_a_t + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_b = tl.load(b_ptr + i64(o_t) * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
@@ -702,27 +724,37 @@ def _gdn_prefill_chunked(
     # A, then X, in fp32 for the prepare kernel's blocked inverse (each program its own tile).
     a_scratch = torch.empty(max_chunks, num_v_heads, CHUNK, CHUNK, dtype=torch.float32, device=device)
     precision = dot_precision(q.dtype)
-    _gdn_chunk_prepare_kernel[(max_chunks, num_v_heads)](
+    _gdn_qk_norm_kernel[(triton.cdiv(num_tokens, CHUNK), num_k_heads)](
         q,
         k,
+        qn,
+        kn,
+        num_tokens,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        HK=num_k_heads,
+        DK=head_k_dim,
+        BT=CHUNK,
+        BK=next_pow2(head_k_dim),
+        num_warps=CHUNK_NORM_WARPS,
+    )
+    _gdn_chunk_prepare_kernel[(max_chunks, num_v_heads)](
+        qn,
+        kn,
         a,
         b,
         A_log,
         dt_bias,
         query_start_loc,
         chunk_offsets,
-        qn,
-        kn,
         gcum,
         xw,
         xu,
         aqk,
         a_scratch,
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
         a.stride(0),
         b.stride(0),
         HK=num_k_heads,
