@@ -31,9 +31,9 @@ ab/gdn_triton.py`) adds `ours-baseline`: that file's gdn_prefill_triton on our i
 our kernel in one process. `--variant FILE` (repeatable) adds `ours@STEM` for each further gdn_triton.py (a
 candidate, or an ablation that drops one phase of a kernel to see what that phase costs), without naming it in
 --backends. With only `ours` backends vLLM need not be importable. `--scan-configs
-BVxWARPSxSTAGES,...` times our scan launch alone at each launch configuration (gdn_triton's SCAN_FEW and SCAN_MANY
-both set to it for the call, so its launch rule picks it whatever the case; GPU time of `_gdn_chunk_scan_kernel` by
-torch.profiler): the configuration FLA autotunes and ours picks by its rule.
+BVxWARPSxSTAGES,...` times our scan launch alone at each launch configuration (gdn_triton's CHUNK_BV,
+CHUNK_SCAN_WARPS and CHUNK_SCAN_STAGES set for the call; GPU time of `_gdn_chunk_scan_kernel` by torch.profiler):
+the configuration FLA autotunes and ours fixes.
 """
 
 from __future__ import annotations
@@ -269,13 +269,13 @@ def time_scan_configs(configs: list[tuple[int, int, int]], inputs: dict[str, Any
     that nothing else moved), the module's constants restored after."""
     from deltaserve.kernels import gdn_triton
 
-    names = ("SCAN_FEW", "SCAN_MANY")
+    names = ("CHUNK_BV", "CHUNK_SCAN_WARPS", "CHUNK_SCAN_STAGES")
     saved = tuple(getattr(gdn_triton, name) for name in names)
     results = []
     try:
         for config in configs:
-            for name in names:
-                setattr(gdn_triton, name, config)
+            for name, value in zip(names, config, strict=True):
+                setattr(gdn_triton, name, value)
             entry: dict[str, Any] = {"bv": config[0], "warps": config[1], "stages": config[2]}
             try:
                 launches = profile_launches(gdn_triton.gdn_prefill_triton, inputs, iters)

@@ -24,8 +24,6 @@ in-place updates need no synchronisation.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -35,15 +33,13 @@ from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch
 
 # Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
 CHUNK = 64
-# The scan's launch, (BV value columns, warps, stages), chosen per call by how many programs it starts (sequences x
-# value heads x column blocks): a call whose programs fit SCAN_FEW_MAX_WAVES waves of one program an SM runs SCAN_FEW,
-# deeper pipelining for a program alone on its SM; more programs run SCAN_MANY, two an SM (78 KB of shared memory at
-# 2 stages). Measured on an H100 (docs/kernels.md#gated-deltanet): one 8,192-token sequence's scan 283 -> 178 us at
-# 3 stages (35B-A3B), 339 -> 285 (27B); four of 2,048 lose 10 % at 3 stages. gdn_prefill_kernels.py --scan-configs
-# sets both configurations to the one it times (vLLM's FLA autotunes them).
-SCAN_FEW = (32, 4, 3)
-SCAN_MANY = (32, 4, 2)
-SCAN_FEW_MAX_WAVES = 2
+CHUNK_BV = 32
+# Warps of the chunked prefill's launches (their sm_90 registers and H200 times: docs/kernels.md#gated-deltanet).
+# Scan: 4 warps at 122 registers, 2 programs an SM (its 78 KB of shared memory at 2 stages). 3 stages run one
+# sequence's scan 37 % faster on an H100 and four sequences' 10 % slower (docs/kernels.md: choosing by the call's
+# program count needs both variants compiled at warm-up); gdn_prefill_kernels.py --scan-configs times others.
+CHUNK_SCAN_WARPS = 4
+CHUNK_SCAN_STAGES = 2
 # Prepare: 4 warps at 242 registers fit 2 programs an SM (8 warps: 168 registers, 1 program).
 CHUNK_PREPARE_WARPS = 4
 # q / k norms: one launch of [64, dk] tiles per key head before the prepare (docs/kernels.md#gated-deltanet).
@@ -673,22 +669,6 @@ def _gdn_chunk_out_kernel(
     tl.store(out_ptr + i64(start) * (HV * DV) + i_h * DV + o_tv, b_o, mask=m_tv)
 
 
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """The device's SM count (the scan's launch rule reads it); 132, an H100's, off CUDA, where the interpreter runs
-    every launch alike."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def scan_launch(num_seqs: int, num_v_heads: int, head_v_dim: int, sms: int) -> tuple[int, int, int]:
-    """The scan's (BV, warps, stages) for a call of num_seqs sequences: SCAN_FEW when its programs fit
-    SCAN_FEW_MAX_WAVES waves of one program an SM, else SCAN_MANY (host shapes only, no device sync)."""
-    programs = num_seqs * num_v_heads * triton.cdiv(head_v_dim, min(SCAN_FEW[0], next_pow2(head_v_dim)))
-    return SCAN_FEW if programs <= SCAN_FEW_MAX_WAVES * sms else SCAN_MANY
-
-
 def _gdn_prefill_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -798,8 +778,7 @@ def _gdn_prefill_chunked(
     # Each chunk's start state (input dtype, as the output dots read it) and v' (input dtype).
     hs = torch.empty(max_chunks, num_v_heads, head_k_dim, head_v_dim, dtype=v.dtype, device=device)
     vnew = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
-    scan_bv, scan_warps, scan_stages = scan_launch(num_seqs, num_v_heads, head_v_dim, num_sms(device))
-    block_v = min(scan_bv, next_pow2(head_v_dim))
+    block_v = min(CHUNK_BV, next_pow2(head_v_dim))
     block_kh = min(64, next_pow2(head_k_dim))
     has_ckpt = checkpoint_chunks is not None and checkpoint_slots is not None
     _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
@@ -829,8 +808,8 @@ def _gdn_prefill_chunked(
         BV=block_v,
         DOT_PRECISION=precision,
         HAS_CKPT=has_ckpt,
-        num_warps=scan_warps,
-        num_stages=scan_stages,
+        num_warps=CHUNK_SCAN_WARPS,
+        num_stages=CHUNK_SCAN_STAGES,
     )
     block_v_out = min(CHUNK_OUT_BV, next_pow2(head_v_dim))
     _gdn_chunk_out_kernel[(max_chunks, num_v_heads, triton.cdiv(head_v_dim, block_v_out))](

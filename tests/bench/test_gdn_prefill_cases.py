@@ -157,9 +157,9 @@ def test_variants_load_as_modules_of_their_own(tmp_path: Path) -> None:
     source = (REPO / "deltaserve/kernels/gdn_triton.py").read_text()
     first, second = tmp_path / "abl-one.py", tmp_path / "abl_two.py"
     first.write_text(source)
-    second.write_text(source.replace("SCAN_MANY = (32, 4, 2)", "SCAN_MANY = (16, 4, 2)"))
+    second.write_text(source.replace("CHUNK_BV = 32", "CHUNK_BV = 16"))
     tool = _tool()
     one, two = tool.load_baseline(str(first)), tool.load_baseline(str(second))
     assert one.__module__ == "deltaserve.kernels._gdn_triton_abl_one"
     assert two.__module__ == "deltaserve.kernels._gdn_triton_abl_two"
-    assert one.__globals__["SCAN_MANY"] == (32, 4, 2) and two.__globals__["SCAN_MANY"] == (16, 4, 2)
+    assert one.__globals__["CHUNK_BV"] == 32 and two.__globals__["CHUNK_BV"] == 16

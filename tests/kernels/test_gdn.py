@@ -79,35 +79,15 @@ def test_gdn_prefill(
     )
 
 
-@pytest.mark.parametrize(
-    ("num_seqs", "num_v_heads", "head_v_dim", "expected"),
-    [
-        (1, 32, 128, "few"),  # 35B-A3B, one sequence: 128 programs on 132 SMs
-        (2, 32, 128, "few"),  # 256 programs: two waves
-        (3, 32, 128, "many"),  # 384
-        (4, 32, 128, "many"),
-        (1, 48, 128, "few"),  # 27B: 192
-        (2, 48, 128, "many"),  # 384
-        (8, 4, 32, "few"),  # a small model's heads: 32 programs
-    ],
-)
-def test_gdn_scan_launch_rule(num_seqs: int, num_v_heads: int, head_v_dim: int, expected: str) -> None:
-    """The scan's launch by its program count against two waves of one program an SM (132 SMs, an H100's or an
-    H200's): SCAN_FEW for one 35B-A3B or 27B sequence, SCAN_MANY from 384 programs on."""
-    config = gdn_triton.scan_launch(num_seqs, num_v_heads, head_v_dim, 132)
-    assert config == {"few": gdn_triton.SCAN_FEW, "many": gdn_triton.SCAN_MANY}[expected]
-    assert gdn_triton.SCAN_FEW != gdn_triton.SCAN_MANY
-
-
 @pytest.mark.parametrize(("block_v", "warps", "stages"), [(16, 2, 1), (64, 4, 3), (128, 8, 4)])
 def test_gdn_prefill_scan_launch_configs(
     monkeypatch: pytest.MonkeyPatch, block_v: int, warps: int, stages: int
 ) -> None:
-    """The scan launch configurations `gdn_prefill_kernels.py --scan-configs` sweeps (BV, warps, stages: SCAN_FEW
-    and SCAN_MANY, read from the module at each call) compute the same prefill: against the ref at fp32, dv 128 (BV
-    16 to 128 columns)."""
-    monkeypatch.setattr(gdn_triton, "SCAN_FEW", (block_v, warps, stages))
-    monkeypatch.setattr(gdn_triton, "SCAN_MANY", (block_v, warps, stages))
+    """The scan launch configurations `gdn_prefill_kernels.py --scan-configs` sweeps (BV, warps, stages, read from
+    the module at each call) compute the same prefill: against the ref at fp32, dv 128 (BV 16 to 128 columns)."""
+    monkeypatch.setattr(gdn_triton, "CHUNK_BV", block_v)
+    monkeypatch.setattr(gdn_triton, "CHUNK_SCAN_WARPS", warps)
+    monkeypatch.setattr(gdn_triton, "CHUNK_SCAN_STAGES", stages)
     lengths, hk, hv, dk, dv = [70, 9], 1, 2, 64, 128
     q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, torch.float32)
     states = randn(len(lengths), hv, dk, dv, scale=0.1)
