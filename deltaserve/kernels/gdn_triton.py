@@ -385,8 +385,8 @@ def _gdn_chunk_prepare_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Per (chunk, value head), everything that does not depend on the running state, from q̂ and k̂
-    (_gdn_qk_norm_kernel's, rounded): Γ = cumsum(g), X = (I + A)^-1 with A_ij = β_i k̂_i·k̂_j e^(Γi−Γj) (j < i), stored as
-    Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i).
+    (_gdn_qk_norm_kernel's, rounded): Γ = cumsum(g), X = (I + A)^-1 with A_ij = β_i k̂_i·k̂_j e^(Γi−Γj) (j < i),
+    stored as Xw = X·diag(β e^Γ) and Xu = X·diag(β), and the intra-chunk scores Aqk_ij = q̂_i·k̂_j e^(Γi−Γj) (j ≤ i).
     X by the blocked inverse (_blocked_inverse) through scratch_ptr [chunks, HV, BT, BT] fp32."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
