@@ -251,6 +251,18 @@ def make_waves(
     return waves
 
 
+def overflow_waves(tokenizer: Any, prompt_tokens: int = 280, max_tokens: int = 200) -> list[list[Case]]:
+    """Two greedy answers that cannot both finish in a pool of fewer than 2 x (`prompt_tokens` + `max_tokens`) tokens:
+    sent at once, both prompts are admitted (they fit side by side), both answers grow, and the pool runs out before
+    the first ends, so the latest admitted is preempted whatever the timing (the waves' preemptions depend on which
+    requests overlap). Distinct paragraphs as token ids, so neither is a prefix-cache hit of the other."""
+    texts = ["\n\n".join(PARAGRAPHS[i : i + 4]) for i in (0, len(PARAGRAPHS) // 2)]
+    prompts = [_token_ids(tokenizer, text)[:prompt_tokens] for text in texts]
+    assert all(len(p) == prompt_tokens for p in prompts), [len(p) for p in prompts]
+    body = {"temperature": 0.0, "max_tokens": max_tokens, "extra_body": {"ignore_eos": True}}
+    return [[Case(f"overflow-{i}", "completion", {**body, "prompt": p}) for i, p in enumerate(prompts)], []]
+
+
 def _fold_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """A stream's chunks as one response: per choice, text / content, token ids, logprobs and tool-call arguments
     concatenated in order, the last finish_reason and stop_reason; the usage of the final chunk."""

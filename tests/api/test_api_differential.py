@@ -4,9 +4,10 @@ driven by the `openai` client with the seeded request waves of tests/api/differe
 A: --no-enable-prefix-caching, no speculation. B: the prefix cache (a checkpoint every 64 tokens), MTP speculation
 with async verify, a 64-token step budget (prefills chunk) and a KV pool of 44 blocks (four ~300-token prompts at once
 overflow it: a prompt waits for room for all of it, and each wave's long answer outgrows the pool while it decodes,
-so sequences are preempted). Greedy answers (tokens, text, finish and stop reasons, usage, logprobs
-within differential.LOGPROB_ATOL) must be equal; seeded sampling only repeats itself on each server. Afterwards B's
-/metrics shows prefix-cache hits, drafts and preemptions, and every KV block and state slot free again.
+so sequences are preempted; two answers that together outgrow it make that certain). Greedy answers (tokens, text,
+finish and stop reasons, usage, logprobs within differential.LOGPROB_ATOL) must be equal; seeded sampling only
+repeats itself on each server. Afterwards B's /metrics shows prefix-cache hits, drafts and preemptions, and every KV
+block and state slot free again.
 
 CI runs the MoE checkpoint with k = 2 over SEEDS, a smoke run: the soak is where the coverage is.
 DELTASERVE_DIFF_SOAK=N runs seeds 0..N-1 on dense, MoE and Next with k = 2 and 3 instead
@@ -53,6 +54,7 @@ class Pair:
     b_url: str
     tokenizer: object
     num_seeds_sent: int = 0
+    has_overflowed: bool = False  # the overflow test ran (its preemption is certain; the waves' is likely)
 
 
 def start(model: str, k: int, is_b: bool) -> ServerThread:
@@ -114,11 +116,26 @@ def test_greedy_answers_are_equal_with_the_cache_and_mtp_on_and_off(pair: Pair, 
     assert not failures, f"seed {seed}: {len(failures)} failures:\n" + "\n".join(line[:600] for line in failures)
 
 
+def test_two_answers_that_outgrow_bs_pool_preempt_one_and_still_answer_the_same(pair: Pair) -> None:
+    """Preemption made certain (the waves preempt only when their long answer overlaps enough of the others, and one CI
+    run saw none): two 280-token prompts with 200-token answers, 960 tokens, in B's pool of NUM_BLOCKS x 16 = 704."""
+    before = metric_value(httpx.get(pair.b_url + "/metrics").text, "vllm:num_preemptions_total")
+    waves = differential.overflow_waves(pair.tokenizer)
+    a, b = differential.send_waves(pair.a, waves), differential.send_waves(pair.b, waves)
+    failures = differential.self_checks(a) + differential.self_checks(b) + differential.compare(a, b)
+    assert not failures, "\n".join(line[:600] for line in failures)
+    after = metric_value(httpx.get(pair.b_url + "/metrics").text, "vllm:num_preemptions_total")
+    pair.has_overflowed = True
+    assert after > before, f"B preempted nothing ({before} -> {after}) with 960 tokens to hold in 704"
+
+
 def test_after_the_traffic_b_counted_hits_drafts_and_preemptions_and_freed_everything(pair: Pair) -> None:
-    """Runs after the seeds (pytest keeps file order; run alone, it sends seed 0 first): the counters B's traffic
-    must have moved, and the pools."""
+    """Runs after the seeds and the overflow (pytest keeps file order; run alone, it sends seed 0's waves and the
+    overflow first): the counters B's traffic must have moved, and the pools."""
     if not pair.num_seeds_sent:
         differential.send_waves(pair.b, differential.make_waves(0, pair.tokenizer))
+    if not pair.has_overflowed:
+        differential.send_waves(pair.b, differential.overflow_waves(pair.tokenizer))
     names = ("vllm:prefix_cache_hits_total", "vllm:spec_decode_num_drafts_total",
              "vllm:spec_decode_num_accepted_tokens_total", "vllm:num_preemptions_total")  # fmt: skip
     deadline = time.monotonic() + 10
