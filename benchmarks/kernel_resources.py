@@ -329,9 +329,13 @@ def prefill_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[
             torch.zeros(hv, dtype=bf16),
         )
 
-        def thunk(inputs: tuple = inputs, qsl: torch.Tensor = qsl, slots: torch.Tensor = slots) -> object:
+        def thunk(
+            inputs: tuple = inputs, qsl: torch.Tensor = qsl, slots: torch.Tensor = slots, length: int = length
+        ) -> object:
             states = torch.zeros(len(slots), hv, dk, dv)
-            return gdn_prefill_triton(*inputs, states, qsl, slots, torch.ones(len(slots), dtype=torch.bool))
+            # the runner's host hint: the scan's launch rule picks as for a served step of these sequences
+            init = torch.ones(len(slots), dtype=torch.bool)
+            return gdn_prefill_triton(*inputs, states, qsl, slots, init, max_query_len=length)
 
         def prep(inputs: tuple = inputs) -> object:
             return gdn_prefill_prep_triton(*inputs)
@@ -460,11 +464,12 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("kernel_resources: TRITON_INTERPRET is set; the interpreter bypasses the compiler. Unset it.")
         return 2
-    from deltaserve.kernels import attention_triton
+    from deltaserve.kernels import attention_triton, gdn_triton
 
-    # The launchers size split counts from the SM count; the H200 has 132 (the tensors here are on the CPU).
-    attention_triton._num_sms = lambda device_index: 132
-    attention_triton._sm_count = lambda device: 132
+    # The launchers size split counts and pick configurations from the SM count; an H100 / H200 has 132 (the tensors
+    # here are on the CPU).
+    attention_triton.sm_count = lambda device: 132
+    gdn_triton.sm_count = lambda device: 132
     args.work.mkdir(parents=True, exist_ok=True)
     interceptor = Interceptor(args.work)
     restore = interceptor.install()

@@ -31,8 +31,8 @@ ab/gdn_triton.py`) adds `ours-baseline`: that file's gdn_prefill_triton on our i
 our kernel in one process. `--variant FILE` (repeatable) adds `ours@STEM` for each further gdn_triton.py (a
 candidate, or an ablation that drops one phase of a kernel to see what that phase costs), without naming it in
 --backends. With only `ours` backends vLLM need not be importable. `--scan-configs
-BVxWARPSxSTAGES,...` times our scan launch alone at each launch configuration (gdn_triton's CHUNK_BV,
-CHUNK_SCAN_WARPS and CHUNK_SCAN_STAGES set for the call; GPU time of `_gdn_chunk_scan_kernel` by torch.profiler):
+BVxWARPSxSTAGES,...` times our scan launch alone at each launch configuration (gdn_triton.scan_launch replaced
+for the call, so the served rule's pick is overridden; GPU time of `_gdn_chunk_scan_kernel` by torch.profiler):
 the configuration FLA autotunes and ours fixes.
 """
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -121,6 +122,7 @@ def make_our_inputs(
         "query_start_loc": torch.arange(0, total + 1, num_tokens, device="cuda", dtype=torch.int32),
         "state_indices": torch.arange(num_seqs, device="cuda", dtype=torch.int32),
         "has_initial_state": torch.ones(num_seqs, device="cuda", dtype=torch.bool),
+        "max_query_len": num_tokens,  # the runner's host hint (the scan's launch rule reads it)
     }
 
 
@@ -241,14 +243,22 @@ def time_kernel(fn: Any, inputs: dict[str, Any], iters: int) -> list[float]:
 
 def load_baseline(path: str) -> Any:
     """`--baseline` / `--variant`: another gdn_triton.py imported as a module of its own (it imports deltaserve's
-    helpers as the served file does), returning its gdn_prefill_triton."""
+    helpers as the served file does), returning its gdn_prefill_triton called with the inputs it takes."""
     name = "deltaserve.kernels._gdn_triton_" + "".join(c if c.isalnum() else "_" for c in Path(path).stem)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--baseline: cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.gdn_prefill_triton
+    kernel = module.gdn_prefill_triton
+    # an older file may predate an argument of ours (e.g. the max_query_len hint): it gets the ones it takes
+    takes = set(inspect.signature(kernel).parameters)
+
+    @functools.wraps(kernel)
+    def call(**inputs: Any) -> Any:
+        return kernel(**{name: value for name, value in inputs.items() if name in takes})
+
+    return call
 
 
 def parse_scan_configs(spec: str) -> list[tuple[int, int, int]]:
@@ -266,16 +276,14 @@ def parse_scan_configs(spec: str) -> list[tuple[int, int, int]]:
 
 def time_scan_configs(configs: list[tuple[int, int, int]], inputs: dict[str, Any], iters: int) -> list[dict[str, Any]]:
     """Our prefill at each scan launch configuration: the scan kernel's GPU µs a call (and every launch's, to see
-    that nothing else moved), the module's constants restored after."""
+    that nothing else moved), gdn_triton.scan_launch replaced for the call and restored after."""
     from deltaserve.kernels import gdn_triton
 
-    names = ("CHUNK_BV", "CHUNK_SCAN_WARPS", "CHUNK_SCAN_STAGES")
-    saved = tuple(getattr(gdn_triton, name) for name in names)
+    served = gdn_triton.scan_launch
     results = []
     try:
         for config in configs:
-            for name, value in zip(names, config, strict=True):
-                setattr(gdn_triton, name, value)
+            gdn_triton.scan_launch = lambda *args, config=config: config
             entry: dict[str, Any] = {"bv": config[0], "warps": config[1], "stages": config[2]}
             try:
                 launches = profile_launches(gdn_triton.gdn_prefill_triton, inputs, iters)
@@ -286,8 +294,7 @@ def time_scan_configs(configs: list[tuple[int, int, int]], inputs: dict[str, Any
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
             results.append(entry)
     finally:
-        for name, value in zip(names, saved, strict=True):
-            setattr(gdn_triton, name, value)
+        gdn_triton.scan_launch = served
     return results
 
 

@@ -74,6 +74,22 @@ def can_benchmark() -> bool:
     return torch.cuda.is_available() and not is_interpreting()
 
 
+@functools.cache
+def _device_sm_count(device_index: int) -> int:
+    if not can_benchmark():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs a launcher sizes its grid or picks its configuration for: the device's on CUDA, 4 elsewhere (the
+    interpreter tests). benchmarks/kernel_resources.py replaces it in each launcher's module to size CPU compiles as
+    on an H100 / H200 (132)."""
+    if device.type != "cuda":
+        return 4
+    return _device_sm_count(device.index if device.index is not None else 0)
+
+
 class _CaptureSafeAutotuner(Autotuner):
     """An Autotuner that never benchmarks inside CUDA-graph capture: a key first seen while capturing runs
     configs[0] uncached (so the first eager call with that key still tunes); keys tuned before capture

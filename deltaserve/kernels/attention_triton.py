@@ -24,14 +24,13 @@ fp32 inputs use "ieee" dots so the fp32 tests are exact-ish on GPU; the interpre
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import autotune, can_benchmark, dot_precision, i64, next_pow2, pdl_launch, pdl_wait
+from deltaserve.kernels._triton import autotune, dot_precision, i64, next_pow2, pdl_launch, pdl_wait, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -424,21 +423,6 @@ def _paged_attn_combine_kernel(
         tl.store(out_ptr + o_out + o_d, b_num / b_den, mask=m_d)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    if not can_benchmark():
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """SMs the decode grid is sized for: the device's on CUDA, 4 elsewhere (the interpreter tests).
-    benchmarks/kernel_resources.py replaces this to size CPU compiles as on the H200."""
-    if device.type != "cuda":
-        return 4
-    return _num_sms(device.index if device.index is not None else 0)
-
-
 # Decode programs resident on one SM at once (sm_90, d = 256, 4 warps, 3 stages: 168 registers a thread and
 # 73 KB of shared memory, so 3 fit); tests/kernels/test_kernel_resources.py compiles the kernel and checks it.
 DECODE_PROGRAMS_PER_SM = 3
@@ -470,7 +454,7 @@ def decode_num_splits(
     wave 29 % full, ran at 3.3 TB/s, 164 µs a 27B layer at B = 128, where 768 and 1024 programs, 1.94 and 2.59
     waves, ran at 4.05-4.1 TB/s; docs/kernels.md#attention)."""
     num_programs = max(batch * num_kv_heads, 1)
-    resident = programs_per_sm * _sm_count(device)
+    resident = programs_per_sm * sm_count(device)
     want = resident // num_programs
     if resident < num_programs <= resident * 3 // 2:
         want = 2

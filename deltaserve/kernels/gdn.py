@@ -127,10 +127,12 @@ def gdn_prefill_ref(
     out: torch.Tensor | None = None,
     checkpoint_chunks: torch.Tensor | None = None,
     checkpoint_slots: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv] (into `out` when given); updates ssm_states
     in place. checkpoint_chunks / checkpoint_slots [B] (optional): sequence b's state at the start of its chunk
-    checkpoint_chunks[b] (>= 1; -1: none) also goes to slot checkpoint_slots[b] (an in-step checkpoint)."""
+    checkpoint_chunks[b] (>= 1; -1: none) also goes to slot checkpoint_slots[b] (an in-step checkpoint).
+    max_query_len: the longest sequence's rows, a host hint the Triton kernel picks its launch by (unread here)."""
     num_v_heads, head_k_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
     g, beta = gdn_gates(a, b, A_log, dt_bias)
@@ -213,6 +215,7 @@ def gdn_prefill(
     out: torch.Tensor | None = None,
     checkpoint_chunks: torch.Tensor | None = None,
     checkpoint_slots: torch.Tensor | None = None,
+    max_query_len: int | None = None,
     backend: str = "triton",
 ) -> torch.Tensor:
     """gdn_prefill_ref's call (its twin, for both kernels) on the kernel takes_flashinfer picks for the layer's
@@ -225,7 +228,7 @@ def gdn_prefill(
         )
     return gdn_prefill_ours(
         q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out,
-        checkpoint_chunks, checkpoint_slots,
+        checkpoint_chunks, checkpoint_slots, max_query_len,
     )  # fmt: skip
 
 

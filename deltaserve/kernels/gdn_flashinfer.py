@@ -99,11 +99,13 @@ def gdn_prefill_flashinfer(
     out: torch.Tensor | None = None,
     checkpoint_chunks: torch.Tensor | None = None,
     checkpoint_slots: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """gdn_prefill_ref's call on FlashInfer's kernel: q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV]; ssm_states
     [slots, HV, dk, dv] fp32, updated in place; query_start_loc [B+1]; state_indices, has_initial_state [B] -> o [T,
     HV, dv] (into `out` when given). An in-step checkpoint (checkpoint_chunks / checkpoint_slots) is refused:
-    FlashInfer's checkpoints are a fixed stride per sequence, not one chosen chunk."""
+    FlashInfer's checkpoints are a fixed stride per sequence, not one chosen chunk. max_query_len (a launch hint of
+    our Triton kernel's) is unread: FlashInfer sizes its own launch."""
     if checkpoint_chunks is not None or checkpoint_slots is not None:
         raise ValueError("gdn_prefill_flashinfer saves no in-step checkpoint: kernels/gdn.py sends such a call to ours")
     num_tokens, num_v_heads, head_v_dim = v.shape

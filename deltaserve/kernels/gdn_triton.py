@@ -24,22 +24,39 @@ in-place updates need no synchronisation.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from deltaserve.kernels._dispatch import output
-from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, search_steps, softplus_f32
+from deltaserve.kernels._triton import (
+    dot_precision,
+    i64,
+    next_pow2,
+    pdl_launch,
+    pdl_wait,
+    search_steps,
+    sm_count,
+    softplus_f32,
+)  # fmt: skip
 
-# Chunk length of the chunked prefill (the ref's CHUNK_SIZE) and its value-column block.
+# Chunk length of the chunked prefill (the ref's CHUNK_SIZE).
 CHUNK = 64
-CHUNK_BV = 32
-# Warps of the chunked prefill's launches (their sm_90 registers and H200 times: docs/kernels.md#gated-deltanet).
-# Scan: 4 warps at 122 registers, 2 programs an SM (its 78 KB of shared memory at 2 stages). 3 stages run one
-# sequence's scan 37 % faster on an H100 and four sequences' 10 % slower (docs/kernels.md: choosing by the call's
-# program count needs both variants compiled at warm-up); gdn_prefill_kernels.py --scan-configs times others.
-CHUNK_SCAN_WARPS = 4
-CHUNK_SCAN_STAGES = 2
+# The scan's launch configurations (BV value columns a program, warps, pipeline stages), one picked per call by
+# scan_launch from the call's program count (the H100 sweep behind them: docs/kernels.md#gated-deltanet). Few programs
+# (at most two waves of one an SM: one sequence of either served shape): a third stage hides the chunk loads that a
+# program alone on its SM waits for (one 35B-A3B sequence's scan -37 %). Many programs from sequences of similar
+# length: BV 64 does the same work in half the programs, each loading k̂ and w once for 64 columns (four sequences
+# -25 %). At 4 warps the scan holds 122 registers (sm_90).
+SCAN_FEW = (32, 4, 3)
+SCAN_MANY = (64, 4, 2)
+# SCAN_FEW where its 3 stages (115 KB of shared memory a program at dk 128) exceed the device's (sm_86 / sm_89: ~99
+# KB): a launch that does not fit falls back to this, once per device (_SCAN_STAGES_DO_NOT_FIT).
+SCAN_FEW_2_STAGES = (32, 4, 2)
+# Warps of the chunked prefill's other launches (their sm_90 registers and H200 times: docs/kernels.md#gated-deltanet).
 # Prepare: 4 warps at 242 registers fit 2 programs an SM (8 warps: 168 registers, 1 program).
 CHUNK_PREPARE_WARPS = 4
 # q / k norms: one launch of [64, dk] tiles per key head before the prepare (docs/kernels.md#gated-deltanet).
@@ -53,6 +70,10 @@ CHUNK_OUT_WARPS = 4
 CHUNK_OUT_BV = 64
 # CUDA's limit on a grid's second and third dimensions (the decode grid puts sequences third).
 MAX_GRID_YZ = 65535
+# The devices (index) where SCAN_FEW's 3 stages did not fit: their calls launch SCAN_FEW_2_STAGES.
+_SCAN_STAGES_DO_NOT_FIT: set[int] = set()
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -669,6 +690,46 @@ def _gdn_chunk_out_kernel(
     tl.store(out_ptr + i64(start) * (HV * DV) + i_h * DV + o_tv, b_o, mask=m_tv)
 
 
+def scan_launch(
+    num_seqs: int, num_tokens: int, max_query_len: int | None, num_v_heads: int, head_v_dim: int, num_sms: int
+) -> tuple[int, int, int]:
+    """The scan's (BV, warps, stages) for a call of num_seqs sequences and num_tokens rows: SCAN_FEW while its
+    programs at BV 32 fit two waves of one an SM; beyond that SCAN_MANY when the sequences are of similar length (the
+    longest, max_query_len, at most twice the mean), else SCAN_FEW, since a long sequence beside short ones walks its
+    chunks alone once they end, where BV 64 is slower than 32 (335 against 283 µs for one 35B-A3B sequence of 8,192).
+    max_query_len is the runner's host hint; without it a call counts as dissimilar (no device sync to find out)."""
+    programs = num_seqs * num_v_heads * triton.cdiv(head_v_dim, SCAN_FEW[0])
+    if programs <= 2 * num_sms:
+        return SCAN_FEW
+    is_even = max_query_len is not None and max_query_len * num_seqs <= 2 * num_tokens
+    return SCAN_MANY if is_even else SCAN_FEW
+
+
+def warmup_probes(
+    num_v_heads: int, head_v_dim: int, num_sms: int, max_num_seqs: int, max_num_tokens: int
+) -> list[tuple[int, ...]]:
+    """The prefill calls (their sequence lengths) the start-up warm-up adds to its one-sequence prefills so that every
+    configuration scan_launch can pick compiles before serving: the fewest sequences past two waves, of equal length
+    (SCAN_MANY), and at least three, one long beside one-token ones (SCAN_FEW with many programs); each of at most
+    max_num_tokens rows, the first sequence two chunks where that fits (so an in-step checkpoint can be saved in it,
+    the scan's HAS_CKPT variant); none that needs more than max_num_seqs sequences (no served call could pick it)."""
+    per_seq = num_v_heads * triton.cdiv(head_v_dim, SCAN_FEW[0])
+    num_even = 2 * num_sms // per_seq + 1
+    num_uneven = max(num_even, 3)
+    candidates = []
+    if num_even <= max_num_seqs and max_num_tokens >= num_even:
+        candidates.append(((min(2 * CHUNK, max_num_tokens // num_even),) * num_even, SCAN_MANY))
+    if num_uneven <= max_num_seqs and max_num_tokens >= num_uneven:
+        first = min(2 * CHUNK, max_num_tokens - (num_uneven - 1))
+        candidates.append(((first,) + (1,) * (num_uneven - 1), SCAN_FEW))
+    # a probe too small to pick its configuration (a step budget of a few rows) would only repeat another's
+    return [
+        lengths
+        for lengths, config in candidates
+        if scan_launch(len(lengths), sum(lengths), max(lengths), num_v_heads, head_v_dim, num_sms) == config
+    ]
+
+
 def _gdn_prefill_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -684,6 +745,7 @@ def _gdn_prefill_chunked(
     out: torch.Tensor,
     checkpoint_chunks: torch.Tensor | None = None,
     checkpoint_slots: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> None:
     num_tokens, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -778,39 +840,54 @@ def _gdn_prefill_chunked(
     # Each chunk's start state (input dtype, as the output dots read it) and v' (input dtype).
     hs = torch.empty(max_chunks, num_v_heads, head_k_dim, head_v_dim, dtype=v.dtype, device=device)
     vnew = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=device)
-    block_v = min(CHUNK_BV, next_pow2(head_v_dim))
     block_kh = min(64, next_pow2(head_k_dim))
     has_ckpt = checkpoint_chunks is not None and checkpoint_slots is not None
-    _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
-        kn,
-        w,
-        u,
-        gcum,
-        ssm_states,
-        query_start_loc,
-        state_indices,
-        has_initial_state,
-        chunk_offsets,
-        hs,
-        vnew,
-        checkpoint_chunks if has_ckpt else state_indices,  # unread without HAS_CKPT
-        checkpoint_slots if has_ckpt else state_indices,
-        ssm_states.stride(0),
-        ssm_states.stride(1),
-        ssm_states.stride(2),
-        HK=num_k_heads,
-        HV=num_v_heads,
-        GROUP=group,
-        DK=head_k_dim,
-        DV=head_v_dim,
-        BT=CHUNK,
-        BKH=block_kh,
-        BV=block_v,
-        DOT_PRECISION=precision,
-        HAS_CKPT=has_ckpt,
-        num_warps=CHUNK_SCAN_WARPS,
-        num_stages=CHUNK_SCAN_STAGES,
-    )
+    device_index = device.index if device.index is not None else 0
+    config = scan_launch(num_seqs, num_tokens, max_query_len, num_v_heads, head_v_dim, sm_count(device))
+    if config == SCAN_FEW and device_index in _SCAN_STAGES_DO_NOT_FIT:
+        config = SCAN_FEW_2_STAGES
+
+    def launch_scan(block_v: int, num_warps: int, num_stages: int) -> None:
+        block_v = min(block_v, next_pow2(head_v_dim))
+        _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+            kn,
+            w,
+            u,
+            gcum,
+            ssm_states,
+            query_start_loc,
+            state_indices,
+            has_initial_state,
+            chunk_offsets,
+            hs,
+            vnew,
+            checkpoint_chunks if has_ckpt else state_indices,  # unread without HAS_CKPT
+            checkpoint_slots if has_ckpt else state_indices,
+            ssm_states.stride(0),
+            ssm_states.stride(1),
+            ssm_states.stride(2),
+            HK=num_k_heads,
+            HV=num_v_heads,
+            GROUP=group,
+            DK=head_k_dim,
+            DV=head_v_dim,
+            BT=CHUNK,
+            BKH=block_kh,
+            BV=block_v,
+            DOT_PRECISION=precision,
+            HAS_CKPT=has_ckpt,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+
+    try:
+        launch_scan(*config)
+    except OutOfResources as exc:  # raised before the kernel runs: nothing was written
+        if config != SCAN_FEW:
+            raise
+        _SCAN_STAGES_DO_NOT_FIT.add(device_index)
+        logger.warning("GDN prefill scan: %s; %d pipeline stages on this device", exc, SCAN_FEW_2_STAGES[2])
+        launch_scan(*SCAN_FEW_2_STAGES)
     block_v_out = min(CHUNK_OUT_BV, next_pow2(head_v_dim))
     _gdn_chunk_out_kernel[(max_chunks, num_v_heads, triton.cdiv(head_v_dim, block_v_out))](
         qn,
@@ -852,10 +929,12 @@ def gdn_prefill_triton(
     out: torch.Tensor | None = None,
     checkpoint_chunks: torch.Tensor | None = None,
     checkpoint_slots: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """q, k [T, HK, dk]; v [T, HV, dv]; a, b [T, HV] -> o [T, HV, dv] (into `out` when given); final states
     written to the slots; checkpoint_chunks / checkpoint_slots [B] int32 (optional, on the device): sequence b's
-    fp32 state at the start of its chunk checkpoint_chunks[b] (>= 1; -1: none) also goes to checkpoint_slots[b]."""
+    fp32 state at the start of its chunk checkpoint_chunks[b] (>= 1; -1: none) also goes to checkpoint_slots[b].
+    max_query_len: the longest sequence's rows, a host hint for the scan's launch (scan_launch; None: unknown)."""
     num_tokens, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     check_states(ssm_states, num_v_heads, head_k_dim, head_v_dim)
@@ -867,6 +946,6 @@ def gdn_prefill_triton(
         return out
     _gdn_prefill_chunked(
         q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state, out,
-        checkpoint_chunks, checkpoint_slots,
+        checkpoint_chunks, checkpoint_slots, max_query_len,
     )  # fmt: skip
     return out

@@ -2,9 +2,10 @@
 splits the budget between the state pool, the verify scratch, the prefix-cache checkpoints and the KV blocks).
 
 The warm-up runs real steps on a throw-away cache, prefills of the largest step's tokens and every power of two below
-it, then the sampler at its widest, so Triton compiles and autotunes before serving and the activation peak is
-measured; while speculating the drafter runs after those prefills, then a verify step's sampling and one verify step
-as large as the engine may serve (runner/verify_warmup.py). With --gdn-prefill-backend flashinfer it first compiles
+it and a few several-sequence prefills (the GDN scan's launch configurations), then the sampler at its widest, so
+Triton compiles and autotunes before serving and the activation peak is measured; while speculating the drafter runs
+after those prefills, then a verify step's sampling and one verify step as large as the engine may serve
+(runner/verify_warmup.py). With --gdn-prefill-backend flashinfer it first compiles
 FlashInfer's kernels (kernels/gdn_flashinfer.py). The cache budget is what this engine's share of the GPU leaves once
 the weights, that peak, the CUDA graphs' static buffers and a fixed headroom are taken out (vLLM 0.26's
 `gpu_memory_utilization` accounting), or the bytes the configuration fixes.
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from deltaserve.engine_config import EngineConfig
-from deltaserve.kernels import gdn_flashinfer
+from deltaserve.kernels import gdn_flashinfer, gdn_triton
+from deltaserve.kernels._triton import sm_count
 from deltaserve.kernels.gdn import CHUNK_SIZE as GDN_CHUNK_SIZE
 from deltaserve.kernels.gdn import uses_flashinfer
 from deltaserve.model.layers.gdn import GatedDeltaNet
@@ -53,14 +56,21 @@ def warmup_plan(
     step_id: int, num_tokens: int, max_seq_len: int, block_size: int, vocab_size: int,
     checkpoint_slot: int | None = None,
 ) -> StepPlan:  # fmt: skip
-    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all, on rows 0, 1, ..., disjoint
-    blocks and state slots 0, 1, ... of a throw-away cache; they sample nothing. With checkpoint_slot, the first
-    sequence, when longer than a GDN chunk, saves an in-step prefix-cache checkpoint at 64 there, so the chunked
-    prefill's checkpoint variant compiles before serving (runner/step_checkpoints.py)."""
+    """Fresh prefill sequences of at most max_seq_len tokens each, num_tokens in all (lengths_plan)."""
+    lengths = [min(max_seq_len, num_tokens - start) for start in range(0, num_tokens, max_seq_len)]
+    return lengths_plan(step_id, lengths, block_size, vocab_size, checkpoint_slot)
+
+
+def lengths_plan(
+    step_id: int, lengths: Sequence[int], block_size: int, vocab_size: int, checkpoint_slot: int | None = None
+) -> StepPlan:
+    """Fresh prefill sequences of the given lengths on rows 0, 1, ..., disjoint blocks and state slots 0, 1, ... of a
+    throw-away cache; they sample nothing. With checkpoint_slot, the first sequence, when longer than a GDN chunk,
+    saves an in-step prefix-cache checkpoint at 64 there, so the chunked prefill's checkpoint variant compiles before
+    serving (runner/step_checkpoints.py)."""
     added, seqs = [], []
     next_block = 0
-    for index, start in enumerate(range(0, num_tokens, max_seq_len)):
-        length = min(max_seq_len, num_tokens - start)
+    for index, length in enumerate(lengths):
         num_blocks = -(-length // block_size)
         tokens = tuple((7 * i + index) % vocab_size for i in range(length))
         added.append(NewRequest(index, f"warmup-{index}", tokens, (), SamplingParams(temperature=0.0), ()))
@@ -73,10 +83,23 @@ def warmup_plan(
     return StepPlan(step_id, tuple(seqs), tuple(added), removed=tuple(range(len(added))))
 
 
+def scan_probes(
+    model: Qwen35Model, device: torch.device, max_num_seqs: int, max_num_tokens: int
+) -> list[tuple[int, ...]]:
+    """The several-sequence prefills that compile the GDN scan's other launch configurations
+    (kernels/gdn_triton.py warmup_probes; the one-sequence prefills compile the rest): none without GDN layers."""
+    if all(layer.is_full_attention for layer in model.layers):
+        return []
+    gdn = first_gdn_layer(model)
+    return gdn_triton.warmup_probes(gdn.num_v_heads, gdn.head_v_dim, sm_count(device), max_num_seqs, max_num_tokens)
+
+
 def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, max_num_seqs: int) -> int:
     """Warm-up on a throw-away cache: prefills of num_tokens (the largest step) and every power of two below
     it, so Triton compiles and autotunes the prefill shapes (the MoE and attention kernels key their configs on
-    power-of-two size buckets) before serving, not during it; then the sampler over max_num_seqs rows with
+    power-of-two size buckets) before serving, not during it; then the several-sequence prefills that compile the
+    GDN scan's other launch configurations (scan_probes), each with and without an in-step checkpoint where the
+    prefix cache is on; then the sampler over max_num_seqs rows with
     top-k/top-p (its sort is the largest sampling buffer). While speculating, the MTP drafter runs after each of
     those prefills (its layer over the step's tokens, as after a served prefill), the sampling side of the largest
     verify bucket runs alone (warm_up_verify_sampling), and then one plain decode step and one verify step as large
@@ -89,14 +112,18 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     if uses_flashinfer(runner.gdn_prefill_backend):  # both of FlashInfer's kernels compile here, not in a served step
         gdn = first_gdn_layer(runner.model)
         gdn_flashinfer.warm_up(gdn.num_k_heads, gdn.head_k_dim, gdn.A_log, gdn.dt_bias)
-    max_seqs = -(-num_tokens // max_seq_len)
+    probes = scan_probes(runner.model, runner.device, max_num_seqs, num_tokens)
+    max_seqs = max([-(-num_tokens // max_seq_len)] + [len(lengths) for lengths in probes])
     # with the prefix cache, one more slot: the in-step checkpoint of each step's first sequence (warmup_plan)
     checkpoint_slot = max_seqs if runner.engine_config.enable_prefix_caching else None
     num_slots = max_seqs + (checkpoint_slot is not None)
-    layout = CacheLayout(-(-num_tokens // runner.block_size) + max_seqs, runner.block_size, num_slots, 0, 0)
+    num_blocks = max([-(-num_tokens // runner.block_size)] + [sum(-(-n // runner.block_size) for n in lengths)
+                                                             for lengths in probes]) + max_seqs  # fmt: skip
+    layout = CacheLayout(num_blocks, runner.block_size, num_slots, 0, 0)
     allocate_and_bind(runner.model, runner.model_config, layout, runner.dtype, runner.device)
     saved_table, saved_spec = getattr(runner, "table", None), runner.spec
-    runner.table = RequestTable(max_seqs, -(-max_seq_len // runner.block_size), runner.vocab_size, runner.device)
+    max_len = max([max_seq_len] + [max(lengths) for lengths in probes])
+    runner.table = RequestTable(max_seqs, -(-max_len // runner.block_size), runner.vocab_size, runner.device)
     speculative = runner.engine_config.speculative_config
     runner.spec = None  # the runner's own SpecDecoder (none yet at start-up) is not the warm-up's
     if speculative is not None:  # the drafter after every prefill; one verify chunk of scratch (none runs here)
@@ -105,12 +132,17 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
                                   speculative.synthetic_acceptance_rates, 1)  # fmt: skip
     meter.mark()
     sizes = sorted({num_tokens} | {2**i for i in range(num_tokens.bit_length()) if 2**i < num_tokens}, reverse=True)
+    # each probe with and without an in-step checkpoint, as the one-sequence prefills run (the scan's HAS_CKPT)
+    probe_steps = [(lengths, slot) for lengths in probes for slot in dict.fromkeys((checkpoint_slot, None))]
     started = time.perf_counter()
     try:
         for step_id, size in enumerate(sizes):
             runner.execute(warmup_plan(step_id, size, max_seq_len, runner.block_size, runner.vocab_size,
                                        checkpoint_slot))  # fmt: skip
             runner.table.apply(StepPlan(-1, (), removed=tuple(range(-(-size // max_seq_len)))))
+        for step_id, (lengths, slot) in enumerate(probe_steps, len(sizes)):
+            runner.execute(lengths_plan(step_id, lengths, runner.block_size, runner.vocab_size, slot))
+            runner.table.apply(StepPlan(-1, (), removed=tuple(range(len(lengths)))))
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)] * max_num_seqs
         batch = build_sampling_batch(params, [[0]] * max_num_seqs, [[]] * max_num_seqs, [()] * max_num_seqs,
                                      runner.vocab_size, runner.device)  # fmt: skip
@@ -136,12 +168,13 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
         rows = verify_warmup_rows(k, max_num_seqs, num_tokens, runner.tp.min_over_ranks(budget), slot_bytes,
                                   row_bytes, is_sized, has_policy)  # fmt: skip
         drop_cache(runner.model)  # the prefill phase's throw-away cache, before the verify step's
-        warm_up_verify(runner, rows, meter, len(sizes))
+        warm_up_verify(runner, rows, meter, len(sizes) + len(probe_steps))
         peak = max(peak, meter.peak())
         verify += f", a plain decode of {rows} rows, a verify step of {rows} rows of {1 + k} tokens with drafts and "
         verify += "the MTP drafter"
-    logger.info("warm-up: %d prefill shapes up to %d tokens and the sampler over %d rows%s in %.1f s", len(sizes),
-                num_tokens, max_num_seqs, verify, time.perf_counter() - started)  # fmt: skip
+    logger.info("warm-up: %d prefill shapes up to %d tokens, %d several-sequence prefills (%s) and the sampler over "
+                "%d rows%s in %.1f s", len(sizes), num_tokens, len(probes), " / ".join(str(len(lengths)) for lengths
+                in probes) or "none", max_num_seqs, verify, time.perf_counter() - started)  # fmt: skip
     drop_cache(runner.model)  # before the real cache is allocated
     if meter.is_measuring:
         torch.cuda.empty_cache()

@@ -157,9 +157,11 @@ def test_variants_load_as_modules_of_their_own(tmp_path: Path) -> None:
     source = (REPO / "deltaserve/kernels/gdn_triton.py").read_text()
     first, second = tmp_path / "abl-one.py", tmp_path / "abl_two.py"
     first.write_text(source)
-    second.write_text(source.replace("CHUNK_BV = 32", "CHUNK_BV = 16"))
+    second.write_text(source.replace("SCAN_FEW = (32, 4, 3)", "SCAN_FEW = (16, 4, 3)"))
     tool = _tool()
     one, two = tool.load_baseline(str(first)), tool.load_baseline(str(second))
     assert one.__module__ == "deltaserve.kernels._gdn_triton_abl_one"
     assert two.__module__ == "deltaserve.kernels._gdn_triton_abl_two"
-    assert one.__globals__["CHUNK_BV"] == 32 and two.__globals__["CHUNK_BV"] == 16
+    # the tool wraps each file's gdn_prefill_triton (it passes only the arguments that file takes)
+    assert one.__wrapped__.__globals__["SCAN_FEW"] == (32, 4, 3)
+    assert two.__wrapped__.__globals__["SCAN_FEW"] == (16, 4, 3)

@@ -21,7 +21,9 @@ import torch
 
 from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine_config import EngineConfig
+from deltaserve.kernels import gdn_triton
 from deltaserve.kernels._triton import num_tuned_keys
+from deltaserve.runner import warmup
 from deltaserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -45,14 +47,19 @@ def _staggered_traffic(engine: LLMEngine, num_requests: int, max_concurrency: in
     return num_steps
 
 
-@pytest.mark.parametrize("variant", ["moe", "dense"])
+@pytest.mark.parametrize(("variant", "num_sms"), [("moe", None), ("dense", None), ("moe", 1)])
 def test_serving_traffic_compiles_nothing_after_start_up(
-    variant: str, tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    variant: str, num_sms: int | None, tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """num_sms 1: the GDN scan's launch rule and the warm-up's probes count one SM, so a tiny model's calls of 1 to
+    8 sequences pick every scan configuration (at the GPU's own count they all pick one): each compiled at start-up."""
     import triton
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if num_sms is not None:
+        monkeypatch.setattr(gdn_triton, "sm_count", lambda device: num_sms)
+        monkeypatch.setattr(warmup, "sm_count", lambda device: num_sms)
     config = EngineConfig(
         model=str(tiny_dirs[variant]),
         dtype="bfloat16",

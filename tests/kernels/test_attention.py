@@ -213,7 +213,7 @@ H200_DECODE_SPLITS = {
 
 
 def test_decode_num_splits_per_bucket_on_h200(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_triton, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     for nkv, table in H200_DECODE_SPLITS.items():
         got = {b: decode_num_splits(b, nkv, 4096, cuda) for b in table}

@@ -83,11 +83,9 @@ def test_gdn_prefill(
 def test_gdn_prefill_scan_launch_configs(
     monkeypatch: pytest.MonkeyPatch, block_v: int, warps: int, stages: int
 ) -> None:
-    """The scan launch configurations `gdn_prefill_kernels.py --scan-configs` sweeps (BV, warps, stages, read from
-    the module at each call) compute the same prefill: against the ref at fp32, dv 128 (BV 16 to 128 columns)."""
-    monkeypatch.setattr(gdn_triton, "CHUNK_BV", block_v)
-    monkeypatch.setattr(gdn_triton, "CHUNK_SCAN_WARPS", warps)
-    monkeypatch.setattr(gdn_triton, "CHUNK_SCAN_STAGES", stages)
+    """The scan launch configurations `gdn_prefill_kernels.py --scan-configs` sweeps (BV, warps, stages: it replaces
+    scan_launch, looked up at each call) compute the same prefill: against the ref at fp32, dv 128 (BV 16 to 128)."""
+    monkeypatch.setattr(gdn_triton, "scan_launch", lambda *args: (block_v, warps, stages))
     lengths, hk, hv, dk, dv = [70, 9], 1, 2, 64, 128
     q, k, v, a, b, A_log, dt_bias = _inputs(sum(lengths), hk, hv, dk, dv, torch.float32)
     states = randn(len(lengths), hv, dk, dv, scale=0.1)

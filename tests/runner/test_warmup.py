@@ -21,7 +21,7 @@ from deltaserve.runner.mtp_drafter import MtpDrafter
 from deltaserve.runner.spec_decode import SpecDecoder
 from deltaserve.runner.spec_layout import spec_layout
 from deltaserve.runner.verify_warmup import PeakMeter, verify_warmup_plans, verify_warmup_rows, warm_up_verify
-from deltaserve.runner.warmup import profile_peak_bytes, warmup_plan
+from deltaserve.runner.warmup import lengths_plan, profile_peak_bytes, warmup_plan
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import StepPlan
 from deltaserve.tiny.trained import trained_model_dir
@@ -45,6 +45,10 @@ def test_with_the_prefix_cache_the_warmup_saves_an_in_step_checkpoint(tiny_moe: 
     assert [s.checkpoints for s in plan.seqs] == [(), (), ()]  # 40 tokens: no grid position inside
     plan = warmup_plan(0, 150, 100, 16, 1000, checkpoint_slot=2)
     assert [s.checkpoints for s in plan.seqs] == [((64, 2),), ()]
+    # the GDN scan's probes (several sequences, the first two chunks long) save theirs alike
+    plan = lengths_plan(0, (128, 1, 1), 16, 1000, checkpoint_slot=3)
+    assert [s.checkpoints for s in plan.seqs] == [((64, 3),), (), ()]
+    assert [s.num_new_tokens for s in plan.seqs] == [128, 1, 1] and [s.write_slot for s in plan.seqs] == [0, 1, 2]
     engine = LLMEngine(EngineConfig(model=str(tiny_moe), max_model_len=128, max_num_batched_tokens=160))
     runner = engine.runner
     result = runner.run(warmup_plan(0, 160, 128, runner.block_size, runner.vocab_size, checkpoint_slot=2))
@@ -150,9 +154,10 @@ def test_warmup_with_speculation_runs_a_verify_step_on_the_cpu(
     drafted = count_drafter_rows(monkeypatch)
     with caplog.at_level(logging.INFO, logger="deltaserve.runner.warmup"):
         assert profile_peak_bytes(runner, 64, 64, 8) == 0  # unmeasured off CUDA
-    # the drafter after each of the 7 prefills (64, 32, ..., 1 tokens: no row samples), then after the verify
-    # warm-up's prefill, its plain decode and its verify step (8 rows each)
-    assert drafted == [0] * 7 + [8, 8, 8]
+    # the drafter after each of the 7 prefills (64, 32, ..., 1 tokens: no row samples), the GDN scan's two probes
+    # (4 SMs off CUDA: 3 sequences each) with and without a checkpoint, then after the verify warm-up's prefill, its
+    # plain decode and its verify step (8 rows each)
+    assert drafted == [0] * 7 + [0] * 4 + [8, 8, 8]
     # the CPU budget (cpu_kv_cache_bytes) and the 64-token step hold max_num_seqs = 8 chunks of 1 + k = 3
     assert "a verify step of 8 rows of 3 tokens with drafts and the MTP drafter" in caplog.text
     assert runner.table is table and runner.spec is spec

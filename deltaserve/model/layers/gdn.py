@@ -199,7 +199,7 @@ class GatedDeltaNet(nn.Module):
                     q[p], k[p], v[p], a[p], b[p], self.A_log, self.dt_bias, self.ssm_states,
                     ctx.prefill_query_start_loc, prefill_slots, prefill_has_initial_state, out=core[p],
                     checkpoint_chunks=ctx.prefill_checkpoint_chunks, checkpoint_slots=ctx.prefill_checkpoint_slots,
-                    backend=self.prefill_backend,
+                    max_query_len=ctx.max_query_len, backend=self.prefill_backend,
                 )  # fmt: skip
         return core
 
