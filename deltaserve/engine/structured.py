@@ -217,8 +217,8 @@ class StructuredOutputManager:
     ) -> tuple[torch.Tensor | None, np.ndarray]:
         """(bitmask int32 [C, W], positions [C] in the step's sampling order) of the constrained sampling positions.
         A verify chunk (speculative decoding) samples 1 + k positions: `drafts` (plan index -> its k drafts) gives
-        position j the mask after drafts 0 .. j-1, walked through the grammar and rolled back
-        (docs/speculative-decoding.md#the-accept-rules)."""
+        position j the mask after drafts 0 .. j-1, walked through the grammar and rolled back, a grammar waiting for
+        its start token masking the positions after that draft only (docs/speculative-decoding.md#the-accept-rules)."""
         positions: list[int] = []
         rows: list[tuple[ConstraintState, list[int]]] = []  # (state, the drafts before the position)
         position = 0
@@ -227,7 +227,7 @@ class StructuredOutputManager:
                 continue
             state = self.states.get(owner) if owner is not None else None
             run = (drafts or {}).get(index, [])[: seq.num_draft_tokens] if seq.num_draft_tokens else []
-            if state is not None and self._has_mask(state):
+            if state is not None and (self._has_mask(state) or self._starts_in(state, run)):
                 for j in range(1 + seq.num_draft_tokens):
                     positions.append(position + j)
                     rows.append((state, run[:j]))
@@ -236,8 +236,8 @@ class StructuredOutputManager:
             return None, np.zeros(0, dtype=np.int64)
         bitmask = torch.full((len(rows), self.width), -1, dtype=torch.int32)
         for index, (state, before) in enumerate(rows):
-            walked = self._walk(state, before)
-            if state.matcher is not None and state.is_active and not state.matcher.is_terminated:
+            walked, is_active = self._walk(state, before)
+            if state.matcher is not None and is_active and not state.matcher.is_terminated:
                 state.matcher.fill(bitmask, index)
                 if not before:  # a view: the bad words below clear their bits in it too; read on a rejection
                     state.last_mask = bitmask[index]
@@ -256,18 +256,32 @@ class StructuredOutputManager:
         return bitmask, np.asarray(positions, dtype=np.int64)
 
     @staticmethod
-    def _walk(state: ConstraintState, tokens: list[int]) -> int:
-        """Feeds drafts to the grammar to fill a later position's mask; returns how many it took (to roll back). A
-        draft the grammar refuses stops the walk: the target rejects that draft (its mask forbids it), so the
-        positions after it are never emitted. Drafts before the start token do not move an inactive grammar."""
-        if state.matcher is None or not state.is_active:
-            return 0
-        taken = 0
+    def _walk(state: ConstraintState, tokens: list[int]) -> tuple[int, bool]:
+        """Feeds drafts to the grammar to fill a later position's mask; returns (how many it took, to roll back;
+        whether the grammar is active after them). A draft the grammar refuses stops the walk: the target rejects that
+        draft (its mask forbids it), so the positions after it are never emitted. A grammar waiting for its start
+        token (a reasoning model's </think>) takes none of the drafts before that token and becomes active after it,
+        as `accept` does with the tokens the step emits."""
+        if state.matcher is None:
+            return 0, False
+        is_active, taken = state.is_active, 0
+        start = state.params.structured_outputs.start_after_token_id
         for token in tokens:
+            if not is_active:
+                is_active = token == start
+                continue
             if state.matcher.is_terminated or not state.matcher.accept(token):
                 break
             taken += 1
-        return taken
+        return taken, is_active
+
+    @staticmethod
+    def _starts_in(state: ConstraintState, drafts: list[int]) -> bool:
+        """A grammar that waits for its start token and finds it among a verify chunk's drafts: the positions after
+        that draft are masked as if it had been emitted."""
+        if state.matcher is None or state.is_active:
+            return False
+        return state.params.structured_outputs.start_after_token_id in drafts
 
     @staticmethod
     def _has_mask(state: ConstraintState) -> bool:

@@ -2,12 +2,12 @@
 
 With speculation on, a decode computes its last sampled token plus k drafts (ScheduledSeq.num_draft_tokens = k), and its
 result carries 1 .. k + 1 accepted tokens. k is the configured count, lowered so that the step can never produce more
-outputs than max_tokens allows or reach past max_model_len, and 0 (a plain decode) for grammars that start after a given
-token (start_after_token_id), which the verify path does not implement. A sequence whose verify step is in flight is not
-planned again until that result is collected (its position depends on how many drafts were accepted), unless
-async_verify is on and the sequence may chain (`can_chain`): then its next chunk is planned at the optimistic start
-(every draft of the verify in flight accepted: Sequence.num_pending_outputs counts a verify's 1 + k outputs while it is
-in flight), marked ScheduledSeq.is_chained, and the runner moves it back on the device by the drafts that verify
+outputs than max_tokens allows or reach past max_model_len (every sampling kind speculates, grammars included: the
+engine masks each verify position as the grammar stands after the drafts before it). A sequence whose verify step is in
+flight is not planned again until that result is collected (its position depends on how many drafts were accepted),
+unless async_verify is on and the sequence may chain (`can_chain`): then its next chunk is planned at the optimistic
+start (every draft of the verify in flight accepted: Sequence.num_pending_outputs counts a verify's 1 + k outputs while
+it is in flight), marked ScheduledSeq.is_chained, and the runner moves it back on the device by the drafts that verify
 rejected (docs/speculative-decoding.md#async-verify). A chunk of a sequence that speculates gets KV blocks for k - 1
 positions past it, which the MTP drafter's chained passes write. With a k policy (scheduler/spec_policy.py) the step's
 decodes draft at most its k_step, which the scheduler sets once per step from the number of decodes (`num_decodes`) and
@@ -65,22 +65,16 @@ class SpecSchedule:
             return False
         return len(seq.output_token_ids) >= params.min_tokens
 
-    def can_speculate(self, seq: Sequence) -> bool:
-        params = seq.sampling
-        # a grammar that starts after a given token: its masks would need that token found among the drafts
-        structured = params.structured_outputs
-        return structured is None or structured.start_after_token_id is None
-
     def lookahead(self, seq: Sequence, end: int, max_model_len: int) -> int:
         """KV positions past a chunk ending at `end` that the drafter writes (its chained passes: k - 1), so the
         chunk's blocks cover them."""
-        if seq.is_prefill_only or not self.can_speculate(seq):
+        if seq.is_prefill_only:
             return 0
         return max(0, min(self.num_speculative_tokens - 1, max_model_len - end))
 
     def num_drafts(self, seq: Sequence, budget: int, max_model_len: int) -> int:
         """Drafts for a decode of `seq` that has `budget` step tokens left after its own token."""
-        if seq.is_prefill_only or not self.can_speculate(seq):
+        if seq.is_prefill_only:
             return 0
         # a verify emits up to k + 1 tokens: all of them must fit under max_tokens and max_model_len
         outputs_left = seq.max_tokens - len(seq.output_token_ids) - seq.num_pending_outputs

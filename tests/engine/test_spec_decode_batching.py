@@ -2,7 +2,7 @@
 preemptions (the KV cache running out, and forced ones that drop verify results in flight) with outputs equal to a
 run without speculation; n > 1 (each of the n sequences samples as its own seeded request); async scheduling on and
 off, with greedy and seeded requests mixed in one batch; prompt logprobs and prefill-only logits unchanged;
-grammar-constrained requests that speculate."""
+grammar-constrained requests that speculate, grammars that start after a token included."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
+from deltaserve.engine.structured import StructuredOutputManager
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode import make_prompts, run
@@ -170,3 +171,63 @@ def test_constrained_requests_with_reference_drafts(mode: str) -> None:
     assert stats["drafts"] > 0
     if mode != "none":
         assert stats["accepted"] > 0
+
+
+# a prompt the dense checkpoint answers with varied tokens (to "Hello there" it repeats one)
+START_PROMPT = "Once upon a time, the"
+
+
+def start_after(plain: LLM) -> tuple[SamplingParams, int]:
+    """A reasoning chat's constraint, on the dense checkpoint: a regex that starts after a token of the greedy
+    answer to START_PROMPT (its first occurrence, at output position 2 or later, as </think> ends a reasoning phase);
+    returns the params and that position."""
+    free = plain.generate([START_PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    tokens = list(free[0].outputs[0].token_ids)
+    index = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    so = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}", start_after_token_id=tokens[index])
+    return SamplingParams(temperature=0, max_tokens=index + 16, structured_outputs=so), index
+
+
+def check_start_after(outputs: list, expected: list, index: int, llm: LLM) -> None:
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert got == [list(o.outputs[0].token_ids) for o in expected]
+    after = llm.get_tokenizer().decode(got[0][index + 1 :], skip_special_tokens=True)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", after), after
+
+
+def test_a_grammar_that_starts_after_a_token_speculates() -> None:
+    """A grammar waiting for its start token (a reasoning model's </think>) speculates: its verify positions are
+    unmasked until a draft is that token and masked after it as the grammar stands after the drafts that follow;
+    greedy tokens equal an engine's without speculation and the grammar holds after the start token."""
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    params, index = start_after(plain)
+    expected = plain.generate([START_PROMPT, PROMPT], [params, constrained()[0]], use_tqdm=False)
+    spec, stats = mtp_llm("dense", 3, max_num_batched_tokens=16)
+    outputs = spec.generate([START_PROMPT, PROMPT], [params, constrained()[0]], use_tqdm=False)
+    check_start_after(outputs, expected, index, spec)
+    alone, alone_stats = mtp_llm("dense", 3, max_num_batched_tokens=16)
+    check_start_after(alone.generate([START_PROMPT], [params], use_tqdm=False), expected[:1], index, alone)
+    assert alone_stats["drafts"] > 0 and alone_stats["verifies"] > 0, alone_stats
+
+
+@pytest.mark.parametrize("mode", ["all", "none", "mixed"])
+def test_a_grammar_that_starts_after_a_token_with_reference_drafts(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Drafts that follow the constrained answer (the start token among them, then the grammar's tokens), break it,
+    or mix both: the tokens of an engine without speculation; with drafts that follow it, some verify chunk holds the
+    start token as a draft, so the positions after it are masked from the drafts alone."""
+    plain = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    params, index = start_after(plain)
+    expected = plain.generate([START_PROMPT], [params], use_tqdm=False)
+    spec = LLM(trained_model_dir("dense"), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16)
+    ids = spec.get_tokenizer()(START_PROMPT)["input_ids"]
+    stats = enable_reference_drafts(spec.engine.core, {tuple(ids): list(expected[0].outputs[0].token_ids)}, mode, 3)
+    found = []
+    starts_in = StructuredOutputManager._starts_in
+    monkeypatch.setattr(
+        StructuredOutputManager, "_starts_in", staticmethod(lambda s, d: found.append(starts_in(s, d)) or found[-1])
+    )
+    outputs = spec.generate([START_PROMPT], [params], use_tqdm=False)
+    check_start_after(outputs, expected, index, spec)
+    assert stats["drafts"] > 0
+    if mode == "all":
+        assert stats["accepted"] > 0 and any(found), found

@@ -63,8 +63,9 @@ def test_k_is_capped_by_max_tokens_and_max_model_len_and_the_budget() -> None:
 
 
 def test_what_speculates() -> None:
-    """Penalties, random sampling, multi-token bad words and grammars speculate; a grammar that starts after a given
-    token does not (its masks would need that token found among the drafts)."""
+    """Penalties, random sampling, multi-token bad words and grammars speculate, a grammar that starts after a given
+    token too (the engine masks the positions after that token where a draft is it); a sequence on its last token
+    does not (a verify emits up to k + 1)."""
     scheduler = spec_scheduler(2)
     later = StructuredOutputsParams(regex="[0-9]+", start_after_token_id=9)
     for name, params in (
@@ -75,16 +76,17 @@ def test_what_speculates() -> None:
         ("random", {"temperature": 0.8}),
     ):
         scheduler.add(seq(name, 3, 10, **params))
+    scheduler.add(seq("last", 3, 2, temperature=0.0))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
-    plan = scheduler.schedule()  # plain decodes first: the start-after grammar, then the verify chunks
-    assert [s.num_draft_tokens for s in plan.seqs] == [0, 2, 2, 2, 2]
+    plan = scheduler.schedule()  # plain decodes first: the one on its last token, then the verify chunks
+    # rows in the order added: penalty, bad words, grammar, later, random, last
+    assert [(s.row, s.num_draft_tokens) for s in plan.seqs] == [(5, 0), (0, 2), (1, 2), (2, 2), (3, 2), (4, 2)]
 
 
 def test_verify_chunks_sit_between_decodes_and_prefills() -> None:
     scheduler = spec_scheduler(2)
-    later = StructuredOutputsParams(regex="[0-9]+", start_after_token_id=9)
-    scheduler.add(seq("plain", 3, 10, temperature=0.7, structured_outputs=later))
+    scheduler.add(seq("plain", 3, 2, temperature=0.7))  # on its last token: a plain decode
     scheduler.add(seq("spec", 3, 10, temperature=0.0))
     prefill = scheduler.schedule()
     scheduler.update(prefill, answer(prefill))
