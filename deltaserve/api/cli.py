@@ -23,7 +23,7 @@ from typing import Any
 from deltaserve import default_model, env
 from deltaserve.api.cli_args import add_arguments
 from deltaserve.api.cli_normalize import normalize_argv
-from deltaserve.api.cli_values import human_int, json_list, json_object
+from deltaserve.api.cli_values import human_int, json_list, json_object, merge_spec_aliases
 from deltaserve.api.compat import check_compat
 from deltaserve.api.http_protocol import protocol_with_header_timeout
 from deltaserve.api.settings import ServerSettings
@@ -92,7 +92,9 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
         structured_outputs_config=args.structured_outputs_config,
-        speculative_config=args.speculative_config,
+        speculative_config=merge_spec_aliases(
+            args.speculative_config, args.spec_method, args.spec_model, args.spec_tokens
+        ),  # fmt: skip
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         enable_expert_parallel=args.enable_expert_parallel,

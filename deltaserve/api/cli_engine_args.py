@@ -208,6 +208,10 @@ def add_engine_arguments(add: Any) -> None:
         help='speculative decoding with the checkpoint\'s MTP layer, vLLM\'s JSON: {"method": "mtp", '
         '"num_speculative_tokens": k} (plus vLLM\'s rejection_sample_method / synthetic_acceptance_* keys)',
     )
+    # vLLM's shorthand for three keys of --speculative-config (merged by cli_values.merge_spec_aliases)
+    add("--spec-method", default=None, help="--speculative-config's method (e.g. mtp)")
+    add("--spec-model", default=None, help="--speculative-config's model (a draft model: refused, MTP only)")
+    add("--spec-tokens", type=int, default=None, help="--speculative-config's num_speculative_tokens")
 
 
 def _add_prefix_caching_arguments(add: Any) -> None:

@@ -153,11 +153,46 @@ def structured_outputs_config(value: str) -> str:
 
 
 def speculative_config(value: str) -> str:
-    """vLLM's --speculative-config JSON, checked at parse time (a method or key deltaserve refuses is named)."""
+    """vLLM's --speculative-config JSON, checked at parse time (a method or key deltaserve refuses is named). One
+    without a method may be completed by --spec-method (merge_spec_aliases checks the merged config): only its JSON
+    is checked here."""
     from deltaserve.speculative_config import SpeculativeConfigError, parse_speculative_config
 
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config is not valid JSON ({exc}): {value!r}") from None
+    if isinstance(parsed, dict) and "method" not in parsed:
+        return value
     try:
         parse_speculative_config(value)
     except SpeculativeConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+# vLLM's shorthand flags and the --speculative-config key each sets
+SPEC_ALIASES = (("--spec-method", "method"), ("--spec-model", "model"), ("--spec-tokens", "num_speculative_tokens"))
+
+
+def merge_spec_aliases(
+    speculative: str | None, method: str | None, model: str | None, tokens: int | None
+) -> str | None:
+    """--speculative-config with vLLM's shorthand flags merged in, as vLLM's create_speculative_config merges them: a
+    key set both ways is refused ("--spec-tokens and --speculative-config['num_speculative_tokens'] are mutually
+    exclusive"); the result is checked as --speculative-config is (an unknown method or a draft model named). Errors
+    are ValueErrors: serve reports them as one line and exits 2, as for its other flag checks."""
+    given = {
+        key: value for (_, key), value in zip(SPEC_ALIASES, (method, model, tokens), strict=True) if value is not None
+    }
+    if not given:
+        return speculative
+    config = json.loads(speculative) if speculative is not None else {}
+    for flag, key in SPEC_ALIASES:
+        if key in given and key in config:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+    merged = json.dumps({**config, **given})
+    try:
+        return speculative_config(merged)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--spec-method / --spec-model / --spec-tokens: {exc}") from None

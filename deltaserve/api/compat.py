@@ -186,9 +186,6 @@ TABLE = """
 --show-hidden-metrics-for-version | value | log | no hidden metrics
 --skip-mm-profiling | switch | log | text-only server: nothing multimodal to profile
 --skip-tokenizer-init | switch | refuse | the API needs the tokenizer
---spec-method | value | warn | vLLM's shorthand is not read: --speculative-config (MTP) is the implemented spelling
---spec-model | value | warn | vLLM's shorthand is not read: --speculative-config (MTP) is the implemented spelling
---spec-tokens | value | warn | vLLM's shorthand is not read: --speculative-config (MTP) is the implemented spelling
 --specialize-active-lora | switch | log | LoRA adapters are not supported
 --stream-interval | value | warn | every engine step is streamed
 --swap-space | value | log | CPU swap space is not used

@@ -170,19 +170,49 @@ def test_named_tool_choice_finishes_with_stop(client: openai.OpenAI, fake_engine
         assert reasons[-1] == expected and reasons.count(expected) == 1
 
 
-def test_speculative_decoding_and_visible_features_are_warned(caplog: pytest.LogCaptureFixture) -> None:
+def test_visible_features_are_warned(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    check_compat(parse("m", "--spec-method", "mtp", "--spec-model", "x", "--spec-tokens", "3",
-                       "--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval", "4",
+    check_compat(parse("m", "--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval", "4",
                        "--enable-dbo", "--enable-prefix-caching"))  # fmt: skip
     levels = {record.getMessage().split(":")[0]: record.levelname for record in caplog.records}
-    for flag in ("--spec-method", "--spec-model", "--spec-tokens",
-                 "--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval"):  # fmt: skip
+    for flag in ("--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval"):
         (level,) = [level for message, level in levels.items() if f" {flag}" in message]
         assert level == "WARNING", (flag, levels)
     assert levels["ignoring --enable-dbo"] == "INFO"
     # the prefix cache is implemented (issue 36): its flag is the engine's own, neither warned about nor ignored
     assert not [message for message in levels if "--enable-prefix-caching" in message]
+
+
+def test_vllms_speculative_shorthand_sets_the_speculative_config(caplog: pytest.LogCaptureFixture) -> None:
+    """`--spec-method mtp --spec-tokens 3` (vLLM's aliases of three --speculative-config keys) serves MTP with k = 3,
+    merged with --speculative-config's other keys; a key set both ways, a draft model or another method is refused
+    by name (exit 2 before anything loads), and none of the three is warned about as unread."""
+    caplog.set_level(logging.INFO)
+    args = parse("m", "--spec-method", "mtp", "--spec-tokens", "3")
+    check_compat(args)
+    assert not [r for r in caplog.records if "--spec-" in r.getMessage()]
+    spec = cli.build_engine_config(args, "m", "cpu").speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("mtp", 3)
+    rates = '{"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.9, 0.8]}'
+    args = parse("m", "--speculative-config", rates, "--spec-method", "qwen3_5_mtp", "--spec-tokens", "2")
+    spec = cli.build_engine_config(args, "m", "cpu").speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.rejection_sample_method) == ("mtp", 2, "synthetic")
+    assert spec.synthetic_acceptance_rates == (0.9, 0.8)
+    assert cli.build_engine_config(parse("m"), "m", "cpu").speculative_config is None
+    refusals = {
+        ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}', "--spec-tokens", "2"): "exclusive",
+        ("--spec-method", "mtp", "--spec-model", "some/draft", "--spec-tokens", "3"): "`model`",
+        ("--spec-method", "eagle", "--spec-tokens", "3"): "'eagle'",
+        # without a method and no --spec-method to complete it: refused once the flags are merged
+        ("--speculative-config", '{"num_speculative_tokens": 3}'): "no `method`",
+    }
+    for argv, message in refusals.items():
+        args = parse("m", *argv)
+        with pytest.raises(ValueError, match=message):
+            cli.build_engine_config(args, "m", "cpu")
+        caplog.clear()
+        assert cli.run(parse("m", *argv)) == 2
+        assert any(message.strip("`'") in record.getMessage() for record in caplog.records), caplog.text
 
 
 def test_host_defaults_to_every_interface_as_vllm() -> None:
