@@ -128,6 +128,25 @@ def test_fp8_grid_resolves_through_the_registry(fp8_dummies: Path, monkeypatch: 
             assert "--quantization" not in argv
 
 
+def test_the_long_fp8_grid_is_the_fp8_grid_at_16384_tokens(fp8_dummies: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37's second length: h200_fp8_long.toml holds the same arms, models and memory settings as h200_fp8.toml,
+    16384/128 prompts and --max-model-len 17408 on both arms (the 1024/128 grid keeps 4096)."""
+    monkeypatch.setenv("DELTASERVE_MODELS", str(fp8_dummies))
+    short, long = load_config(GRID), load_config(GRID.with_name("h200_fp8_long.toml"))
+    assert [a.name for a in long.arms] == [a.name for a in short.arms]
+    assert [m.name for m in long.models] == list(FP8_NAMES)
+    assert long.concurrencies == [1, 8, 32, 64] and long.lengths == [(16384, 128)]
+    for model in long.models:
+        for arm, short_arm in zip(long.arms, short.arms, strict=True):
+            argv, short_argv = resolve(arm, model, long).argv, resolve(short_arm, model, short).argv
+            assert argv[argv.index("--max-model-len") + 1] == "17408", (arm.name, argv)
+            assert short_argv[short_argv.index("--max-model-len") + 1] == "4096"
+            for flag in ("--gpu-memory-utilization", "--max-num-seqs"):
+                assert argv[argv.index(flag) + 1] == short_argv[short_argv.index(flag) + 1]
+    out = runner(fp8_dummies, "grid", "fp8_long", "--models", "q35-27b-fp8", "--record-name", "r1").stdout
+    assert "make_dummy_models.py" in out and "bench grid benchmarks/grids/h200_fp8_long.toml" in out, out
+
+
 def test_runner_writes_the_fp8_dummies_before_the_fp8_grid(tmp_path: Path) -> None:
     out = runner(tmp_path, "grid", "fp8", "--models", "q35-122b-a10b-fp8", "--record-name", "r1").stdout
     assert "make_dummy_models.py" in out and "--only q35-122b-a10b-fp8,q35-27b-fp8,q35-35b-a3b-fp8" in out, out
