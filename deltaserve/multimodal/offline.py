@@ -51,6 +51,14 @@ def _rgb(image: Any) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def _array_digest(array: np.ndarray, extra: str = "") -> str:
+    """An array item's identity (the prefix cache's and an encoder cache's key): its shape and its bytes, so two
+    arrays of equal bytes and another shape (a solid 256 x 512 image and a solid 512 x 256 one) never share it."""
+    digest = hashlib.sha256(f"{array.shape}|{array.dtype}|{extra}|".encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
 def loaded_media(multi_modal_data: dict[str, Any], default_fps: float) -> list[LoadedImage | LoadedVideo]:
     """Images first, then videos, each in the given order (the processor pairs them with placeholders by kind)."""
     unknown = set(multi_modal_data) - {"image", "video"}
@@ -59,13 +67,13 @@ def loaded_media(multi_modal_data: dict[str, Any], default_fps: float) -> list[L
     loaded: list[LoadedImage | LoadedVideo] = []
     for image in _as_list(multi_modal_data.get("image", [])):
         pixels = _rgb(image)
-        loaded.append(LoadedImage(pixels, hashlib.sha256(pixels.tobytes()).hexdigest()))
+        loaded.append(LoadedImage(pixels, _array_digest(pixels)))
     for video in _as_list(multi_modal_data.get("video", [])):
         frames, spec = video if _is_video_pair(video) else (video, default_fps)
         frames = np.asarray(frames)
         if frames.ndim != 4 or frames.shape[3] != 3 or frames.dtype != np.uint8:
             raise MediaRequestError(f"a video must be an [N, H, W, 3] uint8 array of frames, got {frames.shape}")
         metadata, do_sample = _video_metadata(len(frames), spec)
-        digest = hashlib.sha256(frames.tobytes() + repr(metadata).encode()).hexdigest()
+        digest = _array_digest(frames, repr(metadata))
         loaded.append(LoadedVideo(np.ascontiguousarray(frames), metadata, do_sample_frames=do_sample, digest=digest))
     return loaded

@@ -13,16 +13,17 @@ import gc
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine.llm import LLM
-from deltaserve.multimodal.media import LoadedImage
+from deltaserve.multimodal.offline import loaded_media
 from deltaserve.runner.cache import bytes_per_block, bytes_per_slot
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
-from tests.multimodal.synthetic import synthetic_image
+from tests.multimodal.synthetic import synthetic_image, synthetic_video
 
 CORPUS = (Path(__file__).parents[2] / "deltaserve" / "tiny" / "corpus.txt").read_text()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -135,17 +136,26 @@ def test_hits_where_the_prefixes_are_shared(results: tuple) -> None:
     assert scheduler.prefix_cache_queries > scheduler.prefix_cache_hits > 0
 
 
-def test_another_image_never_hits_past_it_and_the_same_image_does() -> None:
+@pytest.mark.parametrize("modality", ["image", "video"])
+def test_another_item_never_hits_past_it_and_the_same_item_does(modality: str) -> None:
+    """The same text with another image (or video) hits nothing past the item's placeholder; the same item hits the
+    checkpoint a sibling request left past it. The items come as the offline API's arrays (multimodal/offline.py:
+    each item's identity is its shape and bytes)."""
     from tests.support.vision import case_for
 
     case = case_for("dense-vl")
-    images = {seed: LoadedImage(synthetic_image(96, 128, seed), f"image-{seed}") for seed in (1, 5)}
+    if modality == "image":
+        arrays = {seed: synthetic_image(96, 128, seed) for seed in (1, 5)}
+    else:
+        arrays = {seed: (synthetic_video(4, 96, 128, seed), 3.0) for seed in (1, 5)}
 
     def prompt(text: str, seed: int) -> tuple[list[int], object]:
-        content = [{"type": "image_url", "image_url": {"url": "unused"}}, {"type": "text", "text": text}]
+        part = {"type": f"{modality}_url", f"{modality}_url": {"url": "unused"}}
+        content = [part, {"type": "text", "text": text}]
         chat = case.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                   add_generation_prompt=True)  # fmt: skip
-        return case.processor.process_loaded(case.tokenizer.encode(chat, add_special_tokens=False), [images[seed]])
+        items = loaded_media({modality: [arrays[seed]]}, 2.0)
+        return case.processor.process_loaded(case.tokenizer.encode(chat, add_special_tokens=False), items)
 
     texts = {
         "first": ("Describe the lighthouse keeper's notebook and the colour of the sea in detail.", 1),
@@ -154,8 +164,8 @@ def test_another_image_never_hits_past_it_and_the_same_image_does() -> None:
         "other": ("Describe the lighthouse keeper's notebook and the ships.", 5),
     }
     prompts = {name: prompt(text, seed) for name, (text, seed) in texts.items()}
-    assert prompts["same"][0] == prompts["other"][0]  # the same token ids: only the image differs
-    image_offset = prompts["other"][1].items[0].offset
+    assert prompts["same"][0] == prompts["other"][0]  # the same token ids: only the item differs
+    item_offset = prompts["other"][1].items[0].offset
     per_engine = []
     for is_on in (False, True):
         llm = LLM(case.model_dir, dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=is_on)
@@ -166,8 +176,24 @@ def test_another_image_never_hits_past_it_and_the_same_image_does() -> None:
         per_engine.append((outputs, hits))
     (off, _), (on, hits) = per_engine
     assert on == off
-    assert hits["same"] >= 64 > image_offset  # the branch checkpoint "second" left past the image
-    assert hits["other"] <= image_offset
+    assert hits["same"] >= 64 > item_offset  # the branch checkpoint "second" left past the item
+    assert hits["other"] <= item_offset
+
+
+def test_array_items_of_equal_bytes_and_another_shape_are_other_items() -> None:
+    """Two solid images of swapped sides (the same bytes, and the same token count) are two items, and two equal
+    videos at another frame rate too: the prefix cache never takes one's KV for the other's."""
+    wide, tall = np.zeros((32, 64, 3), np.uint8), np.zeros((64, 32, 3), np.uint8)
+    assert wide.tobytes() == tall.tobytes()
+    (a,), (b,) = loaded_media({"image": [wide]}, 2.0), loaded_media({"image": [tall]}, 2.0)
+    assert a.digest != b.digest
+    (c,), (d,) = loaded_media({"image": [wide.copy()]}, 2.0), loaded_media({"image": [wide]}, 2.0)
+    assert c.digest == a.digest == d.digest
+    frames = synthetic_video(4, 32, 64, 1)
+    one, two = loaded_media({"video": [(frames, 3.0), (frames, 6.0)]}, 2.0)
+    assert one.digest != two.digest
+    (flat,) = loaded_media({"video": [(frames.reshape(4, 64, 32, 3), 3.0)]}, 2.0)
+    assert flat.digest != one.digest
 
 
 def scoring_prompt_logprobs(variant: str, device: str, dtype: str, is_on: bool) -> list:
