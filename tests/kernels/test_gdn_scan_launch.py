@@ -95,8 +95,9 @@ def _prefill_case(lengths: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.T
 def test_the_rule_picks_and_computes_the_prefill_through_the_launch_path(
     monkeypatch: pytest.MonkeyPatch, lengths: list[int], hint: int, config: tuple[int, int, int]
 ) -> None:
-    """gdn_prefill_triton with the host hint takes the rule's pick (4 SMs off CUDA: 2 value heads x 4 column blocks a
-    sequence pass two waves) and matches the ref at fp32."""
+    """gdn_prefill_triton with the host hint takes the rule's pick (4 SMs, as off CUDA: 2 value heads x 4 column
+    blocks a sequence pass two waves) and matches the ref at fp32."""
+    monkeypatch.setattr(gdn_triton, "sm_count", lambda device: 4)  # on a GPU too, so both picks are met
     picks = []
 
     def recording(*args: Any) -> tuple[int, int, int]:
@@ -118,6 +119,7 @@ def test_three_stages_that_do_not_fit_fall_back_to_two_once_per_device(monkeypat
     """A launch of SCAN_FEW that the device's shared memory refuses (Triton raises before running it) is launched
     again at SCAN_FEW_2_STAGES, and the device's later calls go there at once; the prefill still matches the ref."""
     monkeypatch.setattr(gdn_triton, "_SCAN_STAGES_DO_NOT_FIT", set())
+    monkeypatch.setattr(gdn_triton, "sm_count", lambda device: 4)
     kernel = gdn_triton._gdn_chunk_scan_kernel
     stages: list[int] = []
 
@@ -146,6 +148,7 @@ def test_three_stages_that_do_not_fit_fall_back_to_two_once_per_device(monkeypat
 
 def test_a_refusal_of_another_configuration_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gdn_triton, "_SCAN_STAGES_DO_NOT_FIT", set())
+    monkeypatch.setattr(gdn_triton, "sm_count", lambda device: 4)  # two sequences pick SCAN_MANY
 
     class Refuses:
         def __getitem__(self, grid: tuple[int, ...]) -> Any:
