@@ -4,23 +4,30 @@ bandwidth and matrix-rate ceilings measured in the same run.
     python3 benchmarks/oracle/make_dummy_models.py /tmp/ds_models
     python3 benchmarks/decode_step.py --models /tmp/ds_models --tune
 
-For each shape (q35-35b-a3b, q35-27b: the real Qwen35Model with dummy weights, init_dummy_weights) and each
-batch size B it binds its own KV cache and GDN state slots (B sequences of --context cached tokens), builds a
-decode ForwardContext directly, and
+For each shape (`--shapes`, keys of SHAPES or folder names: 35b-a3b and 27b, bf16, and their block-FP8 twins
+35b-a3b-fp8, 27b-fp8 plus 122b-a10b-fp8, make_dummy_models.py's q35-*-fp8 folders; each the real Qwen35Model
+built from the folder's config, block-FP8 projections as Fp8Weight where its quantization_config says so, filled
+by init_dummy_weights as --load-format dummy fills it (seed 0 here, the server's 1234), then the serving path's
+load-time fusions) and each batch size B it binds its own KV cache and GDN state slots (B sequences of --context
+cached tokens), builds a decode ForwardContext directly, and
 - captures the decode forward + lm_head as a CUDA graph and times replays with CUDA events (median, p10, p90
   of --replays): `graph_ms`, the number to compare across B (no launch overhead, inputs on the device);
 - runs one eager forward under torch.profiler with the model's own labels on (deltaserve/model/labels.py: a range
   around every layer and every op it calls): per op the kernels' GPU time, the bytes the op must move at least
-  and the FLOPs it must do (counted here from the shapes, see `op_costs`), and the achieved GB/s and TFLOP/s
-  against the device-to-device copy bandwidth and the bf16 GEMM rate measured at start. What a layer runs
-  outside its ops is `attn.other` / `gdn.other`.
+  and the FLOPs it must do (counted here from the shapes, see `op_costs`; a projection's weight at the size the
+  model holds it, `model_weight_bytes`: a block-FP8 weight 1 byte an element plus its fp32 block scales, the rest
+  at the model dtype), and the achieved GB/s and TFLOP/s against the device-to-device copy bandwidth and the bf16
+  GEMM rate measured at start (no FP8 GEMM rate is measured: an FP8 run's record and summary say so). What a
+  layer runs outside its ops is `attn.other` / `gdn.other`. A run's entry in the record lists the weight bytes
+  per projection call it counted (`weight_bytes`) and whether the shape is block FP8 (`is_fp8`).
 Variants (`--variants`, default `model`): `model` runs the model as committed; `nopdl` runs it with
 DELTASERVE_PDL=0 (plain launches instead of programmatic dependent launch,
 docs/kernels.md#programmatic-dependent-launch). Every variant of every shape is timed before the process's first
 profile (run_shape says why), and on the GPU after an unrecorded timing pass of the first variant
 (`--no-warmup-pass` drops it, `--warmup-pass` asks for it on the CPU: the first variant timed in a process read up
 to 0.14 ms slower at B = 1), so variants compare fairly in one process.
-`--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes.
+`--tune` first runs benchmarks/tune_moe.py for the 35B-A3B MoE shape and installs the table it writes (bf16 experts
+only: the block-FP8 kernels' launch configurations are fixed, kernels/fp8_triton.py).
 `--baseline DIR` runs the same measurement in a subprocess against another deltaserve tree (PYTHONPATH=DIR,
 `model` variant only) and stores it as the `before` half of the record. Tables go to stdout (the last one is
 the per-B summary), the JSON record to --out (default benchmarks/results/kernels/decode-step-<UTC time>.json)
@@ -51,7 +58,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "kernels"  # where the kernel benchmarks' records are filed
-SHAPES = {"35b-a3b": "q35-35b-a3b", "27b": "q35-27b"}
+# --shapes key -> make_dummy_models.py's folder: the bf16 text shapes and their block-FP8 twins (the 122B-A10B in FP8
+# only: its FP8 weights need an H200, and B up to 64 there, docs/fp8.md#the-122b-a10b-on-one-h200)
+SHAPES = {"35b-a3b": "q35-35b-a3b", "27b": "q35-27b", "35b-a3b-fp8": "q35-35b-a3b-fp8", "27b-fp8": "q35-27b-fp8",
+          "122b-a10b-fp8": "q35-122b-a10b-fp8"}  # fmt: skip
 DEFAULT_BATCHES = "1,2,4,8,16,24,32,48,64,96,128,192,256"
 LABEL = "ds:"  # the model labels' prefix (deltaserve.model.labels.PREFIX; fixed here for a --baseline tree)
 CLIFF_TOLERANCE = 0.05  # a larger batch may be at most this much faster than a smaller one
@@ -254,9 +264,59 @@ def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dict[str, tuple[float, float]]:
-    """Label (without the prefix) -> (bytes, FLOPs) per step, summed over the layers that run it."""
+def tensor_bytes(weight: Any) -> int:
+    """Bytes of one weight as the model holds it: every element at its own size (1 for float8_e4m3fn, 2 for bf16),
+    and for a block-FP8 weight (kernels/fp8.py's Fp8Weight: float8 `weight` [..., N, K] and fp32 `scale`
+    [..., ceil(N/block_n), ceil(K/128)]) its scales too."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return tensor_bytes(weight.weight) + tensor_bytes(weight.scale)
+
+
+# a mixer's projection labels -> the attribute holding the weight (`in_proj`: GatedDeltaNet.fuse_in_proj's fused
+# qkvz | ba rows, absent where the model keeps two GEMMs, as it does for block-FP8 qkvz)
+MIXER_WEIGHTS = {
+    "gdn": {"in_proj_qkvzba": "in_proj", "in_proj_qkvz": "in_proj_qkvz", "in_proj_ba": "in_proj_ba",
+            "out_proj": "out_proj"},
+    "attn": {"qkv_proj": "qkv_proj", "o_proj": "o_proj"},
+}  # fmt: skip
+
+
+def model_weight_bytes(model: Any) -> dict[str, int]:
+    """Label -> bytes of the weight one call of that op reads (one layer's; `mlp.expert`: one routed expert's gate |
+    up and down), taken from the model's own tensors (tensor_bytes): a block-FP8 projection counts 1 byte an element
+    plus its fp32 scales, a bf16 one (lm_head, the router, GDN in_proj_ba, shared_expert_gate, every projection of a
+    bf16 checkpoint) 2, so op_costs' counts of a bf16 model are the same as from the shapes alone."""
+    found = {"lm.lm_head": tensor_bytes(model.lm_head)}
+    for layer in model.layers:
+        kind, mixer = ("attn", layer.self_attn) if layer.is_full_attention else ("gdn", layer.linear_attn)
+        for name, attr in MIXER_WEIGHTS[kind].items():
+            weight = getattr(mixer, attr, None)
+            if weight is not None:
+                found.setdefault(f"{kind}.{name}", tensor_bytes(weight))
+        mlp = layer.mlp
+        if hasattr(mlp, "w13"):  # MoEBlock
+            found.setdefault("mlp.expert", (tensor_bytes(mlp.w13) + tensor_bytes(mlp.w2)) // mlp.w13.shape[0])
+            found.setdefault("mlp.moe_router", tensor_bytes(mlp.gate))
+            if getattr(mlp, "has_shared_expert", False):
+                found.setdefault("mlp.shared_gate_up", tensor_bytes(mlp.shared_expert.gate_up_proj))
+                found.setdefault("mlp.shared_down", tensor_bytes(mlp.shared_expert.down_proj))
+                found.setdefault("mlp.shared_gate", tensor_bytes(mlp.shared_expert_gate))
+        else:  # DenseMLP
+            found.setdefault("mlp.gate_up", tensor_bytes(mlp.gate_up_proj))
+            found.setdefault("mlp.down", tensor_bytes(mlp.down_proj))
+    return found
+
+
+def op_costs(
+    config: Any, batch: int, context: int, dtype_bytes: int = 2, weights: dict[str, int] | None = None
+) -> dict[str, tuple[float, float]]:
+    """Label (without the prefix) -> (bytes, FLOPs) per step, summed over the layers that run it. Activations, caches
+    and states count dtype_bytes an element; a projection's weight counts `weights[label]` bytes where given
+    (model_weight_bytes: the model's own tensors, so block-FP8 values at 1 byte plus their fp32 scales), else
+    dtype_bytes an element. FLOPs do not depend on the weights' format."""
     b, h, s = batch, config.hidden_size, dtype_bytes
+    weights = weights or {}
     nq, nkv, d, r = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rotary_dim
     hv, hk, dk, dv = (config.linear_num_value_heads, config.linear_num_key_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)  # fmt: skip
@@ -271,8 +331,11 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
         old = costs.get(label, (0.0, 0.0))
         costs[label] = (old[0] + times * num_bytes, old[1] + times * flops)
 
+    def weight(label: str, elements: int) -> float:
+        return weights.get(label, elements * s)
+
     def linear(label: str, n: int, k: int, times: int) -> None:
-        add(label, (n * k + b * k + b * n) * s, 2.0 * b * n * k, times)
+        add(label, weight(label, n * k) + (b * k + b * n) * s, 2.0 * b * n * k, times)
 
     names = linear_names(config)
     for kind, times in (("gdn", num_gdn), ("attn", num_attn), ("lm", 1)):
@@ -305,8 +368,9 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
     if num_moe:
         e, k, i = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
         ish = config.shared_expert_intermediate_size
-        experts = expected_experts(e, k, b) * 3 * i * h * s
-        shared = 3 * ish * h * s
+        experts = expected_experts(e, k, b) * weight("mlp.expert", 3 * i * h)
+        shared = weight("mlp.shared_gate_up", 2 * ish * h) + weight("mlp.shared_down", ish * h)
+        gates = weight("mlp.moe_router", e * h) + weight("mlp.shared_gate", h)  # the router and the shared gate
         flops = 2.0 * b * k * 3 * i * h
         add("mlp.fused_moe", experts + (b * h + b * k * 4) * s, flops, num_moe)
         add("mlp.moe_route", b * e * s, 0, num_moe)
@@ -314,7 +378,7 @@ def op_costs(config: Any, batch: int, context: int, dtype_bytes: int = 2) -> dic
         for (n, kk), name in names["mlp"].items():
             if name.startswith(("moe_router", "shared")):
                 linear(f"mlp.{name}", n, kk, num_moe)
-        add("mlp.fused_moe_block", experts + shared + (e + 1) * h * s + 2 * b * h * s,
+        add("mlp.fused_moe_block", experts + shared + gates + 2 * b * h * s,
             flops + 2.0 * b * (3 * ish + e + 1) * h, num_moe)  # fmt: skip
     add("lm.other", b * config.vocab_size * (s + 4), 0, 1)  # the logits' fp32 upcast
     return costs
@@ -481,13 +545,13 @@ def profile_batch(
     model: Any, config: Any, cache: Cache, row: dict[str, Any], args: argparse.Namespace, ceilings: dict[str, float]
 ) -> None:
     """Adds to a timed row the per-op kernel times of one eager forward under the profiler, the op's bytes and
-    FLOPs, and the floor."""
+    FLOPs (weights as the model holds them, activations in the model's dtype: op_costs), and the floor."""
     batch = row["batch"]
     device = model.embed_tokens.device
     run = _decode_run(model, config, cache, batch, args)
     with torch.inference_mode(), labelled():
         by_label, kernels, called = profile_ops(run, device)
-    costs = op_costs(config, batch, args.context)
+    costs = op_costs(config, batch, args.context, model.embed_tokens.element_size(), model_weight_bytes(model))
     if GEMV_LABEL in by_label:
         costs[GEMV_LABEL] = gemv_cost(by_label, costs, called)
     ops = []
@@ -595,9 +659,15 @@ def run_shape(
         done.add(variant)
         if phase == "time":
             entry: dict[str, Any] = {"shape": shape, "variant": variant, "rows": []}
+            # what the ops' bytes count for each projection's weight (model_weight_bytes), and whether it is block FP8
+            entry.update(is_fp8=getattr(config, "fp8", None) is not None, weight_bytes=model_weight_bytes(model))
+            if entry["is_fp8"]:
+                entry["note"] = FP8_NOTE
             record["runs"].append(entry)
         else:
             entry = next(r for r in record["runs"] if r["shape"] == shape and r["variant"] == variant)
+            if entry.get("note"):
+                print(f"{shape} [{variant}]: {entry['note']}", flush=True)
         with variant_context(features, args):
             for index, batch in enumerate(batches):
                 try:
@@ -633,12 +703,19 @@ def run_shape(
         torch.cuda.empty_cache()
 
 
+# A block-FP8 run's note in the record and the summary: what its bytes count, and which rate its %mm is against.
+FP8_NOTE = ("block-FP8 weights: bytes count 1 per FP8 element plus its fp32 block scales, the unquantized weights "
+            "(lm_head, router, in_proj_ba, shared_expert_gate) at their dtype; %mm (gemm_share) is against the bf16 "
+            "GEMM rate: the FP8 GEMM rate is not measured")  # fmt: skip
+
+
 def summary(record: dict[str, Any]) -> str:
     key = "graph_ms" if record.get("device") == "cuda" else "eager_ms"
     lines = []
     runs = [("after", r) for r in record["runs"]] + [("before", r) for r in record.get("before", {}).get("runs", [])]
     batches = sorted({row["batch"] for _, run in runs for row in run["rows"]})
-    header = f"{'shape':<10} {'run':<7} {'variant':<12} " + " ".join(f"{b:>7}" for b in batches)
+    width = max([10, *(len(run["shape"]) for _, run in runs)])
+    header = f"{'shape':<{width}} {'run':<7} {'variant':<12} " + " ".join(f"{b:>7}" for b in batches)
     lines.append(f"decode step {key} by batch size (context {record['context']} tokens per sequence)")
     lines.append(header)
     for half, run in runs:
@@ -647,7 +724,10 @@ def summary(record: dict[str, Any]) -> str:
         for b in batches:
             row = by_batch.get(b, {})
             cells.append(f"{row[key]:>7.2f}" if key in row else f"{'err' if 'error' in row else '-':>7}")
-        lines.append(f"{run['shape']:<10} {half:<7} {run['variant']:<12} " + " ".join(cells))
+        lines.append(f"{run['shape']:<{width}} {half:<7} {run['variant']:<12} " + " ".join(cells))
+    for half, run in runs:
+        if run.get("note"):
+            lines.append(f"NOTE {run['shape']} {half} {run['variant']}: {run['note']}")
     for half, run in runs:
         if run.get("cliffs"):
             lines.append(f"CLIFF {run['shape']} {half} {run['variant']}: " + "; ".join(run["cliffs"][:6]))

@@ -41,7 +41,10 @@
 #                                (--prompts text: held-out text instead of the random prompts); gate-fp8-V-w128-TAG.json
 #   decode-step [FLAGS]          benchmarks/decode_step.py (FLAGS are its own: --batches, --shapes, --variants, ...),
 #                                then graph_ms against the newest committed decode-step record
-#                                (scripts/decode_step_compare.py; `--against RECORD` names another)
+#                                (scripts/decode_step_compare.py; `--against RECORD` names another). FP8 shapes
+#                                (--shapes 35b-a3b-fp8,27b-fp8,122b-a10b-fp8) write their FP8 dummies first, as the
+#                                grid step does; the 122B-A10B needs an H200 and --batches up to 64
+#                                (docs/fp8.md#the-h200-plan)
 #   kernel-ab BASELINE [FLAGS]   a kernel against a baseline, timed in one call. BASELINE is an earlier kernel file
 #                                (`git show REV:deltaserve/kernels/X.py > ab/X.py`: an untracked file travels with the
 #                                tree) that replaces deltaserve's file of that name in a copy of the package, or a
@@ -257,9 +260,8 @@ grid() {  # GRID [bench grid flags]
   fi
   local fp8
   fp8=$(grep -oE "q35-[a-z0-9-]+-fp8" "$file" | sort -u | paste -sd, -)
-  if [ -n "$fp8" ]; then  # block-FP8 dummies (config.json with the releases' quantization_config, no weights)
-    run "$W/dummy-fp8.log" timeout 150 $PY benchmarks/oracle/make_dummy_models.py "$models" --only "$fp8" \
-      || { echo "the FP8 dummies failed: $(tail -3 "$W/dummy-fp8.log")" | say; return 3; }
+  if [ -n "$fp8" ]; then
+    fp8_dummies "$fp8" || return 3
   fi
   if grep -q "q35-35b-a3b-mm" "$file"; then  # image traffic: the image dummy, checked as both servers read it
     run "$W/dummy-mm.log" timeout 120 $PY benchmarks/oracle/make_dummy_models.py "$models" --only q35-35b-a3b-mm \
@@ -292,9 +294,32 @@ grid() {  # GRID [bench grid flags]
   return $rc
 }
 
+# fp8_dummies NAMES (comma list): the block-FP8 dummy folders (config.json with the releases' quantization_config,
+# no weights), written by make_dummy_models.py into $models
+fp8_dummies() {
+  run "$W/dummy-fp8.log" timeout 150 $PY benchmarks/oracle/make_dummy_models.py "$models" --only "$1" \
+    || { echo "the FP8 dummies failed: $(tail -3 "$W/dummy-fp8.log")" | say; return 3; }
+}
+
 decode_step() {  # RECORD [decode_step.py flags]: the run, its table in the summary
-  local out=$1
+  local out=$1 prev="" word shapes="" fp8="" name
   shift
+  for word in "$@"; do  # the shapes asked for (--shapes A,B or --shapes=A,B)
+    [ "$prev" = --shapes ] && shapes=$word
+    [[ $word == --shapes=* ]] && shapes=${word#--shapes=}
+    prev=$word
+  done
+  # an FP8 shape (a decode_step.py key such as 27b-fp8, or its folder q35-27b-fp8) that make_dummy_models.py writes:
+  # its dummy first, as the grid step writes it
+  for name in ${shapes//,/ }; do
+    name=q35-${name#q35-}
+    if [[ $name == *-fp8 ]] && grep -q "\"$name\":" benchmarks/oracle/make_dummy_models.py; then
+      fp8=${fp8:+$fp8,}$name
+    fi
+  done
+  if [ -n "$fp8" ]; then
+    fp8_dummies "$fp8" || return 3
+  fi
   run "$W/$(basename "$out" .json).log" timeout "$(left 20)" $PY benchmarks/decode_step.py --models "$models" \
     --label after --out "$out" "$@"
   local rc=$?

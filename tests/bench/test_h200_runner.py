@@ -101,6 +101,22 @@ def test_steps_build_their_commands(tmp_path: Path) -> None:
     assert "--import-mode=importlib tests/runner/test_gpu_tensor_parallel.py" in tp_tests  # where the file lives
 
 
+def test_decode_step_writes_the_fp8_dummies_its_shapes_name(tmp_path: Path) -> None:
+    """FP8 shapes (decode_step.py's keys or their folder names) get their block-FP8 dummies first, by the grid step's
+    call; bf16 shapes and folders make_dummy_models.py does not write get none."""
+    models = tmp_path / "models"
+    done = runner(tmp_path, "decode-step", "--batches", "1,2", "--shapes", "35b-a3b-fp8,27b,q35-122b-a10b-fp8")
+    assert done.returncode == 0, done.stdout + done.stderr
+    write = f"benchmarks/oracle/make_dummy_models.py {models} --only q35-35b-a3b-fp8,q35-122b-a10b-fp8 > "
+    assert write in done.stdout and "dummy-fp8.log" in done.stdout
+    assert done.stdout.index(write) < done.stdout.index("benchmarks/decode_step.py")
+    assert "--shapes 35b-a3b-fp8,27b,q35-122b-a10b-fp8 >" in done.stdout
+    equals = runner(tmp_path, "decode-step", "--shapes=27b-fp8,moe-fp8").stdout
+    assert f"make_dummy_models.py {models} --only q35-27b-fp8 > " in equals
+    bf16 = runner(tmp_path, "decode-step", "--shapes", "27b,35b-a3b").stdout
+    assert "dummy-fp8.log" not in bf16
+
+
 def test_profile_prefill_runs_one_process_per_shape_within_the_call(tmp_path: Path) -> None:
     """Both shapes by default, each its own record at the long grid's max_model_len, the call's time shared between
     them; one named shape gets all of it, and FLAGS come last (a --max-model-len there wins)."""

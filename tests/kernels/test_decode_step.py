@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,6 +86,87 @@ def test_byte_model_counts_the_weights_a_decode_token_reads(tiny_moe: Path) -> N
     experts_bytes = k * 3 * i * h * 2 * num_moe
     assert costs["mlp.fused_moe"][0] == pytest.approx(experts_bytes + (h + 4 * k) * 2 * num_moe)
     assert decode_step.expected_experts(256, 8, 10**6) == pytest.approx(256)
+
+
+def test_fp8_shapes_are_the_dummy_folders() -> None:
+    """The FP8 keys of --shapes name the folders make_dummy_models.py writes (what scripts/h200.sh decode-step writes
+    before the run), and the bf16 keys stay as they were."""
+    spec = importlib.util.spec_from_file_location("make_dummy_models", ROOT / "benchmarks/oracle/make_dummy_models.py")
+    dummies = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(dummies)
+    fp8 = {key: folder for key, folder in decode_step.SHAPES.items() if key.endswith("-fp8")}
+    assert fp8 == {"35b-a3b-fp8": "q35-35b-a3b-fp8", "27b-fp8": "q35-27b-fp8", "122b-a10b-fp8": "q35-122b-a10b-fp8"}
+    assert set(fp8.values()) == set(dummies.FP8_SHAPES)
+    assert decode_step.SHAPES["35b-a3b"] == "q35-35b-a3b" and decode_step.SHAPES["27b"] == "q35-27b"
+
+
+def test_cpu_run_counts_fp8_weights_at_one_byte_plus_block_scales(
+    tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An FP8 folder runs as the served FP8 model (qkvz and ba as two GEMMs, the MoE as router + fused_moe) and its
+    projections' bytes are their float8 values at 1 byte plus their fp32 scales, not 2 bytes an element."""
+    from deltaserve.config import ModelConfig
+    from deltaserve.tiny.fp8 import write_fp8_checkpoint
+
+    folder = write_fp8_checkpoint(tiny_moe, tmp_path / "models" / "moe-fp8")
+    out = tmp_path / "record.json"
+    argv = ["decode_step.py", "--device", "cpu", "--models", str(folder.parent), "--shapes", folder.name,
+            "--batches", "1,3", "--context", "20", "--max-model-len", "64", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert decode_step.main() == 0
+    record = json.loads(out.read_text())
+    assert not record["errors"]
+    (run,) = record["runs"]
+    assert run["is_fp8"] and "FP8 GEMM rate is not measured" in run["note"] and "NOTE" in record["summary"]
+    config = ModelConfig.from_pretrained(folder)
+    h, nq, d = config.hidden_size, config.num_attention_heads, config.head_dim
+    n, k = h, nq * d  # o_proj [N, K]: whole 128-row blocks, so the scales are [ceil(N/128), ceil(K/128)] fp32
+    o_proj = n * k * 1 + math.ceil(n / 128) * math.ceil(k / 128) * 4
+    assert run["weight_bytes"]["attn.o_proj"] == o_proj != 2 * n * k
+    num_attn, s = len(config.full_attention_layers), 4  # the CPU model's activations are fp32
+    for row in run["rows"]:
+        ops = {op["op"]: op for op in row["ops"]}
+        assert {"gdn.in_proj_qkvz", "gdn.in_proj_ba", "mlp.moe_router", "mlp.fused_moe"} <= set(ops), set(ops)
+        assert "gdn.in_proj_qkvzba" not in ops and "mlp.fused_moe_block" not in ops
+        b = row["batch"]
+        assert ops["attn.o_proj"]["bytes"] == num_attn * (o_proj + (b * k + b * n) * s)
+
+
+def test_fp8_weight_bytes_come_from_the_model_tensors(tiny_moe: Path, tmp_path: Path) -> None:
+    """Built in bf16 as on the GPU: block-FP8 projections count 1 byte an element plus their fp32 scales; what the
+    FP8 releases keep unquantized (lm_head, the router, in_proj_ba, shared_expert_gate) 2 bytes an element."""
+    from deltaserve.tiny.fp8 import write_fp8_checkpoint
+
+    folder = write_fp8_checkpoint(tiny_moe, tmp_path / "moe-fp8")
+    config, model = decode_step.build_model(folder, torch.device("cpu"), torch.bfloat16)
+    weights = decode_step.model_weight_bytes(model)
+    h, v, hv = config.hidden_size, config.vocab_size, config.linear_num_value_heads
+    e, i, ish = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    assert weights["lm.lm_head"] == v * h * 2
+    assert weights["gdn.in_proj_ba"] == 2 * hv * h * 2
+    assert weights["mlp.moe_router"] == e * h * 2 and weights["mlp.shared_gate"] == h * 2
+    w13, w2 = model.layers[0].mlp.w13, model.layers[0].mlp.w2
+    assert w13.weight.dtype == torch.float8_e4m3fn
+    scales = (w13.scale.numel() + w2.scale.numel()) * 4 // e
+    assert weights["mlp.expert"] == 3 * i * h + scales
+    assert weights["mlp.shared_down"] == h * ish + math.ceil(h / 128) * math.ceil(ish / 128) * 4
+    costs = decode_step.op_costs(config, batch=1, context=20, weights=weights)
+    plain = decode_step.op_costs(config, batch=1, context=20)
+    num_moe = sum(config.moe_layers)
+    k = config.num_experts_per_tok
+    assert costs["mlp.fused_moe"][0] == pytest.approx(k * (3 * i * h + scales) * num_moe + (h + 4 * k) * 2 * num_moe)
+    assert costs["mlp.fused_moe"][1] == plain["mlp.fused_moe"][1]  # FLOPs do not depend on the format
+
+
+@pytest.mark.parametrize("variant", ["moe", "dense"])
+def test_bf16_weight_bytes_leave_the_counts_unchanged(tiny_dirs: dict[str, Path], variant: str) -> None:
+    """A bf16 model's own tensors give the same counts as the shapes at 2 bytes an element (the records before FP8)."""
+    config, model = decode_step.build_model(tiny_dirs[variant], torch.device("cpu"), torch.bfloat16)
+    weights = decode_step.model_weight_bytes(model)
+    assert {"lm.lm_head", "gdn.in_proj_qkvzba", "gdn.out_proj", "attn.qkv_proj", "attn.o_proj"} <= set(weights)
+    for batch in (1, 7, 256):
+        assert decode_step.op_costs(config, batch, 20, 2, weights) == decode_step.op_costs(config, batch, 20)
 
 
 def test_every_step_is_timed_before_the_first_profile(
