@@ -83,9 +83,22 @@ def resolve_max_tokens(
 
 
 def check_cache_salt(salt: Any) -> None:
-    """vLLM's rule for a request's cache_salt: absent, or a non-empty string."""
+    """vLLM's rule for a request's cache_salt: absent, or a non-empty string; and one that encodes as UTF-8 (JSON's
+    escapes can spell a lone surrogate, which the engine core's prefix-cache hash could not encode: the core died)."""
     if salt is not None and not (isinstance(salt, str) and salt):
         raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if salt is not None and not is_utf8_encodable(salt):
+        raise RequestError(
+            "Parameter 'cache_salt' must be valid Unicode text: it holds a lone surrogate.", "cache_salt"
+        )
+
+
+def is_utf8_encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_priority(priority: int, scheduling_policy: str) -> None:
