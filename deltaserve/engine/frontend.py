@@ -8,7 +8,7 @@ server's AsyncEngine uses it in the API process, next to a core in its own proce
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import threading
 import time
 from pathlib import Path
@@ -279,7 +279,10 @@ class EngineFrontend:
             # "not asked".
             prompt_logprobs = resolve_num_logprobs(params.prompt_logprobs, self.vocab_size) if index == 0 else None
             logprobs = resolve_num_logprobs(params.logprobs, self.vocab_size)
-            child = dataclasses.replace(params, n=1, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            # A shallow copy, as vLLM's ParentRequest makes: the parent is validated above, and dataclasses.replace
+            # would validate each child again on the event loop (n x a full-vocabulary logit_bias held it ~30 s).
+            child = copy.copy(params)
+            child.n, child.seed, child.logprobs, child.prompt_logprobs = 1, seed, logprobs, prompt_logprobs
             detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
             state.sequences.append(SequenceProgress(core_id, detokenizer))
             core_requests.append(
