@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from deltaserve.api.errors import bad_request, model_not_found, to_api_error
 from deltaserve.api.settings import ServerState
 from deltaserve.engine.core_client import EngineDeadError
+from deltaserve.engine.frontend import is_utf8_encodable
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
@@ -53,7 +54,15 @@ def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> Non
 def request_ids(request: Request, body_request_id: str | None, prefix: str) -> str:
     """The response id: prefix + X-Request-Id (or the body's request_id, or a fresh uuid), as vLLM builds it."""
     base = request.headers.get("x-request-id") or body_request_id or uuid.uuid4().hex
-    return f"{prefix}-{base}"
+    return f"{prefix}-{checked_request_id(base)}"
+
+
+def checked_request_id(request_id: str) -> str:
+    """A request id every response can carry, or a 400 before any work: JSON's escapes can spell a lone surrogate,
+    which no UTF-8 body encodes (a stream broke off after its first events, with no error event and no [DONE])."""
+    if not is_utf8_encodable(request_id):
+        raise bad_request("request_id must be valid Unicode text: it holds a lone surrogate.", "request_id")
+    return request_id
 
 
 def engine_request_id(response_id: str, prompt_index: int) -> str:

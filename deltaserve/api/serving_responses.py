@@ -34,7 +34,7 @@ from deltaserve.api.errors import APIError
 from deltaserve.api.responses_output import Event, OutputItems
 from deltaserve.api.responses_protocol import ResponsesRequest, check_unsupported, to_chat_request
 from deltaserve.api.sampling import tokenize_bad_words
-from deltaserve.api.serving_common import check_model, respond, stream_error_event
+from deltaserve.api.serving_common import check_model, checked_request_id, respond, stream_error_event
 from deltaserve.api.settings import ServerState
 from deltaserve.engine.request import RequestOutput
 from deltaserve.sampling_params import SamplingParams
@@ -58,7 +58,9 @@ async def create_response(state: ServerState, raw_request: Request) -> Response:
     params = serving_chat.sampling_params(
         state, chat_request, prompt, constraint, await tokenize_bad_words(state, chat_request)
     )
-    response_id = request.request_id or f"resp_{raw_request.headers.get('x-request-id') or uuid.uuid4().hex}"
+    response_id = checked_request_id(
+        request.request_id or f"resp_{raw_request.headers.get('x-request-id') or uuid.uuid4().hex}"
+    )
     # output items are always the assistant's, and Responses has no `echo`
     chat_job = serving_chat.submit(
         state, chat_request, prompt, params, tool_choice, response_id, arrival, role="assistant", echo_text=""

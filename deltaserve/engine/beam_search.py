@@ -13,6 +13,7 @@ BeamSearchSequence and BeamSearchOutput are the offline API's results, with vLLM
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,19 @@ class Beam:
 
 
 def beam_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
-    """vLLM's get_beam_search_score: the length counts the prompt too, and not a final eos."""
+    """vLLM's get_beam_search_score: the length counts the prompt too, and not a final eos. Total for any finite
+    length_penalty: where length ** length_penalty overflows (a penalty of 1e308) or underflows to 0 (-1e308), the
+    score is the quotient's limit, where Python's float raised (an OverflowError, a ZeroDivisionError: a 500)."""
     length = len(tokens)
     if tokens and tokens[-1] == eos_token_id:
         length -= 1
-    return cumulative_logprob / (length**length_penalty)
+    try:
+        denominator = length**length_penalty
+    except OverflowError:
+        denominator = math.inf
+    if denominator == 0.0:
+        return -math.inf if cumulative_logprob < 0.0 else 0.0
+    return cumulative_logprob / denominator
 
 
 def beam_width_error(width: int, max_logprobs: int) -> str | None:

@@ -8,7 +8,7 @@ server's AsyncEngine uses it in the API process, next to a core in its own proce
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import threading
 import time
 from pathlib import Path
@@ -83,9 +83,22 @@ def resolve_max_tokens(
 
 
 def check_cache_salt(salt: Any) -> None:
-    """vLLM's rule for a request's cache_salt: absent, or a non-empty string."""
+    """vLLM's rule for a request's cache_salt: absent, or a non-empty string; and one that encodes as UTF-8 (JSON's
+    escapes can spell a lone surrogate, which the engine core's prefix-cache hash could not encode: the core died)."""
     if salt is not None and not (isinstance(salt, str) and salt):
         raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if salt is not None and not is_utf8_encodable(salt):
+        raise RequestError(
+            "Parameter 'cache_salt' must be valid Unicode text: it holds a lone surrogate.", "cache_salt"
+        )
+
+
+def is_utf8_encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_priority(priority: int, scheduling_policy: str) -> None:
@@ -266,7 +279,10 @@ class EngineFrontend:
             # "not asked".
             prompt_logprobs = resolve_num_logprobs(params.prompt_logprobs, self.vocab_size) if index == 0 else None
             logprobs = resolve_num_logprobs(params.logprobs, self.vocab_size)
-            child = dataclasses.replace(params, n=1, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            # A shallow copy, as vLLM's ParentRequest makes: the parent is validated above, and dataclasses.replace
+            # would validate each child again on the event loop (n x a full-vocabulary logit_bias held it ~30 s).
+            child = copy.copy(params)
+            child.n, child.seed, child.logprobs, child.prompt_logprobs = 1, seed, logprobs, prompt_logprobs
             detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
             state.sequences.append(SequenceProgress(core_id, detokenizer))
             core_requests.append(

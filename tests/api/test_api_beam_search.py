@@ -101,6 +101,16 @@ def test_streamed_beam_search_is_one_chunk_per_choice(beam_server: ServerThread)
     assert len({c["text"] for c in whole["choices"]}) == 3
 
 
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_extreme_length_penalties_are_served(beam_server: ServerThread, length_penalty: float) -> None:
+    """length ** length_penalty overflows (1e308) or underflows to 0 (-1e308) in the score, where Python's float
+    raised: a 400 naming nothing and a 500. The score is the quotient's limit: -0.0 and -inf."""
+    body = beam_body("Once upon a time", 2, 3, length_penalty=length_penalty)
+    response = httpx.post(beam_server.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert [choice["index"] for choice in response.json()["choices"]] == [0, 1]
+
+
 # -- vLLM's rules with eos, on a scripted model -------------------------------------------------------------------
 
 

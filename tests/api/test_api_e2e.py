@@ -19,6 +19,7 @@ import pytest
 from deltaserve.api.server import build_app
 from deltaserve.api.settings import ServerSettings
 from deltaserve.engine_config import EngineConfig
+from deltaserve.sampling_params import SamplingParams
 
 from .server_thread import ServerThread, metric_value
 from .test_api_disconnect import wait_until_freed
@@ -107,6 +108,24 @@ def test_seed_at_the_int64_maximum_with_n(real_client: openai.OpenAI) -> None:
     first = texts(top, 2)
     assert texts(top, 2) == first  # reproducible
     assert first == [texts(top, 1)[0], texts(-(2**63), 1)[0]]
+
+
+def test_n_children_are_not_validated_again(real_client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The n sequences of a prompt are shallow copies of its validated SamplingParams, as vLLM's ParentRequest
+    makes them. Each was built with dataclasses.replace, which validated it again (its logit_bias clamped again) on
+    the event loop: 256 prompts x n=128 with a full-vocabulary logit_bias, a 40 kB body, held /health for ~30 s."""
+    num_validations = [0]
+    validate = SamplingParams.validate
+
+    def counted(params: SamplingParams) -> None:
+        num_validations[0] += 1
+        validate(params)
+
+    monkeypatch.setattr(SamplingParams, "validate", counted)
+    bias = {str(token): 1 for token in range(100)}
+    reply = real_client.completions.create(model=NAME, prompt="xyz", max_tokens=1, n=32, logit_bias=bias, seed=3)
+    assert sorted(choice.index for choice in reply.choices) == list(range(32))
+    assert num_validations[0] <= 2  # the API's SamplingParams and the engine front end's check, once each
 
 
 def test_chat_stream_and_usage(real_client: openai.OpenAI, real_http: httpx.Client) -> None:

@@ -13,6 +13,12 @@ from .fake_engine import FakeEngine
 from .test_api_completions import sse_events
 
 USER = [{"role": "user", "content": "hi"}]
+# a request of each endpoint, %s: the raw JSON of the fields under test
+LONE_SURROGATE = {
+    "/v1/completions": b'{"prompt": "x", "max_tokens": 2%s}',
+    "/v1/chat/completions": b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2%s}',
+    "/v1/responses": b'{"input": "x", "max_output_tokens": 2%s}',
+}
 LONG_TEXT = "word " * 5000  # far beyond max_model_len (2048 tokens for the fake, 1024 for the real tiny engine)
 
 # (name, path, body: dict -> JSON, bytes -> raw, expected status, expected param or None to skip the check)
@@ -156,6 +162,23 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("tokenize unknown model", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("detokenize out of vocab", "/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("detokenize wrong type", "/detokenize", {"tokens": "abc"}, 400, "body.tokens"),
+    # JSON's escapes spell a lone surrogate, which no UTF-8 encoder takes: as a cache_salt it reached the engine core's
+    # prefix-cache hash and the core died (every request after it a 503); as a request_id a stream broke off mid-way
+    *(
+        (f"{path} cache_salt lone surrogate", path, base % b', "cache_salt": "\\ud800"', 400, "cache_salt")
+        for path, base in LONE_SURROGATE.items()
+    ),
+    *(
+        (
+            f"{path} request_id lone surrogate{' streamed' * stream}",
+            path,
+            base % (b', "request_id": "\\ud800", "stream": ' + (b"true" if stream else b"false")),
+            400,
+            "request_id",
+        )
+        for path, base in LONE_SURROGATE.items()
+        for stream in (False, True)
+    ),  # fmt: skip
 ]
 
 
