@@ -19,12 +19,16 @@ from typing import Any
 
 from deltaserve.api.body import gc_paused
 from deltaserve.api.errors import bad_request
-from deltaserve.api.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from deltaserve.api.protocol import ChatCompletionRequest, ChatMessage, ContentPart, ToolDefinition
 from deltaserve.api.settings import ServerState
 from deltaserve.api.template import RenderJob
 from deltaserve.api.template_pool import TemplateRenderError
 from deltaserve.api.tokens import truncation_length
-from deltaserve.engine.offline_chat import RESERVED_TEMPLATE_KWARGS, TEXT_PART_TYPES  # shared with the offline LLM.chat
+from deltaserve.engine.offline_chat import (  # shared with the offline LLM.chat
+    RESERVED_TEMPLATE_KWARGS,
+    TEXT_PART_FIELDS,
+    TEXT_PART_TYPES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +41,21 @@ UNTRUSTED_TEMPLATE_MESSAGE = (
 MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
 
 
+def part_type(part: ContentPart | str) -> str:
+    return "text" if isinstance(part, str) else part.type
+
+
+def part_text(part: ContentPart | str) -> str | None:
+    """A text part's text (a bare string is one), from the field its type keeps it in; None for other parts."""
+    if isinstance(part, str):
+        return part
+    field = TEXT_PART_FIELDS.get(part.type)
+    return getattr(part, field) if field is not None else None
+
+
 def has_media(messages: list[ChatMessage]) -> bool:
     return any(
-        isinstance(m.content, list) and any(part.type in MEDIA_PART_TYPES for part in m.content) for m in messages
+        isinstance(m.content, list) and any(part_type(part) in MEDIA_PART_TYPES for part in m.content) for m in messages
     )
 
 
@@ -51,18 +67,19 @@ def content_text(message: ChatMessage, index: int, allow_media: bool = False) ->
         return content
     texts = []
     for part in content:
-        if part.type in MEDIA_PART_TYPES and allow_media:
+        kind = part_type(part)
+        if kind in MEDIA_PART_TYPES and allow_media:
             continue
-        if part.type not in TEXT_PART_TYPES:
+        if kind not in TEXT_PART_TYPES:
             reason = (
                 "this model is served as text only (no vision tower)"
-                if part.type in MEDIA_PART_TYPES
-                else "deltaserve reads text, image_url and video_url parts"
+                if kind in MEDIA_PART_TYPES
+                else "deltaserve reads text, refusal, thinking, image_url and video_url parts"
             )
-            raise bad_request(
-                f"Content part type {part.type!r} is not supported: {reason}.", f"messages.{index}.content"
-            )
-        texts.append(part.text or "")
+            raise bad_request(f"Content part type {kind!r} is not supported: {reason}.", f"messages.{index}.content")
+        text = part_text(part)
+        if text:  # vLLM drops a text part without text (no empty line in the join)
+            texts.append(text)
     return "\n".join(texts)
 
 
@@ -71,10 +88,10 @@ def _media_content(message: ChatMessage) -> list[dict[str, Any]]:
     in their order (the template writes each marker's vision_start + pad + vision_end)."""
     parts = []
     for part in message.content:
-        if part.type in MEDIA_PART_TYPES:
+        if part_type(part) in MEDIA_PART_TYPES:
             parts.append({"type": MEDIA_PART_TYPES[part.type]})
-        else:
-            parts.append({"type": "text", "text": part.text or ""})
+        elif text := part_text(part):
+            parts.append({"type": "text", "text": text})
     return parts
 
 
@@ -103,12 +120,12 @@ def to_template_messages(
         if (
             allow_media
             and isinstance(message.content, list)
-            and any(part.type in MEDIA_PART_TYPES for part in message.content)
+            and any(part_type(part) in MEDIA_PART_TYPES for part in message.content)
         ):
             content = _media_content(message)
         elif content_format == "openai" and content is not None:
             parts = message.content if isinstance(message.content, list) else [message.content]
-            content = [{"type": "text", "text": part if isinstance(part, str) else part.text or ""} for part in parts]
+            content = [{"type": "text", "text": text} for part in parts if (text := part_text(part))]
         item["content"] = content if content is not None or message.tool_calls else ""
         if message.name is not None:
             item["name"] = message.name

@@ -138,6 +138,8 @@ class NamedToolChoice(APIModel):
 class ContentPart(APIModel):
     type: str
     text: str | None = None
+    refusal: str | None = None  # a "refusal" part's text
+    thinking: str | None = None  # a "thinking" part's text
 
 
 class ToolCallFunction(APIModel):
@@ -153,7 +155,7 @@ class ToolCall(APIModel):
 
 class ChatMessage(APIModel):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | str] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None

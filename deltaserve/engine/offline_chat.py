@@ -15,7 +15,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-TEXT_PART_TYPES = ("text", "input_text", "output_text")
+# The content parts vLLM's chat parser reads as text, and the field each keeps it in (a bare string in a content list
+# is text too); a part whose text is missing or empty is dropped, as vLLM drops it (no empty line in the join).
+TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                    "thinking": "thinking"}  # fmt: skip
+TEXT_PART_TYPES = tuple(TEXT_PART_FIELDS)
 CONTENT_FORMATS = ("auto", "string", "openai")
 # apply_chat_template's own arguments: a chat_template_kwargs entry of the same name is dropped (the server drops
 # them too, api/chat.py), so it cannot change how the template runs
@@ -32,17 +36,21 @@ def _content(content: Any, index: int, content_format: str) -> Any:
         return content
     if not isinstance(content, list):
         raise ValueError(f"messages[{index}].content must be a string or a list of content parts")
+    texts = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = "text" if isinstance(part, str) else part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PART_TYPES:
             raise ValueError(
                 f"messages[{index}]: content part type {kind!r} is not supported by the offline LLM.chat (text "
                 "parts only; pass images and videos to LLM.generate as multi_modal_data with the template's "
                 "placeholders in the prompt)"
             )
+        text = part if isinstance(part, str) else part.get(TEXT_PART_FIELDS[kind])
+        if text:
+            texts.append(str(text))
     if content_format == "openai":
-        return content
-    return "\n".join(str(part.get("text") or "") for part in content)
+        return [{"type": "text", "text": text} for text in texts]
+    return "\n".join(texts)
 
 
 def chat_prompt(
