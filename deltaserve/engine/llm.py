@@ -1,8 +1,8 @@
 """LLM: the offline API, shaped like vLLM's: LLM(model_dir, dtype=...).generate(prompts, SamplingParams(...)).
 
-A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}), optionally with vLLM's
-"multi_modal_data" ({"image": ..., "video": ...}; the prompt holds the chat template's placeholders) and
-"cache_salt" (only prompts with the same salt share cached prefixes). All prompts
+A prompt is a string, a list of token ids or {"prompt_token_ids": [...]} (or {"prompt": str}), as vLLM's (one
+prompt or a list of them), optionally with vLLM's "multi_modal_data" ({"image": ..., "video": ...}; the prompt holds
+the chat template's placeholders) and "cache_salt" (only prompts with the same salt share cached prefixes). All prompts
 are submitted to the engine at once and run with continuous batching; results come back in input order.
 LLM.enqueue / LLM.enqueue_chat add requests without running them and LLM.wait_for_completion runs them, as vLLM's
 do (engine/offline_requests.py: one path for all four; request ids "0", "1", ... as vLLM counts them). The prefix
@@ -33,6 +33,7 @@ from deltaserve.engine.offline_requests import (
     UseTqdm,
     check_no_lora,
     check_no_overrides,
+    prompt_to_seq,
     salt_of,
     to_token_ids,
 )
@@ -239,8 +240,7 @@ class LLM(UnsupportedOfflineMethods):
                 f"beam_search: {len(self._requests.pending)} enqueued request(s) have not run; call "
                 "wait_for_completion() first"
             )
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
+        prompts = prompt_to_seq(prompts)
         offline_beam.check_beam_search_params(params)
         inputs = []
         for prompt in prompts:

@@ -26,7 +26,8 @@ from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.offline import loaded_media
 from deltaserve.sampling_params import SamplingParams, logprobs_cap_error
 
-PromptType = str | dict[str, Any]
+# vLLM's prompt forms: a string, a list of token ids, or a dict ({"prompt": ...} / {"prompt_token_ids": ...})
+PromptType = str | list[int] | dict[str, Any]
 # vLLM's use_tqdm: a bool, or a callable that makes the bar (e.g. functools.partial(tqdm, leave=False))
 UseTqdm = bool | Callable[..., Any]
 
@@ -57,16 +58,37 @@ def salt_of(prompt: PromptType) -> str | None:
     return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
+def is_token_list(value: object) -> bool:
+    """A non-empty list of ints: vLLM's token-id prompt (parse_dec_only_prompt's list form)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def prompt_to_seq(prompts: PromptType | SequenceABC[PromptType]) -> SequenceABC[PromptType]:
+    """vLLM's prompt_to_seq: a string, a dict or a non-empty list of token ids is one prompt; anything else is
+    already a sequence of prompts (so [1, 2, 3] is one prompt, [[1, 2], [3]] two)."""
+    if isinstance(prompts, str | dict) or is_token_list(prompts):
+        return [prompts]  # type: ignore[list-item]
+    return prompts  # type: ignore[return-value]
+
+
 def to_token_ids(engine: LLMEngine, prompt: PromptType) -> tuple[str | None, list[int]]:
     """(the prompt's text if it has one, its token ids): a string is encoded with special tokens, as the server
-    encodes a completion prompt."""
+    encodes a completion prompt; a list of ints is the token ids themselves (vLLM's TokensPrompt)."""
     if isinstance(prompt, str):
         return prompt, engine.tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, list):
+        if not all(isinstance(t, int) for t in prompt):
+            raise TypeError("Token prompt should be a list of integers")  # vLLM's words
+        return None, list(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         return prompt.get("prompt"), list(prompt["prompt_token_ids"])
     if isinstance(prompt, dict) and "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError("Prompt text should be a string")  # vLLM's words
         return to_token_ids(engine, prompt["prompt"])
-    raise TypeError(f"a prompt is a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
+    raise TypeError(
+        f"a prompt is a string, a list of token ids or a dict with prompt_token_ids, got {type(prompt).__name__}"
+    )
 
 
 def multimodal(engine: LLMEngine, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], MultimodalInput | None]:
@@ -129,8 +151,7 @@ class OfflineRequests:
         desc: str = "Adding requests",
     ) -> list[str]:
         """Adds the prompts' requests to the engine (without stepping it); their ids, in prompt order."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
+        prompts = prompt_to_seq(prompts)
         params_list, priorities = self._checked(prompts, sampling_params, priority)
         request_ids: list[str] = []
         try:

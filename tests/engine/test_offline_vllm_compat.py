@@ -1,0 +1,43 @@
+"""The offline LLM / SamplingParams / RequestOutput as a vLLM 0.26 script uses them, on the trained tiny dense
+checkpoint (fp32, CPU, greedy, a few tokens): the forms vLLM takes and the values and attributes it gives.
+
+Prompts: vLLM's prompt_to_seq / parse_dec_only_prompt take a bare list of token ids as one prompt and a list of such
+lists as a batch (vllm/renderers/inputs/preprocess.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny.trained import trained_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+IDS = [[5, 17, 99, 300, 41], [7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(trained_model_dir("dense"), dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4)
+
+
+def tokens(outputs: list) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def test_token_id_lists_are_prompts(llm: LLM) -> None:
+    """[1, 2, 3] is one prompt and [[...], [...]] a batch, as {"prompt_token_ids": ...} would be."""
+    expected = llm.generate([{"prompt_token_ids": ids} for ids in IDS], GREEDY, use_tqdm=False)
+    (single,) = llm.generate(IDS[0], GREEDY, use_tqdm=False)
+    assert single.prompt_token_ids == IDS[0] and single.prompt is None
+    assert tokens([single]) == tokens(expected[:1])
+    batch = llm.generate(IDS, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in batch] == IDS and tokens(batch) == tokens(expected)
+    mixed = llm.generate([IDS[0], "hello", {"prompt_token_ids": IDS[1]}], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in mixed][::2] == IDS
+    with pytest.raises(TypeError, match="Token prompt should be a list of integers"):
+        llm.generate([[1, "x"]], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="Prompt text should be a string"):
+        llm.generate({"prompt": [1, 2]}, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
