@@ -142,6 +142,10 @@ class RequestState:
             num_preemptions=sum(p.num_preemptions for p in parts),
         )
 
+    def _cumulative_logprob(self, progress: SequenceProgress) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs when logprobs were asked for, else None."""
+        return progress.cumulative_logprob if self.params.logprobs is not None else None
+
     def delta_output(self) -> RequestOutput:
         """What is new since the last call, for the sequences that progressed or finished."""
         outputs = []
@@ -161,7 +165,7 @@ class RequestState:
                     index=index,
                     text=text,
                     token_ids=list(token_ids[start:]),
-                    cumulative_logprob=progress.cumulative_logprob,
+                    cumulative_logprob=self._cumulative_logprob(progress),
                     logprobs=progress.logprobs[start:] if self.params.logprobs is not None else None,
                     finish_reason=progress.finish_reason,
                     stop_reason=progress.stop_reason,
@@ -185,7 +189,7 @@ class RequestState:
                 index=index,
                 text=progress.text,
                 token_ids=list(progress.token_ids),
-                cumulative_logprob=progress.cumulative_logprob,
+                cumulative_logprob=self._cumulative_logprob(progress),
                 logprobs=progress.logprobs if self.params.logprobs is not None else None,
                 finish_reason=progress.finish_reason,
                 stop_reason=progress.stop_reason,

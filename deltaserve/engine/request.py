@@ -29,7 +29,9 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's n sequences. In delta mode text/token_ids/logprobs hold only what is new."""
+    """One of a request's n sequences. In delta mode text/token_ids/logprobs hold only what is new.
+    cumulative_logprob is None unless logprobs were asked for, as vLLM's. lora_request and routed_experts are
+    vLLM's fields, always None here (no LoRA adapters, no enable_return_routed_experts)."""
 
     index: int
     text: str
@@ -38,9 +40,15 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    lora_request: None = None
+    routed_experts: None = None
 
     @property
     def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finished(self) -> bool:
+        """vLLM's CompletionOutput.finished() (a method there)."""
         return self.finish_reason is not None
 
 
@@ -57,3 +65,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # engine-side timestamps; set on the outputs the engine reports
     # prompt_logprobs: per prompt token, None for the first (vLLM's shape), cumulative so far; None if not asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's fields for what deltaserve does not serve, None as vLLM has them for a decoder-only model without LoRA
+    # adapters or a KV / encoder-cache connector
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None

@@ -41,3 +41,23 @@ def test_token_id_lists_are_prompts(llm: LLM) -> None:
     with pytest.raises(TypeError, match="Prompt text should be a string"):
         llm.generate({"prompt": [1, 2]}, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_output_fields_as_vllms(llm: LLM) -> None:
+    """vLLM's CompletionOutput.finished() is a method; cumulative_logprob is None unless logprobs were asked for
+    (vLLM's LogprobsProcessor); the fields for LoRA, routed experts, encoder prompts and KV / encoder-cache transfer
+    exist and are None, as vLLM gives them for this model."""
+    (plain,) = llm.generate("hello", GREEDY, use_tqdm=False)
+    completion = plain.outputs[0]
+    assert completion.finished() is True and completion.finish_reason == "length" and completion.stop_reason is None
+    assert completion.cumulative_logprob is None and completion.logprobs is None
+    assert completion.lora_request is None and completion.routed_experts is None
+    for name in ("lora_request", "encoder_prompt", "encoder_prompt_token_ids", "kv_transfer_params",
+                 "ec_transfer_params", "prompt_logprobs"):  # fmt: skip
+        assert getattr(plain, name) is None, name
+    (scored,) = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1),
+                             use_tqdm=False)  # fmt: skip
+    entries = scored.outputs[0].logprobs
+    chosen = sum(entry[token].logprob for entry, token in zip(entries, scored.outputs[0].token_ids, strict=True))
+    assert isinstance(scored.outputs[0].cumulative_logprob, float)
+    assert scored.outputs[0].cumulative_logprob == pytest.approx(chosen)
