@@ -8,12 +8,17 @@ source text travels to the engine core, which compiles it (engine/structured.py)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 # vLLM accepts seeds in the signed 64-bit range.
 MAX_SEED = 2**63 - 1
 # vLLM's count for logprobs and prompt_logprobs (and for --max-logprobs, the cap) that means the whole vocabulary
 ALL_LOGPROBS = -1
+# vLLM's _MAX_TEMP: a temperature above 0 and below it is raised to it (the logits would overflow)
+MIN_TEMPERATURE = 1e-2
 # vLLM's default max_logprobs (--max-logprobs, LLM(max_logprobs=...)): the most logprobs one position may ask for
 MAX_LOGPROBS = 20
 
@@ -132,8 +137,28 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        # vLLM's __post_init__ normalisations: a temperature in (0, 0.01) is raised to 0.01 (with its warning), seed
+        # -1 means no seed, None stands for an empty stop / stop_token_ids / bad_words list, True logprobs for 1
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. We have "
+                "maxed it out to %s.", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE,
+            )  # fmt: skip
+            self.temperature = MIN_TEMPERATURE
+        if self.seed == -1:
+            self.seed = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         if self.logit_bias:
             # vLLM's from_optional: keys become ints, biases are clamped to [-100, 100]
             try:

@@ -61,3 +61,19 @@ def test_output_fields_as_vllms(llm: LLM) -> None:
     chosen = sum(entry[token].logprob for entry, token in zip(entries, scored.outputs[0].token_ids, strict=True))
     assert isinstance(scored.outputs[0].cumulative_logprob, float)
     assert scored.outputs[0].cumulative_logprob == pytest.approx(chosen)
+
+
+def test_sampling_params_normalised_as_vllms(llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's SamplingParams.__post_init__: None is an empty stop / stop_token_ids / bad_words (TypeError here
+    before), seed -1 is no seed, logprobs=True is 1, and a temperature in (0, 0.01) is raised to 0.01 with a warning
+    (below that it sampled at the caller's temperature)."""
+    params = SamplingParams(stop=None, stop_token_ids=None, bad_words=None, seed=-1, logprobs=True,
+                            prompt_logprobs=True, max_tokens=2)  # fmt: skip
+    assert (params.stop, params.stop_token_ids, params.bad_words, params.seed) == ([], [], [], None)
+    assert params.logprobs == 1 and params.prompt_logprobs == 1 and type(params.logprobs) is int
+    (out,) = llm.generate("hello", params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2 and len(out.outputs[0].logprobs[0]) <= 2
+    with caplog.at_level("WARNING", logger="deltaserve.sampling_params"):
+        assert SamplingParams(temperature=0.001).temperature == 0.01
+    assert "maxed it out to 0.01" in caplog.text
+    assert SamplingParams(temperature=0.0).temperature == 0.0 and SamplingParams(seed=-2).seed == -2
