@@ -8,8 +8,11 @@ source text travels to the engine core, which compiles it (engine/structured.py)
 
 from __future__ import annotations
 
+import copy
+import enum
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +107,22 @@ class StructuredOutputsParams:
         return next(name for name in self.CONSTRAINTS if getattr(self, name) is not None)
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's RequestOutputKind. The offline LLM returns each request's final output whatever a request's
+    output_kind says, as vLLM's LLM does (its _add_request sets FINAL_ONLY)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings; field names and defaults follow vLLM's SamplingParams."""
+    """Per-request sampling settings; field names and defaults follow vLLM's SamplingParams.
+
+    detokenize=False: vLLM's; the outputs carry token ids and logprobs with no text ("", and decoded_token None),
+    and stop strings are refused. output_kind: vLLM's, see RequestOutputKind. extra_args: vLLM's free-form args for
+    custom sampling plugins, which no in-tree sampler reads (here neither). skip_clone: clone() copies shallowly."""
 
     n: int = 1
     presence_penalty: float = 0.0
@@ -135,6 +151,36 @@ class SamplingParams:
     # as written and with a leading space); the last token of a sequence is banned when the others precede it
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+    skip_clone: bool = False
+
+    @staticmethod
+    def from_optional(
+        n: int | None = 1,
+        presence_penalty: float | None = 0.0,
+        frequency_penalty: float | None = 0.0,
+        repetition_penalty: float | None = 1.0,
+        temperature: float | None = 1.0,
+        top_p: float | None = 1.0,
+        **kwargs: Any,
+    ) -> SamplingParams:
+        """vLLM's SamplingParams.from_optional: None for n, a penalty, temperature or top_p is its default; the
+        other keywords go to the constructor as given (which makes logit_bias keys ints and clamps the biases)."""
+        return SamplingParams(
+            n=1 if n is None else n,
+            presence_penalty=0.0 if presence_penalty is None else presence_penalty,
+            frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            **kwargs,
+        )
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy, a shallow one when skip_clone."""
+        return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
 
     def __post_init__(self) -> None:
         # vLLM's __post_init__ normalisations: a temperature in (0, 0.01) is raised to 0.01 (with its warning), seed
@@ -202,6 +248,10 @@ class SamplingParams:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+            )
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0 and self.prompt_logprobs != ALL_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:

@@ -258,3 +258,26 @@ class IncrementalDetokenizer:
             self._chunks[-1] = self._chunks[-1][:keep]
             self._num_chars = num_chars
         self._num_emitted_chars = min(self._num_emitted_chars, num_chars)
+
+
+class TokenIdsOnly:
+    """A sequence's detokenizer under SamplingParams(detokenize=False), as vLLM's base IncrementalDetokenizer: the
+    ids are kept and no text is made (text "", logprob candidates without decoded_token); no stop string is searched
+    (SamplingParams refuses stop strings without detokenize)."""
+
+    def __init__(self) -> None:
+        self.output_token_ids: list[int] = []
+
+    def add_tokens(self, token_ids: list[int], is_stop_terminated: bool = False) -> str | None:
+        self.output_token_ids.extend(token_ids)
+        return None
+
+    @property
+    def text(self) -> str:
+        return ""
+
+    def take_delta(self, is_finished: bool) -> str:
+        return ""
+
+    def decode_token(self, token_id: int, position: int | None = None) -> str | None:
+        return None

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deltaserve import env
 from deltaserve.config import ModelConfig
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
 from deltaserve.engine.generation_config import load_eos_token_ids, load_generation_defaults
 from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
@@ -283,7 +283,11 @@ class EngineFrontend:
             # would validate each child again on the event loop (n x a full-vocabulary logit_bias held it ~30 s).
             child = copy.copy(params)
             child.n, child.seed, child.logprobs, child.prompt_logprobs = 1, seed, logprobs, prompt_logprobs
-            detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
+            detokenizer = (
+                IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params)
+                if params.detokenize
+                else TokenIdsOnly()
+            )
             state.sequences.append(SequenceProgress(core_id, detokenizer))
             core_requests.append(
                 EngineCoreRequest(

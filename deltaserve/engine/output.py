@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
 from deltaserve.engine.protocol import EngineCoreOutput
 from deltaserve.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
 from deltaserve.engine.stats import RequestMetrics
@@ -31,7 +31,7 @@ def slice_prompt_logprobs(first: int, entries: tuple, num_reported: int) -> tupl
 @dataclass
 class SequenceProgress:
     core_id: str  # the core request this sequence is
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | TokenIdsOnly
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.engine.llm import LLM
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import RequestOutputKind, SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -77,3 +77,30 @@ def test_sampling_params_normalised_as_vllms(llm: LLM, caplog: pytest.LogCapture
         assert SamplingParams(temperature=0.001).temperature == 0.01
     assert "maxed it out to 0.01" in caplog.text
     assert SamplingParams(temperature=0.0).temperature == 0.0 and SamplingParams(seed=-2).seed == -2
+
+
+def test_vllms_other_sampling_keywords(llm: LLM) -> None:
+    """detokenize=False gives the same tokens with no text (vLLM's output processor drops the tokenizer: text "",
+    decoded_token None) and refuses stop strings as vLLM does; output_kind, extra_args and skip_clone are taken (the
+    offline LLM returns final outputs whatever output_kind says, as vLLM's sets FINAL_ONLY); clone() and
+    from_optional() are vLLM's. These keywords raised TypeError before."""
+    scored = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True, "logprobs": 1, "prompt_logprobs": 1}
+    (text,) = llm.generate("hello", SamplingParams(**scored), use_tqdm=False)
+    (ids_only,) = llm.generate("hello", SamplingParams(detokenize=False, **scored), use_tqdm=False)
+    assert ids_only.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert ids_only.outputs[0].text == "" and ids_only.outputs[0].finish_reason == "length"
+    assert all(lp.decoded_token is None for entry in ids_only.outputs[0].logprobs for lp in entry.values())
+    assert all(lp.decoded_token is None for entry in ids_only.prompt_logprobs[1:] for lp in entry.values())
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
+        SamplingParams(detokenize=False, stop=["x"])
+    kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+    params = [SamplingParams(output_kind=kind, extra_args={"plugin": 1}, **scored) for kind in kinds]
+    assert tokens(llm.generate(["hello"] * 3, params, use_tqdm=False)) == tokens([text]) * 3
+    original = SamplingParams(stop=["a"], logit_bias={"5": 300})
+    deep, shallow = original.clone(), SamplingParams(stop=["a"], skip_clone=True).clone()
+    assert deep == original and deep.stop is not original.stop and deep.logit_bias == {5: 100.0}
+    assert shallow.stop == ["a"] and shallow.skip_clone
+    optional = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None, top_k=5)
+    assert (optional.n, optional.temperature, optional.top_p, optional.presence_penalty, optional.top_k) == (
+        1, 1.0, 1.0, 0.0, 5,
+    )  # fmt: skip
