@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.request import CompletionOutput, RequestOutput
-from deltaserve.sampling_params import BeamSearchParams, SamplingParams
+from deltaserve.engine.request import CompletionOutput, RequestOutput, TextPrompt, TokensPrompt
+from deltaserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -25,4 +25,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]

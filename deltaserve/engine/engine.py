@@ -100,6 +100,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.core.has_unfinished()
 
+    # vLLM's LLMEngine names, as scripts reach them through LLM.llm_engine
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def has_unfinished_requests(self) -> bool:
+        return self.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's count: each unfinished sequence (the n of a request are n requests in vLLM's engine)."""
+        return sum(not seq.is_finished for state in self.requests.values() for seq in state.sequences)
+
     def step(self) -> list[RequestOutput]:
         """One core step's outputs; raises RequestError naming the request when the core failed one (after
         aborting all of that request's sequences)."""

@@ -73,6 +73,12 @@ class LLM(UnsupportedOfflineMethods):
         self._requests = OfflineRequests(self.engine, max_logprobs)
         self.log_stats = not disable_log_stats
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's LLM.llm_engine: the engine (get_tokenizer(), has_unfinished_requests(),
+        get_num_unfinished_requests() under vLLM's names)."""
+        return self.engine
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 

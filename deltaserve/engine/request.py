@@ -8,8 +8,26 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any, NotRequired, TypedDict
 
 from deltaserve.engine.stats import RequestMetrics
+
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt (a plain dict at run time): a text prompt for LLM.generate."""
+
+    prompt: str
+    multi_modal_data: NotRequired[dict[str, Any] | None]
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's TokensPrompt (a plain dict at run time): a prompt of token ids, its text optional."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any] | None]
+    cache_salt: NotRequired[str]
 
 
 class FinishReason(enum.StrEnum):

@@ -104,3 +104,22 @@ def test_vllms_other_sampling_keywords(llm: LLM) -> None:
     assert (optional.n, optional.temperature, optional.top_p, optional.presence_penalty, optional.top_k) == (
         1, 1.0, 1.0, 0.0, 5,
     )  # fmt: skip
+
+
+def test_vllms_names_for_the_engine_and_prompts(llm: LLM) -> None:
+    """`from vllm import TokensPrompt, TextPrompt` and `llm.llm_engine.get_tokenizer()` as vLLM scripts write them."""
+    from deltaserve import RequestOutputKind as Kind
+    from deltaserve import TextPrompt, TokensPrompt
+
+    assert Kind is RequestOutputKind
+    prompts = [TokensPrompt(prompt_token_ids=IDS[0]), TextPrompt(prompt="hello")]
+    assert prompts[0] == {"prompt_token_ids": IDS[0]}
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert outputs[0].prompt_token_ids == IDS[0] and outputs[1].prompt == "hello"
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.get_tokenizer()
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    llm.enqueue(IDS[0], SamplingParams(n=2, max_tokens=2, seed=1), use_tqdm=False)
+    assert engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 2  # vLLM counts the n
+    assert len(llm.wait_for_completion(use_tqdm=False)[0].outputs) == 2
+    assert engine.get_num_unfinished_requests() == 0
