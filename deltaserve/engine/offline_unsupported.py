@@ -2,8 +2,12 @@
 fails at that call with a NotImplementedError naming the method and why, not with an AttributeError.
 
 sleep / wake_up (vLLM offloads or discards weights and KV cache, or pauses scheduling), collective_rpc / apply_model
-(vLLM runs a function in every worker process on the live model) and start_profile / stop_profile (vLLM's profiler
-per worker, configured by profiler_config). The LLM inherits these.
+(vLLM runs a function in every worker process on the live model), start_profile / stop_profile (vLLM's profiler
+per worker, configured by profiler_config) and vLLM's RL weight-transfer methods (init_weight_transfer_engine,
+start_weight_update, start_draft_weight_update, update_weights, finish_weight_update). The LLM inherits these.
+
+The pooling methods (encode, embed, classify, score) raise the ValueError vLLM raises for a generative model, whose
+runner is not "pooling": deltaserve runs these models as generative ones only.
 """
 
 from __future__ import annotations
@@ -14,6 +18,15 @@ from typing import Any, NoReturn
 
 def refuse(method: str, why: str) -> NoReturn:
     raise NotImplementedError(f"LLM.{method}: deltaserve does not implement it ({why})")
+
+
+def refuse_pooling(method: str) -> NoReturn:
+    """vLLM's error for a pooling method of a generative model (encode, embed and classify say LLM.encode(), as
+    vLLM's, which run through it)."""
+    raise ValueError(
+        f"LLM.{method}() is only supported for pooling models. deltaserve runs the model as a generative model "
+        "only (no pooling runner)."
+    )
 
 
 class UnsupportedOfflineMethods:
@@ -43,3 +56,66 @@ class UnsupportedOfflineMethods:
 
     def stop_profile(self) -> None:
         refuse("stop_profile", "no engine profiler")
+
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        refuse("init_weight_transfer_engine", "no weight transfer: the weights are loaded once, from the checkpoint")
+
+    def start_weight_update(self) -> None:
+        refuse("start_weight_update", "no weight transfer")
+
+    def start_draft_weight_update(self) -> None:
+        refuse("start_draft_weight_update", "no weight transfer")
+
+    def update_weights(self, request: Any) -> None:
+        refuse("update_weights", "no weight transfer")
+
+    def finish_weight_update(self) -> None:
+        refuse("finish_weight_update", "no weight transfer")
+
+    def encode(
+        self,
+        prompts: Any,
+        pooling_params: Any = None,
+        *,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
+        pooling_task: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        refuse_pooling("encode")
+
+    def embed(
+        self,
+        prompts: Any,
+        *,
+        use_tqdm: Any = True,
+        pooling_params: Any = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        refuse_pooling("encode")
+
+    def classify(
+        self,
+        prompts: Any,
+        *,
+        pooling_params: Any = None,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        refuse_pooling("encode")
+
+    def score(
+        self,
+        data_1: Any,
+        data_2: Any,
+        /,
+        *,
+        use_tqdm: Any = True,
+        pooling_params: Any = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> list[Any]:
+        refuse_pooling("score")

@@ -4,7 +4,8 @@
 Enqueued requests run only when waited for and give generate's / chat's tokens; the request ids are vLLM's counter
 strings and the outputs come back ordered by their numeric value; a generate() after enqueue() returns the enqueued
 outputs too, first (vLLM's _run_engine returns every finished request); a refused call adds nothing. Also the rest
-of vLLM's offline surface: get_world_size, reset_mm_cache (nothing to clear) and the methods refused by name.
+of vLLM's offline surface: get_world_size, reset_mm_cache (nothing to clear), the methods refused by name and the
+pooling methods, refused with vLLM's ValueError for a generative model.
 """
 
 from __future__ import annotations
@@ -159,8 +160,29 @@ def test_world_size_and_mm_cache(llm: LLM) -> None:
         ("apply_model", lambda llm: llm.apply_model(lambda model: model)),
         ("start_profile", lambda llm: llm.start_profile()),
         ("stop_profile", lambda llm: llm.stop_profile()),
+        ("init_weight_transfer_engine", lambda llm: llm.init_weight_transfer_engine({"init_info": {}})),
+        ("start_weight_update", lambda llm: llm.start_weight_update()),
+        ("start_draft_weight_update", lambda llm: llm.start_draft_weight_update()),
+        ("update_weights", lambda llm: llm.update_weights({"update_info": {}})),
+        ("finish_weight_update", lambda llm: llm.finish_weight_update()),
     ],
 )
 def test_unimplemented_methods_refused_by_name(llm: LLM, method: str, call) -> None:  # noqa: ANN001
     with pytest.raises(NotImplementedError, match=rf"LLM\.{method}: deltaserve does not implement it"):
         call(llm)
+
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("encode", lambda llm: llm.encode(PROMPTS, pooling_task="embed")),
+        ("encode", lambda llm: llm.embed(PROMPTS)),
+        ("encode", lambda llm: llm.classify(PROMPTS[0])),
+        ("score", lambda llm: llm.score("a", ["b", "c"])),
+    ],
+)
+def test_pooling_methods_refused_as_vllm_refuses_them(llm: LLM, method: str, call) -> None:  # noqa: ANN001
+    """vLLM's ValueError for a pooling method of a generative model (embed and classify run through encode)."""
+    with pytest.raises(ValueError, match=rf"LLM\.{method}\(\) is only supported for pooling models"):
+        call(llm)
+    assert_idle(llm)
