@@ -40,7 +40,10 @@ def progress_bar(use_tqdm: UseTqdm, iterable: Any = None, **kwargs: Any) -> Any:
 
 
 def check_no_lora(lora_request: Any) -> None:
-    """vLLM's lora_request keyword, as generate, chat and beam_search take it: None runs, anything else is refused."""
+    """vLLM's lora_request keyword, as generate, chat and beam_search take it: None (or vLLM's per-prompt list of
+    them) runs, anything else is refused."""
+    if isinstance(lora_request, list | tuple) and all(item is None for item in lora_request):
+        return
     if lora_request is not None:
         raise ValueError("lora_request: deltaserve serves no LoRA adapters")
 
@@ -124,13 +127,17 @@ class OfflineRequests:
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )
         if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+            raise ValueError(
+                f"The lengths of prompts ({len(prompts)}) and params ({len(params_list)}) must be the same."
+            )
         if priority is None or isinstance(priority, int):
             priorities = [priority or 0] * len(prompts)
         else:
             priorities = list(priority)
         if len(priorities) != len(prompts):
-            raise ValueError("The lengths of prompts and priority must be the same.")
+            raise ValueError(
+                f"The lengths of prompts ({len(prompts)}) and priority ({len(priorities)}) must be the same."
+            )
         for value in priorities:
             check_priority(value, self.engine.config.scheduling_policy)
         for params in params_list:

@@ -92,7 +92,11 @@ def test_enqueue_chat_equals_chat(llm: LLM) -> None:
         (lambda llm: llm.enqueue(PROMPTS, GREEDY, lora_request=object()), "lora_request"),
         (lambda llm: llm.enqueue(PROMPTS, GREEDY, tokenization_kwargs={"truncation": True}), "tokenization_kwargs"),
         (lambda llm: llm.enqueue(PROMPTS, GREEDY, mm_processor_kwargs={"fps": 1}), "mm_processor_kwargs"),
-        (lambda llm: llm.enqueue(PROMPTS, [GREEDY]), "sampling params"),
+        (
+            lambda llm: llm.enqueue(PROMPTS, [GREEDY]),
+            r"^The lengths of prompts \(3\) and params \(1\) must be the same\.$",
+        ),
+        (lambda llm: llm.enqueue(PROMPTS, GREEDY, lora_request=[None, object(), None]), "lora_request"),
         (lambda llm: llm.enqueue(PROMPTS, GREEDY, priority=[1, 2, 3]), "priority"),
         (lambda llm: llm.enqueue(PROMPTS, SamplingParams(logprobs=500)), "logprobs"),
         # the engine refuses the second prompt after the first was added: the first goes too

@@ -123,3 +123,10 @@ def test_vllms_names_for_the_engine_and_prompts(llm: LLM) -> None:
     assert engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 2  # vLLM counts the n
     assert len(llm.wait_for_completion(use_tqdm=False)[0].outputs) == 2
     assert engine.get_num_unfinished_requests() == 0
+
+
+def test_per_prompt_lora_list_of_none_runs(llm: LLM) -> None:
+    """vLLM takes lora_request as one per prompt; a list of None asks for no adapter and runs."""
+    outputs = llm.generate(IDS, GREEDY, use_tqdm=False, lora_request=[None, None])
+    assert [o.prompt_token_ids for o in outputs] == IDS
+    assert len(llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, lora_request=(None,))) == 1

@@ -18,7 +18,7 @@ def test_priority_orders_the_offline_batch(tiny_dense: Path) -> None:
     started = sorted(range(4), key=lambda i: outputs[i].metrics.first_scheduled_time)
     assert started == [1, 3, 2, 0]  # lower value first, ties by arrival
     for mismatched in ([1], []):  # vLLM's test_multiple_priority: an empty list is refused too
-        with pytest.raises(ValueError, match="The lengths of prompts and priority must be the same"):
+        with pytest.raises(ValueError, match=r"The lengths of prompts \(2\) and priority \(\d\) must be the same\."):
             llm.generate(["a", "b"], params, use_tqdm=False, priority=mismatched)
     # one value for every prompt, and a single prompt with a one-item list (vLLM's test_single_prompt_priority)
     assert len(llm.generate(["a", "b"], params, use_tqdm=False, priority=1)) == 2
