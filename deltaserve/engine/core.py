@@ -155,6 +155,7 @@ class EngineCore:
             request.max_tokens,
             sampling=request.sampling,
             eos_token_ids=request.eos_token_ids,
+            eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             mm_input=request.mm_input,
             logits_chunks=request.logits_chunks,

@@ -300,6 +300,7 @@ class EngineFrontend:
                     mm_input,
                     priority=priority,
                     cache_salt=cache_salt,
+                    eos_token_id=self.tokenizer.eos_token_id,
                 )
             )
         self.processor.add(state)

@@ -29,6 +29,9 @@ class EngineCoreRequest:
     priority: int = 0  # under --scheduling-policy priority: lower first (0 otherwise; the front end checks)
     # vLLM's per-request prefix-cache salt: only requests with the same salt (or none) share cached prefixes
     cache_salt: str | None = None
+    # the tokenizer's eos, vLLM's primary one: it ends a sequence with no stop_reason, the other eos_token_ids
+    # (generation_config's) with their id, as vLLM adds those to stop_token_ids (None: every eos is primary)
+    eos_token_id: int | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ class Sequence:
     max_tokens: int  # output-token cap (already bounded by max_model_len)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: frozenset[int] = frozenset()
+    eos_token_id: int | None = None  # the primary one of eos_token_ids (EngineCoreRequest.eos_token_id)
     arrival_index: int = 0  # FCFS order; preempted sequences keep theirs
     arrival_time: float = 0.0
     priority: int = 0  # --scheduling-policy priority: a lower value is scheduled first (vLLM's convention)

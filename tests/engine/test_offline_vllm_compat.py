@@ -130,3 +130,24 @@ def test_per_prompt_lora_list_of_none_runs(llm: LLM) -> None:
     outputs = llm.generate(IDS, GREEDY, use_tqdm=False, lora_request=[None, None])
     assert [o.prompt_token_ids for o in outputs] == IDS
     assert len(llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, lora_request=(None,))) == 1
+
+
+def test_stop_reason_of_each_eos_as_vllms(llm: LLM) -> None:
+    """vLLM stops on the tokenizer's eos with stop_reason None and on generation_config's other eos ids as stop token
+    ids, whose stop_reason is the id (update_from_generation_config adds them to stop_token_ids); a stop token id's
+    stop_reason is the id, a stop string's the string, max_tokens' None with finish_reason "length"."""
+    tokenizer = llm.get_tokenizer()
+    primary, end_of_text = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert primary != end_of_text and end_of_text in llm.engine.eos_token_ids  # generation_config's [im_end, eot]
+
+    def finish(**params: object) -> tuple:
+        (out,) = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=4, **params), use_tqdm=False)
+        return out.outputs[0].finish_reason, out.outputs[0].stop_reason, out.outputs[0].token_ids, out.outputs[0].text
+
+    assert finish(logit_bias={primary: 100}) == ("stop", None, [primary], "")
+    assert finish(logit_bias={end_of_text: 100}) == ("stop", end_of_text, [end_of_text], "")
+    assert finish(logit_bias={end_of_text: 100}, ignore_eos=True)[:2] == ("length", None)
+    first = finish(ignore_eos=True)[2][0]
+    assert finish(stop_token_ids=[first]) == ("stop", first, [first], "")
+    word = tokenizer.decode([first])
+    assert finish(stop=[word], include_stop_str_in_output=True)[:2] == ("stop", word)
