@@ -48,6 +48,7 @@ from deltaserve.sampling_params import (
     SamplingParams,
 )
 from deltaserve.speculative_config import SpeculativeConfig
+from deltaserve.vllm_flags import check_engine_kwargs
 
 
 class LLM(UnsupportedOfflineMethods):
@@ -64,10 +65,14 @@ class LLM(UnsupportedOfflineMethods):
         validates it (deltaserve/speculative_config.py): the model is built with its MTP layer and that layer's KV.
         max_logprobs: vLLM's cap on a request's logprobs and prompt_logprobs (-1: the vocabulary), as the server's
         --max-logprobs. disable_log_stats: vLLM's, True by default offline as in vLLM; False keeps the metrics that
-        get_metrics() returns."""
+        get_metrics() returns. engine_kwargs: EngineConfig's fields (vLLM's EngineArgs names), and vLLM's others as
+        `deltaserve serve` takes their flags (vllm_flags.py: logged, or refused by name)."""
         if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < ALL_LOGPROBS:
             raise ValueError(f"max_logprobs must be -1 (no cap: the vocabulary) or more, got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
+        # vLLM's engine keywords deltaserve does not implement (trust_remote_code, swap_space, ...): refused or logged
+        # as the server's flags of those names are (vllm_flags.py); EngineConfig takes the rest
+        engine_kwargs = check_engine_kwargs(engine_kwargs)
         config = EngineConfig(model=str(model), dtype=dtype, speculative_config=speculative_config, **engine_kwargs)
         self.engine = LLMEngine(config)
         self._requests = OfflineRequests(self.engine, max_logprobs)

@@ -151,3 +151,21 @@ def test_stop_reason_of_each_eos_as_vllms(llm: LLM) -> None:
     assert finish(stop_token_ids=[first]) == ("stop", first, [first], "")
     word = tokenizer.decode([first])
     assert finish(stop=[word], include_stop_str_in_output=True)[:2] == ("stop", word)
+
+
+def test_vllms_engine_keywords_as_the_servers_flags(caplog: pytest.LogCaptureFixture) -> None:
+    """LLM(model, trust_remote_code=True, ...) as vLLM scripts build it: the keywords of the server's vLLM flags that
+    deltaserve does not implement are logged or refused by name, by the same table (vllm_flags.py); they raised
+    TypeError. A name vLLM does not have either is still a TypeError."""
+    settings = {"dtype": "float32", "device": "cpu", "max_model_len": 64, "max_num_seqs": 1}
+    with caplog.at_level("INFO", logger="deltaserve.vllm_flags"):
+        llm = LLM(trained_model_dir("dense"), trust_remote_code=True, swap_space=4, enable_chunked_prefill=True,
+                  kv_cache_dtype="auto", tokenizer_mode="auto", hf_overrides=None, **settings)  # fmt: skip
+    assert "ignoring trust_remote_code=True" in caplog.text and "ignoring swap_space=4" in caplog.text
+    assert len(llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    for keyword, value in (("hf_overrides", {"num_hidden_layers": 1}), ("tokenizer_mode", "mistral"),
+                           ("enable_lora", True), ("skip_tokenizer_init", True)):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{keyword}=.*: not supported by deltaserve"):
+            LLM(trained_model_dir("dense"), **{keyword: value}, **settings)
+    with pytest.raises(TypeError, match="no_such_engine_arg"):
+        LLM(trained_model_dir("dense"), no_such_engine_arg=1, **settings)
