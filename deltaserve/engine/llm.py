@@ -172,7 +172,9 @@ class LLM(UnsupportedOfflineMethods):
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: the offline LLM.chat takes text messages only")
         check_no_overrides(tokenization_kwargs, None)
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        # vLLM's conversation_to_seq: a non-empty list of message dicts is one conversation, anything else a list of
+        # them (so [] is no conversation, and an empty result)
+        conversations = [messages] if messages and all(isinstance(m, dict) for m in messages) else messages
         prompts: list[PromptType] = []
         for conversation in conversations:
             text, token_ids = chat_prompt(

@@ -169,3 +169,13 @@ def test_vllms_engine_keywords_as_the_servers_flags(caplog: pytest.LogCaptureFix
             LLM(trained_model_dir("dense"), **{keyword: value}, **settings)
     with pytest.raises(TypeError, match="no_such_engine_arg"):
         LLM(trained_model_dir("dense"), no_such_engine_arg=1, **settings)
+
+
+def test_chat_takes_vllms_conversation_forms(llm: LLM) -> None:
+    """vLLM's conversation_to_seq: one conversation (a list of message dicts), a list or tuple of them, or [] (no
+    conversation: an empty result, where a ValueError was raised)."""
+    conversation = [{"role": "user", "content": "hi"}]
+    assert llm.chat([], GREEDY, use_tqdm=False) == []
+    (one,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    both = llm.chat((conversation, conversation), GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in both] == [one.prompt_token_ids] * 2
