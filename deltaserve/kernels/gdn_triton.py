@@ -706,21 +706,22 @@ def scan_launch(
 
 
 def warmup_probes(
-    num_v_heads: int, head_v_dim: int, num_sms: int, max_num_seqs: int, max_num_tokens: int
+    num_v_heads: int, head_v_dim: int, num_sms: int, max_num_seqs: int, max_num_tokens: int, max_seq_len: int
 ) -> list[tuple[int, ...]]:
     """The prefill calls (their sequence lengths) the start-up warm-up adds to its one-sequence prefills so that every
     configuration scan_launch can pick compiles before serving: the fewest sequences past two waves, of equal length
     (SCAN_MANY), and at least three, one long beside one-token ones (SCAN_FEW with many programs); each of at most
-    max_num_tokens rows, the first sequence two chunks where that fits (so an in-step checkpoint can be saved in it,
-    the scan's HAS_CKPT variant); none that needs more than max_num_seqs sequences (no served call could pick it)."""
+    max_num_tokens rows, no sequence past max_seq_len, the first sequence two chunks where that fits (so an in-step
+    checkpoint can be saved in it, the scan's HAS_CKPT variant); none that needs more than max_num_seqs sequences
+    (no served call could pick it)."""
     per_seq = num_v_heads * triton.cdiv(head_v_dim, SCAN_FEW[0])
     num_even = 2 * num_sms // per_seq + 1
     num_uneven = max(num_even, 3)
     candidates = []
     if num_even <= max_num_seqs and max_num_tokens >= num_even:
-        candidates.append(((min(2 * CHUNK, max_num_tokens // num_even),) * num_even, SCAN_MANY))
+        candidates.append(((min(2 * CHUNK, max_num_tokens // num_even, max_seq_len),) * num_even, SCAN_MANY))
     if num_uneven <= max_num_seqs and max_num_tokens >= num_uneven:
-        first = min(2 * CHUNK, max_num_tokens - (num_uneven - 1))
+        first = min(2 * CHUNK, max_num_tokens - (num_uneven - 1), max_seq_len)
         candidates.append(((first,) + (1,) * (num_uneven - 1), SCAN_FEW))
     # a probe too small to pick its configuration (a step budget of a few rows) would only repeat another's
     return [

@@ -84,14 +84,15 @@ def lengths_plan(
 
 
 def scan_probes(
-    model: Qwen35Model, device: torch.device, max_num_seqs: int, max_num_tokens: int
+    model: Qwen35Model, device: torch.device, max_num_seqs: int, max_num_tokens: int, max_seq_len: int
 ) -> list[tuple[int, ...]]:
     """The several-sequence prefills that compile the GDN scan's other launch configurations
     (kernels/gdn_triton.py warmup_probes; the one-sequence prefills compile the rest): none without GDN layers."""
     if all(layer.is_full_attention for layer in model.layers):
         return []
     gdn = first_gdn_layer(model)
-    return gdn_triton.warmup_probes(gdn.num_v_heads, gdn.head_v_dim, sm_count(device), max_num_seqs, max_num_tokens)
+    num_sms = sm_count(device)
+    return gdn_triton.warmup_probes(gdn.num_v_heads, gdn.head_v_dim, num_sms, max_num_seqs, max_num_tokens, max_seq_len)
 
 
 def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, max_num_seqs: int) -> int:
@@ -112,7 +113,7 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     if uses_flashinfer(runner.gdn_prefill_backend):  # both of FlashInfer's kernels compile here, not in a served step
         gdn = first_gdn_layer(runner.model)
         gdn_flashinfer.warm_up(gdn.num_k_heads, gdn.head_k_dim, gdn.A_log, gdn.dt_bias)
-    probes = scan_probes(runner.model, runner.device, max_num_seqs, num_tokens)
+    probes = scan_probes(runner.model, runner.device, max_num_seqs, num_tokens, max_seq_len)
     max_seqs = max([-(-num_tokens // max_seq_len)] + [len(lengths) for lengths in probes])
     # with the prefix cache, one more slot: the in-step checkpoint of each step's first sequence (warmup_plan)
     checkpoint_slot = max_seqs if runner.engine_config.enable_prefix_caching else None
@@ -122,8 +123,7 @@ def profile_peak_bytes(runner: ModelRunner, num_tokens: int, max_seq_len: int, m
     layout = CacheLayout(num_blocks, runner.block_size, num_slots, 0, 0)
     allocate_and_bind(runner.model, runner.model_config, layout, runner.dtype, runner.device)
     saved_table, saved_spec = getattr(runner, "table", None), runner.spec
-    max_len = max([max_seq_len] + [max(lengths) for lengths in probes])
-    runner.table = RequestTable(max_seqs, -(-max_len // runner.block_size), runner.vocab_size, runner.device)
+    runner.table = RequestTable(max_seqs, -(-max_seq_len // runner.block_size), runner.vocab_size, runner.device)
     speculative = runner.engine_config.speculative_config
     runner.spec = None  # the runner's own SpecDecoder (none yet at start-up) is not the warm-up's
     if speculative is not None:  # the drafter after every prefill; one verify chunk of scratch (none runs here)

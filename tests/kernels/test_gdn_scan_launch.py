@@ -44,17 +44,22 @@ def test_the_rule_at_the_served_shapes() -> None:
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(("max_num_seqs", "max_num_tokens"), [(256, 8192), (8, 2048), (2, 8192), (3, 256), (4, 6)])
+@pytest.mark.parametrize(
+    ("max_num_seqs", "max_num_tokens", "max_seq_len"),
+    [(256, 8192, 4096), (8, 2048, 2048), (2, 8192, 8192), (3, 256, 256), (4, 6, 6), (8, 2048, 100)],
+)
 def test_warmup_probes_compile_whatever_a_served_call_can_pick(
-    shape: str, max_num_seqs: int, max_num_tokens: int
+    shape: str, max_num_seqs: int, max_num_tokens: int, max_seq_len: int
 ) -> None:
-    """Every configuration a served prefill call can pick (random calls of up to max_num_seqs sequences and
-    max_num_tokens rows) is picked by a one-sequence prefill or one of the warm-up's probes."""
+    """Every configuration a served prefill call can pick (random calls of up to max_num_seqs sequences of at most
+    max_seq_len and max_num_tokens rows in all) is picked by a one-sequence prefill or one of the warm-up's probes;
+    no probe is longer than a sequence may be."""
     hv, dv = SHAPES[shape]
-    probes = warmup_probes(hv, dv, SMS, max_num_seqs, max_num_tokens)
+    probes = warmup_probes(hv, dv, SMS, max_num_seqs, max_num_tokens, max_seq_len)
     for lengths in probes:
         assert len(lengths) <= max_num_seqs and sum(lengths) <= max_num_tokens and min(lengths) >= 1, lengths
-    compiled = {scan_launch(1, n, n, hv, dv, SMS) for n in (1, max_num_tokens)}
+        assert max(lengths) <= max_seq_len, lengths
+    compiled = {scan_launch(1, n, n, hv, dv, SMS) for n in (1, min(max_num_tokens, max_seq_len))}
     compiled |= {scan_launch(len(ls), sum(ls), max(ls), hv, dv, SMS) for ls in probes}
     rng = random.Random(0)
     for _ in range(2000):
@@ -65,9 +70,11 @@ def test_warmup_probes_compile_whatever_a_served_call_can_pick(
             cuts = sorted(rng.sample(range(1, total), num_seqs - 1))
             lengths = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
         elif kind == "equal":
-            lengths = [total // num_seqs] * num_seqs
+            lengths = [min(total // num_seqs, max_seq_len)] * num_seqs
         else:
-            lengths = [total - num_seqs + 1] + [1] * (num_seqs - 1)
+            lengths = [min(total - num_seqs + 1, max_seq_len)] + [1] * (num_seqs - 1)
+        if max(lengths) > max_seq_len:
+            continue  # no served call holds a sequence past max_model_len
         picked = scan_launch(num_seqs, sum(lengths), max(lengths), hv, dv, SMS)
         assert picked in compiled, f"{shape}: {num_seqs} sequences {lengths[:8]}... pick {picked}, compiled {compiled}"
 
@@ -75,11 +82,11 @@ def test_warmup_probes_compile_whatever_a_served_call_can_pick(
 def test_the_probes_carry_a_checkpoint_where_the_budget_allows() -> None:
     """The first sequence of each probe is two GDN chunks long where the step budget allows, so a probe run with an
     in-step checkpoint compiles the scan's HAS_CKPT variant of its configuration (runner/warmup.py)."""
-    probes = warmup_probes(32, 128, SMS, 256, 8192)
+    probes = warmup_probes(32, 128, SMS, 256, 8192, 4096)
     assert [len(p) for p in probes] == [3, 3], probes  # 3 x 128 programs pass 264; three for the uneven one too
     assert all(p[0] == 2 * gdn_triton.CHUNK for p in probes)
     assert probes[0] == (128, 128, 128) and probes[1] == (128, 1, 1)
-    assert warmup_probes(32, 128, SMS, 2, 8192) == []  # two sequences never pass two waves: nothing to compile
+    assert warmup_probes(32, 128, SMS, 2, 8192, 4096) == []  # two sequences never pass two waves: nothing to compile
 
 
 def _prefill_case(lengths: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
