@@ -20,12 +20,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from deltaserve.engine import metrics_snapshot as snapshot
-from deltaserve.engine.metrics_snapshot import ENGINE_INDEX, FINISH_REASONS, LABELS, PROMPT_SOURCES
+from deltaserve.engine.metrics_snapshot import ENGINE_INDEX, LABELS, PROMPT_SOURCES
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import RequestMetrics
 
@@ -41,6 +50,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)  # fmt: skip
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+# vLLM's FinishReason strings (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS): vllm:request_success has a series for
+# each from the start, so error and repetition read 0 rather than being absent.
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # vLLM's help strings (vllm/v1/metrics/loggers.py) of the engine series that engine/metrics_snapshot.py names
 ENGINE_HELP = {
     "vllm:num_requests_running": "Requests in the running batch.",
@@ -187,7 +199,7 @@ class ServerMetrics:
         self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Cached prompt tokens (local + external).")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
-        for reason in FINISH_REASONS:
+        for reason in VLLM_FINISH_REASONS:
             self.request_success.labels(*self.label_values, reason)
         unused = (("vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens."),
                   ("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens."),
@@ -225,6 +237,11 @@ class ServerMetrics:
         self.request_params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens parameter.",
                                                    token_buckets)  # fmt: skip
         self.registry.register(EngineStatsCollector(engine, model_name))
+        # vLLM's /metrics is prometheus_client's default registry (one API server), which carries the process_*,
+        # python_gc_* and python_info families next to the vllm:* ones.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -328,6 +345,8 @@ class RequestTracker:
         if decode is None:
             decode = _elapsed(self.first_output, self.last_output)
         num_seq_tokens = max(self.seq_tokens.values(), default=0)
-        if decode is not None and num_seq_tokens > 1:
-            metrics.tpot.labels(*labels).observe(decode / (num_seq_tokens - 1))
+        # vLLM observes every finished request, 0 when there is no decode (one token or less: FinishedRequestStats'
+        # mean_time_per_output_token), so the histogram counts what vllm:e2e_request_latency_seconds counts
+        tpot = decode / (num_seq_tokens - 1) if decode is not None and num_seq_tokens > 1 else 0.0
+        metrics.tpot.labels(*labels).observe(tpot)
         self._observe_phases()

@@ -118,3 +118,29 @@ def test_prefix_cache_and_prompt_sources(http: httpx.Client, fake_engine: FakeEn
     assert delta(computed, computed + "_sum") == num_prompt - 2
     tpot = "vllm:request_time_per_output_token_seconds"
     assert delta(tpot, tpot + "_count") == 1
+
+
+def test_request_success_has_every_vllm_finish_reason(http: httpx.Client) -> None:
+    """vLLM creates vllm:request_success_total for each FinishReason (stop, length, abort, error, repetition)."""
+    success = "vllm:request_success"
+    for reason in ("stop", "length", "abort", "error", "repetition"):
+        assert value(scrape(http), success, success + "_total", finished_reason=reason) >= 0
+
+
+def test_process_and_python_families_are_exported(http: httpx.Client) -> None:
+    """vLLM's /metrics is prometheus_client's default registry: process_*, python_gc_* and python_info with it."""
+    families = scrape(http)
+    assert families["process_resident_memory_bytes"]["type"] == "gauge"
+    assert families["process_cpu_seconds"]["type"] == "counter"
+    assert families["python_gc_collections"]["type"] == "counter"
+    assert families["python_info"]["type"] == "gauge"
+
+
+def test_time_per_output_token_counts_one_token_requests(http: httpx.Client) -> None:
+    """vLLM observes mean_time_per_output_token for every finished request, 0 when it made one token."""
+    tpot = "vllm:request_time_per_output_token_seconds"
+    before = scrape(http)
+    http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1})
+    after = scrape(http)
+    assert value(after, tpot, tpot + "_count") - value(before, tpot, tpot + "_count") == 1
+    assert value(after, tpot, tpot + "_sum") == value(before, tpot, tpot + "_sum")
