@@ -10,8 +10,9 @@
 
 Text before the first call stays content (less the whitespace that separates it from the call, which
 the template adds back); text after it is dropped (the template tells the model to add no
-suffix, and vLLM's parser drops it too). A value is converted with the tool's JSON-schema type (integer, number,
-boolean, object, array, null) and is a string otherwise. The parser is incremental: a call's id and name go out
+suffix, and vLLM's parser drops it too). A value is converted by the tool's JSON-schema types as vLLM 0.26's
+coerce_to_schema_type does (convert_value); a parameter the schema does not describe stays a string.
+The parser is incremental: a call's id and name go out
 as soon as `<function=NAME>` is complete, then one arguments fragment per finished parameter, then the closing
 brace; the fragments concatenate to json.dumps of the arguments. finish() completes a call cut off by the
 length limit.
@@ -19,8 +20,9 @@ length limit.
 
 from __future__ import annotations
 
-import ast
+import contextlib
 import json
+import math
 import uuid
 from typing import Any
 
@@ -33,64 +35,84 @@ FUNCTION_END = "</function>"
 PARAMETER_PREFIX = "<parameter="
 PARAMETER_END = "</parameter>"
 
-STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
-INTEGER_TYPES = {"integer", "int"}
-NUMBER_TYPES = {"number", "float", "num", "double"}
-BOOLEAN_TYPES = {"boolean", "bool", "binary"}
-JSON_TYPES = {"object", "array", "dict", "list"}
+# vLLM's tool_parsers/utils.py _TYPE_ALIASES: a schema type's other spellings
+TYPE_ALIASES = {
+    "str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
+    "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
+    "uint64": "integer", "long": "integer", "short": "integer", "unsigned": "integer",
+    "float": "number", "float32": "number", "float64": "number", "double": "number",
+    "bool": "boolean", "dict": "object", "arr": "array", "list": "array", "sequence": "array",
+}  # fmt: skip
+ENUM_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+              (dict, "object"))  # fmt: skip
 
 
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _schema_types(schema: dict[str, Any] | None) -> set[str]:
-    if not isinstance(schema, dict):
-        return set()
+def _schema_types(schema: dict[str, Any]) -> set[str]:
+    """vLLM's extract_types_from_schema: `type`, the enum values' types, anyOf / oneOf / allOf; "string" if none."""
+    types: set[str] = set()
     kind = schema.get("type")
-    types = (
-        {kind}
-        if isinstance(kind, str)
-        else {t for t in kind if isinstance(t, str)}
-        if isinstance(kind, list)
-        else set()
-    )
-    for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
-            types |= _schema_types(sub)
-    return {t.lower() for t in types}
+    if isinstance(kind, str):
+        types.add(kind)
+    elif isinstance(kind, list):
+        types |= {t for t in kind if isinstance(t, str)}
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        for value in enum:
+            types.add("null" if value is None else next((t for cls, t in ENUM_TYPES if isinstance(value, cls)), ""))
+    for key in ("anyOf", "oneOf", "allOf"):
+        choices = schema.get(key)
+        if isinstance(choices, list):
+            for sub in choices:
+                types |= _schema_types(sub) if isinstance(sub, dict) else {"string"}
+    types.discard("")
+    return types or {"string"}
+
+
+def _is_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_is_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_is_finite(v) for v in value.values())
+    return True
 
 
 def convert_value(raw: str, schema: dict[str, Any] | None) -> Any:
-    """A parameter's text -> a JSON value, by the schema's type; anything that does not parse stays a string."""
-    types = _schema_types(schema)
-    if raw.strip().lower() == "null" and (not types or "null" in types or not types & STRING_TYPES):
-        return None
-    if not types or types & STRING_TYPES and not types & (INTEGER_TYPES | NUMBER_TYPES | BOOLEAN_TYPES | JSON_TYPES):
+    """A parameter's text -> a JSON value, as vLLM's coerce_to_schema_type: a parameter the tool's schema does not
+    describe stays a string; otherwise the schema's types are tried null > integer > number > boolean > object >
+    array > string, and with none of them fitting the text is read as JSON, else kept as a string."""
+    if not isinstance(schema, dict):
         return raw
-    text = raw.strip()
-    if types & INTEGER_TYPES:
-        try:
-            return int(text)
-        except ValueError:
-            pass
-    if types & NUMBER_TYPES:
-        try:
-            number = float(text)
-            return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
-        except (ValueError, OverflowError):
-            pass
-    if types & BOOLEAN_TYPES and text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if types & JSON_TYPES or not types & STRING_TYPES:
-        try:
-            return json.loads(text)
-        except (ValueError, RecursionError):
-            try:
-                return ast.literal_eval(text)
-            except (ValueError, SyntaxError, MemoryError, RecursionError):
-                pass
-    return raw
+    types = {TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in _schema_types(schema)}
+    if "null" in types and raw.lower() == "null":
+        return None
+    if "integer" in types:
+        with contextlib.suppress(ValueError):
+            return int(raw)
+    if "number" in types:
+        with contextlib.suppress(ValueError):
+            number = float(raw)
+            if math.isfinite(number):
+                return number if number != int(number) else int(number)
+    if "boolean" in types and raw.lower().strip() in ("true", "1", "false", "0"):
+        return raw.lower().strip() in ("true", "1")
+    if "object" in types or "array" in types:
+        with contextlib.suppress(ValueError, RecursionError):
+            value = json.loads(raw)
+            if _is_finite(value):
+                return value
+    if "string" in types:
+        return raw
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
+    return value if _is_finite(value) else raw
 
 
 def _strip_one_newline(value: str) -> str:

@@ -138,12 +138,26 @@ def test_function_without_tool_call_wrapper_and_non_call_text() -> None:
         ("false", {"type": "boolean"}, False),
         ('{"a": 1}', {"type": "object"}, {"a": 1}),
         ("[1, 2]", {"type": "array"}, [1, 2]),
-        ("['x']", {"type": "array"}, ["x"]),
+        ("['x']", {"type": "array"}, "['x']"),  # vLLM 0.26 reads JSON only, no Python literals
         ("null", {"type": ["string", "null"]}, None),
         ("007", {"type": "string"}, "007"),
         ("abc", {"type": "integer"}, "abc"),
         ("12", None, "12"),
         ("5", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 5),
+        # vLLM 0.26's coerce_to_schema_type (tool_parsers/utils.py), as its qwen3_coder parser applies it
+        ("1", {"type": "boolean"}, True),
+        ("0", {"type": "boolean"}, False),
+        ("5.0", {"type": "number"}, 5),
+        ("1e3", {"type": "number"}, 1000),
+        ("inf", {"type": "number"}, "inf"),
+        ("nan", {"type": "number"}, "nan"),
+        ("{'a': 1}", {"type": "object"}, "{'a': 1}"),
+        ("null", None, "null"),
+        ("null", {"description": "no type: a string"}, "null"),
+        ("2", {"enum": [1, 2, 3]}, 2),
+        ("7", {"allOf": [{"type": "integer"}]}, 7),
+        ("9", {"type": "int64"}, 9),
+        ("true", {"type": "integer"}, True),
     ],
 )
 def test_convert_value_by_schema(raw: str, schema: dict[str, Any] | None, value: Any) -> None:
