@@ -2,9 +2,10 @@
 
 Qwen3.5's template opens `<think>` inside the prompt, so the output usually holds only `</think>`; older Qwen3
 models emit `<think>` themselves, which is stripped. As in vLLM: with enable_thinking false everything is content,
-and when thinking is on but `</think>` never comes, everything is reasoning. Whether thinking starts open is read
-from the rendered prompt (its last turn opens `<think>` without closing it), so templates that think by default and
-templates that do not are both handled.
+and when thinking is on but `</think>` never comes, everything is reasoning, up to a `<tool_call>`, which
+ends reasoning too (vLLM 0.26's qwen3 parser: the call is parsed, not hidden in reasoning). Whether thinking starts
+open is read from the rendered prompt (its last turn opens `<think>` without closing it), so templates that think
+by default and templates that do not are both handled.
 
 The parser is incremental: feed() takes text deltas and returns (reasoning, content) deltas, holding back any tail
 that could be the start of a tag split across deltas; finish() flushes. Non-streaming output is the same feed
@@ -16,6 +17,7 @@ from __future__ import annotations
 THINK_START = "<think>"
 THINK_END = "</think>"
 TURN_START = "<|im_start|>"
+TOOL_CALL_START = "<tool_call>"  # ends reasoning without </think> (vLLM 0.26's qwen3 engine), and stays content
 
 
 def prompt_opens_thinking(prompt: str) -> bool:
@@ -68,7 +70,12 @@ class Qwen3ReasoningParser:
                 text = self.pending
                 start = text.find(THINK_START)
                 end = text.find(THINK_END)
-                if start != -1 and (end == -1 or start < end):
+                call = text.find(TOOL_CALL_START)
+                if call != -1 and all(i == -1 or call < i for i in (start, end)):
+                    reasoning.append(text[:call])
+                    self.pending = text[call:]
+                    self.mode = "content"
+                elif start != -1 and (end == -1 or start < end):
                     # A repeated <think> inside reasoning is dropped, as vLLM strips it from the output.
                     reasoning.append(text[:start])
                     self.pending = text[start + len(THINK_START) :]
@@ -77,7 +84,7 @@ class Qwen3ReasoningParser:
                     self.pending = text[end + len(THINK_END) :]
                     self.mode = "content"
                 else:
-                    keep = partial_tag_length(text, (THINK_START, THINK_END))
+                    keep = partial_tag_length(text, (THINK_START, THINK_END, TOOL_CALL_START))
                     reasoning.append(text[: len(text) - keep])
                     self.pending = text[len(text) - keep :]
                     break

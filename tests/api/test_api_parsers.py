@@ -95,6 +95,15 @@ def test_tool_call_whole_and_streamed() -> None:
         assert call["function"]["arguments"] == json.dumps(CALL_ARGS)
 
 
+def test_tool_call_without_think_end_ends_reasoning() -> None:
+    # vLLM 0.26's qwen3 parser: <tool_call> inside an open <think> ends reasoning and the call is parsed
+    text = "Need the weather.\n" + CALL
+    for pieces in [None, *every_split(text)[:: max(1, len(text) // 60)]]:
+        message = run(text, pieces)
+        assert (message["reasoning"], message["content"]) == ("Need the weather.\n", None), pieces
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == CALL_ARGS
+
+
 def test_tool_call_deltas_come_incrementally() -> None:
     parser = Qwen3XMLToolParser(TOOLS)
     assert parser.feed("<tool_call>\n<function=get_wea") == ("", [])
