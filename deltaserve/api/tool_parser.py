@@ -138,7 +138,7 @@ class Qwen3XMLToolParser:
         self.num_calls = 0
         self.function_name = ""
         self.num_args = 0
-        self.opener = ""  # the <tool_call> consumed before <function=, given back if no call follows
+        self.opener = ""  # the <tool_call> (and whitespace before it) consumed before <function=, given back if none
 
     def _not_a_call(self, content: list[str]) -> None:
         """<tool_call> not followed by <function=...>: before any call it was content, after one it is dropped."""
@@ -195,10 +195,15 @@ class Qwen3XMLToolParser:
                 self.pending = text[len(sendable) :]
                 return False
             start = min(starts)
+            tag = CALL_START if text.startswith(CALL_START, start) else ""
+            before = text[:start].rstrip()
             if self.mode == "content":
-                content.append(text[:start].rstrip())
-            self.opener = CALL_START if text.startswith(CALL_START, start) else ""
-            self.pending = text[start + len(self.opener) :]
+                content.append(before)
+                # the whitespace before the tag goes with it: dropped if a call follows, given back if none does
+                self.opener = text[len(before) : start] + tag
+            else:
+                self.opener = tag
+            self.pending = text[start + len(tag) :]
             self.mode = "name"
             return True
         if self.mode == "name":

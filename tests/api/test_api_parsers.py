@@ -137,6 +137,16 @@ def test_function_without_tool_call_wrapper_and_non_call_text() -> None:
     assert message["content"] == "a < b and <tool"
 
 
+def test_a_tool_call_tag_in_prose_keeps_the_space_before_it() -> None:
+    """`<tool_call>` not followed by a call is content, with the whitespace before it (it was dropped), whole and in
+    every split; before a real call that whitespace still goes."""
+    text = "Wrap calls in <tool_call> tags."
+    for pieces in [None, *every_split(text)]:
+        assert run(text, pieces, thinking=False)["content"] == text, pieces
+    message = run("Here it is: \n" + CALL, None, thinking=False)
+    assert message["content"] == "Here it is:" and len(message["tool_calls"]) == 1
+
+
 @pytest.mark.parametrize(
     ("raw", "schema", "value"),
     [
