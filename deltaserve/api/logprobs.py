@@ -71,14 +71,20 @@ class CompletionLogprobs:
             token = self.namer(token_id, sampled)
             tokens.append(token)
             token_logprobs.append(_clamp(sampled.logprob) if sampled is not None else None)
-            top = {self.namer(tid, lp): _clamp(lp.logprob) for tid, lp in _top_entries(entry, self.num_top)}
-            if sampled is not None:
-                top.setdefault(token, _clamp(sampled.logprob))
-            top_logprobs.append(top)
+            top_logprobs.append(self._top(entry, token_id, sampled))
             text_offset.append(self.offset)
             self.offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}  # fmt: skip
+
+    def _top(self, entry: dict[int, Logprob], token_id: int, sampled: Logprob | None) -> dict[str, float]:
+        """vLLM's top_logprobs: the token first, then the num_top best by rank; where two share a text (distinct
+        ids can decode alike: "" for a partial character) the later one's logprob stays under it, as in vLLM's dict
+        (lm-eval's is-greedy check compares the token's logprob with these values)."""
+        ranked = _top_entries(entry, self.num_top)
+        if sampled is not None:
+            ranked = [(token_id, sampled), *((tid, lp) for tid, lp in ranked if tid != token_id)]
+        return {self.namer(tid, lp): _clamp(lp.logprob) for tid, lp in ranked}
 
 
 def _chat_item(token: str, logprob: float) -> dict[str, Any]:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.request import Logprob
 from deltaserve.engine_config import EngineConfig
 from deltaserve.tiny.trained import trained_model_dir
 
@@ -83,3 +86,16 @@ def check_same_bits(prompts: tuple, device: str, dtype: str) -> None:
 
 def test_loglikelihoods_are_the_same_bits_with_the_prefix_cache_on_and_off(prompts: tuple) -> None:
     check_same_bits(prompts, "cpu", "float32")
+
+
+def test_a_shared_top_logprobs_text_holds_the_later_candidate_as_vllm() -> None:
+    """Two candidates that decode alike ("" for a partial character) share one top_logprobs key: vLLM's dict puts
+    the token first and the best ranked after it, so the best's logprob stays under the key. lm-eval with logprobs 2
+    then finds the rank-2 token not greedy; the token's own logprob under the key made it greedy."""
+    namer = TokenNamer(SimpleNamespace(decode=lambda ids: "t"), as_token_ids=False)  # decodes the first token
+    entry = {7: Logprob(-1.5, 2, ""), 5: Logprob(-0.5, 1, ""), 9: Logprob(-2.0, 3, "x")}
+    drawn = {4: Logprob(-0.1, 1, "y")}
+    logprobs = CompletionLogprobs(namer, 2).build([3, 7, 4], [None, entry, drawn])
+    assert logprobs["top_logprobs"][1] == {"": -0.5} and logprobs["token_logprobs"][1] == -1.5
+    assert parse_logprobs({"logprobs": logprobs}, 1) == (-1.5, False)
+
