@@ -199,19 +199,23 @@ class IncrementalDetokenizer:
         self._num_emitted_chars = end
         return self._text_from(start)[: end - start]
 
-    def decode_token(self, token_id: int, position: int | None = None) -> str:
+    def decode_token(self, token_id: int, position: int | None = None, context: list[int] | None = None) -> str:
         """Text of one logprob candidate, as vLLM: tokenizer.decode([id]); a trailing U+FFFD (part of a multi-byte
         character) is rebuilt from up to 4 earlier output tokens, or "" while the character is still incomplete.
 
         position: index in the output of the step the candidate belongs to; default the last token added, so call
-        this after add_tokens() for that step.
+        this after add_tokens() for that step. context: the earlier tokens to rebuild from instead (a prompt
+        logprob's: the prompt tokens before its position, as vLLM).
         """
         text = self.tokenizer.decode([token_id])
         if not text.endswith(REPLACEMENT_CHAR):
             return text
-        if position is None:
-            position = len(self.output_token_ids) - 1
-        context = self.output_token_ids[max(0, position - _MAX_LOGPROB_CONTEXT) : max(0, position)]
+        if context is not None:
+            context = context[-_MAX_LOGPROB_CONTEXT:]
+        else:
+            if position is None:
+                position = len(self.output_token_ids) - 1
+            context = self.output_token_ids[max(0, position - _MAX_LOGPROB_CONTEXT) : max(0, position)]
         for num_context in range(1, len(context) + 1):
             context_ids = context[-num_context:]
             full_text = self.tokenizer.decode(context_ids + [token_id])
@@ -279,5 +283,5 @@ class TokenIdsOnly:
     def take_delta(self, is_finished: bool) -> str:
         return ""
 
-    def decode_token(self, token_id: int, position: int | None = None) -> str | None:
+    def decode_token(self, token_id: int, position: int | None = None, context: list[int] | None = None) -> str | None:
         return None

@@ -68,10 +68,14 @@ class RequestState:
 
     def _add_prompt_logprobs(self, progress: SequenceProgress, entries: tuple) -> None:
         for targets in entries:
+            # a split character is rebuilt from the prompt tokens before this one, as vLLM (not the first: its
+            # entry is None, and vLLM takes its context from the entries)
+            position = len(self.prompt_logprobs)
+            context = self.prompt_token_ids[max(1, position - 4) : position]
             entry: dict[int, Logprob] = {}
             for tok, logprob, rank in targets:
                 if tok not in entry:
-                    entry[tok] = Logprob(logprob, rank, progress.detokenizer.decode_token(tok))
+                    entry[tok] = Logprob(logprob, rank, progress.detokenizer.decode_token(tok, context=context))
             self.prompt_logprobs.append(entry)
 
     def apply(self, index: int, output: EngineCoreOutput) -> bool:

@@ -99,3 +99,27 @@ def test_a_shared_top_logprobs_text_holds_the_later_candidate_as_vllm() -> None:
     assert logprobs["top_logprobs"][1] == {"": -0.5} and logprobs["token_logprobs"][1] == -1.5
     assert parse_logprobs({"logprobs": logprobs}, 1) == (-1.5, False)
 
+
+def test_echoed_split_characters_are_rebuilt_from_the_prompt() -> None:
+    """A prompt character split over byte tokens is echoed as vLLM does: the token that completes it shows the
+    character (rebuilt from the prompt tokens before it), so tokens join to the echoed text and text_offset points
+    into it; every split token showed "" before."""
+    from transformers import AutoTokenizer
+
+    text = "caf\u00e9 \u65e5\u672c ok"
+    prompt = AutoTokenizer.from_pretrained(trained_model_dir("dense")).encode(text)
+    config = EngineConfig(model=str(trained_model_dir("dense")), device="cpu", dtype="float32", max_model_len=64,
+                          max_num_seqs=2)  # fmt: skip
+    server = serve(AsyncEngine.from_config(config, multiprocess=False))
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            for body in (loglikelihood_body(prompt), loglikelihood_body(prompt) | {"max_tokens": 0}):
+                response = http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                (choice,) = response.json()["choices"]
+                tokens, offsets = choice["logprobs"]["tokens"][: len(prompt)], choice["logprobs"]["text_offset"]
+                assert choice["text"].startswith(text) and "".join(tokens) == text, tokens
+                assert offsets[: len(prompt)] == [len("".join(tokens[:i])) for i in range(len(prompt))]
+                assert "\u65e5" in tokens and "\u65e5" in choice["logprobs"]["top_logprobs"][tokens.index("\u65e5")]
+    finally:
+        server.stop()
