@@ -264,6 +264,20 @@ def is_allowed(entry: CompatFlag, value: object) -> bool:
 _BY_KEYWORD = {entry.flags[0].lstrip("-").replace("-", "_"): entry for entry in COMPAT_FLAGS}
 
 
+def apply_policy(entry: CompatFlag, value: object, shown: str, log: logging.Logger = logger) -> None:
+    """One given flag or keyword under its entry's policy: refused (ValueError naming `shown`, how the user wrote
+    it), warned about, or logged as ignored on `log`; False, or a value the entry allows, passes a refusal."""
+    if entry.policy == "refuse":
+        if value is False or is_allowed(entry, value):
+            return
+        accepted = f" (accepted: {', '.join(entry.allowed)})" if entry.allowed else ""
+        raise ValueError(f"{shown}: not supported by deltaserve: {entry.reason}{accepted}")
+    if entry.policy == "warn" and value is not False and not is_allowed(entry, value):
+        log.warning("accepting %s without honouring it: %s", shown, entry.reason)
+    else:
+        log.info("ignoring %s: %s", shown, entry.reason)
+
+
 def check_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The offline LLM(...)'s vLLM engine keywords of the table, as the server takes the flags of those names
     (trust_remote_code=True for --trust-remote-code): refused with a ValueError naming the keyword, or logged, by the
@@ -274,16 +288,6 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         entry = _BY_KEYWORD.get(name)
         if entry is None:
             rest[name] = value
-            continue
-        if value is None or (isinstance(value, dict | list | tuple) and not value):
-            continue
-        if entry.policy == "refuse":
-            if value is False or is_allowed(entry, value):
-                continue
-            accepted = f" (accepted: {', '.join(entry.allowed)})" if entry.allowed else ""
-            raise ValueError(f"{name}={value!r}: not supported by deltaserve: {entry.reason}{accepted}")
-        if entry.policy == "warn" and value is not False and not is_allowed(entry, value):
-            logger.warning("accepting %s=%r without honouring it: %s", name, value, entry.reason)
-        else:
-            logger.info("ignoring %s=%r: %s", name, value, entry.reason)
+        elif not (value is None or (isinstance(value, dict | list | tuple) and not value)):
+            apply_policy(entry, value, f"{name}={value!r}")
     return rest

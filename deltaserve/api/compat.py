@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from deltaserve.vllm_flags import COMPAT_FLAGS, TABLE, CompatFlag, is_allowed
+from deltaserve.vllm_flags import COMPAT_FLAGS, TABLE, CompatFlag, apply_policy
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +44,5 @@ def check_compat(args: argparse.Namespace) -> None:
     """Refuses (ValueError naming the flag) what deltaserve cannot honour; logs every accepted flag that was given."""
     for entry in COMPAT_FLAGS:
         value = getattr(args, entry.dest, None)
-        if value is None:
-            continue
-        if entry.policy == "refuse":
-            if value is False or is_allowed(entry, value):
-                continue
-            allowed = f" (accepted: {', '.join(entry.allowed)})" if entry.allowed else ""
-            raise ValueError(f"{_shown(entry, value)}: not supported by deltaserve: {entry.reason}{allowed}")
-        if entry.policy == "warn" and value is not False and not is_allowed(entry, value):
-            logger.warning("accepting %s without honouring it: %s", _shown(entry, value), entry.reason)
-        else:
-            logger.info("ignoring %s: %s", _shown(entry, value), entry.reason)
+        if value is not None:
+            apply_policy(entry, value, _shown(entry, value), logger)

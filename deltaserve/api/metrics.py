@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from deltaserve.engine import metrics_snapshot as snapshot
-from deltaserve.engine.metrics_snapshot import ENGINE_INDEX, LABELS, PROMPT_SOURCES
+from deltaserve.engine.metrics_snapshot import ENGINE_INDEX, FINISH_REASONS, LABELS, PROMPT_SOURCES
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import RequestMetrics
 
@@ -50,9 +50,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)  # fmt: skip
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
-# vLLM's FinishReason strings (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS): vllm:request_success has a series for
-# each from the start, so error and repetition read 0 rather than being absent.
-VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # vLLM's help strings (vllm/v1/metrics/loggers.py) of the engine series that engine/metrics_snapshot.py names
 ENGINE_HELP = {
     "vllm:num_requests_running": "Requests in the running batch.",
@@ -199,7 +196,7 @@ class ServerMetrics:
         self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Cached prompt tokens (local + external).")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
-        for reason in VLLM_FINISH_REASONS:
+        for reason in FINISH_REASONS:
             self.request_success.labels(*self.label_values, reason)
         unused = (("vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens."),
                   ("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens."),

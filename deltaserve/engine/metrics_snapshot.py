@@ -19,7 +19,9 @@ from deltaserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 
 LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"  # one engine per LLM or server; vLLM labels data-parallel engines 0..N-1
-FINISH_REASONS = ("stop", "length", "abort")  # vllm:request_success's finished_reason values, each from zero
+# vllm:request_success's finished_reason values, each from zero: vLLM's FinishReason strings (vllm/v1/engine
+# FINISH_REASON_STRINGS), so error and repetition read 0 rather than being absent
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 

@@ -57,7 +57,7 @@ def test_names_and_types(llm: LLM) -> None:
     for name in counters:
         assert isinstance(metrics[(name, ())], Counter)
         assert isinstance(metrics[(name, ())].value, int)
-    for reason in ("stop", "length", "abort"):
+    for reason in ("stop", "length", "abort", "error", "repetition"):  # vLLM's five, each from zero
         assert isinstance(metrics[("vllm:request_success", (("finished_reason", reason),))], Counter)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert isinstance(metrics[(name, ())], Gauge)
