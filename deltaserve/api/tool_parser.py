@@ -12,7 +12,7 @@ Text before the first call stays content (less the whitespace that separates it 
 the template adds back); text after it is dropped (the template tells the model to add no
 suffix, and vLLM's parser drops it too). A value is converted by the tool's JSON-schema types as vLLM 0.26's
 coerce_to_schema_type does (convert_value); a parameter the schema does not describe stays a string.
-The parser is incremental: a call's id and name go out
+Call ids are vLLM's (new_tool_call_id). The parser is incremental: a call's id and name go out
 as soon as `<function=NAME>` is complete, then one arguments fragment per finished parameter, then the closing
 brace; the fragments concatenate to json.dumps of the arguments. finish() completes a call cut off by the
 length limit.
@@ -48,7 +48,10 @@ ENUM_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "str
 
 
 def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    """A call's id as vLLM 0.26's make_tool_call_id gives it for Qwen (entrypoints/chat_utils.py; only Kimi K2
+    models get `functions.NAME:INDEX`): `chatcmpl-tool-` and random_uuid() of vllm/utils/__init__.py, the low 64
+    bits of a uuid4 as 16 hex digits."""
+    return f"chatcmpl-tool-{uuid.uuid4().int & (2**64 - 1):016x}"
 
 
 def _schema_types(schema: dict[str, Any]) -> set[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -31,6 +32,10 @@ TOOL_OUTPUT = (
     "The user wants weather.</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
 )
+CALL = TOOL_OUTPUT.split("</think>\n\n")[1]
+# vLLM 0.26's make_tool_call_id for Qwen (entrypoints/chat_utils.py): chatcmpl-tool- and random_uuid()'s 16 hex digits
+VLLM_CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{16}")
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def test_chat_reasoning_and_usage_counts_template_tokens(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
@@ -81,13 +86,13 @@ def test_tool_call_non_streaming(client: openai.OpenAI, fake_engine: FakeEngine)
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
-    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert VLLM_CALL_ID.fullmatch(call.id) and call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
     assert "<tools>" in fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
 
 
 def test_tool_call_streaming_first_name_then_arguments(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
-    fake_engine.scripts.append(["Checking.</think>\n\nLet me look.\n\n" + TOOL_OUTPUT.split("</think>\n\n")[1]])
+    fake_engine.scripts.append(["Checking.</think>\n\nLet me look.\n\n" + CALL])
     stream = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, stream=True)
     reasoning, content, calls, finish = "", "", [], None
     for chunk in stream:
@@ -97,11 +102,40 @@ def test_tool_call_streaming_first_name_then_arguments(client: openai.OpenAI, fa
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     assert reasoning == "Checking." and content == "\n\nLet me look." and finish == "tool_calls"
-    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
+    assert VLLM_CALL_ID.fullmatch(calls[0].id) and calls[0].function.name == "get_weather"
     assert calls[0].function.arguments == ""
     assert all(call.id is None and call.function.name is None for call in calls[1:]) and len(calls) > 2
     arguments = "".join(call.function.arguments for call in calls)
     assert json.loads(arguments) == {"city": "Paris", "days": 2}
+
+
+def stream_tool_chat(client: openai.OpenAI) -> tuple[str, list[Any]]:
+    """A streamed tool chat (thinking off): its content joined, and its tool-call deltas."""
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, stream=True,
+                                            extra_body=NO_THINKING)  # fmt: skip
+    content, calls = "", []
+    for chunk in stream:
+        content += chunk.choices[0].delta.content or ""
+        calls += chunk.choices[0].delta.tool_calls or []
+    return content, calls
+
+
+def full_tool_chat(client: openai.OpenAI) -> Any:
+    """A non-streamed tool chat (thinking off): its message."""
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, extra_body=NO_THINKING)
+    return completion.choices[0].message
+
+
+def test_tool_call_ids_are_vllms(client: openai.OpenAI, fake_engine: FakeEngine) -> None:
+    """vLLM 0.26 names a Qwen call `chatcmpl-tool-` and 16 hex digits (make_tool_call_id's "random" kind), streamed
+    or not; each call has its own."""
+    fake_engine.scripts.append([CALL + "\n" + CALL])
+    calls = full_tool_chat(client).tool_calls
+    assert len(calls) == 2 and all(VLLM_CALL_ID.fullmatch(call.id) for call in calls) and calls[0].id != calls[1].id
+    fake_engine.scripts.append([CALL])
+    _, deltas = stream_tool_chat(client)
+    (first, *rest) = deltas
+    assert VLLM_CALL_ID.fullmatch(first.id) and all(delta.id is None for delta in rest)
 
 
 def test_tool_choice_none_and_validation(client: openai.OpenAI, fake_engine: FakeEngine, http: httpx.Client) -> None:

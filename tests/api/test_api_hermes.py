@@ -84,7 +84,7 @@ def test_hermes_non_streaming(hermes_client: openai.OpenAI, fake_engine: FakeEng
     # As vLLM's hermes parser: the text before the call is content, as generated.
     assert choice.finish_reason == "tool_calls" and choice.message.content == "\n\n"
     (call,) = choice.message.tool_calls
-    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
     assert choice.message.model_extra["reasoning"] == "I should look it up."
 
@@ -102,7 +102,7 @@ def test_hermes_streaming(hermes_client: openai.OpenAI, fake_engine: FakeEngine)
             entry["arguments"] += call.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert content == "\n\nChecking." and finish == "tool_calls"
-    assert calls[0]["id"].startswith("call_") and calls[0]["name"] == "get_weather"
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["name"] == "get_weather"
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 2}
 
 

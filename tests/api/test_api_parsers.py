@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -89,7 +90,7 @@ def test_tool_call_whole_and_streamed() -> None:
         assert message["reasoning"] == "Thinking about it."
         assert message["content"] == "\n\nLet me check."
         (call,) = message["tool_calls"]
-        assert call["id"].startswith("call_") and call["type"] == "function"
+        assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"]) and call["type"] == "function"
         assert call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"]) == CALL_ARGS
         assert call["function"]["arguments"] == json.dumps(CALL_ARGS)

@@ -139,7 +139,7 @@ def test_tool_call_non_streaming_and_streamed(client: openai.OpenAI, fake_engine
     response = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS)
     reasoning, call = response.output
     assert reasoning.type == "reasoning" and call.type == "function_call" and call.status == "completed"
-    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert call.name == "get_weather" and call.call_id.startswith("chatcmpl-tool-") and call.id.startswith("fc_")
     assert json.loads(call.arguments) == {"city": "Paris", "days": 2}
     assert "<tools>" in fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
     fake_engine.scripts.append([TOOL_OUTPUT])
