@@ -1,10 +1,11 @@
 """One chat choice's generated text -> OpenAI message deltas: reasoning, content and tool calls.
 
 A ChoiceProcessor chains the reasoning parser (whose content feeds the tool-call parser) and emits delta dicts;
-streaming sends them as they come, and non-streaming folds the same deltas into one message with
-MessageBuilder, so both paths give the same answer. A message without tool calls carries no `tool_calls` key
-(vLLM drops the empty list). ReasoningTokenCounter counts the generated tokens inside <think> ... </think> by
-token id, for usage.completion_tokens_details.reasoning_tokens.
+streaming sends them as they come, and non-streaming folds them into one message with MessageBuilder, so both
+paths give the same answer except where vLLM's differ: the qwen3_coder tool parser is built for one mode, since
+vLLM strips the content before a call and drops the text after it only when not streaming. A message without tool
+calls carries no `tool_calls` key (vLLM drops the empty list). ReasoningTokenCounter counts the generated tokens
+inside <think> ... </think> by token id, for usage.completion_tokens_details.reasoning_tokens.
 """
 
 from __future__ import annotations

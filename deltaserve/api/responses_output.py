@@ -2,7 +2,8 @@
 items, and the stream events that build them.
 
 OutputItems is one state machine for both paths: streaming sends the events it returns, non-streaming keeps only
-the finished items, so both give the same output. An item opens when a delta of a new kind arrives (reasoning,
+the finished items, so the same deltas give the same output (the chat processor's deltas differ by mode only in
+the content around qwen3_coder tool calls, as vLLM's do). An item opens when a delta of a new kind arrives (reasoning,
 text, or a tool call with a new index) and closes when the next one opens or the choice ends; vLLM's event order
 per item: output_item.added, (content_part.added | reasoning_part.added), deltas, the matching .done events,
 output_item.done. Events carry no sequence number; the stream numbers them as it sends them.

@@ -80,7 +80,8 @@ class ChatJob:
     prompt_token_ids: list[int] = field(default_factory=list)
     is_named_tool_choice: bool = False  # vLLM ends a named function's forced call with "stop", not "tool_calls"
 
-    def new_processor(self) -> ChoiceProcessor:
+    def new_processor(self, *, is_streamed: bool) -> ChoiceProcessor:
+        """A choice's parsers; is_streamed picks vLLM's streamed or non-streamed content around tool calls."""
         settings = self.state.settings
         reasoning, counter = None, None
         if settings.reasoning_parser is not None:
@@ -89,8 +90,10 @@ class ChatJob:
             counter = ReasoningTokenCounter(self.state.engine.tokenizer, is_open=is_open)
         tool_parser: Any = None
         if self.tools is not None:
-            is_hermes = settings.tool_call_parser == "hermes"
-            tool_parser = HermesToolParser(self.tools) if is_hermes else Qwen3XMLToolParser(self.tools)
+            if settings.tool_call_parser == "hermes":
+                tool_parser = HermesToolParser(self.tools)
+            else:
+                tool_parser = Qwen3XMLToolParser(self.tools, is_streamed=is_streamed)
         processor = ChoiceProcessor(reasoning, tool_parser, self.request.include_reasoning, counter)
         processor.is_tool_call_finish = not self.is_named_tool_choice
         return processor
@@ -264,7 +267,7 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
                 for seq in output.outputs:
                     processor = processors.get(seq.index)
                     if processor is None:
-                        processor = processors[seq.index] = job.new_processor()
+                        processor = processors[seq.index] = job.new_processor(is_streamed=True)
                         extra = {"prompt_token_ids": job.prompt_token_ids} if job.request.return_token_ids else None
                         yield event(_choice(seq.index, {"role": job.role, "content": ""}, None), extra)
                         if job.echo_text:
@@ -317,7 +320,7 @@ async def collect_choices(job: ChatJob) -> ChatChoices:
             for seq in output.outputs:
                 builder = builders.get(seq.index)
                 if builder is None:
-                    builder = builders[seq.index] = MessageBuilder(job.new_processor())
+                    builder = builders[seq.index] = MessageBuilder(job.new_processor(is_streamed=False))
                 processor = builder.processor
                 processor.count(seq.token_ids)
                 builder.add(processor.feed(seq.text))

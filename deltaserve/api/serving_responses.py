@@ -128,7 +128,7 @@ class ResponseJob:
         events: list[Event] = []
         for seq in output.outputs:  # one sequence: a Responses request has no n
             if self.processor is None:
-                self.processor = self.chat.new_processor()
+                self.processor = self.chat.new_processor(is_streamed=bool(self.request.stream))
             self.processor.count(seq.token_ids)
             events += self._feed(self.processor.feed(seq.text), self.chat.logprobs_of(seq))
             if seq.finish_reason is not None:

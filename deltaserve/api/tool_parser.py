@@ -8,14 +8,24 @@
     </function>
     </tool_call>
 
-Text before the first call stays content (less the whitespace that separates it from the call, which
-the template adds back); text after it is dropped (the template tells the model to add no
-suffix, and vLLM's parser drops it too). A value is converted by the tool's JSON-schema types as vLLM 0.26's
-coerce_to_schema_type does (convert_value); a parameter the schema does not describe stays a string.
-Call ids are vLLM's (new_tool_call_id). The parser is incremental: a call's id and name go out
-as soon as `<function=NAME>` is complete, then one arguments fragment per finished parameter, then the closing
-brace; the fragments concatenate to json.dumps of the arguments. finish() completes a call cut off by the
-length limit.
+The text around the calls comes back as vLLM 0.26's qwen3_coder chain returns it (its Qwen3Parser engine,
+vllm/parser/qwen3.py and vllm/parser/engine/parser_engine.py, under DelegatingParser in
+vllm/parser/abstract_parser.py), which is not the same in the two response modes:
+
+- not streamed (is_streamed=False, as vLLM's parse): content is the text before the first call with the whitespace
+  on both sides stripped (None when nothing is left, parser_engine.py's _strip_content_whitespace), or the whole
+  text as generated when no call comes; text after a call is dropped.
+- streamed (as vLLM's parse_delta): text before, between and after calls is content as it comes, whitespace
+  included, except whitespace-only text while nothing else has been sent: it waits, goes out in front of the next
+  other text, is dropped once a call opens, and is sent at the end if no call came (_events_to_delta's
+  _deferred_content and _content_has_nonws).
+
+In both, text between a call's </function> and its </tool_call> is dropped (vLLM's TOOL_BETWEEN state has no
+content). A value is converted by the tool's JSON-schema types as vLLM 0.26's coerce_to_schema_type does
+(convert_value); a parameter the schema does not describe stays a string. Call ids are vLLM's (new_tool_call_id).
+The parser is incremental: a call's id and name go out as soon as `<function=NAME>` is complete, then one
+arguments fragment per finished parameter, then the closing brace; the fragments concatenate to json.dumps of the
+arguments. finish() completes a call cut off by the length limit.
 """
 
 from __future__ import annotations
@@ -127,28 +137,50 @@ def _strip_one_newline(value: str) -> str:
 
 
 class Qwen3XMLToolParser:
-    """States: 'content' (before any call), 'name' (reading <function=NAME>), 'body' (reading parameters),
-    'between' (after a call: only further calls matter)."""
+    """States: 'content' (outside calls), 'name' (after <tool_call>, reading <function=NAME>), 'body' (reading
+    parameters), 'between' (after </function>, or a <tool_call> that held no call after a call: dropped up to
+    </tool_call>)."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None, *, is_streamed: bool = True) -> None:
         self.schemas: dict[str, dict[str, Any]] = {}
         for tool in tools or []:
             function = tool.get("function") or {}
             parameters = function.get("parameters") or {}
             self.schemas[function.get("name", "")] = parameters.get("properties") or {}
+        self.is_streamed = is_streamed
         self.mode = "content"
         self.pending = ""
         self.num_calls = 0
         self.function_name = ""
         self.num_args = 0
-        self.opener = ""  # the <tool_call> (and whitespace before it) consumed before <function=, given back if none
+        self.opener = ""  # the <tool_call> consumed before <function=, given back if none follows
+        self.has_sent_text = False  # streamed: content other than whitespace has gone out
+        self.waiting = ""  # streamed: whitespace-only content waiting for other text (a call drops it)
+        self.before_calls = ""  # not streamed: the text before the first call, stripped if a call comes
+
+    def _text(self, content: list[str], text: str) -> None:
+        """Content outside calls, sent or held as vLLM returns it in this response mode."""
+        if not text:
+            return
+        if not self.is_streamed:
+            if not self.has_tool_calls:  # text after a call is dropped
+                self.before_calls += text
+            return
+        if self.has_sent_text:
+            content.append(text)
+        elif text.strip():
+            content.append(self.waiting + text)
+            self.waiting, self.has_sent_text = "", True
+        elif not self.has_tool_calls:
+            self.waiting += text
+        # whitespace only, after a call and before any other content: vLLM drops it
 
     def _not_a_call(self, content: list[str]) -> None:
         """<tool_call> not followed by <function=...>: before any call it was content, after one it is dropped."""
         if self.has_tool_calls:
             self.mode = "between"
         else:
-            content.append(self.opener)
+            self._text(content, self.opener)
             self.mode = "content"
         self.opener = ""
 
@@ -156,7 +188,11 @@ class Qwen3XMLToolParser:
     def has_tool_calls(self) -> bool:
         return self.num_calls > 0
 
-    def _open_call(self, name: str) -> dict[str, Any]:
+    def _open_call(self, content: list[str], name: str) -> dict[str, Any]:
+        if not self.has_tool_calls:
+            # the first call settles the text before it: stripped (not streamed); whitespace-only waiting text goes
+            content.append(self.before_calls.strip())
+            self.before_calls = self.waiting = ""
         self.function_name, self.num_args = name, 0
         self.num_calls += 1
         return {"index": self.num_calls - 1, "id": new_tool_call_id(), "type": "function",
@@ -189,25 +225,24 @@ class Qwen3XMLToolParser:
         """Consumes what it can of self.pending; False when it must wait for more text."""
         text = self.pending
         if self.mode in ("content", "between"):
-            starts = [i for i in (text.find(CALL_START), text.find(FUNCTION_PREFIX)) if i != -1]
-            if not starts:
-                # Held back: a possible tag start, and the whitespace before it (dropped if a call follows).
-                sendable = text[: len(text) - partial_tag_length(text, (CALL_START, FUNCTION_PREFIX))].rstrip()
+            # Between </function> and </tool_call> only the closing tag or another call matters.
+            tags = (CALL_START, FUNCTION_PREFIX) if self.mode == "content" else (CALL_START, FUNCTION_PREFIX, CALL_END)
+            found = [(i, tag) for tag in tags if (i := text.find(tag)) != -1]
+            if not found:
+                keep = partial_tag_length(text, tags)  # a possible tag start waits for more text
                 if self.mode == "content":
-                    content.append(sendable)
-                self.pending = text[len(sendable) :]
+                    self._text(content, text[: len(text) - keep])
+                self.pending = text[len(text) - keep :]
                 return False
-            start = min(starts)
-            tag = CALL_START if text.startswith(CALL_START, start) else ""
-            before = text[:start].rstrip()
+            start, tag = min(found)
             if self.mode == "content":
-                content.append(before)
-                # the whitespace before the tag goes with it: dropped if a call follows, given back if none does
-                self.opener = text[len(before) : start] + tag
-            else:
-                self.opener = tag
-            self.pending = text[start + len(tag) :]
-            self.mode = "name"
+                self._text(content, text[:start])
+            if tag == CALL_END:
+                self.pending, self.mode = text[start + len(tag) :], "content"
+            elif tag == CALL_START:
+                self.pending, self.mode, self.opener = text[start + len(tag) :], "name", tag
+            else:  # a bare <function=: the name step reads it
+                self.pending, self.mode, self.opener = text[start:], "name", ""
             return True
         if self.mode == "name":
             stripped = text.lstrip()
@@ -219,7 +254,8 @@ class Qwen3XMLToolParser:
             close = stripped.find(">")
             if close == -1:
                 return False
-            calls.append(self._open_call(stripped[len(FUNCTION_PREFIX) : close].strip()))
+            calls.append(self._open_call(content, stripped[len(FUNCTION_PREFIX) : close].strip()))
+            self.opener = ""
             self.pending, self.mode = stripped[close + 1 :], "body"
             return True
         return self._step_body(calls)
@@ -230,9 +266,7 @@ class Qwen3XMLToolParser:
         function_end = text.find(FUNCTION_END)
         if function_end != -1 and (begin == -1 or function_end < begin):
             calls.append(self._close_call())
-            rest = text[function_end + len(FUNCTION_END) :]
-            stripped = rest.lstrip()
-            self.pending = stripped[len(CALL_END) :] if stripped.startswith(CALL_END) else rest
+            self.pending = text[function_end + len(FUNCTION_END) :]
             return True
         if begin == -1:
             return False
@@ -256,14 +290,13 @@ class Qwen3XMLToolParser:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """Flushes at the end of generation: completes a call that was cut off, or returns held text as content."""
         text, self.pending = self.pending, ""
+        content: list[str] = []
         calls: list[dict[str, Any]] = []
         if self.mode == "content":
-            return text, calls
-        if self.mode == "name":
-            if not self.has_tool_calls:
-                return self.opener + text, calls  # an opened call without a complete name stays text
-            return "", calls
-        if self.mode == "body":
+            self._text(content, text)
+        elif self.mode == "name" and not self.has_tool_calls:
+            self._text(content, self.opener + text)  # an opened call without a complete name stays text
+        elif self.mode == "body":
             begin = text.find(PARAMETER_PREFIX)
             name_end = text.find(">", begin) if begin != -1 else -1
             if name_end != -1:
@@ -272,4 +305,8 @@ class Qwen3XMLToolParser:
                 value = value[: len(value) - partial_tag_length(value, (PARAMETER_END, FUNCTION_END))]
                 calls.append(self._argument(key, value))
             calls.append(self._close_call())
-        return "", calls
+        if not self.has_tool_calls:
+            # no call came: the held text is content as generated, whitespace and all
+            content.append(self.waiting + self.before_calls)
+            self.waiting = self.before_calls = ""
+        return "".join(content), calls

@@ -101,7 +101,8 @@ def test_tool_call_streaming_first_name_then_arguments(client: openai.OpenAI, fa
         content += delta.content or ""
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
-    assert reasoning == "Checking." and content == "\n\nLet me look." and finish == "tool_calls"
+    # vLLM streams the whitespace around the content before a call (its non-streamed content strips it)
+    assert reasoning == "Checking." and content == "\n\nLet me look.\n\n" and finish == "tool_calls"
     assert VLLM_CALL_ID.fullmatch(calls[0].id) and calls[0].function.name == "get_weather"
     assert calls[0].function.arguments == ""
     assert all(call.id is None and call.function.name is None for call in calls[1:]) and len(calls) > 2
@@ -136,6 +137,39 @@ def test_tool_call_ids_are_vllms(client: openai.OpenAI, fake_engine: FakeEngine)
     _, deltas = stream_tool_chat(client)
     (first, *rest) = deltas
     assert VLLM_CALL_ID.fullmatch(first.id) and all(delta.id is None for delta in rest)
+
+
+def test_whitespace_before_a_call_is_stripped_only_when_not_streamed(
+    client: openai.OpenAI, fake_engine: FakeEngine
+) -> None:
+    """vLLM 0.26's qwen3_coder chain: a non-streamed message's content is the text before the call stripped on both
+    sides (None when only whitespace is left); a stream sends it as generated, except whitespace-only text before
+    any other content, which a call drops."""
+    text = "\n\n  Let me check.  \n\n"
+    fake_engine.scripts.append([text + CALL])
+    message = full_tool_chat(client)
+    assert message.content == "Let me check." and len(message.tool_calls) == 1
+    fake_engine.scripts.append([text + CALL])
+    content, calls = stream_tool_chat(client)
+    assert content == text and calls[0].function.name == "get_weather"
+    for stream in (False, True):
+        fake_engine.scripts.append(["\n \n" + CALL])
+        content = stream_tool_chat(client)[0] if stream else full_tool_chat(client).content
+        assert content == ("" if stream else None), stream
+
+
+def test_text_after_a_call_is_streamed_and_dropped_when_not_streamed(
+    client: openai.OpenAI, fake_engine: FakeEngine
+) -> None:
+    """vLLM 0.26 streams the text after a call's </tool_call> (and between two calls) as content and leaves it out
+    of the non-streamed message; text between </function> and </tool_call> is dropped in both."""
+    output = "Sure.\n" + CALL + "\nBetween.\n" + CALL.replace("</function>", "</function> lost") + "\nDone."
+    fake_engine.scripts.append([output])
+    message = full_tool_chat(client)
+    assert message.content == "Sure." and len(message.tool_calls) == 2
+    fake_engine.scripts.append([output])
+    content, calls = stream_tool_chat(client)
+    assert content == "Sure.\n\nBetween.\n\nDone." and len({call.index for call in calls}) == 2
 
 
 def test_tool_choice_none_and_validation(client: openai.OpenAI, fake_engine: FakeEngine, http: httpx.Client) -> None:

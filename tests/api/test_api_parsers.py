@@ -40,10 +40,14 @@ CALL = (
 CALL_ARGS = {"city": "New York", "days": 3, "metric": True, "tags": ["a", "b"]}
 
 
-def run(text: str, pieces: list[int] | None, *, thinking: bool = True, disabled: bool = False) -> dict[str, Any]:
-    """Feeds text in pieces (split at the given offsets) through a full choice processor; returns the message."""
+def run(
+    text: str, pieces: list[int] | None, *, thinking: bool = True, disabled: bool = False, streamed: bool = False
+) -> dict[str, Any]:
+    """Feeds text in pieces (split at the given offsets) through a full choice processor; returns the message (the
+    non-streamed one, or with streamed=True the stream's deltas folded)."""
     processor = ChoiceProcessor(
-        Qwen3ReasoningParser(is_prompt_thinking=thinking, is_thinking_disabled=disabled), Qwen3XMLToolParser(TOOLS)
+        Qwen3ReasoningParser(is_prompt_thinking=thinking, is_thinking_disabled=disabled),
+        Qwen3XMLToolParser(TOOLS, is_streamed=streamed),
     )
     builder = MessageBuilder(processor)
     bounds = [0, *(pieces or []), len(text)]
@@ -86,9 +90,11 @@ def test_reasoning_split_agrees_whole_and_streamed(
 def test_tool_call_whole_and_streamed() -> None:
     text = "Thinking about it.</think>\n\nLet me check.\n\n" + CALL
     for pieces in [None, *every_split(text)[:: max(1, len(text) // 60)]]:
+        # vLLM 0.26: the content before a call is stripped when not streamed, streamed as generated
+        assert run(text, pieces, streamed=True)["content"] == "\n\nLet me check.\n\n", pieces
         message = run(text, pieces)
         assert message["reasoning"] == "Thinking about it."
-        assert message["content"] == "\n\nLet me check."
+        assert message["content"] == "Let me check."
         (call,) = message["tool_calls"]
         assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"]) and call["type"] == "function"
         assert call["function"]["name"] == "get_weather"
@@ -146,6 +152,28 @@ def test_a_tool_call_tag_in_prose_keeps_the_space_before_it() -> None:
         assert run(text, pieces, thinking=False)["content"] == text, pieces
     message = run("Here it is: \n" + CALL, None, thinking=False)
     assert message["content"] == "Here it is:" and len(message["tool_calls"]) == 1
+    assert run("Here it is: \n" + CALL, None, thinking=False, streamed=True)["content"] == "Here it is: \n"
+
+
+@pytest.mark.parametrize(
+    ("text", "full", "streamed"),
+    [
+        # vLLM 0.26's qwen3_coder chain, run on these outputs (parse and parse_delta): not streamed, the text before
+        # the first call stripped and the rest dropped; streamed, all of it but what lies between </function> and
+        # </tool_call>, and whitespace-only text before any other content once a call opens
+        ("\n\n  Let me check.  \n\n" + CALL, "Let me check.", "\n\n  Let me check.  \n\n"),
+        ("\n \n" + CALL, None, None),
+        ("Sure.\n" + CALL + "\nDone, see above.", "Sure.", "Sure.\n\nDone, see above."),
+        ("A\n" + CALL + "\nmiddle\n" + CALL + "\ntail  ", "A", "A\n\nmiddle\n\ntail  "),
+        ("A" + CALL.replace("</function>", "</function> lost") + " after", "A", "A after"),
+        ("  no call  ", "  no call  ", "  no call  "),
+        ("   ", "   ", "   "),
+    ],
+)
+def test_content_around_calls_as_vllm_returns_it(text: str, full: str | None, streamed: str | None) -> None:
+    for pieces in [None, *every_split(text)[:: max(1, len(text) // 40)]]:
+        assert run(text, pieces, thinking=False)["content"] == full, pieces
+        assert run(text, pieces, thinking=False, streamed=True)["content"] == streamed, pieces
 
 
 @pytest.mark.parametrize(
