@@ -10,7 +10,9 @@ RequestTracker as the server streams each request: token counters and histograms
 (from RequestOutput.num_cached_tokens), TTFT, inter-token latency, end-to-end latency, time per output token, and the
 phase histograms (queue, prefill, decode, inference) and preemptions from RequestOutput.metrics, the engine's own
 timestamps; a request whose outputs carry no metrics observes no phase histogram. Counters vLLM exports for features
-deltaserve has not (external KV connector, multimodal cache) are exported at zero, as vLLM does when unused.
+deltaserve has not (external KV connector, multimodal cache) are exported at zero, as vLLM does when unused. The
+registry also holds vLLM's HTTP request families (http_requests_total, ...), which api/http_metrics.py's middleware
+records into, so /metrics renders them in the same exposition.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The FastAPI app of `deltaserve serve`: vLLM's OpenAI-compatible routes around one engine.
 
 build_app(engine, settings) wires the routes, the error envelope (FastAPI's own 404/405 included), the middleware
-(CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, the body-size limit),
+(CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, vLLM's HTTP request
+metrics, the body-size limit),
 --root-path, and a lifespan that starts the engine, the chat-template workers, the tokenizer threads and the periodic
 stats line (unless --disable-log-stats), and stops them on shutdown. With VLLM_SERVER_DEV_MODE=1 it serves vLLM's
 development route POST /reset_prefix_cache, as vLLM does (only then). Nothing CPU-heavy runs on the event loop:
@@ -25,6 +26,7 @@ import deltaserve
 from deltaserve.api import serving_chat, serving_chat_batch, serving_completion, serving_responses, serving_tokenize
 from deltaserve.api.body import read_json
 from deltaserve.api.errors import APIError, install_error_handlers, model_not_found
+from deltaserve.api.http_metrics import instrument_http
 from deltaserve.api.metrics import ServerMetrics
 from deltaserve.api.middleware import APIKeyMiddleware, BodySizeMiddleware, RequestIdMiddleware
 from deltaserve.api.settings import EngineClient, ServerSettings, ServerState
@@ -96,10 +98,13 @@ def model_cards(state: ServerState) -> dict[str, Any]:
     return {"object": "list", "data": cards}
 
 
-def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
+def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
     # Added innermost first: the body limit runs after the key check, the request id wraps both, CORS wraps all
     # (so preflights and 401s carry the CORS headers too).
     app.add_middleware(BodySizeMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    # vLLM's HTTP metrics, inside the key check, request id and CORS as vLLM has them; outside the body limit,
+    # which vLLM has not: a body vLLM would take to its route is counted under that route here too (as a 413).
+    instrument_http(app, metrics.registry)
     if settings.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     if settings.enable_request_id_headers:
@@ -153,7 +158,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.root_path = settings.root_path or ""
     app.state.deltaserve = state
     install_error_handlers(app)
-    _add_middleware(app, settings)
+    _add_middleware(app, settings, metrics)
 
     def probe() -> Response:
         # vLLM's 503 for a dead engine; a hung one (no heartbeat from the core) fails the same way

@@ -64,16 +64,25 @@ def histograms(text: str) -> dict[str, list[Sample]]:
 
 
 def check_histogram(name: str, samples: list[Sample]) -> tuple[float, float]:
-    """Asserts one valid histogram series (buckets rise with le and end at +Inf == _count); returns (count, sum)."""
-    buckets = sorted((float(s.labels["le"]), s.value) for s in samples if s.name == name + "_bucket")
-    (count,) = [s.value for s in samples if s.name == name + "_count"]
-    (total,) = [s.value for s in samples if s.name == name + "_sum"]
-    assert buckets and buckets[-1][0] == float("inf"), name
-    values = [value for _, value in buckets]
-    assert values == sorted(values), (name, "buckets are not cumulative", buckets)
-    assert values[-1] == count, (name, "+Inf bucket != _count", values[-1], count)
-    assert total >= 0, name
-    return count, total
+    """Asserts every series of a histogram family valid (buckets rise with le and end at +Inf == _count); returns
+    (count, sum) over its series. The vllm:* families have one series each; http_request_duration_seconds has one
+    per handler and method."""
+    series: dict[tuple[tuple[str, str], ...], list[Sample]] = {}
+    for sample in samples:
+        series.setdefault(tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le")), []).append(sample)
+    assert series, name
+    count_all = total_all = 0.0
+    for labels, group in series.items():
+        buckets = sorted((float(s.labels["le"]), s.value) for s in group if s.name == name + "_bucket")
+        (count,) = [s.value for s in group if s.name == name + "_count"]
+        (total,) = [s.value for s in group if s.name == name + "_sum"]
+        assert buckets and buckets[-1][0] == float("inf"), (name, labels)
+        values = [value for _, value in buckets]
+        assert values == sorted(values), (name, labels, "buckets are not cumulative", buckets)
+        assert values[-1] == count, (name, labels, "+Inf bucket != _count", values[-1], count)
+        assert total >= 0, (name, labels)
+        count_all, total_all = count_all + count, total_all + total
+    return count_all, total_all
 
 
 def test_every_histogram_is_valid_and_iteration_tokens_count_like_vllm(metrics_http: httpx.Client) -> None:
