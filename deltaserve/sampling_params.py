@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,13 +258,13 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids is not None and empty!")
-        if any(not word for word in self.bad_words):
+        if not all(self.bad_words):  # all() in C: a request's thousands of words are checked once a prompt
             raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
 
     def validate_vocab(self, vocab_size: int) -> None:
         """vLLM's token-id bounds of logit_bias, allowed_token_ids and the bad words' tokens (the model's
         vocabulary, config vocab_size); ParamError names the field."""
-        if self.logit_bias:
+        if self.logit_bias and not _within(self.logit_bias, vocab_size):
             invalid = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if invalid:
                 raise ParamError(
@@ -270,10 +272,11 @@ class SamplingParams:
                     f"{vocab_size}",
                     "logit_bias",
                 )
-        if self.allowed_token_ids is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
+        if self.allowed_token_ids is not None and not _within(self.allowed_token_ids, vocab_size):
             raise ParamError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
-        invalid = [t for ids in self.bad_words_token_ids or [] for t in ids if not 0 <= t < vocab_size]
-        if invalid:
+        bad_ids = self.bad_words_token_ids or []
+        if not _within(itertools.chain.from_iterable(bad_ids), vocab_size):
+            invalid = [t for ids in bad_ids for t in ids if not 0 <= t < vocab_size]
             raise ParamError(
                 f"The model vocabulary size is {vocab_size}, but the following tokens were specified as bad: "
                 f"{invalid}. All token id values should be integers satisfying: 0 <= token_id <= {vocab_size - 1}.",
@@ -289,6 +292,13 @@ class SamplingParams:
         """A constraint whose mask depends on the tokens already sampled: a grammar, or a bad word of more than
         one token (the engine core fills these masks between steps)."""
         return self.structured_outputs is not None or any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
+
+
+def _within(token_ids: Iterable[int], vocab_size: int) -> bool:
+    """Whether every id is in [0, vocab_size). min and max run in C: a Python loop over a request's thousands of ids,
+    repeated for each of its prompts, held the server's event loop for seconds."""
+    ids = token_ids if isinstance(token_ids, (list, tuple, dict)) else list(token_ids)
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
 
 
 def _is_int_like(value: object) -> bool:

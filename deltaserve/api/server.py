@@ -136,7 +136,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.gather(templates.start(), tokens.warm_up())
         await engine.start()
-        # As vLLM does: the startup heap (model, tokenizer, modules) is left out of every later collection pass.
+        # As vLLM does (freeze_gc_heap): the startup heap (model, tokenizer, modules), its garbage collected first, is
+        # left out of every later collection pass
+        for generation in range(3):
+            gc.collect(generation)
         gc.freeze()
         announce = asyncio.create_task(_announce_ready(app, state))
         log_stats = None if settings.disable_log_stats else asyncio.create_task(stat_logger.run())

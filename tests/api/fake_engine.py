@@ -52,6 +52,8 @@ class FakeEngine:
         step_delay: float = 0.0005,
     ) -> None:
         self.tokenizer = tokenizer
+        # encoded once: encoding it for each request made a 2,048-prompt request hold the loop in the fake itself
+        self.filler_ids: list[int] = tokenizer.encode(FILLER_TEXT, add_special_tokens=False)
         self.max_model_len = max_model_len
         self.default_sampling: dict[str, Any] = {}
         self.block_size = block_size
@@ -150,7 +152,7 @@ class FakeEngine:
         self.last_params, self.last_prompt_ids = params, list(prompt_token_ids)
         texts = self.scripts.popleft() if self.scripts else None
         seqs = [_Seq(i, self._script_ids(texts, i)) for i in range(params.n)]
-        filler = self.tokenizer.encode(FILLER_TEXT, add_special_tokens=False)
+        filler = self.filler_ids
         eos = self.tokenizer.eos_token_id
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         self.running[request_id] = params

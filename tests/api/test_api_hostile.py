@@ -265,6 +265,12 @@ CASES: list[Case] = [
         status=200,
     ),  # fmt: skip
     Case(
+        "bad_words 5,000 over 1,024 prompts",  # one word list for all prompts, checked in C, built in slices
+        "/v1/completions",
+        completion(prompt=["x"] * 1024, bad_words=[f"w{i} z{i}" for i in range(5000)], max_tokens=1),
+        status=200,
+    ),  # fmt: skip
+    Case(
         "allowed_token_ids out of vocab",
         "/v1/completions",
         completion(allowed_token_ids=[10**7]),
