@@ -305,13 +305,14 @@ class RequestTracker:
             if seq.finish_reason is not None:
                 metrics.request_success.labels(*labels, str(seq.finish_reason)).inc()
         if output.finished:
-            self._close(is_finished=True)
+            self._close()
 
     def on_abort(self) -> None:
-        """The client went away (or the stream failed) before the engine finished the request."""
-        if not self.is_done:
-            self.metrics.request_success.labels(*self.metrics.label_values, "abort").inc()
-            self._close(is_finished=False)
+        """The client went away (or the stream failed) before the engine finished the request: nothing is observed,
+        as in vLLM, whose frontend drops an aborted request's state without recording it as finished
+        (v1/engine/output_processor.py abort_requests), so its request_success `abort` series, e2e latency and
+        per-request token histograms do not count client disconnects. Its tokens stay counted."""
+        self.is_done = True
 
     def _observe_phases(self) -> None:
         """vLLM's per-request phase histograms, from the engine's timestamps (nothing when it reported none)."""
@@ -329,15 +330,13 @@ class RequestTracker:
                 histogram.labels(*labels).observe(value)
         metrics.num_preemptions.labels(*labels).observe(stats.num_preemptions)
 
-    def _close(self, *, is_finished: bool) -> None:
+    def _close(self) -> None:
         metrics, labels = self.metrics, self.metrics.label_values
         self.is_done = True
         metrics.e2e.labels(*labels).observe(time.perf_counter() - self.arrival)
         metrics.request_prompt_tokens.labels(*labels).observe(self.num_prompt_tokens)
         metrics.request_generation_tokens.labels(*labels).observe(self.num_generation_tokens)
         metrics.request_max_generation_tokens.labels(*labels).observe(max(self.seq_tokens.values(), default=0))
-        if not is_finished:
-            return
         decode = None
         if self.engine_metrics is not None:
             decode = _elapsed(self.engine_metrics.first_token_time, self.engine_metrics.last_token_time)

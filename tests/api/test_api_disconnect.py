@@ -58,6 +58,35 @@ def test_stream_disconnect_frees_resources(
     assert http.get("/load").json() == {"server_load": 0}
 
 
+def sample(text: str, name: str, label: str = "") -> float:
+    """The value of the sample `name` whose labels hold `label` (0 when it has none)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_disconnect_is_not_counted_as_a_finished_request(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    """As vLLM: a request its client abandoned is dropped without being recorded as finished, so the abort series of
+    vllm:request_success_total, the e2e latency and the per-request token histograms do not move."""
+    fake_engine.step_delay = 0.005
+    before = http.get("/metrics").text
+    body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    after = wait_until_freed(http)
+    for name, label in (
+        ("vllm:request_success_total", 'finished_reason="abort"'),
+        ("vllm:e2e_request_latency_seconds_count", ""),
+        ("vllm:request_prompt_tokens_count", ""),
+        ("vllm:request_generation_tokens_count", ""),
+    ):
+        assert sample(after, name, label) == sample(before, name, label), name
+    assert sample(after, "vllm:generation_tokens_total") > sample(before, "vllm:generation_tokens_total")
+
+
 def test_non_streaming_disconnect_frees_resources(http: httpx.Client, fake_engine: FakeEngine) -> None:
     fake_engine.step_delay = 0.005
     num_aborted = fake_engine.num_aborted
