@@ -77,7 +77,8 @@ def test_plain_response_with_reasoning_and_usage(client: openai.OpenAI, fake_eng
     fake_engine.scripts.append(["Simple.</think>\n\nIt is sunny."])
     body = http.post("/v1/responses", json={"model": MODEL_NAME, "input": QUESTION, "temperature": 0.5}).json()
     strict(body)
-    assert body["temperature"] == 0.5 and body["top_p"] == 1.0 and body["tool_choice"] == "auto"
+    # vLLM's check_tool_usage: without tools "auto" is "none"
+    assert body["temperature"] == 0.5 and body["top_p"] == 1.0 and body["tool_choice"] == "none"
     assert body["max_output_tokens"] == fake_engine.last_params.max_tokens == 2048 - usage.input_tokens
 
 
@@ -195,7 +196,7 @@ def test_max_output_tokens_is_incomplete_and_logprobs(client: openai.OpenAI, fak
     [
         ({"previous_response_id": "resp_123"}, 404, "response_id"),
         ({"background": True}, 400, "background"),
-        ({"background": True, "store": False}, 400, None),
+        ({"background": True, "store": False}, 400, "background"),
         ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),
         ({"tools": [{"type": "web_search_preview"}]}, 400, "tools.0.type"),
         ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, 400, "tool_choice"),
@@ -251,3 +252,49 @@ def test_parallel_tool_calls_false_and_text_format(client: openai.OpenAI, fake_e
     text = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
     reply = client.responses.create(model=MODEL_NAME, input=QUESTION, reasoning={"effort": "none"}, text=text)
     assert reply.output_text == '{"a": 1}' and fake_engine.last_params.structured_outputs.json == schema
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tool_choice": "required"}, "Tool choice 'required' must be specified with 'tools' parameter."),
+        ({"tool_choice": {"type": "function", "name": "get_weather"}},
+         "Tool choice 'function' not found in 'tools' parameter."),
+        ({"tool_choice": {"type": "function", "name": "other"}, "tools": TOOLS},
+         "Tool choice 'function' not found in 'tools' parameter."),
+        ({"background": True, "store": False}, "background can only be used when `store` is true"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt template is not supported"),
+    ],
+)  # fmt: skip
+def test_request_checks_in_vllms_words(http: httpx.Client, body: dict[str, Any], message: str) -> None:
+    """vLLM's ResponsesRequest validators: a 400 in its validation envelope naming the validator's field."""
+    response = http.post("/v1/responses", json={"model": MODEL_NAME, "input": QUESTION, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    param = next(iter(body)) if "tools" not in body else "tool_choice"
+    assert error["message"].startswith("1 validation error:") and error["param"] == param
+    assert f"{message} (parameter={param})" in error["message"]
+
+
+def test_include_reasoning_chat_template_kwargs_and_tool_choice_none(client: openai.OpenAI, fake_engine: FakeEngine,
+                                                                    http: httpx.Client) -> None:  # fmt: skip
+    """vLLM's Responses fields that deltaserve used to drop: include_reasoning=false leaves the reasoning out,
+    chat_template_kwargs reach the template; tool_choice "none" renders no tools (vLLM's
+    construct_tool_dicts) while the Response still echoes them."""
+    fake_engine.scripts.append(["Hmm.</think>\n\nHi."])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, extra_body={"include_reasoning": False})
+    assert [item.type for item in response.output] == ["message"] and response.output_text == "\n\nHi."
+    fake_engine.scripts.append(["Hmm.</think>\n\nHi."])
+    events = stream_events(http, {"model": MODEL_NAME, "input": QUESTION, "include_reasoning": False})
+    assert not [event for event in events if "reasoning" in event["type"]]
+    fake_engine.scripts.append(["Hi."])
+    client.responses.create(
+        model=MODEL_NAME, input=QUESTION, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    expected = fake_engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                                         add_generation_prompt=True, enable_thinking=False)  # fmt: skip
+    assert fake_engine.tokenizer.decode(fake_engine.last_prompt_ids) == expected
+    fake_engine.scripts.append(["Hmm.</think>\n\nNo tools."])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS, tool_choice="none")
+    assert "<tools>" not in fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
+    assert response.tool_choice == "none" and response.tools[0].name == "get_weather"
