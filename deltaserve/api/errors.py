@@ -42,6 +42,19 @@ class APIError(Exception):
         return error_payload(self.message, self.err_type, self.status, self.param)
 
 
+class ParamValueError(ValueError):
+    """A request model validator's error naming its field, as vLLM's VLLMValidationError (vllm/exceptions.py): the
+    message ends with "(parameter=NAME)" and the 400 names NAME as its param (vLLM's validation_exception_handler,
+    vllm/entrypoints/serve/utils/server_utils.py)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __str__(self) -> str:
+        return f"{super().__str__()} (parameter={self.param})"
+
+
 def error_payload(message: str, err_type: str, status: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
@@ -119,14 +132,17 @@ def _format_error(error: dict[str, Any], prefix: str | None) -> str:
 
 def validation_error(exc: pydantic.ValidationError | RequestValidationError, prefix: str | None = "body") -> APIError:
     """vLLM's message for request-model validation: 'N validation error(s):' then one pydantic entry a line (its
-    type included, e.g. greater_than_equal), at most ten; param = the first dotted location."""
+    type included, e.g. greater_than_equal), at most ten; param = the field a ParamValueError names, else the first
+    dotted location."""
     errors = exc.errors()
     num_errors = len(errors)
     noun = "error" if num_errors == 1 else "errors"
     lines = [f"  {_format_error(error, prefix)}" for error in errors[:MAX_REPORTED_ERRORS]]
     if num_errors > MAX_REPORTED_ERRORS:
         lines.append(f"  ...and {num_errors - MAX_REPORTED_ERRORS} more {noun}")
-    param = _location(tuple(errors[0].get("loc", ())), prefix) if errors else None
+    causes = [(error.get("ctx") or {}).get("error") for error in errors]
+    named = [cause.param for cause in causes if isinstance(cause, ParamValueError)]
+    param = named[0] if named else _location(tuple(errors[0].get("loc", ())), prefix) if errors else None
     return APIError(f"{num_errors} validation {noun}:\n" + "\n".join(lines), param=param)
 
 

@@ -108,6 +108,37 @@ def chat_logprobs(
     return items
 
 
+def response_logprobs(
+    namer: TokenNamer, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int
+) -> list[dict[str, Any]]:
+    """vLLM 0.26's Responses logprobs (_create_response_logprobs, vllm/entrypoints/openai/responses/serving.py):
+    token, logprob, bytes, and top_logprobs: the first num_top of the engine's dict, which holds the sampled token
+    first and then the candidates by rank (so a sampled token outside the best is listed first), none for 0."""
+    items = []
+    entries = entries or []
+    for position, token_id in enumerate(token_ids):
+        entry = entries[position] if position < len(entries) else {}
+        sampled = entry.get(token_id)
+        item = _chat_item(namer(token_id, sampled), _clamp(sampled.logprob) if sampled is not None else MIN_LOGPROB)
+        ordered = [(token_id, sampled)] if sampled is not None else []
+        ordered += [(tid, lp) for tid, lp in _top_entries(entry, ALL_LOGPROBS) if tid != token_id]
+        item["top_logprobs"] = [
+            _chat_item(namer(tid, lp), _clamp(lp.logprob)) for tid, lp in ordered[: max(num_top, 0)]
+        ]
+        items.append(item)
+    return items
+
+
+def stream_logprobs(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """response_logprobs' items as a Responses text delta carries them: token, logprob and top_logprobs (token and
+    logprob), no bytes (vLLM's _create_stream_response_logprobs)."""
+    return [
+        {"token": item["token"], "logprob": item["logprob"],
+         "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in item["top_logprobs"]]}
+        for item in items
+    ]  # fmt: skip
+
+
 def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, Any] | None] | None:
     """vLLM's prompt_logprobs field: per prompt token (None for the first) token id -> logprob, rank, text."""
     if entries is None:

@@ -1,15 +1,21 @@
 """A choice's message deltas (chat_output.ChoiceProcessor's reasoning / content / tool_calls) -> Responses output
-items, and the stream events that build them.
+items and stream events, built as vLLM 0.26 builds them for a text model.
 
-OutputItems is one state machine for both paths: streaming sends the events it returns, non-streaming keeps only
-the finished items, so the same deltas give the same output (the chat processor's deltas differ by mode only in
-the content around qwen3_coder tool calls, as vLLM's do). An item opens when a delta of a new kind arrives (reasoning,
-text, or a tool call with a new index) and closes when the next one opens or the choice ends; vLLM's event order
-per item: output_item.added, (content_part.added | reasoning_part.added), deltas, the matching .done events,
-output_item.done. Events carry no sequence number; the stream numbers them as it sends them.
+The Response's `output` (the non-streamed body, and the `response.completed` event of a stream) is output_items:
+the non-streamed parse of the whole generation as one reasoning item, one message and one function_call item per
+call, in that order (vLLM's build_response_output_items, vllm/entrypoints/openai/responses/utils.py). Their ids are
+`rs_`, `msg_` and `fc_` with 16 hex digits, a reasoning item's status is null, a call's call_id is the tool
+parser's id (`chatcmpl-tool-` and 16 hex digits), and the message's logprobs cover every generated token.
 
-Logprobs (include=["message.output_text.logprobs"]) of tokens whose text is held back or is reasoning go with the
-next text delta, so the message's logprobs cover every token up to its last text delta.
+A stream's events come from StreamEvents, vLLM's SimpleStreamingEventProcessor
+(vllm/entrypoints/openai/responses/streaming_events.py) fed the streamed parse: an item opens when a delta of
+another kind arrives (reasoning, text, or a call with a new index) and closes when the next opens or the choice
+ends, with vLLM's events per item: output_item.added, (content_part.added | reasoning_part.added), the deltas, the
+matching .done events, output_item.done. Streamed items are vLLM's own: their ids are bare 16 hex digits and a
+call's call_id is `call_` and 16 hex digits, none of them the ids of the completed Response's items (vLLM builds
+that one again from the whole text). A text delta carries the logprobs of the engine step that produced it; the
+tokens of steps that produce reasoning, a call, or nothing keep none, and output_text.done carries none, as in vLLM.
+Events carry no sequence number; the stream numbers them as it sends them.
 """
 
 from __future__ import annotations
@@ -17,114 +23,144 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from deltaserve.api.tool_parser import new_tool_call_id
+
 Event = dict[str, Any]
 
 
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+def random_id() -> str:
+    """vLLM's random_uuid (vllm/utils/__init__.py): the low 64 bits of a uuid4 as 16 hex digits."""
+    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
 
 
-class OutputItems:
-    def __init__(self, *, with_logprobs: bool) -> None:
-        self.with_logprobs = with_logprobs
-        self.items: list[dict[str, Any]] = []  # finished output items, in order
-        self.kind: str | None = None  # the open item's type: "message", "reasoning", "function_call" or None
-        self.item: dict[str, Any] = {}
+def output_items(
+    reasoning: str,
+    content: str,
+    calls: list[dict[str, Any]],
+    logprobs: list[dict[str, Any]] | None,
+    *,
+    is_parsed: bool = True,
+) -> list[dict[str, Any]]:
+    """The Response's output from the non-streamed parse (calls: {id, name, arguments} in index order); empty
+    reasoning or text makes no item, except that a server without parsers always answers one message (with no
+    content part when the text is empty), as vLLM's fallback does."""
+    items: list[dict[str, Any]] = []
+    if reasoning:
+        items.append({"id": f"rs_{random_id()}", "summary": [], "type": "reasoning",
+                      "content": [{"text": reasoning, "type": "reasoning_text"}], "status": None})  # fmt: skip
+    if content or not is_parsed:
+        part = {"annotations": [], "text": content, "type": "output_text", "logprobs": logprobs}
+        items.append({"id": f"msg_{random_id()}", "content": [part] if content else [], "role": "assistant",
+                      "status": "completed", "type": "message"})  # fmt: skip
+    for call in calls:
+        items.append({"arguments": call["arguments"], "call_id": call["id"] or new_tool_call_id(),
+                      "name": call["name"], "type": "function_call", "id": f"fc_{random_id()}",
+                      "status": "completed"})  # fmt: skip
+    return items
+
+
+def _pieces(delta: dict[str, Any]) -> list[tuple[str, Any]]:
+    """vLLM's split_delta: reasoning, then text, then the tool-call fragments of each index, one piece each."""
+    pieces: list[tuple[str, Any]] = []
+    if "reasoning" in delta:
+        pieces.append(("reasoning", delta["reasoning"]))
+    if delta.get("content"):
+        pieces.append(("message", delta["content"]))
+    pieces += [("function_call", call) for call in delta.get("tool_calls", [])]
+    return pieces
+
+
+class StreamEvents:
+    """The events of one streamed choice, item by item."""
+
+    def __init__(self) -> None:
+        self.output_index = 0
+        self.kind: str | None = None  # the open item's type: "reasoning", "message", "function_call" or None
+        self.item_id = ""
         self.text: list[str] = []  # the open item's text (or arguments)
-        self.logprobs: list[dict[str, Any]] = []  # the open message's logprobs
-        self.pending_logprobs: list[dict[str, Any]] = []  # logprobs not sent with a text delta yet
-        self.call_index: int | None = None
+        self.call: dict[str, Any] = {}  # the open call's call_id, name and index
         self.has_arguments = False
 
-    @property
-    def output_index(self) -> int:
-        return len(self.items)
-
     def _where(self) -> dict[str, Any]:
-        return {"output_index": self.output_index, "item_id": self.item["id"]}
+        return {"item_id": self.item_id, "output_index": self.output_index}
 
     def feed(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[Event]:
-        """The events of one delta: reasoning first, then text, then tool-call fragments (the parsers' order)."""
-        self.pending_logprobs += logprobs if self.with_logprobs else []
+        """The events of one engine step's delta; logprobs: the step's tokens', sent with its text."""
         events: list[Event] = []
-        if delta.get("reasoning"):
-            events += self._switch("reasoning")
-            self.text.append(delta["reasoning"])
-            events.append({"type": "response.reasoning_text.delta", **self._where(), "content_index": 0,
-                           "delta": delta["reasoning"]})  # fmt: skip
-        if delta.get("content"):
-            events += self._switch("message")
-            self.text.append(delta["content"])
-            sent, self.pending_logprobs = self.pending_logprobs, []
-            self.logprobs += sent
-            events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0,
-                           "delta": delta["content"], "logprobs": sent})  # fmt: skip
-        for call in delta.get("tool_calls", []):
-            if self.kind != "function_call" or call["index"] != self.call_index:
-                events += self._switch("function_call", call)
-            arguments = call["function"].get("arguments") or ""
-            if arguments:
-                self.text.append(arguments)
-                self.has_arguments = True
-                events.append({"type": "response.function_call_arguments.delta", **self._where(), "delta": arguments})
+        for kind, piece in _pieces(delta):
+            is_new_call = kind == "function_call" and piece["index"] != self.call.get("index")
+            if kind != self.kind or is_new_call:
+                events += self.close()
+                events += self._open(kind, piece)
+            if kind == "function_call":
+                arguments = piece["function"].get("arguments") or ""
+                if arguments:
+                    self.text.append(arguments)
+                    self.has_arguments = True
+                    events.append({"type": "response.function_call_arguments.delta", **self._where(),
+                                   "delta": arguments})  # fmt: skip
+            elif kind == "reasoning":
+                self.text.append(piece)
+                events.append({"type": "response.reasoning_text.delta", **self._where(), "content_index": 0,
+                               "delta": piece})  # fmt: skip
+            else:
+                self.text.append(piece)
+                events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0,
+                               "delta": piece, "logprobs": logprobs})  # fmt: skip
         return events
 
-    def _switch(self, kind: str, call: dict[str, Any] | None = None) -> list[Event]:
-        if self.kind == kind and kind != "function_call":
-            return []
-        events = self.close()
-        self.kind, self.text, self.logprobs = kind, [], []
+    def _open(self, kind: str, piece: Any) -> list[Event]:
+        self.kind, self.item_id, self.text = kind, random_id(), []
+        where = {"output_index": self.output_index}
         if kind == "message":
-            self.item = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                         "content": []}  # fmt: skip
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            return [*events, self._added(), {"type": "response.content_part.added", **self._where(),
-                                             "content_index": 0, "part": part}]  # fmt: skip
+            item = {"id": self.item_id, "content": [], "role": "assistant", "status": "in_progress", "type": "message"}
+            part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
+            added = {"type": "response.content_part.added", **self._where(), "content_index": 0, "part": part}
+            return [{"type": "response.output_item.added", **where, "item": item}, added]
         if kind == "reasoning":
-            self.item = {"id": _id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
-            return [*events, self._added(), {"type": "response.reasoning_part.added", **self._where(),
-                                             "content_index": 0, "part": part}]  # fmt: skip
-        assert call is not None
-        self.call_index, self.has_arguments = call["index"], False
-        self.item = {"id": _id("fc"), "type": "function_call", "call_id": call.get("id") or _id("call"),
-                     "name": call["function"].get("name") or "", "arguments": "", "status": "in_progress"}  # fmt: skip
-        return [*events, self._added()]
+            item = {"id": self.item_id, "summary": [], "type": "reasoning", "status": "in_progress"}
+            part = {"text": "", "type": "reasoning_text"}
+            added = {"type": "response.reasoning_part.added", **self._where(), "content_index": 0, "part": part}
+            return [{"type": "response.output_item.added", **where, "item": item}, added]
+        self.has_arguments = False
+        self.call = {"call_id": f"call_{random_id()}", "name": piece["function"].get("name") or "",
+                     "index": piece["index"]}  # fmt: skip
+        return [{"type": "response.output_item.added", **where, "item": self._call_item("", "in_progress")}]
 
-    def _added(self) -> Event:
-        return {"type": "response.output_item.added", "output_index": self.output_index, "item": dict(self.item)}
+    def _call_item(self, arguments: str, status: str) -> dict[str, Any]:
+        return {"arguments": arguments, "call_id": self.call["call_id"], "name": self.call["name"],
+                "type": "function_call", "id": self.item_id, "status": status}  # fmt: skip
 
     def close(self) -> list[Event]:
-        """Closes the open item (its .done events); call once more when the choice ends."""
+        """The open item's .done events; call once more when the choice ends."""
         if self.kind is None:
             return []
         text = "".join(self.text)
         where = self._where()
-        item = {**self.item, "status": "completed"}
         events: list[Event]
         if self.kind == "message":
-            part = {"type": "output_text", "text": text, "annotations": [],
-                    "logprobs": self.logprobs if self.with_logprobs else None}  # fmt: skip
-            item["content"] = [part]
+            part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+            item = {"id": self.item_id, "content": [part] if text else [], "role": "assistant", "status": "completed",
+                    "type": "message", "summary": []}  # fmt: skip
             events = [
-                {"type": "response.output_text.done", **where, "content_index": 0, "text": text,
-                 "logprobs": self.logprobs},
+                {"type": "response.output_text.done", **where, "content_index": 0, "text": text, "logprobs": []},
                 {"type": "response.content_part.done", **where, "content_index": 0, "part": part},
-            ]  # fmt: skip
+            ]
         elif self.kind == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
-            item["content"] = [part]
+            part = {"text": text, "type": "reasoning_text"}
+            item = {"id": self.item_id, "summary": [], "type": "reasoning", "content": [part], "status": "completed"}
             events = [
                 {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text},
                 {"type": "response.reasoning_part.done", **where, "content_index": 0, "part": part},
             ]
         else:
-            item["arguments"] = text
+            item = self._call_item(text, "completed")
             events = []
             if self.has_arguments:
                 events.append({"type": "response.function_call_arguments.done", **where, "arguments": text,
-                               "name": item["name"]})  # fmt: skip
+                               "name": self.call["name"]})  # fmt: skip
+            self.call = {}
         events.append({"type": "response.output_item.done", "output_index": self.output_index, "item": item})
-        self.items.append(item)
-        self.kind, self.item, self.call_index = None, {}, None
+        self.output_index += 1
+        self.kind = None
         return events

@@ -3,13 +3,16 @@
 A Responses request is served through the chat path: `to_chat_request` turns `instructions` + `input` into chat
 messages (a string is one user turn; message, reasoning, function_call and function_call_output items become the
 system / user / assistant / tool turns of the chat template, merged as vLLM merges them), the flat function tools
-into chat tools, `tool_choice`, `reasoning.effort`, `text.format`, `max_output_tokens`, `truncation` and `include`
-into their chat fields. Sampling fields are the chat path's own (vLLM's Responses fields, plus deltaserve's
-sampling extensions such as min_p, which vLLM's Responses endpoint ignores).
+into chat tools (none under tool_choice "none", as vLLM renders them), `tool_choice`, `reasoning.effort`,
+`text.format`, `max_output_tokens`, `truncation`, `include`, `include_reasoning` and `chat_template_kwargs` into
+their chat fields. Sampling fields are the chat path's own (vLLM's Responses fields, plus deltaserve's sampling
+extensions such as min_p, which vLLM's Responses endpoint ignores).
 
 Refused in vLLM's envelope, as vLLM 0.26 refuses them with its response store off (its default): a
 `previous_response_id` (404: nothing is stored), `background` (400), a `prompt` template (400),
-`enable_response_messages`. Refused where vLLM would silently drop them: built-in tools (no tool server),
+`enable_response_messages`, and vLLM's tool_choice checks (a 400 for "required" or a named function without
+`tools`, or a name that no tool has; without tools "auto" is echoed as "none"), the validators' errors naming
+their field as vLLM's do. Refused where vLLM would silently drop them: built-in tools (no tool server),
 `conversation`, input items other than messages, reasoning, function calls and their outputs, and file or audio
 parts. input_image parts go to the chat path as image_url parts (served with a vision tower, refused without one).
 `store` is accepted and ignored, as vLLM does.
@@ -21,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from deltaserve.api.errors import APIError, bad_request
+from deltaserve.api.errors import APIError, ParamValueError, bad_request
 from deltaserve.api.protocol import APIModel, ChatCompletionRequest, SamplingRequest
 from deltaserve.api.sampling import log_ignored_fields
 
@@ -53,10 +56,26 @@ class ResponsesRequest(APIModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _background_needs_store(cls, data: Any) -> Any:
-        # vLLM's validate_background, in its words
-        if isinstance(data, dict) and data.get("background") and not data.get("store", True):
-            raise ValueError("background can only be used when `store` is true")
+    def _vllm_checks(cls, data: Any) -> Any:
+        """vLLM's ResponsesRequest validators, in their words and fields: validate_background, validate_prompt,
+        check_tool_usage (without tools, "auto" and "none" become "none"; "required" or a named function is
+        refused; a named function must be one of the tools)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("background") and not data.get("store", True):
+            raise ParamValueError("background can only be used when `store` is true", "background")
+        if data.get("prompt") is not None:
+            raise ParamValueError("prompt template is not supported", "prompt")
+        tools, choice = data.get("tools"), data.get("tool_choice", "auto")
+        is_named = isinstance(choice, dict) and choice.get("type") == "function"
+        if not tools:
+            if choice in ("auto", "none"):
+                return {**data, "tool_choice": "none"}
+            if choice == "required":
+                raise ParamValueError("Tool choice 'required' must be specified with 'tools' parameter.", "tool_choice")
+        names = {tool.get("name") for tool in tools or [] if isinstance(tool, dict)}
+        if is_named and (not choice.get("name") or choice["name"] not in names):
+            raise ParamValueError("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
         return data
 
     model: str | None = None
@@ -82,6 +101,8 @@ class ResponsesRequest(APIModel):
     include: list[INCLUDABLE] | None = None
     request_id: str | None = None
     enable_response_messages: bool = False
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning (and the logprobs) out of the output
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -104,8 +125,6 @@ def check_unsupported(request: ResponsesRequest) -> None:
             err_type="invalid_request_error",
             param="response_id",
         )
-    if request.prompt is not None:
-        raise bad_request("prompt template is not supported", "prompt")
     if request.enable_response_messages:
         raise bad_request("enable_response_messages is not supported.", "enable_response_messages")
     if (request.model_extra or {}).get("conversation") is not None:
@@ -203,7 +222,8 @@ def input_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], boo
 
 
 def chat_tools(request: ResponsesRequest) -> list[dict[str, Any]] | None:
-    """Flat Responses function tools as chat tools; built-in tools are refused (no tool server)."""
+    """Flat Responses function tools as chat tools; built-in tools are refused (no tool server). Under tool_choice
+    "none" the prompt gets no tools, as vLLM's construct_tool_dicts gives none (its chat endpoint keeps them)."""
     tools = []
     for index, tool in enumerate(request.tools):
         if tool.get("type") != "function":
@@ -211,7 +231,7 @@ def chat_tools(request: ResponsesRequest) -> list[dict[str, Any]] | None:
                               "only (no built-in tools).", f"tools.{index}.type")  # fmt: skip
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
         tools.append({"type": "function", "function": function})
-    return tools or None
+    return tools if tools and request.tool_choice != "none" else None
 
 
 def chat_tool_choice(request: ResponsesRequest, has_tools: bool) -> Any:
@@ -223,8 +243,7 @@ def chat_tool_choice(request: ResponsesRequest, has_tools: bool) -> Any:
         return {"type": "function", "function": {"name": choice["name"]}}
     if choice not in ("none", "auto", "required"):
         raise bad_request(f"tool_choice {choice!r} is not supported.", "tool_choice")
-    # vLLM's default "auto" without tools means no tools, not an error
-    return choice if has_tools or choice == "required" else None
+    return choice if has_tools else None  # no tools: "none" (the request's checks refused the rest)
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -261,6 +280,8 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         "parallel_tool_calls": request.parallel_tool_calls,
         "response_format": response_format(request.text),
         "reasoning_effort": request.reasoning.effort if request.reasoning else None,
+        "include_reasoning": request.include_reasoning,
+        "chat_template_kwargs": request.chat_template_kwargs,
         "logprobs": request.wants_logprobs,
         "top_logprobs": (request.top_logprobs or 0) if request.wants_logprobs else None,
         "add_generation_prompt": not is_partial,

@@ -98,12 +98,14 @@ class ChatJob:
         processor.is_tool_call_finish = not self.is_named_tool_choice
         return processor
 
+    def token_namer(self) -> TokenNamer:
+        as_ids = bool(self.request.return_tokens_as_token_ids or self.state.settings.return_tokens_as_token_ids)
+        return TokenNamer(self.state.engine.tokenizer, as_ids)
+
     def logprobs_of(self, seq: CompletionOutput) -> list[dict[str, Any]]:
         if self.num_top_logprobs is None:
             return []
-        as_ids = bool(self.request.return_tokens_as_token_ids or self.state.settings.return_tokens_as_token_ids)
-        namer = TokenNamer(self.state.engine.tokenizer, as_ids)
-        return chat_logprobs(namer, seq.token_ids, seq.logprobs, self.num_top_logprobs)
+        return chat_logprobs(self.token_namer(), seq.token_ids, seq.logprobs, self.num_top_logprobs)
 
     def note_output(self, output: RequestOutput) -> None:
         if self.num_cached_tokens is None and self.state.settings.enable_prompt_tokens_details:

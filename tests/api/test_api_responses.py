@@ -1,11 +1,15 @@
 """POST /v1/responses with the `openai` client's responses.create against the FakeEngine (qwen3 reasoning parser,
 qwen3_coder tool calls): plain, instructions, streamed (vLLM's event order, sequence numbers, every event and the
-final Response validated by the openai package's own models), tool calls both ways, function-call history in the
-input, max_output_tokens, logprobs, and every unsupported part refused in vLLM's envelope."""
+final Response validated by the openai package's own models), vLLM's ids (streamed items bare, the completed
+Response built again from the whole text), tool calls both ways, function-call history in the input,
+max_output_tokens, logprobs (per step in the stream, every token in the message, the sampled token first), vLLM's
+request checks and fields (tool_choice, include_reasoning, chat_template_kwargs), and every unsupported part
+refused in vLLM's envelope."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -13,6 +17,9 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+
+from deltaserve.api.responses_output import output_items
+from deltaserve.engine.request import Logprob
 
 from .conftest import MODEL_NAME
 from .fake_engine import FakeEngine
@@ -40,6 +47,12 @@ def strict(body: dict[str, Any]) -> Response:
     return Response.model_validate({**body, "usage": None})
 
 
+def without_bytes(entry: dict[str, Any]) -> dict[str, Any]:
+    """A message's logprob entry as a text delta carries it (vLLM's stream entries have no bytes)."""
+    tops = [{"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]]
+    return {"token": entry["token"], "logprob": entry["logprob"], "top_logprobs": tops}
+
+
 def stream_events(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The events of a streamed response, each checked against its `event:` line and the openai models."""
     response = http.post("/v1/responses", json={**body, "stream": True})
@@ -61,9 +74,11 @@ def test_plain_response_with_reasoning_and_usage(client: openai.OpenAI, fake_eng
                                                  http: httpx.Client) -> None:  # fmt: skip
     fake_engine.scripts.append(["Simple.</think>\n\nIt is sunny."])
     response = client.responses.create(model=MODEL_NAME, input=QUESTION)
-    assert response.object == "response" and response.id.startswith("resp_") and response.status == "completed"
+    assert response.object == "response" and re.fullmatch("resp_[0-9a-f]{16}", response.id)
+    assert response.status == "completed"
     reasoning, message = response.output
-    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Simple."
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Simple." and reasoning.status is None
+    assert re.fullmatch("rs_[0-9a-f]{16}", reasoning.id) and re.fullmatch("msg_[0-9a-f]{16}", message.id)
     assert message.type == "message" and message.role == "assistant" and message.status == "completed"
     assert response.output_text == "\n\nIt is sunny." and message.content[0].type == "output_text"
     prompt = fake_engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
@@ -77,7 +92,11 @@ def test_plain_response_with_reasoning_and_usage(client: openai.OpenAI, fake_eng
     fake_engine.scripts.append(["Simple.</think>\n\nIt is sunny."])
     body = http.post("/v1/responses", json={"model": MODEL_NAME, "input": QUESTION, "temperature": 0.5}).json()
     strict(body)
-    assert body["temperature"] == 0.5 and body["top_p"] == 1.0 and body["tool_choice"] == "auto"
+    # vLLM's check_tool_usage: without tools "auto" is "none"; its per-turn usage lists stay empty
+    assert body["temperature"] == 0.5 and body["top_p"] == 1.0 and body["tool_choice"] == "none"
+    assert (body["presence_penalty"], body["frequency_penalty"], body["kv_transfer_params"]) == (0.0, 0.0, None)
+    details = body["usage"]["input_tokens_details"], body["usage"]["output_tokens_details"]
+    assert details[0]["input_tokens_per_turn"] == details[1]["output_tokens_per_turn"] == []
     assert body["max_output_tokens"] == fake_engine.last_params.max_tokens == 2048 - usage.input_tokens
 
 
@@ -123,9 +142,13 @@ def test_stream_event_sequence(client: openai.OpenAI, fake_engine: FakeEngine, h
     done_items = [event["item"] for event in events if event["type"] == "response.output_item.done"]
     final = strict(events[-1]["response"])
     assert final.status == "completed" and final.output_text == text
-    assert events[-1]["response"]["output"] == done_items and events[-1]["response"]["usage"]["output_tokens"] > 0
+    assert events[-1]["response"]["usage"]["output_tokens"] > 0
     added = [event for event in events if event["type"] == "response.output_item.added"]
     assert [event["output_index"] for event in added] == [0, 1] and added[1]["item"]["id"] == done_items[1]["id"]
+    # vLLM's streamed items have bare ids; the completed Response is built again from the whole text, with its own
+    assert all(re.fullmatch("[0-9a-f]{16}", item["id"]) for item in done_items)
+    assert [item["id"].split("_")[0] for item in events[-1]["response"]["output"]] == ["rs", "msg"]
+    assert [item["content"] for item in events[-1]["response"]["output"]] == [item["content"] for item in done_items]
     # the openai client parses the same stream into its event models
     fake_engine.scripts.append(["Hmm.</think>\n\nHi there!"])
     parsed = list(client.responses.create(model=MODEL_NAME, input=QUESTION, stream=True))
@@ -139,7 +162,8 @@ def test_tool_call_non_streaming_and_streamed(client: openai.OpenAI, fake_engine
     response = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS)
     reasoning, call = response.output
     assert reasoning.type == "reasoning" and call.type == "function_call" and call.status == "completed"
-    assert call.name == "get_weather" and call.call_id.startswith("chatcmpl-tool-") and call.id.startswith("fc_")
+    assert call.name == "get_weather" and re.fullmatch("chatcmpl-tool-[0-9a-f]{16}", call.call_id)
+    assert re.fullmatch("fc_[0-9a-f]{16}", call.id)
     assert json.loads(call.arguments) == {"city": "Paris", "days": 2}
     assert "<tools>" in fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
     fake_engine.scripts.append([TOOL_OUTPUT])
@@ -151,8 +175,12 @@ def test_tool_call_non_streaming_and_streamed(client: openai.OpenAI, fake_engine
     assert json.loads(arguments) == {"city": "Paris", "days": 2}
     assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
                           "response.completed"]  # fmt: skip
+    # vLLM: the streamed call's call_id is call_ and 16 hex digits, the completed Response's the parser's id
+    assert re.fullmatch("call_[0-9a-f]{16}", added["item"]["call_id"]) and re.fullmatch(
+        "[0-9a-f]{16}", added["item"]["id"]
+    )
     final = strict(events[-1]["response"])
-    assert final.output[-1].arguments == arguments and final.output[-1].call_id == added["item"]["call_id"]
+    assert final.output[-1].arguments == arguments and final.output[-1].call_id.startswith("chatcmpl-tool-")
     fake_engine.scripts.append([TOOL_OUTPUT])
     named = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS,
                                     tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
@@ -187,7 +215,12 @@ def test_max_output_tokens_is_incomplete_and_logprobs(client: openai.OpenAI, fak
     logprobs = [entry for event in deltas for entry in event["logprobs"]]
     assert len(logprobs) == 4 and all(len(entry["top_logprobs"]) == 2 for entry in logprobs)
     part = events[-1]["response"]["output"][0]["content"][0]
-    assert part["logprobs"] == logprobs and "".join(entry["token"] for entry in logprobs) == part["text"]
+    # vLLM: a text delta's entries have no bytes, the completed message's do; output_text.done carries none
+    assert logprobs == [without_bytes(entry) for entry in part["logprobs"]]
+    assert "".join(entry["token"] for entry in part["logprobs"]) == part["text"]
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in part["logprobs"])
+    done = next(event for event in events if event["type"] == "response.output_text.done")
+    assert done["logprobs"] == [] and done["text"] == part["text"]
 
 
 @pytest.mark.parametrize(
@@ -195,7 +228,7 @@ def test_max_output_tokens_is_incomplete_and_logprobs(client: openai.OpenAI, fak
     [
         ({"previous_response_id": "resp_123"}, 404, "response_id"),
         ({"background": True}, 400, "background"),
-        ({"background": True, "store": False}, 400, None),
+        ({"background": True, "store": False}, 400, "background"),
         ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),
         ({"tools": [{"type": "web_search_preview"}]}, 400, "tools.0.type"),
         ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, 400, "tool_choice"),
@@ -251,3 +284,124 @@ def test_parallel_tool_calls_false_and_text_format(client: openai.OpenAI, fake_e
     text = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
     reply = client.responses.create(model=MODEL_NAME, input=QUESTION, reasoning={"effort": "none"}, text=text)
     assert reply.output_text == '{"a": 1}' and fake_engine.last_params.structured_outputs.json == schema
+
+
+def test_the_completed_response_is_the_non_streamed_parse(client: openai.OpenAI, fake_engine: FakeEngine,
+                                                          http: httpx.Client) -> None:  # fmt: skip
+    """vLLM builds a stream's completed Response again from the whole text: its items have their own ids and the
+    non-streamed content rules (qwen3_coder: the text before a call stripped, the text after it dropped), while
+    the events follow the streamed parse; the openai client's stream helper takes that Response as final."""
+    call = TOOL_OUTPUT.split("</think>\n\n")[1]
+    script = "Look.</think>\n\nSure.\n" + call + "\nDone."
+    fake_engine.scripts.append([script])
+    events = stream_events(http, {"model": MODEL_NAME, "input": QUESTION, "tools": TOOLS})
+    done = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    assert [item["type"] for item in done] == ["reasoning", "message", "function_call", "message"]
+    assert [item["content"][0]["text"] for item in done if item["type"] == "message"] == ["\n\nSure.\n", "\nDone."]
+    assert done[1]["summary"] == [] and done[1]["content"][0]["logprobs"] is None
+    final = events[-1]["response"]["output"]
+    assert [item["type"] for item in final] == ["reasoning", "message", "function_call"]
+    assert final[1]["content"][0]["text"] == "Sure." and final[2]["arguments"] == done[2]["arguments"]
+    assert not {item["id"] for item in final} & {item["id"] for item in done}
+    assert final[2]["call_id"] != done[2]["call_id"]
+    fake_engine.scripts.append([script])
+    with client.responses.stream(model=MODEL_NAME, input=QUESTION, tools=TOOLS) as stream:
+        kinds = [event.type for event in stream]
+        response = stream.get_final_response()
+    assert kinds == [event["type"] for event in events]
+    assert response.output_text == "Sure." and response.output[-1].call_id.startswith("chatcmpl-tool-")
+
+
+def test_streamed_logprobs_are_the_text_steps_own(client: openai.OpenAI, fake_engine: FakeEngine,
+                                                  http: httpx.Client) -> None:  # fmt: skip
+    """vLLM: a text delta carries the logprobs of its engine step's tokens; steps of reasoning or held-back text
+    keep none in the stream, while the completed message's logprobs cover every generated token."""
+    fake_engine.scripts.append(["Hmm.</think>\n\nHi there!"])
+    body = {"model": MODEL_NAME, "input": QUESTION, "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    events = stream_events(http, body)
+    deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+    assert all(len(event["logprobs"]) == 1 for event in deltas)  # one token a step in the FakeEngine
+    message = events[-1]["response"]["output"][-1]
+    num_output = events[-1]["response"]["usage"]["output_tokens"]
+    assert len(message["content"][0]["logprobs"]) == num_output > len(deltas)
+    fake_engine.scripts.append(["Hmm.</think>\n\nHi there!"])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, include=["message.output_text.logprobs"])
+    logprobs = response.output[-1].content[0].logprobs
+    assert len(logprobs) == response.usage.output_tokens and "".join(lp.token for lp in logprobs).startswith("Hmm.")
+
+
+def test_top_logprobs_list_the_sampled_token_first(client: openai.OpenAI, fake_engine: FakeEngine,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """vLLM takes the first top_logprobs entries of the engine's dict, which holds the sampled token first: a
+    token sampled outside the best leads its own top_logprobs."""
+
+    def sampled_third(token_id: int, num_top: int) -> dict[int, Logprob]:
+        best, second = (token_id + 1) % 100, (token_id + 2) % 100
+        return {token_id: Logprob(-3.0, 3, "t"), best: Logprob(-1.0, 1, "b"), second: Logprob(-2.0, 2, "s")}
+
+    monkeypatch.setattr(fake_engine, "_logprobs", sampled_third)
+    fake_engine.scripts.append(["Hi."])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, reasoning={"effort": "none"},
+                                       include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+    entry = response.output[0].content[0].logprobs[0]
+    assert [(top.token, top.logprob) for top in entry.top_logprobs] == [("t", -3.0), ("b", -1.0)]
+    assert entry.bytes == list(b"t")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tool_choice": "required"}, "Tool choice 'required' must be specified with 'tools' parameter."),
+        ({"tool_choice": {"type": "function", "name": "get_weather"}},
+         "Tool choice 'function' not found in 'tools' parameter."),
+        ({"tool_choice": {"type": "function", "name": "other"}, "tools": TOOLS},
+         "Tool choice 'function' not found in 'tools' parameter."),
+        ({"background": True, "store": False}, "background can only be used when `store` is true"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt template is not supported"),
+    ],
+)  # fmt: skip
+def test_request_checks_in_vllms_words(http: httpx.Client, body: dict[str, Any], message: str) -> None:
+    """vLLM's ResponsesRequest validators: a 400 in its validation envelope naming the validator's field."""
+    response = http.post("/v1/responses", json={"model": MODEL_NAME, "input": QUESTION, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    param = next(iter(body)) if "tools" not in body else "tool_choice"
+    assert error["message"].startswith("1 validation error:") and error["param"] == param
+    assert f"{message} (parameter={param})" in error["message"]
+
+
+def test_include_reasoning_chat_template_kwargs_and_tool_choice_none(client: openai.OpenAI, fake_engine: FakeEngine,
+                                                                    http: httpx.Client) -> None:  # fmt: skip
+    """vLLM's Responses fields that deltaserve used to drop: include_reasoning=false leaves the reasoning (and the
+    logprobs) out, chat_template_kwargs reach the template; tool_choice "none" renders no tools (vLLM's
+    construct_tool_dicts) while the Response still echoes them."""
+    fake_engine.scripts.append(["Hmm.</think>\n\nHi."])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, include=["message.output_text.logprobs"],
+                                       extra_body={"include_reasoning": False})  # fmt: skip
+    assert [item.type for item in response.output] == ["message"] and response.output_text == "\n\nHi."
+    assert response.output[0].content[0].logprobs is None
+    fake_engine.scripts.append(["Hmm.</think>\n\nHi."])
+    body = {"model": MODEL_NAME, "input": QUESTION, "include_reasoning": False,
+            "include": ["message.output_text.logprobs"]}  # fmt: skip
+    events = stream_events(http, body)
+    assert not [event for event in events if "reasoning" in event["type"]]
+    assert all(event["logprobs"] == [] for event in events if event["type"] == "response.output_text.delta")
+    fake_engine.scripts.append(["Hi."])
+    client.responses.create(
+        model=MODEL_NAME, input=QUESTION, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    expected = fake_engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                                         add_generation_prompt=True, enable_thinking=False)  # fmt: skip
+    assert fake_engine.tokenizer.decode(fake_engine.last_prompt_ids) == expected
+    fake_engine.scripts.append(["Hmm.</think>\n\nNo tools."])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS, tool_choice="none")
+    assert "<tools>" not in fake_engine.tokenizer.decode(fake_engine.last_prompt_ids)
+    assert response.tool_choice == "none" and response.tools[0].name == "get_weather"
+
+
+def test_a_server_without_parsers_always_answers_a_message() -> None:
+    """vLLM's fallback without a reasoning or tool parser: one message, with no content part when nothing was
+    generated (with parsers, empty text makes no item)."""
+    (message,) = output_items("", "", [], None, is_parsed=False)
+    assert message["type"] == "message" and message["content"] == [] and message["status"] == "completed"
+    assert re.fullmatch("msg_[0-9a-f]{16}", message["id"]) and output_items("", "", [], None) == []
