@@ -4,7 +4,8 @@ A ChoiceProcessor chains the reasoning parser (whose content feeds the tool-call
 streaming sends them as they come, and non-streaming folds them into one message with MessageBuilder, so both
 paths give the same answer except where vLLM's differ: the qwen3_coder tool parser is built for one mode, since
 vLLM strips the content before a call and drops the text after it only when not streaming. A message without tool
-calls carries no `tool_calls` key (vLLM drops the empty list). ReasoningTokenCounter counts the generated tokens
+calls carries no `tool_calls` key (vLLM drops the empty list); under tool_choice "none" a streamed delta
+the tool parser returns carries `"tool_calls": []`, as vLLM's does. ReasoningTokenCounter counts the generated tokens
 inside <think> ... </think> by token id, for usage.completion_tokens_details.reasoning_tokens.
 """
 
@@ -16,6 +17,8 @@ from deltaserve.api.reasoning import THINK_END, THINK_START, Qwen3ReasoningParse
 
 
 class ToolParser(Protocol):
+    drops_calls: bool  # tool_choice "none": the calls are read for the content's sake and not returned
+
     @property
     def has_tool_calls(self) -> bool: ...
 
@@ -107,6 +110,11 @@ class ChoiceProcessor:
         calls: list[dict[str, Any]] = []
         if self.tool_parser is not None and content:
             content, calls = self.tool_parser.feed(content)
+            if self.tool_parser.drops_calls and (content or calls):
+                # vLLM's DelegatingParser sets the tool_calls of each delta its tool parser returns under tool_choice
+                # "none" to [] (_extract_tool_calls_streaming, vllm/parser/abstract_parser.py); the chunk still goes
+                # out, `"tool_calls": []` and all, though it may have no content
+                return {**self._delta(reasoning, content, []), "tool_calls": []}
         return self._delta(reasoning, content, calls)
 
     def count(self, token_ids: list[int]) -> None:
@@ -132,7 +140,7 @@ class ChoiceProcessor:
             delta = self._route(*self.reasoning_parser.finish())
         if self.tool_parser is not None:
             content, calls = self.tool_parser.finish()
-            delta = merge_deltas(delta, self._delta("", content, calls))
+            delta = merge_deltas(delta, self._delta("", content, [] if self.tool_parser.drops_calls else calls))
         return delta
 
     def finish_reason(self, engine_reason: str) -> str:

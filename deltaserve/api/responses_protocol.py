@@ -222,8 +222,14 @@ def input_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], boo
 
 
 def chat_tools(request: ResponsesRequest) -> list[dict[str, Any]] | None:
-    """Flat Responses function tools as chat tools; built-in tools are refused (no tool server). Under tool_choice
-    "none" the prompt gets no tools, as vLLM's construct_tool_dicts gives none (its chat endpoint keeps them)."""
+    """The tools the prompt gets: none under tool_choice "none", as vLLM's construct_tool_dicts gives none (its chat
+    endpoint keeps them)."""
+    tools = function_tools(request)
+    return tools if tools and request.tool_choice != "none" else None
+
+
+def function_tools(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """Flat Responses function tools as chat tools; built-in tools are refused (no tool server)."""
     tools = []
     for index, tool in enumerate(request.tools):
         if tool.get("type") != "function":
@@ -231,7 +237,7 @@ def chat_tools(request: ResponsesRequest) -> list[dict[str, Any]] | None:
                               "only (no built-in tools).", f"tools.{index}.type")  # fmt: skip
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
         tools.append({"type": "function", "function": function})
-    return tools if tools and request.tool_choice != "none" else None
+    return tools
 
 
 def chat_tool_choice(request: ResponsesRequest, has_tools: bool) -> Any:

@@ -54,7 +54,7 @@ from deltaserve.api.serving_common import (
 )
 from deltaserve.api.settings import ServerState
 from deltaserve.api.structured import THINK_END, resolve_chat_constraint
-from deltaserve.api.tool_parser import Qwen3XMLToolParser
+from deltaserve.api.tool_parser import QWEN3_TOOL_PARSERS, Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -79,6 +79,7 @@ class ChatJob:
     num_cached_tokens: int | None = field(default=None)
     prompt_token_ids: list[int] = field(default_factory=list)
     is_named_tool_choice: bool = False  # vLLM ends a named function's forced call with "stop", not "tool_calls"
+    is_tool_choice_none: bool = False  # tool_choice "none" under qwen3_coder: calls are read and dropped
 
     def new_processor(self, *, is_streamed: bool) -> ChoiceProcessor:
         """A choice's parsers; is_streamed picks vLLM's streamed or non-streamed content around tool calls."""
@@ -89,7 +90,9 @@ class ChatJob:
             reasoning = Qwen3ReasoningParser(is_prompt_thinking=is_open, is_thinking_disabled=self.is_thinking_disabled)
             counter = ReasoningTokenCounter(self.state.engine.tokenizer, is_open=is_open)
         tool_parser: Any = None
-        if self.tools is not None:
+        if self.is_tool_choice_none:
+            tool_parser = Qwen3XMLToolParser(self.tools, is_streamed=is_streamed, is_tool_choice_none=True)
+        elif self.tools is not None:
             if settings.tool_call_parser == "hermes":
                 tool_parser = HermesToolParser(self.tools)
             else:
@@ -149,7 +152,17 @@ def submit(
     prompt_index: int = 0,
 ) -> ChatJob:
     """The request's engine stream (submitted on its first iteration) and the job that turns it into choices; the
-    chat, batch chat and Responses handlers all end here (prompt_index: the conversation's place in a batch)."""
+    chat, batch chat and Responses handlers all end here (prompt_index: the conversation's place in a batch).
+
+    tool_choice "none" (tool_choice None here; with no tools it is the default, and batch chat's only one) still runs
+    the qwen3_coder parser when --enable-auto-tool-choice gave the server one: vLLM's DelegatingParser runs an
+    engine-based tool parser then and returns its content without the calls (_extract_tool_calls and
+    _extract_tool_calls_streaming in vllm/parser/abstract_parser.py). hermes is not engine-based: the text stays."""
+    settings = state.settings
+    is_tool_choice_none = (
+        tool_choice is None and settings.enable_auto_tool_choice and settings.tool_call_parser in QWEN3_TOOL_PARSERS
+    )
+    is_parsed = tool_choice is not None or is_tool_choice_none
     stream = engine_stream(
         state, prompt.token_ids, params, engine_request_id(response_id, prompt_index), arrival, prompt.mm_input,
         request.priority, cache_salt_of(request),
@@ -162,13 +175,14 @@ def submit(
         prompt_text=prompt.text,
         num_prompt_tokens=len(prompt.token_ids),
         num_top_logprobs=params.logprobs,
-        tools=[tool.model_dump() for tool in request.tools] if tool_choice and request.tools else None,
+        tools=[tool.model_dump() for tool in request.tools] if request.tools and is_parsed else None,
         is_thinking_disabled=prompt.is_thinking_disabled,
         role=role,
         echo_text=echo_text,
         stream=stream,
         prompt_token_ids=prompt.token_ids,
         is_named_tool_choice=tool_choice not in (None, "auto", "required"),
+        is_tool_choice_none=bool(is_tool_choice_none),
     )
 
 

@@ -35,7 +35,7 @@ from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, merge_de
 from deltaserve.api.errors import APIError
 from deltaserve.api.logprobs import TokenNamer, response_logprobs, stream_logprobs
 from deltaserve.api.responses_output import Event, StreamEvents, output_items, random_id
-from deltaserve.api.responses_protocol import ResponsesRequest, check_unsupported, to_chat_request
+from deltaserve.api.responses_protocol import ResponsesRequest, check_unsupported, function_tools, to_chat_request
 from deltaserve.api.sampling import tokenize_bad_words
 from deltaserve.api.serving_common import check_model, checked_request_id, respond, stream_error_event
 from deltaserve.api.settings import ServerState
@@ -67,6 +67,10 @@ async def create_response(state: ServerState, raw_request: Request) -> Response:
     chat_job = serving_chat.submit(
         state, chat_request, prompt, params, tool_choice, response_id, arrival, role="assistant", echo_text=""
     )
+    if chat_job.is_tool_choice_none and request.tools:
+        # the prompt had no tools, but vLLM's parser reads the Responses request's own: with tools sent, tool_choice
+        # "none" ignores the calls' events (ParserEngine._check_skip_tool_parsing)
+        chat_job.tools = function_tools(request)
     job = ResponseJob(chat_job, request, params)
     return await respond(state, raw_request, bool(request.stream), job.events, job.full)
 

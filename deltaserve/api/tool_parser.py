@@ -21,22 +21,36 @@ vllm/parser/abstract_parser.py), which is not the same in the two response modes
   _deferred_content and _content_has_nonws).
 
 In both, text between a call's </function> and its </tool_call> is dropped (vLLM's TOOL_BETWEEN state has no
-content). A value is converted by the tool's JSON-schema types as vLLM 0.26's coerce_to_schema_type does
-(convert_value); a parameter the schema does not describe stays a string. Call ids are vLLM's (new_tool_call_id).
-The parser is incremental: a call's id and name go out as soon as `<function=NAME>` is complete, then one
-arguments fragment per finished parameter, then the closing brace; the fragments concatenate to json.dumps of the
-arguments. finish() completes a call cut off by the length limit.
+content). Arguments are read and converted as tool_arguments.py describes. Call ids are vLLM's (new_tool_call_id).
+
+Streamed deltas fall where vLLM's do (ParserEngine._handle_arg_chunk, _compute_arg_delta, _handle_tool_end): a
+call's id and name go out with the first text after `<function=NAME>` (a possible tag at the end of the text waits,
+as vLLM's lexer holds it), then, whenever the body grows, whatever the stable prefix of its arguments JSON gained:
+`{"city": "` once `<parameter=city>` is complete, a string value token by token, a value that needs its whole text
+(a number, a boolean, an array, a key the schema does not give as a plain string) only once the next parameter opens
+or the call ends; at </function> the rest of the finished JSON (`"}`, `3}`). A call cut off by the length limit ends
+with the JSON of its closed parameters: not streamed, an open parameter is left out; streamed, nothing more goes
+out when that JSON does not continue what was sent (vLLM sends no closing brace then).
+
+tool_choice "none" (is_tool_choice_none), as vLLM's DelegatingParser runs its engine-based tool parser then:
+with tools sent, calls are read and thrown away (ParserEngine._suppress_tool_calls): the text outside them is the
+content, untrimmed, whitespace-only text waiting only while nothing else was sent; with no tools, calls are read as
+under "auto" (the content shaped by them) and the caller (chat_output) drops their deltas. In both a `<tool_call>`
+drops the text after it up to `<function=` or `</tool_call>` (vLLM's TOOL_PREAMBLE state), and has_tool_calls
+stays False.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
 import uuid
 from typing import Any
 
 from deltaserve.api.reasoning import partial_tag_length
+from deltaserve.api.tool_arguments import arguments_json, convert_value, read_arguments, stable_prefix
+
+__all__ = ["QWEN3_TOOL_PARSERS", "Qwen3XMLToolParser", "convert_value", "new_tool_call_id"]
+
+QWEN3_TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")  # the --tool-call-parser names this parser serves
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -44,17 +58,9 @@ FUNCTION_PREFIX = "<function="
 FUNCTION_END = "</function>"
 PARAMETER_PREFIX = "<parameter="
 PARAMETER_END = "</parameter>"
-
-# vLLM's tool_parsers/utils.py _TYPE_ALIASES: a schema type's other spellings
-TYPE_ALIASES = {
-    "str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
-    "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
-    "uint64": "integer", "long": "integer", "short": "integer", "unsigned": "integer",
-    "float": "number", "float32": "number", "float64": "number", "double": "number",
-    "bool": "boolean", "dict": "object", "arr": "array", "list": "array", "sequence": "array",
-}  # fmt: skip
-ENUM_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
-              (dict, "object"))  # fmt: skip
+# every tag vLLM's qwen3 lexer knows (qwen3_config's terminals but `>`): a body's text ending in the start of one
+# waits for the next text
+TAGS = ("<think>", "</think>", CALL_START, CALL_END, FUNCTION_PREFIX, FUNCTION_END, PARAMETER_PREFIX, PARAMETER_END)
 
 
 def new_tool_call_id() -> str:
@@ -64,106 +70,51 @@ def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().int & (2**64 - 1):016x}"
 
 
-def _schema_types(schema: dict[str, Any]) -> set[str]:
-    """vLLM's extract_types_from_schema: `type`, the enum values' types, anyOf / oneOf / allOf; "string" if none."""
-    types: set[str] = set()
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        types.add(kind)
-    elif isinstance(kind, list):
-        types |= {t for t in kind if isinstance(t, str)}
-    enum = schema.get("enum")
-    if isinstance(enum, list):
-        for value in enum:
-            types.add("null" if value is None else next((t for cls, t in ENUM_TYPES if isinstance(value, cls)), ""))
-    for key in ("anyOf", "oneOf", "allOf"):
-        choices = schema.get(key)
-        if isinstance(choices, list):
-            for sub in choices:
-                types |= _schema_types(sub) if isinstance(sub, dict) else {"string"}
-    types.discard("")
-    return types or {"string"}
-
-
-def _is_finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(_is_finite(v) for v in value)
-    if isinstance(value, dict):
-        return all(_is_finite(v) for v in value.values())
-    return True
-
-
-def convert_value(raw: str, schema: dict[str, Any] | None) -> Any:
-    """A parameter's text -> a JSON value, as vLLM's coerce_to_schema_type: a parameter the tool's schema does not
-    describe stays a string; otherwise the schema's types are tried null > integer > number > boolean > object >
-    array > string, and with none of them fitting the text is read as JSON, else kept as a string."""
-    if not isinstance(schema, dict):
-        return raw
-    types = {TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in _schema_types(schema)}
-    if "null" in types and raw.lower() == "null":
-        return None
-    if "integer" in types:
-        with contextlib.suppress(ValueError):
-            return int(raw)
-    if "number" in types:
-        with contextlib.suppress(ValueError):
-            number = float(raw)
-            if math.isfinite(number):
-                return number if number != int(number) else int(number)
-    if "boolean" in types and raw.lower().strip() in ("true", "1", "false", "0"):
-        return raw.lower().strip() in ("true", "1")
-    if "object" in types or "array" in types:
-        with contextlib.suppress(ValueError, RecursionError):
-            value = json.loads(raw)
-            if _is_finite(value):
-                return value
-    if "string" in types:
-        return raw
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
-        return raw
-    return value if _is_finite(value) else raw
-
-
-def _strip_one_newline(value: str) -> str:
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
 class Qwen3XMLToolParser:
-    """States: 'content' (outside calls), 'name' (after <tool_call>, reading <function=NAME>), 'body' (reading
-    parameters), 'between' (after </function>, or a <tool_call> that held no call after a call: dropped up to
-    </tool_call>)."""
+    """States: 'content' (outside calls), 'name' (after <tool_call>, reading <function=NAME>), 'preamble' (under
+    tool_choice "none", a <tool_call> not yet followed by <function=), 'body' (the parameters, up to </function>),
+    'between' (after </function>, or a <tool_call> that held no call after a call: dropped up to </tool_call>)."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None, *, is_streamed: bool = True) -> None:
+    def __init__(
+        self, tools: list[dict[str, Any]] | None, *, is_streamed: bool = True, is_tool_choice_none: bool = False
+    ) -> None:
         self.schemas: dict[str, dict[str, Any]] = {}
         for tool in tools or []:
             function = tool.get("function") or {}
             parameters = function.get("parameters") or {}
             self.schemas[function.get("name", "")] = parameters.get("properties") or {}
         self.is_streamed = is_streamed
+        self.drops_calls = is_tool_choice_none  # calls are read; ChoiceProcessor drops their deltas
+        self.is_suppressed = is_tool_choice_none and bool(tools)  # ... nor do they shape the content
         self.mode = "content"
         self.pending = ""
         self.num_calls = 0
         self.function_name = ""
-        self.num_args = 0
+        self.call_id = ""
+        self.body = ""  # the open call's text after <function=NAME>, as far as it is read
+        self.sent_arguments = ""  # streamed: the arguments JSON sent so far for the open call
+        self.is_name_sent = False
         self.opener = ""  # the <tool_call> consumed before <function=, given back if none follows
         self.has_sent_text = False  # streamed: content other than whitespace has gone out
         self.waiting = ""  # streamed: whitespace-only content waiting for other text (a call drops it)
         self.before_calls = ""  # not streamed: the text before the first call, stripped if a call comes
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """Calls were returned (finish_reason "tool_calls")."""
+        return self.num_calls > 0 and not self.drops_calls
+
+    @property
+    def _is_shaped_by_calls(self) -> bool:
+        """A call came and the content follows the rules for text around calls (not under tools + "none")."""
+        return self.num_calls > 0 and not self.is_suppressed
 
     def _text(self, content: list[str], text: str) -> None:
         """Content outside calls, sent or held as vLLM returns it in this response mode."""
         if not text:
             return
         if not self.is_streamed:
-            if not self.has_tool_calls:  # text after a call is dropped
+            if not self._is_shaped_by_calls:  # text after a call is dropped
                 self.before_calls += text
             return
         if self.has_sent_text:
@@ -171,46 +122,75 @@ class Qwen3XMLToolParser:
         elif text.strip():
             content.append(self.waiting + text)
             self.waiting, self.has_sent_text = "", True
-        elif not self.has_tool_calls:
+        elif not self._is_shaped_by_calls:
             self.waiting += text
         # whitespace only, after a call and before any other content: vLLM drops it
 
     def _not_a_call(self, content: list[str]) -> None:
         """<tool_call> not followed by <function=...>: before any call it was content, after one it is dropped."""
-        if self.has_tool_calls:
+        if self.num_calls > 0:
             self.mode = "between"
         else:
             self._text(content, self.opener)
             self.mode = "content"
         self.opener = ""
 
-    @property
-    def has_tool_calls(self) -> bool:
-        return self.num_calls > 0
-
-    def _open_call(self, content: list[str], name: str) -> dict[str, Any]:
-        if not self.has_tool_calls:
+    def _open_call(self, content: list[str], name: str) -> list[dict[str, Any]]:
+        if self.num_calls == 0 and not self.is_suppressed:
             # the first call settles the text before it: stripped (not streamed); whitespace-only waiting text goes
             content.append(self.before_calls.strip())
             self.before_calls = self.waiting = ""
-        self.function_name, self.num_args = name, 0
+        self.function_name, self.call_id = name, new_tool_call_id()
+        self.body, self.sent_arguments, self.is_name_sent = "", "", False
         self.num_calls += 1
-        return {"index": self.num_calls - 1, "id": new_tool_call_id(), "type": "function",
-                "function": {"name": name, "arguments": ""}}  # fmt: skip
+        # not streamed, the name goes out at once (only the folded message is seen)
+        return [] if self.is_streamed else [self._name_delta()]
 
-    def _argument(self, key: str, raw: str) -> dict[str, Any]:
-        schema = self.schemas.get(self.function_name, {}).get(key)
-        value = convert_value(_strip_one_newline(raw), schema)
-        fragment = ("{" if self.num_args == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-        self.num_args += 1
-        return self._args_delta(fragment + json.dumps(value, ensure_ascii=False))
-
-    def _close_call(self) -> dict[str, Any]:
-        self.mode = "between"
-        return self._args_delta("{}" if self.num_args == 0 else "}")
+    def _name_delta(self, arguments: str | None = None) -> dict[str, Any]:
+        """The call's first delta: vLLM's DeltaToolCall with its id and name, and no arguments key unless the call
+        ends in the same step (_handle_tool_end sends the name with the whole JSON)."""
+        self.is_name_sent = True
+        function = {"name": self.function_name} if arguments is None else {"name": self.function_name,
+                                                                           "arguments": arguments}  # fmt: skip
+        return {"index": self.num_calls - 1, "id": self.call_id, "type": "function", "function": function}
 
     def _args_delta(self, fragment: str) -> dict[str, Any]:
         return {"index": self.num_calls - 1, "function": {"arguments": fragment}}
+
+    @property
+    def _call_schemas(self) -> dict[str, Any]:
+        return self.schemas.get(self.function_name, {})
+
+    def _read_body(self, calls: list[dict[str, Any]], text: str) -> None:
+        """More of the open call's body: streamed, the name on the first text, then what the stable prefix of the
+        arguments JSON gained."""
+        if not text:
+            return
+        self.body += text
+        if not self.is_streamed:
+            return
+        if not self.is_name_sent:
+            calls.append(self._name_delta())
+        prefix = stable_prefix(read_arguments(self.body, self._call_schemas, is_partial=True), self._call_schemas)
+        # vLLM sends nothing when the prefix does not continue what went out (a repeated key, say)
+        if prefix != self.sent_arguments and prefix.startswith(self.sent_arguments):
+            calls.append(self._args_delta(prefix[len(self.sent_arguments) :]))
+            self.sent_arguments = prefix
+
+    def _close_call(self, calls: list[dict[str, Any]]) -> None:
+        """</function> (or the end of generation): the finished arguments, or streamed what they add."""
+        self.mode = "between"
+        final = arguments_json(read_arguments(self.body, self._call_schemas, is_partial=False))
+        if not self.is_streamed:
+            calls.append(self._args_delta(final))
+            return
+        sent = self.sent_arguments
+        rest = final[len(sent) :] if len(final) > len(sent) and final.startswith(sent) else ""
+        if not self.is_name_sent:
+            calls.append(self._name_delta(rest))
+        elif rest:
+            calls.append(self._args_delta(rest))
+        self.sent_arguments = final if rest else sent
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """Returns (content delta, tool-call deltas)."""
@@ -219,7 +199,7 @@ class Qwen3XMLToolParser:
         calls: list[dict[str, Any]] = []
         while self.pending and self._step(content, calls):
             pass
-        return "".join(content), calls
+        return "".join(content), [] if self.is_suppressed else calls  # vLLM ignores the calls' events then
 
     def _step(self, content: list[str], calls: list[dict[str, Any]]) -> bool:
         """Consumes what it can of self.pending; False when it must wait for more text."""
@@ -240,10 +220,13 @@ class Qwen3XMLToolParser:
             if tag == CALL_END:
                 self.pending, self.mode = text[start + len(tag) :], "content"
             elif tag == CALL_START:
-                self.pending, self.mode, self.opener = text[start + len(tag) :], "name", tag
+                self.pending, self.opener = text[start + len(tag) :], tag
+                self.mode = "preamble" if self.drops_calls else "name"
             else:  # a bare <function=: the name step reads it
                 self.pending, self.mode, self.opener = text[start:], "name", ""
             return True
+        if self.mode == "preamble":
+            return self._step_preamble()
         if self.mode == "name":
             stripped = text.lstrip()
             if not stripped.startswith(FUNCTION_PREFIX):
@@ -254,59 +237,54 @@ class Qwen3XMLToolParser:
             close = stripped.find(">")
             if close == -1:
                 return False
-            calls.append(self._open_call(content, stripped[len(FUNCTION_PREFIX) : close].strip()))
+            calls += self._open_call(content, stripped[len(FUNCTION_PREFIX) : close].strip())
             self.opener = ""
             self.pending, self.mode = stripped[close + 1 :], "body"
             return True
         return self._step_body(calls)
 
-    def _step_body(self, calls: list[dict[str, Any]]) -> bool:
+    def _step_preamble(self) -> bool:
+        """tool_choice "none": after <tool_call>, vLLM drops everything up to <function= or </tool_call>."""
         text = self.pending
-        begin = text.find(PARAMETER_PREFIX)
-        function_end = text.find(FUNCTION_END)
-        if function_end != -1 and (begin == -1 or function_end < begin):
-            calls.append(self._close_call())
-            self.pending = text[function_end + len(FUNCTION_END) :]
-            return True
-        if begin == -1:
+        found = [(i, tag) for tag in (FUNCTION_PREFIX, CALL_END) if (i := text.find(tag)) != -1]
+        if not found:
+            self.pending = text[len(text) - partial_tag_length(text, (FUNCTION_PREFIX, CALL_END)) :]
             return False
-        name_end = text.find(">", begin)
-        if name_end == -1:
-            return False
-        key = text[begin + len(PARAMETER_PREFIX) : name_end].strip()
-        value_start = name_end + 1
-        # A value ends at </parameter>, or where the next parameter or the function's end begins.
-        ends = [
-            i for i in (text.find(t, value_start) for t in (PARAMETER_END, PARAMETER_PREFIX, FUNCTION_END)) if i != -1
-        ]
-        if not ends:
-            return False
-        value_end = min(ends)
-        calls.append(self._argument(key, text[value_start:value_end]))
-        after = value_end + len(PARAMETER_END) if text.startswith(PARAMETER_END, value_end) else value_end
-        self.pending = text[after:]
+        start, tag = min(found)
+        if tag == CALL_END:
+            self.pending, self.mode = text[start + len(tag) :], "content"
+        else:
+            self.pending, self.mode = text[start:], "name"
+        self.opener = ""
         return True
 
+    def _step_body(self, calls: list[dict[str, Any]]) -> bool:
+        text = self.pending
+        end = text.find(FUNCTION_END)
+        if end != -1:
+            self._read_body(calls, text[:end])
+            self._close_call(calls)
+            self.pending = text[end + len(FUNCTION_END) :]
+            return True
+        keep = partial_tag_length(text, TAGS)
+        self._read_body(calls, text[: len(text) - keep])
+        self.pending = text[len(text) - keep :]
+        return False
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """Flushes at the end of generation: completes a call that was cut off, or returns held text as content."""
+        """Flushes at the end of generation: ends a call that was cut off, or returns held text as content."""
         text, self.pending = self.pending, ""
         content: list[str] = []
         calls: list[dict[str, Any]] = []
         if self.mode == "content":
             self._text(content, text)
-        elif self.mode == "name" and not self.has_tool_calls:
+        elif self.mode == "name" and self.num_calls == 0 and not self.drops_calls:
             self._text(content, self.opener + text)  # an opened call without a complete name stays text
         elif self.mode == "body":
-            begin = text.find(PARAMETER_PREFIX)
-            name_end = text.find(">", begin) if begin != -1 else -1
-            if name_end != -1:
-                key = text[begin + len(PARAMETER_PREFIX) : name_end].strip()
-                value = text[name_end + 1 :]
-                value = value[: len(value) - partial_tag_length(value, (PARAMETER_END, FUNCTION_END))]
-                calls.append(self._argument(key, value))
-            calls.append(self._close_call())
-        if not self.has_tool_calls:
-            # no call came: the held text is content as generated, whitespace and all
+            self._read_body(calls, text)
+            self._close_call(calls)
+        if not self._is_shaped_by_calls:
+            # no call came (or tools + "none"): the held text is content as generated, whitespace and all
             content.append(self.waiting + self.before_calls)
             self.waiting = self.before_calls = ""
-        return "".join(content), calls
+        return "".join(content), [] if self.is_suppressed else calls

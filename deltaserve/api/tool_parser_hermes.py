@@ -45,6 +45,8 @@ class HermesToolParser:
     """States: 'content' (before any call), 'call' (inside <tool_call>), 'between' (after a call)."""
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        # vLLM's hermes parser is not engine-based: under tool_choice "none" it is not run at all (see serving_chat)
+        self.drops_calls = False
         self.mode = "content"
         self.pending = ""
         self.num_calls = 0

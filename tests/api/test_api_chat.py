@@ -104,9 +104,9 @@ def test_tool_call_streaming_first_name_then_arguments(client: openai.OpenAI, fa
     # vLLM streams the whitespace around the content before a call (its non-streamed content strips it)
     assert reasoning == "Checking." and content == "\n\nLet me look.\n\n" and finish == "tool_calls"
     assert VLLM_CALL_ID.fullmatch(calls[0].id) and calls[0].function.name == "get_weather"
-    assert calls[0].function.arguments == ""
+    assert calls[0].function.arguments is None  # vLLM's name delta has no arguments key
     assert all(call.id is None and call.function.name is None for call in calls[1:]) and len(calls) > 2
-    arguments = "".join(call.function.arguments for call in calls)
+    arguments = "".join(call.function.arguments or "" for call in calls)
     assert json.loads(arguments) == {"city": "Paris", "days": 2}
 
 
@@ -172,10 +172,82 @@ def test_text_after_a_call_is_streamed_and_dropped_when_not_streamed(
     assert content == "Sure.\n\nBetween.\n\nDone." and len({call.index for call in calls}) == 2
 
 
+def stream_deltas(http: httpx.Client, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """A streamed chat's deltas as sent (the role chunk and empty deltas left out), and its finish_reason."""
+    response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": USER, "stream": True, **body})
+    chunks = [json.loads(data) for data in sse_events(response)[:-1]]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    finish = [chunk["choices"][0]["finish_reason"] for chunk in chunks if chunk["choices"]][-1]
+    return [delta for delta in deltas if delta and "role" not in delta], finish
+
+
+def test_streamed_tool_call_deltas_are_vllms(fake_engine: FakeEngine, http: httpx.Client) -> None:
+    """vLLM 0.26's qwen3_coder stream, replayed token by token through its own parser chain: the id and name
+    (no arguments key), `{"city": "`, the string value token by token, and a value that needs its whole text (an
+    integer) once the next parameter opens or the call ends."""
+    fake_engine.scripts.append(["Sure.\n" + CALL])
+    deltas, finish = stream_deltas(http, {"tools": TOOLS, **NO_THINKING})
+    assert deltas[:3] == [{"content": "S"}, {"content": "ure"}, {"content": ".\n"}] and finish == "tool_calls"
+    (first,) = deltas[3]["tool_calls"]
+    assert VLLM_CALL_ID.fullmatch(first.pop("id"))
+    assert first == {"index": 0, "type": "function", "function": {"name": "get_weather"}}
+    arguments = [delta["tool_calls"] for delta in deltas[4:]]
+    assert arguments == [[{"index": 0, "function": {"arguments": fragment}}]
+                         for fragment in ('{"city": "', "P", "ar", "is", '", "days": ', "2}")]  # fmt: skip
+    days_first = (
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n<parameter=city>\nNew York\n"
+        "</parameter>\n</function>\n</tool_call>"
+    )
+    fake_engine.scripts.append([days_first])
+    deltas, _ = stream_deltas(http, {"tools": TOOLS, **NO_THINKING})
+    fragments = [call["function"].get("arguments") for delta in deltas for call in delta["tool_calls"]]
+    assert fragments == [None, '{"days": ', '2, "city": "', "N", "ew", " ", "Y", "or", "k", '"}']
+
+
+def test_a_call_written_under_tool_choice_none_is_dropped(
+    client: openai.OpenAI, fake_engine: FakeEngine, http: httpx.Client
+) -> None:
+    """vLLM 0.26 with --enable-auto-tool-choice runs its qwen3_coder parser under tool_choice "none" and drops the
+    call (DelegatingParser, vllm/parser/abstract_parser.py). With tools sent the calls' events are ignored: the text
+    around them is the content as generated, and each streamed delta carries `"tool_calls": []`."""
+    output = "Sure.\n" + CALL + "\nDone."
+    fake_engine.scripts.append([output])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice="none",
+                                                extra_body=NO_THINKING)  # fmt: skip
+    choice = completion.choices[0]
+    assert choice.message.content == "Sure.\n\nDone." and choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+    fake_engine.scripts.append([output])
+    deltas, finish = stream_deltas(http, {"tools": TOOLS, "tool_choice": "none", **NO_THINKING})
+    assert deltas == [{"content": text, "tool_calls": []} for text in ("S", "ure", ".\n", "\n", "D", "one", ".")]
+    assert finish == "stop"
+
+
+def test_a_call_written_without_tools_is_read_and_dropped(
+    client: openai.OpenAI, fake_engine: FakeEngine, http: httpx.Client
+) -> None:
+    """No tools: tool_choice is "none" and vLLM reads the call as under "auto" (the content before it stripped and
+    the text after it dropped when not streamed) and returns none; its stream sends `"tool_calls": []` where the
+    call's deltas would have gone."""
+    output = "Sure.\n" + CALL + "\nDone."
+    fake_engine.scripts.append([output])
+    completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, extra_body=NO_THINKING)
+    choice = completion.choices[0]
+    assert choice.message.content == "Sure." and choice.message.tool_calls is None and choice.finish_reason == "stop"
+    fake_engine.scripts.append([output])
+    deltas, finish = stream_deltas(http, NO_THINKING)
+    marked = [{"content": text, "tool_calls": []} for text in ("S", "ure", ".\n")]
+    assert deltas == marked + [{"tool_calls": []}] * 8 + [
+        {"content": text, "tool_calls": []} for text in ("\n", "D", "one", ".")
+    ]
+    assert finish == "stop"
+
+
 def test_tool_choice_none_and_validation(client: openai.OpenAI, fake_engine: FakeEngine, http: httpx.Client) -> None:
     fake_engine.scripts.append([TOOL_OUTPUT])
     completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice="none")
-    assert completion.choices[0].message.tool_calls is None and "<tool_call>" in completion.choices[0].message.content
+    # vLLM 0.26 reads the call and drops it: the text around it stays, untrimmed
+    assert completion.choices[0].message.tool_calls is None and completion.choices[0].message.content == "\n\n"
     fake_engine.scripts.append([TOOL_OUTPUT])
     named = {"type": "function", "function": {"name": "get_weather"}}
     completion = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, tool_choice=named)

@@ -12,6 +12,8 @@ from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder
 from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
 from deltaserve.api.tool_parser import Qwen3XMLToolParser, convert_value
 
+from .fake_engine import build_tokenizer
+
 TOOLS = [
     {
         "type": "function",
@@ -112,14 +114,68 @@ def test_tool_call_without_think_end_ends_reasoning() -> None:
 
 
 def test_tool_call_deltas_come_incrementally() -> None:
+    """vLLM 0.26's boundaries (ParserEngine._handle_arg_chunk, _compute_arg_delta): the name with the first text after
+    `<function=NAME>`, then `{"city": "` and the string value as it comes, the closing `"}` at </function>."""
     parser = Qwen3XMLToolParser(TOOLS)
     assert parser.feed("<tool_call>\n<function=get_wea") == ("", [])
-    _, calls = parser.feed("ther>\n<parameter=city>\nPar")
-    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["index"] == 0
-    _, calls = parser.feed("is\n</parameter>\n")
-    assert calls == [{"index": 0, "function": {"arguments": '{"city": "Paris"'}}]
-    _, calls = parser.feed("</function>\n</tool_call>")
-    assert calls == [{"index": 0, "function": {"arguments": "}"}}]
+    assert parser.feed("ther>") == ("", [])  # no body text yet: vLLM sends the name with the first
+    _, calls = parser.feed("\n<parameter=city>\nPar")
+    assert calls[0]["function"] == {"name": "get_weather"} and calls[0]["index"] == 0 and calls[0]["type"] == "function"
+    assert calls[1:] == [{"index": 0, "function": {"arguments": '{"city": "Par'}}]
+    assert parser.feed("is\n</par") == ("", [{"index": 0, "function": {"arguments": "is"}}])
+    assert parser.feed("ameter>\n") == ("", [])
+    assert parser.feed("</function>\n</tool_call>") == ("", [{"index": 0, "function": {"arguments": '"}'}}])
+
+
+def argument_steps(text: str) -> tuple[list[str | None], str]:
+    """The text fed one token at a time (the tiny tokenizer's, as the FakeEngine emits it): each tool-call delta's
+    arguments as the stream sends them (None for the name's delta), and the non-streamed arguments."""
+    tokenizer = build_tokenizer()
+    pieces = [tokenizer.decode([token]) for token in tokenizer.encode(text, add_special_tokens=False)]
+    parser = Qwen3XMLToolParser(TOOLS)
+    deltas = [call for piece in pieces for call in parser.feed(piece)[1]] + parser.finish()[1]
+    whole = Qwen3XMLToolParser(TOOLS, is_streamed=False)
+    _, calls = whole.feed(text)
+    calls += whole.finish()[1]
+    return [delta["function"].get("arguments") for delta in deltas], "".join(
+        call["function"].get("arguments", "") for call in calls
+    )
+
+
+def _call(params: list[tuple[str, str]], name: str = "get_weather") -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "streamed", "whole"),
+    [
+        # vLLM 0.26's qwen3_coder chain (parse_delta token by token, and parse) run on these outputs
+        (_call([("days", "3"), ("city", "New York"), ("metric", "true")]),
+         [None, '{"days": ', '3, "city": "', "N", "ew", " ", "Y", "or", "k", '", "metric": ', "true}"],
+         '{"days": 3, "city": "New York", "metric": true}'),
+        # a key the schema lacks, or one not given as a plain string, goes out whole
+        (_call([("zzz", "hello world"), ("note", "a b"), ("city", "X")]),
+         [None, '{"zzz": ', '"hello world", "note": ', '"a b", "city": "', "X", '"}'],
+         '{"zzz": "hello world", "note": "a b", "city": "X"}'),
+        # a possible tag waits for the next text, as vLLM's lexer holds it
+        (_call([("city", "a < b <c> d")]), [None, '{"city": "', "a", " ", "< b", " ", "<c", ">", " d", '"}'],
+         '{"city": "a < b <c> d"}'),
+        # a repeated key: the JSON no longer continues what went out, and vLLM sends nothing more for the call
+        (_call([("city", "A"), ("city", "B")]), [None, '{"city": "', "A"], '{"city": "B"}'),
+        # a function the tools do not describe: every value is a string and streams
+        (_call([("a", "hello"), ("b", "12")], "other"),
+         [None, '{"a": "', "he", "l", "lo", '", "b": "', "1", "2", '"}'], '{"a": "hello", "b": "12"}'),
+        # cut off by the length limit: the open parameter is left out of the finished JSON, and no closing brace
+        # follows what was streamed
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", [None, '{"city": "', "P", "ar"], "{}"),
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3",
+         [None, '{"city": "', "P", "ar", "is", '", "days": '], '{"city": "Paris"}'),
+        ("<tool_call>\n<function=get_weather>\n</function>\n</tool_call>", [None, "{}"], "{}"),
+    ],
+)  # fmt: skip
+def test_streamed_argument_deltas_are_vllms(text: str, streamed: list[str | None], whole: str) -> None:
+    assert argument_steps(text) == (streamed, whole)
 
 
 def test_two_calls_and_no_arguments() -> None:
@@ -128,11 +184,6 @@ def test_two_calls_and_no_arguments() -> None:
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["a", "b"]
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == ["{}", '{"x": "1"}']
     assert message["content"] is None
-
-
-def test_call_cut_off_by_length_is_completed() -> None:
-    message = run("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", None, thinking=False)
-    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Par"}
 
 
 def test_function_without_tool_call_wrapper_and_non_call_text() -> None:

@@ -405,3 +405,33 @@ def test_a_server_without_parsers_always_answers_a_message() -> None:
     (message,) = output_items("", "", [], None, is_parsed=False)
     assert message["type"] == "message" and message["content"] == [] and message["status"] == "completed"
     assert re.fullmatch("msg_[0-9a-f]{16}", message["id"]) and output_items("", "", [], None) == []
+
+
+def test_function_call_arguments_stream_as_vllms(fake_engine: FakeEngine, http: httpx.Client) -> None:
+    """The function_call_arguments.delta events are the chat stream's argument deltas (vLLM's Responses stream runs
+    the same parse_delta), replayed through vLLM 0.26's qwen3_coder chain: a string value token by token."""
+    fake_engine.scripts.append([TOOL_OUTPUT])
+    events = stream_events(http, {"model": MODEL_NAME, "input": QUESTION, "tools": TOOLS})
+    deltas = [event["delta"] for event in events if event["type"] == "response.function_call_arguments.delta"]
+    assert deltas == ['{"city": "', "P", "ar", "is", '", "days": ', "2}"]
+
+
+def test_a_call_written_under_tool_choice_none_is_dropped(client: openai.OpenAI, fake_engine: FakeEngine,
+                                                          http: httpx.Client) -> None:  # fmt: skip
+    """vLLM 0.26 parses the output under tool_choice "none" too and drops the call: with tools, the text around it
+    is the message as generated; without tools, as under "auto" (the text after the call dropped)."""
+    output = "Sure.\n" + TOOL_OUTPUT.split("</think>\n\n")[1] + "\nDone."
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    fake_engine.scripts.append([output])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, tools=TOOLS, tool_choice="none",
+                                       extra_body=no_thinking)  # fmt: skip
+    assert [item.type for item in response.output] == ["message"] and response.output_text == "Sure.\n\nDone."
+    fake_engine.scripts.append([output])
+    events = stream_events(http, {"model": MODEL_NAME, "input": QUESTION, "tools": TOOLS, "tool_choice": "none",
+                                  **no_thinking})  # fmt: skip
+    assert not [event for event in events if "function_call" in event["type"]]
+    text = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    assert text == "Sure.\n\nDone." and strict(events[-1]["response"]).output_text == "Sure.\n\nDone."
+    fake_engine.scripts.append([output])
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, extra_body=no_thinking)
+    assert [item.type for item in response.output] == ["message"] and response.output_text == "Sure."
