@@ -97,6 +97,26 @@ def vllm_log_stats_interval() -> float:
     return _positive_float("VLLM_LOG_STATS_INTERVAL", 10.0)
 
 
+# The VLLM_* variables deltaserve reads (the functions above; VLLM_ATTENTION_BACKEND only to warn that it is ignored,
+# runner/device_setup.py): any other one set is logged by `deltaserve serve` as ignored, never dropped in silence.
+READ_VLLM_VARIABLES = (
+    "VLLM_API_KEY",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    "VLLM_ATTENTION_BACKEND",
+    "VLLM_SERVER_DEV_MODE",
+    "VLLM_LOG_STATS_INTERVAL",
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+)
+
+
+def unread_vllm_variables() -> list[str]:
+    """The VLLM_* environment variables set that deltaserve does not read, sorted: those of vLLM launch scripts
+    (VLLM_USE_FLASHINFER_SAMPLER=1, VLLM_USE_DEEP_GEMM=0, VLLM_USE_MODELSCOPE=true, ...) pick vLLM's kernels or
+    sources, which deltaserve does not have. vLLM reads its own silently and warns of unknown ones
+    (vllm/envs.py validate_environ); deltaserve reads none of them, so it names each."""
+    return sorted(name for name in os.environ if name.startswith("VLLM_") and name not in READ_VLLM_VARIABLES)
+
+
 def log_level() -> str:
     """DELTASERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()

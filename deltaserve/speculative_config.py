@@ -29,6 +29,8 @@ SpeculativeConfigError naming the key or the method:
   (docs/speculative-decoding.md#async-verify); a boolean.
 - disable_by_batch_size: vLLM removed it from its SpeculativeConfig (unused since its V1 engine); refused naming
   num_speculative_tokens_per_batch_size.
+- moe_backend, disable_padded_drafter_batch: how vLLM's drafter runs (its MoE kernel, its batch padding), accepted
+  and logged as ignored (LOGGED_KEYS).
 - any other key is refused by name: a key vLLM knows as not supported here, any other as unknown.
 """
 
@@ -68,11 +70,19 @@ SUPPORTED_KEYS = (
     "synthetic_acceptance_length", "draft_sample_method", "num_speculative_tokens_per_batch_size", "k_policy",
     "async_verify",
 )  # fmt: skip
+# SpeculativeConfig fields of vLLM's that pick how its drafter runs, not what it drafts (vllm/config/speculative.py:
+# moe_backend, the draft model's MoE kernel; disable_padded_drafter_batch, the layout of an EAGLE drafter's batch):
+# accepted and logged, as the table of vllm_flags.py logs --moe-backend (deltaserve's MTP drafter runs its own
+# kernels on its own batch layout). Both are in launch lines users copy (docs/compatibility.md#launch-commands).
+LOGGED_KEYS = {
+    "moe_backend": "the MTP drafter runs deltaserve's own MoE kernels",
+    "disable_padded_drafter_batch": "the MTP drafter's batch layout is deltaserve's own",
+}
 # SpeculativeConfig fields vLLM accepts that deltaserve does not implement (refused by name as not supported)
 VLLM_ONLY_KEYS = (
     "model", "draft_tensor_parallel_size", "tensor_parallel_size", "quantization", "max_model_len", "revision",
-    "code_revision", "disable_padded_drafter_batch", "prompt_lookup_max", "prompt_lookup_min", "parallel_drafting",
-    "enforce_eager", "moe_backend", "attention_backend", "kv_cache_dtype", "use_local_argmax_reduction",
+    "code_revision", "prompt_lookup_max", "prompt_lookup_min", "parallel_drafting",
+    "enforce_eager", "attention_backend", "kv_cache_dtype", "use_local_argmax_reduction",
     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob", "speculative_token_tree", "draft_load_config",
 )  # fmt: skip
@@ -291,6 +301,9 @@ def speculative_config_from_dict(data: Mapping[str, Any]) -> SpeculativeConfig:
     """A validated SpeculativeConfig from vLLM's keys (module docstring)."""
     for key in data:
         if key in SUPPORTED_KEYS:
+            continue
+        if key in LOGGED_KEYS:
+            logger.info("ignoring speculative_config key `%s`: %s", key, LOGGED_KEYS[key])
             continue
         if key == "disable_by_batch_size":
             raise SpeculativeConfigError(

@@ -59,7 +59,7 @@ TABLE = """
 --dcp-kv-cache-interleave-size | value | log | context parallelism is not used
 --default-mm-loras | value | log | no LoRA adapters and no multimodal inputs
 --device-ids | value | log | one device, chosen by CUDA_VISIBLE_DEVICES
---diffusion-config | value | refuse | only autoregressive text generation is served
+--diffusion-config,-dc | value | refuse | only autoregressive text generation is served
 --disable-cascade-attn | switch | log | no cascade attention
 --disable-chunked-mm-input | switch | log | multimodal inputs are refused (text-only server)
 --disable-custom-all-reduce | switch | log | all-reduces are NCCL's (no custom all-reduce)

@@ -32,6 +32,7 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import ALL_LOGPROBS
 
 logger = logging.getLogger("deltaserve.serve")
+SAFETENSORS_READERS = ("fastsafetensors", "instanttensor")
 ALL_INTERFACES = "0.0.0.0"  # --host's default, as vllm serve's (None: every interface)
 
 # The command's entry points and helpers that tests reach through this module.
@@ -69,8 +70,9 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         model=model,
         dtype=args.dtype,
         device=device,
-        # fastsafetensors is a faster reader of the same files.
-        load_format="safetensors" if args.load_format == "fastsafetensors" else args.load_format,
+        # fastsafetensors and instanttensor are faster readers of the same files (vllm/config/load.py; vLLM loads both
+        # with its DefaultModelLoader, vllm/model_executor/model_loader/__init__.py)
+        load_format="safetensors" if args.load_format in SAFETENSORS_READERS else args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -300,6 +302,9 @@ def run(args: argparse.Namespace) -> int:
     args.host = bind_host(args)  # resolved once: every later reader of --host sees the address that is bound
     try:
         check_compat(args)
+        for name in env.unread_vllm_variables():
+            # names only: a variable's value may be a credential
+            logger.info("ignoring the environment variable %s: deltaserve does not read it", name)
         if args.prefix_caching_hash_algo is not None:
             logger.info("ignoring --prefix-caching-hash-algo %s: the engine hashes blocks with its own 128-bit hash",
                         args.prefix_caching_hash_algo)  # fmt: skip

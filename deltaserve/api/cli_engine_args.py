@@ -15,6 +15,7 @@ from deltaserve.api.cli_values import (
     human_int,
     json_object,
     kv_cache_bytes,
+    limit_mm_per_prompt,
     optional_int,
     optional_value,
     speculative_config,
@@ -82,8 +83,9 @@ def add_engine_arguments(add: Any) -> None:
     add(
         "--load-format",
         default="auto",
-        choices=("auto", "safetensors", "fastsafetensors", "dummy"),
-        help="dummy: seeded random weights of the right shapes (fastsafetensors reads as safetensors)",
+        choices=("auto", "safetensors", "fastsafetensors", "instanttensor", "dummy"),
+        help="dummy: seeded random weights of the right shapes (fastsafetensors and instanttensor, vLLM's faster "
+        "readers of the same safetensors files, read as safetensors)",
     )
     add(
         "--quantization",
@@ -189,6 +191,7 @@ def add_engine_arguments(add: Any) -> None:
     add("--allowed-local-media-path", default=None, help="images and videos may be read from files under this folder")
     add(
         "--limit-mm-per-prompt",
+        type=limit_mm_per_prompt,
         default=None,
         help='most images / videos per prompt, vLLM\'s JSON form, e.g. \'{"image": 2, "video": 1}\'',
     )
@@ -203,6 +206,7 @@ def add_engine_arguments(add: Any) -> None:
     )
     add(
         "--speculative-config",
+        "-sc",
         type=speculative_config,
         default=None,
         help='speculative decoding with the checkpoint\'s MTP layer, vLLM\'s JSON: {"method": "mtp", '

@@ -1,15 +1,20 @@
 """vLLM's rules for reading a `deltaserve serve` command line, applied before argparse sees it.
 
-normalize_argv reads argv as vLLM's FlexibleArgumentParser does: `--max_model_len` is `--max-model-len` (underscores
-before any '.'), `-O3` is `-O 3`, `--compilation-config.cudagraph_mode=X` sets one key of that JSON flag, and
-`--config file.yaml` inserts the YAML's keys as flags (the command line wins). deltaserve/cli.py calls it through
-api/cli.py before parsing the flags of cli_args.py.
+normalize_argv reads argv as vLLM's FlexibleArgumentParser does (vllm/utils/argparse_utils.py): `--max_model_len` is
+`--max-model-len` (underscores before any '.'), `-O3` is `-O 3`, `--compilation-config.cudagraph_mode=X` (or
+`-cc.cudagraph_mode=X`, `--hf-overrides.text_config.rope_parameters.rope_type yarn`) sets one nested key of that JSON
+flag, and `--config file.yaml` inserts the YAML's keys as flags (the command line wins). deltaserve/cli.py calls it
+through api/cli.py before parsing the flags of cli_args.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from typing import Any
+
+from deltaserve.api.cli_values import readable_int
 
 
 def config_file_args(path: str) -> list[str]:
@@ -39,30 +44,69 @@ def config_file_args(path: str) -> list[str]:
     return argv
 
 
+# a short alias before a dotted key, as vLLM reads `-cc.cudagraph_mode=PIECEWISE` (only letters: a negative number
+# such as -0.5 stays a value, where vLLM's reading would take it for a dotted flag)
+SHORT_DOTTED = re.compile(r"-[A-Za-z]+\.")
+
+
+def _is_dotted(name: str) -> bool:
+    return (name.startswith("--") and "." in name) or SHORT_DOTTED.match(name) is not None
+
+
+def _dotted_value(text: str) -> Any:
+    """A dotted key's value as vLLM's FlexibleArgumentParser reads it: JSON, else a human-readable int (1k, 80g),
+    else the text (vllm/utils/argparse_utils.py)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return readable_int(text, "an integer")
+    except argparse.ArgumentTypeError:
+        return text
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    """vLLM's recursive merge of two dotted keys of one flag: nested dicts merge, lists extend, else the later wins."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        elif isinstance(value, list) and isinstance(into.get(key), list):
+            into[key] = into[key] + value
+        else:
+            into[key] = value
+
+
 def _dotted_to_json(argv: list[str]) -> list[str]:
-    """vLLM's dotted flags: `--compilation-config.cudagraph_mode=PIECEWISE` sets one key of a JSON flag."""
+    """vLLM's dotted flags (vllm/utils/argparse_utils.py, FlexibleArgumentParser.parse_args): `--flag.a.b VALUE` or
+    `--flag.a.b=VALUE` sets the nested key a.b of a JSON flag (a short alias too: `-cc.cudagraph_mode=PIECEWISE`),
+    `--flag.key+ x,y` sets a list; every key of one flag merges into one JSON object, passed after the other
+    arguments as vLLM passes it."""
     merged: dict[str, dict[str, Any]] = {}
-    order: list[str] = []
+    rest: list[str] = []
     at = 0
     while at < len(argv):
         arg = argv[at]
-        name, sep, value = arg.partition("=")
-        if arg.startswith("--") and "." in name:
-            flag, _, key = name.partition(".")
-            if not sep and at + 1 < len(argv):
-                at += 1
-                value = argv[at]
-            try:
-                parsed: Any = json.loads(value)
-            except ValueError:
-                parsed = value
-            if flag not in merged:
-                order.append(flag)
-            merged.setdefault(flag, {})[key] = parsed
+        name, sep, text = arg.partition("=")
+        if not _is_dotted(name):
+            rest.append(arg)
+            at += 1
+            continue
+        if not sep and at + 1 < len(argv):
+            at += 1
+            text = argv[at]
+        flag, *keys = name.split(".")
+        value: Any
+        if keys[-1].endswith("+"):
+            keys[-1] = keys[-1][:-1]
+            value = text.split(",")
         else:
-            order.append(arg)
+            value = _dotted_value(text)
+        for key in reversed(keys):
+            value = {key: value}
+        _merge(merged.setdefault(flag, {}), value)
         at += 1
-    return [item for arg in order for item in ((arg, json.dumps(merged[arg])) if arg in merged else (arg,))]
+    return rest + [item for flag, value in merged.items() for item in (flag, json.dumps(value))]
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

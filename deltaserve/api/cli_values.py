@@ -110,6 +110,14 @@ def json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
+def limit_mm_per_prompt(value: str) -> str:
+    """vLLM's --limit-mm-per-prompt, a JSON object read at parse time (its EngineArgs field is a dict, which
+    vllm/engine/arg_utils.py parses with json.loads), so `image=2,video=0` fails before the model loads; the counts
+    are checked where the multimodal processor reads them. The text is kept: EngineConfig holds it as given."""
+    json_object(value)
+    return value
+
+
 def json_list(value: str) -> list[str]:
     try:
         parsed = json.loads(value)
