@@ -6,6 +6,7 @@ Each engine entry maps token id -> Logprob for the sampled token plus the top-N 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from deltaserve.engine.request import Logprob
@@ -91,10 +92,14 @@ def _chat_item(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(
-    namer: TokenNamer, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int
+def _content_items(
+    namer: TokenNamer,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob]] | None,
+    top: Callable[[dict[int, Logprob], int, Logprob | None], list[tuple[int, Logprob]]],
 ) -> list[dict[str, Any]]:
-    """Chat's logprobs.content items: token, logprob, bytes and the top_logprobs list."""
+    """The logprobs.content items of chat and Responses: token, logprob, bytes, and the top_logprobs list, whose
+    entries top(entry, token_id, sampled) picks (the two endpoints order them differently)."""
     items = []
     entries = entries or []
     for position, token_id in enumerate(token_ids):
@@ -102,10 +107,17 @@ def chat_logprobs(
         sampled = entry.get(token_id)
         item = _chat_item(namer(token_id, sampled), _clamp(sampled.logprob) if sampled is not None else MIN_LOGPROB)
         item["top_logprobs"] = [
-            _chat_item(namer(tid, lp), _clamp(lp.logprob)) for tid, lp in _top_entries(entry, num_top)
+            _chat_item(namer(tid, lp), _clamp(lp.logprob)) for tid, lp in top(entry, token_id, sampled)
         ]
         items.append(item)
     return items
+
+
+def chat_logprobs(
+    namer: TokenNamer, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int
+) -> list[dict[str, Any]]:
+    """Chat's logprobs.content items: token, logprob, bytes and the top_logprobs list (the num_top best by rank)."""
+    return _content_items(namer, token_ids, entries, lambda entry, _token_id, _sampled: _top_entries(entry, num_top))
 
 
 def response_logprobs(
@@ -114,19 +126,13 @@ def response_logprobs(
     """vLLM 0.26's Responses logprobs (_create_response_logprobs, vllm/entrypoints/openai/responses/serving.py):
     token, logprob, bytes, and top_logprobs: the first num_top of the engine's dict, which holds the sampled token
     first and then the candidates by rank (so a sampled token outside the best is listed first), none for 0."""
-    items = []
-    entries = entries or []
-    for position, token_id in enumerate(token_ids):
-        entry = entries[position] if position < len(entries) else {}
-        sampled = entry.get(token_id)
-        item = _chat_item(namer(token_id, sampled), _clamp(sampled.logprob) if sampled is not None else MIN_LOGPROB)
+
+    def top(entry: dict[int, Logprob], token_id: int, sampled: Logprob | None) -> list[tuple[int, Logprob]]:
         ordered = [(token_id, sampled)] if sampled is not None else []
         ordered += [(tid, lp) for tid, lp in _top_entries(entry, ALL_LOGPROBS) if tid != token_id]
-        item["top_logprobs"] = [
-            _chat_item(namer(tid, lp), _clamp(lp.logprob)) for tid, lp in ordered[: max(num_top, 0)]
-        ]
-        items.append(item)
-    return items
+        return ordered[: max(num_top, 0)]
+
+    return _content_items(namer, token_ids, entries, top)
 
 
 def stream_logprobs(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
