@@ -266,12 +266,10 @@ class SamplingParams:
         vocabulary, config vocab_size); ParamError names the field."""
         if self.logit_bias and not _within(self.logit_bias, vocab_size):
             invalid = [t for t in self.logit_bias if not 0 <= t < vocab_size]
-            if invalid:
-                raise ParamError(
-                    f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
-                    f"{vocab_size}",
-                    "logit_bias",
-                )
+            raise ParamError(
+                f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                "logit_bias",
+            )
         if self.allowed_token_ids is not None and not _within(self.allowed_token_ids, vocab_size):
             raise ParamError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
         bad_ids = self.bad_words_token_ids or []
