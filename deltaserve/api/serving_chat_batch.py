@@ -34,7 +34,7 @@ from deltaserve.api.body import parse_request
 from deltaserve.api.errors import APIError
 from deltaserve.api.json_body import JSONPiecesResponse, render_json
 from deltaserve.api.protocol import BatchChatCompletionRequest
-from deltaserve.api.sampling import tokenize_bad_words
+from deltaserve.api.sampling import build_each, tokenize_bad_words
 from deltaserve.api.serving_common import request_ids, respond, usage
 from deltaserve.api.settings import ServerState
 
@@ -55,10 +55,10 @@ async def create_batch_chat_completion(state: ServerState, raw_request: Request)
     prompts = [await serving_chat.render_prompt(state, request) for request in requests]
     # the constraint is copied per conversation: sampling_params may start it after that prompt's </think>
     bad_words_ids = await tokenize_bad_words(state, requests[0])  # a shared field: once for every conversation
-    params = [
-        serving_chat.sampling_params(state, request, prompt, copy.copy(constraint), bad_words_ids)
-        for request, prompt in zip(requests, prompts, strict=True)
-    ]
+    params = await build_each(
+        zip(requests, prompts, strict=True),
+        lambda pair: serving_chat.sampling_params(state, pair[0], pair[1], copy.copy(constraint), bad_words_ids),
+    )
     if requests[0].prompt_logprobs is not None:
         _warn_prompt_logprobs()
         for one in params:

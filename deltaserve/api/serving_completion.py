@@ -29,7 +29,13 @@ from deltaserve.api.completion_body import build_echoed, check_prompt_logprob_wo
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
 from deltaserve.api.protocol import CompletionRequest
-from deltaserve.api.sampling import build_sampling_params, cache_salt_of, check_sampling_request, tokenize_bad_words
+from deltaserve.api.sampling import (
+    build_each,
+    build_sampling_params,
+    cache_salt_of,
+    check_sampling_request,
+    tokenize_bad_words,
+)
 from deltaserve.api.serving_common import (
     DONE_EVENT,
     check_model,
@@ -49,13 +55,10 @@ from deltaserve.api.settings import ServerState
 from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.api.tokens import truncate_ids, truncation_length
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
-from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams, resolve_num_logprobs
+from deltaserve.sampling_params import StructuredOutputsParams, resolve_num_logprobs
 
 # Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
 MAX_PROMPTS = 2048
-# Prompts whose SamplingParams are built between two awaits: at 2,048 prompts with 5,000 bad words each slice holds
-# the event loop a few ms, where the whole list held it hundreds (tests/api/test_api_hostile.py).
-PARAMS_SLICE = 64
 
 
 @dataclass
@@ -210,23 +213,20 @@ async def create_completion(
     # vLLM's echo without generation: the engine draws one token, which is not reported
     requested = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
     bad_words_ids = await tokenize_bad_words(state, request)  # once for every prompt of the request
-    params: list[SamplingParams] = []
-    for index, prompt in enumerate(prompts):
-        if index and index % PARAMS_SLICE == 0:
-            await anyio.sleep(0)  # thousands of prompts with large fields: other requests run between slices
-        params.append(
-            build_sampling_params(
-                state,
-                request,
-                num_prompt_tokens=len(prompt.token_ids),
-                max_tokens=requested,  # unset: the rest of that prompt's context
-                prompt_param="prompt",
-                logprobs=request.logprobs,
-                prompt_logprobs=prompt_logprobs,
-                structured_outputs=constraint,
-                bad_words_ids=bad_words_ids,
-            )
-        )
+    params = await build_each(
+        prompts,
+        lambda prompt: build_sampling_params(
+            state,
+            request,
+            num_prompt_tokens=len(prompt.token_ids),
+            max_tokens=requested,  # unset: the rest of that prompt's context
+            prompt_param="prompt",
+            logprobs=request.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=constraint,
+            bad_words_ids=bad_words_ids,
+        ),
+    )
     response_id = request_ids(raw_request, request.request_id, "cmpl")
     if request.use_beam_search:  # api/beam_search.py: one finished output per prompt, its beams as the choices
         token_ids = [prompt.token_ids for prompt in prompts]
