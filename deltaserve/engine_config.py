@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.reasoning_config import PARSER_STRINGS, parse_reasoning_config
 from deltaserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 # vLLM 0.26's --gdn-prefill-backend choices (EngineArgs.gdn_prefill_backend; None: auto)
@@ -75,6 +76,10 @@ class EngineConfig:
     tokenizer: str | None = None
     # vLLM's --structured-outputs-config JSON ({"backend": "xgrammar", "disable_any_whitespace": ...}); None: defaults
     structured_outputs_config: str | None = None
+    # vLLM's --reasoning-parser (the engine's part: the reasoning start / end strings of thinking-token budgets) and
+    # --reasoning-config JSON ({"reasoning_start_str": ..., "reasoning_end_str": ...}): engine/thinking_budget.py
+    reasoning_parser: str | None = None
+    reasoning_config: str | dict | None = None
     # tensor parallelism (vLLM's flags): one worker process per rank; "mp" (multiprocessing, or one process per rank
     # started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) is the only multi-process backend
     tensor_parallel_size: int = 1
@@ -119,6 +124,9 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         check_gdn_prefill_backend(self.gdn_prefill_backend)
+        parse_reasoning_config(self.reasoning_config)  # its fields, checked at once (the strings need the tokenizer)
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSER_STRINGS:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose from {tuple(PARSER_STRINGS)}")
         check_jit_monitor_mode(self.jit_monitor_mode)
         if self.gdn_prefill_backend == "auto":
             object.__setattr__(self, "gdn_prefill_backend", None)

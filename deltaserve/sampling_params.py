@@ -68,6 +68,20 @@ class ParamError(ValueError):
         self.param = param
 
 
+BUDGET_MESSAGE = "`thinking_token_budget` must be a non-negative integer or -1 for unlimited."
+
+
+def check_thinking_token_budget(value: Any) -> int | None:
+    """vLLM's validate_thinking_token_budget: None or -1 is no budget, else a non-negative int (not a bool, not a
+    float); ParamError names the field."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == -1):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        # vLLM's VLLMValidationError words: the message, then the parameter and the value
+        raise ParamError(f"{BUDGET_MESSAGE} (parameter=thinking_token_budget, value={value})", "thinking_token_budget")
+    return value
+
+
 @dataclass
 class StructuredOutputsParams:
     """One constraint on the output, as vLLM's StructuredOutputsParams (exactly one of the constraint fields)."""
@@ -153,6 +167,9 @@ class SamplingParams:
     # as written and with a leading space); the last token of a sequence is banned when the others precede it
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: the most tokens a thinking section may hold before the reasoning end is forced (None or -1: no bound;
+    # needs --reasoning-parser or --reasoning-config: engine/thinking_budget.py)
+    thinking_token_budget: int | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
@@ -207,6 +224,7 @@ class SamplingParams:
             self.logprobs = 1
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
+        self.thinking_token_budget = check_thinking_token_budget(self.thinking_token_budget)
         if self.logit_bias:
             # vLLM's from_optional: keys become ints, biases are clamped to [-100, 100]
             try:
@@ -287,9 +305,13 @@ class SamplingParams:
 
     @property
     def needs_history_mask(self) -> bool:
-        """A constraint whose mask depends on the tokens already sampled: a grammar, or a bad word of more than
-        one token (the engine core fills these masks between steps)."""
-        return self.structured_outputs is not None or any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
+        """A constraint whose mask depends on the tokens already sampled: a grammar, a bad word of more than one
+        token, or a thinking-token budget (the engine core fills these masks, and forces tokens, between steps)."""
+        return (
+            self.structured_outputs is not None
+            or self.thinking_token_budget is not None
+            or any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
+        )
 
 
 def _within(token_ids: Iterable[int], vocab_size: int) -> bool:

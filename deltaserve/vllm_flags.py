@@ -175,7 +175,6 @@ TABLE = """
 --pt-load-map-location | value | log | only safetensors are loaded
 --quantization-config | value | refuse | online quantization is not served (only a checkpoint's own block FP8)
 --ray-workers-use-nsight | switch | log | no Ray workers
---reasoning-config | value | warn | no thinking-token budgets (thinking_token_budget is refused)
 --reasoning-parser-plugin | value | log | only the built-in qwen3 reasoning parser
 --renderer-num-workers | value | log | chat templates render in deltaserve's own worker processes
 --revision | value | log | models are loaded from a local folder

@@ -94,6 +94,8 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         generation_config=args.generation_config,
         tokenizer=args.tokenizer,
         structured_outputs_config=args.structured_outputs_config,
+        reasoning_parser=args.reasoning_parser,
+        reasoning_config=args.reasoning_config,
         speculative_config=merge_spec_aliases(
             args.speculative_config, args.spec_method, args.spec_model, args.spec_tokens
         ),  # fmt: skip

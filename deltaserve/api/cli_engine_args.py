@@ -18,6 +18,7 @@ from deltaserve.api.cli_values import (
     limit_mm_per_prompt,
     optional_int,
     optional_value,
+    reasoning_config,
     speculative_config,
     structured_outputs_config,
 )
@@ -203,6 +204,13 @@ def add_engine_arguments(add: Any) -> None:
         type=structured_outputs_config,
         default=None,
         help='structured outputs, vLLM\'s JSON: {"backend": "xgrammar" | "auto", "disable_any_whitespace": ...}',
+    )
+    add(
+        "--reasoning-config",
+        type=reasoning_config,
+        default=None,
+        help='thinking-token budgets\' markers, vLLM\'s JSON: {"reasoning_start_str": "<think>", "reasoning_end_str": '
+        '"</think>"} (default: --reasoning-parser\'s)',
     )
     add(
         "--speculative-config",

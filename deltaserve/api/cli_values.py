@@ -160,6 +160,17 @@ def structured_outputs_config(value: str) -> str:
     return value
 
 
+def reasoning_config(value: str) -> str:
+    """vLLM's --reasoning-config JSON, checked at parse time (a field vLLM's ReasoningConfig lacks is named)."""
+    from deltaserve.reasoning_config import parse_reasoning_config
+
+    try:
+        parse_reasoning_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def speculative_config(value: str) -> str:
     """vLLM's --speculative-config JSON, checked at parse time (a method or key deltaserve refuses is named). One
     without a method may be completed by --spec-method (merge_spec_aliases checks the merged config): only its JSON

@@ -47,12 +47,14 @@ class ParamValueError(ValueError):
     message ends with "(parameter=NAME)" and the 400 names NAME as its param (vLLM's validation_exception_handler,
     vllm/entrypoints/serve/utils/server_utils.py)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, value: Any = None) -> None:
         super().__init__(message)
         self.param = param
+        self.value = value  # vLLM names the rejected value too, when there is one
 
     def __str__(self) -> str:
-        return f"{super().__str__()} (parameter={self.param})"
+        value = "" if self.value is None else f", value={self.value}"
+        return f"{super().__str__()} (parameter={self.param}{value})"
 
 
 def error_payload(message: str, err_type: str, status: int, param: str | None = None) -> dict[str, Any]:

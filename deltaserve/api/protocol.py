@@ -13,6 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from deltaserve.api.errors import ParamValueError
+from deltaserve.sampling_params import BUDGET_MESSAGE, ParamError, check_thinking_token_budget
+
 TOKEN_IDS = TypeAdapter(list[int])
 TOKEN_ID_LISTS = TypeAdapter(list[list[int]])
 TEXTS = TypeAdapter(list[str])
@@ -81,6 +84,17 @@ class SamplingRequest(APIModel):
     request_id: str | None = None
     # vLLM's field and bounds: an int64; anything but 0 needs --scheduling-policy priority (lower runs first)
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    # vLLM's: a non-negative int, or -1 (None) for no budget; needs --reasoning-parser / --reasoning-config
+    thinking_token_budget: int | None = None
+
+    @field_validator("thinking_token_budget", mode="before")
+    @classmethod
+    def _thinking_token_budget(cls, value: Any) -> Any:
+        # vLLM's ThinkingTokenBudget validator, before pydantic's int coercion (so 1.0 and true are refused)
+        try:
+            return check_thinking_token_budget(value)
+        except ParamError as exc:
+            raise ParamValueError(BUDGET_MESSAGE, exc.param, value) from None
 
 
 class CompletionRequest(SamplingRequest):
@@ -252,7 +266,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "structural_tag": "structured outputs",
     "prompt_embeds": "prompt embeddings; send text or token ids",
     "logprob_token_ids": "logprobs of chosen token ids",
-    "thinking_token_budget": "a thinking-token budget",
     "repetition_detection": "repetition detection",
     "logits_processors": "custom logits processors",
     "min_tokens_per_step": "per-step token minimums",

@@ -234,6 +234,7 @@ def build_sampling_params(
             bad_words=request.bad_words or [],
             prompt_logprobs=prompt_logprobs,
             structured_outputs=structured_outputs,
+            thinking_token_budget=request.thinking_token_budget,
             **values,
         )
     except ParamError as exc:

@@ -46,6 +46,12 @@ logger = logging.getLogger(__name__)
 MAX_STEPS_IN_FLIGHT = 2  # async scheduling: one step running on the GPU, the next one queued behind it
 
 
+def lookahead(num_speculative_tokens: int) -> int:
+    """The most positions of one sequence a step launched now may sample before the core saw the tokens they follow:
+    each step in flight and the new one sample up to 1 + k (a verify chunk)."""
+    return MAX_STEPS_IN_FLIGHT * (1 + num_speculative_tokens)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         model_dir = resolve_model_dir(config.model)
@@ -91,17 +97,18 @@ class EngineCore:
         self.is_async = config.async_scheduling
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[tuple[StepPlan, StepHandle, tuple[str | None, ...]]] = deque()
-        # history constraints (grammars, multi-token bad words): state beside the scheduler; requests whose grammar
-        # is still compiling are parked here, not in the scheduler
+        # history constraints (grammars, multi-token bad words, thinking budgets): state beside the scheduler;
+        # requests whose grammar is still compiling are parked here, not in the scheduler
+        spec = config.speculative_config
         self.structured = StructuredOutputManager(
             model_dir, config.tokenizer, self.model_config.vocab_size,
             StructuredOutputsConfig.parse(config.structured_outputs_config),
+            lookahead=lookahead(spec.num_speculative_tokens if spec is not None else 0),
         )  # fmt: skip
         self._parked: dict[str, Sequence] = {}
         self._errors: list[tuple[str, str]] = []  # (core request id, message): see take_errors
         self._num_prompt_logprobs: dict[str, int] = {}  # request -> prompt positions reported (resumes recompute)
         self._iteration_tokens = IterationTokens()
-        spec = config.speculative_config
         self._spec_decode = SpecDecodeCounts(spec.num_speculative_tokens) if spec is not None else None
         if self.runner.load_report is not None:
             logger.info("%s", self.runner.load_report.summary())
@@ -126,6 +133,7 @@ class EngineCore:
         """Speculative decoding with up to num_speculative_tokens drafts a decode, proposed by `drafter`, k chosen
         per step by `policy` where one is given (docs/speculative-decoding.md)."""
         self.runner.enable_speculation(num_speculative_tokens, drafter)
+        self.structured.lookahead = lookahead(num_speculative_tokens)
         self.scheduler.spec = SpecSchedule(num_speculative_tokens, self.runner.spec.max_spec_seqs, policy)
 
     def info(self) -> EngineCoreInfo:
@@ -165,7 +173,7 @@ class EngineCore:
         self.sequences[seq.seq_id] = seq
         if request.sampling.prompt_logprobs is not None:
             self._num_prompt_logprobs[seq.seq_id] = 0
-        if self.structured.add(seq.seq_id, request.sampling, request.eos_token_ids):
+        if self.structured.add(seq.seq_id, request.sampling, request.eos_token_ids, request.thinking):
             self.scheduler.add(seq)
         else:
             self._parked[seq.seq_id] = seq  # until its grammar compiled (a worker thread)
@@ -233,8 +241,8 @@ class EngineCore:
             plan, handle, owners = self._inflight[0]
             # verify chunks: each grammar walks its chunk's drafts to mask every position
             drafts = self.runner.step_drafts(handle) if any(s.num_draft_tokens for s in plan.seqs) else None
-            bitmask, positions = self.structured.fill(plan, owners, drafts)
-            self.runner.sample(handle, None if bitmask is None else bitmask.numpy(), positions)
+            bitmask, positions, forced = self.structured.fill(plan, owners, drafts)
+            self.runner.sample(handle, None if bitmask is None else bitmask.numpy(), positions, forced)
 
     def step(self) -> list[EngineCoreOutput]:
         """Advances by one step; returns the outputs of the step it collected (none while only launching)."""

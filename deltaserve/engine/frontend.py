@@ -23,11 +23,13 @@ from deltaserve.engine.generation_config import load_eos_token_ids, load_generat
 from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from deltaserve.engine.request import RequestOutput
+from deltaserve.engine.thinking_budget import ThinkingStart, open_section
 from deltaserve.engine_config import EngineConfig
 from deltaserve.model.preflight import check_generation_config, load_tokenizer
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.processor import MultimodalProcessor
 from deltaserve.multimodal.prompt import VisionTokenIds
+from deltaserve.reasoning_config import NOT_CONFIGURED, resolve_markers
 from deltaserve.sampling_params import ParamError, SamplingParams, child_seed, resolve_num_logprobs
 
 
@@ -196,6 +198,12 @@ class EngineFrontend:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.processor = OutputProcessor(self.tokenizer)
+        # thinking-token budgets: the reasoning start / end token ids (None: budgets are refused)
+        tokenizer = self.tokenizer
+        self.reasoning_markers = resolve_markers(
+            config.reasoning_parser, config.reasoning_config,
+            lambda text: tokenizer.encode(text, add_special_tokens=False),
+        )  # fmt: skip
         # images and videos: only when the vision tower is built (a multimodal checkpoint, not language-model-only)
         self.mm_processor: MultimodalProcessor | None = None
         vision = self.model_config.vision
@@ -268,6 +276,7 @@ class EngineFrontend:
             if mm_input.prompt_len != len(prompt_token_ids):
                 raise RequestError(f"the multimodal input covers {mm_input.prompt_len} tokens, the prompt has "
                                    f"{len(prompt_token_ids)}")  # fmt: skip
+        thinking = self._thinking_start(prompt_token_ids, params)
         now = time.time()
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, [], arrival_time=now)
         core_requests = []
@@ -301,10 +310,20 @@ class EngineFrontend:
                     priority=priority,
                     cache_salt=cache_salt,
                     eos_token_id=self.tokenizer.eos_token_id,
+                    thinking=thinking,
                 )
             )
         self.processor.add(state)
         return core_requests
+
+    def _thinking_start(self, prompt_token_ids: list[int], params: SamplingParams) -> ThinkingStart | None:
+        """A budgeted request's markers and its prompt's open thinking section; vLLM's refusal where the engine has
+        no markers (neither --reasoning-parser nor --reasoning-config gives both strings)."""
+        if params.thinking_token_budget is None:
+            return None
+        if self.reasoning_markers is None:
+            raise RequestError(NOT_CONFIGURED)
+        return ThinkingStart(self.reasoning_markers, open_section(prompt_token_ids, self.reasoning_markers))
 
     def prefill_request(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltaserve.engine.stats import EngineStats, RequestMetrics
+from deltaserve.engine.thinking_budget import ThinkingStart
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ class EngineCoreRequest:
     # the tokenizer's eos, vLLM's primary one: it ends a sequence with no stop_reason, the other eos_token_ids
     # (generation_config's) with their id, as vLLM adds those to stop_token_ids (None: every eos is primary)
     eos_token_id: int | None = None
+    # a request with a thinking_token_budget: the engine's reasoning markers and the prompt's open thinking section
+    thinking: ThinkingStart | None = None
 
 
 @dataclass(frozen=True)

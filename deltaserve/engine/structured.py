@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from deltaserve.engine.grammar import GrammarMatcher, StructuredOutputsConfig, XGrammarBackend, cache_key
+from deltaserve.engine.thinking_budget import ThinkingBudget, ThinkingStart
 from deltaserve.sampler.logits_processors import bitmask_width
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.step import StepPlan
@@ -48,13 +49,19 @@ class ConstraintState:
     last_mask: torch.Tensor | None = None  # int32 [W]: the row of the last bitmask filled (read on a rejection)
     outputs: list[int] = field(default_factory=list)  # for multi-token bad words
     bad_words: list[list[int]] = field(default_factory=list)
+    budget: ThinkingBudget | None = None  # a thinking-token budget: forces the reasoning end once it is spent
 
 
 class StructuredOutputManager:
     def __init__(
-        self, model_dir: Path, tokenizer: str | None, vocab_size: int, config: StructuredOutputsConfig
-    ) -> None:
+        self, model_dir: Path, tokenizer: str | None, vocab_size: int, config: StructuredOutputsConfig,
+        lookahead: int = 2,
+    ) -> None:  # fmt: skip
+        """lookahead: the most positions of a sequence that a step launched now could sample before the core has
+        seen the tokens it depends on (the steps in flight and its own, verify positions included): a budgeted
+        request's step is deferred only when a force may fall within them."""
         self.model_dir = model_dir
+        self.lookahead = lookahead
         self.tokenizer_name = tokenizer
         self.vocab_size = vocab_size
         self.config = config
@@ -73,12 +80,20 @@ class StructuredOutputManager:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def add(self, request_id: str, params: SamplingParams, stop_token_ids: frozenset[int]) -> bool:
-        """Registers a request; True when it is ready now (no grammar, or one already compiled)."""
+    def add(
+        self, request_id: str, params: SamplingParams, stop_token_ids: frozenset[int],
+        thinking: ThinkingStart | None = None,
+    ) -> bool:  # fmt: skip
+        """Registers a request; True when it is ready now (no grammar, or one already compiled). thinking: the
+        front end's markers and prompt section of a request with a thinking_token_budget."""
         if not params.needs_history_mask:
             return True  # nothing here: its steps are not deferred
         spec = params.structured_outputs
         state = ConstraintState(params, bad_words=[list(w) for w in params.bad_words_token_ids or [] if len(w) > 1])
+        if params.thinking_token_budget is not None:
+            if thinking is None:
+                raise ValueError(f"request {request_id}: a thinking_token_budget needs the front end's markers")
+            state.budget = ThinkingBudget(thinking, params.thinking_token_budget)
         if spec is not None:
             state.is_active = spec.start_after_token_id is None
         self.states[request_id] = state
@@ -174,9 +189,19 @@ class StructuredOutputManager:
         return tuple(self.row_owner.get(seq.row) for seq in plan.seqs)
 
     def needs_mask(self, plan: StepPlan, owners: tuple[str | None, ...]) -> bool:
+        """Whether the step must wait for the tokens before it to be sampled: a sampling row with a grammar or a
+        multi-token bad word, or with a thinking budget that may force a token within the lookahead."""
         if not self.states:
             return False
-        return any(seq.needs_sample and owner in self.states for seq, owner in zip(plan.seqs, owners, strict=True))
+        for seq, owner in zip(plan.seqs, owners, strict=True):
+            state = self.states.get(owner) if seq.needs_sample and owner is not None else None
+            if state is None:
+                continue
+            if state.matcher is not None or state.bad_words or state.params.structured_outputs is not None:
+                return True
+            if state.budget is not None and state.budget.may_force_within(self.lookahead):
+                return True
+        return False
 
     def accept(self, request_id: str, token_ids: list[int]) -> str | None:
         """Feeds a sequence's newly accepted tokens to its constraints; returns why the request must fail when its
@@ -184,6 +209,8 @@ class StructuredOutputManager:
         state = self.states.get(request_id)
         if state is None:
             return None
+        if state.budget is not None:
+            state.budget.accept(token_ids)
         spec = state.params.structured_outputs
         for token_id in token_ids:
             state.outputs.append(token_id)
@@ -214,13 +241,16 @@ class StructuredOutputManager:
 
     def fill(
         self, plan: StepPlan, owners: tuple[str | None, ...], drafts: dict[int, list[int]] | None = None
-    ) -> tuple[torch.Tensor | None, np.ndarray]:
-        """(bitmask int32 [C, W], positions [C] in the step's sampling order) of the constrained sampling positions.
+    ) -> tuple[torch.Tensor | None, np.ndarray, np.ndarray]:
+        """(bitmask int32 [C, W], positions [C] in the step's sampling order) of the constrained sampling positions,
+        and the forced tokens int64 [F, 2] ((position, token) rows: a spent thinking budget's reasoning end).
         A verify chunk (speculative decoding) samples 1 + k positions: `drafts` (plan index -> its k drafts) gives
         position j the mask after drafts 0 .. j-1, walked through the grammar and rolled back, a grammar waiting for
-        its start token masking the positions after that draft only (docs/speculative-decoding.md#the-accept-rules)."""
+        its start token masking the positions after that draft only (docs/speculative-decoding.md#the-accept-rules);
+        a budget's force at position j is the one after those drafts too."""
         positions: list[int] = []
         rows: list[tuple[ConstraintState, list[int]]] = []  # (state, the drafts before the position)
+        forced: list[tuple[int, int]] = []
         position = 0
         for index, (seq, owner) in enumerate(zip(plan.seqs, owners, strict=True)):
             if not seq.needs_sample:
@@ -231,9 +261,15 @@ class StructuredOutputManager:
                 for j in range(1 + seq.num_draft_tokens):
                     positions.append(position + j)
                     rows.append((state, run[:j]))
+            if state is not None and state.budget is not None:
+                for j in range(1 + seq.num_draft_tokens):
+                    token = state.budget.forced(run[:j])
+                    if token is not None:
+                        forced.append((position + j, token))
             position += 1 + seq.num_draft_tokens
+        forced_rows = np.asarray(forced, dtype=np.int64).reshape(-1, 2)
         if not rows:
-            return None, np.zeros(0, dtype=np.int64)
+            return None, np.zeros(0, dtype=np.int64), forced_rows
         bitmask = torch.full((len(rows), self.width), -1, dtype=torch.int32)
         for index, (state, before) in enumerate(rows):
             walked, is_active = self._walk(state, before)
@@ -253,7 +289,7 @@ class StructuredOutputManager:
                         value = int(bitmask[index, word_index]) & ~(1 << bit)
                         # two's complement back into int32
                         bitmask[index, word_index] = value - (1 << 32) if value >= 1 << 31 else value
-        return bitmask, np.asarray(positions, dtype=np.int64)
+        return bitmask, np.asarray(positions, dtype=np.int64), forced_rows
 
     @staticmethod
     def _walk(state: ConstraintState, tokens: list[int]) -> tuple[int, bool]:

@@ -295,10 +295,14 @@ class MultiprocExecutor:
             self._raise_failure(exc)
             raise  # unreachable: _raise_failure raises
 
-    def sample(self, handle: StepHandle, bitmask: np.ndarray | None, bitmask_rows: np.ndarray | None) -> None:
-        """Rank 0 samples a deferred step (structured outputs) and broadcasts its tokens to the workers."""
+    def sample(
+        self, handle: StepHandle, bitmask: np.ndarray | None, bitmask_rows: np.ndarray | None,
+        forced: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        """Rank 0 samples a deferred step (structured outputs, thinking budgets) and broadcasts its tokens to the
+        workers."""
         try:
-            self.driver.sample(handle, bitmask, bitmask_rows)
+            self.driver.sample(handle, bitmask, bitmask_rows, forced)
         except Exception as exc:
             self._raise_failure(exc)
             raise

@@ -279,9 +279,13 @@ class ModelRunner:
         return handle
 
     @torch.inference_mode()
-    def sample(self, handle: StepHandle, bitmask: np.ndarray | None, bitmask_rows: np.ndarray | None) -> None:
+    def sample(
+        self, handle: StepHandle, bitmask: np.ndarray | None, bitmask_rows: np.ndarray | None,
+        forced: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
         """Samples a step launched with defer_sampling. bitmask: int32 [C, ceil(V / 32)] for the positions
-        bitmask_rows [C] of the step's sampling order (None: no row is masked)."""
+        bitmask_rows [C] of the step's sampling order (None: no row is masked); forced: int64 [F, 2] (position,
+        token) rows, a token each of those positions must take (a spent thinking budget's reasoning end)."""
         if handle.pending is None:
             raise RuntimeError(f"step {handle.plan.step_id} has no deferred sampling")
         logits, rows, rows_dev, batch = handle.pending
@@ -289,6 +293,8 @@ class ModelRunner:
         if bitmask is not None and len(bitmask_rows):
             batch.token_bitmask = to_device(bitmask, torch.int32, self.device)
             batch.bitmask_rows = to_device(bitmask_rows, torch.int64, self.device)
+        if forced is not None and len(forced):
+            batch.forced = to_device(np.ascontiguousarray(forced.T), torch.int64, self.device)
         self._sample(handle, logits, rows, rows_dev, batch)
 
     def _sample(

@@ -5,7 +5,8 @@ Semantics follow vLLM v1's `Sampler`:
   0. a token bitmask (grammars, multi-token bad words: vLLM applies it before the sampler) masks its rows;
   1. logprobs come from those logits (fp32 log_softmax before any other processing);
   2. the static bias (allowed_token_ids, single-token bad_words, logit_bias), min_tokens masks eos +
-     stop_token_ids, then repetition, frequency and presence penalties;
+     stop_token_ids, then repetition, frequency and presence penalties, then forced tokens (a spent thinking budget's
+     reasoning end) get vLLM's logit of 1e9;
   3. greedy rows (temperature < 1e-5) take the argmax of the processed logits;
   4. other rows: divide by temperature, min_p, top-k, top-p, then draw argmax(p / q) with q ~ Exp(1).
 A seeded row draws q from a generator seeded by (its seed, the index of the token it samples), so its tokens do
@@ -36,6 +37,8 @@ SAMPLING_EPS = 1e-5
 TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(7)
 NUM_PARAMS = 7
 _MASK64 = 2**64 - 1
+# the logit vLLM gives a forced token (its thinking-budget holder's fill value)
+FORCED_LOGIT = 1e9
 
 
 def row_seed(seed: int, token_index: int) -> int:
@@ -69,6 +72,8 @@ class SamplingBatch:
     # history constraints (grammars, multi-token bad words): packed int32 [C, ceil(V / 32)] for batch rows [C]
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None
+    # forced tokens (a spent thinking budget's reasoning end): int64 [2, F], batch rows then their tokens
+    forced: torch.Tensor | None = None
     # speculative decoding's random rule needs the distributions the rows drew from (sampler/rejection.py)
     keep_probs: bool = False
 
@@ -125,7 +130,7 @@ class Sampler:
             raw_logprobs = rows.log_softmax(dim=-1, dtype=torch.float32)  # [L, V]
 
         processed = logits
-        has_processing = batch.min_tokens_keys is not None or batch.penalties is not None
+        has_processing = batch.min_tokens_keys is not None or batch.penalties is not None or batch.forced is not None
         if batch.num_random or has_processing or batch.static_bias is not None:
             # our own fp32 copy: everything below edits in place and the caller's logits stay untouched
             processed = logits.to(torch.float32, copy=True)
@@ -135,6 +140,10 @@ class Sampler:
                 mask_min_tokens(processed, batch.min_tokens_keys)
             if batch.penalties is not None:
                 apply_penalties(processed, batch.penalties, batch.params)
+            if batch.forced is not None:
+                # vLLM's force (ThinkingBudgetStateHolder): the token's logit becomes FORCED_LOGIT after the
+                # penalties, so it wins greedy and random draws alike and the logprobs above stay the model's
+                processed[batch.forced[0], batch.forced[1]] = FORCED_LOGIT
 
         kept: list[torch.Tensor] = []
         if batch.num_random == 0:

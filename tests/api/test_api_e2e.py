@@ -34,7 +34,9 @@ MESSAGES = [{"role": "user", "content": "Say hello."}]
 def real_server(tiny_dense: Path) -> Iterator[ServerThread]:
     from deltaserve.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_dense), device="cpu", max_model_len=MAX_MODEL_LEN))
+    # --reasoning-parser qwen3 reaches the engine too (thinking-token budgets' markers)
+    config = EngineConfig(model=str(tiny_dense), device="cpu", max_model_len=MAX_MODEL_LEN, reasoning_parser="qwen3")
+    engine = AsyncEngine.from_config(config)
     settings = ServerSettings(
         model_root=str(tiny_dense),
         served_model_names=[NAME],
@@ -151,6 +153,34 @@ def test_malformed_requests_against_the_real_engine(
 ) -> None:
     """The same malformed requests as test_api_errors, now with the real engine behind the server."""
     check_malformed(real_http, path, body, status, param)
+
+
+def test_thinking_token_budget(real_client: openai.OpenAI, real_http: httpx.Client) -> None:
+    """vLLM's field on chat and completions: the reasoning holds the prompt's newline and budget - 1 tokens, then
+    </think> is forced and the answer follows (streamed the same); -1 is no budget; a float is vLLM's 400."""
+    extra = {"thinking_token_budget": 4, "chat_template_kwargs": {"enable_thinking": True}}
+    reply = real_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                logprobs=True, extra_body=extra)  # fmt: skip
+    tokens = [item.token for item in reply.choices[0].logprobs.content]
+    assert tokens.index("</think>") == 3, tokens
+    reasoning = reply.choices[0].message.reasoning
+    assert reply.usage.completion_tokens == 12 and reply.choices[0].message.content
+    stream = real_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 extra_body=extra, stream=True)  # fmt: skip
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == reply.choices[0].message.content
+    free = real_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+                                               extra_body={"thinking_token_budget": -1})  # fmt: skip
+    assert free.choices[0].message.reasoning != reasoning
+    prompt = real_http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": True}).json()["tokens"]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "thinking_token_budget": 2}
+    completion = real_http.post("/v1/completions", json=body).json()
+    assert "</think>" in completion["choices"][0]["text"]
+    bad = real_http.post("/v1/chat/completions", json={"model": NAME, "messages": MESSAGES,
+                                                         "thinking_token_budget": 1.5})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"
+    assert "(parameter=thinking_token_budget, value=1.5)" in bad.json()["error"]["message"]
 
 
 def test_the_engine_still_serves_after_bad_requests(real_client: openai.OpenAI) -> None:

@@ -372,7 +372,11 @@ CASES: list[Case] = [
     Case("chat n a million", "/v1/chat/completions", chat(n=10**6), param="n"),
     Case("chat 100,000 stop strings with n=8", "/v1/chat/completions", chat(stop=["x"] * 100_000, n=8), param="stop"),
     Case(
-        "thinking_token_budget", "/v1/chat/completions", chat(thinking_token_budget=10), param="thinking_token_budget"
+        "thinking_token_budget a float",
+        "/v1/chat/completions",
+        chat(thinking_token_budget=1.5),
+        message="must be a non-negative integer or -1",
+        param="thinking_token_budget",
     ),  # fmt: skip
     Case("chat unknown model", "/v1/chat/completions", chat(model="nope"), 404, "model"),
     Case(
