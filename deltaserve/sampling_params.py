@@ -123,6 +123,29 @@ class StructuredOutputsParams:
         return next(name for name in self.CONSTRAINTS if getattr(self, name) is not None)
 
 
+@dataclass
+class RepetitionDetectionParams:
+    """vLLM's repetition detection: a sequence whose output ends with a pattern of min_pattern_size ..
+    max_pattern_size tokens repeated min_count times stops, finish_reason "repetition" (scheduler/stop.py).
+    max_pattern_size 0 is off; the checks and their words are vLLM's."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(
+                "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. Set "
+                "both to 0 to disable repetitive pattern detection."
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(
+                "min_count must be >= 2 to detect repetitive patterns in engine output. If you do not wish to "
+                "detect repetitive patterns, set max_pattern_size to 0."
+            )
+
+
 class RequestOutputKind(enum.Enum):
     """vLLM's RequestOutputKind. The offline LLM returns each request's final output whatever a request's
     output_kind says, as vLLM's LLM does (its _add_request sets FINAL_ONLY)."""
@@ -170,6 +193,8 @@ class SamplingParams:
     # vLLM's: the most tokens a thinking section may hold before the reasoning end is forced (None or -1: no bound;
     # needs --reasoning-parser or --reasoning-config: engine/thinking_budget.py)
     thinking_token_budget: int | None = None
+    # vLLM's: stop a sequence whose output ends in a repeated token pattern (None: off)
+    repetition_detection: RepetitionDetectionParams | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
@@ -225,6 +250,8 @@ class SamplingParams:
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
         self.thinking_token_budget = check_thinking_token_budget(self.thinking_token_budget)
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.logit_bias:
             # vLLM's from_optional: keys become ints, biases are clamped to [-100, 100]
             try:

@@ -14,7 +14,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from deltaserve.api.errors import ParamValueError
-from deltaserve.sampling_params import BUDGET_MESSAGE, ParamError, check_thinking_token_budget
+from deltaserve.sampling_params import (
+    BUDGET_MESSAGE,
+    ParamError,
+    RepetitionDetectionParams,
+    check_thinking_token_budget,
+)
 
 TOKEN_IDS = TypeAdapter(list[int])
 TOKEN_ID_LISTS = TypeAdapter(list[list[int]])
@@ -86,6 +91,8 @@ class SamplingRequest(APIModel):
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # vLLM's: a non-negative int, or -1 (None) for no budget; needs --reasoning-parser / --reasoning-config
     thinking_token_budget: int | None = None
+    # vLLM's: stop on a repeated token pattern (finish_reason "repetition")
+    repetition_detection: RepetitionDetectionParams | None = None
 
     @field_validator("thinking_token_budget", mode="before")
     @classmethod
@@ -266,7 +273,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "structural_tag": "structured outputs",
     "prompt_embeds": "prompt embeddings; send text or token ids",
     "logprob_token_ids": "logprobs of chosen token ids",
-    "repetition_detection": "repetition detection",
     "logits_processors": "custom logits processors",
     "min_tokens_per_step": "per-step token minimums",
 }

@@ -235,6 +235,7 @@ def build_sampling_params(
             prompt_logprobs=prompt_logprobs,
             structured_outputs=structured_outputs,
             thinking_token_budget=request.thinking_token_budget,
+            repetition_detection=request.repetition_detection,
             **values,
         )
     except ParamError as exc:

@@ -34,6 +34,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    REPETITION = "repetition"  # repetition_detection ended it (stop_reason "repetition_detected")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.scheduler.repetition import RepetitionWatch
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +57,7 @@ class Sequence:
     epoch: int = 0  # bumped at each preemption: results of steps planned before it are stale
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    repetition: RepetitionWatch | None = None  # repetition_detection's mirror of the outputs (scheduler/stop.py)
     # MRoPE: positions [3][prompt_len] for prompts with vision tokens, and the decode offset
     # (docs/ARCHITECTURE.md#positions-and-mrope).
     # None means text: every axis is the token index.

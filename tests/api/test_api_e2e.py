@@ -7,6 +7,7 @@ calls are covered on crafted outputs with the FakeEngine.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,6 +182,28 @@ def test_thinking_token_budget(real_client: openai.OpenAI, real_http: httpx.Clie
                                                          "thinking_token_budget": 1.5})  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"
     assert "(parameter=thinking_token_budget, value=1.5)" in bad.json()["error"]["message"]
+
+
+def test_repetition_detection(real_client: openai.OpenAI, real_http: httpx.Client) -> None:
+    """vLLM's field: a token repeated (min_count 2, patterns of one token) ends the output there with finish_reason
+    "repetition" (streamed too); bad parameters are vLLM's validation 400."""
+    body = {"model": NAME, "prompt": "Hello there", "max_tokens": 40, "temperature": 0, "return_token_ids": True,
+            "repetition_detection": {"max_pattern_size": 1, "min_count": 2}}  # fmt: skip
+    choice = real_http.post("/v1/completions", json=body).json()["choices"][0]
+    tokens = choice["token_ids"]
+    assert choice["finish_reason"] == "repetition" and choice["stop_reason"] == "repetition_detected"
+    assert tokens[-1] == tokens[-2] and all(a != b for a, b in itertools.pairwise(tokens[:-1])), tokens
+    stream = real_client.completions.create(model=NAME, prompt="Hello there", max_tokens=40, temperature=0,
+                                            extra_body={"repetition_detection": body["repetition_detection"]},
+                                            stream=True)  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "repetition"
+    assert "".join(c.choices[0].text for c in chunks) == choice["text"]
+    bad = real_http.post(
+        "/v1/completions",
+        json={"model": NAME, "prompt": "x", "repetition_detection": {"max_pattern_size": 2, "min_count": 1}},
+    )
+    assert bad.status_code == 400 and "min_count must be >= 2" in bad.json()["error"]["message"]
 
 
 def test_the_engine_still_serves_after_bad_requests(real_client: openai.OpenAI) -> None:
