@@ -28,6 +28,15 @@ def _positive_float(name: str, default: float) -> float:
     return number
 
 
+def _positive_int(name: str, default: int) -> int:
+    """A count that must be positive (`default` when unset or blank)."""
+    value = os.environ.get(name, "").strip()
+    number = int(value) if value else default
+    if number < 1:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return number
+
+
 def fuse_attn_preamble() -> bool:
     """DELTASERVE_FUSE_ATTN_PREAMBLE (default 1): one fused launch for q/k norm + RoPE + gate split.
 
@@ -97,6 +106,16 @@ def vllm_log_stats_interval() -> float:
     return _positive_float("VLLM_LOG_STATS_INTERVAL", 10.0)
 
 
+def max_completion_prompts() -> int:
+    """VLLM_MAX_COMPLETION_PROMPTS (vLLM's, default 1024): the most prompts one /v1/completions request may batch."""
+    return _positive_int("VLLM_MAX_COMPLETION_PROMPTS", 1024)
+
+
+def max_n_sequences() -> int:
+    """VLLM_MAX_N_SEQUENCES (vLLM's, default 16384): the largest n a request may ask for."""
+    return _positive_int("VLLM_MAX_N_SEQUENCES", 16384)
+
+
 # The VLLM_* variables deltaserve reads (the functions above; VLLM_ATTENTION_BACKEND only to warn that it is ignored,
 # runner/device_setup.py): any other one set is logged by `deltaserve serve` as ignored, never dropped in silence.
 READ_VLLM_VARIABLES = (
@@ -105,6 +124,8 @@ READ_VLLM_VARIABLES = (
     "VLLM_ATTENTION_BACKEND",
     "VLLM_SERVER_DEV_MODE",
     "VLLM_LOG_STATS_INTERVAL",
+    "VLLM_MAX_COMPLETION_PROMPTS",
+    "VLLM_MAX_N_SEQUENCES",
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
 )
 

@@ -12,9 +12,12 @@ import copy
 import enum
 import itertools
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from deltaserve import env
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +27,9 @@ MAX_SEED = 2**63 - 1
 ALL_LOGPROBS = -1
 # vLLM's _MAX_TEMP: a temperature above 0 and below it is raised to it (the logits would overflow)
 MIN_TEMPERATURE = 1e-2
+# vLLM's bound on temperature (OpenAI's too), and the temperature below which a request is greedy (_SAMPLING_EPS)
+MAX_TEMPERATURE = 2.0
+GREEDY_TEMPERATURE = 1e-5
 # vLLM's default max_logprobs (--max-logprobs, LLM(max_logprobs=...)): the most logprobs one position may ask for
 MAX_LOGPROBS = 20
 
@@ -46,7 +52,8 @@ def logprobs_cap_error(
                                (num_prompt_logprobs, "prompt", "prompt_logprobs")):  # fmt: skip
         count = resolve_num_logprobs(count, vocab_size)
         if count and count > cap:
-            return f"Requested {kind} logprobs of {count}, which is greater than max allowed: {cap}", param
+            message = f"Requested {kind} logprobs of {count}, which is greater than max allowed: {cap}"
+            return str(field_error(message, param, count)), param
     return None
 
 
@@ -71,14 +78,20 @@ class ParamError(ValueError):
 BUDGET_MESSAGE = "`thinking_token_budget` must be a non-negative integer or -1 for unlimited."
 
 
+def field_error(message: str, param: str, value: Any = None) -> ParamError:
+    """vLLM's VLLMValidationError as its server words it: the message, then "(parameter=P, value=V)" (no value part
+    for None); the 400 names the field."""
+    extras = f"parameter={param}" + ("" if value is None else f", value={value}")
+    return ParamError(f"{message} ({extras})", param)
+
+
 def check_thinking_token_budget(value: Any) -> int | None:
     """vLLM's validate_thinking_token_budget: None or -1 is no budget, else a non-negative int (not a bool, not a
     float); ParamError names the field."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == -1):
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        # vLLM's VLLMValidationError words: the message, then the parameter and the value
-        raise ParamError(f"{BUDGET_MESSAGE} (parameter=thinking_token_budget, value={value})", "thinking_token_budget")
+        raise field_error(BUDGET_MESSAGE, "thinking_token_budget", value)
     return value
 
 
@@ -258,31 +271,49 @@ class SamplingParams:
                 self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
             except (TypeError, ValueError):
                 invalid = [t for t in self.logit_bias if not _is_int_like(t)]
-                raise ValueError(
-                    f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}"
+                raise field_error(
+                    f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}",
+                    "logit_bias",
+                    invalid,
                 ) from None
         self.validate()
 
     def validate(self) -> None:
-        """Raises ValueError naming the field, as vLLM does (the api turns it into a 400)."""
+        """vLLM's _verify_args, in its order and words: a ValueError (the API's 400 names no field, as vLLM's), or a
+        ParamError where vLLM raises its VLLMValidationError (the message ends with the parameter and the value,
+        and the 400 names the field)."""
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > (max_n := env.max_n_sequences()):
+            raise ValueError(
+                f"n must be at most {max_n}, got {self.n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+                "environment variable."
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not math.isfinite(self.temperature):
+            raise field_error(f"temperature must be a finite number, got {self.temperature}.", "temperature",
+                              self.temperature)  # fmt: skip
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise field_error(f"temperature must be non-negative, got {self.temperature}.", "temperature",
+                              self.temperature)  # fmt: skip
+        if self.temperature > MAX_TEMPERATURE:
+            raise field_error(f"temperature must be in [0, 2], got {self.temperature}.", "temperature",
+                              self.temperature)  # fmt: skip
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise field_error(f"top_p must be in (0, 1], got {self.top_p}.", "top_p", self.top_p)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise field_error(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens", self.max_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -290,7 +321,10 @@ class SamplingParams:
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
             )
         if self.logprobs is not None and self.logprobs < 0 and self.logprobs != ALL_LOGPROBS:
-            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+            raise field_error(f"logprobs must be non-negative or -1, got {self.logprobs}.", "logprobs", self.logprobs)
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0 and self.prompt_logprobs != ALL_LOGPROBS:
+            raise field_error(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.",
+                              "prompt_logprobs", self.prompt_logprobs)  # fmt: skip
         if self.seed is not None and not -MAX_SEED - 1 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}.")
         if any(not s for s in self.stop):
@@ -299,32 +333,34 @@ class SamplingParams:
             raise ValueError(
                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
             )
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0 and self.prompt_logprobs != ALL_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
-        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
-            raise ValueError("allowed_token_ids is not None and empty!")
         if not all(self.bad_words):  # all() in C: a request's thousands of words are checked once a prompt
             raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
+        if self.temperature < GREEDY_TEMPERATURE and self.n > 1:
+            # vLLM's _verify_greedy_sampling: n greedy sequences would all be the same
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise field_error("allowed_token_ids is not None and empty!", "allowed_token_ids", self.allowed_token_ids)
 
     def validate_vocab(self, vocab_size: int) -> None:
         """vLLM's token-id bounds of logit_bias, allowed_token_ids and the bad words' tokens (the model's
-        vocabulary, config vocab_size); ParamError names the field."""
+        vocabulary, config vocab_size), as VLLMValidationErrors (field_error)."""
         if self.logit_bias and not _within(self.logit_bias, vocab_size):
             invalid = [t for t in self.logit_bias if not 0 <= t < vocab_size]
-            raise ParamError(
+            raise field_error(
                 f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
-                "logit_bias",
-            )
+                "logit_bias", invalid,
+            )  # fmt: skip
         if self.allowed_token_ids is not None and not _within(self.allowed_token_ids, vocab_size):
-            raise ParamError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+            invalid = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
+            raise field_error("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids", invalid)
         bad_ids = self.bad_words_token_ids or []
         if not _within(itertools.chain.from_iterable(bad_ids), vocab_size):
             invalid = [t for ids in bad_ids for t in ids if not 0 <= t < vocab_size]
-            raise ParamError(
+            raise field_error(
                 f"The model vocabulary size is {vocab_size}, but the following tokens were specified as bad: "
                 f"{invalid}. All token id values should be integers satisfying: 0 <= token_id <= {vocab_size - 1}.",
-                "bad_words",
-            )
+                "bad_words", self.bad_words,
+            )  # fmt: skip
 
     @property
     def is_greedy(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from deltaserve import env
 from deltaserve.api.errors import ParamValueError
 from deltaserve.sampling_params import (
     BUDGET_MESSAGE,
@@ -112,6 +113,21 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     add_special_tokens: bool = True
     length_penalty: float = 1.0  # beam search: a finished beam's score is cumulative logprob / length ** this
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_list_length(cls, data: Any) -> Any:
+        # vLLM's bound on the prompts one request batches (a list of token ids is one prompt; vLLM looks at the
+        # first item only)
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        is_batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        if is_batch and len(prompt) > (most := env.max_completion_prompts()):
+            raise ParamValueError(
+                f"prompt list length {len(prompt)} exceeds the maximum allowed count of {most}. To increase this "
+                "limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
+                "prompt",
+            )
+        return data
 
     @field_validator("max_tokens", mode="before")
     @classmethod

@@ -183,12 +183,14 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
     bad_words_ids: list[list[int]] | None,
+    is_beam_search: bool = False,
 ) -> SamplingParams:
     """SamplingParams for one prompt of num_prompt_tokens tokens. max_tokens is the request's (None: unset); the
     one derivation of the value the engine gets, and the one check of the context lengths, is resolve_max_tokens
-    (a generation_config max_new_tokens caps it, as vLLM's server does). A ValueError from the validation of any
-    field becomes a 400 naming the field. bad_words_ids: tokenize_bad_words's (the request's bad_words as token
-    sequences, tokenized once a request off the event loop and checked against the vocabulary there)."""
+    (a generation_config max_new_tokens caps it, as vLLM's server does). A ValueError from the validation becomes
+    a 400, naming the field where vLLM's does (ParamError). bad_words_ids: tokenize_bad_words's (the request's
+    bad_words as token sequences, tokenized once a request off the event loop and checked against the vocabulary
+    there). is_beam_search: the request's n is the beam width, not n sampled sequences."""
     defaults: dict[str, Any] = state.engine.default_sampling or {}
     try:
         max_tokens = resolve_max_tokens(
@@ -216,7 +218,9 @@ def build_sampling_params(
         )
     try:
         params = SamplingParams(
-            n=request.n,
+            # beam search: n is the beam width (api/beam_search.py), never n sampled sequences (vLLM builds its
+            # BeamSearchParams, which the greedy rule does not check)
+            n=1 if is_beam_search else request.n,
             seed=request.seed,
             stop=_stop_strings(request.stop),
             stop_token_ids=stop_token_ids,
@@ -238,13 +242,10 @@ def build_sampling_params(
             repetition_detection=request.repetition_detection,
             **values,
         )
-    except ParamError as exc:
+    except ParamError as exc:  # vLLM's VLLMValidationError: the 400 names the field
         raise bad_request(str(exc), exc.param) from None
-    except ValueError as exc:
-        message = str(exc)
-        field = message.split(" ", 1)[0]
-        param = field if field in SamplingParams.__dataclass_fields__ else None
-        raise bad_request(message, param) from None
+    except ValueError as exc:  # a plain ValueError in vLLM too: its 400 names no field
+        raise bad_request(str(exc)) from None
     try:
         params.validate_vocab(vocab_size)
     except ParamError as exc:

@@ -57,9 +57,6 @@ from deltaserve.api.tokens import truncate_ids, truncation_length
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
 from deltaserve.sampling_params import StructuredOutputsParams, resolve_num_logprobs
 
-# Prompts one request may batch: OpenAI's bound (vLLM has none; each prompt is its own engine request).
-MAX_PROMPTS = 2048
-
 
 @dataclass
 class Prompt:
@@ -88,8 +85,6 @@ async def resolve_prompts(state: ServerState, request: CompletionRequest) -> lis
     if not prompt:  # None, "" or []: vLLM's words (prompt_embeds, which it also names, is refused by name here)
         raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     items: list[Any] = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
-    if len(items) > MAX_PROMPTS:
-        raise bad_request(f"A request may batch at most {MAX_PROMPTS} prompts, got {len(items)}.", "prompt")
     max_model_len = state.engine.max_model_len
     keep = truncation_length(request.truncate_prompt_tokens, max_model_len)
     prompts = []
@@ -225,6 +220,7 @@ async def create_completion(
             prompt_logprobs=prompt_logprobs,
             structured_outputs=constraint,
             bad_words_ids=bad_words_ids,
+            is_beam_search=request.use_beam_search,
         ),
     )
     response_id = request_ids(raw_request, request.request_id, "cmpl")

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from deltaserve.api.template_pool import TemplatePool
     from deltaserve.api.tokens import Tokens
 
-# vLLM has no cap on n; one keeps a single request from claiming every state slot and KV block.
+# vLLM caps n at VLLM_MAX_N_SEQUENCES (16384); a tighter one keeps a single request from claiming every state slot
+# and KV block.
 MAX_N = 128
 # The largest request body accepted (--max-request-body-bytes); vLLM has no limit. A 262,144-token prompt is
 # about 1 MiB of text or 2 MiB of token ids, so this leaves room for batched prompts and long chats.

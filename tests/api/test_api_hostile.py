@@ -141,7 +141,10 @@ CASES: list[Case] = [
     Case("token id out of vocab", "/v1/completions", completion(prompt=[10**9]), param="prompt"),
     Case("negative token id", "/v1/completions", completion(prompt=[-1]), param="prompt"),
     Case("token id beyond int64", "/v1/completions", completion(prompt=[2**70]), param="prompt"),
-    Case("2049 prompts", "/v1/completions", completion(prompt=["a"] * 2049), param="prompt"),
+    Case("1025 prompts", "/v1/completions", completion(prompt=["a"] * 1025), param="prompt",
+         message="prompt list length 1025 exceeds the maximum allowed count of 1024."),  # vLLM's bound
+    Case("1025 prompts of token ids", "/v1/completions", completion(prompt=[[1]] * 1025), param="prompt"),
+    Case("a prompt of 1025 token ids", "/v1/completions", completion(prompt=[1] * 1025, max_tokens=1), status=200),
     Case("prompt over the context", "/v1/completions", completion(prompt=LONG_WORDS), param="prompt"),
     Case(
         "prompt far over the context",
@@ -163,17 +166,46 @@ CASES: list[Case] = [
     Case("temperature a string", "/v1/completions", completion(temperature="hot"), param="body.temperature"),
     Case("top_p zero", "/v1/completions", completion(top_p=0), param="top_p"),
     Case("top_p above one", "/v1/completions", completion(top_p=2), param="top_p"),
-    Case("top_k below -1", "/v1/completions", completion(top_k=-5), param="top_k"),
-    Case("min_p above one", "/v1/completions", completion(min_p=2), param="min_p"),
-    Case("repetition_penalty zero", "/v1/completions", completion(repetition_penalty=0), param="repetition_penalty"),
-    Case("presence_penalty 5", "/v1/completions", completion(presence_penalty=5), param="presence_penalty"),
-    Case("frequency_penalty -5", "/v1/completions", completion(frequency_penalty=-5), param="frequency_penalty"),
+    # vLLM raises these as plain ValueErrors: the 400 names no field
+    Case("top_k below -1", "/v1/completions", completion(top_k=-5), message="top_k must be 0 (disable), or at least 1"),
+    Case("min_p above one", "/v1/completions", completion(min_p=2), message="min_p must be in [0, 1]"),
+    Case(
+        "repetition_penalty zero",
+        "/v1/completions",
+        completion(repetition_penalty=0),
+        message="repetition_penalty must be greater than zero",
+    ),
+    Case(
+        "presence_penalty 5",
+        "/v1/completions",
+        completion(presence_penalty=5),
+        message="presence_penalty must be in [-2, 2]",
+    ),
+    Case(
+        "frequency_penalty -5",
+        "/v1/completions",
+        completion(frequency_penalty=-5),
+        message="frequency_penalty must be in [-2, 2]",
+    ),
+    Case(
+        "greedy n 3",
+        "/v1/completions",
+        completion(temperature=0, n=3),
+        message="n must be 1 when using greedy sampling, got 3.",
+    ),
+    Case(
+        "temperature 2.5",
+        "/v1/completions",
+        completion(temperature=2.5),
+        param="temperature",
+        message="temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)",
+    ),
     Case("seed beyond int64", "/v1/completions", completion(seed=2**70), param="body.seed"),
     Case("seed a string", "/v1/completions", completion(seed="x"), param="body.seed"),
     Case("logprobs 100", "/v1/completions", completion(logprobs=100), param="logprobs"),
     Case("logprobs negative", "/v1/completions", completion(logprobs=-1), param="logprobs"),
     Case("stop an int", "/v1/completions", completion(stop=5)),
-    Case("stop empty string", "/v1/completions", completion(stop=[""]), param="stop"),
+    Case("stop empty string", "/v1/completions", completion(stop=[""]), message="stop cannot contain an empty string."),
     Case("100,000 stop strings with n=8", "/v1/completions", completion(stop=["x"] * 100_000, n=8), param="stop"),
     Case(
         "129 one-character stop strings",
@@ -186,7 +218,10 @@ CASES: list[Case] = [
     Case("stop_token_ids out of vocab", "/v1/completions", completion(stop_token_ids=[10**9]), param="stop_token_ids"),
     Case("stop_token_ids negative", "/v1/completions", completion(stop_token_ids=[-3]), param="stop_token_ids"),
     Case(
-        "min_tokens above max_tokens", "/v1/completions", completion(max_tokens=2, min_tokens=5), param="min_tokens"
+        "min_tokens above max_tokens",
+        "/v1/completions",
+        completion(max_tokens=2, min_tokens=5),
+        message="min_tokens must be less than or equal to max_tokens=2, got 5.",
     ),  # fmt: skip
     Case("truncate_prompt_tokens zero", "/v1/completions", completion(truncate_prompt_tokens=0)),
     Case("truncate_prompt_tokens -5", "/v1/completions", completion(truncate_prompt_tokens=-5)),
@@ -257,7 +292,7 @@ CASES: list[Case] = [
         completion(structured_outputs={"choice": []}),
         param="structured_outputs.choice",
     ),  # fmt: skip
-    Case("bad_words empty word", "/v1/completions", completion(bad_words=[""]), param="bad_words"),
+    Case("bad_words empty word", "/v1/completions", completion(bad_words=[""]), message="bad_words cannot contain"),
     Case(
         "bad_words 5,000 over 64 prompts",  # tokenized once a request, off the loop (were 64 x 10,000 encodes on it)
         "/v1/completions",

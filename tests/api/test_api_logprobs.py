@@ -97,7 +97,8 @@ def test_uncapped_server_caps_at_the_vocabulary(uncapped_client: openai.OpenAI, 
         uncapped_client.completions.create(model=NAME, prompt="x", max_tokens=1, logprobs=vocab_size + 1)
     error = refused.value.body
     assert error["message"] == (
-        f"Requested sample logprobs of {vocab_size + 1}, which is greater than max allowed: {vocab_size}"
+        f"Requested sample logprobs of {vocab_size + 1}, which is greater than max allowed: {vocab_size} "
+        f"(parameter=logprobs, value={vocab_size + 1})"
     )
     assert error["param"] == "logprobs"
     beams = uncapped_client.completions.create(
@@ -120,14 +121,22 @@ def test_default_cap_refuses_minus_one_in_vllms_words(http: httpx.Client, fake_e
     """The default cap (20): -1 resolves to the vocabulary, which is over it; the message names the resolved count."""
     vocab_size = len(fake_engine.tokenizer)  # the FakeEngine's vocabulary: its tokenizer's
     error = _error(http, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1})
-    assert error["message"] == f"Requested sample logprobs of {vocab_size}, which is greater than max allowed: 20"
+    assert error["message"] == (
+        f"Requested sample logprobs of {vocab_size}, which is greater than max allowed: 20 "
+        f"(parameter=logprobs, value={vocab_size})"
+    )
     assert error["param"] == "logprobs"
     for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
         error = _error(http, path, {**body, "prompt_logprobs": -1})
-        assert error["message"] == f"Requested prompt logprobs of {vocab_size}, which is greater than max allowed: 20"
+        assert error["message"] == (
+            f"Requested prompt logprobs of {vocab_size}, which is greater than max allowed: 20 "
+            f"(parameter=prompt_logprobs, value={vocab_size})"
+        )
         assert error["param"] == "prompt_logprobs"
     error = _error(http, "/v1/completions", {**COMPLETION, "logprobs": 21})
-    assert error["message"] == "Requested sample logprobs of 21, which is greater than max allowed: 20"
+    assert error["message"] == (
+        "Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)"
+    )
 
 
 @pytest.mark.parametrize(

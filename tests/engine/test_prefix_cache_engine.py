@@ -31,7 +31,7 @@ def test_the_front_end_keeps_each_sequences_first_reported_hits(tiny_dense: Path
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dense)
-    params = SamplingParams(temperature=0.0, max_tokens=4, n=2)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, n=2)
     sequences = [SequenceProgress(f"r#{i}", IncrementalDetokenizer(tokenizer, [1, 2, 3], params)) for i in range(2)]
     state = RequestState("r", None, [1, 2, 3], params, sequences)
     assert state.delta_output().num_cached_tokens == 0  # nothing reported yet

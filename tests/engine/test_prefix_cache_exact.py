@@ -87,7 +87,7 @@ def scenario(llm: LLM) -> tuple[dict[str, list], dict[str, int]]:
             llm, {f"{name}{wave}": (base[:at] + suffix, GREEDY) for name, at in cut.items()}, preempt_at=6
         )
         outputs |= wave_out
-    n2 = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+    n2 = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=8, ignore_eos=True)  # seeded: greedy n > 1 is refused
     outputs |= run(llm, {"n2": (base[:180] + other[:5], n2)})
     # a conversation: turn 2 re-sends turn 1's prompt and answer, and hits the state its generation ended with
     turn1 = other[200:330]

@@ -112,7 +112,7 @@ def test_prompt_logprobs_of_n_sequences_are_computed_once(engines: dict[str, LLM
     reports them, equal to what n = 1 reports."""
     llm = engines["async"]
     prompt_ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog.")
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, n=3)
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=2, prompt_logprobs=3, n=3)
     frontend = llm.engine.frontend
     core_requests = frontend.new_request("prompt-logprobs-once", prompt_ids, params)
     frontend.processor.abort("prompt-logprobs-once")  # registered only to be inspected, never submitted
