@@ -113,24 +113,35 @@ def _content_items(
     return items
 
 
+def _dict_order(entry: dict[int, Logprob], token_id: int, sampled: Logprob | None) -> list[tuple[int, Logprob]]:
+    """The entries in the order of vLLM's per-position dict: the sampled token first, then the candidates by rank
+    (a candidate that is the sampled token keeps the first place)."""
+    ordered = [(token_id, sampled)] if sampled is not None else []
+    return ordered + [(tid, lp) for tid, lp in _top_entries(entry, ALL_LOGPROBS) if tid != token_id]
+
+
 def chat_logprobs(
     namer: TokenNamer, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int
 ) -> list[dict[str, Any]]:
-    """Chat's logprobs.content items: token, logprob, bytes and the top_logprobs list (the num_top best by rank)."""
-    return _content_items(namer, token_ids, entries, lambda entry, _token_id, _sampled: _top_entries(entry, num_top))
+    """Chat's logprobs.content items: token, logprob, bytes and top_logprobs, as vLLM 0.26's _get_top_logprobs
+    (vllm/entrypoints/openai/chat_completion/serving.py) takes them: the first num_top of the engine's dict, the
+    sampled token first (so a sampled token outside the best num_top is listed, first), all of it for -1."""
+
+    def top(entry: dict[int, Logprob], token_id: int, sampled: Logprob | None) -> list[tuple[int, Logprob]]:
+        ordered = _dict_order(entry, token_id, sampled)
+        return ordered if num_top == ALL_LOGPROBS else ordered[: max(num_top, 0)]
+
+    return _content_items(namer, token_ids, entries, top)
 
 
 def response_logprobs(
     namer: TokenNamer, token_ids: list[int], entries: list[dict[int, Logprob]] | None, num_top: int
 ) -> list[dict[str, Any]]:
     """vLLM 0.26's Responses logprobs (_create_response_logprobs, vllm/entrypoints/openai/responses/serving.py):
-    token, logprob, bytes, and top_logprobs: the first num_top of the engine's dict, which holds the sampled token
-    first and then the candidates by rank (so a sampled token outside the best is listed first), none for 0."""
+    token, logprob, bytes, and top_logprobs: the first num_top of the engine's dict (as chat's), none for 0."""
 
     def top(entry: dict[int, Logprob], token_id: int, sampled: Logprob | None) -> list[tuple[int, Logprob]]:
-        ordered = [(token_id, sampled)] if sampled is not None else []
-        ordered += [(tid, lp) for tid, lp in _top_entries(entry, ALL_LOGPROBS) if tid != token_id]
-        return ordered[: max(num_top, 0)]
+        return _dict_order(entry, token_id, sampled)[: max(num_top, 0)]
 
     return _content_items(namer, token_ids, entries, top)
 

@@ -71,6 +71,18 @@ def test_chat_top_logprobs_minus_one_is_the_whole_vocabulary(uncapped_client: op
         _assert_whole_vocabulary([value["logprob"] for value in entry.values()], vocab_size)
 
 
+def test_chat_top_logprobs_list_the_sampled_token_first(uncapped_client: openai.OpenAI) -> None:
+    """vLLM 0.26's chat takes the first top_logprobs entries of its per-position dict, whose first key is the
+    sampled token: a sampled token outside the best is listed first, then the best others."""
+    response = uncapped_client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=16, temperature=2.0, seed=3, logprobs=True, top_logprobs=2
+    )
+    items = response.choices[0].logprobs.content
+    assert all((item.top_logprobs[0].token, item.top_logprobs[0].logprob) == (item.token, item.logprob)
+               for item in items)  # fmt: skip
+    assert any(item.top_logprobs[1].logprob > item.logprob for item in items)  # a sampled token below the best
+
+
 def test_completions_prompt_logprobs_minus_one_is_the_whole_vocabulary(
     uncapped_client: openai.OpenAI, vocab_size: int
 ) -> None:
