@@ -27,6 +27,8 @@ MAX_SEED = 2**63 - 1
 ALL_LOGPROBS = -1
 # vLLM's _MAX_TEMP: a temperature above 0 and below it is raised to it (the logits would overflow)
 MIN_TEMPERATURE = 1e-2
+# vLLM's MAX_LOGPROB_TOKEN_IDS: the most token ids one request's logprob_token_ids may list
+MAX_LOGPROB_TOKEN_IDS = 128
 # vLLM's bound on temperature (OpenAI's too), and the temperature below which a request is greedy (_SAMPLING_EPS)
 MAX_TEMPERATURE = 2.0
 GREEDY_TEMPERATURE = 1e-5
@@ -206,6 +208,9 @@ class SamplingParams:
     # vLLM's: the most tokens a thinking section may hold before the reasoning end is forced (None or -1: no bound;
     # needs --reasoning-parser or --reasoning-config: engine/thinking_budget.py)
     thinking_token_budget: int | None = None
+    # vLLM's: logprobs of exactly these token ids at each generated position, beside the sampled token's (None: the
+    # top-N of `logprobs`); at most MAX_LOGPROB_TOKEN_IDS, and `logprobs`, when set too, equals their count
+    logprob_token_ids: list[int] | None = None
     # vLLM's: stop a sequence whose output ends in a repeated token pattern (None: off)
     repetition_detection: RepetitionDetectionParams | None = None
     detokenize: bool = True
@@ -260,6 +265,8 @@ class SamplingParams:
             self.bad_words = []
         if self.logprobs is True:
             self.logprobs = 1
+        if self.logprob_token_ids is not None and not self.logprob_token_ids:
+            self.logprob_token_ids = None  # vLLM's server passes `ids or None`: an empty list asks for nothing
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
         self.thinking_token_budget = check_thinking_token_budget(self.thinking_token_budget)
@@ -353,6 +360,21 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not _within(self.allowed_token_ids, vocab_size):
             invalid = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
             raise field_error("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids", invalid)
+        if self.logprob_token_ids is not None:
+            # vLLM's _validate_logprobs
+            num = len(self.logprob_token_ids)
+            if num > MAX_LOGPROB_TOKEN_IDS:
+                raise field_error(f"Requested logprob_token_ids of length {num}, which is greater than max allowed: "
+                                  f"{MAX_LOGPROB_TOKEN_IDS}", "logprob_token_ids", num)  # fmt: skip
+            if not _within(self.logprob_token_ids, vocab_size):
+                invalid = [t for t in self.logprob_token_ids if not 0 <= t < vocab_size]
+                raise field_error(f"token_id(s) {invalid} in logprob_token_ids contain out-of-vocab token ids. "
+                                  f"Vocabulary size: {vocab_size}", "logprob_token_ids", invalid)  # fmt: skip
+            if self.logprobs is not None and self.logprobs != num:
+                raise field_error(
+                    f"When both logprobs and logprob_token_ids are set, logprobs must equal len(logprob_token_ids). "
+                    f"Got logprobs={self.logprobs}, len(logprob_token_ids)={num}.", "logprob_token_ids", num,
+                )  # fmt: skip
         bad_ids = self.bad_words_token_ids or []
         if not _within(itertools.chain.from_iterable(bad_ids), vocab_size):
             invalid = [t for ids in bad_ids for t in ids if not 0 <= t < vocab_size]
@@ -361,6 +383,14 @@ class SamplingParams:
                 f"{invalid}. All token id values should be integers satisfying: 0 <= token_id <= {vocab_size - 1}.",
                 "bad_words", self.bad_words,
             )  # fmt: skip
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """vLLM's: the logprobs a generated position reports beside the sampled token's (`logprobs`, else the count
+        of logprob_token_ids), None when none are asked for."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     @property
     def is_greedy(self) -> bool:

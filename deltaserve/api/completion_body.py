@@ -20,7 +20,7 @@ import anyio
 
 from deltaserve.api.errors import bad_request
 from deltaserve.api.json_body import JSONPiecesResponse, RawJSON, render_json
-from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs_json
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, completion_top, prompt_logprobs_json
 from deltaserve.api.protocol import CompletionRequest
 from deltaserve.api.serving_common import merge_streams
 from deltaserve.engine.request import Logprob, RequestOutput
@@ -116,7 +116,7 @@ class BodyBuilder:
         echoed, offset = self._echoed(choice.prompt_index) if job.request.echo else (None, 0)
         if job.is_echo_only:
             return echoed
-        generated = CompletionLogprobs(job.namer, job.request.logprobs or 0, offset).build(
+        generated = CompletionLogprobs(job.namer, completion_top(job.request) or 0, offset).build(
             choice.token_ids, choice.logprob_entries
         )
         return generated if echoed is None else _merge(echoed, generated)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.request import Logprob
 from deltaserve.sampling_params import ALL_LOGPROBS
+
+if TYPE_CHECKING:
+    from deltaserve.api.protocol import CompletionRequest
 
 # vLLM clamps -inf so the JSON stays valid.
 MIN_LOGPROB = -9999.0
@@ -40,6 +43,12 @@ def _top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Log
     vocabulary)."""
     ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0, -item[1].logprob))
     return ranked if num_top == ALL_LOGPROBS else ranked[:num_top]
+
+
+def completion_top(request: CompletionRequest) -> int | None:
+    """How many candidates a completion's top_logprobs lists: `logprobs`, or all of them (-1) with
+    logprob_token_ids (vLLM's _create_completion_logprobs lists every entry then)."""
+    return ALL_LOGPROBS if request.logprob_token_ids else request.logprobs
 
 
 class CompletionLogprobs:

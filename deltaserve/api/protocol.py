@@ -73,6 +73,8 @@ class SamplingRequest(APIModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's: logprobs of these token ids at each generated position instead of a top-N (needs logprobs)
+    logprob_token_ids: list[int] | None = None
     return_token_ids: bool | None = None
     # structured outputs: vLLM's object, and the older guided_* names (mapped onto it)
     structured_outputs: dict[str, Any] | None = None
@@ -288,7 +290,6 @@ class DetokenizeRequest(APIModel):
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "structural_tag": "structured outputs",
     "prompt_embeds": "prompt embeddings; send text or token ids",
-    "logprob_token_ids": "logprobs of chosen token ids",
     "logits_processors": "custom logits processors",
     "min_tokens_per_step": "per-step token minimums",
 }

@@ -104,8 +104,6 @@ def check_unsupported(request: SamplingRequest) -> None:
     for name, needs in UNSUPPORTED_FIELDS.items():
         if _is_set(extra.get(name)):
             raise bad_request(f"{name} is not supported: it needs {needs}, which deltaserve does not have.", name)
-    if extra.get("logprob_token_ids") == []:  # refused by name when set; empty, vLLM refuses it as empty
-        raise bad_request("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
     try:  # honoured by the prefix cache (scheduler/prefix_cache.py root_hash); the engine frontend's rule
         check_cache_salt(cache_salt_of(request))
     except RequestError as exc:
@@ -119,8 +117,10 @@ def check_unsupported(request: SamplingRequest) -> None:
 
 
 def sample_logprobs(request: SamplingRequest) -> int | None:
-    """The sampled-token logprobs a request asks for (None: none): completions' `logprobs`, chat's `top_logprobs`
-    (0 when unset) once `logprobs` is true."""
+    """SamplingParams.logprobs of a request (None: none): completions' `logprobs`, chat's `top_logprobs` (0 when
+    unset) once `logprobs` is true; None with logprob_token_ids, which vLLM's request models pass instead."""
+    if request.logprob_token_ids:
+        return None
     if isinstance(request, CompletionRequest):
         return request.logprobs
     return (request.top_logprobs or 0) if request.logprobs else None
@@ -130,6 +130,17 @@ def check_logprob_fields(request: SamplingRequest) -> None:
     """vLLM's request models' checks of the logprobs fields, before the cap: prompt_logprobs is -1 (the whole
     vocabulary) or more and cannot stream above 0 (0 asks only the prompt's own tokens); completions' logprobs is 0
     or more (no -1 there); chat's top_logprobs is -1 or more and, when -1 or above 0, needs logprobs true."""
+    if request.logprob_token_ids:  # vLLM's check_logprobs, before the prompt_logprobs checks
+        if request.use_beam_search:
+            raise bad_request("`logprob_token_ids` is not supported with beam search.", "logprob_token_ids")
+        if isinstance(request, CompletionRequest):
+            if request.echo and request.max_tokens == 0:
+                raise bad_request("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+                                  "no output tokens are generated.", "logprob_token_ids")  # fmt: skip
+            if request.logprobs is None:
+                raise bad_request("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
+        elif not request.logprobs:
+            raise bad_request("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids")
     count = request.prompt_logprobs
     if count is not None and request.stream and (count > 0 or count == ALL_LOGPROBS):
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
@@ -239,6 +250,7 @@ def build_sampling_params(
             prompt_logprobs=prompt_logprobs,
             structured_outputs=structured_outputs,
             thinking_token_budget=request.thinking_token_budget,
+            logprob_token_ids=request.logprob_token_ids or None,
             repetition_detection=request.repetition_detection,
             **values,
         )

@@ -57,7 +57,7 @@ from deltaserve.api.structured import THINK_END, resolve_chat_constraint
 from deltaserve.api.tool_parser import QWEN3_TOOL_PARSERS, Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
-from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.sampling_params import ALL_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -174,7 +174,8 @@ def submit(
         created=int(time.time()),
         prompt_text=prompt.text,
         num_prompt_tokens=len(prompt.token_ids),
-        num_top_logprobs=params.logprobs,
+        # logprob_token_ids: every listed id, as vLLM's return_all
+        num_top_logprobs=ALL_LOGPROBS if params.logprob_token_ids else params.logprobs,
         tools=[tool.model_dump() for tool in request.tools] if request.tools and is_parsed else None,
         is_thinking_disabled=prompt.is_thinking_disabled,
         role=role,

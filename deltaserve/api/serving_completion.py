@@ -27,13 +27,14 @@ from deltaserve.api.beam_search import beam_search_streams
 from deltaserve.api.body import parse_request
 from deltaserve.api.completion_body import build_echoed, check_prompt_logprob_work, full_completion
 from deltaserve.api.errors import bad_request
-from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer
+from deltaserve.api.logprobs import CompletionLogprobs, TokenNamer, completion_top
 from deltaserve.api.protocol import CompletionRequest
 from deltaserve.api.sampling import (
     build_each,
     build_sampling_params,
     cache_salt_of,
     check_sampling_request,
+    sample_logprobs,
     tokenize_bad_words,
 )
 from deltaserve.api.serving_common import (
@@ -136,7 +137,7 @@ class CompletionJob:
         if state is None:
             state = self.choices[index] = ChoiceState(prompt_index)
             if self.request.logprobs is not None:
-                state.logprobs = CompletionLogprobs(self.namer, self.request.logprobs)
+                state.logprobs = CompletionLogprobs(self.namer, completion_top(self.request))
         return index, state
 
     def note_output(self, prompt_index: int, output: RequestOutput) -> None:
@@ -216,7 +217,7 @@ async def create_completion(
             num_prompt_tokens=len(prompt.token_ids),
             max_tokens=requested,  # unset: the rest of that prompt's context
             prompt_param="prompt",
-            logprobs=request.logprobs,
+            logprobs=sample_logprobs(request),
             prompt_logprobs=prompt_logprobs,
             structured_outputs=constraint,
             bad_words_ids=bad_words_ids,

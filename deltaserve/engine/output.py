@@ -96,11 +96,12 @@ class RequestState:
             logprobs = output.new_logprobs[i] if output.new_logprobs is not None else None
             if logprobs:
                 progress.cumulative_logprob += logprobs[0][1]
-                if params.logprobs is not None:
+                if params.num_logprobs is not None:
+                    # vLLM's dict: the sampled token's key first; a later entry of the same token (a candidate or a
+                    # listed id) replaces its value (its rank: the candidate's place) and keeps that first place
                     entry: dict[int, Logprob] = {}
                     for tok, logprob, rank in logprobs:
-                        if tok not in entry:
-                            entry[tok] = Logprob(logprob, rank, progress.detokenizer.decode_token(tok))
+                        entry[tok] = Logprob(logprob, rank, progress.detokenizer.decode_token(tok))
                     progress.logprobs.append(entry)
             is_last = i == num_new - 1
             # a sequence ending on eos / a stop token id drops that token's text unless include_stop_str_in_output
@@ -148,7 +149,7 @@ class RequestState:
 
     def _cumulative_logprob(self, progress: SequenceProgress) -> float | None:
         """vLLM's: the sum of the sampled tokens' logprobs when logprobs were asked for, else None."""
-        return progress.cumulative_logprob if self.params.logprobs is not None else None
+        return progress.cumulative_logprob if self.params.num_logprobs is not None else None
 
     def delta_output(self) -> RequestOutput:
         """What is new since the last call, for the sequences that progressed or finished."""
@@ -170,7 +171,7 @@ class RequestState:
                     text=text,
                     token_ids=list(token_ids[start:]),
                     cumulative_logprob=self._cumulative_logprob(progress),
-                    logprobs=progress.logprobs[start:] if self.params.logprobs is not None else None,
+                    logprobs=progress.logprobs[start:] if self.params.num_logprobs is not None else None,
                     finish_reason=progress.finish_reason,
                     stop_reason=progress.stop_reason,
                 )
@@ -194,7 +195,7 @@ class RequestState:
                 text=progress.text,
                 token_ids=list(progress.token_ids),
                 cumulative_logprob=self._cumulative_logprob(progress),
-                logprobs=progress.logprobs if self.params.logprobs is not None else None,
+                logprobs=progress.logprobs if self.params.num_logprobs is not None else None,
                 finish_reason=progress.finish_reason,
                 stop_reason=progress.stop_reason,
             )

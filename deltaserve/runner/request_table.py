@@ -50,6 +50,7 @@ class RequestTable:
         self.params = torch.from_numpy(self.params_host.copy()).to(device)
         self.seeds: list[int | None] = [None] * num
         self.num_logprobs = np.full(num, -1, dtype=np.int64)
+        self.logprob_ids: list[tuple[int, ...] | None] = [None] * num  # logprob_token_ids: these instead of a top-N
         self.min_tokens = np.zeros(num, dtype=np.int64)
         self.stop_ids: list[tuple[int, ...]] = [()] * num
         self.mrope: list[np.ndarray | None] = [None] * num  # [3, num_prompt] where positions are not the index
@@ -141,7 +142,8 @@ class RequestTable:
         self.params_host[row] = params_row(params, self.vocab_size)
         self._dirty_params.append(row)
         self.seeds[row] = params.seed
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_logprobs[row] = -1 if params.num_logprobs is None else params.num_logprobs
+        self.logprob_ids[row] = None if params.logprob_token_ids is None else tuple(params.logprob_token_ids)
         self.min_tokens[row] = params.min_tokens
         self.stop_ids[row] = request.stop_token_ids
         self.mrope[row] = None if request.mrope_positions is None else np.asarray(request.mrope_positions, np.int64)
@@ -233,12 +235,14 @@ class RequestTable:
         if is_under.any():
             keys = min_tokens_keys([self.stop_ids[r] for r in rows], is_under.tolist(), self.vocab_size, self.device)
         asked = self.num_logprobs[rows]
+        listed = [self.logprob_ids[r] for r in rows] if (asked >= 0).any() else []
         return SamplingBatch(
             params=self.params.index_select(0, rows_dev),
             generators=generators,
             penalties=penalties,
             min_tokens_keys=keys,
             num_logprobs=tuple(asked.tolist()) if (asked >= 0).any() else None,
+            logprob_ids=tuple(listed) if any(ids is not None for ids in listed) else None,
             static_bias=static_bias,
             **flags,
         )

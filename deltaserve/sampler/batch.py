@@ -95,7 +95,8 @@ def build_sampling_batch(
             prompt_mask=prompt_mask.to(device),
         )  # fmt: skip
     is_under = [len(o) < p.min_tokens for p, o in zip(params, output_token_ids, strict=True)]
-    asked = [p.logprobs if p.logprobs is not None else -1 for p in params]
+    asked = [p.num_logprobs if p.num_logprobs is not None else -1 for p in params]
+    listed = [tuple(p.logprob_token_ids) if p.logprob_token_ids else None for p in params]
     bias_rows = [
         (row, bias)
         for row, p in enumerate(params)
@@ -114,6 +115,7 @@ def build_sampling_batch(
         penalties=penalties,
         min_tokens_keys=min_tokens_keys(stop_token_ids, is_under, vocab_size, device),
         num_logprobs=tuple(asked) if any(n >= 0 for n in asked) else None,
+        logprob_ids=tuple(listed) if any(ids is not None for ids in listed) else None,
         static_bias=static_bias,
         **flags,
     )

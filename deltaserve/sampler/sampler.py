@@ -68,6 +68,8 @@ class SamplingBatch:
     penalties: PenaltyInputs | None = None
     min_tokens_keys: torch.Tensor | None = None  # [N] int64 flat row * V + token ids forced to -inf
     num_logprobs: tuple[int, ...] | None = None  # per row: logprobs asked for, -1 for none; None when no row asks
+    # per row: the token ids whose logprobs it reports instead of a top-N (logprob_token_ids); None when no row lists
+    logprob_ids: tuple[tuple[int, ...] | None, ...] | None = None
     static_bias: StaticBias | None = None  # allowed_token_ids, single-token bad_words, logit_bias
     # history constraints (grammars, multi-token bad words): packed int32 [C, ceil(V / 32)] for batch rows [C]
     token_bitmask: torch.Tensor | None = None
@@ -156,7 +158,8 @@ class Sampler:
             token_ids = torch.where(is_greedy, greedy_ids, self._sample_random(processed, batch, kept))
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
-            self._add_logprobs(out, raw_logprobs, logprob_rows, logprob_index, batch.num_logprobs or ())
+            self._add_logprobs(out, raw_logprobs, logprob_rows, logprob_index, batch.num_logprobs or (),
+                               batch.logprob_ids)  # fmt: skip
         if batch.keep_probs:
             out.probs = kept[0] if kept else None
             out.raw_logprobs = raw_logprobs
@@ -192,9 +195,11 @@ class Sampler:
         rows: tuple[int, ...],
         index: torch.Tensor | None,
         num_logprobs: tuple[int, ...],
+        listed: tuple[tuple[int, ...] | None, ...] | None = None,
     ) -> None:
-        """Sampled-token logprob and rank (vLLM: the count of logprobs >= its own) plus the top-N. index: the
-        rows' indices on the device, None when every row asked."""
+        """Sampled-token logprob and rank (vLLM: the count of logprobs >= its own) plus the top-N, or, for a row
+        that lists token ids (logprob_token_ids), those ids' logprobs in its top-N columns, as vLLM's sampler
+        gathers them. index: the rows' indices on the device, None when every row asked."""
         sampled = out.token_ids if index is None else out.token_ids.index_select(0, index)
         sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [L, 1]
         out.logprob_rows = rows
@@ -203,6 +208,15 @@ class Sampler:
         max_num = min(max(num_logprobs[r] for r in rows), raw_logprobs.shape[1])
         if max_num > 0:
             out.top_logprobs, out.top_ids = raw_logprobs.topk(max_num, dim=-1)  # [L, N] each
+        lists = [(i, listed[r]) for i, r in enumerate(rows) if listed is not None and listed[r]]
+        if lists and max_num > 0:
+            ids = torch.zeros(len(lists), max_num, dtype=torch.int64)  # padded; the consumer reads num_logprobs
+            for j, (_, row_ids) in enumerate(lists):
+                ids[j, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.int64)
+            at = to_device([i for i, _ in lists], torch.int64, raw_logprobs.device)
+            ids = ids.to(raw_logprobs.device)
+            out.top_ids = out.top_ids.index_copy(0, at, ids)
+            out.top_logprobs = out.top_logprobs.index_copy(0, at, raw_logprobs.index_select(0, at).gather(1, ids))
 
 
 def logprobs_to_host(

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
@@ -81,6 +82,29 @@ def test_chat_top_logprobs_list_the_sampled_token_first(uncapped_client: openai.
     assert all((item.top_logprobs[0].token, item.top_logprobs[0].logprob) == (item.token, item.logprob)
                for item in items)  # fmt: skip
     assert any(item.top_logprobs[1].logprob > item.logprob for item in items)  # a sampled token below the best
+
+
+def test_logprob_token_ids_list_the_sampled_token_and_the_ids(uncapped_client: openai.OpenAI) -> None:
+    """vLLM's logprob_token_ids: chat's top_logprobs and a completion's top_logprobs hold the sampled token and every
+    listed id (all of them, whatever top_logprobs / logprobs say), with the whole vocabulary's values."""
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir("dense"))
+    ids = [355, 11, 16]
+    texts = [tokenizer.decode([i]) for i in ids]
+    chat = uncapped_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                   logprobs=True, extra_body={"logprob_token_ids": ids})  # fmt: skip
+    whole = uncapped_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                    logprobs=True, top_logprobs=-1)  # fmt: skip
+    for item, full in zip(chat.choices[0].logprobs.content, whole.choices[0].logprobs.content, strict=True):
+        listed = [top.token for top in item.top_logprobs]
+        assert listed == [item.token, *(t for t in texts if t != item.token)]
+        values = {top.token: top.logprob for top in full.top_logprobs}
+        assert [top.logprob for top in item.top_logprobs] == pytest.approx([values[t] for t in listed], abs=1e-5)
+    completion = uncapped_client.completions.create(model=NAME, prompt="Once upon a time, the", max_tokens=3,
+                                                    temperature=0, logprobs=1,
+                                                    extra_body={"logprob_token_ids": ids})  # fmt: skip
+    for token, top in zip(completion.choices[0].logprobs.tokens, completion.choices[0].logprobs.top_logprobs,
+                          strict=True):  # fmt: skip
+        assert set(top) == {token, *texts}
 
 
 def test_completions_prompt_logprobs_minus_one_is_the_whole_vocabulary(
@@ -178,3 +202,22 @@ def test_protocol_refusals_in_vllms_words(
     models' words, checked before the cap (top_logprobs 50 without logprobs is that refusal, not the cap's)."""
     error = _error(http, path, body)
     assert (error["message"], error["param"]) == (message, param)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/chat/completions", {**CHAT, "logprob_token_ids": [1]},
+         "when using `logprob_token_ids`, `logprobs` must be set to true."),
+        ("/v1/completions", {**COMPLETION, "logprob_token_ids": [1]},
+         "when using `logprob_token_ids`, `logprobs` must be set."),
+        ("/v1/completions", {**COMPLETION, "logprob_token_ids": [1], "logprobs": 1, "echo": True, "max_tokens": 0},
+         "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no output tokens are "
+         "generated."),
+        ("/v1/completions", {**COMPLETION, "logprob_token_ids": [1], "logprobs": 1, "use_beam_search": True, "n": 2},
+         "`logprob_token_ids` is not supported with beam search."),
+    ],
+)  # fmt: skip
+def test_logprob_token_ids_refusals_in_vllms_words(http: httpx.Client, path: str, body: dict, message: str) -> None:
+    error = _error(http, path, body)
+    assert (error["message"], error["param"]) == (message, "logprob_token_ids")
