@@ -141,8 +141,13 @@ CASES: list[Case] = [
     Case("token id out of vocab", "/v1/completions", completion(prompt=[10**9]), param="prompt"),
     Case("negative token id", "/v1/completions", completion(prompt=[-1]), param="prompt"),
     Case("token id beyond int64", "/v1/completions", completion(prompt=[2**70]), param="prompt"),
-    Case("1025 prompts", "/v1/completions", completion(prompt=["a"] * 1025), param="prompt",
-         message="prompt list length 1025 exceeds the maximum allowed count of 1024."),  # vLLM's bound
+    Case(
+        "1025 prompts",
+        "/v1/completions",
+        completion(prompt=["a"] * 1025),
+        param="prompt",
+        message="prompt list length 1025 exceeds the maximum allowed count of 1024.",
+    ),  # vLLM's bound
     Case("1025 prompts of token ids", "/v1/completions", completion(prompt=[[1]] * 1025), param="prompt"),
     Case("a prompt of 1025 token ids", "/v1/completions", completion(prompt=[1] * 1025, max_tokens=1), status=200),
     Case("prompt over the context", "/v1/completions", completion(prompt=LONG_WORDS), param="prompt"),

@@ -82,7 +82,11 @@ def test_text_prompt_and_tokens_prompt_agree(llm: LLM) -> None:
 
 def test_width_over_the_logprobs_cap_is_refused(llm: LLM, tiny_dense: Path) -> None:
     """Each step asks 2 * width logprobs, bounded by max_logprobs (default 20) as the server's --max-logprobs."""
-    with pytest.raises(ValueError, match="^Requested sample logprobs of 22, which is greater than max allowed: 20$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Requested sample logprobs of 22, which is greater than max allowed: 20 "
+        r"\(parameter=logprobs, value=22\)$",
+    ):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
     assert not llm.engine.requests  # nothing left behind
     assert len(llm.beam_search(["hi"], BeamSearchParams(beam_width=10, max_tokens=1))[0].sequences) == 10
@@ -170,9 +174,17 @@ def test_each_step_is_one_generate_over_every_beam() -> None:
 
 def test_default_max_logprobs_refuses_21(llm: LLM) -> None:
     prompt = [{"prompt_token_ids": PROMPTS[0]}]
-    with pytest.raises(ValueError, match="^Requested sample logprobs of 21, which is greater than max allowed: 20$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Requested sample logprobs of 21, which is greater than max allowed: 20 "
+        r"\(parameter=logprobs, value=21\)$",
+    ):
         llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)
-    with pytest.raises(ValueError, match="^Requested prompt logprobs of 21, which is greater than max allowed: 20$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Requested prompt logprobs of 21, which is greater than max allowed: 20 "
+        r"\(parameter=prompt_logprobs, value=21\)$",
+    ):
         llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=21), use_tqdm=False)
     vocab = llm.engine.frontend.vocab_size
     with pytest.raises(ValueError, match=f"^Requested sample logprobs of {vocab}, which is greater than max allowed"):
@@ -192,6 +204,9 @@ def test_max_logprobs_minus_one_is_the_vocabulary(tiny_dense: Path) -> None:
     assert len(output.outputs[0].logprobs[0]) == vocab
     assert all(len(entry) == vocab for entry in output.prompt_logprobs[1:])
     small = LLM(tiny_dense, dtype="float32", device="cpu", max_model_len=64, max_logprobs=4)
-    with pytest.raises(ValueError, match="^Requested sample logprobs of 6, which is greater than max allowed: 4$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Requested sample logprobs of 6, which is greater than max allowed: 4 \(parameter=logprobs, value=6\)$",
+    ):
         small.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=3, max_tokens=1))
     assert len(small.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(2, 1))[0].sequences) == 2

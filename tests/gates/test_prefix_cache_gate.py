@@ -33,7 +33,8 @@ def test_traffic_shares_the_prefixes_it_claims() -> None:
         assert all(gate.SUFFIX_LENGTHS[0] <= len(p) - length <= gate.SUFFIX_LENGTHS[1] for p in prompts)
     retry = [r.prompts[0] for r in scenarios["retry"].rounds]
     assert len(retry) == 3 and retry[0] == retry[1] == retry[2]
-    assert scenarios["n>1"].rounds[0].n == 3
+    (same,) = scenarios["same-prompt-x3"].rounds
+    assert len(same.prompts) == 3 and same.prompts[0] == same.prompts[1] == same.prompts[2]
     assert [len(s) for s in scenarios["multi-turn"].turn_spans] == list(gate.TURN_LENGTHS)
 
 
@@ -47,11 +48,11 @@ def test_verdict_lists_every_mismatch(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_verdict_prints_the_yardstick_after_the_hits(capsys: pytest.CaptureFixture[str]) -> None:
     verdict = _verdict(4, 3, 10, mismatches=1)
-    verdict.yardstick = gate.Yardstick(64, 4, 2, [gate.Mismatch("n>1", 0, 0, 2, 7, 8, 0.03, 0.0)] * 2)
+    verdict.yardstick = gate.Yardstick(64, 4, 2, [gate.Mismatch("retry", 0, 0, 2, 7, 8, 0.03, 0.0)] * 2)
     gate.print_verdict(verdict)
     out = capsys.readouterr().out
     assert out.startswith("STRICT 3/4") and out.index("hits:") < out.index("yardstick STRICT 2/4")
-    assert "yardstick n>1 round 0 prompt 0: output position 2, whole 7 vs chunked 8 (margins 0.03, 0.0)" in out
+    assert "yardstick retry round 0 prompt 0: output position 2, whole 7 vs chunked 8 (margins 0.03, 0.0)" in out
     assert gate.verdict_code(verdict) == 1  # the yardstick explains a mismatch, it never excuses it
 
 
