@@ -39,6 +39,33 @@ class StreamOptions(APIModel):
     continuous_usage_stats: bool | None = False
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_listed_and_prompt_logprobs(data: dict[str, Any], is_chat: bool) -> None:
+    """The first checks of vLLM's check_logprobs (its request models' validator): logprob_token_ids against beam
+    search (and, for completions, echo without generation) and without logprobs, then prompt_logprobs. A value that
+    is not an int is left to the field's own validation."""
+    if data.get("logprob_token_ids"):
+        if data.get("use_beam_search"):
+            raise ParamValueError("`logprob_token_ids` is not supported with beam search.", "logprob_token_ids")
+        if is_chat and not data.get("logprobs"):
+            raise ParamValueError("when using `logprob_token_ids`, `logprobs` must be set to true.",
+                                  "logprob_token_ids")  # fmt: skip
+        if not is_chat and data.get("echo") and data.get("max_tokens") == 0:
+            raise ParamValueError("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+                                  "no output tokens are generated.", "logprob_token_ids")  # fmt: skip
+        if not is_chat and data.get("logprobs") is None:
+            raise ParamValueError("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
+    count = data.get("prompt_logprobs")
+    if _is_int(count):
+        if data.get("stream") and (count > 0 or count == -1):
+            raise ParamValueError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if count < -1:
+            raise ParamValueError("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", count)
+
+
 class SamplingRequest(APIModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extensions)."""
 
@@ -47,7 +74,7 @@ class SamplingRequest(APIModel):
     def _stream_options_need_stream(cls, data: Any) -> Any:
         # vLLM's check, truthiness included: an empty stream_options object passes.
         if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
-            raise ValueError("Stream options can only be defined when `stream=True`.")
+            raise ParamValueError("Stream options can only be defined when `stream=True`.", "stream_options")
         return data
 
     model: str | None = None
@@ -115,6 +142,16 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     add_special_tokens: bool = True
     length_penalty: float = 1.0  # beam search: a finished beam's score is cumulative logprob / length ** this
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_logprobs(cls, data: Any) -> Any:
+        # vLLM's completion check_logprobs, in its order and words
+        if isinstance(data, dict):
+            _check_listed_and_prompt_logprobs(data, is_chat=False)
+            if _is_int(count := data.get("logprobs")) and count < 0:
+                raise ParamValueError("`logprobs` must be a positive value.", "logprobs", count)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -221,6 +258,19 @@ class ChatCompletionRequest(SamplingRequest):
     include_reasoning: bool = True
     echo: bool = False
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_logprobs(cls, data: Any) -> Any:
+        # vLLM's chat check_logprobs, in its order and words
+        if isinstance(data, dict):
+            _check_listed_and_prompt_logprobs(data, is_chat=True)
+            top = data.get("top_logprobs")
+            if _is_int(top) and top < -1:
+                raise ParamValueError("`top_logprobs` must be a positive value or -1.", "top_logprobs", top)
+            if _is_int(top) and (top == -1 or top > 0) and not data.get("logprobs"):
+                raise ParamValueError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        return data
 
 
 class BatchChatCompletionRequest(APIModel):

@@ -34,7 +34,6 @@ from deltaserve.engine.frontend import (
     resolve_max_tokens,
 )
 from deltaserve.sampling_params import (
-    ALL_LOGPROBS,
     ParamError,
     SamplingParams,
     StructuredOutputsParams,
@@ -126,37 +125,6 @@ def sample_logprobs(request: SamplingRequest) -> int | None:
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
-def check_logprob_fields(request: SamplingRequest) -> None:
-    """vLLM's request models' checks of the logprobs fields, before the cap: prompt_logprobs is -1 (the whole
-    vocabulary) or more and cannot stream above 0 (0 asks only the prompt's own tokens); completions' logprobs is 0
-    or more (no -1 there); chat's top_logprobs is -1 or more and, when -1 or above 0, needs logprobs true."""
-    if request.logprob_token_ids:  # vLLM's check_logprobs, before the prompt_logprobs checks
-        if request.use_beam_search:
-            raise bad_request("`logprob_token_ids` is not supported with beam search.", "logprob_token_ids")
-        if isinstance(request, CompletionRequest):
-            if request.echo and request.max_tokens == 0:
-                raise bad_request("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
-                                  "no output tokens are generated.", "logprob_token_ids")  # fmt: skip
-            if request.logprobs is None:
-                raise bad_request("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
-        elif not request.logprobs:
-            raise bad_request("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids")
-    count = request.prompt_logprobs
-    if count is not None and request.stream and (count > 0 or count == ALL_LOGPROBS):
-        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    if count is not None and count < ALL_LOGPROBS:
-        raise bad_request("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
-    if isinstance(request, CompletionRequest):
-        if request.logprobs is not None and request.logprobs < 0:
-            raise bad_request("`logprobs` must be a positive value.", "logprobs")
-        return
-    top = request.top_logprobs
-    if top is not None and top < ALL_LOGPROBS:
-        raise bad_request("`top_logprobs` must be a positive value or -1.", "top_logprobs")
-    if top is not None and (top == ALL_LOGPROBS or top > 0) and not request.logprobs:
-        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-
-
 def check_logprobs_cap(num_logprobs: int | None, num_prompt_logprobs: int | None, state: ServerState) -> None:
     """vLLM's engine-side bound in its words: a count of -1 is the vocabulary, and a count above --max-logprobs (its
     -1 also the vocabulary) is refused naming the resolved count; None and 0 ask for nothing to bound."""
@@ -167,13 +135,13 @@ def check_logprobs_cap(num_logprobs: int | None, num_prompt_logprobs: int | None
 
 def check_sampling_request(state: ServerState, request: SamplingRequest) -> None:
     """The sampling fields both endpoints check before any work: refused features, n and stop, priority against
-    --scheduling-policy, the logprobs fields (prompt_logprobs, which a stream cannot carry) and their cap."""
+    --scheduling-policy, and the logprobs counts' cap (the logprobs fields' own checks are the request models'
+    validators, as vLLM's: api/protocol.py)."""
     check_unsupported(request)
     try:
         check_priority(request.priority, state.settings.scheduling_policy)
     except RequestError as exc:
         raise bad_request(str(exc), exc.param) from None
-    check_logprob_fields(request)
     check_logprobs_cap(sample_logprobs(request), request.prompt_logprobs, state)
 
 
