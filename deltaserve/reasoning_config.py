@@ -15,7 +15,8 @@ from typing import Any
 # vLLM's ReasoningConfig fields (vllm/config/reasoning.py); the token ids are derived, never given
 REASONING_CONFIG_KEYS = ("reasoning_parser", "reasoning_start_str", "reasoning_end_str")
 # the reasoning parsers' delimiters (vLLM's qwen3 parser: its THINK_START / THINK_END terminals)
-PARSER_STRINGS = {"qwen3": ("<think>", "</think>")}
+QWEN3_MARKERS = ("<think>", "</think>")
+PARSER_STRINGS = {"qwen3": QWEN3_MARKERS}
 # vLLM's error when a request sets a budget on an engine without reasoning markers (v1/engine/input_processor.py)
 NOT_CONFIGURED = (
     "thinking_token_budget is set but reasoning_config is not configured. Please set --reasoning-parser and/or "

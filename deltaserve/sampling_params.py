@@ -80,11 +80,17 @@ class ParamError(ValueError):
 BUDGET_MESSAGE = "`thinking_token_budget` must be a non-negative integer or -1 for unlimited."
 
 
-def field_error(message: str, param: str, value: Any = None) -> ParamError:
-    """vLLM's VLLMValidationError as its server words it: the message, then "(parameter=P, value=V)" (no value part
-    for None); the 400 names the field."""
+def validation_message(message: str, param: str, value: Any = None) -> str:
+    """vLLM's VLLMValidationError as str() words it: the message, then "(parameter=P, value=V)" (no value part for
+    None)."""
     extras = f"parameter={param}" + ("" if value is None else f", value={value}")
-    return ParamError(f"{message} ({extras})", param)
+    return f"{message} ({extras})"
+
+
+def field_error(message: str, param: str, value: Any = None) -> ParamError:
+    """vLLM's VLLMValidationError raised outside a request model: its words (validation_message), the 400 naming
+    the field."""
+    return ParamError(validation_message(message, param, value), param)
 
 
 def check_thinking_token_budget(value: Any) -> int | None:
@@ -342,7 +348,7 @@ class SamplingParams:
             )
         if not all(self.bad_words):  # all() in C: a request's thousands of words are checked once a prompt
             raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
-        if self.temperature < GREEDY_TEMPERATURE and self.n > 1:
+        if self.is_greedy and self.n > 1:
             # vLLM's _verify_greedy_sampling: n greedy sequences would all be the same
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
@@ -394,7 +400,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_history_mask(self) -> bool:

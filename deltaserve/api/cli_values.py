@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 SWITCH = argparse.BooleanOptionalAction
@@ -149,26 +150,27 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
+def _checked(parse: Callable[[str], object], value: str) -> str:
+    """value, once parse accepts it; its ValueError becomes argparse's error (the flag's usage line and message)."""
+    try:
+        parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def structured_outputs_config(value: str) -> str:
     """vLLM's --structured-outputs-config JSON, checked at parse time (an unsupported backend is refused by name)."""
     from deltaserve.engine.grammar import StructuredOutputsConfig
 
-    try:
-        StructuredOutputsConfig.parse(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+    return _checked(StructuredOutputsConfig.parse, value)
 
 
 def reasoning_config(value: str) -> str:
     """vLLM's --reasoning-config JSON, checked at parse time (a field vLLM's ReasoningConfig lacks is named)."""
     from deltaserve.reasoning_config import parse_reasoning_config
 
-    try:
-        parse_reasoning_config(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+    return _checked(parse_reasoning_config, value)
 
 
 def speculative_config(value: str) -> str:

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from deltaserve.engine.core_client import EngineDeadError
 from deltaserve.engine.frontend import RequestError
+from deltaserve.sampling_params import validation_message
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,7 @@ class ParamValueError(ValueError):
         self.value = value  # vLLM names the rejected value too, when there is one
 
     def __str__(self) -> str:
-        value = "" if self.value is None else f", value={self.value}"
-        return f"{super().__str__()} (parameter={self.param}{value})"
+        return validation_message(super().__str__(), self.param, self.value)
 
 
 def error_payload(message: str, err_type: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -14,8 +14,9 @@ over the whole text, so streamed and non-streamed results always agree.
 
 from __future__ import annotations
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from deltaserve.reasoning_config import QWEN3_MARKERS
+
+THINK_START, THINK_END = QWEN3_MARKERS
 TURN_START = "<|im_start|>"
 TOOL_CALL_START = "<tool_call>"  # ends reasoning without </think> (vLLM 0.26's qwen3 engine), and stays content
 

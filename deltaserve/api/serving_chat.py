@@ -31,7 +31,7 @@ from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, Reasonin
 from deltaserve.api.json_body import JSONPiecesResponse, render_json
 from deltaserve.api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from deltaserve.api.protocol import ChatCompletionRequest
-from deltaserve.api.reasoning import Qwen3ReasoningParser, prompt_opens_thinking
+from deltaserve.api.reasoning import THINK_END, Qwen3ReasoningParser, prompt_opens_thinking
 from deltaserve.api.sampling import (
     build_sampling_params,
     cache_salt_of,
@@ -53,7 +53,7 @@ from deltaserve.api.serving_common import (
     without_none,
 )
 from deltaserve.api.settings import ServerState
-from deltaserve.api.structured import THINK_END, resolve_chat_constraint
+from deltaserve.api.structured import resolve_chat_constraint
 from deltaserve.api.tool_parser import QWEN3_TOOL_PARSERS, Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput

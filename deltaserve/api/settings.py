@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deltaserve.engine.request import RequestOutput
+from deltaserve.reasoning_config import PARSER_STRINGS
 from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, resolve_num_logprobs
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ DEFAULT_BODY_READ_TIMEOUT_S = 20.0
 # of JSON; docs/limits.md says how it was chosen.
 DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 2**21
 
-REASONING_PARSERS = ("qwen3",)
+REASONING_PARSERS = tuple(PARSER_STRINGS)
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml", "hermes")
 
 

@@ -33,7 +33,6 @@ from deltaserve.sampling_params import StructuredOutputsParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 OPTION_FIELDS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
-THINK_END = "</think>"
 KNOWN_FIELDS = frozenset(StructuredOutputsParams.CONSTRAINTS + OPTION_FIELDS + ("disable_fallback", "backend"))
 # accepted and without effect with xgrammar, in vLLM 0.26 too (the module docstring): logged when set
 IGNORED_OPTIONS = ("whitespace_pattern", "disable_additional_properties", "backend", "disable_fallback")

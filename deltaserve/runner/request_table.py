@@ -235,13 +235,14 @@ class RequestTable:
         if is_under.any():
             keys = min_tokens_keys([self.stop_ids[r] for r in rows], is_under.tolist(), self.vocab_size, self.device)
         asked = self.num_logprobs[rows]
-        listed = [self.logprob_ids[r] for r in rows] if (asked >= 0).any() else []
+        any_asked = bool((asked >= 0).any())
+        listed = [self.logprob_ids[r] for r in rows] if any_asked else []
         return SamplingBatch(
             params=self.params.index_select(0, rows_dev),
             generators=generators,
             penalties=penalties,
             min_tokens_keys=keys,
-            num_logprobs=tuple(asked.tolist()) if (asked >= 0).any() else None,
+            num_logprobs=tuple(asked.tolist()) if any_asked else None,
             logprob_ids=tuple(listed) if any(ids is not None for ids in listed) else None,
             static_bias=static_bias,
             **flags,
