@@ -11,6 +11,7 @@ from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode_mtp import mtp_llm
+from tests.support.engines import share
 
 PROMPT = "Once upon a time, the"
 IDS = [355, 11, 16]  # 11 is among the greedy answer's tokens
@@ -18,7 +19,7 @@ IDS = [355, 11, 16]  # 11 is among the greedy answer's tokens
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(trained_model_dir("dense"), dtype="float32", max_logprobs=-1)
+    return LLM(trained_model_dir("dense"), dtype="float32", max_logprobs=-1, **share())
 
 
 def greedy(**kwargs: object) -> SamplingParams:

@@ -22,6 +22,7 @@ from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.mtp import load_mtp_head, text_model_of
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode import make_prompts, run
+from tests.support.engines import share
 
 MAX_TOKENS = 24
 VARIANTS = ("dense", "moe", "next")
@@ -44,7 +45,7 @@ def references() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
 def mtp_llm(variant: str, k: int, **engine_kwargs: object) -> tuple[LLM, dict]:
     """An engine drafting with its MTP layer, and per-position acceptance counters its updates fill."""
     config = {"method": "mtp", "num_speculative_tokens": k}
-    engine_kwargs = {"max_num_seqs": 8, **engine_kwargs}
+    engine_kwargs = {"max_num_seqs": 8, **share(), **engine_kwargs}
     llm = LLM(trained_model_dir(variant), dtype="float32", speculative_config=config, **engine_kwargs)
     core = llm.engine.core
     stats = {"verifies": 0, "drafts": 0, "accepted_per_position": [0] * k}

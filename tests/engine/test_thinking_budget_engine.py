@@ -15,6 +15,7 @@ from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode_mtp import mtp_llm
 from tests.support.drafts import enable_reference_drafts
+from tests.support.engines import share
 
 THINK_END = 1297  # </think> in the tiny tokenizer
 BUDGETS = (0, 1, 2, 5, 9)
@@ -23,7 +24,8 @@ BUDGETS = (0, 1, 2, 5, 9)
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     # max_logprobs -1: a request may ask every token's logprob
-    return LLM(trained_model_dir("dense"), dtype="float32", reasoning_parser="qwen3", max_num_seqs=8, max_logprobs=-1)
+    return LLM(trained_model_dir("dense"), dtype="float32", reasoning_parser="qwen3", max_num_seqs=8, max_logprobs=-1,
+               **share())  # fmt: skip
 
 
 def chat_prompt(llm: LLM, text: str = "Tell me about the sea.") -> list[int]:
@@ -98,7 +100,7 @@ def test_async_scheduling_on_and_off_agree() -> None:
     outputs = {}
     for is_async in (True, False):
         engine = LLM(trained_model_dir("dense"), dtype="float32", reasoning_parser="qwen3",
-                     async_scheduling=is_async)  # fmt: skip
+                     async_scheduling=is_async, **share())  # fmt: skip
         outputs[is_async] = generate(engine, chat_prompt(engine), [greedy(b) for b in BUDGETS])
     assert outputs[True] == outputs[False]
 
@@ -120,7 +122,7 @@ def test_reference_drafts_that_hold_the_forced_token_or_not(llm: LLM, mode: str)
     both: the tokens of an engine without speculation."""
     prompt = chat_prompt(llm)
     (expected,) = generate(llm, prompt, [greedy(5)])
-    spec = LLM(trained_model_dir("dense"), dtype="float32", reasoning_parser="qwen3", max_num_seqs=8)
+    spec = LLM(trained_model_dir("dense"), dtype="float32", reasoning_parser="qwen3", max_num_seqs=8, **share())
     stats = enable_reference_drafts(spec.engine.core, {tuple(prompt): expected}, mode, 3)
     assert generate(spec, prompt, [greedy(5)]) == [expected]
     assert stats["drafts"] > 0
@@ -130,12 +132,12 @@ def test_reference_drafts_that_hold_the_forced_token_or_not(llm: LLM, mode: str)
 
 def test_refused_where_the_engine_has_no_markers() -> None:
     """vLLM's error without --reasoning-parser / --reasoning-config; the config's own strings are enough."""
-    plain = LLM(trained_model_dir("dense"), dtype="float32")
+    plain = LLM(trained_model_dir("dense"), dtype="float32", **share())
     with pytest.raises(ValueError, match="reasoning_config is not configured") as info:
         plain.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(3), use_tqdm=False)
     assert str(info.value) == NOT_CONFIGURED
     config = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
-    configured = LLM(trained_model_dir("dense"), dtype="float32", reasoning_config=config)
+    configured = LLM(trained_model_dir("dense"), dtype="float32", reasoning_config=config, **share())
     (tokens,) = generate(configured, chat_prompt(configured), [greedy(3)])
     assert tokens[2] == THINK_END
     assert isinstance(configured.engine.core.structured.states, dict)  # finished: nothing left behind

@@ -16,6 +16,7 @@ from deltaserve.scheduler.sequence import Sequence
 from deltaserve.scheduler.stop import check_stop
 from deltaserve.tiny.trained import trained_model_dir
 from tests.engine.test_spec_decode_mtp import mtp_llm
+from tests.support.engines import share
 
 
 def repeats(tokens: list[int], low: int, high: int, count: int) -> bool:
@@ -97,7 +98,7 @@ PROMPTS = ["Once upon a time, the", "Hello there"]  # the dense checkpoint repea
 def test_the_engine_stops_on_a_repeated_pattern_with_and_without_mtp() -> None:
     """Greedy outputs end at the first position where a pattern repeats min_count times (the run without detection
     has it there), with vLLM's finish and stop reasons; MTP stops inside an accepted run at the same token."""
-    plain = LLM(trained_model_dir("dense"), dtype="float32")
+    plain = LLM(trained_model_dir("dense"), dtype="float32", **share())
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                             repetition_detection={"max_pattern_size": 4, "min_count": 3})  # fmt: skip
