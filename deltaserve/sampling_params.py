@@ -219,6 +219,9 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None
     # vLLM's: stop a sequence whose output ends in a repeated token pattern (None: off)
     repetition_detection: RepetitionDetectionParams | None = None
+    # vLLM's (offline API only, as there): the outputs' logprobs and prompt_logprobs as FlatLogprobs, which read as
+    # the per-position dict lists (engine/flat_logprobs.py)
+    flat_logprobs: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from deltaserve import env
 from deltaserve.config import ModelConfig
 from deltaserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
+from deltaserve.engine.flat_logprobs import new_logprobs
 from deltaserve.engine.generation_config import load_eos_token_ids, load_generation_defaults
 from deltaserve.engine.output import RequestState, SequenceProgress
 from deltaserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
@@ -297,7 +298,7 @@ class EngineFrontend:
                 if params.detokenize
                 else TokenIdsOnly()
             )
-            state.sequences.append(SequenceProgress(core_id, detokenizer))
+            state.sequences.append(SequenceProgress(core_id, detokenizer, logprobs=new_logprobs(params.flat_logprobs)))
             core_requests.append(
                 EngineCoreRequest(
                     core_id,

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
+from deltaserve.engine.flat_logprobs import FlatLogprobs, new_logprobs
 from deltaserve.engine.protocol import EngineCoreOutput
 from deltaserve.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
 from deltaserve.engine.stats import RequestMetrics
@@ -38,7 +39,7 @@ class SequenceProgress:
     cumulative_logprob: float = 0.0
     num_reported_tokens: int = 0  # how many output tokens earlier deltas carried
     has_reported_finish: bool = False
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | FlatLogprobs = field(default_factory=list)  # FlatLogprobs: flat_logprobs
     text: str = ""  # cumulative text handed out so far
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # prefix-cache hits at admission, from the sequence's first output
@@ -56,11 +57,13 @@ class RequestState:
     params: SamplingParams
     sequences: list[SequenceProgress]
     arrival_time: float = field(default_factory=time.time)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None] + one per prompt token when asked
+    # [None] + one per prompt token when asked (FlatLogprobs, whose first position reads {}, with flat_logprobs)
+    prompt_logprobs: list[dict[int, Logprob] | None] | FlatLogprobs | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs = new_logprobs(self.params.flat_logprobs)
+            self.prompt_logprobs.append(None)
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,7 @@ These are plain dataclasses with no tensors; the api stage builds them, the engi
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict
 
@@ -56,7 +57,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: Sequence[dict[int, Logprob]] | None = None  # a list, or FlatLogprobs with flat_logprobs
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     lora_request: None = None
@@ -83,7 +84,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # engine-side timestamps; set on the outputs the engine reports
     # prompt_logprobs: per prompt token, None for the first (vLLM's shape), cumulative so far; None if not asked
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None
     # vLLM's fields for what deltaserve does not serve, None as vLLM has them for a decoder-only model without LoRA
     # adapters or a KV / encoder-cache connector
     lora_request: None = None
