@@ -222,6 +222,9 @@ class SamplingParams:
     # vLLM's (offline API only, as there): the outputs' logprobs and prompt_logprobs as FlatLogprobs, which read as
     # the per-position dict lists (engine/flat_logprobs.py)
     flat_logprobs: bool = False
+    # vLLM's: the request looks nothing up in the prefix cache (its computed blocks are still cached for others);
+    # None: True exactly when it asks prompt_logprobs, which deltaserve computes for every prompt position
+    skip_reading_prefix_cache: bool | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
@@ -292,6 +295,8 @@ class SamplingParams:
                     "logit_bias",
                     invalid,
                 ) from None
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         self.validate()
 
     def validate(self) -> None:
@@ -356,6 +361,11 @@ class SamplingParams:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise field_error("allowed_token_ids is not None and empty!", "allowed_token_ids", self.allowed_token_ids)
+        if self.prompt_logprobs is not None and not self.skip_reading_prefix_cache:
+            # vLLM would report fewer prompt positions (none for the cached ones); deltaserve reports them all
+            raise ValueError("skip_reading_prefix_cache=False is not supported with prompt_logprobs: the prompt "
+                             "logprobs of every prompt position are computed, so such a request reads no prefix "
+                             "cache (leave skip_reading_prefix_cache unset or True).")  # fmt: skip
 
     def validate_vocab(self, vocab_size: int) -> None:
         """vLLM's token-id bounds of logit_bias, allowed_token_ids and the bad words' tokens (the model's

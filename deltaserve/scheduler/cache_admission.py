@@ -31,8 +31,9 @@ class Entry:
 
 
 def lookup(cache: PrefixCache | None, seq: Sequence) -> Checkpoint | None:
-    """The checkpoint a waiting sequence starts from (vLLM reads no cache for prompt logprobs)."""
-    if cache is None or seq.is_prefill_only or seq.sampling.prompt_logprobs is not None:
+    """The checkpoint a waiting sequence starts from (none for a request that skips reading: vLLM's rule, which
+    prompt logprobs set by default)."""
+    if cache is None or seq.is_prefill_only or seq.sampling.skip_reading_prefix_cache:
         return None
     return cache.lookup(seq)
 
@@ -82,6 +83,6 @@ def admit(cache: PrefixCache | None, seq: Sequence, entry: Entry) -> tuple[int, 
     if cache is None or seq.is_prefill_only:
         return 0, 0
     cache.admit(seq, entry.hit)
-    if seq.sampling.prompt_logprobs is not None:  # not a lookup
+    if seq.sampling.skip_reading_prefix_cache:  # not a lookup
         return 0, 0
     return seq.num_tokens, entry.start

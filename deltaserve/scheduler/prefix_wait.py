@@ -43,7 +43,7 @@ def must_wait(
 ) -> tuple[bool, int]:
     """Whether the waiting sequence `seq`, which would start at `start`, waits this step for a prefix in flight, and
     the tokens this step's budget gains back (a running prefill's planned chunk in `chosen`, cut at the new target)."""
-    if cache is None or seq.is_prefill_only or seq.sampling.prompt_logprobs is not None:
+    if cache is None or seq.is_prefill_only or seq.sampling.skip_reading_prefix_cache:
         return False, 0
     if cache.pending_depth(seq) - start >= MIN_WAIT_TOKENS:
         return True, 0
@@ -98,7 +98,7 @@ def mark(
         return
     num_marked = 0
     for seq in waiting:
-        if seq.num_tokens <= size or seq.is_prefill_only or seq.sampling.prompt_logprobs is not None:
+        if seq.num_tokens <= size or seq.is_prefill_only or seq.sampling.skip_reading_prefix_cache:
             continue
         if chain_hashes(seq, size, size)[0] not in firsts:
             continue
