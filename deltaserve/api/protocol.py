@@ -241,6 +241,8 @@ class ChatMessage(APIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: the response carries `prompt_text`, the prompt the chat template rendered (a stream: its first chunk)
+    return_prompt_text: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -348,7 +350,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 # (cache_salt is not among them: the prefix cache honours it, api/sampling.py cache_salt_of.)
 IGNORED_FIELDS = frozenset({
     "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
-    "media_io_kwargs", "return_prompt_text", "return_token_offsets", "return_assistant_tokens_mask",
+    "media_io_kwargs", "return_token_offsets", "return_assistant_tokens_mask",
     "service_tier", "store", "metadata", "prediction", "modalities", "audio", "web_search_options",
     "safety_identifier", "prompt_cache_key", "verbosity",
 })  # fmt: skip

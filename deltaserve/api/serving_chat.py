@@ -285,8 +285,7 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
                     processor = processors.get(seq.index)
                     if processor is None:
                         processor = processors[seq.index] = job.new_processor(is_streamed=True)
-                        extra = {"prompt_token_ids": job.prompt_token_ids} if job.request.return_token_ids else None
-                        yield event(_choice(seq.index, {"role": job.role, "content": ""}, None), extra)
+                        yield event(_choice(seq.index, {"role": job.role, "content": ""}, None), first_extra(job))
                         if job.echo_text:
                             yield event(_choice(seq.index, {"content": job.echo_text}, None))
                     processor.count(seq.token_ids)
@@ -367,12 +366,24 @@ async def collect_choices(job: ChatJob) -> ChatChoices:
     return ChatChoices(choices, [builder.processor for builder in builders.values()], prompt_logprobs)
 
 
+def first_extra(job: ChatJob) -> dict[str, Any] | None:
+    """The fields a stream's first chunk of each choice adds, as vLLM's: the prompt's token ids (return_token_ids)
+    and its rendered text (return_prompt_text)."""
+    extra = {}
+    if job.request.return_token_ids:
+        extra["prompt_token_ids"] = job.prompt_token_ids
+    if job.request.return_prompt_text:
+        extra["prompt_text"] = job.prompt_text
+    return extra or None
+
+
 async def full_chat(job: ChatJob) -> JSONPiecesResponse:
     result = await collect_choices(job)
-    # vLLM's response model serialised whole: prompt_logprobs and prompt_token_ids are null unless asked for
+    # vLLM's response model serialised whole: prompt_logprobs, prompt_token_ids and prompt_text are null unless
+    # asked for
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
             "model": job.state.settings.model_name, "choices": result.choices, "usage": job.usage(result.processors),
-            "prompt_logprobs": None, "prompt_token_ids": None}  # fmt: skip
+            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}  # fmt: skip
 
     def render() -> list[bytes]:
         # a long prompt's logprobs make a body of many MB: built and rendered off the event loop (json_body.py)
@@ -380,6 +391,8 @@ async def full_chat(job: ChatJob) -> JSONPiecesResponse:
             body["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
         if job.request.return_token_ids:
             body["prompt_token_ids"] = job.prompt_token_ids
+        if job.request.return_prompt_text:
+            body["prompt_text"] = job.prompt_text
         return render_json(body)
 
     return JSONPiecesResponse(await anyio.to_thread.run_sync(render))

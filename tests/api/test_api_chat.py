@@ -305,6 +305,21 @@ def test_fields_not_asked_for_are_null_not_absent(client: openai.OpenAI, http: h
     assert len(asked["choices"][0]["token_ids"]) == asked["usage"]["completion_tokens"]
 
 
+def test_return_prompt_text_gives_the_rendered_prompt(fake_engine: FakeEngine, http: httpx.Client) -> None:
+    """vLLM's return_prompt_text: the prompt the chat template rendered, the text of the ids the engine was given;
+    null when not asked; a stream sends it on each choice's first chunk only."""
+    body = {"messages": USER, "max_tokens": 2, "return_prompt_text": True, "return_token_ids": True}
+    asked = http.post("/v1/chat/completions", json=body).json()
+    assert asked["prompt_text"].endswith("<|im_start|>assistant\n<think>\n") and "Paris" in asked["prompt_text"]
+    assert fake_engine.tokenizer.encode(asked["prompt_text"], add_special_tokens=False) == asked["prompt_token_ids"]
+    assert http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()["prompt_text"] is None
+    streamed = {"model": MODEL_NAME, **body, "stream": True, "n": 2, "temperature": 1.0}
+    chunks = [json.loads(data) for data in sse_events(http.post("/v1/chat/completions", json=streamed))[:-1]]
+    firsts = [chunk for chunk in chunks if "prompt_text" in chunk]
+    assert len(firsts) == 2 and all(chunk["prompt_text"] == asked["prompt_text"] for chunk in firsts)
+    assert all(chunk["choices"][0]["delta"].get("role") == "assistant" for chunk in firsts)
+
+
 def test_the_message_carries_vllms_null_fields(client: openai.OpenAI, http: httpx.Client) -> None:
     """vLLM's test_invocations compares the client's dump of a reply with the raw JSON: the message's OpenAI fields
     and reasoning are null, not absent (tool_calls is left out when empty, as vLLM's serializer drops it)."""

@@ -12,6 +12,7 @@ from deltaserve.engine.flat_logprobs import FlatLogprobs, new_logprobs
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.request import Logprob
 from deltaserve.sampling_params import RequestOutputKind, SamplingParams
+from tests.support.engines import share
 
 POSITIONS = [
     {5: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, "b")},
@@ -49,7 +50,7 @@ def scored(**kwargs: object) -> SamplingParams:
 
 
 def test_the_engine_fills_flat_containers_with_the_plain_positions(tiny_dense: Path) -> None:
-    llm = LLM(tiny_dense, dtype="float32")
+    llm = LLM(tiny_dense, dtype="float32", **share())
     plain, flat = llm.generate(["the sea and", "the sea and"], [scored(), scored(flat_logprobs=True)],
                                use_tqdm=False)  # fmt: skip
     assert isinstance(flat.outputs[0].logprobs, FlatLogprobs) and isinstance(flat.prompt_logprobs, FlatLogprobs)

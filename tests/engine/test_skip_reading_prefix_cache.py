@@ -10,6 +10,7 @@ import pytest
 
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
+from tests.support.engines import share
 
 TEXT = "the sea and the river and the long road home " * 12
 
@@ -27,7 +28,7 @@ def test_defaults_and_the_refusal() -> None:
 
 
 def test_a_skipping_request_reads_nothing_and_still_writes(tiny_dense: Path) -> None:
-    llm = LLM(tiny_dense, dtype="float32", enable_prefix_caching=True)
+    llm = LLM(tiny_dense, dtype="float32", enable_prefix_caching=True, **share())
 
     def one(text: str, **kwargs: object) -> tuple[list[int], int]:
         (output,) = llm.generate([text], greedy(**kwargs), use_tqdm=False)
