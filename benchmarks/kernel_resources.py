@@ -15,7 +15,8 @@ one-program MoE alignment spilled 3 KiB a thread at 257-512 entries, the 35B-A3B
 `--align-entries` / `--align-experts` / `--align-block-m` sweep the alignment kernel alone over entry counts,
 expert counts and BLOCK_M; `--router-tokens` the router logits launch (GEMV up to 64 tokens, tl.dot above) on
 the shape's router; `--prefill 1x2048,8x1024` the GDN chunked prefill launches (N prompts of L tokens);
-`--verify 1x4,64x4` the speculative verify step's conv and delta-rule launches (S sequences of W = 1 + k tokens).
+`--verify 1x4,64x4` the speculative verify step's conv and delta-rule launches (S sequences of W = 1 + k tokens);
+`--fp8-rows 1,64,2048` the block-FP8 GEMM (and its activation quantization) at the shape's FP8 projections.
 The last line counts the distinct variants compiled (a kernel and its specialisation): launches that differ only
 in batch-dependent integers should share one.
 Besides registers and spills each row gives the SASS instruction count (`sass`) and the
@@ -72,7 +73,8 @@ def _summarise(kernel: Any, name: str, label: str, work: Path) -> Compiled:
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True).stdout
     usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:\d+", res)
     counts: dict[str, int] = {}
-    for op in re.findall(r"\b(LDGSTS|LDG\.E(?:\.(?:64|128|U16|S16|U8))?|HGMMA|HMMA|LDL|STL|STG\.E(?:\.\d+)?)", sass):
+    counted = r"\b(LDGSTS|LDG\.E(?:\.(?:64|128|U16|S16|U8))?|HGMMA|QGMMA|HMMA|LDL|STL|STG\.E(?:\.\d+)?)"
+    for op in re.findall(counted, sass):  # QGMMA: the 8-bit wgmma (FP8 operands)
         counts[op] = counts.get(op, 0) + 1
     # every instruction (address comment, optional predicate, opcode), and the synchronising ones among them
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
@@ -426,6 +428,29 @@ def verify_launches(shape: str, cases: list[str]) -> list[tuple[str, Callable[[]
     return launches
 
 
+def fp8_launches(shape: str, rows: list[int]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per block-FP8 GEMM launch (the activation quantization, then the GEMM) at every distinct FP8
+    projection shape of the shape's FP8 release (benchmarks/fp8_ab.py dense_shapes), M rows each."""
+    import importlib.util
+
+    from deltaserve.kernels.fp8 import FP8_DTYPE, GROUP, Fp8Weight
+    from deltaserve.kernels.fp8_triton import fp8_linear_triton
+
+    if not rows:
+        return []
+    spec = importlib.util.spec_from_file_location("fp8_ab", Path(__file__).with_name("fp8_ab.py"))
+    fp8_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fp8_ab)
+    launches: list[tuple[str, Callable[[], object]]] = []
+    for names, num_out, num_in in fp8_ab.dense_shapes(fp8_ab.text_config(shape)):
+        scales = torch.empty(-(-num_out // GROUP), -(-num_in // GROUP))
+        weight = Fp8Weight.of(torch.empty(num_out, num_in, dtype=FP8_DTYPE), scales, GROUP)
+        for m in rows:
+            x = torch.empty(m, num_in, dtype=torch.bfloat16)
+            launches.append((f"fp8 {names} M={m}", lambda x=x, weight=weight: fp8_linear_triton(x, weight)))
+    return launches
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -459,6 +484,9 @@ def main() -> int:
     parser.add_argument(
         "--verify", default="", help='comma list of speculative verify cases "SxW" (S sequences of 1 + k = W tokens)'
     )
+    parser.add_argument(
+        "--fp8-rows", default="", help="comma list of row counts M for the block-FP8 GEMM at the FP8 projections"
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-kernel-resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -486,6 +514,7 @@ def main() -> int:
     gemm2s = tuple(GemmConfig(*_ints(spec)) for spec in args.moe_gemm2.split(";") if spec.strip())
     sweeps += prefill_launches(args.shape, [c for c in args.prefill.split(",") if c])
     sweeps += verify_launches(args.shape, [c for c in args.verify.split(",") if c])
+    sweeps += fp8_launches(args.shape, _ints(args.fp8_rows))
     try:
         for batch in _ints(args.batches):
             for label, thunk in decode_launches(
