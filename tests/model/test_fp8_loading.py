@@ -37,6 +37,7 @@ from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.fp8 import quantize_block_fp8, write_fp8_checkpoint
 from deltaserve.tiny.mtp import corpus_split
 from deltaserve.tiny.trained import trained_model_dir
+from tests.support.engines import share
 
 VARIANTS = ("dense", "moe", "next")
 # the FP8 gate's checkpoints at widths vLLM's block kernels take (docs/fp8.md, test_fp8_wide.py), untrained here
@@ -328,10 +329,15 @@ def test_triton_kernels_compose_to_the_ref_model(
     name: str, fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole FP8 model with its FP8 ops on the Triton kernels (the CUDA path: the MoE block's composition with
-    the FP8 grouped GEMMs), under the interpreter here: the ref model's logits to fp32 rounding."""
+    the FP8 grouped GEMMs) against the same model on the refs, fp32, to fp32 rounding: under the interpreter on the
+    CPU, natively on a GPU host (whose Triton cannot launch on CPU tensors: the engine is built on cuda there)."""
     folder, llm = fp8_llm(name)
+    if torch.cuda.is_available():
+        llm = LLM(folder, dtype="float32", device="cuda", **share())
     ids = _prompts(folder)[0][:4]
-    ref = llm.prefill_logits(ids)
-    monkeypatch.setattr(fp8_kernels, "use_triton", lambda t: True)
-    monkeypatch.setattr(fp8_moe, "use_triton", lambda t: True)
-    assert _relative(llm.prefill_logits(ids), ref) < LOGIT_TOLERANCE
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(fp8_kernels, "use_triton", lambda t, on=on: on)
+        monkeypatch.setattr(fp8_moe, "use_triton", lambda t, on=on: on)
+        logits[on] = llm.prefill_logits(ids)
+    assert _relative(logits[True], logits[False]) < LOGIT_TOLERANCE
