@@ -128,79 +128,6 @@ def _fp8_gemm_kernel(
     tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _fp8_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    sw_ptr,
-    bias_ptr,
-    y_ptr,
-    num_rows,
-    stride_x,
-    stride_w,
-    stride_sw,
-    stride_y,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    AMAX_FLOOR: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CHUNK_G: tl.constexpr,
-):
-    """y[:num_rows, BLOCK_N cols] for a few rows of x, no tensor cores: each K chunk of CHUNK_G groups loads the
-    program's weight tile [BLOCK_N, CHUNK_G, GROUP] once (the next chunk's load issued before this one's work), then
-    every row of x (L2-resident) is quantized per group
-    right here, exactly as _quant_act_kernel quantizes it, and its per-group sums of exact e4m3 products (fp32) are
-    scaled by both block scales and added to that row's fp32 accumulator; one rounding (+ bias) at the end."""
-    i_n = tl.program_id(0)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    m_n = o_n < N
-    o_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    o_g = tl.arange(0, CHUNK_G)  # [CHUNK_G]
-    o_c = tl.arange(0, GROUP)  # [GROUP]
-    p_w = w_ptr + i64(o_n)[:, None, None] * stride_w  # [BLOCK_N, 1, 1]
-    p_sw = sw_ptr + i64(o_n // SCALE_ROWS)[:, None] * stride_sw  # [BLOCK_N, 1] the scale row of each output row
-    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    o_k = o_g[:, None] * GROUP + o_c[None, :]  # [CHUNK_G, GROUP] the first chunk's columns
-    b_next = tl.load(p_w + o_k[None, :, :], mask=m_n[:, None, None] & (o_k < K)[None, :, :], other=0.0)
-    for g0 in range(0, tl.cdiv(K, GROUP), CHUNK_G):
-        o_k = (g0 + o_g)[:, None] * GROUP + o_c[None, :]  # [CHUNK_G, GROUP]
-        m_k = o_k < K
-        m_g = g0 + o_g < tl.cdiv(K, GROUP)  # [CHUNK_G]
-        b_w = b_next.to(tl.float32)  # [BLOCK_N, CHUNK_G, GROUP]
-        # the next chunk's weights (raw e4m3: a quarter of the fp32 registers) are in flight during this one's work
-        o_k2 = o_k + CHUNK_G * GROUP
-        b_next = tl.load(p_w + o_k2[None, :, :], mask=m_n[:, None, None] & (o_k2 < K)[None, :, :], other=0.0)
-        b_sw = tl.load(p_sw + (g0 + o_g)[None, :], mask=m_n[:, None] & m_g[None, :], other=0.0)  # [BLOCK_N, CHUNK_G]
-        for i_m in tl.static_range(BLOCK_M):
-            if i_m < num_rows:
-                b_x = tl.load(x_ptr + i_m * stride_x + o_k, mask=m_k, other=0.0).to(tl.float32)  # [CHUNK_G, GROUP]
-                b_sx = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR) / FP8_MAX  # [CHUNK_G]
-                b_q = _round_to_e4m3(
-                    tl.clamp(tl.math.div_rn(b_x, b_sx[:, None] + tl.zeros_like(b_x)), -FP8_MAX, FP8_MAX)
-                )
-                b_dot = tl.sum(b_q[None, :, :] * b_w, axis=2)  # [BLOCK_N, CHUNK_G] exact products, fp32 sums
-                b_row = tl.sum(b_dot * b_sx[None, :] * b_sw, axis=1)  # [BLOCK_N]
-                b_acc += tl.where(o_m[:, None] == i_m, b_row[None, :], 0.0)
-    b_y = b_acc.to(y_ptr.dtype.element_ty)
-    if HAS_BIAS:  # after the rounding, as the ref's (y + bias) in the output dtype
-        b_bias = tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_y = (b_y.to(tl.float32) + b_bias[None, :]).to(y_ptr.dtype.element_ty)
-    p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]
-    tl.store(p_y, b_y, mask=(o_m < num_rows)[:, None] & m_n[None, :])
-
-
-# Rows of x up to which the dense FP8 projection takes the GEMV (the decode and verify steps): the tile GEMM's 16-row
-# tensor-core tiles spent the same time at 1 and 32 rows, far from the weight read (docs/fp8.md#decode)
-FP8_GEMV_MAX_ROWS = 8
-FP8_GEMV_BLOCK_N = 8  # weight rows a program: 256 programs for N = 2048
-FP8_GEMV_CHUNK_G = 8  # K groups a loop iteration: 8 KiB of weight a program, the next chunk's loaded meanwhile
-
-
 def gemm_blocks(num_rows: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): 16-row tiles (tl.dot's least) and narrow columns for decode-sized M, so a B = 1 step
     still spreads N over many programs; wider tiles for prefill."""
@@ -219,17 +146,8 @@ def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | N
     x2 = x.reshape(-1, cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(x2.shape[0], rows_n, dtype=x.dtype, device=x.device)
-    if 1 <= x2.shape[0] <= FP8_GEMV_MAX_ROWS:
-        _fp8_gemv_kernel[(triton.cdiv(rows_n, FP8_GEMV_BLOCK_N),)](
-            x2, weight.weight, weight.scale, bias if bias is not None else y, y, x2.shape[0],
-            x2.stride(0), weight.weight.stride(0), weight.scale.stride(0), y.stride(0),
-            N=rows_n, K=cols, SCALE_ROWS=weight.block_n, HAS_BIAS=bias is not None, GROUP=GROUP, FP8_MAX=FP8_MAX,
-            AMAX_FLOOR=AMAX_FLOOR, BLOCK_M=next_pow2(x2.shape[0]), BLOCK_N=FP8_GEMV_BLOCK_N,
-            CHUNK_G=FP8_GEMV_CHUNK_G, num_warps=4, num_stages=4, enable_fp_fusion=False,
-        )  # fmt: skip
-        return y.reshape(*x.shape[:-1], rows_n)
     q, s = quantize_activation_triton(x2)
+    y = torch.empty(x2.shape[0], rows_n, dtype=x.dtype, device=x.device)
     block_m, block_n = gemm_blocks(x2.shape[0])
     if x2.shape[0]:
         _fp8_gemm_kernel[(triton.cdiv(x2.shape[0], block_m), triton.cdiv(rows_n, block_n))](
