@@ -308,6 +308,27 @@ def model_weight_bytes(model: Any) -> dict[str, int]:
     return found
 
 
+def fp8_labels(model: Any) -> set[str]:
+    """The projection labels whose weight the model holds in block FP8 (none for a bf16 model, or a --baseline tree
+    without FP8 weights)."""
+    try:
+        from deltaserve.kernels.fp8 import Fp8Weight
+    except ImportError:
+        return set()
+    found = set()
+    for layer in model.layers:
+        kind, mixer = ("attn", layer.self_attn) if layer.is_full_attention else ("gdn", layer.linear_attn)
+        for name, attr in MIXER_WEIGHTS[kind].items():
+            if isinstance(getattr(mixer, attr, None), Fp8Weight):
+                found.add(f"{kind}.{name}")
+        mlp = getattr(layer.mlp, "shared_expert", layer.mlp)
+        prefix = "mlp.shared_" if mlp is not layer.mlp else "mlp."
+        for name, attr in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+            if isinstance(getattr(mlp, attr, None), Fp8Weight):
+                found.add(prefix + name)
+    return found
+
+
 def op_costs(
     config: Any, batch: int, context: int, dtype_bytes: int = 2, weights: dict[str, int] | None = None
 ) -> dict[str, tuple[float, float]]:
@@ -401,6 +422,7 @@ def _label_of(event: Any) -> str | None:
 # Where a Triton kernel belongs when the profiler did not link it to a labelled range (a fallback: kineto links
 # each kernel to the innermost op or range active at its launch, so this should stay unused).
 GEMV_LABEL = "layer.linear_gemv"
+FP8_LABEL = "layer.linear_fp8"
 TRITON_LABELS = {
     "_attn_preamble_kernel": "attn.attn_preamble",
     "_store_kv_kernel": "attn.store_kv",
@@ -414,11 +436,14 @@ TRITON_LABELS = {
     "_moe_route_kernel": "mlp.moe_route",
     # kernels.linear's one-row GEMV: its launches escape the projections' ranges, so they are counted together
     "_gemv_kernel": GEMV_LABEL,
+    # the block-FP8 projections' GEMM and its activation quantization escape them too: counted together likewise
+    "_fp8_gemm_kernel": FP8_LABEL,
+    "_quant_act_kernel": FP8_LABEL,
 }
 MOE_KERNELS = ("_moe_align_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel", "_moe_router_kernel",
                "_moe_router_gemv_kernel",
                "_moe_decode_gemm1_kernel", "_moe_decode_gemm2_kernel", "_moe_decode_gemm2_split_kernel",
-               "_moe_decode_combine_kernel")  # fmt: skip
+               "_moe_decode_combine_kernel", "_moe_fp8_gemm1_kernel", "_moe_fp8_gemm2_kernel")  # fmt: skip
 
 
 # the op unclaimed MoE kernels get: the model's one MoE op at whole experts (router, routed and shared experts)
@@ -426,8 +451,9 @@ MOE_LABEL = "mlp.fused_moe_block"
 
 
 def gemv_cost(by_label: dict[str, Any], costs: dict[str, tuple[float, float]], called: set[str]) -> tuple[float, float]:
-    """(bytes, FLOPs) of the GEMV's label: the projections called whose own labels claimed no kernel (their
-    launches went to the GEMV, counted by kernel name); a projection cuBLAS ran (lm_head) keeps its own label."""
+    """(bytes, FLOPs) of the GEMV's label (or the FP8 GEMM's, given the FP8 projections as `called`): the
+    projections called whose own labels claimed no kernel (their launches went to the GEMV, counted by kernel name);
+    a projection cuBLAS ran (lm_head) keeps its own label."""
     missing = [label for label in called if label in costs and label not in by_label]
     return sum(costs[label][0] for label in missing), sum(costs[label][1] for label in missing)
 
@@ -552,8 +578,11 @@ def profile_batch(
     with torch.inference_mode(), labelled():
         by_label, kernels, called = profile_ops(run, device)
     costs = op_costs(config, batch, args.context, model.embed_tokens.element_size(), model_weight_bytes(model))
+    fp8 = fp8_labels(model)
     if GEMV_LABEL in by_label:
-        costs[GEMV_LABEL] = gemv_cost(by_label, costs, called)
+        costs[GEMV_LABEL] = gemv_cost(by_label, costs, called - fp8)
+    if FP8_LABEL in by_label:
+        costs[FP8_LABEL] = gemv_cost(by_label, costs, called & fp8)
     ops = []
     for label, measured in sorted(by_label.items(), key=lambda item: -item[1]["us"]):
         num_bytes, flops = costs.get(label, (None, None))

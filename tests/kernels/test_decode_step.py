@@ -159,6 +159,23 @@ def test_fp8_weight_bytes_come_from_the_model_tensors(tiny_moe: Path, tmp_path: 
     assert costs["mlp.fused_moe"][1] == plain["mlp.fused_moe"][1]  # FLOPs do not depend on the format
 
 
+def test_fp8_label_gets_the_fp8_projections_and_the_gemv_the_rest(tiny_moe: Path, tmp_path: Path) -> None:
+    """In an FP8 model both the bf16 GEMV (in_proj_ba) and the FP8 GEMM (the quantized projections) escape the
+    projections' ranges: each kernel's label gets the bytes of its own projections only; a bf16 model has none."""
+    from deltaserve.tiny.fp8 import write_fp8_checkpoint
+
+    folder = write_fp8_checkpoint(tiny_moe, tmp_path / "moe-fp8")
+    _, model = decode_step.build_model(folder, torch.device("cpu"), torch.bfloat16)
+    fp8 = decode_step.fp8_labels(model)
+    assert {"gdn.in_proj_qkvz", "gdn.out_proj", "attn.qkv_proj", "attn.o_proj", "mlp.shared_gate_up",
+            "mlp.shared_down"} <= fp8  # fmt: skip
+    assert not fp8 & {"gdn.in_proj_ba", "lm.lm_head", "mlp.moe_router", "mlp.shared_gate"}
+    _, plain = decode_step.build_model(tiny_moe, torch.device("cpu"), torch.bfloat16)
+    assert decode_step.fp8_labels(plain) == set()
+    assert decode_step.TRITON_LABELS["_fp8_gemm_kernel"] == decode_step.FP8_LABEL
+    assert "_moe_fp8_gemm1_kernel" in decode_step.MOE_KERNELS
+
+
 @pytest.mark.parametrize("variant", ["moe", "dense"])
 def test_bf16_weight_bytes_leave_the_counts_unchanged(tiny_dirs: dict[str, Path], variant: str) -> None:
     """A bf16 model's own tensors give the same counts as the shapes at 2 bytes an element (the records before FP8)."""
