@@ -492,12 +492,13 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("kernel_resources: TRITON_INTERPRET is set; the interpreter bypasses the compiler. Unset it.")
         return 2
-    from deltaserve.kernels import attention_triton, gdn_triton
+    from deltaserve.kernels import attention_triton, fp8_triton, gdn_triton
 
     # The launchers size split counts and pick configurations from the SM count; an H100 / H200 has 132 (the tensors
     # here are on the CPU).
     attention_triton.sm_count = lambda device: 132
     gdn_triton.sm_count = lambda device: 132
+    fp8_triton.sm_count = lambda device: 132
     args.work.mkdir(parents=True, exist_ok=True)
     interceptor = Interceptor(args.work)
     restore = interceptor.install()

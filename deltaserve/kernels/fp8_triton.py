@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.kernels._triton import i64, next_pow2, silu_f32
+from deltaserve.kernels._triton import i64, next_pow2, silu_f32, sm_count
 from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Weight
 from deltaserve.kernels.moe_triton import align_experts, grouped_block_m, over_token_chunks, weighted_sum_triton
 
@@ -87,6 +87,7 @@ def _fp8_gemm_kernel(
     sw_ptr,
     bias_ptr,
     y_ptr,
+    part_ptr,
     M,
     stride_q,
     stride_sx,
@@ -100,10 +101,15 @@ def _fp8_gemm_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr = 1,
+    GROUPS_PER_SPLIT: tl.constexpr = 1,
 ):
-    """y[BLOCK_M rows, BLOCK_N cols] = Σ_g (q_x[:, g] . q_w[:, g]ᵀ) · s_x[:, g] · s_w[:, g], one rounding (+ bias)."""
+    """y[BLOCK_M rows, BLOCK_N cols] = Σ_g (q_x[:, g] . q_w[:, g]ᵀ) · s_x[:, g] · s_w[:, g], one rounding (+ bias).
+    With SPLIT > 1 the program sums only its GROUPS_PER_SPLIT groups (program_id 2) and stores that fp32 partial in
+    part [SPLIT, M, N]; _fp8_split_sum_kernel adds the partials in split order and rounds."""
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
+    i_s = tl.program_id(2)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     m_m = o_m < M
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -111,7 +117,13 @@ def _fp8_gemm_kernel(
     o_k = tl.arange(0, GROUP)
     p_sw = sw_ptr + i64(o_n // SCALE_ROWS) * stride_sw  # [BLOCK_N] the scale row of each output row
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, GROUP)):
+    if SPLIT > 1:
+        g_start = i_s * GROUPS_PER_SPLIT
+        g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, tl.cdiv(K, GROUP))
+    else:  # constant bounds: the loop compiles as it did before the split (the prefill tiles' pipelining)
+        g_start = 0
+        g_end = tl.cdiv(K, GROUP)
+    for g in range(g_start, g_end):
         m_k = g * GROUP + o_k < K
         p_a = q_ptr + i64(o_m)[:, None] * stride_q + (g * GROUP + o_k)[None, :]  # [BLOCK_M, GROUP]
         p_b = w_ptr + i64(o_n)[None, :] * stride_w + (g * GROUP + o_k)[:, None]  # [GROUP, BLOCK_N]
@@ -120,12 +132,63 @@ def _fp8_gemm_kernel(
         b_sa = tl.load(sx_ptr + i64(o_m) * stride_sx + g, mask=m_m, other=0.0)  # [BLOCK_M]
         b_sb = tl.load(p_sw + g, mask=m_n, other=0.0)  # [BLOCK_N]
         b_acc += tl.dot(b_a, b_b) * b_sa[:, None] * b_sb[None, :]
+    if SPLIT > 1:
+        p_part = part_ptr + (i64(i_s) * M + o_m)[:, None] * N + o_n[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(p_part, b_acc, mask=m_m[:, None] & m_n[None, :])
+    else:
+        b_y = b_acc.to(y_ptr.dtype.element_ty)
+        if HAS_BIAS:  # the bias joins after the rounding, as the ref's (y + bias) in the output dtype
+            b_bias = tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_y = (b_y.to(tl.float32) + b_bias[None, :]).to(y_ptr.dtype.element_ty)
+        p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]
+        tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_split_sum_kernel(
+    part_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    stride_y,
+    N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y[row, BLOCK cols] = round(Σ_s part[s, row, cols]) in split order (the same result every run), + bias."""
+    i_m = i64(tl.program_id(0))
+    o_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_n = o_n < N
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i_s in tl.static_range(SPLIT):
+        b_acc += tl.load(part_ptr + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)  # i_m is int64
     b_y = b_acc.to(y_ptr.dtype.element_ty)
-    if HAS_BIAS:  # the bias joins after the rounding, as the ref's (y + bias) in the output dtype
-        b_bias = tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_y = (b_y.to(tl.float32) + b_bias[None, :]).to(y_ptr.dtype.element_ty)
-    p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]
-    tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])
+    if HAS_BIAS:
+        b_y = (b_y.to(tl.float32) + tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)).to(b_y.dtype)
+    tl.store(y_ptr + i_m * stride_y + o_n, b_y, mask=m_n)
+
+
+# Programs a launch should have before it splits K, per streaming multiprocessor: at decode rows a projection has as
+# few as 16-32 column tiles, each walking all of K alone, so the weight read was bound by the latency of too few
+# loads in flight (docs/fp8.md#decode)
+SPLIT_PROGRAMS_PER_SM = 4
+SPLIT_MAX_ROWS = 64  # the decode and verify rows (one row tile, CUDA-graph buckets): prefills keep one program a tile
+SPLIT_MIN_GROUPS = 2  # K groups a split walks at least
+SPLIT_SUM_BLOCK = 1024
+
+
+def split_count(num_rows: int, num_tiles: int, num_groups: int, num_sms: int) -> tuple[int, int]:
+    """(splits, groups a split) for a launch of num_tiles output tiles over num_groups K groups: up to
+    SPLIT_MAX_ROWS rows, the power of two of splits that brings the launch nearest below SPLIT_PROGRAMS_PER_SM
+    programs an SM, each split at least SPLIT_MIN_GROUPS groups (one value per projection shape, so the decode
+    buckets compile every variant); (1, all) otherwise."""
+    wanted = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, num_tiles), num_groups // SPLIT_MIN_GROUPS)
+    if num_rows > SPLIT_MAX_ROWS or wanted <= 1:
+        return 1, num_groups
+    splits = 1 << (wanted.bit_length() - 1)
+    per_split = triton.cdiv(num_groups, splits)
+    return triton.cdiv(num_groups, per_split), per_split  # no split left empty
 
 
 def gemm_blocks(num_rows: int) -> tuple[int, int]:
@@ -147,15 +210,25 @@ def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | N
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     q, s = quantize_activation_triton(x2)
-    y = torch.empty(x2.shape[0], rows_n, dtype=x.dtype, device=x.device)
-    block_m, block_n = gemm_blocks(x2.shape[0])
-    if x2.shape[0]:
-        _fp8_gemm_kernel[(triton.cdiv(x2.shape[0], block_m), triton.cdiv(rows_n, block_n))](
-            q, s, weight.weight, weight.scale, bias if bias is not None else y, y, x2.shape[0],
+    num_rows = x2.shape[0]
+    y = torch.empty(num_rows, rows_n, dtype=x.dtype, device=x.device)
+    block_m, block_n = gemm_blocks(num_rows)
+    tiles = (triton.cdiv(num_rows, block_m), triton.cdiv(rows_n, block_n))
+    splits, per_split = split_count(num_rows, tiles[0] * tiles[1], triton.cdiv(cols, GROUP), sm_count(x.device))
+    part = torch.empty(splits, num_rows, rows_n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    if num_rows:
+        _fp8_gemm_kernel[(*tiles, splits)](
+            q, s, weight.weight, weight.scale, bias if bias is not None else y, y, part, num_rows,
             q.stride(0), s.stride(0), weight.weight.stride(0), weight.scale.stride(0), y.stride(0),
             N=rows_n, K=cols, SCALE_ROWS=weight.block_n, HAS_BIAS=bias is not None, GROUP=GROUP,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3, enable_fp_fusion=False,
+            BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits, GROUPS_PER_SPLIT=per_split,
+            num_warps=4, num_stages=3, enable_fp_fusion=False,
         )  # fmt: skip
+        if splits > 1:
+            _fp8_split_sum_kernel[(num_rows, triton.cdiv(rows_n, SPLIT_SUM_BLOCK))](
+                part, bias if bias is not None else y, y, num_rows, y.stride(0),
+                N=rows_n, SPLIT=splits, HAS_BIAS=bias is not None, BLOCK=SPLIT_SUM_BLOCK, num_warps=4,
+            )  # fmt: skip
     return y.reshape(*x.shape[:-1], rows_n)
 
 

@@ -16,7 +16,13 @@ from deltaserve.kernels import fp8 as fp8_module
 from deltaserve.kernels import fp8_moe as fp8_moe_module
 from deltaserve.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_block_rows, fp8_linear_ref, quantize_activation_ref
 from deltaserve.kernels.fp8_moe import fused_moe_fp8_ref
-from deltaserve.kernels.fp8_triton import fp8_linear_triton, fused_moe_fp8_triton, quantize_activation_triton
+from deltaserve.kernels.fp8_triton import (
+    SPLIT_MAX_ROWS,
+    fp8_linear_triton,
+    fused_moe_fp8_triton,
+    quantize_activation_triton,
+    split_count,
+)
 from deltaserve.kernels.moe import moe_route_ref
 from deltaserve.tiny.fp8 import quantize_block_fp8
 
@@ -115,6 +121,30 @@ def test_gemm_matches_ref(rows: int, num_cols: int, depth: int, parts: tuple[int
     with poisoned_empty():
         out = fp8_linear_triton(x, weight, bias)
     assert_close("y", fp8_linear_ref(x, weight, bias), out, FP32_RATIO)
+
+
+@pytest.mark.parametrize("rows", [1, 17, SPLIT_MAX_ROWS + 1])
+def test_split_k_partials_sum_to_the_ref(rows: int) -> None:
+    """Decode-sized launches split K (4 splits of 2 groups here: the CPU counts 4 SMs) and sum the fp32 partials in
+    split order before the one rounding and the bias; past SPLIT_MAX_ROWS one program walks all of K."""
+    weight = _weight(64, 1024)
+    x = _x(rows, 1024)
+    bias = _x(1, 64, seed=2)[0]
+    assert split_count(rows, 1, 8, 4) == ((4, 2) if rows <= SPLIT_MAX_ROWS else (1, 8))
+    with poisoned_empty():
+        out = fp8_linear_triton(x, weight, bias)
+    assert_close("y", fp8_linear_ref(x, weight, bias), out, FP32_RATIO)
+
+
+def test_split_counts_are_powers_of_two_that_leave_no_split_empty() -> None:
+    assert split_count(1, 32, 32, 132) == (16, 2)  # N = 2048 at 64 columns a tile, K = 4096: 512 programs
+    assert split_count(1, 144, 16, 132) == (4, 4)
+    assert split_count(1, 544, 40, 132) == (1, 40)  # enough tiles already
+    assert split_count(1, 80, 136, 132) == (4, 34)
+    assert split_count(1, 1, 3, 132) == (1, 3)  # fewer than two groups a split: none
+    for tiles, groups in ((3, 9), (7, 25), (1, 5), (2, 64)):
+        splits, per_split = split_count(1, tiles, groups, 8)
+        assert (splits - 1) * per_split < groups <= splits * per_split  # every split has a group
 
 
 def test_gemm_takes_a_column_strided_input() -> None:
