@@ -341,3 +341,25 @@ def test_triton_kernels_compose_to_the_ref_model(
         monkeypatch.setattr(fp8_moe, "use_triton", lambda t, on=on: on)
         logits[on] = llm.prefill_logits(ids)
     assert _relative(logits[True], logits[False]) < LOGIT_TOLERANCE
+
+
+def test_whole_experts_take_the_routes_as_they_are(
+    fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one rank the FP8 MoE's routes are already local ids: the expert-parallel mapping (five elementwise launches
+    a layer on a GPU) is an identity there, and it is not run."""
+    from deltaserve.kernels.moe import moe_route_ref
+    from deltaserve.model.layers.mlp import MoEBlock
+
+    folder, llm = fp8_llm("moe")
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, MoEBlock))
+    assert block.experts.is_whole and block.is_fp8
+    weights, experts = moe_route_ref(torch.randn(5, block.gate.shape[0]), block.top_k, True)
+    mapped = block._local_routes(weights, experts)
+    assert torch.equal(mapped[0], weights) and torch.equal(mapped[1], experts)
+
+    def refused(self: MoEBlock, *routes: torch.Tensor) -> None:
+        raise AssertionError("the expert-parallel mapping ran on whole experts")
+
+    monkeypatch.setattr(MoEBlock, "_local_routes", refused)
+    assert torch.isfinite(llm.prefill_logits(_prompts(folder)[0][:4])).all()

@@ -99,7 +99,9 @@ class MoEBlock(nn.Module):
         with label("mlp.moe_router"):
             router_logits = linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
         with label("mlp.moe_route"):
-            topk_weights, topk_ids = self._local_routes(*moe_route(router_logits, self.top_k, self.renormalize))
+            topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
+            if not self.experts.is_whole:  # whole experts (block FP8 on one rank): the ids are already local
+                topk_weights, topk_ids = self._local_routes(topk_weights, topk_ids)
         if not self.has_shared_expert:
             with label("mlp.fused_moe"):
                 out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
