@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -19,6 +21,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.frontend import EngineFrontend, RequestError
 from deltaserve.engine.output import RequestState
+from deltaserve.engine.prompts import PromptType, check_no_lora, check_no_overrides, multimodal, salt_of, to_token_ids
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.engine_config import EngineConfig
@@ -79,18 +82,40 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt: PromptType | tuple[int, ...],
         params: SamplingParams,
-        prompt: str | None = None,
-        mm_input: MultimodalInput | None = None,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        prompt_text: str | None = None,
+        *,
+        mm_input: MultimodalInput | None = None,
         cache_salt: str | None = None,
-    ) -> None:
+    ) -> str:
+        """vLLM's LLMEngine.add_request: `prompt` is a string (encoded with special tokens), token ids, or a
+        TextPrompt / TokensPrompt dict (its multi_modal_data processed, its cache_salt read); returns request_id.
+        trace_headers are taken and unused, as vLLM's without a tracing endpoint; lora_request and
+        tokenization_kwargs are refused by name. mm_input / cache_salt: processed media and a salt given directly
+        (token-id prompts, the offline LLM's path)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id)}")  # vLLM's words
+        check_no_lora(lora_request)
+        check_no_overrides(tokenization_kwargs, None)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            text, token_ids = to_token_ids(self, prompt)
+            token_ids, media = multimodal(self, prompt, token_ids)
+            prompt_text, mm_input = prompt_text or text, mm_input or media
+            cache_salt = cache_salt or salt_of(prompt)
         requests = self.frontend.new_request(
-            request_id, prompt_token_ids, params, prompt, mm_input, priority, cache_salt
+            request_id, token_ids, params, prompt_text, mm_input, priority, cache_salt, arrival_time
         )
         for request in requests:
             self.core.add_request(request)
+        return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         output, core_ids = self.frontend.processor.abort(request_id)

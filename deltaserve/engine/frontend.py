@@ -259,9 +259,10 @@ class EngineFrontend:
         mm_input: MultimodalInput | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        arrival_time: float | None = None,
     ) -> list[EngineCoreRequest]:
         """Validates a request, registers its state and returns its core requests (n of them). cache_salt: vLLM's
-        per-request prefix-cache salt (a non-empty string, or None)."""
+        per-request prefix-cache salt (a non-empty string, or None); arrival_time: vLLM's (None: now)."""
         check_priority(priority, self.scheduling_policy)
         check_cache_salt(cache_salt)
         max_tokens = self.validate(prompt_token_ids, params)
@@ -278,7 +279,7 @@ class EngineFrontend:
                 raise RequestError(f"the multimodal input covers {mm_input.prompt_len} tokens, the prompt has "
                                    f"{len(prompt_token_ids)}")  # fmt: skip
         thinking = self._thinking_start(prompt_token_ids, params)
-        now = time.time()
+        now = time.time() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, [], arrival_time=now)
         core_requests = []
         for index in range(params.n):

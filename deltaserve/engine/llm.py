@@ -27,17 +27,16 @@ from deltaserve.engine.engine import LLMEngine
 from deltaserve.engine.frontend import check_cache_salt
 from deltaserve.engine.metrics_snapshot import Metric
 from deltaserve.engine.offline_chat import chat_prompt
-from deltaserve.engine.offline_requests import (
-    OfflineRequests,
+from deltaserve.engine.offline_requests import OfflineRequests, UseTqdm
+from deltaserve.engine.offline_unsupported import UnsupportedOfflineMethods
+from deltaserve.engine.prompts import (
     PromptType,
-    UseTqdm,
     check_no_lora,
     check_no_overrides,
     prompt_to_seq,
     salt_of,
     to_token_ids,
 )
-from deltaserve.engine.offline_unsupported import UnsupportedOfflineMethods
 from deltaserve.engine.request import RequestOutput
 from deltaserve.engine_config import EngineConfig
 from deltaserve.multimodal.inputs import MultimodalInput

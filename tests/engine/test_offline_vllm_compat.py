@@ -179,3 +179,31 @@ def test_chat_takes_vllms_conversation_forms(llm: LLM) -> None:
     (one,) = llm.chat(conversation, GREEDY, use_tqdm=False)
     both = llm.chat((conversation, conversation), GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in both] == [one.prompt_token_ids] * 2
+
+
+def test_llm_engine_add_request_takes_vllms_prompts(llm: LLM) -> None:
+    """vLLM's LLMEngine loop (`engine.add_request(id, prompt, params)`, `engine.step()` until
+    `has_unfinished_requests()` is false): a string, a TokensPrompt and a TextPrompt give generate()'s tokens; the
+    id comes back; vLLM's refusal of a non-string id, and deltaserve's of lora_request / tokenization_kwargs."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (expected,) = llm.generate("hello there", params, use_tqdm=False)
+    engine = llm.llm_engine
+    ids = llm.get_tokenizer().encode("hello there")
+    prompts = {"text": "hello there", "tokens": {"prompt_token_ids": ids}, "dict": {"prompt": "hello there"}}
+    assert [engine.add_request(name, prompt, params) for name, prompt in prompts.items()] == list(prompts)
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():  # deltas (docs/compatibility.md: vLLM's step honours output_kind)
+            tokens[output.request_id] += output.outputs[0].token_ids
+            if output.finished:
+                finished[output.request_id] = output
+    assert tokens == dict.fromkeys(prompts, list(expected.outputs[0].token_ids)) and set(finished) == set(prompts)
+    assert finished["text"].prompt == "hello there" and finished["tokens"].prompt is None
+    with pytest.raises(TypeError, match="request_id must be a string, got <class 'int'>"):
+        engine.add_request(7, "hello", params)
+    with pytest.raises(ValueError, match="lora_request"):
+        engine.add_request("lora", "hello", params, lora_request=object())
+    with pytest.raises(ValueError, match="tokenization_kwargs"):
+        engine.add_request("tok", "hello", params, tokenization_kwargs={"truncation": True})
+    assert not engine.has_unfinished_requests()
