@@ -125,7 +125,7 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> tuple[float, float]:
         _sync()
         start = time.perf_counter()
         for _ in range(num_steps):
-            engine.step()
+            engine.step(by_output_kind=False)
         _sync()
         total = time.perf_counter() - start
     finally:
@@ -254,9 +254,9 @@ def measure_batch(
         engine.add_request(f"b{batch_size}-{i}", prompt, _params(num_steps * 4 + 64))
     scheduler = engine.scheduler
     while scheduler.waiting or any(not seq.output_token_ids for seq in scheduler.running):
-        engine.step()
+        engine.step(by_output_kind=False)
     for _ in range(5):
-        engine.step()
+        engine.step(by_output_kind=False)
     emitted_before = _num_emitted(engine)
     graph_calls = _count_spec_graph_runs(engine)
     step_ms, wait_ms = _timed_steps(engine, num_steps)
@@ -277,7 +277,7 @@ def measure_batch(
     if activities:
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(num_steps):
-                engine.step()
+                engine.step(by_output_kind=False)
             _sync()
         idle, span_ms = _gpu_idle_share(prof)
         shares["top_kernels"] = _top_kernels(prof, num_steps, 25)
@@ -294,7 +294,7 @@ def measure_batch(
     for request_id in [r for r in list(engine.requests) if r.startswith(f"b{batch_size}-")]:
         engine.abort_request(request_id)
     while engine.core.has_unfinished():
-        engine.step()
+        engine.step(by_output_kind=False)
     return {
         "batch_size": batch_size,
         "step_ms": round(step_ms, 3),
@@ -331,7 +331,7 @@ def staggered(
             next_id += 1
             active += 1
         t = time.perf_counter()
-        outputs = engine.step()
+        outputs = engine.step(by_output_kind=False)
         step_times.append(time.perf_counter() - t)
         done = sum(1 for o in outputs if o.finished)
         finished += done

@@ -128,16 +128,16 @@ def run_request(engine: Any, request_id: str, prompt: list[int]) -> float:
     started = time.perf_counter()
     engine.add_request(request_id, prompt, params)
     try:
-        while not any(o.request_id == request_id and o.finished for o in engine.step()):
+        while not any(o.request_id == request_id and o.finished for o in engine.step(by_output_kind=False)):
             pass
     except BaseException:
         engine.abort_request(request_id)  # the engine idle again for the next length
         while engine.has_unfinished():
-            engine.step()
+            engine.step(by_output_kind=False)
         raise
     wall = (time.perf_counter() - started) * 1e3
     while engine.has_unfinished():  # the step that frees its row
-        engine.step()
+        engine.step(by_output_kind=False)
     return wall
 
 

@@ -136,10 +136,12 @@ class LLMEngine:
         """vLLM's count: each unfinished sequence (the n of a request are n requests in vLLM's engine)."""
         return sum(not seq.is_finished for state in self.requests.values() for seq in state.sequences)
 
-    def step(self) -> list[RequestOutput]:
-        """One core step's outputs; raises RequestError naming the request when the core failed one (after
-        aborting all of that request's sequences)."""
-        outputs, to_abort = self.frontend.processor.process(self.core.step())
+    def step(self, by_output_kind: bool = True) -> list[RequestOutput]:
+        """One core step's outputs, each as its request's output_kind asks (vLLM's: cumulative by default), or
+        deltas whatever it asks (by_output_kind False: the offline LLM's loop and the step timings, which read only
+        what is new and so pay no per-step copy of whole outputs); raises RequestError naming the request when the
+        core failed one (after aborting all of that request's sequences)."""
+        outputs, to_abort = self.frontend.processor.process(self.core.step(), by_output_kind=by_output_kind)
         self.core.abort_requests(to_abort)
         errors = self.core.take_errors()
         if errors:

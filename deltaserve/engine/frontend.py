@@ -31,7 +31,13 @@ from deltaserve.multimodal.inputs import MultimodalInput
 from deltaserve.multimodal.processor import MultimodalProcessor
 from deltaserve.multimodal.prompt import VisionTokenIds
 from deltaserve.reasoning_config import NOT_CONFIGURED, resolve_markers
-from deltaserve.sampling_params import ParamError, SamplingParams, child_seed, resolve_num_logprobs
+from deltaserve.sampling_params import (
+    ParamError,
+    RequestOutputKind,
+    SamplingParams,
+    child_seed,
+    resolve_num_logprobs,
+)
 
 
 class RequestError(ValueError):
@@ -158,8 +164,13 @@ class OutputProcessor:
             self._drop(state)
             return state.delta_output(), core_ids
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """(RequestOutputs of the requests that progressed, core ids to abort because a stop string ended them)."""
+    def process(
+        self, outputs: list[EngineCoreOutput], by_output_kind: bool = False
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """(RequestOutputs of the requests that progressed, core ids to abort because a stop string ended them).
+        The outputs are deltas (the server's streams and bodies read them so), or with by_output_kind each request's
+        as its params' output_kind asks, as vLLM's LLMEngine.step gives them: CUMULATIVE (vLLM's default) the
+        whole output so far, DELTA what is new, FINAL_ONLY the whole output once finished and nothing before."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         with self._lock:
@@ -173,7 +184,12 @@ class OutputProcessor:
                 touched[state.request_id] = state
             results = []
             for state in touched.values():
-                results.append(state.delta_output())
+                delta = state.delta_output()  # advances what has been reported, whatever is returned
+                kind = state.params.output_kind if by_output_kind else RequestOutputKind.DELTA
+                if kind == RequestOutputKind.DELTA:
+                    results.append(delta)
+                elif kind == RequestOutputKind.CUMULATIVE or state.is_finished:
+                    results.append(state.final_output())
                 if state.is_finished:
                     self._drop(state)
         return results, to_abort

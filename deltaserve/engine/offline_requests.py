@@ -123,7 +123,7 @@ class OfflineRequests:
         with progress_bar(use_tqdm, total=len(self.pending), desc="Processed prompts") as progress:
             try:
                 while self.engine.has_unfinished():
-                    for output in self.engine.step():
+                    for output in self.engine.step(by_output_kind=False):  # final outputs are built at the end
                         if output.finished:
                             progress.update(1)
             except BaseException:

@@ -80,7 +80,7 @@ def test_soak_with_aborts_and_preemptions(tiny_dense: Path) -> None:
             aborted.add(victim)
         if rng.random() < 0.08:
             num_forced_preemptions += scheduler.preempt_all()
-        for output in engine.step():
+        for output in engine.step(by_output_kind=False):
             collected.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
             if output.finished:
                 results[output.request_id] = collected[output.request_id]
@@ -211,7 +211,7 @@ def _mixed_workload(llm: LLM, seed: int) -> list[list[list[int]]]:
         step += 1
         if step % 9 == 0:
             engine.scheduler.preempt_all()
-        for output in engine.step():
+        for output in engine.step(by_output_kind=False):
             for completion in output.outputs:
                 collected.setdefault(output.request_id, {}).setdefault(completion.index, []).extend(
                     completion.token_ids

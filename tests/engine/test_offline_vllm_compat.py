@@ -7,6 +7,8 @@ lists as a batch (vllm/renderers/inputs/preprocess.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deltaserve.engine.llm import LLM
@@ -183,23 +185,37 @@ def test_chat_takes_vllms_conversation_forms(llm: LLM) -> None:
 
 def test_llm_engine_add_request_takes_vllms_prompts(llm: LLM) -> None:
     """vLLM's LLMEngine loop (`engine.add_request(id, prompt, params)`, `engine.step()` until
-    `has_unfinished_requests()` is false): a string, a TokensPrompt and a TextPrompt give generate()'s tokens; the
-    id comes back; vLLM's refusal of a non-string id, and deltaserve's of lora_request / tokenization_kwargs."""
+    `has_unfinished_requests()` is false): a string, a TokensPrompt and a TextPrompt give generate()'s tokens, each
+    step's output as its output_kind asks (cumulative by default, deltas, or the final output only); the id comes
+    back; vLLM's refusal of a non-string id, and deltaserve's of lora_request / tokenization_kwargs."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     (expected,) = llm.generate("hello there", params, use_tqdm=False)
     engine = llm.llm_engine
     ids = llm.get_tokenizer().encode("hello there")
     prompts = {"text": "hello there", "tokens": {"prompt_token_ids": ids}, "dict": {"prompt": "hello there"}}
     assert [engine.add_request(name, prompt, params) for name, prompt in prompts.items()] == list(prompts)
-    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    want = list(expected.outputs[0].token_ids)
+    seen: dict[str, list[list[int]]] = {name: [] for name in prompts}
     finished = {}
     while engine.has_unfinished_requests():
-        for output in engine.step():  # deltas (docs/compatibility.md: vLLM's step honours output_kind)
-            tokens[output.request_id] += output.outputs[0].token_ids
+        for output in engine.step():  # cumulative: vLLM's default output_kind
+            seen[output.request_id].append(list(output.outputs[0].token_ids))
             if output.finished:
                 finished[output.request_id] = output
-    assert tokens == dict.fromkeys(prompts, list(expected.outputs[0].token_ids)) and set(finished) == set(prompts)
+    assert {name: lists[-1] for name, lists in seen.items()} == dict.fromkeys(prompts, want)
+    assert all(lists == [want[: len(t)] for t in lists] and len(lists) > 1 for lists in seen.values())
     assert finished["text"].prompt == "hello there" and finished["tokens"].prompt is None
+    assert finished["text"].outputs[0].text == expected.outputs[0].text
+    # DELTA: what is new each step; FINAL_ONLY: one output, the whole one, once finished
+    kinds = {"delta": RequestOutputKind.DELTA, "final": RequestOutputKind.FINAL_ONLY}
+    for name, kind in kinds.items():
+        engine.add_request(name, "hello there", dataclasses.replace(params, output_kind=kind))
+    by_kind: dict[str, list] = {name: [] for name in kinds}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            by_kind[output.request_id].append(output)
+    assert [t for out in by_kind["delta"] for t in out.outputs[0].token_ids] == want and len(by_kind["delta"]) > 1
+    assert [(out.finished, list(out.outputs[0].token_ids)) for out in by_kind["final"]] == [(True, want)]
     with pytest.raises(TypeError, match="request_id must be a string, got <class 'int'>"):
         engine.add_request(7, "hello", params)
     with pytest.raises(ValueError, match="lora_request"):

@@ -50,7 +50,7 @@ def test_preemptions_keep_greedy_outputs() -> None:
     while engine.has_unfinished():
         if rng.random() < 0.15:
             num_forced += engine.scheduler.preempt_all()
-        for output in engine.step():
+        for output in engine.step(by_output_kind=False):
             collected.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
     assert num_forced > 0
     assert [collected[str(i)] for i in range(len(prompts))] == expected

@@ -146,7 +146,7 @@ def test_a_verify_follows_a_step_that_sampled_its_sequence(policy: str | None) -
         num_steps += 1
         if num_steps in (6, 11):  # mid-decode: the recompute of prompt + outputs is chunked again
             num_forced += engine.scheduler.preempt_all()
-        for output in engine.step():
+        for output in engine.step(by_output_kind=False):
             collected.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
     assert num_forced > 0
     assert [collected[str(i)] for i in range(len(prompts))] == expected

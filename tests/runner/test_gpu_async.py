@@ -29,7 +29,7 @@ def _workload(llm: LLM) -> list[list[int]]:
                 i = pending.pop(0)
                 kind = {"temperature": 0.0} if i % 2 else {"temperature": 0.9, "top_p": 0.9, "seed": i}
                 engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=8 + i, ignore_eos=True, **kind))
-        for output in engine.step():
+        for output in engine.step(by_output_kind=False):
             collected.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
     return [collected[str(i)] for i in range(len(prompts))]
 

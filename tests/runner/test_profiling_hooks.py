@@ -27,7 +27,7 @@ def _generate(engine: LLMEngine) -> dict[str, list[int]]:
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
-        for output in engine.step():  # deltas
+        for output in engine.step(by_output_kind=False):  # deltas
             tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
     return tokens
 

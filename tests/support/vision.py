@@ -203,6 +203,6 @@ def generate_together(
         llm.engine.add_request(name, ids, params, mm_input=mm_input)
     outputs: dict[str, list[int]] = {}
     while llm.engine.has_unfinished():
-        for output in llm.engine.step():
+        for output in llm.engine.step(by_output_kind=False):
             outputs.setdefault(output.request_id, []).extend(output.outputs[0].token_ids if output.outputs else [])
     return outputs
