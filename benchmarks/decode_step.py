@@ -282,29 +282,39 @@ MIXER_WEIGHTS = {
 }  # fmt: skip
 
 
-def model_weight_bytes(model: Any) -> dict[str, int]:
-    """Label -> bytes of the weight one call of that op reads (one layer's; `mlp.expert`: one routed expert's gate |
-    up and down), taken from the model's own tensors (tensor_bytes): a block-FP8 projection counts 1 byte an element
-    plus its fp32 scales, a bf16 one (lm_head, the router, GDN in_proj_ba, shared_expert_gate, every projection of a
-    bf16 checkpoint) 2, so op_costs' counts of a bf16 model are the same as from the shapes alone."""
-    found = {"lm.lm_head": tensor_bytes(model.lm_head)}
+def projection_weights(model: Any) -> dict[str, Any]:
+    """Label -> the weight one call of that projection reads, as the model holds it (a tensor, or kernels/fp8.py's
+    Fp8Weight): the mixers' projections, the router, the shared expert's or the dense MLP's gate | up and down, and
+    lm_head, each from the first layer that has it."""
+    found: dict[str, Any] = {"lm.lm_head": model.lm_head}
     for layer in model.layers:
         kind, mixer = ("attn", layer.self_attn) if layer.is_full_attention else ("gdn", layer.linear_attn)
         for name, attr in MIXER_WEIGHTS[kind].items():
             weight = getattr(mixer, attr, None)
             if weight is not None:
-                found.setdefault(f"{kind}.{name}", tensor_bytes(weight))
+                found.setdefault(f"{kind}.{name}", weight)
         mlp = layer.mlp
         if hasattr(mlp, "w13"):  # MoEBlock
-            found.setdefault("mlp.expert", (tensor_bytes(mlp.w13) + tensor_bytes(mlp.w2)) // mlp.w13.shape[0])
-            found.setdefault("mlp.moe_router", tensor_bytes(mlp.gate))
+            found.setdefault("mlp.moe_router", mlp.gate)
             if getattr(mlp, "has_shared_expert", False):
-                found.setdefault("mlp.shared_gate_up", tensor_bytes(mlp.shared_expert.gate_up_proj))
-                found.setdefault("mlp.shared_down", tensor_bytes(mlp.shared_expert.down_proj))
-                found.setdefault("mlp.shared_gate", tensor_bytes(mlp.shared_expert_gate))
+                found.setdefault("mlp.shared_gate_up", mlp.shared_expert.gate_up_proj)
+                found.setdefault("mlp.shared_down", mlp.shared_expert.down_proj)
+                found.setdefault("mlp.shared_gate", mlp.shared_expert_gate)
         else:  # DenseMLP
-            found.setdefault("mlp.gate_up", tensor_bytes(mlp.gate_up_proj))
-            found.setdefault("mlp.down", tensor_bytes(mlp.down_proj))
+            found.setdefault("mlp.gate_up", mlp.gate_up_proj)
+            found.setdefault("mlp.down", mlp.down_proj)
+    return found
+
+
+def model_weight_bytes(model: Any) -> dict[str, int]:
+    """Label -> bytes of the weight one call of that op reads (one layer's; `mlp.expert`: one routed expert's gate |
+    up and down), taken from the model's own tensors (tensor_bytes): a block-FP8 projection counts 1 byte an element
+    plus its fp32 scales, a bf16 one (lm_head, the router, GDN in_proj_ba, shared_expert_gate, every projection of a
+    bf16 checkpoint) 2, so op_costs' counts of a bf16 model are the same as from the shapes alone."""
+    found = {label: tensor_bytes(weight) for label, weight in projection_weights(model).items()}
+    moe = next((layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")), None)
+    if moe is not None:
+        found["mlp.expert"] = (tensor_bytes(moe.w13) + tensor_bytes(moe.w2)) // moe.w13.shape[0]
     return found
 
 
@@ -315,18 +325,7 @@ def fp8_labels(model: Any) -> set[str]:
         from deltaserve.kernels.fp8 import Fp8Weight
     except ImportError:
         return set()
-    found = set()
-    for layer in model.layers:
-        kind, mixer = ("attn", layer.self_attn) if layer.is_full_attention else ("gdn", layer.linear_attn)
-        for name, attr in MIXER_WEIGHTS[kind].items():
-            if isinstance(getattr(mixer, attr, None), Fp8Weight):
-                found.add(f"{kind}.{name}")
-        mlp = getattr(layer.mlp, "shared_expert", layer.mlp)
-        prefix = "mlp.shared_" if mlp is not layer.mlp else "mlp."
-        for name, attr in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
-            if isinstance(getattr(mlp, attr, None), Fp8Weight):
-                found.add(prefix + name)
-    return found
+    return {label for label, weight in projection_weights(model).items() if isinstance(weight, Fp8Weight)}
 
 
 def op_costs(

@@ -180,9 +180,9 @@ SPLIT_SUM_BLOCK = 1024
 
 def split_count(num_rows: int, num_tiles: int, num_groups: int, num_sms: int) -> tuple[int, int]:
     """(splits, groups a split) for a launch of num_tiles output tiles over num_groups K groups: up to
-    SPLIT_MAX_ROWS rows, the power of two of splits that brings the launch nearest below SPLIT_PROGRAMS_PER_SM
-    programs an SM, each split at least SPLIT_MIN_GROUPS groups (one value per projection shape, so the decode
-    buckets compile every variant); (1, all) otherwise."""
+    SPLIT_MAX_ROWS rows, the largest power of two not above the splits that bring the launch to
+    SPLIT_PROGRAMS_PER_SM programs an SM (rounded up) and not above num_groups / SPLIT_MIN_GROUPS (one value per
+    projection shape, so the decode buckets compile every variant); (1, all) otherwise."""
     wanted = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, num_tiles), num_groups // SPLIT_MIN_GROUPS)
     if num_rows > SPLIT_MAX_ROWS or wanted <= 1:
         return 1, num_groups
