@@ -11,16 +11,24 @@ The rounding points are vLLM's (per_token_group_quant_fp8 and its w8a8 block GEM
 per group of 128 along K with scale = max(|x|, 1e-10) / 448 (fp32) and q = clamp(x / scale, +-448) rounded to e4m3;
 the GEMM accumulates in fp32, per K block (q_x . q_w) * s_x * s_w, summed over the blocks in order, and rounds once
 to the activation dtype; a bias is added after that rounding.
+
+An activation can arrive already quantized, as `Fp8Rows` (the rows with their q and scale): the decoder's RMSNorms
+of an FP8 model quantize their output in the same launch (`rms_norm_fp8`), so the projections after them, and the
+shared expert and routed experts that read one normed row alike, launch no quantization of their own
+(docs/fp8.md#decode). The quantization is the one above applied to the rounded rows, so the products are the same.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from deltaserve.kernels._dispatch import use_triton
+from deltaserve.kernels.norm import rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -81,6 +89,48 @@ class Fp8Weight(nn.Module):
         return f"shape={list(self.weight.shape)}, block_n={self.block_n}"
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activation rows with their per-token-group quantization: x [M, K] in the model dtype, q float8_e4m3fn
+    [M, K] and scale fp32 [M, ceil(K/128)] as quantize_activation_ref(x) gives them. Read like the rows x (shape,
+    dtype, device, row indexing) by code that only routes them; FP8 projections read q / scale, every other
+    consumer `plain(rows)`."""
+
+    x: torch.Tensor  # [M, K]
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, G] fp32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def __getitem__(self, rows: slice | torch.Tensor) -> Fp8Rows:
+        """The rows `rows` (a slice or an index tensor) of all three."""
+        return Fp8Rows(self.x[rows], self.q[rows], self.scale[rows])
+
+
+def plain(x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    """The rows in the model dtype, whether or not they came quantized."""
+    return x.x if isinstance(x, Fp8Rows) else x
+
+
+def quantized(
+    x: torch.Tensor | Fp8Rows, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows [M, K], q, scale): the quantization the rows came with, else `quantize(rows)` (a ref or a kernel)."""
+    if isinstance(x, Fp8Rows):
+        return x.x, x.q, x.scale
+    return x, *quantize(x)
+
+
 def quantize_activation_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [M, K], scale fp32 [M, ceil(K/128)]), per token and group of 128 along K
     (vLLM's per_token_group_quant_fp8; the last group of a K that is not a multiple of 128 is partial)."""
@@ -93,13 +143,14 @@ def quantize_activation_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.view(rows, num_groups * GROUP)[:, :cols], scale
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (activation dtype), weight Fp8Weight [N, K] (, bias [N]) -> [..., N] in x's dtype, with vLLM's
-    rounding points (module docstring): per K block, the fp32 product of the quantized operands times both scales,
-    summed over the blocks in order, one rounding."""
+def fp8_linear_ref(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (activation dtype, or Fp8Rows [M, K] with their quantization), weight Fp8Weight [N, K] (, bias
+    [N]) -> [..., N] in x's dtype, with vLLM's rounding points (module docstring): per K block, the fp32 product of
+    the quantized operands times both scales, summed over the blocks in order, one rounding."""
     cols = x.shape[-1]
-    x2 = x.reshape(-1, cols)  # [M, K]
-    qx, sx = quantize_activation_ref(x2)  # [M, K] e4m3, [M, G]
+    lead = x.shape[:-1]
+    rows = x if isinstance(x, Fp8Rows) else x.reshape(-1, cols)  # [M, K]
+    x2, qx, sx = quantized(rows, quantize_activation_ref)  # [M, K], [M, K] e4m3, [M, G]
     sw = weight.row_scales()  # [N, G]
     acc = torch.zeros(x2.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)  # [M, N]
     for g in range(sx.shape[1]):
@@ -108,12 +159,31 @@ def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
     out = acc.to(x.dtype)
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*lead, weight.shape[0])
 
 
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if use_triton(x):
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(plain(x)):
         from deltaserve.kernels.fp8_triton import fp8_linear_triton
 
         return fp8_linear_triton(x, weight, bias)
     return fp8_linear_ref(x, weight, bias)
+
+
+def rms_norm_fp8_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[Fp8Rows, torch.Tensor | None]:
+    """kernels/norm.py's rms_norm (x [T, H], with the optional residual add) with its rounded output quantized per
+    token and group of 128 (quantize_activation_ref): (Fp8Rows of the normed rows, the rounded residual sum)."""
+    y, residual_out = rms_norm_ref(x, weight, eps, residual)
+    return Fp8Rows(y, *quantize_activation_ref(y)), residual_out
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[Fp8Rows, torch.Tensor | None]:
+    if use_triton(x):
+        from deltaserve.kernels.norm_triton import rms_norm_fp8_triton
+
+        return rms_norm_fp8_triton(x, weight, eps, residual)
+    return rms_norm_fp8_ref(x, weight, eps, residual)

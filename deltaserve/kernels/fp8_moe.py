@@ -13,11 +13,11 @@ import torch
 
 from deltaserve.kernels._dispatch import use_triton
 from deltaserve.kernels.activation import silu_and_mul_ref
-from deltaserve.kernels.fp8 import Fp8Weight, fp8_linear_ref
+from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, fp8_linear_ref, plain
 
 
 def fused_moe_fp8_ref(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     w13: Fp8Weight,
     w2: Fp8Weight,
     topk_weights: torch.Tensor,
@@ -25,9 +25,9 @@ def fused_moe_fp8_ref(
     shared: torch.Tensor | None = None,
     shared_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H], topk_weights [T, k] fp32, topk_ids [T, k] -> Σ_k weight_k · down_e(SiLU(gate_e x) ⊙ up_e x) [T, H]
-    in x's dtype; with the shared expert's output [T, H] and gate logits [T, 1]: (routed + sigmoid(gate)·shared)
-    in fp32, rounded once."""
+    """x [T, H] (or Fp8Rows: the experts' GEMMs read their quantization), topk_weights [T, k] fp32, topk_ids
+    [T, k] -> Σ_k weight_k · down_e(SiLU(gate_e x) ⊙ up_e x) [T, H] in x's dtype; with the shared expert's output
+    [T, H] and gate logits [T, 1]: (routed + sigmoid(gate)·shared) in fp32, rounded once."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for expert in torch.unique(topk_ids).tolist():
         token_idx, k_idx = torch.nonzero(topk_ids == expert, as_tuple=True)
@@ -41,7 +41,7 @@ def fused_moe_fp8_ref(
 
 
 def fused_moe_fp8(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     w13: Fp8Weight,
     w2: Fp8Weight,
     topk_weights: torch.Tensor,
@@ -49,7 +49,7 @@ def fused_moe_fp8(
     shared: torch.Tensor | None = None,
     shared_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if use_triton(x):
+    if use_triton(plain(x)):
         from deltaserve.kernels.fp8_triton import fused_moe_fp8_triton
 
         return fused_moe_fp8_triton(x, w13, w2, topk_weights, topk_ids, shared, shared_gate_logits)

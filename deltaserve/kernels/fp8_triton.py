@@ -22,12 +22,12 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2, silu_f32, sm_count
-from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Weight
+from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Rows, Fp8Weight, quantized
 from deltaserve.kernels.moe_triton import align_experts, grouped_block_m, over_token_chunks, weighted_sum_triton
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to nearest-even on the e4m3 grid, still fp32: 3 mantissa bits for normals (the
     carry runs into the exponent), steps of 2^-9 below 2^-6. The cast to e4m3 that follows is then exact. Why not
     just cast: Triton's interpreter drops the carry when rounding crosses a power of two (0.1214 -> 0.0625, not
@@ -60,7 +60,7 @@ def _quant_act_kernel(
     m_k = o_k < K
     b_x = tl.load(x_ptr + i_m * stride_x + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_s = tl.maximum(tl.max(tl.abs(b_x)), AMAX_FLOOR) / FP8_MAX
-    b_q = _round_to_e4m3(tl.clamp(tl.math.div_rn(b_x, b_s + tl.zeros_like(b_x)), -FP8_MAX, FP8_MAX))
+    b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_x, b_s + tl.zeros_like(b_x)), -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + i_m * stride_q + o_k, b_q.to(q_ptr.dtype.element_ty), mask=m_k)
     tl.store(s_ptr + i_m * stride_s + i_g, b_s)
 
@@ -201,15 +201,17 @@ def gemm_blocks(num_rows: int) -> tuple[int, int]:
     return 64, 128
 
 
-def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (last dim contiguous), weight Fp8Weight [N, K] (, bias [N]) -> [..., N] in x's dtype, as
-    fp8_linear_ref."""
+def fp8_linear_triton(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (last dim contiguous; or Fp8Rows [M, K], whose quantization it reads instead of launching one),
+    weight Fp8Weight [N, K] (, bias [N]) -> [..., N] in x's dtype, as fp8_linear_ref."""
     cols = x.shape[-1]
+    lead = x.shape[:-1]
     rows_n = weight.shape[0]
-    x2 = x.reshape(-1, cols)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    q, s = quantize_activation_triton(x2)
+    if not isinstance(x, Fp8Rows):
+        x = x.reshape(-1, cols)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+    x2, q, s = quantized(x, quantize_activation_triton)  # [M, K], [M, K] e4m3, [M, G]
     num_rows = x2.shape[0]
     y = torch.empty(num_rows, rows_n, dtype=x.dtype, device=x.device)
     block_m, block_n = gemm_blocks(num_rows)
@@ -229,7 +231,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | N
                 part, bias if bias is not None else y, y, num_rows, y.stride(0),
                 N=rows_n, SPLIT=splits, HAS_BIAS=bias is not None, BLOCK=SPLIT_SUM_BLOCK, num_warps=4,
             )  # fmt: skip
-    return y.reshape(*x.shape[:-1], rows_n)
+    return y.reshape(*lead, rows_n)
 
 
 @triton.jit(do_not_specialize=["num_entries"])
@@ -340,7 +342,7 @@ MOE_BLOCK_N = 64
 
 
 def _fused_moe_fp8_chunk(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     out: torch.Tensor,
@@ -356,7 +358,7 @@ def _fused_moe_fp8_chunk(
     block_m = grouped_block_m(num_entries, num_experts)  # 16-64: tl.dot's 16-row minimum holds
     sorted_ids, block_expert = align_experts(topk_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
-    qx, sx = quantize_activation_triton(x)
+    _, qx, sx = quantized(x, quantize_activation_triton)  # the rows' own quantization when they came with it
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     _moe_fp8_gemm1_kernel[(num_blocks, triton.cdiv(inter, MOE_BLOCK_N))](
         qx, sx, w13.weight, w13.scale, act, sorted_ids, block_expert, num_entries, qx.stride(0), sx.stride(0),
@@ -376,7 +378,7 @@ def _fused_moe_fp8_chunk(
 
 
 def fused_moe_fp8_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     w13: Fp8Weight,
     w2: Fp8Weight,
     topk_weights: torch.Tensor,
@@ -384,9 +386,9 @@ def fused_moe_fp8_triton(
     shared: torch.Tensor | None = None,
     shared_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H] (last dim contiguous); w13 Fp8Weight [E, 2I, H]; w2 Fp8Weight [E, H, I]; topk_weights [T, k] fp32;
-    topk_ids [T, k] -> [T, H], as fused_moe_fp8_ref (with the shared expert's output and gate logits, their
-    sigmoid-gated sum)."""
+    """x [T, H] (last dim contiguous; or Fp8Rows, read as fp8_linear_triton reads them); w13 Fp8Weight [E, 2I, H];
+    w2 Fp8Weight [E, H, I]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, H], as fused_moe_fp8_ref (with the
+    shared expert's output and gate logits, their sigmoid-gated sum)."""
     return over_token_chunks(
         lambda *rows: _fused_moe_fp8_chunk(*rows, w13, w2), x, topk_weights, topk_ids, shared, shared_gate_logits
     )

@@ -8,7 +8,8 @@ cuBLAS in the served decode step on both shapes (docs/kernels.md#linear-projecti
 rounding to the input dtype: F.linear's rounding point (the sum order differs, fp32-level noise). Everything else
 takes F.linear: more rows (the GEMV lost at 2-4 rows, and tensor-core skinny GEMMs lost to cuBLAS at 1-16 rows), a
 bias, weights of SKINNY_MAX_COLS outputs or more (cuBLAS streams the 1 GB lm_head at 98-99 % of the copy
-bandwidth), or depths past the GEMV's tile. A block-FP8 weight (kernels/fp8.py's Fp8Weight) takes the FP8 GEMM.
+bandwidth), or depths past the GEMV's tile. A block-FP8 weight (kernels/fp8.py's Fp8Weight) takes the FP8 GEMM,
+which reads the quantization of rows that come as Fp8Rows; other weights read such rows' plain values.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from deltaserve.kernels import linear_triton
 from deltaserve.kernels._dispatch import use_triton
-from deltaserve.kernels.fp8 import Fp8Weight, fp8_linear
+from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, fp8_linear, plain
 
 # Vocabulary-sized projections stay on cuBLAS (see the module docstring).
 SKINNY_MAX_COLS = 65536
@@ -30,9 +31,12 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     if isinstance(weight, Fp8Weight):
-        return fp8_linear(x, weight, bias)  # a block-FP8 projection (kernels/fp8.py)
+        return fp8_linear(x, weight, bias)  # a block-FP8 projection (kernels/fp8.py), quantized rows or not
+    x = plain(x)  # a bf16 projection beside FP8 ones (the router, in_proj_ba) reads the rows themselves
     is_few_plain_rows = (
         bias is None
         and x.dim() == 2

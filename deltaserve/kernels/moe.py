@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from deltaserve.kernels._dispatch import triton_or_ref, use_triton
 from deltaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from deltaserve.kernels.fp8 import Fp8Weight
+from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, plain
 from deltaserve.kernels.fp8_moe import fused_moe_fp8
 
 
@@ -56,7 +56,7 @@ def fused_moe_ref(
 
 
 def fused_moe(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     w13: torch.Tensor | Fp8Weight,
     w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
@@ -66,6 +66,7 @@ def fused_moe(
 ) -> torch.Tensor:
     if isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight):
         return fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, shared, shared_gate_logits)  # kernels/fp8_moe.py
+    x = plain(x)  # bf16 experts read the rows, not a quantization a norm made for FP8 projections
     if use_triton(x):
         from deltaserve.kernels.moe_triton import fused_moe_triton
 

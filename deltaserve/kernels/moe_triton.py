@@ -29,6 +29,7 @@ import triton.language as tl
 
 from deltaserve.kernels import moe_configs
 from deltaserve.kernels._triton import dot_precision, i64, next_pow2, silu_f32
+from deltaserve.kernels.fp8 import Fp8Rows
 from deltaserve.kernels.moe_align import moe_align_ref
 from deltaserve.kernels.moe_configs import MoEConfig
 from deltaserve.kernels.moe_routing_triton import (
@@ -222,14 +223,15 @@ def weighted_sum_triton(
 
 def over_token_chunks(
     chunk: Callable[..., None],
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     shared: torch.Tensor | None,
     shared_gate_logits: torch.Tensor | None,
 ) -> torch.Tensor:
     """Runs a grouped MoE `chunk(x, topk_weights, topk_ids, out, shared, gate_logits)` over CHUNK_TOKENS-row slices
-    of the tokens (its buffers stay bounded), each writing its rows of the returned out [T, H]."""
+    of the tokens (its buffers stay bounded), each writing its rows of the returned out [T, H]. Fp8Rows are sliced
+    with their quantization."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     for start in range(0, x.shape[0], CHUNK_TOKENS):
         rows = slice(start, min(start + CHUNK_TOKENS, x.shape[0]))

@@ -4,7 +4,9 @@ Both normalise over the last dim of a [N, d] or [T, heads, d] input whose last d
 leading dims may be strided (the four-op preamble norms the query halves of [query | gate] pairs in place
 in the qkv rows). A program owns BLOCK_ROWS whole rows: at d = 5120 one row of 8192 lanes over 16 warps,
 at d = 128-256 a tile of rows so each program still moves a few KiB. Math as the refs: fp32 throughout,
-the residual sum rounded only for its store, one rounding of the output.
+the residual sum rounded only for its store, one rounding of the output. For an FP8 model's projections the
+zero-centred norm also quantizes its rounded output per token and group of 128 (rms_norm_fp8_triton), so the
+FP8 GEMMs after it launch no quantization of their own (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait, require_last_dim_contiguous, silu_f32
+from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Rows
+from deltaserve.kernels.fp8_triton import round_to_e4m3
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -43,6 +47,8 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     residual_out_ptr,
+    q_ptr,
+    s_ptr,
     num_rows,
     num_heads,
     stride_x_outer,
@@ -55,6 +61,10 @@ def _rms_norm_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = False,
+    GROUP: tl.constexpr = 128,
+    FP8_MAX: tl.constexpr = 448.0,
+    AMAX_FLOOR: tl.constexpr = 1e-10,
 ):
     o_row = i64(tl.program_id(0)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     m_row = o_row < num_rows
@@ -76,12 +86,44 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BLOCK_ROWS]
     b_y = b_x * inv_rms[:, None] * (1.0 + b_w)[None, :]
     tl.store(out_ptr + o_out, b_y, mask=m)
+    if QUANT:
+        # the stored (rounded) rows quantized per group of GROUP columns, as _quant_act_kernel does from them
+        num_groups: tl.constexpr = BLOCK_D // GROUP
+        b_g = tl.reshape(b_y.to(out_ptr.dtype.element_ty).to(tl.float32), [BLOCK_ROWS, num_groups, GROUP])
+        b_s = tl.maximum(tl.max(tl.abs(b_g), axis=2), AMAX_FLOOR) / FP8_MAX  # [BLOCK_ROWS, num_groups]
+        b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_g, b_s[:, :, None] + tl.zeros_like(b_g)), -FP8_MAX, FP8_MAX))
+        tl.store(q_ptr + o_out, tl.reshape(b_q, [BLOCK_ROWS, BLOCK_D]).to(q_ptr.dtype.element_ty), mask=m)
+        o_g = tl.arange(0, num_groups)
+        m_g = m_row[:, None] & (o_g < tl.cdiv(D, GROUP))[None, :]
+        tl.store(s_ptr + o_row[:, None] * tl.cdiv(D, GROUP) + o_g[None, :], b_s, mask=m_g)
 
 
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y = x̂·(1 + w) over the last dim; with residual: s = x + residual (fp32), returns (norm(s), s rounded)."""
+    return _rms_norm(x, weight, eps, residual, None)
+
+
+def rms_norm_fp8_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[Fp8Rows, torch.Tensor | None]:
+    """rms_norm_triton on x [T, H] with the rounded output also quantized per token and group of 128 in the same
+    launch, as kernels/fp8.py's rms_norm_fp8_ref: (Fp8Rows of the normed rows, the rounded residual sum)."""
+    assert x.dim() == 2, f"rms_norm_fp8 takes rows [T, H], not {tuple(x.shape)}"
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x.shape[0], triton.cdiv(x.shape[1], GROUP), dtype=torch.float32, device=x.device)
+    out, residual_out = _rms_norm(x, weight, eps, residual, (q, scale))
+    return Fp8Rows(out, q, scale), residual_out
+
+
+def _rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    quant: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     dim = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -95,12 +137,17 @@ def rms_norm_triton(
     if num_rows == 0:
         return out, residual_out
     block_d, block_rows, num_warps = _tile(dim)
+    if quant is not None:  # whole groups in a row tile; one row a program keeps the quantization's registers low
+        block_d, block_rows = max(block_d, GROUP), 1
+    q, scale = quant if quant is not None else (out, out)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         xv,
         rv,
         weight,
         out,
         residual_out if residual_out is not None else out,
+        q,
+        scale,
         num_rows,
         num_heads,
         sx0,
@@ -112,6 +159,10 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
+        QUANT=quant is not None,
+        GROUP=GROUP,
+        FP8_MAX=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR,
         num_warps=num_warps,
         **pdl_launch(x),
     )

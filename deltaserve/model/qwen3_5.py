@@ -18,6 +18,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels import linear, rms_norm, rope_cos_sin_cache, rope_cos_sin_for_positions
+from deltaserve.kernels.fp8 import rms_norm_fp8
 from deltaserve.kernels.preamble import mrope_axis_per_frequency
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.labels import label
@@ -53,6 +54,8 @@ class DecoderLayer(nn.Module):
         if is_moe is None:
             is_moe = bool(config.moe_layers) and config.moe_layers[index]
         self.is_full_attention = layer_type == "full_attention"
+        # FP8 projections after both norms: each norm quantizes its output in its own launch (kernels/fp8.py)
+        self.rms_norm_op = rms_norm_fp8 if config.fp8 is not None else rms_norm
         self.label = f"layer.{index}.{layer_type}"  # the profiler's range (model/labels.py)
         self.input_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm = empty_param(config.hidden_size, dtype=dtype, device=device)
@@ -77,12 +80,12 @@ class DecoderLayer(nn.Module):
             with label("layer.rms_norm"):
                 if residual is None:
                     residual = hidden
-                    x, _ = rms_norm(hidden, self.input_layernorm, self.eps)
+                    x, _ = self.rms_norm_op(hidden, self.input_layernorm, self.eps)
                 else:
-                    x, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
-            x = self.mixer(x, positions)
+                    x, residual = self.rms_norm_op(hidden, self.input_layernorm, self.eps, residual)
+            mixed = self.mixer(x, positions)
             with label("layer.rms_norm"):
-                x, residual = rms_norm(x, self.post_attention_layernorm, self.eps, residual)
+                x, residual = self.rms_norm_op(mixed, self.post_attention_layernorm, self.eps, residual)
             return self.mlp(x), residual
 
 

@@ -1,6 +1,8 @@
 """The block-FP8 kernels (kernels/fp8_triton.py) against their plain-torch twins (kernels/fp8.py, fp8_moe.py):
 activation quantization bit for bit, the dense GEMM and the FP8 fused MoE to fp32 rounding, each into poisoned
-outputs; the refs' rounding points pinned by hand; the dispatchers' routing. Under TRITON_INTERPRET=1 on the CPU
+outputs; the RMSNorm that quantizes its own output (kernels/norm_triton.py) bit for bit against the norm then the
+quantization, and the GEMMs reading such rows' quantization instead of making one; the refs' rounding points pinned
+by hand; the dispatchers' routing. Under TRITON_INTERPRET=1 on the CPU
 (fp32 activations, tiny shapes: K and N multiples of 128 and not, M = 1, 3, 17); the bf16 cases at model shapes
 are marked gpu and run on the H200.
 """
@@ -14,7 +16,15 @@ import torch
 
 from deltaserve.kernels import fp8 as fp8_module
 from deltaserve.kernels import fp8_moe as fp8_moe_module
-from deltaserve.kernels.fp8 import FP8_DTYPE, Fp8Weight, fp8_block_rows, fp8_linear_ref, quantize_activation_ref
+from deltaserve.kernels.fp8 import (
+    FP8_DTYPE,
+    Fp8Rows,
+    Fp8Weight,
+    fp8_block_rows,
+    fp8_linear_ref,
+    quantize_activation_ref,
+    rms_norm_fp8_ref,
+)
 from deltaserve.kernels.fp8_moe import fused_moe_fp8_ref
 from deltaserve.kernels.fp8_triton import (
     SPLIT_MAX_ROWS,
@@ -23,7 +33,10 @@ from deltaserve.kernels.fp8_triton import (
     quantize_activation_triton,
     split_count,
 )
+from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import moe_route_ref
+from deltaserve.kernels.norm import rms_norm_ref
+from deltaserve.kernels.norm_triton import rms_norm_fp8_triton, rms_norm_triton
 from deltaserve.tiny.fp8 import quantize_block_fp8
 
 from ._util import DEVICE, assert_close, poisoned_empty
@@ -153,6 +166,58 @@ def test_gemm_takes_a_column_strided_input() -> None:
     assert_close("y", fp8_linear_ref(x, weight), fp8_linear_triton(x, weight), FP32_RATIO)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def _assert_rows_equal(rows: Fp8Rows, y: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    assert torch.equal(rows.x, y)
+    assert torch.equal(rows.scale, scale)
+    assert torch.equal(rows.q.float(), q.float())  # values: the interpreter's cast writes -0 as +0
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 64), (3, 200), (5, 384)])
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_rms_norm_fp8_is_the_norm_then_the_quantization(rows: int, cols: int, has_residual: bool) -> None:
+    """The norm's rows bit for bit as rms_norm_triton's, the residual sum too, and their quantization bit for bit
+    as quantize_activation_triton's of those rows (one launch instead of two); the ref twin is rms_norm_ref then
+    quantize_activation_ref."""
+    x, weight = _x(rows, cols), _x(1, cols, seed=7)[0] * 0.1
+    residual = _x(rows, cols, seed=8) if has_residual else None
+    with poisoned_empty():
+        normed, residual_out = rms_norm_fp8_triton(x, weight, 1e-6, residual)
+    y, residual_plain = rms_norm_triton(x, weight, 1e-6, residual)
+    _assert_rows_equal(normed, y, *quantize_activation_triton(y))
+    if has_residual:
+        assert residual_out is not None and torch.equal(residual_out, residual_plain)
+    ref, ref_residual = rms_norm_fp8_ref(x, weight, 1e-6, residual)
+    y_ref, residual_ref = rms_norm_ref(x, weight, 1e-6, residual)
+    _assert_rows_equal(ref, y_ref, *quantize_activation_ref(y_ref))
+    assert (ref_residual is None) == (residual is None)
+    if residual_ref is not None:
+        assert torch.equal(ref_residual, residual_ref)
+
+
+def _rows_with_wrong_scale(x: torch.Tensor) -> Fp8Rows:
+    """x's quantization with every scale doubled: a GEMM that reads it gives twice the product."""
+    q, scale = quantize_activation_ref(x)
+    return Fp8Rows(x, q, scale * 2)
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_gemm_reads_the_rows_quantization(rows: int) -> None:
+    """Fp8Rows: the GEMM takes their q / scale (doubling the scales doubles the output, so it did not quantize x
+    again), and with their true quantization it equals the GEMM of x; bf16 projections read the plain rows."""
+    weight, x = _weight(96, 256), _x(rows, 256)
+    quantized = Fp8Rows(x, *quantize_activation_triton(x))
+    for gemm in (fp8_linear_triton, fp8_linear_ref):
+        with poisoned_empty():
+            assert torch.equal(gemm(quantized, weight), gemm(x, weight))
+            assert_close("2y", 2 * gemm(x, weight), gemm(_rows_with_wrong_scale(x), weight), FP32_RATIO)
+    plain_weight = _x(8, 256, seed=9)
+    assert torch.equal(linear(quantized, plain_weight), linear(x, plain_weight))
+
+
 def _routes(tokens: int, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(3)
     return moe_route_ref(torch.randn(tokens, experts, device=DEVICE), top_k, True)
@@ -169,6 +234,21 @@ def test_fused_moe_matches_ref(tokens: int, hidden: int, inter: int, has_shared:
     with poisoned_empty():
         out = fused_moe_fp8_triton(x, w13, w2, weights, ids, *shared)
     assert_close("y", fused_moe_fp8_ref(x, w13, w2, weights, ids, *shared), out, FP32_RATIO)
+
+
+def test_fused_moe_reads_the_rows_quantization() -> None:
+    """The FP8 experts' gate/up GEMM reads Fp8Rows' quantization (kernel and ref), token chunks slicing it."""
+    experts, hidden, inter, top_k, tokens = 4, 128, 64, 2, 3
+    w13 = _weight(experts, 2 * inter, hidden, parts=(inter, inter))
+    w2 = _weight(experts, hidden, inter, seed=4)
+    x = _x(tokens, hidden)
+    weights, ids = _routes(tokens, experts, top_k)
+    quantized = Fp8Rows(x, *quantize_activation_ref(x))
+    for moe in (fused_moe_fp8_triton, fused_moe_fp8_ref):
+        with poisoned_empty():
+            assert torch.equal(moe(quantized, w13, w2, weights, ids), moe(x, w13, w2, weights, ids))
+            wrong = moe(_rows_with_wrong_scale(x), w13, w2, weights, ids)
+        assert not torch.equal(wrong, moe(x, w13, w2, weights, ids))
 
 
 def test_dispatchers_send_cuda_tensors_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,3 +291,19 @@ def test_fused_moe_bf16_model_shape(tokens: int) -> None:
         out = fused_moe_fp8_triton(x, w13, w2, weights, ids)
     assert_close("y", fused_moe_fp8_ref(x, w13, w2, weights, ids), out, 1e-2)
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [2048, 5120])
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_rms_norm_fp8_bf16_model_shapes(hidden: int, rows: int) -> None:
+    """bf16 at the 35B-A3B / 27B widths: the fused norm's rows, residual and quantization bit for bit as the two
+    launches it replaces."""
+    x, residual, weight = _x(rows, hidden).bfloat16(), _x(rows, hidden, seed=8).bfloat16(), _x(1, hidden)[0].bfloat16()
+    with poisoned_empty():
+        normed, residual_out = rms_norm_fp8_triton(x, weight, 1e-6, residual)
+    y, residual_plain = rms_norm_triton(x, weight, 1e-6, residual)
+    assert torch.equal(residual_out, residual_plain)
+    q, scale = quantize_activation_triton(y)
+    assert torch.equal(normed.x, y) and torch.equal(normed.scale, scale)
+    assert torch.equal(_bits(normed.q), _bits(q))

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from deltaserve.engine.llm import LLM
 from deltaserve.kernels import fp8 as fp8_kernels
 from deltaserve.kernels import fp8_moe
-from deltaserve.kernels.fp8 import Fp8Weight, quantize_activation_ref
+from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, plain, quantize_activation_ref
 from deltaserve.model.checkpoint_files import CheckpointError
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.fp8 import quantize_block_fp8, write_fp8_checkpoint
@@ -145,16 +145,19 @@ def test_projections_hold_fp8_equal_to_the_dequantized_checkpoint(
     assert f"block FP8: {checked} projections" in llm.engine.runner.load_report.summary()
 
 
-def _spec_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The block-FP8 linear as its definition reads: fake-quantized activations times dequantized weights."""
+def _spec_linear(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The block-FP8 linear as its definition reads: fake-quantized activations times dequantized weights (rows a
+    norm quantized are quantized again here from their values)."""
+    x = plain(x)
     q, scale = quantize_activation_ref(x.reshape(-1, x.shape[-1]))
     x_fake = (q.float() * scale.repeat_interleave(128, dim=1)[:, : x.shape[-1]]).reshape(x.shape)
     out = (x_fake @ weight.dequantize().T).to(x.dtype)
     return out if bias is None else out + bias
 
 
-def _unquantized_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The activation quantization switched off: x times the dequantized weight."""
+def _unquantized_linear(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The activation quantization switched off: x times the dequantized weight (a norm's quantization unread)."""
+    x = plain(x)
     out = (x.float() @ weight.dequantize().T).to(x.dtype)
     return out if bias is None else out + bias
 
@@ -341,6 +344,27 @@ def test_triton_kernels_compose_to_the_ref_model(
         monkeypatch.setattr(fp8_moe, "use_triton", lambda t, on=on: on)
         logits[on] = llm.prefill_logits(ids)
     assert _relative(logits[True], logits[False]) < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_norms_quantize_for_the_fp8_projections_and_change_no_logit(
+    name: str, fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every decoder layer of an FP8 model (the MTP layer's too) norms with rms_norm_fp8, whose quantized rows the
+    FP8 projections and experts read instead of quantizing again: the logits equal the model's with the plain norm
+    (each projection quantizing its input itself), bit for bit."""
+    from deltaserve.kernels.fp8 import rms_norm_fp8
+    from deltaserve.kernels.norm import rms_norm
+    from deltaserve.model.qwen3_5 import DecoderLayer
+
+    folder, llm = fp8_llm(name)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, DecoderLayer)]
+    assert layers and all(layer.rms_norm_op is rms_norm_fp8 for layer in layers)
+    ids = _prompts(folder)[0][:6]
+    fused = llm.prefill_logits(ids)
+    for layer in layers:
+        monkeypatch.setattr(layer, "rms_norm_op", rms_norm)
+    assert torch.equal(llm.prefill_logits(ids), fused)
 
 
 def test_whole_experts_take_the_routes_as_they_are(
