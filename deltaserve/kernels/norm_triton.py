@@ -87,15 +87,23 @@ def _rms_norm_kernel(
     b_y = b_x * inv_rms[:, None] * (1.0 + b_w)[None, :]
     tl.store(out_ptr + o_out, b_y, mask=m)
     if QUANT:
-        # the stored (rounded) rows quantized per group of GROUP columns, as _quant_act_kernel does from them
-        num_groups: tl.constexpr = BLOCK_D // GROUP
-        b_g = tl.reshape(b_y.to(out_ptr.dtype.element_ty).to(tl.float32), [BLOCK_ROWS, num_groups, GROUP])
-        b_s = tl.maximum(tl.max(tl.abs(b_g), axis=2), AMAX_FLOOR) / FP8_MAX  # [BLOCK_ROWS, num_groups]
-        b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_g, b_s[:, :, None] + tl.zeros_like(b_g)), -FP8_MAX, FP8_MAX))
-        tl.store(q_ptr + o_out, tl.reshape(b_q, [BLOCK_ROWS, BLOCK_D]).to(q_ptr.dtype.element_ty), mask=m)
-        o_g = tl.arange(0, num_groups)
-        m_g = m_row[:, None] & (o_g < tl.cdiv(D, GROUP))[None, :]
-        tl.store(s_ptr + o_row[:, None] * tl.cdiv(D, GROUP) + o_g[None, :], b_s, mask=m_g)
+        # The stored (rounded) rows read back after a barrier, per (row, group of GROUP columns) as rows of a
+        # [BLOCK_ROWS * G, GROUP] tile, and quantized with _quant_act_kernel's formulas: the quantization touches
+        # none of the norm's own tensors, so the norm above compiles and rounds exactly as without it
+        tl.debug_barrier()  # this program's stores are visible to all its threads
+        num_groups: tl.constexpr = (BLOCK_D + GROUP - 1) // GROUP
+        o_i = tl.arange(0, BLOCK_ROWS * num_groups)  # [BLOCK_ROWS * G]: (row, group) pairs
+        o_qrow = i64(tl.program_id(0)) * BLOCK_ROWS + o_i // num_groups
+        o_col = (o_i % num_groups)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_ROWS * G, GROUP]
+        m_q = (o_qrow < num_rows)[:, None] & (o_col < D)
+        o_q = o_qrow[:, None] * D + o_col
+        b_g = tl.load(out_ptr + o_q, mask=m_q, other=0.0).to(tl.float32)
+        b_s = tl.maximum(tl.max(tl.abs(b_g), axis=1), AMAX_FLOOR) / FP8_MAX  # [BLOCK_ROWS * G]
+        b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_g, b_s[:, None] + tl.zeros_like(b_g)), -FP8_MAX, FP8_MAX))
+        tl.store(q_ptr + o_q, b_q.to(q_ptr.dtype.element_ty), mask=m_q)
+        num_scales = (D + GROUP - 1) // GROUP
+        m_s = (o_qrow < num_rows) & (o_i % num_groups < num_scales)
+        tl.store(s_ptr + o_qrow * num_scales + o_i % num_groups, b_s, mask=m_s)
 
 
 def rms_norm_triton(
@@ -136,9 +144,7 @@ def _rms_norm(
         rv, sr0, sr1 = xv, 0, 0
     if num_rows == 0:
         return out, residual_out
-    block_d, block_rows, num_warps = _tile(dim)
-    if quant is not None:  # whole groups in a row tile; one row a program keeps the quantization's registers low
-        block_d, block_rows = max(block_d, GROUP), 1
+    block_d, block_rows, num_warps = _tile(dim)  # the quantizing launch keeps the plain norm's tile
     q, scale = quant if quant is not None else (out, out)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         xv,

@@ -42,6 +42,10 @@ from deltaserve.tiny.fp8 import quantize_block_fp8
 from ._util import DEVICE, assert_close, poisoned_empty
 
 FP32_RATIO = 1e-6  # relative RMSE: the same fp32 products summed in another order
+# Hopper's 8-bit wgmma (the 64- and 128-row tiles, gemm_blocks) accumulates a 128-deep dot in fewer bits than fp32
+# (docs/fp8.md#computing-it-the-rounding-points: 8.8e-5 measured at 65 rows on an H100); 16- and 32-row tiles
+# (up to 32 rows) use mma.sync
+WGMMA_RATIO = 5e-4 if DEVICE.type == "cuda" else FP32_RATIO
 
 
 def _weight(*shape: int, parts: tuple[int, ...] | None = None, seed: int = 0) -> Fp8Weight:
@@ -146,7 +150,7 @@ def test_split_k_partials_sum_to_the_ref(rows: int) -> None:
     assert split_count(rows, 1, 8, 4) == ((4, 2) if rows <= SPLIT_MAX_ROWS else (1, 8))
     with poisoned_empty():
         out = fp8_linear_triton(x, weight, bias)
-    assert_close("y", fp8_linear_ref(x, weight, bias), out, FP32_RATIO)
+    assert_close("y", fp8_linear_ref(x, weight, bias), out, FP32_RATIO if rows <= 32 else WGMMA_RATIO)
 
 
 def test_split_counts_are_powers_of_two_that_leave_no_split_empty() -> None:
