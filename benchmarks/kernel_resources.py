@@ -81,9 +81,11 @@ def _summarise(kernel: Any, name: str, label: str, work: Path) -> Compiled:
     counts["sass"] = len(opcodes)
     for op in ("BAR", "SHFL"):
         counts[op] = sum(1 for o in opcodes if o == op)
-    num_cctl = sum(1 for o in opcodes if o == "CCTL")  # cache control (an L2 prefetch is CCTL.E.PML2)
-    if num_cctl:
-        counts["CCTL"] = num_cctl
+    # cache control (an L2 prefetch is CCTL.E.PML2); global atomics and fences (the FP8 split GEMM's tile counts)
+    for op in ("CCTL", "ATOMG", "RED", "MEMBAR"):
+        num = sum(1 for o in opcodes if o == op)
+        if num:
+            counts[op] = num
     regs, stack = (int(usage.group(1)), int(usage.group(2))) if usage else (-1, -1)
     return Compiled(name, label, regs, stack, int(kernel.metadata.shared), counts)
 

@@ -88,6 +88,7 @@ def _fp8_gemm_kernel(
     bias_ptr,
     y_ptr,
     part_ptr,
+    count_ptr,
     M,
     stride_q,
     stride_sx,
@@ -106,7 +107,8 @@ def _fp8_gemm_kernel(
 ):
     """y[BLOCK_M rows, BLOCK_N cols] = Σ_g (q_x[:, g] . q_w[:, g]ᵀ) · s_x[:, g] · s_w[:, g], one rounding (+ bias).
     With SPLIT > 1 the program sums only its GROUPS_PER_SPLIT groups (program_id 2) and stores that fp32 partial in
-    part [SPLIT, M, N]; _fp8_split_sum_kernel adds the partials in split order and rounds."""
+    part [SPLIT, M, N]; the tile's last program to finish (its count in count_ptr, one int32 a tile, reached
+    SPLIT - 1) adds the tile's partials in split order, rounds, and sets the count back to 0 for the next launch."""
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -133,40 +135,35 @@ def _fp8_gemm_kernel(
         b_sb = tl.load(p_sw + g, mask=m_n, other=0.0)  # [BLOCK_N]
         b_acc += tl.dot(b_a, b_b) * b_sa[:, None] * b_sb[None, :]
     if SPLIT > 1:
+        m_tile = m_m[:, None] & m_n[None, :]
         p_part = part_ptr + (i64(i_s) * M + o_m)[:, None] * N + o_n[None, :]  # [BLOCK_M, BLOCK_N]
-        tl.store(p_part, b_acc, mask=m_m[:, None] & m_n[None, :])
+        tl.store(p_part, b_acc, mask=m_tile)
+        # Every thread's partial is stored before the count moves (the barrier), and the count's release / acquire
+        # orders it before the last program's reads, which bypass L1 (.cg) so no stale line of another SM's
+        # partial is read; the sum keeps split order whichever program is last, so the bits never depend on timing
+        tl.debug_barrier()
+        p_count = count_ptr + i_m * tl.num_programs(1) + i_n
+        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for i_p in tl.static_range(SPLIT):
+                p_p = part_ptr + (i_p * M + i64(o_m))[:, None] * N + o_n[None, :]
+                b_acc += tl.load(p_p, mask=m_tile, other=0.0, cache_modifier=".cg")
+            tl.store(p_count, 0)  # the counts are zero between launches (stream order; CUDA-graph replays alike)
+            _store_rounded(b_acc, bias_ptr, y_ptr, o_m, o_n, m_m, m_n, stride_y, HAS_BIAS)
     else:
-        b_y = b_acc.to(y_ptr.dtype.element_ty)
-        if HAS_BIAS:  # the bias joins after the rounding, as the ref's (y + bias) in the output dtype
-            b_bias = tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-            b_y = (b_y.to(tl.float32) + b_bias[None, :]).to(y_ptr.dtype.element_ty)
-        p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]
-        tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])
+        _store_rounded(b_acc, bias_ptr, y_ptr, o_m, o_n, m_m, m_n, stride_y, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_split_sum_kernel(
-    part_ptr,
-    bias_ptr,
-    y_ptr,
-    M,
-    stride_y,
-    N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """y[row, BLOCK cols] = round(Σ_s part[s, row, cols]) in split order (the same result every run), + bias."""
-    i_m = i64(tl.program_id(0))
-    o_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    m_n = o_n < N
-    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i_s in tl.static_range(SPLIT):
-        b_acc += tl.load(part_ptr + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)  # i_m is int64
+@triton.jit
+def _store_rounded(b_acc, bias_ptr, y_ptr, o_m, o_n, m_m, m_n, stride_y, HAS_BIAS: tl.constexpr):
+    """y[o_m, o_n] = b_acc [BLOCK_M, BLOCK_N] fp32 rounded to y's dtype, then + bias (rounded again, as the ref's
+    y + bias in the output dtype)."""
     b_y = b_acc.to(y_ptr.dtype.element_ty)
     if HAS_BIAS:
-        b_y = (b_y.to(tl.float32) + tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)).to(b_y.dtype)
-    tl.store(y_ptr + i_m * stride_y + o_n, b_y, mask=m_n)
+        b_bias = tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_y = (b_y.to(tl.float32) + b_bias[None, :]).to(y_ptr.dtype.element_ty)
+    p_y = y_ptr + i64(o_m)[:, None] * stride_y + o_n[None, :]
+    tl.store(p_y, b_y, mask=m_m[:, None] & m_n[None, :])
 
 
 # Programs a launch should have before it splits K, per streaming multiprocessor: at decode rows a projection has as
@@ -175,7 +172,21 @@ def _fp8_split_sum_kernel(
 SPLIT_PROGRAMS_PER_SM = 4
 SPLIT_MAX_ROWS = 64  # the decode and verify rows (one row tile, CUDA-graph buckets): prefills keep one program a tile
 SPLIT_MIN_GROUPS = 2  # K groups a split walks at least
-SPLIT_SUM_BLOCK = 1024
+# The tiles' counts of finished split programs (int32, zero between launches), one buffer a device shared by every
+# split launch: launches on one stream run one after another, and each leaves its counts at zero
+SPLIT_COUNTS = 1 << 16
+_split_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, num_tiles: int) -> torch.Tensor:
+    """The device's count buffer (made zeroed on first use: the engine's warm-up runs the decode shapes eagerly
+    before any CUDA-graph capture)."""
+    if num_tiles > SPLIT_COUNTS:
+        raise ValueError(f"FP8 split GEMM: {num_tiles} output tiles, more than the {SPLIT_COUNTS} counts kept")
+    counts = _split_counts.get(device)
+    if counts is None:
+        counts = _split_counts[device] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
+    return counts
 
 
 def split_count(num_rows: int, num_tiles: int, num_groups: int, num_sms: int) -> tuple[int, int]:
@@ -218,19 +229,15 @@ def fp8_linear_triton(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.
     tiles = (triton.cdiv(num_rows, block_m), triton.cdiv(rows_n, block_n))
     splits, per_split = split_count(num_rows, tiles[0] * tiles[1], triton.cdiv(cols, GROUP), sm_count(x.device))
     part = torch.empty(splits, num_rows, rows_n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    counts = split_counts(x.device, tiles[0] * tiles[1]) if splits > 1 else y
     if num_rows:
         _fp8_gemm_kernel[(*tiles, splits)](
-            q, s, weight.weight, weight.scale, bias if bias is not None else y, y, part, num_rows,
+            q, s, weight.weight, weight.scale, bias if bias is not None else y, y, part, counts, num_rows,
             q.stride(0), s.stride(0), weight.weight.stride(0), weight.scale.stride(0), y.stride(0),
             N=rows_n, K=cols, SCALE_ROWS=weight.block_n, HAS_BIAS=bias is not None, GROUP=GROUP,
             BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits, GROUPS_PER_SPLIT=per_split,
             num_warps=4, num_stages=3, enable_fp_fusion=False,
         )  # fmt: skip
-        if splits > 1:
-            _fp8_split_sum_kernel[(num_rows, triton.cdiv(rows_n, SPLIT_SUM_BLOCK))](
-                part, bias if bias is not None else y, y, num_rows, y.stride(0),
-                N=rows_n, SPLIT=splits, HAS_BIAS=bias is not None, BLOCK=SPLIT_SUM_BLOCK, num_warps=4,
-            )  # fmt: skip
     return y.reshape(*lead, rows_n)
 
 

@@ -32,6 +32,7 @@ from deltaserve.kernels.fp8_triton import (
     fused_moe_fp8_triton,
     quantize_activation_triton,
     split_count,
+    split_counts,
 )
 from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import moe_route_ref
@@ -151,6 +152,24 @@ def test_split_k_partials_sum_to_the_ref(rows: int) -> None:
     with poisoned_empty():
         out = fp8_linear_triton(x, weight, bias)
     assert_close("y", fp8_linear_ref(x, weight, bias), out, FP32_RATIO if rows <= 32 else WGMMA_RATIO)
+
+
+def test_split_tiles_are_summed_by_their_last_program_and_leave_the_counts_at_zero() -> None:
+    """No second launch: each tile's last program sums the partials. Its counts go back to zero (the next launch,
+    or a CUDA-graph replay, starts from there), so a repeat is bit-equal; a count left behind would be read as
+    progress, and then no program would write the tile (here: NaN stays)."""
+    weight, x = _weight(64, 1024), _x(1, 1024)
+    with poisoned_empty():
+        first = fp8_linear_triton(x, weight)
+    counts = split_counts(x.device, 1)
+    assert not counts.any()
+    assert torch.equal(fp8_linear_triton(x, weight), first)
+    counts[0] = 4  # as if a launch had been cut short: every program of the tile now sees a count past the last
+    try:
+        with poisoned_empty():
+            assert torch.isnan(fp8_linear_triton(x, weight)).all()
+    finally:
+        counts.zero_()
 
 
 def test_split_counts_are_powers_of_two_that_leave_no_split_empty() -> None:
@@ -311,3 +330,20 @@ def test_rms_norm_fp8_bf16_model_shapes(hidden: int, rows: int) -> None:
     q, scale = quantize_activation_triton(y)
     assert torch.equal(normed.x, y) and torch.equal(normed.scale, scale)
     assert torch.equal(_bits(normed.q), _bits(q))
+
+
+@pytest.mark.gpu
+def test_split_gemm_replays_in_a_cuda_graph() -> None:
+    """A split launch captured in a CUDA graph and replayed on new inputs gives the eager launch's bits every time:
+    each replay finds the tile counts at zero (the last program of every tile resets its count)."""
+    weight = _weight(2048, 4096)
+    static_x = _x(1, 4096).bfloat16()
+    assert split_count(1, 32, 32, torch.cuda.get_device_properties(0).multi_processor_count)[0] > 1
+    fp8_linear_triton(static_x, weight)  # compile and make the counts outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fp8_linear_triton(static_x, weight)
+    for seed in range(5):
+        static_x.copy_(_x(1, 4096, seed=10 + seed).bfloat16())
+        graph.replay()
+        assert torch.equal(static_y, fp8_linear_triton(static_x, weight))
