@@ -14,8 +14,10 @@ to the activation dtype; a bias is added after that rounding.
 
 An activation can arrive already quantized, as `Fp8Rows` (the rows with their q and scale): the decoder's RMSNorms
 of an FP8 model quantize their output in the same launch (`rms_norm_fp8`), so the projections after them, and the
-shared expert and routed experts that read one normed row alike, launch no quantization of their own
-(docs/fp8.md#decode). The quantization is the one above applied to the rounded rows, so the products are the same.
+shared expert and routed experts that read one normed row alike, launch no quantization of their own; so do the
+SiLU-and-mul before a down projection, the attention's output gate before o_proj and the GDN's gated norm before
+out_proj (`silu_and_mul_fp8`, `sigmoid_gate_mul_fp8`, `gated_rms_norm_fp8`; docs/fp8.md#decode). The quantization
+is the one above applied to the rounded rows, so the products are the same.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from torch import nn
 
 from deltaserve.kernels._dispatch import use_triton
-from deltaserve.kernels.norm import rms_norm_ref
+from deltaserve.kernels.activation import sigmoid_gate_mul_ref, silu_and_mul_ref
+from deltaserve.kernels.norm import gated_rms_norm_ref, rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -187,3 +190,48 @@ def rms_norm_fp8(
 
         return rms_norm_fp8_triton(x, weight, eps, residual)
     return rms_norm_fp8_ref(x, weight, eps, residual)
+
+
+def silu_and_mul_fp8_ref(x: torch.Tensor) -> Fp8Rows:
+    """kernels/activation.py's silu_and_mul (x [T, 2I] -> [T, I]) with its rounded output quantized per token and
+    group of 128: the down projection's input."""
+    y = silu_and_mul_ref(x)
+    return Fp8Rows(y, *quantize_activation_ref(y))
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    if use_triton(x):
+        from deltaserve.kernels.activation_triton import silu_and_mul_fp8_triton
+
+        return silu_and_mul_fp8_triton(x)
+    return silu_and_mul_fp8_ref(x)
+
+
+def sigmoid_gate_mul_fp8_ref(o: torch.Tensor, gate: torch.Tensor) -> Fp8Rows:
+    """kernels/activation.py's sigmoid_gate_mul (o, gate [T, N]) with its rounded output quantized per token and
+    group of 128: o_proj's input."""
+    y = sigmoid_gate_mul_ref(o, gate)
+    return Fp8Rows(y, *quantize_activation_ref(y))
+
+
+def sigmoid_gate_mul_fp8(o: torch.Tensor, gate: torch.Tensor) -> Fp8Rows:
+    if use_triton(o):
+        from deltaserve.kernels.activation_triton import sigmoid_gate_mul_fp8_triton
+
+        return sigmoid_gate_mul_fp8_triton(o, gate)
+    return sigmoid_gate_mul_fp8_ref(o, gate)
+
+
+def gated_rms_norm_fp8_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """kernels/norm.py's gated_rms_norm (x, z [T, heads, d]) as the [T, heads·d] rows out_proj reads, quantized per
+    token and group of 128."""
+    y = gated_rms_norm_ref(x, z, weight, eps).reshape(x.shape[0], -1)
+    return Fp8Rows(y, *quantize_activation_ref(y))
+
+
+def gated_rms_norm_fp8(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    if use_triton(x):
+        from deltaserve.kernels.norm_triton import gated_rms_norm_fp8_triton
+
+        return gated_rms_norm_fp8_triton(x, z, weight, eps)
+    return gated_rms_norm_fp8_ref(x, z, weight, eps)

@@ -41,6 +41,22 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def quantize_stored_groups(y_ptr, q_ptr, s_ptr, o_row, o_group, m_pair, D, GROUP: tl.constexpr, FP8_MAX, AMAX_FLOOR):
+    """For each (row, group) pair [P] the GROUP columns y[row, group·GROUP :] of rows a producer kernel stored
+    (contiguous [*, D], read back after its barrier) quantized as _quant_act_kernel does: q [*, D], scale
+    [*, cdiv(D, GROUP)]. A producer that quantizes its own output calls this after storing it, so none of its
+    tensors takes the quantization's layout (its own results stay the plain kernel's)."""
+    o_col = o_group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [P, GROUP]
+    m = m_pair[:, None] & (o_col < D)
+    o_y = o_row[:, None] * D + o_col
+    b_y = tl.load(y_ptr + o_y, mask=m, other=0.0).to(tl.float32)
+    b_s = tl.maximum(tl.max(tl.abs(b_y), axis=1), AMAX_FLOOR) / FP8_MAX  # [P]
+    b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_y, b_s[:, None] + tl.zeros_like(b_y)), -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + o_y, b_q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + o_row * tl.cdiv(D, GROUP) + o_group, b_s, mask=m_pair & (o_group * GROUP < D))
+
+
+@triton.jit
 def _quant_act_kernel(
     x_ptr,
     q_ptr,

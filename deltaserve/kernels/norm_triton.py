@@ -5,8 +5,9 @@ leading dims may be strided (the four-op preamble norms the query halves of [que
 in the qkv rows). A program owns BLOCK_ROWS whole rows: at d = 5120 one row of 8192 lanes over 16 warps,
 at d = 128-256 a tile of rows so each program still moves a few KiB. Math as the refs: fp32 throughout,
 the residual sum rounded only for its store, one rounding of the output. For an FP8 model's projections the
-zero-centred norm also quantizes its rounded output per token and group of 128 (rms_norm_fp8_triton), so the
-FP8 GEMMs after it launch no quantization of their own (kernels/fp8.py).
+zero-centred norm and the gated norm before out_proj also quantize their rounded output per token and group of 128
+(rms_norm_fp8_triton, gated_rms_norm_fp8_triton), so the FP8 GEMMs after them launch no quantization of their own
+(kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait, require_last_dim_contiguous, silu_f32
 from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Rows
-from deltaserve.kernels.fp8_triton import round_to_e4m3
+from deltaserve.kernels.fp8_triton import quantize_activation_triton, quantize_stored_groups
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -94,16 +95,9 @@ def _rms_norm_kernel(
         num_groups: tl.constexpr = (BLOCK_D + GROUP - 1) // GROUP
         o_i = tl.arange(0, BLOCK_ROWS * num_groups)  # [BLOCK_ROWS * G]: (row, group) pairs
         o_qrow = i64(tl.program_id(0)) * BLOCK_ROWS + o_i // num_groups
-        o_col = (o_i % num_groups)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_ROWS * G, GROUP]
-        m_q = (o_qrow < num_rows)[:, None] & (o_col < D)
-        o_q = o_qrow[:, None] * D + o_col
-        b_g = tl.load(out_ptr + o_q, mask=m_q, other=0.0).to(tl.float32)
-        b_s = tl.maximum(tl.max(tl.abs(b_g), axis=1), AMAX_FLOOR) / FP8_MAX  # [BLOCK_ROWS * G]
-        b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_g, b_s[:, None] + tl.zeros_like(b_g)), -FP8_MAX, FP8_MAX))
-        tl.store(q_ptr + o_q, b_q.to(q_ptr.dtype.element_ty), mask=m_q)
-        num_scales = (D + GROUP - 1) // GROUP
-        m_s = (o_qrow < num_rows) & (o_i % num_groups < num_scales)
-        tl.store(s_ptr + o_qrow * num_scales + o_i % num_groups, b_s, mask=m_s)
+        quantize_stored_groups(
+            out_ptr, q_ptr, s_ptr, o_qrow, o_i % num_groups, o_qrow < num_rows, D, GROUP, FP8_MAX, AMAX_FLOOR
+        )
 
 
 def rms_norm_triton(
@@ -188,10 +182,16 @@ def _gated_rms_norm_kernel(
     stride_z_outer,
     stride_z_head,
     eps,
+    q_ptr,
+    s_ptr,
     D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = False,
+    GROUP: tl.constexpr = 128,
+    FP8_MAX: tl.constexpr = 448.0,
+    AMAX_FLOOR: tl.constexpr = 1e-10,
 ):
     o_row = i64(tl.program_id(0)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     m_row = o_row < num_rows
@@ -209,10 +209,41 @@ def _gated_rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BLOCK_ROWS]
     b_y = b_x * inv_rms[:, None] * b_w[None, :] * silu_f32(b_z)
     tl.store(out_ptr + o_row[:, None] * D + o_d[None, :], b_y, mask=m)
+    if QUANT:  # D a multiple of GROUP: each row's groups are groups of the [T, heads·D] rows out_proj reads
+        tl.debug_barrier()  # this program's stores are visible to all its threads
+        num_groups: tl.constexpr = BLOCK_D // GROUP
+        o_i = tl.arange(0, BLOCK_ROWS * num_groups)  # [BLOCK_ROWS * G]: (row, group) pairs
+        o_qrow = i64(tl.program_id(0)) * BLOCK_ROWS + o_i // num_groups
+        quantize_stored_groups(
+            out_ptr, q_ptr, s_ptr, o_qrow, o_i % num_groups, o_qrow < num_rows, D, GROUP, FP8_MAX, AMAX_FLOOR
+        )
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x)·w ⊙ SiLU(z) over the last dim (plain weight), fp32 inside, one rounding; out contiguous."""
+    return _gated_rms_norm(x, z, weight, eps, None)
+
+
+def gated_rms_norm_fp8_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """gated_rms_norm_triton on x, z [T, heads, d] as the [T, heads·d] rows out_proj reads, with their
+    per-token-group quantization (as kernels/fp8.py's gated_rms_norm_fp8_ref): in the same launch when d is a
+    multiple of 128 (every Qwen3.5 / 3.6 width), else the norm and then quantize_activation_triton."""
+    num_tokens, width = x.shape[0], x.shape[1] * x.shape[2]
+    if x.shape[-1] % GROUP:
+        y = _gated_rms_norm(x, z, weight, eps, None).view(num_tokens, width)
+        return Fp8Rows(y, *quantize_activation_triton(y))
+    q = torch.empty(num_tokens, width, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(num_tokens, width // GROUP, dtype=torch.float32, device=x.device)
+    return Fp8Rows(_gated_rms_norm(x, z, weight, eps, (q, scale)).view(num_tokens, width), q, scale)
+
+
+def _gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    quant: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
     assert z.shape == x.shape, f"z {tuple(z.shape)} != x {tuple(x.shape)}"
     dim = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -223,22 +254,10 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     zv, z_heads, sz0, sz1 = _rows(z)
     assert z_heads == num_heads
     block_d, block_rows, num_warps = _tile(dim)
+    q, scale = quant if quant is not None else (out, out)
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-        xv,
-        zv,
-        weight,
-        out,
-        num_rows,
-        num_heads,
-        sx0,
-        sx1,
-        sz0,
-        sz1,
-        eps,
-        D=dim,
-        BLOCK_ROWS=block_rows,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-        **pdl_launch(x),
-    )
+        xv, zv, weight, out, num_rows, num_heads, sx0, sx1, sz0, sz1, eps, q, scale,
+        D=dim, BLOCK_ROWS=block_rows, BLOCK_D=block_d, QUANT=quant is not None, GROUP=GROUP, FP8_MAX=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR, num_warps=num_warps, **pdl_launch(x),
+    )  # fmt: skip
     return out

@@ -16,14 +16,24 @@ import torch
 
 from deltaserve.kernels import fp8 as fp8_module
 from deltaserve.kernels import fp8_moe as fp8_moe_module
+from deltaserve.kernels.activation import sigmoid_gate_mul_ref, silu_and_mul_ref
+from deltaserve.kernels.activation_triton import (
+    sigmoid_gate_mul_fp8_triton,
+    sigmoid_gate_mul_triton,
+    silu_and_mul_fp8_triton,
+    silu_and_mul_triton,
+)
 from deltaserve.kernels.fp8 import (
     FP8_DTYPE,
     Fp8Rows,
     Fp8Weight,
     fp8_block_rows,
     fp8_linear_ref,
+    gated_rms_norm_fp8_ref,
     quantize_activation_ref,
     rms_norm_fp8_ref,
+    sigmoid_gate_mul_fp8_ref,
+    silu_and_mul_fp8_ref,
 )
 from deltaserve.kernels.fp8_moe import fused_moe_fp8_ref
 from deltaserve.kernels.fp8_triton import (
@@ -36,8 +46,13 @@ from deltaserve.kernels.fp8_triton import (
 )
 from deltaserve.kernels.linear import linear
 from deltaserve.kernels.moe import moe_route_ref
-from deltaserve.kernels.norm import rms_norm_ref
-from deltaserve.kernels.norm_triton import rms_norm_fp8_triton, rms_norm_triton
+from deltaserve.kernels.norm import gated_rms_norm_ref, rms_norm_ref
+from deltaserve.kernels.norm_triton import (
+    gated_rms_norm_fp8_triton,
+    gated_rms_norm_triton,
+    rms_norm_fp8_triton,
+    rms_norm_triton,
+)
 from deltaserve.tiny.fp8 import quantize_block_fp8
 
 from ._util import DEVICE, assert_close, poisoned_empty
@@ -221,6 +236,45 @@ def test_rms_norm_fp8_is_the_norm_then_the_quantization(rows: int, cols: int, ha
         assert torch.equal(ref_residual, residual_ref)
 
 
+@pytest.mark.parametrize("cols", [64, 200, 384, 1536])  # 1536: a 1,024-column block and a 512-column one a row
+def test_gated_activations_quantize_their_rows_in_the_same_launch(cols: int) -> None:
+    """SiLU-and-mul (before a down projection) and the attention output gate (before o_proj) with their rows'
+    quantization: the rows bit for bit as the plain kernels', the quantization as quantize_activation_triton's of
+    them; the ref twins are the plain refs then quantize_activation_ref."""
+    gate_up, o, gate = _x(3, 2 * cols), _x(3, cols, seed=2), _x(3, cols, seed=3)
+    cases = (
+        (silu_and_mul_fp8_triton, silu_and_mul_triton, silu_and_mul_fp8_ref, silu_and_mul_ref, (gate_up,)),
+        (
+            sigmoid_gate_mul_fp8_triton,
+            sigmoid_gate_mul_triton,
+            sigmoid_gate_mul_fp8_ref,
+            sigmoid_gate_mul_ref,
+            (o, gate),
+        ),
+    )
+    for fused, plain_kernel, fused_ref, plain_ref, args in cases:
+        with poisoned_empty():
+            rows = fused(*args)
+        y = plain_kernel(*args)
+        _assert_rows_equal(rows, y, *quantize_activation_triton(y))
+        y_ref = plain_ref(*args)
+        _assert_rows_equal(fused_ref(*args), y_ref, *quantize_activation_ref(y_ref))
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(3, 128), (2, 256), (4, 64)])  # d = 64: the norm, then a quantization
+def test_gated_norm_quantizes_out_projs_rows(heads: int, dim: int) -> None:
+    """The GDN's gated norm as the [T, heads·d] rows out_proj reads, with their quantization: rows bit for bit as
+    gated_rms_norm_triton's, quantization as quantize_activation_triton's of them (one launch when d is whole
+    groups); the ref twin is gated_rms_norm_ref then quantize_activation_ref."""
+    x, z, weight = _x(5, heads * dim).view(5, heads, dim), _x(5, heads * dim, seed=4).view(5, heads, dim), _x(1, dim)[0]
+    with poisoned_empty():
+        rows = gated_rms_norm_fp8_triton(x, z, weight, 1e-6)
+    y = gated_rms_norm_triton(x, z, weight, 1e-6).reshape(5, heads * dim)
+    _assert_rows_equal(rows, y, *quantize_activation_triton(y))
+    y_ref = gated_rms_norm_ref(x, z, weight, 1e-6).reshape(5, heads * dim)
+    _assert_rows_equal(gated_rms_norm_fp8_ref(x, z, weight, 1e-6), y_ref, *quantize_activation_ref(y_ref))
+
+
 def _rows_with_wrong_scale(x: torch.Tensor) -> Fp8Rows:
     """x's quantization with every scale doubled: a GEMM that reads it gives twice the product."""
     q, scale = quantize_activation_ref(x)
@@ -347,3 +401,33 @@ def test_split_gemm_replays_in_a_cuda_graph() -> None:
         static_x.copy_(_x(1, 4096, seed=10 + seed).bfloat16())
         graph.replay()
         assert torch.equal(static_y, fp8_linear_triton(static_x, weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 300])
+def test_gated_activations_fp8_bf16_model_shapes(rows: int) -> None:
+    """bf16 at the 35B-A3B shared expert's and the 27B MLP's widths (512, 17,408) and the attention gates' (4,096,
+    6,144): rows and quantization bit for bit as the two launches each replaces."""
+    for cols in (512, 17408):
+        gate_up = _x(rows, 2 * cols).bfloat16()
+        rows_q, y = silu_and_mul_fp8_triton(gate_up), silu_and_mul_triton(gate_up)
+        q, scale = quantize_activation_triton(y)
+        assert torch.equal(rows_q.x, y) and torch.equal(rows_q.scale, scale) and torch.equal(_bits(rows_q.q), _bits(q))
+    for cols in (4096, 6144):
+        o, gate = _x(rows, cols).bfloat16(), _x(rows, cols, seed=3).bfloat16()
+        rows_q, y = sigmoid_gate_mul_fp8_triton(o, gate), sigmoid_gate_mul_triton(o, gate)
+        q, scale = quantize_activation_triton(y)
+        assert torch.equal(rows_q.x, y) and torch.equal(rows_q.scale, scale) and torch.equal(_bits(rows_q.q), _bits(q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [32, 48])  # the 35B-A3B's and the 27B's value heads, d = 128
+def test_gated_norm_fp8_bf16_model_shapes(heads: int) -> None:
+    for tokens in (1, 300):
+        x = _x(tokens, heads * 128).bfloat16().view(tokens, heads, 128)
+        z = _x(tokens, heads * 128, seed=4).bfloat16().view(tokens, heads, 128)
+        weight = _x(1, 128)[0].bfloat16()
+        rows_q = gated_rms_norm_fp8_triton(x, z, weight, 1e-6)
+        y = gated_rms_norm_triton(x, z, weight, 1e-6).reshape(tokens, heads * 128)
+        q, scale = quantize_activation_triton(y)
+        assert torch.equal(rows_q.x, y) and torch.equal(rows_q.scale, scale) and torch.equal(_bits(rows_q.q), _bits(q))

@@ -347,24 +347,38 @@ def test_triton_kernels_compose_to_the_ref_model(
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_norms_quantize_for_the_fp8_projections_and_change_no_logit(
+def test_producers_quantize_for_the_fp8_projections_and_change_no_logit(
     name: str, fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every decoder layer of an FP8 model (the MTP layer's too) norms with rms_norm_fp8, whose quantized rows the
-    FP8 projections and experts read instead of quantizing again: the logits equal the model's with the plain norm
-    (each projection quantizing its input itself), bit for bit."""
-    from deltaserve.kernels.fp8 import rms_norm_fp8
-    from deltaserve.kernels.norm import rms_norm
+    """In an FP8 model the launches before FP8 projections quantize their own rows (kernels/fp8.py's Fp8Rows): both
+    RMSNorms of every decoder layer (the MTP layer's too), SiLU-and-mul before each down projection, the attention
+    output gate before o_proj, the GDN's gated norm before out_proj; the projections and experts read that
+    quantization instead of quantizing again. The logits equal the model's with the plain ops (each projection
+    quantizing its input itself), bit for bit."""
+    from deltaserve.kernels.activation import sigmoid_gate_mul, silu_and_mul
+    from deltaserve.kernels.fp8 import gated_rms_norm_fp8, rms_norm_fp8, sigmoid_gate_mul_fp8, silu_and_mul_fp8
+    from deltaserve.kernels.norm import gated_rms_norm, rms_norm
+    from deltaserve.model.layers.attention import GatedAttention
+    from deltaserve.model.layers.gdn import GatedDeltaNet
+    from deltaserve.model.layers.mlp import DenseMLP
     from deltaserve.model.qwen3_5 import DecoderLayer
 
     folder, llm = fp8_llm(name)
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, DecoderLayer)]
-    assert layers and all(layer.rms_norm_op is rms_norm_fp8 for layer in layers)
+    producers = {
+        DecoderLayer: ("rms_norm_op", rms_norm_fp8, rms_norm),
+        DenseMLP: ("act", silu_and_mul_fp8, silu_and_mul),
+        GatedAttention: ("gate_mul", sigmoid_gate_mul_fp8, sigmoid_gate_mul),
+        GatedDeltaNet: ("out_norm_op", gated_rms_norm_fp8, gated_rms_norm),
+    }
+    found = {kind: [m for m in llm.engine.runner.model.modules() if type(m) is kind] for kind in producers}
+    for kind, (attribute, fused, _) in producers.items():
+        assert found[kind] and all(getattr(m, attribute) is fused for m in found[kind]), kind
     ids = _prompts(folder)[0][:6]
-    fused = llm.prefill_logits(ids)
-    for layer in layers:
-        monkeypatch.setattr(layer, "rms_norm_op", rms_norm)
-    assert torch.equal(llm.prefill_logits(ids), fused)
+    quantizing = llm.prefill_logits(ids)
+    for kind, (attribute, _, plain_op) in producers.items():
+        for module in found[kind]:
+            monkeypatch.setattr(module, attribute, plain_op)
+    assert torch.equal(llm.prefill_logits(ids), quantizing)
 
 
 def test_whole_experts_take_the_routes_as_they_are(

@@ -18,6 +18,7 @@ than one stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -97,6 +98,18 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _leaves(out: object) -> list[object]:
+    """An op's outputs, tensor by tensor: pytree containers and dataclasses of tensors (kernels/fp8.py's Fp8Rows,
+    whose kernels write all three of its tensors) alike."""
+    leaves = []
+    for leaf in tree_leaves(out):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            leaves += [tensor for f in dataclasses.fields(leaf) for tensor in _leaves(getattr(leaf, f.name))]
+        else:
+            leaves.append(leaf)
+    return leaves
+
+
 class FakeGraph:
     """torch.cuda.CUDAGraph's stand-in: ops recorded by fake_graph's capture, run again by replay()."""
 
@@ -110,7 +123,7 @@ class FakeGraph:
         self.state.replays += 1
         for func, args, kwargs, out in self.ops:
             fresh = func(*args, **kwargs)
-            for old, new in zip(tree_leaves(out), tree_leaves(fresh), strict=True):
+            for old, new in zip(_leaves(out), _leaves(fresh), strict=True):
                 # an op that allocated its output: the graph's output lives at the captured address
                 if isinstance(old, torch.Tensor) and old.data_ptr() != new.data_ptr():
                     if old.shape != new.shape:

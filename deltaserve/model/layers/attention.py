@@ -29,6 +29,7 @@ from deltaserve.kernels import (
     sigmoid_gate_mul,
     store_kv,
 )
+from deltaserve.kernels.fp8 import sigmoid_gate_mul_fp8
 from deltaserve.model.context import ForwardContext, get_forward_context
 from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param, projection
@@ -100,6 +101,8 @@ class GatedAttention(nn.Module):
         self.o_proj = projection(
             config.hidden_size, self.num_q_heads * self.head_dim, dtype=dtype, device=device, fp8=is_fp8
         )
+        # before an FP8 o_proj the output gate quantizes its rows in the same launch (kernels/fp8.py)
+        self.gate_mul = sigmoid_gate_mul_fp8 if is_fp8 else sigmoid_gate_mul
         # transformers' attention_bias: biases on q (with its gate), k, v and o; None when the config has none
         self.qkv_bias = (
             empty_param(q_width + 2 * kv_width, dtype=dtype, device=device) if config.has_attention_bias else None
@@ -157,7 +160,7 @@ class GatedAttention(nn.Module):
             )  # fmt: skip
         # sigmoid(gate)·o in fp32 with one rounding, as vLLM's compiled graph fuses it: one launch on the GPU
         with label("attn.sigmoid_gate_mul"):
-            gated = sigmoid_gate_mul(o.reshape(num_tokens, -1), gate)  # [T, nq·d]
+            gated = self.gate_mul(o.reshape(num_tokens, -1), gate)  # [T, nq·d]
         with label("attn.o_proj"):
             out = linear(gated, self.o_proj, self.o_bias)
         return self.tp.all_reduce(out)

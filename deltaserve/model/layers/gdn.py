@@ -26,7 +26,7 @@ from deltaserve.kernels import (
     gdn_verify,
     linear,
 )
-from deltaserve.kernels.fp8 import Fp8Weight
+from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, gated_rms_norm_fp8
 from deltaserve.model.context import get_forward_context
 from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param, projection
@@ -78,6 +78,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = empty_param(self.num_v_heads, dtype=dtype, device=device)
         self.norm = empty_param(self.head_v_dim, dtype=dtype, device=device)
         self.out_proj = projection(hidden, self.value_dim, dtype=dtype, device=device, fp8=is_fp8)
+        # before an FP8 out_proj the gated norm quantizes its rows in the same launch (kernels/fp8.py)
+        self.out_norm_op = gated_rms_norm_fp8 if is_fp8 else gated_rms_norm
         self.conv_states: torch.Tensor | None = None  # bound by the runner
         self.ssm_states: torch.Tensor | None = None
         self.in_proj: torch.Tensor | None = None  # [qkvz | ba] rows once fuse_in_proj ran
@@ -132,9 +134,9 @@ class GatedDeltaNet(nn.Module):
         else:
             core = self._mixed_step(mixed, a, b, num_decodes)
         with label("gdn.gated_rms_norm"):
-            y = gated_rms_norm(core, z, self.norm, self.eps)  # [T, HV, dv]
+            y = self.out_norm_op(core, z, self.norm, self.eps)  # [T, HV, dv], or Fp8Rows [T, HV·dv]
         with label("gdn.out_proj"):
-            out = linear(y.reshape(num_tokens, self.value_dim), self.out_proj)
+            out = linear(y if isinstance(y, Fp8Rows) else y.reshape(num_tokens, self.value_dim), self.out_proj)
         return self.tp.all_reduce(out)
 
     def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels import fused_moe, fused_moe_block, linear, moe_route, silu_and_mul
+from deltaserve.kernels.fp8 import silu_and_mul_fp8
 from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param, projection
 from deltaserve.model.parallel import TensorParallel
@@ -43,12 +44,14 @@ class DenseMLP(nn.Module):
             2 * intermediate, hidden, dtype=dtype, device=device, fp8=fp8, parts=(intermediate, intermediate)
         )  # [gate | up]
         self.down_proj = projection(hidden, intermediate, dtype=dtype, device=device, fp8=fp8)
+        # before an FP8 down projection SiLU-and-mul quantizes its rows in the same launch (kernels/fp8.py)
+        self.act = silu_and_mul_fp8 if fp8 else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with label(self.labels[0]):
             gate_up = linear(x, self.gate_up_proj)
         with label("mlp.silu_and_mul"):
-            act = silu_and_mul(gate_up)
+            act = self.act(gate_up)
         with label(self.labels[1]):
             out = linear(act, self.down_proj)
         return self.tp.all_reduce(out) if self.is_reduced else out
