@@ -33,6 +33,8 @@ from deltaserve.kernels.moe import (
     fused_moe_ref,
     moe_route,
     moe_route_ref,
+    router_logits,
+    router_logits_ref,
 )
 from deltaserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
 from deltaserve.kernels.preamble import (
@@ -76,6 +78,8 @@ __all__ = [
     "linear_ref",
     "moe_route",
     "moe_route_ref",
+    "router_logits",
+    "router_logits_ref",
     "quantize_activation_ref",
     "paged_attention",
     "paged_attention_ref",

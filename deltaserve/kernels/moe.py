@@ -81,6 +81,9 @@ def router_logits_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_weight:
     return logits if gate_weight is None else torch.cat([logits, F.linear(x, gate_weight)], dim=1)
 
 
+router_logits = triton_or_ref(router_logits_ref, "moe_decode_triton.router_logits_triton")
+
+
 def fused_moe_block_ref(
     x: torch.Tensor,
     router_weight: torch.Tensor,

@@ -381,6 +381,30 @@ def test_producers_quantize_for_the_fp8_projections_and_change_no_logit(
     assert torch.equal(llm.prefill_logits(ids), quantizing)
 
 
+def test_fp8_moe_routes_and_gates_the_shared_expert_from_one_router_pass(
+    fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FP8 MoE block's router and shared-expert gate logits come from one router_logits call (one launch on the
+    GPU, as the bf16 block's), the gate as its last column; on the CPU the twin is the two F.linear calls it was."""
+    import deltaserve.model.layers.mlp as mlp_module
+    from deltaserve.kernels.moe import router_logits_ref
+    from deltaserve.model.layers.mlp import MoEBlock
+
+    folder, llm = fp8_llm("moe")
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, MoEBlock)]
+    ids = _prompts(folder)[0][:5]
+    expected = llm.prefill_logits(ids)
+    calls: list[torch.Tensor | None] = []
+
+    def spy(x: torch.Tensor, router: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        calls.append(gate)
+        return router_logits_ref(x, router, gate)
+
+    monkeypatch.setattr(mlp_module, "router_logits", spy)
+    assert torch.equal(llm.prefill_logits(ids), expected)
+    assert len(calls) == len(blocks) and all(g is b.shared_expert_gate for g, b in zip(calls, blocks, strict=True))
+
+
 def test_whole_experts_take_the_routes_as_they_are(
     fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

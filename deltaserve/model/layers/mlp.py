@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import fused_moe, fused_moe_block, linear, moe_route, silu_and_mul
-from deltaserve.kernels.fp8 import silu_and_mul_fp8
+from deltaserve.kernels import fused_moe, fused_moe_block, linear, moe_route, router_logits, silu_and_mul
+from deltaserve.kernels.fp8 import plain, silu_and_mul_fp8
 from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param, projection
 from deltaserve.model.parallel import TensorParallel
@@ -99,10 +99,14 @@ class MoEBlock(nn.Module):
         # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
         # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref
         # twin). Block-FP8 experts take it too: their fused_moe is the FP8 one (kernels/fp8_moe.py).
+        num_experts = self.gate.shape[0]
         with label("mlp.moe_router"):
-            router_logits = linear(x, self.gate)  # [T, E], model dtype as in vLLM and TF
+            # the router and the shared-expert gate rows in one pass (the bf16 block's first kernel), each logit
+            # rounded to the model dtype as its own F.linear would (vLLM and TF)
+            shared_gate = self.shared_expert_gate if self.has_shared_expert else None
+            logits = router_logits(plain(x), self.gate, shared_gate)  # [T, E (+1)]
         with label("mlp.moe_route"):
-            topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
+            topk_weights, topk_ids = moe_route(logits[:, :num_experts], self.top_k, self.renormalize)
             if not self.experts.is_whole:  # whole experts (block FP8 on one rank): the ids are already local
                 topk_weights, topk_ids = self._local_routes(topk_weights, topk_ids)
         if not self.has_shared_expert:
@@ -110,8 +114,7 @@ class MoEBlock(nn.Module):
                 out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
             return self.tp.all_reduce(out)
         shared_out = self.shared_expert(x)  # [T, H], this rank's partial sum
-        with label("mlp.shared_gate"):
-            shared_gate_logits = linear(x, self.shared_expert_gate)  # [T, 1]
+        shared_gate_logits = logits[:, num_experts:]  # [T, 1]
         # (routed + sigmoid(gate)·shared) in fp32, rounded once: fused into the routed experts' last kernel
         with label("mlp.fused_moe"):
             out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, shared_out, shared_gate_logits)
