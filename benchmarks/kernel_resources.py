@@ -450,6 +450,33 @@ def fp8_launches(shape: str, rows: list[int]) -> list[tuple[str, Callable[[], ob
         for m in rows:
             x = torch.empty(m, num_in, dtype=torch.bfloat16)
             launches.append((f"fp8 {names} M={m}", lambda x=x, weight=weight: fp8_linear_triton(x, weight)))
+    return launches + fp8_producer_launches(fp8_ab.text_config(shape), rows)
+
+
+def fp8_producer_launches(text: dict[str, Any], rows: list[int]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) per launch that quantizes its own output for an FP8 projection (kernels/fp8.py's Fp8Rows):
+    the decoder's RMSNorm with its residual, SiLU-and-mul, the attention output gate and the GDN gated norm, at the
+    shape's widths, M rows each."""
+    from deltaserve.kernels.activation_triton import sigmoid_gate_mul_fp8_triton, silu_and_mul_fp8_triton
+    from deltaserve.kernels.norm_triton import gated_rms_norm_fp8_triton, rms_norm_fp8_triton
+
+    hidden, gate_width = text["hidden_size"], text["num_attention_heads"] * text["head_dim"]
+    heads, head_dim = text["linear_num_value_heads"], text["linear_value_head_dim"]
+    inter = text.get("shared_expert_intermediate_size") if text.get("num_experts") else text["intermediate_size"]
+    bf16 = torch.bfloat16
+    launches: list[tuple[str, Callable[[], object]]] = []
+    for m in rows:
+        x, w = torch.empty(m, hidden, dtype=bf16), torch.empty(hidden, dtype=bf16)
+        g, o = torch.empty(m, heads, head_dim, dtype=bf16), torch.empty(head_dim, dtype=bf16)
+        launches += [
+            (f"fp8 rms_norm M={m}", lambda x=x, w=w: rms_norm_fp8_triton(x, w, 1e-6, x)),
+            (f"fp8 silu_and_mul M={m}", lambda m=m: silu_and_mul_fp8_triton(torch.empty(m, 2 * inter, dtype=bf16))),
+            (
+                f"fp8 gate_mul M={m}",
+                lambda m=m: sigmoid_gate_mul_fp8_triton(*torch.empty(2, m, gate_width, dtype=bf16)),
+            ),
+            (f"fp8 gated_rms_norm M={m}", lambda g=g, o=o: gated_rms_norm_fp8_triton(g, g, o, 1e-6)),
+        ]
     return launches
 
 
