@@ -17,24 +17,8 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait, require_last_dim_contiguous, silu_f32
-from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Rows
-from deltaserve.kernels.fp8_triton import quantize_stored_groups
-
-# kernels/fp8.py's quantization constants, as globals a jit function may read
-_E4M3_MAX = tl.constexpr(FP8_MAX)
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
-
-
-@triton.jit
-def _quantize_block(out_ptr, q_ptr, s_ptr, i_t, i_b, N, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    """After a program stored out[i_t, i_b·BLOCK : +BLOCK] (rows of N, contiguous): the whole groups of GROUP
-    columns in it (BLOCK is a multiple of GROUP, or the row's only block) quantized
-    (fp8_triton.quantize_stored_groups)."""
-    tl.debug_barrier()  # this program's stores are visible to all its threads
-    num_groups: tl.constexpr = (BLOCK + GROUP - 1) // GROUP
-    o_group = i_b * (BLOCK // GROUP) + tl.arange(0, num_groups)  # [G]
-    o_row = i_t + tl.zeros([num_groups], dtype=tl.int64)
-    quantize_stored_groups(out_ptr, q_ptr, s_ptr, o_row, o_group, o_group * GROUP < N, N, GROUP, _E4M3_MAX, _AMAX_FLOOR)
+from deltaserve.kernels.fp8 import GROUP, Fp8Rows
+from deltaserve.kernels.fp8_triton import empty_quantization, quantize_stored_tile
 
 
 @triton.jit
@@ -59,7 +43,9 @@ def _silu_and_mul_kernel(
     b_up = tl.load(p_x + I, mask=m_i, other=0.0).to(tl.float32)
     tl.store(out_ptr + i_t * I + o_i, silu_f32(b_gate) * b_up, mask=m_i)
     if QUANT:
-        _quantize_block(out_ptr, q_ptr, s_ptr, i_t, tl.program_id(1), I, BLOCK_I, GROUP)
+        # this program's whole groups of its row (BLOCK_I is a multiple of GROUP, or the row's only block)
+        group0 = tl.program_id(1) * (BLOCK_I // GROUP)
+        quantize_stored_tile(out_ptr, q_ptr, s_ptr, i_t, i_t + 1, group0, I, 1, (BLOCK_I + GROUP - 1) // GROUP, GROUP)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
@@ -94,10 +80,9 @@ def _silu_and_mul(x: torch.Tensor, quant: tuple[torch.Tensor, torch.Tensor] | No
 def _with_quantization(
     produce: Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor], rows: int, cols: int, device: torch.device
 ) -> Fp8Rows:
-    """Fp8Rows of what `produce((q, scale))` stores, q and scale [rows, cdiv(cols, GROUP)] made here."""
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=device)
-    scale = torch.empty(rows, triton.cdiv(cols, GROUP), dtype=torch.float32, device=device)
-    return Fp8Rows(produce((q, scale)), q, scale)
+    """Fp8Rows of what `produce((q, scale))` stores, with the quantization buffers of [rows, cols]."""
+    quant = empty_quantization(rows, cols, device)
+    return Fp8Rows(produce(quant), *quant)
 
 
 @triton.jit
@@ -126,7 +111,8 @@ def _sigmoid_gate_mul_kernel(
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     tl.store(out_ptr + i_t * N + o_n, b_o * b_sig, mask=m_n)
     if QUANT:
-        _quantize_block(out_ptr, q_ptr, s_ptr, i_t, tl.program_id(1), N, BLOCK_N, GROUP)
+        group0 = tl.program_id(1) * (BLOCK_N // GROUP)  # as _silu_and_mul_kernel's
+        quantize_stored_tile(out_ptr, q_ptr, s_ptr, i_t, i_t + 1, group0, N, 1, (BLOCK_N + GROUP - 1) // GROUP, GROUP)
 
 
 def sigmoid_gate_mul_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

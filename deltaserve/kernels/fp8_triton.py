@@ -40,20 +40,39 @@ def round_to_e4m3(v):
     return tl.where(magnitude < 0.015625, subnormal, normal)
 
 
+# the quantization's constants, as globals a jit function may read
+_E4M3_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+
 @triton.jit
-def quantize_stored_groups(y_ptr, q_ptr, s_ptr, o_row, o_group, m_pair, D, GROUP: tl.constexpr, FP8_MAX, AMAX_FLOOR):
-    """For each (row, group) pair [P] the GROUP columns y[row, group·GROUP :] of rows a producer kernel stored
-    (contiguous [*, D], read back after its barrier) quantized as _quant_act_kernel does: q [*, D], scale
-    [*, cdiv(D, GROUP)]. A producer that quantizes its own output calls this after storing it, so none of its
-    tensors takes the quantization's layout (its own results stay the plain kernel's)."""
+def quantize_stored_tile(
+    y_ptr, q_ptr, s_ptr, row0, row_end, group0, D, ROWS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP: tl.constexpr
+):
+    """For a producer kernel that quantizes its own output: after its barrier, the rows row0 .. row0 + ROWS (those
+    below row_end) of what it stored, y [*, D] contiguous, read back in their groups group0 .. group0 + NUM_GROUPS
+    of GROUP columns (those inside D) and quantized as _quant_act_kernel does: q [*, D], scale [*, cdiv(D, GROUP)].
+    Reading back keeps the quantization's tile out of the producer's own tensors, so those compile and round as in
+    the plain kernel."""
+    tl.debug_barrier()  # the program's stores are visible to all its threads
+    o_i = tl.arange(0, ROWS * NUM_GROUPS)  # [P]: (row, group) pairs
+    o_row = row0 + o_i // NUM_GROUPS
+    o_group = group0 + o_i % NUM_GROUPS
+    m_pair = o_row < row_end
     o_col = o_group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [P, GROUP]
     m = m_pair[:, None] & (o_col < D)
     o_y = o_row[:, None] * D + o_col
     b_y = tl.load(y_ptr + o_y, mask=m, other=0.0).to(tl.float32)
-    b_s = tl.maximum(tl.max(tl.abs(b_y), axis=1), AMAX_FLOOR) / FP8_MAX  # [P]
-    b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_y, b_s[:, None] + tl.zeros_like(b_y)), -FP8_MAX, FP8_MAX))
+    b_s = tl.maximum(tl.max(tl.abs(b_y), axis=1), _AMAX_FLOOR) / _E4M3_MAX  # [P]
+    b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_y, b_s[:, None] + tl.zeros_like(b_y)), -_E4M3_MAX, _E4M3_MAX))
     tl.store(q_ptr + o_y, b_q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + o_row * tl.cdiv(D, GROUP) + o_group, b_s, mask=m_pair & (o_group * GROUP < D))
+
+
+def empty_quantization(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [rows, cols], scale fp32 [rows, ceil(cols/128)]): the buffers of rows' quantization."""
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=device)
+    return q, torch.empty(rows, triton.cdiv(cols, GROUP), dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -85,11 +104,9 @@ def quantize_activation_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """x [M, K] (last dim contiguous) -> (q float8_e4m3fn [M, K], scale fp32 [M, ceil(K/128)]), as
     quantize_activation_ref."""
     rows, cols = x.shape
-    groups = triton.cdiv(cols, GROUP)
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    q, s = empty_quantization(rows, cols, x.device)
     if rows:
-        _quant_act_kernel[(rows, groups)](
+        _quant_act_kernel[(rows, s.shape[1])](
             x, q, s, x.stride(0), q.stride(0), s.stride(0), K=cols, GROUP=GROUP, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR
         )
     return q, s

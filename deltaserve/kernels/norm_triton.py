@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import i64, next_pow2, pdl_launch, pdl_wait, require_last_dim_contiguous, silu_f32
-from deltaserve.kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP, Fp8Rows
-from deltaserve.kernels.fp8_triton import quantize_activation_triton, quantize_stored_groups
+from deltaserve.kernels.fp8 import GROUP, Fp8Rows
+from deltaserve.kernels.fp8_triton import empty_quantization, quantize_activation_triton, quantize_stored_tile
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -64,8 +64,6 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr = False,
     QUANT: tl.constexpr = False,
     GROUP: tl.constexpr = 128,
-    FP8_MAX: tl.constexpr = 448.0,
-    AMAX_FLOOR: tl.constexpr = 1e-10,
 ):
     o_row = i64(tl.program_id(0)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     m_row = o_row < num_rows
@@ -87,17 +85,10 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BLOCK_ROWS]
     b_y = b_x * inv_rms[:, None] * (1.0 + b_w)[None, :]
     tl.store(out_ptr + o_out, b_y, mask=m)
-    if QUANT:
-        # The stored (rounded) rows read back after a barrier, per (row, group of GROUP columns) as rows of a
-        # [BLOCK_ROWS * G, GROUP] tile, and quantized with _quant_act_kernel's formulas: the quantization touches
-        # none of the norm's own tensors, so the norm above compiles and rounds exactly as without it
-        tl.debug_barrier()  # this program's stores are visible to all its threads
+    if QUANT:  # the stored rows' quantization, read back (fp8_triton.quantize_stored_tile)
         num_groups: tl.constexpr = (BLOCK_D + GROUP - 1) // GROUP
-        o_i = tl.arange(0, BLOCK_ROWS * num_groups)  # [BLOCK_ROWS * G]: (row, group) pairs
-        o_qrow = i64(tl.program_id(0)) * BLOCK_ROWS + o_i // num_groups
-        quantize_stored_groups(
-            out_ptr, q_ptr, s_ptr, o_qrow, o_i % num_groups, o_qrow < num_rows, D, GROUP, FP8_MAX, AMAX_FLOOR
-        )
+        row0 = i64(tl.program_id(0)) * BLOCK_ROWS
+        quantize_stored_tile(out_ptr, q_ptr, s_ptr, row0, num_rows, 0, D, BLOCK_ROWS, num_groups, GROUP)
 
 
 def rms_norm_triton(
@@ -113,8 +104,7 @@ def rms_norm_fp8_triton(
     """rms_norm_triton on x [T, H] with the rounded output also quantized per token and group of 128 in the same
     launch, as kernels/fp8.py's rms_norm_fp8_ref: (Fp8Rows of the normed rows, the rounded residual sum)."""
     assert x.dim() == 2, f"rms_norm_fp8 takes rows [T, H], not {tuple(x.shape)}"
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(x.shape[0], triton.cdiv(x.shape[1], GROUP), dtype=torch.float32, device=x.device)
+    q, scale = empty_quantization(*x.shape, x.device)
     out, residual_out = _rms_norm(x, weight, eps, residual, (q, scale))
     return Fp8Rows(out, q, scale), residual_out
 
@@ -161,8 +151,6 @@ def _rms_norm(
         BLOCK_D=block_d,
         QUANT=quant is not None,
         GROUP=GROUP,
-        FP8_MAX=FP8_MAX,
-        AMAX_FLOOR=AMAX_FLOOR,
         num_warps=num_warps,
         **pdl_launch(x),
     )
@@ -190,8 +178,6 @@ def _gated_rms_norm_kernel(
     USE_PDL: tl.constexpr = False,
     QUANT: tl.constexpr = False,
     GROUP: tl.constexpr = 128,
-    FP8_MAX: tl.constexpr = 448.0,
-    AMAX_FLOOR: tl.constexpr = 1e-10,
 ):
     o_row = i64(tl.program_id(0)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     m_row = o_row < num_rows
@@ -210,13 +196,8 @@ def _gated_rms_norm_kernel(
     b_y = b_x * inv_rms[:, None] * b_w[None, :] * silu_f32(b_z)
     tl.store(out_ptr + o_row[:, None] * D + o_d[None, :], b_y, mask=m)
     if QUANT:  # D a multiple of GROUP: each row's groups are groups of the [T, heads·D] rows out_proj reads
-        tl.debug_barrier()  # this program's stores are visible to all its threads
-        num_groups: tl.constexpr = BLOCK_D // GROUP
-        o_i = tl.arange(0, BLOCK_ROWS * num_groups)  # [BLOCK_ROWS * G]: (row, group) pairs
-        o_qrow = i64(tl.program_id(0)) * BLOCK_ROWS + o_i // num_groups
-        quantize_stored_groups(
-            out_ptr, q_ptr, s_ptr, o_qrow, o_i % num_groups, o_qrow < num_rows, D, GROUP, FP8_MAX, AMAX_FLOOR
-        )
+        row0 = i64(tl.program_id(0)) * BLOCK_ROWS
+        quantize_stored_tile(out_ptr, q_ptr, s_ptr, row0, num_rows, 0, D, BLOCK_ROWS, BLOCK_D // GROUP, GROUP)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -232,8 +213,7 @@ def gated_rms_norm_fp8_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Te
     if x.shape[-1] % GROUP:
         y = _gated_rms_norm(x, z, weight, eps, None).view(num_tokens, width)
         return Fp8Rows(y, *quantize_activation_triton(y))
-    q = torch.empty(num_tokens, width, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(num_tokens, width // GROUP, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantization(num_tokens, width, x.device)
     return Fp8Rows(_gated_rms_norm(x, z, weight, eps, (q, scale)).view(num_tokens, width), q, scale)
 
 
@@ -257,7 +237,7 @@ def _gated_rms_norm(
     q, scale = quant if quant is not None else (out, out)
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         xv, zv, weight, out, num_rows, num_heads, sx0, sx1, sz0, sz1, eps, q, scale,
-        D=dim, BLOCK_ROWS=block_rows, BLOCK_D=block_d, QUANT=quant is not None, GROUP=GROUP, FP8_MAX=FP8_MAX,
-        AMAX_FLOOR=AMAX_FLOOR, num_warps=num_warps, **pdl_launch(x),
+        D=dim, BLOCK_ROWS=block_rows, BLOCK_D=block_d, QUANT=quant is not None, GROUP=GROUP,
+        num_warps=num_warps, **pdl_launch(x),
     )  # fmt: skip
     return out

@@ -208,6 +208,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
+def _assert_quantizes_bitwise(rows: Fp8Rows, y: torch.Tensor) -> None:
+    """On the GPU: the rows are y and their quantization is quantize_activation_triton(y), every bit (e4m3 -0
+    included, which the interpreter cannot write)."""
+    q, scale = quantize_activation_triton(y)
+    assert torch.equal(rows.x, y) and torch.equal(rows.scale, scale) and torch.equal(_bits(rows.q), _bits(q))
+
+
 def _assert_rows_equal(rows: Fp8Rows, y: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     assert torch.equal(rows.x, y)
     assert torch.equal(rows.scale, scale)
@@ -381,9 +388,7 @@ def test_rms_norm_fp8_bf16_model_shapes(hidden: int, rows: int) -> None:
         normed, residual_out = rms_norm_fp8_triton(x, weight, 1e-6, residual)
     y, residual_plain = rms_norm_triton(x, weight, 1e-6, residual)
     assert torch.equal(residual_out, residual_plain)
-    q, scale = quantize_activation_triton(y)
-    assert torch.equal(normed.x, y) and torch.equal(normed.scale, scale)
-    assert torch.equal(_bits(normed.q), _bits(q))
+    _assert_quantizes_bitwise(normed, y)
 
 
 @pytest.mark.gpu
@@ -410,14 +415,10 @@ def test_gated_activations_fp8_bf16_model_shapes(rows: int) -> None:
     6,144): rows and quantization bit for bit as the two launches each replaces."""
     for cols in (512, 17408):
         gate_up = _x(rows, 2 * cols).bfloat16()
-        rows_q, y = silu_and_mul_fp8_triton(gate_up), silu_and_mul_triton(gate_up)
-        q, scale = quantize_activation_triton(y)
-        assert torch.equal(rows_q.x, y) and torch.equal(rows_q.scale, scale) and torch.equal(_bits(rows_q.q), _bits(q))
+        _assert_quantizes_bitwise(silu_and_mul_fp8_triton(gate_up), silu_and_mul_triton(gate_up))
     for cols in (4096, 6144):
         o, gate = _x(rows, cols).bfloat16(), _x(rows, cols, seed=3).bfloat16()
-        rows_q, y = sigmoid_gate_mul_fp8_triton(o, gate), sigmoid_gate_mul_triton(o, gate)
-        q, scale = quantize_activation_triton(y)
-        assert torch.equal(rows_q.x, y) and torch.equal(rows_q.scale, scale) and torch.equal(_bits(rows_q.q), _bits(q))
+        _assert_quantizes_bitwise(sigmoid_gate_mul_fp8_triton(o, gate), sigmoid_gate_mul_triton(o, gate))
 
 
 @pytest.mark.gpu
@@ -427,7 +428,5 @@ def test_gated_norm_fp8_bf16_model_shapes(heads: int) -> None:
         x = _x(tokens, heads * 128).bfloat16().view(tokens, heads, 128)
         z = _x(tokens, heads * 128, seed=4).bfloat16().view(tokens, heads, 128)
         weight = _x(1, 128)[0].bfloat16()
-        rows_q = gated_rms_norm_fp8_triton(x, z, weight, 1e-6)
         y = gated_rms_norm_triton(x, z, weight, 1e-6).reshape(tokens, heads * 128)
-        q, scale = quantize_activation_triton(y)
-        assert torch.equal(rows_q.x, y) and torch.equal(rows_q.scale, scale) and torch.equal(_bits(rows_q.q), _bits(q))
+        _assert_quantizes_bitwise(gated_rms_norm_fp8_triton(x, z, weight, 1e-6), y)
