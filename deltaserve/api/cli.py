@@ -25,6 +25,7 @@ from deltaserve.api.cli_args import add_arguments
 from deltaserve.api.cli_normalize import normalize_argv
 from deltaserve.api.cli_values import human_int, json_list, json_object, merge_spec_aliases
 from deltaserve.api.compat import check_compat
+from deltaserve.api.fingerprint import system_fingerprint
 from deltaserve.api.http_protocol import protocol_with_header_timeout
 from deltaserve.api.settings import ServerSettings
 from deltaserve.api.shutdown import install_shutdown_log_filter, stop_on_engine_death
@@ -144,6 +145,11 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 def check_server_flags(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.enable_per_request_metrics and args.disable_log_stats:  # vLLM's check and words
+        raise ValueError(
+            "--enable-per-request-metrics requires engine statistics logging; remove --disable-log-stats to enable "
+            "per-request metrics."
+        )
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
@@ -183,8 +189,11 @@ def check_listen_address(args: argparse.Namespace) -> None:
         raise ValueError(f"--host {host} --port {args.port}: cannot listen there: {reason}") from None
 
 
-def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
+def build_settings(args: argparse.Namespace, model: str, config: EngineConfig | None = None) -> ServerSettings:
+    """The server's settings from its flags; config: the engine's, which the system_fingerprint hashes (None: the
+    model's defaults)."""
     check_server_flags(args)
+    fingerprint = system_fingerprint(config or EngineConfig(model=model), args.fingerprint_mode, args.fingerprint_value)
     return ServerSettings(
         model_root=model,
         served_model_names=args.served_model_name or default_served_names(args, model),
@@ -204,6 +213,8 @@ def build_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         log_stats_interval_s=env.vllm_log_stats_interval(),
         server_dev_mode=env.vllm_server_dev_mode(),
         enable_force_include_usage=args.enable_force_include_usage,
+        enable_per_request_metrics=args.enable_per_request_metrics,
+        system_fingerprint=fingerprint,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_request_id_headers=args.enable_request_id_headers,
         disable_fastapi_docs=args.disable_fastapi_docs,
@@ -312,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
                         args.prefix_caching_hash_algo)  # fmt: skip
         model, device = resolve_model(args)
         config = build_engine_config(args, model, device)
-        settings = build_settings(args, model)
+        settings = build_settings(args, model, config)
         check_listen_address(args)
     except ValueError as exc:
         logger.error("%s", exc)

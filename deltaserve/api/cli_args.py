@@ -23,6 +23,7 @@ from deltaserve.api.cli_values import (
     shutdown_seconds,
 )
 from deltaserve.api.compat import add_compat_arguments
+from deltaserve.api.fingerprint import FINGERPRINT_MODES
 from deltaserve.api.settings import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -85,6 +86,19 @@ def _add_chat_arguments(add: Any) -> None:
         "--enable-prompt-tokens-details", action=SWITCH, default=False, help="usage.prompt_tokens_details.cached_tokens"
     )
     add("--enable-force-include-usage", action=SWITCH, default=False, help="usage on every streamed response")
+    add(
+        "--enable-per-request-metrics",
+        action=SWITCH,
+        default=False,
+        help="timing metrics (TTFT, queue time, ITL, ...) in each response's `metrics` (needs the engine's stats)",
+    )
+    add(
+        "--fingerprint-mode",
+        default="full",
+        choices=FINGERPRINT_MODES,
+        help="system_fingerprint: full (version, parallelism, config hash), hash, custom (--fingerprint-value), none",
+    )
+    add("--fingerprint-value", default=None, help="the system_fingerprint with --fingerprint-mode custom")
 
 
 def _add_http_arguments(add: Any) -> None:

@@ -130,7 +130,8 @@ class BodyBuilder:
         # vLLM's choice model serialised whole: fields not asked for are null, not absent (its clients read them)
         item: dict[str, Any] = {"index": index, "text": text, "logprobs": self._logprobs(choice),
                                 "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
-                                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}  # fmt: skip
+                                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                                "routed_experts": None}  # fmt: skip
         if job.request.prompt_logprobs is not None or choice.prompt_index in job.prompt_logprobs:
             item["prompt_logprobs"] = self._prompt_logprobs(choice.prompt_index)
         if job.request.return_token_ids:
@@ -140,9 +141,7 @@ class BodyBuilder:
 
     def build(self) -> list[bytes]:
         choices = [self.choice(index, choice) for index, choice in sorted(self.job.choices.items())]
-        body = self.job.envelope(choices)
-        body["usage"] = self.job.usage()
-        return render_json(body)
+        return render_json(self.job.body(choices))
 
 
 async def full_completion(job: CompletionJob) -> JSONPiecesResponse:

@@ -44,7 +44,10 @@ from deltaserve.api.serving_common import (
     check_model,
     engine_request_id,
     engine_stream,
+    multimodal_tokens,
+    prompt_details,
     request_ids,
+    request_timing,
     respond,
     sse,
     stream_error_event,
@@ -57,6 +60,7 @@ from deltaserve.api.structured import resolve_chat_constraint
 from deltaserve.api.tool_parser import QWEN3_TOOL_PARSERS, Qwen3XMLToolParser
 from deltaserve.api.tool_parser_hermes import HermesToolParser
 from deltaserve.engine.request import CompletionOutput, RequestOutput
+from deltaserve.engine.stats import RequestMetrics
 from deltaserve.sampling_params import ALL_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
@@ -77,7 +81,10 @@ class ChatJob:
     echo_text: str  # prepended to each choice's content with `echo`
     stream: AsyncGenerator[RequestOutput, None]
     num_cached_tokens: int | None = field(default=None)
+    num_cache_creation_tokens: int | None = field(default=None)
     prompt_token_ids: list[int] = field(default_factory=list)
+    multimodal_tokens: dict[str, int] | None = None  # placeholder tokens per modality (usage details)
+    metrics: RequestMetrics | None = None  # the engine's timestamps, from the finished output
     is_named_tool_choice: bool = False  # vLLM ends a named function's forced call with "stop", not "tool_calls"
     is_tool_choice_none: bool = False  # tool_choice "none" under qwen3_coder: calls are read and dropped
 
@@ -111,17 +118,31 @@ class ChatJob:
         return chat_logprobs(self.token_namer(), seq.token_ids, seq.logprobs, self.num_top_logprobs)
 
     def note_output(self, output: RequestOutput) -> None:
-        if self.num_cached_tokens is None and self.state.settings.enable_prompt_tokens_details:
+        if output.outputs:  # set with the first token, unchanged after it
             self.num_cached_tokens = output.num_cached_tokens
+            self.num_cache_creation_tokens = output.num_cache_creation_tokens
+        if output.metrics is not None:
+            self.metrics = output.metrics
 
     def usage(self, processors: list[ChoiceProcessor]) -> dict[str, Any]:
         has_reasoning = self.state.settings.reasoning_parser is not None
+        details = None
+        if self.state.settings.enable_prompt_tokens_details:
+            cached = self.num_cached_tokens or 0
+            details = prompt_details(cached, self.num_cache_creation_tokens or 0, self.multimodal_tokens)
         return usage(
             self.num_prompt_tokens,
             sum(p.num_tokens for p in processors),
-            num_cached_tokens=self.num_cached_tokens,
+            prompt_tokens_details=details,
             num_reasoning_tokens=sum(p.num_reasoning_tokens for p in processors) if has_reasoning else None,
         )
+
+    def timing(self, processors: list[ChoiceProcessor]) -> dict[str, float | None] | None:
+        """The response's `metrics` under --enable-per-request-metrics: one sequence's timestamps, so None for n > 1
+        (vLLM suppresses them there: they would be one of the n sequences')."""
+        if not self.state.settings.enable_per_request_metrics or self.request.n != 1:
+            return None
+        return request_timing(self.metrics, sum(p.num_tokens for p in processors))
 
 
 async def create_chat_completion(
@@ -182,6 +203,7 @@ def submit(
         echo_text=echo_text,
         stream=stream,
         prompt_token_ids=prompt.token_ids,
+        multimodal_tokens=multimodal_tokens(prompt.mm_input),
         is_named_tool_choice=tool_choice not in (None, "auto", "required"),
         is_tool_choice_none=bool(is_tool_choice_none),
     )
@@ -269,6 +291,7 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
     )
     processors: dict[int, ChoiceProcessor] = {}
     has_logprobs = job.num_top_logprobs is not None
+    fingerprint = job.state.settings.system_fingerprint
 
     def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
         chunk = _chunk(job, [choice]) | (extra or {})
@@ -307,10 +330,14 @@ async def stream_chat(job: ChatJob) -> AsyncIterator[str]:
                         choice["delta"] = only_first_call(choice["delta"])
                         if not choice["delta"] and seq.finish_reason is None:
                             continue
-                    yield event(choice)
+                    # vLLM stamps the fingerprint on a choice's last chunk when no usage chunk follows
+                    is_stamped = fingerprint is not None and seq.finish_reason is not None and not include_usage
+                    yield event(choice, {"system_fingerprint": fingerprint} if is_stamped else None)
         if include_usage:
             chunk = _chunk(job, [])
             chunk["usage"] = without_none(job.usage(list(processors.values())))
+            timing = job.timing(list(processors.values()))
+            chunk |= without_none({"system_fingerprint": fingerprint, "metrics": timing and without_none(timing)})
             yield sse(chunk)
     except Exception as exc:
         yield stream_error_event(exc)
@@ -362,6 +389,7 @@ async def collect_choices(job: ChatJob) -> ChatChoices:
             "finish_reason": builder.finish_reason,
             "stop_reason": builder.stop_reason,
             "token_ids": builder.token_ids if job.request.return_token_ids else None,
+            "routed_experts": None,  # vLLM's --enable-return-routed-experts, which deltaserve does not serve
         })  # fmt: skip
     return ChatChoices(choices, [builder.processor for builder in builders.values()], prompt_logprobs)
 
@@ -379,11 +407,13 @@ def first_extra(job: ChatJob) -> dict[str, Any] | None:
 
 async def full_chat(job: ChatJob) -> JSONPiecesResponse:
     result = await collect_choices(job)
-    # vLLM's response model serialised whole: prompt_logprobs, prompt_token_ids and prompt_text are null unless
-    # asked for
+    # vLLM's response model serialised whole, in its field order: prompt_logprobs, prompt_token_ids, prompt_text and
+    # metrics are null unless asked for; the transfer parameters of its KV / encoder-cache connectors always are here
     body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
-            "model": job.state.settings.model_name, "choices": result.choices, "usage": job.usage(result.processors),
-            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}  # fmt: skip
+            "model": job.state.settings.model_name, "choices": result.choices, "service_tier": None,
+            "system_fingerprint": job.state.settings.system_fingerprint, "usage": job.usage(result.processors),
+            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": job.timing(result.processors)}  # fmt: skip
 
     def render() -> list[bytes]:
         # a long prompt's logprobs make a body of many MB: built and rendered off the event loop (json_body.py)

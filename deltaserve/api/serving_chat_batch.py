@@ -113,8 +113,11 @@ async def full_batch(
         choices.append({**result.choices[0], "index": index})
         num_prompt_tokens += job.num_prompt_tokens
         num_completion_tokens += sum(processor.num_tokens for processor in result.processors)
+    # vLLM's ChatCompletionResponse serialised whole (its batch path sets the fingerprint and usage, no details)
     body = {"id": response_id, "object": "chat.completion", "created": created, "model": state.settings.model_name,
-            "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens),
-            "prompt_logprobs": None, "prompt_token_ids": None}  # fmt: skip
+            "choices": choices, "service_tier": None, "system_fingerprint": state.settings.system_fingerprint,
+            "usage": usage(num_prompt_tokens, num_completion_tokens), "prompt_logprobs": None,
+            "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
+            "metrics": None}  # fmt: skip
     # N conversations' logprobs can make a body of many MB: rendered off the event loop, as the chat endpoint does
     return JSONPiecesResponse(await anyio.to_thread.run_sync(render_json, body))

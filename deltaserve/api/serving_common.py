@@ -28,6 +28,7 @@ from deltaserve.api.settings import ServerState
 from deltaserve.engine.core_client import EngineDeadError
 from deltaserve.engine.frontend import is_utf8_encodable
 from deltaserve.engine.request import RequestOutput
+from deltaserve.engine.stats import RequestMetrics
 from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,26 +80,74 @@ def usage(
     num_prompt_tokens: int,
     num_completion_tokens: int,
     *,
-    num_cached_tokens: int | None = None,
+    prompt_tokens_details: dict[str, Any] | None = None,
     num_reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """vLLM's UsageInfo. num_cached_tokens is given only under --enable-prompt-tokens-details, and then reported
-    even when it is 0 (vLLM since PR #44383: a client can tell "nothing cached" from "no details"); reasoning tokens
-    only with a reasoning parser (vLLM reports completion_tokens_details then)."""
+    """vLLM's UsageInfo. prompt_tokens_details (prompt_details's) is given only under --enable-prompt-tokens-details;
+    reasoning tokens only with a reasoning parser (vLLM reports completion_tokens_details then)."""
     body: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "completion_tokens": num_completion_tokens,
-        "prompt_tokens_details": None if num_cached_tokens is None else {"cached_tokens": num_cached_tokens},
+        "prompt_tokens_details": prompt_tokens_details,
     }
     if num_reasoning_tokens is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
     return body
 
 
+def prompt_details(
+    num_cached_tokens: int,
+    num_cache_creation_tokens: int | None = None,
+    multimodal_tokens: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """vLLM's PromptTokenUsageInfo, every field present: the prefix-cache hits (reported even when 0, as vLLM since PR
+    #44383, so a client can tell "nothing cached" from "no details"), the prompt tokens the request's prefill added to
+    the cache (chat only: vLLM's completions leave it null) and the placeholder tokens of each modality (null for
+    text)."""
+    return {
+        "cached_tokens": num_cached_tokens,
+        "created_cache_tokens": num_cache_creation_tokens,
+        "multimodal_tokens": multimodal_tokens or None,
+    }
+
+
+def multimodal_tokens(mm_input: Any) -> dict[str, int] | None:
+    """The prompt's placeholder tokens per modality ({"image": n, "video": m}) of a deltaserve.multimodal
+    MultimodalInput, as vLLM sums its placeholder ranges; None for a text prompt."""
+    if mm_input is None:
+        return None
+    counts: dict[str, int] = {}
+    for item in mm_input.items:
+        counts[item.modality] = counts.get(item.modality, 0) + item.length
+    return counts or None
+
+
+def request_timing(metrics: RequestMetrics | None, num_generated_tokens: int) -> dict[str, float | None]:
+    """vLLM's PerRequestTimingMetrics (--enable-per-request-metrics) from the engine's timestamps: TTFT from the first
+    scheduling, generation time and mean ITL over the decode, queue time, and output tokens a second over the whole
+    inference (prefill included). A field whose timestamps are missing is None; no metrics at all: every field None."""
+    ttft = generation = queue = itl = rate = None
+    if metrics is not None:
+        scheduled, first, last = metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time
+        if scheduled is not None and first is not None:
+            ttft = (first - scheduled) * 1000
+        if first is not None and last is not None:
+            generation = (last - first) * 1000
+            if num_generated_tokens > 1:
+                itl = generation / (num_generated_tokens - 1)
+        if scheduled is not None:
+            queue = (scheduled - metrics.arrival_time) * 1000
+            if last is not None and last > scheduled:
+                rate = num_generated_tokens / (last - scheduled)
+    return {"time_to_first_token_ms": ttft, "generation_time_ms": generation, "queue_time_ms": queue,
+            "mean_itl_ms": itl, "tokens_per_second": rate}  # fmt: skip
+
+
 def without_none(body: dict[str, Any]) -> dict[str, Any]:
-    """Streamed usage is serialised with None fields left out, as vLLM's final chunk is."""
-    return {key: value for key, value in body.items() if value is not None}
+    """Streamed usage is serialised with None fields left out, at every depth, as vLLM's final chunk is."""
+    return {key: without_none(value) if isinstance(value, dict) else value for key, value in body.items()
+            if value is not None}  # fmt: skip
 
 
 def stream_usage_flags(stream_options: Any, is_forced: bool = False) -> tuple[bool, bool]:

@@ -44,7 +44,9 @@ from deltaserve.api.serving_common import (
     engine_request_id,
     engine_stream,
     merge_streams,
+    prompt_details,
     request_ids,
+    request_timing,
     respond,
     sse,
     stream_error_event,
@@ -56,6 +58,7 @@ from deltaserve.api.settings import ServerState
 from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.api.tokens import truncate_ids, truncation_length
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
+from deltaserve.engine.stats import RequestMetrics
 from deltaserve.sampling_params import StructuredOutputsParams, resolve_num_logprobs
 
 
@@ -122,6 +125,7 @@ class CompletionJob:
     namer: TokenNamer
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> prefix-cache hits
+    metrics: RequestMetrics | None = None  # the engine's timestamps of a one-prompt request, once it finished
     # prompt index -> its prompt logprobs: one list per prompt, however many choices report it
     prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     # prompt index -> (its echoed logprobs, the offset after them): built once, shared by the prompt's n choices
@@ -143,6 +147,8 @@ class CompletionJob:
     def note_output(self, prompt_index: int, output: RequestOutput) -> None:
         if self.state.settings.enable_prompt_tokens_details:
             self.num_cached_tokens.setdefault(prompt_index, output.num_cached_tokens)
+        if output.metrics is not None:
+            self.metrics = output.metrics
 
     def advance(
         self, choice: ChoiceState, seq: CompletionOutput, output: RequestOutput
@@ -179,14 +185,37 @@ class CompletionJob:
 
     def usage(self) -> dict[str, Any]:
         num_prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prompts)
-        num_cached = sum(self.num_cached_tokens.values()) if self.state.settings.enable_prompt_tokens_details else None
-        return usage(
-            num_prompt_tokens, sum(choice.num_tokens for choice in self.choices.values()), num_cached_tokens=num_cached
-        )
+        details = None
+        if self.state.settings.enable_prompt_tokens_details:
+            # vLLM's completions report the hits alone (created_cache_tokens and multimodal_tokens null); a batch's
+            # are summed here where vLLM reports its last prompt's (docs/compatibility.md)
+            details = prompt_details(sum(self.num_cached_tokens.values()))
+        num_tokens = sum(choice.num_tokens for choice in self.choices.values())
+        return usage(num_prompt_tokens, num_tokens, prompt_tokens_details=details)
+
+    def timing(self) -> dict[str, float | None] | None:
+        """The response's `metrics` under --enable-per-request-metrics: None unless one prompt and n = 1 made it
+        (vLLM's rule: the timestamps of one stream)."""
+        settings = self.state.settings
+        if not settings.enable_per_request_metrics or len(self.prompts) != 1 or self.request.n != 1:
+            return None
+        return request_timing(self.metrics, sum(choice.num_tokens for choice in self.choices.values()))
 
     def envelope(self, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.state.settings.model_name, "choices": choices}  # fmt: skip
+
+    def body(self, choices: list[Any]) -> dict[str, Any]:
+        """The whole non-streamed body: vLLM's CompletionResponse serialised whole, in its field order (the transfer
+        parameters of its KV / encoder-cache connectors null)."""
+        return self.envelope(choices) | {
+            "service_tier": None,
+            "system_fingerprint": self.state.settings.system_fingerprint,
+            "usage": self.usage(),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": self.timing(),
+        }
 
 
 async def create_completion(
@@ -263,6 +292,7 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
     include_usage, is_continuous = stream_usage_flags(
         job.request.stream_options, job.state.settings.enable_force_include_usage
     )
+    fingerprint = job.state.settings.system_fingerprint
     try:
         async with contextlib.aclosing(merge_streams(job.streams)) as merged:
             async for prompt_index, output in merged:
@@ -285,6 +315,8 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
                             item["prompt_token_ids"] = job.prompts[prompt_index].token_ids
                         item["token_ids"] = list(seq.token_ids)
                     chunk = job.envelope([item])
+                    if fingerprint is not None and seq.finish_reason is not None and not include_usage:
+                        chunk["system_fingerprint"] = fingerprint  # vLLM's: a choice's last chunk, no usage after
                     if is_continuous:  # vLLM counts the chunk's own choice and its prompt, not every choice
                         num_prompt = len(job.prompts[prompt_index].token_ids)
                         chunk["usage"] = without_none(usage(num_prompt, choice.num_tokens))
@@ -292,6 +324,8 @@ async def stream_completion(job: CompletionJob) -> AsyncIterator[str]:
         if include_usage:
             chunk = job.envelope([])
             chunk["usage"] = without_none(job.usage())
+            timing = job.timing()
+            chunk |= without_none({"system_fingerprint": fingerprint, "metrics": timing and without_none(timing)})
             yield sse(chunk)
     except Exception as exc:
         yield stream_error_event(exc)

@@ -94,6 +94,10 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
+    # --enable-per-request-metrics: a response's `metrics` (TTFT, queue time, ...) when one stream made it
+    enable_per_request_metrics: bool = False
+    # what responses carry as system_fingerprint (api/fingerprint.py); None: null, as --fingerprint-mode none
+    system_fingerprint: str | None = None
     enable_tokenizer_info_endpoint: bool = False
     enable_request_id_headers: bool = False
     disable_fastapi_docs: bool = False

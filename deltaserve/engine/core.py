@@ -293,6 +293,9 @@ class EngineCore:
                     prompt_logprobs=prompt_logprobs.pop(seq.seq_id, None),
                     logits=b"".join(seq.logits) if seq.is_prefill_only else None,
                     num_cached_tokens=seq.num_cached_tokens,
+                    num_cache_creation_tokens=max(
+                        0, min(seq.num_cache_depth, seq.num_prompt_tokens) - seq.num_cached_tokens
+                    ),
                 )
             )
         if num_iteration_tokens:

@@ -43,6 +43,8 @@ class SequenceProgress:
     text: str = ""  # cumulative text handed out so far
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # prefix-cache hits at admission, from the sequence's first output
+    # prompt tokens its prefill cached, from its first output with a token (vLLM's: with the first token)
+    num_cache_creation_tokens: int | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -87,6 +89,8 @@ class RequestState:
         progress = self.sequences[index]
         if progress.num_cached_tokens is None:
             progress.num_cached_tokens = output.num_cached_tokens
+        if progress.num_cache_creation_tokens is None and (output.new_token_ids or output.finish_reason is not None):
+            progress.num_cache_creation_tokens = output.num_cache_creation_tokens
         if output.prompt_logprobs and index == 0 and self.prompt_logprobs is not None:
             # the n sequences share the prompt: the first one's are reported
             self._add_prompt_logprobs(progress, output.prompt_logprobs)
@@ -129,6 +133,13 @@ class RequestState:
         """The request's prefix-cache hits: its first sequence's that has reported (the n sequences share the
         prompt), 0 before any output."""
         known = [p.num_cached_tokens for p in self.sequences if p.num_cached_tokens is not None]
+        return known[0] if known else 0
+
+    @property
+    def num_cache_creation_tokens(self) -> int:
+        """The prompt tokens past the hits that the request's prefill left in the prefix cache (the same first
+        sequence's), 0 before any output."""
+        known = [p.num_cache_creation_tokens for p in self.sequences if p.num_cache_creation_tokens is not None]
         return known[0] if known else 0
 
     def _metrics(self) -> RequestMetrics | None:
@@ -186,6 +197,7 @@ class RequestState:
             outputs=outputs,
             finished=self.is_finished,
             num_cached_tokens=self.num_cached_tokens,
+            num_cache_creation_tokens=self.num_cache_creation_tokens,
             metrics=self._metrics(),
             prompt_logprobs=self.prompt_logprobs,
         )
@@ -206,5 +218,6 @@ class RequestState:
         ]
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, outputs, self.is_finished,
-            num_cached_tokens=self.num_cached_tokens, metrics=self._metrics(), prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens, num_cache_creation_tokens=self.num_cache_creation_tokens,
+            metrics=self._metrics(), prompt_logprobs=self.prompt_logprobs,
         )  # fmt: skip

@@ -55,6 +55,9 @@ class EngineCoreOutput:
     # prompt tokens the prefix cache served at the request's admission (vLLM's Request.num_cached_tokens); the
     # front end keeps the value of a sequence's first output, as vLLM sets it once, at the first admission
     num_cached_tokens: int = 0
+    # prompt tokens past those hits that its prefill left in the prefix cache (vLLM's num_cache_creation_tokens): kept
+    # from the first output, as num_cached_tokens
+    num_cache_creation_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # prompt tokens past num_cached_tokens that this request's prefill left in the prefix cache (vLLM's field)
+    num_cache_creation_tokens: int = 0
     metrics: RequestMetrics | None = None  # engine-side timestamps; set on the outputs the engine reports
     # prompt_logprobs: per prompt token, None for the first (vLLM's shape), cumulative so far; None if not asked
     prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None

@@ -345,7 +345,10 @@ class PrefixCache:
         inside it: scheduler/checkpoint_targets.py), unless its key is cached already or no slot is to be had
         (skipped, never an error); never the chunk's read slot (the runner refuses it)."""
         key = self.key(seq, end)
-        if self.contains(key) or not self.can_add():
+        if self.contains(key):
+            seq.num_cache_depth = max(seq.num_cache_depth, end)
+            return ()
+        if not self.can_add():
             return ()
         # a new checkpoint, which nothing has hit yet, never evicts a protected one (letting a new branch point do so
         # simulated worse at c64: docs/prefix-caching.md#eviction-order); with no other evictable it is skipped
@@ -355,6 +358,7 @@ class PrefixCache:
         block_ids = tuple(seq.block_ids[: -(-end // self.block_size)])
         self.blocks.share(block_ids, by_cache=True)
         self.add(key, end, slot, block_ids, step_id)
+        seq.num_cache_depth = max(seq.num_cache_depth, end)
         return ((end, slot),)
 
     def hand_over(self, seq: Sequence, last_step: int | None) -> None:

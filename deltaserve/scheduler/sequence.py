@@ -71,6 +71,9 @@ class Sequence:
     logits: list[bytes] = field(default_factory=list)  # the prefill-only request's logits, one entry per chunk
     # prompt tokens served from the prefix cache at its first admission (vLLM's RequestOutput.num_cached_tokens)
     num_cached_tokens: int = 0
+    # the deepest position its prefills left a prefix-cache checkpoint at (saved by it, or found saved): what a later
+    # request of the same tokens could hit (vLLM's estimate_cached_tokens, for num_cache_creation_tokens)
+    num_cache_depth: int = 0
     # prefix cache (scheduler/prefix_cache.py): chain hashes of its full blocks (its tokens only grow); positions
     # where its prefill saves checkpoints, those of them that never cut a chunk, and the GDN chunk grid on which a
     # chunk saves one inside itself (scheduler/checkpoint_targets.py; 0: none); the checkpoint slot its first step

@@ -4,7 +4,8 @@ It uses a real tokenizer (the tiny checkpoints' byte-level BPE and Qwen3.5-style
 per step as delta RequestOutputs, applies the stop rules the API relies on (eos, stop strings, stop_token_ids,
 max_tokens, ignore_eos) and books KV blocks and state slots per sequence, so a test can see through /metrics that
 an aborted or disconnected request gave its resources back. It reports what the real engine reports after the
-rewrite: RequestOutput.num_cached_tokens (set `num_cached_tokens`), RequestOutput.metrics with engine timestamps
+rewrite: RequestOutput.num_cached_tokens and num_cache_creation_tokens (set `num_cached_tokens`,
+`num_cache_creation_tokens`), RequestOutput.metrics with engine timestamps
 (with `is_reporting_metrics`), prompt logprobs (computed once per request, as the real front end does for n > 1),
 EngineStats' iteration-token histogram, waiting-by-reason counts and prefix-cache counters, and counts the prefix-cache
 resets it is asked for.
@@ -75,6 +76,7 @@ class FakeEngine:
         self.num_aborted = 0
         self.num_started = 0
         self.num_cached_tokens = 0  # prefix-cache hits every request reports
+        self.num_cache_creation_tokens = 0  # prompt tokens every request reports it added to the cache
         # the scheduler's counters: each sequence's prompt is looked up once, hitting num_cached_tokens of it
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -189,7 +191,8 @@ class FakeEngine:
                 if self.is_reporting_metrics:
                     metrics = RequestMetrics(arrival, arrival + 0.001, first_token_time, now, self.num_preemptions)
                 yield RequestOutput(request_id, None, list(prompt_token_ids), outputs, is_finished,
-                                    num_cached_tokens=self.num_cached_tokens, metrics=metrics,
+                                    num_cached_tokens=self.num_cached_tokens,
+                                    num_cache_creation_tokens=self.num_cache_creation_tokens, metrics=metrics,
                                     prompt_logprobs=prompt_logprobs)  # fmt: skip
                 if is_finished:
                     return

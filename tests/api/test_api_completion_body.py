@@ -8,7 +8,9 @@ names; streamed echo with logprobs (each prompt's echoed logprobs built once); c
 top_logprobs (its body is rendered off the event loop too). Two edits since: echo's first top_logprobs entry is null,
 as vLLM gives it (it was {} at adec2ea); a choice's token_ids, prompt_logprobs and prompt_token_ids, and a chat body's
 prompt_logprobs and prompt_token_ids, are null when not asked for, as vLLM sends its models whole (they were absent),
-and so are a chat message's refusal, annotations, audio, function_call and reasoning.
+and so are a chat message's refusal, annotations, audio, function_call and reasoning; then vLLM's remaining null fields
+(a choice's routed_experts, a body's service_tier, system_fingerprint, kv_transfer_params, ec_transfer_params and
+metrics, a chat body's prompt_text), the rest of its models serialised whole.
 """
 
 from __future__ import annotations

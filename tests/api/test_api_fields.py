@@ -81,11 +81,17 @@ def test_prompt_tokens_details_only_with_the_flag(
     chat = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()["usage"]
     assert chat["prompt_tokens_details"] is None
     url = details_server.base_url
+    fake_engine.num_cache_creation_tokens = 7
     usage = httpx.post(url + "/v1/completions", json={"prompt": "Hi there", "max_tokens": 2}).json()["usage"]
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 5}
+    # vLLM's PromptTokenUsageInfo whole; its completions set only the hits
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 5, "created_cache_tokens": None,
+                                              "multimodal_tokens": None}  # fmt: skip
+    raw = httpx.post(url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()["usage"]
+    assert raw["prompt_tokens_details"] == {"cached_tokens": 5, "created_cache_tokens": 7, "multimodal_tokens": None}
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2)
     assert reply.usage.prompt_tokens_details.cached_tokens == 5
+    fake_engine.num_cache_creation_tokens = 0
 
 
 def test_force_include_usage_streams_usage_everywhere(details_server: ServerThread) -> None:
@@ -97,7 +103,8 @@ def test_force_include_usage_streams_usage_everywhere(details_server: ServerThre
     # nothing cached: reported as 0, not left out (vLLM's test_single_completion; its check is `is not None`)
     assert not events[-1]["choices"] and events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     reply = httpx.post(details_server.base_url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
-    assert reply.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    details = {"cached_tokens": 0, "created_cache_tokens": 0, "multimodal_tokens": None}
+    assert reply.json()["usage"]["prompt_tokens_details"] == details
 
 
 def test_reasoning_tokens_are_counted_by_token(details_server: ServerThread, fake_engine: FakeEngine) -> None:

@@ -103,7 +103,8 @@ VALUES = {"--port": "8001", "--max-model-len": "4096", "--max-num-seqs": "8", "-
           "--structured-outputs-config": "{\"backend\": \"xgrammar\"}", "--scheduling-policy": "priority",
           "--prefix-caching-hash-algo": "xxhash", "--quantization": "fp8",
           "--speculative-config": "{\"method\": \"mtp\"}", "--gdn-prefill-backend": "triton",
-          "--attention-config": "{}", "--reasoning-config": "{\"reasoning_end_str\": \"</think>\"}"}  # fmt: skip
+          "--attention-config": "{}", "--fingerprint-mode": "hash",
+          "--reasoning-config": "{\"reasoning_end_str\": \"</think>\"}"}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ tiny dense checkpoint, its core in a process of its own) with the cache on, and 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -316,3 +317,33 @@ def test_with_the_cache_off_nothing_is_cached_or_counted(uncached_server: Server
             assert chat(client, "off", stream)[1] == 0
             assert completion(client, SYSTEM, stream)[1] == 0
     assert counters(uncached_server) == before == (0.0, 0.0)
+
+
+def test_created_cache_tokens_are_the_prompt_tokens_the_prefill_left_cached(
+    cached_server: ServerThread, uncached_server: ServerThread
+) -> None:
+    """vLLM's usage.prompt_tokens_details.created_cache_tokens (chat): the prompt tokens past the hits that the
+    request's prefill left in the cache. The first sighting saves its prompt end (all of it); the repeat hits the
+    repeat point and finds the end saved (the rest). With the cache off nothing is created. Streamed, the final usage
+    chunk carries the same (its null multimodal_tokens left out, as vLLM's exclude_none)."""
+    messages = [{"role": "system", "content": f"[created] {SYSTEM}"}, {"role": "user", "content": "Which rule?"}]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 2, "temperature": 0.0}
+
+    def details(server: ServerThread, stream: bool) -> tuple[int, dict[str, Any]]:
+        url = server.base_url + "/v1/chat/completions"
+        if not stream:
+            usage = httpx.post(url, json=body, timeout=60).json()["usage"]
+        else:
+            extra = {"stream": True, "stream_options": {"include_usage": True}}
+            lines = httpx.post(url, json={**body, **extra}, timeout=60).text.split("\n\n")
+            usage = json.loads([line for line in lines if line.startswith("data: {")][-1][len("data: ") :])["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]
+
+    num_prompt, first = details(cached_server, stream=False)
+    assert first == {"cached_tokens": 0, "created_cache_tokens": num_prompt, "multimodal_tokens": None}
+    num_prompt, second = details(cached_server, stream=True)
+    hit = (num_prompt - 1) // 64 * 64
+    assert second == {"cached_tokens": hit, "created_cache_tokens": num_prompt - hit}
+    assert details(uncached_server, stream=False)[1] == {
+        "cached_tokens": 0, "created_cache_tokens": 0, "multimodal_tokens": None,
+    }  # fmt: skip
