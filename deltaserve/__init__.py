@@ -1,6 +1,7 @@
 """deltaserve: an inference engine for the Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid model family.
 
-The offline API mirrors vLLM's: `LLM(model_dir).generate(prompts, SamplingParams(...))`.
+The offline API mirrors vLLM's: `LLM(model_dir).generate(prompts, SamplingParams(...))`, and for scripts that step
+the engine themselves `LLMEngine.from_engine_args(EngineArgs(model=model_dir))`.
 """
 
 from __future__ import annotations
@@ -9,24 +10,35 @@ from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.request import CompletionOutput, RequestOutput, TextPrompt, TokensPrompt
 from deltaserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-
-__version__ = "0.1.0"
+from deltaserve.version import __version__
 
 if TYPE_CHECKING:
+    from deltaserve.engine.engine import LLMEngine
     from deltaserve.engine.llm import LLM
+    from deltaserve.engine_args import EngineArgs
 
 
 def __getattr__(name: str) -> Any:
-    # LLM pulls in torch and the model; import it lazily so `import deltaserve` stays cheap.
+    # LLM and LLMEngine pull in torch and the model; import them lazily so `import deltaserve` stays cheap.
     if name == "LLM":
         from deltaserve.engine.llm import LLM
 
         return LLM
+    if name == "LLMEngine":
+        from deltaserve.engine.engine import LLMEngine
+
+        return LLMEngine
+    if name == "EngineArgs":
+        from deltaserve.engine_args import EngineArgs
+
+        return EngineArgs
     raise AttributeError(name)
 
 
 __all__ = [
     "LLM",
+    "EngineArgs",
+    "LLMEngine",
     "BeamSearchParams",
     "CompletionOutput",
     "RequestOutput",

@@ -14,8 +14,8 @@ import dataclasses
 import hashlib
 import json
 
-from deltaserve import __version__
 from deltaserve.engine_config import EngineConfig
+from deltaserve.version import __version__
 
 FINGERPRINT_MODES = ("full", "hash", "custom", "none")
 

@@ -22,7 +22,6 @@ from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-import deltaserve
 from deltaserve.api import serving_chat, serving_chat_batch, serving_completion, serving_responses, serving_tokenize
 from deltaserve.api.body import read_json
 from deltaserve.api.errors import APIError, install_error_handlers, model_not_found
@@ -33,6 +32,7 @@ from deltaserve.api.settings import EngineClient, ServerSettings, ServerState
 from deltaserve.api.stat_logger import LoggingStatLogger
 from deltaserve.api.template_pool import TemplatePool
 from deltaserve.api.tokens import Tokens
+from deltaserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     docs: dict[str, Any] = {}
     if settings.disable_fastapi_docs:
         docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
-    app = FastAPI(title="deltaserve", version=deltaserve.__version__, lifespan=lifespan, **docs)
+    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan, **docs)
     # As vLLM sets it: the prefix is reported to routing whether or not the proxy stripped it from the path.
     app.root_path = settings.root_path or ""
     app.state.deltaserve = state
@@ -185,7 +185,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": deltaserve.__version__}
+        return {"version": __version__}
 
     @app.get("/load")
     async def load() -> dict[str, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,24 @@ class LLMEngine:
         self.config = self.core.config
         self.model_dir: Path = self.core.model_dir
         self.frontend = EngineFrontend(self.config, self.model_dir, self.core.max_model_len)
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        engine_args: Any,
+        usage_context: Any = None,
+        stat_loggers: list[Any] | None = None,
+        enable_multiprocessing: bool = False,
+    ) -> LLMEngine:
+        """vLLM's constructor from an EngineArgs (deltaserve.EngineArgs: anything whose create_engine_config()
+        returns an EngineConfig). usage_context is vLLM's telemetry tag, taken and unused; custom stat_loggers are
+        refused by name (the engine calls no logger factories); enable_multiprocessing is logged: this engine runs
+        its core in the caller's process (the server runs it in one of its own)."""
+        if stat_loggers:
+            raise ValueError("stat_loggers is not supported: deltaserve's LLMEngine calls no custom stat loggers")
+        if enable_multiprocessing:
+            logger.info("enable_multiprocessing=True: accepted and logged; this LLMEngine runs its core in process")
+        return cls(engine_args.create_engine_config(usage_context))
 
     # what the offline API, the gates and the tests read
     @property
@@ -117,10 +135,12 @@ class LLMEngine:
             self.core.add_request(request)
         return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        output, core_ids = self.frontend.processor.abort(request_id)
-        self.core.abort_requests(core_ids)
-        return output
+    def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
+        """vLLM's: aborts these requests (vLLM 0.26 takes a list; one id as a string, as vLLM's earlier engine took
+        it); an unknown or finished id is skipped. internal is vLLM's flag for its own ids, taken and unused."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            _, core_ids = self.frontend.processor.abort(request_id)
+            self.core.abort_requests(core_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.core.has_unfinished()
