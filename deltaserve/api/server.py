@@ -22,7 +22,14 @@ from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from deltaserve.api import serving_chat, serving_chat_batch, serving_completion, serving_responses, serving_tokenize
+from deltaserve.api import (
+    serving_chat,
+    serving_chat_batch,
+    serving_completion,
+    serving_generate,
+    serving_responses,
+    serving_tokenize,
+)
 from deltaserve.api.body import read_json
 from deltaserve.api.errors import APIError, install_error_handlers, model_not_found
 from deltaserve.api.http_metrics import instrument_http
@@ -236,6 +243,11 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def responses(request: Request) -> Response:
         _check_alive(state)
         return await serving_responses.create_response(state, request)
+
+    @app.post("/inference/v1/generate")
+    async def generate_tokens(request: Request) -> Response:
+        _check_alive(state)
+        return await serving_generate.generate(state, request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:

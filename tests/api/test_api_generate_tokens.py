@@ -1,0 +1,159 @@
+"""POST /inference/v1/generate, vLLM 0.26's tokens-in, tokens-out route: its body and reply shapes (read off
+vllm/entrypoints/scale_out/token_in_token_out/{protocol,serving}.py), its defaults and refusals against the FakeEngine,
+and the tokens a real engine gives through it: those /v1/completions gives for the same token ids."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from deltaserve.engine.request import Logprob
+
+from .fake_engine import FakeEngine
+from .server_thread import MODEL_NAME, ServerThread, serve
+from .test_api_completions import sse_events
+
+ROUTE = "/inference/v1/generate"
+PROMPT = [85, 251, 578, 389, 279, 785]
+CHOICE_KEYS = ["index", "logprobs", "finish_reason", "token_ids", "routed_experts"]
+BODY_KEYS = ["request_id", "model", "created", "choices", "usage", "prompt_logprobs", "kv_transfer_params",
+             "ec_transfer_params"]  # fmt: skip
+
+
+def events(response: httpx.Response) -> list[dict[str, Any]]:
+    found = sse_events(response)
+    assert found[-1] == "[DONE]"
+    return [json.loads(event) for event in found[:-1]]
+
+
+def test_the_body_is_vllms_generate_response(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    reply = http.post(ROUTE, json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}},
+                      headers={"x-request-id": "abc"})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert list(body) == BODY_KEYS and body["request_id"] == "generate-tokens-abc" and body["model"] == MODEL_NAME
+    (choice,) = body["choices"]
+    assert list(choice) == CHOICE_KEYS and len(choice["token_ids"]) == 3 and choice["finish_reason"] == "length"
+    assert choice["logprobs"] is None and body["prompt_logprobs"] is None
+    assert body["usage"] == {"prompt_tokens": 6, "total_tokens": 9, "completion_tokens": 3,
+                             "prompt_tokens_details": None}  # fmt: skip
+    # the body's request_id when no header gives one; the generation_config defaults do not apply to the rest
+    assert http.post(ROUTE, json={"token_ids": PROMPT, "request_id": "mine"}).json()["request_id"] == (
+        "generate-tokens-mine"
+    )  # fmt: skip
+
+
+def test_an_unset_max_tokens_is_the_rest_of_the_context(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    http.post(ROUTE, json={"token_ids": PROMPT, "sampling_params": {"temperature": 0.0}})
+    assert fake_engine.last_params is not None
+    assert fake_engine.last_params.max_tokens == fake_engine.max_model_len - len(PROMPT)
+    assert fake_engine.last_params.temperature == 0.0
+    http.post(ROUTE, json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "stop_token_ids": [5],
+                                                                   "structured_outputs": {"regex": "a+"}}})  # fmt: skip
+    params = fake_engine.last_params
+    assert params.max_tokens == 2 and params.stop_token_ids == [5] and params.structured_outputs.regex == "a+"
+
+
+def test_logprobs_name_tokens_by_id(http: httpx.Client) -> None:
+    sampling = {"max_tokens": 2, "logprobs": 2, "temperature": 0.0}
+    (choice,) = http.post(ROUTE, json={"token_ids": PROMPT, "sampling_params": sampling}).json()["choices"]
+    content = choice["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for entry in content:
+        assert list(entry) == ["token", "logprob", "bytes", "top_logprobs"] and entry["bytes"] is None
+        # the sampled token's entry first, then the top ones, max(logprobs, 1) in all (vLLM's count)
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["token"] == entry["token"]
+
+
+def test_the_stream_sends_new_tokens_and_a_usage_chunk(http: httpx.Client) -> None:
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3, "n": 2}, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = events(http.post(ROUTE, json=body))
+    *tokens, last = chunks
+    assert all(list(chunk) == ["request_id", "choices", "usage"] and chunk["usage"] is None for chunk in tokens)
+    assert all(len(chunk["choices"]) == 1 and chunk["choices"][0]["token_ids"] for chunk in tokens)
+    per_choice = {0: [], 1: []}
+    for chunk in tokens:
+        per_choice[chunk["choices"][0]["index"]] += chunk["choices"][0]["token_ids"]
+    assert [len(ids) for ids in per_choice.values()] == [3, 3]
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 6, "total_tokens": 12, "completion_tokens": 6}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"token_ids": []}, "token_ids"),
+        ({"token_ids": [-1]}, "token_ids"),
+        ({"token_ids": [10**9]}, "token_ids"),
+        ({"token_ids": PROMPT, "sampling_params": {"temperature": -1.0}}, "temperature"),
+        ({"token_ids": PROMPT, "sampling_params": {"n": 0}}, "n"),
+        ({"token_ids": PROMPT, "features": {"mm_hashes": {}, "mm_placeholders": {}}}, "features"),
+        ({"token_ids": PROMPT, "model": "other"}, None),
+    ],
+)
+def test_bad_bodies_get_vllms_error_envelope(http: httpx.Client, body: dict[str, Any], param: str | None) -> None:
+    reply = http.post(ROUTE, json=body)
+    assert reply.status_code in (400, 404), reply.text
+    error = reply.json()["error"]
+    assert error["code"] == reply.status_code and error["message"]
+    if param is not None and reply.status_code == 400:
+        assert param in (error.get("param") or "") + error["message"]
+
+
+def test_unknown_sampling_keys_are_logged(http: httpx.Client, caplog: pytest.LogCaptureFixture) -> None:
+    reply = http.post(ROUTE, json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "no_such_key": 1}})
+    assert reply.status_code == 200
+    assert any("no_such_key" in record.getMessage() for record in caplog.records)
+
+
+def test_token_logprobs_follow_vllms_quirks() -> None:
+    from deltaserve.api.serving_generate import token_logprobs
+
+    step = {7: Logprob(-0.5, 1), 3: Logprob(-1.5, 2), 9: Logprob(float("-inf"), 3)}
+    every = token_logprobs([7], [step], -1)  # -1 (every token) still lists max(-1, 1) = 1 entry, as vLLM's
+    entry = {"token": "token_id:7", "logprob": -0.5, "bytes": None}
+    assert every == {"content": [{**entry, "top_logprobs": [entry]}]}
+    three = token_logprobs([7], [step], 3)["content"][0]["top_logprobs"]
+    assert [entry["logprob"] for entry in three] == [-0.5, -1.5, -9999.0]  # -inf floored, as vLLM's JSON
+    assert token_logprobs([4], [step], 1)["content"][0] == {"token": "token_id:4", "logprob": -9999.0, "bytes": None,
+                                                           "top_logprobs": []}  # fmt: skip
+    assert token_logprobs([7], [step], None) is None
+
+
+# -- a real engine ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_server(tiny_dense: Path) -> Iterator[ServerThread]:
+    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine_config import EngineConfig
+
+    config = EngineConfig(model=str(tiny_dense), device="cpu", max_model_len=256, max_num_seqs=4)
+    server = serve(AsyncEngine.from_config(config), enable_prompt_tokens_details=True, disable_log_stats=True)
+    yield server
+    server.stop()
+
+
+def test_the_tokens_are_the_completions_tokens(real_server: ServerThread) -> None:
+    url = real_server.base_url
+    request = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True, "logprobs": 1}
+    completion = httpx.post(url + "/v1/completions", json=request, timeout=60)
+    expected = completion.json()["choices"][0]
+    sampling = {"max_tokens": 8, "temperature": 0.0, "logprobs": 1, "prompt_logprobs": 1}
+    body = httpx.post(url + ROUTE, json={"token_ids": PROMPT, "sampling_params": sampling}, timeout=60).json()
+    (choice,) = body["choices"]
+    assert choice["token_ids"] == expected["token_ids"] and choice["finish_reason"] == expected["finish_reason"]
+    logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    assert logprobs == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-6)
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == len(PROMPT)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": None,
+                                                      "multimodal_tokens": None}  # fmt: skip
+    streamed = events(httpx.post(url + ROUTE, json={"token_ids": PROMPT, "stream": True,
+                                                    "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
+                                 timeout=60))  # fmt: skip
+    assert [t for chunk in streamed for t in chunk["choices"][0]["token_ids"]] == expected["token_ids"]
