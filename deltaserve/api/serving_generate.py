@@ -6,10 +6,12 @@ stream_options?, cache_salt?, priority?}; the reply carries token ids, never tex
 finish_reason, token_ids, routed_experts} (logprobs in chat's shape, each token named "token_id:N"), usage, and
 prompt_logprobs. As in vLLM: sampling_params keys it does not know are ignored (logged here), an unset max_tokens is
 the rest of the context (a generation_config max_new_tokens caps it), the server's generation_config defaults are not
-applied to the other fields, the response id is "generate-tokens-" + X-Request-Id (or the body's request_id), a
-stream sends only choices with new tokens and, with include_usage, a final usage chunk. `features` (pre-rendered
-multimodal inputs in vLLM's own serialisation) is refused by name; kv_transfer_params / ec_transfer_params need a
-connector deltaserve does not have and are logged, as vLLM without one ignores them.
+applied to the other fields, with a reasoning parser a constraint starts after `</think>` when the prompt leaves a
+thinking block open (chat's rule, which vLLM's engine applies on every route), the response id is
+"generate-tokens-" + X-Request-Id (or the body's request_id), and a stream sends only choices with new tokens and,
+with include_usage, a final usage chunk. `features` (pre-rendered multimodal inputs in vLLM's own serialisation) is
+refused by name; kv_transfer_params / ec_transfer_params need a connector deltaserve does not have and are logged, as
+vLLM without one ignores them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from deltaserve.api.body import parse_request
 from deltaserve.api.errors import bad_request
 from deltaserve.api.logprobs import prompt_logprobs_json
 from deltaserve.api.protocol import APIModel, StreamOptions
+from deltaserve.api.reasoning import THINK_END, THINK_START
 from deltaserve.api.sampling import check_logprobs_cap
 from deltaserve.api.serving_common import (
     DONE_EVENT,
@@ -110,7 +113,24 @@ def build_params(state: ServerState, request: GenerateRequest) -> SamplingParams
     except RequestError as exc:
         raise bad_request(str(exc), exc.param) from None
     check_logprobs_cap(params.logprobs, params.prompt_logprobs, state)
+    constraint = params.structured_outputs
+    if constraint is not None and state.settings.reasoning_parser and opens_thinking(state, request.token_ids):
+        # vLLM's engine leaves the reasoning section unconstrained on every route (its structured-output manager
+        # asks the reasoning parser whether the prompt ended reasoning); chat's rule, on the token ids
+        constraint.start_after_token_id = state.engine.tokenizer.convert_tokens_to_ids(THINK_END)
     return params
+
+
+def opens_thinking(state: ServerState, token_ids: list[int]) -> bool:
+    """The prompt's last `<think>` comes after its last `</think>` (chat's prompt_opens_thinking on token ids)."""
+    tokenizer = state.engine.tokenizer
+    start, end = tokenizer.convert_tokens_to_ids(THINK_START), tokenizer.convert_tokens_to_ids(THINK_END)
+    for token in reversed(token_ids):
+        if token == start:
+            return True
+        if token == end:
+            return False
+    return False
 
 
 async def generate(state: ServerState, raw_request: Request) -> Response:

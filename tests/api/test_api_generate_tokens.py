@@ -59,6 +59,22 @@ def test_an_unset_max_tokens_is_the_rest_of_the_context(http: httpx.Client, fake
     assert params.max_tokens == 2 and params.stop_token_ids == [5] and params.structured_outputs.regex == "a+"
 
 
+def test_a_constraint_waits_for_the_end_of_an_open_thinking_block(fake_engine: FakeEngine) -> None:
+    """With a reasoning parser, as chat does (and vLLM's engine on every route): a prompt whose last <think> is
+    open gets its constraint after </think>; a closed or absent block constrains from the first token."""
+    server = serve(fake_engine, reasoning_parser="qwen3")
+    try:
+        tokenizer = fake_engine.tokenizer
+        start, end = tokenizer.convert_tokens_to_ids("<think>"), tokenizer.convert_tokens_to_ids("</think>")
+        sampling = {"max_tokens": 1, "structured_outputs": {"regex": "a+"}}
+        for prompt, expected in (([*PROMPT, start], end), ([*PROMPT, start, 5, end], None), (PROMPT, None)):
+            reply = httpx.post(server.base_url + ROUTE, json={"token_ids": prompt, "sampling_params": sampling})
+            assert reply.status_code == 200, reply.text
+            assert fake_engine.last_params.structured_outputs.start_after_token_id == expected
+    finally:
+        server.stop()
+
+
 def test_logprobs_name_tokens_by_id(http: httpx.Client) -> None:
     sampling = {"max_tokens": 2, "logprobs": 2, "temperature": 0.0}
     (choice,) = http.post(ROUTE, json={"token_ids": PROMPT, "sampling_params": sampling}).json()["choices"]
