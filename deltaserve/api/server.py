@@ -1,6 +1,7 @@
 """The FastAPI app of `deltaserve serve`: vLLM's OpenAI-compatible routes around one engine.
 
-build_app(engine, settings) wires the routes, the error envelope (FastAPI's own 404/405 included), the middleware
+build_app(engine, settings) wires the routes (the OpenAI ones, vLLM's tokens-in /inference/v1/generate and its
+render routes, tokenize, SageMaker's /invocations), the error envelope (FastAPI's own 404/405 included), the middleware
 (CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, vLLM's HTTP request
 metrics, the body-size limit),
 --root-path, and a lifespan that starts the engine, the chat-template workers, the tokenizer threads and the periodic
@@ -27,6 +28,7 @@ from deltaserve.api import (
     serving_chat_batch,
     serving_completion,
     serving_generate,
+    serving_render,
     serving_responses,
     serving_tokenize,
 )
@@ -243,6 +245,14 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def responses(request: Request) -> Response:
         _check_alive(state)
         return await serving_responses.create_response(state, request)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(request: Request) -> Response:
+        return await serving_render.render_chat(state, request)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request) -> Response:
+        return await serving_render.render_completion(state, request)
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(request: Request) -> Response:

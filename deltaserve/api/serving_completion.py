@@ -59,7 +59,7 @@ from deltaserve.api.structured import resolve_structured_outputs
 from deltaserve.api.tokens import truncate_ids, truncation_length
 from deltaserve.engine.request import CompletionOutput, Logprob, RequestOutput
 from deltaserve.engine.stats import RequestMetrics
-from deltaserve.sampling_params import StructuredOutputsParams, resolve_num_logprobs
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams, resolve_num_logprobs
 
 
 @dataclass
@@ -226,6 +226,37 @@ async def create_completion(
     request = await parse_request(state, raw_request, CompletionRequest, body)
     constraint = await validate(state, request)
     prompts = await resolve_prompts(state, request)
+    params = await build_params(state, request, prompts, constraint)
+    response_id = request_ids(raw_request, request.request_id, "cmpl")
+    if request.use_beam_search:  # api/beam_search.py: one finished output per prompt, its beams as the choices
+        token_ids = [prompt.token_ids for prompt in prompts]
+        streams = beam_search_streams(state, token_ids, params, request.n, request.length_penalty, response_id)
+    else:
+        streams = [
+            engine_stream(
+                state,
+                prompt.token_ids,
+                params[i],
+                engine_request_id(response_id, i),
+                arrival,
+                priority=request.priority,
+                cache_salt=cache_salt_of(request),
+            )
+            for i, prompt in enumerate(prompts)
+        ]  # each submitted on its first iteration; fmt: skip
+    as_ids = bool(request.return_tokens_as_token_ids or state.settings.return_tokens_as_token_ids)
+    namer = TokenNamer(state.engine.tokenizer, as_ids)
+    job = CompletionJob(state, request, response_id, int(time.time()), prompts, streams, namer)
+    return await respond(
+        state, raw_request, bool(request.stream), lambda: stream_completion(job), lambda: full_completion(job)
+    )
+
+
+async def build_params(
+    state: ServerState, request: CompletionRequest, prompts: list[Prompt], constraint: StructuredOutputsParams | None
+) -> list[SamplingParams]:
+    """Each prompt's SamplingParams (the completions route's and its render's): echo's prompt logprobs, the bound on
+    prompt-logprob work, max_tokens per prompt, bad_words tokenised once for every prompt."""
     # vLLM: echo with logprobs reports the prompt's logprobs too (prompt_logprobs = logprobs unless set)
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is None and request.echo and request.logprobs is not None:
@@ -253,29 +284,7 @@ async def create_completion(
             is_beam_search=request.use_beam_search,
         ),
     )
-    response_id = request_ids(raw_request, request.request_id, "cmpl")
-    if request.use_beam_search:  # api/beam_search.py: one finished output per prompt, its beams as the choices
-        token_ids = [prompt.token_ids for prompt in prompts]
-        streams = beam_search_streams(state, token_ids, params, request.n, request.length_penalty, response_id)
-    else:
-        streams = [
-            engine_stream(
-                state,
-                prompt.token_ids,
-                params[i],
-                engine_request_id(response_id, i),
-                arrival,
-                priority=request.priority,
-                cache_salt=cache_salt_of(request),
-            )
-            for i, prompt in enumerate(prompts)
-        ]  # each submitted on its first iteration; fmt: skip
-    as_ids = bool(request.return_tokens_as_token_ids or state.settings.return_tokens_as_token_ids)
-    namer = TokenNamer(state.engine.tokenizer, as_ids)
-    job = CompletionJob(state, request, response_id, int(time.time()), prompts, streams, namer)
-    return await respond(
-        state, raw_request, bool(request.stream), lambda: stream_completion(job), lambda: full_completion(job)
-    )
+    return params
 
 
 async def validate(state: ServerState, request: CompletionRequest) -> StructuredOutputsParams | None:

@@ -94,7 +94,9 @@ def build_params(state: ServerState, request: GenerateRequest) -> SamplingParams
     values = {name: value for name, value in given.items() if name in SETTABLE}
     try:
         if isinstance(values.get("structured_outputs"), dict):
-            values["structured_outputs"] = StructuredOutputsParams(**values["structured_outputs"])
+            # vLLM's private keys (`_backend`, ...) may ride along in a vLLM-rendered body: not fields of the request
+            spec = {key: value for key, value in values["structured_outputs"].items() if not key.startswith("_")}
+            values["structured_outputs"] = StructuredOutputsParams(**spec)
         if isinstance(values.get("output_kind"), int):
             values["output_kind"] = RequestOutputKind(values["output_kind"])
         params = SamplingParams(**values)

@@ -173,3 +173,67 @@ def test_the_tokens_are_the_completions_tokens(real_server: ServerThread) -> Non
                                                     "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
                                  timeout=60))  # fmt: skip
     assert [t for chunk in streamed for t in chunk["choices"][0]["token_ids"]] == expected["token_ids"]
+
+
+# -- the render routes -------------------------------------------------------------------------------------------
+
+RENDER_KEYS = ["request_id", "token_ids", "assistant_tokens_mask", "token_offsets", "features", "sampling_params",
+               "model", "stream", "stream_options", "cache_salt", "priority", "kv_transfer_params",
+               "ec_transfer_params"]  # fmt: skip
+
+
+def test_sampling_json_is_vllms_omit_defaults_form() -> None:
+    from deltaserve.api.serving_render import sampling_json
+    from deltaserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+    # skip_reading_prefix_cache is set by __post_init__ (None -> False), so it differs from its default, as in vLLM
+    assert sampling_json(SamplingParams()) == {"skip_reading_prefix_cache": False}
+    params = SamplingParams(temperature=0.0, max_tokens=7, output_kind=RequestOutputKind.DELTA,
+                            structured_outputs=StructuredOutputsParams(regex="a+"), bad_words=["x"])  # fmt: skip
+    params.bad_words_token_ids = [[5]]  # the engine's, private in vLLM: never rendered
+    found = sampling_json(params)
+    assert found["temperature"] == 0.0 and found["max_tokens"] == 7 and found["output_kind"] == 1
+    assert found["bad_words"] == ["x"] and "bad_words_token_ids" not in found
+    assert found["structured_outputs"]["regex"] == "a+" and "start_after_token_id" not in found["structured_outputs"]
+
+
+def test_chat_render_is_what_the_chat_route_would_submit(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    messages = [{"role": "user", "content": "Hi there"}]
+    rendered = http.post("/v1/chat/completions/render", json={"messages": messages, "max_tokens": 5, "seed": 3,
+                                                              "stream": True, "cache_salt": "s"})  # fmt: skip
+    assert rendered.status_code == 200, rendered.text
+    body = rendered.json()
+    assert list(body) == RENDER_KEYS and body["request_id"].startswith("chatcmpl-")
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert body["token_ids"] == tokens
+    assert body["sampling_params"]["max_tokens"] == 5 and body["sampling_params"]["seed"] == 3
+    assert (body["stream"], body["stream_options"], body["cache_salt"], body["features"]) == (True, None, "s", None)
+    # the chat route submits the same SamplingParams
+    http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "seed": 3})
+    from deltaserve.api.serving_render import sampling_json
+
+    assert sampling_json(fake_engine.last_params) == body["sampling_params"]
+    assert fake_engine.last_prompt_ids == tokens
+    beam = http.post("/v1/chat/completions/render", json={"messages": messages, "use_beam_search": True})
+    assert beam.status_code == 400 and "not supported by the render endpoint" in beam.json()["error"]["message"]
+
+
+def test_completion_render_lists_one_request_per_prompt(http: httpx.Client) -> None:
+    rendered = http.post("/v1/completions/render", json={"prompt": [[1, 2], [5, 6, 7]], "max_tokens": 3})
+    assert rendered.status_code == 200, rendered.text
+    first, second = rendered.json()
+    assert list(first) == RENDER_KEYS and first["request_id"].startswith("cmpl-")
+    assert (first["token_ids"], second["token_ids"]) == ([1, 2], [5, 6, 7])
+    assert first["sampling_params"]["max_tokens"] == 3
+    bad = http.post("/v1/completions/render", json={"prompt": "x", "max_tokens": 10**6})
+    assert bad.status_code == 400  # the completions route's own length check
+
+
+def test_render_then_generate_gives_the_chat_routes_tokens(real_server: ServerThread) -> None:
+    url = real_server.base_url
+    request = {"messages": [{"role": "user", "content": "The cat sat on the mat"}], "max_tokens": 6,
+               "temperature": 0.0}  # fmt: skip
+    rendered = httpx.post(url + "/v1/chat/completions/render", json=request, timeout=60).json()
+    generated = httpx.post(url + ROUTE, json=rendered, timeout=60).json()["choices"][0]["token_ids"]
+    chat = httpx.post(url + "/v1/chat/completions", json={**request, "return_token_ids": True}, timeout=60).json()
+    assert generated == chat["choices"][0]["token_ids"] and len(generated) == 6
