@@ -1,7 +1,8 @@
 """deltaserve: an inference engine for the Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid model family.
 
 The offline API mirrors vLLM's: `LLM(model_dir).generate(prompts, SamplingParams(...))`, and for scripts that step
-the engine themselves `LLMEngine.from_engine_args(EngineArgs(model=model_dir))`.
+the engine themselves `LLMEngine.from_engine_args(EngineArgs(model=model_dir))`, or with asyncio
+`AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=model_dir))`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from deltaserve.sampling_params import BeamSearchParams, RequestOutputKind, Samp
 from deltaserve.version import __version__
 
 if TYPE_CHECKING:
+    from deltaserve.engine.async_llm import AsyncLLM, AsyncLLMEngine
     from deltaserve.engine.engine import LLMEngine
     from deltaserve.engine.llm import LLM
-    from deltaserve.engine_args import EngineArgs
+    from deltaserve.engine_args import AsyncEngineArgs, EngineArgs
 
 
 def __getattr__(name: str) -> Any:
@@ -28,15 +30,22 @@ def __getattr__(name: str) -> Any:
         from deltaserve.engine.engine import LLMEngine
 
         return LLMEngine
-    if name == "EngineArgs":
-        from deltaserve.engine_args import EngineArgs
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from deltaserve import engine_args
 
-        return EngineArgs
+        return getattr(engine_args, name)
+    if name in ("AsyncLLM", "AsyncLLMEngine"):
+        from deltaserve.engine import async_llm
+
+        return getattr(async_llm, name)
     raise AttributeError(name)
 
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "EngineArgs",
     "LLMEngine",
     "BeamSearchParams",

@@ -17,11 +17,14 @@ that parse a command line). The engine takes only the EngineConfig it builds (en
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import fields
 from typing import Any
 
 from deltaserve.engine_config import EngineConfig
 from deltaserve.vllm_flags import check_engine_kwargs
+
+logger = logging.getLogger(__name__)
 
 
 class EngineArgs:
@@ -65,3 +68,14 @@ class EngineArgs:
         if self.model is None:
             raise ValueError("EngineArgs needs a model: EngineArgs(model='path/to/checkpoint')")
         return EngineConfig(model=str(self.model), **check_engine_kwargs(dict(self.kwargs)))
+
+
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's AsyncEngineArgs: EngineArgs with enable_log_requests, which the engine takes and logs (deltaserve's
+    server logs requests with its own flags)."""
+
+    def __init__(self, model: str | None = None, enable_log_requests: bool = False, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.enable_log_requests = enable_log_requests
+        if enable_log_requests:
+            logger.info("enable_log_requests=True: accepted and logged; the engine logs no requests of its own")

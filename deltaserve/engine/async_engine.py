@@ -50,6 +50,9 @@ class AsyncEngine:
         self.info = client.info
         self.heartbeat_timeout_s = env.engine_heartbeat_timeout_s()
         self.on_dead: Callable[[], None] | None = None
+        # False: every stream gets deltas (the server's routes read them so); True: each request's outputs as its
+        # output_kind asks (engine/async_llm.py, vLLM's AsyncLLM)
+        self.by_output_kind = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._error: BaseException | None = None
         self._is_started = False
@@ -120,7 +123,7 @@ class AsyncEngine:
         for call_id, result in batch.replies:
             self._answer(call_id, result)
         processor = self.frontend.processor
-        results, to_abort = processor.process(list(batch.outputs))
+        results, to_abort = processor.process(list(batch.outputs), by_output_kind=self.by_output_kind)
         self.client.abort(to_abort)
         for output in results:
             self._deliver(output.request_id, output)
@@ -152,13 +155,17 @@ class AsyncEngine:
         mm_input: MultimodalInput | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        prompt_text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs (deltas, or as its output_kind asks with by_output_kind); prompt_text: what the
+        outputs report as RequestOutput.prompt."""
         if self.is_dead:
             raise EngineDeadError("the engine core is not running")
         # raises RequestError (a ValueError: 400) before anything is queued
         core_requests = self.frontend.new_request(
-            request_id, list(prompt_token_ids), params, mm_input=mm_input, priority=priority, cache_salt=cache_salt
-        )
+            request_id, list(prompt_token_ids), params, prompt_text, mm_input=mm_input, priority=priority,
+            cache_salt=cache_salt,
+        )  # fmt: skip
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self.client.add(core_requests)
