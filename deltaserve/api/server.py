@@ -1,13 +1,13 @@
 """The FastAPI app of `deltaserve serve`: vLLM's OpenAI-compatible routes around one engine.
 
 build_app(engine, settings) wires the routes (the OpenAI ones, vLLM's tokens-in /inference/v1/generate and its
-render routes, tokenize, SageMaker's /invocations), the error envelope (FastAPI's own 404/405 included), the middleware
-(CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, vLLM's HTTP request
-metrics, the body-size limit),
---root-path, and a lifespan that starts the engine, the chat-template workers, the tokenizer threads and the periodic
-stats line (unless --disable-log-stats), and stops them on shutdown. With VLLM_SERVER_DEV_MODE=1 it serves vLLM's
-development route POST /reset_prefix_cache, as vLLM does (only then). Nothing CPU-heavy runs on the event loop:
-tokenisation and JSON parsing of large bodies run on threads, chat templates in worker processes.
+render / derender routes, tokenize, SageMaker's /invocations), the error envelope (FastAPI's own 404/405 included),
+the middleware (CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, vLLM's
+HTTP request metrics, the body-size limit), --root-path, and a lifespan that starts the engine, the chat-template
+workers, the tokenizer threads and the periodic stats line (unless --disable-log-stats), and stops them on shutdown.
+With VLLM_SERVER_DEV_MODE=1 it serves vLLM's development route POST /reset_prefix_cache, as vLLM does (only then).
+Nothing CPU-heavy runs on the event loop: tokenisation and JSON parsing of large bodies run on threads, chat
+templates in worker processes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from deltaserve.api import (
     serving_chat,
     serving_chat_batch,
     serving_completion,
+    serving_derender,
     serving_generate,
     serving_render,
     serving_responses,
@@ -253,6 +254,14 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions/render")
     async def render_completion(request: Request) -> Response:
         return await serving_render.render_completion(state, request)
+
+    @app.post("/v1/chat/completions/derender")
+    async def derender_chat_completion(request: Request) -> Response:
+        return await serving_derender.derender_chat(state, request)
+
+    @app.post("/v1/completions/derender")
+    async def derender_completion(request: Request) -> Response:
+        return await serving_derender.derender_completion(state, request)
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(request: Request) -> Response:

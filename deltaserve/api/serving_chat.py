@@ -179,15 +179,31 @@ def submit(
     the qwen3_coder parser when --enable-auto-tool-choice gave the server one: vLLM's DelegatingParser runs an
     engine-based tool parser then and returns its content without the calls (_extract_tool_calls and
     _extract_tool_calls_streaming in vllm/parser/abstract_parser.py). hermes is not engine-based: the text stays."""
+    stream = engine_stream(
+        state, prompt.token_ids, params, engine_request_id(response_id, prompt_index), arrival, prompt.mm_input,
+        request.priority, cache_salt_of(request),
+    )  # fmt: skip
+    return chat_job(state, request, prompt, params, tool_choice, response_id, role, echo_text, stream)
+
+
+def chat_job(
+    state: ServerState,
+    request: ChatCompletionRequest,
+    prompt: ChatPrompt,
+    params: SamplingParams,
+    tool_choice: str | None,
+    response_id: str,
+    role: str,
+    echo_text: str,
+    stream: AsyncGenerator[RequestOutput, None],
+) -> ChatJob:
+    """The job that turns `stream` (the engine's, or a derendered response's: api/serving_derender.py) into the
+    request's choices."""
     settings = state.settings
     is_tool_choice_none = (
         tool_choice is None and settings.enable_auto_tool_choice and settings.tool_call_parser in QWEN3_TOOL_PARSERS
     )
     is_parsed = tool_choice is not None or is_tool_choice_none
-    stream = engine_stream(
-        state, prompt.token_ids, params, engine_request_id(response_id, prompt_index), arrival, prompt.mm_input,
-        request.priority, cache_salt_of(request),
-    )  # fmt: skip
     return ChatJob(
         state=state,
         request=request,

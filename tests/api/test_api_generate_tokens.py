@@ -237,3 +237,120 @@ def test_render_then_generate_gives_the_chat_routes_tokens(real_server: ServerTh
     generated = httpx.post(url + ROUTE, json=rendered, timeout=60).json()["choices"][0]["token_ids"]
     chat = httpx.post(url + "/v1/chat/completions", json={**request, "return_token_ids": True}, timeout=60).json()
     assert generated == chat["choices"][0]["token_ids"] and len(generated) == 6
+
+
+# -- the derender routes -----------------------------------------------------------------------------------------
+
+
+def test_chat_derender_without_a_request_decodes_plainly(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    tokenizer = fake_engine.tokenizer
+    ids = tokenizer.encode("Hello there", add_special_tokens=False)
+    entries = [
+        {"token": f"token_id:{t}", "logprob": -0.5, "top_logprobs": [{"token": f"token_id:{t}", "logprob": -0.5}]}
+        for t in ids
+    ]
+    choice = {"index": 0, "token_ids": ids, "finish_reason": "length", "logprobs": {"content": entries}}
+    gen = {"request_id": "gen-1", "choices": [choice]}
+    reply = http.post("/v1/chat/completions/derender", json={"model": MODEL_NAME, "generate_response": gen,
+                                                             "prompt_tokens": 4})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert list(body) == ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                          "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params",
+                          "ec_transfer_params", "metrics"]  # fmt: skip
+    expected_usage = {"prompt_tokens": 4, "total_tokens": 4 + len(ids), "completion_tokens": len(ids),
+                      "prompt_tokens_details": None}  # fmt: skip
+    assert body["id"] == "gen-1" and body["usage"] == expected_usage
+    (choice,) = body["choices"]
+    assert choice["message"]["content"] == "Hello there" and choice["finish_reason"] == "length"
+    names = [entry["token"] for entry in choice["logprobs"]["content"]]
+    assert "".join(names) == "Hello there"  # each placeholder named by its text again
+    first = choice["logprobs"]["content"][0]
+    assert first["bytes"] == list(first["token"].encode()) and first["top_logprobs"][0]["token"] == first["token"]
+
+
+def test_chat_derender_parses_reasoning_as_the_chat_route(fake_engine: FakeEngine) -> None:
+    server = serve(fake_engine, reasoning_parser="qwen3")
+    try:
+        tokenizer = fake_engine.tokenizer
+        ids = tokenizer.encode("Let me think.</think>\n\nParis.", add_special_tokens=False)
+        chat_request = {"messages": [{"role": "user", "content": "Capital of France?"}]}
+        gen = {"choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop"}]}
+        body = {"model": MODEL_NAME, "generate_response": gen, "chat_request": chat_request}
+        message = httpx.post(server.base_url + "/v1/chat/completions/derender", json=body).json()["choices"][0][
+            "message"
+        ]  # fmt: skip
+        # the tiny template opens a thinking block: the text before </think> is the reasoning
+        assert (message["reasoning"], message["content"]) == ("Let me think.", "\n\nParis.")  # the chat route's split
+        without = httpx.post(server.base_url + "/v1/chat/completions/derender", json={**body, "chat_request": None})
+        assert without.json()["choices"][0]["message"]["reasoning"] is None  # no request: no parsing, as vLLM's
+    finally:
+        server.stop()
+
+
+def test_derender_checks_vllms_bounds(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    route = "/v1/chat/completions/derender"
+    empty = {"model": MODEL_NAME, "generate_response": {"choices": [{"index": 0, "token_ids": []}]}}
+    assert "has empty or null token_ids" in http.post(route, json=empty).json()["error"]["message"]
+    too_many = [5] * (fake_engine.max_model_len + 1)
+    long = {"model": MODEL_NAME, "generate_response": {"choices": [{"index": 0, "token_ids": too_many}]}}
+    assert "exceeds max_model_len" in http.post(route, json=long).json()["error"]["message"]
+    assert http.post(route, json={**empty, "model": "other"}).status_code == 404
+    mismatch = {"model": MODEL_NAME, "generate_responses": [{"choices": [{"index": 0, "token_ids": [5]}]}],
+                "prompt_tokens": [1, 2]}  # fmt: skip
+    reply = http.post("/v1/completions/derender", json=mismatch)
+    assert reply.status_code == 400 and "must equal generate_responses length" in reply.json()["error"]["message"]
+
+
+def test_completion_derender_numbers_choices_across_responses(http: httpx.Client, fake_engine: FakeEngine) -> None:
+    ids = fake_engine.tokenizer.encode(" the quick", add_special_tokens=False)
+    entries = [{"token": f"token_id:{t}", "logprob": -1.0, "top_logprobs": []} for t in ids]
+    first_choice = {"index": 0, "token_ids": ids, "finish_reason": "length", "logprobs": {"content": entries}}
+    one = {"request_id": "a", "choices": [first_choice]}
+    two = {"request_id": "b", "choices": [{"index": 0, "token_ids": ids[:1]}, {"index": 1, "token_ids": ids[1:]}]}
+    reply = http.post("/v1/completions/derender", json={"model": MODEL_NAME, "generate_responses": [one, two],
+                                                        "prompt_tokens": [3, 4]})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["id"] == "a" and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["choices"][0]["text"] == " the quick" and body["usage"]["prompt_tokens"] == 7
+    logprobs = body["choices"][0]["logprobs"]
+    assert "".join(logprobs["tokens"]) == " the quick" and logprobs["top_logprobs"] == [None] * len(ids)
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"][-1] == len(" the quick") - len(
+        logprobs["tokens"][-1]
+    )
+
+
+def test_render_generate_derender_gives_the_chat_routes_message(real_server: ServerThread) -> None:
+    url = real_server.base_url
+    request = {"messages": [{"role": "user", "content": "Tell me about the mat"}], "max_tokens": 8,
+               "temperature": 0.0, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    rendered = httpx.post(url + "/v1/chat/completions/render", json=request, timeout=60).json()
+    generated = httpx.post(url + ROUTE, json=rendered, timeout=60).json()
+    derendered = httpx.post(url + "/v1/chat/completions/derender", json={
+        "model": MODEL_NAME, "generate_response": generated, "prompt_tokens": len(rendered["token_ids"]),
+        "chat_request": request}, timeout=60).json()  # fmt: skip
+    chat = httpx.post(url + "/v1/chat/completions", json=request, timeout=60).json()
+    assert derendered["choices"][0]["message"] == chat["choices"][0]["message"]
+    # vLLM's derender reports no prompt_tokens_details, whatever the server's flag
+    assert derendered["usage"] == {**chat["usage"], "prompt_tokens_details": None}
+    ours = derendered["choices"][0]["logprobs"]["content"]
+    theirs = chat["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in ours] == [entry["token"] for entry in theirs]
+    assert [entry["logprob"] for entry in ours] == pytest.approx([entry["logprob"] for entry in theirs], abs=1e-6)
+
+
+def test_a_split_character_is_named_with_its_context(fake_engine: FakeEngine) -> None:
+    """A token that decodes to part of a UTF-8 character is named by what it adds with up to four tokens before it
+    (vLLM's correction); the pieces before the last add nothing on their own."""
+    from deltaserve.api.serving_derender import Logprobs, TokenNames
+
+    tokenizer = fake_engine.tokenizer
+    ids = tokenizer.encode("\u2603", add_special_tokens=False)
+    assert len(ids) > 1  # the tiny byte-level vocabulary splits the snowman's three bytes
+    names = TokenNames(tokenizer, len(tokenizer))
+    logprobs = Logprobs.model_validate({"content": [{"token": f"token_id:{t}", "logprob": -1.0} for t in ids]})
+    tokens = [entry["token"] for entry in names.chat_logprobs(logprobs)["content"]]
+    assert "".join(tokens) == "\u2603" and tokens[-1].endswith("\u2603")
+    assert names.text("not-a-placeholder", []) == ("not-a-placeholder", None)
+    assert names.text("token_id:999999999", []) == ("", None)  # outside the vocabulary: empty, as vLLM's
