@@ -5,7 +5,8 @@ render / derender routes, tokenize, SageMaker's /invocations), the error envelop
 the middleware (CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, vLLM's
 HTTP request metrics, the body-size limit), --root-path, and a lifespan that starts the engine, the chat-template
 workers, the tokenizer threads and the periodic stats line (unless --disable-log-stats), and stops them on shutdown.
-With VLLM_SERVER_DEV_MODE=1 it serves vLLM's development route POST /reset_prefix_cache, as vLLM does (only then).
+With VLLM_SERVER_DEV_MODE=1 it serves vLLM's cache routes POST /reset_prefix_cache, /reset_mm_cache and
+/reset_encoder_cache, as vLLM does (only then).
 Nothing CPU-heavy runs on the event loop: tokenisation and JSON parsing of large bodies run on threads, chat
 templates in worker processes.
 """
@@ -283,16 +284,29 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         async def reset_prefix_cache(
             reset_running_requests: bool = Query(default=False), reset_external: bool = Query(default=False)
         ) -> Response:
-            """vLLM's dev route: 200 with an empty body whether or not every entry could be dropped (vLLM does not
-            check either). Blocks and checkpoints that running requests hold stay: reset_running_requests does not
-            preempt them here; reset_external has no external cache to reset."""
+            """vLLM 0.26's dev route: 200 with {"success": bool}, false when entries were kept (callers may retry).
+            Blocks and checkpoints that running requests hold stay: reset_running_requests does not preempt them
+            here; reset_external has no external cache to reset."""
             logger.info("Resetting prefix cache...")
             _check_alive(state)
             if reset_running_requests:
                 logger.warning("reset_running_requests=true is not honoured: running requests keep what they hold")
-            if not await engine.reset_prefix_cache():
+            success = await engine.reset_prefix_cache()
+            if not success:
                 logger.warning("the prefix cache kept the entries that running requests hold")
             stat_logger.reset_prefix_hit_rate()
+            return JSONResponse({"success": bool(success)})
+
+        @app.post("/reset_mm_cache")
+        async def reset_mm_cache() -> Response:
+            """vLLM's dev route: nothing to drop (each image and video is processed with its request)."""
+            logger.info("Resetting multi-modal cache...")
+            return Response(status_code=200)
+
+        @app.post("/reset_encoder_cache")
+        async def reset_encoder_cache() -> Response:
+            """vLLM's dev route: nothing to drop (no encoder outputs are kept between requests)."""
+            logger.info("Resetting encoder cache...")
             return Response(status_code=200)
 
     @app.post("/invocations")

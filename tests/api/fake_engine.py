@@ -81,6 +81,7 @@ class FakeEngine:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_prefix_cache_resets = 0
+        self.is_prefix_cache_reset_whole = True  # what reset_prefix_cache answers (False: running requests kept some)
         self.is_reporting_metrics = False  # RequestOutput.metrics with engine timestamps
         self.num_preemptions = 0  # reported in each request's metrics
         self.iteration_tokens: list[int] = []  # tokens of each engine step, for vllm:iteration_tokens_total
@@ -97,7 +98,7 @@ class FakeEngine:
 
     async def reset_prefix_cache(self) -> bool:
         self.num_prefix_cache_resets += 1
-        return True
+        return self.is_prefix_cache_reset_whole
 
     def _iteration_counts(self) -> tuple[int, ...]:
         bounds = (*ITERATION_TOKEN_BUCKETS, float("inf"))

@@ -91,11 +91,18 @@ def test_reset_route_exists_only_in_dev_mode(http: httpx.Client, fake_engine: Fa
         before = fake_engine.num_prefix_cache_resets
         for query in ("", "?reset_running_requests=false&reset_external=true", "?reset_running_requests=true"):
             response = httpx.post(server.base_url + "/reset_prefix_cache" + query)
-            assert (response.status_code, response.content) == (200, b"")
+            assert (response.status_code, response.json()) == (200, {"success": True})  # vLLM 0.26's body
         assert fake_engine.num_prefix_cache_resets == before + 3
+        fake_engine.is_prefix_cache_reset_whole = False
+        try:
+            assert httpx.post(server.base_url + "/reset_prefix_cache").json() == {"success": False}
+        finally:
+            fake_engine.is_prefix_cache_reset_whole = True
         response = httpx.post(server.base_url + "/reset_prefix_cache?reset_external=maybe")
         assert response.status_code == 400 and "reset_external" in response.json()["error"]["message"]
         assert httpx.get(server.base_url + "/reset_prefix_cache").status_code == 405
+        for route in ("/reset_mm_cache", "/reset_encoder_cache"):  # nothing kept to drop: 200, as vLLM's
+            assert (httpx.post(server.base_url + route).status_code, http.post(route).status_code) == (200, 404)
     finally:
         server.stop()
 
@@ -295,7 +302,7 @@ def test_a_reset_makes_the_next_shared_prefix_request_miss(cached_server: Server
     longer = head + " And one more sentence to go past the end."
     completion(client, head, stream=False)
     response = httpx.post(cached_server.base_url + "/reset_prefix_cache")
-    assert (response.status_code, response.content) == (200, b"")
+    assert (response.status_code, response.json()) == (200, {"success": True})  # nothing running held an entry
     assert completion(client, longer, stream=False)[1] == 0  # would hit without the reset (the test above)
     completion(client, head, stream=False)
     assert completion(client, longer, stream=False)[1] > 0  # cached again from the requests after it
