@@ -113,6 +113,9 @@ class EngineConfig:
     # start-up is logged once ("warn") or fails its step ("error"); verbose logs every compile with its signature
     jit_monitor_mode: str = "warn"
     jit_monitor_verbose: bool = False
+    # vLLM's --stream-interval: a streamed sequence's deltas are sent once this many new tokens gathered (its first
+    # token and its finish at once); 1: every step's tokens (engine/frontend.py OutputProcessor)
+    stream_interval: int = 1
 
     @property
     def chains_verifies(self) -> bool:
@@ -124,6 +127,12 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         check_gdn_prefill_backend(self.gdn_prefill_backend)
+        if (
+            isinstance(self.stream_interval, bool)
+            or not isinstance(self.stream_interval, int)
+            or self.stream_interval < 1
+        ):
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         parse_reasoning_config(self.reasoning_config)  # its fields, checked at once (the strings need the tokenizer)
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSER_STRINGS:
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose from {tuple(PARSER_STRINGS)}")

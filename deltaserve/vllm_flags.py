@@ -188,7 +188,6 @@ TABLE = """
 --skip-mm-profiling | switch | log | text-only server: nothing multimodal to profile
 --skip-tokenizer-init | switch | refuse | the API needs the tokenizer
 --specialize-active-lora | switch | log | LoRA adapters are not supported
---stream-interval | value | warn | every engine step is streamed
 --swap-space | value | log | CPU swap space is not used
 --tokenizer-mode | value | refuse:auto,hf,fast,slow | only Hugging Face tokenizers
 --tokenizer-revision | value | log | the tokenizer is loaded from a local folder

@@ -111,6 +111,7 @@ def build_engine_config(args: argparse.Namespace, model: str, device: str) -> En
         attention_backend=attention_backend_of(args.attention_backend, args.attention_config),
         jit_monitor_mode=args.jit_monitor_mode,
         jit_monitor_verbose=args.jit_monitor_verbose,
+        stream_interval=args.stream_interval,
     )
 
 

@@ -145,6 +145,12 @@ def add_engine_arguments(add: Any) -> None:
         "exclusive, as in vLLM); its other keys are logged, not used (deltaserve picks its own attention kernels)",
     )
     add("--seed", type=int, default=0)
+    add(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="stream a sequence's tokens once this many gathered (its first and last at once); 1: every step's",
+    )
     add("--enforce-eager", action=SWITCH, default=False, help="no CUDA graphs")
     add(
         "--async-scheduling",

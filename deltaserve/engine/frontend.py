@@ -134,8 +134,9 @@ def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) ->
 class OutputProcessor:
     """Request states by id; turns core outputs into RequestOutputs. Thread-safe: one lock guards the states."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval  # vLLM's: deltas of at least this many tokens (first and last aside)
         self.requests: dict[str, RequestState] = {}
         self._by_core_id: dict[str, tuple[RequestState, int]] = {}
         self._lock = threading.Lock()
@@ -184,8 +185,13 @@ class OutputProcessor:
                 touched[state.request_id] = state
             results = []
             for state in touched.values():
-                delta = state.delta_output()  # advances what has been reported, whatever is returned
                 kind = state.params.output_kind if by_output_kind else RequestOutputKind.DELTA
+                # vLLM's stream interval holds back deltas only (a cumulative output is sent every step)
+                interval = self.stream_interval if kind == RequestOutputKind.DELTA else 1
+                delta = state.delta_output(interval)  # advances what has been reported, whatever is returned
+                if interval > 1 and not delta.outputs and not delta.finished:
+                    # every progressed sequence held back; prompt logprobs, cumulative, go with the next delta
+                    continue
                 if kind == RequestOutputKind.DELTA:
                     results.append(delta)
                 elif kind == RequestOutputKind.CUMULATIVE or state.is_finished:
@@ -214,7 +220,7 @@ class EngineFrontend:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, config.stream_interval)
         # thinking-token budgets: the reasoning start / end token ids (None: budgets are refused)
         tokenizer = self.tokenizer
         self.reasoning_markers = resolve_markers(

@@ -165,14 +165,18 @@ class RequestState:
         """vLLM's: the sum of the sampled tokens' logprobs when logprobs were asked for, else None."""
         return progress.cumulative_logprob if self.params.num_logprobs is not None else None
 
-    def delta_output(self) -> RequestOutput:
-        """What is new since the last call, for the sequences that progressed or finished."""
+    def delta_output(self, stream_interval: int = 1) -> RequestOutput:
+        """What is new since the last call, for the sequences that progressed or finished. stream_interval (vLLM's):
+        an unfinished sequence that reported tokens before waits until that many new ones gathered."""
         outputs = []
         for index, progress in enumerate(self.sequences):
             if progress.has_reported_finish:
                 continue
             token_ids = progress.token_ids
-            if len(token_ids) == progress.num_reported_tokens and not progress.is_finished:
+            num_new = len(token_ids) - progress.num_reported_tokens
+            if not progress.is_finished and (
+                num_new == 0 or (progress.num_reported_tokens and num_new < stream_interval)
+            ):
                 continue
             text = progress.detokenizer.take_delta(progress.is_finished)
             start = progress.num_reported_tokens
