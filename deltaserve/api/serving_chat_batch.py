@@ -31,6 +31,7 @@ from fastapi.responses import Response
 
 from deltaserve.api import serving_chat
 from deltaserve.api.body import parse_request
+from deltaserve.api.chat_job import ChatJob, collect_choices
 from deltaserve.api.errors import APIError
 from deltaserve.api.json_body import JSONPiecesResponse, render_json
 from deltaserve.api.protocol import BatchChatCompletionRequest
@@ -98,11 +99,9 @@ async def gather_all(works: list[Awaitable[T]]) -> list[T]:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def full_batch(
-    state: ServerState, jobs: list[serving_chat.ChatJob], response_id: str, created: int
-) -> JSONPiecesResponse:
+async def full_batch(state: ServerState, jobs: list[ChatJob], response_id: str, created: int) -> JSONPiecesResponse:
     """The batch's one response: conversation i's only choice as choice i, usage summed over the conversations."""
-    results = await gather_all([serving_chat.collect_choices(job) for job in jobs])
+    results = await gather_all([collect_choices(job) for job in jobs])
     choices: list[dict[str, Any]] = []
     num_prompt_tokens = num_completion_tokens = 0
     for index, (job, result) in enumerate(zip(jobs, results, strict=True)):

@@ -26,6 +26,7 @@ from pydantic import Field, model_validator
 from deltaserve.api import serving_chat
 from deltaserve.api.body import parse_body, parse_request
 from deltaserve.api.chat import render_prompt
+from deltaserve.api.chat_job import chat_job, collect_choices
 from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import APIModel, ChatCompletionRequest
 from deltaserve.api.serving_common import check_model, usage
@@ -268,10 +269,8 @@ async def parsed_messages(
         yield RequestOutput(gen.request_id, prompt.text, prompt.token_ids, sequences, finished=True)
 
     # no logprobs asked of the job: the given ones are named separately (chat_logprobs)
-    job = serving_chat.chat_job(
-        state, request, prompt, SamplingParams(), tool_choice, gen.request_id, "assistant", "", outputs()
-    )
-    result = await serving_chat.collect_choices(job)
+    job = chat_job(state, request, prompt, SamplingParams(), tool_choice, gen.request_id, "assistant", "", outputs())
+    result = await collect_choices(job)
     return {choice["index"]: choice["message"] for choice in result.choices}
 
 

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from deltaserve.api import serving_chat
 from deltaserve.api.body import parse_request
 from deltaserve.api.chat import render_prompt
+from deltaserve.api.chat_job import ChatJob
 from deltaserve.api.chat_output import ChoiceProcessor, MessageBuilder, merge_deltas
 from deltaserve.api.errors import APIError
 from deltaserve.api.logprobs import TokenNamer, response_logprobs, stream_logprobs
@@ -83,7 +84,7 @@ class ResponseJob:
     completed event of a stream too); a stream's events come from a second, streamed parse of the same text, as
     vLLM's come from its streamed parser."""
 
-    chat: serving_chat.ChatJob
+    chat: ChatJob
     request: ResponsesRequest
     params: SamplingParams
     num_cached_tokens: int = 0
