@@ -1,14 +1,13 @@
 """The FastAPI app of `deltaserve serve`: vLLM's OpenAI-compatible routes around one engine.
 
-build_app(engine, settings) wires the routes (the OpenAI ones, vLLM's tokens-in /inference/v1/generate and its
-render / derender routes, tokenize, SageMaker's /invocations), the error envelope (FastAPI's own 404/405 included),
-the middleware (CORS only for --allowed-origins, the API key on every route but the probes, X-Request-Id, vLLM's
-HTTP request metrics, the body-size limit), --root-path, and a lifespan that starts the engine, the chat-template
-workers, the tokenizer threads and the periodic stats line (unless --disable-log-stats), and stops them on shutdown.
-With VLLM_SERVER_DEV_MODE=1 it serves vLLM's cache routes POST /reset_prefix_cache, /reset_mm_cache and
-/reset_encoder_cache, as vLLM does (only then).
-Nothing CPU-heavy runs on the event loop: tokenisation and JSON parsing of large bodies run on threads, chat
-templates in worker processes.
+build_app(engine, settings) wires the routes (the OpenAI ones, Anthropic's /v1/messages, vLLM's tokens-in
+/inference/v1/generate and its render / derender routes, tokenize, SageMaker's /invocations), the error envelope
+(FastAPI's own 404/405 included), the middleware (CORS only for --allowed-origins, the API key on every route but the
+probes, X-Request-Id, vLLM's HTTP request metrics, the body-size limit), --root-path, and a lifespan that starts the
+engine, the chat-template workers, the tokenizer threads and the periodic stats line (unless --disable-log-stats),
+and stops them on shutdown. With VLLM_SERVER_DEV_MODE=1 it serves vLLM's cache routes POST /reset_prefix_cache,
+/reset_mm_cache and /reset_encoder_cache, as vLLM does (only then). Nothing CPU-heavy runs on the event loop:
+tokenisation and JSON parsing of large bodies run on threads, chat templates in worker processes.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from deltaserve.api import (
+    serving_anthropic,
     serving_chat,
     serving_chat_batch,
     serving_completion,
@@ -247,6 +247,15 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def responses(request: Request) -> Response:
         _check_alive(state)
         return await serving_responses.create_response(state, request)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request) -> Response:
+        _check_alive(state)
+        return await serving_anthropic.create_messages(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request) -> Response:
+        return await serving_anthropic.count_tokens(state, request)
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(request: Request) -> Response:
