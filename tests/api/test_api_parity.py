@@ -181,15 +181,16 @@ def test_named_tool_choice_finishes_with_stop(client: openai.OpenAI, fake_engine
 
 def test_visible_features_are_warned(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    check_compat(parse("m", "--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval", "4",
-                       "--enable-dbo", "--enable-prefix-caching"))  # fmt: skip
+    check_compat(parse("m", "--enable-sleep-mode", "--enable-prompt-embeds", "--enable-return-routed-experts",
+                       "--stream-interval", "4", "--enable-dbo", "--enable-prefix-caching"))  # fmt: skip
     levels = {record.getMessage().split(":")[0]: record.levelname for record in caplog.records}
-    for flag in ("--enable-sleep-mode", "--enable-prompt-embeds", "--stream-interval"):
+    for flag in ("--enable-sleep-mode", "--enable-prompt-embeds", "--enable-return-routed-experts"):
         (level,) = [level for message, level in levels.items() if f" {flag}" in message]
         assert level == "WARNING", (flag, levels)
     assert levels["ignoring --enable-dbo"] == "INFO"
-    # the prefix cache is implemented (issue 36): its flag is the engine's own, neither warned about nor ignored
-    assert not [message for message in levels if "--enable-prefix-caching" in message]
+    # the prefix cache (issue 36) and the stream interval are implemented: their flags are the engine's own, neither
+    # warned about nor ignored
+    assert not [message for message in levels if "--enable-prefix-caching" in message or "--stream-interval" in message]
 
 
 def test_vllms_speculative_shorthand_sets_the_speculative_config(caplog: pytest.LogCaptureFixture) -> None:
