@@ -160,3 +160,20 @@ def test_errors_come_in_anthropics_envelope(sdk: anthropic.Anthropic, fake_serve
     # a body the request model refuses is the server's usual validation 400, as vLLM's
     reply = httpx.post(fake_server.base_url + "/v1/messages", json={"model": MODEL_NAME, "messages": USER})
     assert reply.status_code == 400 and "max_tokens" in reply.text
+
+
+def test_the_api_key_is_a_bearer_token_as_in_vllm(fake_engine: FakeEngine) -> None:
+    """With --api-key the key is checked as vLLM checks it, `Authorization: Bearer KEY` (Anthropic's SDK sends it so,
+    from api_key= or auth_token=); Anthropic's x-api-key header alone is refused, as vLLM refuses it."""
+    from .server_thread import serve
+
+    server = serve(fake_engine, api_keys=["secret"], reasoning_parser="qwen3")
+    try:
+        for keyword in ("api_key", "auth_token"):
+            sdk = anthropic.Anthropic(base_url=server.base_url, max_retries=0, **{keyword: "secret"})
+            assert sdk.messages.create(model=MODEL_NAME, max_tokens=2, messages=USER).usage.output_tokens == 2
+        body = {"model": MODEL_NAME, "max_tokens": 2, "messages": USER}
+        reply = httpx.post(server.base_url + "/v1/messages", json=body, headers={"x-api-key": "secret"})
+        assert reply.status_code == 401
+    finally:
+        server.stop()
