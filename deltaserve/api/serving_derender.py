@@ -9,7 +9,8 @@ partial UTF-8 character is decoded with up to four tokens before it, as vLLM doe
 given. The completions route takes {model, generate_responses, prompt_tokens?, completion_request?}: one choice per
 generated choice, numbered across the responses, logprobs in completions' parallel lists. Bodies are vLLM's response
 models serialised whole; vLLM's bounds on the payload (token ids and logprob entries within max_model_len, top
-logprobs within --max-logprobs, at most 16,384 responses or choices) are checked first, in its words.
+logprobs within --max-logprobs, at most 16,384 responses or choices) are checked first, in its words. The decoding
+runs on the large-input pool, never on the event loop: a body of millions of token ids takes seconds to decode.
 """
 
 from __future__ import annotations
@@ -203,6 +204,21 @@ class TokenNames:
         return {"content": content}
 
 
+def completion_choices(state: ServerState, responses: list[GenerateResponse]) -> list[dict[str, Any]]:
+    """Every generated choice as a completions choice, numbered across the responses (decoding: off the loop)."""
+    names = TokenNames(state.engine.tokenizer, state.vocab_size)
+    decode = state.engine.tokenizer.decode
+    choices: list[dict[str, Any]] = []
+    for gen in responses:
+        for choice in gen.choices:
+            logprobs = completion_logprobs(names.chat_logprobs(choice.logprobs)) if choice.logprobs else None
+            choices.append({"index": len(choices), "text": decode(choice.token_ids or [], skip_special_tokens=True),
+                            "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": None,
+                            "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                            "routed_experts": None})  # fmt: skip
+    return choices
+
+
 def completion_logprobs(chat: dict[str, Any]) -> dict[str, Any]:
     """Chat's per-token logprobs as completions' parallel lists (vLLM's conversion: offsets by token length)."""
     merged: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -224,14 +240,19 @@ async def derender_chat(state: ServerState, raw_request: Request) -> Response:
     check_bounds(state, [gen])
     names = TokenNames(state.engine.tokenizer, state.vocab_size)
     if request.chat_request is None:
-        messages = {choice.index: plain_message(state, choice.token_ids or []) for choice in gen.choices}
+        # decoding a large payload takes seconds: on the large-input pool, never on the event loop
+        messages = await state.tokens.run_large(
+            lambda: {choice.index: plain_message(state, choice.token_ids or []) for choice in gen.choices}
+        )
     else:
         messages = await parsed_messages(state, parse_body(ChatCompletionRequest, request.chat_request), gen)
+    logprobs = await state.tokens.run_large(
+        lambda: [names.chat_logprobs(c.logprobs) if c.logprobs is not None else None for c in gen.choices]
+    )
     choices = [
-        {"index": choice.index, "message": messages[choice.index],
-         "logprobs": names.chat_logprobs(choice.logprobs) if choice.logprobs is not None else None,
+        {"index": choice.index, "message": messages[choice.index], "logprobs": logprobs[i],
          "finish_reason": choice.finish_reason, "stop_reason": None, "token_ids": None, "routed_experts": None}
-        for choice in gen.choices
+        for i, choice in enumerate(gen.choices)
     ]  # fmt: skip
     num_generated = sum(len(choice.token_ids or []) for choice in gen.choices)
     body = {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": request.model,
@@ -260,12 +281,17 @@ async def parsed_messages(
         raise bad_request("Derendering a chat with images or videos is not supported.", "chat_request")
     tokenizer = state.engine.tokenizer
 
-    async def outputs() -> AsyncGenerator[RequestOutput, None]:
+    def decoded() -> list[CompletionOutput]:
         sequences = []
         for choice in gen.choices:
             ids = list(choice.token_ids or [])
             text = tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
             sequences.append(CompletionOutput(choice.index, text, ids, finish_reason=choice.finish_reason or "stop"))
+        return sequences
+
+    sequences = await state.tokens.run_large(decoded)  # off the event loop, as the plain path
+
+    async def outputs() -> AsyncGenerator[RequestOutput, None]:
         yield RequestOutput(gen.request_id, prompt.text, prompt.token_ids, sequences, finished=True)
 
     # no logprobs asked of the job: the given ones are named separately (chat_logprobs)
@@ -280,18 +306,8 @@ async def derender_completion(state: ServerState, raw_request: Request) -> Respo
     if not request.generate_responses:
         raise bad_request("generate_responses must not be empty")  # vLLM's words
     check_bounds(state, request.generate_responses)
-    names = TokenNames(state.engine.tokenizer, state.vocab_size)
-    tokenizer = state.engine.tokenizer
-    choices, num_generated = [], 0
-    for gen in request.generate_responses:
-        for choice in gen.choices:
-            ids = choice.token_ids or []
-            logprobs = completion_logprobs(names.chat_logprobs(choice.logprobs)) if choice.logprobs else None
-            choices.append({"index": len(choices), "text": tokenizer.decode(ids, skip_special_tokens=True),
-                            "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": None,
-                            "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
-                            "routed_experts": None})  # fmt: skip
-            num_generated += len(ids)
+    choices = await state.tokens.run_large(completion_choices, state, request.generate_responses)
+    num_generated = sum(len(choice.token_ids or []) for gen in request.generate_responses for choice in gen.choices)
     first = request.generate_responses[0]
     transfer = first.kv_transfer_params
     if any(gen.kv_transfer_params != transfer for gen in request.generate_responses[1:]):
