@@ -78,7 +78,6 @@ TABLE = """
 --enable-eplb | switch | log | expert parallelism is not used
 --enable-flashinfer-autotune | switch | log | FlashInfer is not used
 --enable-layerwise-nvtx-tracing | switch | log | no NVTX ranges per layer
---enable-log-requests | switch | log | requests are not logged one by one
 --disable-log-requests | switch | log | requests are not logged one by one
 --enable-logging-iteration-details | switch | log | per-step details are on /metrics
 --enable-lora | switch | refuse | LoRA adapters are not supported
@@ -203,7 +202,6 @@ TABLE = """
 --lora-modules | list | refuse | LoRA adapters are not supported
 --tool-parser-plugin | value | log | only the built-in tool parsers
 --tool-server | value | refuse | built-in tools are not supported
---max-log-len | value | log | prompts are not logged
 --enable-server-load-tracking | switch | log | GET /load always reports the server load
 --enable-log-outputs | switch | log | outputs are not logged
 --enable-log-deltas | switch | log | outputs are not logged

@@ -42,7 +42,7 @@ def check_beam_width(width: int, max_logprobs: int) -> None:
 
 
 async def _one_step(state: ServerState, tokens: list[int], params: SamplingParams, request_id: str) -> RequestOutput:
-    async with contextlib.aclosing(engine_stream(state, tokens, params, request_id, 0.0)) as stream:
+    async with contextlib.aclosing(engine_stream(state, tokens, params, request_id, 0.0, is_logged=False)) as stream:
         last = None
         async for output in stream:
             last = output

@@ -146,6 +146,8 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 def check_server_flags(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.compat_enable_log_outputs and not args.enable_log_requests:  # vLLM's check and words
+        raise ValueError("--enable-log-outputs requires --enable-log-requests")
     if args.enable_per_request_metrics and args.disable_log_stats:  # vLLM's check and words
         raise ValueError(
             "--enable-per-request-metrics requires engine statistics logging; remove --disable-log-stats to enable "
@@ -215,6 +217,8 @@ def build_settings(args: argparse.Namespace, model: str, config: EngineConfig | 
         server_dev_mode=env.vllm_server_dev_mode(),
         enable_force_include_usage=args.enable_force_include_usage,
         enable_per_request_metrics=args.enable_per_request_metrics,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
         system_fingerprint=fingerprint,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_request_id_headers=args.enable_request_id_headers,
@@ -326,6 +330,11 @@ def run(args: argparse.Namespace) -> int:
         config = build_engine_config(args, model, device)
         settings = build_settings(args, model, config)
         check_listen_address(args)
+        if settings.enable_log_requests and env.log_level() != "DEBUG":
+            # vLLM's note: the prompts themselves are logged only at DEBUG
+            logger.info(
+                "--enable-log-requests logs request ids and parameters; DELTASERVE_LOG_LEVEL=DEBUG adds prompts"
+            )
     except ValueError as exc:
         logger.error("%s", exc)
         return 2

@@ -87,6 +87,14 @@ def _add_chat_arguments(add: Any) -> None:
     )
     add("--enable-force-include-usage", action=SWITCH, default=False, help="usage on every streamed response")
     add(
+        "--enable-log-requests",
+        action=SWITCH,
+        default=False,
+        help="log each request: its id and SamplingParams at INFO, its prompt and token ids at DEBUG "
+        "(DELTASERVE_LOG_LEVEL)",
+    )
+    add("--max-log-len", type=int, default=None, help="prompt characters or token ids a logged request shows")
+    add(
         "--enable-per-request-metrics",
         action=SWITCH,
         default=False,

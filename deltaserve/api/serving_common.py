@@ -32,6 +32,7 @@ from deltaserve.engine.stats import RequestMetrics
 from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+request_logger = logging.getLogger("deltaserve.requests")  # --enable-log-requests
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 T = TypeVar("T")
@@ -172,12 +173,16 @@ async def engine_stream(
     mm_input: Any = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    is_logged: bool = True,
 ) -> AsyncGenerator[RequestOutput, None]:
     """engine.generate with metrics, and a cleanup that always aborts an unfinished request. params.max_tokens is
     bound (build_sampling_params resolved it). mm_input: the prompt's processed images and videos (a
     deltaserve.multimodal MultimodalInput), None for text. priority: checked against the policy already
     (check_sampling_request); like mm_input, passed only when set, so an engine without either need not take it.
-    cache_salt: vLLM's per-request prefix-cache salt (checked already), passed only when set, as priority."""
+    cache_salt: vLLM's per-request prefix-cache salt (checked already), passed only when set, as priority.
+    is_logged: --enable-log-requests logs it (beam search's one-token steps are not, as vLLM's are not)."""
+    if is_logged and state.settings.enable_log_requests:
+        log_request(request_id, prompt_token_ids, params, state.settings.max_log_len)
     tracker = state.metrics.track(len(prompt_token_ids), params.n, params.max_tokens, arrival)
     extra: dict[str, Any] = {}
     if mm_input is not None:
@@ -207,6 +212,15 @@ async def engine_stream(
             if not is_finished:
                 with contextlib.suppress(Exception):
                     await state.engine.abort(request_id)
+
+
+def log_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_log_len: int | None) -> None:
+    """vLLM's RequestLogger.log_inputs: the id and SamplingParams at INFO; the prompt's token ids (cut at
+    --max-log-len) at DEBUG. The prompt's text is not logged: the engine receives token ids."""
+    if request_logger.isEnabledFor(logging.DEBUG):
+        shown = prompt_token_ids if max_log_len is None else prompt_token_ids[:max_log_len]
+        request_logger.debug("Request %s details: prompt_token_ids: %s, prompt_embeds shape: None.", request_id, shown)
+    request_logger.info("Received request %s: params: %s, lora_request: None.", request_id, params)
 
 
 async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:

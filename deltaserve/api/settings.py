@@ -96,6 +96,9 @@ class ServerSettings:
     enable_force_include_usage: bool = False
     # --enable-per-request-metrics: a response's `metrics` (TTFT, queue time, ...) when one stream made it
     enable_per_request_metrics: bool = False
+    # --enable-log-requests / --max-log-len: each request's id and SamplingParams logged (its prompt at DEBUG)
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     # what responses carry as system_fingerprint (api/fingerprint.py); None: null, as --fingerprint-mode none
     system_fingerprint: str | None = None
     enable_tokenizer_info_endpoint: bool = False

@@ -10,6 +10,7 @@ PerRequestTimingMetrics; its non-streamed handlers return `model_dump()`, so eac
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -196,3 +197,32 @@ def test_multimodal_tokens_count_each_modalitys_placeholder_spans() -> None:
 
     assert multimodal_tokens(Input()) == {"image": 80, "video": 300}
     assert multimodal_tokens(None) is None
+
+
+# -- request logging ------------------------------------------------------------------------------------------
+
+
+def test_enable_log_requests_logs_ids_and_params(fake_engine: FakeEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's --enable-log-requests: the request id and its SamplingParams at INFO, the prompt's token ids (cut at
+    --max-log-len) at DEBUG; nothing without the flag; --enable-log-outputs needs it, in vLLM's words."""
+    caplog.set_level(logging.DEBUG, logger="deltaserve.requests")
+    server = serve(fake_engine, enable_log_requests=True, max_log_len=3)
+    try:
+        httpx.post(server.base_url + "/v1/completions", json={"prompt": [5, 6, 7, 8, 9], "max_tokens": 2},
+                   headers={"x-request-id": "logged"})  # fmt: skip
+    finally:
+        server.stop()
+    lines = [record.getMessage() for record in caplog.records if record.name == "deltaserve.requests"]
+    received = [line for line in lines if line.startswith("Received request cmpl-logged-0-")]
+    assert len(received) == 1 and "params: SamplingParams(" in received[0] and "max_tokens=2" in received[0]
+    assert any("details: prompt_token_ids: [5, 6, 7]," in line for line in lines)
+    caplog.clear()
+    plain = serve(fake_engine)
+    try:
+        httpx.post(plain.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    finally:
+        plain.stop()
+    assert not [record for record in caplog.records if record.name == "deltaserve.requests"]
+    assert cli.build_settings(parse("m", "--enable-log-requests", "--max-log-len", "9"), "m").max_log_len == 9
+    with pytest.raises(ValueError, match="--enable-log-outputs requires --enable-log-requests"):
+        cli.build_settings(parse("m", "--enable-log-outputs"), "m")
