@@ -32,11 +32,11 @@ from deltaserve.api.errors import bad_request
 from deltaserve.api.protocol import APIModel, ChatCompletionRequest
 from deltaserve.api.serving_common import check_model, usage
 from deltaserve.api.settings import ServerState
+from deltaserve.engine.detokenizer import REPLACEMENT_CHAR, decode_in_context
 from deltaserve.engine.request import CompletionOutput, RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
 MAX_RESPONSES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: its bound on responses and on choices per response
-REPLACEMENT = "\ufffd"
 
 
 class TopLogprob(APIModel):
@@ -158,32 +158,10 @@ class TokenNames:
         if not 0 <= token_id < self.vocab_size:
             return "", None
         piece = self.tokenizer.convert_tokens_to_string(self.tokenizer.convert_ids_to_tokens([token_id]))
-        if piece.endswith(REPLACEMENT):
-            piece = self._with_context(token_id, context)
+        if piece.endswith(REPLACEMENT_CHAR):
+            # a partial UTF-8 character: what it adds after up to four tokens before it, as vLLM
+            piece = decode_in_context(self.tokenizer, token_id, context[-4:])
         return piece, list(piece.encode("utf-8", errors="replace"))
-
-    def _with_context(self, token_id: int, context: list[int]) -> str:
-        """A partial UTF-8 character decoded with up to four tokens before it: the text the token adds once the
-        longest clean prefix of that context is taken off (vLLM's _correct_decoded_token)."""
-        decode = self.tokenizer.decode
-        for size in range(1, min(len(context), 4) + 1):
-            window = context[-size:]
-            whole = decode([*window, token_id])
-            if whole.endswith(REPLACEMENT):
-                continue
-            clean = len(window)
-            while clean > 0 and decode([window[clean - 1]]).endswith(REPLACEMENT):
-                clean -= 1
-            prefix = decode(window[:clean]) if clean else ""
-            if whole.startswith(prefix):
-                return whole[len(prefix) :]
-            shared = 0
-            for a, b in zip(prefix, whole, strict=False):
-                if a != b:
-                    break
-                shared += 1
-            return whole[shared:]
-        return ""
 
     def chat_logprobs(self, logprobs: Logprobs) -> dict[str, Any]:
         """Chat's logprobs with every placeholder named by its text (the sampled tokens so far as context)."""

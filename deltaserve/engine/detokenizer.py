@@ -216,25 +216,7 @@ class IncrementalDetokenizer:
             if position is None:
                 position = len(self.output_token_ids) - 1
             context = self.output_token_ids[max(0, position - _MAX_LOGPROB_CONTEXT) : max(0, position)]
-        for num_context in range(1, len(context) + 1):
-            context_ids = context[-num_context:]
-            full_text = self.tokenizer.decode(context_ids + [token_id])
-            if full_text.endswith(REPLACEMENT_CHAR):
-                continue
-            # context tokens that are themselves partial characters belong to this token's character
-            clean_end = len(context_ids)
-            while clean_end > 0 and self.tokenizer.decode([context_ids[clean_end - 1]]).endswith(REPLACEMENT_CHAR):
-                clean_end -= 1
-            clean_prefix = self.tokenizer.decode(context_ids[:clean_end]) if clean_end else ""
-            if full_text.startswith(clean_prefix):
-                return full_text[len(clean_prefix) :]
-            num_common = 0
-            for a, b in zip(clean_prefix, full_text, strict=False):
-                if a != b:
-                    break
-                num_common += 1
-            return full_text[num_common:]
-        return ""
+        return decode_in_context(self.tokenizer, token_id, context)
 
     def _append(self, piece: str) -> None:
         self._chunks.append(piece)
@@ -285,3 +267,28 @@ class TokenIdsOnly:
 
     def decode_token(self, token_id: int, position: int | None = None, context: list[int] | None = None) -> str | None:
         return None
+
+
+def decode_in_context(tokenizer: PreTrainedTokenizerBase, token_id: int, context: list[int]) -> str:
+    """The text a token that decodes to part of a multi-byte character adds after the shortest tail of `context`
+    that completes it (vLLM's correction), "" while the character stays incomplete; the derender route names logprob
+    tokens with it too (api/serving_derender.py)."""
+    for num_context in range(1, len(context) + 1):
+        context_ids = context[-num_context:]
+        full_text = tokenizer.decode(context_ids + [token_id])
+        if full_text.endswith(REPLACEMENT_CHAR):
+            continue
+        # context tokens that are themselves partial characters belong to this token's character
+        clean_end = len(context_ids)
+        while clean_end > 0 and tokenizer.decode([context_ids[clean_end - 1]]).endswith(REPLACEMENT_CHAR):
+            clean_end -= 1
+        clean_prefix = tokenizer.decode(context_ids[:clean_end]) if clean_end else ""
+        if full_text.startswith(clean_prefix):
+            return full_text[len(clean_prefix) :]
+        num_common = 0
+        for a, b in zip(clean_prefix, full_text, strict=False):
+            if a != b:
+                break
+            num_common += 1
+        return full_text[num_common:]
+    return ""
