@@ -450,7 +450,39 @@ def fp8_launches(shape: str, rows: list[int]) -> list[tuple[str, Callable[[], ob
         for m in rows:
             x = torch.empty(m, num_in, dtype=torch.bfloat16)
             launches.append((f"fp8 {names} M={m}", lambda x=x, weight=weight: fp8_linear_triton(x, weight)))
-    return launches + fp8_producer_launches(fp8_ab.text_config(shape), rows)
+    return launches + fp8_producer_launches(fp8_ab.text_config(shape), rows) + fp8_moe_launches(shape, rows)
+
+
+def fp8_moe_launches(shape: str, rows: list[int]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, thunk) for the block-FP8 MoE block's decode path (kernels/moe_decode_triton.moe_block_fp8_triton:
+    router, gate/up with in-kernel routing, the split down and its combine) at each of rows up to its token limit,
+    on the shape's expert and shared-expert widths; none for a dense shape."""
+    from deltaserve.bench.kernel_shapes import MODELS
+    from deltaserve.kernels.fp8 import FP8_DTYPE, GROUP, Fp8Weight
+    from deltaserve.kernels.moe_decode_triton import FP8_DECODE_MAX_TOKENS, moe_block_fp8_triton
+
+    m = MODELS[shape]
+    if not m.num_experts:
+        return []
+
+    def weight(*shape: int) -> Fp8Weight:
+        scales = torch.empty(*shape[:-2], -(-shape[-2] // GROUP), -(-shape[-1] // GROUP))
+        return Fp8Weight.of(torch.empty(*shape, dtype=FP8_DTYPE), scales, GROUP)
+
+    ex, h, inter, inter_sh = m.num_experts, m.hidden, m.moe_inter, m.mlp_inter
+    w13, w2 = weight(ex, 2 * inter, h), weight(ex, h, inter)
+    shared = weight(2 * inter_sh, h), weight(h, inter_sh), torch.empty(1, h, dtype=torch.bfloat16)
+    router = torch.empty(ex, h, dtype=torch.bfloat16)
+    return [
+        (
+            f"fp8 moe_block M={t}",
+            lambda t=t: moe_block_fp8_triton(
+                torch.empty(t, h, dtype=torch.bfloat16), router, w13, w2, m.top_k, True, *shared
+            ),
+        )
+        for t in rows
+        if t <= FP8_DECODE_MAX_TOKENS
+    ]
 
 
 def fp8_producer_launches(text: dict[str, Any], rows: list[int]) -> list[tuple[str, Callable[[], object]]]:

@@ -29,6 +29,8 @@ from deltaserve.kernels.linear import linear, linear_ref
 from deltaserve.kernels.moe import (
     fused_moe,
     fused_moe_block,
+    fused_moe_block_fp8,
+    fused_moe_block_fp8_ref,
     fused_moe_block_ref,
     fused_moe_ref,
     moe_route,
@@ -62,6 +64,8 @@ __all__ = [
     "causal_conv1d_verify_ref",
     "fused_moe",
     "fused_moe_block",
+    "fused_moe_block_fp8",
+    "fused_moe_block_fp8_ref",
     "fused_moe_block_ref",
     "fused_moe_fp8",
     "fused_moe_fp8_ref",

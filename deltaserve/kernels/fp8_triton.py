@@ -43,6 +43,7 @@ def round_to_e4m3(v):
 # the quantization's constants, as globals a jit function may read
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+GROUP_SIZE = tl.constexpr(GROUP)
 
 
 @triton.jit
@@ -67,6 +68,41 @@ def quantize_stored_tile(
     b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_y, b_s[:, None] + tl.zeros_like(b_y)), -_E4M3_MAX, _E4M3_MAX))
     tl.store(q_ptr + o_y, b_q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + o_row * tl.cdiv(D, GROUP) + o_group, b_s, mask=m_pair & (o_group * GROUP < D))
+
+
+@triton.jit
+def quantized_row_dot(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    o_n,
+    m_n,
+    stride_n,
+    stride_s_n,
+    K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One activation row a [K] (model dtype, contiguous) against the BLOCK_N rows o_n (m_n: those that exist) of a
+    block-FP8 weight (e4m3 rows stride_n apart, block scales at s_ptr, row r's scale row r // SCALE_ROWS) ->
+    [BLOCK_N] fp32, unrounded: the row quantized here per group of 128 as _quant_act_kernel quantizes it (the same
+    e4m3 values and scales), then per group (q_a . q_w) · s_a · s_w added in fp32 in group order, as the GEMM.
+    The row is row 0 of a 16-row tile so the products run on tensor cores (a conversion per weight element made
+    the no-tensor-core GEMV instruction-bound: docs/fp8.md#decode)."""
+    o_t = tl.arange(0, 16)
+    o_k = tl.arange(0, GROUP_SIZE)
+    p_w = w_ptr + i64(o_n)[None, :] * stride_n + o_k[:, None]  # [GROUP, BLOCK_N]
+    p_s = s_ptr + i64(o_n // SCALE_ROWS) * stride_s_n  # [BLOCK_N]
+    b_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for g in tl.static_range(0, (K + GROUP_SIZE - 1) // GROUP_SIZE):
+        m_k = (g * GROUP_SIZE + o_k) < K
+        b_a = tl.load(a_ptr + g * GROUP_SIZE + o_k, mask=m_k, other=0.0).to(tl.float32)  # [GROUP]
+        b_sa = tl.maximum(tl.max(tl.abs(b_a)), _AMAX_FLOOR) / _E4M3_MAX
+        b_q = round_to_e4m3(tl.clamp(tl.math.div_rn(b_a, b_sa + tl.zeros_like(b_a)), -_E4M3_MAX, _E4M3_MAX))
+        b_tile = tl.where(o_t[:, None] == 0, b_q[None, :], 0.0).to(w_ptr.dtype.element_ty)  # [16, GROUP], exact
+        b_w = tl.load(p_w + g * GROUP_SIZE, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_acc += tl.dot(b_tile, b_w) * b_sa * tl.load(p_s + g, mask=m_n, other=0.0)[None, :]
+    return tl.sum(tl.where(o_t[:, None] == 0, b_acc, 0.0), axis=0)
 
 
 def empty_quantization(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -109,3 +109,58 @@ def fused_moe_block_ref(
 
 
 fused_moe_block = triton_or_ref(fused_moe_block_ref, "moe_decode_triton.moe_block_triton")
+
+
+# The block-FP8 MoE block as one op up to this many tokens (a decode step's; kernels/moe_decode_triton.py's FP8
+# decode path); the model composes the FP8 ops itself above it (docs/fp8.md#decode)
+FP8_BLOCK_MAX_TOKENS = 8
+
+
+def fused_moe_block_fp8_ref(
+    x: torch.Tensor | Fp8Rows,
+    router_weight: torch.Tensor,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    top_k: int,
+    renormalize: bool,
+    shared_w13: Fp8Weight | None = None,
+    shared_w2: Fp8Weight | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_moe_block_ref with block-FP8 experts and shared expert: x [T, H] (or Fp8Rows, whose quantization the
+    FP8 GEMMs read) -> [T, H]. The composition the FP8 model runs: the router and gate logits from the rows
+    (router_logits_ref), routing, the shared expert as fp8_linear -> silu_and_mul_fp8 -> fp8_linear, and
+    fused_moe_fp8_ref with the gated shared sum."""
+    from deltaserve.kernels.fp8 import fp8_linear_ref, silu_and_mul_fp8_ref
+    from deltaserve.kernels.fp8_moe import fused_moe_fp8_ref
+
+    has_shared = shared_w13 is not None
+    if has_shared != (shared_w2 is not None) or has_shared != (shared_gate_weight is not None):
+        raise ValueError("fused_moe_block_fp8: the shared expert needs shared_w13, shared_w2 and shared_gate_weight")
+    num_experts = w13.shape[0]
+    logits = router_logits_ref(plain(x), router_weight, shared_gate_weight)  # [T, E (+1)]
+    weights, ids = moe_route_ref(logits[:, :num_experts], top_k, renormalize)
+    if not has_shared:
+        return fused_moe_fp8_ref(x, w13, w2, weights, ids)
+    shared = fp8_linear_ref(silu_and_mul_fp8_ref(fp8_linear_ref(x, shared_w13)), shared_w2)  # [T, H]
+    return fused_moe_fp8_ref(x, w13, w2, weights, ids, shared, logits[:, num_experts:])
+
+
+def fused_moe_block_fp8(
+    x: torch.Tensor | Fp8Rows,
+    router_weight: torch.Tensor,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    top_k: int,
+    renormalize: bool,
+    shared_w13: Fp8Weight | None = None,
+    shared_w2: Fp8Weight | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if use_triton(plain(x)):
+        from deltaserve.kernels.moe_decode_triton import moe_block_fp8_triton
+
+        return moe_block_fp8_triton(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2,
+                                    shared_gate_weight)  # fmt: skip
+    return fused_moe_block_fp8_ref(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2,
+                                   shared_gate_weight)  # fmt: skip

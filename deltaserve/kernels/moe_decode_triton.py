@@ -48,6 +48,9 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
+from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, plain, quantized
+from deltaserve.kernels.fp8_triton import GROUP_SIZE, quantize_activation_triton, quantized_row_dot
+from deltaserve.kernels.moe import FP8_BLOCK_MAX_TOKENS
 from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoEConfig
 from deltaserve.kernels.moe_routing_triton import NAN_KEY
 
@@ -283,12 +286,67 @@ def _gate_up_tile(
         p_x += BLOCK_K
         p_wg += BLOCK_K
         p_wu += BLOCK_K
-    # As the grouped GEMM's epilogue (the ref): the GEMM outputs rounded, SiLU-and-mul in fp32, rounded again.
+    _gate_up_store(b_gate, b_up, act_ptr, o_row, m_row, o_n, m_n, I_MAX)
+
+
+@triton.jit
+def _gate_up_store(b_gate, b_up, act_ptr, o_row, m_row, o_n, m_n, I_MAX: tl.constexpr):
+    """As the grouped GEMM's epilogue (the ref): the GEMM outputs [BLOCK_T, BLOCK_N] rounded, SiLU-and-mul in
+    fp32, rounded again into act rows o_row."""
     b_gate = b_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
     b_up = b_up.to(act_ptr.dtype.element_ty).to(tl.float32)
     b_act = silu_f32(b_gate) * b_up
     p_act = act_ptr + i64(o_row)[:, None] * I_MAX + o_n[None, :]
     tl.store(p_act, b_act, mask=m_row[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _gate_up_fp8_tile(
+    q_ptr,
+    sx_ptr,
+    p_w_base,
+    p_s_base,
+    act_ptr,
+    stride_q,
+    stride_sx,
+    stride_n,
+    stride_s_n,
+    scale_rows,
+    n_limit,
+    i_n,
+    o_t,
+    m_row,
+    o_row,
+    I_MAX: tl.constexpr,
+    H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """_gate_up_tile with block-FP8 weights: rows o_t of the quantized x (q e4m3 [T, H], its per-group scales
+    sx [T, ceil(H/128)]) times the BLOCK_N gate rows of column block i_n (and the up rows n_limit further) of the
+    e4m3 weights at p_w_base, whose block scales start at p_s_base (row r's scale row r // scale_rows). Per group
+    of 128 columns, as the FP8 GEMMs (kernels/fp8_triton.py): acc += (q_x . q_w) · s_x · s_w in fp32; then
+    _gate_up_tile's epilogue."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; the up rows are n_limit further
+    m_n = o_n < n_limit
+    o_k = tl.arange(0, GROUP_SIZE)
+    p_x = q_ptr + i64(o_t)[:, None] * stride_q + o_k[None, :]  # [BLOCK_T, 128]
+    p_wg = p_w_base + i64(o_n)[None, :] * stride_n + o_k[:, None]  # [128, BLOCK_N]
+    p_wu = p_wg + i64(n_limit) * stride_n
+    p_sg = p_s_base + i64(o_n // scale_rows) * stride_s_n  # [BLOCK_N]
+    p_su = p_s_base + i64((n_limit + o_n) // scale_rows) * stride_s_n
+    p_sx = sx_ptr + i64(o_t) * stride_sx  # [BLOCK_T]
+    b_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    b_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for g in range(0, tl.cdiv(H, GROUP_SIZE)):
+        m_k = (g * GROUP_SIZE + o_k) < H
+        b_x = tl.load(p_x + g * GROUP_SIZE, mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_sx = tl.load(p_sx + g, mask=m_row, other=0.0)[:, None]
+        b_wg = tl.load(p_wg + g * GROUP_SIZE, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_wu = tl.load(p_wu + g * GROUP_SIZE, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_gate += tl.dot(b_x, b_wg) * b_sx * tl.load(p_sg + g, mask=m_n, other=0.0)[None, :]
+        b_up += tl.dot(b_x, b_wu) * b_sx * tl.load(p_su + g, mask=m_n, other=0.0)[None, :]
+    _gate_up_store(b_gate, b_up, act_ptr, o_row, m_row, o_n, m_n, I_MAX)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -307,6 +365,13 @@ def _moe_decode_gemm1_kernel(
     stride_sw_n,
     stride_l,
     stride_ids,
+    sx_ptr,  # FP8 only (else any tensor): x's per-group scales; x_ptr is then its e4m3 quantization
+    s13_ptr,  # FP8 only: the block scales of w13 and of the shared expert's [gate | up] rows
+    shared_s13_ptr,
+    stride_sx,
+    stride_s_e,
+    stride_s_n,
+    stride_ssh_n,
     E: tl.constexpr,
     TOP_K: tl.constexpr,
     I: tl.constexpr,
@@ -323,6 +388,9 @@ def _moe_decode_gemm1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,  # block-FP8 weights (BLOCK_K is then the group, 128)
+    SCALE_ROWS: tl.constexpr = 1,  # the routed and the shared weights' block_n (FP8)
+    SH_SCALE_ROWS: tl.constexpr = 1,
 ):
     i_p = tl.program_id(0)  # entry (token, choice) in flat order; i_p == T·k is the shared expert
     i_n = tl.program_id(1)
@@ -358,9 +426,15 @@ def _moe_decode_gemm1_kernel(
     if is_shared:
         p_w_base = shared_w13_ptr
         stride_n = stride_sw_n
+        if FP8:
+            p_s_base = shared_s13_ptr
+            stride_s = stride_ssh_n
     else:
         p_w_base = w13_ptr + i64(i_e) * stride_w_e
         stride_n = stride_w_n
+        if FP8:
+            p_s_base = s13_ptr + i64(i_e) * stride_s_e
+            stride_s = stride_s_n
     b_used = tl.max(b_hit.to(tl.int32), axis=1)  # [BLOCK_TR] 1 where the token chose the expert
     o_row_r = o_r * TOP_K + tl.sum(tl.where(b_hit, o_j[None, :], 0), axis=1)  # [BLOCK_TR] its act row
     if BLOCK_TR == BLOCK_T:
@@ -372,8 +446,13 @@ def _moe_decode_gemm1_kernel(
         o_row_t = tl.sum(tl.where(b_sel, o_row_r[None, :], 0), axis=1)
     m_row = tl.where(is_shared, m_t, m_used)  # [BLOCK_T]
     o_row = tl.where(is_shared, num_entries + o_t, o_row_t)  # act row of each token
-    _gate_up_tile(x_ptr, p_w_base, act_ptr, stride_x, stride_n, n_limit, i_n, o_t, m_row, o_row, I_MAX, H,
-                  DOT_PRECISION, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+    if FP8:
+        scale_rows = tl.where(is_shared, SH_SCALE_ROWS, SCALE_ROWS)
+        _gate_up_fp8_tile(x_ptr, sx_ptr, p_w_base, p_s_base, act_ptr, stride_x, stride_sx, stride_n, stride_s,
+                          scale_rows, n_limit, i_n, o_t, m_row, o_row, I_MAX, H, BLOCK_T, BLOCK_N)  # fmt: skip
+    else:
+        _gate_up_tile(x_ptr, p_w_base, act_ptr, stride_x, stride_n, n_limit, i_n, o_t, m_row, o_row, I_MAX, H,
+                      DOT_PRECISION, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -456,6 +535,11 @@ def _moe_decode_gemm2_split_kernel(
     stride_w_n,
     stride_sw_n,
     stride_ids,
+    s2_ptr,  # FP8 only (else any tensor): the block scales of w2 and of the shared expert's down rows
+    shared_s2_ptr,
+    stride_s_e,
+    stride_s_n,
+    stride_ssh_n,
     TOP_K: tl.constexpr,
     I: tl.constexpr,
     I_SH: tl.constexpr,
@@ -466,6 +550,9 @@ def _moe_decode_gemm2_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,  # block-FP8 weights: each act row quantized here (quantized_row_dot)
+    SCALE_ROWS: tl.constexpr = 1,
+    SH_SCALE_ROWS: tl.constexpr = 1,
 ):
     """The down GEMM split over the choices: program (token, group, column block) writes y_j =
     round(act_j·W2_eᵀ) [BLOCK_N] for the CHOICES_PER_PROGRAM choices of its group into y [T, NUM_SLOTS, H]; the
@@ -486,11 +573,19 @@ def _moe_decode_gemm2_split_kernel(
             if j < TOP_K:  # the last group of a k that CHOICES_PER_PROGRAM does not divide is partial
                 i_e = i64(tl.load(ids_ptr + i_t * stride_ids + j))
                 p_a = act_ptr + (i_t * TOP_K + j) * I_MAX
-                b_y = _gemv(p_a, w2_ptr + i_e * stride_w_e, o_n, m_n, stride_w_n, I, BLOCK_N, BLOCK_K)
+                if FP8:
+                    b_y = quantized_row_dot(p_a, w2_ptr + i_e * stride_w_e, s2_ptr + i_e * stride_s_e, o_n, m_n,
+                                            stride_w_n, stride_s_n, I, SCALE_ROWS, BLOCK_N)  # fmt: skip
+                else:
+                    b_y = _gemv(p_a, w2_ptr + i_e * stride_w_e, o_n, m_n, stride_w_n, I, BLOCK_N, BLOCK_K)
                 tl.store(p_y + j * H, b_y.to(y_ty), mask=m_n)
     else:
         p_a = act_ptr + (num_tokens * TOP_K + i_t) * I_MAX
-        b_sh = _gemv(p_a, shared_w2_ptr, o_n, m_n, stride_sw_n, I_SH, BLOCK_N, BLOCK_K)
+        if FP8:
+            b_sh = quantized_row_dot(p_a, shared_w2_ptr, shared_s2_ptr, o_n, m_n, stride_sw_n, stride_ssh_n, I_SH,
+                                     SH_SCALE_ROWS, BLOCK_N)  # fmt: skip
+        else:
+            b_sh = _gemv(p_a, shared_w2_ptr, o_n, m_n, stride_sw_n, I_SH, BLOCK_N, BLOCK_K)
         tl.store(p_y + TOP_K * H, b_sh.to(y_ty), mask=m_n)
 
 
@@ -640,10 +735,17 @@ def router_logits_into(
     )
 
 
+def _fp8_parts(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(values, block scales or None, block_n) of a plain or block-FP8 weight."""
+    if isinstance(weight, Fp8Weight):
+        return weight.weight, weight.scale, weight.block_n
+    return weight, None, 1
+
+
 def _down_split(
     act: torch.Tensor,
-    w2: torch.Tensor,
-    shared_w2: torch.Tensor,
+    w2: torch.Tensor | Fp8Weight,
+    shared_w2: torch.Tensor | Fp8Weight,
     ids: torch.Tensor,
     weights: torch.Tensor,
     shared_out: torch.Tensor | None,
@@ -657,12 +759,16 @@ def _down_split(
     shared_mode: int,
 ) -> None:
     """Step 3 as two launches: the choice-split down GEMVs into y [T, k (+1 shared), H] in out's dtype
-    (each y_j is rounded there in the one-program kernel too), then the combine into out [T, H]."""
+    (each y_j is rounded there in the one-program kernel too), then the combine into out [T, H]. Block-FP8 down
+    weights (both or neither) quantize each act row in the split kernel."""
     num_tokens, hidden = out.shape
     num_slots = top_k + int(shared_mode == 2)
     num_groups = triton.cdiv(top_k, gemm2.CHOICES_PER_PROGRAM)
     y = torch.empty(num_tokens, num_slots, hidden, dtype=out.dtype, device=out.device)
     grid = (num_tokens, num_groups + int(shared_mode == 2), triton.cdiv(hidden, gemm2.BLOCK_N))
+    w2, s2, rows = _fp8_parts(w2)
+    shared_w2, shared_s2, sh_rows = _fp8_parts(shared_w2)
+    fp8 = s2 is not None
     _moe_decode_gemm2_split_kernel[grid](
         act,
         w2,
@@ -674,6 +780,11 @@ def _down_split(
         w2.stride(1),
         shared_w2.stride(0) if shared_mode == 2 else 0,
         ids.stride(0),
+        s2 if fp8 else w2,
+        shared_s2 if fp8 and shared_mode == 2 else y,
+        s2.stride(0) if fp8 else 0,
+        s2.stride(1) if fp8 else 0,
+        shared_s2.stride(0) if fp8 and shared_mode == 2 else 0,
         TOP_K=top_k,
         I=inter,
         I_SH=inter_sh,
@@ -686,6 +797,9 @@ def _down_split(
         num_warps=gemm2.num_warps,
         num_stages=gemm2.num_stages,
         enable_fp_fusion=False,
+        FP8=fp8,
+        SCALE_ROWS=rows,
+        SH_SCALE_ROWS=sh_rows,
         **pdl_launch(act),
     )
     block_n = min(COMBINE_BLOCK_N, next_pow2(hidden))
@@ -712,9 +826,9 @@ def _down_split(
 
 
 def decode_gemms(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     gemm1: GemmConfig,
     gemm2: GemmConfig,
     *,
@@ -723,20 +837,32 @@ def decode_gemms(
     renormalize: bool = True,
     topk_weights: torch.Tensor | None = None,
     topk_ids: torch.Tensor | None = None,
-    shared_w13: torch.Tensor | None = None,
-    shared_w2: torch.Tensor | None = None,
+    shared_w13: torch.Tensor | Fp8Weight | None = None,
+    shared_w2: torch.Tensor | Fp8Weight | None = None,
     shared_out: torch.Tensor | None = None,
     shared_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Steps 2 and 3 of the module docstring. Routing from `logits` [T, ≥E] (routed in-kernel) or from given
     topk_weights / topk_ids [T, k]; the shared expert from its weights (gate logit: logits[:, E] or
-    shared_gate_logits) or from its given output shared_out [T, H]. Returns [T, H] in x's dtype."""
+    shared_gate_logits) or from its given output shared_out [T, H]. Returns [T, H] in x's dtype.
+
+    Block-FP8 weights (every weight given an Fp8Weight; gemm1.BLOCK_K the group, 128, and gemm2 the choice
+    split): x's per-token-group quantization (the one it came with as Fp8Rows, else made here) is the gate/up
+    GEMMs' input, and the down GEMMs quantize each act row themselves, so the rounding points are
+    fused_moe_fp8_ref's and the shared expert's fp8_linear -> silu_and_mul -> fp8_linear."""
+    fp8 = isinstance(w13, Fp8Weight)
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if num_tokens > DECODE_MAX_TOKENS:
         raise ValueError(f"the MoE decode path holds at most {DECODE_MAX_TOKENS} tokens, got {num_tokens}")
     route = logits is not None
     shared_mode = 2 if shared_w13 is not None else (1 if shared_out is not None else 0)
+    if fp8 and not (isinstance(w2, Fp8Weight) and (shared_mode != 2 or isinstance(shared_w13, Fp8Weight))):
+        raise ValueError("the MoE decode path takes block-FP8 weights for every expert GEMM or for none")
+    if fp8 and (gemm1.BLOCK_K != GROUP_SIZE or not gemm2.CHOICES_PER_PROGRAM):
+        raise ValueError(
+            f"block-FP8 decode GEMMs need gate/up BLOCK_K {GROUP_SIZE} and the split down, got {gemm1}, {gemm2}"
+        )
     inter_sh = shared_w13.shape[0] // 2 if shared_mode == 2 else inter
     inter_max = max(inter, inter_sh)
     num_entries = num_tokens * top_k
@@ -744,6 +870,7 @@ def decode_gemms(
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
     if num_tokens == 0:
         return out
+    rows, xq, sx = quantized(x, quantize_activation_triton) if fp8 else (x, x, x)  # [T, H] (e4m3), [T, G]
     num_rows = num_entries + (num_tokens if shared_mode == 2 else 0)
     act = torch.empty(num_rows, inter_max, dtype=x.dtype, device=device)
     if route:
@@ -752,23 +879,32 @@ def decode_gemms(
     else:
         assert topk_ids is not None and topk_weights is not None
         ids, weights = topk_ids, topk_weights
+    w13, s13, rows13 = _fp8_parts(w13)
+    sh13, shared_s13, sh_rows13 = _fp8_parts(shared_w13 if shared_mode == 2 else w13)
     precision = dot_precision(x.dtype)
     grid1 = (num_entries + int(shared_mode == 2), triton.cdiv(inter_max, gemm1.BLOCK_N))
     _moe_decode_gemm1_kernel[grid1](
-        x,
+        xq,
         w13,
-        shared_w13 if shared_mode == 2 else w13,
-        logits if route else x,
+        sh13,
+        logits if route else rows,
         ids,
         weights,
         act,
         num_tokens,
-        x.stride(0),
+        xq.stride(0),
         w13.stride(0),
         w13.stride(1),
-        shared_w13.stride(0) if shared_mode == 2 else 0,
+        sh13.stride(0) if shared_mode == 2 else 0,
         logits.stride(0) if route else 0,
         ids.stride(0),
+        sx,
+        s13 if fp8 else w13,
+        shared_s13 if fp8 else w13,
+        sx.stride(0) if fp8 else 0,
+        s13.stride(0) if fp8 else 0,
+        s13.stride(1) if fp8 else 0,
+        shared_s13.stride(0) if fp8 and shared_mode == 2 else 0,
         E=num_experts,
         TOP_K=top_k,
         I=inter,
@@ -783,7 +919,10 @@ def decode_gemms(
         BLOCK_KK=next_pow2(top_k),
         BLOCK_E=next_pow2(num_experts),
         **gemm1.launch(),
-        **pdl_launch(x),
+        **pdl_launch(rows),
+        FP8=fp8,
+        SCALE_ROWS=rows13,
+        SH_SCALE_ROWS=sh_rows13,
     )
     if shared_mode == 2:
         gate = logits[:, num_experts:] if route and shared_gate_logits is None else shared_gate_logits
@@ -886,3 +1025,54 @@ def moe_block_triton(
         return fused_moe_triton(x, w13, w2, weights, ids, config=config)
     shared = torch.nn.functional.linear(silu_and_mul_triton(torch.nn.functional.linear(x, shared_w13)), shared_w2)
     return fused_moe_triton(x, w13, w2, weights, ids, shared, gate, config=config)
+
+
+# The block-FP8 MoE block's decode path (docs/fp8.md#decode): up to FP8_DECODE_MAX_TOKENS tokens (the bf16 table's
+# decode buckets on the 35B-A3B: 1-8) the router, routing, routed and shared experts take the four launches above
+# with FP8 weights; the gate/up GEMM walks K a group (128) at a time, the down GEMM is the choice split (each act
+# row quantized where it is read). Launch settings per bucket, before any FP8 tuning: the bf16 H200 table's at the
+# same buckets with BLOCK_K the group (and bucket 8's down the choice split, which FP8 needs).
+FP8_DECODE_MAX_TOKENS = FP8_BLOCK_MAX_TOKENS
+FP8_DECODE_CONFIGS = {
+    1: MoEConfig("decode", GemmConfig(16, 128, 1, 8, ROUTE_ROWS=1), GemmConfig(32, 128, 4, 1, CHOICES_PER_PROGRAM=1)),
+    2: MoEConfig("decode", GemmConfig(16, 128, 1, 8, ROUTE_ROWS=1), GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1)),
+    4: MoEConfig("decode", GemmConfig(16, 128, 1, 8, ROUTE_ROWS=1), GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1)),
+    8: MoEConfig("decode", GemmConfig(32, 128, 4, 3), GemmConfig(16, 128, 4, 1, CHOICES_PER_PROGRAM=1)),
+}
+
+
+def moe_block_fp8_triton(
+    x: torch.Tensor | Fp8Rows,
+    router_weight: torch.Tensor,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    top_k: int,
+    renormalize: bool,
+    shared_w13: Fp8Weight | None = None,
+    shared_w2: Fp8Weight | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """The MoE block of one layer with block-FP8 experts (and shared expert), as fp8_moe.fused_moe_block_fp8_ref:
+    x [T, H] (or Fp8Rows: its quantization is the experts' input) -> [T, H]. Up to FP8_DECODE_MAX_TOKENS tokens
+    the decode path (router GEMV, gate/up with in-kernel routing, the split down and its combine: four launches);
+    above, the composition of the FP8 ops (router, routing, shared MLP, fused_moe_fp8_triton)."""
+    from deltaserve.kernels.activation_triton import silu_and_mul_fp8_triton
+    from deltaserve.kernels.fp8_triton import fp8_linear_triton, fused_moe_fp8_triton
+    from deltaserve.kernels.moe_routing_triton import moe_route_triton
+
+    has_shared = shared_w13 is not None
+    assert has_shared == (shared_w2 is not None) == (shared_gate_weight is not None), "shared expert: all three"
+    num_tokens = x.shape[0]
+    num_experts = w13.shape[0]
+    logits = router_logits_triton(plain(x), router_weight, shared_gate_weight)  # [T, E (+1)]
+    if config is None and num_tokens <= FP8_DECODE_MAX_TOKENS:
+        config = FP8_DECODE_CONFIGS[max(1, next_pow2(num_tokens))]
+    if config is not None and config.path == "decode" and num_tokens <= ROUTE_IN_GEMM1_MAX_TOKENS:
+        return decode_gemms(x, w13, w2, config.gemm1, config.gemm2, logits=logits, top_k=top_k,
+                            renormalize=renormalize, shared_w13=shared_w13, shared_w2=shared_w2)  # fmt: skip
+    weights, ids = moe_route_triton(logits[:, :num_experts], top_k, renormalize)
+    if not has_shared:
+        return fused_moe_fp8_triton(x, w13, w2, weights, ids)
+    shared = fp8_linear_triton(silu_and_mul_fp8_triton(fp8_linear_triton(x, shared_w13)), shared_w2)
+    return fused_moe_fp8_triton(x, w13, w2, weights, ids, shared, logits[:, num_experts:])

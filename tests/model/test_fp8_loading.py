@@ -31,7 +31,9 @@ from tokenizers import Tokenizer
 from deltaserve.engine.llm import LLM
 from deltaserve.kernels import fp8 as fp8_kernels
 from deltaserve.kernels import fp8_moe
+from deltaserve.kernels import moe as moe_kernels
 from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, plain, quantize_activation_ref
+from deltaserve.kernels.moe import FP8_BLOCK_MAX_TOKENS
 from deltaserve.model.checkpoint_files import CheckpointError
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny.fp8 import quantize_block_fp8, write_fp8_checkpoint
@@ -331,19 +333,22 @@ def test_offline_quantization_fp8_serves_the_fp8_checkpoint(fp8_llm: Callable[[s
 def test_triton_kernels_compose_to_the_ref_model(
     name: str, fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The whole FP8 model with its FP8 ops on the Triton kernels (the CUDA path: the MoE block's composition with
-    the FP8 grouped GEMMs) against the same model on the refs, fp32, to fp32 rounding: under the interpreter on the
-    CPU, natively on a GPU host (whose Triton cannot launch on CPU tensors: the engine is built on cuda there)."""
+    """The whole FP8 model with its FP8 ops on the Triton kernels (the CUDA path: up to FP8_BLOCK_MAX_TOKENS tokens
+    the MoE block's decode-path op, above it the composition with the FP8 grouped GEMMs) against the same model on
+    the refs, fp32, to fp32 rounding: under the interpreter on the CPU, natively on a GPU host (whose Triton cannot
+    launch on CPU tensors: the engine is built on cuda there)."""
     folder, llm = fp8_llm(name)
     if torch.cuda.is_available():
         llm = LLM(folder, dtype="float32", device="cuda", **share())
-    ids = _prompts(folder)[0][:4]
-    logits = {}
-    for on in (False, True):
-        monkeypatch.setattr(fp8_kernels, "use_triton", lambda t, on=on: on)
-        monkeypatch.setattr(fp8_moe, "use_triton", lambda t, on=on: on)
-        logits[on] = llm.prefill_logits(ids)
-    assert _relative(logits[True], logits[False]) < LOGIT_TOLERANCE
+    prompt = _prompts(folder)[0]
+    assert len(prompt) > FP8_BLOCK_MAX_TOKENS
+    for ids in (prompt[:4], prompt):
+        logits = {}
+        for on in (False, True):
+            for module in (fp8_kernels, fp8_moe, moe_kernels):
+                monkeypatch.setattr(module, "use_triton", lambda t, on=on: on)
+            logits[on] = llm.prefill_logits(ids)
+        assert _relative(logits[True], logits[False]) < LOGIT_TOLERANCE, len(ids)
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])

@@ -13,8 +13,17 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.kernels import fused_moe, fused_moe_block, linear, moe_route, router_logits, silu_and_mul
+from deltaserve.kernels import (
+    fused_moe,
+    fused_moe_block,
+    fused_moe_block_fp8,
+    linear,
+    moe_route,
+    router_logits,
+    silu_and_mul,
+)
 from deltaserve.kernels.fp8 import plain, silu_and_mul_fp8
+from deltaserve.kernels.moe import FP8_BLOCK_MAX_TOKENS
 from deltaserve.model.labels import label
 from deltaserve.model.layers.common import empty_param, projection
 from deltaserve.model.parallel import TensorParallel
@@ -84,17 +93,19 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = empty_param(1, hidden, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.experts.is_whole and not self.is_fp8:
+        if self.experts.is_whole and (not self.is_fp8 or x.shape[0] <= FP8_BLOCK_MAX_TOKENS):
             # router (model-dtype logits, fp32 routing), routed experts and the sigmoid-gated shared expert as one
             # op: at decode sizes three launches, each expert's weights read once per step (kernels/moe.py; its ref
             # twin is the plain composition: router GEMM, route, fused_moe, shared MLP, (routed + sigmoid(gate)·
             # shared) in fp32). Under TP every expert's and the shared expert's widths are this rank's slice, so
             # the op's output is this rank's partial sum (the gate is a per-token scalar: it distributes).
+            # Block-FP8 experts take their op at decode sizes only (its twin is the composition below).
             shared = ()
             if self.has_shared_expert:
                 shared = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+            block = fused_moe_block_fp8 if self.is_fp8 else fused_moe_block
             with label("mlp.fused_moe_block"):
-                out = fused_moe_block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
+                out = block(x, self.gate, self.w13, self.w2, self.top_k, self.renormalize, *shared)
             return self.tp.all_reduce(out)
         # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
         # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref
