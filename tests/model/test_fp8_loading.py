@@ -390,14 +390,17 @@ def test_fp8_moe_routes_and_gates_the_shared_expert_from_one_router_pass(
     fp8_llm: Callable[[str], tuple[Path, LLM]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The FP8 MoE block's router and shared-expert gate logits come from one router_logits call (one launch on the
-    GPU, as the bf16 block's), the gate as its last column; on the CPU the twin is the two F.linear calls it was."""
+    GPU, as the bf16 block's), the gate as its last column; on the CPU the twin is the two F.linear calls it was. A
+    prompt longer than FP8_BLOCK_MAX_TOKENS, so the block composes its ops (below it the block is one op, whose ref
+    makes the same one call: tests/kernels/test_moe_decode_fp8.py)."""
     import deltaserve.model.layers.mlp as mlp_module
     from deltaserve.kernels.moe import router_logits_ref
     from deltaserve.model.layers.mlp import MoEBlock
 
     folder, llm = fp8_llm("moe")
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, MoEBlock)]
-    ids = _prompts(folder)[0][:5]
+    ids = _prompts(folder)[0]
+    assert len(ids) > FP8_BLOCK_MAX_TOKENS
     expected = llm.prefill_logits(ids)
     calls: list[torch.Tensor | None] = []
 
