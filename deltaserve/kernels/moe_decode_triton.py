@@ -39,6 +39,11 @@ Parallelism at small batches comes from narrow column blocks (split-N): at T = 1
 with the whole reduction in each program, so no split-K partials or second pass are needed.
 Numerics equal fused_moe_ref's rounding points; the fp32 sums run in a different order (fp32-level noise).
 All grids come from shapes (no host sync): CUDA-graph safe.
+
+Block-FP8 experts (`moe_block_fp8_triton`, up to FP8_DECODE_MAX_TOKENS tokens; docs/fp8.md#decode) take the same
+launches with FP8 constexprs: gate/up reads x's per-token-group quantization and walks K a group (128) at a time,
+(q_x . q_w) · s_x · s_w added in fp32 per group; the split down quantizes each act row per group in registers
+(fp8_triton.quantized_row_dot), so the rounding points are fused_moe_block_fp8_ref's.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ class MoEBlock(nn.Module):
             return self.tp.all_reduce(out)
         # Expert parallelism: the fused op routes over the experts it holds, and this rank holds a subset, so the
         # composition runs here with the global routes mapped to local ids (the same ops as the fused op's ref
-        # twin). Block-FP8 experts take it too: their fused_moe is the FP8 one (kernels/fp8_moe.py).
+        # twin). Block-FP8 experts take it too above the decode sizes: their fused_moe is the FP8 one
+        # (kernels/fp8_moe.py).
         num_experts = self.gate.shape[0]
         with label("mlp.moe_router"):
             # the router and the shared-expert gate rows in one pass (the bf16 block's first kernel), each logit
