@@ -19,6 +19,12 @@ parallel threads (Triton's AsyncCompileMode), so compiles cost seconds, not minu
 
 The output is the table (`shape`, `source`, `buckets`) plus `measurements`; copy it to
 deltaserve/kernels/configs/ under the `file` name printed last. Exit 2 without a CUDA device.
+
+With --fp8 the block has block-FP8 experts and shared expert (moe_decode_triton.moe_block_fp8_triton, random e4m3
+weights with 128 x 128 scales, x quantized by a norm before it, as served): for each bucket up to the FP8 decode
+limit the decode path's candidates (gate/up with BLOCK_K the group, the choice-split down: FP8_G1 / FP8_G2) and
+the composition of the FP8 ops (one measurement: its kernels' launch settings are fixed); the record's buckets are
+what moe_decode_triton.FP8_DECODE_CONFIGS should hold (it is code, not a table file).
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ DECODE_G2 = [(8, 128, 4, 1), (16, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 1), 
              # chosen so that the B = 1 grid is resident in one wave on 132 SMs (registers from kernel_resources)
              (16, 128, 4, 1, 1), (32, 128, 4, 1, 1), (8, 128, 2, 1, 1), (16, 128, 4, 1, 2), (32, 256, 8, 1, 2),
              (16, 128, 4, 1, 4)]  # fmt: skip
+# block-FP8 candidates: gate/up walks K a group (128) at a time; the down is always the choice split
+FP8_G1 = [(16, 128, 1, 8, 0, 1), (16, 128, 1, 4, 0, 1), (32, 128, 1, 6, 0, 1), (16, 128, 2, 6, 0, 1),
+          (32, 128, 4, 3, 0, 1), (32, 128, 4, 3), (16, 128, 4, 4), (64, 128, 4, 3)]  # fmt: skip
+FP8_G2 = [(32, 128, 4, 1, 1), (16, 128, 4, 1, 1), (64, 128, 4, 1, 1), (32, 128, 2, 1, 1), (16, 128, 1, 1, 1),
+          (32, 128, 4, 1, 2), (16, 128, 4, 1, 2), (64, 128, 8, 1, 1)]  # fmt: skip
 GROUPED = [(32, 128, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 2),
            (256, 64, 8, 3)]  # fmt: skip
 CALLS = 8  # calls per timed graph (fresh activations and alternating weight sets)
@@ -87,6 +98,42 @@ class Problem:
 
         router, w13, w2, s13, s2, gate = self.sets[index % len(self.sets)]
         return moe_block_triton(x, router, w13, w2, self.shape.top_k, True, s13, s2, gate, config=config)
+
+
+class Fp8Problem(Problem):
+    """The same layer with block-FP8 experts and shared expert (the router and the gate row stay bf16), x arriving
+    with its quantization (Fp8Rows) as the post-attention norm gives it in an FP8 model."""
+
+    def __init__(self, shape: Any, dtype: torch.dtype, num_sets: int = 2) -> None:
+        from deltaserve.kernels.fp8 import FP8_DTYPE, GROUP, Fp8Weight
+
+        self.shape = shape
+        self.dtype = dtype
+        e, h, i, ish = shape.num_experts, shape.hidden, shape.moe_inter, shape.mlp_inter
+
+        def fp8(*size: int) -> Fp8Weight:
+            values = (torch.randn(*size, device="cuda") * 16).to(FP8_DTYPE)
+            scales = torch.rand(*size[:-2], -(-size[-2] // GROUP), -(-size[-1] // GROUP), device="cuda") * 1e-3
+            return Fp8Weight.of(values, scales, GROUP)
+
+        def bf16(*size: int) -> torch.Tensor:
+            return (torch.randn(*size, device="cuda") * 0.02).to(dtype)
+
+        self.sets = [(bf16(e, h), fp8(e, 2 * i, h), fp8(e, h, i), fp8(2 * ish, h), fp8(h, ish), bf16(1, h))
+                     for _ in range(num_sets)]  # fmt: skip
+
+    def inputs(self, num_tokens: int) -> list[Any]:
+        from deltaserve.kernels.fp8 import Fp8Rows
+        from deltaserve.kernels.fp8_triton import quantize_activation_triton
+
+        rows = super().inputs(num_tokens)
+        return [Fp8Rows(x, *quantize_activation_triton(x)) for x in rows]
+
+    def call(self, x: Any, index: int, config: Any) -> torch.Tensor:
+        from deltaserve.kernels.moe_decode_triton import moe_block_fp8_triton
+
+        router, w13, w2, s13, s2, gate = self.sets[index % len(self.sets)]
+        return moe_block_fp8_triton(x, router, w13, w2, self.shape.top_k, True, s13, s2, gate, config=config)
 
 
 def time_config(problem: Problem, xs: list[torch.Tensor], config: Any, replays: int, use_graph: bool) -> float:
@@ -136,7 +183,7 @@ def precompile(problem: Problem, num_tokens: int, configs: list[Any]) -> str:
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         return original(self, *args, grid=grid, warmup=warmup or self in gemms, **kwargs)
 
-    x = torch.randn(num_tokens, problem.shape.hidden, device="cuda").to(problem.dtype)
+    x = problem.inputs(num_tokens)[0]
     started = time.perf_counter()
     try:
         JITFunction.run = run  # type: ignore[method-assign]
@@ -176,6 +223,64 @@ def _search(
         if us < best_us:
             best, best_us = candidate, us
     return best, best_us, log
+
+
+def tune_fp8(shape_name: str, buckets: list[int], budget_s: float, replays: int, log: Callable[[str], None]) -> dict:
+    """The --fp8 search: per bucket up to the FP8 decode limit, the decode path's coordinate search against the
+    served FP8_DECODE_CONFIGS and the composition; a record of what FP8_DECODE_CONFIGS should hold."""
+    from deltaserve.bench.kernel_shapes import MODELS
+    from deltaserve.bench.provenance import git_state
+    from deltaserve.kernels.moe_configs import MoEConfig
+    from deltaserve.kernels.moe_decode_triton import FP8_DECODE_CONFIGS, FP8_DECODE_MAX_TOKENS
+
+    shape = MODELS[shape_name]
+    if not shape.num_experts:
+        raise ValueError(f"{shape_name} has no MoE layers to tune")
+    problem = Fp8Problem(shape, torch.bfloat16)
+    deadline = time.monotonic() + budget_s
+    composition = MoEConfig("grouped", _gemm((32, 128)), _gemm((32, 128)))  # the block op composes its FP8 ops
+    table: dict[str, Any] = {}
+    measurements: dict[str, Any] = {}
+    for bucket in [b for b in buckets if b <= FP8_DECODE_MAX_TOKENS]:
+        served = FP8_DECODE_CONFIGS[bucket]
+        if time.monotonic() > deadline:
+            table[str(bucket)] = served.to_json()
+            measurements[str(bucket)] = {"tuned": False}
+            log(f"bucket {bucket:>5}: out of budget, keeps {served.to_json()}")
+            continue
+        xs = problem.inputs(bucket)
+        measure = lambda c, xs=xs: time_config(problem, xs, c, replays, True)  # noqa: E731
+        g1s, g2s = [_gemm(s) for s in FP8_G1], [_gemm(s) for s in FP8_G2]
+        make = lambda a, b: MoEConfig("decode", a, b)  # noqa: E731
+        candidates = [make(g1, g2s[0]) for g1 in g1s] + [make(g1s[0], g2) for g2 in g2s] + [served]
+        compiled = precompile(problem, bucket, candidates)
+        best, best_us, search_log = _search(measure, make, g1s, g2s, deadline)
+        served_us, composition_us = measure(served), measure(composition)
+        table[str(bucket)] = best.to_json()
+        measurements[str(bucket)] = {"tuned": True, "us": best_us, "served_us": served_us,
+                                     "composition_us": composition_us, "compile": compiled,
+                                     "log": search_log}  # fmt: skip
+        log(f"bucket {bucket:>5}: decode {best_us:8.1f} us {json.dumps(best.to_json())}; served {served_us:8.1f} us;"
+            f" composition {composition_us:8.1f} us  [{compiled}]")  # fmt: skip
+    device_name = torch.cuda.get_device_name()
+    return {
+        "kernel": "fused_moe_block_fp8",
+        "file": None,
+        "shape": {
+            "num_experts": shape.num_experts,
+            "inter": shape.moe_inter,
+            "hidden": shape.hidden,
+            "top_k": shape.top_k,
+            "shared_inter": shape.mlp_inter,
+            "dtype": "fp8-block128/bfloat16",
+            "device": device_name,
+        },  # fmt: skip
+        "source": f"tuned by benchmarks/tune_moe.py --fp8 on {device_name}, "
+        f"{datetime.now(UTC).isoformat(timespec='seconds')}, commit {git_state(ROOT).get('commit')}; the whole FP8 "
+        "MoE block op timed per candidate (median of graph replays); buckets are FP8_DECODE_CONFIGS' candidates",
+        "buckets": table,
+        "measurements": measurements,
+    }
 
 
 def tune(shape_name: str, buckets: list[int], budget_s: float, replays: int, log: Callable[[str], None]) -> dict:
@@ -259,6 +364,7 @@ def main() -> int:
     parser.add_argument("--buckets", default=",".join(str(b) for b in DEFAULT_BUCKETS))
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop tuning new buckets after this long")
     parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--fp8", action="store_true", help="the block-FP8 block's decode path (buckets up to 8)")
     parser.add_argument(
         "--out",
         type=Path,
@@ -276,14 +382,13 @@ def main() -> int:
     if any(b < 1 or b & (b - 1) for b in buckets):
         print(f"tune_moe: buckets must be powers of two, got {buckets}", file=sys.stderr)
         return 2
-    result = tune(args.shape, buckets, args.budget_s, args.replays, lambda line: print(line, flush=True))
+    search = tune_fp8 if args.fp8 else tune
+    result = search(args.shape, buckets, args.budget_s, args.replays, lambda line: print(line, flush=True))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     tuned = sum(1 for m in result["measurements"].values() if m.get("tuned"))
-    print(
-        f"tuned {tuned}/{len(buckets)} buckets; table -> {args.out}; "
-        f"commit it as deltaserve/kernels/configs/{result['file']}"
-    )
+    where = f"commit it as deltaserve/kernels/configs/{result['file']}" if result["file"] else "FP8_DECODE_CONFIGS"
+    print(f"tuned {tuned}/{len(result['measurements'])} buckets; table -> {args.out}; {where}")
     return 0 if tuned else 1
 
 

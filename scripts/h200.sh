@@ -52,6 +52,8 @@
 #                                both. A conv_triton.py goes to benchmarks/conv_prefill_sweep.py --baseline (the
 #                                prefill conv, both kernels interleaved in one process)
 #   mixed-step [FLAGS]           benchmarks/mixed_step.py (--shapes, --cases, --reps)
+#   tune-moe [FLAGS]             benchmarks/tune_moe.py (--shape, --buckets, --budget-s; --fp8: the block-FP8 block's
+#                                decode path against its served configs and the composition), tune-moe-TAG.json
 #   verify-rows [FLAGS]          benchmarks/verify_rows.py on the trained dense / moe / next checkpoints in bf16 on
 #                                cuda, eager: the first module whose verify row differs from the decode row, per
 #                                prompt (verify-rows-V-TAG.json); FLAGS are its own (--num-prompts, --dtype, -k)
@@ -545,6 +547,10 @@ case $step in
     run "$W/mixed-step.log" timeout "$(left)" $PY benchmarks/mixed_step.py --models "$models" \
       --out "$OUT/mixed-step-$tag.json" "$@" || status=$?
     grep -E "^  |FAILED|case," "$W/mixed-step.log" 2> /dev/null | say ;;
+  tune-moe)
+    run "$W/tune-moe.log" timeout "$(left)" $PY benchmarks/tune_moe.py --out "$OUT/tune-moe-$tag.json" "$@" \
+      || status=$?
+    grep -E "^bucket|^tuned" "$W/tune-moe.log" 2> /dev/null | say ;;
   vision-encode)
     [ -f "$models/q35-35b-a3b-mm/config.json" ] \
       || run "$W/dummy-mm.log" timeout 120 $PY benchmarks/oracle/make_dummy_models.py "$models" --only q35-35b-a3b-mm \

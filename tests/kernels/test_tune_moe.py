@@ -64,3 +64,27 @@ def test_exits_2_without_a_gpu(tmp_path: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 2, done.stderr
     assert "nothing to tune" in done.stderr
+
+
+def test_fp8_candidates_run_the_fp8_decode_path() -> None:
+    """Each --fp8 candidate (as the search pairs them: every gate/up with the first down, the first gate/up with
+    every down) is a config the FP8 decode path takes, and computes the block op's result (fp32, the interpreter;
+    the first served config is the first candidate, so the search starts from what serves)."""
+    import torch
+
+    from deltaserve.kernels.moe import fused_moe_block_fp8_ref
+    from deltaserve.kernels.moe_decode_triton import FP8_DECODE_CONFIGS, moe_block_fp8_triton
+
+    from ._util import assert_close
+    from .test_fp8 import FP32_RATIO, _x
+    from .test_moe_decode_fp8 import _block
+
+    g1s, g2s = [tune_moe._gemm(s) for s in tune_moe.FP8_G1], [tune_moe._gemm(s) for s in tune_moe.FP8_G2]
+    assert MoEConfig("decode", g1s[0], g2s[0]) == FP8_DECODE_CONFIGS[1]
+    router, (w13, w2), shared = _block(4, 128, 64, 64)
+    x = _x(2, 128)
+    ref = fused_moe_block_fp8_ref(x, router, w13, w2, 2, True, *shared)
+    for g1, g2 in [(g1, g2s[0]) for g1 in g1s] + [(g1s[0], g2) for g2 in g2s[1:]]:
+        out = moe_block_fp8_triton(x, router, w13, w2, 2, True, *shared, config=MoEConfig("decode", g1, g2))
+        assert_close(f"{g1} {g2}", ref, out, FP32_RATIO)
+    assert torch.isfinite(ref).all()
