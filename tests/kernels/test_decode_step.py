@@ -104,15 +104,18 @@ def test_fp8_shapes_are_the_dummy_folders() -> None:
 def test_cpu_run_counts_fp8_weights_at_one_byte_plus_block_scales(
     tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An FP8 folder runs as the served FP8 model (qkvz and ba as two GEMMs, the MoE as router + fused_moe) and its
-    projections' bytes are their float8 values at 1 byte plus their fp32 scales, not 2 bytes an element."""
+    """An FP8 folder runs as the served FP8 model (qkvz and ba as two GEMMs; the MoE block as one op up to
+    FP8_BLOCK_MAX_TOKENS rows, as router + fused_moe above) and its projections' bytes are their float8 values at 1
+    byte plus their fp32 scales, not 2 bytes an element."""
     from deltaserve.config import ModelConfig
+    from deltaserve.kernels.moe import FP8_BLOCK_MAX_TOKENS
     from deltaserve.tiny.fp8 import write_fp8_checkpoint
 
     folder = write_fp8_checkpoint(tiny_moe, tmp_path / "models" / "moe-fp8")
     out = tmp_path / "record.json"
     argv = ["decode_step.py", "--device", "cpu", "--models", str(folder.parent), "--shapes", folder.name,
-            "--batches", "1,3", "--context", "20", "--max-model-len", "64", "--out", str(out)]  # fmt: skip
+            "--batches", f"1,3,{FP8_BLOCK_MAX_TOKENS + 1}", "--context", "20", "--max-model-len", "64",
+            "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert decode_step.main() == 0
     record = json.loads(out.read_text())
@@ -127,9 +130,12 @@ def test_cpu_run_counts_fp8_weights_at_one_byte_plus_block_scales(
     num_attn, s = len(config.full_attention_layers), 4  # the CPU model's activations are fp32
     for row in run["rows"]:
         ops = {op["op"]: op for op in row["ops"]}
-        assert {"gdn.in_proj_qkvz", "gdn.in_proj_ba", "mlp.moe_router", "mlp.fused_moe"} <= set(ops), set(ops)
-        assert "gdn.in_proj_qkvzba" not in ops and "mlp.fused_moe_block" not in ops
         b = row["batch"]
+        assert {"gdn.in_proj_qkvz", "gdn.in_proj_ba"} <= set(ops) and "gdn.in_proj_qkvzba" not in ops, set(ops)
+        if b <= FP8_BLOCK_MAX_TOKENS:
+            assert "mlp.fused_moe_block" in ops and "mlp.fused_moe" not in ops, set(ops)
+        else:
+            assert {"mlp.moe_router", "mlp.fused_moe"} <= set(ops) and "mlp.fused_moe_block" not in ops, set(ops)
         assert ops["attn.o_proj"]["bytes"] == num_attn * (o_proj + (b * k + b * n) * s)
 
 
