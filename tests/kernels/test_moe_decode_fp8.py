@@ -119,3 +119,28 @@ def test_decode_path_bf16_model_shape(tokens: int, decode_calls: list[int]) -> N
         out = moe_block_fp8_triton(x, router, w13, w2, 8, True, *shared)
     assert decode_calls == [tokens] and DEVICE.type == "cuda"
     assert_close("y", fused_moe_block_fp8_ref(x, router, w13, w2, 8, True, *shared), out, 1e-2)
+
+
+@pytest.mark.gpu
+def test_decode_path_replays_in_a_cuda_graph() -> None:
+    """The decode path captured in a CUDA graph (as the engine's decode buckets are) and replayed on new rows and their
+    quantization gives the eager call's bits each time: every launch's grid comes from shapes, and the in-kernel
+    routing reads the router's logits of this replay."""
+    router, (w13, w2), shared = _block(256, 2048, 512, 512)
+    router, shared = router.bfloat16(), (*shared[:2], shared[2].bfloat16())  # type: ignore[union-attr]
+
+    def rows(seed: int) -> Fp8Rows:
+        x = _x(2, 2048, seed=seed).bfloat16()
+        return Fp8Rows(x, *quantize_activation_ref(x))
+
+    static = rows(20)
+    moe_block_fp8_triton(static, router, w13, w2, 8, True, *shared)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe_block_fp8_triton(static, router, w13, w2, 8, True, *shared)
+    for seed in range(21, 25):
+        fresh = rows(seed)
+        for tensor, value in ((static.x, fresh.x), (static.q, fresh.q), (static.scale, fresh.scale)):
+            tensor.copy_(value)
+        graph.replay()
+        assert torch.equal(static_out, moe_block_fp8_triton(static, router, w13, w2, 8, True, *shared))
