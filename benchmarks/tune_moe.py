@@ -239,6 +239,8 @@ def tune_fp8(shape_name: str, buckets: list[int], budget_s: float, replays: int,
     problem = Fp8Problem(shape, torch.bfloat16)
     deadline = time.monotonic() + budget_s
     composition = MoEConfig("grouped", _gemm((32, 128)), _gemm((32, 128)))  # the block op composes its FP8 ops
+    g1s, g2s = [_gemm(s) for s in FP8_G1], [_gemm(s) for s in FP8_G2]
+    make = lambda a, b: MoEConfig("decode", a, b)  # noqa: E731
     table: dict[str, Any] = {}
     measurements: dict[str, Any] = {}
     for bucket in [b for b in buckets if b <= FP8_DECODE_MAX_TOKENS]:
@@ -250,8 +252,6 @@ def tune_fp8(shape_name: str, buckets: list[int], budget_s: float, replays: int,
             continue
         xs = problem.inputs(bucket)
         measure = lambda c, xs=xs: time_config(problem, xs, c, replays, True)  # noqa: E731
-        g1s, g2s = [_gemm(s) for s in FP8_G1], [_gemm(s) for s in FP8_G2]
-        make = lambda a, b: MoEConfig("decode", a, b)  # noqa: E731
         candidates = [make(g1, g2s[0]) for g1 in g1s] + [make(g1s[0], g2) for g2 in g2s] + [served]
         compiled = precompile(problem, bucket, candidates)
         best, best_us, search_log = _search(measure, make, g1s, g2s, deadline)

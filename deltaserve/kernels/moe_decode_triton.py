@@ -53,11 +53,18 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels._triton import dot_precision, i64, next_pow2, pdl_launch, pdl_wait, silu_f32
+from deltaserve.kernels.activation_triton import silu_and_mul_fp8_triton
 from deltaserve.kernels.fp8 import Fp8Rows, Fp8Weight, plain, quantized
-from deltaserve.kernels.fp8_triton import GROUP_SIZE, quantize_activation_triton, quantized_row_dot
+from deltaserve.kernels.fp8_triton import (
+    GROUP_SIZE,
+    fp8_linear_triton,
+    fused_moe_fp8_triton,
+    quantize_activation_triton,
+    quantized_row_dot,
+)
 from deltaserve.kernels.moe import FP8_BLOCK_MAX_TOKENS
 from deltaserve.kernels.moe_configs import DECODE_MAX_TOKENS, GemmConfig, MoEConfig
-from deltaserve.kernels.moe_routing_triton import NAN_KEY
+from deltaserve.kernels.moe_routing_triton import NAN_KEY, moe_route_triton
 
 # Router launch: rows of W_r per program, reduction step, token rows per program (tl.dot needs 16).
 ROUTER_BLOCK_R = 16
@@ -1062,10 +1069,6 @@ def moe_block_fp8_triton(
     x [T, H] (or Fp8Rows: its quantization is the experts' input) -> [T, H]. Up to FP8_DECODE_MAX_TOKENS tokens
     the decode path (router GEMV, gate/up with in-kernel routing, the split down and its combine: four launches);
     above, the composition of the FP8 ops (router, routing, shared MLP, fused_moe_fp8_triton)."""
-    from deltaserve.kernels.activation_triton import silu_and_mul_fp8_triton
-    from deltaserve.kernels.fp8_triton import fp8_linear_triton, fused_moe_fp8_triton
-    from deltaserve.kernels.moe_routing_triton import moe_route_triton
-
     has_shared = shared_w13 is not None
     assert has_shared == (shared_w2 is not None) == (shared_gate_weight is not None), "shared expert: all three"
     num_tokens = x.shape[0]
